@@ -1,0 +1,24 @@
+# DeltaServe developer entry points. `make run` and `make test` install what is missing first.
+PYTHON ?= python3
+VENV ?= .venv
+# A GPU user picks their own torch build: make install TORCH_SPEC="torch==2.11.0"
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install test run bench proto clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,worker]"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,134 @@
+"""Sampling and stopping parameters, validated once where they enter the system.
+
+Both sides share these: the scheduler validates what clients send, the worker receives the
+sampling part on the wire (see `diff.py`) and applies it in its sampler.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+
+class ParamError(ValueError):
+    """A bad parameter value. Carries the field, the value and the allowed range."""
+
+    def __init__(self, field_name: str, value, allowed: str):
+        self.field = field_name
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field_name}={value!r} is invalid: must be {allowed}")
+
+
+def _check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ParamError(name, value, "a number")
+    lo_bad = lo is not None and (value <= lo if lo_open else value < lo)
+    hi_bad = hi is not None and (value >= hi if hi_open else value > hi)
+    if lo_bad or hi_bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        raise ParamError(name, value, f"in {left}{lo_s}, {hi_s}{right}")
+
+
+def _check_int(name: str, value, lo=None, hi=None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(name, value, "an integer")
+    _check_range(name, value, lo, hi)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy.
+
+    top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs. Penalties of 1 (repetition)
+    and 0 (presence, frequency) are off. `seed` None lets the scheduler draw one, so every rank of a
+    tensor-parallel worker still samples from the same stream.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, -1, None)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def to_wire(self) -> dict:
+        """Only the fields that differ from the defaults: small on the wire, easy to extend."""
+        return {k: v for k, v in asdict(self).items() if v != _SAMPLING_DEFAULTS[k]}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "SamplingParams":
+        return cls(**data)
+
+
+_SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When to stop. max_tokens None means "until max_model_len"."""
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        # Accept lists from callers but keep the dataclass hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ParamError("stop", s, "a non-empty string")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, 2**32 - 1)
+
+
+@dataclass(frozen=True)
+class WorkerSamplingParams:
+    """What a worker needs to sample one request: the sampling params plus the stop ids to mask
+    while fewer than `min_tokens` tokens have been produced, and a concrete seed."""
+
+    sampling: SamplingParams
+    seed: int
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def to_wire(self) -> list:
+        return [self.sampling.to_wire(), self.seed, self.min_tokens, list(self.stop_ids)]
+
+    @classmethod
+    def from_wire(cls, data: list) -> "WorkerSamplingParams":
+        sampling, seed, min_tokens, stop_ids = data
+        return cls(SamplingParams.from_wire(sampling), seed, min_tokens, tuple(stop_ids))

@@ -1,0 +1,1 @@
+"""Device code: attention backends, KV-cache writes and fused helpers. Imports torch."""

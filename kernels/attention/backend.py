@@ -1,0 +1,50 @@
+"""The attention interface every backend implements, and the metadata it reads.
+
+Paged KV cache, one tensor per layer:
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+             |   `-- physical block id from the request's block table
+             `-- 0 = keys, 1 = values
+
+    token at position p of request r lives in block block_table[r, p // block_size],
+    row p % block_size;  slot = block_id * block_size + p % block_size.
+
+The batch is flattened: the query tokens of request i are rows
+query_start_loc[i] : query_start_loc[i + 1] of q/k/v. Each request's queries are its *last*
+(query_len) positions: positions seq_len - query_len .. seq_len - 1, causal among themselves and
+attending to the whole cached prefix. A decode is query_len 1; a (chunked) prefill with a cached
+prefix is query_len > 1 with seq_len > query_len.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_actual_tokens: int          # rows of q/k/v that are real (the rest is padding)
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor   # int32 [num_reqs + 1], device
+    seq_lens: torch.Tensor          # int32 [num_reqs], device: tokens in KV after this step
+    block_table: torch.Tensor       # int32 [num_reqs, max_blocks_per_req], device
+    slot_mapping: torch.Tensor      # int64 [num_tokens], device; -1 marks a padded slot
+    # Host copies, for backends that loop over requests (the torch reference).
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """Writes this step's keys/values into the paged cache, then attends."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D], kv_cache as drawn above.
+        Returns [T, Hq, D] in query's dtype. Rows past meta.num_actual_tokens are undefined."""

@@ -1,0 +1,77 @@
+"""The scheduler's view of one request: its tokens, its progress and its status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine_common.params import SamplingParams, StoppingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Order matters: every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_LENGTH = 3       # max_tokens or max_model_len reached
+    FINISHED_STOP_TOKEN = 4   # eos or one of stop_token_ids
+    FINISHED_STOP_STRING = 5  # a stop string matched in the text
+    FINISHED_ABORTED = 6      # client cancel, deadline, or an error
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    # Ids that end generation unless ignore_eos (from generation_config / config).
+    eos_token_ids: tuple[int, ...] = ()
+    num_logprobs: int = 0
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    # Set by the scheduler.
+    handle: int = -1
+    seed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV has been computed (or scheduled to be, once the step's output is processed).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first scheduling (reported in usage).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None   # the stop token id or stop string that matched
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that stop generation (masked by the sampler until min_tokens is reached)."""
+        eos = () if self.stopping.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys(eos + self.stopping.stop_token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
