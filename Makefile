@@ -20,5 +20,13 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Regenerate the gRPC stubs (deltaserve/v1/) from proto/; tests/test_protos.py fails when stale.
+proto: install
+	$(PY) -m engine_common.gen_protos
+
+# The embedded default: one worker and the scheduler on this machine, in the foreground.
+run: install
+	$(VENV)/bin/deltaserve serve $(RUN_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

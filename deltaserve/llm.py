@@ -1,0 +1,102 @@
+"""Offline generation in one process: `LLM(model_dir).generate(prompts, sampling, stopping)`.
+
+The scheduler and one model runner share the process but talk only through encoded diffs, exactly
+the bytes the gRPC worker protocol carries.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from engine_common.codec import encode_runner_output
+from engine_common.config import SchedulerConfig
+from engine_common.model_dir import ModelInfo
+from engine_common.params import SamplingParams, StoppingParams
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.engine_core import EngineCore
+from scheduler_service.output_processor import OutputProcessor
+from scheduler_service.request import Request, RequestStatus
+from scheduler_service.scheduler import Scheduler
+from worker_service.config import RunnerConfig
+from worker_service.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    """A model runner behind the byte-level executor interface."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, payload: bytes) -> bytes:
+        return encode_runner_output(self.runner.execute(payload))
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: RequestStatus | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Keyword arguments go to RunnerConfig (device, dtype, attention_backend, num_kv_blocks,
+    kv_cache_bytes, ...) and SchedulerConfig (max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, ...); block_size and max_model_len are shared."""
+
+    def __init__(self, model: str, **kwargs):
+        self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
+        runner_keys = set(RunnerConfig.__dataclass_fields__)
+        sched_keys = set(SchedulerConfig.__dataclass_fields__)
+        unknown = set(kwargs) - runner_keys - sched_keys
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
+        shared = {"max_model_len": self.model_info.max_model_len}
+        runner_cfg = RunnerConfig(model_dir=model, **{**{k: v for k, v in kwargs.items()
+                                                          if k in runner_keys}, **shared})
+        sched_cfg = SchedulerConfig(**{**{k: v for k, v in kwargs.items() if k in sched_keys},
+                                       **shared})
+        self.runner = ModelRunner(runner_cfg)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.init_kv_cache(num_blocks)
+        self.tokenizer = Tokenizer.from_dir(model)
+        self.scheduler = Scheduler(sched_cfg, num_blocks)
+        self.engine = EngineCore(self.scheduler, OutputProcessor(self.tokenizer),
+                                 InProcessExecutor(self.runner))
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[str | list[int]],
+                 sampling: SamplingParams | list[SamplingParams] | None = None,
+                 stopping: StoppingParams | list[StoppingParams] | None = None,
+                 num_logprobs: int = 0) -> list[Completion]:
+        """Run every prompt to completion, batched together; results in prompt order."""
+        n = len(prompts)
+        samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
+        stoppings = stopping if isinstance(stopping, list) else [stopping or StoppingParams()] * n
+        results: dict[str, Completion] = {}
+        order = []
+        for prompt, sp, st in zip(prompts, samplings, stoppings):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            order.append(rid)
+            results[rid] = Completion(rid, ids)
+            self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
+                                            num_logprobs=num_logprobs))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self._merge(results[out.request_id], out)
+        return [results[rid] for rid in order]
+
+    @staticmethod
+    def _merge(done: Completion, out) -> None:
+        done.token_ids.extend(out.new_token_ids)
+        done.text += out.new_text
+        done.logprobs.extend(out.logprobs)
+        done.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            done.finish_reason = out.finish_reason
+            done.stop_reason = out.stop_reason

@@ -1,0 +1,298 @@
+"""Triton paged attention over kv_cache[2, num_blocks, block_size, Hkv, D] (see backend.py).
+
+Two launch shapes share one inner loop (`_attend_range`, online softmax in base 2, fp32 m/l/acc):
+
+* `paged_prefill_attention`: varlen queries (prefill, chunked prefill, decodes mixed in). One
+  program per (query tile, kv head). A tile is BLOCK_Q query tokens x the GROUP query heads that
+  share the kv head, flattened into BLOCK_Q * BLOCK_G rows of one tl.dot, so each K/V tile loaded
+  from the cache serves the whole GQA group. Keys before the tile's first query position are
+  visible to every row and run unmasked; only the diagonal tiles apply the causal mask.
+* `paged_decode_attention` (flash-decoding): one query token per request. One program per
+  (request, kv head, split); each split walks a 1/num_splits share of the request's context and
+  writes partial (m, l, acc); `_reduce_kernel` merges the splits. num_splits == 1 writes directly.
+
+Why two launch shapes rather than one unified kernel: a decode row has one token, so a prefill
+tile (BLOCK_Q tokens) would be mostly empty, and decode parallelism must come from splitting the
+context because (requests x kv heads) alone can leave most SMs idle at small batch; prefill has
+plenty of parallelism from its query tiles and would only pay the partial-result round trip.
+Mixed batches (max_query_len > 1) take the prefill shape; decode rows then fill one token of a
+tile. Timings on a GPU are still to come (issue 5); the split point is one `if` in the backend.
+
+Tiles map to requests without a host sync: request i owns tiles starting at
+qsl[i] // BLOCK_Q + i, so cdiv(num_tokens, BLOCK_Q) + num_reqs programs always suffice and
+each finds its request by binary search over query_start_loc.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows never make NaNs
+MIN_SPLIT_TOKENS = 256            # decode: fewest keys worth a split of their own
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, start, end, kv_limit,
+                  stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold keys [start, end) into (m_i, l_i, acc). Keys are read through the block table;
+    MASKED applies key <= q_pos and key < kv_limit, else every key in range must be visible."""
+    for kv_start in range(start, end, BLOCK_N):
+        kpos = kv_start + tl.arange(0, BLOCK_N)
+        in_range = kpos < kv_limit
+        blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        row_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_row + head_off
+        kv_mask = in_range[:, None] & dim_ok[None, :]
+        k = tl.load(cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_c_kv + row_off[:, None] + dims[None, :], mask=kv_mask,
+                    other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [M, N] fp32
+        if MASKED:
+            visible = (kpos[None, :] <= q_pos[:, None]) & in_range[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
+    """The request owning query tile `tile`: the last i with qsl[i] // BLOCK_Q + i <= tile."""
+    lo = tile * 0
+    hi = num_reqs + tile * 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        owns_from = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(owns_from <= tile, mid + 1, lo)
+        hi = tl.where(owns_from <= tile, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_begin
+    q_first = (tile - q_begin // BLOCK_Q - req) * BLOCK_Q     # first query index of this tile
+    if q_first >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + req) - q_len          # cached keys before the queries
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)                      # row = token * BLOCK_G + g
+    tok = q_first + rows // BLOCK_G
+    group_idx = rows % BLOCK_G
+    row_ok = (tok < q_len) & (group_idx < GROUP)
+    head = kv_head * GROUP + group_idx
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    tok64 = (q_begin + tok).to(tl.int64)
+    q = tl.load(q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context_len + tok
+    m_i = tl.full([BLOCK_Q * BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_c_head
+    first_pos = context_len + q_first                       # every row sees keys < first_pos
+    kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
+    unmasked_end = first_pos // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                  0, unmasked_end, kv_end, stride_c_kv, stride_c_blk,
+                                  stride_c_row, dims, dim_ok, qk_scale,
+                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST)
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                  unmasked_end, kv_end, kv_end, stride_c_kv, stride_c_blk,
+                                  stride_c_row, dims, dim_ok, qk_scale,
+                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
+                   seq_lens_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_index = tl.load(qsl_ptr + req)
+    if tl.load(qsl_ptr + req + 1) <= q_index:                 # no query row (padding request)
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    group_idx = tl.arange(0, BLOCK_G)
+    head = kv_head * GROUP + group_idx
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    io_mask = (group_idx < GROUP)[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_index.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                + dims[None, :], mask=io_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1
+    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_c_head
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                  start, full_end, end, stride_c_kv, stride_c_blk, stride_c_row,
+                                  dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+                                  UPCAST)
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                  full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
+                                  dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION,
+                                  UPCAST)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # partials: m, l [num_reqs, NUM_HEADS, NUM_SPLITS]; acc [..., HEAD_DIM], all fp32
+        part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=group_idx < GROUP)
+        tl.store(l_ptr + part, l_i, mask=group_idx < GROUP)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_index = tl.load(qsl_ptr + req)
+    if tl.load(qsl_ptr + req + 1) <= q_index:
+        return
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(m_ptr + part, mask=split_ok, other=NEG_BIG)
+    l = tl.load(l_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))                   # empty splits: l = 0, acc = 0
+    total = tl.sum(weight * l, 0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, num_reqs: int, num_tokens: int,
+                            scale: float, block_q_rows: int = 64, block_n: int = 64) -> None:
+    """Varlen causal attention with cached prefixes into out[:num_tokens] (no host sync).
+
+    query/out [T, Hq, D] (last dim contiguous); query_start_loc int32 [num_reqs + 1];
+    seq_lens int32 [num_reqs]; block_table int32 [num_reqs, max_blocks]. block_q_rows is the
+    tile height in (token, query head) rows; block_n the keys per inner step.
+    """
+    if num_reqs == 0 or num_tokens == 0:
+        return
+    group, block_g, block_d = _shape_params(query, kv_cache)
+    block_q = max(1, block_q_rows // block_g)
+    if block_q * block_g < 16:              # tl.dot wants >= 16 rows
+        block_q = 16 // block_g
+    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, kv_cache.shape[3])
+    _prefill_kernel[grid](
+        query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
+        scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0), *kv_cache.stride()[:4],
+        GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, **_dot_params(query),
+        num_warps=4, num_stages=2)
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_table: torch.Tensor, num_reqs: int, num_splits: int,
+                           scale: float, block_n: int = 64) -> None:
+    """Attention for requests with exactly one query token each (flash-decoding).
+
+    Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
+    parts (any num_splits >= 1 is correct for any seq_len, so a CUDA graph may fix it).
+    """
+    if num_reqs == 0:
+        return
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} is invalid: must be >= 1")
+    group, block_g, block_d = _shape_params(query, kv_cache)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    part_shape = (num_reqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+    m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
+    l = torch.empty(part_shape, dtype=torch.float32, device=query.device)
+    acc = torch.empty(part_shape + (head_dim,), dtype=torch.float32, device=query.device)
+    grid = (num_reqs, kv_cache.shape[3], num_splits)
+    _decode_kernel[grid](
+        query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens, scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        *kv_cache.stride()[:4],
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=block_n,
+        **_dot_params(query), num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _reduce_kernel[(num_reqs, num_heads)](
+            out, m, l, acc, query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=1)
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per request so decode fills ~2 waves of SMs, keeping >= MIN_SPLIT_TOKENS keys
+    per split and at most MAX_SPLITS (host ints only: no sync)."""
+    programs = max(1, num_reqs * num_kv_heads)
+    wanted = triton.cdiv(2 * num_sms, programs)
+    worth = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, worth, MAX_SPLITS))
+
+
+def _shape_params(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(GQA group, group padded to a power of two, head_dim padded to a power of two >= 16)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query heads/dim {num_heads}/{head_dim} do not fit kv_cache "
+                         f"{tuple(kv_cache.shape)}: Hq must be a multiple of Hkv, D must match")
+    if query.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("query and kv_cache must have a contiguous last (head_dim) dim")
+    group = num_heads // num_kv_heads
+    return group, triton.next_power_of_2(group), max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_params(query: torch.Tensor) -> dict:
+    """PRECISION: fp32 inputs keep full-precision dots (fp16/bf16 dots accumulate in fp32
+    anyway). UPCAST: the CPU interpreter cannot tl.dot bf16, so there operands go to fp32."""
+    upcast = query.device.type == "cpu" and query.dtype == torch.bfloat16
+    full = upcast or query.dtype == torch.float32
+    return {"PRECISION": "ieee" if full else "tf32", "UPCAST": upcast}

@@ -1,0 +1,119 @@
+"""The pool of KV-cache blocks: reference counts, an LRU free queue and the prefix-cache map.
+
+Free queue (LRU; blocks are handed out from the head, freed blocks join at the tail):
+
+    head (evicted / handed out first)                              tail (freed last)
+      |                                                               |
+      v                                                               v
+    [b7 hash=-] <-> [b3 hash=ab..] <-> [b9 hash=-] <-> ... <-> [b2 hash=cd..]
+
+    cached: {ab..: b3, cd..: b2, ...}   every block with a hash, free (ref_cnt 0) or in use
+
+A free block that still has a hash keeps its KV contents: a prefix hit revives it (takes it out
+of the middle of the queue). Its hash is dropped only when the block is handed out as a fresh
+block. A request's blocks [b0 b1 b2] are freed as b2, b1, b0, so the tail of a sequence (the part
+least likely to be shared) is evicted before its prefix.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    """One physical block. ref_cnt counts the requests whose block table holds it."""
+
+    block_id: int
+    ref_cnt: int = 0
+    # Hash of the block's tokens chained with its prefix; None until the block is full and cached.
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """Owns every block; hands out fresh ones, revives cached ones, takes freed ones back."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks!r} is invalid: must be an integer >= 1")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block, in LRU order (first = head).
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they can be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head first (for tests and debugging)."""
+        return list(self._free)
+
+    def get_new_blocks(self, num: int) -> list[KVCacheBlock]:
+        """Take `num` blocks from the head of the free queue, evicting their cached contents."""
+        if num > len(self._free):
+            raise ValueError(f"cannot allocate {num} blocks: only {len(self._free)} free")
+        out = []
+        for _ in range(num):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cached blocks (prefix hit); a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a block that just became full. Returns False (block stays uncached) when
+        caching is off or another block already holds the same contents."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        return True
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the free-queue tail in the
+        given order (so the first given is evicted first)."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only allowed while no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None

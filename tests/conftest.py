@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny real Hugging Face model directories, built once per test session."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Lazily built model dirs by architecture name ("qwen3", "llama", "qwen2")."""
+    from engine_common.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, str] = {}
+
+    def get(arch: str, **overrides) -> str:
+        key = arch + repr(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = str(make_tiny_model(root / f"{arch}-{len(cache)}", arch=arch,
+                                             **overrides))
+        return cache[key]
+
+    return get
+
+
+def assert_no_leaked_blocks(llm) -> None:
+    """Every KV block is back in the pool once nothing is running."""
+    sched = llm.scheduler
+    assert not sched.has_unfinished_requests()
+    assert sched.num_free_blocks == sched.num_total_blocks, (
+        f"{sched.num_total_blocks - sched.num_free_blocks} KV blocks leaked")

@@ -1,0 +1,56 @@
+"""Greedy reference outputs from transformers' own generate() on the same weights."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+NEAR_TIE = 1e-5
+
+
+@dataclass(frozen=True)
+class HFGreedy:
+    token_ids: tuple[int, ...]
+    margins: tuple[float, ...]  # top-1 minus top-2 logit at each generated step
+
+
+@lru_cache(maxsize=4)
+def _load(model_dir: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # compare fixed-length continuations
+    return model
+
+
+@lru_cache(maxsize=512)
+def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFGreedy:
+    model = _load(model_dir, dtype, device)
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    margins = []
+    for step_logits in out.logits:
+        top2 = step_logits[0].float().topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return HFGreedy(tuple(tokens), tuple(margins))
+
+
+def compare_greedy(name: str, ours: list[int], ref: HFGreedy, near_ties: list[str]) -> str | None:
+    """None when equal. A divergence on a near-tie step is recorded in near_ties (reported by
+    name); any other divergence is returned as a failure message."""
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a != b:
+            if ref.margins[i] < NEAR_TIE:
+                near_ties.append(f"{name}: step {i} ours={a} hf={b} margin={ref.margins[i]:.2e}")
+                return None
+            return (f"{name}: step {i} ours={a} hf={b} (hf top-2 margin {ref.margins[i]:.3e})\n"
+                    f"  ours={ours}\n  hf  ={list(ref.token_ids)}")
+    if len(ours) != len(ref.token_ids):
+        return f"{name}: lengths differ: ours {len(ours)} hf {len(ref.token_ids)}"
+    return None

@@ -1,0 +1,37 @@
+"""The attention layer: reshapes flat q/k/v into heads and hands them to a backend.
+
+The backend (kernels/attention) writes this step's keys/values into the layer's paged KV cache,
+which the caller passes in explicitly, then attends. Head counts are per rank.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        out = self.backend.forward(
+            q.reshape(num_tokens, self.num_heads, self.head_dim),
+            k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
+            v.reshape(num_tokens, self.num_kv_heads, self.head_dim),
+            kv_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,32 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_service.layers.sharding import default_weight_loader, new_param
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), the statistics taken in float32.
+
+    forward(x)           -> normed
+    forward(x, residual) -> (normed, new_residual) where new_residual = x + residual, the
+                            value the next residual add starts from.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_param((hidden_size,), dtype, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,111 @@
+"""Rotary position embedding (the "rotate half" layout Llama/Qwen checkpoints use).
+
+Supported rope types: "default", "linear" and "llama3". The settings are read from either
+config layout:
+  - transformers >= 5: `rope_parameters = {"rope_type": ..., "rope_theta": ..., "factor": ...}`
+  - older configs:     `rope_theta` plus `rope_scaling = {"type" or "rope_type": ..., ...}`
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """Rope type, base and the scaling fields that type needs (factor, *_freq_factor, ...)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    scaling: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict) -> "RopeSettings":
+        params = dict(hf_config.get("rope_parameters") or {})
+        legacy = dict(hf_config.get("rope_scaling") or {})
+        merged = {**legacy, **params}
+        rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+        merged.pop("type", None)
+        theta = merged.pop("rope_theta", None) or hf_config.get("rope_theta") or 10000.0
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={rope_type!r} is not supported: must be one of {ROPE_TYPES}")
+        partial = float(merged.get("partial_rotary_factor")
+                        or hf_config.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported: must be 1.0")
+        return cls(rope_type=rope_type, theta=float(theta), scaling=merged)
+
+
+def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """theta ** (-2i / rotary_dim) for i in 0 .. rotary_dim/2 - 1, float32."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (theta ** exponents)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    the band between blended linearly in (original_context / wavelength)."""
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    blend = (context / wavelen - low) / (high - low)
+    blended = (1 - blend) * slowed / factor + blend * slowed
+    in_band = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(in_band, blended, slowed)
+
+
+def compute_inv_freq(rotary_dim: int, settings: RopeSettings) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2], float32, for the configured rope type."""
+    inv_freq = default_inv_freq(rotary_dim, settings.theta)
+    if settings.rope_type == "linear":
+        return inv_freq / float(settings.scaling["factor"])
+    if settings.rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, settings.scaling)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q [T, Hq, D] and k [T, Hkv, D] at the given positions [T].
+
+    cos/sin are precomputed in float32 for positions 0 .. max_position - 1 and cast to the
+    activations' dtype before use, as the reference implementation does.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, settings: RopeSettings) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, settings)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))
+        angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, head_dim]
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, D]
+        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+        q = query * cos + rotate_half(query) * sin
+        k = key * cos + rotate_half(key) * sin
+        return q, k
+
+
+def get_rope(head_dim: int, hf_config: dict) -> RotaryEmbedding:
+    """The rotary embedding a Hugging Face config asks for."""
+    settings = RopeSettings.from_hf_config(hf_config)
+    max_position = int(hf_config.get("max_position_embeddings", 2048))
+    return RotaryEmbedding(head_dim, max_position, settings)

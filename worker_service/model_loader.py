@@ -1,0 +1,147 @@
+"""Build a model from a Hugging Face directory and load this rank's shard of its weights.
+
+Checkpoints are read lazily with safetensors `get_slice`, so each rank reads only the rows or
+columns its parameters keep. Each parameter's own `weight_loader` knows how it is sharded.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine_common.model_dir import ModelDirError, load_json
+from kernels.attention.backend import AttentionBackend
+from worker_service.models.registry import get_model_class
+from worker_service.parallel_state import TPGroup
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint does not fit the model: missing, unexpected or mis-shaped weights."""
+
+
+def resolve_dtype(hf_config: dict, dtype: str | torch.dtype | None = None) -> torch.dtype:
+    """`dtype` when given (a torch.dtype or one of DTYPES), else config's dtype/torch_dtype,
+    else float32. "auto" means "as the config says"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype if dtype not in (None, "auto") else (
+        hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    name = str(name).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is invalid: must be one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[name]
+
+
+def checkpoint_index(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (sharded index or a single file)."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.exists():
+        weight_map = load_json(index_path).get("weight_map") or {}
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.exists():
+        raise ModelDirError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return {name: single for name in f.keys()}
+
+
+def iter_checkpoint(index: dict[str, Path]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) for every tensor, one file open at a time."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in index.items():
+        by_file.setdefault(path, []).append(name)
+    for path in sorted(by_file):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in by_file[path]:
+                yield name, f.get_slice(name)
+
+
+def target_of(model: nn.Module, name: str) -> tuple[str, Any] | None:
+    """Checkpoint name -> (our parameter name, shard id), or None for a tensor we skip."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    if name == "lm_head.weight" and model.lm_head_is_tied:
+        return None
+    for ckpt_part, (packed, shard_id) in model.packed_modules.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{packed}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Copy this rank's slice of every checkpoint tensor into the model's parameters."""
+    index = checkpoint_index(model_dir)
+    if "lm_head.weight" not in index:
+        model.tie_lm_head()                  # no separate head in the checkpoint: tie it
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {}
+    unexpected = []
+    with torch.no_grad():
+        for name, tensor_slice in iter_checkpoint(index):
+            target = target_of(model, name)
+            if target is None:
+                continue
+            param_name, shard_id = target
+            if param_name not in params:
+                unexpected.append(name)
+                continue
+            param = params[param_name]
+            try:
+                param.weight_loader(param, tensor_slice, shard_id)
+            except ValueError as e:
+                raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
+            loaded.setdefault(param_name, set()).add(shard_id)
+    check_complete(params, loaded, unexpected)
+
+
+def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
+                   unexpected: list[str]) -> None:
+    """Raise WeightLoadError naming unexpected tensors and parameters left unloaded."""
+    missing = []
+    for name, param in params.items():
+        wanted = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
+        missing += [f"{name}[{s}]" if s is not None else name
+                    for s in sorted(wanted - loaded.get(name, set()), key=str)]
+    if unexpected:
+        raise WeightLoadError(f"{len(unexpected)} checkpoint tensors match no parameter: "
+                              f"{sorted(unexpected)[:10]}")
+    if missing:
+        raise WeightLoadError(f"{len(missing)} parameters are missing from the checkpoint: "
+                              f"{missing[:10]}")
+
+
+def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBackend,
+               device: str | torch.device, dtype: str | torch.dtype | None = None) -> nn.Module:
+    """Build the model config.json names, on `device`, and load this rank's weights."""
+    path = Path(model_dir)
+    hf_config = load_json(path / "config.json")
+    archs = hf_config.get("architectures") or [None]
+    model_class = get_model_class(archs[0])
+    torch_dtype = resolve_dtype(hf_config, dtype)
+    with torch.device(device):
+        model = model_class(hf_config, tp, attn_backend, torch_dtype)
+    load_weights(model, path)
+    return model.eval()
+
+
+def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of one layer's paged cache: [2, num_blocks, block_size, kv_heads_per_rank, D]."""
+    return (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+
+
+def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int,
+                       device: str | torch.device,
+                       dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """One zeroed cache per layer, in the model's dtype unless `dtype` is given."""
+    shape = kv_cache_shape(model, num_blocks, block_size)
+    return [torch.zeros(shape, dtype=dtype or model.dtype, device=device)
+            for _ in range(model.num_layers)]

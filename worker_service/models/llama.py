@@ -1,0 +1,222 @@
+"""One decoder for the Llama family: Llama 2/3 (incl. llama3 rope scaling), Mistral-like,
+Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before rope).
+
+The differences between architectures are class attributes of thin subclasses (see the bottom
+of this file and models/registry.py); nothing here branches on an architecture name.
+Parameter names mirror the Hugging Face checkpoints except for the packed projections
+(qkv_proj, gate_up_proj), which `packed_modules` maps back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from worker_service.layers.activation import SiluAndMul
+from worker_service.layers.attention import Attention
+from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker_service.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
+from worker_service.layers.norm import RMSNorm
+from worker_service.layers.rotary import get_rope
+from worker_service.parallel_state import TPGroup
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """The shape and options of a decoder, read from a Hugging Face config.json dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict, qkv_bias: bool | None, o_bias: bool | None,
+                qk_norm: bool) -> "DecoderArgs":
+        """qkv_bias / o_bias: None means "as config's attention_bias says"."""
+        num_heads = int(cfg["num_attention_heads"])
+        attention_bias = bool(cfg.get("attention_bias") or False)
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+            o_bias=attention_bias if o_bias is None else o_bias,
+            mlp_bias=bool(cfg.get("mlp_bias") or False),
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+class DecoderAttention(nn.Module):
+    """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
+
+    def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = args.head_dim
+        self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
+                                          args.qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, tp,
+                                        dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.head_dim = d
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.qk_norm = args.qk_norm
+        self.rotary_emb = get_rope(d, hf_config)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DecoderMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up packed into one column-parallel matmul."""
+
+    def __init__(self, args: DecoderArgs, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter],
+                                                       args.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried separately and added inside the norms."""
+
+    def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(args, hf_config, tp, backend, dtype)
+        self.mlp = DecoderMLP(args, tp, dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(args, hf_config, tp, backend, dtype)
+                                    for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM over the paged KV cache.
+
+    forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), meta)
+        -> hidden [T, hidden_size]
+    compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size] (gathered over ranks)
+    """
+
+    # Architecture traits; subclasses override. None = follow config's attention_bias.
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm: bool = False
+    # checkpoint projection name -> (our packed module name, shard id)
+    packed_modules = MappingProxyType({
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    })
+
+    def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        args = DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm)
+        self.args = args
+        self.dtype = dtype
+        self.model = DecoderModel(args, hf_config, tp, attn_backend, dtype)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype)
+        if args.tie_word_embeddings:
+            self.tie_lm_head()
+        first_attn = self.model.layers[0].self_attn
+        self.num_layers = args.num_layers
+        self.num_kv_heads = first_attn.num_kv_heads      # per rank
+        self.head_dim = args.head_dim
+
+    @property
+    def lm_head_is_tied(self) -> bool:
+        return self.lm_head.weight is self.model.embed_tokens.weight
+
+    def tie_lm_head(self) -> None:
+        """Make the LM head share the input embedding's weight."""
+        self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama layout without biases (sliding window is not applied)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / 2.5: q/k/v projections always carry a bias, o_proj never does."""
+
+    qkv_bias = True
+    o_bias = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm over each q and k head before rope; biases follow attention_bias."""
+
+    qk_norm = True

@@ -1,0 +1,37 @@
+"""Architecture registry: Hugging Face `architectures[0]` -> model class.
+
+Adding an architecture means adding a line here; nothing else branches on the name.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from torch import nn
+
+from worker_service.models.llama import (LlamaForCausalLM, MistralForCausalLM,
+                                         Qwen2ForCausalLM, Qwen3ForCausalLM)
+
+MODEL_REGISTRY = MappingProxyType({
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+})
+
+
+class UnsupportedArchitectureError(ValueError):
+    """config.json names an architecture this engine has no implementation for."""
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(MODEL_REGISTRY))
+
+
+def get_model_class(arch: str) -> type[nn.Module]:
+    """The class implementing `arch`, or UnsupportedArchitectureError listing the known ones."""
+    try:
+        return MODEL_REGISTRY[arch]
+    except KeyError:
+        raise UnsupportedArchitectureError(
+            f"architecture={arch!r} is not supported: must be one of "
+            f"{supported_architectures()}") from None

@@ -1,0 +1,188 @@
+"""Logits -> next tokens, identically on every rank.
+
+Order of operations on the [N, V] float32 logits:
+  1. stop masks (ids forbidden before min_tokens) -> -inf
+  2. penalties: repetition on prompt+output ids (positive logits divided, negative multiplied),
+     then frequency (x count) and presence (x seen) on output ids, subtracted
+  3. greedy rows: argmax
+  4. random rows: / temperature, top-k, top-p, min-p, then Gumbel-max:
+     argmax(x + g), g = -log(-log(u)), u = hash(seed, counter, vocab id) in (0, 1).
+The noise is a pure integer function of (seed, counter, vocab id): no torch.Generator, so a request
+draws the same token whatever else is in the batch, and on every rank and device. Returned
+logprobs are those of the raw model distribution (log_softmax of the unprocessed logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.sampling_metadata import SamplingMetadata
+
+_M32 = 0xFFFFFFFF
+_M16 = 0xFFFF
+# Elements of noise computed at once (bounds the int64 temporaries to ~128 MiB each).
+_NOISE_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor          # int64 [N]
+    logprobs: torch.Tensor                   # float32 [N], raw log_softmax at the sampled ids
+    top_ids: torch.Tensor | None = None      # int64 [N, k], best first
+    top_logprobs: torch.Tensor | None = None  # float32 [N, k], descending
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64; partial products stay below 2^49."""
+    low = (x & _M16) * c
+    high = ((x >> 16) * (c & _M16)) & _M16
+    return (low + (high << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mixer (xor-shift / multiply, "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from the 64-bit seed and the 64-bit counter."""
+    key = _mix32(seeds & _M32)
+    key = _mix32(key ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (counters & _M32))
+    return _mix32(key ^ ((counters >> 32) & _M32))
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float32 [N, V], a pure function of (seed, counter, vocab id)."""
+    keys = _row_keys(seeds.long(), counters.long())
+    cols = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x9E3779B9)
+    bits = _mix32(keys[:, None] ^ cols[None, :])
+    u = (bits.double() + 0.5) * (1.0 / 2**32)  # strictly inside (0, 1)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def _gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """argmax(x + noise) row by row chunk, so the noise never exists for the whole batch."""
+    n, vocab = x.shape
+    step = max(1, _NOISE_CHUNK_ELEMENTS // vocab)
+    parts = [(x[i:i + step] + gumbel_noise(seeds[i:i + step], counters[i:i + step], vocab))
+             .argmax(dim=-1) for i in range(0, n, step)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def apply_stop_masks(x: torch.Tensor, stop_masks: dict[int, list[int]]) -> torch.Tensor:
+    rows = [row for row, ids in stop_masks.items() for _ in ids]
+    if not rows:
+        return x
+    cols = [tid for ids in stop_masks.values() for tid in ids]
+    x = x.clone()
+    index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
+    x.index_put_(index, torch.tensor(float("-inf"), device=x.device))
+    return x
+
+
+def _token_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [N, V]: True where the id occurs in the row (padding id `vocab` dropped)."""
+    mask = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, ids, True)[:, :vocab]
+
+
+def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    vocab = x.shape[1]
+    out_ids = meta.output_token_ids
+    if meta.repetition_penalty is not None:
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        for ids in (meta.prompt_token_ids, out_ids):
+            if ids is not None:
+                seen |= _token_mask(ids, vocab)
+        p = meta.repetition_penalty[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+    if out_ids is not None and (meta.frequency_penalty is not None
+                                or meta.presence_penalty is not None):
+        counts = torch.zeros(x.shape[0], vocab + 1, dtype=x.dtype, device=x.device)
+        counts = counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=x.dtype))
+        counts = counts[:, :vocab]
+        if meta.frequency_penalty is not None:
+            x = x - meta.frequency_penalty[:, None] * counts
+        if meta.presence_penalty is not None:
+            x = x - meta.presence_penalty[:, None] * (counts > 0).to(x.dtype)
+    return x
+
+
+def apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = x.shape[1]
+    active = (top_k > 0) & (top_k < vocab)
+    k = torch.where(active, top_k.long(), 1)
+    k_max = int(k.max())
+    kth = x.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
+    kth = torch.where(active[:, None], kth, float("-inf"))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """Both filters on one ascending sort; ties at the top-k boundary are kept."""
+    vocab = x.shape[1]
+    sorted_x, order = x.sort(dim=-1)
+    if top_k is not None:
+        active = (top_k > 0) & (top_k < vocab)
+        kth = sorted_x.gather(1, (vocab - torch.where(active, top_k.long(), vocab))[:, None])
+        sorted_x = sorted_x.masked_fill(active[:, None] & (sorted_x < kth), float("-inf"))
+    # Drop the low tail whose total mass is <= 1 - top_p; the best token always survives.
+    cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    drop = (cum <= (1.0 - top_p)[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, -1] = False
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens with p >= min_p * p_max, i.e. x >= x_max + log(min_p)."""
+    threshold = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
+    x = x / temperature[:, None]
+    if meta.top_p is not None:
+        x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
+    elif meta.top_k is not None:
+        x = apply_top_k(x, meta.top_k)
+    if meta.min_p is not None:
+        x = apply_min_p(x, meta.min_p)
+    return _gumbel_argmax(x, meta.seeds, meta.counters)
+
+
+class Sampler:
+    """Stateless: `forward(logits, meta)` never modifies `logits`."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        x = apply_stop_masks(logits, meta.stop_masks)
+        if meta.has_penalties:
+            x = apply_penalties(x, meta)
+        if meta.all_greedy:
+            tokens = x.argmax(dim=-1)
+        elif meta.all_random:
+            tokens = _sample_random(x, meta)
+        else:  # compute both and pick per row: no device->host sync
+            tokens = torch.where(meta.temperature > 0, _sample_random(x, meta), x.argmax(dim=-1))
+        return self._with_logprobs(logits, tokens, meta.max_num_logprobs)
+
+    __call__ = forward
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:
+        lse = torch.logsumexp(logits, dim=-1)
+        logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+        out = SamplerOutput(tokens, logprobs)
+        if k > 0:
+            values, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
+            out.top_ids, out.top_logprobs = ids, values - lse[:, None]
+        return out
