@@ -31,7 +31,7 @@ def _u32(values) -> bytes:
 
 
 def _from_u32(data: bytes) -> list[int]:
-    return array("I", data).tolist()
+    return array("I", _packed(data, "uint32 array")).tolist()
 
 
 def _f32(values) -> bytes:
@@ -39,7 +39,71 @@ def _f32(values) -> bytes:
 
 
 def _from_f32(data: bytes) -> list[float]:
-    return array("f", data).tolist()
+    return array("f", _packed(data, "float32 array")).tolist()
+
+
+# ---- layout checks on decoded msgpack values (a wrong type is a CodecError, never a crash
+# later in the scheduler or the model runner) ----
+
+def _packed(data, what: str) -> bytes:
+    if not isinstance(data, bytes) or len(data) % 4:
+        raise CodecError(f"{what}: expected bytes of a multiple of 4 in length")
+    return data
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CodecError(f"{what}={value!r}: expected a non-negative integer")
+    return value
+
+
+def _seq(value, what: str, length: int | None = None) -> list:
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        raise CodecError(f"{what}: expected a list" + ("" if length is None else f" of {length}"))
+    return value
+
+
+def _ints(value, what: str) -> list[int]:
+    for v in _seq(value, what):
+        _int(v, what)
+    return value
+
+
+def _int_map(value, what: str, check) -> dict:
+    if not isinstance(value, dict):
+        raise CodecError(f"{what}: expected a map")
+    return {_int(k, what + " key"): check(v, what) for k, v in value.items()}
+
+
+def _sampling(value) -> WorkerSamplingParams:
+    sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
+    if not isinstance(sampling, dict):
+        raise CodecError("sampling params: expected a map")
+    _int(seed, "seed")
+    _int(min_tokens, "min_tokens")
+    _ints(stop_ids, "stop_ids")
+    return WorkerSamplingParams.from_wire(value)
+
+
+def _new_request(value) -> NewRequestData:
+    h, prompt, sampling, blocks, num_computed, num_logprobs = _seq(value, "new request", 6)
+    return NewRequestData(_int(h, "handle"), _from_u32(prompt), _sampling(sampling),
+                          _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
+                          _int(num_logprobs, "num_logprobs"))
+
+
+def _resumed_request(value) -> ResumedRequestData:
+    h, blocks, num_computed = _seq(value, "resumed request", 3)
+    return ResumedRequestData(_int(h, "handle"), _ints(blocks, "block_ids"),
+                              _int(num_computed, "num_computed_tokens"))
+
+
+def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
+    ids, lps = _seq(value, what, 2)
+    ids, lps = _from_u32(ids), _from_f32(lps)
+    if len(ids) != len(lps):
+        raise CodecError(f"{what}: {len(ids)} ids but {len(lps)} logprobs")
+    return ids, lps
 
 
 def encode_scheduler_output(out: SchedulerOutput) -> bytes:
@@ -52,19 +116,18 @@ def encode_scheduler_output(out: SchedulerOutput) -> bytes:
 
 def decode_scheduler_output(data: bytes) -> SchedulerOutput:
     try:
-        step, new, resumed, new_blocks, num_sched, finished, preempted = msgpack.unpackb(
-            data, raw=False, strict_map_key=False)
+        step, new, resumed, new_blocks, num_sched, finished, preempted = _seq(msgpack.unpackb(
+            data, raw=False, strict_map_key=False), "SchedulerOutput", 7)
         return SchedulerOutput(
-            step=step,
-            new_requests=[NewRequestData(h, _from_u32(p), WorkerSamplingParams.from_wire(s), b, n, k)
-                          for h, p, s, b, n, k in new],
-            resumed_requests=[ResumedRequestData(h, b, n) for h, b, n in resumed],
-            new_block_ids=new_blocks,
-            num_scheduled_tokens=num_sched,
-            finished_handles=finished,
-            preempted_handles=preempted,
+            step=_int(step, "step"),
+            new_requests=[_new_request(r) for r in _seq(new, "new_requests")],
+            resumed_requests=[_resumed_request(r) for r in _seq(resumed, "resumed_requests")],
+            new_block_ids=_int_map(new_blocks, "new_block_ids", _ints),
+            num_scheduled_tokens=_int_map(num_sched, "num_scheduled_tokens", _int),
+            finished_handles=_ints(finished, "finished_handles"),
+            preempted_handles=_ints(preempted, "preempted_handles"),
         )
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise CodecError(f"malformed SchedulerOutput payload: {e}") from e
 
 
@@ -76,10 +139,14 @@ def encode_runner_output(out: RunnerOutput) -> bytes:
 
 def decode_runner_output(data: bytes) -> RunnerOutput:
     try:
-        step, handles, ids, lps, top, digest = msgpack.unpackb(data, raw=False,
-                                                               strict_map_key=False)
-        return RunnerOutput(step, _from_u32(handles), _from_u32(ids), _from_f32(lps),
-                            {h: (_from_u32(i), _from_f32(l)) for h, (i, l) in top.items()},
-                            digest)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        step, handles, ids, lps, top, digest = _seq(msgpack.unpackb(
+            data, raw=False, strict_map_key=False), "RunnerOutput", 6)
+        out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
+                           _from_f32(lps), _int_map(top, "top_logprobs", _top_entry), digest)
+        if len(out.sampled_token_ids) != len(out.handles) or not isinstance(digest, bytes):
+            raise CodecError("sampled ids must match handles one to one; digest must be bytes")
+        if out.logprobs and len(out.logprobs) != len(out.handles):
+            raise CodecError("logprobs must match handles one to one")
+        return out
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise CodecError(f"malformed RunnerOutput payload: {e}") from e

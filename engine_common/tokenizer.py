@@ -37,8 +37,15 @@ class Tokenizer:
         config = config or {}
         self.bos_token_id = self._lookup(_token_content(config.get("bos_token")))
         self.eos_token_id = self._lookup(_token_content(config.get("eos_token")))
-        self._add_bos = config.get("add_bos_token")
-        self._add_eos = config.get("add_eos_token")
+        # None: tokenizer.json's post-processor decides; else (add_bos, add_eos), where a flag the
+        # config leaves out keeps what the post-processor does.
+        self._explicit: tuple[bool, bool] | None = None
+        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
+        if add_bos is not None or add_eos is not None:
+            probe = backend.encode("", add_special_tokens=True).ids
+            self._explicit = (
+                bool(probe[:1] == [self.bos_token_id] if add_bos is None else add_bos),
+                bool(probe[-1:] == [self.eos_token_id] if add_eos is None else add_eos))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -71,12 +78,13 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with BOS/EOS as the model directory asks."""
-        if self._add_bos is None and self._add_eos is None:
+        if self._explicit is None:
             return self.backend.encode(text, add_special_tokens=True).ids
+        add_bos, add_eos = self._explicit
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self._add_bos and self.bos_token_id is not None:
+        if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
-        if self._add_eos and self.eos_token_id is not None:
+        if add_eos and self.eos_token_id is not None:
             ids = ids + [self.eos_token_id]
         return ids
 

@@ -4,10 +4,14 @@ The gRPC handlers live on an asyncio loop; scheduling and the blocking Step roun
 engine thread. Handlers send commands (add, abort) through a queue; the thread hands outputs back
 with `call_soon_threadsafe`. When a worker fails, every open stream ends with EngineUnavailable
 and the thread rebuilds the core (reconnect, re-Init, new epoch) before taking new requests.
+
+Only the engine thread touches the core. Other threads read `stats`, an immutable snapshot the
+engine thread replaces after every loop turn, and `ready`.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -24,7 +28,24 @@ from scheduler_service.request import Request
 log = logging.getLogger(__name__)
 
 _RECONNECT_SECONDS = 0.5
+_IDLE_WAIT_SECONDS = 0.05
 _THROUGHPUT_WINDOW_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the scheduler's load, published by the engine thread."""
+
+    ready: bool = False
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_blocks: int = 0     # held by live requests (free cached blocks do not count)
+    num_total_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
 
 
 @dataclass
@@ -37,14 +58,26 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, make_core: Callable[[], EngineCore]):
+    """`make_core` builds a fresh EngineCore (connect + Init the workers, new epoch) or raises
+    EngineUnavailable; it is retried until it succeeds. `idle_check(core)`, when given, runs on the
+    engine thread every `idle_check_seconds` while no request is running and raises
+    EngineUnavailable when a worker is gone, so readiness drops without waiting for a request."""
+
+    def __init__(self, make_core: Callable[[], EngineCore],
+                 idle_check: Callable[[EngineCore], None] | None = None,
+                 idle_check_seconds: float = 1.0):
         self._make_core = make_core
+        self._idle_check = idle_check
+        self._idle_check_seconds = idle_check_seconds
+        self._last_check = 0.0
         self._core: EngineCore | None = None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._steps: deque = deque()  # (time, prompt tokens, generated tokens)
+        self._steps_lock = threading.Lock()
+        self.stats = EngineStats()
         self.last_error: str = "not connected to the workers yet"
 
     # -- called from the asyncio side -------------------------------------------------------
@@ -66,7 +99,8 @@ class AsyncEngine:
         return self._core
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Yield outputs until the request finishes. Aborts it if the caller goes away."""
+        """Yield outputs until the request finishes. Aborts it if the caller goes away
+        (cancellation, deadline) or the stream ends early for any other reason."""
         if not self.ready:
             raise EngineUnavailable(f"no worker is ready: {self.last_error}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -76,6 +110,7 @@ class AsyncEngine:
             while not finished:
                 item = await stream.outputs.get()
                 if isinstance(item, BaseException):
+                    finished = True   # never added, or already dropped by the engine
                     raise item
                 finished = item.finished
                 yield item
@@ -83,15 +118,22 @@ class AsyncEngine:
             if not finished:
                 self.abort([request.request_id])
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._commands.put(("abort", list(request_ids)))
+    def abort(self, request_ids: list[str]) -> concurrent.futures.Future:
+        """Abort requests (their streams end with an ABORT output). The future resolves to the
+        number of ids that named a live request."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("abort", list(request_ids), done))
+        return done
 
     def throughput(self) -> tuple[float, float]:
-        """(prompt tokens/s, generated tokens/s) over the last few seconds."""
-        steps = list(self._steps)
+        """(prompt tokens/s, generated tokens/s) over the last few seconds. A prompt counts when
+        its prefill completes (its first token), less the tokens the prefix cache served."""
+        now = time.monotonic()
+        with self._steps_lock:
+            steps = [s for s in self._steps if now - s[0] <= _THROUGHPUT_WINDOW_SECONDS]
         if not steps:
             return 0.0, 0.0
-        span = max(time.monotonic() - steps[0][0], 1e-3)
+        span = max(now - steps[0][0], 1e-3)
         return sum(s[1] for s in steps) / span, sum(s[2] for s in steps) / span
 
     # -- the engine thread ------------------------------------------------------------------
@@ -102,26 +144,40 @@ class AsyncEngine:
                 self._drain_commands(block_seconds=_RECONNECT_SECONDS)
                 continue
             busy = self._core.has_unfinished_requests()
-            self._drain_commands(block_seconds=None if busy else 0.05)
-            if self._core is None or not self._core.has_unfinished_requests():
-                continue
+            self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
             try:
-                outputs = self._core.step()
+                if self._core is not None and self._core.has_unfinished_requests():
+                    outputs = self._core.step()
+                    self._record_throughput(outputs)
+                    self._dispatch(outputs)
+                elif self._core is not None:
+                    self._check_idle()
             except EngineUnavailable as e:
                 self._fail_all(e)
-                continue
-            self._record_throughput(outputs)
-            self._dispatch(outputs)
+            except Exception as e:  # a bug: fail the streams loudly, start a clean epoch
+                log.exception("engine step failed")
+                self._fail_all(e)
+            self._publish_stats()
+        self._fail_all(EngineUnavailable("the server is shutting down"))
 
     def _connect(self) -> bool:
         try:
             self._core = self._make_core()
-            self.last_error = ""
-            log.info("engine ready")
-            return True
         except EngineUnavailable as e:
             self.last_error = str(e)
             return False
+        self.last_error = ""
+        self._last_check = time.monotonic()
+        self._publish_stats()
+        log.info("engine ready")
+        return True
+
+    def _check_idle(self) -> None:
+        now = time.monotonic()
+        if self._idle_check is None or now - self._last_check < self._idle_check_seconds:
+            return
+        self._last_check = now
+        self._idle_check(self._core)
 
     def _drain_commands(self, block_seconds: float | None) -> None:
         try:
@@ -149,11 +205,14 @@ class AsyncEngine:
                 stream.put(e)
                 return
             self._streams[request.request_id] = stream
-        elif kind == "abort" and self._core is not None:
-            ids = [rid for rid in cmd[1] if rid in self._streams]
-            self._dispatch(self._core.abort(ids))
+        elif kind == "abort":
+            _, request_ids, done = cmd
+            ids = [rid for rid in request_ids if rid in self._streams]
+            if self._core is not None and ids:
+                self._dispatch(self._core.abort(ids))
             for rid in ids:  # aborted before any final output was produced
                 self._streams.pop(rid, None)
+            done.set_result(len(ids))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -164,17 +223,35 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _fail_all(self, error: EngineUnavailable) -> None:
-        log.error("worker failure, failing %d open streams: %s", len(self._streams), error)
+    def _fail_all(self, error: Exception) -> None:
+        if self._streams:
+            log.error("failing %d open streams: %s", len(self._streams), error)
         self.last_error = str(error)
         for stream in self._streams.values():
-            stream.put(EngineUnavailable(str(error)))
+            stream.put(error)
         self._streams.clear()
         self._core = None
+        self._drain_commands(block_seconds=None)   # answer queued adds and aborts at once
+
+    def _publish_stats(self) -> None:
+        core = self._core
+        if core is None:
+            self.stats = EngineStats()
+            return
+        s = core.scheduler
+        self.stats = EngineStats(
+            ready=True, num_waiting=s.num_waiting, num_running=s.num_running,
+            num_used_blocks=s.num_total_blocks - s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate)
 
     def _record_throughput(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        generated = sum(len(o.new_token_ids) for o in outputs)
-        self._steps.append((now, 0, generated))
-        while self._steps and now - self._steps[0][0] > _THROUGHPUT_WINDOW_SECONDS:
-            self._steps.popleft()
+        generated = prompt = 0
+        for out in outputs:
+            generated += len(out.new_token_ids)
+            if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
+                prompt += out.num_prompt_tokens - out.num_cached_tokens   # prefill just ended
+        with self._steps_lock:
+            self._steps.append((now, prompt, generated))
+            while self._steps and now - self._steps[0][0] > _THROUGHPUT_WINDOW_SECONDS:
+                self._steps.popleft()

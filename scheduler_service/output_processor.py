@@ -41,7 +41,8 @@ class RequestTimings:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request. `num_output_tokens` is cumulative."""
+    """What one step produced for one request. `num_output_tokens` is cumulative; finish_reason
+    and stop_reason are set only on the final output."""
 
     request_id: str
     new_token_ids: list[int]

@@ -64,7 +64,8 @@ def test_greedy_matches_transformers(tiny_models, arch):
 def test_chunked_prefill_matches_transformers(tiny_models, arch):
     model = tiny_models(arch)
     # A budget of 24 tokens per step is smaller than most prompts: they prefill in chunks.
-    llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24)
+    llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
+              max_num_seqs=8)
     _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/chunked")
 
 
@@ -81,9 +82,9 @@ def test_prefix_cache_hits_match_transformers(tiny_models, arch):
 @pytest.mark.parametrize("arch", MODELS)
 def test_preemption_matches_transformers(tiny_models, arch):
     model = tiny_models(arch)
-    # 12 blocks of 16 tokens cannot hold the ten requests at once: some are preempted and
+    # 10 blocks of 16 tokens cannot hold the ten requests at once: some are preempted and
     # recomputed from scratch, and must still produce the same tokens.
-    llm = LLM(model, dtype="float32", num_kv_blocks=14, enable_prefix_caching=False)
+    llm = LLM(model, dtype="float32", num_kv_blocks=10, enable_prefix_caching=False)
     prompts = _prompts(llm.model_info.vocab_size)
     seen = []
     orig_schedule = llm.scheduler.schedule

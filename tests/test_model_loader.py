@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,24 +113,46 @@ def test_missing_and_unexpected_weights_are_errors(qwen3_dirs, tmp_path):
         load(wrong)
 
 
-def test_rank_slices_with_replicated_kv_heads(tmp_path):
-    """kv heads 1 < tp 2: both ranks keep kv head 0; q heads, MLP and vocab split by rank."""
-    path = make_tiny_model(tmp_path, arch="llama", num_key_value_heads=1)
+def test_absent_lm_head_is_tied_to_embeddings(tmp_path):
+    path = make_tiny_model(tmp_path / "src", arch="llama")
+    headless = copy_with_tensors(path, tmp_path / "headless", lambda t: {
+        k: v for k, v in t.items() if k != "lm_head.weight"})
+    model = load(headless)
+    assert model.lm_head_is_tied
+    assert not load(path).lm_head_is_tied
+
+
+def test_tiny_model_module_does_not_import_torch():
+    code = ("import sys, engine_common.tiny_model; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("num_kv_heads,world", [(1, 2), (2, 4), (2, 2)])
+def test_rank_slices(tmp_path, num_kv_heads, world):
+    """q heads, MLP and vocab split by rank; kv heads split, or replicated when fewer than
+    ranks (rank r keeps kv head r * num_kv_heads // world)."""
+    path = make_tiny_model(tmp_path, arch="llama", num_key_value_heads=num_kv_heads)
     ckpt = load_file(path / "model.safetensors")
-    for rank in range(2):
-        model = load(path, tp=TPGroup(rank=rank, world_size=2))
+    q_rows, inter, vocab, d = 64 // world, 128 // world, 512 // world, 16
+    for rank in range(world):
+        model = load(path, tp=TPGroup(rank=rank, world_size=world))
         attn = model.model.layers[0].self_attn
-        q = ckpt["model.layers.0.self_attn.q_proj.weight"][rank * 32:(rank + 1) * 32]
-        k = ckpt["model.layers.0.self_attn.k_proj.weight"]
-        v = ckpt["model.layers.0.self_attn.v_proj.weight"]
+        kv_head = rank * num_kv_heads // world if num_kv_heads < world else rank
+        kv_rows = d * max(num_kv_heads // world, 1)
+        q = ckpt["model.layers.0.self_attn.q_proj.weight"][rank * q_rows:(rank + 1) * q_rows]
+        k = ckpt["model.layers.0.self_attn.k_proj.weight"][kv_head * d:kv_head * d + kv_rows]
+        v = ckpt["model.layers.0.self_attn.v_proj.weight"][kv_head * d:kv_head * d + kv_rows]
         assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
-        o = ckpt["model.layers.0.self_attn.o_proj.weight"][:, rank * 32:(rank + 1) * 32]
+        o = ckpt["model.layers.0.self_attn.o_proj.weight"][:, rank * q_rows:(rank + 1) * q_rows]
         assert torch.equal(attn.o_proj.weight, o)
-        down = ckpt["model.layers.0.mlp.down_proj.weight"][:, rank * 64:(rank + 1) * 64]
+        down = ckpt["model.layers.0.mlp.down_proj.weight"][:, rank * inter:(rank + 1) * inter]
         assert torch.equal(model.model.layers[0].mlp.down_proj.weight, down)
-        head = ckpt["lm_head.weight"][rank * 256:(rank + 1) * 256]
+        up = ckpt["model.layers.0.mlp.up_proj.weight"][rank * inter:(rank + 1) * inter]
+        assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight[inter:], up)
+        head = ckpt["lm_head.weight"][rank * vocab:(rank + 1) * vocab]
         assert not model.lm_head_is_tied and torch.equal(model.lm_head.weight, head)
-        assert model.num_kv_heads == 1
+        assert model.num_kv_heads == max(num_kv_heads // world, 1)
 
 
 def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:

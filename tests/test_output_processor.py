@@ -1,6 +1,5 @@
 """OutputProcessor: streaming text, stop strings with hold-back, min_tokens, abort, logprobs."""
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -8,23 +7,13 @@ from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.output_processor import OutputProcessor
 from scheduler_service.request import Request, RequestStatus
+from scheduler_service.step_result import RequestUpdate as Update
 from tests.test_tokenizer import _byte_token_ids, build_tiny_tokenizer_dir
 
 LEN, STOP_TOK, STOP_STR, ABORTED = (RequestStatus.FINISHED_LENGTH,
                                     RequestStatus.FINISHED_STOP_TOKEN,
                                     RequestStatus.FINISHED_STOP_STRING,
                                     RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass
-class Update:
-    """The shape of the scheduler's RequestUpdate."""
-
-    request: Request
-    new_token_ids: list
-    new_logprobs: list
-    top_logprobs: list | None
-    finished: bool
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +65,8 @@ def test_plain_stream_then_length(tok):
     assert [t for o in outs for t in o.new_token_ids] == ids
     final = outs[-1]
     assert final.finished and final.finish_reason == LEN and not any(o.finished for o in outs[:-1])
-    assert final.num_prompt_tokens == len(tok.encode("Q:")) and final.timings.finish_time is not None
+    assert final.num_prompt_tokens == len(tok.encode("Q:"))
+    assert final.timings.finish_time is not None
     assert len(proc) == 0
 
 

@@ -105,7 +105,7 @@ def test_running_first_then_fcfs_and_priority():
     assert_no_leak(sched)
 
 
-def test_idle_running_request_gets_count_zero():
+def test_prefill_chunk_continues_beside_decodes():
     sched, worker = make(max_num_seqs=2, max_num_batched_tokens=4)
     a = make_request("a", range(3, 15), max_tokens=3)    # 12 tokens: 3 chunks of 4
     b = make_request("b", range(20, 26), max_tokens=3)
@@ -121,6 +121,24 @@ def test_idle_running_request_gets_count_zero():
     assert out.num_scheduled_tokens == {b.handle: 3}
     run_steps(sched, worker)
     assert a.num_output_tokens == b.num_output_tokens == 3
+    assert_no_leak(sched)
+
+
+def test_running_request_without_budget_is_sent_count_zero():
+    sched, worker = make(max_num_seqs=2, max_num_batched_tokens=4)
+    a, b = make_request("a", [3], max_tokens=3), make_request("b", range(20, 32), max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = step(sched, worker)              # a: 1 token, b: first 3-token chunk
+    assert out.num_scheduled_tokens == {b.handle: 3}
+    # White box: put the prefilling request first in batch order, as a resumed or (later)
+    # asynchronously scheduled one can be, so it takes the whole budget.
+    sched.running.reverse()
+    out, ups = step(sched, worker)
+    assert out.num_scheduled_tokens == {b.handle: 4, a.handle: 0} and ups == []
+    assert worker.step_tokens[-1] == {b.handle: 4}
+    run_steps(sched, worker)
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 2
     assert_no_leak(sched)
 
 
@@ -241,9 +259,11 @@ def test_abort_waiting_running_preempted_frees_blocks_and_handles():
         if reqs[1].status == RequestStatus.PREEMPTED:
             break
     assert reqs[1].status == RequestStatus.PREEMPTED and reqs[2].status == RequestStatus.WAITING
+    assert reqs[1].num_computed_tokens == 0 and sched.kv.get_block_ids(reqs[1]) == []
     assert sched.num_free_blocks < sched.num_total_blocks
     done = sched.finish_requests(["r0", "r1", "r2"], RequestStatus.FINISHED_ABORTED)
-    assert len(done) == 3 and sched.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED) == []
+    assert len(done) == 3
+    assert sched.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED) == []
     assert_no_leak(sched)
     assert not sched.has_unfinished_requests() and sched.has_finished_to_send()
     # r2 was never sent, so its handle is free already; r0 and r1 are told to the workers first.
@@ -350,8 +370,9 @@ def test_random_workload_no_leak_and_consistent_diffs():
     ids = []
     for i in range(12):
         prefix = [7, 7, 7, 7] if i % 2 else []
-        req = make_request(f"r{i}", prefix + [rng.randrange(3, 50) for _ in range(rng.randrange(1, 14))],
-                           max_tokens=rng.randrange(1, 10), seed=i, priority=rng.randrange(2))
+        prompt = prefix + [rng.randrange(3, 50) for _ in range(rng.randrange(1, 14))]
+        req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 10), seed=i,
+                           priority=rng.randrange(2))
         sched.add_request(req)
         ids.append(req.request_id)
 

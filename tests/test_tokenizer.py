@@ -21,7 +21,7 @@ SAMPLE_TEXTS = ["Hello 你好🙂 world", "naïve 🦊 café", "", "a", "При�
 
 
 def build_tiny_tokenizer_dir(path: Path, add_bos_token: bool | None = None,
-                             bos_template: bool = True) -> Path:
+                             bos_template: bool = True, add_eos_token: bool | None = None) -> Path:
     """Train a ~300-token byte-level BPE on CORPUS and save tokenizer files under `path`."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,8 +37,9 @@ def build_tiny_tokenizer_dir(path: Path, add_bos_token: bool | None = None,
     tok.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
               "eos_token": "</s>"}
-    if add_bos_token is not None:
-        config["add_bos_token"] = add_bos_token
+    for key, value in (("add_bos_token", add_bos_token), ("add_eos_token", add_eos_token)):
+        if value is not None:
+            config[key] = value
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
@@ -85,6 +86,9 @@ def test_add_bos_token_flag_wins_over_post_processor(tmp_path):
     assert body and body[0] != 0
     assert off.encode("Hello 你好") == body
     assert on.encode("Hello 你好") == [0] + body
+    # A flag the config leaves out keeps what the post-processor does (here: BOS).
+    eos = Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path / "eos", add_eos_token=True))
+    assert eos.encode("Hello 你好") == [0] + body + [1]
 
 
 def test_missing_tokenizer_json(tmp_path):

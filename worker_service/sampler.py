@@ -21,8 +21,8 @@ from worker_service.sampling_metadata import SamplingMetadata
 
 _M32 = 0xFFFFFFFF
 _M16 = 0xFFFF
-# Elements of noise computed at once (bounds the int64 temporaries to ~128 MiB each).
-_NOISE_CHUNK_ELEMENTS = 1 << 24
+# Elements of noise computed at once (bounds the two int64 temporaries to 64 MiB each).
+_NOISE_CHUNK_ELEMENTS = 1 << 23
 
 
 @dataclass
@@ -33,20 +33,38 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # float32 [N, k], descending
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) held in int64; partial products stay below 2^49."""
-    low = (x & _M16) * c
-    high = ((x >> 16) * (c & _M16)) & _M16
-    return (low + (high << 16)) & _M32
+def _xorshift_(x: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
+    torch.bitwise_right_shift(x, shift, out=tmp)
+    x.bitwise_xor_(tmp)
+
+
+def _mul32_(x: torch.Tensor, tmp: torch.Tensor, c: int) -> None:
+    """x = (x * c) mod 2^32 in place, for x in [0, 2^32) held in int64 and c < 2^32.
+    Split at 16 bits so every partial product stays below 2^49 (no int64 overflow)."""
+    torch.bitwise_right_shift(x, 16, out=tmp)
+    tmp.mul_(c & _M16).bitwise_and_(_M16).bitwise_left_shift_(16)
+    x.bitwise_and_(_M16).mul_(c).add_(tmp).bitwise_and_(_M32)
+
+
+def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """32-bit avalanche mixer (xor-shift / multiply, "lowbias32" constants), in place; `tmp` is
+    scratch of x's shape."""
+    _xorshift_(x, tmp, 16)
+    _mul32_(x, tmp, 0x7FEB352D)
+    _xorshift_(x, tmp, 15)
+    _mul32_(x, tmp, 0x846CA68B)
+    _xorshift_(x, tmp, 16)
+    return x
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche mixer (xor-shift / multiply, "lowbias32" constants)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    return _mix32_(x.clone(), torch.empty_like(x))
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    out = x.clone()
+    _mul32_(out, torch.empty_like(x), c)
+    return out
 
 
 def _row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
@@ -61,21 +79,23 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -
     """Gumbel(0, 1) noise, float32 [N, V], a pure function of (seed, counter, vocab id)."""
     keys = _row_keys(seeds.long(), counters.long())
     cols = _mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x9E3779B9)
-    bits = _mix32(keys[:, None] ^ cols[None, :])
-    u = (bits.double() + 0.5) * (1.0 / 2**32)  # strictly inside (0, 1)
-    return (-torch.log(-torch.log(u))).float()
+    bits = keys[:, None] ^ cols[None, :]
+    _mix32_(bits, torch.empty_like(bits))
+    u = bits.double().add_(0.5).mul_(1.0 / 2**32)  # strictly inside (0, 1)
+    return u.log_().neg_().log_().neg_().float()   # -log(-log(u))
 
 
 def _gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """argmax(x + noise) row by row chunk, so the noise never exists for the whole batch."""
+    """argmax(x + noise) by chunks of rows, so the noise never exists for the whole batch."""
     n, vocab = x.shape
     step = max(1, _NOISE_CHUNK_ELEMENTS // vocab)
-    parts = [(x[i:i + step] + gumbel_noise(seeds[i:i + step], counters[i:i + step], vocab))
-             .argmax(dim=-1) for i in range(0, n, step)]
+    parts = [gumbel_noise(seeds[i:i + step], counters[i:i + step], vocab)
+             .add_(x[i:i + step]).argmax(dim=-1) for i in range(0, n, step)]
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def apply_stop_masks(x: torch.Tensor, stop_masks: dict[int, list[int]]) -> torch.Tensor:
+    """-inf at (row, id) for every forbidden id; returns a copy when anything is masked."""
     rows = [row for row, ids in stop_masks.items() for _ in ids]
     if not rows:
         return x
@@ -93,6 +113,7 @@ def _token_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output ids), then frequency and presence (output ids); out of place."""
     vocab = x.shape[1]
     out_ids = meta.output_token_ids
     if meta.repetition_penalty is not None:
@@ -115,6 +136,7 @@ def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k largest logits (0 = off; ties at the boundary are kept)."""
     vocab = x.shape[1]
     active = (top_k > 0) & (top_k < vocab)
     k = torch.where(active, top_k.long(), 1)
@@ -164,6 +186,9 @@ class Sampler:
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if logits.shape[0] == 0:
+            empty = logits.new_zeros(0)
+            return SamplerOutput(empty.long(), empty)
         x = apply_stop_masks(logits, meta.stop_masks)
         if meta.has_penalties:
             x = apply_penalties(x, meta)

@@ -33,7 +33,8 @@ class RopeSettings:
         merged.pop("type", None)
         theta = merged.pop("rope_theta", None) or hf_config.get("rope_theta") or 10000.0
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type={rope_type!r} is not supported: must be one of {ROPE_TYPES}")
+            raise ValueError(f"rope_type={rope_type!r} is not supported: "
+                             f"must be one of {ROPE_TYPES}")
         partial = float(merged.get("partial_rotary_factor")
                         or hf_config.get("partial_rotary_factor") or 1.0)
         if partial != 1.0:
@@ -42,8 +43,10 @@ class RopeSettings:
 
 
 def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
-    """theta ** (-2i / rotary_dim) for i in 0 .. rotary_dim/2 - 1, float32."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    """theta ** (-2i / rotary_dim) for i in 0 .. rotary_dim/2 - 1, float32, computed on the CPU
+    (as the reference does) so every device starts from the same frequencies."""
+    even = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu")
+    exponents = even.float() / rotary_dim
     return 1.0 / (theta ** exponents)
 
 

@@ -1,0 +1,111 @@
+"""`deltaserve serve`: the embedded default, one worker and the scheduler on this machine.
+
+The worker runs as a child process (`deltaserve worker`, in its own session so a terminal Ctrl-C
+reaches only this process, and set to get SIGTERM if this process dies); the scheduler runs in
+this process. Ctrl-C or SIGTERM drains the scheduler, then stops the worker: no orphan is left.
+With no --model, a tiny model with random weights is created once in the cache directory.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TINY_MODEL_NAME = "tiny-qwen3"
+_WORKER_STOP_SECONDS = 10.0
+
+
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/deltaserve, or ~/.cache/deltaserve."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "deltaserve"
+
+
+def tiny_model_dir() -> Path:
+    """The cached tiny model, created on first use (atomically: built aside, then renamed)."""
+    target = cache_dir() / TINY_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    from engine_common.tiny_model import make_tiny_model
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=target.parent))
+    make_tiny_model(staging, arch="qwen3", seed=0)
+    try:
+        staging.rename(target)
+    except OSError:  # another process got there first
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start_worker(listen: str, device: str) -> subprocess.Popen:
+    """`deltaserve worker` as a child process."""
+    cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
+           "--device", device]
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within a few seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(_WORKER_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _announce(listen: str, model_dir: str):
+    def on_ready(app) -> None:
+        host = listen.rsplit(":", 1)[0]
+        target = f"{host}:{app.port}"
+        body = '{"text": "Once upon a time", "stopping": {"max_tokens": 32}}'
+        print(f"DeltaServe ready on {target} (model {model_dir})\n"
+              f"Try:\n"
+              f"  grpcurl -plaintext -d '{body}' {target} deltaserve.v1.Generation/Generate\n"
+              f"  deltaserve generate --target {target} \"Once upon a time\"\n"
+              f"Ctrl-C stops the server and its worker.", flush=True)
+    return on_ready
+
+
+def serve(args) -> int:
+    """Run until Ctrl-C / SIGTERM or until the worker exits on its own; returns an exit code."""
+    from deltaserve.cli import engine_options
+
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = str(tiny_model_dir())
+        print(f"No --model given: serving the tiny test model in {model_dir}.\n"
+              "Its weights are RANDOM: it produces gibberish. Pass --model DIR for a real "
+              "Hugging Face model.", flush=True)
+    from scheduler_service.server import run_scheduler
+
+    worker = start_worker(args.worker_listen, args.device)
+
+    def worker_gone() -> str | None:
+        code = worker.poll()
+        return None if code is None else f"the worker exited with code {code}"
+
+    try:
+        return run_scheduler(model_dir, [args.worker_listen], args.listen,
+                             engine_options(args), on_ready=_announce(args.listen, model_dir),
+                             should_stop=worker_gone)
+    finally:
+        stop_worker(worker)

@@ -1,0 +1,94 @@
+"""One worker's Step stream on grpc's synchronous API. Torch-free.
+
+grpc drives a client-side bidi stream from a request iterator and hands back a blocking response
+iterator. Here the request iterator is a generator fed by a queue (`send`), and a daemon thread
+moves responses, or the stream's end, into a second queue, so `receive` can wait with a deadline:
+a killed worker ends the stream (UNAVAILABLE) and `receive` raises at once; a stuck one raises
+when the deadline passes. Neither ever hangs the caller.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+
+from engine_common.protos import worker_pb2
+from scheduler_service.errors import WorkerFailure
+
+_STOP = object()  # the request generator's end marker
+
+
+def describe_rpc_error(e: grpc.RpcError) -> str:
+    """"CODE: details" for an RpcError from a call (or its repr for anything else)."""
+    code = getattr(e, "code", None)
+    if callable(code):
+        return f"{code().name}: {e.details()}"
+    return repr(e)
+
+
+class _Ended:
+    """The response iterator stopped: normally (error None) or with an RpcError."""
+
+    def __init__(self, error: grpc.RpcError | None):
+        self.error = error
+
+
+class StepStream:
+    """A Step stream to the worker at `address`; replies are awaited in send order."""
+
+    def __init__(self, stub, address: str):
+        self.address = address
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = stub.Step(self._requests())
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"step-reader-{address}")
+        self._reader.start()
+
+    def send(self, request: worker_pb2.StepRequest) -> None:
+        self._outbox.put(request)
+
+    def receive(self, epoch: int, step: int, deadline: float) -> bytes:
+        """The payload of the reply to (epoch, step); deadline is a time.monotonic() value."""
+        try:
+            item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise WorkerFailure(f"worker {self.address}: no reply to step {step} in time "
+                                "(step timeout)") from None
+        if isinstance(item, _Ended):
+            self._inbox.put(item)  # every later receive fails the same way
+            raise WorkerFailure(f"worker {self.address}: Step stream ended at step {step}: "
+                                f"{self._why(item)}")
+        if item.HasField("error"):
+            code = worker_pb2.StepError.Code.Name(item.error.code)
+            raise WorkerFailure(f"worker {self.address}: step {step} failed: {code}: "
+                                f"{item.error.message}")
+        if item.epoch != epoch or item.step != step:
+            raise WorkerFailure(f"worker {self.address}: expected the reply to epoch {epoch} "
+                                f"step {step}, got epoch {item.epoch} step {item.step}")
+        return item.payload
+
+    def close(self) -> None:
+        """End the request stream and cancel the call (idempotent)."""
+        self._outbox.put(_STOP)
+        self._call.cancel()
+
+    def _requests(self):
+        while (item := self._outbox.get()) is not _STOP:
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                self._inbox.put(response)
+            self._inbox.put(_Ended(None))
+        except grpc.RpcError as e:
+            self._inbox.put(_Ended(e))
+
+    @staticmethod
+    def _why(ended: _Ended) -> str:
+        if ended.error is None:
+            return "the worker closed it"
+        return describe_rpc_error(ended.error)
