@@ -44,7 +44,7 @@ def generate(args) -> int:
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print()
+    print(flush=True)
     if last is not None:
         reason = pb.FinishReason.Name(last.finish_reason)
         stop = last.WhichOneof("stop_reason")

@@ -223,12 +223,17 @@ class WorkerClient:
         self._close_streams()
 
     def _wait_ready(self) -> None:
-        for channel, addr in zip(self._channels, self.addresses):
+        """Wait up to connect_timeout_s for every worker to answer (a Health call that waits for
+        the connection; channel_ready_future would leave a polling thread behind)."""
+        calls = [stub.Health.future(worker_pb2.HealthRequest(), wait_for_ready=True,
+                                    timeout=self.connect_timeout_s) for stub in self._stubs]
+        for call, addr in zip(calls, self.addresses):
             try:
-                grpc.channel_ready_future(channel).result(timeout=self.connect_timeout_s)
-            except grpc.FutureTimeoutError:
+                call.result()
+            except grpc.RpcError as e:
                 raise WorkerFailure(f"worker {addr}: not reachable within "
-                                    f"{self.connect_timeout_s:g}s") from None
+                                    f"{self.connect_timeout_s:g}s ({describe_rpc_error(e)})"
+                                    ) from None
 
     def _result(self, call, addr: str, rpc: str):
         try:

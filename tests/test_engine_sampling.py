@@ -1,8 +1,6 @@
 """Seeded sampling, stop conditions and logprobs through the whole in-process engine."""
 from __future__ import annotations
 
-import math
-
 from deltaserve.llm import LLM
 from engine_common.params import SamplingParams, StoppingParams
 from scheduler_service.request import RequestStatus
@@ -77,13 +75,22 @@ def test_stop_string_trims_text(tiny_models):
     assert_no_leaked_blocks(llm)
 
 
-def test_logprobs_are_returned(tiny_models):
-    llm, _ = _llm(tiny_models)
+def test_logprobs_match_transformers(tiny_models):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm, model = _llm(tiny_models)
     out = llm.generate([PROMPT], SamplingParams(), StoppingParams(max_tokens=4, ignore_eos=True),
                        num_logprobs=3)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + out.token_ids])).logits[0]
+    ref = torch.log_softmax(logits[len(PROMPT) - 1:-1].float(), dim=-1)
     assert len(out.logprobs) == 4
-    for tok, lp in zip(out.token_ids, out.logprobs):
-        text = repr(lp)
-        assert lp is not None, text
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - float(ref[i, lp.token_id])) < 1e-4
+        top = ref[i].topk(3)
+        assert lp.top_token_ids == top.indices.tolist()
+        assert all(abs(a - b) < 1e-4 for a, b in zip(lp.top_logprobs, top.values.tolist()))
     assert_no_leaked_blocks(llm)
-    assert all(not math.isnan(x) for x in [0.0])

@@ -20,7 +20,6 @@ import torch
 from worker_service.sampling_metadata import SamplingMetadata
 
 _M32 = 0xFFFFFFFF
-_M16 = 0xFFFF
 # Elements of noise computed at once (bounds the two int64 temporaries to 64 MiB each).
 _NOISE_CHUNK_ELEMENTS = 1 << 23
 
@@ -33,38 +32,23 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # float32 [N, k], descending
 
 
-def _xorshift_(x: torch.Tensor, tmp: torch.Tensor, shift: int) -> None:
-    torch.bitwise_right_shift(x, shift, out=tmp)
-    x.bitwise_xor_(tmp)
-
-
-def _mul32_(x: torch.Tensor, tmp: torch.Tensor, c: int) -> None:
-    """x = (x * c) mod 2^32 in place, for x in [0, 2^32) held in int64 and c < 2^32.
-    Split at 16 bits so every partial product stays below 2^49 (no int64 overflow)."""
-    torch.bitwise_right_shift(x, 16, out=tmp)
-    tmp.mul_(c & _M16).bitwise_and_(_M16).bitwise_left_shift_(16)
-    x.bitwise_and_(_M16).mul_(c).add_(tmp).bitwise_and_(_M32)
+# Multipliers of the mixer below; both < 2^31, so x * c < 2^63 for any 32-bit x (no overflow).
+_MIX_A, _MIX_B = 0x21F0AAAD, 0x735A2D97
 
 
 def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """32-bit avalanche mixer (xor-shift / multiply, "lowbias32" constants), in place; `tmp` is
-    scratch of x's shape."""
-    _xorshift_(x, tmp, 16)
-    _mul32_(x, tmp, 0x7FEB352D)
-    _xorshift_(x, tmp, 15)
-    _mul32_(x, tmp, 0x846CA68B)
-    _xorshift_(x, tmp, 16)
+    """32-bit avalanche mixer (xor-shift 16, multiply, xor-shift 15, multiply, xor-shift 15) on
+    int64 values in [0, 2^32), in place; `tmp` is scratch of x's shape."""
+    for shift, mult in ((16, _MIX_A), (15, _MIX_B), (15, None)):
+        torch.bitwise_right_shift(x, shift, out=tmp)
+        x.bitwise_xor_(tmp)
+        if mult is not None:
+            x.mul_(mult).bitwise_and_(_M32)
     return x
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     return _mix32_(x.clone(), torch.empty_like(x))
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    out = x.clone()
-    _mul32_(out, torch.empty_like(x), c)
-    return out
 
 
 def _row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:

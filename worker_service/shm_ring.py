@@ -23,7 +23,10 @@ shared-memory segment, little-endian, every region 64-byte aligned:
 
 Protocol. Writer, chunk n: wait until read[*] == 1; fence; read[*] = 0; payload, length, more;
 fence; seq = n + 1 (last). Reader r, chunk n: wait until seq == n + 1; fence; copy payload;
-fence; read[r] = 1.
+fence; read[r] = 1. shutdown(): fence; closed = 1. A reader that sees closed still drains every
+chunk published before it. A dead reader leaves its read[r] at 0: the writer's bounded wait
+then raises RingTimeout naming it. Hygiene: the creating end unlink()s the name; a crashed owner's
+segment is removed by multiprocessing's resource tracker (spawned ranks share it).
 Memory ordering: every field has one writer at a time. We rely on (1) aligned single-byte and
 8-byte stores not being torn in a way that can fake the awaited value (seq is written after the
 payload, so seeing all its new bytes means the payload came first), and (2) `_fence()`: a
@@ -34,6 +37,7 @@ before accesses after it.
 """
 from __future__ import annotations
 
+import os
 import secrets
 import struct
 import threading
@@ -61,7 +65,7 @@ class RingError(RuntimeError):
 
 
 class RingTimeout(RingError):
-    """A bounded wait ran out. `stalled`: the reader ranks (or reply ranks) that made no progress."""
+    """A bounded wait ran out. `stalled`: the reader (or reply) ranks that made no progress."""
 
     def __init__(self, message: str, stalled: tuple[int, ...] = ()):
         super().__init__(message)
@@ -108,17 +112,33 @@ class RingHandle:
 
 @dataclass(frozen=True)
 class WaitPolicy:
-    """How waiters poll: spin for `spin_s`, then sleep with doubling pauses up to `max_sleep_s`
-    (bounds both the idle CPU and the extra latency after an idle period)."""
+    """How waiters poll: spin for `spin_s`, then sleep for `backoff_ratio` of the time waited so
+    far, capped at `max_sleep_s`. The added latency stays near that fraction of the wait (plus the
+    OS's ~50 us sleep slack) while a long idle wait costs only 1/max_sleep_s wake-ups a second."""
 
-    spin_s: float = 2e-4
-    max_sleep_s: float = 1e-3
+    spin_s: float = 1e-4
+    backoff_ratio: float = 0.05
+    max_sleep_s: float = 2e-3
 
     def __post_init__(self) -> None:
         if not 0 <= self.spin_s <= 1:
             raise ParamError("spin_s", self.spin_s, "in [0, 1] seconds")
+        if not 0 < self.backoff_ratio <= 1:
+            raise ParamError("backoff_ratio", self.backoff_ratio, "in (0, 1]")
         if not _MIN_SLEEP_S <= self.max_sleep_s <= 1:
             raise ParamError("max_sleep_s", self.max_sleep_s, f"in [{_MIN_SLEEP_S}, 1] seconds")
+
+
+def _make_fence():
+    """A memory fence: release then re-acquire a private, held lock, i.e. two atomic RMWs (see
+    the module docstring for why this orders). One per thread: never share it."""
+    lock = threading.Lock()
+    lock.acquire()
+
+    def fence() -> None:
+        lock.release()
+        lock.acquire()
+    return fence
 
 
 def _check_geometry(num_readers: int, num_slots: int, slot_bytes: int) -> None:
@@ -148,8 +168,7 @@ class ShmBroadcastRing:
         self._next = 0                            # next chunk number to write / read
         self._parts: list[bytes] = []             # reader: chunks of a message read so far
         self._broken = False
-        self._fence_lock = threading.Lock()
-        self._fence_lock.acquire()                # held; _fence() releases and re-takes it
+        self._fence = _make_fence()               # this thread's; shutdown() makes its own
 
     @classmethod
     def create(cls, num_readers: int, num_slots: int = 8, slot_bytes: int = 4 << 20, *,
@@ -162,13 +181,11 @@ class ShmBroadcastRing:
         name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
         handle = RingHandle(name, num_readers, num_slots, slot_bytes)
         shm = shared_memory.SharedMemory(name=name, create=True, size=handle.total_bytes)
-        buf = shm.buf
+        buf = shm.buf                             # a new segment is zero-filled: seq, closed = 0
         _RING_HEADER.pack_into(buf, 0, _MAGIC, _VERSION, num_readers, num_slots, slot_bytes)
-        buf[_CLOSED_OFF] = 0
         for slot in range(num_slots):
-            off = handle.slot_offset(slot)
-            _SEQ.pack_into(buf, off, 0)
-            buf[off + _READ_OFF:off + _READ_OFF + num_readers] = b"\x01" * num_readers
+            off = handle.slot_offset(slot) + _READ_OFF
+            buf[off:off + num_readers] = b"\x01" * num_readers
         return cls(shm, handle, reader_rank=None, owner=True,
                    max_message_bytes=max_message_bytes, wait=wait)
 
@@ -190,8 +207,8 @@ class ShmBroadcastRing:
 
     @staticmethod
     def _open(handle: RingHandle) -> shared_memory.SharedMemory:
-        # Spawned children share the parent's resource tracker, so their registration of the
-        # name is the parent's (a set): the owner's unlink() unregisters it for everyone.
+        # Spawned children share the parent's resource tracker, and it keeps names in a set: the
+        # owner's unlink() unregisters the name for everyone.
         shm = shared_memory.SharedMemory(name=handle.name, create=False)
         header = _RING_HEADER.unpack_from(shm.buf, 0)
         expected = (_MAGIC, _VERSION, handle.num_readers, handle.num_slots, handle.slot_bytes)
@@ -272,13 +289,16 @@ class ShmBroadcastRing:
     def has_message(self) -> bool:
         """True when the next chunk is already published (a read would not wait)."""
         self._require(writer=False)
+        return self._published()
+
+    def _published(self) -> bool:
         off = self.handle.slot_offset(self._next % self.handle.num_slots)
         return _SEQ.unpack_from(self._buf, off)[0] == self._next + 1
 
     def _read_chunk(self, deadline: float | None, timeout: float | None) -> tuple[bytes, bool]:
         h, buf = self.handle, self._buf
         off = h.slot_offset(self._next % h.num_slots)
-        if not self._poll(self.has_message, deadline, closed_first=False):
+        if not self._poll(self._published, deadline, closed_first=False):
             raise RingTimeout(f"ring {h.name}: reader {self.reader_rank} got no chunk "
                               f"{self._next} within {timeout} s")
         self._fence()                             # seq seen before the payload is read
@@ -295,30 +315,27 @@ class ShmBroadcastRing:
     # -- waiting, lifecycle ---------------------------------------------------------------------
 
     def _poll(self, ready, deadline: float | None, *, closed_first: bool) -> bool:
-        """Spin, then back off, until ready(): True; False at the deadline. RingClosed when the
-        ring is closed (for writers before looking at ready(), for readers once it is not)."""
+        """Spin, then back off, until ready(): True; False at the deadline. RingClosed once the
+        ring is closed: at once for writers, for readers when nothing is left to drain."""
         start = time.monotonic()
-        pause = _MIN_SLEEP_S
+        policy = self._wait
         while True:
-            if closed_first and self.is_closed():
-                raise RingClosed(f"ring {self.handle.name} is closed")
-            if ready():
+            closed = self.is_closed()
+            if closed:
+                self._fence()                     # closed seen before the last seq (drain it)
+            if ready() and not (closed and closed_first):
                 return True
-            if self.is_closed():
+            if closed:
                 raise RingClosed(f"ring {self.handle.name} is closed")
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return False
-            if now - start < self._wait.spin_s:
+            waited = now - start
+            if waited < policy.spin_s:
+                os.sched_yield()                  # spin, but let a runnable peer have the core
                 continue
-            left = pause if deadline is None else min(pause, deadline - now)
-            time.sleep(left)
-            pause = min(pause * 2, self._wait.max_sleep_s)
-
-    def _fence(self) -> None:
-        # Release then acquire: two atomic RMWs (see the module docstring for why this orders).
-        self._fence_lock.release()
-        self._fence_lock.acquire()
+            pause = min(max(waited * policy.backoff_ratio, _MIN_SLEEP_S), policy.max_sleep_s)
+            time.sleep(pause if deadline is None else min(pause, deadline - now))
 
     def _require(self, *, writer: bool) -> None:
         if self._buf is None:
@@ -335,6 +352,7 @@ class ShmBroadcastRing:
         """Mark the ring closed for every process: blocked writers and idle readers wake with
         RingClosed. Safe to call from a watchdog thread; does not unmap."""
         if self._buf is not None:
+            _make_fence()()                       # messages written so far precede the flag
             self._buf[_CLOSED_OFF] = 1
 
     def close(self) -> None:

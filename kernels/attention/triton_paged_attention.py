@@ -201,7 +201,7 @@ def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh
     l = tl.load(l_ptr + part, mask=split_ok, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    weight = tl.exp(m - tl.max(m, 0))                   # empty splits: l = 0, acc = 0
+    weight = tl.exp2(m - tl.max(m, 0))                   # empty splits: l = 0, acc = 0
     total = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head * stride_oh + dims,
