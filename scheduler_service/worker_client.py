@@ -15,7 +15,6 @@ Use init/execute/reset/close from one thread; `health` may be called from any th
 """
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from engine_common.protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.errors import WorkerFailure
 from scheduler_service.worker_stream import StepStream, describe_rpc_error
 
-log = logging.getLogger(__name__)
 
 # Large payloads (whole prompts), keepalive pings every few seconds so a dead link is noticed,
 # and quick reconnects so a restarted worker is found again within a second or two.

@@ -75,7 +75,8 @@ class Proc:
         return self.popen.returncode
 
 
-def _env(extra: dict | None) -> dict:
+def child_env(extra: dict | None) -> dict:
+    """os.environ with the repo on PYTHONPATH, unbuffered output, and `extra` on top."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
@@ -92,7 +93,7 @@ class Processes:
 
     def _start(self, name: str, args: list[str], env: dict | None = None) -> Proc:
         log = self.log_dir / f"{name}-{len(self.procs)}.log"
-        proc = Proc(name, [sys.executable, "-m", "deltaserve.cli", *args], log, _env(env))
+        proc = Proc(name, [sys.executable, "-m", "deltaserve.cli", *args], log, child_env(env))
         self.procs.append(proc)
         return proc
 

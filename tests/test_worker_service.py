@@ -28,11 +28,11 @@ KV_BYTES = 1 << 20
 class WorkerProcess:
     """`python -m worker_service.server` on a free loopback port; logs go to files."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, listen: str = "127.0.0.1:0"):
         self.out_path, self.err_path = log_dir / "worker.out", log_dir / "worker.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker_service.server", "--listen", "127.0.0.1:0"],
+                [sys.executable, "-m", "worker_service.server", "--listen", listen],
                 cwd=REPO, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.address = self._wait_listening(timeout_s=120)
 
@@ -66,8 +66,8 @@ def spawn_worker(tmp_path_factory):
     """Start worker processes; every one is killed when the test ends."""
     procs: list[WorkerProcess] = []
 
-    def spawn() -> WorkerProcess:
-        procs.append(WorkerProcess(tmp_path_factory.mktemp("worker")))
+    def spawn(listen: str = "127.0.0.1:0") -> WorkerProcess:
+        procs.append(WorkerProcess(tmp_path_factory.mktemp("worker"), listen))
         return procs[-1]
 
     yield spawn
@@ -260,7 +260,7 @@ def test_init_errors_are_worker_failures(client, tmp_path):
     unreachable.close()
 
 
-def test_health_info_and_killed_worker(spawn_worker, model_dir):
+def test_health_info_and_worker_faults(spawn_worker, model_dir):
     worker = spawn_worker()
     stub = _stub(worker.address)
     health = stub.Health(worker_pb2.HealthRequest())
@@ -301,6 +301,13 @@ def test_health_info_and_killed_worker(spawn_worker, model_dir):
         assert time.monotonic() - t0 < 5
         (h,) = client.health()
         assert not h.ready and "unreachable" in h.reason
+
+        # A worker started again on the same address is found by the next init.
+        spawn_worker(worker.address)
+        t0 = time.monotonic()
+        client.init(_spec(model_dir))
+        assert time.monotonic() - t0 < 5
+        assert decode_runner_output(client.execute(encode_scheduler_output(_diffs()[0]))).handles
     finally:
         client.close()
 

@@ -109,7 +109,7 @@ class LocalWorker:
             num_blocks = self._num_blocks(config, gpu_memory_utilization)
             if reloaded or num_blocks != self.num_kv_blocks or not self.runner.kv_caches:
                 self._allocate_kv(num_blocks)
-            self.runner.config = config
+            self.runner.config = config  # same load key; records the KV budget now in force
             self.layout = layout
             self._start_epoch(epoch)
             return InitOutcome(num_blocks, self.runner.kv_block_bytes, reloaded)
@@ -155,7 +155,7 @@ class LocalWorker:
             return max(1, config.kv_cache_bytes // block_bytes)
         # The worker may use `utilization` of the device in all; the cache gets what the weights
         # (and anything else already resident) leave, minus an activation margin.
-        self.runner.kv_caches = []
+        self._free_kv_cache()  # the current cache does not count as used
         dev = describe_device(self.device)
         used = dev.total_memory_bytes - dev.free_memory_bytes
         budget = int(gpu_memory_utilization * dev.total_memory_bytes) - used
@@ -167,10 +167,16 @@ class LocalWorker:
         return budget // block_bytes
 
     def _allocate_kv(self, num_blocks: int) -> None:
-        self.runner.kv_caches = []
-        self.num_kv_blocks = 0
+        self._free_kv_cache()
         self.runner.init_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
+
+    def _free_kv_cache(self) -> None:
+        self.runner.kv_caches = []
+        self.num_kv_blocks = 0
+        if self.device.startswith("cuda"):
+            import torch
+            torch.cuda.empty_cache()
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -196,9 +202,8 @@ class LocalWorker:
             try:
                 out = self._run(payload, digest)
             except StepFailure as failure:
-                self._failure = failure
-                failure.args = (f"epoch {epoch} step {step}: {failure}",)
-                raise
+                self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
+                raise self._failure from failure
             self._next_step += 1
             return encode_runner_output(out) if self.layout.node_rank == 0 else b""
 

@@ -1,0 +1,218 @@
+"""Offline throughput of the in-process engine on nano-vllm's workload, optionally against
+transformers `generate()` in the same process and run.
+
+    python -m bench.throughput --preset qwen3-0.6b --vs-transformers
+    python -m bench.throughput --preset tiny --device cpu --num-seqs 64 --min-len 16 --max-len 64
+
+Prints output tok/s, time per decode step, and the bytes a decode step reads (weights + KV) per
+second against the device's measured copy bandwidth; appends the same figures to bench/results.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from engine_common.model_dir import ModelInfo
+from engine_common.params import ParamError, SamplingParams, StoppingParams
+
+from bench.presets import PRESETS, preset_dir
+from bench.report import BenchResult, append_block, format_block, format_lines
+from bench.step_timer import StepTimer
+from bench.workload import Workload, make_workload
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
+DEFAULT_HF_BATCH_SIZES = "1,8,32,64,128,256"
+WARMUP_SEQS = 8
+WARMUP_OUTPUT_LEN = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench.throughput", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                     help="random weights of a real shape, built once and cached "
+                          "(default: qwen3-0.6b)")
+    src.add_argument("--model", default=None, help="a Hugging Face model directory instead")
+    p.add_argument("--cache-dir", default=None,
+                   help="where presets are built (default: ~/.cache/deltaserve/presets)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-seqs", type=int, default=256, help="default: 256")
+    w.add_argument("--min-len", type=int, default=100,
+                   help="shortest input and output length (default: 100)")
+    w.add_argument("--max-len", type=int, default=1024,
+                   help="longest input and output length (default: 1024)")
+    w.add_argument("--seed", type=int, default=0, help="default: 0")
+    w.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when available (default: auto)")
+    e.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto")
+    e.add_argument("--attention-backend", default="auto",
+                   help="torch, triton, flash_attn or auto (default: auto)")
+    e.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache budget in GiB")
+    e.add_argument("--max-num-seqs", type=int, default=256, help="default: 256")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: the engine's")
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--warmup", action="store_true",
+                   help="a short untimed run first (both engines)")
+    h = p.add_argument_group("transformers comparison")
+    h.add_argument("--vs-transformers", action="store_true",
+                   help="also time transformers generate() on the same prompts")
+    h.add_argument("--hf-batch-sizes", default=DEFAULT_HF_BATCH_SIZES,
+                   help=f"batch sizes to try (default: {DEFAULT_HF_BATCH_SIZES})")
+    h.add_argument("--hf-time-budget", type=float, default=30.0,
+                   help="seconds per batch size, at least one batch (default: 30)")
+    p.add_argument("--results-file", default=str(DEFAULT_RESULTS),
+                   help="Markdown file the result block is appended to (default: "
+                        "bench/results.md)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print the figures and append them to the results file."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        result = run(args)
+    except ParamError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    for line in format_lines(result):
+        print(line)
+    command = shlex.join(["python", "-m", "bench.throughput", *argv])
+    append_block(args.results_file, format_block(result, command))
+    print(f"appended to {args.results_file}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> BenchResult:
+    """The whole benchmark: our engine, then (optionally) transformers, then the copy ceiling."""
+    from deltaserve.cli import resolve_device
+    from worker_service.device_info import describe_device
+
+    device = resolve_device(args.device)
+    model_dir = str(args.model or preset_dir(args.preset or "qwen3-0.6b", args.cache_dir,
+                                             device))
+    info = ModelInfo.from_dir(model_dir)
+    if 2 * args.max_len > info.max_model_len:
+        raise ParamError("max_len", args.max_len,
+                         f"<= {info.max_model_len // 2} (half the model's max length)")
+    workload = make_workload(args.num_seqs, args.min_len, args.max_len, info.vocab_size,
+                             args.seed)
+    ours, torch_dtype = _run_ours(args, model_dir, device, workload)
+    gc.collect()
+    _empty_device_cache(device)
+    hf = None
+    if args.vs_transformers:
+        from bench.hf_baseline import run_transformers
+
+        sizes = [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]
+        hf = run_transformers(model_dir, workload, device, torch_dtype, sizes,
+                              args.hf_time_budget, args.warmup)
+    from bench.bandwidth import measure_copy_bandwidth
+
+    return BenchResult(model=args.model or args.preset or "qwen3-0.6b", device=device,
+                       device_name=describe_device(device).name,
+                       workload=_describe_workload(workload, args),
+                       copy_bytes_per_s=measure_copy_bandwidth(device), hf=hf, **ours)
+
+
+def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]:
+    """LLM keyword arguments from the flags, and notes on flags this engine does not have."""
+    from engine_common.config import SchedulerConfig
+    from worker_service.config import RunnerConfig
+
+    kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention_backend,
+                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_gib is not None:
+        kwargs["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    notes = []
+    if args.enforce_eager:
+        if "enforce_eager" in RunnerConfig.__dataclass_fields__:
+            kwargs["enforce_eager"] = True
+        else:
+            notes.append("--enforce-eager ignored: this runner has no CUDA graphs (always eager)")
+    known = set(RunnerConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
+    return {k: v for k, v in kwargs.items() if k in known}, notes
+
+
+def _run_ours(args, model_dir: str, device: str, workload: Workload):
+    """Time our engine on the workload. Returns (BenchResult fields, the model's torch dtype);
+    the engine is gone when this returns."""
+    from deltaserve.llm import LLM
+
+    from bench.bandwidth import kv_bytes_per_token, weight_read_bytes
+
+    kwargs, notes = _llm_kwargs(args, device, 2 * args.max_len)
+    llm = LLM(model_dir, **kwargs)
+    if args.warmup:
+        warm = make_workload(min(WARMUP_SEQS, workload.num_seqs), args.min_len, args.max_len,
+                             llm.model_info.vocab_size, args.seed + 1)
+        _generate(llm, warm, args, max_output_len=WARMUP_OUTPUT_LEN)
+    with StepTimer(llm.engine) as timer:
+        _sync(device)
+        start = time.perf_counter()
+        completions = _generate(llm, workload, args)
+        _sync(device)
+        wall = time.perf_counter() - start
+    output_tokens = sum(len(c.token_ids) for c in completions)
+    if output_tokens != workload.num_output_tokens:
+        notes.append(f"engine produced {output_tokens} tokens, workload asked "
+                     f"{workload.num_output_tokens}")
+    runner = llm.runner
+    return dict(engine=_describe_engine(llm), output_tokens=output_tokens, wall_s=wall,
+                steps=timer.summary(), weight_bytes=weight_read_bytes(runner.model),
+                kv_bytes_per_token=kv_bytes_per_token(runner),
+                notes=tuple(notes)), runner.model_dtype
+
+
+def _generate(llm, workload: Workload, args, max_output_len: int | None = None):
+    n = workload.num_seqs
+    sampling = [SamplingParams(temperature=args.temperature, seed=args.seed + i)
+                for i in range(n)]
+    stopping = [StoppingParams(max_tokens=min(m, max_output_len or m), ignore_eos=True)
+                for m in workload.output_lens]
+    return llm.generate(workload.prompts, sampling, stopping)
+
+
+def _describe_engine(llm) -> str:
+    runner, sched = llm.runner, llm.scheduler
+    dtype = str(runner.model_dtype).removeprefix("torch.")
+    eager = getattr(runner.config, "enforce_eager", None)
+    graphs = "" if eager is None else (", eager" if eager else ", CUDA graphs")
+    return (f"{runner.attention_backend_name} attention, {dtype}{graphs}, "
+            f"{sched.num_total_blocks} KV blocks of {sched.config.block_size}, "
+            f"max_num_seqs {sched.config.max_num_seqs}, "
+            f"max_num_batched_tokens {sched.config.max_num_batched_tokens}")
+
+
+def _describe_workload(w: Workload, args) -> str:
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    return (f"{w.num_seqs} seqs, input and output lengths uniform in [{args.min_len}, "
+            f"{args.max_len}], seed {w.seed}, {sampling}, ignore_eos; "
+            f"{w.num_prompt_tokens} prompt tokens, {w.num_output_tokens} output tokens asked")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _empty_device_cache(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
