@@ -65,10 +65,10 @@ def format_lines(r: BenchResult) -> list[str]:
         f"output throughput: {r.tokens_per_s:.1f} tok/s",
         f"decode steps: {st.num_decode_steps} of {st.num_steps} steps, mean batch "
         f"{st.mean_decode_batch:.1f}, {st.mean_decode_step_s * 1e3:.3f} ms per decode step",
-        f"decode read: {per_step / 1e6:.2f} MB per step (weights {r.weight_bytes / 1e6:.2f} MB "
-        f"+ KV), {r.decode_bytes_per_s / 1e9:.2f} GB/s = "
-        f"{r.decode_bytes_per_s / r.copy_bytes_per_s:.3f} of measured copy bandwidth "
-        f"{r.copy_bytes_per_s / 1e9:.1f} GB/s",
+        f"decode read: {per_step / 1e6:.3g} MB per step (weights {r.weight_bytes / 1e6:.3g} MB "
+        f"+ KV), {r.decode_bytes_per_s / 1e9:.3g} GB/s = "
+        f"{r.decode_bytes_per_s / r.copy_bytes_per_s:.3g} of measured copy bandwidth "
+        f"{r.copy_bytes_per_s / 1e9:.3g} GB/s",
     ]
     lines += _hf_lines(r)
     lines += [f"note: {n}" for n in r.notes]

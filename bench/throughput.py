@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; 1 avoids stalls on a "
+                        "busy shared CPU)")
     e.add_argument("--warmup", action="store_true",
                    help="a short untimed run first (both engines)")
     h = p.add_argument_group("transformers comparison")
@@ -96,6 +99,12 @@ def run(args: argparse.Namespace) -> BenchResult:
     from worker_service.device_info import describe_device
 
     device = resolve_device(args.device)
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            raise ParamError("cpu_threads", args.cpu_threads, ">= 1")
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     model_dir = str(args.model or preset_dir(args.preset or "qwen3-0.6b", args.cache_dir,
                                              device))
     info = ModelInfo.from_dir(model_dir)

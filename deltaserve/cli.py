@@ -6,6 +6,7 @@ generate` never import torch, so they run where torch is not installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 DEFAULT_TARGET = "localhost:50051"
@@ -159,14 +160,28 @@ def _cmd_scheduler(args) -> int:
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     if not workers:
         raise CliError("--workers names no address")
-    return run_scheduler(args.model, workers, args.listen, engine_options(args))
+    with _startup_errors():
+        return run_scheduler(args.model, workers, args.listen, engine_options(args))
 
 
 def _cmd_serve(args) -> int:
     _check_tp_flags(args)
     from deltaserve.embedded import serve
 
-    return serve(args)
+    with _startup_errors():
+        return serve(args)
+
+
+@contextlib.contextmanager
+def _startup_errors():
+    """Bad engine flags, a bad model directory or a port in use: one line, not a traceback."""
+    from engine_common.model_dir import ModelDirError
+    from engine_common.params import ParamError
+
+    try:
+        yield
+    except (ParamError, ModelDirError, OSError) as e:
+        raise CliError(str(e)) from None
 
 
 def _cmd_generate(args) -> int:

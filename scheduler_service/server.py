@@ -38,6 +38,8 @@ from scheduler_service.worker_client import InitSpec, WorkerClient
 
 log = logging.getLogger(__name__)
 
+# No SO_REUSEPORT: a second server on a port in use must fail, not share the port silently.
+_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 # How long one reconnect attempt waits for a worker's port; retried every half second after.
 _CONNECT_TIMEOUT_SECONDS = 2.0
 
@@ -160,15 +162,16 @@ def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=options.block_size,
                          tp_size=len(workers), num_workers=len(workers))
 
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served),
                                                          server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     add_reflection(server, (GENERATION_SERVICE, HEALTH_SERVICE))
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"could not listen on {listen}")
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as e:   # grpc reports a failed bind this way
+        raise OSError(f"could not listen on {listen}: {e}") from None
     return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s)
 
 

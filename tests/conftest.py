@@ -1,7 +1,15 @@
 """Shared fixtures: tiny real Hugging Face model directories, built once per test session."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is imported and when kernels are decorated, so it must be
+# set before anything imports triton: without a GPU, every Triton kernel runs in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -110,3 +110,18 @@ def test_text_prompts_and_detokenized_output(tiny_models):
         ref = hf_greedy(model, tuple(out.prompt_token_ids), 8)
         assert out.token_ids == list(ref.token_ids)
     assert_no_leaked_blocks(llm)
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_triton_backend_matches_transformers(tiny_models, arch):
+    """The Triton kernels (under TRITON_INTERPRET=1 without a GPU) inside the whole engine."""
+    pytest.importorskip("triton")
+    model = tiny_models(arch)
+    llm = LLM(model, dtype="float32", num_kv_blocks=64, attention_backend="triton",
+              max_num_batched_tokens=16, max_num_seqs=4)
+    assert llm.runner.attention_backend_name == "triton"
+    vocab = llm.model_info.vocab_size
+    prompts = _prompts(vocab)[:3]
+    prompts.append(list(prompts[2]))  # a repeat: its first 32 tokens come from the prefix cache
+    outs = _check(llm, model, prompts, f"{arch}/triton")
+    assert outs[3].num_cached_tokens == 32

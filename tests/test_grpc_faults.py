@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from tests.grpc_harness import (Processes, child_env, collect, free_port, generation_stub,
-                                greedy_request, health_status, wait_for, wait_ready, worker_info)
+                                greedy_request, health_status, pb, wait_for, wait_ready,
+                                worker_info)
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 NUM_TOKENS = 8
@@ -149,4 +150,12 @@ def test_scheduler_restart_keeps_worker_and_runs_torch_free(cluster, tmp_path):
     assert worker.alive() and cluster.worker.pid == worker_pid   # never restarted
     assert worker_info(cluster.worker_port).epoch != epoch
     assert _greedy(target2) == before
-    assert second.stop() == 0   # SIGTERM drains and exits cleanly
+
+    # SIGTERM drains: a stream already open runs to its end, then the process exits cleanly.
+    with grpc.insecure_channel(target2) as ch:
+        stream = generation_stub(ch).Generate(greedy_request(PROMPT, 150), timeout=60)
+        first_msg = next(stream)
+        second.popen.terminate()
+        ids, _, msgs = collect(stream)
+    assert len(first_msg.token_ids) + len(ids) == 150 and msgs[-1].finish_reason == pb.LENGTH
+    assert second.stop() == 0
