@@ -5,6 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: install test run bench proto clean
 
@@ -27,6 +28,10 @@ proto: install
 # The embedded default: one worker and the scheduler on this machine, in the foreground.
 run: install
 	$(VENV)/bin/deltaserve serve $(RUN_ARGS)
+
+# Offline throughput of the in-process engine; appends to bench/results.md.
+bench: install
+	$(PY) -m bench.throughput $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

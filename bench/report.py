@@ -9,9 +9,12 @@ import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench.hf_baseline import HFResult
 from bench.step_timer import StepSummary
+
+if TYPE_CHECKING:  # hf_baseline imports torch; this module stays importable without it
+    from bench.hf_baseline import HFResult
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,8 +30,11 @@ WARMUP_SEQS = 8
 WARMUP_OUTPUT_LEN = 16
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.throughput", description=__doc__.splitlines()[0])
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The benchmark's flags, added to `p` (e.g. a `deltaserve bench` subparser) or a new one."""
+    if p is None:
+        p = argparse.ArgumentParser(prog="python -m bench.throughput",
+                                    description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
                      help="random weights of a real shape, built once and cached "
@@ -70,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"batch sizes to try (default: {DEFAULT_HF_BATCH_SIZES})")
     h.add_argument("--hf-time-budget", type=float, default=30.0,
                    help="seconds per batch size, at least one batch (default: 30)")
+    p.add_argument("--note", action="append", default=[],
+                   help="a remark recorded with the result (repeatable)")
     p.add_argument("--results-file", default=str(DEFAULT_RESULTS),
                    help="Markdown file the result block is appended to (default: "
                         "bench/results.md)")
@@ -77,9 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, print the figures and append them to the results file."""
+    """`python -m bench.throughput ARGS`: run, print, append to the results file."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    return run_and_report(args, shlex.join(["python", "-m", "bench.throughput", *argv]))
+
+
+def run_and_report(args: argparse.Namespace, command: str | None = None) -> int:
+    """Run the benchmark, print the figures and append them, with `command` (default: this
+    process's command line), to the results file. Returns the exit status."""
     try:
         result = run(args)
     except ParamError as e:
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in format_lines(result):
         print(line)
-    command = shlex.join(["python", "-m", "bench.throughput", *argv])
+    command = command or shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
     append_block(args.results_file, format_block(result, command))
     print(f"appended to {args.results_file}")
     return 0
@@ -142,7 +153,7 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_gib is not None:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
-    notes = []
+    notes = list(args.note)
     if args.enforce_eager:
         if "enforce_eager" in RunnerConfig.__dataclass_fields__:
             kwargs["enforce_eager"] = True

@@ -2,8 +2,12 @@
 transformers comparison; plus the pieces whose numbers the report is built from."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +92,34 @@ def test_workload_is_seeded_and_within_bounds():
     assert a == b and a != make_workload(16, 3, 9, 50, seed=2)
     assert all(3 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in a.prompts)
     assert all(3 <= n <= 9 for n in a.output_lens)
+
+
+def test_flags_mount_on_a_subcommand_and_import_without_torch():
+    parser = argparse.ArgumentParser(prog="deltaserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    throughput.build_parser(sub.add_parser("bench"))
+    args = parser.parse_args(["bench", "--preset", "tiny", "--num-seqs", "3", "--warmup"])
+    assert (args.command, args.preset, args.num_seqs, args.warmup) == ("bench", "tiny", 3, True)
+    code = "import sys, bench.throughput; sys.exit('torch' in sys.modules)"
+    repo_root = Path(__file__).resolve().parent.parent
+    assert subprocess.run([sys.executable, "-c", code], cwd=repo_root).returncode == 0
+
+
+def test_step_timer_counts_decode_steps_and_context_lengths(tmp_path):
+    from bench.step_timer import StepTimer
+    from deltaserve.llm import LLM
+    from engine_common.params import StoppingParams
+
+    llm = LLM(str(preset_dir("tiny", tmp_path)), device="cpu", max_model_len=64,
+              num_kv_blocks=16)
+    stop = StoppingParams(max_tokens=4, ignore_eos=True)
+    with StepTimer(llm.engine) as timer:
+        llm.generate([[5, 6, 7, 8, 9], [1, 2, 3]], None, stop)
+    assert "step" not in vars(llm.engine) and "schedule" not in vars(llm.engine.scheduler)
+    prefill, *decodes = timer.records
+    assert (prefill.num_tokens, prefill.is_decode) == (8, False)
+    # After the prefill samples token 1, three decode steps feed tokens 1..3 back.
+    assert [r.kv_tokens for r in decodes] == [6 + 4, 7 + 5, 8 + 6]
+    summary = timer.summary()
+    assert (summary.num_decode_steps, summary.mean_decode_batch) == (3, 2.0)
+    assert summary.decode_kv_tokens == 10 + 12 + 14 and summary.mean_decode_step_s > 0

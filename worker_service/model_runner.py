@@ -6,6 +6,8 @@ into its own persistent batch.
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -67,6 +69,21 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
                           for _ in range(m.num_layers)]
+
+    def state_digest(self, out: RunnerOutput) -> bytes:
+        """BLAKE2b (16 bytes) of this step's sampled ids and the cached state: per batch row the
+        handle, num_computed, num_tokens and last token id. Equal on every rank while the ranks
+        agree (verify_symmetry); nothing in it depends on the rank or the TP size."""
+        b, n = self.batch, self.batch.num_reqs
+        rows = np.arange(n)
+        last = b.token_ids[rows, np.maximum(b.num_tokens[:n], 1) - 1]
+        h = hashlib.blake2b(digest_size=16)
+        for part in (out.handles, out.sampled_token_ids,
+                     [-1 if x is None else x for x in b.handles[:n]],
+                     b.num_computed[:n], b.num_tokens[:n], last):
+            h.update(np.asarray(part, dtype=np.int64).tobytes())
+            h.update(b"|")
+        return h.digest()
 
     def reset(self) -> None:
         """Drop every cached request (a new epoch). The KV cache memory is kept."""

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ParallelLayout(_message.Message):
-    __slots__ = ("tp_size", "node_rank", "num_nodes", "num_local_ranks", "rendezvous_address")
+    __slots__ = ("tp_size", "node_rank", "num_nodes", "num_local_ranks", "rendezvous_address", "group_id")
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     NUM_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     tp_size: int
     node_rank: int
     num_nodes: int
     num_local_ranks: int
     rendezvous_address: str
-    def __init__(self, tp_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., rendezvous_address: _Optional[str] = ...) -> None: ...
+    group_id: str
+    def __init__(self, tp_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "layout", "epoch", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry")
@@ -160,7 +162,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("device_kind", "devices", "model_loaded", "model_dir", "attention_backend", "layout", "epoch", "dtype", "num_kv_blocks")
+    __slots__ = ("device_kind", "devices", "model_loaded", "model_dir", "attention_backend", "layout", "epoch", "dtype", "num_kv_blocks", "group_id")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     MODEL_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,7 @@ class InfoResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     model_loaded: bool
@@ -179,4 +182,5 @@ class InfoResponse(_message.Message):
     epoch: int
     dtype: str
     num_kv_blocks: int
-    def __init__(self, device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., model_loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., attention_backend: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    group_id: str
+    def __init__(self, device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., model_loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., attention_backend: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., group_id: _Optional[str] = ...) -> None: ...
