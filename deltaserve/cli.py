@@ -27,11 +27,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="queued requests before new ones get RESOURCE_EXHAUSTED (default: 1024)")
     g.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV-cache size per device in GiB (default: 1 GiB on CPU; on CUDA "
-                        "--gpu-memory-utilization decides)")
+                   help="KV-cache size per device in GiB (default: the worker's, 1 GiB, "
+                        "unless --gpu-memory-utilization is given)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of each GPU's memory the worker may use in all, in (0, 1] "
-                        "(default: 0.9 on CUDA)")
+                   help="CUDA: fraction of each GPU's memory the worker may use in all "
+                        "(weights, activations, KV cache), in (0, 1]; the KV cache gets the "
+                        "rest (default: unset)")
     g.add_argument("--dtype", default="auto",
                    help="bfloat16, float16, float32 or auto: the model config's (default: auto)")
     g.add_argument("--attention-backend", default="auto",
@@ -42,15 +43,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds open streams may finish after SIGTERM/SIGINT (default: 10)")
 
 
-def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs; auto: cuda when available (default: auto)")
     p.add_argument("--local-ranks", type=int, default=1,
-                   help="rank processes (devices) on this node; only 1 is implemented yet")
+                   help="rank processes (devices) of this worker; the tensor-parallel size is "
+                        "nodes x local ranks (default: 1)")
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0,
-                   help="this node's index in the tensor-parallel group; only 0 yet")
+                   help="this worker's index among the --nodes workers; node 0 holds the output "
+                        "rank and must be first in the scheduler's --workers (default: 0)")
     p.add_argument("--nodes", type=int, default=1,
-                   help="worker services (nodes) in the group; only 1 yet")
+                   help="worker services (nodes) in the tensor-parallel group (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run a worker service (owns a device and the model)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve the Worker protocol on")
-    _add_worker_flags(p)
+    _add_device_flags(p)
+    _add_node_flags(p)
 
     p = sub.add_parser("scheduler", help="run the scheduler service (public API; no torch)")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--workers", required=True, help="worker addresses, HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
+    p.add_argument("--dist-port", type=int, default=29500,
+                   help="with several workers: the torch.distributed rendezvous port on node "
+                        "0's host (default: 29500)")
+    p.add_argument("--verify-symmetry", action="store_true",
+                   help="every rank digests its sampled ids each step; a mismatch fails the step")
     _add_engine_flags(p)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
@@ -76,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"HOST:PORT for the public API (default: {DEFAULT_TARGET})")
     p.add_argument("--worker-listen", default=DEFAULT_WORKER_LISTEN,
                    help=f"HOST:PORT of the worker it starts (default: {DEFAULT_WORKER_LISTEN})")
-    _add_worker_flags(p)
+    _add_device_flags(p)
     _add_engine_flags(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
@@ -114,15 +126,6 @@ class CliError(Exception):
     """A bad flag value or a failed start, reported in one line."""
 
 
-def _check_tp_flags(args) -> None:
-    for flag, value in (("--local-ranks", args.local_ranks), ("--node-rank", args.node_rank),
-                        ("--nodes", args.nodes)):
-        default = 0 if flag == "--node-rank" else 1
-        if value != default:
-            raise CliError(f"{flag}={value}: tensor parallelism across ranks is not implemented "
-                           f"yet (only {flag}={default})")
-
-
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
     if device != "auto":
@@ -133,10 +136,14 @@ def resolve_device(device: str) -> str:
 
 
 def _cmd_worker(args) -> int:
-    _check_tp_flags(args)
-    from worker_service.server import run_worker
+    from worker_service.server import node_layout, run_worker
 
-    run_worker(args.listen, resolve_device(args.device))
+    try:
+        node_layout(args.local_ranks, args.node_rank, args.nodes)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    run_worker(args.listen, resolve_device(args.device), local_ranks=args.local_ranks,
+               node_rank=args.node_rank, num_nodes=args.nodes)
     return 0
 
 
@@ -151,7 +158,8 @@ def engine_options(args):
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, attention_backend=args.attention_backend,
-        grace_period_s=args.grace_period)
+        grace_period_s=args.grace_period, dist_port=getattr(args, "dist_port", 29500),
+        verify_symmetry=getattr(args, "verify_symmetry", False))
 
 
 def _cmd_scheduler(args) -> int:
@@ -165,7 +173,8 @@ def _cmd_scheduler(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    _check_tp_flags(args)
+    if args.local_ranks < 1:
+        raise CliError(f"--local-ranks={args.local_ranks}: must be >= 1")
     from deltaserve.embedded import serve
 
     with _startup_errors():

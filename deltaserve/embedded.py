@@ -53,10 +53,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_worker(listen: str, device: str) -> subprocess.Popen:
+def start_worker(listen: str, device: str, local_ranks: int = 1) -> subprocess.Popen:
     """`deltaserve worker` as a child process."""
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
-           "--device", device]
+           "--device", device, "--local-ranks", str(local_ranks)]
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
 
@@ -97,7 +97,7 @@ def serve(args) -> int:
               "Hugging Face model.", flush=True)
     from scheduler_service.server import run_scheduler
 
-    worker = start_worker(args.worker_listen, args.device)
+    worker = start_worker(args.worker_listen, args.device, args.local_ranks)
 
     def worker_gone() -> str | None:
         code = worker.poll()

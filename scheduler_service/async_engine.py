@@ -166,6 +166,10 @@ class AsyncEngine:
         except EngineUnavailable as e:
             self.last_error = str(e)
             return False
+        except Exception as e:  # a bug in make_core: keep retrying, but say so loudly
+            log.exception("building the engine core failed")
+            self.last_error = f"{type(e).__name__}: {e}"
+            return False
         self.last_error = ""
         self._last_check = time.monotonic()
         self._publish_stats()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -37,7 +38,6 @@ class ServedModel:
     info: ModelInfo
     tokenizer: Tokenizer
     block_size: int
-    tp_size: int = 1
     num_workers: int = 1
     default_sampling: SamplingParams = SamplingParams()
 
@@ -45,9 +45,12 @@ class ServedModel:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """deltaserve.v1.Generation on top of an AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, model: ServedModel):
+    def __init__(self, engine: AsyncEngine, model: ServedModel,
+                 tp_size: Callable[[], int] = lambda: 1):
+        """`tp_size()`: ranks the workers run (known once they are initialized)."""
         self._engine = engine
         self._model = model
+        self._tp_size = tp_size
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -98,7 +101,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.GetModelInfoResponse(
             model_name=m.info.name, max_model_len=m.info.max_model_len,
             vocab_size=m.info.vocab_size, eos_token_ids=m.info.eos_token_ids,
-            tp_size=m.tp_size, num_kv_blocks=self._engine.stats.num_total_blocks,
+            tp_size=self._tp_size(), num_kv_blocks=self._engine.stats.num_total_blocks,
             kv_block_size=m.block_size, default_sampling=sampling_to_proto(m.default_sampling),
             max_logprobs=MAX_LOGPROBS)
 

@@ -63,6 +63,8 @@ class EngineOptions:
     dtype: str = "auto"
     attention_backend: str = "auto"
     grace_period_s: float = 10.0
+    dist_port: int = 29500          # torch.distributed rendezvous on node 0 (several workers)
+    verify_symmetry: bool = False   # every rank digests its state each step
 
 
 class WorkerCoreFactory:
@@ -75,6 +77,12 @@ class WorkerCoreFactory:
         self.config = config
         self.tokenizer = tokenizer
         self._last_error = ""
+        self._was_ready = False
+        self._num_ranks = 0
+
+    def tp_size(self) -> int:
+        """Ranks of the last successful Init (0 before the first)."""
+        return self._num_ranks
 
     def __call__(self) -> EngineCore:
         try:
@@ -86,6 +94,8 @@ class WorkerCoreFactory:
             self._log_once(f"{type(e).__name__}: {e}")
             raise EngineUnavailable(f"worker Init failed: {e}") from e
         self._last_error = ""
+        self._was_ready = True
+        self._num_ranks = len(result.devices)
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
         scheduler = Scheduler(self.config, result.num_kv_blocks)
@@ -100,8 +110,10 @@ class WorkerCoreFactory:
             raise EngineUnavailable("worker not ready: " + "; ".join(bad))
 
     def _log_once(self, message: str) -> None:
+        """Each new reason once; at startup (workers still loading) as INFO, later as WARNING."""
         if message != self._last_error:
-            log.warning("workers not ready: %s", message)
+            level = logging.WARNING if self._was_ready else logging.INFO
+            log.log(level, "waiting for the workers: %s", message)
             self._last_error = message
 
 
@@ -155,16 +167,17 @@ def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
         max_model_len=info.max_model_len, block_size=options.block_size,
         kv_cache_bytes=options.kv_cache_bytes,
         gpu_memory_utilization=options.gpu_memory_utilization,
-        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens)
+        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+        dist_port=options.dist_port, verify_symmetry=options.verify_symmetry)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
     factory = WorkerCoreFactory(client, spec, config, tokenizer)
     engine = AsyncEngine(factory, idle_check=factory.check_health)
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=options.block_size,
-                         tp_size=len(workers), num_workers=len(workers))
+                         num_workers=len(workers))
 
     server = grpc.aio.server(options=_SERVER_OPTIONS)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served),
-                                                         server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engine, served, tp_size=factory.tp_size), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     add_reflection(server, (GENERATION_SERVICE, HEALTH_SERVICE))

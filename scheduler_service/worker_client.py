@@ -4,10 +4,15 @@ Torch-free. One WorkerClient talks to every worker service (node) of one model r
 at `addresses[0]` is node 0, which holds the output rank and answers with the RunnerOutput; the
 others answer with empty acknowledgements.
 
-    init(spec)  -> new random epoch; Init on all workers at once (tensor-parallel ranks rendezvous
-                   inside Init, so the calls must overlap); then one Step stream per worker
-    execute(p)  -> StepRequest(epoch, step, p) to every worker, step = 0, 1, 2, ... per epoch;
-                   wait for every reply; return node 0's payload
+    init(spec)  -> Info from every worker (how it was started); plan the group (group_plan.py);
+                   new random epoch; Init on all workers at once (tensor-parallel ranks
+                   rendezvous inside Init, so the calls must overlap; the first failure cancels
+                   the rest); then one Step stream per worker
+    execute(p)  -> StepRequest(epoch, step, p) to every worker (once per node, never per rank;
+                   the bytes do not depend on the TP size), step = 0, 1, 2, ... per epoch;
+                   wait for every reply; return node 0's payload. With verify_symmetry every
+                   node's digest must be equal, else SymmetryError (and the next init re-forms
+                   the process group)
 
 Any failure (unreachable worker, broken stream, StepError, no reply within `step_timeout_s`)
 raises WorkerFailure naming the worker, and fails the client until the next `init` or `reset`.
@@ -15,16 +20,23 @@ Use init/execute/reset/close from one thread; `health` may be called from any th
 """
 from __future__ import annotations
 
+import queue
 import secrets
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from engine_common.params import ParamError
 from engine_common.protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.errors import WorkerFailure
-from scheduler_service.worker_stream import StepStream, describe_rpc_error
+from scheduler_service.group_plan import plan_group
+from scheduler_service.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec, WorkerDevice,
+                                           WorkerHealth)
+from scheduler_service.worker_stream import StepStream, SymmetryError, describe_rpc_error
+
+__all__ = ["DEFAULT_DIST_PORT", "InitResult", "InitSpec", "SymmetryError", "WorkerClient",
+           "WorkerDevice", "WorkerHealth"]
+
 
 
 # Large payloads (whole prompts), keepalive pings every few seconds so a dead link is noticed,
@@ -42,79 +54,6 @@ CHANNEL_OPTIONS = (
 )
 
 
-@dataclass(frozen=True)
-class InitSpec:
-    """What every worker loads. 0 / "auto" / None take the worker's or the model's default.
-
-    Exactly one KV budget applies: `kv_cache_bytes` (per rank), or `gpu_memory_utilization` (the
-    fraction of each GPU the worker may use in all); neither takes the worker's default.
-    """
-
-    model_dir: str
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    max_model_len: int = 0
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # Tensor-parallel layout: every worker runs `num_local_ranks` ranks; tp_size is
-    # len(addresses) * num_local_ranks. "" rendezvous: the workers' default (node 0's host).
-    num_local_ranks: int = 1
-    rendezvous_address: str = ""
-    verify_symmetry: bool = False
-
-    def __post_init__(self):
-        if not self.model_dir:
-            raise ParamError("model_dir", self.model_dir, "a non-empty path")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ParamError("block_size", self.block_size, "a power of two >= 1")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_local_ranks"):
-            if getattr(self, name) < 1:
-                raise ParamError(name, getattr(self, name), ">= 1")
-        if self.max_model_len < 0:
-            raise ParamError("max_model_len", self.max_model_len, ">= 0 (0: the model's)")
-        if self.kv_cache_bytes is not None and self.gpu_memory_utilization is not None:
-            raise ParamError("gpu_memory_utilization", self.gpu_memory_utilization,
-                             "unset when kv_cache_bytes is set (one KV budget)")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ParamError("kv_cache_bytes", self.kv_cache_bytes, ">= 1")
-        util = self.gpu_memory_utilization
-        if util is not None and not 0.0 < util <= 1.0:
-            raise ParamError("gpu_memory_utilization", util, "in (0, 1]")
-
-
-@dataclass(frozen=True)
-class WorkerDevice:
-    """One rank's device as a worker reported it in Init."""
-
-    address: str
-    node_rank: int
-    local_rank: int
-    global_rank: int
-    kind: str
-    name: str
-    total_memory_bytes: int
-    free_memory_bytes: int
-    num_kv_blocks: int
-
-
-@dataclass(frozen=True)
-class InitResult:
-    epoch: int
-    num_kv_blocks: int      # the minimum over all workers
-    kv_block_bytes: int     # per rank
-    devices: tuple[WorkerDevice, ...]
-
-
-@dataclass(frozen=True)
-class WorkerHealth:
-    address: str
-    ready: bool
-    reason: str
-
-
 class WorkerClient:
     """Client of every worker service of one replica; implements the engine's StepExecutor."""
 
@@ -130,8 +69,10 @@ class WorkerClient:
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._streams: list[StepStream] = []
         self.epoch: int | None = None
+        self.verify_symmetry = False
         self._next_step = 0
         self._failure: str | None = "not initialized: call init() first"
+        self._force_new_group = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -139,17 +80,23 @@ class WorkerClient:
         """Start a new epoch on every worker with `spec`; open the Step streams."""
         self._close_streams()
         self._failure = "an init() did not complete"
-        self._wait_ready()
+        plan = plan_group(self.addresses, self._wait_ready(),
+                          num_local_ranks=spec.num_local_ranks,
+                          rendezvous_address=spec.rendezvous_address, dist_port=spec.dist_port,
+                          force_new=self._force_new_group)
         epoch = _new_epoch()
-        calls = [stub.Init.future(_init_request(spec, epoch, node, len(self.addresses)),
+        calls = [stub.Init.future(_init_request(spec, epoch, plan.layout_pb(node)),
                                   timeout=self.init_timeout_s)
                  for node, stub in enumerate(self._stubs)]
-        replies = [self._result(call, addr, "Init") for call, addr in zip(calls, self.addresses)]
+        replies = self._all_results(calls, "Init")
+        self._force_new_group = False
+        self.verify_symmetry = spec.verify_symmetry
         self._start_epoch(epoch)
         devices = tuple(_device(d, addr, node) for node, (addr, r) in
                         enumerate(zip(self.addresses, replies)) for d in r.devices)
         return InitResult(epoch=epoch, num_kv_blocks=min(r.num_kv_blocks for r in replies),
-                          kv_block_bytes=replies[0].kv_block_bytes, devices=devices)
+                          kv_block_bytes=replies[0].kv_block_bytes, devices=devices,
+                          tp_size=plan.tp_size, group_id=plan.group_id)
 
     def reset(self) -> int:
         """Start a new epoch on every worker; returns how many cached requests node 0 dropped."""
@@ -205,10 +152,26 @@ class WorkerClient:
         deadline = time.monotonic() + self.step_timeout_s
         try:
             replies = [s.receive(self.epoch, step, deadline) for s in self._streams]
+            if self.verify_symmetry:
+                self._check_symmetry(step, replies)
         except WorkerFailure as e:
+            self._force_new_group |= isinstance(e, SymmetryError)
             self._fail(str(e))
             raise
-        return replies[0]
+        return replies[0].payload
+
+    def _check_symmetry(self, step: int, replies: list) -> None:
+        """Every node's digest must be present and equal (each already agrees within its node)."""
+        digests = [r.digest if r.HasField("digest") else None for r in replies]
+        for addr, digest in zip(self.addresses, digests):
+            if digest is None:
+                raise WorkerFailure(f"worker {addr}: step {step} came back without a digest "
+                                    "although verify_symmetry is on")
+        if len(set(digests)) > 1:
+            listed = ", ".join(f"node {n} ({a}) {d.hex()}"
+                               for n, (a, d) in enumerate(zip(self.addresses, digests)))
+            raise SymmetryError(f"symmetry divergence at epoch {self.epoch} step {step}: the "
+                                f"nodes disagree on their sampled ids or cached state ({listed})")
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -220,18 +183,36 @@ class WorkerClient:
         self._failure = reason
         self._close_streams()
 
-    def _wait_ready(self) -> None:
-        """Wait up to connect_timeout_s for every worker to answer (a Health call that waits for
-        the connection; channel_ready_future would leave a polling thread behind)."""
-        calls = [stub.Health.future(worker_pb2.HealthRequest(), wait_for_ready=True,
-                                    timeout=self.connect_timeout_s) for stub in self._stubs]
+    def _wait_ready(self) -> list:
+        """Every worker's Info, waiting up to connect_timeout_s for each to answer (a call that
+        waits for the connection; channel_ready_future would leave a polling thread behind)."""
+        calls = [stub.Info.future(worker_pb2.InfoRequest(), wait_for_ready=True,
+                                  timeout=self.connect_timeout_s) for stub in self._stubs]
+        infos = []
         for call, addr in zip(calls, self.addresses):
             try:
-                call.result()
+                infos.append(call.result())
             except grpc.RpcError as e:
                 raise WorkerFailure(f"worker {addr}: not reachable within "
                                     f"{self.connect_timeout_s:g}s ({describe_rpc_error(e)})"
                                     ) from None
+        return infos
+
+    def _all_results(self, calls: list, rpc: str) -> list:
+        """Every call's result, in order. The first failure cancels the others at once (a node
+        that waits in a rendezvous for a failed peer must not hold the caller)."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        for i, call in enumerate(calls):
+            call.add_done_callback(lambda _, i=i: done.put(i))
+        for _ in calls:
+            i = done.get()
+            try:
+                calls[i].result()
+            except grpc.RpcError:
+                for other in calls:
+                    other.cancel()
+                self._result(calls[i], self.addresses[i], rpc)
+        return [self._result(call, addr, rpc) for call, addr in zip(calls, self.addresses)]
 
     def _result(self, call, addr: str, rpc: str):
         try:
@@ -256,17 +237,14 @@ def _new_epoch() -> int:
     return secrets.randbits(63) or 1
 
 
-def _init_request(spec: InitSpec, epoch: int, node_rank: int,
-                  num_nodes: int) -> worker_pb2.InitRequest:
+def _init_request(spec: InitSpec, epoch: int,
+                  layout: worker_pb2.ParallelLayout) -> worker_pb2.InitRequest:
     req = worker_pb2.InitRequest(
         model_dir=spec.model_dir, dtype=spec.dtype,
         attention_backend="" if spec.attention_backend == "auto" else spec.attention_backend,
         max_model_len=spec.max_model_len, block_size=spec.block_size, epoch=epoch,
         max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-        verify_symmetry=spec.verify_symmetry,
-        layout=worker_pb2.ParallelLayout(
-            tp_size=num_nodes * spec.num_local_ranks, node_rank=node_rank, num_nodes=num_nodes,
-            num_local_ranks=spec.num_local_ranks, rendezvous_address=spec.rendezvous_address))
+        verify_symmetry=spec.verify_symmetry, layout=layout)
     if spec.kv_cache_bytes is not None:
         req.kv_cache_bytes = spec.kv_cache_bytes
     elif spec.gpu_memory_utilization is not None:

@@ -5,6 +5,9 @@ iterator. Here the request iterator is a generator fed by a queue (`send`), and 
 moves responses, or the stream's end, into a second queue, so `receive` can wait with a deadline:
 a killed worker ends the stream (UNAVAILABLE) and `receive` raises at once; a stuck one raises
 when the deadline passes. Neither ever hangs the caller.
+
+A StepError with code SYMMETRY_DIVERGENCE (a node's ranks disagreed) raises SymmetryError; any
+other error, WorkerFailure.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ from engine_common.protos import worker_pb2
 from scheduler_service.errors import WorkerFailure
 
 _STOP = object()  # the request generator's end marker
+
+
+class SymmetryError(WorkerFailure):
+    """Ranks that must be identical disagree on their sampled ids or cached state
+    (verify_symmetry): within a node (the worker reports it) or across nodes (the client
+    compares the nodes' digests). Like any WorkerFailure it ends the epoch."""
 
 
 def describe_rpc_error(e: grpc.RpcError) -> str:
@@ -50,8 +59,8 @@ class StepStream:
     def send(self, request: worker_pb2.StepRequest) -> None:
         self._outbox.put(request)
 
-    def receive(self, epoch: int, step: int, deadline: float) -> bytes:
-        """The payload of the reply to (epoch, step); deadline is a time.monotonic() value."""
+    def receive(self, epoch: int, step: int, deadline: float) -> worker_pb2.StepResponse:
+        """The reply to (epoch, step); deadline is a time.monotonic() value."""
         try:
             item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
@@ -63,12 +72,14 @@ class StepStream:
                                 f"{self._why(item)}")
         if item.HasField("error"):
             code = worker_pb2.StepError.Code.Name(item.error.code)
-            raise WorkerFailure(f"worker {self.address}: step {step} failed: {code}: "
-                                f"{item.error.message}")
+            error = (SymmetryError if item.error.code == worker_pb2.StepError.SYMMETRY_DIVERGENCE
+                     else WorkerFailure)
+            raise error(f"worker {self.address}: step {step} failed: {code}: "
+                        f"{item.error.message}")
         if item.epoch != epoch or item.step != step:
             raise WorkerFailure(f"worker {self.address}: expected the reply to epoch {epoch} "
                                 f"step {step}, got epoch {item.epoch} step {item.step}")
-        return item.payload
+        return item
 
     def close(self) -> None:
         """End the request stream and cancel the call (idempotent)."""

@@ -186,10 +186,12 @@ class NodeWorker:
             return reply
 
     def _check_envelope(self, epoch: int, step: int) -> None:
-        if self.epoch is None or not self.readiness()[0]:
-            reason = self.readiness()[1] or "not initialized"
+        if self.epoch is None:
             raise StepFailure(FailureKind.NOT_INITIALIZED,
-                              f"the worker is not ready ({reason}): call Init first")
+                              "the worker is not initialized: call Init first")
+        ready, reason = self.readiness()
+        if not ready:  # initialized, then lost a rank
+            raise StepFailure(FailureKind.RANK_FAILED, f"the worker is not ready: {reason}")
         if epoch != self.epoch:
             raise StepFailure(FailureKind.EPOCH_MISMATCH,
                               f"step {step} carries epoch {epoch}; the current epoch is "

@@ -1,6 +1,7 @@
-"""The Worker gRPC servicer: protobuf in, LocalWorker calls, protobuf out.
+"""The Worker gRPC servicer: protobuf in, NodeWorker calls, protobuf out.
 
-Runs on a synchronous grpc.server with a thread pool; LocalWorker serializes use of the runner.
+Runs on a synchronous grpc.server with a thread pool; the NodeWorker (LocalWorker for one rank,
+RankGroupWorker for rank processes) serializes steps, Init and Reset.
 
 Step stream errors. A refused or failed step is answered with one StepResponse whose `error` is
 set, then the stream is closed with a status (the response is skipped only for SUPERSEDED):
@@ -13,6 +14,8 @@ set, then the stream is closed with a status (the response is skipped only for S
     payload undecodable or digest wrong       BAD_PAYLOAD           INVALID_ARGUMENT
     diff does not fit the cached requests     BAD_PAYLOAD           FAILED_PRECONDITION
     runner raised (model, device, OOM)        INTERNAL              INTERNAL
+    a rank process died or stopped answering  RANK_FAILED           UNAVAILABLE
+    local ranks' digests differ (verify)      SYMMETRY_DIVERGENCE   INTERNAL
     a newer Step stream was opened            (no response)         ABORTED
 
 Every failure except an epoch mismatch and supersession fails the epoch: later steps are refused
@@ -28,7 +31,7 @@ import grpc
 from engine_common.protos import worker_pb2, worker_pb2_grpc
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
-from worker_service.local_worker import FailureKind, LocalWorker, NodeLayout, StepFailure
+from worker_service.node_worker import FailureKind, NodeLayout, NodeWorker, StepFailure
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ _STEP_FAILURES = {
     FailureKind.BAD_PAYLOAD: (_Code.BAD_PAYLOAD, _S.INVALID_ARGUMENT),
     FailureKind.BAD_STATE: (_Code.BAD_PAYLOAD, _S.FAILED_PRECONDITION),
     FailureKind.INTERNAL: (_Code.INTERNAL, _S.INTERNAL),
+    FailureKind.RANK_FAILED: (_Code.RANK_FAILED, _S.UNAVAILABLE),
+    FailureKind.SYMMETRY_DIVERGENCE: (_Code.SYMMETRY_DIVERGENCE, _S.INTERNAL),
     FailureKind.SUPERSEDED: (None, _S.ABORTED),
 }
 
@@ -62,20 +67,23 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Adapts the Worker service onto a LocalWorker.
+    """Adapts the Worker service onto a NodeWorker.
 
-    `on_readiness(ready)` is called after every Init and Reset (the server feeds grpc health).
+    `on_readiness(ready)` is called after every Init and Reset, and when a rank dies (the server
+    feeds grpc health).
     """
 
-    def __init__(self, worker: LocalWorker,
+    def __init__(self, worker: NodeWorker,
                  on_readiness: Callable[[bool], None] | None = None):
         self.worker = worker
         self._on_readiness = on_readiness or (lambda ready: None)
+        worker.set_readiness_listener(self._on_readiness)
 
     def Init(self, request, context):
         try:
             config, layout, util = _init_args(request, self.worker.device)
-            outcome = self.worker.init(config, layout, request.epoch, util)
+            outcome = self.worker.init(config, layout, request.epoch, util,
+                                       request.verify_symmetry)
         except Exception as e:  # every failure becomes a status naming it
             log.exception("Init failed")
             self._on_readiness(self.worker.readiness()[0])
@@ -90,7 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for req in request_iterator:
             digest = req.digest if req.HasField("digest") else None
             try:
-                payload = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
+                reply = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
             except StepFailure as failure:
                 code, status = _STEP_FAILURES[failure.kind]
                 log.warning("Step refused: %s", failure)
@@ -99,10 +107,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         epoch=req.epoch, step=req.step,
                         error=worker_pb2.StepError(code=code, message=str(failure)))
                 context.abort(status, str(failure))
-            yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=payload)
+            yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=reply.payload,
+                                          digest=reply.digest)
 
     def Reset(self, request, context):
-        dropped = self.worker.reset(request.epoch)
+        try:
+            dropped = self.worker.reset(request.epoch)
+        except Exception as e:
+            log.exception("Reset failed")
+            self._on_readiness(self.worker.readiness()[0])
+            context.abort(status_for(e), f"Reset failed: {type(e).__name__}: {e}")
         self._on_readiness(self.worker.readiness()[0])
         return worker_pb2.ResetResponse(epoch=request.epoch, num_dropped_requests=dropped)
 
@@ -112,16 +126,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Info(self, request, context):
         w = self.worker
-        runner = w.runner
+        model = w.model_summary()
         resp = worker_pb2.InfoResponse(
             device_kind=w.device.partition(":")[0], devices=self._device_infos(),
-            model_loaded=runner is not None, epoch=w.epoch or 0,
-            num_kv_blocks=w.num_kv_blocks)
-        if runner is not None:
-            resp.model_dir = runner.config.model_dir
-            resp.attention_backend = runner.attention_backend_name
-            resp.dtype = str(runner.model_dtype).removeprefix("torch.")
-            resp.layout.CopyFrom(_layout_pb(w.layout))
+            model_loaded=model is not None, epoch=w.epoch or 0,
+            num_kv_blocks=w.num_kv_blocks if model is not None else 0,
+            layout=_layout_pb(w.layout), group_id=w.group_id)
+        if model is not None:
+            resp.model_dir = model.model_dir
+            resp.attention_backend = model.attention_backend
+            resp.dtype = model.dtype
         return resp
 
     def _device_infos(self) -> list[worker_pb2.DeviceInfo]:
@@ -159,7 +173,7 @@ def _layout(pb) -> NodeLayout:
     num_nodes = pb.num_nodes or 1
     layout = NodeLayout(tp_size=pb.tp_size or num_nodes * num_local, node_rank=pb.node_rank,
                         num_nodes=num_nodes, num_local_ranks=num_local,
-                        rendezvous_address=pb.rendezvous_address)
+                        rendezvous_address=pb.rendezvous_address, group_id=pb.group_id)
     if layout.tp_size != layout.num_nodes * layout.num_local_ranks:
         raise ValueError(f"layout.tp_size={layout.tp_size} is invalid: must equal num_nodes "
                          f"({num_nodes}) * num_local_ranks ({num_local})")
@@ -172,7 +186,8 @@ def _layout(pb) -> NodeLayout:
 def _layout_pb(layout: NodeLayout) -> worker_pb2.ParallelLayout:
     return worker_pb2.ParallelLayout(
         tp_size=layout.tp_size, node_rank=layout.node_rank, num_nodes=layout.num_nodes,
-        num_local_ranks=layout.num_local_ranks, rendezvous_address=layout.rendezvous_address)
+        num_local_ranks=layout.num_local_ranks, rendezvous_address=layout.rendezvous_address,
+        group_id=layout.group_id)
 
 
 def _device_pb(d: DeviceDescription, local_rank: int, layout: NodeLayout,

@@ -28,6 +28,7 @@ imports (and its checks run) on machines without it.
 from __future__ import annotations
 
 import importlib
+import re
 from types import ModuleType
 
 import torch
@@ -53,25 +54,18 @@ def import_flash_attn() -> ModuleType:
         raise FlashAttnUnavailable(
             "attention_backend='flash_attn' needs the flash_attn package "
             "(pip install 'deltaserve[flash]'); use 'triton' or 'auto' instead") from e
-    version = _version_tuple(getattr(module, "__version__", "0"))
-    if version < MIN_FLASH_ATTN_VERSION:
+    text = str(getattr(module, "__version__", "0"))
+    if _version_tuple(text) < MIN_FLASH_ATTN_VERSION:
         raise FlashAttnUnavailable(
-            f"flash_attn {module.__version__} is too old: the paged varlen entry point needs "
+            f"flash_attn {text} is too old: the paged varlen entry point needs "
             f">= {'.'.join(map(str, MIN_FLASH_ATTN_VERSION))}")
     return module
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
-    """'2.6.3' -> (2, 6, 3); stops at the first non-numeric part ('2.7.0.post2' -> (2, 7, 0))."""
-    parts = []
-    for piece in text.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits or digits != piece:
-            if digits and piece.startswith(digits):
-                parts.append(int(digits))
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    """'2.6.3' -> (2, 6, 3); '2.7.0.post2' -> (2, 7, 0); unparsable -> ()."""
+    match = re.match(r"\d+(\.\d+)*", text)
+    return tuple(int(p) for p in match.group(0).split(".")) if match else ()
 
 
 def check_flash_layout(block_size: int, head_dim: int, dtype: torch.dtype) -> None:

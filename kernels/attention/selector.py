@@ -2,32 +2,56 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+
+import torch
 
 from kernels.attention.backend import AttentionBackend
 
 BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
 
 
-def resolve_backend_name(name: str, device_type: str) -> str:
-    """`auto` prefers flash-attn, then Triton on CUDA, then the torch reference."""
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a backend must accept: flash-attn's paged kernels need blocks of 256 and fp16/bf16."""
+
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def _flash_attn_fits(layout: CacheLayout | None) -> bool:
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    from kernels.attention.flash_attn_backend import flash_attn_supports
+    return layout is None or flash_attn_supports(layout.block_size, layout.head_dim,
+                                                 layout.dtype)
+
+
+def resolve_backend_name(name: str, device_type: str, layout: CacheLayout | None = None) -> str:
+    """`auto` prefers flash-attn (when it accepts the cache layout), then Triton on CUDA, then
+    the torch reference."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={name!r} is invalid: must be one of {BACKEND_NAMES}")
     if name != "auto":
         return name
-    if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device_type == "cuda" and _flash_attn_fits(layout):
         return "flash_attn"
     if device_type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
     return "torch"
 
 
-def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
-    resolved = resolve_backend_name(name, device_type)
+def get_attention_backend(name: str, device_type: str,
+                          layout: CacheLayout | None = None) -> AttentionBackend:
+    resolved = resolve_backend_name(name, device_type, layout)
     if resolved == "torch":
         from kernels.attention.torch_ref import TorchAttentionBackend
         return TorchAttentionBackend()
     if resolved == "triton":
         from kernels.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
-    from kernels.attention.flash_attn_backend import FlashAttnBackend
+    from kernels.attention.flash_attn_backend import FlashAttnBackend, check_flash_layout
+    if layout is not None:
+        check_flash_layout(layout.block_size, layout.head_dim, layout.dtype)
     return FlashAttnBackend()
