@@ -100,13 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64, help="default: 64")
     p.add_argument("--min-tokens", type=int, default=0, help="default: 0")
     p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None, help="default: the server's (1)")
+    p.add_argument("--top-k", type=int, default=None, help="default: the server's (0: off)")
+    p.add_argument("--min-p", type=float, default=None, help="default: the server's (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="default: the server draws one")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+    from bench import throughput as bench_throughput  # torch-free at import
+    bench_throughput.build_parser(sub.add_parser(
+        "bench", help="offline throughput of the in-process engine (appends bench/results.md)"))
     return parser
 
 
@@ -199,8 +203,14 @@ def _cmd_generate(args) -> int:
     return generate(args)
 
 
+def _cmd_bench(args) -> int:
+    from bench import throughput
+
+    return throughput.run_and_report(args)
+
+
 _COMMANDS = {"worker": _cmd_worker, "scheduler": _cmd_scheduler, "serve": _cmd_serve,
-             "generate": _cmd_generate}
+             "generate": _cmd_generate, "bench": _cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

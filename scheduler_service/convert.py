@@ -184,16 +184,12 @@ def _logprob_to_proto(entry: TokenLogprob,
 
 
 def timings_to_proto(timings: RequestTimings) -> pb.Timings:
-    """Seconds since arrival. A moment that has not happened leaves its field 0.
-
-    queued_s needs `first_scheduled_time` on the timings (monotonic seconds); it stays 0 when the
-    timings do not carry it.
-    """
+    """Seconds since arrival. A moment that has not happened leaves its field 0."""
     start = timings.arrival_time
 
     def since(moment: float | None) -> float:
         return max(0.0, moment - start) if moment is not None else 0.0
 
-    return pb.Timings(queued_s=since(getattr(timings, "first_scheduled_time", None)),
+    return pb.Timings(queued_s=since(timings.first_scheduled_time),
                       time_to_first_token_s=since(timings.first_token_time),
                       total_s=since(timings.finish_time))

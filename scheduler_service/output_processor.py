@@ -37,6 +37,7 @@ class RequestTimings:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    first_scheduled_time: float | None = None
 
 
 @dataclass
@@ -191,7 +192,7 @@ class OutputProcessor:
             num_output_tokens=state.num_output_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
             timings=RequestTimings(request.arrival_time, request.first_token_time,
-                                   request.finish_time))
+                                   request.finish_time, request.first_scheduled_time))
 
     @staticmethod
     def _logprobs(request: Request, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:

@@ -47,6 +47,7 @@ class Request:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -174,6 +174,8 @@ class Scheduler:
         resumed = request.status == RequestStatus.PREEMPTED
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
         self.running.append(request)

@@ -18,14 +18,14 @@ import pytest
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from engine_common.tokenizer import Tokenizer
+from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.errors import WorkerFailure
 from scheduler_service.request import Request
 from scheduler_service.server import WorkerCoreFactory
 from scheduler_service.status import status_for
-from scheduler_service.async_engine import AsyncEngine
 from scheduler_service.worker_client import SymmetryError
 from tests.grpc_harness import health_status
-from tests.tp_harness import (Cluster, make_core, reference, run_requests, scheduler_config)
+from tests.tp_harness import Cluster, make_core, reference, run_requests, scheduler_config
 from worker_service.rank_process import CORRUPT_RANK_ENV
 
 
@@ -69,6 +69,14 @@ def test_verify_symmetry_is_silent_on_a_mixed_workload(tp2, model_dir):
     try:
         client.init(tp2.spec(model_dir, verify_symmetry=True))
         tokens = run_requests(make_core(model_dir, client), model_dir, *work)
+        # Reset (a new epoch) reaches every rank: it drops the requests they hold. (The first
+        # may find the last finished one: finished handles ride on the next diff.)
+        client.reset()
+        core = make_core(model_dir, client)
+        for i in range(3):
+            core.add_request(Request(f"x{i}", work[0][i], work[1][i], StoppingParams()))
+        core.step()
+        assert client.reset() == 3
     finally:
         client.close()
     assert tokens == reference(model_dir, *work)[0]
@@ -80,6 +88,8 @@ def test_killed_rank_fails_the_step_fast_and_worker_turns_unready(tp2, model_dir
     client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
         client.init(tp2.spec(model_dir))
+        # Same model, new epoch: both ranks kept their weights (one load each in all).
+        assert tp2.nodes[0].err_path.read_text().count("loaded model ") == 2
         core = make_core(model_dir, client)
         for i, prompt in enumerate(prompts):
             core.add_request(Request(f"r{i}", prompt, samplings[i],

@@ -2,7 +2,7 @@
 
     worker service ── command ring (broadcast) ──▶ rank r: RankLoop ── RunnerHost(ModelRunner)
                    ◀── reply ring r ──────────────
-                                                   rank r ◀── torch.distributed (gloo / nccl) ──▶ peers
+                                        rank r ◀── torch.distributed (gloo / nccl) ──▶ peers
 
 On its first "configure" the rank joins the process group: backend gloo on CPU, nccl on CUDA,
 init_method tcp://RENDEZVOUS, world size tp_size, rank node_rank * local_ranks + local_rank. It

@@ -2,9 +2,10 @@
 
     RankSet ── ShmBroadcastRing (1 writer, G readers) ──▶ rank 0 .. rank G-1  (spawned processes)
             ◀── ShmReplyHub (one reply ring per rank) ──┘
-    watchdog thread: waits on every rank's Process.sentinel; a death shuts both rings down (so
-    a blocked write or gather wakes at once with RingClosed), kills the other ranks (they would
-    wait forever in a collective) and reports "rank R (local rank r, pid P) exited with ...".
+    watchdog thread: waits on every rank's Process.sentinel; on a death it reports
+    "rank R (local rank r, pid P) was killed by signal 9 (SIGKILL)" (on_failure: the worker
+    turns unready), shuts both rings down (a blocked write or gather wakes at once with
+    RingClosed) and kills the other ranks (they would wait forever in a collective).
 
 `call(message)` broadcasts one command and gathers one reply per rank. A call that cannot finish
 cleanly (a death, a timeout, an interruption, ranks that disagree on success) leaves the set
@@ -167,10 +168,10 @@ class RankSet:
         self.failure = (f"rank {spec.global_rank} (local rank {local}, pid {proc.pid}) "
                         f"{describe_exit(proc.exitcode)}")
         log.error("%s; stopping the other ranks", self.failure)
+        self._on_failure(self.failure)  # unready before any waiting step is woken
         self._ring.shutdown()
         self._hub.shutdown()
         self._kill_all(grace_s=0.0)
-        self._on_failure(self.failure)
 
     def _kill_all(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
