@@ -39,6 +39,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="torch, triton, flash_attn or auto: the best available (default: auto)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly: no CUDA graphs (default: graphs on CUDA with "
+                        "the triton or flash_attn backend)")
+    g.add_argument("--max-graph-batch", type=int, default=512,
+                   help="largest decode batch captured as a CUDA graph: 1, 2, 4, 8, then steps "
+                        "of 16 up to this (default: 512)")
     g.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds open streams may finish after SIGTERM/SIGINT (default: 10)")
 
@@ -163,7 +169,8 @@ def engine_options(args):
         kv_cache_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype, attention_backend=args.attention_backend,
         grace_period_s=args.grace_period, dist_port=getattr(args, "dist_port", 29500),
-        verify_symmetry=getattr(args, "verify_symmetry", False))
+        verify_symmetry=getattr(args, "verify_symmetry", False),
+        enforce_eager=args.enforce_eager, max_graph_batch=args.max_graph_batch)
 
 
 def _cmd_scheduler(args) -> int:

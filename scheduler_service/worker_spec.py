@@ -27,6 +27,8 @@ class InitSpec:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enforce_eager: bool = False      # no decode CUDA graphs
+    max_graph_batch: int = 512       # largest decode batch captured as a CUDA graph
     # Tensor-parallel layout: tp_size = len(addresses) * local ranks per worker. The workers say
     # how many local ranks they run (their --local-ranks); 0 accepts that, any other value must
     # match it. With several nodes the ranks rendezvous at `rendezvous_address`, or when that is
@@ -43,7 +45,7 @@ class InitSpec:
             raise ParamError("model_dir", self.model_dir, "a non-empty path")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ParamError("block_size", self.block_size, "a power of two >= 1")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_graph_batch"):
             if getattr(self, name) < 1:
                 raise ParamError(name, getattr(self, name), ">= 1")
         if self.num_local_ranks < 0:

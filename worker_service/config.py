@@ -19,11 +19,16 @@ class RunnerConfig:
     # KV budget. On CPU a byte budget; num_kv_blocks, when set, wins (tests use tiny caches).
     kv_cache_bytes: int = 1 << 30
     num_kv_blocks: int | None = None
+    # Decode CUDA graphs (CUDA with a capturable backend only): captured for batch sizes 1, 2, 4,
+    # 8, then steps of 16 up to max_graph_batch; enforce_eager turns them off.
+    enforce_eager: bool = False
+    max_graph_batch: int = 512
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ParamError("block_size", self.block_size, "a power of two >= 1")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                     "max_graph_batch"):
             if getattr(self, name) < 1:
                 raise ParamError(name, getattr(self, name), ">= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -7,6 +7,7 @@ into its own persistent batch.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import numpy as np
 import torch
@@ -15,15 +16,26 @@ from engine_common.codec import decode_scheduler_output
 from engine_common.diff import RunnerOutput, SchedulerOutput
 from engine_common.model_dir import ModelInfo
 from kernels.attention.backend import AttentionMetadata
-from kernels.attention.selector import get_attention_backend, resolve_backend_name
+from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
+from worker_service.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
 from worker_service.input_batch import InputBatch
-from worker_service.model_loader import load_model
+from worker_service.kv_profiler import (KVMemoryProfile, make_decode_warmup, make_prefill_warmup,
+                                        profile_kv_memory)
+from worker_service.model_loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sampler import Sampler
 from worker_service.sampling_inputs import build_sampling_metadata
 from worker_service.step_inputs import StepInputs, StepProtocolError, prepare_step_inputs
+
+log = logging.getLogger(__name__)
+
+
+def _cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype))
 
 
 class ModelRunner:
@@ -34,9 +46,10 @@ class ModelRunner:
         info = ModelInfo.from_dir(config.model_dir, config.max_model_len)
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        layout = _cache_layout(info.hf_config, config)
         self.attention_backend_name = resolve_backend_name(config.attention_backend,
-                                                           self.device.type)
-        backend = get_attention_backend(self.attention_backend_name, self.device.type)
+                                                           self.device.type, layout)
+        backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype)
         self.sampler = Sampler()
         self.block_size = config.block_size
@@ -44,6 +57,7 @@ class ModelRunner:
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
         self.requests: dict[int, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
 
     # -- KV cache ---------------------------------------------------------------------------
@@ -65,10 +79,45 @@ class ModelRunner:
         return max(1, self.config.kv_cache_bytes // self.kv_block_bytes)
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then capture decode CUDA graphs over it where they apply."""
+        self.free_kv_cache()
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
                           for _ in range(m.num_layers)]
+        why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
+                                            self.config.enforce_eager)
+        if why_not is not None:
+            log.info("decode CUDA graphs off: %s", why_not)
+            return
+        self.graph_runner = DecodeGraphRunner(
+            self.model, self.kv_caches, self._max_graph_batch, self.batch.block_table.shape[1],
+            self.max_model_len, self.device)
+        self.graph_runner.capture()
+
+    def free_kv_cache(self) -> None:
+        """Drop the cache and the graphs captured over it (they hold its memory and pool)."""
+        self.graph_runner = None
+        self.kv_caches = []
+
+    @property
+    def _max_graph_batch(self) -> int:
+        return min(self.config.max_graph_batch, self.config.max_num_seqs)
+
+    def profile_kv_memory(self, gpu_memory_utilization: float) -> KVMemoryProfile:
+        """CUDA: what the KV cache may take after a profiled warm-up at the largest step (and
+        the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
+        every tensor-parallel rank must call it together (the warm-up runs collectives)."""
+        c = self.config
+        warmup = make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
+                                     c.max_num_seqs, self.max_model_len, self.device)
+        graph_warmup = None
+        if graphs_unsupported_reason(self.attention_backend_name, self.device,
+                                     c.enforce_eager) is None:
+            graph_warmup = make_decode_warmup(self.model, self.block_size, self._max_graph_batch,
+                                              self.max_model_len, self.device)
+        return profile_kv_memory(warmup, self.kv_block_bytes, gpu_memory_utilization,
+                                 self.device, graph_warmup)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
         """BLAKE2b (16 bytes) of this step's sampled ids and the cached state: per batch row the
@@ -111,18 +160,32 @@ class ModelRunner:
         inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
         if inputs.num_tokens == 0:
             return RunnerOutput(step=diff.step)
-        hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
-                            torch.from_numpy(inputs.positions).to(self.device),
-                            self.kv_caches, self._attention_metadata(inputs))
+        logits = self._forward(inputs)
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         sample_rows = inputs.rows[inputs.sample_mask]
         if len(sample_rows) == 0:
             return RunnerOutput(step=diff.step)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.logits_indices)
-                                                  .to(self.device)])
         meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size, self.device)
         sampled = self.sampler.forward(logits, meta)
         return self._record_samples(diff.step, sample_rows, sampled)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits of the rows that sample: a captured graph for a pure-decode batch that fits
+        one, else the eager model."""
+        n = len(inputs.rows)
+        g = self.graph_runner
+        if g is not None and g.graph_batch(n, inputs.num_tokens,
+                                           int(inputs.num_scheduled.max())) is not None:
+            logits = g.run(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                           inputs.seq_lens, inputs.block_table)
+            # Pure decode: query row i is request i, so sampling rows index logits directly.
+            return logits if inputs.sample_mask.all() else logits[
+                torch.from_numpy(np.flatnonzero(inputs.sample_mask)).to(self.device)]
+        hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
+                            torch.from_numpy(inputs.positions).to(self.device),
+                            self.kv_caches, self._attention_metadata(inputs))
+        return self.model.compute_logits(
+            hidden[torch.from_numpy(inputs.logits_indices).to(self.device)])
 
     def _row(self, handle: int) -> int:
         try:

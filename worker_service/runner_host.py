@@ -17,17 +17,13 @@ from dataclasses import dataclass
 from engine_common.codec import CodecError
 from engine_common.diff import RunnerOutput
 from worker_service.config import RunnerConfig
-from worker_service.device_info import describe_device
+from worker_service.kv_profiler import cpu_num_kv_blocks
 from worker_service.model_runner import ModelRunner
 from worker_service.node_worker import FailureKind, ModelSummary, StepFailure
 from worker_service.parallel_state import TPGroup
 from worker_service.step_inputs import StepProtocolError
 
 log = logging.getLogger(__name__)
-
-# Memory kept free for activations on CUDA until the profiling run lands (bytes).
-CUDA_ACTIVATION_MARGIN = 1 << 30
-
 
 @dataclass(frozen=True)
 class Prepared:
@@ -126,22 +122,16 @@ class RunnerHost:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if gpu_memory_utilization is None or not self.device.startswith("cuda"):
-            return max(1, config.kv_cache_bytes // block_bytes)
-        # The rank may use `utilization` of its device in all; the cache gets what the weights
-        # (and anything else already resident) leave, minus an activation margin.
+            return cpu_num_kv_blocks(config.kv_cache_bytes, block_bytes)
+        # The rank may use `utilization` of its device in all; the cache gets what the weights,
+        # the peak activations of a profiled warm-up step and the graph pool leave.
         self._free_kv_cache()  # the current cache does not count as used
-        dev = describe_device(self.device)
-        used = dev.total_memory_bytes - dev.free_memory_bytes
-        budget = int(gpu_memory_utilization * dev.total_memory_bytes) - used
-        budget -= CUDA_ACTIVATION_MARGIN
-        if budget < block_bytes:
-            raise MemoryError(f"gpu_memory_utilization={gpu_memory_utilization} leaves "
-                              f"{budget} bytes for the KV cache on {dev.name}; one block needs "
-                              f"{block_bytes}")
-        return budget // block_bytes
+        profile = self.runner.profile_kv_memory(gpu_memory_utilization)
+        log.info("KV memory on %s: %s", self.device, profile)
+        return profile.num_blocks
 
     def _free_kv_cache(self) -> None:
-        self.runner.kv_caches = []
+        self.runner.free_kv_cache()
         self.num_kv_blocks = 0
         if self.device.startswith("cuda"):
             import torch

@@ -164,7 +164,9 @@ def _init_args(req, device: str) -> tuple[RunnerConfig, NodeLayout, float | None
         max_num_seqs=req.max_num_seqs or defaults.max_num_seqs,
         max_num_batched_tokens=req.max_num_batched_tokens or defaults.max_num_batched_tokens,
         kv_cache_bytes=req.kv_cache_bytes if budget == "kv_cache_bytes"
-        else defaults.kv_cache_bytes)
+        else defaults.kv_cache_bytes,
+        enforce_eager=req.enforce_eager,
+        max_graph_batch=req.max_graph_batch or defaults.max_graph_batch)
     return config, _layout(req.layout), util
 
 
