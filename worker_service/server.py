@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # Payloads carry whole prompts: allow large messages. Accept client keepalive pings every second
 # so a scheduler can notice a dead link quickly.
 SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silent share
     ("grpc.max_send_message_length", 1 << 30),
     ("grpc.max_receive_message_length", 1 << 30),
     ("grpc.keepalive_time_ms", 10_000),
