@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test run bench proto clean
+.PHONY: install test run bench bench-grpc proto clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,10 @@ run: install
 # Offline throughput of the in-process engine; appends to bench/results.md.
 bench: install
 	$(PY) -m bench.throughput $(BENCH_ARGS)
+
+# Cost of the gRPC path: the in-process engine vs worker + scheduler processes, same workload.
+bench-grpc: install
+	$(PY) -m bench.grpc_overhead $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
