@@ -87,7 +87,7 @@ def preset_dir(name: str, cache_root: str | Path | None = None, device: str = "c
 def build_preset(preset: Preset, out_dir: str | Path, device: str = "cpu") -> Path:
     """Write `preset` as a Hugging Face model directory into out_dir."""
     if preset.arch == "tiny":
-        from engine_common.tiny_model import make_tiny_model
+        from worker_service.tiny_model import make_tiny_model
 
         return make_tiny_model(out_dir, "qwen3", seed=preset.seed, **preset.config)
     return _build_random_model(preset, Path(out_dir), device)
@@ -117,7 +117,7 @@ def _build_random_model(preset: Preset, out: Path, device: str) -> Path:
     import torch
     from transformers import GenerationConfig
 
-    from engine_common.tiny_model import make_tiny_tokenizer_dir
+    from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
 
     tok = make_tiny_tokenizer_dir(out)
     eos = tok["eos_token_id"]

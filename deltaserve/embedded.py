@@ -29,7 +29,7 @@ def tiny_model_dir() -> Path:
     target = cache_dir() / TINY_MODEL_NAME
     if (target / "config.json").is_file():
         return target
-    from engine_common.tiny_model import make_tiny_model
+    from worker_service.tiny_model import make_tiny_model
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=target.parent))

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Lazily built model dirs by architecture name ("qwen3", "llama", "qwen2")."""
-    from engine_common.tiny_model import make_tiny_model
+    from worker_service.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     cache: dict[str, str] = {}

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from engine_common.tiny_model import make_tiny_model
+from worker_service.tiny_model import make_tiny_model
 from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
 from worker_service.model_loader import (WeightLoadError, allocate_kv_caches, kv_cache_shape,
@@ -122,8 +122,8 @@ def test_absent_lm_head_is_tied_to_embeddings(tmp_path):
     assert not load(path).lm_head_is_tied
 
 
-def test_tiny_model_module_does_not_import_torch():
-    code = ("import sys, engine_common.tiny_model; "
+def test_tiny_tokenizer_module_does_not_import_torch():
+    code = ("import sys, engine_common.tiny_tokenizer; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_common.tiny_model import make_tiny_model
+from worker_service.tiny_model import make_tiny_model
 from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
 from worker_service.layers.rotary import RopeSettings, compute_inv_freq

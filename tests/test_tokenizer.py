@@ -168,8 +168,8 @@ def test_flush_returns_unfinished_character(tok):
 def test_tiny_model_tokenizer_matches_transformers(tmp_path):
     from transformers import AutoTokenizer
 
-    from engine_common.tiny_model import CORPUS as TINY_CORPUS
-    from engine_common.tiny_model import make_tiny_tokenizer_dir
+    from engine_common.tiny_tokenizer import CORPUS as TINY_CORPUS
+    from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
     info = make_tiny_tokenizer_dir(tmp_path)
     ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     assert ours.eos_token_id == info["eos_token_id"]

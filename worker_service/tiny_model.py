@@ -1,0 +1,81 @@
+"""Tiny random Hugging Face model directories for tests, benchmarks and the embedded default.
+
+`make_tiny_model` writes a real model directory (config.json, safetensors weights via
+transformers' own save_pretrained, generation_config.json) plus the tiny byte-level BPE tokenizer
+(engine_common/tiny_tokenizer.py), all deterministic in `seed`.
+
+Why initializer_range = 0.3: with the transformers default (0.02) a random 64-wide model has
+nearly flat logits, so greedy decoding repeats one token and top-2 margins are ~1e-5, which makes
+"greedy tokens equal" tests flaky under float noise. At 0.3 the logits spread over several units:
+greedy continuations vary from step to step and top-2 margins are typically 1e-2 .. 1.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
+
+ARCHS = ("qwen3", "llama", "qwen2")
+INITIALIZER_RANGE = 0.3
+
+
+def _base_config(vocab_size: int, eos_token_id: int) -> dict:
+    return dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+        initializer_range=INITIALIZER_RANGE, bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+
+
+def _arch_config(arch: str):
+    """(config class, model class, per-arch config defaults) for one of ARCHS."""
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    table = {
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM,
+                  {"tie_word_embeddings": False, "rope_scaling": llama3_rope}),
+    }
+    return table[arch]
+
+
+def _perturb_biases_and_norms(model) -> None:
+    """transformers initialises biases to 0 and norm weights to 1, which would leave those
+    code paths untested; give them random values (from the already seeded generator)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INITIALIZER_RANGE)
+            elif "norm" in name:
+                param.normal_(1.0, 0.1)
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,
+                    shard_size: int | str | None = None, **config_overrides) -> Path:
+    """Write a tiny random `arch` model with its tokenizer into out_dir and return the path.
+
+    shard_size (bytes or e.g. "100KB") makes save_pretrained split the weights and write
+    model.safetensors.index.json. config_overrides replace any config field (e.g.
+    num_key_value_heads=1, num_hidden_layers=3).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is invalid: must be one of {ARCHS}")
+    out = Path(out_dir)
+    tok = make_tiny_tokenizer_dir(out)
+    config_class, model_class, arch_defaults = _arch_config(arch)
+    fields = {**_base_config(tok["vocab_size"], tok["eos_token_id"]), **arch_defaults,
+              **config_overrides}
+    config = config_class(**fields)
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32).eval()
+    _perturb_biases_and_norms(model)
+    save_kwargs = {} if shard_size is None else {"max_shard_size": shard_size}
+    model.save_pretrained(out, **save_kwargs)
+    tf.GenerationConfig(eos_token_id=tok["eos_token_id"], bos_token_id=tok["eos_token_id"],
+                     pad_token_id=tok["eos_token_id"], do_sample=False).save_pretrained(out)
+    return out
