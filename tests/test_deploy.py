@@ -7,20 +7,22 @@ what the scheduler really imports; and examples.sh runs against a real `deltaser
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from deltaserve.cli import build_parser
 from engine_common.protos import GENERATION_SERVICE, WORKER_SERVICE
-from tests.grpc_harness import REPO, SMALL_KV_GIB, child_env, free_port, wait_for
+from tests.grpc_harness import GRPCURL, REPO, SMALL_KV_GIB, child_env, free_port, wait_for
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not importable (transformers brings it)")
 
@@ -45,9 +47,15 @@ def k8s() -> dict[str, dict]:
 
 
 def _parse(argv: list[str]):
-    """The CLI's namespace for argv; None for `--help` (valid: it exits 0)."""
+    """The CLI's namespace for argv, every flag spelled out in full (no argparse prefix
+    matching); None for `--help` (valid: it exits 0)."""
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.allow_abbrev = False
     try:
-        return build_parser().parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit as e:
         assert e.code == 0 and "--help" in argv, f"deltaserve rejects {argv}"
         return None
@@ -101,9 +109,15 @@ def _dockerfile(name: str) -> list[tuple[str, str]]:
 def _docker_run_examples(name: str) -> list[list[str]]:
     """The arguments after the image name in the Dockerfile's commented `docker run` examples."""
     text = re.sub(r"\\\n#\s*", " ", (DOCKER / name).read_text())
-    image = {"Dockerfile.scheduler": "deltaserve-scheduler", "Dockerfile.worker": "deltaserve-worker"}
+    image = "deltaserve-" + name.split(".")[1]
     runs = [shlex.split(m) for m in re.findall(r"^#\s*docker run (.*)$", text, re.M)]
-    return [r[r.index(image[name]) + 1:] for r in runs]
+    return [r[r.index(image) + 1:] for r in runs]
+
+
+def _project() -> dict:
+    """pyproject.toml's [project] table (tomllib: Python 3.11+)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
 def _canonical(name: str) -> str:
@@ -129,7 +143,7 @@ def _requirement_closure(requirements: list[str]) -> set[str]:
 # ---- the Kubernetes objects ----------------------------------------------------------------
 
 def test_every_yaml_parses_and_the_kustomization_lists_every_manifest(k8s):
-    files = sorted((REPO / "deploy").rglob("*.yaml")) + sorted((REPO / "deploy").rglob("*.yml"))
+    files = sorted((REPO / "deploy").rglob("*.y*ml"))
     assert len(files) >= 6
     for f in files:
         assert all(doc is not None for doc in yaml.safe_load_all(f.read_text())), f
@@ -139,6 +153,22 @@ def test_every_yaml_parses_and_the_kustomization_lists_every_manifest(k8s):
                                                   "PersistentVolumeClaim"}
     for key, obj in k8s.items():   # namespace-agnostic: `kubectl apply -k ... -n NS`
         assert "namespace" not in obj["metadata"], key
+
+
+def test_hostpath_overlay_patches_the_model_volume_of_the_base(k8s):
+    overlay = yaml.safe_load((K8S / "overlays" / "hostpath" / "kustomization.yaml").read_text())
+    assert (K8S / "overlays" / "hostpath" / overlay["resources"][0]).resolve() == K8S
+    for item in overlay["patches"]:
+        patch = yaml.safe_load(item["patch"])
+        if "target" not in item:   # a strategic-merge delete of a base object
+            assert f"{patch['kind']}/{patch['metadata']['name']}" in k8s
+            continue
+        base = k8s[f"{item['target']['kind']}/{item['target']['name']}"]
+        for op in patch:   # JSON 6902: every path exists and replaces the same-named volume
+            node = base
+            for key in op["path"].strip("/").split("/"):
+                node = node[int(key)] if isinstance(node, list) else node[key]
+            assert node["name"] == op["value"]["name"] == "model"
 
 
 def test_selectors_match_template_labels_and_services_select_one_workload(k8s):
@@ -223,7 +253,7 @@ def test_dev_shm_is_memory_backed_and_holds_the_rank_rings(k8s, tmp_path):
 # ---- the images ----------------------------------------------------------------------------
 
 def test_base_dependencies_leave_torch_to_the_worker_extra():
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = _project()
     base = {_canonical(re.match(r"[\w.-]+", r)[0]) for r in project["dependencies"]}
     assert "torch" not in base and "triton" not in base
     assert "grpcio-health-checking" in base   # the worker's gRPC probes need it
@@ -248,6 +278,9 @@ def test_dockerfile_entrypoint_user_install_and_example_flags(name, command, ins
             assert (REPO / rest.split()[0]).exists(), rest
         if ins == "CMD":
             _parse([command, *json.loads(rest)])
+        for part in rest.split("&&") if ins == "RUN" else ():
+            if part.split()[0] == "deltaserve":   # e.g. a `deltaserve worker --help` check
+                _parse(shlex.split(part.split(">")[0])[1:])
     examples = _docker_run_examples(name)
     assert examples
     for args in examples:
@@ -285,7 +318,7 @@ def test_scheduler_image_holds_everything_the_scheduler_imports(served):
     copied = {rest.split()[0] for ins, rest in _dockerfile("Dockerfile.scheduler")
               if ins == "COPY" and (REPO / rest.split()[0]).is_dir()}
     packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = _project()
     allowed = _requirement_closure(project["dependencies"])
     owners = metadata.packages_distributions()
     foreign = {m for m, dists in owners.items() if not {_canonical(d) for d in dists} & allowed}
@@ -335,6 +368,14 @@ def served(tmp_path_factory):
 def test_examples_script_runs_end_to_end(served):
     env = child_env({"TARGET": served["target"], "WORKER_TARGET": served["worker"]})
     env.pop("GRPCURL", None)
+    if (REPO / ".venv" / "bin" / "grpcurl").is_file():   # exercise the script's .venv fallback
+        venv_bin = str(REPO / ".venv" / "bin")
+        env["PATH"] = os.pathsep.join(d for d in env["PATH"].split(os.pathsep)
+                                      if d.rstrip("/") != venv_bin)
+    elif Path(GRPCURL).is_file():
+        env["GRPCURL"] = GRPCURL
+    else:
+        pytest.skip("no grpcurl binary (it comes with the dev extras)")
     out = subprocess.run(["bash", str(EXAMPLES)], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=90)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
