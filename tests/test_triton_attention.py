@@ -91,7 +91,7 @@ def check_against_reference(case, backend, atol=2e-5, rtol=2e-5):
     query, key, value, kv_cache, meta = case
     scale = query.shape[2] ** -0.5
     ref_cache, our_cache = kv_cache.clone(), kv_cache.clone()
-    expected = TorchAttentionBackend().forward(query, key, value, ref_cache, meta, scale)
+    expected = TorchAttentionBackend(batched=False).forward(query, key, value, ref_cache, meta, scale)
     out = backend.forward(query, key, value, our_cache, meta, scale)
     n = meta.num_actual_tokens
     assert out.shape == query.shape and out.dtype == query.dtype
@@ -146,7 +146,7 @@ def test_prefill_kernel_serves_decode_rows_and_small_tiles():
     """The varlen kernel alone on a decode batch, with tiles of 16 rows and 16 keys."""
     query, key, value, kv_cache, meta = make_case(5, [33, 7, 50], [1, 1, 1], 4, 2, 16, 16)
     scale = 0.25
-    expected = TorchAttentionBackend().forward(query, key, value, kv_cache, meta, scale)
+    expected = TorchAttentionBackend(batched=False).forward(query, key, value, kv_cache, meta, scale)
     out = torch.zeros_like(query)
     triton_attn.paged_prefill_attention(
         query, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,

@@ -1,13 +1,24 @@
-"""The torch reference attention backend: slow, simple, exact. Other backends test against it.
+"""The torch attention backend: exact float32 math, batched by default, with a per-request loop
+as the reference that other backends (and the batched path itself) test against.
 
-It loops over requests on the host, gathers each request's keys/values through its block table
-and attends in float32 (layout and query/position rules: see kernels/attention/backend.py).
+Two ways to attend (layout and query/position rules: see kernels/attention/backend.py):
+
+* per request (`batched=False`, and the fallback): loop on the host, gather each request's keys/
+  values through its block table, attend. Slow (a Python loop per layer), obviously right.
+* batched (default): decodes in one padded group, prefills in another (torch_batched.py): one
+  index_select gather and one masked SDPA call each. A group whose padded scratch would exceed
+  max_padded_bytes (256 MiB by default; torch_batched.padded_bytes) takes the per-request loop.
+
+Both write the cache the same way first: one index_copy_ per K and V by slot mapping.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.torch_batched import attend_decodes, attend_group
+
+DEFAULT_MAX_PADDED_BYTES = 256 * 1024 * 1024
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -19,12 +30,15 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     """
     num_slots = slot_mapping.shape[0]
     slots = slot_mapping.to(torch.long)
+    key, value = key[:num_slots], value[:num_slots]
     real = slots >= 0
-    slots = slots[real]
+    if not bool(real.all()):                 # host sync; padded rows are rare outside graphs
+        rows = real.nonzero().squeeze(1)
+        slots, key, value = slots[rows], key[rows], value[rows]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0, slots] = key[:num_slots][real].to(kv_cache.dtype)
-    flat[1, slots] = value[:num_slots][real].to(kv_cache.dtype)
+    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor,
@@ -58,22 +72,63 @@ def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(0, 1)
 
 
+def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    req_ids: list[int], scale: float, out: torch.Tensor) -> None:
+    """The reference: attend requests req_ids one by one into their rows of out."""
+    starts = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens_cpu.tolist()
+    for i in req_ids:
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        keys, values = gather_kv(kv_cache, meta.block_table[i], seq_lens[i])
+        out[start:end] = attend_one(query[start:end], keys, values, scale).to(query.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: write the cache, then attend request by request."""
+    """Torch backend: write the cache, then attend (batched, or request by request).
+
+    batched=False always takes the per-request reference loop (use it as the reference in
+    tests). max_padded_bytes bounds the scratch of one batched group (torch_batched.padded_bytes);
+    a group above it takes the loop instead.
+    """
 
     name = "torch"
 
+    def __init__(self, batched: bool = True,
+                 max_padded_bytes: int = DEFAULT_MAX_PADDED_BYTES) -> None:
+        if max_padded_bytes < 0:
+            raise ValueError(f"max_padded_bytes={max_padded_bytes} is invalid: must be >= 0")
+        self.batched = batched
+        self.max_padded_bytes = max_padded_bytes
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens = meta.num_actual_tokens
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping[:num_tokens])
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.zeros_like(query)
-        starts = meta.query_start_loc_cpu.tolist()
-        seq_lens = meta.seq_lens_cpu.tolist()
-        for i in range(meta.num_reqs):
-            start, end = starts[i], starts[i + 1]
-            if end == start:
-                continue
-            keys, values = gather_kv(kv_cache, meta.block_table[i], seq_lens[i])
-            out[start:end] = attend_one(query[start:end], keys, values, scale).to(query.dtype)
+        all_reqs = list(range(meta.num_reqs))
+        if not self.batched or meta.num_reqs == 0:
+            attend_requests(query, kv_cache, meta, all_reqs, scale, out)
+        elif meta.num_actual_tokens == meta.num_reqs and meta.max_query_len == 1:
+            # pure decode: request r's one query is flat row r
+            if not attend_decodes(query, kv_cache, meta.block_table,
+                                  meta.seq_lens_cpu[:meta.num_reqs], scale, out,
+                                  self.max_padded_bytes):
+                attend_requests(query, kv_cache, meta, all_reqs, scale, out)
+        else:
+            self._attend_mixed(query, kv_cache, meta, scale, out)
         return out
+
+    def _attend_mixed(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, out: torch.Tensor) -> None:
+        """Decodes as one padded group, prefills (query_len > 1) as another: mixing them would
+        pad every decode to the longest prefill chunk. Requests with no query are skipped."""
+        starts = meta.query_start_loc_cpu[:meta.num_reqs + 1].long()
+        query_lens = starts[1:] - starts[:-1]
+        seq_lens = meta.seq_lens_cpu[:meta.num_reqs]
+        for req_ids in ((query_lens == 1).nonzero().squeeze(1),
+                        (query_lens > 1).nonzero().squeeze(1)):
+            if len(req_ids) and not attend_group(
+                    query, kv_cache, meta.block_table, req_ids, starts, query_lens, seq_lens,
+                    scale, out, self.max_padded_bytes):
+                attend_requests(query, kv_cache, meta, req_ids.tolist(), scale, out)
