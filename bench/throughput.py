@@ -155,10 +155,7 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
     notes = list(args.note)
     if args.enforce_eager:
-        if "enforce_eager" in RunnerConfig.__dataclass_fields__:
-            kwargs["enforce_eager"] = True
-        else:
-            notes.append("--enforce-eager ignored: this runner has no CUDA graphs (always eager)")
+        kwargs["enforce_eager"] = True
     known = set(RunnerConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
     return {k: v for k, v in kwargs.items() if k in known}, notes
 
@@ -205,8 +202,7 @@ def _generate(llm, workload: Workload, args, max_output_len: int | None = None):
 def _describe_engine(llm) -> str:
     runner, sched = llm.runner, llm.scheduler
     dtype = str(runner.model_dtype).removeprefix("torch.")
-    eager = getattr(runner.config, "enforce_eager", None)
-    graphs = "" if eager is None else (", eager" if eager else ", CUDA graphs")
+    graphs = ", decode CUDA graphs" if runner.graph_runner is not None else ", eager"
     return (f"{runner.attention_backend_name} attention, {dtype}{graphs}, "
             f"{sched.num_total_blocks} KV blocks of {sched.config.block_size}, "
             f"max_num_seqs {sched.config.max_num_seqs}, "
