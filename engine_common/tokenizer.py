@@ -42,10 +42,18 @@ class Tokenizer:
         self._explicit: tuple[bool, bool] | None = None
         add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
         if add_bos is not None or add_eos is not None:
-            probe = backend.encode("", add_special_tokens=True).ids
-            self._explicit = (
-                bool(probe[:1] == [self.bos_token_id] if add_bos is None else add_bos),
-                bool(probe[-1:] == [self.eos_token_id] if add_eos is None else add_eos))
+            implied_bos, implied_eos = self._post_processor_adds(backend)
+            self._explicit = (bool(implied_bos if add_bos is None else add_bos),
+                              bool(implied_eos if add_eos is None else add_eos))
+
+    def _post_processor_adds(self, backend: _HFTokenizer) -> tuple[bool, bool]:
+        """Whether tokenizer.json's post-processor adds BOS and EOS, read off a real text (an
+        empty probe cannot tell BOS from EOS when they are the same token)."""
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        adds_bos = full[:1] == [self.bos_token_id] and full[1:1 + len(plain)] == plain
+        rest = full[(1 if adds_bos else 0) + len(plain):]
+        return adds_bos, rest[:1] == [self.eos_token_id]
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -122,7 +130,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """New text made complete by `token_id` (possibly "")."""
         self._ids.append(token_id)
-        piece = self._stream.step(self._tokenizer.backend, token_id)
+        try:
+            piece = self._stream.step(self._tokenizer.backend, token_id)
+        except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
+            piece = self._resync()
         if not piece:
             return ""
         # Keep a little context for `flush`; older ids are never needed again.
@@ -134,7 +145,24 @@ class IncrementalDetokenizer:
         """Text still held at the end of generation (an unfinished character decodes to U+FFFD)."""
         if self._num_done == len(self._ids):
             return ""
+        piece = self._held_text()
+        self._num_done = len(self._ids)
+        return piece
+
+    def _held_text(self) -> str:
+        """Text of the ids not yet turned into text. Never repeats text already returned: when
+        decoding with them rewrites earlier text, they are decoded on their own."""
         prefix = self._tokenizer.decode(self._ids[:self._num_done], self._skip)
         full = self._tokenizer.decode(self._ids, self._skip)
-        self._num_done = len(self._ids)
-        return full[len(prefix):] if full.startswith(prefix) else full
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return self._tokenizer.decode(self._ids[self._num_done:], self._skip)
+
+    def _resync(self) -> str:
+        """DecodeStream refuses when a token rewrites text already streamed (ByteFallback
+        decoders turn a whole invalid byte run into U+FFFD): emit the held ids' text as they
+        decode, then restart the stream from the recent ids."""
+        piece = self._held_text()
+        self._stream = DecodeStream(ids=self._ids[-_CONTEXT_TOKENS:],
+                                    skip_special_tokens=self._skip)
+        return piece

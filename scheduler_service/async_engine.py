@@ -211,7 +211,7 @@ class AsyncEngine:
             self._streams[request.request_id] = stream
         elif kind == "abort":
             _, request_ids, done = cmd
-            ids = [rid for rid in request_ids if rid in self._streams]
+            ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._streams]
             if self._core is not None and ids:
                 self._dispatch(self._core.abort(ids))
             for rid in ids:  # aborted before any final output was produced
