@@ -203,3 +203,13 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
             got = torch.load(tmp_path / f"logits_{i}_{rank}.pt")
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_rope_tables_are_shared_by_all_layers(tmp_path):
+    """One cos/sin table per model, not one per layer (each is [max_position, head_dim] fp32 on
+    the device and would come straight out of the KV cache)."""
+    path = make_tiny_model(tmp_path, arch="qwen3", num_hidden_layers=3)
+    model = load_model(str(path), single_rank_group(), BACKEND, "cpu")
+    tables = {id(b) for name, b in model.named_buffers(remove_duplicate=False)
+              if name.endswith("cos_cache")}
+    assert len(tables) == 1

@@ -21,7 +21,7 @@ from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from worker_service.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
 from worker_service.layers.norm import RMSNorm
-from worker_service.layers.rotary import get_rope
+from worker_service.layers.rotary import RotaryEmbedding, get_rope
 from worker_service.parallel_state import TPGroup
 
 
@@ -68,7 +68,7 @@ class DecoderArgs:
 class DecoderAttention(nn.Module):
     """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
 
-    def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
+    def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         d = args.head_dim
@@ -83,7 +83,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
         self.qk_norm = args.qk_norm
-        self.rotary_emb = get_rope(d, hf_config)
+        self.rotary_emb = rotary_emb  # shared by every layer: one cos/sin table per model
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -116,10 +116,10 @@ class DecoderMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately and added inside the norms."""
 
-    def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
+    def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(args, hf_config, tp, backend, dtype)
+        self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype)
         self.mlp = DecoderMLP(args, tp, dtype)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -143,7 +143,8 @@ class DecoderModel(nn.Module):
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, hf_config, tp, backend, dtype)
+        rotary_emb = get_rope(args.head_dim, hf_config)
+        self.layers = nn.ModuleList(DecoderLayer(args, rotary_emb, tp, backend, dtype)
                                     for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
