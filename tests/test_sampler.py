@@ -230,3 +230,13 @@ def test_cuda_draws_equal_cpu_draws():
     bits_gpu = gumbel_noise(seeds.cuda(), counters.cuda(), 5000).cpu()
     assert torch.allclose(bits_cpu, bits_gpu, rtol=0, atol=1e-6)
     assert torch.equal(cpu.sampled_token_ids, gpu.sampled_token_ids.cpu())
+
+
+def test_worst_case_metadata_runs_every_feature():
+    """The KV profiler samples with this to budget the sampler's temporaries."""
+    from worker_service.sampling_metadata import worst_case_sampling_metadata
+
+    meta = worst_case_sampling_metadata(4, 64, "cpu")
+    assert meta.has_penalties and meta.top_k is not None and meta.top_p is not None
+    out = Sampler().forward(torch.randn(4, 64), meta)
+    assert out.sampled_token_ids.shape == (4,) and out.top_ids.shape == (4, 20)

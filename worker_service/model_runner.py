@@ -27,6 +27,7 @@ from worker_service.model_loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sampler import Sampler
 from worker_service.sampling_inputs import build_sampling_metadata
+from worker_service.sampling_metadata import worst_case_sampling_metadata
 from worker_service.step_inputs import StepInputs, StepProtocolError, prepare_step_inputs
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,12 @@ class ModelRunner:
         the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
         every tensor-parallel rank must call it together (the warm-up runs collectives)."""
         c = self.config
+        def sample(logits: torch.Tensor) -> None:
+            self.sampler.forward(logits, worst_case_sampling_metadata(
+                logits.shape[0], self.vocab_size, self.device))
+
         warmup = make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
-                                     c.max_num_seqs, self.max_model_len, self.device)
+                                     c.max_num_seqs, self.max_model_len, self.device, sample)
         graph_warmup = None
         if graphs_unsupported_reason(self.attention_backend_name, self.device,
                                      c.enforce_eager) is None:

@@ -40,3 +40,19 @@ class SamplingMetadata:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty is not None or self.presence_penalty is not None
                 or self.frequency_penalty is not None)
+
+
+def worst_case_sampling_metadata(num_rows: int, vocab_size: int, device: torch.device | str,
+                                 max_num_logprobs: int = 20) -> SamplingMetadata:
+    """Every feature on for every row (the sampler's largest temporaries), for memory profiling."""
+    def full(value, dtype):
+        return torch.full((num_rows,), value, dtype=dtype, device=device)
+
+    ids = torch.zeros((num_rows, 16), dtype=torch.int64, device=device)
+    return SamplingMetadata(
+        temperature=full(0.8, torch.float32), all_greedy=False, all_random=True,
+        top_p=full(0.9, torch.float32), top_k=full(50, torch.int32), min_p=full(0.05, torch.float32),
+        seeds=full(0, torch.int64), counters=full(0, torch.int64),
+        repetition_penalty=full(1.1, torch.float32), presence_penalty=full(0.1, torch.float32),
+        frequency_penalty=full(0.1, torch.float32), prompt_token_ids=ids, output_token_ids=ids,
+        max_num_logprobs=max_num_logprobs)
