@@ -284,6 +284,7 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
 
         # A stuck worker (stopped, connection open) fails the step at the step timeout.
         worker.proc.send_signal(signal.SIGSTOP)
+        _wait_stopped(worker.proc.pid)
         t0 = time.monotonic()
         try:
             with pytest.raises(WorkerFailure, match=rf"{worker.address}.*no reply to step 1"):
@@ -310,6 +311,17 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
         assert decode_runner_output(client.execute(encode_scheduler_output(_diffs()[0]))).handles
     finally:
         client.close()
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP takes effect asynchronously: wait until the kernel reports the process stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop")
 
 
 def _grpc_health(address: str, service: str) -> str:
