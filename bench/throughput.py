@@ -56,7 +56,12 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto")
     e.add_argument("--attention-backend", default="auto",
                    help="torch, triton, flash_attn or auto (default: auto)")
-    e.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache budget in GiB")
+    e.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV-cache budget in GiB (default: 1 GiB on CPU; on CUDA a profiled share "
+                        "of the GPU, see --gpu-memory-utilization)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on CUDA without --kv-cache-gib: the fraction of the GPU the engine may "
+                        "use in all, KV cache sized from a profiled warm-up (default: 0.9)")
     e.add_argument("--max-num-seqs", type=int, default=256, help="default: 256")
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's")
@@ -157,7 +162,10 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
     known = set(RunnerConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
-    return {k: v for k, v in kwargs.items() if k in known}, notes
+    kwargs = {k: v for k, v in kwargs.items() if k in known}
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return kwargs, notes
 
 
 def _run_ours(args, model_dir: str, device: str, workload: Workload):

@@ -46,9 +46,12 @@ class Completion:
 class LLM:
     """Keyword arguments go to RunnerConfig (device, dtype, attention_backend, num_kv_blocks,
     kv_cache_bytes, ...) and SchedulerConfig (max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, ...); block_size and max_model_len are shared."""
+    enable_prefix_caching, ...); block_size and max_model_len are shared.
 
-    def __init__(self, model: str, **kwargs):
+    KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
+    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
+
+    def __init__(self, model: str, gpu_memory_utilization: float | None = None, **kwargs):
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         runner_keys = set(RunnerConfig.__dataclass_fields__)
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
@@ -61,7 +64,10 @@ class LLM:
         sched_cfg = SchedulerConfig(**{**{k: v for k, v in kwargs.items() if k in sched_keys},
                                        **shared})
         self.runner = ModelRunner(runner_cfg)
-        num_blocks = self.runner.determine_num_blocks()
+        profile = self.runner.device.type == "cuda" and not (
+            {"num_kv_blocks", "kv_cache_bytes"} & set(kwargs))
+        num_blocks = (self.runner.profile_kv_memory(gpu_memory_utilization or 0.9).num_blocks
+                      if profile else self.runner.determine_num_blocks())
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)

@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 5 in as few device-tool calls as possible.
+#
+#   bash bench/gpu_checks.sh [tests] [attention] [bench]     (no stage named: all three)
+#
+# Stages, each under its own time limit (400 + 170 + 560 s: more than one 10-minute device
+# command, so run `tests attention` in one call and `bench` in another):
+#   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
+#              CUDA paths (the ones named below and any tests/test_*.py that mentions
+#              torch.cuda.is_available or mark.gpu); test_gpu_engine_bf16.py with -s so its
+#              accepted bf16 divergences are printed and collected into the summary.
+#              Modules that fail to import only for want of grpc_health / grpc_reflection /
+#              grpc_tools (absent from the device image) are left out and listed.
+#   attention  bench/attention_bandwidth.py: every available backend at 256 requests x 1024
+#              context (qwen3-0.6b heads, bf16), Triton at block 256, a Triton split sweep, and
+#              one long-context small batch where splits matter.
+#   bench      python -m bench.throughput --preset qwen3-0.6b --vs-transformers --warmup; the KV
+#              cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget
+#              (use KV_GIB=40 if the profiled sizing misbehaves).
+#
+# Writes into ${OUT:-/tmp/gpu_checks}/ (at most 8 files, flat): env.txt, <stage>.log,
+# results_attention.md, results_bench.md (result blocks, to append to bench/results.md), and
+# summary.txt, which is also printed last.
+#
+# Optional: wheels under .whl/ (carried with the call) are installed into /tmp/site first.
+# Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES (1,8,32,64,128,256),
+# HF_TIME_BUDGET (30 s per batch size), DS_COMMIT (recorded in notes: the device copy has no .git),
+# TESTS_LIMIT / ATTENTION_LIMIT / BENCH_LIMIT (seconds per stage: 400 / 170 / 560; a late
+# run inside a stage still gets a floor of 60 s for tests, 20 s for attention).
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+OUT_DIR=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SUMMARY="$OUT_DIR/summary.txt"
+: >"$SUMMARY"
+NOTE="device run via bench/gpu_checks.sh${DS_COMMIT:+, tree at commit $DS_COMMIT}"
+EXPLICIT_TESTS=(tests/test_triton_attention.py tests/test_cuda_graphs.py tests/test_kv_profiler.py
+                tests/test_flash_attn_backend.py tests/test_gpu_engine_bf16.py)
+
+STATUS=0                     # 1 once any test run, benchmark or check fails
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+install_wheels() {
+    compgen -G ".whl/*.whl" >/dev/null || return 0
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+}
+
+record_env() {
+    {
+        date -u
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem \
+            --format=csv 2>&1
+        "$PY" - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("torch", "triton", "transformers", "flash_attn", "google.protobuf", "grpc", "grpc_health",
+             "grpc_reflection", "hypothesis"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "present"))
+    except Exception as e:
+        print(name, "MISSING:", type(e).__name__, e)
+import torch
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("cuda", torch.version.cuda, p.name, p.multi_processor_count, "SMs",
+          round(p.total_memory / 2**30, 1), "GiB")
+EOF
+    } >"$OUT_DIR/env.txt" 2>&1
+    say "env: $(grep -m1 -E '^cuda ' "$OUT_DIR/env.txt" || echo 'no CUDA device seen')"
+}
+
+# Test modules whose collection fails only because an optional gRPC package is missing.
+uncollectable_modules() {
+    "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/ 2>&1 | "$PY" -c '
+import re, sys
+current, skip = None, []
+for line in sys.stdin:
+    m = re.search(r"ERROR collecting (tests/\S+\.py)", line)
+    if m:
+        current = m.group(1)
+    elif current and re.search(r"No module named .(grpc_health|grpc_reflection|grpc_tools)", line):
+        skip.append(current)
+        current = None
+print(" ".join(dict.fromkeys(skip)))'
+}
+
+pytest_run() {  # label, then pytest arguments; appends to tests.log, records the exit code
+    local label=$1 rc
+    shift
+    [ "$TESTS_LEFT" -lt 60 ] && TESTS_LEFT=60     # a late run still gets a minute
+    echo "== pytest $label: $*" >>"$OUT_DIR/tests.log"
+    timeout --signal=INT --kill-after=30 "$TESTS_LEFT" "$PY" -m pytest -q -rfEs \
+        -p no:cacheprovider "$@" 2>&1 | tee -a "$OUT_DIR/tests.log"
+    rc=$?
+    [ "$rc" = 0 ] || [ "$rc" = 5 ] || STATUS=1
+    [ "$rc" = 5 ] && rc="0 (no tests selected)"
+    say "tests/$label: exit $rc: $(grep -E '(passed|failed|errors?|skipped|deselected).* in [0-9.]+s' \
+        "$OUT_DIR/tests.log" | tail -1 | tr -d '=' | sed 's/^ *//')"
+}
+
+stage_tests() {
+    local start=$SECONDS skip explicit ignores=() f
+    : >"$OUT_DIR/tests.log"
+    skip=$(uncollectable_modules)
+    [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
+    explicit=$(printf '%s\n' "${EXPLICIT_TESTS[@]}" \
+        $(grep -lE 'cuda\.is_available|mark\.gpu' tests/test_*.py) | sort -u)
+    for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
+    for f in $explicit; do ignores+=("--ignore=$f"); done
+    TESTS_LEFT=${TESTS_LIMIT:-400}
+    pytest_run "marked-gpu" -m gpu "${ignores[@]}" tests/
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-400} - (SECONDS - start) ))
+    pytest_run "cuda-modules" $(echo "$explicit" | grep -v test_gpu_engine_bf16)
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-400} - (SECONDS - start) ))
+    pytest_run "engine-bf16" -s tests/test_gpu_engine_bf16.py
+    grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+    grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+    say "tests: $((SECONDS - start)) s"
+}
+
+attention_run() {  # one bench/attention_bandwidth.py call; its backend lines go to the summary
+    local mark rc
+    mark=$(wc -l <"$OUT_DIR/attention.log")
+    timeout --signal=INT --kill-after=20 "$(( ATT_END - SECONDS < 20 ? 20 : ATT_END - SECONDS ))" \
+        "$PY" -m bench.attention_bandwidth --results-file "$OUT_DIR/results_attention.md" \
+        --note "$NOTE" "$@" 2>&1 | tee -a "$OUT_DIR/attention.log"
+    rc=$?
+    [ "$rc" = 0 ] || { STATUS=1; say "  [${*}] exit $rc"; }
+    tail -n +"$((mark + 1))" "$OUT_DIR/attention.log" | grep -E '^[a-z_]+ \(block' \
+        | sed "s/^/  [${*}] /" | tee -a "$SUMMARY"
+}
+
+stage_attention() {
+    local start=$SECONDS s
+    : >"$OUT_DIR/attention.log"
+    ATT_END=$(( SECONDS + ${ATTENTION_LIMIT:-170} ))
+    say "attention (default shape: 256 requests x 1024 context, 16/8 heads, head_dim 128, bf16):"
+    attention_run --all-backends
+    attention_run --backend triton --block-size 256
+    for s in 1 2 4 8; do attention_run --backend triton --decode-splits "$s"; done
+    attention_run --backend triton --num-reqs 16 --context 4096
+    attention_run --backend triton --num-reqs 16 --context 4096 --decode-splits 1
+    say "attention: $((SECONDS - start)) s; $(grep -m1 '^measured copy' "$OUT_DIR/attention.log")"
+}
+
+stage_bench() {
+    local start=$SECONDS rc kv_note="profiled, 0.9 of the GPU"
+    [ -n "${KV_GIB:-}" ] && kv_note="fixed ${KV_GIB} GiB (--kv-cache-gib)"
+    timeout --signal=INT --kill-after=30 "${BENCH_LIMIT:-560}" \
+        "$PY" -m bench.throughput --preset qwen3-0.6b --vs-transformers --warmup \
+        ${KV_GIB:+--kv-cache-gib "$KV_GIB"} \
+        --hf-batch-sizes "${HF_BATCH_SIZES:-1,8,32,64,128,256}" \
+        --hf-time-budget "${HF_TIME_BUDGET:-30}" --results-file "$OUT_DIR/results_bench.md" \
+        --note "$NOTE" --note "KV cache: $kv_note" \
+        2>&1 | tee "$OUT_DIR/bench.log"
+    rc=$?
+    [ "$rc" = 0 ] || STATUS=1
+    say "bench: exit $rc, $((SECONDS - start)) s"
+    grep -E '^(engine|output throughput|decode steps|decode read|transformers|ours /)' \
+        "$OUT_DIR/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+}
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests attention bench)
+for s in "${stages[@]}"; do
+    case $s in tests|attention|bench) ;; *) echo "unknown stage '$s': tests, attention or bench" >&2
+        exit 2 ;; esac
+done
+install_wheels || say "wheel install failed: continuing without .whl/"
+record_env
+for s in "${stages[@]}"; do "stage_$s"; done
+say "overall: $([ "$STATUS" = 0 ] && echo ok || echo 'FAILURES (see above and the logs)')"
+echo
+echo "===== summary ($OUT_DIR) ====="
+cat "$SUMMARY"
+exit "$STATUS"
