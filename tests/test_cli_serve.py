@@ -79,7 +79,7 @@ def test_serve_default_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
         worker = _children(proc.pid)[0]
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30  # grace 5 s, then the stop watchdog's 5 s
         while not _gone(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _gone(worker)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # Payloads carry whole prompts: allow large messages. Accept client keepalive pings every second
 # so a scheduler can notice a dead link quickly.
+# Seconds a stopping worker may take beyond its grace period before it exits anyway.
+_STOP_SLACK_SECONDS = 5.0
+
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silent share
     ("grpc.max_send_message_length", 1 << 30),
@@ -104,12 +108,24 @@ def run_worker(listen: str, device: str = "cpu", *, local_ranks: int = 1, node_r
     print(f"deltaserve worker listening on {host}:{server.bound_port} (device {device}, node "
           f"{node_rank} of {num_nodes}, {local_ranks} local ranks)", flush=True)
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():  # a second Ctrl-C / SIGTERM: do not wait any longer
+            os._exit(1)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stop.wait()
     log.info("stopping worker (grace %.1fs)", grace_s)
+    # A stop that outlives its grace (a call or a rank that will not end) must not leave the
+    # worker running, e.g. after its parent `deltaserve serve` was killed.
+    watchdog = threading.Timer(grace_s + _STOP_SLACK_SECONDS, os._exit, args=(1,))
+    watchdog.daemon = True
+    watchdog.start()
     server.stop(grace_s).wait()
     server.node_worker.close()
+    watchdog.cancel()
 
 
 def _add_health(server: grpc.Server):
