@@ -26,10 +26,10 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 
 from bench.grpc_paths import EngineSettings, PathRun, run_grpc, run_in_process
-from bench.presets import PRESETS, preset_dir
+from bench.presets import preset_dir
 from bench.report import append_block, git_commit
 from bench.services import ServiceError
-from bench.workload import Workload, make_workload
+from bench.workload import Workload, add_model_and_workload_flags, make_workload
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 WARMUP_SEQS = 4
@@ -40,20 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of `python -m bench.grpc_overhead`."""
     p = argparse.ArgumentParser(prog="python -m bench.grpc_overhead",
                                 description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                     help="random weights of a named shape, built once and cached "
-                          "(default: tiny)")
-    src.add_argument("--model", default=None, help="a Hugging Face model directory instead")
-    p.add_argument("--cache-dir", default=None,
-                   help="where presets are built (default: ~/.cache/deltaserve/presets)")
-    w = p.add_argument_group("workload (greedy, ignore_eos)")
-    w.add_argument("--num-seqs", type=int, default=32, help="default: 32")
-    w.add_argument("--min-len", type=int, default=16,
-                   help="shortest input and output length (default: 16)")
-    w.add_argument("--max-len", type=int, default=64,
-                   help="longest input and output length (default: 64)")
-    w.add_argument("--seed", type=int, default=0, help="default: 0")
+    add_model_and_workload_flags(p, "tiny", num_seqs=32, min_len=16, max_len=64,
+                                 workload_title="workload (greedy, ignore_eos)")
     e = p.add_argument_group("engine (the same on both paths)")
     e.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
     e.add_argument("--dtype", default="float32", help="default: float32")

@@ -19,10 +19,10 @@ from pathlib import Path
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 
-from bench.presets import PRESETS, preset_dir
+from bench.presets import preset_dir
 from bench.report import BenchResult, append_block, format_block, format_lines
 from bench.step_timer import StepTimer
-from bench.workload import Workload, make_workload
+from bench.workload import Workload, add_model_and_workload_flags, make_workload
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 DEFAULT_HF_BATCH_SIZES = "1,8,32,64,128,256"
@@ -35,20 +35,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     if p is None:
         p = argparse.ArgumentParser(prog="python -m bench.throughput",
                                     description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                     help="random weights of a real shape, built once and cached "
-                          "(default: qwen3-0.6b)")
-    src.add_argument("--model", default=None, help="a Hugging Face model directory instead")
-    p.add_argument("--cache-dir", default=None,
-                   help="where presets are built (default: ~/.cache/deltaserve/presets)")
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-seqs", type=int, default=256, help="default: 256")
-    w.add_argument("--min-len", type=int, default=100,
-                   help="shortest input and output length (default: 100)")
-    w.add_argument("--max-len", type=int, default=1024,
-                   help="longest input and output length (default: 1024)")
-    w.add_argument("--seed", type=int, default=0, help="default: 0")
+    w = add_model_and_workload_flags(p, None, num_seqs=256, min_len=100, max_len=1024)
     w.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     e = p.add_argument_group("engine")
     e.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

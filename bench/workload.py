@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass
 
 from engine_common.params import ParamError
+from bench.presets import PRESETS
 
 # Prompt ids are drawn from [0, PROMPT_ID_LIMIT) (or the vocabulary, if smaller), as nano-vllm does.
 PROMPT_ID_LIMIT = 10_000
@@ -50,3 +51,25 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab_size: int,
                for _ in range(num_seqs)]
     output_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
     return Workload(prompts, output_lens, seed)
+
+
+def add_model_and_workload_flags(p, preset_default: str | None, num_seqs: int, min_len: int,
+                                 max_len: int, workload_title: str = "workload"):
+    """--preset/--model, --cache-dir and the workload flags shared by the benchmarks; returns
+    the workload argument group so a benchmark can add its own."""
+    src = p.add_mutually_exclusive_group()
+    shown = preset_default or "qwen3-0.6b"
+    src.add_argument("--preset", choices=sorted(PRESETS), default=preset_default,
+                     help=f"random weights of a real shape, built once and cached "
+                          f"(default: {shown})")
+    src.add_argument("--model", default=None, help="a Hugging Face model directory instead")
+    p.add_argument("--cache-dir", default=None,
+                   help="where presets are built (default: ~/.cache/deltaserve/presets)")
+    w = p.add_argument_group(workload_title)
+    w.add_argument("--num-seqs", type=int, default=num_seqs, help=f"default: {num_seqs}")
+    w.add_argument("--min-len", type=int, default=min_len,
+                   help=f"shortest input and output length (default: {min_len})")
+    w.add_argument("--max-len", type=int, default=max_len,
+                   help=f"longest input and output length (default: {max_len})")
+    w.add_argument("--seed", type=int, default=0, help="default: 0")
+    return w
