@@ -64,10 +64,9 @@ class LLM:
         sched_cfg = SchedulerConfig(**{**{k: v for k, v in kwargs.items() if k in sched_keys},
                                        **shared})
         self.runner = ModelRunner(runner_cfg)
-        profile = self.runner.device.type == "cuda" and not (
-            {"num_kv_blocks", "kv_cache_bytes"} & set(kwargs))
-        num_blocks = (self.runner.profile_kv_memory(gpu_memory_utilization or 0.9).num_blocks
-                      if profile else self.runner.determine_num_blocks())
+        fixed_budget = {"num_kv_blocks", "kv_cache_bytes"} & set(kwargs)
+        num_blocks = self.runner.determine_num_blocks(
+            None if fixed_budget else gpu_memory_utilization or 0.9)
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)

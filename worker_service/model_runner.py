@@ -21,8 +21,8 @@ from worker_service.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
 from worker_service.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
 from worker_service.input_batch import InputBatch
-from worker_service.kv_profiler import (KVMemoryProfile, make_decode_warmup, make_prefill_warmup,
-                                        profile_kv_memory)
+from worker_service.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks, make_decode_warmup,
+                                        make_prefill_warmup, profile_kv_memory)
 from worker_service.model_loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sampler import Sampler
@@ -74,10 +74,16 @@ class ModelRunner:
     def model_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, gpu_memory_utilization: float | None = None) -> int:
+        """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
+        profiled share of the device (call with no cache allocated); else the byte budget."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        return max(1, self.config.kv_cache_bytes // self.kv_block_bytes)
+        if gpu_memory_utilization is None or self.device.type != "cuda":
+            return cpu_num_kv_blocks(self.config.kv_cache_bytes, self.kv_block_bytes)
+        profile = self.profile_kv_memory(gpu_memory_utilization)
+        log.info("KV memory on %s: %s", self.device, profile)
+        return profile.num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then capture decode CUDA graphs over it where they apply."""

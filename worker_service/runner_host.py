@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from engine_common.codec import CodecError
 from engine_common.diff import RunnerOutput
 from worker_service.config import RunnerConfig
-from worker_service.kv_profiler import cpu_num_kv_blocks
 from worker_service.model_runner import ModelRunner
 from worker_service.node_worker import FailureKind, ModelSummary, StepFailure
 from worker_service.parallel_state import TPGroup
@@ -50,7 +49,7 @@ class RunnerHost:
         if reloaded:
             self._load(config)
         self.runner.config = config  # same load key; records the KV budget now in force
-        num_blocks = self._num_blocks(config, gpu_memory_utilization)
+        num_blocks = self._num_blocks(gpu_memory_utilization)
         return Prepared(num_blocks, self.runner.kv_block_bytes, reloaded)
 
     def allocate(self, num_blocks: int) -> None:
@@ -117,18 +116,10 @@ class RunnerHost:
             import torch
             torch.cuda.empty_cache()
 
-    def _num_blocks(self, config: RunnerConfig, gpu_memory_utilization: float | None) -> int:
-        block_bytes = self.runner.kv_block_bytes
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if gpu_memory_utilization is None or not self.device.startswith("cuda"):
-            return cpu_num_kv_blocks(config.kv_cache_bytes, block_bytes)
-        # The rank may use `utilization` of its device in all; the cache gets what the weights,
-        # the peak activations of a profiled warm-up step and the graph pool leave.
-        self._free_kv_cache()  # the current cache does not count as used
-        profile = self.runner.profile_kv_memory(gpu_memory_utilization)
-        log.info("KV memory on %s: %s", self.device, profile)
-        return profile.num_blocks
+    def _num_blocks(self, gpu_memory_utilization: float | None) -> int:
+        if gpu_memory_utilization is not None and self.device.startswith("cuda"):
+            self._free_kv_cache()  # the current cache does not count as used when profiling
+        return self.runner.determine_num_blocks(gpu_memory_utilization)
 
     def _free_kv_cache(self) -> None:
         self.runner.free_kv_cache()
