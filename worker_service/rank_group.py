@@ -198,6 +198,10 @@ class RankGroupWorker(NodeWorker):
             if init:
                 raise RuntimeError(f"{where}: {reply.message}")
             raise StepFailure(kind, f"{where}: {reply.message}")
+        missing = [self.started_layout.global_rank(r) for r, x in enumerate(replies) if x is None]
+        if missing:  # only reachable if the rank set returned early: never report a success
+            self._ranks.dirty = True
+            raise StepFailure(FailureKind.RANK_FAILED, f"ranks {missing} did not reply")
         return replies
 
     def _global_ranks(self, layout: NodeLayout) -> list[int]:

@@ -139,7 +139,7 @@ class RankSet:
                 raise StepFailure(FailureKind.SUPERSEDED, "interrupted by a new Init or Reset")
             if left <= 0:
                 self.dirty = True
-                if any(reply is not None for reply in replies):
+                if any(reply is not None and not reply.ok for reply in replies):
                     return replies       # someone failed; the rest are stuck behind it
                 raise StepFailure(FailureKind.RANK_FAILED,
                                   f"no reply from local ranks {pending} within {timeout:g} s")
