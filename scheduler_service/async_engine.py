@@ -3,7 +3,8 @@
 The gRPC handlers live on an asyncio loop; scheduling and the blocking Step round trip live on one
 engine thread. Handlers send commands (add, abort) through a queue; the thread hands outputs back
 with `call_soon_threadsafe`. When a worker fails, every open stream ends with EngineUnavailable
-and the thread rebuilds the core (reconnect, re-Init, new epoch) before taking new requests.
+and the thread rebuilds the core (reconnect, re-Init, new epoch) before taking new requests. When
+the output of one request cannot be processed, that stream alone ends with RequestFailed.
 
 Only the engine thread touches the core. Other threads read `stats`, an immutable snapshot the
 engine thread replaces after every loop turn, and `ready`.
@@ -223,7 +224,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            stream.put(out if out.error is None else out.error)
             if out.finished:
                 del self._streams[out.request_id]
 

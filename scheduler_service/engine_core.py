@@ -46,4 +46,7 @@ class EngineCore:
         outputs, stopped_ids = self.output_processor.process(updates)
         if stopped_ids:
             self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOP_STRING)
+        failed = [out.request_id for out in outputs if out.error is not None]
+        if failed:  # their blocks go back now; the workers drop them with the next diff
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         return outputs

@@ -8,3 +8,8 @@ class EngineUnavailable(RuntimeError):
 
 class WorkerFailure(EngineUnavailable):
     """A worker's Step stream broke or reported a protocol error mid-step."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed on the scheduler side (a bug, not bad input); the engine aborts it and
+    serves the others: INTERNAL, for that stream only."""

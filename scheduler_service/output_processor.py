@@ -9,14 +9,21 @@ Stop-string rules:
   back, so a stop string straddling two steps never reaches the client in part; held text is
   flushed when the request finishes for any other reason.
 Every token id is reported, even those whose text was cut.
+
+A failure while processing one request's output (a tokenizer bug, say) ends that request alone:
+its final output carries `error` (RequestFailed) and the engine aborts it; the others go on.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from engine_common.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_service.errors import RequestFailed
 from scheduler_service.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,7 +50,8 @@ class RequestTimings:
 @dataclass
 class RequestOutput:
     """What one step produced for one request. `num_output_tokens` is cumulative; finish_reason
-    and stop_reason are set only on the final output."""
+    and stop_reason are set only on the final output. `error` is set (on a final output with
+    finish_reason FINISHED_ABORTED) when processing this request's output failed."""
 
     request_id: str
     new_token_ids: list[int]
@@ -56,6 +64,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     timings: RequestTimings
+    error: RequestFailed | None = None
 
 
 @dataclass
@@ -96,13 +105,18 @@ class OutputProcessor:
         The caller must finish the returned ids with
         `scheduler.finish_requests(ids, RequestStatus.FINISHED_STOP_STRING)`. Updates for requests
         no longer tracked (aborted, or stopped by a string in an earlier step) are dropped.
+        An output with `error` set is final: the caller must abort that request.
         """
         outputs, stopped_ids = [], []
         for update in updates:
             state = self._states.get(update.request.request_id)
             if state is None:
                 continue
-            out = self._process_one(state, update)
+            try:
+                out = self._process_one(state, update)
+            except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
+                outputs.append(self._fail(state, e))
+                continue
             outputs.append(out)
             if state.stop_string is not None and not update.finished:
                 stopped_ids.append(out.request_id)
@@ -113,8 +127,24 @@ class OutputProcessor:
         state = self._states.get(request_id)
         if state is None:
             return None
-        self._append_text(state, state.detokenizer.flush())
+        try:
+            self._append_text(state, state.detokenizer.flush())
+        except Exception as e:  # noqa: BLE001 - same backstop as process()
+            return self._fail(state, e)
         return self._finish(state, [], [], RequestStatus.FINISHED_ABORTED, None)
+
+    def _fail(self, state: _RequestState, exc: Exception) -> RequestOutput:
+        rid = state.request.request_id
+        log.exception("processing the output of request %r failed; aborting it alone", rid)
+        self._states.pop(rid, None)
+        state.unsent = ""       # text past the failure point cannot be trusted
+        if state.request.finish_time is None:
+            state.request.finish_time = time.monotonic()
+        out = self._output(state, [], [], True, RequestStatus.FINISHED_ABORTED, None)
+        out.error = RequestFailed(
+            f"request {rid!r} failed while its output was processed "
+            f"({type(exc).__name__}: {exc}); other requests are unaffected")
+        return out
 
     def _process_one(self, state: _RequestState, update) -> RequestOutput:
         request = state.request

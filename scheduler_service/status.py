@@ -3,6 +3,7 @@
     ParamError, RequestRejected (a bad field, a prompt too long)  -> INVALID_ARGUMENT
     QueueFull (more than max_waiting requests queued)              -> RESOURCE_EXHAUSTED
     EngineUnavailable, WorkerFailure (no worker ready, one died)   -> UNAVAILABLE
+    RequestFailed (one request's output could not be processed)    -> INTERNAL, its own message
     anything else                                                  -> INTERNAL
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import grpc
 
 from engine_common.params import ParamError
 from scheduler_service.admission import QueueFull, RequestRejected
-from scheduler_service.errors import EngineUnavailable
+from scheduler_service.errors import EngineUnavailable, RequestFailed
 
 # Checked in order: a subclass comes before its base class.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -19,6 +20,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
     (ParamError, grpc.StatusCode.INVALID_ARGUMENT),
     (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (RequestFailed, grpc.StatusCode.INTERNAL),
 )
 
 
