@@ -104,10 +104,9 @@ class KVCacheManager:
             raise ValueError(f"request {rid}: prefix hits given to a request that holds blocks")
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        need = max(0, -(-total // self.block_size) - len(held) - len(new_computed_blocks))
-        # Hit blocks that sit in the free queue leave it too.
-        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need + evictable > self.pool.num_free_blocks:
+        need = self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
+        if self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks) \
+                > self.pool.num_free_blocks:
             return None
         if self.enable_caching and not held and request.num_computed_tokens == 0:
             self.stats.queries += request.num_tokens
@@ -119,6 +118,24 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
         return new_blocks
+
+    def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
+                               new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+        """Free-queue blocks `allocate_slots` with these arguments would take: the new blocks,
+        plus hit blocks that sit in the free queue (they leave it too)."""
+        return (self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
+                + sum(1 for b in new_computed_blocks if b.ref_cnt == 0))
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
+        held = len(self._blocks.get(request.request_id, ()))
+        total = (request.num_computed_tokens + num_hit_blocks * self.block_size
+                 + num_new_tokens)
+        return max(0, -(-total // self.block_size) - held - num_hit_blocks)
+
+    def num_exclusive_blocks(self, request: Request) -> int:
+        """Blocks that would return to the free queue if `request` were freed now (those no other
+        request shares)."""
+        return sum(1 for b in self._blocks.get(request.request_id, ()) if b.ref_cnt == 1)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none."""

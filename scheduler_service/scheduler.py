@@ -1,19 +1,24 @@
 """The continuous-batching scheduler: admission, per-step token budgets, preemption, stops.
 
 NOTE the rules of one step (`schedule()`):
-  * Running requests first, in batch order; each asks for all its uncomputed tokens (1 when
-    decoding), capped by what is left of max_num_batched_tokens. A request that gets no budget
-    stays in the batch, idle (count 0 in the diff).
+  * First, priority: when the most urgent waiting request does not fit (no seat under
+    max_num_seqs, or too few free blocks for its first chunk), running requests of strictly lower
+    priority are preempted to make room, least urgent first (scheduler_service/priority.py).
+  * Running requests next, most urgent first (the batch is kept in (priority, arrival) order);
+    each asks for all its uncomputed tokens (1 when decoding), capped by what is left of
+    max_num_batched_tokens. A request that gets no budget stays in the batch, idle (count 0).
   * A running request that cannot get a block preempts (by recompute) the lowest-priority,
-    latest-arriving request among itself and those not yet scheduled this step: its blocks are
-    freed, its progress is reset, and it goes to the front of the waiting queue.
-  * Only in a step without preemption are waiting requests admitted, in queue order, while
-    budget, max_num_seqs and blocks allow; a prompt longer than the budget left is chunked.
+    latest-arriving request among itself and those not yet scheduled this step (so never a more
+    urgent one): its blocks are freed, its progress is reset, and it waits again, ahead of
+    requests of its priority that never ran.
+  * Only in a step without such memory preemption are waiting requests admitted, in queue order,
+    while budget, max_num_seqs and blocks allow; a prompt longer than the budget left is chunked.
   * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
   * Every returned diff must reach the workers (steps are numbered without gaps).
 """
 from __future__ import annotations
 
+import bisect
 import random
 import time
 from collections.abc import Iterable
@@ -23,6 +28,7 @@ from engine_common.diff import RunnerOutput, SchedulerOutput
 from scheduler_service.admission import QueueFull, RequestRejected, check_admission
 from scheduler_service.handles import HandleAllocator
 from scheduler_service.kv_cache_manager import KVCacheManager
+from scheduler_service.priority import choose_priority_victims
 from scheduler_service.request import Request, RequestStatus
 from scheduler_service.scheduler_diff import StepPlan, build_output
 from scheduler_service.step_result import RequestUpdate, check_stop
@@ -44,7 +50,7 @@ class Scheduler:
         self._handles = HandleAllocator()
         self._requests: dict[str, Request] = {}       # unfinished, by id
         self.waiting = WaitingQueue()
-        self.running: list[Request] = []              # batch order
+        self.running: list[Request] = []              # by (priority, arrival_time)
         self._on_worker: set[int] = set()             # handles the workers hold a copy of
         self._finished_handles: list[int] = []        # for the next diff, then recycled
         self._step = 0
@@ -108,8 +114,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the NOTE at the top) and return its diff."""
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._preempt_for_priority(plan)
+        num_for_priority = len(plan.preempted_handles)
         self._schedule_running(plan)
-        if not plan.preempted_handles:
+        if len(plan.preempted_handles) == num_for_priority:
             self._schedule_waiting(plan)
         for request, n in plan.scheduled.values():
             request.num_computed_tokens += n
@@ -121,6 +129,17 @@ class Scheduler:
             self._in_flight[self._step] = {h: e for h, e in plan.scheduled.items() if e[1] > 0}
         self._step += 1
         return out
+
+    def _preempt_for_priority(self, plan: StepPlan) -> None:
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting.peek()
+        hits, num_hit = self.kv.get_computed_blocks(head)
+        n = min(head.num_tokens - num_hit, plan.budget)
+        short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
+        for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs,
+                                              short, self.kv.num_exclusive_blocks):
+            self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         i = 0
@@ -178,7 +197,7 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
-        self.running.append(request)
+        bisect.insort(self.running, request, key=lambda r: (r.priority, r.arrival_time))
         block_ids = self.kv.get_block_ids(request)
         if resumed:
             plan.add_resumed(request, block_ids, num_hit)

@@ -1,7 +1,7 @@
 """The queue of requests waiting to be (re)admitted to the running batch.
 
-Order: preempted requests first (they already hold outputs and a worker-side cache entry), then
-lower `priority` value first, then earlier arrival (FCFS).
+Order: lower `priority` value first; within a priority, preempted requests first (they already
+hold outputs and a worker-side cache entry), then earlier arrival (FCFS).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class WaitingQueue:
 
     def push(self, request: Request) -> None:
         preempted = request.status == RequestStatus.PREEMPTED
-        key = (not preempted, request.priority, request.arrival_time, next(self._seq))
+        key = (request.priority, not preempted, request.arrival_time, next(self._seq))
         i = bisect.bisect(self._keys, key)
         self._keys.insert(i, key)
         self._requests.insert(i, request)

@@ -99,7 +99,9 @@ def test_running_first_then_fcfs_and_priority():
     assert out.num_scheduled_tokens == {urgent.handle: 6}
     assert worker.step_tokens[-1] == {a.handle: 1, b.handle: 1, urgent.handle: 6}
     out, _ = step(sched, worker)
-    assert out.num_scheduled_tokens == {urgent.handle: 6} and not out.new_requests
+    # Once running, the urgent request is scheduled first: its prefill takes the whole budget.
+    assert out.num_scheduled_tokens == {urgent.handle: 8, a.handle: 0, b.handle: 0}
+    assert not out.new_requests
     sched.finish_requests(["a", "b", "late", "urgent"], RequestStatus.FINISHED_ABORTED)
     step(sched, worker)
     assert_no_leak(sched)
