@@ -6,34 +6,41 @@ the device's measured copy bandwidth.
     python -m bench.attention_bandwidth                      # 256 requests x 1024, triton
     python -m bench.attention_bandwidth --all-backends
     python -m bench.attention_bandwidth --device cpu --num-reqs 4 --context 64 --backend torch
+    python -m bench.attention_bandwidth --unified            # split-KV decode vs one kernel
+    python -m bench.attention_bandwidth --mixed              # two-kernel dispatch vs one kernel
+    python -m bench.attention_bandwidth --sweep --unified    # launch choices of both designs
 
 Defaults: qwen3-0.6b's attention (16 query heads, 8 KV heads, head_dim 128, bf16), one layer.
 The cache holds exactly the blocks the batch uses, shuffled into random block tables, filled
 with random values (never zeros); at the CUDA default it is 1 GiB, far above any L2.
 
-Bytes per call (the floor; MB/GB are powers of ten):
+Triton designs (bench/attention_sweep.py; kernels/attention/triton_launch.py names them):
+--unified times the decode batch through the split-KV decode kernel and through the varlen
+kernel alone, then prints `split/unified` (time ratio: below 1, two kernels win). --mixed
+builds num_reqs - num_prefills decodes at `context` plus num_prefills prefill chunks of `chunk`
+tokens after `context` cached ones, and times per-request dispatch (two launches) against the
+varlen kernel alone. --sweep times a grid of launch choices on the decode batch.
 
-    KV read      num_reqs * context * num_kv_heads * head_dim * 2 (K and V) * elem
-    Q read       num_reqs * num_heads * head_dim * elem
-    O write      num_reqs * num_heads * head_dim * elem
-    K/V write    num_reqs * num_kv_heads * head_dim * 2 * elem   (forward first writes this
-                 step's key/value by slot mapping, here into each request's last position)
+Bytes per call (the floor; MB/GB are powers of ten), summed over requests:
+
+    KV read      seq_len * num_kv_heads * head_dim * 2 (K and V) * elem
+    Q read       query_len * num_heads * head_dim * elem
+    O write      query_len * num_heads * head_dim * elem
+    K/V write    query_len * num_kv_heads * head_dim * 2 * elem   (forward first writes this
+                 step's keys/values by slot mapping; a decode's query_len is 1)
 
 Block-table reads (4 bytes per block, under 0.1% at the default) are left out. Copy bandwidth
 is bench/bandwidth.py's: bytes read plus bytes written by a large device copy. Timing: warm-up
-calls, then CUDA events around each call, median (CPU: time.perf_counter). Before timing, the
-first few requests' output is checked against the float32 reference (‖out − ref‖ / ‖ref‖); a
-failed check makes the run exit 1.
+calls, then CUDA events around each call, median (CPU: time.perf_counter). Before timing, a few
+requests' output (the first and last CHECK_REQS // 2) is checked against the float32 reference
+(‖out − ref‖ / ‖ref‖); a failed check makes the run exit 1.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
-import statistics
 import sys
-import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,15 +48,16 @@ import torch
 
 from engine_common.params import ParamError
 
+from bench.attention_batch import (CHECK_TOL, BackendRun, Session, Shape,  # noqa: F401
+                                   make_batch, make_decode_batch)
 from bench.report import append_block, git_commit
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 BACKENDS = ("triton", "flash_attn", "torch")
 FLASH_BLOCK_SIZE = 256      # flash-attn's paged kernels need blocks of a multiple of 256
-CHECK_REQS = 4              # requests compared with the float32 reference
-CHECK_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}   # relative L2 error
 # (num_reqs, context, iterations, warm-up) when not given, per device type
 SIZE_DEFAULTS = {"cuda": (256, 1024, 50, 5), "cpu": (8, 128, 5, 1)}
+MIXED_DEFAULTS = {"cuda": (8, 512), "cpu": (1, 16)}   # (prefill chunks, tokens per chunk)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,10 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--head-dim", type=int, default=128, help="dimension of one head")
     add("--block-size", type=int, default=16,
         help=f"KV block size (flash_attn under --all-backends: {FLASH_BLOCK_SIZE})")
-    add("--dtype", choices=sorted(CHECK_TOL), default="bfloat16", help="cache and query dtype")
+    add("--dtype", choices=sorted(CHECK_TOL), default="bfloat16",
+        help="cache and query dtype")
     add("--backend", choices=BACKENDS, default="triton", help="attention backend")
     add("--all-backends", action="store_true", help="every backend available here, in turn")
     add("--decode-splits", type=int, help="triton: fixed split count (none: its heuristic)")
+    add("--unified", action="store_true",
+        help="triton: also time the varlen kernel alone (one-kernel design) and the ratio")
+    add("--mixed", action="store_true",
+        help="triton: a mixed batch, two-kernel dispatch vs the varlen kernel alone")
+    add("--num-prefills", type=int, help="--mixed: prefill chunks among num_reqs (CUDA 8, CPU 1)")
+    add("--chunk", type=int, help="--mixed: tokens per prefill chunk (CUDA 512, CPU 16)")
+    add("--sweep", action="store_true",
+        help="triton: time a grid of launch choices (with --unified, the varlen kernel's too)")
+    add("--sweep-points", type=int, help="--sweep: run at most this many points (none: all)")
+    add("--sweep-budget", type=float, help="--sweep: start no point after this many seconds")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if any")
     add("--iters", type=int, help="timed calls (CUDA 50, CPU 5)")
     add("--warmup", type=int, help="untimed calls first (CUDA 5, CPU 1)")
@@ -76,39 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--note", action="append", default=[], help="a remark recorded with the result")
     add("--results-file", default=str(DEFAULT_RESULTS), help="Markdown file appended to")
     return p
-
-
-@dataclass(frozen=True)
-class Shape:
-    num_reqs: int
-    context: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    def bytes_per_call(self, elem: int) -> tuple[int, int]:
-        """(KV bytes read, all other bytes moved: Q read, O written, this step's K/V written)."""
-        kv = self.num_reqs * self.context * self.num_kv_heads * self.head_dim * 2 * elem
-        q_o = 2 * self.num_reqs * self.num_heads * self.head_dim * elem
-        new_kv = self.num_reqs * self.num_kv_heads * self.head_dim * 2 * elem
-        return kv, q_o + new_kv
-
-    def describe(self) -> str:
-        return (f"{self.num_reqs} requests x {self.context} context, {self.num_heads} query "
-                f"heads, {self.num_kv_heads} KV heads, head_dim {self.head_dim}, {self.dtype}")
-
-
-@dataclass(frozen=True)
-class BackendRun:
-    label: str                  # backend name with its block size and settings
-    seconds: list[float]        # one per timed call
-    check_error: float          # relative L2 error against the float32 reference
-    check_ok: bool
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,15 +109,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in lines[1:]:
         print(line)
-    block = "\n".join([lines[0], "", f"- commit: `{git_commit()}`", f"- command: `{command}`"]
-                      + [f"- {line}" for line in lines[1:]]) + "\n"
-    append_block(args.results_file, block)
+    head = [lines[0], "", f"- commit: `{git_commit()}`", f"- command: `{command}`"]
+    append_block(args.results_file, "\n".join(head + to_markdown(lines[1:])) + "\n")
     print(f"appended to {args.results_file}")
     return 0 if ok else 1
 
 
+def to_markdown(lines: list[str]) -> list[str]:
+    """List items, except table rows ("|..."), which stay raw with a blank line around."""
+    out: list[str] = []
+    for line in lines:
+        is_row = line.startswith("|")
+        was_row = bool(out) and out[-1].startswith("|")
+        if is_row != was_row and out:
+            out.append("")
+        out.append(line if is_row else f"- {line}")
+    return out
+
+
 def run(args: argparse.Namespace) -> tuple[list[str], bool]:
-    """Every requested backend in turn. Returns (the block's lines, title first; all checks ok)."""
+    """The requested backends or Triton design runs. Returns (the block's lines, title first;
+    every check ok)."""
     from deltaserve.cli import resolve_device
 
     device = resolve_device(args.device)
@@ -143,114 +141,50 @@ def run(args: argparse.Namespace) -> tuple[list[str], bool]:
     from worker_service.device_info import describe_device
 
     shape, iters, warmup = _validate(args, device)
-    backends = _available_backends(device) if args.all_backends else [args.backend]
-    copy_bps = measure_copy_bandwidth(device)
-    elem = torch.empty((), dtype=getattr(torch, shape.dtype)).element_size()
-    kv_bytes, other_bytes = shape.bytes_per_call(elem)
-    total = kv_bytes + other_bytes
+    session = Session(shape, device, iters, warmup, args.seed, measure_copy_bandwidth(device))
+    kv_bytes, other_bytes = shape.bytes_per_call(session.elem)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"## {now} · decode attention · {device} ({describe_device(device).name})",
+    kind = "mixed-batch attention" if args.mixed else "decode attention"
+    kind += " launch sweep" if args.sweep else ""
+    lines = [f"## {now} · {kind} · {device} ({describe_device(device).name})",
              f"shape: {shape.describe()}, one layer",
-             f"bytes per call: {total / 1e6:.4g} MB (KV read {kv_bytes / 1e6:.4g} MB + Q, O and "
-             f"new K/V {other_bytes / 1e6:.4g} MB)",
-             f"measured copy bandwidth: {copy_bps / 1e9:.4g} GB/s (bytes read + written)"]
-    ok = True
+             f"bytes per call: {session.total_bytes / 1e6:.4g} MB (KV read {kv_bytes / 1e6:.4g} "
+             f"MB + Q, O and new K/V {other_bytes / 1e6:.4g} MB)",
+             f"measured copy bandwidth: {session.copy_bps / 1e9:.4g} GB/s "
+             "(bytes read + written)"]
+    if args.unified or args.mixed or args.sweep:
+        from bench.attention_sweep import run_triton_designs
+        more, ok = run_triton_designs(args, session)
+    else:
+        more, ok = _run_backends(args, session)
+    return lines + more + [f"note: {n}" for n in args.note], ok
+
+
+def _run_backends(args: argparse.Namespace, session: Session) -> tuple[list[str], bool]:
+    """One line per requested backend, each on its own batch (block sizes may differ)."""
+    backends = _available_backends(session.device) if args.all_backends else [args.backend]
+    lines, ok = [], True
     for name in backends:
         block_size = args.block_size   # flash-attn wants a multiple of 256: --all-backends
         if name == "flash_attn" and args.all_backends and block_size % FLASH_BLOCK_SIZE:
             block_size = FLASH_BLOCK_SIZE
-        r = time_backend(name, shape, block_size, device, iters, warmup, args.seed,
-                         args.decode_splits if name == "triton" else None)
+        splits = args.decode_splits if name == "triton" else None
+        backend = _make_backend(name, session.shape, block_size, session.device, splits)
+        batch = session.batch(block_size)
+        label = f"{name} (block {block_size}{_path_note(backend, batch)})"
+        r = session.measure(label, backend, batch)
         ok &= r.check_ok
-        bps = total / r.median_s
-        lines.append(
-            f"{r.label}: {r.median_s * 1e3:.4g} ms median of {len(r.seconds)} calls "
-            f"(min {min(r.seconds) * 1e3:.4g}, max {max(r.seconds) * 1e3:.4g}), "
-            f"{bps / 1e9:.4g} GB/s = {bps / copy_bps:.3g} of copy bandwidth; check vs float32 "
-            f"reference {r.check_error:.2e} ({'ok' if r.check_ok else 'FAILED'})")
-    lines += [f"note: {n}" for n in args.note]
+        lines.append(session.line(r))
     return lines, ok
 
 
-def time_backend(name: str, shape: Shape, block_size: int, device: str, iters: int,
-                 warmup: int, seed: int, decode_splits: int | None = None) -> BackendRun:
-    """Build one decode batch for `name`, check its output, then time its forward."""
-    from kernels.attention.torch_ref import attend_one, gather_kv
-
-    backend = _make_backend(name, shape, block_size, device, decode_splits)
-    q, k, v, cache, meta = make_decode_batch(shape, block_size, device, seed)
-    scale = shape.head_dim ** -0.5
-
-    def call():
-        return backend.forward(q, k, v, cache, meta, scale)
-
-    out = call().float()
-    num = min(CHECK_REQS, shape.num_reqs)
-    ref = torch.stack([attend_one(q[i:i + 1], *gather_kv(cache, meta.block_table[i],
-                                                         shape.context), scale)[0]
-                       for i in range(num)])
-    err = float((out[:num] - ref).norm() / ref.norm())
-    seconds = _time_calls(call, device, iters, warmup)
-    label = f"{name} (block {block_size}{_path_note(backend, shape, decode_splits)})"
-    return BackendRun(label, seconds, err, err <= CHECK_TOL[shape.dtype])
-
-
-def make_decode_batch(shape: Shape, block_size: int, device: str, seed: int):
-    """(query, key, value, kv_cache, AttentionMetadata) of a pure-decode batch: every request
-    has `context` tokens after this step; its blocks are a random, unshared set of the cache."""
-    from kernels.attention.backend import AttentionMetadata
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = getattr(torch, shape.dtype)
-    n, ctx = shape.num_reqs, shape.context
-    blocks_per_req = -(-ctx // block_size)
-    num_blocks = n * blocks_per_req
-    table = torch.randperm(num_blocks, device=device, generator=gen).view(n, blocks_per_req)
-    table = table.to(torch.int32)
-    cache = torch.randn((2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim),
-                        dtype=dtype, device=device, generator=gen)
-
-    def rand(heads: int):
-        return torch.randn((n, heads, shape.head_dim), dtype=dtype, device=device, generator=gen)
-
-    q, k, v = rand(shape.num_heads), rand(shape.num_kv_heads), rand(shape.num_kv_heads)
-    last = ctx - 1          # this step's token: position ctx - 1, written by slot mapping
-    slots = table[:, last // block_size].to(torch.int64) * block_size + last % block_size
-    qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
-    seq_lens = torch.full((n,), ctx, dtype=torch.int32, device=device)
-    meta = AttentionMetadata(num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=ctx,
-                             query_start_loc=qsl, seq_lens=seq_lens, block_table=table,
-                             slot_mapping=slots, query_start_loc_cpu=qsl.cpu(),
-                             seq_lens_cpu=seq_lens.cpu())
-    return q, k, v, cache, meta
-
-
-def _time_calls(call, device: str, iters: int, warmup: int) -> list[float]:
-    """Seconds per call: CUDA events around each call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        call()
-    if device != "cuda":
-        seconds = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            seconds.append(time.perf_counter() - t0)
-        return seconds
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        call()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
-def _path_note(backend, shape: Shape, decode_splits: int | None) -> str:
+def _path_note(backend, batch) -> str:
     """Which path the backend takes for this batch, where it has more than one."""
-    if decode_splits:
-        return f", {decode_splits} splits"
+    shape, meta = batch.shape, batch.tensors[4]
+    if backend.name == "triton":
+        splits = backend.num_splits(meta, shape.num_kv_heads, batch.tensors[3].device)
+        how = "fixed" if backend.decode_splits else "auto"
+        return f", {how}: {splits} split{'s' if splits > 1 else ''}"
     if backend.name != "torch":
         return ""
     from kernels.attention.torch_batched import padded_bytes
@@ -295,9 +229,12 @@ def _available_backends(device: str) -> list[str]:
 
 def _validate(args: argparse.Namespace, device: str) -> tuple[Shape, int, int]:
     """(shape, timed calls, warm-up calls) with the device's defaults filled in."""
-    d_reqs, d_ctx, d_iters, d_warm = SIZE_DEFAULTS["cuda" if device == "cuda" else "cpu"]
+    kind = "cuda" if device == "cuda" else "cpu"
+    d_reqs, d_ctx, d_iters, d_warm = SIZE_DEFAULTS[kind]
+    d_prefills, d_chunk = MIXED_DEFAULTS[kind] if args.mixed else (0, 0)
     shape = Shape(pick(args.num_reqs, d_reqs), pick(args.context, d_ctx), args.num_heads,
-                  args.num_kv_heads, args.head_dim, args.dtype)
+                  args.num_kv_heads, args.head_dim, args.dtype,
+                  pick(args.num_prefills, d_prefills), pick(args.chunk, d_chunk))
     iters, warmup = pick(args.iters, d_iters), pick(args.warmup, d_warm)
     for field, value in (("num_reqs", shape.num_reqs), ("context", shape.context),
                          ("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
@@ -313,7 +250,36 @@ def _validate(args: argparse.Namespace, device: str) -> tuple[Shape, int, int]:
         raise ParamError("block_size", args.block_size, "a power of two >= 1")
     if args.decode_splits is not None and args.decode_splits < 1:
         raise ParamError("decode_splits", args.decode_splits, ">= 1")
+    _validate_modes(args, shape)
     return shape, iters, warmup
+
+
+def _validate_modes(args: argparse.Namespace, shape: Shape) -> None:
+    """The Triton design flags: which combinations and values make sense."""
+    if (args.unified or args.mixed or args.sweep) and (
+            args.all_backends or args.backend != "triton"):
+        raise ParamError("backend", "all" if args.all_backends else args.backend,
+                         "triton, without --all-backends, for --unified, --mixed or --sweep")
+    if args.mixed and args.sweep:
+        raise ParamError("sweep", True, "without --mixed (the sweep times the decode batch)")
+    if args.sweep and args.decode_splits is not None:
+        raise ParamError("decode_splits", args.decode_splits, "unset with --sweep (it sweeps "
+                         "splits)")
+    for flag, value, needs in (("num_prefills", args.num_prefills, args.mixed),
+                               ("chunk", args.chunk, args.mixed),
+                               ("sweep_points", args.sweep_points, args.sweep),
+                               ("sweep_budget", args.sweep_budget, args.sweep)):
+        if value is not None and not needs:
+            raise ParamError(flag, value, "given only with --" + ("mixed" if flag in (
+                "num_prefills", "chunk") else "sweep"))
+    if args.mixed and not 1 <= shape.num_prefills <= shape.num_reqs:
+        raise ParamError("num_prefills", shape.num_prefills, f"in [1, num_reqs={shape.num_reqs}]")
+    if args.mixed and shape.chunk < 2:
+        raise ParamError("chunk", shape.chunk, ">= 2 (a one-token chunk is a decode)")
+    if args.sweep_points is not None and args.sweep_points < 1:
+        raise ParamError("sweep_points", args.sweep_points, ">= 1")
+    if args.sweep_budget is not None and args.sweep_budget < 0:
+        raise ParamError("sweep_budget", args.sweep_budget, ">= 0")
 
 
 def pick(value: int | None, default: int) -> int:

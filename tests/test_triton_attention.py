@@ -232,8 +232,10 @@ for dt in ("fp16", "bf16"):
                 bt_ptr="i32", qsl_ptr="i32", seq_lens_ptr="i32", m_ptr="fp32", l_ptr="fp32",
                 acc_ptr="fp32")
     dot = dict(PRECISION="tf32", UPCAST=False)
-    build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
-          BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, **dot), num_warps=4, num_stages=2)
+    for skip, warps in ((False, 4), (True, 8)):      # SKIP_DECODES: per-request dispatch
+        build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
+              BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, **dot), num_warps=warps,
+              num_stages=2)
     build(pa._decode_kernel, ptrs, dict(NUM_HEADS=32, GROUP=8, HEAD_DIM=128, BLOCK_SIZE=256,
           NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, **dot), num_warps=4, num_stages=2)
     build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,

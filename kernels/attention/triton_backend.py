@@ -5,46 +5,82 @@ this module (or the kernel modules) is first imported, because @triton.jit reads
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
 from kernels.attention.triton_cache import triton_write_kv_cache
+from kernels.attention.triton_launch import TritonLaunchConfig
 from kernels.attention.triton_paged_attention import (
-    choose_num_splits, paged_decode_attention, paged_prefill_attention)
+    paged_decode_attention, paged_prefill_attention)
 
 CPU_NUM_SMS = 4      # stand-in SM count for the interpreter (keeps split counts small)
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in Triton. A batch whose max_query_len is 1 is all decode and takes the
-    split-KV path; any other batch (prefill, chunked prefill, mixed) takes the varlen path.
+    """Paged attention in Triton. By default (dispatch "by_batch") a batch whose max_query_len
+    is 1 is all decode and takes the split-KV path; any other batch (prefill, chunked prefill,
+    mixed) takes the varlen path. `launch.dispatch` picks the other designs (triton_launch.py).
 
-    `decode_splits` fixes the decode split count (e.g. for CUDA graph capture); None chooses it
-    per step from the batch shape and max_seq_len.
+    `decode_splits` fixes the decode split count (e.g. for CUDA graph capture) and overrides
+    launch.decode_splits; None leaves it to `launch` (by default chosen per step from the batch
+    shape and max_seq_len).
     """
 
     name = "triton"
 
-    def __init__(self, decode_splits: int | None = None) -> None:
+    def __init__(self, decode_splits: int | None = None,
+                 launch: TritonLaunchConfig | None = None) -> None:
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits={decode_splits} is invalid: must be >= 1 or None")
-        self.decode_splits = decode_splits
+        launch = launch or TritonLaunchConfig()
+        if decode_splits is not None:
+            launch = replace(launch, decode_splits=decode_splits)
+        self.launch = launch
         self._num_sms: dict[torch.device, int] = {}
+
+    @property
+    def decode_splits(self) -> int | None:
+        """The fixed decode split count, or None when the heuristic chooses per step."""
+        return self.launch.decode_splits
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         num_tokens = meta.num_actual_tokens
         triton_write_kv_cache(key, value, kv_cache, meta.slot_mapping[:num_tokens])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if meta.max_query_len == 1:
-            splits = self.decode_splits or choose_num_splits(
-                meta.num_reqs, kv_cache.shape[3], meta.max_seq_len, self._sms(query.device))
-            paged_decode_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_table, meta.num_reqs, splits, scale)
-        else:
-            paged_prefill_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_table, meta.num_reqs, num_tokens, scale)
+        dispatch = self.launch.dispatch
+        all_decode = meta.max_query_len == 1
+        if dispatch == "unified":
+            rows = self.launch.decode_q_rows if all_decode else None
+            self._varlen(query, kv_cache, out, meta, scale, rows, skip_decodes=False)
+            return out
+        if all_decode or dispatch == "per_request":
+            self._decode(query, kv_cache, out, meta, scale)
+        if not all_decode:
+            self._varlen(query, kv_cache, out, meta, scale, None,
+                         skip_decodes=dispatch == "per_request")
         return out
+
+    def num_splits(self, meta: AttentionMetadata, num_kv_heads: int,
+                   device: torch.device) -> int:
+        """Decode splits for this batch: fixed, or the heuristic's (host ints, no sync)."""
+        return self.launch.splits_for(meta.num_reqs, num_kv_heads, meta.max_seq_len,
+                                      self._sms(device))
+
+    def _decode(self, query, kv_cache, out, meta: AttentionMetadata, scale: float) -> None:
+        splits = self.num_splits(meta, kv_cache.shape[3], query.device)
+        paged_decode_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
+                               meta.block_table, meta.num_reqs, splits, scale,
+                               launch=self.launch)
+
+    def _varlen(self, query, kv_cache, out, meta: AttentionMetadata, scale: float,
+                block_q_rows: int | None, skip_decodes: bool) -> None:
+        paged_prefill_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
+                                meta.block_table, meta.num_reqs, meta.num_actual_tokens, scale,
+                                block_q_rows=block_q_rows, launch=self.launch,
+                                skip_decodes=skip_decodes)
 
     def _sms(self, device: torch.device) -> int:
         """Streaming multiprocessors on `device`, asked once per device."""

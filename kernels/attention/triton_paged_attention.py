@@ -15,8 +15,11 @@ Why two launch shapes rather than one unified kernel: a decode row has one token
 tile (BLOCK_Q tokens) would be mostly empty, and decode parallelism must come from splitting the
 context because (requests x kv heads) alone can leave most SMs idle at small batch; prefill has
 plenty of parallelism from its query tiles and would only pay the partial-result round trip.
-Mixed batches (max_query_len > 1) take the prefill shape; decode rows then fill one token of a
-tile. Timings on a GPU are still to come (issue 5); the split point is one `if` in the backend.
+Which kernel serves which requests is the backend's `dispatch` (triton_launch.py): by batch (the
+default), always the varlen kernel (unified), or per request (a mixed batch makes both launches;
+the varlen kernel then skips one-token requests, SKIP_DECODES, and the decode kernel skips every
+request whose query is not exactly one token). `python -m bench.attention_bandwidth --unified /
+--mixed / --sweep` times the designs and the launch choices on a GPU (issue 5).
 
 Tiles map to requests without a host sync: request i owns tiles starting at
 qsl[i] // BLOCK_Q + i, so cdiv(num_tokens, BLOCK_Q) + num_reqs programs always suffice and
@@ -28,10 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.triton_launch import (  # noqa: F401  (re-exported names)
+    MAX_SPLITS, MIN_DOT_ROWS, MIN_SPLIT_TOKENS, TritonLaunchConfig, choose_num_splits)
+
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows never make NaNs
-MIN_SPLIT_TOKENS = 256            # decode: fewest keys worth a split of their own
-MAX_SPLITS = 32
 
 
 @triton.jit
@@ -85,14 +89,18 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
                     stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    SKIP_DECODES: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_begin
     q_first = (tile - q_begin // BLOCK_Q - req) * BLOCK_Q     # first query index of this tile
-    if q_first >= q_len:
+    done = q_first >= q_len
+    if SKIP_DECODES:                     # one-token requests belong to the decode kernel
+        done = done | (q_len == 1)
+    if done:
         return
     context_len = tl.load(seq_lens_ptr + req) - q_len          # cached keys before the queries
     rows = tl.arange(0, BLOCK_Q * BLOCK_G)                      # row = token * BLOCK_G + g
@@ -142,7 +150,7 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_index = tl.load(qsl_ptr + req)
-    if tl.load(qsl_ptr + req + 1) <= q_index:                 # no query row (padding request)
+    if tl.load(qsl_ptr + req + 1) - q_index != 1:    # padding, or a prefill (not ours)
         return
     seq_len = tl.load(seq_lens_ptr + req)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -191,7 +199,7 @@ def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_index = tl.load(qsl_ptr + req)
-    if tl.load(qsl_ptr + req + 1) <= q_index:
+    if tl.load(qsl_ptr + req + 1) - q_index != 1:
         return
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < NUM_SPLITS
@@ -211,42 +219,53 @@ def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, num_reqs: int, num_tokens: int,
-                            scale: float, block_q_rows: int = 64, block_n: int = 64) -> None:
+                            scale: float, block_q_rows: int | None = None,
+                            block_n: int | None = None, launch: TritonLaunchConfig | None = None,
+                            skip_decodes: bool = False) -> None:
     """Varlen causal attention with cached prefixes into out[:num_tokens] (no host sync).
 
     query/out [T, Hq, D] (last dim contiguous); query_start_loc int32 [num_reqs + 1];
-    seq_lens int32 [num_reqs]; block_table int32 [num_reqs, max_blocks]. block_q_rows is the
-    tile height in (token, query head) rows; block_n the keys per inner step.
+    seq_lens int32 [num_reqs]; block_table int32 [num_reqs, max_blocks]. block_q_rows (tile
+    height in (token, query head) rows) and block_n (keys per inner step) override `launch`'s
+    block_q_rows and prefill.block_n. skip_decodes leaves one-token requests' rows of out
+    untouched (paged_decode_attention writes them).
     """
     if num_reqs == 0 or num_tokens == 0:
         return
+    launch = launch or TritonLaunchConfig()
+    tiles = launch.prefill
     group, block_g, block_d = _shape_params(query, kv_cache)
-    block_q = max(1, block_q_rows // block_g)
-    if block_q * block_g < 16:              # tl.dot wants >= 16 rows
-        block_q = 16 // block_g
+    block_q = max(1, (block_q_rows or launch.block_q_rows) // block_g)
+    if block_q * block_g < MIN_DOT_ROWS:
+        block_q = MIN_DOT_ROWS // block_g
     grid = (triton.cdiv(num_tokens, block_q) + num_reqs, kv_cache.shape[3])
     _prefill_kernel[grid](
         query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), *kv_cache.stride()[:4],
         GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, **_dot_params(query),
-        num_warps=4, num_stages=2)
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n or tiles.block_n,
+        **_dot_params(query), SKIP_DECODES=skip_decodes,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_table: torch.Tensor, num_reqs: int, num_splits: int,
-                           scale: float, block_n: int = 64) -> None:
-    """Attention for requests with exactly one query token each (flash-decoding).
+                           scale: float, block_n: int | None = None,
+                           launch: TritonLaunchConfig | None = None) -> None:
+    """Attention for the requests with exactly one query token (flash-decoding).
 
     Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
     parts (any num_splits >= 1 is correct for any seq_len, so a CUDA graph may fix it).
+    Requests whose query is not one token (padding, prefills) are skipped: their rows of out
+    are left untouched. block_n overrides launch.decode.block_n.
     """
     if num_reqs == 0:
         return
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} is invalid: must be >= 1")
+    tiles = (launch or TritonLaunchConfig()).decode
     group, block_g, block_d = _shape_params(query, kv_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     part_shape = (num_reqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
@@ -259,22 +278,14 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *kv_cache.stride()[:4],
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, block_g), BLOCK_D=block_d, BLOCK_N=block_n,
-        **_dot_params(query), num_warps=4, num_stages=2)
+        NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
+        BLOCK_N=block_n or tiles.block_n, **_dot_params(query),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](
             out, m, l, acc, query_start_loc, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=1)
-
-
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per request so decode fills ~2 waves of SMs, keeping >= MIN_SPLIT_TOKENS keys
-    per split and at most MAX_SPLITS (host ints only: no sync)."""
-    programs = max(1, num_reqs * num_kv_heads)
-    wanted = triton.cdiv(2 * num_sms, programs)
-    worth = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, worth, MAX_SPLITS))
 
 
 def _shape_params(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:

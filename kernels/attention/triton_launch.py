@@ -1,0 +1,98 @@
+"""Launch choices of the Triton attention kernels, in one frozen config (pure Python: no torch).
+
+Two kernels live in triton_paged_attention.py: the varlen kernel ("prefill": any query lengths,
+also correct for one-token queries) and the split-KV flash-decoding kernel ("decode": exactly
+one query token per request, plus a reduce kernel when a request's context is split).
+`dispatch` says which kernel serves which requests:
+
+    by_batch     a batch whose max_query_len is 1 takes the decode kernel; any other batch
+                 (prefill, chunked prefill, mixed) takes the varlen kernel, where decode rows
+                 fill one token of a tile. The default.
+    unified      the varlen kernel serves every batch: the single-kernel design. A pure-decode
+                 batch uses tiles of decode_q_rows rows (the smallest tl.dot allows).
+    per_request  each request by its query length: one-token requests take the decode kernel,
+                 the rest the varlen kernel, so a mixed batch makes two launches. Needs no host
+                 sync: each kernel skips the other's requests on the device.
+
+A one-token request is a decode whatever its history (its query is its last position and sees
+every key), so all three are exact. The defaults are the values the kernels were written with;
+`python -m bench.attention_bandwidth --sweep` times the alternatives on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DISPATCH_MODES = ("by_batch", "unified", "per_request")
+MIN_SPLIT_TOKENS = 256       # decode: fewest keys worth a split of their own
+MAX_SPLITS = 32
+MIN_DOT_ROWS = 16            # tl.dot wants >= 16 rows and >= 16 keys per step
+MAX_WARPS = 16
+
+
+def _check_pow2(name: str, value: int, lo: int, hi: int | None = None) -> None:
+    """Raise ValueError unless value is a power of two in [lo, hi]."""
+    ok = isinstance(value, int) and value >= lo and not value & (value - 1)
+    if not ok or (hi is not None and value > hi):
+        bound = f"a power of two >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ValueError(f"{name}={value!r} is invalid: must be {bound}")
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    """Launch choices of one kernel."""
+
+    block_n: int = 64        # keys per inner step: a power of two >= 16
+    num_warps: int = 4       # a power of two, 1 .. 16
+    num_stages: int = 2      # software-pipelining depth, >= 1
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_n", self.block_n, MIN_DOT_ROWS)
+        _check_pow2("num_warps", self.num_warps, 1, MAX_WARPS)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} is invalid: must be >= 1")
+
+
+@dataclass(frozen=True)
+class TritonLaunchConfig:
+    """Every launch choice of the Triton attention backend; the defaults are today's values."""
+
+    prefill: KernelTiles = KernelTiles()   # the varlen kernel
+    decode: KernelTiles = KernelTiles()    # the split-KV decode kernel
+    block_q_rows: int = 64       # varlen tile height in (token, query head) rows
+    decode_q_rows: int = 16      # the same for a pure-decode batch under dispatch="unified"
+    decode_splits: int | None = None       # fixed splits (e.g. for CUDA graphs); None: heuristic
+    min_split_tokens: int = MIN_SPLIT_TOKENS
+    max_splits: int = MAX_SPLITS
+    dispatch: str = "by_batch"
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_q_rows", self.block_q_rows, MIN_DOT_ROWS)
+        _check_pow2("decode_q_rows", self.decode_q_rows, MIN_DOT_ROWS)
+        if self.decode_splits is not None and self.decode_splits < 1:
+            raise ValueError(f"decode_splits={self.decode_splits} is invalid: "
+                             "must be >= 1 or None")
+        for name in ("min_split_tokens", "max_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch={self.dispatch!r} is invalid: must be one of "
+                             f"{DISPATCH_MODES}")
+
+    def splits_for(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
+                   num_sms: int) -> int:
+        """decode_splits if fixed, else the heuristic's choice for this batch (host ints)."""
+        if self.decode_splits is not None:
+            return self.decode_splits
+        return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms,
+                                 self.min_split_tokens, self.max_splits)
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      min_split_tokens: int = MIN_SPLIT_TOKENS,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """Splits per request so decode fills ~2 waves of SMs, keeping >= min_split_tokens keys
+    per split and at most max_splits (host ints only: no sync)."""
+    programs = max(1, num_reqs * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    worth = -(-max(1, max_seq_len) // min_split_tokens)
+    return max(1, min(wanted, worth, max_splits))
