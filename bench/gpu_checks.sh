@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in as few device-tool calls as possible.
 #
-#   bash bench/gpu_checks.sh [tests] [attention] [bench]     (no stage named: all three)
+#   bash bench/gpu_checks.sh [tests] [attention] [bench] [fused]   (none named: the first three)
 #
-# Stages, each under its own time limit (400 + 170 + 560 s: more than one 10-minute device
-# command, so run `tests attention` in one call and `bench` in another):
+# Stages, each under its own time limit (330 + 240 + 560 + 400 s: more than one 10-minute
+# device command, so run `tests attention` in one call, `bench` in another, `fused` in a third):
 #   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
 #              CUDA paths (the ones named below and any tests/test_*.py that mentions
 #              torch.cuda.is_available or mark.gpu); test_gpu_engine_bf16.py with -s so its
 #              accepted bf16 divergences are printed and collected into the summary.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
 #              grpc_tools (absent from the device image) are left out and listed.
-#   attention  bench/attention_bandwidth.py: every available backend at 256 requests x 1024
-#              context (qwen3-0.6b heads, bf16), Triton at block 256, a Triton split sweep, and
-#              one long-context small batch where splits matter.
+#   attention  bench/attention_bandwidth.py (qwen3-0.6b heads, bf16), issue 5's "one unified
+#              kernel or two": every available backend at 256 requests x 1024 context; Triton's
+#              split-KV decode vs the varlen kernel alone (--unified) there and at 16 x 4096
+#              (where splits matter; also without splits); a mixed batch (8 prefill chunks of
+#              512 after 1024 cached + 248 decodes at 1024: per-request two-kernel dispatch vs
+#              unified); Triton at block 256; last, a launch-parameter sweep of both designs
+#              at the default shape with whatever time the stage has left (--sweep-budget;
+#              its one-change points include the former fixed-split runs 1, 2, 4, 8).
 #   bench      python -m bench.throughput --preset qwen3-0.6b --vs-transformers --warmup; the KV
 #              cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget
 #              (use KV_GIB=40 if the profiled sizing misbehaves).
+#   fused      issue 5's "fused RMSNorm and rope where measurements show a gain": the kernel
+#              microbenchmark (python -m bench.fused_ops: torch vs fused at T = 256 and 8192),
+#              then the qwen3-0.6b engine twice in the same call, without and with --fused-ops
+#              (no transformers run), so the end-to-end ratio decides whether to wire them in.
 #
 # Writes into ${OUT:-/tmp/gpu_checks}/ (at most 8 files, flat): env.txt, <stage>.log,
 # results_attention.md, results_bench.md (result blocks, to append to bench/results.md), and
@@ -25,7 +34,7 @@
 # Optional: wheels under .whl/ (carried with the call) are installed into /tmp/site first.
 # Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES (1,8,32,64,128,256),
 # HF_TIME_BUDGET (30 s per batch size), DS_COMMIT (recorded in notes: the device copy has no .git),
-# TESTS_LIMIT / ATTENTION_LIMIT / BENCH_LIMIT (seconds per stage: 400 / 170 / 560; a late
+# TESTS_LIMIT / ATTENTION_LIMIT / BENCH_LIMIT / FUSED_LIMIT (seconds per stage: 330 / 240 / 560 / 400; a late
 # run inside a stage still gets a floor of 60 s for tests, 20 s for attention).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -112,18 +121,23 @@ stage_tests() {
         $(grep -lE 'cuda\.is_available|mark\.gpu' tests/test_*.py) | sort -u)
     for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
     for f in $explicit; do ignores+=("--ignore=$f"); done
-    TESTS_LEFT=${TESTS_LIMIT:-400}
+    TESTS_LEFT=${TESTS_LIMIT:-330}
     pytest_run "marked-gpu" -m gpu "${ignores[@]}" tests/
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-400} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-330} - (SECONDS - start) ))
     pytest_run "cuda-modules" $(echo "$explicit" | grep -v test_gpu_engine_bf16)
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-400} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-330} - (SECONDS - start) ))
     pytest_run "engine-bf16" -s tests/test_gpu_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     say "tests: $((SECONDS - start)) s"
 }
 
-attention_run() {  # one bench/attention_bandwidth.py call; its backend lines go to the summary
+# The attention lines that go to the summary: one per timed backend or design, the
+# split/unified ratios, and the sweep's count, five fastest points, best points and failures.
+ATTENTION_SUMMARY='^([a-z_]+ \(block|split/unified|sweep(:| best| failed)|\| [1-5] \|)'
+SWEEP_RESERVE=30     # sweep: seconds kept for start-up (imports, batch, reference) and the end
+
+attention_run() {  # one bench/attention_bandwidth.py call; its result lines go to the summary
     local mark rc
     mark=$(wc -l <"$OUT_DIR/attention.log")
     timeout --signal=INT --kill-after=20 "$(( ATT_END - SECONDS < 20 ? 20 : ATT_END - SECONDS ))" \
@@ -131,20 +145,24 @@ attention_run() {  # one bench/attention_bandwidth.py call; its backend lines go
         --note "$NOTE" "$@" 2>&1 | tee -a "$OUT_DIR/attention.log"
     rc=$?
     [ "$rc" = 0 ] || { STATUS=1; say "  [${*}] exit $rc"; }
-    tail -n +"$((mark + 1))" "$OUT_DIR/attention.log" | grep -E '^[a-z_]+ \(block' \
+    tail -n +"$((mark + 1))" "$OUT_DIR/attention.log" | grep -E "$ATTENTION_SUMMARY" \
         | sed "s/^/  [${*}] /" | tee -a "$SUMMARY"
 }
 
 stage_attention() {
-    local start=$SECONDS s
+    local start=$SECONDS budget
     : >"$OUT_DIR/attention.log"
-    ATT_END=$(( SECONDS + ${ATTENTION_LIMIT:-170} ))
+    ATT_END=$(( SECONDS + ${ATTENTION_LIMIT:-240} ))
     say "attention (default shape: 256 requests x 1024 context, 16/8 heads, head_dim 128, bf16):"
     attention_run --all-backends
-    attention_run --backend triton --block-size 256
-    for s in 1 2 4 8; do attention_run --backend triton --decode-splits "$s"; done
-    attention_run --backend triton --num-reqs 16 --context 4096
+    attention_run --backend triton --unified
+    attention_run --backend triton --num-reqs 16 --context 4096 --unified
     attention_run --backend triton --num-reqs 16 --context 4096 --decode-splits 1
+    attention_run --backend triton --mixed
+    attention_run --backend triton --block-size 256
+    budget=$(( ATT_END - SECONDS - SWEEP_RESERVE ))
+    [ "$budget" -lt 10 ] && budget=10
+    attention_run --backend triton --sweep --unified --sweep-budget "$budget"
     say "attention: $((SECONDS - start)) s; $(grep -m1 '^measured copy' "$OUT_DIR/attention.log")"
 }
 
@@ -165,11 +183,37 @@ stage_bench() {
         "$OUT_DIR/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
+fused_run() {  # label, then python arguments; output appended to fused.log
+    local label=$1 rc
+    shift
+    echo "== $label: $*" >>"$OUT_DIR/fused.log"
+    timeout --signal=INT --kill-after=20 "$(( FUSED_END - SECONDS < 30 ? 30 : FUSED_END - SECONDS ))" \
+        "$PY" "$@" 2>&1 | tee -a "$OUT_DIR/fused.log"
+    rc=$?
+    [ "$rc" = 0 ] || { STATUS=1; say "  [$label] exit $rc"; }
+}
+
+stage_fused() {
+    local start=$SECONDS kv=()
+    : >"$OUT_DIR/fused.log"
+    FUSED_END=$(( SECONDS + ${FUSED_LIMIT:-400} ))
+    [ -n "${KV_GIB:-}" ] && kv=(--kv-cache-gib "$KV_GIB")
+    fused_run microbench -m bench.fused_ops --results-file "$OUT_DIR/results_fused.md" \
+        --note "$NOTE"
+    for flag in "" --fused-ops; do
+        fused_run "engine ${flag:-torch ops}" -m bench.throughput --preset qwen3-0.6b --warmup \
+            ${flag} "${kv[@]}" --results-file "$OUT_DIR/results_fused.md" --note "$NOTE"
+    done
+    say "fused: $((SECONDS - start)) s"
+    grep -E '^(\||engine|output throughput|decode steps)' "$OUT_DIR/fused.log" | sed 's/^/  /' \
+        | tee -a "$SUMMARY"
+}
+
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests attention bench)
 for s in "${stages[@]}"; do
-    case $s in tests|attention|bench) ;; *) echo "unknown stage '$s': tests, attention or bench" >&2
-        exit 2 ;; esac
+    case $s in tests|attention|bench|fused) ;;
+        *) echo "unknown stage '$s': tests, attention, bench or fused" >&2; exit 2 ;; esac
 done
 install_wheels || say "wheel install failed: continuing without .whl/"
 record_env

@@ -2,6 +2,7 @@
 transformers `generate()` in the same process and run.
 
     python -m bench.throughput --preset qwen3-0.6b --vs-transformers
+    python -m bench.throughput --preset qwen3-0.6b --fused-ops     # Triton norm + rope
     python -m bench.throughput --preset tiny --device cpu --num-seqs 64 --min-len 16 --max-len 64
 
 Prints output tok/s, time per decode step, and the bytes a decode step reads (weights + KV) per
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shlex
 import sys
 import time
@@ -22,7 +24,8 @@ from engine_common.params import ParamError, SamplingParams, StoppingParams
 from bench.presets import preset_dir
 from bench.report import BenchResult, append_block, format_block, format_lines
 from bench.step_timer import StepTimer
-from bench.workload import Workload, add_model_and_workload_flags, make_workload
+from bench.workload import (Workload, add_fused_ops_flag, add_model_and_workload_flags,
+                            make_workload)
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 DEFAULT_HF_BATCH_SIZES = "1,8,32,64,128,256"
@@ -53,6 +56,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_fused_ops_flag(e)
     e.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 avoids stalls on a "
                         "busy shared CPU)")
@@ -102,6 +106,8 @@ def run(args: argparse.Namespace) -> BenchResult:
     from worker_service.device_info import describe_device
 
     device = resolve_device(args.device)
+    if args.fused_ops and device == "cpu":   # Triton reads it when triton is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.cpu_threads is not None:
         if args.cpu_threads < 1:
             raise ParamError("cpu_threads", args.cpu_threads, ">= 1")
@@ -148,6 +154,8 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
     notes = list(args.note)
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
+    if args.fused_ops:
+        kwargs["fused_ops"] = True
     known = set(RunnerConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
     kwargs = {k: v for k, v in kwargs.items() if k in known}
     if args.gpu_memory_utilization is not None:
@@ -198,7 +206,8 @@ def _describe_engine(llm) -> str:
     runner, sched = llm.runner, llm.scheduler
     dtype = str(runner.model_dtype).removeprefix("torch.")
     graphs = ", decode CUDA graphs" if runner.graph_runner is not None else ", eager"
-    return (f"{runner.attention_backend_name} attention, {dtype}{graphs}, "
+    fused = ", fused Triton norm + rope" if getattr(runner.model, "fused_ops", False) else ""
+    return (f"{runner.attention_backend_name} attention, {dtype}{graphs}{fused}, "
             f"{sched.num_total_blocks} KV blocks of {sched.config.block_size}, "
             f"max_num_seqs {sched.config.max_num_seqs}, "
             f"max_num_batched_tokens {sched.config.max_num_batched_tokens}")

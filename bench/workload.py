@@ -73,3 +73,11 @@ def add_model_and_workload_flags(p, preset_default: str | None, num_seqs: int, m
                    help=f"longest input and output length (default: {max_len})")
     w.add_argument("--seed", type=int, default=0, help="default: 0")
     return w
+
+
+def add_fused_ops_flag(group) -> None:
+    """--fused-ops, for benchmarks that build the engine (it becomes RunnerConfig.fused_ops)."""
+    group.add_argument("--fused-ops", action="store_true",
+                       help="Triton RMSNorm (+ residual) and rope kernels in the model "
+                            "(kernels/fused_norm.py, kernels/fused_rope.py); on CPU they run "
+                            "in Triton's interpreter (slow)")

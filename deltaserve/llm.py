@@ -49,9 +49,14 @@ class LLM:
     enable_prefix_caching, ...); block_size and max_model_len are shared.
 
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
-    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
+    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU.
 
-    def __init__(self, model: str, gpu_memory_utilization: float | None = None, **kwargs):
+    fused_ops=True (RunnerConfig.fused_ops): Triton RMSNorm and rope kernels in the model; CUDA,
+    or TRITON_INTERPRET=1 on CPU."""
+
+    def __init__(self, model: str, gpu_memory_utilization: float | None = None,
+                 fused_ops: bool = False, **kwargs):
+        kwargs["fused_ops"] = fused_ops
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         runner_keys = set(RunnerConfig.__dataclass_fields__)
         sched_keys = set(SchedulerConfig.__dataclass_fields__)

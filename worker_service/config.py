@@ -23,6 +23,10 @@ class RunnerConfig:
     # 8, then steps of 16 up to max_graph_batch; enforce_eager turns them off.
     enforce_eager: bool = False
     max_graph_batch: int = 512
+    # Triton kernels for every RMSNorm (incl. the residual form) and the rope
+    # (kernels/fused_norm.py, kernels/fused_rope.py): CUDA, or TRITON_INTERPRET=1 on CPU. Off
+    # until `python -m bench.fused_ops` and `bench.throughput --fused-ops` show a gain.
+    fused_ops: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -120,17 +120,32 @@ def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
 
 
 def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBackend,
-               device: str | torch.device, dtype: str | torch.dtype | None = None) -> nn.Module:
-    """Build the model config.json names, on `device`, and load this rank's weights."""
+               device: str | torch.device, dtype: str | torch.dtype | None = None,
+               fused_ops: bool = False) -> nn.Module:
+    """Build the model config.json names, on `device`, and load this rank's weights.
+
+    fused_ops=True: the model's RMSNorms and rope run as Triton kernels (kernels/fused_norm.py,
+    kernels/fused_rope.py); ValueError unless `device` is CUDA or Triton runs interpreted."""
     path = Path(model_dir)
     hf_config = load_json(path / "config.json")
     archs = hf_config.get("architectures") or [None]
     model_class = get_model_class(archs[0])
     torch_dtype = resolve_dtype(hf_config, dtype)
+    if fused_ops:
+        check_fused_ops_device(device)
     with torch.device(device):
-        model = model_class(hf_config, tp, attn_backend, torch_dtype)
+        model = model_class(hf_config, tp, attn_backend, torch_dtype, fused_ops=fused_ops)
     load_weights(model, path)
     return model.eval()
+
+
+def check_fused_ops_device(device: str | torch.device) -> None:
+    """ValueError unless the fused Triton kernels can run on `device`."""
+    from kernels.fused_rope import triton_runs_on   # imports triton: only when asked for
+    if not triton_runs_on(device):
+        raise ValueError(f"fused_ops=True on device={str(device)!r} is invalid: the fused "
+                         f"kernels need a CUDA device, or TRITON_INTERPRET=1 set before triton "
+                         f"is imported (the CPU interpreter)")
 
 
 def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:

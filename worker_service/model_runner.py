@@ -51,7 +51,8 @@ class ModelRunner:
         self.attention_backend_name = resolve_backend_name(config.attention_backend,
                                                            self.device.type, layout)
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
-        self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype)
+        self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
+                                fused_ops=config.fused_ops)
         self.sampler = Sampler()
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)

@@ -13,11 +13,17 @@ class RMSNorm(nn.Module):
     forward(x)           -> normed
     forward(x, residual) -> (normed, new_residual) where new_residual = x + residual, the
                             value the next residual add starts from.
+
+    fused=True runs kernels/fused_norm.py's Triton kernel instead (same rounding; needs CUDA or
+    Triton's interpreter), one launch for the add and the norm.
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None,
+                 fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
+        self._fused_kernel = _load_fused_kernel() if fused else None
         self.weight = new_param((hidden_size,), dtype, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -26,7 +32,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self._fused_kernel is not None:
+            return self._fused_kernel(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, fused={self.fused}"
+
+
+def _load_fused_kernel():
+    """kernels.fused_norm.rms_norm, imported only when asked for (it imports triton)."""
+    from kernels.fused_norm import rms_norm
+    return rms_norm

@@ -85,12 +85,20 @@ class RotaryEmbedding(nn.Module):
     """Applies rope to q [T, Hq, D] and k [T, Hkv, D] at the given positions [T].
 
     cos/sin are precomputed in float32 for positions 0 .. max_position - 1 and cast to the
-    activations' dtype before use, as the reference implementation does.
+    activations' dtype before use, as the reference implementation does. Each cache row is
+    [f, f]: both halves hold the same D/2 angles.
+
+    fused=False returns new tensors. fused=True runs kernels/fused_rope.py's Triton kernel (same
+    rounding; needs CUDA or Triton's interpreter): q and k are rotated IN PLACE, one launch for
+    both, and returned.
     """
 
-    def __init__(self, head_dim: int, max_position: int, settings: RopeSettings) -> None:
+    def __init__(self, head_dim: int, max_position: int, settings: RopeSettings,
+                 fused: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.fused = fused
+        self._fused_kernel = _load_fused_kernel() if fused else None
         inv_freq = compute_inv_freq(head_dim, settings)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(positions.device))
@@ -100,6 +108,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused_kernel is not None:
+            return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, D]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
         q = query * cos + rotate_half(query) * sin
@@ -107,8 +117,14 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
-def get_rope(head_dim: int, hf_config: dict) -> RotaryEmbedding:
-    """The rotary embedding a Hugging Face config asks for."""
+def _load_fused_kernel():
+    """kernels.fused_rope.fused_rope, imported only when asked for (it imports triton)."""
+    from kernels.fused_rope import fused_rope
+    return fused_rope
+
+
+def get_rope(head_dim: int, hf_config: dict, fused: bool = False) -> RotaryEmbedding:
+    """The rotary embedding a Hugging Face config asks for (fused: see RotaryEmbedding)."""
     settings = RopeSettings.from_hf_config(hf_config)
     max_position = int(hf_config.get("max_position_embeddings", 2048))
-    return RotaryEmbedding(head_dim, max_position, settings)
+    return RotaryEmbedding(head_dim, max_position, settings, fused)

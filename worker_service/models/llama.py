@@ -42,10 +42,11 @@ class DecoderArgs:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    fused_ops: bool = False      # Triton RMSNorm (+ residual) and rope: kernels/fused_*.py
 
     @classmethod
     def from_hf(cls, cfg: dict, qkv_bias: bool | None, o_bias: bool | None,
-                qk_norm: bool) -> "DecoderArgs":
+                qk_norm: bool, fused_ops: bool = False) -> "DecoderArgs":
         """qkv_bias / o_bias: None means "as config's attention_bias says"."""
         num_heads = int(cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias") or False)
@@ -62,7 +63,8 @@ class DecoderArgs:
             o_bias=attention_bias if o_bias is None else o_bias,
             mlp_bias=bool(cfg.get("mlp_bias") or False),
             qk_norm=qk_norm,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            fused_ops=fused_ops)
 
 
 class DecoderAttention(nn.Module):
@@ -80,10 +82,11 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.head_dim = d
         if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(d, args.rms_norm_eps, dtype, args.fused_ops)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps, dtype, args.fused_ops)
         self.qk_norm = args.qk_norm
-        self.rotary_emb = rotary_emb  # shared by every layer: one cos/sin table per model
+        # shared by every layer: one cos/sin table per model; fused, it rotates q and k in place
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -121,8 +124,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype)
         self.mlp = DecoderMLP(args, tp, dtype)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
+                                       args.fused_ops)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
+                                                args.fused_ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -143,10 +148,10 @@ class DecoderModel(nn.Module):
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
-        rotary_emb = get_rope(args.head_dim, hf_config)
+        rotary_emb = get_rope(args.head_dim, hf_config, args.fused_ops)
         self.layers = nn.ModuleList(DecoderLayer(args, rotary_emb, tp, backend, dtype)
                                     for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.fused_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -163,6 +168,9 @@ class LlamaForCausalLM(nn.Module):
     forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), meta)
         -> hidden [T, hidden_size]
     compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size] (gathered over ranks)
+
+    fused_ops=True: every RMSNorm and the rope run as Triton kernels (kernels/fused_norm.py,
+    kernels/fused_rope.py); CUDA, or Triton's interpreter on CPU.
     """
 
     # Architecture traits; subclasses override. None = follow config's attention_bias.
@@ -176,11 +184,13 @@ class LlamaForCausalLM(nn.Module):
     })
 
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__()
-        args = DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm)
+        args = DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm,
+                                   fused_ops)
         self.args = args
         self.dtype = dtype
+        self.fused_ops = fused_ops
         self.model = DecoderModel(args, hf_config, tp, attn_backend, dtype)
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype)
         if args.tie_word_embeddings:

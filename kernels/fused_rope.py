@@ -1,0 +1,143 @@
+"""Fused rotary embedding in Triton: q and k of one token rotated in one launch, in place.
+
+Same contract as worker_service/layers/rotary.py RotaryEmbedding, rounding step for rounding
+step ("rotate half" layout, x = [x1, x2] split at D/2; c, s = cos, sin cast from float32 to the
+activations' dtype first, as the torch module does):
+
+    out1 = x1 * c - x2 * s          each product rounded to the dtype, then the difference
+    out2 = x2 * c + x1 * s          (torch: x * cos + rotate_half(x) * sin, three kernels)
+
+Products of two fp16/bf16 values are exact in float32, so "compute in float32, round once" is
+exactly torch's rounding of each op; float32 launches disable mul+add -> fma contraction so
+float32 agrees bit for bit too (the CPU interpreter rounds float32 -> bfloat16 by truncation,
+see tests/test_fused_rope.py for the tolerance that costs).
+
+Layouts:
+    positions  [T] any integer dtype, each in [0, max_position) (not checked: no device sync)
+    query      [T, Hq, D], key [T, Hk, D]: any token/head strides, last dim contiguous
+    cos_cache, sin_cache  [max_position, D] float32, rows [f, f] (both halves equal, as
+               RotaryEmbedding builds them): only the first D/2 columns are read
+
+Grid: (T, head blocks); head block b < cdiv(Hq, BLOCK_H) rotates query heads, the rest key heads.
+D may be any even size up to MAX_HEAD_DIM (D/2 is padded to a power of two and masked).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+TILE_ELEMS = 2048            # heads x (D/2) per program: keeps two halves in registers
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _mul(x, y):
+    """x * y rounded once to x's dtype (exact float32 product for fp16/bf16 inputs)."""
+    return (x.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _rotate_heads(base_ptr, stride_h, num_heads, head0, half, cos, sin,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate heads head0 .. head0 + BLOCK_H - 1 (those < num_heads) of one token in place."""
+    heads = head0 + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (heads < num_heads)[:, None] & (cols < half)[None, :]
+    ptr1 = base_ptr + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + half, mask=mask, other=0.0)
+    c = cos.to(x1.dtype)[None, :]          # cast first, as torch's cos_cache[...].to(dtype)
+    s = sin.to(x1.dtype)[None, :]
+    out1 = (_mul(x1, c).to(tl.float32) - _mul(x2, s).to(tl.float32)).to(x1.dtype)
+    out2 = (_mul(x2, c).to(tl.float32) + _mul(x1, s).to(tl.float32)).to(x1.dtype)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr1 + half, out2, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+                 num_q_heads, num_k_heads, half,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_ptr + pos * stride_cache + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cache + cols, mask=cols < half, other=0.0)
+    num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if block < num_q_blocks:
+        _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, block * BLOCK_H, half,
+                      cos, sin, BLOCK_H, BLOCK_HALF)
+    else:
+        _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_k_heads,
+                      (block - num_q_blocks) * BLOCK_H, half, cos, sin, BLOCK_H, BLOCK_HALF)
+
+
+def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_cache: torch.Tensor, sin_cache: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query [T, Hq, D] and key [T, Hk, D] at `positions` [T] IN PLACE, one launch;
+    returns (query, key), the same tensors. cos_cache / sin_cache: RotaryEmbedding's float32
+    [max_position, D] buffers. See the module docstring for the layouts."""
+    _check(positions, query, key, cos_cache, sin_cache)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_k_heads = key.shape[1]
+    if num_tokens == 0:
+        return query, key
+    block_half = triton.next_power_of_2(head_dim // 2)
+    block_h = max(1, min(triton.next_power_of_2(min(num_q_heads, num_k_heads)),
+                         TILE_ELEMS // block_half))
+    num_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
+    _rope_kernel[(num_tokens, num_blocks)](
+        positions, query, key, cos_cache, sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0),
+        num_q_heads, num_k_heads, head_dim // 2,
+        BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=max(1, min(4, block_h * block_half // 256)), enable_fp_fusion=False)
+    return query, key
+
+
+def _check(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+           cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+    """Shape/dtype rules the kernel relies on; ValueError naming the offender."""
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError(f"query {tuple(query.shape)} / key {tuple(key.shape)}: must be "
+                         f"[T, heads, head_dim]")
+    num_tokens, _, head_dim = query.shape
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key {tuple(key.shape)}: must be [{num_tokens}, Hk, {head_dim}] "
+                         f"like query {tuple(query.shape)}")
+    if head_dim % 2 or not 2 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is invalid: must be even, in [2, {MAX_HEAD_DIM}]")
+    if query.dtype not in DTYPES or key.dtype != query.dtype:
+        raise ValueError(f"query/key dtype {query.dtype}/{key.dtype}: must be one of {DTYPES} "
+                         f"and equal")
+    if query.stride(-1) != 1 or key.stride(-1) != 1:
+        raise ValueError(f"query stride {query.stride()} / key stride {key.stride()}: the "
+                         f"last dim must be contiguous")
+    if positions.shape != (num_tokens,) or positions.dtype.is_floating_point:
+        raise ValueError(f"positions {tuple(positions.shape)} {positions.dtype}: must be "
+                         f"[{num_tokens}] integers")
+    devices = {t.device for t in (positions, query, key, cos_cache, sin_cache)}
+    if len(devices) != 1:
+        raise ValueError(f"positions, query, key, cos_cache and sin_cache are on devices "
+                         f"{sorted(map(str, devices))}: must share one device")
+    for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if (cache.dim() != 2 or cache.shape[1] != head_dim or cache.dtype != torch.float32
+                or cache.stride(-1) != 1 or cache.stride() != cos_cache.stride()):
+            raise ValueError(f"{name} {tuple(cache.shape)} {cache.dtype}: must be "
+                             f"[max_position, {head_dim}] float32 with a contiguous last dim "
+                             f"(strides equal to cos_cache's)")
+
+
+def triton_runs_on(device: str | torch.device) -> bool:
+    """Whether the fused kernels can run on `device`: CUDA, or the CPU when they were built for
+    Triton's interpreter (TRITON_INTERPRET=1 before triton was imported)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+    return kind == "cpu" and isinstance(_rope_kernel, InterpretedFunction)
