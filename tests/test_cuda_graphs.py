@@ -18,6 +18,7 @@ from worker_service.cuda_graphs import (DecodeGraphRunner, graph_batch_sizes,
 from worker_service.decode_buffers import DecodeBuffers
 from worker_service.model_loader import allocate_kv_caches, load_model
 from worker_service.parallel_state import single_rank_group
+from worker_service.step_buffers import StepBuffers
 
 HAS_CUDA = torch.cuda.is_available()
 BLOCK_SIZE = 4
@@ -70,41 +71,57 @@ def test_only_pure_decode_steps_within_the_largest_graph_replay(tiny_setup):
 
 # -- buffers -------------------------------------------------------------------------------------
 
+def _load(buf, staging, *args):
+    """Stage one step, flush it, load it into the decode buffers."""
+    staging.begin()
+    staged = buf.stage(staging, *args)
+    staging.flush()
+    buf.load(staged)
+    return staged
+
+
 def test_buffers_stage_real_rows_and_pad_the_rest():
     buf = DecodeBuffers(max_batch=8, max_blocks_per_req=4, device="cpu", max_seq_len=16)
+    staging = StepBuffers(8, 8, 4, "cpu")
     table = np.array([[5, 6, 0], [7, 0, 0], [1, 2, 3]], dtype=np.int32)
-    buf.load(3, 4, np.array([11, 12, 13]), np.array([9, 2, 10]), np.array([25, 28, 14]),
-             np.array([10, 3, 11], dtype=np.int32), table)
-    dev = buf.dev
-    assert dev["input_ids"][:4].tolist() == [11, 12, 13, 0]
-    assert dev["positions"][:4].tolist() == [9, 2, 10, 0]
-    assert dev["slot_mapping"][:4].tolist() == [25, 28, 14, -1]
-    assert dev["seq_lens"][:4].tolist() == [10, 3, 11, 1]
-    assert dev["block_table"][:4, :3].tolist() == table.tolist() + [[0, 0, 0]]
+    staged = _load(buf, staging, 3, 4, np.array([11, 12, 13]), np.array([9, 2, 10]),
+                   np.array([25, 28, 14]), np.array([10, 3, 11], dtype=np.int32), table)
+    # the staged views live in the shared staging arenas; the buffers are separate tensors
+    arena = staging.arenas[torch.int64].dev
+    assert arena.data_ptr() <= staged.tokens.data_ptr() < arena.data_ptr() + arena.nbytes
+    assert staged.tokens.data_ptr() != buf.tokens.data_ptr()
+    input_ids, positions = buf.model_inputs(4)
+    assert input_ids.tolist() == [11, 12, 13, 0]
+    assert positions.tolist() == [9, 2, 10, 0]
     meta = buf.metadata(4)
+    assert meta.slot_mapping.tolist() == [25, 28, 14, -1]
+    assert meta.seq_lens.tolist() == [10, 3, 11, 1]
+    assert buf.block_table[:4, :3].tolist() == table.tolist() + [[0, 0, 0]]
     assert meta is buf.metadata(4)                  # graphs hold on to these tensors
     assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len) == (4, 4, 1)
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert meta.seq_lens.data_ptr() == dev["seq_lens"].data_ptr()
+    assert meta.seq_lens.data_ptr() == buf.seq_lens.data_ptr()
     assert meta.seq_lens_cpu.tolist() == [10, 3, 11, 1]
     # a smaller next step: row 1 becomes padding again, row 0 keeps stale (valid) columns
-    buf.load(1, 1, np.array([4]), np.array([3]), np.array([7]), np.array([4], np.int32),
-             np.array([[9]], dtype=np.int32))
-    buf.load(1, 2, np.array([4]), np.array([3]), np.array([7]), np.array([4], np.int32),
-             np.array([[9]], dtype=np.int32))
-    assert dev["slot_mapping"][:2].tolist() == [7, -1]
-    assert dev["block_table"][:2, :3].tolist() == [[9, 6, 0], [0, 0, 0]]
+    one = (np.array([4]), np.array([3]), np.array([7]), np.array([4], np.int32),
+           np.array([[9]], dtype=np.int32))
+    _load(buf, staging, 1, 1, *one)
+    _load(buf, staging, 1, 2, *one)
+    assert buf.tokens[2, :2].tolist() == [7, -1]
+    assert buf.block_table[:2, :3].tolist() == [[9, 6, 0], [0, 0, 0]]
+    assert buf.metadata(2).seq_lens_cpu.tolist() == [4, 1]
 
 
 def test_buffers_reject_bad_shapes():
     buf = DecodeBuffers(max_batch=4, max_blocks_per_req=2, device="cpu", max_seq_len=8)
+    staging = StepBuffers(4, 4, 2, "cpu")
     ones = np.ones(2, dtype=np.int64)
     with pytest.raises(ValueError, match="padded=5"):
-        buf.load(2, 5, ones, ones, ones, ones, np.zeros((2, 1), np.int32))
+        buf.stage(staging, 2, 5, ones, ones, ones, ones, np.zeros((2, 1), np.int32))
     with pytest.raises(ValueError, match="block_table shape"):
-        buf.load(2, 2, ones, ones, ones, ones, np.zeros((2, 3), np.int32))
+        buf.stage(staging, 2, 2, ones, ones, ones, ones, np.zeros((2, 3), np.int32))
     with pytest.raises(ValueError, match="positions has 1 rows"):
-        buf.load(2, 2, ones, ones[:1], ones, ones, np.zeros((2, 1), np.int32))
+        buf.stage(staging, 2, 2, ones, ones[:1], ones, ones, np.zeros((2, 1), np.int32))
 
 
 # -- padded runs against the eager model (CPU, torch backend) -----------------------------------

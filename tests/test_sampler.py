@@ -1,10 +1,12 @@
 """Sampler: greedy, seeded counter-based sampling, filters, penalties, stop masks, logprobs."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from worker_service.sampler import Sampler, _mix32, apply_penalties, gumbel_noise
+from worker_service.sampler import Sampler, _mix32, apply_penalties, apply_top_k, gumbel_noise
+from worker_service.sampling_inputs import top_k_bound
 from worker_service.sampling_metadata import SamplingMetadata
 
 NEUTRAL = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, counter=0,
@@ -30,6 +32,9 @@ def make_meta(rows: list[dict], vocab: int, prompts=None, outputs=None, stop_mas
                             dtype=torch.int64, device=device)
 
     temps = [r["temperature"] for r in rows]
+    pairs = [(row, tid) for row, ids in (stop_masks or {}).items() for tid in ids]
+    stop_index = (torch.tensor(pairs, dtype=torch.int64, device=device).T.contiguous()
+                  if pairs else None)
     return SamplingMetadata(
         temperature=col("temperature", torch.float32, None),
         all_greedy=all(t == 0 for t in temps), all_random=all(t > 0 for t in temps),
@@ -40,7 +45,8 @@ def make_meta(rows: list[dict], vocab: int, prompts=None, outputs=None, stop_mas
         presence_penalty=col("presence_penalty", torch.float32, 0.0),
         frequency_penalty=col("frequency_penalty", torch.float32, 0.0),
         prompt_token_ids=padded(prompts), output_token_ids=padded(outputs),
-        stop_masks=stop_masks or {}, max_num_logprobs=k)
+        stop_mask_index=stop_index, max_num_logprobs=k,
+        top_k_max=top_k_bound(np.array([r["top_k"] for r in rows]), vocab))
 
 
 def sample(logits, rows, **kw):
@@ -240,3 +246,24 @@ def test_worst_case_metadata_runs_every_feature():
     assert meta.has_penalties and meta.top_k is not None and meta.top_p is not None
     out = Sampler().forward(torch.randn(4, 64), meta)
     assert out.sampled_token_ids.shape == (4,) and out.top_ids.shape == (4, 20)
+
+
+def test_top_k_bound_and_apply_top_k_with_a_loose_bound():
+    """The host-known bound is the largest active k (0 and >= vocab are off); any bound at
+    least that large gives the same filter, and top_k without a bound is rejected."""
+    assert top_k_bound(np.array([0, 3, 7, 64, 100]), 64) == 7
+    assert top_k_bound(np.array([0, 0]), 64) == 1
+    x = rand_logits(6, 64, seed=9)
+    top_k = torch.tensor([0, 1, 3, 7, 64, 5], dtype=torch.int32)
+    exact = apply_top_k(x, top_k, 7)
+    assert torch.equal(exact, apply_top_k(x, top_k, 50))
+    assert torch.equal(exact, apply_top_k(x, top_k, 1000))
+    kept = torch.isfinite(exact).sum(-1).tolist()
+    assert kept == [64, 1, 3, 7, 64, 5]
+    with pytest.raises(ValueError, match="top_k_max=0"):
+        SamplingMetadata(temperature=torch.ones(1), all_greedy=False, all_random=True,
+                         top_p=None, top_k=torch.ones(1, dtype=torch.int32), min_p=None,
+                         seeds=torch.zeros(1, dtype=torch.int64),
+                         counters=torch.zeros(1, dtype=torch.int64), repetition_penalty=None,
+                         presence_penalty=None, frequency_penalty=None, prompt_token_ids=None,
+                         output_token_ids=None)

@@ -21,6 +21,9 @@ per-kernel launch cost that dominates small batches. Rules:
   length), and so is flash-attn's kvcache path (its split heuristic reads shapes only). The torch
   reference backend is not: it loops over requests with host copies (.tolist()).
 * --enforce-eager turns graphs off.
+* A step's inputs come from the runner's staging (StepBuffers, shared): `stage` writes the padded
+  rows on the host, the runner flushes every arena once, then `replay` copies them device to
+  device into the graph's buffers and replays. No host sync anywhere on that path.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker_service.decode_buffers import DecodeBuffers
+from worker_service.decode_buffers import DecodeBuffers, StagedDecode
+from worker_service.step_buffers import StepBuffers
 
 SMALL_GRAPH_SIZES = (1, 2, 4, 8)
 GRAPH_SIZE_STEP = 16
@@ -75,18 +79,21 @@ class DecodeGraphRunner:
     (before capture(), or on CPU in tests).
 
     Graphs bake in the addresses of `kv_caches` and of the weights: build a new runner (and
-    capture again) whenever the KV cache is re-allocated.
+    capture again) whenever the KV cache is re-allocated. `staging` is the model runner's
+    StepBuffers (a private one, sized for max_graph_batch, when None).
     """
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_graph_batch: int,
-                 max_blocks_per_req: int, max_model_len: int,
-                 device: torch.device | str) -> None:
+                 max_blocks_per_req: int, max_model_len: int, device: torch.device | str,
+                 staging: StepBuffers | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
         self.sizes = graph_batch_sizes(max_graph_batch)
         self.buffers = DecodeBuffers(max_graph_batch, max_blocks_per_req, self.device,
                                      max_model_len)
+        self.staging = staging or StepBuffers(max_graph_batch, max_graph_batch,
+                                              max_blocks_per_req, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._hidden: torch.Tensor | None = None     # [max_graph_batch, hidden], static
 
@@ -124,20 +131,35 @@ class DecodeGraphRunner:
             slot_mapping: np.ndarray, seq_lens: np.ndarray,
             block_table: np.ndarray) -> torch.Tensor:
         """One decode step for num_reqs requests (one token each, host arrays as StepInputs
-        holds them). Writes their keys/values into the KV cache and returns float32 logits
-        [num_reqs, vocab]."""
+        holds them): begin, stage, flush, replay. Writes their keys/values into the KV cache
+        and returns float32 logits [num_reqs, vocab]. Read the result (a host sync) before the
+        next call: the staging reuse rule of step_buffers.py applies."""
+        self.staging.begin()
+        staged = self.stage(num_reqs, input_ids, positions, slot_mapping, seq_lens, block_table)
+        self.staging.flush()
+        return self.replay(staged)
+
+    def stage(self, num_reqs: int, input_ids: np.ndarray, positions: np.ndarray,
+              slot_mapping: np.ndarray, seq_lens: np.ndarray,
+              block_table: np.ndarray) -> StagedDecode:
+        """Write a step's rows, padded to its graph size, into the staging arenas (host)."""
         padded = padded_batch_size(num_reqs, self.sizes)
         if padded is None:
             raise ValueError(f"num_reqs={num_reqs} is invalid: must be in "
                              f"[1, {self.sizes[-1]}]")
-        self.buffers.load(num_reqs, padded, input_ids, positions, slot_mapping, seq_lens,
-                          block_table)
-        graph = self.graphs.get(padded)
+        return self.buffers.stage(self.staging, num_reqs, padded, input_ids, positions,
+                                  slot_mapping, seq_lens, block_table)
+
+    def replay(self, staged: StagedDecode) -> torch.Tensor:
+        """Load a staged step (after the staging flush) and replay its graph (or run the same
+        forward eagerly when none was captured); float32 logits [num_reqs, vocab]."""
+        self.buffers.load(staged)
+        graph = self.graphs.get(staged.padded)
         if graph is None:
-            self._forward(padded)
+            self._forward(staged.padded)
         else:
             graph.replay()
-        return self.model.compute_logits(self._hidden[:num_reqs])
+        return self.model.compute_logits(self._hidden[:staged.num_reqs])
 
     def _forward(self, batch: int) -> None:
         """Model forward over the first `batch` buffer rows into the static hidden buffer."""

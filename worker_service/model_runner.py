@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -15,7 +16,6 @@ import torch
 from engine_common.codec import decode_scheduler_output
 from engine_common.diff import RunnerOutput, SchedulerOutput
 from engine_common.model_dir import ModelInfo
-from kernels.attention.backend import AttentionMetadata
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
@@ -28,7 +28,9 @@ from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sampler import Sampler
 from worker_service.sampling_inputs import build_sampling_metadata
 from worker_service.sampling_metadata import worst_case_sampling_metadata
+from worker_service.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.step_inputs import StepInputs, StepProtocolError, prepare_step_inputs
+from worker_service.token_readback import PendingStep, SampledTokens, TokenReadback
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,10 @@ class ModelRunner:
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
+        # Persistent staging of every per-step input, and the pinned read-back buffers.
+        self.staging = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_blocks, self.device)
+        self.readback = TokenReadback(config.max_num_seqs, self.device)
         self.requests: dict[int, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: DecodeGraphRunner | None = None
@@ -100,7 +106,7 @@ class ModelRunner:
             return
         self.graph_runner = DecodeGraphRunner(
             self.model, self.kv_caches, self._max_graph_batch, self.batch.block_table.shape[1],
-            self.max_model_len, self.device)
+            self.max_model_len, self.device, self.staging)
         self.graph_runner.capture()
 
     def free_kv_cache(self) -> None:
@@ -155,13 +161,21 @@ class ModelRunner:
         self.last_step = -1
 
     # -- one step ---------------------------------------------------------------------------
+    # launch_step: apply the diff, stage every input (one copy per staging arena), forward,
+    # sample, queue the read-back copies; no host sync. finish_step: the step's one host sync
+    # (tests/test_gpu_no_host_sync.py checks both), then the sampled ids go into the batch.
 
     def execute(self, payload: bytes) -> RunnerOutput:
         """Decode a diff, apply it, run the model and sample."""
         return self.execute_diff(decode_scheduler_output(payload))
 
-    @torch.inference_mode()
     def execute_diff(self, diff: SchedulerOutput) -> RunnerOutput:
+        """launch_step, then finish_step."""
+        return self.finish_step(self.launch_step(diff))
+
+    @torch.inference_mode()
+    def launch_step(self, diff: SchedulerOutput) -> PendingStep:
+        """Everything up to the token read-back, without a host sync."""
         if diff.step != self.last_step + 1:
             raise StepProtocolError(f"step {diff.step} arrived after step {self.last_step}")
         self.last_step = diff.step
@@ -171,33 +185,60 @@ class ModelRunner:
             num_scheduled[self._row(handle)] = n
         inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
         if inputs.num_tokens == 0:
-            return RunnerOutput(step=diff.step)
-        logits = self._forward(inputs)
-        self.batch.num_computed[inputs.rows] += inputs.num_scheduled
-        sample_rows = inputs.rows[inputs.sample_mask]
-        if len(sample_rows) == 0:
-            return RunnerOutput(step=diff.step)
-        meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size, self.device)
-        sampled = self.sampler.forward(logits, meta)
-        return self._record_samples(diff.step, sample_rows, sampled)
+            return PendingStep(diff.step)
+        self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
+        try:
+            return self._launch(diff.step, inputs)
+        except BaseException:
+            self.staging.wait_copies()      # a failed step, too, ends after its copies
+            raise
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits of the rows that sample: a captured graph for a pure-decode batch that fits
+    def finish_step(self, pending: PendingStep) -> RunnerOutput:
+        """The step's one host sync (its read-back, or its staging copies when nothing
+        sampled); then feed the sampled ids back into the batch and build the reply."""
+        if pending.tokens is None:
+            self.staging.wait_copies()
+            return RunnerOutput(step=pending.step)
+        return self._record_samples(pending.step, pending.rows, pending.tokens.wait())
+
+    def _launch(self, step: int, inputs: StepInputs) -> PendingStep:
+        self.staging.begin()
+        run_model = self._stage_model(inputs)
+        sample_rows = inputs.rows[inputs.sample_mask]
+        meta = None
+        if len(sample_rows):
+            meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
+                                           self.staging)
+        self.staging.flush()
+        logits = run_model()
+        self.batch.num_computed[inputs.rows] += inputs.num_scheduled
+        if meta is None:
+            return PendingStep(step)
+        return PendingStep(step, sample_rows,
+                           self.readback.start(self.sampler.forward(logits, meta)))
+
+    def _stage_model(self, inputs: StepInputs) -> Callable[[], torch.Tensor]:
+        """Stage the model inputs; returns the call (made after the flush) that runs the model
+        and gives the sampling rows' logits: a captured graph for a pure-decode batch that fits
         one, else the eager model."""
         n = len(inputs.rows)
         g = self.graph_runner
         if g is not None and g.graph_batch(n, inputs.num_tokens,
                                            int(inputs.num_scheduled.max())) is not None:
-            logits = g.run(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                           inputs.seq_lens, inputs.block_table)
-            # Pure decode: query row i is request i, so sampling rows index logits directly.
-            return logits if inputs.sample_mask.all() else logits[
-                torch.from_numpy(np.flatnonzero(inputs.sample_mask)).to(self.device)]
-        hidden = self.model(torch.from_numpy(inputs.input_ids).to(self.device),
-                            torch.from_numpy(inputs.positions).to(self.device),
-                            self.kv_caches, self._attention_metadata(inputs))
-        return self.model.compute_logits(
-            hidden[torch.from_numpy(inputs.logits_indices).to(self.device)])
+            staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                             inputs.seq_lens, inputs.block_table)
+            if inputs.sample_mask.all():
+                return lambda: g.replay(staged)
+            # Pure decode: query row i is request i, so logits_indices are the sampling rows.
+            keep = self.staging.put(inputs.logits_indices, torch.int64, "logits_indices")
+            return lambda: g.replay(staged).index_select(0, keep)
+        staged = stage_step_inputs(self.staging, inputs)
+        meta = attention_metadata(inputs, staged)
+
+        def run_eager() -> torch.Tensor:
+            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
+            return self.model.compute_logits(hidden.index_select(0, staged.logits_indices))
+        return run_eager
 
     def _row(self, handle: int) -> int:
         try:
@@ -228,33 +269,21 @@ class ModelRunner:
             self.batch.append_block_ids(self._row(handle), block_ids)
         self.batch.condense()
 
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        dev = self.device
-        qsl = torch.from_numpy(inputs.query_start_loc)
-        seq_lens = torch.from_numpy(inputs.seq_lens)
-        return AttentionMetadata(
-            num_reqs=len(inputs.rows), num_actual_tokens=inputs.num_tokens,
-            max_query_len=int(inputs.num_scheduled.max()),
-            max_seq_len=int(inputs.seq_lens.max()),
-            query_start_loc=qsl.to(dev), seq_lens=seq_lens.to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(inputs.block_table)).to(dev),
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-
-    def _record_samples(self, step: int, rows: np.ndarray, sampled) -> RunnerOutput:
+    def _record_samples(self, step: int, rows: np.ndarray,
+                        sampled: SampledTokens) -> RunnerOutput:
         """Feed sampled ids back into the batch and the cached states; build the reply."""
-        token_ids = sampled.sampled_token_ids.cpu().numpy()
-        self.batch.append_tokens(rows, token_ids)
+        self.batch.append_tokens(rows, sampled.token_ids)
         handles = [self.batch.handles[r] for r in rows]
-        for handle, tok in zip(handles, token_ids.tolist()):
+        token_ids = sampled.token_ids.tolist()
+        for handle, tok in zip(handles, token_ids):
             self.requests[handle].output_token_ids.append(tok)
         top = {}
         if sampled.top_ids is not None:
-            top_ids = sampled.top_ids.cpu().tolist()
-            top_lps = sampled.top_logprobs.cpu().tolist()
             for i, row in enumerate(rows):
                 k = int(self.batch.num_logprobs[row])
                 if k:
-                    top[handles[i]] = (top_ids[i][:k], top_lps[i][:k])
-        return RunnerOutput(step=step, handles=handles, sampled_token_ids=token_ids.tolist(),
-                            logprobs=sampled.logprobs.cpu().tolist(), top_logprobs=top)
+                    top[handles[i]] = (sampled.top_ids[i, :k].tolist(),
+                                       sampled.top_logprobs[i, :k].tolist())
+        return RunnerOutput(step=step, handles=handles, sampled_token_ids=token_ids,
+                            logprobs=sampled.logprobs.tolist(), top_logprobs=top)
+

@@ -8,7 +8,8 @@ Order of operations on the [N, V] float32 logits:
   4. random rows: / temperature, top-k, top-p, min-p, then Gumbel-max:
      argmax(x + g), g = -log(-log(u)), u = hash(seed, counter, vocab id) in (0, 1).
 The noise is a pure integer function of (seed, counter, vocab id): no torch.Generator, so a request
-draws the same token whatever else is in the batch, and on every rank and device. Returned
+draws the same token whatever else is in the batch, and on every rank and device. No step reads a
+device value on the host (top-k's width is meta.top_k_max), so sampling never syncs. Returned
 logprobs are those of the raw model distribution (log_softmax of the unprocessed logits).
 """
 from __future__ import annotations
@@ -78,15 +79,12 @@ def _gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def apply_stop_masks(x: torch.Tensor, stop_masks: dict[int, list[int]]) -> torch.Tensor:
-    """-inf at (row, id) for every forbidden id; returns a copy when anything is masked."""
-    rows = [row for row, ids in stop_masks.items() for _ in ids]
-    if not rows:
+def apply_stop_masks(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """-inf at every (row, id) pair of index (int64 [2, K]); a copy when anything is masked."""
+    if index is None or index.shape[1] == 0:
         return x
-    cols = [tid for ids in stop_masks.values() for tid in ids]
     x = x.clone()
-    index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
-    x.index_put_(index, torch.tensor(float("-inf"), device=x.device))
+    x.index_put_((index[0], index[1]), x.new_full((), float("-inf")))
     return x
 
 
@@ -119,12 +117,13 @@ def apply_penalties(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return x
 
 
-def apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's top_k largest logits (0 = off; ties at the boundary are kept)."""
+def apply_top_k(x: torch.Tensor, top_k: torch.Tensor, top_k_max: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (0 = off; ties at the boundary are kept).
+    top_k_max: a host-known bound of the active top_k values, so no device value is read."""
     vocab = x.shape[1]
     active = (top_k > 0) & (top_k < vocab)
     k = torch.where(active, top_k.long(), 1)
-    k_max = int(k.max())
+    k_max = max(1, min(top_k_max, vocab))
     kth = x.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
     kth = torch.where(active[:, None], kth, float("-inf"))
     return x.masked_fill(x < kth, float("-inf"))
@@ -142,7 +141,7 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None,
     # Drop the low tail whose total mass is <= 1 - top_p; the best token always survives.
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
     drop = (cum <= (1.0 - top_p)[:, None]) & (top_p < 1.0)[:, None]
-    drop[:, -1] = False
+    drop[:, -1].fill_(False)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
@@ -159,7 +158,7 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     if meta.top_p is not None:
         x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
     elif meta.top_k is not None:
-        x = apply_top_k(x, meta.top_k)
+        x = apply_top_k(x, meta.top_k, meta.top_k_max)
     if meta.min_p is not None:
         x = apply_min_p(x, meta.min_p)
     return _gumbel_argmax(x, meta.seeds, meta.counters)
@@ -173,7 +172,7 @@ class Sampler:
         if logits.shape[0] == 0:
             empty = logits.new_zeros(0)
             return SamplerOutput(empty.long(), empty)
-        x = apply_stop_masks(logits, meta.stop_masks)
+        x = apply_stop_masks(logits, meta.stop_mask_index)
         if meta.has_penalties:
             x = apply_penalties(x, meta)
         if meta.all_greedy:

@@ -1,7 +1,11 @@
-"""Per-step sampling inputs for a batch of N rows (one row per request), built by the InputBatch."""
+"""Per-step sampling inputs for a batch of N rows (one row per request), built from the InputBatch.
+
+Everything the sampler branches on is known on the host (flags, top_k_max, shapes), so sampling
+never reads a device value back: no host sync.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,9 +32,18 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None       # float32 [N]
     prompt_token_ids: torch.Tensor | None        # int64 [N, P], padded with vocab_size
     output_token_ids: torch.Tensor | None        # int64 [N, O], padded with vocab_size
-    # row -> token ids forbidden this step (the row has produced fewer than min_tokens tokens)
-    stop_masks: dict[int, list[int]] = field(default_factory=dict)
+    # int64 [2, K]: (row, token id) pairs forbidden this step (the row has produced fewer than
+    # min_tokens tokens); None = nothing forbidden
+    stop_mask_index: torch.Tensor | None = None
     max_num_logprobs: int = 0                    # top alternatives to return; 0 = sampled only
+    # Host-known upper bound of the active top_k values (>= every top_k in (0, vocab)): the
+    # width of the one topk apply_top_k runs. Required (>= 1) when top_k is set.
+    top_k_max: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k_max < 1:
+            raise ValueError(f"top_k_max={self.top_k_max} is invalid: must be >= 1 (an upper "
+                             "bound of the rows' top_k) when top_k is set")
 
     @property
     def num_rows(self) -> int:
@@ -49,10 +62,11 @@ def worst_case_sampling_metadata(num_rows: int, vocab_size: int, device: torch.d
         return torch.full((num_rows,), value, dtype=dtype, device=device)
 
     ids = torch.zeros((num_rows, 16), dtype=torch.int64, device=device)
+    stop = torch.stack([torch.arange(num_rows, device=device), ids[:, 0]])   # id 0 per row
     return SamplingMetadata(
         temperature=full(0.8, torch.float32), all_greedy=False, all_random=True,
         top_p=full(0.9, torch.float32), top_k=full(50, torch.int32), min_p=full(0.05, torch.float32),
         seeds=full(0, torch.int64), counters=full(0, torch.int64),
         repetition_penalty=full(1.1, torch.float32), presence_penalty=full(0.1, torch.float32),
         frequency_penalty=full(0.1, torch.float32), prompt_token_ids=ids, output_token_ids=ids,
-        max_num_logprobs=max_num_logprobs)
+        stop_mask_index=stop, max_num_logprobs=max_num_logprobs, top_k_max=50)
