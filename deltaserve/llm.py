@@ -41,6 +41,7 @@ class Completion:
     finish_reason: RequestStatus | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None      # set when this request alone failed (finish_reason ABORTED)
 
 
 class LLM:
@@ -110,3 +111,4 @@ class LLM:
         if out.finished:
             done.finish_reason = out.finish_reason
             done.stop_reason = out.stop_reason
+            done.error = None if out.error is None else str(out.error)

@@ -22,13 +22,13 @@ STOP = StoppingParams(max_tokens=8, ignore_eos=True)
 
 
 class FailingOutputProcessor(OutputProcessor):
-    """Request "bad"'s detokenizer raises on its third generated token."""
+    """The detokenizer of the request with the "bad" prompt raises on its third token."""
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
-        if request.request_id != "bad":
+        if list(request.prompt_token_ids) != PROMPTS["bad"]:
             return
-        detok = self._states["bad"].detokenizer
+        detok = self._states[request.request_id].detokenizer
         calls = {"n": 0}
         real_add = detok.add
 
@@ -107,3 +107,11 @@ def test_async_stream_of_the_failing_request_alone_ends_with_internal(llm, tiny_
     assert code == grpc.StatusCode.INTERNAL and "'bad'" in message
     assert not message.startswith("internal error")   # its own message, not the generic one
     assert {k: got[k] for k in ("a", "c")} == _reference(tiny_models)
+
+
+def test_offline_llm_reports_the_failed_request_and_finishes_the_others(llm, tiny_models):
+    a, bad, c = llm.generate(list(PROMPTS.values()), SamplingParams(), STOP)
+    assert bad.finish_reason == RequestStatus.FINISHED_ABORTED and len(bad.token_ids) == 2
+    assert "UnicodeDecodeError" in bad.error
+    assert a.error is None and c.error is None
+    assert {"a": a.token_ids, "c": c.token_ids} == _reference(tiny_models)
