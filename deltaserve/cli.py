@@ -45,6 +45,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-graph-batch", type=int, default=512,
                    help="largest decode batch captured as a CUDA graph: 1, 2, 4, 8, then steps "
                         "of 16 up to this (default: 512)")
+    g.add_argument("--fused-ops", action="store_true",
+                   help="fused Triton RMSNorm and rotary embedding (CUDA; off by default until "
+                        "GPU measurements show a gain)")
     g.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds open streams may finish after SIGTERM/SIGINT (default: 10)")
 
@@ -170,7 +173,8 @@ def engine_options(args):
         dtype=args.dtype, attention_backend=args.attention_backend,
         grace_period_s=args.grace_period, dist_port=getattr(args, "dist_port", 29500),
         verify_symmetry=getattr(args, "verify_symmetry", False),
-        enforce_eager=args.enforce_eager, max_graph_batch=args.max_graph_batch)
+        enforce_eager=args.enforce_eager, max_graph_batch=args.max_graph_batch,
+        fused_ops=args.fused_ops)
 
 
 def _cmd_scheduler(args) -> int:

@@ -67,6 +67,7 @@ class EngineOptions:
     verify_symmetry: bool = False   # every rank digests its state each step
     enforce_eager: bool = False     # no decode CUDA graphs
     max_graph_batch: int = 512      # largest decode batch captured as a CUDA graph
+    fused_ops: bool = False         # fused Triton RMSNorm and rope (CUDA)
 
 
 class WorkerCoreFactory:
@@ -171,7 +172,8 @@ def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
         gpu_memory_utilization=options.gpu_memory_utilization,
         max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         dist_port=options.dist_port, verify_symmetry=options.verify_symmetry,
-        enforce_eager=options.enforce_eager, max_graph_batch=options.max_graph_batch)
+        enforce_eager=options.enforce_eager, max_graph_batch=options.max_graph_batch,
+        fused_ops=options.fused_ops)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
     factory = WorkerCoreFactory(client, spec, config, tokenizer)
     engine = AsyncEngine(factory, idle_check=factory.check_health)

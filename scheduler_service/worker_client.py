@@ -245,7 +245,8 @@ def _init_request(spec: InitSpec, epoch: int,
         max_model_len=spec.max_model_len, block_size=spec.block_size, epoch=epoch,
         max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
         verify_symmetry=spec.verify_symmetry, layout=layout,
-        enforce_eager=spec.enforce_eager, max_graph_batch=spec.max_graph_batch)
+        enforce_eager=spec.enforce_eager, max_graph_batch=spec.max_graph_batch,
+        fused_ops=spec.fused_ops)
     if spec.kv_cache_bytes is not None:
         req.kv_cache_bytes = spec.kv_cache_bytes
     elif spec.gpu_memory_utilization is not None:

@@ -29,6 +29,7 @@ class InitSpec:
     max_num_batched_tokens: int = 2048
     enforce_eager: bool = False      # no decode CUDA graphs
     max_graph_batch: int = 512       # largest decode batch captured as a CUDA graph
+    fused_ops: bool = False          # fused Triton RMSNorm and rope (CUDA)
     # Tensor-parallel layout: tp_size = len(addresses) * local ranks per worker. The workers say
     # how many local ranks they run (their --local-ranks); 0 accepts that, any other value must
     # match it. With several nodes the ranks rendezvous at `rendezvous_address`, or when that is

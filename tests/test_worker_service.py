@@ -364,3 +364,15 @@ def test_client_runs_without_torch(shared_worker, model_dir):
                            model_dir], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torch-free client OK" in done.stdout
+
+
+def test_fused_ops_travel_in_init_and_reload_the_model(client, shared_worker, model_dir):
+    """fused_ops reaches the worker's model (the load key changes: one reload), and the fused
+    kernels (Triton, interpreted on CPU) give the in-process runner's greedy tokens."""
+    client.init(_spec(model_dir))
+    loads = shared_worker.num_model_loads()
+    client.init(_spec(model_dir, fused_ops=True))
+    assert shared_worker.num_model_loads() == loads + 1
+    assert _tokens(client.execute) == _in_process_tokens(model_dir)
+    client.init(_spec(model_dir))
+    assert shared_worker.num_model_loads() == loads + 2

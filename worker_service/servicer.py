@@ -165,7 +165,7 @@ def _init_args(req, device: str) -> tuple[RunnerConfig, NodeLayout, float | None
         max_num_batched_tokens=req.max_num_batched_tokens or defaults.max_num_batched_tokens,
         kv_cache_bytes=req.kv_cache_bytes if budget == "kv_cache_bytes"
         else defaults.kv_cache_bytes,
-        enforce_eager=req.enforce_eager,
+        enforce_eager=req.enforce_eager, fused_ops=req.fused_ops,
         max_graph_batch=req.max_graph_batch or defaults.max_graph_batch)
     return config, _layout(req.layout), util
 

@@ -24,7 +24,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tp_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "layout", "epoch", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch")
+    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "layout", "epoch", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class InitRequest(_message.Message):
     VERIFY_SYMMETRY_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAPH_BATCH_FIELD_NUMBER: _ClassVar[int]
+    FUSED_OPS_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     dtype: str
     attention_backend: str
@@ -53,7 +54,8 @@ class InitRequest(_message.Message):
     verify_symmetry: bool
     enforce_eager: bool
     max_graph_batch: int
-    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ...) -> None: ...
+    fused_ops: bool
+    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("local_rank", "global_rank", "device_kind", "device_name", "total_memory_bytes", "free_memory_bytes", "num_kv_blocks")
