@@ -86,7 +86,9 @@ def _announce(listen: str, model_dir: str):
 
 
 def serve(args) -> int:
-    """Run until Ctrl-C / SIGTERM or until the worker exits on its own; returns an exit code."""
+    """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
+    worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
+    retrying cannot help)."""
     from deltaserve.cli import engine_options
 
     model_dir = args.model
@@ -106,6 +108,6 @@ def serve(args) -> int:
     try:
         return run_scheduler(model_dir, [args.worker_listen], args.listen,
                              engine_options(args), on_ready=_announce(args.listen, model_dir),
-                             should_stop=worker_gone)
+                             should_stop=worker_gone, exit_on_refusal=True)
     finally:
         stop_worker(worker)

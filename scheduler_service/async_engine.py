@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from scheduler_service.engine_core import EngineCore
-from scheduler_service.errors import EngineUnavailable
+from scheduler_service.errors import EngineUnavailable, WorkerRefused
 from scheduler_service.output_processor import RequestOutput
 from scheduler_service.request import Request
 
 log = logging.getLogger(__name__)
 
 _RECONNECT_SECONDS = 0.5
+_REFUSED_RETRY_MAX_SECONDS = 10.0   # a refused Init is retried ever more slowly, up to this
 _IDLE_WAIT_SECONDS = 0.05
 _THROUGHPUT_WINDOW_SECONDS = 10.0
 
@@ -80,6 +81,9 @@ class AsyncEngine:
         self._steps_lock = threading.Lock()
         self.stats = EngineStats()
         self.last_error: str = "not connected to the workers yet"
+        # Why the workers refused the last Init (WorkerRefused), or None after any other outcome.
+        self.refused: str | None = None
+        self._retry_seconds = _RECONNECT_SECONDS
 
     # -- called from the asyncio side -------------------------------------------------------
 
@@ -142,7 +146,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._core is None and not self._connect():
-                self._drain_commands(block_seconds=_RECONNECT_SECONDS)
+                self._drain_commands(block_seconds=self._retry_seconds)
                 continue
             busy = self._core.has_unfinished_requests()
             self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
@@ -164,14 +168,21 @@ class AsyncEngine:
     def _connect(self) -> bool:
         try:
             self._core = self._make_core()
+        except WorkerRefused as e:
+            self.last_error = self.refused = str(e)
+            self._retry_seconds = min(2 * self._retry_seconds, _REFUSED_RETRY_MAX_SECONDS)
+            return False
         except EngineUnavailable as e:
-            self.last_error = str(e)
+            self.last_error, self.refused = str(e), None
+            self._retry_seconds = _RECONNECT_SECONDS
             return False
         except Exception as e:  # a bug in make_core: keep retrying, but say so loudly
             log.exception("building the engine core failed")
             self.last_error = f"{type(e).__name__}: {e}"
             return False
         self.last_error = ""
+        self.refused = None
+        self._retry_seconds = _RECONNECT_SECONDS
         self._last_check = time.monotonic()
         self._publish_stats()
         log.info("engine ready")

@@ -196,9 +196,12 @@ def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
 async def serve_scheduler(model_dir: str, workers: list[str], listen: str,
                           options: EngineOptions = EngineOptions(),
                           on_ready: Callable[[SchedulerServer], None] | None = None,
-                          should_stop: Callable[[], str | None] | None = None) -> int:
+                          should_stop: Callable[[], str | None] | None = None,
+                          exit_on_refusal: bool = False) -> int:
     """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
-    (or until `should_stop()` returns a reason); then drain and stop. Returns an exit code."""
+    (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
+    refuse the first Init's settings); then drain and stop. Returns an exit code: 0, 1 when
+    `should_stop` stopped it, 2 when the workers refused the settings."""
     app = build_scheduler_server(model_dir, workers, listen, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -207,24 +210,36 @@ async def serve_scheduler(model_dir: str, workers: list[str], listen: str,
     await app.start()
     log.info("scheduler listening on %s (port %d); workers: %s", listen, app.port,
              ",".join(workers))
-    watcher = asyncio.create_task(_watch(app, stop, on_ready, should_stop))
+    refused: list[str] = []
+    watcher = asyncio.create_task(_watch(app, stop, on_ready, should_stop,
+                                         refused if exit_on_refusal else None))
     await stop.wait()
     watcher.cancel()
     log.info("draining (grace period %.1f s)", app.grace_period_s)
     await app.stop()
+    if refused:
+        return 2
     reason = should_stop() if should_stop else None
     return 1 if reason else 0
 
 
 async def _watch(app: SchedulerServer, stop: asyncio.Event,
                  on_ready: Callable[[SchedulerServer], None] | None,
-                 should_stop: Callable[[], str | None] | None) -> None:
+                 should_stop: Callable[[], str | None] | None,
+                 refused: list[str] | None) -> None:
+    """Announce readiness once; stop on `should_stop`, or (when `refused` is a list) on a refused
+    first Init, whose reason is appended to it."""
     announced = False
     while not stop.is_set():
         if not announced and app.engine.ready:
             announced = True
             if on_ready:
                 on_ready(app)
+        if not announced and refused is not None and app.engine.refused:
+            refused.append(app.engine.refused)
+            log.error("stopping: the worker refused the settings: %s", app.engine.refused)
+            stop.set()
+            return
         reason = should_stop() if should_stop else None
         if reason:
             log.error("stopping: %s", reason)
@@ -235,14 +250,15 @@ async def _watch(app: SchedulerServer, stop: asyncio.Event,
 def run_scheduler(model_dir: str, workers: list[str], listen: str,
                   options: EngineOptions = EngineOptions(),
                   on_ready: Callable[[SchedulerServer], None] | None = None,
-                  should_stop: Callable[[], str | None] | None = None) -> int:
+                  should_stop: Callable[[], str | None] | None = None,
+                  exit_on_refusal: bool = False) -> int:
     """Blocking `serve_scheduler` with logging to stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     if on_ready is None:
         on_ready = _print_ready(listen)
     return asyncio.run(serve_scheduler(model_dir, workers, listen, options, on_ready,
-                                       should_stop))
+                                       should_stop, exit_on_refusal))
 
 
 def _print_ready(listen: str) -> Callable[[SchedulerServer], None]:

@@ -28,7 +28,7 @@ import grpc
 
 from engine_common.params import ParamError
 from engine_common.protos import worker_pb2, worker_pb2_grpc
-from scheduler_service.errors import WorkerFailure
+from scheduler_service.errors import WorkerFailure, WorkerRefused
 from scheduler_service.group_plan import plan_group
 from scheduler_service.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec, WorkerDevice,
                                            WorkerHealth)
@@ -218,7 +218,9 @@ class WorkerClient:
         try:
             return call.result()
         except grpc.RpcError as e:
-            raise WorkerFailure(f"worker {addr}: {rpc} failed: {describe_rpc_error(e)}") from e
+            kind = (WorkerRefused if rpc == "Init" and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    else WorkerFailure)
+            raise kind(f"worker {addr}: {rpc} failed: {describe_rpc_error(e)}") from e
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,3 +89,25 @@ def test_serve_default_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
             proc.kill()
         if worker is not None and not _gone(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path):
+    """--fused-ops on a CPU without the Triton interpreter: the worker refuses Init
+    (INVALID_ARGUMENT); serve says why and exits 2 at once instead of retrying forever, and
+    leaves no worker behind."""
+    port, worker_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
+           "--kv-cache-gib", SMALL_KV_GIB, "--fused-ops"]
+    env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    env.pop("TRITON_INTERPRET", None)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "the worker refused the settings" in out and "fused_ops=True" in out, out
+    assert out.count("Traceback") == 0, out       # a refusal is one line, not a stack trace
+    assert time.monotonic() - t0 < 60
+    assert "DeltaServe ready" not in out
+    with socket.socket() as s:                     # the worker was stopped with serve
+        assert s.connect_ex(("127.0.0.1", worker_port)) != 0

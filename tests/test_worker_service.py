@@ -16,7 +16,7 @@ from engine_common.codec import decode_runner_output, encode_scheduler_output
 from engine_common.diff import NewRequestData, SchedulerOutput
 from engine_common.params import SamplingParams, WorkerSamplingParams
 from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
-from scheduler_service.errors import WorkerFailure
+from scheduler_service.errors import WorkerFailure, WorkerRefused
 from scheduler_service.worker_client import InitSpec, WorkerClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,7 +246,7 @@ def test_second_client_supersedes_first(shared_worker, model_dir):
 
 
 def test_init_errors_are_worker_failures(client, tmp_path):
-    with pytest.raises(WorkerFailure, match="INVALID_ARGUMENT.*does not exist"):
+    with pytest.raises(WorkerRefused, match="INVALID_ARGUMENT.*does not exist"):
         client.init(_spec(str(tmp_path / "missing")))
     free = socket.socket()
     free.bind(("127.0.0.1", 0))

@@ -85,7 +85,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             outcome = self.worker.init(config, layout, request.epoch, util,
                                        request.verify_symmetry)
         except Exception as e:  # every failure becomes a status naming it
-            log.exception("Init failed")
+            if status_for(e) == grpc.StatusCode.INVALID_ARGUMENT:
+                log.warning("Init refused: %s: %s", type(e).__name__, e)   # settings, not a bug
+            else:
+                log.exception("Init failed")
             self._on_readiness(self.worker.readiness()[0])
             context.abort(status_for(e), f"Init failed: {type(e).__name__}: {e}")
         self._on_readiness(True)
