@@ -1,6 +1,7 @@
 """Decode CUDA graphs: batch sizes, padding, persistent buffers, and the eager/graph choice.
 
-Everything except capture runs on CPU: DecodeGraphRunner.run without captured graphs runs the
+Everything except capture runs on CPU (the Triton variant on CUDA where there is a GPU:
+compiled Triton cannot read CPU tensors): DecodeGraphRunner.run without captured graphs runs the
 same forward over the same padded buffers, so padding rows are checked here against the plain
 eager model on a tiny real model. The GPU test checks that a replayed graph gives exactly what
 the same forward gives eagerly; it skips without CUDA.
@@ -179,14 +180,17 @@ def make_backend(name: str):
 
 @pytest.fixture(scope="module", params=["torch", "triton"])
 def tiny_setup(request, tiny_models):
+    """The runner over a tiny model, uncaptured. Triton runs where its kernels can: on CUDA
+    when there is a GPU (compiled Triton cannot read CPU tensors), else interpreted on CPU."""
     backend = make_backend(request.param)
-    model = load_model(tiny_models("qwen3"), single_rank_group(), backend, "cpu")
-    caches = random_caches(model, "cpu", torch.float32, seed=0)
+    device = "cuda" if HAS_CUDA and request.param == "triton" else "cpu"
+    model = load_model(tiny_models("qwen3"), single_rank_group(), backend, device)
+    caches = random_caches(model, device, torch.float32, seed=0)
     runner = DecodeGraphRunner(model, caches, max_graph_batch=16, max_blocks_per_req=MAX_BLOCKS,
-                               max_model_len=MAX_BLOCKS * BLOCK_SIZE, device="cpu")
+                               max_model_len=MAX_BLOCKS * BLOCK_SIZE, device=device)
     table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))
     table = table[:5 * MAX_BLOCKS].view(5, MAX_BLOCKS).to(torch.int32)
-    return dict(model=model, caches=caches, runner=runner, table=table)
+    return dict(model=model, caches=caches, runner=runner, table=table, device=device)
 
 
 @torch.inference_mode()
@@ -198,7 +202,7 @@ def test_padded_run_matches_eager_model(tiny_setup, seq_lens):
     before = [c.clone() for c in tiny_setup["caches"]]
     step = decode_step(seq_lens, table, seed=len(seq_lens))
     eager_caches = [c.clone() for c in before]
-    expected = eager_logits(model, eager_caches, step, "cpu")
+    expected = eager_logits(model, eager_caches, step, tiny_setup["device"])
     got = runner.run(len(seq_lens), **step)
     assert got.shape == expected.shape == (len(seq_lens), model.args.vocab_size)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -206,7 +210,7 @@ def test_padded_run_matches_eager_model(tiny_setup, seq_lens):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     changed = torch.zeros(NUM_BLOCKS * BLOCK_SIZE, dtype=torch.bool)
     for ours, old in zip(tiny_setup["caches"], before):
-        changed |= (ours != old).reshape(2, NUM_BLOCKS * BLOCK_SIZE, -1).any(-1).any(0)
+        changed |= (ours != old).reshape(2, NUM_BLOCKS * BLOCK_SIZE, -1).any(-1).any(0).cpu()
     assert sorted(torch.nonzero(changed).flatten().tolist()) == sorted(step["slot_mapping"])
 
 
