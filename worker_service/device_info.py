@@ -104,5 +104,5 @@ def _nvml_memory(props) -> tuple[int, int] | None:
             return int(mem.total), int(mem.free)
         finally:
             pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        return None
+    except Exception:  # noqa: BLE001 - NVMLError, or a uuid format this pynvml rejects
+        return None       # torch.cuda.mem_get_info is the fallback either way
