@@ -38,7 +38,6 @@ requests' output (the first and last CHECK_REQS // 2) is checked against the flo
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -50,6 +49,7 @@ from engine_common.params import ParamError
 
 from bench.attention_batch import (CHECK_TOL, BackendRun, Session, Shape,  # noqa: F401
                                    make_batch, make_decode_batch)
+from bench.kernel_timing import resolve_kernel_bench_device
 from bench.report import append_block, git_commit
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -130,13 +130,7 @@ def to_markdown(lines: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> tuple[list[str], bool]:
     """The requested backends or Triton design runs. Returns (the block's lines, title first;
     every check ok)."""
-    from deltaserve.cli import resolve_device
-
-    device = resolve_device(args.device)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ParamError("device", device, "'cpu' or 'auto' here: torch sees no CUDA device")
-    if device == "cpu":    # Triton kernels run in its interpreter; read when triton is imported
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = resolve_kernel_bench_device(args.device)
     from bench.bandwidth import measure_copy_bandwidth
     from worker_service.device_info import describe_device
 

@@ -8,10 +8,11 @@ unshared random set of the cache's blocks; the cache holds exactly those blocks,
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
+
+from bench.kernel_timing import time_calls
 
 CHECK_REQS = 4              # requests compared with the float32 reference: first and last half
 CHECK_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}   # relative L2 error
@@ -112,7 +113,7 @@ class Session:
         """Seconds per forward call on the batch."""
         q, k, v, cache, meta = batch.tensors
         scale = self.shape.head_dim ** -0.5
-        return _time_calls(lambda: backend.forward(q, k, v, cache, meta, scale), self.device,
+        return time_calls(lambda: backend.forward(q, k, v, cache, meta, scale), self.device,
                            self.iters, self.warmup)
 
     def measure(self, label: str, backend, batch: Batch) -> BackendRun:
@@ -186,25 +187,3 @@ def make_batch(shape: Shape, block_size: int, device: str, seed: int):
 def make_decode_batch(shape: Shape, block_size: int, device: str, seed: int):
     """make_batch for a pure-decode shape (kept for its callers)."""
     return make_batch(shape, block_size, device, seed)
-
-
-def _time_calls(call, device: str, iters: int, warmup: int) -> list[float]:
-    """Seconds per call: CUDA events around each call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        call()
-    if device != "cuda":
-        seconds = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            seconds.append(time.perf_counter() - t0)
-        return seconds
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        call()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events]

@@ -24,11 +24,9 @@ torch time / fused time (> 1: fused is faster).
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +36,7 @@ import torch
 
 from engine_common.params import ParamError
 
+from bench.kernel_timing import resolve_kernel_bench_device, time_calls
 from bench.report import append_block, git_commit
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
@@ -130,13 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> tuple[list[str], list[str], bool]:
     """Check every op, then time them. Returns (title and summary lines, the table or the
     failed checks, all checks ok)."""
-    from deltaserve.cli import resolve_device
-
-    device = resolve_device(args.device)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ParamError("device", device, "'cpu' or 'auto' here: torch sees no CUDA device")
-    if device == "cpu":    # Triton kernels run in its interpreter; read when triton is imported
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = resolve_kernel_bench_device(args.device)
     from bench.bandwidth import measure_copy_bandwidth
     from worker_service.device_info import describe_device
 
@@ -216,28 +209,6 @@ def time_case(case: OpCase, device: str, iters: int, warmup: int) -> OpTiming:
         torch_s = statistics.median(time_calls(case.torch_call, device, iters, warmup))
         fused_s = statistics.median(time_calls(case.fused_call, device, iters, warmup))
     return OpTiming(case, torch_s, fused_s)
-
-
-def time_calls(call, device: str, iters: int, warmup: int) -> list[float]:
-    """Seconds per call: CUDA events around each call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        call()
-    if device != "cuda":
-        seconds = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            call()
-            seconds.append(time.perf_counter() - t0)
-        return seconds
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        call()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
 def format_table(timings: list[OpTiming], copy_bps: float) -> list[str]:
