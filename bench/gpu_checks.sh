@@ -24,8 +24,9 @@
 #              (use KV_GIB=40 if the profiled sizing misbehaves).
 #   fused      issue 5's "fused RMSNorm and rope where measurements show a gain": the kernel
 #              microbenchmark (python -m bench.fused_ops: torch vs fused at T = 256 and 8192),
-#              then the qwen3-0.6b engine twice in the same call, without and with --fused-ops
-#              (no transformers run), so the end-to-end ratio decides whether to wire them in.
+#              then the qwen3-0.6b engine three times in the same call: as is, with --fused-ops,
+#              and with --async-scheduling (no transformers run), so the end-to-end ratios
+#              decide whether either becomes the default.
 #
 # Writes into ${OUT:-/tmp/gpu_checks}/ (at most 8 files, flat): env.txt, <stage>.log,
 # results_attention.md, results_bench.md (result blocks, to append to bench/results.md), and
@@ -202,7 +203,7 @@ stage_fused() {
     [ -n "${KV_GIB:-}" ] && kv=(--kv-cache-gib "$KV_GIB")
     fused_run microbench -m bench.fused_ops --results-file "$OUT_DIR/results_fused.md" \
         --note "$NOTE"
-    for flag in "" --fused-ops; do
+    for flag in "" --fused-ops --async-scheduling; do
         fused_run "engine ${flag:-torch ops}" -m bench.throughput --preset qwen3-0.6b --warmup \
             ${flag} "${kv[@]}" --results-file "$OUT_DIR/results_fused.md" --note "$NOTE"
     done

@@ -56,6 +56,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--async-scheduling", action="store_true",
+                   help="two steps in flight: the scheduler plans step t+1 while the runner "
+                        "thread runs step t")
     add_fused_ops_flag(e)
     e.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 avoids stalls on a "
@@ -156,6 +159,8 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
         kwargs["enforce_eager"] = True
     if args.fused_ops:
         kwargs["fused_ops"] = True
+    if args.async_scheduling:
+        kwargs["async_scheduling"] = True
     known = set(RunnerConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
     kwargs = {k: v for k, v in kwargs.items() if k in known}
     if args.gpu_memory_utilization is not None:
@@ -207,6 +212,7 @@ def _describe_engine(llm) -> str:
     dtype = str(runner.model_dtype).removeprefix("torch.")
     graphs = ", decode CUDA graphs" if runner.graph_runner is not None else ", eager"
     fused = ", fused Triton norm + rope" if getattr(runner.model, "fused_ops", False) else ""
+    fused += ", async scheduling" if sched.config.async_scheduling else ""
     return (f"{runner.attention_backend_name} attention, {dtype}{graphs}{fused}, "
             f"{sched.num_total_blocks} KV blocks of {sched.config.block_size}, "
             f"max_num_seqs {sched.config.max_num_seqs}, "

@@ -45,6 +45,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-graph-batch", type=int, default=512,
                    help="largest decode batch captured as a CUDA graph: 1, 2, 4, 8, then steps "
                         "of 16 up to this (default: 512)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="keep two steps in flight: schedule step t+1 while the workers run "
+                        "step t (default: one step at a time)")
     g.add_argument("--fused-ops", action="store_true",
                    help="fused Triton RMSNorm and rotary embedding (CUDA; off by default until "
                         "GPU measurements show a gain)")
@@ -174,7 +177,7 @@ def engine_options(args):
         grace_period_s=args.grace_period, dist_port=getattr(args, "dist_port", 29500),
         verify_symmetry=getattr(args, "verify_symmetry", False),
         enforce_eager=args.enforce_eager, max_graph_batch=args.max_graph_batch,
-        fused_ops=args.fused_ops)
+        fused_ops=args.fused_ops, async_scheduling=args.async_scheduling)
 
 
 def _cmd_scheduler(args) -> int:

@@ -5,6 +5,7 @@ the bytes the gRPC worker protocol carries.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from dataclasses import dataclass, field
 
@@ -22,13 +23,23 @@ from worker_service.model_runner import ModelRunner
 
 
 class InProcessExecutor:
-    """A model runner behind the byte-level executor interface."""
+    """A model runner behind the byte-level executor interface. `submit` runs steps in order on
+    one runner thread (async scheduling: the scheduler works while the model runs)."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     def execute(self, payload: bytes) -> bytes:
         return encode_runner_output(self.runner.execute(payload))
+
+    def submit(self, payload: bytes) -> concurrent.futures.Future:
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, "runner")
+        return self._thread.submit(self.execute, payload)
+
+    def collect(self, ticket: concurrent.futures.Future) -> bytes:
+        return ticket.result()
 
 
 @dataclass

@@ -27,6 +27,9 @@ class SchedulerConfig:
     block_size: tokens per KV-cache block (a power of two).
     enable_prefix_caching: reuse full KV blocks of identical prompt prefixes.
     max_waiting: requests queued but not running before new ones are refused.
+    async_scheduling: keep two steps in flight, scheduling step t+1 while the workers run step t
+        (the workers feed their own sampled tokens back), so scheduling, output processing and
+        the round trip overlap the forward pass.
     """
 
     max_num_seqs: int = 256
@@ -35,6 +38,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
+    async_scheduling: bool = False
 
     def __post_init__(self):
         _check_pos_int("max_num_seqs", self.max_num_seqs)
@@ -44,8 +48,9 @@ class SchedulerConfig:
         _check_pos_int("max_waiting", self.max_waiting)
         if self.block_size & (self.block_size - 1):
             raise ParamError("block_size", self.block_size, "a power of two in [1, 1024]")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ParamError("enable_prefix_caching", self.enable_prefix_caching, "a bool")
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParamError(name, getattr(self, name), "a bool")
         # Every running request must be able to decode one token per step.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ParamError("max_num_batched_tokens", self.max_num_batched_tokens,

@@ -3,9 +3,14 @@
 The executor is anything with `execute(payload: bytes) -> bytes`: the in-process model runner for
 offline use and tests, or the gRPC client of the worker services. Only encoded bytes cross it, so
 the in-process engine exercises the same codec as the wire.
+
+With SchedulerConfig.async_scheduling the executor must also have `submit(payload) -> ticket` and
+`collect(ticket) -> bytes` (steps collected in submission order), and each `step()` keeps two
+steps in flight: it schedules and submits step t+1, then collects and processes step t.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from engine_common.codec import decode_runner_output, encode_scheduler_output
@@ -25,6 +30,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.output_processor = output_processor
         self.executor = executor
+        self.async_scheduling = scheduler.config.async_scheduling
+        self._in_flight: deque = deque()   # (SchedulerOutput, ticket), oldest first
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -36,12 +43,29 @@ class EngineCore:
         return [out for rid in request_ids if (out := self.output_processor.abort(rid))]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or (async scheduling) a step still to collect."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        runner_out = decode_runner_output(self.executor.execute(
-            encode_scheduler_output(sched_out)))
+        """One step's outputs. Async scheduling: submit the next step, then process the oldest
+        one in flight (the first call after an idle spell only submits)."""
+        if not self.async_scheduling:
+            sched_out = self.scheduler.schedule()
+            return self._process(sched_out, self.executor.execute(
+                encode_scheduler_output(sched_out)))
+        if self.scheduler.has_unfinished_requests():
+            sched_out = self.scheduler.schedule()
+            ticket = self.executor.submit(encode_scheduler_output(sched_out))
+            self._in_flight.append((sched_out, ticket))
+            if len(self._in_flight) < 2:
+                return []
+        if not self._in_flight:
+            return []
+        sched_out, ticket = self._in_flight.popleft()
+        return self._process(sched_out, self.executor.collect(ticket))
+
+    def _process(self, sched_out, payload: bytes) -> list[RequestOutput]:
+        runner_out = decode_runner_output(payload)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped_ids = self.output_processor.process(updates)
         if stopped_ids:

@@ -43,6 +43,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV has been computed (or scheduled to be, once the step's output is processed).
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight (async scheduling): the workers know them, the
+    # scheduler does not yet. Each is one more token the next step may compute.
+    num_pending_tokens: int = 0
     # Prompt tokens served from the prefix cache at first scheduling (reported in usage).
     num_cached_tokens: int = -1
     num_preemptions: int = 0

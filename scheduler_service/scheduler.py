@@ -14,6 +14,11 @@ NOTE the rules of one step (`schedule()`):
   * Only in a step without such memory preemption are waiting requests admitted, in queue order,
     while budget, max_num_seqs and blocks allow; a prompt longer than the budget left is chunked.
   * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
+  * Async scheduling (two steps in flight): a request that samples in a step still in flight
+    counts that token as pending; the next step may compute it (the workers know its id). A
+    request whose pending tokens already reach max_tokens or max_len is not scheduled again. A
+    request preempted with a token in flight keeps that token when it arrives (its workers hold
+    it too) and recomputes it on resumption like any other.
   * Every returned diff must reach the workers (steps are numbered without gaps).
 """
 from __future__ import annotations
@@ -95,6 +100,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finish_time = time.monotonic()
+        request.num_pending_tokens = 0    # an in-flight step's token for it is dropped
         self.kv.free(request)
         del self._requests[request.request_id]
         if request.handle in self._on_worker:
@@ -121,6 +127,8 @@ class Scheduler:
             self._schedule_waiting(plan)
         for request, n in plan.scheduled.values():
             request.num_computed_tokens += n
+            if n and request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1      # this step samples its next token
         out = build_output(self._step, plan, self._finished_handles)
         for handle in self._finished_handles:
             self._handles.release(handle)
@@ -145,7 +153,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            n = min(self._num_schedulable(request), plan.budget)
             if n <= 0:
                 plan.schedule(request, 0)
                 i += 1
@@ -157,6 +165,17 @@ class Scheduler:
             if new_blocks:
                 plan.new_block_ids[request.handle] = [b.block_id for b in new_blocks]
             i += 1
+
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens the request could compute now: its known and pending tokens not computed yet,
+        or none when a pending token will already be its last (max_tokens, max_len)."""
+        pending = request.num_pending_tokens
+        if pending:
+            max_tokens = request.stopping.max_tokens
+            if ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
+                    or request.num_tokens + pending >= self.max_len):
+                return 0
+        return request.num_tokens + pending - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, n: int, i: int, plan: StepPlan):
         """Blocks for `n` more tokens of running[i], preempting others (never one already
@@ -211,14 +230,16 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: RunnerOutput) -> list[RequestUpdate]:
         """Append each sampled token, apply the stop rules, finish what stopped. Outputs for
-        requests finished or preempted since the step was scheduled are dropped."""
+        requests finished since the step was scheduled are dropped; a request preempted since
+        (async scheduling) keeps its token: the workers hold it too."""
         scheduled = self._in_flight.pop(sched_out.step, {})
         updates = []
         now = time.monotonic()
         for idx, handle in enumerate(runner_out.handles):
             request = scheduled.get(handle, (None, 0))[0]
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status.finished:
                 continue
+            request.num_pending_tokens = max(0, request.num_pending_tokens - 1)
             token = runner_out.sampled_token_ids[idx]
             request.output_token_ids.append(token)
             if request.first_token_time is None:

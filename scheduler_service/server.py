@@ -68,6 +68,7 @@ class EngineOptions:
     enforce_eager: bool = False     # no decode CUDA graphs
     max_graph_batch: int = 512      # largest decode batch captured as a CUDA graph
     fused_ops: bool = False         # fused Triton RMSNorm and rope (CUDA)
+    async_scheduling: bool = False  # two steps in flight (see SchedulerConfig)
 
 
 class WorkerCoreFactory:
@@ -164,7 +165,8 @@ def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
     config = SchedulerConfig(
         max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
         max_model_len=info.max_model_len, block_size=options.block_size,
-        enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting)
+        enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
+        async_scheduling=options.async_scheduling)
     spec = InitSpec(
         model_dir=str(model_dir), dtype=options.dtype, attention_backend=options.attention_backend,
         max_model_len=info.max_model_len, block_size=options.block_size,

@@ -123,3 +123,15 @@ def test_step_timer_counts_decode_steps_and_context_lengths(tmp_path):
     summary = timer.summary()
     assert (summary.num_decode_steps, summary.mean_decode_batch) == (3, 2.0)
     assert summary.decode_kv_tokens == 10 + 12 + 14 and summary.mean_decode_step_s > 0
+
+
+def test_bench_with_async_scheduling_says_so_and_generates_every_token(tmp_path, capsys):
+    argv = ["--preset", "tiny", "--device", "cpu", "--num-seqs", "4", "--min-len", "4",
+            "--max-len", "12", "--async-scheduling", "--cache-dir", str(tmp_path / "presets"),
+            "--results-file", str(tmp_path / "results.md")]
+    assert throughput.main(argv) == 0
+    out = capsys.readouterr().out
+    workload = make_workload(4, 4, 12, _vocab_size(tmp_path / "presets" / "tiny"), 0)
+    assert re.search(r"^engine: .*, async scheduling,", out, re.M), out
+    assert _figure(r"output tokens: (\d+)", out) == workload.num_output_tokens
+    assert _figure(r"([\d.e+-]+) ms per decode step", out) > 0

@@ -18,16 +18,18 @@ from tests.grpc_harness import (Processes, collect, free_port, generation_stub, 
 NUM_CLIENTS = 32
 
 
-@pytest.fixture(scope="module")
-def target(tiny_models, tmp_path_factory):
+@pytest.fixture(scope="module", params=["sync", "async"])
+def target(tiny_models, tmp_path_factory, request):
+    """The scheduler one step at a time, and with --async-scheduling (two steps in flight)."""
     model_dir = tiny_models("qwen3")
     procs = Processes(tmp_path_factory.mktemp("concurrency"))
     try:
         w_port, s_port = free_port(), free_port()
         worker = procs.worker(w_port)
+        extra = ["--async-scheduling"] if request.param == "async" else []
         sched = procs.scheduler(model_dir, [w_port], s_port, "--max-model-len", "256",
                                 "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                                "--kv-cache-gib", "0.0002")
+                                "--kv-cache-gib", "0.0002", *extra)
         target = f"127.0.0.1:{s_port}"
         wait_ready(target, [worker, sched])
         yield target
