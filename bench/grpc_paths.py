@@ -36,6 +36,7 @@ class EngineSettings:
     max_model_len: int
     kv_cache_gib: float
     cpu_threads: int | None = None   # torch intra-op threads; None: torch's default
+    async_scheduling: bool = False   # two steps in flight (the scheduler's --async-scheduling)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -46,7 +47,8 @@ class EngineSettings:
         return dict(device=self.device, dtype=self.dtype,
                     attention_backend=self.attention_backend, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    max_model_len=self.max_model_len, kv_cache_bytes=self.kv_cache_bytes)
+                    max_model_len=self.max_model_len, kv_cache_bytes=self.kv_cache_bytes,
+                    async_scheduling=self.async_scheduling)
 
     def scheduler_flags(self, num_seqs: int) -> list[str]:
         """`deltaserve scheduler` flags; the queue admits the whole workload at once."""
@@ -55,7 +57,8 @@ class EngineSettings:
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-model-len", str(self.max_model_len),
                 "--kv-cache-gib", repr(self.kv_cache_gib),
-                "--max-waiting", str(max(1024, num_seqs)), "--grace-period", "1"]
+                "--max-waiting", str(max(1024, num_seqs)), "--grace-period", "1",
+                *(["--async-scheduling"] if self.async_scheduling else [])]
 
     def worker_env(self) -> dict[str, str]:
         """Environment for the service processes (torch reads OMP_NUM_THREADS at start)."""

@@ -27,7 +27,8 @@ def _figure(pattern: str, text: str) -> float:
 def test_grpc_overhead_prints_positive_figures_identical_tokens_and_appends_block(
         tmp_path, capsys):
     results = tmp_path / "results.md"
-    argv = ARGS + ["--cache-dir", str(tmp_path / "presets"), "--results-file", str(results)]
+    argv = ARGS + ["--cache-dir", str(tmp_path / "presets"), "--results-file", str(results),
+                   "--async-scheduling"]
     assert grpc_overhead.main(argv) == 0
     out = capsys.readouterr().out
     asked = make_workload(4, 4, 12, _vocab_size(tmp_path), 0).num_output_tokens
@@ -39,6 +40,10 @@ def test_grpc_overhead_prints_positive_figures_identical_tokens_and_appends_bloc
     assert _figure(r"over (\d+) streams", out) == 4
     assert _figure(rf"gRPC / in-process throughput: {NUMBER}x", out) > 0
     assert "greedy token ids identical: yes" in out
+    assert _figure(r"^gRPC, async scheduling: (\d+) output tokens",
+                   _line("gRPC, async scheduling", out)) == asked
+    assert _figure(rf"gRPC async / one step at a time: {NUMBER}x", out) > 0
+    assert "async greedy token ids identical: yes" in out
     text = results.read_text()
     assert re.search(r"^## .* · gRPC overhead · tiny · cpu \(.+\)$", text, re.M)
     assert "- command: `python -m bench.grpc_overhead --preset tiny" in text
