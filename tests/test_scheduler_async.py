@@ -2,13 +2,17 @@
 back (the worker feeds its own sampled tokens back, as real workers do). Every request must end
 with exactly the tokens of a synchronous run, with chunked prefill, prefix hits, preemption
 while a step is in flight, stop tokens, max_tokens and late arrivals; nothing may leak, and a
-request whose in-flight token is its last is not computed again."""
+request whose in-flight token is its last is not computed again. A second fuzz adds aborts at
+random steps, stop ids masked until min_tokens, and max_len endings, and checks after every step
+that the worker holds exactly the scheduler's tokens plus the pending ones."""
 from __future__ import annotations
 
 import random
 from collections import deque
 
-from scheduler_service.request import RequestStatus
+from engine_common.codec import encode_scheduler_output
+from engine_common.params import StoppingParams
+from scheduler_service.request import Request, RequestStatus
 from tests.scheduler_sim import SimWorker, default_sample, run_steps
 from tests.test_scheduler import assert_no_leak, make, make_request
 
@@ -133,3 +137,140 @@ def test_max_model_len_caps_pending_tokens():
     assert len(got["long"][0]) == 4 and got["long"][1] == RequestStatus.FINISHED_LENGTH
     assert sum(step.get(r.handle, 0) for step in worker.step_tokens) == 11
     assert_no_leak(sched)
+
+
+# ---- aborts at random steps, stop tokens and min_tokens -----------------------------------
+
+STOP_ID = 7
+
+
+class MaskingSimWorker(SimWorker):
+    """SimWorker whose sampler masks stop ids until min_tokens outputs, as the real one does.
+    About one token in seven is eos or STOP_ID."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size, sample_fn=self._sample)
+        self.min_tokens: dict[int, int] = {}
+        self.num_masked = 0
+
+    def _apply(self, out) -> None:
+        super()._apply(out)
+        for new in out.new_requests:
+            self.min_tokens[new.handle] = new.sampling.min_tokens
+
+    def _sample(self, state) -> int:
+        token = default_sample(state)
+        if token % 7 == 0:
+            token = EOS if token % 2 else STOP_ID
+        if token in state.stop_ids and len(state.outputs) < self.min_tokens[state.handle]:
+            token += 100      # masked: never a stop id
+            self.num_masked += 1
+        return token
+
+
+def check_pending(sched, worker: SimWorker) -> None:
+    """Each live request's tokens on the worker: the scheduler's, then exactly its pending ones."""
+    for r in sched._requests.values():
+        if r.handle in sched._on_worker:
+            tokens = worker.reqs[r.handle].tokens
+            assert tokens[:r.num_tokens] == r.all_token_ids, r.request_id
+            assert len(tokens) == r.num_tokens + r.num_pending_tokens, r.request_id
+
+
+def stop_workload(rng: random.Random, n: int) -> list[Request]:
+    reqs = []
+    for r in workload(rng, n):
+        max_tokens = rng.randrange(1, 16) if rng.random() < 0.8 else None   # None: max_len
+        reqs.append(Request(r.request_id, r.prompt_token_ids, r.sampling, StoppingParams(
+            max_tokens=max_tokens, min_tokens=rng.randrange(min(4, (max_tokens or 3) + 1)),
+            stop_token_ids=(STOP_ID,) if rng.random() < 0.5 else (),
+            ignore_eos=rng.random() < 0.2), eos_token_ids=(EOS,), priority=r.priority,
+            arrival_time=r.arrival_time))
+    return reqs
+
+
+def copies(reqs: list[Request]) -> list[Request]:
+    return [Request(r.request_id, list(r.prompt_token_ids), r.sampling, r.stopping,
+                    r.eos_token_ids, priority=r.priority, arrival_time=r.arrival_time)
+            for r in reqs]
+
+
+def run_fuzz(driver, cfg: dict, reqs: list[Request], seed: int, abort_p: float = 0.0,
+             stats: dict | None = None):
+    """Requests arrive (and, with probability abort_p per step, a live one is aborted) between
+    steps, as the engine thread does it. Returns request id -> (tokens, status), and the aborted
+    ids, after checking that nothing leaked and the worker dropped every request."""
+    sched, _ = make(**cfg)
+    worker = MaskingSimWorker(cfg["num_blocks"], sched.config.block_size)
+    rng, waiting, aborted = random.Random(seed), list(reqs), []
+
+    def between(out, _):
+        check_pending(sched, worker)
+        if waiting and rng.random() < 0.6:
+            sched.add_request(waiting.pop(0))
+        if sched._requests and rng.random() < abort_p:
+            rid = rng.choice(sorted(sched._requests))
+            if stats is not None:
+                stats["aborted_with_pending"] += sched._requests[rid].num_pending_tokens > 0
+            assert sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            aborted.append(rid)
+    while waiting or sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests():
+            sched.add_request(waiting.pop(0))
+        driver(sched, worker, on_step=between)
+    assert_no_leak(sched)
+    assert not sched._in_flight and all(r.num_pending_tokens == 0 for r in reqs)
+    worker.execute(sched.schedule())      # the last finished handles reach the worker
+    assert worker.reqs == {} and worker.batch == [] and sched._handles.num_in_use == 0
+    if stats is not None:
+        stats["masked"] += worker.num_masked
+    return {r.request_id: (r.output_token_ids, r.status) for r in reqs}, aborted
+
+
+def test_async_with_aborts_stop_tokens_and_min_tokens_matches_sync():
+    """Every request not aborted ends exactly as in a synchronous run without aborts; an aborted
+    one got a prefix of those tokens. Stop ids sampled before min_tokens are masked."""
+    seen = {"aborted_with_pending": 0, "stop_token": 0, "masked": 0, "aborted": 0,
+            "max_len": 0}
+    for seed in range(40):
+        rng = random.Random(seed)
+        cfg = dict(num_blocks=rng.randrange(8, 20), max_num_seqs=rng.randrange(2, 6),
+                   max_num_batched_tokens=rng.choice([8, 16, 32]))
+        reqs = stop_workload(rng, 10)
+        want, _ = run_fuzz(run_steps, cfg, copies(reqs), seed, stats=seen)
+        for abort_p in (0.0, 0.3):
+            mine = copies(reqs)
+            got, aborted = run_fuzz(run_async, cfg, mine, seed, abort_p, seen)
+            seen["aborted"] += len(aborted)
+            for rid, (tokens, status) in got.items():
+                if rid in aborted:
+                    assert status == RequestStatus.FINISHED_ABORTED, (seed, rid)
+                    assert tokens == want[rid][0][:len(tokens)], (seed, rid)
+                else:
+                    assert (tokens, status) == want[rid], (seed, rid, abort_p)
+        seen["stop_token"] += sum(s == RequestStatus.FINISHED_STOP_TOKEN for _, s in want.values())
+        seen["max_len"] += sum(r.stopping.max_tokens is None and want[r.request_id][1]
+                               == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert seen["stop_token"] > 20 and seen["masked"] > 10, seen
+    assert seen["aborted"] > 40 and seen["aborted_with_pending"] > 10 and seen["max_len"] > 3, seen
+
+
+def test_async_steady_state_diff_is_as_small_as_sync():
+    """256 requests decoding with a step in flight: the diff names nothing (8 bytes, as in the
+    synchronous engine), although every request's token is still pending when it is built."""
+    n = 256
+    sched, worker = make(num_blocks=n, block_size=16, max_num_seqs=n,
+                         max_num_batched_tokens=2048, max_model_len=64)
+    for i in range(n):
+        sched.add_request(make_request(f"r{i}", [i % 97 + 3, 5, 6, 7], max_tokens=8,
+                                       ignore_eos=True))
+    in_flight = deque()
+    for i in range(5):
+        out = sched.schedule()
+        in_flight.append((out, worker.execute(out)))
+        if i >= 2:
+            assert len(encode_scheduler_output(out)) == 8
+            assert worker.step_tokens[-1] == {h: 1 for h in range(n)}
+            assert all(r.num_pending_tokens == 2 for r in sched._requests.values())
+        if len(in_flight) == 2:
+            assert not any(u.finished for u in sched.update_from_output(*in_flight.popleft()))
