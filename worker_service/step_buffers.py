@@ -157,8 +157,8 @@ class StepBuffers:
         """One non-blocking copy per arena used this step; then the copy event is recorded."""
         for arena in self.arenas.values():
             arena.flush()
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied is not None:   # on this device's stream, whatever the thread's device
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     def wait_copies(self) -> None:
         """Block until this step's staging copies are done (a step's one sync when it

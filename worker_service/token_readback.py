@@ -78,7 +78,8 @@ class TokenReadback:
             top_ids = self._copy(self._top_ids[:n * shape[1]].view(shape), out.top_ids)
             top_logprobs = self._copy(self._top_logprobs[:n * shape[1]].view(shape),
                                       out.top_logprobs)
-        self._done.record()
+        # On this device's stream, not the calling thread's current device (0 in a new thread).
+        self._done.record(torch.cuda.current_stream(self.device))
         return PendingTokens(ids, logprobs, top_ids, top_logprobs, self._done)
 
     def _host(self, n: int, dtype: torch.dtype) -> torch.Tensor:
