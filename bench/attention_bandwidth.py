@@ -41,7 +41,6 @@ import argparse
 import shlex
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
@@ -50,9 +49,8 @@ from engine_common.params import ParamError
 from bench.attention_batch import (CHECK_TOL, BackendRun, Session, Shape,  # noqa: F401
                                    make_batch, make_decode_batch)
 from bench.kernel_timing import resolve_kernel_bench_device
-from bench.report import append_block, git_commit
+from bench.report import add_report_flags, append_block, git_commit
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 BACKENDS = ("triton", "flash_attn", "torch")
 FLASH_BLOCK_SIZE = 256      # flash-attn's paged kernels need blocks of a multiple of 256
 # (num_reqs, context, iterations, warm-up) when not given, per device type
@@ -92,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--iters", type=int, help="timed calls (CUDA 50, CPU 5)")
     add("--warmup", type=int, help="untimed calls first (CUDA 5, CPU 1)")
     add("--seed", type=int, default=0, help="seed of the random batch")
-    add("--note", action="append", default=[], help="a remark recorded with the result")
-    add("--results-file", default=str(DEFAULT_RESULTS), help="Markdown file appended to")
+    add_report_flags(p)
     return p
 
 

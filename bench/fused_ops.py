@@ -29,7 +29,6 @@ import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -37,9 +36,8 @@ import torch
 from engine_common.params import ParamError
 
 from bench.kernel_timing import resolve_kernel_bench_device, time_calls
-from bench.report import append_block, git_commit
+from bench.report import add_report_flags, append_block, git_commit
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 CHECK_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.5e-2}   # relative L2 error
 # (token counts, timed calls, warm-up calls) when not given, per device type
 SIZE_DEFAULTS = {"cuda": ("256,8192", 200, 20), "cpu": ("4", 3, 1)}
@@ -66,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--check-tol", type=float, help="relative L2 error allowed (default by dtype: "
         + ", ".join(f"{k} {v}" for k, v in CHECK_TOL.items()) + ")")
     add("--seed", type=int, default=0, help="seed of the random inputs")
-    add("--note", action="append", default=[], help="a remark recorded with the result")
-    add("--results-file", default=str(DEFAULT_RESULTS), help="Markdown file appended to")
+    add_report_flags(p)
     return p
 
 

@@ -22,18 +22,16 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 
 from bench.grpc_paths import EngineSettings, PathRun, run_grpc, run_in_process
 from bench.presets import preset_dir
-from bench.report import append_block, git_commit
+from bench.report import add_report_flags, append_block, git_commit
 from bench.services import ServiceError
 from bench.workload import Workload, add_model_and_workload_flags, make_workload
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 WARMUP_SEQS = 4
 WARMUP_OUTPUT_LEN = 8
 
@@ -57,11 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch's)")
     e.add_argument("--async-scheduling", action="store_true",
                    help="also run the gRPC path with --async-scheduling and compare")
-    p.add_argument("--note", action="append", default=[],
-                   help="a remark recorded with the result (repeatable)")
-    p.add_argument("--results-file", default=str(DEFAULT_RESULTS),
-                   help="Markdown file the result block is appended to (default: "
-                        "bench/results.md)")
+    add_report_flags(p)
     return p
 
 

@@ -101,6 +101,18 @@ def format_block(r: BenchResult, command: str) -> str:
     return "\n".join(head + [f"- {line}" for line in format_lines(r)]) + "\n"
 
 
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
+
+
+def add_report_flags(parser) -> None:
+    """--note and --results-file, the same on every benchmark."""
+    parser.add_argument("--note", action="append", default=[],
+                        help="a remark recorded with the result (repeatable)")
+    parser.add_argument("--results-file", default=str(DEFAULT_RESULTS),
+                        help="Markdown file the result block is appended to (default: "
+                             "bench/results.md)")
+
+
 def append_block(path: str | Path, block: str) -> None:
     """Append `block` to the results file, creating it with a title if it does not exist."""
     path = Path(path)

@@ -22,12 +22,12 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 
 from bench.presets import preset_dir
-from bench.report import BenchResult, append_block, format_block, format_lines
+from bench.report import (BenchResult, add_report_flags, append_block, format_block,
+                          format_lines)
 from bench.step_timer import StepTimer
 from bench.workload import (Workload, add_fused_ops_flag, add_model_and_workload_flags,
                             make_workload)
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.md"
 DEFAULT_HF_BATCH_SIZES = "1,8,32,64,128,256"
 WARMUP_SEQS = 8
 WARMUP_OUTPUT_LEN = 16
@@ -72,11 +72,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help=f"batch sizes to try (default: {DEFAULT_HF_BATCH_SIZES})")
     h.add_argument("--hf-time-budget", type=float, default=30.0,
                    help="seconds per batch size, at least one batch (default: 30)")
-    p.add_argument("--note", action="append", default=[],
-                   help="a remark recorded with the result (repeatable)")
-    p.add_argument("--results-file", default=str(DEFAULT_RESULTS),
-                   help="Markdown file the result block is appended to (default: "
-                        "bench/results.md)")
+    add_report_flags(p)
     return p
 
 
