@@ -23,14 +23,13 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 
 from bench.grpc_paths import EngineSettings, PathRun, run_grpc, run_in_process
-from bench.presets import preset_dir
 from bench.report import add_report_flags, append_block, git_commit
 from bench.services import ServiceError
-from bench.workload import Workload, add_model_and_workload_flags, make_workload
+from bench.workload import (Workload, add_model_and_workload_flags, make_workload,
+                            model_and_workload)
 
 WARMUP_SEQS = 4
 WARMUP_OUTPUT_LEN = 8
@@ -147,19 +146,13 @@ def _prepare(args) -> tuple[EngineSettings, str, Workload, int]:
         raise ParamError("cpu_threads", args.cpu_threads, ">= 1")
     if args.kv_cache_gib <= 0:
         raise ParamError("kv_cache_gib", args.kv_cache_gib, "> 0")
-    model_dir = str(args.model or preset_dir(args.preset, args.cache_dir, args.device))
-    info = ModelInfo.from_dir(model_dir)
-    if 2 * args.max_len > info.max_model_len:
-        raise ParamError("max_len", args.max_len,
-                         f"<= {info.max_model_len // 2} (half the model's max length)")
-    workload = make_workload(args.num_seqs, args.min_len, args.max_len, info.vocab_size,
-                             args.seed)
+    model_dir, workload, vocab_size = model_and_workload(args, args.preset, args.device)
     settings = EngineSettings(
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=2 * args.max_len, kv_cache_gib=args.kv_cache_gib,
         cpu_threads=args.cpu_threads)
-    return settings, model_dir, workload, info.vocab_size
+    return settings, model_dir, workload, vocab_size
 
 
 def _warmup_workload(args, workload: Workload, vocab_size: int) -> Workload:

@@ -18,15 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 
-from bench.presets import preset_dir
 from bench.report import (BenchResult, add_report_flags, append_block, format_block,
                           format_lines)
 from bench.step_timer import StepTimer
 from bench.workload import (Workload, add_fused_ops_flag, add_model_and_workload_flags,
-                            make_workload)
+                            make_workload, model_and_workload)
 
 DEFAULT_HF_BATCH_SIZES = "1,8,32,64,128,256"
 WARMUP_SEQS = 8
@@ -113,14 +111,7 @@ def run(args: argparse.Namespace) -> BenchResult:
         import torch
 
         torch.set_num_threads(args.cpu_threads)
-    model_dir = str(args.model or preset_dir(args.preset or "qwen3-0.6b", args.cache_dir,
-                                             device))
-    info = ModelInfo.from_dir(model_dir)
-    if 2 * args.max_len > info.max_model_len:
-        raise ParamError("max_len", args.max_len,
-                         f"<= {info.max_model_len // 2} (half the model's max length)")
-    workload = make_workload(args.num_seqs, args.min_len, args.max_len, info.vocab_size,
-                             args.seed)
+    model_dir, workload, _ = model_and_workload(args, args.preset or "qwen3-0.6b", device)
     ours, torch_dtype = _run_ours(args, model_dir, device, workload)
     gc.collect()
     _empty_device_cache(device)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
-from bench.presets import PRESETS
+from bench.presets import PRESETS, preset_dir
 
 # Prompt ids are drawn from [0, PROMPT_ID_LIMIT) (or the vocabulary, if smaller), as nano-vllm does.
 PROMPT_ID_LIMIT = 10_000
@@ -81,3 +82,16 @@ def add_fused_ops_flag(group) -> None:
                        help="Triton RMSNorm (+ residual) and rope kernels in the model "
                             "(kernels/fused_norm.py, kernels/fused_rope.py); on CPU they run "
                             "in Triton's interpreter (slow)")
+
+
+def model_and_workload(args, preset: str, device: str) -> tuple[str, Workload, int]:
+    """(model directory, workload, vocabulary size) from the model and workload flags: --model,
+    else `preset` built for `device`. Prompt + output must fit the model (2 * --max-len)."""
+    model_dir = str(args.model or preset_dir(preset, args.cache_dir, device))
+    info = ModelInfo.from_dir(model_dir)
+    if 2 * args.max_len > info.max_model_len:
+        raise ParamError("max_len", args.max_len,
+                         f"<= {info.max_model_len // 2} (half the model's max length)")
+    workload = make_workload(args.num_seqs, args.min_len, args.max_len, info.vocab_size,
+                             args.seed)
+    return model_dir, workload, info.vocab_size
