@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test run bench bench-grpc proto clean
+.PHONY: install test test-fast run bench bench-grpc proto clean
 
 install: $(VENV)/.installed
 
@@ -18,10 +18,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,worker]"
 	touch $@
 
+# Everything: unit, integration, end-to-end (real processes) and, on a GPU, the GPU tests. CI runs this.
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Regenerate the gRPC stubs (deltaserve/v1/) from proto/; tests/test_protos.py fails when stale.
+# Unit tests and the layer check only, without the slow ones: well under a minute on 2 cores.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
+
+# Regenerate the gRPC stubs (deltaserve/v1/) from proto/; tests/unit/engine_common/test_protos.py fails when stale.
 proto: install
 	$(PY) -m engine_common.gen_protos
 

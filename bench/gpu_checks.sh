@@ -6,7 +6,7 @@
 # Stages, each under its own time limit (330 + 240 + 560 + 400 s: more than one 10-minute
 # device command, so run `tests attention` in one call, `bench` in another, `fused` in a third):
 #   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
-#              CUDA paths (the ones named below and any tests/test_*.py that mentions
+#              CUDA paths (the ones named below and any tests/**/test_*.py that mentions
 #              torch.cuda.is_available or mark.gpu); test_gpu_engine_bf16.py with -s so its
 #              accepted bf16 divergences are printed and collected into the summary.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
@@ -47,8 +47,10 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 NOTE="device run via bench/gpu_checks.sh${DS_COMMIT:+, tree at commit $DS_COMMIT}"
-EXPLICIT_TESTS=(tests/test_triton_attention.py tests/test_cuda_graphs.py tests/test_kv_profiler.py
-                tests/test_flash_attn_backend.py tests/test_gpu_engine_bf16.py)
+EXPLICIT_TESTS=(tests/unit/kernels/test_triton_attention.py
+                tests/unit/worker_service/runner/test_cuda_graphs.py
+                tests/unit/worker_service/runner/test_kv_profiler.py
+                tests/unit/kernels/test_flash_attn_backend.py tests/gpu/test_engine_bf16.py)
 
 STATUS=0                     # 1 once any test run, benchmark or check fails
 
@@ -119,13 +121,13 @@ stage_tests() {
     skip=$(uncollectable_modules)
     [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
     explicit=$(printf '%s\n' "${EXPLICIT_TESTS[@]}" \
-        $(grep -lE 'cuda\.is_available|mark\.gpu' tests/test_*.py) | sort -u)
+        $(grep -rlE 'cuda\.is_available|mark\.gpu' --include="test_*.py" tests) | sort -u)
     for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
     for f in $explicit; do ignores+=("--ignore=$f"); done
     # The issue's named checks first (bf16 vs transformers per backend, graphs vs eager), so a
     # stage cut short by its time limit loses the least important runs.
     TESTS_LEFT=${TESTS_LIMIT:-330}
-    pytest_run "engine-bf16" -s tests/test_gpu_engine_bf16.py
+    pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     TESTS_LEFT=$(( ${TESTS_LIMIT:-330} - (SECONDS - start) ))
     pytest_run "cuda-modules" $(echo "$explicit" | grep -v test_gpu_engine_bf16)

@@ -57,7 +57,7 @@ class UnknownPreset(ValueError):
 
 def presets_cache_dir() -> Path:
     """Where built presets live: $XDG_CACHE_HOME/deltaserve/presets (or ~/.cache/...)."""
-    from deltaserve.embedded import cache_dir
+    from deltaserve.paths import cache_dir
 
     return cache_dir() / "presets"
 
@@ -87,7 +87,7 @@ def preset_dir(name: str, cache_root: str | Path | None = None, device: str = "c
 def build_preset(preset: Preset, out_dir: str | Path, device: str = "cpu") -> Path:
     """Write `preset` as a Hugging Face model directory into out_dir."""
     if preset.arch == "tiny":
-        from worker_service.tiny_model import make_tiny_model
+        from worker_service.models.tiny_model import make_tiny_model
 
         return make_tiny_model(out_dir, "qwen3", seed=preset.seed, **preset.config)
     return _build_random_model(preset, Path(out_dir), device)

@@ -9,50 +9,11 @@ import argparse
 import contextlib
 import sys
 
+from deltaserve.paths import resolve_device
+from scheduler_service.api.engine_flags import add_engine_flags, engine_options
+
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_WORKER_LISTEN = "127.0.0.1:50052"
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="requests in the running batch at once (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens (prefill chunks + decodes) in one step (default: 2048)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output tokens of one request (default: the model's "
-                        "max_position_embeddings)")
-    g.add_argument("--block-size", type=int, default=16,
-                   help="tokens per KV-cache block, a power of two (default: 16)")
-    g.add_argument("--max-waiting", type=int, default=1024,
-                   help="queued requests before new ones get RESOURCE_EXHAUSTED (default: 1024)")
-    g.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV-cache size per device in GiB (default: the worker's, 1 GiB, "
-                        "unless --gpu-memory-utilization is given)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="CUDA: fraction of each GPU's memory the worker may use in all "
-                        "(weights, activations, KV cache), in (0, 1]; the KV cache gets the "
-                        "rest (default: unset)")
-    g.add_argument("--dtype", default="auto",
-                   help="bfloat16, float16, float32 or auto: the model config's (default: auto)")
-    g.add_argument("--attention-backend", default="auto",
-                   help="torch, triton, flash_attn or auto: the best available (default: auto)")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="do not reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps eagerly: no CUDA graphs (default: graphs on CUDA with "
-                        "the triton or flash_attn backend)")
-    g.add_argument("--max-graph-batch", type=int, default=512,
-                   help="largest decode batch captured as a CUDA graph: 1, 2, 4, 8, then steps "
-                        "of 16 up to this (default: 512)")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="keep two steps in flight: schedule step t+1 while the workers run "
-                        "step t (default: one step at a time)")
-    g.add_argument("--fused-ops", action="store_true",
-                   help="fused Triton RMSNorm and rotary embedding (CUDA; off by default until "
-                        "GPU measurements show a gain)")
-    g.add_argument("--grace-period", type=float, default=10.0,
-                   help="seconds open streams may finish after SIGTERM/SIGINT (default: 10)")
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -90,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "0's host (default: 29500)")
     p.add_argument("--verify-symmetry", action="store_true",
                    help="every rank digests its sampled ids each step; a mismatch fails the step")
-    _add_engine_flags(p)
+    add_engine_flags(p)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
     p.add_argument("--model", default=None,
@@ -101,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-listen", default=DEFAULT_WORKER_LISTEN,
                    help=f"HOST:PORT of the worker it starts (default: {DEFAULT_WORKER_LISTEN})")
     _add_device_flags(p)
-    _add_engine_flags(p)
+    add_engine_flags(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text")
@@ -142,17 +103,8 @@ class CliError(Exception):
     """A bad flag value or a failed start, reported in one line."""
 
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _cmd_worker(args) -> int:
-    from worker_service.server import node_layout, run_worker
+    from worker_service.service.server import node_layout, run_worker
 
     try:
         node_layout(args.local_ranks, args.node_rank, args.nodes)
@@ -163,25 +115,8 @@ def _cmd_worker(args) -> int:
     return 0
 
 
-def engine_options(args):
-    """The scheduler's EngineOptions from the engine flags."""
-    from scheduler_service.server import EngineOptions
-
-    kv_bytes = None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))
-    return EngineOptions(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype, attention_backend=args.attention_backend,
-        grace_period_s=args.grace_period, dist_port=getattr(args, "dist_port", 29500),
-        verify_symmetry=getattr(args, "verify_symmetry", False),
-        enforce_eager=args.enforce_eager, max_graph_batch=args.max_graph_batch,
-        fused_ops=args.fused_ops, async_scheduling=args.async_scheduling)
-
-
 def _cmd_scheduler(args) -> int:
-    from scheduler_service.server import run_scheduler
+    from scheduler_service.api.server import run_scheduler
 
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     if not workers:

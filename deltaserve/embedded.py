@@ -7,21 +7,17 @@ With no --model, a tiny model with random weights is created once in the cache d
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from deltaserve.paths import cache_dir
+from scheduler_service.api.engine_flags import engine_options
+
 TINY_MODEL_NAME = "tiny-qwen3"
 _WORKER_STOP_SECONDS = 10.0
-
-
-def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/deltaserve, or ~/.cache/deltaserve."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "deltaserve"
 
 
 def tiny_model_dir() -> Path:
@@ -29,7 +25,7 @@ def tiny_model_dir() -> Path:
     target = cache_dir() / TINY_MODEL_NAME
     if (target / "config.json").is_file():
         return target
-    from worker_service.tiny_model import make_tiny_model
+    from worker_service.models.tiny_model import make_tiny_model
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=target.parent))
@@ -89,15 +85,13 @@ def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
-    from deltaserve.cli import engine_options
-
     model_dir = args.model
     if model_dir is None:
         model_dir = str(tiny_model_dir())
         print(f"No --model given: serving the tiny test model in {model_dir}.\n"
               "Its weights are RANDOM: it produces gibberish. Pass --model DIR for a real "
               "Hugging Face model.", flush=True)
-    from scheduler_service.server import run_scheduler
+    from scheduler_service.api.server import run_scheduler
 
     worker = start_worker(args.worker_listen, args.device, args.local_ranks)
 

@@ -14,12 +14,12 @@ from engine_common.config import SchedulerConfig
 from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
-from scheduler_service.engine_core import EngineCore
-from scheduler_service.output_processor import OutputProcessor
-from scheduler_service.request import Request, RequestStatus
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.output_processor import OutputProcessor
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
 from worker_service.config import RunnerConfig
-from worker_service.model_runner import ModelRunner
+from worker_service.runner.model_runner import ModelRunner
 
 
 class InProcessExecutor:

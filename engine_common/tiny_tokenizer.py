@@ -1,6 +1,6 @@
 """The tiny test tokenizer: a real byte-level BPE trained on a fixed corpus (deterministic).
 
-It is what `worker_service.tiny_model.make_tiny_model` ships beside its random weights; it needs
+It is what `worker_service.models.tiny_model.make_tiny_model` ships beside its random weights; it needs
 only the `tokenizers` library, so it lives on the torch-free side.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ activations' dtype first, as the torch module does):
 Products of two fp16/bf16 values are exact in float32, so "compute in float32, round once" is
 exactly torch's rounding of each op; float32 launches disable mul+add -> fma contraction so
 float32 agrees bit for bit too (the CPU interpreter rounds float32 -> bfloat16 by truncation,
-see tests/test_fused_rope.py for the tolerance that costs).
+see tests/unit/kernels/test_fused_rope.py for the tolerance that costs).
 
 Layouts:
     positions  [T] any integer dtype, each in [0, max_position) (not checked: no device sync)

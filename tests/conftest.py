@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Lazily built model dirs by architecture name ("qwen3", "llama", "qwen2")."""
-    from worker_service.tiny_model import make_tiny_model
+    from worker_service.models.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     cache: dict[str, str] = {}
@@ -30,9 +30,3 @@ def tiny_models(tmp_path_factory):
     return get
 
 
-def assert_no_leaked_blocks(llm) -> None:
-    """Every KV block is back in the pool once nothing is running."""
-    sched = llm.scheduler
-    assert not sched.has_unfinished_requests()
-    assert sched.num_free_blocks == sched.num_total_blocks, (
-        f"{sched.num_total_blocks - sched.num_free_blocks} KV blocks leaked")

@@ -1,0 +1,126 @@
+"""The public deltaserve.v1.Generation service: short adapters between protobuf and the engine.
+
+Each handler validates and converts its request (convert.py), calls the AsyncEngine, and converts
+back. Every failure goes through status.status_for, the one exception -> gRPC status mapping.
+A Generate stream is one request: when the client cancels it or its deadline passes, grpc.aio
+cancels the handler and AsyncEngine.generate aborts exactly that request, freeing its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from engine_common.model_dir import ModelInfo
+from engine_common.params import SamplingParams
+from engine_common.protos import generation_pb2 as pb
+from engine_common.protos import generation_pb2_grpc
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length, output_to_proto,
+                                           request_from_proto, sampling_to_proto)
+from scheduler_service.errors import EngineUnavailable
+from scheduler_service.core.request import Request
+from scheduler_service.api.status import status_for
+
+log = logging.getLogger(__name__)
+
+_ABORT_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the Generation service publishes about the model and the engine's shape."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+    block_size: int
+    num_workers: int = 1
+    default_sampling: SamplingParams = SamplingParams()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """deltaserve.v1.Generation on top of an AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, model: ServedModel,
+                 tp_size: Callable[[], int] = lambda: 1):
+        """`tp_size()`: ranks the workers run (known once they are initialized)."""
+        self._engine = engine
+        self._model = model
+        self._tp_size = tp_size
+
+    # -- Generate ---------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Stream one GenerateResponse per engine step that produced tokens for the request."""
+        try:
+            engine_request = self._to_engine_request(request)
+            async for out in self._engine.generate(engine_request):
+                yield output_to_proto(out, self._token_text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # every failure becomes one status, through one function
+            await _abort_with(context, e)
+
+    def _to_engine_request(self, msg: pb.GenerateRequest) -> Request:
+        info = self._model.info
+        req = request_from_proto(msg, defaults=self._model.default_sampling,
+                                 vocab_size=info.vocab_size, max_logprobs=MAX_LOGPROBS)
+        ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
+               else self._model.tokenizer.encode(req.prompt_text))
+        check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
+        return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
+                       num_logprobs=req.num_logprobs, priority=req.priority)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- unary RPCs -------------------------------------------------------------------------
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Abort live requests by id; unknown ids are ignored."""
+        try:
+            num = await asyncio.wait_for(
+                asyncio.wrap_future(self._engine.abort(list(request.request_ids))),
+                _ABORT_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            await _abort_with(context, EngineUnavailable("the engine did not answer the abort"))
+        return pb.AbortResponse(num_aborted=num)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        """Token ids of the text, exactly as a Generate text prompt is tokenized."""
+        ids = self._model.tokenizer.encode(request.text)
+        return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        """The model, the engine's limits and the sampling defaults."""
+        m = self._model
+        return pb.GetModelInfoResponse(
+            model_name=m.info.name, max_model_len=m.info.max_model_len,
+            vocab_size=m.info.vocab_size, eos_token_ids=m.info.eos_token_ids,
+            tp_size=self._tp_size(), num_kv_blocks=self._engine.stats.num_total_blocks,
+            kv_block_size=m.block_size, default_sampling=sampling_to_proto(m.default_sampling),
+            max_logprobs=MAX_LOGPROBS)
+
+    async def GetServerStatus(self, request, context) -> pb.GetServerStatusResponse:
+        """Live load figures from the engine thread's latest snapshot."""
+        stats = self._engine.stats
+        prompt_tps, gen_tps = self._engine.throughput()
+        return pb.GetServerStatusResponse(
+            num_waiting=stats.num_waiting, num_running=stats.num_running,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            generation_tokens_per_s=gen_tps, prompt_tokens_per_s=prompt_tps,
+            num_workers_ready=self._model.num_workers if stats.ready else 0,
+            num_workers=self._model.num_workers,
+            num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks)
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    code, message = status_for(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=error)
+    await context.abort(code, message)

@@ -1,0 +1,270 @@
+"""The scheduler service process: the engine, the public API, health and reflection on one port.
+
+    build_scheduler_server(model_dir, workers, listen, options) -> SchedulerServer
+    run_scheduler(...)  blocks until SIGTERM/SIGINT, then drains and stops
+
+Engine life cycle: AsyncEngine calls `WorkerCoreFactory` until it succeeds. Each call Inits every
+worker (a new epoch; a worker that already holds the model keeps it) and builds a fresh
+Scheduler + OutputProcessor + EngineCore over the KV blocks the workers report. When a worker
+fails, the engine drops the core and calls the factory again: that is worker-restart recovery.
+
+Shutdown (SIGTERM/SIGINT): readiness goes NOT_SERVING, the port stops taking new RPCs, open
+streams get `grace_period_s` to finish, then the rest are cancelled and the engine stops.
+Torch is never imported here: this process runs where torch is not installed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from engine_common.config import SchedulerConfig
+from engine_common.model_dir import ModelInfo
+from engine_common.protos import GENERATION_SERVICE, generation_pb2_grpc
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.errors import EngineUnavailable
+from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.health import HEALTH_SERVICE, Readiness
+from scheduler_service.engine.output_processor import OutputProcessor
+from scheduler_service.api.reflection import add_reflection
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+
+log = logging.getLogger(__name__)
+
+# No SO_REUSEPORT: a second server on a port in use must fail, not share the port silently.
+_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+# How long one reconnect attempt waits for a worker's port; retried every half second after.
+_CONNECT_TIMEOUT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Scheduler and worker settings of one replica (the CLI's engine flags).
+
+    kv_cache_bytes / gpu_memory_utilization: the KV budget per device; None lets the worker pick
+    its default. max_model_len None: the model's max_position_embeddings.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    grace_period_s: float = 10.0
+    dist_port: int = 29500          # torch.distributed rendezvous on node 0 (several workers)
+    verify_symmetry: bool = False   # every rank digests its state each step
+    enforce_eager: bool = False     # no decode CUDA graphs
+    max_graph_batch: int = 512      # largest decode batch captured as a CUDA graph
+    fused_ops: bool = False         # fused Triton RMSNorm and rope (CUDA)
+    async_scheduling: bool = False  # two steps in flight (see SchedulerConfig)
+
+
+class WorkerCoreFactory:
+    """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
+
+    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
+                 tokenizer: Tokenizer):
+        self.client = client
+        self.spec = spec
+        self.config = config
+        self.tokenizer = tokenizer
+        self._last_error = ""
+        self._was_ready = False
+        self._num_ranks = 0
+
+    def tp_size(self) -> int:
+        """Ranks of the last successful Init (0 before the first)."""
+        return self._num_ranks
+
+    def __call__(self) -> EngineCore:
+        try:
+            result = self.client.init(self.spec)
+        except EngineUnavailable as e:
+            self._log_once(str(e))
+            raise
+        except Exception as e:  # e.g. a worker refused the model: keep retrying, say why
+            self._log_once(f"{type(e).__name__}: {e}")
+            raise EngineUnavailable(f"worker Init failed: {e}") from e
+        self._last_error = ""
+        self._was_ready = True
+        self._num_ranks = len(result.devices)
+        log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
+                 self.config.block_size)
+        scheduler = Scheduler(self.config, result.num_kv_blocks)
+        return EngineCore(scheduler, OutputProcessor(self.tokenizer), self.client)
+
+    def check_health(self, core: EngineCore) -> None:
+        """Raise EngineUnavailable when a worker is gone or lost its model (restarted); run by
+        the engine thread while idle."""
+        bad = [f"{h.address}: {h.reason or 'not ready'}" for h in self.client.health()
+               if not h.ready]
+        if bad:
+            raise EngineUnavailable("worker not ready: " + "; ".join(bad))
+
+    def _log_once(self, message: str) -> None:
+        """Each new reason once; at startup (workers still loading) as INFO, later as WARNING."""
+        if message != self._last_error:
+            level = logging.WARNING if self._was_ready else logging.INFO
+            log.log(level, "waiting for the workers: %s", message)
+            self._last_error = message
+
+
+class SchedulerServer:
+    """A built, not yet started scheduler service. `port` is the bound port."""
+
+    def __init__(self, server: grpc.aio.Server, engine: AsyncEngine, readiness: Readiness,
+                 client: WorkerClient, port: int, grace_period_s: float):
+        self.server = server
+        self.engine = engine
+        self.readiness = readiness
+        self.client = client
+        self.port = port
+        self.grace_period_s = grace_period_s
+
+    async def start(self) -> None:
+        self.engine.start()
+        await self.server.start()
+        await self.readiness.start()
+
+    async def stop(self, grace_period_s: float | None = None) -> None:
+        """Drain: readiness NOT_SERVING, no new RPCs, open streams finish or are cancelled."""
+        grace = self.grace_period_s if grace_period_s is None else grace_period_s
+        await self.readiness.drain()
+        await self.server.stop(grace)
+        await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self.client.close)
+
+    async def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until every worker is initialized; False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while not self.engine.ready:
+            if deadline is not None and loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+
+def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
+                           options: EngineOptions = EngineOptions()) -> SchedulerServer:
+    """Everything of the scheduler service, wired and bound to `listen` but not started."""
+    info = ModelInfo.from_dir(model_dir, options.max_model_len)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    config = SchedulerConfig(
+        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=info.max_model_len, block_size=options.block_size,
+        enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
+        async_scheduling=options.async_scheduling)
+    spec = InitSpec(
+        model_dir=str(model_dir), dtype=options.dtype, attention_backend=options.attention_backend,
+        max_model_len=info.max_model_len, block_size=options.block_size,
+        kv_cache_bytes=options.kv_cache_bytes,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+        dist_port=options.dist_port, verify_symmetry=options.verify_symmetry,
+        enforce_eager=options.enforce_eager, max_graph_batch=options.max_graph_batch,
+        fused_ops=options.fused_ops)
+    client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
+    factory = WorkerCoreFactory(client, spec, config, tokenizer)
+    engine = AsyncEngine(factory, idle_check=factory.check_health)
+    served = ServedModel(info=info, tokenizer=tokenizer, block_size=options.block_size,
+                         num_workers=len(workers))
+
+    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engine, served, tp_size=factory.tp_size), server)
+    readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
+    readiness.add_to_server(server)
+    add_reflection(server, (GENERATION_SERVICE, HEALTH_SERVICE))
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as e:   # grpc reports a failed bind this way
+        raise OSError(f"could not listen on {listen}: {e}") from None
+    return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s)
+
+
+async def serve_scheduler(model_dir: str, workers: list[str], listen: str,
+                          options: EngineOptions = EngineOptions(),
+                          on_ready: Callable[[SchedulerServer], None] | None = None,
+                          should_stop: Callable[[], str | None] | None = None,
+                          exit_on_refusal: bool = False) -> int:
+    """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
+    (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
+    refuse the first Init's settings); then drain and stop. Returns an exit code: 0, 1 when
+    `should_stop` stopped it, 2 when the workers refused the settings."""
+    app = build_scheduler_server(model_dir, workers, listen, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await app.start()
+    log.info("scheduler listening on %s (port %d); workers: %s", listen, app.port,
+             ",".join(workers))
+    refused: list[str] = []
+    watcher = asyncio.create_task(_watch(app, stop, on_ready, should_stop,
+                                         refused if exit_on_refusal else None))
+    await stop.wait()
+    watcher.cancel()
+    log.info("draining (grace period %.1f s)", app.grace_period_s)
+    await app.stop()
+    if refused:
+        return 2
+    reason = should_stop() if should_stop else None
+    return 1 if reason else 0
+
+
+async def _watch(app: SchedulerServer, stop: asyncio.Event,
+                 on_ready: Callable[[SchedulerServer], None] | None,
+                 should_stop: Callable[[], str | None] | None,
+                 refused: list[str] | None) -> None:
+    """Announce readiness once; stop on `should_stop`, or (when `refused` is a list) on a refused
+    first Init, whose reason is appended to it."""
+    announced = False
+    while not stop.is_set():
+        if not announced and app.engine.ready:
+            announced = True
+            if on_ready:
+                on_ready(app)
+        if not announced and refused is not None and app.engine.refused:
+            refused.append(app.engine.refused)
+            log.error("stopping: the worker refused the settings: %s", app.engine.refused)
+            stop.set()
+            return
+        reason = should_stop() if should_stop else None
+        if reason:
+            log.error("stopping: %s", reason)
+            stop.set()
+        await asyncio.sleep(0.1)
+
+
+def run_scheduler(model_dir: str, workers: list[str], listen: str,
+                  options: EngineOptions = EngineOptions(),
+                  on_ready: Callable[[SchedulerServer], None] | None = None,
+                  should_stop: Callable[[], str | None] | None = None,
+                  exit_on_refusal: bool = False) -> int:
+    """Blocking `serve_scheduler` with logging to stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    if on_ready is None:
+        on_ready = _print_ready(listen)
+    return asyncio.run(serve_scheduler(model_dir, workers, listen, options, on_ready,
+                                       should_stop, exit_on_refusal))
+
+
+def _print_ready(listen: str) -> Callable[[SchedulerServer], None]:
+    def announce(app: SchedulerServer) -> None:
+        host = listen.rsplit(":", 1)[0]
+        print(f"DeltaServe scheduler ready on {host}:{app.port}", flush=True)
+    return announce

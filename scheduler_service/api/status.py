@@ -1,0 +1,33 @@
+"""The one place that turns an exception into a gRPC status code and message.
+
+    ParamError, RequestRejected (a bad field, a prompt too long)  -> INVALID_ARGUMENT
+    QueueFull (more than max_waiting requests queued)              -> RESOURCE_EXHAUSTED
+    EngineUnavailable, WorkerFailure (no worker ready, one died)   -> UNAVAILABLE
+    RequestFailed (one request's output could not be processed)    -> INTERNAL, its own message
+    anything else                                                  -> INTERNAL
+"""
+from __future__ import annotations
+
+import grpc
+
+from engine_common.params import ParamError
+from scheduler_service.core.admission import QueueFull, RequestRejected
+from scheduler_service.errors import EngineUnavailable, RequestFailed
+
+# Checked in order: a subclass comes before its base class.
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
+    (ParamError, grpc.StatusCode.INVALID_ARGUMENT),
+    (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (RequestFailed, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(code, message) for `exc`. Known errors keep their own message (it names the field, the
+    value and the allowed range); anything else is INTERNAL with the exception's type named."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc) or kind.__name__
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

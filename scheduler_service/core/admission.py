@@ -1,0 +1,49 @@
+"""Which requests the scheduler accepts, and the typed errors for those it refuses."""
+from __future__ import annotations
+
+from scheduler_service.core.request import Request
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here. Carries the field, the value and the allowed range
+    (the gRPC layer maps it to INVALID_ARGUMENT)."""
+
+    def __init__(self, request_id: str, field_name: str, value, allowed: str):
+        self.request_id = request_id
+        self.field = field_name
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"request {request_id!r} rejected: {field_name}={value!r} "
+                         f"must be {allowed}")
+
+
+class QueueFull(RequestRejected):
+    """Too many requests waiting already; retry later (RESOURCE_EXHAUSTED)."""
+
+
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def check_admission(request: Request, *, max_model_len: int, block_size: int, num_blocks: int,
+                    num_waiting: int, max_waiting: int, known: bool) -> None:
+    """Raise RequestRejected / QueueFull unless `request` may join the waiting queue."""
+    rid = request.request_id
+    if known:
+        raise RequestRejected(rid, "request_id", rid, "unique among unfinished requests")
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise RequestRejected(rid, "prompt_token_ids", "(empty)", "at least 1 token")
+    lo, hi = min(prompt), max(prompt)
+    if lo < 0 or hi > _MAX_TOKEN_ID:
+        bad = lo if lo < 0 else hi
+        raise RequestRejected(rid, "prompt_token_ids", bad, f"token ids in [0, {_MAX_TOKEN_ID}]")
+    max_tokens = request.stopping.max_tokens
+    total = len(prompt) + (max_tokens or 1)
+    if total > max_model_len:
+        raise RequestRejected(rid, "prompt tokens + max_tokens", total,
+                              f"<= max_model_len ({max_model_len})")
+    if -(-len(prompt) // block_size) > num_blocks:
+        raise RequestRejected(rid, "prompt tokens", len(prompt),
+                              f"<= KV-cache capacity ({num_blocks * block_size} tokens)")
+    if num_waiting >= max_waiting:
+        raise QueueFull(rid, "waiting requests", num_waiting, f"< max_waiting ({max_waiting})")

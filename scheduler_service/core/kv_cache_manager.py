@@ -1,0 +1,172 @@
+"""Per-request block tables on top of the block pool, with prefix caching of full blocks.
+
+Block hashes are chained so a block's hash names its whole prefix:
+
+    hash_j = blake2b(hash_{j-1} || uint32 token ids of block j)      (hash_{-1} = b"")
+
+Only full blocks whose tokens are all known are hashed and cached. They are cached as soon as
+they are scheduled to be computed (the step is assumed to run), so a request admitted later in
+the same step may already share them: the attention backends write a step's keys/values for the
+whole batch before attending.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from scheduler_service.core.request import Request
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained, process-independent hash of one full block."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("I", token_ids).tobytes())
+    return h.digest()
+
+
+def _token_slice(request: Request, start: int, end: int) -> list[int]:
+    """Tokens [start, end) of prompt + output without concatenating the whole sequence."""
+    prompt, out = request.prompt_token_ids, request.output_token_ids
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return out[start - p:end - p]
+    return prompt[start:] + out[:end - p]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per (re)admission of a request: tokens looked up and tokens hit."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates and frees the blocks of each request; finds and records cached prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}   # hashes of the request's full blocks
+        self._num_cached: dict[str, int] = {}          # leading blocks already offered to cache
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request.request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's tokens, in whole blocks, never covering the
+        last token (it must be computed to sample). Returns (blocks, number of tokens)."""
+        if not self.enable_caching:
+            return [], 0
+        max_hits = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._block_hashes(request, max_hits)[:max_hits]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()
+                       ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` after the request's computed tokens (and after the
+        prefix hit `new_computed_blocks`, only for a request that holds no blocks yet).
+        Returns the freshly allocated blocks, or None (nothing changed) when too few are free."""
+        rid = request.request_id
+        held = self._blocks.get(rid, [])
+        if new_computed_blocks and held:
+            raise ValueError(f"request {rid}: prefix hits given to a request that holds blocks")
+        num_hit_tokens = len(new_computed_blocks) * self.block_size
+        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        need = self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
+        if self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks) \
+                > self.pool.num_free_blocks:
+            return None
+        if self.enable_caching and not held and request.num_computed_tokens == 0:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
+        self.pool.touch(new_computed_blocks)
+        blocks = self._blocks.setdefault(rid, held)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(need)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
+        return new_blocks
+
+    def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
+                               new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+        """Free-queue blocks `allocate_slots` with these arguments would take: the new blocks,
+        plus hit blocks that sit in the free queue (they leave it too)."""
+        return (self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
+                + sum(1 for b in new_computed_blocks if b.ref_cnt == 0))
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
+        held = len(self._blocks.get(request.request_id, ()))
+        total = (request.num_computed_tokens + num_hit_blocks * self.block_size
+                 + num_new_tokens)
+        return max(0, -(-total // self.block_size) - held - num_hit_blocks)
+
+    def num_exclusive_blocks(self, request: Request) -> int:
+        """Blocks that would return to the free queue if `request` were freed now (those no other
+        request shares)."""
+        return sum(1 for b in self._blocks.get(request.request_id, ()) if b.ref_cnt == 1)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first. Safe to call for a request holding none."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, [])
+        self._hashes.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _block_hashes(self, request: Request, num_full: int) -> list[BlockHash]:
+        """The request's chained block hashes, extended to at least `num_full` blocks."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full:
+            j = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     _token_slice(request, j * bs, (j + 1) * bs)))
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        start = self._num_cached.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        blocks = self._blocks[rid]
+        for j in range(start, num_full):
+            self.pool.cache_full_block(blocks[j], hashes[j])
+        self._num_cached[rid] = num_full

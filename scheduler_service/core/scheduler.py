@@ -1,0 +1,295 @@
+"""The continuous-batching scheduler: admission, per-step token budgets, preemption, stops.
+
+NOTE the rules of one step (`schedule()`):
+  * First, priority: when the most urgent waiting request does not fit (no seat under
+    max_num_seqs, or too few free blocks for its first chunk), running requests of strictly lower
+    priority are preempted to make room, least urgent first (scheduler_service/core/priority.py).
+  * Running requests next, most urgent first (the batch is kept in (priority, arrival) order);
+    each asks for all its uncomputed tokens (1 when decoding), capped by what is left of
+    max_num_batched_tokens. A request that gets no budget stays in the batch, idle (count 0).
+  * A running request that cannot get a block preempts (by recompute) the lowest-priority,
+    latest-arriving request among itself and those not yet scheduled this step (so never a more
+    urgent one): its blocks are freed, its progress is reset, and it waits again, ahead of
+    requests of its priority that never ran.
+  * Only in a step without such memory preemption are waiting requests admitted, in queue order,
+    while budget, max_num_seqs and blocks allow; a prompt longer than the budget left is chunked.
+  * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
+  * Async scheduling (two steps in flight): a request that samples in a step still in flight
+    counts that token as pending; the next step may compute it (the workers know its id). A
+    request whose pending tokens already reach max_tokens or max_len is not scheduled again. A
+    request preempted with a token in flight keeps that token when it arrives (its workers hold
+    it too) and recomputes it on resumption like any other.
+  * Every returned diff must reach the workers (steps are numbered without gaps).
+"""
+from __future__ import annotations
+
+import bisect
+import random
+import time
+from collections.abc import Iterable
+
+from engine_common.config import SchedulerConfig
+from engine_common.diff import RunnerOutput, SchedulerOutput
+from scheduler_service.core.admission import QueueFull, RequestRejected, check_admission
+from scheduler_service.core.handles import HandleAllocator
+from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.priority import choose_priority_victims
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler_diff import StepPlan, build_output
+from scheduler_service.core.step_result import RequestUpdate, check_stop
+from scheduler_service.core.waiting_queue import WaitingQueue
+
+__all__ = ["Scheduler", "RequestRejected", "QueueFull", "RequestUpdate"]
+
+
+class Scheduler:
+    """Owns the requests, the KV-cache blocks and the step diffs. Not thread-safe."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int,
+                 rng: random.Random | None = None):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # A request never holds more tokens than fit in the whole cache.
+        self.max_len = min(config.max_model_len, num_blocks * config.block_size)
+        self._rng = rng or random.SystemRandom()
+        self._handles = HandleAllocator()
+        self._requests: dict[str, Request] = {}       # unfinished, by id
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []              # by (priority, arrival_time)
+        self._on_worker: set[int] = set()             # handles the workers hold a copy of
+        self._finished_handles: list[int] = []        # for the next diff, then recycled
+        self._step = 0
+        self._in_flight: dict[int, dict[int, tuple[Request, int]]] = {}  # step -> handle -> ...
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises RequestRejected (or its subclass QueueFull)."""
+        check_admission(request, max_model_len=self.config.max_model_len,
+                        block_size=self.config.block_size, num_blocks=self.num_total_blocks,
+                        num_waiting=len(self.waiting), max_waiting=self.config.max_waiting,
+                        known=request.request_id in self._requests)
+        request.handle = self._handles.allocate()
+        seed = request.sampling.seed
+        # One concrete seed so every tensor-parallel rank samples the same stream.
+        request.seed = self._rng.getrandbits(63) if seed is None else seed
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        status: RequestStatus) -> list[Request]:
+        """Finish (abort, stop-string hit, ...) unfinished requests wherever they are; frees
+        their blocks. Unknown or already finished ids are ignored. Returns those finished."""
+        if not status.finished:
+            raise ValueError(f"status={status!r} is invalid: must be a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done = []
+        for rid in request_ids:
+            request = self._requests.get(rid)
+            if request is not None:
+                self._finish(request, status)
+                done.append(request)
+        return done
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self._remove_running(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_time = time.monotonic()
+        request.num_pending_tokens = 0    # an in-flight step's token for it is dropped
+        self.kv.free(request)
+        del self._requests[request.request_id]
+        if request.handle in self._on_worker:
+            self._on_worker.remove(request.handle)
+            self._finished_handles.append(request.handle)
+        else:
+            self._handles.release(request.handle)
+
+    def _remove_running(self, request: Request) -> None:
+        for i, r in enumerate(self.running):
+            if r is request:
+                del self.running[i]
+                return
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the NOTE at the top) and return its diff."""
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._preempt_for_priority(plan)
+        num_for_priority = len(plan.preempted_handles)
+        self._schedule_running(plan)
+        if len(plan.preempted_handles) == num_for_priority:
+            self._schedule_waiting(plan)
+        for request, n in plan.scheduled.values():
+            request.num_computed_tokens += n
+            if n and request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1      # this step samples its next token
+        out = build_output(self._step, plan, self._finished_handles)
+        for handle in self._finished_handles:
+            self._handles.release(handle)
+        self._finished_handles = []
+        if plan.tokens_by_handle():
+            self._in_flight[self._step] = {h: e for h, e in plan.scheduled.items() if e[1] > 0}
+        self._step += 1
+        return out
+
+    def _preempt_for_priority(self, plan: StepPlan) -> None:
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting.peek()
+        hits, num_hit = self.kv.get_computed_blocks(head)
+        n = min(head.num_tokens - num_hit, plan.budget)
+        short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
+        for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs,
+                                              short, self.kv.num_exclusive_blocks):
+            self._preempt(victim, plan)
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            n = min(self._num_schedulable(request), plan.budget)
+            if n <= 0:
+                plan.schedule(request, 0)
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, n, i, plan)
+            if new_blocks is None:
+                continue   # the request itself was preempted; running[i] is the next one
+            plan.schedule(request, n)
+            if new_blocks:
+                plan.new_block_ids[request.handle] = [b.block_id for b in new_blocks]
+            i += 1
+
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens the request could compute now: its known and pending tokens not computed yet,
+        or none when a pending token will already be its last (max_tokens, max_len)."""
+        pending = request.num_pending_tokens
+        if pending:
+            max_tokens = request.stopping.max_tokens
+            if ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
+                    or request.num_tokens + pending >= self.max_len):
+                return 0
+        return request.num_tokens + pending - request.num_computed_tokens
+
+    def _allocate_or_preempt(self, request: Request, n: int, i: int, plan: StepPlan):
+        """Blocks for `n` more tokens of running[i], preempting others (never one already
+        scheduled this step) until they fit. None when `request` itself was preempted."""
+        while (new_blocks := self.kv.allocate_slots(request, n)) is None:
+            j = max(range(i, len(self.running)),
+                    key=lambda k: (self.running[k].priority, self.running[k].arrival_time, k))
+            victim = self.running[j]
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+        return new_blocks
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self._remove_running(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.push(request)
+        plan.preempted_handles.append(request.handle)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit, plan.budget)
+            if self.kv.allocate_slots(request, n, hits) is None:
+                return   # FCFS: nobody overtakes the head of the queue
+            self.waiting.pop()
+            self._admit(request, num_hit, n, plan)
+
+    def _admit(self, request: Request, num_hit: int, n: int, plan: StepPlan) -> None:
+        resumed = request.status == RequestStatus.PREEMPTED
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        bisect.insort(self.running, request, key=lambda r: (r.priority, r.arrival_time))
+        block_ids = self.kv.get_block_ids(request)
+        if resumed:
+            plan.add_resumed(request, block_ids, num_hit)
+        else:
+            plan.add_new(request, block_ids, num_hit)
+            self._on_worker.add(request.handle)
+        plan.schedule(request, n)
+
+    # ---- the step's results --------------------------------------------------------------
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: RunnerOutput) -> list[RequestUpdate]:
+        """Append each sampled token, apply the stop rules, finish what stopped. Outputs for
+        requests finished since the step was scheduled are dropped; a request preempted since
+        (async scheduling) keeps its token: the workers hold it too."""
+        scheduled = self._in_flight.pop(sched_out.step, {})
+        updates = []
+        now = time.monotonic()
+        for idx, handle in enumerate(runner_out.handles):
+            request = scheduled.get(handle, (None, 0))[0]
+            if request is None or request.status.finished:
+                continue
+            request.num_pending_tokens = max(0, request.num_pending_tokens - 1)
+            token = runner_out.sampled_token_ids[idx]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = check_stop(request, self.max_len)
+            if status is not None:
+                self._finish(request, status)
+            lps = runner_out.logprobs
+            top = runner_out.top_logprobs.get(handle)
+            updates.append(RequestUpdate(request, [token], [lps[idx]] if idx < len(lps) else [],
+                                         None if top is None else [top], status is not None))
+        return updates
+
+    def scheduled_tokens(self, step: int) -> dict[int, int]:
+        """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""
+        return {h: n for h, (_, n) in self._in_flight.get(step, {}).items()}
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def has_finished_to_send(self) -> bool:
+        """Finished handles the workers have not been told about yet (sent with the next diff)."""
+        return bool(self._finished_handles)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are forgotten)."""
+        return self._requests.get(request_id)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.kv.stats.hit_rate
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv.num_total_blocks

@@ -1,0 +1,52 @@
+"""One step's plan as the scheduler builds it, and the SchedulerOutput diff made from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.params import WorkerSamplingParams
+from scheduler_service.core.request import Request
+
+
+@dataclass
+class StepPlan:
+    """What one schedule() call decided, in the order it decided it."""
+
+    budget: int                                             # tokens still free this step
+    # handle -> (request, tokens this step) for every request in the batch, 0 = idle.
+    scheduled: dict[int, tuple[Request, int]] = field(default_factory=dict)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    resumed_requests: list[ResumedRequestData] = field(default_factory=list)
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    preempted_handles: list[int] = field(default_factory=list)
+
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        self.scheduled[request.handle] = (request, num_tokens)
+        self.budget -= num_tokens
+
+    def add_new(self, request: Request, block_ids: list[int], num_computed: int) -> None:
+        sampling = WorkerSamplingParams(request.sampling, request.seed,
+                                        request.stopping.min_tokens, request.stop_token_ids)
+        self.new_requests.append(NewRequestData(
+            request.handle, list(request.prompt_token_ids), sampling, block_ids, num_computed,
+            request.num_logprobs))
+
+    def add_resumed(self, request: Request, block_ids: list[int], num_computed: int) -> None:
+        self.resumed_requests.append(ResumedRequestData(request.handle, block_ids, num_computed))
+
+    def tokens_by_handle(self) -> dict[int, int]:
+        """Every handle that computes something this step -> its token count."""
+        return {h: n for h, (_, n) in self.scheduled.items() if n > 0}
+
+
+def build_output(step: int, plan: StepPlan, finished_handles: list[int]) -> SchedulerOutput:
+    """The diff: counts only where they differ from the default of one token."""
+    return SchedulerOutput(
+        step=step,
+        new_requests=plan.new_requests,
+        resumed_requests=plan.resumed_requests,
+        new_block_ids=plan.new_block_ids,
+        num_scheduled_tokens={h: n for h, (_, n) in plan.scheduled.items() if n != 1},
+        finished_handles=list(finished_handles),
+        preempted_handles=plan.preempted_handles,
+    )

@@ -1,0 +1,240 @@
+"""Scheduler updates -> client-facing outputs: streaming text, stop strings, logprobs, usage.
+
+Stop-string rules:
+- checked only once the request has produced at least `stopping.min_tokens` tokens (the match
+  may still begin in text produced earlier);
+- the first stop string to *complete* wins (earliest end, then earliest start);
+- the text is cut before the stop string, or after it with `include_stop_str_in_output`;
+- while a request has stop strings, the last (longest stop - 1) characters of unsent text are held
+  back, so a stop string straddling two steps never reaches the client in part; held text is
+  flushed when the request finishes for any other reason.
+Every token id is reported, even those whose text was cut.
+
+A failure while processing one request's output (a tokenizer bug, say) ends that request alone:
+its final output carries `error` (RequestFailed) and the engine aborts it; the others go on.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine_common.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_service.errors import RequestFailed
+from scheduler_service.core.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token: its logprob under the raw model distribution and the best
+    alternatives (best first; at most the request's num_logprobs of them)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestTimings:
+    """monotonic seconds; None until it happened."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    first_scheduled_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. `num_output_tokens` is cumulative; finish_reason
+    and stop_reason are set only on the final output. `error` is set (on a final output with
+    finish_reason FINISHED_ABORTED) when processing this request's output failed."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: RequestStatus | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    timings: RequestTimings
+    error: RequestFailed | None = None
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stops: tuple[str, ...]
+    hold_back: int                 # characters of unsent text held while stop strings are active
+    # Text not sent yet. A stop string can never begin in text already sent (held-back text stays
+    # here), so matching needs only this buffer.
+    unsent: str = ""
+    num_output_tokens: int = 0
+    stop_string: str | None = None
+
+
+class OutputProcessor:
+    """Keeps one detokenizer per live request and turns `RequestUpdate`s into `RequestOutput`s."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._states: dict[str, _RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add_request(self, request: Request) -> None:
+        """Start tracking `request` (call once, when it is added to the scheduler)."""
+        stops = request.stopping.stop
+        detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
+                                       self._skip_special_tokens)
+        hold_back = max((len(s) for s in stops), default=1) - 1
+        self._states[request.request_id] = _RequestState(request, detok, stops, hold_back)
+
+    def process(self, updates) -> tuple[list[RequestOutput], list[str]]:
+        """One output per update of a tracked request, and the ids that matched a stop string.
+
+        The caller must finish the returned ids with
+        `scheduler.finish_requests(ids, RequestStatus.FINISHED_STOP_STRING)`. Updates for requests
+        no longer tracked (aborted, or stopped by a string in an earlier step) are dropped.
+        An output with `error` set is final: the caller must abort that request.
+        """
+        outputs, stopped_ids = [], []
+        for update in updates:
+            state = self._states.get(update.request.request_id)
+            if state is None:
+                continue
+            try:
+                out = self._process_one(state, update)
+            except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
+                outputs.append(self._fail(state, e))
+                continue
+            outputs.append(out)
+            if state.stop_string is not None and not update.finished:
+                stopped_ids.append(out.request_id)
+        return outputs, stopped_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Final output (held-back text flushed) for an aborted request, or None if untracked."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        try:
+            self._append_text(state, state.detokenizer.flush())
+        except Exception as e:  # noqa: BLE001 - same backstop as process()
+            return self._fail(state, e)
+        return self._finish(state, [], [], RequestStatus.FINISHED_ABORTED, None)
+
+    def _fail(self, state: _RequestState, exc: Exception) -> RequestOutput:
+        rid = state.request.request_id
+        log.exception("processing the output of request %r failed; aborting it alone", rid)
+        self._states.pop(rid, None)
+        state.unsent = ""       # text past the failure point cannot be trusted
+        if state.request.finish_time is None:
+            state.request.finish_time = time.monotonic()
+        out = self._output(state, [], [], True, RequestStatus.FINISHED_ABORTED, None)
+        out.error = RequestFailed(
+            f"request {rid!r} failed while its output was processed "
+            f"({type(exc).__name__}: {exc}); other requests are unaffected")
+        return out
+
+    def _process_one(self, state: _RequestState, update) -> RequestOutput:
+        request = state.request
+        now = time.monotonic()
+        if request.first_token_time is None and update.new_token_ids:
+            request.first_token_time = now
+        token_ids = list(update.new_token_ids)
+        self._detokenize(state, token_ids, update.finished)
+        logprobs = self._logprobs(request, token_ids, update.new_logprobs, update.top_logprobs)
+        if state.stop_string is not None and request.status != RequestStatus.FINISHED_ABORTED:
+            if update.finished:  # already out of the scheduler: record the stop string here
+                request.status = RequestStatus.FINISHED_STOP_STRING
+            return self._finish(state, token_ids, logprobs, RequestStatus.FINISHED_STOP_STRING,
+                                state.stop_string)
+        if update.finished:
+            self._append_text(state, state.detokenizer.flush())
+            return self._finish(state, token_ids, logprobs, request.status, request.stop_reason)
+        return self._output(state, token_ids, logprobs, False, None, None)
+
+    def _detokenize(self, state: _RequestState, token_ids: list[int], finished: bool) -> None:
+        stopping = state.request.stopping
+        # The text of a stop token (eos or stop_token_ids) is not part of the output.
+        drop_last = (finished and state.request.status == RequestStatus.FINISHED_STOP_TOKEN
+                     and not stopping.include_stop_str_in_output)
+        for i, token_id in enumerate(token_ids):
+            state.num_output_tokens += 1
+            if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
+                continue
+            piece = state.detokenizer.add(token_id)
+            if piece:
+                self._append_text(state, piece)
+
+    def _append_text(self, state: _RequestState, piece: str) -> None:
+        if not piece or state.stop_string is not None:
+            return
+        start = len(state.unsent)
+        state.unsent += piece
+        if state.stops and state.num_output_tokens >= state.request.stopping.min_tokens:
+            self._check_stop(state, start)
+
+    def _check_stop(self, state: _RequestState, new_start: int) -> None:
+        """Find the first stop string that completes in unsent[new_start:]; cut the text there."""
+        best = None  # (end, start, stop)
+        for stop in state.stops:
+            pos = state.unsent.find(stop, max(0, new_start - len(stop) + 1))
+            if pos >= 0:
+                cand = (pos + len(stop), pos, stop)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+        if best is None:
+            return
+        end, pos, stop = best
+        keep = end if state.request.stopping.include_stop_str_in_output else pos
+        state.unsent = state.unsent[:keep]
+        state.stop_string = stop
+        state.request.stop_reason = stop
+
+    def _finish(self, state, token_ids, logprobs, reason, stop_reason) -> RequestOutput:
+        del self._states[state.request.request_id]
+        if state.request.finish_time is None:
+            state.request.finish_time = time.monotonic()
+        return self._output(state, token_ids, logprobs, True, reason, stop_reason)
+
+    def _output(self, state: _RequestState, token_ids, logprobs, finished: bool,
+                reason: RequestStatus | None, stop_reason) -> RequestOutput:
+        request = state.request
+        send_upto = len(state.unsent)
+        if not finished and state.stops:
+            send_upto = max(0, send_upto - state.hold_back)
+        new_text, state.unsent = state.unsent[:send_upto], state.unsent[send_upto:]
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=token_ids, new_text=new_text,
+            logprobs=logprobs, finished=finished, finish_reason=reason, stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            timings=RequestTimings(request.arrival_time, request.first_token_time,
+                                   request.finish_time, request.first_scheduled_time))
+
+    @staticmethod
+    def _logprobs(request: Request, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:
+        if not new_logprobs:
+            return []
+        k = request.num_logprobs
+        out = []
+        for i, (token_id, logprob) in enumerate(zip(token_ids, new_logprobs)):
+            entry = TokenLogprob(int(token_id), float(logprob))
+            if top_logprobs is not None and k > 0:
+                ids, lps = top_logprobs[i]
+                entry.top_token_ids = [int(t) for t in ids[:k]]
+                entry.top_logprobs = [float(v) for v in lps[:k]]
+            out.append(entry)
+        return out

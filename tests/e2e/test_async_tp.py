@@ -1,0 +1,73 @@
+"""Async scheduling (two steps in flight) against a real TP=2 layout: two worker services of one
+rank each, gloo on CPU, symmetry verification on, so every step both nodes must agree on their
+sampled ids and cached state while the next step is already queued on their Step streams.
+Requests aborted mid-flight must not disturb the others, which equal the TP=1 synchronous
+reference token for token, and the workers must end holding no request.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine_common.codec import encode_scheduler_output
+from engine_common.model_dir import ModelInfo
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.output_processor import OutputProcessor
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
+from tests.support.tp_harness import workload
+from tests.support.tp_harness import NUM_BLOCKS, Cluster, reference, scheduler_config
+
+ABORT_AT = {3: "r1", 6: "r4"}     # engine step -> request aborted after it
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster.start(tmp_path_factory.mktemp("async_tp"), nodes=2, local_ranks=1)
+    yield c
+    c.close()
+
+
+def test_async_tp2_with_aborts_matches_tp1(cluster, tiny_models):
+    model = tiny_models("llama")
+    prompts, samplings, stoppings = workload()
+    expected, _ = reference(model, prompts, samplings, stoppings)
+    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    try:
+        client.init(cluster.spec(model, verify_symmetry=True))
+        config = dataclasses.replace(scheduler_config(), async_scheduling=True)
+        core = EngineCore(Scheduler(config, NUM_BLOCKS),
+                          OutputProcessor(Tokenizer.from_dir(model)), client)
+        eos = ModelInfo.from_dir(model).eos_token_ids
+        tokens, reasons = {}, {}
+        for i, (p, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
+            tokens[f"r{i}"] = []
+            core.add_request(Request(f"r{i}", list(p), sp, st, eos))
+        num_steps = 0
+        while core.has_unfinished_requests():
+            outs = core.step()
+            num_steps += 1
+            if num_steps in ABORT_AT:
+                assert core._in_flight, "the abort must land while a step is in flight"
+                outs += core.abort([ABORT_AT[num_steps]])
+            for out in outs:
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        # The finished handles reach the workers; then node 0 holds no request at all.
+        client.execute(encode_scheduler_output(core.scheduler.schedule()))
+        assert client.reset() == 0
+    except Exception:
+        print(cluster.logs())
+        raise
+    finally:
+        client.close()
+    for i, want in enumerate(expected):
+        rid = f"r{i}"
+        if rid in ABORT_AT.values():
+            assert reasons[rid] == RequestStatus.FINISHED_ABORTED
+            assert len(tokens[rid]) < len(want) and tokens[rid] == want[:len(tokens[rid])], rid
+        else:
+            assert tokens[rid] == want and reasons[rid] == RequestStatus.FINISHED_LENGTH, rid

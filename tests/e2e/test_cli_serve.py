@@ -1,0 +1,113 @@
+"""`deltaserve serve`, the embedded default: creates the tiny model once, says its weights are
+random, prints a ready line, serves, and leaves no worker behind on Ctrl-C or when killed."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from tests.support.grpc_harness import (REPO, SMALL_KV_GIB, child_env, collect, free_port,
+                                        generation_stub, greedy_request, wait_for)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie nobody reaped counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in "ZX"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def _start_serve(tmp_path: Path, name: str):
+    port, worker_port = free_port(), free_port()
+    log = tmp_path / f"{name}.log"
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
+           "--kv-cache-gib", SMALL_KV_GIB]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))
+    return proc, f"127.0.0.1:{port}", log
+
+
+def _wait_ready_line(proc, log: Path) -> str:
+    def ready():
+        assert proc.poll() is None, log.read_text(errors="replace")
+        return "DeltaServe ready on" in log.read_text(errors="replace")
+    wait_for(ready, 120, "the ready line")
+    return log.read_text(errors="replace")
+
+
+def test_serve_default_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
+    proc, target, log = _start_serve(tmp_path, "first")
+    try:
+        text = _wait_ready_line(proc, log)
+        assert "weights are RANDOM" in text
+        assert f"DeltaServe ready on {target}" in text and "grpcurl -plaintext" in text
+        assert (tmp_path / "cache" / "deltaserve" / "tiny-qwen3" / "config.json").is_file()
+        with grpc.insecure_channel(target) as ch:
+            ids, _, msgs = collect(generation_stub(ch).Generate(greedy_request([5, 6], 5),
+                                                                timeout=30))
+        assert len(ids) == 5
+        workers = _children(proc.pid)
+        assert len(workers) == 1
+        proc.send_signal(signal.SIGINT)   # what Ctrl-C delivers (the worker has its own session)
+        assert proc.wait(30) == 0
+        assert _gone(workers[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    # Killed outright, serve cannot stop its worker itself: the worker gets SIGTERM from the
+    # kernel (PR_SET_PDEATHSIG) and exits. The cached model is reused.
+    proc, target, log = _start_serve(tmp_path, "second")
+    worker = None
+    try:
+        assert "Writing model" not in _wait_ready_line(proc, log)
+        worker = _children(proc.pid)[0]
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30  # grace 5 s, then the stop watchdog's 5 s
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path):
+    """--fused-ops on a CPU without the Triton interpreter: the worker refuses Init
+    (INVALID_ARGUMENT); serve says why and exits 2 at once instead of retrying forever, and
+    leaves no worker behind."""
+    port, worker_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
+           "--kv-cache-gib", SMALL_KV_GIB, "--fused-ops"]
+    env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    env.pop("TRITON_INTERPRET", None)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "the worker refused the settings" in out and "fused_ops=True" in out, out
+    assert out.count("Traceback") == 0, out       # a refusal is one line, not a stack trace
+    assert time.monotonic() - t0 < 60
+    assert "DeltaServe ready" not in out
+    with socket.socket() as s:                     # the worker was stopped with serve
+        assert s.connect_ex(("127.0.0.1", worker_port)) != 0

@@ -1,0 +1,395 @@
+"""deploy/: the Kubernetes manifests, the Dockerfiles and the grpcurl examples agree with the code.
+
+No Docker and no cluster: every YAML file is parsed and the objects are cross-checked (labels,
+ports, probes, names); every `deltaserve` command line is parsed by the real CLI parser (the
+worker's node-rank wrapper is run by /bin/sh); the scheduler image's packages are checked against
+what the scheduler really imports; and examples.sh runs against a real `deltaserve serve`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from deltaserve.cli import build_parser
+from engine_common.protos import GENERATION_SERVICE, WORKER_SERVICE
+from tests.support.grpc_harness import GRPCURL, REPO, SMALL_KV_GIB, child_env, free_port, wait_for
+
+yaml = pytest.importorskip("yaml", reason="PyYAML is not importable (transformers brings it)")
+
+K8S = REPO / "deploy" / "k8s"
+DOCKER = REPO / "deploy" / "docker"
+EXAMPLES = REPO / "deploy" / "grpcurl" / "examples.sh"
+GPU = "nvidia.com/gpu"
+MiB = 1 << 20
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[str, dict]:
+    """The objects kustomization.yaml lists, by "Kind/name"."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    objects = {}
+    for name in kustomization["resources"]:
+        for doc in yaml.safe_load_all((K8S / name).read_text()):
+            objects[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return objects
+
+
+def _parse(argv: list[str]):
+    """The CLI's namespace for argv, every flag spelled out in full (no argparse prefix
+    matching); None for `--help` (valid: it exits 0)."""
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.allow_abbrev = False
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 0 and "--help" in argv, f"deltaserve rejects {argv}"
+        return None
+
+
+def _workload(k8s, kind: str) -> tuple[dict, dict]:
+    """(the one workload of `kind`, its only container)."""
+    [obj] = [o for key, o in k8s.items() if key.startswith(kind + "/")]
+    [ctr] = obj["spec"]["template"]["spec"]["containers"]
+    return obj, ctr
+
+
+def _port(ctr: dict, name_or_number) -> int:
+    """A container port by name or number (KeyError when the container has no such port)."""
+    ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
+    if isinstance(name_or_number, int):
+        assert name_or_number in ports.values(), (name_or_number, ports)
+        return name_or_number
+    return ports[name_or_number]
+
+
+def _listen_port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _worker_argv(sts: dict, ctr: dict, ordinal: int, tmp_path) -> list[str]:
+    """What the worker's /bin/sh wrapper really execs in pod <sts>-<ordinal>."""
+    fake = tmp_path / "deltaserve"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "POD_NAME": f"{sts['metadata']['name']}-{ordinal}"}
+    out = subprocess.run([*ctr["command"], *ctr["args"]], env=env, capture_output=True,
+                         text=True, check=True, timeout=10)
+    return out.stdout.splitlines()
+
+
+def _quantity(text: str) -> int:
+    """A Kubernetes binary quantity ("2Gi", "512Mi") in bytes."""
+    number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(text)).groups()
+    return int(number) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[unit]
+
+
+def _dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) pairs, continuation lines joined, comments dropped."""
+    lines = [ln for ln in (DOCKER / name).read_text().splitlines()
+             if not ln.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(m[1].upper(), m[2].strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", joined, re.M)]
+
+
+def _docker_run_examples(name: str) -> list[list[str]]:
+    """The arguments after the image name in the Dockerfile's commented `docker run` examples."""
+    text = re.sub(r"\\\n#\s*", " ", (DOCKER / name).read_text())
+    image = "deltaserve-" + name.split(".")[1]
+    runs = [shlex.split(m) for m in re.findall(r"^#\s*docker run (.*)$", text, re.M)]
+    return [r[r.index(image) + 1:] for r in runs]
+
+
+def _project() -> dict:
+    """pyproject.toml's [project] table (tomllib: Python 3.11+)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_closure(requirements: list[str]) -> set[str]:
+    """Distributions `requirements` pull in, transitively (extras not taken), as installed here."""
+    seen, todo = set(), [_canonical(re.match(r"[\w.-]+", r)[0]) for r in requirements]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [_canonical(re.match(r"[\w.-]+", r)[0]) for r in reqs if "extra ==" not in r]
+    return seen
+
+
+# ---- the Kubernetes objects ----------------------------------------------------------------
+
+def test_every_yaml_parses_and_the_kustomization_lists_every_manifest(k8s):
+    files = sorted((REPO / "deploy").rglob("*.y*ml"))
+    assert len(files) >= 6
+    for f in files:
+        assert all(doc is not None for doc in yaml.safe_load_all(f.read_text())), f
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    assert listed == {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert {key.split("/")[0] for key in k8s} == {"StatefulSet", "Deployment", "Service",
+                                                  "PersistentVolumeClaim"}
+    for key, obj in k8s.items():   # namespace-agnostic: `kubectl apply -k ... -n NS`
+        assert "namespace" not in obj["metadata"], key
+
+
+def test_hostpath_overlay_patches_the_model_volume_of_the_base(k8s):
+    overlay = yaml.safe_load((K8S / "overlays" / "hostpath" / "kustomization.yaml").read_text())
+    assert (K8S / "overlays" / "hostpath" / overlay["resources"][0]).resolve() == K8S
+    for item in overlay["patches"]:
+        patch = yaml.safe_load(item["patch"])
+        if "target" not in item:   # a strategic-merge delete of a base object
+            assert f"{patch['kind']}/{patch['metadata']['name']}" in k8s
+            continue
+        base = k8s[f"{item['target']['kind']}/{item['target']['name']}"]
+        for op in patch:   # JSON 6902: every path exists and replaces the same-named volume
+            node = base
+            for key in op["path"].strip("/").split("/"):
+                node = node[int(key)] if isinstance(node, list) else node[key]
+            assert node["name"] == op["value"]["name"] == "model"
+
+
+def test_selectors_match_template_labels_and_services_select_one_workload(k8s):
+    workloads = [_workload(k8s, "StatefulSet"), _workload(k8s, "Deployment")]
+    for obj, _ in workloads:
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        assert obj["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for key, svc in k8s.items():
+        if not key.startswith("Service/"):
+            continue
+        chosen = [(obj, ctr) for obj, ctr in workloads if svc["spec"]["selector"].items()
+                  <= obj["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(chosen) == 1, f"{key} selects {len(chosen)} workloads"
+        for port in svc["spec"]["ports"]:
+            assert _port(chosen[0][1], port["targetPort"]) == port["port"], (key, port)
+
+
+def test_probes_are_native_grpc_on_the_served_port(k8s):
+    for kind, ready_service in (("StatefulSet", WORKER_SERVICE),
+                                ("Deployment", GENERATION_SERVICE)):
+        _, ctr = _workload(k8s, kind)
+        ready, live = ctr["readinessProbe"]["grpc"], ctr["livenessProbe"]["grpc"]
+        assert ready["service"] == ready_service and live.get("service", "") == ""
+        assert ready["port"] == live["port"] == _port(ctr, ready["port"])
+        assert ready["port"] == _port(ctr, "worker" if kind == "StatefulSet" else "grpc")
+
+
+def test_worker_wrapper_execs_deltaserve_worker_with_the_pod_ordinal(k8s, tmp_path):
+    sts, ctr = _workload(k8s, "StatefulSet")
+    replicas = sts["spec"]["replicas"]
+    headless = k8s[f"Service/{sts['spec']['serviceName']}"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    for ordinal in range(replicas):
+        argv = _worker_argv(sts, ctr, ordinal, tmp_path)
+        assert argv[0] == "worker"
+        args = _parse(argv)
+        assert args.node_rank == ordinal and args.nodes == replicas and args.device == "cuda"
+        gpus = ctr["resources"]["limits"][GPU]
+        assert args.local_ranks == gpus == ctr["resources"]["requests"][GPU]
+        assert _listen_port(args.listen) == _port(ctr, "worker")
+
+
+def test_scheduler_args_name_the_workers_and_fit_the_pod(k8s, tmp_path):
+    sts, wctr = _workload(k8s, "StatefulSet")
+    dep, ctr = _workload(k8s, "Deployment")
+    args = _parse(["scheduler", *ctr["args"]])
+    worker_port = _listen_port(_parse(_worker_argv(sts, wctr, 0, tmp_path)).listen)
+    name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    assert args.workers.split(",") == [f"{name}-{i}.{service}:{worker_port}"
+                                       for i in range(sts["spec"]["replicas"])]
+    assert _listen_port(args.listen) == _port(ctr, "grpc")
+    assert args.dist_port == _port(wctr, "rendezvous")
+    assert any(p["port"] == args.dist_port for p in k8s[f"Service/{service}"]["spec"]["ports"])
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.grace_period
+    assert GPU not in str(ctr["resources"])
+    # The scheduler sends its --model path to the workers: same volume, same mount path.
+    volumes = [{v["name"]: v for v in o["spec"]["template"]["spec"]["volumes"]} for o in (sts, dep)]
+    mounts = [[m for m in c["volumeMounts"] if args.model.startswith(m["mountPath"] + "/")]
+              for c in (wctr, ctr)]
+    assert all(len(m) == 1 for m in mounts), mounts
+    assert mounts[0][0]["mountPath"] == mounts[1][0]["mountPath"]
+    assert volumes[0][mounts[0][0]["name"]] == volumes[1][mounts[1][0]["name"]]
+
+
+def test_dev_shm_is_memory_backed_and_holds_the_rank_rings(k8s, tmp_path):
+    from worker_service.ranks.rank_set import RankSetOptions
+
+    sts, ctr = _workload(k8s, "StatefulSet")
+    local_ranks = _parse(_worker_argv(sts, ctr, 0, tmp_path)).local_ranks
+    [mount] = [m for m in ctr["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    shm = volumes[mount["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    o = RankSetOptions()
+    rings = o.ring_slots * o.ring_slot_bytes + local_ranks * o.reply_slots * o.reply_slot_bytes
+    # The rings, plus room for NCCL's intra-node buffers.
+    assert _quantity(shm["sizeLimit"]) >= max(rings + 512 * MiB, 1 << 30)
+
+
+# ---- the images ----------------------------------------------------------------------------
+
+def test_base_dependencies_leave_torch_to_the_worker_extra():
+    project = _project()
+    base = {_canonical(re.match(r"[\w.-]+", r)[0]) for r in project["dependencies"]}
+    assert "torch" not in base and "triton" not in base
+    assert "grpcio-health-checking" in base   # the worker's gRPC probes need it
+    assert any(r.startswith("torch") for r in project["optional-dependencies"]["worker"])
+    assert "triton" in project["optional-dependencies"]
+
+
+@pytest.mark.parametrize("name, command, install", [
+    ("Dockerfile.scheduler", "scheduler", "."),
+    ("Dockerfile.worker", "worker", ".[worker,triton]"),
+])
+def test_dockerfile_entrypoint_user_install_and_example_flags(name, command, install):
+    steps = _dockerfile(name)
+    assert ("ENTRYPOINT", json.dumps(["deltaserve", command])) in steps
+    [user] = [rest for ins, rest in steps if ins == "USER"]
+    assert user not in ("root", "0")
+    pip_installs = [shlex.split(part.split("pip install", 1)[1]) for ins, rest in steps
+                    if ins == "RUN" for part in rest.split("&&") if "pip install" in part]
+    assert [install] in [[a for a in args if not a.startswith("$")] for args in pip_installs]
+    for ins, rest in steps:
+        if ins == "COPY" and not rest.startswith("--"):
+            assert (REPO / rest.split()[0]).exists(), rest
+        if ins == "CMD":
+            _parse([command, *json.loads(rest)])
+        for part in rest.split("&&") if ins == "RUN" else ():
+            if part.split()[0] == "deltaserve":   # e.g. a `deltaserve worker --help` check
+                _parse(shlex.split(part.split(">")[0])[1:])
+    examples = _docker_run_examples(name)
+    assert examples
+    for args in examples:
+        _parse([command, *args])
+    if command == "scheduler":   # python:3.11-slim, and no torch anywhere in what it installs
+        assert ("ARG", "PYTHON_IMAGE=python:3.11-slim") in steps
+        assert not any("torch" in a for args in pip_installs for a in args)
+    else:
+        assert any(ins == "ARG" and rest.startswith("TORCH_SPEC=") for ins, rest in steps)
+        assert "/dev/shm" in (DOCKER / name).read_text()
+
+
+_IMPORT_PROBE = """
+import json, sys
+before = set(sys.modules)
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not in the scheduler image")
+sys.meta_path.insert(0, Block())
+from deltaserve.cli import build_parser
+from scheduler_service.api.server import build_scheduler_server
+build_parser().parse_args(["scheduler", "--model", MODEL, "--workers", "127.0.0.1:9"])
+build_scheduler_server(MODEL, ["127.0.0.1:9"], "127.0.0.1:0")
+new = {m.split(".")[0] for m in set(sys.modules) - before}
+# Top-level modules with a file (a Cython runtime module, for one, has none).
+print(json.dumps(sorted(m for m in new if getattr(sys.modules.get(m), "__file__", None))))
+"""
+
+
+def test_scheduler_image_holds_everything_the_scheduler_imports(served):
+    """With only the packages the scheduler Dockerfile copies and the base dependencies (and
+    theirs) importable, `deltaserve scheduler` builds its server: no torch, no worker side, no
+    dev or worker extras. Optional imports that fail cleanly are allowed, as in the image."""
+    copied = {rest.split()[0] for ins, rest in _dockerfile("Dockerfile.scheduler")
+              if ins == "COPY" and (REPO / rest.split()[0]).is_dir()}
+    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    project = _project()
+    allowed = _requirement_closure(project["dependencies"])
+    owners = metadata.packages_distributions()
+    foreign = {m for m, dists in owners.items() if not {_canonical(d) for d in dists} & allowed}
+    blocked = sorted((packages - copied) | (foreign - packages) | {"torch", "transformers"})
+    code = f"BLOCKED = {blocked!r}\nMODEL = {str(served['model'])!r}\n" + _IMPORT_PROBE
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(None),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = set(json.loads(out.stdout.splitlines()[-1])) - set(sys.stdlib_module_names)
+    for module in imported - copied:
+        dists = {_canonical(d) for d in owners.get(module, [])}
+        assert dists & allowed, f"the scheduler imports {module} ({dists or 'no dist'}), " \
+                                "which `pip install .` does not install"
+
+
+# ---- examples.sh against a real server -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`deltaserve serve` with the tiny model on free loopback ports; stopped at the end."""
+    tmp = tmp_path_factory.mktemp("deploy-serve")
+    port, worker_port = free_port(), free_port()
+    log_path = tmp / "serve.log"
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
+           "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
+           "--kv-cache-gib", SMALL_KV_GIB]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env({"XDG_CACHE_HOME": str(tmp / "cache")}))
+    try:
+        def ready():
+            assert proc.poll() is None, log_path.read_text(errors="replace")
+            return "DeltaServe ready on" in log_path.read_text(errors="replace")
+        wait_for(ready, 120, "the ready line of deltaserve serve")
+        yield {"target": f"127.0.0.1:{port}", "worker": f"127.0.0.1:{worker_port}",
+               "model": tmp / "cache" / "deltaserve" / "tiny-qwen3"}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)   # drains, then stops the worker too
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_examples_script_runs_end_to_end(served):
+    env = child_env({"TARGET": served["target"], "WORKER_TARGET": served["worker"]})
+    env.pop("GRPCURL", None)
+    if (REPO / ".venv" / "bin" / "grpcurl").is_file():   # exercise the script's .venv fallback
+        venv_bin = str(REPO / ".venv" / "bin")
+        env["PATH"] = os.pathsep.join(d for d in env["PATH"].split(os.pathsep)
+                                      if d.rstrip("/") != venv_bin)
+    elif Path(GRPCURL).is_file():
+        env["GRPCURL"] = GRPCURL
+    else:
+        pytest.skip("no grpcurl binary (it comes with the dev extras)")
+    out = subprocess.run(["bash", str(EXAMPLES)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    for fragment in (
+            "grpc.reflection.v1alpha.ServerReflection",          # list
+            "service Generation {",                              # describe, with comments
+            '"status": "SERVING"',                               # health
+            '"numTokens": 6',                                    # Tokenize "Hello world"
+            '"modelName": "tiny-qwen3"', '"maxLogprobs": 20',    # GetModelInfo
+            '"numWorkersReady": 1',                              # GetServerStatus
+            '"finishReason": "LENGTH"', '"timeToFirstTokenS"',   # streaming Generate
+            '"requestId": "demo-1"', '"topLogprobs"', "same tokens:",
+            '"numAborted": 1', '"finishReason": "ABORT"',        # Abort
+            "Code: InvalidArgument", "sampling.top_p=1.5",       # the error example
+            '"model_loaded": true'):                             # the worker's Info
+        assert fragment in text, f"{fragment!r} missing from:\n{text[-4000:]}"

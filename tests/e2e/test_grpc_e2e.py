@@ -1,0 +1,119 @@
+"""End to end through real processes: grpcurl (reflection, health, a JSON Generate stream) and the
+`deltaserve generate` CLI, with greedy tokens equal to transformers' on the same tiny model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from engine_common.tokenizer import Tokenizer
+from tests.support.grpc_harness import (REPO, Processes, free_port, generation_stub, grpcurl,
+                                        json_stream, pb, wait_ready)
+from tests.support.hf_reference import hf_greedy
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    """(target, model_dir): one worker and one scheduler started through the CLI."""
+    model_dir = tiny_models("qwen3")
+    procs = Processes(tmp_path_factory.mktemp("e2e"))
+    try:
+        w_port, s_port = free_port(), free_port()
+        worker = procs.worker(w_port)
+        sched = procs.scheduler(model_dir, [w_port], s_port, "--max-model-len",
+                                str(MAX_MODEL_LEN))
+        target = f"127.0.0.1:{s_port}"
+        wait_ready(target, [worker, sched])
+        yield target, model_dir
+    finally:
+        procs.close()
+
+
+def test_grpcurl_lists_services(server):
+    target, _ = server
+    out = grpcurl(target, "list")
+    assert out.returncode == 0, out.stderr
+    services = out.stdout.split()
+    for name in ("deltaserve.v1.Generation", "grpc.health.v1.Health",
+                 "grpc.reflection.v1alpha.ServerReflection"):
+        assert name in services
+
+
+def test_grpcurl_describe_shows_doc_comments(server):
+    target, _ = server
+    out = grpcurl(target, "describe", "deltaserve.v1.Generation")
+    assert out.returncode == 0, out.stderr
+    assert "rpc Generate ( .deltaserve.v1.GenerateRequest ) returns " \
+           "( stream .deltaserve.v1.GenerateResponse );" in out.stdout
+    assert "// Generates one completion. One stream is one request" in out.stdout
+    msg = grpcurl(target, "describe", "deltaserve.v1.StoppingCriteria")
+    assert "// Most tokens to generate, >= 1." in msg.stdout
+
+
+def test_grpcurl_health_check(server):
+    target, _ = server
+    for service in ("", "deltaserve.v1.Generation"):
+        out = grpcurl(target, "grpc.health.v1.Health/Check", data={"service": service})
+        assert out.returncode == 0, out.stderr
+        assert json_stream(out.stdout) == [{"status": "SERVING"}]
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a time", [5, 17, 300, 42, 9, 77, 128]])
+def test_grpcurl_generate_equals_transformers_greedy(server, prompt):
+    target, model_dir = server
+    max_tokens = 12
+    body = {"stopping": {"max_tokens": max_tokens, "ignore_eos": True}}
+    if isinstance(prompt, str):
+        body["text"] = prompt
+        prompt_ids = Tokenizer.from_dir(model_dir).encode(prompt)
+    else:
+        body["token_ids"] = prompt
+        prompt_ids = prompt
+    out = grpcurl(target, "deltaserve.v1.Generation/Generate", data=body)
+    assert out.returncode == 0, out.stderr
+    messages = json_stream(out.stdout)
+    tokens = [t for m in messages for t in m.get("tokenIds", [])]
+    assert tokens == list(hf_greedy(model_dir, tuple(prompt_ids), max_tokens).token_ids)
+    last = messages[-1]
+    assert last["finishReason"] == "LENGTH"
+    assert last["usage"]["completionTokens"] == max_tokens
+    assert last["usage"]["promptTokens"] == len(prompt_ids)
+    assert all("finishReason" not in m for m in messages[:-1])
+
+
+def test_cli_generate_streams_text_and_finish_reason(server):
+    target, model_dir = server
+    prompt_ids = [11, 200, 33, 4]
+    ref = hf_greedy(model_dir, tuple(prompt_ids), 10).token_ids
+    out = subprocess.run(
+        [sys.executable, "-m", "deltaserve.cli", "generate", "--target", target, "--token-ids",
+         ",".join(map(str, prompt_ids)), "--max-tokens", "10", "--ignore-eos", "--timeout", "30"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip("\n") == Tokenizer.from_dir(model_dir).decode(list(ref))
+    assert "finish_reason=LENGTH" in out.stderr
+    assert "completion_tokens=10" in out.stderr
+
+
+def test_model_info_tokenize_and_status(server):
+    target, model_dir = server
+    tokenizer = Tokenizer.from_dir(model_dir)
+    with grpc.insecure_channel(target) as ch:
+        stub = generation_stub(ch)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+        assert info.max_model_len == MAX_MODEL_LEN
+        assert info.vocab_size == 512 and info.tp_size == 1
+        assert list(info.eos_token_ids) == [tokenizer.eos_token_id]
+        assert info.num_kv_blocks > 0 and info.kv_block_size == 16
+        assert info.default_sampling.HasField("top_p") and info.default_sampling.temperature == 0
+        tok = stub.Tokenize(pb.TokenizeRequest(text="héllo wörld"), timeout=5)
+        assert list(tok.token_ids) == tokenizer.encode("héllo wörld")
+        assert tok.num_tokens == len(tok.token_ids)
+        status = stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
+        assert status.num_workers == status.num_workers_ready == 1
+        assert status.num_kv_blocks == info.num_kv_blocks
+        assert status.num_used_kv_blocks == 0 and status.num_running == 0

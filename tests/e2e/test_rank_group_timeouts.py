@@ -1,0 +1,53 @@
+"""A step or control call that only some ranks answer must fail, never count as a success.
+
+Real rank processes (gloo on CPU) behind an in-process RankGroupWorker: rank 1 is stopped with
+SIGSTOP after Init, so rank 0 answers a Reset (no collective) and rank 1 never does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from worker_service.config import RunnerConfig
+from worker_service.failures import StepFailure
+from worker_service.service.node_worker import NodeLayout
+from worker_service.service.rank_group_worker import RankGroupOptions, RankGroupWorker
+
+
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop")
+
+
+def test_reply_missing_from_one_rank_fails_the_call(tiny_models):
+    layout = NodeLayout(tp_size=2, num_local_ranks=2)
+    worker = RankGroupWorker("cpu", layout, RankGroupOptions(control_timeout_s=1.5))
+    config = RunnerConfig(tiny_models("qwen3"), num_kv_blocks=32, max_num_seqs=4,
+                          max_num_batched_tokens=64)
+    victim = None
+    try:
+        worker.init(config, layout, epoch=1)
+        assert worker.reset(epoch=2) == 0       # both ranks answer
+        victim = worker._ranks.pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        _wait_stopped(victim)
+        t0 = time.monotonic()
+        with pytest.raises(StepFailure) as failure:
+            worker.reset(epoch=3)
+        assert time.monotonic() - t0 < 5
+        assert failure.value.kind.name == "RANK_FAILED"
+        assert "[1]" in str(failure.value), str(failure.value)
+        ready, why = worker.readiness()
+        assert not ready and "out of step" in why
+    finally:
+        if victim is not None:
+            os.kill(victim, signal.SIGCONT)
+        worker.close()

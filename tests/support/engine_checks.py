@@ -1,0 +1,55 @@
+"""Checks shared by the in-process engine tests: prompts, greedy comparison with transformers, and
+that no KV block leaks."""
+from __future__ import annotations
+import random
+from deltaserve.llm import LLM
+from engine_common.params import SamplingParams, StoppingParams
+from tests.support.hf_reference import compare_greedy, hf_greedy
+
+
+MAX_NEW = 12
+
+
+LENGTHS = [3, 17, 40, 64, 90, 5, 130, 33, 1, 51]
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in LENGTHS]
+
+
+def _shared_prefix_prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, vocab) for _ in range(70)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (1, 9, 20, 33)]
+    prompts += _prompts(vocab, seed=2)[:4]
+    prompts.append(list(prompts[1]))  # a repeated prompt: a full prefix hit
+    prompts.append(list(prompts[6]))
+    return prompts
+
+
+def _check(llm: LLM, model_dir: str, prompts: list[list[int]], label: str) -> list:
+    outs = llm.generate(prompts, SamplingParams(),
+                        StoppingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    near_ties, failures = [], []
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        failure = compare_greedy(f"{label}/prompt{i}(len {len(p)})", out.token_ids,
+                                 hf_greedy(model_dir, tuple(p), MAX_NEW), near_ties)
+        if failure:
+            failures.append(failure)
+    for tie in near_ties:
+        print("NEAR TIE (reported, not a failure):", tie)
+    assert not failures, "\n".join(failures)
+    assert_no_leaked_blocks(llm)
+    return outs
+
+
+MODELS = ["qwen3", "llama"]
+
+
+def assert_no_leaked_blocks(llm) -> None:
+    """Every KV block is back in the pool once nothing is running."""
+    sched = llm.scheduler
+    assert not sched.has_unfinished_requests()
+    assert sched.num_free_blocks == sched.num_total_blocks, (
+        f"{sched.num_total_blocks - sched.num_free_blocks} KV blocks leaked")

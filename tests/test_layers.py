@@ -1,0 +1,209 @@
+"""The layers of the tree, enforced: an AST import graph of every module (imports made inside
+functions included) must have no cycle and no import the layer table forbids.
+
+A room is a module prefix; a module belongs to the longest room that prefixes it. A module may
+import its own room and the rooms listed for it, nothing else of ours (third-party imports are not
+checked here; tests/unit/scheduler_service/test_torch_free.py keeps torch out of the scheduler).
+docs/architecture.md draws the same table.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine_common", "kernels", "scheduler_service", "worker_service", "deltaserve",
+            "bench")
+
+_COMMON = ("deltaserve.v1", "engine_common")
+_WORKER_LEAVES = ("worker_service.config", "worker_service.device_info",
+                  "worker_service.failures", "worker_service.parallel_state")
+_SCHEDULER = ("scheduler_service.errors", "scheduler_service.core", "scheduler_service.workers",
+              "scheduler_service.engine", "scheduler_service.api")
+_WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
+                            "worker_service.sample", "worker_service.runner",
+                            "worker_service.ranks", "worker_service.service")
+
+# room -> the rooms it may import (besides itself). Lower layers come first.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "deltaserve.v1": (),                                # generated stubs: the bottom layer
+    "engine_common": ("deltaserve.v1",),
+    "kernels": (),
+    "scheduler_service": (),                            # package __init__ files: empty
+    "worker_service": (),
+    "scheduler_service.errors": _COMMON,
+    "scheduler_service.core": _COMMON + ("scheduler_service.errors",),
+    "scheduler_service.workers": _COMMON + ("scheduler_service.errors",),
+    "scheduler_service.engine": _COMMON + _SCHEDULER[:3],
+    "scheduler_service.api": _COMMON + _SCHEDULER[:4],
+    **{leaf: _COMMON for leaf in _WORKER_LEAVES},
+    "worker_service.layers": _COMMON + _WORKER_LEAVES + ("kernels",),
+    "worker_service.models": _COMMON + _WORKER_LEAVES + ("kernels", "worker_service.layers"),
+    "worker_service.sample": _COMMON + _WORKER_LEAVES + ("kernels",),
+    "worker_service.runner": _COMMON + _WORKER[:7] + ("kernels",),
+    "worker_service.ranks": _COMMON + _WORKER[:8],
+    "worker_service.service": _COMMON + _WORKER[:9],
+    "deltaserve.paths": (),
+    "deltaserve.client": _COMMON,
+    "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:8] + ("kernels",),
+    "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.paths", "worker_service.models"),
+    "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.paths", "deltaserve.llm",
+                                                "deltaserve.embedded"),
+    "deltaserve": (),                                   # the package __init__: empty
+    "deltaserve.cli": ("*",),                           # the top: may import every room
+}
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def collect_modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    return {module_name(root, p): p for pkg in packages for p in (root / pkg).rglob("*.py")}
+
+
+def _imported_names(mod: str, path: Path):
+    """Every dotted name an import statement of `mod` may refer to, anywhere in the file."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod.split(".")[:-1] if path.name != "__init__.py" else mod.split(".")
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def _longest(prefixes, name: str) -> str | None:
+    best = None
+    for p in prefixes:
+        if (name == p or name.startswith(p + ".")) and (best is None or len(p) > len(best)):
+            best = p
+    return best
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports."""
+    graph = {}
+    for mod, path in modules.items():
+        targets = {_longest(modules, n) for n in _imported_names(mod, path)}
+        graph[mod] = {t for t in targets if t and t != mod}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.append(top)
+                        if top == node:
+                            break
+                    if len(comp) > 1:
+                        cycles.append(sorted(comp))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return cycles
+
+
+def forbidden_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    problems = []
+    for mod, targets in sorted(graph.items()):
+        room = _longest(layers, mod)
+        if room is None:
+            problems.append(f"{mod} is in no room of the layer table")
+            continue
+        allowed = layers[room]
+        for target in sorted(targets):
+            other = _longest(layers, target)
+            if other == room or "*" in allowed or other in allowed:
+                continue
+            problems.append(f"{mod} ({room}) imports {target} ({other}); {room} may import "
+                            f"only {', '.join(allowed) or 'nothing of ours'}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph(collect_modules(ROOT))
+
+
+def test_no_import_cycles(graph):
+    assert find_cycles(graph) == []
+
+
+def test_every_import_is_allowed_by_the_layer_table(graph):
+    assert forbidden_imports(graph) == []
+
+
+def test_the_scheduler_side_never_reaches_worker_or_kernel_code(graph):
+    for mod, targets in graph.items():
+        if mod.startswith("scheduler_service"):
+            assert not [t for t in targets if t.startswith(("worker_service", "kernels"))], mod
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return collect_modules(tmp_path, ("engine_common", "scheduler_service"))
+
+
+def test_the_checker_reports_a_forbidden_import_even_inside_a_function(tmp_path):
+    modules = _tree(tmp_path, {
+        "engine_common/__init__.py": "",
+        "engine_common/params.py": "def f():\n    from scheduler_service.core import request\n",
+        "scheduler_service/__init__.py": "",
+        "scheduler_service/core/__init__.py": "",
+        "scheduler_service/core/request.py": "from engine_common import params\n",
+    })
+    graph = import_graph(modules)
+    assert "scheduler_service.core.request" in graph["engine_common.params"]
+    problems = forbidden_imports(graph)
+    assert "engine_common.params (engine_common) imports scheduler_service.core.request " \
+        "(scheduler_service.core); engine_common may import only deltaserve.v1" in problems
+    assert find_cycles(graph) == [["engine_common.params", "scheduler_service.core.request"]]
+
+
+def test_the_checker_resolves_relative_imports(tmp_path):
+    modules = _tree(tmp_path, {
+        "scheduler_service/__init__.py": "",
+        "scheduler_service/core/__init__.py": "",
+        "scheduler_service/core/a.py": "from . import b\nfrom ..api import c\n",
+        "scheduler_service/core/b.py": "",
+        "scheduler_service/api/__init__.py": "",
+        "scheduler_service/api/c.py": "",
+    })
+    graph = import_graph(modules)
+    assert graph["scheduler_service.core.a"] >= {"scheduler_service.core.b",
+                                                 "scheduler_service.api.c"}
+    assert any("imports scheduler_service.api.c" in p for p in forbidden_imports(graph))

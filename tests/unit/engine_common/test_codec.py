@@ -1,0 +1,136 @@
+"""engine_common.codec: every diff and reply survives the round trip; malformed bytes raise
+CodecError (never another exception, never a silently wrong object)."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_common.codec import (CodecError, decode_runner_output, decode_scheduler_output,
+                                 encode_runner_output, encode_scheduler_output)
+from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
+                                SchedulerOutput)
+from engine_common.params import SamplingParams, WorkerSamplingParams
+
+u32 = st.integers(0, 2**32 - 1)
+handle = st.integers(0, 4096)
+block_ids = st.lists(st.integers(0, 2**20), max_size=6)
+f32 = st.floats(width=32, allow_nan=False)
+
+sampling = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0]), top_p=st.sampled_from([1.0, 0.9]),
+    top_k=st.integers(-1, 50), min_p=st.sampled_from([0.0, 0.05]),
+    repetition_penalty=st.sampled_from([1.0, 1.1]), presence_penalty=st.sampled_from([0.0, -0.5]),
+    frequency_penalty=st.sampled_from([0.0, 0.3]),
+    seed=st.none() | st.integers(0, 2**63 - 1))
+worker_sampling = st.builds(WorkerSamplingParams, sampling, st.integers(0, 2**63 - 1),
+                            st.integers(0, 100), st.lists(u32, max_size=3).map(tuple))
+new_request = st.builds(NewRequestData, handle, st.lists(u32, min_size=1, max_size=20),
+                        worker_sampling, block_ids, st.integers(0, 4096), st.integers(0, 20))
+resumed_request = st.builds(ResumedRequestData, handle, block_ids, st.integers(0, 4096))
+scheduler_output = st.builds(
+    SchedulerOutput, st.integers(0, 2**40), st.lists(new_request, max_size=3),
+    st.lists(resumed_request, max_size=3), st.dictionaries(handle, block_ids, max_size=4),
+    st.dictionaries(handle, st.integers(0, 8192), max_size=4), st.lists(handle, max_size=4),
+    st.lists(handle, max_size=4))
+
+
+@st.composite
+def runner_output(draw):
+    handles = draw(st.lists(u32, max_size=6))
+    n = len(handles)
+    ids = draw(st.lists(u32, min_size=n, max_size=n))
+    lps = draw(st.lists(f32, min_size=n, max_size=n))
+    top = draw(st.dictionaries(u32, st.integers(0, 4).flatmap(
+        lambda k: st.tuples(st.lists(u32, min_size=k, max_size=k),
+                            st.lists(f32, min_size=k, max_size=k))), max_size=3))
+    return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top,
+                        draw(st.binary(max_size=32)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(scheduler_output)
+def test_scheduler_output_round_trip(out):
+    assert decode_scheduler_output(encode_scheduler_output(out)) == out
+
+
+@settings(max_examples=150, deadline=None)
+@given(runner_output())
+def test_runner_output_round_trip(out):
+    assert decode_runner_output(encode_runner_output(out)) == out
+
+
+def test_steady_state_diff_is_tiny():
+    assert len(encode_scheduler_output(SchedulerOutput(step=123456))) < 16
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_raise_codec_error(data):
+    """Garbage either raises CodecError (nothing else) or is a well-formed message: one that
+    survives its own round trip unchanged."""
+    for decode, encode in ((decode_scheduler_output, encode_scheduler_output),
+                           (decode_runner_output, encode_runner_output)):
+        try:
+            message = decode(data)
+        except CodecError:
+            continue
+        assert decode(encode(message)) == message
+
+
+@settings(max_examples=100, deadline=None)
+@given(scheduler_output, st.data())
+def test_truncated_scheduler_output_raises(out, data):
+    payload = encode_scheduler_output(out)
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    with pytest.raises(CodecError):
+        decode_scheduler_output(payload[:cut])
+
+
+_GOOD_SCHED = [1, [], [], {}, {}, [], []]
+_GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0]
+
+
+@pytest.mark.parametrize("fields", [
+    [1, [], [], {}, {}, []],                               # 6 fields, not 7
+    ["1", [], [], {}, {}, [], []],                         # step not an int
+    [1, [], [], 5, {}, [], []],                            # new_block_ids not a map
+    [1, [], [], {0: [1, "x"]}, {}, [], []],                # block id not an int
+    [1, [], [], {}, {0: -1}, [], []],                      # negative token count
+    [1, [], [], {}, {"a": 1}, [], []],                     # handle not an int
+    [1, [], [], {}, {}, [None], []],                       # finished handle not an int
+    [1, [], [], {}, {}, [], 3],                            # preempted not a list
+    [1, [[0, b"\x01\x00\x00", [{}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # 3-byte ids
+    [1, [[0, [-1], [{}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # ids as negative list
+    [1, [[0, b"", [{"top_p": 5.0}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # bad param
+    [1, [[0, b"", [{"nope": 1}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],     # unknown param
+    [1, [[0, b"", [{}, -7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # negative seed
+    [1, [_GOOD_NEW[:5]], [], {}, {}, [], []],              # new request missing a field
+    [1, [], [[0, [1], "x"]], {}, {}, [], []],              # resumed num_computed not an int
+])
+def test_wrong_layout_raises(fields):
+    with pytest.raises(CodecError):
+        decode_scheduler_output(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_good_layout_decodes():
+    out = decode_scheduler_output(msgpack.packb([1, [_GOOD_NEW], [], {}, {}, [], []],
+                                                use_bin_type=True))
+    assert out.new_requests[0].prompt_token_ids == [1]
+    assert decode_scheduler_output(msgpack.packb(_GOOD_SCHED)) == SchedulerOutput(step=1)
+
+
+@pytest.mark.parametrize("fields", [
+    [1, b"", b"", b"", {}],                                # 5 fields, not 6
+    [1, b"\x00\x00\x00\x00", b"", b"", {}, b""],           # 1 handle, 0 sampled ids
+    [1, b"\x00\x00", b"", b"", {}, b""],                   # 2-byte handle array
+    [1, b"", b"", b"", {0: [b"\x00\x00\x00\x00", b""]}, b""],  # top ids / logprobs differ
+    [1, b"", b"", b"", {0: 5}, b""],                       # top entry not a pair
+    [1, b"", b"", b"", {}, "digest"],                      # digest not bytes
+    [1.5, b"", b"", b"", {}, b""],                         # step not an int
+])
+def test_wrong_runner_layout_raises(fields):
+    with pytest.raises(CodecError):
+        decode_runner_output(msgpack.packb(fields, use_bin_type=True))

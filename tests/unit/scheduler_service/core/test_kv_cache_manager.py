@@ -1,0 +1,192 @@
+"""KVCacheManager: block tables, chained prefix hashes, hits, eviction order, no leaks."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine_common.params import SamplingParams, StoppingParams
+from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block
+from scheduler_service.core.request import Request
+
+BS = 4
+
+
+def req(rid, prompt):
+    return Request(rid, list(prompt), SamplingParams(), StoppingParams(max_tokens=None))
+
+
+def prefill(kv, request, chunk=None):
+    """Admit like the scheduler: prefix lookup, then allocate the (first) chunk."""
+    hits, num_hit = kv.get_computed_blocks(request)
+    n = request.num_tokens - num_hit if chunk is None else chunk
+    new = kv.allocate_slots(request, n, hits)
+    if new is not None:
+        request.num_computed_tokens = num_hit + n
+    return new, num_hit
+
+
+def chain_hashes(tokens):
+    out, parent = [], None
+    for j in range(len(tokens) // BS):
+        parent = hash_block(parent, tokens[j * BS:(j + 1) * BS])
+        out.append(parent)
+    return out
+
+
+def test_hash_is_process_independent():
+    code = ("from scheduler_service.core.kv_cache_manager import hash_block;"
+            "print(hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={"PYTHONHASHSEED": seed, "PATH": ""}, check=True,
+                           cwd=".").stdout.strip() for seed in ("1", "2")}
+    assert outs == {hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()}
+    assert hash_block(None, [1, 2, 3, 4]) != hash_block(b"x", [1, 2, 3, 4])
+
+
+def test_hits_never_cover_the_last_token():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    a = req("a", range(8))
+    prefill(kv, a)
+    assert kv.get_block_ids(a) == [0, 1]
+    b = req("b", range(8))                   # same 8 tokens: only the first block may hit
+    _, num_hit = prefill(kv, b)
+    assert num_hit == 4 and kv.get_block_ids(b)[0] == 0 and kv.get_block_ids(b)[1] != 1
+    c = req("c", range(9))
+    _, num_hit = prefill(kv, c)
+    assert num_hit == 8 and kv.get_block_ids(c)[:2] == [0, 1]
+    assert kv.pool.blocks[0].ref_cnt == 3 and kv.pool.blocks[1].ref_cnt == 2
+    assert kv.stats.queries == 25 and kv.stats.hits == 12
+    for r in (a, b, c):
+        kv.free(r)
+    assert kv.num_free_blocks == 16 and kv.usage == 0.0
+
+
+def test_allocate_fails_without_changes_and_counts_evictable_hits():
+    kv = KVCacheManager(4, BS, enable_caching=True)
+    a = req("a", range(12))
+    prefill(kv, a)                            # 3 full blocks, all cached
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    # b hits 2 cached-but-free blocks and needs 3 new: 5 > 4 free, so nothing may change.
+    b = req("b", list(range(8)) + [50] * 9)
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    assert kv.allocate_slots(b, 9, hits) is None
+    assert kv.num_free_blocks == 4 and all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
+    assert kv.get_block_ids(b) == []
+    new = kv.allocate_slots(b, 8, hits)       # 2 hits + 2 new fit exactly
+    assert len(new) == 2 and kv.num_free_blocks == 0 and kv.usage == 1.0
+    kv.free(b)
+    assert kv.num_free_blocks == 4
+
+
+def test_tail_blocks_evicted_first():
+    kv = KVCacheManager(5, BS, enable_caching=True)
+    a = req("a", range(13))
+    prefill(kv, a)                            # blocks 0..3, 0..2 cached
+    kv.free(a)
+    assert kv.pool.free_block_ids() == [4, 3, 2, 1, 0]
+    other = req("o", range(100, 109))        # 3 blocks: 4, then a's tail 3 and 2
+    prefill(kv, other)
+    assert kv.get_block_ids(other) == [4, 3, 2]
+    kv.free(other)
+    again = req("again", range(13))
+    _, num_hit = prefill(kv, again)
+    assert num_hit == 8 and kv.get_block_ids(again)[:2] == [0, 1]
+    kv.free(again)
+
+
+def test_blocks_cached_as_decode_fills_them():
+    kv = KVCacheManager(8, BS, enable_caching=True)
+    a = req("a", range(3))
+    prefill(kv, a)
+    for t in range(5):                        # decode: positions 3..7 fill blocks 0 and 1
+        a.output_token_ids.append(200 + t)
+        assert kv.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    ids = kv.get_block_ids(a)
+    assert [kv.pool.blocks[i].block_hash for i in ids] == chain_hashes(a.all_token_ids)
+    b = req("b", a.all_token_ids + [1])
+    _, num_hit = prefill(kv, b)
+    assert num_hit == 8 and kv.get_block_ids(b)[:2] == ids
+    # Tokens known but not scheduled for compute are never cached.
+    c = req("c", range(50, 53))
+    c.output_token_ids += [1, 2, 3, 4, 5]
+    assert len(kv.allocate_slots(c, 5)) == 2
+    assert [kv.pool.blocks[i].block_hash is None for i in kv.get_block_ids(c)] == [False, True]
+    for r in (a, b, c):
+        kv.free(r)
+    assert kv.num_free_blocks == 8
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random admit / chunk / decode / free with heavily shared prefixes."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(12, BS, enable_caching=True)
+        self.live: dict[str, Request] = {}
+        self.n = 0
+
+    @rule(prefix=st.sampled_from([(), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8)]),
+          tail=st.lists(st.integers(1, 3), min_size=1, max_size=9),
+          chunk=st.integers(1, 8))
+    def admit(self, prefix, tail, chunk):
+        r = req(f"r{self.n}", list(prefix) + tail)
+        self.n += 1
+        hits, num_hit = self.kv.get_computed_blocks(r)
+        assert num_hit % BS == 0 and num_hit < r.num_tokens
+        n = min(chunk, r.num_tokens - num_hit)
+        free_before = self.kv.num_free_blocks
+        if self.kv.allocate_slots(r, n, hits) is None:
+            assert self.kv.num_free_blocks == free_before and self.kv.get_block_ids(r) == []
+            self.kv.free(r)
+            return
+        r.num_computed_tokens = num_hit + n
+        self.live[r.request_id] = r
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(1, 3))
+    def advance(self, data, token):
+        r = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(token)  # decode: feed the sampled token
+        n = min(data.draw(st.integers(1, 8)), r.num_tokens - r.num_computed_tokens)
+        if self.kv.allocate_slots(r, n) is not None:
+            r.num_computed_tokens += n
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        self.kv.free(self.live.pop(data.draw(st.sampled_from(sorted(self.live)))))
+
+    @invariant()
+    def consistent(self):
+        holders: dict[int, int] = {}
+        for r in self.live.values():
+            ids = self.kv.get_block_ids(r)
+            assert len(ids) == -(-r.num_computed_tokens // BS)
+            hashes = chain_hashes(r.all_token_ids[:r.num_computed_tokens])
+            for j, bid in enumerate(ids):
+                holders[bid] = holders.get(bid, 0) + 1
+                block = self.kv.pool.blocks[bid]
+                # A cached block in a table holds exactly the tokens of that table position.
+                if block.block_hash is not None:
+                    assert j < len(hashes) and block.block_hash == hashes[j]
+        for block in self.kv.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
+            assert block.ref_cnt <= 1 or block.block_hash is not None
+        assert self.kv.num_free_blocks == 12 - len(holders)
+
+    def teardown(self):
+        for r in self.live.values():
+            self.kv.free(r)
+        assert self.kv.num_free_blocks == 12 and self.kv.usage == 0.0
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

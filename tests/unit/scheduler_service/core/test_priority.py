@@ -1,0 +1,156 @@
+"""Priority scheduling against SimWorker: a more urgent waiting request preempts less urgent
+running ones when (and only when) that makes room; equal priorities never preempt each other;
+a running request only ever preempts less urgent ones; tokens equal an unpreempted run."""
+from __future__ import annotations
+
+import random
+
+from scheduler_service.core.request import RequestStatus
+from scheduler_service.core.waiting_queue import WaitingQueue
+from tests.support.scheduler_sim import run_steps
+from tests.support.scheduler_sim import assert_no_leak, make, make_request, step
+
+
+def finished_tokens(updates) -> dict[str, list[int]]:
+    return {u.request.request_id: list(u.request.output_token_ids) for u in updates if u.finished}
+
+
+def reference(requests) -> dict[str, list[int]]:
+    sched, worker = make(num_blocks=256, max_num_seqs=16)
+    for r in requests:
+        sched.add_request(make_request(r.request_id, r.prompt_token_ids,
+                                       max_tokens=r.stopping.max_tokens, seed=r.sampling.seed,
+                                       priority=r.priority))
+    return finished_tokens(run_steps(sched, worker))
+
+
+def test_urgent_request_takes_a_seat_from_the_latest_less_urgent_one():
+    sched, worker = make(max_num_seqs=2)
+    low = [make_request(f"low{i}", range(10 + i, 16 + i), max_tokens=12, seed=i, priority=1,
+                        arrival=float(i)) for i in range(2)]
+    for r in low:
+        sched.add_request(r)
+    step(sched, worker)
+    urgent = make_request("urgent", range(50, 55), max_tokens=4, seed=9, priority=0, arrival=5.0)
+    sched.add_request(urgent)
+    out, _ = step(sched, worker)
+    # The latest-arriving low-priority request gives up its seat; urgent starts this very step.
+    assert out.preempted_handles == [low[1].handle]
+    assert [r.handle for r in out.new_requests] == [urgent.handle]
+    updates = run_steps(sched, worker)
+    assert low[1].num_preemptions == 1 and low[0].num_preemptions == 0
+    done = [u.request.request_id for u in updates if u.finished]
+    assert done.index("urgent") < done.index("low1")
+    got = {**finished_tokens(updates)}
+    assert got == reference(low + [urgent])
+    assert_no_leak(sched)
+
+
+def test_urgent_request_frees_blocks_least_urgent_first():
+    # 4-token blocks; 3 running requests of priorities 1, 2, 2 hold 3 blocks each (12 tokens).
+    sched, worker = make(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=64)
+    running = [make_request(f"r{i}", range(20 * i + 1, 20 * i + 11), max_tokens=20, seed=i,
+                            priority=p, arrival=float(i)) for i, p in enumerate((1, 2, 2))]
+    for r in running:
+        sched.add_request(r)
+    step(sched, worker)
+    step(sched, worker)
+    urgent = make_request("urgent", range(90, 102), max_tokens=3, seed=7, priority=0, arrival=9.0)
+    sched.add_request(urgent)          # 12 prompt tokens: 4 blocks with room for its first token
+    out, _ = step(sched, worker)
+    # r2 (priority 2, latest) goes first; one victim frees 3 blocks, and 1 was free: enough.
+    assert out.preempted_handles == [running[2].handle]
+    assert [r.handle for r in out.new_requests] == [urgent.handle]
+    updates = run_steps(sched, worker)
+    assert finished_tokens(updates) == {k: v for k, v in reference(running + [urgent]).items()
+                                        if k in finished_tokens(updates)}
+    assert_no_leak(sched)
+
+
+def test_equal_priority_never_preempts():
+    sched, worker = make(max_num_seqs=2)
+    reqs = [make_request(f"r{i}", range(10 + i, 16 + i), max_tokens=6, seed=i, arrival=float(i))
+            for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    run_steps(sched, worker)
+    assert all(r.num_preemptions == 0 for r in reqs)
+    assert not any(d.preempted_handles for d in worker.diffs)
+    assert_no_leak(sched)
+
+
+def test_no_preemption_when_victims_cannot_make_room():
+    # The only less urgent request holds 2 blocks; urgent needs 5 and 1 is free.
+    sched, worker = make(num_blocks=8, max_num_seqs=8, max_num_batched_tokens=64)
+    big = make_request("big", range(1, 19), max_tokens=2, seed=1, priority=0, arrival=0.0)
+    small = make_request("small", range(30, 37), max_tokens=2, seed=2, priority=5, arrival=1.0)
+    sched.add_request(big)
+    sched.add_request(small)
+    step(sched, worker)                # big: 5 blocks, small: 2 blocks, 1 free
+    urgent = make_request("urgent", range(60, 78), max_tokens=2, seed=3, priority=1, arrival=2.0)
+    sched.add_request(urgent)
+    out, _ = step(sched, worker)
+    assert not out.preempted_handles and not out.new_requests
+    updates = run_steps(sched, worker)
+    assert small.num_preemptions == 0 and "urgent" in finished_tokens(updates)
+    assert_no_leak(sched)
+
+
+def test_urgent_running_request_preempts_less_urgent_ones_admitted_before_it():
+    # Urgent is admitted after two less urgent requests, then all three grow until blocks run
+    # out: the urgent one is scheduled first and only ever preempts the others.
+    sched, worker = make(num_blocks=9, max_num_seqs=8, max_num_batched_tokens=64)
+    low = [make_request(f"low{i}", range(10 * i + 1, 10 * i + 5), max_tokens=16, seed=i,
+                        priority=3, arrival=float(i)) for i in range(2)]
+    for r in low:
+        sched.add_request(r)
+    step(sched, worker)
+    urgent = make_request("urgent", range(70, 74), max_tokens=16, seed=5, priority=0,
+                          arrival=9.0)
+    sched.add_request(urgent)
+    updates = run_steps(sched, worker)
+    assert urgent.num_preemptions == 0
+    assert sum(r.num_preemptions for r in low) >= 1
+    assert finished_tokens(updates) == reference(low + [urgent])
+    assert_no_leak(sched)
+
+
+def test_waiting_order_is_priority_then_preempted_then_arrival():
+    queue = WaitingQueue()
+    fresh_urgent = make_request("fresh_urgent", [1, 2], priority=0, arrival=5.0)
+    preempted_low = make_request("preempted_low", [3, 4], priority=1, arrival=0.0)
+    preempted_low.status = RequestStatus.PREEMPTED
+    fresh_low_early = make_request("fresh_low_early", [5], priority=1, arrival=-1.0)
+    for r in (preempted_low, fresh_low_early, fresh_urgent):
+        queue.push(r)
+    assert [r.request_id for r in queue] == ["fresh_urgent", "preempted_low", "fresh_low_early"]
+
+
+def test_random_priority_workloads_match_unpreempted_runs():
+    """Many seeds: random priorities, arrivals spread over the run, a tight cache. Every request
+    finishes with the tokens it gets alone, nothing leaks, and at least some seeds preempt."""
+    total_preemptions = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        sched, worker = make(num_blocks=rng.randrange(8, 16), max_num_seqs=rng.randrange(2, 6),
+                             max_num_batched_tokens=16)
+        pending = [make_request(f"s{seed}r{i}", [rng.randrange(3, 60)
+                                                 for _ in range(rng.randrange(1, 12))],
+                                max_tokens=rng.randrange(1, 12), seed=i,
+                                priority=rng.randrange(3), arrival=float(i))
+                   for i in range(10)]
+        requests = list(pending)
+        sched.add_request(pending.pop(0))
+
+        def arrive(out, _):
+            if pending and rng.random() < 0.5:
+                sched.add_request(pending.pop(0))
+        updates = []
+        while pending or sched.has_unfinished_requests():
+            if not sched.has_unfinished_requests():
+                sched.add_request(pending.pop(0))
+            updates += run_steps(sched, worker, on_step=arrive)
+        assert finished_tokens(updates) == reference(requests), f"seed {seed}"
+        assert_no_leak(sched)
+        total_preemptions += sum(r.num_preemptions for r in requests)
+    assert total_preemptions > 0

@@ -1,0 +1,27 @@
+"""The scheduler stamps when a request is first scheduled (reported as queued time in
+GenerateResponse.timings), once."""
+from __future__ import annotations
+
+import time
+
+from engine_common.config import SchedulerConfig
+from engine_common.params import SamplingParams, StoppingParams
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+
+
+def test_first_scheduled_time_is_set_once():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, block_size=4),
+                      num_blocks=16)
+    first = Request("a", [1, 2, 3], SamplingParams(), StoppingParams(max_tokens=4))
+    second = Request("b", [4, 5, 6], SamplingParams(), StoppingParams(max_tokens=4))
+    sched.add_request(first)
+    sched.add_request(second)
+    time.sleep(0.01)
+    sched.schedule()
+    assert first.first_scheduled_time is not None
+    assert first.first_scheduled_time - first.arrival_time >= 0.01
+    assert second.first_scheduled_time is None  # max_num_seqs=1: still waiting
+    stamp = first.first_scheduled_time
+    sched.schedule()
+    assert first.first_scheduled_time == stamp

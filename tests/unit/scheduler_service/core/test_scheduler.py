@@ -1,0 +1,366 @@
+"""The scheduler driven end to end against SimWorker (tests/scheduler_sim.py): every diff goes
+through the codec and is applied the way a worker must, and the fake KV cache checks that every
+scheduled request reads its own prefix back from its block table."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_common.diff import RunnerOutput
+from scheduler_service.core.request import RequestStatus
+from scheduler_service.core.scheduler import QueueFull, RequestRejected
+from tests.support.scheduler_sim import run_steps
+from tests.support.scheduler_sim import assert_no_leak, make, make_request, step
+
+
+
+
+
+
+
+
+
+
+def test_budget_and_max_num_seqs_respected():
+    sched, worker = make(max_num_seqs=4, max_num_batched_tokens=16)
+    rng = random.Random(3)
+    for i in range(10):
+        sched.add_request(make_request(f"r{i}", [rng.randrange(3, 99) for _ in range(5 + 3 * i)],
+                                       max_tokens=5, seed=i))
+
+    def check(out, _):
+        assert 0 < sum(worker.step_tokens[-1].values()) <= 16
+        assert len(worker.batch) <= 4 and sched.num_running <= 4
+    updates = run_steps(sched, worker, on_step=check)
+    assert sum(1 for u in updates if u.finished) == 10
+    assert all(u.request.num_output_tokens == 5 for u in updates if u.finished)
+    assert_no_leak(sched)
+
+
+def test_chunked_prefill_diffs():
+    sched, worker = make(max_num_seqs=4, max_num_batched_tokens=16)
+    req = make_request("a", range(10, 60), max_tokens=2)   # 50 prompt tokens
+    sched.add_request(req)
+    h = req.handle
+    out, ups = step(sched, worker)
+    assert [r.handle for r in out.new_requests] == [h]
+    assert out.new_requests[0].block_ids == list(range(4)) and out.num_scheduled_tokens == {h: 16}
+    assert out.new_requests[0].num_computed_tokens == 0 and ups == []
+    for expect_blocks in (4, 4):
+        out, ups = step(sched, worker)
+        assert out.num_scheduled_tokens == {h: 16} and len(out.new_block_ids[h]) == expect_blocks
+        assert ups == [] and not out.new_requests
+    out, ups = step(sched, worker)   # last chunk: 2 tokens, one more block, samples
+    assert out.num_scheduled_tokens == {h: 2} and len(out.new_block_ids[h]) == 1
+    assert len(ups) == 1 and ups[0].new_token_ids == req.output_token_ids
+    out, ups = step(sched, worker)   # plain decode: the diff names nothing
+    assert out.num_scheduled_tokens == {} and out.new_block_ids == {} and ups[0].finished
+    assert req.status == RequestStatus.FINISHED_LENGTH and req.num_output_tokens == 2
+    out, _ = step(sched, worker)
+    assert out.finished_handles == [h]
+    assert_no_leak(sched)
+
+
+def test_running_first_then_fcfs_and_priority():
+    sched, worker = make(max_num_seqs=4, max_num_batched_tokens=8)
+    a, b = make_request("a", [5, 6, 7], max_tokens=20), make_request("b", [8, 9], max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, worker)                       # both prefill in one step (5 tokens)
+    late = make_request("late", range(20, 40), priority=0, arrival=2e9)
+    urgent = make_request("urgent", range(40, 60), priority=-1, arrival=3e9)
+    sched.add_request(late)
+    sched.add_request(urgent)
+    out, _ = step(sched, worker)
+    # a and b decode (1 each) first; the rest of the budget goes to the higher-priority prompt.
+    assert [r.handle for r in out.new_requests] == [urgent.handle]
+    assert out.num_scheduled_tokens == {urgent.handle: 6}
+    assert worker.step_tokens[-1] == {a.handle: 1, b.handle: 1, urgent.handle: 6}
+    out, _ = step(sched, worker)
+    # Once running, the urgent request is scheduled first: its prefill takes the whole budget.
+    assert out.num_scheduled_tokens == {urgent.handle: 8, a.handle: 0, b.handle: 0}
+    assert not out.new_requests
+    sched.finish_requests(["a", "b", "late", "urgent"], RequestStatus.FINISHED_ABORTED)
+    step(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_prefill_chunk_continues_beside_decodes():
+    sched, worker = make(max_num_seqs=2, max_num_batched_tokens=4)
+    a = make_request("a", range(3, 15), max_tokens=3)    # 12 tokens: 3 chunks of 4
+    b = make_request("b", range(20, 26), max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {a.handle: 4} and len(out.new_requests) == 1
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {a.handle: 4} and not out.new_requests
+    out, _ = step(sched, worker)              # a's last chunk fills the budget
+    assert out.num_scheduled_tokens == {a.handle: 4}
+    out, _ = step(sched, worker)              # a decodes (1); b joins with a 3-token chunk
+    assert out.num_scheduled_tokens == {b.handle: 3}
+    run_steps(sched, worker)
+    assert a.num_output_tokens == b.num_output_tokens == 3
+    assert_no_leak(sched)
+
+
+def test_running_request_without_budget_is_sent_count_zero():
+    sched, worker = make(max_num_seqs=2, max_num_batched_tokens=4)
+    a, b = make_request("a", [3], max_tokens=3), make_request("b", range(20, 32), max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    out, _ = step(sched, worker)              # a: 1 token, b: first 3-token chunk
+    assert out.num_scheduled_tokens == {b.handle: 3}
+    # White box: put the prefilling request first in batch order, as a resumed or (later)
+    # asynchronously scheduled one can be, so it takes the whole budget.
+    sched.running.reverse()
+    out, ups = step(sched, worker)
+    assert out.num_scheduled_tokens == {b.handle: 4, a.handle: 0} and ups == []
+    assert worker.step_tokens[-1] == {b.handle: 4}
+    run_steps(sched, worker)
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 2
+    assert_no_leak(sched)
+
+
+def test_prefix_cache_hit_on_repeated_and_shared_prefix():
+    sched, worker = make()
+    shared = list(range(10, 30))             # 20 tokens = 5 full blocks
+    first = make_request("first", shared, max_tokens=3)
+    sched.add_request(first)
+    run_steps(sched, worker)
+    assert first.num_cached_tokens == 0
+    longer = make_request("longer", shared + [7, 8, 9], max_tokens=3)
+    same = make_request("same", shared, max_tokens=3)
+    sched.add_request(longer)
+    sched.add_request(same)
+    out, _ = step(sched, worker)
+    new = {r.handle: r for r in out.new_requests}
+    assert new[longer.handle].num_computed_tokens == 20
+    assert out.num_scheduled_tokens[longer.handle] == 3
+    # A whole-prompt hit still recomputes the last token: 4 blocks hit, 4 tokens computed.
+    assert new[same.handle].num_computed_tokens == 16
+    assert out.num_scheduled_tokens[same.handle] == 4
+    assert new[longer.handle].block_ids[:4] == new[same.handle].block_ids[:4]
+    assert longer.num_cached_tokens == 20 and same.num_cached_tokens == 16
+    assert sched.prefix_cache_hit_rate == pytest.approx(36 / (20 + 23 + 20))
+    run_steps(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_prefix_shared_within_one_step_and_disabled_cache():
+    for caching in (True, False):
+        sched, worker = make(enable_prefix_caching=caching)
+        prompt = list(range(50, 62))
+        reqs = [make_request(f"r{i}", prompt + [i + 3], max_tokens=4, seed=i) for i in range(3)]
+        for r in reqs:
+            sched.add_request(r)
+        out, _ = step(sched, worker)
+        computed = [n.num_computed_tokens for n in out.new_requests]
+        assert computed == ([0, 12, 12] if caching else [0, 0, 0])
+        run_steps(sched, worker)
+        assert_no_leak(sched)
+
+
+def test_preemption_and_resumption_recompute_same_tokens():
+    prompts = [list(range(10, 18)), list(range(30, 38))]
+    # Reference: a pool big enough that nobody is preempted.
+    ref, ref_worker = make(num_blocks=64)
+    for i, p in enumerate(prompts):
+        ref.add_request(make_request(f"r{i}", p, max_tokens=12, seed=i))
+    ref_out = {u.request.request_id: u.request.output_token_ids
+               for u in run_steps(ref, ref_worker) if u.finished}
+
+    sched, worker = make(num_blocks=7)        # 28 tokens for 2 x (8 + 12)
+    reqs = [make_request(f"r{i}", p, max_tokens=12, seed=i) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    run_steps(sched, worker)
+    diffs = worker.diffs
+    pre = [d for d in diffs if d.preempted_handles]
+    assert pre and pre[0].preempted_handles == [reqs[1].handle]
+    assert not pre[0].new_requests and not pre[0].resumed_requests
+    resumed = [d for d in diffs if d.resumed_requests]
+    assert resumed and resumed[0].step > pre[0].step
+    res = resumed[0].resumed_requests[0]
+    assert res.handle == reqs[1].handle
+    assert len(res.block_ids) * 4 >= res.num_computed_tokens + resumed[0].num_scheduled_tokens.get(
+        res.handle, 1)
+    assert reqs[1].num_preemptions >= 1
+    assert {r.request_id: r.output_token_ids for r in reqs} == ref_out
+    assert_no_leak(sched)
+
+
+def scripted(script):
+    """Sample the seed's scripted tokens in order (then 100, 101, ...)."""
+    def sample(state):
+        seq = script.get(state.seed, [])
+        k = len(state.outputs)
+        return seq[k] if k < len(seq) else 100 + k
+    return sample
+
+
+@pytest.mark.parametrize("stopping, script, want_status, want_out", [
+    ({}, [50, 2, 51], RequestStatus.FINISHED_STOP_TOKEN, [50, 2]),                 # eos
+    ({"stop_token_ids": (9,)}, [50, 9, 51], RequestStatus.FINISHED_STOP_TOKEN, [50, 9]),
+    ({"ignore_eos": True}, [2, 2, 2], RequestStatus.FINISHED_LENGTH, [2, 2, 2]),
+    ({"min_tokens": 2}, [2, 2, 2, 2], RequestStatus.FINISHED_STOP_TOKEN, [2, 2, 2]),
+    ({}, [50, 51, 52, 53], RequestStatus.FINISHED_LENGTH, [50, 51, 52]),           # max_tokens
+])
+def test_stop_rules(stopping, script, want_status, want_out):
+    sched, worker = make(sample_fn=scripted({7: script}))
+    req = make_request("r", [5, 6, 7], max_tokens=3, seed=7, **stopping)
+    sched.add_request(req)
+    updates = run_steps(sched, worker)
+    assert req.status == want_status and req.output_token_ids == want_out
+    assert [u.finished for u in updates] == [False] * (len(want_out) - 1) + [True]
+    if want_status == RequestStatus.FINISHED_STOP_TOKEN:
+        assert req.stop_reason == want_out[-1]
+    step(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_max_model_len_and_unbounded_max_tokens():
+    sched, worker = make(max_model_len=16)
+    req = make_request("r", range(3, 13), max_tokens=None)
+    sched.add_request(req)
+    run_steps(sched, worker)
+    assert req.status == RequestStatus.FINISHED_LENGTH and req.num_tokens == 16
+
+
+def test_abort_waiting_running_preempted_frees_blocks_and_handles():
+    sched, worker = make(num_blocks=7, max_num_seqs=2)
+    reqs = [make_request(f"r{i}", range(10 * i + 3, 10 * i + 11), max_tokens=12, seed=i)
+            for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    # Run until r1 has been preempted (r2 has never been admitted: max_num_seqs=2).
+    for _ in range(30):
+        step(sched, worker)
+        if reqs[1].status == RequestStatus.PREEMPTED:
+            break
+    assert reqs[1].status == RequestStatus.PREEMPTED and reqs[2].status == RequestStatus.WAITING
+    assert reqs[1].num_computed_tokens == 0 and sched.kv.get_block_ids(reqs[1]) == []
+    assert sched.num_free_blocks < sched.num_total_blocks
+    done = sched.finish_requests(["r0", "r1", "r2"], RequestStatus.FINISHED_ABORTED)
+    assert len(done) == 3
+    assert sched.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED) == []
+    assert_no_leak(sched)
+    assert not sched.has_unfinished_requests() and sched.has_finished_to_send()
+    # r2 was never sent, so its handle is free already; r0 and r1 are told to the workers first.
+    again = make_request("again", [1, 3, 4])
+    sched.add_request(again)
+    assert again.handle == reqs[2].handle
+    out, _ = step(sched, worker)
+    assert sorted(out.finished_handles) == sorted([reqs[0].handle, reqs[1].handle])
+    assert [r.handle for r in out.new_requests] == [again.handle]
+    assert not worker.reqs.keys() - {again.handle}
+    sched.finish_requests("again", RequestStatus.FINISHED_ABORTED)
+    step(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_handles_recycled_only_after_finished_is_sent():
+    sched, worker = make()
+    a, b = make_request("a", [3, 4]), make_request("b", [5, 6])
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, worker)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_STOP_STRING)
+    c = make_request("c", [7, 8])
+    sched.add_request(c)
+    assert c.handle not in (a.handle, b.handle)
+    out, _ = step(sched, worker)
+    assert out.finished_handles == [a.handle]
+    d = make_request("d", [9, 10])
+    sched.add_request(d)
+    assert d.handle == a.handle
+    sched.finish_requests(["b", "c", "d"], RequestStatus.FINISHED_ABORTED)
+    step(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_outputs_of_aborted_requests_are_ignored():
+    sched, worker = make()
+    a, b = make_request("a", [3, 4]), make_request("b", [5, 6])
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    runner_out = worker.execute(out)
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    updates = sched.update_from_output(out, runner_out)
+    assert [u.request.request_id for u in updates] == ["b"]
+    assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
+    # An output for a step that scheduled nothing is ignored too.
+    assert sched.update_from_output(out, RunnerOutput(out.step, [b.handle], [5], [0.0])) == []
+
+
+def test_logprobs_and_updates():
+    sched, worker = make()
+    req = make_request("r", [3, 4, 5], max_tokens=2)
+    req.num_logprobs = 2
+    sched.add_request(req)
+    updates = run_steps(sched, worker)
+    assert worker.diffs[0].new_requests[0].num_logprobs == 2
+    assert [u.new_logprobs for u in updates] == [[-0.5], [-0.5]]
+    assert updates[0].top_logprobs == [([0, 1], [-1.0, -1.0])]
+    assert req.first_token_time is not None and req.finish_time is not None
+
+
+def test_seed_assignment_and_worker_sampling_params():
+    sched, worker = make()
+    given = make_request("given", [3, 4], seed=1234)
+    drawn = make_request("drawn", [3, 4], seed=None, stop_token_ids=(9,), min_tokens=1)
+    sched.add_request(given)
+    sched.add_request(drawn)
+    assert given.seed == 1234 and 0 <= drawn.seed < 2**63
+    out, _ = step(sched, worker)
+    wsp = {r.handle: r.sampling for r in out.new_requests}
+    assert wsp[drawn.handle].seed == drawn.seed and wsp[drawn.handle].min_tokens == 1
+    assert wsp[drawn.handle].stop_ids == (2, 9)
+    sched.finish_requests(["given", "drawn"], RequestStatus.FINISHED_ABORTED)
+
+
+def test_rejections():
+    sched, _ = make(num_blocks=4, max_model_len=32, max_waiting=2)
+    with pytest.raises(RequestRejected, match="prompt_token_ids"):
+        sched.add_request(make_request("empty", []))
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        sched.add_request(make_request("long", range(30), max_tokens=3))
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        sched.add_request(make_request("nolimit", range(32), max_tokens=None))
+    with pytest.raises(RequestRejected, match="KV-cache capacity"):
+        sched.add_request(make_request("big", range(17), max_tokens=1))
+    with pytest.raises(RequestRejected, match="token ids"):
+        sched.add_request(make_request("neg", [3, -1]))
+    sched.add_request(make_request("ok1", [1]))
+    with pytest.raises(RequestRejected, match="request_id"):
+        sched.add_request(make_request("ok1", [1]))
+    sched.add_request(make_request("ok2", [1]))
+    with pytest.raises(QueueFull) as err:
+        sched.add_request(make_request("ok3", [1]))
+    assert isinstance(err.value, RequestRejected) and err.value.field == "waiting requests"
+    assert sched.num_waiting == 2
+    with pytest.raises(ValueError):
+        sched.finish_requests("ok1", RequestStatus.RUNNING)
+
+
+def test_random_workload_no_leak_and_consistent_diffs():
+    rng = random.Random(11)
+    sched, worker = make(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=12)
+    ids = []
+    for i in range(12):
+        prefix = [7, 7, 7, 7] if i % 2 else []
+        prompt = prefix + [rng.randrange(3, 50) for _ in range(rng.randrange(1, 14))]
+        req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 10), seed=i,
+                           priority=rng.randrange(2))
+        sched.add_request(req)
+        ids.append(req.request_id)
+
+    def maybe_abort(out, _):
+        if out.step % 7 == 3:
+            sched.finish_requests([rng.choice(ids)], RequestStatus.FINISHED_ABORTED)
+    run_steps(sched, worker, on_step=maybe_abort)
+    step(sched, worker)
+    assert_no_leak(sched)
+    assert worker.reqs == {}

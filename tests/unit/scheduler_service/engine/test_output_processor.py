@@ -1,0 +1,204 @@
+"""OutputProcessor: streaming text, stop strings with hold-back, min_tokens, abort, logprobs."""
+import random
+
+import pytest
+
+from engine_common.params import SamplingParams, StoppingParams
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.engine.output_processor import OutputProcessor
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.step_result import RequestUpdate as Update
+from tests.support.tokenizers import _byte_token_ids, build_tiny_tokenizer_dir
+
+LEN, STOP_TOK, STOP_STR, ABORTED = (RequestStatus.FINISHED_LENGTH,
+                                    RequestStatus.FINISHED_STOP_TOKEN,
+                                    RequestStatus.FINISHED_STOP_STRING,
+                                    RequestStatus.FINISHED_ABORTED)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def make_request(tok, rid="r", **stopping):
+    return Request(rid, tok.encode("Q:"), SamplingParams(), StoppingParams(max_tokens=None,
+                                                                            **stopping))
+
+
+def run(proc, req, ids, chunk=1, finish: RequestStatus | None = LEN):
+    """Feed `ids` in chunks like the scheduler would; finish with `finish` after the last chunk.
+    Returns (outputs, ids fed). Stops early when a stop string is reported."""
+    proc.add_request(req)
+    outs, fed = [], []
+    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    for n, part in enumerate(chunks):
+        req.output_token_ids.extend(part)
+        fed.extend(part)
+        last = n == len(chunks) - 1 and finish is not None
+        if last:
+            req.status = finish
+        got, stopped = proc.process([Update(req, part, [-1.0] * len(part), None, last)])
+        outs.extend(got)
+        if stopped:
+            assert stopped == [req.request_id]
+            req.status = STOP_STR  # what scheduler.finish_requests does
+            break
+    return outs, fed
+
+
+def text_of(outs):
+    return "".join(o.new_text for o in outs)
+
+
+def chars(tok, text):
+    """One token per byte: text arrives at most one character per token."""
+    return _byte_token_ids(tok, text.encode())
+
+
+def test_plain_stream_then_length(tok):
+    proc = OutputProcessor(tok)
+    ids = tok.encode("Hello 你好🙂 world")[1:]
+    outs, _ = run(proc, make_request(tok), ids)
+    assert text_of(outs) == tok.decode(ids)
+    assert [o.num_output_tokens for o in outs] == list(range(1, len(ids) + 1))
+    assert [t for o in outs for t in o.new_token_ids] == ids
+    final = outs[-1]
+    assert final.finished and final.finish_reason == LEN and not any(o.finished for o in outs[:-1])
+    assert final.num_prompt_tokens == len(tok.encode("Q:"))
+    assert final.timings.finish_time is not None
+    assert len(proc) == 0
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_tokens(tok, include):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["world"], include_stop_str_in_output=include)
+    text = "Hello wor wor world and more"
+    outs, fed = run(proc, req, chars(tok, text))
+    final_text = "Hello wor wor world" if include else "Hello wor wor "
+    sent = ""
+    for o in outs:  # the hold-back never lets a partial stop string out
+        sent += o.new_text
+        assert final_text.startswith(sent)
+    assert sent == final_text
+    assert outs[-1].finished and outs[-1].finish_reason == STOP_STR
+    assert outs[-1].stop_reason == "world" and req.stop_reason == "world"
+    assert [t for o in outs for t in o.new_token_ids] == fed == chars(tok, "Hello wor wor world")
+    assert len(proc) == 0
+
+
+def test_multibyte_stop_string(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["好🙂"])
+    outs, _ = run(proc, req, chars(tok, "你好你好🙂再见"))
+    assert text_of(outs) == "你好你"
+    assert all(o.new_text.count("\ufffd") == 0 for o in outs)
+
+
+def test_min_tokens_delays_stop_strings(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["ab"], min_tokens=4)
+    outs, fed = run(proc, req, chars(tok, "ab ab ab"))
+    # The first "ab" completes at token 2 < min_tokens; the second at token 5.
+    assert text_of(outs) == "ab " and len(fed) == 5
+    assert outs[-1].finish_reason == STOP_STR
+
+
+def test_min_tokens_match_may_start_before_threshold(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["xyz"], min_tokens=3)
+    outs, fed = run(proc, req, chars(tok, "xyz!"))
+    assert text_of(outs) == "" and len(fed) == 3 and outs[-1].stop_reason == "xyz"
+
+
+def test_earliest_completed_stop_wins(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["abcd", "bc"])
+    outs, _ = run(proc, req, chars(tok, "xabcde"), chunk=6)
+    assert text_of(outs) == "xa" and outs[-1].stop_reason == "bc"
+
+
+def test_held_back_text_flushed_on_other_finish(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["never-seen"])
+    outs, _ = run(proc, req, chars(tok, "Hello there"))
+    assert text_of(outs[:-1]) == "H"  # 10 characters in, 9 held back
+    assert text_of(outs) == "Hello there" and outs[-1].finish_reason == LEN
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_excluded(tok, include):
+    proc = OutputProcessor(tok)
+    bang = chars(tok, "!")[0]
+    req = make_request(tok, stop_token_ids=[bang], include_stop_str_in_output=include)
+    req.stop_reason = bang  # the scheduler records the matched stop token
+    outs, _ = run(proc, req, chars(tok, "ok!"), finish=STOP_TOK)
+    assert text_of(outs) == ("ok!" if include else "ok")
+    assert outs[-1].finish_reason == STOP_TOK and outs[-1].stop_reason == bang
+    assert outs[-1].new_token_ids == [bang]
+
+
+def test_stop_string_in_the_step_that_hits_length(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["end"])
+    outs, _ = run(proc, req, chars(tok, "the end."), chunk=8)
+    assert len(outs) == 1 and outs[0].finish_reason == STOP_STR and outs[0].new_text == "the "
+    assert req.status == STOP_STR and req.stop_reason == "end"
+
+
+def test_abort_flushes_and_forgets(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["zzzz"])
+    outs, _ = run(proc, req, chars(tok, "Hello"), finish=None)
+    assert text_of(outs) == "He"  # three characters held back
+    final = proc.abort(req.request_id)
+    assert final.finished and final.finish_reason == ABORTED and final.new_text == "llo"
+    assert final.num_output_tokens == 5 and final.new_token_ids == []
+    assert len(proc) == 0 and proc.abort(req.request_id) is None
+    assert proc.process([Update(req, [5], [0.0], None, False)]) == ([], [])
+
+
+def test_random_chunking_matches_reference(tok):
+    rng = random.Random(7)
+    alphabet = ["a", "b", " ", "你", "好", "🙂", "é", "x"]
+    for trial in range(150):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 25)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+                 for _ in range(rng.randrange(0, 3))]
+        include = rng.random() < 0.5
+        ids = chars(tok, text) if rng.random() < 0.5 else tok.encode(text)[1:]
+        proc = OutputProcessor(tok)
+        req = make_request(tok, f"r{trial}", stop=stops, include_stop_str_in_output=include)
+        outs, fed = run(proc, req, ids, chunk=rng.randrange(1, 5))
+        expected, stop = _reference_cut(tok.decode(ids), stops, include)
+        assert text_of(outs) == expected, (text, stops, include)
+        assert outs[-1].finished and outs[-1].stop_reason == stop
+        assert [t for o in outs for t in o.new_token_ids] == fed
+        assert len(proc) == 0
+
+
+def _reference_cut(text, stops, include):
+    """Cut at the stop string that completes first (earliest end, then earliest start)."""
+    best = None
+    for s in stops:
+        pos = text.find(s)
+        if pos >= 0 and (best is None or (pos + len(s), pos) < best[:2]):
+            best = (pos + len(s), pos, s)
+    if best is None:
+        return text, None
+    end, pos, s = best
+    return text[:end if include else pos], s
+
+
+def test_logprobs_trimmed_to_request(tok):
+    proc = OutputProcessor(tok)
+    req = make_request(tok)
+    req.num_logprobs = 2
+    proc.add_request(req)
+    top = [([7, 8, 9], [-0.1, -2.0, -3.0]), ([4, 5, 6], [-0.5, -1.0, -4.0])]
+    req.output_token_ids.extend([7, 5])
+    (out,), _ = proc.process([Update(req, [7, 5], [-0.1, -1.0], top, False)])
+    assert [(lp.token_id, lp.logprob) for lp in out.logprobs] == [(7, -0.1), (5, -1.0)]
+    assert out.logprobs[1].top_token_ids == [4, 5] and out.logprobs[1].top_logprobs == [-0.5, -1.0]
+    assert out.timings.first_token_time is not None and not out.finished

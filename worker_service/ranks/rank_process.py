@@ -1,0 +1,228 @@
+"""One tensor-parallel rank: a process started with the `spawn` method by RankSet.
+
+    worker service ── command ring (broadcast) ──▶ rank r: RankLoop ── RunnerKeeper(ModelRunner)
+                   ◀── reply ring r ──────────────
+                                        rank r ◀── torch.distributed (gloo / nccl) ──▶ peers
+
+On its first "configure" the rank joins the process group: backend gloo on CPU, nccl on CUDA,
+init_method tcp://RENDEZVOUS, world size tp_size, rank node_rank * local_ranks + local_rank. It
+then answers every command with exactly one reply (messages.py). It reads with a timeout
+and exits when its parent is gone or the ring is shut down, so it never outlives the worker.
+
+Test-only: when the environment variable DELTASERVE_TEST_CORRUPT_RANK equals this rank's global
+rank, the rank corrupts its own cached state once (the last token of the first request that
+sampled), which symmetry verification must then report. Never set it in production.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+from engine_common.codec import encode_runner_output
+from engine_common.diff import RunnerOutput
+from worker_service.device_info import describe_device
+from worker_service.failures import FailureKind, StepFailure
+from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, STOP, RankReply,
+                                           config_from_wire, decode_command, device_to_wire,
+                                           encode_reply)
+from worker_service.ranks.shm_ring import (RingClosed, RingError, RingHandle, RingTimeout,
+                                           ShmBroadcastRing)
+from worker_service.runner.runner_keeper import RunnerKeeper
+
+log = logging.getLogger(__name__)
+
+CORRUPT_RANK_ENV = "DELTASERVE_TEST_CORRUPT_RANK"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank process needs; plain fields, so it crosses `spawn`."""
+
+    local_rank: int
+    global_rank: int
+    world_size: int
+    device: str                  # "cpu" or "cuda:N"
+    init_method: str             # "tcp://HOST:PORT" of the rendezvous store (global rank 0's)
+    dist_timeout_s: float        # rendezvous and collective timeout
+    command_ring: RingHandle
+    reply_ring: RingHandle
+    parent_pid: int
+    poll_s: float = 1.0          # how often an idle rank checks that its parent is alive
+    cpu_threads: int = 0         # torch intra-op threads on CPU (0: torch's default)
+    log_level: str = "INFO"
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+
+def rank_main(spec: RankSpec) -> None:
+    """The spawn target: attach the rings, serve commands until stopped, exit."""
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s rank{spec.global_rank} %(name)s: "
+                               "%(message)s")
+    commands = ShmBroadcastRing.attach(spec.command_ring, spec.local_rank)
+    replies = ShmBroadcastRing.attach_writer(spec.reply_ring)
+    corrupt = os.environ.get(CORRUPT_RANK_ENV, "") == str(spec.global_rank)
+    stopped = False
+    try:
+        stopped = RankLoop(spec, replies, corrupt).serve(lambda: _next_command(spec, commands))
+    finally:
+        commands.close()
+        replies.close()
+    if stopped:  # a peer may be dead otherwise, and leaving could wait for it
+        _leave_group()
+
+
+def _next_command(spec: RankSpec, ring: ShmBroadcastRing) -> bytes | None:
+    """The next message, or None when the ring is shut down or the parent has died."""
+    while True:
+        try:
+            return ring.read(timeout=spec.poll_s)
+        except RingTimeout:
+            if os.getppid() != spec.parent_pid:
+                log.warning("parent %d is gone; exiting", spec.parent_pid)
+                return None
+        except RingClosed:
+            return None
+
+
+def join_group(spec: RankSpec):
+    """Join the tensor-parallel process group; returns this rank's TPGroup."""
+    import torch
+    import torch.distributed as dist
+
+    from worker_service.parallel_state import TPGroup
+
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))
+    elif spec.cpu_threads > 0:
+        torch.set_num_threads(spec.cpu_threads)
+    log.info("joining %s group at %s as rank %d of %d", spec.backend, spec.init_method,
+             spec.global_rank, spec.world_size)
+    dist.init_process_group(spec.backend, init_method=spec.init_method,
+                            world_size=spec.world_size, rank=spec.global_rank,
+                            timeout=timedelta(seconds=spec.dist_timeout_s))
+    return TPGroup(rank=spec.global_rank, world_size=spec.world_size)
+
+
+def _leave_group() -> None:
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group: the process is exiting anyway
+            pass
+
+
+# -- the command loop -----------------------------------------------------------------------------
+
+def exception_kind(e: BaseException) -> str:
+    """The family of an Init-time exception, so the worker can re-raise it with the same gRPC
+    meaning (servicer.status_for): ValueError, MemoryError, NotImplementedError or RuntimeError."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return "MemoryError"
+    for family in (ValueError, NotImplementedError):
+        if isinstance(e, family):
+            return family.__name__
+    return "RuntimeError"
+
+
+class RankLoop:
+    """One rank's command handler. `corrupt` (test-only) damages the cached state once."""
+
+    def __init__(self, spec: RankSpec, replies: ShmBroadcastRing, corrupt: bool = False):
+        self.spec = spec
+        self.replies = replies
+        self.corrupt = corrupt
+        self.host: RunnerKeeper | None = None
+
+    def serve(self, next_command: Callable[[], bytes | None]) -> bool:
+        """Answer commands until "stop" (returns True) or the end of input (False)."""
+        while (data := next_command()) is not None:
+            try:
+                name, args = decode_command(data)
+            except ValueError as e:
+                name, args = "", [e]
+            if name == STOP:
+                self._send(RankReply())
+                return True
+            if not self._send(self._handle(name, args)):
+                return False
+        return False
+
+    def _handle(self, name: str, args: list) -> RankReply:
+        try:
+            if name == CONFIGURE:
+                return self._configure(*args)
+            if name == ALLOCATE:
+                self.host.allocate(int(args[0]))
+                return RankReply()
+            if name == RESET:
+                return RankReply(info={"dropped": self.host.reset() if self.host else 0})
+            if name == STEP:
+                return self._step(*args)
+            raise ValueError(f"bad rank command: {args[0] if args else name!r}")
+        except StepFailure as e:
+            return RankReply(e.kind.value, str(e))
+        except Exception as e:  # reported to the worker, which decides what it means
+            log.exception("rank %d: %s failed", self.spec.global_rank, name)
+            return RankReply(FailureKind.INTERNAL.value, f"{type(e).__name__}: {e}",
+                             info={"exception": exception_kind(e)})
+
+    def _configure(self, config_wire: dict, gpu_memory_utilization: float | None) -> RankReply:
+        if self.host is None:
+            self.host = RunnerKeeper(self.spec.device, join_group(self.spec))
+        config = dataclasses.replace(config_from_wire(config_wire), device=self.spec.device)
+        prepared = self.host.prepare(config, gpu_memory_utilization)
+        summary = self.host.summary()
+        return RankReply(info={
+            "num_kv_blocks": prepared.num_kv_blocks, "kv_block_bytes": prepared.kv_block_bytes,
+            "model_reloaded": prepared.model_reloaded, "pid": os.getpid(),
+            "attention_backend": summary.attention_backend, "dtype": summary.dtype,
+            "device": device_to_wire(describe_device(self.spec.device))})
+
+    def _step(self, payload: bytes, verify: bool) -> RankReply:
+        if self.host is None or not self.host.ready:
+            raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
+        out = self.host.execute(payload)
+        if self.corrupt:
+            self._corrupt(out)
+        digest = self.host.runner.state_digest(out) if verify else None
+        data = encode_runner_output(out) if self.spec.global_rank == 0 else b""
+        return RankReply(payload=data, digest=digest)
+
+    def _corrupt(self, out: RunnerOutput) -> None:
+        """Test-only: change the token this rank just sampled for one request, in its cache."""
+        if not out.handles:
+            return
+        runner, handle = self.host.runner, out.handles[0]
+        row = runner.batch.handle_to_row[handle]
+        last = int(runner.batch.num_tokens[row]) - 1
+        token = (int(runner.batch.token_ids[row, last]) + 1) % runner.vocab_size
+        runner.batch.token_ids[row, last] = token
+        runner.requests[handle].output_token_ids[-1] = token
+        self.corrupt = False
+        log.warning("TEST ONLY: rank %d corrupted handle %d's last token (step %d)",
+                    self.spec.global_rank, handle, out.step)
+
+    def _send(self, reply: RankReply) -> bool:
+        """Write one reply; False when the worker is gone (ring shut down, or parent dead)."""
+        data = encode_reply(reply)
+        while True:
+            try:
+                self.replies.write(data, timeout=self.spec.poll_s)
+                return True
+            except RingTimeout:
+                if os.getppid() != self.spec.parent_pid:
+                    return False
+            except (RingClosed, RingError):
+                return False

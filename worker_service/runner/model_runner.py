@@ -1,0 +1,290 @@
+"""The model runner: applies each step's diff to its cached requests, runs the model, samples.
+
+Every rank runs the same runner on the same diffs and samples the same tokens (seeded noise keyed
+by request and position), so sampled ids never travel between ranks: each rank feeds them back
+into its own persistent batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine_common.codec import decode_scheduler_output
+from engine_common.diff import RunnerOutput, SchedulerOutput
+from engine_common.model_dir import ModelInfo
+from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
+from worker_service.runner.cached_request import CachedRequestState
+from worker_service.config import RunnerConfig
+from worker_service.runner.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
+from worker_service.runner.input_batch import InputBatch
+from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
+                                               make_decode_warmup, make_prefill_warmup,
+                                               profile_kv_memory)
+from worker_service.models.loader import load_model, resolve_dtype
+from worker_service.parallel_state import TPGroup, single_rank_group
+from worker_service.sample.sampler import Sampler
+from worker_service.runner.sampling_inputs import build_sampling_metadata
+from worker_service.sample.sampling_metadata import worst_case_sampling_metadata
+from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
+from worker_service.runner.step_inputs import StepInputs, StepProtocolError, prepare_step_inputs
+from worker_service.runner.token_readback import PendingStep, SampledTokens, TokenReadback
+
+log = logging.getLogger(__name__)
+
+
+def _cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype))
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, tp: TPGroup | None = None):
+        self.config = config
+        self.tp = tp or single_rank_group()
+        self.device = torch.device(config.device)
+        info = ModelInfo.from_dir(config.model_dir, config.max_model_len)
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        layout = _cache_layout(info.hf_config, config)
+        self.attention_backend_name = resolve_backend_name(config.attention_backend,
+                                                           self.device.type, layout)
+        backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
+        self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
+                                fused_ops=config.fused_ops)
+        self.sampler = Sampler()
+        self.block_size = config.block_size
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
+        # Persistent staging of every per-step input, and the pinned read-back buffers.
+        self.staging = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_blocks, self.device)
+        self.readback = TokenReadback(config.max_num_seqs, self.device)
+        self.requests: dict[int, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.last_step = -1
+
+    # -- KV cache ---------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes across all layers on this rank (keys and values)."""
+        m = self.model
+        elem = torch.empty((), dtype=self.model_dtype).element_size()
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def determine_num_blocks(self, gpu_memory_utilization: float | None = None) -> int:
+        """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
+        profiled share of the device (call with no cache allocated); else the byte budget."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if gpu_memory_utilization is None or self.device.type != "cuda":
+            return cpu_num_kv_blocks(self.config.kv_cache_bytes, self.kv_block_bytes)
+        profile = self.profile_kv_memory(gpu_memory_utilization)
+        log.info("KV memory on %s: %s", self.device, profile)
+        return profile.num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then capture decode CUDA graphs over it where they apply."""
+        self.free_kv_cache()
+        m = self.model
+        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
+                          for _ in range(m.num_layers)]
+        why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
+                                            self.config.enforce_eager)
+        if why_not is not None:
+            log.info("decode CUDA graphs off: %s", why_not)
+            return
+        self.graph_runner = DecodeGraphRunner(
+            self.model, self.kv_caches, self._max_graph_batch, self.batch.block_table.shape[1],
+            self.max_model_len, self.device, self.staging)
+        self.graph_runner.capture()
+
+    def free_kv_cache(self) -> None:
+        """Drop the cache and the graphs captured over it (they hold its memory and pool)."""
+        self.graph_runner = None
+        self.kv_caches = []
+
+    @property
+    def _max_graph_batch(self) -> int:
+        return min(self.config.max_graph_batch, self.config.max_num_seqs)
+
+    def profile_kv_memory(self, gpu_memory_utilization: float) -> KVMemoryProfile:
+        """CUDA: what the KV cache may take after a profiled warm-up at the largest step (and
+        the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
+        every tensor-parallel rank must call it together (the warm-up runs collectives)."""
+        c = self.config
+        def sample(logits: torch.Tensor) -> None:
+            self.sampler.forward(logits, worst_case_sampling_metadata(
+                logits.shape[0], self.vocab_size, self.device))
+
+        warmup = make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
+                                     c.max_num_seqs, self.max_model_len, self.device, sample)
+        graph_warmup = None
+        if graphs_unsupported_reason(self.attention_backend_name, self.device,
+                                     c.enforce_eager) is None:
+            graph_warmup = make_decode_warmup(self.model, self.block_size, self._max_graph_batch,
+                                              self.max_model_len, self.device)
+        return profile_kv_memory(warmup, self.kv_block_bytes, gpu_memory_utilization,
+                                 self.device, graph_warmup)
+
+    def state_digest(self, out: RunnerOutput) -> bytes:
+        """BLAKE2b (16 bytes) of this step's sampled ids and the cached state: per batch row the
+        handle, num_computed, num_tokens and last token id. Equal on every rank while the ranks
+        agree (verify_symmetry); nothing in it depends on the rank or the TP size."""
+        b, n = self.batch, self.batch.num_reqs
+        rows = np.arange(n)
+        last = b.token_ids[rows, np.maximum(b.num_tokens[:n], 1) - 1]
+        h = hashlib.blake2b(digest_size=16)
+        for part in (out.handles, out.sampled_token_ids,
+                     [-1 if x is None else x for x in b.handles[:n]],
+                     b.num_computed[:n], b.num_tokens[:n], last):
+            h.update(np.asarray(part, dtype=np.int64).tobytes())
+            h.update(b"|")
+        return h.digest()
+
+    def reset(self) -> None:
+        """Drop every cached request (a new epoch). The KV cache memory is kept."""
+        for handle in list(self.batch.handle_to_row):
+            self.batch.remove(handle)
+        self.batch.condense()
+        self.requests.clear()
+        self.last_step = -1
+
+    # -- one step ---------------------------------------------------------------------------
+    # launch_step: apply the diff, stage every input (one copy per staging arena), forward,
+    # sample, queue the read-back copies; no host sync. finish_step: the step's one host sync
+    # (tests/gpu/test_no_host_sync.py checks both), then the sampled ids go into the batch.
+
+    def execute(self, payload: bytes) -> RunnerOutput:
+        """Decode a diff, apply it, run the model and sample."""
+        return self.execute_diff(decode_scheduler_output(payload))
+
+    def execute_diff(self, diff: SchedulerOutput) -> RunnerOutput:
+        """launch_step, then finish_step."""
+        return self.finish_step(self.launch_step(diff))
+
+    @torch.inference_mode()
+    def launch_step(self, diff: SchedulerOutput) -> PendingStep:
+        """Everything up to the token read-back, without a host sync."""
+        if diff.step != self.last_step + 1:
+            raise StepProtocolError(f"step {diff.step} arrived after step {self.last_step}")
+        self.last_step = diff.step
+        self._apply_diff(diff)
+        num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
+        for handle, n in diff.num_scheduled_tokens.items():
+            num_scheduled[self._row(handle)] = n
+        inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
+        if inputs.num_tokens == 0:
+            return PendingStep(diff.step)
+        self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
+        try:
+            return self._launch(diff.step, inputs)
+        except BaseException:
+            self.staging.wait_copies()      # a failed step, too, ends after its copies
+            raise
+
+    def finish_step(self, pending: PendingStep) -> RunnerOutput:
+        """The step's one host sync (its read-back, or its staging copies when nothing
+        sampled); then feed the sampled ids back into the batch and build the reply."""
+        if pending.tokens is None:
+            self.staging.wait_copies()
+            return RunnerOutput(step=pending.step)
+        return self._record_samples(pending.step, pending.rows, pending.tokens.wait())
+
+    def _launch(self, step: int, inputs: StepInputs) -> PendingStep:
+        self.staging.begin()
+        run_model = self._stage_model(inputs)
+        sample_rows = inputs.rows[inputs.sample_mask]
+        meta = None
+        if len(sample_rows):
+            meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
+                                           self.staging)
+        self.staging.flush()
+        logits = run_model()
+        self.batch.num_computed[inputs.rows] += inputs.num_scheduled
+        if meta is None:
+            return PendingStep(step)
+        return PendingStep(step, sample_rows,
+                           self.readback.start(self.sampler.forward(logits, meta)))
+
+    def _stage_model(self, inputs: StepInputs) -> Callable[[], torch.Tensor]:
+        """Stage the model inputs; returns the call (made after the flush) that runs the model
+        and gives the sampling rows' logits: a captured graph for a pure-decode batch that fits
+        one, else the eager model."""
+        n = len(inputs.rows)
+        g = self.graph_runner
+        if g is not None and g.graph_batch(n, inputs.num_tokens,
+                                           int(inputs.num_scheduled.max())) is not None:
+            staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                             inputs.seq_lens, inputs.block_table)
+            if inputs.sample_mask.all():
+                return lambda: g.replay(staged)
+            # Pure decode: query row i is request i, so logits_indices are the sampling rows.
+            keep = self.staging.put(inputs.logits_indices, torch.int64, "logits_indices")
+            return lambda: g.replay(staged).index_select(0, keep)
+        staged = stage_step_inputs(self.staging, inputs)
+        meta = attention_metadata(inputs, staged)
+
+        def run_eager() -> torch.Tensor:
+            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
+            return self.model.compute_logits(hidden.index_select(0, staged.logits_indices))
+        return run_eager
+
+    def _row(self, handle: int) -> int:
+        try:
+            return self.batch.handle_to_row[handle]
+        except KeyError:
+            raise StepProtocolError(f"handle {handle} is not in the running batch") from None
+
+    def _apply_diff(self, diff: SchedulerOutput) -> None:
+        for handle in diff.finished_handles:
+            if handle in self.batch.handle_to_row:
+                self.batch.remove(handle)
+            self.requests.pop(handle, None)
+        for handle in diff.preempted_handles:
+            self.batch.remove(handle)  # keeps self.requests[handle]: its tokens are recomputed
+        for new in diff.new_requests:
+            state = CachedRequestState(new.handle, list(new.prompt_token_ids), new.sampling,
+                                       list(new.block_ids), new.num_computed_tokens,
+                                       new.num_logprobs)
+            self.requests[new.handle] = state
+            self.batch.add(state)
+        for res in diff.resumed_requests:
+            state = self.requests[res.handle]
+            state.block_ids = list(res.block_ids)
+            state.num_computed_tokens = res.num_computed_tokens
+            self.batch.add(state)
+        for handle, block_ids in diff.new_block_ids.items():
+            self.requests[handle].block_ids.extend(block_ids)
+            self.batch.append_block_ids(self._row(handle), block_ids)
+        self.batch.condense()
+
+    def _record_samples(self, step: int, rows: np.ndarray,
+                        sampled: SampledTokens) -> RunnerOutput:
+        """Feed sampled ids back into the batch and the cached states; build the reply."""
+        self.batch.append_tokens(rows, sampled.token_ids)
+        handles = [self.batch.handles[r] for r in rows]
+        token_ids = sampled.token_ids.tolist()
+        for handle, tok in zip(handles, token_ids):
+            self.requests[handle].output_token_ids.append(tok)
+        top = {}
+        if sampled.top_ids is not None:
+            for i, row in enumerate(rows):
+                k = int(self.batch.num_logprobs[row])
+                if k:
+                    top[handles[i]] = (sampled.top_ids[i, :k].tolist(),
+                                       sampled.top_logprobs[i, :k].tolist())
+        return RunnerOutput(step=step, handles=handles, sampled_token_ids=token_ids,
+                            logprobs=sampled.logprobs.tolist(), top_logprobs=top)
+

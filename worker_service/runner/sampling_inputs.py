@@ -1,0 +1,96 @@
+"""Build the sampler's inputs for the rows that sample this step, staged from the batch arrays.
+
+Every column is sliced from the InputBatch with numpy and staged in the runner's StepBuffers
+(reaching the device with the step's one copy per dtype); the ragged parts (penalty id matrices,
+stop-mask pairs) go through StepBuffers.put_ragged (per-step pinned memory, one copy). Flags and
+bounds the sampler branches on (all_greedy, top_k_max, max_num_logprobs) are computed here, on
+the host, so the sampler never reads a device value.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker_service.runner.input_batch import InputBatch
+from worker_service.sample.sampling_metadata import SamplingMetadata
+from worker_service.runner.step_buffers import StepBuffers
+
+
+def _opt(staging: StepBuffers, values: np.ndarray, off_value, dtype: torch.dtype,
+         name: str) -> torch.Tensor | None:
+    """A staged column, or None when every row has the parameter switched off."""
+    if np.all(values == off_value):
+        return None
+    return staging.put(values, dtype, name)
+
+
+def _padded_ids(batch: InputBatch, rows: np.ndarray, start: np.ndarray, end: np.ndarray,
+                pad: int) -> np.ndarray:
+    """token_ids[row, start:end] per row, right-padded with `pad` (an id past the vocab)."""
+    width = int((end - start).max()) if len(rows) else 0
+    cols = start[:, None] + np.arange(width)[None, :]
+    valid = cols < end[:, None]
+    ids = batch.token_ids[rows[:, None], np.where(valid, cols, 0)]
+    return np.where(valid, ids, pad)
+
+
+def stop_mask_pairs(batch: InputBatch, rows: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """int64 [2, K]: (index into rows, token id) for every stop id of a row that has generated
+    fewer than min_tokens tokens."""
+    need = np.flatnonzero(counters < batch.min_tokens[rows])
+    ids = [batch.stop_ids[rows[i]] for i in need]
+    pair_rows = np.repeat(need, [len(x) for x in ids]).astype(np.int64)
+    pair_ids = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=len(pair_rows))
+    return np.stack([pair_rows, pair_ids])
+
+
+def top_k_bound(top_k: np.ndarray, vocab_size: int) -> int:
+    """The largest active top_k (0 < k < vocab) over the rows, at least 1 (the width of the
+    sampler's one topk)."""
+    active = top_k[(top_k > 0) & (top_k < vocab_size)]
+    return int(active.max()) if len(active) else 1
+
+
+def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
+                            staging: StepBuffers) -> SamplingMetadata:
+    """Stage the sampling columns of `rows` (call between staging.begin() and flush())."""
+    f32 = torch.float32
+    temperature = batch.temperature[rows]
+    greedy = temperature == 0.0
+    rep = batch.repetition_penalty[rows]
+    pres = batch.presence_penalty[rows]
+    freq = batch.frequency_penalty[rows]
+    penalties = bool(np.any(rep != 1.0) or np.any(pres != 0.0) or np.any(freq != 0.0))
+    num_prompt = batch.num_prompt_tokens[rows]
+    num_tokens = batch.num_tokens[rows]
+    counters = (num_tokens - num_prompt).astype(np.int64)
+    top_k = batch.top_k[rows]
+
+    ragged = []
+    if penalties:
+        ragged += [_padded_ids(batch, rows, np.zeros_like(num_prompt), num_prompt, vocab_size),
+                   _padded_ids(batch, rows, num_prompt, num_tokens, vocab_size)]
+    stop_pairs = stop_mask_pairs(batch, rows, counters)
+    if stop_pairs.shape[1]:
+        ragged.append(stop_pairs)
+    staged = staging.put_ragged(ragged) if ragged else []
+    prompt_ids, output_ids = (staged[0], staged[1]) if penalties else (None, None)
+
+    return SamplingMetadata(
+        temperature=staging.put(temperature, f32, "temperature"),
+        all_greedy=bool(greedy.all()),
+        all_random=bool((~greedy).all()),
+        top_p=_opt(staging, batch.top_p[rows], 1.0, f32, "top_p"),
+        top_k=_opt(staging, top_k, 0, torch.int32, "top_k"),
+        min_p=_opt(staging, batch.min_p[rows], 0.0, f32, "min_p"),
+        seeds=staging.put(batch.seeds[rows], torch.int64, "seeds"),
+        counters=staging.put(counters, torch.int64, "counters"),
+        repetition_penalty=staging.put(rep, f32, "repetition_penalty") if penalties else None,
+        presence_penalty=staging.put(pres, f32, "presence_penalty") if penalties else None,
+        frequency_penalty=staging.put(freq, f32, "frequency_penalty") if penalties else None,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        stop_mask_index=staged[-1] if stop_pairs.shape[1] else None,
+        max_num_logprobs=int(batch.num_logprobs[rows].max()) if len(rows) else 0,
+        top_k_max=top_k_bound(top_k, vocab_size),
+    )

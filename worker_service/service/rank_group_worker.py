@@ -1,0 +1,238 @@
+"""The tensor-parallel worker of one node: G rank processes behind the InProcessWorker interface.
+
+    Init:  spawn the ranks unless they can be kept; "configure" on every rank (the first one
+           joins the process group, then each loads or keeps the model and measures its KV
+           blocks); "allocate" the minimum block count over the node's ranks on every rank.
+    Step:  the diff goes to every rank through the shared-memory ring, once per node; every
+           rank replies; node 0 returns global rank 0's RunnerOutput, other nodes b"". With
+           verify_symmetry the ranks' digests must all be equal; the node returns that digest.
+
+When ranks are kept. A later Init (new epoch) keeps the rank processes, their process group and
+(when its load key is unchanged) the model, if the ranks are healthy and the group is the same:
+on one node always; across nodes only when layout.group_id is non-empty and equal to the one the
+group was formed with, and the rendezvous address is unchanged. Otherwise (another group id, a
+rank that died, ranks left out of step by a failed or interrupted step, a symmetry divergence)
+every rank is killed and a fresh set is spawned: a process group cannot be re-formed inside a
+process reliably, and a rank stuck in a collective can only be killed.
+
+Single node: the ranks rendezvous on a free loopback port picked here (no address needed).
+Even G = 1 runs in a rank process when tp_size > 1 (several nodes), for the same reason.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+from worker_service.config import RunnerConfig
+from worker_service.device_info import DeviceDescription, describe_device
+from worker_service.failures import FailureKind, StepFailure
+from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, RankReply,
+                                           config_to_wire, device_from_wire, encode_command)
+from worker_service.ranks.rank_process import RankSpec
+from worker_service.ranks.rank_set import RankSet, RankSetOptions
+from worker_service.runner.runner_keeper import ModelSummary
+from worker_service.service.node_worker import InitOutcome, NodeLayout, NodeWorker, StepReply
+
+log = logging.getLogger(__name__)
+
+_EXCEPTIONS = {"ValueError": ValueError, "MemoryError": MemoryError,
+               "NotImplementedError": NotImplementedError}
+
+
+@dataclass(frozen=True)
+class RankGroupOptions:
+    """Timeouts (seconds) of the rank processes; all configurable, none hidden."""
+
+    dist_timeout_s: float = 600.0     # rendezvous and every collective (torch.distributed)
+    init_timeout_s: float = 900.0     # one "configure": rendezvous plus model load
+    step_timeout_s: float = 600.0     # one step on every rank
+    control_timeout_s: float = 60.0   # "allocate" and "reset"
+    rank_set: RankSetOptions = field(default_factory=RankSetOptions)
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankGroupWorker(NodeWorker):
+    """A worker service's state for `layout.num_local_ranks` rank processes on `device`."""
+
+    def __init__(self, device: str, layout: NodeLayout,
+                 options: RankGroupOptions = RankGroupOptions()):
+        if layout.tp_size != layout.num_nodes * layout.num_local_ranks:
+            raise ValueError(f"tp_size={layout.tp_size} is invalid: must equal num_nodes "
+                             f"({layout.num_nodes}) * num_local_ranks ({layout.num_local_ranks})")
+        if ":" in device and layout.num_local_ranks > 1:
+            raise ValueError(f"device={device!r} is invalid with {layout.num_local_ranks} local "
+                             "ranks: name the kind only ('cuda'); rank r uses cuda:r")
+        super().__init__(device, layout)
+        self.options = options
+        self.num_model_loads = 0
+        self._ranks: RankSet | None = None
+        self._group_key: tuple[str, str] | None = None
+        self._abort = threading.Event()
+        self._ready = False
+        self._summary: ModelSummary | None = None
+        self._devices: list[DeviceDescription] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _interrupt(self) -> None:
+        self._abort.set()
+
+    def _load(self, config: RunnerConfig, layout: NodeLayout,
+              gpu_memory_utilization: float | None) -> InitOutcome:
+        self._abort.clear()
+        self._ready = False
+        if not self._can_keep_ranks(layout):
+            self._respawn(layout)
+        command = encode_command(CONFIGURE, config_to_wire(config), gpu_memory_utilization)
+        replies = self._call(command, self.options.init_timeout_s, init=True)
+        num_blocks = min(r.info["num_kv_blocks"] for r in replies)
+        self._call(encode_command(ALLOCATE, num_blocks), self.options.control_timeout_s)
+        first = replies[0].info
+        self._summary = ModelSummary(config.model_dir, first["attention_backend"], first["dtype"])
+        self._devices = [device_from_wire(r.info["device"]) for r in replies]
+        reloaded = any(r.info["model_reloaded"] for r in replies)
+        self.num_model_loads += reloaded
+        self._ready = True
+        log.info("ranks %s ready: %d KV blocks each (pids %s)", self._global_ranks(layout),
+                 num_blocks, [r.info["pid"] for r in replies])
+        return InitOutcome(num_blocks, max(r.info["kv_block_bytes"] for r in replies), reloaded)
+
+    def _drop_requests(self) -> int:
+        self._abort.clear()
+        if self._ranks is None or not self._ready:
+            return 0
+        return self._call(encode_command(RESET), self.options.control_timeout_s)[0].info["dropped"]
+
+    def close(self) -> None:
+        self._interrupt()
+        with self._lock:
+            self._close_ranks()
+
+    def _can_keep_ranks(self, layout: NodeLayout) -> bool:
+        ranks = self._ranks
+        if ranks is None or not ranks.healthy:
+            return False
+        if layout.num_nodes == 1:
+            return True
+        return bool(layout.group_id) and self._group_key == (layout.rendezvous_address,
+                                                             layout.group_id)
+
+    def _respawn(self, layout: NodeLayout) -> None:
+        self._close_ranks()
+        init_method = self._init_method(layout)
+        opts = self.options
+        threads = max(1, (os.cpu_count() or 1) // layout.num_local_ranks)
+
+        def make_spec(local_rank, command_ring, reply_ring) -> RankSpec:
+            return RankSpec(
+                local_rank=local_rank, global_rank=layout.global_rank(local_rank),
+                world_size=layout.tp_size, device=self._rank_device(local_rank),
+                init_method=init_method, dist_timeout_s=opts.dist_timeout_s,
+                command_ring=command_ring, reply_ring=reply_ring, parent_pid=os.getpid(),
+                poll_s=opts.rank_set.poll_s, cpu_threads=threads,
+                log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+
+        self._ranks = RankSet.spawn(make_spec, layout.num_local_ranks, opts.rank_set,
+                                    self._rank_died)
+        self._group_key = (layout.rendezvous_address, layout.group_id)
+
+    def _close_ranks(self) -> None:
+        if self._ranks is not None:
+            self._ranks.close()
+        self._ranks, self._group_key, self._ready = None, None, False
+
+    def _init_method(self, layout: NodeLayout) -> str:
+        if layout.num_nodes == 1:
+            return f"tcp://127.0.0.1:{free_loopback_port()}"
+        if not layout.rendezvous_address:
+            raise ValueError("layout.rendezvous_address='' is invalid with num_nodes="
+                             f"{layout.num_nodes}: must be node 0's HOST:PORT")
+        return f"tcp://{layout.rendezvous_address}"
+
+    def _rank_device(self, local_rank: int) -> str:
+        if self.device.startswith("cuda") and ":" not in self.device:
+            return f"cuda:{local_rank}"
+        return self.device
+
+    def _rank_died(self, reason: str) -> None:
+        self._ready = False
+        self._readiness_listener(False)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _execute(self, payload: bytes) -> StepReply:
+        command = encode_command(STEP, payload, self.verify_symmetry)
+        replies = self._call(command, self.options.step_timeout_s)
+        digest = self._agreed_digest(replies) if self.verify_symmetry else None
+        return StepReply(replies[0].payload if self.layout.node_rank == 0 else b"", digest)
+
+    def _agreed_digest(self, replies: list[RankReply]) -> bytes:
+        digests = [r.digest for r in replies]
+        if len(set(digests)) == 1 and digests[0] is not None:
+            return digests[0]
+        self._ranks.dirty = True  # a diverged rank must not serve the next epoch
+        ranks = self._global_ranks(self.layout)
+        listed = ", ".join(f"rank {g}: {d.hex() if d else None}" for g, d in zip(ranks, digests))
+        raise StepFailure(FailureKind.SYMMETRY_DIVERGENCE,
+                          f"local ranks disagree on their sampled ids or cached state ({listed})")
+
+    def _call(self, command: bytes, timeout: float, init: bool = False) -> list[RankReply]:
+        """Send `command` to every rank; raise the first rank's error, if any."""
+        replies = self._ranks.call(command, timeout, self._abort)
+        for local, reply in enumerate(replies):
+            if reply is None or reply.ok:
+                continue
+            where = f"rank {self.started_layout.global_rank(local)}"
+            if init and reply.info.get("exception") in _EXCEPTIONS:
+                raise _EXCEPTIONS[reply.info["exception"]](f"{where}: {reply.message}")
+            kind = FailureKind(reply.kind)
+            if kind == FailureKind.INTERNAL:
+                self._ranks.dirty = True  # a collective may have been left half done
+            if init:
+                raise RuntimeError(f"{where}: {reply.message}")
+            raise StepFailure(kind, f"{where}: {reply.message}")
+        missing = [self.started_layout.global_rank(r) for r, x in enumerate(replies) if x is None]
+        if missing:  # only reachable if the rank set returned early: never report a success
+            self._ranks.dirty = True
+            raise StepFailure(FailureKind.RANK_FAILED, f"ranks {missing} did not reply")
+        return replies
+
+    def _global_ranks(self, layout: NodeLayout) -> list[int]:
+        return [layout.global_rank(r) for r in range(layout.num_local_ranks)]
+
+    # -- introspection (no lock) ----------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        ranks = self._ranks
+        if ranks is not None and ranks.failure:
+            return False, ranks.failure
+        if ranks is None or not self._ready:
+            return False, "not initialized"
+        if not ranks.healthy:
+            return False, "the ranks are out of step after a failed step: Init again"
+        return True, ""
+
+    def describe_devices(self) -> list[DeviceDescription]:
+        """Measured now on CPU; on CUDA as the ranks measured them at Init (so this process never
+        touches the GPUs), or measured here before the first Init."""
+        if self.device.startswith("cuda") and self._devices:
+            return list(self._devices)
+        return [describe_device(self._rank_device(r))
+                for r in range(self.started_layout.num_local_ranks)]
+
+    def model_summary(self) -> ModelSummary | None:
+        return self._summary if self._ready else None
+
+    @property
+    def group_id(self) -> str:
+        ranks = self._ranks
+        healthy = ranks is not None and ranks.healthy and self._ready
+        return self.layout.group_id if healthy else ""
