@@ -1,42 +1,42 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 5 in as few device-tool calls as possible.
+# Every GPU check of DeltaServe in one script, for a machine with an NVIDIA GPU:
 #
 #   bash bench/gpu_checks.sh [tests] [attention] [bench] [fused]   (none named: the first three)
 #
-# Stages, each under its own time limit (330 + 240 + 560 + 400 s: more than one 10-minute
-# device command, so run `tests attention` in one call, `bench` in another, `fused` in a third):
+# Each stage has its own time limit (330 + 240 + 560 + 400 s by default; see the environment
+# variables below), so a run that must fit a time budget can run the stages one or two at a time.
 #   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
 #              CUDA paths (the ones named below and any tests/**/test_*.py that mentions
-#              torch.cuda.is_available or mark.gpu); test_gpu_engine_bf16.py with -s so its
+#              torch.cuda.is_available or mark.gpu); tests/gpu/test_engine_bf16.py with -s so its
 #              accepted bf16 divergences are printed and collected into the summary.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
-#              grpc_tools (absent from the device image) are left out and listed.
-#   attention  bench/attention_bandwidth.py (qwen3-0.6b heads, bf16), issue 5's "one unified
-#              kernel or two": every available backend at 256 requests x 1024 context; Triton's
-#              split-KV decode vs the varlen kernel alone (--unified) there and at 16 x 4096
-#              (where splits matter; also without splits); a mixed batch (8 prefill chunks of
-#              512 after 1024 cached + 248 decodes at 1024: per-request two-kernel dispatch vs
-#              unified); Triton at block 256; last, a launch-parameter sweep of both designs
-#              at the default shape with whatever time the stage has left (--sweep-budget;
-#              its one-change points include the former fixed-split runs 1, 2, 4, 8).
+#              grpc_tools (absent from some GPU images) are left out and listed.
+#   attention  bench/attention_bandwidth.py (qwen3-0.6b heads, bf16), to decide between one
+#              unified kernel or two: every available backend at 256 requests x 1024 context;
+#              Triton's split-KV decode vs the varlen kernel alone (--unified) there and at
+#              16 x 4096 (where splits matter; also without splits); a mixed batch (8 prefill
+#              chunks of 512 after 1024 cached + 248 decodes at 1024: per-request two-kernel
+#              dispatch vs unified); Triton at block 256; last, a launch-parameter sweep of both
+#              designs at the default shape with whatever time the stage has left (--sweep-budget).
 #   bench      python -m bench.throughput --preset qwen3-0.6b --vs-transformers --warmup; the KV
 #              cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget
 #              (use KV_GIB=40 if the profiled sizing misbehaves).
-#   fused      issue 5's "fused RMSNorm and rope where measurements show a gain": the kernel
-#              microbenchmark (python -m bench.fused_ops: torch vs fused at T = 256 and 8192),
-#              then the qwen3-0.6b engine three times in the same call: as is, with --fused-ops,
-#              and with --async-scheduling (no transformers run), so the end-to-end ratios
-#              decide whether either becomes the default.
+#   fused      whether fused RMSNorm and rope pay off: the kernel microbenchmark
+#              (python -m bench.fused_ops: torch vs fused at T = 256 and 8192), then the
+#              qwen3-0.6b engine three times in the same run: as is, with --fused-ops, and with
+#              --async-scheduling (no transformers run), so the end-to-end ratios decide whether
+#              either becomes the default.
 #
-# Writes into ${OUT:-/tmp/gpu_checks}/ (at most 8 files, flat): env.txt, <stage>.log,
-# results_attention.md, results_bench.md (result blocks, to append to bench/results.md), and
-# summary.txt, which is also printed last.
+# Writes into ${OUT:-/tmp/gpu_checks}/: env.txt, <stage>.log, results_attention.md,
+# results_bench.md (result blocks to append to bench/results.md), and summary.txt, which is also
+# printed last.
 #
-# Optional: wheels under .whl/ (carried with the call) are installed into /tmp/site first.
-# Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES (1,8,32,64,128,256),
-# HF_TIME_BUDGET (30 s per batch size), DS_COMMIT (recorded in notes: the device copy has no .git),
-# TESTS_LIMIT / ATTENTION_LIMIT / BENCH_LIMIT / FUSED_LIMIT (seconds per stage: 330 / 240 / 560 / 400; a late
-# run inside a stage still gets a floor of 60 s for tests, 20 s for attention).
+# Optional: wheels under .whl/ are installed into /tmp/site first (for images without them).
+# Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES
+# (1,8,32,64,128,256), HF_TIME_BUDGET (30 s per batch size), DS_COMMIT (recorded in the notes when
+# the copy has no .git), TESTS_LIMIT / ATTENTION_LIMIT / BENCH_LIMIT / FUSED_LIMIT (seconds per
+# stage: 330 / 240 / 560 / 400; a late run inside a stage still gets a floor of 60 s for tests,
+# 20 s for attention).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -124,7 +124,7 @@ stage_tests() {
         $(grep -rlE 'cuda\.is_available|mark\.gpu' --include="test_*.py" tests) | sort -u)
     for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
     for f in $explicit; do ignores+=("--ignore=$f"); done
-    # The issue's named checks first (bf16 vs transformers per backend, graphs vs eager), so a
+    # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
     # stage cut short by its time limit loses the least important runs.
     TESTS_LEFT=${TESTS_LIMIT:-330}
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py

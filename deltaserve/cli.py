@@ -7,29 +7,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 
-from deltaserve.paths import resolve_device
-from scheduler_service.api.engine_flags import add_engine_flags, engine_options
+from engine_common.config import WorkerServiceOptions
+from engine_common.settings import add_flags, from_args
+from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_WORKER_LISTEN = "127.0.0.1:50052"
-
-
-def _add_device_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the model runs; auto: cuda when available (default: auto)")
-    p.add_argument("--local-ranks", type=int, default=1,
-                   help="rank processes (devices) of this worker; the tensor-parallel size is "
-                        "nodes x local ranks (default: 1)")
-
-
-def _add_node_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this worker's index among the --nodes workers; node 0 holds the output "
-                        "rank and must be first in the scheduler's --workers (default: 0)")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="worker services (nodes) in the tensor-parallel group (default: 1)")
+# `serve` runs one worker service on this machine: it is node 0 of 1.
+SERVE_SKIPS = ("node_rank", "nodes")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,19 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run a worker service (owns a device and the model)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve the Worker protocol on")
-    _add_device_flags(p)
-    _add_node_flags(p)
+    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_flags(p, WorkerServiceOptions)
 
     p = sub.add_parser("scheduler", help="run the scheduler service (public API; no torch)")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--workers", required=True, help="worker addresses, HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
-    p.add_argument("--dist-port", type=int, default=29500,
-                   help="with several workers: the torch.distributed rendezvous port on node "
-                        "0's host (default: 29500)")
-    p.add_argument("--verify-symmetry", action="store_true",
-                   help="every rank digests its sampled ids each step; a mismatch fails the step")
     add_engine_flags(p)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
@@ -61,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"HOST:PORT for the public API (default: {DEFAULT_TARGET})")
     p.add_argument("--worker-listen", default=DEFAULT_WORKER_LISTEN,
                    help=f"HOST:PORT of the worker it starts (default: {DEFAULT_WORKER_LISTEN})")
-    _add_device_flags(p)
+    add_flags(p, WorkerServiceOptions, skip=SERVE_SKIPS)
     add_engine_flags(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
@@ -104,14 +87,13 @@ class CliError(Exception):
 
 
 def _cmd_worker(args) -> int:
-    from worker_service.service.server import node_layout, run_worker
+    with _startup_errors():
+        options = from_args(WorkerServiceOptions, args)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from worker_service.service.server import run_worker   # torch: only in this command
 
-    try:
-        node_layout(args.local_ranks, args.node_rank, args.nodes)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    run_worker(args.listen, resolve_device(args.device), local_ranks=args.local_ranks,
-               node_rank=args.node_rank, num_nodes=args.nodes)
+    run_worker(args.listen, options)
     return 0
 
 
@@ -122,12 +104,12 @@ def _cmd_scheduler(args) -> int:
     if not workers:
         raise CliError("--workers names no address")
     with _startup_errors():
-        return run_scheduler(args.model, workers, args.listen, engine_options(args))
+        settings = engine_settings(args, args.model)
+        return run_scheduler(workers, args.listen, settings.worker, settings.policy,
+                             settings.server)
 
 
 def _cmd_serve(args) -> int:
-    if args.local_ranks < 1:
-        raise CliError(f"--local-ranks={args.local_ranks}: must be >= 1")
     from deltaserve.embedded import serve
 
     with _startup_errors():

@@ -14,7 +14,10 @@ import tempfile
 from pathlib import Path
 
 from deltaserve.paths import cache_dir
-from scheduler_service.api.engine_flags import engine_options
+from engine_common.config import WorkerServiceOptions
+from engine_common.settings import from_args, to_flags
+from scheduler_service.api.engine_flags import engine_settings
+from scheduler_service.api.server import run_scheduler
 
 TINY_MODEL_NAME = "tiny-qwen3"
 _WORKER_STOP_SECONDS = 10.0
@@ -49,10 +52,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_worker(listen: str, device: str, local_ranks: int = 1) -> subprocess.Popen:
+def start_worker(listen: str, options: WorkerServiceOptions) -> subprocess.Popen:
     """`deltaserve worker` as a child process."""
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
-           "--device", device, "--local-ranks", str(local_ranks)]
+           *to_flags(options)]
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
 
@@ -91,17 +94,17 @@ def serve(args) -> int:
         print(f"No --model given: serving the tiny test model in {model_dir}.\n"
               "Its weights are RANDOM: it produces gibberish. Pass --model DIR for a real "
               "Hugging Face model.", flush=True)
-    from scheduler_service.api.server import run_scheduler
-
-    worker = start_worker(args.worker_listen, args.device, args.local_ranks)
+    settings = engine_settings(args, model_dir)
+    worker = start_worker(args.worker_listen, from_args(WorkerServiceOptions, args))
 
     def worker_gone() -> str | None:
         code = worker.poll()
         return None if code is None else f"the worker exited with code {code}"
 
     try:
-        return run_scheduler(model_dir, [args.worker_listen], args.listen,
-                             engine_options(args), on_ready=_announce(args.listen, model_dir),
+        return run_scheduler([args.worker_listen], args.listen, settings.worker,
+                             settings.policy, settings.server,
+                             on_ready=_announce(args.listen, model_dir),
                              should_stop=worker_gone, exit_on_refusal=True)
     finally:
         stop_worker(worker)

@@ -6,6 +6,7 @@ the bytes the gRPC worker protocol carries.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -56,34 +57,27 @@ class Completion:
 
 
 class LLM:
-    """Keyword arguments go to RunnerConfig (device, dtype, attention_backend, num_kv_blocks,
-    kv_cache_bytes, ...) and SchedulerConfig (max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, ...); block_size and max_model_len are shared.
+    """Keyword arguments are the fields of RunnerConfig (the worker's: device, dtype,
+    attention_backend, kv_cache_bytes, gpu_memory_utilization, num_kv_blocks, fused_ops, ...)
+    and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
+    limits (max_num_seqs, max_num_batched_tokens, max_model_len, block_size) are shared.
 
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
-    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU.
+    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
 
-    fused_ops=True (RunnerConfig.fused_ops): Triton RMSNorm and rope kernels in the model; CUDA,
-    or TRITON_INTERPRET=1 on CPU."""
-
-    def __init__(self, model: str, gpu_memory_utilization: float | None = None,
-                 fused_ops: bool = False, **kwargs):
-        kwargs["fused_ops"] = fused_ops
+    def __init__(self, model: str, **kwargs):
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
-        runner_keys = set(RunnerConfig.__dataclass_fields__)
-        sched_keys = set(SchedulerConfig.__dataclass_fields__)
+        kwargs["max_model_len"] = self.model_info.max_model_len
+        runner_keys = {f.name for f in dataclasses.fields(RunnerConfig)}
+        sched_keys = {f.name for f in dataclasses.fields(SchedulerConfig)}
         unknown = set(kwargs) - runner_keys - sched_keys
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        shared = {"max_model_len": self.model_info.max_model_len}
-        runner_cfg = RunnerConfig(model_dir=model, **{**{k: v for k, v in kwargs.items()
-                                                          if k in runner_keys}, **shared})
-        sched_cfg = SchedulerConfig(**{**{k: v for k, v in kwargs.items() if k in sched_keys},
-                                       **shared})
+        runner_cfg = RunnerConfig(model_dir=model, **_default_budget(kwargs),
+                                  **{k: v for k, v in kwargs.items() if k in runner_keys})
+        sched_cfg = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_keys})
         self.runner = ModelRunner(runner_cfg)
-        fixed_budget = {"num_kv_blocks", "kv_cache_bytes"} & set(kwargs)
-        num_blocks = self.runner.determine_num_blocks(
-            None if fixed_budget else gpu_memory_utilization or 0.9)
+        num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
@@ -123,3 +117,11 @@ class LLM:
             done.finish_reason = out.finish_reason
             done.stop_reason = out.stop_reason
             done.error = None if out.error is None else str(out.error)
+
+
+def _default_budget(kwargs: dict) -> dict:
+    """On CUDA with no KV budget given, a profiled 0.9 of the device, as the worker service."""
+    budgets = {"num_kv_blocks", "kv_cache_bytes", "gpu_memory_utilization"}
+    if budgets & set(kwargs) or not str(kwargs.get("device", "cpu")).startswith("cuda"):
+        return {}
+    return {"gpu_memory_utilization": 0.9}

@@ -9,7 +9,7 @@ Layouts (positional arrays keep steady-state messages tiny):
     resumed = [handle, block ids, num_computed_tokens]
 
     RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
-                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}, digest]
+                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}]
 """
 from __future__ import annotations
 
@@ -134,17 +134,17 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
 def encode_runner_output(out: RunnerOutput) -> bytes:
     top = {h: [_u32(ids), _f32(lps)] for h, (ids, lps) in out.top_logprobs.items()}
     return msgpack.packb([out.step, _u32(out.handles), _u32(out.sampled_token_ids),
-                          _f32(out.logprobs), top, out.digest], use_bin_type=True)
+                          _f32(out.logprobs), top], use_bin_type=True)
 
 
 def decode_runner_output(data: bytes) -> RunnerOutput:
     try:
-        step, handles, ids, lps, top, digest = _seq(msgpack.unpackb(
-            data, raw=False, strict_map_key=False), "RunnerOutput", 6)
+        step, handles, ids, lps, top = _seq(msgpack.unpackb(
+            data, raw=False, strict_map_key=False), "RunnerOutput", 5)
         out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
-                           _from_f32(lps), _int_map(top, "top_logprobs", _top_entry), digest)
-        if len(out.sampled_token_ids) != len(out.handles) or not isinstance(digest, bytes):
-            raise CodecError("sampled ids must match handles one to one; digest must be bytes")
+                           _from_f32(lps), _int_map(top, "top_logprobs", _top_entry))
+        if len(out.sampled_token_ids) != len(out.handles):
+            raise CodecError("sampled ids must match handles one to one")
         if out.logprobs and len(out.logprobs) != len(out.handles):
             raise CodecError("logprobs must match handles one to one")
         return out

@@ -66,5 +66,3 @@ class RunnerOutput:
     logprobs: list[float] = field(default_factory=list)
     # handle -> (token ids, logprobs) of the top alternatives, for requests that asked for them.
     top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
-    # Optional digest of the rank's sampled ids and cached state (symmetry verification).
-    digest: bytes = b""

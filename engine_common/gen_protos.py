@@ -3,6 +3,10 @@
     python -m engine_common.gen_protos            # writes deltaserve/v1/*_pb2*.py(i)
     python -m engine_common.gen_protos --out DIR  # writes DIR/deltaserve/v1/... (staleness test)
 
+Messages made of declared settings (engine_common/settings.py) are written into the .proto sources
+first, between BEGIN/END GENERATED markers (`render_declared_messages`): the declaration in
+engine_common/config.py is their one source.
+
 The sources are compiled with `-I proto`, so the modules are named after their package
 (`deltaserve.v1.generation_pb2`) and import each other absolutely; nothing is rewritten afterwards.
 
@@ -12,11 +16,15 @@ so they are generated with the oldest grpcio we deploy against (`GRPC_TOOLS_VERS
 from __future__ import annotations
 
 import argparse
+import importlib
+import re
 import subprocess
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from engine_common.settings import proto_message
 
 # The grpcio-tools release the committed stubs come from. Stubs it writes load under grpcio >= this.
 GRPC_TOOLS_VERSION = "1.84.0"
@@ -29,6 +37,12 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 # modules drop comments, so server reflection serves these to show them in `grpcurl describe`.
 DESCRIPTOR_SET_MODULE = "deltaserve/v1/descriptor_set.py"
 _BYTES_PER_LINE = 64
+# .proto file -> the messages generated into it from a config class ("module:Class").
+DECLARED_MESSAGES = {
+    "deltaserve/v1/worker.proto": (("WorkerConfig", "engine_common.config:WorkerConfig"),),
+}
+_BEGIN = "// BEGIN GENERATED {name}: `make proto` writes it from {source}."
+_END = "// END GENERATED {name}"
 
 
 class GrpcToolsVersionError(RuntimeError):
@@ -60,9 +74,37 @@ def generated_paths() -> list[str]:
     return sorted(paths + [DESCRIPTOR_SET_MODULE])
 
 
+def render_declared_messages(proto_file: str, text: str) -> str:
+    """`text` (a .proto source) with each generated block rewritten from its declarations."""
+    for name, source in DECLARED_MESSAGES.get(proto_file, ()):
+        module, cls = source.split(":")
+        body = proto_message(getattr(importlib.import_module(module), cls), name)
+        begin = _BEGIN.format(name=name, source=module.replace(".", "/") + ".py")
+        block = f"{begin}\n{body}\n{_END.format(name=name)}"
+        pattern = re.compile(rf"// BEGIN GENERATED {name}:.*?{re.escape(_END.format(name=name))}",
+                             re.S)
+        if not pattern.search(text):
+            raise ValueError(f"{proto_file} has no BEGIN/END GENERATED {name} markers")
+        text = pattern.sub(lambda _: block, text)
+    return text
+
+
+def update_proto_sources() -> None:
+    """Rewrite the generated blocks of the .proto sources where they changed."""
+    for proto_file in DECLARED_MESSAGES:
+        path = PROTO_ROOT / proto_file
+        text = path.read_text()
+        new = render_declared_messages(proto_file, text)
+        if new != text:
+            path.write_text(new)
+
+
 def generate(out_dir: Path = REPO_ROOT) -> list[Path]:
-    """Compile every .proto under PROTO_ROOT into `out_dir`; returns the files written."""
+    """Compile every .proto under PROTO_ROOT into `out_dir`; returns the files written. Writing
+    into the repository first brings the declared messages of the sources up to date."""
     check_grpc_tools()
+    if out_dir.resolve() == REPO_ROOT:
+        update_proto_sources()
     out = str(out_dir)
     _protoc(f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}")
     with tempfile.TemporaryDirectory() as tmp:

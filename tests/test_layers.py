@@ -44,7 +44,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "worker_service.sample": _COMMON + _WORKER_LEAVES + ("kernels",),
     "worker_service.runner": _COMMON + _WORKER[:7] + ("kernels",),
     "worker_service.ranks": _COMMON + _WORKER[:8],
-    "worker_service.service": _COMMON + _WORKER[:9],
+    "worker_service.service": _COMMON + _WORKER[:9] + ("deltaserve.paths",),
     "deltaserve.paths": (),
     "deltaserve.client": _COMMON,
     "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:8] + ("kernels",),

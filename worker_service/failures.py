@@ -1,15 +1,18 @@
 """Why a step or an Init failed: the failure kinds of the worker side, raised as StepFailure.
 
-Every layer of the worker (runner, rank processes, node worker) reports failures with these
-kinds; the servicer maps each kind to one StepError code and one gRPC status.
+NOTE one exception -> kind mapping (`as_failure`), applied where the exception is caught (the
+runner keeper, a rank process, the node worker); the kind travels as its value on the rank ring;
+the servicer maps each kind to one StepError code and one gRPC status (servicer.FAILURES).
 """
 from __future__ import annotations
 
 import enum
 
+from engine_common.codec import CodecError
+
 
 class FailureKind(enum.Enum):
-    """Why a step was refused or failed."""
+    """Why a step or an Init was refused or failed."""
 
     NOT_INITIALIZED = "not initialized"
     EPOCH_MISMATCH = "epoch mismatch"
@@ -20,6 +23,9 @@ class FailureKind(enum.Enum):
     EPOCH_FAILED = "epoch failed"   # an earlier step of this epoch failed
     RANK_FAILED = "rank failed"     # a rank process died or stopped answering
     SYMMETRY_DIVERGENCE = "symmetry divergence"  # ranks disagree (verify_symmetry)
+    INVALID_SETTINGS = "invalid settings"        # Init: a setting this worker refuses
+    OUT_OF_MEMORY = "out of memory"
+    UNSUPPORTED = "unsupported"     # e.g. a kernel this device cannot run
     INTERNAL = "internal"
 
 
@@ -27,3 +33,25 @@ class StepFailure(RuntimeError):
     def __init__(self, kind: FailureKind, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class StepProtocolError(RuntimeError):
+    """The diff asks for something the cached state cannot satisfy (a protocol violation)."""
+
+
+def as_failure(exc: BaseException, at_init: bool = False) -> StepFailure:
+    """The StepFailure an exception means. At Init a ValueError is a refused setting; during a
+    step it is a bug like any other exception (INTERNAL)."""
+    if isinstance(exc, StepFailure):
+        return exc
+    if isinstance(exc, CodecError):
+        return StepFailure(FailureKind.BAD_PAYLOAD, str(exc))
+    if isinstance(exc, StepProtocolError):
+        return StepFailure(FailureKind.BAD_STATE, str(exc))
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return StepFailure(FailureKind.OUT_OF_MEMORY, f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, NotImplementedError):
+        return StepFailure(FailureKind.UNSUPPORTED, f"{type(exc).__name__}: {exc}")
+    if at_init and isinstance(exc, ValueError):
+        return StepFailure(FailureKind.INVALID_SETTINGS, f"{type(exc).__name__}: {exc}")
+    return StepFailure(FailureKind.INTERNAL, f"{type(exc).__name__}: {exc}")

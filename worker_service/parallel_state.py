@@ -29,10 +29,6 @@ class TPGroup:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} is invalid: must be in [0, {self.world_size})")
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` across the group (in place when world_size > 1); returns it."""
         if self.world_size == 1:

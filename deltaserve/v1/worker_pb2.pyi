@@ -24,7 +24,17 @@ class ParallelLayout(_message.Message):
     def __init__(self, tp_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "layout", "epoch", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops")
+    __slots__ = ("config", "layout", "epoch")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    config: WorkerConfig
+    layout: ParallelLayout
+    epoch: int
+    def __init__(self, config: _Optional[_Union[WorkerConfig, _Mapping]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class WorkerConfig(_message.Message):
+    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -32,8 +42,6 @@ class InitRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SYMMETRY_FIELD_NUMBER: _ClassVar[int]
@@ -47,15 +55,13 @@ class InitRequest(_message.Message):
     block_size: int
     kv_cache_bytes: int
     gpu_memory_utilization: float
-    layout: ParallelLayout
-    epoch: int
     max_num_seqs: int
     max_num_batched_tokens: int
     verify_symmetry: bool
     enforce_eager: bool
     max_graph_batch: int
     fused_ops: bool
-    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("local_rank", "global_rank", "device_kind", "device_name", "total_memory_bytes", "free_memory_bytes", "num_kv_blocks")

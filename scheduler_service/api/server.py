@@ -1,6 +1,6 @@
 """The scheduler service process: the engine, the public API, health and reflection on one port.
 
-    build_scheduler_server(model_dir, workers, listen, options) -> SchedulerServer
+    build_scheduler_server(workers, listen, worker_config, policy, options) -> SchedulerServer
     run_scheduler(...)  blocks until SIGTERM/SIGINT, then drains and stops
 
 Engine life cycle: AsyncEngine calls `WorkerCoreFactory` until it succeeds. Each call Inits every
@@ -15,6 +15,7 @@ Torch is never imported here: this process runs where torch is not installed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass
@@ -22,9 +23,10 @@ from typing import Callable
 
 import grpc
 
-from engine_common.config import SchedulerConfig
+from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
 from engine_common.model_dir import ModelInfo
 from engine_common.protos import GENERATION_SERVICE, generation_pb2_grpc
+from engine_common.settings import AtLeast, AtLeastZero, setting, validate
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.engine_core import EngineCore
@@ -35,6 +37,7 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from scheduler_service.workers.worker_spec import DEFAULT_DIST_PORT
 
 log = logging.getLogger(__name__)
 
@@ -45,30 +48,16 @@ _CONNECT_TIMEOUT_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
-class EngineOptions:
-    """Scheduler and worker settings of one replica (the CLI's engine flags).
+class ServerOptions:
+    """The scheduler process's own settings (the engine's are SchedulerConfig and WorkerConfig)."""
 
-    kv_cache_bytes / gpu_memory_utilization: the KV budget per device; None lets the worker pick
-    its default. max_model_len None: the model's max_position_embeddings.
-    """
+    grace_period_s: float = setting(10.0, "seconds open streams may finish after SIGTERM/SIGINT",
+                                    rule=AtLeastZero(), flag="--grace-period")
+    dist_port: int = setting(DEFAULT_DIST_PORT, "with several workers: the torch.distributed "
+                             "rendezvous port on node 0's host", rule=AtLeast(1, 65535))
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_waiting: int = 1024
-    enable_prefix_caching: bool = True
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    dtype: str = "auto"
-    attention_backend: str = "auto"
-    grace_period_s: float = 10.0
-    dist_port: int = 29500          # torch.distributed rendezvous on node 0 (several workers)
-    verify_symmetry: bool = False   # every rank digests its state each step
-    enforce_eager: bool = False     # no decode CUDA graphs
-    max_graph_batch: int = 512      # largest decode batch captured as a CUDA graph
-    fused_ops: bool = False         # fused Triton RMSNorm and rope (CUDA)
-    async_scheduling: bool = False  # two steps in flight (see SchedulerConfig)
+    def __post_init__(self):
+        validate(self)
 
 
 class WorkerCoreFactory:
@@ -157,29 +146,23 @@ class SchedulerServer:
         return True
 
 
-def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
-                           options: EngineOptions = EngineOptions()) -> SchedulerServer:
-    """Everything of the scheduler service, wired and bound to `listen` but not started."""
-    info = ModelInfo.from_dir(model_dir, options.max_model_len)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    config = SchedulerConfig(
-        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-        max_model_len=info.max_model_len, block_size=options.block_size,
-        enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
-        async_scheduling=options.async_scheduling)
-    spec = InitSpec(
-        model_dir=str(model_dir), dtype=options.dtype, attention_backend=options.attention_backend,
-        max_model_len=info.max_model_len, block_size=options.block_size,
-        kv_cache_bytes=options.kv_cache_bytes,
-        gpu_memory_utilization=options.gpu_memory_utilization,
-        max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-        dist_port=options.dist_port, verify_symmetry=options.verify_symmetry,
-        enforce_eager=options.enforce_eager, max_graph_batch=options.max_graph_batch,
-        fused_ops=options.fused_ops)
+def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig,
+                           policy: SchedulerConfig | None = None,
+                           options: ServerOptions = ServerOptions()) -> SchedulerServer:
+    """Everything of the scheduler service, wired and bound to `listen` but not started.
+
+    The batch limits (BatchLimits fields) are the worker config's, for both sides: `policy`
+    contributes only its own fields (waiting queue, prefix caching, async scheduling)."""
+    info = ModelInfo.from_dir(worker.model_dir, worker.max_model_len)
+    tokenizer = Tokenizer.from_dir(worker.model_dir)
+    worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
+    config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
+                                 **limits_of(worker))
+    spec = InitSpec(worker, dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
     factory = WorkerCoreFactory(client, spec, config, tokenizer)
     engine = AsyncEngine(factory, idle_check=factory.check_health)
-    served = ServedModel(info=info, tokenizer=tokenizer, block_size=options.block_size,
+    served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
                          num_workers=len(workers))
 
     server = grpc.aio.server(options=_SERVER_OPTIONS)
@@ -195,8 +178,9 @@ def build_scheduler_server(model_dir: str, workers: list[str], listen: str,
     return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s)
 
 
-async def serve_scheduler(model_dir: str, workers: list[str], listen: str,
-                          options: EngineOptions = EngineOptions(),
+async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
+                          policy: SchedulerConfig | None = None,
+                          options: ServerOptions = ServerOptions(),
                           on_ready: Callable[[SchedulerServer], None] | None = None,
                           should_stop: Callable[[], str | None] | None = None,
                           exit_on_refusal: bool = False) -> int:
@@ -204,7 +188,7 @@ async def serve_scheduler(model_dir: str, workers: list[str], listen: str,
     (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
     refuse the first Init's settings); then drain and stop. Returns an exit code: 0, 1 when
     `should_stop` stopped it, 2 when the workers refused the settings."""
-    app = build_scheduler_server(model_dir, workers, listen, options)
+    app = build_scheduler_server(workers, listen, worker, policy, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -249,8 +233,9 @@ async def _watch(app: SchedulerServer, stop: asyncio.Event,
         await asyncio.sleep(0.1)
 
 
-def run_scheduler(model_dir: str, workers: list[str], listen: str,
-                  options: EngineOptions = EngineOptions(),
+def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
+                  policy: SchedulerConfig | None = None,
+                  options: ServerOptions = ServerOptions(),
                   on_ready: Callable[[SchedulerServer], None] | None = None,
                   should_stop: Callable[[], str | None] | None = None,
                   exit_on_refusal: bool = False) -> int:
@@ -259,7 +244,7 @@ def run_scheduler(model_dir: str, workers: list[str], listen: str,
                         "%(message)s")
     if on_ready is None:
         on_ready = _print_ready(listen)
-    return asyncio.run(serve_scheduler(model_dir, workers, listen, options, on_ready,
+    return asyncio.run(serve_scheduler(workers, listen, worker, policy, options, on_ready,
                                        should_stop, exit_on_refusal))
 
 

@@ -30,6 +30,3 @@ class HandleAllocator:
             raise ValueError(f"handle {handle} released but not in use")
         self._in_use.remove(handle)
         heapq.heappush(self._released, handle)
-
-    def in_use(self, handle: int) -> bool:
-        return handle in self._in_use

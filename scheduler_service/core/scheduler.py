@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 
 from engine_common.config import SchedulerConfig
+from engine_common.params import ParamError
 from engine_common.diff import RunnerOutput, SchedulerOutput
 from scheduler_service.core.admission import QueueFull, RequestRejected, check_admission
 from scheduler_service.core.handles import HandleAllocator
@@ -50,6 +51,8 @@ class Scheduler:
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # A request never holds more tokens than fit in the whole cache.
+        if config.max_model_len is None:
+            raise ParamError("max_model_len", None, "set: the scheduler needs the model's limit")
         self.max_len = min(config.max_model_len, num_blocks * config.block_size)
         self._rng = rng or random.SystemRandom()
         self._handles = HandleAllocator()
@@ -273,10 +276,6 @@ class Scheduler:
     def has_finished_to_send(self) -> bool:
         """Finished handles the workers have not been told about yet (sent with the next diff)."""
         return bool(self._finished_handles)
-
-    def get_request(self, request_id: str) -> Request | None:
-        """An unfinished request by id (finished ones are forgotten)."""
-        return self._requests.get(request_id)
 
     @property
     def kv_cache_usage(self) -> float:

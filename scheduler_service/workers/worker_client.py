@@ -28,6 +28,7 @@ import grpc
 
 from engine_common.params import ParamError
 from engine_common.protos import worker_pb2, worker_pb2_grpc
+from engine_common.settings import to_proto
 from scheduler_service.errors import WorkerFailure, WorkerRefused
 from scheduler_service.workers.group_plan import plan_group
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
@@ -90,7 +91,7 @@ class WorkerClient:
                  for node, stub in enumerate(self._stubs)]
         replies = self._all_results(calls, "Init")
         self._force_new_group = False
-        self.verify_symmetry = spec.verify_symmetry
+        self.verify_symmetry = spec.config.verify_symmetry
         self._start_epoch(epoch)
         devices = tuple(_device(d, addr, node) for node, (addr, r) in
                         enumerate(zip(self.addresses, replies)) for d in r.devices)
@@ -241,18 +242,8 @@ def _new_epoch() -> int:
 
 def _init_request(spec: InitSpec, epoch: int,
                   layout: worker_pb2.ParallelLayout) -> worker_pb2.InitRequest:
-    req = worker_pb2.InitRequest(
-        model_dir=spec.model_dir, dtype=spec.dtype,
-        attention_backend="" if spec.attention_backend == "auto" else spec.attention_backend,
-        max_model_len=spec.max_model_len, block_size=spec.block_size, epoch=epoch,
-        max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-        verify_symmetry=spec.verify_symmetry, layout=layout,
-        enforce_eager=spec.enforce_eager, max_graph_batch=spec.max_graph_batch,
-        fused_ops=spec.fused_ops)
-    if spec.kv_cache_bytes is not None:
-        req.kv_cache_bytes = spec.kv_cache_bytes
-    elif spec.gpu_memory_utilization is not None:
-        req.gpu_memory_utilization = spec.gpu_memory_utilization
+    req = worker_pb2.InitRequest(epoch=epoch, layout=layout)
+    to_proto(spec.config, req.config)
     return req
 
 

@@ -25,7 +25,8 @@ from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
 from scheduler_service.api.server import WorkerCoreFactory
-from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from scheduler_service.workers.worker_client import WorkerClient
+from tests.support.init_specs import init_spec
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
                                         greedy_request, pb, server_status, wait_for, wait_ready)
 
@@ -140,7 +141,7 @@ def test_step_timeout_mid_pipeline_then_a_clean_epoch(tiny_models, tmp_path):
     client = WorkerClient([f"127.0.0.1:{port}"], connect_timeout_s=2.0, step_timeout_s=12.0)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=1024,
                              block_size=16, async_scheduling=True)
-    spec = InitSpec(model_dir=model, max_model_len=1024, block_size=16, max_num_seqs=4,
+    spec = init_spec(model, max_model_len=1024, block_size=16, max_num_seqs=4,
                     max_num_batched_tokens=32, kv_cache_bytes=1 << 20)
     engine = AsyncEngine(WorkerCoreFactory(client, spec, config, Tokenizer.from_dir(model)))
     eos = ModelInfo.from_dir(model).eos_token_ids

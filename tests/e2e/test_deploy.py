@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from deltaserve.cli import build_parser
+from scheduler_service.api.engine_flags import engine_settings
 from engine_common.protos import GENERATION_SERVICE, WORKER_SERVICE
 from tests.support.grpc_harness import GRPCURL, REPO, SMALL_KV_GIB, child_env, free_port, wait_for
 
@@ -221,10 +222,12 @@ def test_scheduler_args_name_the_workers_and_fit_the_pod(k8s, tmp_path):
     assert args.workers.split(",") == [f"{name}-{i}.{service}:{worker_port}"
                                        for i in range(sts["spec"]["replicas"])]
     assert _listen_port(args.listen) == _port(ctr, "grpc")
-    assert args.dist_port == _port(wctr, "rendezvous")
-    assert any(p["port"] == args.dist_port for p in k8s[f"Service/{service}"]["spec"]["ports"])
+    server = engine_settings(args, args.model).server
+    assert server.dist_port == _port(wctr, "rendezvous")
+    assert any(p["port"] == server.dist_port for p in k8s[f"Service/{service}"]["spec"]["ports"])
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.grace_period
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > \
+        server.grace_period_s
     assert GPU not in str(ctr["resources"])
     # The scheduler sends its --model path to the workers: same volume, same mount path.
     volumes = [{v["name"]: v for v in o["spec"]["template"]["spec"]["volumes"]} for o in (sts, dep)]
@@ -302,9 +305,10 @@ class Block:
             raise ImportError(f"{name} is not in the scheduler image")
 sys.meta_path.insert(0, Block())
 from deltaserve.cli import build_parser
+from engine_common.config import WorkerConfig
 from scheduler_service.api.server import build_scheduler_server
 build_parser().parse_args(["scheduler", "--model", MODEL, "--workers", "127.0.0.1:9"])
-build_scheduler_server(MODEL, ["127.0.0.1:9"], "127.0.0.1:0")
+build_scheduler_server(["127.0.0.1:9"], "127.0.0.1:0", WorkerConfig(model_dir=MODEL))
 new = {m.split(".")[0] for m in set(sys.modules) - before}
 # Top-level modules with a file (a Cython runtime module, for one, has none).
 print(json.dumps(sorted(m for m in new if getattr(sys.modules.get(m), "__file__", None))))

@@ -1,6 +1,6 @@
 """A step or control call that only some ranks answer must fail, never count as a success.
 
-Real rank processes (gloo on CPU) behind an in-process RankGroupWorker: rank 1 is stopped with
+Real rank processes (gloo on CPU) behind a RankGroup driven by a NodeWorker: rank 1 is stopped with
 SIGSTOP after Init, so rank 0 answers a Reset (no collective) and rank 1 never does.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from worker_service.config import RunnerConfig
+from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import StepFailure
-from worker_service.service.node_worker import NodeLayout
-from worker_service.service.rank_group_worker import RankGroupOptions, RankGroupWorker
+from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
+from worker_service.service.node_worker import NodeWorker
 
 
 def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
@@ -29,14 +29,14 @@ def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
 
 def test_reply_missing_from_one_rank_fails_the_call(tiny_models):
     layout = NodeLayout(tp_size=2, num_local_ranks=2)
-    worker = RankGroupWorker("cpu", layout, RankGroupOptions(control_timeout_s=1.5))
-    config = RunnerConfig(tiny_models("qwen3"), num_kv_blocks=32, max_num_seqs=4,
+    worker = NodeWorker(RankGroup("cpu", layout, RankGroupOptions(control_timeout_s=1.5)), layout)
+    config = RunnerConfig(model_dir=tiny_models("qwen3"), num_kv_blocks=32, max_num_seqs=4,
                           max_num_batched_tokens=64)
     victim = None
     try:
         worker.init(config, layout, epoch=1)
         assert worker.reset(epoch=2) == 0       # both ranks answer
-        victim = worker._ranks.pids[1]
+        victim = worker.ranks.rank_set.pids[1]
         os.kill(victim, signal.SIGSTOP)
         _wait_stopped(victim)
         t0 = time.monotonic()

@@ -18,6 +18,7 @@ from engine_common.params import SamplingParams, WorkerSamplingParams
 from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from scheduler_service.errors import WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from tests.support.init_specs import init_spec
 from tests.support.paths import REPO
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [2, 71, 82, 81]]
@@ -26,13 +27,14 @@ KV_BYTES = 1 << 20
 
 
 class WorkerProcess:
-    """`python -m worker_service.service.server` on a free loopback port; logs go to files."""
+    """`deltaserve worker` on a free loopback port; logs go to files."""
 
     def __init__(self, log_dir: Path, listen: str = "127.0.0.1:0"):
         self.out_path, self.err_path = log_dir / "worker.out", log_dir / "worker.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "worker_service.service.server", "--listen", listen],
+                [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
+                 "--device", "cpu"],
                 cwd=REPO, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.address = self._wait_listening(timeout_s=120)
 
@@ -92,7 +94,7 @@ def client(shared_worker):
 def _spec(model_dir: str, **overrides) -> InitSpec:
     args = dict(model_dir=model_dir, dtype="float32", block_size=4, kv_cache_bytes=KV_BYTES,
                 max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    return InitSpec(**{**args, **overrides})
+    return init_spec(**{**args, **overrides})
 
 
 def _diffs(block_size: int = 4) -> list[SchedulerOutput]:
@@ -344,12 +346,13 @@ sys.meta_path.insert(0, NoTorch())
 from engine_common.codec import decode_runner_output, encode_scheduler_output
 from engine_common.diff import NewRequestData, SchedulerOutput
 from engine_common.params import SamplingParams, WorkerSamplingParams
+from engine_common.config import WorkerConfig
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 
 address, model_dir = sys.argv[1:3]
 client = WorkerClient([address])
-client.init(InitSpec(model_dir=model_dir, kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4,
-                     max_num_batched_tokens=64, max_model_len=64))
+client.init(InitSpec(WorkerConfig(model_dir=model_dir, kv_cache_bytes=1 << 20, block_size=4,
+                                  max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)))
 diff = SchedulerOutput(step=0, num_scheduled_tokens={0: 3}, new_requests=[NewRequestData(
     0, [5, 6, 7], WorkerSamplingParams(SamplingParams(), seed=0), [0], 0)])
 out = decode_runner_output(client.execute(encode_scheduler_output(diff)))

@@ -23,6 +23,7 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from tests.support.init_specs import init_spec
 from tests.support.paths import REPO
 
 BLOCK_SIZE = 4
@@ -38,14 +39,15 @@ def free_port() -> int:
 
 
 class WorkerNode:
-    """`python -m worker_service.service.server` for one node; stdout/stderr go to files."""
+    """`deltaserve worker` for one node; stdout/stderr go to files."""
 
     def __init__(self, log_dir: Path, *, local_ranks: int, node_rank: int = 0, nodes: int = 1,
                  env: dict | None = None):
         self.name = f"node{node_rank}"
         self.out_path = log_dir / f"{self.name}.out"
         self.err_path = log_dir / f"{self.name}.err"
-        cmd = [sys.executable, "-m", "worker_service.service.server", "--listen", "127.0.0.1:0",
+        cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", "127.0.0.1:0",
+               "--device", "cpu",
                "--local-ranks", str(local_ranks), "--node-rank", str(node_rank),
                "--nodes", str(nodes), "--dist-timeout", "60", "--rank-step-timeout", "60"]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
@@ -135,7 +137,7 @@ class Cluster:
     def spec(self, model_dir: str, **overrides) -> InitSpec:
         args = dict(model_dir=model_dir, dtype="float32", block_size=BLOCK_SIZE,
                     kv_cache_bytes=KV_BYTES, dist_port=self.dist_port, **LIMITS)
-        return InitSpec(**{**args, **overrides})
+        return init_spec(**{**args, **overrides})
 
     def logs(self) -> str:
         return "\n".join(f"--- {n.name} ({n.address}):\n{n.log_tail()}" for n in self.nodes)

@@ -1,17 +1,23 @@
-"""The messages between a worker service and its rank processes, as msgpack (never pickle).
+"""The messages between a worker service and its rank processes (msgpack, never pickle).
 
-Worker -> every rank, on the shared-memory broadcast ring, one msgpack array per message:
+A step's diff and a step's RunnerOutput travel as they came, raw after a small header: the ring
+adds no second envelope around the bytes the Step RPC carried.
 
-    ["configure", {RunnerConfig fields}, gpu_memory_utilization | None]
+Worker -> every rank, on the shared-memory broadcast ring:
+
+    0x01, verify (1 byte), diff bytes ...     "step": run one diff; verify: return the digest too
+    msgpack ["configure", {RunnerConfig fields}]
         join the process group (first time only), load or keep the model, measure the KV blocks
-    ["allocate", num_kv_blocks]     drop cached requests, (re)allocate the KV cache
-    ["reset"]                       drop cached requests
-    ["step", payload bytes, verify] run one diff; verify: also return the state digest
-    ["stop"]                        leave the loop and exit
+    msgpack ["allocate", num_kv_blocks]     drop cached requests, (re)allocate the KV cache
+    msgpack ["reset"]                       drop cached requests
+    msgpack ["stop"]                        leave the loop and exit
+
+(A msgpack array never starts with byte 0x01, so the first byte tells the two forms apart.)
 
 Rank r -> worker, on reply ring r, exactly one reply per message:
 
-    [error kind | None, message, payload bytes, digest bytes | None, info map]
+    header length (4 bytes, little endian), msgpack header, payload bytes ...
+    header = [error kind | None, message, digest bytes | None, info map]
 
 `error kind` is a FailureKind value; `payload` is the encoded RunnerOutput from the output rank
 (global rank 0) of a step, b"" from the others; `info` carries configure's measurements.
@@ -19,44 +25,49 @@ Rank r -> worker, on reply ring r, exactly one reply per message:
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import dataclass, field
 
 import msgpack
 
-from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
 
 CONFIGURE, ALLOCATE, RESET, STEP, STOP = "configure", "allocate", "reset", "step", "stop"
 COMMANDS = (CONFIGURE, ALLOCATE, RESET, STEP, STOP)
+_STEP_TAG = 0x01
+_HEADER_LEN = struct.Struct("<I")
 
 
 class RankMessageError(ValueError):
     """A message on a rank ring does not have the documented shape."""
 
 
+def encode_step(payload: bytes, verify: bool) -> bytes:
+    return bytes((_STEP_TAG, int(verify))) + payload
+
+
 def encode_command(name: str, *args) -> bytes:
-    if name not in COMMANDS:
-        raise RankMessageError(f"command={name!r} is invalid: must be one of {COMMANDS}")
+    """A control command (not "step": see encode_step)."""
+    if name not in COMMANDS or name == STEP:
+        raise RankMessageError(f"command={name!r} is invalid: must be one of "
+                               f"{tuple(c for c in COMMANDS if c != STEP)}")
     return msgpack.packb([name, *args], use_bin_type=True)
 
 
 def decode_command(data: bytes) -> tuple[str, list]:
+    """(name, args); a step's args are [diff bytes, verify]."""
+    if data[:1] == bytes((_STEP_TAG,)):
+        if len(data) < 2:
+            raise RankMessageError("a step command without its verify byte")
+        return STEP, [data[2:], bool(data[1])]
     try:
         msg = msgpack.unpackb(data, raw=False)
     except Exception as e:
         raise RankMessageError(f"undecodable rank command: {e}") from e
-    if not isinstance(msg, list) or not msg or msg[0] not in COMMANDS:
+    if not isinstance(msg, list) or not msg or msg[0] not in COMMANDS or msg[0] == STEP:
         raise RankMessageError(f"rank command {msg!r:.80} is not [name, *args] with a name in "
                                f"{COMMANDS}")
     return msg[0], msg[1:]
-
-
-def config_to_wire(config: RunnerConfig) -> dict:
-    return dataclasses.asdict(config)
-
-
-def config_from_wire(data: dict) -> RunnerConfig:
-    return RunnerConfig(**data)
 
 
 @dataclass(frozen=True)
@@ -75,16 +86,18 @@ class RankReply:
 
 
 def encode_reply(reply: RankReply) -> bytes:
-    return msgpack.packb([reply.kind, reply.message, reply.payload, reply.digest, reply.info],
-                         use_bin_type=True)
+    header = msgpack.packb([reply.kind, reply.message, reply.digest, reply.info],
+                           use_bin_type=True)
+    return _HEADER_LEN.pack(len(header)) + header + reply.payload
 
 
 def decode_reply(data: bytes) -> RankReply:
     try:
-        kind, message, payload, digest, info = msgpack.unpackb(data, raw=False)
+        (size,) = _HEADER_LEN.unpack_from(data)
+        kind, message, digest, info = msgpack.unpackb(data[4:4 + size], raw=False)
     except Exception as e:
         raise RankMessageError(f"undecodable rank reply: {e}") from e
-    return RankReply(kind, message, payload, digest, info)
+    return RankReply(kind, message, data[4 + size:], digest, info)
 
 
 def device_to_wire(d: DeviceDescription) -> dict:

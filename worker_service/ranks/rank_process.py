@@ -15,7 +15,6 @@ sampled), which symmetry verification must then report. Never set it in producti
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -23,13 +22,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-from engine_common.codec import encode_runner_output
 from engine_common.diff import RunnerOutput
+from engine_common.settings import from_wire
+from worker_service.config import RunnerConfig
 from worker_service.device_info import describe_device
-from worker_service.failures import FailureKind, StepFailure
+from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, STOP, RankReply,
-                                           config_from_wire, decode_command, device_to_wire,
-                                           encode_reply)
+                                           decode_command, device_to_wire, encode_reply)
 from worker_service.ranks.shm_ring import (RingClosed, RingError, RingHandle, RingTimeout,
                                            ShmBroadcastRing)
 from worker_service.runner.runner_keeper import RunnerKeeper
@@ -125,17 +124,6 @@ def _leave_group() -> None:
 
 # -- the command loop -----------------------------------------------------------------------------
 
-def exception_kind(e: BaseException) -> str:
-    """The family of an Init-time exception, so the worker can re-raise it with the same gRPC
-    meaning (servicer.status_for): ValueError, MemoryError, NotImplementedError or RuntimeError."""
-    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
-        return "MemoryError"
-    for family in (ValueError, NotImplementedError):
-        if isinstance(e, family):
-            return family.__name__
-    return "RuntimeError"
-
-
 class RankLoop:
     """One rank's command handler. `corrupt` (test-only) damages the cached state once."""
 
@@ -143,7 +131,7 @@ class RankLoop:
         self.spec = spec
         self.replies = replies
         self.corrupt = corrupt
-        self.host: RunnerKeeper | None = None
+        self.keeper: RunnerKeeper | None = None
 
     def serve(self, next_command: Callable[[], bytes | None]) -> bool:
         """Answer commands until "stop" (returns True) or the end of input (False)."""
@@ -164,26 +152,25 @@ class RankLoop:
             if name == CONFIGURE:
                 return self._configure(*args)
             if name == ALLOCATE:
-                self.host.allocate(int(args[0]))
+                self.keeper.allocate(int(args[0]))
                 return RankReply()
             if name == RESET:
-                return RankReply(info={"dropped": self.host.reset() if self.host else 0})
+                return RankReply(info={"dropped": self.keeper.drop_requests() if self.keeper else 0})
             if name == STEP:
                 return self._step(*args)
             raise ValueError(f"bad rank command: {args[0] if args else name!r}")
-        except StepFailure as e:
-            return RankReply(e.kind.value, str(e))
-        except Exception as e:  # reported to the worker, which decides what it means
-            log.exception("rank %d: %s failed", self.spec.global_rank, name)
-            return RankReply(FailureKind.INTERNAL.value, f"{type(e).__name__}: {e}",
-                             info={"exception": exception_kind(e)})
+        except Exception as e:  # reported to the worker as its kind
+            failure = as_failure(e, at_init=name == CONFIGURE)
+            if failure.kind == FailureKind.INTERNAL:
+                log.exception("rank %d: %s failed", self.spec.global_rank, name)
+            return RankReply(failure.kind.value, str(failure))
 
-    def _configure(self, config_wire: dict, gpu_memory_utilization: float | None) -> RankReply:
-        if self.host is None:
-            self.host = RunnerKeeper(self.spec.device, join_group(self.spec))
-        config = dataclasses.replace(config_from_wire(config_wire), device=self.spec.device)
-        prepared = self.host.prepare(config, gpu_memory_utilization)
-        summary = self.host.summary()
+    def _configure(self, config_wire: dict) -> RankReply:
+        if self.keeper is None:
+            self.keeper = RunnerKeeper(self.spec.device, join_group(self.spec))
+        config = from_wire(RunnerConfig, {**config_wire, "device": self.spec.device})
+        prepared = self.keeper.prepare(config)
+        summary = self.keeper.model_summary()
         return RankReply(info={
             "num_kv_blocks": prepared.num_kv_blocks, "kv_block_bytes": prepared.kv_block_bytes,
             "model_reloaded": prepared.model_reloaded, "pid": os.getpid(),
@@ -191,20 +178,17 @@ class RankLoop:
             "device": device_to_wire(describe_device(self.spec.device))})
 
     def _step(self, payload: bytes, verify: bool) -> RankReply:
-        if self.host is None or not self.host.ready:
+        if self.keeper is None:
             raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
-        out = self.host.execute(payload)
-        if self.corrupt:
-            self._corrupt(out)
-        digest = self.host.runner.state_digest(out) if verify else None
-        data = encode_runner_output(out) if self.spec.global_rank == 0 else b""
-        return RankReply(payload=data, digest=digest)
+        reply = self.keeper.run_step(payload, verify, self.spec.global_rank == 0,
+                                     self._corrupt if self.corrupt else None)
+        return RankReply(payload=reply.payload, digest=reply.digest)
 
     def _corrupt(self, out: RunnerOutput) -> None:
         """Test-only: change the token this rank just sampled for one request, in its cache."""
         if not out.handles:
             return
-        runner, handle = self.host.runner, out.handles[0]
+        runner, handle = self.keeper.runner, out.handles[0]
         row = runner.batch.handle_to_row[handle]
         last = int(runner.batch.num_tokens[row]) - 1
         token = (int(runner.batch.token_ids[row, last]) + 1) % runner.vocab_size

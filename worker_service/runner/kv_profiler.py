@@ -108,14 +108,6 @@ def profile_kv_memory(run_warmup: Callable[[], Any], kv_block_bytes: int,
                            graph_reserve, kv_block_bytes)
 
 
-def profile_num_kv_blocks(run_warmup: Callable[[], Any], kv_block_bytes: int,
-                          gpu_memory_utilization: float, device: torch.device | str,
-                          run_graph_warmup: Callable[[], Any] | None = None) -> int:
-    """profile_kv_memory(...).num_blocks."""
-    return profile_kv_memory(run_warmup, kv_block_bytes, gpu_memory_utilization, device,
-                             run_graph_warmup).num_blocks
-
-
 def _release(device: torch.device | str) -> None:
     gc.collect()
     torch.cuda.synchronize(device)

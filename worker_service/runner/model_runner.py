@@ -30,7 +30,8 @@ from worker_service.sample.sampler import Sampler
 from worker_service.runner.sampling_inputs import build_sampling_metadata
 from worker_service.sample.sampling_metadata import worst_case_sampling_metadata
 from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
-from worker_service.runner.step_inputs import StepInputs, StepProtocolError, prepare_step_inputs
+from worker_service.failures import StepProtocolError
+from worker_service.runner.step_inputs import StepInputs, prepare_step_inputs
 from worker_service.runner.token_readback import PendingStep, SampledTokens, TokenReadback
 
 log = logging.getLogger(__name__)
@@ -82,14 +83,15 @@ class ModelRunner:
     def model_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def determine_num_blocks(self, gpu_memory_utilization: float | None = None) -> int:
+    def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
         profiled share of the device (call with no cache allocated); else the byte budget."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if gpu_memory_utilization is None or self.device.type != "cuda":
-            return cpu_num_kv_blocks(self.config.kv_cache_bytes, self.kv_block_bytes)
-        profile = self.profile_kv_memory(gpu_memory_utilization)
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.gpu_memory_utilization is None or self.device.type != "cuda":
+            return cpu_num_kv_blocks(config.kv_budget_bytes, self.kv_block_bytes)
+        profile = self.profile_kv_memory(config.gpu_memory_utilization)
         log.info("KV memory on %s: %s", self.device, profile)
         return profile.num_blocks
 

@@ -1,8 +1,9 @@
-"""One rank's model runner and KV cache: load or keep, size, allocate, execute.
+"""One rank's model runner and KV cache: load or keep, size, allocate, run steps.
 
-Used by the in-process InProcessWorker and by every rank process alike. Rules:
+Every rank process keeps one; a worker service with a single rank in all uses one directly as
+its Ranks (rank_api.py). Rules:
 - `prepare` keeps a loaded model when the model, dtype, backend, device, lengths and batch sizes
-  are unchanged (a restarted scheduler); only the KV budget may differ.
+  are unchanged (a restarted scheduler); only the KV budget and verify_symmetry may differ.
 - The block count comes from the KV budget: a byte budget (CPU, or a fixed cache on CUDA), or the
   fraction of the device the rank may use in all, measured on the rank's own device after the
   weights are loaded (CUDA). The caller allocates (possibly fewer: the minimum over ranks).
@@ -12,35 +13,24 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from dataclasses import dataclass
+from typing import Callable
 
-from engine_common.codec import CodecError
+import torch
+
+from engine_common.codec import encode_runner_output
 from engine_common.diff import RunnerOutput
-from worker_service.config import RunnerConfig
-from worker_service.runner.model_runner import ModelRunner
-from worker_service.failures import FailureKind, StepFailure
+from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.device_info import DeviceDescription, describe_device
+from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.parallel_state import TPGroup
-from worker_service.runner.step_inputs import StepProtocolError
+from worker_service.runner.model_runner import ModelRunner
+from worker_service.runner.rank_api import InitOutcome, ModelSummary, StepReply
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class ModelSummary:
-    """What a worker has loaded, for Info."""
-
-    model_dir: str
-    attention_backend: str
-    dtype: str              # e.g. "float32"
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What `prepare` found: the blocks this rank could hold and whether it (re)loaded."""
-
-    num_kv_blocks: int
-    kv_block_bytes: int
-    model_reloaded: bool
+# Fields that may change without a reload: the KV budget and symmetry verification.
+_RELOAD_FREE = {"kv_cache_bytes": None, "gpu_memory_utilization": None, "num_kv_blocks": None,
+                "verify_symmetry": False}
 
 
 class RunnerKeeper:
@@ -53,14 +43,15 @@ class RunnerKeeper:
         self.num_kv_blocks = 0
         self.num_model_loads = 0
 
-    def prepare(self, config: RunnerConfig, gpu_memory_utilization: float | None) -> Prepared:
+    # -- building blocks (a rank process calls these one by one) ---------------------------------
+
+    def prepare(self, config: RunnerConfig) -> InitOutcome:
         """Load (or keep) the model and measure how many KV blocks this rank can hold."""
         reloaded = not self._can_keep(config)
         if reloaded:
             self._load(config)
         self.runner.config = config  # same load key; records the KV budget now in force
-        num_blocks = self._num_blocks(gpu_memory_utilization)
-        return Prepared(num_blocks, self.runner.kv_block_bytes, reloaded)
+        return InitOutcome(self._num_blocks(), self.runner.kv_block_bytes, reloaded)
 
     def allocate(self, num_blocks: int) -> None:
         """Drop cached requests; (re)allocate the KV cache when its size changes."""
@@ -70,27 +61,66 @@ class RunnerKeeper:
             self.runner.init_kv_cache(num_blocks)
             self.num_kv_blocks = num_blocks
 
-    def reset(self) -> int:
-        """Drop every cached request; returns how many there were."""
+    def run_step(self, payload: bytes, verify: bool, output_rank: bool,
+                 inspect: Callable[[RunnerOutput], None] | None = None) -> StepReply:
+        """Run one encoded diff: the one step function of an in-process rank and of a rank
+        process alike. Every failure becomes a StepFailure of the right kind. `inspect` sees the
+        output before it is digested (the test-only corruption of a rank process)."""
+        if self.runner is None or not self.ready:
+            raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
+        try:
+            out = self.runner.execute(payload)
+        except Exception as e:
+            failure = as_failure(e)
+            if failure.kind == FailureKind.INTERNAL:   # a model, device or collective failure
+                log.exception("step failed")
+            raise failure from e
+        if inspect is not None:
+            inspect(out)
+        digest = self.runner.state_digest(out) if verify else None
+        return StepReply(encode_runner_output(out) if output_rank else b"", digest)
+
+    @property
+    def ready(self) -> bool:
+        return self.runner is not None and self.num_kv_blocks > 0
+
+    # -- Ranks: the in-process form (tp_size 1) --------------------------------------------------
+
+    def load(self, config: RunnerConfig, layout: NodeLayout) -> InitOutcome:
+        if layout.tp_size != 1:
+            raise ValueError(f"layout.tp_size={layout.tp_size} is invalid for one in-process "
+                             "rank: must be 1")
+        outcome = self.prepare(config)
+        self.allocate(outcome.num_kv_blocks)
+        return outcome
+
+    def drop_requests(self) -> int:
         if self.runner is None:
             return 0
         dropped = len(self.runner.requests)
         self.runner.reset()
         return dropped
 
-    def execute(self, payload: bytes) -> RunnerOutput:
-        """Run one encoded diff; every failure becomes a StepFailure of the right kind."""
-        try:
-            return self.runner.execute(payload)
-        except CodecError as e:
-            raise StepFailure(FailureKind.BAD_PAYLOAD, str(e)) from e
-        except StepProtocolError as e:
-            raise StepFailure(FailureKind.BAD_STATE, str(e)) from e
-        except Exception as e:  # a model, device or collective failure
-            log.exception("step failed")
-            raise StepFailure(FailureKind.INTERNAL, f"{type(e).__name__}: {e}") from e
+    def interrupt(self) -> None:
+        """Nothing waits outside the step itself in one process."""
 
-    def summary(self) -> ModelSummary | None:
+    def close(self) -> None:
+        """Nothing to release beyond the runner, which goes with the process."""
+
+    def set_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """An in-process rank cannot die on its own."""
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.runner is None:
+            return False, "not initialized"
+        if self.num_kv_blocks == 0:
+            return False, "KV cache not allocated"
+        return True, ""
+
+    def describe_devices(self) -> list[DeviceDescription]:
+        return [describe_device(self.device)]
+
+    def model_summary(self) -> ModelSummary | None:
         r = self.runner
         if r is None:
             return None
@@ -98,17 +128,16 @@ class RunnerKeeper:
                             str(r.model_dtype).removeprefix("torch."))
 
     @property
-    def ready(self) -> bool:
-        return self.runner is not None and self.num_kv_blocks > 0
+    def group_id(self) -> str:
+        return ""
 
     # -- helpers --------------------------------------------------------------------------------
 
     def _can_keep(self, config: RunnerConfig) -> bool:
         if self.runner is None or not self.runner.kv_caches:
             return False
-        budget_free = {"kv_cache_bytes": 1, "num_kv_blocks": None}
-        return (dataclasses.replace(self.runner.config, **budget_free)
-                == dataclasses.replace(config, **budget_free))
+        return (dataclasses.replace(self.runner.config, **_RELOAD_FREE)
+                == dataclasses.replace(config, **_RELOAD_FREE))
 
     def _load(self, config: RunnerConfig) -> None:
         self._release()
@@ -123,17 +152,16 @@ class RunnerKeeper:
         self.runner, self.num_kv_blocks = None, 0
         gc.collect()
         if self.device.startswith("cuda"):
-            import torch
             torch.cuda.empty_cache()
 
-    def _num_blocks(self, gpu_memory_utilization: float | None) -> int:
-        if gpu_memory_utilization is not None and self.device.startswith("cuda"):
+    def _num_blocks(self) -> int:
+        profiled = self.runner.config.gpu_memory_utilization is not None
+        if profiled and self.device.startswith("cuda"):
             self._free_kv_cache()  # the current cache does not count as used when profiling
-        return self.runner.determine_num_blocks(gpu_memory_utilization)
+        return self.runner.determine_num_blocks()
 
     def _free_kv_cache(self) -> None:
         self.runner.free_kv_cache()
         self.num_kv_blocks = 0
         if self.device.startswith("cuda"):
-            import torch
             torch.cuda.empty_cache()

@@ -17,8 +17,9 @@ On CPU the device mirror *is* the host arena: no copy at all.
 Reuse rule: a step may overwrite a host arena only once the previous step's copy out of it has
 completed. The synchronous runner guarantees it: every step ends with one host sync (the token
 read-back, or `wait_copies()` when nothing samples) that comes after the step's copies.
-`begin()` checks the rule without waiting (an event query) and raises if it was broken.
-Async scheduling (two steps in flight) will need two StepBuffers used alternately.
+`begin()` checks the rule without waiting (an event query) and raises if it was broken. Async
+scheduling keeps the rule too: a worker still runs its steps one after another, each ending with
+its read-back, so one StepBuffers suffices.
 
 Arrays with no useful size bound (penalty id matrices, stop-mask index pairs) go through
 `put_ragged`: one freshly pinned tensor per step and one non-blocking copy. PyTorch's caching
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 
 from kernels.attention.backend import AttentionMetadata
-from worker_service.runner.step_inputs import StepInputs, StepProtocolError
+from worker_service.failures import StepProtocolError
+from worker_service.runner.step_inputs import StepInputs
 
 ALIGN_BYTES = 64
 

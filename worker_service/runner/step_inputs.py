@@ -16,10 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker_service.runner.input_batch import InputBatch
-
-
-class StepProtocolError(RuntimeError):
-    """The diff asks for something the cached state cannot satisfy."""
+from worker_service.failures import StepProtocolError
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""What every flavour of node worker shares: the layout, step failures, and the epoch bookkeeping.
+"""The node worker: the epoch, step and stream rules of one worker service, over its Ranks.
 
-A node worker is the protobuf-free state behind one worker service. Two flavours exist:
-`InProcessWorker` (one rank, in this process; tp_size 1) and `RankGroupWorker` (rank processes fed
-over a shared-memory ring; tp_size > 1). Both inherit the rules enforced here:
+A node worker is the protobuf-free state behind one worker service. It drives the node's ranks
+through the Ranks interface (runner/rank_api.py): one in-process RunnerKeeper (tp_size 1) or a
+RankGroup of rank processes (tp_size > 1). The rules enforced here:
 
 - Steps of an epoch run in order 0, 1, 2, ... A step that fails (gap, bad payload, runner error)
   poisons the epoch: every later step of it fails the same way until `reset` or `init`.
@@ -15,49 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
-from worker_service.config import RunnerConfig
-from worker_service.failures import FailureKind, StepFailure
-from worker_service.runner.runner_keeper import ModelSummary
+from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.device_info import DeviceDescription
+from worker_service.failures import FailureKind, StepFailure
+from worker_service.runner.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
 
 
 def payload_digest(payload: bytes) -> bytes:
     """The optional StepRequest digest: BLAKE2b, 16 bytes, of the payload."""
     return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class NodeLayout:
-    """This node's place in the tensor-parallel group (see ParallelLayout in worker.proto)."""
-
-    tp_size: int = 1
-    node_rank: int = 0
-    num_nodes: int = 1
-    num_local_ranks: int = 1
-    rendezvous_address: str = ""
-    group_id: str = ""
-
-    def global_rank(self, local_rank: int) -> int:
-        return self.node_rank * self.num_local_ranks + local_rank
-
-
-@dataclass(frozen=True)
-class InitOutcome:
-    num_kv_blocks: int      # the minimum over this node's ranks
-    kv_block_bytes: int     # per rank
-    model_reloaded: bool
-
-
-@dataclass(frozen=True)
-class StepReply:
-    """One step's answer: the encoded RunnerOutput on node 0 (b"" elsewhere) and, with symmetry
-    verification, the digest every rank of the node agreed on."""
-
-    payload: bytes
-    digest: bytes | None = None
 
 
 def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
@@ -72,14 +40,11 @@ def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
 
 
 class NodeWorker:
-    """The epoch, step and stream bookkeeping; subclasses load, reset and execute.
+    """The epoch, step and stream bookkeeping of one worker service over `ranks`."""
 
-    Subclasses implement `_load`, `_drop_requests`, `_execute`, `readiness`, `describe_devices`
-    and `model_summary`, and may override `_interrupt` and `close`.
-    """
-
-    def __init__(self, device: str, layout: NodeLayout):
-        self.device = device
+    def __init__(self, ranks: Ranks, layout: NodeLayout):
+        self.ranks = ranks
+        self.device = ranks.device
         self.started_layout = layout
         self.layout = layout
         self.epoch: int | None = None
@@ -89,40 +54,40 @@ class NodeWorker:
         self._next_step = 0
         self._failure: StepFailure | None = None
         self._active_stream = 0
-        self._readiness_listener: Callable[[bool], None] = lambda ready: None
 
     def set_readiness_listener(self, listener: Callable[[bool], None]) -> None:
         """`listener(False)` is called when the worker stops being ready on its own (a rank
         died); Init and Reset report readiness through their callers."""
-        self._readiness_listener = listener
+        self.ranks.set_failure_listener(lambda reason: listener(False))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int,
-             gpu_memory_utilization: float | None = None,
-             verify_symmetry: bool = False) -> InitOutcome:
+    def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int) -> InitOutcome:
         """Load (or keep) the model, size the KV cache, join the group, and start `epoch`."""
         check_layout(self.started_layout, layout)
-        self._interrupt()
+        self.ranks.interrupt()
         with self._lock:
             self.epoch = None
-            outcome = self._load(config, layout, gpu_memory_utilization)
+            outcome = self.ranks.load(config, layout)
             self.num_kv_blocks = outcome.num_kv_blocks
             self.layout = layout
-            self.verify_symmetry = verify_symmetry
+            self.verify_symmetry = config.verify_symmetry
             self._start_epoch(epoch)
             return outcome
 
     def reset(self, epoch: int) -> int:
         """Start `epoch`; drop every cached request. Returns how many were dropped."""
-        self._interrupt()
+        self.ranks.interrupt()
         with self._lock:
-            dropped = self._drop_requests()
+            dropped = self.ranks.drop_requests()
             self._start_epoch(epoch)
             return dropped
 
     def close(self) -> None:
         """Release processes and shared memory (the service is stopping)."""
+        self.ranks.interrupt()
+        with self._lock:
+            self.ranks.close()
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -149,7 +114,8 @@ class NodeWorker:
                 if digest is not None and digest != payload_digest(payload):
                     raise StepFailure(FailureKind.BAD_PAYLOAD,
                                       "the payload does not match its digest")
-                reply = self._execute(payload)
+                reply = self.ranks.run_step(payload, self.verify_symmetry,
+                                            self.layout.node_rank == 0)
             except StepFailure as failure:
                 self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
                 raise self._failure from failure
@@ -177,34 +143,18 @@ class NodeWorker:
                                         f"got step {step}")
             raise self._failure
 
-    # -- subclass hooks -------------------------------------------------------------------------
-
-    def _interrupt(self) -> None:
-        """Make a step that is waiting (for rank replies) give up; called before Init/Reset."""
-
-    def _load(self, config: RunnerConfig, layout: NodeLayout,
-              gpu_memory_utilization: float | None) -> InitOutcome:
-        raise NotImplementedError
-
-    def _drop_requests(self) -> int:
-        raise NotImplementedError
-
-    def _execute(self, payload: bytes) -> StepReply:
-        raise NotImplementedError
+    # -- introspection (no lock: never waits behind a step or a model load) ----------------------
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, reason): ready once the model is loaded and its KV cache allocated."""
-        raise NotImplementedError
+        return self.ranks.readiness()
 
     def describe_devices(self) -> list[DeviceDescription]:
-        """This node's devices (one per local rank)."""
-        raise NotImplementedError
+        return self.ranks.describe_devices()
 
     def model_summary(self) -> ModelSummary | None:
-        """The loaded model, or None before Init."""
-        raise NotImplementedError
+        return self.ranks.model_summary()
 
     @property
     def group_id(self) -> str:
-        """The process group the ranks are in now ("" when none)."""
-        return ""
+        return self.ranks.group_id

@@ -1,7 +1,7 @@
 """The Worker gRPC servicer: protobuf in, NodeWorker calls, protobuf out.
 
-Runs on a synchronous grpc.server with a thread pool; the NodeWorker (InProcessWorker for one rank,
-RankGroupWorker for rank processes) serializes steps, Init and Reset.
+Runs on a synchronous grpc.server with a thread pool; the NodeWorker serializes steps, Init and
+Reset over its ranks (one in-process RunnerKeeper, or a RankGroup of rank processes).
 
 Step stream errors. A refused or failed step is answered with one StepResponse whose `error` is
 set, then the stream is closed with a status (the response is skipped only for SUPERSEDED):
@@ -13,12 +13,15 @@ set, then the stream is closed with a status (the response is skipped only for S
     a step of this epoch already failed       CODE_UNSPECIFIED      FAILED_PRECONDITION
     payload undecodable or digest wrong       BAD_PAYLOAD           INVALID_ARGUMENT
     diff does not fit the cached requests     BAD_PAYLOAD           FAILED_PRECONDITION
-    runner raised (model, device, OOM)        INTERNAL              INTERNAL
+    runner raised (model, device)             INTERNAL              INTERNAL
+    out of device or host memory              INTERNAL              RESOURCE_EXHAUSTED
     a rank process died or stopped answering  RANK_FAILED           UNAVAILABLE
     local ranks' digests differ (verify)      SYMMETRY_DIVERGENCE   INTERNAL
     a newer Step stream was opened            (no response)         ABORTED
 
-Every failure except an epoch mismatch and supersession fails the epoch: later steps are refused
+Init answers refused settings with INVALID_ARGUMENT (the scheduler then backs off), an
+unsupported choice with UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL
+(FAILURES below). Every step failure except an epoch mismatch and supersession fails the epoch: later steps are refused
 until Reset or Init. A new Step stream supersedes the previous one (it learns so at its next step).
 """
 from __future__ import annotations
@@ -29,18 +32,21 @@ from typing import Callable, Iterator
 import grpc
 
 from engine_common.protos import worker_pb2, worker_pb2_grpc
+from engine_common.settings import from_proto
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
-from worker_service.failures import FailureKind, StepFailure
-from worker_service.service.node_worker import NodeLayout, NodeWorker
+from worker_service.failures import FailureKind, StepFailure, as_failure
+from worker_service.config import NodeLayout
+from worker_service.service.node_worker import NodeWorker
 
 log = logging.getLogger(__name__)
 
 _Code = worker_pb2.StepError.Code
 _S = grpc.StatusCode
 
-# FailureKind -> (StepError code or None for no response, stream status)
-_STEP_FAILURES = {
+# NOTE the one FailureKind -> (StepError code, gRPC status) table of the worker service, for Init,
+# Step and Reset alike. A code of None: no StepResponse, only the status (a superseded stream).
+FAILURES = {
     FailureKind.NOT_INITIALIZED: (_Code.EPOCH_MISMATCH, _S.FAILED_PRECONDITION),
     FailureKind.EPOCH_MISMATCH: (_Code.EPOCH_MISMATCH, _S.FAILED_PRECONDITION),
     FailureKind.STEP_GAP: (_Code.STEP_GAP, _S.FAILED_PRECONDITION),
@@ -51,20 +57,10 @@ _STEP_FAILURES = {
     FailureKind.RANK_FAILED: (_Code.RANK_FAILED, _S.UNAVAILABLE),
     FailureKind.SYMMETRY_DIVERGENCE: (_Code.SYMMETRY_DIVERGENCE, _S.INTERNAL),
     FailureKind.SUPERSEDED: (None, _S.ABORTED),
+    FailureKind.INVALID_SETTINGS: (_Code.CODE_UNSPECIFIED, _S.INVALID_ARGUMENT),
+    FailureKind.OUT_OF_MEMORY: (_Code.INTERNAL, _S.RESOURCE_EXHAUSTED),
+    FailureKind.UNSUPPORTED: (_Code.INTERNAL, _S.UNIMPLEMENTED),
 }
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The one exception -> gRPC status rule of the worker service."""
-    if isinstance(exc, StepFailure):
-        return _STEP_FAILURES[exc.kind][1]
-    if isinstance(exc, NotImplementedError):
-        return _S.UNIMPLEMENTED
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return _S.RESOURCE_EXHAUSTED
-    if isinstance(exc, ValueError):
-        return _S.INVALID_ARGUMENT
-    return _S.INTERNAL
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -82,16 +78,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Init(self, request, context):
         try:
-            config, layout, util = _init_args(request, self.worker.device)
-            outcome = self.worker.init(config, layout, request.epoch, util,
-                                       request.verify_symmetry)
+            config = from_proto(RunnerConfig, request.config, device=self.worker.device)
+            outcome = self.worker.init(config, _layout(request.layout), request.epoch)
         except Exception as e:  # every failure becomes a status naming it
-            if status_for(e) == grpc.StatusCode.INVALID_ARGUMENT:
-                log.warning("Init refused: %s: %s", type(e).__name__, e)   # settings, not a bug
+            failure = as_failure(e, at_init=True)
+            if failure.kind == FailureKind.INVALID_SETTINGS:
+                log.warning("Init refused: %s", failure)   # settings, not a bug
             else:
                 log.exception("Init failed")
             self._on_readiness(self.worker.readiness()[0])
-            context.abort(status_for(e), f"Init failed: {type(e).__name__}: {e}")
+            context.abort(FAILURES[failure.kind][1], f"Init failed: {failure}")
         self._on_readiness(True)
         return worker_pb2.InitResponse(
             num_kv_blocks=outcome.num_kv_blocks, epoch=request.epoch,
@@ -104,7 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 reply = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
             except StepFailure as failure:
-                code, status = _STEP_FAILURES[failure.kind]
+                code, status = FAILURES[failure.kind]
                 log.warning("Step refused: %s", failure)
                 if code is not None:
                     yield worker_pb2.StepResponse(
@@ -119,8 +115,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dropped = self.worker.reset(request.epoch)
         except Exception as e:
             log.exception("Reset failed")
+            failure = as_failure(e)
             self._on_readiness(self.worker.readiness()[0])
-            context.abort(status_for(e), f"Reset failed: {type(e).__name__}: {e}")
+            context.abort(FAILURES[failure.kind][1], f"Reset failed: {failure}")
         self._on_readiness(self.worker.readiness()[0])
         return worker_pb2.ResetResponse(epoch=request.epoch, num_dropped_requests=dropped)
 
@@ -149,30 +146,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 # -- protobuf <-> domain --------------------------------------------------------------------------
-
-def _init_args(req, device: str) -> tuple[RunnerConfig, NodeLayout, float | None]:
-    """RunnerConfig, layout and GPU memory fraction from an InitRequest (0 / "" = default)."""
-    if not req.model_dir:
-        raise ValueError("model_dir is required (got an empty string)")
-    defaults = RunnerConfig(model_dir=req.model_dir)
-    budget = req.WhichOneof("kv_budget")
-    util = req.gpu_memory_utilization if budget == "gpu_memory_utilization" else None
-    if util is not None and not 0.0 < util <= 1.0:
-        raise ValueError(f"gpu_memory_utilization={util} is invalid: must be in (0, 1]")
-    config = RunnerConfig(
-        model_dir=req.model_dir, device=device,
-        dtype=None if req.dtype in ("", "auto") else req.dtype,
-        attention_backend=req.attention_backend or "auto",
-        block_size=req.block_size or defaults.block_size,
-        max_model_len=req.max_model_len or None,
-        max_num_seqs=req.max_num_seqs or defaults.max_num_seqs,
-        max_num_batched_tokens=req.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        kv_cache_bytes=req.kv_cache_bytes if budget == "kv_cache_bytes"
-        else defaults.kv_cache_bytes,
-        enforce_eager=req.enforce_eager, fused_ops=req.fused_ops,
-        max_graph_batch=req.max_graph_batch or defaults.max_graph_batch)
-    return config, _layout(req.layout), util
-
 
 def _layout(pb) -> NodeLayout:
     num_local = pb.num_local_ranks or 1

@@ -46,8 +46,7 @@ def runner_output(draw):
     top = draw(st.dictionaries(u32, st.integers(0, 4).flatmap(
         lambda k: st.tuples(st.lists(u32, min_size=k, max_size=k),
                             st.lists(f32, min_size=k, max_size=k))), max_size=3))
-    return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top,
-                        draw(st.binary(max_size=32)))
+    return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top)
 
 
 @settings(max_examples=150, deadline=None)
@@ -123,13 +122,13 @@ def test_good_layout_decodes():
 
 
 @pytest.mark.parametrize("fields", [
-    [1, b"", b"", b"", {}],                                # 5 fields, not 6
-    [1, b"\x00\x00\x00\x00", b"", b"", {}, b""],           # 1 handle, 0 sampled ids
-    [1, b"\x00\x00", b"", b"", {}, b""],                   # 2-byte handle array
-    [1, b"", b"", b"", {0: [b"\x00\x00\x00\x00", b""]}, b""],  # top ids / logprobs differ
-    [1, b"", b"", b"", {0: 5}, b""],                       # top entry not a pair
-    [1, b"", b"", b"", {}, "digest"],                      # digest not bytes
-    [1.5, b"", b"", b"", {}, b""],                         # step not an int
+    [1, b"", b"", b""],                                    # 4 fields, not 5
+    [1, b"", b"", b"", {}, b""],                           # 6 fields, not 5
+    [1, b"\x00\x00\x00\x00", b"", b"", {}],                # 1 handle, 0 sampled ids
+    [1, b"\x00\x00", b"", b"", {}],                        # 2-byte handle array
+    [1, b"", b"", b"", {0: [b"\x00\x00\x00\x00", b""]}],     # top ids / logprobs differ
+    [1, b"", b"", b"", {0: 5}],                            # top entry not a pair
+    [1.5, b"", b"", b"", {}],                              # step not an int
 ])
 def test_wrong_runner_layout_raises(fields):
     with pytest.raises(CodecError):

@@ -37,6 +37,14 @@ def test_generated_modules_are_not_stale(tmp_path):
             f"{committed.relative_to(REPO)} is stale: run `make proto`")
 
 
+def test_declared_messages_in_the_proto_sources_are_current():
+    """worker.proto's WorkerConfig is written from engine_common/config.py by `make proto`."""
+    for proto_file in gen_protos.DECLARED_MESSAGES:
+        text = (REPO / "proto" / proto_file).read_text()
+        assert gen_protos.render_declared_messages(proto_file, text) == text, \
+            f"{proto_file} is stale: run `make proto`"
+
+
 def test_stubs_target_the_pinned_grpc_and_an_older_protobuf():
     for module in (generation_pb2_grpc, worker_pb2_grpc):
         assert module.GRPC_GENERATED_VERSION == gen_protos.GRPC_TOOLS_VERSION
@@ -150,9 +158,11 @@ WORKER_FIELDS = [
     ("StepResponse", "payload", FD.TYPE_BYTES, False, False),
     ("StepResponse", "digest", FD.TYPE_BYTES, False, True),
     ("StepResponse", "error", FD.TYPE_MESSAGE, False, True),
-    ("InitRequest", "model_dir", FD.TYPE_STRING, False, False),
-    ("InitRequest", "kv_cache_bytes", FD.TYPE_UINT64, False, True),
-    ("InitRequest", "gpu_memory_utilization", FD.TYPE_DOUBLE, False, True),
+    ("InitRequest", "config", FD.TYPE_MESSAGE, False, True),
+    ("WorkerConfig", "model_dir", FD.TYPE_STRING, False, True),
+    ("WorkerConfig", "kv_cache_bytes", FD.TYPE_INT64, False, True),
+    ("WorkerConfig", "gpu_memory_utilization", FD.TYPE_DOUBLE, False, True),
+    ("WorkerConfig", "fused_ops", FD.TYPE_BOOL, False, True),
     ("InitRequest", "layout", FD.TYPE_MESSAGE, False, True),
     ("InitRequest", "epoch", FD.TYPE_UINT64, False, False),
     ("InitResponse", "num_kv_blocks", FD.TYPE_UINT32, False, False),
@@ -180,9 +190,6 @@ def test_finish_reasons_and_oneofs():
     response = generation_pb2.GenerateResponse.DESCRIPTOR
     assert [f.name for f in response.oneofs_by_name["stop_reason"].fields] == [
         "stop_token_id", "stop_string"]
-    init = worker_pb2.InitRequest.DESCRIPTOR
-    assert [f.name for f in init.oneofs_by_name["kv_budget"].fields] == [
-        "kv_cache_bytes", "gpu_memory_utilization"]
 
 
 def test_proto_files_are_independent():
@@ -291,12 +298,12 @@ def test_generate_response_round_trip_with_stop_oneof():
 
 def test_worker_messages_round_trip():
     init = worker_pb2.InitRequest(
-        model_dir="/m", dtype="bfloat16", block_size=16, kv_cache_bytes=1 << 33, epoch=7,
+        config=worker_pb2.WorkerConfig(model_dir="/m", dtype="bfloat16", block_size=16,
+                                       kv_cache_bytes=1 << 33), epoch=7,
         layout=worker_pb2.ParallelLayout(tp_size=4, node_rank=1, num_nodes=2, num_local_ranks=2,
                                          rendezvous_address="10.0.0.1:29500"))
-    assert worker_pb2.InitRequest.FromString(init.SerializeToString()) == init
-    init.gpu_memory_utilization = 0.9
-    assert init.WhichOneof("kv_budget") == "gpu_memory_utilization"
+    back = worker_pb2.InitRequest.FromString(init.SerializeToString())
+    assert back == init and not back.config.HasField("gpu_memory_utilization")
     resp = worker_pb2.StepResponse(epoch=7, step=3, error=worker_pb2.StepError(
         code=worker_pb2.StepError.STEP_GAP, message="expected step 2, got 3"))
     back = worker_pb2.StepResponse.FromString(resp.SerializeToString())

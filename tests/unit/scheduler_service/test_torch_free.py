@@ -36,7 +36,8 @@ SCRIPT = textwrap.dedent("""
     from scheduler_service.core.request import Request, RequestStatus
     from scheduler_service.core.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8),
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                                      max_model_len=2048),
                       num_blocks=16, rng=random.Random(0))
     for i in range(3):
         sched.add_request(Request(f"r{i}", list(range(3, 9 + i)), SamplingParams(),

@@ -11,7 +11,8 @@ from scheduler_service.core.scheduler import Scheduler
 
 
 def test_first_scheduled_time_is_set_once():
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, block_size=4),
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, block_size=4,
+                                      max_model_len=2048),
                       num_blocks=16)
     first = Request("a", [1, 2, 3], SamplingParams(), StoppingParams(max_tokens=4))
     second = Request("b", [4, 5, 6], SamplingParams(), StoppingParams(max_tokens=4))

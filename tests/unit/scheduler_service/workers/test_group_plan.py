@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_common.config import WorkerConfig
 from engine_common.params import ParamError
 from engine_common.protos import worker_pb2
 from scheduler_service.errors import WorkerFailure
@@ -58,9 +59,10 @@ def test_misconfigured_workers_are_refused():
 
 
 def test_init_spec_checks_the_new_fields():
-    assert InitSpec(model_dir="/m").num_local_ranks == 0
-    assert InitSpec(model_dir="/m").dist_port == DEFAULT_DIST_PORT
+    config = WorkerConfig(model_dir="/m")
+    assert InitSpec(config).num_local_ranks == 0
+    assert InitSpec(config).dist_port == DEFAULT_DIST_PORT
     with pytest.raises(ParamError, match="dist_port"):
-        InitSpec(model_dir="/m", dist_port=70000)
+        InitSpec(config, dist_port=70000)
     with pytest.raises(ParamError, match="num_local_ranks"):
-        InitSpec(model_dir="/m", num_local_ranks=-1)
+        InitSpec(config, num_local_ranks=-1)

@@ -16,7 +16,8 @@ from worker_service.runner.model_runner import ModelRunner
 from worker_service.runner.sampling_inputs import build_sampling_metadata
 from worker_service.runner.step_buffers import (ALIGN_BYTES, StepBuffers, StepTooLarge,
                                                 attention_metadata, stage_step_inputs)
-from worker_service.runner.step_inputs import StepProtocolError, prepare_step_inputs
+from worker_service.failures import StepProtocolError
+from worker_service.runner.step_inputs import prepare_step_inputs
 
 
 def make_runner(model_dir: str, graph_path: bool = False) -> ModelRunner:

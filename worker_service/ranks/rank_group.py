@@ -1,4 +1,4 @@
-"""The tensor-parallel worker of one node: G rank processes behind the InProcessWorker interface.
+"""One node's G rank processes as the node worker's Ranks (rank_api.py), for tp_size > 1.
 
     Init:  spawn the ranks unless they can be kept; "configure" on every rank (the first one
            joins the process group, then each loads or keeps the model and measures its KV
@@ -26,20 +26,19 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from worker_service.config import RunnerConfig
+from typing import Callable
+
+from engine_common.settings import to_wire
+from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure
-from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, RankReply,
-                                           config_to_wire, device_from_wire, encode_command)
+from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, RankReply,
+                                           device_from_wire, encode_command, encode_step)
 from worker_service.ranks.rank_process import RankSpec
 from worker_service.ranks.rank_set import RankSet, RankSetOptions
-from worker_service.runner.runner_keeper import ModelSummary
-from worker_service.service.node_worker import InitOutcome, NodeLayout, NodeWorker, StepReply
+from worker_service.runner.rank_api import InitOutcome, ModelSummary, StepReply
 
 log = logging.getLogger(__name__)
-
-_EXCEPTIONS = {"ValueError": ValueError, "MemoryError": MemoryError,
-               "NotImplementedError": NotImplementedError}
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,8 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-class RankGroupWorker(NodeWorker):
-    """A worker service's state for `layout.num_local_ranks` rank processes on `device`."""
+class RankGroup:
+    """`layout.num_local_ranks` rank processes on `device`; see the module docstring."""
 
     def __init__(self, device: str, layout: NodeLayout,
                  options: RankGroupOptions = RankGroupOptions()):
@@ -70,29 +69,35 @@ class RankGroupWorker(NodeWorker):
         if ":" in device and layout.num_local_ranks > 1:
             raise ValueError(f"device={device!r} is invalid with {layout.num_local_ranks} local "
                              "ranks: name the kind only ('cuda'); rank r uses cuda:r")
-        super().__init__(device, layout)
+        self.device = device
+        self.started_layout = layout
+        self.layout = layout
         self.options = options
         self.num_model_loads = 0
-        self._ranks: RankSet | None = None
+        self.rank_set: RankSet | None = None
         self._group_key: tuple[str, str] | None = None
         self._abort = threading.Event()
         self._ready = False
         self._summary: ModelSummary | None = None
         self._devices: list[DeviceDescription] | None = None
+        self._failure_listener: Callable[[str], None] = lambda reason: None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _interrupt(self) -> None:
+    def interrupt(self) -> None:
         self._abort.set()
 
-    def _load(self, config: RunnerConfig, layout: NodeLayout,
-              gpu_memory_utilization: float | None) -> InitOutcome:
+    def set_failure_listener(self, listener: Callable[[str], None]) -> None:
+        self._failure_listener = listener
+
+    def load(self, config: RunnerConfig, layout: NodeLayout) -> InitOutcome:
         self._abort.clear()
         self._ready = False
+        self.layout = layout
         if not self._can_keep_ranks(layout):
             self._respawn(layout)
-        command = encode_command(CONFIGURE, config_to_wire(config), gpu_memory_utilization)
-        replies = self._call(command, self.options.init_timeout_s, init=True)
+        command = encode_command(CONFIGURE, to_wire(config))
+        replies = self._call(command, self.options.init_timeout_s)
         num_blocks = min(r.info["num_kv_blocks"] for r in replies)
         self._call(encode_command(ALLOCATE, num_blocks), self.options.control_timeout_s)
         first = replies[0].info
@@ -105,19 +110,17 @@ class RankGroupWorker(NodeWorker):
                  num_blocks, [r.info["pid"] for r in replies])
         return InitOutcome(num_blocks, max(r.info["kv_block_bytes"] for r in replies), reloaded)
 
-    def _drop_requests(self) -> int:
+    def drop_requests(self) -> int:
         self._abort.clear()
-        if self._ranks is None or not self._ready:
+        if self.rank_set is None or not self._ready:
             return 0
         return self._call(encode_command(RESET), self.options.control_timeout_s)[0].info["dropped"]
 
     def close(self) -> None:
-        self._interrupt()
-        with self._lock:
-            self._close_ranks()
+        self._close_ranks()
 
     def _can_keep_ranks(self, layout: NodeLayout) -> bool:
-        ranks = self._ranks
+        ranks = self.rank_set
         if ranks is None or not ranks.healthy:
             return False
         if layout.num_nodes == 1:
@@ -140,14 +143,14 @@ class RankGroupWorker(NodeWorker):
                 poll_s=opts.rank_set.poll_s, cpu_threads=threads,
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
 
-        self._ranks = RankSet.spawn(make_spec, layout.num_local_ranks, opts.rank_set,
+        self.rank_set = RankSet.spawn(make_spec, layout.num_local_ranks, opts.rank_set,
                                     self._rank_died)
         self._group_key = (layout.rendezvous_address, layout.group_id)
 
     def _close_ranks(self) -> None:
-        if self._ranks is not None:
-            self._ranks.close()
-        self._ranks, self._group_key, self._ready = None, None, False
+        if self.rank_set is not None:
+            self.rank_set.close()
+        self.rank_set, self._group_key, self._ready = None, None, False
 
     def _init_method(self, layout: NodeLayout) -> str:
         if layout.num_nodes == 1:
@@ -164,44 +167,39 @@ class RankGroupWorker(NodeWorker):
 
     def _rank_died(self, reason: str) -> None:
         self._ready = False
-        self._readiness_listener(False)
+        self._failure_listener(reason)
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def _execute(self, payload: bytes) -> StepReply:
-        command = encode_command(STEP, payload, self.verify_symmetry)
-        replies = self._call(command, self.options.step_timeout_s)
-        digest = self._agreed_digest(replies) if self.verify_symmetry else None
-        return StepReply(replies[0].payload if self.layout.node_rank == 0 else b"", digest)
+    def run_step(self, payload: bytes, verify: bool, output_rank: bool) -> StepReply:
+        replies = self._call(encode_step(payload, verify), self.options.step_timeout_s)
+        digest = self._agreed_digest(replies) if verify else None
+        return StepReply(replies[0].payload if output_rank else b"", digest)
 
     def _agreed_digest(self, replies: list[RankReply]) -> bytes:
         digests = [r.digest for r in replies]
         if len(set(digests)) == 1 and digests[0] is not None:
             return digests[0]
-        self._ranks.dirty = True  # a diverged rank must not serve the next epoch
+        self.rank_set.dirty = True  # a diverged rank must not serve the next epoch
         ranks = self._global_ranks(self.layout)
         listed = ", ".join(f"rank {g}: {d.hex() if d else None}" for g, d in zip(ranks, digests))
         raise StepFailure(FailureKind.SYMMETRY_DIVERGENCE,
                           f"local ranks disagree on their sampled ids or cached state ({listed})")
 
-    def _call(self, command: bytes, timeout: float, init: bool = False) -> list[RankReply]:
+    def _call(self, command: bytes, timeout: float) -> list[RankReply]:
         """Send `command` to every rank; raise the first rank's error, if any."""
-        replies = self._ranks.call(command, timeout, self._abort)
+        replies = self.rank_set.call(command, timeout, self._abort)
         for local, reply in enumerate(replies):
             if reply is None or reply.ok:
                 continue
-            where = f"rank {self.started_layout.global_rank(local)}"
-            if init and reply.info.get("exception") in _EXCEPTIONS:
-                raise _EXCEPTIONS[reply.info["exception"]](f"{where}: {reply.message}")
             kind = FailureKind(reply.kind)
-            if kind == FailureKind.INTERNAL:
-                self._ranks.dirty = True  # a collective may have been left half done
-            if init:
-                raise RuntimeError(f"{where}: {reply.message}")
-            raise StepFailure(kind, f"{where}: {reply.message}")
+            if kind in (FailureKind.INTERNAL, FailureKind.OUT_OF_MEMORY):
+                self.rank_set.dirty = True  # a collective may have been left half done
+            raise StepFailure(kind, f"rank {self.started_layout.global_rank(local)}: "
+                                    f"{reply.message}")
         missing = [self.started_layout.global_rank(r) for r, x in enumerate(replies) if x is None]
         if missing:  # only reachable if the rank set returned early: never report a success
-            self._ranks.dirty = True
+            self.rank_set.dirty = True
             raise StepFailure(FailureKind.RANK_FAILED, f"ranks {missing} did not reply")
         return replies
 
@@ -211,7 +209,7 @@ class RankGroupWorker(NodeWorker):
     # -- introspection (no lock) ----------------------------------------------------------------
 
     def readiness(self) -> tuple[bool, str]:
-        ranks = self._ranks
+        ranks = self.rank_set
         if ranks is not None and ranks.failure:
             return False, ranks.failure
         if ranks is None or not self._ready:
@@ -233,6 +231,6 @@ class RankGroupWorker(NodeWorker):
 
     @property
     def group_id(self) -> str:
-        ranks = self._ranks
+        ranks = self.rank_set
         healthy = ranks is not None and ranks.healthy and self._ready
         return self.layout.group_id if healthy else ""
