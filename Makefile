@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test test-fast run bench bench-grpc proto clean
+.PHONY: install test test-fast run bench bench-grpc bench-scheduler proto clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,11 @@ bench: install
 # Cost of the gRPC path: the in-process engine vs worker + scheduler processes, same workload.
 bench-grpc: install
 	$(PY) -m bench.grpc_overhead $(BENCH_ARGS)
+
+# The scheduler's per-step control work alone (fake worker): schedule() and update_from_output() times
+# and diff bytes at 256 decoding requests. Writes a results file only with --results-file.
+bench-scheduler:
+	$(PY) -m bench.scheduler_step $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
