@@ -61,6 +61,9 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}   # hashes of the request's full blocks
         self._num_cached: dict[str, int] = {}          # leading blocks already offered to cache
+        # request id -> computed + new tokens up to which allocate_slots (without prefix hits)
+        # would change nothing: no new block, no block to cache. Callers may skip it below that.
+        self.quiet_until: dict[str, int] = {}
 
     @property
     def num_total_blocks(self) -> int:
@@ -99,7 +102,27 @@ class KVCacheManager:
         prefix hit `new_computed_blocks`, only for a request that holds no blocks yet).
         Returns the freshly allocated blocks, or None (nothing changed) when too few are free."""
         rid = request.request_id
-        held = self._blocks.get(rid, [])
+        held = self._blocks.get(rid)
+        if held and not new_computed_blocks:
+            return self._grow(request, held, num_new_tokens)
+        new_blocks = self._allocate_first(request, held or [], num_new_tokens,
+                                          new_computed_blocks)
+        if new_blocks is not None:
+            self._set_quiet_until(rid, len(self._blocks[rid]), self._num_cached.get(rid, 0))
+        return new_blocks
+
+    def _set_quiet_until(self, rid: str, num_held: int, num_cached: int) -> None:
+        """_grow changes nothing for a total of T tokens while T fits the held blocks and (with
+        caching) T // block_size does not pass the blocks already offered to the cache."""
+        limit = num_held * self.block_size
+        if self.enable_caching:
+            limit = min(limit, (num_cached + 1) * self.block_size - 1)
+        self.quiet_until[rid] = limit
+
+    def _allocate_first(self, request: Request, held: list[KVCacheBlock], num_new_tokens: int,
+                        new_computed_blocks: Sequence[KVCacheBlock]) -> list[KVCacheBlock] | None:
+        """allocate_slots in general: a request's first blocks, with or without prefix hits."""
+        rid = request.request_id
         if new_computed_blocks and held:
             raise ValueError(f"request {rid}: prefix hits given to a request that holds blocks")
         num_hit_tokens = len(new_computed_blocks) * self.block_size
@@ -117,6 +140,33 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(need)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
+        return new_blocks
+
+    def _grow(self, request: Request, held: list[KVCacheBlock],
+              num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """allocate_slots for a request that holds blocks and gets no prefix hit (every step of a
+        running request after its first), without the general path's bookkeeping: a new block
+        when the tokens pass the held ones, the blocks that became full offered to the cache."""
+        bs, rid, pool = self.block_size, request.request_id, self.pool
+        total = request.num_computed_tokens + num_new_tokens
+        need = -(-total // bs) - len(held)
+        if need <= 0:
+            new_blocks = []
+        elif need > pool.num_free_blocks:
+            return None
+        else:
+            new_blocks = pool.get_new_blocks(need)
+            held.extend(new_blocks)
+        num_cached = self._num_cached.get(rid, 0)
+        # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
+        if self.enable_caching and total // bs > num_cached:
+            num_full = min(total, request.num_tokens) // bs
+            if num_full > num_cached:
+                hashes = self._block_hashes(request, num_full)
+                for j in range(num_cached, num_full):
+                    pool.cache_full_block(held[j], hashes[j])
+                self._num_cached[rid] = num_cached = num_full
+        self._set_quiet_until(rid, len(held), num_cached)
         return new_blocks
 
     def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
@@ -143,6 +193,7 @@ class KVCacheManager:
         blocks = self._blocks.pop(rid, [])
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
+        self.quiet_until.pop(rid, None)
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from engine_common.params import SamplingParams, StoppingParams
 
@@ -49,6 +50,9 @@ class Request:
     # Prompt tokens served from the prefix cache at first scheduling (reported in usage).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Output tokens at which it ends for length: max_tokens, or fewer when the scheduler's
+    # max_len (prompt + output tokens) comes first. Set when the scheduler queues it.
+    max_num_output_tokens: int = 0
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -70,9 +74,10 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
+    @cached_property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that stop generation (masked by the sampler until min_tokens is reached)."""
+        """Ids that stop generation (masked by the sampler until min_tokens is reached). Computed
+        once: eos_token_ids and stopping do not change after the request is made."""
         eos = () if self.stopping.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + self.stopping.stop_token_ids))
 

@@ -42,6 +42,9 @@ from scheduler_service.core.waiting_queue import WaitingQueue
 
 __all__ = ["Scheduler", "RequestRejected", "QueueFull", "RequestUpdate"]
 
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = int(RequestStatus.PREEMPTED)   # every status above it is a finished one
+
 
 class Scheduler:
     """Owns the requests, the KV-cache blocks and the step diffs. Not thread-safe."""
@@ -62,7 +65,8 @@ class Scheduler:
         self._on_worker: set[int] = set()             # handles the workers hold a copy of
         self._finished_handles: list[int] = []        # for the next diff, then recycled
         self._step = 0
-        self._in_flight: dict[int, dict[int, tuple[Request, int]]] = {}  # step -> handle -> ...
+        # step -> (handle -> request, handle -> tokens when not 1) for the requests that compute
+        self._in_flight: dict[int, tuple[dict[int, Request], dict[int, int]]] = {}
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -77,6 +81,10 @@ class Scheduler:
         # One concrete seed so every tensor-parallel rank samples the same stream.
         request.seed = self._rng.getrandbits(63) if seed is None else seed
         request.status = RequestStatus.WAITING
+        max_tokens = request.stopping.max_tokens
+        request.max_num_output_tokens = min(
+            self.max_len - request.num_prompt_tokens,
+            self.max_len if max_tokens is None else max_tokens)
         self._requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -128,16 +136,12 @@ class Scheduler:
         self._schedule_running(plan)
         if len(plan.preempted_handles) == num_for_priority:
             self._schedule_waiting(plan)
-        for request, n in plan.scheduled.values():
-            request.num_computed_tokens += n
-            if n and request.num_computed_tokens >= request.num_tokens + request.num_pending_tokens:
-                request.num_pending_tokens += 1      # this step samples its next token
         out = build_output(self._step, plan, self._finished_handles)
         for handle in self._finished_handles:
             self._handles.release(handle)
         self._finished_handles = []
-        if plan.tokens_by_handle():
-            self._in_flight[self._step] = {h: e for h, e in plan.scheduled.items() if e[1] > 0}
+        if plan.work:
+            self._in_flight[self._step] = (plan.work, dict(plan.counts))
         self._step += 1
         return out
 
@@ -153,36 +157,62 @@ class Scheduler:
             self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        i = 0
-        while i < len(self.running):
-            request = self.running[i]
-            n = min(self._num_schedulable(request), plan.budget)
+        # The hot loop (every running request, every step): no helper calls, and the KV manager
+        # only when its quiet_until says allocate_slots would do something. A request asks for
+        # its known and pending tokens not computed yet, or none when a pending token will
+        # already be its last (max_tokens, max_len); then it advances as _advance says.
+        running, allocate, quiet_until = self.running, self.kv.allocate_slots, self.kv.quiet_until
+        work, counts, new_block_ids = plan.work, plan.counts, plan.new_block_ids
+        budget = plan.budget
+        preempted = False
+        for request in list(running):      # a copy: preemption takes requests out of running
+            if preempted and request.status is not _RUNNING:
+                continue                   # preempted earlier in this loop
+            num_output, pending = len(request.output_token_ids), request.num_pending_tokens
+            wanted = len(request.prompt_token_ids) + num_output + pending
+            computed = request.num_computed_tokens
+            if pending and num_output + pending >= request.max_num_output_tokens:
+                n = 0
+            else:
+                n = wanted - computed
+                if n > budget:
+                    n = budget
             if n <= 0:
-                plan.schedule(request, 0)
-                i += 1
+                counts[request.handle] = 0     # stays in the batch, idle
                 continue
-            new_blocks = self._allocate_or_preempt(request, n, i, plan)
-            if new_blocks is None:
-                continue   # the request itself was preempted; running[i] is the next one
-            plan.schedule(request, n)
-            if new_blocks:
-                plan.new_block_ids[request.handle] = [b.block_id for b in new_blocks]
-            i += 1
+            computed += n
+            if computed > quiet_until[request.request_id]:
+                new_blocks = allocate(request, n)
+                if new_blocks is None:
+                    preempted = True
+                    new_blocks = self._allocate_or_preempt(request, n, plan)
+                    if new_blocks is None:
+                        continue               # the request itself was preempted
+                if new_blocks:
+                    new_block_ids[request.handle] = [b.block_id for b in new_blocks]
+            handle = request.handle
+            work[handle] = request
+            budget -= n
+            if n != 1:
+                counts[handle] = n
+            request.num_computed_tokens = computed
+            if computed >= wanted:
+                request.num_pending_tokens += 1
+        plan.budget = budget
 
-    def _num_schedulable(self, request: Request) -> int:
-        """Tokens the request could compute now: its known and pending tokens not computed yet,
-        or none when a pending token will already be its last (max_tokens, max_len)."""
-        pending = request.num_pending_tokens
-        if pending:
-            max_tokens = request.stopping.max_tokens
-            if ((max_tokens is not None and request.num_output_tokens + pending >= max_tokens)
-                    or request.num_tokens + pending >= self.max_len):
-                return 0
-        return request.num_tokens + pending - request.num_computed_tokens
+    @staticmethod
+    def _advance(request: Request, n: int, num_known_and_pending: int) -> None:
+        """The step is assumed to run: its tokens count as computed at once, and a request whose
+        step reaches past its known and pending tokens samples one more (pending)."""
+        request.num_computed_tokens += n
+        if request.num_computed_tokens >= num_known_and_pending:
+            request.num_pending_tokens += 1
 
-    def _allocate_or_preempt(self, request: Request, n: int, i: int, plan: StepPlan):
-        """Blocks for `n` more tokens of running[i], preempting others (never one already
-        scheduled this step) until they fit. None when `request` itself was preempted."""
+    def _allocate_or_preempt(self, request: Request, n: int, plan: StepPlan):
+        """Blocks for `n` more tokens of a running request, preempting it or others after it in
+        the batch (never one already scheduled this step) until they fit. None when `request`
+        itself was preempted."""
+        i = next(i for i, r in enumerate(self.running) if r is request)
         while (new_blocks := self.kv.allocate_slots(request, n)) is None:
             j = max(range(i, len(self.running)),
                     key=lambda k: (self.running[k].priority, self.running[k].arrival_time, k))
@@ -227,6 +257,7 @@ class Scheduler:
             plan.add_new(request, block_ids, num_hit)
             self._on_worker.add(request.handle)
         plan.schedule(request, n)
+        self._advance(request, n, request.num_tokens + request.num_pending_tokens)
 
     # ---- the step's results --------------------------------------------------------------
 
@@ -235,30 +266,39 @@ class Scheduler:
         """Append each sampled token, apply the stop rules, finish what stopped. Outputs for
         requests finished since the step was scheduled are dropped; a request preempted since
         (async scheduling) keeps its token: the workers hold it too."""
-        scheduled = self._in_flight.pop(sched_out.step, {})
+        scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
         updates = []
         now = time.monotonic()
-        for idx, handle in enumerate(runner_out.handles):
-            request = scheduled.get(handle, (None, 0))[0]
-            if request is None or request.status.finished:
+        handles, tops = runner_out.handles, runner_out.top_logprobs
+        get = scheduled.get
+        lps = [[lp] for lp in runner_out.logprobs]          # per sampled token; [] when absent
+        lps += [[] for _ in range(len(handles) - len(lps))]
+        for handle, token, lp in zip(handles, runner_out.sampled_token_ids, lps):
+            request = get(handle)
+            if request is None or request.status > _PREEMPTED:   # finished since scheduled
                 continue
-            request.num_pending_tokens = max(0, request.num_pending_tokens - 1)
-            token = runner_out.sampled_token_ids[idx]
-            request.output_token_ids.append(token)
+            if request.num_pending_tokens:
+                request.num_pending_tokens -= 1
+            output = request.output_token_ids
+            output.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = check_stop(request, self.max_len)
-            if status is not None:
-                self._finish(request, status)
-            lps = runner_out.logprobs
-            top = runner_out.top_logprobs.get(handle)
-            updates.append(RequestUpdate(request, [token], [lps[idx]] if idx < len(lps) else [],
-                                         None if top is None else [top], status is not None))
+            finished = False
+            # check_stop can fire only on a stop id or at the length limit.
+            if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
+                status = check_stop(request, self.max_len)
+                if status is not None:
+                    self._finish(request, status)
+                    finished = True
+            top = tops.get(handle) if tops else None
+            updates.append(RequestUpdate(request, [token], lp, None if top is None else [top],
+                                         finished))
         return updates
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
         """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""
-        return {h: n for h, (_, n) in self._in_flight.get(step, {}).items()}
+        work, counts = self._in_flight.get(step, ({}, {}))
+        return {h: counts.get(h, 1) for h in work}
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -13,15 +13,23 @@ class StepPlan:
     """What one schedule() call decided, in the order it decided it."""
 
     budget: int                                             # tokens still free this step
-    # handle -> (request, tokens this step) for every request in the batch, 0 = idle.
-    scheduled: dict[int, tuple[Request, int]] = field(default_factory=dict)
+    # handle -> request, for every request that computes something this step (what
+    # update_from_output expects back); `counts` has the token count when it is not 1.
+    work: dict[int, Request] = field(default_factory=dict)
+    # handle -> tokens this step for every request in the batch whose count is not 1 (0 = idle):
+    # the diff's num_scheduled_tokens.
+    counts: dict[int, int] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)
     preempted_handles: list[int] = field(default_factory=list)
 
     def schedule(self, request: Request, num_tokens: int) -> None:
-        self.scheduled[request.handle] = (request, num_tokens)
+        handle = request.handle
+        if num_tokens:
+            self.work[handle] = request
+        if num_tokens != 1:
+            self.counts[handle] = num_tokens
         self.budget -= num_tokens
 
     def add_new(self, request: Request, block_ids: list[int], num_computed: int) -> None:
@@ -36,7 +44,7 @@ class StepPlan:
 
     def tokens_by_handle(self) -> dict[int, int]:
         """Every handle that computes something this step -> its token count."""
-        return {h: n for h, (_, n) in self.scheduled.items() if n > 0}
+        return {h: self.counts.get(h, 1) for h in self.work}
 
 
 def build_output(step: int, plan: StepPlan, finished_handles: list[int]) -> SchedulerOutput:
@@ -46,7 +54,7 @@ def build_output(step: int, plan: StepPlan, finished_handles: list[int]) -> Sche
         new_requests=plan.new_requests,
         resumed_requests=plan.resumed_requests,
         new_block_ids=plan.new_block_ids,
-        num_scheduled_tokens={h: n for h, (_, n) in plan.scheduled.items() if n != 1},
+        num_scheduled_tokens=plan.counts,
         finished_handles=list(finished_handles),
         preempted_handles=plan.preempted_handles,
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from scheduler_service.core.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """New tokens of one request from one step, for the output processor."""
 
