@@ -42,9 +42,9 @@ bench: install
 bench-grpc: install
 	$(PY) -m bench.grpc_overhead $(BENCH_ARGS)
 
-# The scheduler's per-step control work alone (fake worker): schedule() and update_from_output() times
-# and diff bytes at 256 decoding requests. Writes a results file only with --results-file.
-bench-scheduler:
+# The scheduler's per-step control work alone (fake worker): schedule() and update_from_output()
+# times and diff bytes at 256 decoding requests. Writes a results file only with --results-file.
+bench-scheduler: install
 	$(PY) -m bench.scheduler_step $(BENCH_ARGS)
 
 clean:

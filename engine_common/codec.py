@@ -2,11 +2,17 @@
 
 Layouts (positional arrays keep steady-state messages tiny):
 
-    SchedulerOutput = [step, [new...], [resumed...], {handle: [block ids]}, {handle: n},
+    SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]]
-    new     = [handle, prompt ids (uint32 bytes), sampling (WorkerSamplingParams wire form),
-               block ids, num_computed_tokens, num_logprobs]
-    resumed = [handle, block ids, num_computed_tokens]
+    new        = [handle, prompt ids (uint32 bytes), sampling (WorkerSamplingParams wire form),
+                  block ids, num_computed_tokens, num_logprobs]
+    resumed    = [handle, block ids, num_computed_tokens]
+    new blocks = nil when no request grows, else bytes: sorted handle gaps and block counts,
+                 then the block ids as runs of consecutive ids (engine_common/new_blocks.py)
+
+A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
+(1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
+per growing request plus a few bytes per run of consecutive block ids.
 
     RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
                     logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}]
@@ -19,6 +25,7 @@ import msgpack
 
 from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
+from engine_common.new_blocks import pack_new_blocks, unpack_new_blocks
 from engine_common.params import WorkerSamplingParams
 
 
@@ -98,6 +105,14 @@ def _resumed_request(value) -> ResumedRequestData:
                               _int(num_computed, "num_computed_tokens"))
 
 
+def _new_blocks(value) -> dict[int, list[int]]:
+    if value is None:
+        return {}
+    if not isinstance(value, bytes):
+        raise CodecError("new_block_ids: expected nil or bytes")
+    return unpack_new_blocks(value)
+
+
 def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
     ids, lps = _seq(value, what, 2)
     ids, lps = _from_u32(ids), _from_f32(lps)
@@ -110,7 +125,8 @@ def encode_scheduler_output(out: SchedulerOutput) -> bytes:
     new = [[r.handle, _u32(r.prompt_token_ids), r.sampling.to_wire(), r.block_ids,
             r.num_computed_tokens, r.num_logprobs] for r in out.new_requests]
     resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]
-    return msgpack.packb([out.step, new, resumed, out.new_block_ids, out.num_scheduled_tokens,
+    grown = pack_new_blocks(out.new_block_ids) if out.new_block_ids else None
+    return msgpack.packb([out.step, new, resumed, grown, out.num_scheduled_tokens,
                           out.finished_handles, out.preempted_handles], use_bin_type=True)
 
 
@@ -122,7 +138,7 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
             step=_int(step, "step"),
             new_requests=[_new_request(r) for r in _seq(new, "new_requests")],
             resumed_requests=[_resumed_request(r) for r in _seq(resumed, "resumed_requests")],
-            new_block_ids=_int_map(new_blocks, "new_block_ids", _ints),
+            new_block_ids=_new_blocks(new_blocks),
             num_scheduled_tokens=_int_map(num_sched, "num_scheduled_tokens", _int),
             finished_handles=_ints(finished, "finished_handles"),
             preempted_handles=_ints(preempted, "preempted_handles"),

@@ -157,16 +157,20 @@ class KVCacheManager:
         else:
             new_blocks = pool.get_new_blocks(need)
             held.extend(new_blocks)
-        num_cached = self._num_cached.get(rid, 0)
-        # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
-        if self.enable_caching and total // bs > num_cached:
-            num_full = min(total, request.num_tokens) // bs
-            if num_full > num_cached:
-                hashes = self._block_hashes(request, num_full)
-                for j in range(num_cached, num_full):
-                    pool.cache_full_block(held[j], hashes[j])
-                self._num_cached[rid] = num_cached = num_full
-        self._set_quiet_until(rid, len(held), num_cached)
+        limit = len(held) * bs
+        if self.enable_caching:
+            num_cached = self._num_cached.get(rid, 0)
+            # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
+            if total // bs > num_cached:
+                num_full = min(total, len(request.prompt_token_ids)
+                               + len(request.output_token_ids)) // bs
+                if num_full > num_cached:
+                    hashes = self._block_hashes(request, num_full)
+                    for j in range(num_cached, num_full):
+                        pool.cache_full_block(held[j], hashes[j])
+                    self._num_cached[rid] = num_cached = num_full
+            limit = min(limit, (num_cached + 1) * bs - 1)     # as _set_quiet_until
+        self.quiet_until[rid] = limit
         return new_blocks
 
     def num_free_blocks_needed(self, request: Request, num_new_tokens: int,

@@ -11,11 +11,16 @@ from engine_common.codec import (CodecError, decode_runner_output, decode_schedu
                                  encode_runner_output, encode_scheduler_output)
 from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
+from engine_common.new_blocks import pack_new_blocks, unpack_new_blocks
 from engine_common.params import SamplingParams, WorkerSamplingParams
 
 u32 = st.integers(0, 2**32 - 1)
 handle = st.integers(0, 4096)
 block_ids = st.lists(st.integers(0, 2**20), max_size=6)
+# What the pool mostly hands out: runs of consecutive ids, sometimes several per handle.
+block_runs = st.lists(st.tuples(st.integers(0, 2**20), st.integers(1, 5)), max_size=3).map(
+    lambda runs: [b for start, n in runs for b in range(start, start + n)])
+grown_blocks = st.dictionaries(st.integers(0, 2**40), block_ids | block_runs, max_size=20)
 f32 = st.floats(width=32, allow_nan=False)
 
 sampling = st.builds(
@@ -32,7 +37,8 @@ new_request = st.builds(NewRequestData, handle, st.lists(u32, min_size=1, max_si
 resumed_request = st.builds(ResumedRequestData, handle, block_ids, st.integers(0, 4096))
 scheduler_output = st.builds(
     SchedulerOutput, st.integers(0, 2**40), st.lists(new_request, max_size=3),
-    st.lists(resumed_request, max_size=3), st.dictionaries(handle, block_ids, max_size=4),
+    st.lists(resumed_request, max_size=3), st.dictionaries(handle, block_ids | block_runs,
+                                                            max_size=4),
     st.dictionaries(handle, st.integers(0, 8192), max_size=4), st.lists(handle, max_size=4),
     st.lists(handle, max_size=4))
 
@@ -66,6 +72,52 @@ def test_steady_state_diff_is_tiny():
 
 
 @settings(max_examples=300, deadline=None)
+@given(grown_blocks)
+def test_new_blocks_round_trip(new_block_ids):
+    assert unpack_new_blocks(pack_new_blocks(new_block_ids)) == new_block_ids
+
+
+@settings(max_examples=200, deadline=None)
+@given(grown_blocks.filter(bool), st.data())
+def test_truncated_or_extended_new_blocks_raise(new_block_ids, data):
+    packed = pack_new_blocks(new_block_ids)
+    cut = data.draw(st.integers(0, len(packed) - 1))
+    for bad in (packed[:cut], packed + data.draw(st.binary(min_size=1, max_size=4))):
+        with pytest.raises(CodecError):
+            decode_scheduler_output(msgpack.packb([1, [], [], bad, {}, [], []]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=48))
+def test_garbage_new_blocks_raise_codec_error_or_round_trip(data):
+    try:
+        out = decode_scheduler_output(msgpack.packb([1, [], [], data, {}, [], []]))
+    except CodecError:
+        return
+    assert decode_scheduler_output(encode_scheduler_output(out)) == out
+
+
+def test_new_blocks_layout():
+    """The example in engine_common/new_blocks.py: 3 handles, one run of 3 blocks."""
+    packed = pack_new_blocks({9: [702], 3: [700], 4: [701]})
+    # zigzag(700) << 1 | 1 = 2801 = 0xF1 0x15 as a varint; then length 3 - 2 = 1.
+    assert packed == bytes([3, 3 << 1, 0, 4 << 1, 0xF1, 0x15, 1])
+    # Counts other than 1 follow their gap: handle 0 takes 2 blocks, handle 2 none.
+    assert pack_new_blocks({0: [5, 6], 2: []}) == bytes([2, 1, 2, 3, 0, 10 << 1 | 1, 0])
+
+
+def test_growth_of_16_requests_is_a_few_bytes():
+    """About num_requests / 16 requests of a decoding batch take a block each step; the pool
+    hands them consecutive ids."""
+    grown = {h: [4000 + i] for i, h in enumerate(range(5, 256, 16))}
+    steady = len(encode_scheduler_output(SchedulerOutput(step=1000)))
+    size = len(encode_scheduler_output(SchedulerOutput(step=1000, new_block_ids=grown)))
+    # The steady-state diff with a bin8 header (2 bytes) in place of nil (1), the handle count,
+    # a byte per handle, and one run: zigzag(4000) << 1 | 1 in 2 bytes and its length in 1.
+    assert size == steady - 1 + 2 + 1 + len(grown) + 3 == 31
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_random_bytes_raise_codec_error(data):
     """Garbage either raises CodecError (nothing else) or is a well-formed message: one that
@@ -88,7 +140,7 @@ def test_truncated_scheduler_output_raises(out, data):
         decode_scheduler_output(payload[:cut])
 
 
-_GOOD_SCHED = [1, [], [], {}, {}, [], []]
+_GOOD_SCHED = [1, [], [], None, {}, [], []]
 _GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0]
 
 
@@ -96,7 +148,14 @@ _GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0]
     [1, [], [], {}, {}, []],                               # 6 fields, not 7
     ["1", [], [], {}, {}, [], []],                         # step not an int
     [1, [], [], 5, {}, [], []],                            # new_block_ids not a map
-    [1, [], [], {0: [1, "x"]}, {}, [], []],                # block id not an int
+    [1, [], [], {0: [1, 2]}, {}, [], []],                  # new blocks as a map, not bytes
+    [1, [], [], [0, 1], {}, [], []],                       # new blocks as a list
+    [1, [], [], b"", {}, [], []],                          # empty bytes: no handle count
+    [1, [], [], b"\x01\x00", {}, [], []],                  # 1 handle, no block run
+    [1, [], [], b"\x01\x00\x03", {}, [], []],              # a run starting at -2
+    [1, [], [], b"\x01\x00\x01\x05", {}, [], []],          # run of 7 blocks for 1 slot
+    [1, [], [], b"\x01\x01\xff\xff\xff\x7f", {}, [], []],  # more blocks than allowed
+    [1, [], [], b"\x01\x00" + b"\x80" * 10 + b"\x00", {}, [], []],  # 11-byte varint
     [1, [], [], {}, {0: -1}, [], []],                      # negative token count
     [1, [], [], {}, {"a": 1}, [], []],                     # handle not an int
     [1, [], [], {}, {}, [None], []],                       # finished handle not an int
@@ -115,9 +174,10 @@ def test_wrong_layout_raises(fields):
 
 
 def test_good_layout_decodes():
-    out = decode_scheduler_output(msgpack.packb([1, [_GOOD_NEW], [], {}, {}, [], []],
-                                                use_bin_type=True))
+    out = decode_scheduler_output(msgpack.packb([1, [_GOOD_NEW], [], b"\x01\x00\x1c", {},
+                                                 [], []], use_bin_type=True))
     assert out.new_requests[0].prompt_token_ids == [1]
+    assert out.new_block_ids == {0: [7]}
     assert decode_scheduler_output(msgpack.packb(_GOOD_SCHED)) == SchedulerOutput(step=1)
 
 

@@ -1,11 +1,14 @@
 """Steady-state decode costs bytes per change, not per request: 256 requests all decoding, with
-nothing else changing, encode to a diff of a few bytes."""
+nothing else changing, encode to a diff of a few bytes; when they grow blocks, about a byte more
+per growing request."""
 from __future__ import annotations
 
 import random
+import statistics
 
-from engine_common.codec import encode_scheduler_output
+from engine_common.codec import decode_scheduler_output, encode_scheduler_output
 from engine_common.config import SchedulerConfig
+from engine_common.diff import RunnerOutput
 from engine_common.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
@@ -35,3 +38,40 @@ def test_steady_state_diff_is_8_bytes():
         updates = sched.update_from_output(out, worker.execute(out))
         assert len(updates) == NUM_REQUESTS and not any(u.finished for u in updates)
     assert worker.step_tokens[-1] == {h: 1 for h in range(NUM_REQUESTS)}
+
+
+def _decode_step(sched: Scheduler, step: int) -> RunnerOutput:
+    """What a worker returns for a step: one token (7) for every request whose scheduled tokens
+    reach its known ones (the others are mid-prefill)."""
+    scheduled = sched.scheduled_tokens(step)
+    handles = [r.handle for r in sched.running
+               if r.handle in scheduled and r.num_computed_tokens >= r.num_tokens]
+    return RunnerOutput(step, handles, [7] * len(handles), [-0.5] * len(handles))
+
+
+def test_steady_state_diff_with_block_growth_is_small():
+    """256 decoding requests with prompts of 100-300 tokens: about 16 take a new block every
+    step (block size 16). README: the encoded diff stays under 64 bytes (median)."""
+    config = SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=2048,
+                             max_model_len=1024, block_size=16)
+    sched = Scheduler(config, num_blocks=NUM_REQUESTS * 24, rng=random.Random(0))
+    rng = random.Random(1)
+    for i in range(NUM_REQUESTS):
+        prompt = [rng.randrange(3, 30000) for _ in range(rng.randint(100, 300))]
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(),
+                                  StoppingParams(max_tokens=200), eos_token_ids=(2,)))
+    sizes, growing = [], []
+    for _ in range(200):
+        out = sched.schedule()
+        payload = encode_scheduler_output(out)
+        assert decode_scheduler_output(payload) == out
+        if sched.num_running == NUM_REQUESTS and not out.new_requests \
+                and not out.num_scheduled_tokens:        # every request decodes one token
+            sizes.append(len(payload))
+            growing.append(len(out.new_block_ids))
+        sched.update_from_output(out, _decode_step(sched, out.step))
+        if len(sizes) == 64:
+            break
+    assert len(sizes) == 64 and statistics.median(growing) >= 10
+    print(f"diff with block growth: median {statistics.median(sizes)} bytes, max {max(sizes)}")
+    assert statistics.median(sizes) <= 64
