@@ -104,16 +104,40 @@ class KVCacheManager:
         rid = request.request_id
         held = self._blocks.get(rid)
         if held and not new_computed_blocks:
-            return self._grow(request, held, num_new_tokens)
+            new_ids = self.grow_slots(request, num_new_tokens)
+            return None if new_ids is None else held[len(held) - len(new_ids):]
         new_blocks = self._allocate_first(request, held or [], num_new_tokens,
                                           new_computed_blocks)
         if new_blocks is not None:
             self._set_quiet_until(rid, len(self._blocks[rid]), self._num_cached.get(rid, 0))
         return new_blocks
 
+    def grow_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """allocate_slots for a request that holds blocks and gets no prefix hit (a running
+        request after its first step), kept lean for the scheduler's hot loop. Returns the ids
+        of the blocks appended ([] when none), or None (nothing changed) when too few are free.
+        The blocks that became full are offered to the prefix cache."""
+        rid, bs = request.request_id, self.block_size
+        held = self._blocks[rid]
+        total = request.num_computed_tokens + num_new_tokens
+        need = -(-total // bs) - len(held)
+        new_ids = []
+        if need > 0:
+            if need > self.pool.num_free_blocks:
+                return None
+            new_blocks = self.pool.get_new_blocks(need)
+            held += new_blocks
+            new_ids = [b.block_id for b in new_blocks]
+        num_cached = self._num_cached.get(rid, 0)
+        # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
+        if self.enable_caching and total // bs > num_cached:
+            num_cached = self._cache_full_blocks(request, min(total, request.num_tokens) // bs)
+        self._set_quiet_until(rid, len(held), num_cached)
+        return new_ids
+
     def _set_quiet_until(self, rid: str, num_held: int, num_cached: int) -> None:
-        """_grow changes nothing for a total of T tokens while T fits the held blocks and (with
-        caching) T // block_size does not pass the blocks already offered to the cache."""
+        """grow_slots changes nothing for a total of T tokens while T fits the held blocks and
+        (with caching) T // block_size does not pass the blocks already offered to the cache."""
         limit = num_held * self.block_size
         if self.enable_caching:
             limit = min(limit, (num_cached + 1) * self.block_size - 1)
@@ -140,37 +164,6 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(need)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
-        return new_blocks
-
-    def _grow(self, request: Request, held: list[KVCacheBlock],
-              num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """allocate_slots for a request that holds blocks and gets no prefix hit (every step of a
-        running request after its first), without the general path's bookkeeping: a new block
-        when the tokens pass the held ones, the blocks that became full offered to the cache."""
-        bs, rid, pool = self.block_size, request.request_id, self.pool
-        total = request.num_computed_tokens + num_new_tokens
-        need = -(-total // bs) - len(held)
-        if need <= 0:
-            new_blocks = []
-        elif need > pool.num_free_blocks:
-            return None
-        else:
-            new_blocks = pool.get_new_blocks(need)
-            held.extend(new_blocks)
-        limit = len(held) * bs
-        if self.enable_caching:
-            num_cached = self._num_cached.get(rid, 0)
-            # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
-            if total // bs > num_cached:
-                num_full = min(total, len(request.prompt_token_ids)
-                               + len(request.output_token_ids)) // bs
-                if num_full > num_cached:
-                    hashes = self._block_hashes(request, num_full)
-                    for j in range(num_cached, num_full):
-                        pool.cache_full_block(held[j], hashes[j])
-                    self._num_cached[rid] = num_cached = num_full
-            limit = min(limit, (num_cached + 1) * bs - 1)     # as _set_quiet_until
-        self.quiet_until[rid] = limit
         return new_blocks
 
     def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
@@ -213,15 +206,16 @@ class KVCacheManager:
                                      _token_slice(request, j * bs, (j + 1) * bs)))
         return hashes
 
-    def _cache_full_blocks(self, request: Request, num_full: int) -> None:
-        if not self.enable_caching:
-            return
+    def _cache_full_blocks(self, request: Request, num_full: int) -> int:
+        """Offer the request's first `num_full` blocks to the cache (those not offered yet);
+        returns how many are offered now."""
         rid = request.request_id
         start = self._num_cached.get(rid, 0)
-        if num_full <= start:
-            return
+        if not self.enable_caching or num_full <= start:
+            return start
         hashes = self._block_hashes(request, num_full)
         blocks = self._blocks[rid]
         for j in range(start, num_full):
             self.pool.cache_full_block(blocks[j], hashes[j])
         self._num_cached[rid] = num_full
+        return num_full

@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from engine_common.params import SamplingParams, StoppingParams
 
@@ -27,6 +26,9 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass
 class Request:
+    """Read in the scheduler's per-step loops: keep every attribute a declared field and never
+    touch `__dict__` (a materialised instance dict makes each attribute read ~1.7x slower)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -57,6 +59,13 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Ids that stop generation (masked by the sampler until min_tokens is reached): eos unless
+    # ignore_eos, then stopping.stop_token_ids. Derived once: neither changes after creation.
+    stop_token_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        eos = () if self.stopping.ignore_eos else tuple(self.eos_token_ids)
+        self.stop_token_ids = tuple(dict.fromkeys(eos + self.stopping.stop_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,13 +82,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @cached_property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that stop generation (masked by the sampler until min_tokens is reached). Computed
-        once: eos_token_ids and stopping do not change after the request is made."""
-        eos = () if self.stopping.ignore_eos else self.eos_token_ids
-        return tuple(dict.fromkeys(eos + self.stopping.stop_token_ids))
 
     @property
     def finished(self) -> bool:

@@ -161,7 +161,7 @@ class Scheduler:
         # only when its quiet_until says allocate_slots would do something. A request asks for
         # its known and pending tokens not computed yet, or none when a pending token will
         # already be its last (max_tokens, max_len); then it advances as _advance says.
-        running, allocate, quiet_until = self.running, self.kv.allocate_slots, self.kv.quiet_until
+        running, grow, quiet_until = self.running, self.kv.grow_slots, self.kv.quiet_until
         work, counts, new_block_ids = plan.work, plan.counts, plan.new_block_ids
         budget = plan.budget
         preempted = False
@@ -182,14 +182,14 @@ class Scheduler:
                 continue
             computed += n
             if computed > quiet_until[request.request_id]:
-                new_blocks = allocate(request, n)
-                if new_blocks is None:
+                new_ids = grow(request, n)
+                if new_ids is None:
                     preempted = True
-                    new_blocks = self._allocate_or_preempt(request, n, plan)
-                    if new_blocks is None:
+                    new_ids = self._allocate_or_preempt(request, n, plan)
+                    if new_ids is None:
                         continue               # the request itself was preempted
-                if new_blocks:
-                    new_block_ids[request.handle] = [b.block_id for b in new_blocks]
+                if new_ids:
+                    new_block_ids[request.handle] = new_ids
             handle = request.handle
             work[handle] = request
             budget -= n
@@ -213,14 +213,14 @@ class Scheduler:
         the batch (never one already scheduled this step) until they fit. None when `request`
         itself was preempted."""
         i = next(i for i, r in enumerate(self.running) if r is request)
-        while (new_blocks := self.kv.allocate_slots(request, n)) is None:
+        while (new_ids := self.kv.grow_slots(request, n)) is None:
             j = max(range(i, len(self.running)),
                     key=lambda k: (self.running[k].priority, self.running[k].arrival_time, k))
             victim = self.running[j]
             self._preempt(victim, plan)
             if victim is request:
                 return None
-        return new_blocks
+        return new_ids
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self._remove_running(request)
