@@ -128,11 +128,20 @@ class KVCacheManager:
             new_blocks = self.pool.get_new_blocks(need)
             held += new_blocks
             new_ids = [b.block_id for b in new_blocks]
-        num_cached = self._num_cached.get(rid, 0)
-        # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
-        if self.enable_caching and total // bs > num_cached:
-            num_cached = self._cache_full_blocks(request, min(total, request.num_tokens) // bs)
-        self._set_quiet_until(rid, len(held), num_cached)
+        limit = len(held) * bs               # quiet_until, as _set_quiet_until computes it
+        if self.enable_caching:
+            num_cached = self._num_cached.get(rid, 0)
+            # min(total, num_tokens) // bs full blocks get cached; never more than total // bs.
+            if total // bs > num_cached:
+                num_full = min(total, len(request.prompt_token_ids)
+                               + len(request.output_token_ids)) // bs
+                if num_full > num_cached:
+                    hashes = self._block_hashes(request, num_full)
+                    for j in range(num_cached, num_full):
+                        self.pool.cache_full_block(held[j], hashes[j])
+                    self._num_cached[rid] = num_cached = num_full
+            limit = min(limit, (num_cached + 1) * bs - 1)
+        self.quiet_until[rid] = limit
         return new_ids
 
     def _set_quiet_until(self, rid: str, num_held: int, num_cached: int) -> None:
@@ -200,9 +209,8 @@ class KVCacheManager:
         """The request's chained block hashes, extended to at least `num_full` blocks."""
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        while len(hashes) < num_full:
-            j = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None,
+        for j in range(len(hashes), num_full):
+            hashes.append(hash_block(hashes[-1] if j else None,
                                      _token_slice(request, j * bs, (j + 1) * bs)))
         return hashes
 
