@@ -161,6 +161,23 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
+    def grow_below_quiet_until(self, data):
+        """Up to quiet_until, allocate_slots changes nothing: the scheduler skips the call."""
+        r = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        room = self.kv.quiet_until[r.request_id] - r.num_computed_tokens
+        if room < 1:
+            return
+        n = data.draw(st.integers(1, room))
+
+        def state():
+            return (self.kv.get_block_ids(r), self.kv.pool.free_block_ids(),
+                    [b.block_hash for b in self.kv.pool.blocks], dict(self.kv.quiet_until))
+        before = state()
+        assert self.kv.allocate_slots(r, n) == []
+        assert state() == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
     def free(self, data):
         self.kv.free(self.live.pop(data.draw(st.sampled_from(sorted(self.live)))))
 
