@@ -34,12 +34,18 @@ def pack_new_blocks(new_block_ids: dict[int, list[int]]) -> bytes:
     ids: list[int] = []
     for handle in sorted(new_block_ids):
         blocks = new_block_ids[handle]
-        more = len(blocks) != 1
-        _put(out, (handle - prev - 1) << 1 | more)
-        if more:
+        if len(blocks) == 1:
+            gap = (handle - prev - 1) << 1
+            if gap < 0x80:
+                out.append(gap)               # the common case: one byte per handle
+            else:
+                _put(out, gap)
+            ids.append(blocks[0])
+        else:
+            _put(out, (handle - prev - 1) << 1 | 1)
             _put(out, len(blocks))
+            ids += blocks
         prev = handle
-        ids += blocks
     _put_runs(out, ids)
     return bytes(out)
 
@@ -59,9 +65,6 @@ def _put_runs(out: bytearray, ids: list[int]) -> None:
 
 
 def _put(out: bytearray, value: int) -> None:
-    if value < 0x80:
-        out.append(value)
-        return
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
         value >>= 7
@@ -71,21 +74,25 @@ def _put(out: bytearray, value: int) -> None:
 def unpack_new_blocks(data: bytes) -> dict[int, list[int]]:
     """Decode pack_new_blocks' bytes. Raises ValueError (naming what is wrong) for bytes that
     are not a well-formed encoding (truncated, trailing bytes, runs that do not add up)."""
-    reader = _Reader(data)
-    n = reader.varint()
-    if n > len(data):
-        raise ValueError(f"new_block_ids: {n} handles in {len(data)} bytes")
-    counts, handle = {}, -1
-    for _ in range(n):
-        v = reader.varint()
-        handle += (v >> 1) + 1
-        counts[handle] = reader.varint() if v & 1 else 1
-    total = sum(counts.values())
-    if total > MAX_BLOCK_IDS:
-        raise ValueError(f"new_block_ids: {total} blocks, at most {MAX_BLOCK_IDS}")
-    ids = _read_runs(reader, total)
-    if reader.pos != len(data):
-        raise ValueError(f"new_block_ids: {len(data) - reader.pos} bytes after the last run")
+    values = _varints(data)
+    try:
+        n, pos = values[0], 1
+        if n > len(values):
+            raise ValueError(f"new_block_ids: {n} handles in {len(values)} varints")
+        counts, handle = {}, -1
+        for _ in range(n):
+            v = values[pos]
+            handle += (v >> 1) + 1
+            counts[handle] = values[pos + 1] if v & 1 else 1
+            pos += 1 + (v & 1)
+        total = sum(counts.values())
+        if total > MAX_BLOCK_IDS:
+            raise ValueError(f"new_block_ids: {total} blocks, at most {MAX_BLOCK_IDS}")
+        ids, pos = _read_runs(values, pos, total)
+    except IndexError:
+        raise ValueError("new_block_ids: truncated") from None
+    if pos != len(values):
+        raise ValueError(f"new_block_ids: {len(values) - pos} varints after the last run")
     out, i = {}, 0
     for handle, count in counts.items():
         out[handle] = ids[i:i + count]
@@ -93,37 +100,40 @@ def unpack_new_blocks(data: bytes) -> dict[int, list[int]]:
     return out
 
 
-def _read_runs(reader: _Reader, total: int) -> list[int]:
+def _read_runs(values: list[int], pos: int, total: int) -> tuple[list[int], int]:
     ids: list[int] = []
     expected = 0
     while len(ids) < total:
-        v = reader.varint()
-        z, length = v >> 1, reader.varint() + 2 if v & 1 else 1
+        v = values[pos]
+        z, length = v >> 1, values[pos + 1] + 2 if v & 1 else 1
+        pos += 1 + (v & 1)
         start = expected + ((z >> 1) if not z & 1 else -((z + 1) >> 1))
         if start < 0 or len(ids) + length > total:
             raise ValueError(f"new_block_ids: run of {length} at {start} does not fit "
                              f"{total} non-negative block ids")
         ids += range(start, start + length)
         expected = start + length
-    return ids
+    return ids, pos
 
 
-class _Reader:
-    def __init__(self, data: bytes):
-        self.data, self.pos = data, 0
-
-    def varint(self) -> int:
-        data, pos = self.data, self.pos
-        value = shift = 0
-        for k in range(_MAX_VARINT_BYTES):
-            if pos + k >= len(data):
-                raise ValueError("new_block_ids: truncated varint")
-            byte = data[pos + k]
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                if value >> 64:
-                    raise ValueError(f"new_block_ids: varint {value} does not fit 64 bits")
-                self.pos = pos + k + 1
-                return value
+def _varints(data: bytes) -> list[int]:
+    """Every varint in `data`, in order."""
+    out: list[int] = []
+    value = shift = 0
+    for byte in data:
+        if byte < 0x80 and not shift:
+            out.append(byte)                  # the common one-byte varint
+            continue
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            if value >> 64:
+                raise ValueError(f"new_block_ids: varint {value} does not fit 64 bits")
+            out.append(value)
+            value = shift = 0
+        else:
             shift += 7
-        raise ValueError(f"new_block_ids: varint longer than {_MAX_VARINT_BYTES} bytes")
+            if shift >= 7 * _MAX_VARINT_BYTES:
+                raise ValueError(f"new_block_ids: varint longer than {_MAX_VARINT_BYTES} bytes")
+    if shift:
+        raise ValueError("new_block_ids: truncated varint")
+    return out
