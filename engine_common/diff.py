@@ -12,7 +12,9 @@ A diff says only what changed since the previous step. The worker applies its pa
 Every request in the batch that `num_scheduled_tokens` does not name is scheduled for exactly one
 token: a decode step that feeds back the token the worker itself sampled last step. A count of 0
 leaves a running request idle for the step. So steady-state decode is an almost empty message.
-Requests are named by small integer handles that the scheduler recycles.
+Requests are named by small integer handles that the scheduler recycles. On the wire,
+new_block_ids is packed (engine_common/new_blocks.py): about a byte per growing request plus a few
+per run of consecutive block ids; in memory it is the plain map below.
 """
 from __future__ import annotations
 
