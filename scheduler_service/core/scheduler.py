@@ -209,9 +209,9 @@ class Scheduler:
             request.num_pending_tokens += 1
 
     def _allocate_or_preempt(self, request: Request, n: int, plan: StepPlan):
-        """Blocks for `n` more tokens of a running request, preempting it or others after it in
-        the batch (never one already scheduled this step) until they fit. None when `request`
-        itself was preempted."""
+        """The ids of the blocks appended for `n` more tokens of a running request (grow_slots),
+        preempting it or others after it in the batch (never one already scheduled this step)
+        until they fit. None when `request` itself was preempted."""
         i = next(i for i, r in enumerate(self.running) if r is request)
         while (new_ids := self.kv.grow_slots(request, n)) is None:
             j = max(range(i, len(self.running)),
