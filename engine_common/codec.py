@@ -10,12 +10,12 @@ Layouts (positional arrays keep steady-state messages tiny):
     new blocks = nil when no request grows, else bytes: sorted handle gaps and block counts,
                  then the block ids as runs of consecutive ids (engine_common/new_blocks.py)
 
+    RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
+                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}]
+
 A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
 (1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
 per growing request plus a few bytes per run of consecutive block ids.
-
-    RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
-                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}]
 """
 from __future__ import annotations
 
