@@ -10,6 +10,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
 from engine_common.model_dir import ModelDirError, load_json
 
 # Prompt tokens handed to the stream as context: enough for decoders whose output depends on the
@@ -57,8 +59,16 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
-        """Load `tokenizer.json` (required) and `tokenizer_config.json` (optional)."""
+        """Load `tokenizer.json` (required) and `tokenizer_config.json` (optional), or build the
+        tokenizer a GGUF file's metadata describes."""
         path = Path(model_dir)
+        try:
+            gguf_path = find_gguf(path)
+            if gguf_path is not None:
+                gguf = GGUFFile.open(gguf_path)
+                return cls(tokenizer_from_gguf(gguf), tokenizer_config_from_gguf(gguf))
+        except GGUFError as e:
+            raise ModelDirError(str(e)) from None
         tok_path = path / "tokenizer.json"
         if not tok_path.is_file():
             raise ModelDirError(f"{tok_path} not found (only tokenizer.json is supported)")
@@ -84,8 +94,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS/EOS as the model directory asks."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS/EOS as the model directory asks; none with
+        add_special_tokens=False (a rendered chat template carries its own)."""
+        if not add_special_tokens:
+            return self.backend.encode(text, add_special_tokens=False).ids
         if self._explicit is None:
             return self.backend.encode(text, add_special_tokens=True).ids
         add_bos, add_eos = self._explicit

@@ -1,7 +1,9 @@
-"""Build a model from a Hugging Face directory and load this rank's shard of its weights.
+"""Build a model from a Hugging Face directory (or a GGUF file) and load this rank's shard of its
+weights.
 
 Checkpoints are read lazily with safetensors `get_slice`, so each rank reads only the rows or
-columns its parameters keep. Each parameter's own `weight_loader` knows how it is sharded.
+columns its parameters keep. A GGUF file is dequantized tensor by tensor as it is read
+(models/gguf_weights.py). Each parameter's own `weight_loader` knows how it is sharded.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_common.model_dir import ModelDirError, load_json
+from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_dir import ModelDirError, load_json, read_model_configs
 from kernels.attention.backend import AttentionBackend
+from worker_service.models.gguf_weights import gguf_tensor_names, iter_gguf_weights
 from worker_service.models.registry import get_model_class
 from worker_service.parallel_state import TPGroup
 
@@ -77,16 +81,33 @@ def target_of(model: nn.Module, name: str) -> tuple[str, Any] | None:
     return name, None
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
+def open_checkpoint(model_path: Path,
+                    hf_config: dict) -> tuple[set[str], Iterator[tuple[str, Any]]]:
+    """(tensor names, (name, tensor or lazy slice) pairs) of a safetensors directory or a GGUF;
+    GGUF tensors are dequantized to float32 one at a time."""
+    try:
+        gguf_path = find_gguf(model_path)
+        if gguf_path is not None:
+            gguf = GGUFFile.open(gguf_path)
+            tensors = ((name, torch.from_numpy(w))
+                       for name, w in iter_gguf_weights(gguf, hf_config))
+            return gguf_tensor_names(gguf), tensors
+    except GGUFError as e:
+        raise ModelDirError(str(e)) from None
+    index = checkpoint_index(model_path)
+    return set(index), iter_checkpoint(index)
+
+
+def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = None) -> None:
     """Copy this rank's slice of every checkpoint tensor into the model's parameters."""
-    index = checkpoint_index(model_dir)
-    if "lm_head.weight" not in index:
+    names, tensors = open_checkpoint(Path(model_dir), hf_config or {})
+    if "lm_head.weight" not in names:
         model.tie_lm_head()                  # no separate head in the checkpoint: tie it
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     unexpected = []
     with torch.no_grad():
-        for name, tensor_slice in iter_checkpoint(index):
+        for name, tensor_slice in _gguf_errors(tensors):
             target = target_of(model, name)
             if target is None:
                 continue
@@ -101,6 +122,14 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
             loaded.setdefault(param_name, set()).add(shard_id)
     check_complete(params, loaded, unexpected)
+
+
+def _gguf_errors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """GGUF errors met while reading (an unsupported tensor type) as ModelDirError."""
+    try:
+        yield from tensors
+    except GGUFError as e:
+        raise ModelDirError(str(e)) from None
 
 
 def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
@@ -127,7 +156,7 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
     fused_ops=True: the model's RMSNorms and rope run as Triton kernels (kernels/fused_norm.py,
     kernels/fused_rope.py); ValueError unless `device` is CUDA or Triton runs interpreted."""
     path = Path(model_dir)
-    hf_config = load_json(path / "config.json")
+    hf_config = read_model_configs(path)[0]
     archs = hf_config.get("architectures") or [None]
     model_class = get_model_class(archs[0])
     torch_dtype = resolve_dtype(hf_config, dtype)
@@ -135,7 +164,7 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
         check_fused_ops_device(device)
     with torch.device(device):
         model = model_class(hf_config, tp, attn_backend, torch_dtype, fused_ops=fused_ops)
-    load_weights(model, path)
+    load_weights(model, path, hf_config)
     return model.eval()
 
 
