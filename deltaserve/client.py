@@ -20,24 +20,46 @@ def build_request(args) -> pb.GenerateRequest:
         req.token_ids.extend(int(t) for t in args.token_ids.split(","))
     elif args.prompt is not None:
         req.text = args.prompt
+    set_options(req, args)
+    return req
+
+
+def set_options(req: pb.GenerateRequest, args) -> None:
+    """Sampling and stopping fields from the flags the subcommand has (unset ones stay unset)."""
     for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None:
             setattr(req.sampling, name, value)
     req.stopping.max_tokens = args.max_tokens
-    req.stopping.min_tokens = args.min_tokens
-    req.stopping.stop.extend(args.stop)
-    req.stopping.ignore_eos = args.ignore_eos
-    return req
+    req.stopping.min_tokens = getattr(args, "min_tokens", 0)
+    req.stopping.stop.extend(getattr(args, "stop", []))
+    req.stopping.ignore_eos = getattr(args, "ignore_eos", False)
+
+
+def warn_if_chat_model(stub, req: pb.GenerateRequest, timeout: float | None) -> None:
+    """One warning on stderr when a raw-text prompt goes to a model that has a chat template
+    (an instruct model answers such text badly, often with nothing at all)."""
+    if not req.HasField("text"):
+        return
+    try:
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or 10)
+    except grpc.RpcError:
+        return      # the Generate call reports an unreachable server
+    if info.has_chat_template:
+        print(f"warning: {info.model_name} has a chat template, but this prompt is raw text and "
+              "is sent as is; for a chat, use `deltaserve chat \"...\"` (or "
+              "GenerateRequest.messages)", file=sys.stderr, flush=True)
 
 
 def generate(args) -> int:
     """Run the stream; 0 on a finished request, 1 on a gRPC error."""
     with grpc.insecure_channel(args.target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
+        request = build_request(args)
+        warn_if_chat_model(stub, request, args.timeout)
         last = None
         try:
-            for resp in stub.Generate(build_request(args), timeout=args.timeout):
+            for resp in stub.Generate(request, timeout=args.timeout):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 last = resp

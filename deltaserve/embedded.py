@@ -3,7 +3,9 @@
 The worker runs as a child process (`deltaserve worker`, in its own session so a terminal Ctrl-C
 reaches only this process, and set to get SIGTERM if this process dies); the scheduler runs in
 this process. Ctrl-C or SIGTERM drains the scheduler, then stops the worker: no orphan is left.
-With no --model, a tiny model with random weights is created once in the cache directory.
+With no --model, the default model (SmolLM2-135M-Instruct, deltaserve/default_model.py) is fetched
+and converted once into the cache directory; `--model tiny` serves a tiny model with random
+weights (for tests), created once in the cache directory.
 """
 from __future__ import annotations
 
@@ -13,13 +15,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deltaserve.default_model import DefaultModelError, ensure_default_model
 from deltaserve.paths import cache_dir
+from engine_common.chat_template import load_chat_template
 from engine_common.config import WorkerServiceOptions
+from engine_common.model_dir import ModelInfo
 from engine_common.settings import from_args, to_flags
 from scheduler_service.api.engine_flags import engine_settings
 from scheduler_service.api.server import run_scheduler
+from worker_service.models.tp_sizes import check_tp_size
 
 TINY_MODEL_NAME = "tiny-qwen3"
+TINY_MODEL_ARG = "tiny"         # --model tiny (a path named "tiny" is written ./tiny)
 _WORKER_STOP_SECONDS = 10.0
 
 
@@ -71,15 +78,44 @@ def stop_worker(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def resolve_model(model: str | None) -> str:
+    """--model as a path: None -> the default model (fetched and converted on first use),
+    "tiny" -> the tiny random test model, anything else as given."""
+    if model is None:
+        try:
+            return str(ensure_default_model())
+        except DefaultModelError as e:
+            raise OSError(f"the default model is not available: {e}") from None
+    if model == TINY_MODEL_ARG:
+        path = str(tiny_model_dir())
+        print(f"--model tiny: serving the tiny test model in {path}.\n"
+              "Its weights are RANDOM: it produces gibberish.", flush=True)
+        return path
+    return model
+
+
+def _examples(target: str, chat: bool) -> str:
+    """Commands to try: a chat when the model has a chat template, else raw text."""
+    if chat:
+        question = "What is the capital of France?"
+        body = (f'{{"messages": [{{"role": "user", "content": "{question}"}}], '
+                '"stopping": {"max_tokens": 32}}')
+        first = f'deltaserve chat --target {target} "{question}"'
+    else:
+        body = '{"text": "Once upon a time", "stopping": {"max_tokens": 32}}'
+        first = f'deltaserve generate --target {target} "Once upon a time"'
+    return (f"  {first}\n"
+            f"  grpcurl -plaintext -d '{body}' {target} deltaserve.v1.Generation/Generate\n")
+
+
 def _announce(listen: str, model_dir: str):
+    chat = load_chat_template(model_dir) is not None
+
     def on_ready(app) -> None:
         host = listen.rsplit(":", 1)[0]
         target = f"{host}:{app.port}"
-        body = '{"text": "Once upon a time", "stopping": {"max_tokens": 32}}'
         print(f"DeltaServe ready on {target} (model {model_dir})\n"
-              f"Try:\n"
-              f"  grpcurl -plaintext -d '{body}' {target} deltaserve.v1.Generation/Generate\n"
-              f"  deltaserve generate --target {target} \"Once upon a time\"\n"
+              f"Try:\n{_examples(target, chat)}"
               f"Ctrl-C stops the server and its worker.", flush=True)
     return on_ready
 
@@ -88,14 +124,14 @@ def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
-    model_dir = args.model
-    if model_dir is None:
-        model_dir = str(tiny_model_dir())
-        print(f"No --model given: serving the tiny test model in {model_dir}.\n"
-              "Its weights are RANDOM: it produces gibberish. Pass --model DIR for a real "
-              "Hugging Face model.", flush=True)
+    model_dir = resolve_model(args.model)
+    worker_options = from_args(WorkerServiceOptions, args)
+    if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
+        check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
+                      "--local-ranks")
     settings = engine_settings(args, model_dir)
-    worker = start_worker(args.worker_listen, from_args(WorkerServiceOptions, args))
+    on_ready = _announce(args.listen, model_dir)
+    worker = start_worker(args.worker_listen, worker_options)
 
     def worker_gone() -> str | None:
         code = worker.poll()
@@ -104,7 +140,7 @@ def serve(args) -> int:
     try:
         return run_scheduler([args.worker_listen], args.listen, settings.worker,
                              settings.policy, settings.server,
-                             on_ready=_announce(args.listen, model_dir),
+                             on_ready=on_ready,
                              should_stop=worker_gone, exit_on_refusal=True)
     finally:
         stop_worker(worker)

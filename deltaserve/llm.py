@@ -1,4 +1,5 @@
-"""Offline generation in one process: `LLM(model_dir).generate(prompts, sampling, stopping)`.
+"""Offline generation in one process: `LLM(model_dir).generate(prompts, sampling, stopping)`, and
+`LLM.chat(messages, ...)` for prompts written as chats (rendered with the model's chat template).
 
 The scheduler and one model runner share the process but talk only through encoded diffs, exactly
 the bytes the gRPC worker protocol carries.
@@ -10,6 +11,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
+from engine_common.chat_template import ChatMessage, encode_chat, load_chat_template
 from engine_common.codec import encode_runner_output
 from engine_common.config import SchedulerConfig
 from engine_common.model_dir import ModelInfo
@@ -80,6 +82,7 @@ class LLM:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
+        self.chat_template = load_chat_template(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
         self.engine = EngineCore(self.scheduler, OutputProcessor(self.tokenizer),
                                  InProcessExecutor(self.runner))
@@ -106,6 +109,20 @@ class LLM:
             for out in self.engine.step():
                 self._merge(results[out.request_id], out)
         return [results[rid] for rid in order]
+
+    def chat(self, messages: list[ChatMessage | dict] | list[list[ChatMessage | dict]],
+             sampling: SamplingParams | list[SamplingParams] | None = None,
+             stopping: StoppingParams | list[StoppingParams] | None = None,
+             num_logprobs: int = 0) -> list[Completion]:
+        """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}
+        dicts) or several (a list of such lists), each rendered with the model's chat template
+        and its generation prompt, as the gRPC `messages` prompt is. ParamError when the model
+        has no chat template. One Completion per conversation."""
+        several = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if several else [messages]
+        prompts = [encode_chat(self.tokenizer, self.chat_template, conv,
+                               repr(self.model_info.name)) for conv in conversations]
+        return self.generate(prompts, sampling, stopping, num_logprobs)
 
     @staticmethod
     def _merge(done: Completion, out) -> None:

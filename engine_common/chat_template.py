@@ -27,6 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.gguf_tokenizer import tokenizer_config_from_gguf
 from engine_common.model_dir import ModelDirError, load_json
+from engine_common.params import ParamError
+from engine_common.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 # The named special tokens transformers hands to templates (special_tokens_map).
@@ -111,8 +113,8 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         try:
             self._template = _compile(source)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template is not valid Jinja: {e}") from None
+        except jinja2.TemplateError as e:   # the model's files are broken: refuse it at load
+            raise ModelDirError(f"the chat template is not valid Jinja: {e}") from None
 
     def render(self, messages: list[ChatMessage | dict],
                add_generation_prompt: bool = True) -> str:
@@ -179,3 +181,25 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
             raise ModelDirError(f"{jinja_path} could not be read: {e}") from None
         return ChatTemplate.from_tokenizer_config(source, config)
     return ChatTemplate.from_tokenizer_config(config.get("chat_template"), config)
+
+
+def encode_chat(tokenizer: Tokenizer, template: ChatTemplate | None,
+                messages: list[ChatMessage | dict] | tuple, model_name: str = "the model",
+                add_generation_prompt: bool = True) -> list[int]:
+    """Prompt ids of a chat: rendered with `template`, then tokenized without adding special
+    tokens (the template writes its own), as apply_chat_template(tokenize=True) does.
+    ParamError on the `messages` field when the model has no template or the template refuses
+    the messages."""
+    if not messages:
+        raise ParamError("messages", [], "at least one message")
+    if template is None:
+        raise ParamError("messages", f"{len(messages)} messages",
+                         f"sent to a model with a chat template: {model_name} has none (no "
+                         f"{TEMPLATE_FILE}, no chat_template in tokenizer_config.json or in "
+                         "the GGUF metadata); send text or token_ids instead")
+    try:
+        text = template.render(list(messages), add_generation_prompt)
+    except ChatTemplateError as e:
+        raise ParamError("messages", f"{len(messages)} messages",
+                         f"accepted by the model's chat template ({e})") from None
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -30,3 +30,34 @@ def tiny_models(tmp_path_factory):
     return get
 
 
+
+
+@pytest.fixture(scope="session")
+def tiny_ggufs(tiny_models, tmp_path_factory):
+    """Lazily written GGUF files of the tiny models: get(arch, qtype="F32", **write_gguf kwargs).
+    The llama one uses the default rope (a GGUF cannot state llama3 rope scaling)."""
+    from tests.support.gguf_files import write_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    cache: dict[str, str] = {}
+
+    def get(arch: str, qtype: str = "F32", **kwargs) -> str:
+        key = arch + qtype + repr(sorted(kwargs.items()))
+        if key not in cache:
+            model = tiny_models(arch, rope_scaling=None) if arch == "llama" else tiny_models(arch)
+            out = root / f"{arch}-{qtype}-{len(cache)}"
+            out.mkdir()
+            cache[key] = str(write_gguf(out / f"tiny-{arch}.{qtype}.gguf", model, qtype,
+                                        **kwargs))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model directory (SmolLM2-135M-Instruct, float32), converted once into
+    the user's cache (`make install` prepares it; otherwise it is fetched here)."""
+    from deltaserve.default_model import ensure_default_model
+
+    return str(ensure_default_model())

@@ -48,9 +48,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.paths": (),
     "deltaserve.client": _COMMON,
     "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:8] + ("kernels",),
-    "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.paths", "worker_service.models"),
+    "deltaserve.default_model": _COMMON + ("deltaserve.paths", "worker_service.models"),
+    "deltaserve.chat": _COMMON + ("deltaserve.client",),
+    "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.paths", "deltaserve.default_model",
+                                                   "worker_service.models"),
     "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.paths", "deltaserve.llm",
-                                                "deltaserve.embedded"),
+                                                "deltaserve.default_model", "deltaserve.embedded"),
     "deltaserve": (),                                   # the package __init__: empty
     "deltaserve.cli": ("*",),                           # the top: may import every room
 }

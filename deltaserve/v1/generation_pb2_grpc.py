@@ -84,7 +84,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenizes text exactly as Generate tokenizes a text prompt.
+        """Tokenizes text (or chat messages) exactly as Generate tokenizes that prompt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from engine_common.chat_template import ChatMessage
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
@@ -33,7 +34,8 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """A validated GenerateRequest. Exactly one of prompt_text / prompt_token_ids is not None."""
+    """A validated GenerateRequest. Exactly one of prompt_text / prompt_token_ids /
+    prompt_messages is not None."""
 
     request_id: str
     prompt_text: str | None
@@ -42,6 +44,7 @@ class GenerateInput:
     stopping: StoppingParams
     num_logprobs: int
     priority: int
+    prompt_messages: tuple[ChatMessage, ...] | None = None
 
 
 def new_request_id() -> str:
@@ -60,7 +63,7 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
     `default_max_tokens` applies when stopping.max_tokens is unset (None: up to max_model_len).
     The prompt's length against max_model_len is checked after tokenization: check_prompt_length.
     """
-    text, token_ids = _prompt_from_proto(msg, vocab_size)
+    text, token_ids, messages = _prompt_from_proto(msg, vocab_size)
     if msg.logprobs > max_logprobs:
         raise ParamError("logprobs", msg.logprobs, f"in [0, {max_logprobs}]")
     return GenerateInput(
@@ -71,22 +74,36 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
         stopping=stopping_from_proto(msg.stopping, default_max_tokens, vocab_size),
         num_logprobs=msg.logprobs,
         priority=msg.priority,
+        prompt_messages=messages,
     )
 
 
-def _prompt_from_proto(msg: pb.GenerateRequest, vocab_size: int | None
-                       ) -> tuple[str | None, tuple[int, ...] | None]:
-    has_text, has_ids = msg.HasField("text"), len(msg.token_ids) > 0
-    if has_text == has_ids:
-        given = "both text and token_ids" if has_text else "neither text nor token_ids"
-        raise ParamError("prompt", given, "exactly one of text or token_ids")
-    if has_text:
+def _prompt_from_proto(msg: pb.GenerateRequest, vocab_size: int | None):
+    """(text, token_ids, messages) with exactly one not None."""
+    given = [name for name, present in (("text", msg.HasField("text")),
+                                        ("token_ids", len(msg.token_ids) > 0),
+                                        ("messages", len(msg.messages) > 0)) if present]
+    if len(given) != 1:
+        raise ParamError("prompt", " and ".join(given) if given else "none given",
+                         "exactly one of text, token_ids or messages")
+    if given == ["text"]:
         if not msg.text:
             raise ParamError("text", msg.text, "a non-empty string")
-        return msg.text, None
+        return msg.text, None, None
+    if given == ["messages"]:
+        return None, None, messages_from_proto(msg.messages)
     ids = tuple(msg.token_ids)
     _check_vocab("token_ids", ids, vocab_size)
-    return None, ids
+    return None, ids, None
+
+
+def messages_from_proto(msgs) -> tuple[ChatMessage, ...]:
+    """ChatMessage protos -> domain messages; every role must be non-empty."""
+    for i, m in enumerate(msgs):
+        if not m.role:
+            raise ParamError(f"messages[{i}].role", m.role,
+                             "a non-empty string (system, user, assistant, ...)")
+    return tuple(ChatMessage(m.role, m.content) for m in msgs)
 
 
 def _check_vocab(name: str, ids, vocab_size: int | None) -> None:

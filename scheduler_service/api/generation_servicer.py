@@ -14,13 +14,15 @@ from typing import Callable
 
 import grpc
 
+from engine_common.chat_template import ChatTemplate, encode_chat
 from engine_common.model_dir import ModelInfo
-from engine_common.params import SamplingParams
+from engine_common.params import ParamError, SamplingParams
 from engine_common.protos import generation_pb2 as pb
 from engine_common.protos import generation_pb2_grpc
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
-from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length, output_to_proto,
+from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length,
+                                           messages_from_proto, output_to_proto,
                                            request_from_proto, sampling_to_proto)
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
@@ -40,6 +42,11 @@ class ServedModel:
     block_size: int
     num_workers: int = 1
     default_sampling: SamplingParams = SamplingParams()
+    chat_template: ChatTemplate | None = None
+
+    def chat_prompt_ids(self, messages) -> list[int]:
+        """Token ids of chat messages, rendered with the model's template (ParamError if none)."""
+        return encode_chat(self.tokenizer, self.chat_template, messages, repr(self.info.name))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -69,8 +76,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = self._model.info
         req = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size, max_logprobs=MAX_LOGPROBS)
-        ids = (list(req.prompt_token_ids) if req.prompt_token_ids is not None
-               else self._model.tokenizer.encode(req.prompt_text))
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+        elif req.prompt_messages is not None:
+            ids = self._model.chat_prompt_ids(req.prompt_messages)
+        else:
+            ids = self._model.tokenizer.encode(req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
         return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
                        num_logprobs=req.num_logprobs, priority=req.priority)
@@ -91,8 +102,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.AbortResponse(num_aborted=num)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        """Token ids of the text, exactly as a Generate text prompt is tokenized."""
-        ids = self._model.tokenizer.encode(request.text)
+        """Token ids of the text or chat, exactly as a Generate prompt is tokenized."""
+        try:
+            if request.messages and request.text:
+                raise ParamError("prompt", "text and messages", "exactly one of text or messages")
+            ids = (self._model.chat_prompt_ids(messages_from_proto(request.messages))
+                   if request.messages else self._model.tokenizer.encode(request.text))
+        except Exception as e:
+            await _abort_with(context, e)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
@@ -103,7 +120,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             vocab_size=m.info.vocab_size, eos_token_ids=m.info.eos_token_ids,
             tp_size=self._tp_size(), num_kv_blocks=self._engine.stats.num_total_blocks,
             kv_block_size=m.block_size, default_sampling=sampling_to_proto(m.default_sampling),
-            max_logprobs=MAX_LOGPROBS)
+            max_logprobs=MAX_LOGPROBS, has_chat_template=m.chat_template is not None)
 
     async def GetServerStatus(self, request, context) -> pb.GetServerStatusResponse:
         """Live load figures from the engine thread's latest snapshot."""

@@ -23,6 +23,7 @@ from typing import Callable
 
 import grpc
 
+from engine_common.chat_template import load_chat_template
 from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
 from engine_common.model_dir import ModelInfo
 from engine_common.protos import GENERATION_SERVICE, generation_pb2_grpc
@@ -163,7 +164,8 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     factory = WorkerCoreFactory(client, spec, config, tokenizer)
     engine = AsyncEngine(factory, idle_check=factory.check_health)
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
-                         num_workers=len(workers))
+                         num_workers=len(workers),
+                         chat_template=load_chat_template(worker.model_dir))
 
     server = grpc.aio.server(options=_SERVER_OPTIONS)
     generation_pb2_grpc.add_GenerationServicer_to_server(

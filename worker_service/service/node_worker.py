@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from pathlib import Path
 from typing import Callable
 
+from engine_common.model_dir import read_model_configs
 from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.models.tp_sizes import check_tp_size
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.runner.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
@@ -65,6 +68,8 @@ class NodeWorker:
     def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int) -> InitOutcome:
         """Load (or keep) the model, size the KV cache, join the group, and start `epoch`."""
         check_layout(self.started_layout, layout)
+        if layout.tp_size > 1:    # refused here, once, before any rank loads anything
+            check_tp_size(read_model_configs(Path(config.model_dir))[0], layout.tp_size)
         self.ranks.interrupt()
         with self._lock:
             self.epoch = None

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from engine_common.chat_template import ChatMessage
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.api import convert
@@ -24,6 +25,16 @@ def test_text_prompt_with_unset_params_takes_defaults():
     assert got == convert.GenerateInput("r", "Hi", None, SamplingParams(),
                                         StoppingParams(max_tokens=None), 0, 0)
     assert got.sampling.greedy
+
+
+def test_chat_prompt_carries_the_messages_in_order():
+    msg = pb.GenerateRequest(request_id="c", messages=[
+        pb.ChatMessage(role="system", content="Be brief."),
+        pb.ChatMessage(role="user", content="Hi"), pb.ChatMessage(role="assistant")])
+    got = convert.request_from_proto(msg)
+    assert (got.prompt_text, got.prompt_token_ids) == (None, None)
+    assert got.prompt_messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"),
+                                   ChatMessage("assistant", ""))
 
 
 def test_token_prompt_and_every_field_carried():
@@ -88,9 +99,16 @@ def test_sampling_defaults_round_trip_through_proto():
 # -- every bad field: (message, field named in the error, value, allowed) ---------------------
 
 BAD_REQUESTS = [
-    (pb.GenerateRequest(), "prompt", "neither text nor token_ids", "exactly one of text or token_ids"),
-    (pb.GenerateRequest(text="a", token_ids=[1]), "prompt", "both text and token_ids",
-     "exactly one of text or token_ids"),
+    (pb.GenerateRequest(), "prompt", "none given", "exactly one of text, token_ids or messages"),
+    (pb.GenerateRequest(text="a", token_ids=[1]), "prompt", "text and token_ids",
+     "exactly one of text, token_ids or messages"),
+    (pb.GenerateRequest(text="a", messages=[pb.ChatMessage(role="user", content="hi")]),
+     "prompt", "text and messages", "exactly one of text, token_ids or messages"),
+    (pb.GenerateRequest(token_ids=[1], messages=[pb.ChatMessage(role="user")]), "prompt",
+     "token_ids and messages", "exactly one of text, token_ids or messages"),
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="a"),
+                                  pb.ChatMessage(content="b")]),
+     "messages[1].role", "", "a non-empty string (system, user, assistant, ...)"),
     (pb.GenerateRequest(text=""), "text", "", "a non-empty string"),
     (_req(token_ids=[1, 10]), "token_ids[1]", 10, "in [0, 9] (vocab_size)"),
     (_req(logprobs=21), "logprobs", 21, "in [0, 20]"),

@@ -1,0 +1,107 @@
+"""GGUF files for tests, written with gguf-py's GGUFWriter (the reference writer) the way
+llama.cpp's convert_hf_to_gguf.py writes them: from a tiny Hugging Face model directory, with the
+llama q/k permutation, 2-D weights in the asked type and 1-D tensors (norms) in F32.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+ARCH_OF = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+           "Qwen3ForCausalLM": "qwen3"}
+_HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _TOP:
+        return _TOP[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rotate-half rows -> interleaved pairs."""
+    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, pre: str | None,
+                        user_defined: tuple[str, ...]) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    specials = {t["id"] for t in tok["added_tokens"] if t["special"]}
+    user = {vocab[t] for t in user_defined}
+    types = [3 if i in specials else 4 if i in user else 1 for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    if pre:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+
+
+def write_gguf(path: Path, model_dir: str | Path, qtype: str = "F32", pre: str | None = None,
+               chat_template: str | None = None, user_defined: tuple[str, ...] = (),
+               bos_token_id: int | None = None, eot_token_id: int | None = None) -> Path:
+    """Write the tiny model in `model_dir` (made by make_tiny_model) as a GGUF file."""
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = ARCH_OF[cfg["architectures"][0]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")
+    writer.add_rope_freq_base(theta)
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _tokenizer_metadata(writer, model_dir, pre, user_defined)
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if bos_token_id is not None:
+        writer.add_bos_token_id(bos_token_id)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
+    writer.add_add_bos_token(bos_token_id is not None)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    _add_tensors(writer, model_dir, cfg, arch, gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, cfg: dict, arch: str,
+                 qtype: gguf.GGMLQuantizationType) -> None:
+    weights = load_file(str(model_dir / "model.safetensors"))
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for name in sorted(weights):
+        w = weights[name].astype(np.float32)
+        proj = name.split(".")[-2]
+        if arch == "llama" and proj in heads:
+            w = llama_cpp_permute(w, heads[proj])
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), w)
