@@ -1,5 +1,6 @@
-"""`deltaserve serve`, the embedded default: creates the tiny model once, says its weights are
-random, prints a ready line, serves, and leaves no worker behind on Ctrl-C or when killed."""
+"""`deltaserve serve --model tiny`, the embedded default on the test model: creates the tiny model
+once, says its weights are random, prints a ready line, serves, and leaves no worker behind on
+Ctrl-C or when killed. (The real default model: tests/e2e/test_real_model_serve.py.)"""
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ def _start_serve(tmp_path: Path, name: str):
     log = tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--kv-cache-gib", SMALL_KV_GIB]
+           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))
@@ -51,7 +52,7 @@ def _wait_ready_line(proc, log: Path) -> str:
     return log.read_text(errors="replace")
 
 
-def test_serve_default_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
+def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
     proc, target, log = _start_serve(tmp_path, "first")
     try:
         text = _wait_ready_line(proc, log)
@@ -98,7 +99,7 @@ def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path):
     port, worker_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--kv-cache-gib", SMALL_KV_GIB, "--fused-ops"]
+           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--fused-ops"]
     env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     env.pop("TRITON_INTERPRET", None)
     t0 = time.monotonic()

@@ -1,5 +1,5 @@
 """Which tensor-parallel sizes a model's shapes allow, so a bad size is refused before any rank
-loads anything, with the sizes that would work.
+loads anything, naming the sizes that would work.
 
 A size t works when the layers can split evenly (worker_service/layers/linear.py):
   - t divides num_attention_heads (query heads are split),
@@ -9,6 +9,8 @@ The vocabulary is padded to a multiple of t, so it never constrains t.
 """
 from __future__ import annotations
 
+from engine_common.params import ParamError
+
 
 def _shape(hf_config: dict) -> tuple[int, int, int]:
     heads = int(hf_config["num_attention_heads"])
@@ -17,14 +19,16 @@ def _shape(hf_config: dict) -> tuple[int, int, int]:
 
 
 def tp_size_problem(hf_config: dict, tp_size: int) -> str | None:
-    """Why `tp_size` cannot split this model, or None when it can."""
+    """Why `tp_size` cannot split this model ("does not divide ..."), or None when it can."""
     heads, kv_heads, inter = _shape(hf_config)
+    if tp_size < 1:
+        return "is not a positive size"
     if heads % tp_size:
-        return f"it does not divide num_attention_heads={heads}"
+        return f"does not divide num_attention_heads={heads}"
     if kv_heads % tp_size and tp_size % kv_heads:
-        return f"it neither divides num_key_value_heads={kv_heads} nor is a multiple of it"
+        return f"neither divides num_key_value_heads={kv_heads} nor is a multiple of it"
     if inter % tp_size:
-        return f"it does not divide intermediate_size={inter}"
+        return f"does not divide intermediate_size={inter}"
     return None
 
 
@@ -33,16 +37,16 @@ def valid_tp_sizes(hf_config: dict) -> list[int]:
     return [t for t in range(1, heads + 1) if tp_size_problem(hf_config, t) is None]
 
 
-def check_tp_size(hf_config: dict, tp_size: int) -> None:
-    """ValueError naming the size, why it fails and the sizes that would work."""
+def check_tp_size(hf_config: dict, tp_size: int, field: str = "tp_size") -> None:
+    """ParamError on `field` naming the sizes that would work and why `tp_size` does not."""
     problem = tp_size_problem(hf_config, tp_size)
     if problem is None:
         return
     heads = _shape(hf_config)[0]
-    dividing = [t for t in range(1, heads + 1) if heads % t == 0]
     valid = valid_tp_sizes(hf_config)
-    notes = [f"{t} divides the {heads} attention heads too, but {tp_size_problem(hf_config, t)}"
-             for t in dividing if t not in valid and t != tp_size]
-    note = f" ({'; '.join(notes)})" if notes else ""
-    raise ValueError(f"tensor-parallel size {tp_size} does not fit this model: {problem}; "
-                     f"sizes that would: {', '.join(map(str, valid))}{note}")
+    # sizes a user would guess from the head count alone, and why they fail too
+    why = [f"{tp_size} {problem}"] + [
+        f"{t} divides the {heads} attention heads but {tp_size_problem(hf_config, t)}"
+        for t in range(1, heads + 1) if heads % t == 0 and t not in valid and t != tp_size]
+    raise ParamError(field, tp_size, f"a tensor-parallel size this model can be split over: "
+                                     f"{', '.join(map(str, valid))} ({'; '.join(why)})")
