@@ -35,7 +35,8 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_ggufs(tiny_models, tmp_path_factory):
     """Lazily written GGUF files of the tiny models: get(arch, qtype="F32", **write_gguf kwargs).
-    The llama one uses the default rope (a GGUF cannot state llama3 rope scaling)."""
+    "llama" is the tiny llama with the default rope; "llama3" keeps its Llama 3.1 rope scaling,
+    which the file carries as rope_freqs.weight."""
     from tests.support.gguf_files import write_gguf
 
     root = tmp_path_factory.mktemp("gguf")
@@ -44,7 +45,8 @@ def tiny_ggufs(tiny_models, tmp_path_factory):
     def get(arch: str, qtype: str = "F32", **kwargs) -> str:
         key = arch + qtype + repr(sorted(kwargs.items()))
         if key not in cache:
-            model = tiny_models(arch, rope_scaling=None) if arch == "llama" else tiny_models(arch)
+            model = (tiny_models("llama", rope_scaling=None) if arch == "llama"
+                     else tiny_models("llama") if arch == "llama3" else tiny_models(arch))
             out = root / f"{arch}-{qtype}-{len(cache)}"
             out.mkdir()
             cache[key] = str(write_gguf(out / f"tiny-{arch}.{qtype}.gguf", model, qtype,

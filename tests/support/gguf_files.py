@@ -5,6 +5,7 @@ llama q/k permutation, 2-D weights in the asked type and 1-D tensors (norms) in 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -34,6 +35,24 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: HF rotate-half rows -> interleaved pairs."""
     return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it for Llama 3.1 rope scaling."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            out.append(1.0)
+        elif wavelen > context / low:
+            out.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, pre: str | None,
@@ -85,6 +104,9 @@ def write_gguf(path: Path, model_dir: str | Path, qtype: str = "F32", pre: str |
     if chat_template:
         writer.add_chat_template(chat_template)
     _add_tensors(writer, model_dir, cfg, arch, gguf.GGMLQuantizationType[qtype])
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, cfg["head_dim"]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

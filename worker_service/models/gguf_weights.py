@@ -35,6 +35,8 @@ _PER_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layern
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # GGUF architectures whose q/k rows llama.cpp permuted
 _PERMUTED_ARCHS = ("llama",)
+# tensors the config reads instead (Llama 3.1 rope factors: engine_common/gguf_config.py)
+CONFIG_TENSORS = ("rope_freqs.weight",)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -58,6 +60,8 @@ def gguf_tensor_names(gguf: GGUFFile) -> set[str]:
     """The Hugging Face names the file provides (GGUFError naming a tensor with none)."""
     names = set()
     for name in gguf.tensors:
+        if name in CONFIG_TENSORS:
+            continue
         mapped = hf_name(name)
         if mapped is None:
             raise GGUFError(f"{gguf.path}: tensor {name!r} has no Hugging Face counterpart "
@@ -74,6 +78,8 @@ def iter_gguf_weights(gguf: GGUFFile, hf_config: dict) -> Iterator[tuple[str, np
     heads = {"q_proj": int(hf_config["num_attention_heads"]),
              "k_proj": int(hf_config["num_key_value_heads"])}
     for info in gguf.tensors.values():
+        if info.name in CONFIG_TENSORS:
+            continue
         name = hf_name(info.name)
         w = dequantize_tensor(gguf, info)
         proj = name.split(".")[-2]

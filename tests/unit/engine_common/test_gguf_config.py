@@ -66,7 +66,8 @@ def _minimal(tmp_path, arch="llama", extra=None, tensors=("token_embd.weight",))
     for key, value in (extra or {}).items():
         w.add_key_value(key, *value)
     for name in tensors:
-        w.add_tensor(name, np.zeros((2, 32), dtype=np.float32))
+        value = tensors[name] if isinstance(tensors, dict) else np.zeros((2, 32), np.float32)
+        w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,9 +95,27 @@ def test_unsupported_architecture_is_named(tmp_path):
         hf_config_from_gguf(_minimal(tmp_path, arch="gemma"))
 
 
+def test_llama3_rope_scaling_is_read_back_from_rope_freqs(tiny_models, tiny_ggufs):
+    original = json.loads((Path(tiny_models("llama")) / "config.json").read_text())
+    want = {**(original.get("rope_scaling") or {}), **(original.get("rope_parameters") or {})}
+    got = hf_config_from_gguf(GGUFFile.open(tiny_ggufs("llama3")))["rope_parameters"]
+    assert got["rope_type"] == "llama3" == want["rope_type"]
+    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+
+
 def test_rope_scaling_the_engine_cannot_run_is_refused(tmp_path):
-    with pytest.raises(GGUFError, match="rope_freqs.weight"):
-        hf_config_from_gguf(_minimal(tmp_path, tensors=("token_embd.weight", "rope_freqs.weight")))
+    import numpy as np
+
+    odd = {"token_embd.weight": np.zeros((2, 32), np.float32),
+           "rope_freqs.weight": np.array([1, 3, 2, 5, 1, 1, 1, 1], np.float32)}
+    with pytest.raises(GGUFError, match="rope_freqs.weight is not Llama 3.1 rope scaling"):
+        hf_config_from_gguf(_minimal(tmp_path, tensors=odd))
+    (tmp_path / "a").mkdir()
+    with pytest.raises(GGUFError, match=r"rope_freqs.weight is F32 \(2, 32\): must be F32 \(8,\)"):
+        hf_config_from_gguf(_minimal(tmp_path / "a",
+                                     tensors=("token_embd.weight", "rope_freqs.weight")))
     (tmp_path / "b").mkdir()
     f = _minimal(tmp_path / "b", extra={"llama.rope.scaling.type": ("yarn",
                                                                     gguf.GGUFValueType.STRING)})

@@ -28,7 +28,10 @@ def _ours(path) -> dict[str, np.ndarray]:
 
 
 def _original(tiny_models, arch) -> Path:
-    return Path(tiny_models(arch, rope_scaling=None) if arch == "llama" else tiny_models(arch))
+    """The directory a tiny GGUF was written from ("llama3": the llama with llama3 rope)."""
+    if arch == "llama":
+        return Path(tiny_models("llama", rope_scaling=None))
+    return Path(tiny_models("llama" if arch == "llama3" else arch))
 
 
 def test_names():
@@ -69,15 +72,21 @@ def test_f32_weights_equal_the_original_checkpoint(tiny_models, tiny_ggufs, arch
         np.testing.assert_array_equal(w, original[name], err_msg=name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen3"])
 def test_engine_model_from_gguf_equals_model_from_directory(tiny_models, tiny_ggufs, arch):
+    """Weights, and the rope tables (llama3: rebuilt from the file's rope_freqs)."""
     def load(path):
-        return load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu").state_dict()
+        return load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu")
 
     a, b = load(tiny_ggufs(arch)), load(_original(tiny_models, arch))
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+    rope_a = a.model.layers[0].self_attn.rotary_emb
+    rope_b = b.model.layers[0].self_attn.rotary_emb
+    torch.testing.assert_close(rope_a.cos_cache, rope_b.cos_cache, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rope_a.sin_cache, rope_b.sin_cache, rtol=0, atol=1e-6)
 
 
 def test_a_tensor_without_a_hf_name_is_refused(tmp_path, tiny_ggufs):
