@@ -2,12 +2,22 @@
 plus the tokenizer_config.json fields (special tokens, add_bos_token, chat_template).
 
 The mapping follows transformers' GGUF loader (integrations/gguf/gguf_tokenizer_mapping.py), so
-the ids equal `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s. Supported:
-`tokenizer.ggml.model` = "gpt2" (byte-level BPE: Llama 3, Qwen, SmolLM2). Metadata used:
+the ids equal `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s. Supported
+`tokenizer.ggml.model` values:
+
+    "gpt2"   byte-level BPE (Llama 3, Qwen, SmolLM2): the vocabulary is spelled in GPT-2's byte
+             alphabet; split by the regex `tokenizer.ggml.pre` names (table below)
+    "llama"  SentencePiece BPE (Llama 2, Mistral v0.1, TinyLlama): "▁" marks a space, a "▁" is
+             prepended to the text, unknown bytes fall back to the <0xXX> tokens; without merges
+             in the file they are rebuilt from the scores (transformers' generate_merges)
+
+Metadata used:
 
     tokenizer.ggml.tokens       string[V]  the vocabulary, id = index
-    tokenizer.ggml.token_type   int32[V]   1 normal, 3 control (-> special added token),
-                                           4 user-defined (-> non-special added token)
+    tokenizer.ggml.scores       float[V]   SentencePiece piece scores (merge priority)
+    tokenizer.ggml.token_type   int32[V]   1 normal, 2 unknown, 3 control (-> special added
+                                           token), 4 user-defined (-> non-special added token),
+                                           6 byte
     tokenizer.ggml.merges       string[M]  "left right", highest priority first
     tokenizer.ggml.pre          string     picks the pre-tokenizer split regex (table below)
     tokenizer.ggml.{bos,eos,unknown,padding}_token_id, add_bos_token, add_eos_token
@@ -22,7 +32,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from engine_common.gguf_file import GGUFError, GGUFFile
 
-SUPPORTED_MODELS = ("gpt2",)
+SUPPORTED_MODELS = ("gpt2", "llama")
 _CONTROL, _USER_DEFINED = 3, 4
 
 _LLAMA3_SPLIT = (
@@ -68,11 +78,48 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> Tokenizer:
         raise GGUFError(f"{gguf.path}: tokenizer.ggml.model={kind!r} is not supported: must be "
                         f"one of {SUPPORTED_MODELS}")
     tokens = gguf.require("tokenizer.ggml.tokens")
-    tok = Tokenizer(_byte_level_bpe(tokens, gguf.require("tokenizer.ggml.merges")))
-    tok.pre_tokenizer = _pre_tokenizer(gguf.get("tokenizer.ggml.pre"))
-    tok.decoder = decoders.ByteLevel()
-    _add_special_tokens(tok, tokens, gguf.get("tokenizer.ggml.token_type") or [])
+    if kind == "gpt2":
+        tok = Tokenizer(_byte_level_bpe(tokens, gguf.require("tokenizer.ggml.merges")))
+        tok.pre_tokenizer = _pre_tokenizer(gguf.get("tokenizer.ggml.pre"))
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = _sentencepiece_bpe(tokens, gguf.get("tokenizer.ggml.merges"),
+                                 gguf.get("tokenizer.ggml.scores"), gguf)
+    _add_special_tokens(tok, tokens, gguf.get("tokenizer.ggml.token_type") or [],
+                        kind == "gpt2", _named_special_tokens(gguf, tokens))
     return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
+                       gguf: GGUFFile) -> Tokenizer:
+    """transformers' LlamaTokenizer(vocab, merges) as it builds it for a GGUF."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    elif scores is not None:
+        pairs = merges_from_scores(vocab, dict(zip(tokens, scores)))
+    else:
+        raise GGUFError(f"{gguf.path}: a 'llama' tokenizer needs tokenizer.ggml.merges or "
+                        "tokenizer.ggml.scores; the file has neither")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=True,
+                               byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two known
+    pieces, the best-scoring piece's first (transformers' generate_merges, same order)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
@@ -97,14 +144,27 @@ def _pre_tokenizer(pre: str | None):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int]) -> None:
-    """Control tokens become special added tokens (a control token spelled outside the byte
-    alphabet is a llama.cpp mislabel and is skipped); user-defined ones plain added tokens."""
+def _named_special_tokens(gguf: GGUFFile, tokens: list[str]) -> dict[str, str]:
+    """bos / eos / unk / pad token strings, by tokenizer_config.json name."""
+    named = {}
+    for name, key in _SPECIAL_TOKENS:
+        token_id = gguf.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            named[name] = tokens[token_id]
+    return named
+
+
+def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int],
+                        byte_level: bool, named: dict[str, str]) -> None:
+    """Control tokens and the named special tokens (bos, eos, unk, pad) become special added
+    tokens (in a byte-level vocabulary a control token spelled outside the byte alphabet is a
+    llama.cpp mislabel and is skipped); user-defined ones plain added tokens."""
     alphabet = set(byte_to_unicode().values())
-    control = [AddedToken(t, normalized=False, special=True)
-               for t, kind in zip(tokens, token_types) if kind == _CONTROL and set(t) <= alphabet]
-    if control:
-        tok.add_special_tokens(control)
+    special = [t for t, kind in zip(tokens, token_types)
+               if kind == _CONTROL and (not byte_level or set(t) <= alphabet)]
+    special += [t for t in named.values() if t not in special]
+    if special:
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     vocab = tok.get_vocab()
     user = [AddedToken(t, normalized=False, special=False)
             for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
@@ -113,16 +173,15 @@ def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int
 
 
 def tokenizer_config_from_gguf(gguf: GGUFFile) -> dict:
-    """tokenizer_config.json: the special tokens by name, add_bos/eos_token, the chat template."""
+    """tokenizer_config.json: the special tokens by name, add_bos/eos_token, the chat template.
+    A SentencePiece ("llama") vocabulary that does not say adds BOS, as llama.cpp does."""
     tokens = gguf.require("tokenizer.ggml.tokens")
-    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for name, key in _SPECIAL_TOKENS:
-        token_id = gguf.get(f"tokenizer.ggml.{key}")
-        if token_id is not None and 0 <= token_id < len(tokens):
-            config[name] = tokens[token_id]
-    for key in ("add_bos_token", "add_eos_token"):
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast",
+                    **_named_special_tokens(gguf, tokens)}
+    default_bos = gguf.get("tokenizer.ggml.model") == "llama"
+    for key, default in (("add_bos_token", default_bos), ("add_eos_token", False)):
         value = gguf.get(f"tokenizer.ggml.{key}")
-        config[key] = bool(value) if value is not None else False
+        config[key] = bool(value) if value is not None else default
     template = gguf.get("tokenizer.chat_template")
     if template:
         config["chat_template"] = template

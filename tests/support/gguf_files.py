@@ -127,3 +127,37 @@ def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, cfg: dict, arch: str,
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name(name), w)
+
+
+def write_spm_tokenizer_gguf(path: Path, corpus: list[str], vocab_size: int = 600) -> Path:
+    """A GGUF holding only a SentencePiece-style ("llama") tokenizer, as llama.cpp writes Llama 2
+    files: <unk>, <s>, </s>, the 256 <0xXX> byte tokens, then pieces with "▁" for spaces; scores
+    give the merge priority (no tokenizer.ggml.merges key)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(list(corpus) * 3, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x")
+             else 1 for t in tokens]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 32,
+                       "feed_forward_length": 64, "attention.head_count": 2}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0 if kind != 1 else -float(i) for i, kind in enumerate(types)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -2,6 +2,7 @@
 tokenizer (AutoTokenizer.from_pretrained(dir, gguf_file=...)), for each pre-tokenizer family."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ from transformers import AutoTokenizer
 from engine_common.gguf_file import GGUFError, GGUFFile
 from engine_common.gguf_tokenizer import (PRE_TOKENIZER_SPLITS, tokenizer_config_from_gguf,
                                           tokenizer_from_gguf)
-from engine_common.tokenizer import Tokenizer
+from engine_common.tiny_tokenizer import CORPUS
+from engine_common.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.support.gguf_files import write_spm_tokenizer_gguf
 
 TEXTS = [
     "Hello world, how are you today?",
@@ -62,7 +65,36 @@ def test_control_tokens_are_special_and_config_names_them(tiny_ggufs):
 
 def test_unsupported_tokenizer_model_is_named(tiny_ggufs):
     gguf = GGUFFile.open(tiny_ggufs("qwen3"))
-    gguf.metadata["tokenizer.ggml.model"] = "llama"
-    with pytest.raises(GGUFError, match="tokenizer.ggml.model='llama' is not supported: must "
-                                        "be one of \\('gpt2',\\)"):
+    gguf.metadata["tokenizer.ggml.model"] = "t5"
+    with pytest.raises(GGUFError, match="tokenizer.ggml.model='t5' is not supported: must "
+                                        "be one of \\('gpt2', 'llama'\\)"):
         tokenizer_from_gguf(gguf)
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    return write_spm_tokenizer_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf", CORPUS)
+
+
+def test_sentencepiece_vocabulary_equals_transformers(spm_gguf):
+    """Llama-2-style files: merges rebuilt from the scores in transformers' order, a prepended
+    "▁", byte fallback for characters outside the vocabulary, BOS added."""
+    ours = Tokenizer.from_dir(spm_gguf)
+    ref = AutoTokenizer.from_pretrained(spm_gguf.parent, gguf_file=spm_gguf.name)
+    assert json.loads(ours.backend.to_str())["model"]["merges"] == json.loads(
+        ref.backend_tokenizer.to_str())["model"]["merges"]
+    for text in TEXTS + ["", " x", "Ελληνικά ☃ snowman"]:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[:1] == [1]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert tokenizer_config_from_gguf(GGUFFile.open(spm_gguf))["add_bos_token"] is True
+
+
+def test_sentencepiece_text_streams_as_it_decodes(spm_gguf):
+    tok = Tokenizer.from_dir(spm_gguf)
+    ids = tok.encode("Once upon a time, naïve 🙂 Zürich!")
+    detok = IncrementalDetokenizer(tok, ids[:3])
+    streamed = "".join(detok.add(t) for t in ids[3:]) + detok.flush()
+    assert tok.decode(ids[:3] + ids[3:]).startswith(tok.decode(ids[:3]))
+    assert streamed == tok.decode(ids)[len(tok.decode(ids[:3])):]
