@@ -70,6 +70,9 @@ BAD_REQUESTS = [
     ("logprobs", _req(logprobs=21)),
     ("stopping.max_tokens", _req(token_ids=[5] * 100, stopping={"max_tokens": 1949})),
     ("prompt", _req(token_ids=[5] * MAX_MODEL_LEN, stopping={"max_tokens": 1})),
+    ("prompt", _req(text="hi", messages=[pb.ChatMessage(role="user", content="hi")])),
+    ("messages[0].role", _req(token_ids=[], messages=[pb.ChatMessage(content="hi")])),
+    ("messages", _req(token_ids=[], messages=[pb.ChatMessage(role="user", content="hi")])),
 ]
 
 
@@ -82,6 +85,22 @@ def test_bad_field_is_invalid_argument_naming_the_field(stub, field, request_msg
     details = err.value.details()
     assert details.startswith(f"{field}="), details
     assert "must be" in details   # the allowed range follows
+
+
+def test_chat_messages_to_a_model_without_a_template_name_the_missing_template(stub):
+    """The tiny model has no chat template: Generate and Tokenize say so."""
+    chat = [pb.ChatMessage(role="user", content="hi")]
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Generate(_req(token_ids=[], messages=chat), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "has none (no chat_template.jinja, no chat_template in tokenizer_config.json" \
+        in err.value.details()
+    for bad in (pb.TokenizeRequest(messages=chat),
+                pb.TokenizeRequest(text="hi", messages=chat)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(bad, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).has_chat_template
 
 
 def test_still_serves_after_errors(stub):
