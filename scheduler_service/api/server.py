@@ -5,8 +5,9 @@
 
 Engine life cycle: AsyncEngine calls `WorkerCoreFactory` until it succeeds. Each call Inits every
 worker (a new epoch; a worker that already holds the model keeps it) and builds a fresh
-Scheduler + OutputProcessor + EngineCore over the KV blocks the workers report. When a worker
-fails, the engine drops the core and calls the factory again: that is worker-restart recovery.
+Scheduler + EngineCore over the KV blocks the workers report (the text side, an OutputProcessor
+per event loop, lives in the AsyncEngine and outlasts epochs). When a worker fails, the engine
+drops the core and calls the factory again: that is worker-restart recovery.
 
 Shutdown (SIGTERM/SIGINT): readiness goes NOT_SERVING, the port stops taking new RPCs, open
 streams get `grace_period_s` to finish, then the rest are cancelled and the engine stops.
@@ -63,12 +64,10 @@ class ServerOptions:
 class WorkerCoreFactory:
     """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
 
-    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
-                 tokenizer: Tokenizer):
+    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig):
         self.client = client
         self.spec = spec
         self.config = config
-        self.tokenizer = tokenizer
         self._last_error = ""
         self._was_ready = False
         self._num_ranks = 0
@@ -92,7 +91,7 @@ class WorkerCoreFactory:
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
         scheduler = Scheduler(self.config, result.num_kv_blocks)
-        return EngineCore(scheduler, OutputProcessor(self.tokenizer), self.client)
+        return EngineCore(scheduler, self.client)
 
     def check_health(self, core: EngineCore) -> None:
         """Raise EngineUnavailable when a worker is gone or lost its model (restarted); run by
@@ -160,8 +159,9 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                                  **limits_of(worker))
     spec = InitSpec(worker, dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
-    factory = WorkerCoreFactory(client, spec, config, tokenizer)
-    engine = AsyncEngine(factory, idle_check=factory.check_health)
+    factory = WorkerCoreFactory(client, spec, config)
+    engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),
+                         idle_check=factory.check_health)
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
                          num_workers=len(workers))
 
