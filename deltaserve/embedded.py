@@ -4,6 +4,8 @@ The worker runs as a child process (`deltaserve worker`, in its own session so a
 reaches only this process, and set to get SIGTERM if this process dies); the scheduler runs in
 this process. Ctrl-C or SIGTERM drains the scheduler, then stops the worker: no orphan is left.
 With no --model, a tiny model with random weights is created once in the cache directory.
+Both expose Prometheus metrics unless `--metrics-listen off`: the scheduler on --metrics-listen,
+the worker on --worker-metrics-listen (default: the next port).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from deltaserve.paths import cache_dir
 from engine_common.config import WorkerServiceOptions
+from engine_common.listen_address import next_port
 from engine_common.settings import from_args, to_flags
 from scheduler_service.api.engine_flags import engine_settings
 from scheduler_service.api.server import run_scheduler
@@ -95,7 +98,9 @@ def serve(args) -> int:
               "Its weights are RANDOM: it produces gibberish. Pass --model DIR for a real "
               "Hugging Face model.", flush=True)
     settings = engine_settings(args, model_dir)
-    worker = start_worker(args.worker_listen, from_args(WorkerServiceOptions, args))
+    worker_metrics = args.worker_metrics_listen or next_port(args.metrics_listen)
+    worker = start_worker(args.worker_listen, from_args(WorkerServiceOptions, args,
+                                                        metrics_listen=worker_metrics))
 
     def worker_gone() -> str | None:
         code = worker.poll()

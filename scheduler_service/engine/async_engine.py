@@ -23,14 +23,15 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.engine_stats import EngineStats
+from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
 from scheduler_service.engine.stream_hub import StreamError, StreamHub
-from scheduler_service.engine.throughput import ThroughputWindow
+from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.engine.token_update import TokenUpdate
 from scheduler_service.errors import EngineUnavailable, WorkerRefused
 
@@ -41,33 +42,19 @@ _REFUSED_RETRY_MAX_SECONDS = 10.0   # a refused Init is retried ever more slowly
 _IDLE_WAIT_SECONDS = 0.05
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the scheduler's load, published by the engine thread."""
-
-    ready: bool = False
-    num_waiting: int = 0
-    num_running: int = 0
-    num_used_blocks: int = 0     # held by live requests (free cached blocks do not count)
-    num_total_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
-
-
 class AsyncEngine:
     """`make_core` builds a fresh EngineCore (connect + Init the workers, new epoch) or raises
     EngineUnavailable; it is retried until it succeeds. `make_output_processor` builds the text
     side of one event loop. `idle_check(core)`, when given, runs on the engine thread every
     `idle_check_seconds` while no request is running and raises EngineUnavailable when a worker
-    is gone, so readiness drops without waiting for a request."""
+    is gone, so readiness drops without waiting for a request. `metrics` records the steps,
+    epochs, failures and streams (a private SchedulerMetrics when not given); `counters` are the
+    streams' request and token counts."""
 
     def __init__(self, make_core: Callable[[], EngineCore],
                  make_output_processor: Callable[[], OutputProcessor],
                  idle_check: Callable[[EngineCore], None] | None = None,
-                 idle_check_seconds: float = 1.0):
+                 idle_check_seconds: float = 1.0, metrics: SchedulerMetrics | None = None):
         self._make_core = make_core
         self._make_output_processor = make_output_processor
         self._idle_check = idle_check
@@ -82,7 +69,8 @@ class AsyncEngine:
         self._outbox: dict[StreamHub, list] = {}
         self._hubs: dict[asyncio.AbstractEventLoop, StreamHub] = {}
         self._hubs_lock = threading.Lock()
-        self._throughput = ThroughputWindow()
+        self.counters = ServingCounters()
+        self.metrics = metrics or SchedulerMetrics("")
         self.stats = EngineStats()
         self.last_error: str = "not connected to the workers yet"
         # Why the workers refused the last Init (WorkerRefused), or None after any other outcome.
@@ -136,8 +124,9 @@ class AsyncEngine:
         return done
 
     def throughput(self) -> tuple[float, float]:
-        """(prompt tokens/s, generated tokens/s) streamed over the last few seconds."""
-        return self._throughput.rates()
+        """(prompt tokens/s less prefix-cache hits, generated tokens/s) streamed over the last
+        few seconds."""
+        return self.counters.rates()
 
     def _hub(self, loop: asyncio.AbstractEventLoop) -> StreamHub:
         with self._hubs_lock:
@@ -145,7 +134,7 @@ class AsyncEngine:
             if hub is None:
                 self._hubs = {k: v for k, v in self._hubs.items() if not k.is_closed()}
                 hub = StreamHub(loop, self._make_output_processor(), self._finish_command,
-                                self._throughput)
+                                self.counters, self.metrics)
                 self._hubs[loop] = hub
             return hub
 
@@ -165,13 +154,15 @@ class AsyncEngine:
             self._hand_off()       # aborts and rejections need not wait for the step
             try:
                 if self._core is not None and self._core.has_unfinished_requests():
-                    self._route(self._core.step())
+                    self._step()
                 elif self._core is not None:
                     self._check_idle()
             except EngineUnavailable as e:
+                self.metrics.observe_failure(e)
                 self._fail_all(e)
             except Exception as e:  # a bug: fail the streams loudly, start a clean epoch
                 log.exception("engine step failed")
+                self.metrics.observe_failure(e)
                 self._fail_all(e)
             self._publish_stats()
             self._hand_off()
@@ -197,9 +188,15 @@ class AsyncEngine:
         self.refused = None
         self._retry_seconds = _RECONNECT_SECONDS
         self._last_check = time.monotonic()
+        self.metrics.observe_epoch()
         self._publish_stats()
         log.info("engine ready")
         return True
+
+    def _step(self) -> None:
+        core = self._core
+        self._route(core.step())
+        self.metrics.observe_step(core.last_step, core.scheduler.kv.stats)
 
     def _check_idle(self) -> None:
         now = time.monotonic()
@@ -293,4 +290,5 @@ class AsyncEngine:
         self.stats = EngineStats(
             ready=True, num_waiting=s.num_waiting, num_running=s.num_running,
             num_used_blocks=s.num_total_blocks - s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate)
+            num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_steps_in_flight=core.num_steps_in_flight)

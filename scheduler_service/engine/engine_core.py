@@ -14,7 +14,9 @@ to the serving side in one batch and hears back which requests a stop string end
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine_common.codec import decode_runner_output, encode_scheduler_output
@@ -28,12 +30,32 @@ class StepExecutor(Protocol):
         """Run one step's encoded SchedulerOutput; return the encoded RunnerOutput."""
 
 
+@dataclass(slots=True)
+class StepStats:
+    """What one `step()` call did, for metrics. Seconds of time.perf_counter(); a phase that did
+    not happen in this call stays 0 (an async call that only submitted has no round trip)."""
+
+    schedule_s: float = 0.0     # Scheduler.schedule and encoding the diff
+    round_trip_s: float = 0.0   # blocked on the workers' reply (execute, or collect)
+    update_s: float = 0.0       # decoding the reply, update_from_output, the token updates
+    diff_bytes: int = 0         # the encoded diff sent by this call (0: none sent)
+    num_reqs: int = 0           # requests with tokens in that diff
+    num_tokens: int = 0         # tokens scheduled in that diff
+    num_preempted: int = 0      # requests that diff preempted
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: StepExecutor):
         self.scheduler = scheduler
         self.executor = executor
         self.async_scheduling = scheduler.config.async_scheduling
         self._in_flight: deque = deque()   # (SchedulerOutput, ticket), oldest first
+        self.last_step = StepStats()
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps submitted to the workers and not collected yet (async scheduling)."""
+        return len(self._in_flight)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (a ValueError) when it cannot run here."""
@@ -50,24 +72,45 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[TokenUpdate]:
-        """One step's token updates. Async scheduling: submit the next step, then process the
-        oldest one in flight (the first call after an idle spell only submits)."""
+        """One step's token updates (`last_step` says what it cost). Async scheduling: submit
+        the next step, then process the oldest one in flight (the first call after an idle
+        spell only submits)."""
+        self.last_step = StepStats()
         if not self.async_scheduling:
-            sched_out = self.scheduler.schedule()
-            return self._process(sched_out, self.executor.execute(
-                encode_scheduler_output(sched_out)))
+            sched_out, payload = self._schedule()
+            return self._process(sched_out, self._wait(self.executor.execute, payload))
         if self.scheduler.has_unfinished_requests():
-            sched_out = self.scheduler.schedule()
-            ticket = self.executor.submit(encode_scheduler_output(sched_out))
-            self._in_flight.append((sched_out, ticket))
+            sched_out, payload = self._schedule()
+            self._in_flight.append((sched_out, self.executor.submit(payload)))
             if len(self._in_flight) < 2:
                 return []
         if not self._in_flight:
             return []
         sched_out, ticket = self._in_flight.popleft()
-        return self._process(sched_out, self.executor.collect(ticket))
+        return self._process(sched_out, self._wait(self.executor.collect, ticket))
+
+    def _schedule(self):
+        start = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        payload = encode_scheduler_output(sched_out)
+        stats = self.last_step
+        stats.schedule_s = time.perf_counter() - start
+        stats.diff_bytes = len(payload)
+        tokens = [n for n in sched_out.num_scheduled_tokens.values() if n]
+        stats.num_reqs, stats.num_tokens = len(tokens), sum(tokens)
+        stats.num_preempted = len(sched_out.preempted_handles)
+        return sched_out, payload
+
+    def _wait(self, call, arg) -> bytes:
+        start = time.perf_counter()
+        reply = call(arg)
+        self.last_step.round_trip_s = time.perf_counter() - start
+        return reply
 
     def _process(self, sched_out, payload: bytes) -> list[TokenUpdate]:
+        start = time.perf_counter()
         runner_out = decode_runner_output(payload)
-        return [TokenUpdate.from_update(update)
-                for update in self.scheduler.update_from_output(sched_out, runner_out)]
+        updates = [TokenUpdate.from_update(update)
+                   for update in self.scheduler.update_from_output(sched_out, runner_out)]
+        self.last_step.update_s = time.perf_counter() - start
+        return updates

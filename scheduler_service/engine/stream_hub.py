@@ -14,13 +14,15 @@ longer tracks the request and drops them. Every method runs on `loop`.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
-from scheduler_service.engine.throughput import ThroughputWindow
+from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.engine.token_update import TokenUpdate
 
 
@@ -38,11 +40,12 @@ FinishCommand = Callable[[list[str], RequestStatus], None]
 
 class StreamHub:
     def __init__(self, loop: asyncio.AbstractEventLoop, processor: OutputProcessor,
-                 finish: FinishCommand, throughput: ThroughputWindow):
+                 finish: FinishCommand, counters: ServingCounters, metrics: SchedulerMetrics):
         self.loop = loop
         self._processor = processor
         self._finish = finish
-        self._throughput = throughput
+        self._counters = counters
+        self._metrics = metrics
         self._queues: dict[str, asyncio.Queue] = {}
 
     def open(self, request: Request) -> asyncio.Queue:
@@ -56,20 +59,24 @@ class StreamHub:
 
     def deliver(self, items: list) -> None:
         """One hand-off from the engine thread: TokenUpdates and StreamErrors."""
+        start = time.perf_counter()
         updates = [item for item in items if isinstance(item, TokenUpdate)]
         outputs, stopped_ids = self._processor.process(updates)
+        processing_s = time.perf_counter() - start
         failed_ids = [out.request_id for out in outputs if out.error is not None]
         for out in outputs:
             self._put(out.request_id, out if out.error is None else out.error, out.finished)
         for item in items:
             if isinstance(item, StreamError):
                 self._processor.drop(item.request_id)
+                self._metrics.forget(item.request_id)
                 self._put(item.request_id, item.error, True)
         if stopped_ids:
             self._finish(stopped_ids, RequestStatus.FINISHED_STOP_STRING)
         if failed_ids:
             self._finish(failed_ids, RequestStatus.FINISHED_ABORTED)
-        self._throughput.record(outputs)
+        self._counters.record(outputs)
+        self._metrics.observe_outputs(outputs, processing_s)
 
     def _put(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
         queue = self._queues.pop(request_id, None) if last else self._queues.get(request_id)

@@ -24,7 +24,8 @@ from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.engine.stream_hub import StreamHub
-from scheduler_service.engine.throughput import ThroughputWindow
+from scheduler_service.engine.metrics import SchedulerMetrics
+from scheduler_service.engine.serving_counters import ServingCounters
 from tests.support.scheduler_sim import SimWorker
 from tests.support.tokenizers import build_tiny_tokenizer_dir
 
@@ -206,7 +207,7 @@ def test_tokens_computed_after_a_stop_string_never_reach_the_stream(tok):
     loop = asyncio.new_event_loop()
     try:
         hub = StreamHub(loop, OutputProcessor(tok), lambda ids, st: finish_commands.append(
-            (ids, st)), ThroughputWindow())
+            (ids, st)), ServingCounters(), SchedulerMetrics("m"))
         stopping = StoppingParams(max_tokens=30, stop=STOPS, ignore_eos=True)
         request = Request("x", tok.encode("The quick"), SamplingParams(seed=3), stopping)
         outputs = hub.open(request)
@@ -234,7 +235,8 @@ def test_tokens_computed_after_a_stop_string_never_reach_the_stream(tok):
 def test_a_second_stream_with_a_live_id_is_rejected_on_the_loop(tok):
     loop = asyncio.new_event_loop()
     try:
-        hub = StreamHub(loop, OutputProcessor(tok), lambda ids, st: None, ThroughputWindow())
+        hub = StreamHub(loop, OutputProcessor(tok), lambda ids, st: None, ServingCounters(),
+                        SchedulerMetrics("m"))
         request = Request("dup", [5, 6, 7], SamplingParams(), StoppingParams(max_tokens=4))
         hub.open(request)
         with pytest.raises(RequestRejected, match="request_id='dup' must be unique"):
