@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from engine_common.listen_address import OFF, split_listen
 
@@ -34,6 +34,7 @@ def start_metrics_server(listen: str | None, registry: CollectorRegistry) -> Met
     A port in use raises OSError naming the address."""
     if listen is None or listen == OFF:
         return None
+    disable_created_metrics()   # no *_created series: vLLM exposes none either
     host, port = split_listen(listen)
     try:
         httpd, _ = start_http_server(port, addr=host, registry=registry)

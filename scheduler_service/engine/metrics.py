@@ -117,8 +117,8 @@ class SchedulerMetrics:
                              "cached tokens.")
         self.epochs = c("epochs_started", "Engine epochs started (the workers initialized "
                         "again after a failure, and the first time).")
-        self.worker_failures = c("worker_failures", "Engine steps failed by a worker, by "
-                                 "kind.", "kind")
+        self.step_failures = c("step_failures", "Engine steps failed by a worker (each ends "
+                               "the epoch), by kind.", "kind")
 
     def attach(self, stats: Callable[[], EngineStats], counters: ServingCounters,
                num_workers: int) -> None:
@@ -203,7 +203,7 @@ class SchedulerMetrics:
             kind = error.kind
         else:
             kind = "unavailable" if isinstance(error, EngineUnavailable) else "internal"
-        self.worker_failures.labels(self.model_name, kind).inc()
+        self.step_failures.labels(self.model_name, kind).inc()
 
 
 class _Snapshots:

@@ -97,9 +97,9 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def worker(self, port: int) -> Proc:
+    def worker(self, port: int, *flags: str) -> Proc:
         return self._start("worker", ["worker", "--listen", f"127.0.0.1:{port}", "--device",
-                                      "cpu"])
+                                      "cpu", *flags])
 
     def scheduler(self, model_dir: str, worker_ports: list[int], port: int,
                   *flags: str, env: dict | None = None) -> Proc:

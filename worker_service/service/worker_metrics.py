@@ -88,9 +88,11 @@ class _NodeCollector:
                       [(labels, node.num_kv_blocks) for labels in ranks])
         yield from self._processes(ranks)
         readings = [(labels, self._nvml.read(labels[1])) for labels in ranks]
-        for name, field, doc in _GPU_GAUGES:
-            yield _gauges(name, doc, [(labels, getattr(r, field)) for labels, r in readings
-                                      if r is not None and getattr(r, field) is not None])
+        for name, field, doc in _GPU_GAUGES:    # only where a GPU answered
+            family = _gauges(name, doc, [(labels, getattr(r, field)) for labels, r in readings
+                                         if r is not None and getattr(r, field) is not None])
+            if family.samples:
+                yield family
 
     def _processes(self, ranks):
         pids = self._node.ranks.pids()

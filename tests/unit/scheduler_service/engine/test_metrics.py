@@ -73,9 +73,9 @@ def test_worker_failures_by_kind(metrics):
     metrics.observe_failure(EngineUnavailable("not ready"))
     metrics.observe_failure(ValueError("a bug"))
     metrics.observe_epoch()
-    assert value(metrics, "worker_failures_total", kind="step_timeout") == 1
-    assert value(metrics, "worker_failures_total", kind="unavailable") == 2
-    assert value(metrics, "worker_failures_total", kind="internal") == 1
+    assert value(metrics, "step_failures_total", kind="step_timeout") == 1
+    assert value(metrics, "step_failures_total", kind="unavailable") == 2
+    assert value(metrics, "step_failures_total", kind="internal") == 1
     assert value(metrics, "epochs_started_total") == 1
 
 
