@@ -195,3 +195,30 @@ def _two_free_ports() -> int:
                 continue
         return port
     raise AssertionError("no two adjacent free ports")
+
+
+@pytest.mark.slow
+def test_a_worker_with_two_rank_processes_reports_each_rank(tiny_models, tmp_path):
+    """--local-ranks 2: each rank process times its own steps and sends them back on the reply
+    ring; the worker's endpoint has one series per rank, and each rank's process figures."""
+    procs = Processes(tmp_path)
+    w_port, api, w_metrics = free_port(), free_port(), free_port()
+    try:
+        worker = procs.worker(w_port, "--local-ranks", "2", "--metrics-listen",
+                              f"127.0.0.1:{w_metrics}")
+        sched = procs.scheduler(tiny_models("llama"), [w_port], api)
+        wait_ready(f"127.0.0.1:{api}", [worker, sched], timeout=180)
+        with grpc.insecure_channel(f"127.0.0.1:{api}") as ch:
+            for i in range(3):
+                list(generation_stub(ch).Generate(greedy_request([4, 5 + i], 6), timeout=120))
+        w = scrape(w_metrics)
+    finally:
+        procs.close()
+    ranks = [{"rank": str(r), "device": "cpu"} for r in (0, 1)]
+    steps = [w.get("deltaserve:worker_steps_total", **r) for r in ranks]
+    assert steps[0] == steps[1] >= 6                       # every step ran on both ranks
+    for r in ranks:
+        assert w.get("deltaserve:worker_step_phase_seconds_count", phase="forward", **r) > 0
+        assert w.get("deltaserve:worker_process_resident_memory_bytes", **r) > 0
+        assert w.get("deltaserve:worker_kv_blocks", **r) > 0
+    assert w.get("deltaserve:worker_process_cpu_seconds_total", **ranks[1]) > 0
