@@ -63,7 +63,7 @@ class SchedulerMetrics:
         self.model_name = model_name
         self._lock = threading.Lock()
         self._token_times: dict[str, tuple[float, float]] = {}   # request -> (first, last)
-        self._prefix_seen: tuple[int, int, int] = (0, 0, 0)      # (id of stats, queries, hits)
+        self._prefix_seen: tuple[int, int] = (0, 0)   # this epoch's (queries, hits) so far
         self._make_request_histograms(request_token_buckets(max_model_len))
         self._make_step_metrics()
 
@@ -187,15 +187,15 @@ class SchedulerMetrics:
 
     def _observe_prefix_cache(self, prefix: PrefixCacheStats) -> None:
         """The KV manager's counts restart with each epoch's scheduler: add the increase."""
-        seen_id, queries, hits = self._prefix_seen
-        if seen_id != id(prefix):
-            queries = hits = 0
+        queries, hits = self._prefix_seen
         self.prefix_queries.inc(max(0, prefix.queries - queries))
         self.prefix_hits.inc(max(0, prefix.hits - hits))
-        self._prefix_seen = (id(prefix), prefix.queries, prefix.hits)
+        self._prefix_seen = (prefix.queries, prefix.hits)
 
     def observe_epoch(self) -> None:
+        """A new engine core (the engine thread, before its first step)."""
         self.epochs.inc()
+        self._prefix_seen = (0, 0)
 
     def observe_failure(self, error: BaseException) -> None:
         """A failed engine step (the streams of the epoch failed with it)."""

@@ -56,7 +56,8 @@ def test_step_phases_and_engine_counters_across_epochs(metrics):
     metrics.observe_step(StepStats(0.001, 0.0, 0.0, 200, 2, 2, 0), first)  # async: only submits
     first.queries, first.hits = 15, 6
     metrics.observe_step(StepStats(0.0, 0.01, 0.001, 0, 0, 0, 2), first)  # only collects
-    metrics.observe_step(StepStats(), PrefixCacheStats(queries=3, hits=1))  # a new epoch
+    metrics.observe_epoch()                               # a new core, its counts from zero
+    metrics.observe_step(StepStats(), PrefixCacheStats(queries=3, hits=1))
     assert value(metrics, "step_duration_seconds_count", phase="schedule") == 2
     assert value(metrics, "step_duration_seconds_count", phase="round_trip") == 2
     assert value(metrics, "step_diff_bytes_sum") == 500
@@ -65,6 +66,7 @@ def test_step_phases_and_engine_counters_across_epochs(metrics):
     assert value(metrics, "num_preemptions_total") == 3
     assert value(metrics, "prefix_cache_queries_total") == 18
     assert value(metrics, "prefix_cache_hits_total") == 7
+    assert value(metrics, "epochs_started_total") == 1
 
 
 def test_worker_failures_by_kind(metrics):
