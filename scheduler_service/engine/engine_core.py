@@ -96,8 +96,9 @@ class EngineCore:
         stats = self.last_step
         stats.schedule_s = time.perf_counter() - start
         stats.diff_bytes = len(payload)
-        tokens = [n for n in sched_out.num_scheduled_tokens.values() if n]
-        stats.num_reqs, stats.num_tokens = len(tokens), sum(tokens)
+        # The diff names only counts other than 1; the scheduler knows every request's.
+        tokens = self.scheduler.scheduled_tokens(sched_out.step)
+        stats.num_reqs, stats.num_tokens = len(tokens), sum(tokens.values())
         stats.num_preempted = len(sched_out.preempted_handles)
         return sched_out, payload
 

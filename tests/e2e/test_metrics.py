@@ -103,6 +103,9 @@ def test_counters_move_exactly_with_the_requests(services):
         assert delta(f"deltaserve:{histogram}_count") == n + 1, histogram
     assert delta("deltaserve:request_generation_tokens_sum") == sum(streamed)
     assert delta("deltaserve:inter_token_latency_seconds_count") == sum(streamed) - (n + 1)
+    # Each request: its 3-token prompt in one step, then one step per further output token.
+    assert delta("deltaserve:step_batch_size_sum") == sum(streamed)
+    assert delta("deltaserve:iteration_tokens_total_sum") == 3 * (n + 1) + sum(streamed) - (n + 1)
     assert after.get("deltaserve:kv_cache_usage_perc", **MODEL) == 0
     _check_server_status_agrees(target, after, MODEL)
     _check_worker_ran_the_scheduler_steps(services, before, after, worker_before)
