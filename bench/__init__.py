@@ -2,7 +2,7 @@
 
 presets      named architectures with random weights of the real shape (nothing downloaded)
 workload     nano-vllm's workload: random prompt ids, random input and output lengths
-step_timer   observes EngineCore steps: which were pure decode, how long, how much KV they read
+step_timer   observes LLMEngine steps: which were pure decode, how long, how much KV they read
 bandwidth    bytes a decode step must read, and the device's measured copy bandwidth
 hf_baseline  transformers `generate()` on the same prompts, over a few batch sizes
 report       the result block appended to bench/results.md

@@ -119,7 +119,7 @@ def _generate(llm, workload: Workload):
 
 
 class _FirstTokens:
-    """While active, wraps one EngineCore's `step` (an instance attribute, removed on exit) and
+    """While active, wraps one LLMEngine's `step` (an instance attribute, removed on exit) and
     records when each request's first token came out, and how many steps ran."""
 
     def __init__(self, engine):

@@ -1,8 +1,8 @@
-"""Times every EngineCore step and says which were pure decode and how much KV they read.
+"""Times every LLMEngine step and says which were pure decode and how much KV they read.
 
 `StepTimer(engine)` is a context manager: inside it, that one engine's `step` and its scheduler's
 `schedule` are wrapped (instance attributes, removed on exit). A step's time is the whole
-`EngineCore.step`: schedule, encode, run the model, sample, copy the tokens back, detokenize. It
+`LLMEngine.step`: schedule, encode, run the model, sample, copy the tokens back, detokenize. It
 is what the engine spends per step, not just the forward pass.
 """
 from __future__ import annotations

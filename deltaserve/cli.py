@@ -16,8 +16,12 @@ from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_WORKER_LISTEN = "127.0.0.1:50052"
-# `serve` runs one worker service on this machine: it is node 0 of 1.
-SERVE_SKIPS = ("node_rank", "nodes")
+# `serve` exposes Prometheus metrics unless told otherwise: the scheduler's here, the worker's
+# on the next port.
+DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
+# `serve` runs one worker service on this machine: it is node 0 of 1. Its two metrics endpoints
+# have flags of their own.
+SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"HOST:PORT for the public API (default: {DEFAULT_TARGET})")
     p.add_argument("--worker-listen", default=DEFAULT_WORKER_LISTEN,
                    help=f"HOST:PORT of the worker it starts (default: {DEFAULT_WORKER_LISTEN})")
+    p.add_argument("--metrics-listen", default=DEFAULT_METRICS_LISTEN,
+                   help="HOST:PORT of the scheduler's Prometheus /metrics endpoint (port 0: any "
+                        f"free port), or off (default: {DEFAULT_METRICS_LISTEN})")
+    p.add_argument("--worker-metrics-listen", default=None,
+                   help="HOST:PORT of the worker's /metrics endpoint, or off (default: the port "
+                        "after --metrics-listen; off with it)")
     add_flags(p, WorkerServiceOptions, skip=SERVE_SKIPS)
-    add_engine_flags(p)
+    add_engine_flags(p, skip=SERVE_SKIPS)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text")

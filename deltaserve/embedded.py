@@ -6,9 +6,12 @@ this process. Ctrl-C or SIGTERM drains the scheduler, then stops the worker: no 
 With no --model, the default model (SmolLM2-135M-Instruct, deltaserve/default_model.py) is fetched
 and converted once into the cache directory; `--model tiny` serves a tiny model with random
 weights (for tests), created once in the cache directory.
+Both expose Prometheus metrics unless `--metrics-listen off`: the scheduler on --metrics-listen,
+the worker on --worker-metrics-listen (default: the next port).
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -19,6 +22,7 @@ from deltaserve.default_model import DefaultModelError, ensure_default_model
 from deltaserve.paths import cache_dir
 from engine_common.chat_template import load_chat_template
 from engine_common.config import WorkerServiceOptions
+from engine_common.listen_address import next_port
 from engine_common.model_dir import ModelInfo
 from engine_common.settings import from_args, to_flags
 from scheduler_service.api.engine_flags import engine_settings
@@ -131,7 +135,9 @@ def serve(args) -> int:
                       "--local-ranks")
     settings = engine_settings(args, model_dir)
     on_ready = _announce(args.listen, model_dir)
-    worker = start_worker(args.worker_listen, worker_options)
+    worker_metrics = args.worker_metrics_listen or next_port(args.metrics_listen)
+    worker = start_worker(args.worker_listen,
+                          dataclasses.replace(worker_options, metrics_listen=worker_metrics))
 
     def worker_gone() -> str | None:
         code = worker.poll()

@@ -18,6 +18,7 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
@@ -84,8 +85,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.chat_template = load_chat_template(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
-        self.engine = EngineCore(self.scheduler, OutputProcessor(self.tokenizer),
-                                 InProcessExecutor(self.runner))
+        self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
+                                OutputProcessor(self.tokenizer))
         self._ids = itertools.count()
 
     def generate(self, prompts: list[str | list[int]],

@@ -15,6 +15,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from engine_common.listen_address import ListenAddress
 from engine_common.params import ParamError
 from engine_common.settings import (AtLeast, NonEmpty, OneOf, Positive, PowerOfTwo, Rule,
                                     setting, validate)
@@ -142,6 +143,9 @@ class WorkerServiceOptions:
     rank_step_timeout_s: float = setting(
         600.0, "seconds one step may take on the ranks before they count as stuck",
         rule=Positive(), flag="--rank-step-timeout")
+    metrics_listen: str | None = setting(
+        None, "HOST:PORT of this worker's Prometheus /metrics endpoint (port 0: any free port), "
+        "or off", rule=ListenAddress())
 
     def __post_init__(self):
         validate(self)

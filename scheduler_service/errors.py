@@ -7,13 +7,23 @@ class EngineUnavailable(RuntimeError):
 
 
 class WorkerFailure(EngineUnavailable):
-    """A worker's Step stream broke or reported a protocol error mid-step."""
+    """A worker's Step stream broke or reported a protocol error mid-step. `kind` names the
+    failure in metrics: step_timeout, stream_ended, protocol, a worker StepError code in lower
+    case (rank_failed, epoch_failed, ...), symmetry_divergence, refused, or unavailable."""
+
+    default_kind = "unavailable"
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind or self.default_kind
 
 
 class WorkerRefused(WorkerFailure):
     """A worker refused the Init settings (INVALID_ARGUMENT: a model directory it cannot read, a
     dtype or option its device cannot run). Retrying helps only once the settings or the worker's
     files change, so the engine retries slowly and `deltaserve serve` stops at once."""
+
+    default_kind = "refused"
 
 
 class RequestFailed(RuntimeError):

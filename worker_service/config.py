@@ -21,6 +21,14 @@ class RunnerConfig(WorkerConfig):
             raise ParamError("num_kv_blocks", self.num_kv_blocks, ">= 1")
 
 
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of local rank `local_rank` of a worker started on `device`: with the kind only
+    ("cuda"), rank r uses cuda:r; a named device ("cuda:1", "cpu") is used as it is."""
+    if device.startswith("cuda") and ":" not in device:
+        return f"cuda:{local_rank}"
+    return device
+
+
 @dataclass(frozen=True)
 class NodeLayout:
     """This node's place in the tensor-parallel group (see ParallelLayout in worker.proto)."""

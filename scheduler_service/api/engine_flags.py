@@ -19,8 +19,9 @@ class EngineSettings:
     server: ServerOptions
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser.add_argument_group("engine"), SchedulerConfig, WorkerConfig, ServerOptions)
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    add_flags(parser.add_argument_group("engine"), SchedulerConfig, WorkerConfig, ServerOptions,
+              skip=skip)
 
 
 def engine_settings(args: argparse.Namespace, model_dir: str) -> EngineSettings:

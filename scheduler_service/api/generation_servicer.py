@@ -63,14 +63,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Stream one GenerateResponse per engine step that produced tokens for the request."""
+        self._engine.counters.received()
+        streamed = False
         try:
             engine_request = self._to_engine_request(request)
             async for out in self._engine.generate(engine_request):
+                streamed = True
                 yield output_to_proto(out, self._token_text)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
+            self._count_failure(e, streamed)
             await _abort_with(context, e)
+
+    def _count_failure(self, error: Exception, streamed: bool) -> None:
+        """Before the first output a failure is a rejection (by status code); after it, a
+        request that finished with an error."""
+        if streamed:
+            self._engine.counters.failed_after_output()
+        else:
+            self._engine.counters.rejected(status_for(error)[0].name)
 
     def _to_engine_request(self, msg: pb.GenerateRequest) -> Request:
         info = self._model.info
@@ -131,7 +143,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             kv_cache_usage=stats.kv_cache_usage,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             generation_tokens_per_s=gen_tps, prompt_tokens_per_s=prompt_tps,
-            num_workers_ready=self._model.num_workers if stats.ready else 0,
+            num_workers_ready=stats.num_workers_ready(self._model.num_workers),
             num_workers=self._model.num_workers,
             num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks)
 

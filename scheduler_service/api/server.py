@@ -5,8 +5,9 @@
 
 Engine life cycle: AsyncEngine calls `WorkerCoreFactory` until it succeeds. Each call Inits every
 worker (a new epoch; a worker that already holds the model keeps it) and builds a fresh
-Scheduler + OutputProcessor + EngineCore over the KV blocks the workers report. When a worker
-fails, the engine drops the core and calls the factory again: that is worker-restart recovery.
+Scheduler + EngineCore over the KV blocks the workers report (the text side, an OutputProcessor
+per event loop, lives in the AsyncEngine and outlasts epochs). When a worker fails, the engine
+drops the core and calls the factory again: that is worker-restart recovery.
 
 Shutdown (SIGTERM/SIGINT): readiness goes NOT_SERVING, the port stops taking new RPCs, open
 streams get `grace_period_s` to finish, then the rest are cancelled and the engine stops.
@@ -25,12 +26,15 @@ import grpc
 
 from engine_common.chat_template import load_chat_template
 from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
+from engine_common.listen_address import ListenAddress
+from engine_common.metrics_http import MetricsServer, start_metrics_server
 from engine_common.model_dir import ModelInfo
 from engine_common.protos import GENERATION_SERVICE, generation_pb2_grpc
 from engine_common.settings import AtLeast, AtLeastZero, setting, validate
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
@@ -56,6 +60,9 @@ class ServerOptions:
                                     rule=AtLeastZero(), flag="--grace-period")
     dist_port: int = setting(DEFAULT_DIST_PORT, "with several workers: the torch.distributed "
                              "rendezvous port on node 0's host", rule=AtLeast(1, 65535))
+    metrics_listen: str | None = setting(
+        None, "HOST:PORT of the Prometheus /metrics endpoint (port 0: any free port), or off",
+        rule=ListenAddress())
 
     def __post_init__(self):
         validate(self)
@@ -64,12 +71,10 @@ class ServerOptions:
 class WorkerCoreFactory:
     """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
 
-    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
-                 tokenizer: Tokenizer):
+    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig):
         self.client = client
         self.spec = spec
         self.config = config
-        self.tokenizer = tokenizer
         self._last_error = ""
         self._was_ready = False
         self._num_ranks = 0
@@ -93,7 +98,7 @@ class WorkerCoreFactory:
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
         scheduler = Scheduler(self.config, result.num_kv_blocks)
-        return EngineCore(scheduler, OutputProcessor(self.tokenizer), self.client)
+        return EngineCore(scheduler, self.client)
 
     def check_health(self, core: EngineCore) -> None:
         """Raise EngineUnavailable when a worker is gone or lost its model (restarted); run by
@@ -115,13 +120,15 @@ class SchedulerServer:
     """A built, not yet started scheduler service. `port` is the bound port."""
 
     def __init__(self, server: grpc.aio.Server, engine: AsyncEngine, readiness: Readiness,
-                 client: WorkerClient, port: int, grace_period_s: float):
+                 client: WorkerClient, port: int, grace_period_s: float,
+                 metrics_server: MetricsServer | None = None):
         self.server = server
         self.engine = engine
         self.readiness = readiness
         self.client = client
         self.port = port
         self.grace_period_s = grace_period_s
+        self.metrics_server = metrics_server   # serving /metrics already; None when off
 
     async def start(self) -> None:
         self.engine.start()
@@ -135,6 +142,8 @@ class SchedulerServer:
         await self.server.stop(grace)
         await asyncio.to_thread(self.engine.shutdown)
         await asyncio.to_thread(self.client.close)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until every worker is initialized; False on timeout."""
@@ -161,8 +170,11 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                                  **limits_of(worker))
     spec = InitSpec(worker, dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
-    factory = WorkerCoreFactory(client, spec, config, tokenizer)
-    engine = AsyncEngine(factory, idle_check=factory.check_health)
+    factory = WorkerCoreFactory(client, spec, config)
+    metrics = SchedulerMetrics(info.name, info.max_model_len)
+    engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),
+                         idle_check=factory.check_health, metrics=metrics)
+    metrics.attach(lambda: engine.stats, engine.counters, len(workers))
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
                          num_workers=len(workers),
                          chat_template=load_chat_template(worker.model_dir))
@@ -177,7 +189,9 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
         port = server.add_insecure_port(listen)
     except RuntimeError as e:   # grpc reports a failed bind this way
         raise OSError(f"could not listen on {listen}: {e}") from None
-    return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s)
+    metrics_server = start_metrics_server(options.metrics_listen, metrics.registry)
+    return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s,
+                           metrics_server)
 
 
 async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
@@ -198,6 +212,9 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
     await app.start()
     log.info("scheduler listening on %s (port %d); workers: %s", listen, app.port,
              ",".join(workers))
+    if app.metrics_server is not None:
+        print(f"deltaserve scheduler metrics on http://{app.metrics_server.address}/metrics",
+              flush=True)
     refused: list[str] = []
     watcher = asyncio.create_task(_watch(app, stop, on_ready, should_stop,
                                          refused if exit_on_refusal else None))

@@ -1,13 +1,19 @@
 """Runs the engine loop on its own thread and serves many asyncio streams from it.
 
 The gRPC handlers live on an asyncio loop; scheduling and the blocking Step round trip live on one
-engine thread. Handlers send commands (add, abort) through a queue; the thread hands outputs back
-with `call_soon_threadsafe`. When a worker fails, every open stream ends with EngineUnavailable
-and the thread rebuilds the core (reconnect, re-Init, new epoch) before taking new requests. When
-the output of one request cannot be processed, that stream alone ends with RequestFailed.
+engine thread, which deals in token ids only. Handlers send commands (add, abort) through a queue;
+the thread hands each loop turn's TokenUpdates to the loop in ONE `call_soon_threadsafe` (per
+event loop with streams), not one per stream. The loop's StreamHub does the text work
+(detokenization, stop strings) and sends back, in one `finish` command, the requests a stop
+string ended: the engine finishes them (frees their blocks) at its next turn. A token the engine
+computed for such a request meanwhile never reaches the client.
 
-Only the engine thread touches the core. Other threads read `stats`, an immutable snapshot the
-engine thread replaces after every loop turn, and `ready`.
+When a worker fails, every open stream ends with EngineUnavailable and the thread rebuilds the
+core (reconnect, re-Init, new epoch) before taking new requests. When the output of one request
+cannot be processed, that stream alone ends with RequestFailed and the engine aborts it.
+
+Only the engine thread touches the core; only a hub's loop touches that hub. Other threads read
+`stats`, an immutable snapshot the engine thread replaces after every loop turn, and `ready`.
 """
 from __future__ import annotations
 
@@ -17,68 +23,54 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.engine_stats import EngineStats
+from scheduler_service.engine.metrics import SchedulerMetrics
+from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
+from scheduler_service.engine.stream_hub import StreamError, StreamHub
+from scheduler_service.engine.serving_counters import ServingCounters
+from scheduler_service.engine.token_update import TokenUpdate
 from scheduler_service.errors import EngineUnavailable, WorkerRefused
-from scheduler_service.engine.output_processor import RequestOutput
-from scheduler_service.core.request import Request
 
 log = logging.getLogger(__name__)
 
 _RECONNECT_SECONDS = 0.5
 _REFUSED_RETRY_MAX_SECONDS = 10.0   # a refused Init is retried ever more slowly, up to this
 _IDLE_WAIT_SECONDS = 0.05
-_THROUGHPUT_WINDOW_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the scheduler's load, published by the engine thread."""
-
-    ready: bool = False
-    num_waiting: int = 0
-    num_running: int = 0
-    num_used_blocks: int = 0     # held by live requests (free cached blocks do not count)
-    num_total_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
 
 
 class AsyncEngine:
     """`make_core` builds a fresh EngineCore (connect + Init the workers, new epoch) or raises
-    EngineUnavailable; it is retried until it succeeds. `idle_check(core)`, when given, runs on the
-    engine thread every `idle_check_seconds` while no request is running and raises
-    EngineUnavailable when a worker is gone, so readiness drops without waiting for a request."""
+    EngineUnavailable; it is retried until it succeeds. `make_output_processor` builds the text
+    side of one event loop. `idle_check(core)`, when given, runs on the engine thread every
+    `idle_check_seconds` while no request is running and raises EngineUnavailable when a worker
+    is gone, so readiness drops without waiting for a request. `metrics` records the steps,
+    epochs, failures and streams (a private SchedulerMetrics when not given); `counters` are the
+    streams' request and token counts."""
 
     def __init__(self, make_core: Callable[[], EngineCore],
+                 make_output_processor: Callable[[], OutputProcessor],
                  idle_check: Callable[[EngineCore], None] | None = None,
-                 idle_check_seconds: float = 1.0):
+                 idle_check_seconds: float = 1.0, metrics: SchedulerMetrics | None = None):
         self._make_core = make_core
+        self._make_output_processor = make_output_processor
         self._idle_check = idle_check
         self._idle_check_seconds = idle_check_seconds
         self._last_check = 0.0
         self._core: EngineCore | None = None
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._steps: deque = deque()  # (time, prompt tokens, generated tokens)
-        self._steps_lock = threading.Lock()
+        # Engine thread only: the hub of every request in the core, and this turn's hand-offs.
+        self._routes: dict[str, StreamHub] = {}
+        self._outbox: dict[StreamHub, list] = {}
+        self._hubs: dict[asyncio.AbstractEventLoop, StreamHub] = {}
+        self._hubs_lock = threading.Lock()
+        self.counters = ServingCounters()
+        self.metrics = metrics or SchedulerMetrics("")
         self.stats = EngineStats()
         self.last_error: str = "not connected to the workers yet"
         # Why the workers refused the last Init (WorkerRefused), or None after any other outcome.
@@ -108,12 +100,13 @@ class AsyncEngine:
         (cancellation, deadline) or the stream ends early for any other reason."""
         if not self.ready:
             raise EngineUnavailable(f"no worker is ready: {self.last_error}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", request, stream))
+        hub = self._hub(asyncio.get_running_loop())
+        outputs = hub.open(request)
+        self._commands.put(("add", request, hub))
         finished = False
         try:
             while not finished:
-                item = await stream.outputs.get()
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     finished = True   # never added, or already dropped by the engine
                     raise item
@@ -131,15 +124,22 @@ class AsyncEngine:
         return done
 
     def throughput(self) -> tuple[float, float]:
-        """(prompt tokens/s, generated tokens/s) over the last few seconds. A prompt counts when
-        its prefill completes (its first token), less the tokens the prefix cache served."""
-        now = time.monotonic()
-        with self._steps_lock:
-            steps = [s for s in self._steps if now - s[0] <= _THROUGHPUT_WINDOW_SECONDS]
-        if not steps:
-            return 0.0, 0.0
-        span = max(now - steps[0][0], 1e-3)
-        return sum(s[1] for s in steps) / span, sum(s[2] for s in steps) / span
+        """(prompt tokens/s less prefix-cache hits, generated tokens/s) streamed over the last
+        few seconds."""
+        return self.counters.rates()
+
+    def _hub(self, loop: asyncio.AbstractEventLoop) -> StreamHub:
+        with self._hubs_lock:
+            hub = self._hubs.get(loop)
+            if hub is None:
+                self._hubs = {k: v for k, v in self._hubs.items() if not k.is_closed()}
+                hub = StreamHub(loop, self._make_output_processor(), self._finish_command,
+                                self.counters, self.metrics)
+                self._hubs[loop] = hub
+            return hub
+
+    def _finish_command(self, request_ids: list[str], status: RequestStatus) -> None:
+        self._commands.put(("finish", request_ids, status))
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -147,23 +147,27 @@ class AsyncEngine:
         while not self._stop.is_set():
             if self._core is None and not self._connect():
                 self._drain_commands(block_seconds=self._retry_seconds)
+                self._hand_off()
                 continue
             busy = self._core.has_unfinished_requests()
             self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
+            self._hand_off()       # aborts and rejections need not wait for the step
             try:
                 if self._core is not None and self._core.has_unfinished_requests():
-                    outputs = self._core.step()
-                    self._record_throughput(outputs)
-                    self._dispatch(outputs)
+                    self._step()
                 elif self._core is not None:
                     self._check_idle()
             except EngineUnavailable as e:
+                self.metrics.observe_failure(e)
                 self._fail_all(e)
             except Exception as e:  # a bug: fail the streams loudly, start a clean epoch
                 log.exception("engine step failed")
+                self.metrics.observe_failure(e)
                 self._fail_all(e)
             self._publish_stats()
+            self._hand_off()
         self._fail_all(EngineUnavailable("the server is shutting down"))
+        self._hand_off()
 
     def _connect(self) -> bool:
         try:
@@ -184,9 +188,15 @@ class AsyncEngine:
         self.refused = None
         self._retry_seconds = _RECONNECT_SECONDS
         self._last_check = time.monotonic()
+        self.metrics.observe_epoch()
         self._publish_stats()
         log.info("engine ready")
         return True
+
+    def _step(self) -> None:
+        core = self._core
+        self._route(core.step())
+        self.metrics.observe_step(core.last_step, core.scheduler.kv.stats)
 
     def _check_idle(self) -> None:
         now = time.monotonic()
@@ -211,41 +221,63 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request, stream = cmd
-            if self._core is None:
-                stream.put(EngineUnavailable(f"no worker is ready: {self.last_error}"))
-                return
-            try:
-                self._core.add_request(request)
-            except ValueError as e:  # rejected: the API layer maps the subclass to a status
-                stream.put(e)
-                return
-            self._streams[request.request_id] = stream
+            self._add(cmd[1], cmd[2])
         elif kind == "abort":
             _, request_ids, done = cmd
-            ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._streams]
+            ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._routes]
             if self._core is not None and ids:
-                self._dispatch(self._core.abort(ids))
-            for rid in ids:  # aborted before any final output was produced
-                self._streams.pop(rid, None)
+                self._route(self._core.abort(ids))
+            for rid in ids:  # aborted before any final update was produced
+                self._routes.pop(rid, None)
             done.set_result(len(ids))
+        elif kind == "finish":   # the serving side ended these (stop string, failed output)
+            _, request_ids, status = cmd
+            ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
+            if self._core is not None and ids:
+                self._core.scheduler.finish_requests(ids, status)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+    def _add(self, request: Request, hub: StreamHub) -> None:
+        rid = request.request_id
+        if self._core is None:
+            self._post(hub, StreamError(rid, EngineUnavailable(
+                f"no worker is ready: {self.last_error}")))
+            return
+        try:
+            self._core.add_request(request)
+        except ValueError as e:  # rejected: the API layer maps the subclass to a status
+            self._post(hub, StreamError(rid, e))
+            return
+        self._routes[rid] = hub
+
+    def _route(self, updates: list[TokenUpdate]) -> None:
+        """File each update with its request's hub; a final update ends the route."""
+        for update in updates:
+            hub = self._routes.get(update.request_id)
+            if hub is None:
                 continue
-            stream.put(out if out.error is None else out.error)
-            if out.finished:
-                del self._streams[out.request_id]
+            self._post(hub, update)
+            if update.finished:
+                del self._routes[update.request_id]
+
+    def _post(self, hub: StreamHub, item: TokenUpdate | StreamError) -> None:
+        self._outbox.setdefault(hub, []).append(item)
+
+    def _hand_off(self) -> None:
+        """One call_soon_threadsafe per hub with anything to deliver."""
+        outbox, self._outbox = self._outbox, {}
+        for hub, items in outbox.items():
+            try:
+                hub.loop.call_soon_threadsafe(hub.deliver, items)
+            except RuntimeError:   # the loop is closed: nobody is listening any more
+                pass
 
     def _fail_all(self, error: Exception) -> None:
-        if self._streams:
-            log.error("failing %d open streams: %s", len(self._streams), error)
+        if self._routes:
+            log.error("failing %d open streams: %s", len(self._routes), error)
         self.last_error = str(error)
-        for stream in self._streams.values():
-            stream.put(error)
-        self._streams.clear()
+        for rid, hub in self._routes.items():
+            self._post(hub, StreamError(rid, error))
+        self._routes.clear()
         self._core = None
         self._drain_commands(block_seconds=None)   # answer queued adds and aborts at once
 
@@ -258,16 +290,5 @@ class AsyncEngine:
         self.stats = EngineStats(
             ready=True, num_waiting=s.num_waiting, num_running=s.num_running,
             num_used_blocks=s.num_total_blocks - s.num_free_blocks,
-            num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate)
-
-    def _record_throughput(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        generated = prompt = 0
-        for out in outputs:
-            generated += len(out.new_token_ids)
-            if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
-                prompt += out.num_prompt_tokens - out.num_cached_tokens   # prefill just ended
-        with self._steps_lock:
-            self._steps.append((now, prompt, generated))
-            while self._steps and now - self._steps[0][0] > _THROUGHPUT_WINDOW_SECONDS:
-                self._steps.popleft()
+            num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_steps_in_flight=core.num_steps_in_flight)

@@ -1,4 +1,4 @@
-"""The scheduling loop: schedule, send the encoded diff to the workers, process what comes back.
+"""The scheduling loop: schedule, send the encoded diff to the workers, collect the tokens.
 
 The executor is anything with `execute(payload: bytes) -> bytes`: the in-process model runner for
 offline use and tests, or the gRPC client of the worker services. Only encoded bytes cross it, so
@@ -7,16 +7,22 @@ the in-process engine exercises the same codec as the wire.
 With SchedulerConfig.async_scheduling the executor must also have `submit(payload) -> ticket` and
 `collect(ticket) -> bytes` (steps collected in submission order), and each `step()` keeps two
 steps in flight: it schedules and submits step t+1, then collects and processes step t.
+
+NOTE EngineCore deals in token ids only. Text (detokenization, stop strings) is its owner's job:
+LLMEngine does it between steps on the same thread; AsyncEngine hands each step's TokenUpdates
+to the serving side in one batch and hears back which requests a stop string ended.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine_common.codec import decode_runner_output, encode_scheduler_output
-from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.token_update import TokenUpdate
 
 
 class StepExecutor(Protocol):
@@ -24,53 +30,88 @@ class StepExecutor(Protocol):
         """Run one step's encoded SchedulerOutput; return the encoded RunnerOutput."""
 
 
+@dataclass(slots=True)
+class StepStats:
+    """What one `step()` call did, for metrics. Seconds of time.perf_counter(); a phase that did
+    not happen in this call stays 0 (an async call that only submitted has no round trip)."""
+
+    schedule_s: float = 0.0     # Scheduler.schedule and encoding the diff
+    round_trip_s: float = 0.0   # blocked on the workers' reply (execute, or collect)
+    update_s: float = 0.0       # decoding the reply, update_from_output, the token updates
+    diff_bytes: int = 0         # the encoded diff sent by this call (0: none sent)
+    num_reqs: int = 0           # requests with tokens in that diff
+    num_tokens: int = 0         # tokens scheduled in that diff
+    num_preempted: int = 0      # requests that diff preempted
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, output_processor: OutputProcessor,
-                 executor: StepExecutor):
+    def __init__(self, scheduler: Scheduler, executor: StepExecutor):
         self.scheduler = scheduler
-        self.output_processor = output_processor
         self.executor = executor
         self.async_scheduling = scheduler.config.async_scheduling
         self._in_flight: deque = deque()   # (SchedulerOutput, ticket), oldest first
+        self.last_step = StepStats()
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps submitted to the workers and not collected yet (async scheduling)."""
+        return len(self._in_flight)
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; raises RequestRejected (a ValueError) when it cannot run here."""
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish requests at once (cancel, deadline); their blocks go back to the pool."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [out for rid in request_ids if (out := self.output_processor.abort(rid))]
+    def abort(self, request_ids: list[str]) -> list[TokenUpdate]:
+        """Finish requests at once (cancel, deadline); their blocks go back to the pool. One
+        final update per request that was still unfinished."""
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [TokenUpdate.aborted(request) for request in done]
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or (async scheduling) a step still to collect."""
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
-    def step(self) -> list[RequestOutput]:
-        """One step's outputs. Async scheduling: submit the next step, then process the oldest
-        one in flight (the first call after an idle spell only submits)."""
+    def step(self) -> list[TokenUpdate]:
+        """One step's token updates (`last_step` says what it cost). Async scheduling: submit
+        the next step, then process the oldest one in flight (the first call after an idle
+        spell only submits)."""
+        self.last_step = StepStats()
         if not self.async_scheduling:
-            sched_out = self.scheduler.schedule()
-            return self._process(sched_out, self.executor.execute(
-                encode_scheduler_output(sched_out)))
+            sched_out, payload = self._schedule()
+            return self._process(sched_out, self._wait(self.executor.execute, payload))
         if self.scheduler.has_unfinished_requests():
-            sched_out = self.scheduler.schedule()
-            ticket = self.executor.submit(encode_scheduler_output(sched_out))
-            self._in_flight.append((sched_out, ticket))
+            sched_out, payload = self._schedule()
+            self._in_flight.append((sched_out, self.executor.submit(payload)))
             if len(self._in_flight) < 2:
                 return []
         if not self._in_flight:
             return []
         sched_out, ticket = self._in_flight.popleft()
-        return self._process(sched_out, self.executor.collect(ticket))
+        return self._process(sched_out, self._wait(self.executor.collect, ticket))
 
-    def _process(self, sched_out, payload: bytes) -> list[RequestOutput]:
+    def _schedule(self):
+        start = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        payload = encode_scheduler_output(sched_out)
+        stats = self.last_step
+        stats.schedule_s = time.perf_counter() - start
+        stats.diff_bytes = len(payload)
+        # The diff names only counts other than 1; the scheduler knows every request's.
+        tokens = self.scheduler.scheduled_tokens(sched_out.step)
+        stats.num_reqs, stats.num_tokens = len(tokens), sum(tokens.values())
+        stats.num_preempted = len(sched_out.preempted_handles)
+        return sched_out, payload
+
+    def _wait(self, call, arg) -> bytes:
+        start = time.perf_counter()
+        reply = call(arg)
+        self.last_step.round_trip_s = time.perf_counter() - start
+        return reply
+
+    def _process(self, sched_out, payload: bytes) -> list[TokenUpdate]:
+        start = time.perf_counter()
         runner_out = decode_runner_output(payload)
-        updates = self.scheduler.update_from_output(sched_out, runner_out)
-        outputs, stopped_ids = self.output_processor.process(updates)
-        if stopped_ids:
-            self.scheduler.finish_requests(stopped_ids, RequestStatus.FINISHED_STOP_STRING)
-        failed = [out.request_id for out in outputs if out.error is not None]
-        if failed:  # their blocks go back now; the workers drop them with the next diff
-            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-        return outputs
+        updates = [TokenUpdate.from_update(update)
+                   for update in self.scheduler.update_from_output(sched_out, runner_out)]
+        self.last_step.update_s = time.perf_counter() - start
+        return updates

@@ -1,4 +1,8 @@
-"""Scheduler updates -> client-facing outputs: streaming text, stop strings, logprobs, usage.
+"""Token updates -> client-facing outputs: streaming text, stop strings, logprobs, usage.
+
+The output processor never touches the engine: it reads TokenUpdates (copies of what a step did)
+and reports which requests matched a stop string; its owner finishes those in the engine (the
+offline LLMEngine at once, the serving side of AsyncEngine with a command to the engine thread).
 
 Stop-string rules:
 - checked only once the request has produced at least `stopping.min_tokens` tokens (the match
@@ -10,8 +14,12 @@ Stop-string rules:
   flushed when the request finishes for any other reason.
 Every token id is reported, even those whose text was cut.
 
+Tokens that arrive for a request after its stop string matched (the engine learns of the match
+a step or two late when the text is made on another thread) are dropped: they never reach the
+client and are not counted in usage.
+
 A failure while processing one request's output (a tokenizer bug, say) ends that request alone:
-its final output carries `error` (RequestFailed) and the engine aborts it; the others go on.
+its final output carries `error` (RequestFailed) and the owner aborts it in the engine.
 """
 from __future__ import annotations
 
@@ -19,9 +27,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from engine_common.params import StoppingParams
 from engine_common.tokenizer import IncrementalDetokenizer, Tokenizer
-from scheduler_service.errors import RequestFailed
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.errors import RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +79,31 @@ class RequestOutput:
 
 @dataclass
 class _RequestState:
-    request: Request
+    """What the processor knows of one request: fixed facts copied at add time, the text state."""
+
+    request_id: str
+    num_prompt_tokens: int
+    stopping: StoppingParams
+    num_logprobs: int
     detokenizer: IncrementalDetokenizer
-    stops: tuple[str, ...]
     hold_back: int                 # characters of unsent text held while stop strings are active
+    timings: RequestTimings
+    num_cached_tokens: int = 0
     # Text not sent yet. A stop string can never begin in text already sent (held-back text stays
     # here), so matching needs only this buffer.
     unsent: str = ""
     num_output_tokens: int = 0
     stop_string: str | None = None
 
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.stopping.stop
+
 
 class OutputProcessor:
-    """Keeps one detokenizer per live request and turns `RequestUpdate`s into `RequestOutput`s."""
+    """Keeps one detokenizer per live request and turns `TokenUpdate`s into `RequestOutput`s.
+    Not thread-safe: one thread owns it (the engine's in the offline engine, the event loop's in
+    the server)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
@@ -91,25 +113,35 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._states)
 
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
     def add_request(self, request: Request) -> None:
-        """Start tracking `request` (call once, when it is added to the scheduler)."""
+        """Start tracking `request`. Only the fields fixed at creation are read (id, prompt,
+        stopping, num_logprobs, arrival time): the engine may own the object from now on."""
         stops = request.stopping.stop
         detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
                                        self._skip_special_tokens)
         hold_back = max((len(s) for s in stops), default=1) - 1
-        self._states[request.request_id] = _RequestState(request, detok, stops, hold_back)
+        self._states[request.request_id] = _RequestState(
+            request.request_id, request.num_prompt_tokens, request.stopping,
+            request.num_logprobs, detok, hold_back,
+            RequestTimings(request.arrival_time, None, None))
 
-    def process(self, updates) -> tuple[list[RequestOutput], list[str]]:
+    def drop(self, request_id: str) -> None:
+        """Forget a request without an output (its stream ended with an error)."""
+        self._states.pop(request_id, None)
+
+    def process(self, updates: list[TokenUpdate]) -> tuple[list[RequestOutput], list[str]]:
         """One output per update of a tracked request, and the ids that matched a stop string.
 
-        The caller must finish the returned ids with
-        `scheduler.finish_requests(ids, RequestStatus.FINISHED_STOP_STRING)`. Updates for requests
-        no longer tracked (aborted, or stopped by a string in an earlier step) are dropped.
-        An output with `error` set is final: the caller must abort that request.
+        The caller must finish the returned ids in the engine with FINISHED_STOP_STRING. Updates
+        for requests no longer tracked (finished, or stopped by a string earlier) are dropped.
+        An output with `error` set is final: the caller must abort that request in the engine.
         """
         outputs, stopped_ids = [], []
         for update in updates:
-            state = self._states.get(update.request.request_id)
+            state = self._states.get(update.request_id)
             if state is None:
                 continue
             try:
@@ -122,53 +154,57 @@ class OutputProcessor:
                 stopped_ids.append(out.request_id)
         return outputs, stopped_ids
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Final output (held-back text flushed) for an aborted request, or None if untracked."""
-        state = self._states.get(request_id)
-        if state is None:
-            return None
-        try:
-            self._append_text(state, state.detokenizer.flush())
-        except Exception as e:  # noqa: BLE001 - same backstop as process()
-            return self._fail(state, e)
-        return self._finish(state, [], [], RequestStatus.FINISHED_ABORTED, None)
-
     def _fail(self, state: _RequestState, exc: Exception) -> RequestOutput:
-        rid = state.request.request_id
+        rid = state.request_id
         log.exception("processing the output of request %r failed; aborting it alone", rid)
         self._states.pop(rid, None)
         state.unsent = ""       # text past the failure point cannot be trusted
-        if state.request.finish_time is None:
-            state.request.finish_time = time.monotonic()
+        if state.timings.finish_time is None:
+            state.timings.finish_time = time.monotonic()
         out = self._output(state, [], [], True, RequestStatus.FINISHED_ABORTED, None)
         out.error = RequestFailed(
             f"request {rid!r} failed while its output was processed "
             f"({type(exc).__name__}: {exc}); other requests are unaffected")
         return out
 
-    def _process_one(self, state: _RequestState, update) -> RequestOutput:
-        request = state.request
-        now = time.monotonic()
-        if request.first_token_time is None and update.new_token_ids:
-            request.first_token_time = now
-        token_ids = list(update.new_token_ids)
-        self._detokenize(state, token_ids, update.finished)
-        logprobs = self._logprobs(request, token_ids, update.new_logprobs, update.top_logprobs)
-        if state.stop_string is not None and request.status != RequestStatus.FINISHED_ABORTED:
-            if update.finished:  # already out of the scheduler: record the stop string here
-                request.status = RequestStatus.FINISHED_STOP_STRING
+    def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
+        self._note_times(state, update)
+        token_ids = update.new_token_ids
+        self._detokenize(state, token_ids, update.finish_reason)
+        logprobs = self._logprobs(state.num_logprobs, token_ids, update.new_logprobs,
+                                  update.top_logprobs)
+        # An aborted update carries no tokens, so a stop string here matched in this step's text.
+        if state.stop_string is not None:
             return self._finish(state, token_ids, logprobs, RequestStatus.FINISHED_STOP_STRING,
-                                state.stop_string)
+                                state.stop_string, None)
         if update.finished:
             self._append_text(state, state.detokenizer.flush())
-            return self._finish(state, token_ids, logprobs, request.status, request.stop_reason)
+            return self._finish(state, token_ids, logprobs, update.finish_reason,
+                                self._stop_reason(state, update), update.finish_time)
         return self._output(state, token_ids, logprobs, False, None, None)
 
-    def _detokenize(self, state: _RequestState, token_ids: list[int], finished: bool) -> None:
-        stopping = state.request.stopping
+    @staticmethod
+    def _stop_reason(state: _RequestState, update: TokenUpdate) -> int | str | None:
+        """The engine's finish keeps its reason; a stop string the flushed text completed is
+        still named (an abort names none)."""
+        if state.stop_string is not None and update.finish_reason != RequestStatus.FINISHED_ABORTED:
+            return state.stop_string
+        return update.stop_token_id
+
+    @staticmethod
+    def _note_times(state: _RequestState, update: TokenUpdate) -> None:
+        t = state.timings
+        t.first_scheduled_time = t.first_scheduled_time or update.first_scheduled_time
+        t.first_token_time = t.first_token_time or update.first_token_time
+        if t.first_token_time is None and update.new_token_ids:
+            t.first_token_time = time.monotonic()
+        state.num_cached_tokens = update.num_cached_tokens
+
+    def _detokenize(self, state: _RequestState, token_ids: list[int],
+                    finish_reason: RequestStatus | None) -> None:
         # The text of a stop token (eos or stop_token_ids) is not part of the output.
-        drop_last = (finished and state.request.status == RequestStatus.FINISHED_STOP_TOKEN
-                     and not stopping.include_stop_str_in_output)
+        drop_last = (finish_reason == RequestStatus.FINISHED_STOP_TOKEN
+                     and not state.stopping.include_stop_str_in_output)
         for i, token_id in enumerate(token_ids):
             state.num_output_tokens += 1
             if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
@@ -182,7 +218,7 @@ class OutputProcessor:
             return
         start = len(state.unsent)
         state.unsent += piece
-        if state.stops and state.num_output_tokens >= state.request.stopping.min_tokens:
+        if state.stops and state.num_output_tokens >= state.stopping.min_tokens:
             self._check_stop(state, start)
 
     def _check_stop(self, state: _RequestState, new_start: int) -> None:
@@ -197,38 +233,38 @@ class OutputProcessor:
         if best is None:
             return
         end, pos, stop = best
-        keep = end if state.request.stopping.include_stop_str_in_output else pos
+        keep = end if state.stopping.include_stop_str_in_output else pos
         state.unsent = state.unsent[:keep]
         state.stop_string = stop
-        state.request.stop_reason = stop
 
-    def _finish(self, state, token_ids, logprobs, reason, stop_reason) -> RequestOutput:
-        del self._states[state.request.request_id]
-        if state.request.finish_time is None:
-            state.request.finish_time = time.monotonic()
+    def _finish(self, state, token_ids, logprobs, reason, stop_reason,
+                finish_time: float | None) -> RequestOutput:
+        del self._states[state.request_id]
+        if state.timings.finish_time is None:
+            state.timings.finish_time = finish_time or time.monotonic()
         return self._output(state, token_ids, logprobs, True, reason, stop_reason)
 
     def _output(self, state: _RequestState, token_ids, logprobs, finished: bool,
                 reason: RequestStatus | None, stop_reason) -> RequestOutput:
-        request = state.request
         send_upto = len(state.unsent)
         if not finished and state.stops:
             send_upto = max(0, send_upto - state.hold_back)
         new_text, state.unsent = state.unsent[:send_upto], state.unsent[send_upto:]
+        t = state.timings
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=token_ids, new_text=new_text,
+            request_id=state.request_id, new_token_ids=token_ids, new_text=new_text,
             logprobs=logprobs, finished=finished, finish_reason=reason, stop_reason=stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=state.num_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
-            num_cached_tokens=max(0, request.num_cached_tokens),
-            timings=RequestTimings(request.arrival_time, request.first_token_time,
-                                   request.finish_time, request.first_scheduled_time))
+            num_cached_tokens=state.num_cached_tokens,
+            timings=RequestTimings(t.arrival_time, t.first_token_time, t.finish_time,
+                                   t.first_scheduled_time))
 
     @staticmethod
-    def _logprobs(request: Request, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:
+    def _logprobs(k: int, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:
+        """Entries for the new tokens, each with at most `k` top alternatives."""
         if not new_logprobs:
             return []
-        k = request.num_logprobs
         out = []
         for i, (token_id, logprob) in enumerate(zip(token_ids, new_logprobs)):
             entry = TokenLogprob(int(token_id), float(logprob))

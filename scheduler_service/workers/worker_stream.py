@@ -28,6 +28,8 @@ class SymmetryError(WorkerFailure):
     (verify_symmetry): within a node (the worker reports it) or across nodes (the client
     compares the nodes' digests). Like any WorkerFailure it ends the epoch."""
 
+    default_kind = "symmetry_divergence"
+
 
 def describe_rpc_error(e: grpc.RpcError) -> str:
     """"CODE: details" for an RpcError from a call (or its repr for anything else)."""
@@ -65,20 +67,21 @@ class StepStream:
             item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise WorkerFailure(f"worker {self.address}: no reply to step {step} in time "
-                                "(step timeout)") from None
+                                "(step timeout)", kind="step_timeout") from None
         if isinstance(item, _Ended):
             self._inbox.put(item)  # every later receive fails the same way
             raise WorkerFailure(f"worker {self.address}: Step stream ended at step {step}: "
-                                f"{self._why(item)}")
+                                f"{self._why(item)}", kind="stream_ended")
         if item.HasField("error"):
             code = worker_pb2.StepError.Code.Name(item.error.code)
             error = (SymmetryError if item.error.code == worker_pb2.StepError.SYMMETRY_DIVERGENCE
                      else WorkerFailure)
             raise error(f"worker {self.address}: step {step} failed: {code}: "
-                        f"{item.error.message}")
+                        f"{item.error.message}", kind=code.lower())
         if item.epoch != epoch or item.step != step:
             raise WorkerFailure(f"worker {self.address}: expected the reply to epoch {epoch} "
-                                f"step {step}, got epoch {item.epoch} step {item.step}")
+                                f"step {step}, got epoch {item.epoch} step {item.step}",
+                                kind="protocol")
         return item
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
 from scheduler_service.api.server import WorkerCoreFactory
@@ -143,7 +144,8 @@ def test_step_timeout_mid_pipeline_then_a_clean_epoch(tiny_models, tmp_path):
                              block_size=16, async_scheduling=True)
     spec = init_spec(model, max_model_len=1024, block_size=16, max_num_seqs=4,
                     max_num_batched_tokens=32, kv_cache_bytes=1 << 20)
-    engine = AsyncEngine(WorkerCoreFactory(client, spec, config, Tokenizer.from_dir(model)))
+    engine = AsyncEngine(WorkerCoreFactory(client, spec, config),
+                         lambda: OutputProcessor(Tokenizer.from_dir(model)))
     eos = ModelInfo.from_dir(model).eos_token_ids
 
     def request(rid: str, max_tokens: int) -> Request:

@@ -14,6 +14,7 @@ from engine_common.codec import encode_scheduler_output
 from engine_common.model_dir import ModelInfo
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
@@ -38,8 +39,8 @@ def test_async_tp2_with_aborts_matches_tp1(cluster, tiny_models):
     try:
         client.init(cluster.spec(model, verify_symmetry=True))
         config = dataclasses.replace(scheduler_config(), async_scheduling=True)
-        core = EngineCore(Scheduler(config, NUM_BLOCKS),
-                          OutputProcessor(Tokenizer.from_dir(model)), client)
+        core = LLMEngine(EngineCore(Scheduler(config, NUM_BLOCKS), client),
+                         OutputProcessor(Tokenizer.from_dir(model)))
         eos = ModelInfo.from_dir(model).eos_token_ids
         tokens, reasons = {}, {}
         for i, (p, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
@@ -50,7 +51,7 @@ def test_async_tp2_with_aborts_matches_tp1(cluster, tiny_models):
             outs = core.step()
             num_steps += 1
             if num_steps in ABORT_AT:
-                assert core._in_flight, "the abort must land while a step is in flight"
+                assert core.core._in_flight, "the abort must land while a step is in flight"
                 outs += core.abort([ABORT_AT[num_steps]])
             for out in outs:
                 tokens[out.request_id].extend(out.new_token_ids)

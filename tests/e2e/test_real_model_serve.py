@@ -23,7 +23,7 @@ from tests.support.grpc_harness import (REPO, Processes, child_env, collect, fre
                                         generation_stub, grpcurl, json_stream, server_status,
                                         wait_for)
 from tests.support.hf_reference import compare_greedy, hf_greedy
-from tests.support.real_model import (CHATS, FRANCE, FRANCE_ANSWER, FRANCE_ANSWER_IDS,
+from tests.support.real_model import (CHATS, FRANCE_ANSWER, FRANCE_ANSWER_IDS,
                                       hf_chat_ids)
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ class Serve:
         self.log = log
         cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", self.target,
                "--worker-listen", f"127.0.0.1:{self.worker_port}", "--device", "cpu",
-               "--kv-cache-gib", KV_GIB, *flags]
+               "--kv-cache-gib", KV_GIB, "--metrics-listen", "127.0.0.1:0", *flags]
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                          env=child_env(None))

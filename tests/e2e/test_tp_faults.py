@@ -19,6 +19,7 @@ from engine_common.params import SamplingParams, StoppingParams
 from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import WorkerFailure
 from scheduler_service.core.request import Request
 from scheduler_service.api.server import WorkerCoreFactory
@@ -153,8 +154,8 @@ def test_corrupted_node_is_detected_across_nodes_and_fails_requests(tmp_path, mo
                             env_by_node={1: {CORRUPT_RANK_ENV: "1"}})
     client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
     spec = cluster.spec(model_dir, verify_symmetry=True)
-    engine = AsyncEngine(WorkerCoreFactory(client, spec, scheduler_config(),
-                                           Tokenizer.from_dir(model_dir)))
+    engine = AsyncEngine(WorkerCoreFactory(client, spec, scheduler_config()),
+                         lambda: OutputProcessor(Tokenizer.from_dir(model_dir)))
     try:
         engine.start()
         errors = asyncio.run(_generate_all(engine, model_dir, *mixed_workload(6)))

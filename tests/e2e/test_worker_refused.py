@@ -21,7 +21,7 @@ def test_engine_retries_a_refusal_slowly_and_forgets_it_after_another_outcome():
             raise WorkerRefused("worker w: Init failed: INVALID_ARGUMENT: bad dtype")
         raise WorkerFailure("worker w: not reachable")   # not a refusal: retried at once
 
-    engine = AsyncEngine(make_core)
+    engine = AsyncEngine(make_core, make_output_processor=lambda: None)   # no stream opens
     engine.start()
     try:
         time.sleep(3.2)

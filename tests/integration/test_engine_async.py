@@ -19,7 +19,8 @@ from tests.support.engine_checks import MODELS, _check, _prompts, _shared_prefix
 def _watch_pipeline(llm: LLM) -> dict:
     """Record the deepest pipeline and every preemption the engine sees."""
     seen = {"depth": 0, "preempted": 0}
-    core, orig_step, orig_schedule = llm.engine, llm.engine.step, llm.scheduler.schedule
+    engine, orig_step, orig_schedule = llm.engine, llm.engine.step, llm.scheduler.schedule
+    core = engine.core
 
     def step():
         out = orig_step()
@@ -30,7 +31,7 @@ def _watch_pipeline(llm: LLM) -> dict:
         out = orig_schedule()
         seen["preempted"] += len(out.preempted_handles)
         return out
-    core.step, llm.scheduler.schedule = step, schedule
+    engine.step, llm.scheduler.schedule = step, schedule
     return seen
 
 
@@ -103,23 +104,23 @@ def test_async_aborts_in_flight_leave_nothing_behind(tiny_models):
               max_num_batched_tokens=32)
     want = LLM(model, **kw).generate(prompts, samplings, stoppings)
     llm = LLM(model, async_scheduling=True, **kw)
-    core, rng = llm.engine, random.Random(4)
+    engine, rng = llm.engine, random.Random(4)
     got = {f"a{i}": Completion(f"a{i}", p) for i, p in enumerate(prompts)}
     for i, (p, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
-        core.add_request(Request(f"a{i}", p, sp, st, llm.model_info.eos_token_ids))
+        engine.add_request(Request(f"a{i}", p, sp, st, llm.model_info.eos_token_ids))
     aborted, usage = set(), {}
-    while core.has_unfinished_requests():
-        outs = core.step()
-        live = sorted(core.scheduler._requests)
-        if core._in_flight and live and rng.random() < 0.2:
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        live = sorted(engine.scheduler._requests)
+        if engine.core._in_flight and live and rng.random() < 0.2:
             aborted.add(rid := rng.choice(live))
-            outs += core.abort([rid])
+            outs += engine.abort([rid])
         for out in outs:
             LLM._merge(got[out.request_id], out)
             usage[out.request_id] = out.num_output_tokens
     assert_no_leaked_blocks(llm)
     assert llm.scheduler.prefix_cache_hit_rate > 0
-    llm.engine.executor.execute(encode_scheduler_output(llm.scheduler.schedule()))
+    llm.engine.core.executor.execute(encode_scheduler_output(llm.scheduler.schedule()))
     assert llm.runner.requests == {} and llm.runner.batch.num_reqs == 0
     assert 2 <= len(aborted) <= 10, aborted
     assert any(w.finish_reason == RequestStatus.FINISHED_STOP_STRING

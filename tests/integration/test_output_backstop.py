@@ -81,7 +81,7 @@ def test_engine_core_aborts_only_the_failing_request(llm, tiny_models):
 
 
 def test_async_stream_of_the_failing_request_alone_ends_with_internal(llm, tiny_models):
-    engine = AsyncEngine(lambda: llm.engine)
+    engine = AsyncEngine(lambda: llm.engine.core, lambda: FailingOutputProcessor(llm.tokenizer))
     engine.start()
 
     async def collect(rid: str):

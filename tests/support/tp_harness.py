@@ -19,6 +19,7 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
@@ -163,12 +164,12 @@ def scheduler_config() -> SchedulerConfig:
     return SchedulerConfig(block_size=BLOCK_SIZE, **LIMITS)
 
 
-def make_core(model_dir: str, executor) -> EngineCore:
-    return EngineCore(Scheduler(scheduler_config(), NUM_BLOCKS),
-                      OutputProcessor(Tokenizer.from_dir(model_dir)), executor)
+def make_core(model_dir: str, executor) -> LLMEngine:
+    return LLMEngine(EngineCore(Scheduler(scheduler_config(), NUM_BLOCKS), executor),
+                     OutputProcessor(Tokenizer.from_dir(model_dir)))
 
 
-def run_requests(core: EngineCore, model_dir: str, prompts: list[list[int]],
+def run_requests(core: LLMEngine, model_dir: str, prompts: list[list[int]],
                  samplings: list[SamplingParams], stoppings: list[StoppingParams],
                  max_steps: int = 2000) -> list[list[int]]:
     """Add every prompt, step the core until all finish; the generated ids in prompt order."""
@@ -193,8 +194,8 @@ def reference(model_dir: str, prompts, samplings, stoppings) -> tuple[list[list[
     llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
               **LIMITS)
     assert llm.scheduler.num_total_blocks == NUM_BLOCKS
-    recorder = RecordingExecutor(llm.engine.executor)
-    llm.engine.executor = recorder
+    recorder = RecordingExecutor(llm.engine.core.executor)
+    llm.engine.core.executor = recorder
     return run_requests(llm.engine, model_dir, prompts, samplings, stoppings), recorder.payloads
 
 

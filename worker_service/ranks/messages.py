@@ -20,7 +20,8 @@ Rank r -> worker, on reply ring r, exactly one reply per message:
     header = [error kind | None, message, digest bytes | None, info map]
 
 `error kind` is a FailureKind value; `payload` is the encoded RunnerOutput from the output rank
-(global rank 0) of a step, b"" from the others; `info` carries configure's measurements.
+(global rank 0) of a step, b"" from the others; `info` carries configure's measurements, and a
+step's RankStepStats (runner/rank_api.py: execute and phase seconds, requests cached).
 """
 from __future__ import annotations
 

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine_common.settings import to_wire
-from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.config import NodeLayout, RunnerConfig, rank_device
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, RankReply,
                                            device_from_wire, encode_command, encode_step)
 from worker_service.ranks.rank_process import RankSpec
 from worker_service.ranks.rank_set import RankSet, RankSetOptions
-from worker_service.runner.rank_api import InitOutcome, ModelSummary, StepReply
+from worker_service.runner.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,7 @@ class RankGroup:
         return f"tcp://{layout.rendezvous_address}"
 
     def _rank_device(self, local_rank: int) -> str:
-        if self.device.startswith("cuda") and ":" not in self.device:
-            return f"cuda:{local_rank}"
-        return self.device
+        return rank_device(self.device, local_rank)
 
     def _rank_died(self, reason: str) -> None:
         self._ready = False
@@ -174,7 +172,8 @@ class RankGroup:
     def run_step(self, payload: bytes, verify: bool, output_rank: bool) -> StepReply:
         replies = self._call(encode_step(payload, verify), self.options.step_timeout_s)
         digest = self._agreed_digest(replies) if verify else None
-        return StepReply(replies[0].payload if output_rank else b"", digest)
+        stats = tuple(RankStepStats.from_wire(r.info) for r in replies if r.info)
+        return StepReply(replies[0].payload if output_rank else b"", digest, stats)
 
     def _agreed_digest(self, replies: list[RankReply]) -> bytes:
         digests = [r.digest for r in replies]
@@ -228,6 +227,10 @@ class RankGroup:
 
     def model_summary(self) -> ModelSummary | None:
         return self._summary if self._ready else None
+
+    def pids(self) -> list[int]:
+        ranks = self.rank_set
+        return ranks.pids if ranks is not None else []
 
     @property
     def group_id(self) -> str:

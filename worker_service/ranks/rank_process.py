@@ -182,7 +182,8 @@ class RankLoop:
             raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
         reply = self.keeper.run_step(payload, verify, self.spec.global_rank == 0,
                                      self._corrupt if self.corrupt else None)
-        return RankReply(payload=reply.payload, digest=reply.digest)
+        return RankReply(payload=reply.payload, digest=reply.digest,
+                         info=reply.ranks[0].to_wire())
 
     def _corrupt(self, out: RunnerOutput) -> None:
         """Test-only: change the token this rank just sampled for one request, in its cache."""

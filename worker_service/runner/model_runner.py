@@ -31,6 +31,7 @@ from worker_service.runner.sampling_inputs import build_sampling_metadata
 from worker_service.sample.sampling_metadata import worst_case_sampling_metadata
 from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
+from worker_service.runner.step_clock import StepClock
 from worker_service.runner.step_inputs import StepInputs, prepare_step_inputs
 from worker_service.runner.token_readback import PendingStep, SampledTokens, TokenReadback
 
@@ -69,6 +70,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
+        self.clock = StepClock()          # the last step's phases, for the worker's metrics
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class ModelRunner:
         """Everything up to the token read-back, without a host sync."""
         if diff.step != self.last_step + 1:
             raise StepProtocolError(f"step {diff.step} arrived after step {self.last_step}")
+        self.clock.start()
         self.last_step = diff.step
         self._apply_diff(diff)
         num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
@@ -201,8 +204,11 @@ class ModelRunner:
         sampled); then feed the sampled ids back into the batch and build the reply."""
         if pending.tokens is None:
             self.staging.wait_copies()
+            self.clock.mark("readback")
             return RunnerOutput(step=pending.step)
-        return self._record_samples(pending.step, pending.rows, pending.tokens.wait())
+        sampled = pending.tokens.wait()
+        self.clock.mark("readback")
+        return self._record_samples(pending.step, pending.rows, sampled)
 
     def _launch(self, step: int, inputs: StepInputs) -> PendingStep:
         self.staging.begin()
@@ -213,12 +219,15 @@ class ModelRunner:
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
                                            self.staging)
         self.staging.flush()
+        self.clock.mark("input_prep")
         logits = run_model()
+        self.clock.mark("forward")
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
             return PendingStep(step)
-        return PendingStep(step, sample_rows,
-                           self.readback.start(self.sampler.forward(logits, meta)))
+        sampled = self.sampler.forward(logits, meta)
+        self.clock.mark("sampling")
+        return PendingStep(step, sample_rows, self.readback.start(sampled))
 
     def _stage_model(self, inputs: StepInputs) -> Callable[[], torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model

@@ -23,12 +23,34 @@ class InitOutcome:
 
 
 @dataclass(frozen=True)
+class RankStepStats:
+    """What one step cost one rank, for the worker's metrics: the whole execute and its phases
+    (runner/step_clock.py) in seconds, and the requests the rank caches after it."""
+
+    global_rank: int
+    execute_s: float
+    phases: dict[str, float]
+    num_requests: int
+
+    def to_wire(self) -> dict:
+        return {"rank": self.global_rank, "execute_s": self.execute_s, "phases": self.phases,
+                "num_requests": self.num_requests}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> "RankStepStats":
+        return cls(int(data["rank"]), float(data["execute_s"]), dict(data["phases"]),
+                   int(data["num_requests"]))
+
+
+@dataclass(frozen=True)
 class StepReply:
-    """One step's answer: the encoded RunnerOutput from the output rank (b"" elsewhere) and,
-    with symmetry verification, the digest of the ranks' state (the one they agreed on)."""
+    """One step's answer: the encoded RunnerOutput from the output rank (b"" elsewhere), with
+    symmetry verification the digest of the ranks' state (the one they agreed on), and each of
+    this node's ranks' step stats."""
 
     payload: bytes
     digest: bytes | None = None
+    ranks: tuple[RankStepStats, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +95,9 @@ class Ranks(Protocol):
 
     def model_summary(self) -> ModelSummary | None:
         """The loaded model, or None before Init."""
+
+    def pids(self) -> list[int]:
+        """The process of each local rank (this process for an in-process rank)."""
 
     @property
     def group_id(self) -> str:

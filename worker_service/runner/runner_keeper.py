@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
+import time
 from typing import Callable
 
 import torch
@@ -24,7 +26,7 @@ from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.parallel_state import TPGroup
 from worker_service.runner.model_runner import ModelRunner
-from worker_service.runner.rank_api import InitOutcome, ModelSummary, StepReply
+from worker_service.runner.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class RunnerKeeper:
         output before it is digested (the test-only corruption of a rank process)."""
         if self.runner is None or not self.ready:
             raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
+        start = time.perf_counter()
         try:
             out = self.runner.execute(payload)
         except Exception as e:
@@ -77,8 +80,10 @@ class RunnerKeeper:
             raise failure from e
         if inspect is not None:
             inspect(out)
+        stats = RankStepStats(self.tp.rank if self.tp else 0, time.perf_counter() - start,
+                              dict(self.runner.clock.phases), len(self.runner.requests))
         digest = self.runner.state_digest(out) if verify else None
-        return StepReply(encode_runner_output(out) if output_rank else b"", digest)
+        return StepReply(encode_runner_output(out) if output_rank else b"", digest, (stats,))
 
     @property
     def ready(self) -> bool:
@@ -126,6 +131,9 @@ class RunnerKeeper:
             return None
         return ModelSummary(r.config.model_dir, r.attention_backend_name,
                             str(r.model_dtype).removeprefix("torch."))
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
 
     @property
     def group_id(self) -> str:

@@ -57,6 +57,8 @@ class NodeWorker:
         self._next_step = 0
         self._failure: StepFailure | None = None
         self._active_stream = 0
+        # Called with every successful step's reply (the worker's metrics).
+        self.step_listener: Callable[[StepReply], None] | None = None
 
     def set_readiness_listener(self, listener: Callable[[bool], None]) -> None:
         """`listener(False)` is called when the worker stops being ready on its own (a rank
@@ -125,6 +127,8 @@ class NodeWorker:
                 self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
                 raise self._failure from failure
             self._next_step += 1
+            if self.step_listener is not None:
+                self.step_listener(reply)
             return reply
 
     def _check_envelope(self, epoch: int, step: int) -> None:

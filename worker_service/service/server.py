@@ -25,12 +25,14 @@ import grpc
 
 from deltaserve.paths import resolve_device
 from engine_common.config import WorkerServiceOptions
+from engine_common.metrics_http import start_metrics_server
 from engine_common.protos import WORKER_SERVICE, worker_pb2_grpc
 from worker_service.config import NodeLayout
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
 from worker_service.runner.runner_keeper import RunnerKeeper
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.servicer import WorkerServicer
+from worker_service.service.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,8 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
     """Start a worker service on `listen` (HOST:PORT); returns the started server.
 
     The bound port (useful with port 0) is in `server.bound_port`, the NodeWorker in
-    `server.node_worker` (call its close() after stopping the server).
+    `server.node_worker` (call its close() after stopping the server), the /metrics endpoint
+    (options.metrics_listen) in `server.metrics_server` (None when off; stop it too).
     """
     rank_options = RankGroupOptions(dist_timeout_s=options.dist_timeout_s,
                                     step_timeout_s=options.rank_step_timeout_s)
@@ -84,6 +87,9 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
     port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"could not listen on {listen!r}")
+    metrics = WorkerMetrics(worker)
+    worker.step_listener = metrics.observe_step
+    server.metrics_server = start_metrics_server(options.metrics_listen, metrics.registry)
     server.start()
     server.bound_port = port
     server.node_worker = worker
@@ -99,6 +105,9 @@ def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions
     print(f"deltaserve worker listening on {host}:{server.bound_port} (device "
           f"{server.node_worker.device}, node {options.node_rank} of {options.nodes}, "
           f"{options.local_ranks} local ranks)", flush=True)
+    if server.metrics_server is not None:
+        print(f"deltaserve worker metrics on http://{server.metrics_server.address}/metrics",
+              flush=True)
     stop = threading.Event()
 
     def on_signal(*_) -> None:
@@ -117,6 +126,8 @@ def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions
     watchdog.start()
     server.stop(grace_s).wait()
     server.node_worker.close()
+    if server.metrics_server is not None:
+        server.metrics_server.stop()
     watchdog.cancel()
 
 

@@ -1,10 +1,10 @@
-"""EngineCore with async scheduling, torch-free: SimWorker behind the byte-level submit/collect
-interface, running each step only when it is collected (the worker a whole step behind the
-scheduler, the other extreme from tests/test_scheduler_async.py where it runs at once), the real
-OutputProcessor with stop strings, min_tokens, eos and include_stop_str_in_output, requests
-arriving and being aborted between steps. Every request not aborted must end exactly as in the
-synchronous engine (ids, text, finish and stop reason, usage), an aborted one with a prefix of
-those ids, and nothing may be left on either side.
+"""EngineCore with async scheduling (driven by the one-thread LLMEngine), torch-free: SimWorker
+behind the byte-level submit/collect interface, running each step only when it is collected (the
+worker a whole step behind the scheduler, the other extreme from tests/test_scheduler_async.py
+where it runs at once), the real OutputProcessor with stop strings, min_tokens, eos and
+include_stop_str_in_output, requests arriving and being aborted between steps. Every request not
+aborted must end exactly as in the synchronous engine (ids, text, finish and stop reason, usage),
+an aborted one with a prefix of those ids, and nothing may be left on either side.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from engine_common.config import SchedulerConfig
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
@@ -74,8 +75,8 @@ def make_core(tok, async_scheduling: bool, num_blocks: int = 16):
     config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                              max_model_len=128, async_scheduling=async_scheduling)
     executor = LaggingExecutor(SimWorker(num_blocks, 4, sample_fn=sample))
-    return EngineCore(Scheduler(config, num_blocks, rng=random.Random(0)),
-                      OutputProcessor(tok), executor), executor
+    core = EngineCore(Scheduler(config, num_blocks, rng=random.Random(0)), executor)
+    return LLMEngine(core, OutputProcessor(tok)), executor
 
 
 def workload(tok, rng: random.Random, n: int) -> list[Request]:

@@ -7,7 +7,7 @@ from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.step_result import RequestUpdate as Update
+from scheduler_service.engine.token_update import TokenUpdate
 from tests.support.tokenizers import _byte_token_ids, build_tiny_tokenizer_dir
 
 LEN, STOP_TOK, STOP_STR, ABORTED = (RequestStatus.FINISHED_LENGTH,
@@ -26,23 +26,27 @@ def make_request(tok, rid="r", **stopping):
                                                                             **stopping))
 
 
-def run(proc, req, ids, chunk=1, finish: RequestStatus | None = LEN):
-    """Feed `ids` in chunks like the scheduler would; finish with `finish` after the last chunk.
+def update(req, ids, finish=None, stop_token=None, logprobs=None, top=None):
+    """The engine's update for `ids` of `req` (finished with `finish`, if given)."""
+    lps = [-1.0] * len(ids) if logprobs is None else logprobs
+    return TokenUpdate(req.request_id, list(ids), lps, top, finish, stop_token, 0, None, None,
+                       None)
+
+
+def run(proc, req, ids, chunk=1, finish: RequestStatus | None = LEN, stop_token=None):
+    """Feed `ids` in chunks like the engine would; finish with `finish` after the last chunk.
     Returns (outputs, ids fed). Stops early when a stop string is reported."""
     proc.add_request(req)
     outs, fed = [], []
     chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
     for n, part in enumerate(chunks):
-        req.output_token_ids.extend(part)
         fed.extend(part)
         last = n == len(chunks) - 1 and finish is not None
-        if last:
-            req.status = finish
-        got, stopped = proc.process([Update(req, part, [-1.0] * len(part), None, last)])
+        got, stopped = proc.process([update(req, part, finish if last else None,
+                                            stop_token if last else None)])
         outs.extend(got)
         if stopped:
             assert stopped == [req.request_id]
-            req.status = STOP_STR  # what scheduler.finish_requests does
             break
     return outs, fed
 
@@ -83,7 +87,7 @@ def test_stop_string_across_tokens(tok, include):
         assert final_text.startswith(sent)
     assert sent == final_text
     assert outs[-1].finished and outs[-1].finish_reason == STOP_STR
-    assert outs[-1].stop_reason == "world" and req.stop_reason == "world"
+    assert outs[-1].stop_reason == "world"
     assert [t for o in outs for t in o.new_token_ids] == fed == chars(tok, "Hello wor wor world")
     assert len(proc) == 0
 
@@ -132,8 +136,7 @@ def test_stop_token_text_excluded(tok, include):
     proc = OutputProcessor(tok)
     bang = chars(tok, "!")[0]
     req = make_request(tok, stop_token_ids=[bang], include_stop_str_in_output=include)
-    req.stop_reason = bang  # the scheduler records the matched stop token
-    outs, _ = run(proc, req, chars(tok, "ok!"), finish=STOP_TOK)
+    outs, _ = run(proc, req, chars(tok, "ok!"), finish=STOP_TOK, stop_token=bang)
     assert text_of(outs) == ("ok!" if include else "ok")
     assert outs[-1].finish_reason == STOP_TOK and outs[-1].stop_reason == bang
     assert outs[-1].new_token_ids == [bang]
@@ -144,7 +147,7 @@ def test_stop_string_in_the_step_that_hits_length(tok):
     req = make_request(tok, stop=["end"])
     outs, _ = run(proc, req, chars(tok, "the end."), chunk=8)
     assert len(outs) == 1 and outs[0].finish_reason == STOP_STR and outs[0].new_text == "the "
-    assert req.status == STOP_STR and req.stop_reason == "end"
+    assert outs[0].stop_reason == "end" and len(proc) == 0
 
 
 def test_abort_flushes_and_forgets(tok):
@@ -152,11 +155,34 @@ def test_abort_flushes_and_forgets(tok):
     req = make_request(tok, stop=["zzzz"])
     outs, _ = run(proc, req, chars(tok, "Hello"), finish=None)
     assert text_of(outs) == "He"  # three characters held back
-    final = proc.abort(req.request_id)
+    (final,), stopped = proc.process([update(req, [], ABORTED)])
     assert final.finished and final.finish_reason == ABORTED and final.new_text == "llo"
-    assert final.num_output_tokens == 5 and final.new_token_ids == []
-    assert len(proc) == 0 and proc.abort(req.request_id) is None
-    assert proc.process([Update(req, [5], [0.0], None, False)]) == ([], [])
+    assert final.num_output_tokens == 5 and final.new_token_ids == [] and stopped == []
+    assert len(proc) == 0 and proc.process([update(req, [], ABORTED)]) == ([], [])
+    assert proc.process([update(req, [5])]) == ([], [])
+
+
+def test_tokens_after_a_stop_string_are_dropped(tok):
+    """The engine hears of a stop string a step or two late: those tokens never come out."""
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["ab"])
+    proc.add_request(req)
+    a, b, c = chars(tok, "abc")
+    outs, stopped = proc.process([update(req, [a]), update(req, [b])])
+    assert stopped == [req.request_id] and outs[-1].finish_reason == STOP_STR
+    assert outs[-1].num_output_tokens == 2
+    assert proc.process([update(req, [c]), update(req, [c], LEN)]) == ([], [])
+
+
+def test_request_fields_are_read_once_and_never_written(tok):
+    """The engine thread owns the Request after add_request: the processor copies what it needs
+    then and never writes to it (a stop string's status is the engine's to set)."""
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["b"])
+    proc.add_request(req)
+    before = vars(req).copy()
+    outs, stopped = proc.process([update(req, chars(tok, "ab"))])
+    assert stopped == ["r"] and outs[-1].stop_reason == "b" and vars(req) == before
 
 
 def test_random_chunking_matches_reference(tok):
@@ -197,8 +223,7 @@ def test_logprobs_trimmed_to_request(tok):
     req.num_logprobs = 2
     proc.add_request(req)
     top = [([7, 8, 9], [-0.1, -2.0, -3.0]), ([4, 5, 6], [-0.5, -1.0, -4.0])]
-    req.output_token_ids.extend([7, 5])
-    (out,), _ = proc.process([Update(req, [7, 5], [-0.1, -1.0], top, False)])
+    (out,), _ = proc.process([update(req, [7, 5], None, None, [-0.1, -1.0], top)])
     assert [(lp.token_id, lp.logprob) for lp in out.logprobs] == [(7, -0.1), (5, -1.0)]
     assert out.logprobs[1].top_token_ids == [4, 5] and out.logprobs[1].top_logprobs == [-0.5, -1.0]
     assert out.timings.first_token_time is not None and not out.finished

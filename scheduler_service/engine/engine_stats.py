@@ -1,0 +1,24 @@
+"""The engine thread's published snapshot of the scheduler's load (immutable, replaced after
+every loop turn). GetServerStatus and the Prometheus gauges both read it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    ready: bool = False
+    num_waiting: int = 0
+    num_running: int = 0
+    num_used_blocks: int = 0     # held by live requests (free cached blocks do not count)
+    num_total_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_steps_in_flight: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    def num_workers_ready(self, num_workers: int) -> int:
+        """Every worker is initialized while the engine is ready, none otherwise."""
+        return num_workers if self.ready else 0

@@ -1,0 +1,84 @@
+"""The serving side of AsyncEngine on one event loop: text, stop strings and the streams' queues.
+
+The engine thread hands a hub one list per loop turn (`deliver`, scheduled with a single
+`call_soon_threadsafe`): every TokenUpdate of the step for this loop's requests, and StreamError
+for requests that ended without one (rejected, engine failure). The hub turns the updates into
+RequestOutputs with its own OutputProcessor and puts each on its stream's queue; requests that
+matched a stop string (or whose output failed) go back to the engine in one `finish` command.
+
+NOTE ordering: items of one request arrive in engine order (a loop runs its callbacks FIFO), and
+nothing follows a request's final item. After a stop string matched, the engine may still send
+that request's tokens of the next step or two (it learns of the match late); the processor no
+longer tracks the request and drops them. Every method runs on `loop`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from scheduler_service.core.admission import RequestRejected
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.engine.metrics import SchedulerMetrics
+from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
+from scheduler_service.engine.serving_counters import ServingCounters
+from scheduler_service.engine.token_update import TokenUpdate
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """The stream of `request_id` ends with `error` (never added, or the engine failed)."""
+
+    request_id: str
+    error: BaseException
+
+
+# finish(request_ids, status): ask the engine to finish requests the serving side ended.
+FinishCommand = Callable[[list[str], RequestStatus], None]
+
+
+class StreamHub:
+    def __init__(self, loop: asyncio.AbstractEventLoop, processor: OutputProcessor,
+                 finish: FinishCommand, counters: ServingCounters, metrics: SchedulerMetrics):
+        self.loop = loop
+        self._processor = processor
+        self._finish = finish
+        self._counters = counters
+        self._metrics = metrics
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    def open(self, request: Request) -> asyncio.Queue:
+        """The queue the request's outputs (or its error) will arrive on."""
+        rid = request.request_id
+        if rid in self._queues:
+            raise RequestRejected(rid, "request_id", rid, "unique among unfinished requests")
+        self._processor.add_request(request)
+        self._queues[rid] = queue = asyncio.Queue()
+        return queue
+
+    def deliver(self, items: list) -> None:
+        """One hand-off from the engine thread: TokenUpdates and StreamErrors."""
+        start = time.perf_counter()
+        updates = [item for item in items if isinstance(item, TokenUpdate)]
+        outputs, stopped_ids = self._processor.process(updates)
+        processing_s = time.perf_counter() - start
+        failed_ids = [out.request_id for out in outputs if out.error is not None]
+        for out in outputs:
+            self._put(out.request_id, out if out.error is None else out.error, out.finished)
+        for item in items:
+            if isinstance(item, StreamError):
+                self._processor.drop(item.request_id)
+                self._metrics.forget(item.request_id)
+                self._put(item.request_id, item.error, True)
+        if stopped_ids:
+            self._finish(stopped_ids, RequestStatus.FINISHED_STOP_STRING)
+        if failed_ids:
+            self._finish(failed_ids, RequestStatus.FINISHED_ABORTED)
+        self._counters.record(outputs)
+        self._metrics.observe_outputs(outputs, processing_s)
+
+    def _put(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        queue = self._queues.pop(request_id, None) if last else self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)

@@ -1,0 +1,60 @@
+"""WorkerMetrics over a real NodeWorker: the step listener feeds the step histograms per rank,
+and a scrape reads requests cached, KV blocks, the process figures and (with a stand-in NVML
+module injected at the boundary: there is no GPU here) the GPU gauges, labelled by rank and
+device; on a CPU worker, or without NVML, there are no GPU series."""
+from __future__ import annotations
+
+import sys
+
+from tests.support.fake_nvml import fake_nvml
+from worker_service.config import NodeLayout
+from worker_service.runner.rank_api import RankStepStats, StepReply
+from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.service.node_worker import NodeWorker
+from worker_service.service.worker_metrics import WorkerMetrics
+
+
+def value(metrics, name, **labels):
+    return metrics.registry.get_sample_value("deltaserve:worker_" + name, labels)
+
+
+def test_step_stats_feed_the_histograms_of_each_rank():
+    node = NodeWorker(RunnerKeeper("cpu"), NodeLayout())
+    metrics = WorkerMetrics(node)
+    for n in (3, 2):
+        metrics.observe_step(StepReply(b"", None, (RankStepStats(
+            0, 0.02, {"input_prep": 0.001, "forward": 0.015, "sampling": 0.002,
+                      "readback": 0.001}, n),)))
+    cpu = {"rank": "0", "device": "cpu"}
+    assert value(metrics, "steps_total", **cpu) == 2
+    assert value(metrics, "step_execute_seconds_count", **cpu) == 2
+    assert abs(value(metrics, "step_phase_seconds_sum", phase="forward", **cpu) - 0.03) < 1e-9
+    assert value(metrics, "requests_cached", **cpu) == 2            # after the last step
+    assert value(metrics, "kv_blocks", **cpu) == 0                  # not initialized yet
+    assert value(metrics, "process_cpu_seconds_total", **cpu) > 0
+    assert value(metrics, "process_resident_memory_bytes", **cpu) > 0
+    assert value(metrics, "gpu_utilization_ratio", **cpu) is None
+
+
+def test_gpu_gauges_come_from_nvml_per_rank_device(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    node = NodeWorker(RunnerKeeper("cuda"), NodeLayout(tp_size=4, node_rank=1, num_nodes=4))
+    metrics = WorkerMetrics(node, nvml=fake_nvml())
+    gpu = {"rank": "1", "device": "cuda:0"}                       # node 1's only rank
+    assert value(metrics, "gpu_utilization_ratio", **gpu) == 0.87
+    assert value(metrics, "gpu_memory_used_bytes", **gpu) == 3 << 30
+    assert value(metrics, "gpu_memory_total_bytes", **gpu) == 80 << 30
+    assert value(metrics, "gpu_power_watts", **gpu) == 250.5
+    assert value(metrics, "gpu_temperature_celsius", **gpu) == 61
+    assert value(metrics, "gpu_sm_clock_hertz", **gpu) == 1980e6
+    assert metrics.device_of(1) == "cuda:0"
+
+
+def test_without_nvml_a_cuda_worker_still_scrapes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    node = NodeWorker(RunnerKeeper("cuda:1"), NodeLayout())
+    metrics = WorkerMetrics(node)
+    labels = {"rank": "0", "device": "cuda:1"}
+    assert value(metrics, "gpu_utilization_ratio", **labels) is None
+    assert value(metrics, "kv_blocks", **labels) == 0
+    assert value(metrics, "process_resident_memory_bytes", **labels) > 0

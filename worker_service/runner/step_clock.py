@@ -1,0 +1,34 @@
+"""Host wall time of one runner step, split into phases, for the worker's metrics.
+
+    input_prep   apply the diff, build and stage the inputs and the sampling metadata
+    forward      the model (eager or a captured graph), up to the sampled rows' logits
+    sampling     the sampler
+    readback     the step's one host sync: waiting for the sampled ids to reach the host
+
+Times are time.perf_counter() differences taken on the host with no extra synchronization. On
+CPU each phase is its compute time. On CUDA forward and sampling are only the host's launch time:
+the device time they queued surfaces in readback, where the host waits for it.
+"""
+from __future__ import annotations
+
+import time
+
+PHASES = ("input_prep", "forward", "sampling", "readback")
+
+
+class StepClock:
+    """`start()` at the step's beginning, `mark(phase)` at the end of each phase; `phases` holds
+    the last step's seconds per phase (phases a step skipped are absent)."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = 0.0
+
+    def start(self) -> None:
+        self.phases = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
