@@ -10,13 +10,19 @@ from google.protobuf import descriptor_pb2
 
 from deltaserve.v1 import descriptor_set
 from deltaserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+# The vendored vLLM engine protocol (packages vllm.grpc.engine and smg.grpc.common).
+from deltaserve.smg import common_pb2 as smg_common_pb2
+from deltaserve.smg import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 __all__ = ["generation_pb2", "generation_pb2_grpc", "worker_pb2", "worker_pb2_grpc",
-           "GENERATION_SERVICE", "WORKER_SERVICE", "documented_file_descriptors"]
+           "smg_common_pb2", "vllm_engine_pb2", "vllm_engine_pb2_grpc",
+           "GENERATION_SERVICE", "WORKER_SERVICE", "VLLM_ENGINE_SERVICE",
+           "documented_file_descriptors"]
 
 # Fully qualified service names, as grpc.health.v1 and server reflection spell them.
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
 
 def documented_file_descriptors() -> dict[str, descriptor_pb2.FileDescriptorProto]:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine_common", "kernels", "scheduler_service", "worker_service", "deltaserve",
             "bench")
 
-_COMMON = ("deltaserve.v1", "engine_common")
+_COMMON = ("deltaserve.v1", "deltaserve.smg", "engine_common")
 _WORKER_LEAVES = ("worker_service.config", "worker_service.device_info",
                   "worker_service.failures", "worker_service.parallel_state")
 _SCHEDULER = ("scheduler_service.errors", "scheduler_service.core", "scheduler_service.workers",
@@ -29,7 +29,8 @@ _WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
 # room -> the rooms it may import (besides itself). Lower layers come first.
 LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.v1": (),                                # generated stubs: the bottom layer
-    "engine_common": ("deltaserve.v1",),
+    "deltaserve.smg": (),                               # generated stubs of the vendored protos
+    "engine_common": ("deltaserve.v1", "deltaserve.smg"),
     "kernels": (),
     "scheduler_service": (),                            # package __init__ files: empty
     "worker_service": (),
@@ -193,7 +194,8 @@ def test_the_checker_reports_a_forbidden_import_even_inside_a_function(tmp_path)
     assert "scheduler_service.core.request" in graph["engine_common.params"]
     problems = forbidden_imports(graph)
     assert "engine_common.params (engine_common) imports scheduler_service.core.request " \
-        "(scheduler_service.core); engine_common may import only deltaserve.v1" in problems
+        "(scheduler_service.core); engine_common may import only deltaserve.v1, " \
+        "deltaserve.smg" in problems
     assert find_cycles(graph) == [["engine_common.params", "scheduler_service.core.request"]]
 
 

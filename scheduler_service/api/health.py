@@ -35,6 +35,10 @@ class Readiness:
         self._published: int | None = None
         self._task: asyncio.Task | None = None
 
+    def serving(self) -> bool:
+        """Ready and not draining: what the readiness entry says (without the poll's delay)."""
+        return not self._draining and self._is_ready()
+
     def add_to_server(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 

@@ -29,7 +29,8 @@ from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
 from engine_common.listen_address import ListenAddress
 from engine_common.metrics_http import MetricsServer, start_metrics_server
 from engine_common.model_dir import ModelInfo
-from engine_common.protos import GENERATION_SERVICE, generation_pb2_grpc
+from engine_common.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
+                                  vllm_engine_pb2_grpc)
 from engine_common.settings import AtLeast, AtLeastZero, setting, validate
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
@@ -40,6 +41,10 @@ from scheduler_service.api.generation_servicer import GenerationServicer, Served
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection
+from scheduler_service.api.vllm_convert import EngineShape
+from scheduler_service.api.vllm_servicer import VllmEngineServicer
+from scheduler_service.core.kv_events import KvEventFeed
+from scheduler_service.engine.kv_event_publisher import KvEventPublisher
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from scheduler_service.workers.worker_spec import DEFAULT_DIST_PORT
@@ -71,10 +76,12 @@ class ServerOptions:
 class WorkerCoreFactory:
     """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
 
-    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig):
+    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
+                 kv_events: KvEventFeed | None = None):
         self.client = client
         self.spec = spec
         self.config = config
+        self.kv_events = kv_events
         self._last_error = ""
         self._was_ready = False
         self._num_ranks = 0
@@ -97,7 +104,7 @@ class WorkerCoreFactory:
         self._num_ranks = len(result.devices)
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
-        scheduler = Scheduler(self.config, result.num_kv_blocks)
+        scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events)
         return EngineCore(scheduler, self.client)
 
     def check_health(self, core: EngineCore) -> None:
@@ -170,10 +177,12 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                                  **limits_of(worker))
     spec = InitSpec(worker, dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
-    factory = WorkerCoreFactory(client, spec, config)
+    kv_events = KvEventPublisher(KvEventFeed())
+    factory = WorkerCoreFactory(client, spec, config, kv_events.feed)
     metrics = SchedulerMetrics(info.name, info.max_model_len)
     engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),
-                         idle_check=factory.check_health, metrics=metrics)
+                         idle_check=factory.check_health, metrics=metrics,
+                         on_turn=kv_events.publish)
     metrics.attach(lambda: engine.stats, engine.counters, len(workers))
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
                          num_workers=len(workers),
@@ -184,7 +193,11 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
         GenerationServicer(engine, served, tp_size=factory.tp_size), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
-    add_reflection(server, (GENERATION_SERVICE, HEALTH_SERVICE))
+    shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
+                        worker.attention_backend)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+        VllmEngineServicer(engine, served, shape, kv_events, readiness.serving), server)
+    add_reflection(server, (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE))
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError as e:   # grpc reports a failed bind this way

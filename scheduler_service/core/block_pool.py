@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from scheduler_service.core.kv_events import KvEventFeed
+
 BlockHash = bytes
 
 
@@ -36,7 +38,8 @@ class KVCacheBlock:
 class BlockPool:
     """Owns every block; hands out fresh ones, revives cached ones, takes freed ones back."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, enable_caching: bool, events: KvEventFeed | None = None):
+        """`events`, when given, records evictions and resets (a new pool is an empty cache)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks!r} is invalid: must be an integer >= 1")
         self.num_blocks = num_blocks
@@ -46,6 +49,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.events = events
+        if events is not None:
+            events.cleared()
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,10 +118,14 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.request import Request
 
 
@@ -53,10 +54,13 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates and frees the blocks of each request; finds and records cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 events: KvEventFeed | None = None):
+        """`events`, when given, records the blocks the prefix cache stores and evicts."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.events = events
+        self.pool = BlockPool(num_blocks, enable_caching, events)
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}   # hashes of the request's full blocks
@@ -138,7 +142,7 @@ class KVCacheManager:
                 if num_full > num_cached:
                     hashes = self._block_hashes(request, num_full)
                     for j in range(num_cached, num_full):
-                        self.pool.cache_full_block(held[j], hashes[j])
+                        self._cache_block(request, held[j], hashes, j)
                     self._num_cached[rid] = num_cached = num_full
             limit = min(limit, (num_cached + 1) * bs - 1)
         self.quiet_until[rid] = limit
@@ -224,6 +228,16 @@ class KVCacheManager:
         hashes = self._block_hashes(request, num_full)
         blocks = self._blocks[rid]
         for j in range(start, num_full):
-            self.pool.cache_full_block(blocks[j], hashes[j])
+            self._cache_block(request, blocks[j], hashes, j)
         self._num_cached[rid] = num_full
         return num_full
+
+    def _cache_block(self, request: Request, block: KVCacheBlock, hashes: list[BlockHash],
+                     j: int) -> None:
+        """Offer the request's full block j (hash hashes[j]) to the prefix cache; record it
+        when it enters the cache and someone listens."""
+        if self.pool.cache_full_block(block, hashes[j]) and self.events is not None \
+                and self.events.enabled:
+            bs = self.block_size
+            self.events.stored(hashes[j], hashes[j - 1] if j else None,
+                               _token_slice(request, j * bs, (j + 1) * bs), bs)

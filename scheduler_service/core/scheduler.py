@@ -34,6 +34,7 @@ from engine_common.diff import RunnerOutput, SchedulerOutput
 from scheduler_service.core.admission import QueueFull, RequestRejected, check_admission
 from scheduler_service.core.handles import HandleAllocator
 from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.priority import choose_priority_victims
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
@@ -50,9 +51,11 @@ class Scheduler:
     """Owns the requests, the KV-cache blocks and the step diffs. Not thread-safe."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, kv_events: KvEventFeed | None = None):
+        """`kv_events`, when given, records what the prefix cache stores and evicts."""
         self.config = config
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 kv_events)
         # A request never holds more tokens than fit in the whole cache.
         if config.max_model_len is None:
             raise ParamError("max_model_len", None, "set: the scheduler needs the model's limit")

@@ -49,13 +49,16 @@ class AsyncEngine:
     `idle_check_seconds` while no request is running and raises EngineUnavailable when a worker
     is gone, so readiness drops without waiting for a request. `metrics` records the steps,
     epochs, failures and streams (a private SchedulerMetrics when not given); `counters` are the
-    streams' request and token counts."""
+    streams' request and token counts. `on_turn()`, when given, runs on the engine thread at the
+    end of every loop turn (the KV event publisher hands the turn's events on there)."""
 
     def __init__(self, make_core: Callable[[], EngineCore],
                  make_output_processor: Callable[[], OutputProcessor],
                  idle_check: Callable[[EngineCore], None] | None = None,
-                 idle_check_seconds: float = 1.0, metrics: SchedulerMetrics | None = None):
+                 idle_check_seconds: float = 1.0, metrics: SchedulerMetrics | None = None,
+                 on_turn: Callable[[], object] | None = None):
         self._make_core = make_core
+        self._on_turn = on_turn
         self._make_output_processor = make_output_processor
         self._idle_check = idle_check
         self._idle_check_seconds = idle_check_seconds
@@ -166,8 +169,17 @@ class AsyncEngine:
                 self._fail_all(e)
             self._publish_stats()
             self._hand_off()
+            self._end_turn()
         self._fail_all(EngineUnavailable("the server is shutting down"))
         self._hand_off()
+
+    def _end_turn(self) -> None:
+        if self._on_turn is None:
+            return
+        try:
+            self._on_turn()
+        except Exception:  # a bug there must not stop the engine
+            log.exception("on_turn failed")
 
     def _connect(self) -> bool:
         try:

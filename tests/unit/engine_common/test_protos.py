@@ -2,6 +2,7 @@
 loadable by the grpcio we deploy against, and working over a real loopback channel."""
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import sys
@@ -15,8 +16,10 @@ from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from engine_common import gen_protos
-from engine_common.protos import (GENERATION_SERVICE, WORKER_SERVICE, documented_file_descriptors,
-                                  generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc)
+from engine_common.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, WORKER_SERVICE,
+                                  documented_file_descriptors, generation_pb2, generation_pb2_grpc,
+                                  smg_common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc, worker_pb2,
+                                  worker_pb2_grpc)
 from tests.support.paths import REPO
 
 
@@ -46,9 +49,9 @@ def test_declared_messages_in_the_proto_sources_are_current():
 
 
 def test_stubs_target_the_pinned_grpc_and_an_older_protobuf():
-    for module in (generation_pb2_grpc, worker_pb2_grpc):
+    for module in (generation_pb2_grpc, worker_pb2_grpc, vllm_engine_pb2_grpc):
         assert module.GRPC_GENERATED_VERSION == gen_protos.GRPC_TOOLS_VERSION
-    for module in (generation_pb2, worker_pb2):
+    for module in (generation_pb2, worker_pb2, vllm_engine_pb2, smg_common_pb2):
         header = Path(module.__file__).read_text()
         gencode = re.search(r"# Protobuf Python Version: (\d+)\.(\d+)\.(\d+)", header).groups()
         runtime = google.protobuf.__version__.split(".")[:3]
@@ -192,6 +195,41 @@ def test_finish_reasons_and_oneofs():
         "stop_token_id", "stop_string"]
 
 
+def test_vllm_engine_service_contract():
+    """The vendored protocol keeps upstream's package names: the RPC paths the gateway calls."""
+    assert VLLM_ENGINE_SERVICE == "vllm.grpc.engine.VllmEngine"
+    assert smg_common_pb2.DESCRIPTOR.package == "smg.grpc.common"
+    assert _methods(vllm_engine_pb2, "VllmEngine") == {
+        "Generate": ("GenerateRequest", "GenerateResponse", False, True),
+        "Embed": ("EmbedRequest", "EmbedResponse", False, False),
+        "HealthCheck": ("HealthCheckRequest", "HealthCheckResponse", False, False),
+        "FlushCache": ("FlushCacheRequest", "FlushCacheResponse", False, False),
+        "StartProfile": ("StartProfileRequest", "ProfileResponse", False, False),
+        "StopProfile": ("StopProfileRequest", "ProfileResponse", False, False),
+        "Abort": ("AbortRequest", "AbortResponse", False, False),
+        "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
+        "GetServerInfo": ("GetServerInfoRequest", "GetServerInfoResponse", False, False),
+        "GetLoads": ("GetLoadsRequest", "GetLoadsResponse", False, False),
+        "GetTokenizer": ("GetTokenizerRequest", "GetTokenizerChunk", False, True),
+        "SubscribeKvEvents": ("SubscribeKvEventsRequest", "KvEventBatch", False, True),
+    }
+    assert list(vllm_engine_pb2.DESCRIPTOR.dependencies) == [smg_common_pb2.DESCRIPTOR]
+
+
+def test_vendored_protos_differ_from_upstream_only_in_the_import_path():
+    """proto/deltaserve/smg/README.md records the upstream sha256 of each file."""
+    folder = REPO / "proto" / "deltaserve" / "smg"
+    readme = (folder / "README.md").read_text()
+    common = (folder / "common.proto").read_bytes()
+    engine = (folder / "vllm_engine.proto").read_text()
+    upstream_engine = re.sub(r'// Changed by DeltaServe:.*\n//.*\nimport "deltaserve/smg/common.proto";',
+                             'import "common.proto";', engine)
+    assert upstream_engine != engine
+    for text in (common, upstream_engine.encode()):
+        assert hashlib.sha256(text).hexdigest() in readme
+    assert "Apache License" in (folder / "LICENSE").read_text()
+
+
 def test_proto_files_are_independent():
     for module in (generation_pb2, worker_pb2):
         assert list(module.DESCRIPTOR.dependencies) == []
@@ -234,10 +272,13 @@ def _undocumented(file: descriptor_pb2.FileDescriptorProto) -> list[str]:
 
 
 def test_every_element_is_documented():
+    """Our own files; the vendored ones (deltaserve/smg) are upstream's as they are."""
     files = documented_file_descriptors()
-    assert sorted(files) == ["deltaserve/v1/generation.proto", "deltaserve/v1/worker.proto"]
+    assert sorted(files) == ["deltaserve/smg/common.proto", "deltaserve/smg/vllm_engine.proto",
+                             "deltaserve/v1/generation.proto", "deltaserve/v1/worker.proto"]
     for name, file in files.items():
-        assert _undocumented(file) == [], name
+        if name.startswith("deltaserve/v1/"):
+            assert _undocumented(file) == [], name
 
 
 def test_documented_descriptors_match_the_registered_ones():

@@ -1,0 +1,333 @@
+"""vllm.grpc.engine protobuf (the Shepherd Model Gateway's worker protocol) <-> domain objects.
+Pure functions: no I/O, no engine state.
+
+Requests: a `GenerateRequest` becomes a `VllmGenerateInput` of validated domain params. A field
+we cannot honour is refused, never ignored: ParamError naming it (INVALID_ARGUMENT at the edge).
+Proto3 scalars have no "unset": a sampling field left at 0 takes the server default (published
+in GetModelInfo.default_sampling_params_json), and so does an unset `temperature`.
+
+Responses follow vLLM's own servicer, which the gateway is written against:
+  * streaming: one `chunk` per engine step that produced tokens (the step's token ids, its own
+    count as completion_tokens: the gateway adds them up), then, when the request ends, a
+    `complete` carrying the last step's ids again with the finish reason and the matched stop;
+  * not streaming: one `complete` per choice with every output id and logprob;
+  * finish_reason "stop" (eos, a stop token id or a stop string), "length" or "abort".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from engine_common.model_dir import ModelInfo
+from engine_common.params import ParamError, SamplingParams, StoppingParams
+from engine_common.protos import smg_common_pb2 as cpb
+from engine_common.protos import vllm_engine_pb2 as pb
+from scheduler_service.api.convert import MAX_LOGPROBS, check_prompt_length
+from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from scheduler_service.core.request import RequestStatus
+from scheduler_service.engine.kv_event_publisher import KvEventBatch
+from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
+
+# Most parallel samples (`n`) one request may ask for.
+MAX_N = 128
+# The sampling defaults published in default_sampling_params_json (the keys vLLM publishes).
+DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_SEED_RANGE = 2**32          # a negative int32 seed s samples as s + 2**32
+_CHILD_SEED_MODULUS = 2**63  # child i of a seeded n > 1 request samples with seed + i
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_STOP_TOKEN: "stop",
+    RequestStatus.FINISHED_STOP_STRING: "stop",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+# GenerateRequest / SamplingParams fields we cannot honour: (field, why) -> INVALID_ARGUMENT.
+_UNSUPPORTED_REQUEST_FIELDS = (
+    ("kv_transfer_params", "unset: KV transfer (prefill/decode disaggregation) is not supported"),
+    ("kv_transfer_params_json",
+     "unset: KV transfer (prefill/decode disaggregation) is not supported"),
+    ("mm_inputs", "unset: multimodal input is not supported"),
+    ("media_refs", "unset: multimodal input is not supported"),
+)
+_UNSUPPORTED_SAMPLING_FIELDS = (
+    ("prompt_logprobs", "unset: prompt logprobs are not supported"),
+    ("truncate_prompt_tokens", "unset: prompt truncation is not supported"),
+)
+
+
+@dataclass(frozen=True)
+class VllmGenerateInput:
+    """A validated GenerateRequest. Exactly one of prompt_text / prompt_token_ids is not None.
+    `num_logprobs` None: no logprobs asked; k: the sampled token's and k alternatives."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    sampling: SamplingParams
+    stopping: StoppingParams
+    num_logprobs: int | None
+    n: int
+    stream: bool
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = SamplingParams(),
+                       vocab_size: int | None = None,
+                       make_request_id: Callable[[], str] = new_request_id) -> VllmGenerateInput:
+    """Validate a GenerateRequest and convert it; raises ParamError on the first bad field."""
+    refuse_unsupported(msg)
+    text, ids = _prompt_from_proto(msg, vocab_size)
+    sp = msg.sampling_params
+    n = sp.n or 1
+    if n > MAX_N:
+        raise ParamError("sampling_params.n", n, f"in [1, {MAX_N}]")
+    num_logprobs = None
+    if sp.HasField("logprobs"):
+        num_logprobs = sp.logprobs
+        if not 0 <= num_logprobs <= MAX_LOGPROBS:
+            raise ParamError("sampling_params.logprobs", num_logprobs,
+                             f"in [0, {MAX_LOGPROBS}] (-1, every token, is not supported)")
+    return VllmGenerateInput(
+        request_id=msg.request_id or make_request_id(), prompt_text=text, prompt_token_ids=ids,
+        sampling=sampling_from_proto(sp, defaults), stopping=stopping_from_proto(sp, vocab_size),
+        num_logprobs=num_logprobs, n=n, stream=msg.stream)
+
+
+def refuse_unsupported(msg: pb.GenerateRequest) -> None:
+    """ParamError for the first field set that DeltaServe cannot honour."""
+    for name, allowed in _UNSUPPORTED_REQUEST_FIELDS:
+        if msg.HasField(name):
+            raise ParamError(name, "set", allowed)
+    if msg.extra_mm_inputs:
+        raise ParamError("extra_mm_inputs", f"{len(msg.extra_mm_inputs)} batches",
+                         "empty: multimodal input is not supported")
+    if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
+        raise ParamError("data_parallel_rank", msg.data_parallel_rank,
+                         "unset or 0: a DeltaServe replica is one data-parallel rank")
+    sp = msg.sampling_params
+    for name, allowed in _UNSUPPORTED_SAMPLING_FIELDS:
+        if sp.HasField(name):
+            raise ParamError(f"sampling_params.{name}", getattr(sp, name), allowed)
+    if sp.logit_bias:
+        raise ParamError("sampling_params.logit_bias", dict(sp.logit_bias),
+                         "empty: logit bias is not supported")
+    constraint = sp.WhichOneof("constraint")
+    if constraint is not None:
+        raise ParamError(f"sampling_params.{constraint}", "set",
+                         "unset: structured output (constraint) is not supported yet")
+
+
+def _prompt_from_proto(msg: pb.GenerateRequest, vocab_size: int | None
+                       ) -> tuple[str | None, tuple[int, ...] | None]:
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise ParamError("input", "unset", "tokenized.input_ids or text")
+    if kind == "text":
+        if not msg.text:
+            raise ParamError("text", msg.text, "a non-empty string")
+        return msg.text, None
+    ids = tuple(msg.tokenized.input_ids)
+    if not ids:
+        raise ParamError("tokenized.input_ids", [], "at least one token id")
+    _check_vocab("tokenized.input_ids", ids, vocab_size)
+    return None, ids
+
+
+def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
+    if vocab_size is None:
+        return
+    for i, token_id in enumerate(ids):
+        if token_id >= vocab_size:
+            raise ParamError(f"{name}[{i}]", token_id, f"in [0, {vocab_size - 1}] (vocab_size)")
+
+
+def sampling_from_proto(sp: pb.SamplingParams,
+                        defaults: SamplingParams = SamplingParams()) -> SamplingParams:
+    """A field at 0 (and an unset temperature or seed) takes `defaults`. A negative seed s
+    samples as s + 2**32 (the proto's seed is int32; ours is non-negative)."""
+    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
+    seed = defaults.seed
+    if sp.HasField("seed"):
+        seed = sp.seed if sp.seed >= 0 else sp.seed + _SEED_RANGE
+    try:
+        return SamplingParams(
+            temperature=temperature, top_p=sp.top_p or defaults.top_p,
+            top_k=sp.top_k or defaults.top_k, min_p=sp.min_p or defaults.min_p,
+            repetition_penalty=sp.repetition_penalty or defaults.repetition_penalty,
+            presence_penalty=sp.presence_penalty or defaults.presence_penalty,
+            frequency_penalty=sp.frequency_penalty or defaults.frequency_penalty, seed=seed)
+    except ParamError as e:
+        raise ParamError(f"sampling_params.{e.field}", e.value, e.allowed) from None
+
+
+def stopping_from_proto(sp: pb.SamplingParams, vocab_size: int | None = None) -> StoppingParams:
+    """An unset max_tokens generates until max_model_len."""
+    _check_vocab("sampling_params.stop_token_ids", sp.stop_token_ids, vocab_size)
+    try:
+        return StoppingParams(
+            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+            min_tokens=sp.min_tokens, stop=tuple(sp.stop),
+            stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+            include_stop_str_in_output=sp.include_stop_str_in_output)
+    except ParamError as e:
+        raise ParamError(f"sampling_params.{e.field}", e.value, e.allowed) from None
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """check_prompt_length, naming this protocol's field."""
+    try:
+        check_prompt_length(num_prompt_tokens, max_tokens, max_model_len)
+    except ParamError as e:
+        field = e.field.replace("stopping.", "sampling_params.")
+        raise ParamError(field, e.value, e.allowed) from None
+
+
+def child_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of an n > 1 request: a seeded request's choices sample with seed + index
+    (so they differ and stay reproducible); unseeded ones each get a seed of their own."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % _CHILD_SEED_MODULUS)
+
+
+# -- responses --------------------------------------------------------------------------------
+
+def output_logprobs_to_proto(entries: list[TokenLogprob], num_logprobs: int
+                             ) -> pb.OutputLogProbs:
+    """Each token's logprob; with num_logprobs > 0 also its best alternatives (best first)."""
+    msg = pb.OutputLogProbs(token_logprobs=[e.logprob for e in entries],
+                            token_ids=[e.token_id for e in entries])
+    if num_logprobs > 0:
+        msg.top_logprobs.extend(pb.TopLogProbs(values=e.top_logprobs, token_ids=e.top_token_ids)
+                                for e in entries)
+    return msg
+
+
+def chunk_to_proto(out: RequestOutput, index: int,
+                   num_logprobs: int | None) -> pb.GenerateResponse:
+    """One streamed step: its new token ids (completion_tokens counts only them)."""
+    chunk = pb.GenerateStreamChunk(
+        token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=len(out.new_token_ids), cached_tokens=out.num_cached_tokens,
+        index=index)
+    if num_logprobs is not None and out.logprobs:
+        chunk.output_logprobs.CopyFrom(output_logprobs_to_proto(out.logprobs, num_logprobs))
+    return pb.GenerateResponse(chunk=chunk)
+
+
+def complete_to_proto(final: RequestOutput, index: int, num_logprobs: int | None,
+                      token_ids: list[int], logprobs: list[TokenLogprob]) -> pb.GenerateResponse:
+    """The end of one choice. `token_ids`/`logprobs`: every output (not streaming) or the last
+    step's (streaming, as vLLM sends them)."""
+    complete = pb.GenerateComplete(
+        output_ids=token_ids, finish_reason=FINISH_REASONS.get(final.finish_reason, "abort"),
+        prompt_tokens=final.num_prompt_tokens, completion_tokens=len(token_ids),
+        cached_tokens=final.num_cached_tokens, index=index)
+    if isinstance(final.stop_reason, str):
+        complete.matched_stop_str = final.stop_reason
+    elif final.stop_reason is not None:
+        complete.matched_token_id = final.stop_reason
+    if num_logprobs is not None and logprobs:
+        complete.output_logprobs.CopyFrom(output_logprobs_to_proto(logprobs, num_logprobs))
+    return pb.GenerateResponse(complete=complete)
+
+
+# -- model, server, loads ---------------------------------------------------------------------
+
+def default_sampling_json(defaults: SamplingParams) -> str:
+    """The sampling defaults a gateway fills unset client fields with, as compact JSON."""
+    return json.dumps({k: getattr(defaults, k) for k in DEFAULT_SAMPLING_KEYS},
+                      separators=(",", ":"))
+
+
+def model_info_to_proto(info: ModelInfo, bos_token_id: int | None,
+                        defaults: SamplingParams) -> pb.GetModelInfoResponse:
+    config = info.hf_config
+    return pb.GetModelInfoResponse(
+        model_path=info.path, is_generation=True, max_context_length=info.max_model_len,
+        vocab_size=info.vocab_size, supports_vision=False, served_model_name=info.name,
+        tokenizer_path=info.path, model_type=str(config.get("model_type") or ""),
+        architectures=[str(a) for a in config.get("architectures") or [info.architecture]],
+        eos_token_ids=list(info.eos_token_ids),
+        pad_token_id=_int_or_zero(config.get("pad_token_id")),
+        bos_token_id=_int_or_zero(config.get("bos_token_id", bos_token_id)),
+        max_req_input_len=info.max_model_len - 1,
+        default_sampling_params_json=default_sampling_json(defaults))
+
+
+def _int_or_zero(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What GetServerInfo and GetLoads report about the engine's configuration."""
+
+    block_size: int
+    max_num_seqs: int
+    dtype: str
+    attention_backend: str
+
+
+def server_info_to_proto(num_active: int, uptime_s: float, last_receive_s: float,
+                         shape: EngineShape) -> pb.GetServerInfoResponse:
+    return pb.GetServerInfoResponse(
+        active_requests=num_active, is_paused=False, last_receive_timestamp=last_receive_s,
+        uptime_seconds=uptime_s, server_type="deltaserve-grpc", data_parallel_size=1,
+        kv_cache_dtype="auto", block_size=shape.block_size,
+        attention_backend="" if shape.attention_backend == "auto" else shape.attention_backend,
+        model_dtype=shape.dtype, max_num_seqs=shape.max_num_seqs)
+
+
+def scheduler_load_to_proto(stats, gen_tokens_per_s: float,
+                            shape: EngineShape) -> pb.SchedulerLoad:
+    """`stats`: the engine's EngineStats snapshot. Token counts are whole KV blocks."""
+    return pb.SchedulerLoad(
+        dp_rank=0, num_running_reqs=stats.num_running, num_waiting_reqs=stats.num_waiting,
+        num_total_reqs=stats.num_running + stats.num_waiting,
+        num_used_tokens=stats.num_used_blocks * shape.block_size,
+        max_total_num_tokens=stats.num_total_blocks * shape.block_size,
+        token_usage=stats.kv_cache_usage, gen_throughput=gen_tokens_per_s,
+        cache_hit_rate=stats.prefix_cache_hit_rate,
+        utilization=stats.num_running / shape.max_num_seqs,
+        max_running_requests=shape.max_num_seqs)
+
+
+# -- KV events --------------------------------------------------------------------------------
+
+def block_hash_to_int64(block_hash: bytes) -> int:
+    """The protocol's int64 block hash: the first 8 bytes of ours, little-endian, signed."""
+    return int.from_bytes(block_hash[:8], "little", signed=True)
+
+
+def kv_batch_to_proto(batch: KvEventBatch) -> cpb.KvEventBatch:
+    """Events get consecutive ids from batch.first_event_id."""
+    events = [_kv_event_to_proto(event, batch.first_event_id + i)
+              for i, event in enumerate(batch.events)]
+    return cpb.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp,
+                            events=events)
+
+
+def _kv_event_to_proto(event, event_id: int) -> cpb.KvCacheEvent:
+    if isinstance(event, BlockStored):
+        bs = event.block_size
+        blocks = [cpb.KvBlock(block_hash=block_hash_to_int64(h),
+                              token_ids=event.token_ids[i * bs:(i + 1) * bs], block_size=bs)
+                  for i, h in enumerate(event.block_hashes)]
+        stored = cpb.KvBlocksStored(blocks=blocks)
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
+        return cpb.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(event, BlockRemoved):
+        return cpb.KvCacheEvent(event_id=event_id, removed=cpb.KvBlocksRemoved(
+            block_hashes=[block_hash_to_int64(h) for h in event.block_hashes]))
+    if isinstance(event, AllBlocksCleared):
+        return cpb.KvCacheEvent(event_id=event_id, cleared=cpb.KvCacheCleared())
+    raise TypeError(f"not a KV event: {event!r}")

@@ -1,0 +1,259 @@
+"""vllm.grpc.engine.VllmEngine: vLLM's gRPC engine protocol, so the Shepherd Model Gateway (and
+anything else written against vLLM's gRPC server) can front DeltaServe.
+
+A thin adapter over the same AsyncEngine, tokenizer and model as deltaserve.v1.Generation, on the
+same port; vllm_convert.py does the protobuf. One Generate call is one request, or n requests for
+`n` > 1 (engine ids `<request_id>-<i>`, sharing the prompt's cached blocks; every message carries
+its choice `index`). Abort(request_ids) finds them by the caller's id; cancelling the call aborts
+them too. Every failure becomes a status through status.status_for (a field we cannot honour is
+INVALID_ARGUMENT naming it). Embed, FlushCache and the profiler RPCs are UNIMPLEMENTED.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timezone
+from typing import AsyncIterator, Callable
+
+import grpc
+
+from engine_common.params import ParamError
+from engine_common.protos import smg_common_pb2 as cpb
+from engine_common.protos import vllm_engine_pb2 as pb
+from engine_common.protos import vllm_engine_pb2_grpc
+from scheduler_service.api.generation_servicer import ServedModel
+from scheduler_service.api.status import status_for
+from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
+                                                    chunks)
+from scheduler_service.api.vllm_convert import (EngineShape, VllmGenerateInput, check_prompt_fits,
+                                                child_sampling, chunk_to_proto, complete_to_proto,
+                                                kv_batch_to_proto, model_info_to_proto,
+                                                request_from_proto, scheduler_load_to_proto,
+                                                server_info_to_proto)
+from scheduler_service.core.request import Request
+from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
+from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
+from scheduler_service.errors import EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+_ABORT_TIMEOUT_SECONDS = 5.0
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+VERSION = "deltaserve-0.1.0"
+
+
+class _Choice:
+    """What one choice of a non-streamed request produced so far."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """`is_ready()`: the service's readiness (workers initialized, not draining)."""
+
+    def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
+                 kv_events: KvEventPublisher, is_ready: Callable[[], bool]):
+        self._engine = engine
+        self._model = model
+        self._shape = shape
+        self._kv_events = kv_events
+        self._is_ready = is_ready
+        self._start_time = time.time()
+        self._last_receive = 0.0
+        self._children: dict[str, tuple[str, ...]] = {}   # caller's id -> engine request ids
+        self._tokenizer_bundle: TokenizerBundle | None = None
+
+    # -- Generate ---------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Chunks per step while streaming, then one `complete` per choice."""
+        try:
+            inp, prompt_ids = self._validate(request)
+            self._last_receive = time.time()
+            async for msg in self._run(inp, prompt_ids):
+                yield msg
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # every failure becomes one status, through one function
+            await _abort_with(context, e)
+
+    def _validate(self, msg: pb.GenerateRequest) -> tuple[VllmGenerateInput, list[int]]:
+        info = self._model.info
+        inp = request_from_proto(msg, defaults=self._model.default_sampling,
+                                 vocab_size=info.vocab_size)
+        ids = (list(inp.prompt_token_ids) if inp.prompt_token_ids is not None
+               else self._model.tokenizer.encode(inp.prompt_text))
+        check_prompt_fits(len(ids), inp.stopping.max_tokens, info.max_model_len)
+        return inp, ids
+
+    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int]
+                   ) -> AsyncIterator[pb.GenerateResponse]:
+        ids = (inp.request_id,) if inp.n == 1 else tuple(
+            f"{inp.request_id}-{i}" for i in range(inp.n))
+        if inp.request_id in self._children:
+            raise ParamError("request_id", inp.request_id, "not the id of a running request")
+        self._children[inp.request_id] = ids
+        try:
+            requests = [self._engine_request(inp, rid, prompt_ids, i) for i, rid in enumerate(ids)]
+            choices = [_Choice() for _ in ids]
+            async for index, out in self._outputs(requests):
+                for msg in _messages(inp, index, out, choices[index]):
+                    yield msg
+        finally:
+            self._children.pop(inp.request_id, None)
+
+    def _engine_request(self, inp: VllmGenerateInput, request_id: str, prompt_ids: list[int],
+                        index: int) -> Request:
+        return Request(request_id, list(prompt_ids), child_sampling(inp.sampling, index),
+                       inp.stopping, self._model.info.eos_token_ids,
+                       num_logprobs=inp.num_logprobs or 0)
+
+    async def _outputs(self, requests: list[Request]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as the engine produces them; one request needs no merging."""
+        if len(requests) == 1:
+            async for out in self._engine.generate(requests[0]):
+                yield 0, out
+            return
+        async for item in _merge([self._engine.generate(r) for r in requests]):
+            yield item
+
+    # -- management -------------------------------------------------------------------------
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Abort by the callers' ids (every choice of an n > 1 request); unknown ids are ignored."""
+        ids = [cid for rid in request.request_ids for cid in self._children.get(rid, (rid,))]
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
+                                   _ABORT_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            await _abort_with(context, EngineUnavailable("the engine did not answer the abort"))
+        return pb.AbortResponse()
+
+    async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
+        """Our readiness: every worker initialized and not draining."""
+        if self._is_ready():
+            return pb.HealthCheckResponse(healthy=True, message="ready")
+        reason = self._engine.last_error if not self._engine.ready else "draining"
+        return pb.HealthCheckResponse(healthy=False, message=f"not ready: {reason}")
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
+        m = self._model
+        return model_info_to_proto(m.info, m.tokenizer.bos_token_id, m.default_sampling)
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
+        stats = self._engine.stats
+        return server_info_to_proto(stats.num_running + stats.num_waiting,
+                                    time.time() - self._start_time, self._last_receive,
+                                    self._shape)
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:
+        """One SchedulerLoad (this replica is data-parallel rank 0)."""
+        loads = []
+        if not request.HasField("dp_rank") or request.dp_rank == 0:
+            loads.append(scheduler_load_to_proto(self._engine.stats, self._engine.throughput()[1],
+                                                 self._shape))
+        return pb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
+                                   version=VERSION, dp_rank_count=1, loads=loads)
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
+        """The tokenizer files as one zip in 64 KiB chunks; the last carries its sha256."""
+        try:
+            bundle = await self._bundle()
+        except Exception as e:
+            await _abort_with(context, e)
+        pieces = chunks(bundle.data, TOKENIZER_CHUNK_BYTES)
+        for i, piece in enumerate(pieces):
+            yield cpb.GetTokenizerChunk(data=piece,
+                                        sha256=bundle.sha256 if i == len(pieces) - 1 else "")
+
+    async def _bundle(self) -> TokenizerBundle:
+        if self._tokenizer_bundle is None:   # the files do not change while we serve
+            self._tokenizer_bundle = await asyncio.to_thread(build_tokenizer_bundle,
+                                                             self._model.info.path)
+        return self._tokenizer_bundle
+
+    async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
+        """The prefix cache's stored/removed blocks from now on, one batch per engine step."""
+        await context.send_initial_metadata(())
+        try:
+            async for batch in self._kv_events.subscribe():
+                yield kv_batch_to_proto(batch)
+        except SubscriberLagging as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    # -- not served -------------------------------------------------------------------------
+
+    async def Embed(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: DeltaServe serves generation "
+                            "models only")
+
+    async def FlushCache(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "FlushCache is not supported")
+
+    async def StartProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile is not supported")
+
+    async def StopProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile is not supported")
+
+
+def _messages(inp: VllmGenerateInput, index: int, out: RequestOutput,
+              choice: _Choice) -> list[pb.GenerateResponse]:
+    """The messages one engine output of choice `index` turns into."""
+    if inp.stream:
+        msgs = [chunk_to_proto(out, index, inp.num_logprobs)] if out.new_token_ids else []
+        if out.finished:
+            msgs.append(complete_to_proto(out, index, inp.num_logprobs, out.new_token_ids,
+                                          out.logprobs))
+        return msgs
+    choice.token_ids.extend(out.new_token_ids)
+    choice.logprobs.extend(out.logprobs)
+    if not out.finished:
+        return []
+    return [complete_to_proto(out, index, inp.num_logprobs, choice.token_ids, choice.logprobs)]
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output) in arrival order. The first
+    failure ends the merge; leaving it early (cancellation) closes every stream, which aborts
+    their requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:   # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    code, message = status_for(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=error)
+    await context.abort(code, message)

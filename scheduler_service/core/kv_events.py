@@ -1,0 +1,87 @@
+"""What the prefix cache stores and drops, as events for routers outside the process.
+
+A cache-aware router (the Shepherd Model Gateway) keeps an index of the blocks each replica holds;
+these events keep it true. The block pool and the KV-cache manager record them into a
+`KvEventFeed` on the engine thread, in the order they happen:
+
+    BlockStored(block_hashes, parent_block_hash, token_ids, block_size)
+        full blocks that just entered the prefix cache, consecutive blocks of one chain: block i's
+        parent is block i-1, the first one's is `parent_block_hash` (None: a prompt's first block);
+        `token_ids` holds block_size tokens per block, in order
+    BlockRemoved(block_hashes)
+        cached blocks evicted (their KV is about to be overwritten)
+    AllBlocksCleared()
+        the whole cache is gone: a new block pool (a new epoch after a worker failure), a reset
+
+Hashes are the chained block hashes of kv_cache_manager.hash_block (bytes; the API edge turns
+them into what its protocol wants). The feed records only while `enabled` (someone listens), so
+a replica nobody routes by pays one attribute read per newly cached block. The feed is not
+thread-safe: only the engine thread records and takes; other threads only flip `enabled`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventFeed:
+    """Collects events until the engine thread takes them (once per loop turn). Consecutive
+    stores of one chain and consecutive removals coalesce into one event each."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._events: list[KvEvent] = []
+
+    def stored(self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int],
+               block_size: int) -> None:
+        """A full block entered the cache; `parent` is the hash of the block before it."""
+        if not self.enabled:
+            return
+        last = self._events[-1] if self._events else None
+        if (isinstance(last, BlockStored) and last.block_size == block_size
+                and parent is not None and last.block_hashes[-1] == parent):
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+        else:
+            self._events.append(BlockStored([block_hash], parent, list(token_ids), block_size))
+
+    def removed(self, block_hash: bytes) -> None:
+        """A cached block was evicted."""
+        if not self.enabled:
+            return
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self._events.append(BlockRemoved([block_hash]))
+
+    def cleared(self) -> None:
+        """The whole cache is gone; earlier events not taken yet no longer matter."""
+        if self.enabled:
+            self._events = [AllBlocksCleared()]
+
+    def take(self) -> list[KvEvent]:
+        """The events recorded since the last take, oldest first (none while disabled)."""
+        events, self._events = self._events, []
+        return events if self.enabled else []

@@ -1,0 +1,125 @@
+"""The scheduler's public gRPC services in-process, over a simulated worker: fast, torch-free.
+
+`SimServer` wires an AsyncEngine (the real Scheduler, OutputProcessor and KV event publisher)
+to `SimWorker` through the byte-level executor interface, serves Generation and VllmEngine on
+a loopback port from an event loop on its own thread, and is used with sync gRPC stubs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from pathlib import Path
+
+import grpc
+
+from engine_common.codec import decode_scheduler_output, encode_runner_output
+from engine_common.config import SchedulerConfig
+from engine_common.model_dir import ModelInfo
+from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
+from engine_common.tokenizer import Tokenizer
+from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.vllm_convert import EngineShape
+from scheduler_service.api.vllm_servicer import VllmEngineServicer
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.kv_event_publisher import KvEventPublisher
+from scheduler_service.engine.output_processor import OutputProcessor
+from scheduler_service.errors import EngineUnavailable
+from tests.support.scheduler_sim import SimWorker
+from tests.support.tokenizers import build_tiny_tokenizer_dir
+
+EOS = 1          # "</s>" in the tiny tokenizer
+
+
+
+
+def make_sim_model_dir(path: Path) -> Path:
+    """config.json + the tiny tokenizer: all the scheduler reads of a model directory."""
+    build_tiny_tokenizer_dir(path)
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 320,
+              "max_position_embeddings": 256, "eos_token_id": EOS, "bos_token_id": 0}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+class _SimExecutor:
+    """SimWorker behind the byte-level executor interface. Its "model" samples a token of the
+    tiny vocabulary (never eos) from the sequence so far, and from the seed unless greedy, so
+    greedy answers depend on the prompt alone, as a real model's do."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.worker = SimWorker(num_blocks, block_size, sample_fn=self._sample)
+        self._greedy: dict[int, bool] = {}
+
+    def _sample(self, state) -> int:
+        key = tuple(state.tokens) if self._greedy[state.handle] else (state.seed,
+                                                                      tuple(state.tokens))
+        return hash(key) % 300 + 2
+
+    def execute(self, payload: bytes) -> bytes:
+        out = decode_scheduler_output(payload)
+        for new in out.new_requests:
+            self._greedy[new.handle] = new.sampling.sampling.greedy
+        return encode_runner_output(self.worker.execute(out))
+
+
+class SimServer:
+    def __init__(self, model_dir: Path, num_blocks: int = 64, block_size: int = 4,
+                 enable_prefix_caching: bool = True):
+        self.info = ModelInfo.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.config = SchedulerConfig(block_size=block_size, max_num_seqs=8,
+                                      max_num_batched_tokens=64, max_model_len=256,
+                                      enable_prefix_caching=enable_prefix_caching)
+        self.num_blocks = num_blocks
+        self.kv_events = KvEventPublisher()
+        self.workers_up = True          # False: make_core fails (no worker ready)
+        self.engine = AsyncEngine(self._make_core, idle_check=self._check_workers,
+                                  idle_check_seconds=0.05, on_turn=self.kv_events.publish)
+        self.model = ServedModel(info=self.info, tokenizer=self.tokenizer, block_size=block_size)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.port = self._call(self._start())
+        self.target = f"127.0.0.1:{self.port}"
+
+    def _make_core(self) -> EngineCore:
+        if not self.workers_up:
+            raise EngineUnavailable("simulated: no worker")
+        scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
+                              kv_events=self.kv_events.feed)
+        executor = _SimExecutor(self.num_blocks, self.config.block_size)
+        return EngineCore(scheduler, OutputProcessor(self.tokenizer), executor)
+
+    def _check_workers(self, core: EngineCore) -> None:
+        if not self.workers_up:
+            raise EngineUnavailable("simulated: the worker went away")
+
+    def _call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self) -> int:
+        self.server = grpc.aio.server()
+        shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto")
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineServicer(self.engine, self.model, shape, self.kv_events,
+                               lambda: self.engine.ready), self.server)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.engine, self.model), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.engine.start()
+        await self.server.start()
+        return port
+
+    def used_blocks(self) -> int:
+        stats = self.engine.stats
+        return stats.num_used_blocks
+
+    def close(self) -> None:
+        self._call(self.server.stop(None))
+        self.engine.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

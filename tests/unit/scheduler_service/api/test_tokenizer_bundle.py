@@ -1,0 +1,46 @@
+"""The tokenizer bundle GetTokenizer streams: the tokenizer files of the model directory, the same
+bytes (and sha256) every time, nothing else."""
+from __future__ import annotations
+
+import hashlib
+import io
+import zipfile
+
+import pytest
+
+from engine_common.model_dir import ModelDirError
+from scheduler_service.api.tokenizer_bundle import build_tokenizer_bundle, chunks
+
+
+def test_bundle_holds_the_tokenizer_files_only(tmp_path):
+    files = {"tokenizer.json": b'{"x": 1}', "tokenizer_config.json": b"{}",
+             "config.json": b'{"a": 2}', "chat_template.jinja": b"{{ messages }}",
+             "model.safetensors": b"weights", "notes.txt": b"no"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    bundle = build_tokenizer_bundle(tmp_path)
+    assert bundle.sha256 == hashlib.sha256(bundle.data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(bundle.data)) as zf:
+        assert sorted(zf.namelist()) == ["chat_template.jinja", "config.json",
+                                         "tokenizer.json", "tokenizer_config.json"]
+        assert all(zf.read(n) == files[n] for n in zf.namelist())
+    assert bundle.names == tuple(sorted(zf.namelist()))
+
+
+def test_bundle_bytes_are_deterministic(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    first = build_tokenizer_bundle(tmp_path)
+    (tmp_path / "tokenizer.json").touch()          # a newer mtime changes nothing
+    assert build_tokenizer_bundle(tmp_path) == first
+
+
+def test_a_directory_without_tokenizer_json_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelDirError, match="tokenizer.json"):
+        build_tokenizer_bundle(tmp_path)
+
+
+def test_chunks():
+    assert chunks(b"abcde", 2) == [b"ab", b"cd", b"e"]
+    assert chunks(b"", 4) == [b""]
+    assert b"".join(chunks(bytes(range(256)) * 3, 100)) == bytes(range(256)) * 3

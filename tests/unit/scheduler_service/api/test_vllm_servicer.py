@@ -1,0 +1,244 @@
+"""VllmEngineServicer over a real gRPC channel, on the real engine with a simulated worker:
+streamed and unstreamed answers agree with each other and with deltaserve.v1.Generate, n > 1 is
+fanned out with indices, Abort finds requests by the caller's id, a cancelled call frees its
+blocks, refusals name the field, health follows the engine, and the tokenizer and the KV events
+arrive as the protocol defines them."""
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_common.protos import generation_pb2 as gpb
+from engine_common.protos import generation_pb2_grpc
+from engine_common.protos import smg_common_pb2 as cpb
+from engine_common.protos import vllm_engine_pb2 as pb
+from engine_common.protos import vllm_engine_pb2_grpc
+from scheduler_service.api import vllm_servicer
+from scheduler_service.api.vllm_convert import block_hash_to_int64
+from scheduler_service.core.kv_cache_manager import hash_block
+from tests.support.sim_server import SimServer, make_sim_model_dir
+
+PROMPT = list(range(10, 23))     # 13 tokens: 3 full blocks of 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_sim_model_dir(tmp_path_factory.mktemp("sim-model"))
+
+
+@pytest.fixture
+def server(model_dir):
+    srv = SimServer(model_dir)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def stub(server):
+    with grpc.insecure_channel(server.target) as channel:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+
+
+def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def generate(prompt=PROMPT, stream=False, request_id="r", **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=prompt),
+                              sampling_params=pb.SamplingParams(**sampling), stream=stream)
+
+
+def test_streamed_and_unstreamed_answers_agree_with_generate(server, stub):
+    streamed = list(stub.Generate(generate(stream=True, max_tokens=6, logprobs=2), timeout=10))
+    chunks = [m.chunk for m in streamed[:-1]]
+    assert all(m.WhichOneof("response") == "chunk" for m in streamed[:-1])
+    complete = streamed[-1].complete
+    ids = [t for c in chunks for t in c.token_ids]
+    assert len(ids) == 6 and sum(c.completion_tokens for c in chunks) == 6
+    assert all(c.prompt_tokens == 13 and c.index == 0 for c in chunks)
+    assert [t for c in chunks for t in c.output_logprobs.token_ids] == ids
+    assert all(len(top.token_ids) == 2 for c in chunks for top in c.output_logprobs.top_logprobs)
+    assert complete.finish_reason == "length" and list(complete.output_ids) == list(
+        chunks[-1].token_ids)                            # vLLM's shape: the last step again
+
+    (whole,) = list(stub.Generate(generate(request_id="u", max_tokens=6, logprobs=2), timeout=10))
+    done = whole.complete
+    assert list(done.output_ids) == ids and done.completion_tokens == 6
+    assert list(done.output_logprobs.token_ids) == ids
+    with grpc.insecure_channel(server.target) as ch:
+        ours = list(generation_pb2_grpc.GenerationStub(ch).Generate(gpb.GenerateRequest(
+            token_ids=PROMPT, stopping=gpb.StoppingCriteria(max_tokens=6)), timeout=10))
+    assert [t for m in ours for t in m.token_ids] == ids
+    assert done.cached_tokens == 12                      # the second run hit the prefix cache
+
+
+def test_text_prompt_is_tokenized_by_our_tokenizer(server, stub):
+    text = "Hello world"
+    (by_text,) = stub.Generate(pb.GenerateRequest(request_id="t", text=text,
+                                                  sampling_params=pb.SamplingParams(max_tokens=3)))
+    ids = server.tokenizer.encode(text)
+    (by_ids,) = stub.Generate(generate(ids, request_id="i", max_tokens=3))
+    assert by_text.complete.prompt_tokens == len(ids)
+    assert list(by_text.complete.output_ids) == list(by_ids.complete.output_ids)
+
+
+def test_n_choices_carry_their_index(server, stub):
+    msgs = list(stub.Generate(generate(stream=True, n=3, temperature=1.0, seed=5, max_tokens=4),
+                              timeout=10))
+    completes = {m.complete.index: m.complete for m in msgs if m.HasField("complete")}
+    assert sorted(completes) == [0, 1, 2]
+    outs = {i: [t for m in msgs if m.HasField("chunk") and m.chunk.index == i
+                for t in m.chunk.token_ids] for i in range(3)}
+    assert all(len(o) == 4 for o in outs.values())
+    assert len({tuple(o) for o in outs.values()}) == 3       # seed + index: different samples
+    unstreamed = list(stub.Generate(generate(request_id="u", n=3, temperature=1.0, seed=5,
+                                             max_tokens=4), timeout=10))
+    assert {m.complete.index: list(m.complete.output_ids) for m in unstreamed} == outs
+    assert server.used_blocks() == 0
+
+
+def test_abort_by_the_callers_id_ends_every_choice(server, stub):
+    stream = stub.Generate(generate(stream=True, n=2, max_tokens=200, ignore_eos=True,
+                                    request_id="long"), timeout=30)
+    first = next(stream)
+    assert first.HasField("chunk")
+    stub.Abort(pb.AbortRequest(request_ids=["long", "unknown"]), timeout=5)
+    rest = list(stream)
+    reasons = {m.complete.index: m.complete.finish_reason for m in rest if m.HasField("complete")}
+    assert reasons == {0: "abort", 1: "abort"}
+    wait_until(lambda: server.used_blocks() == 0, "blocks freed after the abort")
+
+
+def test_cancelling_the_call_frees_the_request(server, stub):
+    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True), timeout=30)
+    next(stream)
+    wait_until(lambda: server.engine.stats.num_running == 1, "the request to run")
+    stream.cancel()
+    wait_until(lambda: server.engine.stats.num_running == 0 and server.used_blocks() == 0,
+               "the cancelled request to leave")
+
+
+def test_stops(server, stub):
+    (plain,) = stub.Generate(generate(max_tokens=6))
+    stop_id = plain.complete.output_ids[2]
+    (by_id,) = stub.Generate(generate(request_id="s", max_tokens=6, stop_token_ids=[stop_id]))
+    assert by_id.complete.finish_reason == "stop"
+    assert by_id.complete.matched_token_id == stop_id
+    assert list(by_id.complete.output_ids) == list(plain.complete.output_ids[:3])
+    text = server.tokenizer.decode(list(plain.complete.output_ids))
+    stop = text[len(text) // 2:len(text) // 2 + 1]
+    (by_str,) = stub.Generate(generate(request_id="t", max_tokens=6, stop=[stop]))
+    assert by_str.complete.finish_reason == "stop"
+    assert by_str.complete.matched_stop_str == stop
+
+
+def test_refusals_name_the_field(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate(json_schema='{"type": "object"}')))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.json_schema" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate(max_tokens=300)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.max_tokens" in err.value.details()
+    for call, request in ((stub.Embed, pb.EmbedRequest()),
+                          (stub.FlushCache, cpb.FlushCacheRequest())):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_request_id_in_use_is_refused(server, stub):
+    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
+                                    request_id="dup"), timeout=30)
+    next(stream)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate(request_id="dup", max_tokens=2)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in \
+        err.value.details()
+    stream.cancel()
+
+
+def test_health_follows_the_engine(server, stub):
+    assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    server.workers_up = False
+    wait_until(lambda: not stub.HealthCheck(pb.HealthCheckRequest()).healthy, "unhealthy")
+    reply = stub.HealthCheck(pb.HealthCheckRequest())
+    assert "simulated" in reply.message
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate(max_tokens=2)))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    server.workers_up = True
+    wait_until(lambda: stub.HealthCheck(pb.HealthCheckRequest()).healthy, "healthy again")
+    assert list(stub.Generate(generate(max_tokens=2)))[0].complete.finish_reason == "length"
+
+
+def test_model_info_loads_and_server_info(server, stub):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.served_model_name, info.vocab_size, info.max_context_length) == (
+        server.info.name, 320, 256)
+    assert list(info.eos_token_ids) == [1] and info.architectures == ["Qwen3ForCausalLM"]
+    loads = stub.GetLoads(pb.GetLoadsRequest())
+    (load,) = loads.loads
+    assert (loads.dp_rank_count, load.max_running_requests) == (1, 8)
+    assert load.max_total_num_tokens == server.num_blocks * 4
+    assert stub.GetLoads(pb.GetLoadsRequest(dp_rank=1)).loads == []
+    assert stub.GetServerInfo(pb.GetServerInfoRequest()).block_size == 4
+
+
+def test_tokenizer_zip_and_sha256(server, stub, monkeypatch):
+    monkeypatch.setattr(vllm_servicer, "TOKENIZER_CHUNK_BYTES", 1000)
+    pieces = list(stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=10))
+    assert len(pieces) > 1 and all(p.sha256 == "" for p in pieces[:-1])
+    data = b"".join(p.data for p in pieces)
+    assert pieces[-1].sha256 == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert sorted(zf.namelist()) == ["config.json", "tokenizer.json",
+                                         "tokenizer_config.json"]
+        assert zf.read("tokenizer.json") == (Path(server.info.path) / "tokenizer.json"
+                                             ).read_bytes()
+
+
+def test_kv_events_describe_the_cached_prompt(server, stub):
+    batches = []
+    events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30)
+
+    def read():
+        try:
+            for batch in events:
+                batches.append(batch)
+        except grpc.RpcError as e:           # ended by the cancel below
+            assert e.code() == grpc.StatusCode.CANCELLED
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    wait_until(lambda: server.kv_events.num_subscribers == 1, "the subscription")
+    list(stub.Generate(generate(max_tokens=3), timeout=10))
+    wait_until(lambda: len(_stored_blocks(batches)) >= 3, "stored events for the prompt")
+    stored = _stored_blocks(batches)
+    h, expected = None, []
+    for j in range(3):
+        h = hash_block(h, PROMPT[4 * j:4 * j + 4])
+        expected.append((block_hash_to_int64(h), PROMPT[4 * j:4 * j + 4]))
+    assert stored[:3] == expected
+    assert [b.sequence_number for b in batches] == list(range(1, len(batches) + 1))
+    events.cancel()
+    reader.join(10)
+    wait_until(lambda: server.kv_events.num_subscribers == 0, "the subscription to end")
+
+
+def _stored_blocks(batches) -> list[tuple[int, list[int]]]:
+    return [(b.block_hash, list(b.token_ids)) for batch in list(batches) for e in batch.events
+            if e.HasField("stored") for b in e.stored.blocks]
