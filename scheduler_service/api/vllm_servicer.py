@@ -127,6 +127,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         """Abort by the callers' ids (every choice of an n > 1 request); unknown ids are ignored."""
         ids = [cid for rid in request.request_ids for cid in self._children.get(rid, (rid,))]
+        log.info("Abort %s", ", ".join(request.request_ids))
         try:
             await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
                                    _ABORT_TIMEOUT_SECONDS)

@@ -37,11 +37,12 @@ def free_port() -> int:
 class Proc:
     """One child process and its log file."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict | None = None):
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict | None = None,
+                 cwd: Path = REPO):
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        self.popen = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                       env=env)
 
     @property

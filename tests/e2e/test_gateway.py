@@ -1,0 +1,282 @@
+"""The real Shepherd Model Gateway (`smg launch`, PyPI smg 1.13.0) in front of real DeltaServe
+processes speaking vllm.grpc.engine on the scheduler's port, with the tiny model given a ChatML
+template (the gateway applies chat templates and detokenizes itself):
+
+  * /v1/models lists the model; /v1/chat/completions (streamed and not) and /v1/completions
+    answer greedily exactly what our own Generate answers for the same templated prompt;
+  * stop strings cut the answer and say which stop matched; logprobs are ours;
+  * a streaming client that disconnects leaves no running request and no used KV block within 2 s;
+  * a worker that dies turns the replica unhealthy at the gateway, and healthy again when it is back;
+  * two replicas behind one gateway: requests sharing a long prefix land on the replica that holds
+    it (each request attributed through each replica's own GetServerInfo), routed by our KV
+    events (the gateway's event_hit counter).
+
+Skipped, with the reason, when the `smg` binary cannot run here.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import jinja2
+import pytest
+
+from engine_common.protos import vllm_engine_pb2 as vpb
+from engine_common.protos import vllm_engine_pb2_grpc
+from tests.support.gateway import CHATML, Gateway, SseStream, chat_model_dir, http_json, \
+    smg_executable
+from tests.support.grpc_harness import (REPO, Processes, collect, free_port, generation_stub, pb,
+                                        server_status, wait_for, wait_ready)
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Once upon a time there was a little model."}]
+
+
+@pytest.fixture(scope="module")
+def smg():
+    path, why = smg_executable()
+    if path is None:
+        pytest.skip(why)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_models, tmp_path_factory):
+    return chat_model_dir(tiny_models("qwen3"), tmp_path_factory.mktemp("chat") / "tiny-chat")
+
+
+class Replica:
+    """One worker and its scheduler (the public API and VllmEngine on one port)."""
+
+    def __init__(self, procs: Processes, model_dir, *flags: str):
+        self.procs = procs
+        self.worker_port, self.port = free_port(), free_port()
+        self.worker = procs.worker(self.worker_port)
+        self.scheduler = procs.scheduler(str(model_dir), [self.worker_port], self.port, *flags)
+        self.target = f"127.0.0.1:{self.port}"
+        self.url = f"grpc://{self.target}"
+        wait_ready(self.target, [self.worker, self.scheduler])
+
+    def restart_worker(self) -> None:
+        self.worker = self.procs.worker(self.worker_port)
+
+    def last_receive(self) -> float:
+        with grpc.insecure_channel(self.target) as ch:
+            return vllm_engine_pb2_grpc.VllmEngineStub(ch).GetServerInfo(
+                vpb.GetServerInfoRequest(), timeout=5).last_receive_timestamp
+
+
+@pytest.fixture(scope="module")
+def single(smg, chat_model, tmp_path_factory):
+    """One replica behind one gateway. The replica gets the model as a path relative to its
+    working directory, which the gateway (running elsewhere) cannot read: the gateway takes the
+    tokenizer and chat template from GetTokenizer."""
+    log_dir = tmp_path_factory.mktemp("gateway-single")
+    procs = Processes(log_dir)
+    gateway = None
+    try:
+        replica = Replica(procs, os.path.relpath(chat_model, REPO))
+        gateway = Gateway(smg, [replica.url], "tiny-chat", log_dir)
+        gateway.wait_healthy(1, procs=procs.procs)
+        yield replica, gateway
+    finally:
+        if gateway is not None:
+            gateway.close()
+        procs.close()
+
+
+def ours(replica: Replica, prompt_ids=None, text=None, max_tokens=12, logprobs=0):
+    """Our own greedy Generate: (token ids, text, finish reason name, messages)."""
+    req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=max_tokens),
+                             logprobs=logprobs)
+    if text is not None:
+        req.text = text
+    else:
+        req.token_ids.extend(prompt_ids)
+    with grpc.insecure_channel(replica.target) as ch:
+        ids, out_text, msgs = collect(generation_stub(ch).Generate(req, timeout=60))
+    return ids, out_text, pb.FinishReason.Name(msgs[-1].finish_reason), msgs
+
+
+def templated_ids(replica: Replica, messages) -> list[int]:
+    return _token_ids(replica, jinja2.Template(CHATML).render(messages=messages,
+                                                              add_generation_prompt=True))
+
+
+def _token_ids(replica: Replica, text: str) -> list[int]:
+    with grpc.insecure_channel(replica.target) as ch:
+        return list(generation_stub(ch).Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+
+
+def same_text(theirs: str, ours_text: str) -> bool:
+    """Equal, but for one thing: at the end of a stream we flush the bytes of an unfinished
+    character as U+FFFD, where the gateway's detokenizer drops them."""
+    return theirs == ours_text or theirs + "\ufffd" == ours_text
+
+
+def chat(gateway: Gateway, **body) -> dict:
+    body = {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 12, **body}
+    status, reply = http_json(gateway.port, "POST", "/v1/chat/completions", body)
+    assert status == 200, reply
+    return reply
+
+
+def test_models_lists_the_served_model(single):
+    _, gateway = single
+    status, models = http_json(gateway.port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny-chat"]
+    (worker,) = gateway.workers()
+    assert worker["runtime_type"] == "vllm" and worker["connection_mode"] == "grpc"
+    log = gateway.proc.log_tail(10**6)
+    assert "Fetching tokenizer from worker" in log and "Successfully loaded tokenizer" in log
+
+
+@pytest.mark.parametrize("temperature", [0.0, None])
+def test_chat_answers_equal_our_generate(single, temperature):
+    """None: the client sets no temperature and the gateway fills in our published default."""
+    replica, gateway = single
+    prompt = templated_ids(replica, QUESTION)
+    ids, text, finish, _ = ours(replica, prompt)
+    extra = {} if temperature is None else {"temperature": temperature}
+    reply = chat(gateway, **extra)
+    (choice,) = reply["choices"]
+    assert same_text(choice["message"]["content"], text)
+    assert reply["usage"]["prompt_tokens"] == len(prompt)
+    assert reply["usage"]["completion_tokens"] == len(ids)
+    assert choice["finish_reason"] == {"LENGTH": "length"}.get(finish, "stop")
+
+    stream = SseStream(gateway.port, "/v1/chat/completions",
+                       {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 12,
+                        "stream": True, "stream_options": {"include_usage": True}, **extra})
+    events = list(stream.events())
+    deltas = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert same_text(deltas, text)
+    assert events[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+def test_completions_equal_our_generate(single):
+    replica, gateway = single
+    prompt = "The quick brown fox"
+    _, text, _, _ = ours(replica, text=prompt, max_tokens=10)
+    status, reply = http_json(gateway.port, "POST", "/v1/completions",
+                              {"model": "tiny-chat", "prompt": prompt, "max_tokens": 10,
+                               "temperature": 0})
+    assert status == 200, reply
+    assert same_text(reply["choices"][0]["text"], text)
+
+
+def test_stop_strings(single):
+    replica, gateway = single
+    _, text, _, _ = ours(replica, templated_ids(replica, QUESTION), max_tokens=12)
+    visible = text.strip()
+    assert len(visible) >= 4, text
+    stop = visible[len(visible) // 2:len(visible) // 2 + 2]
+    cut = text[:text.index(stop)]
+    reply = chat(gateway, temperature=0, stop=[stop])
+    (choice,) = reply["choices"]
+    assert choice["message"]["content"] == cut
+    assert choice["finish_reason"] == "stop"
+    events = list(SseStream(gateway.port, "/v1/chat/completions",
+                            {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 12,
+                             "temperature": 0, "stop": [stop], "stream": True}).events())
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == cut
+
+
+def test_logprobs_are_ours(single):
+    """Each entry the gateway reports is one of our tokens' logprobs with its alternatives, in
+    order. (The gateway merges tokens that only together make a whole character, as the tiny
+    random model's often do, so entries and tokens need not pair one to one.)"""
+    replica, gateway = single
+    _, _, _, msgs = ours(replica, templated_ids(replica, QUESTION), max_tokens=6, logprobs=3)
+    expected = [lp for m in msgs for lp in m.logprobs]
+    reply = chat(gateway, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert 1 <= len(content) <= len(expected) == 6
+    pos = 0
+    for got in content:
+        while pos < len(expected) and abs(expected[pos].logprob - got["logprob"]) > 1e-4:
+            pos += 1
+        assert pos < len(expected), (got, expected)
+        assert [t["logprob"] for t in got["top_logprobs"]] == pytest.approx(
+            [t.logprob for t in expected[pos].top_logprobs], abs=1e-4)
+        pos += 1
+
+
+def test_client_disconnect_frees_the_request_within_2s(single):
+    replica, gateway = single
+    stream = SseStream(gateway.port, "/v1/chat/completions",
+                       {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 1500,
+                        "ignore_eos": True, "stream": True})
+    events = stream.events()
+    for _ in range(3):
+        next(events)
+    wait_for(lambda: server_status(replica.target).num_running == 1, 30, "the request to run")
+    gone = stream.disconnect()
+    while True:
+        status = server_status(replica.target)
+        freed = (status.num_running, status.num_waiting, status.num_used_kv_blocks) == (0, 0, 0)
+        if freed or time.monotonic() - gone > 10:
+            break
+        time.sleep(0.05)
+    assert freed, status
+    assert time.monotonic() - gone < 2.0
+
+
+def test_a_worker_turning_unhealthy_and_back(smg, chat_model, tmp_path):
+    procs = Processes(tmp_path)
+    gateway = None
+    try:
+        replica = Replica(procs, chat_model)
+        gateway = Gateway(smg, [replica.url], chat_model, tmp_path)
+        gateway.wait_healthy(1, procs=procs.procs)
+        replica.worker.kill()
+        wait_for(lambda: not any(w.get("is_healthy") for w in gateway.workers()), 60,
+                 "the gateway to mark the replica unhealthy", [gateway.proc, *procs.procs])
+        status, _ = http_json(gateway.port, "POST", "/v1/chat/completions",
+                              {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 4})
+        assert status >= 500
+        replica.restart_worker()
+        gateway.wait_healthy(1, procs=procs.procs)
+        assert chat(gateway, max_tokens=4)["choices"][0]["finish_reason"] in ("length", "stop")
+    finally:
+        if gateway is not None:
+            gateway.close()
+        procs.close()
+
+
+def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(smg, chat_model, tmp_path):
+    procs = Processes(tmp_path)
+    gateway = None
+    try:
+        replicas = [Replica(procs, chat_model), Replica(procs, chat_model)]
+        gateway = Gateway(smg, [r.url for r in replicas], chat_model, tmp_path)
+        gateway.wait_healthy(2, procs=procs.procs)
+        families = {
+            "P": "The quick brown fox jumps over the lazy dog. " * 12,
+            "Q": "Paged attention keeps the key and value cache in fixed-size blocks. " * 10,
+        }
+        served: dict[str, list[int]] = {name: [] for name in families}
+        cached: dict[str, list[int]] = {name: [] for name in families}
+        for k in range(4):
+            for name, prefix in families.items():
+                before = [r.last_receive() for r in replicas]
+                status, reply = http_json(gateway.port, "POST", "/v1/completions", {
+                    "model": "tiny-chat", "prompt": f"{prefix}Question {k}:", "max_tokens": 2,
+                    "temperature": 0})
+                assert status == 200, reply
+                after = [r.last_receive() for r in replicas]
+                (index,) = [i for i in range(2) if after[i] != before[i]]
+                served[name].append(index)
+                cached[name].append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        for name, prefix in families.items():
+            full_blocks = len(_token_ids(replicas[0], prefix)) // 16
+            assert len(set(served[name])) == 1, served     # every request of a family: one replica
+            assert min(cached[name][1:]) >= 16 * (full_blocks - 1), cached   # ... holding it
+        # Routed by our KV events: the gateway counts a selection that found the prefix in them.
+        assert gateway.metric("smg_cache_aware_policy_branch_total", branch="event_hit") >= 6
+    finally:
+        if gateway is not None:
+            gateway.close()
+        procs.close()
