@@ -15,6 +15,7 @@ Skipped, with the reason, when the `smg` binary cannot run here.
 """
 from __future__ import annotations
 
+import http.client
 import os
 import time
 
@@ -131,6 +132,21 @@ def test_models_lists_the_served_model(single):
     assert worker["runtime_type"] == "vllm" and worker["connection_mode"] == "grpc"
     log = gateway.proc.log_tail(10**6)
     assert "Fetching tokenizer from worker" in log and "Successfully loaded tokenizer" in log
+
+
+def test_the_manifests_probe_paths_answer(single):
+    """deploy/k8s/gateway probes these paths of the real gateway."""
+    yaml = pytest.importorskip("yaml")
+    _, gateway = single
+    text = (REPO / "deploy" / "k8s" / "gateway" / "gateway-deployment.yaml").read_text()
+    [ctr] = yaml.safe_load(text)["spec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        path = ctr[probe]["httpGet"]["path"]
+        conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=10)
+        conn.request("GET", path)
+        reply = conn.getresponse()
+        assert reply.status == 200, (path, reply.read())
+        conn.close()
 
 
 @pytest.mark.parametrize("temperature", [0.0, None])

@@ -73,11 +73,19 @@ class Gateway:
         except (OSError, ValueError):
             return []
 
+    def ready(self) -> bool:
+        """The gateway's own readiness: healthy workers and a registered tokenizer."""
+        try:
+            return http_json(self.port, "GET", "/readiness", timeout=5)[0] == 200
+        except (OSError, ValueError):
+            return False
+
     def wait_healthy(self, num_workers: int, timeout: float = 120.0, procs=()) -> None:
         def healthy() -> bool:
             workers = self.workers()
-            return len(workers) == num_workers and all(w.get("is_healthy") for w in workers)
-        wait_for(healthy, timeout, f"{num_workers} healthy workers behind the gateway",
+            return (len(workers) == num_workers and all(w.get("is_healthy") for w in workers)
+                    and self.ready())
+        wait_for(healthy, timeout, f"{num_workers} healthy workers behind a ready gateway",
                  [self.proc, *procs])
 
     def metric(self, name: str, **labels: str) -> float:

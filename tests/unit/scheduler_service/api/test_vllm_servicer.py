@@ -121,10 +121,12 @@ def test_abort_by_the_callers_id_ends_every_choice(server, stub):
     wait_until(lambda: server.used_blocks() == 0, "blocks freed after the abort")
 
 
-def test_cancelling_the_call_frees_the_request(server, stub):
-    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True), timeout=30)
+@pytest.mark.parametrize("n", [1, 3])
+def test_cancelling_the_call_frees_every_choice(server, stub, n):
+    stream = stub.Generate(generate(stream=True, n=n, max_tokens=200, ignore_eos=True),
+                           timeout=30)
     next(stream)
-    wait_until(lambda: server.engine.stats.num_running == 1, "the request to run")
+    wait_until(lambda: server.engine.stats.num_running == n, "the choices to run")
     stream.cancel()
     wait_until(lambda: server.engine.stats.num_running == 0 and server.used_blocks() == 0,
                "the cancelled request to leave")
