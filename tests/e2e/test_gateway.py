@@ -3,7 +3,7 @@ processes speaking vllm.grpc.engine on the scheduler's port, with the tiny model
 template (the gateway applies chat templates and detokenizes itself):
 
   * /v1/models lists the model; /v1/chat/completions (streamed and not) and /v1/completions
-    answer greedily exactly what our own Generate answers for the same templated prompt;
+    answer greedily exactly what our own Generate answers for the same messages (or text);
   * stop strings cut the answer and say which stop matched; logprobs are ours;
   * a streaming client that disconnects leaves no running request and no used KV block within 2 s;
   * a worker that dies turns the replica unhealthy at the gateway, and healthy again when it is back;
@@ -20,15 +20,12 @@ import os
 import time
 
 import grpc
-import jinja2
 import pytest
 
-from engine_common.protos import vllm_engine_pb2 as vpb
-from engine_common.protos import vllm_engine_pb2_grpc
-from tests.support.gateway import CHATML, Gateway, SseStream, chat_model_dir, http_json, \
-    smg_executable
-from tests.support.grpc_harness import (REPO, Processes, collect, free_port, generation_stub, pb,
-                                        server_status, wait_for, wait_ready)
+from tests.support.gateway import (Gateway, Replica, SseStream, chat_model_dir, http_json,
+                                   require_smg)
+from tests.support.grpc_harness import (REPO, Processes, collect, generation_stub, pb,
+                                        server_status, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -37,36 +34,12 @@ QUESTION = [{"role": "user", "content": "Once upon a time there was a little mod
 
 @pytest.fixture(scope="module")
 def smg():
-    path, why = smg_executable()
-    if path is None:
-        pytest.skip(why)
-    return path
+    return require_smg()
 
 
 @pytest.fixture(scope="module")
 def chat_model(tiny_models, tmp_path_factory):
     return chat_model_dir(tiny_models("qwen3"), tmp_path_factory.mktemp("chat") / "tiny-chat")
-
-
-class Replica:
-    """One worker and its scheduler (the public API and VllmEngine on one port)."""
-
-    def __init__(self, procs: Processes, model_dir, *flags: str):
-        self.procs = procs
-        self.worker_port, self.port = free_port(), free_port()
-        self.worker = procs.worker(self.worker_port)
-        self.scheduler = procs.scheduler(str(model_dir), [self.worker_port], self.port, *flags)
-        self.target = f"127.0.0.1:{self.port}"
-        self.url = f"grpc://{self.target}"
-        wait_ready(self.target, [self.worker, self.scheduler])
-
-    def restart_worker(self) -> None:
-        self.worker = self.procs.worker(self.worker_port)
-
-    def last_receive(self) -> float:
-        with grpc.insecure_channel(self.target) as ch:
-            return vllm_engine_pb2_grpc.VllmEngineStub(ch).GetServerInfo(
-                vpb.GetServerInfoRequest(), timeout=5).last_receive_timestamp
 
 
 @pytest.fixture(scope="module")
@@ -88,27 +61,26 @@ def single(smg, chat_model, tmp_path_factory):
         procs.close()
 
 
-def ours(replica: Replica, prompt_ids=None, text=None, max_tokens=12, logprobs=0):
-    """Our own greedy Generate: (token ids, text, finish reason name, messages)."""
+def ours(replica: Replica, messages=None, text=None, max_tokens=12, logprobs=0):
+    """Our own greedy Generate of chat `messages` (or `text`): (token ids, text, finish reason
+    name, messages)."""
     req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=max_tokens),
                              logprobs=logprobs)
     if text is not None:
         req.text = text
     else:
-        req.token_ids.extend(prompt_ids)
+        req.messages.extend(pb.ChatMessage(**m) for m in messages)
     with grpc.insecure_channel(replica.target) as ch:
         ids, out_text, msgs = collect(generation_stub(ch).Generate(req, timeout=60))
     return ids, out_text, pb.FinishReason.Name(msgs[-1].finish_reason), msgs
 
 
-def templated_ids(replica: Replica, messages) -> list[int]:
-    return _token_ids(replica, jinja2.Template(CHATML).render(messages=messages,
-                                                              add_generation_prompt=True))
-
-
-def _token_ids(replica: Replica, text: str) -> list[int]:
+def prompt_ids(replica: Replica, messages=None, text: str = "") -> list[int]:
+    """Our Tokenize of chat `messages` (or `text`)."""
+    req = pb.TokenizeRequest(text=text)
+    req.messages.extend(pb.ChatMessage(**m) for m in messages or ())
     with grpc.insecure_channel(replica.target) as ch:
-        return list(generation_stub(ch).Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+        return list(generation_stub(ch).Tokenize(req).token_ids)
 
 
 def same_text(theirs: str, ours_text: str) -> bool:
@@ -153,8 +125,8 @@ def test_the_manifests_probe_paths_answer(single):
 def test_chat_answers_equal_our_generate(single, temperature):
     """None: the client sets no temperature and the gateway fills in our published default."""
     replica, gateway = single
-    prompt = templated_ids(replica, QUESTION)
-    ids, text, finish, _ = ours(replica, prompt)
+    prompt = prompt_ids(replica, QUESTION)
+    ids, text, finish, _ = ours(replica, QUESTION)
     extra = {} if temperature is None else {"temperature": temperature}
     reply = chat(gateway, **extra)
     (choice,) = reply["choices"]
@@ -185,7 +157,7 @@ def test_completions_equal_our_generate(single):
 
 def test_stop_strings(single):
     replica, gateway = single
-    _, text, _, _ = ours(replica, templated_ids(replica, QUESTION), max_tokens=12)
+    _, text, _, _ = ours(replica, QUESTION, max_tokens=12)
     visible = text.strip()
     assert len(visible) >= 4, text
     stop = visible[len(visible) // 2:len(visible) // 2 + 2]
@@ -205,7 +177,7 @@ def test_logprobs_are_ours(single):
     order. (The gateway merges tokens that only together make a whole character, as the tiny
     random model's often do, so entries and tokens need not pair one to one.)"""
     replica, gateway = single
-    _, _, _, msgs = ours(replica, templated_ids(replica, QUESTION), max_tokens=6, logprobs=3)
+    _, _, _, msgs = ours(replica, QUESTION, max_tokens=6, logprobs=3)
     expected = [lp for m in msgs for lp in m.logprobs]
     reply = chat(gateway, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
     content = reply["choices"][0]["logprobs"]["content"]
@@ -287,7 +259,7 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(smg, chat_m
                 served[name].append(index)
                 cached[name].append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
         for name, prefix in families.items():
-            full_blocks = len(_token_ids(replicas[0], prefix)) // 16
+            full_blocks = len(prompt_ids(replicas[0], text=prefix)) // 16
             assert len(set(served[name])) == 1, served     # every request of a family: one replica
             assert min(cached[name][1:]) >= 16 * (full_blocks - 1), cached   # ... holding it
         # Routed by our KV events: the gateway counts a selection that found the prefix in them.

@@ -1,10 +1,11 @@
 """The real Shepherd Model Gateway (PyPI `smg`, a dev extra) in front of DeltaServe replicas.
 
 `smg_executable()` finds the `smg` command beside this Python (or on PATH) and checks that its
-binary runs, or says why not (tests skip with that reason). `Gateway` starts `smg launch` on
-loopback ports in front of `grpc://` worker URLs; `http_json` and `sse` talk OpenAI HTTP to it.
-`chat_model_dir` copies a model directory and writes a ChatML chat template into its
-tokenizer_config.json (the gateway applies chat templates itself).
+binary runs, or says why not (`require_smg()` skips the test with that reason). `Replica` is one
+worker and its scheduler; `Gateway` starts `smg launch` on loopback ports in front of their
+`grpc://` URLs; `http_json` and `SseStream` talk OpenAI HTTP to it. `chat_model_dir` copies a
+model directory and writes a ChatML chat template into its tokenizer_config.json (the gateway
+applies chat templates itself).
 """
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.grpc_harness import Proc, child_env, free_port, wait_for
+import grpc
+import pytest
+
+from engine_common.protos import vllm_engine_pb2 as vpb
+from engine_common.protos import vllm_engine_pb2_grpc
+from tests.support.grpc_harness import Processes, Proc, child_env, free_port, wait_for, wait_ready
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
           "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -38,6 +44,14 @@ def smg_executable() -> tuple[str | None, str]:
     if done.returncode != 0:
         return None, f"`smg launch --help` exited {done.returncode}: {done.stderr[-300:]}"
     return path, ""
+
+
+def require_smg() -> str:
+    """The `smg` command, or skip the calling test with the reason it cannot run here."""
+    path, why = smg_executable()
+    if path is None:
+        pytest.skip(why)
+    return path
 
 
 def chat_model_dir(src: str | Path, dst: Path, template: str = CHATML) -> Path:
@@ -140,3 +154,24 @@ class SseStream:
         self.conn.sock.close()
         self.conn.close()
         return time.monotonic()
+
+
+class Replica:
+    """One worker and its scheduler (the public API and VllmEngine on one port)."""
+
+    def __init__(self, procs: Processes, model_dir, *flags: str):
+        self.procs = procs
+        self.worker_port, self.port = free_port(), free_port()
+        self.worker = procs.worker(self.worker_port)
+        self.scheduler = procs.scheduler(str(model_dir), [self.worker_port], self.port, *flags)
+        self.target = f"127.0.0.1:{self.port}"
+        self.url = f"grpc://{self.target}"
+        wait_ready(self.target, [self.worker, self.scheduler])
+
+    def restart_worker(self) -> None:
+        self.worker = self.procs.worker(self.worker_port)
+
+    def last_receive(self) -> float:
+        with grpc.insecure_channel(self.target) as ch:
+            return vllm_engine_pb2_grpc.VllmEngineStub(ch).GetServerInfo(
+                vpb.GetServerInfoRequest(), timeout=5).last_receive_timestamp

@@ -1,0 +1,85 @@
+"""The bar through the real Shepherd Model Gateway with the real default model
+(SmolLM2-135M-Instruct, fp32): a replica serves it, `smg launch` fronts it and takes its
+tokenizer and chat template with GetTokenizer (its --model-path is not readable where it runs);
+/v1/models lists it; a streamed chat asking for the capital of France names Paris; the answer's
+tokens are transformers' and our own Generate's for the same messages; a streaming client that
+leaves takes its request and blocks with it. Skipped, with the reason, when `smg` cannot run."""
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from tests.support.gateway import Gateway, Replica, SseStream, http_json, require_smg
+from tests.support.grpc_harness import (REPO, Processes, collect, generation_stub, pb,
+                                        server_status, wait_for)
+from tests.support.real_model import FRANCE, FRANCE_ANSWER, FRANCE_ANSWER_IDS
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def served(default_model, tmp_path_factory):
+    smg = require_smg()
+    log_dir = tmp_path_factory.mktemp("gateway-real")
+    procs = Processes(log_dir)
+    gateway = None
+    try:
+        replica = Replica(procs, os.path.relpath(default_model, REPO), "--kv-cache-gib", "0.05")
+        gateway = Gateway(smg, [replica.url], MODEL, log_dir)
+        gateway.wait_healthy(1, timeout=300, procs=procs.procs)
+        yield replica, gateway
+    finally:
+        if gateway is not None:
+            gateway.close()
+        procs.close()
+
+
+def test_the_gateway_lists_the_model(served):
+    _, gateway = served
+    status, models = http_json(gateway.port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    assert "Fetching tokenizer from worker" in gateway.proc.log_tail(10**6)
+
+
+def test_a_streamed_chat_names_paris(served):
+    _, gateway = served
+    events = list(SseStream(gateway.port, "/v1/chat/completions",
+                            {"model": MODEL, "messages": FRANCE, "max_tokens": 64,
+                             "stream": True}).events())
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert "Paris" in text
+    assert text == FRANCE_ANSWER
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_answer_is_transformers_and_our_generate(served):
+    replica, gateway = served
+    status, reply = http_json(gateway.port, "POST", "/v1/chat/completions",
+                              {"model": MODEL, "messages": FRANCE, "max_tokens": 64})
+    assert status == 200, reply
+    req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=64))
+    req.messages.extend(pb.ChatMessage(**m) for m in FRANCE)
+    with grpc.insecure_channel(replica.target) as ch:
+        ids, text, _ = collect(generation_stub(ch).Generate(req, timeout=120))
+    assert ids == FRANCE_ANSWER_IDS                      # transformers' greedy tokens
+    assert reply["choices"][0]["message"]["content"] == text == FRANCE_ANSWER
+    assert reply["usage"]["completion_tokens"] == len(FRANCE_ANSWER_IDS)
+
+
+def test_a_client_that_leaves_leaves_nothing_behind(served):
+    replica, gateway = served
+    stream = SseStream(gateway.port, "/v1/chat/completions",
+                       {"model": MODEL, "messages": FRANCE, "max_tokens": 1000,
+                        "ignore_eos": True, "stream": True}, timeout=120)
+    events = stream.events()
+    for _ in range(5):
+        next(events)
+    stream.disconnect()
+
+    def idle() -> bool:
+        s = server_status(replica.target)
+        return (s.num_running, s.num_waiting, s.num_used_kv_blocks) == (0, 0, 0)
+    wait_for(idle, 60, "no running request and no used block", [gateway.proc])
