@@ -50,9 +50,10 @@ class _SimExecutor:
     tiny vocabulary (never eos) from the sequence so far, and from the seed unless greedy, so
     greedy answers depend on the prompt alone, as a real model's do."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, running: threading.Event):
         self.worker = SimWorker(num_blocks, block_size, sample_fn=self._sample)
         self._greedy: dict[int, bool] = {}
+        self._running = running
 
     def _sample(self, state) -> int:
         key = tuple(state.tokens) if self._greedy[state.handle] else (state.seed,
@@ -60,6 +61,7 @@ class _SimExecutor:
         return hash(key) % 300 + 2
 
     def execute(self, payload: bytes) -> bytes:
+        self._running.wait(30)
         out = decode_scheduler_output(payload)
         for new in out.new_requests:
             self._greedy[new.handle] = new.sampling.sampling.greedy
@@ -77,6 +79,8 @@ class SimServer:
         self.num_blocks = num_blocks
         self.kv_events = KvEventPublisher()
         self.workers_up = True          # False: make_core fails (no worker ready)
+        self._running = threading.Event()   # cleared: the worker holds the next step
+        self._running.set()
         self.engine = AsyncEngine(self._make_core, idle_check=self._check_workers,
                                   idle_check_seconds=0.05, on_turn=self.kv_events.publish)
         self.model = ServedModel(info=self.info, tokenizer=self.tokenizer, block_size=block_size)
@@ -91,7 +95,7 @@ class SimServer:
             raise EngineUnavailable("simulated: no worker")
         scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
                               kv_events=self.kv_events.feed)
-        executor = _SimExecutor(self.num_blocks, self.config.block_size)
+        executor = _SimExecutor(self.num_blocks, self.config.block_size, self._running)
         return EngineCore(scheduler, OutputProcessor(self.tokenizer), executor)
 
     def _check_workers(self, core: EngineCore) -> None:
@@ -113,6 +117,14 @@ class SimServer:
         self.engine.start()
         await self.server.start()
         return port
+
+    def hold_steps(self) -> None:
+        """The simulated worker holds the next step until `release_steps` (so requests stay
+        live while a test acts on them)."""
+        self._running.clear()
+
+    def release_steps(self) -> None:
+        self._running.set()
 
     def used_blocks(self) -> int:
         stats = self.engine.stats

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import threading
 import time
 import zipfile
@@ -109,12 +110,18 @@ def test_n_choices_carry_their_index(server, stub):
     assert server.used_blocks() == 0
 
 
-def test_abort_by_the_callers_id_ends_every_choice(server, stub):
+def test_abort_by_the_callers_id_ends_every_choice(server, stub, caplog):
     stream = stub.Generate(generate(stream=True, n=2, max_tokens=200, ignore_eos=True,
                                     request_id="long"), timeout=30)
     first = next(stream)
     assert first.HasField("chunk")
-    stub.Abort(pb.AbortRequest(request_ids=["long", "unknown"]), timeout=5)
+    server.hold_steps()                      # neither choice can finish before the abort
+    with caplog.at_level(logging.INFO, logger=vllm_servicer.__name__):
+        aborted = stub.Abort.future(pb.AbortRequest(request_ids=["long", "unknown"]),
+                                    timeout=10)
+        wait_until(lambda: "Abort long, unknown" in caplog.text, "the Abort to arrive")
+    server.release_steps()
+    aborted.result()
     rest = list(stream)
     reasons = {m.complete.index: m.complete.finish_reason for m in rest if m.HasField("complete")}
     assert reasons == {0: "abort", 1: "abort"}
@@ -166,11 +173,15 @@ def test_a_request_id_in_use_is_refused(server, stub):
     stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
                                     request_id="dup"), timeout=30)
     next(stream)
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(generate(request_id="dup", max_tokens=2)))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in \
-        err.value.details()
-    stream.cancel()
+    server.hold_steps()                      # "dup" stays live
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generate(request_id="dup", max_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in \
+            err.value.details()
+    finally:
+        server.release_steps()
+        stream.cancel()
 
 
 def test_health_follows_the_engine(server, stub):
