@@ -78,6 +78,16 @@ def test_gateway_args_are_smg_launch_flags_naming_every_replica(gateway_objects,
         assert "namespace" not in obj["metadata"], key
 
 
+def test_gateway_metrics_are_scraped_where_it_serves_them(gateway_objects):
+    dep, ctr = _container(gateway_objects)
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == ports["metrics"] == smg_args(
+        ctr["args"]).prometheus_port
+
+
 def test_gateway_service_selects_the_gateway_pod_on_its_ports(gateway_objects):
     dep, ctr = _container(gateway_objects)
     labels = dep["spec"]["template"]["metadata"]["labels"]

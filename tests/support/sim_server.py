@@ -81,8 +81,9 @@ class SimServer:
         self.workers_up = True          # False: make_core fails (no worker ready)
         self._running = threading.Event()   # cleared: the worker holds the next step
         self._running.set()
-        self.engine = AsyncEngine(self._make_core, idle_check=self._check_workers,
-                                  idle_check_seconds=0.05, on_turn=self.kv_events.publish)
+        self.engine = AsyncEngine(self._make_core, lambda: OutputProcessor(self.tokenizer),
+                                  idle_check=self._check_workers, idle_check_seconds=0.05,
+                                  on_turn=self.kv_events.publish)
         self.model = ServedModel(info=self.info, tokenizer=self.tokenizer, block_size=block_size)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -96,7 +97,7 @@ class SimServer:
         scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
                               kv_events=self.kv_events.feed)
         executor = _SimExecutor(self.num_blocks, self.config.block_size, self._running)
-        return EngineCore(scheduler, OutputProcessor(self.tokenizer), executor)
+        return EngineCore(scheduler, executor)
 
     def _check_workers(self, core: EngineCore) -> None:
         if not self.workers_up:

@@ -15,7 +15,7 @@ from scheduler_service.api import vllm_convert as vc
 from scheduler_service.core.kv_cache_manager import hash_block
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler_service.core.request import RequestStatus
-from scheduler_service.engine.async_engine import EngineStats
+from scheduler_service.engine.engine_stats import EngineStats
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
 
