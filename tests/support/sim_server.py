@@ -34,6 +34,28 @@ from tests.support.tokenizers import build_tiny_tokenizer_dir
 EOS = 1          # "</s>" in the tiny tokenizer
 
 
+class StepGate:
+    """Lets the simulated worker run a set number of steps, then holds it until opened again:
+    a test fixes how far a request gets before it acts on it, however fast the machine."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._budget: int | None = None          # None: open
+
+    def hold_after(self, steps: int) -> None:
+        with self._cond:
+            self._budget = steps
+
+    def open(self) -> None:
+        with self._cond:
+            self._budget = None
+            self._cond.notify_all()
+
+    def pass_step(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._budget != 0, timeout)
+            if self._budget:
+                self._budget -= 1
 
 
 def make_sim_model_dir(path: Path) -> Path:
@@ -50,10 +72,10 @@ class _SimExecutor:
     tiny vocabulary (never eos) from the sequence so far, and from the seed unless greedy, so
     greedy answers depend on the prompt alone, as a real model's do."""
 
-    def __init__(self, num_blocks: int, block_size: int, running: threading.Event):
+    def __init__(self, num_blocks: int, block_size: int, gate: StepGate):
         self.worker = SimWorker(num_blocks, block_size, sample_fn=self._sample)
         self._greedy: dict[int, bool] = {}
-        self._running = running
+        self._gate = gate
 
     def _sample(self, state) -> int:
         key = tuple(state.tokens) if self._greedy[state.handle] else (state.seed,
@@ -61,7 +83,7 @@ class _SimExecutor:
         return hash(key) % 300 + 2
 
     def execute(self, payload: bytes) -> bytes:
-        self._running.wait(30)
+        self._gate.pass_step()
         out = decode_scheduler_output(payload)
         for new in out.new_requests:
             self._greedy[new.handle] = new.sampling.sampling.greedy
@@ -79,8 +101,7 @@ class SimServer:
         self.num_blocks = num_blocks
         self.kv_events = KvEventPublisher()
         self.workers_up = True          # False: make_core fails (no worker ready)
-        self._running = threading.Event()   # cleared: the worker holds the next step
-        self._running.set()
+        self.gate = StepGate()
         self.engine = AsyncEngine(self._make_core, lambda: OutputProcessor(self.tokenizer),
                                   idle_check=self._check_workers, idle_check_seconds=0.05,
                                   on_turn=self.kv_events.publish)
@@ -96,7 +117,7 @@ class SimServer:
             raise EngineUnavailable("simulated: no worker")
         scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
                               kv_events=self.kv_events.feed)
-        executor = _SimExecutor(self.num_blocks, self.config.block_size, self._running)
+        executor = _SimExecutor(self.num_blocks, self.config.block_size, self.gate)
         return EngineCore(scheduler, executor)
 
     def _check_workers(self, core: EngineCore) -> None:
@@ -119,13 +140,13 @@ class SimServer:
         await self.server.start()
         return port
 
-    def hold_steps(self) -> None:
-        """The simulated worker holds the next step until `release_steps` (so requests stay
-        live while a test acts on them)."""
-        self._running.clear()
+    def hold_steps(self, after: int = 0) -> None:
+        """The simulated worker runs `after` more steps, then holds until `release_steps` (so
+        requests stay live while a test acts on them)."""
+        self.gate.hold_after(after)
 
     def release_steps(self) -> None:
-        self._running.set()
+        self.gate.open()
 
     def used_blocks(self) -> int:
         stats = self.engine.stats

@@ -111,11 +111,11 @@ def test_n_choices_carry_their_index(server, stub):
 
 
 def test_abort_by_the_callers_id_ends_every_choice(server, stub, caplog):
+    server.hold_steps(after=3)               # neither choice can finish before the abort
     stream = stub.Generate(generate(stream=True, n=2, max_tokens=200, ignore_eos=True,
                                     request_id="long"), timeout=30)
     first = next(stream)
     assert first.HasField("chunk")
-    server.hold_steps()                      # neither choice can finish before the abort
     with caplog.at_level(logging.INFO, logger=vllm_servicer.__name__):
         aborted = stub.Abort.future(pb.AbortRequest(request_ids=["long", "unknown"]),
                                     timeout=10)
@@ -130,11 +130,13 @@ def test_abort_by_the_callers_id_ends_every_choice(server, stub, caplog):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_cancelling_the_call_frees_every_choice(server, stub, n):
+    server.hold_steps(after=3)               # no choice can finish before the cancel
     stream = stub.Generate(generate(stream=True, n=n, max_tokens=200, ignore_eos=True),
                            timeout=30)
     next(stream)
     wait_until(lambda: server.engine.stats.num_running == n, "the choices to run")
     stream.cancel()
+    server.release_steps()
     wait_until(lambda: server.engine.stats.num_running == 0 and server.used_blocks() == 0,
                "the cancelled request to leave")
 
@@ -170,10 +172,10 @@ def test_refusals_name_the_field(stub):
 
 
 def test_a_request_id_in_use_is_refused(server, stub):
+    server.hold_steps(after=3)               # "dup" stays live
     stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
                                     request_id="dup"), timeout=30)
     next(stream)
-    server.hold_steps()                      # "dup" stays live
     try:
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(generate(request_id="dup", max_tokens=2)))
