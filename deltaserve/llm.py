@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from engine_common.chat_template import ChatMessage, encode_chat, load_chat_template
 from engine_common.codec import encode_runner_output
 from engine_common.config import SchedulerConfig
+from engine_common.constraint import Constraint
 from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
@@ -92,20 +93,27 @@ class LLM:
     def generate(self, prompts: list[str | list[int]],
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  stopping: StoppingParams | list[StoppingParams] | None = None,
-                 num_logprobs: int = 0) -> list[Completion]:
-        """Run every prompt to completion, batched together; results in prompt order."""
+                 num_logprobs: int = 0,
+                 constraint: Constraint | list[Constraint | None] | None = None
+                 ) -> list[Completion]:
+        """Run every prompt to completion, batched together; results in prompt order.
+        `constraint` (one for all, or one per prompt) is validated first (ParamError)."""
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         stoppings = stopping if isinstance(stopping, list) else [stopping or StoppingParams()] * n
+        constraints = constraint if isinstance(constraint, list) else [constraint] * n
+        for c in constraints:
+            if c is not None:
+                c.validate()
         results: dict[str, Completion] = {}
         order = []
-        for prompt, sp, st in zip(prompts, samplings, stoppings):
+        for prompt, sp, st, c in zip(prompts, samplings, stoppings, constraints):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             order.append(rid)
             results[rid] = Completion(rid, ids)
             self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
-                                            num_logprobs=num_logprobs))
+                                            num_logprobs=num_logprobs, constraint=c))
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 self._merge(results[out.request_id], out)
@@ -114,7 +122,9 @@ class LLM:
     def chat(self, messages: list[ChatMessage | dict] | list[list[ChatMessage | dict]],
              sampling: SamplingParams | list[SamplingParams] | None = None,
              stopping: StoppingParams | list[StoppingParams] | None = None,
-             num_logprobs: int = 0) -> list[Completion]:
+             num_logprobs: int = 0,
+             constraint: Constraint | list[Constraint | None] | None = None
+             ) -> list[Completion]:
         """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}
         dicts) or several (a list of such lists), each rendered with the model's chat template
         and its generation prompt, as the gRPC `messages` prompt is. ParamError when the model
@@ -123,7 +133,7 @@ class LLM:
         conversations = messages if several else [messages]
         prompts = [encode_chat(self.tokenizer, self.chat_template, conv,
                                repr(self.model_info.name)) for conv in conversations]
-        return self.generate(prompts, sampling, stopping, num_logprobs)
+        return self.generate(prompts, sampling, stopping, num_logprobs, constraint)
 
     @staticmethod
     def _merge(done: Completion, out) -> None:

@@ -5,7 +5,8 @@ Layouts (positional arrays keep steady-state messages tiny):
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]]
     new        = [handle, prompt ids (uint32 bytes), sampling (WorkerSamplingParams wire form),
-                  block ids, num_computed_tokens, num_logprobs]
+                  block ids, num_computed_tokens, num_logprobs, constraint]
+    constraint = nil, or [kind, value] (engine_common/constraint.py): sent once, here only
     resumed    = [handle, block ids, num_computed_tokens]
     new blocks = nil when no request grows, else bytes: sorted handle gaps and block counts,
                  then the block ids as runs of consecutive ids (engine_common/new_blocks.py)
@@ -23,6 +24,7 @@ from array import array
 
 import msgpack
 
+from engine_common.constraint import Constraint
 from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
 from engine_common.new_blocks import pack_new_blocks, unpack_new_blocks
@@ -92,11 +94,19 @@ def _sampling(value) -> WorkerSamplingParams:
     return WorkerSamplingParams.from_wire(value)
 
 
+def _constraint(value) -> Constraint | None:
+    if value is None:
+        return None
+    kind, data = _seq(value, "constraint", 2)
+    return Constraint.from_wire([kind, data])
+
+
 def _new_request(value) -> NewRequestData:
-    h, prompt, sampling, blocks, num_computed, num_logprobs = _seq(value, "new request", 6)
+    h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
+        value, "new request", 7)
     return NewRequestData(_int(h, "handle"), _from_u32(prompt), _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
-                          _int(num_logprobs, "num_logprobs"))
+                          _int(num_logprobs, "num_logprobs"), _constraint(constraint))
 
 
 def _resumed_request(value) -> ResumedRequestData:
@@ -123,7 +133,8 @@ def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
 
 def encode_scheduler_output(out: SchedulerOutput) -> bytes:
     new = [[r.handle, _u32(r.prompt_token_ids), r.sampling.to_wire(), r.block_ids,
-            r.num_computed_tokens, r.num_logprobs] for r in out.new_requests]
+            r.num_computed_tokens, r.num_logprobs,
+            None if r.constraint is None else r.constraint.to_wire()] for r in out.new_requests]
     resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]
     grown = pack_new_blocks(out.new_block_ids) if out.new_block_ids else None
     return msgpack.packb([out.step, new, resumed, grown, out.num_scheduled_tokens,

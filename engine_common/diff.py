@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_common.constraint import Constraint
 from engine_common.params import WorkerSamplingParams
 
 
@@ -33,6 +34,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Top alternatives to return per sampled token; the sampled token's logprob always comes back.
     num_logprobs: int = 0
+    # Structured output: the workers compile it and mask every sampled token with it.
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -21,7 +21,7 @@ STOP_STRING: FinishReason
 ABORT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "logprobs", "priority", "messages")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "stopping", "logprobs", "priority", "messages", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -38,7 +39,28 @@ class GenerateRequest(_message.Message):
     logprobs: int
     priority: int
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "regex", "grammar", "json_object", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    grammar: str
+    json_object: bool
+    choice: ChoiceConstraint
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ...) -> None: ...
+
+class ChoiceConstraint(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

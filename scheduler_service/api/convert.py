@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine_common.chat_template import ChatMessage
+from engine_common.constraint import Constraint, constraint_from_fields
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
@@ -45,6 +46,7 @@ class GenerateInput:
     num_logprobs: int
     priority: int
     prompt_messages: tuple[ChatMessage, ...] | None = None
+    constraint: Constraint | None = None
 
 
 def new_request_id() -> str:
@@ -75,6 +77,7 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
         num_logprobs=msg.logprobs,
         priority=msg.priority,
         prompt_messages=messages,
+        constraint=constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None,
     )
 
 
@@ -112,6 +115,16 @@ def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
     for i, token_id in enumerate(ids):
         if token_id >= vocab_size:
             raise ParamError(f"{name}[{i}]", token_id, f"in [0, {vocab_size - 1}] (vocab_size)")
+
+
+def constraint_from_proto(msg: pb.Constraint) -> Constraint | None:
+    """The set kind of a Constraint, validated by the grammar engine (ParamError naming
+    `constraint.<kind>` and quoting the engine's message); None when no kind is set."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return constraint_from_fields(**{kind: value}).validate()
 
 
 def sampling_from_proto(msg: pb.SamplingParams,

@@ -96,7 +96,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = self._model.tokenizer.encode(req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
         return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
-                       num_logprobs=req.num_logprobs, priority=req.priority)
+                       num_logprobs=req.num_logprobs, priority=req.priority,
+                       constraint=req.constraint)
 
     def _token_text(self, token_id: int) -> str:
         return self._model.tokenizer.decode([token_id], skip_special_tokens=False)

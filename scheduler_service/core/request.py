@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine_common.constraint import Constraint
 from engine_common.params import SamplingParams, StoppingParams
 
 
@@ -38,6 +39,9 @@ class Request:
     num_logprobs: int = 0
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # What the output must match (structured output); validated at admission, sent to the
+    # workers once with the new request.
+    constraint: Constraint | None = None
 
     # Set by the scheduler.
     handle: int = -1

@@ -37,7 +37,7 @@ class StepPlan:
                                         request.stopping.min_tokens, request.stop_token_ids)
         self.new_requests.append(NewRequestData(
             request.handle, list(request.prompt_token_ids), sampling, block_ids, num_computed,
-            request.num_logprobs))
+            request.num_logprobs, request.constraint))
 
     def add_resumed(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         self.resumed_requests.append(ResumedRequestData(request.handle, block_ids, num_computed))

@@ -6,6 +6,7 @@ into its own persistent batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Callable
@@ -26,9 +27,11 @@ from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_block
                                                profile_kv_memory)
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
+from worker_service.sample.grammar import GrammarBook, GrammarCompiler, GrammarMasks
 from worker_service.sample.sampler import Sampler
 from worker_service.runner.sampling_inputs import build_sampling_metadata
-from worker_service.sample.sampling_metadata import worst_case_sampling_metadata
+from worker_service.sample.sampling_metadata import (SamplingMetadata,
+                                                     worst_case_sampling_metadata)
 from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
 from worker_service.runner.step_clock import StepClock
@@ -59,6 +62,9 @@ class ModelRunner:
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
                                 fused_ops=config.fused_ops)
         self.sampler = Sampler()
+        # Structured output: matchers of constrained requests, masks computed on every rank.
+        self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,
+                                                             info.eos_token_ids))
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
@@ -155,6 +161,7 @@ class ModelRunner:
                      b.num_computed[:n], b.num_tokens[:n], last):
             h.update(np.asarray(part, dtype=np.int64).tobytes())
             h.update(b"|")
+        h.update(self.grammar.digest())
         return h.digest()
 
     def reset(self) -> None:
@@ -163,6 +170,7 @@ class ModelRunner:
             self.batch.remove(handle)
         self.batch.condense()
         self.requests.clear()
+        self.grammar.clear()
         self.last_step = -1
 
     # -- one step ---------------------------------------------------------------------------
@@ -214,20 +222,33 @@ class ModelRunner:
         self.staging.begin()
         run_model = self._stage_model(inputs)
         sample_rows = inputs.rows[inputs.sample_mask]
-        meta = None
+        meta = masks = None
+        # Structured output only: the constrained rows' masks, computed beside the forward.
+        handles = [self.batch.handles[r] for r in sample_rows] if self.grammar else []
         if len(sample_rows):
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
-                                           self.staging)
+                                           self.staging, self.grammar.stopped(handles))
+            masks = self.grammar.start_masks(handles)
         self.staging.flush()
         self.clock.mark("input_prep")
-        logits = run_model()
-        self.clock.mark("forward")
+        try:
+            logits = run_model()
+            self.clock.mark("forward")
+        finally:
+            masks = masks and masks.result()   # the grammar masks, computed meanwhile
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
             return PendingStep(step)
+        if masks is not None:
+            meta = self._with_grammar(meta, masks)
         sampled = self.sampler.forward(logits, meta)
         self.clock.mark("sampling")
         return PendingStep(step, sample_rows, self.readback.start(sampled))
+
+    def _with_grammar(self, meta: SamplingMetadata, masks: GrammarMasks) -> SamplingMetadata:
+        return dataclasses.replace(
+            meta, grammar_rows=torch.from_numpy(masks.indices).to(self.device),
+            grammar_bitmask=torch.from_numpy(masks.bitmask).to(self.device))
 
     def _stage_model(self, inputs: StepInputs) -> Callable[[], torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
@@ -263,19 +284,23 @@ class ModelRunner:
             if handle in self.batch.handle_to_row:
                 self.batch.remove(handle)
             self.requests.pop(handle, None)
+            self.grammar.finish(handle)
         for handle in diff.preempted_handles:
             self.batch.remove(handle)  # keeps self.requests[handle]: its tokens are recomputed
+            self.grammar.preempt(handle)
         for new in diff.new_requests:
             state = CachedRequestState(new.handle, list(new.prompt_token_ids), new.sampling,
                                        list(new.block_ids), new.num_computed_tokens,
                                        new.num_logprobs)
             self.requests[new.handle] = state
             self.batch.add(state)
+            self.grammar.add(new.handle, new.constraint)
         for res in diff.resumed_requests:
             state = self.requests[res.handle]
             state.block_ids = list(res.block_ids)
             state.num_computed_tokens = res.num_computed_tokens
             self.batch.add(state)
+            self.grammar.resume(res.handle, state.output_token_ids)
         for handle, block_ids in diff.new_block_ids.items():
             self.requests[handle].block_ids.extend(block_ids)
             self.batch.append_block_ids(self._row(handle), block_ids)
@@ -289,6 +314,7 @@ class ModelRunner:
         token_ids = sampled.token_ids.tolist()
         for handle, tok in zip(handles, token_ids):
             self.requests[handle].output_token_ids.append(tok)
+        self.grammar.advance(handles, token_ids)
         top = {}
         if sampled.top_ids is not None:
             for i, row in enumerate(rows):

@@ -34,10 +34,13 @@ def _padded_ids(batch: InputBatch, rows: np.ndarray, start: np.ndarray, end: np.
     return np.where(valid, ids, pad)
 
 
-def stop_mask_pairs(batch: InputBatch, rows: np.ndarray, counters: np.ndarray) -> np.ndarray:
+def stop_mask_pairs(batch: InputBatch, rows: np.ndarray, counters: np.ndarray,
+                    exempt: np.ndarray | None = None) -> np.ndarray:
     """int64 [2, K]: (index into rows, token id) for every stop id of a row that has generated
-    fewer than min_tokens tokens."""
-    need = np.flatnonzero(counters < batch.min_tokens[rows])
+    fewer than min_tokens tokens, except `exempt` rows (bool per row: a complete grammar, which
+    allows only eos)."""
+    early = counters < batch.min_tokens[rows]
+    need = np.flatnonzero(early if exempt is None else early & ~exempt)
     ids = [batch.stop_ids[rows[i]] for i in need]
     pair_rows = np.repeat(need, [len(x) for x in ids]).astype(np.int64)
     pair_ids = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=len(pair_rows))
@@ -52,8 +55,11 @@ def top_k_bound(top_k: np.ndarray, vocab_size: int) -> int:
 
 
 def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
-                            staging: StepBuffers) -> SamplingMetadata:
-    """Stage the sampling columns of `rows` (call between staging.begin() and flush())."""
+                            staging: StepBuffers,
+                            grammar_done: np.ndarray | None = None) -> SamplingMetadata:
+    """Stage the sampling columns of `rows` (call between staging.begin() and flush()).
+    `grammar_done`: bool per row, True where a complete grammar allows only eos (min_tokens
+    then does not mask it: the grammar wins)."""
     f32 = torch.float32
     temperature = batch.temperature[rows]
     greedy = temperature == 0.0
@@ -70,7 +76,7 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     if penalties:
         ragged += [_padded_ids(batch, rows, np.zeros_like(num_prompt), num_prompt, vocab_size),
                    _padded_ids(batch, rows, num_prompt, num_tokens, vocab_size)]
-    stop_pairs = stop_mask_pairs(batch, rows, counters)
+    stop_pairs = stop_mask_pairs(batch, rows, counters, grammar_done)
     if stop_pairs.shape[1]:
         ragged.append(stop_pairs)
     staged = staging.put_ragged(ragged) if ragged else []

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from engine_common.codec import (CodecError, decode_runner_output, decode_scheduler_output,
                                  encode_runner_output, encode_scheduler_output)
+from engine_common.constraint import Constraint
 from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
 from engine_common.new_blocks import pack_new_blocks, unpack_new_blocks
@@ -32,8 +33,14 @@ sampling = st.builds(
     seed=st.none() | st.integers(0, 2**63 - 1))
 worker_sampling = st.builds(WorkerSamplingParams, sampling, st.integers(0, 2**63 - 1),
                             st.integers(0, 100), st.lists(u32, max_size=3).map(tuple))
+text = st.text(min_size=1, max_size=30)
+constraint = st.none() | st.one_of(
+    st.builds(Constraint, st.sampled_from(["json_schema", "regex", "grammar"]), text),
+    st.just(Constraint("json_object", True)),
+    st.builds(Constraint, st.just("choice"), st.lists(text, min_size=1, max_size=4)))
 new_request = st.builds(NewRequestData, handle, st.lists(u32, min_size=1, max_size=20),
-                        worker_sampling, block_ids, st.integers(0, 4096), st.integers(0, 20))
+                        worker_sampling, block_ids, st.integers(0, 4096), st.integers(0, 20),
+                        constraint)
 resumed_request = st.builds(ResumedRequestData, handle, block_ids, st.integers(0, 4096))
 scheduler_output = st.builds(
     SchedulerOutput, st.integers(0, 2**40), st.lists(new_request, max_size=3),
@@ -141,7 +148,7 @@ def test_truncated_scheduler_output_raises(out, data):
 
 
 _GOOD_SCHED = [1, [], [], None, {}, [], []]
-_GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0]
+_GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]
 
 
 @pytest.mark.parametrize("fields", [
@@ -160,12 +167,16 @@ _GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0]
     [1, [], [], {}, {"a": 1}, [], []],                     # handle not an int
     [1, [], [], {}, {}, [None], []],                       # finished handle not an int
     [1, [], [], {}, {}, [], 3],                            # preempted not a list
-    [1, [[0, b"\x01\x00\x00", [{}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # 3-byte ids
-    [1, [[0, [-1], [{}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # ids as negative list
-    [1, [[0, b"", [{"top_p": 5.0}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # bad param
-    [1, [[0, b"", [{"nope": 1}, 7, 0, []], [0], 0, 0]], [], {}, {}, [], []],     # unknown param
-    [1, [[0, b"", [{}, -7, 0, []], [0], 0, 0]], [], {}, {}, [], []],  # negative seed
-    [1, [_GOOD_NEW[:5]], [], {}, {}, [], []],              # new request missing a field
+    [1, [[0, b"\x01\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # 3-byte ids
+    [1, [[0, [-1], [{}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # ids as negative list
+    [1, [[0, b"", [{"top_p": 5.0}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # bad param
+    [1, [[0, b"", [{"nope": 1}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],     # unknown param
+    [1, [[0, b"", [{}, -7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # negative seed
+    [1, [_GOOD_NEW[:6]], [], {}, {}, [], []],              # new request missing a field
+    [1, [_GOOD_NEW[:6] + [["regex"]]], [], {}, {}, [], []],         # constraint not a pair
+    [1, [_GOOD_NEW[:6] + [["sql", "x"]]], [], {}, {}, [], []],      # unknown constraint kind
+    [1, [_GOOD_NEW[:6] + [["choice", []]]], [], {}, {}, [], []],    # no choices
+    [1, [_GOOD_NEW[:6] + [["json_object", 1]]], [], {}, {}, [], []],  # json_object not true
     [1, [], [[0, [1], "x"]], {}, {}, [], []],              # resumed num_computed not an int
 ])
 def test_wrong_layout_raises(fields):

@@ -1,0 +1,225 @@
+"""Structured output on the worker: compiled grammars, one matcher per constrained request, and
+the token masks computed from them, identically on every rank.
+
+A mask depends only on the constraint and the ids the request sampled, and every rank samples
+the same ids, so every rank computes the same masks itself: nothing about grammars travels on the
+step diff after the constraint itself (sent once, with the new request).
+
+Per step (the model runner drives it):
+    start_masks(handles)  -> on a helper thread, while the forward pass runs: the masks of the
+                             sampling rows whose request is constrained (GrammarMasks)
+    the sampler           -> -inf outside each row's mask (sampler.apply_token_bitmask)
+    advance(handles, ids) -> after the read-back: every matcher consumes its sampled id
+
+Bitmask layout (llguidance's and xgrammar's): int32 [rows, ceil(vocab / 32)]; token t is allowed
+when bit (t % 32) of word t // 32 is set. Ids past the tokenizer's vocabulary are never allowed.
+
+When a grammar is complete and nothing may follow, its mask allows only the eos ids, so the
+request ends with STOP_TOKEN. Once an eos id is sampled the constraint is done (`terminated`): the
+row is masked no more (with ignore_eos it goes on unconstrained, as in vLLM). A preempted request
+drops its matcher; on resumption the matcher is rebuilt by replaying the request's output ids.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from engine_common.constraint import Constraint
+from engine_common.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_MAX_COMPILED = 256
+
+
+class GrammarCompiler:
+    """Compiles constraints against the model's tokenizer; compiled grammars are cached by the
+    constraint's key (a hash), and each request gets a copy. The tokenizer (about a second to
+    build at a 49K vocabulary) is built on the first compile, so unconstrained serving pays
+    nothing."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
+                 eos_token_ids: Sequence[int], max_compiled: int = _MAX_COMPILED):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._max_compiled = max_compiled
+
+    @classmethod
+    def for_model(cls, model_dir: str, vocab_size: int,
+                  eos_token_ids: Sequence[int]) -> "GrammarCompiler":
+        """Compiles against the model directory's (or GGUF file's) tokenizer, read when the
+        first constraint arrives."""
+        return cls(lambda: Tokenizer.from_dir(model_dir).backend.to_str(), vocab_size,
+                   eos_token_ids)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(
+                self._tokenizer_json(), n_vocab=self.vocab_size,
+                eos_token=sorted(self.eos_token_ids))
+        return self._tokenizer
+
+    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """A fresh matcher (at the start of the output) for `constraint`."""
+        key = constraint.key
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.tokenizer, constraint.to_grammar(), log_level=0)
+            if compiled.is_error():
+                # Validated at admission: reaching this is a library/version mismatch.
+                raise ValueError(f"{constraint.field}: {compiled.get_error()}")
+            self._compiled[key] = compiled
+            if len(self._compiled) > self._max_compiled:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return compiled.deep_copy()
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
+
+@dataclass
+class RequestGrammar:
+    """One constrained request's matcher and how far it got."""
+
+    matcher: llguidance.LLMatcher
+    num_consumed: int = 0          # output ids the matcher has seen
+    terminated: bool = False       # an eos id was sampled: the constraint is done
+
+
+@dataclass
+class GrammarMasks:
+    """One step's masks: row `indices` (into the step's sampling rows) and their bitmask."""
+
+    indices: np.ndarray            # int64 [K]
+    bitmask: np.ndarray            # int32 [K, ceil(vocab / 32)]
+
+
+class GrammarBook:
+    """The matchers of the cached requests that carry a constraint, by handle."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        self.compiler = compiler
+        self._constraints: dict[int, Constraint] = {}   # every cached constrained request
+        self._live: dict[int, RequestGrammar] = {}      # those in the batch
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._last_masks_digest = b""
+
+    # -- membership (the diff) ------------------------------------------------------------------
+
+    def add(self, handle: int, constraint: Constraint | None,
+            output_token_ids: Sequence[int] = ()) -> None:
+        """A new or resumed request: a fresh matcher that replays `output_token_ids`."""
+        if constraint is None:
+            return
+        self._constraints[handle] = constraint
+        state = RequestGrammar(self.compiler.matcher(constraint))
+        self._live[handle] = state
+        for token_id in output_token_ids:
+            self._consume(handle, state, token_id)
+
+    def resume(self, handle: int, output_token_ids: Sequence[int]) -> None:
+        """A preempted request back in the batch: replay its output ids into a new matcher."""
+        if handle in self._constraints:
+            self.add(handle, self._constraints[handle], output_token_ids)
+
+    def preempt(self, handle: int) -> None:
+        self._live.pop(handle, None)
+
+    def finish(self, handle: int) -> None:
+        self._live.pop(handle, None)
+        self._constraints.pop(handle, None)
+
+    def clear(self) -> None:
+        self._live.clear()
+        self._constraints.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._live)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def stopped(self, handles: Sequence[int]) -> np.ndarray | None:
+        """bool per handle: its grammar is complete (only eos allowed), so min_tokens must not
+        mask eos; None when no row is constrained."""
+        if not self._live:
+            return None
+        return np.array([self._masked(h) is not None and self._live[h].matcher.is_stopped()
+                         for h in handles], dtype=bool)
+
+    def start_masks(self, handles: Sequence[int]) -> concurrent.futures.Future | None:
+        """Compute the masks of `handles` on the helper thread (returns GrammarMasks or None
+        when no handle is constrained); None at once when nothing is constrained."""
+        picks = [(i, self._live[h]) for i, h in enumerate(handles) if self._masked(h)]
+        if not picks:
+            self._last_masks_digest = b""
+            return None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
+        return self._pool.submit(self.compute_masks, picks)
+
+    def compute_masks(self, picks: list[tuple[int, RequestGrammar]]) -> GrammarMasks:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        words = -(-self.compiler.vocab_size // 32)
+        bitmask = np.zeros((len(picks), words), dtype=np.int32)
+        fill_next_token_bitmask_par(self._executor,
+                                    [(g.matcher, k) for k, (_, g) in enumerate(picks)], bitmask)
+        self._last_masks_digest = hashlib.blake2b(bitmask.tobytes(), digest_size=16).digest()
+        return GrammarMasks(np.array([i for i, _ in picks], dtype=np.int64), bitmask)
+
+    def advance(self, handles: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Every constrained request consumes the id it sampled."""
+        if not self._live:
+            return
+        for handle, token_id in zip(handles, token_ids):
+            state = self._live.get(handle)
+            if state is not None:
+                self._consume(handle, state, token_id)
+
+    def digest(self) -> bytes:
+        """The matchers' state for verify_symmetry: per constrained request (by handle) the ids
+        consumed, terminated/stopped/accepting/error, and the last step's masks."""
+        h = hashlib.blake2b(digest_size=16)
+        for handle in sorted(self._live):
+            g = self._live[handle]
+            m = g.matcher
+            h.update(np.array([handle, g.num_consumed, g.terminated, m.is_stopped(),
+                               m.is_accepting(), m.is_error()], dtype=np.int64).tobytes())
+        h.update(self._last_masks_digest)
+        return h.digest()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _masked(self, handle: int) -> RequestGrammar | None:
+        state = self._live.get(handle)
+        return None if state is None or state.terminated else state
+
+    def _consume(self, handle: int, state: RequestGrammar, token_id: int) -> None:
+        state.num_consumed += 1
+        if state.terminated:
+            return
+        if token_id in self.compiler.eos_token_ids:
+            state.terminated = True
+            return
+        # A refused id leaves the matcher in its error state, whose mask allows only eos: the
+        # request then ends with STOP_TOKEN. Masked sampling never picks a refused id.
+        was_error = state.matcher.is_error()
+        if not state.matcher.consume_token(token_id) and not was_error:
+            log.warning("request handle %d: grammar matcher refused token %d: %s", handle,
+                        token_id, state.matcher.get_error())
