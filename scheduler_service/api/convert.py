@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine_common.chat_template import ChatMessage
-from engine_common.constraint import Constraint, constraint_from_fields
+from engine_common.constraint import Constraint
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
@@ -123,8 +123,8 @@ def constraint_from_proto(msg: pb.Constraint) -> Constraint | None:
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
-    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
-    return constraint_from_fields(**{kind: value}).validate()
+    value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return Constraint(kind, value).validate()
 
 
 def sampling_from_proto(msg: pb.SamplingParams,

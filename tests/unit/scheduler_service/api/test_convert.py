@@ -6,6 +6,7 @@ import math
 import pytest
 
 from engine_common.chat_template import ChatMessage
+from engine_common.constraint import Constraint
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.api import convert
@@ -74,6 +75,38 @@ def test_request_id_assigned_only_when_empty():
     assert convert.request_from_proto(_req(request_id="mine")).request_id == "mine"
     a, b = (convert.request_from_proto(_req()).request_id for _ in range(2))
     assert a != b and len(a) == 32
+
+
+@pytest.mark.parametrize("msg, expected", [
+    (pb.Constraint(json_schema='{"type": "integer"}'),
+     Constraint("json_schema", '{"type": "integer"}')),
+    (pb.Constraint(json_object=True), Constraint("json_object", True)),
+    (pb.Constraint(regex="[a-z]+"), Constraint("regex", "[a-z]+")),
+    (pb.Constraint(grammar='start: "a"'), Constraint("grammar", 'start: "a"')),
+    (pb.Constraint(choice=pb.ChoiceConstraint(choices=["yes", "no"])),
+     Constraint("choice", ("yes", "no"))),
+])
+def test_constraint_kinds_carried(msg, expected):
+    assert convert.request_from_proto(_req(constraint=msg)).constraint == expected
+
+
+def test_no_constraint_is_none():
+    assert convert.request_from_proto(_req()).constraint is None
+    assert convert.request_from_proto(_req(constraint=pb.Constraint())).constraint is None
+
+
+@pytest.mark.parametrize("msg, field, message", [
+    (pb.Constraint(regex="(ab"), "constraint.regex", "unclosed group"),
+    (pb.Constraint(regex=""), "constraint.regex", "a non-empty string"),
+    (pb.Constraint(json_schema='{"type": "foo"}'), "constraint.json_schema", "Invalid type"),
+    (pb.Constraint(grammar="start: foo"), "constraint.grammar", "unknown name"),
+    (pb.Constraint(json_object=False), "constraint.json_object", "true"),
+    (pb.Constraint(choice=pb.ChoiceConstraint()), "constraint.choice.choices", "one or more"),
+])
+def test_bad_constraints_are_refused_at_admission(msg, field, message):
+    with pytest.raises(ParamError) as e:
+        convert.request_from_proto(_req(constraint=msg))
+    assert e.value.field == field and message in str(e.value)
 
 
 def test_default_max_tokens_applies_only_when_unset():

@@ -1,12 +1,14 @@
 """Steady-state decode costs bytes per change, not per request: 256 requests all decoding, with
 nothing else changing, encode to a diff of a few bytes; when they grow blocks, about a byte more
-per growing request."""
+per growing request; structured-output constraints travel once, with the new requests, and add
+nothing after."""
 from __future__ import annotations
 
 import random
 import statistics
 
 from engine_common.codec import decode_scheduler_output, encode_scheduler_output
+from engine_common.constraint import Constraint
 from engine_common.config import SchedulerConfig
 from engine_common.diff import RunnerOutput
 from engine_common.params import SamplingParams, StoppingParams
@@ -75,3 +77,41 @@ def test_steady_state_diff_with_block_growth_is_small():
     assert len(sizes) == 64 and statistics.median(growing) >= 10
     print(f"diff with block growth: median {statistics.median(sizes)} bytes, max {max(sizes)}")
     assert statistics.median(sizes) <= 64
+
+
+CONSTRAINTS = [
+    Constraint("json_schema", '{"type": "object", "properties": {"name": {"type": "string"}, '
+                              '"age": {"type": "integer"}}, "required": ["name", "age"]}'),
+    Constraint("json_object", True), Constraint("regex", "[0-9]{3}-[0-9]{4}"),
+    Constraint("grammar", 'start: "yes" | "no"'), Constraint("choice", ("red", "green")),
+]
+
+
+def test_steady_state_diff_with_256_constrained_requests_stays_under_100_bytes():
+    """The same growing workload, every request constrained: the constraints go out once, in
+    the new-request part; steady-state decode steps stay under 100 bytes (the issue's bar)."""
+    config = SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=2048,
+                             max_model_len=1024, block_size=16)
+    sched = Scheduler(config, num_blocks=NUM_REQUESTS * 24, rng=random.Random(0))
+    rng = random.Random(1)
+    for i in range(NUM_REQUESTS):
+        prompt = [rng.randrange(3, 30000) for _ in range(rng.randint(100, 300))]
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(),
+                                  StoppingParams(max_tokens=200), eos_token_ids=(2,),
+                                  constraint=CONSTRAINTS[i % len(CONSTRAINTS)]))
+    sizes, sent = [], []
+    for _ in range(200):
+        out = sched.schedule()
+        payload = encode_scheduler_output(out)
+        decoded = decode_scheduler_output(payload)
+        assert decoded == out
+        sent += [r.constraint for r in decoded.new_requests]
+        if sched.num_running == NUM_REQUESTS and not out.new_requests \
+                and not out.num_scheduled_tokens:
+            sizes.append(len(payload))
+        sched.update_from_output(out, _decode_step(sched, out.step))
+        if len(sizes) == 64:
+            break
+    assert sent == [CONSTRAINTS[i % len(CONSTRAINTS)] for i in range(NUM_REQUESTS)]
+    print(f"constrained steady state: median {statistics.median(sizes)} bytes, max {max(sizes)}")
+    assert len(sizes) == 64 and max(sizes) < 100

@@ -1,12 +1,13 @@
-"""Sampler: greedy, seeded counter-based sampling, filters, penalties, stop masks, logprobs."""
+"""Sampler: greedy, seeded counter-based sampling, filters, penalties, stop masks, grammar
+bitmasks, logprobs."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from worker_service.sample.sampler import (Sampler, _mix32, apply_penalties, apply_top_k,
-                                           gumbel_noise)
+from worker_service.sample.sampler import (Sampler, _mix32, apply_penalties, apply_token_bitmask,
+                                           apply_top_k, gumbel_noise)
 from worker_service.runner.sampling_inputs import top_k_bound
 from worker_service.sample.sampling_metadata import SamplingMetadata
 
@@ -268,3 +269,44 @@ def test_top_k_bound_and_apply_top_k_with_a_loose_bound():
                          counters=torch.zeros(1, dtype=torch.int64), repetition_penalty=None,
                          presence_penalty=None, frequency_penalty=None, prompt_token_ids=None,
                          output_token_ids=None)
+
+
+def _bitmask(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """int32 [K, ceil(V / 32)] with bit t % 32 of word t // 32 set for every allowed id."""
+    bits = np.zeros((len(allowed), -(-vocab // 32) * 32), dtype=np.uint8)
+    for i, ids in enumerate(allowed):
+        bits[i, list(ids)] = 1
+    return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
+
+
+def test_token_bitmask_masks_only_the_listed_rows():
+    vocab = 70                                  # not a multiple of 32: the tail words are cut
+    x = rand_logits(4, vocab, seed=3)
+    before = x.clone()
+    allowed = [{0, 31, 32, 69}, {5}]
+    out = apply_token_bitmask(x, torch.tensor([1, 3]), _bitmask(allowed, vocab))
+    assert torch.equal(x, before)               # out of place
+    assert torch.equal(out[[0, 2]], x[[0, 2]])
+    for row, ids in zip((1, 3), allowed):
+        finite = set(torch.nonzero(torch.isfinite(out[row])).flatten().tolist())
+        assert finite == ids
+        assert torch.equal(out[row, sorted(ids)], x[row, sorted(ids)])
+    assert apply_token_bitmask(x, None, None) is x
+
+
+def test_grammar_masks_bind_greedy_and_random_rows_and_logprobs_stay_raw():
+    vocab = 100
+    logits = rand_logits(3, vocab, seed=4)
+    rows = [dict(), dict(temperature=1.0, seed=9), dict(temperature=0.7, seed=2)]
+    allowed = [{17}, {3, 50, 99}]
+    meta = make_meta(rows, vocab)
+    meta.grammar_rows = torch.tensor([0, 1])
+    meta.grammar_bitmask = _bitmask(allowed, vocab)
+    for _ in range(3):
+        out = Sampler().forward(logits, meta)
+        assert out.sampled_token_ids[0] == 17 and out.sampled_token_ids[1].item() in allowed[1]
+    free = Sampler().forward(logits, make_meta(rows, vocab))
+    assert out.sampled_token_ids[2] == free.sampled_token_ids[2]      # untouched row
+    raw = torch.log_softmax(logits, dim=-1)
+    ids = out.sampled_token_ids
+    assert torch.allclose(out.logprobs, raw[torch.arange(3), ids])
