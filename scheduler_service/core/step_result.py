@@ -24,13 +24,16 @@ def check_stop(request: Request, max_len: int) -> RequestStatus | None:
 
     Rules, in order:
       1. the token is a stop id (eos unless ignore_eos, or stop_token_ids) sampled after at least
-         min_tokens earlier tokens (the sampler masks stop ids until then) -> FINISHED_STOP_TOKEN
+         min_tokens earlier tokens (the sampler masks stop ids until then), or by a constrained
+         request at any point (a complete grammar allows only eos: the grammar wins over
+         min_tokens)                                                    -> FINISHED_STOP_TOKEN
       2. max_tokens outputs                                             -> FINISHED_LENGTH
       3. max_len tokens in all (max_model_len, capped by KV capacity)  -> FINISHED_LENGTH
     """
     last = request.output_token_ids[-1]
     stopping = request.stopping
-    if request.num_output_tokens > stopping.min_tokens and last in request.stop_token_ids:
+    if (request.num_output_tokens > stopping.min_tokens or request.constraint is not None) \
+            and last in request.stop_token_ids:
         request.stop_reason = last
         return RequestStatus.FINISHED_STOP_TOKEN
     if stopping.max_tokens is not None and request.num_output_tokens >= stopping.max_tokens:

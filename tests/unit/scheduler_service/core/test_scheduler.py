@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from engine_common.constraint import Constraint
 from engine_common.diff import RunnerOutput
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.scheduler import QueueFull, RequestRejected
@@ -216,6 +217,19 @@ def test_stop_rules(stopping, script, want_status, want_out):
     assert [u.finished for u in updates] == [False] * (len(want_out) - 1) + [True]
     if want_status == RequestStatus.FINISHED_STOP_TOKEN:
         assert req.stop_reason == want_out[-1]
+    step(sched, worker)
+    assert_no_leak(sched)
+
+
+def test_a_constrained_request_stops_on_eos_even_before_min_tokens():
+    """A complete grammar allows only eos (the worker then drops the min_tokens mask): the
+    grammar wins, the request ends there."""
+    sched, worker = make(sample_fn=scripted({7: [50, 2, 51, 52]}))
+    req = make_request("r", [5, 6, 7], max_tokens=4, seed=7, min_tokens=3)
+    req.constraint = Constraint("choice", ("ab",))
+    sched.add_request(req)
+    run_steps(sched, worker)
+    assert req.status == RequestStatus.FINISHED_STOP_TOKEN and req.output_token_ids == [50, 2]
     step(sched, worker)
     assert_no_leak(sched)
 
