@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -254,8 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results-file", type=Path, default=None, help="append the figures here")
     p.add_argument("--note", default="")
     args = p.parse_args(argv)
-    lines = [f"commit: `{_commit()}`",
-             "command: `python -m bench.grammar_masks " + " ".join(argv or sys.argv[1:]) + "`"]
+    command = shlex.join(argv if argv is not None else sys.argv[1:])
+    lines = [f"commit: `{_commit()}`", f"command: `python -m bench.grammar_masks {command}`"]
     lines += run(args.model or _default_model_dir(), args.rounds)
     if args.note:
         lines.append(f"note: {args.note}")
