@@ -94,11 +94,18 @@ class GrammarCompiler:
 
 @dataclass
 class RequestGrammar:
-    """One constrained request's matcher and how far it got."""
+    """One constrained request's matcher and how far it got. No matcher: the grammar did not
+    compile on this worker (validated at admission, so a library or tokenizer fault): only eos
+    is allowed, the request ends at once with STOP_TOKEN and the step goes on for the others."""
 
-    matcher: llguidance.LLMatcher
+    matcher: llguidance.LLMatcher | None
     num_consumed: int = 0          # output ids the matcher has seen
     terminated: bool = False       # an eos id was sampled: the constraint is done
+
+    @property
+    def stopped(self) -> bool:
+        """Complete (or failed): only eos may follow."""
+        return self.matcher is None or self.matcher.is_stopped()
 
 
 @dataclass
@@ -128,7 +135,13 @@ class GrammarBook:
         if constraint is None:
             return
         self._constraints[handle] = constraint
-        state = RequestGrammar(self.compiler.matcher(constraint))
+        try:
+            matcher = self.compiler.matcher(constraint)
+        except Exception:                # never fail the step for one request's grammar
+            log.exception("request handle %d: %s did not compile; only eos is allowed",
+                          handle, constraint.field)
+            matcher = None
+        state = RequestGrammar(matcher)
         self._live[handle] = state
         for token_id in output_token_ids:
             self._consume(handle, state, token_id)
@@ -159,8 +172,8 @@ class GrammarBook:
         mask eos; None when no row is constrained."""
         if not self._live:
             return None
-        return np.array([self._masked(h) is not None and self._live[h].matcher.is_stopped()
-                         for h in handles], dtype=bool)
+        return np.array([(g := self._masked(h)) is not None and g.stopped for h in handles],
+                        dtype=bool)
 
     def start_masks(self, handles: Sequence[int]) -> concurrent.futures.Future | None:
         """Compute the masks of `handles` on the helper thread (returns GrammarMasks or None
@@ -178,8 +191,13 @@ class GrammarBook:
             self._executor = llguidance.LLExecutor()
         words = -(-self.compiler.vocab_size // 32)
         bitmask = np.zeros((len(picks), words), dtype=np.int32)
-        fill_next_token_bitmask_par(self._executor,
-                                    [(g.matcher, k) for k, (_, g) in enumerate(picks)], bitmask)
+        matchers = [(g.matcher, k) for k, (_, g) in enumerate(picks) if g.matcher]
+        if matchers:
+            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        for k, (_, g) in enumerate(picks):
+            if g.matcher is None:
+                for eos in self.compiler.eos_token_ids:
+                    bitmask.view(np.uint32)[k, eos // 32] |= np.uint32(1 << eos % 32)
         self._last_masks_digest = hashlib.blake2b(bitmask.tobytes(), digest_size=16).digest()
         return GrammarMasks(np.array([i for i, _ in picks], dtype=np.int64), bitmask)
 
@@ -197,10 +215,11 @@ class GrammarBook:
         consumed, terminated/stopped/accepting/error, and the last step's masks."""
         h = hashlib.blake2b(digest_size=16)
         for handle in sorted(self._live):
-            g = self._live[handle]
-            m = g.matcher
-            h.update(np.array([handle, g.num_consumed, g.terminated, m.is_stopped(),
-                               m.is_accepting(), m.is_error()], dtype=np.int64).tobytes())
+            g, m = self._live[handle], self._live[handle].matcher
+            flags = [True, False, True] if m is None else [m.is_stopped(), m.is_accepting(),
+                                                          m.is_error()]
+            h.update(np.array([handle, g.num_consumed, g.terminated, *flags],
+                              dtype=np.int64).tobytes())
         h.update(self._last_masks_digest)
         return h.digest()
 
@@ -216,6 +235,8 @@ class GrammarBook:
             return
         if token_id in self.compiler.eos_token_ids:
             state.terminated = True
+            return
+        if state.matcher is None:
             return
         # A refused id leaves the matcher in its error state, whose mask allows only eos: the
         # request then ends with STOP_TOKEN. Masked sampling never picks a refused id.

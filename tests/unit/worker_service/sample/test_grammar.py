@@ -169,3 +169,20 @@ def test_digest_follows_the_state(compiler):
     assert a.digest() == b.digest()
     a.clear()
     assert not a
+
+
+def test_a_grammar_that_does_not_compile_here_allows_only_eos(tmp_path):
+    """A worker-side compile failure (a tokenizer the engine cannot read) ends that request at
+    eos instead of failing the step for every request."""
+    inner = tiny_compiler(tmp_path)
+
+    def broken():
+        raise ValueError("no tokenizer here")
+    book = GrammarBook(GrammarCompiler(broken, inner.vocab_size, (EOS, 40)))
+    book.add(0, YES_NO)
+    assert book.stopped([0]).tolist() == [True]
+    assert list(masks(book, [0])[0]) == [EOS, 40]
+    before = book.digest()
+    book.advance([0], [EOS])
+    assert book._live[0].terminated and book.start_masks([0]) is None
+    assert book.digest() != before
