@@ -49,7 +49,7 @@ def _prompts(llm: LLM, n: int) -> list[list[int]]:
 
 def _run_mode(llm: LLM, mode: str, n: int, max_tokens: int, sizes: list[int]) -> float:
     """tok/s of one mode; appends the steady-state diff sizes to `sizes`."""
-    ex = llm.engine.executor
+    ex = llm.engine.core.executor
     inner = type(ex).execute.__get__(ex)
 
     def recording(payload: bytes) -> bytes:
