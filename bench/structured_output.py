@@ -8,8 +8,9 @@ Every mode generates exactly --max-tokens tokens per request: the unconstrained 
 and the constraints cannot be complete sooner (a JSON array of at least 64 people, a regex of at
 least 200 words), so each mode decodes the same number of tokens. Modes alternate within a
 round; each round reports tok/s per mode and each constrained mode's ratio to the unconstrained
-one; the summary is min / median / max over rounds. The diff sizes are those of steady-state
-steps (no new request in them), every request constrained.
+one, and the time the masks took per step (on the helper thread, beside the forward pass) against
+the step time; the summary is min / median / max over rounds. The diff sizes are those of
+steady-state steps (no new request in them), every request constrained.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from deltaserve.llm import LLM
 from engine_common.chat_template import encode_chat
@@ -47,52 +51,76 @@ def _prompts(llm: LLM, n: int) -> list[list[int]]:
             for t in texts]
 
 
-def _run_mode(llm: LLM, mode: str, n: int, max_tokens: int, sizes: list[int]) -> float:
-    """tok/s of one mode; appends the steady-state diff sizes to `sizes`."""
-    ex = llm.engine.core.executor
+@dataclass
+class ModeRun:
+    tokens_per_s: float
+    step_s: float              # wall time per engine step
+    mask_s: float              # grammar mask time per step (on the helper thread)
+
+
+def _run_mode(llm: LLM, mode: str, n: int, max_tokens: int, sizes: list[int]) -> ModeRun:
+    """One mode's run; appends the steady-state diff sizes to `sizes`."""
+    ex, book = llm.engine.core.executor, llm.runner.grammar
     inner = type(ex).execute.__get__(ex)
+    compute = type(book).compute_masks.__get__(book)
+    steps, mask_s = [0], [0.0]
 
     def recording(payload: bytes) -> bytes:
+        steps[0] += 1
         if not decode_scheduler_output(payload).new_requests:
             sizes.append(len(payload))
         return inner(payload)
-    ex.execute = recording
+
+    def timed_masks(picks):
+        t = time.perf_counter()
+        out = compute(picks)
+        mask_s[0] += time.perf_counter() - t
+        return out
+    ex.execute, book.compute_masks = recording, timed_masks
     stopping = StoppingParams(max_tokens=max_tokens, ignore_eos=True)
     prompts = _prompts(llm, n)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [SamplingParams(temperature=0.8, seed=i) for i in range(n)],
                     stopping, constraint=MODES[mode])
     wall = time.perf_counter() - t0
-    del ex.execute
+    del ex.execute, book.compute_masks
     tokens = sum(len(o.token_ids) for o in outs)
     if tokens != n * max_tokens:
         raise RuntimeError(f"{mode}: {tokens} tokens, expected {n * max_tokens}")
-    return tokens / wall
+    return ModeRun(tokens / wall, wall / steps[0], mask_s[0] / steps[0])
 
 
 def run(llm: LLM, n: int, max_tokens: int, rounds: int) -> list[str]:
     lines = []
-    rates = {m: [] for m in MODES}
+    runs: dict[str, list[ModeRun]] = {m: [] for m in MODES}
     sizes = {m: [] for m in MODES}
     for mode in MODES:                       # warm-up: the grammar tokenizer, compiled grammars
         _run_mode(llm, mode, 2, 4, [])
     for r in range(rounds):
         for mode in MODES:
-            rates[mode].append(_run_mode(llm, mode, n, max_tokens, sizes[mode]))
-        base = rates["unconstrained"][-1]
-        lines.append(f"round {r + 1}: " + "; ".join(
-            f"{m} {rates[m][-1]:.1f} tok/s" + ("" if m == "unconstrained" else
-                                               f" ({rates[m][-1] / base:.3f}x)")
-            for m in MODES))
+            runs[mode].append(_run_mode(llm, mode, n, max_tokens, sizes[mode]))
+        base = runs["unconstrained"][-1].tokens_per_s
+        lines.append(f"round {r + 1}: " + "; ".join(_describe(m, runs[m][-1], base)
+                                                    for m in MODES))
+    rates = {m: [x.tokens_per_s for x in runs[m]] for m in MODES}
     for mode in MODES:
         ratios = [a / b for a, b in zip(rates[mode], rates["unconstrained"])]
+        shares = [x.mask_s / x.step_s for x in runs[mode]]
         lines.append(f"{mode}: {_mmm(rates[mode], '.1f')} tok/s, ratio to unconstrained "
-                     f"{_mmm(ratios, '.3f')} (min / median / max over rounds)")
+                     f"{_mmm(ratios, '.3f')}, mask time / step time "
+                     f"{_mmm(shares, '.4f')} (min / median / max over rounds)")
     for mode in MODES:
         s = sizes[mode]
         lines.append(f"steady-state diff, {mode}: median {statistics.median(s)} / max {max(s)}"
                      f" bytes over {len(s)} steps")
     return lines
+
+
+def _describe(mode: str, run: ModeRun, base: float) -> str:
+    text = f"{mode} {run.tokens_per_s:.1f} tok/s, {run.step_s * 1e3:.0f} ms/step"
+    if mode == "unconstrained":
+        return text
+    return text + f", masks {run.mask_s * 1e3:.2f} ms/step ({run.tokens_per_s / base:.3f}x)"
 
 
 def _mmm(values: list[float], fmt: str) -> str:
@@ -117,12 +145,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads (default: torch's own choice)")
     p.add_argument("--results-file", type=Path, default=None, help="append the figures here")
     p.add_argument("--note", default="")
     args = p.parse_args(argv)
     if args.model is None:
         from deltaserve.default_model import ensure_default_model
         args.model = str(ensure_default_model())
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     n = args.num_requests
     llm = LLM(args.model, device=args.device, dtype="float32", max_num_seqs=max(n, 2),
               max_num_batched_tokens=max(2048, n), num_kv_blocks=n * 8 + 64,
