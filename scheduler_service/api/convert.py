@@ -120,7 +120,14 @@ def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
 def constraint_from_proto(msg: pb.Constraint) -> Constraint | None:
     """The set kind of a Constraint, validated by the grammar engine (ParamError naming
     `constraint.<kind>` and quoting the engine's message); None when no kind is set."""
-    kind = msg.WhichOneof("kind")
+    return constraint_from_oneof(msg, "kind")
+
+
+def constraint_from_oneof(msg, oneof: str) -> Constraint | None:
+    """The same from any message whose oneof `oneof` has the Constraint fields (names and
+    shapes as in vLLM's SamplingParams.constraint): a kind we do not support (structural_tag)
+    is a ParamError naming it."""
+    kind = msg.WhichOneof(oneof)
     if kind is None:
         return None
     value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
