@@ -28,7 +28,7 @@ from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_block
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler, GrammarMasks
-from worker_service.sample.sampler import Sampler
+from worker_service.sample.sampler import Sampler, bitmask_to_bias
 from worker_service.runner.sampling_inputs import build_sampling_metadata
 from worker_service.sample.sampling_metadata import (SamplingMetadata,
                                                      worst_case_sampling_metadata)
@@ -228,7 +228,7 @@ class ModelRunner:
         if len(sample_rows):
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
                                            self.staging, self.grammar.stopped(handles))
-            masks = self.grammar.start_masks(handles)
+            masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
         self.staging.flush()
         self.clock.mark("input_prep")
         try:
@@ -246,14 +246,18 @@ class ModelRunner:
         return PendingStep(step, sample_rows, self.readback.start(sampled))
 
     def _with_grammar(self, meta: SamplingMetadata, masks: GrammarMasks) -> SamplingMetadata:
-        """The step's masks on the device: on CUDA through pinned memory, without a sync."""
+        """The step's masks as the sampler's bias: on CPU unpacked on the helper thread; on a
+        device the bitmask goes through pinned memory (no sync) and is unpacked there."""
         def put(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
-            if self.device.type != "cuda":
-                return t
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return dataclasses.replace(meta, grammar_rows=put(masks.indices),
-                                   grammar_bitmask=put(masks.bitmask))
+            return t if t.device == self.device else t.pin_memory().to(self.device,
+                                                                       non_blocking=True)
+        if masks.bias is not None:
+            bias = torch.from_numpy(masks.bias)
+        else:
+            bias = bitmask_to_bias(put(masks.bitmask), self.vocab_size)
+        rows = None if masks.all_rows else put(masks.indices)
+        return dataclasses.replace(meta, grammar_rows=rows, grammar_bias=bias)
 
     def _stage_model(self, inputs: StepInputs) -> Callable[[], torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model

@@ -8,7 +8,8 @@ step diff after the constraint itself (sent once, with the new request).
 Per step (the model runner drives it):
     start_masks(handles)  -> on a helper thread, while the forward pass runs: the masks of the
                              sampling rows whose request is constrained (GrammarMasks)
-    the sampler           -> -inf outside each row's mask (sampler.apply_token_bitmask)
+    the sampler           -> -inf outside each row's mask (sampler.apply_grammar_bias: the mask
+                             as a 0 / -inf bias, unpacked on the helper thread on CPU)
     advance(handles, ids) -> after the read-back: every matcher consumes its sampled id
 
 Bitmask layout (llguidance's and xgrammar's): int32 [rows, ceil(vocab / 32)]; token t is allowed
@@ -38,6 +39,18 @@ from engine_common.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _MAX_COMPILED = 256
+
+
+# byte value -> the bias of its 8 ids (bit j of the byte is id 8b + j): 0 allowed, -inf not.
+_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
+                                    bitorder="little").astype(bool),
+                      np.float32(0), np.float32(-np.inf)).astype(np.float32)
+
+
+def bitmask_bias(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """float32 [K, vocab]: the bitmask as an additive bias (0 allowed, -inf not)."""
+    k = bitmask.shape[0]
+    return np.ascontiguousarray(_BYTE_BIAS[bitmask.view(np.uint8)].reshape(k, -1)[:, :vocab_size])
 
 
 class GrammarCompiler:
@@ -110,10 +123,13 @@ class RequestGrammar:
 
 @dataclass
 class GrammarMasks:
-    """One step's masks: row `indices` (into the step's sampling rows) and their bitmask."""
+    """One step's masks: row `indices` (into the step's sampling rows), their bitmask, and
+    (when asked for: a CPU device) the same as an additive bias, unpacked on the helper thread."""
 
     indices: np.ndarray            # int64 [K]
     bitmask: np.ndarray            # int32 [K, ceil(vocab / 32)]
+    bias: np.ndarray | None = None  # float32 [K, vocab]: 0 allowed, -inf not
+    all_rows: bool = False         # indices == every sampling row, in order
 
 
 class GrammarBook:
@@ -175,16 +191,24 @@ class GrammarBook:
         return np.array([(g := self._masked(h)) is not None and g.stopped for h in handles],
                         dtype=bool)
 
-    def start_masks(self, handles: Sequence[int]) -> concurrent.futures.Future | None:
-        """Compute the masks of `handles` on the helper thread (returns GrammarMasks or None
-        when no handle is constrained); None at once when nothing is constrained."""
+    def start_masks(self, handles: Sequence[int],
+                    bias: bool = False) -> concurrent.futures.Future | None:
+        """Compute the masks of `handles` on the helper thread (a Future of GrammarMasks, with
+        the additive bias too when `bias`); None when no handle is constrained."""
         picks = [(i, self._live[h]) for i, h in enumerate(handles) if self._masked(h)]
         if not picks:
             self._last_masks_digest = b""
             return None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-        return self._pool.submit(self.compute_masks, picks)
+        return self._pool.submit(self._masks, picks, len(picks) == len(handles), bias)
+
+    def _masks(self, picks, all_rows: bool, bias: bool) -> GrammarMasks:
+        masks = self.compute_masks(picks)
+        masks.all_rows = all_rows
+        if bias:
+            masks.bias = bitmask_bias(masks.bitmask, self.compiler.vocab_size)
+        return masks
 
     def compute_masks(self, picks: list[tuple[int, RequestGrammar]]) -> GrammarMasks:
         if self._executor is None:

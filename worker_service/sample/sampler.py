@@ -2,7 +2,7 @@
 
 Order of operations on the [N, V] float32 logits:
   1. stop masks (ids forbidden before min_tokens) -> -inf; grammar masks (structured output:
-     ids outside a constrained row's bitmask) -> -inf
+     ids outside a constrained row's mask) -> -inf, added as a 0 / -inf bias
   2. penalties: repetition on prompt+output ids (positive logits divided, negative multiplied),
      then frequency (x count) and presence (x seen) on output ids, subtracted
   3. greedy rows: argmax
@@ -89,19 +89,27 @@ def apply_stop_masks(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tenso
     return x
 
 
-def apply_token_bitmask(x: torch.Tensor, rows: torch.Tensor | None,
-                        bitmask: torch.Tensor | None) -> torch.Tensor:
-    """-inf outside each listed row's bitmask (int32 [K, ceil(V / 32)]; bit t % 32 of word
-    t // 32 allows id t); rows int64 [K]. Other rows are untouched; out of place."""
-    if rows is None or bitmask is None or rows.shape[0] == 0:
-        return x
-    vocab = x.shape[1]
+def bitmask_to_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [K, vocab]: 0 where the bitmask (int32 [K, ceil(V / 32)]; bit t % 32 of word
+    t // 32 allows id t) allows an id, -inf elsewhere; on the bitmask's device."""
     # Little-endian words: byte b of a row holds ids 8b .. 8b+7, bit j is id 8b+j.
-    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
     row_bytes = bitmask.contiguous().view(torch.uint8)
     allowed = ((row_bytes[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    masked = x.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    return x.index_copy(0, rows, masked)
+    zero = torch.zeros((), dtype=torch.float32, device=bitmask.device)
+    return torch.where(allowed, zero, float("-inf"))
+
+
+def apply_grammar_bias(x: torch.Tensor, rows: torch.Tensor | None,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x + bias on the constrained rows (bias float32 [K, V] of 0 / -inf; rows int64 [K], or
+    None when every row is constrained, in order); allowed logits keep their exact values.
+    Out of place."""
+    if bias is None:
+        return x
+    if rows is None:
+        return x + bias
+    return x.index_add(0, rows, bias)
 
 
 def _token_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -189,7 +197,7 @@ class Sampler:
             empty = logits.new_zeros(0)
             return SamplerOutput(empty.long(), empty)
         x = apply_stop_masks(logits, meta.stop_mask_index)
-        x = apply_token_bitmask(x, meta.grammar_rows, meta.grammar_bitmask)
+        x = apply_grammar_bias(x, meta.grammar_rows, meta.grammar_bias)
         if meta.has_penalties:
             x = apply_penalties(x, meta)
         if meta.all_greedy:

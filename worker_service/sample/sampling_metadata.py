@@ -39,10 +39,11 @@ class SamplingMetadata:
     # Host-known upper bound of the active top_k values (>= every top_k in (0, vocab)): the
     # width of the one topk apply_top_k runs. Required (>= 1) when top_k is set.
     top_k_max: int = 0
-    # Structured output: the rows (int64 [K]) whose request is constrained and their allowed
-    # ids, a bitmask int32 [K, ceil(V / 32)] (worker_service/sample/grammar.py); None = none.
+    # Structured output: the rows (int64 [K]; None = every row, in order) whose request is
+    # constrained and their masks as an additive bias, float32 [K, V] of 0 (allowed) / -inf
+    # (worker_service/sample/grammar.py); grammar_bias None = nothing constrained.
     grammar_rows: torch.Tensor | None = None
-    grammar_bitmask: torch.Tensor | None = None
+    grammar_bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k_max < 1:

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker_service.sample.sampler import (Sampler, _mix32, apply_penalties, apply_token_bitmask,
-                                           apply_top_k, gumbel_noise)
+from worker_service.sample.grammar import bitmask_bias
+from worker_service.sample.sampler import (Sampler, _mix32, apply_grammar_bias, apply_penalties,
+                                           apply_top_k, bitmask_to_bias, gumbel_noise)
 from worker_service.runner.sampling_inputs import top_k_bound
 from worker_service.sample.sampling_metadata import SamplingMetadata
 
@@ -279,19 +280,24 @@ def _bitmask(allowed: list[set[int]], vocab: int) -> torch.Tensor:
     return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
 
 
-def test_token_bitmask_masks_only_the_listed_rows():
+def test_bitmask_bias_on_host_and_device_agree_and_mask_only_the_listed_rows():
     vocab = 70                                  # not a multiple of 32: the tail words are cut
     x = rand_logits(4, vocab, seed=3)
     before = x.clone()
     allowed = [{0, 31, 32, 69}, {5}]
-    out = apply_token_bitmask(x, torch.tensor([1, 3]), _bitmask(allowed, vocab))
+    bitmask = _bitmask(allowed, vocab)
+    bias = bitmask_to_bias(bitmask, vocab)
+    assert torch.equal(bias, torch.from_numpy(bitmask_bias(bitmask.numpy(), vocab)))
+    out = apply_grammar_bias(x, torch.tensor([1, 3]), bias)
     assert torch.equal(x, before)               # out of place
     assert torch.equal(out[[0, 2]], x[[0, 2]])
     for row, ids in zip((1, 3), allowed):
         finite = set(torch.nonzero(torch.isfinite(out[row])).flatten().tolist())
         assert finite == ids
-        assert torch.equal(out[row, sorted(ids)], x[row, sorted(ids)])
-    assert apply_token_bitmask(x, None, None) is x
+        assert torch.equal(out[row, sorted(ids)], x[row, sorted(ids)])   # exact values
+    every = apply_grammar_bias(x[:2], None, bias)
+    assert torch.equal(every, apply_grammar_bias(x[:2], torch.tensor([0, 1]), bias))
+    assert apply_grammar_bias(x, None, None) is x
 
 
 def test_grammar_masks_bind_greedy_and_random_rows_and_logprobs_stay_raw():
@@ -301,7 +307,7 @@ def test_grammar_masks_bind_greedy_and_random_rows_and_logprobs_stay_raw():
     allowed = [{17}, {3, 50, 99}]
     meta = make_meta(rows, vocab)
     meta.grammar_rows = torch.tensor([0, 1])
-    meta.grammar_bitmask = _bitmask(allowed, vocab)
+    meta.grammar_bias = bitmask_to_bias(_bitmask(allowed, vocab), vocab)
     for _ in range(3):
         out = Sampler().forward(logits, meta)
         assert out.sampled_token_ids[0] == 17 and out.sampled_token_ids[1].item() in allowed[1]
