@@ -316,3 +316,14 @@ def test_grammar_masks_bind_greedy_and_random_rows_and_logprobs_stay_raw():
     raw = torch.log_softmax(logits, dim=-1)
     ids = out.sampled_token_ids
     assert torch.allclose(out.logprobs, raw[torch.arange(3), ids])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grammar_bias_equals_the_host_bias():
+    vocab = 1000
+    rng = np.random.default_rng(3)
+    bitmask = torch.from_numpy(rng.integers(-2**31, 2**31, (8, -(-vocab // 32)),
+                                            dtype=np.int64).astype(np.int32))
+    gpu = bitmask_to_bias(bitmask.cuda(), vocab).cpu()
+    assert torch.equal(gpu, torch.from_numpy(bitmask_bias(bitmask.numpy(), vocab)))
