@@ -10,7 +10,8 @@ least 200 words), so each mode decodes the same number of tokens. Modes alternat
 round; each round reports tok/s per mode and each constrained mode's ratio to the unconstrained
 one, and the time the masks took per step (on the helper thread, beside the forward pass) against
 the step time; the summary is min / median / max over rounds. The diff sizes are those of
-steady-state steps (no new request in them), every request constrained.
+steady-state decode steps (every running request decodes one token; nothing arrives, resumes,
+finishes or is preempted; blocks may grow), every request constrained.
 """
 from __future__ import annotations
 
@@ -51,6 +52,13 @@ def _prompts(llm: LLM, n: int) -> list[list[int]]:
             for t in texts]
 
 
+def _steady(diff) -> bool:
+    """A steady-state decode step: every running request decodes one token (blocks may grow);
+    nothing arrives, resumes, finishes or is preempted."""
+    return not (diff.new_requests or diff.resumed_requests or diff.num_scheduled_tokens
+                or diff.finished_handles or diff.preempted_handles)
+
+
 @dataclass
 class ModeRun:
     tokens_per_s: float
@@ -67,7 +75,7 @@ def _run_mode(llm: LLM, mode: str, n: int, max_tokens: int, sizes: list[int]) ->
 
     def recording(payload: bytes) -> bytes:
         steps[0] += 1
-        if not decode_scheduler_output(payload).new_requests:
+        if _steady(decode_scheduler_output(payload)):
             sizes.append(len(payload))
         return inner(payload)
 
