@@ -3,6 +3,9 @@ Pure functions: no I/O, no engine state.
 
 Requests: a `GenerateRequest` becomes a `VllmGenerateInput` of validated domain params. A field
 we cannot honour is refused, never ignored: ParamError naming it (INVALID_ARGUMENT at the edge).
+The `constraint` oneof of SamplingParams (structured output) maps 1:1 onto engine_common's
+Constraint (json_schema, regex, grammar, json_object, choice), validated by the grammar engine
+here, at admission; `structural_tag` is refused by name.
 Proto3 scalars have no "unset": a sampling field left at 0 takes the server default (published
 in GetModelInfo.default_sampling_params_json), and so does an unset `temperature`.
 
@@ -21,11 +24,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from engine_common.constraint import Constraint
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import smg_common_pb2 as cpb
 from engine_common.protos import vllm_engine_pb2 as pb
-from scheduler_service.api.convert import MAX_LOGPROBS, check_prompt_length
+from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length,
+                                           constraint_from_oneof)
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
@@ -56,6 +61,8 @@ _UNSUPPORTED_REQUEST_FIELDS = (
 _UNSUPPORTED_SAMPLING_FIELDS = (
     ("prompt_logprobs", "unset: prompt logprobs are not supported"),
     ("truncate_prompt_tokens", "unset: prompt truncation is not supported"),
+    ("structural_tag", "unset: structural tags are not supported (structured output supports "
+                       "json_schema, regex, grammar, json_object and choice)"),
 )
 
 
@@ -72,6 +79,7 @@ class VllmGenerateInput:
     num_logprobs: int | None
     n: int
     stream: bool
+    constraint: Constraint | None = None
 
 
 def new_request_id() -> str:
@@ -97,7 +105,7 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
     return VllmGenerateInput(
         request_id=msg.request_id or make_request_id(), prompt_text=text, prompt_token_ids=ids,
         sampling=sampling_from_proto(sp, defaults), stopping=stopping_from_proto(sp, vocab_size),
-        num_logprobs=num_logprobs, n=n, stream=msg.stream)
+        num_logprobs=num_logprobs, n=n, stream=msg.stream, constraint=constraint_from_proto(sp))
 
 
 def refuse_unsupported(msg: pb.GenerateRequest) -> None:
@@ -118,10 +126,18 @@ def refuse_unsupported(msg: pb.GenerateRequest) -> None:
     if sp.logit_bias:
         raise ParamError("sampling_params.logit_bias", dict(sp.logit_bias),
                          "empty: logit bias is not supported")
-    constraint = sp.WhichOneof("constraint")
-    if constraint is not None:
-        raise ParamError(f"sampling_params.{constraint}", "set",
-                         "unset: structured output (constraint) is not supported yet")
+
+
+def constraint_from_proto(sp: pb.SamplingParams) -> Constraint | None:
+    """The structured-output constraint SamplingParams carries (None when unset), validated by
+    the grammar engine: a bad one is a ParamError on `sampling_params.<kind>` with the engine's
+    message. `grammar_from_first_token` changes nothing here: DeltaServe runs no reasoning
+    parser, so every constraint starts at the first generated token."""
+    try:
+        return constraint_from_oneof(sp, "constraint")
+    except ParamError as e:
+        field = e.field.replace("constraint.", "sampling_params.", 1)
+        raise ParamError(field, e.value, e.allowed) from None
 
 
 def _prompt_from_proto(msg: pb.GenerateRequest, vocab_size: int | None

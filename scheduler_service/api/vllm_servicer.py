@@ -110,7 +110,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         index: int) -> Request:
         return Request(request_id, list(prompt_ids), child_sampling(inp.sampling, index),
                        inp.stopping, self._model.info.eos_token_ids,
-                       num_logprobs=inp.num_logprobs or 0)
+                       num_logprobs=inp.num_logprobs or 0, constraint=inp.constraint)
 
     async def _outputs(self, requests: list[Request]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:

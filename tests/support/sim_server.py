@@ -2,7 +2,9 @@
 
 `SimServer` wires an AsyncEngine (the real Scheduler, OutputProcessor and KV event publisher)
 to `SimWorker` through the byte-level executor interface, serves Generation and VllmEngine on
-a loopback port from an event loop on its own thread, and is used with sync gRPC stubs.
+a loopback port from an event loop on its own thread, and is used with sync gRPC stubs. The
+simulated worker honours structured-output constraints with the workers' own grammar compiler
+(torch-free) over the tiny tokenizer.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import EngineUnavailable
 from tests.support.scheduler_sim import SimWorker
 from tests.support.tokenizers import build_tiny_tokenizer_dir
+from worker_service.sample.grammar import GrammarCompiler
 
 EOS = 1          # "</s>" in the tiny tokenizer
 
@@ -70,23 +73,40 @@ def make_sim_model_dir(path: Path) -> Path:
 class _SimExecutor:
     """SimWorker behind the byte-level executor interface. Its "model" samples a token of the
     tiny vocabulary (never eos) from the sequence so far, and from the seed unless greedy, so
-    greedy answers depend on the prompt alone, as a real model's do."""
+    greedy answers depend on the prompt alone, as a real model's do. A constrained request
+    takes the first id its grammar allows from there on (eos once the text is complete)."""
 
-    def __init__(self, num_blocks: int, block_size: int, gate: StepGate):
+    def __init__(self, num_blocks: int, block_size: int, gate: StepGate,
+                 grammars: GrammarCompiler):
         self.worker = SimWorker(num_blocks, block_size, sample_fn=self._sample)
         self._greedy: dict[int, bool] = {}
         self._gate = gate
+        self._grammars = grammars
+        self._matchers: dict = {}            # handle -> llguidance matcher
 
     def _sample(self, state) -> int:
         key = tuple(state.tokens) if self._greedy[state.handle] else (state.seed,
                                                                       tuple(state.tokens))
-        return hash(key) % 300 + 2
+        token = hash(key) % 300 + 2
+        matcher = self._matchers.get(state.handle)
+        if matcher is None:
+            return token
+        bits = matcher.compute_bitmask()
+        vocab = self._grammars.vocab_size
+        token = next(t % vocab for t in range(token, token + vocab)
+                     if bits[t % vocab // 8] >> (t % vocab % 8) & 1)
+        matcher.consume_token(token)
+        return token
 
     def execute(self, payload: bytes) -> bytes:
         self._gate.pass_step()
         out = decode_scheduler_output(payload)
+        for handle in out.finished_handles:
+            self._matchers.pop(handle, None)
         for new in out.new_requests:
             self._greedy[new.handle] = new.sampling.sampling.greedy
+            if new.constraint is not None:
+                self._matchers[new.handle] = self._grammars.matcher(new.constraint)
         return encode_runner_output(self.worker.execute(out))
 
 
@@ -95,6 +115,8 @@ class SimServer:
                  enable_prefix_caching: bool = True):
         self.info = ModelInfo.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer.backend.to_str(),
+                                        self.info.vocab_size, self.info.eos_token_ids)
         self.config = SchedulerConfig(block_size=block_size, max_num_seqs=8,
                                       max_num_batched_tokens=64, max_model_len=256,
                                       enable_prefix_caching=enable_prefix_caching)
@@ -117,7 +139,8 @@ class SimServer:
             raise EngineUnavailable("simulated: no worker")
         scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
                               kv_events=self.kv_events.feed)
-        executor = _SimExecutor(self.num_blocks, self.config.block_size, self.gate)
+        executor = _SimExecutor(self.num_blocks, self.config.block_size, self.gate,
+                                self.grammars)
         return EngineCore(scheduler, executor)
 
     def _check_workers(self, core: EngineCore) -> None:

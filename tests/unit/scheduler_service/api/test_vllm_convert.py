@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from engine_common.constraint import Constraint
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError, SamplingParams
 from engine_common.protos import smg_common_pb2 as cpb
@@ -93,14 +94,8 @@ def test_bad_fields_are_named(msg, field):
 
 
 UNSUPPORTED = [
-    (gen(sampling_params=pb.SamplingParams(json_schema="{}")), "sampling_params.json_schema"),
-    (gen(sampling_params=pb.SamplingParams(regex="a+")), "sampling_params.regex"),
-    (gen(sampling_params=pb.SamplingParams(grammar="root ::= x")), "sampling_params.grammar"),
     (gen(sampling_params=pb.SamplingParams(structural_tag="{}")),
      "sampling_params.structural_tag"),
-    (gen(sampling_params=pb.SamplingParams(json_object=True)), "sampling_params.json_object"),
-    (gen(sampling_params=pb.SamplingParams(choice=pb.ChoiceConstraint(choices=["a"]))),
-     "sampling_params.choice"),
     (gen(sampling_params=pb.SamplingParams(logit_bias={5: 1.0})), "sampling_params.logit_bias"),
     (gen(sampling_params=pb.SamplingParams(prompt_logprobs=1)),
      "sampling_params.prompt_logprobs"),
@@ -121,6 +116,49 @@ def test_fields_we_cannot_honour_are_refused_by_name(msg, field):
         convert(msg)
     assert err.value.field == field
     assert "not supported" in err.value.allowed or "one data-parallel rank" in err.value.allowed
+
+
+SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+
+
+@pytest.mark.parametrize("sp,expected", [
+    (pb.SamplingParams(json_schema=SCHEMA), Constraint("json_schema", SCHEMA)),
+    (pb.SamplingParams(regex="[0-9]{3}"), Constraint("regex", "[0-9]{3}")),
+    (pb.SamplingParams(grammar='root ::= "a" [bc]*'), Constraint("grammar", 'root ::= "a" [bc]*')),
+    (pb.SamplingParams(json_object=True), Constraint("json_object", True)),
+    (pb.SamplingParams(choice=pb.ChoiceConstraint(choices=["yes", "no"])),
+     Constraint("choice", ("yes", "no"))),
+    (pb.SamplingParams(regex="a+", grammar_from_first_token=True), Constraint("regex", "a+")),
+    (pb.SamplingParams(max_tokens=3), None),
+])
+def test_the_constraint_oneof_maps_onto_our_constraint(sp, expected):
+    assert convert(gen(sampling_params=sp)).constraint == expected
+
+
+@pytest.mark.parametrize("sp,field,says", [
+    (pb.SamplingParams(regex="([0-9]"), "sampling_params.regex", "unclosed group"),
+    (pb.SamplingParams(json_schema="{not json"), "sampling_params.json_schema", "JSON"),
+    (pb.SamplingParams(json_schema='{"type": "object", "uniqueItems": true}'),
+     "sampling_params.json_schema", "uniqueItems"),
+    (pb.SamplingParams(grammar="root ::= undefined_rule"), "sampling_params.grammar",
+     "undefined_rule"),
+    (pb.SamplingParams(choice=pb.ChoiceConstraint(choices=[])), "sampling_params.choice.choices",
+     "one or more"),
+    (pb.SamplingParams(json_object=False, regex=""), "sampling_params.regex", "non-empty"),
+])
+def test_a_bad_constraint_names_its_field_with_the_engines_message(sp, field, says):
+    with pytest.raises(ParamError) as err:
+        convert(gen(sampling_params=sp))
+    assert err.value.field == field
+    assert says in err.value.allowed or says in str(err.value)
+
+
+def test_structural_tag_is_refused_naming_what_is_supported():
+    with pytest.raises(ParamError) as err:
+        convert(gen(sampling_params=pb.SamplingParams(structural_tag='{"format": {}}')))
+    assert err.value.field == "sampling_params.structural_tag"
+    for kind in ("json_schema", "regex", "grammar", "json_object", "choice"):
+        assert kind in err.value.allowed
 
 
 def test_data_parallel_rank_zero_is_this_replica():

@@ -1,19 +1,23 @@
 """VllmEngineServicer over a real gRPC channel, on the real engine with a simulated worker:
 streamed and unstreamed answers agree with each other and with deltaserve.v1.Generate, n > 1 is
 fanned out with indices, Abort finds requests by the caller's id, a cancelled call frees its
-blocks, refusals name the field, health follows the engine, and the tokenizer and the KV events
-arrive as the protocol defines them."""
+blocks, refusals name the field, structured-output constraints reach the (simulated) worker and
+shape the answer, health follows the engine, and the tokenizer and the KV events arrive as the
+protocol defines them."""
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
+import re
 import threading
 import time
 import zipfile
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 
 from engine_common.protos import generation_pb2 as gpb
@@ -24,7 +28,7 @@ from engine_common.protos import vllm_engine_pb2_grpc
 from scheduler_service.api import vllm_servicer
 from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
-from tests.support.sim_server import SimServer, make_sim_model_dir
+from tests.support.sim_server import EOS, SimServer, make_sim_model_dir
 
 PROMPT = list(range(10, 23))     # 13 tokens: 3 full blocks of 4
 
@@ -157,9 +161,14 @@ def test_stops(server, stub):
 
 def test_refusals_name_the_field(stub):
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(generate(json_schema='{"type": "object"}')))
+        list(stub.Generate(generate(structural_tag='{"format": {}}')))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling_params.json_schema" in err.value.details()
+    assert "sampling_params.structural_tag" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate(regex="([0-9]")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.regex" in err.value.details()
+    assert "unclosed group" in err.value.details()       # the grammar engine's own message
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(generate(max_tokens=300)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -169,6 +178,50 @@ def test_refusals_name_the_field(stub):
         with pytest.raises(grpc.RpcError) as err:
             call(request)
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def answer(server, msgs, index=0) -> tuple[str, pb.GenerateComplete]:
+    """The text of choice `index` (streamed or not, eos left out) and its `complete`."""
+    complete = next(m.complete for m in msgs if m.HasField("complete")
+                    and m.complete.index == index)
+    streamed = [t for m in msgs if m.HasField("chunk") and m.chunk.index == index
+                for t in m.chunk.token_ids]
+    ids = streamed or list(complete.output_ids)
+    return server.tokenizer.decode([t for t in ids if t != EOS]), complete
+
+
+def test_a_choice_constraint_answers_one_choice_and_stops_at_eos(server, stub):
+    choices = ["yes", "no", "maybe later"]
+    for seed in range(4):
+        msgs = list(stub.Generate(generate(
+            request_id=f"c{seed}", max_tokens=30, temperature=1.0, seed=seed,
+            choice=pb.ChoiceConstraint(choices=choices)), timeout=60))
+        text, complete = answer(server, msgs)
+        assert text in choices
+        assert complete.finish_reason == "stop" and complete.output_ids[-1] == EOS
+    assert server.used_blocks() == 0
+
+
+def test_a_regex_holds_for_every_streamed_choice(server, stub):
+    pattern = "[0-9]{3}-[a-z]{2}"
+    msgs = list(stub.Generate(generate(stream=True, n=3, temperature=1.0, seed=3, max_tokens=40,
+                                       regex=pattern), timeout=60))
+    texts = [answer(server, msgs, i)[0] for i in range(3)]
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
+
+
+def test_a_json_schema_answer_validates(server, stub):
+    schema = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]},
+        "tags": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}},
+        "required": ["ok", "size", "tags"]}
+    for seed in range(3):
+        msgs = list(stub.Generate(generate(request_id=f"j{seed}", max_tokens=120,
+                                           temperature=1.0, seed=seed,
+                                           json_schema=json.dumps(schema)), timeout=60))
+        text, complete = answer(server, msgs)
+        assert complete.finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_a_request_id_in_use_is_refused(server, stub):
