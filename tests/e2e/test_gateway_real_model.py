@@ -3,12 +3,17 @@
 tokenizer and chat template with GetTokenizer (its --model-path is not readable where it runs);
 /v1/models lists it; a streamed chat asking for the capital of France names Paris; the answer's
 tokens are transformers' and our own Generate's for the same messages; a streaming client that
-leaves takes its request and blocks with it. Skipped, with the reason, when `smg` cannot run."""
+leaves takes its request and blocks with it; `response_format` json_schema (the gateway sends it
+as SamplingParams.json_schema) gives JSON that validates against the schema, streamed or not, and
+is the text our Generate gives with the same constraint.
+Skipped, with the reason, when `smg` cannot run."""
 from __future__ import annotations
 
+import json
 import os
 
 import grpc
+import jsonschema
 import pytest
 
 from tests.support.gateway import Gateway, Replica, SseStream, http_json, require_smg
@@ -83,3 +88,50 @@ def test_a_client_that_leaves_leaves_nothing_behind(served):
         s = server_status(replica.target)
         return (s.num_running, s.num_waiting, s.num_used_kv_blocks) == (0, 0, 0)
     wait_for(idle, 60, "no running request and no used block", [gateway.proc])
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "languages": {"type": "array", "items": {"enum": ["English", "French", "Spanish"]},
+                  "minItems": 1, "maxItems": 2}},
+    "required": ["name", "age", "languages"]}
+ASK_PERSON = [{"role": "user", "content": "Give me a person as JSON"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_validates(served, stream):
+    _, gateway = served
+    body = {"model": MODEL, "messages": ASK_PERSON, "max_tokens": 96, "stream": stream,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": PERSON}}}
+    if stream:
+        events = list(SseStream(gateway.port, "/v1/chat/completions", body,
+                                timeout=300).events())
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        finish = [c["finish_reason"] for e in events for c in e["choices"]
+                  if c.get("finish_reason")]
+    else:
+        status, reply = http_json(gateway.port, "POST", "/v1/chat/completions", body,
+                                  timeout=300)
+        assert status == 200, reply
+        text = reply["choices"][0]["message"]["content"]
+        finish = [reply["choices"][0]["finish_reason"]]
+    jsonschema.validate(json.loads(text), PERSON)
+    assert finish == ["stop"]
+
+
+
+def test_the_constrained_answer_is_our_generates(served):
+    replica, gateway = served
+    status, reply = http_json(gateway.port, "POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": ASK_PERSON, "max_tokens": 96,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "person", "schema": PERSON}}}, timeout=300)
+    assert status == 200, reply
+    req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=96),
+                             constraint=pb.Constraint(json_schema=json.dumps(PERSON)))
+    req.messages.extend(pb.ChatMessage(**m) for m in ASK_PERSON)
+    with grpc.insecure_channel(replica.target) as ch:
+        _, text, _ = collect(generation_stub(ch).Generate(req, timeout=300))
+    assert reply["choices"][0]["message"]["content"] == text    # both greedy, same grammar
