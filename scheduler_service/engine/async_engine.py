@@ -284,13 +284,15 @@ class AsyncEngine:
                 pass
 
     def _fail_all(self, error: Exception) -> None:
+        # Not ready *before* any stream hears of the failure: a caller that reacts to its
+        # stream's error must not see `ready` still True and send a request into the old core.
+        self._core = None
+        self.last_error = str(error)
         if self._routes:
             log.error("failing %d open streams: %s", len(self._routes), error)
-        self.last_error = str(error)
         for rid, hub in self._routes.items():
             self._post(hub, StreamError(rid, error))
         self._routes.clear()
-        self._core = None
         self._drain_commands(block_seconds=None)   # answer queued adds and aborts at once
 
     def _publish_stats(self) -> None:
