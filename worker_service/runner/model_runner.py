@@ -16,11 +16,13 @@ import torch
 
 from engine_common.codec import decode_scheduler_output
 from engine_common.diff import RunnerOutput, SchedulerOutput
+from engine_common.diff_limits import max_diff_bytes
 from engine_common.model_dir import ModelInfo
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.runner.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
 from worker_service.runner.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
+from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.runner.input_batch import InputBatch
 from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
                                                make_decode_warmup, make_prefill_warmup,
@@ -41,7 +43,7 @@ from worker_service.runner.token_readback import PendingStep, SampledTokens, Tok
 log = logging.getLogger(__name__)
 
 
-def _cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
+def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
     heads = int(hf_config["num_attention_heads"])
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
     return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype))
@@ -55,7 +57,7 @@ class ModelRunner:
         info = ModelInfo.from_dir(config.model_dir, config.max_model_len)
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
-        layout = _cache_layout(info.hf_config, config)
+        layout = cache_layout(info.hf_config, config)
         self.attention_backend_name = resolve_backend_name(config.attention_backend,
                                                            self.device.type, layout)
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
@@ -77,6 +79,10 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
         self.clock = StepClock()          # the last step's phases, for the worker's metrics
+        self.max_payload_bytes = max_diff_bytes(config.max_num_seqs,
+                                                config.max_num_batched_tokens,
+                                                self.max_model_len, self.block_size)
+        self.diff_bounds: DiffBounds | None = None    # set with the KV cache
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -110,6 +116,11 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
                           for _ in range(m.num_layers)]
+        self.diff_bounds = DiffBounds(
+            num_kv_blocks=num_blocks, vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1])
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
                                             self.config.enforce_eager)
         if why_not is not None:
@@ -124,6 +135,7 @@ class ModelRunner:
         """Drop the cache and the graphs captured over it (they hold its memory and pool)."""
         self.graph_runner = None
         self.kv_caches = []
+        self.diff_bounds = None
 
     @property
     def _max_graph_batch(self) -> int:
@@ -180,6 +192,9 @@ class ModelRunner:
 
     def execute(self, payload: bytes) -> RunnerOutput:
         """Decode a diff, apply it, run the model and sample."""
+        if len(payload) > self.max_payload_bytes:
+            raise BadDiff("payload size", len(payload), f"<= {self.max_payload_bytes} bytes "
+                          "(the largest diff the batch limits allow)")
         return self.execute_diff(decode_scheduler_output(payload))
 
     def execute_diff(self, diff: SchedulerOutput) -> RunnerOutput:
@@ -191,7 +206,11 @@ class ModelRunner:
         """Everything up to the token read-back, without a host sync."""
         if diff.step != self.last_step + 1:
             raise StepProtocolError(f"step {diff.step} arrived after step {self.last_step}")
+        if self.diff_bounds is None:
+            raise StepProtocolError("no KV cache is allocated: Init first")
         self.clock.start()
+        check_diff(diff, self.diff_bounds, self.requests, self.batch.handle_to_row,
+                   self.batch.num_blocks)
         self.last_step = diff.step
         self._apply_diff(diff)
         num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)

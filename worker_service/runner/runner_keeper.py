@@ -73,17 +73,17 @@ class RunnerKeeper:
         start = time.perf_counter()
         try:
             out = self.runner.execute(payload)
+            if inspect is not None:
+                inspect(out)
+            stats = RankStepStats(self.tp.rank if self.tp else 0, time.perf_counter() - start,
+                                  dict(self.runner.clock.phases), len(self.runner.requests))
+            digest = self.runner.state_digest(out) if verify else None
+            return StepReply(encode_runner_output(out) if output_rank else b"", digest, (stats,))
         except Exception as e:
             failure = as_failure(e)
             if failure.kind == FailureKind.INTERNAL:   # a model, device or collective failure
                 log.exception("step failed")
             raise failure from e
-        if inspect is not None:
-            inspect(out)
-        stats = RankStepStats(self.tp.rank if self.tp else 0, time.perf_counter() - start,
-                              dict(self.runner.clock.phases), len(self.runner.requests))
-        digest = self.runner.state_digest(out) if verify else None
-        return StepReply(encode_runner_output(out) if output_rank else b"", digest, (stats,))
 
     @property
     def ready(self) -> bool:

@@ -16,7 +16,8 @@ from worker_service.runner.model_runner import ModelRunner
 from worker_service.runner.sampling_inputs import build_sampling_metadata
 from worker_service.runner.step_buffers import (ALIGN_BYTES, StepBuffers, StepTooLarge,
                                                 attention_metadata, stage_step_inputs)
-from worker_service.failures import StepProtocolError
+from worker_service.failures import FailureKind, StepProtocolError, as_failure
+from worker_service.runner.diff_check import BadDiff
 from worker_service.runner.step_inputs import prepare_step_inputs
 
 
@@ -143,10 +144,11 @@ def test_a_step_larger_than_the_buffers_is_rejected(tiny_models):
     first = scenario_diffs()[0]
     first.new_requests[0].prompt_token_ids += [3]                   # 11 + 6 = 17 tokens
     first.num_scheduled_tokens[0] = 11
-    with pytest.raises(StepTooLarge, match=r"num_tokens=17 is invalid: must be <= "
-                                           r"max_num_batched_tokens=16") as err:
+    # The diff check refuses it before the staging buffers are asked (they stay a backstop).
+    with pytest.raises(BadDiff, match=r"tokens in the step=17 is invalid: must be <= "
+                                      r"max_num_batched_tokens \(16\)") as err:
         runner.execute_diff(first)
-    assert isinstance(err.value, StepProtocolError)                  # reported, not a crash
+    assert as_failure(err.value).kind == FailureKind.BAD_PAYLOAD     # reported, not a crash
 
 
 def test_staging_layout_alignment_and_limits():

@@ -1,0 +1,40 @@
+"""Hard bounds on what one step diff may carry, shared by the scheduler (which never sends more)
+and the worker (which refuses more before touching a tensor: worker_service/runner/diff_check.py).
+
+The per-epoch bounds come from the batch limits both sides share (max_num_seqs,
+max_num_batched_tokens, max_model_len, block_size); these constants bound the rest.
+"""
+from __future__ import annotations
+
+MAX_HANDLE = 2**31 - 1          # handles are small recycled integers; uint32 on the wire
+MAX_SEED = 2**63 - 1            # int64 on the worker
+MAX_MIN_TOKENS = 2**31 - 1      # int32 on the worker
+MAX_STOP_TOKEN_IDS = 1024       # stop_token_ids of one request (the public API's bound)
+MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 64   # + the model's eos ids, as the worker receives them
+MAX_TOP_LOGPROBS = 256          # top alternatives per token (the public API's bound)
+
+# Bytes of the encoded parts (engine_common/codec.py), rounded up: a msgpack integer <= 9, an
+# array or map header <= 5, a WorkerSamplingParams map of its 7 optional floats <= 256.
+_INT = 9
+_HEADER = 5
+_SAMPLING = 256
+_SLACK = 1 << 20                # finished and preempted handles, the step number, headers
+
+
+def max_blocks_per_request(max_model_len: int, block_size: int) -> int:
+    return -(-max_model_len // block_size)
+
+
+def max_diff_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                   block_size: int) -> int:
+    """An upper bound on the encoded size of any legal step diff under these limits.
+
+    At most min(max_num_seqs, max_num_batched_tokens) requests join in one step, each sent
+    whole: its prompt (< max_model_len uint32 ids), block ids, stop ids and sampling. Every
+    seat may also be resumed, get new blocks and a token count.
+    """
+    blocks = max_blocks_per_request(max_model_len, block_size) * _INT + _HEADER
+    new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 8 * _INT)
+    joining = min(max_num_seqs, max_num_batched_tokens)
+    per_seat = 2 * (blocks + 2 * _INT) + 2 * _INT
+    return joining * new + max_num_seqs * per_seat + _SLACK
