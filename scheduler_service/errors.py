@@ -26,6 +26,12 @@ class WorkerRefused(WorkerFailure):
     default_kind = "refused"
 
 
+class Fenced(WorkerFailure):
+    """Another scheduler took the workers over with a higher epoch. This scheduler stops driving
+    them for good (no retry: retrying would take them back and lock both out); its requests get
+    UNAVAILABLE naming the new owner."""
+
+
 class RequestFailed(RuntimeError):
     """One request failed on the scheduler side (a bug, not bad input); the engine aborts it and
     serves the others: INTERNAL, for that stream only."""

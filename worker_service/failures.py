@@ -14,8 +14,10 @@ from engine_common.codec import CodecError
 class FailureKind(enum.Enum):
     """Why a step or an Init was refused or failed."""
 
+    UNAUTHENTICATED = "unauthenticated"  # no or a wrong worker credential
     NOT_INITIALIZED = "not initialized"
     EPOCH_MISMATCH = "epoch mismatch"
+    STALE_EPOCH = "stale epoch"     # older than the worker's: another scheduler took it over
     STEP_GAP = "step gap"
     SUPERSEDED = "superseded"
     BAD_PAYLOAD = "bad payload"     # undecodable bytes or a wrong digest

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x65ltaserve/v1/worker.proto\x12\rdeltaserve.v1\"\x8e\x01\n\x0eParallelLayout\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x11\n\tnum_nodes\x18\x03 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x04 \x01(\r\x12\x1a\n\x12rendezvous_address\x18\x05 \x01(\t\x12\x10\n\x08group_id\x18\x06 \x01(\t\"\x84\x01\n\x0bInitRequest\x12+\n\x06\x63onfig\x18\x10 \x01(\x0b\x32\x1b.deltaserve.v1.WorkerConfig\x12-\n\x06layout\x18\x08 \x01(\x0b\x32\x1d.deltaserve.v1.ParallelLayout\x12\r\n\x05\x65poch\x18\t \x01(\x04J\x04\x08\x01\x10\x08J\x04\x08\n\x10\x10\"\xf2\x04\n\x0cWorkerConfig\x12\x16\n\tmodel_dir\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05\x64type\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x1e\n\x11\x61ttention_backend\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x1a\n\rmax_model_len\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nblock_size\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0ekv_cache_bytes\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12#\n\x16gpu_memory_utilization\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x0cmax_num_seqs\x18\n \x01(\x03H\x07\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x1c\n\x0fverify_symmetry\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x1a\n\renforce_eager\x18\r \x01(\x08H\n\x88\x01\x01\x12\x1c\n\x0fmax_graph_batch\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x16\n\tfused_ops\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x42\x0c\n\n_model_dirB\x08\n\x06_dtypeB\x14\n\x12_attention_backendB\x10\n\x0e_max_model_lenB\r\n\x0b_block_sizeB\x11\n\x0f_kv_cache_bytesB\x19\n\x17_gpu_memory_utilizationB\x0f\n\r_max_num_seqsB\x19\n\x17_max_num_batched_tokensB\x12\n\x10_verify_symmetryB\x10\n\x0e_enforce_eagerB\x12\n\x10_max_graph_batchB\x0c\n\n_fused_ops\"\xad\x01\n\nDeviceInfo\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x13\n\x0bglobal_rank\x18\x02 \x01(\r\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x04 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x05 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x06 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\"x\n\x0cInitResponse\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12*\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.DeviceInfo\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x16\n\x0ekv_block_bytes\x18\x04 \x01(\x04\"[\n\x0bStepRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x06\x64igest\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_digest\"\xd3\x01\n\tStepError\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.deltaserve.v1.StepError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x87\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45POCH_MISMATCH\x10\x01\x12\x0c\n\x08STEP_GAP\x10\x02\x12\x0f\n\x0b\x42\x41\x44_PAYLOAD\x10\x03\x12\x0f\n\x0bRANK_FAILED\x10\x04\x12\x17\n\x13SYMMETRY_DIVERGENCE\x10\x05\x12\x0c\n\x08INTERNAL\x10\x06\"\x94\x01\n\x0cStepResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x06\x64igest\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x12,\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x18.deltaserve.v1.StepErrorH\x01\x88\x01\x01\x42\t\n\x07_digestB\x08\n\x06_error\"\x1d\n\x0cResetRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"<\n\rResetResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x1c\n\x14num_dropped_requests\x18\x02 \x01(\r\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\x89\x02\n\x0cInfoResponse\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12*\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.DeviceInfo\x12\x14\n\x0cmodel_loaded\x18\x03 \x01(\x08\x12\x11\n\tmodel_dir\x18\x04 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12-\n\x06layout\x18\x06 \x01(\x0b\x32\x1d.deltaserve.v1.ParallelLayout\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x10\n\x08group_id\x18\n \x01(\t2\xda\x02\n\x06Worker\x12?\n\x04Init\x12\x1a.deltaserve.v1.InitRequest\x1a\x1b.deltaserve.v1.InitResponse\x12\x43\n\x04Step\x12\x1a.deltaserve.v1.StepRequest\x1a\x1b.deltaserve.v1.StepResponse(\x01\x30\x01\x12\x42\n\x05Reset\x12\x1b.deltaserve.v1.ResetRequest\x1a\x1c.deltaserve.v1.ResetResponse\x12\x45\n\x06Health\x12\x1c.deltaserve.v1.HealthRequest\x1a\x1d.deltaserve.v1.HealthResponse\x12?\n\x04Info\x12\x1a.deltaserve.v1.InfoRequest\x1a\x1b.deltaserve.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64\x65ltaserve/v1/worker.proto\x12\rdeltaserve.v1\"\x8e\x01\n\x0eParallelLayout\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x11\n\tnum_nodes\x18\x03 \x01(\r\x12\x17\n\x0fnum_local_ranks\x18\x04 \x01(\r\x12\x1a\n\x12rendezvous_address\x18\x05 \x01(\t\x12\x10\n\x08group_id\x18\x06 \x01(\t\"\x9a\x01\n\x0bInitRequest\x12+\n\x06\x63onfig\x18\x10 \x01(\x0b\x32\x1b.deltaserve.v1.WorkerConfig\x12-\n\x06layout\x18\x08 \x01(\x0b\x32\x1d.deltaserve.v1.ParallelLayout\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x11 \x01(\tJ\x04\x08\x01\x10\x08J\x04\x08\n\x10\x10\"\xf2\x04\n\x0cWorkerConfig\x12\x16\n\tmodel_dir\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05\x64type\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x1e\n\x11\x61ttention_backend\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x1a\n\rmax_model_len\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nblock_size\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x1b\n\x0ekv_cache_bytes\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12#\n\x16gpu_memory_utilization\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x0cmax_num_seqs\x18\n \x01(\x03H\x07\x88\x01\x01\x12#\n\x16max_num_batched_tokens\x18\x0b \x01(\x03H\x08\x88\x01\x01\x12\x1c\n\x0fverify_symmetry\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x1a\n\renforce_eager\x18\r \x01(\x08H\n\x88\x01\x01\x12\x1c\n\x0fmax_graph_batch\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x16\n\tfused_ops\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x42\x0c\n\n_model_dirB\x08\n\x06_dtypeB\x14\n\x12_attention_backendB\x10\n\x0e_max_model_lenB\r\n\x0b_block_sizeB\x11\n\x0f_kv_cache_bytesB\x19\n\x17_gpu_memory_utilizationB\x0f\n\r_max_num_seqsB\x19\n\x17_max_num_batched_tokensB\x12\n\x10_verify_symmetryB\x10\n\x0e_enforce_eagerB\x12\n\x10_max_graph_batchB\x0c\n\n_fused_ops\"\xad\x01\n\nDeviceInfo\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x13\n\x0bglobal_rank\x18\x02 \x01(\r\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x04 \x01(\t\x12\x1a\n\x12total_memory_bytes\x18\x05 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x06 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\"x\n\x0cInitResponse\x12\x15\n\rnum_kv_blocks\x18\x01 \x01(\r\x12*\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.DeviceInfo\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x16\n\x0ekv_block_bytes\x18\x04 \x01(\x04\"[\n\x0bStepRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x06\x64igest\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_digest\"\xe4\x01\n\tStepError\x12+\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1d.deltaserve.v1.StepError.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x98\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45POCH_MISMATCH\x10\x01\x12\x0c\n\x08STEP_GAP\x10\x02\x12\x0f\n\x0b\x42\x41\x44_PAYLOAD\x10\x03\x12\x0f\n\x0bRANK_FAILED\x10\x04\x12\x17\n\x13SYMMETRY_DIVERGENCE\x10\x05\x12\x0c\n\x08INTERNAL\x10\x06\x12\x0f\n\x0bSTALE_EPOCH\x10\x07\"\x94\x01\n\x0cStepResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x13\n\x06\x64igest\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x12,\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x18.deltaserve.v1.StepErrorH\x01\x88\x01\x01\x42\t\n\x07_digestB\x08\n\x06_error\"3\n\x0cResetRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0cscheduler_id\x18\x02 \x01(\t\"<\n\rResetResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x1c\n\x14num_dropped_requests\x18\x02 \x01(\r\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\x9f\x02\n\x0cInfoResponse\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12*\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x19.deltaserve.v1.DeviceInfo\x12\x14\n\x0cmodel_loaded\x18\x03 \x01(\x08\x12\x11\n\tmodel_dir\x18\x04 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12-\n\x06layout\x18\x06 \x01(\x0b\x32\x1d.deltaserve.v1.ParallelLayout\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x10\n\x08group_id\x18\n \x01(\t\x12\x14\n\x0cscheduler_id\x18\x0b \x01(\t2\xda\x02\n\x06Worker\x12?\n\x04Init\x12\x1a.deltaserve.v1.InitRequest\x1a\x1b.deltaserve.v1.InitResponse\x12\x43\n\x04Step\x12\x1a.deltaserve.v1.StepRequest\x1a\x1b.deltaserve.v1.StepResponse(\x01\x30\x01\x12\x42\n\x05Reset\x12\x1b.deltaserve.v1.ResetRequest\x1a\x1c.deltaserve.v1.ResetResponse\x12\x45\n\x06Health\x12\x1c.deltaserve.v1.HealthRequest\x1a\x1d.deltaserve.v1.HealthResponse\x12?\n\x04Info\x12\x1a.deltaserve.v1.InfoRequest\x1a\x1b.deltaserve.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARALLELLAYOUT']._serialized_start=46
   _globals['_PARALLELLAYOUT']._serialized_end=188
   _globals['_INITREQUEST']._serialized_start=191
-  _globals['_INITREQUEST']._serialized_end=323
-  _globals['_WORKERCONFIG']._serialized_start=326
-  _globals['_WORKERCONFIG']._serialized_end=952
-  _globals['_DEVICEINFO']._serialized_start=955
-  _globals['_DEVICEINFO']._serialized_end=1128
-  _globals['_INITRESPONSE']._serialized_start=1130
-  _globals['_INITRESPONSE']._serialized_end=1250
-  _globals['_STEPREQUEST']._serialized_start=1252
-  _globals['_STEPREQUEST']._serialized_end=1343
-  _globals['_STEPERROR']._serialized_start=1346
-  _globals['_STEPERROR']._serialized_end=1557
-  _globals['_STEPERROR_CODE']._serialized_start=1422
-  _globals['_STEPERROR_CODE']._serialized_end=1557
-  _globals['_STEPRESPONSE']._serialized_start=1560
-  _globals['_STEPRESPONSE']._serialized_end=1708
-  _globals['_RESETREQUEST']._serialized_start=1710
-  _globals['_RESETREQUEST']._serialized_end=1739
-  _globals['_RESETRESPONSE']._serialized_start=1741
-  _globals['_RESETRESPONSE']._serialized_end=1801
-  _globals['_HEALTHREQUEST']._serialized_start=1803
-  _globals['_HEALTHREQUEST']._serialized_end=1818
-  _globals['_HEALTHRESPONSE']._serialized_start=1820
-  _globals['_HEALTHRESPONSE']._serialized_end=1867
-  _globals['_INFOREQUEST']._serialized_start=1869
-  _globals['_INFOREQUEST']._serialized_end=1882
-  _globals['_INFORESPONSE']._serialized_start=1885
-  _globals['_INFORESPONSE']._serialized_end=2150
-  _globals['_WORKER']._serialized_start=2153
-  _globals['_WORKER']._serialized_end=2499
+  _globals['_INITREQUEST']._serialized_end=345
+  _globals['_WORKERCONFIG']._serialized_start=348
+  _globals['_WORKERCONFIG']._serialized_end=974
+  _globals['_DEVICEINFO']._serialized_start=977
+  _globals['_DEVICEINFO']._serialized_end=1150
+  _globals['_INITRESPONSE']._serialized_start=1152
+  _globals['_INITRESPONSE']._serialized_end=1272
+  _globals['_STEPREQUEST']._serialized_start=1274
+  _globals['_STEPREQUEST']._serialized_end=1365
+  _globals['_STEPERROR']._serialized_start=1368
+  _globals['_STEPERROR']._serialized_end=1596
+  _globals['_STEPERROR_CODE']._serialized_start=1444
+  _globals['_STEPERROR_CODE']._serialized_end=1596
+  _globals['_STEPRESPONSE']._serialized_start=1599
+  _globals['_STEPRESPONSE']._serialized_end=1747
+  _globals['_RESETREQUEST']._serialized_start=1749
+  _globals['_RESETREQUEST']._serialized_end=1800
+  _globals['_RESETRESPONSE']._serialized_start=1802
+  _globals['_RESETRESPONSE']._serialized_end=1862
+  _globals['_HEALTHREQUEST']._serialized_start=1864
+  _globals['_HEALTHREQUEST']._serialized_end=1879
+  _globals['_HEALTHRESPONSE']._serialized_start=1881
+  _globals['_HEALTHRESPONSE']._serialized_end=1928
+  _globals['_INFOREQUEST']._serialized_start=1930
+  _globals['_INFOREQUEST']._serialized_end=1943
+  _globals['_INFORESPONSE']._serialized_start=1946
+  _globals['_INFORESPONSE']._serialized_end=2233
+  _globals['_WORKER']._serialized_start=2236
+  _globals['_WORKER']._serialized_end=2582
 # @@protoc_insertion_point(module_scope)

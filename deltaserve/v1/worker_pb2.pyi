@@ -24,14 +24,16 @@ class ParallelLayout(_message.Message):
     def __init__(self, tp_size: _Optional[int] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., num_local_ranks: _Optional[int] = ..., rendezvous_address: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("config", "layout", "epoch")
+    __slots__ = ("config", "layout", "epoch", "scheduler_id")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     config: WorkerConfig
     layout: ParallelLayout
     epoch: int
-    def __init__(self, config: _Optional[_Union[WorkerConfig, _Mapping]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, config: _Optional[_Union[WorkerConfig, _Mapping]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class WorkerConfig(_message.Message):
     __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops")
@@ -116,6 +118,7 @@ class StepError(_message.Message):
         RANK_FAILED: _ClassVar[StepError.Code]
         SYMMETRY_DIVERGENCE: _ClassVar[StepError.Code]
         INTERNAL: _ClassVar[StepError.Code]
+        STALE_EPOCH: _ClassVar[StepError.Code]
     CODE_UNSPECIFIED: StepError.Code
     EPOCH_MISMATCH: StepError.Code
     STEP_GAP: StepError.Code
@@ -123,6 +126,7 @@ class StepError(_message.Message):
     RANK_FAILED: StepError.Code
     SYMMETRY_DIVERGENCE: StepError.Code
     INTERNAL: StepError.Code
+    STALE_EPOCH: StepError.Code
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     code: StepError.Code
@@ -144,10 +148,12 @@ class StepResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., payload: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "scheduler_id")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("epoch", "num_dropped_requests")
@@ -174,7 +180,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("device_kind", "devices", "model_loaded", "model_dir", "attention_backend", "layout", "epoch", "dtype", "num_kv_blocks", "group_id")
+    __slots__ = ("device_kind", "devices", "model_loaded", "model_dir", "attention_backend", "layout", "epoch", "dtype", "num_kv_blocks", "group_id", "scheduler_id")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     MODEL_LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +191,7 @@ class InfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     model_loaded: bool
@@ -195,4 +202,5 @@ class InfoResponse(_message.Message):
     dtype: str
     num_kv_blocks: int
     group_id: str
-    def __init__(self, device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., model_loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., attention_backend: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., group_id: _Optional[str] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, device_kind: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., model_loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., attention_backend: _Optional[str] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., dtype: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., group_id: _Optional[str] = ..., scheduler_id: _Optional[str] = ...) -> None: ...

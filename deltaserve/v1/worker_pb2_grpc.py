@@ -27,6 +27,11 @@ if _version_not_supported:
 
 class WorkerStub:
     """One node's worker service.
+
+    Every RPC but grpc.health.v1 carries the worker's credential: the metadata
+    `authorization: Bearer <token>` (the shared token file) and/or a client certificate (mutual
+    TLS); anything else is refused with UNAUTHENTICATED before the worker's state is touched.
+    A worker serves one scheduler at a time: the owner of the highest epoch it accepted (fencing).
     """
 
     def __init__(self, channel):
@@ -64,12 +69,20 @@ class WorkerStub:
 
 class WorkerServicer:
     """One node's worker service.
+
+    Every RPC but grpc.health.v1 carries the worker's credential: the metadata
+    `authorization: Bearer <token>` (the shared token file) and/or a client certificate (mutual
+    TLS); anything else is refused with UNAUTHENTICATED before the worker's state is touched.
+    A worker serves one scheduler at a time: the owner of the highest epoch it accepted (fencing).
     """
 
     def Init(self, request, context):
         """Loads the model shard(s), allocates the KV cache and joins the tensor-parallel group; starts
         `epoch`. Idempotent for the same model and layout: a worker that already holds them keeps its
-        weights and only starts the new epoch (scheduler restart).
+        weights and only starts the new epoch (scheduler restart). `epoch` must be above every epoch
+        the worker accepted before, else FAILED_PRECONDITION naming the current epoch and owner (a
+        stale scheduler); a higher epoch from another scheduler takes the worker over. A refused
+        Init changes nothing: the loaded model, the epoch and the owner stay.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,7 +99,7 @@ class WorkerServicer:
 
     def Reset(self, request, context):
         """Starts a new epoch: drops every cached request and the persistent batch. Weights and the KV
-        cache allocation stay.
+        cache allocation stay. Only the current owner may reset, to a higher epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +157,11 @@ def add_WorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Worker:
     """One node's worker service.
+
+    Every RPC but grpc.health.v1 carries the worker's credential: the metadata
+    `authorization: Bearer <token>` (the shared token file) and/or a client certificate (mutual
+    TLS); anything else is refused with UNAUTHENTICATED before the worker's state is touched.
+    A worker serves one scheduler at a time: the owner of the highest epoch it accepted (fencing).
     """
 
     @staticmethod

@@ -10,7 +10,9 @@ computed for such a request meanwhile never reaches the client.
 
 When a worker fails, every open stream ends with EngineUnavailable and the thread rebuilds the
 core (reconnect, re-Init, new epoch) before taking new requests. When the output of one request
-cannot be processed, that stream alone ends with RequestFailed and the engine aborts it.
+cannot be processed, that stream alone ends with RequestFailed and the engine aborts it. When
+another scheduler took the workers over (Fenced), the engine stops for good: it never rebuilds
+the core, and every request gets UNAVAILABLE naming the new owner.
 
 Only the engine thread touches the core; only a hub's loop touches that hub. Other threads read
 `stats`, an immutable snapshot the engine thread replaces after every loop turn, and `ready`.
@@ -33,7 +35,7 @@ from scheduler_service.engine.output_processor import OutputProcessor, RequestOu
 from scheduler_service.engine.stream_hub import StreamError, StreamHub
 from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.engine.token_update import TokenUpdate
-from scheduler_service.errors import EngineUnavailable, WorkerRefused
+from scheduler_service.errors import EngineUnavailable, Fenced, WorkerRefused
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,8 @@ class AsyncEngine:
         self.last_error: str = "not connected to the workers yet"
         # Why the workers refused the last Init (WorkerRefused), or None after any other outcome.
         self.refused: str | None = None
+        # Why this engine stopped for good: another scheduler took the workers over.
+        self.fenced: str | None = None
         self._retry_seconds = _RECONNECT_SECONDS
 
     # -- called from the asyncio side -------------------------------------------------------
@@ -148,6 +152,10 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.fenced is not None:
+                self._drain_commands(block_seconds=_RECONNECT_SECONDS)
+                self._hand_off()
+                continue
             if self._core is None and not self._connect():
                 self._drain_commands(block_seconds=self._retry_seconds)
                 self._hand_off()
@@ -184,6 +192,9 @@ class AsyncEngine:
     def _connect(self) -> bool:
         try:
             self._core = self._make_core()
+        except Fenced as e:
+            self._stop_fenced(e)
+            return False
         except WorkerRefused as e:
             self.last_error = self.refused = str(e)
             self._retry_seconds = min(2 * self._retry_seconds, _REFUSED_RETRY_MAX_SECONDS)
@@ -283,11 +294,18 @@ class AsyncEngine:
             except RuntimeError:   # the loop is closed: nobody is listening any more
                 pass
 
+    def _stop_fenced(self, error: Fenced) -> None:
+        if self.fenced is None:
+            log.error("this scheduler stops driving the workers: %s", error)
+        self.fenced = self.last_error = str(error)
+
     def _fail_all(self, error: Exception) -> None:
         # Not ready *before* any stream hears of the failure: a caller that reacts to its
         # stream's error must not see `ready` still True and send a request into the old core.
         self._core = None
         self.last_error = str(error)
+        if isinstance(error, Fenced):
+            self._stop_fenced(error)
         if self._routes:
             log.error("failing %d open streams: %s", len(self._routes), error)
         for rid, hub in self._routes.items():

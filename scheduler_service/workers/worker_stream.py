@@ -6,8 +6,9 @@ moves responses, or the stream's end, into a second queue, so `receive` can wait
 a killed worker ends the stream (UNAVAILABLE) and `receive` raises at once; a stuck one raises
 when the deadline passes. Neither ever hangs the caller.
 
-A StepError with code SYMMETRY_DIVERGENCE (a node's ranks disagreed) raises SymmetryError; any
-other error, WorkerFailure.
+A StepError with code SYMMETRY_DIVERGENCE (a node's ranks disagreed) raises SymmetryError;
+STALE_EPOCH (another scheduler took the worker over) raises Fenced; any other error,
+WorkerFailure.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 import grpc
 
 from engine_common.protos import worker_pb2
-from scheduler_service.errors import WorkerFailure
+from scheduler_service.errors import Fenced, WorkerFailure
 
 _STOP = object()  # the request generator's end marker
 
@@ -37,6 +38,10 @@ def describe_rpc_error(e: grpc.RpcError) -> str:
     if callable(code):
         return f"{code().name}: {e.details()}"
     return repr(e)
+
+
+_STEP_ERRORS = {worker_pb2.StepError.SYMMETRY_DIVERGENCE: SymmetryError,
+                worker_pb2.StepError.STALE_EPOCH: Fenced}
 
 
 class _Ended:
@@ -74,8 +79,7 @@ class StepStream:
                                 f"{self._why(item)}", kind="stream_ended")
         if item.HasField("error"):
             code = worker_pb2.StepError.Code.Name(item.error.code)
-            error = (SymmetryError if item.error.code == worker_pb2.StepError.SYMMETRY_DIVERGENCE
-                     else WorkerFailure)
+            error = _STEP_ERRORS.get(item.error.code, WorkerFailure)
             raise error(f"worker {self.address}: step {step} failed: {code}: "
                         f"{item.error.message}", kind=code.lower())
         if item.epoch != epoch or item.step != step:

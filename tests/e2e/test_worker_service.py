@@ -16,7 +16,7 @@ from engine_common.codec import decode_runner_output, encode_scheduler_output
 from engine_common.diff import NewRequestData, SchedulerOutput
 from engine_common.params import SamplingParams, WorkerSamplingParams
 from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
-from scheduler_service.errors import WorkerFailure, WorkerRefused
+from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from tests.support.init_specs import init_spec
 from tests.support.paths import REPO
@@ -167,24 +167,40 @@ def test_step_gap_wrong_epoch_and_bad_payload(client, shared_worker, model_dir):
     epoch = client.init(_spec(model_dir)).epoch
     client.close()
     step0 = encode_scheduler_output(_diffs()[0])
+    step1 = encode_scheduler_output(_diffs()[1])
     cases = [  # (requests, StepError code, stream status)
         ([worker_pb2.StepRequest(epoch=epoch + 1, step=0, payload=step0)],
          worker_pb2.StepError.EPOCH_MISMATCH, grpc.StatusCode.FAILED_PRECONDITION),
+        ([worker_pb2.StepRequest(epoch=epoch - 1, step=0, payload=step0)],
+         worker_pb2.StepError.STALE_EPOCH, grpc.StatusCode.FAILED_PRECONDITION),
         ([worker_pb2.StepRequest(epoch=epoch, step=1, payload=step0)],
          worker_pb2.StepError.STEP_GAP, grpc.StatusCode.FAILED_PRECONDITION),
     ]
     for requests, code, status in cases:
         responses, err = _raw_step(shared_worker.address, requests)
         assert responses[-1].error.code == code and err.code() == status, err
-    # The gap failed the epoch: even step 0 is refused now, until Reset.
-    responses, err = _raw_step(shared_worker.address,
-                               [worker_pb2.StepRequest(epoch=epoch, step=0, payload=step0)])
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "Reset" in err.details()
-
-    _stub(shared_worker.address).Reset(worker_pb2.ResetRequest(epoch=epoch))
+    # A refused stream never became the active one: the epoch is intact. A gap on the active
+    # stream fails the epoch: even the next step is refused now, until Reset.
     responses, err = _raw_step(shared_worker.address, [
         worker_pb2.StepRequest(epoch=epoch, step=0, payload=step0),
-        worker_pb2.StepRequest(epoch=epoch, step=1, payload=b"\xc1 not msgpack")])
+        worker_pb2.StepRequest(epoch=epoch, step=2, payload=step1)])
+    assert not responses[0].HasField("error")
+    assert responses[1].error.code == worker_pb2.StepError.STEP_GAP
+    responses, err = _raw_step(shared_worker.address,
+                               [worker_pb2.StepRequest(epoch=epoch, step=1, payload=step1)])
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "Reset" in err.details()
+
+    # Only the owner resets, to a higher epoch.
+    for scheduler_id, new_epoch in (("someone-else", epoch + 1), (client.scheduler_id, epoch)):
+        with pytest.raises(grpc.RpcError) as refused:
+            _stub(shared_worker.address).Reset(
+                worker_pb2.ResetRequest(epoch=new_epoch, scheduler_id=scheduler_id))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    _stub(shared_worker.address).Reset(
+        worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id=client.scheduler_id))
+    responses, err = _raw_step(shared_worker.address, [
+        worker_pb2.StepRequest(epoch=epoch + 1, step=0, payload=step0),
+        worker_pb2.StepRequest(epoch=epoch + 1, step=1, payload=b"\xc1 not msgpack")])
     assert not responses[0].HasField("error") and responses[0].payload
     assert responses[1].error.code == worker_pb2.StepError.BAD_PAYLOAD
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -234,13 +250,15 @@ def test_reinit_keeps_model_and_starts_new_epoch(client, shared_worker, model_di
 
 
 def test_second_client_supersedes_first(shared_worker, model_dir):
-    """A restarted scheduler (new client, new epoch) takes over; the old one fails fast."""
+    """A restarted scheduler (new client, a higher epoch) takes over; the old one is fenced."""
     old, new = WorkerClient([shared_worker.address]), WorkerClient([shared_worker.address])
     try:
         old.init(_spec(model_dir))
         new.init(_spec(model_dir))
-        with pytest.raises(WorkerFailure, match="ABORTED|EPOCH_MISMATCH"):
+        with pytest.raises(Fenced, match=f"STALE_EPOCH.*scheduler {new.scheduler_id}"):
             old.execute(encode_scheduler_output(_diffs()[0]))
+        with pytest.raises(Fenced, match=f"driven by scheduler {new.scheduler_id}"):
+            old.init(_spec(model_dir))
         assert _tokens(new.execute) == _in_process_tokens(model_dir)
     finally:
         old.close()

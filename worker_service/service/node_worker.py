@@ -4,16 +4,24 @@ A node worker is the protobuf-free state behind one worker service. It drives th
 through the Ranks interface (runner/rank_api.py): one in-process RunnerKeeper (tp_size 1) or a
 RankGroup of rank processes (tp_size > 1). The rules enforced here:
 
+- One scheduler at a time (fencing.py): Init must carry an epoch above every epoch accepted
+  before; a higher one from another scheduler takes the worker over, and the displaced
+  scheduler's steps fail STALE_EPOCH. Reset is the owner's only.
+- A refused Init changes nothing (init_checks.py runs before the model is touched): the loaded
+  model, the epoch and the owner stay.
 - Steps of an epoch run in order 0, 1, 2, ... A step that fails (gap, bad payload, runner error)
   poisons the epoch: every later step of it fails the same way until `reset` or `init`.
-- One Step stream is active at a time. Opening a stream supersedes the previous one: its next
-  step fails with SUPERSEDED. (A restarted scheduler must not wait for a half-dead old stream.)
+- One Step stream is active at a time. A newer stream supersedes the active one when its first
+  step carries the current epoch (the owner's: an outsider's stream cannot); the older stream's
+  next step then fails with SUPERSEDED. (A restarted scheduler must not wait for a half-dead old
+  stream.)
 - Steps, Init and Reset hold one lock; `readiness`, `describe_devices` and `model_summary` never
   wait for it. Init first interrupts a step that is still waiting for its ranks.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from pathlib import Path
 from typing import Callable
@@ -24,6 +32,10 @@ from worker_service.models.tp_sizes import check_tp_size
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.runner.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
+from worker_service.service.fencing import Fence
+from worker_service.service.init_checks import InitGuards, check_init
+
+log = logging.getLogger(__name__)
 
 
 def payload_digest(payload: bytes) -> bytes:
@@ -45,17 +57,20 @@ def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
 class NodeWorker:
     """The epoch, step and stream bookkeeping of one worker service over `ranks`."""
 
-    def __init__(self, ranks: Ranks, layout: NodeLayout):
+    def __init__(self, ranks: Ranks, layout: NodeLayout, guards: InitGuards = InitGuards()):
         self.ranks = ranks
         self.device = ranks.device
         self.started_layout = layout
         self.layout = layout
-        self.epoch: int | None = None
+        self.guards = guards
+        self.fence = Fence()
+        self.epoch: int | None = None      # the epoch steps run in; None while not runnable
         self.num_kv_blocks = 0
         self.verify_symmetry = False
         self._lock = threading.Lock()
         self._next_step = 0
         self._failure: StepFailure | None = None
+        self._opened_streams = 0
         self._active_stream = 0
         # Called with every successful step's reply (the worker's metrics).
         self.step_listener: Callable[[StepReply], None] | None = None
@@ -67,13 +82,22 @@ class NodeWorker:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int) -> InitOutcome:
-        """Load (or keep) the model, size the KV cache, join the group, and start `epoch`."""
+    def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int,
+             owner: str = "") -> InitOutcome:
+        """Load (or keep) the model, size the KV cache, join the group, and start `epoch` for
+        scheduler `owner`. Refused (StepFailure STALE_EPOCH, ValueError, NotImplementedError)
+        before anything changes."""
         check_layout(self.started_layout, layout)
+        self.fence.check(epoch)
+        check_init(config, self.guards)
         if layout.tp_size > 1:    # refused here, once, before any rank loads anything
             check_tp_size(read_model_configs(Path(config.model_dir))[0], layout.tp_size)
         self.ranks.interrupt()
         with self._lock:
+            previous = self.fence.take(epoch, owner)
+            if previous is not None:
+                log.warning("scheduler %s took this worker over from scheduler %s (epoch %d)",
+                            owner or "?", previous, epoch)
             self.epoch = None
             outcome = self.ranks.load(config, layout)
             self.num_kv_blocks = outcome.num_kv_blocks
@@ -82,10 +106,14 @@ class NodeWorker:
             self._start_epoch(epoch)
             return outcome
 
-    def reset(self, epoch: int) -> int:
-        """Start `epoch`; drop every cached request. Returns how many were dropped."""
+    def reset(self, epoch: int, owner: str = "") -> int:
+        """Start `epoch` (the owner's only, a higher one); drop every cached request. Returns
+        how many were dropped."""
+        self.fence.check_reset(epoch, owner)
         self.ranks.interrupt()
         with self._lock:
+            self.fence.check_reset(epoch, owner)
+            self.fence.take(epoch, owner)
             dropped = self.ranks.drop_requests()
             self._start_epoch(epoch)
             return dropped
@@ -104,19 +132,23 @@ class NodeWorker:
     # -- steps ----------------------------------------------------------------------------------
 
     def open_stream(self) -> int:
-        """Make a new Step stream the active one; returns its id."""
+        """A new Step stream's id; it becomes the active one at its first step of the current
+        epoch (`step`)."""
         with self._lock:
-            self._active_stream += 1
-            return self._active_stream
+            self._opened_streams += 1
+            return self._opened_streams
 
     def step(self, stream_id: int, epoch: int, step: int, payload: bytes,
              digest: bytes | None = None) -> StepReply:
-        """Run one step of the active stream."""
+        """Run one step of the active stream (a newer stream with the current epoch takes over
+        as the active one)."""
         with self._lock:
-            if stream_id != self._active_stream:
+            if stream_id < self._active_stream:
                 raise StepFailure(FailureKind.SUPERSEDED,
                                   "this Step stream was superseded by a newer one")
-            self._check_envelope(epoch, step)
+            # A stream that is not the active one yet fails the epoch only once it is.
+            self._check_envelope(epoch, step, fail_epoch=stream_id == self._active_stream)
+            self._active_stream = stream_id
             try:
                 if digest is not None and digest != payload_digest(payload):
                     raise StepFailure(FailureKind.BAD_PAYLOAD,
@@ -131,7 +163,9 @@ class NodeWorker:
                 self.step_listener(reply)
             return reply
 
-    def _check_envelope(self, epoch: int, step: int) -> None:
+    def _check_envelope(self, epoch: int, step: int, fail_epoch: bool) -> None:
+        if epoch < self.fence.epoch:
+            raise self.fence.stale(epoch, step)
         if self.epoch is None:
             raise StepFailure(FailureKind.NOT_INITIALIZED,
                               "the worker is not initialized: call Init first")
@@ -147,10 +181,11 @@ class NodeWorker:
                               f"an earlier step failed ({self._failure.kind.value}: "
                               f"{self._failure}); Reset or Init is required")
         if step != self._next_step:
-            self._failure = StepFailure(FailureKind.STEP_GAP,
-                                        f"epoch {epoch}: expected step {self._next_step}, "
-                                        f"got step {step}")
-            raise self._failure
+            gap = StepFailure(FailureKind.STEP_GAP,
+                              f"epoch {epoch}: expected step {self._next_step}, got step {step}")
+            if fail_epoch:
+                self._failure = gap
+            raise gap
 
     # -- introspection (no lock: never waits behind a step or a model load) ----------------------
 

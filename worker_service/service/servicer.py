@@ -7,11 +7,14 @@ Step stream errors. A refused or failed step is answered with one StepResponse w
 set, then the stream is closed with a status (the response is skipped only for SUPERSEDED):
 
     failure                                   StepError.code        gRPC status
+    no or a wrong credential (auth.py)        (no response)         UNAUTHENTICATED
     not initialized (no Init yet)             EPOCH_MISMATCH        FAILED_PRECONDITION
+    an epoch older than the worker's          STALE_EPOCH           FAILED_PRECONDITION
     StepRequest.epoch != current epoch        EPOCH_MISMATCH        FAILED_PRECONDITION
     StepRequest.step != next step             STEP_GAP              FAILED_PRECONDITION
     a step of this epoch already failed       CODE_UNSPECIFIED      FAILED_PRECONDITION
-    payload undecodable or digest wrong       BAD_PAYLOAD           INVALID_ARGUMENT
+    payload undecodable, digest wrong, a
+      value out of range (runner/diff_check)  BAD_PAYLOAD           INVALID_ARGUMENT
     diff does not fit the cached requests     BAD_PAYLOAD           FAILED_PRECONDITION
     runner raised (model, device)             INTERNAL              INTERNAL
     out of device or host memory              INTERNAL              RESOURCE_EXHAUSTED
@@ -19,9 +22,9 @@ set, then the stream is closed with a status (the response is skipped only for S
     local ranks' digests differ (verify)      SYMMETRY_DIVERGENCE   INTERNAL
     a newer Step stream was opened            (no response)         ABORTED
 
-Init answers refused settings with INVALID_ARGUMENT (the scheduler then backs off), an
-unsupported choice with UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL
-(FAILURES below). Every step failure except an epoch mismatch and supersession fails the epoch: later steps are refused
+Init answers a stale epoch with FAILED_PRECONDITION (another scheduler owns the worker),
+refused settings with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
+UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every step failure except an epoch mismatch and supersession fails the epoch: later steps are refused
 until Reset or Init. A new Step stream supersedes the previous one (it learns so at its next step).
 """
 from __future__ import annotations
@@ -35,7 +38,7 @@ from engine_common.protos import worker_pb2, worker_pb2_grpc
 from engine_common.settings import from_proto
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
-from worker_service.failures import FailureKind, StepFailure, as_failure
+from worker_service.failures import FailureKind, as_failure
 from worker_service.config import NodeLayout
 from worker_service.service.node_worker import NodeWorker
 
@@ -47,7 +50,9 @@ _S = grpc.StatusCode
 # NOTE the one FailureKind -> (StepError code, gRPC status) table of the worker service, for Init,
 # Step and Reset alike. A code of None: no StepResponse, only the status (a superseded stream).
 FAILURES = {
+    FailureKind.UNAUTHENTICATED: (None, _S.UNAUTHENTICATED),
     FailureKind.NOT_INITIALIZED: (_Code.EPOCH_MISMATCH, _S.FAILED_PRECONDITION),
+    FailureKind.STALE_EPOCH: (_Code.STALE_EPOCH, _S.FAILED_PRECONDITION),
     FailureKind.EPOCH_MISMATCH: (_Code.EPOCH_MISMATCH, _S.FAILED_PRECONDITION),
     FailureKind.STEP_GAP: (_Code.STEP_GAP, _S.FAILED_PRECONDITION),
     FailureKind.EPOCH_FAILED: (_Code.CODE_UNSPECIFIED, _S.FAILED_PRECONDITION),
@@ -79,10 +84,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Init(self, request, context):
         try:
             config = from_proto(RunnerConfig, request.config, device=self.worker.device)
-            outcome = self.worker.init(config, _layout(request.layout), request.epoch)
+            outcome = self.worker.init(config, _layout(request.layout), request.epoch,
+                                       request.scheduler_id)
         except Exception as e:  # every failure becomes a status naming it
             failure = as_failure(e, at_init=True)
-            if failure.kind == FailureKind.INVALID_SETTINGS:
+            if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH):
                 log.warning("Init refused: %s", failure)   # settings, not a bug
             else:
                 log.exception("Init failed")
@@ -99,7 +105,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             digest = req.digest if req.HasField("digest") else None
             try:
                 reply = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
-            except StepFailure as failure:
+            except Exception as e:  # every failure is a kind: never an UNKNOWN status
+                failure = as_failure(e)
                 code, status = FAILURES[failure.kind]
                 log.warning("Step refused: %s", failure)
                 if code is not None:
@@ -112,10 +119,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Reset(self, request, context):
         try:
-            dropped = self.worker.reset(request.epoch)
+            dropped = self.worker.reset(request.epoch, request.scheduler_id)
         except Exception as e:
-            log.exception("Reset failed")
             failure = as_failure(e)
+            if failure.kind == FailureKind.STALE_EPOCH:
+                log.warning("Reset refused: %s", failure)
+            else:
+                log.exception("Reset failed")
             self._on_readiness(self.worker.readiness()[0])
             context.abort(FAILURES[failure.kind][1], f"Reset failed: {failure}")
         self._on_readiness(self.worker.readiness()[0])
@@ -130,7 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         model = w.model_summary()
         resp = worker_pb2.InfoResponse(
             device_kind=w.device.partition(":")[0], devices=self._device_infos(),
-            model_loaded=model is not None, epoch=w.epoch or 0,
+            model_loaded=model is not None, epoch=w.fence.epoch, scheduler_id=w.fence.owner,
             num_kv_blocks=w.num_kv_blocks if model is not None else 0,
             layout=_layout_pb(w.layout), group_id=w.group_id)
         if model is not None:

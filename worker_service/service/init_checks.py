@@ -1,0 +1,47 @@
+"""The checks an Init passes before the worker changes anything (a refused Init leaves the model,
+the epoch and the owner as they were).
+
+    --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR
+    runner settings       runner/preflight.py: everything a ModelRunner checks before its weights
+    --max-message-mib     the largest step diff the settings allow must fit in one Worker message
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine_common.diff_limits import max_diff_bytes
+from worker_service.config import RunnerConfig
+from worker_service.runner.preflight import check_runner_config
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class InitGuards:
+    """The worker process's limits on what an Init may ask for (its flags)."""
+
+    model_root: str | None = None
+    max_message_bytes: int = 256 * MIB
+
+
+def check_init(config: RunnerConfig, guards: InitGuards) -> None:
+    """ValueError (a refused setting) or NotImplementedError (unsupported here) naming it."""
+    check_model_root(config.model_dir, guards.model_root)
+    info = check_runner_config(config)
+    largest = max_diff_bytes(config.max_num_seqs, config.max_num_batched_tokens,
+                             info.max_model_len, config.block_size)
+    if largest > guards.max_message_bytes:
+        raise ValueError(
+            f"max_num_seqs={config.max_num_seqs} is invalid with max_model_len="
+            f"{info.max_model_len}: a step diff may take {largest / MIB:.0f} MiB, more than this "
+            f"worker's --max-message-mib {guards.max_message_bytes // MIB}")
+
+
+def check_model_root(model_dir: str, root: str | None) -> None:
+    if root is None:
+        return
+    real, real_root = os.path.realpath(model_dir), os.path.realpath(root)
+    if os.path.commonpath([real, real_root]) != real_root:
+        raise ValueError(f"model_dir={model_dir!r} is invalid: must be under this worker's "
+                         f"--model-root {root}")
