@@ -12,6 +12,7 @@ import sys
 
 from engine_common.config import WorkerServiceOptions
 from engine_common.settings import add_flags, from_args
+from engine_common.worker_auth import WorkerCredentials
 from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
@@ -20,8 +21,9 @@ DEFAULT_WORKER_LISTEN = "127.0.0.1:50052"
 # on the next port.
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # `serve` runs one worker service on this machine: it is node 0 of 1. Its two metrics endpoints
-# have flags of their own.
-SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen")
+# have flags of their own. Its worker is authenticated by a token `serve` makes for each run (no
+# credential flags, no --insecure, no model root).
+SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen", "insecure", "model_root")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", required=True, help="HOST:PORT to serve the Worker protocol on")
     p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_flags(p, WorkerServiceOptions)
+    add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials)
 
     p = sub.add_parser("scheduler", help="run the scheduler service (public API; no torch)")
     p.add_argument("--model", required=True,
@@ -40,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
     add_engine_flags(p)
+    add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
     p.add_argument("--model", default=None,
@@ -75,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--cacert", default=None, metavar="FILE",
+                   help="PEM CA certificate: connect with TLS and verify the server against it")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="send the key on this file's first line as `authorization: Bearer`")
 
     from deltaserve import chat  # torch-free at import
     chat.build_parser(sub.add_parser("chat", help="chat with the served model (streaming; "
@@ -105,11 +113,13 @@ class CliError(Exception):
 def _cmd_worker(args) -> int:
     with _startup_errors():
         options = from_args(WorkerServiceOptions, args)
+        auth = from_args(WorkerCredentials, args).load()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from worker_service.service.server import run_worker   # torch: only in this command
 
-    run_worker(args.listen, options)
+    with _startup_errors():
+        run_worker(args.listen, options, auth)
     return 0
 
 
@@ -121,8 +131,9 @@ def _cmd_scheduler(args) -> int:
         raise CliError("--workers names no address")
     with _startup_errors():
         settings = engine_settings(args, args.model)
+        auth = from_args(WorkerCredentials, args).load()
         return run_scheduler(workers, args.listen, settings.worker, settings.policy,
-                             settings.server)
+                             settings.server, api=settings.api, worker_auth=auth)
 
 
 def _cmd_serve(args) -> int:

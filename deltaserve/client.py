@@ -51,15 +51,33 @@ def warn_if_chat_model(stub, req: pb.GenerateRequest, timeout: float | None) -> 
               "GenerateRequest.messages)", file=sys.stderr, flush=True)
 
 
+def open_channel(args) -> grpc.Channel:
+    """Plaintext, or TLS verified against --cacert."""
+    if getattr(args, "cacert", None):
+        with open(args.cacert, "rb") as f:
+            return grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
+    return grpc.insecure_channel(args.target)
+
+
+def call_metadata(args) -> tuple:
+    """`authorization: Bearer <key>` from --api-key-file (its first line), or nothing."""
+    path = getattr(args, "api_key_file", None)
+    if not path:
+        return ()
+    with open(path) as f:
+        return (("authorization", f"Bearer {f.readline().strip()}"),)
+
+
 def generate(args) -> int:
     """Run the stream; 0 on a finished request, 1 on a gRPC error."""
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = build_request(args)
         warn_if_chat_model(stub, request, args.timeout)
         last = None
         try:
-            for resp in stub.Generate(request, timeout=args.timeout):
+            for resp in stub.Generate(request, timeout=args.timeout,
+                                      metadata=call_metadata(args)):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 last = resp

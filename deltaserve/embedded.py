@@ -2,10 +2,12 @@
 
 The worker runs as a child process (`deltaserve worker`, in its own session so a terminal Ctrl-C
 reaches only this process, and set to get SIGTERM if this process dies); the scheduler runs in
-this process. Ctrl-C or SIGTERM drains the scheduler, then stops the worker: no orphan is left.
-With no --model, the default model (SmolLM2-135M-Instruct, deltaserve/default_model.py) is fetched
-and converted once into the cache directory; `--model tiny` serves a tiny model with random
-weights (for tests), created once in the cache directory.
+this process. The Worker protocol is authenticated by a random token made for this run and handed
+to the worker on its standard input (never on a command line, never in a file). Ctrl-C or
+SIGTERM drains the scheduler, then stops the worker: no orphan is left. With no --model, the
+default model (SmolLM2-135M-Instruct, deltaserve/default_model.py) is fetched and converted once
+into the cache directory; `--model tiny` serves a tiny model with random weights (for tests),
+created once in the cache directory.
 Both expose Prometheus metrics unless `--metrics-listen off`: the scheduler on --metrics-listen,
 the worker on --worker-metrics-listen (default: the next port).
 """
@@ -25,6 +27,7 @@ from engine_common.config import WorkerServiceOptions
 from engine_common.listen_address import next_port
 from engine_common.model_dir import ModelInfo
 from engine_common.settings import from_args, to_flags
+from engine_common.worker_auth import WorkerAuth, new_token
 from scheduler_service.api.engine_flags import engine_settings
 from scheduler_service.api.server import run_scheduler
 from worker_service.models.tp_sizes import check_tp_size
@@ -63,11 +66,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_worker(listen: str, options: WorkerServiceOptions) -> subprocess.Popen:
-    """`deltaserve worker` as a child process."""
+def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subprocess.Popen:
+    """`deltaserve worker` as a child process that reads `token` from its standard input."""
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
-           *to_flags(options)]
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+           "--worker-token-file", "-", *to_flags(options)]
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                            stdin=subprocess.PIPE, text=True)
+    proc.stdin.write(token + "\n")
+    proc.stdin.close()
+    return proc
 
 
 def stop_worker(proc: subprocess.Popen) -> None:
@@ -98,28 +105,33 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
-def _examples(target: str, chat: bool) -> str:
-    """Commands to try: a chat when the model has a chat template, else raw text."""
+def _examples(target: str, chat: bool, api) -> str:
+    """Commands to try: a chat when the model has a chat template, else raw text; with TLS and
+    API keys when the public port has them."""
+    tls = "-cacert CA.pem" if api.tls_cert else "-plaintext"
+    key = " -H 'authorization: Bearer KEY'" if api.api_key_file else ""
+    client = (" --cacert CA.pem" if api.tls_cert else "") + (
+        " --api-key-file KEYFILE" if api.api_key_file else "")
     if chat:
         question = "What is the capital of France?"
         body = (f'{{"messages": [{{"role": "user", "content": "{question}"}}], '
                 '"stopping": {"max_tokens": 32}}')
-        first = f'deltaserve chat --target {target} "{question}"'
+        first = f'deltaserve chat --target {target}{client} "{question}"'
     else:
         body = '{"text": "Once upon a time", "stopping": {"max_tokens": 32}}'
-        first = f'deltaserve generate --target {target} "Once upon a time"'
+        first = f'deltaserve generate --target {target}{client} "Once upon a time"'
     return (f"  {first}\n"
-            f"  grpcurl -plaintext -d '{body}' {target} deltaserve.v1.Generation/Generate\n")
+            f"  grpcurl {tls}{key} -d '{body}' {target} deltaserve.v1.Generation/Generate\n")
 
 
-def _announce(listen: str, model_dir: str):
+def _announce(listen: str, model_dir: str, api):
     chat = load_chat_template(model_dir) is not None
 
     def on_ready(app) -> None:
         host = listen.rsplit(":", 1)[0]
         target = f"{host}:{app.port}"
         print(f"DeltaServe ready on {target} (model {model_dir})\n"
-              f"Try:\n{_examples(target, chat)}"
+              f"Try:\n{_examples(target, chat, api)}"
               f"Ctrl-C stops the server and its worker.", flush=True)
     return on_ready
 
@@ -134,10 +146,12 @@ def serve(args) -> int:
         check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
                       "--local-ranks")
     settings = engine_settings(args, model_dir)
-    on_ready = _announce(args.listen, model_dir)
+    on_ready = _announce(args.listen, model_dir, settings.api)
     worker_metrics = args.worker_metrics_listen or next_port(args.metrics_listen)
+    token = new_token()
     worker = start_worker(args.worker_listen,
-                          dataclasses.replace(worker_options, metrics_listen=worker_metrics))
+                          dataclasses.replace(worker_options, metrics_listen=worker_metrics),
+                          token)
 
     def worker_gone() -> str | None:
         code = worker.poll()
@@ -147,6 +161,7 @@ def serve(args) -> int:
         return run_scheduler([args.worker_listen], args.listen, settings.worker,
                              settings.policy, settings.server,
                              on_ready=on_ready,
-                             should_stop=worker_gone, exit_on_refusal=True)
+                             should_stop=worker_gone, exit_on_refusal=True, api=settings.api,
+                             worker_auth=WorkerAuth(token=token))
     finally:
         stop_worker(worker)

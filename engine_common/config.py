@@ -146,6 +146,16 @@ class WorkerServiceOptions:
     metrics_listen: str | None = setting(
         None, "HOST:PORT of this worker's Prometheus /metrics endpoint (port 0: any free port), "
         "or off", rule=ListenAddress())
+    # Guards of the Worker protocol (credentials: engine_common/worker_auth.py).
+    model_root: str | None = setting(
+        None, "Init may only name model directories under this directory (unset: any "
+        "directory the worker can read)", metavar="DIR")
+    max_message_mib: int = setting(
+        256, "largest Worker message accepted, in MiB; Init refuses settings whose largest "
+        "step diff would not fit", rule=AtLeast(1, 2047))
+    insecure: bool = setting(
+        False, "listen on a non-loopback address without --worker-token-file or "
+        "--worker-tls-*: anyone who reaches the port can drive the worker")
 
     def __post_init__(self):
         validate(self)

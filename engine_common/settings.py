@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import textwrap
 import typing
 from dataclasses import MISSING, dataclass
@@ -147,6 +148,19 @@ class IsBool(Rule):
 
     def ok(self, value) -> bool:
         return isinstance(value, bool)
+
+
+class ReadableFile(Rule):
+    """A path to a file this process can read ("-", standard input, when `stdin` is set)."""
+
+    def __init__(self, stdin: bool = False):
+        self.stdin = stdin
+        self.allowed = "a readable file" + (" or - (standard input)" if stdin else "")
+
+    def ok(self, value) -> bool:
+        if self.stdin and value == "-":
+            return True
+        return isinstance(value, str) and os.path.isfile(value) and os.access(value, os.R_OK)
 
 
 # -- reading declarations -----------------------------------------------------------------------

@@ -96,13 +96,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS/EOS as the model directory asks; none with
-        add_special_tokens=False (a rendered chat template carries its own)."""
+        add_special_tokens=False (a rendered chat template carries its own). Releases the GIL
+        while the tokenizer runs (`encode_batch` does, `encode` does not), so a long text
+        tokenized on another thread does not stall this process's other threads."""
         if not add_special_tokens:
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if self._explicit is None:
-            return self.backend.encode(text, add_special_tokens=True).ids
+            return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
         add_bos, add_eos = self._explicit
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         if add_eos and self.eos_token_id is not None:

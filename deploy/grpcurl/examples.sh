@@ -9,6 +9,11 @@
 #   TARGET         HOST:PORT of the scheduler's public API (default localhost:50051)
 #   WORKER_TARGET  HOST:PORT of one worker service (optional): also query its Health and Info,
 #                  e.g. after `kubectl port-forward pod/deltaserve-worker-0 50052:50052`
+#   WORKER_TOKEN_FILE  the worker's --worker-token-file (optional): without it the worker's
+#                  Info must be refused UNAUTHENTICATED (as `deltaserve serve`'s worker does);
+#                  e.g. <(kubectl get secret deltaserve-worker-token -o jsonpath='{.data.token}' | base64 -d)
+#   API_KEY_FILE   a file whose first line is an API key of the scheduler's --api-key-file
+#   CACERT         the CA of the scheduler's --tls-cert: TLS instead of plaintext
 #   GRPCURL        the grpcurl binary (default: `grpcurl` on PATH, else .venv/bin/grpcurl)
 #
 # Server reflection means no .proto file is needed. Exits non-zero at the first call that fails
@@ -17,6 +22,9 @@ set -euo pipefail
 
 TARGET="${TARGET:-localhost:50051}"
 WORKER_TARGET="${WORKER_TARGET:-}"
+WORKER_TOKEN_FILE="${WORKER_TOKEN_FILE:-}"
+API_KEY_FILE="${API_KEY_FILE:-}"
+CACERT="${CACERT:-}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 GEN=deltaserve.v1.Generation
 
@@ -32,16 +40,20 @@ GRPCURL="$(find_grpcurl)"
 
 # step TITLE: a header before each call.
 step() { printf '\n### %s\n' "$*"; }
-# call [grpcurl args...]: a plaintext call to TARGET (the method comes last).
-call() { "$GRPCURL" -plaintext "${@:1:$#-1}" "$TARGET" "${@: -1}"; }
+# How to reach TARGET: plaintext or TLS, with an API key or none.
+CONNECT=(-plaintext)
+if [[ -n "$CACERT" ]]; then CONNECT=(-cacert "$CACERT"); fi
+if [[ -n "$API_KEY_FILE" ]]; then CONNECT+=(-H "authorization: Bearer $(head -n1 "$API_KEY_FILE")"); fi
+# call [grpcurl args...]: a call to TARGET (the method comes last).
+call() { "$GRPCURL" "${CONNECT[@]}" "${@:1:$#-1}" "$TARGET" "${@: -1}"; }
 # token_ids FILE-OR-STDIN: every "tokenIds" array of a response stream, on one line.
 token_ids() { tr -d ' \n' | grep -o '"tokenIds":\[[0-9,]*\]' | tr '\n' ' '; }
 
 step "services (reflection)"
-"$GRPCURL" -plaintext "$TARGET" list
+"$GRPCURL" "${CONNECT[@]}" "$TARGET" list
 
 step "the Generation service, with its documentation"
-"$GRPCURL" -plaintext "$TARGET" describe "$GEN"
+"$GRPCURL" "${CONNECT[@]}" "$TARGET" describe "$GEN"
 
 step "health: liveness (service \"\") and readiness ($GEN)"
 call -d '{"service": ""}' grpc.health.v1.Health/Check
@@ -97,11 +109,23 @@ if call -d '{"text": "hi", "sampling": {"top_p": 1.5}}' "$GEN/Generate" 2>&1; th
 fi
 
 if [[ -n "$WORKER_TARGET" ]]; then
-  step "worker $WORKER_TARGET: health (\"deltaserve.v1.Worker\" = model loaded), Health, Info"
+  step "worker $WORKER_TARGET: health (\"deltaserve.v1.Worker\" = model loaded; open for probes)"
   "$GRPCURL" -plaintext -d '{"service": "deltaserve.v1.Worker"}' "$WORKER_TARGET" \
     grpc.health.v1.Health/Check
-  "$GRPCURL" -plaintext "$WORKER_TARGET" deltaserve.v1.Worker/Health
-  "$GRPCURL" -plaintext "$WORKER_TARGET" deltaserve.v1.Worker/Info
+  if [[ -n "$WORKER_TOKEN_FILE" ]]; then
+    step "worker $WORKER_TARGET: Health and Info with the worker token"
+    WORKER_AUTH=(-H "authorization: Bearer $(head -n1 "$WORKER_TOKEN_FILE")")
+    "$GRPCURL" -plaintext "${WORKER_AUTH[@]}" "$WORKER_TARGET" deltaserve.v1.Worker/Health
+    "$GRPCURL" -plaintext "${WORKER_AUTH[@]}" "$WORKER_TARGET" deltaserve.v1.Worker/Info
+  else
+    step "worker $WORKER_TARGET: Info without the worker token (refused unless the worker runs without one)"
+    if out="$("$GRPCURL" -plaintext "$WORKER_TARGET" deltaserve.v1.Worker/Info 2>&1)"; then
+      echo "$out"
+    else
+      echo "$out"
+      grep -q "Code: Unauthenticated" <<< "$out"
+    fi
+  fi
 fi
 
 step "done"

@@ -4,11 +4,16 @@ Each handler validates and converts its request (convert.py), calls the AsyncEng
 back. Every failure goes through status.status_for, the one exception -> gRPC status mapping.
 A Generate stream is one request: when the client cancels it or its deadline passes, grpc.aio
 cancels the handler and AsyncEngine.generate aborts exactly that request, freeing its blocks.
+
+Limits (request_limits.py, ApiOptions) are checked on the protobuf first; text is tokenized on a
+thread pool (the tokenizer releases the GIL), never on the event loop, so one long prompt cannot
+stall the other streams. Abort ends only requests made with the caller's API key (guard.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,9 +26,12 @@ from engine_common.protos import generation_pb2 as pb
 from engine_common.protos import generation_pb2_grpc
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
-from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length,
-                                           messages_from_proto, output_to_proto,
+from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.convert import (check_prompt_length, messages_from_proto,
+                                           output_to_proto,
                                            request_from_proto, sampling_to_proto)
+from scheduler_service.api.guard import caller_of
+from scheduler_service.api.request_limits import check_generate_limits, check_tokenize_limits
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
 from scheduler_service.api.status import status_for
@@ -53,11 +61,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """deltaserve.v1.Generation on top of an AsyncEngine."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel,
-                 tp_size: Callable[[], int] = lambda: 1):
+                 tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions()):
         """`tp_size()`: ranks the workers run (known once they are initialized)."""
         self._engine = engine
         self._model = model
         self._tp_size = tp_size
+        self._options = options
+        self._tokenize_pool = ThreadPoolExecutor(options.tokenizer_threads,
+                                                 thread_name_prefix="tokenize")
+        self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -65,8 +77,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Stream one GenerateResponse per engine step that produced tokens for the request."""
         self._engine.counters.received()
         streamed = False
+        owned = None
         try:
-            engine_request = self._to_engine_request(request)
+            engine_request = await self._to_engine_request(request)
+            owned = self._own(engine_request.request_id, caller_of(context))
             async for out in self._engine.generate(engine_request):
                 streamed = True
                 yield output_to_proto(out, self._token_text)
@@ -75,6 +89,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as e:  # every failure becomes one status, through one function
             self._count_failure(e, streamed)
             await _abort_with(context, e)
+        finally:
+            if owned is not None:
+                self._owners.pop(owned, None)
 
     def _count_failure(self, error: Exception, streamed: bool) -> None:
         """Before the first output a failure is a rejection (by status code); after it, a
@@ -84,20 +101,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         else:
             self._engine.counters.rejected(status_for(error)[0].name)
 
-    def _to_engine_request(self, msg: pb.GenerateRequest) -> Request:
+    def _own(self, request_id: str, caller: str) -> str | None:
+        """Record who may abort `request_id` (not a duplicate's caller: admission refuses it)."""
+        if request_id in self._owners:
+            return None
+        self._owners[request_id] = caller
+        return request_id
+
+    async def _to_engine_request(self, msg: pb.GenerateRequest) -> Request:
         info = self._model.info
+        check_generate_limits(msg, self._options)
         req = request_from_proto(msg, defaults=self._model.default_sampling,
-                                 vocab_size=info.vocab_size, max_logprobs=MAX_LOGPROBS)
+                                 vocab_size=info.vocab_size,
+                                 max_logprobs=self._options.max_logprobs)
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         elif req.prompt_messages is not None:
-            ids = self._model.chat_prompt_ids(req.prompt_messages)
+            ids = await self._offload(self._model.chat_prompt_ids, req.prompt_messages)
         else:
-            ids = self._model.tokenizer.encode(req.prompt_text)
+            ids = await self._offload(self._model.tokenizer.encode, req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
         return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
                        num_logprobs=req.num_logprobs, priority=req.priority,
                        constraint=req.constraint)
+
+    async def _offload(self, fn, *args):
+        """Tokenizing and chat rendering run on the pool: the event loop keeps serving the other
+        streams meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _token_text(self, token_id: int) -> str:
         return self._model.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -105,11 +136,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # -- unary RPCs -------------------------------------------------------------------------
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        """Abort live requests by id; unknown ids are ignored."""
+        """Abort the caller's live requests by id; unknown ids, and ids of requests made with
+        another API key, are ignored."""
+        caller = caller_of(context)
+        ids = [rid for rid in request.request_ids if self._owners.get(rid) == caller]
         try:
-            num = await asyncio.wait_for(
-                asyncio.wrap_future(self._engine.abort(list(request.request_ids))),
-                _ABORT_TIMEOUT_SECONDS)
+            num = await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
+                                         _ABORT_TIMEOUT_SECONDS)
         except asyncio.TimeoutError:
             await _abort_with(context, EngineUnavailable("the engine did not answer the abort"))
         return pb.AbortResponse(num_aborted=num)
@@ -119,8 +152,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             if request.messages and request.text:
                 raise ParamError("prompt", "text and messages", "exactly one of text or messages")
-            ids = (self._model.chat_prompt_ids(messages_from_proto(request.messages))
-                   if request.messages else self._model.tokenizer.encode(request.text))
+            check_tokenize_limits(request, self._options)
+            if request.messages:
+                ids = await self._offload(self._model.chat_prompt_ids,
+                                          messages_from_proto(request.messages))
+            else:
+                ids = await self._offload(self._model.tokenizer.encode, request.text)
         except Exception as e:
             await _abort_with(context, e)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))
@@ -133,7 +170,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             vocab_size=m.info.vocab_size, eos_token_ids=m.info.eos_token_ids,
             tp_size=self._tp_size(), num_kv_blocks=self._engine.stats.num_total_blocks,
             kv_block_size=m.block_size, default_sampling=sampling_to_proto(m.default_sampling),
-            max_logprobs=MAX_LOGPROBS, has_chat_template=m.chat_template is not None)
+            max_logprobs=self._options.max_logprobs,
+            has_chat_template=m.chat_template is not None)
 
     async def GetServerStatus(self, request, context) -> pb.GetServerStatusResponse:
         """Live load figures from the engine thread's latest snapshot."""

@@ -31,12 +31,15 @@ from engine_common.metrics_http import MetricsServer, start_metrics_server
 from engine_common.model_dir import ModelInfo
 from engine_common.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
                                   vllm_engine_pb2_grpc)
-from engine_common.settings import AtLeast, AtLeastZero, setting, validate
+from engine_common.settings import AtLeast, AtLeastZero, Positive, setting, validate
 from engine_common.tokenizer import Tokenizer
+from engine_common.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
+from scheduler_service.api import public_port
+from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -68,6 +71,10 @@ class ServerOptions:
     metrics_listen: str | None = setting(
         None, "HOST:PORT of the Prometheus /metrics endpoint (port 0: any free port), or off",
         rule=ListenAddress())
+    step_timeout_s: float = setting(
+        10.0, "seconds a worker may take for a step beyond twice the slowest recent step before "
+        "it counts as stuck: open streams get UNAVAILABLE and the workers are re-initialized",
+        rule=Positive(), flag="--step-timeout")
 
     def __post_init__(self):
         validate(self)
@@ -165,18 +172,22 @@ class SchedulerServer:
 
 def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig,
                            policy: SchedulerConfig | None = None,
-                           options: ServerOptions = ServerOptions()) -> SchedulerServer:
+                           options: ServerOptions = ServerOptions(), *,
+                           api: ApiOptions = ApiOptions(),
+                           worker_auth: WorkerAuth = WorkerAuth()) -> SchedulerServer:
     """Everything of the scheduler service, wired and bound to `listen` but not started.
 
     The batch limits (BatchLimits fields) are the worker config's, for both sides: `policy`
-    contributes only its own fields (waiting queue, prefix caching, async scheduling)."""
+    contributes only its own fields (waiting queue, prefix caching, async scheduling). `api`
+    guards the public port; `worker_auth` is the credential every Worker RPC carries."""
     info = ModelInfo.from_dir(worker.model_dir, worker.max_model_len)
     tokenizer = Tokenizer.from_dir(worker.model_dir)
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
     config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
                                  **limits_of(worker))
     spec = InitSpec(worker, dist_port=options.dist_port)
-    client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS)
+    client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS,
+                          step_timeout_s=options.step_timeout_s, auth=worker_auth)
     kv_events = KvEventPublisher(KvEventFeed())
     factory = WorkerCoreFactory(client, spec, config, kv_events.feed)
     metrics = SchedulerMetrics(info.name, info.max_model_len)
@@ -188,9 +199,10 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                          num_workers=len(workers),
                          chat_template=load_chat_template(worker.model_dir))
 
-    server = grpc.aio.server(options=_SERVER_OPTIONS)
+    server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),
+                             interceptors=public_port.interceptors(api))
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, served, tp_size=factory.tp_size), server)
+        GenerationServicer(engine, served, tp_size=factory.tp_size, options=api), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
@@ -198,10 +210,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
         VllmEngineServicer(engine, served, shape, kv_events, readiness.serving), server)
     add_reflection(server, (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE))
-    try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError as e:   # grpc reports a failed bind this way
-        raise OSError(f"could not listen on {listen}: {e}") from None
+    port = public_port.bind(server, listen, api)
     metrics_server = start_metrics_server(options.metrics_listen, metrics.registry)
     return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s,
                            metrics_server)
@@ -212,12 +221,14 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                           options: ServerOptions = ServerOptions(),
                           on_ready: Callable[[SchedulerServer], None] | None = None,
                           should_stop: Callable[[], str | None] | None = None,
-                          exit_on_refusal: bool = False) -> int:
+                          exit_on_refusal: bool = False, *, api: ApiOptions = ApiOptions(),
+                          worker_auth: WorkerAuth = WorkerAuth()) -> int:
     """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
     (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
     refuse the first Init's settings); then drain and stop. Returns an exit code: 0, 1 when
     `should_stop` stopped it, 2 when the workers refused the settings."""
-    app = build_scheduler_server(workers, listen, worker, policy, options)
+    app = build_scheduler_server(workers, listen, worker, policy, options, api=api,
+                                 worker_auth=worker_auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -270,14 +281,16 @@ def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                   options: ServerOptions = ServerOptions(),
                   on_ready: Callable[[SchedulerServer], None] | None = None,
                   should_stop: Callable[[], str | None] | None = None,
-                  exit_on_refusal: bool = False) -> int:
+                  exit_on_refusal: bool = False, *, api: ApiOptions = ApiOptions(),
+                  worker_auth: WorkerAuth = WorkerAuth()) -> int:
     """Blocking `serve_scheduler` with logging to stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     if on_ready is None:
         on_ready = _print_ready(listen)
     return asyncio.run(serve_scheduler(workers, listen, worker, policy, options, on_ready,
-                                       should_stop, exit_on_refusal))
+                                       should_stop, exit_on_refusal, api=api,
+                                       worker_auth=worker_auth))
 
 
 def _print_ready(listen: str) -> Callable[[SchedulerServer], None]:

@@ -4,24 +4,34 @@ Torch-free. One WorkerClient talks to every worker service (node) of one model r
 at `addresses[0]` is node 0, which holds the output rank and answers with the RunnerOutput; the
 others answer with empty acknowledgements.
 
-    init(spec)  -> Info from every worker (how it was started); plan the group (group_plan.py);
-                   new random epoch; Init on all workers at once (tensor-parallel ranks
-                   rendezvous inside Init, so the calls must overlap; the first failure cancels
-                   the rest); then one Step stream per worker
+    init(spec)  -> Info from every worker (how it was started, its epoch and owner); plan the
+                   group (group_plan.py); an epoch above every worker's and this client's last;
+                   Init on all workers at once (tensor-parallel ranks rendezvous inside Init, so
+                   the calls must overlap; the first failure cancels the rest); then one Step
+                   stream per worker
     execute(p)  -> StepRequest(epoch, step, p) to every worker (once per node, never per rank;
                    the bytes do not depend on the TP size), step = 0, 1, 2, ... per epoch;
                    wait for every reply; return node 0's payload. With verify_symmetry every
                    node's digest must be equal, else SymmetryError (and the next init re-forms
                    the process group)
 
-Any failure (unreachable worker, broken stream, StepError, no reply within `step_timeout_s`)
-raises WorkerFailure naming the worker, and fails the client until the next `init` or `reset`.
-Use init/execute/reset/close from one thread; `health` may be called from any thread.
+Any failure (unreachable worker, broken stream, StepError, no reply in time) raises
+WorkerFailure naming the worker, and fails the client until the next `init` or `reset`. A step
+is late after `step_timeout_s` plus twice the slowest of the recent steps.
+
+Fencing. Every call carries this client's credential (channels.py) and every Init its
+`scheduler_id`. A worker accepts only epochs above the highest it has seen, so a client that
+starts takes the workers over by going above the epoch their Info reports. A client that has
+driven the workers and then finds one owned by another scheduler at a higher epoch (STALE_EPOCH
+on a step, a refused Init or Reset, or Info at its next init) raises Fenced: the newer scheduler
+won, and this one must stop rather than take the workers back.
 """
 from __future__ import annotations
 
+import os
 import queue
 import secrets
+import socket
 import time
 
 import grpc
@@ -29,7 +39,9 @@ import grpc
 from engine_common.params import ParamError
 from engine_common.protos import worker_pb2, worker_pb2_grpc
 from engine_common.settings import to_proto
-from scheduler_service.errors import WorkerFailure, WorkerRefused
+from engine_common.worker_auth import WorkerAuth
+from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
+from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
                                                    WorkerDevice, WorkerHealth)
@@ -38,42 +50,41 @@ from scheduler_service.workers.worker_stream import StepStream, SymmetryError, d
 __all__ = ["DEFAULT_DIST_PORT", "InitResult", "InitSpec", "SymmetryError", "WorkerClient",
            "WorkerDevice", "WorkerHealth"]
 
+# The step deadline's allowance for slow steps decays by this factor per step (about a hundred
+# steps to forget a slow one).
+_SLOWEST_DECAY = 0.97
 
 
-# Large payloads (whole prompts), keepalive pings every few seconds so a dead link is noticed,
-# and quick reconnects so a restarted worker is found again within a second or two.
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 1 << 30),
-    ("grpc.max_receive_message_length", 1 << 30),
-    ("grpc.keepalive_time_ms", 5_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-)
+def new_scheduler_id() -> str:
+    """Names one scheduler process in the workers' Info and logs: host:pid:random."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 class WorkerClient:
     """Client of every worker service of one replica; implements the engine's StepExecutor."""
 
     def __init__(self, addresses: list[str], connect_timeout_s: float = 5.0,
-                 step_timeout_s: float = 120.0, init_timeout_s: float = 600.0):
+                 step_timeout_s: float = 120.0, init_timeout_s: float = 600.0,
+                 auth: WorkerAuth = WorkerAuth(), scheduler_id: str | None = None):
         if not addresses:
             raise ParamError("addresses", addresses, "at least one HOST:PORT")
         self.addresses = list(addresses)
         self.connect_timeout_s = connect_timeout_s
         self.step_timeout_s = step_timeout_s
         self.init_timeout_s = init_timeout_s
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.scheduler_id = scheduler_id or new_scheduler_id()
+        self._channels = [worker_channel(a, auth) for a in addresses]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._streams: list[StepStream] = []
         self.epoch: int | None = None
+        self.owned_epoch = 0          # the last epoch this client started (0: none yet)
         self.verify_symmetry = False
         self._next_step = 0
         self._failure: str | None = "not initialized: call init() first"
         self._force_new_group = False
+        self._slowest_step_s = 0.0
+        self._last_reply = 0.0
+        self._collected = -1          # the last step collected in this epoch
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -81,15 +92,19 @@ class WorkerClient:
         """Start a new epoch on every worker with `spec`; open the Step streams."""
         self._close_streams()
         self._failure = "an init() did not complete"
-        plan = plan_group(self.addresses, self._wait_ready(),
+        infos = self._wait_ready()
+        self._check_owner(infos)
+        plan = plan_group(self.addresses, infos,
                           num_local_ranks=spec.num_local_ranks,
                           rendezvous_address=spec.rendezvous_address, dist_port=spec.dist_port,
                           force_new=self._force_new_group)
-        epoch = _new_epoch()
-        calls = [stub.Init.future(_init_request(spec, epoch, plan.layout_pb(node)),
+        epoch = max([self.owned_epoch] + [info.epoch for info in infos]) + 1
+        calls = [stub.Init.future(_init_request(spec, epoch, plan.layout_pb(node),
+                                                self.scheduler_id),
                                   timeout=self.init_timeout_s)
                  for node, stub in enumerate(self._stubs)]
         replies = self._all_results(calls, "Init")
+        self.owned_epoch = epoch
         self._force_new_group = False
         self.verify_symmetry = spec.config.verify_symmetry
         self._start_epoch(epoch)
@@ -103,10 +118,12 @@ class WorkerClient:
         """Start a new epoch on every worker; returns how many cached requests node 0 dropped."""
         self._close_streams()
         self._failure = "a reset() did not complete"
-        epoch = _new_epoch()
-        calls = [stub.Reset.future(worker_pb2.ResetRequest(epoch=epoch),
-                                   timeout=self.connect_timeout_s) for stub in self._stubs]
+        epoch = self.owned_epoch + 1
+        request = worker_pb2.ResetRequest(epoch=epoch, scheduler_id=self.scheduler_id)
+        calls = [stub.Reset.future(request, timeout=self.connect_timeout_s)
+                 for stub in self._stubs]
         replies = [self._result(call, addr, "Reset") for call, addr in zip(calls, self.addresses)]
+        self.owned_epoch = epoch
         self._start_epoch(epoch)
         return replies[0].num_dropped_requests
 
@@ -143,6 +160,8 @@ class WorkerClient:
         step = self._next_step
         self._next_step += 1
         request = worker_pb2.StepRequest(epoch=self.epoch, step=step, payload=payload)
+        if step == self._collected + 1:   # nothing in flight: the step starts now
+            self._last_reply = time.monotonic()
         for stream in self._streams:
             stream.send(request)
         return step
@@ -150,7 +169,7 @@ class WorkerClient:
     def collect(self, step: int) -> bytes:
         """Wait for every worker's reply to `step` (the oldest one in flight)."""
         self._check_usable()
-        deadline = time.monotonic() + self.step_timeout_s
+        deadline = time.monotonic() + self.step_timeout_s + 2 * self._slowest_step_s
         try:
             replies = [s.receive(self.epoch, step, deadline) for s in self._streams]
             if self.verify_symmetry:
@@ -159,7 +178,17 @@ class WorkerClient:
             self._force_new_group |= isinstance(e, SymmetryError)
             self._fail(str(e))
             raise
+        self._note_step_time(step)
         return replies[0].payload
+
+    def _note_step_time(self, step: int) -> None:
+        """The step took from its start (its submit, or the previous reply while two are in
+        flight) to now; keep a slowly decaying maximum."""
+        now = time.monotonic()
+        self._slowest_step_s = max(now - self._last_reply,
+                                   self._slowest_step_s * _SLOWEST_DECAY)
+        self._last_reply = now
+        self._collected = step
 
     def _check_symmetry(self, step: int, replies: list) -> None:
         """Every node's digest must be present and equal (each already agrees within its node)."""
@@ -175,6 +204,17 @@ class WorkerClient:
                                 f"nodes disagree on their sampled ids or cached state ({listed})")
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _check_owner(self, infos: list) -> None:
+        """Fenced when this client drove the workers and one now reports another owner at a
+        higher epoch (a newer scheduler took over)."""
+        if not self.owned_epoch:
+            return
+        for addr, info in zip(self.addresses, infos):
+            if info.scheduler_id not in ("", self.scheduler_id) and info.epoch > self.owned_epoch:
+                raise Fenced(f"worker {addr} is driven by scheduler {info.scheduler_id} since "
+                             f"epoch {info.epoch} (this scheduler's last epoch: "
+                             f"{self.owned_epoch}): a newer scheduler took over; this one stops")
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -219,13 +259,23 @@ class WorkerClient:
         try:
             return call.result()
         except grpc.RpcError as e:
-            kind = (WorkerRefused if rpc == "Init" and e.code() == grpc.StatusCode.INVALID_ARGUMENT
-                    else WorkerFailure)
-            raise kind(f"worker {addr}: {rpc} failed: {describe_rpc_error(e)}") from e
+            raise self._rpc_failure(e, rpc)(
+                f"worker {addr}: {rpc} failed: {describe_rpc_error(e)}") from e
+
+    def _rpc_failure(self, e: grpc.RpcError, rpc: str) -> type[WorkerFailure]:
+        """A refused Init's settings: WorkerRefused; a stale epoch (FAILED_PRECONDITION on Init
+        or Reset) after this client drove the workers: Fenced; else WorkerFailure."""
+        code = e.code()
+        if rpc == "Init" and code == grpc.StatusCode.INVALID_ARGUMENT:
+            return WorkerRefused
+        if code == grpc.StatusCode.FAILED_PRECONDITION and self.owned_epoch:
+            return Fenced
+        return WorkerFailure
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self._next_step = 0
+        self._collected = -1
         self._streams = [StepStream(stub, addr) for stub, addr in zip(self._stubs, self.addresses)]
         self._failure = None
 
@@ -235,14 +285,9 @@ class WorkerClient:
         self._streams = []
 
 
-def _new_epoch() -> int:
-    """A fresh random 63-bit epoch, never 0."""
-    return secrets.randbits(63) or 1
-
-
-def _init_request(spec: InitSpec, epoch: int,
-                  layout: worker_pb2.ParallelLayout) -> worker_pb2.InitRequest:
-    req = worker_pb2.InitRequest(epoch=epoch, layout=layout)
+def _init_request(spec: InitSpec, epoch: int, layout: worker_pb2.ParallelLayout,
+                  scheduler_id: str) -> worker_pb2.InitRequest:
+    req = worker_pb2.InitRequest(epoch=epoch, layout=layout, scheduler_id=scheduler_id)
     to_proto(spec.config, req.config)
     return req
 

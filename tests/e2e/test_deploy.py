@@ -151,7 +151,7 @@ def test_every_yaml_parses_and_the_kustomization_lists_every_manifest(k8s):
     listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
     assert listed == {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert {key.split("/")[0] for key in k8s} == {"StatefulSet", "Deployment", "Service",
-                                                  "PersistentVolumeClaim"}
+                                                  "PersistentVolumeClaim", "NetworkPolicy"}
     for key, obj in k8s.items():   # namespace-agnostic: `kubectl apply -k ... -n NS`
         assert "namespace" not in obj["metadata"], key
 
@@ -236,6 +236,46 @@ def test_scheduler_args_name_the_workers_and_fit_the_pod(k8s, tmp_path):
     assert all(len(m) == 1 for m in mounts), mounts
     assert mounts[0][0]["mountPath"] == mounts[1][0]["mountPath"]
     assert volumes[0][mounts[0][0]["name"]] == volumes[1][mounts[1][0]["name"]]
+
+
+def test_worker_protocol_is_authenticated_and_fenced_off(k8s, tmp_path):
+    """Both sides mount one Secret and pass it as --worker-token-file (readable by the pods'
+    user through fsGroup); the worker's --model-root holds the scheduler's --model; and a
+    NetworkPolicy lets only the scheduler reach the Worker port and only worker pods reach the
+    rest (the unauthenticated rendezvous and NCCL)."""
+    sts, wctr = _workload(k8s, "StatefulSet")
+    dep, sctr = _workload(k8s, "Deployment")
+    worker = _parse(_worker_argv(sts, wctr, 0, tmp_path))
+    scheduler = _parse(["scheduler", *sctr["args"]])
+    secrets = set()
+    for obj, ctr, args in ((sts, wctr, worker), (dep, sctr, scheduler)):
+        spec = obj["spec"]["template"]["spec"]
+        [mount] = [m for m in ctr["volumeMounts"]
+                   if args.worker_token_file.startswith(m["mountPath"] + "/")]
+        volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]["secret"]
+        secrets.add(volume["secretName"])
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+        assert volume["defaultMode"] & 0o040 and not volume["defaultMode"] & 0o007
+    assert len(secrets) == 1
+    assert not worker.listen.startswith("127.") and not getattr(worker, "insecure", False)
+    assert scheduler.model.startswith(worker.model_root.rstrip("/") + "/")
+    [policy] = [o for key, o in k8s.items() if key.startswith("NetworkPolicy/")]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    sources, open_ports = {}, []
+    for rule in policy["spec"]["ingress"]:
+        if "from" not in rule:          # open to anyone: only read-only metrics
+            open_ports += [p["port"] for p in rule["ports"]]
+            continue
+        [peer] = rule["from"]
+        selected = [o for o in (sts, dep) if peer["podSelector"]["matchLabels"].items()
+                    <= o["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, rule
+        sources[selected[0]["kind"]] = [p["port"] for p in rule.get("ports", [])]
+    assert sources == {"Deployment": ["worker"], "StatefulSet": []}   # [] = every port
+    assert open_ports == ["metrics"] and _port(wctr, "metrics")
+    assert _port(wctr, "worker") == _listen_port(worker.listen)
 
 
 def test_dev_shm_is_memory_backed_and_holds_the_rank_rings(k8s, tmp_path):
@@ -395,5 +435,5 @@ def test_examples_script_runs_end_to_end(served):
             '"requestId": "demo-1"', '"topLogprobs"', "same tokens:",
             '"numAborted": 1', '"finishReason": "ABORT"',        # Abort
             "Code: InvalidArgument", "sampling.top_p=1.5",       # the error example
-            '"model_loaded": true'):                             # the worker's Info
+            "Code: Unauthenticated"):                            # the worker's Info, no token
         assert fragment in text, f"{fragment!r} missing from:\n{text[-4000:]}"

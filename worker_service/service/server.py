@@ -10,8 +10,13 @@ Also serves grpc.health.v1 (service "" = liveness, "deltaserve.v1.Worker" = read
 loaded and its KV cache allocated) when grpcio-health-checking is installed, and server
 reflection when grpcio-reflection is installed; both are optional on worker machines.
 
-Started by `deltaserve worker --listen HOST:PORT [flags of WorkerServiceOptions]`, which prints
-"deltaserve worker listening on HOST:PORT" once it accepts calls (port 0 picks a free one).
+Every call but grpc.health.v1 must carry the worker's credential (service/auth.py): the token of
+--worker-token-file and/or a client certificate (--worker-tls-*); a worker with neither listens
+on loopback only, unless --insecure.
+
+Started by `deltaserve worker --listen HOST:PORT [flags of WorkerServiceOptions and
+WorkerCredentials]`, which prints "deltaserve worker listening on HOST:PORT" once it accepts
+calls (port 0 picks a free one).
 """
 from __future__ import annotations
 
@@ -27,9 +32,12 @@ from deltaserve.paths import resolve_device
 from engine_common.config import WorkerServiceOptions
 from engine_common.metrics_http import start_metrics_server
 from engine_common.protos import WORKER_SERVICE, worker_pb2_grpc
+from engine_common.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
 from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.service.auth import add_port, check_exposure, interceptors
+from worker_service.service.init_checks import MIB, InitGuards
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.servicer import WorkerServicer
 from worker_service.service.worker_metrics import WorkerMetrics
@@ -39,12 +47,10 @@ log = logging.getLogger(__name__)
 # Seconds a stopping worker may take beyond its grace period before it exits anyway.
 _STOP_SLACK_SECONDS = 5.0
 
-# Payloads carry whole prompts: allow large messages. Accept client keepalive pings every second
-# so a scheduler can notice a dead link quickly.
+# Accept client keepalive pings every second so a scheduler can notice a dead link quickly. The
+# message size limit (payloads carry whole prompts) comes from --max-message-mib.
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silent share
-    ("grpc.max_send_message_length", 1 << 30),
-    ("grpc.max_receive_message_length", 1 << 30),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -60,31 +66,39 @@ def node_layout(options: WorkerServiceOptions) -> NodeLayout:
 
 
 def make_node_worker(device: str, layout: NodeLayout,
-                     options: RankGroupOptions = RankGroupOptions()) -> NodeWorker:
+                     options: RankGroupOptions = RankGroupOptions(),
+                     guards: InitGuards = InitGuards()) -> NodeWorker:
     """In-process for a single rank in all; rank processes otherwise."""
     if layout.tp_size == 1:
-        return NodeWorker(RunnerKeeper(device), layout)
-    return NodeWorker(RankGroup(device, layout, options), layout)
+        return NodeWorker(RunnerKeeper(device), layout, guards)
+    return NodeWorker(RankGroup(device, layout, options), layout, guards)
 
 
 def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions(),
-                 max_workers: int = 8) -> grpc.Server:
-    """Start a worker service on `listen` (HOST:PORT); returns the started server.
+                 auth: WorkerAuth = WorkerAuth(), max_workers: int = 8) -> grpc.Server:
+    """Start a worker service on `listen` (HOST:PORT); returns the started server. ParamError
+    for a worker without credentials on a non-loopback address (unless options.insecure).
 
     The bound port (useful with port 0) is in `server.bound_port`, the NodeWorker in
     `server.node_worker` (call its close() after stopping the server), the /metrics endpoint
     (options.metrics_listen) in `server.metrics_server` (None when off; stop it too).
     """
+    check_exposure(listen, auth, options.insecure)
     rank_options = RankGroupOptions(dist_timeout_s=options.dist_timeout_s,
                                     step_timeout_s=options.rank_step_timeout_s)
-    worker = make_node_worker(resolve_device(options.device), node_layout(options), rank_options)
+    guards = InitGuards(model_root=options.model_root,
+                        max_message_bytes=options.max_message_mib * MIB)
+    worker = make_node_worker(resolve_device(options.device), node_layout(options), rank_options,
+                              guards)
+    size = (("grpc.max_send_message_length", guards.max_message_bytes),
+            ("grpc.max_receive_message_length", guards.max_message_bytes))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="worker-rpc"),
-                         options=SERVER_OPTIONS)
+                         interceptors=interceptors(auth), options=SERVER_OPTIONS + size)
     set_ready = _add_health(server)
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, set_ready), server)
     _add_reflection(server)
-    port = server.add_insecure_port(listen)
+    port = add_port(server, listen, auth)
     if port == 0:
         raise OSError(f"could not listen on {listen!r}")
     metrics = WorkerMetrics(worker)
@@ -97,14 +111,16 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
 
 
 def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions(),
-               grace_s: float = 5.0) -> None:
+               auth: WorkerAuth = WorkerAuth(), grace_s: float = 5.0) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully (in-flight calls get `grace_s`) and
     stop the rank processes."""
-    server = serve_worker(listen, options)
+    server = serve_worker(listen, options, auth)
     host = listen.rsplit(":", 1)[0]
+    guard = ("token and mutual TLS" if auth.token and auth.tls else "token" if auth.token
+             else "mutual TLS" if auth.tls else "NO authentication")
     print(f"deltaserve worker listening on {host}:{server.bound_port} (device "
           f"{server.node_worker.device}, node {options.node_rank} of {options.nodes}, "
-          f"{options.local_ranks} local ranks)", flush=True)
+          f"{options.local_ranks} local ranks; {guard})", flush=True)
     if server.metrics_server is not None:
         print(f"deltaserve worker metrics on http://{server.metrics_server.address}/metrics",
               flush=True)

@@ -1,0 +1,32 @@
+"""The public port as ApiOptions configure it: TLS (mutual with --tls-client-ca), the gate
+(API keys, safe decoding) and the largest request message."""
+from __future__ import annotations
+
+import grpc
+
+from engine_common.tls import read_pem, server_credentials
+from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.guard import Gate, load_api_keys
+
+
+def port_options(api: ApiOptions) -> tuple:
+    return (("grpc.max_receive_message_length", api.max_request_bytes),)
+
+
+def interceptors(api: ApiOptions) -> list[grpc.aio.ServerInterceptor]:
+    keys = load_api_keys(api.api_key_file) if api.api_key_file else None
+    return [Gate(keys, api.open_reflection)]
+
+
+def bind(server: grpc.aio.Server, listen: str, api: ApiOptions) -> int:
+    """Bind `listen` with TLS when a certificate is given, plaintext otherwise; the port.
+    OSError when the address cannot be bound."""
+    try:
+        if api.tls_cert is None:
+            return server.add_insecure_port(listen)
+        client_ca = read_pem(api.tls_client_ca, "tls_client_ca") if api.tls_client_ca else None
+        credentials = server_credentials(read_pem(api.tls_cert, "tls_cert"),
+                                         read_pem(api.tls_key, "tls_key"), client_ca)
+        return server.add_secure_port(listen, credentials)
+    except RuntimeError as e:   # grpc reports a failed bind this way
+        raise OSError(f"could not listen on {listen}: {e}") from None

@@ -1,0 +1,52 @@
+"""Per-request limits of the public API, checked on the protobuf before anything costly (the
+tokenizer, the stop-string matcher, the engine) sees the request. Each violation is a ParamError
+(INVALID_ARGUMENT) naming the field, what was sent and the flag that sets the limit.
+"""
+from __future__ import annotations
+
+from engine_common.params import ParamError
+from engine_common.protos import generation_pb2 as pb
+from scheduler_service.api.api_options import ApiOptions
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_generate_limits(msg: pb.GenerateRequest, options: ApiOptions) -> None:
+    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ParamError("request_id", f"{len(msg.request_id)} characters",
+                         f"at most {MAX_REQUEST_ID_CHARS} characters")
+    if msg.HasField("text"):
+        check_prompt_chars("text", msg.text, options)
+    check_messages_chars(msg.messages, options)
+    stop = msg.stopping.stop
+    if len(stop) > options.max_stop_strings:
+        raise ParamError("stopping.stop", f"{len(stop)} strings",
+                         f"at most {options.max_stop_strings} strings (--max-stop-strings)")
+    total = sum(len(s) for s in stop)
+    if total > options.max_stop_chars:
+        raise ParamError("stopping.stop", f"{total} characters in all",
+                         f"at most {options.max_stop_chars} characters (--max-stop-chars)")
+    ids = msg.stopping.stop_token_ids
+    if len(ids) > options.max_stop_token_ids:
+        raise ParamError("stopping.stop_token_ids", f"{len(ids)} ids",
+                         f"at most {options.max_stop_token_ids} ids (--max-stop-token-ids)")
+
+
+def check_prompt_chars(field: str, text: str, options: ApiOptions) -> None:
+    if len(text) > options.max_prompt_chars:
+        raise ParamError(field, f"{len(text)} characters",
+                         f"at most {options.max_prompt_chars} characters (--max-prompt-chars)")
+
+
+def check_messages_chars(messages, options: ApiOptions) -> None:
+    """A chat's roles and contents together count against --max-prompt-chars (before the
+    template renders them)."""
+    total = sum(len(m.role) + len(m.content) for m in messages)
+    if total > options.max_prompt_chars:
+        raise ParamError("messages", f"{total} characters",
+                         f"at most {options.max_prompt_chars} characters (--max-prompt-chars)")
+
+
+def check_tokenize_limits(msg: pb.TokenizeRequest, options: ApiOptions) -> None:
+    check_prompt_chars("text", msg.text, options)
+    check_messages_chars(msg.messages, options)

@@ -1,0 +1,105 @@
+"""Who may drive this worker: the token check, the TLS port, and the start-up rule.
+
+- `TokenCheck` is a server interceptor: a call whose `authorization` metadata does not carry the
+  worker's token is refused UNAUTHENTICATED before any handler runs (a Step stream is never
+  opened, so the owner's stream is not superseded). grpc.health.v1 stays open for probes, and
+  server reflection (it serves the protocol's schema only) for grpcurl.
+- `add_port` binds the listen address with TLS (a client certificate signed by the CA is
+  required) when the worker has a certificate, plaintext otherwise.
+- `check_exposure`: a worker with no credential refuses to listen beyond loopback unless
+  --insecure is given.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+import grpc
+
+from engine_common.params import ParamError
+from engine_common.tls import server_credentials
+from engine_common.worker_auth import AUTH_METADATA_KEY, WorkerAuth
+from worker_service.failures import FailureKind
+from worker_service.service.servicer import FAILURES
+
+log = logging.getLogger(__name__)
+
+# Methods any caller may use: the probes' health checks (they reveal readiness only) and
+# reflection (the schema of the protocol, no state).
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuses every call without `authorization: Bearer <token>` (but OPEN_PREFIXES)."""
+
+    def __init__(self, auth: WorkerAuth):
+        self.auth = auth
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(OPEN_PREFIXES):
+            return continuation(handler_call_details)
+        header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY)
+        if self.auth.accepts(header):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:   # an unknown method stays UNIMPLEMENTED
+            return None
+        log.warning("refused %s: %s", method, "no token" if header is None else "wrong token")
+        return _refusal(handler, "missing" if header is None else "wrong")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only aborts UNAUTHENTICATED."""
+    status = FAILURES[FailureKind.UNAUTHENTICATED][1]
+    message = (f"{what} worker credential: every Worker RPC must carry `{AUTH_METADATA_KEY}: "
+               "Bearer <token>` from the worker's --worker-token-file")
+
+    def abort(request_or_iterator, context):
+        context.abort(status, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:
+    return (TokenCheck(auth),) if auth.token else ()
+
+
+def add_port(server: grpc.Server, listen: str, auth: WorkerAuth) -> int:
+    """Bind `listen` (TLS requiring a client certificate when `auth` has one); the port."""
+    if auth.tls:
+        return server.add_secure_port(listen, server_credentials(auth.cert, auth.key, auth.ca))
+    return server.add_insecure_port(listen)
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether HOST of HOST:PORT is a loopback name or address (an empty host, 0.0.0.0 or [::]
+    listens everywhere)."""
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(listen: str, auth: WorkerAuth, insecure: bool) -> None:
+    """ParamError for a worker without credentials on a non-loopback address, unless
+    `insecure`; a warning whenever it runs without them."""
+    if auth.enabled:
+        return
+    if not is_loopback(listen) and not insecure:
+        raise ParamError("listen", listen, "a loopback address for a worker without "
+                         "credentials: give --worker-token-file FILE or --worker-tls-cert/"
+                         "--worker-tls-key/--worker-tls-ca (or --insecure to let anyone who "
+                         "reaches the port drive this worker)")
+    log.warning("the Worker protocol on %s is NOT authenticated: any process that reaches it "
+                "can drive this worker (give --worker-token-file or --worker-tls-*)", listen)
