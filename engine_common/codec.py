@@ -155,7 +155,7 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
             preempted_handles=_ints(preempted, "preempted_handles"),
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
-        raise CodecError(f"malformed SchedulerOutput payload: {e}") from e
+        raise CodecError(f"malformed SchedulerOutput payload: {type(e).__name__}: {e}") from e
 
 
 def encode_runner_output(out: RunnerOutput) -> bytes:
@@ -176,4 +176,4 @@ def decode_runner_output(data: bytes) -> RunnerOutput:
             raise CodecError("logprobs must match handles one to one")
         return out
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
-        raise CodecError(f"malformed RunnerOutput payload: {e}") from e
+        raise CodecError(f"malformed RunnerOutput payload: {type(e).__name__}: {e}") from e

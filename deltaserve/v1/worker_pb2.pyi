@@ -168,12 +168,16 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "reason")
+    __slots__ = ("ready", "reason", "epoch", "scheduler_id")
     READY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     reason: str
-    def __init__(self, ready: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    epoch: int
+    scheduler_id: str
+    def __init__(self, ready: _Optional[bool] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

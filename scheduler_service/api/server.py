@@ -115,10 +115,11 @@ class WorkerCoreFactory:
         return EngineCore(scheduler, self.client)
 
     def check_health(self, core: EngineCore) -> None:
-        """Raise EngineUnavailable when a worker is gone or lost its model (restarted); run by
-        the engine thread while idle."""
-        bad = [f"{h.address}: {h.reason or 'not ready'}" for h in self.client.health()
-               if not h.ready]
+        """Raise EngineUnavailable when a worker is gone or lost its model (restarted), Fenced
+        when another scheduler took one over; run by the engine thread while idle."""
+        health = self.client.health()
+        self.client.check_owner(health)
+        bad = [f"{h.address}: {h.reason or 'not ready'}" for h in health if not h.ready]
         if bad:
             raise EngineUnavailable("worker not ready: " + "; ".join(bad))
 

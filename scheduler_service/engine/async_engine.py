@@ -297,7 +297,9 @@ class AsyncEngine:
     def _stop_fenced(self, error: Fenced) -> None:
         if self.fenced is None:
             log.error("this scheduler stops driving the workers: %s", error)
-        self.fenced = self.last_error = str(error)
+            self.fenced = ("this scheduler stopped: another scheduler took the workers over "
+                           f"({error})")
+        self.last_error = self.fenced
 
     def _fail_all(self, error: Exception) -> None:
         # Not ready *before* any stream hears of the failure: a caller that reacts to its

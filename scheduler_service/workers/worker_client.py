@@ -93,7 +93,7 @@ class WorkerClient:
         self._close_streams()
         self._failure = "an init() did not complete"
         infos = self._wait_ready()
-        self._check_owner(infos)
+        self.check_owner(infos)
         plan = plan_group(self.addresses, infos,
                           num_local_ranks=spec.num_local_ranks,
                           rendezvous_address=spec.rendezvous_address, dist_port=spec.dist_port,
@@ -142,7 +142,8 @@ class WorkerClient:
         for call, addr in zip(calls, self.addresses):
             try:
                 reply = call.result()
-                out.append(WorkerHealth(addr, reply.ready, reply.reason))
+                out.append(WorkerHealth(addr, reply.ready, reply.reason, reply.epoch,
+                                        reply.scheduler_id))
             except grpc.RpcError as e:
                 out.append(WorkerHealth(addr, False, f"unreachable: {describe_rpc_error(e)}"))
         return out
@@ -205,9 +206,10 @@ class WorkerClient:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _check_owner(self, infos: list) -> None:
-        """Fenced when this client drove the workers and one now reports another owner at a
-        higher epoch (a newer scheduler took over)."""
+    def check_owner(self, infos: list) -> None:
+        """Fenced when this client drove the workers and one of `infos` (InfoResponses or
+        WorkerHealths, in address order) reports another owner at a higher epoch (a newer
+        scheduler took over)."""
         if not self.owned_epoch:
             return
         for addr, info in zip(self.addresses, infos):

@@ -63,3 +63,5 @@ class WorkerHealth:
     address: str
     ready: bool
     reason: str
+    epoch: int = 0              # the worker's epoch and owner (fencing)
+    scheduler_id: str = ""

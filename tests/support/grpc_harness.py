@@ -98,9 +98,16 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def worker(self, port: int, *flags: str) -> Proc:
-        return self._start("worker", ["worker", "--listen", f"127.0.0.1:{port}", "--device",
+    def worker(self, port: int, *flags: str, host: str = "127.0.0.1") -> Proc:
+        return self._start("worker", ["worker", "--listen", f"{host}:{port}", "--device",
                                       "cpu", *flags])
+
+    def serve(self, port: int, worker_port: int, *flags: str, env: dict | None = None) -> Proc:
+        """`deltaserve serve`: its own worker (a child) and the scheduler in one process."""
+        args = ["serve", "--listen", f"127.0.0.1:{port}", "--worker-listen",
+                f"127.0.0.1:{worker_port}", "--device", "cpu", "--kv-cache-gib", SMALL_KV_GIB,
+                *flags]
+        return self._start("serve", args, env)
 
     def scheduler(self, model_dir: str, worker_ports: list[int], port: int,
                   *flags: str, env: dict | None = None) -> Proc:
@@ -168,9 +175,22 @@ def server_status(target: str) -> pb.GetServerStatusResponse:
         return generation_stub(ch).GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
 
 
-def worker_info(port: int) -> worker_pb2.InfoResponse:
+def worker_info(port: int, token: str | None = None) -> worker_pb2.InfoResponse:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+        return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=5,
+                                                   metadata=bearer(token))
+
+
+def bearer(token: str | None) -> tuple:
+    """The `authorization` metadata of a token (nothing for None)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def write_token(path: Path, token: str = "test-token-0123456789abcdef") -> str:
+    """A worker token file (what a Kubernetes Secret would mount); returns the token."""
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
 
 
 def grpcurl(*args: str, data: dict | None = None, timeout: float = 30.0

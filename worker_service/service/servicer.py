@@ -133,7 +133,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Health(self, request, context):
         ready, reason = self.worker.readiness()
-        return worker_pb2.HealthResponse(ready=ready, reason=reason)
+        fence = self.worker.fence
+        return worker_pb2.HealthResponse(ready=ready, reason=reason, epoch=fence.epoch,
+                                         scheduler_id=fence.owner)
 
     def Info(self, request, context):
         w = self.worker

@@ -2,12 +2,14 @@
 turn's token updates to the event loop in one call; the loop's StreamHub makes the text and
 sends stop-string matches back. Streams must end exactly as in the one-thread LLMEngine (ids,
 text, finish and stop reason, usage) although the engine hears of a stop string late, the blocks
-must all come back, and the loop must be woken once per step, not once per stream.
+must all come back, and the loop must be woken once per step, not once per stream. A failed
+worker drops readiness before the streams hear of it; a fenced engine stops for good.
 """
 from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,9 +24,10 @@ from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
-from scheduler_service.engine.stream_hub import StreamHub
+from scheduler_service.engine.stream_hub import StreamError, StreamHub
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.serving_counters import ServingCounters
+from scheduler_service.errors import EngineUnavailable, Fenced
 from tests.support.scheduler_sim import SimWorker
 from tests.support.tokenizers import build_tiny_tokenizer_dir
 
@@ -242,3 +245,127 @@ def test_a_second_stream_with_a_live_id_is_rejected_on_the_loop(tok):
             hub.open(Request("dup", [8], SamplingParams(), StoppingParams(max_tokens=4)))
     finally:
         loop.close()
+
+
+# ---- a failing worker and a fenced scheduler ----------------------------------------------
+
+_SCHED = SimpleNamespace(num_waiting=0, num_running=0, num_total_blocks=1, num_free_blocks=1,
+                         prefix_cache_hit_rate=0.0)
+
+
+class FailingCore:
+    """Takes requests; its first step fails the way a timed-out worker does."""
+
+    scheduler = _SCHED
+    num_steps_in_flight = 0
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.requests = []
+
+    def add_request(self, request):
+        self.requests.append(request)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        raise self.error
+
+    def abort(self, ids):
+        return []
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, [5, 6, 7], SamplingParams(), StoppingParams(max_tokens=4), (EOS,))
+
+
+async def _first_error(engine: AsyncEngine, rid: str):
+    try:
+        async for _ in engine.generate(_request(rid)):
+            pass
+    except EngineUnavailable as e:
+        return e
+    return None
+
+
+def _run_engine(engine: AsyncEngine, scenario, timeout: float = 60):
+    engine.start()
+    try:
+        return asyncio.run(asyncio.wait_for(scenario(), timeout))
+    finally:
+        engine.shutdown()
+
+
+def test_readiness_drops_before_the_failed_streams_hear_of_it(tok, monkeypatch):
+    """A caller that reacts to its stream's error at once must already see ready False: the
+    flaky step-timeout e2e test sent its next request into the dead core, which failed with the
+    old "no reply to step N in time" although the engine had said it was ready."""
+    seen = []
+    deliver = StreamHub.deliver
+
+    def recording_deliver(hub, items):
+        seen.extend(engine.ready for item in items if isinstance(item, StreamError))
+        deliver(hub, items)
+
+    monkeypatch.setattr(StreamHub, "deliver", recording_deliver)
+    cores = iter([FailingCore(EngineUnavailable("no reply to step 11 in time"))])
+
+    def make_core():
+        core = next(cores, None)
+        if core is None:
+            raise EngineUnavailable("worker not reachable")
+        return core
+
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+
+    async def scenario():
+        while not engine.ready:
+            await asyncio.sleep(0.01)
+        return await _first_error(engine, "a"), engine.ready
+
+    error, ready_after = _run_engine(engine, scenario)
+    assert "step 11" in str(error) and seen == [False] and not ready_after
+
+
+def test_a_fenced_engine_stops_for_good(tok):
+    calls = []
+
+    def make_core():
+        calls.append(1)
+        raise Fenced("worker w is driven by scheduler B since epoch 9")
+
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+
+    async def scenario():
+        while engine.fenced is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.5)   # three retry periods of a refused or unreachable worker
+        return await _first_error(engine, "a")
+
+    error = _run_engine(engine, scenario)
+    assert calls == [1] and "driven by scheduler B" in str(error) and not engine.ready
+
+
+def test_fenced_mid_step_fails_the_streams_and_never_reconnects(tok):
+    cores = [FailingCore(Fenced("step 3 failed: STALE_EPOCH: scheduler B took over"))]
+    calls = []
+
+    def make_core():
+        calls.append(1)
+        if cores:
+            return cores.pop()
+        raise AssertionError("a fenced engine must not build another core")
+
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+
+    async def scenario():
+        while not engine.ready:
+            await asyncio.sleep(0.01)
+        first = await _first_error(engine, "a")
+        await asyncio.sleep(1.0)
+        return first, await _first_error(engine, "b")
+
+    first, second = _run_engine(engine, scenario)
+    assert isinstance(first, Fenced) and "took over" in str(second) and calls == [1]
+    assert engine.fenced and not engine.ready

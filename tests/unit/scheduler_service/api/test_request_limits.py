@@ -1,0 +1,64 @@
+"""The public API's guards on the protobuf: request limits, API key files, option rules."""
+from __future__ import annotations
+
+import pytest
+
+from engine_common.params import ParamError
+from engine_common.protos import generation_pb2 as pb
+from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.guard import load_api_keys
+from scheduler_service.api.request_limits import check_generate_limits, check_prompt_chars
+
+OPTIONS = ApiOptions(max_stop_strings=3, max_stop_chars=10, max_stop_token_ids=2,
+                     max_prompt_chars=100)
+
+
+def _request(**stopping) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(**stopping))
+
+
+@pytest.mark.parametrize("msg,message", [
+    (_request(stop=["a", "b", "c", "d"]),
+     r"stopping.stop='4 strings' is invalid: must be at most 3 strings \(--max-stop-strings\)"),
+    (_request(stop=["abcdef", "ghijk"]),
+     r"stopping.stop='11 characters in all' is invalid: must be at most 10 characters"),
+    (_request(stop_token_ids=[1, 2, 3]),
+     r"stopping.stop_token_ids='3 ids' is invalid: must be at most 2 ids"),
+    (pb.GenerateRequest(text="x" * 101), r"text='101 characters' is invalid: must be at most 100"),
+    (pb.GenerateRequest(text="hi", request_id="r" * 257), r"request_id='257 characters'"),
+])
+def test_each_limit_is_invalid_argument_naming_the_field_and_the_flag(msg, message):
+    with pytest.raises(ParamError, match=message):
+        check_generate_limits(msg, OPTIONS)
+
+
+def test_requests_within_the_limits_pass():
+    check_generate_limits(_request(stop=["abc", "def"], stop_token_ids=[1, 2]), OPTIONS)
+    check_prompt_chars("text", "x" * 100, OPTIONS)
+    many = _request(stop=["s"] * 200_000)     # the attack of issue 13: refused by count first
+    with pytest.raises(ParamError, match="200000 strings"):
+        check_generate_limits(many, ApiOptions())
+
+
+def test_api_key_files(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# team A\nkey-aaaaaaaaaaaaaaaa\n\n  key-bbbbbbbbbbbbbbbb  \n")
+    assert load_api_keys(str(path)) == {"key-aaaaaaaaaaaaaaaa", "key-bbbbbbbbbbbbbbbb"}
+    path.write_text("key-aaaaaaaaaaaaaaaa\nshort\n")
+    with pytest.raises(ParamError, match=r"keys:2' is invalid: must be one key per line"):
+        load_api_keys(str(path))
+    path.write_text("# nothing\n")
+    with pytest.raises(ParamError, match="at least one key"):
+        load_api_keys(str(path))
+
+
+def test_tls_options_come_in_pairs(tmp_path):
+    pem = tmp_path / "c.pem"
+    pem.write_text("x")
+    with pytest.raises(ParamError, match="tls_key=None is invalid"):
+        ApiOptions(tls_cert=str(pem))
+    with pytest.raises(ParamError, match="tls_client_ca=.* unset without --tls-cert"):
+        ApiOptions(tls_client_ca=str(pem))
+    with pytest.raises(ParamError, match="max_logprobs=257 is invalid: must be an integer in "
+                                         r"\[0, 256\]"):
+        ApiOptions(max_logprobs=257)

@@ -1,0 +1,161 @@
+"""NodeWorker's fencing, Init safety and stream rules over fake ranks (no model is loaded; the
+Init checks read the tiny model's directory)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.failures import FailureKind, StepFailure
+from worker_service.runner.rank_api import InitOutcome, StepReply
+from worker_service.service.init_checks import InitGuards
+from worker_service.service.node_worker import NodeWorker
+
+LAYOUT = NodeLayout()
+
+
+class FakeRanks:
+    """Counts loads and interrupts; every step answers b"ok"."""
+
+    device = "cpu"
+    group_id = ""
+
+    def __init__(self):
+        self.num_model_loads = 0
+        self.interrupts = 0
+        self.loaded: RunnerConfig | None = None
+        self.steps = 0
+
+    def load(self, config, layout):
+        self.num_model_loads += 1
+        self.loaded = config
+        return InitOutcome(num_kv_blocks=8, kv_block_bytes=64, model_reloaded=True)
+
+    def drop_requests(self):
+        return 0
+
+    def run_step(self, payload, verify, output_rank):
+        self.steps += 1
+        return StepReply(b"ok")
+
+    def interrupt(self):
+        self.interrupts += 1
+
+    def readiness(self):
+        return (self.loaded is not None, "" if self.loaded else "not initialized")
+
+    def set_failure_listener(self, listener):
+        pass
+
+    def describe_devices(self):
+        return []
+
+    def model_summary(self):
+        return None
+
+
+@pytest.fixture
+def model_dir(tiny_models) -> str:
+    return tiny_models("qwen3")
+
+
+def _config(model_dir: str, **fields) -> RunnerConfig:
+    limits = dict(max_model_len=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    return RunnerConfig(model_dir=model_dir, **{**limits, **fields})
+
+
+def _state(w: NodeWorker, ranks: FakeRanks) -> tuple:
+    return (w.epoch, w.fence.epoch, w.fence.owner, ranks.num_model_loads, ranks.interrupts,
+            ranks.loaded, w.readiness())
+
+
+def _refused(call, kind, match: str) -> None:
+    expected = StepFailure if isinstance(kind, FailureKind) else kind
+    with pytest.raises(expected, match=match) as e:
+        call()
+    if isinstance(kind, FailureKind):
+        assert e.value.kind == kind
+
+
+def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp_path):
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT, InitGuards(model_root=os.path.dirname(model_dir),
+                                             max_message_bytes=2 << 20))
+    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    before = _state(w, ranks)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "link").symlink_to(outside)
+    refusals = [
+        (_config(model_dir), 5, StepFailure, "epoch 5 is stale: the worker's epoch is 5 "
+                                             r"\(scheduler A\)"),
+        (_config(model_dir), 3, StepFailure, "epoch 3 is stale"),
+        (_config("/etc"), 9, ValueError, "must be under this worker's --model-root"),
+        (_config(str(tmp_path / "link")), 9, ValueError, "--model-root"),
+        (_config(model_dir + "/../missing"), 9, ValueError, "does not exist"),
+        (_config(model_dir, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048),
+         9, ValueError, "a step diff may take .* MiB, more than this worker's "
+                        "--max-message-mib 2"),
+        (_config(model_dir, attention_backend="flash_attn"), 9,
+         (ValueError, NotImplementedError), "flash_attn"),
+        (RunnerConfig(model_dir=model_dir, max_model_len=10**6), 9, ValueError,
+         "max_position_embeddings"),
+    ]
+    for config, epoch, error, match in refusals:
+        _refused(lambda: w.init(config, LAYOUT, epoch=epoch, owner="B"), error, match)
+        assert _state(w, ranks) == before, (config, epoch)
+    # The owner's epoch is intact: its steps still run.
+    stream = w.open_stream()
+    assert w.step(stream, 5, 0, b"").payload == b"ok"
+
+
+def test_a_batch_too_big_for_memory_is_refused_before_anything_changes(model_dir):
+    from worker_service.runner.preflight import check_batch_memory
+    with pytest.raises(ValueError, match=r"max_num_seqs=8192 is invalid with max_model_len="
+                                         r"1048576: .* more than half"):
+        check_batch_memory(8192, 1 << 20, total_bytes=64 << 30)
+    check_batch_memory(256, 32768, total_bytes=64 << 30)
+
+
+def test_a_higher_epoch_takes_over_and_the_old_owner_is_fenced(model_dir):
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+    a = w.open_stream()
+    w.step(a, 1, 0, b"")
+    w.init(_config(model_dir), LAYOUT, epoch=2, owner="B")
+    assert (w.fence.epoch, w.fence.owner) == (2, "B")
+    _refused(lambda: w.step(a, 1, 1, b""), FailureKind.STALE_EPOCH,
+             r"step 1 carries epoch 1, which is stale: the worker's epoch is 2 \(scheduler B\)")
+    _refused(lambda: w.reset(3, "A"), FailureKind.STALE_EPOCH, "scheduler A does not own")
+    b = w.open_stream()
+    assert w.step(b, 2, 0, b"").payload == b"ok"
+    assert w.reset(3, "B") == 0 and w.epoch == 3
+    _refused(lambda: w.reset(3, "B"), FailureKind.STALE_EPOCH, "epoch 3 is stale")
+
+
+def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=7, owner="A")
+    owner = w.open_stream()
+    w.step(owner, 7, 0, b"")
+    for epoch, step, kind in ((8, 0, FailureKind.EPOCH_MISMATCH),
+                              (6, 0, FailureKind.STALE_EPOCH),
+                              (7, 5, FailureKind.STEP_GAP)):
+        outsider = w.open_stream()
+        _refused(lambda: w.step(outsider, epoch, step, b""), kind, ".")
+    # Neither refused stream superseded the owner's, nor failed its epoch.
+    assert w.step(owner, 7, 1, b"").payload == b"ok"
+    newer = w.open_stream()
+    assert w.step(newer, 7, 2, b"").payload == b"ok"
+    _refused(lambda: w.step(owner, 7, 3, b""), FailureKind.SUPERSEDED, "superseded")
+    # A gap on the active stream does fail the epoch.
+    _refused(lambda: w.step(newer, 7, 9, b""), FailureKind.STEP_GAP, "expected step 3")
+    _refused(lambda: w.step(newer, 7, 3, b""), FailureKind.EPOCH_FAILED, "Reset or Init")
+
+
+def test_reset_before_any_init_is_refused():
+    w = NodeWorker(FakeRanks(), LAYOUT)
+    _refused(lambda: w.reset(1, ""), FailureKind.STALE_EPOCH, "does not own")
