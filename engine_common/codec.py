@@ -35,6 +35,11 @@ class CodecError(ValueError):
     """A payload that does not decode to the expected layout."""
 
 
+def _why(e: Exception) -> str:
+    """An error's own message; its type too when that says more (msgpack's are often empty)."""
+    return str(e) if isinstance(e, CodecError) else f"{type(e).__name__}: {e}"
+
+
 def _u32(values) -> bytes:
     return array("I", values).tobytes()
 
@@ -155,7 +160,7 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
             preempted_handles=_ints(preempted, "preempted_handles"),
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
-        raise CodecError(f"malformed SchedulerOutput payload: {type(e).__name__}: {e}") from e
+        raise CodecError(f"malformed SchedulerOutput payload: {_why(e)}") from e
 
 
 def encode_runner_output(out: RunnerOutput) -> bytes:
@@ -176,4 +181,4 @@ def decode_runner_output(data: bytes) -> RunnerOutput:
             raise CodecError("logprobs must match handles one to one")
         return out
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
-        raise CodecError(f"malformed RunnerOutput payload: {type(e).__name__}: {e}") from e
+        raise CodecError(f"malformed RunnerOutput payload: {_why(e)}") from e

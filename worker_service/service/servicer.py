@@ -24,8 +24,10 @@ set, then the stream is closed with a status (the response is skipped only for S
 
 Init answers a stale epoch with FAILED_PRECONDITION (another scheduler owns the worker),
 refused settings with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
-UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every step failure except an epoch mismatch and supersession fails the epoch: later steps are refused
-until Reset or Init. A new Step stream supersedes the previous one (it learns so at its next step).
+UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every
+step failure of the active stream except an epoch mismatch, a stale epoch and supersession fails
+the epoch: later steps are refused until Reset or Init. A newer Step stream supersedes the
+active one at its first step of the current epoch (the older learns so at its next step).
 """
 from __future__ import annotations
 
