@@ -61,7 +61,7 @@ def enc(diff: SchedulerOutput) -> bytes:
 def raw(step, new_reqs=(), resumed=(), new_blocks=None, counts=None, finished=(),
         preempted=()) -> bytes:
     """A payload in the codec's layout with any values at all (no encoder checks)."""
-    return msgpack.packb([step, new_reqs, resumed, {} if new_blocks is None else new_blocks,
+    return msgpack.packb([step, new_reqs, resumed, new_blocks,
                           {} if counts is None else counts, finished, preempted],
                          use_bin_type=True)
 
@@ -92,6 +92,9 @@ def _undecodable(lim: Limits) -> dict[str, bytes]:
         "temperature out of range": raw(0, [raw_new(sampling=[{"temperature": -1.0}, 0, 0, []])]),
         "block id as a string": raw(0, [raw_new(blocks=("0",))]),
         "new_block_ids as a list": raw(0, new_blocks=[1, 2]),
+        "new_block_ids varints truncated": raw(0, new_blocks=b"\x01\x80"),
+        "new_block_ids claiming 2**40 blocks": raw(0, new_blocks=b"\x01\x01\x80\x80\x80\x80"
+                                                               b"\x80\x20\x00"),
         "negative token count": raw(0, counts={0: -5}),
         "finished handle as a bool": raw(0, finished=[True]),
         "arrays nested 5000 deep": deep,
@@ -153,6 +156,8 @@ def _bad_state(lim: Limits) -> dict[str, list[bytes]]:
         "a cached handle added again": [PREFILL, enc(SchedulerOutput(1, new_requests=[new()]))],
         "resume of a running request": [PREFILL, enc(SchedulerOutput(1, resumed_requests=[
             ResumedRequestData(0, [0, 1, 2, 3], 0)]))],
+        "new block id == num_kv_blocks": [PREFILL, enc(SchedulerOutput(
+            1, new_block_ids={0: [lim.num_kv_blocks]}))],
         "blocks beyond a request's share": [PREFILL, enc(SchedulerOutput(
             1, new_block_ids={0: list(range(4, top + 1))}))],
         "tokens beyond the known ones": [PREFILL, enc(SchedulerOutput(
