@@ -18,7 +18,7 @@ from typing import Callable, TextIO
 
 import grpc
 
-from deltaserve.client import set_options
+from deltaserve.client import add_connection_flags, open_channel, set_options
 from engine_common.protos import generation_pb2 as pb
 from engine_common.protos import generation_pb2_grpc
 
@@ -42,6 +42,7 @@ def build_parser(p: argparse.ArgumentParser, default_target: str) -> argparse.Ar
     p.add_argument("--seed", type=int, default=None, help="default: the server draws one")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of one answer in seconds (default: none)")
+    add_connection_flags(p)
     return p
 
 
@@ -93,7 +94,7 @@ def stream_answer(stub, req: pb.GenerateRequest, out: TextIO,
 
 def run_chat(args) -> int:
     """`deltaserve chat`: one-shot with a question, else interactive."""
-    with grpc.insecure_channel(args.target) as channel:
+    with open_channel(args) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         if args.question is not None:
             return _one_shot(stub, args)

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import sys
 
+from deltaserve.client import add_connection_flags
 from engine_common.config import WorkerServiceOptions
 from engine_common.settings import add_flags, from_args
 from engine_common.worker_auth import WorkerCredentials
@@ -79,10 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--cacert", default=None, metavar="FILE",
-                   help="PEM CA certificate: connect with TLS and verify the server against it")
-    p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="send the key on this file's first line as `authorization: Bearer`")
+    add_connection_flags(p)
 
     from deltaserve import chat  # torch-free at import
     chat.build_parser(sub.add_parser("chat", help="chat with the served model (streaming; "

@@ -5,10 +5,12 @@ Torch-free: only grpc and the generated stubs.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import grpc
 
+from engine_common.grpc_metadata import with_metadata
 from engine_common.protos import generation_pb2 as pb
 from engine_common.protos import generation_pb2_grpc
 
@@ -51,21 +53,27 @@ def warn_if_chat_model(stub, req: pb.GenerateRequest, timeout: float | None) -> 
               "GenerateRequest.messages)", file=sys.stderr, flush=True)
 
 
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """--cacert and --api-key-file, for a server with TLS and API keys."""
+    p.add_argument("--cacert", default=None, metavar="FILE",
+                   help="PEM CA certificate: connect with TLS and verify the server against it")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="send the key on this file's first line as `authorization: Bearer`")
+
+
 def open_channel(args) -> grpc.Channel:
-    """Plaintext, or TLS verified against --cacert."""
+    """A channel to args.target: plaintext, or TLS verified against --cacert; every call
+    carries the API key of --api-key-file when given."""
     if getattr(args, "cacert", None):
         with open(args.cacert, "rb") as f:
-            return grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
-    return grpc.insecure_channel(args.target)
-
-
-def call_metadata(args) -> tuple:
-    """`authorization: Bearer <key>` from --api-key-file (its first line), or nothing."""
+            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.target)
     path = getattr(args, "api_key_file", None)
     if not path:
-        return ()
+        return channel
     with open(path) as f:
-        return (("authorization", f"Bearer {f.readline().strip()}"),)
+        return with_metadata(channel, (("authorization", f"Bearer {f.readline().strip()}"),))
 
 
 def generate(args) -> int:
@@ -76,8 +84,7 @@ def generate(args) -> int:
         warn_if_chat_model(stub, request, args.timeout)
         last = None
         try:
-            for resp in stub.Generate(request, timeout=args.timeout,
-                                      metadata=call_metadata(args)):
+            for resp in stub.Generate(request, timeout=args.timeout):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 last = resp

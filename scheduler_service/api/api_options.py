@@ -38,7 +38,8 @@ class ApiOptions:
     max_stop_token_ids: int = setting(256, "stop token ids in one request",
                                       rule=AtLeast(0, MAX_STOP_TOKEN_IDS))
     max_prompt_chars: int = setting(
-        4 << 20, "characters of a text prompt (Generate, Tokenize), checked before tokenizing",
+        4 << 20, "characters of a text prompt or a chat's messages (Generate, Tokenize), "
+        "checked before rendering and tokenizing",
         rule=AtLeast(1))
     max_logprobs: int = setting(20, "top alternatives a request may ask for per token",
                                 rule=AtLeast(0, MAX_TOP_LOGPROBS))

@@ -7,10 +7,9 @@ scheduler's own certificate. The worker's address must match a name in its certi
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import grpc
 
+from engine_common.grpc_metadata import with_metadata
 from engine_common.tls import channel_credentials
 from engine_common.worker_auth import WorkerAuth
 
@@ -29,39 +28,6 @@ CHANNEL_OPTIONS = (
 )
 
 
-class _CallDetails(NamedTuple):
-    method: str
-    timeout: float | None
-    metadata: tuple | None
-    credentials: grpc.CallCredentials | None
-    wait_for_ready: bool | None
-    compression: object | None
-
-
-class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds fixed metadata to every call."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...]):
-        self._metadata = metadata
-
-    def _details(self, d) -> _CallDetails:
-        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self._metadata,
-                            d.credentials, d.wait_for_ready, getattr(d, "compression", None))
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
-
-
 def worker_channel(address: str, auth: WorkerAuth = WorkerAuth(),
                    options: tuple = CHANNEL_OPTIONS) -> grpc.Channel:
     """A channel to the worker at `address` that carries `auth` (nothing when it is empty)."""
@@ -70,6 +36,4 @@ def worker_channel(address: str, auth: WorkerAuth = WorkerAuth(),
                                       options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
-    if auth.token:
-        channel = grpc.intercept_channel(channel, _AddMetadata(auth.metadata()))
-    return channel
+    return with_metadata(channel, auth.metadata())
