@@ -26,6 +26,8 @@ def _request(**stopping) -> pb.GenerateRequest:
      r"stopping.stop_token_ids='3 ids' is invalid: must be at most 2 ids"),
     (pb.GenerateRequest(text="x" * 101), r"text='101 characters' is invalid: must be at most 100"),
     (pb.GenerateRequest(text="hi", request_id="r" * 257), r"request_id='257 characters'"),
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x" * 97)]),
+     r"messages='101 characters' is invalid: must be at most 100 characters"),
 ])
 def test_each_limit_is_invalid_argument_naming_the_field_and_the_flag(msg, message):
     with pytest.raises(ParamError, match=message):
