@@ -7,7 +7,7 @@
 - `add_port` binds the listen address with TLS (a client certificate signed by the CA is
   required) when the worker has a certificate, plaintext otherwise.
 - `check_exposure`: a worker with no credential refuses to listen beyond loopback unless
-  --insecure is given.
+  --insecure is given (its ready line says it runs unauthenticated).
 """
 from __future__ import annotations
 
@@ -93,13 +93,19 @@ def is_loopback(listen: str) -> bool:
 
 def check_exposure(listen: str, auth: WorkerAuth, insecure: bool) -> None:
     """ParamError for a worker without credentials on a non-loopback address, unless
-    `insecure`; a warning whenever it runs without them."""
-    if auth.enabled:
-        return
-    if not is_loopback(listen) and not insecure:
+    `insecure`."""
+    if not auth.enabled and not is_loopback(listen) and not insecure:
         raise ParamError("listen", listen, "a loopback address for a worker without "
                          "credentials: give --worker-token-file FILE or --worker-tls-cert/"
                          "--worker-tls-key/--worker-tls-ca (or --insecure to let anyone who "
                          "reaches the port drive this worker)")
-    log.warning("the Worker protocol on %s is NOT authenticated: any process that reaches it "
-                "can drive this worker (give --worker-token-file or --worker-tls-*)", listen)
+
+
+def describe(auth: WorkerAuth) -> str:
+    """How the worker is guarded, for its ready line."""
+    if auth.token and auth.tls:
+        return "token and mutual TLS"
+    if auth.enabled:
+        return "token" if auth.token else "mutual TLS"
+    return ("NOT authenticated: any process that reaches the port can drive this worker (give "
+            "--worker-token-file or --worker-tls-*)")

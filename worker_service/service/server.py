@@ -36,7 +36,7 @@ from engine_common.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
 from worker_service.runner.runner_keeper import RunnerKeeper
-from worker_service.service.auth import add_port, check_exposure, interceptors
+from worker_service.service.auth import add_port, check_exposure, describe, interceptors
 from worker_service.service.init_checks import MIB, InitGuards
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.servicer import WorkerServicer
@@ -116,11 +116,9 @@ def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions
     stop the rank processes."""
     server = serve_worker(listen, options, auth)
     host = listen.rsplit(":", 1)[0]
-    guard = ("token and mutual TLS" if auth.token and auth.tls else "token" if auth.token
-             else "mutual TLS" if auth.tls else "NO authentication")
     print(f"deltaserve worker listening on {host}:{server.bound_port} (device "
           f"{server.node_worker.device}, node {options.node_rank} of {options.nodes}, "
-          f"{options.local_ranks} local ranks; {guard})", flush=True)
+          f"{options.local_ranks} local ranks; {describe(auth)})", flush=True)
     if server.metrics_server is not None:
         print(f"deltaserve worker metrics on http://{server.metrics_server.address}/metrics",
               flush=True)
