@@ -20,6 +20,7 @@ from engine_common.protos import generation_pb2_grpc
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.output_processor import OutputProcessor
 
 BIG = "hello world, " * 320_000          # 4.2 million characters: the attack of issue 13
 STALL_LIMIT_S = 60.0
@@ -47,7 +48,7 @@ class GatedTokenizer:
 
 
 async def _scenario(llm: LLM, tokenizer: GatedTokenizer) -> tuple[int, list]:
-    engine = AsyncEngine(lambda: llm.engine)
+    engine = AsyncEngine(lambda: llm.engine.core, lambda: OutputProcessor(tokenizer.real))
     engine.start()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
     served = ServedModel(info=llm.model_info, tokenizer=tokenizer, block_size=4)
