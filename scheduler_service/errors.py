@@ -31,6 +31,8 @@ class Fenced(WorkerFailure):
     them for good (no retry: retrying would take them back and lock both out); its requests get
     UNAVAILABLE naming the new owner."""
 
+    default_kind = "fenced"
+
 
 class RequestFailed(RuntimeError):
     """One request failed on the scheduler side (a bug, not bad input); the engine aborts it and

@@ -72,8 +72,9 @@ class ServerOptions:
         None, "HOST:PORT of the Prometheus /metrics endpoint (port 0: any free port), or off",
         rule=ListenAddress())
     step_timeout_s: float = setting(
-        10.0, "seconds a worker may take for a step beyond twice the slowest recent step before "
-        "it counts as stuck: open streams get UNAVAILABLE and the workers are re-initialized",
+        10.0, "seconds a step may take beyond twice the slowest recent step before the worker "
+        "must answer Health: one that does not is stuck (open streams get UNAVAILABLE, the "
+        "workers are re-initialized); one that does gets another period, up to 30",
         rule=Positive(), flag="--step-timeout")
 
     def __post_init__(self):

@@ -17,7 +17,10 @@ others answer with empty acknowledgements.
 
 Any failure (unreachable worker, broken stream, StepError, no reply in time) raises
 WorkerFailure naming the worker, and fails the client until the next `init` or `reset`. A step
-is late after `step_timeout_s` plus twice the slowest of the recent steps.
+is late after `step_timeout_s` plus twice the slowest of the recent steps; then the worker must
+answer a Health call within `connect_timeout_s` (a frozen or unreachable worker fails the step
+at once), and a worker that answers gets another `step_timeout_s`, up to MAX_SLOW_PERIODS in all
+(a slow step on a busy machine is not a dead worker).
 
 Fencing. Every call carries this client's credential (channels.py) and every Init its
 `scheduler_id`. A worker accepts only epochs above the highest it has seen, so a client that
@@ -28,6 +31,7 @@ won, and this one must stop rather than take the workers back.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -45,14 +49,19 @@ from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
                                                    WorkerDevice, WorkerHealth)
-from scheduler_service.workers.worker_stream import StepStream, SymmetryError, describe_rpc_error
+from scheduler_service.workers.worker_stream import (StepLate, StepStream, SymmetryError,
+                                                     describe_rpc_error)
 
 __all__ = ["DEFAULT_DIST_PORT", "InitResult", "InitSpec", "SymmetryError", "WorkerClient",
            "WorkerDevice", "WorkerHealth"]
 
+log = logging.getLogger(__name__)
+
 # The step deadline's allowance for slow steps decays by this factor per step (about a hundred
 # steps to forget a slow one).
 _SLOWEST_DECAY = 0.97
+# A late step whose worker still answers Health gets another step timeout, this many in all.
+MAX_SLOW_PERIODS = 30
 
 
 def new_scheduler_id() -> str:
@@ -172,7 +181,7 @@ class WorkerClient:
         self._check_usable()
         deadline = time.monotonic() + self.step_timeout_s + 2 * self._slowest_step_s
         try:
-            replies = [s.receive(self.epoch, step, deadline) for s in self._streams]
+            replies = [self._receive(i, step, deadline) for i in range(len(self._streams))]
             if self.verify_symmetry:
                 self._check_symmetry(step, replies)
         except WorkerFailure as e:
@@ -181,6 +190,28 @@ class WorkerClient:
             raise
         self._note_step_time(step)
         return replies[0].payload
+
+    def _receive(self, node: int, step: int, deadline: float):
+        """Node `node`'s reply to `step`; past the deadline, only while the worker answers."""
+        for _ in range(MAX_SLOW_PERIODS - 1):
+            try:
+                return self._streams[node].receive(self.epoch, step, deadline)
+            except StepLate as late:
+                why = self._unresponsive(node)
+                if why is not None:
+                    raise StepLate(f"{late}; {why}") from None
+                log.warning("worker %s: step %d is slow but the worker answers: waiting another "
+                            "%gs", self.addresses[node], step, self.step_timeout_s)
+                deadline = time.monotonic() + self.step_timeout_s
+        return self._streams[node].receive(self.epoch, step, deadline)
+
+    def _unresponsive(self, node: int) -> str | None:
+        """None when the worker answers Health in time, else why not."""
+        try:
+            self._stubs[node].Health(worker_pb2.HealthRequest(), timeout=self.connect_timeout_s)
+            return None
+        except grpc.RpcError as e:
+            return f"and it does not answer Health ({describe_rpc_error(e)})"
 
     def _note_step_time(self, step: int) -> None:
         """The step took from its start (its submit, or the previous reply while two are in

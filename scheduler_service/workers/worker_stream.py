@@ -24,6 +24,13 @@ from scheduler_service.errors import Fenced, WorkerFailure
 _STOP = object()  # the request generator's end marker
 
 
+class StepLate(WorkerFailure):
+    """No reply by the deadline (the worker client then asks the worker whether it still
+    answers at all)."""
+
+    default_kind = "step_timeout"
+
+
 class SymmetryError(WorkerFailure):
     """Ranks that must be identical disagree on their sampled ids or cached state
     (verify_symmetry): within a node (the worker reports it) or across nodes (the client
@@ -71,8 +78,8 @@ class StepStream:
         try:
             item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise WorkerFailure(f"worker {self.address}: no reply to step {step} in time "
-                                "(step timeout)", kind="step_timeout") from None
+            raise StepLate(f"worker {self.address}: no reply to step {step} in time "
+                           "(step timeout)") from None
         if isinstance(item, _Ended):
             self._inbox.put(item)  # every later receive fails the same way
             raise WorkerFailure(f"worker {self.address}: Step stream ended at step {step}: "
