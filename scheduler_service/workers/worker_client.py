@@ -18,8 +18,8 @@ others answer with empty acknowledgements.
 Any failure (unreachable worker, broken stream, StepError, no reply in time) raises
 WorkerFailure naming the worker, and fails the client until the next `init` or `reset`. A step
 is late after `step_timeout_s` plus twice the slowest of the recent steps; then the worker must
-answer a Health call within `connect_timeout_s` (a frozen or unreachable worker fails the step
-at once), and a worker that answers gets another `step_timeout_s`, up to MAX_SLOW_PERIODS in all
+answer a Health call within the smaller of `connect_timeout_s` and `step_timeout_s` (a frozen or
+unreachable worker fails the step at once), and a worker that answers gets another `step_timeout_s`, up to MAX_SLOW_PERIODS in all
 (a slow step on a busy machine is not a dead worker).
 
 Fencing. Every call carries this client's credential (channels.py) and every Init its
@@ -208,7 +208,8 @@ class WorkerClient:
     def _unresponsive(self, node: int) -> str | None:
         """None when the worker answers Health in time, else why not."""
         try:
-            self._stubs[node].Health(worker_pb2.HealthRequest(), timeout=self.connect_timeout_s)
+            self._stubs[node].Health(worker_pb2.HealthRequest(),
+                                     timeout=min(self.connect_timeout_s, self.step_timeout_s))
             return None
         except grpc.RpcError as e:
             return f"and it does not answer Health ({describe_rpc_error(e)})"
