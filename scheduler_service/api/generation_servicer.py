@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,6 +31,7 @@ from scheduler_service.api.convert import (check_prompt_length, messages_from_pr
                                            request_from_proto, sampling_to_proto)
 from scheduler_service.api.guard import caller_of
 from scheduler_service.api.request_limits import check_generate_limits, check_tokenize_limits
+from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
 from scheduler_service.api.status import status_for
@@ -61,14 +61,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """deltaserve.v1.Generation on top of an AsyncEngine."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel,
-                 tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions()):
-        """`tp_size()`: ranks the workers run (known once they are initialized)."""
+                 tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions(),
+                 tokenizer_pool: TokenizerPool | None = None):
+        """`tp_size()`: ranks the workers run (known once they are initialized);
+        `tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
         self._engine = engine
         self._model = model
         self._tp_size = tp_size
         self._options = options
-        self._tokenize_pool = ThreadPoolExecutor(options.tokenizer_threads,
-                                                 thread_name_prefix="tokenize")
+        self._tokenize_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
         self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
 
     # -- Generate ---------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _offload(self, fn, *args):
         """Tokenizing and chat rendering run on the pool: the event loop keeps serving the other
         streams meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+        return await self._tokenize_pool.run(fn, *args)
 
     def _token_text(self, token_id: int) -> str:
         return self._model.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,34 +1,56 @@
 """Per-request limits of the public API, checked on the protobuf before anything costly (the
-tokenizer, the stop-string matcher, the engine) sees the request. Each violation is a ParamError
-(INVALID_ARGUMENT) naming the field, what was sent and the flag that sets the limit.
+tokenizer, the stop-string matcher, the engine) sees the request: deltaserve.v1.Generation's and
+vllm.grpc.engine.VllmEngine's requests alike. Each violation is a ParamError (INVALID_ARGUMENT)
+naming the field, what was sent and the flag that sets the limit.
 """
 from __future__ import annotations
 
 from engine_common.params import ParamError
 from engine_common.protos import generation_pb2 as pb
+from engine_common.protos import vllm_engine_pb2 as vpb
 from scheduler_service.api.api_options import ApiOptions
 
 MAX_REQUEST_ID_CHARS = 256
 
 
 def check_generate_limits(msg: pb.GenerateRequest, options: ApiOptions) -> None:
-    if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
-        raise ParamError("request_id", f"{len(msg.request_id)} characters",
-                         f"at most {MAX_REQUEST_ID_CHARS} characters")
+    check_request_id(msg.request_id)
     if msg.HasField("text"):
         check_prompt_chars("text", msg.text, options)
     check_messages_chars(msg.messages, options)
-    stop = msg.stopping.stop
+    check_stops("stopping", msg.stopping.stop, msg.stopping.stop_token_ids, options)
+
+
+def check_vllm_generate_limits(msg: vpb.GenerateRequest, options: ApiOptions) -> None:
+    """The same limits on a VllmEngine GenerateRequest (the smg gateway's), naming its fields."""
+    check_request_id(msg.request_id)
+    if msg.WhichOneof("input") == "text":
+        check_prompt_chars("text", msg.text, options)
+    sp = msg.sampling_params
+    check_stops("sampling_params", sp.stop, sp.stop_token_ids, options)
+    if sp.HasField("logprobs") and sp.logprobs > options.max_logprobs:
+        raise ParamError("sampling_params.logprobs", sp.logprobs,
+                         f"in [0, {options.max_logprobs}] (--max-logprobs)")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ParamError("request_id", f"{len(request_id)} characters",
+                         f"at most {MAX_REQUEST_ID_CHARS} characters")
+
+
+def check_stops(prefix: str, stop, stop_token_ids, options: ApiOptions) -> None:
+    """Count and total length of the stop strings, count of the stop token ids (fields
+    `<prefix>.stop` and `<prefix>.stop_token_ids`)."""
     if len(stop) > options.max_stop_strings:
-        raise ParamError("stopping.stop", f"{len(stop)} strings",
+        raise ParamError(f"{prefix}.stop", f"{len(stop)} strings",
                          f"at most {options.max_stop_strings} strings (--max-stop-strings)")
     total = sum(len(s) for s in stop)
     if total > options.max_stop_chars:
-        raise ParamError("stopping.stop", f"{total} characters in all",
+        raise ParamError(f"{prefix}.stop", f"{total} characters in all",
                          f"at most {options.max_stop_chars} characters (--max-stop-chars)")
-    ids = msg.stopping.stop_token_ids
-    if len(ids) > options.max_stop_token_ids:
-        raise ParamError("stopping.stop_token_ids", f"{len(ids)} ids",
+    if len(stop_token_ids) > options.max_stop_token_ids:
+        raise ParamError(f"{prefix}.stop_token_ids", f"{len(stop_token_ids)} ids",
                          f"at most {options.max_stop_token_ids} ids (--max-stop-token-ids)")
 
 

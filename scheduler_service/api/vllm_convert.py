@@ -87,9 +87,10 @@ def new_request_id() -> str:
 
 
 def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = SamplingParams(),
-                       vocab_size: int | None = None,
+                       vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
                        make_request_id: Callable[[], str] = new_request_id) -> VllmGenerateInput:
-    """Validate a GenerateRequest and convert it; raises ParamError on the first bad field."""
+    """Validate a GenerateRequest and convert it; raises ParamError on the first bad field.
+    `max_logprobs`: the most alternatives per token a request may ask for (--max-logprobs)."""
     refuse_unsupported(msg)
     text, ids = _prompt_from_proto(msg, vocab_size)
     sp = msg.sampling_params
@@ -99,9 +100,9 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
     num_logprobs = None
     if sp.HasField("logprobs"):
         num_logprobs = sp.logprobs
-        if not 0 <= num_logprobs <= MAX_LOGPROBS:
+        if not 0 <= num_logprobs <= max_logprobs:
             raise ParamError("sampling_params.logprobs", num_logprobs,
-                             f"in [0, {MAX_LOGPROBS}] (-1, every token, is not supported)")
+                             f"in [0, {max_logprobs}] (-1, every token, is not supported)")
     return VllmGenerateInput(
         request_id=msg.request_id or make_request_id(), prompt_text=text, prompt_token_ids=ids,
         sampling=sampling_from_proto(sp, defaults), stopping=stopping_from_proto(sp, vocab_size),

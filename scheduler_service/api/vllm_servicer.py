@@ -2,10 +2,12 @@
 anything else written against vLLM's gRPC server) can front DeltaServe.
 
 A thin adapter over the same AsyncEngine, tokenizer and model as deltaserve.v1.Generation, on the
-same port; vllm_convert.py does the protobuf. One Generate call is one request, or n requests for
+same port, behind the same guards: the port's TLS and API keys (guard.py), the request limits
+(request_limits.py, checked before anything costly) and the shared tokenizer pool; vllm_convert.py
+does the protobuf. One Generate call is one request, or n requests for
 `n` > 1 (engine ids `<request_id>-<i>`, sharing the prompt's cached blocks; every message carries
-its choice `index`). Abort(request_ids) finds them by the caller's id; cancelling the call aborts
-them too. Every failure becomes a status through status.status_for (a field we cannot honour is
+its choice `index`). Abort(request_ids) finds them by the caller's id, and ends only requests
+made with the caller's API key; cancelling the call aborts them too. Every failure becomes a status through status.status_for (a field we cannot honour is
 INVALID_ARGUMENT naming it). Embed, FlushCache and the profiler RPCs are UNIMPLEMENTED.
 """
 from __future__ import annotations
@@ -22,10 +24,14 @@ from engine_common.params import ParamError
 from engine_common.protos import smg_common_pb2 as cpb
 from engine_common.protos import vllm_engine_pb2 as pb
 from engine_common.protos import vllm_engine_pb2_grpc
+from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import ServedModel
+from scheduler_service.api.guard import caller_of
+from scheduler_service.api.request_limits import check_vllm_generate_limits
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
+from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, VllmGenerateInput, check_prompt_fits,
                                                 child_sampling, chunk_to_proto, complete_to_proto,
                                                 kv_batch_to_proto, model_info_to_proto,
@@ -53,18 +59,23 @@ class _Choice:
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """`is_ready()`: the service's readiness (workers initialized, not draining)."""
+    """`is_ready()`: the service's readiness (workers initialized, not draining);
+    `tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
-                 kv_events: KvEventPublisher, is_ready: Callable[[], bool]):
+                 kv_events: KvEventPublisher, is_ready: Callable[[], bool],
+                 options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None):
         self._engine = engine
+        self._options = options
+        self._tokenizer_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
         self._model = model
         self._shape = shape
         self._kv_events = kv_events
         self._is_ready = is_ready
         self._start_time = time.time()
         self._last_receive = 0.0
-        self._children: dict[str, tuple[str, ...]] = {}   # caller's id -> engine request ids
+        # caller's id -> (caller_of() its Generate, engine request ids)
+        self._children: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._tokenizer_bundle: TokenizerBundle | None = None
 
     # -- Generate ---------------------------------------------------------------------------
@@ -72,31 +83,35 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Chunks per step while streaming, then one `complete` per choice."""
         try:
-            inp, prompt_ids = self._validate(request)
+            inp, prompt_ids = await self._validate(request)
             self._last_receive = time.time()
-            async for msg in self._run(inp, prompt_ids):
+            async for msg in self._run(inp, prompt_ids, caller_of(context)):
                 yield msg
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
             await _abort_with(context, e)
 
-    def _validate(self, msg: pb.GenerateRequest) -> tuple[VllmGenerateInput, list[int]]:
+    async def _validate(self, msg: pb.GenerateRequest) -> tuple[VllmGenerateInput, list[int]]:
+        """Limits first, then the conversion; a text prompt is tokenized on the pool."""
         info = self._model.info
+        check_vllm_generate_limits(msg, self._options)
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
-                                 vocab_size=info.vocab_size)
+                                 vocab_size=info.vocab_size,
+                                 max_logprobs=self._options.max_logprobs)
         ids = (list(inp.prompt_token_ids) if inp.prompt_token_ids is not None
-               else self._model.tokenizer.encode(inp.prompt_text))
+               else await self._tokenizer_pool.run(self._model.tokenizer.encode,
+                                                   inp.prompt_text))
         check_prompt_fits(len(ids), inp.stopping.max_tokens, info.max_model_len)
         return inp, ids
 
-    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int]
+    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str
                    ) -> AsyncIterator[pb.GenerateResponse]:
         ids = (inp.request_id,) if inp.n == 1 else tuple(
             f"{inp.request_id}-{i}" for i in range(inp.n))
         if inp.request_id in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
-        self._children[inp.request_id] = ids
+        self._children[inp.request_id] = (caller, ids)
         try:
             requests = [self._engine_request(inp, rid, prompt_ids, i) for i, rid in enumerate(ids)]
             choices = [_Choice() for _ in ids]
@@ -125,8 +140,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # -- management -------------------------------------------------------------------------
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        """Abort by the callers' ids (every choice of an n > 1 request); unknown ids are ignored."""
-        ids = [cid for rid in request.request_ids for cid in self._children.get(rid, (rid,))]
+        """Abort by the callers' ids (every choice of an n > 1 request); unknown ids, and ids of
+        requests made with another API key, are ignored."""
+        caller = caller_of(context)
+        owned = [self._children.get(rid) for rid in request.request_ids]
+        ids = [cid for entry in owned if entry is not None and entry[0] == caller
+               for cid in entry[1]]
         log.info("Abort %s", ", ".join(request.request_ids))
         try:
             await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),

@@ -4,7 +4,8 @@ template (the gateway applies chat templates and detokenizes itself):
 
   * /v1/models lists the model; /v1/chat/completions (streamed and not) and /v1/completions
     answer greedily exactly what our own Generate answers for the same messages (or text);
-  * stop strings cut the answer and say which stop matched; logprobs are ours;
+  * stop strings cut the answer and say which stop matched; logprobs are ours; our request
+    limits hold through the gateway (its HTTP 400 names our field and flag);
   * a streaming client that disconnects leaves no running request and no used KV block within 2 s;
   * a worker that dies turns the replica unhealthy at the gateway, and healthy again when it is back;
   * two replicas behind one gateway: requests sharing a long prefix land on the replica that holds
@@ -170,6 +171,24 @@ def test_stop_strings(single):
                             {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 12,
                              "temperature": 0, "stop": [stop], "stream": True}).events())
     assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == cut
+
+
+def test_our_request_limits_hold_through_the_gateway(single):
+    """The gateway passes the replica's refusal on (HTTP 400 naming our field and flag): smg
+    itself allows at most 4 stop strings, but not their length, which our --max-stop-chars
+    (4096 by default) bounds."""
+    _, gateway = single
+    stops = ["x" * 2000 + str(i) for i in range(4)]             # 8004 characters in all
+    status, body = http_json(gateway.port, "POST", "/v1/completions",
+                             {"model": "tiny-chat", "prompt": "Once upon a time",
+                              "max_tokens": 4, "stop": stops})
+    assert status == 400, body
+    assert ("sampling_params.stop='8004 characters in all' is invalid: must be at most 4096 "
+            "characters (--max-stop-chars)") in body["error"]["message"]
+    status, body = http_json(gateway.port, "POST", "/v1/completions",
+                             {"model": "tiny-chat", "prompt": "Once upon a time",
+                              "max_tokens": 4, "stop": stops[:1]})
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
 
 
 def test_logprobs_are_ours(single):

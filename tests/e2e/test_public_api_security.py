@@ -1,6 +1,7 @@
 """The public API's guards over real processes: request limits and undecodable bytes, TLS and
 mutual TLS with the real grpcurl (-cacert), API keys (health open, reflection behind the key,
-Abort only by the key that made the request)."""
+Abort only by the key that made the request); the same on the port's VllmEngine service (the
+smg gateway's protocol)."""
 from __future__ import annotations
 
 import subprocess
@@ -10,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_common.protos import GENERATION_SERVICE
+from engine_common.protos import GENERATION_SERVICE, VLLM_ENGINE_SERVICE, vllm_engine_pb2
+from engine_common.protos import vllm_engine_pb2_grpc
 from tests.support.certs import make_ca, make_cert
 from tests.support.grpc_harness import (GRPCURL, Processes, collect, free_port, generation_stub,
                                         greedy_request, json_stream, pb, wait_for, wait_ready)
@@ -75,6 +77,20 @@ def test_200000_stop_strings_are_refused(plain):
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-chars" in details
         ok = collect(generation_stub(ch).Generate(greedy_request([5, 6, 7], 4), timeout=60))
         assert len(ok[0]) == 4
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        many = _vllm_request(stop=[f"s{i}" for i in range(200_000)])
+        code, details = _status(lambda: list(vllm.Generate(many, timeout=60)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling_params.stop='200000 strings' is invalid: must be at most 64" in details
+        code, details = _status(lambda: list(vllm.Generate(vllm_engine_pb2.GenerateRequest(
+            request_id="long-text", text="x" * 1001), timeout=60)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-chars" in details
+
+
+def _vllm_request(**sampling) -> vllm_engine_pb2.GenerateRequest:
+    return vllm_engine_pb2.GenerateRequest(
+        request_id="v", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=3, temperature=0, **sampling))
 
 
 def test_undecodable_requests_are_invalid_argument(plain):
@@ -136,6 +152,12 @@ def test_grpcurl_with_cacert_and_a_key(tls_keys, certs):
     assert msgs[-1]["finishReason"] == "LENGTH" and msgs[-1]["usage"]["completionTokens"] == 3
     plaintext = _grpcurl("-plaintext", "-H", key, tls_keys, "list")
     assert plaintext.returncode != 0
+    vllm = _grpcurl("-cacert", ca, "-H", key, tls_keys, f"{VLLM_ENGINE_SERVICE}/Generate",
+                    data='{"request_id": "g", "tokenized": {"input_ids": [5, 6, 7]}, '
+                         '"sampling_params": {"max_tokens": 3}}')
+    assert vllm.returncode == 0 and '"finishReason": "length"' in vllm.stdout, vllm.stderr
+    keyless = _grpcurl("-cacert", ca, tls_keys, f"{VLLM_ENGINE_SERVICE}/HealthCheck", data="{}")
+    assert keyless.returncode != 0 and "Unauthenticated" in keyless.stderr
 
 
 def test_api_keys_and_abort_by_key(tls_keys, certs):

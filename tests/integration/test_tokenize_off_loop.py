@@ -1,5 +1,6 @@
-"""One big Tokenize does not stall the other streams: the Generation service tokenizes on a
-thread pool, and the event loop keeps delivering a running stream's tokens meanwhile.
+"""One big text does not stall the other streams: the Generation service's Tokenize and the
+VllmEngine service's Generate (the smg gateway's) tokenize on a thread pool, and the event loop
+keeps delivering a running stream's tokens meanwhile.
 
 No timing: the tokenizer of the big text blocks until the running stream has received three more
 tokens. If tokenizing ran on the event loop, those tokens could never arrive while it blocks (the
@@ -16,10 +17,13 @@ import pytest
 
 from deltaserve.llm import LLM
 from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
+from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.vllm_convert import EngineShape
+from scheduler_service.api.vllm_servicer import VllmEngineServicer
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.kv_event_publisher import KvEventPublisher
 from scheduler_service.engine.output_processor import OutputProcessor
 
 BIG = "hello world, " * 320_000          # 4.2 million characters: the attack of issue 13
@@ -47,13 +51,36 @@ class GatedTokenizer:
         return getattr(self.real, name)
 
 
-async def _scenario(llm: LLM, tokenizer: GatedTokenizer) -> tuple[int, list]:
+async def _big_text(ch: grpc.aio.Channel, service: str) -> int:
+    """Send BIG to `service`: Generation's Tokenize answers its token count; VllmEngine's
+    Generate tokenizes it, then refuses it as longer than max_model_len (-1)."""
+    if service == "generation":
+        reply = await generation_pb2_grpc.GenerationStub(ch).Tokenize(pb.TokenizeRequest(text=BIG))
+        return reply.num_tokens
+    call = vllm_engine_pb2_grpc.VllmEngineStub(ch).Generate(vllm_engine_pb2.GenerateRequest(
+        request_id="big", text=BIG))
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in e.details()
+    return -1
+
+
+def _servicers(engine: AsyncEngine, served: ServedModel, server: grpc.aio.Server) -> None:
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served),
+                                                         server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
+        engine, served, EngineShape(4, 4, "float32", "auto"), KvEventPublisher(),
+        lambda: engine.ready), server)
+
+
+async def _scenario(llm: LLM, tokenizer: GatedTokenizer, service: str) -> tuple[int, list]:
     engine = AsyncEngine(lambda: llm.engine.core, lambda: OutputProcessor(tokenizer.real))
     engine.start()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
     served = ServedModel(info=llm.model_info, tokenizer=tokenizer, block_size=4)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served),
-                                                         server)
+    _servicers(engine, served, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -68,29 +95,31 @@ async def _scenario(llm: LLM, tokenizer: GatedTokenizer) -> tuple[int, list]:
             order = []
             stream = victim.__aiter__()
             await stream.__anext__()
-            tokenize = asyncio.ensure_future(stub.Tokenize(pb.TokenizeRequest(text=BIG)))
+            tokenize = asyncio.ensure_future(_big_text(ch, service))
             while not tokenizer.entered.is_set():
                 await asyncio.sleep(0.01)
             for _ in range(3):                    # tokens while the big text is tokenized
                 await stream.__anext__()
                 order.append("token")
             tokenizer.release.set()
-            reply = await tokenize
+            num_tokens = await tokenize
             order.append("tokenized")
             victim.cancel()
-            return reply.num_tokens, order
+            return num_tokens, order
     finally:
         await server.stop(None)
         engine.shutdown()
 
 
-def test_a_big_tokenize_does_not_stall_another_stream(tiny_models):
+@pytest.mark.parametrize("service", ["generation", "vllm"])
+def test_a_big_text_does_not_stall_another_stream(tiny_models, service):
     llm = LLM(tiny_models("qwen3"), dtype="float32", num_kv_blocks=64, max_model_len=512,
               max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
     tokenizer = GatedTokenizer(llm.tokenizer)
-    num_tokens, order = asyncio.run(_scenario(llm, tokenizer))
+    num_tokens, order = asyncio.run(_scenario(llm, tokenizer, service))
     assert not tokenizer.stalled, "the stream got no tokens while the big text was tokenized"
-    assert order == ["token"] * 3 + ["tokenized"] and num_tokens >= BIG.count("hello")
+    assert order == ["token"] * 3 + ["tokenized"]
+    assert num_tokens >= BIG.count("hello") if service == "generation" else num_tokens == -1
 
 
 def test_encoding_releases_the_gil(tiny_models):

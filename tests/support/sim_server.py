@@ -4,7 +4,8 @@
 to `SimWorker` through the byte-level executor interface, serves Generation and VllmEngine on
 a loopback port from an event loop on its own thread, and is used with sync gRPC stubs. The
 simulated worker honours structured-output constraints with the workers' own grammar compiler
-(torch-free) over the tiny tokenizer.
+(torch-free) over the tiny tokenizer. The port is guarded as the scheduler's is (`api`: API keys,
+request limits, one tokenizer pool).
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from engine_common.config import SchedulerConfig
 from engine_common.model_dir import ModelInfo
 from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
 from engine_common.tokenizer import Tokenizer
+from scheduler_service.api import public_port
+from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
 from scheduler_service.core.scheduler import Scheduler
@@ -112,7 +116,8 @@ class _SimExecutor:
 
 class SimServer:
     def __init__(self, model_dir: Path, num_blocks: int = 64, block_size: int = 4,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, api: ApiOptions = ApiOptions()):
+        self.api = api
         self.info = ModelInfo.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.grammars = GrammarCompiler(lambda: self.tokenizer.backend.to_str(),
@@ -151,13 +156,17 @@ class SimServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> int:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=public_port.port_options(self.api),
+                                      interceptors=public_port.interceptors(self.api))
         shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto")
+        pool = TokenizerPool(self.api.tokenizer_threads)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.engine, self.model, shape, self.kv_events,
-                               lambda: self.engine.ready), self.server)
+                               lambda: self.engine.ready, options=self.api,
+                               tokenizer_pool=pool), self.server)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.model), self.server)
+            GenerationServicer(self.engine, self.model, options=self.api, tokenizer_pool=pool),
+            self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.engine.start()
         await self.server.start()

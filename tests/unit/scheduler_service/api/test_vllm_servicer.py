@@ -3,7 +3,8 @@ streamed and unstreamed answers agree with each other and with deltaserve.v1.Gen
 fanned out with indices, Abort finds requests by the caller's id, a cancelled call frees its
 blocks, refusals name the field, structured-output constraints reach the (simulated) worker and
 shape the answer, health follows the engine, and the tokenizer and the KV events arrive as the
-protocol defines them."""
+protocol defines them. The public port's guards hold for it as for Generation: API keys on
+every RPC, the request limits, safe decoding, Abort only by the key that made the request."""
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,7 @@ from engine_common.protos import smg_common_pb2 as cpb
 from engine_common.protos import vllm_engine_pb2 as pb
 from engine_common.protos import vllm_engine_pb2_grpc
 from scheduler_service.api import vllm_servicer
+from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
 from tests.support.sim_server import EOS, SimServer, make_sim_model_dir
@@ -310,3 +312,116 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
 def _stored_blocks(batches) -> list[tuple[int, list[int]]]:
     return [(b.block_hash, list(b.token_ids)) for batch in list(batches) for e in batch.events
             if e.HasField("stored") for b in e.stored.blocks]
+
+
+# ---- the public port's guards on VllmEngine (issue 13) ----------------------------------------
+
+KEY_A, KEY_B = "vllm-key-a-0123456789", "vllm-key-b-0123456789"
+BEARER_A, BEARER_B = (("authorization", f"Bearer {KEY_A}"),), (("authorization", f"Bearer {KEY_B}"),)
+
+
+@pytest.fixture
+def guarded(model_dir, tmp_path):
+    """A port with two API keys and small limits."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    api = ApiOptions(api_key_file=str(keys), max_stop_strings=4, max_stop_chars=20,
+                     max_stop_token_ids=2, max_prompt_chars=50, max_logprobs=3)
+    srv = SimServer(model_dir, api=api)
+    with grpc.insecure_channel(srv.target) as channel:
+        yield srv, vllm_engine_pb2_grpc.VllmEngineStub(channel), channel
+    srv.close()
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, (str, bytes)):
+            list(result)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_every_vllm_rpc_needs_an_api_key(guarded):
+    server, stub, channel = guarded
+    calls = {
+        "Generate": lambda md: stub.Generate(generate(max_tokens=2), timeout=10, metadata=md),
+        "HealthCheck": lambda md: stub.HealthCheck(pb.HealthCheckRequest(), timeout=10,
+                                                   metadata=md),
+        "GetModelInfo": lambda md: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10,
+                                                     metadata=md),
+        "GetTokenizer": lambda md: stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=30,
+                                                     metadata=md),
+        "Abort": lambda md: stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=10,
+                                       metadata=md),
+    }
+    for name, call in calls.items():
+        for metadata in ((), (("authorization", "Bearer not-a-key-0123456789"),)):
+            code, details = _code(lambda: call(metadata))
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (name, code, details)
+            assert "--api-key-file" in details
+        assert _code(lambda: call(BEARER_A)) == (grpc.StatusCode.OK, ""), name
+    subscription = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10)
+    assert _code(lambda: next(subscription))[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("sampling,text,message", [
+    ({"stop": [f"s{i}" for i in range(200_000)]}, None,
+     r"sampling_params.stop='200000 strings' is invalid: must be at most 4 strings "
+     r"\(--max-stop-strings\)"),
+    ({"stop": ["0123456789", "0123456789a"]}, None,
+     r"sampling_params.stop='21 characters in all' is invalid: must be at most 20 characters"),
+    ({"stop_token_ids": [5, 6, 7]}, None,
+     r"sampling_params.stop_token_ids='3 ids' is invalid: must be at most 2 ids"),
+    ({"logprobs": 4}, None,
+     r"sampling_params.logprobs=4 is invalid: must be in \[0, 3\] \(--max-logprobs\)"),
+    ({}, "x" * 51, r"text='51 characters' is invalid: must be at most 50 characters "
+     r"\(--max-prompt-chars\)"),
+])
+def test_vllm_requests_obey_the_public_limits(guarded, sampling, text, message):
+    server, stub, _ = guarded
+    req = generate(max_tokens=2, **sampling)
+    if text is not None:
+        req.text = text
+    code, details = _code(lambda: stub.Generate(req, timeout=30, metadata=BEARER_A))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, details), details
+    assert server.engine.stats.num_running == 0 and server.engine.stats.num_waiting == 0
+
+
+def test_vllm_undecodable_requests_are_invalid_argument(guarded):
+    _, _, channel = guarded
+    call = channel.unary_stream("/vllm.grpc.engine.VllmEngine/Generate")
+    code, details = _code(lambda: call(b"\xff\xff\xff\xff", timeout=10, metadata=BEARER_A))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the request to vllm.grpc.engine.VllmEngine/Generate could not be decoded" in details
+
+
+def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
+    server, stub, _ = guarded
+    aborts = []
+    real_abort = server.engine.abort
+
+    def recording_abort(ids):
+        future = real_abort(ids)
+        aborts.append((sorted(ids), future))
+        return future
+    monkeypatch.setattr(server.engine, "abort", recording_abort)
+    server.hold_steps(after=3)               # the request stays live until both Aborts arrive
+    stream = stub.Generate(generate(stream=True, n=2, max_tokens=200, ignore_eos=True,
+                                    request_id="mine"), timeout=30, metadata=BEARER_A)
+    assert next(stream).HasField("chunk")
+    other = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30,
+                              metadata=BEARER_B)
+    wait_until(lambda: len(aborts) == 1, "the other key's Abort to reach the engine")
+    own = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30, metadata=BEARER_A)
+    wait_until(lambda: len(aborts) == 2, "the own key's Abort to reach the engine")
+    server.release_steps()
+    other.result()
+    own.result()
+    assert [ids for ids, _ in aborts] == [[], ["mine-0", "mine-1"]]
+    assert aborts[0][1].result() == 0 and aborts[1][1].result() == 2
+    reasons = {m.complete.index: m.complete.finish_reason for m in stream
+               if m.HasField("complete")}
+    assert reasons == {0: "abort", 1: "abort"}
