@@ -414,9 +414,9 @@ def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
     assert next(stream).HasField("chunk")
     other = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30,
                               metadata=BEARER_B)
-    wait_until(lambda: len(aborts) == 1, "the other key's Abort to reach the engine")
+    wait_until(lambda: len(aborts) == 1, "the other key's Abort to reach the engine", 60)
     own = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30, metadata=BEARER_A)
-    wait_until(lambda: len(aborts) == 2, "the own key's Abort to reach the engine")
+    wait_until(lambda: len(aborts) == 2, "the own key's Abort to reach the engine", 60)
     server.release_steps()
     other.result()
     own.result()
