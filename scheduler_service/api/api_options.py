@@ -41,6 +41,9 @@ class ApiOptions:
         4 << 20, "characters of a text prompt or a chat's messages (Generate, Tokenize), "
         "checked before rendering and tokenizing",
         rule=AtLeast(1))
+    max_constraint_chars: int = setting(
+        65536, "characters of a structured-output constraint (its schema, regex or grammar, or "
+        "its choices together), checked before the grammar engine sees it", rule=AtLeast(1))
     max_logprobs: int = setting(20, "top alternatives a request may ask for per token",
                                 rule=AtLeast(0, MAX_TOP_LOGPROBS))
     max_request_mib: int = setting(8, "largest request message in MiB (RESOURCE_EXHAUSTED "

@@ -19,6 +19,8 @@ def check_generate_limits(msg: pb.GenerateRequest, options: ApiOptions) -> None:
         check_prompt_chars("text", msg.text, options)
     check_messages_chars(msg.messages, options)
     check_stops("stopping", msg.stopping.stop, msg.stopping.stop_token_ids, options)
+    if msg.HasField("constraint"):
+        check_constraint_chars("constraint", msg.constraint, "kind", options)
 
 
 def check_vllm_generate_limits(msg: vpb.GenerateRequest, options: ApiOptions) -> None:
@@ -28,6 +30,7 @@ def check_vllm_generate_limits(msg: vpb.GenerateRequest, options: ApiOptions) ->
         check_prompt_chars("text", msg.text, options)
     sp = msg.sampling_params
     check_stops("sampling_params", sp.stop, sp.stop_token_ids, options)
+    check_constraint_chars("sampling_params", sp, "constraint", options)
     if sp.HasField("logprobs") and sp.logprobs > options.max_logprobs:
         raise ParamError("sampling_params.logprobs", sp.logprobs,
                          f"in [0, {options.max_logprobs}] (--max-logprobs)")
@@ -52,6 +55,20 @@ def check_stops(prefix: str, stop, stop_token_ids, options: ApiOptions) -> None:
     if len(stop_token_ids) > options.max_stop_token_ids:
         raise ParamError(f"{prefix}.stop_token_ids", f"{len(stop_token_ids)} ids",
                          f"at most {options.max_stop_token_ids} ids (--max-stop-token-ids)")
+
+
+def check_constraint_chars(prefix: str, holder, oneof: str, options: ApiOptions) -> None:
+    """The size of the constraint in `holder`'s oneof `oneof` (field `<prefix>.<kind>`), before
+    the grammar engine validates it on the event loop."""
+    kind = holder.WhichOneof(oneof)
+    if kind is None or kind == "json_object":
+        return
+    value = holder.choice.choices if kind == "choice" else getattr(holder, kind)
+    total = len(value) if isinstance(value, str) else sum(len(c) for c in value)
+    if total > options.max_constraint_chars:
+        raise ParamError(f"{prefix}.{kind}", f"{total} characters",
+                         f"at most {options.max_constraint_chars} characters "
+                         "(--max-constraint-chars)")
 
 
 def check_prompt_chars(field: str, text: str, options: ApiOptions) -> None:

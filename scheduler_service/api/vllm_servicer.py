@@ -7,7 +7,8 @@ same port, behind the same guards: the port's TLS and API keys (guard.py), the r
 does the protobuf. One Generate call is one request, or n requests for
 `n` > 1 (engine ids `<request_id>-<i>`, sharing the prompt's cached blocks; every message carries
 its choice `index`). Abort(request_ids) finds them by the caller's id, and ends only requests
-made with the caller's API key; cancelling the call aborts them too. Every failure becomes a status through status.status_for (a field we cannot honour is
+made with the caller's API key; cancelling the call aborts them too. Every failure becomes a
+status through status.status_for (a field we cannot honour is
 INVALID_ARGUMENT naming it). Embed, FlushCache and the profiler RPCs are UNIMPLEMENTED.
 """
 from __future__ import annotations

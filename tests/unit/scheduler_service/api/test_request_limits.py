@@ -7,10 +7,12 @@ from engine_common.params import ParamError
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.guard import load_api_keys
-from scheduler_service.api.request_limits import check_generate_limits, check_prompt_chars
+from engine_common.protos import vllm_engine_pb2 as vpb
+from scheduler_service.api.request_limits import (check_generate_limits, check_prompt_chars,
+                                                  check_vllm_generate_limits)
 
 OPTIONS = ApiOptions(max_stop_strings=3, max_stop_chars=10, max_stop_token_ids=2,
-                     max_prompt_chars=100)
+                     max_prompt_chars=100, max_constraint_chars=20)
 
 
 def _request(**stopping) -> pb.GenerateRequest:
@@ -32,6 +34,21 @@ def _request(**stopping) -> pb.GenerateRequest:
 def test_each_limit_is_invalid_argument_naming_the_field_and_the_flag(msg, message):
     with pytest.raises(ParamError, match=message):
         check_generate_limits(msg, OPTIONS)
+
+
+def test_constraints_are_bounded_before_the_grammar_engine_sees_them():
+    schema = pb.GenerateRequest(text="hi", constraint=pb.Constraint(json_schema="x" * 21))
+    with pytest.raises(ParamError, match=r"constraint.json_schema='21 characters' is invalid: "
+                                         r"must be at most 20 characters \(--max-constraint-"):
+        check_generate_limits(schema, OPTIONS)
+    choices = vpb.GenerateRequest(text="hi", sampling_params=vpb.SamplingParams(
+        choice=vpb.ChoiceConstraint(choices=["a" * 10, "b" * 11])))
+    with pytest.raises(ParamError, match=r"sampling_params.choice='21 characters'"):
+        check_vllm_generate_limits(choices, OPTIONS)
+    check_generate_limits(pb.GenerateRequest(text="hi", constraint=pb.Constraint(
+        regex="[a-z]{1,19}")), OPTIONS)
+    check_vllm_generate_limits(vpb.GenerateRequest(text="hi", sampling_params=vpb.SamplingParams(
+        json_object=True)), OPTIONS)
 
 
 def test_requests_within_the_limits_pass():
