@@ -67,8 +67,9 @@ def raw(step, new_reqs=(), resumed=(), new_blocks=None, counts=None, finished=()
 
 
 def raw_new(handle=0, prompt=b"".join(i.to_bytes(4, "little") for i in PROMPT),
-            sampling=([{}, 0, 0, []]), blocks=(0, 1), computed=0, logprobs=0) -> list:
-    return [handle, prompt, sampling, list(blocks), computed, logprobs]
+            sampling=([{}, 0, 0, []]), blocks=(0, 1), computed=0, logprobs=0,
+            constraint=None) -> list:
+    return [handle, prompt, sampling, list(blocks), computed, logprobs, constraint]
 
 
 PREFILL = enc(SchedulerOutput(0, new_requests=[new()], num_scheduled_tokens={0: len(PROMPT)}))
@@ -85,6 +86,9 @@ def _undecodable(lim: Limits) -> dict[str, bytes]:
         "negative step": raw(-1),
         "new_requests as a map": raw(0, new_reqs={}),
         "new request of five fields": raw(0, [raw_new()[:5]]),
+        "constraint of an unknown kind": raw(0, [raw_new(constraint=["python", "exec()"])]),
+        "regex constraint not a string": raw(0, [raw_new(constraint=["regex", 5])]),
+        "constraint not a [kind, value] pair": raw(0, [raw_new(constraint="junk")]),
         "prompt ids as a list": raw(0, [raw_new(prompt=list(PROMPT))]),
         "prompt bytes not a multiple of 4": raw(0, [raw_new(prompt=b"\x01\x02\x03")]),
         "sampling as a string": raw(0, [raw_new(sampling="greedy")]),
