@@ -28,8 +28,8 @@ from engine_common.params import ParamError
 from bench.grpc_paths import EngineSettings, PathRun, run_grpc, run_in_process
 from bench.report import add_report_flags, append_block, git_commit
 from bench.services import ServiceError
-from bench.workload import (Workload, add_model_and_workload_flags, make_workload,
-                            model_and_workload)
+from bench.workload import (Workload, add_model_and_workload_flags, model_and_workload,
+                            warmup_workload, workload_shape)
 
 WARMUP_SEQS = 4
 WARMUP_OUTPUT_LEN = 8
@@ -150,22 +150,19 @@ def _prepare(args) -> tuple[EngineSettings, str, Workload, int]:
     settings = EngineSettings(
         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=2 * args.max_len, kv_cache_gib=args.kv_cache_gib,
+        max_model_len=workload_shape(args).max_total_len, kv_cache_gib=args.kv_cache_gib,
         cpu_threads=args.cpu_threads)
     return settings, model_dir, workload, vocab_size
 
 
 def _warmup_workload(args, workload: Workload, vocab_size: int) -> Workload:
     """A few short requests with other prompts (no prefix-cache hits on the timed ones)."""
-    warm = make_workload(min(WARMUP_SEQS, workload.num_seqs), args.min_len, args.max_len,
-                         vocab_size, args.seed + 1)
-    return Workload(warm.prompts, [min(n, WARMUP_OUTPUT_LEN) for n in warm.output_lens],
-                    warm.seed)
+    return warmup_workload(workload, vocab_size, WARMUP_SEQS, WARMUP_OUTPUT_LEN)
 
 
 def _describe_workload(w: Workload, args) -> str:
-    return (f"{w.num_seqs} seqs, input and output lengths uniform in [{args.min_len}, "
-            f"{args.max_len}], seed {w.seed}, greedy, ignore_eos, token-id prompts; "
+    return (f"{workload_shape(args).describe()} (uniform), seed {w.seed}, greedy, ignore_eos, "
+            f"token-id prompts; "
             f"{w.num_prompt_tokens} prompt tokens, {w.num_output_tokens} output tokens asked")
 
 

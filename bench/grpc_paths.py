@@ -174,6 +174,18 @@ def run_grpc(model_dir: str, settings: EngineSettings, workload: Workload, warmu
                                f"\n{logs}") from None
 
 
+def time_on_channel(target: str, workload: Workload, tag: str = "bench") -> PathRun:
+    """Stream `workload` to a running scheduler at `target` on a fresh channel and event loop;
+    the wall time is from the first request to the last token."""
+    async def run() -> PathRun:
+        import grpc
+
+        async with grpc.aio.insecure_channel(target) as channel:
+            await asyncio.wait_for(channel.channel_ready(), _CHANNEL_READY_SECONDS)
+            return await _stream_workload(channel, workload, tag)
+    return asyncio.run(run())
+
+
 async def _warm_then_time(target: str, warmup: Workload, workload: Workload) -> PathRun:
     """Both on one channel and one event loop (grpc.aio binds to the loop that first uses it)."""
     import grpc

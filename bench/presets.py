@@ -3,7 +3,9 @@
 Nothing is downloaded. The weights are transformers' own initialisation (std 0.02, seeded), saved
 with `save_pretrained`; the tokenizer is the tiny test tokenizer (512 ids), which is enough since
 the benchmark feeds random token ids and never needs text (ids the tokenizer lacks detokenize to
-nothing). A built preset is cached under `$XDG_CACHE_HOME/deltaserve/presets/NAME` (or
+nothing). A preset with `borrow_tokenizer` (step-overhead) instead copies the tokenizer of a real
+model directory and takes its vocabulary size, so detokenization costs what it does for real
+text. A built preset is cached under `$XDG_CACHE_HOME/deltaserve/presets/NAME` (or
 `~/.cache/...`) next to a `bench_preset.json` recording what it was built from; a preset whose
 definition changed is rebuilt.
 """
@@ -27,6 +29,7 @@ class Preset:
     dtype: str                     # the dtype the weights are saved in
     config: dict = field(default_factory=dict)
     seed: int = 0
+    borrow_tokenizer: bool = False  # copy tokenizer and vocab size from a given model directory
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
@@ -45,7 +48,24 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
         rope_parameters=_LLAMA3_ROPE, rms_norm_eps=1e-5, max_position_embeddings=131072,
         attention_bias=False, mlp_bias=False, hidden_act="silu")),
+    # The step-overhead workload's model: so small that the per-step work around the model
+    # (LM head over a 49K vocabulary, sampler, batch upkeep, output processing) dominates.
+    # head_dim 64 because vLLM's CPU attention rejects smaller heads; init 0.1 so greedy
+    # top-2 margins are far above float noise.
+    Preset("step-overhead", "llama", "float32", dict(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, intermediate_size=768, tie_word_embeddings=True, rope_theta=100000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=8192, attention_bias=False,
+        mlp_bias=False, hidden_act="silu", initializer_range=0.1), borrow_tokenizer=True),
 )}
+
+
+class PresetNeedsTokenizer(ValueError):
+    """A preset that borrows a real tokenizer was asked for without a model directory."""
+
+    def __init__(self, name: str):
+        super().__init__(f"tokenizer_dir=None is invalid for preset {name!r}: it borrows a real "
+                         f"model's tokenizer and vocabulary; give that model's directory")
 
 
 class UnknownPreset(ValueError):
@@ -62,20 +82,26 @@ def presets_cache_dir() -> Path:
     return cache_dir() / "presets"
 
 
-def preset_dir(name: str, cache_root: str | Path | None = None, device: str = "cpu") -> Path:
-    """The model directory of preset `name`, built on first use (on `device`, then saved)."""
+def preset_dir(name: str, cache_root: str | Path | None = None, device: str = "cpu",
+               tokenizer_dir: str | Path | None = None) -> Path:
+    """The model directory of preset `name`, built on first use (on `device`, then saved).
+    tokenizer_dir: the model whose tokenizer a borrow_tokenizer preset copies (else ignored)."""
     preset = PRESETS.get(name)
     if preset is None:
         raise UnknownPreset(name)
     root = Path(cache_root) if cache_root is not None else presets_cache_dir()
     target = root / name
     spec = _spec_of(preset)
+    if preset.borrow_tokenizer:
+        if tokenizer_dir is None:
+            raise PresetNeedsTokenizer(name)
+        spec["tokenizer_dir"] = str(Path(tokenizer_dir).resolve())
     if _cached_spec(target) == spec:
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        build_preset(preset, staging, device)
+        build_preset(preset, staging, device, spec.get("tokenizer_dir"))
         (staging / SPEC_FILE).write_text(json.dumps(spec, indent=1, sort_keys=True))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -84,13 +110,14 @@ def preset_dir(name: str, cache_root: str | Path | None = None, device: str = "c
     return target
 
 
-def build_preset(preset: Preset, out_dir: str | Path, device: str = "cpu") -> Path:
+def build_preset(preset: Preset, out_dir: str | Path, device: str = "cpu",
+                 tokenizer_dir: str | Path | None = None) -> Path:
     """Write `preset` as a Hugging Face model directory into out_dir."""
     if preset.arch == "tiny":
         from worker_service.models.tiny_model import make_tiny_model
 
         return make_tiny_model(out_dir, "qwen3", seed=preset.seed, **preset.config)
-    return _build_random_model(preset, Path(out_dir), device)
+    return _build_random_model(preset, Path(out_dir), device, tokenizer_dir)
 
 
 def _spec_of(preset: Preset) -> dict:
@@ -112,17 +139,17 @@ def _model_class(arch: str):
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[arch]
 
 
-def _build_random_model(preset: Preset, out: Path, device: str) -> Path:
+def _build_random_model(preset: Preset, out: Path, device: str,
+                        tokenizer_dir: str | Path | None = None) -> Path:
     """Random weights of the preset's shape, created in its dtype on `device`, saved to `out`."""
     import torch
     from transformers import GenerationConfig
 
-    from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
-
-    tok = make_tiny_tokenizer_dir(out)
+    tok = _copy_tokenizer(Path(tokenizer_dir), out) if tokenizer_dir else _tiny_tokenizer(out)
     eos = tok["eos_token_id"]
     config_class, model_class = _model_class(preset.arch)
-    config = config_class(**preset.config, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    fields = {**preset.config, **({"vocab_size": tok["vocab_size"]} if tokenizer_dir else {})}
+    config = config_class(**fields, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(preset.seed)
     with torch.device(device):
         model = model_class._from_config(config, dtype=getattr(torch, preset.dtype))
@@ -133,3 +160,27 @@ def _build_random_model(preset: Preset, out: Path, device: str) -> Path:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+
+def _tiny_tokenizer(out: Path) -> dict:
+    from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
+
+    return make_tiny_tokenizer_dir(out)
+
+
+def _copy_tokenizer(src: Path, out: Path) -> dict:
+    """Copy a model directory's tokenizer files into out; returns its vocab size (the model's
+    config.json) and first EOS id (generation_config.json, else config.json)."""
+    from engine_common.model_dir import ModelInfo
+
+    info = ModelInfo.from_dir(src)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    eos = info.eos_token_ids[0] if info.eos_token_ids else 0
+    return {"vocab_size": info.vocab_size, "eos_token_id": eos}

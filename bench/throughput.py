@@ -24,7 +24,7 @@ from bench.report import (BenchResult, add_report_flags, append_block, format_bl
                           format_lines)
 from bench.step_timer import StepTimer
 from bench.workload import (Workload, add_fused_ops_flag, add_model_and_workload_flags,
-                            make_workload, model_and_workload)
+                            model_and_workload, warmup_workload, workload_shape)
 
 DEFAULT_HF_BATCH_SIZES = "1,8,32,64,128,256"
 WARMUP_SEQS = 8
@@ -162,12 +162,12 @@ def _run_ours(args, model_dir: str, device: str, workload: Workload):
 
     from bench.bandwidth import kv_bytes_per_token, weight_read_bytes
 
-    kwargs, notes = _llm_kwargs(args, device, 2 * args.max_len)
+    kwargs, notes = _llm_kwargs(args, device, workload_shape(args).max_total_len)
     llm = LLM(model_dir, **kwargs)
     if args.warmup:
-        warm = make_workload(min(WARMUP_SEQS, workload.num_seqs), args.min_len, args.max_len,
-                             llm.model_info.vocab_size, args.seed + 1)
-        _generate(llm, warm, args, max_output_len=WARMUP_OUTPUT_LEN)
+        warm = warmup_workload(workload, llm.model_info.vocab_size, WARMUP_SEQS,
+                               WARMUP_OUTPUT_LEN)
+        _generate(llm, warm, args)
     with StepTimer(llm.engine) as timer:
         _sync(device)
         start = time.perf_counter()
@@ -185,12 +185,11 @@ def _run_ours(args, model_dir: str, device: str, workload: Workload):
                 notes=tuple(notes)), runner.model_dtype
 
 
-def _generate(llm, workload: Workload, args, max_output_len: int | None = None):
+def _generate(llm, workload: Workload, args):
     n = workload.num_seqs
     sampling = [SamplingParams(temperature=args.temperature, seed=args.seed + i)
                 for i in range(n)]
-    stopping = [StoppingParams(max_tokens=min(m, max_output_len or m), ignore_eos=True)
-                for m in workload.output_lens]
+    stopping = [StoppingParams(max_tokens=m, ignore_eos=True) for m in workload.output_lens]
     return llm.generate(workload.prompts, sampling, stopping)
 
 
@@ -208,9 +207,10 @@ def _describe_engine(llm) -> str:
 
 def _describe_workload(w: Workload, args) -> str:
     sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-    return (f"{w.num_seqs} seqs, input and output lengths uniform in [{args.min_len}, "
-            f"{args.max_len}], seed {w.seed}, {sampling}, ignore_eos; "
-            f"{w.num_prompt_tokens} prompt tokens, {w.num_output_tokens} output tokens asked")
+    named = f"{args.workload}: " if args.workload else ""
+    return (f"{named}{workload_shape(args).describe()} (uniform), seed {w.seed}, {sampling}, "
+            f"ignore_eos; {w.num_prompt_tokens} prompt tokens, {w.num_output_tokens} output "
+            f"tokens asked")
 
 
 def _sync(device: str) -> None:

@@ -1,0 +1,82 @@
+"""The line protocol between the peer harness and an engine process. Standard library only: the
+vLLM side imports it inside vLLM's own virtualenv.
+
+    harness -> engine (stdin)       one JSON object per line: {"cmd": "run", "tag": "round-0"},
+                                    {"cmd": "quit"}
+    engine -> harness (reply fd)    one line per event: PREFIX + JSON, e.g.
+                                    {"event": "ready", "engine": "...", "startup_s": 12.3}
+                                    {"event": "result", "tag": ..., "wall_s": ..., "token_ids": ...}
+                                    {"event": "error", "message": "..."}
+
+The engine's stdout is redirected to its stderr before the engine is imported, so nothing an
+engine library prints can be mistaken for a reply: replies go to the original stdout only.
+
+The workload file (JSON) holds {"prompts": [[ids]], "output_lens": [n], "warmup": {same}};
+the settings (JSON, one argv argument) hold what both engines are configured with.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+PREFIX = "@@peer "
+
+
+class Replies:
+    """The engine side: replies on the original stdout, everything else printed goes to
+    stderr (file descriptor level, so child processes and C code follow)."""
+
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+
+    def send(self, event: str, **fields) -> None:
+        self._out.write(PREFIX + json.dumps({"event": event, **fields}) + "\n")
+        self._out.flush()
+
+
+def commands():
+    """The harness's commands, one dict per stdin line, until EOF or {"cmd": "quit"}."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        if cmd.get("cmd") == "quit":
+            return
+        yield cmd
+
+
+def load_workload(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def serve(engine_name: str, start, run_one) -> int:
+    """The engine process's main loop: start() -> (engine, description), then one run_one(
+    engine, tag) -> (wall_s, token_ids, extra fields) per "run" command; engine.close(), if it
+    has one, at the end. Errors are replied, not raised."""
+    import time
+
+    replies = Replies()
+    t0 = time.perf_counter()
+    try:
+        engine, description = start()
+    except Exception as e:  # noqa: BLE001 - the harness reports it
+        replies.send("error", message=f"{engine_name} failed to start: {type(e).__name__}: {e}")
+        return 1
+    replies.send("ready", engine=description, startup_s=time.perf_counter() - t0)
+    try:
+        for cmd in commands():
+            try:
+                wall_s, token_ids, extra = run_one(engine, cmd.get("tag", ""))
+            except Exception as e:  # noqa: BLE001
+                replies.send("error",
+                             message=f"{engine_name} run failed: {type(e).__name__}: {e}")
+                return 1
+            replies.send("result", tag=cmd.get("tag", ""), wall_s=wall_s,
+                         token_ids=token_ids, **extra)
+        return 0
+    finally:
+        getattr(engine, "close", lambda: None)()

@@ -1,0 +1,64 @@
+"""The vLLM engine process of the peer harness: `LLM.generate` on token-id prompts, greedy,
+ignore_eos. Runs with vLLM's own interpreter (its virtualenv), so it imports nothing of ours but
+the stdlib-only protocol module.
+
+    V/bin/python -m bench.peers.vllm_child WORKLOAD_JSON SETTINGS_JSON
+
+The harness sets the environment: VLLM_CPU_OMP_THREADS_BIND (the model thread's cores),
+VLLM_CPU_KVCACHE_SPACE (GiB), VLLM_USE_AOT_COMPILE=0 (its compile cache then works across starts).
+vLLM's engine core is a spawned process, hence the __main__ guard.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from bench.peers.protocol import load_workload, serve
+
+
+def start(workload: dict, settings: dict):
+    from vllm import LLM
+
+    kwargs = dict(model=settings["model"], dtype=settings["dtype"],
+                  max_model_len=settings["max_model_len"],
+                  max_num_seqs=settings["max_num_seqs"],
+                  enable_prefix_caching=settings["prefix_caching"], seed=0)
+    if settings.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = settings["max_num_batched_tokens"]
+    kwargs.update(settings.get("options") or {})
+    llm = LLM(**kwargs)
+    _generate(llm, workload["warmup"])
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    import vllm
+
+    description = (f"vLLM {vllm.__version__} LLM.generate, {settings['dtype']}, max_num_seqs "
+                   f"{sched.max_num_seqs}, max_num_batched_tokens "
+                   f"{sched.max_num_batched_tokens}, prefix caching "
+                   f"{'on' if settings['prefix_caching'] else 'off'}")
+    return llm, description
+
+
+def _generate(llm, part: dict) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in part["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in part["output_lens"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> int:
+    workload, settings = load_workload(sys.argv[1]), json.loads(sys.argv[2])
+
+    def run_one(llm, tag):
+        t0 = time.perf_counter()
+        ids = _generate(llm, workload)
+        return time.perf_counter() - t0, ids, {}
+    return serve("vLLM", lambda: start(workload, settings), run_one)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
