@@ -8,7 +8,7 @@ import torch
 
 from kernels.attention.backend import AttentionBackend
 
-BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
+BACKEND_NAMES = ("auto", "flash_attn", "triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,17 @@ def _flash_attn_fits(layout: CacheLayout | None) -> bool:
                                                  layout.dtype)
 
 
+def _cpu_kernel_fits(layout: CacheLayout | None) -> bool:
+    from kernels.attention import cpu_paged
+    if layout is not None and not cpu_paged.supports(layout.head_dim, layout.dtype):
+        return False
+    return cpu_paged.available()
+
+
 def resolve_backend_name(name: str, device_type: str, layout: CacheLayout | None = None) -> str:
-    """`auto` prefers flash-attn (when it accepts the cache layout), then Triton on CUDA, then
-    the torch reference."""
+    """`auto` prefers flash-attn (when it accepts the cache layout), then Triton on CUDA; on
+    the CPU the compiled paged kernel (when it is built and fits the layout); else the torch
+    reference."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={name!r} is invalid: must be one of {BACKEND_NAMES}")
     if name != "auto":
@@ -39,6 +47,8 @@ def resolve_backend_name(name: str, device_type: str, layout: CacheLayout | None
         return "flash_attn"
     if device_type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
+    if device_type == "cpu" and _cpu_kernel_fits(layout):
+        return "cpu"
     return "torch"
 
 
@@ -51,6 +61,9 @@ def get_attention_backend(name: str, device_type: str,
     if resolved == "triton":
         from kernels.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
+    if resolved == "cpu":
+        from kernels.attention.cpu_paged import CpuPagedAttentionBackend
+        return CpuPagedAttentionBackend()
     from kernels.attention.flash_attn_backend import FlashAttnBackend, check_flash_layout
     if layout is not None:
         check_flash_layout(layout.block_size, layout.head_dim, layout.dtype)

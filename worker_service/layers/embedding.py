@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_service.layers.cpu_gemm import CpuGemm
 from worker_service.layers.sharding import loaded_shape, new_param, read_rows
 from worker_service.parallel_state import TPGroup
 
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(CpuGemm, VocabParallelEmbedding):
     """Hidden states [N, hidden] -> float32 logits [N, vocab_size], gathered from all ranks.
 
     With tied embeddings the head reuses the embedding's (identically sharded) weight.
@@ -63,6 +64,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)                 # [N, V_r] in the model dtype
+        logits = self.matmul(hidden)                           # [N, V_r] in the model dtype
         logits = self.tp.all_gather(logits, dim=-1)            # [N, V_r * world]
         return logits[:, :self.vocab_size].float()

@@ -13,14 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker_service.layers.cpu_gemm import CpuGemm
 from worker_service.layers.sharding import copy_checked, divide, new_param, read_all, read_rows
 from worker_service.parallel_state import TPGroup
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(CpuGemm, nn.Module):
     """y = x W^T + b with W's output rows split across ranks; output stays sharded."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup,
@@ -42,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, read_rows(loaded, 0, self.tp.rank * size, size), "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -106,7 +106,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data.narrow(0, offset, size), src, f"qkv piece {shard_id}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(CpuGemm, nn.Module):
     """y = all_reduce(x_r W_r^T) + b with W's input columns split across ranks.
 
     The input is this rank's shard of the features (the output of a column-parallel layer).
@@ -135,6 +135,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,56 @@
+"""The CPU attention backend: the deltaserve_cpu library's paged attention kernel
+(kernels/cpu/csrc/paged_attention.cpp), which reads keys and values in place from the paged cache,
+one work item per (request, kv head, tile of query tokens), flash style, in float32.
+
+It writes the cache as the torch backend does (one index_copy_ per K and V), then attends every
+request of the batch, prefills and decodes alike, in one call: no gather, no padding. Supported:
+float32 and bfloat16, head_dim 16/32/64/80/96/128, up to 48 query heads per kv head; `supports`
+says whether a layout fits, and the selector falls back to the torch backend when it does not or
+when the library could not be built.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.torch_ref import write_kv_cache
+from kernels.cpu import extension
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_GROUP = 48
+
+
+def supports(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel handles this cache layout (heads per kv head is checked per call)."""
+    return head_dim in HEAD_DIMS and dtype in DTYPES
+
+
+def available() -> bool:
+    """The library is built and loaded (builds it on first call)."""
+    return extension.load()
+
+
+class CpuPagedAttentionBackend(AttentionBackend):
+    """Paged attention in place on the CPU. The metadata's *_cpu tensors (int32, host) give the
+    batch layout; block_table must be int32 with contiguous rows."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        if not available():
+            raise RuntimeError(f"the cpu attention backend needs the deltaserve_cpu library: "
+                               f"{extension.status()}")
+        self._op = extension.ops().paged_attention
+        self.calls = 0              # forward calls (tests check the kernel really ran)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
+        out = torch.empty_like(query)
+        num_reqs = meta.num_reqs
+        if num_reqs:
+            self._op(query, kv_cache, meta.block_table, meta.query_start_loc_cpu[:num_reqs + 1],
+                     meta.seq_lens_cpu[:num_reqs], scale, out)
+        self.calls += 1
+        return out

@@ -1,0 +1,39 @@
+// The deltaserve_cpu operator library: torch.ops.deltaserve_cpu.<name>.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace deltaserve_cpu {
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out);
+bool mkl_sgemm_packed_available();
+bool mkl_bf16_available();
+at::Tensor mkl_pack(const at::Tensor& weight);
+at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                             const std::optional<at::Tensor>& bias);
+at::Tensor mkl_bf16_linear(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias);
+
+namespace {
+void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
+                        const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, double scale, at::Tensor out) {
+  paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out);
+}
+}  // namespace
+
+TORCH_LIBRARY(deltaserve_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out) -> ()",
+        &paged_attention_op);
+  m.def("mkl_sgemm_packed_available() -> bool", &mkl_sgemm_packed_available);
+  m.def("mkl_bf16_available() -> bool", &mkl_bf16_available);
+  m.def("mkl_pack(Tensor weight) -> Tensor", &mkl_pack);
+  m.def("mkl_packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
+        &mkl_packed_linear);
+  m.def("mkl_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &mkl_bf16_linear);
+}
+
+}  // namespace deltaserve_cpu

@@ -1,0 +1,340 @@
+// Paged attention on the CPU, reading keys and values in place from the paged cache.
+//
+//   kv_cache[2, num_blocks, block_size, Hkv, D]   (0 = keys, 1 = values; float32 or bfloat16)
+//   request r: query rows query_start_loc[r] .. query_start_loc[r+1]-1 of query [T, Hq, D],
+//   at positions seq_len - qlen .. seq_len - 1; query row i sees keys 0 .. its own position.
+//   key position p of request r lives in block block_table[r, p / block_size], row p % block_size.
+//
+// Work items are (request, kv head, tile of query tokens); a tile holds up to kTileRows query
+// rows, each token contributing its G = Hq / Hkv heads (rows ordered token-major). Each item runs
+// flash-attention style over chunks of kChunk key positions: scores for the whole chunk, an
+// online softmax (running max m and sum l per row), and the value accumulation, all in float32.
+// Chunks past the tile's last position are never read; the diagonal chunk is masked.
+// With AVX-512 (and head_dim a multiple of 16) the item bodies in attention_avx512.h run; the
+// portable loops below are the fallback elsewhere.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+#if defined(__AVX512F__)
+#include "attention_avx512.h"
+#endif
+
+namespace deltaserve_cpu {
+namespace {
+
+constexpr int kChunk = 16;        // key positions per step of the online softmax
+constexpr int kTileRows = 48;     // query rows (tokens x heads) per work item at most
+
+struct Item {
+  int64_t req, head, tok0, ntok;  // kv head; tokens tok0 .. tok0+ntok-1 of the request's queries
+  int64_t cost;                   // ~ rows x keys, to order the dynamic schedule
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+struct Geometry {
+  const T* kv;                    // cache base
+  int64_t half;                   // elements from the key cache to the value cache
+  int64_t block_stride, row_stride, head_stride;   // elements
+  int64_t block_size;
+  const int32_t* blocks;          // this request's block-table row
+};
+
+// kt[d][j] = key of position p0 + j (j < n), float32; columns n..kChunk-1 are zero.
+template <typename T, int D>
+inline void load_keys_t(const Geometry<T>& g, int64_t head, int64_t p0, int n,
+                        float (*kt)[kChunk]) {
+  for (int j = 0; j < kChunk; ++j) {
+    if (j >= n) {
+      for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
+      continue;
+    }
+    const int64_t p = p0 + j;
+    const T* k = g.kv + g.blocks[p / g.block_size] * g.block_stride +
+                 (p % g.block_size) * g.row_stride + head * g.head_stride;
+    for (int d = 0; d < D; ++d) kt[d][j] = to_float(k[d]);
+  }
+}
+
+// v[j][:] = value of position p0 + j (j < n), float32.
+template <typename T, int D>
+inline void load_values(const Geometry<T>& g, int64_t head, int64_t p0, int n,
+                        float (*v)[D]) {
+  for (int j = 0; j < n; ++j) {
+    const int64_t p = p0 + j;
+    const T* src = g.kv + g.half + g.blocks[p / g.block_size] * g.block_stride +
+                   (p % g.block_size) * g.row_stride + head * g.head_stride;
+    for (int d = 0; d < D; ++d) v[j][d] = to_float(src[d]);
+  }
+}
+
+// s[r][j] = sum_d q[r][d] * kt[d][j] for rows 0..rows-1 (q already scaled).
+template <int D>
+inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int rows,
+                         float (*s)[kChunk]) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    float a0[kChunk] = {}, a1[kChunk] = {}, a2[kChunk] = {}, a3[kChunk] = {};
+    for (int d = 0; d < D; ++d) {
+      const float q0 = q[r][d], q1 = q[r + 1][d], q2 = q[r + 2][d], q3 = q[r + 3][d];
+#pragma omp simd
+      for (int j = 0; j < kChunk; ++j) {
+        a0[j] += q0 * kt[d][j];
+        a1[j] += q1 * kt[d][j];
+        a2[j] += q2 * kt[d][j];
+        a3[j] += q3 * kt[d][j];
+      }
+    }
+    std::memcpy(s[r], a0, sizeof a0);
+    std::memcpy(s[r + 1], a1, sizeof a1);
+    std::memcpy(s[r + 2], a2, sizeof a2);
+    std::memcpy(s[r + 3], a3, sizeof a3);
+  }
+  for (; r < rows; ++r) {
+    float a0[kChunk] = {};
+    for (int d = 0; d < D; ++d) {
+      const float q0 = q[r][d];
+#pragma omp simd
+      for (int j = 0; j < kChunk; ++j) a0[j] += q0 * kt[d][j];
+    }
+    std::memcpy(s[r], a0, sizeof a0);
+  }
+}
+
+template <typename T, int D>
+void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
+                 int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
+                 int64_t q_start, int64_t first_pos, int group, float scale) {
+  const int rows = static_cast<int>(it.ntok) * group;
+  alignas(64) float q[kTileRows][D];
+  alignas(64) float acc[kTileRows][D];
+  alignas(64) float kt[D][kChunk];
+  alignas(64) float v[kChunk][D];
+  alignas(64) float s[kTileRows][kChunk];
+  float m[kTileRows], l[kTileRows];
+  int64_t pos[kTileRows];
+  for (int t = 0; t < it.ntok; ++t) {
+    for (int gi = 0; gi < group; ++gi) {
+      const int r = t * group + gi;
+      const T* src = query + (q_start + it.tok0 + t) * q_tok_stride +
+                     (it.head * group + gi) * q_head_stride;
+      for (int d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * scale;
+      pos[r] = first_pos + it.tok0 + t;
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+      std::memset(acc[r], 0, sizeof(float) * D);
+    }
+  }
+  const int64_t last = first_pos + it.tok0 + it.ntok - 1;      // the tile's last position
+  const int64_t diag = first_pos + it.tok0;                    // from here, keys may be masked
+  for (int64_t p0 = 0; p0 <= last; p0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
+    load_keys_t<T, D>(g, it.head, p0, n, kt);
+    load_values<T, D>(g, it.head, p0, n, v);
+    chunk_scores<D>(q, kt, rows, s);
+    const bool masked = p0 + kChunk - 1 > diag || n < kChunk;
+    for (int r = 0; r < rows; ++r) {
+      float* sr = s[r];
+      if (masked) {
+        const int64_t visible = std::min<int64_t>(pos[r] - p0 + 1, n);   // keys j < visible
+        for (int j = 0; j < kChunk; ++j)
+          if (j >= visible) sr[j] = -std::numeric_limits<float>::infinity();
+      }
+      float cmax = sr[0];
+      for (int j = 1; j < kChunk; ++j) cmax = std::max(cmax, sr[j]);
+      if (cmax == -std::numeric_limits<float>::infinity()) continue;   // nothing visible
+      const float mnew = std::max(m[r], cmax);
+      const float alpha = exp_approx(m[r] - mnew);                     // 0 on the first chunk
+      float psum = 0.f;
+#pragma omp simd reduction(+ : psum)
+      for (int j = 0; j < kChunk; ++j) {
+        const float e = exp_approx(sr[j] - mnew);
+        sr[j] = e;
+        psum += e;
+      }
+      l[r] = l[r] * alpha + psum;
+      m[r] = mnew;
+      float* ar = acc[r];
+      if (alpha != 1.f) {
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ar[d] *= alpha;
+      }
+      for (int j = 0; j < n; ++j) {
+        const float pj = sr[j];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ar[d] += pj * v[j][d];
+      }
+    }
+  }
+  for (int t = 0; t < it.ntok; ++t) {
+    for (int gi = 0; gi < group; ++gi) {
+      const int r = t * group + gi;
+      const float inv = 1.f / l[r];
+      T* dst = out + (q_start + it.tok0 + t) * o_tok_stride + (it.head * group + gi) * o_head_stride;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The AVX-512 bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
+template <typename T, int D>
+void attend_item_avx512(const Item& it, const Geometry<T>& g, const T* query,
+                        int64_t q_tok_stride, int64_t q_head_stride, T* out,
+                        int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
+                        int64_t first_pos, int group, float scale) {
+  const int rows = static_cast<int>(it.ntok) * group;
+  alignas(64) float q[kTileRows][D];
+  int64_t pos[kTileRows];
+  for (int t = 0; t < it.ntok; ++t) {
+    for (int gi = 0; gi < group; ++gi) {
+      const int r = t * group + gi;
+      const T* src = query + (q_start + it.tok0 + t) * q_tok_stride +
+                     (it.head * group + gi) * q_head_stride;
+      for (int d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * scale;
+      pos[r] = first_pos + it.tok0 + t;
+    }
+  }
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(g.block_size));
+  const int64_t mask = g.block_size - 1;
+  const T* head_base = g.kv + it.head * g.head_stride;
+  auto row = [&](int64_t p, int which) -> const T* {
+    return head_base + which * g.half + g.blocks[p >> shift] * g.block_stride +
+           (p & mask) * g.row_stride;
+  };
+  auto store_row = [&](int r, const float* acc, float inv) {
+    T* dst = out + (q_start + it.tok0 + r / group) * o_tok_stride +
+             (it.head * group + r % group) * o_head_stride;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+  };
+  if (rows <= avx512::kDirectRows) {
+    avx512::narrow_item<T, D>(q, pos, rows, row, store_row);
+  } else {
+    avx512::wide_item<T, D>(q, pos, rows, row, store_row);
+  }
+}
+#endif
+
+std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs,
+                             int64_t num_kv_heads, int group) {
+  const int64_t tile_tokens = std::max(1, kTileRows / group);
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    const int64_t first_pos = seq_lens[r] - qlen;
+    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
+      const int64_t n = std::min(tile_tokens, qlen - t0);
+      const int64_t cost = (first_pos + t0 + n) * n * group + 64;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, n, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T, int D>
+void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+         const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+         at::Tensor& out) {
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t hkv = kv_cache.size(3);
+  const int group = static_cast<int>(query.size(1) / hkv);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<Item> items = make_items(qsl, lens, num_reqs, hkv, group);
+  Geometry<T> base{kv_cache.data_ptr<T>(), kv_cache.stride(0), kv_cache.stride(1),
+                   kv_cache.stride(2), kv_cache.stride(3), kv_cache.size(2), nullptr};
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto body = [&](int64_t i) {
+    const Item& it = items[i];
+    Geometry<T> g = base;
+    g.blocks = table + it.req * table_stride;
+    const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
+#if defined(__AVX512F__)
+    if constexpr (D % 16 == 0) {
+      attend_item_avx512<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+                               out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
+      return;
+    }
+#endif
+    attend_item<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+                      out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
+  };
+  if (at::get_num_threads() == 1 || num_items < 2) {
+    for (int64_t i = 0; i < num_items; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < num_items; ++i) body(i);
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& block_table, const at::Tensor& qsl,
+                       const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  switch (query.size(2)) {
+    case 16: return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    case 32: return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    case 64: return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    case 80: return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    case 96: return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    case 128: return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    default: TORCH_CHECK(false, "head_dim=", query.size(2),
+                         " is not supported: must be 16, 32, 64, 80, 96 or 128");
+  }
+}
+
+}  // namespace
+
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head_dim differs from query's");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kTileRows, "too many query heads per kv head");
+  const int64_t block_size = kv_cache.size(2);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
+              "block_size must be a power of two");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt,
+              "block_table, query_start_loc and seq_lens must be int32");
+  TORCH_CHECK(block_table.stride(1) == 1 && query_start_loc.is_contiguous() &&
+                  seq_lens.is_contiguous(), "index tensors must be contiguous (rows)");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "query_start_loc must have num_reqs + 1 entries");
+  if (query.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc, seq_lens,
+                                     scale, out);
+  } else {
+    TORCH_CHECK(false, "dtype ", query.scalar_type(), " is not supported: float32 or bfloat16");
+  }
+}
+
+}  // namespace deltaserve_cpu
