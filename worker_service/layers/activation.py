@@ -5,10 +5,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu.fused import ops_for
+
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * I] laid out as [gate | up] -> silu(gate) * up, shape [..., I]."""
+    """[..., 2 * I] laid out as [gate | up] -> silu(gate) * up, shape [..., I]. After
+    use_cpu_kernels(), 2-D contiguous CPU inputs take kernels/cpu's one-pass kernel."""
+
+    _cpu = None
+
+    def use_cpu_kernels(self) -> bool:
+        self._cpu = ops_for(torch.float32)
+        return self._cpu is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._cpu is not None and x.device.type == "cpu" and x.dim() == 2
+                and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16)):
+            return self._cpu.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

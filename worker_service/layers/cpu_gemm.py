@@ -1,15 +1,14 @@
 """The CPU GEMM hook of the linear layers (linear.py, and the LM head in embedding.py).
 
-After the weights are loaded on a CPU device, `use_cpu_kernels(model)` gives every such layer a
-kernels/cpu/linear.CpuLinear (MKL packed float32 / bf16 GEMMs); `matmul` then runs through it,
-falling back to F.linear for shapes it does not take. Elsewhere (CUDA, the library missing)
-layers keep F.linear.
+After the weights are loaded on a CPU device, cpu_kernels.use_cpu_kernels(model) gives every such
+layer a kernels/cpu/linear.CpuLinear (MKL packed float32 / bf16 GEMMs); `matmul` then runs
+through it, falling back to F.linear for shapes it does not take. Elsewhere (CUDA, the library
+missing) layers keep F.linear.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kernels.cpu import linear as cpu_linear
 
@@ -19,18 +18,12 @@ class CpuGemm:
 
     cpu_linear: cpu_linear.CpuLinear | None = None
 
-    def use_cpu_kernels(self) -> None:
+    def use_cpu_kernels(self) -> bool:
         self.cpu_linear = cpu_linear.prepare(self.weight.data)
+        return self.cpu_linear is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.cpu_linear is not None:
             return self.cpu_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-
-def use_cpu_kernels(model: nn.Module) -> int:
-    """Prepare every CpuGemm layer of a loaded CPU model; returns how many took a kernel."""
-    layers = [m for m in model.modules() if isinstance(m, CpuGemm)]
-    for layer in layers:
-        layer.use_cpu_kernels()
-    return sum(layer.cpu_linear is not None for layer in layers)

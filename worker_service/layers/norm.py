@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu.fused import ops_for
 from worker_service.layers.sharding import default_weight_loader, new_param
 
 
@@ -15,8 +16,12 @@ class RMSNorm(nn.Module):
                             value the next residual add starts from.
 
     fused=True runs kernels/fused_norm.py's Triton kernel instead (same rounding; needs CUDA or
-    Triton's interpreter), one launch for the add and the norm.
+    Triton's interpreter), one launch for the add and the norm. On the CPU, after
+    use_cpu_kernels(), 2-D contiguous inputs take kernels/cpu's one-pass kernel, which adds x
+    into the residual IN PLACE and returns that tensor as the new residual.
     """
+
+    _cpu = None
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None,
                  fused: bool = False) -> None:
@@ -31,7 +36,17 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def use_cpu_kernels(self) -> bool:
+        if not self.fused and self.weight.device.type == "cpu":
+            self._cpu = ops_for(self.weight.dtype)
+        return self._cpu is not None
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self._cpu is not None and x.dim() == 2 and x.is_contiguous() and (
+                residual is None or residual.is_contiguous()):
+            if residual is None:
+                return self._cpu.rms_norm(x, self.weight, self.eps)
+            return self._cpu.add_rms_norm(x, residual, self.weight, self.eps), residual
         if self._fused_kernel is not None:
             return self._fused_kernel(x, self.weight, self.eps, residual)
         if residual is None:

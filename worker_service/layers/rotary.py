@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels.cpu.fused import ops_for
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -90,8 +92,11 @@ class RotaryEmbedding(nn.Module):
 
     fused=False returns new tensors. fused=True runs kernels/fused_rope.py's Triton kernel (same
     rounding; needs CUDA or Triton's interpreter): q and k are rotated IN PLACE, one launch for
-    both, and returned.
+    both, and returned. On the CPU, after use_cpu_kernels(), kernels/cpu's rope also rotates
+    them in place (float32 / bfloat16 activations).
     """
+
+    _cpu = None
 
     def __init__(self, head_dim: int, max_position: int, settings: RopeSettings,
                  fused: bool = False) -> None:
@@ -106,8 +111,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
 
+    def use_cpu_kernels(self) -> bool:
+        if not self.fused and self.cos_cache.device.type == "cpu":
+            self._cpu = ops_for(torch.float32)
+        return self._cpu is not None
+
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (self._cpu is not None and query.dtype in (torch.float32, torch.bfloat16)
+                and query.stride(-1) == 1 and key.stride(-1) == 1 and positions.is_contiguous()):
+            self._cpu.rope(positions, query, key, self.cos_cache, self.sin_cache)
+            return query, key
         if self._fused_kernel is not None:
             return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, D]

@@ -17,7 +17,7 @@ from torch import nn
 from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_dir import ModelDirError, load_json, read_model_configs
 from kernels.attention.backend import AttentionBackend
-from worker_service.layers.cpu_gemm import use_cpu_kernels
+from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.models.gguf_weights import gguf_tensor_names, iter_gguf_weights
 from worker_service.models.registry import get_model_class
 from worker_service.parallel_state import TPGroup

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu.fused import ops_for
 from worker_service.sample.sampling_metadata import SamplingMetadata
 
 _M32 = 0xFFFFFFFF
@@ -188,14 +189,26 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _gumbel_argmax(x, meta.seeds, meta.counters)
 
 
+def _plain_greedy(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
+    """Argmax of the raw logits and their logprob is all this step needs."""
+    return (meta.all_greedy and not meta.has_penalties and meta.max_num_logprobs == 0
+            and (meta.stop_mask_index is None or meta.stop_mask_index.shape[1] == 0))
+
+
 class Sampler:
-    """Stateless: `forward(logits, meta)` never modifies `logits`."""
+    """Stateless: `forward(logits, meta)` never modifies `logits`. On the CPU a plain greedy
+    step (no penalties, stop masks or top alternatives) takes kernels/cpu's one-pass argmax and
+    logprob (same ids; ties go to the first index, as argmax does)."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         if logits.shape[0] == 0:
             empty = logits.new_zeros(0)
             return SamplerOutput(empty.long(), empty)
+        if logits.device.type == "cpu" and _plain_greedy(logits, meta):
+            ops = ops_for(torch.float32)
+            if ops is not None:
+                return SamplerOutput(*ops.greedy_sample(logits))
         x = apply_stop_masks(logits, meta.stop_mask_index)
         x = apply_grammar_bias(x, meta.grammar_rows, meta.grammar_bias)
         if meta.has_penalties:

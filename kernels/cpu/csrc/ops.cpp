@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 
 namespace deltaserve_cpu {
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -15,6 +16,14 @@ at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int6
                              const std::optional<at::Tensor>& bias);
 at::Tensor mkl_bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps);
+void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
+          const at::Tensor& cos_cache, const at::Tensor& sin_cache);
+at::Tensor silu_and_mul(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);
 
 namespace {
 void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -34,6 +43,13 @@ TORCH_LIBRARY(deltaserve_cpu, m) {
   m.def("mkl_packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
         &mkl_packed_linear);
   m.def("mkl_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &mkl_bf16_linear);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
+        &add_rms_norm);
+  m.def("rope(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_cache, "
+        "Tensor sin_cache) -> ()", &rope);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)", &greedy_sample);
 }
 
 }  // namespace deltaserve_cpu

@@ -1,0 +1,291 @@
+// The model's small per-token operations, fused into one pass each (float32 or bfloat16
+// activations; math in float32 with the same roundings as the torch reference in
+// worker_service/layers, so bfloat16 results round where torch's ops do):
+//
+//   rms_norm(x, w, eps)                 y = w * (x / sqrt(mean(x^2) + eps))
+//   add_rms_norm(x, residual, w, eps)   residual += x (in place), y = rms_norm(residual)
+//   rope(positions, q, k, cos, sin)     q, k rotated in place ("rotate half" layout)
+//   silu_and_mul(x)                     [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+//   greedy_sample(logits)               argmax per row (first index on ties) and its logprob,
+//                                       one pass (an online max and sum of exponentials)
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+
+#include "vec_math.h"
+
+namespace deltaserve_cpu {
+namespace {
+
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+// Round to nearest even, as c10::BFloat16 does (NaN aside).
+inline float round_as(float f, float) { return f; }
+inline float round_as(float f, c10::BFloat16) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::BFloat16* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  p->x = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+constexpr int64_t kGrain = 16;   // rows per parallel task at least
+
+// One row of rms_norm: in (already the residual sum when fused) -> out.
+template <typename T>
+inline void norm_row(const T* in, const T* w, T* out, int64_t h, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) {
+    const float v = load(in[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    const float n = round_as(load(in[i]) * inv, T{});     // x32 * rsqrt(...) .to(dtype)
+    store(out + i, load(w[i]) * n);                        // weight * that, in dtype
+  }
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& w,
+                   double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, kGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* in = xp + r * h;
+      if (rp) {
+        T* res = rp + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i) store(res + i, load(in[i]) + load(res[i]));
+        in = res;
+      }
+      norm_row(in, wp, op + r * h, h, e);
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous 2-D tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight must be [hidden] in x's dtype");
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, nullptr, weight, eps, out);
+  else rms_norm_impl<c10::BFloat16>(x, nullptr, weight, eps, out);
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight must be [hidden] in x's dtype");
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, &residual, weight, eps, out);
+  else rms_norm_impl<c10::BFloat16>(x, &residual, weight, eps, out);
+  return out;
+}
+
+namespace {
+
+// x [T, H, D] strided (D contiguous), rotated in place at each token's position.
+template <typename T>
+void rope_one(const int64_t* pos, T* x, int64_t tokens, int64_t heads, int64_t d,
+              int64_t tok_stride, int64_t head_stride, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, tokens, kGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* c = cos + pos[t] * d;
+      const float* s = sin + pos[t] * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = x + t * tok_stride + h * head_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(row[i]), x2 = load(row[i + half]);
+          const float c1 = round_as(c[i], T{}), s1 = round_as(s[i], T{});
+          const float c2 = round_as(c[i + half], T{}), s2 = round_as(s[i + half], T{});
+          // q * cos + rotate_half(q) * sin, each product rounded to the dtype
+          const float y1 = round_as(x1 * c1, T{}) + round_as(-x2 * s1, T{});
+          const float y2 = round_as(x2 * c2, T{}) + round_as(x1 * s2, T{});
+          store(row + i, y1);
+          store(row + i + half, y2);
+        }
+      }
+    }
+  });
+}
+
+void check_heads(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, name, " must be [T, H, D] with D contiguous");
+}
+
+}  // namespace
+
+void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
+          const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  check_heads(query, "query");
+  check_heads(key, "key");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && cos_cache.is_contiguous() &&
+                  sin_cache.is_contiguous() && cos_cache.size(1) == query.size(2),
+              "cos/sin caches must be contiguous float32 [max_position, D]");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  const int64_t tokens = positions.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* c = cos_cache.data_ptr<float>();
+  const float* s = sin_cache.data_ptr<float>();
+  for (const at::Tensor* x : {&query, &key}) {
+    if (x->scalar_type() == at::kFloat) {
+      rope_one<float>(pos, x->data_ptr<float>(), tokens, x->size(1), x->size(2), x->stride(0),
+                      x->stride(1), c, s);
+    } else {
+      TORCH_CHECK(x->scalar_type() == at::kBFloat16, "rope: float32 or bfloat16 only");
+      rope_one<c10::BFloat16>(pos, x->data_ptr<c10::BFloat16>(), tokens, x->size(1),
+                              x->size(2), x->stride(0), x->stride(1), c, s);
+    }
+  }
+}
+
+namespace {
+
+// silu(g) = g / (1 + e^-g), computed with e^-|g| only (exp_approx takes arguments <= 0).
+inline float silu(float g) {
+  const float e = exp_approx(-std::fabs(g));
+  const float sig = g >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return g * sig;
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, kGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* g = xp + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i)
+        store(o + i, round_as(silu(load(g[i])), T{}) * load(u[i]));
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must have an even number of columns");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
+  else silu_and_mul_impl<c10::BFloat16>(x, out);
+  return out;
+}
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// Row argmax (first on ties) and log-softmax at it, one pass with per-lane online max/sum.
+inline void greedy_row(const float* x, int64_t v, int64_t* id_out, float* lp_out) {
+  float m[kLanes], s[kLanes];
+  int64_t idx[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    m[l] = -std::numeric_limits<float>::infinity();
+    s[l] = 0.f;
+    idx[l] = -1;
+  }
+  const int64_t full = v / kLanes * kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const float xv = x[i + l];
+      const bool up = xv > m[l];
+      const float hi = up ? xv : m[l];
+      const float lo = up ? m[l] : xv;
+      s[l] = (up ? s[l] * exp_approx(lo - hi) + 1.0f : s[l] + exp_approx(lo - hi));
+      idx[l] = up ? i + l : idx[l];
+      m[l] = hi;
+    }
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_i = -1;
+  for (int l = 0; l < kLanes; ++l) {
+    if (idx[l] >= 0 && (m[l] > best || (m[l] == best && idx[l] < best_i))) {
+      best = m[l];
+      best_i = idx[l];
+    }
+  }
+  for (int64_t i = full; i < v; ++i) {
+    if (x[i] > best) {
+      best = x[i];
+      best_i = i;
+    }
+  }
+  double total = 0.0;   // the lanes' sums rescaled to the row max, and the tail
+  for (int l = 0; l < kLanes; ++l)
+    if (idx[l] >= 0) total += static_cast<double>(s[l]) * std::exp(static_cast<double>(m[l] - best));
+  for (int64_t i = full; i < v; ++i) total += std::exp(static_cast<double>(x[i] - best));
+  *id_out = best_i;
+  *lp_out = static_cast<float>(-std::log(total));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be float32 [N, V] with contiguous rows");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(v > 0, "logits need at least one column");
+  at::Tensor ids = at::empty({n}, logits.options().dtype(at::kLong));
+  at::Tensor lps = at::empty({n}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) greedy_row(x + r * stride, v, ip + r, lp + r);
+  });
+  return {ids, lps};
+}
+
+}  // namespace deltaserve_cpu
