@@ -242,13 +242,15 @@ inline void greedy_row(const float* x, int64_t v, int64_t* id_out, float* lp_out
       const bool up = xv > m[l];
       const float hi = up ? xv : m[l];
       const float lo = up ? m[l] : xv;
-      s[l] = (up ? s[l] * exp_approx(lo - hi) + 1.0f : s[l] + exp_approx(lo - hi));
+      // e^(lo - hi); 0 while the lane has seen only -inf (-inf - -inf would be NaN)
+      const float e = exp_approx(hi == -std::numeric_limits<float>::infinity() ? hi : lo - hi);
+      s[l] = up ? s[l] * e + 1.0f : s[l] + e;
       idx[l] = up ? i + l : idx[l];
       m[l] = hi;
     }
   }
   float best = -std::numeric_limits<float>::infinity();
-  int64_t best_i = -1;
+  int64_t best_i = 0;          // argmax of an all -inf row is 0, as torch says
   for (int l = 0; l < kLanes; ++l) {
     if (idx[l] >= 0 && (m[l] > best || (m[l] == best && idx[l] < best_i))) {
       best = m[l];

@@ -1,0 +1,52 @@
+"""The deltaserve_cpu library builds and loads on this machine (make install builds it; CI has
+a compiler), unless it was switched off with DELTASERVE_CPU_EXT=0; when it cannot load, every
+caller gets a clean fallback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.cpu import extension
+from tests.support.paths import REPO
+
+
+@pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
+def test_library_loads_and_registers_its_ops():
+    assert extension.load(), extension.status()
+    assert extension.status() == "loaded"
+    for name in ("paged_attention", "mkl_pack", "mkl_packed_linear", "mkl_bf16_linear",
+                 "rms_norm", "add_rms_norm", "rope", "silu_and_mul", "greedy_sample"):
+        assert hasattr(extension.ops(), name), name
+    assert extension.ops().mkl_sgemm_packed_available()
+
+
+def test_library_name_follows_sources_and_cpu():
+    name = extension.library_name()
+    assert name.startswith("deltaserve_cpu_") and len(name) == len("deltaserve_cpu_") + 16
+    assert name == extension.library_name()
+
+
+def test_switched_off_library_leaves_the_torch_fallbacks():
+    code = ("from kernels.cpu import extension, fused, linear; import torch\n"
+            "assert not extension.load() and extension.status() == 'DELTASERVE_CPU_EXT=0'\n"
+            "assert fused.ops_for(torch.float32) is None\n"
+            "assert linear.prepare(torch.zeros(4, 4)) is None\n"
+            "from kernels.attention.selector import resolve_backend_name\n"
+            "assert resolve_backend_name('auto', 'cpu') == 'torch'\n")
+    env = {**os.environ, extension.ENV_SWITCH: "0", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setattr(extension, "_state", {})
+    monkeypatch.setattr(extension, "SOURCES", ("missing.cpp",))
+    monkeypatch.delenv(extension.ENV_SWITCH, raising=False)
+    assert extension.load() is False
+    assert "missing.cpp" in extension.status()
+    assert torch.ops.deltaserve_cpu is not None       # the loaded library (if any) stays usable

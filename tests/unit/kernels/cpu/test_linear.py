@@ -1,0 +1,68 @@
+"""kernels/cpu/linear.py: MKL's packed float32 GEMM and its bf16 GEMM against F.linear, the
+shapes that fall back, and the layers' hook (worker_service/layers/cpu_gemm.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import extension, linear
+
+pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+@pytest.mark.parametrize("rows", [4, 5, 31, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_float32_matches_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 40, generator=gen)
+    lin = linear.prepare(w)
+    assert lin is not None and lin.packed is not None
+    torch.testing.assert_close(lin(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert lin.calls == 1
+
+
+@pytest.mark.parametrize("rows", [4, 33])
+def test_bf16_matches_float32_math_rounded_once(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 64, generator=gen).bfloat16()
+    b = torch.randn(80, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    lin = linear.prepare(w)
+    got = lin(x, w, b)
+    want = (F.linear(x.float(), w.float()) + b.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and lin.calls == 1
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=1e-2)
+    assert (got == want).float().mean() > 0.95        # the same rounding almost everywhere
+
+
+def test_small_or_odd_inputs_take_f_linear():
+    w = torch.randn(16, 8)
+    lin = linear.prepare(w)
+    for x in (torch.randn(3, 8), torch.randn(2, 5, 8), torch.randn(6, 8).double()):
+        torch.testing.assert_close(lin(x, w.to(x.dtype)), F.linear(x, w.to(x.dtype)))
+    assert lin.calls == 0
+
+
+def test_only_cpu_float32_and_bf16_weights_are_prepared():
+    assert linear.prepare(torch.randn(4, 4).half()) is None
+    assert linear.prepare(torch.randn(4)) is None
+
+
+def test_loaded_cpu_model_runs_its_linears_through_the_kernels(tiny_models):
+    from worker_service.models.loader import load_model
+    from worker_service.parallel_state import single_rank_group
+    from kernels.attention.torch_ref import TorchAttentionBackend
+
+    model = load_model(tiny_models("llama"), single_rank_group(), TorchAttentionBackend(),
+                       "cpu", "float32")
+    layer = model.model.layers[0]
+    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+              layer.mlp.down_proj, model.lm_head):
+        assert m.cpu_linear is not None
+    x = torch.randn(8, model.args.hidden_size)
+    torch.testing.assert_close(layer.mlp.gate_up_proj(x),
+                               F.linear(x, layer.mlp.gate_up_proj.weight), atol=1e-5, rtol=1e-5)
+    assert layer.mlp.gate_up_proj.cpu_linear.calls == 1
