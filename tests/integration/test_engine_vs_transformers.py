@@ -84,6 +84,28 @@ def test_text_prompts_and_detokenized_output(tiny_models):
     assert_no_leaked_blocks(llm)
 
 
+def test_cpu_kernels_and_fused_greedy_head_match_transformers(tiny_models):
+    """On the CPU: the compiled paged attention, the MKL GEMMs and, with a vocabulary wide
+    enough to be tiled, the LM head's fused greedy argmax (no logits built)."""
+    from kernels.cpu import extension
+    if not extension.load():
+        pytest.skip(f"deltaserve_cpu not built: {extension.status()}")
+    model = tiny_models("llama", vocab_size=9000)
+    llm = LLM(model, dtype="float32", num_kv_blocks=128)
+    head = llm.runner.model.lm_head.cpu_linear
+    assert llm.runner.attention_backend_name == "cpu" and head is not None and head.fuses_greedy
+    _check(llm, model, _prompts(512), "llama/cpu-kernels")
+    assert head.calls > 0
+    assert llm.runner.model.model.layers[0].self_attn.attn.backend.calls > 0
+
+
+def test_torch_attention_backend_still_matches_transformers(tiny_models):
+    model = tiny_models("qwen3")
+    llm = LLM(model, dtype="float32", num_kv_blocks=256, attention_backend="torch")
+    assert llm.runner.attention_backend_name == "torch"
+    _check(llm, model, _prompts(llm.model_info.vocab_size), "qwen3/torch-backend")
+
+
 @pytest.mark.parametrize("arch", MODELS)
 def test_triton_backend_matches_transformers(tiny_models, arch):
     """The Triton kernels under TRITON_INTERPRET=1 on CPU inside the whole engine (on a GPU

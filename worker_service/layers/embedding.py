@@ -63,6 +63,15 @@ class ParallelLMHead(CpuGemm, VocabParallelEmbedding):
                              f"{tuple(embedding.weight.shape)}")
         self.weight = embedding.weight
 
+    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(argmax token of each row, its logprob) straight from the hidden states, without
+        materialising the logits (kernels/cpu/linear.py), when this head can; else None."""
+        lin = self.cpu_linear
+        if (lin is None or not lin.fuses_greedy or self.tp.world_size != 1
+                or hidden.dtype != torch.float32 or hidden.dim() != 2):
+            return None
+        return lin.greedy(hidden)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)                           # [N, V_r] in the model dtype
         logits = self.tp.all_gather(logits, dim=-1)            # [N, V_r * world]

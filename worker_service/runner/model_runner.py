@@ -30,7 +30,8 @@ from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_block
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler, GrammarMasks
-from worker_service.sample.sampler import Sampler, bitmask_to_bias
+from worker_service.sample.sampler import (Sampler, SamplerOutput, bitmask_to_bias,
+                                           is_plain_greedy)
 from worker_service.runner.sampling_inputs import build_sampling_metadata
 from worker_service.sample.sampling_metadata import (SamplingMetadata,
                                                      worst_case_sampling_metadata)
@@ -251,7 +252,7 @@ class ModelRunner:
         self.staging.flush()
         self.clock.mark("input_prep")
         try:
-            logits = run_model()
+            out, is_hidden = run_model()
             self.clock.mark("forward")
         finally:
             masks = masks and masks.result()   # the grammar masks, computed meanwhile
@@ -260,7 +261,7 @@ class ModelRunner:
             return PendingStep(step)
         if masks is not None:
             meta = self._with_grammar(meta, masks)
-        sampled = self.sampler.forward(logits, meta)
+        sampled = self._sample(out, is_hidden, meta)      # the LM head too, for hidden rows
         self.clock.mark("sampling")
         return PendingStep(step, sample_rows, self.readback.start(sampled))
 
@@ -278,10 +279,21 @@ class ModelRunner:
         rows = None if masks.all_rows else put(masks.indices)
         return dataclasses.replace(meta, grammar_rows=rows, grammar_bias=bias)
 
-    def _stage_model(self, inputs: StepInputs) -> Callable[[], torch.Tensor]:
-        """Stage the model inputs; returns the call (made after the flush) that runs the model
-        and gives the sampling rows' logits: a captured graph for a pure-decode batch that fits
-        one, else the eager model."""
+    def _sample(self, out: torch.Tensor, is_hidden: bool, meta) -> SamplerOutput:
+        """Sample from the model's output rows: logits, or hidden states (then a plain greedy
+        step on the CPU takes the LM head's fused argmax, which never builds the logits)."""
+        if not is_hidden:
+            return self.sampler.forward(out, meta)
+        if is_plain_greedy(meta):
+            fused = self.model.lm_head.greedy(out)
+            if fused is not None:
+                return SamplerOutput(*fused)
+        return self.sampler.forward(self.model.compute_logits(out), meta)
+
+    def _stage_model(self, inputs: StepInputs) -> Callable[[], tuple[torch.Tensor, bool]]:
+        """Stage the model inputs; returns the call (made after the flush) that runs the model:
+        (the sampling rows' logits, False) from a captured graph for a pure-decode batch that
+        fits one, else (their hidden states, True) from the eager model."""
         n = len(inputs.rows)
         g = self.graph_runner
         if g is not None and g.graph_batch(n, inputs.num_tokens,
@@ -289,16 +301,16 @@ class ModelRunner:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table)
             if inputs.sample_mask.all():
-                return lambda: g.replay(staged)
+                return lambda: (g.replay(staged), False)
             # Pure decode: query row i is request i, so logits_indices are the sampling rows.
             keep = self.staging.put(inputs.logits_indices, torch.int64, "logits_indices")
-            return lambda: g.replay(staged).index_select(0, keep)
+            return lambda: (g.replay(staged).index_select(0, keep), False)
         staged = stage_step_inputs(self.staging, inputs)
         meta = attention_metadata(inputs, staged)
 
-        def run_eager() -> torch.Tensor:
+        def run_eager() -> tuple[torch.Tensor, bool]:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
-            return self.model.compute_logits(hidden.index_select(0, staged.logits_indices))
+            return hidden.index_select(0, staged.logits_indices), True
         return run_eager
 
     def _row(self, handle: int) -> int:

@@ -189,9 +189,10 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _gumbel_argmax(x, meta.seeds, meta.counters)
 
 
-def _plain_greedy(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
-    """Argmax of the raw logits and their logprob is all this step needs."""
+def is_plain_greedy(meta: SamplingMetadata) -> bool:
+    """Argmax of the raw logits and their logprob is all this step needs (no grammar masks)."""
     return (meta.all_greedy and not meta.has_penalties and meta.max_num_logprobs == 0
+            and meta.grammar_bias is None
             and (meta.stop_mask_index is None or meta.stop_mask_index.shape[1] == 0))
 
 
@@ -205,7 +206,7 @@ class Sampler:
         if logits.shape[0] == 0:
             empty = logits.new_zeros(0)
             return SamplerOutput(empty.long(), empty)
-        if logits.device.type == "cpu" and _plain_greedy(logits, meta):
+        if logits.device.type == "cpu" and is_plain_greedy(meta):
             ops = ops_for(torch.float32)
             if ops is not None:
                 return SamplerOutput(*ops.greedy_sample(logits))

@@ -21,6 +21,7 @@
 #include <limits>
 #include <tuple>
 
+#include "row_argmax.h"
 #include "vec_math.h"
 
 namespace deltaserve_cpu {
@@ -221,58 +222,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-namespace {
-
-constexpr int kLanes = 16;
-
-// Row argmax (first on ties) and log-softmax at it, one pass with per-lane online max/sum.
-inline void greedy_row(const float* x, int64_t v, int64_t* id_out, float* lp_out) {
-  float m[kLanes], s[kLanes];
-  int64_t idx[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    m[l] = -std::numeric_limits<float>::infinity();
-    s[l] = 0.f;
-    idx[l] = -1;
-  }
-  const int64_t full = v / kLanes * kLanes;
-  for (int64_t i = 0; i < full; i += kLanes) {
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) {
-      const float xv = x[i + l];
-      const bool up = xv > m[l];
-      const float hi = up ? xv : m[l];
-      const float lo = up ? m[l] : xv;
-      // e^(lo - hi); 0 while the lane has seen only -inf (-inf - -inf would be NaN)
-      const float e = exp_approx(hi == -std::numeric_limits<float>::infinity() ? hi : lo - hi);
-      s[l] = up ? s[l] * e + 1.0f : s[l] + e;
-      idx[l] = up ? i + l : idx[l];
-      m[l] = hi;
-    }
-  }
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t best_i = 0;          // argmax of an all -inf row is 0, as torch says
-  for (int l = 0; l < kLanes; ++l) {
-    if (idx[l] >= 0 && (m[l] > best || (m[l] == best && idx[l] < best_i))) {
-      best = m[l];
-      best_i = idx[l];
-    }
-  }
-  for (int64_t i = full; i < v; ++i) {
-    if (x[i] > best) {
-      best = x[i];
-      best_i = i;
-    }
-  }
-  double total = 0.0;   // the lanes' sums rescaled to the row max, and the tail
-  for (int l = 0; l < kLanes; ++l)
-    if (idx[l] >= 0) total += static_cast<double>(s[l]) * std::exp(static_cast<double>(m[l] - best));
-  for (int64_t i = full; i < v; ++i) total += std::exp(static_cast<double>(x[i] - best));
-  *id_out = best_i;
-  *lp_out = static_cast<float>(-std::log(total));
-}
-
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "logits must be float32 [N, V] with contiguous rows");
@@ -285,7 +234,12 @@ std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
   float* lp = lps.data_ptr<float>();
   const int64_t stride = logits.stride(0);
   at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) greedy_row(x + r * stride, v, ip + r, lp + r);
+    RowArgmax state;
+    for (int64_t r = lo; r < hi; ++r) {
+      state.reset();
+      state.update(x + r * stride, v, 0);
+      finish_rows(&state, 1, ip + r, lp + r);
+    }
   });
   return {ids, lps};
 }

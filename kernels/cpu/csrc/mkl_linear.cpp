@@ -5,6 +5,10 @@
 //             and cblas_sgemm_compute for any number of rows. PyTorch's own packed path
 //             (torch.ops.mkl._mkl_linear) only uses the pack when the rows equal the pack's
 //             batch size, and falls back to an unpacked GEMM otherwise.
+//   tiled:    a wide weight (an LM head: tens of thousands of rows) packed as column tiles of
+//             y, each tile's [M, tile] output small enough to stay in L2 while it is written;
+//             and the same tiles feeding a streaming argmax (row_argmax.h), so a greedy step
+//             never writes its [M, vocab] logits to memory at all.
 //   bfloat16: cblas_gemm_bf16bf16f32 (float32 accumulation, rounded to bfloat16 once, as
 //             F.linear does), which on CPUs without native bf16 dot products is several times
 //             faster than oneDNN's path that F.linear takes.
@@ -12,14 +16,22 @@
 // A packed weight must never be moved or copied: MKL keeps metadata that depends on the
 // buffer's address (a uint8 tensor that only this module reads).
 #include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <tuple>
+#include <vector>
+
+#include "row_argmax.h"
 
 namespace deltaserve_cpu {
 namespace {
@@ -99,6 +111,89 @@ at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int6
     add_bias_rows(y.data_ptr<float>(), b.data_ptr<float>(), m, n);
   }
   return y;
+}
+
+namespace {
+
+// y[:, t*tile : ...] = x W_t^T for the tiles t this thread owns (static split; MKL runs single
+// threaded inside the parallel region).
+void tiled_compute(const float* x, int64_t m, int64_t k, const std::vector<at::Tensor>& tiles,
+                   int64_t tile_n, int64_t n, int64_t t, float* y, int64_t ldy) {
+  const int64_t cols = std::min(tile_n, n - t * tile_n);
+  mkl().compute(kRowMajor, kNoTrans, kPacked, static_cast<int>(m), static_cast<int>(cols),
+                static_cast<int>(k), x, static_cast<int>(k),
+                reinterpret_cast<const float*>(tiles[t].data_ptr<uint8_t>()),
+                static_cast<int>(k), 0.0f, y, static_cast<int>(ldy));
+}
+
+void check_tiled(const at::Tensor& x, const std::vector<at::Tensor>& tiles, int64_t tile_n,
+                 int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(tile_n > 0 && static_cast<int64_t>(tiles.size()) == (n + tile_n - 1) / tile_n,
+              "tiles must cover n columns in tiles of tile_n");
+}
+
+int threads_for(int64_t num_tiles) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                                  num_tiles)));
+}
+
+}  // namespace
+
+// x [M, K] float32 times a weight packed as column tiles -> [M, n] (+ bias).
+at::Tensor mkl_tiled_linear(const at::Tensor& x, const std::vector<at::Tensor>& tiles,
+                            int64_t tile_n, int64_t n, const std::optional<at::Tensor>& bias) {
+  check_tiled(x, tiles, tile_n, n);
+  const int64_t m = x.size(0), k = x.size(1), num_tiles = static_cast<int64_t>(tiles.size());
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static) num_threads(threads_for(num_tiles))
+  for (int64_t t = 0; t < num_tiles; ++t)
+    tiled_compute(xp, m, k, tiles, tile_n, n, t, yp + t * tile_n, n);
+  if (bias.has_value() && bias->defined()) {
+    at::Tensor b = bias->contiguous();
+    add_bias_rows(yp, b.data_ptr<float>(), m, n);
+  }
+  return y;
+}
+
+// The greedy token of each row of x W^T and its log-softmax, tile by tile: each thread keeps a
+// streaming argmax per row over its tiles (in column order), then the partial states are folded.
+std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
+                                                    const std::vector<at::Tensor>& tiles,
+                                                    int64_t tile_n, int64_t n) {
+  check_tiled(x, tiles, tile_n, n);
+  const int64_t m = x.size(0), k = x.size(1), num_tiles = static_cast<int64_t>(tiles.size());
+  at::Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
+  at::Tensor lps = at::empty({m}, x.options());
+  if (m == 0) return {ids, lps};
+  const int nt = threads_for(num_tiles);
+  std::vector<RowArgmax> states(static_cast<size_t>(nt * m));
+  const float* xp = x.data_ptr<float>();
+#pragma omp parallel num_threads(nt)
+  {
+    const int me = omp_get_thread_num();
+    RowArgmax* mine = states.data() + me * m;
+    for (int64_t r = 0; r < m; ++r) mine[r].reset();
+    std::vector<float> buf(static_cast<size_t>(m * tile_n));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t cols = std::min(tile_n, n - t * tile_n);
+      tiled_compute(xp, m, k, tiles, tile_n, n, t, buf.data(), tile_n);
+      for (int64_t r = 0; r < m; ++r) mine[r].update(buf.data() + r * tile_n, cols, t * tile_n);
+    }
+  }
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  std::vector<RowArgmax> row(static_cast<size_t>(nt));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int p = 0; p < nt; ++p) row[p] = states[p * m + r];
+    finish_rows(row.data(), nt, ip + r, lp + r);
+  }
+  return {ids, lps};
 }
 
 // x [M, K] bf16, weight [N, K] bf16, bias [N] bf16 -> bf16 [M, N]: float32 accumulation, the

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace deltaserve_cpu {
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -16,6 +17,11 @@ at::Tensor mkl_packed_linear(const at::Tensor& x, const at::Tensor& packed, int6
                              const std::optional<at::Tensor>& bias);
 at::Tensor mkl_bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias);
+at::Tensor mkl_tiled_linear(const at::Tensor& x, const std::vector<at::Tensor>& tiles,
+                            int64_t tile_n, int64_t n, const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
+                                                    const std::vector<at::Tensor>& tiles,
+                                                    int64_t tile_n, int64_t n);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
@@ -43,6 +49,10 @@ TORCH_LIBRARY(deltaserve_cpu, m) {
   m.def("mkl_packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
         &mkl_packed_linear);
   m.def("mkl_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &mkl_bf16_linear);
+  m.def("mkl_tiled_linear(Tensor x, Tensor[] tiles, int tile_n, int n, Tensor? bias) -> Tensor",
+        &mkl_tiled_linear);
+  m.def("mkl_tiled_greedy(Tensor x, Tensor[] tiles, int tile_n, int n) -> (Tensor, Tensor)",
+        &mkl_tiled_greedy);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &add_rms_norm);

@@ -66,3 +66,26 @@ def test_loaded_cpu_model_runs_its_linears_through_the_kernels(tiny_models):
     torch.testing.assert_close(layer.mlp.gate_up_proj(x),
                                F.linear(x, layer.mlp.gate_up_proj.weight), atol=1e-5, rtol=1e-5)
     assert layer.mlp.gate_up_proj.cpu_linear.calls == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads):
+    gen = torch.Generator().manual_seed(threads)
+    n = linear.TILED_FROM_N + 100                      # a partial last tile
+    w = torch.randn(n, 32, generator=gen)
+    x = torch.randn(7, 32, generator=gen)
+    lin = linear.prepare(w)
+    assert lin.fuses_greedy and len(lin.tiles) == -(-n // linear.TILE_N)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits = F.linear(x, w)
+        torch.testing.assert_close(lin(x, w), logits, atol=1e-4, rtol=1e-5)
+        x[3] = 0.0                                     # an all-equal row: the first index wins
+        ids, logprobs = lin.greedy(x)
+    finally:
+        torch.set_num_threads(before)
+    logits = F.linear(x, w)
+    assert ids.tolist() == logits.argmax(-1).tolist() and ids[3] == 0
+    want = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
+    torch.testing.assert_close(logprobs, want, atol=1e-4, rtol=1e-5)
