@@ -23,6 +23,9 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
                                                     const std::vector<at::Tensor>& tiles,
                                                     int64_t tile_n, int64_t n);
 
+at::Tensor panel_pack(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                        const std::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
                         double eps);
@@ -53,6 +56,8 @@ TORCH_LIBRARY(deltaserve_cpu, m) {
         &mkl_tiled_linear);
   m.def("mkl_tiled_greedy(Tensor x, Tensor[] tiles, int tile_n, int n) -> (Tensor, Tensor)",
         &mkl_tiled_greedy);
+  m.def("panel_pack(Tensor weight) -> Tensor", &panel_pack);
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &add_rms_norm);
