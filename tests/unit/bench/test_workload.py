@@ -58,9 +58,11 @@ def test_bad_lengths_name_the_flag():
         WorkloadShape(1, (0, 3), (1, 1))
 
 
-def test_real_model_workloads_need_a_model_directory(tmp_path):
-    with pytest.raises(ParamError, match="prefill-heavy workload runs on a real model"):
-        model_dir_for(parse(["--workload", "prefill-heavy"]), "tiny", "cpu")
+def test_real_model_workloads_take_model_else_the_default_one(monkeypatch):
+    from bench import workload
+    monkeypatch.setattr(workload, "ensure_default_model", lambda: "/cache/SmolLM2")
+    assert model_dir_for(parse(["--workload", "prefill-heavy"]), "tiny", "cpu") == \
+        "/cache/SmolLM2"
     assert model_dir_for(parse(["--workload", "prefill-heavy", "--model", "M"]), "tiny",
                          "cpu") == "M"
 
