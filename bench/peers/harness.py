@@ -26,6 +26,7 @@ from engine_common.params import ParamError
 
 from bench.peers.engine_process import EngineFailed, EngineProcess
 from bench.peers.report import Comparison, EngineRuns, format_block, format_lines
+from bench.peers.roofline import best_floor, measure_floor
 from bench.peers.vllm_venv import REPO_ROOT, VenvError, find_or_install
 from bench.report import append_block, git_commit
 from bench.workload import (NAMED_WORKLOADS, add_model_and_workload_flags, model_and_workload,
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=256, help="default: 256")
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: each engine's own")
-    e.add_argument("--kv-cache-gib", type=float, default=4.0, help="per engine (default: 4)")
+    e.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="per engine, whole GiB for vLLM (default: what the workload holds at "
+                        "most, +20%%, in [1, 4])")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--deltaserve-option", action="append", default=[], metavar="KEY=JSON",
                    help="an extra deltaserve.llm.LLM keyword, e.g. async_scheduling=true")
@@ -106,7 +109,7 @@ def _check(args) -> list[str]:
     for name, lo in (("threads", 1), ("rounds", 1), ("max_num_seqs", 1)):
         if getattr(args, name) < lo:
             raise ParamError(name, getattr(args, name), f">= {lo}")
-    if args.kv_cache_gib <= 0:
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         raise ParamError("kv_cache_gib", args.kv_cache_gib, "> 0")
     return engines
 
@@ -158,30 +161,42 @@ def compare(args, name: str, engines: list[str], peer_python, work: Path) -> Com
     workload_file.write_text(json.dumps({
         "prompts": workload.prompts, "output_lens": workload.output_lens,
         "warmup": {"prompts": warm.prompts, "output_lens": warm.output_lens}}))
+    kv_gib = args.kv_cache_gib or kv_cache_gib_for(info.hf_config, workload, args.dtype)
     settings = dict(model=model_dir, dtype=args.dtype, threads=args.threads,
                     max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=workload.max_total_len, kv_cache_gib=args.kv_cache_gib,
+                    max_model_len=workload.max_total_len, kv_cache_gib=kv_gib,
                     prefix_caching=not args.no_prefix_caching)
-    floor = None
-    if not args.no_roofline:
-        from bench.peers.roofline import measure_floor
-
-        floor = measure_floor(info.hf_config, workload.prompts, workload.output_lens,
-                              args.dtype, args.threads, shape.shared_prefix_len,
-                              not args.no_prefix_caching, args.max_num_seqs)
+    floor_args = (info.hf_config, workload.prompts, workload.output_lens, args.dtype,
+                  args.threads, shape.shared_prefix_len, not args.no_prefix_caching,
+                  args.max_num_seqs)
+    floor = None if args.no_roofline else measure_floor(*floor_args)
     procs = _start(args, engines, peer_python, workload_file, settings, work, name)
     try:
         runs = _alternate(procs, args.rounds, args.run_timeout)
     finally:
         for _, proc in procs:
             proc.close()
+    if floor is not None:          # measured again, engines gone: a busy machine reads low
+        floor = best_floor(floor, measure_floor(*floor_args))
     title = f"{name}, {args.dtype}, {args.threads} thread{'s' * (args.threads > 1)}"
     described = (f"{name}: {shape.describe()}, greedy, ignore_eos, seed {args.seed}; "
                  f"{workload.num_prompt_tokens} prompt tokens, {workload.num_output_tokens} "
-                 f"output tokens")
+                 f"output tokens; KV cache {kv_gib:g} GiB per engine")
     peer = runs.pop(0) if "vllm" in engines else None
     return Comparison(title, described, peer, runs, floor, list(args.note))
+
+
+def kv_cache_gib_for(hf_config: dict, workload, dtype: str, most: int = 4) -> int:
+    """Whole GiB of KV cache for every request of the workload at its full length (+20%),
+    at least 1 and at most `most` (beyond it both engines preempt alike): two engines with
+    large caches side by side would not fit a small machine."""
+    from bench.peers.roofline import ModelShape
+
+    per_token = ModelShape.from_hf(hf_config).kv_bytes_per_token(2 if dtype != "float32" else 4)
+    total = 1.2 * per_token * sum(len(p) + n for p, n in zip(workload.prompts,
+                                                            workload.output_lens))
+    return int(min(most, max(1, math.ceil(total / (1 << 30)))))
 
 
 def _start(args, engines, peer_python, workload_file: Path, settings: dict, work: Path,
@@ -190,7 +205,7 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
     threads = args.threads
     plan = []
     if "vllm" in engines:
-        env = _vllm_env(threads, args.kv_cache_gib, work)
+        env = _vllm_env(threads, settings["kv_cache_gib"], work)
         opts = _options(args.vllm_option, "vllm_option")
         argv = [str(peer_python), "-m", "bench.peers.vllm_child", str(workload_file),
                 json.dumps({**settings, "options": opts})]

@@ -85,6 +85,13 @@ class Floor:
         return self.compute_s + self.memory_s
 
 
+def best_floor(a: Floor, b: Floor) -> Floor:
+    """The same workload's floor from two measurements, each rate at its best."""
+    rate, how = max((a.gemm_flops_per_s, a.gemm_how), (b.gemm_flops_per_s, b.gemm_how))
+    return Floor(a.matmul_flops, a.decode_bytes, rate, max(a.copy_bytes_per_s,
+                                                           b.copy_bytes_per_s), how)
+
+
 def workload_cost(shape: ModelShape, prompts: list[list[int]], output_lens: list[int],
                   dtype: str, shared_prefix_len: int = 0, prefix_caching: bool = True,
                   max_num_seqs: int = 256) -> tuple[float, float]:
