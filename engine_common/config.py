@@ -21,7 +21,7 @@ from engine_common.settings import (AtLeast, NonEmpty, OneOf, Positive, PowerOfT
                                     setting, validate)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
 GIB = 1 << 30
 
 
@@ -85,7 +85,8 @@ class WorkerConfig(BatchLimits):
                          rule=OneOf(DTYPES), wire=2)
     attention_backend: str = setting(
         "auto", "attention kernels; auto: flash_attn when its paged layout fits, then triton "
-        "on CUDA, then torch", rule=OneOf(ATTENTION_BACKENDS), wire=3)
+        "on CUDA; on CPU the compiled paged kernel (cpu) when it is built and fits, then torch",
+        rule=OneOf(ATTENTION_BACKENDS), wire=3)
     kv_cache_bytes: int | None = setting(
         None, "KV-cache bytes per device (the flag takes GiB); unset: 1 GiB unless "
         "gpu_memory_utilization is set",
