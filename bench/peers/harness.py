@@ -249,6 +249,7 @@ def _alternate(procs, rounds: int, timeout_s: float) -> list[EngineRuns]:
             result = proc.run(f"round-{r}", timeout_s)
             runs[i].wall_s.append(result["wall_s"])
             runs[i].token_ids.append(result["token_ids"])
+            runs[i].cpu_s.append(result.get("cpu_s", 0.0))
             print(f"bench-peers: round {r}: {label}: {runs[i].tokens_per_s(r):.1f} tok/s "
                   f"({result['wall_s']:.2f} s)", flush=True)
     return runs

@@ -5,7 +5,8 @@ vLLM side imports it inside vLLM's own virtualenv.
                                     {"cmd": "quit"}
     engine -> harness (reply fd)    one line per event: PREFIX + JSON, e.g.
                                     {"event": "ready", "engine": "...", "startup_s": 12.3}
-                                    {"event": "result", "tag": ..., "wall_s": ..., "token_ids": ...}
+                                    {"event": "result", "tag": ..., "wall_s": ..., "cpu_s": ...,
+                                     "token_ids": ...}
                                     {"event": "error", "message": "..."}
 
 The engine's stdout is redirected to its stderr before the engine is imported, so nothing an
@@ -53,6 +54,29 @@ def load_workload(path: str) -> dict:
         return json.load(f)
 
 
+def group_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by every live process of this process group:
+    the engine and whatever it spawned (vLLM's engine core). Linux /proc; 0.0 elsewhere."""
+    pgid = os.getpgrp()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:              # fields[0] is the state; [2] the pgrp
+            total += int(fields[11]) + int(fields[12])     # utime, stime
+    return total / tick
+
+
 def serve(engine_name: str, start, run_one) -> int:
     """The engine process's main loop: start() -> (engine, description), then one run_one(
     engine, tag) -> (wall_s, token_ids, extra fields) per "run" command; engine.close(), if it
@@ -70,12 +94,14 @@ def serve(engine_name: str, start, run_one) -> int:
     try:
         for cmd in commands():
             try:
+                cpu0 = group_cpu_seconds()
                 wall_s, token_ids, extra = run_one(engine, cmd.get("tag", ""))
+                cpu_s = group_cpu_seconds() - cpu0
             except Exception as e:  # noqa: BLE001
                 replies.send("error",
                              message=f"{engine_name} run failed: {type(e).__name__}: {e}")
                 return 1
-            replies.send("result", tag=cmd.get("tag", ""), wall_s=wall_s,
+            replies.send("result", tag=cmd.get("tag", ""), wall_s=wall_s, cpu_s=cpu_s,
                          token_ids=token_ids, **extra)
         return 0
     finally:

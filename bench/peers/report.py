@@ -20,6 +20,7 @@ class EngineRuns:
     startup_s: float = 0.0
     wall_s: list[float] = field(default_factory=list)
     token_ids: list[list[list[int]]] = field(default_factory=list)   # per round, per request
+    cpu_s: list[float] = field(default_factory=list)  # CPU seconds of its processes, per round
 
     def tokens_per_s(self, i: int) -> float:
         return sum(len(ids) for ids in self.token_ids[i]) / self.wall_s[i]
@@ -69,6 +70,10 @@ def _rate_line(runs: EngineRuns, floor: Floor | None) -> str:
     lo, med, hi = spread(runs.rates)
     line = (f"{runs.name}: {med:.1f} tok/s median (min {lo:.1f}, max {hi:.1f}) over "
             f"{len(runs.rates)} rounds; wall {statistics.median(runs.wall_s):.2f} s median")
+    if runs.cpu_s and all(c > 0 for c in runs.cpu_s):
+        per_cpu = [sum(map(len, ids)) / c for ids, c in zip(runs.token_ids, runs.cpu_s)]
+        line += (f"; CPU {statistics.median(runs.cpu_s):.2f} s median in all its processes "
+                 f"= {statistics.median(per_cpu):.1f} tok per CPU-second")
     if floor is not None:
         frac = floor.seconds / statistics.median(runs.wall_s)
         line += f"; {frac:.2f} of the roofline floor"

@@ -1,0 +1,34 @@
+"""bench/peers/protocol.py: the reply prefix and the process group's CPU clock."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench.peers.protocol import PREFIX, group_cpu_seconds
+from tests.support.paths import REPO
+
+
+def test_group_cpu_seconds_counts_this_process():
+    before = group_cpu_seconds()
+    sum(i * i for i in range(2_000_000))
+    assert group_cpu_seconds() > before
+
+
+def test_an_engine_process_replies_only_on_its_prefixed_lines():
+    code = ("from bench.peers.protocol import serve\n"
+            "print('chatter on stdout')\n"
+            "def start():\n    print('library noise'); return object(), 'fake engine'\n"
+            "def run(engine, tag):\n    return 0.5, [[1, 2]], {'tag_seen': tag}\n"
+            "raise SystemExit(serve('fake', start, run))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True,
+                          input='{"cmd": "run", "tag": "r0"}\n{"cmd": "quit"}\n',
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    replies = [json.loads(line[len(PREFIX):]) for line in done.stdout.splitlines()
+               if line.startswith(PREFIX)]
+    assert [r["event"] for r in replies] == ["ready", "result"]
+    assert replies[0]["engine"] == "fake engine"
+    assert replies[1]["token_ids"] == [[1, 2]] and replies[1]["tag_seen"] == "r0"
+    assert replies[1]["cpu_s"] >= 0 and "library noise" in done.stderr
+    assert "chatter on stdout" in done.stdout      # printed before the redirect: not a reply
