@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import extension
 
-PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 256}
+PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
 TILE_N = 2048
 TILED_FROM_N = 8192
 
