@@ -33,6 +33,9 @@ from bench.workload import (NAMED_WORKLOADS, add_model_and_workload_flags, model
                             warmup_workload, workload_shape)
 
 ENGINES = ("vllm", "deltaserve")
+# DeltaServe's own options for the comparison: scheduling and output processing overlap the
+# model thread, as vLLM's front-end and engine-core processes overlap each other.
+DELTASERVE_DEFAULTS = {"async_scheduling": True}
 START_TIMEOUT_S = 1800.0      # a first vLLM start compiles for about a minute; installs are before
 
 
@@ -60,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "most, +20%%, in [1, 4])")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--deltaserve-option", action="append", default=[], metavar="KEY=JSON",
-                   help="an extra deltaserve.llm.LLM keyword, e.g. async_scheduling=true")
+                   help="an extra deltaserve.llm.LLM keyword (default: async_scheduling=true, "
+                        "the runner on its own thread as vLLM's engine core is its own process; "
+                        "async_scheduling=false turns it off)")
     e.add_argument("--vllm-option", action="append", default=[], metavar="KEY=JSON",
                    help="an extra vllm.LLM keyword")
     e.add_argument("--vllm-venv", default=None,
@@ -211,7 +216,7 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
                 json.dumps({**settings, "options": opts})]
         plan.append(("vLLM", argv, env, Path(env["PYTHONPATH"])))
     if "deltaserve" in engines:
-        opts = _options(args.deltaserve_option, "deltaserve_option")
+        opts = {**DELTASERVE_DEFAULTS, **_options(args.deltaserve_option, "deltaserve_option")}
         env = {**os.environ, "OMP_NUM_THREADS": str(threads),
                "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH"))}
         base = [sys.executable, "-m", "bench.peers.deltaserve_child", str(workload_file)]
