@@ -6,10 +6,16 @@ import os
 import pytest
 import torch
 
+from kernels.cpu import extension
+
 # Triton reads TRITON_INTERPRET when it is imported and when kernels are decorated, so it must be
 # set before anything imports triton: without a GPU, every Triton kernel runs in the interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests that give a child process its own XDG_CACHE_HOME (an empty model cache) must not make it
+# rebuild the CPU kernels there (a minute or two on 2 cores): every process uses this build.
+os.environ.setdefault(extension.DIR_VAR, str(extension.build_root()))
 
 
 @pytest.fixture(scope="session")

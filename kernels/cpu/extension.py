@@ -1,9 +1,9 @@
 """Build and load the `deltaserve_cpu` operator library from csrc/ with torch.utils.cpp_extension.
 
 The library is compiled once per (sources, torch version, compiler flags, CPU feature set) into
-$XDG_CACHE_HOME/deltaserve/cpu_ext/<name> (or ~/.cache/...), by `make install` (`python -m
-kernels.cpu.extension`) or else at first use (about a minute on 2 cores; torch's file lock keeps
-concurrent builders apart). `-march=native` is safe because the CPU's feature flags are part of
+$DELTASERVE_CPU_EXT_DIR/<name>, else $XDG_CACHE_HOME/deltaserve/cpu_ext/<name> (or ~/.cache/...),
+by `make install` (`python -m kernels.cpu.extension`) or else at first use (about a minute on
+2 cores; torch's file lock keeps concurrent builders apart). `-march=native` is safe because the CPU's feature flags are part of
 the name: another CPU builds its own copy.
 
 If anything fails (no compiler, no ninja, a build error), `load()` returns None, `status()`
@@ -32,6 +32,7 @@ HEADERS = ("vec_math.h", "attention_avx512.h", "row_argmax.h")
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
           "-Wno-unknown-pragmas")
 ENV_SWITCH = "DELTASERVE_CPU_EXT"
+DIR_VAR = "DELTASERVE_CPU_EXT_DIR"   # where builds go (tests point children at the built one)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -57,6 +58,9 @@ def library_name() -> str:
 
 
 def build_root() -> Path:
+    """$DELTASERVE_CPU_EXT_DIR, else $XDG_CACHE_HOME/deltaserve/cpu_ext (~/.cache/...)."""
+    if os.environ.get(DIR_VAR):
+        return Path(os.environ[DIR_VAR])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "deltaserve" / "cpu_ext"
 

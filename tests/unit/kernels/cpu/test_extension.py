@@ -50,3 +50,11 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     assert extension.load() is False
     assert "missing.cpp" in extension.status()
     assert torch.ops.deltaserve_cpu is not None       # the loaded library (if any) stays usable
+
+
+def test_build_root_prefers_its_own_variable_over_the_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv(extension.DIR_VAR, str(tmp_path / "ext"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert extension.build_root() == tmp_path / "ext"
+    monkeypatch.delenv(extension.DIR_VAR)
+    assert extension.build_root() == tmp_path / "xdg" / "deltaserve" / "cpu_ext"
