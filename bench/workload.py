@@ -22,7 +22,6 @@ import argparse
 import random
 from dataclasses import dataclass, replace
 
-from deltaserve.default_model import ensure_default_model
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 from bench.presets import PRESETS, preset_dir
@@ -221,7 +220,13 @@ def model_dir_for(args: argparse.Namespace, preset: str, device: str) -> str:
         return str(args.model or preset_dir(args.preset or preset, args.cache_dir, device))
     if named.model == "smoke":
         return str(preset_dir("tiny", args.cache_dir, device))
-    real = str(args.model or ensure_default_model())
+    real = args.model
+    if not real:
+        # imported here: its GGUF conversion imports the worker (torch), and `deltaserve`'s
+        # parser imports this module in the torch-free scheduler image
+        from deltaserve.default_model import ensure_default_model
+        real = ensure_default_model()
+    real = str(real)
     if named.model == "real":
         return real
     return str(preset_dir(named.model, args.cache_dir, device, tokenizer_dir=real))

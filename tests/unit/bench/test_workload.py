@@ -59,8 +59,8 @@ def test_bad_lengths_name_the_flag():
 
 
 def test_real_model_workloads_take_model_else_the_default_one(monkeypatch):
-    from bench import workload
-    monkeypatch.setattr(workload, "ensure_default_model", lambda: "/cache/SmolLM2")
+    from deltaserve import default_model
+    monkeypatch.setattr(default_model, "ensure_default_model", lambda: "/cache/SmolLM2")
     assert model_dir_for(parse(["--workload", "prefill-heavy"]), "tiny", "cpu") == \
         "/cache/SmolLM2"
     assert model_dir_for(parse(["--workload", "prefill-heavy", "--model", "M"]), "tiny",
