@@ -16,6 +16,7 @@ from engine_common.codec import decode_runner_output, encode_scheduler_output
 from engine_common.diff import NewRequestData, SchedulerOutput
 from engine_common.params import SamplingParams, WorkerSamplingParams
 from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from kernels.cpu import extension
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from tests.support.init_specs import init_spec
@@ -296,8 +297,11 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
         assert stub.Health(worker_pb2.HealthRequest()).ready
         assert _grpc_health(worker.address, WORKER_SERVICE) == "SERVING"
         info = stub.Info(worker_pb2.InfoRequest())
+        # the default CPU path: the compiled paged kernel when the library is built (it is
+        # after make install), else the torch reference
+        backend = "cpu" if extension.load() else "torch"
         assert (info.model_dir, info.dtype, info.attention_backend) == (model_dir, "float32",
-                                                                        "torch")
+                                                                        backend)
         assert info.epoch == result.epoch and info.num_kv_blocks == result.num_kv_blocks
         assert info.layout.tp_size == 1 and info.devices[0].total_memory_bytes > 0
         client.execute(encode_scheduler_output(_diffs()[0]))
