@@ -3,8 +3,15 @@
 The library is compiled once per (sources, torch version, compiler flags, CPU feature set) into
 $DELTASERVE_CPU_EXT_DIR/<name>, else $XDG_CACHE_HOME/deltaserve/cpu_ext/<name> (or ~/.cache/...),
 by `make install` (`python -m kernels.cpu.extension`) or else at first use (about a minute on
-2 cores; torch's file lock keeps concurrent builders apart). `-march=native` is safe because the CPU's feature flags are part of
-the name: another CPU builds its own copy.
+2 cores). `-march=native` is safe because the CPU's feature flags are part of the name: another
+CPU builds its own copy; so is the checkout's csrc path, so two checkouts never rebuild each
+other's copy.
+
+NOTE: a built library is loaded directly, never through cpp_extension.load(): that takes torch's
+lock file ("lock" in the build directory) on every load, and a process killed while holding it
+(a worker SIGKILLed during start-up) left every later load waiting forever. Builds are kept apart
+by our own flock, which the kernel releases when its holder dies; a torch lock file found while
+holding it is stale and removed.
 
 If anything fails (no compiler, no ninja, a build error), `load()` returns None, `status()`
 says why, and every caller falls back to torch (kernels/attention/torch_ref.py, F.linear).
@@ -12,6 +19,7 @@ DELTASERVE_CPU_EXT=0 turns the library off (the fallbacks run); =1 makes a failu
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -19,6 +27,7 @@ import platform
 import shutil
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,7 +62,8 @@ def library_name() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join((torch.__version__, sys.version, *CFLAGS, _cpu_flags())).encode())
+    h.update(" ".join((str(CSRC), torch.__version__, sys.version, *CFLAGS,
+                       _cpu_flags())).encode())
     return "deltaserve_cpu_" + h.hexdigest()[:16]
 
 
@@ -77,13 +87,38 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build_and_load() -> None:
-    from torch.utils import cpp_extension
+@contextmanager
+def _build_lock(build_dir: Path):
+    """An exclusive flock on build_dir/.build.lock for as long as the block runs."""
+    with open(build_dir / ".build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
-    _put_ninja_on_path()
+
+def _build_and_load() -> None:
     name = library_name()
     build_dir = build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    with _build_lock(build_dir):
+        if library.exists():
+            try:
+                torch.ops.load_library(str(library))
+                return
+            except OSError as e:        # a truncated file from a killed link: build again
+                log.warning("rebuilding %s: %s", library, e)
+                library.unlink()
+        (build_dir / "lock").unlink(missing_ok=True)     # torch's, left by a killed builder
+        _compile_and_load(name, build_dir)
+
+
+def _compile_and_load(name: str, build_dir: Path) -> None:
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
     cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES],
                        extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                        build_directory=str(build_dir), is_python_module=False, verbose=False)

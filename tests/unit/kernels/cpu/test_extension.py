@@ -58,3 +58,20 @@ def test_build_root_prefers_its_own_variable_over_the_cache_home(monkeypatch, tm
     assert extension.build_root() == tmp_path / "ext"
     monkeypatch.delenv(extension.DIR_VAR)
     assert extension.build_root() == tmp_path / "xdg" / "deltaserve" / "cpu_ext"
+
+
+@pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
+def test_a_lock_file_left_by_a_killed_builder_does_not_block_loading():
+    """torch's lock file, as a process killed mid-load leaves it: a new process still loads."""
+    assert extension.load(), extension.status()
+    stale = extension.build_root() / extension.library_name() / "lock"
+    stale.touch()
+    try:
+        code = ("from kernels.cpu import extension\n"
+                "assert extension.load(), extension.status()\n")
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+    finally:
+        stale.unlink(missing_ok=True)
