@@ -81,7 +81,7 @@ class Constraint:
         if error:
             raise ParamError(self.field, _short(self.value),
                              f"{_WHAT[self.kind]} the grammar engine accepts; it says: "
-                             f"{error.strip()}")
+                             f"{_short_lines(error.strip())}")
         return self
 
     def to_wire(self) -> list:
@@ -167,6 +167,13 @@ def _close_objects(schema) -> None:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():
                 _close_objects(sub)
+
+
+def _short_lines(message: str, line_limit: int = 200, limit: int = 4000) -> str:
+    """The engine's message with every line cut at `line_limit` characters and the whole at
+    `limit`: it quotes the constraint (and a caret line as wide), which would otherwise make a
+    status message larger than gRPC's metadata limit (the client then sees RESOURCE_EXHAUSTED)."""
+    return _short("\n".join(_short(line, line_limit) for line in message.split("\n")), limit)
 
 
 def _short(value, limit: int = 200):
