@@ -65,6 +65,14 @@ class Constraint:
         text = json.dumps([self.kind, self.to_wire()[1]], ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
+    @property
+    def num_chars(self) -> int:
+        """Its size as --max-constraint-chars counts it: the text's characters, or the choices'
+        together (json_object: 0)."""
+        if self.kind == "json_object":
+            return 0
+        return len(self.value) if self.kind != "choice" else sum(len(c) for c in self.value)
+
     def to_grammar(self) -> str:
         """The llguidance grammar definition (its JSON text) of this constraint."""
         if self.kind == "json_object":
