@@ -65,6 +65,14 @@ class Constraint:
         text = json.dumps([self.kind, self.to_wire()[1]], ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
+    @property
+    def num_chars(self) -> int:
+        """Its size as --max-constraint-chars counts it: the text's characters, or the choices'
+        together (json_object: 0)."""
+        if self.kind == "json_object":
+            return 0
+        return len(self.value) if self.kind != "choice" else sum(len(c) for c in self.value)
+
     def to_grammar(self) -> str:
         """The llguidance grammar definition (its JSON text) of this constraint."""
         if self.kind == "json_object":
@@ -81,7 +89,7 @@ class Constraint:
         if error:
             raise ParamError(self.field, _short(self.value),
                              f"{_WHAT[self.kind]} the grammar engine accepts; it says: "
-                             f"{error.strip()}")
+                             f"{_short_lines(error.strip())}")
         return self
 
     def to_wire(self) -> list:
@@ -167,6 +175,13 @@ def _close_objects(schema) -> None:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():
                 _close_objects(sub)
+
+
+def _short_lines(message: str, line_limit: int = 200, limit: int = 4000) -> str:
+    """The engine's message with every line cut at `line_limit` characters and the whole at
+    `limit`: it quotes the constraint (and a caret line as wide), which would otherwise make a
+    status message larger than gRPC's metadata limit (the client then sees RESOURCE_EXHAUSTED)."""
+    return _short("\n".join(_short(line, line_limit) for line in message.split("\n")), limit)
 
 
 def _short(value, limit: int = 200):

@@ -12,6 +12,8 @@ MAX_MIN_TOKENS = 2**31 - 1      # int32 on the worker
 MAX_STOP_TOKEN_IDS = 1024       # stop_token_ids of one request (the public API's bound)
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 64   # + the model's eos ids, as the worker receives them
 MAX_TOP_LOGPROBS = 256          # top alternatives per token (the public API's bound)
+MAX_CONSTRAINT_CHARS = 1 << 16  # characters of one structured-output constraint (the public
+                                # API's --max-constraint-chars is at most this)
 
 # Bytes of the encoded parts (engine_common/codec.py), rounded up: a msgpack integer <= 9, an
 # array or map header <= 5, a WorkerSamplingParams map of its 7 optional floats <= 256.
@@ -19,6 +21,10 @@ _INT = 9
 _HEADER = 5
 _SAMPLING = 256
 _SLACK = 1 << 20                # finished and preempted handles, the step number, headers
+# A constraint [kind, value]: <= 4 UTF-8 bytes a character plus string headers. A choice of c
+# characters takes <= 4c bytes and a header of 1 byte (<= 31 bytes), 2 or 3 (c >= 8) or 5
+# (c > 16384): <= 5c in all, the worst being one-character choices. So <= 5 bytes a character.
+_CONSTRAINT = 3 * _HEADER + 16 + 5 * MAX_CONSTRAINT_CHARS
 
 
 def max_blocks_per_request(max_model_len: int, block_size: int) -> int:
@@ -30,11 +36,13 @@ def max_diff_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len
     """An upper bound on the encoded size of any legal step diff under these limits.
 
     At most min(max_num_seqs, max_num_batched_tokens) requests join in one step, each sent
-    whole: its prompt (< max_model_len uint32 ids), block ids, stop ids and sampling. Every
-    seat may also be resumed, get new blocks and a token count.
+    whole: its prompt (< max_model_len uint32 ids), block ids, stop ids, sampling and a
+    constraint of up to MAX_CONSTRAINT_CHARS characters. Every seat may also be resumed, get new
+    blocks and a token count.
     """
     blocks = max_blocks_per_request(max_model_len, block_size) * _INT + _HEADER
-    new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 8 * _INT)
+    new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 8 * _INT
+           + _CONSTRAINT)
     joining = min(max_num_seqs, max_num_batched_tokens)
     per_seat = 2 * (blocks + 2 * _INT) + 2 * _INT
     return joining * new + max_num_seqs * per_seat + _SLACK

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.diff_limits import MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from engine_common.params import ParamError
 from engine_common.settings import AtLeast, ReadableFile, setting, validate
 
@@ -43,7 +43,8 @@ class ApiOptions:
         rule=AtLeast(1))
     max_constraint_chars: int = setting(
         65536, "characters of a structured-output constraint (its schema, regex or grammar, or "
-        "its choices together), checked before the grammar engine sees it", rule=AtLeast(1))
+        "its choices together), checked before the grammar engine sees it",
+        rule=AtLeast(1, MAX_CONSTRAINT_CHARS))
     max_logprobs: int = setting(20, "top alternatives a request may ask for per token",
                                 rule=AtLeast(0, MAX_TOP_LOGPROBS))
     max_request_mib: int = setting(8, "largest request message in MiB (RESOURCE_EXHAUSTED "

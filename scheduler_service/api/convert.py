@@ -118,8 +118,9 @@ def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
 
 
 def constraint_from_proto(msg: pb.Constraint) -> Constraint | None:
-    """The set kind of a Constraint, validated by the grammar engine (ParamError naming
-    `constraint.<kind>` and quoting the engine's message); None when no kind is set."""
+    """The set kind of a Constraint with its shape checked (ParamError naming
+    `constraint.<kind>`); None when no kind is set. Not yet validated by the grammar engine:
+    that is checked_constraint, which the servicer runs on the tokenizer pool."""
     return constraint_from_oneof(msg, "kind")
 
 
@@ -131,7 +132,15 @@ def constraint_from_oneof(msg, oneof: str) -> Constraint | None:
     if kind is None:
         return None
     value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
-    return Constraint(kind, value).validate()
+    return Constraint(kind, value)
+
+
+def checked_constraint(constraint: Constraint | None) -> Constraint | None:
+    """The constraint once the grammar engine accepts it (ParamError naming
+    `constraint.<kind>` and quoting the engine's message). It costs up to the constraint's size
+    in llguidance time (which releases the GIL): servicers run it on the tokenizer pool, never
+    on the event loop."""
+    return None if constraint is None else constraint.validate()
 
 
 def sampling_from_proto(msg: pb.SamplingParams,

@@ -5,9 +5,9 @@ back. Every failure goes through status.status_for, the one exception -> gRPC st
 A Generate stream is one request: when the client cancels it or its deadline passes, grpc.aio
 cancels the handler and AsyncEngine.generate aborts exactly that request, freeing its blocks.
 
-Limits (request_limits.py, ApiOptions) are checked on the protobuf first; text is tokenized on a
-thread pool (the tokenizer releases the GIL), never on the event loop, so one long prompt cannot
-stall the other streams. Abort ends only requests made with the caller's API key (guard.py).
+Limits (request_limits.py, ApiOptions) are checked on the protobuf first; text is tokenized, and a
+structured-output constraint validated by llguidance, on a thread pool (both release the GIL),
+never on the event loop, so one long prompt or big constraint cannot stall the other streams. Abort ends only requests made with the caller's API key (guard.py).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from engine_common.protos import generation_pb2_grpc
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.convert import (check_prompt_length, messages_from_proto,
-                                           output_to_proto,
+from scheduler_service.api.convert import (check_prompt_length, checked_constraint,
+                                           messages_from_proto, output_to_proto,
                                            request_from_proto, sampling_to_proto)
 from scheduler_service.api.guard import caller_of
 from scheduler_service.api.request_limits import check_generate_limits, check_tokenize_limits
@@ -115,6 +115,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         req = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
+        if req.constraint is not None:
+            await self._offload(checked_constraint, req.constraint)
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         elif req.prompt_messages is not None:
@@ -127,8 +129,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        constraint=req.constraint)
 
     async def _offload(self, fn, *args):
-        """Tokenizing and chat rendering run on the pool: the event loop keeps serving the other
-        streams meanwhile."""
+        """Tokenizing, chat rendering and constraint validation run on the pool: the event loop
+        keeps serving the other streams meanwhile."""
         return await self._tokenize_pool.run(fn, *args)
 
     def _token_text(self, token_id: int) -> str:

@@ -59,7 +59,7 @@ def check_stops(prefix: str, stop, stop_token_ids, options: ApiOptions) -> None:
 
 def check_constraint_chars(prefix: str, holder, oneof: str, options: ApiOptions) -> None:
     """The size of the constraint in `holder`'s oneof `oneof` (field `<prefix>.<kind>`), before
-    the grammar engine validates it on the event loop."""
+    the grammar engine validates it (on the tokenizer pool)."""
     kind = holder.WhichOneof(oneof)
     if kind is None or kind == "json_object":
         return

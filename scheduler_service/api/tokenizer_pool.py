@@ -1,7 +1,8 @@
 """The public port's tokenizer threads, shared by deltaserve.v1.Generation and VllmEngine.
 
-Tokenizing and chat rendering run here, never on the event loop (the tokenizer releases the GIL),
-so one long prompt cannot stall the other streams. `--tokenizer-threads` threads in all.
+Tokenizing, chat rendering and llguidance's validation of a structured-output constraint run
+here, never on the event loop (the tokenizer and llguidance release the GIL), so one long prompt
+or big constraint cannot stall the other streams. `--tokenizer-threads` threads in all.
 """
 from __future__ import annotations
 

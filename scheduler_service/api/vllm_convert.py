@@ -4,8 +4,9 @@ Pure functions: no I/O, no engine state.
 Requests: a `GenerateRequest` becomes a `VllmGenerateInput` of validated domain params. A field
 we cannot honour is refused, never ignored: ParamError naming it (INVALID_ARGUMENT at the edge).
 The `constraint` oneof of SamplingParams (structured output) maps 1:1 onto engine_common's
-Constraint (json_schema, regex, grammar, json_object, choice), validated by the grammar engine
-here, at admission; `structural_tag` is refused by name.
+Constraint (json_schema, regex, grammar, json_object, choice), its shape checked here and
+validated by the grammar engine at admission (checked_vllm_constraint, which the servicer runs on
+the tokenizer pool); `structural_tag` is refused by name.
 Proto3 scalars have no "unset": a sampling field left at 0 takes the server default (published
 in GetModelInfo.default_sampling_params_json), and so does an unset `temperature`.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +32,7 @@ from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import smg_common_pb2 as cpb
 from engine_common.protos import vllm_engine_pb2 as pb
 from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length,
-                                           constraint_from_oneof)
+                                           checked_constraint, constraint_from_oneof)
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
@@ -130,12 +132,27 @@ def refuse_unsupported(msg: pb.GenerateRequest) -> None:
 
 
 def constraint_from_proto(sp: pb.SamplingParams) -> Constraint | None:
-    """The structured-output constraint SamplingParams carries (None when unset), validated by
-    the grammar engine: a bad one is a ParamError on `sampling_params.<kind>` with the engine's
-    message. `grammar_from_first_token` changes nothing here: DeltaServe runs no reasoning
-    parser, so every constraint starts at the first generated token."""
-    try:
+    """The structured-output constraint SamplingParams carries (None when unset), its shape
+    checked: a bad one is a ParamError on `sampling_params.<kind>`. The grammar engine's
+    validation is checked_vllm_constraint (run on the tokenizer pool).
+    `grammar_from_first_token` changes nothing here: DeltaServe runs no reasoning parser, so
+    every constraint starts at the first generated token."""
+    with _sampling_params_fields():
         return constraint_from_oneof(sp, "constraint")
+
+
+def checked_vllm_constraint(constraint: Constraint | None) -> Constraint | None:
+    """checked_constraint (llguidance's validation; slow, so on the tokenizer pool) naming
+    `sampling_params.<kind>` with the engine's message."""
+    with _sampling_params_fields():
+        return checked_constraint(constraint)
+
+
+@contextmanager
+def _sampling_params_fields():
+    """ParamErrors on `constraint.<kind>` renamed to this protocol's `sampling_params.<kind>`."""
+    try:
+        yield
     except ParamError as e:
         field = e.field.replace("constraint.", "sampling_params.", 1)
         raise ParamError(field, e.value, e.allowed) from None

@@ -34,7 +34,8 @@ from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_token
                                                     chunks)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, VllmGenerateInput, check_prompt_fits,
-                                                child_sampling, chunk_to_proto, complete_to_proto,
+                                                checked_vllm_constraint, child_sampling,
+                                                chunk_to_proto, complete_to_proto,
                                                 kv_batch_to_proto, model_info_to_proto,
                                                 request_from_proto, scheduler_load_to_proto,
                                                 server_info_to_proto)
@@ -94,12 +95,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await _abort_with(context, e)
 
     async def _validate(self, msg: pb.GenerateRequest) -> tuple[VllmGenerateInput, list[int]]:
-        """Limits first, then the conversion; a text prompt is tokenized on the pool."""
+        """Limits first, then the conversion; the constraint is validated and a text prompt
+        tokenized on the pool."""
         info = self._model.info
         check_vllm_generate_limits(msg, self._options)
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
+        if inp.constraint is not None:
+            await self._tokenizer_pool.run(checked_vllm_constraint, inp.constraint)
         ids = (list(inp.prompt_token_ids) if inp.prompt_token_ids is not None
                else await self._tokenizer_pool.run(self._model.tokenizer.encode,
                                                    inp.prompt_text))

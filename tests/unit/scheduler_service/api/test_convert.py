@@ -104,9 +104,18 @@ def test_no_constraint_is_none():
     (pb.Constraint(choice=pb.ChoiceConstraint()), "constraint.choice.choices", "one or more"),
 ])
 def test_bad_constraints_are_refused_at_admission(msg, field, message):
+    """The shape at conversion, the grammar engine's verdict by checked_constraint (which the
+    servicer runs on the tokenizer pool)."""
     with pytest.raises(ParamError) as e:
-        convert.request_from_proto(_req(constraint=msg))
+        convert.checked_constraint(convert.request_from_proto(_req(constraint=msg)).constraint)
     assert e.value.field == field and message in str(e.value)
+
+
+def test_conversion_leaves_the_grammar_engine_to_the_pool():
+    """An unclosed group is not the converter's business (no llguidance on the event loop)."""
+    req = convert.request_from_proto(_req(constraint=pb.Constraint(regex="(ab")))
+    assert req.constraint == Constraint("regex", "(ab")
+    assert convert.checked_constraint(None) is None
 
 
 def test_default_max_tokens_applies_only_when_unset():

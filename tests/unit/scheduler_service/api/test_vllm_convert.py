@@ -148,7 +148,7 @@ def test_the_constraint_oneof_maps_onto_our_constraint(sp, expected):
 ])
 def test_a_bad_constraint_names_its_field_with_the_engines_message(sp, field, says):
     with pytest.raises(ParamError) as err:
-        convert(gen(sampling_params=sp))
+        vc.checked_vllm_constraint(convert(gen(sampling_params=sp)).constraint)
     assert err.value.field == field
     assert says in err.value.allowed or says in str(err.value)
 

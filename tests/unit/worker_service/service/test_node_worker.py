@@ -81,7 +81,7 @@ def _refused(call, kind, match: str) -> None:
 def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp_path):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT, InitGuards(model_root=os.path.dirname(model_dir),
-                                             max_message_bytes=2 << 20))
+                                             max_message_bytes=4 << 20))
     w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
     before = _state(w, ranks)
     outside = tmp_path / "outside"
@@ -96,7 +96,7 @@ def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp
         (_config(model_dir + "/../missing"), 9, ValueError, "does not exist"),
         (_config(model_dir, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048),
          9, ValueError, "a step diff may take .* MiB, more than this worker's "
-                        "--max-message-mib 2"),
+                        "--max-message-mib 4"),
         (_config(model_dir, attention_backend="flash_attn"), 9,
          (ValueError, NotImplementedError), "flash_attn"),
         (RunnerConfig(model_dir=model_dir, max_model_len=10**6), 9, ValueError,
