@@ -14,6 +14,9 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               tiles of TILE_N outputs, each written while it fits in L2; `greedy(x)` runs the
               same tiles into a streaming argmax + log-sum-exp, so a greedy step never
               materialises its logits (about 1.3x the GEMM alone plus the sampler's pass).
+              TILE_N 512: a K=256 tile's packed weight and its [256, 512] output are 512 KiB
+              each, both in L2 together; 3-13% faster than 2048 at 64-256 rows for K 256
+              and 576 (one thread, this VM; docs/cpu_performance.md).
 
 A non-2-D input or another dtype goes to F.linear, as does everything when the library is not
 loaded. The packed copies are made from the weight at prepare time (re-prepare after changing
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from kernels.cpu import extension
 
 PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
-TILE_N = 2048
+TILE_N = 512
 TILED_FROM_N = 8192
 
 
