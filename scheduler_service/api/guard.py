@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import grpc
 
+from engine_common.grpc_metadata import same_shape_handler
 from engine_common.params import ParamError
 
 AUTH_KEY = "authorization"
@@ -81,13 +82,7 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     async def abort(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+    return same_shape_handler(handler, abort)
 
 
 class _Undecodable:

@@ -16,6 +16,7 @@ import logging
 
 import grpc
 
+from engine_common.grpc_metadata import same_shape_handler
 from engine_common.params import ParamError
 from engine_common.tls import server_credentials
 from engine_common.worker_auth import AUTH_METADATA_KEY, WorkerAuth
@@ -59,13 +60,7 @@ def _refusal(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler
     def abort(request_or_iterator, context):
         context.abort(status, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+    return same_shape_handler(handler, abort)
 
 
 def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:
