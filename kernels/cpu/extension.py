@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "paged_attention.cpp", "mkl_linear.cpp", "elementwise.cpp",
            "panel_gemm.cpp")
-HEADERS = ("vec_math.h", "attention_avx512.h", "row_argmax.h")
+HEADERS = ("vec_math.h", "exp512.h", "attention_avx512.h", "row_argmax.h")
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
           "-Wno-unknown-pragmas")
 ENV_SWITCH = "DELTASERVE_CPU_EXT"

@@ -78,6 +78,18 @@ def test_greedy_sample_is_argmax_with_its_logprob():
     torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=1e-5)
 
 
+def test_greedy_sample_rows_with_inf_or_nan_take_the_one_pass_path():
+    # Pieces with a NaN or a max that is not finite take the lane-wise update: the argmax of
+    # the numbers (a NaN is never picked) and a logprob that is not finite, as torch's is not.
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(4))
+    x[0, 40] = float("inf")
+    x[1, :] = float("-inf")
+    x[2, 7] = float("nan")
+    ids, logprobs = ops.greedy_sample(x)
+    assert ids[0] == 40 and ids[1] == 0 and ids[2] == x[2].nan_to_num(float("-inf")).argmax()
+    assert torch.isnan(logprobs[0]) and torch.isnan(logprobs[2])
+
+
 def test_sampler_takes_the_kernel_only_for_plain_greedy_steps():
     from worker_service.sample.sampler import Sampler
     from worker_service.sample.sampling_metadata import SamplingMetadata
