@@ -30,11 +30,13 @@ from llguidance.gbnf_to_lark import is_lark_syntax
 # -- grammars (Lark, or GBNF as llama.cpp writes it) ----------------------------------------------
 
 # One lexical item of a grammar; the groups are tried in order. Strings, regexes, GBNF character
-# classes and comments are opaque (their brackets do not nest grammar items).
+# classes and comments are opaque (their brackets do not nest grammar items); as in llguidance's
+# Lark lexer, a regex may span lines and `#` is no comment. One left open runs to the end (the
+# engine refuses the grammar; scanning on from every quote would take quadratic time).
 _LARK_TOKENS = re.compile(r'''
-      (?P<skip>//[^\n]*|\#[^\n]*|\s+)
+      (?P<skip>//[^\n]*|\s+)
     | (?P<json>%(?:json|llguidance|regex)\b)
-    | (?P<opaque>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|/(?:\\.|[^/\\\n])+/[imslux]*)
+    | (?P<opaque>"(?:\\.|[^"\\])*(?:"|\Z)|/(?:\\.|[^/\\])+(?:/[imslux]*|\Z))
     | (?P<define>::=|:)
     | (?P<name>[!?]?[A-Za-z0-9_][A-Za-z0-9_\-]*(?:\.[0-9]+)?)
     | (?P<open>[(\[{])
@@ -43,7 +45,7 @@ _LARK_TOKENS = re.compile(r'''
 ''', re.VERBOSE | re.DOTALL)
 _GBNF_TOKENS = re.compile(r'''
       (?P<skip>\#[^\n]*|\s+)
-    | (?P<opaque>"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\])
+    | (?P<opaque>"(?:\\.|[^"\\])*(?:"|\Z)|\[(?:\\.|[^\]\\])*(?:\]|\Z))
     | (?P<define>::=)
     | (?P<name>[A-Za-z0-9_][A-Za-z0-9_\-]*)
     | (?P<open>[({])
@@ -61,7 +63,7 @@ class _Grammar:
         self.current = ""               # the definition being read ("" before the first)
         self.level = 0                  # bracket nesting at this point of the body
         self.pending = ""               # the last name read, maybe the next definition's
-        self.template = ""              # the name before a `{` (a Lark template's head)
+        self.head = ""                  # Lark: the first name of this line, not yet defined
 
     def define(self, name: str) -> None:
         self.current = _bare(name)
@@ -88,20 +90,21 @@ def grammar_depth(text: str) -> int:
     lark = is_lark_syntax(text)
     pattern = _LARK_TOKENS if lark else _GBNF_TOKENS
     g = _Grammar()
-    pos, last = 0, ""
+    pos, line_start = 0, True
     while pos < len(text):
         m = pattern.match(text, pos)
         pos = m.end()
         kind = m.lastgroup
         if kind == "name":
             g.refer(m.group())
+            if line_start and lark:
+                g.head = g.pending
         elif kind == "define":
-            head = g.template if last == "close" and g.template else g.pending
+            # Lark: `?name{params}.priority:` starts a line; GBNF: the name before `::=`.
+            head, g.head = g.head or g.pending, ""
             if head:
                 g.define(head)
         elif kind == "open":
-            if last == "name" and g.level == 0:
-                g.template = g.pending
             g.level += 1
             g.nest(0)
         elif kind == "close":
@@ -110,16 +113,19 @@ def grammar_depth(text: str) -> int:
             pos, depth = _embedded_json_depth(text, pos)
             g.nest(depth)
         if kind != "skip":
-            last = kind
+            line_start = False
+        elif "\n" in m.group() and g.level == 0:
+            line_start = True
     g.refer("")
     return _longest_path(g.weight, g.refs)
 
 
 def _embedded_json_depth(text: str, pos: int) -> tuple[int, int]:
-    """(where it ends, its depth) for the JSON value after `%json` at `pos` in a Lark grammar."""
-    start = text.find("{", pos)
-    if start < 0:
-        return len(text), 0
+    """(where it ends, its depth) for the JSON value after `%json` at `pos` in a Lark grammar
+    (an object; anything else is left to the grammar's scan)."""
+    start = len(text) - len(text[pos:].lstrip())
+    if not text.startswith("{", start):
+        return pos, 0
     end = _json_value_end(text, start)
     return end, json_schema_depth(text[start:end])
 
@@ -140,7 +146,7 @@ def _json_value_end(text: str, start: int) -> int:
 
 # -- JSON schemas ---------------------------------------------------------------------------------
 
-_JSON_SCAN = re.compile(r'"(?:\\.|[^"\\])*"|[{}\[\]]')
+_JSON_SCAN = re.compile(r'"(?:\\.|[^"\\])*(?:"|\Z)|[{}\[\]]')   # an open string: to the end
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
 _ANCHOR_KEYS = ("$anchor", "$dynamicAnchor", "$id")
 
@@ -168,16 +174,20 @@ def json_schema_depth(text: str, text_limit: int = 1000) -> int:
         doc = json.loads(text)
     except (ValueError, RecursionError):
         return depth
-    nodes, children = _containers(doc)
-    targets = _ref_targets(doc, nodes)
+    nodes, children, bases = _containers(doc)
+    targets = _RefTargets(nodes, bases)
+    hub = len(nodes)                # what an unresolved reference may mean: every anchor
     weight = {i: 1 for i in range(len(nodes))}
-    refs = {i: children[i] + targets(nodes[i]) for i in range(len(nodes))}
+    weight[hub] = 0
+    refs = {i: children[i] + targets(i) for i in range(len(nodes))}
+    refs[hub] = sorted(set(targets.anchors.values()))
     return max(depth, _longest_path(weight, refs))
 
 
-def _containers(doc) -> tuple[list, list[list[int]]]:
-    """Every object and array of `doc` (root first) and, per one, the indices of its children."""
-    nodes, children = [], []
+def _containers(doc) -> tuple[list, list[list[int]], list[int]]:
+    """Every object and array of `doc` (root first); per one, the indices of its children and
+    of its base: the nearest object, itself included, that declares an `$id` (else the root)."""
+    nodes, children, bases = [], [], []
     stack = [(doc, -1)]
     while stack:
         node, parent = stack.pop()
@@ -188,38 +198,45 @@ def _containers(doc) -> tuple[list, list[list[int]]]:
         children.append([])
         if parent >= 0:
             children[parent].append(index)
+        own_id = isinstance(node, dict) and isinstance(node.get("$id"), str)
+        bases.append(index if own_id or parent < 0 else bases[parent])
         stack.extend((v, index) for v in (node.values() if isinstance(node, dict) else node))
-    return nodes, children
+    return nodes, children, bases
 
 
-def _ref_targets(doc, nodes: list):
-    """A function: node -> the indices of the containers its $ref keywords point at. A local
-    JSON pointer resolves exactly; `#name`, or an `$id`, by the anchors and ids the document
-    declares; a reference that resolves to nothing here points at every declared anchor."""
-    index_of = {id(node): i for i, node in enumerate(nodes)}
-    anchors: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for key in _ANCHOR_KEYS:
-            if isinstance(node, dict) and isinstance(node.get(key), str):
-                anchors[node[key]] = i
-                anchors[node[key].rsplit("#", 1)[-1]] = i
+class _RefTargets:
+    """node index -> the indices of the containers its $ref keywords may point at. A JSON
+    pointer resolves from the node's base and from the root; a name by the `$anchor`s and
+    `$id`s the document declares; anything else, to the hub (every anchor): an over-estimate
+    where the document does not say, never an under-estimate."""
 
-    def resolve(ref: str) -> list[int]:
-        fragment = ref.rsplit("#", 1)[-1] if "#" in ref else ""
-        if ref.startswith("#") and (fragment == "" or fragment.startswith("/")):
-            target = _pointer(doc, fragment)
-            return [index_of[id(target)]] if id(target) in index_of else []
-        for name in (ref, fragment, ref.split("#", 1)[0]):
-            if name in anchors:
-                return [anchors[name]]
-        return sorted(set(anchors.values()))
+    def __init__(self, nodes: list, bases: list[int]):
+        self.nodes, self.bases = nodes, bases
+        self.index_of = {id(node): i for i, node in enumerate(nodes)}
+        self.anchors: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            for key in _ANCHOR_KEYS:
+                if isinstance(node, dict) and isinstance(node.get(key), str):
+                    self.anchors[node[key]] = i
+                    self.anchors[node[key].rsplit("#", 1)[-1]] = i
 
-    def targets(node) -> list[int]:
+    def __call__(self, index: int) -> list[int]:
+        node = self.nodes[index]
         if not isinstance(node, dict):
             return []
         return [t for key in _REF_KEYS if isinstance(node.get(key), str)
-                for t in resolve(node[key])]
-    return targets
+                for t in self._resolve(node[key], self.bases[index])]
+
+    def _resolve(self, ref: str, base: int) -> list[int]:
+        document, _, fragment = ref.partition("#")
+        if document:
+            if document not in self.anchors:
+                return [len(self.nodes)]
+            base = self.anchors[document]
+        if fragment and not fragment.startswith("/"):
+            return [self.anchors.get(fragment, len(self.nodes))]
+        found = {id(_pointer(self.nodes[start], fragment)) for start in (base, 0)}
+        return [self.index_of[f] for f in found if f in self.index_of] or [len(self.nodes)]
 
 
 def _pointer(doc, fragment: str):

@@ -110,6 +110,13 @@ def test_refs_by_escaped_pointer_and_by_anchor_resolve():
     assert json_schema_depth(json.dumps(by_anchor)) == 5      # root, $defs, a, b, c
 
 
+def test_pointers_resolve_within_the_nearest_id():
+    inner = json.loads(json_items_chain(300))
+    inner["$id"] = "urn:inner"
+    schema = {"$defs": {"inner": inner}, "$ref": "urn:inner"}
+    assert json_schema_depth(json.dumps(schema)) > 600
+
+
 def test_an_unresolved_ref_points_at_every_anchor():
     schema = {"$defs": {"a": {"$id": "urn:a", "items": {"$ref": "urn:elsewhere"}}},
               "$ref": "urn:a"}
@@ -121,3 +128,9 @@ def test_regex_depth_counts_groups_and_classes_not_escapes():
     assert regex_depth("[(]") == 2                       # brackets in a class count too
     assert regex_depth(r"\(\(\(a\)\)\)") == 0
     assert regex_depth(regex_nested(20_000)) == 20_000
+
+
+def test_a_lark_definition_is_named_by_the_first_name_of_its_line():
+    chain = lark_chain(30).replace('r7: "x" r8?', 'r7.-5: "x" r8?').replace(
+        'r9: "x"', 'r9[max_tokens=3]: "x"')
+    assert grammar_depth(chain) == 33      # r9's `[` weighs on r8: over, never under
