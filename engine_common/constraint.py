@@ -17,6 +17,11 @@ library's message, so a bad schema, regex or grammar is refused once, at admissi
 mid-stream. Validations are cached (the last 1024 distinct constraints). The worker compiles the
 same grammar text against its tokenizer (worker_service/sample/grammar.py).
 
+llguidance compiles recursively and a deep enough constraint overflows the stack (SIGSEGV, the
+whole process): `check_depth()` refuses one nested deeper than MAX_CONSTRAINT_DEPTH first
+(measured without recursion: constraint_depth.py), and the library runs on a 64 MiB stack
+(big_stack.py). docs/security.md has the measurements.
+
 On the wire (the new-request part of the step diff) a constraint is [kind, value], value being
 the text, the bool, or the list of choices.
 """
@@ -25,10 +30,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import llguidance
 
+from engine_common.big_stack import call_with_big_stack
+from engine_common.constraint_depth import grammar_depth, json_schema_depth, regex_depth
+from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
 from engine_common.params import ParamError
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -37,6 +45,10 @@ _ANY_OBJECT = '{"type": "object"}'
 _MAX_CACHED_VALIDATIONS = 1024
 _WHAT = {"json_schema": "a JSON Schema", "json_object": "true", "regex": "a regular expression",
          "grammar": "a Lark or GBNF grammar", "choice": "a list of choices"}
+# What constraint_depth counts, per kind, for the refusal's message.
+_DEPTH = {"json_schema": (json_schema_depth, "subschemas within subschemas, following $ref"),
+          "regex": (regex_depth, "groups within groups"),
+          "grammar": (grammar_depth, "rules referring to rules, with their bracket nesting")}
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,27 @@ class Constraint:
             return llguidance.grammar_from("json_schema", _strict_schema(self.value))
         return llguidance.grammar_from(self.kind, self.value)
 
+    @cached_property
+    def depth(self) -> int:
+        """How deeply it nests, as MAX_CONSTRAINT_DEPTH bounds it (choice, json_object: 1)."""
+        if self.kind not in _DEPTH:
+            return 1
+        return _DEPTH[self.kind][0](self.value)
+
+    def check_depth(self) -> "Constraint":
+        """Raise ParamError if it nests deeper than MAX_CONSTRAINT_DEPTH (the grammar engine
+        would overflow its stack compiling it)."""
+        depth = self.depth
+        if depth > MAX_CONSTRAINT_DEPTH:
+            raise ParamError(self.field, f"nested {depth} deep",
+                             f"nested at most {MAX_CONSTRAINT_DEPTH} deep "
+                             f"({_DEPTH[self.kind][1]})")
+        return self
+
     def validate(self) -> "Constraint":
-        """Raise ParamError with the library's message if the grammar is not usable."""
+        """Raise ParamError if it nests too deeply, or with the library's message if the
+        grammar is not usable."""
+        self.check_depth()
         error = _validation_error(self)
         if error:
             raise ParamError(self.field, _short(self.value),
@@ -134,9 +165,13 @@ def _check_value(kind: str, value) -> None:
 @lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
 def _validation_error(constraint: Constraint) -> str:
     try:
-        return llguidance.LLMatcher.validate_grammar(constraint.to_grammar())
+        return call_with_big_stack(_library_validation, constraint)
     except ValueError as e:          # e.g. a GBNF grammar that does not convert to Lark
         return str(e)
+
+
+def _library_validation(constraint: Constraint) -> str:
+    return llguidance.LLMatcher.validate_grammar(constraint.to_grammar())
 
 
 # Schema keywords whose value is a schema, a list of schemas, or a map of name -> schema.
@@ -153,10 +188,10 @@ def _strict_schema(text: str) -> str:
     properties and does not say otherwise; text that is not JSON is left for the validator."""
     try:
         schema = json.loads(text)
-    except ValueError:
+        _close_objects(schema)
+        return json.dumps(schema, ensure_ascii=False)
+    except (ValueError, RecursionError):   # too deep for Python: the engine refuses it too
         return text
-    _close_objects(schema)
-    return json.dumps(schema, ensure_ascii=False)
 
 
 def _close_objects(schema) -> None:

@@ -16,9 +16,11 @@ from typing import Callable
 import msgpack
 
 from engine_common.codec import encode_scheduler_output
+from engine_common.constraint import Constraint
 from engine_common.diff_limits import max_diff_bytes
 from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutput
 from engine_common.params import SamplingParams, WorkerSamplingParams
+from tests.support.deep_constraints import json_items_chain, lark_chain
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,10 @@ PROMPT = [3, 14, 15, 92, 65, 35]
 
 
 def new(handle: int = 0, prompt=PROMPT, blocks=(0, 1, 2, 3), computed: int = 0,
-        sampling: WorkerSamplingParams = GREEDY, logprobs: int = 0) -> NewRequestData:
-    return NewRequestData(handle, list(prompt), sampling, list(blocks), computed, logprobs)
+        sampling: WorkerSamplingParams = GREEDY, logprobs: int = 0,
+        constraint: Constraint | None = None) -> NewRequestData:
+    return NewRequestData(handle, list(prompt), sampling, list(blocks), computed, logprobs,
+                          constraint)
 
 
 def enc(diff: SchedulerOutput) -> bytes:
@@ -141,6 +145,11 @@ def _out_of_range(lim: Limits) -> dict[str, bytes]:
                                  blocks=range(top * h, top * (h + 1))) for h in range(2)],
             num_scheduled_tokens={0: lim.max_model_len - 1, 1: lim.max_model_len - 1})),
         "more requests than max_num_seqs": enc(SchedulerOutput(0, new_requests=seq)),
+        # Compiling these overflowed llguidance's stack (SIGSEGV): refused by depth first.
+        "grammar rules chained 3000 deep": enc(SchedulerOutput(0, new_requests=[
+            new(constraint=Constraint("grammar", lark_chain(3000)))])),
+        "json schema $refs chained 1200 deep": enc(SchedulerOutput(0, new_requests=[
+            new(constraint=Constraint("json_schema", json_items_chain(1200)))])),
         "payload beyond the largest legal diff": raw(0, finished=b"\0" * (1 + max_diff_bytes(
             lim.max_num_seqs, lim.max_num_batched_tokens, lim.max_model_len, lim.block_size))),
     }

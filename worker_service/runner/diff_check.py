@@ -12,7 +12,7 @@ each part adds or removes, so the whole diff is judged against the state it will
     new_requests           handles not cached; prompt ids < vocab_size, 1 .. max_model_len - 1
                            of them; block ids < num_kv_blocks, at most a request's share; prefix
                            hit within the prompt and its blocks; sampling, stop ids, logprobs,
-                           a constraint's characters
+                           a constraint's characters and nesting depth
     resumed_requests       cached requests not in the batch; blocks as above; computed tokens
                            within the request's tokens
     new_block_ids          requests in the batch; blocks as above
@@ -28,9 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_common.codec import CodecError
+from engine_common.constraint import Constraint
 from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutput
-from engine_common.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_HANDLE, MAX_MIN_TOKENS,
-                                       MAX_SEED, MAX_STOP_IDS, MAX_TOP_LOGPROBS)
+from engine_common.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
+                                       MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
+                                       MAX_TOP_LOGPROBS)
 from worker_service.failures import StepProtocolError
 
 
@@ -132,10 +134,19 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
     if len(s.stop_ids) > MAX_STOP_IDS:
         raise BadDiff(f"{name}.sampling.stop_ids length", len(s.stop_ids), f"<= {MAX_STOP_IDS}")
     _ids_below(f"{name}.sampling.stop_ids", s.stop_ids, bounds.vocab_size, "vocab_size")
-    if new.constraint is not None and new.constraint.num_chars > MAX_CONSTRAINT_CHARS:
-        raise BadDiff(f"{name}.constraint characters", new.constraint.num_chars,
-                      f"<= {MAX_CONSTRAINT_CHARS}")
+    if new.constraint is not None:
+        _check_constraint(f"{name}.constraint", new.constraint)
     view.added[new.handle] = len(new.block_ids)
+
+
+def _check_constraint(name: str, constraint: Constraint) -> None:
+    """Its size, then its nesting (the grammar engine's compiler would overflow its stack and
+    kill the worker: engine_common/constraint_depth.py; the scan is linear in the size)."""
+    if constraint.num_chars > MAX_CONSTRAINT_CHARS:
+        raise BadDiff(f"{name} characters", constraint.num_chars, f"<= {MAX_CONSTRAINT_CHARS}")
+    depth = constraint.depth
+    if depth > MAX_CONSTRAINT_DEPTH:
+        raise BadDiff(f"{name} depth", depth, f"<= {MAX_CONSTRAINT_DEPTH}")
 
 
 def _check_resumed(name: str, res: ResumedRequestData, bounds: DiffBounds,

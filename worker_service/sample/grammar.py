@@ -33,6 +33,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
+from engine_common.big_stack import call_with_big_stack
 from engine_common.constraint import Constraint
 from engine_common.tokenizer import Tokenizer
 
@@ -85,11 +86,16 @@ class GrammarCompiler:
         return self._tokenizer
 
     def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher (at the start of the output) for `constraint`."""
+        """A fresh matcher (at the start of the output) for `constraint`. The library compiles
+        recursively: a constraint too deep is refused (ParamError; the diff check refused it
+        already), and compiling runs on a 64 MiB stack, not the rank's main thread's."""
         key = constraint.key
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer, constraint.to_grammar(), log_level=0)
+            constraint.check_depth()
+            tokenizer = self.tokenizer
+            compiled = call_with_big_stack(
+                lambda: llguidance.LLMatcher(tokenizer, constraint.to_grammar(), log_level=0))
             if compiled.is_error():
                 # Validated at admission: reaching this is a library/version mismatch.
                 raise ValueError(f"{constraint.field}: {compiled.get_error()}")

@@ -7,7 +7,10 @@ import json
 import pytest
 
 from engine_common.constraint import Constraint, _strict_schema, constraint_from_fields
+from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
 from engine_common.params import ParamError
+from tests.support.deep_constraints import (gbnf_chain, json_items_chain, json_nested_arrays,
+                                            lark_chain, regex_nested)
 from tests.support.grammar_text import accepts, tiny_compiler
 
 PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"},
@@ -128,3 +131,35 @@ def test_the_engines_message_about_a_big_constraint_stays_small():
     with pytest.raises(ParamError) as e:
         Constraint("regex", regex).validate()
     assert "unclosed group" in e.value.allowed and len(str(e.value)) < 5000
+
+
+@pytest.mark.parametrize("kind, text, depth", [
+    ("grammar", lark_chain(3000), 3002),            # overflowed an 8 MiB stack: SIGSEGV
+    ("grammar", gbnf_chain(3000), 3002),
+    ("json_schema", json_items_chain(1200), 2403),  # likewise
+    ("json_schema", json_nested_arrays(2000), 2001),  # Python's json raised RecursionError
+    ("regex", regex_nested(20_000), 20_000),
+])
+def test_a_constraint_nested_too_deep_is_refused_naming_depth_and_bound(kind, text, depth):
+    with pytest.raises(ParamError) as e:
+        Constraint(kind, text).validate()
+    assert e.value.field == f"constraint.{kind}"
+    assert e.value.value == f"nested {depth} deep"
+    assert f"nested at most {MAX_CONSTRAINT_DEPTH} deep" in e.value.allowed
+
+
+def test_a_schema_deeper_than_python_parses_gets_the_engines_message():
+    """Nested 991 deep: under the bound, too deep for Python's json (RecursionError escaped)
+    and for llguidance's parser (128 levels), which refuses it."""
+    with pytest.raises(ParamError, match="recursion limit exceeded"):
+        Constraint("json_schema", json_nested_arrays(990)).validate()
+
+
+def test_a_grammar_just_under_the_bound_validates_compiles_and_constrains(compiler):
+    chain = Constraint("grammar", lark_chain(MAX_CONSTRAINT_DEPTH - 2))
+    assert chain.depth == MAX_CONSTRAINT_DEPTH
+    assert chain.validate() is chain
+    assert accepts(compiler, chain, "x" * 40)
+    assert not accepts(compiler, chain, "x" * (MAX_CONSTRAINT_DEPTH + 1))
+    with pytest.raises(ParamError, match="nested 1001 deep"):
+        Constraint("grammar", lark_chain(MAX_CONSTRAINT_DEPTH - 1)).validate()

@@ -21,6 +21,7 @@ import grpc
 import jsonschema
 import pytest
 
+from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
 from engine_common.protos import generation_pb2 as gpb
 from engine_common.protos import generation_pb2_grpc
 from engine_common.protos import smg_common_pb2 as cpb
@@ -30,6 +31,7 @@ from scheduler_service.api import vllm_servicer
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
+from tests.support.deep_constraints import lark_chain
 from tests.support.sim_server import EOS, SimServer, make_sim_model_dir
 
 PROMPT = list(range(10, 23))     # 13 tokens: 3 full blocks of 4
@@ -171,6 +173,11 @@ def test_refusals_name_the_field(stub):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_params.regex" in err.value.details()
     assert "unclosed group" in err.value.details()       # the grammar engine's own message
+    with pytest.raises(grpc.RpcError) as err:       # llguidance would overflow its stack
+        list(stub.Generate(generate(grammar=lark_chain(3000))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("sampling_params.grammar='nested 3002 deep' is invalid: must be nested at most "
+            f"{MAX_CONSTRAINT_DEPTH} deep") in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(generate(max_tokens=300)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine_common.constraint import Constraint
 from engine_common.diff import SchedulerOutput
+from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
+from tests.support.deep_constraints import lark_chain
 from tests.support.garbage_diffs import Limits, PREFILL, clean_run, enc, garbage_cases, new
 from worker_service.config import RunnerConfig
 from worker_service.failures import FailureKind, as_failure
@@ -105,3 +108,12 @@ def test_a_handle_recycled_in_the_same_diff_is_accepted():
     diff = SchedulerOutput(1, finished_handles=[0], new_requests=[new(0, blocks=[1])])
     check_diff(diff, _bounds(), cached, {0: 0}, np.ones(2, dtype=np.int32))
     assert enc(diff) and PREFILL
+
+
+def test_a_constraint_too_deep_names_its_depth_and_the_bound():
+    import numpy as np
+    deep = Constraint("grammar", lark_chain(3000))
+    with pytest.raises(BadDiff, match=r"new_requests\[0\]\.constraint depth=3002 is invalid: "
+                                      rf"must be <= {MAX_CONSTRAINT_DEPTH}"):
+        check_diff(SchedulerOutput(0, new_requests=[new(constraint=deep)]), _bounds(), {}, {},
+                   np.zeros(2, dtype=np.int32))

@@ -4,11 +4,15 @@ preemption equal to an uninterrupted run, and a digest that follows the matchers
 from __future__ import annotations
 
 import re
+import threading
 
+import llguidance
 import numpy as np
 import pytest
 
 from engine_common.constraint import Constraint
+from engine_common.params import ParamError
+from tests.support.deep_constraints import lark_chain
 from tests.support.grammar_text import EOS, encode, tiny_compiler
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
 
@@ -186,3 +190,26 @@ def test_a_grammar_that_does_not_compile_here_allows_only_eos(tmp_path):
     book.advance([0], [EOS])
     assert book._live[0].terminated and book.start_masks([0]) is None
     assert book.digest() != before
+
+
+def test_a_constraint_too_deep_is_refused_not_compiled_and_allows_only_eos(compiler):
+    """The diff check refuses it first (BAD_PAYLOAD); compiling it overflowed llguidance's
+    stack on the rank's main thread (SIGSEGV)."""
+    deep = Constraint("grammar", lark_chain(3000))
+    with pytest.raises(ParamError, match="nested 3002 deep"):
+        compiler.matcher(deep)
+    book = GrammarBook(compiler)
+    book.add(5, deep)
+    assert book.stopped([5]).tolist() == [True]
+
+
+def test_grammars_compile_on_a_big_stack_thread(tmp_path, monkeypatch):
+    real, threads = llguidance.LLMatcher, []
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+    compiler = tiny_compiler(tmp_path)
+    monkeypatch.setattr(llguidance, "LLMatcher", spy)
+    compiler.matcher(YES_NO)
+    assert threads == ["big-stack"]
