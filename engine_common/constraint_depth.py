@@ -27,6 +27,8 @@ from urllib.parse import unquote
 
 from llguidance.gbnf_to_lark import is_lark_syntax
 
+from engine_common.graph_components import strongly_connected
+
 # -- grammars (Lark, or GBNF as llama.cpp writes it) ----------------------------------------------
 
 # One lexical item of a grammar; the groups are tried in order. Strings, regexes, GBNF character
@@ -153,13 +155,19 @@ _ANCHOR_KEYS = ("$anchor", "$dynamicAnchor", "$id")
 
 def json_text_depth(text: str) -> int:
     """How deeply the JSON text's objects and arrays nest (strings skipped; no parsing)."""
+    return _bracket_depth(_JSON_SCAN, text, "{[", "}]")
+
+
+def _bracket_depth(scan: re.Pattern, text: str, opens: str, closes: str) -> int:
+    """The deepest nesting of `opens`/`closes` tokens among what `scan` finds (a surplus
+    closer counts as none)."""
     level = deepest = 0
-    for m in _JSON_SCAN.finditer(text):
+    for m in scan.finditer(text):
         token = m.group()
-        if token in "{[":
+        if token in opens:
             level += 1
             deepest = max(deepest, level)
-        elif token in "}]":
+        elif token in closes:
             level = max(0, level - 1)
     return deepest
 
@@ -261,15 +269,7 @@ _REGEX_SCAN = re.compile(r"\\.|[(\[]|[)\]]", re.DOTALL)
 
 def regex_depth(text: str) -> int:
     """How deeply groups and character classes nest (escaped characters skipped)."""
-    level = deepest = 0
-    for m in _REGEX_SCAN.finditer(text):
-        token = m.group()
-        if token in "([":
-            level += 1
-            deepest = max(deepest, level)
-        elif token in ")]":
-            level = max(0, level - 1)
-    return deepest
+    return _bracket_depth(_REGEX_SCAN, text, "([", ")]")
 
 
 # -- the longest weighted path --------------------------------------------------------------------
@@ -277,7 +277,7 @@ def regex_depth(text: str) -> int:
 def _longest_path(weight: dict, refs: dict) -> int:
     """The heaviest path through the graph (edges to unknown nodes ignored), each strongly
     connected component counted once with the weight of all its members."""
-    components = _components(weight, refs)
+    components = strongly_connected(weight, refs)
     component_of = {node: c for c, members in enumerate(components) for node in members}
     best = [0] * len(components)
     # Tarjan's algorithm emits a component after every component it reaches.
@@ -290,46 +290,3 @@ def _longest_path(weight: dict, refs: dict) -> int:
                     below = max(below, best[d])
         best[c] = sum(weight[n] for n in members) + below
     return max(best, default=0)
-
-
-def _components(weight: dict, refs: dict) -> list[list]:
-    """The strongly connected components (Tarjan's algorithm, with an explicit stack), each
-    after every component reachable from it."""
-    index: dict = {}
-    low: dict = {}
-    on_stack: set = set()
-    stack: list = []
-    components: list[list] = []
-    for root in weight:
-        if root in index:
-            continue
-        work = [(root, iter(refs.get(root, ())))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, edges = work[-1]
-            target = next((t for t in edges if t in weight), None)
-            if target is not None:
-                if target not in index:
-                    index[target] = low[target] = len(index)
-                    stack.append(target)
-                    on_stack.add(target)
-                    work.append((target, iter(refs.get(target, ()))))
-                elif target in on_stack:
-                    low[node] = min(low[node], index[target])
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[node])
-            if low[node] == index[node]:
-                members = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    members.append(member)
-                    if member == node:
-                        break
-                components.append(members)
-    return components

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_common.graph_components import strongly_connected
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine_common", "kernels", "scheduler_service", "worker_service", "deltaserve",
             "bench")
@@ -102,40 +104,9 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
-    for start in graph:
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    comp = []
-                    while True:
-                        top = stack.pop()
-                        on_stack.discard(top)
-                        comp.append(top)
-                        if top == node:
-                            break
-                    if len(comp) > 1:
-                        cycles.append(sorted(comp))
-            elif child not in index:
-                index[child] = low[child] = len(index)
-                stack.append(child)
-                on_stack.add(child)
-                work.append((child, iter(sorted(graph[child]))))
-            elif child in on_stack:
-                low[node] = min(low[node], index[child])
-    return cycles
+    """Strongly connected components of more than one module."""
+    edges = {node: sorted(targets) for node, targets in graph.items()}
+    return [sorted(c) for c in strongly_connected(sorted(graph), edges) if len(c) > 1]
 
 
 def forbidden_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
