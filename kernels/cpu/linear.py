@@ -2,10 +2,13 @@
 
 Every prepared weight gets two layouts, chosen per call by the number of rows M:
 
-    panels    M <= PANEL_MAX_ROWS (decode steps): W repacked in panels of 32 output columns
+    panels    M <= panel_max_rows() (decode steps): W repacked in panels of 32 output columns
               that stream from memory once per call (csrc/panel_gemm.cpp); a bfloat16 W stays
               bfloat16 and is widened in registers, so it streams half the bytes. 1.2-2x MKL's
-              packed GEMM at 4-48 rows, and several times F.linear's bf16 path.
+              packed GEMM at 4-48 rows, and several times F.linear's bf16 path. With two or
+              more threads the panels split evenly between them while MKL's own threading
+              splits few rows poorly (1.4x from a second thread at 64 rows, the panels 1.9x),
+              so float32 goes to the panels up to 128 rows there.
     MKL       more rows (prefill): float32 W packed once into MKL's blocked layout
               (cblas_sgemm_pack, then cblas_sgemm_compute); bfloat16 through
               cblas_gemm_bf16bf16f32 (float32 accumulation, one rounding), several times the
@@ -30,7 +33,9 @@ import torch.nn.functional as F
 
 from kernels.cpu import extension
 
-PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}
+PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}            # one thread
+PANEL_MAX_ROWS_THREADED = {torch.float32: 128, torch.bfloat16: 128}   # two or more
+GREEDY_PANEL_MAX_ROWS = (48, 64)            # LM head + sampler: (one thread, two or more)
 TILE_N = 512
 TILED_FROM_N = 8192
 
@@ -42,7 +47,6 @@ class CpuLinear:
         ops = extension.ops()
         self.dtype = weight.dtype
         self.out_features = weight.shape[0]
-        self.panel_max_rows = PANEL_MAX_ROWS[weight.dtype]
         w = weight.detach().contiguous()
         self.panels = ops.panel_pack(w)
         self.packed = None
@@ -60,7 +64,7 @@ class CpuLinear:
             return F.linear(x, weight, bias)
         self.calls += 1
         ops, x, n = extension.ops(), x.contiguous(), self.out_features
-        if x.shape[0] <= self.panel_max_rows:
+        if x.shape[0] <= panel_max_rows(self.dtype):
             return ops.panel_linear(x, self.panels, n, bias)
         if self.tiles is not None:
             return ops.mkl_tiled_linear(x, self.tiles, TILE_N, n, bias)
@@ -77,9 +81,16 @@ class CpuLinear:
         when fuses_greedy. Few rows build their (small) logits with the panels instead."""
         self.calls += 1
         ops, x = extension.ops(), x.contiguous()
-        if x.shape[0] <= self.panel_max_rows:
+        if x.shape[0] <= GREEDY_PANEL_MAX_ROWS[torch.get_num_threads() > 1]:
             return ops.greedy_sample(ops.panel_linear(x, self.panels, self.out_features, None))
         return ops.mkl_tiled_greedy(x, self.tiles, TILE_N, self.out_features)
+
+
+def panel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows that take the panels at the current thread count (measured crossovers
+    against MKL on 30 layers of SmolLM2-135M's shapes streaming from memory)."""
+    table = PANEL_MAX_ROWS if torch.get_num_threads() == 1 else PANEL_MAX_ROWS_THREADED
+    return table[dtype]
 
 
 def prepare(weight: torch.Tensor) -> CpuLinear | None:
