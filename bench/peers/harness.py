@@ -33,9 +33,21 @@ from bench.workload import (NAMED_WORKLOADS, add_model_and_workload_flags, model
                             warmup_workload, workload_shape)
 
 ENGINES = ("vllm", "deltaserve")
-# DeltaServe's own options for the comparison: scheduling and output processing overlap the
-# model thread, as vLLM's front-end and engine-core processes overlap each other.
-DELTASERVE_DEFAULTS = {"async_scheduling": True}
+
+
+def deltaserve_defaults(threads: int) -> dict:
+    """DeltaServe's own options for the comparison. Async scheduling (scheduling and output
+    processing on the engine thread while the runner thread runs the model) only when a core
+    is left for the engine thread: with every core running a model thread, the engine thread
+    takes turns with one of them and the whole parallel team waits for it (decode-heavy, 2
+    threads on 2 cores: 16% slower than one step at a time; step-overhead: even)."""
+    return {"async_scheduling": threads < usable_cores()}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
 START_TIMEOUT_S = 1800.0      # a first vLLM start compiles for about a minute; installs are before
 
 
@@ -63,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "most, +20%%, in [1, 4])")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--deltaserve-option", action="append", default=[], metavar="KEY=JSON",
-                   help="an extra deltaserve.llm.LLM keyword (default: async_scheduling=true, "
-                        "the runner on its own thread as vLLM's engine core is its own process; "
-                        "async_scheduling=false turns it off)")
+                   help="an extra deltaserve.llm.LLM keyword (default: async_scheduling=true "
+                        "when --threads leaves a core spare, the runner on its own thread as "
+                        "vLLM's engine core is its own process; else false)")
     e.add_argument("--vllm-option", action="append", default=[], metavar="KEY=JSON",
                    help="an extra vllm.LLM keyword")
     e.add_argument("--vllm-venv", default=None,
@@ -216,7 +228,8 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
                 json.dumps({**settings, "options": opts})]
         plan.append(("vLLM", argv, env, Path(env["PYTHONPATH"])))
     if "deltaserve" in engines:
-        opts = {**DELTASERVE_DEFAULTS, **_options(args.deltaserve_option, "deltaserve_option")}
+        opts = {**deltaserve_defaults(threads),
+                **_options(args.deltaserve_option, "deltaserve_option")}
         env = {**os.environ, "OMP_NUM_THREADS": str(threads),
                "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH"))}
         base = [sys.executable, "-m", "bench.peers.deltaserve_child", str(workload_file)]

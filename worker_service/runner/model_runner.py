@@ -80,6 +80,9 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
         self.clock = StepClock()          # the last step's phases, for the worker's metrics
+        # Called once per step as the sampler (and the LM head, for hidden rows) starts: the
+        # step's longest stretch without Python, which an in-process engine thread uses.
+        self.on_sampling: Callable[[], None] | None = None
         self.max_payload_bytes = max_diff_bytes(config.max_num_seqs,
                                                 config.max_num_batched_tokens,
                                                 self.max_model_len, self.block_size)
@@ -261,6 +264,8 @@ class ModelRunner:
             return PendingStep(step)
         if masks is not None:
             meta = self._with_grammar(meta, masks)
+        if self.on_sampling is not None:
+            self.on_sampling()
         sampled = self._sample(out, is_hidden, meta)      # the LM head too, for hidden rows
         self.clock.mark("sampling")
         return PendingStep(step, sample_rows, self.readback.start(sampled))

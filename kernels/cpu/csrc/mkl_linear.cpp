@@ -179,7 +179,10 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
     RowArgmax* mine = states.data() + me * m;
     for (int64_t r = 0; r < m; ++r) mine[r].reset();
     std::vector<float> buf(static_cast<size_t>(m * tile_n));
-#pragma omp for schedule(static)
+    // Dynamic: a thread slowed by other work (the engine's own thread shares these cores)
+    // hands its tiles to the other instead of holding up the join. Each thread still takes
+    // its tiles in column order, and finish_rows breaks ties across threads by index.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t cols = std::min(tile_n, n - t * tile_n);
       tiled_compute(xp, m, k, tiles, tile_n, n, t, buf.data(), tile_n);

@@ -38,6 +38,28 @@ def test_bf16_matches_float32_math_rounded_once(rows):
     assert (got == want).float().mean() > 0.95        # the same rounding almost everywhere
 
 
+def test_more_threads_send_more_rows_to_the_panels():
+    """MKL's own threading splits few rows poorly, the panels split evenly: with 2+ threads
+    float32 takes the panels up to 128 rows (and the greedy LM head up to 64)."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(100, 40, generator=gen)
+    x = torch.randn(100, 40, generator=gen)
+    lin = linear.prepare(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert linear.panel_max_rows(torch.float32) == 48
+        torch.set_num_threads(2)
+        assert linear.panel_max_rows(torch.float32) == 128
+        assert linear.panel_max_rows(torch.bfloat16) == 128
+        got = lin(x, w)
+        panels = extension.ops().panel_linear(x.contiguous(), lin.panels, 100, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, panels)
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_odd_inputs_take_f_linear():
     w = torch.randn(16, 8)
     lin = linear.prepare(w)
@@ -69,7 +91,7 @@ def test_loaded_cpu_model_runs_its_linears_through_the_kernels(tiny_models):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [7, 60])
+@pytest.mark.parametrize("rows", [7, 60, 100])
 def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads, rows):
     gen = torch.Generator().manual_seed(threads)
     n = linear.TILED_FROM_N + 100                      # a partial last tile
