@@ -242,29 +242,39 @@ inline __m512 chunk_dots(const float* q, const float* const* keys, int n) {
 
 template <typename T, int D, typename RowPtr, typename StoreRow>
 void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const RowPtr& row,
-                 const StoreRow& store_row) {
+                 int64_t block_size, int64_t row_stride, const StoreRow& store_row) {
   constexpr int C = D / 16;
   alignas(64) float acc[kDirectRows][D];
   alignas(64) float s[kDirectRows][kChunk];
+  alignas(64) float lsum[kDirectRows][16];     // the running sums, lane-wise (reduced at the end)
   alignas(64) float kbuf[kChunk][D];
   alignas(64) float vbuf[kChunk][D];
   const float* keys[kChunk];
   const float* vals[kChunk];
-  float m[kDirectRows], l[kDirectRows];
-  int64_t last = 0, first = positions[0];
+  float m[kDirectRows];
+  int64_t last = 0;
   for (int r = 0; r < rows; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
+    _mm512_store_ps(lsum[r], _mm512_setzero_ps());
     last = std::max(last, positions[r]);
-    first = std::min(first, positions[r]);
   }
   std::memset(acc, 0, sizeof acc);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const bool chunk_in_block = block_size % kChunk == 0;     // chunks start at multiples of 16
   for (int64_t p0 = 0; p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
-    chunk_rows<T, D>(row, p0, n, 0, kbuf, keys);
-    chunk_rows<T, D>(row, p0, n, 1, vbuf, vals);
+    if (chunk_in_block) {
+      const T* kb = row(p0, 0);
+      const T* vb = row(p0, 1);
+      for (int j = 0; j < n; ++j) {
+        keys[j] = as_f32<D>(kb + j * row_stride, kbuf[j]);
+        vals[j] = as_f32<D>(vb + j * row_stride, vbuf[j]);
+      }
+    } else {
+      chunk_rows<T, D>(row, p0, n, 0, kbuf, keys);
+      chunk_rows<T, D>(row, p0, n, 1, vbuf, vals);
+    }
     for (int r = 0; r < rows; ++r) _mm512_store_ps(s[r], chunk_dots<D>(q[r], keys, n));
     for (int r = 0; r < rows; ++r) {
       // lanes j < visible are real keys this row may see
@@ -272,23 +282,45 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
       const __mmask16 keep = _mm512_cmp_epi32_mask(
           lane, _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(visible, 0))), _MM_CMPINT_LT);
       const __m512 sv = _mm512_mask_mov_ps(neg_inf, keep, _mm512_load_ps(s[r]));
-      const float mx = std::max(m[r], _mm512_reduce_max_ps(sv));
-      if (mx == -std::numeric_limits<float>::infinity()) {
+      const float cmax = _mm512_reduce_max_ps(sv);
+      if (cmax > m[r]) {                 // a new max: rescale what was summed so far
+        const float a = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - cmax)));   // 0 at first
+        const __m512 av = _mm512_set1_ps(a);
+        _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), av));
+        for (int c = 0; c < C; ++c)
+          _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), av));
+        m[r] = cmax;
+      }
+      if (m[r] == -std::numeric_limits<float>::infinity()) {
         _mm512_store_ps(s[r], _mm512_setzero_ps());
         continue;
       }
-      const __m512 p = exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx)));
-      const float a = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - mx)));
-      l[r] = l[r] * a + _mm512_reduce_add_ps(p);
-      m[r] = mx;
+      const __m512 p = exp512(_mm512_sub_ps(sv, _mm512_set1_ps(m[r])));
+      _mm512_store_ps(lsum[r], _mm512_add_ps(_mm512_load_ps(lsum[r]), p));
       _mm512_store_ps(s[r], p);
-      if (a != 1.0f) {
-        const __m512 av = _mm512_set1_ps(a);
-        for (int c = 0; c < C; ++c)
-          _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), av));
+    }
+    // P V, two rows per pass over the values (each value vector loaded once for both).
+    int r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      __m512 a0[C], a1[C];
+      for (int c = 0; c < C; ++c) {
+        a0[c] = _mm512_load_ps(acc[r] + 16 * c);
+        a1[c] = _mm512_load_ps(acc[r + 1] + 16 * c);
+      }
+      for (int j = 0; j < n; ++j) {
+        const __m512 p0 = _mm512_set1_ps(s[r][j]), p1 = _mm512_set1_ps(s[r + 1][j]);
+        for (int c = 0; c < C; ++c) {
+          const __m512 v = _mm512_loadu_ps(vals[j] + 16 * c);
+          a0[c] = _mm512_fmadd_ps(p0, v, a0[c]);
+          a1[c] = _mm512_fmadd_ps(p1, v, a1[c]);
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        _mm512_store_ps(acc[r] + 16 * c, a0[c]);
+        _mm512_store_ps(acc[r + 1] + 16 * c, a1[c]);
       }
     }
-    for (int r = 0; r < rows; ++r) {
+    for (; r < rows; ++r) {
       __m512 a0[C];
       for (int c = 0; c < C; ++c) a0[c] = _mm512_load_ps(acc[r] + 16 * c);
       for (int j = 0; j < n; ++j) {
@@ -299,7 +331,8 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
       for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r] + 16 * c, a0[c]);
     }
   }
-  for (int r = 0; r < rows; ++r) store_row(r, acc[r], 1.0f / l[r]);
+  for (int r = 0; r < rows; ++r)
+    store_row(r, acc[r], 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lsum[r])));
 }
 
 }  // namespace avx512

@@ -220,7 +220,7 @@ void attend_item_avx512(const Item& it, const Geometry<T>& g, const T* query,
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
   if (rows <= avx512::kDirectRows) {
-    avx512::narrow_item<T, D>(q, pos, rows, row, store_row);
+    avx512::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row);
   } else {
     avx512::wide_item<T, D>(q, pos, rows, row, store_row);
   }
