@@ -23,6 +23,7 @@ from worker_service.runner.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
 from worker_service.runner.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
 from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
+from worker_service.runner.host_memory import zeroed_host_tensor
 from worker_service.runner.input_batch import InputBatch
 from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
                                                make_decode_warmup, make_prefill_warmup,
@@ -118,8 +119,12 @@ class ModelRunner:
         self.free_kv_cache()
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
-                          for _ in range(m.num_layers)]
+        if self.device.type == "cpu":
+            self.kv_caches = [zeroed_host_tensor(shape, self.model_dtype)
+                              for _ in range(m.num_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
+                              for _ in range(m.num_layers)]
         self.diff_bounds = DiffBounds(
             num_kv_blocks=num_blocks, vocab_size=self.vocab_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
