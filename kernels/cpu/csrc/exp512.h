@@ -8,9 +8,21 @@ namespace avx512 {
 
 // e^x lane-wise for x <= 0; lanes below -87 (and -inf) give exactly 0. Degree-7 Taylor on
 // |f| <= ln2/2 after x = k ln2 + f; 2^k applied with scalef. Relative error about 2e-7.
+inline __m512 exp512_core(__m512 x);
+
 inline __m512 exp512(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  return _mm512_maskz_mov_ps(live, exp512_core(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))));
+}
+
+// e^max(x, -87) for x <= 0 (NaN excluded): lanes below -87, -inf included, give e^-87 ~ 1.6e-38
+// instead of 0, which no sum that also holds its max's e^0 = 1 can notice. Drops the compare
+// and the mask of exp512 (2 of its 15 vector ops); the argmax's vocabulary-wide sums use it.
+inline __m512 exp512_sum_term(__m512 x) {
+  return exp512_core(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
+}
+
+inline __m512 exp512_core(__m512 x) {
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
@@ -23,7 +35,7 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
+  return _mm512_scalef_ps(p, k);
 }
 
 }  // namespace avx512
