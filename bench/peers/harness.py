@@ -19,12 +19,14 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 
 from bench.peers.engine_process import EngineFailed, EngineProcess
+from bench.peers.protocol import group_cpu_seconds
 from bench.peers.report import Comparison, EngineRuns, format_block, format_lines
 from bench.peers.roofline import best_floor, measure_floor
 from bench.peers.vllm_venv import REPO_ROOT, VenvError, find_or_install
@@ -48,6 +50,9 @@ def usable_cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
+SETTLE_IDLE_SHARE = 0.05     # "idle": the engines together under 5% of one core ...
+SETTLE_WINDOW_S = 1.0        # ... over a 1 s window
+SETTLE_MOST_S = 60.0
 START_TIMEOUT_S = 1800.0      # a first vLLM start compiles for about a minute; installs are before
 
 
@@ -256,7 +261,8 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
 
 
 def _alternate(procs, rounds: int, timeout_s: float) -> list[EngineRuns]:
-    """Round r runs the engines in order, reversed on odd rounds; same tokens each time."""
+    """Round r runs the engines in order, reversed on odd rounds; same tokens each time. Each
+    run starts once every engine process has gone quiet (see settle)."""
     runs = [EngineRuns(label, proc.description, proc.startup_s) for label, proc in procs]
     for r in range(rounds):
         order = list(range(len(procs)))
@@ -264,6 +270,10 @@ def _alternate(procs, rounds: int, timeout_s: float) -> list[EngineRuns]:
             order.reverse()
         for i in order:
             label, proc = procs[i]
+            waited = settle([p.proc.pid for _, p in procs])
+            if waited >= 1.0:
+                print(f"bench-peers: waited {waited:.1f} s for the engines to go idle",
+                      flush=True)
             result = proc.run(f"round-{r}", timeout_s)
             runs[i].wall_s.append(result["wall_s"])
             runs[i].token_ids.append(result["token_ids"])
@@ -271,6 +281,23 @@ def _alternate(procs, rounds: int, timeout_s: float) -> list[EngineRuns]:
             print(f"bench-peers: round {r}: {label}: {runs[i].tokens_per_s(r):.1f} tok/s "
                   f"({result['wall_s']:.2f} s)", flush=True)
     return runs
+
+
+def settle(pgids: list[int], idle_share: float = SETTLE_IDLE_SHARE,
+           window_s: float = SETTLE_WINDOW_S, most_s: float = SETTLE_MOST_S) -> float:
+    """Wait until the engines' process groups together use less than `idle_share` of a core
+    over a `window_s` window (at most `most_s`); returns the seconds waited. An engine can
+    stay busy after replying (vLLM's workers spin, its engine core winds down), and a run
+    started then shares the cores with it: with 2 threads DeltaServe's runs right after a
+    vLLM run were ~8% slower than its runs right after its own."""
+    start = time.monotonic()
+    while True:
+        before = sum(group_cpu_seconds(g) for g in pgids)
+        time.sleep(window_s)
+        used = sum(group_cpu_seconds(g) for g in pgids) - before
+        waited = time.monotonic() - start
+        if used < idle_share * window_s or waited >= most_s:
+            return waited
 
 
 def _with_repo(pythonpath: str | None) -> str:

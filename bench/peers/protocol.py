@@ -54,10 +54,11 @@ def load_workload(path: str) -> dict:
         return json.load(f)
 
 
-def group_cpu_seconds() -> float:
-    """CPU seconds (user + system) used so far by every live process of this process group:
-    the engine and whatever it spawned (vLLM's engine core). Linux /proc; 0.0 elsewhere."""
-    pgid = os.getpgrp()
+def group_cpu_seconds(pgid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by every live process of a process group (this
+    one's by default): the engine and whatever it spawned (vLLM's engine core). Linux /proc;
+    0.0 elsewhere."""
+    pgid = os.getpgrp() if pgid is None else pgid
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     total = 0
     try:
