@@ -160,6 +160,12 @@ at::Tensor mkl_tiled_linear(const at::Tensor& x, const std::vector<at::Tensor>& 
   return y;
 }
 
+// Rows per GEMM call of the greedy LM head on one thread: the tile's weight comes from L3 once
+// and is reused from L2 by the next block, and a 128 x 512 output block stays in L2 beside it
+// (256 rows: 42.9 -> 38.7 ms at K = 256, 92.2 -> 83.4 ms at K = 576). With two threads the
+// blocks measured 2-5% slower than whole tiles, so a team of more than one takes whole tiles.
+constexpr int64_t kGreedyRowBlock = 128;
+
 // The greedy token of each row of x W^T and its log-softmax, tile by tile: each thread keeps a
 // streaming argmax per row over its tiles (in column order), then the partial states are folded.
 std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
@@ -171,6 +177,7 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
   at::Tensor lps = at::empty({m}, x.options());
   if (m == 0) return {ids, lps};
   const int nt = threads_for(num_tiles);
+  const int64_t row_block = nt == 1 ? std::min(m, kGreedyRowBlock) : m;
   std::vector<RowArgmax> states(static_cast<size_t>(nt * m));
   const float* xp = x.data_ptr<float>();
 #pragma omp parallel num_threads(nt)
@@ -178,15 +185,19 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
     const int me = omp_get_thread_num();
     RowArgmax* mine = states.data() + me * m;
     for (int64_t r = 0; r < m; ++r) mine[r].reset();
-    std::vector<float> buf(static_cast<size_t>(m * tile_n));
+    std::vector<float> buf(static_cast<size_t>(row_block * tile_n));
     // Dynamic: a thread slowed by other work (the engine's own thread shares these cores)
     // hands its tiles to the other instead of holding up the join. Each thread still takes
     // its tiles in column order, and finish_rows breaks ties across threads by index.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t cols = std::min(tile_n, n - t * tile_n);
-      tiled_compute(xp, m, k, tiles, tile_n, n, t, buf.data(), tile_n);
-      for (int64_t r = 0; r < m; ++r) mine[r].update(buf.data() + r * tile_n, cols, t * tile_n);
+      for (int64_t r0 = 0; r0 < m; r0 += row_block) {
+        const int64_t rows = std::min(row_block, m - r0);
+        tiled_compute(xp + r0 * k, rows, k, tiles, tile_n, n, t, buf.data(), tile_n);
+        for (int64_t r = 0; r < rows; ++r)
+          mine[r0 + r].update(buf.data() + r * tile_n, cols, t * tile_n);
+      }
     }
   }
   int64_t* ip = ids.data_ptr<int64_t>();

@@ -91,7 +91,7 @@ def test_loaded_cpu_model_runs_its_linears_through_the_kernels(tiny_models):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [7, 60, 100])
+@pytest.mark.parametrize("rows", [7, 60, 100, 300])     # 300: three row blocks on 1 thread
 def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads, rows):
     gen = torch.Generator().manual_seed(threads)
     n = linear.TILED_FROM_N + 100                      # a partial last tile
