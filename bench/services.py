@@ -8,8 +8,10 @@ Both bind port 0 and are found through their ready lines: the worker prints "del
 listening on HOST:PORT" once it accepts calls, the scheduler "DeltaServe scheduler ready on
 HOST:PORT" once every worker is initialized (model loaded, KV cache allocated). Output goes to
 one log file per process (never a pipe, so a chatty process cannot block on a full one). Each
-child runs in its own session (a terminal's Ctrl-C reaches only this process) and gets SIGTERM
-if this process dies; `close()` stops them, SIGKILL after a grace period.
+child runs in its own session by default (a terminal's Ctrl-C reaches only this process), or in
+this process's group with `own_session=False` (so a benchmark that counts its process group's
+CPU time counts theirs too); either way it gets SIGTERM if this process dies, and `close()`
+stops them, SIGKILL after a grace period.
 """
 from __future__ import annotations
 
@@ -49,13 +51,14 @@ def _die_with_parent_hook():
 class Service:
     """One `python -m deltaserve.cli ...` child process and its log file."""
 
-    def __init__(self, name: str, cli_args: list[str], log_path: Path, env: dict[str, str]):
+    def __init__(self, name: str, cli_args: list[str], log_path: Path, env: dict[str, str],
+                 own_session: bool = True):
         self.name = name
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "deltaserve.cli", *cli_args], cwd=REPO_ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=own_session,
                 preexec_fn=_die_with_parent_hook())
 
     def wait_ready(self, pattern: re.Pattern, timeout_s: float) -> int:
@@ -90,8 +93,10 @@ class Service:
 class Services:
     """One worker and one scheduler; a context manager that stops both on exit."""
 
-    def __init__(self, log_dir: str | Path, extra_env: dict[str, str] | None = None):
+    def __init__(self, log_dir: str | Path, extra_env: dict[str, str] | None = None,
+                 own_session: bool = True):
         self.log_dir = Path(log_dir)
+        self.own_session = own_session
         self.extra_env = dict(extra_env or {})
         self.procs: list[Service] = []
         self.target = ""
@@ -123,7 +128,8 @@ class Services:
 
     def _spawn(self, name: str, cli_args: list[str]) -> Service:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        proc = Service(name, cli_args, self.log_dir / f"{name}.log", self._env())
+        proc = Service(name, cli_args, self.log_dir / f"{name}.log", self._env(),
+                       self.own_session)
         self.procs.append(proc)
         return proc
 

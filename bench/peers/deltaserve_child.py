@@ -2,7 +2,8 @@
 
     in-process (default)  `deltaserve.llm.LLM.generate`, scheduler and model runner in this process
     --grpc                a `deltaserve worker` and a `deltaserve scheduler` process on loopback,
-                          the workload sent as concurrent streaming Generate calls
+                          the workload sent as concurrent streaming Generate calls; both run
+                          in this process's group, so a run's CPU seconds include theirs
 
     python -m bench.peers.deltaserve_child WORKLOAD_JSON SETTINGS_JSON
 """
@@ -77,7 +78,9 @@ class OverGrpc:
             cpu_threads=settings["threads"],
             async_scheduling=bool((settings.get("options") or {}).get("async_scheduling")))
         self._logs = tempfile.TemporaryDirectory(prefix="deltaserve-peers-")
-        self.services = Services(self._logs.name, self.settings.worker_env())
+        # In this process's group: the harness's CPU count and quiet-engine wait cover the
+        # worker and the scheduler, and stopping the group stops them.
+        self.services = Services(self._logs.name, self.settings.worker_env(), own_session=False)
         flags = self.settings.scheduler_flags(len(workload["prompts"]))
         if not settings["prefix_caching"]:
             flags.append("--no-prefix-caching")
