@@ -145,6 +145,12 @@ class LLM:
                 self._merge(results[out.request_id], out)
         return [results[rid] for rid in order]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, so the next generate() computes its prompts from
+        scratch (benchmark rounds that repeat prompts). False, and nothing dropped, while a
+        request holds blocks; generate() returns with none held."""
+        return self.scheduler.kv.reset_prefix_cache()
+
     def chat(self, messages: list[ChatMessage | dict] | list[list[ChatMessage | dict]],
              sampling: SamplingParams | list[SamplingParams] | None = None,
              stopping: StoppingParams | list[StoppingParams] | None = None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from deltaserve.llm import LLM
 from engine_common.params import SamplingParams, StoppingParams
-from scheduler_service.core.request import RequestStatus
+from scheduler_service.core.request import Request, RequestStatus
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import hf_greedy
 
@@ -93,4 +93,19 @@ def test_logprobs_match_transformers(tiny_models):
         top = ref[i].topk(3)
         assert lp.top_token_ids == top.indices.tolist()
         assert all(abs(a - b) < 1e-4 for a, b in zip(lp.top_logprobs, top.values.tolist()))
+    assert_no_leaked_blocks(llm)
+
+
+def test_reset_prefix_cache_makes_the_next_run_compute_its_prompt(tiny_models):
+    """After a run the prompt's full blocks are cached and a repeat hits them; after
+    reset_prefix_cache() the repeat finds none, and its tokens are the same."""
+    llm, _ = _llm(tiny_models)
+    prompt = list(range(100, 140))          # 40 tokens: at least two full blocks
+    st = StoppingParams(max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], SamplingParams(), st)[0].token_ids
+    probe = Request("probe", prompt, SamplingParams(), st, [])
+    assert llm.scheduler.kv.get_computed_blocks(probe)[1] > 0
+    assert llm.reset_prefix_cache()
+    assert llm.scheduler.kv.get_computed_blocks(probe)[1] == 0
+    assert llm.generate([prompt], SamplingParams(), st)[0].token_ids == first
     assert_no_leaked_blocks(llm)
