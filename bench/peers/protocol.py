@@ -54,28 +54,41 @@ def load_workload(path: str) -> dict:
         return json.load(f)
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the command name: [0] the state, [2] the pgrp, [11] utime, [12]
+    stime. None when the process is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _ticks_to_seconds(ticks: int) -> float:
+    return ticks / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by one live process; 0.0 if it is gone."""
+    fields = _stat_fields(pid)
+    return _ticks_to_seconds(int(fields[11]) + int(fields[12])) if fields else 0.0
+
+
 def group_cpu_seconds(pgid: int | None = None) -> float:
     """CPU seconds (user + system) used so far by every live process of a process group (this
     one's by default): the engine and whatever it spawned (vLLM's engine core). Linux /proc;
     0.0 elsewhere."""
     pgid = os.getpgrp() if pgid is None else pgid
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0
     try:
         names = os.listdir("/proc")
     except OSError:
         return 0.0
+    total = 0
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:              # fields[0] is the state; [2] the pgrp
-            total += int(fields[11]) + int(fields[12])     # utime, stime
-    return total / tick
+        fields = _stat_fields(name) if name.isdigit() else None
+        if fields and int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return _ticks_to_seconds(total)
 
 
 def serve(engine_name: str, start, run_one) -> int:

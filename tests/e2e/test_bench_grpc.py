@@ -70,7 +70,7 @@ def test_services_close_stops_both_processes(tmp_path):
 def test_services_in_this_group_count_in_its_cpu_seconds(tmp_path):
     """own_session=False (the peer harness's gRPC engine): the worker and the scheduler are in
     this process group, so group_cpu_seconds() includes the CPU they spent loading the model."""
-    from bench.peers.protocol import group_cpu_seconds
+    from bench.peers.protocol import group_cpu_seconds, process_cpu_seconds
     from bench.presets import preset_dir
 
     model_dir = preset_dir("tiny", tmp_path / "presets")
@@ -79,16 +79,10 @@ def test_services_in_this_group_count_in_its_cpu_seconds(tmp_path):
         services.start(str(model_dir), "cpu", ["--kv-cache-gib", "0.004"])
         popens = [p.popen for p in services.procs]
         assert all(os.getpgid(p.pid) == os.getpgrp() for p in popens)
-        theirs = sum(_cpu_seconds(p.pid) for p in popens)
+        theirs = sum(process_cpu_seconds(p.pid) for p in popens)
         assert theirs > 0
         assert group_cpu_seconds() >= mine + theirs - 0.05
     assert all(p.poll() is not None for p in popens)
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_sigterm_stops_the_services_it_started(tmp_path):
