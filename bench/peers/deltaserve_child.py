@@ -94,8 +94,8 @@ class OverGrpc:
                             f"{settings['dtype']}, max_num_seqs {self.settings.max_num_seqs}, "
                             f"max_num_batched_tokens {self.settings.max_num_batched_tokens}, "
                             f"{settings['threads']} torch threads in the worker"
-                            + (", prefix cache kept between runs (no FlushCache)"
-                               if settings["prefix_caching"] else ""))
+                            + (", prefix caching on, emptied before each run (FlushCache)"
+                               if settings["prefix_caching"] else ", prefix caching off"))
 
     def generate(self, part: dict) -> list[list[int]]:
         from bench.grpc_paths import time_on_channel
@@ -103,8 +103,16 @@ class OverGrpc:
         return time_on_channel(self.target, _workload(part)).token_ids
 
     def reset_prefix_cache(self) -> None:
-        """Not possible over gRPC (FlushCache is unimplemented): rounds after the first reuse
-        the prompts' cached blocks, which the description says."""
+        """The scheduler's FlushCache RPC (vLLM's protocol, on the same port)."""
+        import grpc
+
+        from engine_common.protos import smg_common_pb2, vllm_engine_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            reply = vllm_engine_pb2_grpc.VllmEngineStub(channel).FlushCache(
+                smg_common_pb2.FlushCacheRequest(timeout_s=60), timeout=120)
+        if not reply.success:
+            raise RuntimeError(f"the prefix cache could not be emptied: {reply.message}")
 
     def close(self) -> None:
         self.services.close()

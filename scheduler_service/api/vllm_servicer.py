@@ -9,12 +9,14 @@ does the protobuf. One Generate call is one request, or n requests for
 its choice `index`). Abort(request_ids) finds them by the caller's id, and ends only requests
 made with the caller's API key; cancelling the call aborts them too. Every failure becomes a
 status through status.status_for (a field we cannot honour is
-INVALID_ARGUMENT naming it). Embed, FlushCache and the profiler RPCs are UNIMPLEMENTED.
+INVALID_ARGUMENT naming it). FlushCache empties the prefix cache once no request is running.
+Embed and the profiler RPCs are UNIMPLEMENTED.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from typing import AsyncIterator, Callable
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 _ABORT_TIMEOUT_SECONDS = 5.0
 TOKENIZER_CHUNK_BYTES = 64 * 1024
+MAX_FLUSH_WAIT_SECONDS = 3600.0
 VERSION = "deltaserve-0.1.0"
 
 
@@ -166,6 +169,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         reason = self._engine.last_error if not self._engine.ready else "draining"
         return pb.HealthCheckResponse(healthy=False, message=f"not ready: {reason}")
 
+    async def FlushCache(self, request: cpb.FlushCacheRequest,
+                         context) -> cpb.FlushCacheResponse:
+        """Forget every cached prompt block. timeout_s 0: only if no request is running now
+        (success false otherwise); else wait up to timeout_s seconds for the engine to go
+        idle. The message says why a flush did not happen."""
+        timeout_s = request.timeout_s
+        if not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_FLUSH_WAIT_SECONDS):
+            await _abort_with(context, ParamError(
+                "timeout_s", timeout_s, f">= 0 and <= {MAX_FLUSH_WAIT_SECONDS:g} seconds"))
+        flushed, message = await asyncio.wrap_future(self._engine.flush_prefix_cache(timeout_s))
+        log.info("FlushCache(timeout_s=%g): %s", timeout_s, message)
+        return cpb.FlushCacheResponse(success=flushed, message=message)
+
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         m = self._model
         return model_info_to_proto(m.info, m.tokenizer.bos_token_id, m.default_sampling)
@@ -216,9 +232,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Embed(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: DeltaServe serves generation "
                             "models only")
-
-    async def FlushCache(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "FlushCache is not supported")
 
     async def StartProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile is not supported")

@@ -14,6 +14,9 @@ cannot be processed, that stream alone ends with RequestFailed and the engine ab
 another scheduler took the workers over (Fenced), the engine stops for good: it never rebuilds
 the core, and every request gets UNAVAILABLE naming the new owner.
 
+A prefix-cache flush (`flush_prefix_cache`) waits on the engine thread until no request is
+running (or its timeout passes): cached blocks can only be forgotten while no request holds one.
+
 Only the engine thread touches the core; only a hub's loop touches that hub. Other threads read
 `stats`, an immutable snapshot the engine thread replaces after every loop turn, and `ready`.
 """
@@ -83,6 +86,8 @@ class AsyncEngine:
         # Why this engine stopped for good: another scheduler took the workers over.
         self.fenced: str | None = None
         self._retry_seconds = _RECONNECT_SECONDS
+        # Engine thread only: flushes waiting for the engine to go idle (deadline, timeout, done).
+        self._flushes: list[tuple[float, float, concurrent.futures.Future]] = []
 
     # -- called from the asyncio side -------------------------------------------------------
 
@@ -130,6 +135,14 @@ class AsyncEngine:
         self._commands.put(("abort", list(request_ids), done))
         return done
 
+    def flush_prefix_cache(self, timeout_s: float) -> concurrent.futures.Future:
+        """Forget every cached prompt block once no request is running: at once when the engine
+        is idle, else as soon as it goes idle within `timeout_s` seconds (0: only if idle now).
+        The future resolves to (flushed, message); the message says why when not flushed."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("flush", timeout_s, done))
+        return done
+
     def throughput(self) -> tuple[float, float]:
         """(prompt tokens/s less prefix-cache hits, generated tokens/s) streamed over the last
         few seconds."""
@@ -155,10 +168,12 @@ class AsyncEngine:
             if self.fenced is not None:
                 self._drain_commands(block_seconds=_RECONNECT_SECONDS)
                 self._hand_off()
+                self._serve_flushes()
                 continue
             if self._core is None and not self._connect():
                 self._drain_commands(block_seconds=self._retry_seconds)
                 self._hand_off()
+                self._serve_flushes()
                 continue
             busy = self._core.has_unfinished_requests()
             self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
@@ -177,9 +192,11 @@ class AsyncEngine:
                 self._fail_all(e)
             self._publish_stats()
             self._hand_off()
+            self._serve_flushes()
             self._end_turn()
         self._fail_all(EngineUnavailable("the server is shutting down"))
         self._hand_off()
+        self._serve_flushes()
 
     def _end_turn(self) -> None:
         if self._on_turn is None:
@@ -253,6 +270,9 @@ class AsyncEngine:
             for rid in ids:  # aborted before any final update was produced
                 self._routes.pop(rid, None)
             done.set_result(len(ids))
+        elif kind == "flush":
+            _, timeout_s, done = cmd
+            self._flushes.append((time.monotonic() + timeout_s, timeout_s, done))
         elif kind == "finish":   # the serving side ended these (stop string, failed output)
             _, request_ids, status = cmd
             ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
@@ -293,6 +313,32 @@ class AsyncEngine:
                 hub.loop.call_soon_threadsafe(hub.deliver, items)
             except RuntimeError:   # the loop is closed: nobody is listening any more
                 pass
+
+    def _serve_flushes(self) -> None:
+        """Answer the waiting flushes: all of them once the engine is idle (one reset serves
+        them all), those past their deadline while requests still run, all of them (not
+        flushed) while no worker is ready."""
+        if not self._flushes:
+            return
+        core = self._core
+        if core is None:
+            answer = (False, f"not flushed: no worker is ready: {self.last_error}")
+            waiting, self._flushes = self._flushes, []
+        elif not core.has_unfinished_requests():
+            flushed = core.scheduler.kv.reset_prefix_cache()
+            answer = (True, "prefix cache flushed") if flushed else (
+                False, "not flushed: KV blocks are still held")
+            waiting, self._flushes = self._flushes, []
+        else:
+            now = time.monotonic()
+            waiting = [f for f in self._flushes if f[0] <= now]
+            self._flushes = [f for f in self._flushes if f[0] > now]
+            running = core.scheduler.num_running + core.scheduler.num_waiting
+            answer = None
+        for _, timeout_s, done in waiting:
+            done.set_result(answer or (
+                False, f"not flushed after {timeout_s:g} s: requests still running or "
+                       f"waiting ({running})"))
 
     def _stop_fenced(self, error: Fenced) -> None:
         if self.fenced is None:

@@ -52,6 +52,7 @@ class StepGate:
     def hold_after(self, steps: int) -> None:
         with self._cond:
             self._budget = steps
+            self._cond.notify_all()      # a held step may go on when steps > 0
 
     def open(self) -> None:
         with self._cond:

@@ -25,6 +25,8 @@ def test_smoke_runs_deltaserve_in_process_and_over_grpc(tmp_path, capsys):
     assert re.search(r"roofline floor: [\d.]+ s = .* GFLOP/s .* GB/s copy bandwidth", out)
     assert "greedy tokens, DeltaServe gRPC vs DeltaServe: 8/8 requests identical" in out
     assert "WARNING" not in out
+    # Every round starts cold on both paths: in-process reset, FlushCache over gRPC.
+    assert "prefix caching on, emptied before each run (FlushCache)" in out
     text = results.read_text()
     assert "· bench-peers ·" in text and "| smoke, float32, 1 thread, DeltaServe |" in text
     assert (tmp_path / "work" / "smoke-DeltaServe.log").exists()

@@ -182,11 +182,15 @@ def test_refusals_name_the_field(stub):
         list(stub.Generate(generate(max_tokens=300)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_params.max_tokens" in err.value.details()
-    for call, request in ((stub.Embed, pb.EmbedRequest()),
-                          (stub.FlushCache, cpb.FlushCacheRequest())):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest())
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    for timeout_s, shown in ((-1.0, "-1.0"), (float("nan"), "nan"), (1e9, "1000000000.0")):
         with pytest.raises(grpc.RpcError) as err:
-            call(request)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            stub.FlushCache(cpb.FlushCacheRequest(timeout_s=timeout_s), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (f"timeout_s={shown} is invalid: must be >= 0 and "
+                                       f"<= 3600 seconds")
 
 
 def answer(server, msgs, index=0) -> tuple[str, pb.GenerateComplete]:
@@ -311,9 +315,67 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
         expected.append((block_hash_to_int64(h), PROMPT[4 * j:4 * j + 4]))
     assert stored[:3] == expected
     assert [b.sequence_number for b in batches] == list(range(1, len(batches) + 1))
+    assert stub.FlushCache(cpb.FlushCacheRequest(), timeout=10).success
+    wait_until(lambda: any(e.HasField("cleared") for batch in list(batches)
+                           for e in batch.events), "the flush's cleared event")
     events.cancel()
     reader.join(10)
     wait_until(lambda: server.kv_events.num_subscribers == 0, "the subscription to end")
+
+
+def _step_until_answered(server, call):
+    """The engine answers commands between steps: let the held worker run one step at a time
+    until the call is answered."""
+    for _ in range(600):
+        if call.done():
+            return call.result()
+        server.hold_steps(after=1)
+        time.sleep(0.05)
+    raise AssertionError("the call was never answered")
+
+
+def test_flush_cache_empties_the_prefix_cache_once_idle(server, stub):
+    list(stub.Generate(generate(max_tokens=3), timeout=10))
+    (again,) = stub.Generate(generate(max_tokens=3, request_id="again"), timeout=10)
+    assert again.complete.cached_tokens == 12
+    flushed = stub.FlushCache(cpb.FlushCacheRequest(), timeout=10)
+    assert (flushed.success, flushed.message) == (True, "prefix cache flushed")
+    (cold,) = stub.Generate(generate(max_tokens=3, request_id="cold"), timeout=10)
+    assert cold.complete.cached_tokens == 0
+    assert list(cold.complete.output_ids) == list(again.complete.output_ids)
+
+    # A running request holds its blocks: timeout 0 refuses, a timeout waits for it to end.
+    server.hold_steps(after=1)
+    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
+                                    request_id="busy"), timeout=60)
+    wait_until(lambda: server.engine.stats.num_running == 1, "the request to run")
+    refused = _step_until_answered(
+        server, stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=0), timeout=60))
+    assert not refused.success
+    assert refused.message == "not flushed after 0 s: requests still running or waiting (1)"
+    waiting = stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=60), timeout=90)
+    time.sleep(0.3)
+    assert not waiting.done()                # the request is still running
+    server.release_steps()
+    assert list(stream)[-1].complete.finish_reason == "length"
+    done = waiting.result()
+    assert (done.success, done.message) == (True, "prefix cache flushed")
+    (after,) = stub.Generate(generate(max_tokens=3, request_id="after"), timeout=10)
+    assert after.complete.cached_tokens == 0
+    wait_until(lambda: server.used_blocks() == 0, "the blocks to be free")
+
+
+def test_flush_cache_gives_up_at_its_timeout(server, stub):
+    server.hold_steps(after=1)
+    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True), timeout=60)
+    wait_until(lambda: server.engine.stats.num_running == 1, "the request to run")
+    late = _step_until_answered(
+        server, stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=0.2), timeout=60))
+    assert not late.success
+    assert late.message == "not flushed after 0.2 s: requests still running or waiting (1)"
+    server.release_steps()
+    list(stream)
+    wait_until(lambda: server.used_blocks() == 0, "the request to end")
 
 
 def _stored_blocks(batches) -> list[tuple[int, list[int]]]:
@@ -362,6 +424,8 @@ def test_every_vllm_rpc_needs_an_api_key(guarded):
                                                      metadata=md),
         "Abort": lambda md: stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=10,
                                        metadata=md),
+        "FlushCache": lambda md: stub.FlushCache(cpb.FlushCacheRequest(), timeout=10,
+                                                 metadata=md),
     }
     for name, call in calls.items():
         for metadata in ((), (("authorization", "Bearer not-a-key-0123456789"),)):

@@ -369,3 +369,17 @@ def test_fenced_mid_step_fails_the_streams_and_never_reconnects(tok):
     first, second = _run_engine(engine, scenario)
     assert isinstance(first, Fenced) and "took over" in str(second) and calls == [1]
     assert engine.fenced and not engine.ready
+
+
+def test_a_flush_without_a_worker_answers_at_once_and_names_why(tok):
+    def make_core():
+        raise EngineUnavailable("worker w:1 not reachable")
+
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+
+    async def scenario():
+        return await asyncio.wrap_future(engine.flush_prefix_cache(60.0))
+
+    assert _run_engine(engine, scenario) == (
+        False, "not flushed: no worker is ready: worker w:1 not reachable")
+
