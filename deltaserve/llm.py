@@ -17,6 +17,7 @@ from engine_common.chat_template import ChatMessage, encode_chat, load_chat_temp
 from engine_common.codec import encode_runner_output
 from engine_common.config import SchedulerConfig
 from engine_common.constraint import Constraint
+from engine_common.gc_heap import freeze_heap
 from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
@@ -115,6 +116,7 @@ class LLM:
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
                                 OutputProcessor(self.tokenizer))
         self._ids = itertools.count()
+        freeze_heap()     # keep the collector off torch, the model and the tokenizer
 
     def generate(self, prompts: list[str | list[int]],
                  sampling: SamplingParams | list[SamplingParams] | None = None,

@@ -26,6 +26,7 @@ import grpc
 
 from engine_common.chat_template import load_chat_template
 from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
+from engine_common.gc_heap import freeze_heap
 from engine_common.listen_address import ListenAddress
 from engine_common.metrics_http import MetricsServer, start_metrics_server
 from engine_common.model_dir import ModelInfo
@@ -268,6 +269,7 @@ async def _watch(app: SchedulerServer, stop: asyncio.Event,
     while not stop.is_set():
         if not announced and app.engine.ready:
             announced = True
+            freeze_heap()    # start-up is over: collections walk only what requests make
             if on_ready:
                 on_ready(app)
         if not announced and refused is not None and app.engine.refused:

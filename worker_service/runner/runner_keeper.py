@@ -21,6 +21,7 @@ import torch
 
 from engine_common.codec import encode_runner_output
 from engine_common.diff import RunnerOutput
+from engine_common.gc_heap import freeze_heap
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
@@ -62,6 +63,7 @@ class RunnerKeeper:
             self._free_kv_cache()
             self.runner.init_kv_cache(num_blocks)
             self.num_kv_blocks = num_blocks
+        freeze_heap()     # start-up is over: collections walk only what steps make
 
     def run_step(self, payload: bytes, verify: bool, output_rank: bool,
                  inspect: Callable[[RunnerOutput], None] | None = None) -> StepReply:
@@ -158,6 +160,7 @@ class RunnerKeeper:
     def _release(self) -> None:
         """Drop the runner and its memory before loading another model."""
         self.runner, self.num_kv_blocks = None, 0
+        gc.unfreeze()     # the old model was frozen with the heap (allocate): let it go
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
