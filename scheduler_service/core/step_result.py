@@ -8,7 +8,8 @@ from scheduler_service.core.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class RequestUpdate:
-    """New tokens of one request from one step, for the output processor."""
+    """New tokens of one request from one step, for the output processor. Its lists are its
+    own (made for this update), so they may be handed on without a copy."""
 
     request: Request
     new_token_ids: list[int]

@@ -23,9 +23,10 @@ its final output carries `error` (RequestFailed) and the owner aborts it in the 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine_common.params import StoppingParams
 from engine_common.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -36,20 +37,23 @@ from scheduler_service.errors import RequestFailed
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     """One generated token: its logprob under the raw model distribution and the best
-    alternatives (best first; at most the request's num_logprobs of them)."""
+    alternatives (best first; at most the request's num_logprobs of them). Without
+    alternatives both are the same empty tuple: one entry per generated token is kept, so an
+    entry allocates nothing more than itself."""
 
     token_id: int
     logprob: float
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[int] | tuple[()] = ()
+    top_logprobs: list[float] | tuple[()] = ()
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RequestTimings:
-    """monotonic seconds; None until it happened."""
+    """monotonic seconds; None until it happened. Immutable: outputs share one until a time
+    changes (a new one then), so a step allocates none for most requests."""
 
     arrival_time: float
     first_token_time: float | None
@@ -57,7 +61,7 @@ class RequestTimings:
     first_scheduled_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request. `num_output_tokens` is cumulative; finish_reason
     and stop_reason are set only on the final output. `error` is set (on a final output with
@@ -160,7 +164,7 @@ class OutputProcessor:
         self._states.pop(rid, None)
         state.unsent = ""       # text past the failure point cannot be trusted
         if state.timings.finish_time is None:
-            state.timings.finish_time = time.monotonic()
+            state.timings = dataclasses.replace(state.timings, finish_time=time.monotonic())
         out = self._output(state, [], [], True, RequestStatus.FINISHED_ABORTED, None)
         out.error = RequestFailed(
             f"request {rid!r} failed while its output was processed "
@@ -193,12 +197,17 @@ class OutputProcessor:
 
     @staticmethod
     def _note_times(state: _RequestState, update: TokenUpdate) -> None:
-        t = state.timings
-        t.first_scheduled_time = t.first_scheduled_time or update.first_scheduled_time
-        t.first_token_time = t.first_token_time or update.first_token_time
-        if t.first_token_time is None and update.new_token_ids:
-            t.first_token_time = time.monotonic()
         state.num_cached_tokens = update.num_cached_tokens
+        t = state.timings
+        if t.first_scheduled_time is not None and t.first_token_time is not None:
+            return                              # every step after the first token
+        scheduled = t.first_scheduled_time or update.first_scheduled_time
+        first_token = t.first_token_time or update.first_token_time
+        if first_token is None and update.new_token_ids:
+            first_token = time.monotonic()
+        if (scheduled, first_token) != (t.first_scheduled_time, t.first_token_time):
+            state.timings = dataclasses.replace(t, first_scheduled_time=scheduled,
+                                                first_token_time=first_token)
 
     def _detokenize(self, state: _RequestState, token_ids: list[int],
                     finish_reason: RequestStatus | None) -> None:
@@ -241,7 +250,8 @@ class OutputProcessor:
                 finish_time: float | None) -> RequestOutput:
         del self._states[state.request_id]
         if state.timings.finish_time is None:
-            state.timings.finish_time = finish_time or time.monotonic()
+            state.timings = dataclasses.replace(state.timings,
+                                                finish_time=finish_time or time.monotonic())
         return self._output(state, token_ids, logprobs, True, reason, stop_reason)
 
     def _output(self, state: _RequestState, token_ids, logprobs, finished: bool,
@@ -250,21 +260,17 @@ class OutputProcessor:
         if not finished and state.stops:
             send_upto = max(0, send_upto - state.hold_back)
         new_text, state.unsent = state.unsent[:send_upto], state.unsent[send_upto:]
-        t = state.timings
-        return RequestOutput(
-            request_id=state.request_id, new_token_ids=token_ids, new_text=new_text,
-            logprobs=logprobs, finished=finished, finish_reason=reason, stop_reason=stop_reason,
-            num_prompt_tokens=state.num_prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
-            num_cached_tokens=state.num_cached_tokens,
-            timings=RequestTimings(t.arrival_time, t.first_token_time, t.finish_time,
-                                   t.first_scheduled_time))
+        return RequestOutput(state.request_id, token_ids, new_text, logprobs, finished, reason,
+                             stop_reason, state.num_prompt_tokens, state.num_output_tokens,
+                             state.num_cached_tokens, state.timings)
 
     @staticmethod
     def _logprobs(k: int, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:
         """Entries for the new tokens, each with at most `k` top alternatives."""
         if not new_logprobs:
             return []
+        if top_logprobs is None or k == 0:         # the sampled tokens' own logprobs only
+            return [TokenLogprob(int(t), float(lp)) for t, lp in zip(token_ids, new_logprobs)]
         out = []
         for i, (token_id, logprob) in enumerate(zip(token_ids, new_logprobs)):
             entry = TokenLogprob(int(token_id), float(logprob))

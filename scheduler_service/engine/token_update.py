@@ -44,7 +44,8 @@ class TokenUpdate:
         r = update.request
         reason = r.status if update.finished else None
         stop_token = r.stop_reason if reason == RequestStatus.FINISHED_STOP_TOKEN else None
-        return cls(r.request_id, list(update.new_token_ids), list(update.new_logprobs),
+        # The update's lists are made fresh for each step (never the Request's own): no copy.
+        return cls(r.request_id, update.new_token_ids, update.new_logprobs,
                    update.top_logprobs, reason, stop_token, max(0, r.num_cached_tokens),
                    r.first_scheduled_time, r.first_token_time,
                    r.finish_time if update.finished else None)

@@ -245,8 +245,8 @@ def test_running_output_has_no_finish_fields():
 
 
 def test_finished_by_stop_string_carries_reason_stop_and_timings():
-    timings = RequestTimings(arrival_time=100.0, first_token_time=100.25, finish_time=101.5)
-    timings.first_scheduled_time = 100.125   # read when the timings carry it
+    timings = RequestTimings(arrival_time=100.0, first_token_time=100.25, finish_time=101.5,
+                             first_scheduled_time=100.125)   # read when the timings carry it
     msg = convert.output_to_proto(_out(
         finished=True, finish_reason=RequestStatus.FINISHED_STOP_STRING, stop_reason="\n",
         timings=timings))
