@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_service.runner.host_memory import zeroed_host_tensor
+from worker_service.runner.host_memory import populate_pages, zeroed_host_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -25,14 +25,33 @@ def test_empty_shape():
     assert zeroed_host_tensor((2, 0, 16, 1, 8), torch.float32).numel() == 0
 
 
-def _anon_huge_kib() -> int | None:
+def _rollup_kib(field: str) -> int | None:
     path = Path("/proc/self/smaps_rollup")
     if not path.exists():
         return None
     for line in path.read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return None
+
+
+def _anon_huge_kib() -> int | None:
+    return _rollup_kib("AnonHugePages")
+
+
+def test_pages_are_resident_before_first_use_where_the_kernel_can():
+    probe = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _rollup_kib("Rss") is None or not populate_pages(probe):
+        pytest.skip("no MADV_POPULATE_WRITE (Linux < 5.14) or no /proc/self/smaps_rollup")
+    before = _rollup_kib("Rss")
+    t = zeroed_host_tensor(((64 << 20) // 4,), torch.float32)    # 64 MiB, never written
+    assert _rollup_kib("Rss") - before >= 60 << 10
+    assert not t.any()
+    lazy = zeroed_host_tensor(((64 << 20) // 4,), torch.float32, populate=False)
+    after = _rollup_kib("Rss")
+    assert after - before < 100 << 10                            # the lazy one is not resident
+    del t, lazy
+    gc.collect()
 
 
 def test_huge_pages_back_the_tensor_where_the_kernel_allows():
