@@ -315,30 +315,29 @@ class AsyncEngine:
                 pass
 
     def _serve_flushes(self) -> None:
-        """Answer the waiting flushes: all of them once the engine is idle (one reset serves
-        them all), those past their deadline while requests still run, all of them (not
-        flushed) while no worker is ready."""
+        """Answer the waiting flushes: while requests run, only those past their deadline (not
+        flushed); otherwise all of them at once, with one reset (or none: no worker ready)."""
         if not self._flushes:
             return
         core = self._core
+        if core is not None and core.has_unfinished_requests():
+            now = time.monotonic()
+            late = [f for f in self._flushes if f[0] <= now]
+            self._flushes = [f for f in self._flushes if f[0] > now]
+            busy = core.scheduler.num_running + core.scheduler.num_waiting
+            for _, timeout_s, done in late:
+                done.set_result((False, f"not flushed after {timeout_s:g} s: requests still "
+                                        f"running or waiting ({busy})"))
+            return
         if core is None:
             answer = (False, f"not flushed: no worker is ready: {self.last_error}")
-            waiting, self._flushes = self._flushes, []
-        elif not core.has_unfinished_requests():
-            flushed = core.scheduler.kv.reset_prefix_cache()
-            answer = (True, "prefix cache flushed") if flushed else (
-                False, "not flushed: KV blocks are still held")
-            waiting, self._flushes = self._flushes, []
+        elif core.scheduler.kv.reset_prefix_cache():
+            answer = (True, "prefix cache flushed")
         else:
-            now = time.monotonic()
-            waiting = [f for f in self._flushes if f[0] <= now]
-            self._flushes = [f for f in self._flushes if f[0] > now]
-            running = core.scheduler.num_running + core.scheduler.num_waiting
-            answer = None
-        for _, timeout_s, done in waiting:
-            done.set_result(answer or (
-                False, f"not flushed after {timeout_s:g} s: requests still running or "
-                       f"waiting ({running})"))
+            answer = (False, "not flushed: KV blocks are still held")
+        for _, _, done in self._flushes:
+            done.set_result(answer)
+        self._flushes = []
 
     def _stop_fenced(self, error: Fenced) -> None:
         if self.fenced is None:
