@@ -131,7 +131,9 @@ def test_burst_over_max_waiting_is_resource_exhausted(target):
     assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected), rejected
     assert "max_waiting (2)" in rejected[0].details()
     assert all(r == 150 for r in results if isinstance(r, int))
-    assert 3 <= len(results) - len(rejected) <= 10 and len(rejected) >= 2
+    # At least max_waiting are admitted: exactly that many when every call reaches the engine
+    # in one turn, before it schedules any (a loaded machine can deliver the burst so).
+    assert 2 <= len(results) - len(rejected) <= 10 and len(rejected) >= 2
     wait_for(lambda: server_status(target).num_used_kv_blocks == 0, 5, "blocks to be freed")
 
 
