@@ -27,9 +27,12 @@ class ApiOptions:
         None, "PEM CA certificate: clients must present a certificate it signed (mutual TLS; "
         "needs --tls-cert)", rule=ReadableFile(), metavar="FILE")
     api_key_file: str | None = setting(
-        None, "file of API keys, one per line: every call but grpc.health.v1 (and reflection "
-        "with --open-reflection) must carry `authorization: Bearer <key>`; Abort ends only "
-        "requests made with the same key", rule=ReadableFile(), metavar="FILE")
+        None, "file of API keys, one per line, each with optional attributes `admin`, "
+        "`salt=NAME`, `priority=LO..HI` (docs/security.md): every call but grpc.health.v1 (and "
+        "reflection with --open-reflection) must carry `authorization: Bearer <key>`; Abort "
+        "ends only requests made with the same key; each key's prefix cache is its own unless "
+        "keys share a salt; KV events and FlushCache need an admin key",
+        rule=ReadableFile(), metavar="FILE")
     open_reflection: bool = setting(
         False, "serve server reflection without an API key (with --api-key-file)")
     max_stop_strings: int = setting(64, "stop strings in one request", rule=AtLeast(0))

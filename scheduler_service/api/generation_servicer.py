@@ -29,7 +29,8 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (check_prompt_length, checked_constraint,
                                            messages_from_proto, output_to_proto,
                                            request_from_proto, sampling_to_proto)
-from scheduler_service.api.guard import caller_of
+from scheduler_service.api.api_keys import KeyBook, KeyPolicy
+from scheduler_service.api.guard import caller_of, policy_of
 from scheduler_service.api.request_limits import check_generate_limits, check_tokenize_limits
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.errors import EngineUnavailable
@@ -62,13 +63,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self, engine: AsyncEngine, model: ServedModel,
                  tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions(),
-                 tokenizer_pool: TokenizerPool | None = None):
+                 tokenizer_pool: TokenizerPool | None = None, keys: KeyBook = KeyBook()):
         """`tp_size()`: ranks the workers run (known once they are initialized);
-        `tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
+        `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
+        `keys`: what each API key may do (its cache salt, its priorities)."""
         self._engine = engine
         self._model = model
         self._tp_size = tp_size
         self._options = options
+        self._keys = keys
         self._tokenize_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
         self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
 
@@ -80,7 +83,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         streamed = False
         owned = None
         try:
-            engine_request = await self._to_engine_request(request)
+            engine_request = await self._to_engine_request(request,
+                                                           policy_of(context, self._keys))
             owned = self._own(engine_request.request_id, caller_of(context))
             async for out in self._engine.generate(engine_request):
                 streamed = True
@@ -109,9 +113,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._owners[request_id] = caller
         return request_id
 
-    async def _to_engine_request(self, msg: pb.GenerateRequest) -> Request:
+    async def _to_engine_request(self, msg: pb.GenerateRequest, policy: KeyPolicy) -> Request:
         info = self._model.info
         check_generate_limits(msg, self._options)
+        policy.check_priority(msg.priority)
         req = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
@@ -126,7 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
         return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
                        num_logprobs=req.num_logprobs, priority=req.priority,
-                       constraint=req.constraint)
+                       constraint=req.constraint, cache_salt=policy.salt)
 
     async def _offload(self, fn, *args):
         """Tokenizing, chat rendering and constraint validation run on the pool: the event loop

@@ -29,7 +29,8 @@ from engine_common.protos import vllm_engine_pb2 as pb
 from engine_common.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import ServedModel
-from scheduler_service.api.guard import caller_of
+from scheduler_service.api.api_keys import KeyBook
+from scheduler_service.api.guard import caller_of, policy_of
 from scheduler_service.api.request_limits import check_vllm_generate_limits
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
@@ -65,13 +66,16 @@ class _Choice:
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """`is_ready()`: the service's readiness (workers initialized, not draining);
-    `tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
+    `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
+    `keys`: what each API key may do (its cache salt)."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
-                 options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None):
+                 options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None,
+                 keys: KeyBook = KeyBook()):
         self._engine = engine
         self._options = options
+        self._keys = keys
         self._tokenizer_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
         self._model = model
         self._shape = shape
@@ -90,7 +94,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             inp, prompt_ids = await self._validate(request)
             self._last_receive = time.time()
-            async for msg in self._run(inp, prompt_ids, caller_of(context)):
+            salt = policy_of(context, self._keys).salt
+            async for msg in self._run(inp, prompt_ids, caller_of(context), salt):
                 yield msg
         except asyncio.CancelledError:
             raise
@@ -113,15 +118,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         check_prompt_fits(len(ids), inp.stopping.max_tokens, info.max_model_len)
         return inp, ids
 
-    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str
-                   ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str,
+                   cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
         ids = (inp.request_id,) if inp.n == 1 else tuple(
             f"{inp.request_id}-{i}" for i in range(inp.n))
         if inp.request_id in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
         self._children[inp.request_id] = (caller, ids)
         try:
-            requests = [self._engine_request(inp, rid, prompt_ids, i) for i, rid in enumerate(ids)]
+            requests = [self._engine_request(inp, rid, prompt_ids, i, cache_salt)
+                        for i, rid in enumerate(ids)]
             choices = [_Choice() for _ in ids]
             async for index, out in self._outputs(requests):
                 for msg in _messages(inp, index, out, choices[index]):
@@ -130,10 +136,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self._children.pop(inp.request_id, None)
 
     def _engine_request(self, inp: VllmGenerateInput, request_id: str, prompt_ids: list[int],
-                        index: int) -> Request:
+                        index: int, cache_salt: str) -> Request:
         return Request(request_id, list(prompt_ids), child_sampling(inp.sampling, index),
                        inp.stopping, self._model.info.eos_token_ids,
-                       num_logprobs=inp.num_logprobs or 0, constraint=inp.constraint)
+                       num_logprobs=inp.num_logprobs or 0, constraint=inp.constraint,
+                       cache_salt=cache_salt)
 
     async def _outputs(self, requests: list[Request]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -42,6 +42,9 @@ class Request:
     # What the output must match (structured output); validated at admission, sent to the
     # workers once with the new request.
     constraint: Constraint | None = None
+    # The prefix cache's salt: cached blocks are shared only between requests of the same salt
+    # (one per API key, or per group of keys; "" without keys). See kv_cache_manager.
+    cache_salt: str = ""
 
     # Set by the scheduler.
     handle: int = -1

@@ -385,15 +385,17 @@ def _stored_blocks(batches) -> list[tuple[int, list[int]]]:
 
 # ---- the public port's guards on VllmEngine (issue 13) ----------------------------------------
 
-KEY_A, KEY_B = "vllm-key-a-0123456789", "vllm-key-b-0123456789"
+KEY_A, KEY_B, KEY_C = "vllm-key-a-0123456789", "vllm-key-b-0123456789", "vllm-key-c-0123456789"
 BEARER_A, BEARER_B = (("authorization", f"Bearer {KEY_A}"),), (("authorization", f"Bearer {KEY_B}"),)
+BEARER_C = (("authorization", f"Bearer {KEY_C}"),)
 
 
 @pytest.fixture
 def guarded(model_dir, tmp_path):
-    """A port with two API keys and small limits."""
+    """A port with three API keys and small limits: A is the operator's (admin) and shares its
+    cache salt with C; B is a tenant of its own; C may ask for priorities -5..5."""
     keys = tmp_path / "keys"
-    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    keys.write_text(f"{KEY_A} admin salt=team\n{KEY_B}\n{KEY_C} salt=team priority=-5..5\n")
     api = ApiOptions(api_key_file=str(keys), max_stop_strings=4, max_stop_chars=20,
                      max_stop_token_ids=2, max_prompt_chars=50, max_logprobs=3)
     srv = SimServer(model_dir, api=api)
@@ -496,3 +498,78 @@ def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
     reasons = {m.complete.index: m.complete.finish_reason for m in stream
                if m.HasField("complete")}
     assert reasons == {0: "abort", 1: "abort"}
+
+
+# ---- tenants: the prefix cache, KV events and FlushCache (issue 23) -----------------------------
+
+def _cached(stub, metadata, request_id: str) -> int:
+    (done,) = stub.Generate(generate(max_tokens=2, request_id=request_id), timeout=10,
+                            metadata=metadata)
+    return done.complete.cached_tokens
+
+
+def test_a_cache_hit_never_crosses_keys(guarded):
+    server, stub, channel = guarded
+    assert _cached(stub, BEARER_A, "a1") == 0
+    assert _cached(stub, BEARER_B, "b1") == 0        # A's prompt is cached, but not for B
+    assert _cached(stub, BEARER_B, "b2") == 12       # B's own
+    assert _cached(stub, BEARER_C, "c1") == 12       # C shares A's salt (salt=team)
+    generation = generation_pb2_grpc.GenerationStub(channel)
+    other = gpb.GenerateRequest(request_id="g1", token_ids=list(range(40, 53)),
+                                stopping=gpb.StoppingCriteria(max_tokens=2, ignore_eos=True))
+    for metadata, expected in ((BEARER_A, 0), (BEARER_B, 0), (BEARER_B, 12), (BEARER_C, 12)):
+        *_, last = generation.Generate(other, timeout=10, metadata=metadata)
+        assert last.usage.cached_prompt_tokens == expected, metadata
+
+
+def test_kv_events_and_flush_cache_are_the_operators(guarded):
+    server, stub, _ = guarded
+    events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10, metadata=BEARER_B)
+    code, details = _code(lambda: next(events))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details, details
+    code, details = _code(lambda: stub.FlushCache(cpb.FlushCacheRequest(), timeout=10,
+                                                  metadata=BEARER_B))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details, details
+    assert _cached(stub, BEARER_B, "b1") == 0
+    assert _cached(stub, BEARER_B, "b2") == 12       # B's cache was not flushed by B's call
+    batches = []
+    admin = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30,
+                                   metadata=BEARER_A)
+    reader = threading.Thread(target=lambda: _read_into(admin, batches), daemon=True)
+    reader.start()
+    wait_until(lambda: server.kv_events.num_subscribers == 1, "the admin's subscription")
+    assert _cached(stub, BEARER_A, "a1") == 0
+    wait_until(lambda: len(_stored_blocks(batches)) >= 3, "stored events for A's prompt")
+    first_hash, first_tokens = _stored_blocks(batches)[0]
+    assert first_tokens == PROMPT[:4]
+    assert first_hash != block_hash_to_int64(hash_block(None, PROMPT[:4]))   # salted
+    assert stub.FlushCache(cpb.FlushCacheRequest(), timeout=10, metadata=BEARER_A).success
+    assert _cached(stub, BEARER_B, "b3") == 0
+    admin.cancel()
+    reader.join(10)
+
+
+def _read_into(events, batches: list) -> None:
+    try:
+        for batch in events:
+            batches.append(batch)
+    except grpc.RpcError as e:           # ended by the cancel
+        assert e.code() == grpc.StatusCode.CANCELLED
+
+
+def test_the_key_file_bounds_priority(guarded):
+    """Issue 23: any caller could send priority -2**31 and go ahead of everyone."""
+    _, _, channel = guarded
+    generation = generation_pb2_grpc.GenerationStub(channel)
+
+    def status(priority: int, metadata) -> tuple[grpc.StatusCode, str]:
+        req = gpb.GenerateRequest(token_ids=[5, 6, 7], priority=priority,
+                                  stopping=gpb.StoppingCriteria(max_tokens=1, ignore_eos=True))
+        return _code(lambda: generation.Generate(req, timeout=10, metadata=metadata))
+
+    code, details = status(-2**31, BEARER_B)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "priority=-2147483648 is invalid: must be in [0, 2147483647]" in details
+    assert status(0, BEARER_B)[0] == status(7, BEARER_B)[0] == grpc.StatusCode.OK
+    assert status(-5, BEARER_C)[0] == grpc.StatusCode.OK
+    assert "must be in [-5, 5]" in status(-6, BEARER_C)[1]
