@@ -53,7 +53,8 @@ class ApiOptions:
     max_request_mib: int = setting(8, "largest request message in MiB (RESOURCE_EXHAUSTED "
                                    "beyond)", rule=AtLeast(1, 2047))
     tokenizer_threads: int = setting(
-        4, "threads that tokenize text prompts, off the event loop", rule=AtLeast(1))
+        4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
+        "all but one of them)", rule=AtLeast(1))
 
     def __post_init__(self):
         validate(self)

@@ -30,6 +30,12 @@ def caller_of(context) -> str:
     return fingerprint(header) if header else ""
 
 
+def pool_caller(context) -> str:
+    """Whose share of the tokenizer threads a call uses: its API key's, else its client
+    address's (the host of `ipv4:HOST:PORT` / `ipv6:[HOST]:PORT`: one client, many connections)."""
+    return caller_of(context) or (context.peer() or "").rsplit(":", 1)[0]
+
+
 # What a call whose key the book does not know may do (the Gate refuses such calls first).
 _NO_RIGHTS = KeyPolicy(salt="unknown", admin=False, min_priority=0)
 

@@ -30,8 +30,8 @@ from engine_common.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import ServedModel
 from scheduler_service.api.api_keys import KeyBook
-from scheduler_service.api.guard import caller_of, policy_of
-from scheduler_service.api.request_limits import check_vllm_generate_limits
+from scheduler_service.api.guard import caller_of, policy_of, pool_caller
+from scheduler_service.api.request_limits import check_prompt_can_fit, check_vllm_generate_limits
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
@@ -92,7 +92,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Chunks per step while streaming, then one `complete` per choice."""
         try:
-            inp, prompt_ids = await self._validate(request)
+            inp, prompt_ids = await self._validate(request, pool_caller(context))
             self._last_receive = time.time()
             salt = policy_of(context, self._keys).salt
             async for msg in self._run(inp, prompt_ids, caller_of(context), salt):
@@ -102,19 +102,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except Exception as e:  # every failure becomes one status, through one function
             await _abort_with(context, e)
 
-    async def _validate(self, msg: pb.GenerateRequest) -> tuple[VllmGenerateInput, list[int]]:
+    async def _validate(self, msg: pb.GenerateRequest, caller: str
+                        ) -> tuple[VllmGenerateInput, list[int]]:
         """Limits first, then the conversion; the constraint is validated and a text prompt
-        tokenized on the pool."""
+        tokenized on the pool, within `caller`'s share of it."""
         info = self._model.info
         check_vllm_generate_limits(msg, self._options)
+        check_prompt_can_fit(msg, self._model.prompt_chars_fit, info.max_model_len)
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
         if inp.constraint is not None:
-            await self._tokenizer_pool.run(checked_vllm_constraint, inp.constraint)
+            await self._tokenizer_pool.run(checked_vllm_constraint, inp.constraint,
+                                           caller=caller)
         ids = (list(inp.prompt_token_ids) if inp.prompt_token_ids is not None
                else await self._tokenizer_pool.run(self._model.tokenizer.encode,
-                                                   inp.prompt_text))
+                                                   inp.prompt_text, caller=caller))
         check_prompt_fits(len(ids), inp.stopping.max_tokens, info.max_model_len)
         return inp, ids
 

@@ -573,3 +573,32 @@ def test_the_key_file_bounds_priority(guarded):
     assert status(0, BEARER_B)[0] == status(7, BEARER_B)[0] == grpc.StatusCode.OK
     assert status(-5, BEARER_C)[0] == grpc.StatusCode.OK
     assert "must be in [-5, 5]" in status(-6, BEARER_C)[1]
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, stub):
+    """Issue 23: 4-million-character prompts were tokenized for a minute, then refused for
+    length. max_model_len 256 x the tiny vocabulary's longest token bounds what can fit."""
+    limit = server.model.prompt_chars_fit
+    assert limit == 256 * server.tokenizer.max_token_bytes()
+    calls = 0
+    real_encode = server.tokenizer.encode
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real_encode(*args, **kwargs)
+    server.tokenizer.encode = counting
+    text = "x" * (limit + 1)
+    fragment = f"='{limit + 1} characters' is invalid: must be at most {limit} characters"
+    code, details = _code(lambda: stub.Generate(pb.GenerateRequest(request_id="big", text=text),
+                                                timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details, details
+    with grpc.insecure_channel(server.target) as channel:
+        generation = generation_pb2_grpc.GenerationStub(channel)
+        for call in (lambda: generation.Tokenize(gpb.TokenizeRequest(text=text), timeout=10),
+                     lambda: generation.Generate(gpb.GenerateRequest(text=text), timeout=10)):
+            code, details = _code(call)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details, details
+        assert calls == 0
+        reply = generation.Tokenize(gpb.TokenizeRequest(text="x" * limit), timeout=30)
+    assert calls == 1 and reply.num_tokens > 0
