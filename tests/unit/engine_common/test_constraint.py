@@ -137,6 +137,7 @@ def test_the_engines_message_about_a_big_constraint_stays_small():
     ("grammar", lark_chain(3000), 3002),            # overflowed an 8 MiB stack: SIGSEGV
     ("grammar", gbnf_chain(3000), 3002),
     ("json_schema", json_items_chain(1200), 2403),  # likewise
+    ("json_schema", json_items_chain(1200, "json-schema:///#/$defs/{}"), 2403),  # issue 23
     ("json_schema", json_nested_arrays(2000), 2001),  # Python's json raised RecursionError
     ("regex", regex_nested(20_000), 20_000),
 ])
