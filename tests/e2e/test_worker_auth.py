@@ -143,6 +143,12 @@ def test_a_refused_init_leaves_the_model_loaded(token_cluster):
                                     config=worker_pb2.WorkerConfig(model_dir=before.model_dir)),
              grpc.StatusCode.FAILED_PRECONDITION,
              f"epoch {before.epoch} is stale: the worker's epoch is {before.epoch}"),
+            # issue 23: INTERNAL after the epoch and owner had changed
+            (worker_pb2.InitRequest(epoch=before.epoch + 100, scheduler_id="intruder",
+                                    config=worker_pb2.WorkerConfig(model_dir=before.model_dir,
+                                                                   kv_cache_bytes=2**62)),
+             grpc.StatusCode.FAILED_PRECONDITION,
+             "its KV cache 4294967296.00 GiB per rank, more than this machine's"),
         ]
         for request, status, fragment in cases:
             with pytest.raises(grpc.RpcError) as err:

@@ -85,21 +85,23 @@ class NodeWorker:
     def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int,
              owner: str = "") -> InitOutcome:
         """Load (or keep) the model, size the KV cache, join the group, and start `epoch` for
-        scheduler `owner`. Refused (StepFailure STALE_EPOCH, ValueError, NotImplementedError)
-        before anything changes."""
+        scheduler `owner`. Refused (StepFailure STALE_EPOCH, ValueError, NotImplementedError,
+        DoesNotFit) before anything changes; the epoch and owner change only once the load
+        succeeded (a failed load leaves the worker without a model, its fence as it was)."""
         check_layout(self.started_layout, layout)
         self.fence.check(epoch)
-        check_init(config, self.guards)
+        check_init(config, self.guards, layout)
         if layout.tp_size > 1:    # refused here, once, before any rank loads anything
             check_tp_size(read_model_configs(Path(config.model_dir))[0], layout.tp_size)
         self.ranks.interrupt()
         with self._lock:
+            self.fence.check(epoch)       # another Init may have taken it while this waited
+            self.epoch = None
+            outcome = self.ranks.load(config, layout)
             previous = self.fence.take(epoch, owner)
             if previous is not None:
                 log.warning("scheduler %s took this worker over from scheduler %s (epoch %d)",
                             owner or "?", previous, epoch)
-            self.epoch = None
-            outcome = self.ranks.load(config, layout)
             self.num_kv_blocks = outcome.num_kv_blocks
             self.layout = layout
             self.verify_symmetry = config.verify_symmetry

@@ -22,8 +22,9 @@ set, then the stream is closed with a status (the response is skipped only for S
     local ranks' digests differ (verify)      SYMMETRY_DIVERGENCE   INTERNAL
     a newer Step stream was opened            (no response)         ABORTED
 
-Init answers a stale epoch with FAILED_PRECONDITION (another scheduler owns the worker),
-refused settings with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
+Init answers a stale epoch with FAILED_PRECONDITION (another scheduler owns the worker), so does
+a model and KV cache estimated larger than the machine (runner/memory_fit.py), refused settings
+with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
 UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every
 step failure of the active stream except an epoch mismatch, a stale epoch and supersession fails
 the epoch: later steps are refused until Reset or Init. A newer Step stream supersedes the
@@ -66,6 +67,7 @@ FAILURES = {
     FailureKind.SUPERSEDED: (None, _S.ABORTED),
     FailureKind.INVALID_SETTINGS: (_Code.CODE_UNSPECIFIED, _S.INVALID_ARGUMENT),
     FailureKind.OUT_OF_MEMORY: (_Code.INTERNAL, _S.RESOURCE_EXHAUSTED),
+    FailureKind.DOES_NOT_FIT: (_Code.CODE_UNSPECIFIED, _S.FAILED_PRECONDITION),
     FailureKind.UNSUPPORTED: (_Code.INTERNAL, _S.UNIMPLEMENTED),
 }
 
@@ -90,7 +92,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                        request.scheduler_id)
         except Exception as e:  # every failure becomes a status naming it
             failure = as_failure(e, at_init=True)
-            if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH):
+            if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH,
+                                FailureKind.DOES_NOT_FIT):
                 log.warning("Init refused: %s", failure)   # settings, not a bug
             else:
                 log.exception("Init failed")
