@@ -28,7 +28,7 @@ from engine_common.constraint import Constraint
 from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
 from engine_common.new_blocks import pack_new_blocks, unpack_new_blocks
-from engine_common.params import WorkerSamplingParams
+from engine_common.params import WorkerSamplingParams, clip, quoted
 
 
 class CodecError(ValueError):
@@ -37,7 +37,7 @@ class CodecError(ValueError):
 
 def _why(e: Exception) -> str:
     """An error's own message; its type too when that says more (msgpack's are often empty)."""
-    return str(e) if isinstance(e, CodecError) else f"{type(e).__name__}: {e}"
+    return clip(str(e) if isinstance(e, CodecError) else f"{type(e).__name__}: {e}", 1000)
 
 
 def _u32(values) -> bytes:
@@ -67,7 +67,7 @@ def _packed(data, what: str) -> bytes:
 
 def _int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CodecError(f"{what}={value!r}: expected a non-negative integer")
+        raise CodecError(f"{what}={quoted(value)}: expected a non-negative integer")
     return value
 
 

@@ -24,6 +24,7 @@ from engine_common.params import ParamError
 from engine_common.tls import server_credentials
 from engine_common.worker_auth import AUTH_METADATA_KEY, WorkerAuth
 from worker_service.failures import FailureKind
+from worker_service.service.log_limit import LogLimit
 from worker_service.service.servicer import FAILURES
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,10 @@ OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 class TokenCheck(grpc.ServerInterceptor):
     """Refuses every call without `authorization: Bearer <token>` (but OPEN_METHODS)."""
 
-    def __init__(self, auth: WorkerAuth):
+    def __init__(self, auth: WorkerAuth, log_limit: LogLimit | None = None):
         self.auth = auth
+        # Refusals are logged at most once per 10 s: an outsider repeats them at will.
+        self._log_limit = log_limit or LogLimit(10.0)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -50,7 +53,10 @@ class TokenCheck(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:   # an unknown method stays UNIMPLEMENTED
             return None
-        log.warning("refused %s: %s", method, "no token" if header is None else "wrong token")
+        skipped = self._log_limit.take()
+        if skipped is not None:
+            log.warning("refused %s: %s (and %d other refused calls since the last such line)",
+                        method, "no token" if header is None else "wrong token", skipped)
         return _refusal(handler, "missing" if header is None else "wrong")
 
 

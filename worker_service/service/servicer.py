@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 import grpc
 
 from engine_common.protos import worker_pb2, worker_pb2_grpc
+from engine_common.params import clip
 from engine_common.settings import from_proto
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
@@ -46,6 +47,10 @@ from worker_service.config import NodeLayout
 from worker_service.service.node_worker import NodeWorker
 
 log = logging.getLogger(__name__)
+
+# A step failure's message in a status: what one failure may say (its quoted values are clipped
+# to a few hundred characters already; this bounds the whole against gRPC's metadata limit).
+MAX_STATUS_CHARS = 2000
 
 _Code = worker_pb2.StepError.Code
 _S = grpc.StatusCode
@@ -113,12 +118,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except Exception as e:  # every failure is a kind: never an UNKNOWN status
                 failure = as_failure(e)
                 code, status = FAILURES[failure.kind]
-                log.warning("Step refused: %s", failure)
+                message = clip(str(failure), MAX_STATUS_CHARS)
+                log.warning("Step refused: %s", message)
                 if code is not None:
                     yield worker_pb2.StepResponse(
                         epoch=req.epoch, step=req.step,
-                        error=worker_pb2.StepError(code=code, message=str(failure)))
-                context.abort(status, str(failure))
+                        error=worker_pb2.StepError(code=code, message=message))
+                context.abort(status, message)
             yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=reply.payload,
                                           digest=reply.digest)
 

@@ -204,3 +204,11 @@ def test_good_layout_decodes():
 def test_wrong_runner_layout_raises(fields):
     with pytest.raises(CodecError):
         decode_runner_output(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_a_garbage_field_is_quoted_clipped():
+    """Issue 23: a 70 KB string where the step number goes came back quoted whole."""
+    payload = msgpack.packb(["x" * 70_000, [], [], None, {}, [], []], use_bin_type=True)
+    with pytest.raises(CodecError) as e:
+        decode_scheduler_output(payload)
+    assert len(str(e.value)) < 400 and "(70002 characters)" in str(e.value)

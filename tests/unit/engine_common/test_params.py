@@ -54,3 +54,11 @@ def test_good_values_and_wire_round_trip():
     wsp = WorkerSamplingParams(sp, seed=5, min_tokens=2, stop_ids=(0, 7))
     assert WorkerSamplingParams.from_wire(wsp.to_wire()) == wsp
     assert StoppingParams(stop=["a"], stop_token_ids=[1]).stop == ("a",)
+
+
+def test_an_error_quotes_a_few_hundred_characters_of_a_value():
+    """Issue 23: a 70 KB garbage field quoted whole broke gRPC's status metadata limit."""
+    e = ParamError("stop", "x" * 70_000, "short")
+    assert str(e) == f"stop='{'x' * 199}... (70002 characters) is invalid: must be short"
+    assert e.value == "x" * 70_000          # the value itself is kept for the caller
+    assert str(ParamError("n", 5, "small")) == "n=5 is invalid: must be small"
