@@ -30,7 +30,8 @@ from scheduler_service.api.convert import (check_prompt_length, checked_constrai
                                            messages_from_proto, output_to_proto,
                                            request_from_proto, sampling_to_proto)
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
-from scheduler_service.api.guard import caller_of, policy_of, pool_caller
+from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
+                                         scoped_id)
 from scheduler_service.api.request_limits import (check_generate_limits, check_prompt_can_fit,
                                                   check_tokenize_limits)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
@@ -90,13 +91,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._engine.counters.received()
         streamed = False
         owned = None
+        caller = caller_of(context)
         try:
             engine_request = await self._to_engine_request(
-                request, policy_of(context, self._keys), pool_caller(context))
-            owned = self._own(engine_request.request_id, caller_of(context))
+                request, policy_of(context, self._keys), pool_caller(context), caller)
+            owned = self._own(engine_request.request_id, caller)
+            own_id = client_id(caller, engine_request.request_id)
             async for out in self._engine.generate(engine_request):
                 streamed = True
-                yield output_to_proto(out, self._token_text)
+                msg = output_to_proto(out, self._token_text)
+                msg.request_id = own_id
+                yield msg
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
@@ -122,7 +127,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return request_id
 
     async def _to_engine_request(self, msg: pb.GenerateRequest, policy: KeyPolicy,
-                                 caller: str) -> Request:
+                                 pool_share: str, caller: str) -> Request:
+        """The engine's request (its id scoped to the caller's key); the prompt tokenized in
+        `pool_share`'s share of the tokenizer threads."""
         info = self._model.info
         check_generate_limits(msg, self._options)
         check_prompt_can_fit(msg, self._model.prompt_chars_fit, info.max_model_len)
@@ -131,15 +138,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
         if req.constraint is not None:
-            await self._offload(caller, checked_constraint, req.constraint)
+            await self._offload(pool_share, checked_constraint, req.constraint)
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         elif req.prompt_messages is not None:
-            ids = await self._offload(caller, self._model.chat_prompt_ids, req.prompt_messages)
+            ids = await self._offload(pool_share, self._model.chat_prompt_ids,
+                                      req.prompt_messages)
         else:
-            ids = await self._offload(caller, self._model.tokenizer.encode, req.prompt_text)
+            ids = await self._offload(pool_share, self._model.tokenizer.encode, req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
-        return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
+        return Request(scoped_id(caller, req.request_id), ids, req.sampling, req.stopping,
+                       info.eos_token_ids,
                        num_logprobs=req.num_logprobs, priority=req.priority,
                        constraint=req.constraint, cache_salt=policy.salt)
 
@@ -157,7 +166,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Abort the caller's live requests by id; unknown ids, and ids of requests made with
         another API key, are ignored."""
         caller = caller_of(context)
-        ids = [rid for rid in request.request_ids if self._owners.get(rid) == caller]
+        scoped = (scoped_id(caller, rid) for rid in request.request_ids)
+        ids = [rid for rid in scoped if self._owners.get(rid) == caller]
         try:
             num = await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
                                          _ABORT_TIMEOUT_SECONDS)

@@ -8,7 +8,7 @@
   message are INVALID_ARGUMENT naming the method (grpc would answer UNKNOWN).
 
 `caller_of(context)` names the key a call carried by a fingerprint (never the key itself), so
-Abort can end only the caller's own requests.
+Abort can end only the caller's own requests, and `scoped_id` gives each key its own request ids.
 """
 from __future__ import annotations
 
@@ -28,6 +28,18 @@ def caller_of(context) -> str:
     """Who made a call: the fingerprint of its authorization header ("" without one)."""
     header = dict(context.invocation_metadata() or ()).get(AUTH_KEY)
     return fingerprint(header) if header else ""
+
+
+def scoped_id(caller: str, request_id: str) -> str:
+    """The engine's id of `caller`'s request `request_id`: each API key has its own namespace of
+    ids, so a live id of another key is neither refused nor revealed (issue 23); without keys,
+    the id itself."""
+    return f"{caller}/{request_id}" if caller else request_id
+
+
+def client_id(caller: str, engine_id: str) -> str:
+    """The id the caller gave (scoped_id undone)."""
+    return engine_id.removeprefix(f"{caller}/") if caller else engine_id
 
 
 def pool_caller(context) -> str:

@@ -30,7 +30,7 @@ from engine_common.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import ServedModel
 from scheduler_service.api.api_keys import KeyBook
-from scheduler_service.api.guard import caller_of, policy_of, pool_caller
+from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
 from scheduler_service.api.request_limits import check_prompt_can_fit, check_vllm_generate_limits
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
@@ -83,7 +83,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._is_ready = is_ready
         self._start_time = time.time()
         self._last_receive = 0.0
-        # caller's id -> (caller_of() its Generate, engine request ids)
+        # scoped_id(caller, the caller's id) -> (caller_of() its Generate, engine request ids)
         self._children: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._tokenizer_bundle: TokenizerBundle | None = None
 
@@ -123,11 +123,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str,
                    cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
-        ids = (inp.request_id,) if inp.n == 1 else tuple(
-            f"{inp.request_id}-{i}" for i in range(inp.n))
-        if inp.request_id in self._children:
+        key = scoped_id(caller, inp.request_id)     # each API key has its own ids
+        ids = (key,) if inp.n == 1 else tuple(f"{key}-{i}" for i in range(inp.n))
+        if key in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
-        self._children[inp.request_id] = (caller, ids)
+        self._children[key] = (caller, ids)
         try:
             requests = [self._engine_request(inp, rid, prompt_ids, i, cache_salt)
                         for i, rid in enumerate(ids)]
@@ -136,7 +136,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 for msg in _messages(inp, index, out, choices[index]):
                     yield msg
         finally:
-            self._children.pop(inp.request_id, None)
+            self._children.pop(key, None)
 
     def _engine_request(self, inp: VllmGenerateInput, request_id: str, prompt_ids: list[int],
                         index: int, cache_salt: str) -> Request:
@@ -161,7 +161,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Abort by the callers' ids (every choice of an n > 1 request); unknown ids, and ids of
         requests made with another API key, are ignored."""
         caller = caller_of(context)
-        owned = [self._children.get(rid) for rid in request.request_ids]
+        owned = [self._children.get(scoped_id(caller, rid)) for rid in request.request_ids]
         ids = [cid for entry in owned if entry is not None and entry[0] == caller
                for cid in entry[1]]
         log.info("Abort %s", ", ".join(request.request_ids))

@@ -493,7 +493,7 @@ def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
     server.release_steps()
     other.result()
     own.result()
-    assert [ids for ids, _ in aborts] == [[], ["mine-0", "mine-1"]]
+    assert [[i.split("/")[-1] for i in ids] for ids, _ in aborts] == [[], ["mine-0", "mine-1"]]
     assert aborts[0][1].result() == 0 and aborts[1][1].result() == 2
     reasons = {m.complete.index: m.complete.finish_reason for m in stream
                if m.HasField("complete")}
@@ -602,3 +602,45 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, stub):
         assert calls == 0
         reply = generation.Tokenize(gpb.TokenizeRequest(text="x" * limit), timeout=30)
     assert calls == 1 and reply.num_tokens > 0
+
+
+def test_request_ids_are_per_key(guarded):
+    """Issue 23: the uniqueness error told one key which ids another key had live."""
+    server, stub, channel = guarded
+    generation = generation_pb2_grpc.GenerationStub(channel)
+    server.hold_steps(after=3)               # A's requests stay live: 3 steps at a time
+    a_gen = generation.Generate(gpb.GenerateRequest(
+        request_id="g-dup", token_ids=[5, 6, 7],
+        stopping=gpb.StoppingCriteria(max_tokens=200, ignore_eos=True)), timeout=30,
+        metadata=BEARER_A)
+    assert next(a_gen).request_id == "g-dup"
+    a_vllm = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
+                                    request_id="dup"), timeout=30, metadata=BEARER_A)
+    wait_until(lambda: sum(len(hub._queues) for hub in server.engine._hubs.values()) == 2,
+               "A's second request to be open")
+    try:
+        for call in (lambda: list(stub.Generate(generate(request_id="dup", max_tokens=2),
+                                                timeout=10, metadata=BEARER_A)),
+                     lambda: list(generation.Generate(gpb.GenerateRequest(
+                         request_id="g-dup", token_ids=[5]), timeout=10, metadata=BEARER_A))):
+            code, details = _code(call)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in details
+        # B's "dup" and "g-dup" are B's own: opened while A's are, neither refused nor told
+        # of A's.
+        b_vllm = stub.Generate(generate(request_id="dup", max_tokens=2), timeout=30,
+                               metadata=BEARER_B)
+        b_gen = generation.Generate(gpb.GenerateRequest(
+            request_id="g-dup", token_ids=[5, 6, 7],
+            stopping=gpb.StoppingCriteria(max_tokens=2, ignore_eos=True)), timeout=30,
+            metadata=BEARER_B)
+        wait_until(lambda: sum(len(hub._queues) for hub in server.engine._hubs.values()) == 4,
+                   "B's requests to be open beside A's")
+        server.release_steps()
+        (done,) = b_vllm
+        assert done.complete.finish_reason == "length"
+        *_, last = b_gen
+        assert last.request_id == "g-dup" and last.usage.completion_tokens == 2
+    finally:
+        server.release_steps()
+        a_vllm.cancel()
+        a_gen.cancel()
