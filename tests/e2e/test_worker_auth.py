@@ -25,7 +25,7 @@ from tests.support.grpc_harness import (Processes, bearer, child_env, collect, f
                                         generation_stub, greedy_request, health_status, pb,
                                         wait_for, wait_ready, worker_info, write_token)
 from tests.support.paths import REPO
-from tests.support.worker_port_flood import KINDS, PortFlood
+from bench.worker_port_flood import KINDS, PortFlood
 
 pytestmark = pytest.mark.slow
 

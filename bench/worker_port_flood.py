@@ -1,4 +1,9 @@
-"""Unauthenticated streams held open on a worker port, as an attacker would (issue 23, item 1).
+"""Unauthenticated streams held open on a worker port, as an attacker would (issue 23, item 1);
+run as a script, the issue's soak: a token-guarded worker and its scheduler, 32 streams of each
+kind held open for 60 s while a client sends requests through the scheduler one after another;
+every one must succeed (exit 1 otherwise).
+
+    python -m bench.worker_port_flood [--model DIR] [--seconds 60] [--per-kind 32]
 
     with PortFlood(address, per_kind=32) as flood:
         flood.wait_settled(timeout_s)   # each stream answered once or ended
@@ -12,13 +17,21 @@ whole flood ends when the context exits (the request streams are released, the c
 """
 from __future__ import annotations
 
+import argparse
+import secrets
+import sys
+import tempfile
 import threading
+import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine_common.protos import worker_pb2_grpc
+from bench.services import Services
+from deltaserve.default_model import default_model_dir
+from engine_common.protos import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 
 KINDS = ("reflection", "health_watch", "step")
 
@@ -101,3 +114,47 @@ class PortFlood:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _requests(target: str, seconds: float) -> tuple[int, list[str]]:
+    """Greedy 8-token requests one after another for `seconds`: (successes, failures)."""
+    ok, failures = 0, []
+    request = generation_pb2.GenerateRequest(
+        token_ids=[5, 6, 7], stopping=generation_pb2.StoppingCriteria(max_tokens=8,
+                                                                       ignore_eos=True))
+    deadline = time.monotonic() + seconds
+    with grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                tokens = sum(len(m.token_ids) for m in stub.Generate(request, timeout=30))
+                ok += tokens == 8
+            except grpc.RpcError as e:
+                failures.append(f"{e.code().name}: {e.details()}")
+    return ok, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--per-kind", type=int, default=32)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, Services(tmp) as services:
+        token = Path(tmp) / "token"
+        token.write_text(secrets.token_urlsafe(32))
+        flags = ("--worker-token-file", str(token))
+        target = services.start(args.model, "cpu", list(flags), worker_flags=flags)
+        with PortFlood(f"127.0.0.1:{services.worker_port}", args.per_kind) as flood:
+            settled = flood.wait_settled(30)
+            ok, failures = _requests(target, args.seconds)
+            outcomes = flood.outcomes()
+    print(f"{args.per_kind} streams of each of {', '.join(KINDS)} ({settled} settled): "
+          f"{outcomes}")
+    print(f"requests through the scheduler in {args.seconds:g} s: {ok} succeeded, "
+          f"{len(failures)} failed {failures[:3]}")
+    return 0 if ok and not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
