@@ -4,12 +4,12 @@
 asked) the top alternatives into pinned host buffers, then records an event; `PendingTokens.wait`
 synchronises on that event (the only host sync of a step) and returns numpy copies. The pinned
 buffers are allocated once at max_num_reqs rows (the top-alternative ones grow to the widest k
-seen); they are reused every step, which is safe because wait() copies them out before the next
-step starts. On CPU the sampler's tensors are already on the host: no copy, no sync.
+seen); they are reused by every other step (the runner keeps two, one per step parity), which is
+safe because wait() copies them out before the step after next is launched. On CPU the sampler's tensors are already on the host: no copy, no sync.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -99,8 +99,47 @@ class TokenReadback:
 
 @dataclass
 class PendingStep:
-    """A launched step awaiting its finish: the rows that sampled and their read-back."""
+    """A launched step awaiting its finish: the requests that sampled, where their ids go, and
+    their read-back (on the device, `sampled` also feeds the next step: TokenFeed)."""
 
     step: int
-    rows: np.ndarray | None = None          # batch rows that sampled, in sampling order
+    handles: list[int] = field(default_factory=list)   # handles that sampled, sampling order
+    positions: np.ndarray | None = None     # int32 [N]: each one's token index in its row
+    num_logprobs: np.ndarray | None = None  # int32 [N]: top alternatives each one asked for
     tokens: PendingTokens | None = None     # None: nothing sampled
+    sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
+
+
+@dataclass
+class TokenFeed:
+    """The rows of a step's input ids that are the previous step's sampled ids, copied on the
+    device: that step is launched before the previous one's ids reach the host."""
+
+    dst: torch.Tensor       # int64 [K]: indices into this step's input ids
+    src: torch.Tensor       # int64 [K]: indices into the previous step's sampled ids
+    sampled: torch.Tensor | None
+
+    @staticmethod
+    def plan(prev: PendingStep, handles: list, inputs, staging) -> "TokenFeed | None":
+        """Which query tokens of `inputs` (a StepInputs over batch rows whose handles are
+        `handles`) are ids `prev` sampled: a row's last query token, at the position prev
+        sampled for its request. Staged in `staging` (before its flush); None if none."""
+        if not prev.handles:
+            return None
+        index = {h: i for i, h in enumerate(prev.handles)}
+        last = inputs.query_start_loc[1:].astype(np.int64) - 1
+        last_pos = inputs.positions[last].tolist()
+        dst, src = [], []
+        for j, row in enumerate(inputs.rows.tolist()):
+            i = index.get(handles[row])
+            if i is not None and last_pos[j] == prev.positions[i]:
+                dst.append(int(last[j]))
+                src.append(i)
+        if not dst:
+            return None
+        return TokenFeed(staging.put(np.array(dst), torch.int64, "feed dst"),
+                         staging.put(np.array(src), torch.int64, "feed src"), prev.sampled)
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Queue the copy (after the staging flush, before the model reads input_ids)."""
+        input_ids.index_copy_(0, self.dst, self.sampled.index_select(0, self.src))
