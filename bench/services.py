@@ -108,10 +108,11 @@ class Services:
         self.close()
 
     def start(self, model_dir: str, device: str, scheduler_flags: list[str],
-              timeout_s: float = 180.0) -> str:
+              timeout_s: float = 180.0, worker_flags: tuple[str, ...] = ()) -> str:
         """Start the worker, then the scheduler pointed at it; returns the scheduler's
         HOST:PORT once it is ready to serve."""
-        worker = self._spawn("worker", ["worker", "--listen", f"{HOST}:0", "--device", device])
+        worker = self._spawn("worker", ["worker", "--listen", f"{HOST}:0", "--device", device,
+                                        *worker_flags])
         worker_port = worker.wait_ready(WORKER_READY, timeout_s)
         scheduler = self._spawn("scheduler", [
             "scheduler", "--model", str(model_dir), "--workers", f"{HOST}:{worker_port}",

@@ -18,6 +18,7 @@ from engine_common.chat_template import ChatMessage, encode_chat, load_chat_temp
 from engine_common.codec import encode_runner_output
 from engine_common.config import SchedulerConfig
 from engine_common.constraint import Constraint
+from engine_common.device_defaults import device_defaults
 from engine_common.gc_heap import freeze_heap
 from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
@@ -164,10 +165,14 @@ class LLM:
     and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
     limits (max_num_seqs, max_num_batched_tokens, max_model_len, block_size) are shared.
 
+    On CUDA the defaults of engine_common/device_defaults.py apply (async scheduling, a 16384
+    token budget, fused norm and rope) unless given.
+
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
     (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
 
     def __init__(self, model: str, **kwargs):
+        kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         kwargs["max_model_len"] = self.model_info.max_model_len
         runner_keys = {f.name for f in dataclasses.fields(RunnerConfig)}

@@ -78,14 +78,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """
 
     def __init__(self, worker: NodeWorker,
-                 on_readiness: Callable[[bool], None] | None = None):
+                 on_readiness: Callable[[bool], None] | None = None,
+                 simulated_device_ms: float | None = None):
         self.worker = worker
+        self.simulated_device_ms = simulated_device_ms    # host benchmarks only
         self._on_readiness = on_readiness or (lambda ready: None)
         worker.set_readiness_listener(self._on_readiness)
 
     def Init(self, request, context):
         try:
-            config = from_proto(RunnerConfig, request.config, device=self.worker.device)
+            config = from_proto(RunnerConfig, request.config, device=self.worker.device,
+                                simulated_device_ms=self.simulated_device_ms)
             outcome = self.worker.init(config, _layout(request.layout), request.epoch,
                                        request.scheduler_id)
         except Exception as e:  # every failure becomes a status naming it
