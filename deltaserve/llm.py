@@ -78,6 +78,11 @@ class InProcessExecutor:
             self.runner.on_sampling = None
             sampling.set()
 
+    def wait_launched(self, ticket: concurrent.futures.Future) -> None:
+        """Pipelined: block until the submitted step is launched (or failed)."""
+        if self._pipeline is not None:
+            self._pipeline.wait_launched(ticket)
+
     def collect(self, ticket: concurrent.futures.Future) -> bytes:
         """Tickets are collected in submission order."""
         if self._pipeline is not None:
@@ -105,9 +110,14 @@ class RunnerPipeline:
 
     def submit(self, payload: bytes) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
+        future.launched = threading.Event()
         self._last = future
         self._queue.put((payload, future))
         return future
+
+    @staticmethod
+    def wait_launched(ticket: concurrent.futures.Future) -> None:
+        ticket.launched.wait()
 
     def collect(self, ticket: concurrent.futures.Future) -> bytes:
         if ticket is self._last and not ticket.done():
@@ -131,7 +141,9 @@ class RunnerPipeline:
                 self._finish(held)
                 held = None
                 future.set_exception(e)
+                future.launched.set()
                 continue
+            future.launched.set()
             self._finish(held)
             held = (launched, future)
 

@@ -42,7 +42,7 @@ def _watch_pipeline(llm: LLM) -> dict:
 
     def step():
         out = orig_step()
-        seen["depth"] = max(seen["depth"], len(core._in_flight) + (1 if out else 0))
+        seen["depth"] = max(seen["depth"], len(core._in_flight))
         return out
 
     def schedule():

@@ -54,7 +54,7 @@ class StepTooLarge(StepProtocolError):
 
 def aligned(n: int, dtype: torch.dtype) -> int:
     """n elements of dtype rounded up to a whole number of ALIGN_BYTES."""
-    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-n // per) * per
 
 

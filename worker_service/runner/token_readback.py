@@ -120,25 +120,24 @@ class TokenFeed:
     sampled: torch.Tensor | None
 
     @staticmethod
-    def plan(prev: PendingStep, handles: list, inputs, staging) -> "TokenFeed | None":
+    def plan(prev: PendingStep, handle_ids: np.ndarray, inputs, staging) -> "TokenFeed | None":
         """Which query tokens of `inputs` (a StepInputs over batch rows whose handles are
-        `handles`) are ids `prev` sampled: a row's last query token, at the position prev
-        sampled for its request. Staged in `staging` (before its flush); None if none."""
-        if not prev.handles:
+        `handle_ids[row]`) are ids `prev` sampled: a row's last query token, at the position
+        prev sampled for its request. Staged in `staging` (before its flush); None if none."""
+        if not prev.handles or not len(inputs.rows):
             return None
-        index = {h: i for i, h in enumerate(prev.handles)}
+        prev_handles = np.asarray(prev.handles, dtype=np.int64)
+        order = np.argsort(prev_handles)
+        ranked = prev_handles[order]
+        current = handle_ids[inputs.rows]
+        at = np.minimum(np.searchsorted(ranked, current), len(ranked) - 1)
+        src = order[at]
         last = inputs.query_start_loc[1:].astype(np.int64) - 1
-        last_pos = inputs.positions[last].tolist()
-        dst, src = [], []
-        for j, row in enumerate(inputs.rows.tolist()):
-            i = index.get(handles[row])
-            if i is not None and last_pos[j] == prev.positions[i]:
-                dst.append(int(last[j]))
-                src.append(i)
-        if not dst:
+        fed = (ranked[at] == current) & (inputs.positions[last] == prev.positions[src])
+        if not fed.any():
             return None
-        return TokenFeed(staging.put(np.array(dst), torch.int64, "feed dst"),
-                         staging.put(np.array(src), torch.int64, "feed src"), prev.sampled)
+        return TokenFeed(staging.put(last[fed], torch.int64, "feed dst"),
+                         staging.put(src[fed], torch.int64, "feed src"), prev.sampled)
 
     def apply(self, input_ids: torch.Tensor) -> None:
         """Queue the copy (after the staging flush, before the model reads input_ids)."""
