@@ -100,7 +100,8 @@ def simulated_lane(args, model: str) -> list[str]:
 def phase_lines(runs: list[dict], indent: str) -> list[str]:
     """Each phase's median over the steady state, spread over the rounds."""
     names = runs[0]["phases_ms"]
-    return [f"{indent}{name:28s} {spread([r['phases_ms'][name][1] for r in runs])} ms"
+    return [f"{indent}{name:28s} "
+            f"{spread([r['phases_ms'][name][1] for r in runs if name in r['phases_ms']])} ms"
             for name in names if name != "step"]
 
 

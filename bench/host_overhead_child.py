@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     outs = llm.generate(prompts, SamplingParams(), stopping)
     wall = time.perf_counter() - start
     steady = records[STEADY_SKIP:-STEADY_SKIP] or records
-    phases = {name: _spread([r[name] for r in steady]) for name in steady[0]}
+    names = dict.fromkeys(name for r in steady for name in r)
+    phases = {name: _spread([r[name] for r in steady if name in r]) for name in names}
     print(json.dumps({"tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall,
                       "steps": len(records), "phases_ms": phases}))
     return 0
@@ -67,7 +68,9 @@ def _observe(llm) -> list[dict]:
         if s.num_reqs:
             rec = {"step": whole, "schedule+encode": s.schedule_s, "wait for runner":
                    s.round_trip_s, "decode+update": s.update_s, "output processing": spent["out"]}
-            rec.update({f"runner {k}": v for k, v in llm.runner.clock.phases.items()})
+            # The runner's last finished phases (with async scheduling another thread's clock,
+            # read while it may be mid-step: a phase can be missing from a record).
+            rec.update({f"runner {k}": v for k, v in dict(llm.runner.clock.phases).items()})
             records.append({k: v * 1e3 for k, v in rec.items()})
         return outputs
     engine.step, engine.output_processor.process = timed_step, timed_process

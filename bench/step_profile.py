@@ -70,8 +70,8 @@ class DecodeWindow:
         core = self.llm.engine.core
         if not self.done and not self.recording and self.decode_steps >= self.skip:
             self.recording = True
-            self._t0 = time.perf_counter()
             self.on_start()
+            self._t0 = time.perf_counter()
         self._out_s = 0.0
         start = time.perf_counter()
         outputs = self._step()
