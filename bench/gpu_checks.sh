@@ -21,7 +21,7 @@
 #              dispatch vs unified); Triton at block 256; last, a launch-parameter sweep of both
 #              designs at the default shape with whatever time the stage has left (--sweep-budget).
 #   bench      python -m bench.throughput --preset qwen3-0.6b --warmup with the engine's default
-#              flags (the bar), then the same with --sync-scheduling for comparison; the
+#              flags (the bar), then (unless BENCH_SYNC=0) with --sync-scheduling; the
 #              KV cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget.
 #   profile    python -m bench.step_profile --preset qwen3-0.6b --warmup: torch.profiler over 50
 #              steady decode steps: device busy share, idle per step, top kernels, host phases.
@@ -183,7 +183,9 @@ stage_bench() {
     local start=$SECONDS rc kv_note="profiled, 0.9 of the GPU" flags
     [ -n "${KV_GIB:-}" ] && kv_note="fixed ${KV_GIB} GiB (--kv-cache-gib)"
     : >"$OUT_DIR/bench.log"
-    for flags in "" "--sync-scheduling"; do
+    local variants=("")
+    [ "${BENCH_SYNC:-1}" = 1 ] && variants+=("--sync-scheduling")
+    for flags in "${variants[@]}"; do
         timeout --signal=INT --kill-after=20 \
             "$(( ${BENCH_LIMIT:-240} - (SECONDS - start) < 30 ? 30 : ${BENCH_LIMIT:-240} - (SECONDS - start) ))" \
             "$PY" -m bench.throughput --preset qwen3-0.6b --warmup $flags \
