@@ -306,7 +306,7 @@ class ModelRunner:
             masks = masks and masks.result()   # the grammar masks, computed meanwhile
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
-            return PendingStep(step)
+            return PendingStep(step, copied=self.staging.copied)
         if masks is not None:
             meta = self._with_grammar(meta, masks)
         if self.on_sampling is not None:

@@ -25,10 +25,13 @@ class SimulatedTokens:
     def __init__(self, token_ids: np.ndarray, done_at: float, device: "SimulatedDevice"):
         self.token_ids, self.done_at, self.device = token_ids, done_at, device
 
-    def wait(self) -> SampledTokens:
+    def wait_device(self) -> None:
         delay = self.done_at - self.device.clock()
         if delay > 0:
             self.device.sleep(delay)
+
+    def wait(self) -> SampledTokens:
+        self.wait_device()
         return SampledTokens(self.token_ids, np.zeros(len(self.token_ids), dtype=np.float32))
 
 

@@ -166,6 +166,11 @@ class StepBuffers:
         if self._copied is not None:   # on this device's stream, whatever the thread's device
             self._copied.record(torch.cuda.current_stream(self.device))
 
+    @property
+    def copied(self) -> torch.cuda.Event | None:
+        """The event the last flush recorded (None on CPU)."""
+        return self._copied
+
     def wait_copies(self) -> None:
         """Block until this step's staging copies are done (a step's one sync when it
         samples nothing)."""

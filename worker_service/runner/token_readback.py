@@ -37,6 +37,10 @@ class PendingTokens:
     top_logprobs: torch.Tensor | None
     done: torch.cuda.Event | None          # None on CPU: nothing in flight
 
+    def wait_device(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
     def wait(self) -> SampledTokens:
         """The step's one host sync; returns copies that outlive the pinned buffers."""
         if self.done is not None:
@@ -108,6 +112,15 @@ class PendingStep:
     num_logprobs: np.ndarray | None = None  # int32 [N]: top alternatives each one asked for
     tokens: PendingTokens | None = None     # None: nothing sampled
     sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
+    copied: torch.cuda.Event | None = None  # the staging copies' event, when nothing sampled
+
+    def wait_device(self) -> None:
+        """Block until the step's device work is done (its read-back, else its staging copies);
+        the read-back itself stays for finish_step."""
+        if self.tokens is not None:
+            self.tokens.wait_device()
+        elif self.copied is not None:
+            self.copied.synchronize()
 
 
 @dataclass

@@ -43,6 +43,7 @@ from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure
 from worker_service.config import NodeLayout
 from worker_service.service.node_worker import NodeWorker
+from worker_service.service.step_pipeline import pipelined_steps
 
 log = logging.getLogger(__name__)
 
@@ -106,21 +107,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         stream_id = self.worker.open_stream()
+        if self.worker.pipelined:     # one rank on CUDA (or simulated): step_pipeline.py
+            log.info("Step stream %d: pipelined (step t+1 launched before step t finishes)",
+                     stream_id)
+
+            def refuse(epoch, step, e):
+                yield from self._refuse_step(epoch, step, e, context)
+            yield from pipelined_steps(self.worker, stream_id, request_iterator, refuse)
+            return
         for req in request_iterator:
             digest = req.digest if req.HasField("digest") else None
             try:
                 reply = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
             except Exception as e:  # every failure is a kind: never an UNKNOWN status
-                failure = as_failure(e)
-                code, status = FAILURES[failure.kind]
-                log.warning("Step refused: %s", failure)
-                if code is not None:
-                    yield worker_pb2.StepResponse(
-                        epoch=req.epoch, step=req.step,
-                        error=worker_pb2.StepError(code=code, message=str(failure)))
-                context.abort(status, str(failure))
+                yield from self._refuse_step(req.epoch, req.step, e, context)
             yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=reply.payload,
                                           digest=reply.digest)
+
+    @staticmethod
+    def _refuse_step(epoch: int, step: int, e: Exception, context):
+        """A failed step: its StepError response (for the kinds that have a code), then the
+        call aborts with the kind's status."""
+        failure = as_failure(e)
+        code, status = FAILURES[failure.kind]
+        log.warning("Step refused: %s", failure)
+        if code is not None:
+            yield worker_pb2.StepResponse(
+                epoch=epoch, step=step,
+                error=worker_pb2.StepError(code=code, message=str(failure)))
+        context.abort(status, str(failure))
 
     def Reset(self, request, context):
         try:
