@@ -9,7 +9,7 @@
 # budget can run the stages one or two at a time. docs/gpu.md says which command answers what.
 #   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
 #              CUDA paths (the ones named below and any tests/**/test_*.py that mentions
-#              torch.cuda.is_available or mark.gpu); tests/gpu/test_engine_bf16.py with -s so its
+#              torch.cuda.is_available, mark.gpu or tests.support.triton_mode); tests/gpu/test_engine_bf16.py with -s so its
 #              accepted bf16 divergences are printed and collected into the summary.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
 #              grpc_tools (absent from some GPU images) are left out and listed.
@@ -129,7 +129,7 @@ stage_tests() {
     skip=$(uncollectable_modules)
     [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
     explicit=$(printf '%s\n' "${EXPLICIT_TESTS[@]}" \
-        $(grep -rlE 'cuda\.is_available|mark\.gpu' --include="test_*.py" tests) | sort -u)
+        $(grep -rlE 'cuda\.is_available|mark\.gpu|support.triton_mode' --include="test_*.py" tests) | sort -u)
     for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
     for f in $explicit; do ignores+=("--ignore=$f"); done
     # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
