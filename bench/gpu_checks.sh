@@ -9,8 +9,9 @@
 # budget can run the stages one or two at a time. docs/gpu.md says which command answers what.
 #   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
 #              CUDA paths (the ones named below and any tests/**/test_*.py that mentions
-#              torch.cuda.is_available, mark.gpu or tests.support.triton_mode); tests/gpu/test_engine_bf16.py with -s so its
-#              accepted bf16 divergences are printed and collected into the summary.
+#              torch.cuda.is_available, mark.gpu or tests.support.triton_mode);
+#              tests/gpu/test_engine_bf16.py with -s so its accepted bf16 divergences are
+#              printed and collected into the summary.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
 #              grpc_tools (absent from some GPU images) are left out and listed.
 #   attention  bench/attention_bandwidth.py (qwen3-0.6b heads, bf16), to decide between one
