@@ -14,8 +14,9 @@ every request decodes --output-len tokens (greedy, ignore_eos) with one torch th
               `deltaserve scheduler` processes on loopback (--grpc): per-request decode time
               per token from the client's streams.
   host        no simulated device: the real (negligible) model, one step in flight, 256
-              requests: the host time per decode step; with --baseline-tree the same run on
-              another checkout, alternating rounds (before/after).
+              requests: the host work per decode step (the step less the forward pass and
+              sampler); with --baseline-tree the same run on another checkout, alternating
+              rounds (before/after).
 
 Each lane runs --rounds times in fresh processes (alternating trees); min / median / max of the
 steady-state medians. Prints a block and, with --results-file, appends it there.
@@ -113,14 +114,17 @@ def host_lane(args, model: str) -> list[str]:
     for _ in range(args.rounds):
         for name, tree in trees:       # alternating, so both see the same machine
             results[name].append(run_child(tree, model, 256, args.output_len, None, False))
-    lines = ["host time per decode step, real 1-layer model, 256 requests, one step in "
-             "flight (ms, min / median / max of the rounds' steady-state medians):"]
+    lines = ["host work per decode step (the step less the runner's forward and sampling), "
+             "real 1-layer model, 256 requests, one step in flight (ms, min / median / max of "
+             "the rounds' steady-state medians):"]
     medians = {}
     for name, runs in results.items():
+        host = [r["phases_ms"]["host work"][1] for r in runs]
         steps = [r["phases_ms"]["step"][1] for r in runs]
-        medians[name] = statistics.median(steps)
-        lines.append(f"  {name}: {spread(steps)} ms = {medians[name] / 256 * 1e3:.1f} us per "
-                     f"request per step")
+        medians[name] = statistics.median(host)
+        lines.append(f"  {name}: host work {spread(host)} ms = "
+                     f"{medians[name] / 256 * 1e3:.1f} us per request per step (whole step "
+                     f"{spread(steps)} ms)")
         lines += phase_lines(runs, "    ")
     if len(medians) == 2:
         (a, ours), (b, base) = medians.items()

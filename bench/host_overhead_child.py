@@ -70,7 +70,10 @@ def _observe(llm) -> list[dict]:
                    s.round_trip_s, "decode+update": s.update_s, "output processing": spent["out"]}
             # The runner's last finished phases (with async scheduling another thread's clock,
             # read while it may be mid-step: a phase can be missing from a record).
-            rec.update({f"runner {k}": v for k, v in dict(llm.runner.clock.phases).items()})
+            phases = dict(llm.runner.clock.phases)
+            rec.update({f"runner {k}": v for k, v in phases.items()})
+            # What is left of the step without the model and sampler: the host's work.
+            rec["host work"] = whole - phases.get("forward", 0.0) - phases.get("sampling", 0.0)
             records.append({k: v * 1e3 for k, v in rec.items()})
         return outputs
     engine.step, engine.output_processor.process = timed_step, timed_process
