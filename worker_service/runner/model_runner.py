@@ -293,7 +293,8 @@ class ModelRunner:
         if len(sample_rows):
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
                                            self.staging, self.grammar.stopped(handles))
-            masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
+            if self.grammar:
+                masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
         fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging)
         self.staging.flush()
         if fed is not None and self.simulated is None:
