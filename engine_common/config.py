@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from engine_common.listen_address import ListenAddress
 from engine_common.params import ParamError
-from engine_common.settings import (AtLeast, NonEmpty, OneOf, Positive, PowerOfTwo, Rule,
-                                    setting, validate)
+from engine_common.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
+                                    PowerOfTwo, Rule, setting, validate)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
@@ -157,6 +157,9 @@ class WorkerServiceOptions:
     insecure: bool = setting(
         False, "listen on a non-loopback address without --worker-token-file or "
         "--worker-tls-*: anyone who reaches the port can drive the worker")
+    simulated_device_ms: float | None = setting(
+        None, "benchmarks of the host's work only (bench/host_overhead.py): no forward pass "
+        "or sampler; every step takes this many ms on a simulated device", rule=AtLeastZero())
 
     def __post_init__(self):
         validate(self)

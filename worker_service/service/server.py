@@ -97,7 +97,8 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
                                                     thread_name_prefix="worker-rpc"),
                          interceptors=interceptors(auth), options=SERVER_OPTIONS + size)
     set_ready = _add_health(server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, set_ready), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(worker, set_ready, options.simulated_device_ms), server)
     _add_reflection(server)
     port = add_port(server, listen, auth)
     if port == 0:

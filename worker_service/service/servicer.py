@@ -45,6 +45,7 @@ from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure
 from worker_service.config import NodeLayout
 from worker_service.service.node_worker import NodeWorker
+from worker_service.service.step_pipeline import pipelined_steps
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +86,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """
 
     def __init__(self, worker: NodeWorker,
-                 on_readiness: Callable[[bool], None] | None = None):
+                 on_readiness: Callable[[bool], None] | None = None,
+                 simulated_device_ms: float | None = None):
         self.worker = worker
+        self.simulated_device_ms = simulated_device_ms    # host benchmarks only
         self._on_readiness = on_readiness or (lambda ready: None)
         worker.set_readiness_listener(self._on_readiness)
 
     def Init(self, request, context):
         try:
-            config = from_proto(RunnerConfig, request.config, device=self.worker.device)
+            config = from_proto(RunnerConfig, request.config, device=self.worker.device,
+                                simulated_device_ms=self.simulated_device_ms)
             outcome = self.worker.init(config, _layout(request.layout), request.epoch,
                                        request.scheduler_id)
         except Exception as e:  # every failure becomes a status naming it
@@ -111,22 +115,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         stream_id = self.worker.open_stream()
+        if self.worker.pipelined:     # one rank on CUDA (or simulated): step_pipeline.py
+            log.info("Step stream %d: pipelined (step t+1 launched before step t finishes)",
+                     stream_id)
+
+            def refuse(epoch, step, e):
+                yield from self._refuse_step(epoch, step, e, context)
+            yield from pipelined_steps(self.worker, stream_id, request_iterator, refuse)
+            return
         for req in request_iterator:
             digest = req.digest if req.HasField("digest") else None
             try:
                 reply = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
             except Exception as e:  # every failure is a kind: never an UNKNOWN status
-                failure = as_failure(e)
-                code, status = FAILURES[failure.kind]
-                message = clip(str(failure), MAX_STATUS_CHARS)
-                log.warning("Step refused: %s", message)
-                if code is not None:
-                    yield worker_pb2.StepResponse(
-                        epoch=req.epoch, step=req.step,
-                        error=worker_pb2.StepError(code=code, message=message))
-                context.abort(status, message)
+                yield from self._refuse_step(req.epoch, req.step, e, context)
             yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=reply.payload,
                                           digest=reply.digest)
+
+    @staticmethod
+    def _refuse_step(epoch: int, step: int, e: Exception, context):
+        """A failed step: its StepError response (for the kinds that have a code), then the
+        call aborts with the kind's status."""
+        failure = as_failure(e)
+        code, status = FAILURES[failure.kind]
+        message = clip(str(failure), MAX_STATUS_CHARS)
+        log.warning("Step refused: %s", message)
+        if code is not None:
+            yield worker_pb2.StepResponse(
+                epoch=epoch, step=step,
+                error=worker_pb2.StepError(code=code, message=message))
+        context.abort(status, message)
 
     def Reset(self, request, context):
         try:
