@@ -19,6 +19,9 @@ NOTE the rules of one step (`schedule()`):
     new request's first step is admitted and stays short). At most max_long_partial_prefills of
     them are in progress at once: a further long request waits, and requests behind it in the
     queue that are short (or more urgent) are admitted past it.
+  * A constrained request samples only once the output rank has reported its grammar compiled
+    (RunnerOutput.compiled_handles, docs/structured-output.md): until then its prompt is
+    prefilled up to its last token, which waits (an idle count 0 when nothing else is left).
   * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
   * Async scheduling (two steps in flight): a request that samples in a step still in flight
     counts that token as pending; the next step may compute it (the workers know its id). A
@@ -73,6 +76,8 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []              # by (priority, arrival_time)
         self._on_worker: set[int] = set()             # handles the workers hold a copy of
+        # handle -> (request, step it was sent in) for those awaiting their grammar's compile
+        self._compiling: dict[int, tuple[Request, int]] = {}
         self._finished_handles: list[int] = []        # for the next diff, then recycled
         self._step = 0
         # step -> (handle -> request, handle -> tokens when not 1) for the requests that compute
@@ -91,6 +96,7 @@ class Scheduler:
         # One concrete seed so every tensor-parallel rank samples the same stream.
         request.seed = self._rng.getrandbits(63) if seed is None else seed
         request.status = RequestStatus.WAITING
+        request.awaiting_grammar = request.constraint is not None
         max_tokens = request.stopping.max_tokens
         request.max_num_output_tokens = min(
             self.max_len - request.num_prompt_tokens,
@@ -124,6 +130,8 @@ class Scheduler:
         request.num_pending_tokens = 0    # an in-flight step's token for it is dropped
         self.kv.free(request)
         del self._requests[request.request_id]
+        if request.awaiting_grammar:
+            self._compiling.pop(request.handle, None)
         if request.handle in self._on_worker:
             self._on_worker.remove(request.handle)
             self._finished_handles.append(request.handle)
@@ -177,7 +185,7 @@ class Scheduler:
         work, counts, new_block_ids = plan.work, plan.counts, plan.new_block_ids
         budget, threshold = plan.budget, self._long_prefill
         longs = []
-        preempted = False
+        preempted, gated = False, bool(self._compiling)
         for request in list(running):      # a copy: preemption takes requests out of running
             if preempted and request.status is not _RUNNING:
                 continue                   # preempted earlier in this loop
@@ -193,6 +201,8 @@ class Scheduler:
                     continue
                 if n > budget:
                     n = budget
+                if gated and request.awaiting_grammar and computed + n >= wanted:
+                    n = wanted - computed - 1      # its sampling waits for the compile
             if n <= 0:
                 counts[request.handle] = 0     # stays in the batch, idle
                 continue
@@ -229,8 +239,8 @@ class Scheduler:
             if request.status is not _RUNNING:
                 continue                   # preempted by a request after it
             wanted = request.num_tokens + request.num_pending_tokens
-            n = min(wanted - request.num_computed_tokens, cap, plan.budget,
-                    self.kv.num_fitting_tokens(request))
+            n = min(wanted - request.num_computed_tokens - request.awaiting_grammar, cap,
+                    plan.budget, self.kv.num_fitting_tokens(request))
             if n > 0:
                 new_ids = self.kv.grow_slots(request, n)
             elif plan.work or plan.budget <= 0:
@@ -292,7 +302,7 @@ class Scheduler:
             if is_long and self._held_back(request, long_priorities):
                 i += 1
                 continue
-            n = min(left, plan.budget)
+            n = min(left - request.awaiting_grammar, plan.budget)   # may be 0: sent, idle
             if is_long and (self.running or len(waiting) > 1):
                 n = min(n, self._long_prefill)
             if self.kv.allocate_slots(request, n, hits) is None:
@@ -335,6 +345,8 @@ class Scheduler:
         else:
             plan.add_new(request, block_ids, num_hit)
             self._on_worker.add(request.handle)
+            if request.awaiting_grammar:
+                self._compiling[request.handle] = (request, self._step)
         plan.schedule(request, n)
         self._advance(request, n, request.num_tokens + request.num_pending_tokens)
 
@@ -346,6 +358,8 @@ class Scheduler:
         requests finished since the step was scheduled are dropped; a request preempted since
         (async scheduling) keeps its token: the workers hold it too."""
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
+        if runner_out.compiled_handles:
+            self._grammars_compiled(sched_out.step, runner_out.compiled_handles)
         updates = []
         now = time.monotonic()
         handles, tops = runner_out.handles, runner_out.top_logprobs
@@ -373,6 +387,15 @@ class Scheduler:
             updates.append(RequestUpdate(request, [token], lp, None if top is None else [top],
                                          finished))
         return updates
+
+    def _grammars_compiled(self, step: int, handles: list[int]) -> None:
+        """The output rank compiled these handles' grammars by `step`; a report from before a
+        recycled handle's request was sent is not about it."""
+        for handle in handles:
+            entry = self._compiling.get(handle)
+            if entry is not None and entry[1] <= step:
+                del self._compiling[handle]
+                entry[0].awaiting_grammar = False
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
         """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""

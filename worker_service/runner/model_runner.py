@@ -43,6 +43,8 @@ from worker_service.runner.step_inputs import StepInputs, prepare_step_inputs
 from worker_service.runner.token_readback import PendingStep, SampledTokens, TokenReadback
 
 log = logging.getLogger(__name__)
+# How long a step that computes nothing waits for a grammar compile to end (finish_step).
+_IDLE_COMPILE_WAIT_S = 0.05
 
 
 def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
@@ -237,14 +239,20 @@ class ModelRunner:
 
     def finish_step(self, pending: PendingStep) -> RunnerOutput:
         """The step's one host sync (its read-back, or its staging copies when nothing
-        sampled); then feed the sampled ids back into the batch and build the reply."""
+        sampled); then feed the sampled ids back into the batch and build the reply, with the
+        handles whose grammar compiled since (a step that computed nothing waits up to
+        _IDLE_COMPILE_WAIT_S for one, so the engine does not spin while a constraint compiles)."""
         if pending.tokens is None:
             self.staging.wait_copies()
             self.clock.mark("readback")
-            return RunnerOutput(step=pending.step)
-        sampled = pending.tokens.wait()
-        self.clock.mark("readback")
-        return self._record_samples(pending.step, pending.rows, sampled)
+            out = RunnerOutput(step=pending.step)
+        else:
+            sampled = pending.tokens.wait()
+            self.clock.mark("readback")
+            out = self._record_samples(pending.step, pending.rows, sampled)
+        out.compiled_handles = self.grammar.newly_compiled(
+            _IDLE_COMPILE_WAIT_S if pending.rows is None else 0.0)   # None: nothing computed
+        return out
 
     def _launch(self, step: int, inputs: StepInputs) -> PendingStep:
         self.staging.begin()
@@ -266,7 +274,7 @@ class ModelRunner:
             masks = masks and masks.result()   # the grammar masks, computed meanwhile
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
-            return PendingStep(step)
+            return PendingStep(step, sample_rows)    # computed, sampled nothing
         if masks is not None:
             meta = self._with_grammar(meta, masks)
         if self.on_sampling is not None:
