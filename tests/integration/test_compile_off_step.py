@@ -17,6 +17,8 @@ from deltaserve.llm import LLM
 from engine_common.constraint import Constraint
 from engine_common.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
+from tests.support.grammar_text import tiny_compiler
+from tests.support.off_loop import other_thread_turns
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +55,12 @@ def test_a_10000_choice_constraint_compiling_stalls_no_other_stream(tiny_models)
     assert picky.status.name == "FINISHED_STOP_TOKEN"
     assert stream.num_output_tokens == 60
     assert llm.scheduler.num_free_blocks == llm.scheduler.num_total_blocks
+
+
+def test_compiling_releases_the_gil(tmp_path):
+    """The compile thread must not hold the step's thread back: llguidance releases the GIL
+    while it compiles and computes the first mask (counted as another thread's turns)."""
+    compiler = tiny_compiler(tmp_path)
+    compiler.tokenizer                            # built first, outside the count
+    _, turns = other_thread_turns(lambda: compiler.prepare(BIG).result())
+    assert compiler.num_compiled == 1 and turns > 10_000, turns
