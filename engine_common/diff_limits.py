@@ -14,6 +14,10 @@ MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 64   # + the model's eos ids, as the worker 
 MAX_TOP_LOGPROBS = 256          # top alternatives per token (the public API's bound)
 MAX_CONSTRAINT_CHARS = 1 << 16  # characters of one structured-output constraint (the public
                                 # API's --max-constraint-chars is at most this)
+MAX_CONSTRAINT_CHOICES = 10_000  # choices of one `choice` constraint: llguidance's work grows
+                                # with them (20,000 one-character choices: 1.8 s to compile +
+                                # 4.8 s for the first mask on SmolLM2's vocabulary), and past
+                                # 50,000 its first mask always fails (its per-step item limit)
 MAX_CONSTRAINT_DEPTH = 1000     # nesting of one constraint (engine_common/constraint_depth.py):
                                 # llguidance recurses <= 4.1 KB a level, so 1000 levels take
                                 # half of an 8 MiB stack; it runs on 64 MiB ones (big_stack.py)

@@ -203,6 +203,11 @@ class KVCacheManager:
                  + num_new_tokens)
         return max(0, -(-total // self.block_size) - held - num_hit_blocks)
 
+    def num_fitting_tokens(self, request: Request) -> int:
+        """New tokens a running request's held blocks and the free queue hold together."""
+        held = len(self._blocks.get(request.request_id, ()))
+        return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
+
     def num_exclusive_blocks(self, request: Request) -> int:
         """Blocks that would return to the free queue if `request` were freed now (those no other
         request shares)."""

@@ -59,6 +59,9 @@ class Request:
     # Prompt tokens served from the prefix cache at first scheduling (reported in usage).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # A constrained request until the output rank reports its grammar compiled: its first
+    # sampling position is not scheduled (the step would wait for the compile).
+    awaiting_grammar: bool = False
     # Output tokens at which it ends for length: max_tokens, or fewer when the scheduler's
     # max_len (prompt + output tokens) comes first. Set when the scheduler queues it.
     max_num_output_tokens: int = 0

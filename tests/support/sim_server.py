@@ -112,7 +112,7 @@ class _SimExecutor:
             self._greedy[new.handle] = new.sampling.sampling.greedy
             if new.constraint is not None:
                 self._matchers[new.handle] = self._grammars.matcher(new.constraint)
-        return encode_runner_output(self.worker.execute(out))
+        return encode_runner_output(self.worker.execute(out))   # reports the compiled ones
 
 
 class SimServer:

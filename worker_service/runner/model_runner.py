@@ -45,6 +45,8 @@ from worker_service.runner.token_readback import (PendingStep, SampledTokens, To
                                                   TokenReadback)
 
 log = logging.getLogger(__name__)
+# How long a step that computes nothing waits for a grammar compile to end (finish_step).
+_IDLE_COMPILE_WAIT_S = 0.05
 
 
 def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
@@ -264,7 +266,7 @@ class ModelRunner:
             num_scheduled[self._row(handle)] = n
         inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
         if inputs.num_tokens == 0:
-            return PendingStep(diff.step)
+            return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
         try:
             return self._launch(diff.step, inputs, feed)
@@ -274,14 +276,20 @@ class ModelRunner:
 
     def finish_step(self, pending: PendingStep) -> RunnerOutput:
         """The step's one host sync (its read-back, or its staging copies when nothing
-        sampled); then write the sampled ids into the batch and build the reply."""
+        sampled); then write the sampled ids into the batch and build the reply, with the
+        handles whose grammar compiled since (a step that computed nothing waits up to
+        _IDLE_COMPILE_WAIT_S for one, so the engine does not spin while a constraint compiles)."""
         if pending.tokens is None:
             self._stagings[pending.step % 2].wait_copies()
             self.clock.mark("readback")
-            return RunnerOutput(step=pending.step)
-        sampled = pending.tokens.wait()
-        self.clock.mark("readback")
-        return self._record_samples(pending, sampled)
+            out = RunnerOutput(step=pending.step)
+        else:
+            sampled = pending.tokens.wait()
+            self.clock.mark("readback")
+            out = self._record_samples(pending, sampled)
+        out.compiled_handles = self.grammar.newly_compiled(
+            0.0 if pending.computed else _IDLE_COMPILE_WAIT_S)
+        return out
 
     def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None) -> PendingStep:
         self.staging.begin()
@@ -307,7 +315,7 @@ class ModelRunner:
             masks = masks and masks.result()   # the grammar masks, computed meanwhile
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
-            return PendingStep(step, copied=self.staging.copied)
+            return PendingStep(step, copied=self.staging.copied)    # computed, sampled nothing
         if masks is not None:
             meta = self._with_grammar(meta, masks)
         if self.on_sampling is not None:

@@ -113,6 +113,7 @@ class PendingStep:
     tokens: PendingTokens | None = None     # None: nothing sampled
     sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
     copied: torch.cuda.Event | None = None  # the staging copies' event, when nothing sampled
+    computed: bool = True                   # False: the step scheduled no token at all
 
     def wait_device(self) -> None:
         """Block until the step's device work is done (its read-back, else its staging copies);
