@@ -103,19 +103,23 @@ struct RowArgmax {
   }
 #endif
 
+  // A NaN is never the max but makes the lane's sum NaN (so the row's logprob is NaN, as
+  // torch's logsumexp is), also when it is the first value the lane sees.
   inline void step(int l, float xv, int64_t col) {
     const bool up = xv > m[l];
     const float hi = up ? xv : m[l];
     const float lo = up ? m[l] : xv;
-    // e^(lo - hi); 0 while the lane has seen only -inf (-inf - -inf would be NaN)
-    const float e = exp_approx(hi == -std::numeric_limits<float>::infinity() ? hi : lo - hi);
-    s[l] = up ? s[l] * e + 1.0f : s[l] + e;
+    // e^(lo - hi); 0 for lo = -inf (also when hi is -inf: -inf - -inf would be NaN)
+    const float e = exp_approx(lo == -std::numeric_limits<float>::infinity() ? lo : lo - hi);
+    const float sum = up ? s[l] * e + 1.0f : s[l] + e;
+    s[l] = xv != xv ? xv : sum;
     idx[l] = up ? col : idx[l];
     m[l] = hi;
   }
 };
 
-// Fold `count` partial states of one row into (argmax, logprob). An all -inf row gives 0.
+// Fold `count` partial states of one row into (argmax, logprob). An all -inf row gives 0; a row
+// with a NaN gives a NaN logprob.
 inline void finish_rows(const RowArgmax* parts, int count, int64_t* id_out, float* lp_out) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = 0;
@@ -131,7 +135,7 @@ inline void finish_rows(const RowArgmax* parts, int count, int64_t* id_out, floa
   double total = 0.0;
   for (int p = 0; p < count; ++p)
     for (int l = 0; l < kArgmaxLanes; ++l)
-      if (parts[p].idx[l] >= 0)
+      if (parts[p].idx[l] >= 0 || parts[p].s[l] != parts[p].s[l])   // seen a number, or NaN
         total += static_cast<double>(parts[p].s[l]) *
                  std::exp(static_cast<double>(parts[p].m[l] - best));
   *id_out = best_i;

@@ -11,7 +11,8 @@ from kernels.attention import cpu_paged
 from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
 
-pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="deltaserve_cpu not built")
+pytestmark = [pytest.mark.skipif(not cpu_paged.available(), reason="deltaserve_cpu not built"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 
 def make_case(gen, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype,
