@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "paged_attention.cpp", "mkl_linear.cpp", "elementwise.cpp",
            "panel_gemm.cpp")
-HEADERS = ("vec_math.h", "exp512.h", "attention_avx512.h", "row_argmax.h")
+HEADERS = ("vec_math.h", "simd.h", "attention_simd.h", "row_argmax.h")
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas")
 ISA_CFLAGS = {
     "native": ("-march=native", "-mprefer-vector-width=512"),
