@@ -30,9 +30,11 @@ def start(workload: dict, settings: dict):
     llm = LLM(**kwargs)
     _generate(llm, workload["warmup"])
     sched = llm.llm_engine.vllm_config.scheduler_config
+    import torch
     import vllm
 
-    description = (f"vLLM {vllm.__version__} LLM.generate, {settings['dtype']}, max_num_seqs "
+    description = (f"vLLM {vllm.__version__} LLM.generate, {settings['dtype']}, torch CPU "
+                   f"capability {torch.backends.cpu.get_cpu_capability()}, max_num_seqs "
                    f"{sched.max_num_seqs}, max_num_batched_tokens "
                    f"{sched.max_num_batched_tokens}, prefix caching "
                    f"{'on, emptied before each run' if settings['prefix_caching'] else 'off'}")
