@@ -74,3 +74,22 @@ def test_the_cpu_line_reads_the_model_and_the_widest_isa():
     assert ", 2 cores; flags: " in line
     if os.path.exists("/proc/cpuinfo"):
         assert " family " in line and " model " in line
+
+
+def test_the_vllm_process_hides_avx512_from_vllm_only_under_avx2(monkeypatch):
+    """vLLM picks _C_AVX2 / _C_AVX512 / _C by torch.cpu's checks of the CPU itself, which
+    ATEN_CPU_CAPABILITY does not change: under --isa avx2 its process answers them as an AVX2
+    CPU would (here with our torch; the same torch.cpu functions in vLLM's)."""
+    import torch
+
+    from bench.peers import vllm_child
+
+    for name in vllm_child._WIDER_THAN_AVX2:
+        if hasattr(torch.cpu, name):
+            monkeypatch.setattr(torch.cpu, name, getattr(torch.cpu, name))   # undone after
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert vllm_child.hide_wider_than_avx2() == []
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    changed = vllm_child.hide_wider_than_avx2()
+    assert "_is_avx512_supported" in changed and "_is_avx512_bf16_supported" in changed
+    assert not torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported()
