@@ -42,6 +42,18 @@ def hide_wider_than_avx2() -> list[str]:
 hide_wider_than_avx2()
 
 
+def loaded_kernel_libraries(maps: str = "/proc/self/maps") -> str:
+    """vLLM's kernel libraries mapped into this process (_C_AVX2, _C_AVX512, _C): their import
+    fails by design after loading (the module inside is named _C), so sys.modules misses them."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            names = {line.rsplit("/", 1)[-1].split(".")[0] for line in f
+                     if "/vllm/_C" in line and ".so" in line}
+    except OSError:
+        return ""
+    return ", ".join(f"vllm.{n}" for n in sorted(names))
+
+
 def start(workload: dict, settings: dict):
     from vllm import LLM
 
@@ -58,8 +70,7 @@ def start(workload: dict, settings: dict):
     import torch
     import vllm
 
-    kernels = next((m for m in ("vllm._C_AVX2", "vllm._C_AVX512", "vllm._C")
-                    if m in sys.modules), "no vllm._C")
+    kernels = loaded_kernel_libraries() or "no vllm._C*"
     description = (f"vLLM {vllm.__version__} LLM.generate, {settings['dtype']}, torch CPU "
                    f"capability {torch.backends.cpu.get_cpu_capability()}, {kernels} "
                    f"kernels in this process, max_num_seqs "

@@ -93,3 +93,14 @@ def test_the_vllm_process_hides_avx512_from_vllm_only_under_avx2(monkeypatch):
     changed = vllm_child.hide_wider_than_avx2()
     assert "_is_avx512_supported" in changed and "_is_avx512_bf16_supported" in changed
     assert not torch.cpu._is_avx512_supported() and not torch.cpu._is_avx512_bf16_supported()
+
+
+def test_the_vllm_description_names_the_kernel_library_mapped_in(tmp_path):
+    from bench.peers.vllm_child import loaded_kernel_libraries
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 0 00:1 5 /v/lib/python3.11/site-packages/vllm/_C_AVX2.abi3.so\n"
+                    "7f10-7f20 r--p 0 00:1 6 /usr/lib/libc.so.6\n")
+    assert loaded_kernel_libraries(str(maps)) == "vllm._C_AVX2"
+    maps.write_text("7f10-7f20 r--p 0 00:1 6 /usr/lib/libc.so.6\n")
+    assert loaded_kernel_libraries(str(maps)) == ""
