@@ -52,7 +52,7 @@ class InProcess:
             f"{sched.config.max_num_batched_tokens}, prefix caching "
             f"{'on, emptied before each run' if sched.config.enable_prefix_caching else 'off'}"
             f"{', async scheduling' if sched.config.async_scheduling else ''}, "
-            f"{torch.get_num_threads()} torch threads")
+            f"{torch.get_num_threads()} torch threads, {_vector_code()}")
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -64,6 +64,17 @@ class InProcess:
         stopping = [StoppingParams(max_tokens=n, ignore_eos=True) for n in part["output_lens"]]
         done = self.llm.generate(part["prompts"], SamplingParams(temperature=0.0), stopping)
         return [list(c.token_ids) for c in done]
+
+
+def _vector_code() -> str:
+    """Which bodies this process's CPU kernels and torch's run (what --isa changed)."""
+    import torch
+
+    from kernels.cpu import extension
+
+    ours = (f"deltaserve_cpu {extension.isa()} build ({extension.ops().body()} bodies)"
+            if extension.load() else "no deltaserve_cpu kernels")
+    return f"{ours}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 class OverGrpc:

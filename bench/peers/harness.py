@@ -3,12 +3,15 @@
     python -m bench.peers --workload prefill-heavy --model DIR [--dtype bfloat16] [--threads 2]
     python -m bench.peers --workload all --model DIR --results-file bench/results.md
     python -m bench.peers --workload smoke --engines deltaserve          # what CI runs
+    python -m bench.peers --workload prefill-heavy --model DIR --isa avx2   # an AVX2 machine
 
 Per workload: both engines start in their own processes (vLLM from its own virtualenv, installed
 on first use), warm up, then run the workload alternately (round r: vLLM first when r is even),
 --rounds times. Both get the same model threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0 or 0-(N-1);
 DeltaServe: torch threads), dtype, max_num_seqs, max_model_len, KV budget and prefix caching.
-Results are printed; --results-file appends them (nothing is written by default).
+Every block names the CPU and the ISA (--isa avx2 emulates an AVX2 machine for both engines:
+bench/peers/isa.py). Results are printed; --results-file appends them (nothing is written by
+default).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError
 
 from bench.peers.engine_process import EngineFailed, EngineProcess
+from bench.peers.isa import ISAS, describe_cpu, describe_run, isa_env
 from bench.peers.protocol import group_cpu_seconds
 from bench.peers.report import Comparison, EngineRuns, format_block, format_lines
 from bench.peers.roofline import best_floor, measure_floor
@@ -91,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run-timeout", type=float, default=3600.0,
                    help="seconds one timed run may take (default: 3600)")
     e.add_argument("--no-roofline", action="store_true", help="skip the floor measurement")
+    e.add_argument("--isa", default="native", choices=ISAS,
+                   help="native (default), or avx2: emulate an AVX2 machine for both engines "
+                        "(DeltaServe's kernels built without AVX-512; torch, oneDNN and MKL "
+                        "capped at AVX2)")
     p.add_argument("--note", action="append", default=[], help="a remark recorded with it")
     p.add_argument("--results-file", default=None,
                    help="append the Markdown block here (default: print only)")
@@ -147,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench-peers: error: {e}", file=sys.stderr)
         return 2
     comparisons = []
+    platform_lines = platform_description(args.isa)
+    for line in platform_lines:
+        print(line, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.results_file:
         command = shlex.join(["python", "-m", "bench.peers", *argv])
         append_block(args.results_file, format_block(comparisons, command, git_commit(),
-                                                     _machine()))
+                                                     _machine(), platform_lines))
         print(f"appended to {args.results_file}")
     return 0
 
@@ -170,6 +181,11 @@ def _machine() -> str:
     from worker_service.device_info import describe_device
 
     return f"cpu ({describe_device('cpu').name}, {os.cpu_count()} cores)"
+
+
+def platform_description(isa: str) -> list[str]:
+    """The result block's lines on where it ran: the CPU, and the ISA both engines used."""
+    return [f"cpu: {describe_cpu(usable_cores())}", describe_run(isa)]
 
 
 def compare(args, name: str, engines: list[str], peer_python, work: Path) -> Comparison:
@@ -227,7 +243,7 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
     threads = args.threads
     plan = []
     if "vllm" in engines:
-        env = _vllm_env(threads, settings["kv_cache_gib"], work)
+        env = _vllm_env(threads, settings["kv_cache_gib"], work, args.isa)
         opts = _options(args.vllm_option, "vllm_option")
         argv = [str(peer_python), "-m", "bench.peers.vllm_child", str(workload_file),
                 json.dumps({**settings, "options": opts})]
@@ -235,8 +251,7 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
     if "deltaserve" in engines:
         opts = {**deltaserve_defaults(threads),
                 **_options(args.deltaserve_option, "deltaserve_option")}
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-               "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH"))}
+        env = deltaserve_env(threads, args.isa)
         base = [sys.executable, "-m", "bench.peers.deltaserve_child", str(workload_file)]
         plan.append(("DeltaServe", base + [json.dumps({**settings, "options": opts})], env,
                      REPO_ROOT))
@@ -304,10 +319,17 @@ def _with_repo(pythonpath: str | None) -> str:
     return os.pathsep.join(filter(None, (str(REPO_ROOT), pythonpath)))
 
 
-def _vllm_env(threads: int, kv_cache_gib: float, work: Path) -> dict[str, str]:
+def deltaserve_env(threads: int, isa: str) -> dict[str, str]:
+    """DeltaServe's environment: its torch threads, the repository on its path, the ISA's."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH")), **isa_env(isa)}
+
+
+def _vllm_env(threads: int, kv_cache_gib: float, work: Path,
+              isa: str = "native") -> dict[str, str]:
     """vLLM's environment: its model thread(s) bound to cores 0..N-1, the KV budget in whole
-    GiB, the AOT compile cache off (it recompiles on every start otherwise), and only our
-    `bench` package on its path (our other top-level names could shadow libraries)."""
+    GiB, the AOT compile cache off (it recompiles on every start otherwise), only our `bench`
+    package on its path (our other top-level names could shadow libraries), the ISA's."""
     path_dir = work / "vllm-path"
     path_dir.mkdir(exist_ok=True)
     link = path_dir / "bench"
@@ -316,7 +338,7 @@ def _vllm_env(threads: int, kv_cache_gib: float, work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
     env.update(VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
                VLLM_CPU_KVCACHE_SPACE=str(max(1, math.ceil(kv_cache_gib))),
-               VLLM_USE_AOT_COMPILE="0", PYTHONPATH=str(path_dir))
+               VLLM_USE_AOT_COMPILE="0", PYTHONPATH=str(path_dir), **isa_env(isa))
     return env
 
 

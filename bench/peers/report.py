@@ -140,10 +140,12 @@ TABLE_HEAD = ("| workload | vLLM tok/s | DeltaServe tok/s | ratio min / median /
 
 
 def format_block(comparisons: list[Comparison], command: str, commit: str,
-                 machine: str) -> str:
+                 machine: str, platform_lines: list[str] = ()) -> str:
+    """The Markdown block; platform_lines (the CPU, the ISA) follow the command."""
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [f"## {now} · bench-peers · {machine}", "", f"- commit: `{commit}`",
-           f"- command: `{command}`", "", TABLE_HEAD]
+           f"- command: `{command}`", *(f"- {line}" for line in platform_lines), "",
+           TABLE_HEAD]
     out += [row for c in comparisons for row in table_rows(c)] + [""]
     for c in comparisons:
         out += [f"### {c.title}", ""] + [f"- {line}" for line in format_lines(c)] + [""]

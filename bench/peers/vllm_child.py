@@ -5,16 +5,53 @@ the stdlib-only protocol module.
     V/bin/python -m bench.peers.vllm_child WORKLOAD_JSON SETTINGS_JSON
 
 The harness sets the environment: VLLM_CPU_OMP_THREADS_BIND (the model thread's cores),
-VLLM_CPU_KVCACHE_SPACE (GiB), VLLM_USE_AOT_COMPILE=0 (its compile cache then works across starts).
+VLLM_CPU_KVCACHE_SPACE (GiB), VLLM_USE_AOT_COMPILE=0 (its compile cache then works across starts),
+and under --isa avx2 the variables of bench/peers/isa.py (see hide_wider_than_avx2).
 vLLM's engine core is a spawned process, hence the __main__ guard.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from bench.peers.protocol import load_workload, serve
+
+# torch.cpu's checks of what the CPU itself has: vLLM picks its kernel library (_C_AVX2,
+# _C_AVX512, _C) and its bf16 paths by them, which ATEN_CPU_CAPABILITY does not reach
+_WIDER_THAN_AVX2 = ("_is_avx512_supported", "_is_avx512_vnni_supported",
+                    "_is_avx512_bf16_supported", "_is_amx_tile_supported",
+                    "_is_amx_fp16_supported")
+
+
+def hide_wider_than_avx2() -> list[str]:
+    """Under --isa avx2 (ATEN_CPU_CAPABILITY=avx2), make torch.cpu's checks answer as an AVX2
+    CPU's would, in this process and in vLLM's spawned engine core (spawn imports this module
+    again there), so vLLM loads its AVX2 kernels. Returns the checks it changed."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        return []
+    import torch
+
+    changed = [name for name in _WIDER_THAN_AVX2 if hasattr(torch.cpu, name)]
+    for name in changed:
+        setattr(torch.cpu, name, lambda: False)
+    return changed
+
+
+hide_wider_than_avx2()
+
+
+def loaded_kernel_libraries(maps: str = "/proc/self/maps") -> str:
+    """vLLM's kernel libraries mapped into this process (_C_AVX2, _C_AVX512, _C): their import
+    fails by design after loading (the module inside is named _C), so sys.modules misses them."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            names = {line.rsplit("/", 1)[-1].split(".")[0] for line in f
+                     if "/vllm/_C" in line and ".so" in line}
+    except OSError:
+        return ""
+    return ", ".join(f"vllm.{n}" for n in sorted(names))
 
 
 def start(workload: dict, settings: dict):
@@ -30,9 +67,13 @@ def start(workload: dict, settings: dict):
     llm = LLM(**kwargs)
     _generate(llm, workload["warmup"])
     sched = llm.llm_engine.vllm_config.scheduler_config
+    import torch
     import vllm
 
-    description = (f"vLLM {vllm.__version__} LLM.generate, {settings['dtype']}, max_num_seqs "
+    kernels = loaded_kernel_libraries() or "no vllm._C*"
+    description = (f"vLLM {vllm.__version__} LLM.generate, {settings['dtype']}, torch CPU "
+                   f"capability {torch.backends.cpu.get_cpu_capability()}, {kernels} "
+                   f"kernels in this process, max_num_seqs "
                    f"{sched.max_num_seqs}, max_num_batched_tokens "
                    f"{sched.max_num_batched_tokens}, prefix caching "
                    f"{'on, emptied before each run' if settings['prefix_caching'] else 'off'}")

@@ -16,6 +16,13 @@ holding it is stale and removed.
 If anything fails (no compiler, no ninja, a build error), `load()` returns None, `status()`
 says why, and every caller falls back to torch (kernels/attention/torch_ref.py, F.linear).
 DELTASERVE_CPU_EXT=0 turns the library off (the fallbacks run); =1 makes a failure an error.
+
+DELTASERVE_CPU_ISA picks the instruction set the library is built for (ISAS): "native" (this
+CPU's widest: the AVX-512 bodies where it has them), "avx2" (AVX2 + FMA + F16C, x86-64-v3: an
+AVX2 machine's build, emulated on a wider one) or "generic" (the compiler's default target: the
+portable loops). Each gets its own library name and op namespace (torch.ops.deltaserve_cpu,
+deltaserve_cpu_avx2, deltaserve_cpu_generic), so one process can load several (the kernel tests
+run every body the machine can execute).
 """
 from __future__ import annotations
 
@@ -37,14 +44,22 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "paged_attention.cpp", "mkl_linear.cpp", "elementwise.cpp",
            "panel_gemm.cpp")
-HEADERS = ("vec_math.h", "exp512.h", "attention_avx512.h", "row_argmax.h")
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
-          "-Wno-unknown-pragmas")
+HEADERS = ("vec_math.h", "simd.h", "attention_simd.h", "row_argmax.h")
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas")
+ISA_CFLAGS = {
+    "native": ("-march=native", "-mprefer-vector-width=512"),
+    "avx2": ("-march=x86-64-v3", "-mtune=native", "-mprefer-vector-width=256"),
+    "generic": (),
+}
+ISAS = tuple(ISA_CFLAGS)
+AVX2_NEEDS = ("avx2", "fma", "f16c")     # CPU flags (/proc/cpuinfo) the avx2 build's code uses
 ENV_SWITCH = "DELTASERVE_CPU_EXT"
+ISA_VAR = "DELTASERVE_CPU_ISA"
 DIR_VAR = "DELTASERVE_CPU_EXT_DIR"   # where builds go (tests point children at the built one)
 
 _lock = threading.Lock()
-_state: dict = {}
+_state: dict[str, dict] = {}         # per ISA: ok, why
+_selected: str | None = None         # the process's ISA once read from $DELTASERVE_CPU_ISA
 
 
 def _cpu_flags() -> str:
@@ -57,14 +72,51 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def library_name() -> str:
-    """deltaserve_cpu_<hash of what the build depends on>."""
+def isa() -> str:
+    """The ISA this process's kernels are built for: $DELTASERVE_CPU_ISA, else "native"."""
+    global _selected
+    if _selected is None:
+        value = os.environ.get(ISA_VAR) or "native"
+        if value not in ISAS:
+            raise ValueError(f"{ISA_VAR}={value!r} is not one of {', '.join(ISAS)}")
+        _selected = value
+    return _selected
+
+
+def namespace(which: str | None = None) -> str:
+    """The op namespace of an ISA's build: deltaserve_cpu (native), deltaserve_cpu_<isa>."""
+    which = which or isa()
+    return "deltaserve_cpu" if which == "native" else f"deltaserve_cpu_{which}"
+
+
+def cannot_run(which: str) -> str | None:
+    """Why this machine cannot run (or has no use for) the `which` build, else None."""
+    if which != "avx2":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"avx2 is an x86-64 build; this machine is {platform.machine()}"
+    flags = set(_cpu_flags().split())
+    missing = [f for f in AVX2_NEEDS if f not in flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)} for the avx2 build"
+    if "avx512f" not in flags:
+        return "the native build is already the AVX2 one (no AVX-512 here)"
+    return None
+
+
+def library_name(which: str | None = None) -> str:
+    """deltaserve_cpu_<hash of what the build depends on> (native), deltaserve_cpu_<isa>_<hash>."""
+    which = which or isa()
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join((str(CSRC), torch.__version__, sys.version, *CFLAGS,
+    h.update(" ".join((str(CSRC), torch.__version__, sys.version, *_cflags(which),
                        _cpu_flags())).encode())
-    return "deltaserve_cpu_" + h.hexdigest()[:16]
+    return f"{namespace(which)}_{h.hexdigest()[:16]}"
+
+
+def _cflags(which: str) -> list[str]:
+    return [*CFLAGS, *ISA_CFLAGS[which], f"-DDELTASERVE_CPU_NS={namespace(which)}"]
 
 
 def build_root() -> Path:
@@ -98,8 +150,8 @@ def _build_lock(build_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_and_load() -> None:
-    name = library_name()
+def _build_and_load(which: str) -> None:
+    name = library_name(which)
     build_dir = build_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     library = build_dir / f"{name}.so"
@@ -112,49 +164,53 @@ def _build_and_load() -> None:
                 log.warning("rebuilding %s: %s", library, e)
                 library.unlink()
         (build_dir / "lock").unlink(missing_ok=True)     # torch's, left by a killed builder
-        _compile_and_load(name, build_dir)
+        _compile_and_load(name, build_dir, which)
 
 
-def _compile_and_load(name: str, build_dir: Path) -> None:
+def _compile_and_load(name: str, build_dir: Path, which: str) -> None:
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
     cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES],
-                       extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                       extra_cflags=_cflags(which), extra_ldflags=["-fopenmp"],
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
 
 
-def load() -> bool:
-    """Build (if needed) and load the library once per process; True when its ops are ready."""
+def load(which: str | None = None) -> bool:
+    """Build (if needed) and load the library for an ISA (default: the process's, isa()) once
+    per process; True when its ops are ready."""
+    which = which or isa()
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
+        state = _state.setdefault(which, {})
+        if "ok" in state:
+            return state["ok"]
         switch = os.environ.get(ENV_SWITCH, "")
         if switch == "0":
-            _state.update(ok=False, why=f"{ENV_SWITCH}=0")
+            state.update(ok=False, why=f"{ENV_SWITCH}=0")
             return False
         try:
-            _build_and_load()
-            _state.update(ok=True, why="loaded")
+            _build_and_load(which)
+            state.update(ok=True, why="loaded")
         except Exception as e:  # noqa: BLE001 - any failure means "use the fallback"
             if switch == "1":
                 raise
-            _state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip()[-400:]}")
-            log.warning("deltaserve_cpu kernels unavailable, using torch fallbacks: %s",
-                        _state["why"])
-        return _state["ok"]
+            state.update(ok=False, why=f"{type(e).__name__}: {str(e).strip()[-400:]}")
+            log.warning("deltaserve_cpu kernels (%s) unavailable, using torch fallbacks: %s",
+                        which, state["why"])
+        return state["ok"]
 
 
-def status() -> str:
+def status(which: str | None = None) -> str:
     """Why the library is or is not in use ("loaded", or the failure)."""
-    return _state.get("why", "not loaded yet")
+    return _state.get(which or isa(), {}).get("why", "not loaded yet")
 
 
-def ops():
-    """torch.ops.deltaserve_cpu (call load() first)."""
-    return torch.ops.deltaserve_cpu
+def ops(which: str | None = None):
+    """torch.ops.deltaserve_cpu, or the namespace of another ISA's build (call load() first)."""
+    return getattr(torch.ops, namespace(which))
 
 
 if __name__ == "__main__":      # `make install`: build it now rather than at first use
     ok = load()
-    print(f"deltaserve_cpu kernels: {status()}" + ("" if ok else " (torch fallbacks in use)"))
+    print(f"deltaserve_cpu kernels ({isa()}): {status()}"
+          + ("" if ok else " (torch fallbacks in use)"))

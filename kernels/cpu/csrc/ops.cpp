@@ -1,10 +1,19 @@
-// The deltaserve_cpu operator library: torch.ops.deltaserve_cpu.<name>.
+// The deltaserve_cpu operator library: torch.ops.<DELTASERVE_CPU_NS>.<name>, where the build
+// names the namespace (deltaserve_cpu, or deltaserve_cpu_avx2 / _generic for the narrower builds
+// kernels/cpu/extension.py makes, so that one process can load several).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
+
+#ifndef DELTASERVE_CPU_NS
+#define DELTASERVE_CPU_NS deltaserve_cpu
+#endif
+// TORCH_LIBRARY pastes its argument: one more level so that the macro's value is pasted
+#define DELTASERVE_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 namespace deltaserve_cpu {
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -40,9 +49,21 @@ void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
                         const at::Tensor& seq_lens, double scale, at::Tensor out) {
   paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out);
 }
+
+// Which vector bodies this build compiled: "avx512", "avx2" or "generic" (portable loops).
+std::string body() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
 }  // namespace
 
-TORCH_LIBRARY(deltaserve_cpu, m) {
+DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
+  m.def("body() -> str", &body);
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out) -> ()",
         &paged_attention_op);

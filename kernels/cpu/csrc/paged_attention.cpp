@@ -10,8 +10,8 @@
 // flash-attention style over chunks of kChunk key positions: scores for the whole chunk, an
 // online softmax (running max m and sum l per row), and the value accumulation, all in float32.
 // Chunks past the tile's last position are never read; the diagonal chunk is masked.
-// With AVX-512 (and head_dim a multiple of 16) the item bodies in attention_avx512.h run; the
-// portable loops below are the fallback elsewhere.
+// With AVX-512 or AVX2 + FMA (simd.h) the item bodies in attention_simd.h run; the portable
+// loops below are the generic build's.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,9 +25,7 @@
 #include <vector>
 
 #include "vec_math.h"
-#if defined(__AVX512F__)
-#include "attention_avx512.h"
-#endif
+#include "attention_simd.h"
 
 namespace deltaserve_cpu {
 namespace {
@@ -188,10 +186,10 @@ void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q
   }
 }
 
-#if defined(__AVX512F__)
-// The AVX-512 bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
+#if defined(DELTASERVE_SIMD)
+// The vector bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
 template <typename T, int D>
-void attend_item_avx512(const Item& it, const Geometry<T>& g, const T* query,
+void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
                         int64_t first_pos, int group, float scale) {
@@ -219,10 +217,10 @@ void attend_item_avx512(const Item& it, const Geometry<T>& g, const T* query,
              (it.head * group + r % group) * o_head_stride;
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
-  if (rows <= avx512::kDirectRows) {
-    avx512::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row);
+  if (rows <= simd::kDirectRows) {
+    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row);
   } else {
-    avx512::wide_item<T, D>(q, pos, rows, row, store_row);
+    simd::wide_item<T, D>(q, pos, rows, row, store_row);
   }
 }
 #endif
@@ -268,9 +266,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     Geometry<T> g = base;
     g.blocks = table + it.req * table_stride;
     const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
-#if defined(__AVX512F__)
-    if constexpr (D % 16 == 0) {
-      attend_item_avx512<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+#if defined(DELTASERVE_SIMD)
+    if constexpr (D % simd::kChunk == 0) {
+      attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                                out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
       return;
     }

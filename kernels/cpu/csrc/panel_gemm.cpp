@@ -3,10 +3,11 @@
 //     panels[p][k][0..31] = W[32 p + 0..31][k]   (zero rows past N), float32 or bfloat16
 //
 // so that each panel streams from memory exactly once per call, contiguously, with the next
-// panel prefetched, while up to 12 rows of x accumulate against it in 24 vector registers
-// (12 rows x 32 columns). More rows walk the panel in chunks of kKChunk values of k, every
-// 12-row block taking the chunk while it is in L1 (partial sums parked in a small buffer), the
-// next panel's chunk prefetched a slice per block. For 4-47 rows this beats MKL's packed GEMM
+// panel prefetched, while up to kRows rows of x accumulate against it in vector registers
+// (AVX-512: 12 rows x 32 columns in 24 registers; AVX2: 3 rows in 12; simd.h). More rows walk
+// the panel in chunks of kKChunk values of k, every row block taking the chunk while it is in
+// L1 (partial sums parked in a small buffer), the next panel's chunk prefetched a slice per
+// block. For 4-47 rows this beats MKL's packed GEMM
 // by streaming W at close to the memory bandwidth; a bfloat16 W is widened in registers, so it
 // streams half the bytes. Larger row counts go to MKL (kernels/cpu/linear.py).
 #include <ATen/Parallel.h>
@@ -24,33 +25,29 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace deltaserve_cpu {
 namespace {
 
 constexpr int kPanel = 32;   // output columns per panel
-constexpr int kRows = 12;    // rows of x per register block
 constexpr int kKChunk = 64;  // k values per chunk when several row blocks share a panel
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
-#if defined(__AVX512F__)
-inline __m512 load_w(const float* p) { return _mm512_load_ps(p); }
-inline __m512 load_w(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+#if defined(DELTASERVE_SIMD)
+using namespace simd;
+constexpr int kVecs = kPanel / kLanes;       // vectors per panel row: 2 (AVX-512), 4 (AVX2)
+constexpr int kRows = kRegs == 32 ? 12 : 3;  // rows of x per register block: 24 or 12 accumulators
 
 // y[r][0..cols) = sum_k x[r][k] * panel[k][0..cols) for r < R (x float32, row stride ldx).
 template <int R, typename W>
 inline void block(const float* x, int64_t ldx, const W* panel, const W* next, int64_t k,
                   float* y, int64_t ldy, int cols) {
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  vf a[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) a[r][v] = zero();
   constexpr int kLineElems = 64 / sizeof(W);
   for (int64_t kk = 0; kk < k; ++kk) {
     if (next != nullptr) {
@@ -58,22 +55,17 @@ inline void block(const float* x, int64_t ldx, const W* panel, const W* next, in
       for (int off = 0; off < kPanel; off += kLineElems)
         _mm_prefetch(ahead + off * sizeof(W), _MM_HINT_T0);
     }
-    const __m512 w0 = load_w(panel + kk * kPanel);
-    const __m512 w1 = load_w(panel + kk * kPanel + 16);
+    vf w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = load(panel + kk * kPanel + v * kLanes);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx + kk]);
-      a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+      const vf b = set1(x[r * ldx + kk]);
+      for (int v = 0; v < kVecs; ++v) a[r][v] = fmadd(b, w[v], a[r][v]);
     }
   }
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF
-                       : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, a0[r]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, a1[r]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v)
+      storeu_first(y + r * ldy + v * kLanes, a[r][v], cols - v * kLanes);
 }
 
 // acc[r][0..32) (+)= sum_{k0 <= kk < k1} x[r][kk] * panel[kk][..] for r < R; issues `lines`
@@ -81,36 +73,40 @@ inline void block(const float* x, int64_t ldx, const W* panel, const W* next, in
 template <int R, typename W>
 inline void chunk_block(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1,
                         float* acc, bool first, const char* pf, int lines) {
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) {
-    a0[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * kPanel);
-    a1[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * kPanel + 16);
-  }
+  vf a[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v)
+      a[r][v] = first ? zero() : load(acc + r * kPanel + v * kLanes);
   for (int64_t kk = k0; kk < k1; ++kk) {
     if (lines > 0) {
       _mm_prefetch(pf, _MM_HINT_T0);
       pf += 64;
       --lines;
     }
-    const __m512 w0 = load_w(panel + kk * kPanel);
-    const __m512 w1 = load_w(panel + kk * kPanel + 16);
+    vf w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = load(panel + kk * kPanel + v * kLanes);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * ldx + kk]);
-      a0[r] = _mm512_fmadd_ps(b, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(b, w1, a1[r]);
+      const vf b = set1(x[r * ldx + kk]);
+      for (int v = 0; v < kVecs; ++v) a[r][v] = fmadd(b, w[v], a[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(acc + r * kPanel, a0[r]);
-    _mm512_store_ps(acc + r * kPanel + 16, a1[r]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) store(acc + r * kPanel + v * kLanes, a[r][v]);
 }
 
+template <typename W>
+using BlockFn = void (*)(const float*, int64_t, const W*, const W*, int64_t, float*, int64_t,
+                         int);
 template <typename W>
 using ChunkFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, bool,
                          const char*, int);
 
+// [i] = the body for i + 1 rows
+template <typename W, size_t... R>
+constexpr auto block_table(std::index_sequence<R...>) {
+  return std::array<BlockFn<W>, sizeof...(R)>{block<static_cast<int>(R) + 1, W>...};
+}
 template <typename W, size_t... R>
 constexpr auto chunk_table(std::index_sequence<R...>) {
   return std::array<ChunkFn<W>, sizeof...(R)>{chunk_block<static_cast<int>(R) + 1, W>...};
@@ -146,26 +142,8 @@ void rows_against_panel(const float* x, int64_t m, int64_t k, const W* panel, co
     rows_against_panel_chunked(x, m, k, panel, next, y, ldy, cols, acc);
     return;
   }
-  int64_t r0 = 0;
-  for (; r0 + kRows <= m; r0 += kRows)
-    block<kRows>(x + r0 * k, k, panel, r0 == 0 ? next : nullptr, k, y + r0 * ldy, ldy, cols);
-  const W* nx = r0 == 0 ? next : nullptr;
-  const float* xr = x + r0 * k;
-  float* yr = y + r0 * ldy;
-  switch (m - r0) {
-    case 0: break;
-    case 1: block<1>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 2: block<2>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 3: block<3>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 4: block<4>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 5: block<5>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 6: block<6>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 7: block<7>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 8: block<8>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 9: block<9>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    case 10: block<10>(xr, k, panel, nx, k, yr, ldy, cols); break;
-    default: block<11>(xr, k, panel, nx, k, yr, ldy, cols); break;
-  }
+  static constexpr auto fns = block_table<W>(std::make_index_sequence<kRows>{});
+  if (m > 0) fns[m - 1](x, k, panel, next, k, y, ldy, cols);
 }
 #else
 template <typename W>

@@ -32,6 +32,26 @@ def test_smoke_runs_deltaserve_in_process_and_over_grpc(tmp_path, capsys):
     assert (tmp_path / "work" / "smoke-DeltaServe.log").exists()
 
 
+@pytest.mark.slow
+def test_isa_avx2_runs_deltaserve_on_its_avx2_build_and_says_so(tmp_path, capsys):
+    """--isa avx2 on whatever CPU this is: the engine process loads the AVX2 kernels (built
+    without AVX-512) with torch at AVX2, and the results block names the CPU and the ISA."""
+    from kernels.cpu import extension
+
+    if extension.cannot_run("avx2") or not extension.load("avx2"):
+        pytest.skip(extension.cannot_run("avx2") or extension.status("avx2"))
+    results = tmp_path / "results.md"
+    argv = ["--workload", "smoke", "--engines", "deltaserve", "--isa", "avx2", "--rounds", "1",
+            "--no-roofline", "--cache-dir", str(tmp_path / "presets"),
+            "--results-file", str(results), "--work-dir", str(tmp_path / "work")]
+    assert harness.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "deltaserve_cpu avx2 build (avx2 bodies), torch CPU capability AVX2" in out, out
+    text = results.read_text()
+    assert re.search(r"^- cpu: .*widest ISA", text, re.M)
+    assert "- ISA: avx2, emulated on this CPU for both engines" in text
+
+
 def test_a_missing_vllm_venv_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(VenvError, match="does not exist"):
         find_or_install(tmp_path / "nowhere")

@@ -25,9 +25,49 @@ def test_library_loads_and_registers_its_ops():
 
 
 def test_library_name_follows_sources_and_cpu():
-    name = extension.library_name()
+    name = extension.library_name("native")
     assert name.startswith("deltaserve_cpu_") and len(name) == len("deltaserve_cpu_") + 16
-    assert name == extension.library_name()
+    assert name == extension.library_name("native")
+    avx2 = extension.library_name("avx2")
+    assert avx2.startswith("deltaserve_cpu_avx2_") and avx2[-16:] != name[-16:]
+    assert extension.namespace("generic") == "deltaserve_cpu_generic"
+
+
+def _native_body() -> str:
+    flags = set(extension._cpu_flags().split())
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "generic"
+
+
+@pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
+def test_the_native_build_compiles_the_widest_body_this_cpu_has():
+    assert extension.load("native"), extension.status("native")
+    assert extension.ops("native").body() == _native_body()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
+@pytest.mark.parametrize("which", ["avx2", "generic"])
+def test_a_narrower_build_loads_beside_the_native_one_with_its_own_body(which):
+    """Both libraries in one process, each answering with its own code (no symbol of one
+    taken by the other)."""
+    if extension.cannot_run(which):
+        pytest.skip(extension.cannot_run(which))
+    assert extension.load("native") and extension.load(which), extension.status(which)
+    assert extension.ops(which).body() == which
+    assert extension.ops("native").body() == _native_body()
+
+
+def test_an_unknown_isa_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(extension, "_selected", None)
+    monkeypatch.setenv(extension.ISA_VAR, "avx9")
+    with pytest.raises(ValueError, match="DELTASERVE_CPU_ISA='avx9' is not one of native, "
+                                         "avx2, generic"):
+        extension.isa()
+    monkeypatch.setattr(extension, "_selected", None)
+    monkeypatch.setenv(extension.ISA_VAR, "avx2")
+    assert extension.isa() == "avx2" and extension.namespace() == "deltaserve_cpu_avx2"
 
 
 def test_switched_off_library_leaves_the_torch_fallbacks():

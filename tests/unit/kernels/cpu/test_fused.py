@@ -12,8 +12,8 @@ from kernels.cpu import extension
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import get_rope
 
-pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
-ops = extension.ops() if extension.load() else None
+pytestmark = [pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built"),
+              pytest.mark.usefixtures("cpu_isa")]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -57,7 +57,7 @@ def test_rope_rotates_strided_views_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_silu_and_mul(ops, dtype):
     gen = torch.Generator().manual_seed(2)
     x = (4 * torch.randn(19, 2 * 300, generator=gen)).to(dtype)
     x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
@@ -65,7 +65,7 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), want, **tol(dtype))
 
 
-def test_greedy_sample_is_argmax_with_its_logprob():
+def test_greedy_sample_is_argmax_with_its_logprob(ops):
     gen = torch.Generator().manual_seed(3)
     x = 5 * torch.randn(9, 1003, generator=gen)        # 1003: a tail past the 16-wide body
     x[1, 17] = x[1, 900] = 99.0                         # a tie: the first index wins
@@ -78,16 +78,24 @@ def test_greedy_sample_is_argmax_with_its_logprob():
     torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_sample_rows_with_inf_or_nan_take_the_one_pass_path():
+def test_greedy_sample_rows_with_inf_or_nan_take_the_one_pass_path(ops):
     # Pieces with a NaN or a max that is not finite take the lane-wise update: the argmax of
     # the numbers (a NaN is never picked) and a logprob that is not finite, as torch's is not.
-    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(4))
+    # A NaN that is the first value its lane sees (columns 0 and 7) counts too.
+    x = torch.randn(5, 100, generator=torch.Generator().manual_seed(4))
     x[0, 40] = float("inf")
     x[1, :] = float("-inf")
     x[2, 7] = float("nan")
+    x[3, 0] = float("nan")
+    x[4, 50:] = float("nan")
     ids, logprobs = ops.greedy_sample(x)
-    assert ids[0] == 40 and ids[1] == 0 and ids[2] == x[2].nan_to_num(float("-inf")).argmax()
-    assert torch.isnan(logprobs[0]) and torch.isnan(logprobs[2])
+    assert ids[0] == 40 and ids[1] == 0
+    for r in (2, 3, 4):
+        assert ids[r] == x[r].nan_to_num(float("-inf")).argmax(), r
+        assert torch.isnan(logprobs[r]), r
+    assert torch.isnan(logprobs[0])
+    short = torch.tensor([[float("nan")] + [float("-inf")] * 7])    # a NaN alone in its lane
+    assert torch.isnan(ops.greedy_sample(short)[1][0])
 
 
 def test_sampler_takes_the_kernel_only_for_plain_greedy_steps():

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from kernels.cpu import extension, linear
 
-pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+pytestmark = [pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 13, 31, 48, 49, 64, 300])

@@ -1,7 +1,7 @@
 """The CPU paged attention kernel (kernels/cpu/csrc/paged_attention.cpp) against the torch
 reference backend on random paged batches: decodes, full and chunked prefills on a cached
-prefix, idle requests, padding rows; float32 and bfloat16; head sizes with and without the
-AVX-512 bodies; GQA groups from 1 to 8; block sizes 1 to 16."""
+prefix, idle requests, padding rows; float32 and bfloat16; head sizes 16, 64 and 128; GQA
+groups from 1 to 8; block sizes 1 to 16; on each build (conftest.py)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,8 @@ from kernels.attention import cpu_paged
 from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
 
-pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="deltaserve_cpu not built")
+pytestmark = [pytest.mark.skipif(not cpu_paged.available(), reason="deltaserve_cpu not built"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 
 def make_case(gen, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype,
