@@ -53,8 +53,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:8] + ("kernels",),
     "deltaserve.default_model": _COMMON + ("deltaserve.paths", "worker_service.models"),
     "deltaserve.chat": _COMMON + ("deltaserve.client",),
+    "deltaserve.child_process": (),
+    "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",),
     "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.paths", "deltaserve.default_model",
-                                                   "worker_service.models"),
+                                                   "worker_service.models",
+                                                   "deltaserve.child_process",
+                                                   "deltaserve.openai_gateway"),
     "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.paths", "deltaserve.llm",
                                                 "deltaserve.default_model", "deltaserve.embedded"),
     "deltaserve": (),                                   # the package __init__: empty

@@ -37,7 +37,8 @@ def _start_serve(tmp_path: Path, name: str):
     log = tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0"]
+           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0",
+           "--openai-listen", "off"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))
@@ -100,7 +101,7 @@ def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path):
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
            "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--fused-ops",
-           "--metrics-listen", "127.0.0.1:0"]
+           "--metrics-listen", "127.0.0.1:0", "--openai-listen", "off"]
     env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     env.pop("TRITON_INTERPRET", None)
     t0 = time.monotonic()

@@ -154,7 +154,7 @@ def test_serve_exposes_both_endpoints_by_flag(tmp_path):
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{api}",
            "--worker-listen", f"127.0.0.1:{worker}", "--device", "cpu",
            "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB,
-           "--metrics-listen", f"127.0.0.1:{metrics}"]
+           "--metrics-listen", f"127.0.0.1:{metrics}", "--openai-listen", "off"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))

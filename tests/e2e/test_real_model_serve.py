@@ -41,7 +41,8 @@ class Serve:
         self.log = log
         cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", self.target,
                "--worker-listen", f"127.0.0.1:{self.worker_port}", "--device", "cpu",
-               "--kv-cache-gib", KV_GIB, "--metrics-listen", "127.0.0.1:0", *flags]
+               "--kv-cache-gib", KV_GIB, "--metrics-listen", "127.0.0.1:0",
+               "--openai-listen", "off", *flags]
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                          env=child_env(None))
@@ -191,7 +192,7 @@ def test_a_gguf_path_serves_the_same_tokens_as_the_converted_directory(served, t
 def test_tp_size_that_does_not_fit_the_heads_is_refused_in_one_line(default_model):
     proc = _cli("serve", "--device", "cpu", "--local-ranks", "2", "--listen",
                 f"127.0.0.1:{free_port()}", "--worker-listen", f"127.0.0.1:{free_port()}",
-                timeout=120)
+                "--openai-listen", "off", timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert out.strip() == (

@@ -1,0 +1,125 @@
+"""`deltaserve serve --host/--port`: the OpenAI-compatible API from one command, the real smg
+gateway as a supervised child (skipped, with the reason, where its binary cannot run):
+
+  * the ready line names both APIs and its curl command answers as printed (with the key);
+  * the gateway's log lines are folded into ours with an `[smg] ` prefix;
+  * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
+    open);
+  * Ctrl-C stops the gateway and the worker with the server (exit 0); a gateway that dies stops
+    the whole group (exit 1, saying why).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.gateway import chat_model_dir, http_json, require_smg
+from tests.support.grpc_harness import REPO, SMALL_KV_GIB, child_env, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+KEY = "openai-test-key-0123456789"
+
+
+def _children(pid: int) -> dict[str, int]:
+    """{"smg": pid, "worker": pid} of the serve process."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()   # smg retitles itself
+            out["worker" if b"deltaserve.cli\0worker" in cmdline else "smg"] = int(child)
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in "ZX"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+class Serve:
+    def __init__(self, model_dir: Path, log: Path, *flags: str):
+        require_smg()
+        self.port, self.openai_port = free_port(), free_port()
+        self.log = log
+        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--model", str(model_dir),
+               "--listen", f"127.0.0.1:{self.port}", "--worker-listen",
+               f"127.0.0.1:{free_port()}", "--device", "cpu", "--kv-cache-gib", SMALL_KV_GIB,
+               "--metrics-listen", "off", "--host", "127.0.0.1", "--port",
+               str(self.openai_port), *flags]
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                         env=child_env(None))
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> str:
+        def ready():
+            assert self.proc.poll() is None, self.text()
+            return "DeltaServe ready on" in self.text()
+        wait_for(ready, 240, "the ready line")
+        return self.text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_models, tmp_path_factory):
+    return chat_model_dir(tiny_models("qwen3"), tmp_path_factory.mktemp("chat") / "tiny-chat")
+
+
+def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model, tmp_path):
+    serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY)
+    try:
+        text = serve.wait_ready()
+        url = f"http://127.0.0.1:{serve.openai_port}/v1"
+        assert f"DeltaServe ready on 127.0.0.1:{serve.port}, OpenAI API on {url}" in text
+        assert "\n[smg] " in text          # its log, folded into ours
+        (curl,) = [line.strip() for line in text.splitlines() if line.strip().startswith("curl")]
+        done = subprocess.run(shlex.split(curl.replace("Bearer KEY", f"Bearer {KEY}")),
+                              capture_output=True, text=True, timeout=120)
+        answer = json.loads(done.stdout)
+        assert answer["object"] == "chat.completion", done.stdout
+        assert answer["choices"][0]["message"]["content"]
+        assert answer["usage"]["completion_tokens"] >= 1
+
+        request = {"model": "tiny-chat", "max_tokens": 2,
+                   "messages": [{"role": "user", "content": "hi"}]}
+        status, body = http_json(serve.openai_port, "POST", "/v1/chat/completions", request)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+
+        children = _children(serve.proc.pid)
+        assert set(children) == {"smg", "worker"}
+        serve.proc.send_signal(signal.SIGINT)       # what Ctrl-C delivers
+        assert serve.proc.wait(60) == 0, serve.text()
+        assert all(_gone(pid) for pid in children.values())
+    finally:
+        serve.close()
+
+
+def test_a_gateway_that_dies_stops_the_group_and_says_why(chat_model, tmp_path):
+    serve = Serve(chat_model, tmp_path / "serve.log")
+    try:
+        serve.wait_ready()
+        children = _children(serve.proc.pid)
+        subprocess.run(["kill", "-KILL", str(children["smg"])], check=True)
+        assert serve.proc.wait(60) == 1, serve.text()
+        assert "the OpenAI gateway (smg) exited with code -9" in serve.text()
+        deadline = time.monotonic() + 30
+        while not _gone(children["worker"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(children["worker"])
+    finally:
+        serve.close()
