@@ -135,7 +135,8 @@ def _cmd_scheduler(args) -> int:
     with _startup_errors():
         settings = engine_settings(args, args.model)
         auth = from_args(WorkerCredentials, args).load()
-        front = openai_front(args, settings.api, args.model, args.listen)
+        front = openai_front(args, settings.api, args.model, args.listen,
+                             settings.server.chat_template)
     if front is None:
         return run_scheduler(workers, args.listen, settings.worker, settings.policy,
                              settings.server, api=settings.api, worker_auth=auth)

@@ -132,9 +132,10 @@ def _examples(target: str, chat: bool, api, model_name: str, openai_url: str | N
     return "".join(f"  {line}\n" for line in lines)
 
 
-def _announce(listen: str, model_dir: str, api, front: OpenAIFront | None):
-    chat = load_chat_template(model_dir) is not None
-    model_name = ModelInfo.from_dir(model_dir).name
+def _announce(listen: str, model_dir: str, settings, front: OpenAIFront | None):
+    server, api = settings.server, settings.api
+    chat = load_chat_template(model_dir, server.chat_template) is not None
+    model_name = server.served_model_name or ModelInfo.from_dir(model_dir).name
 
     def ready_line(target: str, openai_url: str | None) -> None:
         where = f", OpenAI API on {openai_url}" if openai_url else ""
@@ -162,8 +163,9 @@ def serve(args) -> int:
         check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
                       "--local-ranks")
     settings = engine_settings(args, model_dir)
-    front = openai_front(args, settings.api, model_dir, args.listen)
-    on_ready = _announce(args.listen, model_dir, settings.api, front)
+    front = openai_front(args, settings.api, model_dir, args.listen,
+                         settings.server.chat_template)
+    on_ready = _announce(args.listen, model_dir, settings, front)
     worker_metrics = args.worker_metrics_listen or next_port(args.metrics_listen)
     token = new_token()
     worker = start_worker(args.worker_listen,

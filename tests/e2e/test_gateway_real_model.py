@@ -53,7 +53,7 @@ def test_a_streamed_chat_names_paris(served):
     _, gateway = served
     events = list(SseStream(gateway.port, "/v1/chat/completions",
                             {"model": MODEL, "messages": FRANCE, "max_tokens": 64,
-                             "stream": True}).events())
+                             "temperature": 0, "stream": True}).events())
     text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     assert "Paris" in text
     assert text == FRANCE_ANSWER
@@ -63,7 +63,8 @@ def test_a_streamed_chat_names_paris(served):
 def test_the_answer_is_transformers_and_our_generate(served):
     replica, gateway = served
     status, reply = http_json(gateway.port, "POST", "/v1/chat/completions",
-                              {"model": MODEL, "messages": FRANCE, "max_tokens": 64})
+                              {"model": MODEL, "messages": FRANCE, "max_tokens": 64,
+                               "temperature": 0})
     assert status == 200, reply
     req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=64))
     req.messages.extend(pb.ChatMessage(**m) for m in FRANCE)
@@ -103,6 +104,7 @@ ASK_PERSON = [{"role": "user", "content": "Give me a person as JSON"}]
 def test_response_format_json_schema_validates(served, stream):
     _, gateway = served
     body = {"model": MODEL, "messages": ASK_PERSON, "max_tokens": 96, "stream": stream,
+            "temperature": 0,
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "person", "schema": PERSON}}}
     if stream:
@@ -125,7 +127,7 @@ def test_response_format_json_schema_validates(served, stream):
 def test_the_constrained_answer_is_our_generates(served):
     replica, gateway = served
     status, reply = http_json(gateway.port, "POST", "/v1/chat/completions", {
-        "model": MODEL, "messages": ASK_PERSON, "max_tokens": 96,
+        "model": MODEL, "messages": ASK_PERSON, "max_tokens": 96, "temperature": 0,
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "person", "schema": PERSON}}}, timeout=300)
     assert status == 200, reply

@@ -2,6 +2,7 @@
 gateway as a supervised child (skipped, with the reason, where its binary cannot run):
 
   * the ready line names both APIs and its curl command answers as printed (with the key);
+  * vLLM's --tensor-parallel-size and --served-model-name: /v1/models lists the served name;
   * the gateway's log lines are folded into ours with an `[smg] ` prefix;
   * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
     open);
@@ -81,7 +82,8 @@ def chat_model(tiny_models, tmp_path_factory):
 
 
 def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model, tmp_path):
-    serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY)
+    serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY,
+                  "--tensor-parallel-size", "1", "--served-model-name", "my-model")
     try:
         text = serve.wait_ready()
         url = f"http://127.0.0.1:{serve.openai_port}/v1"
@@ -95,7 +97,9 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
         assert answer["choices"][0]["message"]["content"]
         assert answer["usage"]["completion_tokens"] >= 1
 
-        request = {"model": "tiny-chat", "max_tokens": 2,
+        status, models = http_json(serve.openai_port, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["my-model"], models
+        request = {"model": "my-model", "max_tokens": 2,
                    "messages": [{"role": "user", "content": "hi"}]}
         status, body = http_json(serve.openai_port, "POST", "/v1/chat/completions", request)
         assert status == 401 and body["error"]["code"] == "invalid_api_key", body
