@@ -54,3 +54,17 @@ def test_good_values_and_wire_round_trip():
     wsp = WorkerSamplingParams(sp, seed=5, min_tokens=2, stop_ids=(0, 7))
     assert WorkerSamplingParams.from_wire(wsp.to_wire()) == wsp
     assert StoppingParams(stop=["a"], stop_token_ids=[1]).stop == ("a",)
+
+
+def test_logit_bias_is_sorted_bounded_and_survives_the_wire():
+    import msgpack
+
+    params = SamplingParams(logit_bias={9: -100, 4: 2.5})
+    assert params.logit_bias == ((4, 2.5), (9, -100.0))
+    wire = msgpack.unpackb(msgpack.packb(params.to_wire()))   # pairs come back as lists
+    assert SamplingParams.from_wire(wire) == params
+    assert SamplingParams().to_wire() == {}
+    with pytest.raises(ParamError, match="at most 1024"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
+    with pytest.raises(ParamError, match="distinct"):
+        SamplingParams(logit_bias=[(1, 1.0), (1, 2.0)])
