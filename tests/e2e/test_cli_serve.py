@@ -13,23 +13,9 @@ from pathlib import Path
 
 import grpc
 
+from tests.support.serve_process import children, gone
 from tests.support.grpc_harness import (REPO, SMALL_KV_GIB, child_env, collect, free_port,
                                         generation_stub, greedy_request, wait_for)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie nobody reaped counts as exited)."""
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in "ZX"
-    except (FileNotFoundError, IndexError):
-        return True
 
 
 def _start_serve(tmp_path: Path, name: str):
@@ -64,11 +50,11 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
             ids, _, msgs = collect(generation_stub(ch).Generate(greedy_request([5, 6], 5),
                                                                 timeout=30))
         assert len(ids) == 5
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 1
         proc.send_signal(signal.SIGINT)   # what Ctrl-C delivers (the worker has its own session)
         assert proc.wait(30) == 0
-        assert _gone(workers[0])
+        assert gone(workers[0])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -79,17 +65,17 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
     worker = None
     try:
         assert "Writing model" not in _wait_ready_line(proc, log)
-        worker = _children(proc.pid)[0]
+        worker = children(proc.pid)[0]
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + 30  # grace 5 s, then the stop watchdog's 5 s
-        while not _gone(worker) and time.monotonic() < deadline:
+        while not gone(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(worker)
+        assert gone(worker)
     finally:
         if proc.poll() is None:
             proc.kill()
-        if worker is not None and not _gone(worker):
+        if worker is not None and not gone(worker):
             os.kill(worker, signal.SIGKILL)
 
 

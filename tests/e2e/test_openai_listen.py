@@ -15,14 +15,14 @@ import json
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.gateway import chat_model_dir, http_json, require_smg
-from tests.support.grpc_harness import REPO, SMALL_KV_GIB, child_env, free_port, wait_for
+from tests.support.grpc_harness import SMALL_KV_GIB, free_port
+from tests.support.serve_process import ServeProcess, children, gone
 
 pytestmark = pytest.mark.slow
 
@@ -32,43 +32,22 @@ KEY = "openai-test-key-0123456789"
 def _children(pid: int) -> dict[str, int]:
     """{"smg": pid, "worker": pid} of the serve process."""
     out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()   # smg retitles itself
-            out["worker" if b"deltaserve.cli\0worker" in cmdline else "smg"] = int(child)
+    for child in children(pid):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()   # smg retitles itself
+        out["worker" if b"deltaserve.cli\0worker" in cmdline else "smg"] = child
     return out
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in "ZX"
-    except (FileNotFoundError, IndexError):
-        return True
+class Serve(ServeProcess):
+    """The chat model on free loopback ports, with the OpenAI API on --host/--port."""
 
-
-class Serve:
     def __init__(self, model_dir: Path, log: Path, *flags: str):
         require_smg()
         self.port, self.openai_port = free_port(), free_port()
-        self.log = log
-        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--model", str(model_dir),
-               "--listen", f"127.0.0.1:{self.port}", "--worker-listen",
-               f"127.0.0.1:{free_port()}", "--device", "cpu", "--kv-cache-gib", SMALL_KV_GIB,
-               "--metrics-listen", "off", "--host", "127.0.0.1", "--port",
-               str(self.openai_port), *flags]
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                         env=child_env(None))
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self) -> str:
-        def ready():
-            assert self.proc.poll() is None, self.text()
-            return "DeltaServe ready on" in self.text()
-        wait_for(ready, 240, "the ready line")
-        return self.text()
+        super().__init__(log, ["--model", str(model_dir), "--listen", f"127.0.0.1:{self.port}",
+                               "--worker-listen", f"127.0.0.1:{free_port()}", "--device", "cpu",
+                               "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "off",
+                               "--host", "127.0.0.1", "--port", str(self.openai_port), *flags])
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -85,7 +64,7 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
     serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY,
                   "--tensor-parallel-size", "1", "--served-model-name", "my-model")
     try:
-        text = serve.wait_ready()
+        text = serve.wait_ready(240)
         url = f"http://127.0.0.1:{serve.openai_port}/v1"
         assert f"DeltaServe ready on 127.0.0.1:{serve.port}, OpenAI API on {url}" in text
         assert "\n[smg] " in text          # its log, folded into ours
@@ -108,7 +87,7 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
         assert set(children) == {"smg", "worker"}
         serve.proc.send_signal(signal.SIGINT)       # what Ctrl-C delivers
         assert serve.proc.wait(60) == 0, serve.text()
-        assert all(_gone(pid) for pid in children.values())
+        assert all(gone(pid) for pid in children.values())
     finally:
         serve.close()
 
@@ -122,8 +101,8 @@ def test_a_gateway_that_dies_stops_the_group_and_says_why(chat_model, tmp_path):
         assert serve.proc.wait(60) == 1, serve.text()
         assert "the OpenAI gateway (smg) exited with code -9" in serve.text()
         deadline = time.monotonic() + 30
-        while not _gone(children["worker"]) and time.monotonic() < deadline:
+        while not gone(children["worker"]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(children["worker"])
+        assert gone(children["worker"])
     finally:
         serve.close()
