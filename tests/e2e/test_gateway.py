@@ -10,7 +10,7 @@ template (the gateway applies chat templates and detokenizes itself):
   * a worker that dies turns the replica unhealthy at the gateway, and healthy again when it is back;
   * two replicas behind one gateway: requests sharing a long prefix land on the replica that holds
     it (each request attributed through each replica's own GetServerInfo), routed by our KV
-    events (the gateway's event_hit counter).
+    events (the gateway's event_hit counter); with one replica killed the other serves them all.
 
 Skipped, with the reason, when the `smg` binary cannot run here.
 """
@@ -301,6 +301,18 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(smg, chat_m
             assert min(cached[name][1:]) >= 16 * (full_blocks - 1), cached   # ... holding it
         # Routed by our KV events: the gateway counts a selection that found the prefix in them.
         assert gateway.metric("smg_cache_aware_policy_branch_total", branch="event_hit") >= 6
+
+        # One replica killed (scheduler and worker): the other serves every family.
+        dead = replicas[served["P"][0]]
+        dead.scheduler.kill()
+        dead.worker.kill()
+        wait_for(lambda: sum(bool(w.get("is_healthy")) for w in gateway.workers()) == 1, 60,
+                 "the gateway to drop the dead replica", [gateway.proc])
+        for name, prefix in families.items():
+            status, reply = http_json(gateway.port, "POST", "/v1/completions", {
+                "model": "tiny-chat", "prompt": f"{prefix}Question 9:", "max_tokens": 2,
+                "temperature": 0})
+            assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
     finally:
         if gateway is not None:
             gateway.close()
