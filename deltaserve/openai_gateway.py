@@ -13,10 +13,11 @@ exits on its own, `gone()` says so and the whole group stops (exit code 1).
 What is carried to smg and what is not (smg 1.13.0, checked):
   * --api-key KEY: smg's --api-key; every /v1 request must send `Authorization: Bearer KEY`.
     smg sends no key to a gRPC worker, so a gRPC port guarded by --api-key-file cannot sit
-    behind it: that combination is refused (use --api-key and keep --listen on loopback).
+    behind it: the default listener then stays off, an asked-for one is refused (use --api-key
+    and keep --listen on loopback).
   * --ssl-certfile/--ssl-keyfile: HTTPS on the OpenAI listener (smg --tls-cert-path/-key-path).
     smg could not connect to a TLS gRPC worker (grpcs://: "transport error"), so --tls-cert on
-    the gRPC port with the OpenAI listener on is refused.
+    the gRPC port keeps the default listener off, and an asked-for one is refused.
   * --tool-call-parser, --reasoning-parser, --chat-template: passed through.
 """
 from __future__ import annotations
@@ -273,7 +274,8 @@ class OpenAIFront:
 def openai_front(args, api, model_dir: str, listen: str,
                  chat_template: str | None = None) -> OpenAIFront | None:
     """The OpenAI front the flags ask for, or None (off; or on by default but smg is not
-    installed: then a note says how to get it). ParamError for what cannot work."""
+    installed, or it cannot front the gRPC port's keys or TLS: then a note says why).
+    ParamError for what was asked for and cannot work."""
     options, asked = openai_options(args)
     if not options.enabled:
         return None
@@ -285,5 +287,11 @@ def openai_front(args, api, model_dir: str, listen: str,
         print(f"deltaserve: the OpenAI API is off: the smg gateway is not installed "
               f"({SMG_INSTALL}); --openai-listen off silences this", flush=True)
         return None
-    check_compatible(options, api)
+    try:
+        check_compatible(options, api)
+    except ParamError as e:
+        if asked:
+            raise
+        print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
+        return None
     return OpenAIFront(options, smg, model_dir, listen, chat_template)

@@ -11,8 +11,8 @@ import pytest
 
 from deltaserve.cli import build_parser
 from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, check_compatible,
-                                       gateway_model_path, grpc_target_of, openai_options,
-                                       smg_command)
+                                       find_smg, gateway_model_path, grpc_target_of,
+                                       openai_front, openai_options, smg_command)
 from engine_common.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 
@@ -108,3 +108,20 @@ def test_a_running_child_is_stopped():
     assert child.gone() is None
     child.stop()
     assert child.proc.returncode is not None and child.gone() is not None
+
+
+def test_a_default_listener_gives_way_to_the_grpc_ports_keys_and_an_asked_one_is_refused(
+        tmp_path, capsys):
+    """`serve --api-key-file F` keeps working (gRPC only, with a note); asking for the OpenAI
+    listener as well is refused by name."""
+    if find_smg() is None:
+        pytest.skip("the smg gateway is not installed")
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 32 + "\n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--api-key-file", str(keys)])
+    assert openai_front(args, ApiOptions(api_key_file=str(keys)), "m", "localhost:1") is None
+    assert "the OpenAI API is off: api_key_file" in capsys.readouterr().out
+    args = parser.parse_args(["serve", "--api-key-file", str(keys), "--port", "8001"])
+    with pytest.raises(ParamError, match="api_key_file"):
+        openai_front(args, ApiOptions(api_key_file=str(keys)), "m", "localhost:1")
