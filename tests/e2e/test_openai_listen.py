@@ -7,11 +7,13 @@ gateway as a supervised child (skipped, with the reason, where its binary cannot
   * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
     open);
   * Ctrl-C stops the gateway and the worker with the server (exit 0); a gateway that dies stops
-    the whole group (exit 1, saying why).
+    the whole group (exit 1, saying why);
+  * `deltaserve scheduler --host/--port` fronts itself the same way.
 """
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.gateway import chat_model_dir, http_json, require_smg
-from tests.support.grpc_harness import SMALL_KV_GIB, free_port
+from tests.support.grpc_harness import SMALL_KV_GIB, Processes, free_port, wait_for
 from tests.support.serve_process import ServeProcess, children, gone
 
 pytestmark = pytest.mark.slow
@@ -106,3 +108,26 @@ def test_a_gateway_that_dies_stops_the_group_and_says_why(chat_model, tmp_path):
         assert gone(children["worker"])
     finally:
         serve.close()
+
+
+def test_the_scheduler_command_fronts_itself_when_given_a_port(chat_model, tmp_path):
+    """`deltaserve scheduler --port P`: off by default there, on when asked; the gateway's
+    /v1/models lists the served name and its exit stops the scheduler."""
+    require_smg()
+    procs = Processes(tmp_path)
+    try:
+        worker_port, port, openai_port = free_port(), free_port(), free_port()
+        procs.worker(worker_port)
+        scheduler = procs.scheduler(str(chat_model), [worker_port], port, "--host", "127.0.0.1",
+                                    "--port", str(openai_port), "--served-model-name", "dp-1")
+        url = f"http://127.0.0.1:{openai_port}/v1"
+        wait_for(lambda: f"OpenAI API ready on {url}" in scheduler.log_tail(10**6), 240,
+                 "the OpenAI ready line", procs.procs)
+        status, models = http_json(openai_port, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["dp-1"], models
+        (smg,) = children(scheduler.pid)
+        os.kill(smg, signal.SIGKILL)
+        assert scheduler.popen.wait(60) == 1
+        assert "the OpenAI gateway (smg) exited with code -9" in scheduler.log_tail(10**6)
+    finally:
+        procs.close()
