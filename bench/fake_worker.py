@@ -37,17 +37,20 @@ class FakeWorker:
             self.batch.pop(h, None)
         for h in diff.preempted_handles:
             del self.batch[h]
+        compiled = []               # grammars "compile" at once
         for new in diff.new_requests:
             self.rows[new.handle] = _Row(len(new.prompt_token_ids), new.num_computed_tokens,
                                          len(new.block_ids))
             self.batch[new.handle] = None
+            if new.constraint is not None:
+                compiled.append(new.handle)
         for res in diff.resumed_requests:
             row = self.rows[res.handle]
             row.num_computed, row.num_blocks = res.num_computed_tokens, len(res.block_ids)
             self.batch[res.handle] = None
         for h, ids in diff.new_block_ids.items():
             self.rows[h].num_blocks += len(ids)
-        out = RunnerOutput(diff.step)
+        out = RunnerOutput(diff.step, compiled_handles=compiled)
         counts = diff.num_scheduled_tokens
         for h in self.batch:
             n = counts.get(h, 1)

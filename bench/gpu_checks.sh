@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU check of DeltaServe in one script, for a machine with an NVIDIA GPU:
 #
-#   bash bench/gpu_checks.sh [tests] [attention] [bench] [fused]   (none named: the first three)
+#   bash bench/gpu_checks.sh [bench] [profile] [tests] [attention] [fused] [hf]
+#                            (none named: bench profile tests, about 8 minutes in all)
 #
-# Each stage has its own time limit (330 + 240 + 560 + 400 s by default; see the environment
-# variables below), so a run that must fit a time budget can run the stages one or two at a time.
+# Each stage has its own time limit (bench 240, profile 180, tests 300, attention 240, fused 400,
+# hf 240 s by default; see the environment variables below), so a run that must fit a time
+# budget can run the stages one or two at a time. docs/gpu.md says which command answers what.
 #   tests      CUDA tests: every `-m gpu` test in tests/, plus in full the modules that test
 #              CUDA paths (the ones named below and any tests/**/test_*.py that mentions
-#              torch.cuda.is_available or mark.gpu); tests/gpu/test_engine_bf16.py with -s so its
-#              accepted bf16 divergences are printed and collected into the summary.
+#              torch.cuda.is_available, mark.gpu or tests.support.triton_mode);
+#              tests/gpu/test_engine_bf16.py with -s so its accepted bf16 divergences are
+#              printed and collected into the summary.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
 #              grpc_tools (absent from some GPU images) are left out and listed.
 #   attention  bench/attention_bandwidth.py (qwen3-0.6b heads, bf16), to decide between one
@@ -18,9 +21,13 @@
 #              chunks of 512 after 1024 cached + 248 decodes at 1024: per-request two-kernel
 #              dispatch vs unified); Triton at block 256; last, a launch-parameter sweep of both
 #              designs at the default shape with whatever time the stage has left (--sweep-budget).
-#   bench      python -m bench.throughput --preset qwen3-0.6b --vs-transformers --warmup; the KV
-#              cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget
-#              (use KV_GIB=40 if the profiled sizing misbehaves).
+#   bench      python -m bench.throughput --preset qwen3-0.6b --warmup with the engine's default
+#              flags (the issue's bar), then (unless BENCH_SYNC=0) with --sync-scheduling; the
+#              KV cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget.
+#   profile    python -m bench.step_profile --preset qwen3-0.6b --warmup: torch.profiler over 50
+#              steady decode steps: device busy share, idle per step, top kernels, host phases.
+#   hf         transformers generate() on the same model, capped: one batch size (HF_BATCH_SIZES,
+#              default 64), the workload's lengths, HF_TIME_BUDGET (60 s), the stage's limit.
 #   fused      whether fused RMSNorm and rope pay off: the kernel microbenchmark
 #              (python -m bench.fused_ops: torch vs fused at T = 256 and 8192), then the
 #              qwen3-0.6b engine three times in the same run: as is, with --fused-ops, and with
@@ -32,11 +39,12 @@
 # printed last.
 #
 # Optional: wheels under .whl/ are installed into /tmp/site first (for images without them).
-# Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES
-# (1,8,32,64,128,256), HF_TIME_BUDGET (30 s per batch size), DS_COMMIT (recorded in the notes when
-# the copy has no .git), TESTS_LIMIT / ATTENTION_LIMIT / BENCH_LIMIT / FUSED_LIMIT (seconds per
-# stage: 330 / 240 / 560 / 400; a late run inside a stage still gets a floor of 60 s for tests,
-# 20 s for attention).
+# Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES (64),
+# HF_TIME_BUDGET (60 s), DS_COMMIT (recorded in the notes when the copy has no .git),
+# BENCH_LIMIT / PROFILE_LIMIT / TESTS_LIMIT / ATTENTION_LIMIT / FUSED_LIMIT / HF_LIMIT (seconds
+# per stage: 240 / 180 / 300 / 240 / 400 / 240; a late run inside a stage still gets a floor of
+# 60 s for tests, 20 s for attention). TRITON_INTERPRET is removed from the environment: on a GPU
+# every Triton kernel must run compiled.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
@@ -44,6 +52,7 @@ OUT_DIR=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
 SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 NOTE="device run via bench/gpu_checks.sh${DS_COMMIT:+, tree at commit $DS_COMMIT}"
@@ -121,17 +130,17 @@ stage_tests() {
     skip=$(uncollectable_modules)
     [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
     explicit=$(printf '%s\n' "${EXPLICIT_TESTS[@]}" \
-        $(grep -rlE 'cuda\.is_available|mark\.gpu' --include="test_*.py" tests) | sort -u)
+        $(grep -rlE 'cuda\.is_available|mark\.gpu|support.triton_mode' --include="test_*.py" tests) | sort -u)
     for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
     for f in $explicit; do ignores+=("--ignore=$f"); done
     # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
     # stage cut short by its time limit loses the least important runs.
-    TESTS_LEFT=${TESTS_LIMIT:-330}
+    TESTS_LEFT=${TESTS_LIMIT:-300}
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-330} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
     pytest_run "cuda-modules" $(echo "$explicit" | grep -v test_gpu_engine_bf16)
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-330} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
     pytest_run "marked-gpu" -m gpu "${ignores[@]}" tests/
     grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     say "tests: $((SECONDS - start)) s"
@@ -172,20 +181,51 @@ stage_attention() {
 }
 
 stage_bench() {
-    local start=$SECONDS rc kv_note="profiled, 0.9 of the GPU"
+    local start=$SECONDS rc kv_note="profiled, 0.9 of the GPU" flags
     [ -n "${KV_GIB:-}" ] && kv_note="fixed ${KV_GIB} GiB (--kv-cache-gib)"
-    timeout --signal=INT --kill-after=30 "${BENCH_LIMIT:-560}" \
-        "$PY" -m bench.throughput --preset qwen3-0.6b --vs-transformers --warmup \
-        ${KV_GIB:+--kv-cache-gib "$KV_GIB"} \
-        --hf-batch-sizes "${HF_BATCH_SIZES:-1,8,32,64,128,256}" \
-        --hf-time-budget "${HF_TIME_BUDGET:-30}" --results-file "$OUT_DIR/results_bench.md" \
-        --note "$NOTE" --note "KV cache: $kv_note" \
-        2>&1 | tee "$OUT_DIR/bench.log"
+    : >"$OUT_DIR/bench.log"
+    local variants=("")
+    [ "${BENCH_SYNC:-1}" = 1 ] && variants+=("--sync-scheduling")
+    for flags in "${variants[@]}"; do
+        timeout --signal=INT --kill-after=20 \
+            "$(( ${BENCH_LIMIT:-240} - (SECONDS - start) < 30 ? 30 : ${BENCH_LIMIT:-240} - (SECONDS - start) ))" \
+            "$PY" -m bench.throughput --preset qwen3-0.6b --warmup $flags \
+            ${KV_GIB:+--kv-cache-gib "$KV_GIB"} --results-file "$OUT_DIR/results_bench.md" \
+            --note "$NOTE" --note "KV cache: $kv_note" 2>&1 | tee -a "$OUT_DIR/bench.log"
+        rc=$?
+        [ "$rc" = 0 ] || STATUS=1
+        say "bench [${flags:-default flags}]: exit $rc"
+    done
+    say "bench: $((SECONDS - start)) s"
+    grep -E '^(engine|output throughput|decode steps|decode read)' \
+        "$OUT_DIR/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+}
+
+stage_profile() {
+    local start=$SECONDS rc
+    timeout --signal=INT --kill-after=20 "${PROFILE_LIMIT:-180}" \
+        "$PY" -m bench.step_profile --preset qwen3-0.6b --warmup \
+        ${KV_GIB:+--kv-cache-gib "$KV_GIB"} 2>&1 | grep -v -E 'nanobind|^ - ' \
+        | tee "$OUT_DIR/profile.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || STATUS=1
+    say "profile: exit $rc, $((SECONDS - start)) s"
+    grep -E '^(engine:|run:|device busy|per step|  (engine|runner):)' "$OUT_DIR/profile.log" \
+        | sed 's/^/  /' | tee -a "$SUMMARY"
+    grep -A 6 '^top kernels' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+}
+
+stage_hf() {
+    local start=$SECONDS rc
+    timeout --signal=INT --kill-after=20 "${HF_LIMIT:-240}" \
+        "$PY" -m bench.throughput --preset qwen3-0.6b --warmup --vs-transformers \
+        --hf-batch-sizes "${HF_BATCH_SIZES:-64}" --hf-time-budget "${HF_TIME_BUDGET:-60}" \
+        ${KV_GIB:+--kv-cache-gib "$KV_GIB"} --results-file "$OUT_DIR/results_bench.md" \
+        --note "$NOTE" 2>&1 | tee "$OUT_DIR/hf.log"
     rc=$?
     [ "$rc" = 0 ] || STATUS=1
-    say "bench: exit $rc, $((SECONDS - start)) s"
-    grep -E '^(engine|output throughput|decode steps|decode read|transformers|ours /)' \
-        "$OUT_DIR/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+    say "hf: exit $rc, $((SECONDS - start)) s"
+    grep -E '^(transformers|ours /)' "$OUT_DIR/hf.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
 fused_run() {  # label, then python arguments; output appended to fused.log
@@ -215,10 +255,11 @@ stage_fused() {
 }
 
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests attention bench)
+[ ${#stages[@]} -eq 0 ] && stages=(bench profile tests)
 for s in "${stages[@]}"; do
-    case $s in tests|attention|bench|fused) ;;
-        *) echo "unknown stage '$s': tests, attention, bench or fused" >&2; exit 2 ;; esac
+    case $s in tests|attention|bench|profile|fused|hf) ;;
+        *) echo "unknown stage '$s': bench, profile, tests, attention, fused or hf" >&2
+           exit 2 ;; esac
 done
 install_wheels || say "wheel install failed: continuing without .whl/"
 record_env

@@ -57,6 +57,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         head_dim=64, intermediate_size=768, tie_word_embeddings=True, rope_theta=100000.0,
         rms_norm_eps=1e-5, max_position_embeddings=8192, attention_bias=False,
         mlp_bias=False, hidden_act="silu", initializer_range=0.1), borrow_tokenizer=True),
+    # The long-prefill fairness workload's model (issue 23 item 3): 6 layers, like the issue's,
+    # small enough that a 30,000-token prompt prefills in about a minute on a 2-core CPU.
+    Preset("long-prefill", "llama", "float32", dict(
+        hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, intermediate_size=768, tie_word_embeddings=True, rope_theta=100000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, attention_bias=False,
+        mlp_bias=False, hidden_act="silu")),
 )}
 
 

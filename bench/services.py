@@ -100,6 +100,7 @@ class Services:
         self.extra_env = dict(extra_env or {})
         self.procs: list[Service] = []
         self.target = ""
+        self.worker_port = 0
 
     def __enter__(self) -> "Services":
         return self
@@ -108,11 +109,12 @@ class Services:
         self.close()
 
     def start(self, model_dir: str, device: str, scheduler_flags: list[str],
-              timeout_s: float = 180.0) -> str:
-        """Start the worker, then the scheduler pointed at it; returns the scheduler's
-        HOST:PORT once it is ready to serve."""
-        worker = self._spawn("worker", ["worker", "--listen", f"{HOST}:0", "--device", device])
-        worker_port = worker.wait_ready(WORKER_READY, timeout_s)
+              timeout_s: float = 180.0, worker_flags: tuple[str, ...] = ()) -> str:
+        """Start the worker (with `worker_flags`), then the scheduler pointed at it; returns the
+        scheduler's HOST:PORT once it is ready to serve. The worker's port is `worker_port`."""
+        worker = self._spawn("worker", ["worker", "--listen", f"{HOST}:0", "--device", device,
+                                        *worker_flags])
+        worker_port = self.worker_port = worker.wait_ready(WORKER_READY, timeout_s)
         scheduler = self._spawn("scheduler", [
             "scheduler", "--model", str(model_dir), "--workers", f"{HOST}:{worker_port}",
             "--listen", f"{HOST}:0", *scheduler_flags])

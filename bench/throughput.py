@@ -54,9 +54,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--async-scheduling", action="store_true",
+    e.add_argument("--async-scheduling", action="store_true", default=None,
                    help="two steps in flight: the scheduler plans step t+1 while the runner "
-                        "thread runs step t")
+                        "thread runs step t (default: on for CUDA, off for CPU)")
+    e.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
+                   help="one step in flight, even on CUDA")
     add_fused_ops_flag(e)
     e.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 avoids stalls on a "
@@ -146,8 +148,8 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
         kwargs["enforce_eager"] = True
     if args.fused_ops:
         kwargs["fused_ops"] = True
-    if args.async_scheduling:
-        kwargs["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     known = set(RunnerConfig.__dataclass_fields__) | set(SchedulerConfig.__dataclass_fields__)
     kwargs = {k: v for k, v in kwargs.items() if k in known}
     if args.gpu_memory_utilization is not None:

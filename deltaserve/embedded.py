@@ -29,6 +29,7 @@ from deltaserve.openai_gateway import OpenAIFront, openai_front
 from deltaserve.paths import cache_dir
 from engine_common.chat_template import load_chat_template
 from engine_common.config import WorkerServiceOptions
+from engine_common.device_defaults import device_defaults
 from engine_common.listen_address import next_port
 from engine_common.model_dir import ModelInfo
 from engine_common.settings import from_args, to_flags
@@ -154,6 +155,14 @@ def _announce(listen: str, model_dir: str, settings, front: OpenAIFront | None):
     return on_ready
 
 
+def _worker_device(device: str) -> str:
+    """The worker's device kind, without importing torch here (this process hosts the
+    scheduler): for "auto", an NVIDIA device node stands for torch finding a GPU."""
+    if device == "auto":
+        return "cuda" if Path("/dev/nvidiactl").exists() else "cpu"
+    return device
+
+
 def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
@@ -163,6 +172,9 @@ def serve(args) -> int:
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
         check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
                       "--local-ranks")
+    for name, value in device_defaults(_worker_device(worker_options.device)).items():
+        if not hasattr(args, name):        # flags the user left unset
+            setattr(args, name, value)
     settings = engine_settings(args, model_dir)
     front = openai_front(args, settings.api, model_dir, args.listen,
                          settings.server.chat_template)

@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import queue
 import threading
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from engine_common.chat_template import ChatMessage, encode_chat, load_chat_temp
 from engine_common.codec import encode_runner_output
 from engine_common.config import SchedulerConfig
 from engine_common.constraint import Constraint
+from engine_common.device_defaults import device_defaults
 from engine_common.gc_heap import freeze_heap
 from engine_common.model_dir import ModelInfo
 from engine_common.params import SamplingParams, StoppingParams
@@ -34,23 +36,34 @@ class InProcessExecutor:
     """A model runner behind the byte-level executor interface. `submit` runs steps in order on
     one runner thread (async scheduling: the scheduler works while the model runs).
 
-    `collect(step t)` returns once step t is done *and* step t+1, when submitted, has reached
-    its sampler (or ended). The engine thread's Python (outputs of t, scheduling t+2) then runs
-    while the runner is inside the LM head and sampler, which hold no GIL. Returning at once
-    instead put it beside the Python that prepares step t+1's inputs, and the two threads took
-    turns on the GIL: the runner spent about 4.5 ms a step waiting (step-overhead, 1 thread),
-    more than async scheduling saved.
+    Where the runner's launches are asynchronous (CUDA, the simulated device: runner.pipelined)
+    the runner thread launches step t+1 *before* it finishes step t, so the device always has
+    the next step queued while the host records step t's tokens and the engine thread processes
+    them and schedules step t+2. `collect(t)` returns once step t is finished; when no later step
+    was submitted, it asks the runner thread to finish step t on its own.
+
+    Elsewhere (CPU) `collect(step t)` returns once step t is done *and* step t+1, when
+    submitted, has reached its sampler (or ended). The engine thread's Python (outputs of t,
+    scheduling t+2) then runs while the runner is inside the LM head and sampler, which hold no
+    GIL. Returning at once instead put it beside the Python that prepares step t+1's inputs, and
+    the two threads took turns on the GIL: the runner spent about 4.5 ms a step waiting
+    (step-overhead, 1 thread), more than async scheduling saved.
     """
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._sampling: collections.deque[threading.Event] = collections.deque()
+        self._pipeline: RunnerPipeline | None = None
 
     def execute(self, payload: bytes) -> bytes:
         return encode_runner_output(self.runner.execute(payload))
 
     def submit(self, payload: bytes) -> concurrent.futures.Future:
+        if self.runner.pipelined:
+            if self._pipeline is None:
+                self._pipeline = RunnerPipeline(self.runner)
+            return self._pipeline.submit(payload)
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "runner")
         sampling = threading.Event()
@@ -65,13 +78,84 @@ class InProcessExecutor:
             self.runner.on_sampling = None
             sampling.set()
 
+    def wait_launched(self, ticket: concurrent.futures.Future) -> None:
+        """Pipelined: block until the submitted step is launched (or failed)."""
+        if self._pipeline is not None:
+            self._pipeline.wait_launched(ticket)
+
     def collect(self, ticket: concurrent.futures.Future) -> bytes:
         """Tickets are collected in submission order."""
+        if self._pipeline is not None:
+            return self._pipeline.collect(ticket)
         self._sampling.popleft()
         reply = ticket.result()
         if self._sampling:
             self._sampling[0].wait()
         return reply
+
+
+_FINISH = object()      # RunnerPipeline's queue: finish the step in hand now
+
+
+class RunnerPipeline:
+    """One runner thread that launches each submitted step before finishing the one before it
+    (ModelRunner.launch_step(diff, feed=previous)). A step whose inputs need the previous
+    step's ids on the host (grammar masks, penalties) waits for that step's finish instead."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: concurrent.futures.Future | None = None
+        threading.Thread(target=self._loop, name="runner", daemon=True).start()
+
+    def submit(self, payload: bytes) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.launched = threading.Event()
+        self._last = future
+        self._queue.put((payload, future))
+        return future
+
+    @staticmethod
+    def wait_launched(ticket: concurrent.futures.Future) -> None:
+        ticket.launched.wait()
+
+    def collect(self, ticket: concurrent.futures.Future) -> bytes:
+        if ticket is self._last and not ticket.done():
+            self._queue.put(_FINISH)
+        return ticket.result()
+
+    def _loop(self) -> None:
+        held = None                       # (PendingStep, Future): launched, not finished
+        while True:
+            item = self._queue.get()
+            if item is _FINISH:
+                held = self._finish(held)
+                continue
+            payload, future = item
+            try:
+                diff = self.runner.decode(payload)
+                if held is not None and self.runner.needs_host_tokens(diff):
+                    held = self._finish(held)
+                launched = self.runner.launch_step(diff, held and held[0])
+            except BaseException as e:    # this step fails; the one before it still finishes
+                self._finish(held)
+                held = None
+                future.set_exception(e)
+                future.launched.set()
+                continue
+            future.launched.set()
+            self._finish(held)
+            held = (launched, future)
+
+    def _finish(self, held) -> None:
+        if held is None:
+            return None
+        pending, future = held
+        try:
+            future.set_result(encode_runner_output(self.runner.finish_step(pending)))
+        except BaseException as e:
+            future.set_exception(e)
+        return None
 
 
 @dataclass
@@ -93,10 +177,14 @@ class LLM:
     and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
     limits (max_num_seqs, max_num_batched_tokens, max_model_len, block_size) are shared.
 
+    On CUDA the defaults of engine_common/device_defaults.py apply (async scheduling, a 16384
+    token budget, fused norm and rope) unless given.
+
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
     (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
 
     def __init__(self, model: str, **kwargs):
+        kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         kwargs["max_model_len"] = self.model_info.max_model_len
         runner_keys = {f.name for f in dataclasses.fields(RunnerConfig)}

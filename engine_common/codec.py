@@ -12,7 +12,8 @@ Layouts (positional arrays keep steady-state messages tiny):
                  then the block ids as runs of consecutive ids (engine_common/new_blocks.py)
 
     RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
-                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}]
+                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}
+                    (, compiled handles (uint32 bytes): only when there are any)]
 
 A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
 (1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
@@ -28,7 +29,7 @@ from engine_common.constraint import Constraint
 from engine_common.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
 from engine_common.new_blocks import pack_new_blocks, unpack_new_blocks
-from engine_common.params import WorkerSamplingParams
+from engine_common.params import WorkerSamplingParams, clip, quoted
 
 
 class CodecError(ValueError):
@@ -37,7 +38,7 @@ class CodecError(ValueError):
 
 def _why(e: Exception) -> str:
     """An error's own message; its type too when that says more (msgpack's are often empty)."""
-    return str(e) if isinstance(e, CodecError) else f"{type(e).__name__}: {e}"
+    return clip(str(e) if isinstance(e, CodecError) else f"{type(e).__name__}: {e}", 1000)
 
 
 def _u32(values) -> bytes:
@@ -67,7 +68,7 @@ def _packed(data, what: str) -> bytes:
 
 def _int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CodecError(f"{what}={value!r}: expected a non-negative integer")
+        raise CodecError(f"{what}={quoted(value)}: expected a non-negative integer")
     return value
 
 
@@ -165,16 +166,22 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
 
 def encode_runner_output(out: RunnerOutput) -> bytes:
     top = {h: [_u32(ids), _f32(lps)] for h, (ids, lps) in out.top_logprobs.items()}
-    return msgpack.packb([out.step, _u32(out.handles), _u32(out.sampled_token_ids),
-                          _f32(out.logprobs), top], use_bin_type=True)
+    fields = [out.step, _u32(out.handles), _u32(out.sampled_token_ids), _f32(out.logprobs), top]
+    if out.compiled_handles:
+        fields.append(_u32(out.compiled_handles))
+    return msgpack.packb(fields, use_bin_type=True)
 
 
 def decode_runner_output(data: bytes) -> RunnerOutput:
     try:
-        step, handles, ids, lps, top = _seq(msgpack.unpackb(
-            data, raw=False, strict_map_key=False), "RunnerOutput", 5)
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        compiled = b""
+        if isinstance(fields, (list, tuple)) and len(fields) == 6:
+            *fields, compiled = fields
+        step, handles, ids, lps, top = _seq(fields, "RunnerOutput", 5)
         out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
-                           _from_f32(lps), _int_map(top, "top_logprobs", _top_entry))
+                           _from_f32(lps), _int_map(top, "top_logprobs", _top_entry),
+                           _from_u32(compiled))
         if len(out.sampled_token_ids) != len(out.handles):
             raise CodecError("sampled ids must match handles one to one")
         if out.logprobs and len(out.logprobs) != len(out.handles):

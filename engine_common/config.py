@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 from engine_common.listen_address import ListenAddress
 from engine_common.params import ParamError
-from engine_common.settings import (AtLeast, NonEmpty, OneOf, Positive, PowerOfTwo, Rule,
-                                    setting, validate)
+from engine_common.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
+                                    PowerOfTwo, Rule, setting, validate)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
 GIB = 1 << 30
+# Tokens a long prefill takes per step beside other requests when unset: a step of ~512 prompt
+# tokens stays short next to a full 2048-token one, and large enough to keep matmuls efficient.
+_LONG_PREFILL_DEFAULT = 512
 
 
 def gib_to_bytes(text: str) -> int:
@@ -72,6 +75,32 @@ class SchedulerConfig(BatchLimits):
     async_scheduling: bool = setting(
         False, "keep two steps in flight: schedule step t+1 while the workers run step t (they "
         "feed their own sampled tokens back)")
+    # Fairness under long prompts (docs/scheduler.md, "Long prompts"): a prompt longer than
+    # the threshold is prefilled in chunks of at most that many tokens while any other request
+    # is running or waiting, so it never takes a whole step from them.
+    long_prefill_token_threshold: int | None = setting(
+        None, "most prompt tokens one request prefills in a step while other requests run or "
+        "wait (a longer prompt is a long prefill); unset: 512, or max_num_batched_tokens when "
+        "smaller",
+        rule=AtLeast(1))
+    max_long_partial_prefills: int = setting(
+        1, "long prefills in progress at once; a further long prompt waits, shorter ones behind "
+        "it are admitted", rule=AtLeast(1))
+
+    def __post_init__(self):
+        super().__post_init__()
+        threshold = self.long_prefill_threshold
+        if self.max_long_partial_prefills * threshold > self.max_num_batched_tokens:
+            raise ParamError("max_long_partial_prefills x long_prefill_token_threshold",
+                             f"{self.max_long_partial_prefills} x {threshold}",
+                             f"<= max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """long_prefill_token_threshold, or its default when unset."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return min(_LONG_PREFILL_DEFAULT, self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +188,9 @@ class WorkerServiceOptions:
     insecure: bool = setting(
         False, "listen on a non-loopback address without --worker-token-file or "
         "--worker-tls-*: anyone who reaches the port can drive the worker")
+    simulated_device_ms: float | None = setting(
+        None, "benchmarks of the host's work only (bench/host_overhead.py): no forward pass "
+        "or sampler; every step takes this many ms on a simulated device", rule=AtLeastZero())
 
     def __post_init__(self):
         validate(self)

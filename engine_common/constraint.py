@@ -36,7 +36,7 @@ import llguidance
 
 from engine_common.big_stack import call_with_big_stack
 from engine_common.constraint_depth import grammar_depth, json_schema_depth, regex_depth
-from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.diff_limits import MAX_CONSTRAINT_CHOICES, MAX_CONSTRAINT_DEPTH
 from engine_common.params import ParamError
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -158,6 +158,10 @@ def _check_value(kind: str, value) -> None:
     elif kind == "choice":
         if not value or not all(isinstance(c, str) and c for c in value):
             raise ParamError(f"{field}.choices", list(value), "one or more non-empty strings")
+        if len(value) > MAX_CONSTRAINT_CHOICES:
+            raise ParamError(f"{field}.choices", f"{len(value)} choices",
+                             f"at most {MAX_CONSTRAINT_CHOICES} choices (the grammar engine's "
+                             f"work grows with them)")
     elif not isinstance(value, str) or not value:
         raise ParamError(field, value, "a non-empty string")
 

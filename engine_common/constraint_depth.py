@@ -15,7 +15,9 @@ the weight of all its members, which bounds any depth-first walk that never revi
     grammar      nodes: rules and terminals; edges: the names a definition's body refers to
                  (and its `%json` schemas); weight: 1 + the bracket nesting of the body
     json_schema  nodes: every JSON object and array; edges: to the ones it contains, and from
-                 an object with `$ref` (`$dynamicRef`, `$recursiveRef`) to its target
+                 an object with `$ref` (`$dynamicRef`, `$recursiveRef`) to its target, resolved
+                 as the compiler resolves it (uri_refs.py: `json-schema:///#/$defs/a` is
+                 `#/$defs/a`; issue 23 found a 1,200-deep chain written so accepted)
     regex        the nesting of ( and [ (the library refuses deep regexes itself; this bounds it)
     choice, json_object: 1 (the grammars made of them are flat)
 """
@@ -28,6 +30,7 @@ from urllib.parse import unquote
 from llguidance.gbnf_to_lark import is_lark_syntax
 
 from engine_common.graph_components import strongly_connected
+from engine_common.uri_refs import DEFAULT_BASE, DocumentUri, resolve
 
 # -- grammars (Lark, or GBNF as llama.cpp writes it) ----------------------------------------------
 
@@ -192,9 +195,10 @@ def json_schema_depth(text: str, text_limit: int = 1000) -> int:
     return max(depth, _longest_path(weight, refs))
 
 
-def _containers(doc) -> tuple[list, list[list[int]], list[int]]:
+def _containers(doc) -> tuple[list, list[list[int]], list[DocumentUri]]:
     """Every object and array of `doc` (root first); per one, the indices of its children and
-    of its base: the nearest object, itself included, that declares an `$id` (else the root)."""
+    its base URI: that of the nearest object, itself included, that declares an `$id` (resolved
+    against its parent's base), else the compiler's default (uri_refs.DEFAULT_BASE)."""
     nodes, children, bases = [], [], []
     stack = [(doc, -1)]
     while stack:
@@ -204,27 +208,35 @@ def _containers(doc) -> tuple[list, list[list[int]], list[int]]:
         index = len(nodes)
         nodes.append(node)
         children.append([])
+        base = bases[parent] if parent >= 0 else DEFAULT_BASE
         if parent >= 0:
             children[parent].append(index)
-        own_id = isinstance(node, dict) and isinstance(node.get("$id"), str)
-        bases.append(index if own_id or parent < 0 else bases[parent])
+        if isinstance(node, dict) and isinstance(node.get("$id"), str):
+            base = resolve(base, node["$id"])[0]
+        bases.append(base)
         stack.extend((v, index) for v in (node.values() if isinstance(node, dict) else node))
     return nodes, children, bases
 
 
 class _RefTargets:
-    """node index -> the indices of the containers its $ref keywords may point at. A JSON
-    pointer resolves from the node's base and from the root; a name by the `$anchor`s and
-    `$id`s the document declares; anything else, to the hub (every anchor): an over-estimate
-    where the document does not say, never an under-estimate."""
+    """node index -> the indices of the containers its $ref keywords may point at, resolved as
+    the compiler resolves them (uri_refs.py): the document a reference names is the root or an
+    object with that `$id`; its fragment a JSON pointer from there, or an `$anchor` name.
+    Anything else goes to the hub (every anchor): an over-estimate where the document does not
+    say, never an under-estimate."""
 
-    def __init__(self, nodes: list, bases: list[int]):
+    def __init__(self, nodes: list, bases: list[DocumentUri]):
         self.nodes, self.bases = nodes, bases
         self.index_of = {id(node): i for i, node in enumerate(nodes)}
+        self.documents = {bases[0]: 0}
         self.anchors: dict[str, int] = {}
         for i, node in enumerate(nodes):
+            if not isinstance(node, dict):
+                continue
+            if isinstance(node.get("$id"), str):
+                self.documents.setdefault(bases[i], i)
             for key in _ANCHOR_KEYS:
-                if isinstance(node, dict) and isinstance(node.get(key), str):
+                if isinstance(node.get(key), str):
                     self.anchors[node[key]] = i
                     self.anchors[node[key].rsplit("#", 1)[-1]] = i
 
@@ -232,19 +244,19 @@ class _RefTargets:
         node = self.nodes[index]
         if not isinstance(node, dict):
             return []
-        return [t for key in _REF_KEYS if isinstance(node.get(key), str)
-                for t in self._resolve(node[key], self.bases[index])]
+        return [self._resolve(node[key], self.bases[index]) for key in _REF_KEYS
+                if isinstance(node.get(key), str)]
 
-    def _resolve(self, ref: str, base: int) -> list[int]:
-        document, _, fragment = ref.partition("#")
-        if document:
-            if document not in self.anchors:
-                return [len(self.nodes)]
-            base = self.anchors[document]
+    def _resolve(self, ref: str, base: DocumentUri) -> int:
+        document, fragment = resolve(base, ref)
+        hub = len(self.nodes)
+        start = self.documents.get(document)
+        if start is None:
+            return hub
         if fragment and not fragment.startswith("/"):
-            return [self.anchors.get(fragment, len(self.nodes))]
-        found = {id(_pointer(self.nodes[start], fragment)) for start in (base, 0)}
-        return [self.index_of[f] for f in found if f in self.index_of] or [len(self.nodes)]
+            return self.anchors.get(fragment, hub)
+        found = _pointer(self.nodes[start], fragment or "")
+        return self.index_of.get(id(found), hub)
 
 
 def _pointer(doc, fragment: str):

@@ -71,3 +71,6 @@ class RunnerOutput:
     logprobs: list[float] = field(default_factory=list)
     # handle -> (token ids, logprobs) of the top alternatives, for requests that asked for them.
     top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # Constrained requests whose grammar finished compiling on the output rank since its last
+    # reply: the scheduler schedules their first sampling only after this.
+    compiled_handles: list[int] = field(default_factory=list)

@@ -16,6 +16,10 @@ MAX_LOGIT_BIAS = 1024           # logit_bias entries of one request (the public 
 LOGIT_BIAS_RANGE = 100.0        # |bias| of one entry, as OpenAI's API
 MAX_CONSTRAINT_CHARS = 1 << 16  # characters of one structured-output constraint (the public
                                 # API's --max-constraint-chars is at most this)
+MAX_CONSTRAINT_CHOICES = 10_000  # choices of one `choice` constraint: llguidance's work grows
+                                # with them (20,000 one-character choices: 1.8 s to compile +
+                                # 4.8 s for the first mask on SmolLM2's vocabulary), and past
+                                # 50,000 its first mask always fails (its per-step item limit)
 MAX_CONSTRAINT_DEPTH = 1000     # nesting of one constraint (engine_common/constraint_depth.py):
                                 # llguidance recurses <= 4.1 KB a level, so 1000 levels take
                                 # half of an 8 MiB stack; it runs on 64 MiB ones (big_stack.py)

@@ -11,6 +11,23 @@ from dataclasses import asdict, dataclass, field, fields
 from engine_common.diff_limits import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
 
+# An error message quotes at most this many characters of a value (issue 23: a 70 KB garbage
+# field quoted whole broke gRPC's status metadata limit).
+MAX_QUOTED_CHARS = 200
+
+
+def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`text`, or its first `limit` characters and how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(value) -> str:
+    """repr(value) for an error message, clipped."""
+    return clip(repr(value))
+
+
 class ParamError(ValueError):
     """A bad parameter value. Carries the field, the value and the allowed range."""
 
@@ -18,7 +35,7 @@ class ParamError(ValueError):
         self.field = field_name
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{field_name}={value!r} is invalid: must be {allowed}")
+        super().__init__(f"{clip(field_name)}={quoted(value)} is invalid: must be {allowed}")
 
 
 def _check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:

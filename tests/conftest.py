@@ -13,6 +13,24 @@ from kernels.cpu import extension
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# On a GPU machine the interpreter's exit after the last test has hung once (a CUDA or NCCL
+# teardown; the H100 run of 2026-11-24): with CUDA present, end the process once pytest has
+# reported, with pytest's exit status.
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+def pytest_unconfigure(config):
+    if torch.cuda.is_available() and _EXIT_STATUS:
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
+
+
 # Tests that give a child process its own XDG_CACHE_HOME (an empty model cache) must not make it
 # rebuild the CPU kernels there (a minute or two on 2 cores): every process uses this build.
 os.environ.setdefault(extension.DIR_VAR, str(extension.build_root()))

@@ -9,16 +9,21 @@ from engine_common.params import ParamError
 
 @dataclass(frozen=True, kw_only=True)
 class RunnerConfig(WorkerConfig):
-    """WorkerConfig + the rank's device. num_kv_blocks, when set, fixes the KV cache size and
+    """WorkerConfig + the rank's device (and, for host benchmarks, a simulated one). num_kv_blocks, when set, fixes the KV cache size and
     wins over every budget (tests and benchmarks use tiny caches)."""
 
     device: str = "cpu"
     num_kv_blocks: int | None = None
+    # Benchmarks of the host's work only (bench/host_overhead.py): no forward pass or sampler,
+    # each step takes this long on a simulated device (runner/simulated_device.py).
+    simulated_device_ms: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ParamError("num_kv_blocks", self.num_kv_blocks, ">= 1")
+        if self.simulated_device_ms is not None and not self.simulated_device_ms >= 0:
+            raise ParamError("simulated_device_ms", self.simulated_device_ms, ">= 0")
 
 
 def rank_device(device: str, local_rank: int) -> str:

@@ -27,6 +27,7 @@ class FailureKind(enum.Enum):
     SYMMETRY_DIVERGENCE = "symmetry divergence"  # ranks disagree (verify_symmetry)
     INVALID_SETTINGS = "invalid settings"        # Init: a setting this worker refuses
     OUT_OF_MEMORY = "out of memory"
+    DOES_NOT_FIT = "does not fit"   # Init: the model and its KV cache exceed the machine
     UNSUPPORTED = "unsupported"     # e.g. a kernel this device cannot run
     INTERNAL = "internal"
 
@@ -35,6 +36,10 @@ class StepFailure(RuntimeError):
     def __init__(self, kind: FailureKind, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class DoesNotFit(RuntimeError):
+    """Init: the weights and KV cache the settings ask for exceed the machine's memory."""
 
 
 class StepProtocolError(RuntimeError):
@@ -50,6 +55,8 @@ def as_failure(exc: BaseException, at_init: bool = False) -> StepFailure:
         return StepFailure(FailureKind.BAD_PAYLOAD, str(exc))
     if isinstance(exc, StepProtocolError):
         return StepFailure(FailureKind.BAD_STATE, str(exc))
+    if isinstance(exc, DoesNotFit):
+        return StepFailure(FailureKind.DOES_NOT_FIT, str(exc))
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return StepFailure(FailureKind.OUT_OF_MEMORY, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, NotImplementedError):

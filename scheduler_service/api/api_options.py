@@ -27,9 +27,12 @@ class ApiOptions:
         None, "PEM CA certificate: clients must present a certificate it signed (mutual TLS; "
         "needs --tls-cert)", rule=ReadableFile(), metavar="FILE")
     api_key_file: str | None = setting(
-        None, "file of API keys, one per line: every call but grpc.health.v1 (and reflection "
-        "with --open-reflection) must carry `authorization: Bearer <key>`; Abort ends only "
-        "requests made with the same key", rule=ReadableFile(), metavar="FILE")
+        None, "file of API keys, one per line, each with optional attributes `admin`, "
+        "`salt=NAME`, `priority=LO..HI` (docs/security.md): every call but grpc.health.v1 (and "
+        "reflection with --open-reflection) must carry `authorization: Bearer <key>`; Abort "
+        "ends only requests made with the same key; each key's prefix cache is its own unless "
+        "keys share a salt; KV events and FlushCache need an admin key",
+        rule=ReadableFile(), metavar="FILE")
     open_reflection: bool = setting(
         False, "serve server reflection without an API key (with --api-key-file)")
     max_stop_strings: int = setting(64, "stop strings in one request", rule=AtLeast(0))
@@ -50,7 +53,8 @@ class ApiOptions:
     max_request_mib: int = setting(8, "largest request message in MiB (RESOURCE_EXHAUSTED "
                                    "beyond)", rule=AtLeast(1, 2047))
     tokenizer_threads: int = setting(
-        4, "threads that tokenize text prompts, off the event loop", rule=AtLeast(1))
+        4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
+        "all but one of them)", rule=AtLeast(1))
 
     def __post_init__(self):
         validate(self)

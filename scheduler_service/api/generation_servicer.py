@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -29,8 +29,11 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (check_prompt_length, checked_constraint,
                                            messages_from_proto, output_to_proto,
                                            request_from_proto, sampling_to_proto)
-from scheduler_service.api.guard import caller_of
-from scheduler_service.api.request_limits import check_generate_limits, check_tokenize_limits
+from scheduler_service.api.api_keys import KeyBook, KeyPolicy
+from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
+                                         scoped_id)
+from scheduler_service.api.request_limits import (check_generate_limits, check_prompt_can_fit,
+                                                  check_tokenize_limits)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
@@ -51,6 +54,13 @@ class ServedModel:
     num_workers: int = 1
     default_sampling: SamplingParams = SamplingParams()
     chat_template: ChatTemplate | None = None
+    # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
+    # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
+    prompt_chars_fit: int = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_chars_fit",
+                           self.info.max_model_len * self.tokenizer.max_token_bytes())
 
     def chat_prompt_ids(self, messages) -> list[int]:
         """Token ids of chat messages, rendered with the model's template (ParamError if none)."""
@@ -62,13 +72,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self, engine: AsyncEngine, model: ServedModel,
                  tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions(),
-                 tokenizer_pool: TokenizerPool | None = None):
+                 tokenizer_pool: TokenizerPool | None = None, keys: KeyBook = KeyBook()):
         """`tp_size()`: ranks the workers run (known once they are initialized);
-        `tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
+        `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
+        `keys`: what each API key may do (its cache salt, its priorities)."""
         self._engine = engine
         self._model = model
         self._tp_size = tp_size
         self._options = options
+        self._keys = keys
         self._tokenize_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
         self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
 
@@ -79,12 +91,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._engine.counters.received()
         streamed = False
         owned = None
+        caller = caller_of(context)
         try:
-            engine_request = await self._to_engine_request(request)
-            owned = self._own(engine_request.request_id, caller_of(context))
+            engine_request = await self._to_engine_request(
+                request, policy_of(context, self._keys), pool_caller(context), caller)
+            owned = self._own(engine_request.request_id, caller)
+            own_id = client_id(caller, engine_request.request_id)
             async for out in self._engine.generate(engine_request):
                 streamed = True
-                yield output_to_proto(out, self._token_text)
+                msg = output_to_proto(out, self._token_text)
+                msg.request_id = own_id
+                yield msg
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
@@ -109,29 +126,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._owners[request_id] = caller
         return request_id
 
-    async def _to_engine_request(self, msg: pb.GenerateRequest) -> Request:
+    async def _to_engine_request(self, msg: pb.GenerateRequest, policy: KeyPolicy,
+                                 pool_share: str, caller: str) -> Request:
+        """The engine's request (its id scoped to the caller's key); the prompt tokenized in
+        `pool_share`'s share of the tokenizer threads."""
         info = self._model.info
         check_generate_limits(msg, self._options)
+        check_prompt_can_fit(msg, self._model.prompt_chars_fit, info.max_model_len)
+        policy.check_priority(msg.priority)
         req = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
         if req.constraint is not None:
-            await self._offload(checked_constraint, req.constraint)
+            await self._offload(pool_share, checked_constraint, req.constraint)
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         elif req.prompt_messages is not None:
-            ids = await self._offload(self._model.chat_prompt_ids, req.prompt_messages)
+            ids = await self._offload(pool_share, self._model.chat_prompt_ids,
+                                      req.prompt_messages)
         else:
-            ids = await self._offload(self._model.tokenizer.encode, req.prompt_text)
+            ids = await self._offload(pool_share, self._model.tokenizer.encode, req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
-        return Request(req.request_id, ids, req.sampling, req.stopping, info.eos_token_ids,
+        return Request(scoped_id(caller, req.request_id), ids, req.sampling, req.stopping,
+                       info.eos_token_ids,
                        num_logprobs=req.num_logprobs, priority=req.priority,
-                       constraint=req.constraint)
+                       constraint=req.constraint, cache_salt=policy.salt)
 
-    async def _offload(self, fn, *args):
-        """Tokenizing, chat rendering and constraint validation run on the pool: the event loop
-        keeps serving the other streams meanwhile."""
-        return await self._tokenize_pool.run(fn, *args)
+    async def _offload(self, caller: str, fn, *args):
+        """Tokenizing, chat rendering and constraint validation run on the pool, within
+        `caller`'s share of it: the event loop keeps serving the other streams meanwhile."""
+        return await self._tokenize_pool.run(fn, *args, caller=caller)
 
     def _token_text(self, token_id: int) -> str:
         return self._model.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -142,7 +166,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """Abort the caller's live requests by id; unknown ids, and ids of requests made with
         another API key, are ignored."""
         caller = caller_of(context)
-        ids = [rid for rid in request.request_ids if self._owners.get(rid) == caller]
+        scoped = (scoped_id(caller, rid) for rid in request.request_ids)
+        ids = [rid for rid in scoped if self._owners.get(rid) == caller]
         try:
             num = await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
                                          _ABORT_TIMEOUT_SECONDS)
@@ -156,11 +181,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if request.messages and request.text:
                 raise ParamError("prompt", "text and messages", "exactly one of text or messages")
             check_tokenize_limits(request, self._options)
+            check_prompt_can_fit(request, self._model.prompt_chars_fit,
+                                 self._model.info.max_model_len)
+            caller = pool_caller(context)
             if request.messages:
-                ids = await self._offload(self._model.chat_prompt_ids,
+                ids = await self._offload(caller, self._model.chat_prompt_ids,
                                           messages_from_proto(request.messages))
             else:
-                ids = await self._offload(self._model.tokenizer.encode, request.text)
+                ids = await self._offload(caller, self._model.tokenizer.encode, request.text)
         except Exception as e:
             await _abort_with(context, e)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))

@@ -2,85 +2,91 @@
 
 - With --api-key-file, a call whose metadata lacks `authorization: Bearer <key>` naming one of the
   keys is refused UNAUTHENTICATED before its handler runs. grpc.health.v1 stays open for probes;
-  server reflection too with --open-reflection.
+  server reflection too with --open-reflection. The operator's methods (api_keys.ADMIN_METHODS)
+  are PERMISSION_DENIED to a key not marked `admin` in the file.
 - Every unary request is decoded here rather than by grpc itself: bytes that are not the request
   message are INVALID_ARGUMENT naming the method (grpc would answer UNKNOWN).
 
 `caller_of(context)` names the key a call carried by a fingerprint (never the key itself), so
-Abort can end only the caller's own requests.
+Abort can end only the caller's own requests, and `scoped_id` gives each key its own request ids.
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
 from typing import Callable, Iterable
 
 import grpc
 
 from engine_common.grpc_metadata import same_shape_handler
-from engine_common.params import ParamError
+from scheduler_service.api.api_keys import ADMIN_METHODS, KeyBook, KeyPolicy, fingerprint
 
 AUTH_KEY = "authorization"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/",
                        "/grpc.reflection.v1.ServerReflection/")
-MIN_KEY_CHARS = 16
-_KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))
-
-
-def load_api_keys(path: str) -> frozenset[str]:
-    """The keys of an API key file: one per line; blank lines and lines starting with # are
-    skipped. ParamError names the file and the line of a key that is too short or not
-    printable ASCII without spaces."""
-    keys = set()
-    with open(path, encoding="ascii", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            key = line.strip()
-            if not key or key.startswith("#"):
-                continue
-            if len(key) < MIN_KEY_CHARS or not set(key) <= _KEY_CHARS:
-                raise ParamError("api_key_file", f"{path}:{number}", f"one key per line, each "
-                                 f"at least {MIN_KEY_CHARS} printable ASCII characters without "
-                                 "spaces")
-            keys.add(key)
-    if not keys:
-        raise ParamError("api_key_file", path, "a file holding at least one key")
-    return frozenset(keys)
-
-
-def fingerprint(header: str) -> str:
-    return hashlib.sha256(header.encode(errors="replace")).hexdigest()[:16]
-
-
 def caller_of(context) -> str:
     """Who made a call: the fingerprint of its authorization header ("" without one)."""
     header = dict(context.invocation_metadata() or ()).get(AUTH_KEY)
     return fingerprint(header) if header else ""
 
 
-class Gate(grpc.aio.ServerInterceptor):
-    """API keys (when `keys` is not None) and safe decoding for every handler."""
+def scoped_id(caller: str, request_id: str) -> str:
+    """The engine's id of `caller`'s request `request_id`: each API key has its own namespace of
+    ids, so a live id of another key is neither refused nor revealed (issue 23); without keys,
+    the id itself."""
+    return f"{caller}/{request_id}" if caller else request_id
 
-    def __init__(self, keys: Iterable[str] | None = None, open_reflection: bool = False):
-        self._allowed = None if keys is None else {fingerprint(f"Bearer {k}") for k in keys}
+
+def client_id(caller: str, engine_id: str) -> str:
+    """The id the caller gave (scoped_id undone)."""
+    return engine_id.removeprefix(f"{caller}/") if caller else engine_id
+
+
+def pool_caller(context) -> str:
+    """Whose share of the tokenizer threads a call uses: its API key's, else its client
+    address's (the host of `ipv4:HOST:PORT` / `ipv6:[HOST]:PORT`: one client, many connections)."""
+    return caller_of(context) or (context.peer() or "").rsplit(":", 1)[0]
+
+
+# What a call whose key the book does not know may do (the Gate refuses such calls first).
+_NO_RIGHTS = KeyPolicy(salt="unknown", admin=False, min_priority=0)
+
+
+def policy_of(context, keys: KeyBook) -> KeyPolicy:
+    """What the key a call carried may do (everything in the open mode)."""
+    return keys.policy_of(dict(context.invocation_metadata() or ()).get(AUTH_KEY)) or _NO_RIGHTS
+
+
+class Gate(grpc.aio.ServerInterceptor):
+    """API keys (when `keys` has some) and safe decoding for every handler."""
+
+    def __init__(self, keys: KeyBook = KeyBook(), open_reflection: bool = False):
+        self._keys = keys
         self._open = (HEALTH_PREFIX,) + (REFLECTION_PREFIXES if open_reflection else ())
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
-        if self._allowed is not None and not details.method.startswith(self._open):
+        if not self._keys.open and not details.method.startswith(self._open):
             header = dict(details.invocation_metadata or ()).get(AUTH_KEY)
-            if header is None or fingerprint(header) not in self._allowed:
+            policy = self._keys.policy_of(header)
+            if policy is None:
                 what = "no API key" if header is None else "an unknown API key"
-                return _refusal(handler, f"{what}: send `authorization: Bearer <key>` with a "
-                                "key of the server's --api-key-file")
+                return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                f"{what}: send `authorization: Bearer <key>` with a key of the "
+                                "server's --api-key-file")
+            if details.method in ADMIN_METHODS and not policy.admin:
+                return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                                f"{details.method.lstrip('/')} is for the operator: a key marked "
+                                "`admin` in the server's --api-key-file")
         return _safe_decoding(handler, details.method)
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler, status: grpc.StatusCode,
+             message: str) -> grpc.RpcMethodHandler:
     async def abort(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(status, message)
 
     return same_shape_handler(handler, abort)
 

@@ -6,15 +6,20 @@ import grpc
 
 from engine_common.tls import read_pem, server_credentials
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.guard import Gate, load_api_keys
+from scheduler_service.api.api_keys import KeyBook, load_api_keys
+from scheduler_service.api.guard import Gate
 
 
 def port_options(api: ApiOptions) -> tuple:
     return (("grpc.max_receive_message_length", api.max_request_bytes),)
 
 
-def interceptors(api: ApiOptions) -> list[grpc.aio.ServerInterceptor]:
-    keys = load_api_keys(api.api_key_file) if api.api_key_file else None
+def api_keys(api: ApiOptions) -> KeyBook:
+    """The keys of --api-key-file and what each may do (the open book without one)."""
+    return load_api_keys(api.api_key_file) if api.api_key_file else KeyBook()
+
+
+def interceptors(api: ApiOptions, keys: KeyBook) -> list[grpc.aio.ServerInterceptor]:
     return [Gate(keys, api.open_reflection)]
 
 

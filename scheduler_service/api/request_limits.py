@@ -86,6 +86,22 @@ def check_messages_chars(messages, options: ApiOptions) -> None:
                          f"at most {options.max_prompt_chars} characters (--max-prompt-chars)")
 
 
+def check_prompt_can_fit(msg, chars_fit: int, max_model_len: int) -> None:
+    """A text prompt or chat (`text`, `messages` of any of the three request messages) longer
+    than `chars_fit` characters would tokenize to more than max_model_len tokens: refused before
+    the tokenizer spends seconds on it. `chars_fit` is max_model_len x the most characters one
+    token of the vocabulary covers (ServedModel.prompt_chars_fit), so no prompt that fits is
+    refused."""
+    for field, num_chars in (("text", len(msg.text)),
+                             ("messages", sum(len(m.role) + len(m.content)
+                                              for m in getattr(msg, "messages", ())))):
+        if num_chars > chars_fit:
+            raise ParamError(field, f"{num_chars} characters",
+                             f"at most {chars_fit} characters: max_model_len {max_model_len} "
+                             f"tokens x {chars_fit // max_model_len}, the most characters one "
+                             "token of this model covers (a longer prompt cannot fit)")
+
+
 def check_tokenize_limits(msg: pb.TokenizeRequest, options: ApiOptions) -> None:
     check_prompt_chars("text", msg.text, options)
     check_messages_chars(msg.messages, options)

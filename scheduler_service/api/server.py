@@ -219,19 +219,20 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                          chat_template=load_chat_template(worker.model_dir,
                                                           options.chat_template))
 
+    keys = public_port.api_keys(api)
     server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),
-                             interceptors=public_port.interceptors(api))
+                             interceptors=public_port.interceptors(api, keys))
     pool = TokenizerPool(api.tokenizer_threads)   # both services' tokenizing, off the loop
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, served, tp_size=factory.tp_size, options=api,
-                           tokenizer_pool=pool), server)
+                           tokenizer_pool=pool, keys=keys), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
                         worker.attention_backend)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
         VllmEngineServicer(engine, served, shape, kv_events, readiness.serving, options=api,
-                           tokenizer_pool=pool), server)
+                           tokenizer_pool=pool, keys=keys), server)
     add_reflection(server, (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE))
     port = public_port.bind(server, listen, api)
     metrics_server = start_metrics_server(options.metrics_listen, metrics.registry)

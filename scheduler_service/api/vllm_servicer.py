@@ -29,8 +29,9 @@ from engine_common.protos import vllm_engine_pb2 as pb
 from engine_common.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.generation_servicer import ServedModel
-from scheduler_service.api.guard import caller_of
-from scheduler_service.api.request_limits import check_vllm_generate_limits
+from scheduler_service.api.api_keys import KeyBook
+from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
+from scheduler_service.api.request_limits import check_prompt_can_fit, check_vllm_generate_limits
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
@@ -65,13 +66,16 @@ class _Choice:
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """`is_ready()`: the service's readiness (workers initialized, not draining);
-    `tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
+    `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
+    `keys`: what each API key may do (its cache salt)."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
-                 options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None):
+                 options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None,
+                 keys: KeyBook = KeyBook()):
         self._engine = engine
         self._options = options
+        self._keys = keys
         self._tokenizer_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
         self._model = model
         self._shape = shape
@@ -79,7 +83,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._is_ready = is_ready
         self._start_time = time.time()
         self._last_receive = 0.0
-        # caller's id -> (caller_of() its Generate, engine request ids)
+        # scoped_id(caller, the caller's id) -> (caller_of() its Generate, engine request ids)
         self._children: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._tokenizer_bundle: TokenizerBundle | None = None
 
@@ -88,52 +92,58 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Chunks per step while streaming, then one `complete` per choice."""
         try:
-            inp, prompt_ids = await self._validate(request)
+            inp, prompt_ids = await self._validate(request, pool_caller(context))
             self._last_receive = time.time()
-            async for msg in self._run(inp, prompt_ids, caller_of(context)):
+            salt = policy_of(context, self._keys).salt
+            async for msg in self._run(inp, prompt_ids, caller_of(context), salt):
                 yield msg
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
             await _abort_with(context, e)
 
-    async def _validate(self, msg: pb.GenerateRequest) -> tuple[VllmGenerateInput, list[int]]:
+    async def _validate(self, msg: pb.GenerateRequest, caller: str
+                        ) -> tuple[VllmGenerateInput, list[int]]:
         """Limits first, then the conversion; the constraint is validated and a text prompt
-        tokenized on the pool."""
+        tokenized on the pool, within `caller`'s share of it."""
         info = self._model.info
         check_vllm_generate_limits(msg, self._options)
+        check_prompt_can_fit(msg, self._model.prompt_chars_fit, info.max_model_len)
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
         if inp.constraint is not None:
-            await self._tokenizer_pool.run(checked_vllm_constraint, inp.constraint)
+            await self._tokenizer_pool.run(checked_vllm_constraint, inp.constraint,
+                                           caller=caller)
         ids = (list(inp.prompt_token_ids) if inp.prompt_token_ids is not None
                else await self._tokenizer_pool.run(self._model.tokenizer.encode,
-                                                   inp.prompt_text))
+                                                   inp.prompt_text, caller=caller))
         check_prompt_fits(len(ids), inp.stopping.max_tokens, info.max_model_len)
         return inp, ids
 
-    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str
-                   ) -> AsyncIterator[pb.GenerateResponse]:
-        ids = (inp.request_id,) if inp.n == 1 else tuple(
-            f"{inp.request_id}-{i}" for i in range(inp.n))
-        if inp.request_id in self._children:
+    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str,
+                   cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
+        key = scoped_id(caller, inp.request_id)     # each API key has its own ids
+        ids = (key,) if inp.n == 1 else tuple(f"{key}-{i}" for i in range(inp.n))
+        if key in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
-        self._children[inp.request_id] = (caller, ids)
+        self._children[key] = (caller, ids)
         try:
-            requests = [self._engine_request(inp, rid, prompt_ids, i) for i, rid in enumerate(ids)]
+            requests = [self._engine_request(inp, rid, prompt_ids, i, cache_salt)
+                        for i, rid in enumerate(ids)]
             choices = [_Choice() for _ in ids]
             async for index, out in self._outputs(requests):
                 for msg in _messages(inp, index, out, choices[index]):
                     yield msg
         finally:
-            self._children.pop(inp.request_id, None)
+            self._children.pop(key, None)
 
     def _engine_request(self, inp: VllmGenerateInput, request_id: str, prompt_ids: list[int],
-                        index: int) -> Request:
+                        index: int, cache_salt: str) -> Request:
         return Request(request_id, list(prompt_ids), child_sampling(inp.sampling, index),
                        inp.stopping, self._model.info.eos_token_ids,
-                       num_logprobs=inp.num_logprobs or 0, constraint=inp.constraint)
+                       num_logprobs=inp.num_logprobs or 0, constraint=inp.constraint,
+                       cache_salt=cache_salt)
 
     async def _outputs(self, requests: list[Request]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -151,7 +161,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Abort by the callers' ids (every choice of an n > 1 request); unknown ids, and ids of
         requests made with another API key, are ignored."""
         caller = caller_of(context)
-        owned = [self._children.get(rid) for rid in request.request_ids]
+        owned = [self._children.get(scoped_id(caller, rid)) for rid in request.request_ids]
         ids = [cid for entry in owned if entry is not None and entry[0] == caller
                for cid in entry[1]]
         log.info("Abort %s", ", ".join(request.request_ids))

@@ -2,7 +2,11 @@
 
 Block hashes are chained so a block's hash names its whole prefix:
 
-    hash_j = blake2b(hash_{j-1} || uint32 token ids of block j)      (hash_{-1} = b"")
+    hash_j = blake2b(hash_{j-1} || uint32 token ids of block j)
+    hash_{-1} = b"" without a salt, else blake2b("cache-salt:" || request.cache_salt)
+
+The salt (one per API key, api/api_keys.py) enters the first block's hash and so every later
+one: a request finds only blocks cached by requests of its own salt (vLLM's cache_salt).
 
 Only full blocks whose tokens are all known are hashed and cached. They are cached as soon as
 they are scheduled to be computed (the step is assumed to run), so a request admitted later in
@@ -26,6 +30,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(array("I", token_ids).tobytes())
     return h.digest()
+
+
+def salt_root(salt: str) -> BlockHash | None:
+    """The parent of a request's first block: None without a salt."""
+    if not salt:
+        return None
+    return hashlib.blake2b(b"cache-salt:" + salt.encode(), digest_size=16).digest()
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -192,6 +203,11 @@ class KVCacheManager:
                  + num_new_tokens)
         return max(0, -(-total // self.block_size) - held - num_hit_blocks)
 
+    def num_fitting_tokens(self, request: Request) -> int:
+        """New tokens a running request's held blocks and the free queue hold together."""
+        held = len(self._blocks.get(request.request_id, ()))
+        return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
+
     def num_exclusive_blocks(self, request: Request) -> int:
         """Blocks that would return to the free queue if `request` were freed now (those no other
         request shares)."""
@@ -214,7 +230,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for j in range(len(hashes), num_full):
-            hashes.append(hash_block(hashes[-1] if j else None,
+            hashes.append(hash_block(hashes[-1] if j else salt_root(request.cache_salt),
                                      _token_slice(request, j * bs, (j + 1) * bs)))
         return hashes
 

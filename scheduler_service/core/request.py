@@ -42,6 +42,9 @@ class Request:
     # What the output must match (structured output); validated at admission, sent to the
     # workers once with the new request.
     constraint: Constraint | None = None
+    # The prefix cache's salt: cached blocks are shared only between requests of the same salt
+    # (one per API key, or per group of keys; "" without keys). See kv_cache_manager.
+    cache_salt: str = ""
 
     # Set by the scheduler.
     handle: int = -1
@@ -56,6 +59,9 @@ class Request:
     # Prompt tokens served from the prefix cache at first scheduling (reported in usage).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # A constrained request until the output rank reports its grammar compiled: its first
+    # sampling position is not scheduled (the step would wait for the compile).
+    awaiting_grammar: bool = False
     # Output tokens at which it ends for length: max_tokens, or fewer when the scheduler's
     # max_len (prompt + output tokens) comes first. Set when the scheduler queues it.
     max_num_output_tokens: int = 0

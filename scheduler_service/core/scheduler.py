@@ -13,6 +13,15 @@ NOTE the rules of one step (`schedule()`):
     requests of its priority that never ran.
   * Only in a step without such memory preemption are waiting requests admitted, in queue order,
     while budget, max_num_seqs and blocks allow; a prompt longer than the budget left is chunked.
+  * Long prefills (docs/scheduler.md, "Long prompts"): a running request with more than
+    long_prefill_token_threshold (T) tokens left to compute is scheduled after the rest of the
+    running batch, with what they leave, and at most T tokens while requests are waiting (so a
+    new request's first step is admitted and stays short). At most max_long_partial_prefills of
+    them are in progress at once: a further long request waits, and requests behind it in the
+    queue that are short (or more urgent) are admitted past it.
+  * A constrained request samples only once the output rank has reported its grammar compiled
+    (RunnerOutput.compiled_handles, docs/structured-output.md): until then its prompt is
+    prefilled up to its last token, which waits (an idle count 0 when nothing else is left).
   * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
   * Async scheduling (two steps in flight): a request that samples in a step still in flight
     counts that token as pending; the next step may compute it (the workers know its id). A
@@ -60,12 +69,15 @@ class Scheduler:
         if config.max_model_len is None:
             raise ParamError("max_model_len", None, "set: the scheduler needs the model's limit")
         self.max_len = min(config.max_model_len, num_blocks * config.block_size)
+        self._long_prefill = config.long_prefill_threshold
         self._rng = rng or random.SystemRandom()
         self._handles = HandleAllocator()
         self._requests: dict[str, Request] = {}       # unfinished, by id
         self.waiting = WaitingQueue()
         self.running: list[Request] = []              # by (priority, arrival_time)
         self._on_worker: set[int] = set()             # handles the workers hold a copy of
+        # handle -> (request, step it was sent in) for those awaiting their grammar's compile
+        self._compiling: dict[int, tuple[Request, int]] = {}
         self._finished_handles: list[int] = []        # for the next diff, then recycled
         self._step = 0
         # step -> (handle -> request, handle -> tokens when not 1) for the requests that compute
@@ -84,6 +96,7 @@ class Scheduler:
         # One concrete seed so every tensor-parallel rank samples the same stream.
         request.seed = self._rng.getrandbits(63) if seed is None else seed
         request.status = RequestStatus.WAITING
+        request.awaiting_grammar = request.constraint is not None
         max_tokens = request.stopping.max_tokens
         request.max_num_output_tokens = min(
             self.max_len - request.num_prompt_tokens,
@@ -117,6 +130,8 @@ class Scheduler:
         request.num_pending_tokens = 0    # an in-flight step's token for it is dropped
         self.kv.free(request)
         del self._requests[request.request_id]
+        if request.awaiting_grammar:
+            self._compiling.pop(request.handle, None)
         if request.handle in self._on_worker:
             self._on_worker.remove(request.handle)
             self._finished_handles.append(request.handle)
@@ -136,9 +151,9 @@ class Scheduler:
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._preempt_for_priority(plan)
         num_for_priority = len(plan.preempted_handles)
-        self._schedule_running(plan)
+        long_priorities = self._schedule_running(plan)
         if len(plan.preempted_handles) == num_for_priority:
-            self._schedule_waiting(plan)
+            self._schedule_waiting(plan, long_priorities)
         out = build_output(self._step, plan, self._finished_handles)
         for handle in self._finished_handles:
             self._handles.release(handle)
@@ -159,15 +174,18 @@ class Scheduler:
                                               short, self.kv.num_exclusive_blocks):
             self._preempt(victim, plan)
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> list[int]:
+        """Schedule the running batch; returns the priorities of its long prefills."""
         # The hot loop (every running request, every step): no helper calls, and the KV manager
         # only when its quiet_until says allocate_slots would do something. A request asks for
         # its known and pending tokens not computed yet, or none when a pending token will
-        # already be its last (max_tokens, max_len); then it advances as _advance says.
+        # already be its last (max_tokens, max_len); then it advances as _advance says. Long
+        # prefills wait for the rest (_schedule_long_prefills).
         running, grow, quiet_until = self.running, self.kv.grow_slots, self.kv.quiet_until
         work, counts, new_block_ids = plan.work, plan.counts, plan.new_block_ids
-        budget = plan.budget
-        preempted = False
+        budget, threshold = plan.budget, self._long_prefill
+        longs = []
+        preempted, gated = False, bool(self._compiling)
         for request in list(running):      # a copy: preemption takes requests out of running
             if preempted and request.status is not _RUNNING:
                 continue                   # preempted earlier in this loop
@@ -178,8 +196,13 @@ class Scheduler:
                 n = 0
             else:
                 n = wanted - computed
+                if n > threshold:
+                    longs.append(request)
+                    continue
                 if n > budget:
                     n = budget
+                if gated and request.awaiting_grammar and computed + n >= wanted:
+                    n = wanted - computed - 1      # its sampling waits for the compile
             if n <= 0:
                 counts[request.handle] = 0     # stays in the batch, idle
                 continue
@@ -202,6 +225,35 @@ class Scheduler:
             if computed >= wanted:
                 request.num_pending_tokens += 1
         plan.budget = budget
+        if longs:
+            self._schedule_long_prefills(longs, plan)
+        return [r.priority for r in longs]
+
+    def _schedule_long_prefills(self, longs: list[Request], plan: StepPlan) -> None:
+        """The long prefills of the running batch, in batch order: each takes what is left of
+        the budget, at most T while requests wait, and no more than the free blocks hold (it
+        does not preempt requests scheduled before it; alone in the step it may, as any)."""
+        priorities = [r.priority for r in longs]
+        cap = self._long_prefill if self._can_admit_any(priorities) else plan.budget
+        for request in longs:
+            if request.status is not _RUNNING:
+                continue                   # preempted by a request after it
+            wanted = request.num_tokens + request.num_pending_tokens
+            n = min(wanted - request.num_computed_tokens - request.awaiting_grammar, cap,
+                    plan.budget, self.kv.num_fitting_tokens(request))
+            if n > 0:
+                new_ids = self.kv.grow_slots(request, n)
+            elif plan.work or plan.budget <= 0:
+                plan.counts[request.handle] = 0       # idle: the others free blocks in time
+                continue
+            else:
+                n = min(wanted - request.num_computed_tokens, cap)
+                if (new_ids := self._allocate_or_preempt(request, n, plan)) is None:
+                    continue
+            if new_ids:
+                plan.new_block_ids[request.handle] = new_ids
+            plan.schedule(request, n)
+            self._advance(request, n, wanted)
 
     @staticmethod
     def _advance(request: Request, n: int, num_known_and_pending: int) -> None:
@@ -226,6 +278,7 @@ class Scheduler:
         return new_ids
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        plan.counts.pop(request.handle, None)     # an idle one of this step's batch
         self._remove_running(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -234,15 +287,48 @@ class Scheduler:
         self.waiting.push(request)
         plan.preempted_handles.append(request.handle)
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+    def _schedule_waiting(self, plan: StepPlan, long_priorities: list[int]) -> None:
+        """Admit in queue order. A long request waits while max_long_partial_prefills long
+        prefills at least as urgent are in progress, and those behind it may pass it; otherwise
+        nobody overtakes a request that does not fit (FCFS)."""
+        waiting = self.waiting
+        i = 0
+        while i < len(waiting) and plan.budget > 0 \
+                and len(self.running) < self.config.max_num_seqs:
+            request = waiting.at(i)
             hits, num_hit = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit, plan.budget)
+            left = request.num_tokens - num_hit
+            is_long = left > self._long_prefill
+            if is_long and self._held_back(request, long_priorities):
+                i += 1
+                continue
+            n = min(left - request.awaiting_grammar, plan.budget)   # may be 0: sent, idle
+            if is_long and (self.running or len(waiting) > 1):
+                n = min(n, self._long_prefill)
             if self.kv.allocate_slots(request, n, hits) is None:
-                return   # FCFS: nobody overtakes the head of the queue
-            self.waiting.pop()
+                return
+            waiting.pop_at(i)
+            if is_long:
+                long_priorities.append(request.priority)
             self._admit(request, num_hit, n, plan)
+
+    def _held_back(self, request: Request, long_priorities: list[int]) -> bool:
+        """Whether a long waiting request waits for the long prefills in progress."""
+        return len(long_priorities) >= self.config.max_long_partial_prefills \
+            and request.priority >= min(long_priorities)
+
+    def _can_admit_any(self, long_priorities: list[int]) -> bool:
+        """Whether a waiting request may be admitted beside these long prefills (seats and
+        the long-prefill limit; blocks are not looked at)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        for i in range(len(self.waiting)):
+            request = self.waiting.at(i)
+            num_hit = self.kv.get_computed_blocks(request)[1]
+            if request.num_tokens - num_hit <= self._long_prefill \
+                    or not self._held_back(request, long_priorities):
+                return True
+        return False
 
     def _admit(self, request: Request, num_hit: int, n: int, plan: StepPlan) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
@@ -259,6 +345,8 @@ class Scheduler:
         else:
             plan.add_new(request, block_ids, num_hit)
             self._on_worker.add(request.handle)
+            if request.awaiting_grammar:
+                self._compiling[request.handle] = (request, self._step)
         plan.schedule(request, n)
         self._advance(request, n, request.num_tokens + request.num_pending_tokens)
 
@@ -270,6 +358,8 @@ class Scheduler:
         requests finished since the step was scheduled are dropped; a request preempted since
         (async scheduling) keeps its token: the workers hold it too."""
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
+        if runner_out.compiled_handles:
+            self._grammars_compiled(sched_out.step, runner_out.compiled_handles)
         updates = []
         now = time.monotonic()
         handles, tops = runner_out.handles, runner_out.top_logprobs
@@ -297,6 +387,15 @@ class Scheduler:
             updates.append(RequestUpdate(request, [token], lp, None if top is None else [top],
                                          finished))
         return updates
+
+    def _grammars_compiled(self, step: int, handles: list[int]) -> None:
+        """The output rank compiled these handles' grammars by `step`; a report from before a
+        recycled handle's request was sent is not about it."""
+        for handle in handles:
+            entry = self._compiling.get(handle)
+            if entry is not None and entry[1] <= step:
+                del self._compiling[handle]
+                entry[0].awaiting_grammar = False
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
         """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""

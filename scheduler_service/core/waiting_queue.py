@@ -40,8 +40,15 @@ class WaitingQueue:
         return self._requests[0]
 
     def pop(self) -> Request:
-        del self._keys[0]
-        return self._requests.pop(0)
+        return self.pop_at(0)
+
+    def at(self, i: int) -> Request:
+        """The i-th request in queue order (0: the head)."""
+        return self._requests[i]
+
+    def pop_at(self, i: int) -> Request:
+        del self._keys[i]
+        return self._requests.pop(i)
 
     def remove(self, request: Request) -> bool:
         """Remove by identity; False when the request is not queued."""

@@ -6,7 +6,8 @@ the in-process engine exercises the same codec as the wire.
 
 With SchedulerConfig.async_scheduling the executor must also have `submit(payload) -> ticket` and
 `collect(ticket) -> bytes` (steps collected in submission order), and each `step()` keeps two
-steps in flight: it schedules and submits step t+1, then collects and processes step t.
+steps in flight: it collects and processes step t, then schedules and submits step t+2 before
+its caller turns step t's updates into text (step t+1 runs meanwhile).
 
 NOTE EngineCore deals in token ids only. Text (detokenization, stop strings) is its owner's job:
 LLMEngine does it between steps on the same thread; AsyncEngine hands each step's TokenUpdates
@@ -79,15 +80,30 @@ class EngineCore:
         if not self.async_scheduling:
             sched_out, payload = self._schedule()
             return self._process(sched_out, self._wait(self.executor.execute, payload))
-        if self.scheduler.has_unfinished_requests():
-            sched_out, payload = self._schedule()
-            self._in_flight.append((sched_out, self.executor.submit(payload)))
+        if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
+            self._submit()
             if len(self._in_flight) < 2:
                 return []
         if not self._in_flight:
             return []
         sched_out, ticket = self._in_flight.popleft()
-        return self._process(sched_out, self._wait(self.executor.collect, ticket))
+        updates = self._process(sched_out, self._wait(self.executor.collect, ticket))
+        # The next step goes out before this one's updates are turned into text: the output
+        # processing then overlaps the device instead of delaying the next launch.
+        if self.scheduler.has_unfinished_requests():
+            self._submit()
+        return updates
+
+    def _submit(self) -> None:
+        """Schedule a step and submit it; with an executor that says when a submitted step is
+        launched (RunnerPipeline), return only then, so the caller's work that follows (output
+        processing) does not hold the GIL while the step's inputs are prepared."""
+        sched_out, payload = self._schedule()
+        ticket = self.executor.submit(payload)
+        self._in_flight.append((sched_out, ticket))
+        wait_launched = getattr(self.executor, "wait_launched", None)
+        if wait_launched is not None:
+            wait_launched(ticket)
 
     def _schedule(self):
         start = time.perf_counter()

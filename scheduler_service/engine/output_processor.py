@@ -144,12 +144,13 @@ class OutputProcessor:
         An output with `error` set is final: the caller must abort that request in the engine.
         """
         outputs, stopped_ids = [], []
+        states = self._states
         for update in updates:
-            state = self._states.get(update.request_id)
+            state = states.get(update.request_id)
             if state is None:
                 continue
             try:
-                out = self._process_one(state, update)
+                out = self._steady(state, update) or self._process_one(state, update)
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
                 outputs.append(self._fail(state, e))
                 continue
@@ -170,6 +171,26 @@ class OutputProcessor:
             f"request {rid!r} failed while its output was processed "
             f"({type(exc).__name__}: {exc}); other requests are unaffected")
         return out
+
+    @staticmethod
+    def _steady(state: _RequestState, update: TokenUpdate) -> RequestOutput | None:
+        """The common case in a few lines, or None for the general path: one new token of an
+        unfinished request with no stop strings, no top alternatives and its first token
+        already timed. Same result as _process_one (no text is ever held back then)."""
+        ids = update.new_token_ids
+        if (len(ids) != 1 or update.finish_reason is not None or state.stopping.stop
+                or update.top_logprobs is not None or state.timings.first_token_time is None
+                or state.timings.first_scheduled_time is None):
+            return None
+        state.num_cached_tokens = update.num_cached_tokens
+        state.num_output_tokens += 1
+        token_id = ids[0]
+        text = state.detokenizer.add(token_id)
+        lps = update.new_logprobs
+        return RequestOutput(state.request_id, ids, text,
+                             [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
+                             False, None, None, state.num_prompt_tokens,
+                             state.num_output_tokens, state.num_cached_tokens, state.timings)
 
     def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
         self._note_times(state, update)

@@ -87,6 +87,7 @@ class WorkerClient:
         self._streams: list[StepStream] = []
         self.epoch: int | None = None
         self.owned_epoch = 0          # the last epoch this client started (0: none yet)
+        self._init_epoch = 0          # the epoch of the last Init sent
         self.verify_symmetry = False
         self._next_step = 0
         self._failure: str | None = "not initialized: call init() first"
@@ -108,6 +109,7 @@ class WorkerClient:
                           rendezvous_address=spec.rendezvous_address, dist_port=spec.dist_port,
                           force_new=self._force_new_group)
         epoch = max([self.owned_epoch] + [info.epoch for info in infos]) + 1
+        self._init_epoch = epoch
         calls = [stub.Init.future(_init_request(spec, epoch, plan.layout_pb(node),
                                                 self.scheduler_id),
                                   timeout=self.init_timeout_s)
@@ -298,13 +300,24 @@ class WorkerClient:
 
     def _rpc_failure(self, e: grpc.RpcError, rpc: str) -> type[WorkerFailure]:
         """A refused Init's settings: WorkerRefused; a stale epoch (FAILED_PRECONDITION on Init
-        or Reset) after this client drove the workers: Fenced; else WorkerFailure."""
+        or Reset) after this client drove the workers: Fenced; else WorkerFailure. An Init's
+        FAILED_PRECONDITION is a stale epoch only when a worker reports another owner now; else
+        the settings do not fit the machine (a refusal, like INVALID_ARGUMENT)."""
         code = e.code()
         if rpc == "Init" and code == grpc.StatusCode.INVALID_ARGUMENT:
+            return WorkerRefused
+        if rpc == "Init" and code == grpc.StatusCode.FAILED_PRECONDITION \
+                and not self._owned_by_another():
             return WorkerRefused
         if code == grpc.StatusCode.FAILED_PRECONDITION and self.owned_epoch:
             return Fenced
         return WorkerFailure
+
+    def _owned_by_another(self) -> bool:
+        """Whether a worker reports another owner at the epoch this client's Init asked for or
+        above (the Init was stale, not refused)."""
+        return any(h.epoch >= self._init_epoch and h.scheduler_id != self.scheduler_id
+                   for h in self.health())
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from tests.support.serve_process import children, gone
 from tests.support.grpc_harness import (REPO, SMALL_KV_GIB, child_env, collect, free_port,
@@ -79,22 +80,29 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
-def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path):
+@pytest.mark.parametrize("flags, why", [
+    (["--kv-cache-gib", SMALL_KV_GIB, "--fused-ops"], "fused_ops=True"),
+    # issue 23: INTERNAL "Cannot allocate memory" after the epoch and owner had changed
+    (["--kv-cache-gib", str(2**32)], "its KV cache 4294967296.00 GiB per rank, more than "
+                                     "this machine's"),
+])
+def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, flags, why):
     """--fused-ops on a CPU without the Triton interpreter: the worker refuses Init
-    (INVALID_ARGUMENT); serve says why and exits 2 at once instead of retrying forever, and
+    (INVALID_ARGUMENT); a KV cache larger than the machine (FAILED_PRECONDITION, no other
+    owner): likewise. serve says why and exits 2 at once instead of retrying forever, and
     leaves no worker behind."""
     port, worker_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--fused-ops",
-           "--metrics-listen", "127.0.0.1:0", "--openai-listen", "off"]
+           "--model", "tiny", *flags, "--metrics-listen", "127.0.0.1:0",
+           "--openai-listen", "off"]
     env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     env.pop("TRITON_INTERPRET", None)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
-    assert "the worker refused the settings" in out and "fused_ops=True" in out, out
+    assert "the worker refused the settings" in out and why in out, out
     assert out.count("Traceback") == 0, out       # a refusal is one line, not a stack trace
     assert time.monotonic() - t0 < 60
     assert "DeltaServe ready" not in out

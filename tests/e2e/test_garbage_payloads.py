@@ -34,6 +34,7 @@ def _stream(address: str, token: str, epoch: int, payloads: list[bytes]):
                                                              metadata=bearer(token)):
                 responses.append(r)
         except grpc.RpcError as e:
+            assert len(e.details()) <= 2000, (len(e.details()), e.details()[:300])
             return responses, e.code()
     return responses, grpc.StatusCode.OK
 
@@ -63,6 +64,7 @@ def test_garbage_payloads_are_bad_payloads_never_internal(tiny_models, tmp_path)
             assert not any(r.HasField("error") for r in responses[:-1]), case.name
             error = responses[-1].error
             assert error.code == worker_pb2.StepError.BAD_PAYLOAD, (case.name, error)
+            assert len(error.message) <= 2000, (case.name, len(error.message))
             assert status in (grpc.StatusCode.INVALID_ARGUMENT,
                               grpc.StatusCode.FAILED_PRECONDITION), (case.name, status)
         assert set(statuses) <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}, statuses

@@ -17,13 +17,15 @@ import threading
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine_common.protos import worker_pb2, worker_pb2_grpc
 from tests.support.certs import make_ca, make_cert
 from tests.support.grpc_harness import (Processes, bearer, child_env, collect, free_port,
-                                        generation_stub, greedy_request, pb, wait_for,
-                                        wait_ready, worker_info, write_token)
+                                        generation_stub, greedy_request, health_status, pb,
+                                        wait_for, wait_ready, worker_info, write_token)
 from tests.support.paths import REPO
+from bench.worker_port_flood import KINDS, PortFlood
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +143,12 @@ def test_a_refused_init_leaves_the_model_loaded(token_cluster):
                                     config=worker_pb2.WorkerConfig(model_dir=before.model_dir)),
              grpc.StatusCode.FAILED_PRECONDITION,
              f"epoch {before.epoch} is stale: the worker's epoch is {before.epoch}"),
+            # issue 23: INTERNAL after the epoch and owner had changed
+            (worker_pb2.InitRequest(epoch=before.epoch + 100, scheduler_id="intruder",
+                                    config=worker_pb2.WorkerConfig(model_dir=before.model_dir,
+                                                                   kv_cache_bytes=2**62)),
+             grpc.StatusCode.FAILED_PRECONDITION,
+             "its KV cache 4294967296.00 GiB per rank, more than this machine's"),
         ]
         for request, status, fragment in cases:
             with pytest.raises(grpc.RpcError) as err:
@@ -155,6 +163,37 @@ def test_a_refused_init_leaves_the_model_loaded(token_cluster):
                                                             timeout=60))
     assert len(ids) == 8 and msgs[-1].finish_reason == pb.LENGTH
     assert worker_proc.log_tail(200_000).count("loaded model ") == 1
+
+
+def test_unauthenticated_streams_hold_no_worker_thread(token_cluster):
+    """Issue 23: seven reflection streams held open filled the worker's 8 threads (the
+    scheduler's Step stream holds the eighth), its Health calls queued, and the scheduler declared
+    the worker gone. 32 of every stream the port answers are held open here."""
+    procs, w_port, target, token = token_cluster
+    address = f"127.0.0.1:{w_port}"
+    with PortFlood(address, per_kind=32) as flood:
+        flood.wait_settled(30)
+        with grpc.insecure_channel(address) as ch:   # the scheduler's own check, with the token
+            reply = worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5,
+                                                          metadata=bearer(token))
+        assert reply.ready, reply
+        assert health_status(address, "", timeout=5) == "SERVING"   # probes: Check stays open
+        with grpc.insecure_channel(target) as ch:
+            for i in range(4):
+                ids, _, msgs = collect(generation_stub(ch).Generate(
+                    greedy_request([5 + i, 6, 7], 8), timeout=60))
+                assert len(ids) == 8 and msgs[-1].finish_reason == pb.LENGTH
+        outcomes = flood.outcomes()
+    assert outcomes == {kind: {"UNAUTHENTICATED": 32} for kind in KINDS}
+    assert health_status(target, "deltaserve.v1.Generation") == "SERVING"
+    # With the token, reflection still answers (grpcurl -H 'authorization: Bearer ...').
+    with grpc.insecure_channel(address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        replies = list(stub.ServerReflectionInfo(iter([request]), timeout=10,
+                                                 metadata=bearer(token)))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert "deltaserve.v1.Worker" in names
 
 
 def test_mutual_tls_between_worker_and_scheduler(tiny_models, tmp_path):

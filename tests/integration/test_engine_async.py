@@ -1,7 +1,12 @@
 """The in-process engine with async scheduling (two steps in flight, the runner on its own
 thread) against transformers' greedy tokens, and against the synchronous engine on a sampled
 workload with stop strings, min_tokens and logprobs, with aborts while a step is in flight, with
-prefix caching under preemption, and at the max_model_len and max_tokens=1 edges."""
+prefix caching under preemption, and at the max_model_len and max_tokens=1 edges.
+
+Every test runs twice: as the CPU runs it (the runner finishes step t before it launches t+1)
+and pipelined, as CUDA runs it (step t+1 launched before step t is finished, its input ids fed
+from step t's sampler output: deltaserve.llm.RunnerPipeline, runner/token_readback.TokenFeed).
+"""
 from __future__ import annotations
 
 import random
@@ -14,6 +19,19 @@ from engine_common.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.engine_checks import MODELS, _check, _prompts, _shared_prefix_prompts
+from worker_service.runner.model_runner import ModelRunner
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "pipelined"])
+def pipelined(request, monkeypatch):
+    """Force the runner's pipelining on or off (a CPU runner has it off by default)."""
+    init = ModelRunner.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pipelined = request.param
+    monkeypatch.setattr(ModelRunner, "__init__", patched)
+    return request.param
 
 
 def _watch_pipeline(llm: LLM) -> dict:
@@ -24,7 +42,7 @@ def _watch_pipeline(llm: LLM) -> dict:
 
     def step():
         out = orig_step()
-        seen["depth"] = max(seen["depth"], len(core._in_flight) + (1 if out else 0))
+        seen["depth"] = max(seen["depth"], len(core._in_flight))
         return out
 
     def schedule():

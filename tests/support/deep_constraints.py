@@ -22,11 +22,12 @@ def json_ref_chain(n: int) -> str:
     return '{"$defs":{' + defs + f',"{n}":{{"type":"string"}}}},"$ref":"#/$defs/0"}}'
 
 
-def json_items_chain(n: int) -> str:
+def json_items_chain(n: int, ref: str = "#/$defs/{}") -> str:
     """Definitions each an array of the next (depth 2n + 2; crashed at n = 1,024: 39,000
-    characters)."""
-    defs = ",".join(f'"{i}":{{"items":{{"$ref":"#/$defs/{i + 1}"}}}}' for i in range(n))
-    return '{"$defs":{' + defs + f',"{n}":{{"type":"string"}}}},"$ref":"#/$defs/0"}}'
+    characters); `ref` spells the reference to definition {} (issue 23 wrote
+    "json-schema:///#/$defs/{}" and got past the depth check)."""
+    defs = ",".join(f'"{i}":{{"items":{{"$ref":"{ref.format(i + 1)}"}}}}' for i in range(n))
+    return '{"$defs":{' + defs + f',"{n}":{{"type":"string"}}}},"$ref":"{ref.format(0)}"}}'
 
 
 def json_nested_arrays(n: int) -> str:

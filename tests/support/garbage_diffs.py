@@ -87,6 +87,7 @@ def _undecodable(lim: Limits) -> dict[str, bytes]:
         "an integer instead of the diff": msgpack.packb(7),
         "six parts instead of seven": msgpack.packb([0, [], [], {}, {}, []]),
         "step as a string": raw("zero"),
+        "step as a 70,000-character string": raw("x" * 70_000),   # quoted whole (issue 23)
         "negative step": raw(-1),
         "new_requests as a map": raw(0, new_reqs={}),
         "new request of five fields": raw(0, [raw_new()[:5]]),

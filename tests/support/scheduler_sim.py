@@ -60,6 +60,14 @@ class SimWorker:
         self.diffs: list[SchedulerOutput] = []
         self.encoded_sizes: list[int] = []
         self.step_tokens: list[dict[int, int]] = []   # per step: handle -> tokens computed
+        # Constrained requests "compile" for compile_steps steps (None: until release_compiles),
+        # then are reported in RunnerOutput.compiled_handles; sampling one before is an error.
+        self.compile_steps: int | None = 0
+        self.compiling: dict[int, int] = {}
+
+    def release_compiles(self) -> None:
+        self.compile_steps = 0
+        self.compiling = dict.fromkeys(self.compiling, 0)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         payload = encode_scheduler_output(out)
@@ -79,6 +87,7 @@ class SimWorker:
         for h in out.finished_handles:
             assert h in self.reqs, f"finished handle {h} was never sent"
             del self.reqs[h]
+            self.compiling.pop(h, None)
             if h in self.batch:
                 self.batch.remove(h)
         for h in out.preempted_handles:
@@ -90,6 +99,8 @@ class SimWorker:
                 new.sampling.seed, new.sampling.stop_ids, new.num_logprobs, list(new.block_ids),
                 new.num_computed_tokens)
             self.batch.append(new.handle)
+            if new.constraint is not None:
+                self.compiling[new.handle] = self.compile_steps
         for res in out.resumed_requests:
             assert res.handle in self.reqs and res.handle not in self.batch
             state = self.reqs[res.handle]
@@ -122,6 +133,8 @@ class SimWorker:
                 assert self.kv[self._slot(state, pos)] == state.prefix_id(pos), (
                     f"handle {state.handle}: wrong KV at position {pos}")
             if state.num_computed == len(state.tokens):
+                assert state.handle not in self.compiling, (
+                    f"handle {state.handle} samples before its grammar compiled")
                 token = self.sample_fn(state)
                 state.tokens.append(token)
                 result.handles.append(state.handle)
@@ -130,6 +143,14 @@ class SimWorker:
                 if state.num_logprobs:
                     k = state.num_logprobs
                     result.top_logprobs[state.handle] = (list(range(k)), [-1.0] * k)
+        for h, left in list(self.compiling.items()):
+            if left is None:
+                continue
+            if left == 0:
+                del self.compiling[h]
+                result.compiled_handles.append(h)
+            else:
+                self.compiling[h] = left - 1
         return result
 
 

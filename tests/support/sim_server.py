@@ -112,7 +112,7 @@ class _SimExecutor:
             self._greedy[new.handle] = new.sampling.sampling.greedy
             if new.constraint is not None:
                 self._matchers[new.handle] = self._grammars.matcher(new.constraint)
-        return encode_runner_output(self.worker.execute(out))
+        return encode_runner_output(self.worker.execute(out))   # reports the compiled ones
 
 
 class SimServer:
@@ -157,17 +157,18 @@ class SimServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> int:
+        keys = public_port.api_keys(self.api)
         self.server = grpc.aio.server(options=public_port.port_options(self.api),
-                                      interceptors=public_port.interceptors(self.api))
+                                      interceptors=public_port.interceptors(self.api, keys))
         shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto")
         pool = TokenizerPool(self.api.tokenizer_threads)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.engine, self.model, shape, self.kv_events,
                                lambda: self.engine.ready, options=self.api,
-                               tokenizer_pool=pool), self.server)
+                               tokenizer_pool=pool, keys=keys), self.server)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.engine, self.model, options=self.api, tokenizer_pool=pool),
-            self.server)
+            GenerationServicer(self.engine, self.model, options=self.api, tokenizer_pool=pool,
+                               keys=keys), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.engine.start()
         await self.server.start()

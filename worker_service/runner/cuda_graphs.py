@@ -140,15 +140,16 @@ class DecodeGraphRunner:
         return self.replay(staged)
 
     def stage(self, num_reqs: int, input_ids: np.ndarray, positions: np.ndarray,
-              slot_mapping: np.ndarray, seq_lens: np.ndarray,
-              block_table: np.ndarray) -> StagedDecode:
-        """Write a step's rows, padded to its graph size, into the staging arenas (host)."""
+              slot_mapping: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+              staging: StepBuffers | None = None) -> StagedDecode:
+        """Write a step's rows, padded to its graph size, into the staging arenas (host):
+        `staging`'s, else the ones this runner was built with."""
         padded = padded_batch_size(num_reqs, self.sizes)
         if padded is None:
             raise ValueError(f"num_reqs={num_reqs} is invalid: must be in "
                              f"[1, {self.sizes[-1]}]")
-        return self.buffers.stage(self.staging, num_reqs, padded, input_ids, positions,
-                                  slot_mapping, seq_lens, block_table)
+        return self.buffers.stage(staging or self.staging, num_reqs, padded, input_ids,
+                                  positions, slot_mapping, seq_lens, block_table)
 
     def replay(self, staged: StagedDecode) -> torch.Tensor:
         """Load a staged step (after the staging flush) and replay its graph (or run the same

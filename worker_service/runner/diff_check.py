@@ -33,6 +33,7 @@ from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutp
 from engine_common.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
                                        MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
                                        MAX_TOP_LOGPROBS)
+from engine_common.params import clip, quoted
 from worker_service.failures import StepProtocolError
 
 
@@ -40,7 +41,7 @@ class BadDiff(CodecError):
     """A value out of its range (BAD_PAYLOAD); names the field, the value and the range."""
 
     def __init__(self, field_name: str, value, allowed: str):
-        super().__init__(f"{field_name}={value!r} is invalid: must be {allowed}")
+        super().__init__(f"{clip(field_name)}={quoted(value)} is invalid: must be {allowed}")
 
 
 @dataclass(frozen=True)

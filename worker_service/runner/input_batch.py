@@ -25,6 +25,7 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.handles: list[int | None] = [None] * max_num_reqs
+        self.handle_ids = np.full(max_num_reqs, -1, dtype=np.int64)   # handles, -1: no request
         self.handle_to_row: dict[int, int] = {}
         self.num_reqs = 0  # rows in use including holes; dense after condense()
         self._holes: list[int] = []
@@ -64,6 +65,7 @@ class InputBatch:
         else:
             raise BatchFullError(f"batch holds at most {self.max_num_reqs} requests")
         self.handles[row] = state.handle
+        self.handle_ids[row] = state.handle
         self.handle_to_row[state.handle] = row
         self._fill_row(row, state)
         return row
@@ -71,6 +73,7 @@ class InputBatch:
     def remove(self, handle: int) -> None:
         row = self.handle_to_row.pop(handle)
         self.handles[row] = None
+        self.handle_ids[row] = -1
         self._holes.append(row)
 
     def condense(self) -> None:
@@ -153,4 +156,5 @@ class InputBatch:
         handle = self.handles[src]
         self.handles[dst] = handle
         self.handles[src] = None
+        self.handle_ids[dst], self.handle_ids[src] = handle, -1
         self.handle_to_row[handle] = dst

@@ -39,10 +39,14 @@ from worker_service.sample.sampling_metadata import (SamplingMetadata,
 from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
 from worker_service.runner.step_clock import StepClock
+from worker_service.runner.simulated_device import SimulatedDevice
 from worker_service.runner.step_inputs import StepInputs, prepare_step_inputs
-from worker_service.runner.token_readback import PendingStep, SampledTokens, TokenReadback
+from worker_service.runner.token_readback import (PendingStep, SampledTokens, TokenFeed,
+                                                  TokenReadback)
 
 log = logging.getLogger(__name__)
+# How long a step that computes nothing waits for a grammar compile to end (finish_step).
+_IDLE_COMPILE_WAIT_S = 0.05
 
 
 def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
@@ -72,10 +76,21 @@ class ModelRunner:
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
-        # Persistent staging of every per-step input, and the pinned read-back buffers.
-        self.staging = StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_blocks, self.device)
-        self.readback = TokenReadback(config.max_num_seqs, self.device)
+        # Persistent staging of every per-step input, and the pinned read-back buffers: two
+        # sets, used by alternate steps, so a step can be launched while the one before it is
+        # still on the device (launch_step before finish_step; see `pipelined`).
+        self._stagings = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                      max_blocks, self.device) for _ in range(2)]
+        self._readbacks = [TokenReadback(config.max_num_seqs, self.device) for _ in range(2)]
+        self.staging, self.readback = self._stagings[0], self._readbacks[0]
+        # A stand-in for the forward pass and sampler (bench/host_overhead.py): the host work
+        # is real, the device is a timed wait. None: the model runs.
+        self.simulated = (SimulatedDevice(config.simulated_device_ms / 1e3, self.vocab_size)
+                          if config.simulated_device_ms is not None else None)
+        # Whether an async-scheduling executor should launch step t+1 before finishing step t
+        # (RunnerPipeline): where launches are asynchronous, so the device runs ahead. Tests
+        # turn it on for CPU runners, where it changes the order of work but not the tokens.
+        self.pipelined = self.device.type == "cuda" or self.simulated is not None
         self.requests: dict[int, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: DecodeGraphRunner | None = None
@@ -198,21 +213,43 @@ class ModelRunner:
     # launch_step: apply the diff, stage every input (one copy per staging arena), forward,
     # sample, queue the read-back copies; no host sync. finish_step: the step's one host sync
     # (tests/gpu/test_no_host_sync.py checks both), then the sampled ids go into the batch.
+    #
+    # A launched step already counts its sampled tokens (num_tokens grows at launch; the ids
+    # are written at finish), so step t+1 can be launched before step t is finished: its input
+    # ids for the rows step t sampled are copied on the device from step t's sampler output
+    # (a TokenFeed), and the device never waits for the host between the two (`pipelined`).
 
     def execute(self, payload: bytes) -> RunnerOutput:
         """Decode a diff, apply it, run the model and sample."""
+        return self.execute_diff(self.decode(payload))
+
+    def decode(self, payload: bytes) -> SchedulerOutput:
+        """The diff in `payload`; BadDiff when it is larger than the batch limits allow."""
         if len(payload) > self.max_payload_bytes:
             raise BadDiff("payload size", len(payload), f"<= {self.max_payload_bytes} bytes "
                           "(the largest diff the batch limits allow)")
-        return self.execute_diff(decode_scheduler_output(payload))
+        return decode_scheduler_output(payload)
 
     def execute_diff(self, diff: SchedulerOutput) -> RunnerOutput:
         """launch_step, then finish_step."""
         return self.finish_step(self.launch_step(diff))
 
+    def needs_host_tokens(self, diff: SchedulerOutput) -> bool:
+        """Whether `diff` must see the previous step's sampled ids on the host before it is
+        launched: grammar masks and penalties are computed from them."""
+        if self.grammar or any(new.constraint is not None for new in diff.new_requests):
+            return True
+        n = self.batch.num_reqs
+        b = self.batch
+        if (np.any(b.repetition_penalty[:n] != 1.0) or np.any(b.presence_penalty[:n] != 0.0)
+                or np.any(b.frequency_penalty[:n] != 0.0)):
+            return True
+        return any(new.sampling.sampling.has_penalties for new in diff.new_requests)
+
     @torch.inference_mode()
-    def launch_step(self, diff: SchedulerOutput) -> PendingStep:
-        """Everything up to the token read-back, without a host sync."""
+    def launch_step(self, diff: SchedulerOutput, feed: PendingStep | None = None) -> PendingStep:
+        """Everything up to the token read-back, without a host sync. `feed`: the previous
+        step when it is not finished yet (its sampled ids reach this step on the device)."""
         if diff.step != self.last_step + 1:
             raise StepProtocolError(f"step {diff.step} arrived after step {self.last_step}")
         if self.diff_bounds is None:
@@ -221,59 +258,79 @@ class ModelRunner:
         check_diff(diff, self.diff_bounds, self.requests, self.batch.handle_to_row,
                    self.batch.num_blocks)
         self.last_step = diff.step
+        self.staging = self._stagings[diff.step % 2]
+        self.readback = self._readbacks[diff.step % 2]
         self._apply_diff(diff)
         num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
         for handle, n in diff.num_scheduled_tokens.items():
             num_scheduled[self._row(handle)] = n
         inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
         if inputs.num_tokens == 0:
-            return PendingStep(diff.step)
+            return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
         try:
-            return self._launch(diff.step, inputs)
+            return self._launch(diff.step, inputs, feed)
         except BaseException:
             self.staging.wait_copies()      # a failed step, too, ends after its copies
             raise
 
     def finish_step(self, pending: PendingStep) -> RunnerOutput:
         """The step's one host sync (its read-back, or its staging copies when nothing
-        sampled); then feed the sampled ids back into the batch and build the reply."""
+        sampled); then write the sampled ids into the batch and build the reply, with the
+        handles whose grammar compiled since (a step that computed nothing waits up to
+        _IDLE_COMPILE_WAIT_S for one, so the engine does not spin while a constraint compiles)."""
         if pending.tokens is None:
-            self.staging.wait_copies()
+            self._stagings[pending.step % 2].wait_copies()
             self.clock.mark("readback")
-            return RunnerOutput(step=pending.step)
-        sampled = pending.tokens.wait()
-        self.clock.mark("readback")
-        return self._record_samples(pending.step, pending.rows, sampled)
+            out = RunnerOutput(step=pending.step)
+        else:
+            sampled = pending.tokens.wait()
+            self.clock.mark("readback")
+            out = self._record_samples(pending, sampled)
+        out.compiled_handles = self.grammar.newly_compiled(
+            0.0 if pending.computed else _IDLE_COMPILE_WAIT_S)
+        return out
 
-    def _launch(self, step: int, inputs: StepInputs) -> PendingStep:
+    def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None) -> PendingStep:
         self.staging.begin()
-        run_model = self._stage_model(inputs)
+        run_model, input_ids = self._stage_model(inputs)
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
-        handles = [self.batch.handles[r] for r in sample_rows] if self.grammar else []
+        handles = [self.batch.handles[r] for r in sample_rows]
         if len(sample_rows):
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
                                            self.staging, self.grammar.stopped(handles))
-            masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
+            if self.grammar:
+                masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
+        fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging)
         self.staging.flush()
+        if fed is not None and self.simulated is None:
+            fed.apply(input_ids)
         self.clock.mark("input_prep")
         try:
-            out, is_hidden = run_model()
+            out, is_hidden = run_model() if self.simulated is None else (None, False)
             self.clock.mark("forward")
         finally:
             masks = masks and masks.result()   # the grammar masks, computed meanwhile
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
-            return PendingStep(step)
+            return PendingStep(step, copied=self.staging.copied)    # computed, sampled nothing
         if masks is not None:
             meta = self._with_grammar(meta, masks)
         if self.on_sampling is not None:
             self.on_sampling()
+        positions = self.batch.num_tokens[sample_rows].copy()
+        self.batch.num_tokens[sample_rows] += 1            # the ids follow at finish_step
+        num_logprobs = self.batch.num_logprobs[sample_rows].copy()
+        if self.simulated is not None:
+            self.clock.mark("sampling")
+            return PendingStep(step, handles, positions, num_logprobs,
+                               self.simulated.sample(positions))
         sampled = self._sample(out, is_hidden, meta)      # the LM head too, for hidden rows
         self.clock.mark("sampling")
-        return PendingStep(step, sample_rows, self.readback.start(sampled))
+        return PendingStep(step, handles, positions, num_logprobs, self.readback.start(sampled),
+                           sampled.sampled_token_ids)
 
     def _with_grammar(self, meta: SamplingMetadata, masks: GrammarMasks) -> SamplingMetadata:
         """The step's masks as the sampler's bias: on CPU unpacked on the helper thread; on a
@@ -300,28 +357,30 @@ class ModelRunner:
                 return SamplerOutput(*fused)
         return self.sampler.forward(self.model.compute_logits(out), meta)
 
-    def _stage_model(self, inputs: StepInputs) -> Callable[[], tuple[torch.Tensor, bool]]:
-        """Stage the model inputs; returns the call (made after the flush) that runs the model:
-        (the sampling rows' logits, False) from a captured graph for a pure-decode batch that
-        fits one, else (their hidden states, True) from the eager model."""
+    def _stage_model(self, inputs: StepInputs
+                     ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
+        """Stage the model inputs; returns the call (made after the flush) that runs the model
+        and the device view of the staged input ids (a TokenFeed fills rows of it). The call
+        gives (the sampling rows' logits, False) from a captured graph for a pure-decode batch
+        that fits one, else (their hidden states, True) from the eager model."""
         n = len(inputs.rows)
         g = self.graph_runner
         if g is not None and g.graph_batch(n, inputs.num_tokens,
                                            int(inputs.num_scheduled.max())) is not None:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                             inputs.seq_lens, inputs.block_table)
+                             inputs.seq_lens, inputs.block_table, self.staging)
             if inputs.sample_mask.all():
-                return lambda: (g.replay(staged), False)
+                return (lambda: (g.replay(staged), False)), staged.tokens[0]
             # Pure decode: query row i is request i, so logits_indices are the sampling rows.
             keep = self.staging.put(inputs.logits_indices, torch.int64, "logits_indices")
-            return lambda: (g.replay(staged).index_select(0, keep), False)
+            return (lambda: (g.replay(staged).index_select(0, keep), False)), staged.tokens[0]
         staged = stage_step_inputs(self.staging, inputs)
         meta = attention_metadata(inputs, staged)
 
         def run_eager() -> tuple[torch.Tensor, bool]:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
             return hidden.index_select(0, staged.logits_indices), True
-        return run_eager
+        return run_eager, staged.input_ids
 
     def _row(self, handle: int) -> int:
         try:
@@ -356,22 +415,31 @@ class ModelRunner:
             self.batch.append_block_ids(self._row(handle), block_ids)
         self.batch.condense()
 
-    def _record_samples(self, step: int, rows: np.ndarray,
-                        sampled: SampledTokens) -> RunnerOutput:
-        """Feed sampled ids back into the batch and the cached states; build the reply."""
-        self.batch.append_tokens(rows, sampled.token_ids)
-        handles = [self.batch.handles[r] for r in rows]
+    def _record_samples(self, pending: PendingStep, sampled: SampledTokens) -> RunnerOutput:
+        """Write the sampled ids into the batch rows (where the request is still there) and
+        the cached states; build the reply. A request finished or preempted since the launch
+        still gets its token in the reply (and in its cached state, when kept)."""
+        handles = pending.handles
         token_ids = sampled.token_ids.tolist()
+        rows_of = self.batch.handle_to_row
+        live = [i for i, h in enumerate(handles) if h in rows_of]
+        if len(live) == len(handles):
+            rows = np.fromiter((rows_of[h] for h in handles), dtype=np.int64, count=len(handles))
+            self.batch.token_ids[rows, pending.positions] = sampled.token_ids
+        elif live:
+            rows = np.array([rows_of[handles[i]] for i in live], dtype=np.int64)
+            self.batch.token_ids[rows, pending.positions[live]] = sampled.token_ids[live]
+        requests = self.requests
         for handle, tok in zip(handles, token_ids):
-            self.requests[handle].output_token_ids.append(tok)
+            state = requests.get(handle)
+            if state is not None:
+                state.output_token_ids.append(tok)
         self.grammar.advance(handles, token_ids)
         top = {}
         if sampled.top_ids is not None:
-            for i, row in enumerate(rows):
-                k = int(self.batch.num_logprobs[row])
+            for i, k in enumerate(pending.num_logprobs.tolist()):
                 if k:
                     top[handles[i]] = (sampled.top_ids[i, :k].tolist(),
                                        sampled.top_logprobs[i, :k].tolist())
-        return RunnerOutput(step=step, handles=handles, sampled_token_ids=token_ids,
+        return RunnerOutput(step=pending.step, handles=handles, sampled_token_ids=token_ids,
                             logprobs=sampled.logprobs.tolist(), top_logprobs=top)
-

@@ -31,6 +31,18 @@ from worker_service.runner.rank_api import InitOutcome, ModelSummary, RankStepSt
 
 log = logging.getLogger(__name__)
 
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step launched on the device and not finished yet (RunnerKeeper.launch_step)."""
+
+    pending: object          # the runner's PendingStep
+    start: float             # perf_counter at launch, for the step's stats
+
+    def wait_device(self) -> None:
+        """Block, without the GIL, until the step's device work is done."""
+        self.pending.wait_device()
+
 # Fields that may change without a reload: the KV budget and symmetry verification.
 _RELOAD_FREE = {"kv_cache_bytes": None, "gpu_memory_utilization": None, "num_kv_blocks": None,
                 "verify_symmetry": False}
@@ -86,6 +98,50 @@ class RunnerKeeper:
             if failure.kind == FailureKind.INTERNAL:   # a model, device or collective failure
                 log.exception("step failed")
             raise failure from e
+
+    # -- pipelined steps (tp_size 1 on an asynchronous device: service/step_pipeline.py) --------
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps can be launched before the previous one is finished."""
+        return self.runner is not None and self.runner.pipelined and self.tp is None
+
+    def launch_step(self, payload: bytes, held: "LaunchedStep | None",
+                    finish_first: Callable[[], None]) -> "LaunchedStep":
+        """Launch one encoded diff while `held` (the previous step, launched and not finished)
+        may still run on the device: its sampled ids reach this step there. A diff that needs
+        them on the host calls `finish_first()` (which finishes `held`) before launching.
+        Failures become StepFailures, as in run_step."""
+        if self.runner is None or not self.ready:
+            raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
+        start = time.perf_counter()
+        try:
+            diff = self.runner.decode(payload)
+            if held is not None and self.runner.needs_host_tokens(diff):
+                finish_first()
+                held = None
+            pending = self.runner.launch_step(diff, held and held.pending)
+        except Exception as e:
+            raise self._step_failure(e) from e
+        return LaunchedStep(pending, start)
+
+    def finish_step(self, launched: "LaunchedStep", verify: bool) -> StepReply:
+        """The launched step's read-back and reply (as run_step's, for the output rank)."""
+        try:
+            out = self.runner.finish_step(launched.pending)
+            stats = RankStepStats(0, time.perf_counter() - launched.start,
+                                  dict(self.runner.clock.phases), len(self.runner.requests))
+            digest = self.runner.state_digest(out) if verify else None
+            return StepReply(encode_runner_output(out), digest, (stats,))
+        except Exception as e:
+            raise self._step_failure(e) from e
+
+    @staticmethod
+    def _step_failure(e: Exception) -> StepFailure:
+        failure = as_failure(e)
+        if failure.kind == FailureKind.INTERNAL:
+            log.exception("step failed")
+        return failure
 
     @property
     def ready(self) -> bool:

@@ -18,13 +18,16 @@ Reuse rule: a step may overwrite a host arena only once the previous step's copy
 completed. The synchronous runner guarantees it: every step ends with one host sync (the token
 read-back, or `wait_copies()` when nothing samples) that comes after the step's copies.
 `begin()` checks the rule without waiting (an event query) and raises if it was broken. Async
-scheduling keeps the rule too: a worker still runs its steps one after another, each ending with
-its read-back, so one StepBuffers suffices.
+scheduling keeps the rule too (see the last paragraph).
 
 Arrays with no useful size bound (penalty id matrices, stop-mask index pairs) go through
 `put_ragged`: one freshly pinned tensor per step and one non-blocking copy. PyTorch's caching
 host allocator makes that cheap after the first steps and never hands the block out again
 before the copy has read it.
+
+A runner that launches a step before finishing the previous one (ModelRunner.pipelined) uses
+two StepBuffers, one per step parity: the buffers of step t+1 were last used by step t-1, which
+was finished (synced) before step t+1 is launched.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ class StepTooLarge(StepProtocolError):
 
 def aligned(n: int, dtype: torch.dtype) -> int:
     """n elements of dtype rounded up to a whole number of ALIGN_BYTES."""
-    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-n // per) * per
 
 
@@ -115,9 +118,10 @@ class StepBuffers:
         # The regions one step takes at most, per dtype (a padded decode batch may hold more
         # rows than the token budget, hence max(tokens, rows) token rows).
         regions = {
-            torch.int64: [tok] * 3 + [req] * 3,      # ids, positions, slots (or a padded
+            torch.int64: [tok] * 3 + [req] * 5,      # ids, positions, slots (or a padded
                                                      # decode's [3, rows]), logits rows,
-                                                     # seeds, counters
+                                                     # seeds, counters, the token feed's
+                                                     # two index arrays
             torch.int32: [req + 1, req, req * blk, req],  # query_start_loc, seq_lens,
                                                           # block table, top_k
             torch.float32: [req] * 6,                # temperature, top_p, min_p, 3 penalties
@@ -161,6 +165,11 @@ class StepBuffers:
             arena.flush()
         if self._copied is not None:   # on this device's stream, whatever the thread's device
             self._copied.record(torch.cuda.current_stream(self.device))
+
+    @property
+    def copied(self) -> torch.cuda.Event | None:
+        """The event the last flush recorded (None on CPU)."""
+        return self._copied
 
     def wait_copies(self) -> None:
         """Block until this step's staging copies are done (a step's one sync when it

@@ -4,12 +4,12 @@
 asked) the top alternatives into pinned host buffers, then records an event; `PendingTokens.wait`
 synchronises on that event (the only host sync of a step) and returns numpy copies. The pinned
 buffers are allocated once at max_num_reqs rows (the top-alternative ones grow to the widest k
-seen); they are reused every step, which is safe because wait() copies them out before the next
-step starts. On CPU the sampler's tensors are already on the host: no copy, no sync.
+seen); they are reused by every other step (the runner keeps two, one per step parity), which is
+safe because wait() copies them out before the step after next is launched. On CPU the sampler's tensors are already on the host: no copy, no sync.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,10 @@ class PendingTokens:
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     done: torch.cuda.Event | None          # None on CPU: nothing in flight
+
+    def wait_device(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
 
     def wait(self) -> SampledTokens:
         """The step's one host sync; returns copies that outlive the pinned buffers."""
@@ -99,8 +103,56 @@ class TokenReadback:
 
 @dataclass
 class PendingStep:
-    """A launched step awaiting its finish: the rows that sampled and their read-back."""
+    """A launched step awaiting its finish: the requests that sampled, where their ids go, and
+    their read-back (on the device, `sampled` also feeds the next step: TokenFeed)."""
 
     step: int
-    rows: np.ndarray | None = None          # batch rows that sampled, in sampling order
+    handles: list[int] = field(default_factory=list)   # handles that sampled, sampling order
+    positions: np.ndarray | None = None     # int32 [N]: each one's token index in its row
+    num_logprobs: np.ndarray | None = None  # int32 [N]: top alternatives each one asked for
     tokens: PendingTokens | None = None     # None: nothing sampled
+    sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
+    copied: torch.cuda.Event | None = None  # the staging copies' event, when nothing sampled
+    computed: bool = True                   # False: the step scheduled no token at all
+
+    def wait_device(self) -> None:
+        """Block until the step's device work is done (its read-back, else its staging copies);
+        the read-back itself stays for finish_step."""
+        if self.tokens is not None:
+            self.tokens.wait_device()
+        elif self.copied is not None:
+            self.copied.synchronize()
+
+
+@dataclass
+class TokenFeed:
+    """The rows of a step's input ids that are the previous step's sampled ids, copied on the
+    device: that step is launched before the previous one's ids reach the host."""
+
+    dst: torch.Tensor       # int64 [K]: indices into this step's input ids
+    src: torch.Tensor       # int64 [K]: indices into the previous step's sampled ids
+    sampled: torch.Tensor | None
+
+    @staticmethod
+    def plan(prev: PendingStep, handle_ids: np.ndarray, inputs, staging) -> "TokenFeed | None":
+        """Which query tokens of `inputs` (a StepInputs over batch rows whose handles are
+        `handle_ids[row]`) are ids `prev` sampled: a row's last query token, at the position
+        prev sampled for its request. Staged in `staging` (before its flush); None if none."""
+        if not prev.handles or not len(inputs.rows):
+            return None
+        prev_handles = np.asarray(prev.handles, dtype=np.int64)
+        order = np.argsort(prev_handles)
+        ranked = prev_handles[order]
+        current = handle_ids[inputs.rows]
+        at = np.minimum(np.searchsorted(ranked, current), len(ranked) - 1)
+        src = order[at]
+        last = inputs.query_start_loc[1:].astype(np.int64) - 1
+        fed = (ranked[at] == current) & (inputs.positions[last] == prev.positions[src])
+        if not fed.any():
+            return None
+        return TokenFeed(staging.put(last[fed], torch.int64, "feed dst"),
+                         staging.put(src[fed], torch.int64, "feed src"), prev.sampled)
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Queue the copy (after the staging flush, before the model reads input_ids)."""
+        input_ids.index_copy_(0, self.dst, self.sampled.index_select(0, self.src))

@@ -15,6 +15,13 @@ Per step (the model runner drives it):
 Bitmask layout (llguidance's and xgrammar's): int32 [rows, ceil(vocab / 32)]; token t is allowed
 when bit (t % 32) of word t // 32 is set. Ids past the tokenizer's vocabulary are never allowed.
 
+Compiling is off the step path (docs/structured-output.md, "Compiling off the step"): a new
+constraint is compiled on the compile thread, the request's matcher is made from it the first
+time its row samples (blocking then only if it is not done, which the scheduler avoids by never
+scheduling that row's sampling before the output rank reported the handle compiled:
+`newly_compiled`, sent back in RunnerOutput.compiled_handles). Resolving a matcher only where a
+row samples keeps every rank's state, and so its digest, the same whenever its compile ends.
+
 When a grammar is complete and nothing may follow, its mask allows only the eos ids, so the
 request ends with STOP_TOKEN. Once an eos id is sampled the constraint is done (`terminated`): the
 row is masked no more (with ignore_eos it goes on unconstrained, as in vLLM). A preempted request
@@ -25,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -55,10 +63,10 @@ def bitmask_bias(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 class GrammarCompiler:
-    """Compiles constraints against the model's tokenizer; compiled grammars are cached by the
-    constraint's key (a hash), and each request gets a copy. The tokenizer (about a second to
-    build at a 49K vocabulary) is built on the first compile, so unconstrained serving pays
-    nothing."""
+    """Compiles constraints against the model's tokenizer, one at a time on its compile thread;
+    compiled grammars are cached by the constraint's key (a hash; at most `max_compiled`, least
+    recently used out), and each request gets a copy. The tokenizer (about a second to build at
+    a 49K vocabulary) is built on the first compile, so unconstrained serving pays nothing."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
                  eos_token_ids: Sequence[int], max_compiled: int = _MAX_COMPILED):
@@ -67,7 +75,10 @@ class GrammarCompiler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiling: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()       # _compiled and _compiling: step and compile threads
         self._max_compiled = max_compiled
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
 
     @classmethod
     def for_model(cls, model_dir: str, vocab_size: int,
@@ -85,13 +96,33 @@ class GrammarCompiler:
                 eos_token=sorted(self.eos_token_ids))
         return self._tokenizer
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher (at the start of the output) for `constraint`. The library compiles
-        recursively: a constraint too deep is refused (ParamError; the diff check refused it
-        already), and compiling runs on a 64 MiB stack, not the rank's main thread's."""
+    def prepare(self, constraint: Constraint) -> concurrent.futures.Future:
+        """A Future of the compiled grammar (an LLMatcher to copy): done at once when cached,
+        else compiling on the compile thread. Its exception, if any, is the compile's."""
         key = constraint.key
-        compiled = self._compiled.get(key)
-        if compiled is None:
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                done = concurrent.futures.Future()
+                done.set_result(compiled)
+                return done
+            future = self._compiling.get(key)
+            if future is None:
+                future = self._compiling[key] = self.pool.submit(self._compile, constraint)
+            return future
+
+    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """A fresh matcher (at the start of the output) for `constraint`, waiting for its
+        compile."""
+        return self.prepare(constraint).result().deep_copy()
+
+    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """On the compile thread. The library compiles recursively: a constraint too deep is
+        refused (ParamError; the diff check refused it already), and compiling runs on a 64 MiB
+        stack. The first mask is computed here too: llguidance builds much of its lexer lazily
+        on it (8 s of the 60,000-choice constraint's 12), which would otherwise land on a step."""
+        try:
             constraint.check_depth()
             tokenizer = self.tokenizer
             compiled = call_with_big_stack(
@@ -99,12 +130,16 @@ class GrammarCompiler:
             if compiled.is_error():
                 # Validated at admission: reaching this is a library/version mismatch.
                 raise ValueError(f"{constraint.field}: {compiled.get_error()}")
-            self._compiled[key] = compiled
-            if len(self._compiled) > self._max_compiled:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
-        return compiled.deep_copy()
+            warm = np.zeros((1, -(-self.vocab_size // 32)), dtype=np.int32)
+            fill_next_token_bitmask_par(llguidance.LLExecutor(), [(compiled.deep_copy(), 0)], warm)
+            with self._lock:
+                self._compiled[constraint.key] = compiled
+                if len(self._compiled) > self._max_compiled:
+                    self._compiled.popitem(last=False)
+            return compiled
+        finally:
+            with self._lock:
+                self._compiling.pop(constraint.key, None)
 
     @property
     def num_compiled(self) -> int:
@@ -113,13 +148,17 @@ class GrammarCompiler:
 
 @dataclass
 class RequestGrammar:
-    """One constrained request's matcher and how far it got. No matcher: the grammar did not
-    compile on this worker (validated at admission, so a library or tokenizer fault): only eos
-    is allowed, the request ends at once with STOP_TOKEN and the step goes on for the others."""
+    """One constrained request's matcher and how far it got. No matcher once resolved: the
+    grammar did not compile on this worker (validated at admission, so a library or tokenizer
+    fault): only eos is allowed, the request ends at once with STOP_TOKEN and the step goes on
+    for the others."""
 
     matcher: llguidance.LLMatcher | None
     num_consumed: int = 0          # output ids the matcher has seen
     terminated: bool = False       # an eos id was sampled: the constraint is done
+    # Until its row first samples: the compiled grammar's Future and the ids to replay then.
+    compiling: concurrent.futures.Future | None = None
+    replay: Sequence[int] = ()
 
     @property
     def stopped(self) -> bool:
@@ -143,8 +182,10 @@ class GrammarBook:
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
-        self._constraints: dict[int, Constraint] = {}   # every cached constrained request
+        # every cached constrained request: its compiled grammar (a Future)
+        self._constraints: dict[int, concurrent.futures.Future] = {}
         self._live: dict[int, RequestGrammar] = {}      # those in the batch
+        self._unreported: set[int] = set()    # handles whose compile end is not reported yet
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._last_masks_digest = b""
@@ -153,25 +194,20 @@ class GrammarBook:
 
     def add(self, handle: int, constraint: Constraint | None,
             output_token_ids: Sequence[int] = ()) -> None:
-        """A new or resumed request: a fresh matcher that replays `output_token_ids`."""
+        """A new request: its grammar starts compiling (or is cached); its matcher is made, and
+        replays `output_token_ids`, when its row first samples."""
         if constraint is None:
             return
-        self._constraints[handle] = constraint
-        try:
-            matcher = self.compiler.matcher(constraint)
-        except Exception:                # never fail the step for one request's grammar
-            log.exception("request handle %d: %s did not compile; only eos is allowed",
-                          handle, constraint.field)
-            matcher = None
-        state = RequestGrammar(matcher)
-        self._live[handle] = state
-        for token_id in output_token_ids:
-            self._consume(handle, state, token_id)
+        compiled = self.compiler.prepare(constraint)
+        self._constraints[handle] = compiled
+        self._unreported.add(handle)
+        self._live[handle] = RequestGrammar(None, compiling=compiled, replay=output_token_ids)
 
     def resume(self, handle: int, output_token_ids: Sequence[int]) -> None:
-        """A preempted request back in the batch: replay its output ids into a new matcher."""
+        """A preempted request back in the batch: a new matcher replays its output ids."""
         if handle in self._constraints:
-            self.add(handle, self._constraints[handle], output_token_ids)
+            self._live[handle] = RequestGrammar(None, compiling=self._constraints[handle],
+                                                replay=list(output_token_ids))
 
     def preempt(self, handle: int) -> None:
         self._live.pop(handle, None)
@@ -179,10 +215,24 @@ class GrammarBook:
     def finish(self, handle: int) -> None:
         self._live.pop(handle, None)
         self._constraints.pop(handle, None)
+        self._unreported.discard(handle)
 
     def clear(self) -> None:
         self._live.clear()
         self._constraints.clear()
+        self._unreported.clear()
+
+    def newly_compiled(self, wait_s: float = 0.0) -> list[int]:
+        """Handles whose grammar finished compiling (or failing) since the last call, sorted;
+        waits up to `wait_s` for one when none has (a step with nothing else to do)."""
+        if not self._unreported:
+            return []
+        if wait_s > 0 and not any(self._constraints[h].done() for h in self._unreported):
+            concurrent.futures.wait([self._constraints[h] for h in self._unreported], wait_s,
+                                    concurrent.futures.FIRST_COMPLETED)
+        done = sorted(h for h in self._unreported if self._constraints[h].done())
+        self._unreported.difference_update(done)
+        return done
 
     def __bool__(self) -> bool:
         return bool(self._live)
@@ -238,6 +288,8 @@ class GrammarBook:
         for handle, token_id in zip(handles, token_ids):
             state = self._live.get(handle)
             if state is not None:
+                if state.compiling is not None:     # sampled without masks: never expected
+                    self._resolve(handle, state)
                 self._consume(handle, state, token_id)
 
     def digest(self) -> bytes:
@@ -246,6 +298,9 @@ class GrammarBook:
         h = hashlib.blake2b(digest_size=16)
         for handle in sorted(self._live):
             g, m = self._live[handle], self._live[handle].matcher
+            if g.compiling is not None:          # not resolved: the same on every rank
+                h.update(np.array([handle, -1], dtype=np.int64).tobytes())
+                continue
             flags = [True, False, True] if m is None else [m.is_stopped(), m.is_accepting(),
                                                           m.is_error()]
             h.update(np.array([handle, g.num_consumed, g.terminated, *flags],
@@ -256,8 +311,25 @@ class GrammarBook:
     # -- internals ------------------------------------------------------------------------------
 
     def _masked(self, handle: int) -> RequestGrammar | None:
+        """The state of a sampling row's request, its matcher resolved; None if unconstrained
+        or done."""
         state = self._live.get(handle)
+        if state is not None and state.compiling is not None:
+            self._resolve(handle, state)
         return None if state is None or state.terminated else state
+
+    def _resolve(self, handle: int, state: RequestGrammar) -> None:
+        """Its row samples: the matcher from the compiled grammar (waiting for the compile if
+        the scheduler did not), then the replayed ids."""
+        try:
+            state.matcher = state.compiling.result().deep_copy()
+        except Exception:                # never fail the step for one request's grammar
+            log.exception("request handle %d: its constraint did not compile; only eos is "
+                          "allowed", handle)
+        state.compiling = None
+        for token_id in state.replay:
+            self._consume(handle, state, token_id)
+        state.replay = ()
 
     def _consume(self, handle: int, state: RequestGrammar, token_id: int) -> None:
         state.num_consumed += 1

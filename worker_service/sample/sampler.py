@@ -207,17 +207,21 @@ def is_plain_greedy(meta: SamplingMetadata) -> bool:
 
 
 class Sampler:
-    """Stateless: `forward(logits, meta)` never modifies `logits`. On the CPU a plain greedy
-    step (no penalties, stop masks or top alternatives) takes kernels/cpu's one-pass argmax and
-    logprob (same ids; ties go to the first index, as argmax does)."""
+    """Stateless: `forward(logits, meta)` never modifies `logits`. A plain greedy step (no
+    penalties, stop masks or top alternatives) takes a one-pass argmax and logprob: on the CPU
+    kernels/cpu's, on CUDA kernels/greedy_sample.py's (same ids; ties go to the first index, as
+    argmax does)."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         if logits.shape[0] == 0:
             empty = logits.new_zeros(0)
             return SamplerOutput(empty.long(), empty)
-        if logits.device.type == "cpu" and is_plain_greedy(meta):
-            ops = ops_for(torch.float32)
+        if is_plain_greedy(meta):
+            if logits.is_cuda:    # one pass over the logits (Triton) instead of five
+                from kernels.greedy_sample import greedy_sample
+                return SamplerOutput(*greedy_sample(logits))
+            ops = ops_for(torch.float32) if logits.device.type == "cpu" else None
             if ops is not None:
                 return SamplerOutput(*ops.greedy_sample(logits))
         x = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)

@@ -2,8 +2,11 @@
 
 - `TokenCheck` is a server interceptor: a call whose `authorization` metadata does not carry the
   worker's token is refused UNAUTHENTICATED before any handler runs (a Step stream is never
-  opened, so the owner's stream is not superseded). grpc.health.v1 stays open for probes, and
-  server reflection (it serves the protocol's schema only) for grpcurl.
+  opened, so the owner's stream is not superseded). Only grpc.health.v1's `Check` stays open,
+  for probes: it answers from memory at once. Nothing an unauthenticated caller may open holds
+  one of the server's pooled threads (issue 23: seven reflection streams held open starved the
+  scheduler's Health calls), so health `Watch` and server reflection, both streams that hold a
+  thread as long as the caller keeps them open, need the token too.
 - `add_port` binds the listen address with TLS (a client certificate signed by the CA is
   required) when the worker has a certificate, plaintext otherwise.
 - `check_exposure`: a worker with no credential refuses to listen beyond loopback unless
@@ -21,25 +24,28 @@ from engine_common.params import ParamError
 from engine_common.tls import server_credentials
 from engine_common.worker_auth import AUTH_METADATA_KEY, WorkerAuth
 from worker_service.failures import FailureKind
+from worker_service.service.log_limit import LogLimit
 from worker_service.service.servicer import FAILURES
 
 log = logging.getLogger(__name__)
 
-# Methods any caller may use: the probes' health checks (they reveal readiness only) and
-# reflection (the schema of the protocol, no state).
-OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                 "/grpc.reflection.v1.ServerReflection/")
+# NOTE the one method any caller may use: the probes' health check. It reveals readiness only and
+# returns at once, so a flood of them holds no thread; every method that streams (health Watch,
+# reflection, Step) would hold one of the pool's threads for as long as its caller wishes.
+OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 
 class TokenCheck(grpc.ServerInterceptor):
-    """Refuses every call without `authorization: Bearer <token>` (but OPEN_PREFIXES)."""
+    """Refuses every call without `authorization: Bearer <token>` (but OPEN_METHODS)."""
 
-    def __init__(self, auth: WorkerAuth):
+    def __init__(self, auth: WorkerAuth, log_limit: LogLimit | None = None):
         self.auth = auth
+        # Refusals are logged at most once per 10 s: an outsider repeats them at will.
+        self._log_limit = log_limit or LogLimit(10.0)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method.startswith(OPEN_PREFIXES):
+        if method in OPEN_METHODS:
             return continuation(handler_call_details)
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY)
         if self.auth.accepts(header):
@@ -47,7 +53,10 @@ class TokenCheck(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:   # an unknown method stays UNIMPLEMENTED
             return None
-        log.warning("refused %s: %s", method, "no token" if header is None else "wrong token")
+        skipped = self._log_limit.take()
+        if skipped is not None:
+            log.warning("refused %s: %s (and %d other refused calls since the last such line)",
+                        method, "no token" if header is None else "wrong token", skipped)
         return _refusal(handler, "missing" if header is None else "wrong")
 
 

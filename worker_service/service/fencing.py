@@ -1,8 +1,8 @@
 """Fencing: a worker serves one scheduler at a time, the owner of the highest epoch it accepted.
 
     check(epoch)          Init: the epoch must be above every epoch accepted before
-    take(epoch, owner)    Init accepted: `owner` now drives the worker (a takeover when it
-                          differs from the previous owner)
+    take(epoch, owner)    Init succeeded (the model loaded): `owner` now drives the worker (a
+                          takeover when it differs from the previous owner)
     check_reset(e, owner) Reset: only the owner may reset, and only to a higher epoch
     stale(epoch)          the STALE_EPOCH failure of a step that carries an older epoch
 

@@ -4,6 +4,8 @@ the epoch and the owner as they were).
     --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR
     runner settings       runner/preflight.py: everything a ModelRunner checks before its weights
     --max-message-mib     the largest step diff the settings allow must fit in one Worker message
+    memory                runner/memory_fit.py: the weights and KV cache, estimated, must fit the
+                          machine (DoesNotFit: FAILED_PRECONDITION)
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import os
 from dataclasses import dataclass
 
 from engine_common.diff_limits import max_diff_bytes
-from worker_service.config import RunnerConfig
+from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.runner.memory_fit import check_memory_fits
 from worker_service.runner.preflight import check_runner_config
 
 MIB = 1 << 20
@@ -25,8 +28,9 @@ class InitGuards:
     max_message_bytes: int = 256 * MIB
 
 
-def check_init(config: RunnerConfig, guards: InitGuards) -> None:
-    """ValueError (a refused setting) or NotImplementedError (unsupported here) naming it."""
+def check_init(config: RunnerConfig, guards: InitGuards, layout: NodeLayout) -> None:
+    """ValueError (a refused setting), NotImplementedError (unsupported here) or DoesNotFit
+    (more memory than the machine has) naming it."""
     check_model_root(config.model_dir, guards.model_root)
     info = check_runner_config(config)
     largest = max_diff_bytes(config.max_num_seqs, config.max_num_batched_tokens,
@@ -36,6 +40,7 @@ def check_init(config: RunnerConfig, guards: InitGuards) -> None:
             f"max_num_seqs={config.max_num_seqs} is invalid with max_model_len="
             f"{info.max_model_len}: a step diff may take {largest / MIB:.0f} MiB, more than this "
             f"worker's --max-message-mib {guards.max_message_bytes // MIB}")
+    check_memory_fits(config, info, layout.tp_size, layout.num_local_ranks)
 
 
 def check_model_root(model_dir: str, root: str | None) -> None:

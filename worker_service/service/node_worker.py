@@ -72,6 +72,7 @@ class NodeWorker:
         self._failure: StepFailure | None = None
         self._opened_streams = 0
         self._active_stream = 0
+        self._held = None      # (stream id, step, LaunchedStep): launched, not finished
         # Called with every successful step's reply (the worker's metrics).
         self.step_listener: Callable[[StepReply], None] | None = None
 
@@ -85,21 +86,24 @@ class NodeWorker:
     def init(self, config: RunnerConfig, layout: NodeLayout, epoch: int,
              owner: str = "") -> InitOutcome:
         """Load (or keep) the model, size the KV cache, join the group, and start `epoch` for
-        scheduler `owner`. Refused (StepFailure STALE_EPOCH, ValueError, NotImplementedError)
-        before anything changes."""
+        scheduler `owner`. Refused (StepFailure STALE_EPOCH, ValueError, NotImplementedError,
+        DoesNotFit) before anything changes; the epoch and owner change only once the load
+        succeeded (a failed load leaves the worker without a model, its fence as it was)."""
         check_layout(self.started_layout, layout)
         self.fence.check(epoch)
-        check_init(config, self.guards)
+        check_init(config, self.guards, layout)
         if layout.tp_size > 1:    # refused here, once, before any rank loads anything
             check_tp_size(read_model_configs(Path(config.model_dir))[0], layout.tp_size)
         self.ranks.interrupt()
         with self._lock:
+            self.fence.check(epoch)       # another Init may have taken it while this waited
+            self.epoch = None
+            self._drop_held()
+            outcome = self.ranks.load(config, layout)
             previous = self.fence.take(epoch, owner)
             if previous is not None:
                 log.warning("scheduler %s took this worker over from scheduler %s (epoch %d)",
                             owner or "?", previous, epoch)
-            self.epoch = None
-            outcome = self.ranks.load(config, layout)
             self.num_kv_blocks = outcome.num_kv_blocks
             self.layout = layout
             self.verify_symmetry = config.verify_symmetry
@@ -114,6 +118,7 @@ class NodeWorker:
         with self._lock:
             self.fence.check_reset(epoch, owner)
             self.fence.take(epoch, owner)
+            self._drop_held()
             dropped = self.ranks.drop_requests()
             self._start_epoch(epoch)
             return dropped
@@ -125,6 +130,7 @@ class NodeWorker:
             self.ranks.close()
 
     def _start_epoch(self, epoch: int) -> None:
+        self._drop_held()
         self.epoch = epoch
         self._next_step = 0
         self._failure = None
@@ -162,6 +168,76 @@ class NodeWorker:
             if self.step_listener is not None:
                 self.step_listener(reply)
             return reply
+
+    # -- pipelined steps (service/step_pipeline.py) ----------------------------------------------
+    # With one in-process rank on an asynchronous device (CUDA, the simulated one) a step is
+    # launched before the previous one is finished, so the device never waits for the host's
+    # work between them: `launch_step` launches step t and finishes the held step t-1,
+    # returning its reply; `flush` finishes the held step when no next step has come. Any
+    # failure drops the held step (its device work is waited for) and fails the epoch.
+
+    @property
+    def pipelined(self) -> bool:
+        return bool(getattr(self.ranks, "pipelined", False))
+
+    def launch_step(self, stream_id: int, epoch: int, step: int, payload: bytes,
+                    digest: bytes | None = None) -> list[tuple[int, StepReply]]:
+        """Launch one step; return the (step, reply) pairs now ready, in step order."""
+        with self._lock:
+            if stream_id < self._active_stream:
+                raise StepFailure(FailureKind.SUPERSEDED,
+                                  "this Step stream was superseded by a newer one")
+            self._check_envelope(epoch, step, fail_epoch=stream_id == self._active_stream)
+            if self._held is not None and self._held[0] != stream_id:
+                self._drop_held()                  # a newer stream of the same epoch took over
+            self._active_stream = stream_id
+            replies: list[tuple[int, StepReply]] = []
+            try:
+                if digest is not None and digest != payload_digest(payload):
+                    raise StepFailure(FailureKind.BAD_PAYLOAD,
+                                      "the payload does not match its digest")
+                held = self._held[2] if self._held is not None else None
+                launched = self.ranks.launch_step(payload, held,
+                                                  lambda: replies.append(self._finish_held()))
+                if self._held is not None:
+                    replies.append(self._finish_held())
+            except StepFailure as failure:
+                self._drop_held()
+                self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
+                raise self._failure from failure
+            self._held = (stream_id, step, launched)
+            self._next_step += 1
+            return replies
+
+    def flush(self, stream_id: int) -> list[tuple[int, StepReply]]:
+        """Finish the step `stream_id` holds, if any: its (step, reply), or nothing."""
+        with self._lock:
+            if self._held is None or self._held[0] != stream_id:
+                return []
+            try:
+                return [self._finish_held()]
+            except StepFailure as failure:
+                self._failure = StepFailure(failure.kind, f"epoch {self.epoch}: {failure}")
+                raise self._failure from failure
+
+    def held_step(self, stream_id: int):
+        """The launched, unfinished step of `stream_id` (for waiting on its device work)."""
+        held = self._held
+        return held[2] if held is not None and held[0] == stream_id else None
+
+    def _finish_held(self) -> tuple[int, StepReply]:
+        _, step, launched = self._held
+        self._held = None
+        reply = self.ranks.finish_step(launched, self.verify_symmetry)
+        if self.step_listener is not None:
+            self.step_listener(reply)
+        return step, reply
+
+    def _drop_held(self) -> None:
+        """Forget the held step once its device work is done (its buffers are then free)."""
+        if self._held is not None:
+            launched, self._held = self._held[2], None
+            launched.wait_device()
 
     def _check_envelope(self, epoch: int, step: int, fail_epoch: bool) -> None:
         if epoch < self.fence.epoch:

@@ -10,9 +10,10 @@ Also serves grpc.health.v1 (service "" = liveness, "deltaserve.v1.Worker" = read
 loaded and its KV cache allocated) when grpcio-health-checking is installed, and server
 reflection when grpcio-reflection is installed; both are optional on worker machines.
 
-Every call but grpc.health.v1 must carry the worker's credential (service/auth.py): the token of
---worker-token-file and/or a client certificate (--worker-tls-*); a worker with neither listens
-on loopback only, unless --insecure.
+Every call but grpc.health.v1's Check must carry the worker's credential (service/auth.py): the
+token of --worker-token-file and/or a client certificate (--worker-tls-*); a worker with neither
+listens on loopback only, unless --insecure. Every handler runs on one of the pool's
+`max_workers` threads, so no streaming method is open to a caller without the credential.
 
 Started by `deltaserve worker --listen HOST:PORT [flags of WorkerServiceOptions and
 WorkerCredentials]`, which prints "deltaserve worker listening on HOST:PORT" once it accepts
@@ -96,7 +97,8 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
                                                     thread_name_prefix="worker-rpc"),
                          interceptors=interceptors(auth), options=SERVER_OPTIONS + size)
     set_ready = _add_health(server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, set_ready), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(worker, set_ready, options.simulated_device_ms), server)
     _add_reflection(server)
     port = add_port(server, listen, auth)
     if port == 0:

@@ -22,8 +22,9 @@ set, then the stream is closed with a status (the response is skipped only for S
     local ranks' digests differ (verify)      SYMMETRY_DIVERGENCE   INTERNAL
     a newer Step stream was opened            (no response)         ABORTED
 
-Init answers a stale epoch with FAILED_PRECONDITION (another scheduler owns the worker),
-refused settings with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
+Init answers a stale epoch with FAILED_PRECONDITION (another scheduler owns the worker), so does
+a model and KV cache estimated larger than the machine (runner/memory_fit.py), refused settings
+with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
 UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every
 step failure of the active stream except an epoch mismatch, a stale epoch and supersession fails
 the epoch: later steps are refused until Reset or Init. A newer Step stream supersedes the
@@ -37,14 +38,20 @@ from typing import Callable, Iterator
 import grpc
 
 from engine_common.protos import worker_pb2, worker_pb2_grpc
+from engine_common.params import clip
 from engine_common.settings import from_proto
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure
 from worker_service.config import NodeLayout
 from worker_service.service.node_worker import NodeWorker
+from worker_service.service.step_pipeline import pipelined_steps
 
 log = logging.getLogger(__name__)
+
+# A step failure's message in a status: what one failure may say (its quoted values are clipped
+# to a few hundred characters already; this bounds the whole against gRPC's metadata limit).
+MAX_STATUS_CHARS = 2000
 
 _Code = worker_pb2.StepError.Code
 _S = grpc.StatusCode
@@ -66,6 +73,7 @@ FAILURES = {
     FailureKind.SUPERSEDED: (None, _S.ABORTED),
     FailureKind.INVALID_SETTINGS: (_Code.CODE_UNSPECIFIED, _S.INVALID_ARGUMENT),
     FailureKind.OUT_OF_MEMORY: (_Code.INTERNAL, _S.RESOURCE_EXHAUSTED),
+    FailureKind.DOES_NOT_FIT: (_Code.CODE_UNSPECIFIED, _S.FAILED_PRECONDITION),
     FailureKind.UNSUPPORTED: (_Code.INTERNAL, _S.UNIMPLEMENTED),
 }
 
@@ -78,19 +86,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """
 
     def __init__(self, worker: NodeWorker,
-                 on_readiness: Callable[[bool], None] | None = None):
+                 on_readiness: Callable[[bool], None] | None = None,
+                 simulated_device_ms: float | None = None):
         self.worker = worker
+        self.simulated_device_ms = simulated_device_ms    # host benchmarks only
         self._on_readiness = on_readiness or (lambda ready: None)
         worker.set_readiness_listener(self._on_readiness)
 
     def Init(self, request, context):
         try:
-            config = from_proto(RunnerConfig, request.config, device=self.worker.device)
+            config = from_proto(RunnerConfig, request.config, device=self.worker.device,
+                                simulated_device_ms=self.simulated_device_ms)
             outcome = self.worker.init(config, _layout(request.layout), request.epoch,
                                        request.scheduler_id)
         except Exception as e:  # every failure becomes a status naming it
             failure = as_failure(e, at_init=True)
-            if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH):
+            if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH,
+                                FailureKind.DOES_NOT_FIT):
                 log.warning("Init refused: %s", failure)   # settings, not a bug
             else:
                 log.exception("Init failed")
@@ -103,21 +115,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         stream_id = self.worker.open_stream()
+        if self.worker.pipelined:     # one rank on CUDA (or simulated): step_pipeline.py
+            log.info("Step stream %d: pipelined (step t+1 launched before step t finishes)",
+                     stream_id)
+
+            def refuse(epoch, step, e):
+                yield from self._refuse_step(epoch, step, e, context)
+            yield from pipelined_steps(self.worker, stream_id, request_iterator, refuse)
+            return
         for req in request_iterator:
             digest = req.digest if req.HasField("digest") else None
             try:
                 reply = self.worker.step(stream_id, req.epoch, req.step, req.payload, digest)
             except Exception as e:  # every failure is a kind: never an UNKNOWN status
-                failure = as_failure(e)
-                code, status = FAILURES[failure.kind]
-                log.warning("Step refused: %s", failure)
-                if code is not None:
-                    yield worker_pb2.StepResponse(
-                        epoch=req.epoch, step=req.step,
-                        error=worker_pb2.StepError(code=code, message=str(failure)))
-                context.abort(status, str(failure))
+                yield from self._refuse_step(req.epoch, req.step, e, context)
             yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=reply.payload,
                                           digest=reply.digest)
+
+    @staticmethod
+    def _refuse_step(epoch: int, step: int, e: Exception, context):
+        """A failed step: its StepError response (for the kinds that have a code), then the
+        call aborts with the kind's status."""
+        failure = as_failure(e)
+        code, status = FAILURES[failure.kind]
+        message = clip(str(failure), MAX_STATUS_CHARS)
+        log.warning("Step refused: %s", message)
+        if code is not None:
+            yield worker_pb2.StepResponse(
+                epoch=epoch, step=step,
+                error=worker_pb2.StepError(code=code, message=message))
+        context.abort(status, message)
 
     def Reset(self, request, context):
         try:

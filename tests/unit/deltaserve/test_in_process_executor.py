@@ -19,6 +19,8 @@ class GatedRunner:
     """execute(payload) -> RunnerOutput(step=int(payload)); each step calls on_sampling after
     its gate `ready[step]` opens, then finishes once `finish[step]` opens."""
 
+    pipelined = False     # a CPU runner: steps run one after another
+
     def __init__(self, steps: int, sample: bool = True) -> None:
         self.on_sampling = None
         self.sample = sample
@@ -97,3 +99,41 @@ def test_a_failed_step_still_releases_the_collect_before_it():
     with pytest.raises(RuntimeError, match="step 99 fails"):
         executor.collect(failing)
     assert runner.on_sampling is None
+
+
+class PipelinedRunner:
+    """The pipelined runner interface: decode / needs_host_tokens / launch_step / finish_step;
+    logs every call. A payload b"h" marks a step that needs the previous ids on the host."""
+
+    pipelined = True
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def decode(self, payload: bytes):
+        return payload
+
+    def needs_host_tokens(self, diff) -> bool:
+        return diff.endswith(b"h")
+
+    def launch_step(self, diff, feed):
+        step = int(diff.rstrip(b"h"))
+        self.log.append(f"launch {step} feed={None if feed is None else feed}")
+        return step
+
+    def finish_step(self, pending):
+        self.log.append(f"finish {pending}")
+        return RunnerOutput(step=pending)
+
+
+def test_a_pipelined_runner_launches_the_next_step_before_finishing_this_one():
+    runner = PipelinedRunner()
+    executor = InProcessExecutor(runner)
+    first, second = executor.submit(b"0"), executor.submit(b"1")
+    executor.wait_launched(second)
+    assert decode_runner_output(executor.collect(first)).step == 0
+    third = executor.submit(b"2h")                   # needs step 1's ids on the host
+    assert decode_runner_output(executor.collect(second)).step == 1
+    assert decode_runner_output(executor.collect(third)).step == 2   # the last: finished alone
+    assert runner.log == ["launch 0 feed=None", "launch 1 feed=0", "finish 0",
+                          "finish 1", "launch 2 feed=None", "finish 2"]

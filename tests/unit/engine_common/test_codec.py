@@ -194,7 +194,8 @@ def test_good_layout_decodes():
 
 @pytest.mark.parametrize("fields", [
     [1, b"", b"", b""],                                    # 4 fields, not 5
-    [1, b"", b"", b"", {}, b""],                           # 6 fields, not 5
+    [1, b"", b"", b"", {}, b"", b""],                      # 7 fields, not 5 or 6
+    [1, b"", b"", b"", {}, b"\x00"],                       # 1-byte compiled handles
     [1, b"\x00\x00\x00\x00", b"", b"", {}],                # 1 handle, 0 sampled ids
     [1, b"\x00\x00", b"", b"", {}],                        # 2-byte handle array
     [1, b"", b"", b"", {0: [b"\x00\x00\x00\x00", b""]}],     # top ids / logprobs differ
@@ -204,3 +205,23 @@ def test_good_layout_decodes():
 def test_wrong_runner_layout_raises(fields):
     with pytest.raises(CodecError):
         decode_runner_output(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_a_garbage_field_is_quoted_clipped():
+    """Issue 23: a 70 KB string where the step number goes came back quoted whole."""
+    payload = msgpack.packb(["x" * 70_000, [], [], None, {}, [], []], use_bin_type=True)
+    with pytest.raises(CodecError) as e:
+        decode_scheduler_output(payload)
+    assert len(str(e.value)) < 400 and "(70002 characters)" in str(e.value)
+
+
+def test_compiled_handles_travel_only_when_there_are_any():
+    """Issue 23 item 4: the handles whose grammar compiled, a trailing field absent when empty
+    (a steady step's reply is unchanged)."""
+    plain = RunnerOutput(3, [1], [7], [-0.5])
+    assert len(msgpack.unpackb(encode_runner_output(plain))) == 5
+    assert decode_runner_output(encode_runner_output(plain)) == plain
+    with_compiled = RunnerOutput(3, [1], [7], [-0.5], compiled_handles=[4, 9])
+    encoded = encode_runner_output(with_compiled)
+    assert decode_runner_output(encoded) == with_compiled
+    assert len(encoded) == len(encode_runner_output(plain)) + 10   # bin header + two uint32

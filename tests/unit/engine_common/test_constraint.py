@@ -137,6 +137,7 @@ def test_the_engines_message_about_a_big_constraint_stays_small():
     ("grammar", lark_chain(3000), 3002),            # overflowed an 8 MiB stack: SIGSEGV
     ("grammar", gbnf_chain(3000), 3002),
     ("json_schema", json_items_chain(1200), 2403),  # likewise
+    ("json_schema", json_items_chain(1200, "json-schema:///#/$defs/{}"), 2403),  # issue 23
     ("json_schema", json_nested_arrays(2000), 2001),  # Python's json raised RecursionError
     ("regex", regex_nested(20_000), 20_000),
 ])
@@ -163,3 +164,15 @@ def test_a_grammar_just_under_the_bound_validates_compiles_and_constrains(compil
     assert not accepts(compiler, chain, "x" * (MAX_CONSTRAINT_DEPTH + 1))
     with pytest.raises(ParamError, match="nested 1001 deep"):
         Constraint("grammar", lark_chain(MAX_CONSTRAINT_DEPTH - 1)).validate()
+
+
+def test_too_many_choices_are_refused_by_name():
+    """Issue 23 item 4: 60,000 one-character choices (under --max-constraint-chars) cost 17 s
+    of compiling and then fail at the first mask; more than MAX_CONSTRAINT_CHOICES are refused
+    before any grammar work."""
+    from engine_common.diff_limits import MAX_CONSTRAINT_CHOICES
+
+    Constraint("choice", ["x"] * MAX_CONSTRAINT_CHOICES)
+    with pytest.raises(ParamError, match=r"constraint\.choice\.choices='60000 choices' is "
+                                         r"invalid: must be at most 10000 choices"):
+        Constraint("choice", [chr(33 + i % 90) for i in range(60_000)])

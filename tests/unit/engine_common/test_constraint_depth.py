@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import llguidance
 import pytest
 
 from engine_common.constraint_depth import (grammar_depth, json_schema_depth, json_text_depth,
@@ -115,6 +116,39 @@ def test_pointers_resolve_within_the_nearest_id():
     inner["$id"] = "urn:inner"
     schema = {"$defs": {"inner": inner}, "$ref": "urn:inner"}
     assert json_schema_depth(json.dumps(schema)) > 600
+
+
+# Spellings of a reference to a definition of the root schema, and whether llguidance 1.9.1
+# resolves each (checked below against the library itself).
+REF_SPELLINGS = {
+    "#/$defs/{}": True, "json-schema:///#/$defs/{}": True, "JSON-SCHEMA:///#/$defs/{}": True,
+    "json-schema:///./#/$defs/{}": True, "/#/$defs/{}": True, "./#/$defs/{}": True,
+    ".#/$defs/{}": True, "a/..#/$defs/{}": True, "json-schema:///x/../#/$defs/{}": True,
+    "JSON-schema:///%2e/#/$defs/{}": True, "json-schema:///#/%24defs/{}": True,
+    "json-schema:/#/$defs/{}": False, "json-schema://#/$defs/{}": False, "?#/$defs/{}": False,
+    "//#/$defs/{}": False, "json-schema:////#/$defs/{}": False,
+    "json-schema://localhost/#/$defs/{}": False,
+}
+
+
+@pytest.mark.parametrize("ref", sorted(REF_SPELLINGS))
+def test_refs_resolve_as_the_compiler_resolves_them(ref):
+    """Issue 23: a 1,200-deep chain written with "json-schema:///#/$defs/N" was measured 3
+    deep (an unknown document) and accepted; llguidance follows it and overflows its stack."""
+    small = json_items_chain(3, ref)
+    assert (llguidance.LLMatcher.validate_grammar(
+        llguidance.grammar_from("json_schema", small)) == "") == REF_SPELLINGS[ref]
+    if REF_SPELLINGS[ref]:
+        assert json_schema_depth(json_items_chain(1200, ref)) == 2403
+
+
+def test_a_ref_resolves_against_the_nearest_id():
+    schema = json.loads(json_items_chain(300, "http://example.com/s#/$defs/{}"))
+    schema["$id"] = "http://example.com/s"
+    assert json_schema_depth(json.dumps(schema)) == 603
+    relative = json.loads(json_items_chain(300, "s#/$defs/{}"))
+    relative["$id"] = "http://Example.com/dir/s"
+    assert json_schema_depth(json.dumps(relative)) == 603
 
 
 def test_an_unresolved_ref_points_at_every_anchor():

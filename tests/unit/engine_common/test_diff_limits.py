@@ -9,14 +9,17 @@ import pytest
 from engine_common.codec import encode_scheduler_output
 from engine_common.constraint import Constraint
 from engine_common.diff import SchedulerOutput
-from engine_common.diff_limits import MAX_CONSTRAINT_CHARS, max_diff_bytes
+from engine_common.diff_limits import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_CHOICES, max_diff_bytes
 from tests.support.garbage_diffs import new
 from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
 
 SEQS, TOKENS, MODEL_LEN, BLOCK = 4, 8, 64, 4
-# The widest constraints on the wire: 4-byte characters, and one choice (one string header)
-# per character (5 bytes a character).
-WIDEST = (Constraint("choice", ("\U0001F600",) * MAX_CONSTRAINT_CHARS),
+# The widest constraints on the wire: 4-byte characters, and as many choices (string headers)
+# as MAX_CONSTRAINT_CHOICES allows, sharing MAX_CONSTRAINT_CHARS characters.
+_SHORT = MAX_CONSTRAINT_CHARS // MAX_CONSTRAINT_CHOICES
+WIDEST = (Constraint("choice", ("\U0001F600" * _SHORT,) * (MAX_CONSTRAINT_CHOICES - 1)
+                     + ("\U0001F600" * (MAX_CONSTRAINT_CHARS
+                                         - _SHORT * (MAX_CONSTRAINT_CHOICES - 1)),)),
           Constraint("regex", "\U0001F600" * MAX_CONSTRAINT_CHARS))
 BOUNDS = DiffBounds(num_kv_blocks=SEQS * 16, vocab_size=2**31, max_model_len=MODEL_LEN,
                     max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, block_size=BLOCK,

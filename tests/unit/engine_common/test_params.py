@@ -68,3 +68,11 @@ def test_logit_bias_is_sorted_bounded_and_survives_the_wire():
         SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
     with pytest.raises(ParamError, match="distinct"):
         SamplingParams(logit_bias=[(1, 1.0), (1, 2.0)])
+
+
+def test_an_error_quotes_a_few_hundred_characters_of_a_value():
+    """Issue 23: a 70 KB garbage field quoted whole broke gRPC's status metadata limit."""
+    e = ParamError("stop", "x" * 70_000, "short")
+    assert str(e) == f"stop='{'x' * 199}... (70002 characters) is invalid: must be short"
+    assert e.value == "x" * 70_000          # the value itself is kept for the caller
+    assert str(ParamError("n", 5, "small")) == "n=5 is invalid: must be small"

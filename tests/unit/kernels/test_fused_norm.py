@@ -2,29 +2,13 @@
 GPU). Not wired into the model: this only pins its numerics."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from tests.support.triton_mode import DEVICE, ON_GPU, needs_kernels
+from worker_service.layers.norm import RMSNorm
 
-from worker_service.layers.norm import RMSNorm  # noqa: E402
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-def _interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(triton.language.zeros, InterpretedFunction)
-
-
-pytestmark = pytest.mark.skipif(
-    not ON_GPU and not _interpreted(),
-    reason="triton was imported in compiled mode without a GPU (TRITON_INTERPRET unset)")
+pytestmark = needs_kernels
 
 
 def make(hidden, rows, dtype, seed):

@@ -6,7 +6,7 @@ import pytest
 from engine_common.params import ParamError
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.guard import load_api_keys
+from scheduler_service.api.api_keys import load_api_keys
 from engine_common.protos import vllm_engine_pb2 as vpb
 from scheduler_service.api.request_limits import (check_generate_limits, check_prompt_chars,
                                                   check_vllm_generate_limits)
@@ -62,7 +62,21 @@ def test_requests_within_the_limits_pass():
 def test_api_key_files(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# team A\nkey-aaaaaaaaaaaaaaaa\n\n  key-bbbbbbbbbbbbbbbb  \n")
-    assert load_api_keys(str(path)) == {"key-aaaaaaaaaaaaaaaa", "key-bbbbbbbbbbbbbbbb"}
+    book = load_api_keys(str(path))
+    a, b = (book.policy_of(f"Bearer key-{c * 16}") for c in "ab")
+    assert len(book.policies) == 2 and book.policy_of("Bearer key-cccccccccccccccc") is None
+    assert (a.admin, a.min_priority, a.max_priority) == (False, 0, 2**31 - 1)
+    assert a.salt != b.salt and a.salt.startswith("key:")     # no key shares another's cache
+    path.write_text("key-aaaaaaaaaaaaaaaa admin salt=team priority=-5..5\n"
+                    "key-bbbbbbbbbbbbbbbb salt=team\n")
+    book = load_api_keys(str(path))
+    a, b = (book.policy_of(f"Bearer key-{c * 16}") for c in "ab")
+    assert (a.admin, a.salt, a.min_priority, a.max_priority) == (True, "name:team", -5, 5)
+    assert (b.admin, b.salt) == (False, "name:team")
+    for bad in ("admn", "priority=5..-5", "priority=1", "salt="):
+        path.write_text(f"key-aaaaaaaaaaaaaaaa {bad}\n")
+        with pytest.raises(ParamError, match=r"keys:1' is invalid: must be (attributes|priority)"):
+            load_api_keys(str(path))
     path.write_text("key-aaaaaaaaaaaaaaaa\nshort\n")
     with pytest.raises(ParamError, match=r"keys:2' is invalid: must be one key per line"):
         load_api_keys(str(path))

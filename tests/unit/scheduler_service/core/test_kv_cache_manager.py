@@ -47,6 +47,20 @@ def test_hash_is_process_independent():
     assert hash_block(None, [1, 2, 3, 4]) != hash_block(b"x", [1, 2, 3, 4])
 
 
+def test_a_hit_needs_the_same_salt():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    prefill(kv, req("a", range(9)))
+    salted = Request("b", list(range(9)), SamplingParams(), StoppingParams(max_tokens=None),
+                     cache_salt="key:b")
+    assert prefill(kv, salted)[1] == 0           # the unsalted blocks are not B's
+    again = Request("b2", list(range(9)), SamplingParams(), StoppingParams(max_tokens=None),
+                    cache_salt="key:b")
+    assert prefill(kv, again)[1] == 8            # its own are
+    other = Request("c", list(range(9)), SamplingParams(), StoppingParams(max_tokens=None),
+                    cache_salt="key:c")
+    assert prefill(kv, other)[1] == 0
+
+
 def test_hits_never_cover_the_last_token():
     kv = KVCacheManager(16, BS, enable_caching=True)
     a = req("a", range(8))

@@ -79,8 +79,10 @@ def test_running_first_then_fcfs_and_priority():
     assert out.num_scheduled_tokens == {urgent.handle: 6}
     assert worker.step_tokens[-1] == {a.handle: 1, b.handle: 1, urgent.handle: 6}
     out, _ = step(sched, worker)
-    # Once running, the urgent request is scheduled first: its prefill takes the whole budget.
-    assert out.num_scheduled_tokens == {urgent.handle: 8, a.handle: 0, b.handle: 0}
+    # Once running, the urgent request is a long prefill (14 tokens left > the threshold, 8):
+    # it takes what the decodes leave, not the whole budget (issue 23 item 3: it never starves
+    # them); `late`, long too and less urgent, waits for it.
+    assert out.num_scheduled_tokens == {urgent.handle: 6}
     assert not out.new_requests
     sched.finish_requests(["a", "b", "late", "urgent"], RequestStatus.FINISHED_ABORTED)
     step(sched, worker)
@@ -108,7 +110,8 @@ def test_prefill_chunk_continues_beside_decodes():
 
 def test_running_request_without_budget_is_sent_count_zero():
     sched, worker = make(max_num_seqs=2, max_num_batched_tokens=4)
-    a, b = make_request("a", [3], max_tokens=3), make_request("b", range(20, 32), max_tokens=2)
+    # b's 4 tokens left after its first chunk are no long prefill (threshold: the budget, 4).
+    a, b = make_request("a", [3], max_tokens=3), make_request("b", range(20, 27), max_tokens=2)
     sched.add_request(a)
     sched.add_request(b)
     out, _ = step(sched, worker)              # a: 1 token, b: first 3-token chunk
@@ -117,7 +120,8 @@ def test_running_request_without_budget_is_sent_count_zero():
     # asynchronously scheduled one can be, so it takes the whole budget.
     sched.running.reverse()
     out, ups = step(sched, worker)
-    assert out.num_scheduled_tokens == {b.handle: 4, a.handle: 0} and ups == []
+    assert out.num_scheduled_tokens == {b.handle: 4, a.handle: 0}
+    assert [u.request for u in ups] == [b]          # b samples its first token; a idles
     assert worker.step_tokens[-1] == {b.handle: 4}
     run_steps(sched, worker)
     assert a.num_output_tokens == 3 and b.num_output_tokens == 2

@@ -109,7 +109,9 @@ def test_steady_state_diff_with_256_constrained_requests_stays_under_100_bytes()
         if sched.num_running == NUM_REQUESTS and not out.new_requests \
                 and not out.num_scheduled_tokens:
             sizes.append(len(payload))
-        sched.update_from_output(out, _decode_step(sched, out.step))
+        reply = _decode_step(sched, out.step)
+        reply.compiled_handles = [r.handle for r in out.new_requests]    # compiled at once
+        sched.update_from_output(out, reply)
         if len(sizes) == 64:
             break
     assert sent == [CONSTRAINTS[i % len(CONSTRAINTS)] for i in range(NUM_REQUESTS)]

@@ -67,7 +67,28 @@ def test_the_tokenizer_is_built_on_the_first_constraint_only(tmp_path):
     assert not book and book.start_masks([0]) is None and calls == []
     book.add(1, YES_NO)
     book.add(2, YES_NO)
+    compiler.prepare(YES_NO).result()        # compiled on the compile thread
     assert calls == [1] and compiler.num_compiled == 1
+
+
+def test_a_constraint_compiles_off_the_step_and_is_reported_once(tmp_path):
+    """add() returns while the compile thread is busy (held here by a job ahead of it); the
+    handle is reported once compiled; a rank whose compile ended and one whose did not have the
+    same digest until the row samples (the matcher is made only then, on every rank)."""
+    slow, fast = tiny_compiler(tmp_path), tiny_compiler(tmp_path)
+    gate = threading.Event()
+    slow.pool.submit(gate.wait)
+    a, b = GrammarBook(slow), GrammarBook(fast)
+    a.add(3, YES_NO)
+    b.add(3, YES_NO)
+    fast.prepare(YES_NO).result()
+    assert a.newly_compiled() == [] and b.newly_compiled() == [3] and b.newly_compiled() == []
+    assert a.digest() == b.digest()
+    gate.set()
+    slow.prepare(YES_NO).result()
+    assert a.newly_compiled() == [3]
+    assert masks(a, [3])[3].tolist() == masks(b, [3])[3].tolist() != []
+    assert a.digest() == b.digest()
 
 
 def test_compiled_grammars_are_cached_by_key_with_a_bound(tmp_path):
@@ -138,7 +159,7 @@ def test_resume_replays_a_terminated_constraint(compiler):
     book = GrammarBook(compiler)
     book.add(0, YES_NO)
     book.resume(0, encode(compiler, "yes") + [EOS, 40, 41])
-    assert book._live[0].terminated and book.start_masks([0]) is None
+    assert book.start_masks([0]) is None and book._live[0].terminated   # replayed when it samples
 
 
 def test_finish_forgets_and_resume_of_an_unconstrained_request_is_a_no_op(compiler):

@@ -1,11 +1,17 @@
-"""worker_service/service/auth.py: where a worker without credentials may listen."""
+"""worker_service/service/auth.py: where a worker without credentials may listen, and how often
+its refusals are logged."""
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
+import grpc
 import pytest
 
 from engine_common.params import ParamError
 from engine_common.worker_auth import WorkerAuth
-from worker_service.service.auth import check_exposure, is_loopback
+from worker_service.service.auth import TokenCheck, check_exposure, is_loopback
+from worker_service.service.log_limit import LogLimit
 
 
 @pytest.mark.parametrize("listen,loopback", [
@@ -24,3 +30,32 @@ def test_no_credential_beyond_loopback_needs_insecure():
     check_exposure("0.0.0.0:50052", WorkerAuth(), insecure=True)
     check_exposure("0.0.0.0:50052", WorkerAuth(token="t" * 16), insecure=False)
     check_exposure("127.0.0.1:50052", WorkerAuth(), insecure=False)
+
+
+def test_refusals_are_logged_at_most_once_per_interval(caplog):
+    """Issue 23: every refused call logged a WARNING (7,000 lines in 5 s)."""
+    now = [0.0]
+    check = TokenCheck(WorkerAuth(token="t" * 16), LogLimit(10.0, clock=lambda: now[0]))
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+    details = SimpleNamespace(method="/deltaserve.v1.Worker/Info", invocation_metadata=())
+    with caplog.at_level(logging.WARNING, logger="worker_service.service.auth"):
+        for _ in range(7000):
+            assert check.intercept_service(lambda d: handler, details) is not handler
+        now[0] = 10.0
+        check.intercept_service(lambda d: handler, details)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["refused /deltaserve.v1.Worker/Info: no token (and 0 other refused calls "
+                     "since the last such line)",
+                     "refused /deltaserve.v1.Worker/Info: no token (and 6999 other refused "
+                     "calls since the last such line)"]
+
+
+def test_a_log_limit_counts_what_it_leaves_out():
+    now = [100.0]
+    limit = LogLimit(5.0, clock=lambda: now[0])
+    assert limit.take() == 0
+    assert [limit.take() for _ in range(3)] == [None] * 3
+    now[0] = 104.9
+    assert limit.take() is None
+    now[0] = 105.0
+    assert limit.take() == 4 and limit.take() is None

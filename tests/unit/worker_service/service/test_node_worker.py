@@ -2,12 +2,13 @@
 Init checks read the tiny model's directory)."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from worker_service.config import NodeLayout, RunnerConfig
-from worker_service.failures import FailureKind, StepFailure
+from worker_service.failures import DoesNotFit, FailureKind, StepFailure, as_failure
 from worker_service.runner.rank_api import InitOutcome, StepReply
 from worker_service.service.init_checks import InitGuards
 from worker_service.service.node_worker import NodeWorker
@@ -108,6 +109,59 @@ def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp
     # The owner's epoch is intact: its steps still run.
     stream = w.open_stream()
     assert w.step(stream, 5, 0, b"").payload == b"ok"
+
+
+def _huge_model(model_dir: str, path) -> str:
+    """The tiny model's directory with hidden_size 10^9 in config.json (issue 23: 10^7 passed
+    every check and the worker was OOM-killed loading it; 10^9 is more than any machine)."""
+    path.mkdir()
+    for name in os.listdir(model_dir):
+        if name != "config.json":
+            (path / name).symlink_to(os.path.join(model_dir, name))
+    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    config["hidden_size"] = 10**9
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_what_cannot_fit_the_machine_is_refused_before_anything_changes(model_dir, tmp_path):
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    before = _state(w, ranks)
+    cases = [(_config(model_dir, kv_cache_bytes=2**62), r"KV cache 4294967296\.00 GiB"),
+             (_config(_huge_model(model_dir, tmp_path / "huge")), r"weights need about \d{3,}")]
+    for config, match in cases:
+        _refused(lambda: w.init(config, LAYOUT, epoch=9, owner="B"), DoesNotFit,
+                 match + r".* more than this machine's [\d.]+ GiB of memory")
+        assert as_failure(DoesNotFit("x"), at_init=True).kind == FailureKind.DOES_NOT_FIT
+        assert _state(w, ranks) == before
+
+
+class FailingRanks(FakeRanks):
+    """Loads fail (a checkpoint that does not load) once `fail` is set."""
+
+    fail = False
+
+    def load(self, config, layout):
+        if self.fail:
+            self.loaded = None
+            raise RuntimeError("checkpoint truncated")
+        return super().load(config, layout)
+
+
+def test_a_failed_load_leaves_the_epoch_and_owner_as_they_were(model_dir):
+    """Issue 23: the epoch and owner changed before the load, which then failed."""
+    ranks = FailingRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    ranks.fail = True
+    with pytest.raises(RuntimeError, match="checkpoint truncated"):
+        w.init(_config(model_dir, dtype="bfloat16"), LAYOUT, epoch=9, owner="B")
+    assert (w.fence.epoch, w.fence.owner, w.epoch) == (5, "A", None)
+    ranks.fail = False
+    w.init(_config(model_dir), LAYOUT, epoch=6, owner="A")     # the owner takes it back
+    assert (w.fence.epoch, w.fence.owner, w.epoch) == (6, "A", 6)
 
 
 def test_a_batch_too_big_for_memory_is_refused_before_anything_changes(model_dir):

@@ -1,0 +1,213 @@
+"""The host's work per decode step, measured on any CPU: does it hide behind the device's?
+
+    python -m bench.host_overhead                         # make bench-host
+    python -m bench.host_overhead --device-ms 5.8 --grpc --baseline-tree ../old-checkout
+
+The model is tiny (1 layer, hidden 64, the 512-id test tokenizer), so its compute is negligible;
+every request decodes --output-len tokens (greedy, ignore_eos) with one torch thread. Lanes:
+
+  simulated   in-process engine, async scheduling, forward pass and sampler replaced by a
+              simulated device that takes --device-ms per step (runner/simulated_device.py;
+              the H100 floor of nano-vllm's workload is 5.8 ms). The achieved step time over
+              the device time says whether the host keeps the device busy (1.00 = it does).
+  gRPC        the same over separate `deltaserve worker` (simulated device) and
+              `deltaserve scheduler` processes on loopback (--grpc): per-request decode time
+              per token from the client's streams.
+  host        no simulated device: the real (negligible) model, one step in flight, 256
+              requests: the host work per decode step (the step less the forward pass and
+              sampler); with --baseline-tree the same run on another checkout, alternating
+              rounds (before/after).
+
+Each lane runs --rounds times in fresh processes (alternating trees); min / median / max of the
+steady-state medians. Prints a block and, with --results-file, appends it there.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.report import append_block, git_commit
+
+CHILD = Path(__file__).resolve().parent / "host_overhead_child.py"
+REPO = CHILD.parent.parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.host_overhead",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--device-ms", type=float, default=5.8,
+                   help="simulated device time per step (default: 5.8)")
+    p.add_argument("--num-seqs", default="64,128,256",
+                   help="running requests of the simulated lane, comma-separated "
+                        "(default: 64,128,256)")
+    p.add_argument("--output-len", type=int, default=256, help="tokens per request (256)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each lane (default: 3)")
+    p.add_argument("--grpc", action="store_true",
+                   help="also the gRPC lane (128 requests, separate processes)")
+    p.add_argument("--baseline-tree", default=None,
+                   help="another checkout: its host time per step, alternating with this one")
+    p.add_argument("--results-file", default=None, help="append the block here")
+    return p
+
+
+def model_dir() -> str:
+    """The 1-layer, hidden-64 model of the tiny test tokenizer, built once in the cache."""
+    from deltaserve.paths import cache_dir
+    from worker_service.models.tiny_model import make_tiny_model
+
+    out = cache_dir() / "presets" / "host-overhead"
+    if not (out / "config.json").exists():
+        make_tiny_model(out, "qwen3", num_hidden_layers=1)
+    return str(out)
+
+
+def run_child(tree: Path, model: str, num_seqs: int, output_len: int,
+              device_ms: float | None, async_scheduling: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    args = [sys.executable, str(CHILD), model, str(num_seqs), str(output_len),
+            "none" if device_ms is None else repr(device_ms), "1" if async_scheduling else "0"]
+    done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"host_overhead child failed ({tree}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+
+def simulated_lane(args, model: str) -> list[str]:
+    lines = [f"simulated device {args.device_ms} ms/step, in-process, async scheduling "
+             f"(achieved step ms and its ratio to the device time, min / median / max):"]
+    for n in [int(x) for x in args.num_seqs.split(",")]:
+        runs = [run_child(REPO, model, n, args.output_len, args.device_ms, True)
+                for _ in range(args.rounds)]
+        steps = [r["phases_ms"]["step"][1] for r in runs]
+        lines.append(f"  {n:4d} requests: step {spread(steps)} ms, ratio "
+                     f"{spread([s / args.device_ms for s in steps])}")
+        lines += phase_lines(runs, "    ")
+    return lines
+
+
+def phase_lines(runs: list[dict], indent: str) -> list[str]:
+    """Each phase's median over the steady state, spread over the rounds."""
+    names = runs[0]["phases_ms"]
+    return [f"{indent}{name:28s} "
+            f"{spread([r['phases_ms'][name][1] for r in runs if name in r['phases_ms']])} ms"
+            for name in names if name != "step"]
+
+
+def host_lane(args, model: str) -> list[str]:
+    trees = [("this tree", REPO)]
+    if args.baseline_tree:
+        trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
+    results: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees:       # alternating, so both see the same machine
+            results[name].append(run_child(tree, model, 256, args.output_len, None, False))
+    lines = ["host work per decode step (the step less the runner's forward and sampling), "
+             "real 1-layer model, 256 requests, one step in flight (ms, min / median / max of "
+             "the rounds' steady-state medians):"]
+    medians = {}
+    for name, runs in results.items():
+        host = [r["phases_ms"]["host work"][1] for r in runs]
+        steps = [r["phases_ms"]["step"][1] for r in runs]
+        medians[name] = statistics.median(host)
+        lines.append(f"  {name}: host work {spread(host)} ms = "
+                     f"{medians[name] / 256 * 1e3:.1f} us per request per step (whole step "
+                     f"{spread(steps)} ms)")
+        lines += phase_lines(runs, "    ")
+    if len(medians) == 2:
+        (a, ours), (b, base) = medians.items()
+        lines.append(f"  this tree / baseline: {ours / base:.2f}")
+    return lines
+
+
+def grpc_lane(args, model: str) -> list[str]:
+    from bench.services import Services
+
+    ratios = []
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
+                Services(logs, {"OMP_NUM_THREADS": "1"}) as services:
+            target = services.start(
+                model, "cpu", ["--max-num-seqs", "128", "--max-model-len", "1024",
+                               "--kv-cache-gib", "0.05", "--async-scheduling",
+                               "--max-waiting", "1024"],
+                worker_flags=("--simulated-device-ms", repr(args.device_ms)))
+            per_token = asyncio.run(_stream_all(target, 128, args.output_len))
+        ratios.append(statistics.median(per_token) / args.device_ms)
+    return [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
+            f"{args.device_ms} ms: decode ms per token / device ms, min / median / max of the "
+            f"rounds' median requests: {spread(ratios)}"]
+
+
+async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[float]:
+    """Per request: (last token time - first token time) / (tokens - 1), in ms."""
+    import grpc
+
+    from engine_common.protos import generation_pb2 as pb, generation_pb2_grpc
+
+    async def one(stub, i: int) -> float:
+        request = pb.GenerateRequest(
+            request_id=f"host-{i}", token_ids=[3 + (i * 7 + j) % 400 for j in range(32)],
+            sampling=pb.SamplingParams(temperature=0.0),
+            stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
+        first = last = None
+        count = 0
+        async for msg in stub.Generate(request, timeout=600):
+            if msg.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                count += len(msg.token_ids)
+        return (last - first) / max(1, count - 1) * 1e3
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 30)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return list(await asyncio.gather(*(one(stub, i) for i in range(num_seqs))))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "?"
+                return f"{line.split(':', 1)[1].strip()} ({isa})"
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    model = model_dir()
+    lines = [f"## host overhead, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"commit {git_commit()}", "",
+             f"{cpu_name()}; model: 1 layer, hidden 64, 512-id tokenizer; "
+             f"{args.output_len} tokens per request, greedy, 1 torch thread, {args.rounds} "
+             f"rounds", ""]
+    lines += simulated_lane(args, model)
+    if args.grpc:
+        lines += grpc_lane(args, model)
+    lines += host_lane(args, model)
+    command = " ".join(["python -m bench.host_overhead", *(argv or sys.argv[1:])])
+    block = "\n".join(lines + ["", f"command: `{command}`", ""])
+    print(block)
+    if args.results_file:
+        append_block(args.results_file, block)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

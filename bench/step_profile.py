@@ -1,0 +1,198 @@
+"""Where a steady decode step's time goes: the device's busy share, the idle gap between steps,
+the top kernels, and the host's phases.
+
+    python -m bench.step_profile --preset qwen3-0.6b                 # on a GPU: the profile stage
+    python -m bench.step_profile --preset tiny --device cpu --num-seqs 64 --min-len 16 --max-len 64
+
+Runs bench.throughput's workload on the in-process engine with the same flags (so the engine's
+defaults are what is profiled) and, once `--skip` pure-decode steps have passed, records
+`--steps` decode steps under torch.profiler. Prints:
+  - device busy: the union of the kernels' time over the window's wall time, and the idle time
+    per step (the window minus that union), i.e. how long the device waited for the host;
+  - the top kernels by device time, and the top host-side torch ops by self CPU time;
+  - host phases per step (min / median / max over the window): the engine's schedule + encode,
+    its wait for the runner, decode + update, output processing; the runner's input preparation,
+    forward launch, sampling launch and read-back wait.
+No result file is written: this answers "where does the time go", the throughput benchmark
+answers "how fast".
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+from bench.throughput import _generate, _llm_kwargs, build_parser as throughput_parser
+from bench.workload import model_and_workload, warmup_workload, workload_shape
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.step_profile",
+                                description=__doc__.splitlines()[0])
+    throughput_parser(p)
+    g = p.add_argument_group("profile")
+    g.add_argument("--skip", type=int, default=30,
+                   help="pure-decode steps to let pass before recording (default: 30)")
+    g.add_argument("--steps", type=int, default=50, help="decode steps to record (default: 50)")
+    g.add_argument("--top", type=int, default=12, help="rows in each top list (default: 12)")
+    return p
+
+
+class DecodeWindow:
+    """Wraps one engine's step(): counts pure-decode steps, runs `on_start` before step
+    `skip + 1` and `on_stop` after `skip + steps`, and keeps each recorded step's phases."""
+
+    def __init__(self, llm, skip: int, steps: int, on_start, on_stop):
+        self.llm, self.skip, self.steps = llm, skip, steps
+        self.on_start, self.on_stop = on_start, on_stop
+        self.decode_steps = 0
+        self.recording = False
+        self.done = False
+        self.phases: dict[str, list[float]] = defaultdict(list)
+        self.batch_sizes: list[int] = []
+        self.wall = 0.0
+        engine = llm.engine
+        self._step, self._process = engine.step, engine.output_processor.process
+        engine.step = self._wrapped_step
+        engine.output_processor.process = self._timed_process
+        self._out_s = 0.0
+
+    def _timed_process(self, updates):
+        start = time.perf_counter()
+        try:
+            return self._process(updates)
+        finally:
+            self._out_s += time.perf_counter() - start
+
+    def _wrapped_step(self):
+        core = self.llm.engine.core
+        if not self.done and not self.recording and self.decode_steps >= self.skip:
+            self.recording = True
+            self.on_start()
+            self._t0 = time.perf_counter()
+        self._out_s = 0.0
+        start = time.perf_counter()
+        outputs = self._step()
+        step_s = time.perf_counter() - start
+        stats = core.last_step
+        if stats.num_reqs and stats.num_tokens == stats.num_reqs:
+            self.decode_steps += 1
+        if self.recording:
+            self._record(step_s, stats)
+            if len(self.batch_sizes) >= self.steps:
+                self.wall = time.perf_counter() - self._t0
+                self.on_stop()
+                self.recording, self.done = False, True
+        return outputs
+
+    def _record(self, step_s: float, stats) -> None:
+        p = self.phases
+        p["engine: whole step"].append(step_s)
+        p["engine: schedule + encode"].append(stats.schedule_s)
+        p["engine: wait for the runner"].append(stats.round_trip_s)
+        p["engine: decode + update"].append(stats.update_s)
+        p["engine: output processing"].append(self._out_s)
+        for name, seconds in self.llm.runner.clock.phases.items():
+            p[f"runner: {name}"].append(seconds)
+        self.batch_sizes.append(stats.num_reqs)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def device_report(prof, window_s: float, num_steps: int, top: int) -> list[str]:
+    """Busy share, idle per step and the top kernels from a torch.profiler run."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    lines = []
+    if kernels:
+        spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+        busy_us = _union_us(spans)
+        first, last = min(s for s, _ in spans), max(e for _, e in spans)
+        span_us = last - first
+        lines.append(f"device busy: {busy_us / 1e3:.1f} ms of a {span_us / 1e3:.1f} ms kernel "
+                     f"span ({busy_us / span_us:.1%}); host window {window_s * 1e3:.1f} ms "
+                     f"({busy_us / 1e3 / (window_s * 1e3):.1%} of it busy)")
+        lines.append(f"per step: device busy {busy_us / num_steps / 1e3:.2f} ms, idle "
+                     f"{(window_s * 1e6 - busy_us) / num_steps / 1e3:.2f} ms "
+                     f"(host window / steps = {window_s / num_steps * 1e3:.2f} ms)")
+        by_name: dict[str, list[float]] = defaultdict(list)
+        for e in kernels:
+            by_name[e.name].append(e.time_range.end - e.time_range.start)
+        lines.append(f"top kernels by device time (of {busy_us / 1e3:.1f} ms):")
+        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        for name, times in ranked:
+            lines.append(f"  {sum(times) / 1e3:8.2f} ms {sum(times) / busy_us:6.1%} "
+                         f"x{len(times):<5} {name[:90]}")
+    else:
+        lines.append("device: no kernels recorded (CPU run): the host phases below are the step")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top,
+                                      max_name_column_width=60)
+    lines.append("top host-side ops by self CPU time:")
+    lines.extend("  " + line for line in table.splitlines())
+    return lines
+
+
+def phase_report(window: DecodeWindow) -> list[str]:
+    lines = [f"host phases over {len(window.batch_sizes)} decode steps, mean batch "
+             f"{statistics.mean(window.batch_sizes):.1f} (ms: min / median / max):"]
+    for name, values in window.phases.items():
+        ms = [v * 1e3 for v in values]
+        lines.append(f"  {name:32s} {min(ms):7.3f} / {statistics.median(ms):7.3f} / "
+                     f"{max(ms):7.3f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from deltaserve.llm import LLM
+    from deltaserve.paths import resolve_device
+
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    model_dir, workload, _ = model_and_workload(args, args.preset or "qwen3-0.6b", device)
+    kwargs, _ = _llm_kwargs(args, device, workload_shape(args).max_total_len)
+    llm = LLM(model_dir, **kwargs)
+    print(f"engine: async_scheduling={llm.scheduler.config.async_scheduling}, "
+          f"max_num_batched_tokens={llm.scheduler.config.max_num_batched_tokens}, "
+          f"graphs={'on' if llm.runner.graph_runner is not None else 'off'}")
+    if args.warmup:
+        _generate(llm, warmup_workload(workload, llm.model_info.vocab_size, 8, 16), args)
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(activities=activities)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    window = DecodeWindow(llm, args.skip, args.steps, lambda: (sync(), prof.__enter__()),
+                          lambda: (sync(), prof.__exit__(None, None, None)))
+    start = time.perf_counter()
+    completions = _generate(llm, workload, args)
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for c in completions)
+    print(f"run: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
+          f"(profiler on for {window.wall:.2f} s of it)")
+    if not window.done:
+        print(f"only {window.decode_steps} decode steps: nothing recorded (lower --skip/--steps)")
+        return 1
+    for line in phase_report(window) + device_report(prof, window.wall, len(window.batch_sizes),
+                                                     args.top):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

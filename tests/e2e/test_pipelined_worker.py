@@ -1,0 +1,83 @@
+"""A worker whose steps are pipelined (step t+1 launched before step t is finished:
+service/step_pipeline.py), over real processes: a worker on the simulated device (its launches
+are asynchronous, as on CUDA) behind a scheduler with and without async scheduling.
+
+The simulated device's token at position p is (7 p + 3) mod the vocabulary, so every stream's
+ids say whether each step's reply reached the right request in the right order. Cancelled
+streams must leave the others whole and free their blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine_common.model_dir import ModelInfo
+from tests.support.grpc_harness import (Processes, free_port, generation_stub, greedy_request,
+                                        server_status, wait_for, wait_ready)
+
+
+@pytest.fixture(scope="module", params=["async", "sync"])
+def served(request, tiny_models, tmp_path_factory):
+    procs = Processes(tmp_path_factory.mktemp(f"pipelined_{request.param}"))
+    model = tiny_models("qwen3")
+    try:
+        w_port, s_port = free_port(), free_port()
+        worker = procs.worker(w_port, "--simulated-device-ms", "1")
+        flags = ["--async-scheduling"] if request.param == "async" else []
+        sched = procs.scheduler(model, [w_port], s_port, *flags, "--max-model-len", "256",
+                                "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                                "--kv-cache-gib", "0.0002")
+        target = f"127.0.0.1:{s_port}"
+        wait_ready(target, [worker, sched])
+        yield target, ModelInfo.from_dir(model).vocab_size
+        assert "pipelined" in worker.log_tail(20000), worker.log_tail()
+    finally:
+        procs.close()
+
+
+def _expected(prompt_len: int, max_tokens: int, vocab: int) -> list[int]:
+    return [(7 * p + 3) % vocab for p in range(prompt_len, prompt_len + max_tokens)]
+
+
+async def _streams(target: str, reqs, cancel_after: dict[int, int]) -> list[list[int]]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generation_stub(channel)
+
+        async def one(i: int, req) -> list[int]:
+            ids, call = [], stub.Generate(req, timeout=120)
+            try:
+                async for msg in call:
+                    ids.extend(msg.token_ids)
+                    if len(ids) >= cancel_after.get(i, 1 << 30):
+                        call.cancel()
+            except asyncio.CancelledError:
+                pass
+            return ids
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+
+
+def _idle(target: str) -> bool:
+    s = server_status(target)
+    return s.num_used_kv_blocks == 0 and s.num_running == 0 and s.num_waiting == 0
+
+
+def test_every_stream_gets_its_own_tokens_in_order(served):
+    target, vocab = served
+    shapes = [(3, 9), (17, 4), (40, 12), (5, 1), (23, 20), (8, 7)]   # more than max_num_seqs
+    reqs = [greedy_request([5 + (i + j) % 90 for j in range(n)], m, f"p{i}")
+            for i, (n, m) in enumerate(shapes)]
+    got = asyncio.run(_streams(target, reqs, {}))
+    assert got == [_expected(n, m, vocab) for n, m in shapes]
+    wait_for(lambda: _idle(target), 30, "the blocks back in the pool")
+
+
+def test_cancelled_streams_leave_the_others_whole(served):
+    target, vocab = served
+    reqs = [greedy_request([9 + i] * (6 + i), 16, f"c{i}") for i in range(4)]
+    got = asyncio.run(_streams(target, reqs, {0: 2, 2: 5}))
+    for i in (1, 3):
+        assert got[i] == _expected(6 + i, 16, vocab)
+    assert len(got[0]) < 16 and len(got[2]) < 16
+    wait_for(lambda: _idle(target), 30, "the cancelled streams' blocks back in the pool")

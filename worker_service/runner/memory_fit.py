@@ -1,0 +1,98 @@
+"""Whether a model's weights and its KV cache fit this machine: estimated from config.json and
+the Init's settings before anything is loaded or allocated (issue 23: a config.json with
+hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB; kv_cache_bytes
+2^62 failed with "Cannot allocate memory" after the epoch and owner had changed).
+
+    weights   per rank: the embedding (and an untied LM head), then per layer the attention
+              projections q, k, v, o, the gated MLP's three matrices and two norms, in the
+              weights' dtype, divided by tp_size (a lower bound: layers not split, buffers and
+              the loader's transient copies come on top)
+    KV cache  per rank: num_kv_blocks x the block's bytes when set, else kv_cache_bytes (1 GiB
+              unset); on CUDA with gpu_memory_utilization it is sized from what is free after
+              loading, so only the weights are checked
+    machine   CPU: the host's physical memory, shared by the node's local ranks; CUDA: each
+              rank's device memory
+
+More than the machine has is refused (DoesNotFit: FAILED_PRECONDITION), naming both estimates
+and the machine's memory. What fits the estimate may still fail to load (the estimate is a lower
+bound); that failure comes after the old model is released, as any failed load does.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine_common.model_dir import ModelInfo
+from worker_service.config import RunnerConfig, rank_device
+from worker_service.failures import DoesNotFit
+from worker_service.models.loader import resolve_dtype
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1) -> int:
+    """A lower bound on one rank's weight bytes for a Llama/Qwen-shaped config."""
+    hidden = int(hf_config["hidden_size"])
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    inter = int(hf_config.get("intermediate_size") or 4 * hidden)
+    vocab = int(hf_config["vocab_size"])
+    layers = int(hf_config["num_hidden_layers"])
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    heads_out = 1 if hf_config.get("tie_word_embeddings") else 2
+    elements = layers * per_layer + heads_out * vocab * hidden + hidden
+    return elements * element_bytes // tp_size
+
+
+def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
+                      tp_size: int = 1) -> int | None:
+    """One rank's KV-cache bytes; None when it is profiled from free memory (CUDA with
+    gpu_memory_utilization)."""
+    if config.num_kv_blocks is not None:
+        heads = int(hf_config["num_attention_heads"])
+        kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+        head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+        block = (2 * int(hf_config["num_hidden_layers"]) * config.block_size
+                 * max(1, kv_heads // tp_size) * head_dim * element_bytes)
+        return config.num_kv_blocks * block
+    if config.gpu_memory_utilization is not None:
+        return None
+    return config.kv_budget_bytes
+
+
+def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
+                      num_local_ranks: int, machine_bytes: int | None = None) -> None:
+    """DoesNotFit when the node's ranks would need more than the machine has."""
+    device = torch.device(config.device).type
+    element = torch.empty((), dtype=resolve_dtype(info.hf_config, config.dtype)).element_size()
+    weights = estimate_weight_bytes(info.hf_config, element, tp_size)
+    kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
+    sharing = num_local_ranks if device == "cpu" else 1
+    need = (weights + (kv or 0)) * sharing
+    have = machine_bytes if machine_bytes is not None else _machine_bytes(config.device)
+    if not have or need <= have:
+        return
+    kv_text = "sized from free memory" if kv is None else _size(kv)
+    where = (f"this machine's {_size(have)} of memory" if device == "cpu"
+             else f"{config.device}'s {_size(have)}")
+    ranks = f" x {sharing} local ranks" if sharing > 1 else ""
+    raise DoesNotFit(f"model_dir={config.model_dir!r} does not fit: its weights need about "
+                     f"{_size(weights)} and its KV cache {kv_text} per rank{ranks}, more than "
+                     f"{where} (lower kv_cache_bytes or num_kv_blocks, or raise tp_size)")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB // 10 else f"{num_bytes / MIB:.1f} MiB"
+
+
+def _machine_bytes(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(rank_device(device, 0)).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
