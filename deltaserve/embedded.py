@@ -10,17 +10,22 @@ into the cache directory; `--model tiny` serves a tiny model with random weights
 created once in the cache directory.
 Both expose Prometheus metrics unless `--metrics-listen off`: the scheduler on --metrics-listen,
 the worker on --worker-metrics-listen (default: the next port).
+The OpenAI-compatible API is on by default (127.0.0.1:8000, vLLM's port; `--openai-listen off`
+turns it off): the smg gateway as a third process of the group (deltaserve/openai_gateway.py),
+started once the scheduler is ready; the ready line waits for it and names both APIs.
 """
 from __future__ import annotations
 
 import dataclasses
-import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from deltaserve.child_process import die_with_parent, stop_process
 from deltaserve.default_model import DefaultModelError, ensure_default_model
+from deltaserve.hub_cache import resolve_model_arg
+from deltaserve.openai_gateway import OpenAIFront, openai_front
 from deltaserve.paths import cache_dir
 from engine_common.chat_template import load_chat_template
 from engine_common.config import WorkerServiceOptions
@@ -57,21 +62,11 @@ def tiny_model_dir() -> Path:
     return target
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subprocess.Popen:
     """`deltaserve worker` as a child process that reads `token` from its standard input."""
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
            "--worker-token-file", "-", *to_flags(options)]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent,
                             stdin=subprocess.PIPE, text=True)
     proc.stdin.write(token + "\n")
     proc.stdin.close()
@@ -79,15 +74,7 @@ def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subp
 
 
 def stop_worker(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within a few seconds."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(_WORKER_STOP_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, _WORKER_STOP_SECONDS)
 
 
 def resolve_model(model: str | None) -> str:
@@ -106,34 +93,65 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
-def _examples(target: str, chat: bool, api) -> str:
+def _command(name: str) -> str:
+    """A command installed beside this Python (the venv's bin/), so it runs as printed."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else name
+
+
+def _examples(target: str, chat: bool, api, model_name: str, openai_url: str | None,
+              openai_key: bool) -> str:
     """Commands to try: a chat when the model has a chat template, else raw text; with TLS and
-    API keys when the public port has them."""
+    API keys when the public port has them; a curl of the OpenAI API when it is on."""
     tls = "-cacert CA.pem" if api.tls_cert else "-plaintext"
     key = " -H 'authorization: Bearer KEY'" if api.api_key_file else ""
     client = (" --cacert CA.pem" if api.tls_cert else "") + (
         " --api-key-file KEYFILE" if api.api_key_file else "")
+    question = "What is the capital of France?"
     if chat:
-        question = "What is the capital of France?"
         body = (f'{{"messages": [{{"role": "user", "content": "{question}"}}], '
                 '"stopping": {"max_tokens": 32}}')
-        first = f'deltaserve chat --target {target}{client} "{question}"'
+        first = f'{_command("deltaserve")} chat --target {target}{client} "{question}"'
     else:
         body = '{"text": "Once upon a time", "stopping": {"max_tokens": 32}}'
-        first = f'deltaserve generate --target {target}{client} "Once upon a time"'
-    return (f"  {first}\n"
-            f"  grpcurl {tls}{key} -d '{body}' {target} deltaserve.v1.Generation/Generate\n")
+        first = (f'{_command("deltaserve")} generate --target {target}{client} '
+                 '"Once upon a time"')
+    lines = [first]
+    if openai_url is not None:
+        auth = " -H 'authorization: Bearer KEY'" if openai_key else ""
+        curl_tls = " -k" if openai_url.startswith("https") else ""
+        if chat:
+            request = (f'{{"model": "{model_name}", "max_tokens": 32, "messages": '
+                       f'[{{"role": "user", "content": "{question}"}}]}}')
+            lines.append(f"curl{curl_tls} {openai_url}/chat/completions{auth} "
+                         f"-H 'content-type: application/json' -d '{request}'")
+        else:
+            request = f'{{"model": "{model_name}", "max_tokens": 32, "prompt": "Once upon a time"}}'
+            lines.append(f"curl{curl_tls} {openai_url}/completions{auth} "
+                         f"-H 'content-type: application/json' -d '{request}'")
+    lines.append(f"{_command('grpcurl')} {tls}{key} -d '{body}' {target} "
+                 "deltaserve.v1.Generation/Generate")
+    return "".join(f"  {line}\n" for line in lines)
 
 
-def _announce(listen: str, model_dir: str, api):
-    chat = load_chat_template(model_dir) is not None
+def _announce(listen: str, model_dir: str, settings, front: OpenAIFront | None):
+    server, api = settings.server, settings.api
+    chat = load_chat_template(model_dir, server.chat_template) is not None
+    model_name = server.served_model_name or ModelInfo.from_dir(model_dir).name
+
+    def ready_line(target: str, openai_url: str | None) -> None:
+        where = f", OpenAI API on {openai_url}" if openai_url else ""
+        key = bool(front and front.options.api_key)
+        print(f"DeltaServe ready on {target}{where} (model {model_dir})\n"
+              f"Try:\n{_examples(target, chat, api, model_name, openai_url, key)}"
+              f"Ctrl-C stops the server and its worker.", flush=True)
 
     def on_ready(app) -> None:
-        host = listen.rsplit(":", 1)[0]
-        target = f"{host}:{app.port}"
-        print(f"DeltaServe ready on {target} (model {model_dir})\n"
-              f"Try:\n{_examples(target, chat, api)}"
-              f"Ctrl-C stops the server and its worker.", flush=True)
+        target = f"{listen.rsplit(':', 1)[0]}:{app.port}"
+        if front is None:
+            ready_line(target, None)
+        else:
+            front.on_ready(app, lambda url: ready_line(target, url))
     return on_ready
 
 
@@ -149,7 +167,7 @@ def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(resolve_model_arg(args))
     worker_options = from_args(WorkerServiceOptions, args)
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
         check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
@@ -158,7 +176,9 @@ def serve(args) -> int:
         if not hasattr(args, name):        # flags the user left unset
             setattr(args, name, value)
     settings = engine_settings(args, model_dir)
-    on_ready = _announce(args.listen, model_dir, settings.api)
+    front = openai_front(args, settings.api, model_dir, args.listen,
+                         settings.server.chat_template)
+    on_ready = _announce(args.listen, model_dir, settings, front)
     worker_metrics = args.worker_metrics_listen or next_port(args.metrics_listen)
     token = new_token()
     worker = start_worker(args.worker_listen,
@@ -167,7 +187,9 @@ def serve(args) -> int:
 
     def worker_gone() -> str | None:
         code = worker.poll()
-        return None if code is None else f"the worker exited with code {code}"
+        if code is not None:
+            return f"the worker exited with code {code}"
+        return front.gone() if front else None
 
     try:
         return run_scheduler([args.worker_listen], args.listen, settings.worker,
@@ -176,4 +198,6 @@ def serve(args) -> int:
                              should_stop=worker_gone, exit_on_refusal=True, api=settings.api,
                              worker_auth=WorkerAuth(token=token))
     finally:
+        if front is not None:
+            front.stop()
         stop_worker(worker)

@@ -161,26 +161,32 @@ def special_tokens_of(tokenizer_config: dict) -> dict[str, str]:
     return out
 
 
-def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """A model directory's (or GGUF file's) chat template, or None when it has none."""
+def load_chat_template(model_dir: str | Path, override: str | None = None
+                       ) -> ChatTemplate | None:
+    """A model directory's (or GGUF file's) chat template, or None when it has none;
+    `override`: a template file used instead (with the model's special tokens)."""
     path = Path(model_dir)
     try:
         gguf_path = find_gguf(path)
         if gguf_path is not None:
             config = tokenizer_config_from_gguf(GGUFFile.open(gguf_path))
-            return ChatTemplate.from_tokenizer_config(config.get("chat_template"), config)
+            source = _read_template(Path(override)) if override else config.get("chat_template")
+            return ChatTemplate.from_tokenizer_config(source, config)
     except GGUFError as e:
         raise ModelDirError(str(e)) from None
     cfg_path = path / "tokenizer_config.json"
     config = load_json(cfg_path) if cfg_path.is_file() else {}
-    jinja_path = path / TEMPLATE_FILE
+    jinja_path = Path(override) if override else path / TEMPLATE_FILE
     if jinja_path.is_file():
-        try:
-            source = jinja_path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelDirError(f"{jinja_path} could not be read: {e}") from None
-        return ChatTemplate.from_tokenizer_config(source, config)
+        return ChatTemplate.from_tokenizer_config(_read_template(jinja_path), config)
     return ChatTemplate.from_tokenizer_config(config.get("chat_template"), config)
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{path} could not be read: {e}") from None
 
 
 def encode_chat(tokenizer: Tokenizer, template: ChatTemplate | None,

@@ -162,7 +162,9 @@ class WorkerServiceOptions:
     device: str = setting("auto", "where the model runs; auto: cuda when available; with "
                           "several local ranks on cuda, rank r uses cuda:r", rule=DeviceName())
     local_ranks: int = setting(1, "rank processes (devices) of this worker; the tensor-parallel "
-                               "size is nodes x local ranks", rule=AtLeast(1))
+                               "size is nodes x local ranks (--tensor-parallel-size: vLLM's "
+                               "name, the same on one node)", rule=AtLeast(1),
+                               aliases=("--tensor-parallel-size", "-tp"))
     node_rank: int = setting(0, "this worker's index among the --nodes workers; node 0 holds "
                              "the output rank and comes first in the scheduler's --workers",
                              rule=AtLeast(0))

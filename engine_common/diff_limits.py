@@ -12,6 +12,8 @@ MAX_MIN_TOKENS = 2**31 - 1      # int32 on the worker
 MAX_STOP_TOKEN_IDS = 1024       # stop_token_ids of one request (the public API's bound)
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 64   # + the model's eos ids, as the worker receives them
 MAX_TOP_LOGPROBS = 256          # top alternatives per token (the public API's bound)
+MAX_LOGIT_BIAS = 1024           # logit_bias entries of one request (the public API's bound)
+LOGIT_BIAS_RANGE = 100.0        # |bias| of one entry, as OpenAI's API
 MAX_CONSTRAINT_CHARS = 1 << 16  # characters of one structured-output constraint (the public
                                 # API's --max-constraint-chars is at most this)
 MAX_CONSTRAINT_CHOICES = 10_000  # choices of one `choice` constraint: llguidance's work grows
@@ -32,6 +34,8 @@ _SLACK = 1 << 20                # finished and preempted handles, the step numbe
 # characters takes <= 4c bytes and a header of 1 byte (<= 31 bytes), 2 or 3 (c >= 8) or 5
 # (c > 16384): <= 5c in all, the worst being one-character choices. So <= 5 bytes a character.
 _CONSTRAINT = 3 * _HEADER + 16 + 5 * MAX_CONSTRAINT_CHARS
+# logit_bias: [[id, bias], ...] inside the sampling map, a 9-byte float each.
+_LOGIT_BIAS = _HEADER + MAX_LOGIT_BIAS * (_HEADER + _INT + 9)
 
 
 def max_blocks_per_request(max_model_len: int, block_size: int) -> int:
@@ -49,7 +53,7 @@ def max_diff_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len
     """
     blocks = max_blocks_per_request(max_model_len, block_size) * _INT + _HEADER
     new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 8 * _INT
-           + _CONSTRAINT)
+           + _CONSTRAINT + _LOGIT_BIAS)
     joining = min(max_num_seqs, max_num_batched_tokens)
     per_seat = 2 * (blocks + 2 * _INT) + 2 * _INT
     return joining * new + max_num_seqs * per_seat + _SLACK

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from engine_common.diff_limits import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
+
 
 # An error message quotes at most this many characters of a value (issue 23: a 70 KB garbage
 # field quoted whole broke gRPC's status metadata limit).
@@ -61,7 +63,9 @@ class SamplingParams:
 
     top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs. Penalties of 1 (repetition)
     and 0 (presence, frequency) are off. `seed` None lets the scheduler draw one, so every rank of a
-    tensor-parallel worker still samples from the same stream.
+    tensor-parallel worker still samples from the same stream. `logit_bias`: (token id, bias)
+    pairs, ids ascending and distinct, each bias in [-100, 100] added to that token's logit
+    before everything else (OpenAI's logit_bias); the vocabulary bound is checked at the edge.
     """
 
     temperature: float = 0.0
@@ -72,8 +76,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         _check_range("temperature", self.temperature, 0.0, 100.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_int("top_k", self.top_k, -1, None)
@@ -103,6 +109,21 @@ class SamplingParams:
 
 
 _SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+
+
+def _checked_logit_bias(pairs) -> tuple[tuple[int, float], ...]:
+    """Pairs (a dict, or (id, bias) pairs from the wire) as sorted (int, float) tuples."""
+    items = sorted(pairs.items()) if isinstance(pairs, dict) else sorted(tuple(p) for p in pairs)
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ParamError("logit_bias", f"{len(items)} entries", f"at most {MAX_LOGIT_BIAS}")
+    out = []
+    for token_id, bias in items:
+        _check_int(f"logit_bias[{token_id!r}] (token id)", token_id, 0, 2**31 - 1)
+        _check_range(f"logit_bias[{token_id}]", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+        if out and out[-1][0] == token_id:
+            raise ParamError("logit_bias", token_id, "distinct token ids")
+        out.append((token_id, float(bias)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

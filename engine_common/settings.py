@@ -15,6 +15,8 @@ NOTE the rules of a declaration:
   explicit `flag="--no-..."`, which stores False.
 - `parse` converts the flag's text (e.g. GiB -> bytes); the help then describes the flag's unit.
 - `cli=False` keeps a field off the command line (set by code: the model directory, the device).
+- `aliases` are more flags for the same field: vLLM's names where the meaning is the same
+  (--tensor-parallel-size for --local-ranks).
 """
 from __future__ import annotations
 
@@ -43,13 +45,14 @@ class Setting:
     wire: int | None = None          # protobuf field number, for configs sent in messages
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()    # more flags for the same field (vLLM's names)
 
 
 def setting(default, help: str, *, rule: Rule | None = None, flag: str | None = None,
             cli: bool = True, wire: int | None = None, parse: Callable[[str], Any] | None = None,
-            metavar: str | None = None):
+            metavar: str | None = None, aliases: tuple[str, ...] = ()):
     """A dataclass field with its Setting."""
-    meta = Setting(help, rule, flag, cli, wire, parse, metavar)
+    meta = Setting(help, rule, flag, cli, wire, parse, metavar, aliases)
     return dataclasses.field(default=default, metadata={_META: meta})
 
 
@@ -222,13 +225,14 @@ def add_flags(parser, *classes, skip: tuple[str, ...] = ()) -> None:
 def _add_flag(parser, d: Declared) -> None:
     help_text = f"{d.setting.help} (default: {_default_text(d)})"
     kw = dict(dest=d.name, default=argparse.SUPPRESS, help=help_text)
+    flags = (d.flag, *d.setting.aliases)
     if d.type is bool:
-        parser.add_argument(d.flag, action="store_false" if d.default else "store_true", **kw)
+        parser.add_argument(*flags, action="store_false" if d.default else "store_true", **kw)
         return
     rule = d.setting.rule
     if isinstance(rule, OneOf) and d.setting.parse is None:
         kw["choices"] = rule.choices
-    parser.add_argument(d.flag, type=d.setting.parse or d.type,
+    parser.add_argument(*flags, type=d.setting.parse or d.type,
                         metavar=d.setting.metavar, **kw)
 
 

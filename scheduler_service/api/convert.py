@@ -66,6 +66,7 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
     The prompt's length against max_model_len is checked after tokenization: check_prompt_length.
     """
     text, token_ids, messages = _prompt_from_proto(msg, vocab_size)
+    check_bias_vocab("sampling.logit_bias", msg.sampling.logit_bias, vocab_size)
     if msg.logprobs > max_logprobs:
         raise ParamError("logprobs", msg.logprobs, f"in [0, {max_logprobs}]")
     return GenerateInput(
@@ -107,6 +108,14 @@ def messages_from_proto(msgs) -> tuple[ChatMessage, ...]:
             raise ParamError(f"messages[{i}].role", m.role,
                              "a non-empty string (system, user, assistant, ...)")
     return tuple(ChatMessage(m.role, m.content) for m in msgs)
+
+
+def check_bias_vocab(name: str, logit_bias, vocab_size: int | None) -> None:
+    """Every logit_bias token id below vocab_size (ParamError names the id)."""
+    for token_id in sorted(logit_bias):
+        if vocab_size is not None and token_id >= vocab_size:
+            raise ParamError(f"{name}[{token_id}]", token_id,
+                             f"a token id in [0, {vocab_size - 1}] (vocab_size)")
 
 
 def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
@@ -151,7 +160,7 @@ def sampling_from_proto(msg: pb.SamplingParams,
     if not msg.HasField("temperature"):
         values["temperature"] = 0.0
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**values, logit_bias=dict(msg.logit_bias))
     except ParamError as e:
         raise ParamError(f"sampling.{e.field}", e.value, e.allowed) from None
 

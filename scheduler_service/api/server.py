@@ -32,7 +32,7 @@ from engine_common.metrics_http import MetricsServer, start_metrics_server
 from engine_common.model_dir import ModelInfo
 from engine_common.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
                                   vllm_engine_pb2_grpc)
-from engine_common.settings import AtLeast, AtLeastZero, Positive, setting, validate
+from engine_common.settings import AtLeast, AtLeastZero, Positive, ReadableFile, setting, validate
 from engine_common.tokenizer import Tokenizer
 from engine_common.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
@@ -45,6 +45,7 @@ from scheduler_service.api.generation_servicer import GenerationServicer, Served
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection
+from scheduler_service.api.sampling_defaults import sampling_defaults
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
@@ -78,6 +79,16 @@ class ServerOptions:
         "must answer Health: one that does not is stuck (open streams get UNAVAILABLE, the "
         "workers are re-initialized); one that does gets another period, up to 30",
         rule=Positive(), flag="--step-timeout")
+    served_model_name: str | None = setting(
+        None, "the model's name in both APIs (/v1/models, GetModelInfo) and the metrics; "
+        "unset: the model directory's name", metavar="NAME")
+    chat_template: str | None = setting(
+        None, "a Jinja chat template file, used instead of the model's (by the gateway too)",
+        rule=ReadableFile(), metavar="FILE")
+    generation_config: str = setting(
+        "auto", "where unset sampling fields take their defaults: auto (the model's "
+        "generation_config.json), vllm (none), or a directory holding a generation_config.json; "
+        "a temperature it does not set is 1", metavar="auto|vllm|DIR")
 
     def __post_init__(self):
         validate(self)
@@ -185,6 +196,8 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     contributes only its own fields (waiting queue, prefix caching, async scheduling). `api`
     guards the public port; `worker_auth` is the credential every Worker RPC carries."""
     info = ModelInfo.from_dir(worker.model_dir, worker.max_model_len)
+    if options.served_model_name:
+        info = dataclasses.replace(info, name=options.served_model_name)
     tokenizer = Tokenizer.from_dir(worker.model_dir)
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
     config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
@@ -201,7 +214,10 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     metrics.attach(lambda: engine.stats, engine.counters, len(workers))
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
                          num_workers=len(workers),
-                         chat_template=load_chat_template(worker.model_dir))
+                         default_sampling=sampling_defaults(worker.model_dir,
+                                                            options.generation_config),
+                         chat_template=load_chat_template(worker.model_dir,
+                                                          options.chat_template))
 
     keys = public_port.api_keys(api)
     server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),

@@ -31,7 +31,7 @@ from engine_common.model_dir import ModelInfo
 from engine_common.params import ParamError, SamplingParams, StoppingParams
 from engine_common.protos import smg_common_pb2 as cpb
 from engine_common.protos import vllm_engine_pb2 as pb
-from scheduler_service.api.convert import (MAX_LOGPROBS, check_prompt_length,
+from scheduler_service.api.convert import (MAX_LOGPROBS, check_bias_vocab, check_prompt_length,
                                            checked_constraint, constraint_from_oneof)
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler_service.core.request import RequestStatus
@@ -126,9 +126,6 @@ def refuse_unsupported(msg: pb.GenerateRequest) -> None:
     for name, allowed in _UNSUPPORTED_SAMPLING_FIELDS:
         if sp.HasField(name):
             raise ParamError(f"sampling_params.{name}", getattr(sp, name), allowed)
-    if sp.logit_bias:
-        raise ParamError("sampling_params.logit_bias", dict(sp.logit_bias),
-                         "empty: logit bias is not supported")
 
 
 def constraint_from_proto(sp: pb.SamplingParams) -> Constraint | None:
@@ -196,7 +193,8 @@ def sampling_from_proto(sp: pb.SamplingParams,
             top_k=sp.top_k or defaults.top_k, min_p=sp.min_p or defaults.min_p,
             repetition_penalty=sp.repetition_penalty or defaults.repetition_penalty,
             presence_penalty=sp.presence_penalty or defaults.presence_penalty,
-            frequency_penalty=sp.frequency_penalty or defaults.frequency_penalty, seed=seed)
+            frequency_penalty=sp.frequency_penalty or defaults.frequency_penalty, seed=seed,
+            logit_bias=dict(sp.logit_bias))
     except ParamError as e:
         raise ParamError(f"sampling_params.{e.field}", e.value, e.allowed) from None
 
@@ -204,6 +202,7 @@ def sampling_from_proto(sp: pb.SamplingParams,
 def stopping_from_proto(sp: pb.SamplingParams, vocab_size: int | None = None) -> StoppingParams:
     """An unset max_tokens generates until max_model_len."""
     _check_vocab("sampling_params.stop_token_ids", sp.stop_token_ids, vocab_size)
+    check_bias_vocab("sampling_params.logit_bias", sp.logit_bias, vocab_size)
     try:
         return StoppingParams(
             max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,

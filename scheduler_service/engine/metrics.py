@@ -8,7 +8,7 @@ NOTE who records what (each number has one owner):
 - request latencies and lengths are histograms the stream hub observes once per hand-off;
 - per-step histograms and the engine's own counters (preemptions, prefix cache, epochs, worker
   failures) are recorded on the engine thread after each step.
-The README's "Metrics" section lists every name; a test compares it with a real scrape.
+docs/metrics.md ("The metrics, name by name") lists every name; a test compares it with a real scrape.
 """
 from __future__ import annotations
 

@@ -14,23 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.support.serve_process import children, gone
 from tests.support.grpc_harness import (REPO, SMALL_KV_GIB, child_env, collect, free_port,
                                         generation_stub, greedy_request, wait_for)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie nobody reaped counts as exited)."""
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in "ZX"
-    except (FileNotFoundError, IndexError):
-        return True
 
 
 def _start_serve(tmp_path: Path, name: str):
@@ -38,7 +24,8 @@ def _start_serve(tmp_path: Path, name: str):
     log = tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0"]
+           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0",
+           "--openai-listen", "off"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))
@@ -64,11 +51,11 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
             ids, _, msgs = collect(generation_stub(ch).Generate(greedy_request([5, 6], 5),
                                                                 timeout=30))
         assert len(ids) == 5
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 1
         proc.send_signal(signal.SIGINT)   # what Ctrl-C delivers (the worker has its own session)
         assert proc.wait(30) == 0
-        assert _gone(workers[0])
+        assert gone(workers[0])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -79,17 +66,17 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
     worker = None
     try:
         assert "Writing model" not in _wait_ready_line(proc, log)
-        worker = _children(proc.pid)[0]
+        worker = children(proc.pid)[0]
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + 30  # grace 5 s, then the stop watchdog's 5 s
-        while not _gone(worker) and time.monotonic() < deadline:
+        while not gone(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(worker)
+        assert gone(worker)
     finally:
         if proc.poll() is None:
             proc.kill()
-        if worker is not None and not _gone(worker):
+        if worker is not None and not gone(worker):
             os.kill(worker, signal.SIGKILL)
 
 
@@ -107,7 +94,8 @@ def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, 
     port, worker_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--model", "tiny", *flags, "--metrics-listen", "127.0.0.1:0"]
+           "--model", "tiny", *flags, "--metrics-listen", "127.0.0.1:0",
+           "--openai-listen", "off"]
     env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     env.pop("TRITON_INTERPRET", None)
     t0 = time.monotonic()

@@ -388,7 +388,8 @@ def served(tmp_path_factory):
     log_path = tmp / "serve.log"
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0"]
+           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0",
+           "--openai-listen", "off"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env=child_env({"XDG_CACHE_HOME": str(tmp / "cache")}))

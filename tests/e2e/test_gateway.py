@@ -10,19 +10,22 @@ template (the gateway applies chat templates and detokenizes itself):
   * a worker that dies turns the replica unhealthy at the gateway, and healthy again when it is back;
   * two replicas behind one gateway: requests sharing a long prefix land on the replica that holds
     it (each request attributed through each replica's own GetServerInfo), routed by our KV
-    events (the gateway's event_hit counter).
+    events (the gateway's event_hit counter); with one replica killed the other serves them all.
 
 Skipped, with the reason, when the `smg` binary cannot run here.
 """
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import time
 
 import grpc
 import pytest
 
+from engine_common.protos import vllm_engine_pb2 as vpb
+from engine_common.protos import vllm_engine_pb2_grpc
 from tests.support.gateway import (Gateway, Replica, SseStream, chat_model_dir, http_json,
                                    require_smg)
 from tests.support.grpc_harness import (REPO, Processes, collect, generation_stub, pb,
@@ -122,13 +125,11 @@ def test_the_manifests_probe_paths_answer(single):
         conn.close()
 
 
-@pytest.mark.parametrize("temperature", [0.0, None])
-def test_chat_answers_equal_our_generate(single, temperature):
-    """None: the client sets no temperature and the gateway fills in our published default."""
+def test_chat_answers_equal_our_generate(single):
     replica, gateway = single
     prompt = prompt_ids(replica, QUESTION)
     ids, text, finish, _ = ours(replica, QUESTION)
-    extra = {} if temperature is None else {"temperature": temperature}
+    extra = {"temperature": 0}
     reply = chat(gateway, **extra)
     (choice,) = reply["choices"]
     assert same_text(choice["message"]["content"], text)
@@ -143,6 +144,23 @@ def test_chat_answers_equal_our_generate(single, temperature):
     deltas = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     assert same_text(deltas, text)
     assert events[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+def test_an_unset_temperature_samples_and_zero_is_greedy(single):
+    """As vLLM (and OpenAI): the model's generation_config.json sets the defaults, and a
+    temperature it does not set is 1; the gateway fills unset fields with what GetModelInfo
+    publishes."""
+    replica, gateway = single
+    with grpc.insecure_channel(replica.target) as ch:
+        info = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetModelInfo(
+            vpb.GetModelInfoRequest(), timeout=10)
+    assert json.loads(info.default_sampling_params_json)["temperature"] == 1.0
+    _, greedy_text, _, _ = ours(replica, QUESTION, max_tokens=16)
+    unset = [chat(gateway, max_tokens=16)["choices"][0]["message"]["content"] for _ in range(2)]
+    assert unset[0] != unset[1]          # random weights: near-uniform at temperature 1
+    zero = [chat(gateway, max_tokens=16, temperature=0)["choices"][0]["message"]["content"]
+            for _ in range(2)]
+    assert zero[0] == zero[1] and same_text(zero[0], greedy_text)
 
 
 def test_completions_equal_our_generate(single):
@@ -283,6 +301,18 @@ def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(smg, chat_m
             assert min(cached[name][1:]) >= 16 * (full_blocks - 1), cached   # ... holding it
         # Routed by our KV events: the gateway counts a selection that found the prefix in them.
         assert gateway.metric("smg_cache_aware_policy_branch_total", branch="event_hit") >= 6
+
+        # One replica killed (scheduler and worker): the other serves every family.
+        dead = replicas[served["P"][0]]
+        dead.scheduler.kill()
+        dead.worker.kill()
+        wait_for(lambda: sum(bool(w.get("is_healthy")) for w in gateway.workers()) == 1, 60,
+                 "the gateway to drop the dead replica", [gateway.proc])
+        for name, prefix in families.items():
+            status, reply = http_json(gateway.port, "POST", "/v1/completions", {
+                "model": "tiny-chat", "prompt": f"{prefix}Question 9:", "max_tokens": 2,
+                "temperature": 0})
+            assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
     finally:
         if gateway is not None:
             gateway.close()

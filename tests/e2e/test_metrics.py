@@ -1,7 +1,7 @@
 """The /metrics endpoints of real worker and scheduler processes, scraped with a real HTTP client
 during and after a gRPC run: the counters move exactly with the requests sent (n requests -> n
 finished, token counters = the tokens streamed, histogram counts = the requests), the KV gauges
-return to zero, GetServerStatus agrees, and the names are the README's list. Then the issue's
+return to zero, GetServerStatus agrees, and the names are docs/metrics.md's list. Then the issue's
 bar through `deltaserve serve`: 10 Generate calls of 8 tokens."""
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_names_are_the_documented_ones(services):
     scheduler, worker = scrape(services["metrics"]), scrape(services["worker_metrics"])
     ours = {n for n in scheduler.names if n.startswith("deltaserve:")}
     assert ours == documented_names("deltaserve:") - documented_names("deltaserve:worker_")
-    # On CPU there are no GPU gauges; everything else the README lists is there.
+    # On CPU there are no GPU gauges; everything else docs/metrics.md lists is there.
     assert worker.names - {n for n in worker.names if not n.startswith("deltaserve:")} == (
         documented_names("deltaserve:worker_") - GPU_GAUGES)
 
@@ -154,7 +154,7 @@ def test_serve_exposes_both_endpoints_by_flag(tmp_path):
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{api}",
            "--worker-listen", f"127.0.0.1:{worker}", "--device", "cpu",
            "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB,
-           "--metrics-listen", f"127.0.0.1:{metrics}"]
+           "--metrics-listen", f"127.0.0.1:{metrics}", "--openai-listen", "off"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))

@@ -23,6 +23,7 @@ from tests.support.grpc_harness import (REPO, Processes, child_env, collect, fre
                                         generation_stub, grpcurl, json_stream, server_status,
                                         wait_for)
 from tests.support.hf_reference import compare_greedy, hf_greedy
+from tests.support.serve_process import ServeProcess
 from tests.support.real_model import (CHATS, FRANCE_ANSWER, FRANCE_ANSWER_IDS,
                                       hf_chat_ids)
 
@@ -32,38 +33,19 @@ READY_TIMEOUT = 300        # first start on a loaded 2-core machine
 MAX_NEW = 24
 
 
-class Serve:
-    """`deltaserve serve` as a child process, its output collected in a log file."""
+class Serve(ServeProcess):
+    """`deltaserve serve` of the default model on free loopback ports, gRPC only."""
 
     def __init__(self, log: Path, *flags: str):
         self.port, self.worker_port = free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", self.target,
-               "--worker-listen", f"127.0.0.1:{self.worker_port}", "--device", "cpu",
-               "--kv-cache-gib", KV_GIB, "--metrics-listen", "127.0.0.1:0", *flags]
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                         env=child_env(None))
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__(log, ["--listen", self.target, "--worker-listen",
+                               f"127.0.0.1:{self.worker_port}", "--device", "cpu",
+                               "--kv-cache-gib", KV_GIB, "--metrics-listen", "127.0.0.1:0",
+                               "--openai-listen", "off", *flags])
 
     def wait_ready(self) -> str:
-        def ready():
-            assert self.proc.poll() is None, self.text()
-            return "DeltaServe ready on" in self.text()
-        wait_for(ready, READY_TIMEOUT, "the ready line")
-        return self.text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return super().wait_ready(READY_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +173,7 @@ def test_a_gguf_path_serves_the_same_tokens_as_the_converted_directory(served, t
 def test_tp_size_that_does_not_fit_the_heads_is_refused_in_one_line(default_model):
     proc = _cli("serve", "--device", "cpu", "--local-ranks", "2", "--listen",
                 f"127.0.0.1:{free_port()}", "--worker-listen", f"127.0.0.1:{free_port()}",
-                timeout=120)
+                "--openai-listen", "off", timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert out.strip() == (

@@ -31,8 +31,8 @@ from worker_service.ranks.rank_process import CORRUPT_RANK_ENV
 
 
 def mixed_workload(n: int = 64, seed: int = 11):
-    """n requests: shared and unique prefixes, greedy and several sampling settings, varied
-    lengths and stop rules; every request names its seed."""
+    """n requests: shared and unique prefixes, greedy and several sampling settings (logit_bias
+    among them), varied lengths and stop rules; every request names its seed."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 500) for _ in range(12)]
     prompts, samplings, stoppings = [], [], []
@@ -45,7 +45,8 @@ def mixed_workload(n: int = 64, seed: int = 11):
             SamplingParams(temperature=0.8, top_p=0.9, seed=i) if kind == 1 else
             SamplingParams(temperature=1.2, top_k=20, min_p=0.05, repetition_penalty=1.2,
                            seed=i) if kind == 2 else
-            SamplingParams(temperature=0.6, presence_penalty=0.5, frequency_penalty=0.3, seed=i))
+            SamplingParams(temperature=0.6, presence_penalty=0.5, frequency_penalty=0.3, seed=i,
+                           logit_bias={3 + i * 7 % 497: -100.0, 3 + i * 13 % 497: 5.0}))
         stoppings.append(StoppingParams(max_tokens=rng.randrange(1, 13), ignore_eos=i % 2 == 0,
                                         stop_token_ids=(rng.randrange(3, 500),)))
     return prompts, samplings, stoppings

@@ -106,7 +106,7 @@ class Processes:
         """`deltaserve serve`: its own worker (a child) and the scheduler in one process."""
         args = ["serve", "--listen", f"127.0.0.1:{port}", "--worker-listen",
                 f"127.0.0.1:{worker_port}", "--device", "cpu", "--kv-cache-gib", SMALL_KV_GIB,
-                *flags]
+                "--openai-listen", "off", *flags]
         return self._start("serve", args, env)
 
     def scheduler(self, model_dir: str, worker_ports: list[int], port: int,

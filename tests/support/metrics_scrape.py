@@ -1,4 +1,4 @@
-"""Scraping a /metrics endpoint with a real HTTP client, and the metric names the README lists."""
+"""Scraping a /metrics endpoint with a real HTTP client, and the metric names docs/metrics.md lists."""
 from __future__ import annotations
 
 import re
@@ -16,7 +16,7 @@ class Scrape:
         self.samples: dict[tuple[str, frozenset], float] = {}
         self.names: set[str] = set()
         for family in text_string_to_metric_families(text):
-            # A counter family's name drops "_total"; its samples keep it, as the README does.
+            # A counter family's name drops "_total"; its samples keep it, as docs/metrics.md does.
             self.names.add(family.name + ("_total" if family.type == "counter" else ""))
             for s in family.samples:
                 self.samples[(s.name, frozenset(s.labels.items()))] = s.value
@@ -38,7 +38,7 @@ def scrape(port: int, host: str = "127.0.0.1") -> Scrape:
 
 
 def documented_names(prefix: str) -> set[str]:
-    """The names in backticks of the README's Metrics section that start with `prefix`."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    """The names in backticks of docs/metrics.md's list that start with `prefix`."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    section = text.split("\n## The metrics, name by name\n", 1)[1].split("\n## ", 1)[0]
     return {n for n in re.findall(r"^\| `([a-z0-9_:]+)`", section, re.M) if n.startswith(prefix)}

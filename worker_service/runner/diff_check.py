@@ -135,6 +135,8 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
     if len(s.stop_ids) > MAX_STOP_IDS:
         raise BadDiff(f"{name}.sampling.stop_ids length", len(s.stop_ids), f"<= {MAX_STOP_IDS}")
     _ids_below(f"{name}.sampling.stop_ids", s.stop_ids, bounds.vocab_size, "vocab_size")
+    _ids_below(f"{name}.sampling.logit_bias", [t for t, _ in s.sampling.logit_bias],
+               bounds.vocab_size, "vocab_size")
     if new.constraint is not None:
         _check_constraint(f"{name}.constraint", new.constraint)
     view.added[new.handle] = len(new.block_ids)

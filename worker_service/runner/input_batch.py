@@ -49,6 +49,7 @@ class InputBatch:
         self.min_tokens = np.zeros(r, dtype=np.int32)
         self.num_logprobs = np.zeros(r, dtype=np.int32)
         self.stop_ids: list[tuple[int, ...]] = [()] * r
+        self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * r
 
     # -- membership -------------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class InputBatch:
         self.seeds[row] = state.sampling.seed
         self.min_tokens[row] = state.sampling.min_tokens
         self.stop_ids[row] = state.sampling.stop_ids
+        self.logit_bias[row] = sp.logit_bias
         self.num_logprobs[row] = state.num_logprobs
 
     _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "temperature",
@@ -150,6 +152,7 @@ class InputBatch:
             arr = getattr(self, name)
             arr[dst] = arr[src]
         self.stop_ids[dst] = self.stop_ids[src]
+        self.logit_bias[dst] = self.logit_bias[src]
         handle = self.handles[src]
         self.handles[dst] = handle
         self.handles[src] = None

@@ -2,7 +2,7 @@
 
 Every column is sliced from the InputBatch with numpy and staged in the runner's StepBuffers
 (reaching the device with the step's one copy per dtype); the ragged parts (penalty id matrices,
-stop-mask pairs) go through StepBuffers.put_ragged (per-step pinned memory, one copy). Flags and
+stop-mask pairs, logit-bias pairs) go through StepBuffers.put_ragged (per-step pinned memory, one copy). Flags and
 bounds the sampler branches on (all_greedy, top_k_max, max_num_logprobs) are computed here, on
 the host, so the sampler never reads a device value.
 """
@@ -47,6 +47,17 @@ def stop_mask_pairs(batch: InputBatch, rows: np.ndarray, counters: np.ndarray,
     return np.stack([pair_rows, pair_ids])
 
 
+def logit_bias_pairs(batch: InputBatch, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 [2, K] of (index into rows, token id), float32 [K] of biases) of the rows'
+    logit_bias entries."""
+    biases = [batch.logit_bias[r] for r in rows]
+    pair_rows = np.repeat(np.arange(len(rows), dtype=np.int64), [len(b) for b in biases])
+    flat = [pair for b in biases for pair in b]
+    ids = np.fromiter((t for t, _ in flat), dtype=np.int64, count=len(flat))
+    values = np.fromiter((v for _, v in flat), dtype=np.float32, count=len(flat))
+    return np.stack([pair_rows, ids]), values
+
+
 def top_k_bound(top_k: np.ndarray, vocab_size: int) -> int:
     """The largest active top_k (0 < k < vocab) over the rows, at least 1 (the width of the
     sampler's one topk)."""
@@ -79,8 +90,15 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     stop_pairs = stop_mask_pairs(batch, rows, counters, grammar_done)
     if stop_pairs.shape[1]:
         ragged.append(stop_pairs)
+    bias_pairs, bias_values = logit_bias_pairs(batch, rows)
+    if len(bias_values):   # the float32 biases travel as their bit patterns in the int64 copy
+        ragged += [bias_pairs, bias_values.view(np.int32).astype(np.int64)]
     staged = staging.put_ragged(ragged) if ragged else []
     prompt_ids, output_ids = (staged[0], staged[1]) if penalties else (None, None)
+    bias_index = bias = None
+    if len(bias_values):
+        bias_index, bias = staged[-2], staged[-1].to(torch.int32).view(torch.float32)
+        staged = staged[:-2]
 
     return SamplingMetadata(
         temperature=staging.put(temperature, f32, "temperature"),
@@ -97,6 +115,7 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
         stop_mask_index=staged[-1] if stop_pairs.shape[1] else None,
+        logit_bias_index=bias_index, logit_bias_values=bias,
         max_num_logprobs=int(batch.num_logprobs[rows].max()) if len(rows) else 0,
         top_k_max=top_k_bound(top_k, vocab_size),
     )

@@ -1,6 +1,7 @@
 """Logits -> next tokens, identically on every rank.
 
 Order of operations on the [N, V] float32 logits:
+  0. logit bias (the request's per-token biases) added
   1. stop masks (ids forbidden before min_tokens) -> -inf; grammar masks (structured output:
      ids outside a constrained row's mask) -> -inf, added as a 0 / -inf bias
   2. penalties: repetition on prompt+output ids (positive logits divided, negative multiplied),
@@ -88,6 +89,15 @@ def apply_stop_masks(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tenso
     x = x.clone()
     x.index_put_((index[0], index[1]), x.new_full((), float("-inf")))
     return x
+
+
+def apply_logit_bias(x: torch.Tensor, index: torch.Tensor | None,
+                     values: torch.Tensor | None) -> torch.Tensor:
+    """x plus `values` (float32 [K]) at the (row, id) pairs of `index` (int64 [2, K]; the pairs
+    are distinct); a copy when anything is biased."""
+    if index is None or index.shape[1] == 0:
+        return x
+    return x.index_put((index[0], index[1]), values, accumulate=True)
 
 
 def bitmask_to_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -192,7 +202,7 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def is_plain_greedy(meta: SamplingMetadata) -> bool:
     """Argmax of the raw logits and their logprob is all this step needs (no grammar masks)."""
     return (meta.all_greedy and not meta.has_penalties and meta.max_num_logprobs == 0
-            and meta.grammar_bias is None
+            and meta.grammar_bias is None and meta.logit_bias_index is None
             and (meta.stop_mask_index is None or meta.stop_mask_index.shape[1] == 0))
 
 
@@ -214,7 +224,8 @@ class Sampler:
             ops = ops_for(torch.float32) if logits.device.type == "cpu" else None
             if ops is not None:
                 return SamplerOutput(*ops.greedy_sample(logits))
-        x = apply_stop_masks(logits, meta.stop_mask_index)
+        x = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)
+        x = apply_stop_masks(x, meta.stop_mask_index)
         x = apply_grammar_bias(x, meta.grammar_rows, meta.grammar_bias)
         if meta.has_penalties:
             x = apply_penalties(x, meta)

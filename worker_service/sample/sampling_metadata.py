@@ -35,6 +35,10 @@ class SamplingMetadata:
     # int64 [2, K]: (row, token id) pairs forbidden this step (the row has produced fewer than
     # min_tokens tokens); None = nothing forbidden
     stop_mask_index: torch.Tensor | None = None
+    # int64 [2, K] (row, token id) and float32 [K]: biases added to those logits first (the
+    # request's logit_bias); None = no row has one
+    logit_bias_index: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
     max_num_logprobs: int = 0                    # top alternatives to return; 0 = sampled only
     # Host-known upper bound of the active top_k values (>= every top_k in (0, vocab)): the
     # width of the one topk apply_top_k runs. Required (>= 1) when top_k is set.

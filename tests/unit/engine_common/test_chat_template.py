@@ -219,3 +219,15 @@ def test_a_model_without_a_template_refuses_messages(tmp_path):
            "tokenizer_config.json" in str(err.value)
     with pytest.raises(ParamError, match="at least one message"):
         encode_chat(tokenizer, ChatTemplate(SMOLLM2), [])
+
+
+def test_a_chat_template_file_replaces_the_models(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "model's", "eos_token": "</s>"}))
+    override = tmp_path / "mine.jinja"
+    override.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}{{ eos_token }}")
+    assert load_chat_template(model).render([{"role": "user", "content": "x"}]) == "model's"
+    mine = load_chat_template(model, str(override))
+    assert mine.render([{"role": "user", "content": "x"}]) == "[x]</s>"

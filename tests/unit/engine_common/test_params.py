@@ -56,6 +56,20 @@ def test_good_values_and_wire_round_trip():
     assert StoppingParams(stop=["a"], stop_token_ids=[1]).stop == ("a",)
 
 
+def test_logit_bias_is_sorted_bounded_and_survives_the_wire():
+    import msgpack
+
+    params = SamplingParams(logit_bias={9: -100, 4: 2.5})
+    assert params.logit_bias == ((4, 2.5), (9, -100.0))
+    wire = msgpack.unpackb(msgpack.packb(params.to_wire()))   # pairs come back as lists
+    assert SamplingParams.from_wire(wire) == params
+    assert SamplingParams().to_wire() == {}
+    with pytest.raises(ParamError, match="at most 1024"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
+    with pytest.raises(ParamError, match="distinct"):
+        SamplingParams(logit_bias=[(1, 1.0), (1, 2.0)])
+
+
 def test_an_error_quotes_a_few_hundred_characters_of_a_value():
     """Issue 23: a 70 KB garbage field quoted whole broke gRPC's status metadata limit."""
     e = ParamError("stop", "x" * 70_000, "short")

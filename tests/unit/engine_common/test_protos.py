@@ -252,6 +252,8 @@ def _undocumented(file: descriptor_pb2.FileDescriptorProto) -> list[str]:
             need(path + [2, i], f"{prefix}{enum.name}.{value.name}")
 
     def walk_message(msg, path, prefix):
+        if msg.options.map_entry:     # a map field's synthetic entry: documented by the field
+            return
         need(path, prefix + msg.name)
         for i, field in enumerate(msg.field):
             need(path + [2, i], f"{prefix}{msg.name}.{field.name}")

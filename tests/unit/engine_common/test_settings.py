@@ -120,3 +120,13 @@ def test_a_new_declaration_is_a_flag_a_proto_field_and_a_checked_value():
                                          r"\[16, inf\]"):
         Extended(model_dir="/m", prefill_chunk=8)
     validate(Extended(model_dir="/m"))
+
+
+def test_an_alias_sets_the_same_field():
+    """vLLM's --tensor-parallel-size (and -tp) is --local-ranks on one node."""
+    from engine_common.config import WorkerServiceOptions
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerServiceOptions)
+    for argv in (["--tensor-parallel-size", "2"], ["-tp", "2"], ["--local-ranks", "2"]):
+        assert from_args(WorkerServiceOptions, parser.parse_args(argv)).local_ranks == 2

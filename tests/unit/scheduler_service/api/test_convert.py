@@ -286,3 +286,16 @@ def test_logprobs_per_token_with_alternatives():
     assert len(msg.logprobs[1].top_logprobs) == 0
     plain = convert.output_to_proto(_out(logprobs=logprobs))
     assert plain.logprobs[0].top_logprobs[1].text == ""
+
+
+def test_logit_bias_is_carried_and_its_ids_and_values_are_bounded():
+    msg = _req(sampling=pb.SamplingParams(logit_bias={7: -100.0, 2: 0.5}))
+    assert convert.request_from_proto(msg, vocab_size=10).sampling.logit_bias == (
+        (2, 0.5), (7, -100.0))
+    with pytest.raises(ParamError) as err:
+        convert.request_from_proto(_req(sampling=pb.SamplingParams(logit_bias={10: 1.0})),
+                                   vocab_size=10)
+    assert err.value.field == "sampling.logit_bias[10]"
+    with pytest.raises(ParamError) as err:
+        convert.request_from_proto(_req(sampling=pb.SamplingParams(logit_bias={3: -100.5})))
+    assert err.value.field == "sampling.logit_bias[3]" and "[-100.0, 100.0]" in err.value.allowed

@@ -86,6 +86,12 @@ def test_negative_seed_maps_onto_the_unsigned_range():
     (gen(sampling_params=pb.SamplingParams(logprobs=-1)), "sampling_params.logprobs"),
     (gen(sampling_params=pb.SamplingParams(logprobs=21)), "sampling_params.logprobs"),
     (gen(sampling_params=pb.SamplingParams(n=vc.MAX_N + 1)), "sampling_params.n"),
+    (gen(sampling_params=pb.SamplingParams(logit_bias={100: 1.0})),
+     "sampling_params.logit_bias[100]"),
+    (gen(sampling_params=pb.SamplingParams(logit_bias={5: 101.0})),
+     "sampling_params.logit_bias[5]"),
+    (gen(sampling_params=pb.SamplingParams(logit_bias={-1: 1.0})),
+     "sampling_params.logit_bias[-1] (token id)"),
 ])
 def test_bad_fields_are_named(msg, field):
     with pytest.raises(ParamError) as err:
@@ -96,7 +102,6 @@ def test_bad_fields_are_named(msg, field):
 UNSUPPORTED = [
     (gen(sampling_params=pb.SamplingParams(structural_tag="{}")),
      "sampling_params.structural_tag"),
-    (gen(sampling_params=pb.SamplingParams(logit_bias={5: 1.0})), "sampling_params.logit_bias"),
     (gen(sampling_params=pb.SamplingParams(prompt_logprobs=1)),
      "sampling_params.prompt_logprobs"),
     (gen(sampling_params=pb.SamplingParams(truncate_prompt_tokens=-1)),
@@ -284,3 +289,8 @@ def test_kv_batch_to_proto():
     assert list(msg.events[3].removed.block_hashes) == [vc.block_hash_to_int64(h0),
                                                         vc.block_hash_to_int64(h1)]
     assert cpb.KvEventBatch.FromString(msg.SerializeToString()) == msg
+
+
+def test_logit_bias_is_carried_sorted_by_token_id():
+    inp = convert(gen(sampling_params=pb.SamplingParams(logit_bias={9: -100.0, 5: 1.5})))
+    assert inp.sampling.logit_bias == ((5, 1.5), (9, -100.0))

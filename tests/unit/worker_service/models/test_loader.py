@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -214,3 +215,11 @@ def test_rope_tables_are_shared_by_all_layers(tmp_path):
     tables = {id(b) for name, b in model.named_buffers(remove_duplicate=False)
               if name.endswith("cos_cache")}
     assert len(tables) == 1
+
+
+def test_loading_says_how_far_it_is(qwen3_dirs, caplog):
+    """A line at each quarter of the checkpoint's tensors, the last at 100%."""
+    caplog.set_level(logging.INFO, logger="worker_service.models.loader")
+    load(qwen3_dirs[0])
+    lines = [r.getMessage() for r in caplog.records if "loading weights of" in r.getMessage()]
+    assert [line.split(": ")[1].split("%")[0] for line in lines] == ["25", "50", "75", "100"]

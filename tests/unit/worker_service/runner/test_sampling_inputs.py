@@ -1,13 +1,15 @@
 """Sampling inputs from the persistent batch: min_tokens stop masks, and their exemption for rows
-whose grammar is complete (it allows only eos, so the grammar wins)."""
+whose grammar is complete (it allows only eos, so the grammar wins); logit_bias pairs."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from engine_common.params import SamplingParams, WorkerSamplingParams
 from worker_service.runner.cached_request import CachedRequestState
 from worker_service.runner.input_batch import InputBatch
-from worker_service.runner.sampling_inputs import stop_mask_pairs
+from worker_service.runner.sampling_inputs import build_sampling_metadata, stop_mask_pairs
+from worker_service.runner.step_buffers import StepBuffers
 
 
 def _batch() -> InputBatch:
@@ -30,3 +32,23 @@ def test_exempt_rows_keep_their_stop_ids():
     pairs = stop_mask_pairs(batch, np.arange(3), np.array([0, 0, 0]),
                             np.array([False, True, False]))
     assert pairs.tolist() == [[0, 0, 2, 2], [2, 9, 2, 9]]
+
+
+def test_logit_bias_reaches_the_sampler_as_row_id_pairs_and_exact_floats():
+    """Staged through the step's one int64 copy (the float32 biases as their bit patterns)."""
+    batch = InputBatch(4, 32, 4)
+    biases = [{3: -100.0, 7: 0.1}, {}, {1: 2.5}]
+    for handle, bias in enumerate(biases):
+        sampling = WorkerSamplingParams(SamplingParams(logit_bias=bias), seed=0)
+        batch.add(CachedRequestState(handle, [4, 5], sampling, [0], 0))
+    rows = np.array([2, 0, 1])          # the batch's rows in the order they sample
+    staging = StepBuffers(8, 4, 4, "cpu")
+    staging.begin()
+    meta = build_sampling_metadata(batch, rows, 32, staging)
+    staging.flush()
+    assert meta.logit_bias_index.tolist() == [[0, 1, 1], [1, 3, 7]]
+    assert meta.logit_bias_values.dtype == torch.float32
+    assert meta.logit_bias_values.tolist() == np.array([2.5, -100.0, 0.1], np.float32).tolist()
+    staging.begin()
+    plain = build_sampling_metadata(batch, np.array([1]), 32, staging)
+    assert plain.logit_bias_index is None and plain.logit_bias_values is None

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from worker_service.sample.grammar import bitmask_bias
-from worker_service.sample.sampler import (Sampler, _mix32, apply_grammar_bias, apply_penalties,
-                                           apply_top_k, bitmask_to_bias, gumbel_noise)
+from worker_service.sample.sampler import (Sampler, _mix32, apply_grammar_bias, apply_logit_bias,
+                                           apply_penalties, apply_top_k, bitmask_to_bias,
+                                           gumbel_noise, is_plain_greedy)
 from worker_service.runner.sampling_inputs import top_k_bound
 from worker_service.sample.sampling_metadata import SamplingMetadata
 
@@ -327,3 +328,24 @@ def test_cuda_grammar_bias_equals_the_host_bias():
                                             dtype=np.int64).astype(np.int32))
     gpu = bitmask_to_bias(bitmask.cuda(), vocab).cpu()
     assert torch.equal(gpu, torch.from_numpy(bitmask_bias(bitmask.numpy(), vocab)))
+
+
+def test_logit_bias_moves_greedy_and_random_rows_and_logprobs_stay_raw():
+    """OpenAI's logit_bias: -100 bans the argmax, +100 forces a token; added before the other
+    steps, on greedy and random rows alike; the logprobs are still the raw model's."""
+    logits = rand_logits(3, 40, seed=9)
+    best = logits.argmax(-1)
+    forced = (best[1].item() + 1) % 40
+    pairs = [(0, best[0].item(), -100.0), (1, forced, 100.0), (2, 7, 100.0)]
+    meta = make_meta([dict(), dict(), dict(temperature=1.0, seed=3)], 40)
+    meta.logit_bias_index = torch.tensor([[r, t] for r, t, _ in pairs]).T.contiguous()
+    meta.logit_bias_values = torch.tensor([b for _, _, b in pairs], dtype=torch.float32)
+    assert not is_plain_greedy(meta)
+    out = Sampler().forward(logits, meta)
+    biased = logits.clone()
+    biased[0, best[0]] -= 100.0
+    assert out.sampled_token_ids[0] == biased[0].argmax() != best[0]
+    assert out.sampled_token_ids[1:].tolist() == [forced, 7]
+    raw = torch.log_softmax(logits, -1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
+    assert torch.allclose(out.logprobs, raw)
+    assert torch.equal(apply_logit_bias(logits, None, None), logits)

@@ -1,0 +1,133 @@
+"""`deltaserve serve --host/--port`: the OpenAI-compatible API from one command, the real smg
+gateway as a supervised child (skipped, with the reason, where its binary cannot run):
+
+  * the ready line names both APIs and its curl command answers as printed (with the key);
+  * vLLM's --tensor-parallel-size and --served-model-name: /v1/models lists the served name;
+  * the gateway's log lines are folded into ours with an `[smg] ` prefix;
+  * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
+    open);
+  * Ctrl-C stops the gateway and the worker with the server (exit 0); a gateway that dies stops
+    the whole group (exit 1, saying why);
+  * `deltaserve scheduler --host/--port` fronts itself the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.gateway import chat_model_dir, http_json, require_smg
+from tests.support.grpc_harness import SMALL_KV_GIB, Processes, free_port, wait_for
+from tests.support.serve_process import ServeProcess, children, gone
+
+pytestmark = pytest.mark.slow
+
+KEY = "openai-test-key-0123456789"
+
+
+def _children(pid: int) -> dict[str, int]:
+    """{"smg": pid, "worker": pid} of the serve process."""
+    out = {}
+    for child in children(pid):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()   # smg retitles itself
+        out["worker" if b"deltaserve.cli\0worker" in cmdline else "smg"] = child
+    return out
+
+
+class Serve(ServeProcess):
+    """The chat model on free loopback ports, with the OpenAI API on --host/--port."""
+
+    def __init__(self, model_dir: Path, log: Path, *flags: str):
+        require_smg()
+        self.port, self.openai_port = free_port(), free_port()
+        super().__init__(log, ["--model", str(model_dir), "--listen", f"127.0.0.1:{self.port}",
+                               "--worker-listen", f"127.0.0.1:{free_port()}", "--device", "cpu",
+                               "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "off",
+                               "--host", "127.0.0.1", "--port", str(self.openai_port), *flags])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_models, tmp_path_factory):
+    return chat_model_dir(tiny_models("qwen3"), tmp_path_factory.mktemp("chat") / "tiny-chat")
+
+
+def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model, tmp_path):
+    serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY,
+                  "--tensor-parallel-size", "1", "--served-model-name", "my-model")
+    try:
+        text = serve.wait_ready(240)
+        url = f"http://127.0.0.1:{serve.openai_port}/v1"
+        assert f"DeltaServe ready on 127.0.0.1:{serve.port}, OpenAI API on {url}" in text
+        assert "\n[smg] " in text          # its log, folded into ours
+        (curl,) = [line.strip() for line in text.splitlines() if line.strip().startswith("curl")]
+        done = subprocess.run(shlex.split(curl.replace("Bearer KEY", f"Bearer {KEY}")),
+                              capture_output=True, text=True, timeout=120)
+        answer = json.loads(done.stdout)
+        assert answer["object"] == "chat.completion", done.stdout
+        assert answer["choices"][0]["message"]["content"]
+        assert answer["usage"]["completion_tokens"] >= 1
+
+        status, models = http_json(serve.openai_port, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["my-model"], models
+        request = {"model": "my-model", "max_tokens": 2,
+                   "messages": [{"role": "user", "content": "hi"}]}
+        status, body = http_json(serve.openai_port, "POST", "/v1/chat/completions", request)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+
+        children = _children(serve.proc.pid)
+        assert set(children) == {"smg", "worker"}
+        serve.proc.send_signal(signal.SIGINT)       # what Ctrl-C delivers
+        assert serve.proc.wait(60) == 0, serve.text()
+        assert all(gone(pid) for pid in children.values())
+    finally:
+        serve.close()
+
+
+def test_a_gateway_that_dies_stops_the_group_and_says_why(chat_model, tmp_path):
+    serve = Serve(chat_model, tmp_path / "serve.log")
+    try:
+        serve.wait_ready()
+        children = _children(serve.proc.pid)
+        subprocess.run(["kill", "-KILL", str(children["smg"])], check=True)
+        assert serve.proc.wait(60) == 1, serve.text()
+        assert "the OpenAI gateway (smg) exited with code -9" in serve.text()
+        deadline = time.monotonic() + 30
+        while not gone(children["worker"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(children["worker"])
+    finally:
+        serve.close()
+
+
+def test_the_scheduler_command_fronts_itself_when_given_a_port(chat_model, tmp_path):
+    """`deltaserve scheduler --port P`: off by default there, on when asked; the gateway's
+    /v1/models lists the served name and its exit stops the scheduler."""
+    require_smg()
+    procs = Processes(tmp_path)
+    try:
+        worker_port, port, openai_port = free_port(), free_port(), free_port()
+        procs.worker(worker_port)
+        scheduler = procs.scheduler(str(chat_model), [worker_port], port, "--host", "127.0.0.1",
+                                    "--port", str(openai_port), "--served-model-name", "dp-1")
+        url = f"http://127.0.0.1:{openai_port}/v1"
+        wait_for(lambda: f"OpenAI API ready on {url}" in scheduler.log_tail(10**6), 240,
+                 "the OpenAI ready line", procs.procs)
+        status, models = http_json(openai_port, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["dp-1"], models
+        (smg,) = children(scheduler.pid)
+        os.kill(smg, signal.SIGKILL)
+        assert scheduler.popen.wait(60) == 1
+        assert "the OpenAI gateway (smg) exited with code -9" in scheduler.log_tail(10**6)
+    finally:
+        procs.close()

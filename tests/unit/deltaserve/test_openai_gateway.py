@@ -1,0 +1,127 @@
+"""deltaserve/openai_gateway.py without the gateway: the flags (vLLM's --host/--port, on by
+default in `serve` only), the `smg launch` command line, the refusals of what smg cannot front,
+and the child supervision (output folded with a prefix, its exit reported, stopped) on a real
+child process. The real gateway: tests/e2e/test_openai_listen.py."""
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from deltaserve.cli import build_parser
+from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, check_compatible,
+                                       find_smg, gateway_model_path, grpc_target_of,
+                                       openai_front, openai_options, smg_command)
+from engine_common.params import ParamError
+from scheduler_service.api.api_options import ApiOptions
+
+
+def _options(*argv: str) -> tuple[OpenAIOptions, bool]:
+    return openai_options(build_parser().parse_args(list(argv)))
+
+
+def test_serve_answers_openai_on_vllms_port_by_default_and_the_scheduler_does_not():
+    options, asked = _options("serve")
+    assert options.openai_listen == "127.0.0.1:8000" and options.enabled and not asked
+    assert options.base_url == "http://127.0.0.1:8000/v1"
+    options, asked = _options("scheduler", "--model", "m", "--workers", "w:1")
+    assert not options.enabled and not asked
+
+
+def test_host_and_port_name_the_openai_listener_and_off_turns_it_off():
+    options, asked = _options("serve", "--host", "0.0.0.0", "--port", "8123")
+    assert options.openai_listen == "0.0.0.0:8123" and asked
+    assert options.base_url == "http://127.0.0.1:8123/v1"    # where a local client reaches it
+    assert _options("serve", "--port", "9000")[0].openai_listen == "127.0.0.1:9000"
+    assert _options("scheduler", "--model", "m", "--workers", "w:1", "--port", "9000"
+                    )[0].openai_listen == "127.0.0.1:9000"
+    assert not _options("serve", "--openai-listen", "off")[0].enabled
+    with pytest.raises(ParamError, match="host"):
+        _options("serve", "--openai-listen", "127.0.0.1:1", "--host", "0.0.0.0")
+    with pytest.raises(ParamError, match="openai_listen"):
+        _options("serve", "--openai-listen", "nowhere")
+
+
+def test_https_needs_both_files(tmp_path):
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ParamError, match="ssl_keyfile"):
+        _options("serve", "--ssl-certfile", str(cert))
+    options, _ = _options("serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert))
+    assert options.base_url == "https://127.0.0.1:8000/v1"
+
+
+def test_smg_command_carries_the_parsers_key_https_and_chat_template(tmp_path):
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    options, _ = _options("serve", "--port", "8001", "--api-key", "k1",
+                          "--tool-call-parser", "qwen", "--reasoning-parser", "qwen3",
+                          "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert))
+    cmd = smg_command("/bin/smg", options, "127.0.0.1:50051", "/models/m", 29001,
+                      chat_template="/t.jinja")
+    flags = dict(zip(cmd[2::2], cmd[3::2]))
+    assert cmd[:2] == ["/bin/smg", "launch"]
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8001"
+    assert flags["--worker-urls"] == "grpc://127.0.0.1:50051"
+    assert flags["--model-path"] == "/models/m" and flags["--prometheus-port"] == "29001"
+    assert flags["--api-key"] == "k1" and flags["--tool-call-parser"] == "qwen"
+    assert flags["--reasoning-parser"] == "qwen3" and flags["--chat-template"] == "/t.jinja"
+    assert flags["--tls-cert-path"] == str(cert) and flags["--tls-key-path"] == str(cert)
+    plain = smg_command("/bin/smg", _options("serve")[0], "h:1", "/m", 1)
+    assert not {"--api-key", "--tool-call-parser", "--chat-template"} & set(plain)
+
+
+def test_what_smg_cannot_front_is_refused_by_name(tmp_path):
+    path = tmp_path / "f"
+    path.write_text("k\n")
+    options = OpenAIOptions(openai_listen="127.0.0.1:8000")
+    with pytest.raises(ParamError, match="api_key_file.*sends no key"):
+        check_compatible(options, ApiOptions(api_key_file=str(path)))
+    with pytest.raises(ParamError, match="tls_cert.*TLS gRPC"):
+        check_compatible(options, ApiOptions(tls_cert=str(path), tls_key=str(path)))
+    check_compatible(options, ApiOptions())
+
+
+def test_the_gateway_reaches_a_wildcard_bound_scheduler_on_loopback(tmp_path):
+    assert grpc_target_of("0.0.0.0:50051", 50051) == "127.0.0.1:50051"
+    assert grpc_target_of("localhost:0", 4242) == "localhost:4242"
+    assert grpc_target_of("[::1]:1", 7) == "[::1]:7"
+    assert gateway_model_path(str(tmp_path)) == str(tmp_path.resolve())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert gateway_model_path(str(gguf)).endswith(".tokenizer-from-worker")   # GetTokenizer
+
+
+def test_the_child_output_is_folded_with_a_prefix_and_its_exit_is_reported():
+    out = io.StringIO()
+    script = "import sys; print('\\x1b[32mINFO\\x1b[0m up'); sys.stderr.write('oops\\n'); sys.exit(3)"
+    child = GatewayChild([sys.executable, "-c", script], out=out)
+    assert child.proc.wait(30) == 3
+    child.stop()
+    assert child.gone() == "the OpenAI gateway (smg) exited with code 3"
+    assert sorted(out.getvalue().splitlines()) == ["[smg] INFO up", "[smg] oops"]  # no colour
+
+
+def test_a_running_child_is_stopped():
+    child = GatewayChild([sys.executable, "-c", "import time; time.sleep(600)"], out=io.StringIO())
+    assert child.gone() is None
+    child.stop()
+    assert child.proc.returncode is not None and child.gone() is not None
+
+
+def test_a_default_listener_gives_way_to_the_grpc_ports_keys_and_an_asked_one_is_refused(
+        tmp_path, capsys):
+    """`serve --api-key-file F` keeps working (gRPC only, with a note); asking for the OpenAI
+    listener as well is refused by name."""
+    if find_smg() is None:
+        pytest.skip("the smg gateway is not installed")
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 32 + "\n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--api-key-file", str(keys)])
+    assert openai_front(args, ApiOptions(api_key_file=str(keys)), "m", "localhost:1") is None
+    assert "the OpenAI API is off: api_key_file" in capsys.readouterr().out
+    args = parser.parse_args(["serve", "--api-key-file", str(keys), "--port", "8001"])
+    with pytest.raises(ParamError, match="api_key_file"):
+        openai_front(args, ApiOptions(api_key_file=str(keys)), "m", "localhost:1")
