@@ -110,8 +110,9 @@ fi
 
 if [[ -n "$WORKER_TARGET" ]]; then
   step "worker $WORKER_TARGET: health (\"deltaserve.v1.Worker\" = model loaded; open for probes)"
-  "$GRPCURL" -plaintext -d '{"service": "deltaserve.v1.Worker"}' "$WORKER_TARGET" \
-    grpc.health.v1.Health/Check
+  # No reflection without the worker token: the Check call is described by health.proto here.
+  "$GRPCURL" -plaintext -import-path "$REPO/deploy/grpcurl" -proto health.proto \
+    -d '{"service": "deltaserve.v1.Worker"}' "$WORKER_TARGET" grpc.health.v1.Health/Check
   if [[ -n "$WORKER_TOKEN_FILE" ]]; then
     step "worker $WORKER_TARGET: Health and Info with the worker token"
     WORKER_AUTH=(-H "authorization: Bearer $(head -n1 "$WORKER_TOKEN_FILE")")
@@ -119,7 +120,9 @@ if [[ -n "$WORKER_TARGET" ]]; then
     "$GRPCURL" -plaintext "${WORKER_AUTH[@]}" "$WORKER_TARGET" deltaserve.v1.Worker/Info
   else
     step "worker $WORKER_TARGET: Info without the worker token (refused unless the worker runs without one)"
-    if out="$("$GRPCURL" -plaintext "$WORKER_TARGET" deltaserve.v1.Worker/Info 2>&1)"; then
+    # (worker.proto from the repo: reflection, too, needs the token)
+    if out="$("$GRPCURL" -plaintext -import-path "$REPO/proto" -proto deltaserve/v1/worker.proto \
+              "$WORKER_TARGET" deltaserve.v1.Worker/Info 2>&1)"; then
       echo "$out"
     else
       echo "$out"

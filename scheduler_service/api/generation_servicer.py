@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import grpc
@@ -200,7 +200,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_name=m.info.name, max_model_len=m.info.max_model_len,
             vocab_size=m.info.vocab_size, eos_token_ids=m.info.eos_token_ids,
             tp_size=self._tp_size(), num_kv_blocks=self._engine.stats.num_total_blocks,
-            kv_block_size=m.block_size, default_sampling=sampling_to_proto(m.default_sampling),
+            kv_block_size=m.block_size,
+            # This API's unset temperature is greedy (generation.proto), whatever the model's.
+            default_sampling=sampling_to_proto(replace(m.default_sampling, temperature=0.0)),
             max_logprobs=self._options.max_logprobs,
             has_chat_template=m.chat_template is not None)
 
