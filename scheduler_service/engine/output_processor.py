@@ -81,6 +81,16 @@ class RequestOutput:
     error: RequestFailed | None = None
 
 
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive outputs of a request (tokens, text and logprobs in
+    order; the later one's totals, timings and finish)."""
+    return RequestOutput(first.request_id, first.new_token_ids + later.new_token_ids,
+                         first.new_text + later.new_text, first.logprobs + later.logprobs,
+                         later.finished, later.finish_reason, later.stop_reason,
+                         later.num_prompt_tokens, later.num_output_tokens,
+                         later.num_cached_tokens, later.timings, later.error)
+
+
 @dataclass
 class _RequestState:
     """What the processor knows of one request: fixed facts copied at add time, the text state."""

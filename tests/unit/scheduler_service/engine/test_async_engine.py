@@ -383,3 +383,28 @@ def test_a_flush_without_a_worker_answers_at_once_and_names_why(tok):
     assert _run_engine(engine, scenario) == (
         False, "not flushed: no worker is ready: worker w:1 not reachable")
 
+
+
+def test_a_lagging_reader_gets_the_waiting_steps_as_one_output(tok):
+    """A caller that reads after the request has finished gets what waited for it as one
+    output (one gRPC message instead of one per step), with the same ids, text and usage."""
+    engine = AsyncEngine(lambda: make_core(False), lambda: OutputProcessor(tok))
+    req = Request("lag", tok.encode("The quick brown fox"), SamplingParams(seed=3),
+                  StoppingParams(max_tokens=6, ignore_eos=True))
+    want = run_one_thread(tok, copies([req]))["lag"]
+
+    async def scenario():
+        while not engine.ready:
+            await asyncio.sleep(0.01)
+        stream = engine.generate(req)
+        first = await stream.__anext__()
+        await _until_idle(engine)        # finished: its later steps wait in the queue
+        return [first] + [out async for out in stream]
+
+    engine.start()
+    try:
+        outs = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert len(outs) <= 2 and outs[-1].finished
+    assert summary(outs) == want and len(want[0]) == 6
