@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.peers.isa import describe_cpu
 from bench.report import append_block, git_commit
 
 CHILD = Path(__file__).resolve().parent / "host_overhead_child.py"
@@ -177,24 +178,12 @@ async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[float
         return list(await asyncio.gather(*(one(stub, i) for i in range(num_seqs))))
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                flags = Path("/proc/cpuinfo").read_text()
-                isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "?"
-                return f"{line.split(':', 1)[1].strip()} ({isa})"
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     model = model_dir()
     lines = [f"## host overhead, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"commit {git_commit()}", "",
-             f"{cpu_name()}; model: 1 layer, hidden 64, 512-id tokenizer; "
+             f"{describe_cpu()}; model: 1 layer, hidden 64, 512-id tokenizer; "
              f"{args.output_len} tokens per request, greedy, 1 torch thread, {args.rounds} "
              f"rounds", ""]
     lines += simulated_lane(args, model)

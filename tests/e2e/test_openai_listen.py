@@ -17,7 +17,6 @@ import os
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -102,10 +101,7 @@ def test_a_gateway_that_dies_stops_the_group_and_says_why(chat_model, tmp_path):
         subprocess.run(["kill", "-KILL", str(children["smg"])], check=True)
         assert serve.proc.wait(60) == 1, serve.text()
         assert "the OpenAI gateway (smg) exited with code -9" in serve.text()
-        deadline = time.monotonic() + 30
-        while not gone(children["worker"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert gone(children["worker"])
+        wait_for(lambda: gone(children["worker"]), 30, "the worker to stop with the group")
     finally:
         serve.close()
 

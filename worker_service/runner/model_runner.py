@@ -297,7 +297,7 @@ class ModelRunner:
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
-        handles = [self.batch.handles[r] for r in sample_rows]
+        handles = self.batch.handle_ids[sample_rows].tolist()
         if len(sample_rows):
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
                                            self.staging, self.grammar.stopped(handles))

@@ -43,6 +43,11 @@ def payload_digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def _check_digest(payload: bytes, digest: bytes | None) -> None:
+    if digest is not None and digest != payload_digest(payload):
+        raise StepFailure(FailureKind.BAD_PAYLOAD, "the payload does not match its digest")
+
+
 def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
     """Init's layout must match the flags the worker was started with (ValueError naming both)."""
     for name, flag in (("node_rank", "--node-rank"), ("num_nodes", "--nodes"),
@@ -149,25 +154,33 @@ class NodeWorker:
         """Run one step of the active stream (a newer stream with the current epoch takes over
         as the active one)."""
         with self._lock:
-            if stream_id < self._active_stream:
-                raise StepFailure(FailureKind.SUPERSEDED,
-                                  "this Step stream was superseded by a newer one")
-            # A stream that is not the active one yet fails the epoch only once it is.
-            self._check_envelope(epoch, step, fail_epoch=stream_id == self._active_stream)
-            self._active_stream = stream_id
+            self._admit(stream_id, epoch, step)
             try:
-                if digest is not None and digest != payload_digest(payload):
-                    raise StepFailure(FailureKind.BAD_PAYLOAD,
-                                      "the payload does not match its digest")
+                _check_digest(payload, digest)
                 reply = self.ranks.run_step(payload, self.verify_symmetry,
                                             self.layout.node_rank == 0)
             except StepFailure as failure:
-                self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
-                raise self._failure from failure
+                raise self._fail_epoch(failure, epoch, step) from failure
             self._next_step += 1
             if self.step_listener is not None:
                 self.step_listener(reply)
             return reply
+
+    def _admit(self, stream_id: int, epoch: int, step: int) -> None:
+        """The stream and envelope rules of a step; `stream_id` becomes the active stream."""
+        if stream_id < self._active_stream:
+            raise StepFailure(FailureKind.SUPERSEDED,
+                              "this Step stream was superseded by a newer one")
+        # A stream that is not the active one yet fails the epoch only once it is.
+        self._check_envelope(epoch, step, fail_epoch=stream_id == self._active_stream)
+        if self._held is not None and self._held[0] != stream_id:
+            self._drop_held()                  # a newer stream of the same epoch took over
+        self._active_stream = stream_id
+
+    def _fail_epoch(self, failure: StepFailure, epoch: int, step: int) -> StepFailure:
+        """Record the failure that poisons the epoch; the caller raises it."""
+        self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
+        return self._failure
 
     # -- pipelined steps (service/step_pipeline.py) ----------------------------------------------
     # With one in-process rank on an asynchronous device (CUDA, the simulated one) a step is
@@ -184,18 +197,10 @@ class NodeWorker:
                     digest: bytes | None = None) -> list[tuple[int, StepReply]]:
         """Launch one step; return the (step, reply) pairs now ready, in step order."""
         with self._lock:
-            if stream_id < self._active_stream:
-                raise StepFailure(FailureKind.SUPERSEDED,
-                                  "this Step stream was superseded by a newer one")
-            self._check_envelope(epoch, step, fail_epoch=stream_id == self._active_stream)
-            if self._held is not None and self._held[0] != stream_id:
-                self._drop_held()                  # a newer stream of the same epoch took over
-            self._active_stream = stream_id
+            self._admit(stream_id, epoch, step)
             replies: list[tuple[int, StepReply]] = []
             try:
-                if digest is not None and digest != payload_digest(payload):
-                    raise StepFailure(FailureKind.BAD_PAYLOAD,
-                                      "the payload does not match its digest")
+                _check_digest(payload, digest)
                 held = self._held[2] if self._held is not None else None
                 launched = self.ranks.launch_step(payload, held,
                                                   lambda: replies.append(self._finish_held()))
@@ -203,8 +208,7 @@ class NodeWorker:
                     replies.append(self._finish_held())
             except StepFailure as failure:
                 self._drop_held()
-                self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
-                raise self._failure from failure
+                raise self._fail_epoch(failure, epoch, step) from failure
             self._held = (stream_id, step, launched)
             self._next_step += 1
             return replies

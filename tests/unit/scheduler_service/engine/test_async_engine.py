@@ -110,9 +110,13 @@ def run_one_thread(tok, reqs: list[Request]) -> dict[str, tuple]:
     return {rid: summary(outs) for rid, outs in got.items()}
 
 
-async def _stream_all(engine: AsyncEngine, reqs: list[Request]) -> dict[str, tuple]:
+async def _until_ready(engine: AsyncEngine) -> None:
     while not engine.ready:
         await asyncio.sleep(0.01)
+
+
+async def _stream_all(engine: AsyncEngine, reqs: list[Request]) -> dict[str, tuple]:
+    await _until_ready(engine)
 
     async def one(request: Request):
         return request.request_id, summary([out async for out in engine.generate(request)])
@@ -394,8 +398,7 @@ def test_a_lagging_reader_gets_the_waiting_steps_as_one_output(tok):
     want = run_one_thread(tok, copies([req]))["lag"]
 
     async def scenario():
-        while not engine.ready:
-            await asyncio.sleep(0.01)
+        await _until_ready(engine)
         stream = engine.generate(req)
         first = await stream.__anext__()
         await _until_idle(engine)        # finished: its later steps wait in the queue
