@@ -199,7 +199,8 @@ def _best_line(design: str, ranked: list[tuple[SweepPoint, BackendRun]],
 
 def ratio_line(what: str, split: BackendRun, unified: BackendRun) -> str:
     """`split/unified (what): ratio = split ms / unified ms: verdict`."""
-    ratio = split.median_s / unified.median_s
+    # The verdict follows the printed ratio: 3 significant digits that read 1 are "equal".
+    ratio = float(f"{split.median_s / unified.median_s:.3g}")
     verdict = ("two kernels faster" if ratio < 1 else
                "one kernel faster" if ratio > 1 else "equal")
     return (f"split/unified ({what}): {ratio:.3g} = {split.median_s * 1e3:.4g} ms / "
