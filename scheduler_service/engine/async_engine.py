@@ -56,14 +56,17 @@ class AsyncEngine:
     is gone, so readiness drops without waiting for a request. `metrics` records the steps,
     epochs, failures and streams (a private SchedulerMetrics when not given); `counters` are the
     streams' request and token counts. `on_turn()`, when given, runs on the engine thread at the
-    end of every loop turn (the KV event publisher hands the turn's events on there)."""
+    end of every loop turn (the KV event publisher hands the turn's events on there).
+    `reconnect_seconds` is the pause between tries to build a core (tests make it tiny)."""
 
     def __init__(self, make_core: Callable[[], EngineCore],
                  make_output_processor: Callable[[], OutputProcessor],
                  idle_check: Callable[[EngineCore], None] | None = None,
                  idle_check_seconds: float = 1.0, metrics: SchedulerMetrics | None = None,
-                 on_turn: Callable[[], object] | None = None):
+                 on_turn: Callable[[], object] | None = None,
+                 reconnect_seconds: float = _RECONNECT_SECONDS):
         self._make_core = make_core
+        self._reconnect_seconds = reconnect_seconds
         self._on_turn = on_turn
         self._make_output_processor = make_output_processor
         self._idle_check = idle_check
@@ -86,7 +89,9 @@ class AsyncEngine:
         self.refused: str | None = None
         # Why this engine stopped for good: another scheduler took the workers over.
         self.fenced: str | None = None
-        self._retry_seconds = _RECONNECT_SECONDS
+        self._retry_seconds = reconnect_seconds
+        # Set while a core is built (`ready`): lets waiters block instead of polling.
+        self._ready = threading.Event()
         # Engine thread only: flushes waiting for the engine to go idle (deadline, timeout, done).
         self._flushes: list[tuple[float, float, concurrent.futures.Future]] = []
 
@@ -103,6 +108,10 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self._core is not None
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until a core is built (`ready`); False if `timeout_s` passes first."""
+        return self._ready.wait(timeout_s)
 
     @property
     def core(self) -> EngineCore | None:
@@ -178,7 +187,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.fenced is not None:
-                self._drain_commands(block_seconds=_RECONNECT_SECONDS)
+                self._drain_commands(block_seconds=self._reconnect_seconds)
                 self._hand_off()
                 self._serve_flushes()
                 continue
@@ -230,7 +239,7 @@ class AsyncEngine:
             return False
         except EngineUnavailable as e:
             self.last_error, self.refused = str(e), None
-            self._retry_seconds = _RECONNECT_SECONDS
+            self._retry_seconds = self._reconnect_seconds
             return False
         except Exception as e:  # a bug in make_core: keep retrying, but say so loudly
             log.exception("building the engine core failed")
@@ -238,7 +247,8 @@ class AsyncEngine:
             return False
         self.last_error = ""
         self.refused = None
-        self._retry_seconds = _RECONNECT_SECONDS
+        self._retry_seconds = self._reconnect_seconds
+        self._ready.set()
         self._last_check = time.monotonic()
         self.metrics.observe_epoch()
         self._publish_stats()
@@ -361,6 +371,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         # Not ready *before* any stream hears of the failure: a caller that reacts to its
         # stream's error must not see `ready` still True and send a request into the old core.
+        self._ready.clear()
         self._core = None
         self.last_error = str(error)
         if isinstance(error, Fenced):

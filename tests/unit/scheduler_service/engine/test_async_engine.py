@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -110,9 +111,34 @@ def run_one_thread(tok, reqs: list[Request]) -> dict[str, tuple]:
     return {rid: summary(outs) for rid, outs in got.items()}
 
 
+WAIT_S = 30.0    # a bound on a wait for an event, never reached in a passing run
+TINY_RETRY_S = 0.001   # the engine's pause between tries to build a core
+
+
 async def _until_ready(engine: AsyncEngine) -> None:
-    while not engine.ready:
-        await asyncio.sleep(0.01)
+    assert await asyncio.to_thread(engine.wait_ready, WAIT_S), engine.last_error
+
+
+class TurnWatch:
+    """The engine's on_turn hook: wakes whoever waits for a condition on the engine's state,
+    which the engine thread publishes before each turn ends."""
+
+    def __init__(self):
+        self._turned = threading.Condition()
+
+    def __call__(self) -> None:
+        with self._turned:
+            self._turned.notify_all()
+
+    def wait_for(self, predicate) -> bool:
+        with self._turned:
+            return self._turned.wait_for(predicate, WAIT_S)
+
+
+async def _turns_of_the_loop(engine: AsyncEngine, n: int = 3) -> list[tuple[bool, str]]:
+    """n flushes, each sent after the last was answered: the engine thread went round its
+    loop at least n times (an unfenced engine tries to build a core on every one of them)."""
+    return [await asyncio.wrap_future(engine.flush_prefix_cache(0)) for _ in range(n)]
 
 
 async def _stream_all(engine: AsyncEngine, reqs: list[Request]) -> dict[str, tuple]:
@@ -124,14 +150,13 @@ async def _stream_all(engine: AsyncEngine, reqs: list[Request]) -> dict[str, tup
     return dict(await asyncio.gather(*(one(r) for r in reqs)))
 
 
-async def _until_idle(engine: AsyncEngine) -> None:
+async def _until_idle(engine: AsyncEngine, turns: TurnWatch) -> None:
     """The engine frees a stop-string request when the loop's finish command reaches it."""
-    for _ in range(1000):
+    def idle() -> bool:
         s = engine.stats
-        if s.num_used_blocks == 0 and s.num_running == 0 and s.num_waiting == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"blocks still held: {engine.stats}")
+        return s.num_used_blocks == 0 and s.num_running == 0 and s.num_waiting == 0
+
+    assert await asyncio.to_thread(turns.wait_for, idle), f"blocks still held: {engine.stats}"
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -143,7 +168,8 @@ def test_streams_match_the_one_thread_engine(tok, async_scheduling):
         cores.append(make_core(async_scheduling))
         return cores[-1]
 
-    engine = AsyncEngine(new_core, lambda: OutputProcessor(tok))
+    turns = TurnWatch()
+    engine = AsyncEngine(new_core, lambda: OutputProcessor(tok), on_turn=turns)
     engine.start()
     try:
         for seed in range(12):
@@ -152,7 +178,7 @@ def test_streams_match_the_one_thread_engine(tok, async_scheduling):
 
             async def scenario():
                 got = await _stream_all(engine, reqs)
-                await _until_idle(engine)
+                await _until_idle(engine, turns)
                 return got
 
             got = asyncio.run(scenario())
@@ -188,9 +214,10 @@ def test_one_hand_off_per_step_whatever_the_number_of_streams(tok):
         wakeups = {"n": 0}
         real_call = loop.call_soon_threadsafe
 
-        def counted_call(*args, **kwargs):
-            wakeups["n"] += 1
-            return real_call(*args, **kwargs)
+        def counted_call(callback, *args, **kwargs):
+            # The engine's hand-offs; asyncio.to_thread (waiting for readiness) also calls back.
+            wakeups["n"] += getattr(callback, "__name__", "") == "deliver"
+            return real_call(callback, *args, **kwargs)
 
         loop.call_soon_threadsafe = counted_call
         got = await _stream_all(engine, reqs)
@@ -321,11 +348,10 @@ def test_readiness_drops_before_the_failed_streams_hear_of_it(tok, monkeypatch):
             raise EngineUnavailable("worker not reachable")
         return core
 
-    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok), reconnect_seconds=TINY_RETRY_S)
 
     async def scenario():
-        while not engine.ready:
-            await asyncio.sleep(0.01)
+        await _until_ready(engine)
         return await _first_error(engine, "a"), engine.ready
 
     error, ready_after = _run_engine(engine, scenario)
@@ -339,16 +365,15 @@ def test_a_fenced_engine_stops_for_good(tok):
         calls.append(1)
         raise Fenced("worker w is driven by scheduler B since epoch 9")
 
-    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok), reconnect_seconds=TINY_RETRY_S)
 
     async def scenario():
-        while engine.fenced is None:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(1.5)   # three retry periods of a refused or unreachable worker
-        return await _first_error(engine, "a")
+        # The thread's first turn tries to build a core, so every answer comes after the fence.
+        return await _turns_of_the_loop(engine), await _first_error(engine, "a")
 
-    error = _run_engine(engine, scenario)
+    flushes, error = _run_engine(engine, scenario)
     assert calls == [1] and "driven by scheduler B" in str(error) and not engine.ready
+    assert all(not ok and "driven by scheduler B" in why for ok, why in flushes), flushes
 
 
 def test_fenced_mid_step_fails_the_streams_and_never_reconnects(tok):
@@ -361,13 +386,12 @@ def test_fenced_mid_step_fails_the_streams_and_never_reconnects(tok):
             return cores.pop()
         raise AssertionError("a fenced engine must not build another core")
 
-    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok))
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok), reconnect_seconds=TINY_RETRY_S)
 
     async def scenario():
-        while not engine.ready:
-            await asyncio.sleep(0.01)
+        await _until_ready(engine)
         first = await _first_error(engine, "a")
-        await asyncio.sleep(1.0)
+        await _turns_of_the_loop(engine)
         return first, await _first_error(engine, "b")
 
     first, second = _run_engine(engine, scenario)
@@ -392,7 +416,8 @@ def test_a_flush_without_a_worker_answers_at_once_and_names_why(tok):
 def test_a_lagging_reader_gets_the_waiting_steps_as_one_output(tok):
     """A caller that reads after the request has finished gets what waited for it as one
     output (one gRPC message instead of one per step), with the same ids, text and usage."""
-    engine = AsyncEngine(lambda: make_core(False), lambda: OutputProcessor(tok))
+    turns = TurnWatch()
+    engine = AsyncEngine(lambda: make_core(False), lambda: OutputProcessor(tok), on_turn=turns)
     req = Request("lag", tok.encode("The quick brown fox"), SamplingParams(seed=3),
                   StoppingParams(max_tokens=6, ignore_eos=True))
     want = run_one_thread(tok, copies([req]))["lag"]
@@ -401,7 +426,7 @@ def test_a_lagging_reader_gets_the_waiting_steps_as_one_output(tok):
         await _until_ready(engine)
         stream = engine.generate(req)
         first = await stream.__anext__()
-        await _until_idle(engine)        # finished: its later steps wait in the queue
+        await _until_idle(engine, turns)  # finished: its later steps wait in the queue
         return [first] + [out async for out in stream]
 
     engine.start()
