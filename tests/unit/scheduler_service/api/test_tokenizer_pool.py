@@ -25,8 +25,8 @@ def test_one_caller_leaves_a_thread_for_the_others():
         started = [threading.Event() for _ in range(4)]
         flood = [asyncio.ensure_future(pool.run(_blocking(started[i], release, f"a{i}"),
                                                 caller="a")) for i in range(4)]
-        while not (started[0].is_set() and started[1].is_set()):
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(started[0].wait, 30)
+        assert await asyncio.to_thread(started[1].wait, 30)
         # a's first two jobs hold two threads; its others wait; b's job runs on the third.
         assert await pool.run(lambda: "b", caller="b") == "b"
         assert not started[2].is_set() and not started[3].is_set()
@@ -43,8 +43,7 @@ def test_a_cancelled_request_holds_its_thread_until_the_job_ends():
         pool = TokenizerPool(2)                       # per caller: 1
         release, first, second = threading.Event(), threading.Event(), threading.Event()
         running = asyncio.ensure_future(pool.run(_blocking(first, release, "x"), caller="a"))
-        while not first.is_set():
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(first.wait, 30)
         running.cancel()                              # the client gives up; the job runs on
         again = asyncio.ensure_future(pool.run(_blocking(second, release, "y"), caller="a"))
         assert await pool.run(lambda: "b", caller="b") == "b"

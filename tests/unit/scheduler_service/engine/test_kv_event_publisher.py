@@ -20,6 +20,12 @@ def record_turn(publisher: KvEventPublisher, n: int, base: int = 0) -> None:
         publisher.feed.stored(H[base + i], H[base + i - 1] if i else None, [i], 1)
 
 
+async def let_the_new_tasks_run() -> None:
+    """One pass of the event loop (no timed wait): tasks created before this call run up to
+    their first await; a subscription registers there."""
+    await asyncio.sleep(0)
+
+
 def on_thread(fn) -> None:
     t = threading.Thread(target=fn)
     t.start()
@@ -36,9 +42,8 @@ def test_batches_are_numbered_and_reach_every_subscriber():
         loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
         streams = [publisher.subscribe(), publisher.subscribe()]
         firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        while publisher.num_subscribers < 2:
-            await asyncio.sleep(0.01)
-        assert publisher.feed.enabled
+        await let_the_new_tasks_run()
+        assert publisher.num_subscribers == 2 and publisher.feed.enabled
         on_thread(lambda: (record_turn(publisher, 3), publisher.publish()))
         batches = await asyncio.gather(*firsts)
         on_thread(lambda: (publisher.feed.removed(H[0]), publisher.publish()))
@@ -65,8 +70,8 @@ def test_nothing_is_recorded_or_numbered_without_subscribers():
     async def main():
         stream = publisher.subscribe()
         first = asyncio.ensure_future(stream.__anext__())
-        while not publisher.num_subscribers:
-            await asyncio.sleep(0.01)
+        await let_the_new_tasks_run()
+        assert publisher.num_subscribers == 1
         assert publisher.publish() is None            # a turn without events sends nothing
         on_thread(lambda: (record_turn(publisher, 1, base=4), publisher.publish()))
         batch = await first
@@ -83,15 +88,14 @@ def test_a_lagging_subscriber_is_dropped():
     async def main():
         stream = publisher.subscribe()
         first = asyncio.ensure_future(stream.__anext__())
-        while not publisher.num_subscribers:
-            await asyncio.sleep(0.01)
+        await let_the_new_tasks_run()
+        assert publisher.num_subscribers == 1
 
         def turns():
             for i in range(5):
                 publisher.feed.removed(H[i])
                 publisher.publish()
-        on_thread(turns)
-        await asyncio.sleep(0.05)
+        on_thread(turns)       # the five deliveries now wait on the loop, to run in one pass
         got = [await first]
         with pytest.raises(SubscriberLagging):
             while True:
