@@ -2,92 +2,17 @@
 from __future__ import annotations
 
 import glob
-import hashlib
-import multiprocessing as mp
 import os
 import random
 import signal
-import struct
 import threading
-import time
 
 import pytest
 
 from engine_common.params import ParamError
-from worker_service.ranks.shm_reply import ShmReplyHub
+from tests.support.shm_readers import SPAWN, STATS, Readers, digest
 from worker_service.ranks.shm_ring import (SHM_PREFIX, PayloadTooLarge, RingClosed, RingError,
                                            RingHandle, RingTimeout, ShmBroadcastRing)
-
-SPAWN = mp.get_context("spawn")
-_STATS = struct.Struct("<QQd")        # messages, bytes, idle CPU fraction
-
-
-# -- child processes (module level so spawn can import them) -------------------------------------
-
-def _reader_main(handle: RingHandle, rank: int, reply_handle: RingHandle, mode: str,
-                 gate=None) -> None:
-    """Read until RingClosed. mode "digest": reply sha256+len per message; "ack": empty reply per
-    message; "count": reply once at the end with _STATS. With a gate, pause after message 1."""
-    ring = ShmBroadcastRing.attach(handle, rank)
-    reply = ShmBroadcastRing.attach_writer(reply_handle)
-    reply.write(b"ready")
-    count = total = 0
-    idle_cpu = 0.0
-    try:
-        while True:
-            if mode == "count" and count == 0:
-                wall, cpu = time.monotonic(), time.process_time()
-                msg = ring.read(timeout=30)
-                idle_cpu = (time.process_time() - cpu) / max(time.monotonic() - wall, 1e-9)
-            else:
-                msg = ring.read(timeout=30)
-            count, total = count + 1, total + len(msg)
-            if mode == "digest":
-                reply.write(hashlib.sha256(msg).digest() + len(msg).to_bytes(8, "little"))
-            elif mode == "ack":
-                reply.write(b"")
-            if gate is not None and count == 1:
-                gate.wait(30)
-    except RingClosed:
-        pass
-    finally:
-        if mode == "count":
-            reply.write(_STATS.pack(count, total, idle_cpu))
-        reply.close()
-        ring.close()
-
-
-def _digest(msg: bytes) -> bytes:
-    return hashlib.sha256(msg).digest() + len(msg).to_bytes(8, "little")
-
-
-class _Readers:
-    """A ring, its reply hub and num_readers spawned reader processes; cleans up everything."""
-
-    def __init__(self, num_readers, mode, num_slots=4, slot_bytes=4096, reply_slots=4,
-                 gates=None, **ring_kw):
-        self.ring = ShmBroadcastRing.create(num_readers, num_slots, slot_bytes, **ring_kw)
-        self.hub = ShmReplyHub.create(num_readers, num_slots=reply_slots, slot_bytes=256)
-        self.procs = [SPAWN.Process(target=_reader_main, daemon=True,
-                                    args=(self.ring.handle, r, self.hub.handles[r], mode,
-                                          None if gates is None else gates[r]))
-                      for r in range(num_readers)]
-        for p in self.procs:
-            p.start()
-        assert self.hub.gather(timeout=60) == [b"ready"] * num_readers
-
-    def names(self) -> list[str]:
-        return [self.ring.handle.name] + [h.name for h in self.hub.handles]
-
-    def stop(self) -> None:
-        self.ring.shutdown()
-        for p in self.procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        self.ring.close()
-        self.ring.unlink()
-        self.hub.close()
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +36,7 @@ def _payloads(slot_bytes: int, seed: int) -> list[bytes]:
 @pytest.mark.parametrize("num_readers", [1, 2, 3, 4])
 def test_every_reader_gets_every_message_in_order(num_readers):
     msgs = _payloads(4096, seed=num_readers)
-    readers = _Readers(num_readers, "digest", reply_slots=len(msgs) + 1)
+    readers = Readers(num_readers, "digest", reply_slots=len(msgs) + 1)
     try:
         for m in msgs:
             readers.ring.write(m, timeout=30)
@@ -119,49 +44,51 @@ def test_every_reader_gets_every_message_in_order(num_readers):
     finally:
         names = readers.names()
         readers.stop()
-    assert got == [[_digest(m) for m in msgs]] * num_readers
+    assert got == [[digest(m) for m in msgs]] * num_readers
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
 
 
 def test_slow_reader_makes_writer_wait_and_nothing_is_overwritten():
     gate = SPAWN.Event()
     msgs = [bytes([i]) * (100 + i) for i in range(6)]
-    readers = _Readers(1, "digest", num_slots=2, slot_bytes=1024, reply_slots=8, gates=[gate])
+    readers = Readers(1, "digest", num_slots=2, slot_bytes=1024, reply_slots=8, gates=[gate])
     ring = readers.ring
     try:
         for m in msgs[:3]:                 # slots 0, 1, then slot 0 again once message 0 is read
             ring.write(m, timeout=30)
-        assert readers.hub.read(0, timeout=30) == _digest(msgs[0])
+        assert readers.hub.read(0, timeout=30) == digest(msgs[0])
         with pytest.raises(RingTimeout) as err:      # messages 1 and 2 unread: the ring is full
             ring.write(msgs[3], timeout=0.3)
         assert err.value.stalled == (0,)
         assert ring.pending_readers() == [0]
-        threading.Timer(0.3, gate.set).start()
-        start = time.monotonic()
+        released = threading.Event()      # set just before the reader may go on
+
+        def release() -> None:
+            released.set()
+            gate.set()
+
+        threading.Timer(0.1, release).start()
         ring.write(msgs[3], timeout=30)   # a retry after a clean timeout is allowed
-        assert time.monotonic() - start >= 0.25, "the writer did not wait for the reader"
+        assert released.is_set(), "the writer did not wait for the reader"
         for m in msgs[4:]:
             ring.write(m, timeout=30)
         got = [readers.hub.read(0, timeout=30) for _ in msgs[1:]]
     finally:
         readers.stop()
-    assert got == [_digest(m) for m in msgs[1:]]
+    assert got == [digest(m) for m in msgs[1:]]
 
 
 def test_dead_reader_fails_the_writer_promptly():
-    readers = _Readers(2, "ack", num_slots=2, slot_bytes=256, reply_slots=8)
+    readers = Readers(2, "ack", num_slots=2, slot_bytes=256, reply_slots=8)
     ring = readers.ring
     try:
         os.kill(readers.procs[1].pid, signal.SIGKILL)
         readers.procs[1].join(30)
         ring.write(b"a")
         ring.write(b"b")                  # the two free slots
-        start = time.monotonic()
-        with pytest.raises(RingTimeout) as err:
+        with pytest.raises(RingTimeout) as err:    # its own timeout, naming the dead reader
             ring.write(b"c", timeout=0.5)
-        elapsed = time.monotonic() - start
         assert err.value.stalled == (1,) and "[1]" in str(err.value)
-        assert elapsed < 10, f"timeout took {elapsed:.1f} s"
         assert ring.pending_readers() == [1]
         with pytest.raises(RingTimeout) as err:       # rank 0 acked, rank 1 never will
             readers.hub.gather(timeout=0.5)
@@ -190,10 +117,8 @@ def test_shutdown_from_another_thread_unblocks_a_waiting_reader():
     with ShmBroadcastRing.create(1, num_slots=2, slot_bytes=64) as ring:
         reader = ShmBroadcastRing.attach(ring.handle, 0)
         threading.Timer(0.1, ring.shutdown).start()
-        start = time.monotonic()
-        with pytest.raises(RingClosed):
+        with pytest.raises(RingClosed):   # not left to its timeout: that raises RingTimeout
             reader.read(timeout=30)
-        assert time.monotonic() - start < 10
         reader.close()
 
 
@@ -234,14 +159,14 @@ def test_bad_geometry_roles_and_handles_are_rejected():
 
 def test_a_stream_of_messages_reaches_both_readers_whole():
     """Back-to-back writes, some larger than a slot: each reader counts every message and byte."""
-    readers = _Readers(2, "count", num_slots=8, slot_bytes=64 << 10)
+    readers = Readers(2, "count", num_slots=8, slot_bytes=64 << 10)
     num_msgs, size = 400, 100 << 10
     try:
         msg = os.urandom(size)
         for _ in range(num_msgs):
             readers.ring.write(msg, timeout=30)
         readers.ring.shutdown()
-        stats = [_STATS.unpack(b) for b in readers.hub.gather(timeout=60)]
+        stats = [STATS.unpack(b) for b in readers.hub.gather(timeout=60)]
     finally:
         readers.stop()
     assert [s[:2] for s in stats] == [(num_msgs, num_msgs * size)] * 2
