@@ -98,13 +98,12 @@ def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, 
            "--openai-listen", "off"]
     env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     env.pop("TRITON_INTERPRET", None)
-    t0 = time.monotonic()
+    # Retrying forever would run into this timeout (TimeoutExpired fails the test).
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "the worker refused the settings" in out and why in out, out
     assert out.count("Traceback") == 0, out       # a refusal is one line, not a stack trace
-    assert time.monotonic() - t0 < 60
     assert "DeltaServe ready" not in out
     with socket.socket() as s:                     # the worker was stopped with serve
         assert s.connect_ex(("127.0.0.1", worker_port)) != 0

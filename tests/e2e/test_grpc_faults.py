@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import grpc
 import pytest
@@ -71,7 +70,7 @@ def _greedy(target: str) -> list[int]:
 
 
 class _OpenStream(threading.Thread):
-    """A long Generate stream read on a thread; records how it ended and when."""
+    """A long Generate stream read on a thread; records how it ended and why."""
 
     def __init__(self, target: str, i: int):
         super().__init__(daemon=True)
@@ -80,7 +79,7 @@ class _OpenStream(threading.Thread):
             greedy_request([3 + i, 4, 5], 2000), timeout=120)
         self.first = threading.Event()
         self.code = None
-        self.ended_at = None
+        self.details = ""
 
     def run(self):
         try:
@@ -88,9 +87,8 @@ class _OpenStream(threading.Thread):
                 self.first.set()
             self.code = grpc.StatusCode.OK
         except grpc.RpcError as e:
-            self.code = e.code()
+            self.code, self.details = e.code(), e.details()
         finally:
-            self.ended_at = time.monotonic()
             self.first.set()
             self.channel.close()
 
@@ -106,11 +104,11 @@ def test_worker_killed_mid_stream_fails_streams_then_recovers(cluster):
     for s in streams:
         assert s.first.wait(30)
     worker.kill()
-    killed_at = time.monotonic()
     for s in streams:
         s.join(15)
         assert s.code == grpc.StatusCode.UNAVAILABLE, s.code
-        assert s.ended_at - killed_at < 5.0
+        # At once: the worker's ended Step stream failed them, not the step timeout.
+        assert "Step stream ended" in s.details and "no reply" not in s.details, s.details
     wait_for(lambda: health_status(target, "deltaserve.v1.Generation") == "NOT_SERVING", 5,
              "readiness to drop", [sched])
     with pytest.raises(grpc.RpcError) as err:

@@ -100,11 +100,12 @@ def test_killed_rank_fails_the_step_fast_and_worker_turns_unready(tp2, model_dir
         core.step()
         victim = tp2.nodes[0].rank_pids()[1]
         os.kill(victim, signal.SIGKILL)
-        t0 = time.monotonic()
         with pytest.raises(WorkerFailure) as failure:
             for _ in range(20):
                 core.step()
-        assert time.monotonic() - t0 < 5
+        # Fast: the rank's death failed the step, not the 60 s step timeout ("no reply to step
+        # N in time", kind step_timeout).
+        assert failure.value.kind == "rank_failed", failure.value
         message = str(failure.value)
         assert "RANK_FAILED" in message and f"pid {victim}" in message, message
         assert "SIGKILL" in message

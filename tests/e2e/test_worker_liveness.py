@@ -19,8 +19,9 @@ from tests.support.grpc_harness import (Processes, collect, free_port, generatio
 pytestmark = pytest.mark.slow
 
 STEP_TIMEOUT_S = 3.0
-# Detection must come long before the ~62 s of issue 13; the margin absorbs a loaded machine
-# (the step timeout plus twice the slowest recent step, and the engine's reaction).
+# How long the test waits for the streams to end (a bound against a hang, not an assertion):
+# the step timeout plus twice the slowest recent step and the engine's reaction, on a loaded
+# machine. That the step timeout ended them is shown by their message.
 DETECTED_WITHIN_S = 40.0
 
 
@@ -60,16 +61,16 @@ def test_a_stopped_worker_is_detected_and_service_resumes(tiny_models, tmp_path)
                 t.join(DETECTED_WITHIN_S + 30)
             assert all(isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE
                        for r in results), results
+            # The step timeout caught it (not the streams' 300 s deadline): its message.
+            assert all("no reply to step" in r.details() for r in results), results
             detected = max(ended) - stopped
-            assert detected < DETECTED_WITHIN_S, detected
             wait_for(lambda: health_status(target, GENERATION_SERVICE) == "NOT_SERVING", 10,
                      "readiness NOT_SERVING", [sched])
             with grpc.insecure_channel(target) as ch:
-                begun = time.monotonic()
                 with pytest.raises(grpc.RpcError) as refused:
                     collect(generation_stub(ch).Generate(greedy_request([5], 4), timeout=60))
+                # Refused (UNAVAILABLE), not left to its deadline (DEADLINE_EXCEEDED).
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert time.monotonic() - begun < 30      # refused, not left to its deadline
         finally:
             os.kill(worker.pid, signal.SIGCONT)
         wait_ready(target, [worker, sched], timeout=120)

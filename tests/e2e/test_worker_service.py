@@ -273,11 +273,10 @@ def test_init_errors_are_worker_failures(client, tmp_path):
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]
     free.close()
-    t0 = time.monotonic()
     unreachable = WorkerClient([f"127.0.0.1:{port}"], connect_timeout_s=1.0)
-    with pytest.raises(WorkerFailure, match=f"127.0.0.1:{port}.*not reachable"):
+    # Ended by the 1 s connect timeout it names, not by waiting for a worker to appear.
+    with pytest.raises(WorkerFailure, match=f"127.0.0.1:{port}: not reachable within 1s"):
         unreachable.init(_spec("/nowhere"))
-    assert time.monotonic() - t0 < 5
     unreachable.close()
 
 
@@ -309,29 +308,25 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
         # A stuck worker (stopped, connection open) fails the step at the step timeout.
         worker.proc.send_signal(signal.SIGSTOP)
         _wait_stopped(worker.proc.pid)
-        t0 = time.monotonic()
-        try:
+        try:   # the 2 s step timeout, then an unanswered Health, end the wait
             with pytest.raises(WorkerFailure, match=rf"{worker.address}.*no reply to step 1"):
                 client.execute(encode_scheduler_output(SchedulerOutput(step=1)))
         finally:
             worker.proc.send_signal(signal.SIGCONT)
-        assert time.monotonic() - t0 < 5
         client.init(_spec(model_dir))
         client.execute(encode_scheduler_output(_diffs()[0]))
 
         worker.kill()
-        t0 = time.monotonic()
-        with pytest.raises(WorkerFailure, match=rf"{worker.address}.*UNAVAILABLE"):
+        with pytest.raises(WorkerFailure, match=rf"{worker.address}.*UNAVAILABLE") as killed:
             client.execute(encode_scheduler_output(SchedulerOutput(step=1)))
-        assert time.monotonic() - t0 < 5
+        # The ended stream failed the step at once, not the step timeout.
+        assert "no reply" not in str(killed.value), killed.value
         (h,) = client.health()
         assert not h.ready and "unreachable" in h.reason
 
         # A worker started again on the same address is found by the next init.
         spawn_worker(worker.address)
-        t0 = time.monotonic()
         client.init(_spec(model_dir))
-        assert time.monotonic() - t0 < 5
         assert decode_runner_output(client.execute(encode_scheduler_output(_diffs()[0]))).handles
     finally:
         client.close()

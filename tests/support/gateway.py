@@ -157,13 +157,16 @@ class SseStream:
 
 
 class Replica:
-    """One worker and its scheduler (the public API and VllmEngine on one port)."""
+    """One worker and its scheduler (the public API and VllmEngine on one port, its Prometheus
+    metrics on `metrics_port`)."""
 
     def __init__(self, procs: Processes, model_dir, *flags: str):
         self.procs = procs
-        self.worker_port, self.port = free_port(), free_port()
+        self.worker_port, self.port, self.metrics_port = free_port(), free_port(), free_port()
         self.worker = procs.worker(self.worker_port)
-        self.scheduler = procs.scheduler(str(model_dir), [self.worker_port], self.port, *flags)
+        self.scheduler = procs.scheduler(str(model_dir), [self.worker_port], self.port,
+                                         "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+                                         *flags)
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.target}"
         wait_ready(self.target, [self.worker, self.scheduler])
