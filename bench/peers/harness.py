@@ -299,18 +299,20 @@ def _alternate(procs, rounds: int, timeout_s: float) -> list[EngineRuns]:
 
 
 def settle(pgids: list[int], idle_share: float = SETTLE_IDLE_SHARE,
-           window_s: float = SETTLE_WINDOW_S, most_s: float = SETTLE_MOST_S) -> float:
+           window_s: float = SETTLE_WINDOW_S, most_s: float = SETTLE_MOST_S, *,
+           cpu_seconds=group_cpu_seconds, clock=time.monotonic, sleep=time.sleep) -> float:
     """Wait until the engines' process groups together use less than `idle_share` of a core
     over a `window_s` window (at most `most_s`); returns the seconds waited. An engine can
     stay busy after replying (vLLM's workers spin, its engine core winds down), and a run
     started then shares the cores with it: with 2 threads DeltaServe's runs right after a
-    vLLM run were ~8% slower than its runs right after its own."""
-    start = time.monotonic()
+    vLLM run were ~8% slower than its runs right after its own. The CPU clock, the clock and
+    the sleep are injectable (the tests' are simulated)."""
+    start = clock()
     while True:
-        before = sum(group_cpu_seconds(g) for g in pgids)
-        time.sleep(window_s)
-        used = sum(group_cpu_seconds(g) for g in pgids) - before
-        waited = time.monotonic() - start
+        before = sum(cpu_seconds(g) for g in pgids)
+        sleep(window_s)
+        used = sum(cpu_seconds(g) for g in pgids) - before
+        waited = clock() - start
         if used < idle_share * window_s or waited >= most_s:
             return waited
 

@@ -34,22 +34,37 @@ def test_an_engine_process_replies_only_on_its_prefixed_lines():
     assert "chatter on stdout" in done.stdout      # printed before the redirect: not a reply
 
 
-def test_settle_waits_for_a_busy_group_and_not_for_an_idle_one(tmp_path):
-    from bench.peers.harness import settle
+class SimulatedGroup:
+    """A process group's CPU clock and the wall clock, simulated: sleep() advances the wall
+    clock, and the group uses `busy_share` of a core until `busy_until`, then nothing."""
 
-    # A child in its own session that spins through 1.5 s of its own CPU time, marks that it
-    # stopped, then sleeps: settle must not return while it spins.
-    marker = tmp_path / "stopped"
-    code = ("import time, pathlib\n"
-            "while time.process_time() < 1.5: pass\n"
-            f"pathlib.Path({str(marker)!r}).write_text('x')\ntime.sleep(120)\n")
-    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    try:
-        settle([child.pid], window_s=0.5, most_s=100.0)
-        assert marker.exists()
-        assert group_cpu_seconds(child.pid) >= 1.0     # /proc counts in clock ticks
-        # Idle now: settle returns after its first quiet window, far inside most_s.
-        assert settle([child.pid], window_s=0.5, most_s=100.0) < 50.0
-    finally:
-        child.kill()
-        child.wait()
+    def __init__(self, busy_share: float, busy_until: float):
+        self.now = self.cpu = 0.0
+        self.busy_share, self.busy_until = busy_share, busy_until
+
+    def sleep(self, seconds: float) -> None:
+        busy = max(0.0, min(self.now + seconds, self.busy_until) - self.now)
+        self.cpu += self.busy_share * busy
+        self.now += seconds
+
+    def cpu_seconds(self, pgid: int) -> float:
+        assert pgid == 7
+        return self.cpu
+
+
+def _settle(group: SimulatedGroup, most_s: float = 100.0) -> float:
+    from bench.peers.harness import settle
+    return settle([7], idle_share=0.1, window_s=0.5, most_s=most_s,
+                  cpu_seconds=group.cpu_seconds, clock=lambda: group.now, sleep=group.sleep)
+
+
+def test_settle_waits_for_a_busy_group_and_not_for_an_idle_one():
+    # Busy (a whole core) for 1.5 s: three busy windows, then the first quiet one returns.
+    busy = SimulatedGroup(busy_share=1.0, busy_until=1.5)
+    assert _settle(busy) == 2.0 and busy.now == 2.0
+    # Idle: settle returns after its first quiet window.
+    assert _settle(SimulatedGroup(busy_share=1.0, busy_until=0.0)) == 0.5
+    # Under the idle share is quiet.
+    assert _settle(SimulatedGroup(busy_share=0.09, busy_until=1e9)) == 0.5
+    # Never quiet: settle gives up after most_s.
+    assert _settle(SimulatedGroup(busy_share=0.2, busy_until=1e9), most_s=3.0) == 3.0
