@@ -104,7 +104,8 @@ def test_the_child_output_is_folded_with_a_prefix_and_its_exit_is_reported():
 
 
 def test_a_running_child_is_stopped():
-    child = GatewayChild([sys.executable, "-c", "import time; time.sleep(600)"], out=io.StringIO())
+    # A child that runs until a signal stops it.
+    child = GatewayChild([sys.executable, "-c", "import signal; signal.pause()"], out=io.StringIO())
     assert child.gone() is None
     child.stop()
     assert child.proc.returncode is not None and child.gone() is not None
