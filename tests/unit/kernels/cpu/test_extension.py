@@ -70,6 +70,7 @@ def test_an_unknown_isa_is_refused_by_name(monkeypatch):
     assert extension.isa() == "avx2" and extension.namespace() == "deltaserve_cpu_avx2"
 
 
+@pytest.mark.slow   # a fresh process importing torch: 1.5-8 s on a shared 2-core machine
 def test_switched_off_library_leaves_the_torch_fallbacks():
     code = ("from kernels.cpu import extension, fused, linear; import torch\n"
             "assert not extension.load() and extension.status() == 'DELTASERVE_CPU_EXT=0'\n"
@@ -100,6 +101,7 @@ def test_build_root_prefers_its_own_variable_over_the_cache_home(monkeypatch, tm
     assert extension.build_root() == tmp_path / "xdg" / "deltaserve" / "cpu_ext"
 
 
+@pytest.mark.slow   # a fresh process importing torch: 1.5-7 s on a shared 2-core machine
 @pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
 def test_a_lock_file_left_by_a_killed_builder_does_not_block_loading():
     """torch's lock file, as a process killed mid-load leaves it: a new process still loads."""
