@@ -10,7 +10,6 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import grpc
 import pytest
@@ -190,10 +189,7 @@ async def _generate_all(engine: AsyncEngine, model_dir: str, prompts, samplings,
     from engine_common.model_dir import ModelInfo
 
     eos = ModelInfo.from_dir(model_dir).eos_token_ids
-    deadline = time.monotonic() + 120
-    while not engine.ready:
-        assert time.monotonic() < deadline, engine.last_error
-        await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(engine.wait_ready, 120), engine.last_error
 
     async def one(i: int):
         request = Request(f"a{i}", prompts[i], samplings[i], stoppings[i], eos)

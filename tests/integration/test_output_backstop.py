@@ -91,8 +91,7 @@ def test_async_stream_of_the_failing_request_alone_ends_with_internal(llm, tiny_
         return out
 
     async def main():
-        while not engine.ready:
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(engine.wait_ready, 60), engine.last_error
         core = engine.core
         got = await asyncio.gather(*(collect(rid) for rid in PROMPTS), return_exceptions=True)
         return core, dict(zip(PROMPTS, got))

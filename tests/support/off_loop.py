@@ -51,8 +51,7 @@ async def tokens_while_held(llm: LLM, served: ServedModel, gate: Gate,
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        while not engine.ready:
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(engine.wait_ready, 60), engine.last_error
         async with grpc.aio.insecure_channel(
                 f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", message_bytes)]
         ) as ch:
@@ -69,6 +68,8 @@ async def _race(ch: grpc.aio.Channel, gate: Gate, heavy) -> tuple:
     stream = victim.__aiter__()
     await stream.__anext__()
     work = asyncio.ensure_future(heavy(ch))
+    # Polled: heavy either reaches the gate (a threading.Event, set on a tokenizer thread) or
+    # ends first; a thread blocked on the event would outlive a return before the gate.
     while not gate.entered.is_set():
         if work.done():                       # refused before the gate: nothing to wait on
             return work.result(), order
