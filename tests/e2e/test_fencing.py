@@ -5,12 +5,12 @@ every request of both failed."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 
-from engine_common.protos import GENERATION_SERVICE
+from engine_common.protos import GENERATION_SERVICE, vllm_engine_pb2_grpc
+from engine_common.protos import smg_common_pb2 as cpb
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
                                         greedy_request, health_status, pb, server_status,
                                         wait_for, wait_ready, worker_info, write_token)
@@ -64,7 +64,13 @@ def test_the_newer_scheduler_wins_and_the_older_stops(tiny_models, tmp_path, bus
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert "STALE_EPOCH" in error.details() and taken.scheduler_id in error.details()
         # ... and stays stopped: it never re-inits the worker, whose owner stays the newer one.
-        time.sleep(3)
+        # Three turns of its engine loop (a flush is answered at the end of one, after any
+        # attempt to rebuild the core), on each of which an unfenced engine would re-init.
+        with grpc.insecure_channel(old_target) as ch:
+            for _ in range(3):
+                reply = vllm_engine_pb2_grpc.VllmEngineStub(ch).FlushCache(
+                    cpb.FlushCacheRequest(), timeout=30)
+                assert not reply.success and "another scheduler took" in reply.message, reply
         assert worker_info(w_port, token).scheduler_id == taken.scheduler_id
         assert worker.log_tail(400_000).count(TAKEOVER) == 1
         assert "stops driving the workers" in old.log_tail(400_000)
