@@ -232,7 +232,9 @@ def test_logprobs_are_ours(single):
 
 def _finished(replica: Replica, reason: str) -> float:
     """The scheduler's count of requests that ended with `reason` (length, stop, abort)."""
-    samples = scrape(replica.metrics_port).samples
+    got = scrape(replica.metrics_port)
+    assert "deltaserve:request_success_total" in got.names, sorted(got.names)
+    samples = got.samples
     return sum(v for (name, labels), v in samples.items()
                if name == "deltaserve:request_success_total"
                and dict(labels).get("finished_reason") == reason)
