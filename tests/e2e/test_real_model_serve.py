@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -193,7 +192,9 @@ def test_a_worker_refuses_that_tp_size_before_starting_ranks(default_model, tmp_
         scheduler = procs.scheduler(default_model, [worker_port], port)
         wait_for(lambda: "can be split over: 1, 3" in scheduler.log_tail(20000), 120,
                  "the refusal", [worker, scheduler])
-        time.sleep(1)
+        # A second refusal: a whole retry went by, and still no rank started.
+        wait_for(lambda: worker.log_tail(20000).count("Init refused") >= 2, 60,
+                 "a second refusal", [worker, scheduler])
         lines = worker.log_tail(20000).strip().splitlines()
         assert lines[0].startswith("deltaserve worker listening on"), lines
         refusal = ("Init refused: ParamError: tp_size=2 is invalid: must be a tensor-parallel "

@@ -133,7 +133,8 @@ def health_status(target: str, service: str, timeout: float = 2.0) -> str:
 
 
 def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:
-    """Poll `predicate` until true; on timeout fail with the processes' log tails."""
+    """Poll `predicate` until true; on timeout fail with the processes' log tails. Polled (not
+    an event): the conditions are other processes' (a port, a log line, a status RPC)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
