@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
+from tests.support.grpc_harness import wait_stopped
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import StepFailure
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
 from worker_service.service.node_worker import NodeWorker
-
-
-def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not stop")
 
 
 def test_reply_missing_from_one_rank_fails_the_call(tiny_models):
@@ -38,7 +28,7 @@ def test_reply_missing_from_one_rank_fails_the_call(tiny_models):
         assert worker.reset(epoch=2) == 0       # both ranks answer
         victim = worker.ranks.rank_set.pids[1]
         os.kill(victim, signal.SIGSTOP)
-        _wait_stopped(victim)
+        wait_stopped(victim)
         with pytest.raises(StepFailure) as failure:   # at the 1.5 s control timeout
             worker.reset(epoch=3)
         assert failure.value.kind.name == "RANK_FAILED"

@@ -19,6 +19,7 @@ from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from kernels.cpu import extension
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from tests.support.grpc_harness import wait_stopped
 from tests.support.init_specs import init_spec
 from tests.support.paths import REPO
 
@@ -307,7 +308,7 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
 
         # A stuck worker (stopped, connection open) fails the step at the step timeout.
         worker.proc.send_signal(signal.SIGSTOP)
-        _wait_stopped(worker.proc.pid)
+        wait_stopped(worker.proc.pid)
         try:   # the 2 s step timeout, then an unanswered Health, end the wait
             with pytest.raises(WorkerFailure, match=rf"{worker.address}.*no reply to step 1"):
                 client.execute(encode_scheduler_output(SchedulerOutput(step=1)))
@@ -332,15 +333,6 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
         client.close()
 
 
-def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
-    """SIGSTOP takes effect asynchronously: wait until the kernel reports the process stopped."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)
-    raise TimeoutError(f"process {pid} did not stop")
 
 
 def _grpc_health(address: str, service: str) -> str:

@@ -145,6 +145,18 @@ def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> No
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
 
 
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP takes effect asynchronously: wait until the kernel reports the process stopped
+    (polled: /proc offers no event)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} did not stop within {timeout_s:g} s")
+
+
 def wait_ready(target: str, procs: list[Proc], timeout: float = 90.0) -> None:
     """Until the scheduler's readiness (every worker initialized) is SERVING."""
     wait_for(lambda: health_status(target, GENERATION_SERVICE) == "SERVING", timeout,
