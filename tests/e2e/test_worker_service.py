@@ -333,8 +333,6 @@ def test_health_info_and_worker_faults(spawn_worker, model_dir):
         client.close()
 
 
-
-
 def _grpc_health(address: str, service: str) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
