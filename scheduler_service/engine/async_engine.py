@@ -57,15 +57,18 @@ class AsyncEngine:
     epochs, failures and streams (a private SchedulerMetrics when not given); `counters` are the
     streams' request and token counts. `on_turn()`, when given, runs on the engine thread at the
     end of every loop turn (the KV event publisher hands the turn's events on there).
-    `reconnect_seconds` is the pause between tries to build a core (tests make it tiny)."""
+    `reconnect_seconds` is the pause between tries to build a core (tests make it tiny);
+    `clock` times the idle checks and the flushes' deadlines (tests inject one)."""
 
     def __init__(self, make_core: Callable[[], EngineCore],
                  make_output_processor: Callable[[], OutputProcessor],
                  idle_check: Callable[[EngineCore], None] | None = None,
                  idle_check_seconds: float = 1.0, metrics: SchedulerMetrics | None = None,
                  on_turn: Callable[[], object] | None = None,
-                 reconnect_seconds: float = _RECONNECT_SECONDS):
+                 reconnect_seconds: float = _RECONNECT_SECONDS,
+                 clock: Callable[[], float] = time.monotonic):
         self._make_core = make_core
+        self._clock = clock
         self._reconnect_seconds = reconnect_seconds
         self._on_turn = on_turn
         self._make_output_processor = make_output_processor
@@ -249,7 +252,7 @@ class AsyncEngine:
         self.refused = None
         self._retry_seconds = self._reconnect_seconds
         self._ready.set()
-        self._last_check = time.monotonic()
+        self._last_check = self._clock()
         self.metrics.observe_epoch()
         self._publish_stats()
         log.info("engine ready")
@@ -261,7 +264,7 @@ class AsyncEngine:
         self.metrics.observe_step(core.last_step, core.scheduler.kv.stats)
 
     def _check_idle(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self._idle_check is None or now - self._last_check < self._idle_check_seconds:
             return
         self._last_check = now
@@ -294,7 +297,7 @@ class AsyncEngine:
             done.set_result(len(ids))
         elif kind == "flush":
             _, timeout_s, done = cmd
-            self._flushes.append((time.monotonic() + timeout_s, timeout_s, done))
+            self._flushes.append((self._clock() + timeout_s, timeout_s, done))
         elif kind == "finish":   # the serving side ended these (stop string, failed output)
             _, request_ids, status = cmd
             ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
@@ -343,7 +346,7 @@ class AsyncEngine:
             return
         core = self._core
         if core is not None and core.has_unfinished_requests():
-            now = time.monotonic()
+            now = self._clock()
             late = [f for f in self._flushes if f[0] <= now]
             self._flushes = [f for f in self._flushes if f[0] > now]
             busy = core.scheduler.num_running + core.scheduler.num_waiting

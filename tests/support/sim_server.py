@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -48,6 +49,7 @@ class StepGate:
     def __init__(self):
         self._cond = threading.Condition()
         self._budget: int | None = None          # None: open
+        self._waiting = 0                        # steps waiting at the gate
 
     def hold_after(self, steps: int) -> None:
         with self._cond:
@@ -61,9 +63,32 @@ class StepGate:
 
     def pass_step(self, timeout: float = 30.0) -> None:
         with self._cond:
+            self._waiting += 1
+            self._cond.notify_all()
             self._cond.wait_for(lambda: self._budget != 0, timeout)
+            self._waiting -= 1
             if self._budget:
                 self._budget -= 1
+
+    def wait_held(self, timeout: float = 30.0) -> bool:
+        """Until the worker has run its steps and the next one waits at the gate."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._budget == 0 and self._waiting > 0,
+                                       timeout)
+
+
+class AdvancedClock:
+    """time.monotonic() plus what a test added with advance(): the engine's deadlines pass
+    without waiting for them."""
+
+    def __init__(self):
+        self._ahead = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self._ahead += seconds
+
+    def __call__(self) -> float:
+        return time.monotonic() + self._ahead
 
 
 def make_sim_model_dir(path: Path) -> Path:
@@ -130,9 +155,10 @@ class SimServer:
         self.kv_events = KvEventPublisher()
         self.workers_up = True          # False: make_core fails (no worker ready)
         self.gate = StepGate()
+        self.clock = AdvancedClock()
         self.engine = AsyncEngine(self._make_core, lambda: OutputProcessor(self.tokenizer),
                                   idle_check=self._check_workers, idle_check_seconds=0.05,
-                                  on_turn=self.kv_events.publish)
+                                  on_turn=self.kv_events.publish, clock=self.clock)
         self.model = ServedModel(info=self.info, tokenizer=self.tokenizer, block_size=block_size)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -181,6 +207,11 @@ class SimServer:
 
     def release_steps(self) -> None:
         self.gate.open()
+
+    def step_once(self) -> None:
+        """One more step of a held worker; returns once the next one is held again."""
+        self.gate.hold_after(1)
+        assert self.gate.wait_held(), "the held worker did not come back to the gate"
 
     def used_blocks(self) -> int:
         stats = self.engine.stats

@@ -56,6 +56,9 @@ def stub(server):
 
 
 def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
+    """Polled, every 10 ms: the conditions are the server's loop-side state (a log line, a
+    subscription, a hub's queues) or the engine's while a step is held, with no event to wait
+    on."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -324,13 +327,14 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
 
 
 def _step_until_answered(server, call):
-    """The engine answers commands between steps: let the held worker run one step at a time
-    until the call is answered."""
+    """The engine answers commands between steps: let the held worker run one step at a time,
+    each 0.1 s later on the engine's clock, until the call is answered (a few steps: the
+    answer's way back over gRPC; the requests held here have some 200 steps to go)."""
     for _ in range(600):
         if call.done():
             return call.result()
-        server.hold_steps(after=1)
-        time.sleep(0.05)
+        server.clock.advance(0.1)
+        server.step_once()
     raise AssertionError("the call was never answered")
 
 
@@ -354,8 +358,11 @@ def test_flush_cache_empties_the_prefix_cache_once_idle(server, stub):
     assert not refused.success
     assert refused.message == "not flushed after 0 s: requests still running or waiting (1)"
     waiting = stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=60), timeout=90)
-    time.sleep(0.3)
-    assert not waiting.done()                # the request is still running
+    # A flush sent after it is refused at a later turn, while the request still runs: the
+    # waiting one is not answered meanwhile.
+    probe = _step_until_answered(
+        server, stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=0), timeout=60))
+    assert not probe.success and not waiting.done()
     server.release_steps()
     assert list(stream)[-1].complete.finish_reason == "length"
     done = waiting.result()
