@@ -164,9 +164,10 @@ class Replica:
         self.procs = procs
         self.worker_port, self.port, self.metrics_port = free_port(), free_port(), free_port()
         self.worker = procs.worker(self.worker_port)
+        # No grace period: the gateway's KV-event stream would hold each stop for its length.
         self.scheduler = procs.scheduler(str(model_dir), [self.worker_port], self.port,
                                          "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
-                                         *flags)
+                                         "--grace-period", "0", *flags)
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"grpc://{self.target}"
         wait_ready(self.target, [self.worker, self.scheduler])
