@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Unit tests and the layer check only, without the slow ones: 1-4 minutes on 2 cores.
+# Unit tests and the layer check only, without the slow ones: 50-80 s on 2 shared cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
