@@ -41,7 +41,8 @@ from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.front_door import ServedModel
+from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection

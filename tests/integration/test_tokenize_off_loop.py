@@ -18,7 +18,7 @@ from deltaserve.llm import LLM
 from engine_common.protos import generation_pb2 as pb
 from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
 from engine_common.tokenizer import Tokenizer
-from scheduler_service.api.generation_servicer import ServedModel
+from scheduler_service.api.front_door import ServedModel
 from tests.support.off_loop import Gate, other_thread_turns, tokens_while_held
 
 BIG = "hello world, " * 320_000          # 4.2 million characters: the attack of issue 13
