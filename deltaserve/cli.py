@@ -10,7 +10,7 @@ import contextlib
 import logging
 import sys
 
-from deltaserve.client import add_connection_flags
+from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
 from engine_common.config import WorkerServiceOptions
@@ -81,11 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt as comma-separated token ids instead of text")
     p.add_argument("--max-tokens", type=int, default=64, help="default: 64")
     p.add_argument("--min-tokens", type=int, default=0, help="default: 0")
-    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
-    p.add_argument("--top-p", type=float, default=None, help="default: the server's (1)")
-    p.add_argument("--top-k", type=int, default=None, help="default: the server's (0: off)")
-    p.add_argument("--min-p", type=float, default=None, help="default: the server's (0: off)")
-    p.add_argument("--seed", type=int, default=None, help="default: the server draws one")
+    add_sampling_flags(p)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

@@ -11,6 +11,7 @@ import sys
 import grpc
 
 from engine_common.grpc_metadata import with_metadata
+from engine_common.params import KNOBS
 from engine_common.protos import generation_pb2 as pb
 from engine_common.protos import generation_pb2_grpc
 
@@ -26,12 +27,23 @@ def build_request(args) -> pb.GenerateRequest:
     return req
 
 
+# The knobs with a flag: those declared with help for one (engine_common/params.py).
+FLAG_KNOBS = tuple(k for k in KNOBS if k.meta.help)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-p, ...: one flag per declared knob that has a help text."""
+    for k in FLAG_KNOBS:
+        p.add_argument("--" + k.name.replace("_", "-"), type=int if k.meta.integer else float,
+                       default=None, help=k.meta.help)
+
+
 def set_options(req: pb.GenerateRequest, args) -> None:
     """Sampling and stopping fields from the flags the subcommand has (unset ones stay unset)."""
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-        value = getattr(args, name, None)
+    for k in FLAG_KNOBS:
+        value = getattr(args, k.name, None)
         if value is not None:
-            setattr(req.sampling, name, value)
+            setattr(req.sampling, k.name, value)
     req.stopping.max_tokens = args.max_tokens
     req.stopping.min_tokens = getattr(args, "min_tokens", 0)
     req.stopping.stop.extend(getattr(args, "stop", []))

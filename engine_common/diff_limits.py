@@ -6,14 +6,15 @@ max_num_batched_tokens, max_model_len, block_size); these constants bound the re
 """
 from __future__ import annotations
 
+from engine_common.params import KNOBS
+from engine_common.sampling_knobs import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS  # noqa: F401 (bounds)
+
 MAX_HANDLE = 2**31 - 1          # handles are small recycled integers; uint32 on the wire
 MAX_SEED = 2**63 - 1            # int64 on the worker
 MAX_MIN_TOKENS = 2**31 - 1      # int32 on the worker
 MAX_STOP_TOKEN_IDS = 1024       # stop_token_ids of one request (the public API's bound)
 MAX_STOP_IDS = MAX_STOP_TOKEN_IDS + 64   # + the model's eos ids, as the worker receives them
 MAX_TOP_LOGPROBS = 256          # top alternatives per token (the public API's bound)
-MAX_LOGIT_BIAS = 1024           # logit_bias entries of one request (the public API's bound)
-LOGIT_BIAS_RANGE = 100.0        # |bias| of one entry, as OpenAI's API
 MAX_CONSTRAINT_CHARS = 1 << 16  # characters of one structured-output constraint (the public
                                 # API's --max-constraint-chars is at most this)
 MAX_CONSTRAINT_CHOICES = 10_000  # choices of one `choice` constraint: llguidance's work grows
@@ -25,10 +26,12 @@ MAX_CONSTRAINT_DEPTH = 1000     # nesting of one constraint (engine_common/const
                                 # half of an 8 MiB stack; it runs on 64 MiB ones (big_stack.py)
 
 # Bytes of the encoded parts (engine_common/codec.py), rounded up: a msgpack integer <= 9, an
-# array or map header <= 5, a WorkerSamplingParams map of its 7 optional floats <= 256.
+# array or map header <= 5, a float 9; a WorkerSamplingParams map holds each knob at most once
+# (its name as a string key, then a number, or an array of up to max_ids ids).
 _INT = 9
 _HEADER = 5
-_SAMPLING = 256
+_SAMPLING = _HEADER + sum(_HEADER + len(k.name) + (_HEADER + k.meta.max_ids * _INT if k.meta.ids
+                                                   else _INT) for k in KNOBS)
 _SLACK = 1 << 20                # finished and preempted handles, the step number, headers
 # A constraint [kind, value]: <= 4 UTF-8 bytes a character plus string headers. A choice of c
 # characters takes <= 4c bytes and a header of 1 byte (<= 31 bytes), 2 or 3 (c >= 8) or 5

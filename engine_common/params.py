@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from engine_common.diff_limits import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
+from engine_common.sampling_knobs import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, DeclaredKnob,
+                                          knob, knobs_of)
 
 
 # An error message quotes at most this many characters of a value (issue 23: a 70 KB garbage
@@ -68,27 +69,27 @@ class SamplingParams:
     before everything else (OpenAI's logit_bias); the vocabulary bound is checked at the edge.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    # Each knob declared once (engine_common/sampling_knobs.py says what follows from it).
+    temperature: float = knob(0.0, "default: 0 (greedy)", lo=0.0, hi=100.0,
+                              always_staged=True, generation_config=True)
+    top_p: float = knob(1.0, "default: the server's (1)", lo=0.0, hi=1.0, lo_open=True,
+                        generation_config=True)
+    top_k: int = knob(0, "default: the server's (0: off)", lo=-1, integer=True, column="int32",
+                      generation_config=True, to_column=lambda k: max(k, 0))
+    min_p: float = knob(0.0, "default: the server's (0: off)", lo=0.0, hi=1.0,
+                        generation_config=True)
+    repetition_penalty: float = knob(1.0, lo=0.0, hi=100.0, lo_open=True, needs_history=True,
+                                     generation_config=True)
+    presence_penalty: float = knob(0.0, lo=-2.0, hi=2.0, needs_history=True)
+    frequency_penalty: float = knob(0.0, lo=-2.0, hi=2.0, needs_history=True)
+    seed: int | None = knob(None, "default: the server draws one", lo=0, hi=2**63 - 1,
+                            integer=True, column=None)
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
-        _check_range("temperature", self.temperature, 0.0, 100.0)
-        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_int("top_k", self.top_k, -1, None)
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0, 2**63 - 1)
+        for k in KNOBS:
+            object.__setattr__(self, k.name, _checked_knob(k, getattr(self, k.name)))
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +110,32 @@ class SamplingParams:
 
 
 _SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+KNOBS: tuple[DeclaredKnob, ...] = knobs_of(SamplingParams)
+
+
+def _checked_knob(k: DeclaredKnob, value):
+    """`value` of knob `k` once in its range (a set of ids as an ascending tuple)."""
+    m = k.meta
+    if m.ids:
+        return _checked_ids(k.name, value, m.max_ids)
+    if value is None and k.neutral is None:
+        return value
+    check = _check_int if m.integer else _check_range
+    bounds = dict(lo_open=m.lo_open, hi_open=m.hi_open) if not m.integer else {}
+    check(k.name, value, m.lo, m.hi, **bounds)
+    return value
+
+
+def _checked_ids(name: str, ids, max_ids: int) -> tuple[int, ...]:
+    """A set of token ids as an ascending tuple of distinct ints (at most `max_ids`)."""
+    ids = tuple(sorted(ids))
+    if len(ids) > max_ids:
+        raise ParamError(name, f"{len(ids)} ids", f"at most {max_ids} ids")
+    for i, token_id in enumerate(ids):
+        _check_int(f"{name}[{i}]", token_id, 0, 2**31 - 1)
+        if i and ids[i - 1] == token_id:
+            raise ParamError(name, token_id, "distinct token ids")
+    return ids
 
 
 def _checked_logit_bias(pairs) -> tuple[tuple[int, float], ...]:

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine_common.params import ParamError, SamplingParams
+from engine_common.params import KNOBS, ParamError, SamplingParams
 from engine_common.protos import generation_pb2 as pb
 from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, ValidatedRequest,
-                                              constraint_from_oneof, new_request_id,
+                                              constraint_from_oneof, given_knobs, new_request_id,
                                               prompt_from, sampling_from, stopping_from)
 from scheduler_service.api.request_limits import LimitedFields
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
 from scheduler_service.core.request import RequestStatus
 
-# Proto field names equal the domain SamplingParams field names.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed")
 NAMES = FieldNames(sampling="sampling", stopping="stopping", constraint="constraint")
 
 _FINISH_REASONS = {
@@ -73,18 +70,19 @@ def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
 def sampling_from_proto(msg: pb.SamplingParams, defaults: SamplingParams = SamplingParams(),
                         vocab_size: int | None = None) -> SamplingParams:
     """Unset fields take `defaults`; an unset temperature is 0 (greedy) whatever the defaults."""
-    given = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
+    given = given_knobs(msg)
     given.setdefault("temperature", 0.0)
     return sampling_from(given, msg.logit_bias, defaults, NAMES.sampling, vocab_size)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """Every field set (seed only when not None): for publishing defaults in GetModelInfo."""
+    """Every scalar knob set (seed only when not None): for publishing defaults in
+    GetModelInfo."""
     msg = pb.SamplingParams()
-    for name in _SAMPLING_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
+    for k in KNOBS:
+        value = getattr(params, k.name)
+        if value is not None and not k.meta.ids:
+            setattr(msg, k.name, value)
     return msg
 
 

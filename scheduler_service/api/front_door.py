@@ -23,7 +23,7 @@ import grpc
 from engine_common.chat_template import ChatMessage, ChatTemplate, encode_chat
 from engine_common.constraint import Constraint
 from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError, SamplingParams, StoppingParams
+from engine_common.params import KNOBS, ParamError, SamplingParams, StoppingParams
 from engine_common.tokenizer import Tokenizer
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.request_limits import (LimitedFields, check_prompt_can_fit,
@@ -121,11 +121,31 @@ def prompt_from(given: dict[str, object], vocab_size: int | None, *, field_name:
     return None, ids, None
 
 
+def given_knobs(msg) -> dict[str, object]:
+    """The sampling knobs (params.KNOBS) a SamplingParams message of either protocol sets, by
+    name: a field of the knob's name with presence counts when set, a proto3 scalar without it
+    when not 0, a repeated one when not empty."""
+    given = {}
+    for k in KNOBS:
+        fd = msg.DESCRIPTOR.fields_by_name.get(k.name)
+        if fd is None:
+            continue
+        value = getattr(msg, k.name)
+        if fd.is_repeated:
+            value = tuple(value)
+        if msg.HasField(k.name) if fd.has_presence else value:
+            given[k.name] = value
+    return given
+
+
 def sampling_from(given: dict[str, object], logit_bias, defaults: SamplingParams,
                   prefix: str, vocab_size: int | None) -> SamplingParams:
     """`defaults` with the knobs a request set (`given`, by SamplingParams name) and its
     logit_bias; errors name `<prefix>.<knob>`."""
     check_bias_vocab(f"{prefix}.logit_bias", logit_bias, vocab_size)
+    for k in KNOBS:
+        if k.meta.ids and k.name in given:
+            check_vocab(f"{prefix}.{k.name}", given[k.name], vocab_size)
     try:
         return dataclasses.replace(defaults, **given, logit_bias=dict(logit_bias))
     except ParamError as e:

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError, SamplingParams, StoppingParams
+from engine_common.params import KNOBS, ParamError, SamplingParams, StoppingParams
 from engine_common.protos import smg_common_pb2 as cpb
 from engine_common.protos import vllm_engine_pb2 as pb
 from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, ValidatedRequest,
                                               constraint_from_oneof, constraint_named,
+                                              given_knobs,
                                               new_request_id, prompt_from, sampling_from,
                                               stopping_from)
 from scheduler_service.api.request_limits import LimitedFields
@@ -42,7 +43,7 @@ from scheduler_service.engine.output_processor import RequestOutput, TokenLogpro
 # Most parallel samples (`n`) one request may ask for.
 MAX_N = 128
 # The sampling defaults published in default_sampling_params_json (the keys vLLM publishes).
-DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULT_SAMPLING_KEYS = tuple(k.name for k in KNOBS if k.meta.generation_config)
 _SEED_RANGE = 2**32          # a negative int32 seed s samples as s + 2**32
 _CHILD_SEED_MODULUS = 2**63  # child i of a seeded n > 1 request samples with seed + i
 
@@ -69,9 +70,6 @@ _UNSUPPORTED_SAMPLING_FIELDS = (
 )
 
 
-# SamplingParams knobs where 0 means "unset" (proto3 scalars): they take the server default.
-_ZERO_IS_UNSET = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty")
 NAMES = FieldNames(sampling="sampling_params", stopping="sampling_params",
                    constraint="sampling_params")
 
@@ -137,9 +135,7 @@ def sampling_from_proto(sp: pb.SamplingParams, defaults: SamplingParams = Sampli
                         vocab_size: int | None = None) -> SamplingParams:
     """A field at 0 (and an unset temperature or seed) takes `defaults`. A negative seed s
     samples as s + 2**32 (the proto's seed is int32; ours is non-negative)."""
-    given = {name: getattr(sp, name) for name in _ZERO_IS_UNSET if getattr(sp, name)}
-    if sp.HasField("temperature"):
-        given["temperature"] = sp.temperature
+    given = given_knobs(sp)
     if sp.HasField("seed"):
         given["seed"] = sp.seed if sp.seed >= 0 else sp.seed + _SEED_RANGE
     return sampling_from(given, sp.logit_bias, defaults, NAMES.sampling, vocab_size)

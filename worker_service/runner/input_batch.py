@@ -8,12 +8,19 @@ a decode step writes one token per row.
     token_ids[row, :num_tokens[row]]   prompt ids, then the ids this worker sampled
     block_table[row, :num_blocks[row]] physical KV block ids, in position order
     num_computed[row]                  tokens whose KV is in the cache
+    <knob>[row]                        each sampling knob with a column (params.KNOBS)
+    id_sets[<knob>][row]               each knob that is a set of token ids, a tuple per row
 """
 from __future__ import annotations
 
 import numpy as np
 
+from engine_common.params import KNOBS
 from worker_service.runner.cached_request import CachedRequestState
+
+# The knobs with a batch column, and those that are sets of token ids (ragged per row).
+COLUMN_KNOBS = tuple(k for k in KNOBS if k.meta.column and not k.meta.ids)
+ID_SET_KNOBS = tuple(k for k in KNOBS if k.meta.ids)
 
 
 class BatchFullError(RuntimeError):
@@ -37,14 +44,10 @@ class InputBatch:
         self.num_computed = np.zeros(r, dtype=np.int32)
         self.block_table = np.zeros((r, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(r, dtype=np.int32)
-        # Sampling parameters as arrays, so the sampler's inputs are slices, not Python loops.
-        self.temperature = np.zeros(r, dtype=np.float32)
-        self.top_p = np.ones(r, dtype=np.float32)
-        self.top_k = np.zeros(r, dtype=np.int32)
-        self.min_p = np.zeros(r, dtype=np.float32)
-        self.repetition_penalty = np.ones(r, dtype=np.float32)
-        self.presence_penalty = np.zeros(r, dtype=np.float32)
-        self.frequency_penalty = np.zeros(r, dtype=np.float32)
+        # Sampling knobs as arrays, so the sampler's inputs are slices, not Python loops.
+        for k in COLUMN_KNOBS:
+            setattr(self, k.name, np.full(r, k.column_neutral, dtype=k.meta.column))
+        self.id_sets: dict[str, list[tuple[int, ...]]] = {k.name: [()] * r for k in ID_SET_KNOBS}
         self.seeds = np.zeros(r, dtype=np.int64)
         self.min_tokens = np.zeros(r, dtype=np.int32)
         self.num_logprobs = np.zeros(r, dtype=np.int32)
@@ -126,22 +129,18 @@ class InputBatch:
         self.num_computed[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
         sp = state.sampling.sampling
-        self.temperature[row] = sp.temperature
-        self.top_p[row] = sp.top_p
-        self.top_k[row] = max(sp.top_k, 0)
-        self.min_p[row] = sp.min_p
-        self.repetition_penalty[row] = sp.repetition_penalty
-        self.presence_penalty[row] = sp.presence_penalty
-        self.frequency_penalty[row] = sp.frequency_penalty
+        for k in COLUMN_KNOBS:
+            getattr(self, k.name)[row] = k.column_value(getattr(sp, k.name))
+        for k in ID_SET_KNOBS:
+            self.id_sets[k.name][row] = getattr(sp, k.name)
         self.seeds[row] = state.sampling.seed
         self.min_tokens[row] = state.sampling.min_tokens
         self.stop_ids[row] = state.sampling.stop_ids
         self.logit_bias[row] = sp.logit_bias
         self.num_logprobs[row] = state.num_logprobs
 
-    _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "temperature",
-                   "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seeds", "min_tokens", "num_logprobs")
+    _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "seeds",
+                   "min_tokens", "num_logprobs") + tuple(k.name for k in COLUMN_KNOBS)
 
     def _move_row(self, src: int, dst: int) -> None:
         n = int(self.num_tokens[src])
@@ -153,6 +152,8 @@ class InputBatch:
             arr[dst] = arr[src]
         self.stop_ids[dst] = self.stop_ids[src]
         self.logit_bias[dst] = self.logit_bias[src]
+        for rows in self.id_sets.values():
+            rows[dst] = rows[src]
         handle = self.handles[src]
         self.handles[dst] = handle
         self.handles[src] = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker_service.runner.input_batch import InputBatch
+from worker_service.runner.input_batch import COLUMN_KNOBS, ID_SET_KNOBS, InputBatch
 from worker_service.sample.sampling_metadata import SamplingMetadata
 from worker_service.runner.step_buffers import StepBuffers
 
@@ -65,23 +65,42 @@ def top_k_bound(top_k: np.ndarray, vocab_size: int) -> int:
     return int(active.max()) if len(active) else 1
 
 
+def knob_columns(batch: InputBatch, rows: np.ndarray, staging: StepBuffers
+                 ) -> dict[str, torch.Tensor | None]:
+    """Each knob column of `rows` staged, by name; None where every row is neutral (unless the
+    knob is always staged)."""
+    columns = {}
+    for k in COLUMN_KNOBS:
+        values, dtype = getattr(batch, k.name)[rows], getattr(torch, k.meta.column)
+        columns[k.name] = (staging.put(values, dtype, k.name) if k.meta.always_staged
+                           else _opt(staging, values, k.column_neutral, dtype, k.name))
+    return columns
+
+
+def id_set_pairs(batch: InputBatch, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """int64 [2, K] of (index into rows, token id) per id-set knob some row sets."""
+    pairs = {}
+    for k in ID_SET_KNOBS:
+        sets = [batch.id_sets[k.name][r] for r in rows]
+        if any(sets):
+            pair_rows = np.repeat(np.arange(len(rows), dtype=np.int64), [len(x) for x in sets])
+            ids = np.fromiter((t for x in sets for t in x), dtype=np.int64, count=len(pair_rows))
+            pairs[k.name] = np.stack([pair_rows, ids])
+    return pairs
+
+
 def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                             staging: StepBuffers,
                             grammar_done: np.ndarray | None = None) -> SamplingMetadata:
     """Stage the sampling columns of `rows` (call between staging.begin() and flush()).
     `grammar_done`: bool per row, True where a complete grammar allows only eos (min_tokens
     then does not mask it: the grammar wins)."""
-    f32 = torch.float32
-    temperature = batch.temperature[rows]
-    greedy = temperature == 0.0
-    rep = batch.repetition_penalty[rows]
-    pres = batch.presence_penalty[rows]
-    freq = batch.frequency_penalty[rows]
-    penalties = bool(np.any(rep != 1.0) or np.any(pres != 0.0) or np.any(freq != 0.0))
+    greedy = batch.temperature[rows] == 0.0
+    columns = knob_columns(batch, rows, staging)
+    penalties = any(columns[k.name] is not None for k in COLUMN_KNOBS if k.meta.needs_history)
     num_prompt = batch.num_prompt_tokens[rows]
     num_tokens = batch.num_tokens[rows]
     counters = (num_tokens - num_prompt).astype(np.int64)
-    top_k = batch.top_k[rows]
 
     ragged = []
     if penalties:
@@ -90,6 +109,8 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     stop_pairs = stop_mask_pairs(batch, rows, counters, grammar_done)
     if stop_pairs.shape[1]:
         ragged.append(stop_pairs)
+    id_sets = id_set_pairs(batch, rows)
+    ragged += id_sets.values()
     bias_pairs, bias_values = logit_bias_pairs(batch, rows)
     if len(bias_values):   # the float32 biases travel as their bit patterns in the int64 copy
         ragged += [bias_pairs, bias_values.view(np.int32).astype(np.int64)]
@@ -99,23 +120,20 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     if len(bias_values):
         bias_index, bias = staged[-2], staged[-1].to(torch.int32).view(torch.float32)
         staged = staged[:-2]
+    staged_sets = dict(zip(id_sets, staged[len(staged) - len(id_sets):]))
+    stop_index = staged[len(staged) - len(id_sets) - 1] if stop_pairs.shape[1] else None
 
     return SamplingMetadata(
-        temperature=staging.put(temperature, f32, "temperature"),
+        **columns,
         all_greedy=bool(greedy.all()),
         all_random=bool((~greedy).all()),
-        top_p=_opt(staging, batch.top_p[rows], 1.0, f32, "top_p"),
-        top_k=_opt(staging, top_k, 0, torch.int32, "top_k"),
-        min_p=_opt(staging, batch.min_p[rows], 0.0, f32, "min_p"),
         seeds=staging.put(batch.seeds[rows], torch.int64, "seeds"),
         counters=staging.put(counters, torch.int64, "counters"),
-        repetition_penalty=staging.put(rep, f32, "repetition_penalty") if penalties else None,
-        presence_penalty=staging.put(pres, f32, "presence_penalty") if penalties else None,
-        frequency_penalty=staging.put(freq, f32, "frequency_penalty") if penalties else None,
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
-        stop_mask_index=staged[-1] if stop_pairs.shape[1] else None,
+        stop_mask_index=stop_index,
         logit_bias_index=bias_index, logit_bias_values=bias,
+        id_sets=staged_sets,
         max_num_logprobs=int(batch.num_logprobs[rows].max()) if len(rows) else 0,
-        top_k_max=top_k_bound(top_k, vocab_size),
+        top_k_max=top_k_bound(batch.top_k[rows], vocab_size),
     )

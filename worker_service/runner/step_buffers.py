@@ -37,6 +37,8 @@ from math import prod
 import numpy as np
 import torch
 
+from worker_service.runner.input_batch import COLUMN_KNOBS
+
 from kernels.attention.backend import AttentionMetadata
 from worker_service.failures import StepProtocolError
 from worker_service.runner.step_inputs import StepInputs
@@ -122,10 +124,11 @@ class StepBuffers:
                                                      # decode's [3, rows]), logits rows,
                                                      # seeds, counters, the token feed's
                                                      # two index arrays
-            torch.int32: [req + 1, req, req * blk, req],  # query_start_loc, seq_lens,
-                                                          # block table, top_k
-            torch.float32: [req] * 6,                # temperature, top_p, min_p, 3 penalties
+            torch.int32: [req + 1, req, req * blk],  # query_start_loc, seq_lens, block table
+            torch.float32: [],
         }
+        for k in COLUMN_KNOBS:                       # one row each per sampling knob column
+            regions[getattr(torch, k.meta.column)].append(req)
         self.arenas = {dtype: StagingArena(dtype, sum(aligned(n, dtype) for n in sizes),
                                            self.device) for dtype, sizes in regions.items()}
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None

@@ -5,7 +5,7 @@ never reads a device value back: no host sync.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,9 @@ class SamplingMetadata:
     # request's logit_bias); None = no row has one
     logit_bias_index: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None
+    # Per knob that is a set of token ids (engine_common/sampling_knobs.py), int64 [2, K] of
+    # (row, token id) pairs; a knob no row sets is absent
+    id_sets: dict[str, torch.Tensor] = field(default_factory=dict)
     max_num_logprobs: int = 0                    # top alternatives to return; 0 = sampled only
     # Host-known upper bound of the active top_k values (>= every top_k in (0, vocab)): the
     # width of the one topk apply_top_k runs. Required (>= 1) when top_k is set.
