@@ -111,6 +111,9 @@ class SamplingParams:
 
 _SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 KNOBS: tuple[DeclaredKnob, ...] = knobs_of(SamplingParams)
+# The knobs with a batch column, and those that are sets of token ids (ragged per row).
+COLUMN_KNOBS = tuple(k for k in KNOBS if k.meta.column and not k.meta.ids)
+ID_SET_KNOBS = tuple(k for k in KNOBS if k.meta.ids)
 
 
 def _checked_knob(k: DeclaredKnob, value):

@@ -33,7 +33,7 @@ from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutp
 from engine_common.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
                                        MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
                                        MAX_TOP_LOGPROBS)
-from engine_common.params import clip, quoted
+from engine_common.params import ID_SET_KNOBS, clip, quoted
 from worker_service.failures import StepProtocolError
 
 
@@ -137,6 +137,9 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
     _ids_below(f"{name}.sampling.stop_ids", s.stop_ids, bounds.vocab_size, "vocab_size")
     _ids_below(f"{name}.sampling.logit_bias", [t for t, _ in s.sampling.logit_bias],
                bounds.vocab_size, "vocab_size")
+    for k in ID_SET_KNOBS:
+        _ids_below(f"{name}.sampling.{k.name}", getattr(s.sampling, k.name), bounds.vocab_size,
+                   "vocab_size")
     if new.constraint is not None:
         _check_constraint(f"{name}.constraint", new.constraint)
     view.added[new.handle] = len(new.block_ids)

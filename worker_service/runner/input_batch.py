@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_common.params import KNOBS
+from engine_common.params import COLUMN_KNOBS, ID_SET_KNOBS
 from worker_service.runner.cached_request import CachedRequestState
-
-# The knobs with a batch column, and those that are sets of token ids (ragged per row).
-COLUMN_KNOBS = tuple(k for k in KNOBS if k.meta.column and not k.meta.ids)
-ID_SET_KNOBS = tuple(k for k in KNOBS if k.meta.ids)
 
 
 class BatchFullError(RuntimeError):

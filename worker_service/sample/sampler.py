@@ -202,7 +202,7 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def is_plain_greedy(meta: SamplingMetadata) -> bool:
     """Argmax of the raw logits and their logprob is all this step needs (no grammar masks)."""
     return (meta.all_greedy and not meta.has_penalties and meta.max_num_logprobs == 0
-            and meta.grammar_bias is None and meta.logit_bias_index is None
+            and meta.grammar_bias is None and meta.logit_bias_index is None and not meta.id_sets
             and (meta.stop_mask_index is None or meta.stop_mask_index.shape[1] == 0))
 
 
