@@ -85,6 +85,8 @@ class SamplingParams:
     seed: int | None = knob(None, "default: the server draws one", lo=0, hi=2**63 - 1,
                             integer=True, column=None)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's allowed_token_ids: only these ids may be sampled (every other logit -inf); () = all.
+    allowed_token_ids: tuple[int, ...] = knob((), column=None, ids=True, max_ids=1024)
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))

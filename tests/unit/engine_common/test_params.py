@@ -70,6 +70,22 @@ def test_logit_bias_is_sorted_bounded_and_survives_the_wire():
         SamplingParams(logit_bias=[(1, 1.0), (1, 2.0)])
 
 
+def test_allowed_token_ids_are_a_sorted_bounded_set_and_survive_the_wire():
+    import msgpack
+
+    params = SamplingParams(allowed_token_ids=[9, 4, 7])
+    assert params.allowed_token_ids == (4, 7, 9)
+    wire = msgpack.unpackb(msgpack.packb(params.to_wire()))   # the ids come back as a list
+    assert wire == {"allowed_token_ids": [4, 7, 9]}
+    assert SamplingParams.from_wire(wire) == params
+    with pytest.raises(ParamError, match="at most 1024 ids"):
+        SamplingParams(allowed_token_ids=range(1025))
+    with pytest.raises(ParamError, match="distinct"):
+        SamplingParams(allowed_token_ids=[3, 3])
+    with pytest.raises(ParamError, match=r"allowed_token_ids\[0\]=-1 is invalid"):
+        SamplingParams(allowed_token_ids=[-1, 2])
+
+
 def test_an_error_quotes_a_few_hundred_characters_of_a_value():
     """Issue 23: a 70 KB garbage field quoted whole broke gRPC's status metadata limit."""
     e = ParamError("stop", "x" * 70_000, "short")

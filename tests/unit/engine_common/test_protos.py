@@ -216,14 +216,17 @@ def test_vllm_engine_service_contract():
     assert list(vllm_engine_pb2.DESCRIPTOR.dependencies) == [smg_common_pb2.DESCRIPTOR]
 
 
-def test_vendored_protos_differ_from_upstream_only_in_the_import_path():
-    """proto/deltaserve/smg/README.md records the upstream sha256 of each file."""
+def test_vendored_protos_differ_from_upstream_only_in_the_import_path_and_marked_fields():
+    """proto/deltaserve/smg/README.md records the upstream sha256 of each file; the fields
+    DeltaServe adds are each marked `// Added by DeltaServe` and leave upstream's untouched."""
     folder = REPO / "proto" / "deltaserve" / "smg"
     readme = (folder / "README.md").read_text()
     common = (folder / "common.proto").read_bytes()
     engine = (folder / "vllm_engine.proto").read_text()
     upstream_engine = re.sub(r'// Changed by DeltaServe:.*\n//.*\nimport "deltaserve/smg/common.proto";',
                              'import "common.proto";', engine)
+    upstream_engine = re.sub(r' *// Added by DeltaServe.*\n(?: *//.*\n)* *[^/\n]*;\n', '',
+                             upstream_engine)
     assert upstream_engine != engine
     for text in (common, upstream_engine.encode()):
         assert hashlib.sha256(text).hexdigest() in readme

@@ -301,3 +301,13 @@ def test_logit_bias_is_carried_and_its_ids_and_values_are_bounded():
     with pytest.raises(ParamError) as err:
         convert.request_from_proto(_req(sampling=pb.SamplingParams(logit_bias={3: -100.5})))
     assert err.value.field == "sampling.logit_bias[3]" and "[-100.0, 100.0]" in err.value.allowed
+
+
+def test_allowed_token_ids_are_carried_and_an_id_outside_the_vocabulary_is_refused_by_name():
+    msg = _req(sampling=pb.SamplingParams(allowed_token_ids=[7, 2]))
+    assert convert.request_from_proto(msg, vocab_size=10).sampling.allowed_token_ids == (2, 7)
+    with pytest.raises(ParamError) as err:
+        convert.request_from_proto(_req(sampling=pb.SamplingParams(allowed_token_ids=[3, 10])),
+                                   vocab_size=10)
+    assert str(err.value) == ("sampling.allowed_token_ids[1]=10 is invalid: must be in [0, 9] "
+                              "(vocab_size)")

@@ -297,3 +297,12 @@ def test_kv_batch_to_proto():
 def test_logit_bias_is_carried_sorted_by_token_id():
     inp = convert(gen(sampling_params=pb.SamplingParams(logit_bias={9: -100.0, 5: 1.5})))
     assert inp.sampling.logit_bias == ((5, 1.5), (9, -100.0))
+
+
+def test_allowed_token_ids_are_carried_and_an_id_outside_the_vocabulary_is_refused_by_name():
+    inp = convert(gen(sampling_params=pb.SamplingParams(allowed_token_ids=[9, 5])))
+    assert inp.sampling.allowed_token_ids == (5, 9)
+    with pytest.raises(ParamError) as err:
+        convert(gen(sampling_params=pb.SamplingParams(allowed_token_ids=[100])))
+    assert str(err.value) == ("sampling_params.allowed_token_ids[0]=100 is invalid: must be in "
+                              "[0, 99] (vocab_size)")

@@ -1,5 +1,6 @@
 """Sampling inputs from the persistent batch: min_tokens stop masks, and their exemption for rows
-whose grammar is complete (it allows only eos, so the grammar wins); logit_bias pairs."""
+whose grammar is complete (it allows only eos, so the grammar wins); logit_bias and
+allowed_token_ids pairs."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,3 +53,20 @@ def test_logit_bias_reaches_the_sampler_as_row_id_pairs_and_exact_floats():
     staging.begin()
     plain = build_sampling_metadata(batch, np.array([1]), 32, staging)
     assert plain.logit_bias_index is None and plain.logit_bias_values is None
+
+
+def test_allowed_token_ids_reach_the_sampler_as_row_id_pairs_and_survive_condense():
+    batch = InputBatch(4, 32, 4)
+    for handle, ids in enumerate([(3, 7), (), (1,), (8, 9)]):
+        sampling = WorkerSamplingParams(SamplingParams(allowed_token_ids=ids), seed=0)
+        batch.add(CachedRequestState(handle, [4, 5], sampling, [0], 0))
+    batch.remove(1)
+    batch.condense()                    # row 3 (ids 8, 9) moves into row 1's hole
+    staging = StepBuffers(8, 4, 4, "cpu")
+    staging.begin()
+    meta = build_sampling_metadata(batch, np.array([2, 0, 1]), 32, staging)
+    staging.flush()
+    assert meta.id_sets["allowed_token_ids"].tolist() == [[0, 1, 1, 2, 2], [1, 3, 7, 8, 9]]
+    staging.begin()
+    moved = build_sampling_metadata(batch, np.array([1]), 32, staging)
+    assert moved.id_sets["allowed_token_ids"].tolist() == [[0, 0], [8, 9]]
