@@ -101,7 +101,7 @@ def run_and_report(args: argparse.Namespace, command: str | None = None) -> int:
 
 def run(args: argparse.Namespace) -> BenchResult:
     """The whole benchmark: our engine, then (optionally) transformers, then the copy ceiling."""
-    from deltaserve.paths import resolve_device
+    from engine_common.paths import resolve_device
     from worker_service.device_info import describe_device
 
     device = resolve_device(args.device)

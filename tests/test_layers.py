@@ -16,10 +16,10 @@ import pytest
 from engine_common.graph_components import strongly_connected
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine_common", "kernels", "scheduler_service", "worker_service", "deltaserve",
-            "bench")
+PACKAGES = ("dswire", "engine_common", "kernels", "scheduler_service", "worker_service",
+            "deltaserve", "bench")
 
-_COMMON = ("deltaserve.v1", "deltaserve.smg", "engine_common")
+_COMMON = ("dswire", "engine_common")
 _WORKER_LEAVES = ("worker_service.config", "worker_service.device_info",
                   "worker_service.failures", "worker_service.parallel_state")
 _SCHEDULER = ("scheduler_service.errors", "scheduler_service.core", "scheduler_service.workers",
@@ -30,9 +30,8 @@ _WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
 
 # room -> the rooms it may import (besides itself). Lower layers come first.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "deltaserve.v1": (),                                # generated stubs: the bottom layer
-    "deltaserve.smg": (),                               # generated stubs of the vendored protos
-    "engine_common": ("deltaserve.v1", "deltaserve.smg"),
+    "dswire": (),                                       # generated stubs: the bottom layer
+    "engine_common": ("dswire",),
     "kernels": (),
     "scheduler_service": (),                            # package __init__ files: empty
     "worker_service": (),
@@ -47,21 +46,20 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "worker_service.sample": _COMMON + _WORKER_LEAVES + ("kernels",),
     "worker_service.runner": _COMMON + _WORKER[:7] + ("kernels",),
     "worker_service.ranks": _COMMON + _WORKER[:8],
-    "worker_service.service": _COMMON + _WORKER[:9] + ("deltaserve.paths",),
-    "deltaserve.paths": (),
+    "worker_service.service": _COMMON + _WORKER[:9],
     "deltaserve.client": _COMMON,
     "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:8] + ("kernels",),
-    "deltaserve.default_model": _COMMON + ("deltaserve.paths", "worker_service.models"),
+    "deltaserve.default_model": _COMMON + ("worker_service.models",),
     "deltaserve.chat": _COMMON + ("deltaserve.client",),
     "deltaserve.child_process": (),
     "deltaserve.hub_cache": (),
     "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",),
-    "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.paths", "deltaserve.default_model",
+    "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.default_model",
                                                    "worker_service.models",
                                                    "deltaserve.child_process",
                                                    "deltaserve.hub_cache",
                                                    "deltaserve.openai_gateway"),
-    "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.paths", "deltaserve.llm",
+    "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.llm",
                                                 "deltaserve.default_model", "deltaserve.embedded"),
     "deltaserve": (),                                   # the package __init__: empty
     "deltaserve.cli": ("*",),                           # the top: may import every room
@@ -171,8 +169,7 @@ def test_the_checker_reports_a_forbidden_import_even_inside_a_function(tmp_path)
     assert "scheduler_service.core.request" in graph["engine_common.params"]
     problems = forbidden_imports(graph)
     assert "engine_common.params (engine_common) imports scheduler_service.core.request " \
-        "(scheduler_service.core); engine_common may import only deltaserve.v1, " \
-        "deltaserve.smg" in problems
+        "(scheduler_service.core); engine_common may import only dswire" in problems
     assert find_cycles(graph) == [["engine_common.params", "scheduler_service.core.request"]]
 
 
