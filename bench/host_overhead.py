@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.peers.isa import describe_cpu
+from bench.isa import describe_cpu
 from bench.report import append_block, git_commit
 
 CHILD = Path(__file__).resolve().parent / "host_overhead_child.py"

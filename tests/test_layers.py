@@ -1,10 +1,12 @@
 """The layers of the tree, enforced: an AST import graph of every module (imports made inside
-functions included) must have no cycle and no import the layer table forbids.
+functions included) must have no cycle, between modules or between folders, and no import the
+layer table forbids.
 
 A room is a module prefix; a module belongs to the longest room that prefixes it. A module may
 import its own room and the rooms listed for it, nothing else of ours (third-party imports are not
 checked here; tests/unit/scheduler_service/test_torch_free.py keeps torch out of the scheduler).
-docs/architecture.md draws the same table.
+The table has no exception: a room may import only rooms listed before it, so every arrow points
+down. docs/architecture.md draws the same table.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from engine_common.graph_components import strongly_connected
 
 ROOT = Path(__file__).resolve().parents[1]
+# The top-level packages, lowest first: each imports only those before it.
 PACKAGES = ("dswire", "engine_common", "kernels", "scheduler_service", "worker_service",
             "deltaserve", "bench")
 
@@ -28,7 +31,7 @@ _WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
                             "worker_service.sample", "worker_service.runner",
                             "worker_service.ranks", "worker_service.service")
 
-# room -> the rooms it may import (besides itself). Lower layers come first.
+# room -> the rooms it may import (besides itself), each listed before it: lower layers come first.
 LAYERS: dict[str, tuple[str, ...]] = {
     "dswire": (),                                       # generated stubs: the bottom layer
     "engine_common": ("dswire",),
@@ -62,7 +65,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.llm",
                                                 "deltaserve.default_model", "deltaserve.embedded"),
     "deltaserve": (),                                   # the package __init__: empty
-    "deltaserve.cli": ("*",),                           # the top: may import every room
+    "deltaserve.cli": ("*",),                           # the top: may import every room above
 }
 
 
@@ -130,13 +133,55 @@ def forbidden_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
     return problems
 
 
+def group_graph(graph: dict[str, set[str]], group_of) -> dict[str, set[str]]:
+    """The import graph between groups of modules (`group_of(module)` names a module's group)."""
+    groups: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        group = group_of(mod)
+        groups.setdefault(group, set()).update(g for g in map(group_of, targets) if g != group)
+    return groups
+
+
+def folder_of(modules: dict[str, Path], root: Path = ROOT):
+    """module -> the folder its file is in, dotted (a package's __init__ is in its own folder)."""
+    return lambda mod: ".".join(modules[mod].parent.relative_to(root).parts)
+
+
 @pytest.fixture(scope="module")
-def graph():
-    return import_graph(collect_modules(ROOT))
+def modules():
+    return collect_modules(ROOT)
+
+
+@pytest.fixture(scope="module")
+def graph(modules):
+    return import_graph(modules)
 
 
 def test_no_import_cycles(graph):
     assert find_cycles(graph) == []
+
+
+@pytest.mark.parametrize("level", ["package", "room", "folder"])
+def test_no_import_cycles_between_packages_rooms_or_folders(graph, modules, level):
+    group_of = {"package": lambda mod: mod.split(".")[0],
+                "room": lambda mod: _longest(LAYERS, mod),
+                "folder": folder_of(modules)}[level]
+    assert find_cycles(group_graph(graph, group_of)) == []
+
+
+def test_each_top_level_package_imports_only_packages_listed_before_it(graph):
+    packages = group_graph(graph, lambda mod: mod.split(".")[0])
+    assert {p: sorted(t for t in packages[p] if PACKAGES.index(t) > PACKAGES.index(p))
+            for p in PACKAGES} == {p: [] for p in PACKAGES}
+
+
+def test_each_room_may_import_only_rooms_listed_before_it():
+    """No exception in the table: every allowed arrow points down, and only the top may say '*'."""
+    rooms = list(LAYERS)
+    for i, (room, allowed) in enumerate(LAYERS.items()):
+        if "*" in allowed:
+            assert (allowed, i) == (("*",), len(rooms) - 1), f"{room}: '*' is for the top only"
+        assert [r for r in allowed if r != "*" and r not in rooms[:i]] == [], room
 
 
 def test_every_import_is_allowed_by_the_layer_table(graph):
@@ -186,3 +231,21 @@ def test_the_checker_resolves_relative_imports(tmp_path):
     assert graph["scheduler_service.core.a"] >= {"scheduler_service.core.b",
                                                  "scheduler_service.api.c"}
     assert any("imports scheduler_service.api.c" in p for p in forbidden_imports(graph))
+
+
+def test_the_checker_finds_a_cycle_between_folders_that_modules_alone_do_not_show(tmp_path):
+    modules = _tree(tmp_path, {
+        "engine_common/__init__.py": "",
+        "engine_common/a.py": "from scheduler_service.core import b\n",
+        "scheduler_service/__init__.py": "",
+        "scheduler_service/core/__init__.py": "",
+        "scheduler_service/core/b.py": "",
+        "scheduler_service/core/c.py": "def f():\n    from engine_common import d\n",
+        "engine_common/d.py": "",
+    })
+    graph = import_graph(modules)
+    assert find_cycles(graph) == []
+    assert find_cycles(group_graph(graph, lambda mod: mod.split(".")[0])) == \
+        [["engine_common", "scheduler_service"]]
+    assert find_cycles(group_graph(graph, folder_of(modules, tmp_path))) == \
+        [["engine_common", "scheduler_service.core"]]
