@@ -37,7 +37,7 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
-# Regenerate the gRPC stubs (deltaserve/v1/) from proto/; tests/unit/engine_common/test_protos.py fails when stale.
+# Regenerate the gRPC stubs (dswire/) from proto/; tests/unit/engine_common/test_protos.py fails when stale.
 proto: install
 	$(PY) -m engine_common.gen_protos
 

@@ -84,7 +84,7 @@ class UnknownPreset(ValueError):
 
 def presets_cache_dir() -> Path:
     """Where built presets live: $XDG_CACHE_HOME/deltaserve/presets (or ~/.cache/...)."""
-    from deltaserve.paths import cache_dir
+    from engine_common.paths import cache_dir
 
     return cache_dir() / "presets"
 

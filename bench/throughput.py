@@ -76,6 +76,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     return p
 
 
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """`deltaserve bench`: pyproject declares this in the deltaserve.commands entry point group,
+    which deltaserve/cli.py reads, so the CLI needs no import of bench."""
+    p = sub.add_parser("bench", help="offline throughput of the in-process engine "
+                                     "(appends bench/results.md)")
+    build_parser(p).set_defaults(run_command=run_and_report)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.throughput ARGS`: run, print, append to the results file."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -101,7 +109,7 @@ def run_and_report(args: argparse.Namespace, command: str | None = None) -> int:
 
 def run(args: argparse.Namespace) -> BenchResult:
     """The whole benchmark: our engine, then (optionally) transformers, then the copy ceiling."""
-    from deltaserve.paths import resolve_device
+    from engine_common.paths import resolve_device
     from worker_service.device_info import describe_device
 
     device = resolve_device(args.device)

@@ -1,4 +1,5 @@
-"""The `deltaserve` command: worker, scheduler, serve (both on this machine), generate and chat.
+"""The `deltaserve` command: worker, scheduler, serve (both on this machine), generate and chat,
+and the subcommands other packages declare (`bench`).
 
 Heavy modules are imported inside each subcommand: `deltaserve scheduler` and `deltaserve
 generate` never import torch, so they run where torch is not installed.
@@ -9,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from importlib.metadata import entry_points
 
 from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
@@ -29,6 +31,11 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # have flags of their own. Its worker is authenticated by a token `serve` makes for each run (no
 # credential flags, no --insecure, no model root).
 SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen", "insecure", "model_root")
+# Subcommands declared by other packages (pyproject's [project.entry-points."deltaserve.commands"]):
+# each entry names a function that adds its subparser to the subparsers it is given and sets
+# `run_command` on it. The bench registers `deltaserve bench` so: this top module imports nothing
+# of bench, and bench sits below it in the layer table.
+COMMAND_GROUP = "deltaserve.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,9 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.build_parser(sub.add_parser("chat", help="chat with the served model (streaming; "
                                      "one question, or interactive)"), DEFAULT_TARGET)
 
-    from bench import throughput as bench_throughput  # torch-free at import
-    bench_throughput.build_parser(sub.add_parser(
-        "bench", help="offline throughput of the in-process engine (appends bench/results.md)"))
+    for command in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        command.load()(sub)
     return parser
 
 
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `deltaserve` console script."""
     args = build_parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        return (_COMMANDS.get(args.command) or args.run_command)(args)
     except KeyboardInterrupt:
         return 130
     except CliError as e:
@@ -186,14 +192,8 @@ def _cmd_chat(args) -> int:
     return run_chat(args)
 
 
-def _cmd_bench(args) -> int:
-    from bench import throughput
-
-    return throughput.run_and_report(args)
-
-
 _COMMANDS = {"worker": _cmd_worker, "scheduler": _cmd_scheduler, "serve": _cmd_serve,
-             "generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}
+             "generate": _cmd_generate, "chat": _cmd_chat}
 
 if __name__ == "__main__":
     sys.exit(main())

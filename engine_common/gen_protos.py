@@ -1,14 +1,16 @@
 """Generate the Python protobuf and gRPC modules from `proto/` (run from the repository root).
 
-    python -m engine_common.gen_protos            # writes deltaserve/{v1,smg}/*_pb2*.py(i)
-    python -m engine_common.gen_protos --out DIR  # writes DIR/deltaserve/v1/... (staleness test)
+    python -m engine_common.gen_protos            # writes dswire/{v1,smg}/*_pb2*.py(i)
+    python -m engine_common.gen_protos --out DIR  # writes DIR/dswire/v1/... (staleness test)
 
 Messages made of declared settings (engine_common/settings.py) are written into the .proto sources
 first, between BEGIN/END GENERATED markers (`render_declared_messages`): the declaration in
 engine_common/config.py is their one source.
 
-The sources are compiled with `-I proto`, so the modules are named after their package
-(`deltaserve.v1.generation_pb2`) and import each other absolutely; nothing is rewritten afterwards.
+The sources are compiled with `-I proto`, so the modules are named after their folder
+(`dswire.v1.generation_pb2`) and import each other absolutely; nothing is rewritten afterwards.
+The folder names only the Python package (`dswire`, the bottom of the tree): the proto packages
+inside, and so the wire, stay `deltaserve.v1`, `vllm.grpc.engine` and `smg.grpc.common`.
 
 Generated gRPC stubs refuse to load under a grpcio older than the grpcio-tools that produced them,
 so they are generated with the oldest grpcio we deploy against (`GRPC_TOOLS_VERSION`).
@@ -30,18 +32,18 @@ from engine_common.settings import proto_message
 GRPC_TOOLS_VERSION = "1.84.0"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "proto"
-# Ours, then the vendored vLLM engine protocol of the Shepherd Model Gateway (proto/deltaserve/smg).
-PROTO_FILES = ("deltaserve/v1/generation.proto", "deltaserve/v1/worker.proto",
-               "deltaserve/smg/common.proto", "deltaserve/smg/vllm_engine.proto")
+# Ours, then the vendored vLLM engine protocol of the Shepherd Model Gateway (proto/dswire/smg).
+PROTO_FILES = ("dswire/v1/generation.proto", "dswire/v1/worker.proto",
+               "dswire/smg/common.proto", "dswire/smg/vllm_engine.proto")
 # What protoc writes per .proto stem, relative to the output root.
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 # The FileDescriptorSet *with* source info (doc comments), as a Python bytes literal. The _pb2
 # modules drop comments, so server reflection serves these to show them in `grpcurl describe`.
-DESCRIPTOR_SET_MODULE = "deltaserve/v1/descriptor_set.py"
+DESCRIPTOR_SET_MODULE = "dswire/v1/descriptor_set.py"
 _BYTES_PER_LINE = 64
 # .proto file -> the messages generated into it from a config class ("module:Class").
 DECLARED_MESSAGES = {
-    "deltaserve/v1/worker.proto": (("WorkerConfig", "engine_common.config:WorkerConfig"),),
+    "dswire/v1/worker.proto": (("WorkerConfig", "engine_common.config:WorkerConfig"),),
 }
 _BEGIN = "// BEGIN GENERATED {name}: `make proto` writes it from {source}."
 _END = "// END GENERATED {name}"

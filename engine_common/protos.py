@@ -1,18 +1,18 @@
 """The generated protobuf and gRPC modules, imported from one place.
 
 Everything else imports the stubs from here (`from engine_common.protos import generation_pb2`),
-never from `deltaserve.v1` directly, so the generated package can move without touching callers.
+never from `dswire` directly, so the generated package can move without touching callers.
 The modules are produced by `python -m engine_common.gen_protos` (the Makefile's `proto` target).
 """
 from __future__ import annotations
 
 from google.protobuf import descriptor_pb2
 
-from deltaserve.v1 import descriptor_set
-from deltaserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from dswire.v1 import descriptor_set
+from dswire.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 # The vendored vLLM engine protocol (packages vllm.grpc.engine and smg.grpc.common).
-from deltaserve.smg import common_pb2 as smg_common_pb2
-from deltaserve.smg import vllm_engine_pb2, vllm_engine_pb2_grpc
+from dswire.smg import common_pb2 as smg_common_pb2
+from dswire.smg import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 __all__ = ["generation_pb2", "generation_pb2_grpc", "worker_pb2", "worker_pb2_grpc",
            "smg_common_pb2", "vllm_engine_pb2", "vllm_engine_pb2_grpc",

@@ -29,9 +29,9 @@ from concurrent import futures
 
 import grpc
 
-from deltaserve.paths import resolve_device
 from engine_common.config import WorkerServiceOptions
 from engine_common.metrics_http import start_metrics_server
+from engine_common.paths import resolve_device
 from engine_common.protos import WORKER_SERVICE, worker_pb2_grpc
 from engine_common.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout

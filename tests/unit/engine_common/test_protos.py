@@ -217,13 +217,13 @@ def test_vllm_engine_service_contract():
 
 
 def test_vendored_protos_differ_from_upstream_only_in_the_import_path_and_marked_fields():
-    """proto/deltaserve/smg/README.md records the upstream sha256 of each file; the fields
-    DeltaServe adds are each marked `// Added by DeltaServe` and leave upstream's untouched."""
-    folder = REPO / "proto" / "deltaserve" / "smg"
+    """proto/dswire/smg/README.md records the upstream sha256 of each file; the fields DeltaServe
+    adds are each marked `// Added by DeltaServe` and leave upstream's untouched."""
+    folder = REPO / "proto" / "dswire" / "smg"
     readme = (folder / "README.md").read_text()
     common = (folder / "common.proto").read_bytes()
     engine = (folder / "vllm_engine.proto").read_text()
-    upstream_engine = re.sub(r'// Changed by DeltaServe:.*\n//.*\nimport "deltaserve/smg/common.proto";',
+    upstream_engine = re.sub(r'// Changed by DeltaServe:.*\n//.*\nimport "dswire/smg/common.proto";',
                              'import "common.proto";', engine)
     upstream_engine = re.sub(r' *// Added by DeltaServe.*\n(?: *//.*\n)* *[^/\n]*;\n', '',
                              upstream_engine)
@@ -277,12 +277,12 @@ def _undocumented(file: descriptor_pb2.FileDescriptorProto) -> list[str]:
 
 
 def test_every_element_is_documented():
-    """Our own files; the vendored ones (deltaserve/smg) are upstream's as they are."""
+    """Our own files; the vendored ones (dswire/smg) are upstream's as they are."""
     files = documented_file_descriptors()
-    assert sorted(files) == ["deltaserve/smg/common.proto", "deltaserve/smg/vllm_engine.proto",
-                             "deltaserve/v1/generation.proto", "deltaserve/v1/worker.proto"]
+    assert sorted(files) == ["dswire/smg/common.proto", "dswire/smg/vllm_engine.proto",
+                             "dswire/v1/generation.proto", "dswire/v1/worker.proto"]
     for name, file in files.items():
-        if name.startswith("deltaserve/v1/"):
+        if name.startswith("dswire/v1/"):
             assert _undocumented(file) == [], name
 
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from deltaserve.v1 import worker_pb2 as deltaserve_dot_v1_dot_worker__pb2
+from dswire.v1 import worker_pb2 as dswire_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in deltaserve/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in dswire/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -42,28 +42,28 @@ class WorkerStub:
         """
         self.Init = channel.unary_unary(
                 '/deltaserve.v1.Worker/Init',
-                request_serializer=deltaserve_dot_v1_dot_worker__pb2.InitRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_worker__pb2.InitResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_worker__pb2.InitRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.InitResponse.FromString,
                 _registered_method=True)
         self.Step = channel.stream_stream(
                 '/deltaserve.v1.Worker/Step',
-                request_serializer=deltaserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/deltaserve.v1.Worker/Reset',
-                request_serializer=deltaserve_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_worker__pb2.ResetResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.ResetResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deltaserve.v1.Worker/Health',
-                request_serializer=deltaserve_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/deltaserve.v1.Worker/Info',
-                request_serializer=deltaserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_worker__pb2.InfoResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -124,28 +124,28 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Init': grpc.unary_unary_rpc_method_handler(
                     servicer.Init,
-                    request_deserializer=deltaserve_dot_v1_dot_worker__pb2.InitRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_worker__pb2.InitResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.InitRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.InitResponse.SerializeToString,
             ),
             'Step': grpc.stream_stream_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=deltaserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=deltaserve_dot_v1_dot_worker__pb2.ResetRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.ResetRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=deltaserve_dot_v1_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=deltaserve_dot_v1_dot_worker__pb2.InfoRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,8 +179,8 @@ class Worker:
             request,
             target,
             '/deltaserve.v1.Worker/Init',
-            deltaserve_dot_v1_dot_worker__pb2.InitRequest.SerializeToString,
-            deltaserve_dot_v1_dot_worker__pb2.InitResponse.FromString,
+            dswire_dot_v1_dot_worker__pb2.InitRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.InitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -206,8 +206,8 @@ class Worker:
             request_iterator,
             target,
             '/deltaserve.v1.Worker/Step',
-            deltaserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            deltaserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            dswire_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -233,8 +233,8 @@ class Worker:
             request,
             target,
             '/deltaserve.v1.Worker/Reset',
-            deltaserve_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
-            deltaserve_dot_v1_dot_worker__pb2.ResetResponse.FromString,
+            dswire_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,8 +260,8 @@ class Worker:
             request,
             target,
             '/deltaserve.v1.Worker/Health',
-            deltaserve_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-            deltaserve_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+            dswire_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class Worker:
             request,
             target,
             '/deltaserve.v1.Worker/Info',
-            deltaserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
-            deltaserve_dot_v1_dot_worker__pb2.InfoResponse.FromString,
+            dswire_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from deltaserve.v1 import generation_pb2 as deltaserve_dot_v1_dot_generation__pb2
+from dswire.v1 import generation_pb2 as dswire_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in deltaserve/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in dswire/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,28 +37,28 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/deltaserve.v1.Generation/Generate',
-                request_serializer=deltaserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/deltaserve.v1.Generation/Abort',
-                request_serializer=deltaserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/deltaserve.v1.Generation/Tokenize',
-                request_serializer=deltaserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/deltaserve.v1.Generation/GetModelInfo',
-                request_serializer=deltaserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetServerStatus = channel.unary_unary(
                 '/deltaserve.v1.Generation/GetServerStatus',
-                request_serializer=deltaserve_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_v1_dot_generation__pb2.GetServerStatusResponse.FromString,
+                request_serializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -109,28 +109,28 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=deltaserve_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=deltaserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=deltaserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=deltaserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'GetServerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerStatus,
-                    request_deserializer=deltaserve_dot_v1_dot_generation__pb2.GetServerStatusRequest.FromString,
-                    response_serializer=deltaserve_dot_v1_dot_generation__pb2.GetServerStatusResponse.SerializeToString,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -159,8 +159,8 @@ class Generation:
             request,
             target,
             '/deltaserve.v1.Generation/Generate',
-            deltaserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            deltaserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            dswire_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class Generation:
             request,
             target,
             '/deltaserve.v1.Generation/Abort',
-            deltaserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-            deltaserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            dswire_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class Generation:
             request,
             target,
             '/deltaserve.v1.Generation/Tokenize',
-            deltaserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            deltaserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            dswire_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -240,8 +240,8 @@ class Generation:
             request,
             target,
             '/deltaserve.v1.Generation/GetModelInfo',
-            deltaserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-            deltaserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            dswire_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -267,8 +267,8 @@ class Generation:
             request,
             target,
             '/deltaserve.v1.Generation/GetServerStatus',
-            deltaserve_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
-            deltaserve_dot_v1_dot_generation__pb2.GetServerStatusResponse.FromString,
+            dswire_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.GetServerStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

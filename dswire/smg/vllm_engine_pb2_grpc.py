@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from deltaserve.smg import common_pb2 as deltaserve_dot_smg_dot_common__pb2
-from deltaserve.smg import vllm_engine_pb2 as deltaserve_dot_smg_dot_vllm__engine__pb2
+from dswire.smg import common_pb2 as dswire_dot_smg_dot_common__pb2
+from dswire.smg import vllm_engine_pb2 as dswire_dot_smg_dot_vllm__engine__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in deltaserve/smg/vllm_engine_pb2_grpc.py depends on'
+        + ' but the generated code in dswire/smg/vllm_engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -40,63 +40,63 @@ class VllmEngineStub:
         """
         self.Generate = channel.unary_stream(
                 '/vllm.grpc.engine.VllmEngine/Generate',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GenerateResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/Embed',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.EmbedRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.EmbedResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
         self.HealthCheck = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/HealthCheck',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.HealthCheckResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.HealthCheckResponse.FromString,
                 _registered_method=True)
         self.FlushCache = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/FlushCache',
-                request_serializer=deltaserve_dot_smg_dot_common__pb2.FlushCacheRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_common__pb2.FlushCacheResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_common__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_common__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
         self.StartProfile = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/StartProfile',
-                request_serializer=deltaserve_dot_smg_dot_common__pb2.StartProfileRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_common__pb2.ProfileResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_common__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_common__pb2.ProfileResponse.FromString,
                 _registered_method=True)
         self.StopProfile = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/StopProfile',
-                request_serializer=deltaserve_dot_smg_dot_common__pb2.StopProfileRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_common__pb2.ProfileResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_common__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_common__pb2.ProfileResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/Abort',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.AbortResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/GetModelInfo',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetModelInfoResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/GetServerInfo',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetServerInfoResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
         self.GetLoads = channel.unary_unary(
                 '/vllm.grpc.engine.VllmEngine/GetLoads',
-                request_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetLoadsRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetLoadsResponse.FromString,
+                request_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GetLoadsRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GetLoadsResponse.FromString,
                 _registered_method=True)
         self.GetTokenizer = channel.unary_stream(
                 '/vllm.grpc.engine.VllmEngine/GetTokenizer',
-                request_serializer=deltaserve_dot_smg_dot_common__pb2.GetTokenizerRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_common__pb2.GetTokenizerChunk.FromString,
+                request_serializer=dswire_dot_smg_dot_common__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_common__pb2.GetTokenizerChunk.FromString,
                 _registered_method=True)
         self.SubscribeKvEvents = channel.unary_stream(
                 '/vllm.grpc.engine.VllmEngine/SubscribeKvEvents',
-                request_serializer=deltaserve_dot_smg_dot_common__pb2.SubscribeKvEventsRequest.SerializeToString,
-                response_deserializer=deltaserve_dot_smg_dot_common__pb2.KvEventBatch.FromString,
+                request_serializer=dswire_dot_smg_dot_common__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=dswire_dot_smg_dot_common__pb2.KvEventBatch.FromString,
                 _registered_method=True)
 
 
@@ -197,63 +197,63 @@ def add_VllmEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GenerateRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GenerateRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GenerateResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.EmbedRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.EmbedResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.EmbedRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.EmbedResponse.SerializeToString,
             ),
             'HealthCheck': grpc.unary_unary_rpc_method_handler(
                     servicer.HealthCheck,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.HealthCheckRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.HealthCheckResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.HealthCheckRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.HealthCheckResponse.SerializeToString,
             ),
             'FlushCache': grpc.unary_unary_rpc_method_handler(
                     servicer.FlushCache,
-                    request_deserializer=deltaserve_dot_smg_dot_common__pb2.FlushCacheRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_common__pb2.FlushCacheResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_common__pb2.FlushCacheRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_common__pb2.FlushCacheResponse.SerializeToString,
             ),
             'StartProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StartProfile,
-                    request_deserializer=deltaserve_dot_smg_dot_common__pb2.StartProfileRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_common__pb2.ProfileResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_common__pb2.StartProfileRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_common__pb2.ProfileResponse.SerializeToString,
             ),
             'StopProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StopProfile,
-                    request_deserializer=deltaserve_dot_smg_dot_common__pb2.StopProfileRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_common__pb2.ProfileResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_common__pb2.StopProfileRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_common__pb2.ProfileResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.AbortRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.AbortRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.AbortResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetModelInfoResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetServerInfoResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GetServerInfoResponse.SerializeToString,
             ),
             'GetLoads': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoads,
-                    request_deserializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetLoadsRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_vllm__engine__pb2.GetLoadsResponse.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_vllm__engine__pb2.GetLoadsRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_vllm__engine__pb2.GetLoadsResponse.SerializeToString,
             ),
             'GetTokenizer': grpc.unary_stream_rpc_method_handler(
                     servicer.GetTokenizer,
-                    request_deserializer=deltaserve_dot_smg_dot_common__pb2.GetTokenizerRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_common__pb2.GetTokenizerChunk.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_common__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_common__pb2.GetTokenizerChunk.SerializeToString,
             ),
             'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeKvEvents,
-                    request_deserializer=deltaserve_dot_smg_dot_common__pb2.SubscribeKvEventsRequest.FromString,
-                    response_serializer=deltaserve_dot_smg_dot_common__pb2.KvEventBatch.SerializeToString,
+                    request_deserializer=dswire_dot_smg_dot_common__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=dswire_dot_smg_dot_common__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -284,8 +284,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/Generate',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GenerateRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GenerateResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GenerateRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -311,8 +311,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/Embed',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.EmbedRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.EmbedResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.EmbedRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -338,8 +338,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/HealthCheck',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.HealthCheckRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.HealthCheckResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.HealthCheckRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.HealthCheckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -365,8 +365,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/FlushCache',
-            deltaserve_dot_smg_dot_common__pb2.FlushCacheRequest.SerializeToString,
-            deltaserve_dot_smg_dot_common__pb2.FlushCacheResponse.FromString,
+            dswire_dot_smg_dot_common__pb2.FlushCacheRequest.SerializeToString,
+            dswire_dot_smg_dot_common__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -392,8 +392,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/StartProfile',
-            deltaserve_dot_smg_dot_common__pb2.StartProfileRequest.SerializeToString,
-            deltaserve_dot_smg_dot_common__pb2.ProfileResponse.FromString,
+            dswire_dot_smg_dot_common__pb2.StartProfileRequest.SerializeToString,
+            dswire_dot_smg_dot_common__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -419,8 +419,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/StopProfile',
-            deltaserve_dot_smg_dot_common__pb2.StopProfileRequest.SerializeToString,
-            deltaserve_dot_smg_dot_common__pb2.ProfileResponse.FromString,
+            dswire_dot_smg_dot_common__pb2.StopProfileRequest.SerializeToString,
+            dswire_dot_smg_dot_common__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -446,8 +446,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/Abort',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.AbortRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.AbortResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.AbortRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -473,8 +473,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/GetModelInfo',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GetModelInfoRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GetModelInfoResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GetModelInfoRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -500,8 +500,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/GetServerInfo',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GetServerInfoRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GetServerInfoResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GetServerInfoRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -527,8 +527,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/GetLoads',
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GetLoadsRequest.SerializeToString,
-            deltaserve_dot_smg_dot_vllm__engine__pb2.GetLoadsResponse.FromString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GetLoadsRequest.SerializeToString,
+            dswire_dot_smg_dot_vllm__engine__pb2.GetLoadsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -554,8 +554,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/GetTokenizer',
-            deltaserve_dot_smg_dot_common__pb2.GetTokenizerRequest.SerializeToString,
-            deltaserve_dot_smg_dot_common__pb2.GetTokenizerChunk.FromString,
+            dswire_dot_smg_dot_common__pb2.GetTokenizerRequest.SerializeToString,
+            dswire_dot_smg_dot_common__pb2.GetTokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -581,8 +581,8 @@ class VllmEngine:
             request,
             target,
             '/vllm.grpc.engine.VllmEngine/SubscribeKvEvents',
-            deltaserve_dot_smg_dot_common__pb2.SubscribeKvEventsRequest.SerializeToString,
-            deltaserve_dot_smg_dot_common__pb2.KvEventBatch.FromString,
+            dswire_dot_smg_dot_common__pb2.SubscribeKvEventsRequest.SerializeToString,
+            dswire_dot_smg_dot_common__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
