@@ -251,6 +251,8 @@ def test_worst_case_metadata_runs_every_feature():
     assert meta.has_penalties and meta.top_k is not None and meta.top_p is not None
     out = Sampler().forward(torch.randn(4, 64), meta)
     assert out.sampled_token_ids.shape == (4,) and out.top_ids.shape == (4, 20)
+    assert set(meta.id_sets) == {"allowed_token_ids"}
+    assert out.sampled_token_ids.tolist() == [1] * 4          # the one allowed id
 
 
 def test_top_k_bound_and_apply_top_k_with_a_loose_bound():
