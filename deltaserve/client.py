@@ -1,7 +1,7 @@
 """`deltaserve generate`: stream one completion from a running scheduler to the terminal.
 
 The text goes to stdout as it arrives; the finish reason and token counts go to stderr at the end.
-Torch-free: only grpc and the generated stubs.
+Torch-free: grpc, the generated stubs and the sampling knobs (engine_common.params).
 """
 from __future__ import annotations
 
