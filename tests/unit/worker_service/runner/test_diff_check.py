@@ -9,6 +9,7 @@ import pytest
 from engine_common.constraint import Constraint
 from engine_common.diff import SchedulerOutput
 from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.params import SamplingParams, WorkerSamplingParams
 from tests.support.deep_constraints import lark_chain
 from tests.support.garbage_diffs import Limits, PREFILL, clean_run, enc, garbage_cases, new
 from worker_service.config import RunnerConfig
@@ -93,6 +94,10 @@ def test_messages_name_the_field_the_value_and_the_range():
          r"new_requests\[0\]\.prompt_token_ids\[1\]=100 is invalid: must be < vocab_size"),
         (SchedulerOutput(0, new_requests=[new(h, blocks=[h]) for h in range(3)]),
          r"requests in the batch=3 is invalid: must be <= max_num_seqs \(2\)"),
+        (SchedulerOutput(0, new_requests=[new(sampling=WorkerSamplingParams(
+            SamplingParams(allowed_token_ids=[3, 100]), seed=0))]),
+         r"new_requests\[0\]\.sampling\.allowed_token_ids\[1\]=100 is invalid: must be < "
+         r"vocab_size"),
     ]
     for diff, message in cases:
         with pytest.raises(BadDiff, match=message):
