@@ -99,8 +99,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        """Whether a knob that needs the prompt and output ids (a penalty) is on."""
+        return any(getattr(self, k.name) != k.neutral for k in HISTORY_KNOBS)
 
     def to_wire(self) -> dict:
         """Only the fields that differ from the defaults: small on the wire, easy to extend."""
@@ -116,6 +116,7 @@ KNOBS: tuple[DeclaredKnob, ...] = knobs_of(SamplingParams)
 # The knobs with a batch column, and those that are sets of token ids (ragged per row).
 COLUMN_KNOBS = tuple(k for k in KNOBS if k.meta.column and not k.meta.ids)
 ID_SET_KNOBS = tuple(k for k in KNOBS if k.meta.ids)
+HISTORY_KNOBS = tuple(k for k in KNOBS if k.meta.needs_history)
 
 
 def _checked_knob(k: DeclaredKnob, value):

@@ -18,6 +18,7 @@ from engine_common.codec import decode_scheduler_output
 from engine_common.diff import RunnerOutput, SchedulerOutput
 from engine_common.diff_limits import max_diff_bytes
 from engine_common.model_dir import ModelInfo
+from engine_common.params import HISTORY_KNOBS
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.runner.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
@@ -240,9 +241,8 @@ class ModelRunner:
         if self.grammar or any(new.constraint is not None for new in diff.new_requests):
             return True
         n = self.batch.num_reqs
-        b = self.batch
-        if (np.any(b.repetition_penalty[:n] != 1.0) or np.any(b.presence_penalty[:n] != 0.0)
-                or np.any(b.frequency_penalty[:n] != 0.0)):
+        if any(np.any(getattr(self.batch, k.name)[:n] != k.column_neutral)
+               for k in HISTORY_KNOBS):
             return True
         return any(new.sampling.sampling.has_penalties for new in diff.new_requests)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_common.params import COLUMN_KNOBS, ID_SET_KNOBS
+from engine_common.params import COLUMN_KNOBS, HISTORY_KNOBS, ID_SET_KNOBS
 from worker_service.runner.input_batch import InputBatch
 from worker_service.sample.sampling_metadata import SamplingMetadata
 from worker_service.runner.step_buffers import StepBuffers
@@ -98,7 +98,7 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     then does not mask it: the grammar wins)."""
     greedy = batch.temperature[rows] == 0.0
     columns = knob_columns(batch, rows, staging)
-    penalties = any(columns[k.name] is not None for k in COLUMN_KNOBS if k.meta.needs_history)
+    penalties = any(columns[k.name] is not None for k in HISTORY_KNOBS)
     num_prompt = batch.num_prompt_tokens[rows]
     num_tokens = batch.num_tokens[rows]
     counters = (num_tokens - num_prompt).astype(np.int64)
