@@ -3,9 +3,10 @@ vllm.grpc.engine.VllmEngine) share between their field mapping and the engine.
 
 A protocol's convert module maps its protobuf fields onto the three conversions here
 (prompt_from, sampling_from, stopping_from), each told the protocol's field names, and gets one
-`ValidatedRequest`. Its servicer hands that to `FrontDoor.prompt_ids` (constraint validated and
-text tokenized on the tokenizer pool, length checked) and `engine_request` (the engine's
-Request). Every bad field is a ParamError naming the protocol's field, the value and the allowed
+`ValidatedRequest`. Its servicer checks the message with `FrontDoor.check_limits` first (the
+protocol's `limited_fields`), then hands the converted request to `FrontDoor.prompt_ids`
+(constraint validated and text tokenized on the tokenizer pool, length checked) and
+`engine_request` (the engine's Request). Every bad field is a ParamError naming the protocol's field, the value and the allowed
 range; the servicer turns it into INVALID_ARGUMENT through `abort_with`.
 """
 from __future__ import annotations
@@ -241,7 +242,8 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_mode
 # -- admission ---------------------------------------------------------------------------------
 
 class FrontDoor:
-    """The model, the tokenizer pool and the engine both servicers admit requests through."""
+    """The model, the request limits and the tokenizer pool both servicers admit requests
+    through."""
 
     def __init__(self, model: ServedModel, options: ApiOptions,
                  tokenizer_pool: TokenizerPool | None = None):
