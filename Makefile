@@ -37,9 +37,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
-# Regenerate the gRPC stubs (dswire/) from proto/; tests/unit/engine_common/test_protos.py fails when stale.
+# Regenerate the gRPC stubs (dswire/) from proto/; tests/unit/engine_common/wire/test_protos.py fails when stale.
 proto: install
-	$(PY) -m engine_common.gen_protos
+	$(PY) -m engine_common.wire.gen_protos
 
 # The embedded default: one worker and the scheduler on this machine, in the foreground, with
 # gRPC on localhost:50051 and the OpenAI API (the smg gateway) on 127.0.0.1:8000.

@@ -20,8 +20,8 @@ import grpc
 
 from deltaserve.client import (add_connection_flags, add_sampling_flags, open_channel,
                                set_options)
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc
 
 DEFAULT_MAX_TOKENS = 512
 HELP = ("/reset clears the history, /exit or Ctrl-D leaves; Ctrl-C stops an answer while it "

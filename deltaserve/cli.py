@@ -15,9 +15,9 @@ from importlib.metadata import entry_points
 from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
-from engine_common.config import WorkerServiceOptions
-from engine_common.settings import add_flags, from_args
-from engine_common.worker_auth import WorkerCredentials
+from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.configuration.settings import add_flags, from_args
+from engine_common.security.worker_auth import WorkerCredentials
 from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
@@ -171,8 +171,8 @@ def _cmd_serve(args) -> int:
 @contextlib.contextmanager
 def _startup_errors():
     """Bad engine flags, a bad model directory or a port in use: one line, not a traceback."""
-    from engine_common.model_dir import ModelDirError
-    from engine_common.params import ParamError
+    from engine_common.model_files.model_dir import ModelDirError
+    from engine_common.request.params import ParamError
 
     try:
         yield

@@ -1,7 +1,7 @@
 """`deltaserve generate`: stream one completion from a running scheduler to the terminal.
 
 The text goes to stdout as it arrives; the finish reason and token counts go to stderr at the end.
-Torch-free: grpc, the generated stubs and the sampling knobs (engine_common.params).
+Torch-free: grpc, the generated stubs and the sampling knobs (engine_common.request.params).
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import sys
 
 import grpc
 
-from engine_common.grpc_metadata import with_metadata
-from engine_common.params import KNOBS
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
+from engine_common.security.grpc_metadata import with_metadata
+from engine_common.request.params import KNOBS
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc
 
 
 def build_request(args) -> pb.GenerateRequest:
@@ -27,7 +27,7 @@ def build_request(args) -> pb.GenerateRequest:
     return req
 
 
-# The knobs with a flag: those declared with help for one (engine_common/params.py).
+# The knobs with a flag: those declared with help for one (engine_common/request/params.py).
 FLAG_KNOBS = tuple(k for k in KNOBS if k.meta.help)
 
 

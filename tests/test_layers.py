@@ -15,14 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from engine_common.graph_components import strongly_connected
+from engine_common.runtime.graph_components import strongly_connected
 
 ROOT = Path(__file__).resolve().parents[1]
 # The top-level packages, lowest first: each imports only those before it.
 PACKAGES = ("dswire", "engine_common", "kernels", "scheduler_service", "worker_service",
             "deltaserve", "bench")
 
-_COMMON = ("dswire", "engine_common")
+# engine_common's folders, lowest first: each imports only those before it (and wire the stubs).
+_ENGINE_COMMON = ("engine_common.request", "engine_common.configuration", "engine_common.runtime",
+                  "engine_common.constraints", "engine_common.model_files", "engine_common.text",
+                  "engine_common.security", "engine_common.wire")
+_EC = _ENGINE_COMMON
+_COMMON = ("dswire", "engine_common") + _ENGINE_COMMON
 _WORKER_LEAVES = ("worker_service.config", "worker_service.device_info",
                   "worker_service.failures", "worker_service.parallel_state")
 _SCHEDULER = ("scheduler_service.errors", "scheduler_service.core", "scheduler_service.workers",
@@ -34,7 +39,15 @@ _WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
 # room -> the rooms it may import (besides itself), each listed before it: lower layers come first.
 LAYERS: dict[str, tuple[str, ...]] = {
     "dswire": (),                                       # generated stubs: the bottom layer
-    "engine_common": ("dswire",),
+    "engine_common": (),                                # package __init__ files: empty
+    "engine_common.request": (),                        # sampling knobs, params, diff bounds
+    "engine_common.configuration": _EC[:1],             # declared settings, the configs
+    "engine_common.runtime": _EC[:2],                   # paths, GC, big stacks, /metrics
+    "engine_common.constraints": _EC[:3],               # structured-output constraints
+    "engine_common.model_files": (),                    # config.json, GGUF metadata
+    "engine_common.text": _EC[:5],                      # tokenizers, chat templates
+    "engine_common.security": _EC[:6],                  # TLS, the worker's credentials
+    "engine_common.wire": ("dswire",) + _EC[:7],        # the diff, its codec, the stubs
     "kernels": (),
     "scheduler_service": (),                            # package __init__ files: empty
     "worker_service": (),
@@ -218,17 +231,19 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
 def test_the_checker_reports_a_forbidden_import_even_inside_a_function(tmp_path):
     modules = _tree(tmp_path, {
         "engine_common/__init__.py": "",
-        "engine_common/params.py": "def f():\n    from scheduler_service.core import request\n",
+        "engine_common/request/params.py": "def f():\n    from scheduler_service.core import request\n",
         "scheduler_service/__init__.py": "",
         "scheduler_service/core/__init__.py": "",
-        "scheduler_service/core/request.py": "from engine_common import params\n",
+        "scheduler_service/core/request.py": "from engine_common.request import params\n",
     })
     graph = import_graph(modules)
-    assert "scheduler_service.core.request" in graph["engine_common.params"]
+    assert "scheduler_service.core.request" in graph["engine_common.request.params"]
     problems = forbidden_imports(graph)
-    assert "engine_common.params (engine_common) imports scheduler_service.core.request " \
-        "(scheduler_service.core); engine_common may import only dswire" in problems
-    assert find_cycles(graph) == [["engine_common.params", "scheduler_service.core.request"]]
+    assert "engine_common.request.params (engine_common.request) imports " \
+        "scheduler_service.core.request (scheduler_service.core); engine_common.request may " \
+        "import only nothing of ours" in problems
+    assert find_cycles(graph) == [["engine_common.request.params",
+                                   "scheduler_service.core.request"]]
 
 
 def test_the_checker_resolves_relative_imports(tmp_path):

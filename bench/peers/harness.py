@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError
 
 from bench.isa import ISAS, describe_cpu, describe_run, isa_env
 from bench.peers.engine_process import EngineFailed, EngineProcess

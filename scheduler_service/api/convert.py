@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine_common.params import KNOBS, ParamError, SamplingParams
-from engine_common.protos import generation_pb2 as pb
+from engine_common.request.params import KNOBS, ParamError, SamplingParams
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, ValidatedRequest,
                                               constraint_from_oneof, given_knobs, new_request_id,
                                               prompt_from, sampling_from, stopping_from)

@@ -21,11 +21,11 @@ from typing import Callable
 
 import grpc
 
-from engine_common.chat_template import ChatMessage, ChatTemplate, encode_chat
-from engine_common.constraint import Constraint
-from engine_common.model_dir import ModelInfo
-from engine_common.params import KNOBS, ParamError, SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.text.chat_template import ChatMessage, ChatTemplate, encode_chat
+from engine_common.constraints.constraint import Constraint
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.request_limits import (LimitedFields, check_prompt_can_fit,
                                                   check_request_limits)

@@ -17,9 +17,9 @@ from typing import Callable
 
 import grpc
 
-from engine_common.params import ParamError
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (limited_fields, output_to_proto, request_from_proto,

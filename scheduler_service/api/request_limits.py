@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine_common.params import ParamError
-from engine_common.protos import generation_pb2 as pb
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 
 MAX_REQUEST_ID_CHARS = 256

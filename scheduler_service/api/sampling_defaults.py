@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_common.model_dir import ModelDirError, load_json, read_model_configs
-from engine_common.params import KNOBS, ParamError, SamplingParams
+from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
+from engine_common.request.params import KNOBS, ParamError, SamplingParams
 
 AUTO, VLLM = "auto", "vllm"
 # generation_config.json keys vLLM takes as sampling defaults (max_new_tokens aside).

@@ -24,17 +24,17 @@ from typing import Callable
 
 import grpc
 
-from engine_common.chat_template import load_chat_template
-from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
-from engine_common.gc_heap import freeze_heap
-from engine_common.listen_address import ListenAddress
-from engine_common.metrics_http import MetricsServer, start_metrics_server
-from engine_common.model_dir import ModelInfo
-from engine_common.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
+from engine_common.text.chat_template import load_chat_template
+from engine_common.configuration.config import SchedulerConfig, WorkerConfig, limits_of
+from engine_common.runtime.gc_heap import freeze_heap
+from engine_common.configuration.listen_address import ListenAddress
+from engine_common.runtime.metrics_http import MetricsServer, start_metrics_server
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.wire.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
                                   vllm_engine_pb2_grpc)
-from engine_common.settings import AtLeast, AtLeastZero, Positive, ReadableFile, setting, validate
-from engine_common.tokenizer import Tokenizer
-from engine_common.worker_auth import WorkerAuth
+from engine_common.configuration.settings import AtLeast, AtLeastZero, Positive, ReadableFile, setting, validate
+from engine_common.text.tokenizer import Tokenizer
+from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.metrics import SchedulerMetrics

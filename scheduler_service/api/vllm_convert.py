@@ -25,10 +25,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from engine_common.model_dir import ModelInfo
-from engine_common.params import KNOBS, ParamError, SamplingParams, StoppingParams
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
 from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, ValidatedRequest,
                                               constraint_from_oneof, constraint_named,
                                               given_knobs,

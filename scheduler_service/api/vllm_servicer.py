@@ -23,10 +23,10 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from engine_common.params import ParamError
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
                                               abort_requests, abort_with)

@@ -17,8 +17,8 @@ import grpc
 import jsonschema
 import pytest
 
-from engine_common.protos import vllm_engine_pb2 as vpb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from tests.support.gateway import Gateway, Replica, SseStream, http_json, require_smg
 from tests.support.grpc_harness import (REPO, Processes, collect, generation_stub, pb,
                                         server_status, wait_for)

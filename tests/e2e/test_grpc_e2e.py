@@ -9,12 +9,12 @@ import sys
 import grpc
 import pytest
 
-from engine_common.tokenizer import Tokenizer
+from engine_common.text.tokenizer import Tokenizer
 from tests.support.grpc_harness import (REPO, Processes, free_port, generation_stub, grpcurl,
                                         json_stream, pb, wait_ready)
 from tests.support.hf_reference import hf_greedy, hf_greedy_allowed
-from engine_common.protos import vllm_engine_pb2 as vpb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 
 MAX_MODEL_LEN = 256
 

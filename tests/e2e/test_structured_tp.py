@@ -13,10 +13,10 @@ import re
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.constraint import Constraint
-from engine_common.model_dir import ModelInfo
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.constraints.constraint import Constraint
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.core.request import Request
 from tests.support.tp_harness import (BLOCK_SIZE, LIMITS, NUM_BLOCKS, Cluster, make_core)
 

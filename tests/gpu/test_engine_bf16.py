@@ -41,7 +41,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import compare_greedy, hf_greedy
 

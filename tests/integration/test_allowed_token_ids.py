@@ -5,7 +5,7 @@ logprobs stay those of the raw model distribution."""
 from __future__ import annotations
 
 from deltaserve.llm import LLM
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import hf_greedy, hf_greedy_allowed
 

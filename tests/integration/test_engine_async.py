@@ -14,8 +14,8 @@ import random
 import pytest
 
 from deltaserve.llm import LLM, Completion
-from engine_common.codec import encode_scheduler_output
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.wire.codec import encode_scheduler_output
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.engine_checks import MODELS, _check, _prompts, _shared_prefix_prompts

@@ -11,8 +11,8 @@ from typing import Awaitable, Callable
 import grpc
 
 from deltaserve.llm import LLM
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
 from scheduler_service.api.front_door import ServedModel
 from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.vllm_convert import EngineShape

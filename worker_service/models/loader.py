@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
-from engine_common.model_dir import ModelDirError, load_json, read_model_configs
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
 from kernels.attention.backend import AttentionBackend
 from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.models.gguf_weights import gguf_tensor_names, iter_gguf_weights

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from typing import Callable
 
-from engine_common.settings import to_wire
+from engine_common.configuration.settings import to_wire
 from worker_service.config import NodeLayout, RunnerConfig, rank_device
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 _MAGIC = 0x44535247                           # "DSRG"
 _VERSION = 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_common.params import WorkerSamplingParams
+from engine_common.request.params import WorkerSamplingParams
 
 
 @dataclass

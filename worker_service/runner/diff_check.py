@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_common.codec import CodecError
-from engine_common.constraint import Constraint
-from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutput
-from engine_common.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
+from engine_common.wire.codec import CodecError
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
                                        MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
                                        MAX_TOP_LOGPROBS)
-from engine_common.params import ID_SET_KNOBS, clip, quoted
+from engine_common.request.params import ID_SET_KNOBS, clip, quoted
 from worker_service.failures import StepProtocolError
 
 
@@ -147,7 +147,7 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
 
 def _check_constraint(name: str, constraint: Constraint) -> None:
     """Its size, then its nesting (the grammar engine's compiler would overflow its stack and
-    kill the worker: engine_common/constraint_depth.py; the scan is linear in the size)."""
+    kill the worker: engine_common/constraints/constraint_depth.py; the scan is linear in the size)."""
     if constraint.num_chars > MAX_CONSTRAINT_CHARS:
         raise BadDiff(f"{name} characters", constraint.num_chars, f"<= {MAX_CONSTRAINT_CHARS}")
     depth = constraint.depth

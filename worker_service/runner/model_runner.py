@@ -14,11 +14,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine_common.codec import decode_scheduler_output
-from engine_common.diff import RunnerOutput, SchedulerOutput
-from engine_common.diff_limits import max_diff_bytes
-from engine_common.model_dir import ModelInfo
-from engine_common.params import HISTORY_KNOBS
+from engine_common.wire.codec import decode_scheduler_output
+from engine_common.wire.diff import RunnerOutput, SchedulerOutput
+from engine_common.request.diff_limits import max_diff_bytes
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import HISTORY_KNOBS
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.runner.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig

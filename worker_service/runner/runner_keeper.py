@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from engine_common.codec import encode_runner_output
-from engine_common.diff import RunnerOutput
-from engine_common.gc_heap import freeze_heap
+from engine_common.wire.codec import encode_runner_output
+from engine_common.wire.diff import RunnerOutput
+from engine_common.runtime.gc_heap import freeze_heap
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_common.params import COLUMN_KNOBS, HISTORY_KNOBS, ID_SET_KNOBS
+from engine_common.request.params import COLUMN_KNOBS, HISTORY_KNOBS, ID_SET_KNOBS
 from worker_service.runner.input_batch import InputBatch
 from worker_service.sample.sampling_metadata import SamplingMetadata
 from worker_service.runner.step_buffers import StepBuffers

@@ -37,7 +37,7 @@ from math import prod
 import numpy as np
 import torch
 
-from engine_common.params import COLUMN_KNOBS
+from engine_common.request.params import COLUMN_KNOBS
 
 from kernels.attention.backend import AttentionMetadata
 from worker_service.failures import StepProtocolError

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_common.params import ID_SET_KNOBS
+from engine_common.request.params import ID_SET_KNOBS
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SamplingMetadata:
     # request's logit_bias); None = no row has one
     logit_bias_index: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None
-    # Per knob that is a set of token ids (engine_common/sampling_knobs.py), int64 [2, K] of
+    # Per knob that is a set of token ids (engine_common/request/sampling_knobs.py), int64 [2, K] of
     # (row, token id) pairs; a knob no row sets is absent
     id_sets: dict[str, torch.Tensor] = field(default_factory=dict)
     max_num_logprobs: int = 0                    # top alternatives to return; 0 = sampled only

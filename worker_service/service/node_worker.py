@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine_common.model_dir import read_model_configs
+from engine_common.model_files.model_dir import read_model_configs
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.models.tp_sizes import check_tp_size
 from worker_service.device_info import DeviceDescription

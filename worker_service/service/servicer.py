@@ -37,9 +37,9 @@ from typing import Callable, Iterator
 
 import grpc
 
-from engine_common.protos import worker_pb2, worker_pb2_grpc
-from engine_common.params import clip
-from engine_common.settings import from_proto
+from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.request.params import clip
+from engine_common.configuration.settings import from_proto
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure

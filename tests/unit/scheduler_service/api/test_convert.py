@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from engine_common.chat_template import ChatMessage
-from engine_common.constraint import Constraint
-from engine_common.params import ParamError, SamplingParams, StoppingParams
-from engine_common.protos import generation_pb2 as pb
+from engine_common.text.chat_template import ChatMessage
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api import convert
 from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
                                               checked_constraint)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.params import ParamError
-from engine_common.protos import generation_pb2 as pb
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.api_keys import load_api_keys
-from engine_common.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
 from scheduler_service.api import convert, vllm_convert
 from scheduler_service.api.request_limits import check_prompt_chars, check_request_limits
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from engine_common.constraint import Constraint
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError, SamplingParams
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
+from engine_common.constraints.constraint import Constraint
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError, SamplingParams
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
 from scheduler_service.api import vllm_convert as vc
 from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
                                               checked_constraint, constraint_named)

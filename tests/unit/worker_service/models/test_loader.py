@@ -124,7 +124,7 @@ def test_absent_lm_head_is_tied_to_embeddings(tmp_path):
 
 
 def test_tiny_tokenizer_module_does_not_import_torch():
-    code = ("import sys, engine_common.tiny_tokenizer; "
+    code = ("import sys, engine_common.text.tiny_tokenizer; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

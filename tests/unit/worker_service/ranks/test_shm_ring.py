@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 from worker_service.ranks.shm_reply import ShmReplyHub
 from worker_service.ranks.shm_ring import (SHM_PREFIX, PayloadTooLarge, RingClosed, RingError,
                                            RingHandle, RingTimeout, ShmBroadcastRing)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.constraint import Constraint
-from engine_common.diff import SchedulerOutput
-from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
-from engine_common.params import SamplingParams, WorkerSamplingParams
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import SchedulerOutput
+from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from tests.support.deep_constraints import lark_chain
 from tests.support.garbage_diffs import Limits, PREFILL, clean_run, enc, garbage_cases, new
 from worker_service.config import RunnerConfig

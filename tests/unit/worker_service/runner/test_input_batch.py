@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_common.params import SamplingParams, WorkerSamplingParams
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from worker_service.runner.cached_request import CachedRequestState
 from worker_service.runner.input_batch import InputBatch
 from worker_service.runner.step_inputs import prepare_step_inputs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_common.params import SamplingParams, WorkerSamplingParams
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from worker_service.runner.cached_request import CachedRequestState
 from worker_service.runner.input_batch import InputBatch
 from worker_service.runner.sampling_inputs import build_sampling_metadata, stop_mask_pairs

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_common.diff import SchedulerOutput
+from engine_common.wire.diff import SchedulerOutput
 from tests.support.step_scenario import NUM_STEPS, PURE_DECODE_STEPS, RUNNER_LIMITS, scenario_diffs
 from worker_service.config import RunnerConfig
 from worker_service.runner.cuda_graphs import DecodeGraphRunner

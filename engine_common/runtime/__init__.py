@@ -1,0 +1,2 @@
+"""The process around the engine: where files live, the garbage collector kept off the start-up
+heap, big-stack threads, strongly connected components, the /metrics endpoint."""
