@@ -32,9 +32,10 @@ _WORKER_LEAVES = ("worker_service.config", "worker_service.device_info",
                   "worker_service.failures", "worker_service.parallel_state")
 _SCHEDULER = ("scheduler_service.errors", "scheduler_service.core", "scheduler_service.workers",
               "scheduler_service.engine", "scheduler_service.api")
-_WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
-                            "worker_service.sample", "worker_service.runner",
-                            "worker_service.ranks", "worker_service.service")
+# One step's data, lowest first: the batch a worker holds, the step's staged inputs, sampling.
+_STEP_DATA = ("worker_service.batch", "worker_service.step", "worker_service.sample")
+_WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models") + _STEP_DATA + (
+    "worker_service.runner", "worker_service.ranks", "worker_service.service")
 
 # room -> the rooms it may import (besides itself), each listed before it: lower layers come first.
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -59,12 +60,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
     **{leaf: _COMMON for leaf in _WORKER_LEAVES},
     "worker_service.layers": _COMMON + _WORKER_LEAVES + ("kernels",),
     "worker_service.models": _COMMON + _WORKER_LEAVES + ("kernels", "worker_service.layers"),
-    "worker_service.sample": _COMMON + _WORKER_LEAVES + ("kernels",),
-    "worker_service.runner": _COMMON + _WORKER[:7] + ("kernels",),
-    "worker_service.ranks": _COMMON + _WORKER[:8],
-    "worker_service.service": _COMMON + _WORKER[:9],
+    "worker_service.batch": _COMMON + _WORKER_LEAVES,
+    "worker_service.step": _COMMON + _WORKER_LEAVES + ("kernels",) + _STEP_DATA[:1],
+    "worker_service.sample": _COMMON + _WORKER_LEAVES + ("kernels",) + _STEP_DATA[:2],
+    "worker_service.runner": _COMMON + _WORKER[:9] + ("kernels",),
+    "worker_service.ranks": _COMMON + _WORKER[:10],
+    "worker_service.service": _COMMON + _WORKER[:11],
     "deltaserve.client": _COMMON,
-    "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:8] + ("kernels",),
+    "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:10] + ("kernels",),
     "deltaserve.default_model": _COMMON + ("worker_service.models",),
     "deltaserve.chat": _COMMON + ("deltaserve.client",),
     "deltaserve.child_process": (),

@@ -1,5 +1,5 @@
 """Hard bounds on what one step diff may carry, shared by the scheduler (which never sends more)
-and the worker (which refuses more before touching a tensor: worker_service/runner/diff_check.py).
+and the worker (which refuses more before touching a tensor: worker_service/batch/diff_check.py).
 
 The per-epoch bounds come from the batch limits both sides share (max_num_seqs,
 max_num_batched_tokens, max_model_len, block_size); these constants bound the rest.

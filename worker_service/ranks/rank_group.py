@@ -36,7 +36,7 @@ from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, RankReply
                                            device_from_wire, encode_command, encode_step)
 from worker_service.ranks.rank_process import RankSpec
 from worker_service.ranks.rank_set import RankSet, RankSetOptions
-from worker_service.runner.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
+from worker_service.ranks.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
 
 log = logging.getLogger(__name__)
 

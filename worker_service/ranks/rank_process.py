@@ -31,7 +31,7 @@ from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, STO
                                            decode_command, device_to_wire, encode_reply)
 from worker_service.ranks.shm_ring import (RingClosed, RingError, RingHandle, RingTimeout,
                                            ShmBroadcastRing)
-from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.ranks.runner_keeper import RunnerKeeper
 
 log = logging.getLogger(__name__)
 

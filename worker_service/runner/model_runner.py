@@ -20,12 +20,12 @@ from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import HISTORY_KNOBS
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
-from worker_service.runner.cached_request import CachedRequestState
+from worker_service.batch.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
-from worker_service.runner.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
-from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
+from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
+from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.runner.host_memory import zeroed_host_tensor
-from worker_service.runner.input_batch import InputBatch
+from worker_service.batch.input_batch import InputBatch
 from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
                                                make_decode_warmup, make_prefill_warmup,
                                                profile_kv_memory)
@@ -34,15 +34,15 @@ from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler, GrammarMasks
 from worker_service.sample.sampler import (Sampler, SamplerOutput, bitmask_to_bias,
                                            is_plain_greedy)
-from worker_service.runner.sampling_inputs import build_sampling_metadata
+from worker_service.sample.sampling_inputs import build_sampling_metadata
 from worker_service.sample.sampling_metadata import (SamplingMetadata,
                                                      worst_case_sampling_metadata)
-from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
+from worker_service.step.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
-from worker_service.runner.step_clock import StepClock
+from worker_service.step.step_clock import StepClock
 from worker_service.runner.simulated_device import SimulatedDevice
-from worker_service.runner.step_inputs import StepInputs, prepare_step_inputs
-from worker_service.runner.token_readback import (PendingStep, SampledTokens, TokenFeed,
+from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
+from worker_service.sample.token_readback import (PendingStep, SampledTokens, TokenFeed,
                                                   TokenReadback)
 
 log = logging.getLogger(__name__)

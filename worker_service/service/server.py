@@ -36,7 +36,7 @@ from engine_common.wire.protos import WORKER_SERVICE, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
-from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.auth import add_port, check_exposure, describe, interceptors
 from worker_service.service.init_checks import MIB, InitGuards
 from worker_service.service.node_worker import NodeWorker

@@ -14,7 +14,7 @@ set, then the stream is closed with a status (the response is skipped only for S
     StepRequest.step != next step             STEP_GAP              FAILED_PRECONDITION
     a step of this epoch already failed       CODE_UNSPECIFIED      FAILED_PRECONDITION
     payload undecodable, digest wrong, a
-      value out of range (runner/diff_check)  BAD_PAYLOAD           INVALID_ARGUMENT
+      value out of range (batch/diff_check)  BAD_PAYLOAD           INVALID_ARGUMENT
     diff does not fit the cached requests     BAD_PAYLOAD           FAILED_PRECONDITION
     runner raised (model, device)             INTERNAL              INTERNAL
     out of device or host memory              INTERNAL              RESOURCE_EXHAUSTED

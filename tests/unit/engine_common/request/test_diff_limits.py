@@ -11,7 +11,7 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import SchedulerOutput
 from engine_common.request.diff_limits import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_CHOICES, max_diff_bytes
 from tests.support.garbage_diffs import new
-from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
+from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 
 SEQS, TOKENS, MODEL_LEN, BLOCK = 4, 8, 64, 4
 # The widest constraints on the wire: 4-byte characters, and as many choices (string headers)

@@ -11,7 +11,7 @@ from engine_common.request import diff_limits
 from engine_common.request.params import COLUMN_KNOBS, KNOBS, ParamError, SamplingParams
 from engine_common.wire.protos import generation_pb2, vllm_engine_pb2
 from deltaserve.client import FLAG_KNOBS, add_sampling_flags
-from worker_service.runner.input_batch import InputBatch
+from worker_service.batch.input_batch import InputBatch
 
 
 @pytest.mark.parametrize("message", [generation_pb2.SamplingParams, vllm_engine_pb2.SamplingParams],

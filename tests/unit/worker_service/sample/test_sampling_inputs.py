@@ -7,10 +7,10 @@ import numpy as np
 import torch
 
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
-from worker_service.runner.cached_request import CachedRequestState
-from worker_service.runner.input_batch import InputBatch
-from worker_service.runner.sampling_inputs import build_sampling_metadata, stop_mask_pairs
-from worker_service.runner.step_buffers import StepBuffers
+from worker_service.batch.cached_request import CachedRequestState
+from worker_service.batch.input_batch import InputBatch
+from worker_service.sample.sampling_inputs import build_sampling_metadata, stop_mask_pairs
+from worker_service.step.step_buffers import StepBuffers
 
 
 def _batch() -> InputBatch:

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker_service.runner.decode_buffers import DecodeBuffers, StagedDecode
-from worker_service.runner.step_buffers import StepBuffers
+from worker_service.step.decode_buffers import DecodeBuffers, StagedDecode
+from worker_service.step.step_buffers import StepBuffers
 
 SMALL_GRAPH_SIZES = (1, 2, 4, 8)
 GRAPH_SIZE_STEP = 16

@@ -25,7 +25,7 @@ class InitOutcome:
 @dataclass(frozen=True)
 class RankStepStats:
     """What one step cost one rank, for the worker's metrics: the whole execute and its phases
-    (runner/step_clock.py) in seconds, and the requests the rank caches after it."""
+    (step/step_clock.py) in seconds, and the requests the rank caches after it."""
 
     global_rank: int
     execute_s: float

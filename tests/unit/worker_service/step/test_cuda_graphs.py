@@ -14,12 +14,12 @@ import torch
 
 from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
-from worker_service.runner.cuda_graphs import (DecodeGraphRunner, graph_batch_sizes,
+from worker_service.step.cuda_graphs import (DecodeGraphRunner, graph_batch_sizes,
                                                graphs_unsupported_reason, padded_batch_size)
-from worker_service.runner.decode_buffers import DecodeBuffers
+from worker_service.step.decode_buffers import DecodeBuffers
 from worker_service.models.loader import allocate_kv_caches, load_model
 from worker_service.parallel_state import single_rank_group
-from worker_service.runner.step_buffers import StepBuffers
+from worker_service.step.step_buffers import StepBuffers
 
 HAS_CUDA = torch.cuda.is_available()
 BLOCK_SIZE = 4

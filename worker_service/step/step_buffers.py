@@ -41,7 +41,7 @@ from engine_common.request.params import COLUMN_KNOBS
 
 from kernels.attention.backend import AttentionMetadata
 from worker_service.failures import StepProtocolError
-from worker_service.runner.step_inputs import StepInputs
+from worker_service.step.step_inputs import StepInputs
 
 ALIGN_BYTES = 64
 

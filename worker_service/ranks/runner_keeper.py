@@ -27,7 +27,7 @@ from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.parallel_state import TPGroup
 from worker_service.runner.model_runner import ModelRunner
-from worker_service.runner.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
+from worker_service.ranks.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
 
 log = logging.getLogger(__name__)
 

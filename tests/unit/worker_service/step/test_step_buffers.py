@@ -11,14 +11,14 @@ import torch
 from engine_common.wire.diff import SchedulerOutput
 from tests.support.step_scenario import NUM_STEPS, PURE_DECODE_STEPS, RUNNER_LIMITS, scenario_diffs
 from worker_service.config import RunnerConfig
-from worker_service.runner.cuda_graphs import DecodeGraphRunner
+from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.runner.model_runner import ModelRunner
-from worker_service.runner.sampling_inputs import build_sampling_metadata
-from worker_service.runner.step_buffers import (ALIGN_BYTES, StepBuffers, StepTooLarge,
+from worker_service.sample.sampling_inputs import build_sampling_metadata
+from worker_service.step.step_buffers import (ALIGN_BYTES, StepBuffers, StepTooLarge,
                                                 attention_metadata, stage_step_inputs)
 from worker_service.failures import FailureKind, StepProtocolError, as_failure
-from worker_service.runner.diff_check import BadDiff
-from worker_service.runner.step_inputs import prepare_step_inputs
+from worker_service.batch.diff_check import BadDiff
+from worker_service.step.step_inputs import prepare_step_inputs
 
 
 def make_runner(model_dir: str, graph_path: bool = False) -> ModelRunner:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker_service.runner.input_batch import InputBatch
+from worker_service.batch.input_batch import InputBatch
 from worker_service.failures import StepProtocolError
 
 

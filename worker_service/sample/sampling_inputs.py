@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from engine_common.request.params import COLUMN_KNOBS, HISTORY_KNOBS, ID_SET_KNOBS
-from worker_service.runner.input_batch import InputBatch
+from worker_service.batch.input_batch import InputBatch
 from worker_service.sample.sampling_metadata import SamplingMetadata
-from worker_service.runner.step_buffers import StepBuffers
+from worker_service.step.step_buffers import StepBuffers
 
 
 def _opt(staging: StepBuffers, values: np.ndarray, off_value, dtype: torch.dtype,

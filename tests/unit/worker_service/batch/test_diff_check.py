@@ -1,4 +1,4 @@
-"""worker_service/runner/diff_check.py through a real ModelRunner: every garbage payload kind is
+"""worker_service/batch/diff_check.py through a real ModelRunner: every garbage payload kind is
 refused as BAD_PAYLOAD (a bad value) or BAD_STATE (a handle the cache does not have) naming what
 is wrong, before any of it is applied; never INTERNAL; and after a reset the runner gives the
 same tokens as a fresh one."""
@@ -14,7 +14,7 @@ from tests.support.deep_constraints import lark_chain
 from tests.support.garbage_diffs import Limits, PREFILL, clean_run, enc, garbage_cases, new
 from worker_service.config import RunnerConfig
 from worker_service.failures import FailureKind, as_failure
-from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
+from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.runner.model_runner import ModelRunner
 
 LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
@@ -108,7 +108,7 @@ def test_a_handle_recycled_in_the_same_diff_is_accepted():
     """finished_handles are applied before new_requests: a handle may be finished and reused by
     a new request in one diff, as the scheduler recycles them."""
     import numpy as np
-    from worker_service.runner.cached_request import CachedRequestState
+    from worker_service.batch.cached_request import CachedRequestState
     cached = {0: CachedRequestState(0, [1, 2], None, [0], 0)}
     diff = SchedulerOutput(1, finished_handles=[0], new_requests=[new(0, blocks=[1])])
     check_diff(diff, _bounds(), cached, {0: 0}, np.ones(2, dtype=np.int32))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
-from worker_service.runner.cached_request import CachedRequestState
+from worker_service.batch.cached_request import CachedRequestState
 
 
 class BatchFullError(RuntimeError):

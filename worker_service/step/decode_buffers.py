@@ -14,7 +14,7 @@ writes nothing. query_start_loc is 0, 1, 2, ... (one query row per request) and 
 Block-table columns past a step's width may hold ids from earlier steps: they are valid block
 ids and no kernel reads past ceil(seq_len / block_size) blocks.
 
-The inputs come from the runner's staging (worker_service/runner/step_buffers.py): `stage` writes the
+The inputs come from the runner's staging (worker_service/step/step_buffers.py): `stage` writes the
 padded rows into the staging arenas on the host (they reach the device with the step's one copy
 per dtype), and `load` copies them device to device into these buffers, three copies:
 
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kernels.attention.backend import AttentionMetadata
-from worker_service.runner.step_buffers import StepBuffers
+from worker_service.step.step_buffers import StepBuffers
 
 TOKEN_ROWS = ("input_ids", "positions", "slot_mapping")     # the rows of `tokens`
 TOKEN_PAD = np.array([0, 0, -1], dtype=np.int64)             # their padding values
