@@ -156,7 +156,7 @@ def _cmd_scheduler(args) -> int:
         with _startup_errors():
             return run_scheduler(workers, args.listen, settings.worker, settings.policy,
                                  settings.server, on_ready=on_ready, should_stop=front.gone,
-                                 api=settings.api, worker_auth=auth)
+                                 api=settings.api, worker_auth=auth, on_drain=front.stop)
     finally:
         front.stop()
 

@@ -196,7 +196,8 @@ def serve(args) -> int:
                              settings.policy, settings.server,
                              on_ready=on_ready,
                              should_stop=worker_gone, exit_on_refusal=True, api=settings.api,
-                             worker_auth=WorkerAuth(token=token))
+                             worker_auth=WorkerAuth(token=token),
+                             on_drain=front.stop if front is not None else None)
     finally:
         if front is not None:
             front.stop()

@@ -247,11 +247,13 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                           on_ready: Callable[[SchedulerServer], None] | None = None,
                           should_stop: Callable[[], str | None] | None = None,
                           exit_on_refusal: bool = False, *, api: ApiOptions = ApiOptions(),
-                          worker_auth: WorkerAuth = WorkerAuth()) -> int:
+                          worker_auth: WorkerAuth = WorkerAuth(),
+                          on_drain: Callable[[], None] | None = None) -> int:
     """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
     (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
-    refuse the first Init's settings); then drain and stop. Returns an exit code: 0, 1 when
-    `should_stop` stopped it, 2 when the workers refused the settings."""
+    refuse the first Init's settings); then run `on_drain` (in a thread: it may stop a front
+    whose last requests still need this server) and drain and stop. Returns an exit code: 0, 1
+    when `should_stop` stopped it, 2 when the workers refused the settings."""
     app = build_scheduler_server(workers, listen, worker, policy, options, api=api,
                                  worker_auth=worker_auth)
     stop = asyncio.Event()
@@ -269,11 +271,16 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                                          refused if exit_on_refusal else None))
     await stop.wait()
     watcher.cancel()
+    # Why it stopped, read before on_drain stops what should_stop may be watching.
+    reason = should_stop() if should_stop else None
+    if on_drain is not None:
+        # A front first (the OpenAI gateway): its open streams (KV events) would otherwise hold
+        # the drain for the whole grace period.
+        await asyncio.to_thread(on_drain)
     log.info("draining (grace period %.1f s)", app.grace_period_s)
     await app.stop()
     if refused:
         return 2
-    reason = should_stop() if should_stop else None
     return 1 if reason else 0
 
 
@@ -308,7 +315,8 @@ def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                   on_ready: Callable[[SchedulerServer], None] | None = None,
                   should_stop: Callable[[], str | None] | None = None,
                   exit_on_refusal: bool = False, *, api: ApiOptions = ApiOptions(),
-                  worker_auth: WorkerAuth = WorkerAuth()) -> int:
+                  worker_auth: WorkerAuth = WorkerAuth(),
+                  on_drain: Callable[[], None] | None = None) -> int:
     """Blocking `serve_scheduler` with logging to stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
@@ -316,7 +324,7 @@ def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
         on_ready = _print_ready(listen)
     return asyncio.run(serve_scheduler(workers, listen, worker, policy, options, on_ready,
                                        should_stop, exit_on_refusal, api=api,
-                                       worker_auth=worker_auth))
+                                       worker_auth=worker_auth, on_drain=on_drain))
 
 
 def _print_ready(listen: str) -> Callable[[SchedulerServer], None]:

@@ -49,6 +49,10 @@ class InputBatch:
         self.num_logprobs = np.zeros(r, dtype=np.int32)
         self.stop_ids: list[tuple[int, ...]] = [()] * r
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * r
+        # Entries per row of each list-valued knob: a step finds the rows that set one with a
+        # vector test instead of a Python loop over every row.
+        self.num_entries = {name: np.zeros(r, dtype=np.int32)
+                            for name in ("logit_bias", *self.id_sets)}
 
     # -- membership -------------------------------------------------------------------------
 
@@ -129,10 +133,12 @@ class InputBatch:
             getattr(self, k.name)[row] = k.column_value(getattr(sp, k.name))
         for k in ID_SET_KNOBS:
             self.id_sets[k.name][row] = getattr(sp, k.name)
+            self.num_entries[k.name][row] = len(getattr(sp, k.name))
         self.seeds[row] = state.sampling.seed
         self.min_tokens[row] = state.sampling.min_tokens
         self.stop_ids[row] = state.sampling.stop_ids
         self.logit_bias[row] = sp.logit_bias
+        self.num_entries["logit_bias"][row] = len(sp.logit_bias)
         self.num_logprobs[row] = state.num_logprobs
 
     _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "seeds",
@@ -150,6 +156,8 @@ class InputBatch:
         self.logit_bias[dst] = self.logit_bias[src]
         for rows in self.id_sets.values():
             rows[dst] = rows[src]
+        for counts in self.num_entries.values():
+            counts[dst] = counts[src]
         handle = self.handles[src]
         self.handles[dst] = handle
         self.handles[src] = None

@@ -19,6 +19,7 @@ from engine_common.wire.diff import RunnerOutput, SchedulerOutput
 from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import HISTORY_KNOBS
+from engine_common.runtime.progress import heartbeat
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.batch.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
@@ -126,7 +127,9 @@ class ModelRunner:
             return config.num_kv_blocks
         if config.gpu_memory_utilization is None or self.device.type != "cuda":
             return cpu_num_kv_blocks(config.kv_budget_bytes, self.kv_block_bytes)
-        profile = self.profile_kv_memory(config.gpu_memory_utilization)
+        with heartbeat(f"profiling KV memory on {self.device} with a warm-up step of "
+                       f"{config.max_num_batched_tokens} tokens", emit=log.info):
+            profile = self.profile_kv_memory(config.gpu_memory_utilization)
         log.info("KV memory on %s: %s", self.device, profile)
         return profile.num_blocks
 

@@ -48,11 +48,17 @@ def stop_mask_pairs(batch: InputBatch, rows: np.ndarray, counters: np.ndarray,
     return np.stack([pair_rows, pair_ids])
 
 
+def rows_setting(batch: InputBatch, name: str, rows: np.ndarray) -> np.ndarray:
+    """int64 indices into `rows` of the rows whose list-valued knob `name` is not empty."""
+    return np.flatnonzero(batch.num_entries[name][rows]).astype(np.int64)
+
+
 def logit_bias_pairs(batch: InputBatch, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(int64 [2, K] of (index into rows, token id), float32 [K] of biases) of the rows'
     logit_bias entries."""
-    biases = [batch.logit_bias[r] for r in rows]
-    pair_rows = np.repeat(np.arange(len(rows), dtype=np.int64), [len(b) for b in biases])
+    some = rows_setting(batch, "logit_bias", rows)
+    biases = [batch.logit_bias[rows[i]] for i in some]
+    pair_rows = np.repeat(some, [len(b) for b in biases])
     flat = [pair for b in biases for pair in b]
     ids = np.fromiter((t for t, _ in flat), dtype=np.int64, count=len(flat))
     values = np.fromiter((v for _, v in flat), dtype=np.float32, count=len(flat))
@@ -82,9 +88,10 @@ def id_set_pairs(batch: InputBatch, rows: np.ndarray) -> dict[str, np.ndarray]:
     """int64 [2, K] of (index into rows, token id) per id-set knob some row sets."""
     pairs = {}
     for k in ID_SET_KNOBS:
-        sets = [batch.id_sets[k.name][r] for r in rows]
-        if any(sets):
-            pair_rows = np.repeat(np.arange(len(rows), dtype=np.int64), [len(x) for x in sets])
+        some = rows_setting(batch, k.name, rows)
+        if len(some):
+            sets = [batch.id_sets[k.name][rows[i]] for i in some]
+            pair_rows = np.repeat(some, [len(x) for x in sets])
             ids = np.fromiter((t for x in sets for t in x), dtype=np.int64, count=len(pair_rows))
             pairs[k.name] = np.stack([pair_rows, ids])
     return pairs

@@ -28,13 +28,17 @@ per-kernel launch cost that dominates small batches. Rules:
 from __future__ import annotations
 
 import bisect
+import logging
 
 import numpy as np
 import torch
 from torch import nn
 
+from engine_common.runtime.progress import Progress
 from worker_service.step.decode_buffers import DecodeBuffers, StagedDecode
 from worker_service.step.step_buffers import StepBuffers
+
+log = logging.getLogger(__name__)
 
 SMALL_GRAPH_SIZES = (1, 2, 4, 8)
 GRAPH_SIZE_STEP = 16
@@ -118,6 +122,9 @@ class DecodeGraphRunner:
             raise RuntimeError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.buffers.reset()
         pool = torch.cuda.graph_pool_handle()
+        # The long step after the weights on a GPU (seconds to a minute): say how far it is.
+        progress = Progress(f"capturing decode CUDA graphs on {self.device}", len(self.sizes),
+                            "batch sizes", emit=log.info)
         for batch in reversed(self.sizes):
             self._forward(batch)
             torch.cuda.synchronize(self.device)
@@ -125,6 +132,7 @@ class DecodeGraphRunner:
             with torch.cuda.graph(graph, pool=pool):
                 self._forward(batch)
             self.graphs[batch] = graph
+            progress.advance()
         torch.cuda.synchronize(self.device)
 
     def run(self, num_reqs: int, input_ids: np.ndarray, positions: np.ndarray,
