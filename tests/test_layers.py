@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dswire", "engine_common", "kernels", "scheduler_service", "worker_service",
             "deltaserve", "bench")
 
-# engine_common's folders, lowest first: each imports only those before it (and wire the stubs).
+# engine_common's folders, lowest first: each imports only those before it; wire alone the stubs.
 _ENGINE_COMMON = ("engine_common.request", "engine_common.configuration", "engine_common.runtime",
                   "engine_common.constraints", "engine_common.model_files", "engine_common.text",
                   "engine_common.security", "engine_common.wire")
@@ -215,6 +215,13 @@ def test_the_cli_may_not_import_the_bench_that_sits_above_it():
 
 def test_every_import_is_allowed_by_the_layer_table(graph):
     assert forbidden_imports(graph) == []
+
+
+def test_every_engine_common_module_lives_in_a_folder_of_the_table(modules):
+    """A module dropped flat into engine_common/ would sit in the package room, which imports
+    nothing: it belongs in the folder of its concern."""
+    assert [m for m in modules if _longest(LAYERS, m) == "engine_common" and m != "engine_common"] \
+        == []
 
 
 def test_the_scheduler_side_never_reaches_worker_or_kernel_code(graph):
