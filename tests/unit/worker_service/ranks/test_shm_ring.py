@@ -92,10 +92,12 @@ class _Readers:
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments():
-    """Every test leaves /dev/shm as it found it (our prefix only)."""
-    before = set(glob.glob(f"/dev/shm/{SHM_PREFIX}*"))
+    """Every test leaves /dev/shm as it found it: the segments this process made (their names
+    carry its pid; other processes on the machine may be making and freeing their own)."""
+    ours = f"/dev/shm/{SHM_PREFIX}{os.getpid()}_*"
+    before = set(glob.glob(ours))
     yield
-    leaked = set(glob.glob(f"/dev/shm/{SHM_PREFIX}*")) - before
+    leaked = set(glob.glob(ours)) - before
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
 
 
