@@ -15,18 +15,19 @@ install: $(VENV)/.installed
 	$(PY) -m deltaserve.default_model
 
 # pip prints each package it fetches (about 2-3 minutes on a fresh clone); each long step says
-# what it is doing and how long it took.
+# what it is doing, how long it has run every 10 s, and how long it took (STEP runs a command
+# under engine_common/runtime/progress.py's heartbeat; it needs only the standard library).
+STEP = $(PY) -m engine_common.runtime.progress
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar off "$(TORCH_SPEC)"
-	@echo "installing DeltaServe and its extras (dev, worker, openai)..."
-	$(PY) -m pip install --progress-bar off -e ".[dev,worker,openai]"
+	$(PY) -c "import torch" 2>/dev/null || \
+	  $(STEP) "installing $(TORCH_SPEC)" -- $(PY) -m pip install --progress-bar off "$(TORCH_SPEC)"
+	$(STEP) "installing DeltaServe and its extras (dev, worker, openai)" -- \
+	  $(PY) -m pip install --progress-bar off -e ".[dev,worker,openai]"
 	# The CPU kernels (kernels/cpu): built now rather than at first use; a failure only means
 	# the torch fallbacks run.
-	@echo "building CPU kernels (about 1-3 minutes)..."; start=$$(date +%s); \
-	  $(PY) -m kernels.cpu.extension || true; \
-	  echo "CPU kernels: done in $$(( $$(date +%s) - start )) s"
+	$(STEP) "building CPU kernels (about 1-3 minutes)" -- $(PY) -m kernels.cpu.extension || true
 	touch $@
 
 # Everything: unit, integration, end-to-end (real processes) and, on a GPU, the GPU tests. CI runs this.
@@ -37,9 +38,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
-# Regenerate the gRPC stubs (deltaserve/v1/) from proto/; tests/unit/engine_common/test_protos.py fails when stale.
+# Regenerate the gRPC stubs (dswire/) from proto/; tests/unit/engine_common/wire/test_protos.py fails when stale.
 proto: install
-	$(PY) -m engine_common.gen_protos
+	$(PY) -m engine_common.wire.gen_protos
 
 # The embedded default: one worker and the scheduler on this machine, in the foreground, with
 # gRPC on localhost:50051 and the OpenAI API (the smg gateway) on 127.0.0.1:8000.

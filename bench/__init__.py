@@ -6,5 +6,6 @@ step_timer   observes LLMEngine steps: which were pure decode, how long, how muc
 bandwidth    bytes a decode step must read, and the device's measured copy bandwidth
 hf_baseline  transformers `generate()` on the same prompts, over a few batch sizes
 report       the result block appended to bench/results.md
+isa          the CPU's description, and --isa avx2 (an AVX2 machine emulated) for bench.peers
 throughput   the command: `python -m bench.throughput --preset qwen3-0.6b --vs-transformers`
 """

@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 from bench.attention_batch import (CHECK_TOL, BackendRun, Session, Shape,  # noqa: F401
                                    make_batch, make_decode_batch)

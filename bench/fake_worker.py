@@ -1,5 +1,5 @@
 """A model-free worker for driving the scheduler alone: it applies each encoded diff as
-engine_common/diff.py says a worker must and "samples" a fixed token stream, nothing else.
+engine_common/wire/diff.py says a worker must and "samples" a fixed token stream, nothing else.
 
 It keeps, per handle, only what decides whether a request samples this step (tokens known and
 tokens computed); block tables are checked only for length (enough blocks for the computed
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.codec import decode_runner_output, decode_scheduler_output, encode_runner_output
-from engine_common.diff import RunnerOutput
+from engine_common.wire.codec import decode_runner_output, decode_scheduler_output, encode_runner_output
+from engine_common.wire.diff import RunnerOutput
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 from bench.kernel_timing import resolve_kernel_bench_device, time_calls
 from bench.report import add_report_flags, append_block, git_commit

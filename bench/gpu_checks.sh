@@ -57,7 +57,7 @@ SUMMARY="$OUT_DIR/summary.txt"
 : >"$SUMMARY"
 NOTE="device run via bench/gpu_checks.sh${DS_COMMIT:+, tree at commit $DS_COMMIT}"
 EXPLICIT_TESTS=(tests/unit/kernels/test_triton_attention.py
-                tests/unit/worker_service/runner/test_cuda_graphs.py
+                tests/unit/worker_service/step/test_cuda_graphs.py
                 tests/unit/worker_service/runner/test_kv_profiler.py
                 tests/unit/kernels/test_flash_attn_backend.py tests/gpu/test_engine_bf16.py)
 

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 from bench.grpc_paths import EngineSettings, PathRun, run_grpc, run_in_process
 from bench.report import add_report_flags, append_block, git_commit

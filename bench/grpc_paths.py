@@ -15,7 +15,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 
 from bench.services import Services, ServiceError
 from bench.workload import Workload
@@ -197,7 +197,7 @@ async def _warm_then_time(target: str, warmup: Workload, workload: Workload) -> 
 
 
 async def _stream_workload(channel, workload: Workload, tag: str) -> PathRun:
-    from engine_common.protos import generation_pb2_grpc
+    from engine_common.wire.protos import generation_pb2_grpc
 
     stub = generation_pb2_grpc.GenerationStub(channel)
     start = time.perf_counter()
@@ -211,7 +211,7 @@ async def _stream_workload(channel, workload: Workload, tag: str) -> PathRun:
 async def _stream_one(stub, request_id: str, prompt: list[int], max_tokens: int,
                       start: float) -> tuple[list[int], float]:
     """(token ids, seconds from `start` to the first token) of one greedy Generate stream."""
-    from engine_common.protos import generation_pb2 as pb
+    from engine_common.wire.protos import generation_pb2 as pb
 
     request = pb.GenerateRequest(
         request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(temperature=0.0),

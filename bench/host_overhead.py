@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.peers.isa import describe_cpu
+from bench.isa import describe_cpu
 from bench.report import append_block, git_commit
 
 CHILD = Path(__file__).resolve().parent / "host_overhead_child.py"
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_dir() -> str:
     """The 1-layer, hidden-64 model of the tiny test tokenizer, built once in the cache."""
-    from deltaserve.paths import cache_dir
+    from engine_common.runtime.paths import cache_dir
     from worker_service.models.tiny_model import make_tiny_model
 
     out = cache_dir() / "presets" / "host-overhead"
@@ -156,7 +156,7 @@ async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[float
     """Per request: (last token time - first token time) / (tokens - 1), in ms."""
     import grpc
 
-    from engine_common.protos import generation_pb2 as pb, generation_pb2_grpc
+    from engine_common.wire.protos import generation_pb2 as pb, generation_pb2_grpc
 
     async def one(stub, i: int) -> float:
         request = pb.GenerateRequest(

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from deltaserve.llm import LLM
-    from engine_common.params import SamplingParams, StoppingParams
+    from engine_common.request.params import SamplingParams, StoppingParams
 
     model_dir, num_seqs, output_len = argv[0], int(argv[1]), int(argv[2])
     device_ms = None if argv[3] == "none" else float(argv[3])

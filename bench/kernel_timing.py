@@ -6,13 +6,13 @@ import time
 
 import torch
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 
 def resolve_kernel_bench_device(requested: str) -> str:
     """'cuda' or 'cpu' for --device auto|cpu|cuda. On CPU, Triton kernels run in its interpreter,
     which is read when triton is first imported, so this must run before that."""
-    from deltaserve.paths import resolve_device
+    from engine_common.runtime.paths import resolve_device
 
     device = resolve_device(requested)
     if device == "cuda" and not torch.cuda.is_available():

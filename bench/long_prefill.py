@@ -54,7 +54,7 @@ def make_llm(model: str, budget: int, policy: bool):
 def ttfts(llm, prompts: dict[str, list[int]], delays: dict[str, float]) -> dict[str, float]:
     """Add each prompt once its delay has passed (checked between steps), step until every
     one has its first token; seconds from its arrival to its first token, by name."""
-    from engine_common.params import SamplingParams, StoppingParams
+    from engine_common.request.params import SamplingParams, StoppingParams
     from scheduler_service.core.request import Request
 
     llm.reset_prefix_cache()

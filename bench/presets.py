@@ -84,7 +84,7 @@ class UnknownPreset(ValueError):
 
 def presets_cache_dir() -> Path:
     """Where built presets live: $XDG_CACHE_HOME/deltaserve/presets (or ~/.cache/...)."""
-    from deltaserve.paths import cache_dir
+    from engine_common.runtime.paths import cache_dir
 
     return cache_dir() / "presets"
 
@@ -174,7 +174,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _tiny_tokenizer(out: Path) -> dict:
-    from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
+    from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
     return make_tiny_tokenizer_dir(out)
 
@@ -182,7 +182,7 @@ def _tiny_tokenizer(out: Path) -> dict:
 def _copy_tokenizer(src: Path, out: Path) -> dict:
     """Copy a model directory's tokenizer files into out; returns its vocab size (the model's
     config.json) and first EOS id (generation_config.json, else config.json)."""
-    from engine_common.model_dir import ModelInfo
+    from engine_common.model_files.model_dir import ModelInfo
 
     info = ModelInfo.from_dir(src)
     out.mkdir(parents=True, exist_ok=True)

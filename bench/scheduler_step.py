@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from engine_common.codec import encode_scheduler_output
-from engine_common.config import SchedulerConfig
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.wire.codec import encode_scheduler_output
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from deltaserve.llm import LLM
-from engine_common.chat_template import encode_chat
-from engine_common.codec import decode_scheduler_output
-from engine_common.constraint import Constraint
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.text.chat_template import encode_chat
+from engine_common.wire.codec import decode_scheduler_output
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import SamplingParams, StoppingParams
 
 PEOPLE = {"type": "array", "minItems": 64, "items": {
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

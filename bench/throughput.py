@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_common.params import ParamError, SamplingParams, StoppingParams
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 
 from bench.report import (BenchResult, add_report_flags, append_block, format_block,
                           format_lines)
@@ -76,6 +76,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     return p
 
 
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """`deltaserve bench`: pyproject declares this in the deltaserve.commands entry point group,
+    which deltaserve/cli.py reads, so the CLI needs no import of bench."""
+    p = sub.add_parser("bench", help="offline throughput of the in-process engine "
+                                     "(appends bench/results.md)")
+    build_parser(p).set_defaults(run_command=run_and_report)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.throughput ARGS`: run, print, append to the results file."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -101,7 +109,7 @@ def run_and_report(args: argparse.Namespace, command: str | None = None) -> int:
 
 def run(args: argparse.Namespace) -> BenchResult:
     """The whole benchmark: our engine, then (optionally) transformers, then the copy ceiling."""
-    from deltaserve.paths import resolve_device
+    from engine_common.runtime.paths import resolve_device
     from worker_service.device_info import describe_device
 
     device = resolve_device(args.device)
@@ -134,7 +142,7 @@ def run(args: argparse.Namespace) -> BenchResult:
 
 def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]:
     """LLM keyword arguments from the flags, and notes on flags this engine does not have."""
-    from engine_common.config import SchedulerConfig
+    from engine_common.configuration.config import SchedulerConfig
     from worker_service.config import RunnerConfig
 
     kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention_backend,

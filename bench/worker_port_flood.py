@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.services import Services
 from deltaserve.default_model import default_model_dir
-from engine_common.protos import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
+from engine_common.wire.protos import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 
 KINDS = ("reflection", "health_watch", "step")
 

@@ -22,8 +22,8 @@ import argparse
 import random
 from dataclasses import dataclass, replace
 
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError
 from bench.presets import PRESETS, preset_dir
 
 # Prompt ids are drawn from [0, PROMPT_ID_LIMIT) (or the vocabulary, if smaller), as nano-vllm does.

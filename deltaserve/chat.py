@@ -18,9 +18,10 @@ from typing import Callable, TextIO
 
 import grpc
 
-from deltaserve.client import add_connection_flags, open_channel, set_options
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
+from deltaserve.client import (add_connection_flags, add_sampling_flags, open_channel,
+                               set_options)
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc
 
 DEFAULT_MAX_TOKENS = 512
 HELP = ("/reset clears the history, /exit or Ctrl-D leaves; Ctrl-C stops an answer while it "
@@ -35,11 +36,7 @@ def build_parser(p: argparse.ArgumentParser, default_target: str) -> argparse.Ar
     p.add_argument("--system", default=None, help="a system message opening the chat")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"longest answer in tokens (default: {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
-    p.add_argument("--top-p", type=float, default=None, help="default: the server's (1)")
-    p.add_argument("--top-k", type=int, default=None, help="default: the server's (0: off)")
-    p.add_argument("--min-p", type=float, default=None, help="default: the server's (0: off)")
-    p.add_argument("--seed", type=int, default=None, help="default: the server draws one")
+    add_sampling_flags(p)
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline of one answer in seconds (default: none)")
     add_connection_flags(p)

@@ -1,4 +1,5 @@
-"""The `deltaserve` command: worker, scheduler, serve (both on this machine), generate and chat.
+"""The `deltaserve` command: worker, scheduler, serve (both on this machine), generate and chat,
+and the subcommands other packages declare (`bench`).
 
 Heavy modules are imported inside each subcommand: `deltaserve scheduler` and `deltaserve
 generate` never import torch, so they run where torch is not installed.
@@ -9,13 +10,14 @@ import argparse
 import contextlib
 import logging
 import sys
+from importlib.metadata import entry_points
 
-from deltaserve.client import add_connection_flags
+from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
-from engine_common.config import WorkerServiceOptions
-from engine_common.settings import add_flags, from_args
-from engine_common.worker_auth import WorkerCredentials
+from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.configuration.settings import add_flags, from_args
+from engine_common.security.worker_auth import WorkerCredentials
 from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
@@ -29,6 +31,11 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # have flags of their own. Its worker is authenticated by a token `serve` makes for each run (no
 # credential flags, no --insecure, no model root).
 SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen", "insecure", "model_root")
+# Subcommands declared by other packages (pyproject's [project.entry-points."deltaserve.commands"]):
+# each entry names a function that adds its subparser to the subparsers it is given and sets
+# `run_command` on it. The bench registers `deltaserve bench` so: this top module imports nothing
+# of bench, and bench sits below it in the layer table.
+COMMAND_GROUP = "deltaserve.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,11 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt as comma-separated token ids instead of text")
     p.add_argument("--max-tokens", type=int, default=64, help="default: 64")
     p.add_argument("--min-tokens", type=int, default=0, help="default: 0")
-    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
-    p.add_argument("--top-p", type=float, default=None, help="default: the server's (1)")
-    p.add_argument("--top-k", type=int, default=None, help="default: the server's (0: off)")
-    p.add_argument("--min-p", type=float, default=None, help="default: the server's (0: off)")
-    p.add_argument("--seed", type=int, default=None, help="default: the server draws one")
+    add_sampling_flags(p)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past eos")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -95,9 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.build_parser(sub.add_parser("chat", help="chat with the served model (streaming; "
                                      "one question, or interactive)"), DEFAULT_TARGET)
 
-    from bench import throughput as bench_throughput  # torch-free at import
-    bench_throughput.build_parser(sub.add_parser(
-        "bench", help="offline throughput of the in-process engine (appends bench/results.md)"))
+    for command in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        command.load()(sub)
     return parser
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `deltaserve` console script."""
     args = build_parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        return (_COMMANDS.get(args.command) or args.run_command)(args)
     except KeyboardInterrupt:
         return 130
     except CliError as e:
@@ -154,7 +156,7 @@ def _cmd_scheduler(args) -> int:
         with _startup_errors():
             return run_scheduler(workers, args.listen, settings.worker, settings.policy,
                                  settings.server, on_ready=on_ready, should_stop=front.gone,
-                                 api=settings.api, worker_auth=auth)
+                                 api=settings.api, worker_auth=auth, on_drain=front.stop)
     finally:
         front.stop()
 
@@ -169,8 +171,8 @@ def _cmd_serve(args) -> int:
 @contextlib.contextmanager
 def _startup_errors():
     """Bad engine flags, a bad model directory or a port in use: one line, not a traceback."""
-    from engine_common.model_dir import ModelDirError
-    from engine_common.params import ParamError
+    from engine_common.model_files.model_dir import ModelDirError
+    from engine_common.request.params import ParamError
 
     try:
         yield
@@ -190,14 +192,8 @@ def _cmd_chat(args) -> int:
     return run_chat(args)
 
 
-def _cmd_bench(args) -> int:
-    from bench import throughput
-
-    return throughput.run_and_report(args)
-
-
 _COMMANDS = {"worker": _cmd_worker, "scheduler": _cmd_scheduler, "serve": _cmd_serve,
-             "generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}
+             "generate": _cmd_generate, "chat": _cmd_chat}
 
 if __name__ == "__main__":
     sys.exit(main())

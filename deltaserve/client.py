@@ -1,7 +1,7 @@
 """`deltaserve generate`: stream one completion from a running scheduler to the terminal.
 
 The text goes to stdout as it arrives; the finish reason and token counts go to stderr at the end.
-Torch-free: only grpc and the generated stubs.
+Torch-free: grpc, the generated stubs and the sampling knobs (engine_common.request.params).
 """
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import sys
 
 import grpc
 
-from engine_common.grpc_metadata import with_metadata
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
+from engine_common.security.grpc_metadata import with_metadata
+from engine_common.request.params import KNOBS
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc
 
 
 def build_request(args) -> pb.GenerateRequest:
@@ -26,12 +27,23 @@ def build_request(args) -> pb.GenerateRequest:
     return req
 
 
+# The knobs with a flag: those declared with help for one (engine_common/request/params.py).
+FLAG_KNOBS = tuple(k for k in KNOBS if k.meta.help)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-p, ...: one flag per declared knob that has a help text."""
+    for k in FLAG_KNOBS:
+        p.add_argument("--" + k.name.replace("_", "-"), type=int if k.meta.integer else float,
+                       default=None, help=k.meta.help)
+
+
 def set_options(req: pb.GenerateRequest, args) -> None:
     """Sampling and stopping fields from the flags the subcommand has (unset ones stay unset)."""
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-        value = getattr(args, name, None)
+    for k in FLAG_KNOBS:
+        value = getattr(args, k.name, None)
         if value is not None:
-            setattr(req.sampling, name, value)
+            setattr(req.sampling, k.name, value)
     req.stopping.max_tokens = args.max_tokens
     req.stopping.min_tokens = getattr(args, "min_tokens", 0)
     req.stopping.stop.extend(getattr(args, "stop", []))

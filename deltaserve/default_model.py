@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from deltaserve.paths import cache_dir
-from engine_common.chat_template import TEMPLATE_FILE
-from engine_common.gguf_config import generation_config_from_gguf, hf_config_from_gguf
-from engine_common.gguf_file import GGUFFile
-from engine_common.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
+from engine_common.text.chat_template import TEMPLATE_FILE
+from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
+from engine_common.model_files.gguf_file import GGUFFile
+from engine_common.model_files.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
+from engine_common.runtime.paths import cache_dir
 from worker_service.models.gguf_weights import iter_gguf_weights
 
 Log = Callable[[str], None]

@@ -26,14 +26,14 @@ from deltaserve.child_process import die_with_parent, stop_process
 from deltaserve.default_model import DefaultModelError, ensure_default_model
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import OpenAIFront, openai_front
-from deltaserve.paths import cache_dir
-from engine_common.chat_template import load_chat_template
-from engine_common.config import WorkerServiceOptions
-from engine_common.device_defaults import device_defaults
-from engine_common.listen_address import next_port
-from engine_common.model_dir import ModelInfo
-from engine_common.settings import from_args, to_flags
-from engine_common.worker_auth import WorkerAuth, new_token
+from engine_common.text.chat_template import load_chat_template
+from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.configuration.device_defaults import device_defaults
+from engine_common.configuration.listen_address import next_port
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.runtime.paths import cache_dir
+from engine_common.configuration.settings import from_args, to_flags
+from engine_common.security.worker_auth import WorkerAuth, new_token
 from scheduler_service.api.engine_flags import engine_settings
 from scheduler_service.api.server import run_scheduler
 from worker_service.models.tp_sizes import check_tp_size
@@ -196,7 +196,8 @@ def serve(args) -> int:
                              settings.policy, settings.server,
                              on_ready=on_ready,
                              should_stop=worker_gone, exit_on_refusal=True, api=settings.api,
-                             worker_auth=WorkerAuth(token=token))
+                             worker_auth=WorkerAuth(token=token),
+                             on_drain=front.stop if front is not None else None)
     finally:
         if front is not None:
             front.stop()

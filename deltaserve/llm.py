@@ -14,15 +14,15 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from engine_common.chat_template import ChatMessage, encode_chat, load_chat_template
-from engine_common.codec import encode_runner_output
-from engine_common.config import SchedulerConfig
-from engine_common.constraint import Constraint
-from engine_common.device_defaults import device_defaults
-from engine_common.gc_heap import freeze_heap
-from engine_common.model_dir import ModelInfo
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.text.chat_template import ChatMessage, encode_chat, load_chat_template
+from engine_common.wire.codec import encode_runner_output
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.constraints.constraint import Constraint
+from engine_common.configuration.device_defaults import device_defaults
+from engine_common.runtime.gc_heap import freeze_heap
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -177,7 +177,7 @@ class LLM:
     and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
     limits (max_num_seqs, max_num_batched_tokens, max_model_len, block_size) are shared.
 
-    On CUDA the defaults of engine_common/device_defaults.py apply (async scheduling, a 16384
+    On CUDA the defaults of engine_common/configuration/device_defaults.py apply (async scheduling, a 16384
     token budget, fused norm and rope) unless given.
 
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import die_with_parent, stop_process
-from engine_common.listen_address import OFF, ListenAddress, split_listen
-from engine_common.params import ParamError
-from engine_common.settings import ReadableFile, add_flags, from_args, setting, validate
+from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
+from engine_common.request.params import ParamError
+from engine_common.configuration.settings import ReadableFile, add_flags, from_args, setting, validate
 
 DEFAULT_OPENAI_PORT = 8000          # vllm serve's
 SMG_INSTALL = "pip install 'deltaserve[openai]'"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.config import WorkerConfig
-from engine_common.params import ParamError
+from engine_common.configuration.config import WorkerConfig
+from engine_common.request.params import ParamError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from engine_common.codec import CodecError
+from engine_common.wire.codec import CodecError
 
 
 class FailureKind(enum.Enum):

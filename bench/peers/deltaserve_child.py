@@ -59,7 +59,7 @@ class InProcess:
             raise RuntimeError("the prefix cache could not be emptied: blocks still held")
 
     def generate(self, part: dict) -> list[list[int]]:
-        from engine_common.params import SamplingParams, StoppingParams
+        from engine_common.request.params import SamplingParams, StoppingParams
 
         stopping = [StoppingParams(max_tokens=n, ignore_eos=True) for n in part["output_lens"]]
         done = self.llm.generate(part["prompts"], SamplingParams(temperature=0.0), stopping)
@@ -117,7 +117,7 @@ class OverGrpc:
         """The scheduler's FlushCache RPC (vLLM's protocol, on the same port)."""
         import grpc
 
-        from engine_common.protos import smg_common_pb2, vllm_engine_pb2_grpc
+        from engine_common.wire.protos import smg_common_pb2, vllm_engine_pb2_grpc
 
         with grpc.insecure_channel(self.target) as channel:
             reply = vllm_engine_pb2_grpc.VllmEngineStub(channel).FlushCache(

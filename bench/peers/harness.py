@@ -10,7 +10,7 @@ on first use), warm up, then run the workload alternately (round r: vLLM first w
 --rounds times. Both get the same model threads (vLLM: VLLM_CPU_OMP_THREADS_BIND=0 or 0-(N-1);
 DeltaServe: torch threads), dtype, max_num_seqs, max_model_len, KV budget and prefix caching.
 Every block names the CPU and the ISA (--isa avx2 emulates an AVX2 machine for both engines:
-bench/peers/isa.py). Results are printed; --results-file appends them (nothing is written by
+bench/isa.py). Results are printed; --results-file appends them (nothing is written by
 default).
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError
 
+from bench.isa import ISAS, describe_cpu, describe_run, isa_env
 from bench.peers.engine_process import EngineFailed, EngineProcess
-from bench.peers.isa import ISAS, describe_cpu, describe_run, isa_env
 from bench.peers.protocol import group_cpu_seconds
 from bench.peers.report import Comparison, EngineRuns, format_block, format_lines
 from bench.peers.roofline import best_floor, measure_floor

@@ -6,7 +6,7 @@ the stdlib-only protocol module.
 
 The harness sets the environment: VLLM_CPU_OMP_THREADS_BIND (the model thread's cores),
 VLLM_CPU_KVCACHE_SPACE (GiB), VLLM_USE_AOT_COMPILE=0 (its compile cache then works across starts),
-and under --isa avx2 the variables of bench/peers/isa.py (see hide_wider_than_avx2).
+and under --isa avx2 the variables of bench/isa.py (see hide_wider_than_avx2).
 vLLM's engine core is a spawned process, hence the __main__ guard.
 """
 from __future__ import annotations

@@ -121,7 +121,7 @@ if [[ -n "$WORKER_TARGET" ]]; then
   else
     step "worker $WORKER_TARGET: Info without the worker token (refused unless the worker runs without one)"
     # (worker.proto from the repo: reflection, too, needs the token)
-    if out="$("$GRPCURL" -plaintext -import-path "$REPO/proto" -proto deltaserve/v1/worker.proto \
+    if out="$("$GRPCURL" -plaintext -import-path "$REPO/proto" -proto dswire/v1/worker.proto \
               "$WORKER_TARGET" deltaserve.v1.Worker/Info 2>&1)"; then
       echo "$out"
     else

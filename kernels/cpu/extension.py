@@ -176,6 +176,16 @@ def _compile_and_load(name: str, build_dir: Path, which: str) -> None:
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
 
 
+def needs_build(which: str | None = None) -> bool:
+    """True when load() would compile the library first (1-3 minutes): not loaded in this
+    process, not switched off, and no built file in the cache."""
+    which = which or isa()
+    if "ok" in _state.get(which, {}) or os.environ.get(ENV_SWITCH, "") == "0":
+        return False
+    name = library_name(which)
+    return not (build_root() / name / f"{name}.so").exists()
+
+
 def load(which: str | None = None) -> bool:
     """Build (if needed) and load the library for an ISA (default: the process's, isa()) once
     per process; True when its ops are ready."""

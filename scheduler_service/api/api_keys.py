@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 MIN_KEY_CHARS = 16
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))

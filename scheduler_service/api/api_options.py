@@ -1,4 +1,4 @@
-"""The public API's guards, declared once (engine_common/settings.py): TLS, API keys, and the
+"""The public API's guards, declared once (engine_common/configuration/settings.py): TLS, API keys, and the
 limits that keep one request from slowing the server down for everyone. Flags of `deltaserve
 scheduler` and `deltaserve serve`; everything is off or generous by default, so the quick start
 (plaintext on localhost, no key) works unchanged.
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.diff_limits import MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
-from engine_common.params import ParamError
-from engine_common.settings import AtLeast, ReadableFile, setting, validate
+from engine_common.request.diff_limits import MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.request.params import ParamError
+from engine_common.configuration.settings import AtLeast, ReadableFile, setting, validate
 
 MIB = 1 << 20
 

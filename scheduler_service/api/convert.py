@@ -1,29 +1,25 @@
 """Generation API protobuf <-> domain objects. Pure functions: no I/O, no engine state.
 
-Requests come in as `GenerateRequest` and leave as a `GenerateInput` of validated domain params;
+Requests come in as `GenerateRequest` and leave as the front door's `ValidatedRequest` (this
+module keeps only the field mapping; front_door.py does the conversions);
 every bad field raises `ParamError` naming the field (in proto terms, e.g. `sampling.top_p`), the
 value and the allowed range, which the servicer maps to INVALID_ARGUMENT. Outputs of the output
 processor go back as `GenerateResponse` messages.
 """
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
 from typing import Callable
 
-from engine_common.chat_template import ChatMessage
-from engine_common.constraint import Constraint
-from engine_common.params import ParamError, SamplingParams, StoppingParams
-from engine_common.protos import generation_pb2 as pb
+from engine_common.request.params import KNOBS, ParamError, SamplingParams
+from engine_common.wire.protos import generation_pb2 as pb
+from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, ValidatedRequest,
+                                              constraint_from_oneof, given_knobs, new_request_id,
+                                              prompt_from, sampling_from, stopping_from)
+from scheduler_service.api.request_limits import LimitedFields
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
 from scheduler_service.core.request import RequestStatus
 
-# Most top alternatives a request may ask for per token.
-MAX_LOGPROBS = 20
-
-# Proto field names equal the domain SamplingParams field names.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed")
+NAMES = FieldNames(sampling="sampling", stopping="stopping", constraint="constraint")
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: pb.LENGTH,
@@ -33,172 +29,61 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class GenerateInput:
-    """A validated GenerateRequest. Exactly one of prompt_text / prompt_token_ids /
-    prompt_messages is not None."""
-
-    request_id: str
-    prompt_text: str | None
-    prompt_token_ids: tuple[int, ...] | None
-    sampling: SamplingParams
-    stopping: StoppingParams
-    num_logprobs: int
-    priority: int
-    prompt_messages: tuple[ChatMessage, ...] | None = None
-    constraint: Constraint | None = None
-
-
-def new_request_id() -> str:
-    """A fresh server-assigned request id (32 hex characters)."""
-    return uuid.uuid4().hex
-
-
 def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = SamplingParams(),
                        vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
                        default_max_tokens: int | None = None,
-                       make_request_id: Callable[[], str] = new_request_id) -> GenerateInput:
+                       make_request_id: Callable[[], str] = new_request_id) -> ValidatedRequest:
     """Validate a GenerateRequest and convert it; raises ParamError on the first bad field.
 
     `defaults` fills unset sampling fields (temperature excepted: unset means greedy).
     `vocab_size`, when given, bounds prompt token ids and stop token ids.
     `default_max_tokens` applies when stopping.max_tokens is unset (None: up to max_model_len).
-    The prompt's length against max_model_len is checked after tokenization: check_prompt_length.
+    The prompt's length against max_model_len is checked after tokenization (FrontDoor).
     """
-    text, token_ids, messages = _prompt_from_proto(msg, vocab_size)
-    check_bias_vocab("sampling.logit_bias", msg.sampling.logit_bias, vocab_size)
+    prompt = {name: value for name, value in (("text", msg.text), ("token_ids", msg.token_ids),
+                                              ("messages", msg.messages))
+              if (msg.HasField("text") if name == "text" else len(value) > 0)}
+    text, token_ids, messages = prompt_from(
+        prompt, vocab_size, field_name="prompt", ids_field="token_ids",
+        allowed="exactly one of text, token_ids or messages")
+    sampling = sampling_from_proto(msg.sampling, defaults, vocab_size)
     if msg.logprobs > max_logprobs:
         raise ParamError("logprobs", msg.logprobs, f"in [0, {max_logprobs}]")
-    return GenerateInput(
+    return ValidatedRequest(
         request_id=msg.request_id or make_request_id(),
-        prompt_text=text,
-        prompt_token_ids=token_ids,
-        sampling=sampling_from_proto(msg.sampling, defaults),
-        stopping=stopping_from_proto(msg.stopping, default_max_tokens, vocab_size),
-        num_logprobs=msg.logprobs,
-        priority=msg.priority,
-        prompt_messages=messages,
-        constraint=constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None,
-    )
+        prompt_text=text, prompt_token_ids=token_ids, prompt_messages=messages,
+        sampling=sampling,
+        stopping=stopping_from(msg.stopping, NAMES.stopping, default_max_tokens, vocab_size),
+        num_logprobs=msg.logprobs, priority=msg.priority, names=NAMES,
+        constraint=constraint_from_oneof(msg.constraint, "kind"))
 
 
-def _prompt_from_proto(msg: pb.GenerateRequest, vocab_size: int | None):
-    """(text, token_ids, messages) with exactly one not None."""
-    given = [name for name, present in (("text", msg.HasField("text")),
-                                        ("token_ids", len(msg.token_ids) > 0),
-                                        ("messages", len(msg.messages) > 0)) if present]
-    if len(given) != 1:
-        raise ParamError("prompt", " and ".join(given) if given else "none given",
-                         "exactly one of text, token_ids or messages")
-    if given == ["text"]:
-        if not msg.text:
-            raise ParamError("text", msg.text, "a non-empty string")
-        return msg.text, None, None
-    if given == ["messages"]:
-        return None, None, messages_from_proto(msg.messages)
-    ids = tuple(msg.token_ids)
-    _check_vocab("token_ids", ids, vocab_size)
-    return None, ids, None
+def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
+    """What request_limits bounds, in this protocol's names (logprobs: request_from_proto)."""
+    st = msg.stopping
+    return LimitedFields(request_id=msg.request_id, text=msg.text, messages=msg.messages,
+                         stop_prefix=NAMES.stopping, stop=st.stop, stop_token_ids=st.stop_token_ids,
+                         constraint_prefix=NAMES.constraint, constraint_holder=msg.constraint,
+                         constraint_oneof="kind")
 
 
-def messages_from_proto(msgs) -> tuple[ChatMessage, ...]:
-    """ChatMessage protos -> domain messages; every role must be non-empty."""
-    for i, m in enumerate(msgs):
-        if not m.role:
-            raise ParamError(f"messages[{i}].role", m.role,
-                             "a non-empty string (system, user, assistant, ...)")
-    return tuple(ChatMessage(m.role, m.content) for m in msgs)
-
-
-def check_bias_vocab(name: str, logit_bias, vocab_size: int | None) -> None:
-    """Every logit_bias token id below vocab_size (ParamError names the id)."""
-    for token_id in sorted(logit_bias):
-        if vocab_size is not None and token_id >= vocab_size:
-            raise ParamError(f"{name}[{token_id}]", token_id,
-                             f"a token id in [0, {vocab_size - 1}] (vocab_size)")
-
-
-def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
-    if vocab_size is None:
-        return
-    for i, token_id in enumerate(ids):
-        if token_id >= vocab_size:
-            raise ParamError(f"{name}[{i}]", token_id, f"in [0, {vocab_size - 1}] (vocab_size)")
-
-
-def constraint_from_proto(msg: pb.Constraint) -> Constraint | None:
-    """The set kind of a Constraint with its shape checked (ParamError naming
-    `constraint.<kind>`); None when no kind is set. Not yet validated by the grammar engine:
-    that is checked_constraint, which the servicer runs on the tokenizer pool."""
-    return constraint_from_oneof(msg, "kind")
-
-
-def constraint_from_oneof(msg, oneof: str) -> Constraint | None:
-    """The same from any message whose oneof `oneof` has the Constraint fields (names and
-    shapes as in vLLM's SamplingParams.constraint): a kind we do not support (structural_tag)
-    is a ParamError naming it."""
-    kind = msg.WhichOneof(oneof)
-    if kind is None:
-        return None
-    value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
-    return Constraint(kind, value)
-
-
-def checked_constraint(constraint: Constraint | None) -> Constraint | None:
-    """The constraint once the grammar engine accepts it (ParamError naming
-    `constraint.<kind>` and quoting the engine's message). It costs up to the constraint's size
-    in llguidance time (which releases the GIL): servicers run it on the tokenizer pool, never
-    on the event loop."""
-    return None if constraint is None else constraint.validate()
-
-
-def sampling_from_proto(msg: pb.SamplingParams,
-                        defaults: SamplingParams = SamplingParams()) -> SamplingParams:
+def sampling_from_proto(msg: pb.SamplingParams, defaults: SamplingParams = SamplingParams(),
+                        vocab_size: int | None = None) -> SamplingParams:
     """Unset fields take `defaults`; an unset temperature is 0 (greedy) whatever the defaults."""
-    values = {name: getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
-              for name in _SAMPLING_FIELDS}
-    if not msg.HasField("temperature"):
-        values["temperature"] = 0.0
-    try:
-        return SamplingParams(**values, logit_bias=dict(msg.logit_bias))
-    except ParamError as e:
-        raise ParamError(f"sampling.{e.field}", e.value, e.allowed) from None
+    given = given_knobs(msg)
+    given.setdefault("temperature", 0.0)
+    return sampling_from(given, msg.logit_bias, defaults, NAMES.sampling, vocab_size)
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    """Every field set (seed only when not None): for publishing defaults in GetModelInfo."""
+    """Every scalar knob set (seed only when not None): for publishing defaults in
+    GetModelInfo."""
     msg = pb.SamplingParams()
-    for name in _SAMPLING_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
+    for k in KNOBS:
+        value = getattr(params, k.name)
+        if value is not None and not k.meta.ids:
+            setattr(msg, k.name, value)
     return msg
-
-
-def stopping_from_proto(msg: pb.StoppingCriteria, default_max_tokens: int | None = None,
-                        vocab_size: int | None = None) -> StoppingParams:
-    """Unset max_tokens takes `default_max_tokens` (None: until max_model_len)."""
-    _check_vocab("stopping.stop_token_ids", msg.stop_token_ids, vocab_size)
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens
-    try:
-        return StoppingParams(
-            max_tokens=max_tokens, min_tokens=msg.min_tokens, stop=tuple(msg.stop),
-            stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-            include_stop_str_in_output=msg.include_stop_str_in_output)
-    except ParamError as e:
-        raise ParamError(f"stopping.{e.field}", e.value, e.allowed) from None
-
-
-def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Raise ParamError unless the prompt leaves room for at least one token (and max_tokens)."""
-    if num_prompt_tokens >= max_model_len:
-        raise ParamError("prompt", f"{num_prompt_tokens} tokens",
-                         f"at most {max_model_len - 1} tokens (max_model_len {max_model_len})")
-    room = max_model_len - num_prompt_tokens
-    if max_tokens is not None and max_tokens > room:
-        raise ParamError("stopping.max_tokens", max_tokens,
-                         f"<= {room} (max_model_len {max_model_len} - {num_prompt_tokens} "
-                         "prompt tokens)")
 
 
 def finish_reason_to_proto(status: RequestStatus | None) -> int:

@@ -1,13 +1,13 @@
 """The engine flags of `deltaserve scheduler` and `deltaserve serve`, derived from the settings'
-declarations (engine_common/settings.py): SchedulerConfig, WorkerConfig, ServerOptions and
+declarations (engine_common/configuration/settings.py): SchedulerConfig, WorkerConfig, ServerOptions and
 ApiOptions (the public port's TLS, API keys and request limits)."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from engine_common.config import SchedulerConfig, WorkerConfig
-from engine_common.settings import add_flags, from_args
+from engine_common.configuration.config import SchedulerConfig, WorkerConfig
+from engine_common.configuration.settings import add_flags, from_args
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.server import ServerOptions
 

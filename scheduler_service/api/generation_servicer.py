@@ -12,59 +12,27 @@ never on the event loop, so one long prompt or big constraint cannot stall the o
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import grpc
 
-from engine_common.chat_template import ChatTemplate, encode_chat
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError, SamplingParams
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc
-from engine_common.tokenizer import Tokenizer
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.convert import (check_prompt_length, checked_constraint,
-                                           messages_from_proto, output_to_proto,
-                                           request_from_proto, sampling_to_proto)
+from scheduler_service.api.convert import (limited_fields, output_to_proto, request_from_proto,
+                                           sampling_to_proto)
+from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requests, abort_with,
+                                              messages_from_proto)
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
 from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
                                          scoped_id)
-from scheduler_service.api.request_limits import (check_generate_limits, check_prompt_can_fit,
-                                                  check_tokenize_limits)
+from scheduler_service.api.request_limits import check_prompt_can_fit, check_tokenize_limits
 from scheduler_service.api.tokenizer_pool import TokenizerPool
-from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
 from scheduler_service.api.status import status_for
-
-log = logging.getLogger(__name__)
-
-_ABORT_TIMEOUT_SECONDS = 5.0
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the Generation service publishes about the model and the engine's shape."""
-
-    info: ModelInfo
-    tokenizer: Tokenizer
-    block_size: int
-    num_workers: int = 1
-    default_sampling: SamplingParams = SamplingParams()
-    chat_template: ChatTemplate | None = None
-    # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
-    # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
-    prompt_chars_fit: int = field(init=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "prompt_chars_fit",
-                           self.info.max_model_len * self.tokenizer.max_token_bytes())
-
-    def chat_prompt_ids(self, messages) -> list[int]:
-        """Token ids of chat messages, rendered with the model's template (ParamError if none)."""
-        return encode_chat(self.tokenizer, self.chat_template, messages, repr(self.info.name))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -81,7 +49,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._tp_size = tp_size
         self._options = options
         self._keys = keys
-        self._tokenize_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
+        self._door = FrontDoor(model, options, tokenizer_pool)
         self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
 
     # -- Generate ---------------------------------------------------------------------------
@@ -106,7 +74,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         except Exception as e:  # every failure becomes one status, through one function
             self._count_failure(e, streamed)
-            await _abort_with(context, e)
+            await abort_with(context, e)
         finally:
             if owned is not None:
                 self._owners.pop(owned, None)
@@ -131,31 +99,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The engine's request (its id scoped to the caller's key); the prompt tokenized in
         `pool_share`'s share of the tokenizer threads."""
         info = self._model.info
-        check_generate_limits(msg, self._options)
-        check_prompt_can_fit(msg, self._model.prompt_chars_fit, info.max_model_len)
+        self._door.check_limits(msg, limited_fields(msg))
         policy.check_priority(msg.priority)
         req = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
-        if req.constraint is not None:
-            await self._offload(pool_share, checked_constraint, req.constraint)
-        if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
-        elif req.prompt_messages is not None:
-            ids = await self._offload(pool_share, self._model.chat_prompt_ids,
-                                      req.prompt_messages)
-        else:
-            ids = await self._offload(pool_share, self._model.tokenizer.encode, req.prompt_text)
-        check_prompt_length(len(ids), req.stopping.max_tokens, info.max_model_len)
-        return Request(scoped_id(caller, req.request_id), ids, req.sampling, req.stopping,
-                       info.eos_token_ids,
-                       num_logprobs=req.num_logprobs, priority=req.priority,
-                       constraint=req.constraint, cache_salt=policy.salt)
-
-    async def _offload(self, caller: str, fn, *args):
-        """Tokenizing, chat rendering and constraint validation run on the pool, within
-        `caller`'s share of it: the event loop keeps serving the other streams meanwhile."""
-        return await self._tokenize_pool.run(fn, *args, caller=caller)
+        ids = await self._door.prompt_ids(req, pool_share)
+        return self._door.engine_request(req, scoped_id(caller, req.request_id), ids,
+                                         policy.salt)
 
     def _token_text(self, token_id: int) -> str:
         return self._model.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -168,12 +119,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         caller = caller_of(context)
         scoped = (scoped_id(caller, rid) for rid in request.request_ids)
         ids = [rid for rid in scoped if self._owners.get(rid) == caller]
-        try:
-            num = await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
-                                         _ABORT_TIMEOUT_SECONDS)
-        except asyncio.TimeoutError:
-            await _abort_with(context, EngineUnavailable("the engine did not answer the abort"))
-        return pb.AbortResponse(num_aborted=num)
+        return pb.AbortResponse(num_aborted=await abort_requests(self._engine, ids, context))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         """Token ids of the text or chat, exactly as a Generate prompt is tokenized."""
@@ -185,12 +131,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                  self._model.info.max_model_len)
             caller = pool_caller(context)
             if request.messages:
-                ids = await self._offload(caller, self._model.chat_prompt_ids,
-                                          messages_from_proto(request.messages))
+                ids = await self._door.offload(caller, self._model.chat_prompt_ids,
+                                               messages_from_proto(request.messages))
             else:
-                ids = await self._offload(caller, self._model.tokenizer.encode, request.text)
+                ids = await self._door.offload(caller, self._model.tokenizer.encode, request.text)
         except Exception as e:
-            await _abort_with(context, e)
+            await abort_with(context, e)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
@@ -219,9 +165,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_workers=self._model.num_workers,
             num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks)
 
-
-async def _abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    code, message = status_for(error)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("internal error", exc_info=error)
-    await context.abort(code, message)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import grpc
 
-from engine_common.grpc_metadata import same_shape_handler
+from engine_common.security.grpc_metadata import same_shape_handler
 from scheduler_service.api.api_keys import ADMIN_METHODS, KeyBook, KeyPolicy, fingerprint
 
 AUTH_KEY = "authorization"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine_common.tls import read_pem, server_credentials
+from engine_common.security.tls import read_pem, server_credentials
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.api_keys import KeyBook, load_api_keys
 from scheduler_service.api.guard import Gate

@@ -2,7 +2,7 @@
 
 The stock grpc_reflection servicer answers from the default descriptor pool, whose descriptors
 carry no comments, so `grpcurl describe` would print bare names. This one answers from
-FileDescriptorProtos kept with their source info (engine_common.protos), plus grpc.health.v1.
+FileDescriptorProtos kept with their source info (engine_common.wire.protos), plus grpc.health.v1.
 
 It is served under both service names clients use: grpc.reflection.v1alpha.ServerReflection
 (grpcurl <= 1.8.6, most tools) and grpc.reflection.v1.ServerReflection (newer clients); the two
@@ -19,7 +19,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
-from engine_common.protos import documented_file_descriptors
+from engine_common.wire.protos import documented_file_descriptors
 
 REFLECTION_SERVICES = ("grpc.reflection.v1alpha.ServerReflection",
                        "grpc.reflection.v1.ServerReflection")

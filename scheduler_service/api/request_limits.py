@@ -5,34 +5,43 @@ naming the field, what was sent and the flag that sets the limit.
 """
 from __future__ import annotations
 
-from engine_common.params import ParamError
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import vllm_engine_pb2 as vpb
+from dataclasses import dataclass
+from typing import Sequence
+
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 
 MAX_REQUEST_ID_CHARS = 256
 
 
-def check_generate_limits(msg: pb.GenerateRequest, options: ApiOptions) -> None:
-    check_request_id(msg.request_id)
-    if msg.HasField("text"):
-        check_prompt_chars("text", msg.text, options)
-    check_messages_chars(msg.messages, options)
-    check_stops("stopping", msg.stopping.stop, msg.stopping.stop_token_ids, options)
-    if msg.HasField("constraint"):
-        check_constraint_chars("constraint", msg.constraint, "kind", options)
+@dataclass(frozen=True)
+class LimitedFields:
+    """The parts of a request the limits bound, as its protocol names them (each protocol's
+    convert module maps its message onto this: `limited_fields`)."""
+
+    request_id: str
+    text: str
+    messages: Sequence
+    stop_prefix: str                 # errors name `<stop_prefix>.stop` / `.stop_token_ids`
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    constraint_prefix: str           # errors name `<constraint_prefix>.<kind>`
+    constraint_holder: object        # the message whose oneof `constraint_oneof` holds it
+    constraint_oneof: str
+    logprobs_field: str = ""         # "" when the protocol checks logprobs while converting
+    logprobs: int = 0
 
 
-def check_vllm_generate_limits(msg: vpb.GenerateRequest, options: ApiOptions) -> None:
-    """The same limits on a VllmEngine GenerateRequest (the smg gateway's), naming its fields."""
-    check_request_id(msg.request_id)
-    if msg.WhichOneof("input") == "text":
-        check_prompt_chars("text", msg.text, options)
-    sp = msg.sampling_params
-    check_stops("sampling_params", sp.stop, sp.stop_token_ids, options)
-    check_constraint_chars("sampling_params", sp, "constraint", options)
-    if sp.HasField("logprobs") and sp.logprobs > options.max_logprobs:
-        raise ParamError("sampling_params.logprobs", sp.logprobs,
+def check_request_limits(f: LimitedFields, options: ApiOptions) -> None:
+    """Every per-request limit, the first one exceeded a ParamError naming the field."""
+    check_request_id(f.request_id)
+    check_prompt_chars("text", f.text, options)
+    check_messages_chars(f.messages, options)
+    check_stops(f.stop_prefix, f.stop, f.stop_token_ids, options)
+    check_constraint_chars(f.constraint_prefix, f.constraint_holder, f.constraint_oneof, options)
+    if f.logprobs_field and f.logprobs > options.max_logprobs:
+        raise ParamError(f.logprobs_field, f.logprobs,
                          f"in [0, {options.max_logprobs}] (--max-logprobs)")
 
 

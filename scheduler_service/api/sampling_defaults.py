@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_common.model_dir import ModelDirError, load_json, read_model_configs
-from engine_common.params import ParamError, SamplingParams
+from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
+from engine_common.request.params import KNOBS, ParamError, SamplingParams
 
 AUTO, VLLM = "auto", "vllm"
 # generation_config.json keys vLLM takes as sampling defaults (max_new_tokens aside).
-_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-         "repetition_penalty": float}
+_KEYS = {k.name: int if k.meta.integer else float for k in KNOBS if k.meta.generation_config}
 _UNSET_TEMPERATURE = 1.0
 
 

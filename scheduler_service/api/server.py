@@ -24,24 +24,25 @@ from typing import Callable
 
 import grpc
 
-from engine_common.chat_template import load_chat_template
-from engine_common.config import SchedulerConfig, WorkerConfig, limits_of
-from engine_common.gc_heap import freeze_heap
-from engine_common.listen_address import ListenAddress
-from engine_common.metrics_http import MetricsServer, start_metrics_server
-from engine_common.model_dir import ModelInfo
-from engine_common.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
+from engine_common.text.chat_template import load_chat_template
+from engine_common.configuration.config import SchedulerConfig, WorkerConfig, limits_of
+from engine_common.runtime.gc_heap import freeze_heap
+from engine_common.configuration.listen_address import ListenAddress
+from engine_common.runtime.metrics_http import MetricsServer, start_metrics_server
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.wire.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
                                   vllm_engine_pb2_grpc)
-from engine_common.settings import AtLeast, AtLeastZero, Positive, ReadableFile, setting, validate
-from engine_common.tokenizer import Tokenizer
-from engine_common.worker_auth import WorkerAuth
+from engine_common.configuration.settings import AtLeast, AtLeastZero, Positive, ReadableFile, setting, validate
+from engine_common.text.tokenizer import Tokenizer
+from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.front_door import ServedModel
+from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection
@@ -246,11 +247,13 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                           on_ready: Callable[[SchedulerServer], None] | None = None,
                           should_stop: Callable[[], str | None] | None = None,
                           exit_on_refusal: bool = False, *, api: ApiOptions = ApiOptions(),
-                          worker_auth: WorkerAuth = WorkerAuth()) -> int:
+                          worker_auth: WorkerAuth = WorkerAuth(),
+                          on_drain: Callable[[], None] | None = None) -> int:
     """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
     (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
-    refuse the first Init's settings); then drain and stop. Returns an exit code: 0, 1 when
-    `should_stop` stopped it, 2 when the workers refused the settings."""
+    refuse the first Init's settings); then run `on_drain` (in a thread: it may stop a front
+    whose last requests still need this server) and drain and stop. Returns an exit code: 0, 1
+    when `should_stop` stopped it, 2 when the workers refused the settings."""
     app = build_scheduler_server(workers, listen, worker, policy, options, api=api,
                                  worker_auth=worker_auth)
     stop = asyncio.Event()
@@ -268,11 +271,16 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                                          refused if exit_on_refusal else None))
     await stop.wait()
     watcher.cancel()
+    # Why it stopped, read before on_drain stops what should_stop may be watching.
+    reason = should_stop() if should_stop else None
+    if on_drain is not None:
+        # A front first (the OpenAI gateway): its open streams (KV events) would otherwise hold
+        # the drain for the whole grace period.
+        await asyncio.to_thread(on_drain)
     log.info("draining (grace period %.1f s)", app.grace_period_s)
     await app.stop()
     if refused:
         return 2
-    reason = should_stop() if should_stop else None
     return 1 if reason else 0
 
 
@@ -307,7 +315,8 @@ def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                   on_ready: Callable[[SchedulerServer], None] | None = None,
                   should_stop: Callable[[], str | None] | None = None,
                   exit_on_refusal: bool = False, *, api: ApiOptions = ApiOptions(),
-                  worker_auth: WorkerAuth = WorkerAuth()) -> int:
+                  worker_auth: WorkerAuth = WorkerAuth(),
+                  on_drain: Callable[[], None] | None = None) -> int:
     """Blocking `serve_scheduler` with logging to stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
@@ -315,7 +324,7 @@ def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
         on_ready = _print_ready(listen)
     return asyncio.run(serve_scheduler(workers, listen, worker, policy, options, on_ready,
                                        should_stop, exit_on_refusal, api=api,
-                                       worker_auth=worker_auth))
+                                       worker_auth=worker_auth, on_drain=on_drain))
 
 
 def _print_ready(listen: str) -> Callable[[SchedulerServer], None]:

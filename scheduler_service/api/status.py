@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 from scheduler_service.core.admission import QueueFull, RequestRejected
 from scheduler_service.errors import EngineUnavailable, RequestFailed
 

@@ -16,10 +16,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_common.gguf_config import generation_config_from_gguf, hf_config_from_gguf
-from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
-from engine_common.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
-from engine_common.model_dir import ModelDirError
+from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_files.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
+from engine_common.model_files.model_dir import ModelDirError
 
 # What a Hugging Face tokenizer (and a gateway applying its chat template) reads.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json",

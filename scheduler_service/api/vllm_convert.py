@@ -1,12 +1,13 @@
 """vllm.grpc.engine protobuf (the Shepherd Model Gateway's worker protocol) <-> domain objects.
 Pure functions: no I/O, no engine state.
 
-Requests: a `GenerateRequest` becomes a `VllmGenerateInput` of validated domain params. A field
-we cannot honour is refused, never ignored: ParamError naming it (INVALID_ARGUMENT at the edge).
-The `constraint` oneof of SamplingParams (structured output) maps 1:1 onto engine_common's
-Constraint (json_schema, regex, grammar, json_object, choice), its shape checked here and
-validated by the grammar engine at admission (checked_vllm_constraint, which the servicer runs on
-the tokenizer pool); `structural_tag` is refused by name.
+Requests: a `GenerateRequest` becomes the front door's `ValidatedRequest` (this module keeps
+only the field mapping; front_door.py does the conversions). A field we cannot honour is
+refused, never ignored: ParamError naming it (INVALID_ARGUMENT at the edge). The `constraint`
+oneof of SamplingParams (structured output) maps 1:1 onto engine_common's Constraint
+(json_schema, regex, grammar, json_object, choice), its shape checked here and validated by the
+grammar engine at admission (FrontDoor.prompt_ids, on the tokenizer pool); `structural_tag` is
+refused by name.
 Proto3 scalars have no "unset": a sampling field left at 0 takes the server default (published
 in GetModelInfo.default_sampling_params_json), and so does an unset `temperature`.
 
@@ -21,18 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from engine_common.constraint import Constraint
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError, SamplingParams, StoppingParams
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
-from scheduler_service.api.convert import (MAX_LOGPROBS, check_bias_vocab, check_prompt_length,
-                                           checked_constraint, constraint_from_oneof)
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
+from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, ValidatedRequest,
+                                              constraint_from_oneof, constraint_named,
+                                              given_knobs,
+                                              new_request_id, prompt_from, sampling_from,
+                                              stopping_from)
+from scheduler_service.api.request_limits import LimitedFields
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
@@ -41,7 +43,7 @@ from scheduler_service.engine.output_processor import RequestOutput, TokenLogpro
 # Most parallel samples (`n`) one request may ask for.
 MAX_N = 128
 # The sampling defaults published in default_sampling_params_json (the keys vLLM publishes).
-DEFAULT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+DEFAULT_SAMPLING_KEYS = tuple(k.name for k in KNOBS if k.meta.generation_config)
 _SEED_RANGE = 2**32          # a negative int32 seed s samples as s + 2**32
 _CHILD_SEED_MODULUS = 2**63  # child i of a seeded n > 1 request samples with seed + i
 
@@ -68,33 +70,21 @@ _UNSUPPORTED_SAMPLING_FIELDS = (
 )
 
 
-@dataclass(frozen=True)
-class VllmGenerateInput:
-    """A validated GenerateRequest. Exactly one of prompt_text / prompt_token_ids is not None.
-    `num_logprobs` None: no logprobs asked; k: the sampled token's and k alternatives."""
-
-    request_id: str
-    prompt_text: str | None
-    prompt_token_ids: tuple[int, ...] | None
-    sampling: SamplingParams
-    stopping: StoppingParams
-    num_logprobs: int | None
-    n: int
-    stream: bool
-    constraint: Constraint | None = None
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
+NAMES = FieldNames(sampling="sampling_params", stopping="sampling_params",
+                   constraint="sampling_params")
 
 
 def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = SamplingParams(),
                        vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS,
-                       make_request_id: Callable[[], str] = new_request_id) -> VllmGenerateInput:
+                       make_request_id: Callable[[], str] = new_request_id) -> ValidatedRequest:
     """Validate a GenerateRequest and convert it; raises ParamError on the first bad field.
     `max_logprobs`: the most alternatives per token a request may ask for (--max-logprobs)."""
     refuse_unsupported(msg)
-    text, ids = _prompt_from_proto(msg, vocab_size)
+    kind = msg.WhichOneof("input")
+    prompt = {} if kind is None else {
+        "text": msg.text} if kind == "text" else {"tokenized.input_ids": msg.tokenized.input_ids}
+    text, ids, _ = prompt_from(prompt, vocab_size, field_name="input", ids_field=
+                               "tokenized.input_ids", allowed="tokenized.input_ids or text")
     sp = msg.sampling_params
     n = sp.n or 1
     if n > MAX_N:
@@ -105,10 +95,23 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
         if not 0 <= num_logprobs <= max_logprobs:
             raise ParamError("sampling_params.logprobs", num_logprobs,
                              f"in [0, {max_logprobs}] (-1, every token, is not supported)")
-    return VllmGenerateInput(
+    with constraint_named(NAMES.constraint):
+        constraint = constraint_from_oneof(sp, "constraint")
+    return ValidatedRequest(
         request_id=msg.request_id or make_request_id(), prompt_text=text, prompt_token_ids=ids,
-        sampling=sampling_from_proto(sp, defaults), stopping=stopping_from_proto(sp, vocab_size),
-        num_logprobs=num_logprobs, n=n, stream=msg.stream, constraint=constraint_from_proto(sp))
+        sampling=sampling_from_proto(sp, defaults, vocab_size),
+        stopping=stopping_from(sp, NAMES.stopping, None, vocab_size),
+        num_logprobs=num_logprobs, names=NAMES, n=n, stream=msg.stream, constraint=constraint)
+
+
+def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
+    """What request_limits bounds, in this protocol's names."""
+    sp = msg.sampling_params
+    return LimitedFields(request_id=msg.request_id, text=msg.text, messages=(),
+                         stop_prefix=NAMES.stopping, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+                         constraint_prefix=NAMES.constraint, constraint_holder=sp,
+                         constraint_oneof="constraint", logprobs_field="sampling_params.logprobs",
+                         logprobs=sp.logprobs if sp.HasField("logprobs") else 0)
 
 
 def refuse_unsupported(msg: pb.GenerateRequest) -> None:
@@ -128,98 +131,14 @@ def refuse_unsupported(msg: pb.GenerateRequest) -> None:
             raise ParamError(f"sampling_params.{name}", getattr(sp, name), allowed)
 
 
-def constraint_from_proto(sp: pb.SamplingParams) -> Constraint | None:
-    """The structured-output constraint SamplingParams carries (None when unset), its shape
-    checked: a bad one is a ParamError on `sampling_params.<kind>`. The grammar engine's
-    validation is checked_vllm_constraint (run on the tokenizer pool).
-    `grammar_from_first_token` changes nothing here: DeltaServe runs no reasoning parser, so
-    every constraint starts at the first generated token."""
-    with _sampling_params_fields():
-        return constraint_from_oneof(sp, "constraint")
-
-
-def checked_vllm_constraint(constraint: Constraint | None) -> Constraint | None:
-    """checked_constraint (llguidance's validation; slow, so on the tokenizer pool) naming
-    `sampling_params.<kind>` with the engine's message."""
-    with _sampling_params_fields():
-        return checked_constraint(constraint)
-
-
-@contextmanager
-def _sampling_params_fields():
-    """ParamErrors on `constraint.<kind>` renamed to this protocol's `sampling_params.<kind>`."""
-    try:
-        yield
-    except ParamError as e:
-        field = e.field.replace("constraint.", "sampling_params.", 1)
-        raise ParamError(field, e.value, e.allowed) from None
-
-
-def _prompt_from_proto(msg: pb.GenerateRequest, vocab_size: int | None
-                       ) -> tuple[str | None, tuple[int, ...] | None]:
-    kind = msg.WhichOneof("input")
-    if kind is None:
-        raise ParamError("input", "unset", "tokenized.input_ids or text")
-    if kind == "text":
-        if not msg.text:
-            raise ParamError("text", msg.text, "a non-empty string")
-        return msg.text, None
-    ids = tuple(msg.tokenized.input_ids)
-    if not ids:
-        raise ParamError("tokenized.input_ids", [], "at least one token id")
-    _check_vocab("tokenized.input_ids", ids, vocab_size)
-    return None, ids
-
-
-def _check_vocab(name: str, ids, vocab_size: int | None) -> None:
-    if vocab_size is None:
-        return
-    for i, token_id in enumerate(ids):
-        if token_id >= vocab_size:
-            raise ParamError(f"{name}[{i}]", token_id, f"in [0, {vocab_size - 1}] (vocab_size)")
-
-
-def sampling_from_proto(sp: pb.SamplingParams,
-                        defaults: SamplingParams = SamplingParams()) -> SamplingParams:
+def sampling_from_proto(sp: pb.SamplingParams, defaults: SamplingParams = SamplingParams(),
+                        vocab_size: int | None = None) -> SamplingParams:
     """A field at 0 (and an unset temperature or seed) takes `defaults`. A negative seed s
     samples as s + 2**32 (the proto's seed is int32; ours is non-negative)."""
-    temperature = sp.temperature if sp.HasField("temperature") else defaults.temperature
-    seed = defaults.seed
+    given = given_knobs(sp)
     if sp.HasField("seed"):
-        seed = sp.seed if sp.seed >= 0 else sp.seed + _SEED_RANGE
-    try:
-        return SamplingParams(
-            temperature=temperature, top_p=sp.top_p or defaults.top_p,
-            top_k=sp.top_k or defaults.top_k, min_p=sp.min_p or defaults.min_p,
-            repetition_penalty=sp.repetition_penalty or defaults.repetition_penalty,
-            presence_penalty=sp.presence_penalty or defaults.presence_penalty,
-            frequency_penalty=sp.frequency_penalty or defaults.frequency_penalty, seed=seed,
-            logit_bias=dict(sp.logit_bias))
-    except ParamError as e:
-        raise ParamError(f"sampling_params.{e.field}", e.value, e.allowed) from None
-
-
-def stopping_from_proto(sp: pb.SamplingParams, vocab_size: int | None = None) -> StoppingParams:
-    """An unset max_tokens generates until max_model_len."""
-    _check_vocab("sampling_params.stop_token_ids", sp.stop_token_ids, vocab_size)
-    check_bias_vocab("sampling_params.logit_bias", sp.logit_bias, vocab_size)
-    try:
-        return StoppingParams(
-            max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
-            min_tokens=sp.min_tokens, stop=tuple(sp.stop),
-            stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-            include_stop_str_in_output=sp.include_stop_str_in_output)
-    except ParamError as e:
-        raise ParamError(f"sampling_params.{e.field}", e.value, e.allowed) from None
-
-
-def check_prompt_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """check_prompt_length, naming this protocol's field."""
-    try:
-        check_prompt_length(num_prompt_tokens, max_tokens, max_model_len)
-    except ParamError as e:
-        field = e.field.replace("stopping.", "sampling_params.")
-        raise ParamError(field, e.value, e.allowed) from None
+        given["seed"] = sp.seed if sp.seed >= 0 else sp.seed + _SEED_RANGE
+    return sampling_from(given, sp.logit_bias, defaults, NAMES.sampling, vocab_size)
 
 
 def child_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

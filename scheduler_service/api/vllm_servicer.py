@@ -23,34 +23,31 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from engine_common.params import ParamError
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.generation_servicer import ServedModel
+from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
+                                              abort_requests, abort_with)
 from scheduler_service.api.api_keys import KeyBook
 from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
-from scheduler_service.api.request_limits import check_prompt_can_fit, check_vllm_generate_limits
-from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
-from scheduler_service.api.vllm_convert import (EngineShape, VllmGenerateInput, check_prompt_fits,
-                                                checked_vllm_constraint, child_sampling,
+from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 chunk_to_proto, complete_to_proto,
-                                                kv_batch_to_proto, model_info_to_proto,
+                                                kv_batch_to_proto, limited_fields,
+                                                model_info_to_proto,
                                                 request_from_proto, scheduler_load_to_proto,
                                                 server_info_to_proto)
 from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
 from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
-from scheduler_service.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
 
-_ABORT_TIMEOUT_SECONDS = 5.0
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 MAX_FLUSH_WAIT_SECONDS = 3600.0
 VERSION = "deltaserve-0.1.0"
@@ -76,7 +73,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._engine = engine
         self._options = options
         self._keys = keys
-        self._tokenizer_pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
+        self._door = FrontDoor(model, options, tokenizer_pool)
         self._model = model
         self._shape = shape
         self._kv_events = kv_events
@@ -100,28 +97,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
-            await _abort_with(context, e)
+            await abort_with(context, e)
 
     async def _validate(self, msg: pb.GenerateRequest, caller: str
-                        ) -> tuple[VllmGenerateInput, list[int]]:
+                        ) -> tuple[ValidatedRequest, list[int]]:
         """Limits first, then the conversion; the constraint is validated and a text prompt
         tokenized on the pool, within `caller`'s share of it."""
         info = self._model.info
-        check_vllm_generate_limits(msg, self._options)
-        check_prompt_can_fit(msg, self._model.prompt_chars_fit, info.max_model_len)
+        self._door.check_limits(msg, limited_fields(msg))
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
-        if inp.constraint is not None:
-            await self._tokenizer_pool.run(checked_vllm_constraint, inp.constraint,
-                                           caller=caller)
-        ids = (list(inp.prompt_token_ids) if inp.prompt_token_ids is not None
-               else await self._tokenizer_pool.run(self._model.tokenizer.encode,
-                                                   inp.prompt_text, caller=caller))
-        check_prompt_fits(len(ids), inp.stopping.max_tokens, info.max_model_len)
-        return inp, ids
+        return inp, await self._door.prompt_ids(inp, caller)
 
-    async def _run(self, inp: VllmGenerateInput, prompt_ids: list[int], caller: str,
+    async def _run(self, inp: ValidatedRequest, prompt_ids: list[int], caller: str,
                    cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
         key = scoped_id(caller, inp.request_id)     # each API key has its own ids
         ids = (key,) if inp.n == 1 else tuple(f"{key}-{i}" for i in range(inp.n))
@@ -129,7 +118,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
         self._children[key] = (caller, ids)
         try:
-            requests = [self._engine_request(inp, rid, prompt_ids, i, cache_salt)
+            requests = [self._door.engine_request(inp, rid, prompt_ids, cache_salt,
+                                                  child_sampling(inp.sampling, i))
                         for i, rid in enumerate(ids)]
             choices = [_Choice() for _ in ids]
             async for index, out in self._outputs(requests):
@@ -137,13 +127,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     yield msg
         finally:
             self._children.pop(key, None)
-
-    def _engine_request(self, inp: VllmGenerateInput, request_id: str, prompt_ids: list[int],
-                        index: int, cache_salt: str) -> Request:
-        return Request(request_id, list(prompt_ids), child_sampling(inp.sampling, index),
-                       inp.stopping, self._model.info.eos_token_ids,
-                       num_logprobs=inp.num_logprobs or 0, constraint=inp.constraint,
-                       cache_salt=cache_salt)
 
     async def _outputs(self, requests: list[Request]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -165,11 +148,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         ids = [cid for entry in owned if entry is not None and entry[0] == caller
                for cid in entry[1]]
         log.info("Abort %s", ", ".join(request.request_ids))
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(self._engine.abort(ids)),
-                                   _ABORT_TIMEOUT_SECONDS)
-        except asyncio.TimeoutError:
-            await _abort_with(context, EngineUnavailable("the engine did not answer the abort"))
+        await abort_requests(self._engine, ids, context)
         return pb.AbortResponse()
 
     async def HealthCheck(self, request, context) -> pb.HealthCheckResponse:
@@ -186,7 +165,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         idle. The message says why a flush did not happen."""
         timeout_s = request.timeout_s
         if not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_FLUSH_WAIT_SECONDS):
-            await _abort_with(context, ParamError(
+            await abort_with(context, ParamError(
                 "timeout_s", timeout_s, f">= 0 and <= {MAX_FLUSH_WAIT_SECONDS:g} seconds"))
         flushed, message = await asyncio.wrap_future(self._engine.flush_prefix_cache(timeout_s))
         log.info("FlushCache(timeout_s=%g): %s", timeout_s, message)
@@ -216,7 +195,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             bundle = await self._bundle()
         except Exception as e:
-            await _abort_with(context, e)
+            await abort_with(context, e)
         pieces = chunks(bundle.data, TOKENIZER_CHUNK_BYTES)
         for i, piece in enumerate(pieces):
             yield cpb.GetTokenizerChunk(data=piece,
@@ -250,7 +229,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile is not supported")
 
 
-def _messages(inp: VllmGenerateInput, index: int, out: RequestOutput,
+def _messages(inp: ValidatedRequest, index: int, out: RequestOutput,
               choice: _Choice) -> list[pb.GenerateResponse]:
     """The messages one engine output of choice `index` turns into."""
     if inp.stream:
@@ -299,9 +278,3 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-
-async def _abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
-    code, message = status_for(error)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("internal error", exc_info=error)
-    await context.abort(code, message)

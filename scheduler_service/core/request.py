@@ -5,8 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine_common.constraint import Constraint
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import SamplingParams, StoppingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -37,9 +37,9 @@ import random
 import time
 from collections.abc import Iterable
 
-from engine_common.config import SchedulerConfig
-from engine_common.params import ParamError
-from engine_common.diff import RunnerOutput, SchedulerOutput
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import ParamError
+from engine_common.wire.diff import RunnerOutput, SchedulerOutput
 from scheduler_service.core.admission import QueueFull, RequestRejected, check_admission
 from scheduler_service.core.handles import HandleAllocator
 from scheduler_service.core.kv_cache_manager import KVCacheManager

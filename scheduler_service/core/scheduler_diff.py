@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutput
-from engine_common.params import WorkerSamplingParams
+from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.request.params import WorkerSamplingParams
 from scheduler_service.core.request import Request
 
 

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine_common.codec import decode_runner_output, encode_scheduler_output
+from engine_common.wire.codec import decode_runner_output, encode_scheduler_output
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.token_update import TokenUpdate

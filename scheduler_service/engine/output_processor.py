@@ -28,8 +28,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine_common.params import StoppingParams
-from engine_common.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine_common.request.params import StoppingParams
+from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.token_update import TokenUpdate
 from scheduler_service.errors import RequestFailed

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import grpc
 
-from engine_common.grpc_metadata import with_metadata
-from engine_common.tls import channel_credentials
-from engine_common.worker_auth import WorkerAuth
+from engine_common.security.grpc_metadata import with_metadata
+from engine_common.security.tls import channel_credentials
+from engine_common.security.worker_auth import WorkerAuth
 
 # Large payloads (whole prompts), keepalive pings every few seconds so a dead link is noticed,
 # and quick reconnects so a restarted worker is found again within a second or two.

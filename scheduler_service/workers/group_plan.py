@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from engine_common.protos import worker_pb2
+from engine_common.wire.protos import worker_pb2
 from scheduler_service.errors import WorkerFailure
 
 

@@ -40,10 +40,10 @@ import time
 
 import grpc
 
-from engine_common.params import ParamError
-from engine_common.protos import worker_pb2, worker_pb2_grpc
-from engine_common.settings import to_proto
-from engine_common.worker_auth import WorkerAuth
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.configuration.settings import to_proto
+from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group

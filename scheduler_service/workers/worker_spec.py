@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.config import WorkerConfig
-from engine_common.params import ParamError
+from engine_common.configuration.config import WorkerConfig
+from engine_common.request.params import ParamError
 
 # The rendezvous port on node 0 when there are several nodes: torch.distributed's customary
 # MASTER_PORT. Node 0 must have it free; set InitSpec.dist_port (scheduler --dist-port) otherwise.

@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from engine_common.protos import worker_pb2
+from engine_common.wire.protos import worker_pb2
 from scheduler_service.errors import Fenced, WorkerFailure
 
 _STOP = object()  # the request generator's end marker

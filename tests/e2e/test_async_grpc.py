@@ -16,10 +16,10 @@ import signal
 import grpc
 import pytest
 
-from engine_common.config import SchedulerConfig
-from engine_common.model_dir import ModelInfo
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import EngineUnavailable

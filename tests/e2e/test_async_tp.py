@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
-from engine_common.codec import encode_scheduler_output
-from engine_common.model_dir import ModelInfo
-from engine_common.tokenizer import Tokenizer
+from engine_common.wire.codec import encode_scheduler_output
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor

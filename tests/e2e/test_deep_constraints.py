@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
-from engine_common.protos import vllm_engine_pb2, vllm_engine_pb2_grpc
+from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.wire.protos import vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.deep_constraints import json_items_chain, lark_chain
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
                                         greedy_request, pb, wait_ready)

@@ -22,7 +22,7 @@ import pytest
 
 from deltaserve.cli import build_parser
 from scheduler_service.api.engine_flags import engine_settings
-from engine_common.protos import GENERATION_SERVICE, WORKER_SERVICE
+from engine_common.wire.protos import GENERATION_SERVICE, WORKER_SERVICE
 from tests.support.grpc_harness import GRPCURL, REPO, SMALL_KV_GIB, child_env, free_port, wait_for
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not importable (transformers brings it)")
@@ -345,7 +345,7 @@ class Block:
             raise ImportError(f"{name} is not in the scheduler image")
 sys.meta_path.insert(0, Block())
 from deltaserve.cli import build_parser
-from engine_common.config import WorkerConfig
+from engine_common.configuration.config import WorkerConfig
 from scheduler_service.api.server import build_scheduler_server
 build_parser().parse_args(["scheduler", "--model", MODEL, "--workers", "127.0.0.1:9"])
 build_scheduler_server(["127.0.0.1:9"], "127.0.0.1:0", WorkerConfig(model_dir=MODEL))

@@ -9,8 +9,8 @@ import threading
 import grpc
 import pytest
 
-from engine_common.protos import GENERATION_SERVICE, vllm_engine_pb2_grpc
-from engine_common.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import GENERATION_SERVICE, vllm_engine_pb2_grpc
+from engine_common.wire.protos import smg_common_pb2 as cpb
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
                                         greedy_request, health_status, pb, server_status,
                                         wait_for, wait_ready, worker_info, write_token)

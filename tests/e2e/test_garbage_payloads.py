@@ -8,10 +8,10 @@ import collections
 import grpc
 import pytest
 
-from engine_common.codec import decode_runner_output
-from engine_common.model_dir import ModelInfo
-from engine_common.protos import worker_pb2, worker_pb2_grpc
-from engine_common.worker_auth import WorkerAuth
+from engine_common.wire.codec import decode_runner_output
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.garbage_diffs import Limits, clean_run, garbage_cases
 from tests.support.grpc_harness import Processes, bearer, free_port, wait_for, write_token

@@ -24,8 +24,8 @@ import os
 import grpc
 import pytest
 
-from engine_common.protos import vllm_engine_pb2 as vpb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from tests.support.gateway import (Gateway, Replica, SseStream, chat_model_dir, http_json,
                                    require_smg)
 from tests.support.grpc_harness import (REPO, Processes, collect, generation_stub, pb,

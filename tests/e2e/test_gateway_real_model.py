@@ -17,8 +17,8 @@ import grpc
 import jsonschema
 import pytest
 
-from engine_common.protos import vllm_engine_pb2 as vpb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from tests.support.gateway import Gateway, Replica, SseStream, http_json, require_smg
 from tests.support.grpc_harness import (REPO, Processes, collect, generation_stub, pb,
                                         server_status, wait_for)
@@ -192,14 +192,29 @@ def test_every_completion_token_has_its_logprob_eos_included(served):
     assert len(complete.output_logprobs.top_logprobs) == len(FRANCE_ANSWER_IDS)
 
 
-# What smg 1.13.0 drops on its way (we honour each field on our own gRPC APIs, tested above): it
-# never puts logit_bias into the request it sends us, never returns /v1/completions logprobs
-# (it does send `logprobs` to us) and leaves the eos token's logprob out of a chat's. Strict
-# xfails: a gateway that fixes one turns its test red, and docs/openai.md must change.
-SMG_GAPS = "smg 1.13.0 drops it (docs/openai.md, what the gateway drops)"
+# What smg 1.13.0 drops on its way (we honour each field on our own gRPC APIs, tested above), traced
+# to its source in docs/openai.md: it never puts logit_bias into the SamplingParams it sends us
+# (grpc_client/src/vllm_engine.rs), builds every /v1/completions choice with `logprobs: None`
+# (processor.rs, streaming.rs) though it sends `logprobs` to us, and keeps only the logprobs of a
+# chat's content tokens, so not the eos token's. Strict xfails: a gateway that fixes one turns its
+# test red, and docs/openai.md must change.
+LOGIT_BIAS_GAP = "smg 1.13.0 leaves logit_bias out of SamplingParams (docs/openai.md)"
+COMPLETIONS_LOGPROBS_GAP = "smg 1.13.0 answers /v1/completions with logprobs: None (docs/openai.md)"
+EOS_LOGPROB_GAP = "smg 1.13.0 keeps only the content tokens' logprobs (docs/openai.md)"
 
 
-@pytest.mark.xfail(strict=True, reason=SMG_GAPS)
+def _openai(gateway, path: str, body: dict) -> list[dict]:
+    """The choices of one OpenAI request, streamed or not: for a stream, each event's choices
+    (the caller merges them), else the answer's choices."""
+    if body.get("stream"):
+        return [c for e in SseStream(gateway.port, path, body, timeout=120).events()
+                for c in e["choices"]]
+    status, reply = http_json(gateway.port, "POST", path, body)
+    assert status == 200, reply
+    return reply["choices"]
+
+
+@pytest.mark.xfail(strict=True, reason=LOGIT_BIAS_GAP)
 def test_the_gateway_passes_logit_bias_on(served):
     _, gateway = served
     status, reply = http_json(gateway.port, "POST", "/v1/chat/completions", {
@@ -209,22 +224,23 @@ def test_the_gateway_passes_logit_bias_on(served):
     assert not reply["choices"][0]["message"]["content"].startswith("The")
 
 
-@pytest.mark.xfail(strict=True, reason=SMG_GAPS)
-def test_the_gateway_returns_completions_logprobs(served):
+@pytest.mark.xfail(strict=True, reason=COMPLETIONS_LOGPROBS_GAP)
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_gateway_returns_completions_logprobs(served, stream):
     _, gateway = served
-    status, reply = http_json(gateway.port, "POST", "/v1/completions", {
+    choices = _openai(gateway, "/v1/completions", {
         "model": MODEL, "prompt": "The capital of France is", "max_tokens": 4,
-        "temperature": 0, "logprobs": 2})
-    assert status == 200, reply
-    assert reply["choices"][0].get("logprobs")
+        "temperature": 0, "logprobs": 2, "stream": stream})
+    assert any(c.get("logprobs") for c in choices)
 
 
-@pytest.mark.xfail(strict=True, reason=SMG_GAPS)
-def test_the_gateway_keeps_the_eos_logprob(served):
+@pytest.mark.xfail(strict=True, reason=EOS_LOGPROB_GAP)
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_gateway_keeps_the_eos_logprob(served, stream):
     _, gateway = served
-    status, reply = http_json(gateway.port, "POST", "/v1/chat/completions", {
+    choices = _openai(gateway, "/v1/chat/completions", {
         "model": MODEL, "messages": FRANCE, "max_tokens": 64, "temperature": 0,
-        "logprobs": True, "top_logprobs": 1})
-    assert status == 200, reply
-    assert reply["usage"]["completion_tokens"] == len(FRANCE_ANSWER_IDS)
-    assert len(reply["choices"][0]["logprobs"]["content"]) == len(FRANCE_ANSWER_IDS)
+        "logprobs": True, "top_logprobs": 1, "stream": stream})
+    entries = [lp for c in choices for lp in ((c.get("logprobs") or {}).get("content") or [])]
+    assert "".join(lp["token"] for lp in entries) == FRANCE_ANSWER
+    assert len(entries) == len(FRANCE_ANSWER_IDS)

@@ -1,5 +1,6 @@
 """End to end through real processes: grpcurl (reflection, health, a JSON Generate stream) and the
-`deltaserve generate` CLI, with greedy tokens equal to transformers' on the same tiny model."""
+`deltaserve generate` CLI, with greedy tokens equal to transformers' on the same tiny model;
+allowed_token_ids through both APIs (deltaserve.v1.Generation and vLLM's VllmEngine)."""
 from __future__ import annotations
 
 import subprocess
@@ -8,10 +9,12 @@ import sys
 import grpc
 import pytest
 
-from engine_common.tokenizer import Tokenizer
+from engine_common.text.tokenizer import Tokenizer
 from tests.support.grpc_harness import (REPO, Processes, free_port, generation_stub, grpcurl,
                                         json_stream, pb, wait_ready)
-from tests.support.hf_reference import hf_greedy
+from tests.support.hf_reference import hf_greedy, hf_greedy_allowed
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 
 MAX_MODEL_LEN = 256
 
@@ -117,3 +120,38 @@ def test_model_info_tokenize_and_status(server):
         assert status.num_workers == status.num_workers_ready == 1
         assert status.num_kv_blocks == info.num_kv_blocks
         assert status.num_used_kv_blocks == 0 and status.num_running == 0
+
+
+def test_allowed_token_ids_through_both_apis_and_refused_by_name(server):
+    """Greedy restricted to the ids equals transformers' restricted greedy, through either API;
+    an id outside the vocabulary is INVALID_ARGUMENT naming the field, the value and the range."""
+    target, model_dir = server
+    prompt = [11, 200, 33, 4]
+    free = hf_greedy(model_dir, tuple(prompt), 6).token_ids
+    allowed = tuple(t for t in (2, 50, 51, 130, 260, 400, 511) if t not in free)
+    ref = hf_greedy_allowed(model_dir, tuple(prompt), 6, allowed)
+    with grpc.insecure_channel(target) as ch:
+        ours = generation_stub(ch).Generate(pb.GenerateRequest(
+            token_ids=prompt, sampling=pb.SamplingParams(allowed_token_ids=allowed),
+            stopping=pb.StoppingCriteria(max_tokens=6, ignore_eos=True)), timeout=30)
+        assert tuple(t for m in ours for t in m.token_ids) == ref
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        (done,) = vllm.Generate(vpb.GenerateRequest(
+            request_id="a", tokenized=vpb.TokenizedInput(input_ids=prompt),
+            sampling_params=vpb.SamplingParams(allowed_token_ids=allowed, temperature=0.0,
+                                               max_tokens=6, ignore_eos=True)), timeout=30)
+        assert tuple(done.complete.output_ids) == ref
+        with pytest.raises(grpc.RpcError) as err:
+            list(generation_stub(ch).Generate(pb.GenerateRequest(
+                token_ids=prompt, sampling=pb.SamplingParams(allowed_token_ids=[3, 512])),
+                timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == ("sampling.allowed_token_ids[1]=512 is invalid: must be "
+                                       "in [0, 511] (vocab_size)")
+        with pytest.raises(grpc.RpcError) as err:
+            list(vllm.Generate(vpb.GenerateRequest(
+                request_id="b", tokenized=vpb.TokenizedInput(input_ids=prompt),
+                sampling_params=vpb.SamplingParams(allowed_token_ids=[600])), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == ("sampling_params.allowed_token_ids[0]=600 is invalid: "
+                                       "must be in [0, 511] (vocab_size)")

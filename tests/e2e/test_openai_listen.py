@@ -6,8 +6,8 @@ gateway as a supervised child (skipped, with the reason, where its binary cannot
   * the gateway's log lines are folded into ours with an `[smg] ` prefix;
   * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
     open);
-  * Ctrl-C stops the gateway and the worker with the server (exit 0); a gateway that dies stops
-    the whole group (exit 1, saying why);
+  * Ctrl-C stops the gateway and the worker with the server (exit 0), the gateway before the
+    scheduler drains; a gateway that dies stops the whole group (exit 1, saying why);
   * `deltaserve scheduler --host/--port` fronts itself the same way.
 """
 from __future__ import annotations
@@ -89,6 +89,10 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
         serve.proc.send_signal(signal.SIGINT)       # what Ctrl-C delivers
         assert serve.proc.wait(60) == 0, serve.text()
         assert all(gone(pid) for pid in children.values())
+        # The gateway (the front) stops before the scheduler drains: its KV-event stream would
+        # otherwise hold the drain for the whole grace period.
+        out = serve.text()
+        assert out.rindex("\n[smg] ") < out.index("draining (grace period"), out[-3000:]
     finally:
         serve.close()
 

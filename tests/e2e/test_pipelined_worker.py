@@ -13,7 +13,7 @@ import asyncio
 import grpc
 import pytest
 
-from engine_common.model_dir import ModelInfo
+from engine_common.model_files.model_dir import ModelInfo
 from tests.support.grpc_harness import (Processes, free_port, generation_stub, greedy_request,
                                         server_status, wait_for, wait_ready)
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_common.protos import GENERATION_SERVICE, VLLM_ENGINE_SERVICE, vllm_engine_pb2
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.wire.protos import GENERATION_SERVICE, VLLM_ENGINE_SERVICE, vllm_engine_pb2
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from tests.support.certs import make_ca, make_cert
 from tests.support.grpc_harness import (GRPCURL, Processes, collect, free_port, generation_stub,
                                         greedy_request, json_stream, pb, wait_for, wait_ready)

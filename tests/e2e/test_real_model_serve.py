@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from deltaserve.default_model import default_gguf_path
-from engine_common.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (REPO, Processes, child_env, collect, free_port,
                                         generation_stub, grpcurl, json_stream, server_status,
                                         wait_for)

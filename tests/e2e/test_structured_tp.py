@@ -1,20 +1,22 @@
 """Structured output under tensor parallelism: every rank computes the grammar masks itself, so a
 TP=2 worker (two rank processes over gloo, symmetry checks on: the ranks' digests cover the
 matchers' state and masks) gives exactly the TP=1 tokens, greedy and sampled, and the outputs
-match their constraints. The tiny llama (4 heads, random weights) writes gibberish; the
+match their constraints. The same holds for allowed_token_ids, which every rank applies from the
+diff. The tiny llama (4 heads, random weights) writes gibberish; the
 constraints still hold."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.constraint import Constraint
-from engine_common.model_dir import ModelInfo
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.constraints.constraint import Constraint
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.core.request import Request
 from tests.support.tp_harness import (BLOCK_SIZE, LIMITS, NUM_BLOCKS, Cluster, make_core)
 
@@ -94,3 +96,37 @@ def test_tp2_constrained_tokens_equal_tp1(cluster, tiny_models):
     finished = [ids for i, ids in enumerate(tokens) if CONSTRAINTS[i % 4] is not None
                 and CONSTRAINTS[i % 4].kind != "json_schema"]
     assert all(ids[-1] in eos for ids in finished), tokens
+
+
+def test_tp2_allowed_token_ids_tokens_equal_tp1(cluster, tiny_models):
+    """Every rank restricts the same rows to the same ids: the TP=2 tokens, greedy and sampled,
+    are TP=1's, and only allowed ids come out."""
+    model = tiny_models("llama")
+    prompts, samplings, stoppings = workload()
+    allowed = [(3, 40, 41, 77, 128, 200) if i % 3 else () for i in range(len(prompts))]
+    samplings = [dataclasses.replace(sp, allowed_token_ids=ids)
+                 for sp, ids in zip(samplings, allowed)]
+    llm = LLM(model, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, **LIMITS)
+    expected = [c.token_ids for c in llm.generate(prompts, samplings, stoppings)]
+    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    try:
+        assert client.init(cluster.spec(model, verify_symmetry=True)).tp_size == 2, cluster.logs()
+        core = make_core(model, client)
+        eos = ModelInfo.from_dir(model).eos_token_ids
+        tokens = {}
+        for i, (prompt, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
+            core.add_request(Request(f"r{i}", prompt, sp, st, eos))
+            tokens[f"r{i}"] = []
+        for _ in range(500):
+            if not core.has_unfinished_requests():
+                break
+            for out in core.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+    except Exception:
+        print(cluster.logs())
+        raise
+    finally:
+        client.close()
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    for ids, only in zip(expected, allowed):
+        assert not only or set(ids) <= set(only), (ids, only)

@@ -14,9 +14,9 @@ import signal
 import grpc
 import pytest
 
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
-from engine_common.tokenizer import Tokenizer
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.wire.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import WorkerFailure
@@ -186,7 +186,7 @@ def _raw_step(address: str, epoch: int, step: int):
 
 async def _generate_all(engine: AsyncEngine, model_dir: str, prompts, samplings, stoppings):
     """Run every request through the engine at once; each one's exception (or None)."""
-    from engine_common.model_dir import ModelInfo
+    from engine_common.model_files.model_dir import ModelInfo
 
     eos = ModelInfo.from_dir(model_dir).eos_token_ids
     assert await asyncio.to_thread(engine.wait_ready, 120), engine.last_error

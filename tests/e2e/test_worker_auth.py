@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine_common.protos import worker_pb2, worker_pb2_grpc
+from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.certs import make_ca, make_cert
 from tests.support.grpc_harness import (Processes, bearer, child_env, collect, free_port,
                                         generation_stub, greedy_request, health_status, pb,

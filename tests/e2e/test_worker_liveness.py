@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from engine_common.protos import GENERATION_SERVICE
+from engine_common.wire.protos import GENERATION_SERVICE
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
                                         greedy_request, health_status, server_status, wait_for,
                                         wait_ready)

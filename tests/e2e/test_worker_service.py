@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_common.codec import decode_runner_output, encode_scheduler_output
-from engine_common.diff import NewRequestData, SchedulerOutput
-from engine_common.params import SamplingParams, WorkerSamplingParams
-from engine_common.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from engine_common.wire.codec import decode_runner_output, encode_scheduler_output
+from engine_common.wire.diff import NewRequestData, SchedulerOutput
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
+from engine_common.wire.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from kernels.cpu import extension
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
@@ -127,7 +127,7 @@ def _tokens(run_step) -> dict[int, list[int]]:
 def _in_process_tokens(model_dir: str) -> dict[int, list[int]]:
     from worker_service.config import RunnerConfig
     from worker_service.runner.model_runner import ModelRunner
-    from engine_common.codec import encode_runner_output
+    from engine_common.wire.codec import encode_runner_output
 
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype="float32", block_size=4,
                                       max_model_len=64, max_num_seqs=4,
@@ -353,10 +353,10 @@ class NoTorch:
             raise ImportError(f"{name} is blocked in this test")
 
 sys.meta_path.insert(0, NoTorch())
-from engine_common.codec import decode_runner_output, encode_scheduler_output
-from engine_common.diff import NewRequestData, SchedulerOutput
-from engine_common.params import SamplingParams, WorkerSamplingParams
-from engine_common.config import WorkerConfig
+from engine_common.wire.codec import decode_runner_output, encode_scheduler_output
+from engine_common.wire.diff import NewRequestData, SchedulerOutput
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
+from engine_common.configuration.config import WorkerConfig
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 
 address, model_dir = sys.argv[1:3]

@@ -41,7 +41,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import compare_greedy, hf_greedy
 
@@ -197,7 +197,7 @@ def test_bf16_matches_transformers(engine_run, tiny_models, arch, backend, block
 @pytest.mark.parametrize("backend,block_size", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_graphs_give_the_same_tokens_as_eager(engine_run, arch, backend, block_size):
-    from worker_service.runner.cuda_graphs import DecodeGraphRunner
+    from worker_service.step.cuda_graphs import DecodeGraphRunner
 
     prompts, graphed, replays = engine_run(arch, backend, block_size, False)
     _, eager, eager_replays = engine_run(arch, backend, block_size, True)

@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.constraint import Constraint
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from tests.support.grammar_text import tiny_compiler
 from tests.support.off_loop import other_thread_turns

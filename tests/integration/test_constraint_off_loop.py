@@ -16,10 +16,10 @@ import llguidance
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.constraint import Constraint
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
-from scheduler_service.api.generation_servicer import ServedModel
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
+from scheduler_service.api.front_door import ServedModel
 from tests.support.off_loop import Gate, other_thread_turns, tokens_while_held
 
 # 3,000 alternatives (55,889 characters, under the default --max-constraint-chars), then an

@@ -5,7 +5,7 @@ prefix caching under preemption, and at the max_model_len and max_tokens=1 edges
 
 Every test runs twice: as the CPU runs it (the runner finishes step t before it launches t+1)
 and pipelined, as CUDA runs it (step t+1 launched before step t is finished, its input ids fed
-from step t's sampler output: deltaserve.llm.RunnerPipeline, runner/token_readback.TokenFeed).
+from step t's sampler output: deltaserve.llm.RunnerPipeline, sample/token_readback.TokenFeed).
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import random
 import pytest
 
 from deltaserve.llm import LLM, Completion
-from engine_common.codec import encode_scheduler_output
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.wire.codec import encode_scheduler_output
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.engine_checks import MODELS, _check, _prompts, _shared_prefix_prompts

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from deltaserve.llm import LLM
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import hf_greedy

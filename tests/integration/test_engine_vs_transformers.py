@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import hf_greedy
 from tests.support.engine_checks import MODELS, _check, _prompts, _shared_prefix_prompts

@@ -103,7 +103,7 @@ def test_fused_ops_give_the_same_logits(tiny_models, arch):
 
 def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models):
     from deltaserve.llm import LLM
-    from engine_common.params import SamplingParams, StoppingParams
+    from engine_common.request.params import SamplingParams, StoppingParams
 
     model_dir = tiny_models("qwen3")
     prompts = [[5, 9, 31, 7, 2, 11], [40, 3, 3]]

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from deltaserve.llm import LLM
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import _prompts
 from tests.support.hf_reference import NEAR_TIE
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.errors import RequestFailed
 from scheduler_service.engine.output_processor import OutputProcessor

@@ -12,9 +12,9 @@ import torch
 
 from deltaserve.default_model import default_gguf_path
 from deltaserve.llm import LLM
-from engine_common.chat_template import load_chat_template
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.text.chat_template import load_chat_template
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from kernels.attention.torch_ref import TorchAttentionBackend
 from tests.support.hf_reference import compare_greedy, hf_greedy
 from tests.support.real_model import (CHATS, FRANCE, FRANCE_ANSWER, FRANCE_ANSWER_IDS,

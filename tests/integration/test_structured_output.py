@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.constraint import Constraint
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import RequestStatus
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,7 @@ keeps delivering a running stream's tokens meanwhile.
 
 No timing: the tokenizer of the big text blocks until the running stream has received three more
 tokens. If tokenizing ran on the event loop, those tokens could never arrive while it blocks (the
-test then records a stall). The tokenizer itself must release the GIL (engine_common/tokenizer.py
+test then records a stall). The tokenizer itself must release the GIL (engine_common/text/tokenizer.py
 uses encode_batch, which does): checked by counting another thread's turns during a real encode.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
-from engine_common.tokenizer import Tokenizer
-from scheduler_service.api.generation_servicer import ServedModel
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
+from engine_common.text.tokenizer import Tokenizer
+from scheduler_service.api.front_door import ServedModel
 from tests.support.off_loop import Gate, other_thread_turns, tokens_while_held
 
 BIG = "hello world, " * 320_000          # 4.2 million characters: the attack of issue 13

@@ -3,7 +3,7 @@ that no KV block leaks."""
 from __future__ import annotations
 import random
 from deltaserve.llm import LLM
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.hf_reference import compare_greedy, hf_greedy
 
 

@@ -15,11 +15,11 @@ from typing import Callable
 
 import msgpack
 
-from engine_common.codec import encode_scheduler_output
-from engine_common.constraint import Constraint
-from engine_common.diff_limits import max_diff_bytes
-from engine_common.diff import NewRequestData, ResumedRequestData, SchedulerOutput
-from engine_common.params import SamplingParams, WorkerSamplingParams
+from engine_common.wire.codec import encode_scheduler_output
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.diff_limits import max_diff_bytes
+from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from tests.support.deep_constraints import json_items_chain, lark_chain
 
 

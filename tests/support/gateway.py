@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_common.protos import vllm_engine_pb2 as vpb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from tests.support.grpc_harness import Processes, Proc, child_env, free_port, wait_for, wait_ready
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

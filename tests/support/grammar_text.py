@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_common.constraint import Constraint
-from engine_common.tokenizer import Tokenizer
+from engine_common.constraints.constraint import Constraint
+from engine_common.text.tokenizer import Tokenizer
 from tests.support.tokenizers import build_tiny_tokenizer_dir
 from worker_service.sample.grammar import GrammarCompiler
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_common.protos import (GENERATION_SERVICE, generation_pb2, generation_pb2_grpc,
+from engine_common.wire.protos import (GENERATION_SERVICE, generation_pb2, generation_pb2_grpc,
                                   worker_pb2, worker_pb2_grpc)
 from tests.support.paths import REPO
 

@@ -54,3 +54,17 @@ def compare_greedy(name: str, ours: list[int], ref: HFGreedy, near_ties: list[st
     if len(ours) != len(ref.token_ids):
         return f"{name}: lengths differ: ours {len(ours)} hf {len(ref.token_ids)}"
     return None
+
+
+@lru_cache(maxsize=64)
+def hf_greedy_allowed(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int,
+                      allowed: tuple[int, ...]) -> tuple[int, ...]:
+    """transformers' greedy generate() restricted to `allowed` at every step
+    (prefix_allowed_tokens_fn: every other id's score -inf), float32 on the CPU."""
+    model = _load(model_dir, torch.float32, "cpu")
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0,
+                             prefix_allowed_tokens_fn=lambda batch, seq: list(allowed))
+    return tuple(out[0, len(prompt):].tolist())

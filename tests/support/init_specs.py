@@ -1,7 +1,7 @@
 """InitSpecs for tests: the worker settings as keywords, the group settings beside them."""
 from __future__ import annotations
 
-from engine_common.config import WorkerConfig
+from engine_common.configuration.config import WorkerConfig
 from scheduler_service.workers.worker_spec import InitSpec
 
 _GROUP_FIELDS = ("num_local_ranks", "rendezvous_address", "dist_port")

@@ -11,9 +11,10 @@ from typing import Awaitable, Callable
 import grpc
 
 from deltaserve.llm import LLM
-from engine_common.protos import generation_pb2 as pb
-from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
-from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
+from scheduler_service.api.front_door import ServedModel
+from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
 from scheduler_service.engine.async_engine import AsyncEngine

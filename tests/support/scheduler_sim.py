@@ -1,6 +1,6 @@
 """A plain-Python stand-in for the worker side, for driving the scheduler in tests.
 
-`SimWorker` applies each diff exactly as engine_common/diff.py says a worker must (after a codec
+`SimWorker` applies each diff exactly as engine_common/wire/diff.py says a worker must (after a codec
 round trip), keeps its own copy of every request's tokens and block table, and "computes" a fake
 paged KV cache: the slot of position p holds an id of the token prefix [0..p]. Every step it
 checks that each scheduled request reads back the right prefix from its block table, so a wrong
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_common.codec import (decode_runner_output, decode_scheduler_output,
+from engine_common.wire.codec import (decode_runner_output, decode_scheduler_output,
                                  encode_runner_output, encode_scheduler_output)
-from engine_common.diff import RunnerOutput, SchedulerOutput
+from engine_common.wire.diff import RunnerOutput, SchedulerOutput
 import random
-from engine_common.config import SchedulerConfig
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import grpc
 
-from engine_common.codec import decode_scheduler_output, encode_runner_output
-from engine_common.config import SchedulerConfig
-from engine_common.model_dir import ModelInfo
-from engine_common.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
-from engine_common.tokenizer import Tokenizer
+from engine_common.wire.codec import decode_scheduler_output, encode_runner_output
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.generation_servicer import GenerationServicer, ServedModel
+from scheduler_service.api.front_door import ServedModel
+from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer

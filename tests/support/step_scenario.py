@@ -24,8 +24,8 @@ has fewer than 3 tokens); h4 top-k 3; h5 greedy.
 """
 from __future__ import annotations
 
-from engine_common.diff import NewRequestData, SchedulerOutput
-from engine_common.params import SamplingParams, WorkerSamplingParams
+from engine_common.wire.diff import NewRequestData, SchedulerOutput
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
 
 RUNNER_LIMITS = dict(block_size=4, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16,
                      num_kv_blocks=48)

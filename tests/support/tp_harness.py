@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_common.config import SchedulerConfig
-from engine_common.model_dir import ModelInfo
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor

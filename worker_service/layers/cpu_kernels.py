@@ -1,17 +1,34 @@
 """Switch a loaded CPU model onto the deltaserve_cpu kernels (kernels/cpu): every module that
 defines `use_cpu_kernels()` (the linear layers and LM head, RMSNorm, the rope, SiluAndMul)
 prepares itself. Each keeps its torch code for inputs the kernels do not take, and when the
-library is missing."""
+library is missing.
+
+This is the long step after the weights load on a CPU (the GEMM weights are packed, about 2 s
+for the 135M default model), and on a first start the library is compiled before it (1-3
+minutes): both say how far they are."""
 from __future__ import annotations
 
+import logging
+
 from torch import nn
+
+from engine_common.runtime.progress import Progress, heartbeat
+from kernels.cpu import extension
+
+log = logging.getLogger(__name__)
 
 
 def use_cpu_kernels(model: nn.Module) -> int:
     """Prepare every module that can use a CPU kernel; returns how many did."""
+    if extension.needs_build():
+        with heartbeat("building CPU kernels (about 1-3 minutes, once per checkout)",
+                       emit=log.info):
+            extension.load()
+    modules = [m for m in model.modules() if callable(getattr(m, "use_cpu_kernels", None))]
+    progress = Progress("packing weights for the CPU kernels", len(modules), "layers",
+                        emit=log.info)
     used = 0
-    for module in model.modules():
-        prepare = getattr(module, "use_cpu_kernels", None)
-        if callable(prepare):
-            used += bool(prepare())
+    for module in modules:
+        used += bool(module.use_cpu_kernels())
+        progress.advance()
     return used

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_common.gguf_file import GGUFError, GGUFFile, GGUFTensor, ggml_type_name
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile, GGUFTensor, ggml_type_name
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 

@@ -21,8 +21,8 @@ from typing import Iterator
 
 import numpy as np
 
-from engine_common.gguf_config import gguf_architecture
-from engine_common.gguf_file import GGUFError, GGUFFile
+from engine_common.model_files.gguf_config import gguf_architecture
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile
 from worker_service.models.gguf_dequant import check_supported, dequantize_tensor
 
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -35,7 +35,7 @@ _PER_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layern
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # GGUF architectures whose q/k rows llama.cpp permuted
 _PERMUTED_ARCHS = ("llama",)
-# tensors the config reads instead (Llama 3.1 rope factors: engine_common/gguf_config.py)
+# tensors the config reads instead (Llama 3.1 rope factors: engine_common/model_files/gguf_config.py)
 CONFIG_TENSORS = ("rope_freqs.weight",)
 
 

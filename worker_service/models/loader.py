@@ -8,7 +8,6 @@ columns its parameters keep. A GGUF file is dequantized tensor by tensor as it i
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -16,8 +15,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_common.gguf_file import GGUFError, GGUFFile, find_gguf
-from engine_common.model_dir import ModelDirError, load_json, read_model_configs
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
+from engine_common.runtime.progress import Progress
 from kernels.attention.backend import AttentionBackend
 from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.models.gguf_weights import gguf_tensor_names, iter_gguf_weights
@@ -29,7 +29,6 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_PROGRESS_STEPS = 4            # a log line at each quarter of the checkpoint's tensors
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +111,12 @@ def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = Non
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
     unexpected = []
-    progress = _LoadProgress(len(names), Path(model_dir).name)
+    # A line at each quarter: a first start of a large model says how far it is.
+    progress = Progress(f"loading weights of {Path(model_dir).name}", len(names), "tensors",
+                        emit=log.info)
     with torch.no_grad():
         for name, tensor_slice in _gguf_errors(tensors):
-            progress.tensor_read()
+            progress.advance()
             target = target_of(model, name)
             if target is None:
                 continue
@@ -130,25 +131,6 @@ def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = Non
                 raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
             loaded.setdefault(param_name, set()).add(shard_id)
     check_complete(params, loaded, unexpected)
-
-
-class _LoadProgress:
-    """Logs "loading weights of M: 25% (k/n tensors, s)" at each quarter: a first start of a
-    large model says how far it is."""
-
-    def __init__(self, total: int, model_name: str):
-        self.total, self.model_name = total, model_name
-        self.done = 0
-        self.start = time.monotonic()
-        self.next_step = 1
-
-    def tensor_read(self) -> None:
-        self.done += 1
-        if self.total and self.done * _PROGRESS_STEPS >= self.next_step * self.total:
-            self.next_step = self.done * _PROGRESS_STEPS // self.total + 1
-            log.info("loading weights of %s: %d%% (%d/%d tensors, %.1f s)", self.model_name,
-                     100 * self.done // self.total, self.done, self.total,
-                     time.monotonic() - self.start)
 
 
 def _gguf_errors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -2,7 +2,7 @@
 
 `make_tiny_model` writes a real model directory (config.json, safetensors weights via
 transformers' own save_pretrained, generation_config.json) plus the tiny byte-level BPE tokenizer
-(engine_common/tiny_tokenizer.py), all deterministic in `seed`.
+(engine_common/text/tiny_tokenizer.py), all deterministic in `seed`.
 
 Why initializer_range = 0.3: with the transformers default (0.02) a random 64-wide model has
 nearly flat logits, so greedy decoding repeats one token and top-2 margins are ~1e-5, which makes
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from engine_common.tiny_tokenizer import make_tiny_tokenizer_dir
+from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2")
 INITIALIZER_RANGE = 0.3

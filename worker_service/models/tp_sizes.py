@@ -9,7 +9,7 @@ The vocabulary is padded to a multiple of t, so it never constrains t.
 """
 from __future__ import annotations
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 
 def _shape(hf_config: dict) -> tuple[int, int, int]:

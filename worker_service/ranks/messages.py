@@ -21,7 +21,7 @@ Rank r -> worker, on reply ring r, exactly one reply per message:
 
 `error kind` is a FailureKind value; `payload` is the encoded RunnerOutput from the output rank
 (global rank 0) of a step, b"" from the others; `info` carries configure's measurements, and a
-step's RankStepStats (runner/rank_api.py: execute and phase seconds, requests cached).
+step's RankStepStats (ranks/rank_api.py: execute and phase seconds, requests cached).
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from typing import Callable
 
-from engine_common.settings import to_wire
+from engine_common.configuration.settings import to_wire
 from worker_service.config import NodeLayout, RunnerConfig, rank_device
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure
@@ -36,7 +36,7 @@ from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, RankReply
                                            device_from_wire, encode_command, encode_step)
 from worker_service.ranks.rank_process import RankSpec
 from worker_service.ranks.rank_set import RankSet, RankSetOptions
-from worker_service.runner.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
+from worker_service.ranks.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
 
 log = logging.getLogger(__name__)
 

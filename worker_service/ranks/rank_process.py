@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-from engine_common.diff import RunnerOutput
-from engine_common.settings import from_wire
+from engine_common.wire.diff import RunnerOutput
+from engine_common.configuration.settings import from_wire
 from worker_service.config import RunnerConfig
 from worker_service.device_info import describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
@@ -31,7 +31,7 @@ from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, STO
                                            decode_command, device_to_wire, encode_reply)
 from worker_service.ranks.shm_ring import (RingClosed, RingError, RingHandle, RingTimeout,
                                            ShmBroadcastRing)
-from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.ranks.runner_keeper import RunnerKeeper
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 _MAGIC = 0x44535247                           # "DSRG"
 _VERSION = 1
@@ -178,7 +178,9 @@ class ShmBroadcastRing:
         _check_geometry(num_readers, num_slots, slot_bytes)
         if max_message_bytes < 0:
             raise ParamError("max_message_bytes", max_message_bytes, ">= 0")
-        name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
+        # The owner's pid in the name: a leaked segment says who made it, and a check for
+        # leaks can look at its own process's segments only.
+        name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
         handle = RingHandle(name, num_readers, num_slots, slot_bytes)
         shm = shared_memory.SharedMemory(name=name, create=True, size=handle.total_bytes)
         buf = shm.buf                             # a new segment is zero-filled: seq, closed = 0

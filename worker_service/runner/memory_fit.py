@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from engine_common.model_dir import ModelInfo
+from engine_common.model_files.model_dir import ModelInfo
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import resolve_dtype

@@ -14,17 +14,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine_common.codec import decode_scheduler_output
-from engine_common.diff import RunnerOutput, SchedulerOutput
-from engine_common.diff_limits import max_diff_bytes
-from engine_common.model_dir import ModelInfo
+from engine_common.wire.codec import decode_scheduler_output
+from engine_common.wire.diff import RunnerOutput, SchedulerOutput
+from engine_common.request.diff_limits import max_diff_bytes
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import HISTORY_KNOBS
+from engine_common.runtime.progress import heartbeat
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
-from worker_service.runner.cached_request import CachedRequestState
+from worker_service.batch.cached_request import CachedRequestState
 from worker_service.config import RunnerConfig
-from worker_service.runner.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
-from worker_service.runner.diff_check import BadDiff, DiffBounds, check_diff
+from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
+from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.runner.host_memory import zeroed_host_tensor
-from worker_service.runner.input_batch import InputBatch
+from worker_service.batch.input_batch import InputBatch
 from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
                                                make_decode_warmup, make_prefill_warmup,
                                                profile_kv_memory)
@@ -33,15 +35,15 @@ from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler, GrammarMasks
 from worker_service.sample.sampler import (Sampler, SamplerOutput, bitmask_to_bias,
                                            is_plain_greedy)
-from worker_service.runner.sampling_inputs import build_sampling_metadata
+from worker_service.sample.sampling_inputs import build_sampling_metadata
 from worker_service.sample.sampling_metadata import (SamplingMetadata,
                                                      worst_case_sampling_metadata)
-from worker_service.runner.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
+from worker_service.step.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
-from worker_service.runner.step_clock import StepClock
+from worker_service.step.step_clock import StepClock
 from worker_service.runner.simulated_device import SimulatedDevice
-from worker_service.runner.step_inputs import StepInputs, prepare_step_inputs
-from worker_service.runner.token_readback import (PendingStep, SampledTokens, TokenFeed,
+from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
+from worker_service.sample.token_readback import (PendingStep, SampledTokens, TokenFeed,
                                                   TokenReadback)
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,9 @@ class ModelRunner:
             return config.num_kv_blocks
         if config.gpu_memory_utilization is None or self.device.type != "cuda":
             return cpu_num_kv_blocks(config.kv_budget_bytes, self.kv_block_bytes)
-        profile = self.profile_kv_memory(config.gpu_memory_utilization)
+        with heartbeat(f"profiling KV memory on {self.device} with a warm-up step of "
+                       f"{config.max_num_batched_tokens} tokens", emit=log.info):
+            profile = self.profile_kv_memory(config.gpu_memory_utilization)
         log.info("KV memory on %s: %s", self.device, profile)
         return profile.num_blocks
 
@@ -240,9 +244,8 @@ class ModelRunner:
         if self.grammar or any(new.constraint is not None for new in diff.new_requests):
             return True
         n = self.batch.num_reqs
-        b = self.batch
-        if (np.any(b.repetition_penalty[:n] != 1.0) or np.any(b.presence_penalty[:n] != 0.0)
-                or np.any(b.frequency_penalty[:n] != 0.0)):
+        if any(np.any(getattr(self.batch, k.name)[:n] != k.column_neutral)
+               for k in HISTORY_KNOBS):
             return True
         return any(new.sampling.sampling.has_penalties for new in diff.new_requests)
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from engine_common.model_dir import ModelInfo
+from engine_common.model_files.model_dir import ModelInfo
 from kernels.attention.selector import get_attention_backend
 from worker_service.config import RunnerConfig
 from worker_service.models.loader import check_fused_ops_device

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from worker_service.runner.token_readback import SampledTokens
+from worker_service.sample.token_readback import SampledTokens
 
 
 class SimulatedTokens:

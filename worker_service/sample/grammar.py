@@ -41,9 +41,9 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from engine_common.big_stack import call_with_big_stack
-from engine_common.constraint import Constraint
-from engine_common.tokenizer import Tokenizer
+from engine_common.runtime.big_stack import call_with_big_stack
+from engine_common.constraints.constraint import Constraint
+from engine_common.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Logits -> next tokens, identically on every rank.
 
 Order of operations on the [N, V] float32 logits:
-  0. logit bias (the request's per-token biases) added
+  0. allowed_token_ids (a row's other ids -> -inf), then logit bias (the request's per-token
+     biases) added
   1. stop masks (ids forbidden before min_tokens) -> -inf; grammar masks (structured output:
      ids outside a constrained row's mask) -> -inf, added as a 0 / -inf bias
   2. penalties: repetition on prompt+output ids (positive logits divided, negative multiplied),
@@ -98,6 +99,19 @@ def apply_logit_bias(x: torch.Tensor, index: torch.Tensor | None,
     if index is None or index.shape[1] == 0:
         return x
     return x.index_put((index[0], index[1]), values, accumulate=True)
+
+
+def apply_allowed_token_ids(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """-inf at every id of a restricted row but the (row, id) pairs of `index` (int64 [2, K]:
+    the rows' allowed_token_ids); rows with no pair keep every logit. A copy when any row is
+    restricted; no device value is read."""
+    if index is None or index.shape[1] == 0:
+        return x
+    allowed = torch.zeros_like(x, dtype=torch.bool)
+    allowed[index[0], index[1]] = True
+    restricted = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    restricted[index[0]] = True
+    return x.masked_fill(restricted[:, None] & ~allowed, float("-inf"))
 
 
 def bitmask_to_bias(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -202,7 +216,7 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def is_plain_greedy(meta: SamplingMetadata) -> bool:
     """Argmax of the raw logits and their logprob is all this step needs (no grammar masks)."""
     return (meta.all_greedy and not meta.has_penalties and meta.max_num_logprobs == 0
-            and meta.grammar_bias is None and meta.logit_bias_index is None
+            and meta.grammar_bias is None and meta.logit_bias_index is None and not meta.id_sets
             and (meta.stop_mask_index is None or meta.stop_mask_index.shape[1] == 0))
 
 
@@ -224,7 +238,8 @@ class Sampler:
             ops = ops_for(torch.float32) if logits.device.type == "cpu" else None
             if ops is not None:
                 return SamplerOutput(*ops.greedy_sample(logits))
-        x = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)
+        x = apply_allowed_token_ids(logits, meta.id_sets.get("allowed_token_ids"))
+        x = apply_logit_bias(x, meta.logit_bias_index, meta.logit_bias_values)
         x = apply_stop_masks(x, meta.stop_mask_index)
         x = apply_grammar_bias(x, meta.grammar_rows, meta.grammar_bias)
         if meta.has_penalties:

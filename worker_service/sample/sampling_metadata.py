@@ -5,9 +5,11 @@ never reads a device value back: no host sync.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engine_common.request.params import ID_SET_KNOBS
 
 
 @dataclass
@@ -39,6 +41,9 @@ class SamplingMetadata:
     # request's logit_bias); None = no row has one
     logit_bias_index: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None
+    # Per knob that is a set of token ids (engine_common/request/sampling_knobs.py), int64 [2, K] of
+    # (row, token id) pairs; a knob no row sets is absent
+    id_sets: dict[str, torch.Tensor] = field(default_factory=dict)
     max_num_logprobs: int = 0                    # top alternatives to return; 0 = sampled only
     # Host-known upper bound of the active top_k values (>= every top_k in (0, vocab)): the
     # width of the one topk apply_top_k runs. Required (>= 1) when top_k is set.
@@ -72,10 +77,12 @@ def worst_case_sampling_metadata(num_rows: int, vocab_size: int, device: torch.d
 
     ids = torch.zeros((num_rows, 16), dtype=torch.int64, device=device)
     stop = torch.stack([torch.arange(num_rows, device=device), ids[:, 0]])   # id 0 per row
+    allowed = torch.stack([stop[0], stop[1] + 1])     # every row restricted to id 1
     return SamplingMetadata(
         temperature=full(0.8, torch.float32), all_greedy=False, all_random=True,
         top_p=full(0.9, torch.float32), top_k=full(50, torch.int32), min_p=full(0.05, torch.float32),
         seeds=full(0, torch.int64), counters=full(0, torch.int64),
         repetition_penalty=full(1.1, torch.float32), presence_penalty=full(0.1, torch.float32),
         frequency_penalty=full(0.1, torch.float32), prompt_token_ids=ids, output_token_ids=ids,
-        stop_mask_index=stop, max_num_logprobs=max_num_logprobs, top_k_max=50)
+        stop_mask_index=stop, max_num_logprobs=max_num_logprobs, top_k_max=50,
+        id_sets={k.name: allowed for k in ID_SET_KNOBS})

@@ -19,10 +19,10 @@ import logging
 
 import grpc
 
-from engine_common.grpc_metadata import same_shape_handler
-from engine_common.params import ParamError
-from engine_common.tls import server_credentials
-from engine_common.worker_auth import AUTH_METADATA_KEY, WorkerAuth
+from engine_common.security.grpc_metadata import same_shape_handler
+from engine_common.request.params import ParamError
+from engine_common.security.tls import server_credentials
+from engine_common.security.worker_auth import AUTH_METADATA_KEY, WorkerAuth
 from worker_service.failures import FailureKind
 from worker_service.service.log_limit import LogLimit
 from worker_service.service.servicer import FAILURES

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine_common.diff_limits import max_diff_bytes
+from engine_common.request.diff_limits import max_diff_bytes
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.runner.memory_fit import check_memory_fits
 from worker_service.runner.preflight import check_runner_config

@@ -1,7 +1,7 @@
 """The node worker: the epoch, step and stream rules of one worker service, over its Ranks.
 
 A node worker is the protobuf-free state behind one worker service. It drives the node's ranks
-through the Ranks interface (runner/rank_api.py): one in-process RunnerKeeper (tp_size 1) or a
+through the Ranks interface (ranks/rank_api.py): one in-process RunnerKeeper (tp_size 1) or a
 RankGroup of rank processes (tp_size > 1). The rules enforced here:
 
 - One scheduler at a time (fencing.py): Init must carry an epoch above every epoch accepted
@@ -26,12 +26,12 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine_common.model_dir import read_model_configs
+from engine_common.model_files.model_dir import read_model_configs
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.models.tp_sizes import check_tp_size
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, StepFailure
-from worker_service.runner.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
+from worker_service.ranks.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
 from worker_service.service.fencing import Fence
 from worker_service.service.init_checks import InitGuards, check_init
 

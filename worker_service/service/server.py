@@ -29,14 +29,14 @@ from concurrent import futures
 
 import grpc
 
-from deltaserve.paths import resolve_device
-from engine_common.config import WorkerServiceOptions
-from engine_common.metrics_http import start_metrics_server
-from engine_common.protos import WORKER_SERVICE, worker_pb2_grpc
-from engine_common.worker_auth import WorkerAuth
+from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.runtime.metrics_http import start_metrics_server
+from engine_common.runtime.paths import resolve_device
+from engine_common.wire.protos import WORKER_SERVICE, worker_pb2_grpc
+from engine_common.security.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
-from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.auth import add_port, check_exposure, describe, interceptors
 from worker_service.service.init_checks import MIB, InitGuards
 from worker_service.service.node_worker import NodeWorker

@@ -14,7 +14,7 @@ set, then the stream is closed with a status (the response is skipped only for S
     StepRequest.step != next step             STEP_GAP              FAILED_PRECONDITION
     a step of this epoch already failed       CODE_UNSPECIFIED      FAILED_PRECONDITION
     payload undecodable, digest wrong, a
-      value out of range (runner/diff_check)  BAD_PAYLOAD           INVALID_ARGUMENT
+      value out of range (batch/diff_check)  BAD_PAYLOAD           INVALID_ARGUMENT
     diff does not fit the cached requests     BAD_PAYLOAD           FAILED_PRECONDITION
     runner raised (model, device)             INTERNAL              INTERNAL
     out of device or host memory              INTERNAL              RESOURCE_EXHAUSTED
@@ -37,9 +37,9 @@ from typing import Callable, Iterator
 
 import grpc
 
-from engine_common.protos import worker_pb2, worker_pb2_grpc
-from engine_common.params import clip
-from engine_common.settings import from_proto
+from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.request.params import clip
+from engine_common.configuration.settings import from_proto
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure

@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import Callable, Iterator
 
-from engine_common.protos import worker_pb2
+from engine_common.wire.protos import worker_pb2
 from worker_service.service.node_worker import NodeWorker
 
 _END = object()

@@ -2,7 +2,7 @@
 rank (global rank) and its device ("cpu", "cuda:N").
 
     steps, step execute and phase seconds     recorded after each step, from every local rank's
-                                              RankStepStats (runner/step_clock.py's phases)
+                                              RankStepStats (step/step_clock.py's phases)
     requests cached, KV blocks                read at scrape time from the node worker
     process CPU seconds and resident memory   read at scrape time from /proc, per rank process
     GPU utilization, memory, power,           read at scrape time from NVML, per CUDA rank
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from worker_service.config import rank_device
-from worker_service.runner.rank_api import StepReply
+from worker_service.ranks.rank_api import StepReply
 from worker_service.service.device_telemetry import NvmlReader, read_process
 from worker_service.service.node_worker import NodeWorker
 

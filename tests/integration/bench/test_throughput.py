@@ -13,7 +13,7 @@ import pytest
 from bench import throughput
 from bench.presets import PRESETS, SPEC_FILE, UnknownPreset, preset_dir
 from bench.workload import make_workload
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 from tests.support.paths import REPO
 
 ARGS = ["--preset", "tiny", "--device", "cpu", "--num-seqs", "4", "--min-len", "4",
@@ -108,7 +108,7 @@ def test_flags_mount_on_a_subcommand_and_import_without_torch():
 def test_step_timer_counts_decode_steps_and_context_lengths(tmp_path):
     from bench.step_timer import StepTimer
     from deltaserve.llm import LLM
-    from engine_common.params import StoppingParams
+    from engine_common.request.params import StoppingParams
 
     llm = LLM(str(preset_dir("tiny", tmp_path)), device="cpu", max_model_len=64,
               num_kv_blocks=16)

@@ -8,7 +8,7 @@ import pytest
 from bench.workload import (NAMED_WORKLOADS, WorkloadShape, add_model_and_workload_flags,
                             draw_workload, make_workload, model_dir_for, warmup_workload,
                             workload_shape)
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 
 
 def parse(argv, num_seqs=32, min_len=64, max_len=512):

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from deltaserve.chat import Session, build_parser, stream_answer
-from engine_common.protos import generation_pb2 as pb
+from engine_common.wire.protos import generation_pb2 as pb
 
 
 class FakeCall:

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from deltaserve.llm import InProcessExecutor
-from engine_common.codec import decode_runner_output
-from engine_common.diff import RunnerOutput
+from engine_common.wire.codec import decode_runner_output
+from engine_common.wire.diff import RunnerOutput
 
 WAIT_S = 60.0       # only a hang hits this
 

@@ -13,7 +13,7 @@ from deltaserve.cli import build_parser
 from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, check_compatible,
                                        find_smg, gateway_model_path, grpc_target_of,
                                        openai_front, openai_options, smg_command)
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 
 

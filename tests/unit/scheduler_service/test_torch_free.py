@@ -29,10 +29,10 @@ SCRIPT = textwrap.dedent("""
     for mod in pkgutil.iter_modules(engine_common.__path__):
         importlib.import_module(f"engine_common.{mod.name}")
 
-    from engine_common.codec import decode_scheduler_output, encode_scheduler_output
-    from engine_common.config import SchedulerConfig
-    from engine_common.diff import RunnerOutput
-    from engine_common.params import SamplingParams, StoppingParams
+    from engine_common.wire.codec import decode_scheduler_output, encode_scheduler_output
+    from engine_common.configuration.config import SchedulerConfig
+    from engine_common.wire.diff import RunnerOutput
+    from engine_common.request.params import SamplingParams, StoppingParams
     from scheduler_service.core.request import Request, RequestStatus
     from scheduler_service.core.scheduler import Scheduler
 

@@ -1,4 +1,4 @@
-"""bench/peers/isa.py and its plumbing in the harness: --isa avx2 reaches both engines'
+"""bench/isa.py and its plumbing in the harness: --isa avx2 reaches both engines'
 environments (vLLM's is only built here, never started), torch in such a process really runs at
 AVX2, and every result block names the CPU and the ISA."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from bench.peers import harness, isa
+from bench import isa
+from bench.peers import harness
 from bench.peers.report import Comparison, EngineRuns, format_block
 from tests.support.paths import REPO
 

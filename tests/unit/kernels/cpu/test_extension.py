@@ -117,3 +117,22 @@ def test_a_lock_file_left_by_a_killed_builder_does_not_block_loading():
         assert done.returncode == 0, done.stderr
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_needs_build_says_whether_a_load_would_compile_first(tmp_path, monkeypatch):
+    """True for an empty build cache (the worker then says "building CPU kernels" while it
+    compiles); False once the library file is there, once loaded, or when switched off."""
+    monkeypatch.setattr(extension, "_state", {})
+    monkeypatch.delenv(extension.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(extension.DIR_VAR, str(tmp_path))
+    assert extension.needs_build("generic")
+    name = extension.library_name("generic")
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"")
+    assert not extension.needs_build("generic")
+    (tmp_path / name / f"{name}.so").unlink()
+    monkeypatch.setenv(extension.ENV_SWITCH, "0")
+    assert not extension.needs_build("generic")
+    monkeypatch.delenv(extension.ENV_SWITCH)
+    extension._state["generic"] = {"ok": True, "why": "loaded"}
+    assert not extension.needs_build("generic")

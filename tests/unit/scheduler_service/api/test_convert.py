@@ -5,11 +5,13 @@ import math
 
 import pytest
 
-from engine_common.chat_template import ChatMessage
-from engine_common.constraint import Constraint
-from engine_common.params import ParamError, SamplingParams, StoppingParams
-from engine_common.protos import generation_pb2 as pb
+from engine_common.text.chat_template import ChatMessage
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api import convert
+from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
+                                              checked_constraint)
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
 from scheduler_service.core.request import RequestStatus
 
@@ -23,8 +25,8 @@ def _req(**kw) -> pb.GenerateRequest:
 
 def test_text_prompt_with_unset_params_takes_defaults():
     got = convert.request_from_proto(pb.GenerateRequest(request_id="r", text="Hi"))
-    assert got == convert.GenerateInput("r", "Hi", None, SamplingParams(),
-                                        StoppingParams(max_tokens=None), 0, 0)
+    assert got == ValidatedRequest("r", "Hi", None, SamplingParams(),
+                                   StoppingParams(max_tokens=None), 0, convert.NAMES)
     assert got.sampling.greedy
 
 
@@ -107,7 +109,7 @@ def test_bad_constraints_are_refused_at_admission(msg, field, message):
     """The shape at conversion, the grammar engine's verdict by checked_constraint (which the
     servicer runs on the tokenizer pool)."""
     with pytest.raises(ParamError) as e:
-        convert.checked_constraint(convert.request_from_proto(_req(constraint=msg)).constraint)
+        checked_constraint(convert.request_from_proto(_req(constraint=msg)).constraint)
     assert e.value.field == field and message in str(e.value)
 
 
@@ -115,7 +117,7 @@ def test_conversion_leaves_the_grammar_engine_to_the_pool():
     """An unclosed group is not the converter's business (no llguidance on the event loop)."""
     req = convert.request_from_proto(_req(constraint=pb.Constraint(regex="(ab")))
     assert req.constraint == Constraint("regex", "(ab")
-    assert convert.checked_constraint(None) is None
+    assert checked_constraint(None) is None
 
 
 def test_default_max_tokens_applies_only_when_unset():
@@ -201,14 +203,14 @@ def test_vocab_bound_is_skipped_without_a_vocab_size():
 
 
 def test_prompt_length_against_max_model_len():
-    convert.check_prompt_length(10, 6, 16)
-    convert.check_prompt_length(15, None, 16)
+    check_prompt_length(10, 6, 16)
+    check_prompt_length(15, None, 16)
     with pytest.raises(ParamError) as info:
-        convert.check_prompt_length(10, 7, 16)
+        check_prompt_length(10, 7, 16)
     assert str(info.value) == ("stopping.max_tokens=7 is invalid: must be <= 6 "
                                "(max_model_len 16 - 10 prompt tokens)")
     with pytest.raises(ParamError) as info:
-        convert.check_prompt_length(16, None, 16)
+        check_prompt_length(16, None, 16)
     assert str(info.value) == ("prompt='16 tokens' is invalid: must be at most 15 tokens "
                                "(max_model_len 16)")
 
@@ -299,3 +301,13 @@ def test_logit_bias_is_carried_and_its_ids_and_values_are_bounded():
     with pytest.raises(ParamError) as err:
         convert.request_from_proto(_req(sampling=pb.SamplingParams(logit_bias={3: -100.5})))
     assert err.value.field == "sampling.logit_bias[3]" and "[-100.0, 100.0]" in err.value.allowed
+
+
+def test_allowed_token_ids_are_carried_and_an_id_outside_the_vocabulary_is_refused_by_name():
+    msg = _req(sampling=pb.SamplingParams(allowed_token_ids=[7, 2]))
+    assert convert.request_from_proto(msg, vocab_size=10).sampling.allowed_token_ids == (2, 7)
+    with pytest.raises(ParamError) as err:
+        convert.request_from_proto(_req(sampling=pb.SamplingParams(allowed_token_ids=[3, 10])),
+                                   vocab_size=10)
+    assert str(err.value) == ("sampling.allowed_token_ids[1]=10 is invalid: must be in [0, 9] "
+                              "(vocab_size)")

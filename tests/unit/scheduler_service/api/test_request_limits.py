@@ -3,13 +3,21 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.params import ParamError
-from engine_common.protos import generation_pb2 as pb
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.api_keys import load_api_keys
-from engine_common.protos import vllm_engine_pb2 as vpb
-from scheduler_service.api.request_limits import (check_generate_limits, check_prompt_chars,
-                                                  check_vllm_generate_limits)
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from scheduler_service.api import convert, vllm_convert
+from scheduler_service.api.request_limits import check_prompt_chars, check_request_limits
+
+
+def check_generate_limits(msg, options):
+    check_request_limits(convert.limited_fields(msg), options)
+
+
+def check_vllm_generate_limits(msg, options):
+    check_request_limits(vllm_convert.limited_fields(msg), options)
 
 OPTIONS = ApiOptions(max_stop_strings=3, max_stop_chars=10, max_stop_token_ids=2,
                      max_prompt_chars=100, max_constraint_chars=20)

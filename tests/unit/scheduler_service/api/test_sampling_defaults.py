@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine_common.model_dir import ModelDirError
-from engine_common.params import ParamError, SamplingParams
+from engine_common.model_files.model_dir import ModelDirError
+from engine_common.request.params import ParamError, SamplingParams
 from scheduler_service.api.sampling_defaults import sampling_defaults
 
 

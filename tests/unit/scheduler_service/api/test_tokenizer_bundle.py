@@ -9,9 +9,9 @@ import zipfile
 
 import pytest
 
-from engine_common.chat_template import encode_chat, load_chat_template
-from engine_common.model_dir import ModelDirError
-from engine_common.tokenizer import Tokenizer
+from engine_common.text.chat_template import encode_chat, load_chat_template
+from engine_common.model_files.model_dir import ModelDirError
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.api.tokenizer_bundle import build_tokenizer_bundle, chunks
 
 

@@ -7,12 +7,14 @@ import json
 
 import pytest
 
-from engine_common.constraint import Constraint
-from engine_common.model_dir import ModelInfo
-from engine_common.params import ParamError, SamplingParams
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
+from engine_common.constraints.constraint import Constraint
+from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError, SamplingParams
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
 from scheduler_service.api import vllm_convert as vc
+from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
+                                              checked_constraint, constraint_named)
 from scheduler_service.core.kv_cache_manager import hash_block
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler_service.core.request import RequestStatus
@@ -26,7 +28,7 @@ def gen(**fields) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id="r1", **fields)
 
 
-def convert(msg: pb.GenerateRequest, **kw) -> vc.VllmGenerateInput:
+def convert(msg: pb.GenerateRequest, **kw) -> ValidatedRequest:
     return vc.request_from_proto(msg, vocab_size=100, **kw)
 
 
@@ -153,7 +155,8 @@ def test_the_constraint_oneof_maps_onto_our_constraint(sp, expected):
 ])
 def test_a_bad_constraint_names_its_field_with_the_engines_message(sp, field, says):
     with pytest.raises(ParamError) as err:
-        vc.checked_vllm_constraint(convert(gen(sampling_params=sp)).constraint)
+        with constraint_named(vc.NAMES.constraint):
+            checked_constraint(convert(gen(sampling_params=sp)).constraint)
     assert err.value.field == field
     assert says in err.value.allowed or says in str(err.value)
 
@@ -171,12 +174,12 @@ def test_data_parallel_rank_zero_is_this_replica():
 
 
 def test_prompt_length_names_this_protocols_field():
-    vc.check_prompt_fits(10, 5, 16)
+    check_prompt_length(10, 5, 16)
     with pytest.raises(ParamError) as err:
-        vc.check_prompt_fits(10, 7, 16)
+        check_prompt_length(10, 7, 16, vc.NAMES.stopping)
     assert err.value.field == "sampling_params.max_tokens"
     with pytest.raises(ParamError) as err:
-        vc.check_prompt_fits(16, None, 16)
+        check_prompt_length(16, None, 16)
     assert err.value.field == "prompt"
 
 
@@ -294,3 +297,12 @@ def test_kv_batch_to_proto():
 def test_logit_bias_is_carried_sorted_by_token_id():
     inp = convert(gen(sampling_params=pb.SamplingParams(logit_bias={9: -100.0, 5: 1.5})))
     assert inp.sampling.logit_bias == ((5, 1.5), (9, -100.0))
+
+
+def test_allowed_token_ids_are_carried_and_an_id_outside_the_vocabulary_is_refused_by_name():
+    inp = convert(gen(sampling_params=pb.SamplingParams(allowed_token_ids=[9, 5])))
+    assert inp.sampling.allowed_token_ids == (5, 9)
+    with pytest.raises(ParamError) as err:
+        convert(gen(sampling_params=pb.SamplingParams(allowed_token_ids=[100])))
+    assert str(err.value) == ("sampling_params.allowed_token_ids[0]=100 is invalid: must be in "
+                              "[0, 99] (vocab_size)")

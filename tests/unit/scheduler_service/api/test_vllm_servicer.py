@@ -21,12 +21,12 @@ import grpc
 import jsonschema
 import pytest
 
-from engine_common.diff_limits import MAX_CONSTRAINT_DEPTH
-from engine_common.protos import generation_pb2 as gpb
-from engine_common.protos import generation_pb2_grpc
-from engine_common.protos import smg_common_pb2 as cpb
-from engine_common.protos import vllm_engine_pb2 as pb
-from engine_common.protos import vllm_engine_pb2_grpc
+from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.wire.protos import generation_pb2 as gpb
+from engine_common.wire.protos import generation_pb2_grpc
+from engine_common.wire.protos import smg_common_pb2 as cpb
+from engine_common.wire.protos import vllm_engine_pb2 as pb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api import vllm_servicer
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64

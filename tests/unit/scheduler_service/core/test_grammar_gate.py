@@ -4,8 +4,8 @@ prefilled up to the sampling position and it idles; nobody else waits. SimWorker
 that samples a request whose grammar it has not reported."""
 from __future__ import annotations
 
-from engine_common.constraint import Constraint
-from engine_common.diff import RunnerOutput
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import RunnerOutput
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, run_steps, step
 
 YES_NO = Constraint("choice", ("yes", "no"))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.config import SchedulerConfig
-from engine_common.params import ParamError
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import ParamError
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, run_steps, step
 
 LONG = 30_000

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from engine_common.config import SchedulerConfig
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 

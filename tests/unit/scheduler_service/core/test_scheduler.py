@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine_common.constraint import Constraint
-from engine_common.diff import RunnerOutput
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import RunnerOutput
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.scheduler import QueueFull, RequestRejected
 from tests.support.scheduler_sim import run_steps

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from engine_common.codec import encode_scheduler_output
-from engine_common.params import StoppingParams
+from engine_common.wire.codec import encode_scheduler_output
+from engine_common.request.params import StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
 from tests.support.scheduler_sim import SimWorker, default_sample, run_steps
 from tests.support.scheduler_sim import assert_no_leak, make, make_request

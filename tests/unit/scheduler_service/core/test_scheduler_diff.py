@@ -7,11 +7,11 @@ from __future__ import annotations
 import random
 import statistics
 
-from engine_common.codec import decode_scheduler_output, encode_scheduler_output
-from engine_common.constraint import Constraint
-from engine_common.config import SchedulerConfig
-from engine_common.diff import RunnerOutput
-from engine_common.params import SamplingParams, StoppingParams
+from engine_common.wire.codec import decode_scheduler_output, encode_scheduler_output
+from engine_common.constraints.constraint import Constraint
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.wire.diff import RunnerOutput
+from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.scheduler_sim import SimWorker

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine_common.codec import (decode_scheduler_output, encode_runner_output)
-from engine_common.config import SchedulerConfig
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.wire.codec import (decode_scheduler_output, encode_runner_output)
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler

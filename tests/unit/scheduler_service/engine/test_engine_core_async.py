@@ -13,11 +13,11 @@ from collections import deque
 
 import pytest
 
-from engine_common.codec import (decode_scheduler_output, encode_runner_output,
+from engine_common.wire.codec import (decode_scheduler_output, encode_runner_output,
                                  encode_scheduler_output)
-from engine_common.config import SchedulerConfig
-from engine_common.params import SamplingParams, StoppingParams
-from engine_common.tokenizer import Tokenizer
+from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor

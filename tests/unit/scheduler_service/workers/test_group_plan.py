@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.config import WorkerConfig
-from engine_common.params import ParamError
-from engine_common.protos import worker_pb2
+from engine_common.configuration.config import WorkerConfig
+from engine_common.request.params import ParamError
+from engine_common.wire.protos import worker_pb2
 from scheduler_service.errors import WorkerFailure
 from scheduler_service.workers.group_plan import plan_group, rendezvous_host
 from scheduler_service.workers.worker_client import DEFAULT_DIST_PORT, InitSpec

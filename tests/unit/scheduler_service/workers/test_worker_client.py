@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine_common.protos import worker_pb2
+from engine_common.wire.protos import worker_pb2
 from scheduler_service.workers.worker_client import MAX_SLOW_PERIODS, WorkerClient
 from scheduler_service.workers.worker_stream import StepLate
 

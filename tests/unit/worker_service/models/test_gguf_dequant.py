@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine_common.gguf_file import GGUFError, GGUFFile
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile
 from worker_service.models.gguf_dequant import (DEQUANTIZERS, check_supported, dequantize,
                                                 supported_types)
 

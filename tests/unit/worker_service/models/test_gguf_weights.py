@@ -12,9 +12,9 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
-from engine_common.gguf_config import hf_config_from_gguf
-from engine_common.gguf_file import GGUFError, GGUFFile
-from engine_common.model_dir import ModelDirError
+from engine_common.model_files.gguf_config import hf_config_from_gguf
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile
+from engine_common.model_files.model_dir import ModelDirError
 from kernels.attention.torch_ref import TorchAttentionBackend
 from tests.support.gguf_files import llama_cpp_permute
 from worker_service.models.gguf_weights import hf_name, iter_gguf_weights, unpermute_rows

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from worker_service.models.tiny_model import make_tiny_model
 from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
+from kernels.cpu import extension
 from worker_service.models.loader import (WeightLoadError, allocate_kv_caches, kv_cache_shape,
                                           load_model)
 from worker_service.models.registry import UnsupportedArchitectureError, get_model_class
@@ -124,7 +126,7 @@ def test_absent_lm_head_is_tied_to_embeddings(tmp_path):
 
 
 def test_tiny_tokenizer_module_does_not_import_torch():
-    code = ("import sys, engine_common.tiny_tokenizer; "
+    code = ("import sys, engine_common.text.tiny_tokenizer; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -223,3 +225,16 @@ def test_loading_says_how_far_it_is(qwen3_dirs, caplog):
     load(qwen3_dirs[0])
     lines = [r.getMessage() for r in caplog.records if "loading weights of" in r.getMessage()]
     assert [line.split(": ")[1].split("%")[0] for line in lines] == ["25", "50", "75", "100"]
+
+
+@pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
+def test_packing_for_the_cpu_kernels_says_how_far_it_is(qwen3_dirs, caplog):
+    """The CPU's long step after the weights (packing them for the GEMM kernels) counts its
+    layers: a line at each quarter, the last at 100% of every module it prepared."""
+    caplog.set_level(logging.INFO, logger="worker_service.layers.cpu_kernels")
+    load_model(str(qwen3_dirs[0]), single_rank_group(), BACKEND, "cpu")
+    lines = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("packing weights for the CPU kernels")]
+    percents = [int(line.split(": ")[1].split("%")[0]) for line in lines]
+    assert len(percents) == 4 and percents == sorted(percents) and percents[-1] == 100
+    assert percents[0] >= 25 and "layers, " in lines[-1]

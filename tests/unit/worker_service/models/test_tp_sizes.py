@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 from worker_service.models.tp_sizes import check_tp_size, tp_size_problem, valid_tp_sizes
 
 SMOLLM2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}

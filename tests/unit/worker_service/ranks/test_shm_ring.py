@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine_common.params import ParamError
+from engine_common.request.params import ParamError
 from tests.support.shm_readers import SPAWN, STATS, Readers, digest
 from worker_service.ranks.shm_ring import (SHM_PREFIX, PayloadTooLarge, RingClosed, RingError,
                                            RingHandle, RingTimeout, ShmBroadcastRing)
@@ -17,10 +17,12 @@ from worker_service.ranks.shm_ring import (SHM_PREFIX, PayloadTooLarge, RingClos
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments():
-    """Every test leaves /dev/shm as it found it (our prefix only)."""
-    before = set(glob.glob(f"/dev/shm/{SHM_PREFIX}*"))
+    """Every test leaves /dev/shm as it found it: the segments this process made (their names
+    carry its pid; other processes on the machine may be making and freeing their own)."""
+    ours = f"/dev/shm/{SHM_PREFIX}{os.getpid()}_*"
+    before = set(glob.glob(ours))
     yield
-    leaked = set(glob.glob(f"/dev/shm/{SHM_PREFIX}*")) - before
+    leaked = set(glob.glob(ours)) - before
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from engine_common.model_dir import ModelInfo
+from engine_common.model_files.model_dir import ModelInfo
 from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit
 from worker_service.runner.memory_fit import (GIB, check_memory_fits, estimate_kv_bytes,

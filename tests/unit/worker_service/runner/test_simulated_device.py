@@ -60,7 +60,7 @@ def test_engine_on_the_simulated_device_runs_the_host_work(tiny_models):
     """The in-process engine with async scheduling pipelines on it (step t+1 launched before
     step t is finished) and every request gets its max_tokens of the device's tokens."""
     from deltaserve.llm import LLM
-    from engine_common.params import SamplingParams, StoppingParams
+    from engine_common.request.params import SamplingParams, StoppingParams
 
     llm = LLM(tiny_models("qwen3"), dtype="float32", num_kv_blocks=64, max_num_seqs=4,
               async_scheduling=True, simulated_device_ms=0.0)

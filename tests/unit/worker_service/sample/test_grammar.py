@@ -10,8 +10,8 @@ import llguidance
 import numpy as np
 import pytest
 
-from engine_common.constraint import Constraint
-from engine_common.params import ParamError
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import ParamError
 from tests.support.deep_constraints import lark_chain
 from tests.support.grammar_text import EOS, encode, tiny_compiler
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler

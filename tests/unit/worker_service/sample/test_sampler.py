@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from worker_service.sample.grammar import bitmask_bias
-from worker_service.sample.sampler import (Sampler, _mix32, apply_grammar_bias, apply_logit_bias,
+from worker_service.sample.sampler import (Sampler, _mix32, apply_allowed_token_ids,
+                                           apply_grammar_bias, apply_logit_bias,
                                            apply_penalties, apply_top_k, bitmask_to_bias,
                                            gumbel_noise, is_plain_greedy)
-from worker_service.runner.sampling_inputs import top_k_bound
+from worker_service.sample.sampling_inputs import top_k_bound
 from worker_service.sample.sampling_metadata import SamplingMetadata
 
 NEUTRAL = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, counter=0,
@@ -250,6 +251,8 @@ def test_worst_case_metadata_runs_every_feature():
     assert meta.has_penalties and meta.top_k is not None and meta.top_p is not None
     out = Sampler().forward(torch.randn(4, 64), meta)
     assert out.sampled_token_ids.shape == (4,) and out.top_ids.shape == (4, 20)
+    assert set(meta.id_sets) == {"allowed_token_ids"}
+    assert out.sampled_token_ids.tolist() == [1] * 4          # the one allowed id
 
 
 def test_top_k_bound_and_apply_top_k_with_a_loose_bound():
@@ -349,3 +352,23 @@ def test_logit_bias_moves_greedy_and_random_rows_and_logprobs_stay_raw():
     raw = torch.log_softmax(logits, -1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
     assert torch.allclose(out.logprobs, raw)
     assert torch.equal(apply_logit_bias(logits, None, None), logits)
+
+
+def test_allowed_token_ids_bind_only_their_rows_and_logprobs_stay_raw():
+    logits = rand_logits(3, 64, seed=5)
+    allowed = {0: [3, 40], 2: [11]}                 # row 1 is not restricted
+    pairs = [(row, t) for row, ids in allowed.items() for t in ids]
+    index = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
+    masked = apply_allowed_token_ids(logits, index)
+    assert torch.isinf(masked[0]).sum() == 62 and torch.equal(masked[1], logits[1])
+    assert masked[0, 3] == logits[0, 3] and masked[2, 11] == logits[2, 11]
+    rows = [{}, {"temperature": 1.0, "seed": 3}, {}]
+    meta = make_meta(rows, 64)
+    meta.all_greedy = meta.all_random = False
+    meta.id_sets = {"allowed_token_ids": index}
+    assert not is_plain_greedy(meta)
+    out = Sampler().forward(logits, meta)
+    assert out.sampled_token_ids[0] == 3 + 37 * int(logits[0, 40] > logits[0, 3])
+    assert out.sampled_token_ids[2] == 11
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(out.logprobs, raw.gather(1, out.sampled_token_ids[:, None])[:, 0])

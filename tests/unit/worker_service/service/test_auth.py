@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from engine_common.params import ParamError
-from engine_common.worker_auth import WorkerAuth
+from engine_common.request.params import ParamError
+from engine_common.security.worker_auth import WorkerAuth
 from worker_service.service.auth import TokenCheck, check_exposure, is_loopback
 from worker_service.service.log_limit import LogLimit
 

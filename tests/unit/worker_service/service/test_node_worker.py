@@ -9,7 +9,7 @@ import pytest
 
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import DoesNotFit, FailureKind, StepFailure, as_failure
-from worker_service.runner.rank_api import InitOutcome, StepReply
+from worker_service.ranks.rank_api import InitOutcome, StepReply
 from worker_service.service.init_checks import InitGuards
 from worker_service.service.node_worker import NodeWorker
 

@@ -8,8 +8,8 @@ import sys
 
 from tests.support.fake_nvml import fake_nvml
 from worker_service.config import NodeLayout
-from worker_service.runner.rank_api import RankStepStats, StepReply
-from worker_service.runner.runner_keeper import RunnerKeeper
+from worker_service.ranks.rank_api import RankStepStats, StepReply
+from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.worker_metrics import WorkerMetrics
 

@@ -1,0 +1,199 @@
+"""Configuration, one frozen dataclass per concern, each setting declared once (settings.py).
+
+    BatchLimits          the batch sizes both sides size themselves by
+    ├── SchedulerConfig  the continuous-batching policy (scheduler only)
+    └── WorkerConfig     what every worker loads at Init (sent as worker.proto's WorkerConfig)
+    WorkerServiceOptions one worker process's own flags (device, layout, timeouts)
+
+Values derived at run time (the number of KV-cache blocks that fit in device memory, the model's
+max_position_embeddings when max_model_len is unset) are never written back into a config by
+the code that derives them: they travel as separate arguments or result objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from engine_common.configuration.listen_address import ListenAddress
+from engine_common.request.params import ParamError
+from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
+                                    PowerOfTwo, Rule, setting, validate)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
+GIB = 1 << 30
+# Tokens a long prefill takes per step beside other requests when unset: a step of ~512 prompt
+# tokens stays short next to a full 2048-token one, and large enough to keep matmuls efficient.
+_LONG_PREFILL_DEFAULT = 512
+
+
+def gib_to_bytes(text: str) -> int:
+    """A --kv-cache-gib value in bytes (ValueError names the flag)."""
+    gib = float(text)
+    if not gib > 0:
+        raise ValueError(f"--kv-cache-gib={text}: must be > 0")
+    return int(gib * GIB)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchLimits:
+    """Limits of one step and one request, shared by the scheduler and the workers."""
+
+    max_num_seqs: int = setting(256, "requests in the running batch", rule=AtLeast(1), wire=10)
+    max_num_batched_tokens: int = setting(
+        2048, "tokens (prefill chunks + decodes) in one step; >= --max-num-seqs",
+        rule=AtLeast(1), wire=11)
+    max_model_len: int | None = setting(
+        None, "prompt + output tokens of one request; unset: the model's "
+        "max_position_embeddings", rule=AtLeast(1), wire=4)
+    block_size: int = setting(16, "tokens per KV-cache block, a power of two",
+                              rule=PowerOfTwo(1024), wire=5)
+
+    def __post_init__(self):
+        validate(self)
+        # Every running request must be able to decode one token per step.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ParamError("max_num_batched_tokens", self.max_num_batched_tokens,
+                             f">= max_num_seqs ({self.max_num_seqs})")
+
+
+def limits_of(config: BatchLimits) -> dict:
+    """The BatchLimits fields of a config, to give another config the same limits."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(BatchLimits)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(BatchLimits):
+    """The continuous-batching policy. Chunked prefill is always on. The scheduler needs
+    max_model_len set (the server fills in the model's)."""
+
+    max_waiting: int = setting(1024, "queued requests before new ones get RESOURCE_EXHAUSTED",
+                               rule=AtLeast(1))
+    enable_prefix_caching: bool = setting(
+        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching")
+    async_scheduling: bool = setting(
+        False, "keep two steps in flight: schedule step t+1 while the workers run step t (they "
+        "feed their own sampled tokens back)")
+    # Fairness under long prompts (docs/scheduler.md, "Long prompts"): a prompt longer than
+    # the threshold is prefilled in chunks of at most that many tokens while any other request
+    # is running or waiting, so it never takes a whole step from them.
+    long_prefill_token_threshold: int | None = setting(
+        None, "most prompt tokens one request prefills in a step while other requests run or "
+        "wait (a longer prompt is a long prefill); unset: 512, or max_num_batched_tokens when "
+        "smaller",
+        rule=AtLeast(1))
+    max_long_partial_prefills: int = setting(
+        1, "long prefills in progress at once; a further long prompt waits, shorter ones behind "
+        "it are admitted", rule=AtLeast(1))
+
+    def __post_init__(self):
+        super().__post_init__()
+        threshold = self.long_prefill_threshold
+        if self.max_long_partial_prefills * threshold > self.max_num_batched_tokens:
+            raise ParamError("max_long_partial_prefills x long_prefill_token_threshold",
+                             f"{self.max_long_partial_prefills} x {threshold}",
+                             f"<= max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """long_prefill_token_threshold, or its default when unset."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return min(_LONG_PREFILL_DEFAULT, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(BatchLimits):
+    """What every worker loads and how, sent in Init. A worker keeps a loaded model when only
+    the KV budget or verify_symmetry changes."""
+
+    model_dir: str = setting("", "model directory as the worker sees it", rule=NonEmpty(),
+                             cli=False, wire=1)
+    dtype: str = setting("auto", "weights and activations; auto: the model config's",
+                         rule=OneOf(DTYPES), wire=2)
+    attention_backend: str = setting(
+        "auto", "attention kernels; auto: flash_attn when its paged layout fits, then triton "
+        "on CUDA; on CPU the compiled paged kernel (cpu) when it is built and fits, then torch",
+        rule=OneOf(ATTENTION_BACKENDS), wire=3)
+    kv_cache_bytes: int | None = setting(
+        None, "KV-cache bytes per device (the flag takes GiB); unset: 1 GiB unless "
+        "gpu_memory_utilization is set",
+        rule=AtLeast(1), wire=6, flag="--kv-cache-gib", parse=gib_to_bytes, metavar="GIB")
+    gpu_memory_utilization: float | None = setting(
+        None, "CUDA: the fraction of each GPU the worker may use in all (weights, activations, "
+        "KV cache), in (0, 1]", rule=Positive(1.0), wire=7)
+    verify_symmetry: bool = setting(
+        False, "every rank digests its sampled ids and cached state each step; a mismatch "
+        "fails the open requests and starts a new epoch", wire=12)
+    enforce_eager: bool = setting(
+        False, "run decode steps eagerly: no CUDA graphs (graphs are used on CUDA with the "
+        "triton or flash_attn backend)", wire=13)
+    max_graph_batch: int = setting(
+        512, "largest decode batch captured as a CUDA graph: 1, 2, 4, 8, then steps of 16",
+        rule=AtLeast(1), wire=14)
+    fused_ops: bool = setting(
+        False, "fused Triton RMSNorm and rotary embedding (CUDA; off until GPU measurements "
+        "show a gain)", wire=15)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_cache_bytes is not None and self.gpu_memory_utilization is not None:
+            raise ParamError("gpu_memory_utilization", self.gpu_memory_utilization,
+                             "unset when kv_cache_bytes is set (one KV budget)")
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The byte budget of the KV cache per device (1 GiB when unset)."""
+        return GIB if self.kv_cache_bytes is None else self.kv_cache_bytes
+
+
+class DeviceName(Rule):
+    allowed = "auto, cpu, cuda or cuda:N"
+
+    def ok(self, value) -> bool:
+        return isinstance(value, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerServiceOptions:
+    """One worker process's own settings: where it runs and its place in the group."""
+
+    device: str = setting("auto", "where the model runs; auto: cuda when available; with "
+                          "several local ranks on cuda, rank r uses cuda:r", rule=DeviceName())
+    local_ranks: int = setting(1, "rank processes (devices) of this worker; the tensor-parallel "
+                               "size is nodes x local ranks (--tensor-parallel-size: vLLM's "
+                               "name, the same on one node)", rule=AtLeast(1),
+                               aliases=("--tensor-parallel-size", "-tp"))
+    node_rank: int = setting(0, "this worker's index among the --nodes workers; node 0 holds "
+                             "the output rank and comes first in the scheduler's --workers",
+                             rule=AtLeast(0))
+    nodes: int = setting(1, "worker services (nodes) in the tensor-parallel group",
+                         rule=AtLeast(1))
+    dist_timeout_s: float = setting(600.0, "seconds a rendezvous or a collective may take",
+                                    rule=Positive(), flag="--dist-timeout")
+    rank_step_timeout_s: float = setting(
+        600.0, "seconds one step may take on the ranks before they count as stuck",
+        rule=Positive(), flag="--rank-step-timeout")
+    metrics_listen: str | None = setting(
+        None, "HOST:PORT of this worker's Prometheus /metrics endpoint (port 0: any free port), "
+        "or off", rule=ListenAddress())
+    # Guards of the Worker protocol (credentials: engine_common/security/worker_auth.py).
+    model_root: str | None = setting(
+        None, "Init may only name model directories under this directory (unset: any "
+        "directory the worker can read)", metavar="DIR")
+    max_message_mib: int = setting(
+        256, "largest Worker message accepted, in MiB; Init refuses settings whose largest "
+        "step diff would not fit", rule=AtLeast(1, 2047))
+    insecure: bool = setting(
+        False, "listen on a non-loopback address without --worker-token-file or "
+        "--worker-tls-*: anyone who reaches the port can drive the worker")
+    simulated_device_ms: float | None = setting(
+        None, "benchmarks of the host's work only (bench/host_overhead.py): no forward pass "
+        "or sampler; every step takes this many ms on a simulated device", rule=AtLeastZero())
+
+    def __post_init__(self):
+        validate(self)
+        if self.node_rank >= self.nodes:
+            raise ParamError("node_rank", self.node_rank, f"in [0, {self.nodes - 1}] "
+                             f"(--nodes {self.nodes})")

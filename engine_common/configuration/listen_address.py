@@ -1,0 +1,35 @@
+"""HOST:PORT settings of the optional endpoints (--metrics-listen): the rule and small helpers.
+
+A value is HOST:PORT (port 0: any free port; an IPv6 host may be bracketed) or "off".
+"""
+from __future__ import annotations
+
+from engine_common.configuration.settings import Rule
+
+OFF = "off"
+
+
+class ListenAddress(Rule):
+    """HOST:PORT with PORT in [0, 65535], or "off"."""
+
+    allowed = "HOST:PORT (port in [0, 65535]) or off"
+
+    def ok(self, value) -> bool:
+        if value == OFF:
+            return True
+        host, sep, port = str(value).rpartition(":")
+        return bool(sep and host) and port.isdigit() and int(port) <= 65535
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """(host, port) of a HOST:PORT."""
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def next_port(listen: str) -> str:
+    """The address one port above `listen`; port 0 stays 0 (any free port), "off" stays off."""
+    if listen == OFF:
+        return OFF
+    port = split_listen(listen)[1]
+    return f"{listen.rpartition(':')[0]}:{port + 1 if port else 0}"

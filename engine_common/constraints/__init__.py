@@ -1,0 +1,2 @@
+"""Structured-output constraints (JSON schema, regex, grammar, choice): validated at admission,
+their nesting measured without recursion, JSON Schema $ref resolution."""

@@ -1,0 +1,230 @@
+"""Structured-output constraints: what a request's output must match, validated at admission.
+
+A `Constraint` is one of five kinds, named as in vLLM's gRPC protocol (the `constraint` oneof of
+its SamplingParams), so a gateway maps them 1:1:
+
+    json_schema  a JSON Schema (text)           -> JSON that validates against it; an object
+                 schema without `additionalProperties` allows no other properties (strict, as
+                 xgrammar and so vLLM's default backend treat it): give the keyword to allow them
+    json_object  True                           -> any JSON object
+    regex        a regular expression (Rust regex syntax) -> text that fully matches it
+    grammar      a Lark grammar, or GBNF / EBNF as llama.cpp writes it -> a sentence of it
+    choice       a tuple of strings             -> exactly one of them
+
+The grammar engine is llguidance (Rust core, no torch): `to_grammar()` turns a constraint into
+its grammar definition, `validate()` checks it with the library and raises ParamError carrying the
+library's message, so a bad schema, regex or grammar is refused once, at admission, never
+mid-stream. Validations are cached (the last 1024 distinct constraints). The worker compiles the
+same grammar text against its tokenizer (worker_service/sample/grammar.py).
+
+llguidance compiles recursively and a deep enough constraint overflows the stack (SIGSEGV, the
+whole process): `check_depth()` refuses one nested deeper than MAX_CONSTRAINT_DEPTH first
+(measured without recursion: constraint_depth.py), and the library runs on a 64 MiB stack
+(big_stack.py). docs/security.md has the measurements.
+
+On the wire (the new-request part of the step diff) a constraint is [kind, value], value being
+the text, the bool, or the list of choices.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import llguidance
+
+from engine_common.runtime.big_stack import call_with_big_stack
+from engine_common.constraints.constraint_depth import grammar_depth, json_schema_depth, regex_depth
+from engine_common.request.diff_limits import MAX_CONSTRAINT_CHOICES, MAX_CONSTRAINT_DEPTH
+from engine_common.request.params import ParamError
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+# The grammar of `json_object`: any JSON object, as vLLM builds it.
+_ANY_OBJECT = '{"type": "object"}'
+_MAX_CACHED_VALIDATIONS = 1024
+_WHAT = {"json_schema": "a JSON Schema", "json_object": "true", "regex": "a regular expression",
+         "grammar": "a Lark or GBNF grammar", "choice": "a list of choices"}
+# What constraint_depth counts, per kind, for the refusal's message.
+_DEPTH = {"json_schema": (json_schema_depth, "subschemas within subschemas, following $ref"),
+          "regex": (regex_depth, "groups within groups"),
+          "grammar": (grammar_depth, "rules referring to rules, with their bracket nesting")}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One structured-output constraint; `value` is a str (json_schema, regex, grammar), True
+    (json_object) or a tuple of strings (choice)."""
+
+    kind: str
+    value: str | bool | tuple[str, ...]
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ParamError("constraint", self.kind, f"one of {', '.join(KINDS)}")
+        if self.kind == "choice":
+            object.__setattr__(self, "value", tuple(self.value))
+        _check_value(self.kind, self.value)
+
+    @property
+    def field(self) -> str:
+        """The API field that holds it, for error messages: e.g. `constraint.regex`."""
+        return f"constraint.{self.kind}"
+
+    @property
+    def key(self) -> str:
+        """A stable hash of kind and value (compiled grammars and validations cache by it)."""
+        text = json.dumps([self.kind, self.to_wire()[1]], ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def num_chars(self) -> int:
+        """Its size as --max-constraint-chars counts it: the text's characters, or the choices'
+        together (json_object: 0)."""
+        if self.kind == "json_object":
+            return 0
+        return len(self.value) if self.kind != "choice" else sum(len(c) for c in self.value)
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar definition (its JSON text) of this constraint."""
+        if self.kind == "json_object":
+            return llguidance.grammar_from("json_schema", _ANY_OBJECT)
+        if self.kind == "choice":
+            return llguidance.grammar_from("choice", list(self.value))
+        if self.kind == "json_schema":
+            return llguidance.grammar_from("json_schema", _strict_schema(self.value))
+        return llguidance.grammar_from(self.kind, self.value)
+
+    @cached_property
+    def depth(self) -> int:
+        """How deeply it nests, as MAX_CONSTRAINT_DEPTH bounds it (choice, json_object: 1)."""
+        if self.kind not in _DEPTH:
+            return 1
+        return _DEPTH[self.kind][0](self.value)
+
+    def check_depth(self) -> "Constraint":
+        """Raise ParamError if it nests deeper than MAX_CONSTRAINT_DEPTH (the grammar engine
+        would overflow its stack compiling it)."""
+        depth = self.depth
+        if depth > MAX_CONSTRAINT_DEPTH:
+            raise ParamError(self.field, f"nested {depth} deep",
+                             f"nested at most {MAX_CONSTRAINT_DEPTH} deep "
+                             f"({_DEPTH[self.kind][1]})")
+        return self
+
+    def validate(self) -> "Constraint":
+        """Raise ParamError if it nests too deeply, or with the library's message if the
+        grammar is not usable."""
+        self.check_depth()
+        error = _validation_error(self)
+        if error:
+            raise ParamError(self.field, _short(self.value),
+                             f"{_WHAT[self.kind]} the grammar engine accepts; it says: "
+                             f"{_short_lines(error.strip())}")
+        return self
+
+    def to_wire(self) -> list:
+        value = list(self.value) if self.kind == "choice" else self.value
+        return [self.kind, value]
+
+    @classmethod
+    def from_wire(cls, data) -> "Constraint":
+        kind, value = data
+        return cls(kind, value)
+
+
+def constraint_from_fields(*, json_schema: str | None = None, json_object: bool = False,
+                           regex: str | None = None, grammar: str | None = None,
+                           choice=None) -> Constraint | None:
+    """The constraint one oneof holds, from its fields as a protobuf adapter reads them (unset:
+    None / False); None when none is set. At most one may be set."""
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex),
+                               ("grammar", grammar), ("choice", choice)) if v is not None}
+    if json_object:
+        given["json_object"] = True
+    if len(given) > 1:
+        raise ParamError("constraint", " and ".join(given), "at most one kind")
+    if not given:
+        return None
+    (kind, value), = given.items()
+    return Constraint(kind, value)
+
+
+def _check_value(kind: str, value) -> None:
+    field = f"constraint.{kind}"
+    if kind == "json_object":
+        if value is not True:
+            raise ParamError(field, value, "true (any JSON object)")
+    elif kind == "choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise ParamError(f"{field}.choices", list(value), "one or more non-empty strings")
+        if len(value) > MAX_CONSTRAINT_CHOICES:
+            raise ParamError(f"{field}.choices", f"{len(value)} choices",
+                             f"at most {MAX_CONSTRAINT_CHOICES} choices (the grammar engine's "
+                             f"work grows with them)")
+    elif not isinstance(value, str) or not value:
+        raise ParamError(field, value, "a non-empty string")
+
+
+@lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
+def _validation_error(constraint: Constraint) -> str:
+    try:
+        return call_with_big_stack(_library_validation, constraint)
+    except ValueError as e:          # e.g. a GBNF grammar that does not convert to Lark
+        return str(e)
+
+
+def _library_validation(constraint: Constraint) -> str:
+    return llguidance.LLMatcher.validate_grammar(constraint.to_grammar())
+
+
+# Schema keywords whose value is a schema, a list of schemas, or a map of name -> schema.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+              "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def _strict_schema(text: str) -> str:
+    """The schema with `additionalProperties: false` on every object schema that lists
+    properties and does not say otherwise; text that is not JSON is left for the validator."""
+    try:
+        schema = json.loads(text)
+        _close_objects(schema)
+        return json.dumps(schema, ensure_ascii=False)
+    except (ValueError, RecursionError):   # too deep for Python: the engine refuses it too
+        return text
+
+
+def _close_objects(schema) -> None:
+    if not isinstance(schema, dict):
+        return
+    if (("properties" in schema or "patternProperties" in schema)
+            and "additionalProperties" not in schema):
+        schema["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        _close_objects(schema.get(key))
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                _close_objects(sub)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _close_objects(sub)
+
+
+def _short_lines(message: str, line_limit: int = 200, limit: int = 4000) -> str:
+    """The engine's message with every line cut at `line_limit` characters and the whole at
+    `limit`: it quotes the constraint (and a caret line as wide), which would otherwise make a
+    status message larger than gRPC's metadata limit (the client then sees RESOURCE_EXHAUSTED)."""
+    return _short("\n".join(_short(line, line_limit) for line in message.split("\n")), limit)
+
+
+def _short(value, limit: int = 200):
+    """The value as an error message quotes it: long texts cut at `limit` characters."""
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + "..."
+    return list(value) if isinstance(value, tuple) else value

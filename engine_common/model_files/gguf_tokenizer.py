@@ -1,0 +1,188 @@
+"""The tokenizer a GGUF file describes, as a `tokenizers` Tokenizer (what tokenizer.json holds)
+plus the tokenizer_config.json fields (special tokens, add_bos_token, chat_template).
+
+The mapping follows transformers' GGUF loader (integrations/gguf/gguf_tokenizer_mapping.py), so
+the ids equal `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s. Supported
+`tokenizer.ggml.model` values:
+
+    "gpt2"   byte-level BPE (Llama 3, Qwen, SmolLM2): the vocabulary is spelled in GPT-2's byte
+             alphabet; split by the regex `tokenizer.ggml.pre` names (table below)
+    "llama"  SentencePiece BPE (Llama 2, Mistral v0.1, TinyLlama): "▁" marks a space, a "▁" is
+             prepended to the text, unknown bytes fall back to the <0xXX> tokens; without merges
+             in the file they are rebuilt from the scores (transformers' generate_merges)
+
+Metadata used:
+
+    tokenizer.ggml.tokens       string[V]  the vocabulary, id = index
+    tokenizer.ggml.scores       float[V]   SentencePiece piece scores (merge priority)
+    tokenizer.ggml.token_type   int32[V]   1 normal, 2 unknown, 3 control (-> special added
+                                           token), 4 user-defined (-> non-special added token),
+                                           6 byte
+    tokenizer.ggml.merges       string[M]  "left right", highest priority first
+    tokenizer.ggml.pre          string     picks the pre-tokenizer split regex (table below)
+    tokenizer.ggml.{bos,eos,unknown,padding}_token_id, add_bos_token, add_eos_token
+    tokenizer.chat_template     string
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from types import MappingProxyType
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+_CONTROL, _USER_DEFINED = 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> split regex; any other value keeps GPT-2's own ByteLevel regex
+# (SmolLM2's "smollm" among them, exactly as transformers does).
+PRE_TOKENIZER_SPLITS = MappingProxyType({
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"),
+                    _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+})
+
+# tokenizer_config.json name -> tokenizer.ggml key of its id
+_SPECIAL_TOKENS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                   ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+
+
+@lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table of byte-level BPE vocabularies."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tokenizer_from_gguf(gguf: GGUFFile) -> Tokenizer:
+    """The file's tokenizer, ready to encode (what tokenizer.json would hold)."""
+    kind = gguf.require("tokenizer.ggml.model")
+    if kind not in SUPPORTED_MODELS:
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.model={kind!r} is not supported: must be "
+                        f"one of {SUPPORTED_MODELS}")
+    tokens = gguf.require("tokenizer.ggml.tokens")
+    if kind == "gpt2":
+        tok = Tokenizer(_byte_level_bpe(tokens, gguf.require("tokenizer.ggml.merges")))
+        tok.pre_tokenizer = _pre_tokenizer(gguf.get("tokenizer.ggml.pre"))
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = _sentencepiece_bpe(tokens, gguf.get("tokenizer.ggml.merges"),
+                                 gguf.get("tokenizer.ggml.scores"), gguf)
+    _add_special_tokens(tok, tokens, gguf.get("tokenizer.ggml.token_type") or [],
+                        kind == "gpt2", _named_special_tokens(gguf, tokens))
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
+                       gguf: GGUFFile) -> Tokenizer:
+    """transformers' LlamaTokenizer(vocab, merges) as it builds it for a GGUF."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    elif scores is not None:
+        pairs = merges_from_scores(vocab, dict(zip(tokens, scores)))
+    else:
+        raise GGUFError(f"{gguf.path}: a 'llama' tokenizer needs tokenizer.ggml.merges or "
+                        "tokenizer.ggml.scores; the file has neither")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=True,
+                               byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two known
+    pieces, the best-scoring piece's first (transformers' generate_merges, same order)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
+    spelling = byte_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:   # spelled as text: respell its UTF-8 bytes
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    pairs = [tuple(m.split(" ")) for m in merges]
+    return models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                      end_of_word_suffix="", fuse_unk=False)
+
+
+def _pre_tokenizer(pre: str | None):
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _named_special_tokens(gguf: GGUFFile, tokens: list[str]) -> dict[str, str]:
+    """bos / eos / unk / pad token strings, by tokenizer_config.json name."""
+    named = {}
+    for name, key in _SPECIAL_TOKENS:
+        token_id = gguf.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            named[name] = tokens[token_id]
+    return named
+
+
+def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int],
+                        byte_level: bool, named: dict[str, str]) -> None:
+    """Control tokens and the named special tokens (bos, eos, unk, pad) become special added
+    tokens (in a byte-level vocabulary a control token spelled outside the byte alphabet is a
+    llama.cpp mislabel and is skipped); user-defined ones plain added tokens."""
+    alphabet = set(byte_to_unicode().values())
+    special = [t for t, kind in zip(tokens, token_types)
+               if kind == _CONTROL and (not byte_level or set(t) <= alphabet)]
+    special += [t for t in named.values() if t not in special]
+    if special:
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    vocab = tok.get_vocab()
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
+    if user:
+        tok.add_tokens(user)
+
+
+def tokenizer_config_from_gguf(gguf: GGUFFile) -> dict:
+    """tokenizer_config.json: the special tokens by name, add_bos/eos_token, the chat template.
+    A SentencePiece ("llama") vocabulary that does not say adds BOS, as llama.cpp does."""
+    tokens = gguf.require("tokenizer.ggml.tokens")
+    config: dict = {"tokenizer_class": "PreTrainedTokenizerFast",
+                    **_named_special_tokens(gguf, tokens)}
+    default_bos = gguf.get("tokenizer.ggml.model") == "llama"
+    for key, default in (("add_bos_token", default_bos), ("add_eos_token", False)):
+        value = gguf.get(f"tokenizer.ggml.{key}")
+        config[key] = bool(value) if value is not None else default
+    template = gguf.get("tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return config

@@ -1,0 +1,80 @@
+"""Reading a model: a Hugging Face directory's config.json and generation_config.json, or the same
+facts from a GGUF file's metadata (`--model file.gguf`, or a directory holding one .gguf)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+
+
+class ModelDirError(ValueError):
+    """The directory is not a usable model directory."""
+
+
+def load_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ModelDirError(f"{path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{path} is not valid JSON: {e}") from None
+
+
+def _as_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the scheduler needs to know about a model; no weights are read."""
+
+    path: str
+    name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    hf_config: dict
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, max_model_len: int | None = None) -> "ModelInfo":
+        path = Path(model_dir)
+        if not path.exists():
+            raise ModelDirError(f"model directory {str(path)!r} does not exist")
+        config, gen, name = read_model_configs(path)
+        archs = config.get("architectures") or []
+        if not archs:
+            raise ModelDirError(f"{path / 'config.json'} names no architectures")
+        eos = _as_tuple(gen.get("eos_token_id", config.get("eos_token_id")))
+        native_len = int(config.get("max_position_embeddings", 2048))
+        if max_model_len is not None and max_model_len > native_len:
+            raise ModelDirError(f"max_model_len={max_model_len} exceeds the model's "
+                                f"max_position_embeddings ({native_len})")
+        return cls(path=str(path), name=name, architecture=archs[0],
+                   vocab_size=int(config["vocab_size"]),
+                   max_model_len=max_model_len or native_len,
+                   eos_token_ids=eos, hf_config=config)
+
+
+def read_model_configs(path: Path) -> tuple[dict, dict, str]:
+    """(config.json, generation_config.json, model name) of a directory or a GGUF file."""
+    try:
+        gguf_path = find_gguf(path)
+        if gguf_path is not None:
+            gguf = GGUFFile.open(gguf_path)
+            return hf_config_from_gguf(gguf), generation_config_from_gguf(gguf), gguf_path.stem
+    except GGUFError as e:
+        raise ModelDirError(str(e)) from None
+    if not path.is_dir():
+        raise ModelDirError(f"{str(path)!r} is neither a model directory nor a .gguf file")
+    gen_path = path / "generation_config.json"
+    gen = load_json(gen_path) if gen_path.exists() else {}
+    return load_json(path / "config.json"), gen, path.name

@@ -1,0 +1,133 @@
+"""The Worker protocol's credentials, the same on both sides: a shared token and/or mutual TLS.
+
+    WorkerCredentials  the flags of `deltaserve worker` and `deltaserve scheduler` (declared
+                       settings): --worker-token-file, --worker-tls-cert/--worker-tls-key/
+                       --worker-tls-ca
+    WorkerAuth         what they hold once read: the token and the PEM bytes
+
+The token travels on every Worker RPC as the metadata `authorization: Bearer <token>`; the worker
+compares it in constant time. With TLS the worker requires a client certificate signed by its
+--worker-tls-ca, and the scheduler verifies the worker's certificate against its own
+--worker-tls-ca. Either is enough; both may be used together. `deltaserve serve` makes a random
+token per run (`new_token`) and hands it to the worker it starts on standard input.
+"""
+from __future__ import annotations
+
+import hmac
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from engine_common.request.params import ParamError
+from engine_common.configuration.settings import ReadableFile, setting, validate
+from engine_common.security.tls import read_pem
+
+AUTH_METADATA_KEY = "authorization"
+MIN_TOKEN_CHARS = 16
+_TOKEN_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))   # printable ASCII, no space
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerCredentials:
+    """How the Worker protocol is authenticated: the same settings on the worker and on the
+    scheduler (the token file holds the same secret; the CA signed the other side's cert)."""
+
+    worker_token_file: str | None = setting(
+        None, "file holding the secret token every Worker RPC carries (the same secret on the "
+        "worker and the scheduler; '-': read it from standard input)",
+        rule=ReadableFile(stdin=True), metavar="FILE")
+    worker_tls_cert: str | None = setting(
+        None, "PEM certificate of this side of the Worker protocol (the worker's server "
+        "certificate, the scheduler's client certificate); with --worker-tls-key and "
+        "--worker-tls-ca", rule=ReadableFile(), metavar="FILE")
+    worker_tls_key: str | None = setting(
+        None, "PEM private key of --worker-tls-cert", rule=ReadableFile(), metavar="FILE")
+    worker_tls_ca: str | None = setting(
+        None, "PEM CA certificate that signed the other side's certificate (the worker "
+        "requires scheduler certificates signed by it; the scheduler verifies the worker's)",
+        rule=ReadableFile(), metavar="FILE")
+
+    def __post_init__(self):
+        validate(self)
+        tls = {"worker_tls_cert": self.worker_tls_cert, "worker_tls_key": self.worker_tls_key,
+               "worker_tls_ca": self.worker_tls_ca}
+        given = [name for name, value in tls.items() if value is not None]
+        if given and len(given) < len(tls):
+            missing = sorted(set(tls) - set(given))
+            raise ParamError(missing[0], None, f"set together with {', '.join(given)} (mutual "
+                             "TLS needs the certificate, its key and the CA)")
+
+    @property
+    def given(self) -> bool:
+        return self.worker_token_file is not None or self.worker_tls_cert is not None
+
+    def load(self, stdin: TextIO | None = None) -> "WorkerAuth":
+        """Read the files (a token file "-" from `stdin`, default sys.stdin)."""
+        token = None
+        if self.worker_token_file == "-":
+            token = parse_token((stdin or sys.stdin).readline(), "standard input")
+        elif self.worker_token_file is not None:
+            token = read_token_file(self.worker_token_file)
+        if self.worker_tls_cert is None:
+            return WorkerAuth(token=token)
+        return WorkerAuth(token=token,
+                          cert=read_pem(self.worker_tls_cert, "worker_tls_cert"),
+                          key=read_pem(self.worker_tls_key, "worker_tls_key"),
+                          ca=read_pem(self.worker_tls_ca, "worker_tls_ca"))
+
+
+@dataclass(frozen=True)
+class WorkerAuth:
+    """The loaded credentials. Nothing set: the protocol runs without authentication."""
+
+    token: str | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+
+    def __repr__(self) -> str:   # never print the secret
+        return f"WorkerAuth(token={'set' if self.token else None}, tls={self.tls})"
+
+    @property
+    def tls(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def enabled(self) -> bool:
+        return self.token is not None or self.tls
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata a client adds to every Worker RPC."""
+        return ((AUTH_METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
+
+    def accepts(self, header: str | None) -> bool:
+        """Whether an `authorization` metadata value carries this token (constant time)."""
+        if self.token is None:
+            return True
+        expected = f"Bearer {self.token}".encode()
+        return hmac.compare_digest((header or "").encode(errors="replace"), expected)
+
+
+def new_token() -> str:
+    """A fresh random token (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def parse_token(text: str, source: str) -> str:
+    """The token in `text` (surrounding whitespace dropped); ParamError naming `source` unless
+    it is at least MIN_TOKEN_CHARS printable ASCII characters without spaces."""
+    token = text.strip()
+    if len(token) < MIN_TOKEN_CHARS or not set(token) <= _TOKEN_CHARS:
+        raise ParamError("worker_token_file", source,
+                         f"a file holding one token of at least {MIN_TOKEN_CHARS} printable "
+                         "ASCII characters without spaces (e.g. `openssl rand -hex 32`)")
+    return token
+
+
+def read_token_file(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return parse_token(f.read(), path)
+    except OSError as e:
+        raise ParamError("worker_token_file", path, f"a readable file ({e.strerror})") from None

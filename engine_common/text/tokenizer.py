@@ -1,0 +1,196 @@
+"""Text <-> token ids for the scheduler: a thin wrapper over a model directory's tokenizer.json,
+and a streaming detokenizer that never emits broken UTF-8.
+
+Torch-free: only the `tokenizers` library is used.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_files.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
+from engine_common.model_files.model_dir import ModelDirError, load_json
+
+# Prompt tokens handed to the stream as context: enough for decoders whose output depends on the
+# previous token (leading-space rules), without decoding a long prompt.
+_CONTEXT_TOKENS = 8
+_REPLACEMENT = "\ufffd"
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string, {"content": ...} or null."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """Encode and decode with a model directory's tokenizer.json.
+
+    BOS/EOS handling follows tokenizer_config.json's `add_bos_token` / `add_eos_token` when they
+    are present; otherwise tokenizer.json's own post-processor decides.
+    """
+
+    def __init__(self, backend: _HFTokenizer, config: dict | None = None):
+        self.backend = backend
+        self._max_token_bytes: int | None = None
+        config = config or {}
+        self.bos_token_id = self._lookup(_token_content(config.get("bos_token")))
+        self.eos_token_id = self._lookup(_token_content(config.get("eos_token")))
+        # None: tokenizer.json's post-processor decides; else (add_bos, add_eos), where a flag the
+        # config leaves out keeps what the post-processor does.
+        self._explicit: tuple[bool, bool] | None = None
+        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
+        if add_bos is not None or add_eos is not None:
+            implied_bos, implied_eos = self._post_processor_adds(backend)
+            self._explicit = (bool(implied_bos if add_bos is None else add_bos),
+                              bool(implied_eos if add_eos is None else add_eos))
+
+    def _post_processor_adds(self, backend: _HFTokenizer) -> tuple[bool, bool]:
+        """Whether tokenizer.json's post-processor adds BOS and EOS, read off a real text (an
+        empty probe cannot tell BOS from EOS when they are the same token)."""
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        adds_bos = full[:1] == [self.bos_token_id] and full[1:1 + len(plain)] == plain
+        rest = full[(1 if adds_bos else 0) + len(plain):]
+        return adds_bos, rest[:1] == [self.eos_token_id]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        """Load `tokenizer.json` (required) and `tokenizer_config.json` (optional), or build the
+        tokenizer a GGUF file's metadata describes."""
+        path = Path(model_dir)
+        try:
+            gguf_path = find_gguf(path)
+            if gguf_path is not None:
+                gguf = GGUFFile.open(gguf_path)
+                return cls(tokenizer_from_gguf(gguf), tokenizer_config_from_gguf(gguf))
+        except GGUFError as e:
+            raise ModelDirError(str(e)) from None
+        tok_path = path / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ModelDirError(f"{tok_path} not found (only tokenizer.json is supported)")
+        try:
+            backend = _HFTokenizer.from_file(str(tok_path))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ModelDirError(f"{tok_path} could not be loaded: {e}") from None
+        cfg_path = path / "tokenizer_config.json"
+        config = load_json(cfg_path) if cfg_path.is_file() else {}
+        return cls(backend, config)
+
+    def _lookup(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS/EOS as the model directory asks; none with
+        add_special_tokens=False (a rendered chat template carries its own). Releases the GIL
+        while the tokenizer runs (`encode_batch` does, `encode` does not), so a long text
+        tokenized on another thread does not stall this process's other threads."""
+        if not add_special_tokens:
+            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if self._explicit is None:
+            return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
+        add_bos, add_eos = self._explicit
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        if add_eos and self.eos_token_id is not None:
+            ids = ids + [self.eos_token_id]
+        return ids
+
+    def max_token_bytes(self) -> int:
+        """An upper bound on the characters one token covers: the most UTF-8 bytes any token of
+        the vocabulary decodes to (special tokens included; a partial UTF-8 sequence decodes to
+        U+FFFD, 3 bytes for each byte it holds), plus one for a leading space a decoder strips.
+        Read once (about 0.1 s for a 50,000-token vocabulary), then remembered."""
+        if self._max_token_bytes is None:
+            decode = self.backend.decode
+            self._max_token_bytes = 1 + max(
+                len(decode([i], skip_special_tokens=False).encode())
+                for i in range(self.backend.get_vocab_size(with_added_tokens=True)))
+        return self._max_token_bytes
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`; invalid UTF-8 becomes U+FFFD."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text one token at a time.
+
+    `add` returns only complete characters: bytes of a character split across tokens are held until
+    the character is complete. `flush` returns what is still held (as U+FFFD) once generation ends.
+    For byte-level BPE tokenizers the concatenation of everything returned equals
+    `tokenizer.decode(output_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        context = self._clean_context(list(prompt_token_ids[-_CONTEXT_TOKENS:]))
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # Recent ids: context, then generated ids; `_num_done` of them are already turned into text.
+        self._ids = context
+        self._num_done = len(context)
+
+    def _clean_context(self, context: list[int]) -> list[int]:
+        """Drop trailing prompt ids that end inside a character, so generated bytes never
+        complete (and re-emit) prompt text."""
+        while context and self._tokenizer.decode(context, self._skip).endswith(_REPLACEMENT):
+            context.pop()
+        return context
+
+    def add(self, token_id: int) -> str:
+        """New text made complete by `token_id` (possibly "")."""
+        self._ids.append(token_id)
+        try:
+            piece = self._stream.step(self._tokenizer.backend, token_id)
+        except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
+            piece = self._resync()
+        if not piece:
+            return ""
+        # Keep a little context for `flush`; older ids are never needed again.
+        del self._ids[:max(0, len(self._ids) - _CONTEXT_TOKENS)]
+        self._num_done = len(self._ids)
+        return piece
+
+    def flush(self) -> str:
+        """Text still held at the end of generation (an unfinished character decodes to U+FFFD)."""
+        if self._num_done == len(self._ids):
+            return ""
+        piece = self._held_text()
+        self._num_done = len(self._ids)
+        return piece
+
+    def _held_text(self) -> str:
+        """Text of the ids not yet turned into text. Never repeats text already returned: when
+        decoding with them rewrites earlier text, they are decoded on their own."""
+        prefix = self._tokenizer.decode(self._ids[:self._num_done], self._skip)
+        full = self._tokenizer.decode(self._ids, self._skip)
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return self._tokenizer.decode(self._ids[self._num_done:], self._skip)
+
+    def _resync(self) -> str:
+        """DecodeStream refuses when a token rewrites text already streamed (ByteFallback
+        decoders turn a whole invalid byte run into U+FFFD): emit the held ids' text as they
+        decode, then restart the stream from the recent ids."""
+        piece = self._held_text()
+        self._stream = DecodeStream(ids=self._ids[-_CONTEXT_TOKENS:],
+                                    skip_special_tokens=self._skip)
+        return piece

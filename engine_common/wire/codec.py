@@ -1,0 +1,191 @@
+"""msgpack codec for the step payloads. No pickle: every field is a plain msgpack value.
+
+Layouts (positional arrays keep steady-state messages tiny):
+
+    SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
+                       [finished handles], [preempted handles]]
+    new        = [handle, prompt ids (uint32 bytes), sampling (WorkerSamplingParams wire form),
+                  block ids, num_computed_tokens, num_logprobs, constraint]
+    constraint = nil, or [kind, value] (engine_common/constraints/constraint.py): sent once, here only
+    resumed    = [handle, block ids, num_computed_tokens]
+    new blocks = nil when no request grows, else bytes: sorted handle gaps and block counts,
+                 then the block ids as runs of consecutive ids (engine_common/wire/new_blocks.py)
+
+    RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
+                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}
+                    (, compiled handles (uint32 bytes): only when there are any)]
+
+A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
+(1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
+per growing request plus a few bytes per run of consecutive block ids.
+"""
+from __future__ import annotations
+
+from array import array
+
+import msgpack
+
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
+                                SchedulerOutput)
+from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
+from engine_common.request.params import WorkerSamplingParams, clip, quoted
+
+
+class CodecError(ValueError):
+    """A payload that does not decode to the expected layout."""
+
+
+def _why(e: Exception) -> str:
+    """An error's own message; its type too when that says more (msgpack's are often empty)."""
+    return clip(str(e) if isinstance(e, CodecError) else f"{type(e).__name__}: {e}", 1000)
+
+
+def _u32(values) -> bytes:
+    return array("I", values).tobytes()
+
+
+def _from_u32(data: bytes) -> list[int]:
+    return array("I", _packed(data, "uint32 array")).tolist()
+
+
+def _f32(values) -> bytes:
+    return array("f", values).tobytes()
+
+
+def _from_f32(data: bytes) -> list[float]:
+    return array("f", _packed(data, "float32 array")).tolist()
+
+
+# ---- layout checks on decoded msgpack values (a wrong type is a CodecError, never a crash
+# later in the scheduler or the model runner) ----
+
+def _packed(data, what: str) -> bytes:
+    if not isinstance(data, bytes) or len(data) % 4:
+        raise CodecError(f"{what}: expected bytes of a multiple of 4 in length")
+    return data
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CodecError(f"{what}={quoted(value)}: expected a non-negative integer")
+    return value
+
+
+def _seq(value, what: str, length: int | None = None) -> list:
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        raise CodecError(f"{what}: expected a list" + ("" if length is None else f" of {length}"))
+    return value
+
+
+def _ints(value, what: str) -> list[int]:
+    for v in _seq(value, what):
+        _int(v, what)
+    return value
+
+
+def _int_map(value, what: str, check) -> dict:
+    if not isinstance(value, dict):
+        raise CodecError(f"{what}: expected a map")
+    return {_int(k, what + " key"): check(v, what) for k, v in value.items()}
+
+
+def _sampling(value) -> WorkerSamplingParams:
+    sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
+    if not isinstance(sampling, dict):
+        raise CodecError("sampling params: expected a map")
+    _int(seed, "seed")
+    _int(min_tokens, "min_tokens")
+    _ints(stop_ids, "stop_ids")
+    return WorkerSamplingParams.from_wire(value)
+
+
+def _constraint(value) -> Constraint | None:
+    if value is None:
+        return None
+    kind, data = _seq(value, "constraint", 2)
+    return Constraint.from_wire([kind, data])
+
+
+def _new_request(value) -> NewRequestData:
+    h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
+        value, "new request", 7)
+    return NewRequestData(_int(h, "handle"), _from_u32(prompt), _sampling(sampling),
+                          _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
+                          _int(num_logprobs, "num_logprobs"), _constraint(constraint))
+
+
+def _resumed_request(value) -> ResumedRequestData:
+    h, blocks, num_computed = _seq(value, "resumed request", 3)
+    return ResumedRequestData(_int(h, "handle"), _ints(blocks, "block_ids"),
+                              _int(num_computed, "num_computed_tokens"))
+
+
+def _new_blocks(value) -> dict[int, list[int]]:
+    if value is None:
+        return {}
+    if not isinstance(value, bytes):
+        raise CodecError("new_block_ids: expected nil or bytes")
+    return unpack_new_blocks(value)
+
+
+def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
+    ids, lps = _seq(value, what, 2)
+    ids, lps = _from_u32(ids), _from_f32(lps)
+    if len(ids) != len(lps):
+        raise CodecError(f"{what}: {len(ids)} ids but {len(lps)} logprobs")
+    return ids, lps
+
+
+def encode_scheduler_output(out: SchedulerOutput) -> bytes:
+    new = [[r.handle, _u32(r.prompt_token_ids), r.sampling.to_wire(), r.block_ids,
+            r.num_computed_tokens, r.num_logprobs,
+            None if r.constraint is None else r.constraint.to_wire()] for r in out.new_requests]
+    resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]
+    grown = pack_new_blocks(out.new_block_ids) if out.new_block_ids else None
+    return msgpack.packb([out.step, new, resumed, grown, out.num_scheduled_tokens,
+                          out.finished_handles, out.preempted_handles], use_bin_type=True)
+
+
+def decode_scheduler_output(data: bytes) -> SchedulerOutput:
+    try:
+        step, new, resumed, new_blocks, num_sched, finished, preempted = _seq(msgpack.unpackb(
+            data, raw=False, strict_map_key=False), "SchedulerOutput", 7)
+        return SchedulerOutput(
+            step=_int(step, "step"),
+            new_requests=[_new_request(r) for r in _seq(new, "new_requests")],
+            resumed_requests=[_resumed_request(r) for r in _seq(resumed, "resumed_requests")],
+            new_block_ids=_new_blocks(new_blocks),
+            num_scheduled_tokens=_int_map(num_sched, "num_scheduled_tokens", _int),
+            finished_handles=_ints(finished, "finished_handles"),
+            preempted_handles=_ints(preempted, "preempted_handles"),
+        )
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+        raise CodecError(f"malformed SchedulerOutput payload: {_why(e)}") from e
+
+
+def encode_runner_output(out: RunnerOutput) -> bytes:
+    top = {h: [_u32(ids), _f32(lps)] for h, (ids, lps) in out.top_logprobs.items()}
+    fields = [out.step, _u32(out.handles), _u32(out.sampled_token_ids), _f32(out.logprobs), top]
+    if out.compiled_handles:
+        fields.append(_u32(out.compiled_handles))
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode_runner_output(data: bytes) -> RunnerOutput:
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        compiled = b""
+        if isinstance(fields, (list, tuple)) and len(fields) == 6:
+            *fields, compiled = fields
+        step, handles, ids, lps, top = _seq(fields, "RunnerOutput", 5)
+        out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
+                           _from_f32(lps), _int_map(top, "top_logprobs", _top_entry),
+                           _from_u32(compiled))
+        if len(out.sampled_token_ids) != len(out.handles):
+            raise CodecError("sampled ids must match handles one to one")
+        if out.logprobs and len(out.logprobs) != len(out.handles):
+            raise CodecError("logprobs must match handles one to one")
+        return out
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
+        raise CodecError(f"malformed RunnerOutput payload: {_why(e)}") from e

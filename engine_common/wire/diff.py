@@ -1,0 +1,76 @@
+"""The step protocol's payloads: the SchedulerOutput diff and the worker's reply.
+
+A diff says only what changed since the previous step. The worker applies its parts in this order:
+
+    finished_handles   -> drop the cached request (its blocks are already freed)
+    preempted_handles  -> take the request out of the batch, keep its tokens (recompute later)
+    new_requests       -> cache the request and add it to the batch
+    resumed_requests   -> put a preempted request back with a fresh block table
+    new_block_ids      -> append blocks to running requests' tables
+    num_scheduled_tokens -> per-handle token counts for this step
+
+Every request in the batch that `num_scheduled_tokens` does not name is scheduled for exactly one
+token: a decode step that feeds back the token the worker itself sampled last step. A count of 0
+leaves a running request idle for the step. So steady-state decode is an almost empty message.
+Requests are named by small integer handles that the scheduler recycles. On the wire,
+new_block_ids is packed (engine_common/wire/new_blocks.py): about a byte per growing request plus a few
+per run of consecutive block ids; in memory it is the plain map below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.params import WorkerSamplingParams
+
+
+@dataclass
+class NewRequestData:
+    handle: int
+    prompt_token_ids: list[int]
+    sampling: WorkerSamplingParams
+    block_ids: list[int]
+    # Prompt tokens whose KV is already in the cache (prefix-cache hit), a multiple of block size.
+    num_computed_tokens: int
+    # Top alternatives to return per sampled token; the sampled token's logprob always comes back.
+    num_logprobs: int = 0
+    # Structured output: the workers compile it and mask every sampled token with it.
+    constraint: Constraint | None = None
+
+
+@dataclass
+class ResumedRequestData:
+    """A preempted request scheduled again. Its block table is replaced, not appended to."""
+
+    handle: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    resumed_requests: list[ResumedRequestData] = field(default_factory=list)
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
+    finished_handles: list[int] = field(default_factory=list)
+    preempted_handles: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunnerOutput:
+    """What the output rank returns for one step: one entry per request that sampled a token.
+
+    Requests in the middle of a chunked prefill sample nothing and are absent.
+    """
+
+    step: int
+    handles: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    # handle -> (token ids, logprobs) of the top alternatives, for requests that asked for them.
+    top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # Constrained requests whose grammar finished compiling on the output rank since its last
+    # reply: the scheduler schedules their first sampling only after this.
+    compiled_handles: list[int] = field(default_factory=list)

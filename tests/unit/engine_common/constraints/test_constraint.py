@@ -1,0 +1,178 @@
+"""Constraints: the five kinds, validation by the grammar engine at admission (ParamError with
+its message), the wire form, the cache key, and strict object schemas."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_common.constraints.constraint import Constraint, _strict_schema, constraint_from_fields
+from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.request.params import ParamError
+from tests.support.deep_constraints import (gbnf_chain, json_items_chain, json_nested_arrays,
+                                            lark_chain, regex_nested)
+from tests.support.grammar_text import accepts, tiny_compiler
+
+PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"},
+                                                      "age": {"type": "integer"}},
+                     "required": ["name", "age"]})
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    return tiny_compiler(tmp_path_factory.mktemp("grammar"))
+
+
+def test_from_fields_picks_the_one_set_kind():
+    assert constraint_from_fields() is None
+    assert constraint_from_fields(regex="a+") == Constraint("regex", "a+")
+    assert constraint_from_fields(json_object=True) == Constraint("json_object", True)
+    assert constraint_from_fields(choice=["a", "b"]).value == ("a", "b")
+    with pytest.raises(ParamError, match="at most one kind"):
+        constraint_from_fields(regex="a", grammar="start: 'a'")
+
+
+@pytest.mark.parametrize("kind, value, field", [
+    ("regex", "", "constraint.regex"),
+    ("json_schema", 5, "constraint.json_schema"),
+    ("json_object", False, "constraint.json_object"),
+    ("choice", (), "constraint.choice.choices"),
+    ("choice", ("a", ""), "constraint.choice.choices"),
+    ("sql", "x", "constraint"),
+])
+def test_bad_shapes_name_the_field(kind, value, field):
+    with pytest.raises(ParamError) as e:
+        Constraint(kind, value)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("regex", "(ab", "unclosed group"),
+    ("regex", "a(?=b)", "look-around"),
+    ("json_schema", '{"type": "foo"}', "Invalid type: foo"),
+    ("json_schema", "not json", "expected ident"),
+    ("json_schema", '{"type": "string", "format": "nope"}', "Unknown format: nope"),
+    ("grammar", "start: 'a' | ", "lexer error"),
+    ("grammar", 'root ::= "a" missing', "Rule 'missing' not found"),
+    ("grammar", "start: foo", 'unknown name: "foo"'),
+])
+def test_invalid_constraints_carry_the_engines_message(kind, value, message):
+    with pytest.raises(ParamError) as e:
+        Constraint(kind, value).validate()
+    assert e.value.field == f"constraint.{kind}"
+    assert "the grammar engine accepts; it says:" in str(e.value)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kind, value", [
+    ("json_schema", PERSON), ("json_object", True), ("regex", r"[0-9]{3}-[0-9]{4}"),
+    ("grammar", 'start: "yes" | "no"'), ("grammar", 'root ::= "a" "b"*'),
+    ("choice", ("yes", "no")),
+])
+def test_valid_constraints_validate(kind, value):
+    assert Constraint(kind, value).validate() == Constraint(kind, value)
+
+
+def test_a_long_value_is_cut_in_the_message():
+    with pytest.raises(ParamError) as e:
+        Constraint("regex", "(" + "a" * 1000).validate()
+    assert len(repr(e.value.value)) < 220 and e.value.value.endswith("...")
+
+
+def test_wire_round_trip_and_key():
+    for c in (Constraint("json_schema", PERSON), Constraint("json_object", True),
+              Constraint("choice", ("a", "b")), Constraint("regex", "x")):
+        assert Constraint.from_wire(c.to_wire()) == c
+        assert c.key == Constraint.from_wire(c.to_wire()).key
+    keys = {Constraint("regex", "a").key, Constraint("grammar", "a").key,
+            Constraint("choice", ("a",)).key, Constraint("choice", ("a", "b")).key}
+    assert len(keys) == 4
+
+
+def test_object_schemas_are_closed_unless_they_say_otherwise():
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"t": {}}}},
+        "any": {"anyOf": [{"properties": {"a": {}}}, {"type": "null"}]},
+        "open": {"properties": {"b": {}}, "additionalProperties": True}},
+        "$defs": {"d": {"properties": {"c": {}}}}}
+    out = json.loads(_strict_schema(json.dumps(schema)))
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props          # a property named "properties" is kept
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["any"]["anyOf"][0]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    assert _strict_schema("not json") == "not json"
+
+
+def test_grammars_accept_what_they_should(compiler):
+    person = Constraint("json_schema", PERSON)
+    assert accepts(compiler, person, '{"name": "Ann", "age": 7}')
+    assert not accepts(compiler, person, '{"name": "Ann"}')                  # age required
+    assert not accepts(compiler, person, '{"name": "Ann", "age": 7, "x": 1}')  # closed
+    assert not accepts(compiler, person, '{"name": "Ann", "age": 7.5}')
+    assert accepts(compiler, Constraint("json_object", True), '{"a": [1, {"b": null}]}')
+    assert not accepts(compiler, Constraint("json_object", True), '[1]')
+    assert accepts(compiler, Constraint("regex", "[0-9]{3}-[0-9]{4}"), "555-1234")
+    assert not accepts(compiler, Constraint("regex", "[0-9]{3}-[0-9]{4}"), "555-123")
+    assert accepts(compiler, Constraint("choice", ("yes", "no")), "no")
+    assert not accepts(compiler, Constraint("choice", ("yes", "no")), "yes no")
+    assert accepts(compiler, Constraint("grammar", 'start: "a" "b"*'), "abbb")
+    assert accepts(compiler, Constraint("grammar", 'root ::= "a" ("b" | "c")*'), "acb")
+
+
+def test_the_engines_message_about_a_big_constraint_stays_small():
+    """llguidance quotes the whole regex (and a caret line as wide) several times: 224 KB for this
+    one, more than gRPC's status metadata allows. Each line is cut; the verdict survives."""
+    regex = "|".join(f"word{i}[a-z]{{3,9}}" for i in range(3000)) + "|(unclosed"
+    with pytest.raises(ParamError) as e:
+        Constraint("regex", regex).validate()
+    assert "unclosed group" in e.value.allowed and len(str(e.value)) < 5000
+
+
+@pytest.mark.parametrize("kind, text, depth", [
+    ("grammar", lark_chain(3000), 3002),            # overflowed an 8 MiB stack: SIGSEGV
+    ("grammar", gbnf_chain(3000), 3002),
+    ("json_schema", json_items_chain(1200), 2403),  # likewise
+    ("json_schema", json_items_chain(1200, "json-schema:///#/$defs/{}"), 2403),  # issue 23
+    ("json_schema", json_nested_arrays(2000), 2001),  # Python's json raised RecursionError
+    ("regex", regex_nested(20_000), 20_000),
+])
+def test_a_constraint_nested_too_deep_is_refused_naming_depth_and_bound(kind, text, depth):
+    with pytest.raises(ParamError) as e:
+        Constraint(kind, text).validate()
+    assert e.value.field == f"constraint.{kind}"
+    assert e.value.value == f"nested {depth} deep"
+    assert f"nested at most {MAX_CONSTRAINT_DEPTH} deep" in e.value.allowed
+
+
+def test_a_schema_deeper_than_python_parses_gets_the_engines_message():
+    """Nested 991 deep: under the bound, too deep for Python's json (RecursionError escaped)
+    and for llguidance's parser (128 levels), which refuses it."""
+    with pytest.raises(ParamError, match="recursion limit exceeded"):
+        Constraint("json_schema", json_nested_arrays(990)).validate()
+
+
+def test_a_grammar_just_under_the_bound_validates_compiles_and_constrains(compiler):
+    chain = Constraint("grammar", lark_chain(MAX_CONSTRAINT_DEPTH - 2))
+    assert chain.depth == MAX_CONSTRAINT_DEPTH
+    assert chain.validate() is chain
+    assert accepts(compiler, chain, "x" * 40)
+    assert not accepts(compiler, chain, "x" * (MAX_CONSTRAINT_DEPTH + 1))
+    with pytest.raises(ParamError, match="nested 1001 deep"):
+        Constraint("grammar", lark_chain(MAX_CONSTRAINT_DEPTH - 1)).validate()
+
+
+def test_too_many_choices_are_refused_by_name():
+    """Issue 23 item 4: 60,000 one-character choices (under --max-constraint-chars) cost 17 s
+    of compiling and then fail at the first mask; more than MAX_CONSTRAINT_CHOICES are refused
+    before any grammar work."""
+    from engine_common.request.diff_limits import MAX_CONSTRAINT_CHOICES
+
+    Constraint("choice", ["x"] * MAX_CONSTRAINT_CHOICES)
+    with pytest.raises(ParamError, match=r"constraint\.choice\.choices='60000 choices' is "
+                                         r"invalid: must be at most 10000 choices"):
+        Constraint("choice", [chr(33 + i % 90) for i in range(60_000)])

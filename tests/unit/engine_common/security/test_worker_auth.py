@@ -1,0 +1,50 @@
+"""engine_common/security/worker_auth.py: the token and TLS settings both sides of the Worker protocol
+share."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from engine_common.request.params import ParamError
+from engine_common.security.worker_auth import WorkerAuth, WorkerCredentials, new_token, parse_token
+
+
+def test_a_token_is_read_from_a_file_or_stdin_and_never_printed(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("  s3cret-token-0123456789\n")
+    auth = WorkerCredentials(worker_token_file=str(path)).load()
+    assert auth.token == "s3cret-token-0123456789" and auth.enabled and not auth.tls
+    assert "s3cret" not in repr(auth)
+    piped = WorkerCredentials(worker_token_file="-").load(io.StringIO(new_token() + "\n"))
+    assert len(piped.token) >= 40
+    assert auth.metadata() == (("authorization", "Bearer s3cret-token-0123456789"),)
+
+
+def test_the_token_is_compared_exactly():
+    auth = WorkerAuth(token="0123456789abcdef")
+    assert auth.accepts("Bearer 0123456789abcdef")
+    for header in (None, "", "0123456789abcdef", "Bearer 0123456789abcde",
+                   "Bearer 0123456789abcdefX", "bearer 0123456789abcdef", "Bearer ∂"):
+        assert not auth.accepts(header), header
+    assert WorkerAuth().accepts(None) and not WorkerAuth().enabled
+
+
+@pytest.mark.parametrize("text", ["short", "has a space inside it", "x" * 15, "tab\there-xxxxxxxx"])
+def test_a_weak_or_malformed_token_is_refused(text):
+    with pytest.raises(ParamError, match="at least 16 printable ASCII characters"):
+        parse_token(text, "file")
+
+
+def test_tls_needs_the_certificate_its_key_and_the_ca(tmp_path):
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ParamError, match="worker_tls_ca=None is invalid: must be set together "
+                                         "with worker_tls_cert, worker_tls_key"):
+        WorkerCredentials(worker_tls_cert=str(pem), worker_tls_key=str(pem))
+    with pytest.raises(ParamError, match="worker_token_file='/no/such' is invalid: must be a "
+                                         "readable file or - "):
+        WorkerCredentials(worker_token_file="/no/such")
+    auth = WorkerCredentials(worker_tls_cert=str(pem), worker_tls_key=str(pem),
+                             worker_tls_ca=str(pem)).load()
+    assert auth.tls and auth.enabled and auth.token is None and auth.metadata() == ()

@@ -1,0 +1,136 @@
+"""Tokenizer wrapper and streaming detokenizer on a tiny byte-level BPE trained here."""
+import random
+
+import pytest
+
+from engine_common.model_files.model_dir import ModelDirError
+from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.support.tokenizers import _byte_token_ids, build_tiny_tokenizer_dir
+
+SAMPLE_TEXTS = ["Hello 你好🙂 world", "naïve 🦊 café", "", "a", "Привет 🙂🙂"]
+
+
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tiny_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return Tokenizer.from_dir(tok_dir)
+
+
+def test_special_ids_and_vocab(tok):
+    assert tok.bos_token_id == 0 and tok.eos_token_id == 1
+    assert tok.vocab_size == 320
+    assert tok.id_to_token(tok.token_to_id("<s>")) == "<s>"
+
+
+@pytest.mark.parametrize("text", SAMPLE_TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id  # the template post-processor adds BOS
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == "<s>" + text
+
+
+def test_encode_matches_transformers(tok_dir, tok):
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    for text in SAMPLE_TEXTS + ["<s>x</s>"]:
+        assert tok.encode(text) == hf(text)["input_ids"]
+        ids = tok.encode(text)
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_add_bos_token_flag_wins_over_post_processor(tmp_path):
+    off = Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path / "off", add_bos_token=False))
+    on = Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path / "on", add_bos_token=True,
+                                                     bos_template=False))
+    plain = Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path / "plain", bos_template=False))
+    body = plain.encode("Hello 你好")
+    assert body and body[0] != 0
+    assert off.encode("Hello 你好") == body
+    assert on.encode("Hello 你好") == [0] + body
+    # A flag the config leaves out keeps what the post-processor does (here: BOS).
+    eos = Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path / "eos", add_eos_token=True))
+    assert eos.encode("Hello 你好") == [0] + body + [1]
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(ModelDirError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def _stream(tok, prompt_ids, output_ids, skip=True):
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    pieces = [detok.add(t) for t in output_ids]
+    return pieces, detok.flush()
+
+
+def test_stream_multibyte_split_across_tokens(tok):
+    # One token per byte: every character of "你好🙂" is split across 3-4 tokens.
+    byte_ids = _byte_token_ids(tok, "你好🙂".encode())
+    assert None not in byte_ids and len(byte_ids) == 10
+    pieces, tail = _stream(tok, tok.encode("Hi"), byte_ids)
+    assert tail == ""
+    assert [p for p in pieces if p] == ["你", "好", "🙂"]
+    assert all("\ufffd" not in p for p in pieces)
+
+
+
+
+def test_stream_equals_full_decode_on_random_ids(tok):
+    rng = random.Random(1234)
+    byte_ids = _byte_token_ids(tok, "你好🙂é".encode())
+    for _ in range(400):
+        prompt = tok.encode(rng.choice(SAMPLE_TEXTS))
+        # Mix whole tokens, lone bytes of multi-byte characters and special tokens.
+        out = [rng.choice(byte_ids) if rng.random() < 0.4 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 16))]
+        for skip in (True, False):
+            pieces, tail = _stream(tok, prompt, out, skip)
+            assert "".join(pieces) + tail == tok.decode(out, skip_special_tokens=skip)
+            # Nothing but the final flush may end inside a character.
+            assert all(not p.endswith("\ufffd") for p in pieces)
+
+
+def test_stream_encoded_text(tok):
+    for text in SAMPLE_TEXTS:
+        ids = tok.encode(text)[1:]
+        pieces, tail = _stream(tok, tok.encode("Prompt:"), ids)
+        assert "".join(pieces) == text and tail == ""
+
+
+def test_prompt_ending_inside_a_character(tok):
+    # The prompt ends with the first byte of "你"; output starts with the remaining bytes.
+    nihao = _byte_token_ids(tok, "你".encode())
+    prompt = tok.encode("Hi") + nihao[:1]
+    out = nihao[1:] + tok.encode("ok")[1:]
+    pieces, tail = _stream(tok, prompt, out)
+    assert "".join(pieces) + tail == tok.decode(out)
+    assert "Hi" not in "".join(pieces)
+
+
+def test_flush_returns_unfinished_character(tok):
+    out = tok.encode("ab")[1:] + _byte_token_ids(tok, "你".encode())[:2]
+    pieces, tail = _stream(tok, [], out)
+    assert "".join(pieces) == "ab"
+    assert tail == "\ufffd" and "".join(pieces) + tail == tok.decode(out)
+
+
+def test_tiny_model_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from engine_common.text.tiny_tokenizer import CORPUS as TINY_CORPUS
+    from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
+    info = make_tiny_tokenizer_dir(tmp_path)
+    ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.eos_token_id == info["eos_token_id"]
+    for text in list(TINY_CORPUS[:4]) + SAMPLE_TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf(text)["input_ids"]
+        pieces, tail = _stream(ours, ours.encode("Q:"), ids)
+        assert "".join(pieces) + tail == hf.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,227 @@
+"""engine_common.wire.codec: every diff and reply survives the round trip; malformed bytes raise
+CodecError (never another exception, never a silently wrong object)."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_common.wire.codec import (CodecError, decode_runner_output, decode_scheduler_output,
+                                 encode_runner_output, encode_scheduler_output)
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
+                                SchedulerOutput)
+from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
+
+u32 = st.integers(0, 2**32 - 1)
+handle = st.integers(0, 4096)
+block_ids = st.lists(st.integers(0, 2**20), max_size=6)
+# What the pool mostly hands out: runs of consecutive ids, sometimes several per handle.
+block_runs = st.lists(st.tuples(st.integers(0, 2**20), st.integers(1, 5)), max_size=3).map(
+    lambda runs: [b for start, n in runs for b in range(start, start + n)])
+grown_blocks = st.dictionaries(st.integers(0, 2**40), block_ids | block_runs, max_size=20)
+f32 = st.floats(width=32, allow_nan=False)
+
+sampling = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.0]), top_p=st.sampled_from([1.0, 0.9]),
+    top_k=st.integers(-1, 50), min_p=st.sampled_from([0.0, 0.05]),
+    repetition_penalty=st.sampled_from([1.0, 1.1]), presence_penalty=st.sampled_from([0.0, -0.5]),
+    frequency_penalty=st.sampled_from([0.0, 0.3]),
+    seed=st.none() | st.integers(0, 2**63 - 1))
+worker_sampling = st.builds(WorkerSamplingParams, sampling, st.integers(0, 2**63 - 1),
+                            st.integers(0, 100), st.lists(u32, max_size=3).map(tuple))
+text = st.text(min_size=1, max_size=30)
+constraint = st.none() | st.one_of(
+    st.builds(Constraint, st.sampled_from(["json_schema", "regex", "grammar"]), text),
+    st.just(Constraint("json_object", True)),
+    st.builds(Constraint, st.just("choice"), st.lists(text, min_size=1, max_size=4)))
+new_request = st.builds(NewRequestData, handle, st.lists(u32, min_size=1, max_size=20),
+                        worker_sampling, block_ids, st.integers(0, 4096), st.integers(0, 20),
+                        constraint)
+resumed_request = st.builds(ResumedRequestData, handle, block_ids, st.integers(0, 4096))
+scheduler_output = st.builds(
+    SchedulerOutput, st.integers(0, 2**40), st.lists(new_request, max_size=3),
+    st.lists(resumed_request, max_size=3), st.dictionaries(handle, block_ids | block_runs,
+                                                            max_size=4),
+    st.dictionaries(handle, st.integers(0, 8192), max_size=4), st.lists(handle, max_size=4),
+    st.lists(handle, max_size=4))
+
+
+@st.composite
+def runner_output(draw):
+    handles = draw(st.lists(u32, max_size=6))
+    n = len(handles)
+    ids = draw(st.lists(u32, min_size=n, max_size=n))
+    lps = draw(st.lists(f32, min_size=n, max_size=n))
+    top = draw(st.dictionaries(u32, st.integers(0, 4).flatmap(
+        lambda k: st.tuples(st.lists(u32, min_size=k, max_size=k),
+                            st.lists(f32, min_size=k, max_size=k))), max_size=3))
+    return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scheduler_output)
+def test_scheduler_output_round_trip(out):
+    assert decode_scheduler_output(encode_scheduler_output(out)) == out
+
+
+@settings(max_examples=150, deadline=None)
+@given(runner_output())
+def test_runner_output_round_trip(out):
+    assert decode_runner_output(encode_runner_output(out)) == out
+
+
+def test_steady_state_diff_is_tiny():
+    assert len(encode_scheduler_output(SchedulerOutput(step=123456))) < 16
+
+
+@settings(max_examples=300, deadline=None)
+@given(grown_blocks)
+def test_new_blocks_round_trip(new_block_ids):
+    assert unpack_new_blocks(pack_new_blocks(new_block_ids)) == new_block_ids
+
+
+@settings(max_examples=200, deadline=None)
+@given(grown_blocks.filter(bool), st.data())
+def test_truncated_or_extended_new_blocks_raise(new_block_ids, data):
+    packed = pack_new_blocks(new_block_ids)
+    cut = data.draw(st.integers(0, len(packed) - 1))
+    for bad in (packed[:cut], packed + data.draw(st.binary(min_size=1, max_size=4))):
+        with pytest.raises(CodecError):
+            decode_scheduler_output(msgpack.packb([1, [], [], bad, {}, [], []]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=48))
+def test_garbage_new_blocks_raise_codec_error_or_round_trip(data):
+    try:
+        out = decode_scheduler_output(msgpack.packb([1, [], [], data, {}, [], []]))
+    except CodecError:
+        return
+    assert decode_scheduler_output(encode_scheduler_output(out)) == out
+
+
+def test_new_blocks_layout():
+    """The example in engine_common/wire/new_blocks.py: 3 handles, one run of 3 blocks."""
+    packed = pack_new_blocks({9: [702], 3: [700], 4: [701]})
+    # zigzag(700) << 1 | 1 = 2801 = 0xF1 0x15 as a varint; then length 3 - 2 = 1.
+    assert packed == bytes([3, 3 << 1, 0, 4 << 1, 0xF1, 0x15, 1])
+    # Counts other than 1 follow their gap: handle 0 takes 2 blocks, handle 2 none.
+    assert pack_new_blocks({0: [5, 6], 2: []}) == bytes([2, 1, 2, 3, 0, 10 << 1 | 1, 0])
+
+
+def test_growth_of_16_requests_is_a_few_bytes():
+    """About num_requests / 16 requests of a decoding batch take a block each step; the pool
+    hands them consecutive ids."""
+    grown = {h: [4000 + i] for i, h in enumerate(range(5, 256, 16))}
+    steady = len(encode_scheduler_output(SchedulerOutput(step=1000)))
+    size = len(encode_scheduler_output(SchedulerOutput(step=1000, new_block_ids=grown)))
+    # The steady-state diff with a bin8 header (2 bytes) in place of nil (1), the handle count,
+    # a byte per handle, and one run: zigzag(4000) << 1 | 1 in 2 bytes and its length in 1.
+    assert size == steady - 1 + 2 + 1 + len(grown) + 3 == 31
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_random_bytes_raise_codec_error(data):
+    """Garbage either raises CodecError (nothing else) or is a well-formed message: one that
+    survives its own round trip unchanged."""
+    for decode, encode in ((decode_scheduler_output, encode_scheduler_output),
+                           (decode_runner_output, encode_runner_output)):
+        try:
+            message = decode(data)
+        except CodecError:
+            continue
+        assert decode(encode(message)) == message
+
+
+@settings(max_examples=100, deadline=None)
+@given(scheduler_output, st.data())
+def test_truncated_scheduler_output_raises(out, data):
+    payload = encode_scheduler_output(out)
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    with pytest.raises(CodecError):
+        decode_scheduler_output(payload[:cut])
+
+
+_GOOD_SCHED = [1, [], [], None, {}, [], []]
+_GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]
+
+
+@pytest.mark.parametrize("fields", [
+    [1, [], [], {}, {}, []],                               # 6 fields, not 7
+    ["1", [], [], {}, {}, [], []],                         # step not an int
+    [1, [], [], 5, {}, [], []],                            # new_block_ids not a map
+    [1, [], [], {0: [1, 2]}, {}, [], []],                  # new blocks as a map, not bytes
+    [1, [], [], [0, 1], {}, [], []],                       # new blocks as a list
+    [1, [], [], b"", {}, [], []],                          # empty bytes: no handle count
+    [1, [], [], b"\x01\x00", {}, [], []],                  # 1 handle, no block run
+    [1, [], [], b"\x01\x00\x03", {}, [], []],              # a run starting at -2
+    [1, [], [], b"\x01\x00\x01\x05", {}, [], []],          # run of 7 blocks for 1 slot
+    [1, [], [], b"\x01\x01\xff\xff\xff\x7f", {}, [], []],  # more blocks than allowed
+    [1, [], [], b"\x01\x00" + b"\x80" * 10 + b"\x00", {}, [], []],  # 11-byte varint
+    [1, [], [], {}, {0: -1}, [], []],                      # negative token count
+    [1, [], [], {}, {"a": 1}, [], []],                     # handle not an int
+    [1, [], [], {}, {}, [None], []],                       # finished handle not an int
+    [1, [], [], {}, {}, [], 3],                            # preempted not a list
+    [1, [[0, b"\x01\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # 3-byte ids
+    [1, [[0, [-1], [{}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # ids as negative list
+    [1, [[0, b"", [{"top_p": 5.0}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # bad param
+    [1, [[0, b"", [{"nope": 1}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # unknown param
+    [1, [[0, b"", [{}, -7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # negative seed
+    [1, [_GOOD_NEW[:6]], [], {}, {}, [], []],              # new request missing a field
+    [1, [_GOOD_NEW[:6] + [["regex"]]], [], {}, {}, [], []],         # constraint not a pair
+    [1, [_GOOD_NEW[:6] + [["sql", "x"]]], [], {}, {}, [], []],      # unknown constraint kind
+    [1, [_GOOD_NEW[:6] + [["choice", []]]], [], {}, {}, [], []],    # no choices
+    [1, [_GOOD_NEW[:6] + [["json_object", 1]]], [], {}, {}, [], []],  # json_object not true
+    [1, [], [[0, [1], "x"]], {}, {}, [], []],              # resumed num_computed not an int
+])
+def test_wrong_layout_raises(fields):
+    with pytest.raises(CodecError):
+        decode_scheduler_output(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_good_layout_decodes():
+    out = decode_scheduler_output(msgpack.packb([1, [_GOOD_NEW], [], b"\x01\x00\x1c", {},
+                                                 [], []], use_bin_type=True))
+    assert out.new_requests[0].prompt_token_ids == [1]
+    assert out.new_block_ids == {0: [7]}
+    assert decode_scheduler_output(msgpack.packb(_GOOD_SCHED)) == SchedulerOutput(step=1)
+
+
+@pytest.mark.parametrize("fields", [
+    [1, b"", b"", b""],                                    # 4 fields, not 5
+    [1, b"", b"", b"", {}, b"", b""],                      # 7 fields, not 5 or 6
+    [1, b"", b"", b"", {}, b"\x00"],                       # 1-byte compiled handles
+    [1, b"\x00\x00\x00\x00", b"", b"", {}],                # 1 handle, 0 sampled ids
+    [1, b"\x00\x00", b"", b"", {}],                        # 2-byte handle array
+    [1, b"", b"", b"", {0: [b"\x00\x00\x00\x00", b""]}],     # top ids / logprobs differ
+    [1, b"", b"", b"", {0: 5}],                            # top entry not a pair
+    [1.5, b"", b"", b"", {}],                              # step not an int
+])
+def test_wrong_runner_layout_raises(fields):
+    with pytest.raises(CodecError):
+        decode_runner_output(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_a_garbage_field_is_quoted_clipped():
+    """Issue 23: a 70 KB string where the step number goes came back quoted whole."""
+    payload = msgpack.packb(["x" * 70_000, [], [], None, {}, [], []], use_bin_type=True)
+    with pytest.raises(CodecError) as e:
+        decode_scheduler_output(payload)
+    assert len(str(e.value)) < 400 and "(70002 characters)" in str(e.value)
+
+
+def test_compiled_handles_travel_only_when_there_are_any():
+    """Issue 23 item 4: the handles whose grammar compiled, a trailing field absent when empty
+    (a steady step's reply is unchanged)."""
+    plain = RunnerOutput(3, [1], [7], [-0.5])
+    assert len(msgpack.unpackb(encode_runner_output(plain))) == 5
+    assert decode_runner_output(encode_runner_output(plain)) == plain
+    with_compiled = RunnerOutput(3, [1], [7], [-0.5], compiled_handles=[4, 9])
+    encoded = encode_runner_output(with_compiled)
+    assert decode_runner_output(encoded) == with_compiled
+    assert len(encoded) == len(encode_runner_output(plain)) + 10   # bin header + two uint32

@@ -1,0 +1,124 @@
+"""worker_service/batch/diff_check.py through a real ModelRunner: every garbage payload kind is
+refused as BAD_PAYLOAD (a bad value) or BAD_STATE (a handle the cache does not have) naming what
+is wrong, before any of it is applied; never INTERNAL; and after a reset the runner gives the
+same tokens as a fresh one."""
+from __future__ import annotations
+
+import pytest
+
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import SchedulerOutput
+from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
+from tests.support.deep_constraints import lark_chain
+from tests.support.garbage_diffs import Limits, PREFILL, clean_run, enc, garbage_cases, new
+from worker_service.config import RunnerConfig
+from worker_service.failures import FailureKind, as_failure
+from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
+from worker_service.runner.model_runner import ModelRunner
+
+LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
+NUM_BLOCKS = 64
+NAMES = [c.name for c in garbage_cases(Limits(NUM_BLOCKS, 512, 64, 4, 4, 64))]
+
+
+def _runner(model_dir: str) -> ModelRunner:
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype="float32", **LIMITS))
+    runner.init_kv_cache(NUM_BLOCKS)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_models) -> ModelRunner:
+    return _runner(tiny_models("qwen3"))
+
+
+def _limits(runner: ModelRunner) -> Limits:
+    return Limits(NUM_BLOCKS, runner.vocab_size, runner.max_model_len, runner.block_size,
+                  LIMITS["max_num_seqs"], LIMITS["max_num_batched_tokens"])
+
+
+def test_there_are_at_least_35_kinds():
+    assert len(NAMES) == len(set(NAMES)) >= 35
+
+
+@pytest.fixture(scope="module")
+def cases(runner) -> dict:
+    return {c.name: c for c in garbage_cases(_limits(runner))}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_garbage_is_refused_as_a_bad_payload_before_it_is_applied(runner, cases, name):
+    case = cases[name]
+    runner.reset()
+    for payload in case.payloads[:-1]:
+        runner.execute(payload)
+    before = (dict(runner.batch.handle_to_row), set(runner.requests), runner.last_step)
+    with pytest.raises(Exception) as err:
+        runner.execute(case.garbage)
+    failure = as_failure(err.value)
+    assert failure.kind in (FailureKind.BAD_PAYLOAD, FailureKind.BAD_STATE), failure
+    assert len(str(failure)) > 20, failure
+    if name != "tokens beyond the known ones":   # that one is caught when the inputs are built
+        assert (dict(runner.batch.handle_to_row), set(runner.requests),
+                runner.last_step) == before, "the diff was (partly) applied"
+
+
+def test_a_reset_after_garbage_gives_a_clean_epoch(runner, cases, tiny_models):
+    for case in cases.values():
+        runner.reset()
+        for payload in case.payloads:
+            try:
+                runner.execute(payload)
+            except Exception:
+                break
+    runner.reset()
+    fresh = _runner(tiny_models("qwen3"))
+    got = [runner.execute(p).sampled_token_ids for p in clean_run()]
+    want = [fresh.execute(p).sampled_token_ids for p in clean_run()]
+    assert got == want and all(got)
+
+
+def _bounds(**overrides) -> DiffBounds:
+    values = dict(num_kv_blocks=10, vocab_size=100, max_model_len=32, max_num_seqs=2,
+                  max_num_batched_tokens=16, block_size=4, max_blocks_per_request=8)
+    return DiffBounds(**{**values, **overrides})
+
+
+def test_messages_name_the_field_the_value_and_the_range():
+    import numpy as np
+    cases = [
+        (SchedulerOutput(0, new_requests=[new(blocks=[0, 10])]),
+         r"new_requests\[0\]\.block_ids\[1\]=10 is invalid: must be < num_kv_blocks \(10\)"),
+        (SchedulerOutput(0, new_requests=[new(prompt=[1, 100])]),
+         r"new_requests\[0\]\.prompt_token_ids\[1\]=100 is invalid: must be < vocab_size"),
+        (SchedulerOutput(0, new_requests=[new(h, blocks=[h]) for h in range(3)]),
+         r"requests in the batch=3 is invalid: must be <= max_num_seqs \(2\)"),
+        (SchedulerOutput(0, new_requests=[new(sampling=WorkerSamplingParams(
+            SamplingParams(allowed_token_ids=[3, 100]), seed=0))]),
+         r"new_requests\[0\]\.sampling\.allowed_token_ids\[1\]=100 is invalid: must be < "
+         r"vocab_size"),
+    ]
+    for diff, message in cases:
+        with pytest.raises(BadDiff, match=message):
+            check_diff(diff, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))
+
+
+def test_a_handle_recycled_in_the_same_diff_is_accepted():
+    """finished_handles are applied before new_requests: a handle may be finished and reused by
+    a new request in one diff, as the scheduler recycles them."""
+    import numpy as np
+    from worker_service.batch.cached_request import CachedRequestState
+    cached = {0: CachedRequestState(0, [1, 2], None, [0], 0)}
+    diff = SchedulerOutput(1, finished_handles=[0], new_requests=[new(0, blocks=[1])])
+    check_diff(diff, _bounds(), cached, {0: 0}, np.ones(2, dtype=np.int32))
+    assert enc(diff) and PREFILL
+
+
+def test_a_constraint_too_deep_names_its_depth_and_the_bound():
+    import numpy as np
+    deep = Constraint("grammar", lark_chain(3000))
+    with pytest.raises(BadDiff, match=r"new_requests\[0\]\.constraint depth=3002 is invalid: "
+                                      rf"must be <= {MAX_CONSTRAINT_DEPTH}"):
+        check_diff(SchedulerOutput(0, new_requests=[new(constraint=deep)]), _bounds(), {}, {},
+                   np.zeros(2, dtype=np.int32))

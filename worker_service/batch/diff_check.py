@@ -1,0 +1,200 @@
+"""Checks a decoded step diff against the runner's limits and cached requests before any of it
+is applied (and long before a tensor is touched).
+
+The worker trusts nothing a diff says: an id that indexes device memory (a block id, a token id),
+a handle, a count or a size out of range is refused with an error naming the field, the value
+and the allowed range; the step is not run and the epoch fails (Reset or Init starts a clean
+one). Parts are checked in the order the runner applies them (diff.py), tracking which handles
+each part adds or removes, so the whole diff is judged against the state it will meet:
+
+    finished_handles       cached requests
+    preempted_handles      requests in the batch
+    new_requests           handles not cached; prompt ids < vocab_size, 1 .. max_model_len - 1
+                           of them; block ids < num_kv_blocks, at most a request's share; prefix
+                           hit within the prompt and its blocks; sampling, stop ids, logprobs,
+                           a constraint's characters and nesting depth
+    resumed_requests       cached requests not in the batch; blocks as above; computed tokens
+                           within the request's tokens
+    new_block_ids          requests in the batch; blocks as above
+    num_scheduled_tokens   requests in the batch; the step's tokens <= max_num_batched_tokens;
+                           the batch <= max_num_seqs
+
+Cost: proportional to the diff, not to the batch (a decode step checks nearly nothing). A row's
+computed + scheduled tokens against its known tokens and blocks is checked, vectorised, by
+step_inputs.prepare_step_inputs, still before any tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_common.wire.codec import CodecError
+from engine_common.constraints.constraint import Constraint
+from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
+                                       MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
+                                       MAX_TOP_LOGPROBS)
+from engine_common.request.params import ID_SET_KNOBS, clip, quoted
+from worker_service.failures import StepProtocolError
+
+
+class BadDiff(CodecError):
+    """A value out of its range (BAD_PAYLOAD); names the field, the value and the range."""
+
+    def __init__(self, field_name: str, value, allowed: str):
+        super().__init__(f"{clip(field_name)}={quoted(value)} is invalid: must be {allowed}")
+
+
+@dataclass(frozen=True)
+class DiffBounds:
+    """What the runner was built for."""
+
+    num_kv_blocks: int
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    max_blocks_per_request: int
+
+
+@dataclass
+class _View:
+    """The runner's cached requests and batch as the diff changes them, part by part."""
+
+    cached: dict                 # handle -> CachedRequestState (the runner's, read only)
+    batch: dict                  # handle -> row (the runner's, read only)
+    batch_blocks: object         # row -> blocks held (numpy array, read only)
+    gone: set = field(default_factory=set)          # dropped from the cache
+    out: set = field(default_factory=set)           # taken out of the batch
+    added: dict = field(default_factory=dict)       # handle -> blocks held, new or resumed
+
+    def is_cached(self, handle: int) -> bool:
+        return handle in self.added or (handle in self.cached and handle not in self.gone)
+
+    def in_batch(self, handle: int) -> bool:
+        return handle in self.added or (handle in self.batch and handle not in self.out)
+
+    def blocks(self, handle: int) -> int:
+        if handle in self.added:
+            return self.added[handle]
+        return int(self.batch_blocks[self.batch[handle]])
+
+    def batch_size(self) -> int:
+        return len(self.batch) - len(self.out) + len(self.added)
+
+
+def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: dict,
+               batch_blocks) -> None:
+    """Raise BadDiff (a value out of range) or StepProtocolError (a handle the state does not
+    have) for the first violation; return when the whole diff fits. `cached`: handle -> cached
+    request; `batch`: handle -> row; `batch_blocks`: row -> blocks held (none is changed)."""
+    view = _View(cached, batch, batch_blocks)
+    for i, handle in enumerate(diff.finished_handles):
+        if not view.is_cached(handle):
+            raise StepProtocolError(f"finished_handles[{i}]={handle} is not a cached request")
+        view.gone.add(handle)
+        view.out.add(handle)
+        view.added.pop(handle, None)
+    for i, handle in enumerate(diff.preempted_handles):
+        if not view.in_batch(handle):
+            raise StepProtocolError(f"preempted_handles[{i}]={handle} is not in the batch")
+        view.out.add(handle)
+    for i, new in enumerate(diff.new_requests):
+        _check_new(f"new_requests[{i}]", new, bounds, view)
+    for i, res in enumerate(diff.resumed_requests):
+        _check_resumed(f"resumed_requests[{i}]", res, bounds, view)
+    if view.batch_size() > bounds.max_num_seqs:
+        raise BadDiff("requests in the batch", view.batch_size(),
+                      f"<= max_num_seqs ({bounds.max_num_seqs})")
+    for handle, block_ids in diff.new_block_ids.items():
+        name = f"new_block_ids[{handle}]"
+        if not view.in_batch(handle):
+            raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
+        _check_blocks(name, block_ids, bounds, view.blocks(handle))
+    _check_counts(diff.num_scheduled_tokens, bounds, view)
+
+
+def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) -> None:
+    _in_range(f"{name}.handle", new.handle, MAX_HANDLE)
+    if view.is_cached(new.handle):
+        raise StepProtocolError(f"{name}.handle={new.handle} is already a cached request")
+    prompt = new.prompt_token_ids
+    if not 1 <= len(prompt) < bounds.max_model_len:
+        raise BadDiff(f"{name}.prompt_token_ids length", len(prompt),
+                      f"in [1, {bounds.max_model_len - 1}] (max_model_len - 1)")
+    _ids_below(f"{name}.prompt_token_ids", prompt, bounds.vocab_size, "vocab_size")
+    _check_blocks(f"{name}.block_ids", new.block_ids, bounds, 0)
+    limit = min(len(prompt), len(new.block_ids) * bounds.block_size)
+    _in_range(f"{name}.num_computed_tokens", new.num_computed_tokens, limit)
+    _in_range(f"{name}.num_logprobs", new.num_logprobs,
+              min(MAX_TOP_LOGPROBS, bounds.vocab_size))
+    s = new.sampling
+    _in_range(f"{name}.sampling.seed", s.seed, MAX_SEED)
+    _in_range(f"{name}.sampling.min_tokens", s.min_tokens, MAX_MIN_TOKENS)
+    _in_range(f"{name}.sampling.top_k", s.sampling.top_k, MAX_MIN_TOKENS, lo=-1)
+    if len(s.stop_ids) > MAX_STOP_IDS:
+        raise BadDiff(f"{name}.sampling.stop_ids length", len(s.stop_ids), f"<= {MAX_STOP_IDS}")
+    _ids_below(f"{name}.sampling.stop_ids", s.stop_ids, bounds.vocab_size, "vocab_size")
+    _ids_below(f"{name}.sampling.logit_bias", [t for t, _ in s.sampling.logit_bias],
+               bounds.vocab_size, "vocab_size")
+    for k in ID_SET_KNOBS:
+        _ids_below(f"{name}.sampling.{k.name}", getattr(s.sampling, k.name), bounds.vocab_size,
+                   "vocab_size")
+    if new.constraint is not None:
+        _check_constraint(f"{name}.constraint", new.constraint)
+    view.added[new.handle] = len(new.block_ids)
+
+
+def _check_constraint(name: str, constraint: Constraint) -> None:
+    """Its size, then its nesting (the grammar engine's compiler would overflow its stack and
+    kill the worker: engine_common/constraints/constraint_depth.py; the scan is linear in the size)."""
+    if constraint.num_chars > MAX_CONSTRAINT_CHARS:
+        raise BadDiff(f"{name} characters", constraint.num_chars, f"<= {MAX_CONSTRAINT_CHARS}")
+    depth = constraint.depth
+    if depth > MAX_CONSTRAINT_DEPTH:
+        raise BadDiff(f"{name} depth", depth, f"<= {MAX_CONSTRAINT_DEPTH}")
+
+
+def _check_resumed(name: str, res: ResumedRequestData, bounds: DiffBounds,
+                   view: _View) -> None:
+    if not view.is_cached(res.handle) or view.in_batch(res.handle):
+        raise StepProtocolError(f"{name}.handle={res.handle} is not a preempted request")
+    _check_blocks(f"{name}.block_ids", res.block_ids, bounds, 0)
+    state = view.cached[res.handle]
+    limit = min(state.num_tokens, len(res.block_ids) * bounds.block_size)
+    _in_range(f"{name}.num_computed_tokens", res.num_computed_tokens, limit)
+    view.added[res.handle] = len(res.block_ids)
+
+
+def _check_blocks(name: str, block_ids: list[int], bounds: DiffBounds, held: int) -> None:
+    if held + len(block_ids) > bounds.max_blocks_per_request:
+        raise BadDiff(f"{name} length", len(block_ids),
+                      f"<= {bounds.max_blocks_per_request - held} (a request holds at most "
+                      f"{bounds.max_blocks_per_request} blocks of {bounds.block_size} tokens)")
+    _ids_below(name, block_ids, bounds.num_kv_blocks, "num_kv_blocks")
+
+
+def _check_counts(counts: dict[int, int], bounds: DiffBounds, view: _View) -> None:
+    """Named handles in the batch; every unnamed one computes one token; the step's total."""
+    total = view.batch_size()
+    for handle, n in counts.items():
+        name = f"num_scheduled_tokens[{handle}]"
+        if not view.in_batch(handle):
+            raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
+        _in_range(name, n, bounds.max_num_batched_tokens)
+        total += n - 1
+    if total > bounds.max_num_batched_tokens:
+        raise BadDiff("tokens in the step", total,
+                      f"<= max_num_batched_tokens ({bounds.max_num_batched_tokens})")
+
+
+def _in_range(name: str, value: int, hi: int, lo: int = 0) -> None:
+    if not lo <= value <= hi:
+        raise BadDiff(name, value, f"in [{lo}, {hi}]")
+
+
+def _ids_below(name: str, ids, limit: int, limit_name: str) -> None:
+    """Every id < limit (ids are non-negative integers: the codec checked that)."""
+    if ids and max(ids) >= limit:
+        i = next(i for i, v in enumerate(ids) if v >= limit)
+        raise BadDiff(f"{name}[{i}]", ids[i], f"< {limit_name} ({limit})")

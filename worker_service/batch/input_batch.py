@@ -1,0 +1,165 @@
+"""The persistent batch: preallocated per-row arrays that survive across steps.
+
+Rows 0 .. num_reqs-1 are the requests currently in the batch. A request keeps its row while it
+runs; removing one leaves a hole that the next added request fills, and `condense()` moves the
+last rows into the remaining holes so the batch stays dense. Nothing is rebuilt in steady state:
+a decode step writes one token per row.
+
+    token_ids[row, :num_tokens[row]]   prompt ids, then the ids this worker sampled
+    block_table[row, :num_blocks[row]] physical KV block ids, in position order
+    num_computed[row]                  tokens whose KV is in the cache
+    <knob>[row]                        each sampling knob with a column (params.KNOBS)
+    id_sets[<knob>][row]               each knob that is a set of token ids, a tuple per row
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
+from worker_service.batch.cached_request import CachedRequestState
+
+
+class BatchFullError(RuntimeError):
+    """More requests or longer ones than the batch was sized for."""
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.handles: list[int | None] = [None] * max_num_reqs
+        self.handle_ids = np.full(max_num_reqs, -1, dtype=np.int64)   # handles, -1: no request
+        self.handle_to_row: dict[int, int] = {}
+        self.num_reqs = 0  # rows in use including holes; dense after condense()
+        self._holes: list[int] = []
+
+        r = max_num_reqs
+        self.token_ids = np.zeros((r, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(r, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(r, dtype=np.int32)
+        self.num_computed = np.zeros(r, dtype=np.int32)
+        self.block_table = np.zeros((r, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(r, dtype=np.int32)
+        # Sampling knobs as arrays, so the sampler's inputs are slices, not Python loops.
+        for k in COLUMN_KNOBS:
+            setattr(self, k.name, np.full(r, k.column_neutral, dtype=k.meta.column))
+        self.id_sets: dict[str, list[tuple[int, ...]]] = {k.name: [()] * r for k in ID_SET_KNOBS}
+        self.seeds = np.zeros(r, dtype=np.int64)
+        self.min_tokens = np.zeros(r, dtype=np.int32)
+        self.num_logprobs = np.zeros(r, dtype=np.int32)
+        self.stop_ids: list[tuple[int, ...]] = [()] * r
+        self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * r
+        # Entries per row of each list-valued knob: a step finds the rows that set one with a
+        # vector test instead of a Python loop over every row.
+        self.num_entries = {name: np.zeros(r, dtype=np.int32)
+                            for name in ("logit_bias", *self.id_sets)}
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add(self, state: CachedRequestState) -> int:
+        """Put a request in a free row (a hole first) and fill that row from its state."""
+        if state.handle in self.handle_to_row:
+            raise ValueError(f"handle {state.handle} is already in the batch")
+        if self._holes:
+            row = self._holes.pop()
+        elif self.num_reqs < self.max_num_reqs:
+            row = self.num_reqs
+            self.num_reqs += 1
+        else:
+            raise BatchFullError(f"batch holds at most {self.max_num_reqs} requests")
+        self.handles[row] = state.handle
+        self.handle_ids[row] = state.handle
+        self.handle_to_row[state.handle] = row
+        self._fill_row(row, state)
+        return row
+
+    def remove(self, handle: int) -> None:
+        row = self.handle_to_row.pop(handle)
+        self.handles[row] = None
+        self.handle_ids[row] = -1
+        self._holes.append(row)
+
+    def condense(self) -> None:
+        """Move the last live rows into the holes so rows 0..num_reqs-1 are all live."""
+        holes = sorted(self._holes)
+        self._holes.clear()
+        for hole in holes:
+            while self.num_reqs > 0 and self.handles[self.num_reqs - 1] is None:
+                self.num_reqs -= 1
+            if hole >= self.num_reqs:
+                break
+            self._move_row(self.num_reqs - 1, hole)
+            self.num_reqs -= 1
+        while self.num_reqs > 0 and self.handles[self.num_reqs - 1] is None:
+            self.num_reqs -= 1
+
+    # -- per-row updates --------------------------------------------------------------------
+
+    def set_block_ids(self, row: int, block_ids: list[int]) -> None:
+        self._check_blocks(len(block_ids))
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        self._check_blocks(start + len(block_ids))
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Feed sampled tokens back: one per row, vectorised."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_blocks(self, n: int) -> None:
+        if n > self.block_table.shape[1]:
+            raise BatchFullError(f"{n} blocks exceed max_blocks_per_req={self.block_table.shape[1]}")
+
+    def _fill_row(self, row: int, state: CachedRequestState) -> None:
+        n = state.num_tokens
+        if n > self.max_model_len:
+            raise BatchFullError(f"request {state.handle} has {n} tokens > max_model_len="
+                                 f"{self.max_model_len}")
+        self.token_ids[row, :len(state.prompt_token_ids)] = state.prompt_token_ids
+        self.token_ids[row, len(state.prompt_token_ids):n] = state.output_token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
+        self.num_computed[row] = state.num_computed_tokens
+        self.set_block_ids(row, state.block_ids)
+        sp = state.sampling.sampling
+        for k in COLUMN_KNOBS:
+            getattr(self, k.name)[row] = k.column_value(getattr(sp, k.name))
+        for k in ID_SET_KNOBS:
+            self.id_sets[k.name][row] = getattr(sp, k.name)
+            self.num_entries[k.name][row] = len(getattr(sp, k.name))
+        self.seeds[row] = state.sampling.seed
+        self.min_tokens[row] = state.sampling.min_tokens
+        self.stop_ids[row] = state.sampling.stop_ids
+        self.logit_bias[row] = sp.logit_bias
+        self.num_entries["logit_bias"][row] = len(sp.logit_bias)
+        self.num_logprobs[row] = state.num_logprobs
+
+    _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "seeds",
+                   "min_tokens", "num_logprobs") + tuple(k.name for k in COLUMN_KNOBS)
+
+    def _move_row(self, src: int, dst: int) -> None:
+        n = int(self.num_tokens[src])
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        nb = int(self.num_blocks[src])
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for name in self._ROW_ARRAYS:
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        self.stop_ids[dst] = self.stop_ids[src]
+        self.logit_bias[dst] = self.logit_bias[src]
+        for rows in self.id_sets.values():
+            rows[dst] = rows[src]
+        for counts in self.num_entries.values():
+            counts[dst] = counts[src]
+        handle = self.handles[src]
+        self.handles[dst] = handle
+        self.handles[src] = None
+        self.handle_ids[dst], self.handle_ids[src] = handle, -1
+        self.handle_to_row[handle] = dst

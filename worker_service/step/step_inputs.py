@@ -1,0 +1,76 @@
+"""Flattened model inputs for one step, computed from the persistent batch with numpy.
+
+For the scheduled rows r0, r1, ... (in row order) with n0, n1, ... tokens each:
+
+    input_ids      = token_ids[r, num_computed[r] : num_computed[r] + n]   laid end to end
+    positions      = num_computed[r] + 0 .. n-1
+    slot_mapping   = block_table[r, pos // block_size] * block_size + pos % block_size
+    query_start_loc= [0, n0, n0+n1, ...]
+    seq_lens       = num_computed[r] + n
+A row samples only when the step reaches its last known token (the end of its prefill, or a decode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker_service.batch.input_batch import InputBatch
+from worker_service.failures import StepProtocolError
+
+
+@dataclass
+class StepInputs:
+    rows: np.ndarray              # int64 [num_reqs] batch rows scheduled this step
+    num_scheduled: np.ndarray     # int32 [num_reqs]
+    input_ids: np.ndarray         # int64 [T]
+    positions: np.ndarray         # int64 [T]
+    slot_mapping: np.ndarray      # int64 [T]
+    query_start_loc: np.ndarray   # int32 [num_reqs + 1]
+    seq_lens: np.ndarray          # int32 [num_reqs]
+    block_table: np.ndarray       # int32 [num_reqs, max blocks among them]
+    sample_mask: np.ndarray       # bool [num_reqs]: the row samples a token this step
+    logits_indices: np.ndarray    # int64 [num sampling rows]: last query row of each
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray,
+                        block_size: int) -> StepInputs:
+    """num_scheduled: int32 [batch.num_reqs], tokens per row this step (0 = idle)."""
+    rows = np.flatnonzero(num_scheduled > 0)
+    counts = num_scheduled[rows].astype(np.int32)
+    computed = batch.num_computed[rows]
+    seq_lens = computed + counts
+    if np.any(seq_lens > batch.num_tokens[rows]):
+        bad = rows[seq_lens > batch.num_tokens[rows]][0]
+        raise StepProtocolError(
+            f"handle {batch.handles[bad]}: scheduled past its known tokens "
+            f"({int(batch.num_computed[bad])} computed + {int(num_scheduled[bad])} scheduled > "
+            f"{int(batch.num_tokens[bad])} tokens)")
+    needed_blocks = (seq_lens + block_size - 1) // block_size
+    if np.any(needed_blocks > batch.num_blocks[rows]):
+        bad = rows[needed_blocks > batch.num_blocks[rows]][0]
+        raise StepProtocolError(f"handle {batch.handles[bad]}: not enough KV blocks for "
+                                f"{int(seq_lens[rows == bad][0])} tokens")
+
+    query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start_loc[1:])
+    total = int(query_start_loc[-1])
+    token_rows = np.repeat(rows, counts)
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1], counts)
+    positions = np.repeat(computed, counts).astype(np.int64) + offsets
+    input_ids = batch.token_ids[token_rows, positions]
+    block_ids = batch.block_table[token_rows, positions // block_size].astype(np.int64)
+    slot_mapping = block_ids * block_size + positions % block_size
+
+    max_blocks = int(needed_blocks.max()) if len(rows) else 0
+    sample_mask = seq_lens == batch.num_tokens[rows]
+    logits_indices = (query_start_loc[1:][sample_mask] - 1).astype(np.int64)
+    return StepInputs(rows=rows, num_scheduled=counts, input_ids=input_ids, positions=positions,
+                      slot_mapping=slot_mapping, query_start_loc=query_start_loc,
+                      seq_lens=seq_lens.astype(np.int32),
+                      block_table=batch.block_table[rows, :max_blocks],
+                      sample_mask=sample_mask, logits_indices=logits_indices)
