@@ -34,7 +34,7 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Unit tests and the layer check only, without the slow ones: 50-80 s on 2 shared cores.
+# Unit tests and the layer check only, without the slow ones: about 45 s on 2 quiet cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
