@@ -178,8 +178,7 @@ class ShmBroadcastRing:
         _check_geometry(num_readers, num_slots, slot_bytes)
         if max_message_bytes < 0:
             raise ParamError("max_message_bytes", max_message_bytes, ">= 0")
-        # The owner's pid in the name: a leaked segment says who made it, and a check for
-        # leaks can look at its own process's segments only.
+        # The owner's pid in the name: a leak names its maker; a leak check sees its own only.
         name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
         handle = RingHandle(name, num_readers, num_slots, slot_bytes)
         shm = shared_memory.SharedMemory(name=name, create=True, size=handle.total_bytes)
