@@ -12,7 +12,7 @@ from engine_common.request.params import ParamError
 def resolve_kernel_bench_device(requested: str) -> str:
     """'cuda' or 'cpu' for --device auto|cpu|cuda. On CPU, Triton kernels run in its interpreter,
     which is read when triton is first imported, so this must run before that."""
-    from engine_common.runtime.paths import resolve_device
+    from worker_service.device_info import resolve_device
 
     device = resolve_device(requested)
     if device == "cuda" and not torch.cuda.is_available():

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from deltaserve.llm import LLM
-    from engine_common.runtime.paths import resolve_device
+    from worker_service.device_info import resolve_device
 
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)

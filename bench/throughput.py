@@ -109,7 +109,7 @@ def run_and_report(args: argparse.Namespace, command: str | None = None) -> int:
 
 def run(args: argparse.Namespace) -> BenchResult:
     """The whole benchmark: our engine, then (optionally) transformers, then the copy ceiling."""
-    from engine_common.runtime.paths import resolve_device
+    from worker_service.device_info import resolve_device
     from worker_service.device_info import describe_device
 
     device = resolve_device(args.device)

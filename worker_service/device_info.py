@@ -12,6 +12,15 @@ import platform
 from dataclasses import dataclass
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; anything else is returned as is."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class DeviceDescription:
     """One device as measured now."""

@@ -31,10 +31,10 @@ import grpc
 
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.runtime.metrics_http import start_metrics_server
-from engine_common.runtime.paths import resolve_device
 from engine_common.wire.protos import WORKER_SERVICE, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
+from worker_service.device_info import resolve_device
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
 from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.auth import add_port, check_exposure, describe, interceptors
