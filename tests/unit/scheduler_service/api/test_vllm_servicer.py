@@ -3,8 +3,7 @@ streamed and unstreamed answers agree with each other and with deltaserve.v1.Gen
 fanned out with indices, Abort finds requests by the caller's id, a cancelled call frees its
 blocks, refusals name the field, structured-output constraints reach the (simulated) worker and
 shape the answer, health follows the engine, and the tokenizer and the KV events arrive as the
-protocol defines them. The public port's guards hold for it as for Generation: API keys on
-every RPC, the request limits, safe decoding, Abort only by the key that made the request."""
+protocol defines them. The public port's guards: test_vllm_servicer_keys.py."""
 from __future__ import annotations
 
 import hashlib
@@ -13,7 +12,6 @@ import json
 import logging
 import re
 import threading
-import time
 import zipfile
 from pathlib import Path
 
@@ -28,13 +26,11 @@ from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api import vllm_servicer
-from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
 from tests.support.deep_constraints import lark_chain
 from tests.support.sim_server import EOS, SimServer, make_sim_model_dir
-
-PROMPT = list(range(10, 23))     # 13 tokens: 3 full blocks of 4
+from tests.support.vllm_sim import PROMPT, generate, rpc_code, stored_blocks, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +49,6 @@ def server(model_dir):
 def stub(server):
     with grpc.insecure_channel(server.target) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
-
-
-def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
-    """Polled, every 10 ms: the conditions are the server's loop-side state (a log line, a
-    subscription, a hub's queues) or the engine's while a step is held, with no event to wait
-    on."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def generate(prompt=PROMPT, stream=False, request_id="r", **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=prompt),
-                              sampling_params=pb.SamplingParams(**sampling), stream=stream)
 
 
 def test_streamed_and_unstreamed_answers_agree_with_generate(server, stub):
@@ -310,8 +289,8 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
     reader.start()
     wait_until(lambda: server.kv_events.num_subscribers == 1, "the subscription")
     list(stub.Generate(generate(max_tokens=3), timeout=10))
-    wait_until(lambda: len(_stored_blocks(batches)) >= 3, "stored events for the prompt")
-    stored = _stored_blocks(batches)
+    wait_until(lambda: len(stored_blocks(batches)) >= 3, "stored events for the prompt")
+    stored = stored_blocks(batches)
     h, expected = None, []
     for j in range(3):
         h = hash_block(h, PROMPT[4 * j:4 * j + 4])
@@ -385,203 +364,6 @@ def test_flush_cache_gives_up_at_its_timeout(server, stub):
     wait_until(lambda: server.used_blocks() == 0, "the request to end")
 
 
-def _stored_blocks(batches) -> list[tuple[int, list[int]]]:
-    return [(b.block_hash, list(b.token_ids)) for batch in list(batches) for e in batch.events
-            if e.HasField("stored") for b in e.stored.blocks]
-
-
-# ---- the public port's guards on VllmEngine (issue 13) ----------------------------------------
-
-KEY_A, KEY_B, KEY_C = "vllm-key-a-0123456789", "vllm-key-b-0123456789", "vllm-key-c-0123456789"
-BEARER_A, BEARER_B = (("authorization", f"Bearer {KEY_A}"),), (("authorization", f"Bearer {KEY_B}"),)
-BEARER_C = (("authorization", f"Bearer {KEY_C}"),)
-
-
-@pytest.fixture
-def guarded(model_dir, tmp_path):
-    """A port with three API keys and small limits: A is the operator's (admin) and shares its
-    cache salt with C; B is a tenant of its own; C may ask for priorities -5..5."""
-    keys = tmp_path / "keys"
-    keys.write_text(f"{KEY_A} admin salt=team\n{KEY_B}\n{KEY_C} salt=team priority=-5..5\n")
-    api = ApiOptions(api_key_file=str(keys), max_stop_strings=4, max_stop_chars=20,
-                     max_stop_token_ids=2, max_prompt_chars=50, max_logprobs=3)
-    srv = SimServer(model_dir, api=api)
-    with grpc.insecure_channel(srv.target) as channel:
-        yield srv, vllm_engine_pb2_grpc.VllmEngineStub(channel), channel
-    srv.close()
-
-
-def _code(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        result = call()
-        if hasattr(result, "__iter__") and not isinstance(result, (str, bytes)):
-            list(result)
-    except grpc.RpcError as e:
-        return e.code(), e.details()
-    return grpc.StatusCode.OK, ""
-
-
-def test_every_vllm_rpc_needs_an_api_key(guarded):
-    server, stub, channel = guarded
-    calls = {
-        "Generate": lambda md: stub.Generate(generate(max_tokens=2), timeout=10, metadata=md),
-        "HealthCheck": lambda md: stub.HealthCheck(pb.HealthCheckRequest(), timeout=10,
-                                                   metadata=md),
-        "GetModelInfo": lambda md: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10,
-                                                     metadata=md),
-        "GetTokenizer": lambda md: stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=30,
-                                                     metadata=md),
-        "Abort": lambda md: stub.Abort(pb.AbortRequest(request_ids=["x"]), timeout=10,
-                                       metadata=md),
-        "FlushCache": lambda md: stub.FlushCache(cpb.FlushCacheRequest(), timeout=10,
-                                                 metadata=md),
-    }
-    for name, call in calls.items():
-        for metadata in ((), (("authorization", "Bearer not-a-key-0123456789"),)):
-            code, details = _code(lambda: call(metadata))
-            assert code == grpc.StatusCode.UNAUTHENTICATED, (name, code, details)
-            assert "--api-key-file" in details
-        assert _code(lambda: call(BEARER_A)) == (grpc.StatusCode.OK, ""), name
-    subscription = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10)
-    assert _code(lambda: next(subscription))[0] == grpc.StatusCode.UNAUTHENTICATED
-
-
-@pytest.mark.parametrize("sampling,text,message", [
-    ({"stop": [f"s{i}" for i in range(200_000)]}, None,
-     r"sampling_params.stop='200000 strings' is invalid: must be at most 4 strings "
-     r"\(--max-stop-strings\)"),
-    ({"stop": ["0123456789", "0123456789a"]}, None,
-     r"sampling_params.stop='21 characters in all' is invalid: must be at most 20 characters"),
-    ({"stop_token_ids": [5, 6, 7]}, None,
-     r"sampling_params.stop_token_ids='3 ids' is invalid: must be at most 2 ids"),
-    ({"logprobs": 4}, None,
-     r"sampling_params.logprobs=4 is invalid: must be in \[0, 3\] \(--max-logprobs\)"),
-    ({}, "x" * 51, r"text='51 characters' is invalid: must be at most 50 characters "
-     r"\(--max-prompt-chars\)"),
-])
-def test_vllm_requests_obey_the_public_limits(guarded, sampling, text, message):
-    server, stub, _ = guarded
-    req = generate(max_tokens=2, **sampling)
-    if text is not None:
-        req.text = text
-    code, details = _code(lambda: stub.Generate(req, timeout=30, metadata=BEARER_A))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert re.search(message, details), details
-    assert server.engine.stats.num_running == 0 and server.engine.stats.num_waiting == 0
-
-
-def test_vllm_undecodable_requests_are_invalid_argument(guarded):
-    _, _, channel = guarded
-    call = channel.unary_stream("/vllm.grpc.engine.VllmEngine/Generate")
-    code, details = _code(lambda: call(b"\xff\xff\xff\xff", timeout=10, metadata=BEARER_A))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "the request to vllm.grpc.engine.VllmEngine/Generate could not be decoded" in details
-
-
-def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
-    server, stub, _ = guarded
-    aborts = []
-    real_abort = server.engine.abort
-
-    def recording_abort(ids):
-        future = real_abort(ids)
-        aborts.append((sorted(ids), future))
-        return future
-    monkeypatch.setattr(server.engine, "abort", recording_abort)
-    server.hold_steps(after=3)               # the request stays live until both Aborts arrive
-    stream = stub.Generate(generate(stream=True, n=2, max_tokens=200, ignore_eos=True,
-                                    request_id="mine"), timeout=30, metadata=BEARER_A)
-    assert next(stream).HasField("chunk")
-    other = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30,
-                              metadata=BEARER_B)
-    wait_until(lambda: len(aborts) == 1, "the other key's Abort to reach the engine", 60)
-    own = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30, metadata=BEARER_A)
-    wait_until(lambda: len(aborts) == 2, "the own key's Abort to reach the engine", 60)
-    server.release_steps()
-    other.result()
-    own.result()
-    assert [[i.split("/")[-1] for i in ids] for ids, _ in aborts] == [[], ["mine-0", "mine-1"]]
-    assert aborts[0][1].result() == 0 and aborts[1][1].result() == 2
-    reasons = {m.complete.index: m.complete.finish_reason for m in stream
-               if m.HasField("complete")}
-    assert reasons == {0: "abort", 1: "abort"}
-
-
-# ---- tenants: the prefix cache, KV events and FlushCache (issue 23) -----------------------------
-
-def _cached(stub, metadata, request_id: str) -> int:
-    (done,) = stub.Generate(generate(max_tokens=2, request_id=request_id), timeout=10,
-                            metadata=metadata)
-    return done.complete.cached_tokens
-
-
-def test_a_cache_hit_never_crosses_keys(guarded):
-    server, stub, channel = guarded
-    assert _cached(stub, BEARER_A, "a1") == 0
-    assert _cached(stub, BEARER_B, "b1") == 0        # A's prompt is cached, but not for B
-    assert _cached(stub, BEARER_B, "b2") == 12       # B's own
-    assert _cached(stub, BEARER_C, "c1") == 12       # C shares A's salt (salt=team)
-    generation = generation_pb2_grpc.GenerationStub(channel)
-    other = gpb.GenerateRequest(request_id="g1", token_ids=list(range(40, 53)),
-                                stopping=gpb.StoppingCriteria(max_tokens=2, ignore_eos=True))
-    for metadata, expected in ((BEARER_A, 0), (BEARER_B, 0), (BEARER_B, 12), (BEARER_C, 12)):
-        *_, last = generation.Generate(other, timeout=10, metadata=metadata)
-        assert last.usage.cached_prompt_tokens == expected, metadata
-
-
-def test_kv_events_and_flush_cache_are_the_operators(guarded):
-    server, stub, _ = guarded
-    events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10, metadata=BEARER_B)
-    code, details = _code(lambda: next(events))
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details, details
-    code, details = _code(lambda: stub.FlushCache(cpb.FlushCacheRequest(), timeout=10,
-                                                  metadata=BEARER_B))
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details, details
-    assert _cached(stub, BEARER_B, "b1") == 0
-    assert _cached(stub, BEARER_B, "b2") == 12       # B's cache was not flushed by B's call
-    batches = []
-    admin = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30,
-                                   metadata=BEARER_A)
-    reader = threading.Thread(target=lambda: _read_into(admin, batches), daemon=True)
-    reader.start()
-    wait_until(lambda: server.kv_events.num_subscribers == 1, "the admin's subscription")
-    assert _cached(stub, BEARER_A, "a1") == 0
-    wait_until(lambda: len(_stored_blocks(batches)) >= 3, "stored events for A's prompt")
-    first_hash, first_tokens = _stored_blocks(batches)[0]
-    assert first_tokens == PROMPT[:4]
-    assert first_hash != block_hash_to_int64(hash_block(None, PROMPT[:4]))   # salted
-    assert stub.FlushCache(cpb.FlushCacheRequest(), timeout=10, metadata=BEARER_A).success
-    assert _cached(stub, BEARER_B, "b3") == 0
-    admin.cancel()
-    reader.join(10)
-
-
-def _read_into(events, batches: list) -> None:
-    try:
-        for batch in events:
-            batches.append(batch)
-    except grpc.RpcError as e:           # ended by the cancel
-        assert e.code() == grpc.StatusCode.CANCELLED
-
-
-def test_the_key_file_bounds_priority(guarded):
-    """Issue 23: any caller could send priority -2**31 and go ahead of everyone."""
-    _, _, channel = guarded
-    generation = generation_pb2_grpc.GenerationStub(channel)
-
-    def status(priority: int, metadata) -> tuple[grpc.StatusCode, str]:
-        req = gpb.GenerateRequest(token_ids=[5, 6, 7], priority=priority,
-                                  stopping=gpb.StoppingCriteria(max_tokens=1, ignore_eos=True))
-        return _code(lambda: generation.Generate(req, timeout=10, metadata=metadata))
-
-    code, details = status(-2**31, BEARER_B)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "priority=-2147483648 is invalid: must be in [0, 2147483647]" in details
-    assert status(0, BEARER_B)[0] == status(7, BEARER_B)[0] == grpc.StatusCode.OK
-    assert status(-5, BEARER_C)[0] == grpc.StatusCode.OK
-    assert "must be in [-5, 5]" in status(-6, BEARER_C)[1]
-
-
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, stub):
     """Issue 23: 4-million-character prompts were tokenized for a minute, then refused for
     length. max_model_len 256 x the tiny vocabulary's longest token bounds what can fit."""
@@ -597,57 +379,15 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, stub):
     server.tokenizer.encode = counting
     text = "x" * (limit + 1)
     fragment = f"='{limit + 1} characters' is invalid: must be at most {limit} characters"
-    code, details = _code(lambda: stub.Generate(pb.GenerateRequest(request_id="big", text=text),
+    code, details = rpc_code(lambda: stub.Generate(pb.GenerateRequest(request_id="big", text=text),
                                                 timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details, details
     with grpc.insecure_channel(server.target) as channel:
         generation = generation_pb2_grpc.GenerationStub(channel)
         for call in (lambda: generation.Tokenize(gpb.TokenizeRequest(text=text), timeout=10),
                      lambda: generation.Generate(gpb.GenerateRequest(text=text), timeout=10)):
-            code, details = _code(call)
+            code, details = rpc_code(call)
             assert code == grpc.StatusCode.INVALID_ARGUMENT and fragment in details, details
         assert calls == 0
         reply = generation.Tokenize(gpb.TokenizeRequest(text="x" * limit), timeout=30)
     assert calls == 1 and reply.num_tokens > 0
-
-
-def test_request_ids_are_per_key(guarded):
-    """Issue 23: the uniqueness error told one key which ids another key had live."""
-    server, stub, channel = guarded
-    generation = generation_pb2_grpc.GenerationStub(channel)
-    server.hold_steps(after=3)               # A's requests stay live: 3 steps at a time
-    a_gen = generation.Generate(gpb.GenerateRequest(
-        request_id="g-dup", token_ids=[5, 6, 7],
-        stopping=gpb.StoppingCriteria(max_tokens=200, ignore_eos=True)), timeout=30,
-        metadata=BEARER_A)
-    assert next(a_gen).request_id == "g-dup"
-    a_vllm = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
-                                    request_id="dup"), timeout=30, metadata=BEARER_A)
-    wait_until(lambda: sum(len(hub._queues) for hub in server.engine._hubs.values()) == 2,
-               "A's second request to be open")
-    try:
-        for call in (lambda: list(stub.Generate(generate(request_id="dup", max_tokens=2),
-                                                timeout=10, metadata=BEARER_A)),
-                     lambda: list(generation.Generate(gpb.GenerateRequest(
-                         request_id="g-dup", token_ids=[5]), timeout=10, metadata=BEARER_A))):
-            code, details = _code(call)
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in details
-        # B's "dup" and "g-dup" are B's own: opened while A's are, neither refused nor told
-        # of A's.
-        b_vllm = stub.Generate(generate(request_id="dup", max_tokens=2), timeout=30,
-                               metadata=BEARER_B)
-        b_gen = generation.Generate(gpb.GenerateRequest(
-            request_id="g-dup", token_ids=[5, 6, 7],
-            stopping=gpb.StoppingCriteria(max_tokens=2, ignore_eos=True)), timeout=30,
-            metadata=BEARER_B)
-        wait_until(lambda: sum(len(hub._queues) for hub in server.engine._hubs.values()) == 4,
-                   "B's requests to be open beside A's")
-        server.release_steps()
-        (done,) = b_vllm
-        assert done.complete.finish_reason == "length"
-        *_, last = b_gen
-        assert last.request_id == "g-dup" and last.usage.completion_tokens == 2
-    finally:
-        server.release_steps()
-        a_vllm.cancel()
-        a_gen.cancel()
