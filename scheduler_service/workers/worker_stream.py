@@ -22,6 +22,7 @@ from engine_common.wire.protos import worker_pb2
 from scheduler_service.errors import Fenced, WorkerFailure
 
 _STOP = object()  # the request generator's end marker
+_READER_JOIN_S = 10.0  # a cancelled call ends its response iterator at once; this only bounds it
 
 
 class StepLate(WorkerFailure):
@@ -52,10 +53,11 @@ _STEP_ERRORS = {worker_pb2.StepError.SYMMETRY_DIVERGENCE: SymmetryError,
 
 
 class _Ended:
-    """The response iterator stopped: normally (error None) or with an RpcError."""
+    """The response iterator stopped. Holds the reason as text, not the RpcError: grpc's error
+    is the call object itself, which must not outlive close()."""
 
-    def __init__(self, error: grpc.RpcError | None):
-        self.error = error
+    def __init__(self, why: str):
+        self.why = why
 
 
 class StepStream:
@@ -83,7 +85,7 @@ class StepStream:
         if isinstance(item, _Ended):
             self._inbox.put(item)  # every later receive fails the same way
             raise WorkerFailure(f"worker {self.address}: Step stream ended at step {step}: "
-                                f"{self._why(item)}", kind="stream_ended")
+                                f"{item.why}", kind="stream_ended")
         if item.HasField("error"):
             code = worker_pb2.StepError.Code.Name(item.error.code)
             error = _STEP_ERRORS.get(item.error.code, WorkerFailure)
@@ -96,24 +98,29 @@ class StepStream:
         return item
 
     def close(self) -> None:
-        """End the request stream and cancel the call (idempotent)."""
+        """End the request stream, cancel the call and wait for the reader (idempotent).
+
+        The call object must die here, on a live interpreter: left to the interpreter's exit,
+        its finalizer takes the call's lock, which a daemon thread frozen at exit may hold,
+        and the process never ends."""
+        if self._call is None:
+            return
         self._outbox.put(_STOP)
         self._call.cancel()
+        self._reader.join(timeout=_READER_JOIN_S)
+        if not self._reader.is_alive():
+            self._call = None
 
     def _requests(self):
         while (item := self._outbox.get()) is not _STOP:
             yield item
 
     def _read(self) -> None:
+        call = self._call
         try:
-            for response in self._call:
+            for response in call:
                 self._inbox.put(response)
-            self._inbox.put(_Ended(None))
+            self._inbox.put(_Ended("the worker closed it"))
         except grpc.RpcError as e:
-            self._inbox.put(_Ended(e))
-
-    @staticmethod
-    def _why(ended: _Ended) -> str:
-        if ended.error is None:
-            return "the worker closed it"
-        return describe_rpc_error(ended.error)
+            self._inbox.put(_Ended(describe_rpc_error(e)))
+            e.__traceback__ = None  # the error is the call: its traceback's frames hold it
