@@ -27,6 +27,7 @@ import grpc
 from engine_common.text.chat_template import load_chat_template
 from engine_common.configuration.config import SchedulerConfig, WorkerConfig, limits_of
 from engine_common.runtime.gc_heap import freeze_heap
+from engine_common.runtime.gil_switch import shorten_gil_switch_interval
 from engine_common.configuration.listen_address import ListenAddress
 from engine_common.runtime.metrics_http import MetricsServer, start_metrics_server
 from engine_common.model_files.model_dir import ModelInfo
@@ -318,6 +319,7 @@ def run_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                   worker_auth: WorkerAuth = WorkerAuth(),
                   on_drain: Callable[[], None] | None = None) -> int:
     """Blocking `serve_scheduler` with logging to stderr."""
+    shorten_gil_switch_interval()   # the engine's and the Step stream's threads wait less
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     if on_ready is None:

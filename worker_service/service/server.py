@@ -30,6 +30,7 @@ from concurrent import futures
 import grpc
 
 from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.runtime.gil_switch import shorten_gil_switch_interval
 from engine_common.runtime.metrics_http import start_metrics_server
 from engine_common.wire.protos import WORKER_SERVICE, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
@@ -116,6 +117,7 @@ def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions
                auth: WorkerAuth = WorkerAuth(), grace_s: float = 5.0) -> None:
     """Serve until SIGINT or SIGTERM, then stop gracefully (in-flight calls get `grace_s`) and
     stop the rank processes."""
+    shorten_gil_switch_interval()   # the Step stream's threads wait less for each other
     server = serve_worker(listen, options, auth)
     host = listen.rsplit(":", 1)[0]
     print(f"deltaserve worker listening on {host}:{server.bound_port} (device "
