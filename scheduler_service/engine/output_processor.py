@@ -91,7 +91,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          later.num_cached_tokens, later.timings, later.error)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     """What the processor knows of one request: fixed facts copied at add time, the text state."""
 
@@ -108,6 +108,8 @@ class _RequestState:
     unsent: str = ""
     num_output_tokens: int = 0
     stop_string: str | None = None
+    # No stop strings and both first times known: one plain token takes `_steady`'s short path.
+    steady: bool = False
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -188,9 +190,8 @@ class OutputProcessor:
         unfinished request with no stop strings, no top alternatives and its first token
         already timed. Same result as _process_one (no text is ever held back then)."""
         ids = update.new_token_ids
-        if (len(ids) != 1 or update.finish_reason is not None or state.stopping.stop
-                or update.top_logprobs is not None or state.timings.first_token_time is None
-                or state.timings.first_scheduled_time is None):
+        if (not state.steady or len(ids) != 1 or update.finish_reason is not None
+                or update.top_logprobs is not None):
             return None
         state.num_cached_tokens = update.num_cached_tokens
         state.num_output_tokens += 1
@@ -231,6 +232,7 @@ class OutputProcessor:
         state.num_cached_tokens = update.num_cached_tokens
         t = state.timings
         if t.first_scheduled_time is not None and t.first_token_time is not None:
+            state.steady = not state.stopping.stop
             return                              # every step after the first token
         scheduled = t.first_scheduled_time or update.first_scheduled_time
         first_token = t.first_token_time or update.first_token_time
