@@ -386,10 +386,10 @@ class Scheduler:
                     updates.append(TokenUpdate.of(request, [token], lp, top, True))
                     continue
             # The common case inline (TokenUpdate.of with finished=False): it runs per request
-            # and step.
+            # and step. A scheduled request's num_cached_tokens is set (>= 0).
             updates.append(TokenUpdate(
                 request.request_id, [token], lp, top, None, None,
-                max(0, request.num_cached_tokens), request.first_scheduled_time,
+                request.num_cached_tokens, request.first_scheduled_time,
                 request.first_token_time, None, request))
         return updates
 

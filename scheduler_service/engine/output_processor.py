@@ -156,13 +156,19 @@ class OutputProcessor:
         An output with `error` set is final: the caller must abort that request in the engine.
         """
         outputs, stopped_ids = [], []
-        states = self._states
+        get = self._states.get
         for update in updates:
-            state = states.get(update.request_id)
+            state = get(update.request_id)
             if state is None:
                 continue
+            ids = update.new_token_ids
             try:
-                out = self._steady(state, update) or self._process_one(state, update)
+                if (state.steady and len(ids) == 1 and update.finish_reason is None
+                        and update.top_logprobs is None):
+                    outputs.append(self._steady(state, ids, update.new_logprobs,
+                                                update.num_cached_tokens))
+                    continue
+                out = self._process_one(state, update)
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
                 outputs.append(self._fail(state, e))
                 continue
@@ -185,19 +191,15 @@ class OutputProcessor:
         return out
 
     @staticmethod
-    def _steady(state: _RequestState, update: TokenUpdate) -> RequestOutput | None:
-        """The common case in a few lines, or None for the general path: one new token of an
-        unfinished request with no stop strings, no top alternatives and its first token
-        already timed. Same result as _process_one (no text is ever held back then)."""
-        ids = update.new_token_ids
-        if (not state.steady or len(ids) != 1 or update.finish_reason is not None
-                or update.top_logprobs is not None):
-            return None
-        state.num_cached_tokens = update.num_cached_tokens
+    def _steady(state: _RequestState, ids: list[int], lps: list[float],
+                num_cached_tokens: int) -> RequestOutput:
+        """The common case in a few lines (`process` picks it): one new token of an unfinished
+        `steady` request (no stop strings, first token timed) with no top alternatives. Same
+        result as _process_one (no text is ever held back then)."""
+        state.num_cached_tokens = num_cached_tokens
         state.num_output_tokens += 1
         token_id = ids[0]
         text = state.detokenizer.add(token_id)
-        lps = update.new_logprobs
         return RequestOutput(state.request_id, ids, text,
                              [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
                              False, None, None, state.num_prompt_tokens,
