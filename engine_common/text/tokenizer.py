@@ -17,6 +17,9 @@ from engine_common.model_files.model_dir import ModelDirError, load_json
 # Prompt tokens handed to the stream as context: enough for decoders whose output depends on the
 # previous token (leading-space rules), without decoding a long prompt.
 _CONTEXT_TOKENS = 8
+# Ids an IncrementalDetokenizer keeps before it trims them to the context (trimming on every
+# token cost more than the token's own decode step).
+_TRIM_AT = 64
 _REPLACEMENT = "\ufffd"
 
 
@@ -144,7 +147,9 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         context = self._clean_context(list(prompt_token_ids[-_CONTEXT_TOKENS:]))
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        # Recent ids: context, then generated ids; `_num_done` of them are already turned into text.
+        self._backend = tokenizer.backend
+        # Recent ids: context, then generated ids; `_num_done` of them are already turned into
+        # text. Only the last _CONTEXT_TOKENS done ids are ever read (`_window`).
         self._ids = context
         self._num_done = len(context)
 
@@ -157,16 +162,18 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """New text made complete by `token_id` (possibly "")."""
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         try:
-            piece = self._stream.step(self._tokenizer.backend, token_id)
+            piece = self._stream.step(self._backend, token_id)
         except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
             piece = self._resync()
         if not piece:
             return ""
-        # Keep a little context for `flush`; older ids are never needed again.
-        del self._ids[:max(0, len(self._ids) - _CONTEXT_TOKENS)]
-        self._num_done = len(self._ids)
+        # Older ids than the context are never read again; drop them now and then.
+        if len(ids) > _TRIM_AT:
+            del ids[:-_CONTEXT_TOKENS]
+        self._num_done = len(ids)
         return piece
 
     def flush(self) -> str:
@@ -180,8 +187,9 @@ class IncrementalDetokenizer:
     def _held_text(self) -> str:
         """Text of the ids not yet turned into text. Never repeats text already returned: when
         decoding with them rewrites earlier text, they are decoded on their own."""
-        prefix = self._tokenizer.decode(self._ids[:self._num_done], self._skip)
-        full = self._tokenizer.decode(self._ids, self._skip)
+        start = max(0, self._num_done - _CONTEXT_TOKENS)    # the done ids' context window
+        prefix = self._tokenizer.decode(self._ids[start:self._num_done], self._skip)
+        full = self._tokenizer.decode(self._ids[start:], self._skip)
         if full.startswith(prefix):
             return full[len(prefix):]
         return self._tokenizer.decode(self._ids[self._num_done:], self._skip)

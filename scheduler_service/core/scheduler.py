@@ -47,10 +47,10 @@ from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.priority import choose_priority_victims
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
-from scheduler_service.core.step_result import RequestUpdate, check_stop
+from scheduler_service.core.step_result import TokenUpdate, check_stop
 from scheduler_service.core.waiting_queue import WaitingQueue
 
-__all__ = ["Scheduler", "RequestRejected", "QueueFull", "RequestUpdate"]
+__all__ = ["Scheduler", "RequestRejected", "QueueFull", "TokenUpdate"]
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = int(RequestStatus.PREEMPTED)   # every status above it is a finished one
@@ -353,7 +353,7 @@ class Scheduler:
     # ---- the step's results --------------------------------------------------------------
 
     def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: RunnerOutput) -> list[RequestUpdate]:
+                           runner_out: RunnerOutput) -> list[TokenUpdate]:
         """Append each sampled token, apply the stop rules, finish what stopped. Outputs for
         requests finished since the step was scheduled are dropped; a request preempted since
         (async scheduling) keeps its token: the workers hold it too."""
@@ -376,16 +376,21 @@ class Scheduler:
             output.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            finished = False
+            top = tops.get(handle) if tops else None
+            top = None if top is None else [top]
             # check_stop can fire only on a stop id or at the length limit.
             if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
                 status = check_stop(request, self.max_len)
                 if status is not None:
                     self._finish(request, status)
-                    finished = True
-            top = tops.get(handle) if tops else None
-            updates.append(RequestUpdate(request, [token], lp, None if top is None else [top],
-                                         finished))
+                    updates.append(TokenUpdate.of(request, [token], lp, top, True))
+                    continue
+            # The common case inline (TokenUpdate.of with finished=False): it runs per request
+            # and step. A scheduled request's num_cached_tokens is set (>= 0).
+            updates.append(TokenUpdate(
+                request.request_id, [token], lp, top, None, None,
+                request.num_cached_tokens, request.first_scheduled_time,
+                request.first_token_time, None, request))
         return updates
 
     def _grammars_compiled(self, step: int, handles: list[int]) -> None:

@@ -1,23 +1,61 @@
 """What one step's sampled tokens mean for a request: the update handed on, and the stop rules."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_service.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
-class RequestUpdate:
-    """New tokens of one request from one step, for the output processor. Its lists are its
-    own (made for this update), so they may be handed on without a copy."""
+class TokenUpdate:
+    """New tokens of one request from one engine step: the one object on a token's way from the
+    scheduler to the output processor (no second copy per request and step).
 
-    request: Request
+    Every fact the output processor reads is copied in when the update is made, so the serving
+    side (another thread) may read it while the engine goes on mutating its requests. `request`
+    is the engine's own object, for the engine side and its tests only: the output processor
+    never reads it. The token lists are made fresh for each update (never the Request's own).
+
+    finish_reason is set when the engine finished the request with this update: FINISHED_LENGTH,
+    FINISHED_STOP_TOKEN (stop_token_id says which), or FINISHED_ABORTED (no tokens then). Stop
+    strings are not the engine's business: the serving side finds them and tells the engine.
+    Times are time.monotonic() seconds; None until it happened.
+    """
+
+    request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float]
     # Per new token: (top ids, top logprobs), or None when the request asked for none.
     top_logprobs: list[tuple[list[int], list[float]]] | None
-    # True when the scheduler finished the request with this update (request.status says why).
-    finished: bool
+    finish_reason: RequestStatus | None
+    stop_token_id: int | None
+    num_cached_tokens: int          # prompt tokens the prefix cache served (0 before scheduling)
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    request: Request | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int], new_logprobs: list[float],
+           top_logprobs, finished: bool) -> "TokenUpdate":
+        """The update of `request` after its step's tokens and stop rules were applied."""
+        reason = request.status if finished else None
+        stop_token = request.stop_reason if reason == RequestStatus.FINISHED_STOP_TOKEN else None
+        return cls(request.request_id, new_token_ids, new_logprobs, top_logprobs, reason,
+                   stop_token, max(0, request.num_cached_tokens),
+                   request.first_scheduled_time, request.first_token_time,
+                   request.finish_time if finished else None, request)
+
+    @classmethod
+    def aborted(cls, request: Request) -> "TokenUpdate":
+        """The final update of a request the engine aborted (no new tokens)."""
+        return cls(request.request_id, [], [], None, RequestStatus.FINISHED_ABORTED, None,
+                   max(0, request.num_cached_tokens), request.first_scheduled_time,
+                   request.first_token_time, request.finish_time, request)
 
 
 def check_stop(request: Request, max_len: int) -> RequestStatus | None:

@@ -127,7 +127,6 @@ class EngineCore:
     def _process(self, sched_out, payload: bytes) -> list[TokenUpdate]:
         start = time.perf_counter()
         runner_out = decode_runner_output(payload)
-        updates = [TokenUpdate.from_update(update)
-                   for update in self.scheduler.update_from_output(sched_out, runner_out)]
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
         self.last_step.update_s = time.perf_counter() - start
         return updates

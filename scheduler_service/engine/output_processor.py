@@ -91,7 +91,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          later.num_cached_tokens, later.timings, later.error)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     """What the processor knows of one request: fixed facts copied at add time, the text state."""
 
@@ -108,6 +108,8 @@ class _RequestState:
     unsent: str = ""
     num_output_tokens: int = 0
     stop_string: str | None = None
+    # No stop strings and both first times known: one plain token takes `_steady`'s short path.
+    steady: bool = False
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -154,13 +156,19 @@ class OutputProcessor:
         An output with `error` set is final: the caller must abort that request in the engine.
         """
         outputs, stopped_ids = [], []
-        states = self._states
+        get = self._states.get
         for update in updates:
-            state = states.get(update.request_id)
+            state = get(update.request_id)
             if state is None:
                 continue
+            ids = update.new_token_ids
             try:
-                out = self._steady(state, update) or self._process_one(state, update)
+                if (state.steady and len(ids) == 1 and update.finish_reason is None
+                        and update.top_logprobs is None):
+                    outputs.append(self._steady(state, ids, update.new_logprobs,
+                                                update.num_cached_tokens))
+                    continue
+                out = self._process_one(state, update)
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
                 outputs.append(self._fail(state, e))
                 continue
@@ -183,20 +191,15 @@ class OutputProcessor:
         return out
 
     @staticmethod
-    def _steady(state: _RequestState, update: TokenUpdate) -> RequestOutput | None:
-        """The common case in a few lines, or None for the general path: one new token of an
-        unfinished request with no stop strings, no top alternatives and its first token
-        already timed. Same result as _process_one (no text is ever held back then)."""
-        ids = update.new_token_ids
-        if (len(ids) != 1 or update.finish_reason is not None or state.stopping.stop
-                or update.top_logprobs is not None or state.timings.first_token_time is None
-                or state.timings.first_scheduled_time is None):
-            return None
-        state.num_cached_tokens = update.num_cached_tokens
+    def _steady(state: _RequestState, ids: list[int], lps: list[float],
+                num_cached_tokens: int) -> RequestOutput:
+        """The common case in a few lines (`process` picks it): one new token of an unfinished
+        `steady` request (no stop strings, first token timed) with no top alternatives. Same
+        result as _process_one (no text is ever held back then)."""
+        state.num_cached_tokens = num_cached_tokens
         state.num_output_tokens += 1
         token_id = ids[0]
         text = state.detokenizer.add(token_id)
-        lps = update.new_logprobs
         return RequestOutput(state.request_id, ids, text,
                              [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
                              False, None, None, state.num_prompt_tokens,
@@ -231,6 +234,7 @@ class OutputProcessor:
         state.num_cached_tokens = update.num_cached_tokens
         t = state.timings
         if t.first_scheduled_time is not None and t.first_token_time is not None:
+            state.steady = not state.stopping.stop
             return                              # every step after the first token
         scheduled = t.first_scheduled_time or update.first_scheduled_time
         first_token = t.first_token_time or update.first_token_time

@@ -97,6 +97,21 @@ def test_stream_equals_full_decode_on_random_ids(tok):
             assert all(not p.endswith("\ufffd") for p in pieces)
 
 
+def test_long_streams_equal_full_decode(tok):
+    # Outputs longer than the ids a detokenizer keeps before trimming them (64): the text
+    # streamed across each trim, and the flushed tail after one, match decoding all at once.
+    rng = random.Random(99)
+    byte_ids = _byte_token_ids(tok, "你好🙂é".encode())
+    for n in (63, 64, 65, 66, 130, 300):
+        out = [rng.choice(byte_ids) if rng.random() < 0.4 else rng.randrange(tok.vocab_size)
+               for _ in range(n)]
+        out += byte_ids[:2]                 # ends inside "你": the flush has work to do
+        for skip in (True, False):
+            pieces, tail = _stream(tok, tok.encode("Prompt:"), out, skip)
+            assert "".join(pieces) + tail == tok.decode(out, skip_special_tokens=skip)
+            assert tail.endswith("\ufffd")
+
+
 def test_stream_encoded_text(tok):
     for text in SAMPLE_TEXTS:
         ids = tok.encode(text)[1:]

@@ -382,3 +382,28 @@ def test_random_workload_no_leak_and_consistent_diffs():
     step(sched, worker)
     assert_no_leak(sched)
     assert worker.reqs == {}
+
+
+def test_updates_carry_the_finish_facts_the_output_processor_reads():
+    # The scheduler's update is the object handed to the serving side: what it reads is copied
+    # in when the update is made (finish reason, stop token, times, cached tokens).
+    sched, worker = make(sample_fn=lambda state: 7 if len(state.tokens) >= 3 else 40)
+    stopped = make_request("stopped", [3, 4, 5], max_tokens=10, stop_token_ids=(7,))
+    capped = make_request("capped", [3, 4, 6], max_tokens=2)
+    sched.add_request(stopped)
+    sched.add_request(capped)
+    updates = run_steps(sched, worker)
+    by_id = {rid: [u for u in updates if u.request_id == rid] for rid in ("stopped", "capped")}
+    for rid, request in (("stopped", stopped), ("capped", capped)):
+        *running, final = by_id[rid]
+        assert all(u.finish_reason is None and u.finish_time is None for u in running)
+        assert final.finished and final.finish_reason == request.status
+        assert final.finish_time == request.finish_time is not None
+        assert final.first_token_time == request.first_token_time is not None
+        assert final.first_scheduled_time == request.first_scheduled_time is not None
+        assert all(u.num_cached_tokens == request.num_cached_tokens >= 0 for u in by_id[rid])
+        assert all(u.request is request for u in by_id[rid])
+    assert by_id["stopped"][-1].stop_token_id == 7
+    assert stopped.status == RequestStatus.FINISHED_STOP_TOKEN
+    assert by_id["capped"][-1].stop_token_id is None
+    assert capped.status == RequestStatus.FINISHED_LENGTH
