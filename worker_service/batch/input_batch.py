@@ -13,10 +13,30 @@ a decode step writes one token per row.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
-from worker_service.batch.cached_request import CachedRequestState
+from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS, WorkerSamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """The worker's cached copy of one request (its row is filled from it); only diffs update
+    it, and it outlives a preemption, so a resumed request refills its row."""
+
+    handle: int
+    prompt_token_ids: list[int]
+    sampling: WorkerSamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_logprobs: int = 0
+    # Tokens this worker sampled itself; the scheduler never sends them back.
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class BatchFullError(RuntimeError):
