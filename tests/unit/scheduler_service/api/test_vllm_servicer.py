@@ -290,7 +290,7 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    wait_until(lambda: server.kv_events.num_subscribers == 1, "the subscription")
+    assert server.kv_events.wait_subscribers(1, 10), "the subscription"
     list(stub.Generate(generate(max_tokens=3), timeout=10))
     batches.wait_for(lambda seen: len(stored_blocks(seen)) >= 3, "stored events for the prompt")
     stored = stored_blocks(batches)
@@ -305,7 +305,7 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
                                       for e in batch.events), "the flush's cleared event")
     events.cancel()
     reader.join(10)
-    wait_until(lambda: server.kv_events.num_subscribers == 0, "the subscription to end")
+    assert server.kv_events.wait_subscribers(0, 10), "the subscription to end"
 
 
 def _step_until_answered(server, call):

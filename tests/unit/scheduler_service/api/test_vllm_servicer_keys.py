@@ -169,7 +169,7 @@ def test_kv_events_and_flush_cache_are_the_operators(guarded):
                                    metadata=BEARER_A)
     reader = threading.Thread(target=lambda: _read_into(admin, batches), daemon=True)
     reader.start()
-    wait_until(lambda: server.kv_events.num_subscribers == 1, "the admin's subscription")
+    assert server.kv_events.wait_subscribers(1, 10), "the admin's subscription"
     assert _cached(stub, BEARER_A, "a1") == 0
     batches.wait_for(lambda seen: len(stored_blocks(seen)) >= 3, "stored events for A's prompt")
     first_hash, first_tokens = stored_blocks(batches)[0]
