@@ -37,7 +37,7 @@ class CachedRequests:
         for new in diff.new_requests:
             state = CachedRequestState(new.handle, list(new.prompt_token_ids), new.sampling,
                                        list(new.block_ids), new.num_computed_tokens,
-                                       new.num_logprobs)
+                                       new.num_logprobs, new.constraint)
             states[new.handle] = state
             batch.add(state)
         for res in diff.resumed_requests:

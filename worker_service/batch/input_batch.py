@@ -17,21 +17,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS, WorkerSamplingParams
+from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
+from engine_common.wire.diff import NewRequestData
 
 
 @dataclass
-class CachedRequestState:
-    """The worker's cached copy of one request (its row is filled from it); only diffs update
-    it, and it outlives a preemption, so a resumed request refills its row."""
+class CachedRequestState(NewRequestData):
+    """The worker's cached copy of one request (its row is filled from it): the diff's new
+    request, whose block ids and computed count later diffs update, and the tokens this worker
+    sampled itself (the scheduler never sends them back). It outlives a preemption, so a resumed
+    request refills its row."""
 
-    handle: int
-    prompt_token_ids: list[int]
-    sampling: WorkerSamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_logprobs: int = 0
-    # Tokens this worker sampled itself; the scheduler never sends them back.
     output_token_ids: list[int] = field(default_factory=list)
 
     @property
