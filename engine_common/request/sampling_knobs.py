@@ -7,8 +7,8 @@ From that one declaration (engine_common/request/params.py) come: the validation
 (SamplingParams.__post_init__), the field of both public APIs (the proto field has the knob's
 name: front_door.given_knobs reads any that the request's message has), the client flags
 (`deltaserve generate` / `chat`: deltaserve/client.py), the generation_config.json keys and the
-defaults vLLM publishes, the worker's batch column (InputBatch), its staging size
-(StepBuffers), the sampler's metadata column (sampling_inputs.py: None when every row is
+defaults vLLM publishes, the worker's batch column (InputBatch), its staging region and the
+sampler's metadata column (worker_service/sample/sampling_metadata.py: None when every row is
 neutral) and the diff's size bound (diff_limits.py). Adding a knob is one declaration plus its
 use in the sampler.
 

@@ -62,7 +62,8 @@ class KvEventPublisher:
     def __init__(self, feed: KvEventFeed | None = None, max_backlog: int = _DEFAULT_MAX_BACKLOG):
         self.feed = feed or KvEventFeed()
         self._max_backlog = max_backlog
-        self._lock = threading.Lock()
+        # Guards the subscriber list; notified when it changes (wait_subscribers).
+        self._lock = threading.Condition(threading.Lock())
         self._subscribers: list[_Subscriber] = []
         self._sequence = 0
         self._next_event_id = 1
@@ -70,6 +71,12 @@ class KvEventPublisher:
     @property
     def num_subscribers(self) -> int:
         return len(self._subscribers)
+
+    def wait_subscribers(self, n: int, timeout: float) -> bool:
+        """Until exactly `n` subscribers listen (a caller whose events must not be published
+        before its subscriber is in); False if not within `timeout` seconds."""
+        with self._lock:
+            return self._lock.wait_for(lambda: len(self._subscribers) == n, timeout)
 
     def publish(self) -> KvEventBatch | None:
         """Engine thread: hand this turn's events to every subscriber; returns the batch."""
@@ -96,6 +103,7 @@ class KvEventPublisher:
         with self._lock:
             self._subscribers.append(sub)
             self.feed.enabled = True
+            self._lock.notify_all()
         try:
             while True:
                 item = await sub.queue.get()
@@ -110,3 +118,4 @@ class KvEventPublisher:
             if sub in self._subscribers:
                 self._subscribers.remove(sub)
             self.feed.enabled = bool(self._subscribers)
+            self._lock.notify_all()

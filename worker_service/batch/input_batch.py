@@ -13,10 +13,26 @@ a decode step writes one token per row.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
-from worker_service.batch.cached_request import CachedRequestState
+from engine_common.wire.diff import NewRequestData
+
+
+@dataclass
+class CachedRequestState(NewRequestData):
+    """The worker's cached copy of one request (its row is filled from it): the diff's new
+    request, whose block ids and computed count later diffs update, and the tokens this worker
+    sampled itself (the scheduler never sends them back). It outlives a preemption, so a resumed
+    request refills its row."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class BatchFullError(RuntimeError):

@@ -6,8 +6,6 @@ into its own persistent batch.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 from typing import Callable
 
@@ -18,10 +16,9 @@ from engine_common.wire.codec import decode_scheduler_output
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
 from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.request.params import HISTORY_KNOBS
 from engine_common.runtime.progress import heartbeat
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
-from worker_service.batch.cached_request import CachedRequestState
+from worker_service.batch.cached_requests import CachedRequests
 from worker_service.config import RunnerConfig
 from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
@@ -32,11 +29,10 @@ from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_block
                                                profile_kv_memory)
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
-from worker_service.sample.grammar import GrammarBook, GrammarCompiler, GrammarMasks
-from worker_service.sample.sampler import (Sampler, SamplerOutput, bitmask_to_bias,
-                                           is_plain_greedy)
-from worker_service.sample.sampling_inputs import build_sampling_metadata
-from worker_service.sample.sampling_metadata import (SamplingMetadata,
+from worker_service.sample.grammar import GrammarBook, GrammarCompiler
+from worker_service.sample.sampler import Sampler, with_grammar_masks
+from worker_service.sample.sampling_metadata import (build_sampling_metadata,
+                                                     history_needed, staged_row_dtypes,
                                                      worst_case_sampling_metadata)
 from worker_service.step.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
@@ -82,7 +78,8 @@ class ModelRunner:
         # sets, used by alternate steps, so a step can be launched while the one before it is
         # still on the device (launch_step before finish_step; see `pipelined`).
         self._stagings = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                      max_blocks, self.device) for _ in range(2)]
+                                      max_blocks, self.device, staged_row_dtypes())
+                          for _ in range(2)]
         self._readbacks = [TokenReadback(config.max_num_seqs, self.device) for _ in range(2)]
         self.staging, self.readback = self._stagings[0], self._readbacks[0]
         # A stand-in for the forward pass and sampler (bench/host_overhead.py): the host work
@@ -93,7 +90,8 @@ class ModelRunner:
         # (RunnerPipeline): where launches are asynchronous, so the device runs ahead. Tests
         # turn it on for CPU runners, where it changes the order of work but not the tokens.
         self.pipelined = self.device.type == "cuda" or self.simulated is not None
-        self.requests: dict[int, CachedRequestState] = {}
+        self.cached = CachedRequests(self.batch)
+        self.requests = self.cached.states     # every cached request by handle
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
@@ -189,27 +187,13 @@ class ModelRunner:
                                  self.device, graph_warmup)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
-        """BLAKE2b (16 bytes) of this step's sampled ids and the cached state: per batch row the
-        handle, num_computed, num_tokens and last token id. Equal on every rank while the ranks
-        agree (verify_symmetry); nothing in it depends on the rank or the TP size."""
-        b, n = self.batch, self.batch.num_reqs
-        rows = np.arange(n)
-        last = b.token_ids[rows, np.maximum(b.num_tokens[:n], 1) - 1]
-        h = hashlib.blake2b(digest_size=16)
-        for part in (out.handles, out.sampled_token_ids,
-                     [-1 if x is None else x for x in b.handles[:n]],
-                     b.num_computed[:n], b.num_tokens[:n], last):
-            h.update(np.asarray(part, dtype=np.int64).tobytes())
-            h.update(b"|")
-        h.update(self.grammar.digest())
-        return h.digest()
+        """The digest of this step's sampled ids, the cached state and the grammars' (see
+        CachedRequests.digest): equal on every rank while the ranks agree (verify_symmetry)."""
+        return self.cached.digest(out.handles, out.sampled_token_ids, self.grammar.digest())
 
     def reset(self) -> None:
         """Drop every cached request (a new epoch). The KV cache memory is kept."""
-        for handle in list(self.batch.handle_to_row):
-            self.batch.remove(handle)
-        self.batch.condense()
-        self.requests.clear()
+        self.cached.clear()
         self.grammar.clear()
         self.last_step = -1
 
@@ -243,11 +227,7 @@ class ModelRunner:
         launched: grammar masks and penalties are computed from them."""
         if self.grammar or any(new.constraint is not None for new in diff.new_requests):
             return True
-        n = self.batch.num_reqs
-        if any(np.any(getattr(self.batch, k.name)[:n] != k.column_neutral)
-               for k in HISTORY_KNOBS):
-            return True
-        return any(new.sampling.sampling.has_penalties for new in diff.new_requests)
+        return history_needed(self.batch, diff.new_requests)
 
     @torch.inference_mode()
     def launch_step(self, diff: SchedulerOutput, feed: PendingStep | None = None) -> PendingStep:
@@ -266,7 +246,7 @@ class ModelRunner:
         self._apply_diff(diff)
         num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
         for handle, n in diff.num_scheduled_tokens.items():
-            num_scheduled[self._row(handle)] = n
+            num_scheduled[self.cached.row(handle)] = n
         inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
@@ -320,7 +300,7 @@ class ModelRunner:
         if meta is None:
             return PendingStep(step, copied=self.staging.copied)    # computed, sampled nothing
         if masks is not None:
-            meta = self._with_grammar(meta, masks)
+            meta = with_grammar_masks(meta, masks, self.device, self.vocab_size)
         if self.on_sampling is not None:
             self.on_sampling()
         positions = self.batch.num_tokens[sample_rows].copy()
@@ -330,35 +310,10 @@ class ModelRunner:
             self.clock.mark("sampling")
             return PendingStep(step, handles, positions, num_logprobs,
                                self.simulated.sample(positions))
-        sampled = self._sample(out, is_hidden, meta)      # the LM head too, for hidden rows
+        sampled = self.sampler.from_model_output(out, is_hidden, meta, self.model)
         self.clock.mark("sampling")
         return PendingStep(step, handles, positions, num_logprobs, self.readback.start(sampled),
                            sampled.sampled_token_ids)
-
-    def _with_grammar(self, meta: SamplingMetadata, masks: GrammarMasks) -> SamplingMetadata:
-        """The step's masks as the sampler's bias: on CPU unpacked on the helper thread; on a
-        device the bitmask goes through pinned memory (no sync) and is unpacked there."""
-        def put(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t if t.device == self.device else t.pin_memory().to(self.device,
-                                                                       non_blocking=True)
-        if masks.bias is not None:
-            bias = torch.from_numpy(masks.bias)
-        else:
-            bias = bitmask_to_bias(put(masks.bitmask), self.vocab_size)
-        rows = None if masks.all_rows else put(masks.indices)
-        return dataclasses.replace(meta, grammar_rows=rows, grammar_bias=bias)
-
-    def _sample(self, out: torch.Tensor, is_hidden: bool, meta) -> SamplerOutput:
-        """Sample from the model's output rows: logits, or hidden states (then a plain greedy
-        step on the CPU takes the LM head's fused argmax, which never builds the logits)."""
-        if not is_hidden:
-            return self.sampler.forward(out, meta)
-        if is_plain_greedy(meta):
-            fused = self.model.lm_head.greedy(out)
-            if fused is not None:
-                return SamplerOutput(*fused)
-        return self.sampler.forward(self.model.compute_logits(out), meta)
 
     def _stage_model(self, inputs: StepInputs
                      ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
@@ -385,58 +340,23 @@ class ModelRunner:
             return hidden.index_select(0, staged.logits_indices), True
         return run_eager, staged.input_ids
 
-    def _row(self, handle: int) -> int:
-        try:
-            return self.batch.handle_to_row[handle]
-        except KeyError:
-            raise StepProtocolError(f"handle {handle} is not in the running batch") from None
-
     def _apply_diff(self, diff: SchedulerOutput) -> None:
+        """The diff on the cached requests and the batch, then on the grammars."""
+        self.cached.apply(diff)
         for handle in diff.finished_handles:
-            if handle in self.batch.handle_to_row:
-                self.batch.remove(handle)
-            self.requests.pop(handle, None)
             self.grammar.finish(handle)
         for handle in diff.preempted_handles:
-            self.batch.remove(handle)  # keeps self.requests[handle]: its tokens are recomputed
             self.grammar.preempt(handle)
         for new in diff.new_requests:
-            state = CachedRequestState(new.handle, list(new.prompt_token_ids), new.sampling,
-                                       list(new.block_ids), new.num_computed_tokens,
-                                       new.num_logprobs)
-            self.requests[new.handle] = state
-            self.batch.add(state)
             self.grammar.add(new.handle, new.constraint)
         for res in diff.resumed_requests:
-            state = self.requests[res.handle]
-            state.block_ids = list(res.block_ids)
-            state.num_computed_tokens = res.num_computed_tokens
-            self.batch.add(state)
-            self.grammar.resume(res.handle, state.output_token_ids)
-        for handle, block_ids in diff.new_block_ids.items():
-            self.requests[handle].block_ids.extend(block_ids)
-            self.batch.append_block_ids(self._row(handle), block_ids)
-        self.batch.condense()
+            self.grammar.resume(res.handle, self.requests[res.handle].output_token_ids)
 
     def _record_samples(self, pending: PendingStep, sampled: SampledTokens) -> RunnerOutput:
-        """Write the sampled ids into the batch rows (where the request is still there) and
-        the cached states; build the reply. A request finished or preempted since the launch
-        still gets its token in the reply (and in its cached state, when kept)."""
+        """Write the sampled ids into the batch and the cached states; build the reply. A
+        request finished or preempted since the launch still gets its token in the reply."""
         handles = pending.handles
-        token_ids = sampled.token_ids.tolist()
-        rows_of = self.batch.handle_to_row
-        live = [i for i, h in enumerate(handles) if h in rows_of]
-        if len(live) == len(handles):
-            rows = np.fromiter((rows_of[h] for h in handles), dtype=np.int64, count=len(handles))
-            self.batch.token_ids[rows, pending.positions] = sampled.token_ids
-        elif live:
-            rows = np.array([rows_of[handles[i]] for i in live], dtype=np.int64)
-            self.batch.token_ids[rows, pending.positions[live]] = sampled.token_ids[live]
-        requests = self.requests
-        for handle, tok in zip(handles, token_ids):
-            state = requests.get(handle)
-            if state is not None:
-                state.output_token_ids.append(tok)
+        token_ids = self.cached.record(handles, pending.positions, sampled.token_ids)
         self.grammar.advance(handles, token_ids)
         top = {}
         if sampled.top_ids is not None:

@@ -17,11 +17,14 @@ logprobs are those of the raw model distribution (log_softmax of the unprocessed
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.cpu.fused import ops_for
+from worker_service.sample.grammar import GrammarMasks
 from worker_service.sample.sampling_metadata import SamplingMetadata
 
 _M32 = 0xFFFFFFFF
@@ -213,6 +216,21 @@ def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _gumbel_argmax(x, meta.seeds, meta.counters)
 
 
+def with_grammar_masks(meta: SamplingMetadata, masks: GrammarMasks, device: torch.device,
+                       vocab_size: int) -> SamplingMetadata:
+    """`meta` with the step's grammar masks as the sampler's bias: on CPU unpacked on the helper
+    thread; on a device the bitmask goes through pinned memory (no sync) and is unpacked there."""
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if t.device == device else t.pin_memory().to(device, non_blocking=True)
+    if masks.bias is not None:
+        bias = torch.from_numpy(masks.bias)
+    else:
+        bias = bitmask_to_bias(put(masks.bitmask), vocab_size)
+    rows = None if masks.all_rows else put(masks.indices)
+    return dataclasses.replace(meta, grammar_rows=rows, grammar_bias=bias)
+
+
 def is_plain_greedy(meta: SamplingMetadata) -> bool:
     """Argmax of the raw logits and their logprob is all this step needs (no grammar masks)."""
     return (meta.all_greedy and not meta.has_penalties and meta.max_num_logprobs == 0
@@ -253,6 +271,18 @@ class Sampler:
         return self._with_logprobs(logits, tokens, meta.max_num_logprobs)
 
     __call__ = forward
+
+    def from_model_output(self, out: torch.Tensor, is_hidden: bool, meta: SamplingMetadata,
+                          model) -> SamplerOutput:
+        """Sample from the model's output rows: logits, or hidden states (then a plain greedy
+        step on the CPU takes the LM head's fused argmax, which never builds the logits)."""
+        if not is_hidden:
+            return self.forward(out, meta)
+        if is_plain_greedy(meta):
+            fused = model.lm_head.greedy(out)
+            if fused is not None:
+                return SamplerOutput(*fused)
+        return self.forward(model.compute_logits(out), meta)
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SamplerOutput:

@@ -1,8 +1,8 @@
 """Persistent staging for a step's inputs: one host arena per dtype and its device mirror.
 
 Every per-step array the model and the sampler read (input ids, positions, slot mapping,
-query_start_loc, seq_lens, block table, logits indices, the sampling columns) is written with
-numpy into the host arena of its dtype; `flush()` then moves each arena to the device with ONE
+query_start_loc, seq_lens, block table, logits indices, the sampler's per-row columns) is written
+with numpy into the host arena of its dtype; `flush()` then moves each arena to the device with ONE
 non-blocking copy. The arenas are allocated once, at the largest step the runner accepts
 (max_num_batched_tokens tokens, max_num_seqs rows, max blocks per request):
 
@@ -33,11 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Sequence
 
 import numpy as np
 import torch
-
-from engine_common.request.params import COLUMN_KNOBS
 
 from kernels.attention.backend import AttentionMetadata
 from worker_service.failures import StepProtocolError
@@ -108,7 +107,9 @@ class StepBuffers:
     """The arenas of one runner (see the module docstring for the layout and the reuse rule)."""
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, row_regions: Sequence[torch.dtype] = ()) -> None:
+        """`row_regions`: the dtype of each further per-row array a step stages (the sampler's
+        columns: sampling_metadata.staged_row_dtypes), one region of max_num_reqs each."""
         for name, value in (("max_num_tokens", max_num_tokens), ("max_num_reqs", max_num_reqs),
                             ("max_blocks_per_req", max_blocks_per_req)):
             if value < 1:
@@ -120,15 +121,14 @@ class StepBuffers:
         # The regions one step takes at most, per dtype (a padded decode batch may hold more
         # rows than the token budget, hence max(tokens, rows) token rows).
         regions = {
-            torch.int64: [tok] * 3 + [req] * 5,      # ids, positions, slots (or a padded
+            torch.int64: [tok] * 3 + [req] * 3,      # ids, positions, slots (or a padded
                                                      # decode's [3, rows]), logits rows,
-                                                     # seeds, counters, the token feed's
-                                                     # two index arrays
+                                                     # the token feed's two index arrays
             torch.int32: [req + 1, req, req * blk],  # query_start_loc, seq_lens, block table
             torch.float32: [],
         }
-        for k in COLUMN_KNOBS:                       # one row each per sampling knob column
-            regions[getattr(torch, k.meta.column)].append(req)
+        for dtype in row_regions:
+            regions.setdefault(dtype, []).append(req)
         self.arenas = {dtype: StagingArena(dtype, sum(aligned(n, dtype) for n in sizes),
                                            self.device) for dtype, sizes in regions.items()}
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None

@@ -30,7 +30,8 @@ from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
 from tests.support.deep_constraints import lark_chain
 from tests.support.sim_server import EOS, SimServer, make_sim_model_dir
-from tests.support.vllm_sim import PROMPT, generate, rpc_code, stored_blocks, wait_until
+from tests.support.vllm_sim import (PROMPT, LogLines, Recorded, generate, rpc_code, stored_blocks,
+                                    wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +107,12 @@ def test_abort_by_the_callers_id_ends_every_choice(server, stub, caplog):
                                     request_id="long"), timeout=30)
     first = next(stream)
     assert first.HasField("chunk")
-    with caplog.at_level(logging.INFO, logger=vllm_servicer.__name__):
+    with caplog.at_level(logging.INFO, logger=vllm_servicer.__name__), \
+            LogLines(vllm_servicer.__name__) as lines:
         aborted = stub.Abort.future(pb.AbortRequest(request_ids=["long", "unknown"]),
                                     timeout=10)
-        wait_until(lambda: "Abort long, unknown" in caplog.text, "the Abort to arrive")
+        lines.wait_for(lambda seen: any("Abort long, unknown" in line for line in seen),
+                       "the Abort to arrive")
     server.release_steps()
     aborted.result()
     rest = list(stream)
@@ -275,7 +278,7 @@ def test_tokenizer_zip_and_sha256(server, stub, monkeypatch):
 
 
 def test_kv_events_describe_the_cached_prompt(server, stub):
-    batches = []
+    batches = Recorded()
     events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30)
 
     def read():
@@ -287,9 +290,9 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    wait_until(lambda: server.kv_events.num_subscribers == 1, "the subscription")
+    assert server.kv_events.wait_subscribers(1, 10), "the subscription"
     list(stub.Generate(generate(max_tokens=3), timeout=10))
-    wait_until(lambda: len(stored_blocks(batches)) >= 3, "stored events for the prompt")
+    batches.wait_for(lambda seen: len(stored_blocks(seen)) >= 3, "stored events for the prompt")
     stored = stored_blocks(batches)
     h, expected = None, []
     for j in range(3):
@@ -298,11 +301,11 @@ def test_kv_events_describe_the_cached_prompt(server, stub):
     assert stored[:3] == expected
     assert [b.sequence_number for b in batches] == list(range(1, len(batches) + 1))
     assert stub.FlushCache(cpb.FlushCacheRequest(), timeout=10).success
-    wait_until(lambda: any(e.HasField("cleared") for batch in list(batches)
-                           for e in batch.events), "the flush's cleared event")
+    batches.wait_for(lambda seen: any(e.HasField("cleared") for batch in seen
+                                      for e in batch.events), "the flush's cleared event")
     events.cancel()
     reader.join(10)
-    wait_until(lambda: server.kv_events.num_subscribers == 0, "the subscription to end")
+    assert server.kv_events.wait_subscribers(0, 10), "the subscription to end"
 
 
 def _step_until_answered(server, call):

@@ -18,7 +18,8 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
 from tests.support.sim_server import SimServer, make_sim_model_dir
-from tests.support.vllm_sim import PROMPT, generate, rpc_code, stored_blocks, wait_until
+from tests.support.vllm_sim import (PROMPT, Recorded, generate, rpc_code, stored_blocks,
+                                    wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_vllm_undecodable_requests_are_invalid_argument(guarded):
 
 def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
     server, stub, _ = guarded
-    aborts = []
+    aborts = Recorded()
     real_abort = server.engine.abort
 
     def recording_abort(ids):
@@ -118,9 +119,9 @@ def test_vllm_abort_ends_only_the_callers_requests(guarded, monkeypatch):
     assert next(stream).HasField("chunk")
     other = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30,
                               metadata=BEARER_B)
-    wait_until(lambda: len(aborts) == 1, "the other key's Abort to reach the engine", 60)
+    aborts.wait_for(lambda seen: len(seen) == 1, "the other key's Abort to reach the engine", 60)
     own = stub.Abort.future(pb.AbortRequest(request_ids=["mine"]), timeout=30, metadata=BEARER_A)
-    wait_until(lambda: len(aborts) == 2, "the own key's Abort to reach the engine", 60)
+    aborts.wait_for(lambda seen: len(seen) == 2, "the own key's Abort to reach the engine", 60)
     server.release_steps()
     other.result()
     own.result()
@@ -163,14 +164,14 @@ def test_kv_events_and_flush_cache_are_the_operators(guarded):
     assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details, details
     assert _cached(stub, BEARER_B, "b1") == 0
     assert _cached(stub, BEARER_B, "b2") == 12       # B's cache was not flushed by B's call
-    batches = []
+    batches = Recorded()
     admin = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30,
                                    metadata=BEARER_A)
     reader = threading.Thread(target=lambda: _read_into(admin, batches), daemon=True)
     reader.start()
-    wait_until(lambda: server.kv_events.num_subscribers == 1, "the admin's subscription")
+    assert server.kv_events.wait_subscribers(1, 10), "the admin's subscription"
     assert _cached(stub, BEARER_A, "a1") == 0
-    wait_until(lambda: len(stored_blocks(batches)) >= 3, "stored events for A's prompt")
+    batches.wait_for(lambda seen: len(stored_blocks(seen)) >= 3, "stored events for A's prompt")
     first_hash, first_tokens = stored_blocks(batches)[0]
     assert first_tokens == PROMPT[:4]
     assert first_hash != block_hash_to_int64(hash_block(None, PROMPT[:4]))   # salted
@@ -180,7 +181,7 @@ def test_kv_events_and_flush_cache_are_the_operators(guarded):
     reader.join(10)
 
 
-def _read_into(events, batches: list) -> None:
+def _read_into(events, batches: Recorded) -> None:
     try:
         for batch in events:
             batches.append(batch)

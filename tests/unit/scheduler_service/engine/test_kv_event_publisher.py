@@ -107,3 +107,27 @@ def test_a_lagging_subscriber_is_dropped():
     # first one by then.
     assert got in ([1, 2, 3], [1, 2, 3, 4])
     assert publisher.num_subscribers == 0 and not publisher.feed.enabled
+
+
+def test_wait_subscribers_wakes_on_a_subscription_and_its_end_from_another_thread():
+    """A thread waiting for the count is woken by the loop's subscribe and by the stream's
+    close; a count that is not reached returns False when its time is up."""
+    publisher = KvEventPublisher()
+    woken = []
+    joined = threading.Thread(target=lambda: woken.append(publisher.wait_subscribers(1, 10)))
+    joined.start()
+
+    async def main():
+        stream = publisher.subscribe()
+        first = asyncio.ensure_future(stream.__anext__())
+        await let_the_new_tasks_run()
+        await asyncio.to_thread(joined.join, 10)       # the waiter saw the subscription
+        left = threading.Thread(target=lambda: woken.append(publisher.wait_subscribers(0, 10)))
+        left.start()
+        first.cancel()                  # the stream ends: its subscriber leaves
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.to_thread(left.join, 10)
+
+    asyncio.run(main())
+    assert woken == [True, True]
+    assert publisher.wait_subscribers(1, 0) is False

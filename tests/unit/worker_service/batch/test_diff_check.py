@@ -108,7 +108,7 @@ def test_a_handle_recycled_in_the_same_diff_is_accepted():
     """finished_handles are applied before new_requests: a handle may be finished and reused by
     a new request in one diff, as the scheduler recycles them."""
     import numpy as np
-    from worker_service.batch.cached_request import CachedRequestState
+    from worker_service.batch.input_batch import CachedRequestState
     cached = {0: CachedRequestState(0, [1, 2], None, [0], 0)}
     diff = SchedulerOutput(1, finished_handles=[0], new_requests=[new(0, blocks=[1])])
     check_diff(diff, _bounds(), cached, {0: 0}, np.ones(2, dtype=np.int32))

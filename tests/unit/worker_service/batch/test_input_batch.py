@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
-from worker_service.batch.cached_request import CachedRequestState
-from worker_service.batch.input_batch import InputBatch
+from worker_service.batch.input_batch import CachedRequestState, InputBatch
 from worker_service.step.step_inputs import prepare_step_inputs
 
 BS = 4

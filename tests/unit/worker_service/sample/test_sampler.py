@@ -11,8 +11,7 @@ from worker_service.sample.sampler import (Sampler, _mix32, apply_allowed_token_
                                            apply_grammar_bias, apply_logit_bias,
                                            apply_penalties, apply_top_k, bitmask_to_bias,
                                            gumbel_noise, is_plain_greedy)
-from worker_service.sample.sampling_inputs import top_k_bound
-from worker_service.sample.sampling_metadata import SamplingMetadata
+from worker_service.sample.sampling_metadata import SamplingMetadata, top_k_bound
 
 NEUTRAL = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, counter=0,
                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)

@@ -13,7 +13,7 @@ from tests.support.step_scenario import NUM_STEPS, PURE_DECODE_STEPS, RUNNER_LIM
 from worker_service.config import RunnerConfig
 from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.runner.model_runner import ModelRunner
-from worker_service.sample.sampling_inputs import build_sampling_metadata
+from worker_service.sample.sampling_metadata import build_sampling_metadata
 from worker_service.step.step_buffers import (ALIGN_BYTES, StepBuffers, StepTooLarge,
                                                 attention_metadata, stage_step_inputs)
 from worker_service.failures import FailureKind, StepProtocolError, as_failure
@@ -152,7 +152,8 @@ def test_a_step_larger_than_the_buffers_is_rejected(tiny_models):
 
 
 def test_staging_layout_alignment_and_limits():
-    buf = StepBuffers(max_num_tokens=8, max_num_reqs=3, max_blocks_per_req=2, device="cpu")
+    buf = StepBuffers(max_num_tokens=8, max_num_reqs=3, max_blocks_per_req=2, device="cpu",
+                      row_regions=[torch.float32])
     buf.begin()
     a = buf.put(np.arange(5), torch.int64)
     b = buf.put(np.array([1.5, 2.5]), torch.float32)

@@ -1,4 +1,4 @@
-"""Sampling inputs from the persistent batch: min_tokens stop masks, and their exemption for rows
+"""Sampling metadata from the persistent batch: min_tokens stop masks, and their exemption for rows
 whose grammar is complete (it allows only eos, so the grammar wins); logit_bias and
 allowed_token_ids pairs."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
-from worker_service.batch.cached_request import CachedRequestState
-from worker_service.batch.input_batch import InputBatch
-from worker_service.sample.sampling_inputs import build_sampling_metadata, stop_mask_pairs
+from worker_service.batch.input_batch import CachedRequestState, InputBatch
+from worker_service.sample.sampling_metadata import (build_sampling_metadata, staged_row_dtypes,
+                                                     stop_mask_pairs)
 from worker_service.step.step_buffers import StepBuffers
 
 
@@ -43,7 +43,7 @@ def test_logit_bias_reaches_the_sampler_as_row_id_pairs_and_exact_floats():
         sampling = WorkerSamplingParams(SamplingParams(logit_bias=bias), seed=0)
         batch.add(CachedRequestState(handle, [4, 5], sampling, [0], 0))
     rows = np.array([2, 0, 1])          # the batch's rows in the order they sample
-    staging = StepBuffers(8, 4, 4, "cpu")
+    staging = StepBuffers(8, 4, 4, "cpu", staged_row_dtypes())
     staging.begin()
     meta = build_sampling_metadata(batch, rows, 32, staging)
     staging.flush()
@@ -62,7 +62,7 @@ def test_allowed_token_ids_reach_the_sampler_as_row_id_pairs_and_survive_condens
         batch.add(CachedRequestState(handle, [4, 5], sampling, [0], 0))
     batch.remove(1)
     batch.condense()                    # row 3 (ids 8, 9) moves into row 1's hole
-    staging = StepBuffers(8, 4, 4, "cpu")
+    staging = StepBuffers(8, 4, 4, "cpu", staged_row_dtypes())
     staging.begin()
     meta = build_sampling_metadata(batch, np.array([2, 0, 1]), 32, staging)
     staging.flush()
