@@ -38,7 +38,7 @@ from scheduler_service.engine.output_processor import (OutputProcessor, RequestO
                                                      merge_outputs)
 from scheduler_service.engine.stream_hub import StreamError, StreamHub
 from scheduler_service.engine.serving_counters import ServingCounters
-from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.errors import EngineUnavailable, Fenced, WorkerRefused
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Protocol
 from engine_common.wire.codec import decode_runner_output, encode_scheduler_output
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.core.step_result import TokenUpdate
 
 
 class StepExecutor(Protocol):

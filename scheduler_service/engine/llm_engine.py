@@ -9,7 +9,7 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
-from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.core.step_result import TokenUpdate
 
 
 class LLMEngine:

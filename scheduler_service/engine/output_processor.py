@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from engine_common.request.params import StoppingParams
 from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.errors import RequestFailed
 
 log = logging.getLogger(__name__)

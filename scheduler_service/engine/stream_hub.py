@@ -23,7 +23,7 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
 from scheduler_service.engine.serving_counters import ServingCounters
-from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.core.step_result import TokenUpdate
 
 
 @dataclass(frozen=True)

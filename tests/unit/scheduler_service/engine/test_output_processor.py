@@ -7,7 +7,7 @@ from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.engine.token_update import TokenUpdate
+from scheduler_service.core.step_result import TokenUpdate
 from tests.support.tokenizers import _byte_token_ids, build_tiny_tokenizer_dir
 
 LEN, STOP_TOK, STOP_STR, ABORTED = (RequestStatus.FINISHED_LENGTH,
