@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from deltaserve.child_process import dying_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -35,19 +36,6 @@ class ServiceError(RuntimeError):
     """A service exited or did not print its ready line in time (the message has its log)."""
 
 
-def _die_with_parent_hook():
-    """A preexec_fn that makes the child get SIGTERM when this process dies (Linux; elsewhere
-    None). libc is loaded here, in the parent: the forked child only calls prctl, so it takes
-    no loader lock another thread of this process might have held at fork time."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-
-
 class Service:
     """One `python -m deltaserve.cli ...` child process and its log file."""
 
@@ -57,9 +45,9 @@ class Service:
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "deltaserve.cli", *cli_args], cwd=REPO_ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=own_session,
-                preexec_fn=_die_with_parent_hook())
+                dying_with_parent([sys.executable, "-m", "deltaserve.cli", *cli_args]),
+                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=own_session)
 
     def wait_ready(self, pattern: re.Pattern, timeout_s: float) -> int:
         """The port in the first log line matching `pattern` (group 1)."""

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deltaserve.child_process import die_with_parent, stop_process
+from deltaserve.child_process import dying_with_parent, stop_process
 from deltaserve.default_model import DefaultModelError, ensure_default_model
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import OpenAIFront, openai_front
@@ -66,7 +66,7 @@ def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subp
     """`deltaserve worker` as a child process that reads `token` from its standard input."""
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
            "--worker-token-file", "-", *to_flags(options)]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent,
+    proc = subprocess.Popen(dying_with_parent(cmd), start_new_session=True,
                             stdin=subprocess.PIPE, text=True)
     proc.stdin.write(token + "\n")
     proc.stdin.close()

@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.child_process import die_with_parent, stop_process
+from deltaserve.child_process import dying_with_parent, stop_process
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import ReadableFile, add_flags, from_args, setting, validate
@@ -190,9 +190,9 @@ class GatewayChild:
 
     def __init__(self, cmd: list[str], out=None):
         self.out = out or sys.stderr
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(dying_with_parent(cmd), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         self._pump = threading.Thread(target=self._fold, name="smg-output", daemon=True)
         self._pump.start()
 

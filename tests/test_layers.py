@@ -82,7 +82,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.cli": ("*",),                           # may import every room listed before it
     # Above the CLI: `deltaserve bench` is an entry point the bench declares, not an import.
     "bench": _COMMON + _SCHEDULER + _WORKER + ("kernels", "deltaserve.llm",
-                                                "deltaserve.default_model", "deltaserve.embedded"),
+                                                "deltaserve.default_model", "deltaserve.embedded",
+                                                "deltaserve.child_process"),
 }
 
 
