@@ -48,8 +48,10 @@ class Cluster:
 
     def scheduler(self, env: dict | None = None):
         port = free_port()
+        # A long grace: the drain test's stream must finish however loaded the machine is (the
+        # drain ends as soon as it does; 10 s was too short once on a loaded 2-core machine).
         proc = self.procs.scheduler(self.model_dir, [self.worker_port], port, "--max-model-len",
-                                    "2048", env=env)
+                                    "2048", "--grace-period", "120", env=env)
         return proc, f"127.0.0.1:{port}"
 
 
