@@ -383,10 +383,10 @@ class Scheduler:
                 status = check_stop(request, self.max_len)
                 if status is not None:
                     self._finish(request, status)
-                    updates.append(TokenUpdate.of(request, [token], lp, top, True))
+                    updates.append(TokenUpdate.final(request, [token], lp, top))
                     continue
-            # The common case inline (TokenUpdate.of with finished=False): it runs per request
-            # and step. A scheduled request's num_cached_tokens is set (>= 0).
+            # The running case inline (it runs per request and step); a scheduled request's
+            # num_cached_tokens is set (>= 0).
             updates.append(TokenUpdate(
                 request.request_id, [token], lp, top, None, None,
                 request.num_cached_tokens, request.first_scheduled_time,

@@ -40,22 +40,17 @@ class TokenUpdate:
         return self.finish_reason is not None
 
     @classmethod
-    def of(cls, request: Request, new_token_ids: list[int], new_logprobs: list[float],
-           top_logprobs, finished: bool) -> "TokenUpdate":
-        """The update of `request` after its step's tokens and stop rules were applied."""
-        reason = request.status if finished else None
+    def final(cls, request: Request, new_token_ids: list[int], new_logprobs: list[float],
+              top_logprobs=None) -> "TokenUpdate":
+        """The last update of `request`, which the engine just finished (`request.status` says
+        why: a stop rule after this step's tokens, or an abort with none). The running case is
+        built inline in Scheduler.update_from_output, where it runs per request and step."""
+        reason = request.status
         stop_token = request.stop_reason if reason == RequestStatus.FINISHED_STOP_TOKEN else None
         return cls(request.request_id, new_token_ids, new_logprobs, top_logprobs, reason,
                    stop_token, max(0, request.num_cached_tokens),
                    request.first_scheduled_time, request.first_token_time,
-                   request.finish_time if finished else None, request)
-
-    @classmethod
-    def aborted(cls, request: Request) -> "TokenUpdate":
-        """The final update of a request the engine aborted (no new tokens)."""
-        return cls(request.request_id, [], [], None, RequestStatus.FINISHED_ABORTED, None,
-                   max(0, request.num_cached_tokens), request.first_scheduled_time,
-                   request.first_token_time, request.finish_time, request)
+                   request.finish_time, request)
 
 
 def check_stop(request: Request, max_len: int) -> RequestStatus | None:

@@ -66,7 +66,7 @@ class EngineCore:
         """Finish requests at once (cancel, deadline); their blocks go back to the pool. One
         final update per request that was still unfinished."""
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [TokenUpdate.aborted(request) for request in done]
+        return [TokenUpdate.final(request, [], []) for request in done]
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or (async scheduling) a step still to collect."""
