@@ -66,7 +66,7 @@ class LogLines(logging.Handler):
 
 def wait_until(predicate, what: str, timeout: float = 10.0) -> None:
     """Polled, every 10 ms, for the server's state that has no event to wait on (the engine's
-    counts while a step is held, a subscription, a hub's queues, health); what the test's own
+    counts while a step is held, a hub's queues, health); what the test's own
     threads record is waited on with Recorded."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
