@@ -149,3 +149,38 @@ def test_tiny_model_tokenizer_matches_transformers(tmp_path):
         assert ids == hf(text)["input_ids"]
         pieces, tail = _stream(ours, ours.encode("Q:"), ids)
         assert "".join(pieces) + tail == hf.decode(ids, skip_special_tokens=True)
+
+
+def _stream_only(tok, prompt_ids, output_ids, skip):
+    """The pieces of a detokenizer that never takes the cached-text path: the reference."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    detok._pieces = None
+    return [detok.add(t) for t in output_ids], detok.flush()
+
+
+def test_cached_token_text_gives_the_stream_pieces(tok):
+    # A byte-level tokenizer: most tokens take the cached path; lone bytes of multi-byte
+    # characters, special tokens and an id past the vocabulary go to the stream, which has not
+    # seen the cached ones. Every piece (not only their concatenation) is the same.
+    assert tok.plain_pieces(True) is not None
+    rng = random.Random(7)
+    byte_ids = _byte_token_ids(tok, "你好🙂é".encode())
+    special = tok.eos_token_id
+    for _ in range(300):
+        prompt = tok.encode(rng.choice(SAMPLE_TEXTS + ["x"]))
+        out = [rng.choice(byte_ids) if rng.random() < 0.3 else
+               special if rng.random() < 0.05 else tok.vocab_size + 5 if rng.random() < 0.02
+               else rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 90))]
+        for skip in (True, False):
+            assert _stream(tok, prompt, out, skip) == _stream_only(tok, prompt, out, skip)
+
+
+def test_plain_piece_is_empty_for_ids_without_whole_text(tok):
+    byte_ids = _byte_token_ids(tok, "你".encode())
+    assert tok.plain_piece(byte_ids[0], True) == ""             # part of a character
+    assert tok.plain_piece(tok.eos_token_id, True) == ""        # skipped special token
+    assert tok.plain_piece(tok.eos_token_id, False) == tok.decode([tok.eos_token_id], False)
+    assert tok.plain_piece(tok.vocab_size + 5, True) == ""      # not in the vocabulary
+    word = tok.encode("Hello")[-1]
+    assert tok.plain_piece(word, True) == tok.decode([word]) != ""
+    assert tok.plain_pieces(True)[word] == tok.decode([word])
