@@ -407,6 +407,12 @@ class Scheduler:
         work, counts = self._in_flight.get(step, ({}, {}))
         return {h: counts.get(h, 1) for h in work}
 
+    def scheduled_size(self, step: int) -> tuple[int, int]:
+        """(requests, tokens) of scheduled_tokens(step), without a dict per request: the
+        counts name every computing request whose count is not 1, and the idle ones (0)."""
+        work, counts = self._in_flight.get(step, ({}, {}))
+        return len(work), len(work) + sum(n - 1 for n in counts.values() if n)
+
     # ---- introspection -------------------------------------------------------------------
 
     @property
