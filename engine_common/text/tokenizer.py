@@ -40,9 +40,9 @@ class Tokenizer:
     def __init__(self, backend: _HFTokenizer, config: dict | None = None):
         self.backend = backend
         self._max_token_bytes: int | None = None
-        # skip_special_tokens -> token id -> its text after complete text ("" when it has
-        # none of its own: see plain_pieces); filled as ids are met. None: not byte-level.
-        self._pieces: dict[bool, dict[int, str]] | None = (
+        # skip_special_tokens -> token id -> its text alone (token_texts); None: the decoder
+        # is not byte-level.
+        self._token_texts: dict[bool, dict[int, str]] | None = (
             {True: {}, False: {}} if isinstance(backend.decoder, ByteLevel) else None)
         config = config or {}
         self.bos_token_id = self._lookup(_token_content(config.get("bos_token")))
@@ -135,25 +135,20 @@ class Tokenizer:
         """Text of `token_ids`; invalid UTF-8 becomes U+FFFD."""
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def plain_pieces(self, skip_special_tokens: bool) -> dict[int, str] | None:
-        """token id -> the text it adds after ids that decode to complete characters, filled
-        by `plain_piece`; None when that text depends on more than the token. A byte-level
-        decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its own bytes and decodes the
-        concatenation, so a token whose bytes are whole characters adds exactly its own text;
-        sentencepiece decoders strip a leading space at the start, so their text is contextual."""
-        return None if self._pieces is None else self._pieces[skip_special_tokens]
+    def token_texts(self, skip_special_tokens: bool) -> dict[int, str] | None:
+        """token id -> its text decoded alone, filled by `token_text` as ids are met; None
+        unless the decoder is byte-level. A byte-level decoder (GPT-2, Llama 3, Qwen, SmolLM)
+        maps each token to its own bytes and decodes their concatenation, so after ids that
+        decode to whole characters a token adds exactly its text alone when that ends in a
+        whole character. Sentencepiece decoders strip a leading space at the start: their text
+        depends on the place."""
+        return None if self._token_texts is None else self._token_texts[skip_special_tokens]
 
-    def plain_piece(self, token_id: int, skip_special_tokens: bool) -> str:
-        """Fill and return plain_pieces' entry for `token_id`: its text, or "" when it has no
-        whole text of its own (part of a character, a U+FFFD, a skipped special token, an id
-        the vocabulary lacks), which the caller must decode in context."""
-        try:
-            text = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
-        except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
-            text = ""      # (an id out of range): the stream path deals with it as before
-        piece = "" if _REPLACEMENT in text else text
-        self._pieces[skip_special_tokens][token_id] = piece
-        return piece
+    def token_text(self, token_id: int, skip_special_tokens: bool) -> str:
+        """Fill and return token_texts' entry for `token_id`."""
+        text = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        self._token_texts[skip_special_tokens][token_id] = text
+        return text
 
 
 class IncrementalDetokenizer:
@@ -170,17 +165,17 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         context = self._clean_context(list(prompt_token_ids[-_CONTEXT_TOKENS:]))
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._backend = tokenizer.backend
         # Recent ids: context, then generated ids; `_num_done` of them are already turned into
         # text. Only the last _CONTEXT_TOKENS done ids are ever read (`_window`).
         self._ids = context
         self._num_done = len(context)
-        # Byte-level tokenizers: a token met with every earlier id turned into text adds its
-        # own cached text (`add`'s short path, ~20x cheaper than a stream step). The stream
-        # never sees those tokens, and need not: it is then at a character boundary too, where
-        # a byte-level decoder's next text does not depend on the ids before.
-        self._pieces = tokenizer.plain_pieces(skip_special_tokens)
+        # A byte-level decoder's text after whole characters does not depend on the ids before:
+        # the ids not yet turned into text are decoded alone, a single one from a cache (~0.1 us
+        # against ~2 us for a DecodeStream step). Other decoders keep a DecodeStream.
+        self._texts = tokenizer.token_texts(skip_special_tokens)
+        self._stream = None if self._texts is not None else DecodeStream(
+            ids=context, skip_special_tokens=skip_special_tokens)
 
     def _clean_context(self, context: list[int]) -> list[int]:
         """Drop trailing prompt ids that end inside a character, so generated bytes never
@@ -192,22 +187,25 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """New text made complete by `token_id` (possibly "")."""
         ids = self._ids
-        pieces = self._pieces
-        if pieces is not None and self._num_done == len(ids):
-            piece = pieces.get(token_id)
-            if piece is None:
-                piece = self._tokenizer.plain_piece(token_id, self._skip)
-            if piece:
-                ids.append(token_id)
-                if len(ids) > _TRIM_AT:
-                    del ids[:-_CONTEXT_TOKENS]
-                self._num_done = len(ids)
-                return piece
         ids.append(token_id)
-        try:
-            piece = self._stream.step(self._backend, token_id)
-        except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
-            piece = self._resync()
+        texts = self._texts
+        if texts is None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
+                piece = self._resync()
+        else:
+            # What DecodeStream.step returns there: the held ids' text once it is longer than
+            # nothing and does not end inside a character (U+FFFD).
+            if self._num_done == len(ids) - 1:
+                piece = texts.get(token_id)
+                if piece is None:
+                    piece = self._tokenizer.token_text(token_id, self._skip)
+            else:
+                piece = self._backend.decode(ids[self._num_done:],
+                                             skip_special_tokens=self._skip)
+            if piece.endswith(_REPLACEMENT):
+                return ""
         if not piece:
             return ""
         # Older ids than the context are never read again; drop them now and then.

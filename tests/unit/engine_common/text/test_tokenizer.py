@@ -1,4 +1,5 @@
 """Tokenizer wrapper and streaming detokenizer on a tiny byte-level BPE trained here."""
+import copy
 import random
 
 import pytest
@@ -152,17 +153,17 @@ def test_tiny_model_tokenizer_matches_transformers(tmp_path):
 
 
 def _stream_only(tok, prompt_ids, output_ids, skip):
-    """The pieces of a detokenizer that never takes the cached-text path: the reference."""
-    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
-    detok._pieces = None
-    return [detok.add(t) for t in output_ids], detok.flush()
+    """The pieces of a detokenizer on a DecodeStream, as for any decoder: the reference."""
+    stream_tok = copy.copy(tok)
+    stream_tok._token_texts = None
+    return _stream(stream_tok, prompt_ids, output_ids, skip)
 
 
-def test_cached_token_text_gives_the_stream_pieces(tok):
-    # A byte-level tokenizer: most tokens take the cached path; lone bytes of multi-byte
-    # characters, special tokens and an id past the vocabulary go to the stream, which has not
-    # seen the cached ones. Every piece (not only their concatenation) is the same.
-    assert tok.plain_pieces(True) is not None
+def test_byte_level_detokenizer_gives_the_stream_pieces(tok):
+    # A byte-level tokenizer decodes the held ids alone (one from the cache): the same pieces
+    # as a DecodeStream, not only the same concatenation, with lone bytes of multi-byte
+    # characters, special tokens (skipped or not) and ids past the vocabulary in the mix.
+    assert tok.token_texts(True) is not None
     rng = random.Random(7)
     byte_ids = _byte_token_ids(tok, "你好🙂é".encode())
     special = tok.eos_token_id
@@ -175,12 +176,11 @@ def test_cached_token_text_gives_the_stream_pieces(tok):
             assert _stream(tok, prompt, out, skip) == _stream_only(tok, prompt, out, skip)
 
 
-def test_plain_piece_is_empty_for_ids_without_whole_text(tok):
-    byte_ids = _byte_token_ids(tok, "你".encode())
-    assert tok.plain_piece(byte_ids[0], True) == ""             # part of a character
-    assert tok.plain_piece(tok.eos_token_id, True) == ""        # skipped special token
-    assert tok.plain_piece(tok.eos_token_id, False) == tok.decode([tok.eos_token_id], False)
-    assert tok.plain_piece(tok.vocab_size + 5, True) == ""      # not in the vocabulary
+def test_token_texts_are_filled_as_ids_are_met(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
     word = tok.encode("Hello")[-1]
-    assert tok.plain_piece(word, True) == tok.decode([word]) != ""
-    assert tok.plain_pieces(True)[word] == tok.decode([word])
+    assert word not in tok.token_texts(True)
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.add(word) == tok.decode([word]) == tok.token_texts(True)[word]
+    assert tok.token_text(tok.eos_token_id, True) == ""
+    assert tok.token_text(tok.eos_token_id, False) == tok.decode([tok.eos_token_id], False)

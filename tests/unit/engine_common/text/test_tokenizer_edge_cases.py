@@ -74,9 +74,9 @@ def test_bos_only_post_processor_with_bos_equal_eos(tmp_path):
     assert Tokenizer.from_dir(tmp_path).encode("hi") == [0, 1, 2]
 
 
-def test_sentencepiece_decoders_take_no_cached_token_text(byte_fallback):
+def test_sentencepiece_decoders_keep_the_stream(byte_fallback):
     # "▁Hello" is " Hello" inside a text but "Hello" alone: its text depends on its place.
     tok, vocab = byte_fallback
-    assert tok.plain_pieces(True) is None
+    assert tok.token_texts(True) is None
     det = IncrementalDetokenizer(tok, tok.encode("world"))
     assert det.add(vocab["▁Hello"]) == " Hello"
