@@ -376,8 +376,9 @@ class Scheduler:
             output.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            top = tops.get(handle) if tops else None
-            top = None if top is None else [top]
+            top = None
+            if tops and (top := tops.get(handle)) is not None:
+                top = [top]
             # check_stop can fire only on a stop id or at the length limit.
             if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
                 status = check_stop(request, self.max_len)

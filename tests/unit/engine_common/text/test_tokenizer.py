@@ -182,5 +182,6 @@ def test_token_texts_are_filled_as_ids_are_met(tok_dir):
     assert word not in tok.token_texts(True)
     detok = IncrementalDetokenizer(tok, [])
     assert detok.add(word) == tok.decode([word]) == tok.token_texts(True)[word]
-    assert tok.token_text(tok.eos_token_id, True) == ""
+    assert tok.token_text(tok.eos_token_id, True) == ""          # a skipped special token
+    assert tok.token_text(_byte_token_ids(tok, "你".encode())[0], True) == ""   # part of one
     assert tok.token_text(tok.eos_token_id, False) == tok.decode([tok.eos_token_id], False)
