@@ -41,7 +41,8 @@ class Tokenizer:
         self.backend = backend
         self._max_token_bytes: int | None = None
         # skip_special_tokens -> token id -> its text alone (token_texts); None: the decoder
-        # is not byte-level.
+        # is not byte-level. Shared by every thread that detokenizes: entries are only added,
+        # each with the one value it can have; at most the vocabulary's size of them.
         self._token_texts: dict[bool, dict[int, str]] | None = (
             {True: {}, False: {}} if isinstance(backend.decoder, ByteLevel) else None)
         config = config or {}
@@ -137,11 +138,11 @@ class Tokenizer:
 
     def token_texts(self, skip_special_tokens: bool) -> dict[int, str] | None:
         """token id -> its text decoded alone ("" when that ends inside a character), filled
-        by `token_text` as ids are met; None unless the decoder is byte-level. A byte-level decoder (GPT-2, Llama 3, Qwen, SmolLM)
-        maps each token to its own bytes and decodes their concatenation, so after ids that
-        decode to whole characters a token adds exactly its text alone when that ends in a
-        whole character. Sentencepiece decoders strip a leading space at the start: their text
-        depends on the place."""
+        by `token_text` as ids are met; None unless the decoder is byte-level. A byte-level
+        decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its own bytes and decodes
+        their concatenation, so after ids that decode to whole characters a token adds exactly
+        its text alone when that ends in a whole character. Sentencepiece decoders strip a
+        leading space at the start: their text depends on the place."""
         return None if self._token_texts is None else self._token_texts[skip_special_tokens]
 
     def token_text(self, token_id: int, skip_special_tokens: bool) -> str:
