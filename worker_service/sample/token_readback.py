@@ -114,6 +114,8 @@ class PendingStep:
     sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
     copied: torch.cuda.Event | None = None  # the staging copies' event, when nothing sampled
     computed: bool = True                   # False: the step scheduled no token at all
+    rows: np.ndarray | None = None          # int64 [N]: their batch rows at the launch...
+    layout: int = -1                        # ...valid while InputBatch.layout is this
 
     def wait_device(self) -> None:
         """Block until the step's device work is done (its read-back, else its staging copies);

@@ -43,6 +43,7 @@ from worker_service.failures import StepProtocolError
 from worker_service.step.step_inputs import StepInputs
 
 ALIGN_BYTES = 64
+MAX_CACHED_VIEWS = 1024        # region views an arena keeps (a few per distinct step shape)
 
 
 class StepTooLarge(StepProtocolError):
@@ -69,6 +70,9 @@ class StagingArena:
         self.dev = torch.zeros(capacity, dtype=dtype, device=device) if on_cuda else self.host
         self._np = self.host.numpy()
         self.used = 0              # elements handed out this step (aligned)
+        # (start, shape) -> the region's two views: steps of one shape take the same regions,
+        # so a steady step makes no view (a torch view costs microseconds). Bounded.
+        self._views: dict[tuple, tuple[np.ndarray, torch.Tensor]] = {}
 
     @property
     def capacity(self) -> int:
@@ -82,7 +86,14 @@ class StagingArena:
             raise StepTooLarge(f"staged {self.dtype} elements ({name} {shape})", end,
                                "arena capacity", self.capacity)
         self.used = min(aligned(end, self.dtype), self.capacity)
-        return self._np[start:end].reshape(shape), self.dev[start:end].view(shape)
+        key = (start, shape)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= MAX_CACHED_VIEWS:
+                self._views.clear()
+            views = self._views[key] = (self._np[start:end].reshape(shape),
+                                        self.dev[start:end].view(shape))
+        return views
 
     def flush(self) -> None:
         """Copy the regions handed out this step to the device (non-blocking; none on CPU)."""
