@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine_common.wire.codec import CodecError
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
@@ -119,20 +117,17 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
 
 def _new_blocks_fit(new_block_ids: dict[int, list[int]], bounds: DiffBounds,
                     view: _View) -> bool:
-    """Whether every growing request is in the batch and its blocks fit, checked with a few
-    vector operations (a step where only running requests grow: the usual one)."""
+    """Whether every growing request is in the batch and its blocks fit, without building an
+    error message (a step where only running requests grow: the usual one)."""
     if view.out or view.added:
         return False                  # membership changed in this diff: check one by one
-    batch = view.batch
-    try:
-        rows = np.fromiter((batch[h] for h in new_block_ids), np.int64, len(new_block_ids))
-    except KeyError:
-        return False
-    lists = new_block_ids.values()
-    counts = np.fromiter(map(len, lists), np.int64, len(new_block_ids))
-    if (view.batch_blocks[rows] + counts > bounds.max_blocks_per_request).any():
-        return False
-    return max(max(ids, default=0) for ids in lists) < bounds.num_kv_blocks
+    batch, held = view.batch, view.batch_blocks.tolist()
+    most, limit = bounds.max_blocks_per_request, bounds.num_kv_blocks
+    for handle, ids in new_block_ids.items():
+        row = batch.get(handle)
+        if row is None or held[row] + len(ids) > most or (ids and max(ids) >= limit):
+            return False
+    return True
 
 
 def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) -> None:

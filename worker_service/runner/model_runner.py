@@ -288,7 +288,8 @@ class ModelRunner:
                                            self.staging, self.grammar.stopped(handles))
             if self.grammar:
                 masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
-        fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging)
+        fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
+                                      self.batch.layout)
         self.staging.flush()
         if fed is not None and self.simulated is None:
             fed.apply(input_ids)
