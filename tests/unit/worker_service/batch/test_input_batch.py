@@ -96,15 +96,20 @@ def _decode_ready(batch: InputBatch, states: list[CachedRequestState]) -> None:
         batch.num_computed[row] = s.num_tokens - (3 if i == 1 else 1)
 
 
-def test_the_one_token_step_equals_the_general_one():
-    """prepare_step_inputs(None) (every row one token) gives the arrays the counted path gives;
-    a row still in its prefill computes one token and does not sample."""
-    rng = random.Random(1)
+def _decoding_batch(seed: int, num_reqs: int) -> tuple[InputBatch, list[CachedRequestState]]:
+    rng = random.Random(seed)
     batch = InputBatch(max_num_reqs=8, max_model_len=64, max_blocks_per_req=16)
-    states = [_state(h, rng) for h in range(6)]
+    states = [_state(h, rng) for h in range(num_reqs)]
     for s in states:
         batch.add(s)
     _decode_ready(batch, states)
+    return batch, states
+
+
+def test_the_one_token_step_equals_the_general_one():
+    """prepare_step_inputs(None) (every row one token) gives the arrays the counted path gives;
+    a row still in its prefill computes one token and does not sample."""
+    batch, _ = _decoding_batch(1, 6)
     fast = prepare_step_inputs(batch, None, BS)
     slow = prepare_step_inputs(batch, np.ones(6, dtype=np.int32), BS)
     for name in ("rows", "num_scheduled", "input_ids", "positions", "slot_mapping",
@@ -115,12 +120,7 @@ def test_the_one_token_step_equals_the_general_one():
 
 
 def test_the_one_token_step_refuses_what_the_general_one_refuses():
-    rng = random.Random(2)
-    batch = InputBatch(max_num_reqs=4, max_model_len=64, max_blocks_per_req=16)
-    states = [_state(h, rng) for h in range(3)]
-    for s in states:
-        batch.add(s)
-    _decode_ready(batch, states)
+    batch, states = _decoding_batch(2, 3)
     batch.num_computed[2] = batch.num_tokens[2]          # nothing left to compute
     with pytest.raises(StepProtocolError, match="handle 2: scheduled past its known tokens"):
         prepare_step_inputs(batch, None, BS)

@@ -21,6 +21,15 @@ def _batch() -> InputBatch:
     return batch
 
 
+def _launched(batch: InputBatch) -> PendingStep:
+    """A step that sampled rows 0..2 and counted their tokens (ids not written yet)."""
+    rows = np.arange(3)
+    prev = PendingStep(0, [7, 3, 5], batch.num_tokens[rows].copy(), rows=rows,
+                       layout=batch.layout, sampled=torch.tensor([9, 8, 7]))
+    batch.num_tokens[:3] += 1
+    return prev
+
+
 def _plans(batch: InputBatch, prev: PendingStep) -> list:
     inputs = prepare_step_inputs(batch, None, 4)
     plans = []
@@ -34,20 +43,14 @@ def _plans(batch: InputBatch, prev: PendingStep) -> list:
 
 def test_the_same_rows_map_without_a_search_and_as_the_search_does():
     batch = _batch()
-    rows = np.arange(3)
-    prev = PendingStep(0, [7, 3, 5], batch.num_tokens[rows].copy(), rows=rows,
-                       layout=batch.layout, sampled=torch.tensor([9, 8, 7]))
-    batch.num_tokens[:3] += 1
+    prev = _launched(batch)
     fast, searched = _plans(batch, prev)
     assert fast == searched == ([0, 1, 2], [0, 1, 2])
 
 
 def test_rows_that_changed_hands_are_searched_by_handle():
     batch = _batch()
-    rows = np.arange(3)
-    prev = PendingStep(0, [7, 3, 5], batch.num_tokens[rows].copy(), rows=rows,
-                       layout=batch.layout, sampled=torch.tensor([9, 8, 7]))
-    batch.num_tokens[:3] += 1
+    prev = _launched(batch)
     batch.remove(7)                # handle 5 moves into row 0
     batch.condense()
     fast, searched = _plans(batch, prev)
