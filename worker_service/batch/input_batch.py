@@ -156,13 +156,16 @@ class InputBatch:
         self.num_blocks[row] = start + len(block_ids)
 
     def append_one_block_each(self, rows: list[int], block_ids: list[int]) -> None:
-        """Append block_ids[i] to row rows[i]'s table (distinct rows), vectorised."""
-        idx = np.asarray(rows, dtype=np.int64)
-        cols = self.num_blocks[idx]
-        if len(idx) and int(cols.max()) >= self.block_table.shape[1]:
-            self._check_blocks(int(cols.max()) + 1)
-        self.block_table[idx, cols] = block_ids
-        self.num_blocks[idx] = cols + 1
+        """Append block_ids[i] to row rows[i]'s table. Scalar writes: a step grows a few rows,
+        and numpy's scalar path stays cheap when a CPU forward pass has just evicted the
+        caches (a vectorised write measured slower there)."""
+        num_blocks, table, width = self.num_blocks, self.block_table, self.block_table.shape[1]
+        for row, block_id in zip(rows, block_ids):
+            col = int(num_blocks[row])
+            if col >= width:
+                self._check_blocks(col + 1)
+            table[row, col] = block_id
+            num_blocks[row] = col + 1
 
     def write_sampled(self, rows: np.ndarray, positions: np.ndarray,
                       token_ids: np.ndarray) -> None:
