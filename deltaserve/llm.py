@@ -201,8 +201,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.chat_template = load_chat_template(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
+        # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
-                                OutputProcessor(self.tokenizer))
+                                OutputProcessor(self.tokenizer, final_only=True))
         self._ids = itertools.count()
         freeze_heap()     # keep the collector off torch, the model and the tokenizer
 
@@ -259,6 +260,8 @@ class LLM:
 
     @staticmethod
     def _merge(done: Completion, out) -> None:
+        """Add `out` to `done`: the final output alone (a final-only processor), or each
+        per-step output in turn (any other processor put in its place)."""
         done.token_ids.extend(out.new_token_ids)
         done.text += out.new_text
         done.logprobs.extend(out.logprobs)
