@@ -192,11 +192,8 @@ class OutputProcessor:
                 continue
             ids = update.new_token_ids
             try:
-                if state.kept is not None:
-                    out = self._process_final_only(state, update)
-                    if out is None:
-                        continue
-                elif (state.steady and len(ids) == 1 and update.finish_reason is None
+                kept = state.kept
+                if (state.steady and len(ids) == 1 and update.finish_reason is None
                         and update.top_logprobs is None):
                     # The common case inline (every request, every step): one new token of an
                     # unfinished `steady` request (no stop strings, first token timed) with no
@@ -205,14 +202,26 @@ class OutputProcessor:
                     state.num_output_tokens += 1
                     token_id = ids[0]
                     lps = update.new_logprobs
-                    append(RequestOutput(
-                        state.request_id, ids, state.detokenizer.add(token_id),
-                        [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
-                        False, None, None, state.num_prompt_tokens, state.num_output_tokens,
-                        state.num_cached_tokens, state.timings))
+                    if kept is None:
+                        append(RequestOutput(
+                            state.request_id, ids, state.detokenizer.add(token_id),
+                            [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
+                            False, None, None, state.num_prompt_tokens,
+                            state.num_output_tokens, state.num_cached_tokens, state.timings))
+                        continue
+                    # Final-only: kept instead of sent, in the same order (a failing
+                    # detokenizer leaves the same state behind).
+                    if not state.defer_text:
+                        piece = state.detokenizer.add(token_id)
+                        if piece:
+                            kept.text.append(piece)
+                    kept.token_ids.append(token_id)
+                    if lps:
+                        kept.logprobs.append(TokenLogprob(int(token_id), float(lps[0])))
                     continue
-                else:
-                    out = self._process_one(state, update)
+                out = self._process_one(state, update)
+                if kept is not None and (out := self._keep(state, out)) is None:
+                    continue
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
                 outputs.append(self._fail(state, e))
                 continue
@@ -237,30 +246,12 @@ class OutputProcessor:
             f"({type(exc).__name__}: {exc}); other requests are unaffected")
         return out
 
-    def _process_final_only(self, state: _RequestState,
-                            update: TokenUpdate) -> RequestOutput | None:
-        """A final-only request's update: None until its final output, which carries what every
-        output before it would have (`_with_kept`)."""
-        ids, kept = update.new_token_ids, state.kept
-        if (state.steady and len(ids) == 1 and update.finish_reason is None
-                and update.top_logprobs is None):
-            # process()'s inline path, kept instead of sent (the same order of effects, so a
-            # failing detokenizer leaves the same state behind).
-            state.num_cached_tokens = update.num_cached_tokens
-            state.num_output_tokens += 1
-            token_id = ids[0]
-            if not state.defer_text:
-                piece = state.detokenizer.add(token_id)
-                if piece:
-                    kept.text.append(piece)
-            kept.token_ids.append(token_id)
-            lps = update.new_logprobs
-            if lps:
-                kept.logprobs.append(TokenLogprob(int(token_id), float(lps[0])))
-            return None
-        out = self._process_one(state, update)
+    def _keep(self, state: _RequestState, out: RequestOutput) -> RequestOutput | None:
+        """A final-only request's output: kept (None) until the final one, which then carries
+        what every output before it would have (`_with_kept`)."""
         if out.finished:
             return self._with_kept(state, out)
+        kept = state.kept
         kept.token_ids += out.new_token_ids
         kept.logprobs += out.logprobs
         if out.new_text:
