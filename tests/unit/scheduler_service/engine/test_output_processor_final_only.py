@@ -23,10 +23,12 @@ def byte_level(tmp_path_factory):
 
 
 def random_ids(rng, tok, split_ids, n):
-    """Whole tokens, lone bytes of multi-byte characters, special tokens."""
+    """Whole tokens, lone bytes of multi-byte characters, special tokens, ids past the
+    tokenizer's vocabulary (a model's padded vocabulary can sample them)."""
     specials = [i for i in (tok.eos_token_id, tok.bos_token_id) if i is not None]
     return [rng.choice(split_ids) if rng.random() < 0.35 else
-            rng.choice(specials) if rng.random() < 0.05 else rng.randrange(tok.vocab_size)
+            rng.choice(specials) if rng.random() < 0.05 else
+            tok.vocab_size + 3 if rng.random() < 0.02 else rng.randrange(tok.vocab_size)
             for _ in range(n)]
 
 
