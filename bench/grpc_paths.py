@@ -102,11 +102,11 @@ def run_in_process(model_dir: str, settings: EngineSettings, workload: Workload,
     llm = LLM(model_dir, **settings.llm_kwargs())
     _generate(llm, warmup)
     with _FirstTokens(llm.engine) as seen:
-        start = time.perf_counter()
+        start, start_monotonic = time.perf_counter(), time.monotonic()
         completions = _generate(llm, workload)
         wall = time.perf_counter() - start
     ids = [list(c.token_ids) for c in completions]
-    ttft = [seen.times[c.request_id] - start for c in completions]
+    ttft = [seen.times[c.request_id] - start_monotonic for c in completions]
     engine = _describe_engine(llm, settings)
     del llm
     return PathRun(ids, wall, ttft, seen.num_steps), engine
@@ -120,7 +120,7 @@ def _generate(llm, workload: Workload):
 
 class _FirstTokens:
     """While active, wraps one LLMEngine's `step` (an instance attribute, removed on exit) and
-    records when each request's first token came out, and how many steps ran."""
+    records when each request's first token was made (time.monotonic()), and how many steps ran."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -137,11 +137,12 @@ class _FirstTokens:
 
     def _observed_step(self):
         outputs = self._step()
-        now = time.perf_counter()
         self.num_steps += 1
         for out in outputs:
-            if out.new_token_ids and out.request_id not in self.times:
-                self.times[out.request_id] = now
+            # LLM.generate's outputs are final-only: the first token's time is the engine's
+            # record of it (time.monotonic()), not when an output showed it.
+            if out.timings.first_token_time is not None:
+                self.times.setdefault(out.request_id, out.timings.first_token_time)
         return outputs
 
 

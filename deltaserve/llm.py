@@ -59,7 +59,7 @@ class InProcessExecutor:
     def execute(self, payload: bytes) -> bytes:
         return encode_runner_output(self.runner.execute(payload))
 
-    def submit(self, payload: bytes) -> concurrent.futures.Future:
+    def submit(self, payload: bytes) -> concurrent.futures.Future | PipelineTicket:
         if self.runner.pipelined:
             if self._pipeline is None:
                 self._pipeline = RunnerPipeline(self.runner)
@@ -78,12 +78,12 @@ class InProcessExecutor:
             self.runner.on_sampling = None
             sampling.set()
 
-    def wait_launched(self, ticket: concurrent.futures.Future) -> None:
+    def wait_launched(self, ticket: concurrent.futures.Future | PipelineTicket) -> None:
         """Pipelined: block until the submitted step is launched (or failed)."""
         if self._pipeline is not None:
             self._pipeline.wait_launched(ticket)
 
-    def collect(self, ticket: concurrent.futures.Future) -> bytes:
+    def collect(self, ticket: concurrent.futures.Future | PipelineTicket) -> bytes:
         """Tickets are collected in submission order."""
         if self._pipeline is not None:
             return self._pipeline.collect(ticket)
@@ -97,6 +97,46 @@ class InProcessExecutor:
 _FINISH = object()      # RunnerPipeline's queue: finish the step in hand now
 
 
+class PipelineTicket:
+    """One step submitted to a RunnerPipeline. Two locks, each held from submission until the
+    runner thread lets go of it once: `launched` (the step is launched, or failed) and `done`
+    (its reply or error is in). A waiter takes a lock and gives it back at once, so any number
+    of waits pass once it is let go. Lighter than a Future and an Event (no condition variable,
+    no waiter lock allocated per wait): about half the hand-off time per step."""
+
+    __slots__ = ("payload", "reply", "error", "_launched", "_done")
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+        self.reply: bytes | None = None
+        self.error: BaseException | None = None
+        self._launched = threading.Lock()
+        self._launched.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
+
+    def set_launched(self) -> None:
+        self._launched.release()
+
+    def wait_launched(self) -> None:
+        with self._launched:
+            pass
+
+    def set_result(self, reply: bytes | None, error: BaseException | None = None) -> None:
+        self.reply, self.error = reply, error
+        self._done.release()
+
+    def done(self) -> bool:
+        return not self._done.locked()
+
+    def result(self) -> bytes:
+        with self._done:
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.reply
+
+
 class RunnerPipeline:
     """One runner thread that launches each submitted step before finishing the one before it
     (ModelRunner.launch_step(diff, feed=previous)). A step whose inputs need the previous
@@ -105,56 +145,55 @@ class RunnerPipeline:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._last: concurrent.futures.Future | None = None
+        self._last: PipelineTicket | None = None
         threading.Thread(target=self._loop, name="runner", daemon=True).start()
 
-    def submit(self, payload: bytes) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.launched = threading.Event()
-        self._last = future
-        self._queue.put((payload, future))
-        return future
+    def submit(self, payload: bytes) -> PipelineTicket:
+        ticket = self._last = PipelineTicket(payload)
+        self._queue.put(ticket)
+        return ticket
 
     @staticmethod
-    def wait_launched(ticket: concurrent.futures.Future) -> None:
-        ticket.launched.wait()
+    def wait_launched(ticket: PipelineTicket) -> None:
+        ticket.wait_launched()
 
-    def collect(self, ticket: concurrent.futures.Future) -> bytes:
+    def collect(self, ticket: PipelineTicket) -> bytes:
         if ticket is self._last and not ticket.done():
             self._queue.put(_FINISH)
         return ticket.result()
 
     def _loop(self) -> None:
-        held = None                       # (PendingStep, Future): launched, not finished
+        held = None                       # (PendingStep, PipelineTicket): launched, not finished
         while True:
-            item = self._queue.get()
-            if item is _FINISH:
+            ticket = self._queue.get()
+            if ticket is _FINISH:
                 held = self._finish(held)
                 continue
-            payload, future = item
             try:
-                diff = self.runner.decode(payload)
+                diff = self.runner.decode(ticket.payload)
                 if held is not None and self.runner.needs_host_tokens(diff):
                     held = self._finish(held)
                 launched = self.runner.launch_step(diff, held and held[0])
             except BaseException as e:    # this step fails; the one before it still finishes
                 self._finish(held)
                 held = None
-                future.set_exception(e)
-                future.launched.set()
+                ticket.set_result(None, e)
+                ticket.set_launched()
                 continue
-            future.launched.set()
+            ticket.set_launched()
             self._finish(held)
-            held = (launched, future)
+            held = (launched, ticket)
 
     def _finish(self, held) -> None:
         if held is None:
             return None
-        pending, future = held
+        pending, ticket = held
         try:
-            future.set_result(encode_runner_output(self.runner.finish_step(pending)))
+            reply = encode_runner_output(self.runner.finish_step(pending))
         except BaseException as e:
-            future.set_exception(e)
+            ticket.set_result(None, e)
+        else:
+            ticket.set_result(reply)
         return None
 
 
@@ -201,8 +240,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.chat_template = load_chat_template(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
+        # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
-                                OutputProcessor(self.tokenizer))
+                                OutputProcessor(self.tokenizer, final_only=True))
         self._ids = itertools.count()
         freeze_heap()     # keep the collector off torch, the model and the tokenizer
 
@@ -259,6 +299,8 @@ class LLM:
 
     @staticmethod
     def _merge(done: Completion, out) -> None:
+        """Add `out` to `done`: the final output alone (a final-only processor), or each
+        per-step output in turn (any other processor put in its place)."""
         done.token_ids.extend(out.new_token_ids)
         done.text += out.new_text
         done.logprobs.extend(out.logprobs)

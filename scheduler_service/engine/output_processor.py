@@ -20,6 +20,15 @@ client and are not counted in usage.
 
 A failure while processing one request's output (a tokenizer bug, say) ends that request alone:
 its final output carries `error` (RequestFailed) and the owner aborts it in the engine.
+
+Final-only requests (`final_only`: the offline `LLM.generate`, which reads nothing but each
+request's result; vLLM's RequestOutputKind.FINAL_ONLY) get one output, at the finish, equal to
+the merge (`merge_outputs`) of every per-step output they would have had: no per-step
+RequestOutput is built. Without stop strings, on a byte-level decoder, their text is decoded once
+at the finish (`_RequestState.defer_text`): such a decoder's text after whole characters does not
+depend on the ids before (see Tokenizer.token_texts), so the incremental pieces join into the
+text of all the ids at once. With stop strings (matching needs the text as it grows) and on other
+decoders the text is still made token by token.
 """
 from __future__ import annotations
 
@@ -110,20 +119,36 @@ class _RequestState:
     stop_string: str | None = None
     # No stop strings and both first times known: one plain token takes `process`'s short path.
     steady: bool = False
+    # Final-only: what the outputs before the final one would have carried, kept for the final
+    # one (None: per-step outputs). `defer_text`: no text is made until the finish.
+    kept: _Kept | None = None
+    defer_text: bool = False
 
     @property
     def stops(self) -> tuple[str, ...]:
         return self.stopping.stop
 
 
+@dataclass(slots=True)
+class _Kept:
+    """A final-only request's tokens, logprobs and text (pieces) so far."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)
+
+
 class OutputProcessor:
     """Keeps one detokenizer per live request and turns `TokenUpdate`s into `RequestOutput`s.
     Not thread-safe: one thread owns it (the engine's in the offline engine, the event loop's in
-    the server)."""
+    the server). `final_only`: every request added gets only its final output (see the module
+    docstring); the default is one output per step, for streaming."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 final_only: bool = False):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._final_only = final_only
         self._states: dict[str, _RequestState] = {}
 
     def __len__(self) -> int:
@@ -139,10 +164,14 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
                                        self._skip_special_tokens)
         hold_back = max((len(s) for s in stops), default=1) - 1
-        self._states[request.request_id] = _RequestState(
-            request.request_id, request.num_prompt_tokens, request.stopping,
-            request.num_logprobs, detok, hold_back,
-            RequestTimings(request.arrival_time, None, None))
+        state = _RequestState(request.request_id, request.num_prompt_tokens, request.stopping,
+                              request.num_logprobs, detok, hold_back,
+                              RequestTimings(request.arrival_time, None, None))
+        if self._final_only:
+            state.kept = _Kept()
+            state.defer_text = not stops and self._tokenizer.token_texts(
+                self._skip_special_tokens) is not None
+        self._states[request.request_id] = state
 
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its stream ended with an error)."""
@@ -163,6 +192,7 @@ class OutputProcessor:
                 continue
             ids = update.new_token_ids
             try:
+                kept = state.kept
                 if (state.steady and len(ids) == 1 and update.finish_reason is None
                         and update.top_logprobs is None):
                     # The common case inline (every request, every step): one new token of an
@@ -172,13 +202,26 @@ class OutputProcessor:
                     state.num_output_tokens += 1
                     token_id = ids[0]
                     lps = update.new_logprobs
-                    append(RequestOutput(
-                        state.request_id, ids, state.detokenizer.add(token_id),
-                        [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
-                        False, None, None, state.num_prompt_tokens, state.num_output_tokens,
-                        state.num_cached_tokens, state.timings))
+                    if kept is None:
+                        append(RequestOutput(
+                            state.request_id, ids, state.detokenizer.add(token_id),
+                            [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
+                            False, None, None, state.num_prompt_tokens,
+                            state.num_output_tokens, state.num_cached_tokens, state.timings))
+                        continue
+                    # Final-only: kept instead of sent, in the same order (a failing
+                    # detokenizer leaves the same state behind).
+                    if not state.defer_text:
+                        piece = state.detokenizer.add(token_id)
+                        if piece:
+                            kept.text.append(piece)
+                    kept.token_ids.append(token_id)
+                    if lps:
+                        kept.logprobs.append(TokenLogprob(int(token_id), float(lps[0])))
                     continue
                 out = self._process_one(state, update)
+                if kept is not None and (out := self._keep(state, out)) is None:
+                    continue
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
                 outputs.append(self._fail(state, e))
                 continue
@@ -195,9 +238,33 @@ class OutputProcessor:
         if state.timings.finish_time is None:
             state.timings = dataclasses.replace(state.timings, finish_time=time.monotonic())
         out = self._output(state, [], [], True, RequestStatus.FINISHED_ABORTED, None)
+        if state.kept is not None:
+            # Deferred text was never made: a final-only request's failed output has none.
+            out = self._with_kept(state, out)
         out.error = RequestFailed(
             f"request {rid!r} failed while its output was processed "
             f"({type(exc).__name__}: {exc}); other requests are unaffected")
+        return out
+
+    def _keep(self, state: _RequestState, out: RequestOutput) -> RequestOutput | None:
+        """A final-only request's output: kept (None) until the final one, which then carries
+        what every output before it would have (`_with_kept`)."""
+        if out.finished:
+            return self._with_kept(state, out)
+        kept = state.kept
+        kept.token_ids += out.new_token_ids
+        kept.logprobs += out.logprobs
+        if out.new_text:
+            kept.text.append(out.new_text)
+        return None
+
+    @staticmethod
+    def _with_kept(state: _RequestState, out: RequestOutput) -> RequestOutput:
+        """`out` (a final output) with the kept tokens, logprobs and text before its own."""
+        kept = state.kept
+        out.new_token_ids = kept.token_ids + out.new_token_ids
+        out.logprobs = kept.logprobs + out.logprobs
+        out.new_text = "".join(kept.text) + out.new_text
         return out
 
     def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
@@ -211,7 +278,8 @@ class OutputProcessor:
             return self._finish(state, token_ids, logprobs, RequestStatus.FINISHED_STOP_STRING,
                                 state.stop_string, None)
         if update.finished:
-            self._append_text(state, state.detokenizer.flush())
+            self._append_text(state, self._deferred_text(state, token_ids, update.finish_reason)
+                              if state.defer_text else state.detokenizer.flush())
             return self._finish(state, token_ids, logprobs, update.finish_reason,
                                 self._stop_reason(state, update), update.finish_time)
         return self._output(state, token_ids, logprobs, False, None, None)
@@ -239,11 +307,27 @@ class OutputProcessor:
             state.timings = dataclasses.replace(t, first_scheduled_time=scheduled,
                                                 first_token_time=first_token)
 
+    @staticmethod
+    def _drops_last(state: _RequestState, finish_reason: RequestStatus | None) -> bool:
+        """The text of a stop token (eos or stop_token_ids) is not part of the output."""
+        return (finish_reason == RequestStatus.FINISHED_STOP_TOKEN
+                and not state.stopping.include_stop_str_in_output)
+
+    def _deferred_text(self, state: _RequestState, token_ids: list[int],
+                       finish_reason: RequestStatus | None) -> str:
+        """A deferred-text request's whole text, at its finish: what the incremental pieces and
+        the final flush join into (a byte-level decoder; no stop strings)."""
+        ids = state.kept.token_ids + token_ids
+        if token_ids and self._drops_last(state, finish_reason):
+            ids.pop()
+        return self._tokenizer.decode(ids, self._skip_special_tokens)
+
     def _detokenize(self, state: _RequestState, token_ids: list[int],
                     finish_reason: RequestStatus | None) -> None:
-        # The text of a stop token (eos or stop_token_ids) is not part of the output.
-        drop_last = (finish_reason == RequestStatus.FINISHED_STOP_TOKEN
-                     and not state.stopping.include_stop_str_in_output)
+        if state.defer_text:                    # the text is made at the finish
+            state.num_output_tokens += len(token_ids)
+            return
+        drop_last = self._drops_last(state, finish_reason)
         for i, token_id in enumerate(token_ids):
             state.num_output_tokens += 1
             if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
