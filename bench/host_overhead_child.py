@@ -19,7 +19,13 @@ def main(argv: list[str]) -> int:
     import torch
 
     from deltaserve.llm import LLM
-    from engine_common.request.params import SamplingParams, StoppingParams
+    # The tree's own classes: a tree from before engine_common was grouped (a4fd5a2, the
+    # baseline) has them in engine_common.params, and its engine_common.request would be found in
+    # this checkout's editable install instead.
+    try:
+        from engine_common.params import SamplingParams, StoppingParams
+    except ImportError:
+        from engine_common.request.params import SamplingParams, StoppingParams
 
     model_dir, num_seqs, output_len = argv[0], int(argv[1]), int(argv[2])
     device_ms = None if argv[3] == "none" else float(argv[3])
