@@ -2,6 +2,7 @@
 
     python -m bench.host_overhead                         # make bench-host
     python -m bench.host_overhead --device-ms 5.8 --grpc --baseline-tree ../old-checkout
+    python -m bench.host_overhead --grpc-only --rounds 5 --baseline-tree ../old-checkout
 
 The model is tiny (1 layer, hidden 64, the 512-id test tokenizer), so its compute is negligible;
 every request decodes --output-len tokens (greedy, ignore_eos) with one torch thread. Lanes:
@@ -12,7 +13,9 @@ every request decodes --output-len tokens (greedy, ignore_eos) with one torch th
               the device time says whether the host keeps the device busy (1.00 = it does).
   gRPC        the same over separate `deltaserve worker` (simulated device) and
               `deltaserve scheduler` processes on loopback (--grpc): per-request decode time
-              per token from the client's streams.
+              per token from the client's streams, and the CPU time each process (the client
+              is this one) spent per decode step; with --baseline-tree the same services run
+              from the other checkout too (the client stays this tree's), alternating.
   host        no simulated device: the real (negligible) model, one step in flight, 256
               requests: the host work per decode step (the step less the forward pass and
               sampler); with --baseline-tree the same run on another checkout, alternating
@@ -53,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each lane (default: 3)")
     p.add_argument("--grpc", action="store_true",
                    help="also the gRPC lane (128 requests, separate processes)")
+    p.add_argument("--grpc-only", action="store_true",
+                   help="only the gRPC lane (with --baseline-tree: alternating with it)")
     p.add_argument("--baseline-tree", default=None,
                    help="another checkout: its host time per step, alternating with this one")
     p.add_argument("--results-file", default=None, help="append the block here")
@@ -134,22 +139,60 @@ def host_lane(args, model: str) -> list[str]:
 
 
 def grpc_lane(args, model: str) -> list[str]:
+    trees = [("this tree", REPO)]
+    if args.baseline_tree:
+        trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
+    runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees:       # alternating, so both see the same machine
+            runs[name].append(grpc_round(tree, model, args))
+    lines = [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
+             f"{args.device_ms} ms: decode ms per token / device ms (the rounds' median "
+             f"requests), and CPU ms per decode step of each process, min / median / max:"]
+    medians = {}
+    for name, rounds in runs.items():
+        ratios = [r["ratio"] for r in rounds]
+        medians[name] = statistics.median(ratios)
+        cpu = ", ".join(f"{proc} {spread([r['cpu_ms'][proc] for r in rounds])}"
+                        for proc in rounds[0]["cpu_ms"])
+        lines.append(f"  {name}: ratio {spread(ratios)}; CPU ms per step: {cpu}")
+    if len(medians) == 2:
+        (_, ours), (_, base) = medians.items()
+        lines.append(f"  this tree / baseline (median ratios): {ours / base:.2f}")
+    return lines
+
+
+def grpc_round(tree: Path, model: str, args) -> dict:
+    """One round on fresh `tree` services: the ratio, and the CPU time each process spent per
+    decode step while the client streamed."""
     from bench.services import Services
 
-    ratios = []
-    for _ in range(args.rounds):
-        with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
-                Services(logs, {"OMP_NUM_THREADS": "1"}) as services:
-            target = services.start(
-                model, "cpu", ["--max-num-seqs", "128", "--max-model-len", "1024",
-                               "--kv-cache-gib", "0.05", "--async-scheduling",
-                               "--max-waiting", "1024"],
-                worker_flags=("--simulated-device-ms", repr(args.device_ms)))
-            per_token = asyncio.run(_stream_all(target, 128, args.output_len))
-        ratios.append(statistics.median(per_token) / args.device_ms)
-    return [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
-            f"{args.device_ms} ms: decode ms per token / device ms, min / median / max of the "
-            f"rounds' median requests: {spread(ratios)}"]
+    with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
+            Services(logs, {"OMP_NUM_THREADS": "1"}, repo_root=tree) as services:
+        target = services.start(
+            model, "cpu", ["--max-num-seqs", "128", "--max-model-len", "1024",
+                           "--kv-cache-gib", "0.05", "--async-scheduling",
+                           "--max-waiting", "1024"],
+            worker_flags=("--simulated-device-ms", repr(args.device_ms)))
+        procs = {proc.name: proc.popen.pid for proc in services.procs}
+        before = {name: process_cpu_s(pid) for name, pid in procs.items()}
+        client_before = _own_cpu_s()
+        per_token = asyncio.run(_stream_all(target, 128, args.output_len))
+        spent = {name: process_cpu_s(pid) - before[name] for name, pid in procs.items()}
+        spent["client"] = _own_cpu_s() - client_before
+    return {"ratio": statistics.median(per_token) / args.device_ms,
+            "cpu_ms": {name: s / args.output_len * 1e3 for name, s in spent.items()}}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads (Linux: /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[float]:
@@ -186,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
              f"{describe_cpu()}; model: 1 layer, hidden 64, 512-id tokenizer; "
              f"{args.output_len} tokens per request, greedy, 1 torch thread, {args.rounds} "
              f"rounds", ""]
-    lines += simulated_lane(args, model)
-    if args.grpc:
+    if not args.grpc_only:
+        lines += simulated_lane(args, model)
+    if args.grpc or args.grpc_only:
         lines += grpc_lane(args, model)
-    lines += host_lane(args, model)
+    if not args.grpc_only:
+        lines += host_lane(args, model)
     command = " ".join(["python -m bench.host_overhead", *(argv or sys.argv[1:])])
     block = "\n".join(lines + ["", f"command: `{command}`", ""])
     print(block)
