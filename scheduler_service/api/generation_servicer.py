@@ -67,9 +67,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             own_id = client_id(caller, engine_request.request_id)
             async for out in self._engine.generate(engine_request):
                 streamed = True
-                msg = output_to_proto(out, self._token_text)
-                msg.request_id = own_id
-                yield msg
+                yield output_to_proto(out, self._token_text, own_id)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
