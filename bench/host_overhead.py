@@ -112,14 +112,22 @@ def phase_lines(runs: list[dict], indent: str) -> list[str]:
             for name in names if name != "step"]
 
 
-def host_lane(args, model: str) -> list[str]:
+def alternating_rounds(args, run_round) -> dict[str, list[dict]]:
+    """`run_round(tree)` --rounds times on this tree, and on --baseline-tree when given,
+    alternating, so both see the same machine: each tree's results by its name."""
     trees = [("this tree", REPO)]
     if args.baseline_tree:
         trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
     results: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
-        for name, tree in trees:       # alternating, so both see the same machine
-            results[name].append(run_child(tree, model, 256, args.output_len, None, False))
+        for name, tree in trees:
+            results[name].append(run_round(tree))
+    return results
+
+
+def host_lane(args, model: str) -> list[str]:
+    results = alternating_rounds(
+        args, lambda tree: run_child(tree, model, 256, args.output_len, None, False))
     lines = ["host work per decode step (the step less the runner's forward and sampling), "
              "real 1-layer model, 256 requests, one step in flight (ms, min / median / max of "
              "the rounds' steady-state medians):"]
@@ -139,13 +147,7 @@ def host_lane(args, model: str) -> list[str]:
 
 
 def grpc_lane(args, model: str) -> list[str]:
-    trees = [("this tree", REPO)]
-    if args.baseline_tree:
-        trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
-    runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees:       # alternating, so both see the same machine
-            runs[name].append(grpc_round(tree, model, args))
+    runs = alternating_rounds(args, lambda tree: grpc_round(tree, model, args))
     lines = [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
              f"{args.device_ms} ms: decode ms per token / device ms (the rounds' median "
              f"requests), and CPU ms per decode step of each process, min / median / max:"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable, Iterable
+from typing import Callable
 
 import grpc
 
