@@ -167,6 +167,7 @@ def grpc_lane(args, model: str) -> list[str]:
 def grpc_round(tree: Path, model: str, args) -> dict:
     """One round on fresh `tree` services: the ratio, and the CPU time each process spent per
     decode step while the client streamed."""
+    from bench.peers.protocol import process_cpu_seconds
     from bench.services import Services
 
     with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
@@ -177,19 +178,13 @@ def grpc_round(tree: Path, model: str, args) -> dict:
                            "--max-waiting", "1024"],
             worker_flags=("--simulated-device-ms", repr(args.device_ms)))
         procs = {proc.name: proc.popen.pid for proc in services.procs}
-        before = {name: process_cpu_s(pid) for name, pid in procs.items()}
+        before = {name: process_cpu_seconds(pid) for name, pid in procs.items()}
         client_before = _own_cpu_s()
         per_token = asyncio.run(_stream_all(target, 128, args.output_len))
-        spent = {name: process_cpu_s(pid) - before[name] for name, pid in procs.items()}
+        spent = {name: process_cpu_seconds(pid) - before[name] for name, pid in procs.items()}
         spent["client"] = _own_cpu_s() - client_before
     return {"ratio": statistics.median(per_token) / args.device_ms,
             "cpu_ms": {name: s / args.output_len * 1e3 for name, s in spent.items()}}
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a live process, all its threads (Linux: /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_s() -> float:
