@@ -33,37 +33,40 @@ class Behaviour:
             self.closed.set()
 
 
-async def _serve(behaviour: Behaviour):
-    handler = grpc.unary_stream_rpc_method_handler(
-        behaviour.count, request_deserializer=pb.GenerateRequest.FromString,
-        response_serializer=pb.GenerateResponse.SerializeToString)
-    server = grpc.aio.server(interceptors=[Gate()])
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "test.Streams", {"Count": handler})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port
-
-
-def test_items_arrive_in_order_and_garbage_is_refused():
+def _talk(talk):
+    """Run `await talk(call, behaviour)` against a fresh server with the Gate; `call(bytes)`
+    starts one Count call with those request bytes. Returns what `talk` returns."""
     async def run():
         behaviour = Behaviour()
-        server, port = await _serve(behaviour)
+        handler = grpc.unary_stream_rpc_method_handler(
+            behaviour.count, request_deserializer=pb.GenerateRequest.FromString,
+            response_serializer=pb.GenerateResponse.SerializeToString)
+        server = grpc.aio.server(interceptors=[Gate()])
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "test.Streams", {"Count": handler})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = channel.unary_stream(
                     METHOD, request_serializer=lambda b: b,
                     response_deserializer=pb.GenerateResponse.FromString)
-                got = [list(m.token_ids) async for m in call(
-                    pb.GenerateRequest(request_id="a", token_ids=[5, 6, 7]).SerializeToString())]
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in call(b"\xff\xff\xff"):
-                        pass
+                return await talk(call, behaviour)
         finally:
             await server.stop(None)
+    return asyncio.run(run())
+
+
+def test_items_arrive_in_order_and_garbage_is_refused():
+    async def talk(call, behaviour):
+        got = [list(m.token_ids) async for m in call(
+            pb.GenerateRequest(request_id="a", token_ids=[5, 6, 7]).SerializeToString())]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call(b"\xff\xff\xff"):
+                pass
         return got, err.value, behaviour.calls
 
-    got, error, calls = asyncio.run(run())
+    got, error, calls = _talk(talk)
     assert got == [[5], [6], [7]]
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "could not be decoded" in (
         error.details())
@@ -71,23 +74,15 @@ def test_items_arrive_in_order_and_garbage_is_refused():
 
 
 def test_a_cancelled_call_closes_the_handlers_generator():
-    async def run():
-        behaviour = Behaviour()
-        server, port = await _serve(behaviour)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.unary_stream(
-                    METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
-                    response_deserializer=pb.GenerateResponse.FromString)(
-                    pb.GenerateRequest(request_id="b", token_ids=[9], priority=1))
-                first = await call.read()
-                call.cancel()
-                await asyncio.wait_for(behaviour.closed.wait(), 30)
-        finally:
-            await server.stop(None)
+    async def talk(call, behaviour):
+        stream = call(pb.GenerateRequest(request_id="b", token_ids=[9],
+                                         priority=1).SerializeToString())
+        first = await stream.read()
+        stream.cancel()
+        await asyncio.wait_for(behaviour.closed.wait(), 30)
         return list(first.token_ids)
 
-    assert asyncio.run(run()) == [9]
+    assert _talk(talk) == [9]
 
 
 def test_the_guarded_streaming_handler_is_a_coroutine():
