@@ -150,14 +150,18 @@ def grpc_lane(args, model: str) -> list[str]:
     runs = alternating_rounds(args, lambda tree: grpc_round(tree, model, args))
     lines = [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
              f"{args.device_ms} ms: decode ms per token / device ms (the rounds' median "
-             f"requests), and CPU ms per decode step of each process, min / median / max:"]
+             f"requests), CPU ms per decode step of each process, and the scheduler's CPU per "
+             f"message streamed (a slow consumer's steps merge into one), min / median / max:"]
     medians = {}
     for name, rounds in runs.items():
         ratios = [r["ratio"] for r in rounds]
         medians[name] = statistics.median(ratios)
         cpu = ", ".join(f"{proc} {spread([r['cpu_ms'][proc] for r in rounds])}"
                         for proc in rounds[0]["cpu_ms"])
-        lines.append(f"  {name}: ratio {spread(ratios)}; CPU ms per step: {cpu}")
+        lines.append(f"  {name}: ratio {spread(ratios)}; CPU ms per step: {cpu}; scheduler "
+                     f"CPU us per message "
+                     f"{spread([r['scheduler_us_per_message'] for r in rounds])} (messages "
+                     f"per step {spread([r['messages_per_step'] for r in rounds])})")
     if len(medians) == 2:
         (_, ours), (_, base) = medians.items()
         lines.append(f"  this tree / baseline (median ratios): {ours / base:.2f}")
@@ -180,11 +184,14 @@ def grpc_round(tree: Path, model: str, args) -> dict:
         procs = {proc.name: proc.popen.pid for proc in services.procs}
         before = {name: process_cpu_seconds(pid) for name, pid in procs.items()}
         client_before = _own_cpu_s()
-        per_token = asyncio.run(_stream_all(target, 128, args.output_len))
+        streams = asyncio.run(_stream_all(target, 128, args.output_len))
         spent = {name: process_cpu_seconds(pid) - before[name] for name, pid in procs.items()}
         spent["client"] = _own_cpu_s() - client_before
-    return {"ratio": statistics.median(per_token) / args.device_ms,
-            "cpu_ms": {name: s / args.output_len * 1e3 for name, s in spent.items()}}
+    num_messages = sum(n for _, n in streams)
+    return {"ratio": statistics.median(ms for ms, _ in streams) / args.device_ms,
+            "cpu_ms": {name: s / args.output_len * 1e3 for name, s in spent.items()},
+            "scheduler_us_per_message": spent["scheduler"] / num_messages * 1e6,
+            "messages_per_step": num_messages / args.output_len}
 
 
 def _own_cpu_s() -> float:
@@ -192,25 +199,28 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[float]:
-    """Per request: (last token time - first token time) / (tokens - 1), in ms."""
+async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[tuple[float, int]]:
+    """Per request: (last token time - first token time) / (tokens - 1) in ms, and how many
+    messages carried its tokens (fewer than tokens when the server merged steps for a stream
+    that fell behind)."""
     import grpc
 
     from engine_common.wire.protos import generation_pb2 as pb, generation_pb2_grpc
 
-    async def one(stub, i: int) -> float:
+    async def one(stub, i: int) -> tuple[float, int]:
         request = pb.GenerateRequest(
             request_id=f"host-{i}", token_ids=[3 + (i * 7 + j) % 400 for j in range(32)],
             sampling=pb.SamplingParams(temperature=0.0),
             stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
         first = last = None
-        count = 0
+        count = messages = 0
         async for msg in stub.Generate(request, timeout=600):
             if msg.token_ids:
                 last = time.perf_counter()
                 first = first or last
                 count += len(msg.token_ids)
-        return (last - first) / max(1, count - 1) * 1e3
+                messages += 1
+        return (last - first) / max(1, count - 1) * 1e3, messages
 
     async with grpc.aio.insecure_channel(target) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)

@@ -26,5 +26,9 @@ def test_grpc_only_lane_alternates_with_the_baseline_and_reports_cpu(tmp_path, c
         for proc in ("worker", "scheduler", "client"):
             cpu = re.search(rf"{proc} {NUMBER} / {NUMBER} / {NUMBER}", line)
             assert cpu and float(cpu.group(2)) > 0, (proc, line)
+        per_message = re.search(rf"CPU us per message {NUMBER} / {NUMBER} / {NUMBER}", line)
+        assert per_message and float(per_message.group(2)) > 0, line
+        messages = re.search(rf"messages per step {NUMBER} / {NUMBER} / {NUMBER}", line)
+        assert messages and 0 < float(messages.group(2)) <= 128, line
     assert re.search(rf"this tree / baseline \(median ratios\): {NUMBER}", out)
     assert "--grpc-only" in results.read_text()
