@@ -171,7 +171,6 @@ def grpc_lane(args, model: str) -> list[str]:
 def grpc_round(tree: Path, model: str, args) -> dict:
     """One round on fresh `tree` services: the ratio, and the CPU time each process spent per
     decode step while the client streamed."""
-    from bench.peers.protocol import process_cpu_seconds
     from bench.services import Services
 
     with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
@@ -192,6 +191,13 @@ def grpc_round(tree: Path, model: str, args) -> dict:
             "cpu_ms": {name: s / args.output_len * 1e3 for name, s in spent.items()},
             "scheduler_us_per_message": spent["scheduler"] / num_messages * 1e6,
             "messages_per_step": num_messages / args.output_len}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc). bench.peers.protocol has one
+    for its harness; bench/peers imports from bench/, so importing it here would be a cycle."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_s() -> float:
