@@ -376,8 +376,9 @@ class Scheduler:
             output.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            top = tops.get(handle) if tops else None
-            top = None if top is None else [top]
+            top = None
+            if tops and (top := tops.get(handle)) is not None:
+                top = [top]
             # check_stop can fire only on a stop id or at the length limit.
             if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
                 status = check_stop(request, self.max_len)
@@ -406,6 +407,12 @@ class Scheduler:
         """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""
         work, counts = self._in_flight.get(step, ({}, {}))
         return {h: counts.get(h, 1) for h in work}
+
+    def scheduled_size(self, step: int) -> tuple[int, int]:
+        """(requests, tokens) of scheduled_tokens(step), without a dict per request: the
+        counts name every computing request whose count is not 1, and the idle ones (0)."""
+        work, counts = self._in_flight.get(step, ({}, {}))
+        return len(work), len(work) + sum(n - 1 for n in counts.values() if n)
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -113,8 +113,7 @@ class EngineCore:
         stats.schedule_s = time.perf_counter() - start
         stats.diff_bytes = len(payload)
         # The diff names only counts other than 1; the scheduler knows every request's.
-        tokens = self.scheduler.scheduled_tokens(sched_out.step)
-        stats.num_reqs, stats.num_tokens = len(tokens), sum(tokens.values())
+        stats.num_reqs, stats.num_tokens = self.scheduler.scheduled_size(sched_out.step)
         stats.num_preempted = len(sched_out.preempted_handles)
         return sched_out, payload
 

@@ -108,7 +108,7 @@ class _RequestState:
     unsent: str = ""
     num_output_tokens: int = 0
     stop_string: str | None = None
-    # No stop strings and both first times known: one plain token takes `_steady`'s short path.
+    # No stop strings and both first times known: one plain token takes `process`'s short path.
     steady: bool = False
 
     @property
@@ -156,7 +156,7 @@ class OutputProcessor:
         An output with `error` set is final: the caller must abort that request in the engine.
         """
         outputs, stopped_ids = [], []
-        get = self._states.get
+        get, append = self._states.get, outputs.append
         for update in updates:
             state = get(update.request_id)
             if state is None:
@@ -165,8 +165,18 @@ class OutputProcessor:
             try:
                 if (state.steady and len(ids) == 1 and update.finish_reason is None
                         and update.top_logprobs is None):
-                    outputs.append(self._steady(state, ids, update.new_logprobs,
-                                                update.num_cached_tokens))
+                    # The common case inline (every request, every step): one new token of an
+                    # unfinished `steady` request (no stop strings, first token timed) with no
+                    # top alternatives. Same result as _process_one (nothing is held back then).
+                    state.num_cached_tokens = update.num_cached_tokens
+                    state.num_output_tokens += 1
+                    token_id = ids[0]
+                    lps = update.new_logprobs
+                    append(RequestOutput(
+                        state.request_id, ids, state.detokenizer.add(token_id),
+                        [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
+                        False, None, None, state.num_prompt_tokens, state.num_output_tokens,
+                        state.num_cached_tokens, state.timings))
                     continue
                 out = self._process_one(state, update)
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
@@ -189,21 +199,6 @@ class OutputProcessor:
             f"request {rid!r} failed while its output was processed "
             f"({type(exc).__name__}: {exc}); other requests are unaffected")
         return out
-
-    @staticmethod
-    def _steady(state: _RequestState, ids: list[int], lps: list[float],
-                num_cached_tokens: int) -> RequestOutput:
-        """The common case in a few lines (`process` picks it): one new token of an unfinished
-        `steady` request (no stop strings, first token timed) with no top alternatives. Same
-        result as _process_one (no text is ever held back then)."""
-        state.num_cached_tokens = num_cached_tokens
-        state.num_output_tokens += 1
-        token_id = ids[0]
-        text = state.detokenizer.add(token_id)
-        return RequestOutput(state.request_id, ids, text,
-                             [TokenLogprob(int(token_id), float(lps[0]))] if lps else [],
-                             False, None, None, state.num_prompt_tokens,
-                             state.num_output_tokens, state.num_cached_tokens, state.timings)
 
     def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
         self._note_times(state, update)

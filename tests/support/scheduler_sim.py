@@ -154,6 +154,12 @@ class SimWorker:
         return result
 
 
+def _check_scheduled(scheduler, step: int, tokens: dict[int, int]) -> None:
+    """The scheduler's account of a step agrees with what the worker computed."""
+    assert scheduler.scheduled_tokens(step) == tokens
+    assert scheduler.scheduled_size(step) == (len(tokens), sum(tokens.values()))
+
+
 def run_steps(scheduler, worker: SimWorker, max_steps: int = 1000, on_step=None):
     """schedule -> worker -> update until no request is left. Returns all updates."""
     updates = []
@@ -162,7 +168,7 @@ def run_steps(scheduler, worker: SimWorker, max_steps: int = 1000, on_step=None)
             break
         out = scheduler.schedule()
         runner_out = worker.execute(out)
-        assert scheduler.scheduled_tokens(out.step) == worker.step_tokens[-1]
+        _check_scheduled(scheduler, out.step, worker.step_tokens[-1])
         step_updates = scheduler.update_from_output(out, runner_out)
         updates.extend(step_updates)
         if on_step is not None:
@@ -195,5 +201,5 @@ def assert_no_leak(sched):
 def step(sched, worker):
     out = sched.schedule()
     runner_out = worker.execute(out)
-    assert sched.scheduled_tokens(out.step) == worker.step_tokens[-1]
+    _check_scheduled(sched, out.step, worker.step_tokens[-1])
     return out, sched.update_from_output(out, runner_out)

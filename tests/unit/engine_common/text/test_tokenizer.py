@@ -1,4 +1,5 @@
 """Tokenizer wrapper and streaming detokenizer on a tiny byte-level BPE trained here."""
+import copy
 import random
 
 import pytest
@@ -149,3 +150,38 @@ def test_tiny_model_tokenizer_matches_transformers(tmp_path):
         assert ids == hf(text)["input_ids"]
         pieces, tail = _stream(ours, ours.encode("Q:"), ids)
         assert "".join(pieces) + tail == hf.decode(ids, skip_special_tokens=True)
+
+
+def _stream_only(tok, prompt_ids, output_ids, skip):
+    """The pieces of a detokenizer on a DecodeStream, as for any decoder: the reference."""
+    stream_tok = copy.copy(tok)
+    stream_tok._token_texts = None
+    return _stream(stream_tok, prompt_ids, output_ids, skip)
+
+
+def test_byte_level_detokenizer_gives_the_stream_pieces(tok):
+    # A byte-level tokenizer decodes the held ids alone (one from the cache): the same pieces
+    # as a DecodeStream, not only the same concatenation, with lone bytes of multi-byte
+    # characters, special tokens (skipped or not) and ids past the vocabulary in the mix.
+    assert tok.token_texts(True) is not None
+    rng = random.Random(7)
+    byte_ids = _byte_token_ids(tok, "你好🙂é".encode())
+    special = tok.eos_token_id
+    for _ in range(300):
+        prompt = tok.encode(rng.choice(SAMPLE_TEXTS + ["x"]))
+        out = [rng.choice(byte_ids) if rng.random() < 0.3 else
+               special if rng.random() < 0.05 else tok.vocab_size + 5 if rng.random() < 0.02
+               else rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 90))]
+        for skip in (True, False):
+            assert _stream(tok, prompt, out, skip) == _stream_only(tok, prompt, out, skip)
+
+
+def test_token_texts_are_filled_as_ids_are_met(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
+    word = tok.encode("Hello")[-1]
+    assert word not in tok.token_texts(True)
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.add(word) == tok.decode([word]) == tok.token_texts(True)[word]
+    assert tok.token_text(tok.eos_token_id, True) == ""          # a skipped special token
+    assert tok.token_text(_byte_token_ids(tok, "你".encode())[0], True) == ""   # part of one
+    assert tok.token_text(tok.eos_token_id, False) == tok.decode([tok.eos_token_id], False)

@@ -72,3 +72,11 @@ def test_bos_only_post_processor_with_bos_equal_eos(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "add_bos_token": True}))
     assert Tokenizer.from_dir(tmp_path).encode("hi") == [0, 1, 2]
+
+
+def test_sentencepiece_decoders_keep_the_stream(byte_fallback):
+    # "▁Hello" is " Hello" inside a text but "Hello" alone: its text depends on its place.
+    tok, vocab = byte_fallback
+    assert tok.token_texts(True) is None
+    det = IncrementalDetokenizer(tok, tok.encode("world"))
+    assert det.add(vocab["▁Hello"]) == " Hello"

@@ -227,3 +227,29 @@ def test_logprobs_trimmed_to_request(tok):
     assert [(lp.token_id, lp.logprob) for lp in out.logprobs] == [(7, -0.1), (5, -1.0)]
     assert out.logprobs[1].top_token_ids == [4, 5] and out.logprobs[1].top_logprobs == [-0.5, -1.0]
     assert out.timings.first_token_time is not None and not out.finished
+
+
+def test_steady_path_gives_the_general_paths_outputs(tok):
+    # One-token updates of a request without stop strings take process()'s inline path after
+    # the first; the same updates with (empty, unasked-for) top alternatives take the general
+    # one. Every field of every output agrees, on text with characters split across tokens.
+    rng = random.Random(3)
+    byte_ids = chars(tok, "你好🙂é")
+    ids = [rng.choice(byte_ids) if rng.random() < 0.4 else rng.randrange(3, tok.vocab_size)
+           for _ in range(300)]
+    results = []
+    for top in (None, [([], [])]):
+        proc = OutputProcessor(tok)
+        req = make_request(tok)
+        req.arrival_time = 0.5
+        proc.add_request(req)
+        outs = []
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            up = TokenUpdate(req.request_id, [t], [-0.25 * (i % 5)], top, LEN if last else None,
+                             None, 3, 1.0, 2.0, 9.0 if last else None)
+            outs.extend(proc.process([up])[0])
+        results.append([(o.new_token_ids, o.new_text, o.logprobs, o.finished, o.finish_reason,
+                         o.num_output_tokens, o.num_cached_tokens, o.timings) for o in outs])
+    assert results[0] == results[1]
+    assert "".join(r[1] for r in results[0]) == tok.decode(ids)
