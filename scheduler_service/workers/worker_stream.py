@@ -23,9 +23,6 @@ from scheduler_service.errors import Fenced, WorkerFailure
 
 _STOP = object()  # the request generator's end marker
 _READER_JOIN_S = 10.0  # a cancelled call ends its response iterator at once; this only bounds it
-# How long `send` waits for grpc's sending thread to take the request (it takes it at once
-# unless the previous one is still being written).
-_HANDOFF_S = 0.002
 
 
 class StepLate(WorkerFailure):
@@ -66,28 +63,17 @@ class _Ended:
 class StepStream:
     """A Step stream to the worker at `address`; replies are awaited in send order."""
 
-    def __init__(self, stub, address: str, handoff_s: float = _HANDOFF_S):
+    def __init__(self, stub, address: str):
         self.address = address
-        self._handoff_s = handoff_s
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._handoff = threading.Condition()
-        self._num_sent = self._num_taken = 0
         self._call = stub.Step(self._requests())
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"step-reader-{address}")
         self._reader.start()
 
     def send(self, request: worker_pb2.StepRequest) -> None:
-        """Queue `request`, and wait (up to `handoff_s`) until grpc's sending thread took it.
-        NOTE the wait is the point: the caller lets go of the GIL now, so that thread gets it
-        at once, rather than after a GIL switch interval (0.2 ms, more while the event loop
-        holds the GIL) spent waiting for the caller's next work (the step's output hand-off)."""
-        with self._handoff:
-            self._num_sent += 1
-            sent = self._num_sent
-            self._outbox.put(request)
-            self._handoff.wait_for(lambda: self._num_taken >= sent, self._handoff_s)
+        self._outbox.put(request)
 
     def receive(self, epoch: int, step: int, deadline: float) -> worker_pb2.StepResponse:
         """The reply to (epoch, step); deadline is a time.monotonic() value."""
@@ -127,9 +113,6 @@ class StepStream:
 
     def _requests(self):
         while (item := self._outbox.get()) is not _STOP:
-            with self._handoff:
-                self._num_taken += 1
-                self._handoff.notify()
             yield item
 
     def _read(self) -> None:

@@ -88,13 +88,3 @@ def test_an_aborted_stream_names_the_status_and_close_still_frees_the_call(stub_
     call = weakref.ref(stream._call)
     stream.close()
     assert call() is None
-
-
-def test_send_returns_once_grpcs_sending_thread_took_the_request(stub_for):
-    """The hand-off the GIL waits on: send waits (up to handoff_s) for the sending thread."""
-    stream = StepStream(*stub_for(EchoWorker()), handoff_s=60.0)
-    for step in range(3):
-        _send(stream, step)
-        assert stream._num_taken == stream._num_sent == step + 1
-    assert [stream.receive(3, s, _far()).step for s in range(3)] == [0, 1, 2]
-    stream.close()
