@@ -26,19 +26,21 @@ MAX_CONSTRAINT_DEPTH = 1000     # nesting of one constraint (engine_common/const
                                 # half of an 8 MiB stack; it runs on 64 MiB ones (big_stack.py)
 
 # Bytes of the encoded parts (engine_common/wire/codec.py), rounded up: a msgpack integer <= 9, an
-# array or map header <= 5, a float 9; a WorkerSamplingParams map holds each knob at most once
-# (its name as a string key, then a number, or an array of up to max_ids ids).
+# array, map or bytes header <= 5. The sampling knobs travel as a SamplingParams protobuf message
+# holding each knob at most once: a field tag <= 2 bytes, then a varint <= 10 or a double 8, or
+# for a set of ids a length <= 5 and <= 5 bytes an id.
 _INT = 9
 _HEADER = 5
-_SAMPLING = _HEADER + sum(_HEADER + len(k.name) + (_HEADER + k.meta.max_ids * _INT if k.meta.ids
-                                                   else _INT) for k in KNOBS)
+_TAG = 2
+_SAMPLING = _HEADER + sum(_TAG + (5 + k.meta.max_ids * 5 if k.meta.ids else 10) for k in KNOBS)
 _SLACK = 1 << 20                # finished and preempted handles, the step number, headers
 # A constraint [kind, value]: <= 4 UTF-8 bytes a character plus string headers. A choice of c
 # characters takes <= 4c bytes and a header of 1 byte (<= 31 bytes), 2 or 3 (c >= 8) or 5
 # (c > 16384): <= 5c in all, the worst being one-character choices. So <= 5 bytes a character.
 _CONSTRAINT = 3 * _HEADER + 16 + 5 * MAX_CONSTRAINT_CHARS
-# logit_bias: [[id, bias], ...] inside the sampling map, a 9-byte float each.
-_LOGIT_BIAS = _HEADER + MAX_LOGIT_BIAS * (_HEADER + _INT + 9)
+# logit_bias: a map entry of the SamplingParams message each: its tag and length (2 bytes), the
+# id (a tag and a varint <= 5) and the bias (a tag and a double).
+_LOGIT_BIAS = MAX_LOGIT_BIAS * (2 + 1 + 5 + 1 + 8)
 
 
 def max_blocks_per_request(max_model_len: int, block_size: int) -> int:

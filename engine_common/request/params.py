@@ -1,12 +1,13 @@
 """Sampling and stopping parameters, validated once where they enter the system.
 
 Both sides share these: the scheduler validates what clients send, the worker receives the
-sampling part on the wire (see `diff.py`) and applies it in its sampler.
+sampling part on the wire (engine_common/wire/codec.py: the public API's SamplingParams
+message) and applies it in its sampler.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 from engine_common.request.sampling_knobs import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, DeclaredKnob,
                                           knob, knobs_of)
@@ -74,7 +75,8 @@ class SamplingParams:
                               always_staged=True, generation_config=True)
     top_p: float = knob(1.0, "default: the server's (1)", lo=0.0, hi=1.0, lo_open=True,
                         generation_config=True)
-    top_k: int = knob(0, "default: the server's (0: off)", lo=-1, integer=True, column="int32",
+    top_k: int = knob(0, "default: the server's (0: off)", lo=-1, hi=2**31 - 1, integer=True,
+                      column="int32",
                       generation_config=True, to_column=lambda k: max(k, 0))
     min_p: float = knob(0.0, "default: the server's (0: off)", lo=0.0, hi=1.0,
                         generation_config=True)
@@ -102,16 +104,7 @@ class SamplingParams:
         """Whether a knob that needs the prompt and output ids (a penalty) is on."""
         return any(getattr(self, k.name) != k.neutral for k in HISTORY_KNOBS)
 
-    def to_wire(self) -> dict:
-        """Only the fields that differ from the defaults: small on the wire, easy to extend."""
-        return {k: v for k, v in asdict(self).items() if v != _SAMPLING_DEFAULTS[k]}
 
-    @classmethod
-    def from_wire(cls, data: dict) -> "SamplingParams":
-        return cls(**data)
-
-
-_SAMPLING_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 KNOBS: tuple[DeclaredKnob, ...] = knobs_of(SamplingParams)
 # The knobs with a batch column, and those that are sets of token ids (ragged per row).
 COLUMN_KNOBS = tuple(k for k in KNOBS if k.meta.column and not k.meta.ids)
@@ -195,11 +188,3 @@ class WorkerSamplingParams:
     seed: int
     min_tokens: int = 0
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    def to_wire(self) -> list:
-        return [self.sampling.to_wire(), self.seed, self.min_tokens, list(self.stop_ids)]
-
-    @classmethod
-    def from_wire(cls, data: list) -> "WorkerSamplingParams":
-        sampling, seed, min_tokens, stop_ids = data
-        return cls(SamplingParams.from_wire(sampling), seed, min_tokens, tuple(stop_ids))

@@ -4,8 +4,9 @@ batch column and its client flag.
     top_p: float = knob(1.0, "default: the server's (1)", lo=0.0, hi=1.0, lo_open=True, flag=True)
 
 From that one declaration (engine_common/request/params.py) come: the validation
-(SamplingParams.__post_init__), the field of both public APIs (the proto field has the knob's
-name: front_door.given_knobs reads any that the request's message has), the client flags
+(SamplingParams.__post_init__), the field of both public APIs and of the step diff (the proto
+field has the knob's name: engine_common/wire/codec.py's given_knobs reads any that a
+message has; the diff carries the public SamplingParams message itself), the client flags
 (`deltaserve generate` / `chat`: deltaserve/client.py), the generation_config.json keys and the
 defaults vLLM publishes, the worker's batch column (InputBatch), its staging region and the
 sampler's metadata column (worker_service/sample/sampling_metadata.py: None when every row is

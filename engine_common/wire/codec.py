@@ -1,11 +1,16 @@
-"""msgpack codec for the step payloads. No pickle: every field is a plain msgpack value.
+"""msgpack codec for the step payloads. No pickle: every field is a plain msgpack value, but for
+the sampling knobs, which travel as the public API's SamplingParams protobuf message.
 
 Layouts (positional arrays keep steady-state messages tiny):
 
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]]
-    new        = [handle, prompt ids (uint32 bytes), sampling (WorkerSamplingParams wire form),
-                  block ids, num_computed_tokens, num_logprobs, constraint]
+    new        = [handle, prompt ids (uint32 bytes), sampling, block ids,
+                  num_computed_tokens, num_logprobs, constraint]
+    sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
+                 API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
+                 their neutral value (none: 0 bytes); decoded by the knobs' names and validated
+                 by their declarations, so a bad value is refused naming the knob
     constraint = nil, or [kind, value] (engine_common/constraints/constraint.py): sent once, here only
     resumed    = [handle, block ids, num_computed_tokens]
     new blocks = nil when no request grows, else bytes: sorted handle gaps and block counts,
@@ -22,14 +27,19 @@ per growing request plus a few bytes per run of consecutive block ids.
 from __future__ import annotations
 
 from array import array
+from functools import lru_cache
 
 import msgpack
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
                                 SchedulerOutput)
 from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
-from engine_common.request.params import WorkerSamplingParams, clip, quoted
+from engine_common.wire.protos import generation_pb2 as pb
+from engine_common.request.params import (KNOBS, SamplingParams, WorkerSamplingParams, clip,
+                                          quoted)
 
 
 class CodecError(ValueError):
@@ -92,12 +102,11 @@ def _int_map(value, what: str, check) -> dict:
 
 def _sampling(value) -> WorkerSamplingParams:
     sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
-    if not isinstance(sampling, dict):
-        raise CodecError("sampling params: expected a map")
-    _int(seed, "seed")
-    _int(min_tokens, "min_tokens")
-    _ints(stop_ids, "stop_ids")
-    return WorkerSamplingParams.from_wire(value)
+    if not isinstance(sampling, bytes):
+        raise CodecError("sampling params: expected bytes (a SamplingParams message)")
+    return WorkerSamplingParams(sampling_from_wire(sampling), _int(seed, "seed"),
+                                _int(min_tokens, "min_tokens"),
+                                tuple(_ints(stop_ids, "stop_ids")))
 
 
 def _constraint(value) -> Constraint | None:
@@ -137,8 +146,62 @@ def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
+# ---- the sampling knobs: the public API's SamplingParams message, serialized (the module
+# docstring). Every knob (engine_common/request/sampling_knobs.py) has a field of its name in it;
+# a knob at its neutral value is left unset, so a greedy request's sampling is 0 bytes. ----
+
+def given_knobs(msg) -> dict[str, object]:
+    """The sampling knobs (params.KNOBS) a SamplingParams message of either protocol sets, by
+    name: a field of the knob's name with presence counts when set, a proto3 scalar without it
+    when not 0, a repeated one when not empty."""
+    given = {}
+    for k in KNOBS:
+        fd = msg.DESCRIPTOR.fields_by_name.get(k.name)
+        if fd is None:
+            continue
+        value = getattr(msg, k.name)
+        if fd.is_repeated:
+            value = tuple(value)
+        if msg.HasField(k.name) if fd.has_presence else value:
+            given[k.name] = value
+    return given
+
+
+@lru_cache(maxsize=1024)      # requests mostly share their sampling: one message per kind
+def sampling_to_wire(params: SamplingParams) -> bytes:
+    """The knobs off their neutral value, and the logit bias, as SamplingParams bytes."""
+    msg = pb.SamplingParams(logit_bias=dict(params.logit_bias))
+    for k in KNOBS:
+        value = getattr(params, k.name)
+        if value != k.neutral:
+            if k.meta.ids:
+                getattr(msg, k.name).extend(value)
+            else:
+                setattr(msg, k.name, value)
+    return msg.SerializeToString(deterministic=True)
+
+
+def sampling_from_wire(data: bytes) -> SamplingParams:
+    """The domain SamplingParams of sampling_to_wire's bytes; raises CodecError (not a message,
+    unknown fields) or ParamError (a knob out of its range, by name)."""
+    try:
+        msg = pb.SamplingParams.FromString(data)
+    except DecodeError as e:
+        raise CodecError(f"sampling: not a SamplingParams message ({e})") from None
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    if len(unknown):
+        raise CodecError(f"sampling: unknown field number {unknown[0].field_number} (not a "
+                         "SamplingParams field)")
+    return SamplingParams(**given_knobs(msg), logit_bias=dict(msg.logit_bias))
+
+
+def _worker_sampling(params: WorkerSamplingParams) -> list:
+    return [sampling_to_wire(params.sampling), params.seed, params.min_tokens,
+            list(params.stop_ids)]
+
+
 def encode_scheduler_output(out: SchedulerOutput) -> bytes:
-    new = [[r.handle, _u32(r.prompt_token_ids), r.sampling.to_wire(), r.block_ids,
+    new = [[r.handle, _u32(r.prompt_token_ids), _worker_sampling(r.sampling), r.block_ids,
             r.num_computed_tokens, r.num_logprobs,
             None if r.constraint is None else r.constraint.to_wire()] for r in out.new_requests]
     resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]

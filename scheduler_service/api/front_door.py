@@ -26,6 +26,7 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import KNOBS, ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
+from engine_common.wire.codec import given_knobs
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.request_limits import (LimitedFields, check_prompt_can_fit,
                                                   check_request_limits)
@@ -120,23 +121,6 @@ def prompt_from(given: dict[str, object], vocab_size: int | None, *, field_name:
         raise ParamError(ids_field, [], "at least one token id")
     check_vocab(ids_field, ids, vocab_size)
     return None, ids, None
-
-
-def given_knobs(msg) -> dict[str, object]:
-    """The sampling knobs (params.KNOBS) a SamplingParams message of either protocol sets, by
-    name: a field of the knob's name with presence counts when set, a proto3 scalar without it
-    when not 0, a repeated one when not empty."""
-    given = {}
-    for k in KNOBS:
-        fd = msg.DESCRIPTOR.fields_by_name.get(k.name)
-        if fd is None:
-            continue
-        value = getattr(msg, k.name)
-        if fd.is_repeated:
-            value = tuple(value)
-        if msg.HasField(k.name) if fd.has_presence else value:
-            given[k.name] = value
-    return given
 
 
 def sampling_from(given: dict[str, object], logit_bias, defaults: SamplingParams,

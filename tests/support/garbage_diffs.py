@@ -20,6 +20,7 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
+from engine_common.wire.protos import generation_pb2
 from tests.support.deep_constraints import json_items_chain, lark_chain
 
 
@@ -71,7 +72,7 @@ def raw(step, new_reqs=(), resumed=(), new_blocks=None, counts=None, finished=()
 
 
 def raw_new(handle=0, prompt=b"".join(i.to_bytes(4, "little") for i in PROMPT),
-            sampling=([{}, 0, 0, []]), blocks=(0, 1), computed=0, logprobs=0,
+            sampling=([b"", 0, 0, []]), blocks=(0, 1), computed=0, logprobs=0,
             constraint=None) -> list:
     return [handle, prompt, sampling, list(blocks), computed, logprobs, constraint]
 
@@ -97,8 +98,13 @@ def _undecodable(lim: Limits) -> dict[str, bytes]:
         "prompt ids as a list": raw(0, [raw_new(prompt=list(PROMPT))]),
         "prompt bytes not a multiple of 4": raw(0, [raw_new(prompt=b"\x01\x02\x03")]),
         "sampling as a string": raw(0, [raw_new(sampling="greedy")]),
-        "unknown sampling field": raw(0, [raw_new(sampling=[{"evil": 1}, 0, 0, []])]),
-        "temperature out of range": raw(0, [raw_new(sampling=[{"temperature": -1.0}, 0, 0, []])]),
+        "sampling as a map": raw(0, [raw_new(sampling=[{"temperature": 1.0}, 0, 0, []])]),
+        "sampling not a message": raw(0, [raw_new(sampling=[b"\xff\xff", 0, 0, []])]),
+        "unknown sampling field": raw(0, [raw_new(sampling=[b"\xf8\x06\x01", 0, 0, []])]),
+        "temperature out of range": raw(0, [raw_new(sampling=[
+            generation_pb2.SamplingParams(temperature=-1.0).SerializeToString(), 0, 0, []])]),
+        "top_k below -1": raw(0, [raw_new(sampling=[
+            generation_pb2.SamplingParams(top_k=-5).SerializeToString(), 0, 0, []])]),
         "block id as a string": raw(0, [raw_new(blocks=("0",))]),
         "new_block_ids as a list": raw(0, new_blocks=[1, 2]),
         "new_block_ids varints truncated": raw(0, new_blocks=b"\x01\x80"),
@@ -137,8 +143,6 @@ def _out_of_range(lim: Limits) -> dict[str, bytes]:
         "stop id beyond the vocabulary": enc(SchedulerOutput(0, new_requests=[
             new(sampling=WorkerSamplingParams(SamplingParams(), seed=0,
                                               stop_ids=(lim.vocab_size + 7,)))])),
-        "top_k beyond int32": enc(SchedulerOutput(0, new_requests=[
-            new(sampling=WorkerSamplingParams(SamplingParams(top_k=2**40), seed=0))])),
         "token count 10**9": enc(SchedulerOutput(0, new_requests=[new()],
                                                  num_scheduled_tokens={0: 10**9})),
         "more tokens than max_num_batched_tokens": enc(SchedulerOutput(

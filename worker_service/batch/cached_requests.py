@@ -26,14 +26,15 @@ class CachedRequests:
             raise StepProtocolError(f"handle {handle} is not in the running batch") from None
 
     def apply(self, diff: SchedulerOutput) -> None:
-        """The diff's membership and block parts, in protocol order; the batch ends dense."""
+        """The diff's membership and block parts, in protocol order; the batch ends dense.
+        Costs Python per change, none per unchanged request."""
         batch, states = self.batch, self.states
         for handle in diff.finished_handles:
             if handle in batch.handle_to_row:
                 batch.remove(handle)
             states.pop(handle, None)
         for handle in diff.preempted_handles:
-            batch.remove(handle)      # keeps states[handle]: its tokens are recomputed
+            self._give_up_row(handle)     # keeps states[handle]: its tokens are recomputed
         for new in diff.new_requests:
             state = CachedRequestState(new.handle, list(new.prompt_token_ids), new.sampling,
                                        list(new.block_ids), new.num_computed_tokens,
@@ -45,29 +46,50 @@ class CachedRequests:
             state.block_ids = list(res.block_ids)
             state.num_computed_tokens = res.num_computed_tokens
             batch.add(state)
-        for handle, block_ids in diff.new_block_ids.items():
-            states[handle].block_ids.extend(block_ids)
-            batch.append_block_ids(self.row(handle), block_ids)
+        if diff.new_block_ids:
+            self._append_blocks(diff.new_block_ids)
         batch.condense()
 
-    def record(self, handles: list[int], positions: np.ndarray, token_ids: np.ndarray
-               ) -> list[int]:
-        """Write sampled ids into the batch rows (where the request is still there) and the
-        cached states; returns them as a list. A request finished or preempted since the launch
-        still gets its token in its cached state, when kept."""
-        rows_of = self.batch.handle_to_row
+    def _give_up_row(self, handle: int) -> None:
+        """Take a preempted request out of the batch; its state keeps what the row knew."""
+        state, batch = self.states[handle], self.batch
+        row = self.row(handle)
+        state.output_token_ids = batch.output_ids(handle)
+        state.block_ids = batch.block_table[row, :batch.num_blocks[row]].tolist()
+        state.num_computed_tokens = int(batch.num_computed[row])
+        batch.remove(handle)
+
+    def _append_blocks(self, new_block_ids: dict[int, list[int]]) -> None:
+        """Append blocks to rows: one vectorised write when each request gets one block (the
+        usual step), else row by row."""
+        rows = [self.row(handle) for handle in new_block_ids]
+        lists = list(new_block_ids.values())
+        if all(len(ids) == 1 for ids in lists):
+            self.batch.append_one_block_each(rows, [ids[0] for ids in lists])
+            return
+        for row, block_ids in zip(rows, lists):
+            self.batch.append_block_ids(row, block_ids)
+
+    def record(self, handles: list[int], positions: np.ndarray, token_ids: np.ndarray,
+               rows: np.ndarray | None = None) -> list[int]:
+        """Write sampled ids into the batch rows (where the request is still there); returns
+        them as a list. `rows`: their rows when the batch layout is the one they were launched
+        at (no lookups). A request preempted since the launch gets its token in its cached
+        state; one finished since, nowhere."""
+        batch, ids = self.batch, token_ids.tolist()
+        if rows is not None:
+            batch.write_sampled(rows, positions, token_ids)
+            return ids
+        rows_of = batch.handle_to_row
         live = [i for i, h in enumerate(handles) if h in rows_of]
-        if len(live) == len(handles):
-            rows = np.fromiter((rows_of[h] for h in handles), dtype=np.int64, count=len(handles))
-            self.batch.token_ids[rows, positions] = token_ids
-        elif live:
-            rows = np.array([rows_of[handles[i]] for i in live], dtype=np.int64)
-            self.batch.token_ids[rows, positions[live]] = token_ids[live]
-        states, ids = self.states, token_ids.tolist()
-        for handle, tok in zip(handles, ids):
-            state = states.get(handle)
-            if state is not None:
-                state.output_token_ids.append(tok)
+        if live:
+            at = np.array([rows_of[handles[i]] for i in live], dtype=np.int64)
+            batch.write_sampled(at, positions[live], token_ids[live])
+        if len(live) < len(handles):
+            for handle, tok in zip(handles, ids):
+                state = self.states.get(handle)
+                if state is not None and handle not in rows_of:
+                    state.output_token_ids.append(tok)
         return ids
 
     def digest(self, handles: list[int], sampled_ids: list[int], extra: bytes) -> bytes:

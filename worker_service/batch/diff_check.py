@@ -106,12 +106,28 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
     if view.batch_size() > bounds.max_num_seqs:
         raise BadDiff("requests in the batch", view.batch_size(),
                       f"<= max_num_seqs ({bounds.max_num_seqs})")
-    for handle, block_ids in diff.new_block_ids.items():
-        name = f"new_block_ids[{handle}]"
-        if not view.in_batch(handle):
-            raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
-        _check_blocks(name, block_ids, bounds, view.blocks(handle))
+    if diff.new_block_ids and not _new_blocks_fit(diff.new_block_ids, bounds, view):
+        for handle, block_ids in diff.new_block_ids.items():     # find and name the first
+            name = f"new_block_ids[{handle}]"
+            if not view.in_batch(handle):
+                raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
+            _check_blocks(name, block_ids, bounds, view.blocks(handle))
     _check_counts(diff.num_scheduled_tokens, bounds, view)
+
+
+def _new_blocks_fit(new_block_ids: dict[int, list[int]], bounds: DiffBounds,
+                    view: _View) -> bool:
+    """Whether every growing request is in the batch and its blocks fit, without building an
+    error message (a step where only running requests grow: the usual one)."""
+    if view.out or view.added:
+        return False                  # membership changed in this diff: check one by one
+    batch, held = view.batch, view.batch_blocks.tolist()
+    most, limit = bounds.max_blocks_per_request, bounds.num_kv_blocks
+    for handle, ids in new_block_ids.items():
+        row = batch.get(handle)
+        if row is None or held[row] + len(ids) > most or (ids and max(ids) >= limit):
+            return False
+    return True
 
 
 def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) -> None:

@@ -8,8 +8,15 @@ a decode step writes one token per row.
     token_ids[row, :num_tokens[row]]   prompt ids, then the ids this worker sampled
     block_table[row, :num_blocks[row]] physical KV block ids, in position order
     num_computed[row]                  tokens whose KV is in the cache
+    num_known_ids[row]                 tokens whose ids are in token_ids (a launched step's
+                                       sampled ids arrive at its finish)
     <knob>[row]                        each sampling knob with a column (params.KNOBS)
     id_sets[<knob>][row]               each knob that is a set of token ids, a tuple per row
+
+A running request's sampled ids live only in its row (its cached state gets them when the row is
+given up: `output_ids`), and `num_rows_setting` counts the live rows that turn each sampling
+feature on, so a steady decode step touches no request in Python: no loop over rows, and a
+feature no row uses costs nothing (sampling_metadata.py).
 """
 from __future__ import annotations
 
@@ -24,15 +31,22 @@ from engine_common.wire.diff import NewRequestData
 @dataclass
 class CachedRequestState(NewRequestData):
     """The worker's cached copy of one request (its row is filled from it): the diff's new
-    request, whose block ids and computed count later diffs update, and the tokens this worker
-    sampled itself (the scheduler never sends them back). It outlives a preemption, so a resumed
-    request refills its row."""
+    request and the tokens this worker sampled itself (the scheduler never sends them back). It
+    outlives a preemption, so a resumed request refills its row. While the request runs, its
+    row is the truth (block table, computed count, sampled ids); block_ids, num_computed_tokens
+    and output_token_ids are as of its last entry into or exit from the batch."""
 
     output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+# What InputBatch.num_rows_setting counts: each knob column off its neutral value, each
+# list-valued knob with entries, stop ids masked for min_tokens, top alternatives asked for.
+FEATURES = (tuple(k.name for k in COLUMN_KNOBS) + ("logit_bias",)
+            + tuple(k.name for k in ID_SET_KNOBS) + ("min_tokens", "num_logprobs"))
 
 
 class BatchFullError(RuntimeError):
@@ -48,12 +62,16 @@ class InputBatch:
         self.handle_to_row: dict[int, int] = {}
         self.num_reqs = 0  # rows in use including holes; dense after condense()
         self._holes: list[int] = []
+        # Bumped whenever a row changes hands (add, remove, move): a step launched at the same
+        # layout can still name its rows by index at its finish.
+        self.layout = 0
 
         r = max_num_reqs
         self.token_ids = np.zeros((r, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(r, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(r, dtype=np.int32)
         self.num_computed = np.zeros(r, dtype=np.int32)
+        self.num_known_ids = np.zeros(r, dtype=np.int32)
         self.block_table = np.zeros((r, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(r, dtype=np.int32)
         # Sampling knobs as arrays, so the sampler's inputs are slices, not Python loops.
@@ -69,6 +87,12 @@ class InputBatch:
         # vector test instead of a Python loop over every row.
         self.num_entries = {name: np.zeros(r, dtype=np.int32)
                             for name in ("logit_bias", *self.id_sets)}
+        # Live rows that turn each feature on (FEATURES): zero means the step skips it.
+        self.num_rows_setting = dict.fromkeys(FEATURES, 0)
+        # Index arrays a step slices instead of building (rows 0..n, one token per row).
+        self.arange = np.arange(r + 1, dtype=np.int64)
+        self.ones = np.ones(r, dtype=np.int32)
+        self.arange.flags.writeable = self.ones.flags.writeable = False
 
     # -- membership -------------------------------------------------------------------------
 
@@ -87,13 +111,22 @@ class InputBatch:
         self.handle_ids[row] = state.handle
         self.handle_to_row[state.handle] = row
         self._fill_row(row, state)
+        self._count_features(row, 1)
+        self.layout += 1
         return row
 
     def remove(self, handle: int) -> None:
         row = self.handle_to_row.pop(handle)
+        self._count_features(row, -1)
         self.handles[row] = None
         self.handle_ids[row] = -1
         self._holes.append(row)
+        self.layout += 1
+
+    def output_ids(self, handle: int) -> list[int]:
+        """The ids a running request has sampled so far (those whose step has finished)."""
+        row = self.handle_to_row[handle]
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_known_ids[row]].tolist()
 
     def condense(self) -> None:
         """Move the last live rows into the holes so rows 0..num_reqs-1 are all live."""
@@ -122,10 +155,23 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Feed sampled tokens back: one per row, vectorised."""
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids
-        self.num_tokens[rows] += 1
+    def append_one_block_each(self, rows: list[int], block_ids: list[int]) -> None:
+        """Append block_ids[i] to row rows[i]'s table. Scalar writes: a step grows a few rows,
+        and numpy's scalar path stays cheap when a CPU forward pass has just evicted the
+        caches (a vectorised write measured slower there)."""
+        num_blocks, table, width = self.num_blocks, self.block_table, self.block_table.shape[1]
+        for row, block_id in zip(rows, block_ids):
+            col = int(num_blocks[row])
+            if col >= width:
+                self._check_blocks(col + 1)
+            table[row, col] = block_id
+            num_blocks[row] = col + 1
+
+    def write_sampled(self, rows: np.ndarray, positions: np.ndarray,
+                      token_ids: np.ndarray) -> None:
+        """Write one sampled id per row at its position (launched steps finish in order)."""
+        self.token_ids[rows, positions] = token_ids
+        self.num_known_ids[rows] = positions + 1
 
     # -- internals --------------------------------------------------------------------------
 
@@ -140,7 +186,7 @@ class InputBatch:
                                  f"{self.max_model_len}")
         self.token_ids[row, :len(state.prompt_token_ids)] = state.prompt_token_ids
         self.token_ids[row, len(state.prompt_token_ids):n] = state.output_token_ids
-        self.num_tokens[row] = n
+        self.num_tokens[row] = self.num_known_ids[row] = n
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
@@ -157,8 +203,22 @@ class InputBatch:
         self.num_entries["logit_bias"][row] = len(sp.logit_bias)
         self.num_logprobs[row] = state.num_logprobs
 
-    _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_blocks", "seeds",
-                   "min_tokens", "num_logprobs") + tuple(k.name for k in COLUMN_KNOBS)
+    def _count_features(self, row: int, sign: int) -> None:
+        counts = self.num_rows_setting
+        for k in COLUMN_KNOBS:
+            if getattr(self, k.name)[row] != k.column_neutral:
+                counts[k.name] += sign
+        for name, entries in self.num_entries.items():
+            if entries[row]:
+                counts[name] += sign
+        if self.min_tokens[row] and self.stop_ids[row]:
+            counts["min_tokens"] += sign
+        if self.num_logprobs[row]:
+            counts["num_logprobs"] += sign
+
+    _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_known_ids",
+                   "num_blocks", "seeds", "min_tokens", "num_logprobs") + tuple(
+                       k.name for k in COLUMN_KNOBS)
 
     def _move_row(self, src: int, dst: int) -> None:
         n = int(self.num_tokens[src])
@@ -179,3 +239,4 @@ class InputBatch:
         self.handles[src] = None
         self.handle_ids[dst], self.handle_ids[src] = handle, -1
         self.handle_to_row[handle] = dst
+        self.layout += 1

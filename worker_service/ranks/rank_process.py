@@ -193,8 +193,7 @@ class RankLoop:
         row = runner.batch.handle_to_row[handle]
         last = int(runner.batch.num_tokens[row]) - 1
         token = (int(runner.batch.token_ids[row, last]) + 1) % runner.vocab_size
-        runner.batch.token_ids[row, last] = token
-        runner.requests[handle].output_token_ids[-1] = token
+        runner.batch.token_ids[row, last] = token      # a running request's ids live in its row
         self.corrupt = False
         log.warning("TEST ONLY: rank %d corrupted handle %d's last token (step %d)",
                     self.spec.global_rank, handle, out.step)

@@ -244,9 +244,11 @@ class ModelRunner:
         self.staging = self._stagings[diff.step % 2]
         self.readback = self._readbacks[diff.step % 2]
         self._apply_diff(diff)
-        num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
-        for handle, n in diff.num_scheduled_tokens.items():
-            num_scheduled[self.cached.row(handle)] = n
+        num_scheduled = None          # every row one token: the steady decode step
+        if diff.num_scheduled_tokens:
+            num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
+            for handle, n in diff.num_scheduled_tokens.items():
+                num_scheduled[self.cached.row(handle)] = n
         inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
@@ -286,7 +288,8 @@ class ModelRunner:
                                            self.staging, self.grammar.stopped(handles))
             if self.grammar:
                 masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
-        fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging)
+        fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
+                                      self.batch.layout)
         self.staging.flush()
         if fed is not None and self.simulated is None:
             fed.apply(input_ids)
@@ -309,11 +312,13 @@ class ModelRunner:
         if self.simulated is not None:
             self.clock.mark("sampling")
             return PendingStep(step, handles, positions, num_logprobs,
-                               self.simulated.sample(positions))
+                               self.simulated.sample(positions), rows=sample_rows,
+                               layout=self.batch.layout)
         sampled = self.sampler.from_model_output(out, is_hidden, meta, self.model)
         self.clock.mark("sampling")
         return PendingStep(step, handles, positions, num_logprobs, self.readback.start(sampled),
-                           sampled.sampled_token_ids)
+                           sampled.sampled_token_ids, rows=sample_rows,
+                           layout=self.batch.layout)
 
     def _stage_model(self, inputs: StepInputs
                      ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
@@ -356,7 +361,9 @@ class ModelRunner:
         """Write the sampled ids into the batch and the cached states; build the reply. A
         request finished or preempted since the launch still gets its token in the reply."""
         handles = pending.handles
-        token_ids = self.cached.record(handles, pending.positions, sampled.token_ids)
+        same_rows = pending.layout == self.batch.layout     # no row changed hands since
+        token_ids = self.cached.record(handles, pending.positions, sampled.token_ids,
+                                       pending.rows if same_rows else None)
         self.grammar.advance(handles, token_ids)
         top = {}
         if sampled.top_ids is not None:

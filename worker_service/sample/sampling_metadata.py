@@ -6,7 +6,8 @@ numpy and staged in the runner's StepBuffers (reaching the device with the step'
 dtype; `staged_row_dtypes` sizes its regions); the ragged parts (penalty id matrices, stop-mask
 pairs, logit-bias pairs, id sets) go through StepBuffers.put_ragged (per-step pinned memory, one
 copy). Everything the sampler branches on (all_greedy, top_k_max, max_num_logprobs, shapes) is
-computed here, on the host, so sampling never reads a device value back: no host sync.
+computed here, on the host, so sampling never reads a device value back: no host sync. A feature
+no live row of the batch turns on (InputBatch.num_rows_setting) costs no numpy call at all.
 """
 from __future__ import annotations
 
@@ -158,6 +159,9 @@ def knob_columns(batch: InputBatch, rows: np.ndarray, staging: StepBuffers
     knob is always staged)."""
     columns = {}
     for k in COLUMN_KNOBS:
+        if not (k.meta.always_staged or batch.num_rows_setting[k.name]):
+            columns[k.name] = None
+            continue
         values, dtype = getattr(batch, k.name)[rows], getattr(torch, k.meta.column)
         columns[k.name] = (staging.put(values, dtype, k.name) if k.meta.always_staged
                            else _opt(staging, values, k.column_neutral, dtype, k.name))
@@ -168,6 +172,8 @@ def id_set_pairs(batch: InputBatch, rows: np.ndarray) -> dict[str, np.ndarray]:
     """int64 [2, K] of (index into rows, token id) per id-set knob some row sets."""
     pairs = {}
     for k in ID_SET_KNOBS:
+        if not batch.num_rows_setting[k.name]:
+            continue
         some = rows_setting(batch, k.name, rows)
         if len(some):
             sets = [batch.id_sets[k.name][rows[i]] for i in some]
@@ -183,7 +189,7 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     """Stage the sampling columns of `rows` (call between staging.begin() and flush()).
     `grammar_done`: bool per row, True where a complete grammar allows only eos (min_tokens
     then does not mask it: the grammar wins)."""
-    greedy = batch.temperature[rows] == 0.0
+    setting = batch.num_rows_setting
     columns = knob_columns(batch, rows, staging)
     penalties = any(columns[k.name] is not None for k in HISTORY_KNOBS)
     num_prompt = batch.num_prompt_tokens[rows]
@@ -194,12 +200,17 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
     if penalties:
         ragged += [_padded_ids(batch, rows, np.zeros_like(num_prompt), num_prompt, vocab_size),
                    _padded_ids(batch, rows, num_prompt, num_tokens, vocab_size)]
-    stop_pairs = stop_mask_pairs(batch, rows, counters, grammar_done)
-    if stop_pairs.shape[1]:
+    stop_pairs = (stop_mask_pairs(batch, rows, counters, grammar_done)
+                  if setting["min_tokens"] else None)
+    if stop_pairs is not None and stop_pairs.shape[1]:
         ragged.append(stop_pairs)
+    else:
+        stop_pairs = None
     id_sets = id_set_pairs(batch, rows)
     ragged += id_sets.values()
-    bias_pairs, bias_values = logit_bias_pairs(batch, rows)
+    bias_values = ()
+    if setting["logit_bias"]:
+        bias_pairs, bias_values = logit_bias_pairs(batch, rows)
     if len(bias_values):   # the float32 biases travel as their bit patterns in the int64 copy
         ragged += [bias_pairs, bias_values.view(np.int32).astype(np.int64)]
     staged = staging.put_ragged(ragged) if ragged else []
@@ -209,12 +220,10 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
         bias_index, bias = staged[-2], staged[-1].to(torch.int32).view(torch.float32)
         staged = staged[:-2]
     staged_sets = dict(zip(id_sets, staged[len(staged) - len(id_sets):]))
-    stop_index = staged[len(staged) - len(id_sets) - 1] if stop_pairs.shape[1] else None
-
+    stop_index = staged[len(staged) - len(id_sets) - 1] if stop_pairs is not None else None
+    all_greedy, all_random = _greediness(batch, rows)
     return SamplingMetadata(
-        **columns,
-        all_greedy=bool(greedy.all()),
-        all_random=bool((~greedy).all()),
+        **columns, all_greedy=all_greedy, all_random=all_random,
         seeds=staging.put(batch.seeds[rows], torch.int64, "seeds"),
         counters=staging.put(counters, torch.int64, "counters"),
         prompt_token_ids=prompt_ids,
@@ -222,9 +231,18 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
         stop_mask_index=stop_index,
         logit_bias_index=bias_index, logit_bias_values=bias,
         id_sets=staged_sets,
-        max_num_logprobs=int(batch.num_logprobs[rows].max()) if len(rows) else 0,
-        top_k_max=top_k_bound(batch.top_k[rows], vocab_size),
+        max_num_logprobs=(int(batch.num_logprobs[rows].max())
+                          if setting["num_logprobs"] and len(rows) else 0),
+        top_k_max=top_k_bound(batch.top_k[rows], vocab_size) if setting["top_k"] else 1,
     )
+
+
+def _greediness(batch: InputBatch, rows: np.ndarray) -> tuple[bool, bool]:
+    """(every row greedy, no row greedy); both True for no rows."""
+    if not batch.num_rows_setting["temperature"]:
+        return True, not len(rows)
+    greedy = batch.temperature[rows] == 0.0
+    return bool(greedy.all()), bool((~greedy).all())
 
 
 def staged_row_dtypes() -> list[torch.dtype]:
@@ -236,7 +254,6 @@ def staged_row_dtypes() -> list[torch.dtype]:
 def history_needed(batch: InputBatch, new_requests: list[NewRequestData]) -> bool:
     """Whether a running row or a new request sets a knob that reads the prompt and output ids
     (a penalty): the step must then see the previous step's sampled ids on the host."""
-    n = batch.num_reqs
-    if any(np.any(getattr(batch, k.name)[:n] != k.column_neutral) for k in HISTORY_KNOBS):
+    if any(batch.num_rows_setting[k.name] for k in HISTORY_KNOBS):
         return True
     return any(new.sampling.sampling.has_penalties for new in new_requests)

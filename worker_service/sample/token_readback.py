@@ -114,6 +114,8 @@ class PendingStep:
     sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
     copied: torch.cuda.Event | None = None  # the staging copies' event, when nothing sampled
     computed: bool = True                   # False: the step scheduled no token at all
+    rows: np.ndarray | None = None          # int64 [N]: their batch rows at the launch...
+    layout: int = -1                        # ...valid while InputBatch.layout is this
 
     def wait_device(self) -> None:
         """Block until the step's device work is done (its read-back, else its staging copies);
@@ -134,20 +136,28 @@ class TokenFeed:
     sampled: torch.Tensor | None
 
     @staticmethod
-    def plan(prev: PendingStep, handle_ids: np.ndarray, inputs, staging) -> "TokenFeed | None":
+    def plan(prev: PendingStep, handle_ids: np.ndarray, inputs, staging,
+             layout: int | None = None) -> "TokenFeed | None":
         """Which query tokens of `inputs` (a StepInputs over batch rows whose handles are
         `handle_ids[row]`) are ids `prev` sampled: a row's last query token, at the position
-        prev sampled for its request. Staged in `staging` (before its flush); None if none."""
+        prev sampled for its request. Staged in `staging` (before its flush); None if none.
+        `layout`: the batch's now; when prev was launched at it and sampled exactly these rows
+        (the steady decode step), its i-th sampled id is row i's, with no search."""
         if not prev.handles or not len(inputs.rows):
             return None
-        prev_handles = np.asarray(prev.handles, dtype=np.int64)
-        order = np.argsort(prev_handles)
-        ranked = prev_handles[order]
-        current = handle_ids[inputs.rows]
-        at = np.minimum(np.searchsorted(ranked, current), len(ranked) - 1)
-        src = order[at]
         last = inputs.query_start_loc[1:].astype(np.int64) - 1
-        fed = (ranked[at] == current) & (inputs.positions[last] == prev.positions[src])
+        if (layout == prev.layout and len(prev.rows) == len(inputs.rows)
+                and np.array_equal(prev.rows, inputs.rows)):
+            src = np.arange(len(last))
+            fed = inputs.positions[last] == prev.positions
+        else:
+            prev_handles = np.asarray(prev.handles, dtype=np.int64)
+            order = np.argsort(prev_handles)
+            ranked = prev_handles[order]
+            current = handle_ids[inputs.rows]
+            at = np.minimum(np.searchsorted(ranked, current), len(ranked) - 1)
+            src = order[at]
+            fed = (ranked[at] == current) & (inputs.positions[last] == prev.positions[src])
         if not fed.any():
             return None
         return TokenFeed(staging.put(last[fed], torch.int64, "feed dst"),

@@ -43,6 +43,7 @@ from worker_service.failures import StepProtocolError
 from worker_service.step.step_inputs import StepInputs
 
 ALIGN_BYTES = 64
+MAX_CACHED_VIEWS = 1024        # region views an arena keeps (a few per distinct step shape)
 
 
 class StepTooLarge(StepProtocolError):
@@ -69,6 +70,10 @@ class StagingArena:
         self.dev = torch.zeros(capacity, dtype=dtype, device=device) if on_cuda else self.host
         self._np = self.host.numpy()
         self.used = 0              # elements handed out this step (aligned)
+        # (start, shape) -> the region's two views and where the next region starts: steps of
+        # one shape take the same regions, so a steady step makes no view (a torch view costs
+        # microseconds). Bounded.
+        self._views: dict[tuple, tuple[tuple[np.ndarray, torch.Tensor], int]] = {}
 
     @property
     def capacity(self) -> int:
@@ -76,13 +81,22 @@ class StagingArena:
 
     def take(self, shape: tuple[int, ...], name: str) -> tuple[np.ndarray, torch.Tensor]:
         """The next region of `shape`: (host numpy view to fill, device view)."""
+        key = (self.used, shape)
+        hit = self._views.get(key)
+        if hit is not None:
+            self.used = hit[1]
+            return hit[0]
         n = prod(shape)
         start, end = self.used, self.used + n
         if end > self.capacity:
             raise StepTooLarge(f"staged {self.dtype} elements ({name} {shape})", end,
                                "arena capacity", self.capacity)
         self.used = min(aligned(end, self.dtype), self.capacity)
-        return self._np[start:end].reshape(shape), self.dev[start:end].view(shape)
+        if len(self._views) >= MAX_CACHED_VIEWS:
+            self._views.clear()
+        views = (self._np[start:end].reshape(shape), self.dev[start:end].view(shape))
+        self._views[key] = (views, self.used)
+        return views
 
     def flush(self) -> None:
         """Copy the regions handed out this step to the device (non-blocking; none on CPU)."""

@@ -8,6 +8,10 @@ For the scheduled rows r0, r1, ... (in row order) with n0, n1, ... tokens each:
     query_start_loc= [0, n0, n0+n1, ...]
     seq_lens       = num_computed[r] + n
 A row samples only when the step reaches its last known token (the end of its prefill, or a decode).
+
+The steady decode step (every row of the batch one token: num_scheduled None) has its own path:
+rows, counts, query_start_loc and logits_indices are slices of the batch's persistent index
+arrays, the block table a view, and the rest about ten numpy calls whatever the batch size.
 """
 from __future__ import annotations
 
@@ -37,9 +41,12 @@ class StepInputs:
         return int(self.input_ids.shape[0])
 
 
-def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray,
+def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray | None,
                         block_size: int) -> StepInputs:
-    """num_scheduled: int32 [batch.num_reqs], tokens per row this step (0 = idle)."""
+    """num_scheduled: int32 [batch.num_reqs], tokens per row this step (0 = idle); None: one
+    token for every row."""
+    if num_scheduled is None:
+        return _one_token_each(batch, block_size)
     rows = np.flatnonzero(num_scheduled > 0)
     counts = num_scheduled[rows].astype(np.int32)
     computed = batch.num_computed[rows]
@@ -73,4 +80,30 @@ def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray,
                       slot_mapping=slot_mapping, query_start_loc=query_start_loc,
                       seq_lens=seq_lens.astype(np.int32),
                       block_table=batch.block_table[rows, :max_blocks],
+                      sample_mask=sample_mask, logits_indices=logits_indices)
+
+
+def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
+    """prepare_step_inputs for one token in every row 0..n-1: the same arrays (the index ones
+    are read-only slices of the batch's), without a gather per count."""
+    n = batch.num_reqs
+    computed = batch.num_computed[:n]
+    seq_lens = computed + 1
+    ahead = batch.num_tokens[:n] - seq_lens        # tokens known past this one; < 0: none
+    if n and int(ahead.min()) < 0:
+        return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)   # raises
+    rows = batch.arange[:n]
+    positions = computed.astype(np.int64)
+    block_col, offset = np.divmod(positions, block_size)
+    max_blocks = int(block_col.max()) + 1 if n else 0
+    if n and (block_col >= batch.num_blocks[:n]).any():
+        return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)   # raises
+    slot_mapping = np.multiply(batch.block_table[rows, block_col], block_size, dtype=np.int64)
+    slot_mapping += offset
+    sample_mask = ahead == 0
+    logits_indices = rows if sample_mask.all() else np.flatnonzero(sample_mask)
+    return StepInputs(rows=rows, num_scheduled=batch.ones[:n], input_ids=batch.token_ids[
+                          rows, positions], positions=positions, slot_mapping=slot_mapping,
+                      query_start_loc=batch.arange[:n + 1].astype(np.int32), seq_lens=seq_lens,
+                      block_table=batch.block_table[:n, :max_blocks],
                       sample_mask=sample_mask, logits_indices=logits_indices)

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.request.params import ParamError, SamplingParams, StoppingParams, WorkerSamplingParams
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 
 BAD_SAMPLING = [
     ("temperature", -0.5, "[0.0, 100.0]"),
     ("temperature", float("nan"), "a number"),
     ("top_p", 0.0, "(0.0, 1.0]"),
     ("top_p", 1.5, "(0.0, 1.0]"),
-    ("top_k", -2, "[-1, inf]"),
+    ("top_k", -2, "[-1, 2147483647]"),
     ("top_k", 2.5, "an integer"),
     ("min_p", 1.1, "[0.0, 1.0]"),
     ("repetition_penalty", 0.0, "(0.0, 100.0]"),
@@ -46,38 +46,24 @@ def test_bad_stopping_values(kwargs, field, allowed):
     assert allowed in str(e.value)
 
 
-def test_good_values_and_wire_round_trip():
+def test_good_values():
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=5)
     assert not sp.greedy and SamplingParams().greedy
-    assert sp.to_wire() == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5}
-    assert SamplingParams().to_wire() == {}
-    wsp = WorkerSamplingParams(sp, seed=5, min_tokens=2, stop_ids=(0, 7))
-    assert WorkerSamplingParams.from_wire(wsp.to_wire()) == wsp
     assert StoppingParams(stop=["a"], stop_token_ids=[1]).stop == ("a",)
 
 
-def test_logit_bias_is_sorted_bounded_and_survives_the_wire():
-    import msgpack
-
+def test_logit_bias_is_sorted_and_bounded():
     params = SamplingParams(logit_bias={9: -100, 4: 2.5})
     assert params.logit_bias == ((4, 2.5), (9, -100.0))
-    wire = msgpack.unpackb(msgpack.packb(params.to_wire()))   # pairs come back as lists
-    assert SamplingParams.from_wire(wire) == params
-    assert SamplingParams().to_wire() == {}
     with pytest.raises(ParamError, match="at most 1024"):
         SamplingParams(logit_bias={i: 1.0 for i in range(1025)})
     with pytest.raises(ParamError, match="distinct"):
         SamplingParams(logit_bias=[(1, 1.0), (1, 2.0)])
 
 
-def test_allowed_token_ids_are_a_sorted_bounded_set_and_survive_the_wire():
-    import msgpack
-
+def test_allowed_token_ids_are_a_sorted_bounded_set():
     params = SamplingParams(allowed_token_ids=[9, 4, 7])
     assert params.allowed_token_ids == (4, 7, 9)
-    wire = msgpack.unpackb(msgpack.packb(params.to_wire()))   # the ids come back as a list
-    assert wire == {"allowed_token_ids": [4, 7, 9]}
-    assert SamplingParams.from_wire(wire) == params
     with pytest.raises(ParamError, match="at most 1024 ids"):
         SamplingParams(allowed_token_ids=range(1025))
     with pytest.raises(ParamError, match="distinct"):

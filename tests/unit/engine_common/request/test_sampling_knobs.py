@@ -10,6 +10,7 @@ import pytest
 from engine_common.request import diff_limits
 from engine_common.request.params import COLUMN_KNOBS, KNOBS, ParamError, SamplingParams
 from engine_common.wire.protos import generation_pb2, vllm_engine_pb2
+from engine_common.wire.codec import sampling_to_wire
 from deltaserve.client import FLAG_KNOBS, add_sampling_flags
 from worker_service.batch.input_batch import InputBatch
 
@@ -41,7 +42,7 @@ def test_the_widest_sampling_fits_the_diffs_sampling_bound():
         else:
             widest[k.name] = k.meta.lo + 0.125 if k.meta.lo is not None else 0.125
     widest["logit_bias"] = {2**31 - 1 - i: -99.5 for i in range(diff_limits.MAX_LOGIT_BIAS)}
-    size = len(msgpack.packb(SamplingParams(**widest).to_wire()))
+    size = len(msgpack.packb(sampling_to_wire(SamplingParams(**widest))))
     assert size <= diff_limits._SAMPLING + diff_limits._LOGIT_BIAS
 
 

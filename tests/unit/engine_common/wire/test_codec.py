@@ -148,7 +148,7 @@ def test_truncated_scheduler_output_raises(out, data):
 
 
 _GOOD_SCHED = [1, [], [], None, {}, [], []]
-_GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]
+_GOOD_NEW = [0, b"\x01\x00\x00\x00", [b"", 7, 0, []], [0], 0, 0, None]
 
 
 @pytest.mark.parametrize("fields", [
@@ -167,11 +167,13 @@ _GOOD_NEW = [0, b"\x01\x00\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]
     [1, [], [], {}, {"a": 1}, [], []],                     # handle not an int
     [1, [], [], {}, {}, [None], []],                       # finished handle not an int
     [1, [], [], {}, {}, [], 3],                            # preempted not a list
-    [1, [[0, b"\x01\x00\x00", [{}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # 3-byte ids
-    [1, [[0, [-1], [{}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # ids as negative list
-    [1, [[0, b"", [{"top_p": 5.0}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # bad param
-    [1, [[0, b"", [{"nope": 1}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # unknown param
-    [1, [[0, b"", [{}, -7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # negative seed
+    [1, [[0, b"\x01\x00\x00", [b"", 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # 3-byte ids
+    [1, [[0, [-1], [b"", 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # ids as negative list
+    [1, [[0, b"", [b"\x11" + b"\x00" * 6 + b"\x14@", 7, 0, []], [0], 0, 0, None]], [], {}, {},
+     [], []],                                              # bad param (top_p 5.0)
+    [1, [[0, b"", [b"\xf8\x06\x01", 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # unknown
+    [1, [[0, b"", [{"top_p": 0.5}, 7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # a map
+    [1, [[0, b"", [b"", -7, 0, []], [0], 0, 0, None]], [], {}, {}, [], []],  # negative seed
     [1, [_GOOD_NEW[:6]], [], {}, {}, [], []],              # new request missing a field
     [1, [_GOOD_NEW[:6] + [["regex"]]], [], {}, {}, [], []],         # constraint not a pair
     [1, [_GOOD_NEW[:6] + [["sql", "x"]]], [], {}, {}, [], []],      # unknown constraint kind

@@ -162,7 +162,7 @@ BAD_REQUESTS = [
      "in [0.0, 100.0]"),
     (_req(sampling=pb.SamplingParams(top_p=0.0)), "sampling.top_p", 0.0, "in (0.0, 1.0]"),
     (_req(sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p", 1.5, "in (0.0, 1.0]"),
-    (_req(sampling=pb.SamplingParams(top_k=-2)), "sampling.top_k", -2, "in [-1, inf]"),
+    (_req(sampling=pb.SamplingParams(top_k=-2)), "sampling.top_k", -2, "in [-1, 2147483647]"),
     (_req(sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p", 1.5, "in [0.0, 1.0]"),
     (_req(sampling=pb.SamplingParams(repetition_penalty=0.0)), "sampling.repetition_penalty", 0.0,
      "in (0.0, 100.0]"),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from worker_service.batch.input_batch import CachedRequestState, InputBatch
+from worker_service.failures import StepProtocolError
 from worker_service.step.step_inputs import prepare_step_inputs
 
 BS = 4
@@ -85,3 +87,69 @@ def test_step_inputs_match_a_per_token_loop():
     assert inp.rows.tolist() == [i for i in range(6) if sched[i] > 0]
     assert inp.sample_mask.all()  # every scheduled row reaches its last known token
     assert inp.logits_indices.tolist() == (np.cumsum(sched[sched > 0]) - 1).tolist()
+
+
+def _decode_ready(batch: InputBatch, states: list[CachedRequestState]) -> None:
+    """Every row one token short of its known ones, but row 1 three short (a prefill chunk)."""
+    for i, s in enumerate(states):
+        row = batch.handle_to_row[s.handle]
+        batch.num_computed[row] = s.num_tokens - (3 if i == 1 else 1)
+
+
+def _decoding_batch(seed: int, num_reqs: int) -> tuple[InputBatch, list[CachedRequestState]]:
+    rng = random.Random(seed)
+    batch = InputBatch(max_num_reqs=8, max_model_len=64, max_blocks_per_req=16)
+    states = [_state(h, rng) for h in range(num_reqs)]
+    for s in states:
+        batch.add(s)
+    _decode_ready(batch, states)
+    return batch, states
+
+
+def test_the_one_token_step_equals_the_general_one():
+    """prepare_step_inputs(None) (every row one token) gives the arrays the counted path gives;
+    a row still in its prefill computes one token and does not sample."""
+    batch, _ = _decoding_batch(1, 6)
+    fast = prepare_step_inputs(batch, None, BS)
+    slow = prepare_step_inputs(batch, np.ones(6, dtype=np.int32), BS)
+    for name in ("rows", "num_scheduled", "input_ids", "positions", "slot_mapping",
+                 "query_start_loc", "seq_lens", "block_table", "sample_mask", "logits_indices"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert fast.sample_mask.tolist() == [True, False, True, True, True, True]
+
+
+def test_the_one_token_step_refuses_what_the_general_one_refuses():
+    batch, states = _decoding_batch(2, 3)
+    batch.num_computed[2] = batch.num_tokens[2]          # nothing left to compute
+    with pytest.raises(StepProtocolError, match="handle 2: scheduled past its known tokens"):
+        prepare_step_inputs(batch, None, BS)
+    _decode_ready(batch, states)
+    batch.num_blocks[0] = 0
+    with pytest.raises(StepProtocolError, match="handle 0: not enough KV blocks"):
+        prepare_step_inputs(batch, None, BS)
+
+
+def _with(handle: int, **knobs) -> CachedRequestState:
+    extra = {k: knobs.pop(k) for k in ("min_tokens", "stop_ids") if k in knobs}
+    logprobs = knobs.pop("num_logprobs", 0)
+    return CachedRequestState(handle, [1, 2, 3], WorkerSamplingParams(
+        SamplingParams(**knobs), seed=handle, **extra), [handle], 0, logprobs)
+
+
+def test_rows_setting_a_feature_are_counted_through_add_remove_and_condense():
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4)
+    batch.add(_with(0))
+    batch.add(_with(1, temperature=0.7, top_k=5, logit_bias={3: 1.0}))
+    batch.add(_with(2, top_p=0.9, allowed_token_ids=[4, 5], min_tokens=2, stop_ids=(7,),
+                    num_logprobs=3))
+    batch.add(_with(3, top_k=-1, min_tokens=2))       # top_k -1 is off; no stop ids to mask
+    on = {name for name, n in batch.num_rows_setting.items() if n}
+    assert on == {"temperature", "top_k", "logit_bias", "top_p", "allowed_token_ids",
+                  "min_tokens", "num_logprobs"}
+    batch.remove(1)
+    batch.condense()                                  # row 3 moves into row 1's place
+    assert batch.num_rows_setting["temperature"] == batch.num_rows_setting["top_k"] == 0
+    assert batch.num_rows_setting["top_p"] == 1
+    batch.remove(2)
+    assert not any(batch.num_rows_setting.values())

@@ -206,3 +206,22 @@ def test_stage_step_inputs_and_sampling_columns_equal_numpy(tiny_models):
     assert sm.prompt_token_ids[h2, :3].tolist() == prompt_h2
     assert set(sm.prompt_token_ids[h2, 3:].tolist()) <= {runner.vocab_size}
     assert not sm.all_greedy and not sm.all_random and sm.max_num_logprobs == 2
+
+
+def test_a_step_of_the_same_shape_reuses_its_region_views_and_the_cache_is_bounded(
+        monkeypatch):
+    from worker_service.step import step_buffers
+    monkeypatch.setattr(step_buffers, "MAX_CACHED_VIEWS", 8)
+    buffers = StepBuffers(64, 8, 4, "cpu")
+    views = []
+    for values in (np.arange(5), np.arange(5) + 100):
+        buffers.begin()
+        views.append(buffers.put(values, torch.int64, "ids"))
+        assert views[-1].tolist() == values.tolist()
+    assert views[0] is views[1]
+    arena = buffers.arenas[torch.int64]
+    for n in range(1, 30):
+        arena.used = 0
+        host, dev = arena.take((n, 1), "many shapes")
+        assert host.shape == tuple(dev.shape) == (n, 1)
+    assert 1 <= len(arena._views) <= 8
