@@ -2,6 +2,7 @@
 
     python -m bench.host_overhead                         # make bench-host
     python -m bench.host_overhead --device-ms 5.8 --grpc --baseline-tree ../old-checkout
+    python -m bench.host_overhead --grpc-only --rounds 5 --baseline-tree ../old-checkout
 
 The model is tiny (1 layer, hidden 64, the 512-id test tokenizer), so its compute is negligible;
 every request decodes --output-len tokens (greedy, ignore_eos) with one torch thread. Lanes:
@@ -12,7 +13,9 @@ every request decodes --output-len tokens (greedy, ignore_eos) with one torch th
               the device time says whether the host keeps the device busy (1.00 = it does).
   gRPC        the same over separate `deltaserve worker` (simulated device) and
               `deltaserve scheduler` processes on loopback (--grpc): per-request decode time
-              per token from the client's streams.
+              per token from the client's streams, and the CPU time each process (the client
+              is this one) spent per decode step; with --baseline-tree the same services run
+              from the other checkout too (the client stays this tree's), alternating.
   host        no simulated device: the real (negligible) model, one step in flight, 256
               requests: the host work per decode step (the step less the forward pass and
               sampler); with --baseline-tree the same run on another checkout, alternating
@@ -53,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each lane (default: 3)")
     p.add_argument("--grpc", action="store_true",
                    help="also the gRPC lane (128 requests, separate processes)")
+    p.add_argument("--grpc-only", action="store_true",
+                   help="only the gRPC lane (with --baseline-tree: alternating with it)")
     p.add_argument("--baseline-tree", default=None,
                    help="another checkout: its host time per step, alternating with this one")
     p.add_argument("--results-file", default=None, help="append the block here")
@@ -107,14 +112,22 @@ def phase_lines(runs: list[dict], indent: str) -> list[str]:
             for name in names if name != "step"]
 
 
-def host_lane(args, model: str) -> list[str]:
+def alternating_rounds(args, run_round) -> dict[str, list[dict]]:
+    """`run_round(tree)` --rounds times on this tree, and on --baseline-tree when given,
+    alternating, so both see the same machine: each tree's results by its name."""
     trees = [("this tree", REPO)]
     if args.baseline_tree:
         trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
     results: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
-        for name, tree in trees:       # alternating, so both see the same machine
-            results[name].append(run_child(tree, model, 256, args.output_len, None, False))
+        for name, tree in trees:
+            results[name].append(run_round(tree))
+    return results
+
+
+def host_lane(args, model: str) -> list[str]:
+    results = alternating_rounds(
+        args, lambda tree: run_child(tree, model, 256, args.output_len, None, False))
     lines = ["host work per decode step (the step less the runner's forward and sampling), "
              "real 1-layer model, 256 requests, one step in flight (ms, min / median / max of "
              "the rounds' steady-state medians):"]
@@ -134,43 +147,86 @@ def host_lane(args, model: str) -> list[str]:
 
 
 def grpc_lane(args, model: str) -> list[str]:
+    runs = alternating_rounds(args, lambda tree: grpc_round(tree, model, args))
+    lines = [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
+             f"{args.device_ms} ms: decode ms per token / device ms (the rounds' median "
+             f"requests), CPU ms per decode step of each process, and the scheduler's CPU per "
+             f"message streamed (a slow consumer's steps merge into one), min / median / max:"]
+    medians = {}
+    for name, rounds in runs.items():
+        ratios = [r["ratio"] for r in rounds]
+        medians[name] = statistics.median(ratios)
+        cpu = ", ".join(f"{proc} {spread([r['cpu_ms'][proc] for r in rounds])}"
+                        for proc in rounds[0]["cpu_ms"])
+        lines.append(f"  {name}: ratio {spread(ratios)}; CPU ms per step: {cpu}; scheduler "
+                     f"CPU us per message "
+                     f"{spread([r['scheduler_us_per_message'] for r in rounds])} (messages "
+                     f"per step {spread([r['messages_per_step'] for r in rounds])})")
+    if len(medians) == 2:
+        (_, ours), (_, base) = medians.items()
+        lines.append(f"  this tree / baseline (median ratios): {ours / base:.2f}")
+    return lines
+
+
+def grpc_round(tree: Path, model: str, args) -> dict:
+    """One round on fresh `tree` services: the ratio, and the CPU time each process spent per
+    decode step while the client streamed."""
     from bench.services import Services
 
-    ratios = []
-    for _ in range(args.rounds):
-        with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
-                Services(logs, {"OMP_NUM_THREADS": "1"}) as services:
-            target = services.start(
-                model, "cpu", ["--max-num-seqs", "128", "--max-model-len", "1024",
-                               "--kv-cache-gib", "0.05", "--async-scheduling",
-                               "--max-waiting", "1024"],
-                worker_flags=("--simulated-device-ms", repr(args.device_ms)))
-            per_token = asyncio.run(_stream_all(target, 128, args.output_len))
-        ratios.append(statistics.median(per_token) / args.device_ms)
-    return [f"gRPC, separate scheduler and worker processes, 128 requests, simulated device "
-            f"{args.device_ms} ms: decode ms per token / device ms, min / median / max of the "
-            f"rounds' median requests: {spread(ratios)}"]
+    with tempfile.TemporaryDirectory(prefix="deltaserve-host-") as logs, \
+            Services(logs, {"OMP_NUM_THREADS": "1"}, repo_root=tree) as services:
+        target = services.start(
+            model, "cpu", ["--max-num-seqs", "128", "--max-model-len", "1024",
+                           "--kv-cache-gib", "0.05", "--async-scheduling",
+                           "--max-waiting", "1024"],
+            worker_flags=("--simulated-device-ms", repr(args.device_ms)))
+        procs = {proc.name: proc.popen.pid for proc in services.procs}
+        before = {name: process_cpu_seconds(pid) for name, pid in procs.items()}
+        client_before = _own_cpu_s()
+        streams = asyncio.run(_stream_all(target, 128, args.output_len))
+        spent = {name: process_cpu_seconds(pid) - before[name] for name, pid in procs.items()}
+        spent["client"] = _own_cpu_s() - client_before
+    num_messages = sum(n for _, n in streams)
+    return {"ratio": statistics.median(ms for ms, _ in streams) / args.device_ms,
+            "cpu_ms": {name: s / args.output_len * 1e3 for name, s in spent.items()},
+            "scheduler_us_per_message": spent["scheduler"] / num_messages * 1e6,
+            "messages_per_step": num_messages / args.output_len}
 
 
-async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[float]:
-    """Per request: (last token time - first token time) / (tokens - 1), in ms."""
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc). bench.peers.protocol has one
+    for its harness; bench/peers imports from bench/, so importing it here would be a cycle."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[tuple[float, int]]:
+    """Per request: (last token time - first token time) / (tokens - 1) in ms, and how many
+    messages carried its tokens (fewer than tokens when the server merged steps for a stream
+    that fell behind)."""
     import grpc
 
     from engine_common.wire.protos import generation_pb2 as pb, generation_pb2_grpc
 
-    async def one(stub, i: int) -> float:
+    async def one(stub, i: int) -> tuple[float, int]:
         request = pb.GenerateRequest(
             request_id=f"host-{i}", token_ids=[3 + (i * 7 + j) % 400 for j in range(32)],
             sampling=pb.SamplingParams(temperature=0.0),
             stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
         first = last = None
-        count = 0
+        count = messages = 0
         async for msg in stub.Generate(request, timeout=600):
             if msg.token_ids:
                 last = time.perf_counter()
                 first = first or last
                 count += len(msg.token_ids)
-        return (last - first) / max(1, count - 1) * 1e3
+                messages += 1
+        return (last - first) / max(1, count - 1) * 1e3, messages
 
     async with grpc.aio.insecure_channel(target) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
@@ -186,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
              f"{describe_cpu()}; model: 1 layer, hidden 64, 512-id tokenizer; "
              f"{args.output_len} tokens per request, greedy, 1 torch thread, {args.rounds} "
              f"rounds", ""]
-    lines += simulated_lane(args, model)
-    if args.grpc:
+    if not args.grpc_only:
+        lines += simulated_lane(args, model)
+    if args.grpc or args.grpc_only:
         lines += grpc_lane(args, model)
-    lines += host_lane(args, model)
+    if not args.grpc_only:
+        lines += host_lane(args, model)
     command = " ".join(["python -m bench.host_overhead", *(argv or sys.argv[1:])])
     block = "\n".join(lines + ["", f"command: `{command}`", ""])
     print(block)

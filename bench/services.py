@@ -40,13 +40,13 @@ class Service:
     """One `python -m deltaserve.cli ...` child process and its log file."""
 
     def __init__(self, name: str, cli_args: list[str], log_path: Path, env: dict[str, str],
-                 own_session: bool = True):
+                 own_session: bool = True, repo_root: Path = REPO_ROOT):
         self.name = name
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 dying_with_parent([sys.executable, "-m", "deltaserve.cli", *cli_args]),
-                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=own_session)
 
     def wait_ready(self, pattern: re.Pattern, timeout_s: float) -> int:
@@ -79,11 +79,13 @@ class Service:
 
 
 class Services:
-    """One worker and one scheduler; a context manager that stops both on exit."""
+    """One worker and one scheduler; a context manager that stops both on exit. `repo_root`:
+    the checkout whose code they run (another one for before/after comparisons)."""
 
     def __init__(self, log_dir: str | Path, extra_env: dict[str, str] | None = None,
-                 own_session: bool = True):
+                 own_session: bool = True, repo_root: str | Path = REPO_ROOT):
         self.log_dir = Path(log_dir)
+        self.repo_root = Path(repo_root)
         self.own_session = own_session
         self.extra_env = dict(extra_env or {})
         self.procs: list[Service] = []
@@ -119,13 +121,13 @@ class Services:
     def _spawn(self, name: str, cli_args: list[str]) -> Service:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         proc = Service(name, cli_args, self.log_dir / f"{name}.log", self._env(),
-                       self.own_session)
+                       self.own_session, self.repo_root)
         self.procs.append(proc)
         return proc
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.repo_root),
                                                           env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.extra_env)

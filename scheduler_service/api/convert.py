@@ -93,19 +93,29 @@ def finish_reason_to_proto(status: RequestStatus | None) -> int:
     return _FINISH_REASONS[status]
 
 
-def output_to_proto(out: RequestOutput,
-                    token_text: Callable[[int], str] | None = None) -> pb.GenerateResponse:
+def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None = None,
+                    request_id: str | None = None) -> pb.GenerateResponse:
     """One GenerateResponse for one RequestOutput. `token_text` (a token id's text on its own)
-    fills TopLogprob.text; without it the text is left empty.
+    fills TopLogprob.text; without it the text is left empty. `request_id`: the id the client
+    knows (default: the output's).
 
     finish_reason, the matched stop and the timings are set only when the output is finished.
+    NOTE built in place (`add`, field by field): a stream sends one of these per step, and
+    sub-messages passed to the constructor are built, then copied (twice the time).
     """
-    msg = pb.GenerateResponse(
-        request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text,
-        logprobs=[_logprob_to_proto(entry, token_text) for entry in out.logprobs],
-        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens,
-                       completion_tokens=out.num_output_tokens,
-                       cached_prompt_tokens=max(0, out.num_cached_tokens)))
+    msg = pb.GenerateResponse(request_id=out.request_id if request_id is None else request_id,
+                              token_ids=out.new_token_ids, text=out.new_text)
+    add_logprob = msg.logprobs.add
+    for entry in out.logprobs:
+        if entry.top_token_ids:
+            _add_top_logprobs(add_logprob(token_id=entry.token_id, logprob=entry.logprob),
+                              entry, token_text)
+        else:
+            add_logprob(token_id=entry.token_id, logprob=entry.logprob)
+    usage = msg.usage
+    usage.prompt_tokens = out.num_prompt_tokens
+    usage.completion_tokens = out.num_output_tokens
+    usage.cached_prompt_tokens = max(0, out.num_cached_tokens)
     if out.finished:
         msg.finish_reason = finish_reason_to_proto(out.finish_reason)
         if isinstance(out.stop_reason, str):
@@ -116,11 +126,11 @@ def output_to_proto(out: RequestOutput,
     return msg
 
 
-def _logprob_to_proto(entry: TokenLogprob,
-                      token_text: Callable[[int], str] | None) -> pb.TokenLogprob:
-    top = [pb.TopLogprob(token_id=t, logprob=lp, text=token_text(t) if token_text else "")
-           for t, lp in zip(entry.top_token_ids, entry.top_logprobs)]
-    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, top_logprobs=top)
+def _add_top_logprobs(msg: pb.TokenLogprob, entry: TokenLogprob,
+                      token_text: Callable[[int], str] | None) -> None:
+    add_top = msg.top_logprobs.add
+    for t, lp in zip(entry.top_token_ids, entry.top_logprobs):
+        add_top(token_id=t, logprob=lp, text=token_text(t) if token_text else "")
 
 
 def timings_to_proto(timings: RequestTimings) -> pb.Timings:

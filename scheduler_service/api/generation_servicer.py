@@ -12,6 +12,7 @@ never on the event loop, so one long prompt or big constraint cannot stall the o
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Callable
 
@@ -55,9 +56,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # -- Generate ---------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Stream one GenerateResponse per engine step that produced tokens for the request."""
+        """Stream one GenerateResponse per engine step that produced tokens for the request.
+
+        Written with context.write (a coroutine handler): each message then passes one async
+        generator (the engine's) on its way to grpc, not two more of this layer's. A failed
+        write is grpc's to report, as with a generator handler; the engine's stream is closed
+        (the request aborted) however the call ends."""
         self._engine.counters.received()
-        streamed = False
+        streamed = writing = False
         owned = None
         caller = caller_of(context)
         try:
@@ -65,14 +71,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 request, policy_of(context, self._keys), pool_caller(context), caller)
             owned = self._own(engine_request.request_id, caller)
             own_id = client_id(caller, engine_request.request_id)
-            async for out in self._engine.generate(engine_request):
-                streamed = True
-                msg = output_to_proto(out, self._token_text)
-                msg.request_id = own_id
-                yield msg
+            async with aclosing(self._engine.generate(engine_request)) as outputs:
+                async for out in outputs:
+                    streamed = True
+                    msg = output_to_proto(out, self._token_text, own_id)
+                    writing = True
+                    await context.write(msg)
+                    writing = False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
+            if writing:          # the call is over (grpc's error): nothing more to tell it
+                raise
             self._count_failure(e, streamed)
             await abort_with(context, e)
         finally:

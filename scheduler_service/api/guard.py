@@ -12,8 +12,9 @@ Abort can end only the caller's own requests, and `scoped_id` gives each key its
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Callable, Iterable
+from typing import Callable
 
 import grpc
 
@@ -130,13 +131,17 @@ def _unary_guard(behavior: Callable, refuse: Callable) -> Callable:
 
 
 def _stream_guard(behavior: Callable, refuse: Callable) -> Callable:
+    """The handler as a coroutine that writes each item of `behavior` (an async generator) to
+    the context: what grpc does with a generator handler, without a second generator layer
+    between it and grpc on every message. The generator is closed when the call ends early
+    (cancelled, a failed write), so its cleanup (aborting the request) runs at once."""
     if not inspect.isasyncgenfunction(behavior):   # a coroutine that writes to the context
         return _unary_guard(behavior, refuse)
 
     async def guarded(request, context):
         if isinstance(request, _Undecodable):
-            await refuse(request, context)
-            return
-        async for item in behavior(request, context):
-            yield item
+            return await refuse(request, context)
+        async with contextlib.aclosing(behavior(request, context)) as items:
+            async for item in items:
+                await context.write(item)
     return guarded

@@ -129,25 +129,18 @@ class AsyncEngine:
         if not self.ready:
             raise EngineUnavailable(f"no worker is ready: {self.last_error}")
         hub = self._hub(asyncio.get_running_loop())
-        outputs = hub.open(request)
+        box = hub.open(request)
         self._commands.put(("add", request, hub))
         finished = False
-        held = None              # an item taken while merging: the next one to hand out
         try:
             while not finished:
-                item, held = (held if held is not None else await outputs.get()), None
-                if isinstance(item, BaseException):
-                    finished = True   # never added, or already dropped by the engine
-                    raise item
                 # A consumer that fell behind gets the steps waiting for it as one output.
-                while not item.finished and not outputs.empty():
-                    later = outputs.get_nowait()
-                    if isinstance(later, BaseException):
-                        held = later
-                        break
-                    item = merge_outputs(item, later)
-                finished = item.finished
-                yield item
+                for item in coalesce(await box.take()):
+                    if isinstance(item, BaseException):
+                        finished = True   # never added, or already dropped by the engine
+                        raise item
+                    finished = item.finished
+                    yield item
         finally:
             if not finished:
                 self.abort([request.request_id])
@@ -397,3 +390,19 @@ class AsyncEngine:
             num_used_blocks=s.num_total_blocks - s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_steps_in_flight=core.num_steps_in_flight)
+
+
+def coalesce(items: list) -> list:
+    """A stream's waiting items with each run of consecutive outputs merged into one (an error,
+    or a finished output, ends a run: nothing follows either)."""
+    if len(items) == 1:
+        return items
+    out: list = []
+    for item in items:
+        last = out[-1] if out else None
+        if (isinstance(last, RequestOutput) and not last.finished
+                and isinstance(item, RequestOutput)):
+            out[-1] = merge_outputs(last, item)
+        else:
+            out.append(item)
+    return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
+from collections import Counter as Tally
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -64,6 +66,7 @@ class SchedulerMetrics:
         self._lock = threading.Lock()
         self._token_times: dict[str, tuple[float, float]] = {}   # request -> (first, last)
         self._prefix_seen: tuple[int, int] = (0, 0)   # this epoch's (queries, hits) so far
+        self._phases: dict = {}     # phase -> step_phase's child, made at its first observation
         self._make_request_histograms(request_token_buckets(max_model_len))
         self._make_step_metrics()
 
@@ -128,27 +131,30 @@ class SchedulerMetrics:
     # -- the serving side, once per hand-off --------------------------------------------------
 
     def observe_outputs(self, outputs: list[RequestOutput], output_processing_s: float) -> None:
+        """One hand-off's outputs: time to first token, inter-token latency (both observed in
+        bulk: one hand-off holds an output of every running request), and each finish."""
         now = time.monotonic()
-        self.step_phase.labels(self.model_name, "output_processing").observe(output_processing_s)
+        self._phase("output_processing").observe(output_processing_s)
+        first, gaps = [], []
         with self._lock:
+            times = self._token_times
             for out in outputs:
+                rid = out.request_id
                 if out.error is not None:
-                    self._token_times.pop(out.request_id, None)
+                    times.pop(rid, None)
                     continue
-                self._observe_tokens(out, now)
+                if out.new_token_ids:
+                    seen = times.get(rid)
+                    if seen is None:
+                        first.append(now - out.timings.arrival_time)
+                        times[rid] = (now, now)
+                    else:
+                        gaps.append(now - seen[1])
+                        times[rid] = (seen[0], now)
                 if out.finished:
                     self._observe_finish(out, now)
-
-    def _observe_tokens(self, out: RequestOutput, now: float) -> None:
-        if not out.new_token_ids:
-            return
-        times = self._token_times.get(out.request_id)
-        if times is None:
-            self.ttft.observe(now - out.timings.arrival_time)
-            self._token_times[out.request_id] = (now, now)
-        else:
-            self.itl.observe(now - times[1])
-            self._token_times[out.request_id] = (times[0], now)
+        observe_many(self.ttft, first)
+        observe_many(self.itl, gaps)
 
     def _observe_finish(self, out: RequestOutput, now: float) -> None:
         t = out.timings
@@ -172,18 +178,26 @@ class SchedulerMetrics:
     # -- the engine thread, once per step ------------------------------------------------------
 
     def observe_step(self, step: StepStats, prefix: PrefixCacheStats) -> None:
-        phase = self.step_phase
+        phase = self._phase
         if step.diff_bytes:
-            phase.labels(self.model_name, "schedule").observe(step.schedule_s)
+            phase("schedule").observe(step.schedule_s)
             self.diff_bytes.observe(step.diff_bytes)
             self.batch_size.observe(step.num_reqs)
             self.iteration_tokens.observe(step.num_tokens)
         if step.round_trip_s:
-            phase.labels(self.model_name, "round_trip").observe(step.round_trip_s)
-            phase.labels(self.model_name, "update").observe(step.update_s)
+            phase("round_trip").observe(step.round_trip_s)
+            phase("update").observe(step.update_s)
         if step.num_preempted:
             self.preemptions.inc(step.num_preempted)
         self._observe_prefix_cache(prefix)
+
+    def _phase(self, name: str):
+        """step_phase's child for `name` (labels() costs a few us; two threads may both make
+        it the first time: prometheus_client hands both the same child)."""
+        child = self._phases.get(name)
+        if child is None:
+            child = self._phases[name] = self.step_phase.labels(self.model_name, name)
+        return child
 
     def _observe_prefix_cache(self, prefix: PrefixCacheStats) -> None:
         """The KV manager's counts restart with each epoch's scheduler: add the increase."""
@@ -204,6 +218,24 @@ class SchedulerMetrics:
         else:
             kind = "unavailable" if isinstance(error, EngineUnavailable) else "internal"
         self.step_failures.labels(self.model_name, kind).inc()
+
+
+def observe_many(histogram: Histogram, amounts: list[float]) -> None:
+    """`histogram.observe(a)` for every a in `amounts`, with one update per bucket hit instead
+    of one per amount (prometheus_client keeps a count per bucket, the first whose bound is >=
+    the amount, and a sum). Without those internals (another prometheus_client), one by one."""
+    if not amounts:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    for i, n in Tally(bisect_left(bounds, a) for a in amounts).items():
+        buckets[i].inc(n)
+    total.inc(sum(amounts))
 
 
 class _Snapshots:

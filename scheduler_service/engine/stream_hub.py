@@ -1,9 +1,9 @@
-"""The serving side of AsyncEngine on one event loop: text, stop strings and the streams' queues.
+"""The serving side of AsyncEngine on one event loop: text, stop strings and the streams' mailboxes.
 
 The engine thread hands a hub one list per loop turn (`deliver`, scheduled with a single
 `call_soon_threadsafe`): every TokenUpdate of the step for this loop's requests, and StreamError
 for requests that ended without one (rejected, engine failure). The hub turns the updates into
-RequestOutputs with its own OutputProcessor and puts each on its stream's queue; requests that
+RequestOutputs with its own OutputProcessor and puts each in its stream's Mailbox; requests that
 matched a stop string (or whose output failed) go back to the engine in one `finish` command.
 
 NOTE ordering: items of one request arrive in engine order (a loop runs its callbacks FIFO), and
@@ -34,6 +34,40 @@ class StreamError:
     error: BaseException
 
 
+class Mailbox:
+    """One stream's items (outputs, or the error that ends it) in order; its one consumer takes
+    everything waiting at once. Leaner than an asyncio.Queue (no size bound, no task counting):
+    the hub puts an item per stream per step, and the consumer merges what piled up. Loop only."""
+
+    __slots__ = ("_loop", "_items", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take_nowait(self) -> list:
+        """Every item waiting, oldest first (empty if none)."""
+        items, self._items = self._items, []
+        return items
+
+    async def take(self) -> list:
+        """Every item waiting, oldest first; waits for one if none is."""
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.take_nowait()
+
+
 # finish(request_ids, status): ask the engine to finish requests the serving side ended.
 FinishCommand = Callable[[list[str], RequestStatus], None]
 
@@ -46,16 +80,16 @@ class StreamHub:
         self._finish = finish
         self._counters = counters
         self._metrics = metrics
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._boxes: dict[str, Mailbox] = {}
 
-    def open(self, request: Request) -> asyncio.Queue:
-        """The queue the request's outputs (or its error) will arrive on."""
+    def open(self, request: Request) -> Mailbox:
+        """The mailbox the request's outputs (or its error) will arrive in."""
         rid = request.request_id
-        if rid in self._queues:
+        if rid in self._boxes:
             raise RequestRejected(rid, "request_id", rid, "unique among unfinished requests")
         self._processor.add_request(request)
-        self._queues[rid] = queue = asyncio.Queue()
-        return queue
+        self._boxes[rid] = box = Mailbox(self.loop)
+        return box
 
     def deliver(self, items: list) -> None:
         """One hand-off from the engine thread: TokenUpdates and StreamErrors."""
@@ -79,6 +113,6 @@ class StreamHub:
         self._metrics.observe_outputs(outputs, processing_s)
 
     def _put(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
-        queue = self._queues.pop(request_id, None) if last else self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
+        box = self._boxes.pop(request_id, None) if last else self._boxes.get(request_id)
+        if box is not None:
+            box.put(item)

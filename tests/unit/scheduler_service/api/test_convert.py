@@ -246,6 +246,13 @@ def test_running_output_has_no_finish_fields():
     assert len(msg.logprobs) == 0
 
 
+def test_output_carries_the_id_the_client_knows_when_given():
+    assert convert.output_to_proto(_out(), request_id="own").request_id == "own"
+    empty = convert.output_to_proto(_out(new_token_ids=[], new_text="", num_prompt_tokens=0,
+                                         num_output_tokens=0, num_cached_tokens=0))
+    assert empty.HasField("usage")     # an all-zero usage is still sent, as it always was
+
+
 def test_finished_by_stop_string_carries_reason_stop_and_timings():
     timings = RequestTimings(arrival_time=100.0, first_token_time=100.25, finish_time=101.5,
                              first_scheduled_time=100.125)   # read when the timings carry it

@@ -219,7 +219,7 @@ def test_request_ids_are_per_key(guarded):
     assert next(a_gen).request_id == "g-dup"
     a_vllm = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
                                     request_id="dup"), timeout=30, metadata=BEARER_A)
-    wait_until(lambda: sum(len(hub._queues) for hub in server.engine._hubs.values()) == 2,
+    wait_until(lambda: sum(len(hub._boxes) for hub in server.engine._hubs.values()) == 2,
                "A's second request to be open")
     try:
         for call in (lambda: list(stub.Generate(generate(request_id="dup", max_tokens=2),
@@ -236,7 +236,7 @@ def test_request_ids_are_per_key(guarded):
             request_id="g-dup", token_ids=[5, 6, 7],
             stopping=gpb.StoppingCriteria(max_tokens=2, ignore_eos=True)), timeout=30,
             metadata=BEARER_B)
-        wait_until(lambda: sum(len(hub._queues) for hub in server.engine._hubs.values()) == 4,
+        wait_until(lambda: sum(len(hub._boxes) for hub in server.engine._hubs.values()) == 4,
                    "B's requests to be open beside A's")
         server.release_steps()
         (done,) = b_vllm

@@ -252,9 +252,7 @@ def test_tokens_computed_after_a_stop_string_never_reach_the_stream(tok):
         hub.deliver(core.step())            # the engine is a step late
         ids, status = finish_commands[0]
         core.scheduler.finish_requests(ids, status)
-        got = []
-        while not outputs.empty():
-            got.append(outputs.get_nowait())
+        got = outputs.take_nowait()
     finally:
         loop.close()
     assert ids == ["x"] and status == RequestStatus.FINISHED_STOP_STRING

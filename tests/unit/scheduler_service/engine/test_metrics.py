@@ -116,3 +116,28 @@ def test_scrape_reads_the_snapshots_get_server_status_reads(metrics):
 def test_request_token_buckets_follow_vllm():
     assert request_token_buckets(128) == (1, 2, 5, 10, 20, 50, 100)
     assert request_token_buckets(5) == (1, 2, 5)
+
+
+def test_observe_many_counts_as_observing_one_by_one():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from scheduler_service.engine.metrics import ITL_BUCKETS, observe_many
+
+    registry = CollectorRegistry()
+    one = Histogram("one", "", buckets=ITL_BUCKETS, registry=registry)
+    many = Histogram("many", "", buckets=ITL_BUCKETS, registry=registry)
+    # On a bound, between bounds, below the first, above the last (the +Inf bucket), repeated.
+    amounts = [0.01, 0.0125, 0.0, 0.05, 0.05, 0.3, 80.0, 100.0, 0.01]
+    for a in amounts:
+        one.observe(a)
+    observe_many(many, amounts)
+    observe_many(many, [])
+
+    def samples(name):
+        return {(s.name.removeprefix(name), tuple(sorted(s.labels.items()))): s.value
+                for family in registry.collect() if family.name == name
+                for s in family.samples if not s.name.endswith("_created")}
+
+    ones, manys = samples("one"), samples("many")
+    assert len(ones) == len(ITL_BUCKETS) + 1 + 2        # the buckets, +Inf, count and sum
+    assert ones == pytest.approx(manys)

@@ -1,0 +1,60 @@
+"""A stream's Mailbox and the merging of what piled up in it (coalesce): a consumer that reads
+slower than the engine steps gets the waiting steps as one output, in order, and never past an
+error or a final output."""
+from __future__ import annotations
+
+import asyncio
+
+from scheduler_service.core.request import RequestStatus
+from scheduler_service.engine.async_engine import coalesce
+from scheduler_service.engine.output_processor import RequestOutput, RequestTimings
+from scheduler_service.engine.stream_hub import Mailbox
+from scheduler_service.errors import EngineUnavailable
+
+
+def out(ids, total, finish=None):
+    return RequestOutput("r", list(ids), "".join(f"<{i}>" for i in ids), [], finish is not None,
+                         finish, None, 3, total, 0, RequestTimings(0.0, None, None))
+
+
+def test_take_waits_for_a_put_and_then_hands_out_everything_waiting():
+    async def run():
+        box = Mailbox(asyncio.get_running_loop())
+        taker = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0)            # the taker is waiting now
+        assert not taker.done()
+        box.put(1)
+        box.put(2)
+        first = await taker
+        box.put(3)
+        return first, await box.take(), box.take_nowait()
+
+    assert asyncio.run(run()) == ([1, 2], [3], [])
+
+
+def test_a_cancelled_take_leaves_the_box_usable():
+    async def run():
+        box = Mailbox(asyncio.get_running_loop())
+        taker = asyncio.ensure_future(box.take())
+        await asyncio.sleep(0)
+        taker.cancel()
+        await asyncio.gather(taker, return_exceptions=True)
+        box.put("x")
+        return taker.cancelled(), await box.take()
+
+    assert asyncio.run(run()) == (True, ["x"])
+
+
+def test_coalesce_merges_runs_of_outputs_up_to_a_final_one():
+    merged, = coalesce([out([5], 1), out([6], 2), out([7], 3, RequestStatus.FINISHED_LENGTH)])
+    assert (merged.new_token_ids, merged.new_text, merged.num_output_tokens) == (
+        [5, 6, 7], "<5><6><7>", 3)
+    assert merged.finished and merged.finish_reason == RequestStatus.FINISHED_LENGTH
+
+
+def test_coalesce_keeps_an_error_after_the_outputs_before_it():
+    error = EngineUnavailable("worker gone")
+    first, second = coalesce([out([5], 1), out([6], 2), error])
+    assert first.new_token_ids == [5, 6] and not first.finished and second is error
+    single = [out([5], 1)]
+    assert coalesce(single) is single and coalesce([]) == []
