@@ -52,6 +52,10 @@ def _why(e: Exception) -> str:
 
 
 def _u32(values) -> bytes:
+    """A list, or a numpy integer array straight from its buffer (no Python int per value:
+    the runner's sampled ids and logprobs come as arrays)."""
+    if hasattr(values, "dtype"):
+        return values.astype("=u4", copy=False).tobytes()
     return array("I", values).tobytes()
 
 
@@ -60,6 +64,8 @@ def _from_u32(data: bytes) -> list[int]:
 
 
 def _f32(values) -> bytes:
+    if hasattr(values, "dtype"):
+        return values.astype("=f4", copy=False).tobytes()
     return array("f", values).tobytes()
 
 

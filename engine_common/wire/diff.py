@@ -68,6 +68,8 @@ class RunnerOutput:
     step: int
     handles: list[int] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
+    # The model runner hands over its logprobs and top alternatives as numpy arrays, which
+    # encode_runner_output writes as they are; decoded, they are lists.
     logprobs: list[float] = field(default_factory=list)
     # handle -> (token ids, logprobs) of the top alternatives, for requests that asked for them.
     top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)

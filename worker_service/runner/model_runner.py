@@ -365,11 +365,12 @@ class ModelRunner:
         token_ids = self.cached.record(handles, pending.positions, sampled.token_ids,
                                        pending.rows if same_rows else None)
         self.grammar.advance(handles, token_ids)
+        # The logprobs and top alternatives stay numpy arrays: encode_runner_output writes
+        # their buffers to the wire as they are (no Python float per request and step).
         top = {}
         if sampled.top_ids is not None:
             for i, k in enumerate(pending.num_logprobs.tolist()):
                 if k:
-                    top[handles[i]] = (sampled.top_ids[i, :k].tolist(),
-                                       sampled.top_logprobs[i, :k].tolist())
+                    top[handles[i]] = (sampled.top_ids[i, :k], sampled.top_logprobs[i, :k])
         return RunnerOutput(step=pending.step, handles=handles, sampled_token_ids=token_ids,
-                            logprobs=sampled.logprobs.tolist(), top_logprobs=top)
+                            logprobs=sampled.logprobs, top_logprobs=top)

@@ -1,9 +1,13 @@
 """Host wall time of one runner step, split into phases, for the worker's metrics.
 
-    input_prep   apply the diff, build and stage the inputs and the sampling metadata
+    input_prep   check and apply the diff, build and stage the inputs and the sampling metadata
     forward      the model (eager or a captured graph), up to the sampled rows' logits
-    sampling     the sampler
+    sampling     the sampler, after the batch's token counts advance and (structured output)
+                 the wait for the grammar masks computed beside the forward
     readback     the step's one host sync: waiting for the sampled ids to reach the host
+
+Outside every phase: decoding the diff's payload (before the clock starts), writing the sampled
+ids into the batch and building the reply (after readback), and encoding the reply.
 
 Times are time.perf_counter() differences taken on the host with no extra synchronization. On
 CPU each phase is its compute time. On CUDA forward and sampling are only the host's launch time:

@@ -3,6 +3,7 @@ CodecError (never another exception, never a silently wrong object)."""
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -227,3 +228,18 @@ def test_compiled_handles_travel_only_when_there_are_any():
     encoded = encode_runner_output(with_compiled)
     assert decode_runner_output(encoded) == with_compiled
     assert len(encoded) == len(encode_runner_output(plain)) + 10   # bin header + two uint32
+
+
+@settings(max_examples=100, deadline=None)
+@given(runner_output())
+def test_runner_output_from_numpy_arrays_encodes_like_lists(out):
+    """The model runner hands over its sampled ids, logprobs and top alternatives as numpy
+    arrays (int64 / float32, as the sampler makes them): the wire bytes are those of the lists."""
+    as_arrays = RunnerOutput(
+        out.step, np.asarray(out.handles, np.int64), np.asarray(out.sampled_token_ids, np.int64),
+        np.asarray(out.logprobs, np.float32),
+        {h: (np.asarray(ids, np.int64), np.asarray(lps, np.float32))
+         for h, (ids, lps) in out.top_logprobs.items()},
+        out.compiled_handles)
+    assert encode_runner_output(as_arrays) == encode_runner_output(out)
+    assert decode_runner_output(encode_runner_output(as_arrays)) == out
