@@ -46,8 +46,9 @@ if [[ -n "$CACERT" ]]; then CONNECT=(-cacert "$CACERT"); fi
 if [[ -n "$API_KEY_FILE" ]]; then CONNECT+=(-H "authorization: Bearer $(head -n1 "$API_KEY_FILE")"); fi
 # call [grpcurl args...]: a call to TARGET (the method comes last).
 call() { "$GRPCURL" "${CONNECT[@]}" "${@:1:$#-1}" "$TARGET" "${@: -1}"; }
-# token_ids FILE-OR-STDIN: every "tokenIds" array of a response stream, on one line.
-token_ids() { tr -d ' \n' | grep -o '"tokenIds":\[[0-9,]*\]' | tr '\n' ' '; }
+# token_ids FILE-OR-STDIN: the ids of every "tokenIds" array of a response stream, as one list
+# (a stream may carry a step's tokens in one message or, when the reader lagged, several in one).
+token_ids() { tr -d ' \n' | grep -o '"tokenIds":\[[0-9,]*\]' | sed 's/.*\[//; s/\]//' | paste -sd, -; }
 
 step "services (reflection)"
 "$GRPCURL" "${CONNECT[@]}" "$TARGET" list
