@@ -391,7 +391,8 @@ class OutputProcessor:
         if not new_logprobs:
             return []
         if top_logprobs is None or k == 0:         # the sampled tokens' own logprobs only
-            return [TokenLogprob(int(t), float(lp)) for t, lp in zip(token_ids, new_logprobs)]
+            # map, not a comprehension: a held request's final update has every token's
+            return list(map(TokenLogprob, map(int, token_ids), map(float, new_logprobs)))
         out = []
         for i, (token_id, logprob) in enumerate(zip(token_ids, new_logprobs)):
             entry = TokenLogprob(int(token_id), float(logprob))
