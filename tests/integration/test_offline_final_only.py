@@ -53,9 +53,11 @@ def _held_workload(rng: random.Random, n: int):
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(3, 12))] for _ in range(n)]
     samplings = [SamplingParams() if i % 2 else SamplingParams(temperature=1.0, seed=7 + i)
                  for i in range(n)]
+    # Half the vocabulary as stop ids, so some requests do stop on one.
+    stop_ids = [tuple(range(3 + i % 2, 512, 2)) if i % 4 == 2 else () for i in range(n)]
     stoppings = [StoppingParams(max_tokens=rng.randint(4, 40), min_tokens=i % 3,
-                                stop_token_ids=tuple(range(3 + i % 2, 512, 2)) if i % 4 == 2 else (),
-                                ignore_eos=i % 5 == 0) for i in range(n)]
+                                stop_token_ids=stop_ids[i], ignore_eos=i % 5 == 0)
+                 for i in range(n)]
     return prompts, samplings, stoppings
 
 
