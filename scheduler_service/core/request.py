@@ -70,7 +70,7 @@ class Request:
     # outputs, for requests without stop strings or top alternatives): update_from_output then
     # makes no update per step, keeps each sampled token's logprob here, and the final update
     # carries every output token with these (TokenUpdate.final). None: an update every step.
-    held_logprobs: list[float] | None = None
+    held_logprobs: list[float] | None = field(default=None, repr=False)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
