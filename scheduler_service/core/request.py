@@ -66,6 +66,11 @@ class Request:
     # max_len (prompt + output tokens) comes first. Set when the scheduler queues it.
     max_num_output_tokens: int = 0
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
+    # Set to [] by an owner that reads only a request's final update (LLMEngine with final-only
+    # outputs, for requests without stop strings or top alternatives): update_from_output then
+    # makes no update per step, keeps each sampled token's logprob here, and the final update
+    # carries every output token with these (TokenUpdate.final). None: an update every step.
+    held_logprobs: list[float] | None = field(default=None, repr=False)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

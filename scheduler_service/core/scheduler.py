@@ -36,6 +36,7 @@ import bisect
 import random
 import time
 from collections.abc import Iterable
+from itertools import repeat
 
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import ParamError
@@ -364,8 +365,9 @@ class Scheduler:
         now = time.monotonic()
         handles, tops = runner_out.handles, runner_out.top_logprobs
         get = scheduled.get
-        lps = [[lp] for lp in runner_out.logprobs]          # per sampled token; [] when absent
-        lps += [[] for _ in range(len(handles) - len(lps))]
+        lps = runner_out.logprobs           # one per sampled token; None where absent
+        if len(lps) < len(handles):
+            lps = [*lps, *repeat(None, len(handles) - len(lps))]
         for handle, token, lp in zip(handles, runner_out.sampled_token_ids, lps):
             request = get(handle)
             if request is None or request.status > _PREEMPTED:   # finished since scheduled
@@ -376,20 +378,27 @@ class Scheduler:
             output.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            top = None
-            if tops and (top := tops.get(handle)) is not None:
-                top = [top]
             # check_stop can fire only on a stop id or at the length limit.
             if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
                 status = check_stop(request, self.max_len)
                 if status is not None:
                     self._finish(request, status)
-                    updates.append(TokenUpdate.final(request, [token], lp, top))
+                    top = tops.get(handle) if tops else None
+                    updates.append(TokenUpdate.final(request, [token], [] if lp is None else [lp],
+                                                     None if top is None else [top]))
                     continue
+            held = request.held_logprobs
+            if held is not None:        # its owner reads the final update alone
+                if lp is not None:
+                    held.append(lp)
+                continue
+            top = None
+            if tops and (top := tops.get(handle)) is not None:
+                top = [top]
             # The running case inline (it runs per request and step); a scheduled request's
             # num_cached_tokens is set (>= 0).
             updates.append(TokenUpdate(
-                request.request_id, [token], lp, top, None, None,
+                request.request_id, [token], [] if lp is None else [lp], top, None, None,
                 request.num_cached_tokens, request.first_scheduled_time,
                 request.first_token_time, None, request))
         return updates

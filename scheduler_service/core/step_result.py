@@ -44,8 +44,13 @@ class TokenUpdate:
               top_logprobs=None) -> "TokenUpdate":
         """The last update of `request`, which the engine just finished (`request.status` says
         why: a stop rule after this step's tokens, or an abort with none). The running case is
-        built inline in Scheduler.update_from_output, where it runs per request and step."""
+        built inline in Scheduler.update_from_output, where it runs per request and step.
+        A request whose updates are held (Request.held_logprobs) gets every output token and
+        logprob here, since none went out before."""
         reason = request.status
+        held = request.held_logprobs
+        if held is not None:     # no update was made before: this one carries every token
+            new_token_ids, new_logprobs = list(request.output_token_ids), held + new_logprobs
         stop_token = request.stop_reason if reason == RequestStatus.FINISHED_STOP_TOKEN else None
         return cls(request.request_id, new_token_ids, new_logprobs, top_logprobs, reason,
                    stop_token, max(0, request.num_cached_tokens),

@@ -23,6 +23,8 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises RequestRejected (a ValueError) when it cannot run here."""
+        if self.output_processor.reads_final_update_only(request):
+            request.held_logprobs = []      # no update per step: the final one says it all
         self.core.add_request(request)
         self.output_processor.add_request(request)
 

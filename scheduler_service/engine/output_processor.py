@@ -173,6 +173,13 @@ class OutputProcessor:
                 self._skip_special_tokens) is not None
         self._states[request.request_id] = state
 
+    def reads_final_update_only(self, request: Request) -> bool:
+        """Whether `request`'s outputs need only its final TokenUpdate: a final-only request
+        without stop strings (matching needs the text as it grows) or top alternatives. Its
+        owner may then hold its updates until the finish (Request.held_logprobs): the final
+        update carries every token, and the output is the same."""
+        return self._final_only and not request.stopping.stop and not request.num_logprobs
+
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its stream ended with an error)."""
         self._states.pop(request_id, None)
@@ -384,7 +391,8 @@ class OutputProcessor:
         if not new_logprobs:
             return []
         if top_logprobs is None or k == 0:         # the sampled tokens' own logprobs only
-            return [TokenLogprob(int(t), float(lp)) for t, lp in zip(token_ids, new_logprobs)]
+            # map, not a comprehension: a held request's final update has every token's
+            return list(map(TokenLogprob, map(int, token_ids), map(float, new_logprobs)))
         out = []
         for i, (token_id, logprob) in enumerate(zip(token_ids, new_logprobs)):
             entry = TokenLogprob(int(token_id), float(logprob))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_common.request.params import SamplingParams, StoppingParams
-from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block
+from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block, salt_root
 from scheduler_service.core.request import Request
 
 BS = 4
@@ -45,6 +45,15 @@ def test_hash_is_process_independent():
                            cwd=".").stdout.strip() for seed in ("1", "2")}
     assert outs == {hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()}
     assert hash_block(None, [1, 2, 3, 4]) != hash_block(b"x", [1, 2, 3, 4])
+
+
+def test_hash_values_are_pinned():
+    """The digests the prefix cache and its KV events (vLLM's block hashes) name blocks by:
+    blake2b-128 of the parent digest then the ids as uint32, unchanged across versions."""
+    h0 = hash_block(None, [1, 2, 3, 4])
+    assert h0.hex() == "5c3887ef44b86da26265cb5c108a056b"
+    assert hash_block(h0, [5, 6, 7, 8]).hex() == "1664ccca28a32287142c2088ea54ac27"
+    assert hash_block(salt_root("k"), [9]).hex() == "d45fae15537197436dc78b0ea1dfbff3"
 
 
 def test_a_hit_needs_the_same_salt():

@@ -11,6 +11,7 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import RunnerOutput
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.scheduler import QueueFull, RequestRejected
+from scheduler_service.core.step_result import TokenUpdate
 from tests.support.scheduler_sim import run_steps
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, step
 
@@ -323,6 +324,38 @@ def test_logprobs_and_updates():
     assert [u.new_logprobs for u in updates] == [[-0.5], [-0.5]]
     assert updates[0].top_logprobs == [([0, 1], [-1.0, -1.0])]
     assert req.first_token_time is not None and req.finish_time is not None
+
+
+def test_held_updates_come_once_with_every_token():
+    """A request whose owner reads only its final update (held_logprobs set) gets no update
+    per step; its final one carries every output token and logprob, through a preemption;
+    a held request aborted mid-way gets its tokens so far (with no logprobs sent: none)."""
+    sched, worker = make(num_blocks=5)
+    held, other = make_request("held", [3, 4, 5], max_tokens=9), make_request("o", [6, 7])
+    held.held_logprobs = []
+    for r in (held, other):
+        sched.add_request(r)
+    updates = run_steps(sched, worker)
+    assert held.num_preemptions or other.num_preemptions     # 5 blocks of 4 hold not both
+    mine = [u for u in updates if u.request_id == "held"]
+    assert len(mine) == 1 and mine[0].finished
+    assert mine[0].new_token_ids == held.output_token_ids and len(held.output_token_ids) == 9
+    assert mine[0].new_logprobs == [-0.5] * 9
+    assert len([u for u in updates if u.request_id == "o"]) == other.num_output_tokens
+
+    sched, worker = make()
+    aborted = make_request("a", [3, 4], max_tokens=20)
+    aborted.held_logprobs = []
+    sched.add_request(aborted)
+    for _ in range(3):
+        out = sched.schedule()
+        reply = worker.execute(out)
+        reply.logprobs = []                                   # the runner sent none
+        assert sched.update_from_output(out, reply) == []
+    (final,) = [TokenUpdate.final(r, [], []) for r in
+                sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)]
+    assert final.new_token_ids == aborted.output_token_ids and len(final.new_token_ids) == 3
+    assert final.new_logprobs == [] and final.finish_reason == RequestStatus.FINISHED_ABORTED
 
 
 def test_seed_assignment_and_worker_sampling_params():
