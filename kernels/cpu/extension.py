@@ -45,7 +45,11 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "paged_attention.cpp", "mkl_linear.cpp", "elementwise.cpp",
            "panel_gemm.cpp")
 HEADERS = ("vec_math.h", "simd.h", "attention_simd.h", "row_argmax.h")
-CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas")
+# -fno-trapping-math: without AVX-512's masked operations GCC turns a select over a computed
+# value (exp_approx's underflow guard, silu's sign cases) into a branch and leaves the loop
+# scalar; no value changes (it only lets a result be computed before it is known to be needed).
+# silu_and_mul on the AVX2 build: 1.44 -> 0.12 ms at [256, 1536] (Sapphire Rapids).
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wno-unknown-pragmas")
 ISA_CFLAGS = {
     "native": ("-march=native", "-mprefer-vector-width=512"),
     "avx2": ("-march=x86-64-v3", "-mtune=native", "-mprefer-vector-width=256"),

@@ -5,8 +5,8 @@
 // index); finish_rows() folds the lanes (and other partial states) into the argmax and its
 // log-softmax x[argmax] - log(sum e^x).
 //
-// With AVX-512 or AVX2 (simd.h) a piece takes two passes (its max and first argmax, then the
-// sum of e^(x - max)) and is folded into lane 0: no exponential waits on the previous one, where
+// With AVX-512 or AVX2 (simd.h) a piece takes two passes (its max, then the sum of
+// e^(x - max); the max's first index only when it beats lane 0's) and is folded into lane 0: no exponential waits on the previous one, where
 // the one-pass lane update chains max -> exp -> sum through every element (about 5x slower on
 // an LM head's rows). A generic build takes the lane-wise update throughout.
 #pragma once
@@ -21,6 +21,20 @@
 namespace deltaserve_cpu {
 
 constexpr int kArgmaxLanes = 16;
+
+#if defined(DELTASERVE_SIMD)
+// The first i < n with x[i] == v; v must occur in x[0 .. n).
+inline int64_t first_equal(const float* x, int64_t n, float v) {
+  using namespace simd;
+  const vf target = set1(v);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    if (any(eq(loadu(x + i), target))) break;
+  for (; i < n; ++i)
+    if (x[i] == v) return i;
+  return n - 1;   // not reached
+}
+#endif
 
 struct RowArgmax {
   float m[kArgmaxLanes];
@@ -52,36 +66,38 @@ struct RowArgmax {
 
 #if defined(DELTASERVE_SIMD)
   // The piece's max, its first index and sum e^(x - max), folded into lane 0. False (nothing
-  // done) when the max is not finite (all -inf, NaN, +inf): the one-pass update handles those.
+  // done) when the piece holds a NaN or its max is not finite (all -inf, +inf): the one-pass
+  // update handles those.
+  //
+  // The max pass keeps four independent maxima (no blend, no index), a plain load for every
+  // full vector; the first index of the max is looked for only when it beats lane 0's (over an
+  // LM head's ~100 tiles a row's max improves a few times). With AVX2's blend-based selects and
+  // masked tail loads on every vector this pass had cost as much as the exponentials.
   bool update_two_pass(const float* x, int64_t n, int64_t col0) {
     using namespace simd;
     const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
-    const vi step = set1_i(kLanes);
-    vf vmax = neg_inf;
-    vi vidx = set1_i(-1);
-    vi cols = iota();
+    vf mx[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
     mask nan = is_nan(zero());
-    for (int64_t i = 0; i < n; i += kLanes, cols = add_i(cols, step)) {
-      const vf v = loadu_first(x + i, n - i, neg_inf);
-      const mask up = gt(v, vmax);
+    const int64_t full = n / kLanes * kLanes;
+    int64_t i = 0;
+    for (; i + 4 * kLanes <= full; i += 4 * kLanes)
+      for (int a = 0; a < 4; ++a) {
+        const vf v = loadu(x + i + a * kLanes);
+        nan = mask_or(nan, is_nan(v));
+        mx[a] = max(mx[a], v);
+      }
+    for (; i < n; i += kLanes) {
+      const vf v = i < full ? loadu(x + i) : loadu_first(x + i, n - i, neg_inf);
       nan = mask_or(nan, is_nan(v));
-      vmax = select(up, vmax, v);
-      vidx = select_i(up, vidx, cols);
+      mx[0] = max(mx[0], v);
     }
-    const float pm = reduce_max(vmax);
+    const float pm = reduce_max(max(max(mx[0], mx[1]), max(mx[2], mx[3])));
     if (any(nan) || !std::isfinite(pm)) return false;
-    alignas(64) float lane_max[kLanes];
-    alignas(64) int32_t lane_idx[kLanes];
-    storeu(lane_max, vmax);
-    storeu_i(lane_idx, vidx);
-    int32_t first_col = -1;
-    for (int l = 0; l < kLanes; ++l)
-      if (lane_max[l] == pm && (first_col < 0 || lane_idx[l] < first_col)) first_col = lane_idx[l];
-    const int64_t first = col0 + first_col;
+    // needed only when lane 0 takes pm (an equal max seen earlier keeps its index)
+    const int64_t first = pm > m[0] ? col0 + first_equal(x, n, pm) : -1;
     const vf shift = set1(pm);
     vf acc0 = zero(), acc1 = zero();
-    int64_t i = 0;
-    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    for (i = 0; i + 2 * kLanes <= n; i += 2 * kLanes) {
       // no NaN here (the first pass checked), and the piece's max contributes e^0 = 1
       acc0 = add(acc0, exp_sum_term(sub(loadu(x + i), shift)));
       acc1 = add(acc1, exp_sum_term(sub(loadu(x + i + kLanes), shift)));

@@ -167,7 +167,15 @@ inline vf scale_pow2(vf p, vf k) {
 // e^x lane-wise for -87 <= x <= 0: x = k ln2 + f with |f| <= ln2/2, e^f by its degree-7 Taylor
 // polynomial, times 2^k. Relative error about 2e-7.
 inline vf exp_core(vf x) {
+#if DELTASERVE_SIMD == 512
   const vf k = round(mul(x, set1(1.44269504088896341f)));
+#else
+  // Adding 1.5 * 2^23 rounds x / ln2 to the nearest integer k, which then sits in t's low
+  // mantissa bits: two instructions for AVX2's round (two uops) and the float->int conversion.
+  const vf magic = set1(12582912.0f);
+  const vf t = fmadd(x, set1(1.44269504088896341f), magic);
+  const vf k = sub(t, magic);
+#endif
   vf f = fnmadd(k, set1(0.693145751953125f), x);
   f = fnmadd(k, set1(1.428606765330187e-06f), f);
   vf p = set1(1.0f / 5040.0f);
@@ -178,7 +186,14 @@ inline vf exp_core(vf x) {
   p = fmadd(p, f, set1(0.5f));
   p = fmadd(p, f, set1(1.0f));
   p = fmadd(p, f, set1(1.0f));
+#if DELTASERVE_SIMD == 512
   return scale_pow2(p, k);
+#else
+  // (k + 127) << 23 is 2^k; the shift drops the magic number's bits above k's
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23);
+  return mul(p, _mm256_castsi256_ps(bits));
+#endif
 }
 
 // e^x for x <= 0; lanes below -87 (and -inf) give exactly 0.

@@ -113,3 +113,30 @@ def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads, rows):
     assert ids.tolist() == logits.argmax(-1).tolist() and ids[3] == 0
     want = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     torch.testing.assert_close(logprobs, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_greedy_finds_the_first_max_across_tiles(threads):
+    # One-hot rows of x pick one weight column each, so each row's logits are set exactly: the
+    # max pass looks for the max's index only when a tile beats the row's max so far, so a later
+    # tile that only ties it must keep the earlier index, and a later larger one must win.
+    tile, n = 64, 64 * 7 + 37                             # a 37-wide last tile: a vector tail
+    w = torch.randn(n, 8, generator=torch.Generator().manual_seed(5))
+    w[10, 0] = w[3 * tile + 7, 0] = 50.0                  # a tie across tiles: 10
+    w[2, 1], w[4 * tile + 3, 1] = 40.0, 50.0              # beaten in tile 4: 4 * 64 + 3
+    w[tile + 5, 2] = w[tile + 60, 2] = 50.0               # a tie inside one tile: 69
+    w[n - 1, 3] = 50.0                                    # the last column, in the tail
+    w[:, 4] = -torch.arange(n, dtype=torch.float32) / 8   # descending: column 0
+    x = torch.eye(8)[:5]
+    ops = extension.ops()
+    tiles = [ops.mkl_pack(w[i:i + tile].contiguous()) for i in range(0, n, tile)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ids, logprobs = ops.mkl_tiled_greedy(x, tiles, tile, n)
+    finally:
+        torch.set_num_threads(before)
+    assert ids.tolist() == [10, 4 * tile + 3, tile + 5, n - 1, 0]
+    logits = w.T[:5]
+    want = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
+    torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=1e-5)
