@@ -6,9 +6,10 @@
 // log-softmax x[argmax] - log(sum e^x).
 //
 // With AVX-512 or AVX2 (simd.h) a piece takes two passes (its max, then the sum of
-// e^(x - max); the max's first index only when it beats lane 0's) and is folded into lane 0: no exponential waits on the previous one, where
-// the one-pass lane update chains max -> exp -> sum through every element (about 5x slower on
-// an LM head's rows). A generic build takes the lane-wise update throughout.
+// e^(x - max); the max's first index only when it beats lane 0's) and is folded into lane 0:
+// no exponential waits on the previous one, where the one-pass lane update chains
+// max -> exp -> sum through every element (about 5x slower on an LM head's rows). A generic
+// build takes the lane-wise update throughout.
 #pragma once
 
 #include <cmath>
