@@ -75,6 +75,18 @@ def tiny_cache_home(tiny_models):
 
 
 @pytest.fixture(scope="session")
+def bench_presets(tmp_path_factory):
+    """A bench --cache-dir with the "tiny" preset built once (about 5 s a build): for the tests
+    of what a bench runs and prints. The tests of building and reusing a preset
+    (tests/integration/bench/test_throughput.py) use their own empty directories."""
+    from bench.presets import preset_dir
+
+    root = tmp_path_factory.mktemp("presets")
+    preset_dir("tiny", root)
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_ggufs(tiny_models, tmp_path_factory):
     """Lazily written GGUF files of the tiny models: get(arch, qtype="F32", **write_gguf kwargs).
     "llama" is the tiny llama with the default rope; "llama3" keeps its Llama 3.1 rope scaling,
