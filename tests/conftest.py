@@ -57,6 +57,36 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_cache_home(tiny_models):
+    """seed(home) -> home: an XDG_CACHE_HOME for a child's `--model tiny` that already holds the
+    tiny model, so the child does not write it again (about 2 s each). The same model
+    deltaserve.embedded.tiny_model_dir() writes (make_tiny_model, qwen3, seed 0), copied under
+    its name. A test of the first run's writing gives its child an empty home instead."""
+    import shutil
+    from pathlib import Path
+
+    from deltaserve.embedded import TINY_MODEL_NAME
+
+    def seed(home) -> str:
+        shutil.copytree(tiny_models("qwen3"), Path(home) / "deltaserve" / TINY_MODEL_NAME)
+        return str(home)
+
+    return seed
+
+
+@pytest.fixture(scope="session")
+def bench_presets(tmp_path_factory):
+    """A bench --cache-dir with the "tiny" preset built once (about 5 s a build): for the tests
+    of what a bench runs and prints. The tests of building and reusing a preset
+    (tests/integration/bench/test_throughput.py) use their own empty directories."""
+    from bench.presets import preset_dir
+
+    root = tmp_path_factory.mktemp("presets")
+    preset_dir("tiny", root)
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_ggufs(tiny_models, tmp_path_factory):
     """Lazily written GGUF files of the tiny models: get(arch, qtype="F32", **write_gguf kwargs).
     "llama" is the tiny llama with the default rope; "llama3" keeps its Llama 3.1 rope scaling,

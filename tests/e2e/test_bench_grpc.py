@@ -27,13 +27,13 @@ def _figure(pattern: str, text: str) -> float:
 
 
 def test_grpc_overhead_prints_positive_figures_identical_tokens_and_appends_block(
-        tmp_path, capsys):
+        tmp_path, capsys, bench_presets):
     results = tmp_path / "results.md"
-    argv = ARGS + ["--cache-dir", str(tmp_path / "presets"), "--results-file", str(results),
+    argv = ARGS + ["--cache-dir", str(bench_presets), "--results-file", str(results),
                    "--async-scheduling"]
     assert grpc_overhead.main(argv) == 0
     out = capsys.readouterr().out
-    asked = make_workload(4, 4, 12, _vocab_size(tmp_path), 0).num_output_tokens
+    asked = make_workload(4, 4, 12, _vocab_size(bench_presets), 0).num_output_tokens
     for path in ("in-process", "gRPC"):
         assert _figure(rf"^{path}: (\d+) output tokens", _line(path, out)) == asked
         assert _figure(rf"tokens in {NUMBER} s", _line(path, out)) > 0
@@ -53,10 +53,10 @@ def test_grpc_overhead_prints_positive_figures_identical_tokens_and_appends_bloc
     assert "- greedy token ids identical: yes" in text
 
 
-def test_services_close_stops_both_processes(tmp_path):
+def test_services_close_stops_both_processes(tmp_path, bench_presets):
     from bench.presets import preset_dir
 
-    model_dir = preset_dir("tiny", tmp_path / "presets")
+    model_dir = preset_dir("tiny", bench_presets)
     with Services(tmp_path / "logs") as services:
         target = services.start(str(model_dir), "cpu", ["--kv-cache-gib", "0.004"])
         assert re.fullmatch(r"127\.0\.0\.1:\d+", target)
@@ -67,13 +67,13 @@ def test_services_close_stops_both_processes(tmp_path):
     assert all(p.poll() is not None for p in popens)
 
 
-def test_services_in_this_group_count_in_its_cpu_seconds(tmp_path):
+def test_services_in_this_group_count_in_its_cpu_seconds(tmp_path, bench_presets):
     """own_session=False (the peer harness's gRPC engine): the worker and the scheduler are in
     this process group, so group_cpu_seconds() includes the CPU they spent loading the model."""
     from bench.peers.protocol import group_cpu_seconds, process_cpu_seconds
     from bench.presets import preset_dir
 
-    model_dir = preset_dir("tiny", tmp_path / "presets")
+    model_dir = preset_dir("tiny", bench_presets)
     mine = sum(os.times()[:2])
     with Services(tmp_path / "logs", own_session=False) as services:
         services.start(str(model_dir), "cpu", ["--kv-cache-gib", "0.004"])
@@ -85,10 +85,10 @@ def test_services_in_this_group_count_in_its_cpu_seconds(tmp_path):
     assert all(p.poll() is not None for p in popens)
 
 
-def test_sigterm_stops_the_services_it_started(tmp_path):
+def test_sigterm_stops_the_services_it_started(tmp_path, bench_presets):
     """SIGTERM once the worker and the scheduler run: the bench exits and leaves neither."""
     cmd = [sys.executable, "-m", "bench.grpc_overhead", *ARGS, "--num-seqs", "64",
-           "--max-len", "64", "--cache-dir", str(tmp_path / "presets"),
+           "--max-len", "64", "--cache-dir", str(bench_presets),
            "--results-file", str(tmp_path / "results.md")]
     bench = subprocess.Popen(cmd, cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -142,7 +142,7 @@ def _line(prefix: str, out: str) -> str:
     return next((ln for ln in out.splitlines() if ln.startswith(prefix + ":")), "")
 
 
-def _vocab_size(tmp_path) -> int:
+def _vocab_size(presets: Path) -> int:
     import json
 
-    return json.loads((tmp_path / "presets" / "tiny" / "config.json").read_text())["vocab_size"]
+    return json.loads((presets / "tiny" / "config.json").read_text())["vocab_size"]

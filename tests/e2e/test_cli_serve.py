@@ -86,7 +86,8 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
     (["--kv-cache-gib", str(2**32)], "its KV cache 4294967296.00 GiB per rank, more than "
                                      "this machine's"),
 ])
-def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, flags, why):
+def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, flags, why,
+                                                                    tiny_cache_home):
     """--fused-ops on a CPU without the Triton interpreter: the worker refuses Init
     (INVALID_ARGUMENT); a KV cache larger than the machine (FAILED_PRECONDITION, no other
     owner): likewise. serve says why and exits 2 at once instead of retrying forever, and
@@ -96,7 +97,7 @@ def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, 
            "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
            "--model", "tiny", *flags, "--metrics-listen", "127.0.0.1:0",
            "--openai-listen", "off"]
-    env = child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    env = child_env({"XDG_CACHE_HOME": tiny_cache_home(tmp_path / "cache")})
     env.pop("TRITON_INTERPRET", None)
     # Retrying forever would run into this timeout (TimeoutExpired fails the test).
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

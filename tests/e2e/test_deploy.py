@@ -381,7 +381,7 @@ def test_scheduler_image_holds_everything_the_scheduler_imports(served):
 # ---- examples.sh against a real server -----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, tiny_cache_home):
     """`deltaserve serve` with the tiny model on free loopback ports; stopped at the end."""
     tmp = tmp_path_factory.mktemp("deploy-serve")
     port, worker_port = free_port(), free_port()
@@ -392,7 +392,7 @@ def served(tmp_path_factory):
            "--openai-listen", "off"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env=child_env({"XDG_CACHE_HOME": str(tmp / "cache")}))
+                                env=child_env({"XDG_CACHE_HOME": tiny_cache_home(tmp / "cache")}))
     try:
         def ready():
             assert proc.poll() is None, log_path.read_text(errors="replace")

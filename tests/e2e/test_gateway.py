@@ -257,26 +257,21 @@ def test_client_disconnect_frees_the_request(single):
     assert _finished(replica, "length") == ran_out
 
 
-def test_a_worker_turning_unhealthy_and_back(smg, chat_model, tmp_path):
-    procs = Processes(tmp_path)
-    gateway = None
-    try:
-        replica = Replica(procs, chat_model)
-        gateway = Gateway(smg, [replica.url], chat_model, tmp_path)
-        gateway.wait_healthy(1, procs=procs.procs)
-        replica.worker.kill()
-        wait_for(lambda: not any(w.get("is_healthy") for w in gateway.workers()), 60,
-                 "the gateway to mark the replica unhealthy", [gateway.proc, *procs.procs])
-        status, _ = http_json(gateway.port, "POST", "/v1/chat/completions",
-                              {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 4})
-        assert status >= 500
-        replica.restart_worker()
-        gateway.wait_healthy(1, procs=procs.procs)
-        assert chat(gateway, max_tokens=4)["choices"][0]["finish_reason"] in ("length", "stop")
-    finally:
-        if gateway is not None:
-            gateway.close()
-        procs.close()
+def test_a_worker_turning_unhealthy_and_back(single):
+    """On the module's replica: it ends as it began, healthy behind the gateway, so the tests
+    that share it do not depend on running before this one."""
+    replica, gateway = single
+    procs = [gateway.proc, replica.worker, replica.scheduler]
+    gateway.wait_healthy(1, procs=procs)
+    replica.worker.kill()
+    wait_for(lambda: not any(w.get("is_healthy") for w in gateway.workers()), 60,
+             "the gateway to mark the replica unhealthy", procs)
+    status, _ = http_json(gateway.port, "POST", "/v1/chat/completions",
+                          {"model": "tiny-chat", "messages": QUESTION, "max_tokens": 4})
+    assert status >= 500
+    replica.restart_worker()
+    gateway.wait_healthy(1, procs=[gateway.proc, replica.worker, replica.scheduler])
+    assert chat(gateway, max_tokens=4)["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_requests_sharing_a_prefix_land_on_the_replica_that_holds_it(smg, chat_model, tmp_path):

@@ -159,8 +159,10 @@ def _vllm_complete(replica, **sampling) -> vpb.GenerateComplete:
     return reply.complete
 
 
-def _generate(replica, logprobs: int = 0, **sampling) -> tuple[list[int], list]:
-    req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=64), logprobs=logprobs,
+def _generate(replica, logprobs: int = 0, max_tokens: int = 64, **sampling
+              ) -> tuple[list[int], list]:
+    req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_tokens=max_tokens),
+                             logprobs=logprobs,
                              sampling=pb.SamplingParams(**sampling))
     req.messages.extend(pb.ChatMessage(**m) for m in FRANCE)
     with grpc.insecure_channel(replica.target) as ch:
@@ -171,9 +173,10 @@ def _generate(replica, logprobs: int = 0, **sampling) -> tuple[list[int], list]:
 def test_logit_bias_against_the_first_greedy_token_changes_the_answer_on_both_grpc_apis(served):
     replica, _ = served
     first = FRANCE_ANSWER_IDS[0]
-    ids, _ = _generate(replica, logit_bias={first: -100.0})
+    # Only the first token is checked: 4 tokens, not the 64 a changed answer would run to.
+    ids, _ = _generate(replica, logit_bias={first: -100.0}, max_tokens=4)
     assert ids[0] != first
-    complete = _vllm_complete(replica, logit_bias={first: -100.0})
+    complete = _vllm_complete(replica, logit_bias={first: -100.0}, max_tokens=4)
     assert list(complete.output_ids)[0] != first
     assert list(_vllm_complete(replica).output_ids) == FRANCE_ANSWER_IDS
     forced = _vllm_complete(replica, logit_bias={first: -100.0, 42: 100.0}, max_tokens=3)

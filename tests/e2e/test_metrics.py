@@ -145,7 +145,7 @@ def test_names_are_the_documented_ones(services):
 
 
 @pytest.mark.slow
-def test_serve_exposes_both_endpoints_by_flag(tmp_path):
+def test_serve_exposes_both_endpoints_by_flag(tmp_path, tiny_cache_home):
     """The bar: `deltaserve serve --metrics-listen 127.0.0.1:P`, 10 Generate calls of 8 tokens:
     finished 10, generation tokens 80, time-to-first-token count 10, KV usage back to 0; the
     worker's endpoint on P+1 has the step-time histograms."""
@@ -157,7 +157,7 @@ def test_serve_exposes_both_endpoints_by_flag(tmp_path):
            "--metrics-listen", f"127.0.0.1:{metrics}", "--openai-listen", "off"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                env=child_env({"XDG_CACHE_HOME": str(tmp_path / "cache")}))
+                                env=child_env({"XDG_CACHE_HOME": tiny_cache_home(tmp_path / "cache")}))
     try:
         wait_for(lambda: "DeltaServe ready on" in log.read_text(errors="replace"), 120,
                  "serve's ready line")

@@ -106,9 +106,12 @@ def test_serve_refuses_an_outsider_and_its_streams_finish(tiny_models, tmp_path)
         procs.close()
 
 
-@pytest.fixture
-def token_cluster(tiny_models, tmp_path):
-    """A worker and a scheduler sharing a token file: (procs, worker port, target, token)."""
+@pytest.fixture(scope="module")
+def token_cluster(tiny_models, tmp_path_factory):
+    """A worker and a scheduler sharing a token file: (procs, worker port, target, token).
+    Shared: neither test changes it (refused Inits leave it as it was, which one test asserts;
+    the other's flood of unauthenticated streams is closed before it ends)."""
+    tmp_path = tmp_path_factory.mktemp("token-cluster")
     procs = Processes(tmp_path)
     token_file = tmp_path / "worker-token"
     token = write_token(token_file)

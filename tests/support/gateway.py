@@ -67,7 +67,8 @@ def chat_model_dir(src: str | Path, dst: Path, template: str = CHATML) -> Path:
 class Gateway:
     """One `smg launch` process in front of `worker_urls`, polled every second for health. It
     runs in `log_dir`, so a relative model path the replicas were given (they run in the
-    repository root) is unreadable to it and it fetches the tokenizer with GetTokenizer."""
+    repository root) is unreadable to it and it fetches the tokenizer with GetTokenizer. No
+    shutdown grace: no test drains it, and its default grace held each close for 5 s."""
 
     def __init__(self, smg: str, worker_urls: list[str], model_dir: str | Path, log_dir: Path,
                  *flags: str):
@@ -77,7 +78,7 @@ class Gateway:
                "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(self.metrics_port), "--health-check-interval-secs", "1",
                "--health-failure-threshold", "1", "--health-success-threshold", "1",
-               "--log-level", "info", *flags]
+               "--log-level", "info", "--shutdown-grace-period-secs", "0", *flags]
         self.proc = Proc("smg", cmd, log_dir / f"smg-{self.port}.log", child_env(None),
                          cwd=log_dir)
 

@@ -73,11 +73,11 @@ def test_throughput_fused_ops_flag_reaches_the_engine_kwargs():
     assert "fused_ops" not in throughput._llm_kwargs(plain, "cpu", 64)[0]
 
 
-def test_throughput_with_fused_ops_runs_the_fused_model(tmp_path, capsys):
+def test_throughput_with_fused_ops_runs_the_fused_model(tmp_path, capsys, bench_presets):
     # A fixed 16 MiB KV budget: on CUDA the default profiles 0.9 of the GPU, millions of the
     # tiny model's 8 KiB blocks (seconds of block-pool set-up in the scheduler).
     argv = ["--preset", "tiny", "--device", DEVICE, "--num-seqs", "2", "--min-len", "4",
-            "--max-len", "6", "--fused-ops", "--cache-dir", str(tmp_path / "presets"),
+            "--max-len", "6", "--fused-ops", "--cache-dir", str(bench_presets),
             "--kv-cache-gib", str(16 / 1024), "--results-file", str(tmp_path / "r.md")]
     assert throughput.main(argv) == 0
     out = capsys.readouterr().out

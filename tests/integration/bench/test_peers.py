@@ -12,10 +12,10 @@ from bench.peers.vllm_venv import VenvError, find_or_install
 
 
 @pytest.mark.slow
-def test_smoke_runs_deltaserve_in_process_and_over_grpc(tmp_path, capsys):
+def test_smoke_runs_deltaserve_in_process_and_over_grpc(tmp_path, capsys, bench_presets):
     results = tmp_path / "results.md"
     argv = ["--workload", "smoke", "--engines", "deltaserve", "--grpc", "--rounds", "2",
-            "--cache-dir", str(tmp_path / "presets"), "--results-file", str(results),
+            "--cache-dir", str(bench_presets), "--results-file", str(results),
             "--work-dir", str(tmp_path / "work")]
     assert harness.main(argv) == 0
     out = capsys.readouterr().out
@@ -33,7 +33,8 @@ def test_smoke_runs_deltaserve_in_process_and_over_grpc(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_isa_avx2_runs_deltaserve_on_its_avx2_build_and_says_so(tmp_path, capsys):
+def test_isa_avx2_runs_deltaserve_on_its_avx2_build_and_says_so(tmp_path, capsys,
+                                                                bench_presets):
     """--isa avx2 on whatever CPU this is: the engine process loads the AVX2 kernels (built
     without AVX-512) with torch at AVX2, and the results block names the CPU and the ISA."""
     from kernels.cpu import extension
@@ -42,7 +43,7 @@ def test_isa_avx2_runs_deltaserve_on_its_avx2_build_and_says_so(tmp_path, capsys
         pytest.skip(extension.cannot_run("avx2") or extension.status("avx2"))
     results = tmp_path / "results.md"
     argv = ["--workload", "smoke", "--engines", "deltaserve", "--isa", "avx2", "--rounds", "1",
-            "--no-roofline", "--cache-dir", str(tmp_path / "presets"),
+            "--no-roofline", "--cache-dir", str(bench_presets),
             "--results-file", str(results), "--work-dir", str(tmp_path / "work")]
     assert harness.main(argv) == 0
     out = capsys.readouterr().out

@@ -26,12 +26,12 @@ def _figure(pattern: str, text: str) -> float:
     return float(match.group(1))
 
 
-def test_bench_main_prints_positive_figures_and_appends_block(tmp_path, capsys):
+def test_bench_main_prints_positive_figures_and_appends_block(tmp_path, capsys, bench_presets):
     results = tmp_path / "results.md"
-    argv = ARGS + ["--cache-dir", str(tmp_path / "presets"), "--results-file", str(results)]
+    argv = ARGS + ["--cache-dir", str(bench_presets), "--results-file", str(results)]
     assert throughput.main(argv) == 0
     out = capsys.readouterr().out
-    workload = make_workload(4, 4, 12, _vocab_size(tmp_path / "presets" / "tiny"), 0)
+    workload = make_workload(4, 4, 12, _vocab_size(bench_presets / "tiny"), 0)
     assert _figure(r"output tokens: (\d+)", out) == workload.num_output_tokens
     for pattern in (r"wall time: ([\d.e+-]+) s", r"output throughput: ([\d.e+-]+) tok/s",
                     r"([\d.e+-]+) ms per decode step", r"\+ KV\), ([\d.e+-]+) GB/s",
@@ -105,12 +105,12 @@ def test_flags_mount_on_a_subcommand_and_import_without_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=repo_root).returncode == 0
 
 
-def test_step_timer_counts_decode_steps_and_context_lengths(tmp_path):
+def test_step_timer_counts_decode_steps_and_context_lengths(bench_presets):
     from bench.step_timer import StepTimer
     from deltaserve.llm import LLM
     from engine_common.request.params import StoppingParams
 
-    llm = LLM(str(preset_dir("tiny", tmp_path)), device="cpu", max_model_len=64,
+    llm = LLM(str(preset_dir("tiny", bench_presets)), device="cpu", max_model_len=64,
               num_kv_blocks=16)
     stop = StoppingParams(max_tokens=4, ignore_eos=True)
     with StepTimer(llm.engine) as timer:
@@ -125,13 +125,14 @@ def test_step_timer_counts_decode_steps_and_context_lengths(tmp_path):
     assert summary.decode_kv_tokens == 10 + 12 + 14 and summary.mean_decode_step_s > 0
 
 
-def test_bench_with_async_scheduling_says_so_and_generates_every_token(tmp_path, capsys):
+def test_bench_with_async_scheduling_says_so_and_generates_every_token(tmp_path, capsys,
+                                                                      bench_presets):
     argv = ["--preset", "tiny", "--device", "cpu", "--num-seqs", "4", "--min-len", "4",
-            "--max-len", "12", "--async-scheduling", "--cache-dir", str(tmp_path / "presets"),
+            "--max-len", "12", "--async-scheduling", "--cache-dir", str(bench_presets),
             "--results-file", str(tmp_path / "results.md")]
     assert throughput.main(argv) == 0
     out = capsys.readouterr().out
-    workload = make_workload(4, 4, 12, _vocab_size(tmp_path / "presets" / "tiny"), 0)
+    workload = make_workload(4, 4, 12, _vocab_size(bench_presets / "tiny"), 0)
     assert re.search(r"^engine: .*, async scheduling,", out, re.M), out
     assert _figure(r"output tokens: (\d+)", out) == workload.num_output_tokens
     assert _figure(r"([\d.e+-]+) ms per decode step", out) > 0
