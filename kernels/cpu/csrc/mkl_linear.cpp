@@ -168,13 +168,14 @@ constexpr int64_t kGreedyRowBlock = 128;
 
 // The greedy token of each row of x W^T and its log-softmax, tile by tile: each thread keeps a
 // streaming argmax per row over its tiles (in column order), then the partial states are folded.
+// logprobs false: the argmax alone (no exponential; an empty logprob tensor comes back).
 std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
                                                     const std::vector<at::Tensor>& tiles,
-                                                    int64_t tile_n, int64_t n) {
+                                                    int64_t tile_n, int64_t n, bool logprobs) {
   check_tiled(x, tiles, tile_n, n);
   const int64_t m = x.size(0), k = x.size(1), num_tiles = static_cast<int64_t>(tiles.size());
   at::Tensor ids = at::empty({m}, x.options().dtype(at::kLong));
-  at::Tensor lps = at::empty({m}, x.options());
+  at::Tensor lps = at::empty({logprobs ? m : 0}, x.options());
   if (m == 0) return {ids, lps};
   const int nt = threads_for(num_tiles);
   const int64_t row_block = nt == 1 ? std::min(m, kGreedyRowBlock) : m;
@@ -195,17 +196,20 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
       for (int64_t r0 = 0; r0 < m; r0 += row_block) {
         const int64_t rows = std::min(row_block, m - r0);
         tiled_compute(xp + r0 * k, rows, k, tiles, tile_n, n, t, buf.data(), tile_n);
-        for (int64_t r = 0; r < rows; ++r)
-          mine[r0 + r].update(buf.data() + r * tile_n, cols, t * tile_n);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* y = buf.data() + r * tile_n;
+          if (logprobs) mine[r0 + r].update(y, cols, t * tile_n);
+          else mine[r0 + r].update_argmax(y, cols, t * tile_n);
+        }
       }
     }
   }
   int64_t* ip = ids.data_ptr<int64_t>();
-  float* lp = lps.data_ptr<float>();
+  float* lp = logprobs ? lps.data_ptr<float>() : nullptr;
   std::vector<RowArgmax> row(static_cast<size_t>(nt));
   for (int64_t r = 0; r < m; ++r) {
     for (int p = 0; p < nt; ++p) row[p] = states[p * m + r];
-    finish_rows(row.data(), nt, ip + r, lp + r);
+    finish_rows(row.data(), nt, ip + r, lp ? lp + r : nullptr);
   }
   return {ids, lps};
 }
