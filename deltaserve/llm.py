@@ -203,7 +203,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)   # TokenLogprob each; empty: none asked
     finish_reason: RequestStatus | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -249,11 +249,14 @@ class LLM:
     def generate(self, prompts: list[str | list[int]],
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  stopping: StoppingParams | list[StoppingParams] | None = None,
-                 num_logprobs: int = 0,
+                 num_logprobs: int | None = None,
                  constraint: Constraint | list[Constraint | None] | None = None
                  ) -> list[Completion]:
         """Run every prompt to completion, batched together; results in prompt order.
-        `constraint` (one for all, or one per prompt) is validated first (ParamError)."""
+        `num_logprobs` as vLLM's SamplingParams.logprobs: None (the default) computes and returns
+        none (Completion.logprobs stays empty); 0 each output token's own logprob; k that and
+        its k best alternatives. `constraint` (one for all, or one per prompt) is validated
+        first (ParamError)."""
         n = len(prompts)
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         stoppings = stopping if isinstance(stopping, list) else [stopping or StoppingParams()] * n
@@ -284,7 +287,7 @@ class LLM:
     def chat(self, messages: list[ChatMessage | dict] | list[list[ChatMessage | dict]],
              sampling: SamplingParams | list[SamplingParams] | None = None,
              stopping: StoppingParams | list[StoppingParams] | None = None,
-             num_logprobs: int = 0,
+             num_logprobs: int | None = None,
              constraint: Constraint | list[Constraint | None] | None = None
              ) -> list[Completion]:
         """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}

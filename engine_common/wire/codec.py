@@ -6,7 +6,7 @@ Layouts (positional arrays keep steady-state messages tiny):
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]]
     new        = [handle, prompt ids (uint32 bytes), sampling, block ids,
-                  num_computed_tokens, num_logprobs, constraint]
+                  num_computed_tokens, num_logprobs (-1: none), constraint]
     sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
                  their neutral value (none: 0 bytes); decoded by the knobs' names and validated
@@ -34,8 +34,8 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
 from engine_common.constraints.constraint import Constraint
-from engine_common.wire.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
-                                SchedulerOutput)
+from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, ResumedRequestData,
+                                     RunnerOutput, SchedulerOutput)
 from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
 from engine_common.wire.protos import generation_pb2 as pb
 from engine_common.request.params import (KNOBS, SamplingParams, WorkerSamplingParams, clip,
@@ -82,9 +82,9 @@ def _packed(data, what: str) -> bytes:
     return data
 
 
-def _int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CodecError(f"{what}={quoted(value)}: expected a non-negative integer")
+def _int(value, what: str, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise CodecError(f"{what}={quoted(value)}: expected an integer >= {lo}")
     return value
 
 
@@ -127,7 +127,8 @@ def _new_request(value) -> NewRequestData:
         value, "new request", 7)
     return NewRequestData(_int(h, "handle"), _from_u32(prompt), _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
-                          _int(num_logprobs, "num_logprobs"), _constraint(constraint))
+                          _int(num_logprobs, "num_logprobs", lo=NO_LOGPROBS),
+                          _constraint(constraint))
 
 
 def _resumed_request(value) -> ResumedRequestData:

@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from engine_common.constraints.constraint import Constraint
 from engine_common.request.params import WorkerSamplingParams
 
+# NewRequestData.num_logprobs of a request that wants no logprob at all (vLLM's logprobs=None):
+# none is computed for it, and none comes back.
+NO_LOGPROBS = -1
+
 
 @dataclass
 class NewRequestData:
@@ -32,7 +36,8 @@ class NewRequestData:
     block_ids: list[int]
     # Prompt tokens whose KV is already in the cache (prefix-cache hit), a multiple of block size.
     num_computed_tokens: int
-    # Top alternatives to return per sampled token; the sampled token's logprob always comes back.
+    # Top alternatives to return per sampled token; with 0 or more the sampled token's logprob
+    # comes back too. NO_LOGPROBS (-1): no logprob at all.
     num_logprobs: int = 0
     # Structured output: the workers compile it and mask every sampled token with it.
     constraint: Constraint | None = None

@@ -4,7 +4,8 @@ sampler (C++ in csrc/elementwise.cpp; the same roundings as the torch reference 
     rms_norm(x, w, eps) / add_rms_norm(x, residual, w, eps)   residual updated in place
     rope(positions, q, k, cos_cache, sin_cache)                q, k rotated in place
     silu_and_mul(x)                                            [T, 2I] -> [T, I]
-    greedy_sample(logits) -> (ids, logprobs)                   one pass per row
+    greedy_sample(logits, logprobs=True) -> (ids, logprobs)    one pass per row (False: ids
+                                                               alone, logprobs empty)
 
 `ops_for(dtype)` is the library's op namespace when it is loaded and handles `dtype` (float32,
 bfloat16), else None: callers then keep their torch code.

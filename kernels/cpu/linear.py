@@ -76,14 +76,16 @@ class CpuLinear:
     def fuses_greedy(self) -> bool:
         return self.tiles is not None
 
-    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def greedy(self, x: torch.Tensor, logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(argmax of x W^T per row (first on ties), its log-softmax); x: float32 [M, K]. Only
-        when fuses_greedy. Few rows build their (small) logits with the panels instead."""
+        when fuses_greedy. Few rows build their (small) logits with the panels instead.
+        logprobs False: the argmax alone (no exponentials) and an empty logprob tensor."""
         self.calls += 1
         ops, x = extension.ops(), x.contiguous()
         if x.shape[0] <= GREEDY_PANEL_MAX_ROWS[torch.get_num_threads() > 1]:
-            return ops.greedy_sample(ops.panel_linear(x, self.panels, self.out_features, None))
-        return ops.mkl_tiled_greedy(x, self.tiles, TILE_N, self.out_features)
+            logits = ops.panel_linear(x, self.panels, self.out_features, None)
+            return ops.greedy_sample(logits, logprobs)
+        return ops.mkl_tiled_greedy(x, self.tiles, TILE_N, self.out_features, logprobs)
 
 
 def panel_max_rows(dtype: torch.dtype) -> int:

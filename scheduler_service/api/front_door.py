@@ -267,7 +267,7 @@ class FrontDoor:
                        cache_salt: str, sampling: SamplingParams | None = None) -> Request:
         """The engine's Request (`sampling`: this choice's, when not the request's own)."""
         return Request(request_id, list(prompt_ids), sampling or req.sampling, req.stopping,
-                       self.model.info.eos_token_ids, num_logprobs=req.num_logprobs or 0,
+                       self.model.info.eos_token_ids, num_logprobs=req.num_logprobs,
                        priority=req.priority, constraint=req.constraint, cache_salt=cache_salt)
 
 

@@ -36,7 +36,9 @@ class Request:
     stopping: StoppingParams
     # Ids that end generation unless ignore_eos (from generation_config / config).
     eos_token_ids: tuple[int, ...] = ()
-    num_logprobs: int = 0
+    # Top alternatives per output token, with the sampled token's own logprob; None: no logprob
+    # at all (none computed on the workers, none in the outputs)
+    num_logprobs: int | None = 0
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     # What the output must match (structured output); validated at admission, sent to the

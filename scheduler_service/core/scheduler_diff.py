@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, ResumedRequestData,
+                                     SchedulerOutput)
 from engine_common.request.params import WorkerSamplingParams
 from scheduler_service.core.request import Request
 
@@ -37,7 +38,8 @@ class StepPlan:
                                         request.stopping.min_tokens, request.stop_token_ids)
         self.new_requests.append(NewRequestData(
             request.handle, list(request.prompt_token_ids), sampling, block_ids, num_computed,
-            request.num_logprobs, request.constraint))
+            NO_LOGPROBS if request.num_logprobs is None else request.num_logprobs,
+            request.constraint))
 
     def add_resumed(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         self.resumed_requests.append(ResumedRequestData(request.handle, block_ids, num_computed))

@@ -107,7 +107,7 @@ class _RequestState:
     request_id: str
     num_prompt_tokens: int
     stopping: StoppingParams
-    num_logprobs: int
+    num_logprobs: int | None       # None: the request wants no logprob (its outputs carry none)
     detokenizer: IncrementalDetokenizer
     hold_back: int                 # characters of unsent text held while stop strings are active
     timings: RequestTimings
@@ -208,7 +208,9 @@ class OutputProcessor:
                     state.num_cached_tokens = update.num_cached_tokens
                     state.num_output_tokens += 1
                     token_id = ids[0]
-                    lps = update.new_logprobs
+                    # a request that asked for none may still have them (its batch's others
+                    # did): never reported
+                    lps = update.new_logprobs if state.num_logprobs is not None else None
                     if kept is None:
                         append(RequestOutput(
                             state.request_id, ids, state.detokenizer.add(token_id),
@@ -386,9 +388,9 @@ class OutputProcessor:
                              state.num_cached_tokens, state.timings)
 
     @staticmethod
-    def _logprobs(k: int, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:
-        """Entries for the new tokens, each with at most `k` top alternatives."""
-        if not new_logprobs:
+    def _logprobs(k: int | None, token_ids, new_logprobs, top_logprobs) -> list[TokenLogprob]:
+        """Entries for the new tokens, each with at most `k` top alternatives (None: none)."""
+        if not new_logprobs or k is None:
             return []
         if top_logprobs is None or k == 0:         # the sampled tokens' own logprobs only
             # map, not a comprehension: a held request's final update has every token's

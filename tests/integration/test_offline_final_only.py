@@ -82,12 +82,12 @@ def test_held_updates_give_the_same_completions(tiny_models, async_scheduling):
     llm.engine.output_processor.process = counting
     llm.scheduler._preempt = counting_preempt
     prompts, samplings, stoppings = _held_workload(random.Random(3), 16)
-    held = llm.generate(prompts, samplings, stoppings)
+    held = llm.generate(prompts, samplings, stoppings, num_logprobs=0)
     assert preempted                                        # the cache was too small for all
     assert set(seen.values()) == {1}                       # one update per request: the final
     assert llm.reset_prefix_cache()
     llm.engine.output_processor = OutputProcessor(llm.tokenizer)       # per-step outputs
-    per_step = llm.generate(prompts, samplings, stoppings)
+    per_step = llm.generate(prompts, samplings, stoppings, num_logprobs=0)
     assert [_fields(c) for c in held] == [_fields(c) for c in per_step]
     assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in held)
     assert {c.finish_reason for c in held} >= {RequestStatus.FINISHED_LENGTH,

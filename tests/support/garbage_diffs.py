@@ -136,6 +136,7 @@ def _out_of_range(lim: Limits) -> dict[str, bytes]:
         "prefix hit beyond the prompt": enc(SchedulerOutput(0, new_requests=[
             new(computed=len(PROMPT) + 4)])),
         "a million logprobs": enc(SchedulerOutput(0, new_requests=[new(logprobs=10**6)])),
+        "logprobs below NO_LOGPROBS": enc(SchedulerOutput(0, new_requests=[new(logprobs=-2)])),
         "seed beyond int64": enc(SchedulerOutput(0, new_requests=[
             new(sampling=WorkerSamplingParams(SamplingParams(), seed=2**64 - 1))])),
         "min_tokens beyond int32": enc(SchedulerOutput(0, new_requests=[

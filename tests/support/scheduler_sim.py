@@ -140,9 +140,12 @@ class SimWorker:
                 result.handles.append(state.handle)
                 result.sampled_token_ids.append(token)
                 result.logprobs.append(-0.5)
-                if state.num_logprobs:
+                if state.num_logprobs > 0:          # NO_LOGPROBS (-1): none
                     k = state.num_logprobs
                     result.top_logprobs[state.handle] = (list(range(k)), [-1.0] * k)
+        # As the sampler: a step where no sampled row wants a logprob computes none.
+        if all(self.reqs[h].num_logprobs < 0 for h in result.handles):
+            result.logprobs = []
         for h, left in list(self.compiling.items()):
             if left is None:
                 continue

@@ -157,6 +157,7 @@ class SimServer:
         self.workers_up = True          # False: make_core fails (no worker ready)
         self.gate = StepGate()
         self.clock = AdvancedClock()
+        self.workers: list[SimWorker] = []        # one per engine core made, the last live
         self.engine = AsyncEngine(self._make_core, lambda: OutputProcessor(self.tokenizer),
                                   idle_check=self._check_workers, idle_check_seconds=0.05,
                                   on_turn=self.kv_events.publish, clock=self.clock)
@@ -174,6 +175,7 @@ class SimServer:
                               kv_events=self.kv_events.feed)
         executor = _SimExecutor(self.num_blocks, self.config.block_size, self.gate,
                                 self.grammars)
+        self.workers.append(executor.worker)
         return EngineCore(scheduler, executor)
 
     def _check_workers(self, core: EngineCore) -> None:

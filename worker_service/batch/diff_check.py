@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from engine_common.wire.codec import CodecError
 from engine_common.constraints.constraint import Constraint
-from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
+from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, ResumedRequestData,
+                                     SchedulerOutput)
 from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
                                        MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
                                        MAX_TOP_LOGPROBS)
@@ -143,7 +144,7 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
     limit = min(len(prompt), len(new.block_ids) * bounds.block_size)
     _in_range(f"{name}.num_computed_tokens", new.num_computed_tokens, limit)
     _in_range(f"{name}.num_logprobs", new.num_logprobs,
-              min(MAX_TOP_LOGPROBS, bounds.vocab_size))
+              min(MAX_TOP_LOGPROBS, bounds.vocab_size), lo=NO_LOGPROBS)
     s = new.sampling
     _in_range(f"{name}.sampling.seed", s.seed, MAX_SEED)
     _in_range(f"{name}.sampling.min_tokens", s.min_tokens, MAX_MIN_TOKENS)

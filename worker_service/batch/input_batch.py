@@ -80,6 +80,7 @@ class InputBatch:
         self.id_sets: dict[str, list[tuple[int, ...]]] = {k.name: [()] * r for k in ID_SET_KNOBS}
         self.seeds = np.zeros(r, dtype=np.int64)
         self.min_tokens = np.zeros(r, dtype=np.int32)
+        # top alternatives per row; -1 (NO_LOGPROBS): no logprob at all
         self.num_logprobs = np.zeros(r, dtype=np.int32)
         self.stop_ids: list[tuple[int, ...]] = [()] * r
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * r
@@ -213,7 +214,7 @@ class InputBatch:
                 counts[name] += sign
         if self.min_tokens[row] and self.stop_ids[row]:
             counts["min_tokens"] += sign
-        if self.num_logprobs[row]:
+        if self.num_logprobs[row]:          # alternatives, or none at all (-1)
             counts["num_logprobs"] += sign
 
     _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_known_ids",

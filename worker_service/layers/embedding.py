@@ -63,14 +63,16 @@ class ParallelLMHead(CpuGemm, VocabParallelEmbedding):
                              f"{tuple(embedding.weight.shape)}")
         self.weight = embedding.weight
 
-    def greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def greedy(self, hidden: torch.Tensor, logprobs: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(argmax token of each row, its logprob) straight from the hidden states, without
-        materialising the logits (kernels/cpu/linear.py), when this head can; else None."""
+        materialising the logits (kernels/cpu/linear.py), when this head can; else None.
+        logprobs False: the argmax alone, with an empty logprob tensor."""
         lin = self.cpu_linear
         if (lin is None or not lin.fuses_greedy or self.tp.world_size != 1
                 or hidden.dtype != torch.float32 or hidden.dim() != 2):
             return None
-        return lin.greedy(hidden)
+        return lin.greedy(hidden, logprobs)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)                           # [N, V_r] in the model dtype

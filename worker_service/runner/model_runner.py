@@ -370,7 +370,7 @@ class ModelRunner:
         top = {}
         if sampled.top_ids is not None:
             for i, k in enumerate(pending.num_logprobs.tolist()):
-                if k:
+                if k > 0:                    # NO_LOGPROBS (-1): none at all
                     top[handles[i]] = (sampled.top_ids[i, :k], sampled.top_logprobs[i, :k])
         return RunnerOutput(step=pending.step, handles=handles, sampled_token_ids=token_ids,
                             logprobs=sampled.logprobs, top_logprobs=top)

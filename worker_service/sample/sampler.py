@@ -13,7 +13,9 @@ Order of operations on the [N, V] float32 logits:
 The noise is a pure integer function of (seed, counter, vocab id): no torch.Generator, so a request
 draws the same token whatever else is in the batch, and on every rank and device. No step reads a
 device value on the host (top-k's width is meta.top_k_max), so sampling never syncs. Returned
-logprobs are those of the raw model distribution (log_softmax of the unprocessed logits).
+logprobs are those of the raw model distribution (log_softmax of the unprocessed logits); a step
+where no row wants one (meta.wants_logprobs False) computes none (on the CPU the greedy kernels
+then skip their exponentials) and returns an empty logprob tensor.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ _NOISE_CHUNK_ELEMENTS = 1 << 23
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor          # int64 [N]
-    logprobs: torch.Tensor                   # float32 [N], raw log_softmax at the sampled ids
+    # float32 [N], raw log_softmax at the sampled ids; [0] when no row wants its logprob
+    logprobs: torch.Tensor
     top_ids: torch.Tensor | None = None      # int64 [N, k], best first
     top_logprobs: torch.Tensor | None = None  # float32 [N, k], descending
 
@@ -255,7 +258,7 @@ class Sampler:
                 return SamplerOutput(*greedy_sample(logits))
             ops = ops_for(torch.float32) if logits.device.type == "cpu" else None
             if ops is not None:
-                return SamplerOutput(*ops.greedy_sample(logits))
+                return SamplerOutput(*ops.greedy_sample(logits, meta.wants_logprobs))
         x = apply_allowed_token_ids(logits, meta.id_sets.get("allowed_token_ids"))
         x = apply_logit_bias(x, meta.logit_bias_index, meta.logit_bias_values)
         x = apply_stop_masks(x, meta.stop_mask_index)
@@ -268,6 +271,8 @@ class Sampler:
             tokens = _sample_random(x, meta)
         else:  # compute both and pick per row: no device->host sync
             tokens = torch.where(meta.temperature > 0, _sample_random(x, meta), x.argmax(dim=-1))
+        if not meta.wants_logprobs:
+            return SamplerOutput(tokens, logits.new_zeros(0))
         return self._with_logprobs(logits, tokens, meta.max_num_logprobs)
 
     __call__ = forward
@@ -279,7 +284,7 @@ class Sampler:
         if not is_hidden:
             return self.forward(out, meta)
         if is_plain_greedy(meta):
-            fused = model.lm_head.greedy(out)
+            fused = model.lm_head.greedy(out, meta.wants_logprobs)
             if fused is not None:
                 return SamplerOutput(*fused)
         return self.forward(model.compute_logits(out), meta)

@@ -55,6 +55,9 @@ class SamplingMetadata:
     # (row, token id) pairs; a knob no row sets is absent
     id_sets: dict[str, torch.Tensor] = field(default_factory=dict)
     max_num_logprobs: int = 0                    # top alternatives to return; 0 = sampled only
+    # Some row wants its sampled token's logprob (False: none is computed; the sampler returns
+    # an empty logprob tensor)
+    wants_logprobs: bool = True
     # Host-known upper bound of the active top_k values (>= every top_k in (0, vocab)): the
     # width of the one topk apply_top_k runs. Required (>= 1) when top_k is set.
     top_k_max: int = 0
@@ -231,10 +234,19 @@ def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int
         stop_mask_index=stop_index,
         logit_bias_index=bias_index, logit_bias_values=bias,
         id_sets=staged_sets,
-        max_num_logprobs=(int(batch.num_logprobs[rows].max())
-                          if setting["num_logprobs"] and len(rows) else 0),
+        **_logprob_wishes(batch, rows, setting["num_logprobs"]),
         top_k_max=top_k_bound(batch.top_k[rows], vocab_size) if setting["top_k"] else 1,
     )
+
+
+def _logprob_wishes(batch: InputBatch, rows: np.ndarray, num_set: int) -> dict:
+    """max_num_logprobs and wants_logprobs of the sampling rows. num_logprobs is NO_LOGPROBS
+    (-1) for a row that wants none; with no row off 0 (num_set 0) no numpy call is made."""
+    if not num_set or not len(rows):
+        return {"max_num_logprobs": 0, "wants_logprobs": True}
+    wanted = batch.num_logprobs[rows]
+    return {"max_num_logprobs": max(0, int(wanted.max())),
+            "wants_logprobs": bool((wanted >= 0).any())}
 
 
 def _greediness(batch: InputBatch, rows: np.ndarray) -> tuple[bool, bool]:

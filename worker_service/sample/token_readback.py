@@ -22,7 +22,7 @@ class SampledTokens:
     """A step's sampler outputs on the host (rows in sampling order)."""
 
     token_ids: np.ndarray                  # int64 [N]
-    logprobs: np.ndarray                   # float32 [N]
+    logprobs: np.ndarray                   # float32 [N]; [0] when no row wanted one
     top_ids: np.ndarray | None = None      # int64 [N, k]
     top_logprobs: np.ndarray | None = None  # float32 [N, k]
 
@@ -74,7 +74,8 @@ class TokenReadback:
         if n > self.max_rows:
             raise ValueError(f"{n} sampled rows exceed max_rows={self.max_rows}")
         ids = self._copy(self._ids[:n], out.sampled_token_ids)
-        logprobs = self._copy(self._logprobs[:n], out.logprobs)
+        # empty when no row wanted its logprob
+        logprobs = self._copy(self._logprobs[:out.logprobs.shape[0]], out.logprobs)
         top_ids = top_logprobs = None
         if out.top_ids is not None:
             shape = tuple(out.top_ids.shape)
@@ -109,7 +110,7 @@ class PendingStep:
     step: int
     handles: list[int] = field(default_factory=list)   # handles that sampled, sampling order
     positions: np.ndarray | None = None     # int32 [N]: each one's token index in its row
-    num_logprobs: np.ndarray | None = None  # int32 [N]: top alternatives each one asked for
+    num_logprobs: np.ndarray | None = None  # int32 [N]: top alternatives each asked for (-1: none)
     tokens: PendingTokens | None = None     # None: nothing sampled
     sampled: torch.Tensor | None = None     # int64 [N] on the device (None on the simulated one)
     copied: torch.cuda.Event | None = None  # the staging copies' event, when nothing sampled

@@ -6,8 +6,9 @@
 //   add_rms_norm(x, residual, w, eps)   residual += x (in place), y = rms_norm(residual)
 //   rope(positions, q, k, cos, sin)     q, k rotated in place ("rotate half" layout)
 //   silu_and_mul(x)                     [T, 2I] -> silu(x[:, :I]) * x[:, I:]
-//   greedy_sample(logits)               argmax per row (first index on ties) and its logprob,
-//                                       one pass (an online max and sum of exponentials)
+//   greedy_sample(logits, logprobs)     argmax per row (first index on ties) and its logprob,
+//                                       one pass (an online max and sum of exponentials);
+//                                       logprobs false: the argmax alone, no exponential
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -222,23 +223,24 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits, bool logprobs) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "logits must be float32 [N, V] with contiguous rows");
   const int64_t n = logits.size(0), v = logits.size(1);
   TORCH_CHECK(v > 0, "logits need at least one column");
   at::Tensor ids = at::empty({n}, logits.options().dtype(at::kLong));
-  at::Tensor lps = at::empty({n}, logits.options());
+  at::Tensor lps = at::empty({logprobs ? n : 0}, logits.options());
   const float* x = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  float* lp = lps.data_ptr<float>();
+  float* lp = logprobs ? lps.data_ptr<float>() : nullptr;
   const int64_t stride = logits.stride(0);
   at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
     RowArgmax state;
     for (int64_t r = lo; r < hi; ++r) {
       state.reset();
-      state.update(x + r * stride, v, 0);
-      finish_rows(&state, 1, ip + r, lp + r);
+      if (logprobs) state.update(x + r * stride, v, 0);
+      else state.update_argmax(x + r * stride, v, 0);
+      finish_rows(&state, 1, ip + r, lp ? lp + r : nullptr);
     }
   });
   return {ids, lps};

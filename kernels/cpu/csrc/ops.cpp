@@ -30,7 +30,7 @@ at::Tensor mkl_tiled_linear(const at::Tensor& x, const std::vector<at::Tensor>& 
                             int64_t tile_n, int64_t n, const std::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
                                                     const std::vector<at::Tensor>& tiles,
-                                                    int64_t tile_n, int64_t n);
+                                                    int64_t tile_n, int64_t n, bool logprobs);
 
 at::Tensor panel_pack(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
@@ -41,7 +41,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
 void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
           const at::Tensor& cos_cache, const at::Tensor& sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
-std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits);
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits, bool logprobs);
 
 namespace {
 void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -75,8 +75,8 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
   m.def("mkl_bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &mkl_bf16_linear);
   m.def("mkl_tiled_linear(Tensor x, Tensor[] tiles, int tile_n, int n, Tensor? bias) -> Tensor",
         &mkl_tiled_linear);
-  m.def("mkl_tiled_greedy(Tensor x, Tensor[] tiles, int tile_n, int n) -> (Tensor, Tensor)",
-        &mkl_tiled_greedy);
+  m.def("mkl_tiled_greedy(Tensor x, Tensor[] tiles, int tile_n, int n, bool logprobs=True) "
+        "-> (Tensor, Tensor)", &mkl_tiled_greedy);
   m.def("panel_pack(Tensor weight) -> Tensor", &panel_pack);
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
@@ -85,7 +85,7 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
   m.def("rope(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_cache, "
         "Tensor sin_cache) -> ()", &rope);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
-  m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)", &greedy_sample);
+  m.def("greedy_sample(Tensor logits, bool logprobs=True) -> (Tensor, Tensor)", &greedy_sample);
 }
 
 }  // namespace deltaserve_cpu

@@ -98,6 +98,28 @@ def test_greedy_sample_rows_with_inf_or_nan_take_the_one_pass_path(ops):
     assert torch.isnan(ops.greedy_sample(short)[1][0])
 
 
+def test_greedy_sample_argmax_only_gives_the_lse_kernels_ids(ops):
+    # logprobs=False skips the exponentials: the same ids as the log-sum-exp pass (first index
+    # on ties, a NaN never picked, an all -inf row 0) on every body, and no logprob at all.
+    x = 5 * torch.randn(12, 1003, generator=torch.Generator().manual_seed(6))
+    x[1, 17] = x[1, 900] = 99.0                         # a tie: the first index wins
+    x[2, :] = float("-inf")
+    x[2, 1001] = 0.0                                    # the max in the tail, all else -inf
+    x[3, :] = float("-inf")                             # nothing but -inf: 0
+    x[4, 40] = float("inf")
+    x[5, 7] = float("nan")
+    x[6, 0] = float("nan")
+    x[7, 50:] = float("nan")
+    x[8, :] = float("nan")                              # nothing but NaN: 0
+    x[9, :] = 1.0                                       # all equal: 0
+    x[10, 16 * 31:] = 50.0                              # a tie spanning the vector width
+    ids, logprobs = ops.greedy_sample(x, False)
+    assert logprobs.numel() == 0
+    assert ids.tolist() == ops.greedy_sample(x)[0].tolist()
+    assert ids.tolist() == x.nan_to_num(float("-inf")).argmax(-1).tolist()
+    assert ids[1] == 17 and ids[3] == 0 and ids[8] == 0 and ids[10] == 16 * 31
+
+
 def test_sampler_takes_the_kernel_only_for_plain_greedy_steps():
     from worker_service.sample.sampler import Sampler
     from worker_service.sample.sampling_metadata import SamplingMetadata
@@ -115,3 +137,13 @@ def test_sampler_takes_the_kernel_only_for_plain_greedy_steps():
     with_top = Sampler().forward(logits, meta(4, max_num_logprobs=2))
     assert with_top.top_ids is not None
     torch.testing.assert_close(plain.logprobs, with_top.logprobs, atol=1e-5, rtol=1e-5)
+    # no row wants a logprob: the argmax-only kernel, and on the torch path (a stop mask)
+    # no log-sum-exp either
+    bare = Sampler().forward(logits, meta(4, wants_logprobs=False))
+    assert bare.sampled_token_ids.tolist() == plain.sampled_token_ids.tolist()
+    assert bare.logprobs.numel() == 0 and bare.top_ids is None
+    stop = torch.tensor([[0], [int(plain.sampled_token_ids[0])]])
+    masked = Sampler().forward(logits, meta(4, wants_logprobs=False, stop_mask_index=stop))
+    assert masked.logprobs.numel() == 0
+    assert masked.sampled_token_ids.tolist()[1:] == plain.sampled_token_ids.tolist()[1:]
+    assert masked.sampled_token_ids[0] != plain.sampled_token_ids[0]

@@ -93,7 +93,8 @@ def test_loaded_cpu_model_runs_its_linears_through_the_kernels(tiny_models):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [7, 60, 100, 300])     # 300: three row blocks on 1 thread
-def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads, rows):
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads, rows, with_logprobs):
     gen = torch.Generator().manual_seed(threads)
     n = linear.TILED_FROM_N + 100                      # a partial last tile
     w = torch.randn(n, 32, generator=gen)
@@ -106,17 +107,21 @@ def test_wide_weights_are_tiled_and_fuse_the_greedy_argmax(threads, rows):
         logits = F.linear(x, w)
         torch.testing.assert_close(lin(x, w), logits, atol=1e-4, rtol=1e-5)
         x[3] = 0.0                                     # an all-equal row: the first index wins
-        ids, logprobs = lin.greedy(x)
+        ids, logprobs = lin.greedy(x, with_logprobs)
     finally:
         torch.set_num_threads(before)
     logits = F.linear(x, w)
     assert ids.tolist() == logits.argmax(-1).tolist() and ids[3] == 0
+    if not with_logprobs:                              # the argmax alone
+        assert logprobs.numel() == 0
+        return
     want = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     torch.testing.assert_close(logprobs, want, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tiled_greedy_finds_the_first_max_across_tiles(threads):
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_tiled_greedy_finds_the_first_max_across_tiles(threads, with_logprobs):
     # One-hot rows of x pick one weight column each, so each row's logits are set exactly: the
     # max pass looks for the max's index only when a tile beats the row's max so far, so a later
     # tile that only ties it must keep the earlier index, and a later larger one must win.
@@ -133,10 +138,13 @@ def test_tiled_greedy_finds_the_first_max_across_tiles(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ids, logprobs = ops.mkl_tiled_greedy(x, tiles, tile, n)
+        ids, logprobs = ops.mkl_tiled_greedy(x, tiles, tile, n, with_logprobs)
     finally:
         torch.set_num_threads(before)
     assert ids.tolist() == [10, 4 * tile + 3, tile + 5, n - 1, 0]
+    if not with_logprobs:
+        assert logprobs.numel() == 0
+        return
     logits = w.T[:5]
     want = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 
 from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
+from engine_common.wire.diff import NO_LOGPROBS
 from engine_common.wire.protos import generation_pb2 as gpb
 from engine_common.wire.protos import generation_pb2_grpc
 from engine_common.wire.protos import smg_common_pb2 as cpb
@@ -74,6 +75,39 @@ def test_streamed_and_unstreamed_answers_agree_with_generate(server, stub):
             token_ids=PROMPT, stopping=gpb.StoppingCriteria(max_tokens=6)), timeout=10))
     assert [t for m in ours for t in m.token_ids] == ids
     assert done.cached_tokens == 12                      # the second run hit the prefix cache
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_only_when_asked_and_generate_keeps_its_own(server, stub, stream):
+    # vLLM's convention: logprobs unset = none at all, 0 = each token's own. Run together, so
+    # a step holds rows that want them and rows that do not.
+    ask = {"none": {}, "own": {"logprobs": 0}}
+    calls = {name: stub.Generate(generate(request_id=f"{name}{stream}", stream=stream,
+                                          max_tokens=5, ignore_eos=True, **extra), timeout=10)
+             for name, extra in ask.items()}
+    with grpc.insecure_channel(server.target) as ch:    # deltaserve.v1: always every logprob
+        ours = list(generation_pb2_grpc.GenerationStub(ch).Generate(gpb.GenerateRequest(
+            token_ids=PROMPT, stopping=gpb.StoppingCriteria(max_tokens=5, ignore_eos=True)),
+            timeout=10))
+    got = {name: list(call) for name, call in calls.items()}
+    # the workers are told: none at all (NO_LOGPROBS) for the request that asked none
+    sent = [new.num_logprobs for diff in server.workers[-1].diffs for new in diff.new_requests]
+    assert sorted(sent) == [NO_LOGPROBS, 0, 0]
+    ids = [t for m in ours for t in m.token_ids]
+    assert [lp.token_id for m in ours for lp in m.logprobs] == ids and len(ids) == 5
+    for name, msgs in got.items():
+        parts = [m.chunk for m in msgs[:-1]] + [msgs[-1].complete]
+        # streamed: the chunks carry the tokens (the complete repeats the last step's)
+        tokens = ([t for m in msgs[:-1] for t in m.chunk.token_ids] if stream
+                  else list(msgs[-1].complete.output_ids))
+        assert len(tokens) == 5, name
+        with_lps = [p for p in parts if p.HasField("output_logprobs")]
+        if name == "none":
+            assert with_lps == [], name
+        else:
+            assert with_lps and all(len(p.output_logprobs.token_ids) == len(
+                p.output_logprobs.token_logprobs) > 0 for p in with_lps)
+            assert all(not p.output_logprobs.top_logprobs for p in with_lps)
 
 
 def test_text_prompt_is_tokenized_by_our_tokenizer(server, stub):

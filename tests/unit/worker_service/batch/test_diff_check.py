@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine_common.constraints.constraint import Constraint
-from engine_common.wire.diff import SchedulerOutput
+from engine_common.wire.codec import decode_scheduler_output
+from engine_common.wire.diff import NO_LOGPROBS, SchedulerOutput
 from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from tests.support.deep_constraints import lark_chain
@@ -102,6 +103,17 @@ def test_messages_name_the_field_the_value_and_the_range():
     for diff, message in cases:
         with pytest.raises(BadDiff, match=message):
             check_diff(diff, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))
+
+
+def test_no_logprobs_passes_the_codec_and_the_check_and_below_it_is_refused():
+    import numpy as np
+    diff = SchedulerOutput(0, new_requests=[new(logprobs=NO_LOGPROBS)])
+    assert decode_scheduler_output(enc(diff)) == diff
+    check_diff(diff, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))
+    with pytest.raises(BadDiff, match=r"new_requests\[0\]\.num_logprobs=-2 is invalid: must be "
+                                      r"in \[-1, 100\]"):
+        check_diff(SchedulerOutput(0, new_requests=[new(logprobs=-2)]), _bounds(), {}, {},
+                   np.zeros(2, dtype=np.int32))
 
 
 def test_a_handle_recycled_in_the_same_diff_is_accepted():
