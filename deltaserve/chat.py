@@ -12,7 +12,9 @@ Torch-free: only grpc and the generated stubs.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
@@ -72,20 +74,35 @@ def chat_request(conversation: Conversation, question: str, args) -> pb.Generate
 
 def stream_answer(stub, req: pb.GenerateRequest, out: TextIO,
                   timeout: float | None = None) -> Answer:
-    """Print the answer as it streams. Ctrl-C cancels the call: a cancelled Answer."""
+    """Print the answer as it streams. Ctrl-C cancels the call: a cancelled Answer.
+
+    In the main thread Ctrl-C cancels the call from a SIGINT handler, so the stream ends with
+    CANCELLED: a KeyboardInterrupt raised inside grpc's iterator can land between its
+    condition's release and re-acquire and crash the chat instead of cancelling."""
     answer = Answer()
     call = stub.Generate(req, timeout=timeout)
+
+    def cancel(_signum, _frame) -> None:
+        if call.cancel():                  # False once the answer has finished
+            answer.cancelled = True
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, cancel) if in_main else None
     try:
         for resp in call:
             out.write(resp.text)
             out.flush()
             answer.text += resp.text
             answer.finish_reason = resp.finish_reason
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:              # off the main thread, or before the handler
         call.cancel()
         answer.cancelled = True
     except grpc.RpcError as e:
-        answer.error = f"{e.code().name}: {e.details()}"
+        if not answer.cancelled:
+            answer.error = f"{e.code().name}: {e.details()}"
+    finally:
+        if in_main and previous is not None:   # None: a handler not set from Python
+            signal.signal(signal.SIGINT, previous)
     return answer
 
 

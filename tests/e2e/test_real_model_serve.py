@@ -147,6 +147,9 @@ def test_interactive_chat_keeps_history_and_survives_ctrl_c(served):
         wait_for(lambda: FRANCE_ANSWER in "".join(out), 300, "the next answer")
         chat.stdin.close()                                     # Ctrl-D leaves
         assert chat.wait(60) == 0
+    except AssertionError as e:                                # say what the chat printed
+        raise AssertionError(f"{e}\n--- chat output (last 3000 characters):\n"
+                             f"{''.join(out)[-3000:]}") from None
     finally:
         if chat.poll() is None:
             chat.kill()

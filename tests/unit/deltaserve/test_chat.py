@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
+import signal
 
 import grpc
 import pytest
@@ -31,12 +33,39 @@ class FakeCall:
         self.cancelled = True
 
 
+class SignalledCall(FakeCall):
+    """A call that receives a real SIGINT after its first piece and, once cancelled, ends as
+    grpc's iterator does: an RpcError with CANCELLED."""
+
+    def __iter__(self):
+        yield pb.GenerateResponse(text=self.pieces[0])
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:          # what grpc's own iterator must not have raised
+            self.interrupted = True
+            raise
+        for piece in self.pieces[1:]:
+            if self.cancelled:
+                raise FakeRpcError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
+            yield pb.GenerateResponse(text=piece)
+
+    interrupted = False
+
+    def cancel(self):
+        was_active, self.cancelled = not self.cancelled, True
+        return was_active
+
+
 class FakeRpcError(grpc.RpcError):
+    def __init__(self, code=grpc.StatusCode.UNAVAILABLE, details="no worker ready"):
+        self._code, self._details = code, details
+
+
     def code(self):
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self):
-        return "no worker ready"
+        return self._details
 
 
 class FakeStub:
@@ -126,3 +155,16 @@ def test_stream_answer_collects_the_text():
 @pytest.mark.parametrize("argv, question", [(["What?"], "What?"), ([], None)])
 def test_one_shot_or_interactive(argv, question):
     assert _args(*argv).question == question
+
+
+def test_a_real_sigint_cancels_the_call_through_the_handler_and_is_restored():
+    before = signal.getsignal(signal.SIGINT)
+    call = SignalledCall(["one ", "two ", "three"])
+    stub = FakeStub([call, FakeCall(["ok"])])
+    out = io.StringIO()
+    assert Session(stub, _args(), _lines("count", "again"), out).run() == 0
+    assert call.cancelled and not call.interrupted
+    assert "one \n(answer cancelled; the question is not kept)" in out.getvalue()
+    assert "error:" not in out.getvalue()
+    assert _roles(stub.requests[1]) == [("user", "again")]      # the cancelled turn is gone
+    assert signal.getsignal(signal.SIGINT) is before
