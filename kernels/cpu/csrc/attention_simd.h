@@ -295,7 +295,8 @@ inline void narrow_softmax_row(float* s, int64_t visible, float& m, float* lsum,
 
 template <typename T, int D, typename RowPtr, typename StoreRow>
 void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const RowPtr& row,
-                 int64_t block_size, int64_t row_stride, const StoreRow& store_row) {
+                 int64_t block_size, int64_t row_stride, const StoreRow& store_row,
+                 const Ahead& after = Ahead()) {
   alignas(64) float acc[kDirectRows][D];
   alignas(64) float s[kDirectRows][kChunk];
   alignas(64) float lsum[kDirectRows][kChunk];  // the running sums, lane-wise (reduced at the end)
@@ -326,12 +327,14 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
       chunk_rows<T, D>(row, p0, n, 0, kbuf, keys);
       chunk_rows<T, D>(row, p0, n, 1, vbuf, vals);
     }
-    Ahead ahead;                  // the next chunk, when it lies in one block
+    Ahead ahead = after;          // the next chunk (in one block), else the next item's first
     if (chunk_in_block && p0 + kChunk <= last) {
       ahead.keys = reinterpret_cast<const char*>(row(p0 + kChunk, 0));
       ahead.values = reinterpret_cast<const char*>(row(p0 + kChunk, 1));
       ahead.row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
       ahead.n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0 - kChunk));
+    } else if (p0 + kChunk <= last) {
+      ahead = Ahead();
     }
     chunk_dots<D, kRowLines<T, D>>(q[0], keys, n, s[0], ahead);
     for (int r = 1; r < rows; ++r) chunk_dots<D>(q[r], keys, n, s[r]);

@@ -192,7 +192,8 @@ template <typename T, int D>
 void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
-                        int64_t first_pos, int group, float scale) {
+                        int64_t first_pos, int group, float scale,
+                        const simd::Ahead& after) {
   const int rows = static_cast<int>(it.ntok) * group;
   alignas(64) float q[kTileRows][D];
   int64_t pos[kTileRows];
@@ -218,7 +219,7 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
   if (rows <= simd::kDirectRows) {
-    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row);
+    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, after);
   } else {
     simd::wide_item<T, D>(q, pos, rows, row, store_row);
   }
@@ -261,6 +262,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   T* o = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const bool one_thread = at::get_num_threads() == 1 || num_items < 2;
   auto body = [&](int64_t i) {
     const Item& it = items[i];
     Geometry<T> g = base;
@@ -268,15 +270,28 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
 #if defined(DELTASERVE_SIMD)
     if constexpr (D % simd::kChunk == 0) {
+      // one thread: item i's last chunk prefetches item i + 1's first (the next it runs)
+      simd::Ahead after;
+      if (one_thread && i + 1 < num_items) {
+        const Item& nx = items[i + 1];
+        const T* first = base.kv + nx.head * base.head_stride +
+                         table[nx.req * table_stride] * base.block_stride;
+        const int64_t keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.tok0 + nx.ntok;
+        after.keys = reinterpret_cast<const char*>(first);
+        after.values = reinterpret_cast<const char*>(first + base.half);
+        after.row_bytes = base.row_stride * static_cast<int64_t>(sizeof(T));
+        after.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys, base.block_size}));
+      }
       attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
-                               out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
+                             out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
+                             after);
       return;
     }
 #endif
     attend_item<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                       out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
   };
-  if (at::get_num_threads() == 1 || num_items < 2) {
+  if (one_thread) {
     for (int64_t i = 0; i < num_items; ++i) body(i);
     return;
   }
