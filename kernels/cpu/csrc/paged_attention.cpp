@@ -224,6 +224,21 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     simd::wide_item<T, D>(q, pos, rows, row, store_row);
   }
 }
+
+// The rows of item `it`'s first chunk of keys (blocks: its request's block-table row).
+template <typename T>
+simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blocks,
+                        const int32_t* qsl, const int32_t* seq_lens) {
+  const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
+  const int64_t keys = seq_lens[it.req] - qlen + it.tok0 + it.ntok;    // its last position + 1
+  const T* first = g.kv + it.head * g.head_stride + blocks[0] * g.block_stride;
+  simd::Ahead a;
+  a.keys = reinterpret_cast<const char*>(first);
+  a.values = reinterpret_cast<const char*>(first + g.half);
+  a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(T));
+  a.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys, g.block_size}));
+  return a;
+}
 #endif
 
 std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs,
@@ -271,17 +286,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 #if defined(DELTASERVE_SIMD)
     if constexpr (D % simd::kChunk == 0) {
       // one thread: item i's last chunk prefetches item i + 1's first (the next it runs)
-      simd::Ahead after;
-      if (one_thread && i + 1 < num_items) {
-        const Item& nx = items[i + 1];
-        const T* first = base.kv + nx.head * base.head_stride +
-                         table[nx.req * table_stride] * base.block_stride;
-        const int64_t keys = lens[nx.req] - (qsl[nx.req + 1] - qsl[nx.req]) + nx.tok0 + nx.ntok;
-        after.keys = reinterpret_cast<const char*>(first);
-        after.values = reinterpret_cast<const char*>(first + base.half);
-        after.row_bytes = base.row_stride * static_cast<int64_t>(sizeof(T));
-        after.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys, base.block_size}));
-      }
+      const simd::Ahead after = one_thread && i + 1 < num_items
+          ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens)
+          : simd::Ahead();
       attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                              out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
                              after);
