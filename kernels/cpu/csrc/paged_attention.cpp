@@ -192,7 +192,8 @@ template <typename T, int D>
 void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
-                        int64_t first_pos, int group, float scale) {
+                        int64_t first_pos, int group, float scale,
+                        const simd::Ahead& after) {
   const int rows = static_cast<int>(it.ntok) * group;
   alignas(64) float q[kTileRows][D];
   int64_t pos[kTileRows];
@@ -218,10 +219,25 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
   if (rows <= simd::kDirectRows) {
-    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row);
+    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, after);
   } else {
     simd::wide_item<T, D>(q, pos, rows, row, store_row);
   }
+}
+
+// The rows of item `it`'s first chunk of keys (blocks: its request's block-table row).
+template <typename T>
+simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blocks,
+                        const int32_t* qsl, const int32_t* seq_lens) {
+  const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
+  const int64_t keys = seq_lens[it.req] - qlen + it.tok0 + it.ntok;    // its last position + 1
+  const T* first = g.kv + it.head * g.head_stride + blocks[0] * g.block_stride;
+  simd::Ahead a;
+  a.keys = reinterpret_cast<const char*>(first);
+  a.values = reinterpret_cast<const char*>(first + g.half);
+  a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(T));
+  a.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys, g.block_size}));
+  return a;
 }
 #endif
 
@@ -261,6 +277,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   T* o = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const bool one_thread = at::get_num_threads() == 1 || num_items < 2;
   auto body = [&](int64_t i) {
     const Item& it = items[i];
     Geometry<T> g = base;
@@ -268,15 +285,20 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
 #if defined(DELTASERVE_SIMD)
     if constexpr (D % simd::kChunk == 0) {
+      // one thread: item i's last chunk prefetches item i + 1's first (the next it runs)
+      const simd::Ahead after = one_thread && i + 1 < num_items
+          ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens)
+          : simd::Ahead();
       attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
-                               out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
+                             out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
+                             after);
       return;
     }
 #endif
     attend_item<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                       out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
   };
-  if (at::get_num_threads() == 1 || num_items < 2) {
+  if (one_thread) {
     for (int64_t i = 0; i < num_items; ++i) body(i);
     return;
   }
