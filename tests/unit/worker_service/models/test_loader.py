@@ -1,20 +1,18 @@
-"""Weight loading: sharded vs single file, dtypes, errors, per-rank slices and TP=2 vs TP=1."""
+"""Weight loading: sharded vs single file, dtypes, errors and per-rank slices (TP=2 against TP=1
+end to end: tests/integration/test_tp2_loader.py)."""
 from __future__ import annotations
 
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from worker_service.models.tiny_model import make_tiny_model
-from kernels.attention.backend import AttentionMetadata
 from kernels.attention.torch_ref import TorchAttentionBackend
 from kernels.cpu import extension
 from worker_service.models.loader import (WeightLoadError, allocate_kv_caches, kv_cache_shape,
@@ -156,57 +154,6 @@ def test_rank_slices(tmp_path, num_kv_heads, world):
         head = ckpt["lm_head.weight"][rank * vocab:(rank + 1) * vocab]
         assert not model.lm_head_is_tied and torch.equal(model.lm_head.weight, head)
         assert model.num_kv_heads == max(num_kv_heads // world, 1)
-
-
-def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """All-position logits of one request prefilled through a fresh paged cache."""
-    n, block_size = ids.shape[0], 4
-    num_blocks = -(-n // block_size)
-    caches = allocate_kv_caches(model, num_blocks, block_size, "cpu")
-    table = torch.arange(num_blocks, dtype=torch.int32).flip(0)[None]
-    pos = torch.arange(n)
-    slots = table[0, pos // block_size].long() * block_size + pos % block_size
-    qsl, lens = torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
-    meta = AttentionMetadata(1, n, n, n, qsl, lens, table, slots, qsl, lens)
-    with torch.no_grad():
-        return model.compute_logits(model(ids, pos, caches, meta))
-
-
-def tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    try:
-        ids = torch.arange(19) * 7 % 500
-        for i, path in enumerate(paths):
-            logits = prefill_logits(load(path, tp=TPGroup(rank=rank, world_size=2)), ids)
-            torch.save(logits, f"{out_dir}/logits_{i}_{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_tp2_matches_tp1_over_gloo(tmp_path):
-    """Two gloo ranks: split kv heads (qwen3, odd padded vocab), replicated kv head with
-    o_proj/MLP biases (llama), q/k/v bias (qwen2)."""
-    paths = [make_tiny_model(tmp_path / "q3", arch="qwen3", vocab_size=513),
-             make_tiny_model(tmp_path / "ll", arch="llama", num_key_value_heads=1,
-                             attention_bias=True, mlp_bias=True),
-             make_tiny_model(tmp_path / "q2", arch="qwen2")]
-    mp.spawn(tp_worker, args=(free_port(), [str(p) for p in paths], str(tmp_path)), nprocs=2)
-    ids = torch.arange(19) * 7 % 500
-    for i, path in enumerate(paths):
-        expected = prefill_logits(load(path), ids)
-        for rank in range(2):
-            got = torch.load(tmp_path / f"logits_{i}_{rank}.pt")
-            assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 def test_rope_tables_are_shared_by_all_layers(tmp_path):
