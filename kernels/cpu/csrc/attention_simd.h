@@ -329,14 +329,16 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
       chunk_rows<T, D>(row, p0, n, 0, kbuf, keys);
       chunk_rows<T, D>(row, p0, n, 1, vbuf, vals);
     }
-    Ahead ahead = after;          // the next chunk (in one block), else the next item's first
-    if (chunk_in_block && p0 + kChunk <= last) {
+    // what to prefetch: after the last chunk the next item's first; else the next chunk when
+    // it lies in one block (scattered rows are not worth it)
+    Ahead ahead;
+    if (p0 + kChunk > last) {
+      ahead = after;
+    } else if (chunk_in_block) {
       ahead.keys = reinterpret_cast<const char*>(row(p0 + kChunk, 0));
       ahead.values = reinterpret_cast<const char*>(row(p0 + kChunk, 1));
       ahead.row_bytes = row_stride * static_cast<int64_t>(sizeof(T));
       ahead.n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0 - kChunk));
-    } else if (p0 + kChunk <= last) {
-      ahead = Ahead();
     }
     chunk_dots<D, kRowLines<T, D>>(q[0], keys, n, s[0], ahead);
     for (int r = 1; r < rows; ++r) chunk_dots<D>(q[r], keys, n, s[r]);

@@ -238,8 +238,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits, bool 
     RowArgmax state;
     for (int64_t r = lo; r < hi; ++r) {
       state.reset();
-      if (logprobs) state.update(x + r * stride, v, 0);
-      else state.update_argmax(x + r * stride, v, 0);
+      state.feed(x + r * stride, v, 0, logprobs);
       finish_rows(&state, 1, ip + r, lp ? lp + r : nullptr);
     }
   });

@@ -202,11 +202,8 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
       for (int64_t r0 = 0; r0 < m; r0 += row_block) {
         const int64_t rows = std::min(row_block, m - r0);
         tiled_compute(xp + r0 * k, rows, k, tiles, tile_n, n, t, buf.data(), tile_n);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* y = buf.data() + r * tile_n;
-          if (logprobs) mine[r0 + r].update(y, cols, t * tile_n);
-          else mine[r0 + r].update_argmax(y, cols, t * tile_n);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          mine[r0 + r].feed(buf.data() + r * tile_n, cols, t * tile_n, logprobs);
       }
     }
   }

@@ -93,6 +93,12 @@ struct RowArgmax {
 #endif
   }
 
+  // update() with the log-sum-exp, else update_argmax(): what the greedy kernels feed.
+  void feed(const float* x, int64_t n, int64_t col0, bool with_sum) {
+    if (with_sum) update(x, n, col0);
+    else update_argmax(x, n, col0);
+  }
+
   // The max and its first index only (NaN is never the max, as in update()); the lanes' sums
   // stay 0, so finish_rows must not be asked for a logprob.
   void update_argmax(const float* x, int64_t n, int64_t col0) {
