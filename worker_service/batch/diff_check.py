@@ -93,8 +93,9 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
     for i, handle in enumerate(diff.finished_handles):
         if not view.is_cached(handle):
             raise StepProtocolError(f"finished_handles[{i}]={handle} is not a cached request")
+        if view.in_batch(handle):      # a preempted one is cached but holds no row
+            view.out.add(handle)
         view.gone.add(handle)
-        view.out.add(handle)
         view.added.pop(handle, None)
     for i, handle in enumerate(diff.preempted_handles):
         if not view.in_batch(handle):

@@ -127,6 +127,21 @@ def test_a_handle_recycled_in_the_same_diff_is_accepted():
     assert enc(diff) and PREFILL
 
 
+def test_finishing_a_preempted_request_frees_no_seat_in_the_batch():
+    """Issue 31: a preempted request (cached, no row) that finishes was counted as leaving the
+    batch, so a full batch took one more request and overflowed as the diff was applied."""
+    import numpy as np
+    from worker_service.batch.input_batch import CachedRequestState
+    cached = {h: CachedRequestState(h, [1, 2], None, [h], 0) for h in range(3)}
+    running = {0: 0, 2: 1}                        # handle 1 is preempted
+    diff = SchedulerOutput(3, finished_handles=[1], new_requests=[new(3, blocks=[5])])
+    with pytest.raises(BadDiff, match=r"requests in the batch=3 is invalid: must be <= "
+                                      r"max_num_seqs \(2\)"):
+        check_diff(diff, _bounds(), cached, running, np.ones(2, dtype=np.int32))
+    check_diff(SchedulerOutput(3, finished_handles=[0], new_requests=[new(3, blocks=[5])]),
+               _bounds(), cached, running, np.ones(2, dtype=np.int32))   # a running one does
+
+
 def test_a_constraint_too_deep_names_its_depth_and_the_bound():
     import numpy as np
     deep = Constraint("grammar", lark_chain(3000))
