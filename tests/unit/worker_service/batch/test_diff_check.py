@@ -21,6 +21,8 @@ from worker_service.runner.model_runner import ModelRunner
 LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
 NUM_BLOCKS = 64
 NAMES = [c.name for c in garbage_cases(Limits(NUM_BLOCKS, 512, 64, 4, 4, 64))]
+# Kinds caught when the step's inputs are built (step_inputs.py), after the diff is applied.
+INPUT_CHECKED = ("tokens beyond the known ones", "a decode past max_model_len")
 
 
 def _runner(model_dir: str) -> ModelRunner:
@@ -60,7 +62,7 @@ def test_garbage_is_refused_as_a_bad_payload_before_it_is_applied(runner, cases,
     failure = as_failure(err.value)
     assert failure.kind in (FailureKind.BAD_PAYLOAD, FailureKind.BAD_STATE), failure
     assert len(str(failure)) > 20, failure
-    if name != "tokens beyond the known ones":   # that one is caught when the inputs are built
+    if name not in INPUT_CHECKED:
         assert (dict(runner.batch.handle_to_row), set(runner.requests),
                 runner.last_step) == before, "the diff was (partly) applied"
 

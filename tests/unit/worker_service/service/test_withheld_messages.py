@@ -87,7 +87,7 @@ def test_withheld_request_messages_hold_no_worker_thread(worker_address):
             checks = [held.open(CHECK) for _ in range(PER_METHOD)]
             # The scheduler's own call, on the same connection, after all of them.
             reply = worker_pb2_grpc.WorkerStub(channel).Health(
-                worker_pb2.HealthRequest(), timeout=30, metadata=bearer(TOKEN))
+                worker_pb2.HealthRequest(), timeout=10, metadata=bearer(TOKEN))
             assert (reply.ready, reply.reason) == (False, "not initialized")
             assert {_code(c) for c in refused} == {"UNAUTHENTICATED"}
             assert {_stream_code(c) for c in watches} == {"UNAUTHENTICATED"}
