@@ -182,7 +182,32 @@ def _bad_state(lim: Limits) -> dict[str, list[bytes]]:
         "tokens beyond the known ones": [PREFILL, enc(SchedulerOutput(
             1, num_scheduled_tokens={0: 40}))],
         "the same handle finished twice": [PREFILL, raw(1, finished=[0, 0])],
+        # The step samples the token at index max_model_len: past the batch row's end (an
+        # IndexError as the token was written, INTERNAL).
+        "a decode past max_model_len": [
+            enc(SchedulerOutput(0, new_requests=[new(prompt=[7] * (lim.max_model_len - 1),
+                                                     blocks=range(top))],
+                                num_scheduled_tokens={0: lim.max_model_len - 1})),
+            enc(SchedulerOutput(1))],
+        # A preempted request holds no row: finishing it frees none (it was counted as one:
+        # the batch overflowed when the diff was applied, INTERNAL).
+        "a full batch, a preempted request finished and one more added": _full_batch(lim) + [
+            enc(SchedulerOutput(3, finished_handles=[lim.max_num_seqs - 1], new_requests=[
+                new(lim.max_num_seqs + 1, blocks=_two_blocks(lim.max_num_seqs + 1))]))],
     }
+
+
+def _two_blocks(handle: int) -> list[int]:
+    return [2 * handle, 2 * handle + 1]
+
+
+def _full_batch(lim: Limits) -> list[bytes]:
+    """Steps 0-2: max_num_seqs requests, the last one preempted, another one added."""
+    last = lim.max_num_seqs - 1
+    return [enc(SchedulerOutput(0, new_requests=[new(h, blocks=_two_blocks(h))
+                                                 for h in range(last + 1)])),
+            enc(SchedulerOutput(1, preempted_handles=[last])),
+            enc(SchedulerOutput(2, new_requests=[new(last + 1, blocks=_two_blocks(last + 1))]))]
 
 
 def garbage_cases(lim: Limits) -> list[Case]:

@@ -11,6 +11,18 @@ from worker_service.batch.input_batch import CachedRequestState, InputBatch
 from worker_service.failures import StepProtocolError
 
 
+def rejoins(diff: SchedulerOutput) -> bool:
+    """Whether a handle leaves the batch in `diff` (finished or preempted) and joins it again in
+    the same diff (a recycled handle's new request, or a resume). Its row then changes hands: a
+    token still in flight for the request that left must be recorded before the diff is
+    applied, else `record` (which goes by handle) writes it into the row of the one that joined."""
+    if not (diff.finished_handles or diff.preempted_handles) \
+            or not (diff.new_requests or diff.resumed_requests):
+        return False
+    left = {*diff.finished_handles, *diff.preempted_handles}
+    return any(r.handle in left for r in (*diff.new_requests, *diff.resumed_requests))
+
+
 class CachedRequests:
     """`states`: every request the worker knows, preempted ones included (their tokens are
     recomputed on resume); `batch`: the rows of the running ones."""

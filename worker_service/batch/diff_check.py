@@ -20,8 +20,9 @@ each part adds or removes, so the whole diff is judged against the state it will
                            the batch <= max_num_seqs
 
 Cost: proportional to the diff, not to the batch (a decode step checks nearly nothing). A row's
-computed + scheduled tokens against its known tokens and blocks is checked, vectorised, by
-step_inputs.prepare_step_inputs, still before any tensor.
+computed + scheduled tokens against its known tokens and blocks, and a sampling row's room below
+max_model_len, are checked, vectorised, by step_inputs.prepare_step_inputs, still before any
+tensor.
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
     for i, handle in enumerate(diff.finished_handles):
         if not view.is_cached(handle):
             raise StepProtocolError(f"finished_handles[{i}]={handle} is not a cached request")
+        if view.in_batch(handle):      # a preempted one is cached but holds no row
+            view.out.add(handle)
         view.gone.add(handle)
-        view.out.add(handle)
         view.added.pop(handle, None)
     for i, handle in enumerate(diff.preempted_handles):
         if not view.in_batch(handle):

@@ -18,7 +18,7 @@ from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.runtime.progress import heartbeat
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
-from worker_service.batch.cached_requests import CachedRequests
+from worker_service.batch.cached_requests import CachedRequests, rejoins
 from worker_service.config import RunnerConfig
 from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
@@ -224,8 +224,11 @@ class ModelRunner:
 
     def needs_host_tokens(self, diff: SchedulerOutput) -> bool:
         """Whether `diff` must see the previous step's sampled ids on the host before it is
-        launched: grammar masks and penalties are computed from them."""
+        launched: grammar masks and penalties are computed from them, and a handle that leaves
+        the batch and joins it again in `diff` changes rows (cached_requests.rejoins)."""
         if self.grammar or any(new.constraint is not None for new in diff.new_requests):
+            return True
+        if rejoins(diff):
             return True
         return history_needed(self.batch, diff.new_requests)
 

@@ -6,7 +6,9 @@
   for probes: it answers from memory at once. Nothing an unauthenticated caller may open holds
   one of the server's pooled threads (issue 23: seven reflection streams held open starved the
   scheduler's Health calls), so health `Watch` and server reflection, both streams that hold a
-  thread as long as the caller keeps them open, need the token too.
+  thread as long as the caller keeps them open, need the token too. A refusal never waits for a
+  request message (a unary handler would hold its thread until the caller sends it), and an
+  unauthenticated `Check` is served with bounded threads and waits (open_check.py).
 - `add_port` binds the listen address with TLS (a client certificate signed by the CA is
   required) when the worker has a certificate, plaintext otherwise.
 - `check_exposure`: a worker with no credential refuses to listen beyond loopback unless
@@ -19,40 +21,43 @@ import logging
 
 import grpc
 
-from engine_common.security.grpc_metadata import same_shape_handler
 from engine_common.request.params import ParamError
 from engine_common.security.tls import server_credentials
 from engine_common.security.worker_auth import AUTH_METADATA_KEY, WorkerAuth
 from worker_service.failures import FailureKind
 from worker_service.service.log_limit import LogLimit
+from worker_service.service.open_check import OpenChecks
 from worker_service.service.servicer import FAILURES
 
 log = logging.getLogger(__name__)
 
 # NOTE the one method any caller may use: the probes' health check. It reveals readiness only and
-# returns at once, so a flood of them holds no thread; every method that streams (health Watch,
-# reflection, Step) would hold one of the pool's threads for as long as its caller wishes.
+# returns once its request has come (OpenChecks bounds the threads and the wait); every method
+# that streams (health Watch, reflection, Step) would hold one of the pool's threads for as long
+# as its caller wishes.
 OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})
 
 
 class TokenCheck(grpc.ServerInterceptor):
     """Refuses every call without `authorization: Bearer <token>` (but OPEN_METHODS)."""
 
-    def __init__(self, auth: WorkerAuth, log_limit: LogLimit | None = None):
+    def __init__(self, auth: WorkerAuth, log_limit: LogLimit | None = None,
+                 open_checks: OpenChecks | None = None):
         self.auth = auth
         # Refusals are logged at most once per 10 s: an outsider repeats them at will.
         self._log_limit = log_limit or LogLimit(10.0)
+        self._open_checks = open_checks or OpenChecks()
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method in OPEN_METHODS:
-            return continuation(handler_call_details)
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY)
         if self.auth.accepts(header):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:   # an unknown method stays UNIMPLEMENTED
             return None
+        if method in OPEN_METHODS:
+            return self._open_checks.guard(handler)
         skipped = self._log_limit.take()
         if skipped is not None:
             log.warning("refused %s: %s (and %d other refused calls since the last such line)",
@@ -61,15 +66,19 @@ class TokenCheck(grpc.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only aborts UNAUTHENTICATED."""
+    """A handler with `handler`'s response shape that only aborts UNAUTHENTICATED. It takes
+    a request stream whatever the method's shape: grpc serves a unary request by waiting, on a
+    pool thread, for its message, which the caller may never send."""
     status = FAILURES[FailureKind.UNAUTHENTICATED][1]
     message = (f"{what} worker credential: every Worker RPC must carry `{AUTH_METADATA_KEY}: "
                "Bearer <token>` from the worker's --worker-token-file")
 
-    def abort(request_or_iterator, context):
+    def abort(requests, context):
         context.abort(status, message)
 
-    return same_shape_handler(handler, abort)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    return grpc.stream_unary_rpc_method_handler(abort)
 
 
 def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:

@@ -75,6 +75,7 @@ def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray | None,
 
     max_blocks = int(needed_blocks.max()) if len(rows) else 0
     sample_mask = seq_lens == batch.num_tokens[rows]
+    _check_room_to_sample(batch, rows[sample_mask])
     logits_indices = (query_start_loc[1:][sample_mask] - 1).astype(np.int64)
     return StepInputs(rows=rows, num_scheduled=counts, input_ids=input_ids, positions=positions,
                       slot_mapping=slot_mapping, query_start_loc=query_start_loc,
@@ -92,6 +93,8 @@ def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
     ahead = batch.num_tokens[:n] - seq_lens        # tokens known past this one; < 0: none
     if n and int(ahead.min()) < 0:
         return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)   # raises
+    if n and int(batch.num_tokens[:n].max()) >= batch.max_model_len:
+        return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)   # may raise
     rows = batch.arange[:n]
     positions = computed.astype(np.int64)
     block_col, offset = np.divmod(positions, block_size)
@@ -107,3 +110,14 @@ def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
                       query_start_loc=batch.arange[:n + 1].astype(np.int32), seq_lens=seq_lens,
                       block_table=batch.block_table[:n, :max_blocks],
                       sample_mask=sample_mask, logits_indices=logits_indices)
+
+
+def _check_room_to_sample(batch: InputBatch, sampling_rows: np.ndarray) -> None:
+    """A row samples its next token at index num_tokens, which must be < max_model_len (the
+    row's width): the scheduler stops a request there, a diff that goes on is refused."""
+    full = sampling_rows[batch.num_tokens[sampling_rows] >= batch.max_model_len]
+    if len(full):
+        bad = full[0]
+        raise StepProtocolError(
+            f"handle {batch.handles[bad]}: has {int(batch.num_tokens[bad])} tokens, so it must "
+            f"not sample another: a request holds at most max_model_len ({batch.max_model_len})")

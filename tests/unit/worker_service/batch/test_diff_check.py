@@ -21,6 +21,8 @@ from worker_service.runner.model_runner import ModelRunner
 LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
 NUM_BLOCKS = 64
 NAMES = [c.name for c in garbage_cases(Limits(NUM_BLOCKS, 512, 64, 4, 4, 64))]
+# Kinds caught when the step's inputs are built (step_inputs.py), after the diff is applied.
+INPUT_CHECKED = ("tokens beyond the known ones", "a decode past max_model_len")
 
 
 def _runner(model_dir: str) -> ModelRunner:
@@ -60,7 +62,7 @@ def test_garbage_is_refused_as_a_bad_payload_before_it_is_applied(runner, cases,
     failure = as_failure(err.value)
     assert failure.kind in (FailureKind.BAD_PAYLOAD, FailureKind.BAD_STATE), failure
     assert len(str(failure)) > 20, failure
-    if name != "tokens beyond the known ones":   # that one is caught when the inputs are built
+    if name not in INPUT_CHECKED:
         assert (dict(runner.batch.handle_to_row), set(runner.requests),
                 runner.last_step) == before, "the diff was (partly) applied"
 
@@ -125,6 +127,21 @@ def test_a_handle_recycled_in_the_same_diff_is_accepted():
     diff = SchedulerOutput(1, finished_handles=[0], new_requests=[new(0, blocks=[1])])
     check_diff(diff, _bounds(), cached, {0: 0}, np.ones(2, dtype=np.int32))
     assert enc(diff) and PREFILL
+
+
+def test_finishing_a_preempted_request_frees_no_seat_in_the_batch():
+    """Issue 31: a preempted request (cached, no row) that finishes was counted as leaving the
+    batch, so a full batch took one more request and overflowed as the diff was applied."""
+    import numpy as np
+    from worker_service.batch.input_batch import CachedRequestState
+    cached = {h: CachedRequestState(h, [1, 2], None, [h], 0) for h in range(3)}
+    running = {0: 0, 2: 1}                        # handle 1 is preempted
+    diff = SchedulerOutput(3, finished_handles=[1], new_requests=[new(3, blocks=[5])])
+    with pytest.raises(BadDiff, match=r"requests in the batch=3 is invalid: must be <= "
+                                      r"max_num_seqs \(2\)"):
+        check_diff(diff, _bounds(), cached, running, np.ones(2, dtype=np.int32))
+    check_diff(SchedulerOutput(3, finished_handles=[0], new_requests=[new(3, blocks=[5])]),
+               _bounds(), cached, running, np.ones(2, dtype=np.int32))   # a running one does
 
 
 def test_a_constraint_too_deep_names_its_depth_and_the_bound():

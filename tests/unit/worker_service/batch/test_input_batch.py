@@ -130,6 +130,24 @@ def test_the_one_token_step_refuses_what_the_general_one_refuses():
         prepare_step_inputs(batch, None, BS)
 
 
+def test_no_row_samples_past_max_model_len():
+    """A row that holds max_model_len tokens has no room for another: a step that would
+    sample one is refused (the token was written past the row's end: IndexError)."""
+    batch = InputBatch(max_num_reqs=2, max_model_len=8, max_blocks_per_req=2)
+    for handle, prompt in ((0, [1, 2, 3]), (1, [4] * 8)):
+        batch.add(CachedRequestState(handle, prompt, WorkerSamplingParams(SamplingParams(),
+                                                                          seed=0), [0, 1], 0))
+    batch.num_computed[:2] = (2, 7)         # handle 1: its last token, then it would sample
+    message = (r"handle 1: has 8 tokens, so it must not sample another: a request holds at "
+               r"most max_model_len \(8\)")
+    with pytest.raises(StepProtocolError, match=message):
+        prepare_step_inputs(batch, None, BS)
+    with pytest.raises(StepProtocolError, match=message):
+        prepare_step_inputs(batch, np.array([1, 1], dtype=np.int32), BS)
+    batch.num_computed[1] = 6               # one before its last: computes, samples nothing
+    assert prepare_step_inputs(batch, None, BS).sample_mask.tolist() == [True, False]
+
+
 def _with(handle: int, **knobs) -> CachedRequestState:
     extra = {k: knobs.pop(k) for k in ("min_tokens", "stop_ids") if k in knobs}
     logprobs = knobs.pop("num_logprobs", 0)

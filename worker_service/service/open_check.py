@@ -1,0 +1,60 @@
+"""The probes' health check, served to callers without the worker's credential so that they
+cannot hold the server's threads (auth.py).
+
+A unary call holds one of the pool's threads from the moment its headers arrive until its request
+message does, and the caller decides when that is: eight `Check` calls whose message never came
+held all eight threads, and the scheduler's Health calls queued behind them. So an
+unauthenticated `Check` is served as a request stream: at most `limit` at a time (more are
+refused RESOURCE_EXHAUSTED at once, without reading anything), each cancelled when its message
+has not come within `wait_s`. A probe sends one check at a time, whole.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+# Unauthenticated checks served at once: the scheduler's Step stream and Health calls keep the
+# rest of the pool's threads.
+MAX_OPEN_CHECKS = 2
+# Seconds an unauthenticated check may take to send its request message.
+OPEN_CHECK_WAIT_S = 2.0
+
+
+class OpenChecks:
+    """Serves unauthenticated calls of a unary-unary method with bounded threads and waits."""
+
+    def __init__(self, limit: int = MAX_OPEN_CHECKS, wait_s: float = OPEN_CHECK_WAIT_S):
+        self.limit = limit
+        self.wait_s = wait_s
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def guard(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """`handler`'s behaviour behind the limit and the wait."""
+
+        def serve(requests, context):
+            if not self._slots.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.limit} unauthenticated health checks are in progress "
+                              "(the most this worker serves at once): try again")
+            try:
+                request = self._first(requests, context)
+            finally:
+                self._slots.release()
+            return handler.unary_unary(request, context)
+
+        return grpc.stream_unary_rpc_method_handler(serve, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+    def _first(self, requests, context):
+        """The call's request message; the call is cancelled when it has not come in time."""
+        timer = threading.Timer(self.wait_s, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            return next(requests)
+        except StopIteration:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "a health check must carry one request message")
+        finally:
+            timer.cancel()
