@@ -210,17 +210,20 @@ def constraint_named(prefix: str):
 
 
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                        stopping: str = "stopping") -> None:
-    """Raise ParamError unless the prompt leaves room for at least one token (and max_tokens,
-    named `<stopping>.max_tokens`)."""
+                        stopping: str = "stopping", min_tokens: int = 0) -> None:
+    """Raise ParamError unless the prompt leaves room for at least one token (and max_tokens
+    and min_tokens, named `<stopping>.max_tokens` / `.min_tokens`). min_tokens matters when
+    max_tokens is unset: no request makes more than the room, and the worker holds min_tokens
+    in an int32 (a step carrying 2**31 is refused, failing every stream: admission.py)."""
     if num_prompt_tokens >= max_model_len:
         raise ParamError("prompt", f"{num_prompt_tokens} tokens",
                          f"at most {max_model_len - 1} tokens (max_model_len {max_model_len})")
     room = max_model_len - num_prompt_tokens
-    if max_tokens is not None and max_tokens > room:
-        raise ParamError(f"{stopping}.max_tokens", max_tokens,
-                         f"<= {room} (max_model_len {max_model_len} - {num_prompt_tokens} "
-                         "prompt tokens)")
+    for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
+        if value is not None and value > room:
+            raise ParamError(f"{stopping}.{name}", value,
+                             f"<= {room} (max_model_len {max_model_len} - {num_prompt_tokens} "
+                             "prompt tokens)")
 
 
 # -- admission ---------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ class FrontDoor:
         else:
             ids = await self.offload(caller, self.model.tokenizer.encode, req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, self.model.info.max_model_len,
-                            req.names.stopping)
+                            req.names.stopping, req.stopping.min_tokens)
         return ids
 
     def engine_request(self, req: ValidatedRequest, request_id: str, prompt_ids: list[int],

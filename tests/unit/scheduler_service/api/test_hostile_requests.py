@@ -1,0 +1,69 @@
+"""Requests a hostile client sends, over a real gRPC channel on the real engine with a simulated
+worker (both protocols): each is refused INVALID_ARGUMENT naming the field, the value and the
+bound, before it can hurt anyone else; and what an Abort logs is the server's, not the
+client's."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+
+from engine_common.wire.protos import generation_pb2 as gpb
+from engine_common.wire.protos import generation_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
+from engine_common.wire.protos import vllm_engine_pb2_grpc
+from engine_common.text.chat_template import ChatTemplate
+from scheduler_service.api import vllm_servicer
+from tests.support.sim_server import SimServer, make_sim_model_dir
+from tests.support.vllm_sim import PROMPT, LogLines, generate, rpc_code
+
+MAX_MODEL_LEN = 256          # the simulated model's
+ROOM = MAX_MODEL_LEN - len(PROMPT)
+OUT_OF_VOCAB = 10**6         # the simulated model has 320 ids
+# ChatML, as SmolLM2's: 25 characters of markup around each message's role and content.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = SimServer(make_sim_model_dir(tmp_path_factory.mktemp("sim-model")))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def stubs(server):
+    with grpc.insecure_channel(server.target) as channel:
+        yield (generation_pb2_grpc.GenerationStub(channel),
+               vllm_engine_pb2_grpc.VllmEngineStub(channel))
+
+
+def _ours(**kw) -> gpb.GenerateRequest:
+    kw.setdefault("token_ids", PROMPT)
+    return gpb.GenerateRequest(**kw)
+
+
+def _refusal(call) -> str:
+    code, details = rpc_code(call)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    return details
+
+
+def test_min_tokens_beyond_the_room_is_refused_on_both_protocols(server, stubs):
+    """min_tokens with max_tokens unset was bounded by nothing: 2**31 reached the step diff,
+    where the worker (an int32) refuses it BAD_PAYLOAD and the epoch fails, every other
+    stream with it. No request makes more than the room, so more is refused by name."""
+    ours, vllm = stubs
+    huge = 2**31
+    details = _refusal(lambda: list(ours.Generate(
+        _ours(stopping=gpb.StoppingCriteria(min_tokens=huge)), timeout=10)))
+    assert details == (f"stopping.min_tokens={huge} is invalid: must be <= {ROOM} "
+                       f"(max_model_len {MAX_MODEL_LEN} - {len(PROMPT)} prompt tokens)")
+    details = _refusal(lambda: list(vllm.Generate(generate(min_tokens=huge), timeout=10)))
+    assert details.startswith(f"sampling_params.min_tokens={huge} is invalid: must be <= {ROOM}")
+    # the room itself is allowed: the request runs to max_model_len
+    msgs = list(ours.Generate(_ours(stopping=gpb.StoppingCriteria(min_tokens=ROOM)), timeout=60))
+    assert msgs[-1].finish_reason == gpb.LENGTH and msgs[-1].usage.completion_tokens == ROOM
+    assert server.used_blocks() == 0
