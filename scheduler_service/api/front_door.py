@@ -241,9 +241,12 @@ class FrontDoor:
 
     def check_limits(self, msg, fields: LimitedFields) -> None:
         """The request limits (`fields`: the protocol's mapping of `msg`) and whether its text
-        can fit max_model_len at all: both before anything costly sees the request."""
+        or token ids can fit max_model_len at all: all before anything costly sees the
+        request."""
         check_request_limits(fields, self.options)
         check_prompt_can_fit(msg, self.model.prompt_chars_fit, self.model.info.max_model_len)
+        # Token ids too many to fit, refused before they are copied and checked one by one.
+        check_prompt_length(len(fields.prompt_ids), None, self.model.info.max_model_len)
 
     async def offload(self, caller: str, fn, *args):
         """Tokenizing, chat rendering and constraint validation run on the pool, within

@@ -67,3 +67,36 @@ def test_min_tokens_beyond_the_room_is_refused_on_both_protocols(server, stubs):
     msgs = list(ours.Generate(_ours(stopping=gpb.StoppingCriteria(min_tokens=ROOM)), timeout=60))
     assert msgs[-1].finish_reason == gpb.LENGTH and msgs[-1].usage.completion_tokens == ROOM
     assert server.used_blocks() == 0
+
+
+# (request, the refusal's start): lists an 8 MiB message holds millions of, counted before any
+# of their ids is copied, checked against the vocabulary or sorted (each list's first id is out
+# of the vocabulary: a refusal that names it read the list first).
+_BIG_LISTS = [
+    (_ours(sampling=gpb.SamplingParams(allowed_token_ids=[OUT_OF_VOCAB] * 1025)),
+     "sampling.allowed_token_ids='1025 ids' is invalid: must be at most 1024 ids"),
+    (_ours(sampling=gpb.SamplingParams(logit_bias={OUT_OF_VOCAB + i: 1.0 for i in range(1025)})),
+     "sampling.logit_bias='1025 entries' is invalid: must be at most 1024"),
+    (_ours(token_ids=[OUT_OF_VOCAB] * MAX_MODEL_LEN),
+     f"prompt='{MAX_MODEL_LEN} tokens' is invalid: must be at most {MAX_MODEL_LEN - 1} tokens"),
+    (_ours(constraint=gpb.Constraint(choice=gpb.ChoiceConstraint(choices=[""] * 10_001))),
+     "constraint.choice='10001 choices' is invalid: must be at most 10000 choices"),
+    (generate(allowed_token_ids=[OUT_OF_VOCAB] * 1025),
+     "sampling_params.allowed_token_ids='1025 ids' is invalid: must be at most 1024 ids"),
+    (generate(logit_bias={OUT_OF_VOCAB + i: 1.0 for i in range(1025)}),
+     "sampling_params.logit_bias='1025 entries' is invalid: must be at most 1024"),
+    (generate(prompt=[OUT_OF_VOCAB] * MAX_MODEL_LEN),
+     f"prompt='{MAX_MODEL_LEN} tokens' is invalid: must be at most {MAX_MODEL_LEN - 1} tokens"),
+    (generate(choice=vpb.ChoiceConstraint(choices=[""] * 10_001)),
+     "sampling_params.choice='10001 choices' is invalid: must be at most 10000 choices"),
+]
+
+
+@pytest.mark.parametrize("request_msg,refusal", _BIG_LISTS,
+                         ids=[f"{i}-{r.split('=')[0]}" for i, (_, r) in enumerate(_BIG_LISTS)])
+def test_long_lists_are_refused_by_their_length_before_their_ids_are_read(stubs, request_msg,
+                                                                           refusal):
+    ours, vllm = stubs
+    stub = ours if isinstance(request_msg, gpb.GenerateRequest) else vllm
+    details = _refusal(lambda: list(stub.Generate(request_msg, timeout=10)))
+    assert details.startswith(refusal), details
