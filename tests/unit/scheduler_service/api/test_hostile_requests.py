@@ -100,3 +100,17 @@ def test_long_lists_are_refused_by_their_length_before_their_ids_are_read(stubs,
     stub = ours if isinstance(request_msg, gpb.GenerateRequest) else vllm
     details = _refusal(lambda: list(stub.Generate(request_msg, timeout=10)))
     assert details.startswith(refusal), details
+
+
+def test_an_abort_logs_its_ids_quoted_and_only_the_first_few(stubs, caplog):
+    """An Abort carries any number of ids of any characters: its log line was every one of
+    them, raw (a forged line after a newline; 5 MB for this one)."""
+    _, vllm = stubs
+    forged = "x\nERROR scheduler_service: forged"
+    ids = [forged] + ["y" * 256] * 20_000
+    with caplog.at_level(logging.INFO, logger=vllm_servicer.__name__), \
+            LogLines(vllm_servicer.__name__) as lines:
+        vllm.Abort(vpb.AbortRequest(request_ids=ids), timeout=30)
+    (line,) = [line for line in lines if line.startswith("Abort")]
+    assert "\n" not in line and len(line) < 1000, line[:300]
+    assert line.startswith("Abort of 20001 ids: 'x\\nERROR scheduler_service: forged', 'yyy")
