@@ -61,8 +61,10 @@ class ServedModel:
                            self.info.max_model_len * self.tokenizer.max_token_bytes())
 
     def chat_prompt_ids(self, messages) -> list[int]:
-        """Token ids of chat messages, rendered with the model's template (ParamError if none)."""
-        return encode_chat(self.tokenizer, self.chat_template, messages, repr(self.info.name))
+        """Token ids of chat messages, rendered with the model's template (ParamError if none,
+        or if the rendered text is longer than any prompt that fits: not tokenized then)."""
+        return encode_chat(self.tokenizer, self.chat_template, messages, repr(self.info.name),
+                           max_chars=self.prompt_chars_fit)
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,30 @@ def test_an_abort_logs_its_ids_quoted_and_only_the_first_few(stubs, caplog):
     (line,) = [line for line in lines if line.startswith("Abort")]
     assert "\n" not in line and len(line) < 1000, line[:300]
     assert line.startswith("Abort of 20001 ids: 'x\\nERROR scheduler_service: forged', 'yyy")
+
+
+def test_a_chat_whose_markup_makes_it_too_long_is_refused_before_tokenizing(tmp_path):
+    """A chat's roles and contents are bounded by what max_model_len tokens can cover (issue
+    23's tokenizer flood), but the template's markup around each message is not in that count:
+    tiny messages rendered to 25 times their characters, all tokenized before the prompt's
+    length was checked (SmolLM2: 671,744 one-character messages, 17 M characters). The rendered
+    text is held to the same bound before the tokenizer sees it."""
+    server = SimServer(make_sim_model_dir(tmp_path), chat_template=ChatTemplate(CHATML))
+    try:
+        fit = server.model.prompt_chars_fit
+        many = [gpb.ChatMessage(role="u")] * (fit // 2)        # half the bound, unrendered
+        with grpc.insecure_channel(server.target) as channel:
+            ours = generation_pb2_grpc.GenerationStub(channel)
+            details = _refusal(lambda: list(ours.Generate(gpb.GenerateRequest(messages=many),
+                                                          timeout=30)))
+            assert details.startswith(f"messages='{len(many)} messages, "), details
+            assert f"at most {fit} characters once rendered with the chat template" in details
+            details = _refusal(lambda: ours.Tokenize(gpb.TokenizeRequest(messages=many),
+                                                     timeout=30))
+            assert details.startswith(f"messages='{len(many)} messages, "), details
+            short = [gpb.ChatMessage(role="user", content="hi")]
+            msgs = list(ours.Generate(gpb.GenerateRequest(
+                messages=short, stopping=gpb.StoppingCriteria(max_tokens=2)), timeout=30))
+            assert msgs[-1].usage.completion_tokens == 2
+    finally:
+        server.close()
