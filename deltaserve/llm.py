@@ -259,6 +259,11 @@ class LLM:
         its k best alternatives. `constraint` (one for all, or one per prompt) is validated
         first (ParamError)."""
         n = len(prompts)
+        for name, given in (("sampling", sampling), ("stopping", stopping),
+                            ("constraint", constraint)):
+            if isinstance(given, list) and len(given) != n:   # zip() dropped prompts, silently
+                raise ParamError(name, f"a list of {len(given)}",
+                                 f"one for every prompt, or a list of one per prompt ({n})")
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         stoppings = stopping if isinstance(stopping, list) else [stopping or StoppingParams()] * n
         constraints = constraint if isinstance(constraint, list) else [constraint] * n

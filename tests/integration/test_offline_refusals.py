@@ -1,7 +1,8 @@
 """LLM.generate handed, beside good prompts, what its model runner cannot take (a token id past
 the vocabulary, too many logprobs, min_tokens past what an int32 holds) or what admission
 refuses (a prompt too long): an error naming it, nothing left queued or holding blocks, and the
-next call answers as if the bad one never happened.
+next call answers as if the bad one never happened; a list of sampling params shorter than the
+prompts is refused (zip() dropped the prompts it did not cover, silently).
 
 Before, the runner refused the step diff (the scheduler then held requests the runner never
 took), or the good prompts of a call refused half way stayed queued: either way every later
@@ -43,6 +44,8 @@ def _bad_calls(vocab: int, max_model_len: int) -> dict:
                        ParamError, r"sampling.allowed_token_ids \(prompt 0\)" + at),
         "logprobs": (dict(prompts=GOOD, num_logprobs=10**6), ParamError,
                      r"num_logprobs=1000000 is invalid: must be None or an integer in \[0, "),
+        "short list": (dict(prompts=GOOD, sampling=[SamplingParams()]), ParamError,
+                       r"sampling='a list of 1' is invalid: must be one for every prompt"),
         "too long": (dict(prompts=GOOD + [[5] * max_model_len]), RequestRejected,
                      "max_model_len"),
         "min_tokens": (dict(prompts=GOOD + [[5, 6]], stopping=[STOP, STOP, StoppingParams(
