@@ -28,8 +28,8 @@ from engine_common.request.params import KNOBS, ParamError, SamplingParams, Stop
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.wire.codec import given_knobs
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.request_limits import (LimitedFields, check_prompt_can_fit,
-                                                  check_request_limits)
+from scheduler_service.api.request_limits import (LimitedFields, check_messages_count,
+                                                  check_prompt_can_fit, check_request_limits)
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
@@ -245,6 +245,7 @@ class FrontDoor:
         """The request limits (`fields`: the protocol's mapping of `msg`) and whether its text
         or token ids can fit max_model_len at all: all before anything costly sees the
         request."""
+        check_messages_count(fields.messages, self.model.info.max_model_len)
         check_request_limits(fields, self.options)
         check_prompt_can_fit(msg, self.model.prompt_chars_fit, self.model.info.max_model_len)
         # Token ids too many to fit, refused before they are copied and checked one by one.

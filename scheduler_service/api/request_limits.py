@@ -121,6 +121,16 @@ def check_messages_chars(messages, options: ApiOptions) -> None:
                          f"at most {options.max_prompt_chars} characters (--max-prompt-chars)")
 
 
+def check_messages_count(messages, max_model_len: int) -> None:
+    """More messages than max_model_len tokens cannot fit (a template writes at least a role
+    marker a message): refused before anything walks them. 671,744 one-character messages (3.4
+    MB, within SmolLM2's character bound) cost the event loop 2 s to count and convert."""
+    if len(messages) > max_model_len:
+        raise ParamError("messages", f"{len(messages)} messages",
+                         f"at most {max_model_len} messages (max_model_len {max_model_len} "
+                         "tokens: every message renders to at least one)")
+
+
 def check_prompt_can_fit(msg, chars_fit: int, max_model_len: int) -> None:
     """A text prompt or chat (`text`, `messages` of any of the three request messages) longer
     than `chars_fit` characters would tokenize to more than max_model_len tokens: refused before

@@ -79,6 +79,9 @@ _BIG_LISTS = [
      "sampling.logit_bias='1025 entries' is invalid: must be at most 1024"),
     (_ours(token_ids=[OUT_OF_VOCAB] * MAX_MODEL_LEN),
      f"prompt='{MAX_MODEL_LEN} tokens' is invalid: must be at most {MAX_MODEL_LEN - 1} tokens"),
+    (_ours(token_ids=[], messages=[gpb.ChatMessage(role="u")] * (MAX_MODEL_LEN + 1)),
+     f"messages='{MAX_MODEL_LEN + 1} messages' is invalid: must be at most {MAX_MODEL_LEN} "
+     "messages"),
     (_ours(constraint=gpb.Constraint(choice=gpb.ChoiceConstraint(choices=[""] * 10_001))),
      "constraint.choice='10001 choices' is invalid: must be at most 10000 choices"),
     (generate(allowed_token_ids=[OUT_OF_VOCAB] * 1025),
@@ -126,7 +129,9 @@ def test_a_chat_whose_markup_makes_it_too_long_is_refused_before_tokenizing(tmp_
     server = SimServer(make_sim_model_dir(tmp_path), chat_template=ChatTemplate(CHATML))
     try:
         fit = server.model.prompt_chars_fit
-        many = [gpb.ChatMessage(role="u")] * (fit // 2)        # half the bound, unrendered
+        # As many messages as max_model_len allows, their characters within the bound
+        per = fit // MAX_MODEL_LEN
+        many = [gpb.ChatMessage(role="u", content="x" * (per - 1))] * MAX_MODEL_LEN
         with grpc.insecure_channel(server.target) as channel:
             ours = generation_pb2_grpc.GenerationStub(channel)
             details = _refusal(lambda: list(ours.Generate(gpb.GenerateRequest(messages=many),
