@@ -108,6 +108,7 @@ def stream_answer(stub, req: pb.GenerateRequest, out: TextIO,
 
 def run_chat(args) -> int:
     """`deltaserve chat`: one-shot with a question, else interactive."""
+    set_options(pb.GenerateRequest(), args)     # a flag out of its field's range: say so now
     with open_channel(args) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         if args.question is not None:

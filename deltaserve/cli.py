@@ -170,7 +170,8 @@ def _cmd_serve(args) -> int:
 
 @contextlib.contextmanager
 def _startup_errors():
-    """Bad engine flags, a bad model directory or a port in use: one line, not a traceback."""
+    """Bad engine flags, a bad model directory or a port in use, a client's flag its request
+    field cannot hold or a missing --cacert/--api-key-file: one line, not a traceback."""
     from engine_common.model_files.model_dir import ModelDirError
     from engine_common.request.params import ParamError
 
@@ -183,13 +184,15 @@ def _startup_errors():
 def _cmd_generate(args) -> int:
     from deltaserve.client import generate
 
-    return generate(args)
+    with _startup_errors():
+        return generate(args)
 
 
 def _cmd_chat(args) -> int:
     from deltaserve.chat import run_chat
 
-    return run_chat(args)
+    with _startup_errors():
+        return run_chat(args)
 
 
 _COMMANDS = {"worker": _cmd_worker, "scheduler": _cmd_scheduler, "serve": _cmd_serve,

@@ -9,9 +9,10 @@ import argparse
 import sys
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from engine_common.security.grpc_metadata import with_metadata
-from engine_common.request.params import KNOBS
+from engine_common.request.params import KNOBS, ParamError
 from engine_common.wire.protos import generation_pb2 as pb
 from engine_common.wire.protos import generation_pb2_grpc
 
@@ -20,7 +21,13 @@ def build_request(args) -> pb.GenerateRequest:
     """A GenerateRequest from the `generate` subcommand's flags."""
     req = pb.GenerateRequest()
     if args.token_ids:
-        req.token_ids.extend(int(t) for t in args.token_ids.split(","))
+        try:
+            ids = [int(t) for t in args.token_ids.split(",")]
+        except ValueError:
+            raise ParamError("--token-ids", args.token_ids, "comma-separated token ids") from None
+        for t in ids:
+            _check_fits(req, "token_ids", t, "--token-ids")
+        req.token_ids.extend(ids)
     elif args.prompt is not None:
         req.text = args.prompt
     set_options(req, args)
@@ -38,14 +45,36 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                        default=None, help=k.meta.help)
 
 
+# What each protobuf integer type holds: protobuf itself refuses more with a bare ValueError
+# ("Value out of range"), a traceback out of the CLI.
+_INT_RANGES = {FieldDescriptor.CPPTYPE_INT32: (-2**31, 2**31 - 1),
+               FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
+               FieldDescriptor.CPPTYPE_INT64: (-2**63, 2**63 - 1),
+               FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1)}
+
+
+def _check_fits(msg, name: str, value, flag: str) -> None:
+    """ParamError naming `flag` unless msg's integer field `name` can hold `value` (the server
+    checks the rest, naming the field)."""
+    bounds = _INT_RANGES.get(msg.DESCRIPTOR.fields_by_name[name].cpp_type)
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise ParamError(flag, value, f"an integer in [{bounds[0]}, {bounds[1]}]")
+
+
+def _set_flag(msg, name: str, value, flag: str) -> None:
+    _check_fits(msg, name, value, flag)
+    setattr(msg, name, value)
+
+
 def set_options(req: pb.GenerateRequest, args) -> None:
-    """Sampling and stopping fields from the flags the subcommand has (unset ones stay unset)."""
+    """Sampling and stopping fields from the flags the subcommand has (unset ones stay unset);
+    ParamError naming the flag for a value its field cannot hold."""
     for k in FLAG_KNOBS:
         value = getattr(args, k.name, None)
         if value is not None:
-            setattr(req.sampling, k.name, value)
-    req.stopping.max_tokens = args.max_tokens
-    req.stopping.min_tokens = getattr(args, "min_tokens", 0)
+            _set_flag(req.sampling, k.name, value, "--" + k.name.replace("_", "-"))
+    _set_flag(req.stopping, "max_tokens", args.max_tokens, "--max-tokens")
+    _set_flag(req.stopping, "min_tokens", getattr(args, "min_tokens", 0), "--min-tokens")
     req.stopping.stop.extend(getattr(args, "stop", []))
     req.stopping.ignore_eos = getattr(args, "ignore_eos", False)
 

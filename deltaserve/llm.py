@@ -21,7 +21,8 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.configuration.device_defaults import device_defaults
 from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.request.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.request.params import ID_SET_KNOBS, ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
@@ -258,24 +259,38 @@ class LLM:
         its k best alternatives. `constraint` (one for all, or one per prompt) is validated
         first (ParamError)."""
         n = len(prompts)
+        for name, given in (("sampling", sampling), ("stopping", stopping),
+                            ("constraint", constraint)):
+            if isinstance(given, list) and len(given) != n:   # zip() dropped prompts, silently
+                raise ParamError(name, f"a list of {len(given)}",
+                                 f"one for every prompt, or a list of one per prompt ({n})")
         samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
         stoppings = stopping if isinstance(stopping, list) else [stopping or StoppingParams()] * n
         constraints = constraint if isinstance(constraint, list) else [constraint] * n
         for c in constraints:
             if c is not None:
                 c.validate()
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                      for p in prompts]
+        _check_for_runner(prompt_ids, samplings, stoppings, num_logprobs,
+                          self.model_info.vocab_size)
         results: dict[str, Completion] = {}
         order = []
-        for prompt, sp, st, c in zip(prompts, samplings, stoppings, constraints):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"offline-{next(self._ids)}"
-            order.append(rid)
-            results[rid] = Completion(rid, ids)
-            self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
-                                            num_logprobs=num_logprobs, constraint=c))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                self._merge(results[out.request_id], out)
+        try:
+            for ids, sp, st, c in zip(prompt_ids, samplings, stoppings, constraints):
+                rid = f"offline-{next(self._ids)}"
+                order.append(rid)
+                results[rid] = Completion(rid, ids)
+                self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
+                                                num_logprobs=num_logprobs, constraint=c))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    self._merge(results[out.request_id], out)
+        except BaseException:
+            # A refused prompt (admission), a failed step, Ctrl-C: none of this call's requests
+            # may stay queued, holding blocks, for the next call to meet (KeyError, before).
+            self.engine.abort(order)
+            raise
         return [results[rid] for rid in order]
 
     def reset_prefix_cache(self) -> bool:
@@ -312,6 +327,33 @@ class LLM:
             done.finish_reason = out.finish_reason
             done.stop_reason = out.stop_reason
             done.error = None if out.error is None else str(out.error)
+
+
+def _check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams],
+                      stoppings: list[StoppingParams], num_logprobs: int | None,
+                      vocab_size: int) -> None:
+    """ParamError for what the runner would refuse in the step diff (diff_check.py), as the
+    gRPC services refuse it at their edge: token ids >= vocab_size (prompts, stop ids,
+    logit_bias, id sets), too many stop ids, num_logprobs out of range. A refused diff failed
+    the whole step, and the runner never took requests the scheduler still held: every later
+    generate() failed too."""
+    top = min(MAX_TOP_LOGPROBS, vocab_size)
+    if num_logprobs is not None and not (isinstance(num_logprobs, int)
+                                         and 0 <= num_logprobs <= top):
+        raise ParamError("num_logprobs", num_logprobs, f"None or an integer in [0, {top}]")
+    for i, (ids, sp, st) in enumerate(zip(prompt_ids, samplings, stoppings)):
+        if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ParamError(f"stopping.stop_token_ids (prompt {i})",
+                             f"{len(st.stop_token_ids)} ids", f"at most {MAX_STOP_TOKEN_IDS}")
+        named = [(f"prompts[{i}]", ids), (f"stopping.stop_token_ids (prompt {i})",
+                                          st.stop_token_ids),
+                 (f"sampling.logit_bias (prompt {i})", [t for t, _ in sp.logit_bias])]
+        named += [(f"sampling.{k.name} (prompt {i})", getattr(sp, k.name)) for k in ID_SET_KNOBS]
+        for name, values in named:
+            for j, token_id in enumerate(values):
+                if token_id >= vocab_size:
+                    raise ParamError(f"{name}[{j}]", token_id,
+                                     f"a token id in [0, {vocab_size - 1}] (vocab_size)")
 
 
 def _default_budget(kwargs: dict) -> dict:

@@ -191,11 +191,13 @@ def _read_template(path: Path) -> str:
 
 def encode_chat(tokenizer: Tokenizer, template: ChatTemplate | None,
                 messages: list[ChatMessage | dict] | tuple, model_name: str = "the model",
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, max_chars: int | None = None) -> list[int]:
     """Prompt ids of a chat: rendered with `template`, then tokenized without adding special
     tokens (the template writes its own), as apply_chat_template(tokenize=True) does.
-    ParamError on the `messages` field when the model has no template or the template refuses
-    the messages."""
+    ParamError on the `messages` field when the model has no template, the template refuses
+    the messages, or the rendered text is longer than `max_chars` (checked before tokenizing:
+    the template's markup per message is not in the messages' own length, so many tiny
+    messages render to many times their characters)."""
     if not messages:
         raise ParamError("messages", [], "at least one message")
     if template is None:
@@ -208,4 +210,8 @@ def encode_chat(tokenizer: Tokenizer, template: ChatTemplate | None,
     except ChatTemplateError as e:
         raise ParamError("messages", f"{len(messages)} messages",
                          f"accepted by the model's chat template ({e})") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise ParamError("messages", f"{len(messages)} messages, {len(text)} characters "
+                         "rendered", f"at most {max_chars} characters once rendered with the "
+                         "chat template (a longer prompt cannot fit max_model_len)")
     return tokenizer.encode(text, add_special_tokens=False)

@@ -64,7 +64,8 @@ def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
     return LimitedFields(request_id=msg.request_id, text=msg.text, messages=msg.messages,
                          stop_prefix=NAMES.stopping, stop=st.stop, stop_token_ids=st.stop_token_ids,
                          constraint_prefix=NAMES.constraint, constraint_holder=msg.constraint,
-                         constraint_oneof="kind")
+                         constraint_oneof="kind", prompt_ids=msg.token_ids,
+                         sampling_prefix=NAMES.sampling, sampling_holder=msg.sampling)
 
 
 def sampling_from_proto(msg: pb.SamplingParams, defaults: SamplingParams = SamplingParams(),

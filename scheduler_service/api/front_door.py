@@ -28,8 +28,8 @@ from engine_common.request.params import KNOBS, ParamError, SamplingParams, Stop
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.wire.codec import given_knobs
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.request_limits import (LimitedFields, check_prompt_can_fit,
-                                                  check_request_limits)
+from scheduler_service.api.request_limits import (LimitedFields, check_messages_count,
+                                                  check_prompt_can_fit, check_request_limits)
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
@@ -61,8 +61,10 @@ class ServedModel:
                            self.info.max_model_len * self.tokenizer.max_token_bytes())
 
     def chat_prompt_ids(self, messages) -> list[int]:
-        """Token ids of chat messages, rendered with the model's template (ParamError if none)."""
-        return encode_chat(self.tokenizer, self.chat_template, messages, repr(self.info.name))
+        """Token ids of chat messages, rendered with the model's template (ParamError if none,
+        or if the rendered text is longer than any prompt that fits: not tokenized then)."""
+        return encode_chat(self.tokenizer, self.chat_template, messages, repr(self.info.name),
+                           max_chars=self.prompt_chars_fit)
 
 
 @dataclass(frozen=True)
@@ -210,17 +212,20 @@ def constraint_named(prefix: str):
 
 
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                        stopping: str = "stopping") -> None:
-    """Raise ParamError unless the prompt leaves room for at least one token (and max_tokens,
-    named `<stopping>.max_tokens`)."""
+                        stopping: str = "stopping", min_tokens: int = 0) -> None:
+    """Raise ParamError unless the prompt leaves room for at least one token (and max_tokens
+    and min_tokens, named `<stopping>.max_tokens` / `.min_tokens`). min_tokens matters when
+    max_tokens is unset: no request makes more than the room, and the worker holds min_tokens
+    in an int32 (a step carrying 2**31 is refused, failing every stream: admission.py)."""
     if num_prompt_tokens >= max_model_len:
         raise ParamError("prompt", f"{num_prompt_tokens} tokens",
                          f"at most {max_model_len - 1} tokens (max_model_len {max_model_len})")
     room = max_model_len - num_prompt_tokens
-    if max_tokens is not None and max_tokens > room:
-        raise ParamError(f"{stopping}.max_tokens", max_tokens,
-                         f"<= {room} (max_model_len {max_model_len} - {num_prompt_tokens} "
-                         "prompt tokens)")
+    for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
+        if value is not None and value > room:
+            raise ParamError(f"{stopping}.{name}", value,
+                             f"<= {room} (max_model_len {max_model_len} - {num_prompt_tokens} "
+                             "prompt tokens)")
 
 
 # -- admission ---------------------------------------------------------------------------------
@@ -238,9 +243,13 @@ class FrontDoor:
 
     def check_limits(self, msg, fields: LimitedFields) -> None:
         """The request limits (`fields`: the protocol's mapping of `msg`) and whether its text
-        can fit max_model_len at all: both before anything costly sees the request."""
+        or token ids can fit max_model_len at all: all before anything costly sees the
+        request."""
+        check_messages_count(fields.messages, self.model.info.max_model_len)
         check_request_limits(fields, self.options)
         check_prompt_can_fit(msg, self.model.prompt_chars_fit, self.model.info.max_model_len)
+        # Token ids too many to fit, refused before they are copied and checked one by one.
+        check_prompt_length(len(fields.prompt_ids), None, self.model.info.max_model_len)
 
     async def offload(self, caller: str, fn, *args):
         """Tokenizing, chat rendering and constraint validation run on the pool, within
@@ -260,7 +269,7 @@ class FrontDoor:
         else:
             ids = await self.offload(caller, self.model.tokenizer.encode, req.prompt_text)
         check_prompt_length(len(ids), req.stopping.max_tokens, self.model.info.max_model_len,
-                            req.names.stopping)
+                            req.names.stopping, req.stopping.min_tokens)
         return ids
 
     def engine_request(self, req: ValidatedRequest, request_id: str, prompt_ids: list[int],

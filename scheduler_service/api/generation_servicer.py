@@ -30,7 +30,8 @@ from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requ
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
 from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
                                          scoped_id)
-from scheduler_service.api.request_limits import check_prompt_can_fit, check_tokenize_limits
+from scheduler_service.api.request_limits import (check_messages_count, check_prompt_can_fit,
+                                                  check_tokenize_limits)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
 from scheduler_service.api.status import status_for
@@ -136,6 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             if request.messages and request.text:
                 raise ParamError("prompt", "text and messages", "exactly one of text or messages")
+            check_messages_count(request.messages, self._model.info.max_model_len)
             check_tokenize_limits(request, self._options)
             check_prompt_can_fit(request, self._model.prompt_chars_fit,
                                  self._model.info.max_model_len)

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine_common.request.params import ParamError
+from engine_common.request.diff_limits import MAX_CONSTRAINT_CHOICES
+from engine_common.request.params import ID_SET_KNOBS, ParamError
+from engine_common.request.sampling_knobs import MAX_LOGIT_BIAS
 from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 
@@ -31,6 +33,9 @@ class LimitedFields:
     constraint_oneof: str
     logprobs_field: str = ""         # "" when the protocol checks logprobs while converting
     logprobs: int = 0
+    prompt_ids: Sequence[int] = ()   # a prompt of token ids (FrontDoor.check_limits)
+    sampling_prefix: str = ""        # errors name `<sampling_prefix>.logit_bias` and the id sets
+    sampling_holder: object = None   # the SamplingParams message (logit_bias, allowed_token_ids)
 
 
 def check_request_limits(f: LimitedFields, options: ApiOptions) -> None:
@@ -40,6 +45,7 @@ def check_request_limits(f: LimitedFields, options: ApiOptions) -> None:
     check_messages_chars(f.messages, options)
     check_stops(f.stop_prefix, f.stop, f.stop_token_ids, options)
     check_constraint_chars(f.constraint_prefix, f.constraint_holder, f.constraint_oneof, options)
+    check_sampling_sizes(f.sampling_prefix, f.sampling_holder)
     if f.logprobs_field and f.logprobs > options.max_logprobs:
         raise ParamError(f.logprobs_field, f.logprobs,
                          f"in [0, {options.max_logprobs}] (--max-logprobs)")
@@ -73,11 +79,31 @@ def check_constraint_chars(prefix: str, holder, oneof: str, options: ApiOptions)
     if kind is None or kind == "json_object":
         return
     value = holder.choice.choices if kind == "choice" else getattr(holder, kind)
+    if kind == "choice" and len(value) > MAX_CONSTRAINT_CHOICES:   # empty ones count 0 chars
+        raise ParamError(f"{prefix}.choice", f"{len(value)} choices",
+                         f"at most {MAX_CONSTRAINT_CHOICES} choices")
     total = len(value) if isinstance(value, str) else sum(len(c) for c in value)
     if total > options.max_constraint_chars:
         raise ParamError(f"{prefix}.{kind}", f"{total} characters",
                          f"at most {options.max_constraint_chars} characters "
                          "(--max-constraint-chars)")
+
+
+def check_sampling_sizes(prefix: str, sampling) -> None:
+    """How many logit_bias entries and ids of each id set (allowed_token_ids) a SamplingParams
+    message holds, before anything walks them: an 8 MiB message holds millions of one-byte ids,
+    which the conversion copied, checked against the vocabulary and sorted on the event loop
+    before it counted them."""
+    if sampling is None:
+        return
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+        raise ParamError(f"{prefix}.logit_bias", f"{len(sampling.logit_bias)} entries",
+                         f"at most {MAX_LOGIT_BIAS}")
+    for k in ID_SET_KNOBS:
+        ids = getattr(sampling, k.name)
+        if len(ids) > k.meta.max_ids:
+            raise ParamError(f"{prefix}.{k.name}", f"{len(ids)} ids",
+                             f"at most {k.meta.max_ids} ids")
 
 
 def check_prompt_chars(field: str, text: str, options: ApiOptions) -> None:
@@ -93,6 +119,16 @@ def check_messages_chars(messages, options: ApiOptions) -> None:
     if total > options.max_prompt_chars:
         raise ParamError("messages", f"{total} characters",
                          f"at most {options.max_prompt_chars} characters (--max-prompt-chars)")
+
+
+def check_messages_count(messages, max_model_len: int) -> None:
+    """More messages than max_model_len tokens cannot fit (a template writes at least a role
+    marker a message): refused before anything walks them. 671,744 one-character messages (3.4
+    MB, within SmolLM2's character bound) cost the event loop 2 s to count and convert."""
+    if len(messages) > max_model_len:
+        raise ParamError("messages", f"{len(messages)} messages",
+                         f"at most {max_model_len} messages (max_model_len {max_model_len} "
+                         "tokens: every message renders to at least one)")
 
 
 def check_prompt_can_fit(msg, chars_fit: int, max_model_len: int) -> None:

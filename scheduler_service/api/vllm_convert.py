@@ -111,7 +111,9 @@ def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
                          stop_prefix=NAMES.stopping, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
                          constraint_prefix=NAMES.constraint, constraint_holder=sp,
                          constraint_oneof="constraint", logprobs_field="sampling_params.logprobs",
-                         logprobs=sp.logprobs if sp.HasField("logprobs") else 0)
+                         logprobs=sp.logprobs if sp.HasField("logprobs") else 0,
+                         prompt_ids=msg.tokenized.input_ids, sampling_prefix=NAMES.sampling,
+                         sampling_holder=sp)
 
 
 def refuse_unsupported(msg: pb.GenerateRequest) -> None:

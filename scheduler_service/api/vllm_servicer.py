@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from engine_common.request.params import ParamError
+from engine_common.request.params import ParamError, clip
 from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 TOKENIZER_CHUNK_BYTES = 64 * 1024
 MAX_FLUSH_WAIT_SECONDS = 3600.0
 VERSION = "deltaserve-0.1.0"
+# An Abort's log line names at most this many of its ids (it may carry millions, each with any
+# characters: one line of several MB, or a forged line after a newline, before).
+_LOGGED_ABORT_IDS = 8
 
 
 class _Choice:
@@ -147,7 +150,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         owned = [self._children.get(scoped_id(caller, rid)) for rid in request.request_ids]
         ids = [cid for entry in owned if entry is not None and entry[0] == caller
                for cid in entry[1]]
-        log.info("Abort %s", ", ".join(request.request_ids))
+        asked = request.request_ids      # the client's strings: quoted, and only the first few
+        log.info("Abort of %d ids: %s", len(asked),
+                 clip(", ".join(repr(rid) for rid in asked[:_LOGGED_ABORT_IDS])))
         await abort_requests(self._engine, ids, context)
         return pb.AbortResponse()
 

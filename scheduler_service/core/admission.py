@@ -42,6 +42,13 @@ def check_admission(request: Request, *, max_model_len: int, block_size: int, nu
     if total > max_model_len:
         raise RequestRejected(rid, "prompt tokens + max_tokens", total,
                               f"<= max_model_len ({max_model_len})")
+    # With max_tokens unset, min_tokens is bounded by nothing else; the worker holds it in an
+    # int32 and refuses a step carrying more (BAD_PAYLOAD: every request of the epoch fails).
+    min_tokens = request.stopping.min_tokens
+    if len(prompt) + min_tokens > max_model_len:
+        raise RequestRejected(rid, "min_tokens", min_tokens,
+                              f"<= {max_model_len - len(prompt)} (max_model_len {max_model_len}"
+                              f" - {len(prompt)} prompt tokens)")
     if -(-len(prompt) // block_size) > num_blocks:
         raise RequestRejected(rid, "prompt tokens", len(prompt),
                               f"<= KV-cache capacity ({num_blocks * block_size} tokens)")

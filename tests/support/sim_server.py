@@ -21,6 +21,7 @@ import grpc
 from engine_common.wire.codec import decode_scheduler_output, encode_runner_output
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.model_files.model_dir import ModelInfo
+from engine_common.text.chat_template import ChatTemplate
 from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
 from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.api import public_port
@@ -143,7 +144,8 @@ class _SimExecutor:
 
 class SimServer:
     def __init__(self, model_dir: Path, num_blocks: int = 64, block_size: int = 4,
-                 enable_prefix_caching: bool = True, api: ApiOptions = ApiOptions()):
+                 enable_prefix_caching: bool = True, api: ApiOptions = ApiOptions(),
+                 chat_template: ChatTemplate | None = None):
         self.api = api
         self.info = ModelInfo.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -161,7 +163,8 @@ class SimServer:
         self.engine = AsyncEngine(self._make_core, lambda: OutputProcessor(self.tokenizer),
                                   idle_check=self._check_workers, idle_check_seconds=0.05,
                                   on_turn=self.kv_events.publish, clock=self.clock)
-        self.model = ServedModel(info=self.info, tokenizer=self.tokenizer, block_size=block_size)
+        self.model = ServedModel(info=self.info, tokenizer=self.tokenizer, block_size=block_size,
+                                 chat_template=chat_template)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()

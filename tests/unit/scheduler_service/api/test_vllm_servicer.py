@@ -145,7 +145,7 @@ def test_abort_by_the_callers_id_ends_every_choice(server, stub, caplog):
             LogLines(vllm_servicer.__name__) as lines:
         aborted = stub.Abort.future(pb.AbortRequest(request_ids=["long", "unknown"]),
                                     timeout=10)
-        lines.wait_for(lambda seen: any("Abort long, unknown" in line for line in seen),
+        lines.wait_for(lambda seen: any("Abort of 2 ids: 'long', 'unknown'" in line for line in seen),
                        "the Abort to arrive")
     server.release_steps()
     aborted.result()

@@ -380,6 +380,9 @@ def test_rejections():
         sched.add_request(make_request("long", range(30), max_tokens=3))
     with pytest.raises(RequestRejected, match="max_model_len"):
         sched.add_request(make_request("nolimit", range(32), max_tokens=None))
+    # min_tokens bounded by the room alone (the worker refuses a step carrying 2**31)
+    with pytest.raises(RequestRejected, match=r"min_tokens=2147483648 must be <= 22 "):
+        sched.add_request(make_request("least", range(10), max_tokens=None, min_tokens=2**31))
     with pytest.raises(RequestRejected, match="KV-cache capacity"):
         sched.add_request(make_request("big", range(17), max_tokens=1))
     with pytest.raises(RequestRejected, match="token ids"):
