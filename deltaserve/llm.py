@@ -350,10 +350,10 @@ def _check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParam
                  (f"sampling.logit_bias (prompt {i})", [t for t, _ in sp.logit_bias])]
         named += [(f"sampling.{k.name} (prompt {i})", getattr(sp, k.name)) for k in ID_SET_KNOBS]
         for name, values in named:
-            for j, token_id in enumerate(values):
-                if token_id >= vocab_size:
-                    raise ParamError(f"{name}[{j}]", token_id,
-                                     f"a token id in [0, {vocab_size - 1}] (vocab_size)")
+            if values and max(values) >= vocab_size:   # max() in C; the index only on a refusal
+                j = next(j for j, t in enumerate(values) if t >= vocab_size)
+                raise ParamError(f"{name}[{j}]", values[j],
+                                 f"a token id in [0, {vocab_size - 1}] (vocab_size)")
 
 
 def _default_budget(kwargs: dict) -> dict:
