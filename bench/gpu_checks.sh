@@ -197,7 +197,7 @@ stage_bench() {
         say "bench [${flags:-default flags}]: exit $rc"
     done
     say "bench: $((SECONDS - start)) s"
-    grep -E '^(engine|output throughput|decode steps|decode read)' \
+    grep -E '^(engine|output throughput|decode steps|decode read|other steps|outside steps|triton comp)' \
         "$OUT_DIR/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
@@ -212,7 +212,7 @@ stage_profile() {
     say "profile: exit $rc, $((SECONDS - start)) s"
     grep -E '^(engine:|run:|device busy|per step|  (engine|runner):)' "$OUT_DIR/profile.log" \
         | sed 's/^/  /' | tee -a "$SUMMARY"
-    grep -A 6 '^top kernels' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+    grep -A 6 -E '^(top kernels|gaps over)' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
 stage_hf() {

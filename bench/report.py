@@ -33,6 +33,7 @@ class BenchResult:
     kv_bytes_per_token: int      # per cached position, all layers
     copy_bytes_per_s: float      # measured, bytes moved (read + write)
     hf: HFResult | None = None
+    jit_compiles: str = ""       # Triton compiles inside the timed run, in words ("" not asked)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -73,8 +74,26 @@ def format_lines(r: BenchResult) -> list[str]:
         f"{r.decode_bytes_per_s / r.copy_bytes_per_s:.3g} of measured copy bandwidth "
         f"{r.copy_bytes_per_s / 1e9:.3g} GB/s",
     ]
+    lines += _other_step_lines(r)
     lines += _hf_lines(r)
     lines += [f"note: {n}" for n in r.notes]
+    return lines
+
+
+def _other_step_lines(r: BenchResult) -> list[str]:
+    """Where the wall time outside the decode steps went: the steps that prefilled, the time
+    outside any step (adding requests, building outputs), Triton compiles."""
+    st = r.steps
+    if not st.step_seconds:
+        return []
+    slowest = ", ".join(f"{s * 1e3:.0f} ms ({t} tokens, {n} requests)"
+                        for s, t, n in st.slowest_other)
+    lines = [f"other steps: {st.num_steps - st.num_decode_steps} steps with prefill, "
+             f"{st.other_seconds:.3f} s for {st.other_tokens} tokens"
+             + (f"; slowest {slowest}" if slowest else ""),
+             f"outside steps: {r.wall_s - st.step_seconds:.3f} s of the wall time"]
+    if r.jit_compiles:
+        lines.append(f"triton compiles in the timed run: {r.jit_compiles}")
     return lines
 
 

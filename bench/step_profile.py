@@ -126,6 +126,7 @@ def device_report(prof, window_s: float, num_steps: int, top: int) -> list[str]:
         lines.append(f"per step: device busy {busy_us / num_steps / 1e3:.2f} ms, idle "
                      f"{(window_s * 1e6 - busy_us) / num_steps / 1e3:.2f} ms "
                      f"(host window / steps = {window_s / num_steps * 1e3:.2f} ms)")
+        lines += gap_report(kernels, num_steps)
         by_name: dict[str, list[float]] = defaultdict(list)
         for e in kernels:
             by_name[e.name].append(e.time_range.end - e.time_range.start)
@@ -140,6 +141,25 @@ def device_report(prof, window_s: float, num_steps: int, top: int) -> list[str]:
                                       max_name_column_width=60)
     lines.append("top host-side ops by self CPU time:")
     lines.extend("  " + line for line in table.splitlines())
+    return lines
+
+
+def gap_report(kernels, num_steps: int, min_gap_us: float = 10.0, top: int = 6) -> list[str]:
+    """Idle gaps between kernels: how many a step has over min_gap_us and the largest, each
+    with the kernels on either side (one big gap a step: the host launched late; many small
+    ones: eager launches between the graph replays)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start - end > min_gap_us:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    total = sum(g for g, _, _ in gaps)
+    lines = [f"gaps over {min_gap_us:.0f} us: {len(gaps) / num_steps:.1f} per step, "
+             f"{total / num_steps / 1e3:.2f} ms per step; largest:"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:6.2f} ms after {before[:50]} -> before {after[:50]}")
     return lines
 
 

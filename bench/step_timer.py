@@ -27,6 +27,10 @@ class StepSummary:
     decode_seconds: float          # summed over decode steps
     mean_decode_batch: float       # requests per decode step
     decode_kv_tokens: int          # summed over decode steps
+    other_seconds: float = 0.0     # summed over the steps that prefilled (prefill, mixed)
+    other_tokens: int = 0          # tokens those steps scheduled
+    slowest_other: tuple[tuple[float, int, int], ...] = ()   # (seconds, tokens, requests)
+    step_seconds: float = 0.0      # every step together; a run's wall minus this ran outside
 
     @property
     def mean_decode_step_s(self) -> float:
@@ -74,9 +78,15 @@ class StepTimer:
 
     def summary(self) -> StepSummary:
         decode = [r for r in self.records if r.is_decode]
+        others = [r for r in self.records if not r.is_decode]
         n = len(decode)
         return StepSummary(
             num_steps=len(self.records), num_decode_steps=n,
             decode_seconds=sum(r.seconds for r in decode),
             mean_decode_batch=sum(r.num_reqs for r in decode) / n if n else 0.0,
-            decode_kv_tokens=sum(r.kv_tokens for r in decode))
+            decode_kv_tokens=sum(r.kv_tokens for r in decode),
+            other_seconds=sum(r.seconds for r in others),
+            other_tokens=sum(r.num_tokens for r in others),
+            slowest_other=tuple((r.seconds, r.num_tokens, r.num_reqs) for r in
+                                sorted(others, key=lambda r: -r.seconds)[:3]),
+            step_seconds=sum(r.seconds for r in self.records))

@@ -171,6 +171,7 @@ def _run_ours(args, model_dir: str, device: str, workload: Workload):
     from deltaserve.llm import LLM
 
     from bench.bandwidth import kv_bytes_per_token, weight_read_bytes
+    from bench.jit_compiles import JitCompiles
 
     kwargs, notes = _llm_kwargs(args, device, workload_shape(args).max_total_len)
     llm = LLM(model_dir, **kwargs)
@@ -178,7 +179,7 @@ def _run_ours(args, model_dir: str, device: str, workload: Workload):
         warm = warmup_workload(workload, llm.model_info.vocab_size, WARMUP_SEQS,
                                WARMUP_OUTPUT_LEN)
         _generate(llm, warm, args)
-    with StepTimer(llm.engine) as timer:
+    with StepTimer(llm.engine) as timer, JitCompiles() as compiles:
         _sync(device)
         start = time.perf_counter()
         completions = _generate(llm, workload, args)
@@ -188,8 +189,11 @@ def _run_ours(args, model_dir: str, device: str, workload: Workload):
     if output_tokens != workload.num_output_tokens:
         notes.append(f"engine produced {output_tokens} tokens, workload asked "
                      f"{workload.num_output_tokens}")
+    for name, seconds, sig in compiles.events:       # what met a new specialization, in full
+        print(f"triton compile in the timed run: {seconds:.2f} s {sig}")
     runner = llm.runner
     return dict(engine=_describe_engine(llm), output_tokens=output_tokens, wall_s=wall,
+                jit_compiles=compiles.describe(),
                 steps=timer.summary(), weight_bytes=weight_read_bytes(runner.model),
                 kv_bytes_per_token=kv_bytes_per_token(runner),
                 notes=tuple(notes)), runner.model_dtype
