@@ -210,7 +210,7 @@ stage_profile() {
     rc=${PIPESTATUS[0]}
     [ "$rc" = 0 ] || STATUS=1
     say "profile: exit $rc, $((SECONDS - start)) s"
-    grep -E '^(engine:|run:|device busy|per step|  (engine|runner):)' "$OUT_DIR/profile.log" \
+    grep -E '^(engine:|run:|device busy|per step|decode attention|  (engine|runner):)' "$OUT_DIR/profile.log" \
         | sed 's/^/  /' | tee -a "$SUMMARY"
     grep -A 6 -E '^(top kernels|gaps over)' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }

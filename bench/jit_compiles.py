@@ -48,7 +48,8 @@ class JitCompiles:
         start = self._started.pop(sig, None)
         seconds = time.perf_counter() - start if start is not None else 0.0
         name = getattr(kwargs.get("fn"), "name", None) or sig.split("[")[0]
-        self.events.append((name, seconds, sig))
+        # the key holds the specialisation (each argument's type and its ==1 / %16 pattern)
+        self.events.append((name, seconds, f"{sig.split('(')[0]} key {kwargs.get('key')}"))
         return False
 
     def describe(self) -> str:

@@ -52,6 +52,7 @@ class DecodeWindow:
         self.done = False
         self.phases: dict[str, list[float]] = defaultdict(list)
         self.batch_sizes: list[int] = []
+        self.kv_tokens: list[int] = []     # positions attention reads, per recorded step
         self.wall = 0.0
         engine = llm.engine
         self._step, self._process = engine.step, engine.output_processor.process
@@ -97,6 +98,7 @@ class DecodeWindow:
         for name, seconds in self.llm.runner.clock.phases.items():
             p[f"runner: {name}"].append(seconds)
         self.batch_sizes.append(stats.num_reqs)
+        self.kv_tokens.append(sum(r.num_computed_tokens for r in self.llm.scheduler.running))
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -142,6 +144,26 @@ def device_report(prof, window_s: float, num_steps: int, top: int) -> list[str]:
     lines.append("top host-side ops by self CPU time:")
     lines.extend("  " + line for line in table.splitlines())
     return lines
+
+
+ATTENTION_KERNELS = ("_decode_kernel", "_reduce_kernel")
+
+
+def attention_report(kernels, window: DecodeWindow, kv_bytes_per_token: int,
+                     copy_bytes_per_s: float) -> list[str]:
+    """The decode attention kernels' time per step against the KV bytes the window's steps read:
+    how near the copy bandwidth attention runs in the real batch (mixed context lengths)."""
+    us = sum(e.time_range.end - e.time_range.start for e in kernels
+             if e.name in ATTENTION_KERNELS)
+    steps = len(window.kv_tokens)
+    if not us or not steps:
+        return []
+    kv_bytes = kv_bytes_per_token * sum(window.kv_tokens) / steps
+    rate = kv_bytes / (us / steps * 1e-6)
+    return [f"decode attention: {us / steps / 1e3:.2f} ms per step for {kv_bytes / 1e9:.2f} GB "
+            f"of KV (mean context {sum(window.kv_tokens) / sum(window.batch_sizes):.0f}) = "
+            f"{rate / 1e9:.0f} GB/s, {rate / copy_bytes_per_s:.3f} of the copy bandwidth "
+            f"{copy_bytes_per_s / 1e9:.0f} GB/s"]
 
 
 def gap_report(kernels, num_steps: int, min_gap_us: float = 10.0, top: int = 6) -> list[str]:
@@ -211,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in phase_report(window) + device_report(prof, window.wall, len(window.batch_sizes),
                                                      args.top):
         print(line)
+    if device.startswith("cuda"):
+        from torch.autograd import DeviceType
+
+        from bench.bandwidth import kv_bytes_per_token, measure_copy_bandwidth
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        for line in attention_report(kernels, window, kv_bytes_per_token(llm.runner),
+                                     measure_copy_bandwidth(device)):
+            print(line)
     return 0
 
 

@@ -60,6 +60,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--sync-scheduling", dest="async_scheduling", action="store_false",
                    help="one step in flight, even on CUDA")
     add_fused_ops_flag(e)
+    e.add_argument("--triton-launch", default=None,
+                   help="other Triton attention launch choices, name=value,... (an experiment: "
+                        "bench/launch_override.py)")
     e.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 avoids stalls on a "
                         "busy shared CPU)")
@@ -175,6 +178,11 @@ def _run_ours(args, model_dir: str, device: str, workload: Workload):
 
     kwargs, notes = _llm_kwargs(args, device, workload_shape(args).max_total_len)
     llm = LLM(model_dir, **kwargs)
+    if args.triton_launch:
+        from bench.launch_override import apply_launch, parse_launch
+
+        apply_launch(llm, parse_launch(args.triton_launch))
+        notes.append(f"triton launch: {args.triton_launch}")
     if args.warmup:
         warm = warmup_workload(workload, llm.model_info.vocab_size, WARMUP_SEQS,
                                WARMUP_OUTPUT_LEN)

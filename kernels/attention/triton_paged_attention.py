@@ -83,7 +83,14 @@ def _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Triton compiles one variant per integer-argument pattern (== 1, divisible by 16, other). The
+# request count and the block table's row stride (the step's longest request, in blocks) change
+# from step to step, so specialising on them compiled the varlen kernel anew in mid-run: 0.91 s
+# of one H100 run's 10.8 s (bench/results.md). Neither gains from it.
+STEP_VARYING = ["num_reqs", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
@@ -138,7 +145,7 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
                    seq_lens_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
