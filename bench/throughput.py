@@ -2,7 +2,7 @@
 transformers `generate()` in the same process and run.
 
     python -m bench.throughput --preset qwen3-0.6b --vs-transformers
-    python -m bench.throughput --preset qwen3-0.6b --fused-ops     # Triton norm + rope
+    python -m bench.throughput --preset qwen3-0.6b --fused-ops     # Triton norm, rope, silu
     python -m bench.throughput --preset tiny --device cpu --num-seqs 64 --min-len 16 --max-len 64
 
 Prints output tok/s, time per decode step, and the bytes a decode step reads (weights + KV) per
@@ -219,7 +219,7 @@ def _describe_engine(llm) -> str:
     runner, sched = llm.runner, llm.scheduler
     dtype = str(runner.model_dtype).removeprefix("torch.")
     graphs = ", decode CUDA graphs" if runner.graph_runner is not None else ", eager"
-    fused = ", fused Triton norm + rope" if getattr(runner.model, "fused_ops", False) else ""
+    fused = ", fused Triton norm + rope + silu" if getattr(runner.model, "fused_ops", False) else ""
     fused += ", async scheduling" if sched.config.async_scheduling else ""
     return (f"{runner.attention_backend_name} attention, {dtype}{graphs}{fused}, "
             f"{sched.num_total_blocks} KV blocks of {sched.config.block_size}, "

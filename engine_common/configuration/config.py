@@ -135,8 +135,8 @@ class WorkerConfig(BatchLimits):
         512, "largest decode batch captured as a CUDA graph: 1, 2, 4, 8, then steps of 16",
         rule=AtLeast(1), wire=14)
     fused_ops: bool = setting(
-        False, "fused Triton RMSNorm and rotary embedding (CUDA; off until GPU measurements "
-        "show a gain)", wire=15)
+        False, "fused Triton RMSNorm, rotary embedding and SiLU-and-mul (CUDA; the device "
+        "defaults turn it on there)", wire=15)
 
     def __post_init__(self):
         super().__post_init__()

@@ -110,7 +110,7 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter],
                                                        args.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp, dtype)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(args.fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -169,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
         -> hidden [T, hidden_size]
     compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size] (gathered over ranks)
 
-    fused_ops=True: every RMSNorm and the rope run as Triton kernels (kernels/fused_norm.py,
-    kernels/fused_rope.py); CUDA, or Triton's interpreter on CPU.
+    fused_ops=True: every RMSNorm, the rope and the SiLU-and-mul run as Triton kernels
+    (kernels/fused_norm.py, fused_rope.py, fused_silu_mul.py); CUDA, or Triton's interpreter on
+    CPU.
     """
 
     # Architecture traits; subclasses override. None = follow config's attention_bias.

@@ -327,8 +327,9 @@ class ModelRunner:
                      ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
-        gives (the sampling rows' logits, False) from a captured graph for a pure-decode batch
-        that fits one, else (their hidden states, True) from the eager model."""
+        gives the sampling rows' hidden states and True (the sampler applies the LM head, or
+        on CUDA a plain greedy step samples straight from model-dtype logits), from a captured
+        graph for a pure-decode batch that fits one, else from the eager model."""
         n = len(inputs.rows)
         g = self.graph_runner
         if g is not None and g.graph_batch(n, inputs.num_tokens,
@@ -336,10 +337,11 @@ class ModelRunner:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table, self.staging)
             if inputs.sample_mask.all():
-                return (lambda: (g.replay(staged), False)), staged.tokens[0]
+                return (lambda: (g.replay_hidden(staged), True)), staged.tokens[0]
             # Pure decode: query row i is request i, so logits_indices are the sampling rows.
             keep = self.staging.put(inputs.logits_indices, torch.int64, "logits_indices")
-            return (lambda: (g.replay(staged).index_select(0, keep), False)), staged.tokens[0]
+            return (lambda: (g.replay_hidden(staged).index_select(0, keep), True)), \
+                staged.tokens[0]
         staged = stage_step_inputs(self.staging, inputs)
         meta = attention_metadata(inputs, staged)
 

@@ -162,13 +162,18 @@ class DecodeGraphRunner:
     def replay(self, staged: StagedDecode) -> torch.Tensor:
         """Load a staged step (after the staging flush) and replay its graph (or run the same
         forward eagerly when none was captured); float32 logits [num_reqs, vocab]."""
+        return self.model.compute_logits(self.replay_hidden(staged))
+
+    def replay_hidden(self, staged: StagedDecode) -> torch.Tensor:
+        """As replay, but the final hidden states [num_reqs, hidden] (a view of the static
+        buffer, valid until the next replay): the sampler may then apply the LM head itself."""
         self.buffers.load(staged)
         graph = self.graphs.get(staged.padded)
         if graph is None:
             self._forward(staged.padded)
         else:
             graph.replay()
-        return self.model.compute_logits(self._hidden[:staged.num_reqs])
+        return self._hidden[:staged.num_reqs]
 
     def _forward(self, batch: int) -> None:
         """Model forward over the first `batch` buffer rows into the static hidden buffer."""

@@ -82,4 +82,4 @@ def test_throughput_with_fused_ops_runs_the_fused_model(tmp_path, capsys, bench_
     assert throughput.main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"^output tokens: 8$", out, re.M), out
-    assert re.search(r"^engine: .*, fused Triton norm \+ rope,", out, re.M), out
+    assert re.search(r"^engine: .*, fused Triton norm \+ rope \+ silu,", out, re.M), out

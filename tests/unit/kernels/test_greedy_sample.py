@@ -61,3 +61,31 @@ def test_refuses_a_strided_vocabulary_axis():
 
     with pytest.raises(ValueError, match="unit stride"):
         greedy_sample(torch.zeros(4, 6).t())
+
+
+def test_padded_bf16_rows_answer_as_their_float32_widening():
+    """The LM head's CUDA greedy path reads model-dtype logits whose rows may be padded (a
+    [:, :vocab] view): widening bf16 is exact, so the answer is the float32 logits' own."""
+    from kernels.greedy_sample import greedy_sample
+
+    gen = torch.Generator().manual_seed(3)
+    padded = (6 * torch.randn(4, 3000 + 24, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    view = padded[:, :3000]
+    ids, logprobs = greedy_sample(view)
+    ids32, logprobs32 = greedy_sample(view.float().contiguous())
+    assert torch.equal(ids, ids32) and torch.equal(logprobs, logprobs32)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the LM head samples from model-dtype logits on CUDA")
+def test_lm_head_greedy_on_cuda_matches_its_float32_logits():
+    from worker_service.layers.embedding import ParallelLMHead
+    from worker_service.parallel_state import single_rank_group
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(5000, 64, single_rank_group(), torch.bfloat16).to(DEVICE)
+    torch.nn.init.normal_(head.weight)
+    hidden = torch.randn(7, 64, dtype=torch.bfloat16, device=DEVICE)
+    ids, logprobs = head.greedy(hidden)
+    ref_ids, ref_lp = reference(head(hidden).cpu())
+    assert ids.cpu().tolist() == ref_ids.tolist()
+    assert torch.allclose(logprobs.cpu().double(), ref_lp, atol=1e-4)
