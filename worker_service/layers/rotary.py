@@ -116,8 +116,17 @@ class RotaryEmbedding(nn.Module):
             self._cpu = ops_for(torch.float32)
         return self._cpu is not None
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_norm / k_norm (both or neither): per-head RMSNorms applied first (Qwen3); fused,
+        the same launch normalises and rotates."""
+        if q_norm is not None:
+            if self._fused_kernel is not None and q_norm.eps == k_norm.eps \
+                    and q_norm.weight.dtype == query.dtype:
+                return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache,
+                                          q_norm.weight, k_norm.weight, q_norm.eps)
+            query, key = q_norm(query), k_norm(key)
         if (self._cpu is not None and query.dtype in (torch.float32, torch.bfloat16)
                 and query.stride(-1) == 1 and key.stride(-1) == 1 and positions.is_contiguous()):
             self._cpu.rope(positions, query, key, self.cos_cache, self.sin_cache)

@@ -95,9 +95,10 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:       # normalised, then rotated (one launch when fused)
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 

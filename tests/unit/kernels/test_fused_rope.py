@@ -199,18 +199,23 @@ COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import fused_norm, fused_rope
+from kernels import fused_norm, fused_rope, fused_silu_mul
 
 def build(fn, ptrs, constexprs, **options):
     sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-for dt in ("fp32", "fp16", "bf16"):
+for dt, norm in [(dt, norm) for dt in ("fp32", "fp16", "bf16") for norm in (False, True)]:
     rope = build(fused_rope._rope_kernel, dict(pos_ptr="*i64", q_ptr="*" + dt, k_ptr="*" + dt,
-                 cos_ptr="*fp32", sin_ptr="*fp32"), dict(BLOCK_H=8, BLOCK_HALF=64),
+                 cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*" + dt, kw_ptr="*" + dt,
+                 eps="fp32"), dict(BLOCK_H=8, BLOCK_HALF=64, NORM=norm),
                  num_warps=2, enable_fp_fusion=False)
     assert "fma" not in rope.asm["ptx"], "rope must not contract mul+add into fma"
+for dt in ("fp32", "fp16", "bf16"):
+    silu = build(fused_silu_mul._silu_and_mul_kernel, dict(x_ptr="*" + dt, out_ptr="*" + dt),
+                 dict(BLOCK=1024, LIBDEVICE=True), num_warps=4, enable_fp_fusion=False)
+    assert "div.rn.f32" in silu.asm["ptx"], "silu must divide as IEEE (torch's rounding)"
     ptrs = {n: "*" + dt for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
     build(fused_norm._rms_norm_kernel, dict(ptrs, eps="fp32"),
           dict(HAS_RESIDUAL=True, BLOCK=1024), num_warps=4, enable_fp_fusion=False)
@@ -221,10 +226,70 @@ for dt in ("fp32", "fp16", "bf16"):
                     reason="pip triton without a bundled ptxas cannot compile for sm_90")
 @pytest.mark.slow
 def test_fused_kernels_compile_for_sm90_without_a_gpu():
-    """The interpreter accepts things the compiler rejects: compile both fused kernels for
+    """The interpreter accepts things the compiler rejects: compile the fused kernels for
     sm_90 in a fresh process (no TRITON_INTERPRET), every dtype."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_per_head_norm_then_rope_matches_the_unfused_modules(ropes, head_dim, dtype):
+    """Qwen3's q_norm / k_norm before rope, in the rope's launch: as the torch RMSNorm then the
+    torch rope (the norm's float32 sum runs in another order, so up to a rounding step)."""
+    from kernels.fused_rope import fused_rope
+    from worker_service.layers.norm import RMSNorm
+
+    rope = ropes("default", head_dim)
+    qkv, q, k, positions = make_qk(6, 4, 2, head_dim, dtype, seed=head_dim + 1)
+    gen = torch.Generator().manual_seed(head_dim)
+    norms = [RMSNorm(head_dim, 1e-6, dtype) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1 + 0.5 * torch.randn(head_dim, generator=gen))
+    q_norm, k_norm = (n.to(DEVICE) for n in norms)
+    with torch.no_grad():
+        want_q, want_k = rope(positions, q_norm(q), k_norm(k))
+        v_before = qkv[:, -2 * head_dim:].clone()
+        got_q, got_k = fused_rope(positions, q, k, rope.cos_cache, rope.sin_cache,
+                                  q_norm.weight, k_norm.weight, 1e-6)
+    assert got_q is q and got_k is k, "normalised and rotated in place"
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+        assert err <= (2 * ULPS[dtype] + 2) * torch.finfo(dtype).eps   # ~2 eps seen on CPU
+    assert torch.equal(qkv[:, -2 * head_dim:], v_before), "v (beside q and k) untouched"
+
+
+@needs_kernels
+def test_the_fused_module_normalises_in_the_same_launch():
+    from worker_service.layers.norm import RMSNorm
+
+    fused = RotaryEmbedding(32, 64, SETTINGS["default"], fused=True).to(DEVICE)
+    plain = RotaryEmbedding(32, 64, SETTINGS["default"]).to(DEVICE)
+    q_norm, k_norm = RMSNorm(32, 1e-6).to(DEVICE), RMSNorm(32, 1e-6).to(DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(4, 2, 32, generator=gen).to(DEVICE)
+    k = torch.randn(4, 1, 32, generator=gen).to(DEVICE)
+    positions = torch.tensor([5, 0, 63, 17], device=DEVICE)
+    with torch.no_grad():
+        want = plain(positions, q, k, q_norm, k_norm)
+        got = fused(positions, q, k, q_norm, k_norm)
+    assert got[0] is q and got[1] is k
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_norm_weights_come_in_pairs_of_the_right_shape():
+    from kernels.fused_rope import fused_rope
+
+    rope = RotaryEmbedding(16, 8, SETTINGS["default"])
+    q, k = torch.zeros(2, 2, 16), torch.zeros(2, 1, 16)
+    positions = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="both"):
+        fused_rope(positions, q, k, rope.cos_cache, rope.sin_cache, torch.ones(16), None)
+    with pytest.raises(ValueError, match="k_weight"):
+        fused_rope(positions, q, k, rope.cos_cache, rope.sin_cache, torch.ones(16),
+                   torch.ones(8))
