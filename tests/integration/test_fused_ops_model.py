@@ -1,6 +1,7 @@
-"""fused_ops=True (Triton RMSNorm, rope with q/k norm, SiLU-and-mul: kernels/fused_*.py) gives the torch path's logits on the
-tiny qwen3 (q/k norm) and llama (llama3 rope) models, through load_model and the offline LLM.
-Float32; on CPU the kernels run in Triton's interpreter, so inputs stay short."""
+"""fused_ops=True (Triton RMSNorm, rope with the q/k norm, SiLU-and-mul: kernels/fused_*.py)
+gives the torch path's logits on the tiny qwen3 (q/k norm) and llama (llama3 rope) models,
+through load_model and the offline LLM. Float32; on CPU the kernels run in Triton's interpreter,
+so inputs stay short."""
 from __future__ import annotations
 
 import os
