@@ -166,13 +166,13 @@ def _count_replays(runner) -> list[int]:
     count = [0]
     g = runner.graph_runner
     if g is not None:
-        inner = g.replay      # the model runner stages, then calls replay (not run)
+        inner = g.replay_hidden    # the model runner stages, then calls this (not run/replay)
 
         def counted(*args, **kwargs):
             count[0] += 1
             return inner(*args, **kwargs)
 
-        g.replay = counted
+        g.replay_hidden = counted
     return count
 
 

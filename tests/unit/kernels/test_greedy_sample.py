@@ -65,7 +65,9 @@ def test_refuses_a_strided_vocabulary_axis():
 
 def test_padded_bf16_rows_answer_as_their_float32_widening():
     """The LM head's CUDA greedy path reads model-dtype logits whose rows may be padded (a
-    [:, :vocab] view): widening bf16 is exact, so the answer is the float32 logits' own."""
+    [:, :vocab] view): widening bf16 is exact, so the ids are the float32 logits' own; the
+    logprobs agree to float32 rounding (on a GPU the compiled sums run in another order for
+    2-byte loads: 1-ulp differences seen on an H100)."""
     from kernels.greedy_sample import greedy_sample
 
     gen = torch.Generator().manual_seed(3)
@@ -73,7 +75,8 @@ def test_padded_bf16_rows_answer_as_their_float32_widening():
     view = padded[:, :3000]
     ids, logprobs = greedy_sample(view)
     ids32, logprobs32 = greedy_sample(view.float().contiguous())
-    assert torch.equal(ids, ids32) and torch.equal(logprobs, logprobs32)
+    assert torch.equal(ids, ids32)
+    torch.testing.assert_close(logprobs, logprobs32, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the LM head samples from model-dtype logits on CUDA")
