@@ -41,6 +41,9 @@ def test_bench_main_prints_positive_figures_and_appends_block(tmp_path, capsys, 
                     r"ours / transformers: ([\d.e+-]+)x"):
         assert _figure(pattern, out) > 0, pattern
     assert _figure(r"decode steps: (\d+) of", out) >= max(workload.output_lens) - 1
+    assert _figure(r"other steps: (\d+) steps with prefill", out) >= 1
+    assert _figure(r"outside steps: ([\d.e+-]+) s of the wall time", out) >= 0
+    assert re.search(r"^triton compiles in the timed run: .+$", out, re.M), out
     text = results.read_text()
     assert text.startswith("# Benchmark results")
     assert re.search(r"^## .* · tiny · cpu \(.+\)$", text, re.M)
@@ -123,6 +126,9 @@ def test_step_timer_counts_decode_steps_and_context_lengths(bench_presets):
     summary = timer.summary()
     assert (summary.num_decode_steps, summary.mean_decode_batch) == (3, 2.0)
     assert summary.decode_kv_tokens == 10 + 12 + 14 and summary.mean_decode_step_s > 0
+    assert (summary.other_tokens, summary.other_seconds) == (8, prefill.seconds)
+    assert summary.slowest_other == ((prefill.seconds, 8, 2),)
+    assert summary.step_seconds == sum(r.seconds for r in timer.records)
 
 
 def test_bench_with_async_scheduling_says_so_and_generates_every_token(tmp_path, capsys,
