@@ -32,7 +32,7 @@ from worker_service.models.tp_sizes import check_tp_size
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
-from worker_service.service.fencing import Fence
+from worker_service.service.fencing import Fence, check_owner
 from worker_service.service.init_checks import InitGuards, check_init
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class NodeWorker:
         DoesNotFit) before anything changes; the epoch and owner change only once the load
         succeeded (a failed load leaves the worker without a model, its fence as it was)."""
         check_layout(self.started_layout, layout)
+        check_owner(owner)
         self.fence.check(epoch)
         check_init(config, self.guards, layout)
         if layout.tp_size > 1:    # refused here, once, before any rank loads anything

@@ -92,6 +92,9 @@ def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp
         (_config(model_dir), 5, StepFailure, "epoch 5 is stale: the worker's epoch is 5 "
                                              r"\(scheduler A\)"),
         (_config(model_dir), 3, StepFailure, "epoch 3 is stale"),
+        (_config(model_dir), 5 + (1 << 32) + 1, StepFailure,
+         r"epoch=4294967302 is invalid: must be in \[6, 4294967301\]"),
+        (_config(model_dir), (1 << 64) - 1, StepFailure, "an epoch climbs at most 4294967296"),
         (_config("/etc"), 9, ValueError, "must be under this worker's --model-root"),
         (_config(str(tmp_path / "link")), 9, ValueError, "--model-root"),
         (_config(model_dir + "/../missing"), 9, ValueError, "does not exist"),
@@ -148,6 +151,22 @@ class FailingRanks(FakeRanks):
             self.loaded = None
             raise RuntimeError("checkpoint truncated")
         return super().load(config, layout)
+
+
+def test_an_overlong_scheduler_id_is_refused_before_anything_changes(model_dir):
+    """One credential holder's megabyte-long id would be stored and logged with every status."""
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    before = _state(w, ranks)
+    long_id = "x" * 257
+    _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=6, owner=long_id), StepFailure,
+             "scheduler_id of 257 characters is invalid: must be at most 256")
+    assert _state(w, ranks) == before
+    _refused(lambda: w.reset(6, long_id), StepFailure, "scheduler_id of 257 characters")
+    assert _state(w, ranks) == before
+    w.init(_config(model_dir), LAYOUT, epoch=6, owner="y" * 256)      # the limit itself is fine
+    assert w.fence.owner == "y" * 256
 
 
 def test_a_failed_load_leaves_the_epoch_and_owner_as_they_were(model_dir):
