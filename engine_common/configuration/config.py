@@ -23,11 +23,13 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
 GIB = 1 << 30
-# When unset, a long prefill is one with more than a quarter of the step's token budget left, and
-# it takes at most that beside other requests: 512 tokens at the CPU's 2048 (a step stays short
-# next to a full one, and matmuls stay efficient), 4096 at CUDA's 16384. A fixed 512 there made
-# half of nano-vllm's prompts (100-1024 tokens) long prefills, prefilled one at a time: 135 steps
-# with prefill instead of 9, 13.9K instead of 15.5K tok/s on an H100 (bench/results.md).
+# When unset, a long prefill is one with more than 512 tokens left (a step of ~512 prompt tokens
+# stays short next to a full 2048-token one, and matmuls stay efficient), or the whole budget
+# when that is smaller, or a quarter of the budget when that is larger: 4096 at CUDA's 16384. A
+# fixed 512 there made half of nano-vllm's prompts (100-1024 tokens) long prefills, prefilled one
+# at a time: 135 steps with prefill instead of 9, 13.9K instead of 15.5K tok/s on an H100
+# (bench/results.md).
+_LONG_PREFILL_DEFAULT = 512
 _LONG_PREFILL_SHARE = 4
 
 
@@ -83,7 +85,8 @@ class SchedulerConfig(BatchLimits):
     # is running or waiting, so it never takes a whole step from them.
     long_prefill_token_threshold: int | None = setting(
         None, "most prompt tokens one request prefills in a step while other requests run or "
-        "wait (a longer prompt is a long prefill); unset: a quarter of max_num_batched_tokens",
+        "wait (a longer prompt is a long prefill); unset: 512, or max_num_batched_tokens when "
+        "smaller, or a quarter of it when that is larger",
         rule=AtLeast(1))
     max_long_partial_prefills: int = setting(
         1, "long prefills in progress at once; a further long prompt waits, shorter ones behind "
@@ -102,7 +105,8 @@ class SchedulerConfig(BatchLimits):
         """long_prefill_token_threshold, or its default when unset."""
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
-        return max(1, self.max_num_batched_tokens // _LONG_PREFILL_SHARE)
+        budget = self.max_num_batched_tokens
+        return max(min(_LONG_PREFILL_DEFAULT, budget), budget // _LONG_PREFILL_SHARE)
 
 
 @dataclass(frozen=True, kw_only=True)

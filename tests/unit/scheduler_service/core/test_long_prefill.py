@@ -143,8 +143,9 @@ def test_a_more_urgent_long_prompt_is_not_held_back_by_a_less_urgent_one():
 
 
 def test_the_settings_are_validated_by_name():
-    assert SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8).long_prefill_threshold == 16
-    assert SchedulerConfig().long_prefill_threshold == 512          # a quarter of 2048
+    assert SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8).long_prefill_threshold == 64
+    assert SchedulerConfig().long_prefill_threshold == 512
+    assert SchedulerConfig(max_num_batched_tokens=4096).long_prefill_threshold == 1024
     assert SchedulerConfig(max_num_batched_tokens=16384).long_prefill_threshold == 4096
     with pytest.raises(ParamError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=0)
