@@ -44,8 +44,8 @@ class Fence:
                               "worker over only with a higher epoch (see Info)")
 
     def take(self, epoch: int, owner: str) -> str | None:
-        """Accept `epoch` from `owner`; returns the previous owner when this is a takeover."""
-        check_owner(owner)
+        """Accept `epoch` from `owner` (its length checked by the caller, before any work:
+        NodeWorker.init, check_reset); returns the previous owner when this is a takeover."""
         self.check(epoch)
         previous = self.owner if self.owner and self.owner != owner else None
         self.epoch, self.owner = epoch, owner
