@@ -39,6 +39,12 @@
 # printed last.
 #
 # Optional: wheels under .whl/ are installed into /tmp/site first (for images without them).
+# Variants: BENCH_VARIANTS runs the bench again per ';'-separated entry (leading NAME=value words
+# are environment, the rest bench.throughput flags; set, it replaces the --sync-scheduling run),
+# e.g. "--triton-launch split_waves=6;TORCH_BLAS_PREFER_CUBLASLT=1"; PROFILE_VARIANTS runs the
+# profile once per entry of step_profile arguments, e.g. ";--skip 0 --steps 10 --top 25" (the
+# steady window, then the first ten steps: the prefills); TESTS_ONLY names the test paths the
+# tests stage runs instead of its full selection (for a short device call).
 # Environment: PYTHON (default python3), KV_GIB (unset: profiled), HF_BATCH_SIZES (64),
 # HF_TIME_BUDGET (60 s), DS_COMMIT (recorded in the notes when the copy has no .git),
 # BENCH_LIMIT / PROFILE_LIMIT / TESTS_LIMIT / ATTENTION_LIMIT / FUSED_LIMIT / HF_LIMIT (seconds
@@ -140,6 +146,13 @@ stage_tests() {
     # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
     # stage cut short by its time limit loses the least important runs.
     TESTS_LEFT=${TESTS_LIMIT:-300}
+    if [ -n "${TESTS_ONLY:-}" ]; then           # a short device call: just these, in this order
+        pytest_run "selected" -s $TESTS_ONLY
+        grep -E '^(BF16 DIVERGENCE|NEAR TIE|FAILED|ERROR)' "$OUT_DIR/tests.log" | sed 's/^/  /' \
+            | tee -a "$SUMMARY"
+        say "tests: $((SECONDS - start)) s"
+        return
+    fi
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
@@ -184,37 +197,60 @@ stage_attention() {
     say "attention: $((SECONDS - start)) s; $(grep -m1 '^measured copy' "$OUT_DIR/attention.log")"
 }
 
+run_variant() {  # log file, limit (s), variant ("NAME=value ... --flags"), python arguments
+    local log=$1 limit=$2 envs=() flags=() w
+    shift 2
+    for w in $1; do
+        if [[ ${#flags[@]} -eq 0 && $w =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else flags+=("$w"); fi
+    done
+    shift
+    timeout --signal=INT --kill-after=20 "$limit" env "${envs[@]}" "$PY" "$@" "${flags[@]}" 2>&1 \
+        | grep -v -E 'nanobind|^ - ' | tee -a "$log"
+    return "${PIPESTATUS[0]}"
+}
+
 stage_bench() {
-    local start=$SECONDS rc kv_note="profiled, 0.9 of the GPU" flags
+    local start=$SECONDS rc kv_note="profiled, 0.9 of the GPU" flags left
     [ -n "${KV_GIB:-}" ] && kv_note="fixed ${KV_GIB} GiB (--kv-cache-gib)"
     : >"$OUT_DIR/bench.log"
     local variants=("")
-    [ "${BENCH_SYNC:-1}" = 1 ] && variants+=("--sync-scheduling")
+    if [ -n "${BENCH_VARIANTS:-}" ]; then
+        IFS=';' read -r -a more <<<"$BENCH_VARIANTS"
+        variants+=("${more[@]}")
+    elif [ "${BENCH_SYNC:-1}" = 1 ]; then
+        variants+=("--sync-scheduling")
+    fi
     for flags in "${variants[@]}"; do
-        timeout --signal=INT --kill-after=20 \
-            "$(( ${BENCH_LIMIT:-240} - (SECONDS - start) < 30 ? 30 : ${BENCH_LIMIT:-240} - (SECONDS - start) ))" \
-            "$PY" -m bench.throughput --preset qwen3-0.6b --warmup $flags \
+        left=$(( ${BENCH_LIMIT:-240} - (SECONDS - start) ))
+        echo "== bench [${flags:-default flags}]" >>"$OUT_DIR/bench.log"
+        run_variant "$OUT_DIR/bench.log" "$(( left < 30 ? 30 : left ))" "$flags" \
+            -m bench.throughput --preset qwen3-0.6b --warmup \
             ${KV_GIB:+--kv-cache-gib "$KV_GIB"} --results-file "$OUT_DIR/results_bench.md" \
-            --note "$NOTE" --note "KV cache: $kv_note" 2>&1 | tee -a "$OUT_DIR/bench.log"
+            --note "$NOTE" --note "KV cache: $kv_note" ${flags:+--note "variant: $flags"}
         rc=$?
         [ "$rc" = 0 ] || STATUS=1
         say "bench [${flags:-default flags}]: exit $rc"
     done
     say "bench: $((SECONDS - start)) s"
-    grep -E '^(engine|output throughput|decode steps|decode read|other steps|outside steps|triton comp)' \
+    grep -E '^(== bench|engine|output throughput|decode steps|decode read|other steps|outside steps|triton comp)' \
         "$OUT_DIR/bench.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
 stage_profile() {
-    local start=$SECONDS rc
-    timeout --signal=INT --kill-after=20 "${PROFILE_LIMIT:-180}" \
-        "$PY" -m bench.step_profile --preset qwen3-0.6b --warmup \
-        ${KV_GIB:+--kv-cache-gib "$KV_GIB"} 2>&1 | grep -v -E 'nanobind|^ - ' \
-        | tee "$OUT_DIR/profile.log"
-    rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || STATUS=1
-    say "profile: exit $rc, $((SECONDS - start)) s"
-    grep -E '^(engine:|run:|device busy|per step|decode attention|  (engine|runner):)' "$OUT_DIR/profile.log" \
+    local start=$SECONDS rc args left variants=("")
+    : >"$OUT_DIR/profile.log"
+    [ -n "${PROFILE_VARIANTS:-}" ] && IFS=';' read -r -a variants <<<"$PROFILE_VARIANTS"
+    for args in "${variants[@]}"; do
+        left=$(( ${PROFILE_LIMIT:-180} - (SECONDS - start) ))
+        echo "== profile [${args:-defaults}]" >>"$OUT_DIR/profile.log"
+        run_variant "$OUT_DIR/profile.log" "$(( left < 30 ? 30 : left ))" "$args" \
+            -m bench.step_profile --preset qwen3-0.6b --warmup ${KV_GIB:+--kv-cache-gib "$KV_GIB"}
+        rc=$?
+        [ "$rc" = 0 ] || STATUS=1
+        say "profile [${args:-defaults}]: exit $rc"
+    done
+    say "profile: $((SECONDS - start)) s"
+    grep -E '^(== profile|engine:|run:|device busy|per step|decode attention|  (engine|runner):)' "$OUT_DIR/profile.log" \
         | sed 's/^/  /' | tee -a "$SUMMARY"
     grep -A 6 -E '^(top kernels|gaps over)' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }

@@ -6,7 +6,8 @@ the top kernels, and the host's phases.
 
 Runs bench.throughput's workload on the in-process engine with the same flags (so the engine's
 defaults are what is profiled) and, once `--skip` pure-decode steps have passed, records
-`--steps` decode steps under torch.profiler. Prints:
+`--steps` steps under torch.profiler (`--skip 0`: from the run's first step, so the prefill
+steps are in the window). Prints:
   - device busy: the union of the kernels' time over the window's wall time, and the idle time
     per step (the window minus that union), i.e. how long the device waited for the host;
   - the top kernels by device time, and the top host-side torch ops by self CPU time;
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("profile")
     g.add_argument("--skip", type=int, default=30,
                    help="pure-decode steps to let pass before recording (default: 30)")
-    g.add_argument("--steps", type=int, default=50, help="decode steps to record (default: 50)")
+    g.add_argument("--steps", type=int, default=50,
+                   help="steps to record, of any kind (default: 50)")
     g.add_argument("--top", type=int, default=12, help="rows in each top list (default: 12)")
     return p
 
@@ -186,7 +188,7 @@ def gap_report(kernels, num_steps: int, min_gap_us: float = 10.0, top: int = 6) 
 
 
 def phase_report(window: DecodeWindow) -> list[str]:
-    lines = [f"host phases over {len(window.batch_sizes)} decode steps, mean batch "
+    lines = [f"host phases over {len(window.batch_sizes)} recorded steps, mean batch "
              f"{statistics.mean(window.batch_sizes):.1f} (ms: min / median / max):"]
     for name, values in window.phases.items():
         ms = [v * 1e3 for v in values]
