@@ -25,6 +25,7 @@ from dataclasses import dataclass
 DISPATCH_MODES = ("by_batch", "unified", "per_request")
 MIN_SPLIT_TOKENS = 256       # decode: fewest keys worth a split of their own
 MAX_SPLITS = 32
+SPLIT_WAVES = 2              # decode: split until the programs fill this many waves of SMs
 MIN_DOT_ROWS = 16            # tl.dot wants >= 16 rows and >= 16 keys per step
 MAX_WARPS = 16
 
@@ -63,6 +64,7 @@ class TritonLaunchConfig:
     decode_splits: int | None = None       # fixed splits (e.g. for CUDA graphs); None: heuristic
     min_split_tokens: int = MIN_SPLIT_TOKENS
     max_splits: int = MAX_SPLITS
+    split_waves: int = SPLIT_WAVES
     dispatch: str = "by_batch"
 
     def __post_init__(self) -> None:
@@ -71,7 +73,7 @@ class TritonLaunchConfig:
         if self.decode_splits is not None and self.decode_splits < 1:
             raise ValueError(f"decode_splits={self.decode_splits} is invalid: "
                              "must be >= 1 or None")
-        for name in ("min_split_tokens", "max_splits"):
+        for name in ("min_split_tokens", "max_splits", "split_waves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
         if self.dispatch not in DISPATCH_MODES:
@@ -84,15 +86,15 @@ class TritonLaunchConfig:
         if self.decode_splits is not None:
             return self.decode_splits
         return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms,
-                                 self.min_split_tokens, self.max_splits)
+                                 self.min_split_tokens, self.max_splits, self.split_waves)
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       min_split_tokens: int = MIN_SPLIT_TOKENS,
-                      max_splits: int = MAX_SPLITS) -> int:
-    """Splits per request so decode fills ~2 waves of SMs, keeping >= min_split_tokens keys
-    per split and at most max_splits (host ints only: no sync)."""
+                      max_splits: int = MAX_SPLITS, split_waves: int = SPLIT_WAVES) -> int:
+    """Splits per request so decode fills ~split_waves waves of SMs, keeping >=
+    min_split_tokens keys per split and at most max_splits (host ints only: no sync)."""
     programs = max(1, num_reqs * num_kv_heads)
-    wanted = -(-2 * num_sms // programs)
+    wanted = -(-split_waves * num_sms // programs)
     worth = -(-max(1, max_seq_len) // min_split_tokens)
     return max(1, min(wanted, worth, max_splits))

@@ -101,6 +101,7 @@ def test_defaults_are_todays_values():
     (lambda: TritonLaunchConfig(decode_q_rows=24), "decode_q_rows"),
     (lambda: TritonLaunchConfig(decode_splits=0), "decode_splits"),
     (lambda: TritonLaunchConfig(max_splits=0), "max_splits"),
+    (lambda: TritonLaunchConfig(split_waves=0), "split_waves"),
     (lambda: TritonLaunchConfig(dispatch="both"), "dispatch"),
 ])
 def test_invalid_launch_choices_raise(make, field):
@@ -114,6 +115,9 @@ def test_split_heuristic_follows_the_config():
     assert choose_num_splits(1, 8, 8192, 132, max_splits=8) == 8
     assert TritonLaunchConfig(max_splits=5).splits_for(4, 8, 4096, 132) == 5
     assert TritonLaunchConfig(decode_splits=3).splits_for(256, 8, 10, 132) == 3
+    # more waves: a mid-size batch (86 x 8 programs, 1.7 waves of ~400) is split in two
+    assert choose_num_splits(86, 8, 4096, 132) == 1
+    assert TritonLaunchConfig(split_waves=6).splits_for(86, 8, 4096, 132) == 2
 
 
 @needs_kernels
