@@ -147,6 +147,13 @@ class ModelRunner:
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1])
+        if self.device.type == "cuda":
+            # The largest step once more with the cache in place (its memory was reserved by the
+            # profile): the caching allocator keeps its activation blocks, so the first real
+            # full-budget prefill does not pay for fresh device allocations.
+            with heartbeat(f"warming up a {self.config.max_num_batched_tokens}-token step",
+                           emit=log.info):
+                self.largest_step_warmup()()
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
                                             self.config.enforce_eager)
         if why_not is not None:
@@ -172,12 +179,7 @@ class ModelRunner:
         the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
         every tensor-parallel rank must call it together (the warm-up runs collectives)."""
         c = self.config
-        def sample(logits: torch.Tensor) -> None:
-            self.sampler.forward(logits, worst_case_sampling_metadata(
-                logits.shape[0], self.vocab_size, self.device))
-
-        warmup = make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
-                                     c.max_num_seqs, self.max_model_len, self.device, sample)
+        warmup = self.largest_step_warmup()
         graph_warmup = None
         if graphs_unsupported_reason(self.attention_backend_name, self.device,
                                      c.enforce_eager) is None:
@@ -185,6 +187,17 @@ class ModelRunner:
                                               self.max_model_len, self.device)
         return profile_kv_memory(warmup, self.kv_block_bytes, gpu_memory_utilization,
                                  self.device, graph_warmup)
+
+    def largest_step_warmup(self) -> Callable[[], None]:
+        """A prefill step of the whole token budget, LM head and worst-case sampler included."""
+        c = self.config
+
+        def sample(logits: torch.Tensor) -> None:
+            self.sampler.forward(logits, worst_case_sampling_metadata(
+                logits.shape[0], self.vocab_size, self.device))
+
+        return make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
+                                   c.max_num_seqs, self.max_model_len, self.device, sample)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
         """The digest of this step's sampled ids, the cached state and the grammars' (see
