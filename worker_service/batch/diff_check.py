@@ -11,10 +11,11 @@ each part adds or removes, so the whole diff is judged against the state it will
     preempted_handles      requests in the batch, at most max_num_seqs of them
     new_requests           the cached requests after it <= max_cached_requests (preempted ones
                            hold no KV blocks: engine_common/request/diff_limits.py derives the
-                           bound from the scheduler's admission); handles not cached; prompt ids < vocab_size, 1 .. max_model_len - 1
-                           of them; block ids < num_kv_blocks, at most a request's share; prefix
-                           hit within the prompt and its blocks; sampling, stop ids, logprobs,
-                           a constraint's characters and nesting depth
+                           bound from the scheduler's admission); handles not cached;
+                           prompt ids < vocab_size, 1 .. max_model_len - 1 of them; block
+                           ids < num_kv_blocks, at most a request's share; prefix hit within
+                           the prompt and its blocks; sampling, stop ids, logprobs, a
+                           constraint's characters and nesting depth
     resumed_requests       cached requests not in the batch; blocks as above; computed tokens
                            within the request's tokens
     new_block_ids          requests in the batch; blocks as above
