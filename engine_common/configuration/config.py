@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from engine_common.configuration.listen_address import ListenAddress
+from engine_common.request.diff_limits import MAX_WAITING
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
                                     PowerOfTwo, Rule, setting, validate)
@@ -73,8 +74,10 @@ class SchedulerConfig(BatchLimits):
     """The continuous-batching policy. Chunked prefill is always on. The scheduler needs
     max_model_len set (the server fills in the model's)."""
 
+    # At most MAX_WAITING: the workers' cache of preempted requests is bounded by it
+    # (diff_limits.max_cached_requests), so a legal scheduler never exceeds that bound.
     max_waiting: int = setting(1024, "queued requests before new ones get RESOURCE_EXHAUSTED",
-                               rule=AtLeast(1))
+                               rule=AtLeast(1, MAX_WAITING))
     enable_prefix_caching: bool = setting(
         True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching")
     async_scheduling: bool = setting(

@@ -21,6 +21,8 @@ MAX_CONSTRAINT_CHOICES = 10_000  # choices of one `choice` constraint: llguidanc
                                 # with them (20,000 one-character choices: 1.8 s to compile +
                                 # 4.8 s for the first mask on SmolLM2's vocabulary), and past
                                 # 50,000 its first mask always fails (its per-step item limit)
+MAX_WAITING = 1 << 16           # ceiling of the scheduler's max_waiting (its waiting queue is a
+                                # sorted list: O(n) inserts); it bounds the worker's cache below
 MAX_CONSTRAINT_DEPTH = 1000     # nesting of one constraint (engine_common/constraints/constraint_depth.py):
                                 # llguidance recurses <= 4.1 KB a level, so 1000 levels take
                                 # half of an 8 MiB stack; it runs on 64 MiB ones (big_stack.py)
@@ -41,6 +43,19 @@ _CONSTRAINT = 3 * _HEADER + 16 + 5 * MAX_CONSTRAINT_CHARS
 # logit_bias: a map entry of the SamplingParams message each: its tag and length (2 bytes), the
 # id (a tag and a varint <= 5) and the bias (a tag and a double).
 _LOGIT_BIAS = MAX_LOGIT_BIAS * (2 + 1 + 5 + 1 + 8)
+
+
+def max_cached_requests(max_num_seqs: int) -> int:
+    """The most requests a worker may cache (running or preempted) under this max_num_seqs.
+
+    A worker caches exactly the requests its scheduler has sent and not yet finished: those
+    running (<= max_num_seqs) and those preempted back into the waiting queue. A preempted
+    request holds no KV blocks, so the cache cannot bound them; the scheduler's admission does:
+    a request is queued only while fewer than max_waiting wait, and preemption and resumption
+    only move requests between the batch and the queue, so running + waiting never exceeds
+    max_num_seqs + max_waiting (scheduler_service/core/scheduler.py). The worker does not know
+    max_waiting (a scheduler setting), so it allows its ceiling, MAX_WAITING."""
+    return max_num_seqs + MAX_WAITING
 
 
 def max_blocks_per_request(max_model_len: int, block_size: int) -> int:

@@ -30,8 +30,8 @@ from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requ
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
 from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
                                          scoped_id)
-from scheduler_service.api.request_limits import (check_messages_count, check_prompt_can_fit,
-                                                  check_tokenize_limits)
+from scheduler_service.api.request_limits import (check_abort_ids, check_messages_count,
+                                                  check_prompt_can_fit, check_tokenize_limits)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
 from scheduler_service.api.status import status_for
@@ -126,7 +126,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         """Abort the caller's live requests by id; unknown ids, and ids of requests made with
-        another API key, are ignored."""
+        another API key, are ignored; more ids than MAX_ABORT_IDS: INVALID_ARGUMENT."""
+        try:
+            check_abort_ids(request.request_ids)
+        except ParamError as e:
+            await abort_with(context, e)
         caller = caller_of(context)
         scoped = (scoped_id(caller, rid) for rid in request.request_ids)
         ids = [rid for rid in scoped if self._owners.get(rid) == caller]

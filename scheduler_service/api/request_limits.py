@@ -8,13 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from engine_common.request.diff_limits import MAX_CONSTRAINT_CHOICES
+from engine_common.request.diff_limits import MAX_CONSTRAINT_CHOICES, MAX_WAITING
 from engine_common.request.params import ID_SET_KNOBS, ParamError
 from engine_common.request.sampling_knobs import MAX_LOGIT_BIAS
 from engine_common.wire.protos import generation_pb2 as pb
 from scheduler_service.api.api_options import ApiOptions
 
 MAX_REQUEST_ID_CHARS = 256
+# Ids one Abort may name: as many requests as the waiting queue can ever hold (the ceiling of
+# --max-waiting); a caller with more live requests aborts them in several calls. Only the
+# message size bounded them: 8 MiB of empty ids is 4 million, 0.5 s of the event loop to walk.
+MAX_ABORT_IDS = MAX_WAITING
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,13 @@ def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ParamError("request_id", f"{len(request_id)} characters",
                          f"at most {MAX_REQUEST_ID_CHARS} characters")
+
+
+def check_abort_ids(request_ids: Sequence[str]) -> None:
+    """An Abort's `request_ids`, by count, before any id is looked at."""
+    if len(request_ids) > MAX_ABORT_IDS:
+        raise ParamError("request_ids", f"{len(request_ids)} ids",
+                         f"at most {MAX_ABORT_IDS} ids (abort more in several calls)")
 
 
 def check_stops(prefix: str, stop, stop_token_ids, options: ApiOptions) -> None:

@@ -34,6 +34,7 @@ from scheduler_service.api.api_keys import KeyBook
 from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
+from scheduler_service.api.request_limits import check_abort_ids
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 chunk_to_proto, complete_to_proto,
@@ -145,7 +146,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         """Abort by the callers' ids (every choice of an n > 1 request); unknown ids, and ids of
-        requests made with another API key, are ignored."""
+        requests made with another API key, are ignored; more ids than MAX_ABORT_IDS:
+        INVALID_ARGUMENT."""
+        try:
+            check_abort_ids(request.request_ids)
+        except ParamError as e:
+            await abort_with(context, e)
         caller = caller_of(context)
         owned = [self._children.get(scoped_id(caller, rid)) for rid in request.request_ids]
         ids = [cid for entry in owned if entry is not None and entry[0] == caller

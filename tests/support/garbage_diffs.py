@@ -17,7 +17,7 @@ import msgpack
 
 from engine_common.wire.codec import encode_scheduler_output
 from engine_common.constraints.constraint import Constraint
-from engine_common.request.diff_limits import max_diff_bytes
+from engine_common.request.diff_limits import max_cached_requests, max_diff_bytes
 from engine_common.wire.diff import NewRequestData, ResumedRequestData, SchedulerOutput
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
 from engine_common.wire.protos import generation_pb2
@@ -156,6 +156,10 @@ def _out_of_range(lim: Limits) -> dict[str, bytes]:
             new(constraint=Constraint("grammar", lark_chain(3000)))])),
         "json schema $refs chained 1200 deep": enc(SchedulerOutput(0, new_requests=[
             new(constraint=Constraint("json_schema", json_items_chain(1200)))])),
+        # Counted before any handle is looked at (a handle check would say FAILED_PRECONDITION).
+        "more preempted handles than max_num_seqs": raw(0, preempted=[0] * (lim.max_num_seqs + 1)),
+        "more finished handles than any cache holds": raw(0, finished=[0] * (
+            max_cached_requests(lim.max_num_seqs) + 1)),
         "payload beyond the largest legal diff": raw(0, finished=b"\0" * (1 + max_diff_bytes(
             lim.max_num_seqs, lim.max_num_batched_tokens, lim.max_model_len, lim.block_size))),
     }

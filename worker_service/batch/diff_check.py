@@ -7,12 +7,15 @@ and the allowed range; the step is not run and the epoch fails (Reset or Init st
 one). Parts are checked in the order the runner applies them (diff.py), tracking which handles
 each part adds or removes, so the whole diff is judged against the state it will meet:
 
-    finished_handles       cached requests
-    preempted_handles      requests in the batch
-    new_requests           handles not cached; prompt ids < vocab_size, 1 .. max_model_len - 1
-                           of them; block ids < num_kv_blocks, at most a request's share; prefix
-                           hit within the prompt and its blocks; sampling, stop ids, logprobs,
-                           a constraint's characters and nesting depth
+    finished_handles       cached requests, at most max_cached_requests of them
+    preempted_handles      requests in the batch, at most max_num_seqs of them
+    new_requests           the cached requests after it <= max_cached_requests (preempted ones
+                           hold no KV blocks: engine_common/request/diff_limits.py derives the
+                           bound from the scheduler's admission); handles not cached;
+                           prompt ids < vocab_size, 1 .. max_model_len - 1 of them; block
+                           ids < num_kv_blocks, at most a request's share; prefix hit within
+                           the prompt and its blocks; sampling, stop ids, logprobs, a
+                           constraint's characters and nesting depth
     resumed_requests       cached requests not in the batch; blocks as above; computed tokens
                            within the request's tokens
     new_block_ids          requests in the batch; blocks as above
@@ -57,6 +60,7 @@ class DiffBounds:
     max_num_batched_tokens: int
     block_size: int
     max_blocks_per_request: int
+    max_cached_requests: int     # running + preempted (diff_limits.max_cached_requests)
 
 
 @dataclass
@@ -91,6 +95,7 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
     have) for the first violation; return when the whole diff fits. `cached`: handle -> cached
     request; `batch`: handle -> row; `batch_blocks`: row -> blocks held (none is changed)."""
     view = _View(cached, batch, batch_blocks)
+    _check_lengths(diff, bounds)
     for i, handle in enumerate(diff.finished_handles):
         if not view.is_cached(handle):
             raise StepProtocolError(f"finished_handles[{i}]={handle} is not a cached request")
@@ -102,6 +107,13 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
         if not view.in_batch(handle):
             raise StepProtocolError(f"preempted_handles[{i}]={handle} is not in the batch")
         view.out.add(handle)
+    # Every finished handle was a distinct cached request (checked above), and each new one
+    # must be a distinct uncached one: so many are cached once the diff is applied.
+    num_cached = len(cached) - len(diff.finished_handles) + len(diff.new_requests)
+    if num_cached > bounds.max_cached_requests:
+        raise BadDiff("cached requests after the diff", num_cached,
+                      f"<= {bounds.max_cached_requests} (max_num_seqs {bounds.max_num_seqs} + "
+                      f"the scheduler's most waiting requests)")
     for i, new in enumerate(diff.new_requests):
         _check_new(f"new_requests[{i}]", new, bounds, view)
     for i, res in enumerate(diff.resumed_requests):
@@ -116,6 +128,17 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
                 raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
             _check_blocks(name, block_ids, bounds, view.blocks(handle))
     _check_counts(diff.num_scheduled_tokens, bounds, view)
+
+
+def _check_lengths(diff: SchedulerOutput, bounds: DiffBounds) -> None:
+    """The lists of handles that leave, by count, before any is looked at: each names a
+    distinct cached request (finished) or a distinct request in the batch (preempted)."""
+    for name, handles, limit, what in (
+            ("finished_handles", diff.finished_handles, bounds.max_cached_requests,
+             "max_cached_requests"),
+            ("preempted_handles", diff.preempted_handles, bounds.max_num_seqs, "max_num_seqs")):
+        if len(handles) > limit:
+            raise BadDiff(f"{name} length", len(handles), f"<= {what} ({limit})")
 
 
 def _new_blocks_fit(new_block_ids: dict[int, list[int]], bounds: DiffBounds,

@@ -14,7 +14,7 @@ import torch
 
 from engine_common.wire.codec import decode_scheduler_output
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
-from engine_common.request.diff_limits import max_diff_bytes
+from engine_common.request.diff_limits import max_cached_requests, max_diff_bytes
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.runtime.progress import heartbeat
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
@@ -146,7 +146,8 @@ class ModelRunner:
             num_kv_blocks=num_blocks, vocab_size=self.vocab_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
-            block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1])
+            block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1],
+            max_cached_requests=max_cached_requests(self.config.max_num_seqs))
         if self.device.type == "cuda":
             # The largest step once more with the cache in place (its memory was reserved by the
             # profile): the caching allocator keeps its activation blocks, so the first real

@@ -9,6 +9,7 @@ import pytest
 
 from engine_common.configuration.config import (SchedulerConfig, WorkerConfig, WorkerServiceOptions,
                                   limits_of)
+from engine_common.request.diff_limits import MAX_WAITING
 from engine_common.request.params import ParamError
 from engine_common.wire.protos import worker_pb2
 from engine_common.configuration.settings import (AtLeast, add_flags, declared, from_args, from_proto,
@@ -33,6 +34,15 @@ def test_a_bad_value_names_the_field_the_value_and_the_range(field, value, allow
     with pytest.raises(ParamError) as e:
         WorkerConfig(model_dir="/m", **{field: value})
     assert (e.value.field, e.value.value, e.value.allowed) == (field, value, allowed)
+
+
+def test_max_waiting_stops_at_the_ceiling_the_workers_cache_bound_allows():
+    """The workers bound their cached requests by max_num_seqs + MAX_WAITING
+    (diff_limits.max_cached_requests): a longer queue could make a legal scheduler trip it."""
+    assert SchedulerConfig(max_waiting=MAX_WAITING).max_waiting == MAX_WAITING
+    with pytest.raises(ParamError, match=rf"max_waiting={MAX_WAITING + 1} is invalid: must be an "
+                                         rf"integer in \[1, {MAX_WAITING}\]"):
+        SchedulerConfig(max_waiting=MAX_WAITING + 1)
 
 
 def test_cross_field_rules_are_checked_once_in_the_shared_base():

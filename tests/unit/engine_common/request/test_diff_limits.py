@@ -9,7 +9,8 @@ import pytest
 from engine_common.wire.codec import encode_scheduler_output
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import SchedulerOutput
-from engine_common.request.diff_limits import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_CHOICES, max_diff_bytes
+from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_CHOICES,
+                                             max_cached_requests, max_diff_bytes)
 from tests.support.garbage_diffs import new
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 
@@ -23,7 +24,8 @@ WIDEST = (Constraint("choice", ("\U0001F600" * _SHORT,) * (MAX_CONSTRAINT_CHOICE
           Constraint("regex", "\U0001F600" * MAX_CONSTRAINT_CHARS))
 BOUNDS = DiffBounds(num_kv_blocks=SEQS * 16, vocab_size=2**31, max_model_len=MODEL_LEN,
                     max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, block_size=BLOCK,
-                    max_blocks_per_request=MODEL_LEN // BLOCK)
+                    max_blocks_per_request=MODEL_LEN // BLOCK,
+                    max_cached_requests=max_cached_requests(SEQS))
 
 
 def _step(constraint: Constraint) -> SchedulerOutput:

@@ -15,6 +15,7 @@ from engine_common.wire.protos import vllm_engine_pb2 as vpb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from engine_common.text.chat_template import ChatTemplate
 from scheduler_service.api import vllm_servicer
+from scheduler_service.api.request_limits import MAX_ABORT_IDS
 from tests.support.sim_server import SimServer, make_sim_model_dir
 from tests.support.vllm_sim import PROMPT, LogLines, generate, rpc_code
 
@@ -117,6 +118,28 @@ def test_an_abort_logs_its_ids_quoted_and_only_the_first_few(stubs, caplog):
     (line,) = [line for line in lines if line.startswith("Abort")]
     assert "\n" not in line and len(line) < 1000, line[:300]
     assert line.startswith("Abort of 20001 ids: 'x\\nERROR scheduler_service: forged', 'yyy")
+
+
+def test_an_abort_of_more_ids_than_the_limit_is_refused_before_they_are_read(stubs, caplog):
+    """Abort's ids were bounded only by the message size (4 million empty ones in 8 MiB), each
+    scoped and looked up on the event loop. More than MAX_ABORT_IDS: INVALID_ARGUMENT naming
+    the field, the count and the limit, before the ids are walked (the vLLM Abort's log line,
+    written after, is not); the limit itself is served."""
+    ours, vllm = stubs
+    over = [""] * (MAX_ABORT_IDS + 1)
+    want = f"request_ids='{MAX_ABORT_IDS + 1} ids' is invalid: must be at most {MAX_ABORT_IDS} ids"
+    with caplog.at_level(logging.INFO, logger=vllm_servicer.__name__), \
+            LogLines(vllm_servicer.__name__) as lines:
+        assert _refusal(lambda: ours.Abort(gpb.AbortRequest(request_ids=over), timeout=30)
+                        ).startswith(want)
+        assert _refusal(lambda: vllm.Abort(vpb.AbortRequest(request_ids=over), timeout=30)
+                        ).startswith(want)
+        assert not [line for line in lines if line.startswith("Abort")]
+        at_limit = over[1:]
+        assert ours.Abort(gpb.AbortRequest(request_ids=at_limit), timeout=30).num_aborted == 0
+        vllm.Abort(vpb.AbortRequest(request_ids=at_limit), timeout=30)
+    assert [line for line in lines if line.startswith("Abort")] == [
+        f"Abort of {MAX_ABORT_IDS} ids: '', '', '', '', '', '', '', ''"]
 
 
 def test_a_chat_whose_markup_makes_it_too_long_is_refused_before_tokenizing(tmp_path):

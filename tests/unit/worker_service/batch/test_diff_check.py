@@ -84,7 +84,8 @@ def test_a_reset_after_garbage_gives_a_clean_epoch(runner, cases, tiny_models):
 
 def _bounds(**overrides) -> DiffBounds:
     values = dict(num_kv_blocks=10, vocab_size=100, max_model_len=32, max_num_seqs=2,
-                  max_num_batched_tokens=16, block_size=4, max_blocks_per_request=8)
+                  max_num_batched_tokens=16, block_size=4, max_blocks_per_request=8,
+                  max_cached_requests=6)
     return DiffBounds(**{**values, **overrides})
 
 
@@ -151,3 +152,36 @@ def test_a_constraint_too_deep_names_its_depth_and_the_bound():
                                       rf"must be <= {MAX_CONSTRAINT_DEPTH}"):
         check_diff(SchedulerOutput(0, new_requests=[new(constraint=deep)]), _bounds(), {}, {},
                    np.zeros(2, dtype=np.int32))
+
+
+def _cached(handles) -> dict:
+    from worker_service.batch.input_batch import CachedRequestState
+    return {h: CachedRequestState(h, [1, 2], None, [], 0) for h in handles}
+
+
+def test_a_diff_that_would_cache_too_many_requests_is_refused():
+    """Preempted requests stay cached (no KV blocks): without a bound a token holder grew the
+    cache by max_num_seqs requests a step. 2 running + 3 preempted (bound 6): two more new
+    requests would make 7."""
+    import numpy as np
+    cached, running = _cached(range(5)), {0: 0, 1: 1}
+    grow = SchedulerOutput(5, preempted_handles=[0, 1], new_requests=[new(5), new(6)])
+    with pytest.raises(BadDiff, match=r"cached requests after the diff=7 is invalid: must be "
+                                      r"<= 6 \(max_num_seqs 2 \+ the scheduler's most waiting"):
+        check_diff(grow, _bounds(), cached, running, np.ones(2, dtype=np.int32))
+    # Finishing one first leaves room: 6 is allowed.
+    check_diff(SchedulerOutput(5, finished_handles=[4], preempted_handles=[0, 1],
+                               new_requests=[new(5), new(6)]),
+               _bounds(), cached, running, np.ones(2, dtype=np.int32))
+
+
+def test_leaving_lists_are_bounded_by_count_before_any_handle_is_looked_at():
+    import numpy as np
+    for diff, message in (
+            (SchedulerOutput(0, finished_handles=list(range(7))),
+             r"finished_handles length=7 is invalid: must be <= max_cached_requests \(6\)"),
+            (SchedulerOutput(0, preempted_handles=[0] * 3),
+             r"preempted_handles length=3 is invalid: must be <= max_num_seqs \(2\)")):
+        with pytest.raises(BadDiff, match=message):       # a handle check would say BAD_STATE
+            check_diff(diff, _bounds(), _cached(range(7)), {0: 0, 1: 1},
+                       np.ones(2, dtype=np.int32))
