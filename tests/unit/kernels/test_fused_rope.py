@@ -276,6 +276,9 @@ def test_the_fused_module_normalises_in_the_same_launch():
     plain = RotaryEmbedding(32, 64, SETTINGS["default"]).to(DEVICE)
     q_norm, k_norm = RMSNorm(32, 1e-6).to(DEVICE), RMSNorm(32, 1e-6).to(DEVICE)
     gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():   # new_param is torch.empty: on a GPU it held NaNs (2026-11-27)
+        for norm in (q_norm, k_norm):
+            norm.weight.copy_(1 + 0.5 * torch.randn(32, generator=gen))
     q = torch.randn(4, 2, 32, generator=gen).to(DEVICE)
     k = torch.randn(4, 1, 32, generator=gen).to(DEVICE)
     positions = torch.tensor([5, 0, 63, 17], device=DEVICE)
