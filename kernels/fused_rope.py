@@ -25,6 +25,12 @@ With q_weight / k_weight (Qwen3's per-head q_norm / k_norm, applied before rope)
 first RMS-normalised as kernels/fused_norm.py does (statistics in float32, the normalised row
 rounded to the dtype, then times the weight, rounded again): one launch instead of three, 56
 fewer a decode step for Qwen3-0.6B.
+
+With value / kv_cache / slot_mapping the programs that rotate key heads also store the rotated
+key rows, and copy the value rows, into the paged cache (kv_cache[2, num_blocks, block_size,
+Hk, D], row t at slot_mapping[t], as kernels/attention/triton_cache.py does): the Triton
+attention backend then skips its own write launch, 28 fewer a decode step for Qwen3-0.6B.
+Rows t >= len(slot_mapping) (CUDA-graph padding) and slots of -1 store nothing.
 """
 from __future__ import annotations
 
@@ -77,13 +83,43 @@ def _rotate_heads(base_ptr, stride_h, num_heads, head0, half, cos, sin, w_ptr, e
     out2 = (_mul(x2, c).to(tl.float32) + _mul(x1, s).to(tl.float32)).to(x1.dtype)
     tl.store(ptr1, out1, mask=mask)
     tl.store(ptr1 + half, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _store_kv(out1, out2, token, head0, num_heads, half, v_ptr, stride_vt, stride_vh,
+              cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk, stride_c_row,
+              stride_c_head, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr):
+    """The rotated key heads (out1, out2) and the same heads of the value row into the cache at
+    slot_mapping[token]: nothing for token >= num_slots (>= 1) or a slot of -1."""
+    slot = tl.load(slot_ptr + tl.minimum(token, num_slots - 1)).to(tl.int64)
+    slot = tl.where(token < num_slots, slot, -1)
+    heads = head0 + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_HALF)
+    # A scalar bool in a mask trips the interpreter: the slot test folds into the head bound.
+    limit = tl.where(slot >= 0, num_heads, 0)
+    mask = (heads < limit)[:, None] & (cols < half)[None, :]
+    safe_slot = tl.maximum(slot, 0)       # keeps masked rows' addresses in range
+    dst = cache_ptr + (safe_slot // BLOCK_SIZE) * stride_c_blk \
+        + (safe_slot % BLOCK_SIZE) * stride_c_row \
+        + heads[:, None].to(tl.int64) * stride_c_head + cols[None, :]
+    src = v_ptr + token * stride_vt + heads[:, None].to(tl.int64) * stride_vh + cols[None, :]
+    ty = cache_ptr.dtype.element_ty
+    tl.store(dst, out1.to(ty), mask=mask)
+    tl.store(dst + half, out2.to(ty), mask=mask)
+    tl.store(dst + stride_c_kv, tl.load(src, mask=mask).to(ty), mask=mask)
+    tl.store(dst + stride_c_kv + half, tl.load(src + half, mask=mask).to(ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
                  num_q_heads, num_k_heads, half,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+                 v_ptr, cache_ptr, slot_ptr, num_slots, stride_vt, stride_vh,
+                 stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+                 WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -95,20 +131,30 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
         _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, block * BLOCK_H, half,
                       cos, sin, qw_ptr, eps, BLOCK_H, BLOCK_HALF, NORM)
     else:
-        _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_k_heads,
-                      (block - num_q_blocks) * BLOCK_H, half, cos, sin, kw_ptr, eps, BLOCK_H,
-                      BLOCK_HALF, NORM)
+        head0 = (block - num_q_blocks) * BLOCK_H
+        out1, out2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_k_heads, head0,
+                                   half, cos, sin, kw_ptr, eps, BLOCK_H, BLOCK_HALF, NORM)
+        if WRITE_KV:
+            _store_kv(out1, out2, token, head0, num_k_heads, half, v_ptr, stride_vt, stride_vh,
+                      cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk, stride_c_row,
+                      stride_c_head, BLOCK_H, BLOCK_HALF, BLOCK_SIZE)
 
 
 def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               eps: float = 0.0, value: torch.Tensor | None = None,
+               kv_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query [T, Hq, D] and key [T, Hk, D] at `positions` [T] IN PLACE, one launch;
     returns (query, key), the same tensors. cos_cache / sin_cache: RotaryEmbedding's float32
     [max_position, D] buffers. q_weight and k_weight ([D], the activations' dtype; both or
-    neither): RMS-normalise each head with them and `eps` first. See the module docstring."""
+    neither): RMS-normalise each head with them and `eps` first. value [T, Hk, D] (last dim
+    contiguous), kv_cache [2, num_blocks, block_size, Hk, D] and slot_mapping [<= T] (all three
+    or none): also store rows t < len(slot_mapping) of the rotated key and of value at
+    slot_mapping[t] (-1: nothing). See the module docstring."""
     _check(positions, query, key, cos_cache, sin_cache)
+    write_kv = _check_kv_write(key, value, kv_cache, slot_mapping)
     norm = q_weight is not None
     if norm != (k_weight is not None):
         raise ValueError("q_weight and k_weight: give both (per-head q/k norm) or neither")
@@ -125,14 +171,48 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     block_h = max(1, min(triton.next_power_of_2(min(num_q_heads, num_k_heads)),
                          TILE_ELEMS // block_half))
     num_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
+    # Without a write the cache arguments are dead code: any tensors of the right kind do.
+    v, cache, slots = (value, kv_cache, slot_mapping) if write_kv else (key, key, positions)
     _rope_kernel[(num_tokens, num_blocks)](
         positions, query, key, cos_cache, sin_cache,
         q_weight if norm else query, k_weight if norm else key, float(eps),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0),
         num_q_heads, num_k_heads, head_dim // 2,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, NORM=norm,
+        v, cache, slots, slots.shape[0], v.stride(0), v.stride(1),
+        *(kv_cache.stride()[:4] if write_kv else (0, 0, 0, 0)),
+        BLOCK_H=block_h, BLOCK_HALF=block_half, NORM=norm, WRITE_KV=write_kv,
+        BLOCK_SIZE=kv_cache.shape[2] if write_kv else 1,
         num_warps=max(1, min(4, block_h * block_half // 256)), enable_fp_fusion=False)
     return query, key
+
+
+def _check_kv_write(key: torch.Tensor, value: torch.Tensor | None,
+                    kv_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None) -> bool:
+    """Whether the launch writes the cache (an empty slot_mapping writes nothing); ValueError
+    naming the offender when the three arguments do not fit key or each other."""
+    given = [t is not None for t in (value, kv_cache, slot_mapping)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("value, kv_cache and slot_mapping: give all three (write the KV "
+                         "cache) or none")
+    if value.shape != key.shape or value.stride(-1) != 1:
+        raise ValueError(f"value {tuple(value.shape)} stride {value.stride()}: must be "
+                         f"{tuple(key.shape)} like key with a contiguous last dim")
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:]
+            or kv_cache.stride(4) != 1):
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} stride {kv_cache.stride()}: must be "
+                         f"[2, num_blocks, block_size, {key.shape[1]}, {key.shape[2]}] with a "
+                         f"contiguous last dim")
+    if (slot_mapping.dim() != 1 or slot_mapping.shape[0] > key.shape[0]
+            or slot_mapping.dtype.is_floating_point):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype}: must "
+                         f"be [<= {key.shape[0]}] integers")
+    devices = {t.device for t in (key, value, kv_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"key, value, kv_cache and slot_mapping are on devices "
+                         f"{sorted(map(str, devices))}: must share one device")
+    return slot_mapping.shape[0] > 0
 
 
 def _check(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

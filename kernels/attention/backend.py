@@ -42,6 +42,9 @@ class AttentionBackend(ABC):
     """Writes this step's keys/values into the paged cache, then attends."""
 
     name: str = "abstract"
+    # True: forward also takes kv_written=True, meaning this call's keys/values are already in
+    # the cache (the fused rope wrote them, kernels/fused_rope.py) and must not be written again.
+    writes_kv_from_rope: bool = False
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

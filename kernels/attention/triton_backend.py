@@ -29,6 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    writes_kv_from_rope = True
 
     def __init__(self, decode_splits: int | None = None,
                  launch: TritonLaunchConfig | None = None) -> None:
@@ -46,9 +47,13 @@ class TritonAttentionBackend(AttentionBackend):
         return self.launch.decode_splits
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens = meta.num_actual_tokens
-        triton_write_kv_cache(key, value, kv_cache, meta.slot_mapping[:num_tokens])
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_written: bool = False) -> torch.Tensor:
+        """kv_written: the fused rope already stored this call's keys/values (same slots,
+        same bound), so the write launch is skipped."""
+        if not kv_written:
+            triton_write_kv_cache(key, value, kv_cache,
+                                  meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         dispatch = self.launch.dispatch
         all_decode = meta.max_query_len == 1

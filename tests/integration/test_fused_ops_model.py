@@ -1,7 +1,8 @@
 """fused_ops=True (Triton RMSNorm, rope with the q/k norm, SiLU-and-mul: kernels/fused_*.py)
 gives the torch path's logits on the tiny qwen3 (q/k norm) and llama (llama3 rope) models,
 through load_model and the offline LLM. Float32; on CPU the kernels run in Triton's interpreter,
-so inputs stay short."""
+so inputs stay short. With the Triton attention backend the fused rope also writes the KV cache
+(kv_in_rope) and the backend skips its write: same logits and tokens as its own write."""
 from __future__ import annotations
 
 import os
@@ -82,15 +83,21 @@ def _run_steps(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _load(model_dir: str, fused_ops: bool):
-    return load_model(model_dir, single_rank_group(), TorchAttentionBackend(), DEVICE,
-                      "float32", fused_ops=fused_ops)
+def _load(model_dir: str, fused_ops: bool, backend: str = "torch"):
+    from kernels.attention.triton_backend import TritonAttentionBackend
+    attn = TritonAttentionBackend() if backend == "triton" else TorchAttentionBackend()
+    return load_model(model_dir, single_rank_group(), attn, DEVICE, "float32",
+                      fused_ops=fused_ops)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_fused_ops_give_the_same_logits(tiny_models, arch):
+@pytest.mark.parametrize("arch,backend", [("qwen3", "torch"), ("llama", "torch"),
+                                          ("qwen3", "triton"), ("llama", "triton")])
+def test_fused_ops_give_the_same_logits(tiny_models, arch, backend):
     model_dir = tiny_models(arch)
-    plain, fused = _load(model_dir, False), _load(model_dir, True)
+    plain, fused = _load(model_dir, False, backend), _load(model_dir, True, backend)
+    # the rope writes the cache only when fused and the backend allows it
+    assert [m.self_attn.kv_in_rope for m in fused.model.layers] == [backend == "triton"] * 2
+    assert not any(m.self_attn.kv_in_rope for m in plain.model.layers)
     norms = [m for m in fused.modules() if isinstance(m, RMSNorm)]
     # qwen3: 2 layers x (input, post-attention, q, k) + final; llama: 2 x 2 + final
     assert len(norms) == (9 if arch == "qwen3" else 5) and all(n.fused for n in norms)
@@ -102,7 +109,8 @@ def test_fused_ops_give_the_same_logits(tiny_models, arch):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
 
 
-def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models):
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models, backend):
     from deltaserve.llm import LLM
     from engine_common.request.params import SamplingParams, StoppingParams
 
@@ -112,13 +120,18 @@ def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models):
     runs = {}
     for fused_ops in (False, True):
         llm = LLM(model_dir, dtype="float32", device=DEVICE, num_kv_blocks=16,
-                  fused_ops=fused_ops)
+                  fused_ops=fused_ops, attention_backend=backend)
         assert llm.runner.config.fused_ops is fused_ops
+        layers = llm.runner.model.model.layers
         runs[fused_ops] = ([o.token_ids for o in llm.generate(prompts, SamplingParams(),
                                                                stopping)],
-                           getattr(llm.runner.model, "fused_ops", False))
+                           getattr(llm.runner.model, "fused_ops", False),
+                           layers[0].self_attn.kv_in_rope, layers[0].self_attn.attn.backend.name)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] and not runs[False][1]
+    # auto resolves to "cpu" or "torch" on the CPU, maybe "triton" on a GPU
+    assert runs[True][2] == (runs[True][3] == "triton") and not runs[False][2]
+    assert backend == "auto" or runs[True][3] == "triton"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -27,11 +27,16 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
+        """kv_written: k/v are already in kv_cache (only for a backend with
+        writes_kv_from_rope, which then skips its write)."""
         num_tokens = q.shape[0]
+        # Only a writes_kv_from_rope backend takes the flag; the others keep their call.
+        extra = {"kv_written": True} if kv_written else {}
         out = self.backend.forward(
             q.reshape(num_tokens, self.num_heads, self.head_dim),
             k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
             v.reshape(num_tokens, self.num_kv_heads, self.head_dim),
-            kv_cache, meta, self.scale)
+            kv_cache, meta, self.scale, **extra)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -94,6 +94,10 @@ class RotaryEmbedding(nn.Module):
     rounding; needs CUDA or Triton's interpreter): q and k are rotated IN PLACE, one launch for
     both, and returned. On the CPU, after use_cpu_kernels(), kernels/cpu's rope also rotates
     them in place (float32 / bfloat16 activations).
+
+    kv_write = (value, kv_cache, slot_mapping), fused only: the same launch also stores the
+    rotated keys and the values in the paged cache (kernels/fused_rope.py), so an attention
+    backend with writes_kv_from_rope need not.
     """
 
     _cpu = None
@@ -117,10 +121,17 @@ class RotaryEmbedding(nn.Module):
         return self._cpu is not None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q_norm / k_norm (both or neither): per-head RMSNorms applied first (Qwen3); fused,
-        the same launch normalises and rotates."""
+        the same launch normalises and rotates. kv_write: see the class docstring."""
+        if kv_write is not None:
+            if self._fused_kernel is None:
+                raise ValueError("kv_write needs the fused rope (RotaryEmbedding(fused=True))")
+            value, kv_cache, slot_mapping = kv_write
+            return self._fused_with_write(positions, query, key, q_norm, k_norm, value,
+                                          kv_cache, slot_mapping)
         if q_norm is not None:
             if self._fused_kernel is not None and q_norm.eps == k_norm.eps \
                     and q_norm.weight.dtype == query.dtype:
@@ -138,6 +149,19 @@ class RotaryEmbedding(nn.Module):
         q = query * cos + rotate_half(query) * sin
         k = key * cos + rotate_half(key) * sin
         return q, k
+
+    def _fused_with_write(self, positions, query, key, q_norm, k_norm, value, kv_cache,
+                          slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused launch that also writes the KV cache (norms in it when they fit)."""
+        weights, eps = (None, None), 0.0
+        if q_norm is not None:
+            if q_norm.eps == k_norm.eps and q_norm.weight.dtype == query.dtype:
+                weights, eps = (q_norm.weight, k_norm.weight), q_norm.eps
+            else:
+                query, key = q_norm(query), k_norm(key)
+        return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache,
+                                  *weights, eps, value=value, kv_cache=kv_cache,
+                                  slot_mapping=slot_mapping)
 
 
 def _load_fused_kernel():

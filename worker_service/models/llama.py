@@ -88,6 +88,9 @@ class DecoderAttention(nn.Module):
         # shared by every layer: one cos/sin table per model; fused, it rotates q and k in place
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
+        # fused rope + a backend that allows it: the rope launch also writes the KV cache
+        self.kv_in_rope = bool(args.fused_ops and rotary_emb.fused
+                               and getattr(backend, "writes_kv_from_rope", False))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -95,11 +98,21 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.kv_in_rope:
+            return self._forward_kv_in_rope(positions, q, k, v, kv_cache, meta)
         if self.qk_norm:       # normalised, then rotated (one launch when fused)
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+    def _forward_kv_in_rope(self, positions, q, k, v, kv_cache, meta: AttentionMetadata):
+        """One launch normalises (Qwen3), rotates and writes k/v into the cache; the backend
+        then attends without writing. Same slots and bound as the backend's own write."""
+        kv_write = (v.reshape(k.shape), kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q, k = self.rotary_emb(positions, q, k, *norms, kv_write=kv_write)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
 
 
 class DecoderMLP(nn.Module):

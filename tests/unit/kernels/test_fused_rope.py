@@ -206,10 +206,13 @@ def build(fn, ptrs, constexprs, **options):
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-for dt, norm in [(dt, norm) for dt in ("fp32", "fp16", "bf16") for norm in (False, True)]:
+for dt, norm, kv in [(dt, norm, kv) for dt in ("fp32", "fp16", "bf16") for norm in (False, True)
+                    for kv in (False, True)]:
     rope = build(fused_rope._rope_kernel, dict(pos_ptr="*i64", q_ptr="*" + dt, k_ptr="*" + dt,
                  cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*" + dt, kw_ptr="*" + dt,
-                 eps="fp32"), dict(BLOCK_H=8, BLOCK_HALF=64, NORM=norm),
+                 eps="fp32", v_ptr="*" + dt, cache_ptr="*" + dt, slot_ptr="*i64",
+                 stride_c_blk="i64"),
+                 dict(BLOCK_H=8, BLOCK_HALF=64, NORM=norm, WRITE_KV=kv, BLOCK_SIZE=16),
                  num_warps=2, enable_fp_fusion=False)
     assert "fma" not in rope.asm["ptx"], "rope must not contract mul+add into fma"
 for dt in ("fp32", "fp16", "bf16"):
@@ -227,7 +230,8 @@ for dt in ("fp32", "fp16", "bf16"):
 @pytest.mark.slow
 def test_fused_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter accepts things the compiler rejects: compile the fused kernels for
-    sm_90 in a fresh process (no TRITON_INTERPRET), every dtype."""
+    sm_90 in a fresh process (no TRITON_INTERPRET), every dtype, rope with and without the KV
+    cache write."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env,
@@ -272,6 +276,9 @@ def test_the_fused_module_normalises_in_the_same_launch():
     plain = RotaryEmbedding(32, 64, SETTINGS["default"]).to(DEVICE)
     q_norm, k_norm = RMSNorm(32, 1e-6).to(DEVICE), RMSNorm(32, 1e-6).to(DEVICE)
     gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():   # new_param is torch.empty: on a GPU it held NaNs (2026-11-27)
+        for norm in (q_norm, k_norm):
+            norm.weight.copy_(1 + 0.5 * torch.randn(32, generator=gen))
     q = torch.randn(4, 2, 32, generator=gen).to(DEVICE)
     k = torch.randn(4, 1, 32, generator=gen).to(DEVICE)
     positions = torch.tensor([5, 0, 63, 17], device=DEVICE)
