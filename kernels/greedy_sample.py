@@ -81,7 +81,7 @@ def _chunk_kernel(logits_ptr, stride_row, n_cols, chunk, ids_ptr, logprobs_ptr,
         tl.store(nan_ptr + slot, first_nan)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts"])     # varies with the batch: one compile for all
 def _merge_kernel(max_ptr, arg_ptr, sum_ptr, nan_ptr, n_parts, n_cols, ids_ptr, logprobs_ptr,
                   MAX_PARTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -140,8 +140,11 @@ def greedy_sample(logits: torch.Tensor, *, splits: int | None = None, block: int
         _chunk_kernel[(n, 1)](logits, logits.stride(0), vocab, chunk, ids, logprobs,
                               logprobs, ids, logprobs, ids, BLOCK=block, FINAL=True)
         return ids, logprobs
-    floats = torch.empty(2, n * parts, dtype=torch.float32, device=device)   # max, sum
-    ints = torch.empty(2, n * parts, dtype=torch.int32, device=device)       # argmax, first NaN
+    # max and sum, argmax and first NaN; each row of these starts 64-byte aligned whatever
+    # n * parts is, so the kernels' pointer specialisation (and compile) is the same every step
+    width = -(-n * parts // 16) * 16
+    floats = torch.empty(2, width, dtype=torch.float32, device=device)
+    ints = torch.empty(2, width, dtype=torch.int32, device=device)
     _chunk_kernel[(n, parts)](logits, logits.stride(0), vocab, chunk, ids, logprobs,
                               floats[0], ints[0], floats[1], ints[1], BLOCK=block, FINAL=False)
     _merge_kernel[(n,)](floats[0], ints[0], floats[1], ints[1], parts, vocab, ids, logprobs,

@@ -148,13 +148,6 @@ class ModelRunner:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1],
             max_cached_requests=max_cached_requests(self.config.max_num_seqs))
-        if self.device.type == "cuda":
-            # The largest step once more with the cache in place (its memory was reserved by the
-            # profile): the caching allocator keeps its activation blocks, so the first real
-            # full-budget prefill does not pay for fresh device allocations.
-            with heartbeat(f"warming up a {self.config.max_num_batched_tokens}-token step",
-                           emit=log.info):
-                self.largest_step_warmup()()
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
                                             self.config.enforce_eager)
         if why_not is not None:
