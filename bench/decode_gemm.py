@@ -8,7 +8,7 @@ A decode step reads every projection weight once for M = batch rows. On an H100 
 the four projections of Qwen3-0.6B took 0.84 ms a step, ~0.35 of the copy bandwidth for their
 bytes (bench/results.md, 2026-11-27): each is a few microseconds of work spread over too few
 output tiles to fill 132 SMs. This says, per (projection, M), how long F.linear takes and how
-long the best of a small grid of Triton tile shapes and split-K factors takes (outputs checked
+long the best of kernels/decode_gemm.py's Triton tile shapes and split-K factors takes (outputs checked
 against F.linear first), both as microseconds per call and as the fraction of the copy
 bandwidth their weight bytes stand for. On CUDA each case is timed as a CUDA graph of
 `--calls` back-to-back calls (what a decode graph replays), best of `--reps` replays. Nothing
@@ -21,12 +21,6 @@ import sys
 import time
 
 from bench.kernel_timing import resolve_kernel_bench_device
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): small-M tiles, split-K for the
-# projections whose N alone leaves most SMs idle (o_proj, down_proj: N = hidden).
-CONFIGS = [(64, 64, 128, 1, 4, 4), (64, 128, 64, 1, 4, 4), (128, 64, 64, 1, 4, 4),
-           (64, 64, 128, 2, 4, 4), (64, 64, 128, 4, 4, 4), (64, 128, 128, 2, 8, 3),
-           (128, 128, 64, 1, 8, 3), (32, 64, 128, 1, 4, 4), (32, 64, 128, 4, 4, 4)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from bench.bandwidth import measure_copy_bandwidth
-    from bench.gemm_split_k import split_k_linear
+    from kernels.decode_gemm import CONFIGS, split_k_linear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     copy_bps = measure_copy_bandwidth(device)

@@ -25,7 +25,8 @@ import sys
 import time
 from collections import defaultdict
 
-from bench.throughput import _generate, _llm_kwargs, build_parser as throughput_parser
+from bench.throughput import (_generate, _llm_kwargs, apply_experiments,
+                              build_parser as throughput_parser)
 from bench.workload import model_and_workload, warmup_workload, workload_shape
 
 
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, workload, _ = model_and_workload(args, args.preset or "qwen3-0.6b", device)
     kwargs, _ = _llm_kwargs(args, device, workload_shape(args).max_total_len)
     llm = LLM(model_dir, **kwargs)
+    for note in apply_experiments(llm, args):
+        print(f"experiment: {note}")
     print(f"engine: async_scheduling={llm.scheduler.config.async_scheduling}, "
           f"max_num_batched_tokens={llm.scheduler.config.max_num_batched_tokens}, "
           f"graphs={'on' if llm.runner.graph_runner is not None else 'off'}")

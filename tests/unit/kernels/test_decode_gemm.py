@@ -1,4 +1,4 @@
-"""bench/gemm_split_k.py's split-K GEMM equals F.linear (Triton interpreter on CPU), for split
+"""kernels/decode_gemm.py: the split-K GEMM equals F.linear (Triton interpreter on CPU), for split
 counts that do and do not divide K and shapes that are not multiples of the tiles."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.support.triton_mode import needs_kernels
 @needs_kernels
 @pytest.mark.parametrize("m,n,k,split", [(5, 40, 48, 1), (17, 33, 80, 3), (1, 16, 64, 4)])
 def test_split_k_linear_matches_f_linear(m, n, k, split):
-    from bench.gemm_split_k import split_k_linear
+    from kernels.decode_gemm import split_k_linear
 
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen)
@@ -23,7 +23,7 @@ def test_split_k_linear_matches_f_linear(m, n, k, split):
 
 
 def test_split_k_linear_refuses_mismatched_k():
-    from bench.gemm_split_k import split_k_linear
+    from kernels.decode_gemm import split_k_linear
 
     with pytest.raises(ValueError, match="need \\[M, K\\]"):
         split_k_linear(torch.zeros(2, 8), torch.zeros(4, 6), 16, 16, 16, 1)
@@ -36,3 +36,19 @@ def test_projection_shapes_follow_the_preset():
     assert shapes == {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048),
                       "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072),
                       "lm_head": (151936, 1024)}
+
+
+@needs_kernels
+def test_decode_gemm_keeps_the_fastest_config_per_bucket_and_adds_the_bias():
+    from kernels.decode_gemm import DecodeGemm
+
+    small, big = (16, 16, 16, 1, 4, 1), (16, 16, 16, 2, 4, 1)
+    timings = iter([2.0, 1.0])            # the second config times faster
+    gemm = DecodeGemm(configs=[small, big], timer=lambda fn: (fn(), next(timings))[1])
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(5, 32, generator=gen), torch.randn(24, 32, generator=gen),
+               torch.randn(24, generator=gen))
+    torch.testing.assert_close(gemm(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert gemm.chosen == {(16, 24, 32): big}
+    gemm(x[:3], w)                        # same bucket: no timing (the iterator is spent)
+    assert list(gemm.chosen) == [(16, 24, 32)]
