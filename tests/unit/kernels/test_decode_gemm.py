@@ -2,7 +2,13 @@
 counts that do and do not divide K and shapes that are not multiples of the tiles."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import triton
 import torch
 import torch.nn.functional as F
 
@@ -52,3 +58,35 @@ def test_decode_gemm_keeps_the_fastest_config_per_bucket_and_adds_the_bias():
     assert gemm.chosen == {(16, 24, 32): big}
     gemm(x[:3], w)                        # same bucket: no timing (the iterator is spent)
     assert list(gemm.chosen) == [(16, 24, 32)]
+
+
+# A fresh process without TRITON_INTERPRET builds the GEMM for sm_90 in bf16 at every config.
+COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import decode_gemm as dg
+
+fn = dg._split_k_kernel
+names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
+for bm, bn, bk, split, warps, stages in dg.CONFIGS:
+    constexprs = dict(zip(names, (bm, bn, bk, split)))
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16" if split == 1 else "*fp32")
+    sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in constexprs}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=warps, num_stages=stages))
+"""
+
+
+@pytest.mark.skipif(not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists(),
+                    reason="pip triton without a bundled ptxas cannot compile for sm_90")
+@pytest.mark.slow
+def test_every_config_compiles_for_sm90_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
