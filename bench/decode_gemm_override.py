@@ -9,9 +9,9 @@ the decode graphs' eager run before each capture provides, so the graphs are cap
 from __future__ import annotations
 
 
-def apply_decode_gemm(llm) -> int:
-    """Wrap the model's linear layers on CUDA; capture the decode graphs again. Returns how
-    many layers were wrapped."""
+def apply_decode_gemm(llm) -> str:
+    """Wrap the model's linear layers on CUDA; capture the decode graphs again. Returns what
+    was done: how many layers, and the tile chosen per (rows bucket, N, K) during capture."""
     import gc
 
     import torch
@@ -42,4 +42,5 @@ def apply_decode_gemm(llm) -> int:
         gc.collect()
         torch.cuda.empty_cache()
         graphs.capture()
-    return wrapped
+    chosen = ", ".join(f"{m}x{n}x{k}: {cfg}" for (m, n, k), cfg in sorted(gemm.chosen.items()))
+    return f"split-K Triton in {wrapped} linear layers" + (f"; tiles {chosen}" if chosen else "")

@@ -183,7 +183,7 @@ def apply_experiments(llm, args) -> list[str]:
     if args.decode_gemm == "triton":
         from bench.decode_gemm_override import apply_decode_gemm
 
-        notes.append(f"decode GEMM: split-K Triton in {apply_decode_gemm(llm)} linear layers")
+        notes.append(f"decode GEMM: {apply_decode_gemm(llm)}")
     return notes
 
 
