@@ -17,7 +17,7 @@ from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.settings import add_flags, from_args
-from engine_common.security.worker_auth import WorkerCredentials
+from engine_common.security.worker_auth import WORKER_ONLY, WorkerCredentials
 from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
 
 DEFAULT_TARGET = "localhost:50051"
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT for the public API (default: 0.0.0.0:50051)")
     add_openai_flags(p, default_listen=None)
     add_engine_flags(p)
-    add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials)
+    add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials,
+              skip=WORKER_ONLY)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
     p.add_argument("--model", default=None,

@@ -15,6 +15,7 @@ class FailureKind(enum.Enum):
     """Why a step or an Init was refused or failed."""
 
     UNAUTHENTICATED = "unauthenticated"  # no or a wrong worker credential
+    NOT_ALLOWED = "not allowed"     # a CA-signed client cert not in --worker-tls-allowed-clients
     NOT_INITIALIZED = "not initialized"
     EPOCH_MISMATCH = "epoch mismatch"
     STALE_EPOCH = "stale epoch"     # older than the worker's: another scheduler took it over

@@ -2,14 +2,18 @@
 
     WorkerCredentials  the flags of `deltaserve worker` and `deltaserve scheduler` (declared
                        settings): --worker-token-file, --worker-tls-cert/--worker-tls-key/
-                       --worker-tls-ca
+                       --worker-tls-ca; the worker's alone: --worker-tls-allowed-clients
+                       (WORKER_ONLY: the scheduler's parser skips it)
     WorkerAuth         what they hold once read: the token and the PEM bytes
 
 The token travels on every Worker RPC as the metadata `authorization: Bearer <token>`; the worker
 compares it in constant time. With TLS the worker requires a client certificate signed by its
---worker-tls-ca, and the scheduler verifies the worker's certificate against its own
---worker-tls-ca. Either is enough; both may be used together. `deltaserve serve` makes a random
-token per run (`new_token`) and hands it to the worker it starts on standard input.
+--worker-tls-ca (with --worker-tls-allowed-clients, one that also carries a name listed there: a
+DNS or URI subjectAltName or the subject's common name; a cluster CA signs the workers' own
+certificates too, and without the list any of them may drive any worker), and the scheduler
+verifies the worker's certificate against its own --worker-tls-ca. Either credential is enough;
+both may be used together. `deltaserve serve` makes a random token per run (`new_token`) and
+hands it to the worker it starts on standard input.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from engine_common.security.tls import read_pem
 AUTH_METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
 _TOKEN_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))   # printable ASCII, no space
+# Settings of WorkerCredentials that only the worker has (a scheduler's parser skips them).
+WORKER_ONLY = ("worker_tls_allowed_clients",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +53,11 @@ class WorkerCredentials:
         None, "PEM CA certificate that signed the other side's certificate (the worker "
         "requires scheduler certificates signed by it; the scheduler verifies the worker's)",
         rule=ReadableFile(), metavar="FILE")
+    worker_tls_allowed_clients: str | None = setting(
+        None, "worker only, with --worker-tls-*: comma-separated names of the clients that may "
+        "drive this worker; a client certificate must carry one of them as a DNS or URI "
+        "subjectAltName or as its subject's common name, exactly (unset: any certificate "
+        "--worker-tls-ca signed, another worker's included)", metavar="NAMES")
 
     def __post_init__(self):
         validate(self)
@@ -57,6 +68,20 @@ class WorkerCredentials:
             missing = sorted(set(tls) - set(given))
             raise ParamError(missing[0], None, f"set together with {', '.join(given)} (mutual "
                              "TLS needs the certificate, its key and the CA)")
+        if self.worker_tls_allowed_clients is not None:
+            if not given:
+                raise ParamError("worker_tls_allowed_clients", self.worker_tls_allowed_clients,
+                                 "set only with --worker-tls-cert/--worker-tls-key/"
+                                 "--worker-tls-ca (it names client certificates)")
+            if not self.allowed_clients:
+                raise ParamError("worker_tls_allowed_clients", self.worker_tls_allowed_clients,
+                                 "one or more comma-separated names")
+
+    @property
+    def allowed_clients(self) -> frozenset[str]:
+        """The names of --worker-tls-allowed-clients (empty: any certificate of the CA)."""
+        names = (self.worker_tls_allowed_clients or "").split(",")
+        return frozenset(n.strip() for n in names if n.strip())
 
     @property
     def given(self) -> bool:
@@ -74,7 +99,8 @@ class WorkerCredentials:
         return WorkerAuth(token=token,
                           cert=read_pem(self.worker_tls_cert, "worker_tls_cert"),
                           key=read_pem(self.worker_tls_key, "worker_tls_key"),
-                          ca=read_pem(self.worker_tls_ca, "worker_tls_ca"))
+                          ca=read_pem(self.worker_tls_ca, "worker_tls_ca"),
+                          allowed_clients=self.allowed_clients)
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,8 @@ class WorkerAuth:
     cert: bytes | None = None
     key: bytes | None = None
     ca: bytes | None = None
+    # The worker's: names one of which a client certificate must carry (empty: any of the CA's).
+    allowed_clients: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:   # never print the secret
         return f"WorkerAuth(token={'set' if self.token else None}, tls={self.tls})"

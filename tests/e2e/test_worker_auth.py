@@ -5,8 +5,9 @@
   streams run on and finish with the tokens they give alone.
 - Separate worker and scheduler sharing a token file: a refused Init (a directory that is no
   model, a stale epoch) leaves the model loaded and the epoch and owner unchanged.
-- Mutual TLS: the worker takes only clients with a certificate of its CA; the scheduler
-  verifies the worker's.
+- Mutual TLS: the worker takes only clients with a certificate of its CA that carries a name of
+  --worker-tls-allowed-clients (not its own serving certificate); the scheduler verifies the
+  worker's.
 - A worker with no credential refuses to listen beyond loopback unless --insecure.
 """
 from __future__ import annotations
@@ -201,7 +202,9 @@ def test_unauthenticated_streams_hold_no_worker_thread(token_cluster):
 
 def test_mutual_tls_between_worker_and_scheduler(tiny_models, tmp_path):
     ca = make_ca(tmp_path, "ca")
-    server = make_cert(tmp_path, ca, "worker", hosts=("127.0.0.1", "localhost"))
+    # usable as a client's too, as a cluster CA issues them: --worker-tls-allowed-clients keeps
+    # it (another worker's) from driving the worker
+    server = make_cert(tmp_path, ca, "worker", hosts=("127.0.0.1", "localhost"), client=True)
     client = make_cert(tmp_path, ca, "scheduler")
     rogue_ca = make_ca(tmp_path, "rogue-ca")
     rogue = make_cert(tmp_path, rogue_ca, "rogue")
@@ -209,7 +212,8 @@ def test_mutual_tls_between_worker_and_scheduler(tiny_models, tmp_path):
     try:
         w_port, s_port = free_port(), free_port()
         worker = procs.worker(w_port, "--worker-tls-cert", str(server.cert), "--worker-tls-key",
-                              str(server.key), "--worker-tls-ca", str(ca.cert))
+                              str(server.key), "--worker-tls-ca", str(ca.cert),
+                              "--worker-tls-allowed-clients", "scheduler")
         sched = procs.scheduler(tiny_models("qwen3"), [w_port], s_port,
                                 "--worker-tls-cert", str(client.cert),
                                 "--worker-tls-key", str(client.key),
@@ -239,6 +243,9 @@ def test_mutual_tls_between_worker_and_scheduler(tiny_models, tmp_path):
             ca_pem, rogue.key.read_bytes(), rogue.cert.read_bytes())) == "UNAVAILABLE"
         assert info(grpc.ssl_channel_credentials(
             ca_pem, client.key.read_bytes(), client.cert.read_bytes())) == "loaded"
+        assert info(grpc.ssl_channel_credentials(
+            ca_pem, server.key.read_bytes(), server.cert.read_bytes())) == "PERMISSION_DENIED"
+        assert "mutual TLS, clients named 'scheduler' only" in worker.log_tail(20_000)
     finally:
         procs.close()
 

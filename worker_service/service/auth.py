@@ -10,7 +10,10 @@
   request message (a unary handler would hold its thread until the caller sends it), and an
   unauthenticated `Check` is served with bounded threads and waits (open_check.py).
 - `add_port` binds the listen address with TLS (a client certificate signed by the CA is
-  required) when the worker has a certificate, plaintext otherwise.
+  required) when the worker has a certificate, plaintext otherwise. With
+  --worker-tls-allowed-clients the certificate must also carry an allowed name
+  (client_names.py; refused PERMISSION_DENIED, OPEN_METHODS stay open); without it any
+  certificate of the CA drives the worker, and the ready line warns so.
 - `check_exposure`: a worker with no credential refuses to listen beyond loopback unless
   --insecure is given (its ready line says it runs unauthenticated).
 """
@@ -25,6 +28,7 @@ from engine_common.request.params import ParamError
 from engine_common.security.tls import server_credentials
 from engine_common.security.worker_auth import AUTH_METADATA_KEY, WorkerAuth
 from worker_service.failures import FailureKind
+from worker_service.service.client_names import ClientNameCheck
 from worker_service.service.log_limit import LogLimit
 from worker_service.service.open_check import OpenChecks
 from worker_service.service.servicer import FAILURES
@@ -82,7 +86,11 @@ def _refusal(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler
 
 
 def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:
-    return (TokenCheck(auth),) if auth.token else ()
+    """The token check and the client-name check, each when the worker has it."""
+    out: tuple[grpc.ServerInterceptor, ...] = (TokenCheck(auth),) if auth.token else ()
+    if auth.tls and auth.allowed_clients:
+        out += (ClientNameCheck(auth.allowed_clients, OPEN_METHODS),)
+    return out
 
 
 def add_port(server: grpc.Server, listen: str, auth: WorkerAuth) -> int:
@@ -116,9 +124,18 @@ def check_exposure(listen: str, auth: WorkerAuth, insecure: bool) -> None:
 
 def describe(auth: WorkerAuth) -> str:
     """How the worker is guarded, for its ready line."""
-    if auth.token and auth.tls:
-        return "token and mutual TLS"
+    if auth.tls:
+        return ("token and " if auth.token else "") + _describe_tls(auth)
     if auth.enabled:
-        return "token" if auth.token else "mutual TLS"
+        return "token"
     return ("NOT authenticated: any process that reaches the port can drive this worker (give "
             "--worker-token-file or --worker-tls-*)")
+
+
+def _describe_tls(auth: WorkerAuth) -> str:
+    if auth.allowed_clients:
+        return ("mutual TLS, clients named " + ", ".join(map(ascii, sorted(auth.allowed_clients)))
+                + " only")
+    return ("mutual TLS; WARNING: any certificate --worker-tls-ca signed may drive this worker, "
+            "another worker's included (name the scheduler's certificate in "
+            "--worker-tls-allowed-clients)")

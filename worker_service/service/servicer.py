@@ -8,6 +8,8 @@ set, then the stream is closed with a status (the response is skipped only for S
 
     failure                                   StepError.code        gRPC status
     no or a wrong credential (auth.py)        (no response)         UNAUTHENTICATED
+    a client certificate not named by
+      --worker-tls-allowed-clients            (no response)         PERMISSION_DENIED
     not initialized (no Init yet)             EPOCH_MISMATCH        FAILED_PRECONDITION
     an epoch older than the worker's          STALE_EPOCH           FAILED_PRECONDITION
     StepRequest.epoch != current epoch        EPOCH_MISMATCH        FAILED_PRECONDITION
@@ -60,6 +62,7 @@ _S = grpc.StatusCode
 # Step and Reset alike. A code of None: no StepResponse, only the status (a superseded stream).
 FAILURES = {
     FailureKind.UNAUTHENTICATED: (None, _S.UNAUTHENTICATED),
+    FailureKind.NOT_ALLOWED: (None, _S.PERMISSION_DENIED),
     FailureKind.NOT_INITIALIZED: (_Code.EPOCH_MISMATCH, _S.FAILED_PRECONDITION),
     FailureKind.STALE_EPOCH: (_Code.STALE_EPOCH, _S.FAILED_PRECONDITION),
     FailureKind.EPOCH_MISMATCH: (_Code.EPOCH_MISMATCH, _S.FAILED_PRECONDITION),

@@ -48,3 +48,29 @@ def test_tls_needs_the_certificate_its_key_and_the_ca(tmp_path):
     auth = WorkerCredentials(worker_tls_cert=str(pem), worker_tls_key=str(pem),
                              worker_tls_ca=str(pem)).load()
     assert auth.tls and auth.enabled and auth.token is None and auth.metadata() == ()
+
+
+def test_allowed_clients_need_tls_and_one_name(tmp_path):
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    tls = dict(worker_tls_cert=str(pem), worker_tls_key=str(pem), worker_tls_ca=str(pem))
+    auth = WorkerCredentials(**tls, worker_tls_allowed_clients=" scheduler.ns.svc, ops,,").load()
+    assert auth.allowed_clients == {"scheduler.ns.svc", "ops"}
+    assert WorkerCredentials(**tls).load().allowed_clients == frozenset()
+    with pytest.raises(ParamError, match="worker_tls_allowed_clients='ops' is invalid: must be "
+                                         "set only with --worker-tls-cert"):
+        WorkerCredentials(worker_tls_allowed_clients="ops")
+    with pytest.raises(ParamError, match="must be one or more comma-separated names"):
+        WorkerCredentials(**tls, worker_tls_allowed_clients=" , ")
+
+
+def test_only_the_worker_has_the_allowed_clients_flag(capsys):
+    from deltaserve.cli import build_parser
+    parser = build_parser()
+    args = parser.parse_args(["worker", "--listen", "127.0.0.1:1", "--worker-tls-allowed-clients",
+                              "scheduler"])
+    assert args.worker_tls_allowed_clients == "scheduler"
+    with pytest.raises(SystemExit):   # the scheduler has no such flag: it names no client
+        parser.parse_args(["scheduler", "--model", "m", "--workers", "w:1",
+                           "--worker-tls-allowed-clients", "scheduler"])
+    assert "unrecognized arguments: --worker-tls-allowed-clients" in capsys.readouterr().err
