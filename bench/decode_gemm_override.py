@@ -12,10 +12,7 @@ from __future__ import annotations
 def apply_decode_gemm(llm) -> str:
     """Wrap the model's linear layers on CUDA; capture the decode graphs again. Returns what
     was done: how many layers, and the tile chosen per (rows bucket, N, K) during capture."""
-    import gc
-
-    import torch
-
+    from bench.launch_override import recapture_graphs
     from kernels.decode_gemm import MAX_ROWS, DecodeGemm
     from worker_service.layers.cpu_gemm import CpuGemm
     from worker_service.layers.embedding import ParallelLMHead
@@ -36,11 +33,6 @@ def apply_decode_gemm(llm) -> str:
         wrapped += 1
     if not wrapped:
         raise ValueError("--decode-gemm triton found no linear layer to wrap")
-    graphs = llm.runner.graph_runner
-    if graphs is not None:
-        graphs.graphs.clear()
-        gc.collect()
-        torch.cuda.empty_cache()
-        graphs.capture()
+    recapture_graphs(llm)
     chosen = ", ".join(f"{m}x{n}x{k}: {cfg}" for (m, n, k), cfg in sorted(gemm.chosen.items()))
     return f"split-K Triton in {wrapped} linear layers" + (f"; tiles {chosen}" if chosen else "")
