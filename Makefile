@@ -6,6 +6,11 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+# pytest keeps each test module's assertion rewrite, and Python each module's bytecode, in
+# __pycache__ (git ignores it), unless PYTHONDONTWRITEBYTECODE is set, as some sandboxes and CI
+# images do: then every run parses, rewrites and compiles all of it again (about 5 s of a
+# fast-lane run on 2 cores). The test targets write the caches whatever the environment says.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 .PHONY: install test test-fast test-avx2 run bench bench-host bench-grpc bench-scheduler bench-peers proto clean
 
@@ -32,17 +37,17 @@ $(VENV)/.installed: pyproject.toml
 
 # Everything: unit, integration, end-to-end (real processes) and, on a GPU, the GPU tests. CI runs this.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) -q $(PYTEST_ARGS)
 
 # Unit tests and the layer check only, without the slow ones: about 45 s on 2 quiet cores.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
+	$(PYTEST) -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
 # Everything again as an AVX2 machine (x86-64-v3, no AVX-512) runs it, on an AVX-512 one: our
 # kernels' avx2 build, and torch's ATen, oneDNN and MKL capped at AVX2 (bench-peers --isa avx2).
 test-avx2: install
 	DELTASERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-	  MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest -q $(PYTEST_ARGS)
+	  MKL_ENABLE_INSTRUCTIONS=AVX2 $(PYTEST) -q $(PYTEST_ARGS)
 
 # Regenerate the gRPC stubs (dswire/) from proto/; tests/unit/engine_common/wire/test_protos.py fails when stale.
 proto: install

@@ -1,6 +1,7 @@
 """`deltaserve serve --model tiny`, the embedded default on the test model: creates the tiny model
 once, says its weights are random, prints a ready line, serves, and leaves no worker behind on
-Ctrl-C or when killed. (The real default model: tests/e2e/test_real_model_serve.py.)"""
+Ctrl-C or when killed. (The real default model:
+tests/e2e/default_model/test_real_model_serve.py.)"""
 from __future__ import annotations
 
 import os

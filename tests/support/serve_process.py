@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.grpc_harness import REPO, child_env, wait_for
+from tests.support.grpc_harness import REPO, child_env, free_port, wait_for
 
 
 def children(pid: int) -> list[int]:
@@ -55,3 +55,23 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class GrpcServe(ServeProcess):
+    """`deltaserve serve` on free loopback ports, gRPC only, with a small KV cache (0.05 GiB:
+    ~450 blocks of 16 tokens of the default model); the default model unless `flags` name
+    another. wait_ready() allows a first start on a loaded 2-core machine."""
+
+    KV_GIB = "0.05"
+    READY_TIMEOUT = 300
+
+    def __init__(self, log: Path, *flags: str):
+        self.port, self.worker_port = free_port(), free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        super().__init__(log, ["--listen", self.target, "--worker-listen",
+                               f"127.0.0.1:{self.worker_port}", "--device", "cpu",
+                               "--kv-cache-gib", self.KV_GIB, "--metrics-listen", "127.0.0.1:0",
+                               "--openai-listen", "off", *flags])
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> str:
+        return super().wait_ready(timeout)

@@ -16,6 +16,7 @@ if not ON_GPU:
 triton = pytest.importorskip("triton")
 
 from worker_service.layers.rotary import RopeSettings, RotaryEmbedding  # noqa: E402
+from tests.support.lanes import split_grid  # noqa: E402
 from tests.support.paths import REPO
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -85,9 +86,10 @@ def assert_agrees(got, want, x, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3"])
+@pytest.mark.parametrize("rope_type,head_dim,dtype", split_grid(
+    [["default", "linear", "llama3"], [64, 128], [torch.float32, torch.float16, torch.bfloat16]],
+    fast={("default", 64, torch.float32), ("linear", 128, torch.float16),
+          ("llama3", 64, torch.bfloat16)}))
 def test_matches_torch_rotary_embedding(ropes, rope_type, head_dim, dtype):
     from kernels.fused_rope import fused_rope
 
@@ -240,8 +242,9 @@ def test_fused_kernels_compile_for_sm90_without_a_gpu():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim,dtype", split_grid(
+    [[64, 128], [torch.float32, torch.bfloat16]],
+    fast={(64, torch.float32), (128, torch.bfloat16)}))
 def test_per_head_norm_then_rope_matches_the_unfused_modules(ropes, head_dim, dtype):
     """Qwen3's q_norm / k_norm before rope, in the rope's launch: as the torch RMSNorm then the
     torch rope (the norm's float32 sum runs in another order, so up to a rounding step)."""

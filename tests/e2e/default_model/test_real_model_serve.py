@@ -22,39 +22,12 @@ from tests.support.grpc_harness import (REPO, Processes, child_env, collect, fre
                                         generation_stub, grpcurl, json_stream, server_status,
                                         wait_for)
 from tests.support.hf_reference import compare_greedy, hf_greedy
-from tests.support.serve_process import ServeProcess
+from tests.support.serve_process import GrpcServe
 from tests.support.real_model import (CHATS, FRANCE_ANSWER, FRANCE_ANSWER_IDS,
                                       hf_chat_ids)
 
 pytestmark = pytest.mark.slow
-KV_GIB = "0.05"            # ~450 blocks of 16 tokens of this model
-READY_TIMEOUT = 300        # first start on a loaded 2-core machine
 MAX_NEW = 24
-
-
-class Serve(ServeProcess):
-    """`deltaserve serve` of the default model on free loopback ports, gRPC only."""
-
-    def __init__(self, log: Path, *flags: str):
-        self.port, self.worker_port = free_port(), free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        super().__init__(log, ["--listen", self.target, "--worker-listen",
-                               f"127.0.0.1:{self.worker_port}", "--device", "cpu",
-                               "--kv-cache-gib", KV_GIB, "--metrics-listen", "127.0.0.1:0",
-                               "--openai-listen", "off", *flags])
-
-    def wait_ready(self) -> str:
-        return super().wait_ready(READY_TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def served(default_model, tmp_path_factory):
-    server = Serve(tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
-        server.ready_text = server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def _cli(*args: str, timeout: float = 300, stdin: str | None = None):
@@ -157,7 +130,7 @@ def test_interactive_chat_keeps_history_and_survives_ctrl_c(served):
 
 
 def test_a_gguf_path_serves_the_same_tokens_as_the_converted_directory(served, tmp_path):
-    gguf_server = Serve(tmp_path / "gguf.log", "--model", str(default_gguf_path()))
+    gguf_server = GrpcServe(tmp_path / "gguf.log", "--model", str(default_gguf_path()))
     try:
         text = gguf_server.wait_ready()
         assert "SmolLM2-135M-Instruct.Q4_1.gguf" in text

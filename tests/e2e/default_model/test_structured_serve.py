@@ -1,14 +1,14 @@
 """The structured-output bar through real processes: `deltaserve serve` on the default model,
 grpcurl Generate with a JSON Schema streams JSON with a string name and an integer age; a choice
 returns exactly one of the choices; an invalid regex is INVALID_ARGUMENT with the grammar
-engine's message, before anything is generated."""
+engine's message, before anything is generated. The server is the one this package's tests
+share (conftest.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.e2e.test_real_model_serve import Serve
 from tests.support.grpc_harness import grpcurl, json_stream
 
 pytestmark = pytest.mark.slow
@@ -17,16 +17,6 @@ PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}
                                                       "age": {"type": "integer"}},
                      "required": ["name", "age"]})
 GENERATE = "deltaserve.v1.Generation/Generate"
-
-
-@pytest.fixture(scope="module")
-def served(default_model, tmp_path_factory):
-    server = Serve(tmp_path_factory.mktemp("serve") / "serve.log")
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def _generate(served, body: dict):
