@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PYTEST) -q $(PYTEST_ARGS)
 
-# Unit tests and the layer check only, without the slow ones: about 45 s on 2 quiet cores.
+# Unit tests and the layer check only, without the slow ones: about 50 s on 2 quiet cores.
 test-fast: install
 	$(PYTEST) -q -m "not slow and not gpu" tests/unit tests/test_layers.py $(PYTEST_ARGS)
 
