@@ -27,7 +27,9 @@ CONFIGS = [(64, 64, 128, 1, 4, 4), (64, 128, 64, 1, 4, 4), (128, 64, 64, 1, 4, 4
 MAX_ROWS = 256             # inputs with more rows stay with F.linear
 
 
-@triton.jit
+# M (the step's rows) varies with the batch: specialised (== 1, a multiple of 16) it compiled
+# the kernel again mid-run; it only bounds masks.
+@triton.jit(do_not_specialize=["M"])
 def _split_k_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr):

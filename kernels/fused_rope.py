@@ -112,7 +112,9 @@ def _store_kv(out1, out2, token, head0, num_heads, half, v_ptr, stride_vt, strid
     tl.store(dst + stride_c_kv + half, tl.load(src + half, mask=mask).to(ty), mask=mask)
 
 
-@triton.jit
+# num_slots is len(slot_mapping) (or T without a write): it varies with the batch, and a
+# specialised int (== 1, a multiple of 16) would compile the kernel again mid-run.
+@triton.jit(do_not_specialize=["num_slots"])
 def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
                  num_q_heads, num_k_heads, half,

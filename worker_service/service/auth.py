@@ -89,7 +89,9 @@ def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:
     """The token check and the client-name check, each when the worker has it."""
     out: tuple[grpc.ServerInterceptor, ...] = (TokenCheck(auth),) if auth.token else ()
     if auth.tls and auth.allowed_clients:
-        out += (ClientNameCheck(auth.allowed_clients, OPEN_METHODS),)
+        # Without a token check in front, the name check guards the open methods itself.
+        out += (ClientNameCheck(auth.allowed_clients, OPEN_METHODS,
+                                open_checks=None if auth.token else OpenChecks()),)
     return out
 
 

@@ -9,7 +9,11 @@ names what the certificate presented, escaped and clipped (a common name may hol
 
 A server interceptor sees no peer, so the check runs in the handler, and each checked handler is
 served with a request stream: the check comes before any request message is read (a unary
-handler would hold a pool thread until a refused caller sent it; open_check.py).
+handler would hold a pool thread until a refused caller sent it; open_check.py). For the same
+reason, without a token check in front (which guards them itself), the open methods (health
+`Check`) are served to a refused certificate as to a caller without the token: bounded threads
+and waits (OpenChecks); otherwise eight withheld checks from another worker's certificate held
+every pool thread and the scheduler's calls waited behind them.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import grpc
 from engine_common.request.params import clip
 from worker_service.failures import FailureKind
 from worker_service.service.log_limit import LogLimit
+from worker_service.service.open_check import OpenChecks
 from worker_service.service.servicer import FAILURES
 
 log = logging.getLogger(__name__)
@@ -53,23 +58,32 @@ class ClientNameCheck(grpc.ServerInterceptor):
     """Refuses every call (but `open_methods`) whose peer certificate has no allowed name."""
 
     def __init__(self, allowed: Iterable[str], open_methods: frozenset[str] = frozenset(),
-                 log_limit: LogLimit | None = None):
+                 log_limit: LogLimit | None = None, open_checks: OpenChecks | None = None):
+        """open_checks: serve the open (unary) methods to a refused peer through it; None
+        leaves them as they are (a token check in front already guards them)."""
         self.allowed = frozenset(allowed)
         self.open_methods = open_methods
         # Refusals are logged at most once per 10 s: a refused peer repeats them at will.
         self._log_limit = log_limit or LogLimit(10.0)
+        self._open_checks = open_checks
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method in self.open_methods:
-            return handler
+        if handler is None:
+            return None
+        if handler_call_details.method in self.open_methods:
+            return handler if self._open_checks is None else self._open(handler)
         return self._checked(handler, handler_call_details.method)
+
+    def allows(self, context: grpc.ServicerContext) -> bool:
+        """Whether the peer's certificate carries an allowed name."""
+        return any(name in self.allowed for _, name in presented_names(context.auth_context()))
 
     def refusal(self, context: grpc.ServicerContext, method: str) -> str | None:
         """The refusal's message when the peer may not call; None when it may."""
-        names = presented_names(context.auth_context())
-        if any(name in self.allowed for _, name in names):
+        if self.allows(context):
             return None
+        names = presented_names(context.auth_context())
         shown = describe_names(names)
         skipped = self._log_limit.take()
         if skipped is not None:
@@ -78,6 +92,22 @@ class ClientNameCheck(grpc.ServerInterceptor):
                         "last such line)", method, shown, skipped)
         return (f"client certificate not allowed: it carries {shown}, none of them in this "
                 "worker's --worker-tls-allowed-clients")
+
+    def _open(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """A unary open method: as it is for an allowed peer, behind OpenChecks for others."""
+        guarded = self._open_checks.guard(handler).stream_unary
+
+        def serve(requests, context):
+            if not self.allows(context):
+                return guarded(requests, context)
+            request = next(requests, None)
+            if request is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "a health check must carry one request message")
+            return handler.unary_unary(request, context)
+
+        return grpc.stream_unary_rpc_method_handler(serve, handler.request_deserializer,
+                                                    handler.response_serializer)
 
     def _checked(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """`handler` behind the check, served with a request stream (whatever its shape)."""

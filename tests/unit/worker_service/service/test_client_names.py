@@ -179,3 +179,30 @@ def test_a_refusal_does_not_wait_for_the_request_message(certs, workers):
     finally:
         release.set()
     assert codes == [DENIED] * 12
+
+
+def test_withheld_health_checks_of_a_refused_certificate_hold_no_worker_thread(certs):
+    """Health Check stays open to a refused certificate, but as to a caller without the token:
+    eight of its checks whose message never comes (the worker's 8 pool threads) leave the
+    scheduler's call answered, and each is cancelled or refused, none served."""
+    server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
+                          _auth(certs, ALLOWED))
+    address = f"127.0.0.1:{server.bound_port}"
+    release = threading.Event()
+
+    def nothing_yet():
+        release.wait()
+        yield from ()
+
+    try:
+        with _channel(certs, address, "worker") as ch:
+            checks = [ch.stream_unary("/grpc.health.v1.Health/Check").future(nothing_yet(),
+                                                                              timeout=60)
+                      for _ in range(8)]
+            assert _info(certs, address, "by-dns") == "OK"
+            codes = {call.exception(timeout=30).code().name for call in checks}
+        assert codes <= {"CANCELLED", "RESOURCE_EXHAUSTED"}, codes
+    finally:
+        release.set()
+        server.stop(None)
+        server.node_worker.close()
