@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from tests.support.lanes import split_grid
+
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -50,14 +52,16 @@ def _norm_weights(head_dim, dtype, seed):
             for _ in range(2)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_q_heads,num_k_heads,head_dim,norm", [
-    (4, 2, 64, False),
-    (4, 2, 64, True),     # Qwen3: q/k norm in the same launch
-    (6, 3, 96, True),     # a key head block padded past the last head; D/2 48 padded to 64
-])
-def test_cache_holds_what_the_backend_write_would(num_q_heads, num_k_heads, head_dim, norm,
-                                                  dtype):
+# (q heads, k heads, head_dim, q/k norm): plain; Qwen3's q/k norm in the same launch; a key
+# head block padded past the last head, D/2 48 padded to 64
+SHAPES = [(4, 2, 64, False), (4, 2, 64, True), (6, 3, 96, True)]
+
+
+@pytest.mark.parametrize("shape,dtype", split_grid(
+    [SHAPES, [torch.float32, torch.bfloat16]],
+    fast={(SHAPES[0], torch.bfloat16), (SHAPES[1], torch.float32), (SHAPES[2], torch.bfloat16)}))
+def test_cache_holds_what_the_backend_write_would(shape, dtype):
+    num_q_heads, num_k_heads, head_dim, norm = shape
     from kernels.attention.triton_cache import triton_write_kv_cache
     from kernels.fused_rope import fused_rope
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.lanes import split_grid
 from tests.support.paths import REPO
 from tests.support.triton_mode import DEVICE, needs_kernels, triton
 
@@ -124,12 +125,19 @@ def split_case_logits(vocab: int, chunk: int, parts: int, dtype: torch.dtype) ->
     return x.to(dtype)
 
 
+# (vocab, splits, block): no vocabulary a multiple of the block or of the split count
+FORCED_PLANS = [(1000, 4, 128), (4999, 3, 512), (3001, 7, 256)]
+
+
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab,splits,block", [(1000, 4, 128), (4999, 3, 512), (3001, 7, 256)])
-def test_forced_splits_match_argmax_and_log_softmax(vocab, splits, block, dtype):
+@pytest.mark.parametrize("plan,dtype", split_grid(
+    [FORCED_PLANS, [torch.float32, torch.bfloat16]],
+    fast={(FORCED_PLANS[0], torch.float32), (FORCED_PLANS[1], torch.bfloat16),
+          (FORCED_PLANS[2], torch.float32)}))
+def test_forced_splits_match_argmax_and_log_softmax(plan, dtype):
     """Splits > 1 on vocabularies that are no multiple of the block or of the split count;
     each chunk spans several blocks where the sizes allow (its own loop is exercised too)."""
+    vocab, splits, block = plan
     from kernels.greedy_sample import greedy_sample, split_plan
 
     parts, chunk = split_plan(8, vocab, False, splits, block)

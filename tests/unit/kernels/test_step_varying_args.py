@@ -34,6 +34,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow               # a compiled-mode process, like the sm_90 compile checks
 def test_batch_varying_arguments_are_not_specialised():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
