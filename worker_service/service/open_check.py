@@ -24,9 +24,9 @@ OPEN_CHECK_WAIT_S = 2.0
 class OpenChecks:
     """Serves unauthenticated calls of a unary-unary method with bounded threads and waits."""
 
-    def __init__(self, limit: int = MAX_OPEN_CHECKS, wait_s: float = OPEN_CHECK_WAIT_S):
+    def __init__(self, limit: int = MAX_OPEN_CHECKS, wait_s: float | None = None):
         self.limit = limit
-        self.wait_s = wait_s
+        self.wait_s = OPEN_CHECK_WAIT_S if wait_s is None else wait_s   # read now: tests set it
         self._slots = threading.BoundedSemaphore(limit)
 
     def guard(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -15,6 +15,7 @@ from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
 from tests.support.certs import make_ca, make_cert
 from worker_service.service.auth import describe
+from worker_service.service import open_check
 from worker_service.service.server import serve_worker
 
 ALLOWED = frozenset({"scheduler.deltaserve.svc", "spiffe://cluster/ns/deltaserve/sa/scheduler",
@@ -181,10 +182,12 @@ def test_a_refusal_does_not_wait_for_the_request_message(certs, workers):
     assert codes == [DENIED] * 12
 
 
-def test_withheld_health_checks_of_a_refused_certificate_hold_no_worker_thread(certs):
+def test_withheld_health_checks_of_a_refused_certificate_hold_no_worker_thread(certs,
+                                                                             monkeypatch):
     """Health Check stays open to a refused certificate, but as to a caller without the token:
     eight of its checks whose message never comes (the worker's 8 pool threads) leave the
     scheduler's call answered, and each is cancelled or refused, none served."""
+    monkeypatch.setattr(open_check, "OPEN_CHECK_WAIT_S", 0.2)     # the wait ends: not its length
     server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
                           _auth(certs, ALLOWED))
     address = f"127.0.0.1:{server.bound_port}"

@@ -14,6 +14,7 @@ from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.security.worker_auth import WorkerAuth
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.grpc_harness import bearer, health_status
+from worker_service.service import open_check
 from worker_service.service.server import serve_worker
 
 TOKEN = "test-token-0123456789abcdef"
@@ -25,7 +26,10 @@ PER_METHOD = 8                              # the worker's pool threads
 
 
 @pytest.fixture
-def worker_address():
+def worker_address(monkeypatch):
+    # an open check waits 0.2 s for its message here, not 2 s: what is checked is that the
+    # wait ends (before the fix nothing ended it), not how long it is
+    monkeypatch.setattr(open_check, "OPEN_CHECK_WAIT_S", 0.2)
     server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
                           WorkerAuth(token=TOKEN))
     try:
