@@ -173,7 +173,12 @@ class ModelRunner:
         the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
         every tensor-parallel rank must call it together (the warm-up runs collectives)."""
         c = self.config
-        warmup = self.largest_step_warmup()
+        def sample(logits: torch.Tensor) -> None:
+            self.sampler.forward(logits, worst_case_sampling_metadata(
+                logits.shape[0], self.vocab_size, self.device))
+
+        warmup = make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
+                                     c.max_num_seqs, self.max_model_len, self.device, sample)
         graph_warmup = None
         if graphs_unsupported_reason(self.attention_backend_name, self.device,
                                      c.enforce_eager) is None:
@@ -181,17 +186,6 @@ class ModelRunner:
                                               self.max_model_len, self.device)
         return profile_kv_memory(warmup, self.kv_block_bytes, gpu_memory_utilization,
                                  self.device, graph_warmup)
-
-    def largest_step_warmup(self) -> Callable[[], None]:
-        """A prefill step of the whole token budget, LM head and worst-case sampler included."""
-        c = self.config
-
-        def sample(logits: torch.Tensor) -> None:
-            self.sampler.forward(logits, worst_case_sampling_metadata(
-                logits.shape[0], self.vocab_size, self.device))
-
-        return make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
-                                   c.max_num_seqs, self.max_model_len, self.device, sample)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
         """The digest of this step's sampled ids, the cached state and the grammars' (see
