@@ -126,42 +126,29 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q_norm / k_norm (both or neither): per-head RMSNorms applied first (Qwen3); fused,
         the same launch normalises and rotates. kv_write: see the class docstring."""
-        if kv_write is not None:
-            if self._fused_kernel is None:
-                raise ValueError("kv_write needs the fused rope (RotaryEmbedding(fused=True))")
-            value, kv_cache, slot_mapping = kv_write
-            return self._fused_with_write(positions, query, key, q_norm, k_norm, value,
-                                          kv_cache, slot_mapping)
+        if kv_write is not None and self._fused_kernel is None:
+            raise ValueError("kv_write needs the fused rope (RotaryEmbedding(fused=True))")
+        write = {} if kv_write is None else dict(zip(("value", "kv_cache", "slot_mapping"),
+                                                     kv_write))
         if q_norm is not None:
             if self._fused_kernel is not None and q_norm.eps == k_norm.eps \
                     and q_norm.weight.dtype == query.dtype:
                 return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache,
-                                          q_norm.weight, k_norm.weight, q_norm.eps)
+                                          q_norm.weight, k_norm.weight, q_norm.eps, **write)
             query, key = q_norm(query), k_norm(key)
-        if (self._cpu is not None and query.dtype in (torch.float32, torch.bfloat16)
+        if (not write and self._cpu is not None
+                and query.dtype in (torch.float32, torch.bfloat16)
                 and query.stride(-1) == 1 and key.stride(-1) == 1 and positions.is_contiguous()):
             self._cpu.rope(positions, query, key, self.cos_cache, self.sin_cache)
             return query, key
         if self._fused_kernel is not None:
-            return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache)
+            return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache,
+                                      **write)
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, D]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
         q = query * cos + rotate_half(query) * sin
         k = key * cos + rotate_half(key) * sin
         return q, k
-
-    def _fused_with_write(self, positions, query, key, q_norm, k_norm, value, kv_cache,
-                          slot_mapping) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused launch that also writes the KV cache (norms in it when they fit)."""
-        weights, eps = (None, None), 0.0
-        if q_norm is not None:
-            if q_norm.eps == k_norm.eps and q_norm.weight.dtype == query.dtype:
-                weights, eps = (q_norm.weight, k_norm.weight), q_norm.eps
-            else:
-                query, key = q_norm(query), k_norm(key)
-        return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache,
-                                  *weights, eps, value=value, kv_cache=kv_cache,
-                                  slot_mapping=slot_mapping)
 
 
 def _load_fused_kernel():
