@@ -25,7 +25,7 @@ import grpc
 from engine_common.request.params import clip
 from worker_service.failures import FailureKind
 from worker_service.service.log_limit import LogLimit
-from worker_service.service.open_check import OpenChecks
+from worker_service.service.open_check import OpenChecks, one_message
 from worker_service.service.servicer import FAILURES
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,8 @@ class ClientNameCheck(grpc.ServerInterceptor):
         def serve(requests, context):
             if not self.allows(context):
                 return guarded(requests, context)
-            request = next(requests, None)
-            if request is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              "a health check must carry one request message")
-            return handler.unary_unary(request, context)
+            return handler.unary_unary(one_message(requests, context, "a health check"),
+                                       context)
 
         return grpc.stream_unary_rpc_method_handler(serve, handler.request_deserializer,
                                                     handler.response_serializer)
@@ -121,11 +118,7 @@ class ClientNameCheck(grpc.ServerInterceptor):
                 context.abort(status, message)
             if handler.request_streaming:
                 return inner(requests, context)
-            request = next(requests, None)
-            if request is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{method} must carry one request message")
-            return inner(request, context)
+            return inner(one_message(requests, context, method), context)
 
         make = (grpc.stream_stream_rpc_method_handler if handler.response_streaming
                 else grpc.stream_unary_rpc_method_handler)

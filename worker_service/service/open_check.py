@@ -52,9 +52,15 @@ class OpenChecks:
         timer.daemon = True
         timer.start()
         try:
-            return next(requests)
-        except StopIteration:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "a health check must carry one request message")
+            return one_message(requests, context, "a health check")
         finally:
             timer.cancel()
+
+
+def one_message(requests, context, what: str):
+    """The one request message of a unary call served as a request stream (aborts
+    INVALID_ARGUMENT when the stream ends without it)."""
+    request = next(requests, None)
+    if request is None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must carry one request message")
+    return request
