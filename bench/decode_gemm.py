@@ -20,7 +20,7 @@ import argparse
 import sys
 import time
 
-from bench.kernel_timing import resolve_kernel_bench_device
+from bench.kernel_timing import resolve_kernel_bench_device, time_graph
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,37 +49,6 @@ def projection_shapes(preset_name: str) -> list[tuple[str, int, int]]:
     inter = c.get("intermediate_size", 128)
     return [("qkv_proj", q + 2 * kv, h), ("o_proj", h, q), ("gate_up_proj", 2 * inter, h),
             ("down_proj", h, inter), ("lm_head", c.get("vocab_size", 512), h)]
-
-
-def time_graph(fn, device: str, calls: int, reps: int) -> float:
-    """Seconds per call: a CUDA graph of `calls` calls, best of `reps` replays (CPU: a loop)."""
-    import torch
-
-    if device != "cuda":
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / calls)
-        return best
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / calls)
-    return best
 
 
 def main(argv: list[str] | None = None) -> int:
