@@ -53,6 +53,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--max-num-seqs", type=int, default=256, help="default: 256")
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's")
+    e.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV-cache block (default: the engine's, 16)")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument("--async-scheduling", action="store_true", default=None,
                    help="two steps in flight: the scheduler plans step t+1 while the runner "
@@ -155,6 +157,8 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
     if args.kv_cache_gib is not None:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gib * (1 << 30))
     notes = list(args.note)
