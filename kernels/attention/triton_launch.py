@@ -58,8 +58,8 @@ class TritonLaunchConfig:
     """Every launch choice of the Triton attention backend; the defaults are today's values."""
 
     prefill: KernelTiles = KernelTiles()   # the varlen kernel
-    # the split-KV decode kernel: 128 keys a step read 1.1% faster end to end than 64 on an
-    # H100 (bench/results.md, 2026-11-27 night); 32 and num_warps 2 or 8 were slower
+    # the split-KV decode kernel: 128 keys a step ran decode steps ~1% faster than 64 on an
+    # H100, 256 12% slower (bench/results.md, 2026-11-27 night)
     decode: KernelTiles = KernelTiles(block_n=128)
     block_q_rows: int = 64       # varlen tile height in (token, query head) rows
     decode_q_rows: int = 16      # the same for a pure-decode batch under dispatch="unified"
@@ -68,13 +68,8 @@ class TritonLaunchConfig:
     max_splits: int = MAX_SPLITS
     split_waves: int = SPLIT_WAVES
     dispatch: str = "by_batch"
-    # decode: q.k and p.v through tl.dot (K/V staged in shared memory, the GQA group's rows
-    # padded to 16), or False: register multiply-adds (K/V straight to registers)
-    decode_dot: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.decode_dot, bool):
-            raise ValueError(f"decode_dot={self.decode_dot!r} is invalid: must be True or False")
         _check_pow2("block_q_rows", self.block_q_rows, MIN_DOT_ROWS)
         _check_pow2("decode_q_rows", self.decode_q_rows, MIN_DOT_ROWS)
         if self.decode_splits is not None and self.decode_splits < 1:

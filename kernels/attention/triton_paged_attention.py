@@ -71,35 +71,6 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
 
 
 @triton.jit
-def _attend_range_fma(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, start, end,
-                      stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale,
-                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_attend_range for one decode query per head without tl.dot: the group's few rows take
-    q.k and p.v as register multiply-adds, so K/V go straight from memory to registers (no
-    shared-memory staging, no rows padded to tl.dot's 16). Keys in [start, end) are all
-    visible (a decode query sees its whole context); q is fp32 [BLOCK_G, BLOCK_D]."""
-    for kv_start in range(start, end, BLOCK_N):
-        kpos = kv_start + tl.arange(0, BLOCK_N)
-        in_range = kpos < end
-        blk = tl.load(bt_row_ptr + kpos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        row_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_row + head_off
-        kv_mask = in_range[:, None] & dim_ok[None, :]
-        k = tl.load(cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        v = tl.load(cache_ptr + stride_c_kv + row_off[:, None] + dims[None, :], mask=kv_mask,
-                    other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale               # [G, N]
-        s = tl.where(in_range[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)  # [G, D]
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     """The request owning query tile `tile`: the last i with qsl[i] // BLOCK_Q + i <= tile."""
     lo = tile * 0
@@ -181,7 +152,7 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_DOT: tl.constexpr):
+                   UPCAST: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,28 +170,23 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     io_mask = (group_idx < GROUP)[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_index.to(tl.int64) * stride_qt + head[:, None] * stride_qh
                 + dims[None, :], mask=io_mask, other=0.0)
-    if UPCAST or not USE_DOT:
+    if UPCAST:
         q = q.to(tl.float32)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1
     m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row_ptr = bt_ptr + req.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_c_head
-    if USE_DOT:
-        q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
-                                      start, full_end, end, stride_c_kv, stride_c_blk,
-                                      stride_c_row, dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N,
-                                      False, PRECISION, UPCAST)
-        m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
-                                      full_end, end, end, stride_c_kv, stride_c_blk,
-                                      stride_c_row, dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N,
-                                      True, PRECISION, UPCAST)
-    else:
-        m_i, l_i, acc = _attend_range_fma(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off,
-                                          start, end, stride_c_kv, stride_c_blk, stride_c_row,
-                                          dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                  start, full_end, end, stride_c_kv, stride_c_blk, stride_c_row,
+                                  dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+                                  UPCAST)
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                  full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
+                                  dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION,
+                                  UPCAST)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
@@ -306,8 +272,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         return
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} is invalid: must be >= 1")
-    launch = launch or TritonLaunchConfig()
-    tiles, use_dot = launch.decode, launch.decode_dot
+    tiles = (launch or TritonLaunchConfig()).decode
     group, block_g, block_d = _shape_params(query, kv_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     part_shape = (num_reqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
@@ -320,9 +285,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *kv_cache.stride()[:4],
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g) if use_dot else block_g,
-        BLOCK_D=block_d, BLOCK_N=block_n or tiles.block_n, **_dot_params(query),
-        USE_DOT=use_dot,
+        NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
+        BLOCK_N=block_n or tiles.block_n, **_dot_params(query),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](

@@ -21,7 +21,6 @@ from tests.support.attention_cases import (  # noqa: E402
     DEVICE, KERNELS_HERE, ON_GPU, check_against_reference, make_case, needs_kernels, triton,
     triton_attn, triton_backend, triton_cache)
 from kernels.attention.torch_ref import TorchAttentionBackend, write_kv_cache  # noqa: E402
-from kernels.attention.triton_launch import TritonLaunchConfig  # noqa: E402
 from tests.support.paths import REPO as REPO_ROOT  # noqa: E402
 
 # The Triton interpreter runs every kernel in Python: seconds per case on CPU.
@@ -50,17 +49,13 @@ def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_
                                                              (8, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-@pytest.mark.parametrize("decode_dot", [True, False])
-def test_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size, splits,
-                                        decode_dot):
+def test_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size, splits):
     """Pure decode (max_query_len 1) through flash-decoding: fixed and auto split counts,
-    contexts from 1 token (most splits empty) to several splits' worth, padded rows; q.k and
-    p.v through tl.dot and as register multiply-adds."""
+    contexts from 1 token (most splits empty) to several splits' worth, padded rows."""
     seq_lens = [1, 17, 64, 130, 300]
     case = make_case(2, seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim,
                      block_size, num_pad=2)
-    launch = TritonLaunchConfig(decode_dot=decode_dot)
-    check_against_reference(case, triton_backend.TritonAttentionBackend(splits, launch))
+    check_against_reference(case, triton_backend.TritonAttentionBackend(decode_splits=splits))
 
 
 @needs_kernels
@@ -71,8 +66,6 @@ def test_half_precision_matches_reference(dtype, tol):
     check_against_reference(prefill, triton_backend.TritonAttentionBackend(), tol, tol)
     decode = make_case(4, [70, 5], [1, 1], 8, 2, 64, 16, dtype=dtype)
     check_against_reference(decode, triton_backend.TritonAttentionBackend(3), tol, tol)
-    fma = TritonLaunchConfig(decode_dot=False)
-    check_against_reference(decode, triton_backend.TritonAttentionBackend(3, fma), tol, tol)
 
 
 @needs_kernels
@@ -171,11 +164,7 @@ for dt in ("fp16", "bf16"):
               BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, **dot), num_warps=warps,
               num_stages=2)
     build(pa._decode_kernel, ptrs, dict(NUM_HEADS=32, GROUP=8, HEAD_DIM=128, BLOCK_SIZE=256,
-          NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, USE_DOT=True, **dot), num_warps=4,
-          num_stages=2)
-    build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16,
-          NUM_SPLITS=1, BLOCK_G=2, BLOCK_D=128, BLOCK_N=64, USE_DOT=False, **dot), num_warps=4,
-          num_stages=2)
+          NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, **dot), num_warps=4, num_stages=2)
     build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
           BLOCK_D=128), num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
@@ -210,8 +199,6 @@ def test_gpu_half_precision_at_model_sizes(dtype, tol, block_size):
     decode = make_case(8, [4096, 1, 1000, 2500] * 8, [1] * 32, 32, 8, 128, block_size,
                        num_pad=3, dtype=dtype)
     check_against_reference(decode, triton_backend.TritonAttentionBackend(), tol, tol)
-    fma = TritonLaunchConfig(decode_dot=False)
-    check_against_reference(decode, triton_backend.TritonAttentionBackend(launch=fma), tol, tol)
 
 
 @pytest.mark.skipif(KERNELS_HERE, reason="the kernel tests ran in this process")
