@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of DeltaServe in one script, for a machine with an NVIDIA GPU:
 #
-#   bash bench/gpu_checks.sh [bench] [profile] [tests] [attention] [fused] [hf] [gemm]
+#   bash bench/gpu_checks.sh [bench] [profile] [tests] [attention] [fused] [hf]
 #                            (none named: bench profile tests, about 8 minutes in all)
 #
 # Each stage has its own time limit (bench 240, profile 180, tests 300, attention 240, fused 400,
@@ -26,9 +26,6 @@
 #              KV cache is sized by profiling (0.9 of the GPU) unless KV_GIB sets a fixed budget.
 #   profile    python -m bench.step_profile --preset qwen3-0.6b --warmup: torch.profiler over 50
 #              steady decode steps: device busy share, idle per step, top kernels, host phases.
-#   gemm       python -m bench.decode_gemm --preset qwen3-0.6b: each projection at decode batch
-#              sizes, F.linear (cuBLAS) against the best of a small split-K Triton grid, as us per
-#              call and fraction of the copy bandwidth (GEMM_LIMIT, 120 s).
 #   hf         transformers generate() on the same model, capped: one batch size (HF_BATCH_SIZES,
 #              default 64), the workload's lengths, HF_TIME_BUDGET (60 s), the stage's limit.
 #   fused      whether fused RMSNorm and rope pay off: the kernel microbenchmark
@@ -258,17 +255,6 @@ stage_profile() {
     grep -A 6 -E '^(top kernels|gaps over)' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
 
-stage_gemm() {
-    local start=$SECONDS rc
-    timeout --signal=INT --kill-after=20 "${GEMM_LIMIT:-120}" \
-        "$PY" -m bench.decode_gemm --preset qwen3-0.6b \
-        --time-budget "$(( ${GEMM_LIMIT:-120} * 2 / 3 ))" 2>&1 | tee "$OUT_DIR/gemm.log"
-    rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || STATUS=1
-    say "gemm: exit $rc, $((SECONDS - start)) s"
-    grep -E '^(\||device|time budget)' "$OUT_DIR/gemm.log" | sed 's/^/  /' | tee -a "$SUMMARY"
-}
-
 stage_hf() {
     local start=$SECONDS rc
     timeout --signal=INT --kill-after=20 "${HF_LIMIT:-240}" \
@@ -311,8 +297,8 @@ stage_fused() {
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(bench profile tests)
 for s in "${stages[@]}"; do
-    case $s in tests|attention|bench|profile|fused|hf|gemm) ;;
-        *) echo "unknown stage '$s': bench, profile, tests, attention, fused, hf or gemm" >&2
+    case $s in tests|attention|bench|profile|fused|hf) ;;
+        *) echo "unknown stage '$s': bench, profile, tests, attention, fused or hf" >&2
            exit 2 ;; esac
 done
 install_wheels || say "wheel install failed: continuing without .whl/"

@@ -65,9 +65,6 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     e.add_argument("--triton-launch", default=None,
                    help="other Triton attention launch choices, name=value,... (an experiment: "
                         "bench/launch_override.py)")
-    e.add_argument("--decode-gemm", choices=("cublas", "triton"), default="cublas",
-                   help="projections of decode-sized inputs through F.linear (default) or the "
-                        "split-K Triton GEMM (an experiment: bench/decode_gemm_override.py)")
     e.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 avoids stalls on a "
                         "busy shared CPU)")
@@ -176,18 +173,14 @@ def _llm_kwargs(args, device: str, max_model_len: int) -> tuple[dict, list[str]]
 
 
 def apply_experiments(llm, args) -> list[str]:
-    """The bench-only engine experiments the flags ask for (--triton-launch, --decode-gemm),
-    applied to a started engine; returns their notes."""
+    """The bench-only engine experiment the flags ask for (--triton-launch), applied to a
+    started engine; returns its notes."""
     notes = []
     if args.triton_launch:
         from bench.launch_override import apply_launch, parse_launch
 
         apply_launch(llm, parse_launch(args.triton_launch))
         notes.append(f"triton launch: {args.triton_launch}")
-    if args.decode_gemm == "triton":
-        from bench.decode_gemm_override import apply_decode_gemm
-
-        notes.append(f"decode GEMM: {apply_decode_gemm(llm)}")
     return notes
 
 

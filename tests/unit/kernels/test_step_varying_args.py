@@ -20,7 +20,6 @@ STEP_VARYING = {
     "kernels.fused_rope:_rope_kernel": ["num_slots"],        # len(slot_mapping), or T
     "kernels.greedy_sample:_merge_kernel": ["n_parts"],      # chunks per row, from n_rows
     "kernels.attention.triton_paged_attention:_prefill_kernel": ["num_reqs", "stride_bt"],
-    "kernels.decode_gemm:_split_k_kernel": ["M"],                # the step's rows
 }
 
 SCRIPT = """
