@@ -142,7 +142,7 @@ def _cmd_scheduler(args) -> int:
     with _startup_errors():
         model = resolve_model_arg(args)
         settings = engine_settings(args, model)
-        auth = from_args(WorkerCredentials, args).load()
+        auth = from_args(WorkerCredentials, args).load_for_client()
         front = openai_front(args, settings.api, model, args.listen,
                              settings.server.chat_template)
     if front is None:

@@ -2,8 +2,9 @@
 
 The worker runs as a child process (`deltaserve worker`, in its own session so a terminal Ctrl-C
 reaches only this process, and set to get SIGTERM if this process dies); the scheduler runs in
-this process. The Worker protocol is authenticated by a random token made for this run and handed
-to the worker on its standard input (never on a command line, never in a file). Ctrl-C or
+this process. The Worker protocol is authenticated by a random token made for this run; the
+worker gets its SHA-256 digest on its standard input (never on a command line, never in a
+file), so the worker process holds nothing that could drive a worker. Ctrl-C or
 SIGTERM drains the scheduler, then stops the worker: no orphan is left. With no --model, the
 default model (SmolLM2-135M-Instruct, deltaserve/default_model.py) is fetched and converted once
 into the cache directory; `--model tiny` serves a tiny model with random weights (for tests),
@@ -33,7 +34,7 @@ from engine_common.configuration.listen_address import next_port
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.runtime.paths import cache_dir
 from engine_common.configuration.settings import from_args, to_flags
-from engine_common.security.worker_auth import WorkerAuth, new_token
+from engine_common.security.worker_auth import WorkerAuth, new_token, token_digest_text
 from scheduler_service.api.engine_flags import engine_settings
 from scheduler_service.api.server import run_scheduler
 from worker_service.models.tp_sizes import check_tp_size
@@ -63,12 +64,13 @@ def tiny_model_dir() -> Path:
 
 
 def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subprocess.Popen:
-    """`deltaserve worker` as a child process that reads `token` from its standard input."""
+    """`deltaserve worker` as a child process that reads `token`'s digest from its standard
+    input (the worker checks the token without holding it)."""
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
            "--worker-token-file", "-", *to_flags(options)]
     proc = subprocess.Popen(dying_with_parent(cmd), start_new_session=True,
                             stdin=subprocess.PIPE, text=True)
-    proc.stdin.write(token + "\n")
+    proc.stdin.write(token_digest_text(token) + "\n")
     proc.stdin.close()
     return proc
 

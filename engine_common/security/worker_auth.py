@@ -12,11 +12,15 @@ compares it in constant time. With TLS the worker requires a client certificate 
 DNS or URI subjectAltName or the subject's common name; a cluster CA signs the workers' own
 certificates too, and without the list any of them may drive any worker), and the scheduler
 verifies the worker's certificate against its own --worker-tls-ca. Either credential is enough;
-both may be used together. `deltaserve serve` makes a random token per run (`new_token`) and
-hands it to the worker it starts on standard input.
+both may be used together. A worker's token file may hold the token's SHA-256 digest instead
+(`sha256:` and 64 hex digits, `token_digest_text`): the worker compares digests, and a worker
+that is broken into yields nothing that drives another worker; the scheduler needs the token
+itself. `deltaserve serve` makes a random token per run (`new_token`) and hands its digest to the
+worker it starts on standard input.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 import sys
@@ -29,6 +33,8 @@ from engine_common.security.tls import read_pem
 
 AUTH_METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
+DIGEST_PREFIX = "sha256:"
+_HEX = frozenset("0123456789abcdef")
 _TOKEN_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))   # printable ASCII, no space
 # Settings of WorkerCredentials that only the worker has (a scheduler's parser skips them).
 WORKER_ONLY = ("worker_tls_allowed_clients",)
@@ -41,7 +47,9 @@ class WorkerCredentials:
 
     worker_token_file: str | None = setting(
         None, "file holding the secret token every Worker RPC carries (the same secret on the "
-        "worker and the scheduler; '-': read it from standard input)",
+        "worker and the scheduler; '-': read it from standard input); a worker's may hold "
+        "the token's digest instead, sha256:HEX (then the worker holds nothing that drives "
+        "another)",
         rule=ReadableFile(stdin=True), metavar="FILE")
     worker_tls_cert: str | None = setting(
         None, "PEM certificate of this side of the Worker protocol (the worker's server "
@@ -88,53 +96,78 @@ class WorkerCredentials:
         return self.worker_token_file is not None or self.worker_tls_cert is not None
 
     def load(self, stdin: TextIO | None = None) -> "WorkerAuth":
-        """Read the files (a token file "-" from `stdin`, default sys.stdin)."""
-        token = None
+        """Read the files (a token file "-" from `stdin`, default sys.stdin): the worker's
+        credentials (its token file may hold the token's sha256: digest)."""
+        token = digest = None
         if self.worker_token_file == "-":
-            token = parse_token((stdin or sys.stdin).readline(), "standard input")
+            token, digest = parse_secret((stdin or sys.stdin).readline(), "standard input")
         elif self.worker_token_file is not None:
-            token = read_token_file(self.worker_token_file)
+            token, digest = parse_secret(read_text(self.worker_token_file),
+                                         self.worker_token_file)
         if self.worker_tls_cert is None:
-            return WorkerAuth(token=token)
-        return WorkerAuth(token=token,
+            return WorkerAuth(token=token, token_digest=digest)
+        return WorkerAuth(token=token, token_digest=digest,
                           cert=read_pem(self.worker_tls_cert, "worker_tls_cert"),
                           key=read_pem(self.worker_tls_key, "worker_tls_key"),
                           ca=read_pem(self.worker_tls_ca, "worker_tls_ca"),
                           allowed_clients=self.allowed_clients)
+
+    def load_for_client(self, stdin: TextIO | None = None) -> "WorkerAuth":
+        """load() for the side that calls workers (the scheduler): the token itself, since a
+        digest cannot be sent."""
+        auth = self.load(stdin)
+        if auth.token_digest is not None and auth.token is None:
+            raise ParamError("worker_token_file", self.worker_token_file,
+                             "a file holding the token itself: the scheduler sends it, and a "
+                             "sha256: digest only lets a worker check it")
+        return auth
 
 
 @dataclass(frozen=True)
 class WorkerAuth:
     """The loaded credentials. Nothing set: the protocol runs without authentication."""
 
-    token: str | None = None
+    token: str | None = None     # what a client sends; None on a worker given the digest
     cert: bytes | None = None
     key: bytes | None = None
     ca: bytes | None = None
     # The worker's: names one of which a client certificate must carry (empty: any of the CA's).
     allowed_clients: frozenset[str] = frozenset()
+    # What a worker compares a presented token's SHA-256 with (the token's, when given).
+    token_digest: bytes | None = None
+
+    def __post_init__(self):
+        if self.token is not None and self.token_digest is None:
+            object.__setattr__(self, "token_digest", sha256(self.token))
 
     def __repr__(self) -> str:   # never print the secret
-        return f"WorkerAuth(token={'set' if self.token else None}, tls={self.tls})"
+        token = "set" if self.token else "digest" if self.token_digest else None
+        return f"WorkerAuth(token={token}, tls={self.tls})"
 
     @property
     def tls(self) -> bool:
         return self.cert is not None
 
     @property
+    def checks_token(self) -> bool:
+        return self.token_digest is not None
+
+    @property
     def enabled(self) -> bool:
-        return self.token is not None or self.tls
+        return self.checks_token or self.tls
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The call metadata a client adds to every Worker RPC."""
         return ((AUTH_METADATA_KEY, f"Bearer {self.token}"),) if self.token else ()
 
     def accepts(self, header: str | None) -> bool:
-        """Whether an `authorization` metadata value carries this token (constant time)."""
-        if self.token is None:
+        """Whether an `authorization` metadata value carries the token: its SHA-256 against
+        token_digest (constant time; equal lengths whatever was sent)."""
+        if self.token_digest is None:
             return True
-        expected = f"Bearer {self.token}".encode()
-        return hmac.compare_digest((header or "").encode(errors="replace"), expected)
+        scheme, _, presented = (header or "").partition(" ")
+        given = sha256(presented.encode(errors="replace"))
+        return hmac.compare_digest(given, self.token_digest) and scheme == "Bearer"
 
 
 def new_token() -> str:
@@ -153,9 +186,31 @@ def parse_token(text: str, source: str) -> str:
     return token
 
 
-def read_token_file(path: str) -> str:
+def sha256(token: str | bytes) -> bytes:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
+
+
+def token_digest_text(token: str) -> str:
+    """What a worker's token file may hold instead of `token`: sha256:HEX."""
+    return DIGEST_PREFIX + sha256(token).hex()
+
+
+def parse_secret(text: str, source: str) -> tuple[str | None, bytes]:
+    """(token, its digest) from a token file's text, or (None, digest) from sha256:HEX."""
+    text = text.strip()
+    if not text.startswith(DIGEST_PREFIX):
+        token = parse_token(text, source)
+        return token, sha256(token)
+    hex_digits = text[len(DIGEST_PREFIX):].lower()
+    if len(hex_digits) != 64 or not set(hex_digits) <= _HEX:
+        raise ParamError("worker_token_file", source,
+                         f"a token's digest as {DIGEST_PREFIX} and 64 hex digits (its SHA-256)")
+    return None, bytes.fromhex(hex_digits)
+
+
+def read_text(path: str) -> str:
     try:
         with open(path, encoding="ascii", errors="replace") as f:
-            return parse_token(f.read(), path)
+            return f.read()
     except OSError as e:
         raise ParamError("worker_token_file", path, f"a readable file ({e.strerror})") from None

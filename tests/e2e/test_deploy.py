@@ -22,6 +22,7 @@ import pytest
 
 from deltaserve.cli import build_parser
 from scheduler_service.api.engine_flags import engine_settings
+from engine_common.security.worker_auth import WorkerCredentials
 from engine_common.wire.protos import GENERATION_SERVICE, WORKER_SERVICE
 from tests.support.grpc_harness import GRPCURL, REPO, SMALL_KV_GIB, child_env, free_port, wait_for
 
@@ -239,7 +240,8 @@ def test_scheduler_args_name_the_workers_and_fit_the_pod(k8s, tmp_path):
 
 
 def test_worker_protocol_is_authenticated_and_fenced_off(k8s, tmp_path):
-    """Both sides mount one Secret and pass it as --worker-token-file (readable by the pods'
+    """The scheduler mounts the token's Secret and the workers its digest's (a worker pod holds
+    nothing that drives another), each passed as --worker-token-file (readable by the pods'
     user through fsGroup); the worker's --model-root holds the scheduler's --model; and a
     NetworkPolicy lets only the scheduler reach the Worker port and only worker pods reach the
     rest (the unauthenticated rendezvous and NCCL)."""
@@ -247,16 +249,17 @@ def test_worker_protocol_is_authenticated_and_fenced_off(k8s, tmp_path):
     dep, sctr = _workload(k8s, "Deployment")
     worker = _parse(_worker_argv(sts, wctr, 0, tmp_path))
     scheduler = _parse(["scheduler", *sctr["args"]])
-    secrets = set()
+    secrets = []
     for obj, ctr, args in ((sts, wctr, worker), (dep, sctr, scheduler)):
         spec = obj["spec"]["template"]["spec"]
         [mount] = [m for m in ctr["volumeMounts"]
                    if args.worker_token_file.startswith(m["mountPath"] + "/")]
         volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]["secret"]
-        secrets.add(volume["secretName"])
+        secrets.append((volume["secretName"], args.worker_token_file.rsplit("/", 1)[1]))
         assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
         assert volume["defaultMode"] & 0o040 and not volume["defaultMode"] & 0o007
-    assert len(secrets) == 1
+    assert secrets == [("deltaserve-worker-token-digest", "digest"),
+                       ("deltaserve-worker-token", "token")]
     assert not worker.listen.startswith("127.") and not getattr(worker, "insecure", False)
     assert scheduler.model.startswith(worker.model_root.rstrip("/") + "/")
     [policy] = [o for key, o in k8s.items() if key.startswith("NetworkPolicy/")]
@@ -438,3 +441,18 @@ def test_examples_script_runs_end_to_end(served):
             "Code: InvalidArgument", "sampling.top_p=1.5",       # the error example
             "Code: Unauthenticated"):                            # the worker's Info, no token
         assert fragment in text, f"{fragment!r} missing from:\n{text[-4000:]}"
+
+
+def test_the_readmes_digest_recipe_makes_what_a_worker_accepts(tmp_path):
+    """deploy/README.md's shell pipeline for the workers' Secret, run as written on a token:
+    a worker loading its output accepts the token and holds none."""
+    readme = (REPO / "deploy" / "README.md").read_text()
+    [pipeline] = re.findall(r'digest="sha256:\$\((.*?)\)"', readme)
+    token = "0123456789abcdef" * 4
+    hex_digest = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True,
+                                env={"TOKEN": token, "PATH": "/usr/bin:/bin"},
+                                check=True).stdout.strip()
+    (tmp_path / "digest").write_text(f"sha256:{hex_digest}\n")
+    auth = WorkerCredentials(worker_token_file=str(tmp_path / "digest")).load()
+    assert auth.token is None and auth.accepts(f"Bearer {token}")
+    assert not auth.accepts(f"Bearer {token}\n")

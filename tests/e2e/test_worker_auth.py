@@ -3,7 +3,8 @@
 - `deltaserve serve` with default flags: an outsider's Step, Reset, Init, Info and Health on the
   worker port are refused UNAUTHENTICATED (no token, or a wrong one) while the open Generate
   streams run on and finish with the tokens they give alone.
-- Separate worker and scheduler sharing a token file: a refused Init (a directory that is no
+- Separate worker and scheduler, the worker holding the token's digest and the scheduler the
+  token: a refused Init (a directory that is no
   model, a stale epoch) leaves the model loaded and the epoch and owner unchanged.
 - Mutual TLS: the worker takes only clients with a certificate of its CA that carries a name of
   --worker-tls-allowed-clients (not its own serving certificate); the scheduler verifies the
@@ -20,6 +21,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from engine_common.security.worker_auth import token_digest_text
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.certs import make_ca, make_cert
 from tests.support.grpc_harness import (Processes, bearer, child_env, collect, free_port,
@@ -109,15 +111,18 @@ def test_serve_refuses_an_outsider_and_its_streams_finish(tiny_models, tmp_path)
 
 @pytest.fixture(scope="module")
 def token_cluster(tiny_models, tmp_path_factory):
-    """A worker and a scheduler sharing a token file: (procs, worker port, target, token).
+    """A worker holding the token's digest and a scheduler the token: (procs, worker port,
+    target, token).
     Shared: neither test changes it (refused Inits leave it as it was, which one test asserts;
     the other's flood of unauthenticated streams is closed before it ends)."""
     tmp_path = tmp_path_factory.mktemp("token-cluster")
     procs = Processes(tmp_path)
     token_file = tmp_path / "worker-token"
     token = write_token(token_file)
+    digest_file = tmp_path / "worker-token-digest"
+    digest_file.write_text(token_digest_text(token) + "\n")
     w_port, s_port = free_port(), free_port()
-    worker = procs.worker(w_port, "--worker-token-file", str(token_file))
+    worker = procs.worker(w_port, "--worker-token-file", str(digest_file))
     sched = procs.scheduler(tiny_models("qwen3"), [w_port], s_port, "--worker-token-file",
                             str(token_file))
     try:

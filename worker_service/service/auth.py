@@ -1,7 +1,7 @@
 """Who may drive this worker: the token check, the TLS port, and the start-up rule.
 
 - `TokenCheck` is a server interceptor: a call whose `authorization` metadata does not carry the
-  worker's token is refused UNAUTHENTICATED before any handler runs (a Step stream is never
+  worker's token (checked against its SHA-256 digest) is refused UNAUTHENTICATED before any handler runs (a Step stream is never
   opened, so the owner's stream is not superseded). Only grpc.health.v1's `Check` stays open,
   for probes: it answers from memory at once. Nothing an unauthenticated caller may open holds
   one of the server's pooled threads (issue 23: seven reflection streams held open starved the
@@ -87,11 +87,11 @@ def _refusal(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler
 
 def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:
     """The token check and the client-name check, each when the worker has it."""
-    out: tuple[grpc.ServerInterceptor, ...] = (TokenCheck(auth),) if auth.token else ()
+    out: tuple[grpc.ServerInterceptor, ...] = (TokenCheck(auth),) if auth.checks_token else ()
     if auth.tls and auth.allowed_clients:
         # Without a token check in front, the name check guards the open methods itself.
         out += (ClientNameCheck(auth.allowed_clients, OPEN_METHODS,
-                                open_checks=None if auth.token else OpenChecks()),)
+                                open_checks=None if auth.checks_token else OpenChecks()),)
     return out
 
 
@@ -127,9 +127,13 @@ def check_exposure(listen: str, auth: WorkerAuth, insecure: bool) -> None:
 def describe(auth: WorkerAuth) -> str:
     """How the worker is guarded, for its ready line."""
     if auth.tls:
-        return ("token and " if auth.token else "") + _describe_tls(auth)
+        return ("token and " if auth.checks_token else "") + _describe_tls(auth)
+    if auth.token is not None:
+        return ("token; WARNING: this worker holds the token itself, which drives every worker "
+                "that accepts it (give workers its digest: --worker-token-file holding "
+                "sha256:HEX, docs/security.md)")
     if auth.enabled:
-        return "token"
+        return "token (its digest: this worker holds nothing that drives another)"
     return ("NOT authenticated: any process that reaches the port can drive this worker (give "
             "--worker-token-file or --worker-tls-*)")
 

@@ -7,7 +7,8 @@ import io
 import pytest
 
 from engine_common.request.params import ParamError
-from engine_common.security.worker_auth import WorkerAuth, WorkerCredentials, new_token, parse_token
+from engine_common.security.worker_auth import (WorkerAuth, WorkerCredentials, new_token, parse_token,
+                                                 token_digest_text)
 
 
 def test_a_token_is_read_from_a_file_or_stdin_and_never_printed(tmp_path):
@@ -74,3 +75,38 @@ def test_only_the_worker_has_the_allowed_clients_flag(capsys):
         parser.parse_args(["scheduler", "--model", "m", "--workers", "w:1",
                            "--worker-tls-allowed-clients", "scheduler"])
     assert "unrecognized arguments: --worker-tls-allowed-clients" in capsys.readouterr().err
+
+
+TOKEN = "s3cret-token-0123456789"
+
+
+def test_a_worker_given_the_digest_checks_the_token_without_holding_it(tmp_path):
+    path = tmp_path / "token.sha256"
+    path.write_text(token_digest_text(TOKEN).upper().replace("SHA256:", "sha256:") + "\n")
+    auth = WorkerCredentials(worker_token_file=str(path)).load()
+    assert auth.token is None and auth.checks_token and auth.enabled and auth.metadata() == ()
+    assert auth.accepts(f"Bearer {TOKEN}")
+    for header in (None, "", TOKEN, f"bearer {TOKEN}", f"Bearer {TOKEN}x",
+                   f"Bearer {token_digest_text(TOKEN)}", "Bearer " + path.read_text().strip()):
+        assert not auth.accepts(header), header
+    assert repr(auth) == "WorkerAuth(token=digest, tls=False)"
+    # the token itself still works on a worker, and checks the same way
+    assert WorkerAuth(token=TOKEN).token_digest == auth.token_digest
+
+
+def test_the_scheduler_needs_the_token_itself(tmp_path):
+    path = tmp_path / "token.sha256"
+    path.write_text(token_digest_text(TOKEN))
+    with pytest.raises(ParamError, match=f"worker_token_file='{path}' is invalid: must be a file "
+                                         "holding the token itself"):
+        WorkerCredentials(worker_token_file=str(path)).load_for_client()
+    piped = WorkerCredentials(worker_token_file="-").load_for_client(io.StringIO(TOKEN))
+    assert piped.metadata() == (("authorization", f"Bearer {TOKEN}"),)
+
+
+@pytest.mark.parametrize("text", ["sha256:", "sha256:" + "0" * 63, "sha256:" + "g" * 64,
+                                  "sha256:" + "0" * 65, "sha256: " + "0" * 64])
+def test_a_malformed_digest_is_refused(text):
+    with pytest.raises(ParamError, match="must be a token's digest as sha256: and 64 hex digits"):
+        WorkerCredentials(worker_token_file="-").load(io.StringIO(text))
+

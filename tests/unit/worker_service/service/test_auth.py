@@ -1,16 +1,21 @@
-"""worker_service/service/auth.py: where a worker without credentials may listen, and how often
-its refusals are logged."""
+"""worker_service/service/auth.py: where a worker without credentials may listen, how often its
+refusals are logged, and a worker that holds only the token's digest."""
 from __future__ import annotations
 
+import io
 import logging
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.request.params import ParamError
-from engine_common.security.worker_auth import WorkerAuth
-from worker_service.service.auth import TokenCheck, check_exposure, is_loopback
+from engine_common.security.worker_auth import WorkerAuth, WorkerCredentials, token_digest_text
+from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from tests.support.grpc_harness import bearer
+from worker_service.service.auth import TokenCheck, check_exposure, describe, is_loopback
+from worker_service.service.server import serve_worker
 from worker_service.service.log_limit import LogLimit
 
 
@@ -59,3 +64,33 @@ def test_a_log_limit_counts_what_it_leaves_out():
     assert limit.take() is None
     now[0] = 105.0
     assert limit.take() == 4 and limit.take() is None
+
+
+TOKEN = "test-token-0123456789abcdef"
+
+
+def test_the_ready_line_warns_a_worker_that_holds_the_token():
+    assert "WARNING: this worker holds the token itself" in describe(WorkerAuth(token=TOKEN))
+    digest_only = WorkerAuth(token_digest=WorkerAuth(token=TOKEN).token_digest)
+    assert describe(digest_only).startswith("token (its digest")
+    assert "WARNING" not in describe(digest_only)
+
+
+def test_a_real_worker_given_the_digest_serves_the_token_and_refuses_the_digest():
+    """The worker process holds sha256:HEX only: the scheduler's token drives it, and the
+    digest it holds (all an intruder in it could read) is refused like any wrong token."""
+    digest = token_digest_text(TOKEN)
+    auth = WorkerCredentials(worker_token_file="-").load(io.StringIO(digest + "\n"))
+    server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"), auth)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
+            health = worker_pb2_grpc.WorkerStub(channel).Health
+            reply = health(worker_pb2.HealthRequest(), timeout=30, metadata=bearer(TOKEN))
+            assert (reply.ready, reply.reason) == (False, "not initialized")
+            for sent in (digest, digest.removeprefix("sha256:"), None):
+                with pytest.raises(grpc.RpcError) as refused:
+                    health(worker_pb2.HealthRequest(), timeout=30, metadata=bearer(sent))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, sent
+    finally:
+        server.stop(None)
+        server.node_worker.close()
