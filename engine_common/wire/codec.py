@@ -110,7 +110,7 @@ def _sampling(value) -> WorkerSamplingParams:
     sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
     if not isinstance(sampling, bytes):
         raise CodecError("sampling params: expected bytes (a SamplingParams message)")
-    return WorkerSamplingParams(sampling_from_wire(sampling), _int(seed, "seed"),
+    return WorkerSamplingParams(_cached_sampling_from_wire(sampling), _int(seed, "seed"),
                                 _int(min_tokens, "min_tokens"),
                                 tuple(_ints(stop_ids, "stop_ids")))
 
@@ -200,6 +200,12 @@ def sampling_from_wire(data: bytes) -> SamplingParams:
         raise CodecError(f"sampling: unknown field number {unknown[0].field_number} (not a "
                          "SamplingParams field)")
     return SamplingParams(**given_knobs(msg), logit_bias=dict(msg.logit_bias))
+
+
+# A prefill step brings hundreds of new requests, mostly of one or a few kinds of sampling: the
+# message is parsed and validated once per kind (SamplingParams is frozen, so sharing one is
+# safe; a refused message raises each time, lru_cache keeps no exceptions).
+_cached_sampling_from_wire = lru_cache(maxsize=1024)(sampling_from_wire)
 
 
 def _worker_sampling(params: WorkerSamplingParams) -> list:
