@@ -5,7 +5,8 @@ Layouts (positional arrays keep steady-state messages tiny):
 
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]]
-    new        = [handle, prompt ids (uint32 bytes), sampling, block ids,
+    new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
+                  sampling, block ids,
                   num_computed_tokens, num_logprobs (-1: none), constraint]
     sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
@@ -30,6 +31,7 @@ from array import array
 from functools import lru_cache
 
 import msgpack
+import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
@@ -61,6 +63,12 @@ def _u32(values) -> bytes:
 
 def _from_u32(data: bytes) -> list[int]:
     return array("I", _packed(data, "uint32 array")).tolist()
+
+
+def _u32_array(data: bytes, what: str) -> np.ndarray:
+    """A read-only uint32 view of the bytes: a prompt's ids, for a worker that checks them with
+    one max() and copies them into its token buffer by slice (no Python int per id)."""
+    return np.frombuffer(_packed(data, what), dtype=np.uint32)
 
 
 def _f32(values) -> bytes:
@@ -125,7 +133,8 @@ def _constraint(value) -> Constraint | None:
 def _new_request(value) -> NewRequestData:
     h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
         value, "new request", 7)
-    return NewRequestData(_int(h, "handle"), _from_u32(prompt), _sampling(sampling),
+    return NewRequestData(_int(h, "handle"), _u32_array(prompt, "prompt_token_ids"),
+                          _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
                           _int(num_logprobs, "num_logprobs", lo=NO_LOGPROBS),
                           _constraint(constraint))

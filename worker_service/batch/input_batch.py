@@ -28,7 +28,7 @@ from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
 from engine_common.wire.diff import NewRequestData
 
 
-@dataclass
+@dataclass(eq=False)     # NewRequestData's __eq__: a prompt array equals its ids' list
 class CachedRequestState(NewRequestData):
     """The worker's cached copy of one request (its row is filled from it): the diff's new
     request and the tokens this worker sampled itself (the scheduler never sends them back). It

@@ -243,3 +243,16 @@ def test_runner_output_from_numpy_arrays_encodes_like_lists(out):
         out.compiled_handles)
     assert encode_runner_output(as_arrays) == encode_runner_output(out)
     assert decode_runner_output(encode_runner_output(as_arrays)) == out
+
+
+def test_a_decoded_prompt_is_a_read_only_uint32_array_equal_to_its_ids():
+    sampling = WorkerSamplingParams(SamplingParams(), seed=0)
+    sent = NewRequestData(3, [0, 5, 2**32 - 1], sampling, [1], 0)
+    got = decode_scheduler_output(encode_scheduler_output(
+        SchedulerOutput(step=1, new_requests=[sent]))).new_requests[0]
+    ids = got.prompt_token_ids
+    assert isinstance(ids, np.ndarray) and ids.dtype == np.uint32 and not ids.flags.writeable
+    assert ids.tolist() == [0, 5, 2**32 - 1]
+    assert got == sent and sent == got
+    assert got != NewRequestData(3, [0, 5, 2**32 - 2], sampling, [1], 0)
+    assert got != NewRequestData(3, [0, 5], sampling, [1], 0)
