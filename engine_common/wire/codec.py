@@ -103,7 +103,11 @@ def _seq(value, what: str, length: int | None = None) -> list:
 
 
 def _ints(value, what: str) -> list[int]:
-    for v in _seq(value, what):
+    # The usual list (a new request's block ids: dozens) in C: all exact ints, none negative;
+    # anything else is looked at one by one, for the message naming it.
+    if not _seq(value, what) or ({*map(type, value)} == {int} and min(value) >= 0):
+        return value
+    for v in value:
         _int(v, what)
     return value
 
