@@ -233,7 +233,11 @@ class KVCacheManager:
             return hashes
         # hash_block's digests, from one uint32 buffer of all the new blocks' tokens (a new
         # prompt hashes dozens of blocks: no per-block list slice and array).
-        data = array("I", _token_slice(request, start * bs, num_full * bs)).tobytes()
+        prompt_u32 = request.prompt_u32          # made at admission, when it was
+        if prompt_u32 is not None and num_full * bs <= len(request.prompt_token_ids):
+            data = prompt_u32[start * bs * 4:num_full * bs * 4]
+        else:
+            data = array("I", _token_slice(request, start * bs, num_full * bs)).tobytes()
         parent = hashes[-1] if start else (salt_root(request.cache_salt) or b"")
         width, blake2b = 4 * bs, hashlib.blake2b
         for offset in range(0, len(data), width):

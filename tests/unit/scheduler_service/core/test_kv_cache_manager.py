@@ -69,6 +69,16 @@ def test_block_hashes_in_pieces_are_hash_block_chained_from_the_salt():
         expected.append(parent)
     assert kv._block_hashes(r, 1) == expected[:1]
     assert kv._block_hashes(r, 4) == expected       # blocks 1-3 cross into the output
+    # The same from the prompt's bytes made at admission (blocks within the prompt).
+    from array import array
+    kv2 = KVCacheManager(16, BS, enable_caching=True)
+    r2 = Request("t", list(range(10)), SamplingParams(), StoppingParams(max_tokens=None),
+                 cache_salt="key:s")
+    r2.prompt_u32 = array("I", r2.prompt_token_ids).tobytes()
+    assert kv2._block_hashes(r2, 1) == expected[:1]
+    assert kv2._block_hashes(r2, 2) == expected[:2]
+    r2.output_token_ids.extend([70000, 11, 12, 13, 14, 15])
+    assert kv2._block_hashes(r2, 4) == expected
 
 
 def test_a_hit_needs_the_same_salt():
