@@ -2,6 +2,7 @@
 
     python -m bench.prefill_host                          # make bench-prefill-host
     python -m bench.prefill_host --rounds 5 --baseline-tree ../old-checkout
+    python -m bench.prefill_host --modes sync --baseline-tree ../step1 --baseline-tree ../step2
 
 nano-vllm's prompt shape: 256 requests, prompt lengths uniform in 100-1024, ids random below
 10,000 (bench/workload.py), max_num_batched_tokens 16384, every request producing --max-tokens
@@ -45,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="sync,async",
                    help="scheduling lanes, comma-separated (default: sync,async)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each lane (default: 3)")
-    p.add_argument("--baseline-tree", default=None,
-                   help="another checkout: the same runs there, alternating with this one")
+    p.add_argument("--baseline-tree", action="append", default=[],
+                   help="another checkout: the same runs there, alternating with this one "
+                        "(repeatable: each change of a series against the same rounds)")
     p.add_argument("--results-file", default=None, help="append the block here")
     return p
 
@@ -80,9 +82,8 @@ def spread(values: list[float], digits: int = 1) -> str:
 
 
 def lane(args, model: str, async_scheduling: bool) -> list[str]:
-    trees = [("this tree", REPO)]
-    if args.baseline_tree:
-        trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
+    trees = [("this tree", REPO)] + [(f"baseline {tree}", Path(tree).resolve())
+                                     for tree in args.baseline_tree]
     runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
@@ -105,9 +106,9 @@ def lane(args, model: str, async_scheduling: bool) -> list[str]:
             if phase != "step":
                 per = [r["phases_ms"][phase] / r["prefill_steps"] for r in rounds]
                 lines.append(f"    {phase + ' per step':24s} {spread(per)}")
-    if len(medians) == 2:
-        (_, ours), (_, base) = medians.items()
-        lines.append(f"  this tree / baseline (median per prefill step): {ours / base:.2f}")
+    ours = medians.pop("this tree")
+    for name, base in medians.items():
+        lines.append(f"  this tree / {name} (median per prefill step): {ours / base:.2f}")
     return lines
 
 
