@@ -16,7 +16,9 @@ prefill steps whenever it exceeds the forward pass's.
 Lanes: sync scheduling (one step in flight: the sum is the host's critical path) and async (the
 engine and runner threads overlap but share the GIL). Each lane runs --rounds times in fresh
 processes, alternating with --baseline-tree when given; prints ms per prefill step and per new
-request (the run's wall time over them), min / median / max over the rounds.
+request (the run's wall time over them), and the process's CPU time per prefill step (all
+its threads: steadier than the wall time on a shared machine), min / median / max over the
+rounds.
 """
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ def lane(args, model: str, async_scheduling: bool) -> list[str]:
                      f"{spread(per_req, 3)} ({first['prefill_steps']} prefill steps of "
                      f"{first['steps']}, {first['new_requests']} requests, "
                      f"{first['prompt_tokens']} prompt tokens)")
+        cpu = [r["cpu_ms"] / r["prefill_steps"] for r in rounds]
+        lines.append(f"    {'CPU per prefill step':24s} {spread(cpu)}")
         steps = [statistics.median(r["prefill_step_ms"]) for r in rounds]
         lines.append(f"    {'median step() admitting':24s} {spread(steps)}")
         for phase in first["phases_ms"]:

@@ -43,14 +43,14 @@ def main(argv: list[str]) -> int:
     stopping = StoppingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate(warm.prompts, SamplingParams(), stopping)
     records = _observe(llm)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     llm.generate(workload.prompts, SamplingParams(), stopping)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     prefill = [r for r in records if r["new"]]
     # A prefill step: a scheduled step that admitted new requests (an async step() call can
     # schedule two steps: its first call after an idle spell only submits).
     print(json.dumps({
-        "wall_ms": wall * 1e3, "steps": len(records),
+        "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3, "steps": len(records),
         "prefill_steps": sum(r["admitting"] for r in records),
         "new_requests": sum(r["new"] for r in records),
         "prompt_tokens": workload.num_prompt_tokens, "vocab_size": vocab,

@@ -30,6 +30,8 @@ def test_both_lanes_report_each_tree_per_prefill_step_and_per_request(tmp_path, 
             counts = re.search(r"\((\d+) prefill steps of (\d+), (\d+) requests", line)
             assert counts and int(counts.group(3)) == 12, line
             assert 1 <= int(counts.group(1)) <= int(counts.group(2)), line
+        cpu = re.search(rf"CPU per prefill step\s+{NUMBER} / {NUMBER} / {NUMBER}", lane)
+        assert cpu and float(cpu.group(2)) > 0, lane
         assert re.search(rf"this tree / baseline {re.escape(str(REPO))} \(median per prefill "
                          rf"step\): {NUMBER}", lane)
     assert "--num-seqs 12" in results.read_text()
