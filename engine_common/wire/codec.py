@@ -5,7 +5,8 @@ Layouts (positional arrays keep steady-state messages tiny):
 
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]]
-    new        = [handle, prompt ids (uint32 bytes), sampling, block ids,
+    new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
+                  sampling, block ids,
                   num_computed_tokens, num_logprobs (-1: none), constraint]
     sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
@@ -30,6 +31,7 @@ from array import array
 from functools import lru_cache
 
 import msgpack
+import numpy as np
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
@@ -61,6 +63,12 @@ def _u32(values) -> bytes:
 
 def _from_u32(data: bytes) -> list[int]:
     return array("I", _packed(data, "uint32 array")).tolist()
+
+
+def _u32_array(data: bytes, what: str) -> np.ndarray:
+    """A read-only uint32 view of the bytes: a prompt's ids, for a worker that checks them with
+    one max() and copies them into its token buffer by slice (no Python int per id)."""
+    return np.frombuffer(_packed(data, what), dtype=np.uint32)
 
 
 def _f32(values) -> bytes:
@@ -95,7 +103,11 @@ def _seq(value, what: str, length: int | None = None) -> list:
 
 
 def _ints(value, what: str) -> list[int]:
-    for v in _seq(value, what):
+    # The usual list (a new request's block ids: dozens) in C: all exact ints, none negative;
+    # anything else is looked at one by one, for the message naming it.
+    if not _seq(value, what) or ({*map(type, value)} == {int} and min(value) >= 0):
+        return value
+    for v in value:
         _int(v, what)
     return value
 
@@ -110,7 +122,7 @@ def _sampling(value) -> WorkerSamplingParams:
     sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
     if not isinstance(sampling, bytes):
         raise CodecError("sampling params: expected bytes (a SamplingParams message)")
-    return WorkerSamplingParams(sampling_from_wire(sampling), _int(seed, "seed"),
+    return WorkerSamplingParams(_cached_sampling_from_wire(sampling), _int(seed, "seed"),
                                 _int(min_tokens, "min_tokens"),
                                 tuple(_ints(stop_ids, "stop_ids")))
 
@@ -125,7 +137,8 @@ def _constraint(value) -> Constraint | None:
 def _new_request(value) -> NewRequestData:
     h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
         value, "new request", 7)
-    return NewRequestData(_int(h, "handle"), _from_u32(prompt), _sampling(sampling),
+    return NewRequestData(_int(h, "handle"), _u32_array(prompt, "prompt_token_ids"),
+                          _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
                           _int(num_logprobs, "num_logprobs", lo=NO_LOGPROBS),
                           _constraint(constraint))
@@ -200,6 +213,12 @@ def sampling_from_wire(data: bytes) -> SamplingParams:
         raise CodecError(f"sampling: unknown field number {unknown[0].field_number} (not a "
                          "SamplingParams field)")
     return SamplingParams(**given_knobs(msg), logit_bias=dict(msg.logit_bias))
+
+
+# A prefill step brings hundreds of new requests, mostly of one or a few kinds of sampling: the
+# message is parsed and validated once per kind (SamplingParams is frozen, so sharing one is
+# safe; a refused message raises each time, lru_cache keeps no exceptions).
+_cached_sampling_from_wire = lru_cache(maxsize=1024)(sampling_from_wire)
 
 
 def _worker_sampling(params: WorkerSamplingParams) -> list:

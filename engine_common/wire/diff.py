@@ -18,7 +18,7 @@ per run of consecutive block ids; in memory it is the plain map below.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.request.params import WorkerSamplingParams
@@ -28,9 +28,11 @@ from engine_common.request.params import WorkerSamplingParams
 NO_LOGPROBS = -1
 
 
-@dataclass
+@dataclass(eq=False)
 class NewRequestData:
     handle: int
+    # A list where the scheduler builds it; a read-only numpy uint32 array where the codec
+    # decoded it (the worker checks and copies it without a Python int per id).
     prompt_token_ids: list[int]
     sampling: WorkerSamplingParams
     block_ids: list[int]
@@ -41,6 +43,12 @@ class NewRequestData:
     num_logprobs: int = 0
     # Structured output: the workers compile it and mask every sampled token with it.
     constraint: Constraint | None = None
+
+    def __eq__(self, other) -> bool:
+        """Field by field, a prompt as its ids (an array equals the list of the same ids)."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
 
 
 @dataclass
@@ -81,3 +89,9 @@ class RunnerOutput:
     # Constrained requests whose grammar finished compiling on the output rank since its last
     # reply: the scheduler schedules their first sampling only after this.
     compiled_handles: list[int] = field(default_factory=list)
+
+
+def _same(a, b) -> bool:
+    if hasattr(a, "dtype") or hasattr(b, "dtype"):
+        return len(a) == len(b) and list(a) == list(b)
+    return a == b

@@ -1,6 +1,8 @@
 """Which requests the scheduler accepts, and the typed errors for those it refuses."""
 from __future__ import annotations
 
+from array import array
+
 from scheduler_service.core.request import Request
 
 
@@ -33,10 +35,14 @@ def check_admission(request: Request, *, max_model_len: int, block_size: int, nu
     prompt = request.prompt_token_ids
     if not prompt:
         raise RequestRejected(rid, "prompt_token_ids", "(empty)", "at least 1 token")
-    lo, hi = min(prompt), max(prompt)
-    if lo < 0 or hi > _MAX_TOKEN_ID:
-        bad = lo if lo < 0 else hi
-        raise RequestRejected(rid, "prompt_token_ids", bad, f"token ids in [0, {_MAX_TOKEN_ID}]")
+    try:        # one pass in C: every id an integer in [0, 2**32 - 1]
+        request.prompt_u32 = array("I", prompt).tobytes()
+    except (TypeError, OverflowError, ValueError):
+        lo, hi = min(prompt), max(prompt)      # the id to name, as before
+        if lo < 0 or hi > _MAX_TOKEN_ID:
+            bad = lo if lo < 0 else hi
+            raise RequestRejected(rid, "prompt_token_ids", bad,
+                                  f"token ids in [0, {_MAX_TOKEN_ID}]") from None
     max_tokens = request.stopping.max_tokens
     total = len(prompt) + (max_tokens or 1)
     if total > max_model_len:

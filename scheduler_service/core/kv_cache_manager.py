@@ -228,10 +228,21 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_full: int) -> list[BlockHash]:
         """The request's chained block hashes, extended to at least `num_full` blocks."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        bs = self.block_size
-        for j in range(len(hashes), num_full):
-            hashes.append(hash_block(hashes[-1] if j else salt_root(request.cache_salt),
-                                     _token_slice(request, j * bs, (j + 1) * bs)))
+        start, bs = len(hashes), self.block_size
+        if num_full <= start:
+            return hashes
+        # hash_block's digests, from one uint32 buffer of all the new blocks' tokens (a new
+        # prompt hashes dozens of blocks: no per-block list slice and array).
+        prompt_u32 = request.prompt_u32          # made at admission, when it was
+        if prompt_u32 is not None and num_full * bs <= len(request.prompt_token_ids):
+            data = prompt_u32[start * bs * 4:num_full * bs * 4]
+        else:
+            data = array("I", _token_slice(request, start * bs, num_full * bs)).tobytes()
+        parent = hashes[-1] if start else (salt_root(request.cache_salt) or b"")
+        width, blake2b = 4 * bs, hashlib.blake2b
+        for offset in range(0, len(data), width):
+            parent = blake2b(parent + data[offset:offset + width], digest_size=16).digest()
+            hashes.append(parent)
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_full: int) -> int:

@@ -79,6 +79,10 @@ class Request:
     # Ids that stop generation (masked by the sampler until min_tokens is reached): eos unless
     # ignore_eos, then stopping.stop_token_ids. Derived once: neither changes after creation.
     stop_token_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # The prompt's ids as uint32 bytes, made by check_admission when every id fits (None
+    # otherwise, or before admission): the prefix-cache hashes read it instead of converting
+    # the prompt's list again. The prompt never changes after creation.
+    prompt_u32: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         eos = () if self.stopping.ignore_eos else tuple(self.eos_token_ids)

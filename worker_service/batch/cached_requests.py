@@ -48,7 +48,12 @@ class CachedRequests:
         for handle in diff.preempted_handles:
             self._give_up_row(handle)     # keeps states[handle]: its tokens are recomputed
         for new in diff.new_requests:
-            state = CachedRequestState(new.handle, list(new.prompt_token_ids), new.sampling,
+            # A decoded prompt is a read-only array: kept as it is (never written, and copied
+            # into the row by one slice); a list is copied, the diff's own stays the diff's.
+            prompt = new.prompt_token_ids
+            state = CachedRequestState(new.handle,
+                                       prompt if hasattr(prompt, "dtype") else list(prompt),
+                                       new.sampling,
                                        list(new.block_ids), new.num_computed_tokens,
                                        new.num_logprobs, new.constraint)
             states[new.handle] = state

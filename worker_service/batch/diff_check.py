@@ -236,7 +236,12 @@ def _in_range(name: str, value: int, hi: int, lo: int = 0) -> None:
 
 
 def _ids_below(name: str, ids, limit: int, limit_name: str) -> None:
-    """Every id < limit (ids are non-negative integers: the codec checked that)."""
-    if ids and max(ids) >= limit:
+    """Every id < limit (ids are non-negative integers: the codec checked that). `ids`: a list,
+    or a numpy array (a decoded prompt: one vectorised max, no Python int per id)."""
+    if len(ids) and _max_id(ids) >= limit:
         i = next(i for i, v in enumerate(ids) if v >= limit)
-        raise BadDiff(f"{name}[{i}]", ids[i], f"< {limit_name} ({limit})")
+        raise BadDiff(f"{name}[{i}]", int(ids[i]), f"< {limit_name} ({limit})")
+
+
+def _max_id(ids) -> int:
+    return int(ids.max()) if hasattr(ids, "dtype") else max(ids)

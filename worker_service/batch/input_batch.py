@@ -21,14 +21,15 @@ feature no row uses costs nothing (sampling_metadata.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
-from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS
+from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS, SamplingParams
 from engine_common.wire.diff import NewRequestData
 
 
-@dataclass
+@dataclass(eq=False)     # NewRequestData's __eq__: a prompt array equals its ids' list
 class CachedRequestState(NewRequestData):
     """The worker's cached copy of one request (its row is filled from it): the diff's new
     request and the tokens this worker sampled itself (the scheduler never sends them back). It
@@ -90,6 +91,7 @@ class InputBatch:
                             for name in ("logit_bias", *self.id_sets)}
         # Live rows that turn each feature on (FEATURES): zero means the step skips it.
         self.num_rows_setting = dict.fromkeys(FEATURES, 0)
+        self._row_features: list[tuple[str, ...]] = [()] * r    # what each row counts there
         # Index arrays a step slices instead of building (rows 0..n, one token per row).
         self.arange = np.arange(r + 1, dtype=np.int64)
         self.ones = np.ones(r, dtype=np.int32)
@@ -192,8 +194,9 @@ class InputBatch:
         self.num_computed[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
         sp = state.sampling.sampling
-        for k in COLUMN_KNOBS:
-            getattr(self, k.name)[row] = k.column_value(getattr(sp, k.name))
+        columns, features = _sampling_row(sp)
+        for name, value in columns:
+            getattr(self, name)[row] = value
         for k in ID_SET_KNOBS:
             self.id_sets[k.name][row] = getattr(sp, k.name)
             self.num_entries[k.name][row] = len(getattr(sp, k.name))
@@ -203,19 +206,17 @@ class InputBatch:
         self.logit_bias[row] = sp.logit_bias
         self.num_entries["logit_bias"][row] = len(sp.logit_bias)
         self.num_logprobs[row] = state.num_logprobs
+        if state.sampling.min_tokens and state.sampling.stop_ids:
+            features += ("min_tokens",)
+        if state.num_logprobs:          # alternatives, or none at all (-1)
+            features += ("num_logprobs",)
+        self._row_features[row] = features
 
     def _count_features(self, row: int, sign: int) -> None:
+        """The row's features (as _fill_row found them) counted in or out."""
         counts = self.num_rows_setting
-        for k in COLUMN_KNOBS:
-            if getattr(self, k.name)[row] != k.column_neutral:
-                counts[k.name] += sign
-        for name, entries in self.num_entries.items():
-            if entries[row]:
-                counts[name] += sign
-        if self.min_tokens[row] and self.stop_ids[row]:
-            counts["min_tokens"] += sign
-        if self.num_logprobs[row]:          # alternatives, or none at all (-1)
-            counts["num_logprobs"] += sign
+        for name in self._row_features[row]:
+            counts[name] += sign
 
     _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_known_ids",
                    "num_blocks", "seeds", "min_tokens", "num_logprobs") + tuple(
@@ -231,6 +232,7 @@ class InputBatch:
             arr[dst] = arr[src]
         self.stop_ids[dst] = self.stop_ids[src]
         self.logit_bias[dst] = self.logit_bias[src]
+        self._row_features[dst] = self._row_features[src]
         for rows in self.id_sets.values():
             rows[dst] = rows[src]
         for counts in self.num_entries.values():
@@ -241,3 +243,15 @@ class InputBatch:
         self.handle_ids[dst], self.handle_ids[src] = handle, -1
         self.handle_to_row[handle] = dst
         self.layout += 1
+
+
+@lru_cache(maxsize=1024)       # requests mostly share their sampling params (frozen, hashable)
+def _sampling_row(sp: SamplingParams) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
+    """A row's knob columns for `sp`, (name, value) each, and the features (FEATURES) among
+    its columns and id lists that `sp` turns on: a column as stored (its dtype) off its
+    neutral value, a list with entries."""
+    columns = tuple((k.name, k.column_value(getattr(sp, k.name))) for k in COLUMN_KNOBS)
+    features = tuple(k.name for k, (_, value) in zip(COLUMN_KNOBS, columns)
+                     if np.array([value], dtype=k.meta.column)[0] != k.column_neutral)
+    features += ("logit_bias",) if sp.logit_bias else ()
+    return columns, features + tuple(k.name for k in ID_SET_KNOBS if getattr(sp, k.name))

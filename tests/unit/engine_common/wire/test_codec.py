@@ -181,6 +181,9 @@ _GOOD_NEW = [0, b"\x01\x00\x00\x00", [b"", 7, 0, []], [0], 0, 0, None]
     [1, [_GOOD_NEW[:6] + [["choice", []]]], [], {}, {}, [], []],    # no choices
     [1, [_GOOD_NEW[:6] + [["json_object", 1]]], [], {}, {}, [], []],  # json_object not true
     [1, [], [[0, [1], "x"]], {}, {}, [], []],              # resumed num_computed not an int
+    [1, [_GOOD_NEW[:3] + [[0, True]] + _GOOD_NEW[4:]], [], None, {}, [], []],  # a bool block id
+    [1, [_GOOD_NEW[:3] + [[4, 1.0]] + _GOOD_NEW[4:]], [], None, {}, [], []],   # a float one
+    [1, [], [], None, {}, [3, -1], []],                    # a negative finished handle
 ])
 def test_wrong_layout_raises(fields):
     with pytest.raises(CodecError):
@@ -243,3 +246,25 @@ def test_runner_output_from_numpy_arrays_encodes_like_lists(out):
         out.compiled_handles)
     assert encode_runner_output(as_arrays) == encode_runner_output(out)
     assert decode_runner_output(encode_runner_output(as_arrays)) == out
+
+
+def test_a_decoded_prompt_is_a_read_only_uint32_array_equal_to_its_ids():
+    sampling = WorkerSamplingParams(SamplingParams(), seed=0)
+    sent = NewRequestData(3, [0, 5, 2**32 - 1], sampling, [1], 0)
+    got = decode_scheduler_output(encode_scheduler_output(
+        SchedulerOutput(step=1, new_requests=[sent]))).new_requests[0]
+    ids = got.prompt_token_ids
+    assert isinstance(ids, np.ndarray) and ids.dtype == np.uint32 and not ids.flags.writeable
+    assert ids.tolist() == [0, 5, 2**32 - 1]
+    assert got == sent and sent == got
+    assert got != NewRequestData(3, [0, 5, 2**32 - 2], sampling, [1], 0)
+    assert got != NewRequestData(3, [0, 5], sampling, [1], 0)
+
+
+def test_a_bad_block_id_is_named_among_good_ones():
+    fields = [1, [_GOOD_NEW[:3] + [[5, 6, -2, 7]] + _GOOD_NEW[4:]], [], None, {}, [], []]
+    with pytest.raises(CodecError, match=r"block_ids=-2: expected an integer >= 0"):
+        decode_scheduler_output(msgpack.packb(fields, use_bin_type=True))
+    fields[1][0][3] = [5, 6, 2, 7]
+    assert decode_scheduler_output(msgpack.packb(fields)).new_requests[0].block_ids == \
+        [5, 6, 2, 7]

@@ -56,6 +56,31 @@ def test_hash_values_are_pinned():
     assert hash_block(salt_root("k"), [9]).hex() == "d45fae15537197436dc78b0ea1dfbff3"
 
 
+def test_block_hashes_in_pieces_are_hash_block_chained_from_the_salt():
+    """The manager hashes many blocks from one buffer: the same digests as hash_block one
+    block at a time, from the salt's root, when extended piecewise across prompt and output."""
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    r = Request("s", list(range(10)), SamplingParams(), StoppingParams(max_tokens=None),
+                cache_salt="key:s")
+    r.output_token_ids.extend([70000, 11, 12, 13, 14, 15])
+    parent, expected = salt_root("key:s"), []
+    for j in range(4):
+        parent = hash_block(parent, r.all_token_ids[j * BS:(j + 1) * BS])
+        expected.append(parent)
+    assert kv._block_hashes(r, 1) == expected[:1]
+    assert kv._block_hashes(r, 4) == expected       # blocks 1-3 cross into the output
+    # The same from the prompt's bytes made at admission (blocks within the prompt).
+    from array import array
+    kv2 = KVCacheManager(16, BS, enable_caching=True)
+    r2 = Request("t", list(range(10)), SamplingParams(), StoppingParams(max_tokens=None),
+                 cache_salt="key:s")
+    r2.prompt_u32 = array("I", r2.prompt_token_ids).tobytes()
+    assert kv2._block_hashes(r2, 1) == expected[:1]
+    assert kv2._block_hashes(r2, 2) == expected[:2]
+    r2.output_token_ids.extend([70000, 11, 12, 13, 14, 15])
+    assert kv2._block_hashes(r2, 4) == expected
+
+
 def test_a_hit_needs_the_same_salt():
     kv = KVCacheManager(16, BS, enable_caching=True)
     prefill(kv, req("a", range(9)))

@@ -399,6 +399,17 @@ def test_rejections():
         sched.finish_requests("ok1", RequestStatus.RUNNING)
 
 
+def test_admission_names_an_id_out_of_uint32_and_keeps_the_prompt_bytes():
+    from array import array
+    sched, _ = make(num_blocks=8, max_model_len=32)
+    for bad, ids in ((-1, [3, -1, 5]), (2**32, [3, 2**32, 5])):
+        with pytest.raises(RequestRejected, match=rf"prompt_token_ids={bad} .*\[0, 4294967295\]"):
+            sched.add_request(make_request(f"bad{bad}", ids))
+    ok = make_request("ok", [0, 7, 2**32 - 1])
+    sched.add_request(ok)
+    assert ok.prompt_u32 == array("I", [0, 7, 2**32 - 1]).tobytes()
+
+
 def test_random_workload_no_leak_and_consistent_diffs():
     rng = random.Random(11)
     sched, worker = make(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=12)

@@ -185,3 +185,17 @@ def test_leaving_lists_are_bounded_by_count_before_any_handle_is_looked_at():
         with pytest.raises(BadDiff, match=message):       # a handle check would say BAD_STATE
             check_diff(diff, _bounds(), _cached(range(7)), {0: 0, 1: 1},
                        np.ones(2, dtype=np.int32))
+
+
+def test_a_decoded_prompt_out_of_vocab_is_named_by_index_and_value():
+    """The codec hands the worker a prompt as a numpy uint32 array: the check still names the
+    first id out of range, its index and the bound, as for a list."""
+    import numpy as np
+    diff = decode_scheduler_output(enc(SchedulerOutput(0, new_requests=[
+        new(prompt=[1, 99, 100, 7, 250])])))
+    assert isinstance(diff.new_requests[0].prompt_token_ids, np.ndarray)
+    with pytest.raises(BadDiff, match=r"new_requests\[0\]\.prompt_token_ids\[2\]=100 is "
+                                      r"invalid: must be < vocab_size \(100\)"):
+        check_diff(diff, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))
+    ok = decode_scheduler_output(enc(SchedulerOutput(0, new_requests=[new(prompt=[1, 99])])))
+    check_diff(ok, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))

@@ -171,3 +171,37 @@ def test_rows_setting_a_feature_are_counted_through_add_remove_and_condense():
     assert batch.num_rows_setting["top_p"] == 1
     batch.remove(2)
     assert not any(batch.num_rows_setting.values())
+
+
+def _recount(batch: InputBatch) -> dict[str, int]:
+    """num_rows_setting from the live rows' arrays, as the batch counted before it kept each
+    row's features (a column as stored off its neutral value, a list with entries, ...)."""
+    from engine_common.request.params import COLUMN_KNOBS
+    counts = dict.fromkeys(batch.num_rows_setting, 0)
+    for row in batch.handle_to_row.values():
+        for k in COLUMN_KNOBS:
+            counts[k.name] += bool(getattr(batch, k.name)[row] != k.column_neutral)
+        for name, entries in batch.num_entries.items():
+            counts[name] += bool(entries[row])
+        counts["min_tokens"] += bool(batch.min_tokens[row] and batch.stop_ids[row])
+        counts["num_logprobs"] += bool(batch.num_logprobs[row])
+    return counts
+
+
+def test_feature_counts_equal_a_recount_of_the_rows_through_random_changes():
+    rng = random.Random(3)
+    kinds = [{}, dict(temperature=0.7), dict(top_k=-1), dict(top_k=3, min_p=0.2),
+             dict(min_p=1e-50),                       # 0 once stored as float32: not on
+             dict(repetition_penalty=1.2, logit_bias={2: -1.0}),
+             dict(allowed_token_ids=[1, 2], min_tokens=3, stop_ids=(9,)),
+             dict(min_tokens=3), dict(num_logprobs=-1), dict(num_logprobs=2)]
+    batch = InputBatch(max_num_reqs=6, max_model_len=16, max_blocks_per_req=4)
+    for handle in range(200):
+        live = sorted(batch.handle_to_row)
+        if live and (len(live) == 6 or rng.random() < 0.4):
+            batch.remove(rng.choice(live))
+            if rng.random() < 0.5:
+                batch.condense()          # moves rows: their counts go with them
+        else:
+            batch.add(_with(handle, **dict(rng.choice(kinds))))
+        assert batch.num_rows_setting == _recount(batch), handle
