@@ -19,6 +19,7 @@ TINY = ["--device", DEVICE, "--num-reqs", "2", "--context", "32", "--num-heads",
         "--num-kv-heads", "2", "--head-dim", "16", "--iters", "2", "--warmup", "0"]
 FIGURE = r"([\d.]+(?:e[+-]?\d+)?)"
 RATIO = rf"^split/unified \(([^)]*)\): {FIGURE} = {FIGURE} ms / {FIGURE} ms: (.*)$"
+DECODE_BLOCK_N = sw.default_point(sw.SPLIT).block_n     # the decode kernel's default (128)
 NUM_SPLIT_POINTS = 3 * 4 * 3 * 4      # warps x BLOCK_N x stages x (auto, 2, 4, 8): auto is 1
 NUM_UNIFIED_POINTS = 3 * 4 * 3 * 3    # warps x BLOCK_N x stages x tile rows
 
@@ -70,7 +71,8 @@ def test_sweep_limited_to_two_points_prints_table_and_best(tmp_path, capsys):
     rows = re.findall(r"^\| (\d) \| split-KV \| (\d) \| (\d+) \| (\d) \| (\S+(?: \S+)?) \| "
                       rf"{FIGURE} \|", out, re.M)
     assert [r[0] for r in rows] == ["1", "2"], out
-    assert {r[1:5] for r in rows} == {("4", "64", "2", "auto (=1)"), ("2", "64", "2", "auto (=1)")}
+    n = str(DECODE_BLOCK_N)
+    assert {r[1:5] for r in rows} == {("4", n, "2", "auto (=1)"), ("2", n, "2", "auto (=1)")}
     best = re.search(rf"^sweep best split-KV: num_warps \d, BLOCK_N \d+, num_stages \d, splits "
                      rf"auto \(=1\): {FIGURE} ms, .* default {FIGURE} ms \(best is", out, re.M)
     assert best and float(best.group(1)) <= float(best.group(2)), out
@@ -84,7 +86,8 @@ def test_sweep_with_unified_alternates_designs_and_compares_the_best(tmp_path, c
     out, _ = _main(tmp_path, capsys, "--sweep", "--unified", "--sweep-points", "2")
     total = NUM_SPLIT_POINTS + NUM_UNIFIED_POINTS
     assert f"sweep: 2 of {total} points run in " in out
-    assert re.search(r"^\| \d \| split-KV \| 4 \| 64 \| 2 \| auto \(=1\) \|", out, re.M), out
+    assert re.search(rf"^\| \d \| split-KV \| 4 \| {DECODE_BLOCK_N} \| 2 \| auto \(=1\) \|", out,
+                     re.M), out
     assert re.search(r"^\| \d \| unified \| 4 \| 64 \| 2 \| 16 rows \|", out, re.M), out
     assert "sweep best unified: num_warps 4, BLOCK_N 64, num_stages 2, tile rows 16: " in out
     _check_ratio(out, "sweep, best of each")
