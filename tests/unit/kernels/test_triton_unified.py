@@ -86,7 +86,7 @@ def test_each_kernel_leaves_the_others_rows_alone(splits):
 
 def test_defaults_are_todays_values():
     d = TritonLaunchConfig()
-    assert (d.prefill, d.decode) == (KernelTiles(64, 4, 2), KernelTiles(64, 4, 2))
+    assert (d.prefill, d.decode) == (KernelTiles(64, 4, 2), KernelTiles(128, 4, 2))
     assert (d.block_q_rows, d.decode_splits, d.dispatch) == (64, None, "by_batch")
     assert (d.min_split_tokens, d.max_splits) == (256, 32)
 
