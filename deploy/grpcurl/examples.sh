@@ -9,7 +9,8 @@
 #   TARGET         HOST:PORT of the scheduler's public API (default localhost:50051)
 #   WORKER_TARGET  HOST:PORT of one worker service (optional): also query its Health and Info,
 #                  e.g. after `kubectl port-forward pod/deltaserve-worker-0 50052:50052`
-#   WORKER_TOKEN_FILE  the worker's --worker-token-file (optional): without it the worker's
+#   WORKER_TOKEN_FILE  a file holding the Worker protocol's token (the scheduler's
+#                  --worker-token-file, not a worker's sha256: digest) (optional): without it the worker's
 #                  Info must be refused UNAUTHENTICATED (as `deltaserve serve`'s worker does);
 #                  e.g. <(kubectl get secret deltaserve-worker-token -o jsonpath='{.data.token}' | base64 -d)
 #   API_KEY_FILE   a file whose first line is an API key of the scheduler's --api-key-file

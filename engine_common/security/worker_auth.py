@@ -35,6 +35,7 @@ AUTH_METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
 DIGEST_PREFIX = "sha256:"
 _HEX = frozenset("0123456789abcdef")
+_EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 _TOKEN_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))   # printable ASCII, no space
 # Settings of WorkerCredentials that only the worker has (a scheduler's parser skips them).
 WORKER_ONLY = ("worker_tls_allowed_clients",)
@@ -167,7 +168,10 @@ class WorkerAuth:
             return True
         scheme, _, presented = (header or "").partition(" ")
         given = sha256(presented.encode(errors="replace"))
-        return hmac.compare_digest(given, self.token_digest) and scheme == "Bearer"
+        # A presented token must have a token file's shape: a digest made of an empty or short
+        # string (a recipe run with $TOKEN unset) then matches nothing anyone can send.
+        return (hmac.compare_digest(given, self.token_digest) and scheme == "Bearer"
+                and is_token(presented))
 
 
 def new_token() -> str:
@@ -179,11 +183,16 @@ def parse_token(text: str, source: str) -> str:
     """The token in `text` (surrounding whitespace dropped); ParamError naming `source` unless
     it is at least MIN_TOKEN_CHARS printable ASCII characters without spaces."""
     token = text.strip()
-    if len(token) < MIN_TOKEN_CHARS or not set(token) <= _TOKEN_CHARS:
+    if not is_token(token):
         raise ParamError("worker_token_file", source,
                          f"a file holding one token of at least {MIN_TOKEN_CHARS} printable "
                          "ASCII characters without spaces (e.g. `openssl rand -hex 32`)")
     return token
+
+
+def is_token(text: str) -> bool:
+    """At least MIN_TOKEN_CHARS printable ASCII characters without spaces."""
+    return len(text) >= MIN_TOKEN_CHARS and set(text) <= _TOKEN_CHARS
 
 
 def sha256(token: str | bytes) -> bytes:
@@ -205,6 +214,9 @@ def parse_secret(text: str, source: str) -> tuple[str | None, bytes]:
     if len(hex_digits) != 64 or not set(hex_digits) <= _HEX:
         raise ParamError("worker_token_file", source,
                          f"a token's digest as {DIGEST_PREFIX} and 64 hex digits (its SHA-256)")
+    if hex_digits == _EMPTY_DIGEST:
+        raise ParamError("worker_token_file", source,
+                         "the digest of a token, not of the empty string (was $TOKEN set?)")
     return None, bytes.fromhex(hex_digits)
 
 

@@ -2,6 +2,7 @@
 share."""
 from __future__ import annotations
 
+import hashlib
 import io
 
 import pytest
@@ -110,3 +111,17 @@ def test_a_malformed_digest_is_refused(text):
     with pytest.raises(ParamError, match="must be a token's digest as sha256: and 64 hex digits"):
         WorkerCredentials(worker_token_file="-").load(io.StringIO(text))
 
+
+def test_a_digest_of_no_token_authenticates_nothing():
+    """A digest recipe run with $TOKEN unset (or set to a short word) must not let a bare
+    `Bearer` header in: the empty string's digest is refused at load, and a presented token
+    needs a token file's shape whatever digest the worker holds."""
+    empty = "sha256:" + hashlib.sha256(b"").hexdigest()
+    with pytest.raises(ParamError, match="not of the empty string"):
+        WorkerCredentials(worker_token_file="-").load(io.StringIO(empty))
+    short = WorkerAuth(token_digest=hashlib.sha256(b"abc").digest())
+    assert not short.accepts("Bearer abc")
+    spaced = WorkerAuth(token_digest=hashlib.sha256(b"sixteen chars  x").digest())
+    assert not spaced.accepts("Bearer sixteen chars  x")
+    assert WorkerAuth(token_digest=hashlib.sha256(TOKEN.encode()).digest()).accepts(
+        f"Bearer {TOKEN}")
