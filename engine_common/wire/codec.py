@@ -122,7 +122,7 @@ def _sampling(value) -> WorkerSamplingParams:
     sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
     if not isinstance(sampling, bytes):
         raise CodecError("sampling params: expected bytes (a SamplingParams message)")
-    return WorkerSamplingParams(_cached_sampling_from_wire(sampling), _int(seed, "seed"),
+    return WorkerSamplingParams(_sampling_params(sampling), _int(seed, "seed"),
                                 _int(min_tokens, "min_tokens"),
                                 tuple(_ints(stop_ids, "stop_ids")))
 
@@ -219,6 +219,16 @@ def sampling_from_wire(data: bytes) -> SamplingParams:
 # message is parsed and validated once per kind (SamplingParams is frozen, so sharing one is
 # safe; a refused message raises each time, lru_cache keeps no exceptions).
 _cached_sampling_from_wire = lru_cache(maxsize=1024)(sampling_from_wire)
+# Only messages this small are cached: every scalar knob fits in ~100 bytes, while one with 1024
+# logit_bias entries and 1024 allowed ids is ~16 KB and parses to ~140 KB of Python objects, so
+# a client sending 1024 distinct ones would pin ~160 MB in every rank process.
+MAX_CACHED_SAMPLING_BYTES = 256
+
+
+def _sampling_params(data: bytes) -> SamplingParams:
+    if len(data) <= MAX_CACHED_SAMPLING_BYTES:
+        return _cached_sampling_from_wire(data)
+    return sampling_from_wire(data)
 
 
 def _worker_sampling(params: WorkerSamplingParams) -> list:

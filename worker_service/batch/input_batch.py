@@ -194,7 +194,7 @@ class InputBatch:
         self.num_computed[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
         sp = state.sampling.sampling
-        columns, features = _sampling_row(sp)
+        columns, features = _row_of(sp)
         for name, value in columns:
             getattr(self, name)[row] = value
         for k in ID_SET_KNOBS:
@@ -243,6 +243,19 @@ class InputBatch:
         self.handle_ids[dst], self.handle_ids[src] = handle, -1
         self.handle_to_row[handle] = dst
         self.layout += 1
+
+
+# A SamplingParams with more token ids than this is not cached (the key keeps its ids alive:
+# up to 1024 logit_bias entries and 1024 allowed ids, ~140 KB, per distinct request).
+MAX_CACHED_ROW_IDS = 16
+
+
+def _row_of(sp: SamplingParams) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
+    """_sampling_row, cached for params with few token ids (the usual ones)."""
+    if len(sp.logit_bias) + sum(len(getattr(sp, k.name)) for k in ID_SET_KNOBS) \
+            > MAX_CACHED_ROW_IDS:
+        return _sampling_row.__wrapped__(sp)
+    return _sampling_row(sp)
 
 
 @lru_cache(maxsize=1024)       # requests mostly share their sampling params (frozen, hashable)

@@ -205,3 +205,20 @@ def test_feature_counts_equal_a_recount_of_the_rows_through_random_changes():
         else:
             batch.add(_with(handle, **dict(rng.choice(kinds))))
         assert batch.num_rows_setting == _recount(batch), handle
+
+
+def test_the_row_cache_keeps_no_params_with_many_ids():
+    """Rows of params with hundreds of token ids are filled without the per-params cache (its
+    key would keep the ids alive); the usual params are cached, and both fill the same row."""
+    from worker_service.batch import input_batch
+
+    input_batch._sampling_row.cache_clear()
+    batch = InputBatch(max_num_reqs=2, max_model_len=16, max_blocks_per_req=4)
+    batch.add(_with(0, temperature=0.5, logit_bias={j: 1.0 for j in range(512)},
+                    allowed_token_ids=range(512)))
+    assert input_batch._sampling_row.cache_info().currsize == 0
+    assert batch.num_rows_setting["logit_bias"] == batch.num_rows_setting["temperature"] == 1
+    batch.add(_with(1, temperature=0.5))
+    assert input_batch._sampling_row.cache_info().currsize == 1
+    assert batch.temperature[0] == batch.temperature[1] and batch.num_rows_setting[
+        "temperature"] == 2
