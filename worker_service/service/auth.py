@@ -75,7 +75,8 @@ def _refusal(handler: grpc.RpcMethodHandler, what: str) -> grpc.RpcMethodHandler
     pool thread, for its message, which the caller may never send."""
     status = FAILURES[FailureKind.UNAUTHENTICATED][1]
     message = (f"{what} worker credential: every Worker RPC must carry `{AUTH_METADATA_KEY}: "
-               "Bearer <token>` from the worker's --worker-token-file")
+               "Bearer <token>` (the token itself, as the scheduler's --worker-token-file "
+               "holds it; a worker's may hold only its sha256: digest)")
 
     def abort(requests, context):
         context.abort(status, message)
