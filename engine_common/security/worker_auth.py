@@ -207,7 +207,7 @@ def token_digest_text(token: str) -> str:
 def parse_secret(text: str, source: str) -> tuple[str | None, bytes]:
     """(token, its digest) from a token file's text, or (None, digest) from sha256:HEX."""
     text = text.strip()
-    if not text.startswith(DIGEST_PREFIX):
+    if text[:len(DIGEST_PREFIX)].lower() != DIGEST_PREFIX:    # SHA256: too, never a token
         token = parse_token(text, source)
         return token, sha256(token)
     hex_digits = text[len(DIGEST_PREFIX):].lower()

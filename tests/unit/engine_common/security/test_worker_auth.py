@@ -125,3 +125,12 @@ def test_a_digest_of_no_token_authenticates_nothing():
     assert not spaced.accepts("Bearer sixteen chars  x")
     assert WorkerAuth(token_digest=hashlib.sha256(TOKEN.encode()).digest()).accepts(
         f"Bearer {TOKEN}")
+
+
+def test_an_upper_case_digest_is_a_digest_not_a_token():
+    """`SHA256:HEX` (as some tools print it) must not become a token equal to the digest text,
+    which anyone who reads the workers' Secret could then send."""
+    text = token_digest_text(TOKEN).replace("sha256:", "SHA256:").upper()
+    auth = WorkerCredentials(worker_token_file="-").load(io.StringIO(text))
+    assert auth.token is None and auth.accepts(f"Bearer {TOKEN}")
+    assert not auth.accepts(f"Bearer {text}")
