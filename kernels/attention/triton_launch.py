@@ -27,6 +27,11 @@ MIN_SPLIT_TOKENS = 256       # decode: fewest keys worth a split of their own
 MAX_SPLITS = 32
 SPLIT_WAVES = 2              # decode: split until the programs fill this many waves of SMs
 MIN_DOT_ROWS = 16            # tl.dot wants >= 16 rows and >= 16 keys per step
+# decode: at most this many bytes of keys per step (and as many of values), whatever block_n
+# asks: 128 bf16 keys of head_dim 128. fp32 or head_dim 256 take fewer keys, so the kernel's
+# shared memory stays ~75 KB (128 fp32 keys of 128 dims needed 147 KB: over the 99 KB of
+# sm_86/sm_89 GPUs).
+DECODE_MAX_TILE_BYTES = 32 * 1024
 MAX_WARPS = 16
 
 
@@ -89,6 +94,14 @@ class TritonLaunchConfig:
             return self.decode_splits
         return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms,
                                  self.min_split_tokens, self.max_splits, self.split_waves)
+
+
+def decode_keys_per_step(block_n: int, padded_head_dim: int, elem_bytes: int) -> int:
+    """The decode kernel's keys per step: block_n, halved until one step's keys fit
+    DECODE_MAX_TILE_BYTES (never below tl.dot's 16)."""
+    while block_n > MIN_DOT_ROWS and block_n * padded_head_dim * elem_bytes > DECODE_MAX_TILE_BYTES:
+        block_n //= 2
+    return block_n
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,

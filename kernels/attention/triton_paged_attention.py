@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention.triton_launch import (  # noqa: F401  (re-exported names)
-    MAX_SPLITS, MIN_DOT_ROWS, MIN_SPLIT_TOKENS, TritonLaunchConfig, choose_num_splits)
+    MAX_SPLITS, MIN_DOT_ROWS, MIN_SPLIT_TOKENS, TritonLaunchConfig, choose_num_splits,
+    decode_keys_per_step)
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows never make NaNs
@@ -266,7 +267,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
     parts (any num_splits >= 1 is correct for any seq_len, so a CUDA graph may fix it).
     Requests whose query is not one token (padding, prefills) are skipped: their rows of out
-    are left untouched. block_n overrides launch.decode.block_n.
+    are left untouched. block_n overrides launch.decode.block_n; either is capped by
+    decode_keys_per_step (fp32 or head_dim 256 read fewer keys a step).
     """
     if num_reqs == 0:
         return
@@ -286,7 +288,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         *kv_cache.stride()[:4],
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
-        BLOCK_N=block_n or tiles.block_n, **_dot_params(query),
+        BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
+        **_dot_params(query),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](

@@ -140,7 +140,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention import triton_cache as tc, triton_paged_attention as pa
 
-def build(fn, ptr_types, constexprs, **options):
+def build(fn, ptr_types, constexprs, aligned=False, **options):
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -151,8 +151,12 @@ def build(fn, ptr_types, constexprs, **options):
             sig[name] = "fp32"
         else:                                   # cache strides can pass 2**31 elements
             sig[name] = "i64" if name.startswith("stride_c") else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    # aligned: pointers and cache strides divisible by 16, as at run time (Triton specialises
+    # on it, and its 16-byte loads stage more in shared memory)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if aligned and (name.endswith("_ptr") or name.startswith("stride_c"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 for dt in ("fp16", "bf16"):
     ptrs = dict(q_ptr=dt, out_ptr=dt, cache_ptr=dt, key_ptr=dt, value_ptr=dt, slot_ptr="i64",
@@ -169,6 +173,20 @@ for dt in ("fp16", "bf16"):
           BLOCK_D=128), num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
           BLOCK_H=8, BLOCK_D=128), num_warps=4)
+
+# The decode kernel at its default launch fits the 99 KB of shared memory of sm_86/sm_89 GPUs
+# for every cache dtype and head_dim up to 256 (128 fp32 keys of 128 dims a step needed 147 KB).
+from kernels.attention.triton_launch import TritonLaunchConfig, decode_keys_per_step
+tiles = TritonLaunchConfig().decode
+for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256), ("fp32", 4, 256)):
+    ptrs = dict(q_ptr=dt, out_ptr=dt, cache_ptr=dt, bt_ptr="i32", qsl_ptr="i32",
+                seq_lens_ptr="i32", m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32")
+    keys = decode_keys_per_step(tiles.block_n, head_dim, size)
+    k = build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
+              BLOCK_SIZE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
+              PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False), aligned=True,
+              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    assert k.metadata.shared <= 99 * 1024, (dt, head_dim, keys, k.metadata.shared)
 """
 
 

@@ -14,7 +14,8 @@ import torch
 from tests.support.attention_cases import (ON_GPU, check_against_reference, make_case,
                                            needs_kernels, triton_attn, triton_backend)
 from kernels.attention.torch_ref import TorchAttentionBackend
-from kernels.attention.triton_launch import KernelTiles, TritonLaunchConfig, choose_num_splits
+from kernels.attention.triton_launch import (KernelTiles, TritonLaunchConfig, choose_num_splits,
+                                             decode_keys_per_step)
 
 # The Triton interpreter runs every kernel in Python: seconds per case on CPU.
 pytestmark = pytest.mark.slow
@@ -82,6 +83,15 @@ def test_each_kernel_leaves_the_others_rows_alone(splits):
                                         scale, skip_decodes=True)
     assert bool((out[one] == 7.0).all())
     torch.testing.assert_close(out[~one], expected[~one], atol=2e-5, rtol=2e-5)
+
+
+def test_decode_keys_per_step_caps_the_tile_bytes():
+    """128 bf16 keys of head_dim 128 a step (32 KB); fp32 or head_dim 256 halve it, never
+    below tl.dot's 16 keys."""
+    assert decode_keys_per_step(128, 128, 2) == 128
+    assert decode_keys_per_step(128, 128, 4) == decode_keys_per_step(128, 256, 2) == 64
+    assert decode_keys_per_step(128, 256, 4) == 32 and decode_keys_per_step(64, 64, 2) == 64
+    assert decode_keys_per_step(256, 128, 2) == 128 and decode_keys_per_step(32, 4096, 4) == 16
 
 
 def test_defaults_are_todays_values():
