@@ -127,12 +127,13 @@ def check_exposure(listen: str, auth: WorkerAuth, insecure: bool) -> None:
 
 def describe(auth: WorkerAuth) -> str:
     """How the worker is guarded, for its ready line."""
+    held = ("; WARNING: this worker holds the token itself, which drives every worker that "
+            "accepts it (give workers its digest: --worker-token-file holding sha256:HEX, "
+            "docs/security.md)") if auth.token is not None else ""
     if auth.tls:
-        return ("token and " if auth.checks_token else "") + _describe_tls(auth)
-    if auth.token is not None:
-        return ("token; WARNING: this worker holds the token itself, which drives every worker "
-                "that accepts it (give workers its digest: --worker-token-file holding "
-                "sha256:HEX, docs/security.md)")
+        return ("token and " if auth.checks_token else "") + _describe_tls(auth) + held
+    if held:
+        return "token" + held
     if auth.enabled:
         return "token (its digest: this worker holds nothing that drives another)"
     return ("NOT authenticated: any process that reaches the port can drive this worker (give "

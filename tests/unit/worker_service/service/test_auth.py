@@ -74,6 +74,10 @@ def test_the_ready_line_warns_a_worker_that_holds_the_token():
     digest_only = WorkerAuth(token_digest=WorkerAuth(token=TOKEN).token_digest)
     assert describe(digest_only).startswith("token (its digest")
     assert "WARNING" not in describe(digest_only)
+    pem = b"-----BEGIN CERTIFICATE-----\n"
+    tls = dict(cert=pem, key=pem, ca=pem, allowed_clients=frozenset({"scheduler"}))
+    assert "holds the token itself" in describe(WorkerAuth(token=TOKEN, **tls))
+    assert "WARNING" not in describe(WorkerAuth(token_digest=digest_only.token_digest, **tls))
 
 
 def test_a_real_worker_given_the_digest_serves_the_token_and_refuses_the_digest():
