@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from bench.isa import describe_cpu
-from bench.report import append_block, git_commit
+from bench.report import git_commit, print_and_append
 
 CHILD = Path(__file__).resolve().parent / "host_overhead_child.py"
 REPO = CHILD.parent.parent
@@ -248,12 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += grpc_lane(args, model)
     if not args.grpc_only:
         lines += host_lane(args, model)
-    command = " ".join(["python -m bench.host_overhead", *(argv or sys.argv[1:])])
-    block = "\n".join(lines + ["", f"command: `{command}`", ""])
-    print(block)
-    if args.results_file:
-        append_block(args.results_file, block)
-    return 0
+    return print_and_append(lines, "bench.host_overhead", argv, args.results_file)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from bench.isa import describe_cpu
-from bench.report import append_block, git_commit
+from bench.report import git_commit, print_and_append
 
 CHILD = Path(__file__).resolve().parent / "prefill_host_child.py"
 REPO = CHILD.parent.parent
@@ -129,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if mode not in ("sync", "async"):
             raise SystemExit(f"--modes: {mode!r} is not sync or async")
         lines += lane(args, model, mode == "async")
-    command = " ".join(["python -m bench.prefill_host", *(argv or sys.argv[1:])])
-    block = "\n".join(lines + ["", f"command: `{command}`", ""])
-    print(block)
-    if args.results_file:
-        append_block(args.results_file, block)
-    return 0
+    return print_and_append(lines, "bench.prefill_host", argv, args.results_file)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ shown in MB/GB are powers of ten; tok/s counts output tokens only.
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -141,6 +142,18 @@ def append_block(path: str | Path, block: str) -> None:
             f.write("# Benchmark results\n\nAppended by `python -m bench.throughput` "
                     "(`make bench`), newest last.\n")
         f.write("\n" + block)
+
+
+def print_and_append(lines: list[str], module: str, argv: list[str] | None,
+                     results_file: str | None) -> int:
+    """A lane benchmark's report: `lines` and the command that made them (`python -m module`
+    and its arguments), printed and, given a file, appended to it; returns the exit code 0."""
+    command = " ".join([f"python -m {module}", *(argv or sys.argv[1:])])
+    block = "\n".join(lines + ["", f"command: `{command}`", ""])
+    print(block)
+    if results_file:
+        append_block(results_file, block)
+    return 0
 
 
 def git_commit() -> str:
