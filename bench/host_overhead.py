@@ -28,20 +28,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import child_rounds
+from bench.child_rounds import REPO, spread, tiny_model_dir
 from bench.isa import describe_cpu
 from bench.report import git_commit, print_and_append
 
 CHILD = Path(__file__).resolve().parent / "host_overhead_child.py"
-REPO = CHILD.parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,31 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_dir() -> str:
-    """The 1-layer, hidden-64 model of the tiny test tokenizer, built once in the cache."""
-    from engine_common.runtime.paths import cache_dir
-    from worker_service.models.tiny_model import make_tiny_model
-
-    out = cache_dir() / "presets" / "host-overhead"
-    if not (out / "config.json").exists():
-        make_tiny_model(out, "qwen3", num_hidden_layers=1)
-    return str(out)
-
-
 def run_child(tree: Path, model: str, num_seqs: int, output_len: int,
               device_ms: float | None, async_scheduling: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    args = [sys.executable, str(CHILD), model, str(num_seqs), str(output_len),
-            "none" if device_ms is None else repr(device_ms), "1" if async_scheduling else "0"]
-    done = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"host_overhead child failed ({tree}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
-
-
-def spread(values: list[float]) -> str:
-    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+    return child_rounds.run_child(CHILD, tree, [
+        model, str(num_seqs), str(output_len), "none" if device_ms is None else repr(device_ms),
+        "1" if async_scheduling else "0"])
 
 
 def simulated_lane(args, model: str) -> list[str]:
@@ -113,16 +92,9 @@ def phase_lines(runs: list[dict], indent: str) -> list[str]:
 
 
 def alternating_rounds(args, run_round) -> dict[str, list[dict]]:
-    """`run_round(tree)` --rounds times on this tree, and on --baseline-tree when given,
-    alternating, so both see the same machine: each tree's results by its name."""
-    trees = [("this tree", REPO)]
-    if args.baseline_tree:
-        trees.append((f"baseline {args.baseline_tree}", Path(args.baseline_tree).resolve()))
-    results: dict[str, list[dict]] = {name: [] for name, _ in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees:
-            results[name].append(run_round(tree))
-    return results
+    """child_rounds.alternating_rounds over --rounds and --baseline-tree (at most one)."""
+    baselines = [args.baseline_tree] if args.baseline_tree else []
+    return child_rounds.alternating_rounds(args.rounds, baselines, run_round)
 
 
 def host_lane(args, model: str) -> list[str]:
@@ -236,7 +208,7 @@ async def _stream_all(target: str, num_seqs: int, output_len: int) -> list[tuple
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model = model_dir()
+    model = tiny_model_dir("host-overhead")
     lines = [f"## host overhead, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"commit {git_commit()}", "",
              f"{describe_cpu()}; model: 1 layer, hidden 64, 512-id tokenizer; "

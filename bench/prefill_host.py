@@ -23,20 +23,19 @@ rounds.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench import child_rounds
+from bench.child_rounds import alternating_rounds, spread, tiny_model_dir
 from bench.isa import describe_cpu
 from bench.report import git_commit, print_and_append
 
 CHILD = Path(__file__).resolve().parent / "prefill_host_child.py"
-REPO = CHILD.parent.parent
-VOCAB_SIZE = 10_000      # bench/workload.py draws prompt ids below 10,000
+VOCAB_SIZE = 10_000      # bench/workload.py draws prompt ids below 10,000 (ids the 512-id
+                         # tokenizer lacks detokenize to nothing)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,41 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_dir() -> str:
-    """The 1-layer, hidden-64 tiny model with a 10,000-id vocabulary, built once in the cache
-    (ids the 512-id tokenizer lacks detokenize to nothing)."""
-    from engine_common.runtime.paths import cache_dir
-    from worker_service.models.tiny_model import make_tiny_model
-
-    out = cache_dir() / "presets" / "prefill-host"
-    if not (out / "config.json").exists():
-        make_tiny_model(out, "qwen3", num_hidden_layers=1, vocab_size=VOCAB_SIZE)
-    return str(out)
-
-
 def run_child(tree: Path, model: str, args, async_scheduling: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    argv = [sys.executable, str(CHILD), model, str(args.num_seqs), str(args.max_tokens),
-            "1" if async_scheduling else "0"]
-    done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"prefill_host child failed ({tree}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
-
-
-def spread(values: list[float], digits: int = 1) -> str:
-    return " / ".join(f"{v:.{digits}f}" for v in
-                      (min(values), statistics.median(values), max(values)))
+    return child_rounds.run_child(CHILD, tree, [model, str(args.num_seqs), str(args.max_tokens),
+                                                "1" if async_scheduling else "0"])
 
 
 def lane(args, model: str, async_scheduling: bool) -> list[str]:
-    trees = [("this tree", REPO)] + [(f"baseline {tree}", Path(tree).resolve())
-                                     for tree in args.baseline_tree]
-    runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees:
-            runs[name].append(run_child(tree, model, args, async_scheduling))
+    runs = alternating_rounds(args.rounds, args.baseline_tree,
+                              lambda tree: run_child(tree, model, args, async_scheduling))
     mode = "async" if async_scheduling else "sync"
     lines = [f"{mode} scheduling (ms, min / median / max over the rounds):"]
     medians = {}
@@ -98,18 +70,18 @@ def lane(args, model: str, async_scheduling: bool) -> list[str]:
         per_req = [r["wall_ms"] / r["new_requests"] for r in rounds]
         medians[name] = statistics.median(per_step)
         first = rounds[0]
-        lines.append(f"  {name}: per prefill step {spread(per_step)}, per new request "
+        lines.append(f"  {name}: per prefill step {spread(per_step, 1)}, per new request "
                      f"{spread(per_req, 3)} ({first['prefill_steps']} prefill steps of "
                      f"{first['steps']}, {first['new_requests']} requests, "
                      f"{first['prompt_tokens']} prompt tokens)")
         cpu = [r["cpu_ms"] / r["prefill_steps"] for r in rounds]
-        lines.append(f"    {'CPU per prefill step':24s} {spread(cpu)}")
+        lines.append(f"    {'CPU per prefill step':24s} {spread(cpu, 1)}")
         steps = [statistics.median(r["prefill_step_ms"]) for r in rounds]
-        lines.append(f"    {'median step() admitting':24s} {spread(steps)}")
+        lines.append(f"    {'median step() admitting':24s} {spread(steps, 1)}")
         for phase in first["phases_ms"]:
             if phase != "step":
                 per = [r["phases_ms"][phase] / r["prefill_steps"] for r in rounds]
-                lines.append(f"    {phase + ' per step':24s} {spread(per)}")
+                lines.append(f"    {phase + ' per step':24s} {spread(per, 1)}")
     ours = medians.pop("this tree")
     for name, base in medians.items():
         lines.append(f"  this tree / {name} (median per prefill step): {ours / base:.2f}")
@@ -118,7 +90,7 @@ def lane(args, model: str, async_scheduling: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    model = model_dir()
+    model = tiny_model_dir("prefill-host", vocab_size=VOCAB_SIZE)
     lines = [f"## prefill host work, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"commit {git_commit()}", "",
              f"{describe_cpu()}; simulated device 0 ms/step; model: 1 layer, hidden 64, "
