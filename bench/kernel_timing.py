@@ -43,33 +43,3 @@ def time_calls(call, device: str, iters: int, warmup: int) -> list[float]:
         end.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
-def time_graph(fn, device: str, calls: int, reps: int) -> float:
-    """Seconds per call: a CUDA graph of `calls` calls, best of `reps` replays (CPU: a loop):
-    back-to-back launches as a decode graph replays them, without per-call event overhead."""
-    if device != "cuda":
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / calls)
-        return best
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / calls)
-    return best

@@ -42,22 +42,16 @@ def parse_launch(text: str):
 
 def apply_launch(llm, launch) -> None:
     """Give the engine's Triton backend `launch` and capture its decode graphs again."""
+    import gc
+
+    import torch
+
     backends = {id(m.backend): m.backend for m in llm.runner.model.modules()
                 if hasattr(m, "backend") and hasattr(m.backend, "launch")}
     if not backends:
         raise ValueError("--triton-launch needs the triton attention backend")
     for backend in backends.values():
         backend.launch = launch
-    recapture_graphs(llm)
-
-
-def recapture_graphs(llm) -> None:
-    """Capture the engine's decode CUDA graphs again (after an experiment changed what a step
-    launches: graphs fix their kernels, tiles and split counts at capture)."""
-    import gc
-
-    import torch
-
     graphs = llm.runner.graph_runner
     if graphs is not None:
         graphs.graphs.clear()
