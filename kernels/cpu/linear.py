@@ -20,6 +20,13 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               TILE_N 512: a K=256 tile's packed weight and its [256, 512] output are 512 KiB
               each, both in L2 together; 3-13% faster than 2048 at 64-256 rows for K 256
               and 576 (one thread, this VM; docs/cpu_performance.md).
+    screened  on the AVX2 build, a greedy step that wants no logprobs takes the wide weight's
+              16-bit copy instead (csrc/screened_greedy.cpp): every logit estimated with integer
+              multiply-adds under a proven error bound, the few columns the bound cannot rule
+              out computed in float32; the argmax of the float32 logits, the same on any batch.
+              1.1-1.5x the float32 paths at 1-256 rows (emulated AVX2; on AVX-512 the float32
+              FMAs keep pace with 16-bit ones, so that build keeps MKL). Costs a half-size copy
+              of the weight.
 
 A non-2-D input or another dtype goes to F.linear, as does everything when the library is not
 loaded. The packed copies are made from the weight at prepare time (re-prepare after changing
@@ -51,9 +58,12 @@ class CpuLinear:
         self.panels = ops.panel_pack(w)
         self.packed = None
         self.tiles: list[torch.Tensor] | None = None
+        self.screen: tuple[torch.Tensor, ...] | None = None
         if weight.dtype == torch.float32 and self.out_features >= TILED_FROM_N:
             self.tiles = [ops.mkl_pack(w[i:i + TILE_N].contiguous())
                           for i in range(0, self.out_features, TILE_N)]
+            if ops.screen_available():
+                self.weight, self.screen = w, ops.screen_pack(w)
         elif weight.dtype == torch.float32:
             self.packed = ops.mkl_pack(w)
         self.calls = 0              # calls that took a kernel (tests check they ran)
@@ -82,10 +92,23 @@ class CpuLinear:
         logprobs False: the argmax alone (no exponentials) and an empty logprob tensor."""
         self.calls += 1
         ops, x = extension.ops(), x.contiguous()
+        if not logprobs and self.screen is not None:
+            return self._screened(x), x.new_empty(0)
         if x.shape[0] <= GREEDY_PANEL_MAX_ROWS[torch.get_num_threads() > 1]:
             logits = ops.panel_linear(x, self.panels, self.out_features, None)
             return ops.greedy_sample(logits, logprobs)
         return ops.mkl_tiled_greedy(x, self.tiles, TILE_N, self.out_features, logprobs)
+
+    def _screened(self, x: torch.Tensor) -> torch.Tensor:
+        """The screened argmax; rows it hands back (-1: non-finite, all zero, or too many
+        near-ties) take the float32 tiles."""
+        ops = extension.ops()
+        ids = ops.screen_greedy(x, self.weight, *self.screen)
+        back = (ids < 0).nonzero().flatten()
+        if back.numel():
+            ids[back] = ops.mkl_tiled_greedy(x[back].contiguous(), self.tiles, TILE_N,
+                                             self.out_features, False)[0]
+        return ids
 
 
 def panel_max_rows(dtype: torch.dtype) -> int:

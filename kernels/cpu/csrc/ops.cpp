@@ -42,6 +42,11 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
           const at::Tensor& cos_cache, const at::Tensor& sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits, bool logprobs);
+bool screen_available();
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_pack(const at::Tensor& weight);
+at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
+                         const at::Tensor& scale, const at::Tensor& floor,
+                         const at::Tensor& bounds);
 
 namespace {
 void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -86,6 +91,10 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
         "Tensor sin_cache) -> ()", &rope);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("greedy_sample(Tensor logits, bool logprobs=True) -> (Tensor, Tensor)", &greedy_sample);
+  m.def("screen_available() -> bool", &screen_available);
+  m.def("screen_pack(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)", &screen_pack);
+  m.def("screen_greedy(Tensor x, Tensor weight, Tensor packed, Tensor scale, Tensor floor, "
+        "Tensor bounds) -> Tensor", &screen_greedy);
 }
 
 }  // namespace deltaserve_cpu

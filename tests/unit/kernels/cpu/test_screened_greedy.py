@@ -1,0 +1,172 @@
+"""csrc/screened_greedy.cpp: the LM head's argmax screened with 16-bit integer estimates and
+decided in float32. Every answer is checked against float64 logits (where the top two are
+further apart than float32 can blur) or against exact ties built into the weight."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import extension, linear
+
+pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+def screen(ops, x, w):
+    return ops.screen_greedy(x.contiguous(), w, *ops.screen_pack(w))
+
+
+def clear_argmax(x: torch.Tensor, w: torch.Tensor):
+    """float64 argmax per row, and the rows whose top two differ by more than twice float32's
+    worst rounding of a K-term dot product (K 2^-24 |x| |w|): there float32 cannot reorder them."""
+    logits = x.double() @ w.double().T
+    top2 = logits.topk(2, dim=1).values
+    bound = 2 * x.shape[1] * 2.0 ** -24 * x.double().norm(dim=1) * w.double().norm(dim=1).max()
+    return logits.argmax(1), (top2[:, 0] - top2[:, 1]) > bound
+
+
+@pytest.fixture
+def screening(ops):
+    if not ops.screen_available():
+        pytest.skip("this build keeps the float32 path (only the AVX2 body screens)")
+    return ops
+
+
+def test_only_the_avx2_body_screens(cpu_isa, ops):
+    """AVX-512's float32 FMAs keep pace with its 16-bit multiply-adds, and the generic build
+    has no vector body: both keep MKL's path, and prepare() builds no 16-bit copy there."""
+    assert ops.screen_available() == (cpu_isa == "avx2" or ops.body() == "avx2")
+    lin = linear.prepare(torch.randn(linear.TILED_FROM_N, 8))
+    assert (lin.screen is not None) == ops.screen_available()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 257])
+@pytest.mark.parametrize("k", [8, 63, 256])             # 63: an odd K (one zero pad value)
+def test_matches_the_float64_argmax_wherever_float32_cannot_blur_it(screening, rows, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    n = 3000 + 5                                        # a partial last block of columns
+    w = torch.randn(n, k, generator=gen) * 0.1
+    x = torch.randn(rows, k, generator=gen)
+    want, clear = clear_argmax(x, w)
+    got = screen(screening, x, w)
+    assert clear.sum() >= rows - 1
+    assert got[clear].tolist() == want[clear].tolist()
+    assert (got >= 0).all()
+
+
+def test_near_ties_below_the_integer_bound_are_decided_in_float32(screening):
+    """Columns 0.1% apart are far inside the 16-bit estimate's error, and far outside float32's:
+    the screen must keep them all and the float32 pass pick the larger, wherever it sits."""
+    gen = torch.Generator().manual_seed(3)
+    k, n = 128, 4096
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(8, k, generator=gen)
+    base = x[0] / x[0].norm()
+    for j, col in enumerate((5, 700, 2049, 4095)):       # rising: the last one wins
+        w[col] = base * (3.0 + 1e-3 * j)
+    got = screen(screening, x, w)
+    assert got[0] == 4095
+    want, clear = clear_argmax(x, w)
+    assert got[clear].tolist() == want[clear].tolist()
+
+
+def test_exact_ties_keep_the_first_column_across_blocks_and_threads(screening):
+    gen = torch.Generator().manual_seed(4)
+    k, n = 64, 5000
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(4, k, generator=gen)
+    for col in (4000, 17, 2500):                          # the same row three times: 17 wins
+        w[col] = x[1] / x[1].norm() * 4
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert screen(screening, x, w)[1] == 17
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_padding_columns_never_win_when_every_logit_is_negative(screening):
+    """The last block's padding columns estimate 0, above every real logit here: they must
+    not raise the bound nor be chosen."""
+    k, n = 16, 16 * 40 + 3
+    w = -torch.rand(n, k, generator=torch.Generator().manual_seed(5)) - 0.5
+    x = torch.rand(6, k, generator=torch.Generator().manual_seed(6)) + 0.5
+    want, clear = clear_argmax(x, w)
+    got = screen(screening, x, w)
+    assert (got < n).all() and got[clear].tolist() == want[clear].tolist()
+
+
+def test_an_outlier_dimension_in_the_hidden_state_stays_exact(screening):
+    """Real LM heads see hidden states with a few huge dimensions, which coarsen the 16-bit
+    scale for the rest: the bound grows, more columns survive, the answer stays exact."""
+    gen = torch.Generator().manual_seed(7)
+    k, n = 256, 8192
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(16, k, generator=gen)
+    x[:, 7] = 2000.0
+    x[:8, 100] = -3000.0
+    want, clear = clear_argmax(x, w)
+    got = screen(screening, x, w)
+    assert got[clear].tolist() == want[clear].tolist() and (got >= 0).all()
+
+
+def test_rows_it_cannot_screen_come_back_for_the_float32_path(screening):
+    """NaN, inf and all-zero rows, and a row where more columns tie than the screen keeps,
+    are -1; CpuLinear.greedy then answers them through the float32 tiles like any row."""
+    gen = torch.Generator().manual_seed(8)
+    k, n = 32, linear.TILED_FROM_N + 40
+    w = torch.randn(n, k, generator=gen) * 0.1
+    w[:6000] = w[0]                                      # 6,000 identical columns
+    x = torch.randn(6, k, generator=gen)
+    x[0, 3], x[1, 5], x[2] = float("nan"), float("inf"), 0.0
+    x[3] = w[0] / w[0].norm() * 10                        # the 6,000 tie for the top
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)                              # the 4,096 kept are per thread
+    try:
+        got = screen(screening, x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert got[:4].tolist() == [-1, -1, -1, -1]
+
+    lin = linear.prepare(w)
+    ids, logprobs = lin.greedy(x, False)
+    full, _ = extension.ops().mkl_tiled_greedy(x, lin.tiles, linear.TILE_N, n, False)
+    assert logprobs.numel() == 0 and ids.tolist() == full.tolist()
+    assert ids[2] == 0 and ids[3] == 0                    # all equal: the first column
+
+
+def test_a_row_gets_the_same_token_alone_and_in_any_batch(screening):
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(linear.TILED_FROM_N, 96, generator=gen) * 0.1
+    x = torch.randn(300, 96, generator=gen)
+    packed = screening.screen_pack(w)
+    batch = screening.screen_greedy(x, w, *packed)
+    for r in (0, 5, 299):
+        for lo in (0, r):
+            assert screening.screen_greedy(x[lo:r + 1].contiguous(), w, *packed)[-1] == batch[r]
+
+
+def test_integer_sums_at_the_largest_values_do_not_wrap(screening):
+    """Every value at its quantised maximum: the int32 sums reach K * 2047 * Qw, which the
+    pack's choice of Qw keeps below 2^31."""
+    k = 4097
+    w = torch.ones(64, k)
+    w[10] *= 1.5
+    x = torch.ones(2, k)
+    x[1] *= -1
+    assert screen(screening, x, w).tolist() == [10, 0]    # negative: every other row ties
+
+
+def test_the_engines_head_takes_the_screen_only_without_logprobs(screening):
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(linear.TILED_FROM_N + 7, 64, generator=gen) * 0.1
+    x = torch.randn(80, 64, generator=gen)
+    lin = linear.prepare(w)
+    ids, lps = lin.greedy(x, True)                        # logprobs: the fused float32 pass
+    want = F.log_softmax(F.linear(x, w), -1)
+    assert lps.numel() == 80
+    torch.testing.assert_close(lps, want.gather(1, ids[:, None]).squeeze(1), atol=1e-4,
+                               rtol=1e-5)
+    fast, none = lin.greedy(x, False)
+    assert none.numel() == 0 and fast.tolist() == ids.tolist()
