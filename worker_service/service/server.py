@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 # Seconds a stopping worker may take beyond its grace period before it exits anyway.
 _STOP_SLACK_SECONDS = 5.0
+_SIGNAL_POLL_SECONDS = 0.5   # the longest a signal handed to another thread waits
 
 # Accept client keepalive pings every second so a scheduler can notice a dead link quickly. The
 # message size limit (payloads carry whole prompts) comes from --max-message-mib.
@@ -135,7 +136,11 @@ def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stop.wait()
+    # Timed waits: Python runs a handler in the main thread, and a signal the kernel hands to
+    # another thread (PR_SET_PDEATHSIG's may go to any) does not wake a main thread blocked in
+    # an untimed wait, which then slept on after `deltaserve serve` was killed.
+    while not stop.wait(_SIGNAL_POLL_SECONDS):
+        pass
     log.info("stopping worker (grace %.1fs)", grace_s)
     # A stop that outlives its grace (a call or a rank that will not end) must not leave the
     # worker running, e.g. after its parent `deltaserve serve` was killed.
