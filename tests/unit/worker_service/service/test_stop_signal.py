@@ -4,7 +4,7 @@ The kernel may deliver a process-wide signal (PR_SET_PDEATHSIG's SIGTERM when `d
 serve` is killed) to any thread; Python runs the handler only in the main thread, and a main
 thread blocked in an untimed wait never got to it: the worker outlived its killed parent. Here a
 helper thread sends SIGTERM to itself once the handlers are in place, so the signal reaches a
-thread other than the main one by construction."""
+thread other than the main one by construction, once the main thread sleeps in its wait."""
 from __future__ import annotations
 
 import subprocess
@@ -16,11 +16,15 @@ _CHILD = """
 import signal, threading
 from worker_service.service import server
 
+def main_thread_blocked():
+    tid = threading.main_thread().native_id
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
 def signal_this_thread():
-    handlers_in = threading.Event()
-    while not callable(signal.getsignal(signal.SIGTERM)):
-        handlers_in.wait(0.05)
-    handlers_in.wait(0.5)           # give the main thread time to block in its wait
+    poll = threading.Event()        # never set: its timed wait is the polling interval
+    while not (callable(signal.getsignal(signal.SIGTERM)) and main_thread_blocked()):
+        poll.wait(0.01)
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 threading.Thread(target=signal_this_thread, daemon=True).start()
