@@ -51,7 +51,7 @@ namespace deltaserve_cpu {
 namespace {
 
 constexpr int kCols = 16;        // output columns per packed block: two ymm of int32
-constexpr int kRowBlock = 4;     // rows of x per register block: 8 accumulators
+constexpr int kRowBlock = 4;     // rows of x per register block (8 accumulators); fewer at the end
 constexpr int32_t kQx = 2047;
 constexpr double kUnit = 1.0 / 16777216.0;       // float32's unit roundoff, 2^-24
 constexpr double kSafety = 1.0 + 1e-5;            // covers double rounding of the bounds
@@ -66,43 +66,40 @@ int32_t weight_levels(int64_t kp) {
 
 typedef int32_t v8si __attribute__((vector_size(32)));
 
-// out[r][c] = sum_k xq[r][k] * block[k][c] for r < 4, c < 16 (int32, exact): one vpmaddwd and
-// one vpaddd per 16 multiply-adds. Written with named accumulators and GCC's vector `+=`, which
-// GCC keeps in registers (an array of __m256i cost a register copy per add).
+// out[r][c] = sum_k xq[r][k] * block[k][c] for r < R <= 4, c < 16 (int32, exact): one vpmaddwd
+// and one vpaddd per 16 multiply-adds. The sums use GCC's vector `+=`, which GCC keeps in
+// registers (_mm256_add_epi32 over an array of __m256i cost a register copy per add).
+template <int R>
 inline void int_block(const int16_t* xq, int64_t ldx, const int16_t* block, int64_t kp,
                       int32_t (*out)[kCols]) {
-  v8si a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {};
-  const int16_t *x0 = xq, *x1 = xq + ldx, *x2 = xq + 2 * ldx, *x3 = xq + 3 * ldx;
+  v8si a[R][2] = {};
   for (int64_t k2 = 0; k2 < kp / 2; ++k2) {
     const int16_t* w = block + k2 * 2 * kCols;
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
-    int32_t p0, p1, p2, p3;       // (x[2 k2], x[2 k2 + 1]) of each row, broadcast
-    std::memcpy(&p0, x0 + 2 * k2, 4);
-    std::memcpy(&p1, x1 + 2 * k2, 4);
-    std::memcpy(&p2, x2 + 2 * k2, 4);
-    std::memcpy(&p3, x3 + 2 * k2, 4);
-    __m256i b = _mm256_set1_epi32(p0);
-    a00 += (v8si)_mm256_madd_epi16(b, w0);
-    a01 += (v8si)_mm256_madd_epi16(b, w1);
-    b = _mm256_set1_epi32(p1);
-    a10 += (v8si)_mm256_madd_epi16(b, w0);
-    a11 += (v8si)_mm256_madd_epi16(b, w1);
-    b = _mm256_set1_epi32(p2);
-    a20 += (v8si)_mm256_madd_epi16(b, w0);
-    a21 += (v8si)_mm256_madd_epi16(b, w1);
-    b = _mm256_set1_epi32(p3);
-    a30 += (v8si)_mm256_madd_epi16(b, w0);
-    a31 += (v8si)_mm256_madd_epi16(b, w1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;             // (x[2 k2], x[2 k2 + 1]) of row r, broadcast
+      std::memcpy(&pair, xq + r * ldx + 2 * k2, sizeof pair);
+      const __m256i b = _mm256_set1_epi32(pair);
+      a[r][0] += (v8si)_mm256_madd_epi16(b, w0);
+      a[r][1] += (v8si)_mm256_madd_epi16(b, w1);
+    }
   }
-  std::memcpy(out[0], &a00, 32);
-  std::memcpy(out[0] + 8, &a01, 32);
-  std::memcpy(out[1], &a10, 32);
-  std::memcpy(out[1] + 8, &a11, 32);
-  std::memcpy(out[2], &a20, 32);
-  std::memcpy(out[2] + 8, &a21, 32);
-  std::memcpy(out[3], &a30, 32);
-  std::memcpy(out[3] + 8, &a31, 32);
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(out[r], &a[r][0], sizeof a[r][0]);
+    std::memcpy(out[r] + 8, &a[r][1], sizeof a[r][1]);
+  }
+}
+
+void int_rows(int rows, const int16_t* xq, int64_t ldx, const int16_t* block, int64_t kp,
+              int32_t (*out)[kCols]) {
+  switch (rows) {
+    case 1: return int_block<1>(xq, ldx, block, kp, out);
+    case 2: return int_block<2>(xq, ldx, block, kp, out);
+    case 3: return int_block<3>(xq, ldx, block, kp, out);
+    default: return int_block<4>(xq, ldx, block, kp, out);
+  }
 }
 
 // x . w in float32, one fixed order (lane-wise FMAs, then the lanes' sum).
@@ -187,7 +184,7 @@ void screen_block(const int16_t* xq, int64_t kp, const int16_t* packed, const fl
                   const float* floor, const float* bounds, const RowScreen* rows_info,
                   int64_t blk, int64_t r0, int rows, Screen& screen) {
   alignas(64) int32_t acc[kRowBlock][kCols];
-  int_block(xq + r0 * kp, kp, packed + blk * kp * kCols, kp, acc);
+  int_rows(rows, xq + r0 * kp, kp, packed + blk * kp * kCols, kp, acc);
   const float* sw = scale + blk * kCols;
   const float* lo = floor + blk * kCols;
   const float max_norm = bounds[2 * blk], max_err = bounds[2 * blk + 1];
@@ -285,9 +282,7 @@ at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at
     max_norm = std::max<double>(max_norm, bd[2 * b]);
     max_err = std::max<double>(max_err, bd[2 * b + 1]);
   }
-  // rows padded with zeros to whole register blocks (the padding's estimates are never read)
-  at::Tensor xq = at::zeros({(m + kRowBlock - 1) / kRowBlock * kRowBlock, kp},
-                            x.options().dtype(at::kShort));
+  at::Tensor xq = at::empty({m, kp}, x.options().dtype(at::kShort));
   std::vector<RowScreen> rows(static_cast<size_t>(m));
   const float* xp = x.data_ptr<float>();
   int16_t* xqp = xq.data_ptr<int16_t>();
