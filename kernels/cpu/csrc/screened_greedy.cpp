@@ -14,17 +14,25 @@
 //     E_v = |x - x^| |w_v| + |x^| |w_v - w^_v|    (Cauchy-Schwarz on the two quantisations)
 //         + 2.01u |x^| (|w_v| + |w_v - w^_v|)     (the int -> float conversion and one product)
 //         + gamma_K |x| |w_v|                     (C_v's own rounding: any order of K FMAs)
+//         + (K + 8) 2^-150                        (C_v's underflow: each FMA whose result is
+//                                                  subnormal errs by up to 2^-150 absolute)
 //
 // with u = 2^-24, gamma_K = K u / (1 - K u), norms Euclidean and taken at their per-block maxima
-// (kCols columns), plus a slack for the float additions of the comparisons. If A_v + E_v is
-// below max_u (A_u - E_u) then C_v < C_u, so v is not the argmax of C; every column that
-// survives is computed as C_v, and the first of the largest wins, as torch.argmax's does.
+// (kCols columns) and every coefficient rounded up to float, plus a slack for the float
+// arithmetic of the estimates and comparisons: 8 u |x^| (max|w| + max|w - w^|) for its
+// relative rounding and 2^-148 (in units of sx) for its own underflows. Everything is computed
+// in units of sx, so a row whose estimates there could pass 1e30 (|x^| / sx (max|w| +
+// max|w - w^|), which grows as x shrinks) is handed back: an estimate rounded to inf would
+// otherwise set a best that no finite bound can reach. If A_v + E_v is below max_u (A_u - E_u)
+// then C_v < C_u, so v is not the argmax of C; every column that survives is computed as C_v,
+// and the first of the largest wins, as torch.argmax's does.
 // So the result is the argmax of the float32 logits C, the same on any batch (C_v depends on
 // x's row alone): what the float32 GEMM path returns up to its own summation order, which
 // differs from this one's only where two logits tie within float32 rounding.
 //
-// A row with a non-finite value, all zeros, logits near float32's range, or more surviving
-// columns than kMaxCandidates comes back as -1, for the caller's float32 path.
+// A row with a non-finite value, all zeros, a largest value too small for its scale (below
+// about 6e-36), logits or scaled estimates near float32's range, or more surviving columns than
+// kMaxCandidates comes back as -1, for the caller's float32 path.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -58,6 +66,15 @@ constexpr double kSafety = 1.0 + 1e-5;            // covers double rounding of t
 constexpr size_t kMaxCandidates = 4096;           // per row and thread, before the fallback
 constexpr int64_t kBlocksPerTask = 8;
 constexpr double kTooLarge = 1e30;                // |x| |w_v| past this: float32 path
+constexpr double kUnderflow = 7.006492321624085e-46;  // 2^-150: a subnormal result's worst error
+
+// v rounded up to float: a bound's coefficient may not shrink in the cast (subnormals, where
+// rounding to nearest loses up to half their value).
+float up(double v) {
+  const float f = static_cast<float>(v);
+  return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity())
+                                    : f;
+}
 
 // Qw for rows of K values: the largest with K * kQx * Qw < 2^31, at most kQx.
 int32_t weight_levels(int64_t kp) {
@@ -132,6 +149,7 @@ RowScreen quantise_row(const float* x, int64_t k, int64_t kp, int16_t* q, double
   if (!finite || amax == 0.0f) return s;
   const float sx = amax / static_cast<float>(kQx);
   const float inv = static_cast<float>(kQx) / amax;
+  if (sx == 0.0f || !std::isfinite(inv)) return s;     // amax near the subnormals' floor
   double xx = 0, ee = 0, hh = 0;
   for (int64_t i = 0; i < k; ++i) {
     const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(x[i] * inv)), -kQx, kQx);
@@ -142,11 +160,12 @@ RowScreen quantise_row(const float* x, int64_t k, int64_t kp, int16_t* q, double
     hh += hat * hat;
   }
   const double xn = std::sqrt(xx), en = std::sqrt(ee), hn = std::sqrt(hh);
-  if (xn * max_norm > kTooLarge) return s;
+  if (xn * max_norm > kTooLarge || hn / sx * (max_norm + max_err) > kTooLarge) return s;
   const double gamma = k * kUnit / (1.0 - k * kUnit);
-  s.alpha = static_cast<float>((en + 2.01 * kUnit * hn + gamma * xn) * kSafety / sx);
-  s.beta = static_cast<float>(hn * (1.0 + 2.01 * kUnit) * kSafety / sx);
-  s.eta = static_cast<float>(8.0 * kUnit * hn * (max_norm + max_err) * kSafety / sx);
+  s.alpha = up((en + 2.01 * kUnit * hn + gamma * xn) * kSafety / sx);
+  s.beta = up(hn * (1.0 + 2.01 * kUnit) * kSafety / sx);
+  s.eta = up((8.0 * kUnit * hn * (max_norm + max_err) + (k + 8) * kUnderflow) * kSafety / sx +
+             4 * kUnderflow);
   s.ok = true;
   return s;
 }
@@ -237,8 +256,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_pack(const at:
         float amax = 0.0f;
         for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
         TORCH_CHECK(std::isfinite(amax), "screen_pack: weight row ", v, " is not finite");
-        const float sw = amax == 0.0f ? 0.0f : amax / static_cast<float>(qw);
-        const float inv = amax == 0.0f ? 0.0f : static_cast<float>(qw) / amax;
+        // a row too small for qw / amax in float32 gets w^ = 0 (its whole norm is the error)
+        const bool levels = amax != 0.0f && std::isfinite(static_cast<float>(qw) / amax);
+        const float sw = levels ? amax / static_cast<float>(qw) : 0.0f;
+        const float inv = levels ? static_cast<float>(qw) / amax : 0.0f;
         double nn = 0, ee = 0;
         for (int64_t i = 0; i < k; ++i) {
           const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(row[i] * inv)), -qw, qw);
@@ -253,8 +274,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_pack(const at:
         max_norm = std::max(max_norm, std::sqrt(nn));
         max_err = std::max(max_err, std::sqrt(ee));
       }
-      bd[2 * b] = static_cast<float>(max_norm * kSafety);
-      bd[2 * b + 1] = static_cast<float>(max_err * kSafety);
+      bd[2 * b] = up(max_norm * kSafety);
+      bd[2 * b + 1] = up(max_err * kSafety);
     }
   });
   return {packed, scale, floor, bounds};

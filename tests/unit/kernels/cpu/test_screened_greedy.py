@@ -170,3 +170,29 @@ def test_the_engines_head_takes_the_screen_only_without_logprobs(screening):
                                rtol=1e-5)
     fast, none = lin.greedy(x, False)
     assert none.numel() == 0 and fast.tolist() == ids.tolist()
+
+
+def test_subnormal_logits_that_tie_in_float32_keep_the_first_column(screening):
+    """Products below float32's normal range round to multiples of 2^-149, far past the relative
+    gamma_K bound: 0.75 and 0.9375 (x 2^-149) both become 2^-149, a tie the first column wins,
+    though the exact values are 25% apart. The bound carries an absolute underflow term."""
+    x = torch.tensor([[3 * 2.0 ** -76]])
+    w = torch.tensor([[2.0 ** -75], [1.25 * 2.0 ** -75]])
+    logits = x[0, 0] * w[:, 0]
+    assert logits[0] == logits[1] == 2.0 ** -149
+    assert screen(screening, x, w).tolist() == [0]
+
+
+def test_estimates_past_float32_range_in_units_of_the_scale_come_back(screening):
+    """Logits of 1.7e29 pass the 1e30 guard, but a tiny x makes its 16-bit scale sx tiny too and
+    the estimates, in units of sx, overflow: column 0's became inf, a best that column 1 (the
+    larger logit, its estimate 0.5 step low) could not reach. Such a row is the float32 path's."""
+    big = 3.4028234663852886e38 / 4094 * 1.00001             # 4094 big: just past float32
+    w = torch.zeros(linear.TILED_FROM_N, 2)
+    w[0] = big
+    w[1] = torch.tensor([1.0, 1 - 0.51 / 2047]) * big * 1.00018
+    x = torch.full((1, 2), 1e-6)
+    assert (x.double() @ w[:2].double().T).argmax().item() == 1
+    assert screen(screening, x, w[:2]).item() in (-1, 1)
+    assert linear.prepare(w).greedy(x, False)[0].tolist() == [1]
+
