@@ -63,7 +63,7 @@ class CpuLinear:
             self.tiles = [ops.mkl_pack(w[i:i + TILE_N].contiguous())
                           for i in range(0, self.out_features, TILE_N)]
             if ops.screen_available():
-                self.weight, self.screen = w, ops.screen_pack(w)
+                self.weight, self.screen = w, _screen_pack(ops, w)
         elif weight.dtype == torch.float32:
             self.packed = ops.mkl_pack(w)
         self.calls = 0              # calls that took a kernel (tests check they ran)
@@ -109,6 +109,15 @@ class CpuLinear:
             ids[back] = ops.mkl_tiled_greedy(x[back].contiguous(), self.tiles, TILE_N,
                                              self.out_features, False)[0]
         return ids
+
+
+def _screen_pack(ops, w: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The 16-bit copy, or None (greedy keeps the float32 tiles) for a weight screen_pack
+    refuses: a non-finite value, or K too long for int32 sums of 16-bit products."""
+    try:
+        return ops.screen_pack(w)
+    except RuntimeError:
+        return None
 
 
 def panel_max_rows(dtype: torch.dtype) -> int:

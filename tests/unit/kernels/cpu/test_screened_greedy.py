@@ -196,3 +196,14 @@ def test_estimates_past_float32_range_in_units_of_the_scale_come_back(screening)
     assert screen(screening, x, w[:2]).item() in (-1, 1)
     assert linear.prepare(w).greedy(x, False)[0].tolist() == [1]
 
+
+def test_a_weight_the_screen_cannot_bound_keeps_the_float32_path(screening):
+    """screen_pack refuses a non-finite weight; prepare() must still give a working head."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(linear.TILED_FROM_N, 16, generator=gen)
+    w[5, 3] = float("inf")
+    x = torch.randn(3, 16, generator=gen)
+    lin = linear.prepare(w)
+    assert lin.screen is None
+    full, _ = screening.mkl_tiled_greedy(x, lin.tiles, linear.TILE_N, w.shape[0], False)
+    assert lin.greedy(x, False)[0].tolist() == full.tolist()
