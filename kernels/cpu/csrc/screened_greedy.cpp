@@ -73,8 +73,10 @@ constexpr double kScaledTooLarge = 1e37;
 constexpr double kUnderflow = 7.006492321624085e-46;  // 2^-150: a subnormal result's worst error
 
 // v rounded up to float: a bound's coefficient may not shrink in the cast (subnormals, where
-// rounding to nearest loses up to half their value).
+// rounding to nearest loses up to half their value). Past float32's range: inf (a row's guard
+// then hands it back), not the undefined out-of-range conversion.
 float up(double v) {
+  if (!(v <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::infinity();
   const float f = static_cast<float>(v);
   return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity())
                                     : f;
