@@ -3,6 +3,9 @@ decided in float32. Every answer is checked against float64 logits (where the to
 further apart than float32 can blur) or against exact ties built into the weight."""
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,3 +210,49 @@ def test_a_weight_the_screen_cannot_bound_keeps_the_float32_path(screening):
     assert lin.screen is None
     full, _ = screening.mkl_tiled_greedy(x, lin.tiles, linear.TILE_N, w.shape[0], False)
     assert lin.greedy(x, False)[0].tolist() == full.tolist()
+
+
+def _float_dot(x, w) -> float:
+    """csrc's float_dot on the AVX2 build, exactly: 8 lanes of FMAs (each rounded once, from the
+    exact product-sum), then the lanes' sum ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+    def fma(a, b, c):
+        exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+        near = np.float32(float(exact))
+        around = (np.nextafter(near, np.float32(-np.inf)), near,
+                  np.nextafter(near, np.float32(np.inf)))        # float64's double rounding
+        return min(around, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                          int(np.array(v).view(np.int32)) & 1))
+    lanes = [np.float32(0)] * 8
+    for i, (a, b) in enumerate(zip(x.tolist(), w.tolist())):
+        lanes[i % 8] = fma(np.float32(a), np.float32(b), lanes[i % 8])
+    s = [lanes[j] + lanes[j + 4] for j in range(4)]
+    return float((s[0] + s[2]) + (s[1] + s[3]))
+
+
+@pytest.mark.parametrize("k", [13, 64])
+def test_float32_ties_between_near_copies_go_to_the_first_column(screening, k):
+    """Twelve copies of one row, a few nudged by an ulp, spread over blocks and two threads:
+    their float32 logits tie or differ by an ulp (float64 often orders them otherwise), and
+    the screen must return exactly the first largest of float_dot's values."""
+    gen = torch.Generator().manual_seed(k)
+    n, rows = 3000, 3
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    x[:, 0] *= 50
+    copies = torch.randperm(n, generator=gen)[:12].tolist()
+    for j, col in enumerate(copies):
+        w[col] = x[0] / x[0].norm() * 2
+        if j % 3:                                         # every third copy stays exact
+            away = np.float32((-1) ** j * np.inf)
+            w[col, j % k] = float(np.nextafter(np.float32(w[col, j % k]), away))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = screen(screening, x, w)
+    finally:
+        torch.set_num_threads(before)
+    logits = x.double() @ w.double().T
+    for r in range(rows):
+        near = (logits[r] >= logits[r].max() - 1e-3 * logits[r].abs().max()).nonzero()
+        value = {c: _float_dot(x[r], w[c]) for c in near.flatten().tolist()}
+        assert got[r].item() == min(value, key=lambda c: (-value[c], c))
