@@ -14,8 +14,9 @@
 //     E_v = |x - x^| |w_v| + |x^| |w_v - w^_v|    (Cauchy-Schwarz on the two quantisations)
 //         + 2.01u |x^| (|w_v| + |w_v - w^_v|)     (the int -> float conversion and one product)
 //         + gamma_K |x| |w_v|                     (C_v's own rounding: any order of K FMAs)
-//         + (K + 8) 2^-150                        (C_v's underflow: each FMA whose result is
-//                                                  subnormal errs by up to 2^-150 absolute)
+//         + (K + 8)(1 + gamma_K) 2^-150           (C_v's underflow: each of its <= K + 7 FMAs
+//                                                  errs by up to 2^-150 absolute where its
+//                                                  result is subnormal, then rounds onwards)
 //
 // with u = 2^-24, gamma_K = K u / (1 - K u), norms Euclidean and taken at their per-block maxima
 // (kCols columns) and every coefficient rounded up to float, plus a slack for the float
@@ -170,8 +171,9 @@ RowScreen quantise_row(const float* x, int64_t k, int64_t kp, int16_t* q, double
   const double gamma = k * kUnit / (1.0 - k * kUnit);
   s.alpha = up((en + 2.01 * kUnit * hn + gamma * xn) * kSafety / sx);
   s.beta = up(hn * (1.0 + 2.01 * kUnit) * kSafety / sx);
-  s.eta = up((8.0 * kUnit * hn * (max_norm + max_err) + (k + 8) * kUnderflow) * kSafety / sx +
-             4 * kUnderflow);
+  const double underflow = (k + 8) * (1.0 + gamma) * kUnderflow;     // C_v's, in real units
+  s.eta = up((8.0 * kUnit * hn * (max_norm + max_err) + underflow) * kSafety / sx +
+             4 * kUnderflow);               // the estimates' and bounds' own, in units of sx
   s.ok = true;
   return s;
 }
