@@ -29,7 +29,9 @@
 // and the first of the largest wins, as torch.argmax's does.
 // So the result is the argmax of the float32 logits C, the same on any batch (C_v depends on
 // x's row alone): what the float32 GEMM path returns up to its own summation order, which
-// differs from this one's only where two logits tie within float32 rounding.
+// differs from this one's only where two logits tie within float32 rounding. The pack and the
+// screen run in IEEE mode whatever the caller's (IeeeMode: no flush-to-zero, no
+// denormals-are-zero, round to nearest), which all of the above assumes.
 //
 // A row with a non-finite value, all zeros, a largest value too small for its scale (below
 // about 6e-36), logits or scaled estimates near float32's range, or more surviving columns than
@@ -82,6 +84,21 @@ float up(double v) {
   return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity())
                                     : f;
 }
+
+// IEEE float32 arithmetic on this thread while in scope: round to nearest, no flush-to-zero or
+// denormals-are-zero. The bound assumes them; torch.set_flush_denormal(True) after the pack
+// made DAZ read a subnormal sw as 0, an estimate of 0 that ruled out the largest logit.
+class IeeeMode {
+ public:
+  IeeeMode() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kNotIeee); }
+  ~IeeeMode() { _mm_setcsr(saved_); }
+  IeeeMode(const IeeeMode&) = delete;
+  IeeeMode& operator=(const IeeeMode&) = delete;
+
+ private:
+  static constexpr unsigned kNotIeee = 0x8000u | 0x6000u | 0x0040u;   // FTZ, rounding, DAZ
+  unsigned saved_;
+};
 
 // Qw for rows of K values: the largest with K * kQx * Qw < 2^31, at most kQx.
 int32_t weight_levels(int64_t kp) {
@@ -256,6 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_pack(const at:
   float* fl = floor.data_ptr<float>();
   float* bd = bounds.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const IeeeMode ieee;
     for (int64_t b = b0; b < b1; ++b) {
       double max_norm = 0, max_err = 0;
       for (int c = 0; c < kCols && b * kCols + c < n; ++c) {
@@ -305,6 +323,7 @@ at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at
   const int64_t blocks = packed.size(0);
   at::Tensor ids = at::full({m}, -1, x.options().dtype(at::kLong));
   if (m == 0) return ids;
+  const IeeeMode ieee;             // this thread's quantisation (the workers set their own)
   const float* bd = bounds.data_ptr<float>();
   double max_norm = 0, max_err = 0;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -329,6 +348,7 @@ at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at
   const float* fl = floor.data_ptr<float>();
 #pragma omp parallel num_threads(nt)
   {
+    const IeeeMode ieee;
     Screen& mine = screens[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t)
@@ -342,6 +362,7 @@ at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at
   const float* w = weight.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, m, 16, [&](int64_t lo, int64_t hi) {
+    const IeeeMode ieee;
     for (int64_t r = lo; r < hi; ++r) {
       if (!rows[r].ok) continue;
       float best = -std::numeric_limits<float>::infinity();

@@ -256,3 +256,20 @@ def test_float32_ties_between_near_copies_go_to_the_first_column(screening, k):
         near = (logits[r] >= logits[r].max() - 1e-3 * logits[r].abs().max()).nonzero()
         value = {c: _float_dot(x[r], w[c]) for c in near.flatten().tolist()}
         assert got[r].item() == min(value, key=lambda c: (-value[c], c))
+
+
+def test_flush_to_zero_set_after_the_pack_changes_nothing(screening):
+    """torch.set_flush_denormal(True) after prepare: column 1's 16-bit scale (1e-35 / 2047) is
+    subnormal, which denormals-are-zero read as 0, an estimate of 0 below column 0's lower
+    bound though column 1's logit (1e-35, normal) is twice column 0's. The kernel runs IEEE."""
+    x = torch.tensor([[1.0, 0.0]])
+    w = torch.tensor([[5e-36, 1e-34], [1e-35, 0.0]])
+    packed = screening.screen_pack(w)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        got = screening.screen_greedy(x, w, *packed)
+        assert (x @ w.T).argmax(1).tolist() == [1]
+    finally:
+        torch.set_flush_denormal(False)
+    assert got.tolist() == [1]
