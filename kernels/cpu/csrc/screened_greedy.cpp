@@ -54,6 +54,7 @@
 #include <utility>
 #include <vector>
 
+#include "float_bounds.h"
 #include "simd.h"
 
 namespace deltaserve_cpu {
@@ -69,36 +70,10 @@ constexpr double kSafety = 1.0 + 1e-5;            // covers double rounding of t
 constexpr size_t kMaxCandidates = 4096;           // per row and thread, before the fallback
 constexpr int64_t kBlocksPerTask = 8;
 constexpr double kTooLarge = 1e30;                // |x| |w_v| past this: float32 path
-// |x^| / sx (max|w| + max|w - w^|) past this: float32 path. It bounds every estimate in units
-// of sx, their bounds (at most 1.1 times it) and the sums of the comparisons (3.2 times): all
-// stay an order of magnitude below float32's 3.4e38.
+// |x^| / sx (max|w| + max|w - w^|) past this: float32 path. It bounds the estimates (units of
+// sx), their bounds (1.1 times) and the comparisons' sums (3.2 times) well below 3.4e38.
 constexpr double kScaledTooLarge = 1e37;
 constexpr double kUnderflow = 7.006492321624085e-46;  // 2^-150: a subnormal result's worst error
-
-// v rounded up to float: a bound's coefficient may not shrink in the cast (subnormals, where
-// rounding to nearest loses up to half their value). Past float32's range: inf (a row's guard
-// then hands it back), not the undefined out-of-range conversion.
-float up(double v) {
-  if (!(v <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::infinity();
-  const float f = static_cast<float>(v);
-  return static_cast<double>(f) < v ? std::nextafter(f, std::numeric_limits<float>::infinity())
-                                    : f;
-}
-
-// IEEE float32 arithmetic on this thread while in scope: round to nearest, no flush-to-zero or
-// denormals-are-zero. The bound assumes them; torch.set_flush_denormal(True) after the pack
-// made DAZ read a subnormal sw as 0, an estimate of 0 that ruled out the largest logit.
-class IeeeMode {
- public:
-  IeeeMode() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kNotIeee); }
-  ~IeeeMode() { _mm_setcsr(saved_); }
-  IeeeMode(const IeeeMode&) = delete;
-  IeeeMode& operator=(const IeeeMode&) = delete;
-
- private:
-  static constexpr unsigned kNotIeee = 0x8000u | 0x6000u | 0x0040u;   // FTZ, rounding, DAZ
-  unsigned saved_;
-};
 
 // Qw for rows of K values: the largest with K * kQx * Qw < 2^31, at most kQx.
 int32_t weight_levels(int64_t kp) {
@@ -314,10 +289,14 @@ at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at
                          const at::Tensor& bounds) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
+  // exactly screen_pack's shapes (a longer pack's columns past N would raise the best bound)
+  const int64_t nb = (weight.size(0) + kCols - 1) / kCols;
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1) &&
-                  packed.dim() == 3 && packed.size(2) == kCols &&
-                  packed.size(0) * kCols >= weight.size(0) &&
-                  packed.size(1) == (x.size(1) + 1) / 2 * 2,
+                  packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kCols &&
+                  packed.size(0) == nb && packed.size(1) == (x.size(1) + 1) / 2 * 2 &&
+                  scale.is_contiguous() && scale.numel() == nb * kCols &&
+                  floor.is_contiguous() && floor.numel() == nb * kCols &&
+                  bounds.is_contiguous() && bounds.numel() == nb * 2,
               "screen_greedy: packed weight does not match x [M, K] and weight [N, K]");
   const int64_t m = x.size(0), k = x.size(1), kp = packed.size(1), n = weight.size(0);
   const int64_t blocks = packed.size(0);

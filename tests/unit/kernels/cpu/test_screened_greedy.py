@@ -273,3 +273,12 @@ def test_flush_to_zero_set_after_the_pack_changes_nothing(screening):
     finally:
         torch.set_flush_denormal(False)
     assert got.tolist() == [1]
+
+
+def test_a_pack_of_another_shape_is_refused(screening):
+    """A pack with more blocks than the weight (here a longer head's) once passed the check, and
+    its extra columns, never chosen, could still raise the best lower bound over the argmax."""
+    w = torch.randn(40, 8, generator=torch.Generator().manual_seed(12))
+    longer = torch.cat([w, 100 * w[:1].expand(40, 8)])
+    with pytest.raises(RuntimeError, match="does not match"):
+        screening.screen_greedy(w[:2].contiguous(), w, *screening.screen_pack(longer))
