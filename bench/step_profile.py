@@ -13,7 +13,10 @@ steps are in the window). Prints:
   - the top kernels by device time, and the top host-side torch ops by self CPU time;
   - host phases per step (min / median / max over the window): the engine's schedule + encode,
     its wait for the runner, decode + update, output processing; the runner's input preparation,
-    forward launch, sampling launch and read-back wait.
+    forward launch, sampling launch and read-back wait, each also in the runner thread's CPU
+    time (wall well above CPU: the thread was blocked, not busy);
+  - on CUDA, the caching allocator's device allocations, frees and retries in the window.
+`--host-only` records no torch.profiler trace: the host phases without its per-op overhead.
 No result file is written: this answers "where does the time go", the throughput benchmark
 answers "how fast".
 """
@@ -40,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=50,
                    help="steps to record, of any kind (default: 50)")
     g.add_argument("--top", type=int, default=12, help="rows in each top list (default: 12)")
+    g.add_argument("--host-only", action="store_true",
+                   help="no torch.profiler: the host phases without its per-op overhead")
     return p
 
 
@@ -98,8 +103,11 @@ class DecodeWindow:
         p["engine: wait for the runner"].append(stats.round_trip_s)
         p["engine: decode + update"].append(stats.update_s)
         p["engine: output processing"].append(self._out_s)
-        for name, seconds in self.llm.runner.clock.phases.items():
+        clock = self.llm.runner.clock
+        for name, seconds in clock.phases.items():
             p[f"runner: {name}"].append(seconds)
+        for name, seconds in clock.cpu_phases.items():
+            p[f"runner: {name}, thread cpu"].append(seconds)
         self.batch_sizes.append(stats.num_reqs)
         self.kv_tokens.append(sum(r.num_computed_tokens for r in self.llm.scheduler.running))
 
@@ -188,6 +196,36 @@ def gap_report(kernels, num_steps: int, min_gap_us: float = 10.0, top: int = 6) 
     return lines
 
 
+class AllocatorCounters:
+    """The CUDA caching allocator's counters over the window: device allocations and frees
+    (cudaMalloc / cudaFree, which synchronizes) and retries after a failed allocation (each
+    frees the cache and synchronizes). A steady loop has none."""
+
+    KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+    def __init__(self, device: str | None):
+        self.device, self.before, self.after = device, {}, {}
+
+    def _read(self) -> dict:
+        import torch
+        stats = torch.cuda.memory_stats(self.device)
+        return {k: stats.get(k, 0) for k in self.KEYS}
+
+    def start(self) -> None:
+        if self.device:
+            self.before = self._read()
+
+    def stop(self) -> None:
+        if self.device:
+            self.after = self._read()
+
+    def report(self) -> list[str]:
+        if not self.after:
+            return []
+        return ["allocator in the window: " + ", ".join(
+            f"{k} {self.after[k] - self.before[k]}" for k in self.KEYS)]
+
+
 def phase_report(window: DecodeWindow) -> list[str]:
     lines = [f"host phases over {len(window.batch_sizes)} recorded steps, mean batch "
              f"{statistics.mean(window.batch_sizes):.1f} (ms: min / median / max):"]
@@ -223,22 +261,29 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
     prof = profile(activities=activities)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    window = DecodeWindow(llm, args.skip, args.steps, lambda: (sync(), prof.__enter__()),
-                          lambda: (sync(), prof.__exit__(None, None, None)))
+    on_cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    allocator = AllocatorCounters(device if on_cuda else None)
+    enter = (lambda: None) if args.host_only else prof.__enter__
+    leave = (lambda: None) if args.host_only else (lambda: prof.__exit__(None, None, None))
+    window = DecodeWindow(llm, args.skip, args.steps, lambda: (sync(), allocator.start(), enter()),
+                          lambda: (sync(), allocator.stop(), leave()))
     start = time.perf_counter()
     completions = _generate(llm, workload, args)
     wall = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for c in completions)
     print(f"run: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s "
-          f"(profiler on for {window.wall:.2f} s of it)")
+          f"(the recorded window {window.wall:.2f} s of it)")
     if not window.done:
         print(f"only {window.decode_steps} decode steps: nothing recorded (lower --skip/--steps)")
         return 1
-    for line in phase_report(window) + device_report(prof, window.wall, len(window.batch_sizes),
-                                                     args.top):
+    for line in phase_report(window) + allocator.report():
         print(line)
-    if device.startswith("cuda"):
+    if args.host_only:
+        return 0
+    for line in device_report(prof, window.wall, len(window.batch_sizes), args.top):
+        print(line)
+    if on_cuda:
         from torch.autograd import DeviceType
 
         from bench.bandwidth import kv_bytes_per_token, measure_copy_bandwidth

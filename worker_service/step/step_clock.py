@@ -11,7 +11,10 @@ ids into the batch and building the reply (after readback), and encoding the rep
 
 Times are time.perf_counter() differences taken on the host with no extra synchronization. On
 CPU each phase is its compute time. On CUDA forward and sampling are only the host's launch time:
-the device time they queued surfaces in readback, where the host waits for it.
+the device time they queued surfaces in readback, where the host waits for it. `cpu_phases`
+holds the runner thread's CPU time over the same spans (time.thread_time): a phase whose wall
+time is well above its CPU time was blocked (the GIL, a full launch queue, a synchronizing
+allocation), not busy.
 """
 from __future__ import annotations
 
@@ -24,15 +27,18 @@ class StepClock:
     """`start()` at the step's beginning, `mark(phase)` at the end of each phase; `phases` holds
     the last step's seconds per phase (phases a step skipped are absent)."""
 
-    def __init__(self):
+    def __init__(self, wall=time.perf_counter, cpu=time.thread_time):
+        self._wall, self._cpu = wall, cpu
         self.phases: dict[str, float] = {}
-        self._last = 0.0
+        self.cpu_phases: dict[str, float] = {}
+        self._last = self._last_cpu = 0.0
 
     def start(self) -> None:
-        self.phases = {}
-        self._last = time.perf_counter()
+        self.phases, self.cpu_phases = {}, {}
+        self._last, self._last_cpu = self._wall(), self._cpu()
 
     def mark(self, phase: str) -> None:
-        now = time.perf_counter()
+        now, cpu = self._wall(), self._cpu()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
-        self._last = now
+        self.cpu_phases[phase] = self.cpu_phases.get(phase, 0.0) + cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
