@@ -4,13 +4,15 @@ experiment; the engine's own are TritonLaunchConfig's defaults).
     --triton-launch decode.block_n=32,decode.num_warps=8,decode_splits=2
 
 Names are TritonLaunchConfig fields, `prefill.` / `decode.` ones KernelTiles fields; values are
-ints (decode_splits also `none`) or, for dispatch, a mode name. Applied to the model's attention
+ints (decode_splits also `none`) or, for dispatch and decode_order, a name. Applied to the model's attention
 backend after start-up, then the decode CUDA graphs are captured again, so that graph replays
 use them too (split counts and tile sizes are fixed in each graph at capture).
 """
 from __future__ import annotations
 
 from dataclasses import fields, replace
+
+STRING_FIELDS = ("dispatch", "decode_order")      # the rest are ints
 
 
 def parse_launch(text: str):
@@ -31,7 +33,7 @@ def parse_launch(text: str):
             raise ValueError(f"--triton-launch name {name!r} is invalid: must be one of "
                              f"{sorted(f.name for f in fields(TritonLaunchConfig))} or "
                              f"prefill./decode. + {sorted(f.name for f in fields(KernelTiles))}")
-        parsed = value if name == "dispatch" else None if value == "none" else int(value)
+        parsed = value if name in STRING_FIELDS else None if value == "none" else int(value)
         if dot:
             tiles[kernel][field] = parsed
         else:

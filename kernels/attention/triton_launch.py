@@ -23,6 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DISPATCH_MODES = ("by_batch", "unified", "per_request")
+# decode: which grid axis varies fastest in program order. request_fastest runs one kv head of
+# every request, then the next head; head_fastest runs all kv heads of a request side by side,
+# so the programs in flight read each token's whole K/V row (Hkv * D contiguous) together.
+DECODE_ORDERS = ("request_fastest", "head_fastest")
 MIN_SPLIT_TOKENS = 256       # decode: fewest keys worth a split of their own
 MAX_SPLITS = 32
 SPLIT_WAVES = 2              # decode: split until the programs fill this many waves of SMs
@@ -73,6 +77,7 @@ class TritonLaunchConfig:
     max_splits: int = MAX_SPLITS
     split_waves: int = SPLIT_WAVES
     dispatch: str = "by_batch"
+    decode_order: str = "request_fastest"
 
     def __post_init__(self) -> None:
         _check_pow2("block_q_rows", self.block_q_rows, MIN_DOT_ROWS)
@@ -83,9 +88,10 @@ class TritonLaunchConfig:
         for name in ("min_split_tokens", "max_splits", "split_waves"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
-        if self.dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch={self.dispatch!r} is invalid: must be one of "
-                             f"{DISPATCH_MODES}")
+        for name, allowed in (("dispatch", DISPATCH_MODES), ("decode_order", DECODE_ORDERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be one of "
+                                 f"{allowed}")
 
     def splits_for(self, num_reqs: int, num_kv_heads: int, max_seq_len: int,
                    num_sms: int) -> int:

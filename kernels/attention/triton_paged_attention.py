@@ -153,9 +153,13 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+                   UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr):
+    if HEAD_FASTEST:       # grid (Hkv, num_reqs, splits): a request's kv heads run together
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:                  # grid (num_reqs, Hkv, splits)
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_index = tl.load(qsl_ptr + req)
     if tl.load(qsl_ptr + req + 1) - q_index != 1:    # padding, or a prefill (not ours)
@@ -274,14 +278,17 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         return
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} is invalid: must be >= 1")
-    tiles = (launch or TritonLaunchConfig()).decode
+    launch = launch or TritonLaunchConfig()
+    tiles = launch.decode
     group, block_g, block_d = _shape_params(query, kv_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     part_shape = (num_reqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
     m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     l = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     acc = torch.empty(part_shape + (head_dim,), dtype=torch.float32, device=query.device)
-    grid = (num_reqs, kv_cache.shape[3], num_splits)
+    head_fastest = launch.decode_order == "head_fastest"
+    grid = ((kv_cache.shape[3], num_reqs) if head_fastest else (num_reqs, kv_cache.shape[3])) \
+        + (num_splits,)
     _decode_kernel[grid](
         query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
@@ -289,7 +296,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
         BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
-        **_dot_params(query),
+        **_dot_params(query), HEAD_FASTEST=head_fastest,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](

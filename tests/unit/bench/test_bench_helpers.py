@@ -40,11 +40,13 @@ def test_launch_flag_sets_fields_of_both_levels():
     assert (launch.decode.block_n, launch.decode_splits, launch.dispatch) == (32, 2, "unified")
     assert launch.prefill.block_n == 64 and launch.decode.num_warps == 4     # the defaults
     assert parse_launch("decode_splits=none").decode_splits is None
+    assert parse_launch("decode_order=head_fastest").decode_order == "head_fastest"
 
 
 @pytest.mark.parametrize("text,named", [("x=1", "'x'"), ("decode.foo=2", "'decode.foo'"),
                                         ("decode_splits", "name=value"),
-                                        ("decode.block_n=24", "block_n=24")])
+                                        ("decode.block_n=24", "block_n=24"),
+                                        ("decode_order=by_head", "decode_order='by_head'")])
 def test_launch_flag_names_what_is_wrong(text, named):
     with pytest.raises(ValueError, match=named):
         parse_launch(text)

@@ -59,6 +59,17 @@ def test_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim, block
 
 
 @needs_kernels
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_head_fastest_order_matches_reference(splits):
+    """decode_order="head_fastest" (grid (Hkv, num_reqs, splits)): the same attention."""
+    from kernels.attention.triton_launch import TritonLaunchConfig
+
+    case = make_case(9, [1, 40, 130, 300, 7], [1] * 5, 8, 2, 64, 16, num_pad=2)
+    launch = TritonLaunchConfig(decode_order="head_fastest")
+    check_against_reference(case, triton_backend.TritonAttentionBackend(splits, launch))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
 def test_half_precision_matches_reference(dtype, tol):
     """fp16/bf16 cache and activations, fp32 accumulation: prefill and split decode."""
@@ -167,8 +178,10 @@ for dt in ("fp16", "bf16"):
         build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
               BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, **dot), num_warps=warps,
               num_stages=2)
-    build(pa._decode_kernel, ptrs, dict(NUM_HEADS=32, GROUP=8, HEAD_DIM=128, BLOCK_SIZE=256,
-          NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, **dot), num_warps=4, num_stages=2)
+    for head_fastest in (False, True):
+        build(pa._decode_kernel, ptrs, dict(NUM_HEADS=32, GROUP=8, HEAD_DIM=128,
+              BLOCK_SIZE=256, NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
+              HEAD_FASTEST=head_fastest, **dot), num_warps=4, num_stages=2)
     build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
           BLOCK_D=128), num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
@@ -184,7 +197,8 @@ for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256),
     keys = decode_keys_per_step(tiles.block_n, head_dim, size)
     k = build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
               BLOCK_SIZE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
-              PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False), aligned=True,
+              PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False,
+              HEAD_FASTEST=False), aligned=True,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     assert k.metadata.shared <= 99 * 1024, (dt, head_dim, keys, k.metadata.shared)
 """
