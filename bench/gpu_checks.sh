@@ -250,7 +250,7 @@ stage_profile() {
         say "profile [${args:-defaults}]: exit $rc"
     done
     say "profile: $((SECONDS - start)) s"
-    grep -E '^(== profile|engine:|run:|device busy|per step|decode attention|  (engine|runner):)' "$OUT_DIR/profile.log" \
+    grep -E '^(== profile|engine:|run:|device busy|per step|decode attention|allocator|  (engine|runner):)' "$OUT_DIR/profile.log" \
         | sed 's/^/  /' | tee -a "$SUMMARY"
     grep -A 6 -E '^(top kernels|gaps over)' "$OUT_DIR/profile.log" | sed 's/^/  /' | tee -a "$SUMMARY"
 }
