@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Host copies, for backends that loop over requests (the torch reference).
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # int64 [num_reqs], device: the requests by seq_len, longest first (a permutation), for a
+    # decode kernel that starts the longest work first; None where the step staged none.
+    decode_order: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

@@ -78,7 +78,7 @@ class TritonAttentionBackend(AttentionBackend):
         splits = self.num_splits(meta, kv_cache.shape[3], query.device)
         paged_decode_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
                                meta.block_table, meta.num_reqs, splits, scale,
-                               launch=self.launch)
+                               launch=self.launch, order=meta.decode_order)
 
     def _varlen(self, query, kv_cache, out, meta: AttentionMetadata, scale: float,
                 block_q_rows: int | None, skip_decodes: bool) -> None:

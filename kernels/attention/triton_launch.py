@@ -23,10 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DISPATCH_MODES = ("by_batch", "unified", "per_request")
-# decode: which grid axis varies fastest in program order. request_fastest runs one kv head of
-# every request, then the next head; head_fastest runs all kv heads of a request side by side,
-# so the programs in flight read each token's whole K/V row (Hkv * D contiguous) together.
-DECODE_ORDERS = ("request_fastest", "head_fastest")
+# decode: the order programs start in. request_fastest runs one kv head of every request, then
+# the next head; head_fastest runs all kv heads of a request side by side, so the programs in
+# flight read each token's whole K/V row (Hkv * D contiguous) together; longest_first is
+# head_fastest over the requests sorted by context length (AttentionMetadata.decode_order,
+# where the step staged one), so the last programs to start are the shortest and the SMs run
+# out of work together (the longest-processing-time-first rule).
+DECODE_ORDERS = ("request_fastest", "head_fastest", "longest_first")
 MIN_SPLIT_TOKENS = 256       # decode: fewest keys worth a split of their own
 MAX_SPLITS = 32
 SPLIT_WAVES = 2              # decode: split until the programs fill this many waves of SMs

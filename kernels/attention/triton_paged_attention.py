@@ -148,15 +148,17 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
-                   seq_lens_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   seq_lens_ptr, order_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr):
+                   UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr):
     if HEAD_FASTEST:       # grid (Hkv, num_reqs, splits): a request's kv heads run together
         kv_head = tl.program_id(0)
         req = tl.program_id(1)
+        if ORDERED:        # the rank-th longest request (order_ptr: int64 [num_reqs])
+            req = tl.load(order_ptr + req).to(tl.int32)
     else:                  # grid (num_reqs, Hkv, splits)
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -265,14 +267,17 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_table: torch.Tensor, num_reqs: int, num_splits: int,
                            scale: float, block_n: int | None = None,
-                           launch: TritonLaunchConfig | None = None) -> None:
+                           launch: TritonLaunchConfig | None = None,
+                           order: torch.Tensor | None = None) -> None:
     """Attention for the requests with exactly one query token (flash-decoding).
 
     Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
     parts (any num_splits >= 1 is correct for any seq_len, so a CUDA graph may fix it).
     Requests whose query is not one token (padding, prefills) are skipped: their rows of out
     are left untouched. block_n overrides launch.decode.block_n; either is capped by
-    decode_keys_per_step (fp32 or head_dim 256 read fewer keys a step).
+    decode_keys_per_step (fp32 or head_dim 256 read fewer keys a step). `order` (int64
+    [num_reqs], a permutation: AttentionMetadata.decode_order) is the start order of the
+    requests under decode_order="longest_first"; without it that order runs as head_fastest.
     """
     if num_reqs == 0:
         return
@@ -286,17 +291,19 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     l = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     acc = torch.empty(part_shape + (head_dim,), dtype=torch.float32, device=query.device)
-    head_fastest = launch.decode_order == "head_fastest"
+    head_fastest = launch.decode_order != "request_fastest"
+    ordered = launch.decode_order == "longest_first" and order is not None
     grid = ((kv_cache.shape[3], num_reqs) if head_fastest else (num_reqs, kv_cache.shape[3])) \
         + (num_splits,)
     _decode_kernel[grid](
-        query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens, scale * LOG2E,
+        query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
+        order if ordered else seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *kv_cache.stride()[:4],
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
         BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
-        **_dot_params(query), HEAD_FASTEST=head_fastest,
+        **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](

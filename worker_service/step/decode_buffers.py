@@ -9,6 +9,9 @@ size b fills rows [0, n) with its inputs and rows [n, b) with harmless padding:
     n .. b-1       0          0          -1 (no write) 1         0 0 ... (block 0, read only; stale
                                                                   columns past the step's width)
 
+plus `decode_order` (AttentionMetadata): rows 0 .. b-1 by seq_len, longest first, ties in row
+order (the padding rows last), sorted on the host where the lengths already are.
+
 A padding row attends to one key of block 0 (any finite value; its output is discarded) and
 writes nothing. query_start_loc is 0, 1, 2, ... (one query row per request) and never changes.
 Block-table columns past a step's width may hold ids from earlier steps: they are valid block
@@ -18,7 +21,7 @@ The inputs come from the runner's staging (worker_service/step/step_buffers.py):
 padded rows into the staging arenas on the host (they reach the device with the step's one copy
 per dtype), and `load` copies them device to device into these buffers, three copies:
 
-    tokens      int64 [3, max_batch]   rows: input_ids, positions, slot_mapping
+    tokens      int64 [4, max_batch]   rows: input_ids, positions, slot_mapping, decode_order
     seq_lens    int32 [max_batch]
     block_table int32 [max_batch, max_blocks_per_req]   (columns [0, width) written)
 
@@ -34,8 +37,9 @@ import torch
 from kernels.attention.backend import AttentionMetadata
 from worker_service.step.step_buffers import StepBuffers
 
-TOKEN_ROWS = ("input_ids", "positions", "slot_mapping")     # the rows of `tokens`
-TOKEN_PAD = np.array([0, 0, -1], dtype=np.int64)             # their padding values
+TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "decode_order")   # rows of `tokens`
+TOKEN_PAD = np.array([0, 0, -1], dtype=np.int64)     # padding of the first three (the order
+                                                     # covers every row, padding included)
 SEQ_LEN_PAD = 1
 
 
@@ -45,10 +49,15 @@ class StagedDecode:
 
     num_reqs: int
     padded: int
-    tokens: torch.Tensor           # int64 [3, padded]
+    tokens: torch.Tensor           # int64 [4, padded]
     seq_lens: torch.Tensor         # int32 [padded]
     block_table: torch.Tensor      # int32 [padded, width]
     seq_lens_host: np.ndarray      # int32 [padded], for backends that read lengths on the host
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """Row indices by seq_len, longest first; equal lengths keep their row order."""
+    return np.argsort(-seq_lens.astype(np.int64), kind="stable")
 
 
 class DecodeBuffers:
@@ -64,7 +73,7 @@ class DecodeBuffers:
         self.device = torch.device(device)
         self.max_seq_len = max_seq_len      # host bound handed to backends (split choice)
         dev = self.device
-        self.tokens = torch.zeros((3, max_batch), dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros((len(TOKEN_ROWS), max_batch), dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros((max_batch, max_blocks_per_req), dtype=torch.int32,
                                        device=dev)
@@ -81,13 +90,15 @@ class DecodeBuffers:
         staging arenas (host side; the caller flushes)."""
         self._check(num_reqs, padded, (input_ids, positions, slot_mapping, seq_lens),
                     block_table)
-        tokens_host, tokens = staging.take((3, padded), torch.int64, "decode tokens")
+        tokens_host, tokens = staging.take((len(TOKEN_ROWS), padded), torch.int64,
+                                           "decode tokens")
         for i, values in enumerate((input_ids, positions, slot_mapping)):
             tokens_host[i, :num_reqs] = values
-        tokens_host[:, num_reqs:] = TOKEN_PAD[:, None]
+        tokens_host[:3, num_reqs:] = TOKEN_PAD[:, None]
         lens_host, lens = staging.take((padded,), torch.int32, "decode seq_lens")
         lens_host[:num_reqs] = seq_lens
         lens_host[num_reqs:] = SEQ_LEN_PAD
+        tokens_host[3] = longest_first(lens_host)
         table_host, table = staging.take((padded, block_table.shape[1]), torch.int32,
                                          "decode block_table")
         table_host[:num_reqs] = block_table
@@ -107,6 +118,7 @@ class DecodeBuffers:
         """Make every row a padding row (capture runs over these)."""
         for i, pad in enumerate(TOKEN_PAD.tolist()):
             self.tokens[i].fill_(pad)
+        self.tokens[3].copy_(torch.arange(self.max_batch))
         self.seq_lens.fill_(SEQ_LEN_PAD)
         self.seq_lens_cpu.fill_(SEQ_LEN_PAD)
         self.block_table.zero_()
@@ -123,7 +135,7 @@ class DecodeBuffers:
                 block_table=self.block_table[:batch],
                 slot_mapping=self.tokens[2, :batch],
                 query_start_loc_cpu=self.query_start_loc_cpu[:batch + 1],
-                seq_lens_cpu=self.seq_lens_cpu[:batch])
+                seq_lens_cpu=self.seq_lens_cpu[:batch], decode_order=self.tokens[3, :batch])
         return self._metas[batch]
 
     def model_inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

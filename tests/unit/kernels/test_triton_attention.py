@@ -60,13 +60,47 @@ def test_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim, block
 
 @needs_kernels
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_head_fastest_order_matches_reference(splits):
-    """decode_order="head_fastest" (grid (Hkv, num_reqs, splits)): the same attention."""
+@pytest.mark.parametrize("decode_order,order", [
+    ("head_fastest", None),
+    ("longest_first", "by length"),        # what DecodeBuffers stages
+    ("longest_first", [2, 0, 4, 1, 3]),    # any permutation must give the same attention
+    ("longest_first", None)])              # nothing staged: runs head_fastest
+def test_decode_program_orders_match_reference(splits, decode_order, order):
+    """decode_order head_fastest (grid (Hkv, num_reqs, splits)) and longest_first (the
+    requests taken through meta.decode_order): the same attention as the reference."""
+    from kernels.attention.triton_launch import TritonLaunchConfig
+    from worker_service.step.decode_buffers import longest_first
+
+    seq_lens = [1, 40, 300, 130, 7]
+    query, key, value, kv_cache, meta = make_case(9, seq_lens, [1] * 5, 8, 2, 64, 16,
+                                                  num_pad=2)
+    if order == "by length":
+        order = longest_first(meta.seq_lens_cpu.numpy()).tolist()
+        assert order == [2, 3, 1, 4, 0]
+    if order is not None:
+        meta.decode_order = torch.tensor(order, dtype=torch.int64, device=DEVICE)
+    launch = TritonLaunchConfig(decode_order=decode_order)
+    check_against_reference((query, key, value, kv_cache, meta),
+                            triton_backend.TritonAttentionBackend(splits, launch))
+
+
+@needs_kernels
+def test_longest_first_takes_its_requests_from_the_order():
+    """The kernel reads meta.decode_order: an order naming request 2 five times computes only
+    request 2's row (the others keep whatever `out` held)."""
     from kernels.attention.triton_launch import TritonLaunchConfig
 
-    case = make_case(9, [1, 40, 130, 300, 7], [1] * 5, 8, 2, 64, 16, num_pad=2)
-    launch = TritonLaunchConfig(decode_order="head_fastest")
-    check_against_reference(case, triton_backend.TritonAttentionBackend(splits, launch))
+    query, key, value, kv_cache, meta = make_case(10, [1, 40, 300, 130, 7], [1] * 5, 8, 2,
+                                                  64, 16)
+    meta.decode_order = torch.full((5,), 2, dtype=torch.int64, device=DEVICE)
+    backend = triton_backend.TritonAttentionBackend(1, TritonLaunchConfig(
+        decode_order="longest_first"))
+    expected = TorchAttentionBackend(batched=False).forward(
+        query, key, value, kv_cache.clone(), meta, 64 ** -0.5)
+    out = backend.forward(query, key, value, kv_cache.clone(), meta, 64 ** -0.5)
+    torch.testing.assert_close(out[2], expected[2], atol=2e-5, rtol=2e-5)
+    for row in (0, 1, 3, 4):
+        assert not torch.allclose(out[row], expected[row], atol=1e-3)
 
 
 @needs_kernels
@@ -178,10 +212,10 @@ for dt in ("fp16", "bf16"):
         build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
               BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, **dot), num_warps=warps,
               num_stages=2)
-    for head_fastest in (False, True):
-        build(pa._decode_kernel, ptrs, dict(NUM_HEADS=32, GROUP=8, HEAD_DIM=128,
-              BLOCK_SIZE=256, NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
-              HEAD_FASTEST=head_fastest, **dot), num_warps=4, num_stages=2)
+    for head_fastest, ordered in ((False, False), (True, False), (True, True)):
+        build(pa._decode_kernel, dict(ptrs, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
+              HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
+              HEAD_FASTEST=head_fastest, ORDERED=ordered, **dot), num_warps=4, num_stages=2)
     build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
           BLOCK_D=128), num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
@@ -193,12 +227,12 @@ from kernels.attention.triton_launch import TritonLaunchConfig, decode_keys_per_
 tiles = TritonLaunchConfig().decode
 for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256), ("fp32", 4, 256)):
     ptrs = dict(q_ptr=dt, out_ptr=dt, cache_ptr=dt, bt_ptr="i32", qsl_ptr="i32",
-                seq_lens_ptr="i32", m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32")
+                seq_lens_ptr="i32", order_ptr="i64", m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32")
     keys = decode_keys_per_step(tiles.block_n, head_dim, size)
     k = build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
               BLOCK_SIZE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
               PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False,
-              HEAD_FASTEST=False), aligned=True,
+              HEAD_FASTEST=False, ORDERED=False), aligned=True,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     assert k.metadata.shared <= 99 * 1024, (dt, head_dim, keys, k.metadata.shared)
 """

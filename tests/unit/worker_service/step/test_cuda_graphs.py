@@ -103,6 +103,9 @@ def test_buffers_stage_real_rows_and_pad_the_rest():
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert meta.seq_lens.data_ptr() == buf.seq_lens.data_ptr()
     assert meta.seq_lens_cpu.tolist() == [10, 3, 11, 1]
+    # the rows by length, longest first, the padding row (length 1) last
+    assert meta.decode_order.tolist() == [2, 0, 1, 3]
+    assert meta.decode_order.data_ptr() == buf.tokens[3].data_ptr()
     # a smaller next step: row 1 becomes padding again, row 0 keeps stale (valid) columns
     one = (np.array([4]), np.array([3]), np.array([7]), np.array([4], np.int32),
            np.array([[9]], dtype=np.int32))
@@ -111,6 +114,7 @@ def test_buffers_stage_real_rows_and_pad_the_rest():
     assert buf.tokens[2, :2].tolist() == [7, -1]
     assert buf.block_table[:2, :3].tolist() == [[9, 6, 0], [0, 0, 0]]
     assert buf.metadata(2).seq_lens_cpu.tolist() == [4, 1]
+    assert buf.metadata(2).decode_order.tolist() == [0, 1]
 
 
 def test_buffers_reject_bad_shapes():
