@@ -76,7 +76,7 @@ def test_decode_program_orders_match_reference(splits, decode_order, order):
                                                   num_pad=2)
     if order == "by length":
         order = longest_first(meta.seq_lens_cpu.numpy()).tolist()
-        assert order == [2, 3, 1, 4, 0]
+        assert order == [2, 3, 1, 4, 0]        # lengths all differ
     if order is not None:
         meta.decode_order = torch.tensor(order, dtype=torch.int64, device=DEVICE)
     launch = TritonLaunchConfig(decode_order=decode_order)
