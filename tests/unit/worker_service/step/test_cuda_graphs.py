@@ -170,7 +170,9 @@ def random_caches(model, device, dtype, seed):
 
 
 def make_backend(name: str):
-    """The torch reference, or Triton (compiled on GPU, interpreted on CPU)."""
+    """The torch reference, or Triton (compiled on GPU, interpreted on CPU); "triton-longest"
+    starts the decode programs by the staged decode_order (the graph runner stages it, the
+    eager path does not)."""
     if name == "torch":
         return TorchAttentionBackend()
     triton = pytest.importorskip("triton")
@@ -179,15 +181,17 @@ def make_backend(name: str):
         if not isinstance(triton.language.zeros, InterpretedFunction):
             pytest.skip("triton was imported in compiled mode without a GPU")
     from kernels.attention.triton_backend import TritonAttentionBackend
-    return TritonAttentionBackend()
+    from kernels.attention.triton_launch import TritonLaunchConfig
+    order = "longest_first" if name == "triton-longest" else "request_fastest"
+    return TritonAttentionBackend(launch=TritonLaunchConfig(decode_order=order))
 
 
-@pytest.fixture(scope="module", params=["torch", "triton"])
+@pytest.fixture(scope="module", params=["torch", "triton", "triton-longest"])
 def tiny_setup(request, tiny_models):
     """The runner over a tiny model, uncaptured. Triton runs where its kernels can: on CUDA
     when there is a GPU (compiled Triton cannot read CPU tensors), else interpreted on CPU."""
     backend = make_backend(request.param)
-    device = "cuda" if HAS_CUDA and request.param == "triton" else "cpu"
+    device = "cuda" if HAS_CUDA and request.param != "torch" else "cpu"
     model = load_model(tiny_models("qwen3"), single_rank_group(), backend, device)
     caches = random_caches(model, device, torch.float32, seed=0)
     runner = DecodeGraphRunner(model, caches, max_graph_batch=16, max_blocks_per_req=MAX_BLOCKS,
