@@ -3,7 +3,9 @@
 NOTE the rules of one step (`schedule()`):
   * First, priority: when the most urgent waiting request does not fit (no seat under
     max_num_seqs, or too few free blocks for its first chunk), running requests of strictly lower
-    priority are preempted to make room, least urgent first (scheduler_service/core/priority.py).
+    priority are preempted to make room, least urgent first (scheduler_service/core/priority.py);
+    never for a long head that the long-prefill limit below holds back (the victim would only be
+    readmitted past it, and preempted again the next step).
   * Running requests next, most urgent first (the batch is kept in (priority, arrival) order);
     each asks for all its uncomputed tokens (1 when decoding), capped by what is left of
     max_num_batched_tokens. A request that gets no budget stays in the batch, idle (count 0).
@@ -169,7 +171,11 @@ class Scheduler:
             return
         head = self.waiting.peek()
         hits, num_hit = self.kv.get_computed_blocks(head)
-        n = min(head.num_tokens - num_hit, plan.budget)
+        left = head.num_tokens - num_hit
+        if left > self._long_prefill and self._long_prefills_at_least_as_urgent(head) \
+                >= self.config.max_long_partial_prefills:
+            return      # _schedule_waiting holds it back: a victim would only be readmitted
+        n = min(left, plan.budget)
         short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
         for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs,
                                               short, self.kv.num_exclusive_blocks):
@@ -317,6 +323,13 @@ class Scheduler:
         """Whether a long waiting request waits for the long prefills in progress."""
         return len(long_priorities) >= self.config.max_long_partial_prefills \
             and request.priority >= min(long_priorities)
+
+    def _long_prefills_at_least_as_urgent(self, head: Request) -> int:
+        """Running long prefills (as _schedule_running counts them) no less urgent than `head`:
+        priority preemption for head never takes them out, so they hold a long head back."""
+        threshold = self._long_prefill
+        return sum(1 for r in self.running if r.priority <= head.priority
+                   and r.num_tokens + r.num_pending_tokens - r.num_computed_tokens > threshold)
 
     def _can_admit_any(self, long_priorities: list[int]) -> bool:
         """Whether a waiting request may be admitted beside these long prefills (seats and

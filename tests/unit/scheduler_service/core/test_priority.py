@@ -154,3 +154,40 @@ def test_random_priority_workloads_match_unpreempted_runs():
         assert_no_leak(sched)
         total_preemptions += sum(r.num_preemptions for r in requests)
     assert total_preemptions > 0
+
+
+def test_no_preemption_for_a_long_head_the_long_prefill_limit_holds_back():
+    """An urgent long prompt waiting behind an equally urgent long prefill (limit 1) cannot be
+    admitted whatever is preempted: the less urgent decode keeps its seat while the long prefill
+    lasts, instead of being preempted (and recomputed) every step, then readmitted past the long
+    head. Once the long prefill is short, the long head takes the decode's seat."""
+    sched, worker = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=32,
+                         long_prefill_token_threshold=8, max_model_len=400)
+    first_long = make_request("long1", range(3, 203), max_tokens=4, seed=1, priority=0,
+                              arrival=1.0)
+    decode = make_request("decode", range(300, 306), max_tokens=30, seed=2, priority=5,
+                          arrival=2.0, ignore_eos=True)
+    sched.add_request(first_long)
+    sched.add_request(decode)
+    step(sched, worker)
+    second_long = make_request("long2", range(400, 500), max_tokens=4, seed=3, priority=0,
+                               arrival=3.0)
+    sched.add_request(second_long)
+    steps = 0
+    while first_long.num_tokens - first_long.num_computed_tokens > 8:    # still a long prefill
+        steps += 1
+        before = decode.num_output_tokens
+        out, _ = step(sched, worker)
+        assert not out.preempted_handles, f"step {out.step}: {out.preempted_handles}"
+        assert decode.num_output_tokens == before + 1      # a token every step, no recompute
+    assert steps >= 5
+    updates = run_steps(sched, worker)
+    alone, alone_worker = make(num_blocks=256, max_num_seqs=4, max_model_len=400)
+    for r in (first_long, decode, second_long):
+        alone.add_request(make_request(r.request_id, r.prompt_token_ids,
+                                       max_tokens=r.stopping.max_tokens, seed=r.sampling.seed,
+                                       ignore_eos=r.stopping.ignore_eos))
+    want = finished_tokens(run_steps(alone, alone_worker))
+    assert {**finished_tokens(updates), "long1": first_long.output_token_ids} == want
+    assert second_long.status == RequestStatus.FINISHED_LENGTH
+    assert_no_leak(sched)
