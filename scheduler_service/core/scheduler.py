@@ -177,8 +177,9 @@ class Scheduler:
             return      # _schedule_waiting holds it back: a victim would only be readmitted
         n = min(left, plan.budget)
         short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
-        for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs,
-                                              short, self.kv.num_exclusive_blocks):
+        # A victim's block that head hits goes back to the free queue and out again: no room.
+        for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs, short,
+                                              lambda r: self.kv.num_exclusive_blocks(r, hits)):
             self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan) -> list[int]:

@@ -191,3 +191,53 @@ def test_no_preemption_for_a_long_head_the_long_prefill_limit_holds_back():
     assert {**finished_tokens(updates), "long1": first_long.output_token_ids} == want
     assert second_long.status == RequestStatus.FINISHED_LENGTH
     assert_no_leak(sched)
+
+
+def test_no_preemption_for_nothing_when_the_victim_holds_the_heads_prefix_hits():
+    """A victim's blocks that the urgent head hits in the prefix cache go back to the free queue
+    and straight out again as the head is admitted: they make no room. With them counted, the
+    victim was preempted and the head still did not fit."""
+    # 4-token blocks, 8 of them. The victim and the head share a 2-block prefix that only the
+    # victim holds; the head needs 4 blocks more, 2 are free and the victim holds 3.
+    sched, worker = make(num_blocks=8, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = list(range(3, 11))
+    victim = make_request("victim", prefix + [40, 41, 42], max_tokens=3, seed=1, priority=5,
+                          arrival=0.0)
+    urgent_running = make_request("running", range(50, 60), max_tokens=3, seed=2, priority=0,
+                                  arrival=0.5)
+    sched.add_request(victim)
+    sched.add_request(urgent_running)
+    step(sched, worker)
+    assert sched.num_free_blocks == 2
+    head = make_request("head", prefix + list(range(70, 86)), max_tokens=2, seed=3, priority=0,
+                        arrival=1.0)
+    sched.add_request(head)
+    out, _ = step(sched, worker)
+    assert not out.preempted_handles and not out.new_requests
+    updates = run_steps(sched, worker)
+    assert all(r.num_preemptions == 0 for r in (victim, urgent_running, head))
+    assert finished_tokens(updates) == {k: v for k, v in reference(
+        [victim, urgent_running, head]).items() if k in finished_tokens(updates)}
+    assert len(finished_tokens(updates)) == 3
+    assert_no_leak(sched)
+
+
+def test_a_victim_is_still_preempted_when_its_blocks_beside_the_hits_make_room():
+    """The same shapes with a head one block smaller: the victim's one block beside the shared
+    prefix and the 2 free ones hold the head's 3 new blocks, so the victim makes way."""
+    sched, worker = make(num_blocks=8, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = list(range(3, 11))
+    victim = make_request("victim", prefix + [40, 41, 42], max_tokens=3, seed=1, priority=5,
+                          arrival=0.0)
+    sched.add_request(victim)
+    sched.add_request(make_request("running", range(50, 60), max_tokens=3, seed=2, priority=0,
+                                   arrival=0.5))
+    step(sched, worker)
+    head = make_request("head", prefix + list(range(70, 82)), max_tokens=2, seed=3, priority=0,
+                        arrival=1.0)
+    sched.add_request(head)
+    out, _ = step(sched, worker)
+    assert out.preempted_handles == [victim.handle]
+    assert [r.handle for r in out.new_requests] == [head.handle]
+    run_steps(sched, worker)
+    assert_no_leak(sched)
