@@ -172,10 +172,12 @@ class Scheduler:
         head = self.waiting.peek()
         hits, num_hit = self.kv.get_computed_blocks(head)
         left = head.num_tokens - num_hit
-        if left > self._long_prefill and self._long_prefills_at_least_as_urgent(head) \
-                >= self.config.max_long_partial_prefills:
-            return      # _schedule_waiting holds it back: a victim would only be readmitted
-        n = min(left, plan.budget)
+        n = min(left - head.awaiting_grammar, plan.budget)
+        if left > self._long_prefill:
+            if self._long_prefills_at_least_as_urgent(head) \
+                    >= self.config.max_long_partial_prefills:
+                return  # _schedule_waiting holds it back: a victim would only be readmitted
+            n = min(n, self._long_prefill)     # its first chunk, as _schedule_waiting caps it
         short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
         # A victim's block that head hits goes back to the free queue and out again: no room.
         for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs, short,

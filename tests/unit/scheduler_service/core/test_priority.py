@@ -241,3 +241,27 @@ def test_a_victim_is_still_preempted_when_its_blocks_beside_the_hits_make_room()
     assert [r.handle for r in out.new_requests] == [head.handle]
     run_steps(sched, worker)
     assert_no_leak(sched)
+
+
+def test_an_urgent_long_prompt_preempts_only_for_its_first_chunk():
+    """A long prompt is admitted beside others with at most long_prefill_token_threshold tokens:
+    priority preemption makes room for that chunk, not for a whole step's budget (before, three
+    less urgent decodes were preempted for an 8-token chunk that the 2 free blocks held)."""
+    sched, worker = make(num_blocks=10, max_num_seqs=8, max_num_batched_tokens=32,
+                         long_prefill_token_threshold=8, max_model_len=200)
+    decodes = [make_request(f"d{i}", range(3 + 10 * i, 9 + 10 * i), max_tokens=40, seed=i,
+                            priority=5, arrival=float(i), ignore_eos=True) for i in range(4)]
+    for r in decodes:
+        sched.add_request(r)
+    step(sched, worker)                # 6 tokens each in 2 blocks: room for 2 more
+    assert sched.num_free_blocks == 2
+    urgent = make_request("urgent", range(150, 186), max_tokens=2, seed=9, priority=0,
+                          arrival=10.0)
+    sched.add_request(urgent)          # 36 tokens: a long prompt, 8 of them this step
+    out, _ = step(sched, worker)
+    assert not out.preempted_handles
+    assert [r.handle for r in out.new_requests] == [urgent.handle]
+    assert urgent.num_computed_tokens == 8
+    updates = run_steps(sched, worker)
+    assert "urgent" in finished_tokens(updates)
+    assert_no_leak(sched)
