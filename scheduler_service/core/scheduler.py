@@ -249,15 +249,15 @@ class Scheduler:
             if request.status is not _RUNNING:
                 continue                   # preempted by a request after it
             wanted = request.num_tokens + request.num_pending_tokens
-            n = min(wanted - request.num_computed_tokens - request.awaiting_grammar, cap,
-                    plan.budget, self.kv.num_fitting_tokens(request))
+            left = wanted - request.num_computed_tokens - request.awaiting_grammar
+            n = min(left, cap, plan.budget, self.kv.num_fitting_tokens(request))
             if n > 0:
                 new_ids = self.kv.grow_slots(request, n)
-            elif plan.work or plan.budget <= 0:
+            elif plan.work or plan.budget <= 0 or left <= 0:
                 plan.counts[request.handle] = 0       # idle: the others free blocks in time
                 continue
             else:
-                n = min(wanted - request.num_computed_tokens, cap)
+                n = min(left, cap)       # never its sampling position before the compile
                 if (new_ids := self._allocate_or_preempt(request, n, plan)) is None:
                     continue
             if new_ids:
