@@ -173,15 +173,19 @@ class Scheduler:
         hits, num_hit = self.kv.get_computed_blocks(head)
         left = head.num_tokens - num_hit
         n = min(left - head.awaiting_grammar, plan.budget)
-        if left > self._long_prefill:
-            if self._long_prefills_at_least_as_urgent(head) \
-                    >= self.config.max_long_partial_prefills:
-                return  # _schedule_waiting holds it back: a victim would only be readmitted
+        is_long = left > self._long_prefill
+        if is_long:
             n = min(n, self._long_prefill)     # its first chunk, as _schedule_waiting caps it
         short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
         # A victim's block that head hits goes back to the free queue and out again: no room.
-        for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs, short,
-                                              lambda r: self.kv.num_exclusive_blocks(r, hits)):
+        victims = choose_priority_victims(head, self.running, self.config.max_num_seqs, short,
+                                          lambda r: self.kv.num_exclusive_blocks(r, hits))
+        if victims and is_long and self._held_back(head, [
+                r.priority for r in self.running if r.handle not in {v.handle for v in victims}
+                and r.num_tokens + r.num_pending_tokens - r.num_computed_tokens
+                > self._long_prefill]):
+            return      # the long prefills left hold it back: a victim would only be readmitted
+        for victim in victims:
             self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan) -> list[int]:
@@ -326,13 +330,6 @@ class Scheduler:
         """Whether a long waiting request waits for the long prefills in progress."""
         return len(long_priorities) >= self.config.max_long_partial_prefills \
             and request.priority >= min(long_priorities)
-
-    def _long_prefills_at_least_as_urgent(self, head: Request) -> int:
-        """Running long prefills (as _schedule_running counts them) no less urgent than `head`:
-        priority preemption for head never takes them out, so they hold a long head back."""
-        threshold = self._long_prefill
-        return sum(1 for r in self.running if r.priority <= head.priority
-                   and r.num_tokens + r.num_pending_tokens - r.num_computed_tokens > threshold)
 
     def _can_admit_any(self, long_priorities: list[int]) -> bool:
         """Whether a waiting request may be admitted beside these long prefills (seats and

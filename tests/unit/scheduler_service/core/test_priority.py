@@ -265,3 +265,36 @@ def test_an_urgent_long_prompt_preempts_only_for_its_first_chunk():
     updates = run_steps(sched, worker)
     assert "urgent" in finished_tokens(updates)
     assert_no_leak(sched)
+
+
+def test_a_victim_is_kept_when_the_long_prefills_left_after_it_still_hold_the_head_back():
+    """Two long prefills in progress (the limit), one more urgent and one less urgent than a
+    long head: preempting the latest less urgent request (a decode) would leave both, so the
+    head stays held back and the decode keeps its seat; the head takes it once the urgent long
+    prefill is short."""
+    sched, worker = make(num_blocks=256, max_num_seqs=3, max_num_batched_tokens=32,
+                         long_prefill_token_threshold=8, max_long_partial_prefills=2,
+                         max_model_len=400)
+    urgent_long = make_request("long0", range(3, 203), max_tokens=4, seed=1, priority=0,
+                               arrival=1.0)
+    lazy_long = make_request("long9", range(203, 403), max_tokens=4, seed=4, priority=9,
+                             arrival=1.5)
+    decode = make_request("decode", range(300, 306), max_tokens=30, seed=2, priority=9,
+                          arrival=2.0, ignore_eos=True)
+    for r in (urgent_long, lazy_long, decode):
+        sched.add_request(r)
+    step(sched, worker)
+    head = make_request("head", range(400, 500), max_tokens=4, seed=3, priority=5, arrival=3.0)
+    sched.add_request(head)
+    steps = 0
+    while urgent_long.num_tokens - urgent_long.num_computed_tokens > 8:
+        steps += 1
+        before = decode.num_output_tokens
+        out, _ = step(sched, worker)
+        assert not out.preempted_handles, f"step {out.step}: {out.preempted_handles}"
+        assert decode.num_output_tokens == before + 1
+    assert steps >= 5
+    out, _ = step(sched, worker)
+    assert out.preempted_handles == [decode.handle] and head.status == RequestStatus.RUNNING
+    run_steps(sched, worker)
+    assert_no_leak(sched)
