@@ -298,3 +298,28 @@ def test_a_victim_is_kept_when_the_long_prefills_left_after_it_still_hold_the_he
     assert out.preempted_handles == [decode.handle] and head.status == RequestStatus.RUNNING
     run_steps(sched, worker)
     assert_no_leak(sched)
+
+
+def test_an_urgent_short_request_behind_a_held_back_long_head_takes_a_less_urgent_seat():
+    """Admission passes a long head the long-prefill limit holds back; so does priority
+    preemption: the urgent short request behind it preempts the less urgent decode and starts
+    at once, as it would at the head of the queue."""
+    sched, worker = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=32,
+                         long_prefill_token_threshold=8, max_model_len=400)
+    first_long = make_request("long1", range(3, 203), max_tokens=4, seed=1, priority=0,
+                              arrival=1.0)
+    decode = make_request("decode", range(300, 306), max_tokens=30, seed=2, priority=5,
+                          arrival=2.0, ignore_eos=True)
+    sched.add_request(first_long)
+    sched.add_request(decode)
+    step(sched, worker)
+    second_long = make_request("long2", range(400, 500), max_tokens=4, seed=3, priority=0,
+                               arrival=3.0)
+    short = make_request("short", range(500, 505), max_tokens=4, seed=4, priority=0, arrival=4.0)
+    sched.add_request(second_long)
+    sched.add_request(short)
+    out, _ = step(sched, worker)
+    assert out.preempted_handles == [decode.handle]
+    assert [r.handle for r in out.new_requests] == [short.handle] and not out.resumed_requests
+    run_steps(sched, worker)
+    assert_no_leak(sched)
