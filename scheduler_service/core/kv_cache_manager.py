@@ -212,10 +212,16 @@ class KVCacheManager:
         held = len(self._blocks.get(request.request_id, ()))
         return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
 
-    def num_exclusive_blocks(self, request: Request) -> int:
+    def num_exclusive_blocks(self, request: Request,
+                             taken_back: Sequence[KVCacheBlock] = ()) -> int:
         """Blocks that would return to the free queue if `request` were freed now (those no other
-        request shares)."""
-        return sum(1 for b in self._blocks.get(request.request_id, ()) if b.ref_cnt == 1)
+        request shares), less those in `taken_back`: another request's prefix hits, which would
+        leave the free queue again as it is admitted."""
+        blocks = self._blocks.get(request.request_id, ())
+        if taken_back:
+            ids = {b.block_id for b in taken_back}
+            return sum(1 for b in blocks if b.ref_cnt == 1 and b.block_id not in ids)
+        return sum(1 for b in blocks if b.ref_cnt == 1)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none."""

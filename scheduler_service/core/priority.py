@@ -18,7 +18,8 @@ def choose_priority_victims(head: Request, running: Sequence[Request], max_num_s
                             exclusive_blocks: Callable[[Request], int]) -> list[Request]:
     """The running requests to preempt so `head` fits, or [] when it fits already or cannot be
     made to fit. `blocks_short` is how many more free blocks head needs than are free now;
-    `exclusive_blocks(r)` how many blocks preempting r returns to the free queue."""
+    `exclusive_blocks(r)` how many blocks preempting r returns to the free queue for good (not
+    counting head's own prefix hits, which head would take straight back out of it)."""
     seats_short = len(running) + 1 - max_num_seqs
     if seats_short <= 0 and blocks_short <= 0:
         return []

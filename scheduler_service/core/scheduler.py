@@ -3,7 +3,9 @@
 NOTE the rules of one step (`schedule()`):
   * First, priority: when the most urgent waiting request does not fit (no seat under
     max_num_seqs, or too few free blocks for its first chunk), running requests of strictly lower
-    priority are preempted to make room, least urgent first (scheduler_service/core/priority.py).
+    priority are preempted to make room, least urgent first (scheduler_service/core/priority.py);
+    the "most urgent" is the first that admission will try: long ones the long-prefill limit
+    below holds back are passed by (a victim would only be readmitted past them).
   * Running requests next, most urgent first (the batch is kept in (priority, arrival) order);
     each asks for all its uncomputed tokens (1 when decoding), capped by what is left of
     max_num_batched_tokens. A request that gets no budget stays in the batch, idle (count 0).
@@ -165,15 +167,35 @@ class Scheduler:
         return out
 
     def _preempt_for_priority(self, plan: StepPlan) -> None:
+        """Make room for the first waiting request admission will try: the queue's head, or
+        past the long ones the long-prefill limit holds back (also with the victims gone:
+        a victim would only be readmitted past them, and preempted again the next step)."""
         if not self.waiting or not self.running:
             return
-        head = self.waiting.peek()
-        hits, num_hit = self.kv.get_computed_blocks(head)
-        n = min(head.num_tokens - num_hit, plan.budget)
-        short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
-        for victim in choose_priority_victims(head, self.running, self.config.max_num_seqs,
-                                              short, self.kv.num_exclusive_blocks):
-            self._preempt(victim, plan)
+        longs = None        # the running long prefills, looked for once a long one waits
+        for i in range(len(self.waiting)):
+            head = self.waiting.at(i)
+            hits, num_hit = self.kv.get_computed_blocks(head)
+            left = head.num_tokens - num_hit
+            n = min(left - head.awaiting_grammar, plan.budget)
+            is_long = left > self._long_prefill
+            if is_long:
+                n = min(n, self._long_prefill)     # its first chunk, as _schedule_waiting caps
+            short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
+            # A victim's block that head hits goes back to the free queue and out again.
+            victims = choose_priority_victims(head, self.running, self.config.max_num_seqs,
+                                              short,
+                                              lambda r: self.kv.num_exclusive_blocks(r, hits))
+            if is_long:
+                if longs is None:
+                    longs = [r for r in self.running if r.num_tokens + r.num_pending_tokens
+                             - r.num_computed_tokens > self._long_prefill]
+                gone = {v.handle for v in victims}
+                if self._held_back(head, [r.priority for r in longs if r.handle not in gone]):
+                    continue
+            for victim in victims:
+                self._preempt(victim, plan)
+            return
 
     def _schedule_running(self, plan: StepPlan) -> list[int]:
         """Schedule the running batch; returns the priorities of its long prefills."""
@@ -240,15 +262,15 @@ class Scheduler:
             if request.status is not _RUNNING:
                 continue                   # preempted by a request after it
             wanted = request.num_tokens + request.num_pending_tokens
-            n = min(wanted - request.num_computed_tokens - request.awaiting_grammar, cap,
-                    plan.budget, self.kv.num_fitting_tokens(request))
+            left = wanted - request.num_computed_tokens - request.awaiting_grammar
+            n = min(left, cap, plan.budget, self.kv.num_fitting_tokens(request))
             if n > 0:
                 new_ids = self.kv.grow_slots(request, n)
-            elif plan.work or plan.budget <= 0:
+            elif plan.work or plan.budget <= 0 or left <= 0:
                 plan.counts[request.handle] = 0       # idle: the others free blocks in time
                 continue
             else:
-                n = min(wanted - request.num_computed_tokens, cap)
+                n = min(left, cap)       # never its sampling position before the compile
                 if (new_ids := self._allocate_or_preempt(request, n, plan)) is None:
                     continue
             if new_ids:

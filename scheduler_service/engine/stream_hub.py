@@ -81,6 +81,9 @@ class StreamHub:
         self._counters = counters
         self._metrics = metrics
         self._boxes: dict[str, Mailbox] = {}
+        # The request each open box is for: an id is unique among unfinished requests only,
+        # so a late update of a finished request may name the id of a newer stream.
+        self._opened: dict[str, Request] = {}
 
     def open(self, request: Request) -> Mailbox:
         """The mailbox the request's outputs (or its error) will arrive in."""
@@ -89,12 +92,17 @@ class StreamHub:
             raise RequestRejected(rid, "request_id", rid, "unique among unfinished requests")
         self._processor.add_request(request)
         self._boxes[rid] = box = Mailbox(self.loop)
+        self._opened[rid] = request
         return box
 
     def deliver(self, items: list) -> None:
         """One hand-off from the engine thread: TokenUpdates and StreamErrors."""
         start = time.perf_counter()
-        updates = [item for item in items if isinstance(item, TokenUpdate)]
+        # A stop string ends a stream here before the engine hears of it; its client may open
+        # a new stream with the same id meanwhile. The old request's late updates are not its.
+        opened = self._opened.get
+        updates = [item for item in items if isinstance(item, TokenUpdate)
+                   and (item.request is None or opened(item.request_id) is item.request)]
         outputs, stopped_ids = self._processor.process(updates)
         processing_s = time.perf_counter() - start
         failed_ids = [out.request_id for out in outputs if out.error is not None]
@@ -113,6 +121,8 @@ class StreamHub:
         self._metrics.observe_outputs(outputs, processing_s)
 
     def _put(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        if last:
+            self._opened.pop(request_id, None)
         box = self._boxes.pop(request_id, None) if last else self._boxes.get(request_id)
         if box is not None:
             box.put(item)

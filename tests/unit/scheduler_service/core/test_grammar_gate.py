@@ -4,6 +4,8 @@ prefilled up to the sampling position and it idles; nobody else waits. SimWorker
 that samples a request whose grammar it has not reported."""
 from __future__ import annotations
 
+import random
+
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import RunnerOutput
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, run_steps, step
@@ -76,3 +78,25 @@ def test_a_report_from_before_a_recycled_handle_was_sent_is_ignored():
     run_steps(sched, worker)
     assert second.num_output_tokens == 8
     assert_no_leak(sched)
+
+
+def test_a_long_prefill_that_frees_blocks_for_itself_stops_before_its_sampling_position():
+    """Random small caches with long prefills (a small threshold) and constrained requests that
+    compile for a few steps. A long constrained prefill that finds no free block and preempts
+    to grow (nothing else computes that step) took every token left, its sampling position
+    included: the worker's step then waited for the compile (SimWorker fails it)."""
+    for seed in range(400):
+        rng = random.Random(seed)
+        num_blocks = rng.randrange(4, 14)
+        sched, worker = make(num_blocks=num_blocks, max_num_seqs=rng.randrange(2, 5),
+                             max_num_batched_tokens=rng.choice([8, 16]),
+                             long_prefill_token_threshold=rng.choice([2, 4]),
+                             max_long_partial_prefills=rng.choice([1, 2]))
+        worker.compile_steps = rng.choice([2, 5, 10])
+        for i in range(rng.randrange(2, 5)):
+            prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(1, num_blocks * 4))]
+            maker = constrained if rng.random() < 0.7 else make_request
+            sched.add_request(maker(f"r{i}", prompt, max_tokens=rng.randrange(1, 4), seed=i,
+                                    arrival=float(i), priority=rng.randrange(2)))
+        run_steps(sched, worker, max_steps=500)
+        assert_no_leak(sched)
