@@ -47,7 +47,7 @@ from scheduler_service.core.admission import QueueFull, RequestRejected, check_a
 from scheduler_service.core.handles import HandleAllocator
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.kv_events import KvEventFeed
-from scheduler_service.core.priority import choose_priority_victims
+from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
 from scheduler_service.core.step_result import TokenUpdate, check_stop
@@ -167,35 +167,13 @@ class Scheduler:
         return out
 
     def _preempt_for_priority(self, plan: StepPlan) -> None:
-        """Make room for the first waiting request admission will try: the queue's head, or
-        past the long ones the long-prefill limit holds back (also with the victims gone:
-        a victim would only be readmitted past them, and preempted again the next step)."""
+        """Make room for the first waiting request admission will try (priority.py)."""
         if not self.waiting or not self.running:
             return
-        longs = None        # the running long prefills, looked for once a long one waits
-        for i in range(len(self.waiting)):
-            head = self.waiting.at(i)
-            hits, num_hit = self.kv.get_computed_blocks(head)
-            left = head.num_tokens - num_hit
-            n = min(left - head.awaiting_grammar, plan.budget)
-            is_long = left > self._long_prefill
-            if is_long:
-                n = min(n, self._long_prefill)     # its first chunk, as _schedule_waiting caps
-            short = self.kv.num_free_blocks_needed(head, n, hits) - self.kv.num_free_blocks
-            # A victim's block that head hits goes back to the free queue and out again.
-            victims = choose_priority_victims(head, self.running, self.config.max_num_seqs,
-                                              short,
-                                              lambda r: self.kv.num_exclusive_blocks(r, hits))
-            if is_long:
-                if longs is None:
-                    longs = [r for r in self.running if r.num_tokens + r.num_pending_tokens
-                             - r.num_computed_tokens > self._long_prefill]
-                gone = {v.handle for v in victims}
-                if self._held_back(head, [r.priority for r in longs if r.handle not in gone]):
-                    continue
-            for victim in victims:
-                self._preempt(victim, plan)
-            return
+        for victim in priority_victims(self.waiting, self.running, self.kv,
+                                       self.config.max_num_seqs, self._long_prefill,
+                                       plan.budget, self._held_back):
+            self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan) -> list[int]:
         """Schedule the running batch; returns the priorities of its long prefills."""
