@@ -6,8 +6,8 @@ tokens are transformers' and our own Generate's for the same messages; a streami
 leaves takes its request and blocks with it; `response_format` json_schema (the gateway sends it
 as SamplingParams.json_schema) gives JSON that validates against the schema, streamed or not, and
 is the text our Generate gives with the same constraint; a seeded n=3 completion keeps each
-choice at its index, not streamed too, whichever choice ends first. logit_bias and the eos token's logprob on
-both gRPC APIs; what the gateway drops of them, pinned as strict xfails.
+choice at its index, not streamed too, whichever choice ends first. logit_bias and the eos
+token's logprob on both gRPC APIs; what the gateway drops of them, pinned as strict xfails.
 Skipped, with the reason, when `smg` cannot run."""
 from __future__ import annotations
 
