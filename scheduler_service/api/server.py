@@ -127,6 +127,7 @@ class WorkerCoreFactory:
         self._num_ranks = len(result.devices)
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
+        _warn_if_cache_cuts_requests(result.num_kv_blocks, self.config)
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events)
         return EngineCore(scheduler, self.client)
 
@@ -145,6 +146,19 @@ class WorkerCoreFactory:
             level = logging.WARNING if self._was_ready else logging.INFO
             log.log(level, "waiting for the workers: %s", message)
             self._last_error = message
+
+
+def _warn_if_cache_cuts_requests(num_kv_blocks: int, config: SchedulerConfig) -> None:
+    """A request longer than the whole KV cache ends there ("length", fewer tokens than its
+    max_tokens asked): say so once per Init where max_model_len allows such requests (vLLM
+    refuses to start then)."""
+    capacity = num_kv_blocks * config.block_size
+    if config.max_model_len is not None and capacity < config.max_model_len:
+        log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request "
+                    "whose prompt and output outgrow it ends at %d tokens with finish_reason "
+                    "length whatever its max_tokens; lower --max-model-len or give the cache "
+                    "more (--kv-cache-gib, --gpu-memory-utilization)", capacity,
+                    config.max_model_len, capacity)
 
 
 class SchedulerServer:

@@ -6,7 +6,8 @@ same port, behind the same guards: the port's TLS and API keys (guard.py), the r
 (request_limits.py, checked before anything costly) and the shared tokenizer pool; vllm_convert.py
 does the protobuf. One Generate call is one request, or n requests for
 `n` > 1 (engine ids `<request_id>-<i>`, sharing the prompt's cached blocks; every message carries
-its choice `index`). Abort(request_ids) finds them by the caller's id, and ends only requests
+its choice `index`; not streamed, the choices' `complete`s come in index order once all are
+done). Abort(request_ids) finds them by the caller's id, and ends only requests
 made with the caller's API key; cancelling the call aborts them too. Every failure becomes a
 status through status.status_for (a field we cannot honour is
 INVALID_ARGUMENT naming it). FlushCache empties the prefix cache once no request is running.
@@ -126,9 +127,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                                   child_sampling(inp.sampling, i))
                         for i, rid in enumerate(ids)]
             choices = [_Choice() for _ in ids]
+            finals: dict[int, pb.GenerateResponse] = {}
             async for index, out in self._outputs(requests):
                 for msg in _messages(inp, index, out, choices[index]):
-                    yield msg
+                    if inp.stream:
+                        yield msg
+                    else:
+                        finals[index] = msg
+            # Not streamed: the choices in index order, as vLLM sends them; the gateway numbers
+            # them by arrival, not by their `index`.
+            for index in sorted(finals):
+                yield finals[index]
         finally:
             self._children.pop(key, None)
 

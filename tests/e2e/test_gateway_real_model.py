@@ -5,8 +5,9 @@ tokenizer and chat template with GetTokenizer (its --model-path is not readable 
 tokens are transformers' and our own Generate's for the same messages; a streaming client that
 leaves takes its request and blocks with it; `response_format` json_schema (the gateway sends it
 as SamplingParams.json_schema) gives JSON that validates against the schema, streamed or not, and
-is the text our Generate gives with the same constraint. logit_bias and the eos token's logprob on
-both gRPC APIs; what the gateway drops of them, pinned as strict xfails.
+is the text our Generate gives with the same constraint; a seeded n=3 completion keeps each
+choice at its index, not streamed too, whichever choice ends first. logit_bias and the eos
+token's logprob on both gRPC APIs; what the gateway drops of them, pinned as strict xfails.
 Skipped, with the reason, when `smg` cannot run."""
 from __future__ import annotations
 
@@ -193,6 +194,29 @@ def test_every_completion_token_has_its_logprob_eos_included(served):
     assert complete.completion_tokens == len(FRANCE_ANSWER_IDS)
     assert len(complete.output_logprobs.token_logprobs) == len(FRANCE_ANSWER_IDS)
     assert len(complete.output_logprobs.top_logprobs) == len(FRANCE_ANSWER_IDS)
+
+
+def _seeded_choices(gateway, stream: bool, **body) -> list[tuple[int, str, str]]:
+    """(index, text, finish reason) of each choice of a seeded n=3 completion."""
+    choices = _openai(gateway, "/v1/completions", {
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "n": 3,
+        "seed": 5, "temperature": 1.0, "ignore_eos": True, "stream": stream, **body})
+    return [(i, "".join(c["text"] for c in choices if c["index"] == i),
+             next(c["finish_reason"] for c in choices if c["index"] == i and c["finish_reason"]))
+            for i in range(3)]
+
+
+def test_unstreamed_choices_keep_their_index_when_a_later_one_ends_first(served):
+    """The gateway numbers a non-streamed answer's choices by arrival: ours come in index
+    order (choice 2, cut short by a stop string only it samples, used to come first)."""
+    _, gateway = served
+    streamed = _seeded_choices(gateway, True)        # choice i samples with seed 5 + i
+    texts = [text for _, text, _ in streamed]
+    words = [w for w in texts[2].split()[1:-1] if w not in texts[0] and w not in texts[1]]
+    assert words, streamed
+    cut = texts[2][:texts[2].index(words[0])]
+    got = _seeded_choices(gateway, False, stop=[words[0]])
+    assert got == [(0, texts[0], "length"), (1, texts[1], "length"), (2, cut, "stop")]
 
 
 # What smg 1.13.0 drops on its way (we honour each field on our own gRPC APIs, tested above), traced
