@@ -245,7 +245,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
-                        worker.attention_backend)
+                        worker.attention_backend, max_waiting=config.max_waiting)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
         VllmEngineServicer(engine, served, shape, kv_events, readiness.serving, options=api,
                            tokenizer_pool=pool, keys=keys), server)

@@ -228,6 +228,9 @@ class EngineShape:
     max_num_seqs: int
     dtype: str
     attention_backend: str
+    # The scheduler's waiting-queue bound: a Generate's n choices queue together, so n above
+    # it can never be admitted (refused by name, not answered RESOURCE_EXHAUSTED forever).
+    max_waiting: int | None = None
 
 
 def server_info_to_proto(num_active: int, uptime_s: float, last_receive_s: float,

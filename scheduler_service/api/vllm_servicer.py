@@ -118,6 +118,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def _run(self, inp: ValidatedRequest, prompt_ids: list[int], caller: str,
                    cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
         key = scoped_id(caller, inp.request_id)     # each API key has its own ids
+        max_waiting = self._shape.max_waiting
+        if max_waiting is not None and inp.n > max_waiting:
+            raise ParamError("sampling_params.n", inp.n,
+                             f"<= max_waiting ({max_waiting}): the choices queue together")
         ids = (key,) if inp.n == 1 else tuple(f"{key}-{i}" for i in range(inp.n))
         if key in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")

@@ -145,7 +145,7 @@ class _SimExecutor:
 class SimServer:
     def __init__(self, model_dir: Path, num_blocks: int = 64, block_size: int = 4,
                  enable_prefix_caching: bool = True, api: ApiOptions = ApiOptions(),
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, max_waiting: int | None = None):
         self.api = api
         self.info = ModelInfo.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -153,7 +153,9 @@ class SimServer:
                                         self.info.vocab_size, self.info.eos_token_ids)
         self.config = SchedulerConfig(block_size=block_size, max_num_seqs=8,
                                       max_num_batched_tokens=64, max_model_len=256,
-                                      enable_prefix_caching=enable_prefix_caching)
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      **({} if max_waiting is None
+                                         else {"max_waiting": max_waiting}))
         self.num_blocks = num_blocks
         self.kv_events = KvEventPublisher()
         self.workers_up = True          # False: make_core fails (no worker ready)
@@ -192,7 +194,8 @@ class SimServer:
         keys = public_port.api_keys(self.api)
         self.server = grpc.aio.server(options=public_port.port_options(self.api),
                                       interceptors=public_port.interceptors(self.api, keys))
-        shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto")
+        shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto",
+                            max_waiting=self.config.max_waiting)
         pool = TokenizerPool(self.api.tokenizer_threads)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.engine, self.model, shape, self.kv_events,

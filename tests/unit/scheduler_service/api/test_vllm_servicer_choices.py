@@ -68,3 +68,23 @@ def test_unstreamed_choices_come_in_index_order_when_a_later_one_finishes_first(
     assert [m.complete.finish_reason for m in msgs] == ["length", "length", "stop"]
     assert msgs[2].complete.matched_token_id == stop
     assert server.used_blocks() == 0
+
+
+def test_n_above_max_waiting_is_refused_by_name(tmp_path):
+    """The n choices queue together: n above the waiting queue's bound could never be admitted
+    (RESOURCE_EXHAUSTED, which an OpenAI client retries forever); it is INVALID_ARGUMENT naming
+    n, the value and the bound. n at the bound runs."""
+    srv = SimServer(make_sim_model_dir(tmp_path), max_waiting=2)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(generate(request_id="big", n=3, max_tokens=2), timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling_params.n=3" in err.value.details()
+            assert "<= max_waiting (2)" in err.value.details()
+            msgs = list(stub.Generate(generate(request_id="two", n=2, max_tokens=2), timeout=10))
+            assert sorted(m.complete.index for m in msgs) == [0, 1]
+        assert srv.used_blocks() == 0
+    finally:
+        srv.close()
