@@ -52,6 +52,10 @@ class ApiOptions:
                                 rule=AtLeast(0, MAX_TOP_LOGPROBS))
     max_request_mib: int = setting(8, "largest request message in MiB (RESOURCE_EXHAUSTED "
                                    "beyond)", rule=AtLeast(1, 2047))
+    max_requests_per_key: int | None = setting(
+        None, "requests one API key may have queued or running at once (without keys: the whole "
+        "port); more get RESOURCE_EXHAUSTED, so no tenant fills the waiting queue for the "
+        "others. Unset: no bound", rule=AtLeast(1))
     tokenizer_threads: int = setting(
         4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
         "all but one of them)", rule=AtLeast(1))

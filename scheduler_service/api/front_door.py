@@ -28,6 +28,7 @@ from engine_common.request.params import KNOBS, ParamError, SamplingParams, Stop
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.wire.codec import given_knobs
 from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.request_limits import (LimitedFields, check_messages_count,
                                                   check_prompt_can_fit, check_request_limits)
 from scheduler_service.api.status import status_for
@@ -235,11 +236,13 @@ class FrontDoor:
     through."""
 
     def __init__(self, model: ServedModel, options: ApiOptions,
-                 tokenizer_pool: TokenizerPool | None = None):
-        """`tokenizer_pool`: shared with the port's other services (a pool of its own if None)."""
+                 tokenizer_pool: TokenizerPool | None = None, quota: RequestQuota | None = None):
+        """`tokenizer_pool`, `quota`: shared with the port's other services (ones of its own if
+        None)."""
         self.model = model
         self.options = options
         self.pool = tokenizer_pool or TokenizerPool(options.tokenizer_threads)
+        self.quota = quota or RequestQuota(options.max_requests_per_key)
 
     def check_limits(self, msg, fields: LimitedFields) -> None:
         """The request limits (`fields`: the protocol's mapping of `msg`) and whether its text

@@ -34,6 +34,7 @@ from scheduler_service.api.request_limits import (check_abort_ids, check_message
                                                   check_prompt_can_fit, check_tokenize_limits)
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.status import status_for
 
 
@@ -42,16 +43,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self, engine: AsyncEngine, model: ServedModel,
                  tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions(),
-                 tokenizer_pool: TokenizerPool | None = None, keys: KeyBook = KeyBook()):
+                 tokenizer_pool: TokenizerPool | None = None, keys: KeyBook = KeyBook(),
+                 quota: RequestQuota | None = None):
         """`tp_size()`: ranks the workers run (known once they are initialized);
-        `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
-        `keys`: what each API key may do (its cache salt, its priorities)."""
+        `tokenizer_pool`, `quota` (requests per key): shared with the port's other services
+        (ones of its own if None); `keys`: what each API key may do (its cache salt, its
+        priorities)."""
         self._engine = engine
         self._model = model
         self._tp_size = tp_size
         self._options = options
         self._keys = keys
-        self._door = FrontDoor(model, options, tokenizer_pool)
+        self._door = FrontDoor(model, options, tokenizer_pool, quota)
         self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
 
     # -- Generate ---------------------------------------------------------------------------
@@ -70,15 +73,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             engine_request = await self._to_engine_request(
                 request, policy_of(context, self._keys), pool_caller(context), caller)
-            owned = self._own(engine_request.request_id, caller)
             own_id = client_id(caller, engine_request.request_id)
-            async with aclosing(self._engine.generate(engine_request)) as outputs:
-                async for out in outputs:
-                    streamed = True
-                    msg = output_to_proto(out, self._token_text, own_id)
-                    writing = True
-                    await context.write(msg)
-                    writing = False
+            with self._door.quota.hold(caller, own_id):
+                owned = self._own(engine_request.request_id, caller)
+                async with aclosing(self._engine.generate(engine_request)) as outputs:
+                    async for out in outputs:
+                        streamed = True
+                        msg = output_to_proto(out, self._token_text, own_id)
+                        writing = True
+                        await context.write(msg)
+                        writing = False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function

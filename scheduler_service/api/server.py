@@ -47,6 +47,7 @@ from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.sampling_defaults import sampling_defaults
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
@@ -239,16 +240,17 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),
                              interceptors=public_port.interceptors(api, keys))
     pool = TokenizerPool(api.tokenizer_threads)   # both services' tokenizing, off the loop
+    quota = RequestQuota(api.max_requests_per_key)  # both services' requests per key
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, served, tp_size=factory.tp_size, options=api,
-                           tokenizer_pool=pool, keys=keys), server)
+                           tokenizer_pool=pool, keys=keys, quota=quota), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
                         worker.attention_backend, max_waiting=config.max_waiting)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
         VllmEngineServicer(engine, served, shape, kv_events, readiness.serving, options=api,
-                           tokenizer_pool=pool, keys=keys), server)
+                           tokenizer_pool=pool, keys=keys, quota=quota), server)
     add_reflection(server, (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE))
     port = public_port.bind(server, listen, api)
     metrics_server = start_metrics_server(options.metrics_listen, metrics.registry)

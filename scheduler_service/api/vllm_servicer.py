@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from contextlib import aclosing
 from datetime import datetime, timezone
 from typing import AsyncIterator, Callable
 
@@ -29,6 +30,7 @@ from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
                                               abort_requests, abort_with)
 from scheduler_service.api.api_keys import KeyBook
@@ -74,11 +76,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
                  options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None,
-                 keys: KeyBook = KeyBook()):
+                 keys: KeyBook = KeyBook(), quota: RequestQuota | None = None):
         self._engine = engine
         self._options = options
         self._keys = keys
-        self._door = FrontDoor(model, options, tokenizer_pool)
+        self._door = FrontDoor(model, options, tokenizer_pool, quota)
         self._model = model
         self._shape = shape
         self._kv_events = kv_events
@@ -125,25 +127,32 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         ids = (key,) if inp.n == 1 else tuple(f"{key}-{i}" for i in range(inp.n))
         if key in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
-        self._children[key] = (caller, ids)
-        try:
-            requests = [self._door.engine_request(inp, rid, prompt_ids, cache_salt,
-                                                  child_sampling(inp.sampling, i))
-                        for i, rid in enumerate(ids)]
-            choices = [_Choice() for _ in ids]
-            finals: dict[int, pb.GenerateResponse] = {}
-            async for index, out in self._outputs(requests):
-                for msg in _messages(inp, index, out, choices[index]):
-                    if inp.stream:
+        with self._door.quota.hold(caller, inp.request_id, inp.n):
+            self._children[key] = (caller, ids)
+            try:
+                async with aclosing(self._choices(inp, ids, prompt_ids, cache_salt)) as msgs:
+                    async for msg in msgs:
                         yield msg
-                    else:
-                        finals[index] = msg
-            # Not streamed: the choices in index order, as vLLM sends them; the gateway numbers
-            # them by arrival, not by their `index`.
-            for index in sorted(finals):
-                yield finals[index]
-        finally:
-            self._children.pop(key, None)
+            finally:
+                self._children.pop(key, None)
+
+    async def _choices(self, inp: ValidatedRequest, ids: tuple[str, ...], prompt_ids: list[int],
+                       cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
+        requests = [self._door.engine_request(inp, rid, prompt_ids, cache_salt,
+                                              child_sampling(inp.sampling, i))
+                    for i, rid in enumerate(ids)]
+        choices = [_Choice() for _ in ids]
+        finals: dict[int, pb.GenerateResponse] = {}
+        async for index, out in self._outputs(requests):
+            for msg in _messages(inp, index, out, choices[index]):
+                if inp.stream:
+                    yield msg
+                else:
+                    finals[index] = msg
+        # Not streamed: the choices in index order, as vLLM sends them; the gateway numbers
+        # them by arrival, not by their `index`.
+        for index in sorted(finals):
+            yield finals[index]
 
     async def _outputs(self, requests: list[Request]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:

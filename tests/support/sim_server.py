@@ -28,6 +28,7 @@ from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import ServedModel
 from scheduler_service.api.generation_servicer import GenerationServicer
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
@@ -197,13 +198,14 @@ class SimServer:
         shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto",
                             max_waiting=self.config.max_waiting)
         pool = TokenizerPool(self.api.tokenizer_threads)
+        self.quota = RequestQuota(self.api.max_requests_per_key)   # shared, as server.py does
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.engine, self.model, shape, self.kv_events,
                                lambda: self.engine.ready, options=self.api,
-                               tokenizer_pool=pool, keys=keys), self.server)
+                               tokenizer_pool=pool, keys=keys, quota=self.quota), self.server)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, self.model, options=self.api, tokenizer_pool=pool,
-                               keys=keys), self.server)
+                               keys=keys, quota=self.quota), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.engine.start()
         await self.server.start()

@@ -1,0 +1,44 @@
+"""Requests in flight per API key, across both services of the public port.
+
+The waiting queue is shared (--max-waiting): without a bound per key, one tenant that sends
+--max-waiting requests leaves every other tenant RESOURCE_EXHAUSTED until its own are done.
+With --max-requests-per-key N a key holds at most N requests at once, queued or running (a
+VllmEngine Generate with n choices holds n), and its next one is refused with
+RESOURCE_EXHAUSTED naming the limit; other keys are not affected. Without API keys every call is
+the same caller, so the bound is then one for the whole port.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+from scheduler_service.core.admission import QueueFull
+
+
+class RequestQuota:
+    """`per_key`: requests one caller may hold at once (None: no bound). Used from the event
+    loop only (no lock)."""
+
+    def __init__(self, per_key: int | None = None):
+        self.per_key = per_key
+        self._live: Counter[str] = Counter()
+
+    def live(self, caller: str) -> int:
+        return self._live[caller]
+
+    @contextmanager
+    def hold(self, caller: str, request_id: str, n: int = 1) -> Iterator[None]:
+        """Hold n of `caller`'s places while the block runs; QueueFull when they would pass the
+        bound."""
+        held = self._live[caller]
+        if self.per_key is not None and held + n > self.per_key:
+            raise QueueFull(request_id, "requests in flight for this API key", held + n,
+                            f"<= {self.per_key} (--max-requests-per-key)")
+        self._live[caller] = held + n
+        try:
+            yield
+        finally:
+            self._live[caller] -= n
+            if not self._live[caller]:
+                del self._live[caller]
