@@ -155,12 +155,10 @@ def test_random_priority_workloads_match_unpreempted_runs():
         total_preemptions += sum(r.num_preemptions for r in requests)
     assert total_preemptions > 0
 
-
-def test_no_preemption_for_a_long_head_the_long_prefill_limit_holds_back():
-    """An urgent long prompt waiting behind an equally urgent long prefill (limit 1) cannot be
-    admitted whatever is preempted: the less urgent decode keeps its seat while the long prefill
-    lasts, instead of being preempted (and recomputed) every step, then readmitted past the long
-    head. Once the long prefill is short, the long head takes the decode's seat."""
+def _urgent_long_behind_a_long_prefill():
+    """(sched, worker, first_long, decode, second_long): a priority-0 long prefill running beside
+    a priority-5 decode (2 seats, long-prefill threshold 8, limit 1), after one step, and a second
+    priority-0 long prompt not added yet."""
     sched, worker = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=32,
                          long_prefill_token_threshold=8, max_model_len=400)
     first_long = make_request("long1", range(3, 203), max_tokens=4, seed=1, priority=0,
@@ -172,6 +170,15 @@ def test_no_preemption_for_a_long_head_the_long_prefill_limit_holds_back():
     step(sched, worker)
     second_long = make_request("long2", range(400, 500), max_tokens=4, seed=3, priority=0,
                                arrival=3.0)
+    return sched, worker, first_long, decode, second_long
+
+
+def test_no_preemption_for_a_long_head_the_long_prefill_limit_holds_back():
+    """An urgent long prompt waiting behind an equally urgent long prefill (limit 1) cannot be
+    admitted whatever is preempted: the less urgent decode keeps its seat while the long prefill
+    lasts, instead of being preempted (and recomputed) every step, then readmitted past the long
+    head. Once the long prefill is short, the long head takes the decode's seat."""
+    sched, worker, first_long, decode, second_long = _urgent_long_behind_a_long_prefill()
     sched.add_request(second_long)
     steps = 0
     while first_long.num_tokens - first_long.num_computed_tokens > 8:    # still a long prefill
@@ -304,17 +311,7 @@ def test_an_urgent_short_request_behind_a_held_back_long_head_takes_a_less_urgen
     """Admission passes a long head the long-prefill limit holds back; so does priority
     preemption: the urgent short request behind it preempts the less urgent decode and starts
     at once, as it would at the head of the queue."""
-    sched, worker = make(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=32,
-                         long_prefill_token_threshold=8, max_model_len=400)
-    first_long = make_request("long1", range(3, 203), max_tokens=4, seed=1, priority=0,
-                              arrival=1.0)
-    decode = make_request("decode", range(300, 306), max_tokens=30, seed=2, priority=5,
-                          arrival=2.0, ignore_eos=True)
-    sched.add_request(first_long)
-    sched.add_request(decode)
-    step(sched, worker)
-    second_long = make_request("long2", range(400, 500), max_tokens=4, seed=3, priority=0,
-                               arrival=3.0)
+    sched, worker, first_long, decode, second_long = _urgent_long_behind_a_long_prefill()
     short = make_request("short", range(500, 505), max_tokens=4, seed=4, priority=0, arrival=4.0)
     sched.add_request(second_long)
     sched.add_request(short)
