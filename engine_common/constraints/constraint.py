@@ -63,6 +63,9 @@ class Constraint:
         if self.kind not in KINDS:
             raise ParamError("constraint", self.kind, f"one of {', '.join(KINDS)}")
         if self.kind == "choice":
+            if isinstance(self.value, str):   # tuple("yes") meant "y", "e" or "s"
+                raise ParamError(f"{self.field}.choices", self.value,
+                                 "a list of strings (one choice alone: a list of one)")
             object.__setattr__(self, "value", tuple(self.value))
         _check_value(self.kind, self.value)
 

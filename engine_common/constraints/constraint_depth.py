@@ -185,6 +185,8 @@ def json_schema_depth(text: str, text_limit: int = 1000) -> int:
         doc = json.loads(text)
     except (ValueError, RecursionError):
         return depth
+    if not isinstance(doc, (dict, list)):   # `true`, `false`, a number: nothing nests
+        return depth
     nodes, children, bases = _containers(doc)
     targets = _RefTargets(nodes, bases)
     hub = len(nodes)                # what an unresolved reference may mean: every anchor

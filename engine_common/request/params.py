@@ -164,9 +164,12 @@ class StoppingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        # Accept lists from callers but keep the dataclass hashable and immutable.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Accept lists from callers but keep the dataclass hashable and immutable. One stop
+        # string alone is a list of one, as in vLLM (tuple("END") stopped on "E", "N" and "D").
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", _as_tuple("stop", stop, "strings"))
+        object.__setattr__(self, "stop_token_ids",
+                           _as_tuple("stop_token_ids", self.stop_token_ids, "token ids"))
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
         _check_int("min_tokens", self.min_tokens, 0, None)
@@ -177,6 +180,16 @@ class StoppingParams:
                 raise ParamError("stop", s, "a non-empty string")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, 2**32 - 1)
+
+
+def _as_tuple(name: str, values, what: str) -> tuple:
+    """A list field as a tuple; None is none (vLLM's default for stop and stop_token_ids)."""
+    if values is None:
+        return ()
+    try:
+        return tuple(values)
+    except TypeError:
+        raise ParamError(name, values, f"a list of {what}") from None
 
 
 @dataclass(frozen=True)

@@ -176,3 +176,23 @@ def test_too_many_choices_are_refused_by_name():
     with pytest.raises(ParamError, match=r"constraint\.choice\.choices='60000 choices' is "
                                          r"invalid: must be at most 10000 choices"):
         Constraint("choice", [chr(33 + i % 90) for i in range(60_000)])
+
+
+@pytest.mark.parametrize("schema", ["5", "null", '"x"', "false"])
+def test_a_schema_that_is_no_object_is_refused_with_the_engines_message(schema):
+    """Before, the depth measure indexed an empty list of containers: IndexError (INTERNAL
+    through gRPC) instead of the field and the engine's reason."""
+    with pytest.raises(ParamError, match=r"constraint\.json_schema=.* is invalid: must be a "
+                                         r"JSON Schema the grammar engine accepts"):
+        Constraint("json_schema", schema).validate()
+
+
+def test_the_schema_true_allows_any_json():
+    assert Constraint("json_schema", "true").validate().depth == 0
+
+
+def test_one_choice_as_a_string_is_refused_not_split_into_characters():
+    with pytest.raises(ParamError, match=r"constraint\.choice\.choices='yes' is invalid: must "
+                                         r"be a list of strings"):
+        Constraint("choice", "yes")
+    assert Constraint("choice", ["yes"]).value == ("yes",)

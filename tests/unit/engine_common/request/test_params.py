@@ -78,3 +78,19 @@ def test_an_error_quotes_a_few_hundred_characters_of_a_value():
     assert str(e) == f"stop='{'x' * 199}... (70002 characters) is invalid: must be short"
     assert e.value == "x" * 70_000          # the value itself is kept for the caller
     assert str(ParamError("n", 5, "small")) == "n=5 is invalid: must be small"
+
+
+def test_one_stop_string_is_a_list_of_one():
+    """As vLLM's stop=str: tuple("END") made three one-character stop strings, so the output
+    stopped at the first E, N or D."""
+    assert StoppingParams(stop="END").stop == ("END",)
+    assert StoppingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert StoppingParams(stop=None, stop_token_ids=None) == StoppingParams()
+
+
+def test_a_stop_list_that_is_no_list_is_refused_by_name():
+    with pytest.raises(ParamError, match=r"stop_token_ids=5 is invalid: must be a list of "
+                                         r"token ids"):
+        StoppingParams(stop_token_ids=5)
+    with pytest.raises(ParamError, match=r"stop=3 is invalid: must be a list of strings"):
+        StoppingParams(stop=3)
