@@ -21,9 +21,9 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.configuration.device_defaults import device_defaults
 from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.request.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
-from engine_common.request.params import ID_SET_KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
+from deltaserve.llm_inputs import check_for_runner, per_prompt, prompt_ids
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -245,46 +245,52 @@ class LLM:
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
                                 OutputProcessor(self.tokenizer, final_only=True))
         self._ids = itertools.count()
+        self._failed: str | None = None      # a failed step's error: the LLM is done
         freeze_heap()     # keep the collector off torch, the model and the tokenizer
 
-    def generate(self, prompts: list[str | list[int]],
+    def generate(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  stopping: StoppingParams | list[StoppingParams] | None = None,
                  num_logprobs: int | None = None,
                  constraint: Constraint | list[Constraint | None] | None = None
                  ) -> list[Completion]:
-        """Run every prompt to completion, batched together; results in prompt order.
-        `num_logprobs` as vLLM's SamplingParams.logprobs: None (the default) computes and returns
-        none (Completion.logprobs stays empty); 0 each output token's own logprob; k that and
-        its k best alternatives. `constraint` (one for all, or one per prompt) is validated
-        first (ParamError)."""
-        n = len(prompts)
-        for name, given in (("sampling", sampling), ("stopping", stopping),
-                            ("constraint", constraint)):
-            if isinstance(given, list) and len(given) != n:   # zip() dropped prompts, silently
-                raise ParamError(name, f"a list of {len(given)}",
-                                 f"one for every prompt, or a list of one per prompt ({n})")
-        samplings = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * n
-        stoppings = stopping if isinstance(stopping, list) else [stopping or StoppingParams()] * n
-        constraints = constraint if isinstance(constraint, list) else [constraint] * n
+        """Run every prompt to completion, batched together; results in prompt order. A prompt
+        is a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": ids}; one of
+        them alone is a batch of one (as vLLM). `num_logprobs` as vLLM's SamplingParams.logprobs:
+        None (the default) computes and returns none (Completion.logprobs stays empty); 0 each
+        output token's own logprob; k that and its k best alternatives. `constraint` (one for
+        all, or one per prompt) is validated first (ParamError)."""
+        if self._failed is not None:
+            raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
+                               f"another ({self._failed}); build a new LLM") from None
+        ids_list = prompt_ids(prompts, self.tokenizer)
+        n = len(ids_list)
+        samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
+        stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
+        constraints = per_prompt("constraint", constraint, n, Constraint, None)
         for c in constraints:
             if c is not None:
                 c.validate()
-        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                      for p in prompts]
-        _check_for_runner(prompt_ids, samplings, stoppings, num_logprobs,
-                          self.model_info.vocab_size)
+        check_for_runner(ids_list, samplings, stoppings, num_logprobs,
+                         self.model_info.vocab_size)
         results: dict[str, Completion] = {}
         order = []
         try:
-            for ids, sp, st, c in zip(prompt_ids, samplings, stoppings, constraints):
+            for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints):
                 rid = f"offline-{next(self._ids)}"
                 order.append(rid)
                 results[rid] = Completion(rid, ids)
                 self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
                                                 num_logprobs=num_logprobs, constraint=c))
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    # The scheduler counted the step, the runner did not take it: every later
+                    # step would fail with a step-number mismatch, which says nothing.
+                    self._failed = f"{type(e).__name__}: {e}"
+                    raise
+                for out in outputs:
                     self._merge(results[out.request_id], out)
         except BaseException:
             # A refused prompt (admission), a failed step, Ctrl-C: none of this call's requests
@@ -327,33 +333,6 @@ class LLM:
             done.finish_reason = out.finish_reason
             done.stop_reason = out.stop_reason
             done.error = None if out.error is None else str(out.error)
-
-
-def _check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams],
-                      stoppings: list[StoppingParams], num_logprobs: int | None,
-                      vocab_size: int) -> None:
-    """ParamError for what the runner would refuse in the step diff (diff_check.py), as the
-    gRPC services refuse it at their edge: token ids >= vocab_size (prompts, stop ids,
-    logit_bias, id sets), too many stop ids, num_logprobs out of range. A refused diff failed
-    the whole step, and the runner never took requests the scheduler still held: every later
-    generate() failed too."""
-    top = min(MAX_TOP_LOGPROBS, vocab_size)
-    if num_logprobs is not None and not (isinstance(num_logprobs, int)
-                                         and 0 <= num_logprobs <= top):
-        raise ParamError("num_logprobs", num_logprobs, f"None or an integer in [0, {top}]")
-    for i, (ids, sp, st) in enumerate(zip(prompt_ids, samplings, stoppings)):
-        if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ParamError(f"stopping.stop_token_ids (prompt {i})",
-                             f"{len(st.stop_token_ids)} ids", f"at most {MAX_STOP_TOKEN_IDS}")
-        named = [(f"prompts[{i}]", ids), (f"stopping.stop_token_ids (prompt {i})",
-                                          st.stop_token_ids),
-                 (f"sampling.logit_bias (prompt {i})", [t for t, _ in sp.logit_bias])]
-        named += [(f"sampling.{k.name} (prompt {i})", getattr(sp, k.name)) for k in ID_SET_KNOBS]
-        for name, values in named:
-            if values and max(values) >= vocab_size:   # max() in C; the index only on a refusal
-                j = next(j for j, t in enumerate(values) if t >= vocab_size)
-                raise ParamError(f"{name}[{j}]", values[j],
-                                 f"a token id in [0, {vocab_size - 1}] (vocab_size)")
 
 
 def _default_budget(kwargs: dict) -> dict:

@@ -1,0 +1,119 @@
+"""What `LLM.generate` accepts, checked before anything is queued: the prompt forms vLLM's
+`LLM.generate` takes, one params object or a list of one per prompt, and what the model runner
+would refuse in the step diff. Every refusal is a ParamError naming the field, the value and what
+is allowed; a value that reached the runner instead failed a step, and with it the LLM.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+
+from engine_common.constraints.constraint import Constraint
+from engine_common.request.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.request.params import ID_SET_KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
+
+_PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str}, {'prompt_token_ids': [ids]}, "
+                 "or a list of those")
+
+
+def prompt_ids(prompts, tokenizer: Tokenizer) -> list[list[int]]:
+    """Each prompt's ids. As vLLM: one prompt (a string, a list of ids, a dict) is a batch of
+    one, a list of them a batch (a lone string was iterated by character before)."""
+    prompts = _as_list(prompts)
+    if _is_one_prompt(prompts):
+        prompts = [prompts]
+    elif not isinstance(prompts, Sequence):
+        raise ParamError("prompts", prompts, _PROMPT_FORMS)
+    return [_one_prompt(f"prompts[{i}]", p, tokenizer) for i, p in enumerate(prompts)]
+
+
+def _as_list(value):
+    """A numpy array or torch tensor of ids as a list; anything else as it is."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes, Mapping, Sequence)):
+        return value.tolist()
+    return value
+
+
+def _is_one_prompt(prompts) -> bool:
+    if isinstance(prompts, (str, Mapping)):
+        return True
+    return (isinstance(prompts, Sequence) and len(prompts) > 0
+            and _is_token_id(prompts[0]))
+
+
+def _is_token_id(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _one_prompt(name: str, prompt, tokenizer: Tokenizer) -> list[int]:
+    if isinstance(prompt, Mapping):
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown or len(prompt) != 1:
+            raise ParamError(name, f"a dict with keys {sorted(prompt)}",
+                             "{'prompt': str} or {'prompt_token_ids': [ids]} (nothing else is "
+                             "supported)")
+        (key, prompt), = prompt.items()
+        name = f"{name}[{key!r}]"
+        if (key == "prompt") != isinstance(prompt, str):
+            raise ParamError(name, prompt, "a string" if key == "prompt" else "a list of ids")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    ids = _as_list(prompt)
+    if isinstance(ids, (bytes, Mapping)) or not isinstance(ids, Sequence):
+        raise ParamError(name, prompt, _PROMPT_FORMS)
+    for j, t in enumerate(ids):
+        if not _is_token_id(t):
+            raise ParamError(f"{name}[{j}]", t, "a token id (an integer)")
+    return [operator.index(t) for t in ids]
+
+
+def per_prompt(name: str, given, n: int, kind: type, default) -> list:
+    """One `kind` per prompt from one (or None: `default`) or a list of exactly n."""
+    allowed = (f"a {kind.__name__}, None, or a list of one per prompt ({n})")
+    if isinstance(given, list):
+        if len(given) != n:             # zip() dropped prompts, silently
+            raise ParamError(name, f"a list of {len(given)}",
+                             f"one for every prompt, or a list of one per prompt ({n})")
+        for i, item in enumerate(given):
+            if not (isinstance(item, kind) or item is None and kind is Constraint):
+                raise ParamError(f"{name}[{i}]", item, allowed)
+        return [default if item is None else item for item in given]
+    if given is None:
+        return [default] * n
+    if not isinstance(given, kind):
+        raise ParamError(name, given, allowed)
+    return [given] * n
+
+
+def check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams],
+                     stoppings: list[StoppingParams], num_logprobs: int | None,
+                     vocab_size: int) -> None:
+    """ParamError for what the runner would refuse in the step diff (diff_check.py), as the
+    gRPC services refuse it at their edge: token ids outside [0, vocab_size) (prompts, stop ids,
+    logit_bias, id sets), too many stop ids, num_logprobs out of range or not an int. A refused
+    diff failed the whole step, and the runner never took requests the scheduler still held:
+    every later generate() failed too."""
+    top = min(MAX_TOP_LOGPROBS, vocab_size)
+    if num_logprobs is not None and not (isinstance(num_logprobs, int)
+                                         and not isinstance(num_logprobs, bool)
+                                         and 0 <= num_logprobs <= top):
+        raise ParamError("num_logprobs", num_logprobs, f"None or an integer in [0, {top}]")
+    for i, (ids, sp, st) in enumerate(zip(prompt_ids, samplings, stoppings)):
+        if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ParamError(f"stopping.stop_token_ids (prompt {i})",
+                             f"{len(st.stop_token_ids)} ids", f"at most {MAX_STOP_TOKEN_IDS}")
+        named = [(f"prompts[{i}]", ids), (f"stopping.stop_token_ids (prompt {i})",
+                                          st.stop_token_ids),
+                 (f"sampling.logit_bias (prompt {i})", [t for t, _ in sp.logit_bias])]
+        named += [(f"sampling.{k.name} (prompt {i})", getattr(sp, k.name)) for k in ID_SET_KNOBS]
+        for name, values in named:
+            # max() and min() in C; the index only on a refusal
+            if values and (max(values) >= vocab_size or min(values) < 0):
+                j = next(j for j, t in enumerate(values) if not 0 <= t < vocab_size)
+                raise ParamError(f"{name}[{j}]", values[j],
+                                 f"a token id in [0, {vocab_size - 1}] (vocab_size)")
