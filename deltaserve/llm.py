@@ -21,9 +21,9 @@ from engine_common.constraints.constraint import Constraint
 from engine_common.configuration.device_defaults import device_defaults
 from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
-from deltaserve.llm_inputs import check_for_runner, per_prompt, prompt_ids
+from deltaserve.llm_inputs import check_for_runner, conversations, per_prompt, prompt_ids
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -313,12 +313,19 @@ class LLM:
              ) -> list[Completion]:
         """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}
         dicts) or several (a list of such lists), each rendered with the model's chat template
-        and its generation prompt, as the gRPC `messages` prompt is. ParamError when the model
-        has no chat template. One Completion per conversation."""
-        several = bool(messages) and isinstance(messages[0], (list, tuple))
-        conversations = messages if several else [messages]
-        prompts = [encode_chat(self.tokenizer, self.chat_template, conv,
-                               repr(self.model_info.name)) for conv in conversations]
+        and its generation prompt, as the gRPC `messages` prompt is; OpenAI's text content parts
+        are joined by newlines, as vLLM does. ParamError when the model has no chat template or
+        the messages are not a conversation. One Completion per conversation."""
+        prompts = []
+        for i, conv in enumerate(conversations(messages)):
+            try:
+                prompts.append(encode_chat(self.tokenizer, self.chat_template, conv,
+                                           repr(self.model_info.name)))
+            except (TypeError, KeyError, AttributeError, IndexError) as e:
+                # A template's own Python failing on these messages: the caller's to fix.
+                raise ParamError(f"messages (conversation {i})", f"{len(conv)} messages",
+                                 f"accepted by the model's chat template (it failed: "
+                                 f"{type(e).__name__}: {e})") from None
         return self.generate(prompts, sampling, stopping, num_logprobs, constraint)
 
     @staticmethod

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from engine_common.constraints.constraint import Constraint
 from engine_common.request.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from engine_common.request.params import ID_SET_KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.text.chat_template import ChatMessage
 from engine_common.text.tokenizer import Tokenizer
 
 _PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str}, {'prompt_token_ids': [ids]}, "
@@ -117,3 +118,38 @@ def check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams
                 j = next(j for j, t in enumerate(values) if not 0 <= t < vocab_size)
                 raise ParamError(f"{name}[{j}]", values[j],
                                  f"a token id in [0, {vocab_size - 1}] (vocab_size)")
+
+
+def conversations(messages) -> list[list]:
+    """The conversations of LLM.chat: one (a list of messages) or several (a list of such
+    lists). A message is a ChatMessage or a dict with a string `role`; OpenAI's content parts
+    ([{"type": "text", "text": ...}]) become one string joined by newlines, as vLLM gives a
+    template that expects a string (the template failed on the list with a TypeError)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ParamError("messages", messages, "a list of messages (dicts with 'role' and "
+                         "'content'), or a list of such lists")
+    several = bool(messages) and isinstance(messages[0], (list, tuple))
+    convs = messages if several else [messages]
+    return [[_message(f"messages[{i}][{j}]" if several else f"messages[{j}]", m)
+             for j, m in enumerate(conv)] for i, conv in enumerate(convs)]
+
+
+def _message(name: str, message):
+    if isinstance(message, ChatMessage):
+        return message
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ParamError(name, message, "a ChatMessage or a dict with a string 'role'")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return message
+    if not isinstance(content, Sequence):
+        raise ParamError(f"{name}['content']", content, "a string or a list of text parts")
+    texts = []
+    for k, part in enumerate(content):
+        if not (isinstance(part, Mapping) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise ParamError(f"{name}['content'][{k}]", part,
+                             "a text part {'type': 'text', 'text': str} (only text is "
+                             "supported)")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}

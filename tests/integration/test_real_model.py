@@ -13,7 +13,7 @@ import torch
 from deltaserve.default_model import default_gguf_path
 from deltaserve.llm import LLM
 from engine_common.text.chat_template import load_chat_template
-from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
 from kernels.attention.torch_ref import TorchAttentionBackend
 from tests.support.hf_reference import assert_greedy_agrees, compare_greedy, hf_greedy
@@ -95,3 +95,26 @@ def test_tokenizer_and_template_equal_transformers_gguf_reading(default_model):
             assert template.render(chat) == ref.apply_chat_template(
                 chat, tokenize=False, add_generation_prompt=True)
     assert np.array_equal(Tokenizer.from_dir(gguf).encode("Hello world!"), [19556, 905, 17])
+
+
+def test_chat_takes_openai_content_parts_as_vllm_does(llm, default_model):
+    """OpenAI's content parts are joined into one string, as vLLM hands a string template; the
+    template failed on the list with a TypeError before."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    out = llm.chat(parts, stopping=StoppingParams(max_tokens=2))[0]
+    assert out.prompt_token_ids == hf_chat_ids(default_model, joined)
+
+
+@pytest.mark.parametrize("messages, match", [
+    ("What is the capital of France?", r"messages='What is the capital of France\?' is invalid"),
+    ([{"content": "hi"}], r"messages\[0\]=\{'content': 'hi'\} is invalid: must be a "
+                          r"ChatMessage or a dict with a string 'role'"),
+    ([FRANCE, [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]],
+     r"messages\[1\]\[0\]\['content'\]\[0\]=.* is invalid: must be a text part"),
+])
+def test_chat_refuses_what_is_no_conversation_by_name(llm, messages, match):
+    with pytest.raises(ParamError, match=match):
+        llm.chat(messages)
+    assert not llm.scheduler.has_unfinished_requests()
