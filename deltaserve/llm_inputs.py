@@ -76,7 +76,7 @@ def _one_prompt(name: str, prompt, tokenizer: Tokenizer) -> list[int]:
 def per_prompt(name: str, given, n: int, kind: type, default) -> list:
     """One `kind` per prompt from one (or None: `default`) or a list of exactly n."""
     allowed = (f"a {kind.__name__}, None, or a list of one per prompt ({n})")
-    if isinstance(given, list):
+    if isinstance(given, (list, tuple)):
         if len(given) != n:             # zip() dropped prompts, silently
             raise ParamError(name, f"a list of {len(given)}",
                              f"one for every prompt, or a list of one per prompt ({n})")

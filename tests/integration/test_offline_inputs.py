@@ -82,6 +82,14 @@ def test_per_prompt_lists_may_hold_none_constraints(llm):
     assert outs[1].token_ids == llm.generate([IDS], None, STOP)[0].token_ids
 
 
+def test_params_per_prompt_may_come_as_a_tuple(llm):
+    """A tuple of params was refused as no SamplingParams (vLLM takes any sequence)."""
+    outs = llm.generate([IDS, IDS], (SamplingParams(), SamplingParams(temperature=1.0, seed=3)),
+                        (STOP, StoppingParams(max_tokens=2, ignore_eos=True)))
+    assert [len(c.token_ids) for c in outs] == [3, 2]
+    assert outs[0].token_ids == llm.generate([IDS], None, STOP)[0].token_ids
+
+
 def test_a_failed_step_says_so_on_every_later_call(tiny_models):
     """The scheduler counted the failed step and the runner did not: every later call failed
     with a step-number mismatch that named neither the cause nor the way out."""
