@@ -67,10 +67,12 @@ def _one_prompt(name: str, prompt, tokenizer: Tokenizer) -> list[int]:
     ids = _as_list(prompt)
     if isinstance(ids, (bytes, Mapping)) or not isinstance(ids, Sequence):
         raise ParamError(name, prompt, _PROMPT_FORMS)
-    for j, t in enumerate(ids):
-        if not _is_token_id(t):
-            raise ParamError(f"{name}[{j}]", t, "a token id (an integer)")
-    return [operator.index(t) for t in ids]
+    if ids and set(map(type, ids)) != {int}:      # in C; the loop only for other types
+        for j, t in enumerate(ids):
+            if not _is_token_id(t):
+                raise ParamError(f"{name}[{j}]", t, "a token id (an integer)")
+        ids = [operator.index(t) for t in ids]
+    return list(ids)
 
 
 def per_prompt(name: str, given, n: int, kind: type, default) -> list:
