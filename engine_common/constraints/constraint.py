@@ -201,18 +201,35 @@ def _strict_schema(text: str) -> str:
         return text
 
 
-def _close_objects(schema) -> None:
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+
+
+def _lists_properties(schema) -> bool:
+    return isinstance(schema, dict) and ("properties" in schema or "patternProperties" in schema)
+
+
+def _close_objects(schema, close: bool = True) -> None:
+    """Close `schema` (unless `close` is False) and every object schema within it. Where an
+    object's properties are spread over combined schemas, closing a part would forbid the
+    others' properties (llguidance then refuses the schema as unsatisfiable, or leaves only
+    the properties every part lists): an `allOf` part, and an `anyOf` / `oneOf` part beside
+    properties of the schema's own, stay open, and so does a schema whose parts list
+    properties; their property schemas are still closed."""
     if not isinstance(schema, dict):
         return
-    if (("properties" in schema or "patternProperties" in schema)
-            and "additionalProperties" not in schema):
+    parts = [p for key in _COMBINATORS if isinstance(schema.get(key), list)
+             for p in schema[key]]
+    own = _lists_properties(schema)
+    spread = any(_lists_properties(p) for p in parts)
+    if close and own and not spread and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     for key in _SUBSCHEMA:
         _close_objects(schema.get(key))
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):
+            part_open = key == "allOf" or key in _COMBINATORS and own
             for sub in schema[key]:
-                _close_objects(sub)
+                _close_objects(sub, close=not part_open)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():

@@ -196,3 +196,40 @@ def test_one_choice_as_a_string_is_refused_not_split_into_characters():
                                          r"be a list of strings"):
         Constraint("choice", "yes")
     assert Constraint("choice", ["yes"]).value == ("yes",)
+
+
+ALL_OF = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}},
+                     "required": ["a"]},
+                    {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+BESIDE = {"type": "object", "properties": {"a": {"type": "integer"}},
+          "anyOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]},
+                    {"properties": {"c": {"type": "string"}}, "required": ["c"]}]}
+
+
+def test_objects_spread_over_combined_schemas_are_not_closed_part_by_part(compiler):
+    """Closing each part forbade the other parts' properties: llguidance refused both schemas
+    as unsatisfiable ("required property 'a' is unsatisfiable")."""
+    all_of = Constraint("json_schema", json.dumps(ALL_OF)).validate()
+    assert accepts(compiler, all_of, '{"a": 1, "b": 2}')
+    assert not accepts(compiler, all_of, '{"a": 1}')
+    beside = Constraint("json_schema", json.dumps(BESIDE)).validate()
+    assert accepts(compiler, beside, '{"a": 1, "b": 2}')
+    assert accepts(compiler, beside, '{"c": "x"}')
+    assert not accepts(compiler, beside, '{"a": 1}')
+
+
+def test_whole_objects_within_combined_schemas_stay_closed(compiler):
+    union = Constraint("json_schema", json.dumps({"anyOf": [
+        {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}))
+    assert accepts(compiler, union, '{"a": 1}')
+    assert not accepts(compiler, union, '{"a": 1, "z": 2}')
+    either = Constraint("json_schema", json.dumps({
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}))
+    assert accepts(compiler, either, '{"b": 1}')
+    assert not accepts(compiler, either, '{"b": 1, "z": 2}')
+    nested = Constraint("json_schema", json.dumps({"allOf": [{"properties": {
+        "inner": {"properties": {"x": {"type": "integer"}}}}}]}))
+    assert accepts(compiler, nested, '{"inner": {"x": 1}, "more": 2}')   # the part: open
+    assert not accepts(compiler, nested, '{"inner": {"x": 1, "y": 2}}')   # its property: closed
