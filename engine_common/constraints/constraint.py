@@ -195,7 +195,9 @@ def _strict_schema(text: str) -> str:
     properties and does not say otherwise; text that is not JSON is left for the validator."""
     try:
         schema = json.loads(text)
-        _close_objects(schema)
+        open_refs: set[str] = set()
+        _walk(schema, lambda node: open_refs.update(_open_parts_refs(node)))
+        _close_objects(schema, open_refs)
         return json.dumps(schema, ensure_ascii=False)
     except (ValueError, RecursionError):   # too deep for Python: the engine refuses it too
         return text
@@ -208,32 +210,72 @@ def _lists_properties(schema) -> bool:
     return isinstance(schema, dict) and ("properties" in schema or "patternProperties" in schema)
 
 
-def _close_objects(schema, close: bool = True) -> None:
+def _open_parts(schema: dict) -> list:
+    """The parts of `schema` that must stay open: they combine with the schema's own
+    properties or with each other into one object (a `$ref` beside other keywords is such a
+    part too)."""
+    own = _lists_properties(schema)
+    all_of, others = [], []
+    for key in _COMBINATORS:
+        if isinstance(schema.get(key), list):
+            (all_of if key == "allOf" else others).extend(schema[key])
+    if own:
+        ref = [{"$ref": schema["$ref"]}] if isinstance(schema.get("$ref"), str) else []
+        return all_of + others + ref
+    # No properties of its own: an allOf part alone (pydantic's wrapper of a $ref) is whole.
+    return all_of + others if len(all_of) > 1 or all_of and others else []
+
+
+def _open_parts_refs(node) -> list[str]:
+    """The local references ("#/$defs/Base") of `node`'s open parts: their targets stay open."""
+    if not isinstance(node, dict):
+        return []
+    return [p["$ref"] for p in _open_parts(node)
+            if isinstance(p, dict) and isinstance(p.get("$ref"), str)]
+
+
+def _walk(schema, visit) -> None:
+    visit(schema)
+    for _, sub in _subschemas(schema):
+        _walk(sub, visit)
+
+
+def _subschemas(schema):
+    """(JSON pointer step, subschema) for every subschema `schema` holds."""
+    if not isinstance(schema, dict):
+        return
+    for key in _SUBSCHEMA:
+        if key in schema:
+            yield key, schema[key]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            yield from ((f"{key}/{i}", sub) for i, sub in enumerate(schema[key]))
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            yield from ((f"{key}/{str(name).replace('~', '~0').replace('/', '~1')}", sub)
+                        for name, sub in schema[key].items())
+
+
+def _close_objects(schema, open_refs: set[str], close: bool = True,
+                   pointer: str = "#") -> None:
     """Close `schema` (unless `close` is False) and every object schema within it. Where an
     object's properties are spread over combined schemas, closing a part would forbid the
     others' properties (llguidance then refuses the schema as unsatisfiable, or leaves only
-    the properties every part lists): an `allOf` part, and an `anyOf` / `oneOf` part beside
-    properties of the schema's own, stay open, and so does a schema whose parts list
-    properties; their property schemas are still closed."""
+    the properties every part lists): an `allOf` part, an `anyOf` / `oneOf` part beside
+    properties of the schema's own, a `$ref` beside them, and the definitions such parts refer
+    to (`open_refs`) stay open, and so does a schema whose parts list properties or refer;
+    their property schemas are still closed."""
     if not isinstance(schema, dict):
         return
-    parts = [p for key in _COMBINATORS if isinstance(schema.get(key), list)
-             for p in schema[key]]
-    own = _lists_properties(schema)
-    spread = any(_lists_properties(p) for p in parts)
-    if close and own and not spread and "additionalProperties" not in schema:
+    parts = _open_parts(schema) + [p for key in _COMBINATORS
+                                   if isinstance(schema.get(key), list) for p in schema[key]]
+    spread = any(_lists_properties(p) or isinstance(p, dict) and "$ref" in p for p in parts)
+    if (close and pointer not in open_refs and _lists_properties(schema) and not spread
+            and "additionalProperties" not in schema):
         schema["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        _close_objects(schema.get(key))
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            part_open = key == "allOf" or key in _COMBINATORS and own
-            for sub in schema[key]:
-                _close_objects(sub, close=not part_open)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for sub in schema[key].values():
-                _close_objects(sub)
+    open_ids = {id(p) for p in _open_parts(schema)}
+    for step, sub in _subschemas(schema):
+        _close_objects(sub, open_refs, id(sub) not in open_ids, f"{pointer}/{step}")
 
 
 def _short_lines(message: str, line_limit: int = 200, limit: int = 4000) -> str:

@@ -229,7 +229,28 @@ def test_whole_objects_within_combined_schemas_stay_closed(compiler):
         "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}))
     assert accepts(compiler, either, '{"b": 1}')
     assert not accepts(compiler, either, '{"b": 1, "z": 2}')
-    nested = Constraint("json_schema", json.dumps({"allOf": [{"properties": {
-        "inner": {"properties": {"x": {"type": "integer"}}}}}]}))
-    assert accepts(compiler, nested, '{"inner": {"x": 1}, "more": 2}')   # the part: open
+    nested = Constraint("json_schema", json.dumps({"allOf": [
+        {"properties": {"inner": {"properties": {"x": {"type": "integer"}}}}},
+        {"properties": {"more": {}}}]}))
+    assert accepts(compiler, nested, '{"inner": {"x": 1}, "more": 2}')
     assert not accepts(compiler, nested, '{"inner": {"x": 1, "y": 2}}')   # its property: closed
+    # pydantic's wrapper of a $ref (a field with a default): one part, nothing to combine with
+    wrapped = Constraint("json_schema", json.dumps({
+        "$defs": {"X": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+        "properties": {"x": {"allOf": [{"$ref": "#/$defs/X"}], "default": {"a": 1}}},
+        "required": ["x"]}))
+    assert accepts(compiler, wrapped, '{"x": {"a": 1}}')
+    assert not accepts(compiler, wrapped, '{"x": {"a": 1, "z": 1}}')
+
+
+@pytest.mark.parametrize("combine", ["$ref", "allOf"])
+def test_a_definition_extended_beside_its_reference_stays_open(compiler, combine):
+    """{"$ref": Base, "properties": {b}} (or allOf [Base]): Base closed forbade b, the object
+    closed forbade Base's a: refused as unsatisfiable."""
+    ref = {"$ref": "#/$defs/Base"}
+    schema = {"$defs": {"Base": {"properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+              **(ref if combine == "$ref" else {"allOf": [ref]}),
+              "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    extended = Constraint("json_schema", json.dumps(schema)).validate()
+    assert accepts(compiler, extended, '{"a": 1, "b": 2}')
+    assert not accepts(compiler, extended, '{"b": 2}')
