@@ -53,12 +53,27 @@ class InProcessExecutor:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        # The step in hand and the runner's last step before it, until the runner returns it.
+        self._unreturned: tuple[bytes, int] | None = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._sampling: collections.deque[threading.Event] = collections.deque()
         self._pipeline: RunnerPipeline | None = None
 
     def execute(self, payload: bytes) -> bytes:
-        return encode_runner_output(self.runner.execute(payload))
+        if self._unreturned is not None:
+            missed, before = self._unreturned
+            if before is not None and self._last_step() == before:
+                # Interrupted (Ctrl-C) before the runner took that step: the scheduler counted
+                # it, so every later diff builds on it. Its tokens were for requests aborted
+                # since; before, every later step failed ("step N arrived after step M").
+                self.runner.execute(missed)
+        self._unreturned = (payload, self._last_step())
+        reply = encode_runner_output(self.runner.execute(payload))
+        self._unreturned = None
+        return reply
+
+    def _last_step(self) -> int | None:
+        return getattr(self.runner, "last_step", None)     # (test doubles have none)
 
     def submit(self, payload: bytes) -> concurrent.futures.Future | PipelineTicket:
         if self.runner.pipelined:
@@ -148,6 +163,9 @@ class RunnerPipeline:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._last: PipelineTicket | None = None
         threading.Thread(target=self._loop, name="runner", daemon=True).start()
+
+    def _last_step(self) -> int | None:
+        return getattr(self.runner, "last_step", None)     # (test doubles have none)
 
     def submit(self, payload: bytes) -> PipelineTicket:
         ticket = self._last = PipelineTicket(payload)

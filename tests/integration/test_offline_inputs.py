@@ -106,3 +106,24 @@ def test_a_failed_step_says_so_on_every_later_call(tiny_models):
     with pytest.raises(RuntimeError, match=r"failed a step earlier .*the device fell over.*"
                                            r"build a new LLM"):
         llm.generate([IDS], None, STOP)
+
+
+def test_ctrl_c_before_the_runner_took_a_step_leaves_the_llm_usable(tiny_models):
+    """The scheduler had counted the interrupted step and the runner had not: every later call
+    failed with "step 3 arrived after step 1"."""
+    llm = LLM(tiny_models("qwen3"), num_kv_blocks=8, max_num_seqs=2)
+    reference = llm.generate([IDS], None, STOP)[0].token_ids
+    runner_execute, calls = llm.runner.execute, []
+
+    def interrupted_once(payload):
+        calls.append(payload)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return runner_execute(payload)
+
+    llm.runner.execute = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([IDS], None, STOP)
+    assert_no_leaked_blocks(llm)
+    assert llm.generate([IDS], None, STOP)[0].token_ids == reference
+    assert_no_leaked_blocks(llm)
