@@ -245,7 +245,9 @@ def _subschemas(schema):
     if not isinstance(schema, dict):
         return
     for key in _SUBSCHEMA:
-        if key in schema:
+        if isinstance(schema.get(key), list):   # draft 4's tuple `items`
+            yield from ((f"{key}/{i}", sub) for i, sub in enumerate(schema[key]))
+        elif key in schema:
             yield key, schema[key]
     for key in _SUBSCHEMA_LISTS:
         if isinstance(schema.get(key), list):

@@ -108,6 +108,14 @@ def test_object_schemas_are_closed_unless_they_say_otherwise():
     assert _strict_schema("not json") == "not json"
 
 
+def test_objects_in_draft_4_tuple_items_are_closed_too(compiler):
+    """`items` as a list (draft 4, which the engine accepts) was skipped: its objects open."""
+    pair = Constraint("json_schema", json.dumps({"type": "array", "items": [
+        {"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"type": "integer"}]}))
+    assert accepts(compiler, pair, '[{"a": 1}, 2]')
+    assert not accepts(compiler, pair, '[{"a": 1, "z": 0}, 2]')
+
+
 def test_grammars_accept_what_they_should(compiler):
     person = Constraint("json_schema", PERSON)
     assert accepts(compiler, person, '{"name": "Ann", "age": 7}')
