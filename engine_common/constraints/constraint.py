@@ -57,11 +57,14 @@ class Constraint:
     (json_object) or a tuple of strings (choice)."""
 
     kind: str
-    value: str | bool | tuple[str, ...]
+    value: str | bool | tuple[str, ...]     # json_schema: also a dict, kept as its JSON text
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ParamError("constraint", self.kind, f"one of {', '.join(KINDS)}")
+        if self.kind == "json_schema" and isinstance(self.value, dict):
+            # A schema as a dict (pydantic's model_json_schema()), as vLLM takes it.
+            object.__setattr__(self, "value", json.dumps(self.value, ensure_ascii=False))
         if self.kind == "choice":
             if isinstance(self.value, str):   # tuple("yes") meant "y", "e" or "s"
                 raise ParamError(f"{self.field}.choices", self.value,

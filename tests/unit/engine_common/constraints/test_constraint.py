@@ -262,3 +262,10 @@ def test_a_definition_extended_beside_its_reference_stays_open(compiler, combine
     extended = Constraint("json_schema", json.dumps(schema)).validate()
     assert accepts(compiler, extended, '{"a": 1, "b": 2}')
     assert not accepts(compiler, extended, '{"b": 2}')
+
+
+def test_a_schema_may_be_given_as_a_dict():
+    """As vLLM's json=dict (pydantic's model_json_schema()): refused as no string before."""
+    schema = json.loads(PERSON)
+    assert Constraint("json_schema", schema).validate() == Constraint("json_schema", PERSON)
+    assert Constraint("json_schema", {"x": "\u00e9"}).value == '{"x": "\u00e9"}'
