@@ -293,14 +293,22 @@ class LLM:
                          self.model_info.vocab_size)
         results: dict[str, Completion] = {}
         order = []
-        try:
-            for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints):
+        pending = collections.deque(zip(ids_list, samplings, stoppings, constraints))
+
+        def admit() -> None:
+            """Queue prompts while the waiting queue has room (max_waiting): a call with more
+            prompts than that failed with QueueFull, as vLLM's never does."""
+            while pending and len(self.scheduler.waiting) < self.scheduler.config.max_waiting:
+                ids, sp, st, c = pending.popleft()
                 rid = f"offline-{next(self._ids)}"
                 order.append(rid)
                 results[rid] = Completion(rid, ids)
                 self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
                                                 num_logprobs=num_logprobs, constraint=c))
-            while self.engine.has_unfinished_requests():
+
+        try:
+            admit()
+            while pending or self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
                 except Exception as e:
@@ -310,6 +318,7 @@ class LLM:
                     raise
                 for out in outputs:
                     self._merge(results[out.request_id], out)
+                admit()
         except BaseException:
             # A refused prompt (admission), a failed step, Ctrl-C: none of this call's requests
             # may stay queued, holding blocks, for the next call to meet (KeyError, before).

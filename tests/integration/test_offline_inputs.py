@@ -127,3 +127,16 @@ def test_ctrl_c_before_the_runner_took_a_step_leaves_the_llm_usable(tiny_models)
     assert_no_leaked_blocks(llm)
     assert llm.generate([IDS], None, STOP)[0].token_ids == reference
     assert_no_leaked_blocks(llm)
+
+
+def test_more_prompts_than_the_waiting_queue_holds_all_run(tiny_models):
+    """Every prompt was queued at once: past max_waiting the call failed with QueueFull (vLLM's
+    LLM.generate takes any number)."""
+    llm = LLM(tiny_models("qwen3"), num_kv_blocks=16, max_num_seqs=2, max_waiting=3)
+    prompts = [[5, 6, 3 + i] for i in range(9)]
+    outs = llm.generate(prompts, None, StoppingParams(max_tokens=2, ignore_eos=True))
+    assert [c.prompt_token_ids for c in outs] == prompts
+    assert all(len(c.token_ids) == 2 for c in outs)
+    assert [c.token_ids for c in outs[4:6]] == [c.token_ids for c in llm.generate(
+        prompts[4:6], None, StoppingParams(max_tokens=2, ignore_eos=True))]
+    assert_no_leaked_blocks(llm)
