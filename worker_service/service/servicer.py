@@ -105,7 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as e:  # every failure becomes a status naming it
             failure = as_failure(e, at_init=True)
             if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH,
-                                FailureKind.DOES_NOT_FIT):
+                                FailureKind.DOES_NOT_FIT, FailureKind.SUPERSEDED):
                 log.warning("Init refused: %s", failure)   # settings, not a bug
             else:
                 log.exception("Init failed")
