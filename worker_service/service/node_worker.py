@@ -152,9 +152,16 @@ class NodeWorker:
         self.ranks.interrupt()
         with self._lock:
             self.fence.check_reset(epoch, owner)
-            self.fence.take(epoch, owner)
             self._drop_held()
-            dropped = self.ranks.drop_requests()
+            try:
+                dropped = self.ranks.drop_requests()
+            except StepFailure as failure:
+                # The fence stays (the owner's steps must not read as a takeover's, STALE);
+                # the current epoch is over: its requests may be half dropped.
+                self._failure = StepFailure(failure.kind, f"a Reset to epoch {epoch} failed: "
+                                                          f"{failure}")
+                raise
+            self.fence.take(epoch, owner)
             self._start_epoch(epoch)
             return dropped
 

@@ -290,3 +290,22 @@ def test_an_init_no_newer_than_one_in_progress_does_not_interrupt_it(model_dir):
     # A learns it was taken over: its next Init is stale.
     _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=2, owner="A"),
              FailureKind.STALE_EPOCH, "epoch 2 is stale")
+
+
+def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
+    """A Reset whose ranks fail to drop their requests (a rank died) must not move the fence:
+    the owner's next step then carried an epoch below it, came back STALE_EPOCH, and the
+    scheduler took that for a takeover and stopped for good."""
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+
+    def dead():
+        raise StepFailure(FailureKind.RANK_FAILED, "rank 1 was killed by signal 9")
+    ranks.drop_requests = dead
+    _refused(lambda: w.reset(2, "A"), FailureKind.RANK_FAILED, "killed")
+    assert (w.fence.epoch, w.fence.owner) == (1, "A")
+    # The epoch the Reset failed in is over (the ranks may have dropped some requests):
+    # a clear failure that asks for Init, not a takeover.
+    _refused(lambda: w.step(w.open_stream(), 1, 0, b""), FailureKind.EPOCH_FAILED,
+             "a Reset to epoch 2 failed")
