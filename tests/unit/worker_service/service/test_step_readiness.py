@@ -8,12 +8,11 @@ import grpc
 import pytest
 
 from engine_common.wire.protos import worker_pb2
-from worker_service.config import NodeLayout
+from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.ranks.rank_api import InitOutcome
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.servicer import WorkerServicer
-from worker_service.config import RunnerConfig
 
 
 class _OutOfStepRanks:
