@@ -7,7 +7,10 @@
 On its first "configure" the rank joins the process group: backend gloo on CPU, nccl on CUDA,
 init_method tcp://RENDEZVOUS, world size tp_size, rank node_rank * local_ranks + local_rank. It
 then answers every command with exactly one reply (messages.py). It reads with a timeout
-and exits when its parent is gone or the ring is shut down, so it never outlives the worker.
+and exits when its parent is gone or the ring is shut down, so it never outlives the worker; a
+watcher thread also ends it when the parent is gone while the rank is blocked where no ring is
+read (the rendezvous, a collective, a model load): a worker killed outright (SIGKILL, the OOM
+killer) would otherwise leave it waiting up to --dist-timeout.
 
 Test-only: when the environment variable DELTASERVE_TEST_CORRUPT_RANK equals this rank's global
 rank, the rank corrupts its own cached state once (the last token of the first request that
@@ -18,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -65,6 +70,8 @@ def rank_main(spec: RankSpec) -> None:
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank{spec.global_rank} %(name)s: "
                                "%(message)s")
+    threading.Thread(target=_exit_with_parent, args=(spec,), daemon=True,
+                     name="parent-watch").start()
     commands = ShmBroadcastRing.attach(spec.command_ring, spec.local_rank)
     replies = ShmBroadcastRing.attach_writer(spec.reply_ring)
     corrupt = os.environ.get(CORRUPT_RANK_ENV, "") == str(spec.global_rank)
@@ -76,6 +83,15 @@ def rank_main(spec: RankSpec) -> None:
         replies.close()
     if stopped:  # a peer may be dead otherwise, and leaving could wait for it
         _leave_group()
+
+
+def _exit_with_parent(spec: RankSpec) -> None:
+    """End this process once its parent is gone, whatever the main thread is blocked in (the
+    rings' own checks only run between commands)."""
+    while os.getppid() == spec.parent_pid:
+        time.sleep(spec.poll_s)
+    log.warning("parent %d is gone while the rank was busy; exiting", spec.parent_pid)
+    os._exit(1)
 
 
 def _next_command(spec: RankSpec, ring: ShmBroadcastRing) -> bytes | None:

@@ -7,6 +7,8 @@ RankGroup of rank processes (tp_size > 1). The rules enforced here:
 - One scheduler at a time (fencing.py): Init must carry an epoch above every epoch accepted
   before; a higher one from another scheduler takes the worker over, and the displaced
   scheduler's steps fail STALE_EPOCH. Reset is the owner's only.
+- An Init interrupts one in progress only with a higher epoch (an equal or lower one is refused
+  SUPERSEDED: two schedulers must not abort each other's loads in turn forever).
 - A refused Init changes nothing (init_checks.py runs before the model is touched): the loaded
   model, the epoch and the owner stay.
 - Steps of an epoch run in order 0, 1, 2, ... A step that fails (gap, bad payload, runner error)
@@ -73,6 +75,8 @@ class NodeWorker:
         self.num_kv_blocks = 0
         self.verify_symmetry = False
         self._lock = threading.Lock()
+        self._claims = threading.Lock()    # guards _claimed; never held across a load
+        self._claimed: tuple[int, str] = (0, "")   # the (epoch, owner) of an Init in progress
         self._next_step = 0
         self._failure: StepFailure | None = None
         self._opened_streams = 0
@@ -100,6 +104,31 @@ class NodeWorker:
         check_init(config, self.guards, layout)
         if layout.tp_size > 1:    # refused here, once, before any rank loads anything
             check_tp_size(read_model_configs(Path(config.model_dir))[0], layout.tp_size)
+        self._claim(epoch, owner)
+        try:
+            return self._init_claimed(config, layout, epoch, owner)
+        finally:
+            with self._claims:
+                if self._claimed[0] == epoch:
+                    self._claimed = (0, "")
+
+    def _claim(self, epoch: int, owner: str) -> None:
+        """Only an Init above the one in progress may interrupt it. An epoch counts in the fence
+        only once its load is done, so a displaced scheduler that re-Inits at once (its step was
+        interrupted) asks for the same epoch as the newer one that is loading: it used to
+        interrupt that load, the newer one retried and interrupted its load in turn, and with
+        loads longer than their retry pause neither ever finished."""
+        with self._claims:
+            claimed, by = self._claimed
+            if epoch <= claimed:
+                raise StepFailure(FailureKind.SUPERSEDED,
+                                  f"epoch {epoch} not taken: an Init of epoch {claimed} "
+                                  f"(scheduler {by or '?'}) is in progress; retry once it is "
+                                  "done (see Info)")
+            self._claimed = (epoch, owner)
+
+    def _init_claimed(self, config: RunnerConfig, layout: NodeLayout, epoch: int,
+                      owner: str) -> InitOutcome:
         self.ranks.interrupt()
         with self._lock:
             self.fence.check(epoch)       # another Init may have taken it while this waited
@@ -123,9 +152,16 @@ class NodeWorker:
         self.ranks.interrupt()
         with self._lock:
             self.fence.check_reset(epoch, owner)
-            self.fence.take(epoch, owner)
             self._drop_held()
-            dropped = self.ranks.drop_requests()
+            try:
+                dropped = self.ranks.drop_requests()
+            except StepFailure as failure:
+                # The fence stays (the owner's steps must not read as a takeover's, STALE);
+                # the current epoch is over: its requests may be half dropped.
+                self._failure = StepFailure(failure.kind, f"a Reset to epoch {epoch} failed: "
+                                                          f"{failure}")
+                raise
+            self.fence.take(epoch, owner)
             self._start_epoch(epoch)
             return dropped
 

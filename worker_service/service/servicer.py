@@ -105,7 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception as e:  # every failure becomes a status naming it
             failure = as_failure(e, at_init=True)
             if failure.kind in (FailureKind.INVALID_SETTINGS, FailureKind.STALE_EPOCH,
-                                FailureKind.DOES_NOT_FIT):
+                                FailureKind.DOES_NOT_FIT, FailureKind.SUPERSEDED):
                 log.warning("Init refused: %s", failure)   # settings, not a bug
             else:
                 log.exception("Init failed")
@@ -135,10 +135,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=reply.payload,
                                           digest=reply.digest)
 
-    @staticmethod
-    def _refuse_step(epoch: int, step: int, e: Exception, context):
+    def _refuse_step(self, epoch: int, step: int, e: Exception, context):
         """A failed step: its StepError response (for the kinds that have a code), then the
-        call aborts with the kind's status."""
+        call aborts with the kind's status. A failure that left the ranks out of step makes
+        the worker unready until the next Init: grpc health says so too."""
+        self._on_readiness(self.worker.readiness()[0])
         failure = as_failure(e)
         code, status = FAILURES[failure.kind]
         message = clip(str(failure), MAX_STATUS_CHARS)

@@ -3,7 +3,9 @@ rank (global rank) and its device ("cpu", "cuda:N").
 
     steps, step execute and phase seconds     recorded after each step, from every local rank's
                                               RankStepStats (step/step_clock.py's phases)
-    requests cached, KV blocks                read at scrape time from the node worker
+    requests cached, KV blocks                read at scrape time from the node worker (0 once
+                                              Init or Reset dropped the requests or the ranks
+                                              died: never the last epoch's figure)
     process CPU seconds and resident memory   read at scrape time from /proc, per rank process
     GPU utilization, memory, power,           read at scrape time from NVML, per CUDA rank
     temperature and SM clock                  (device_telemetry.py)
@@ -42,7 +44,8 @@ class WorkerMetrics:
     def __init__(self, node: NodeWorker, nvml: ModuleType | None = None):
         self.registry = CollectorRegistry()
         self._node = node
-        self._requests: dict[int, int] = {}     # global rank -> requests cached after a step
+        # global rank -> (epoch, requests cached after that epoch's last step)
+        self._requests: dict[int, tuple[int | None, int]] = {}
         self.steps = Counter(PREFIX + "steps", "Steps the rank ran.", _LABELS,
                              registry=self.registry)
         self.execute = Histogram(PREFIX + "step_execute_seconds", "Seconds of one step on the "
@@ -62,7 +65,7 @@ class WorkerMetrics:
             self.execute.labels(*labels).observe(stats.execute_s)
             for phase, seconds in stats.phases.items():
                 self.phase.labels(*labels, phase).observe(seconds)
-            self._requests[stats.global_rank] = stats.num_requests
+            self._requests[stats.global_rank] = (self._node.epoch, stats.num_requests)
 
     def device_of(self, global_rank: int) -> str:
         layout = self._node.started_layout
@@ -81,11 +84,16 @@ class _NodeCollector:
         node, layout = self._node, self._node.started_layout
         ranks = [(str(layout.global_rank(r)), rank_device(node.device, r))
                  for r in range(layout.num_local_ranks)]
+        # Init and Reset drop every cached request and a dead rank holds none: a figure of an
+        # earlier epoch, or of ranks that are gone, is 0 (as Info reports no KV blocks then).
+        ready = node.readiness()[0]
+        epoch = node.epoch
         yield _gauges("requests_cached", "Requests the rank holds in its persistent batch "
                       "after its last step.",
-                      [(labels, self._requests.get(int(labels[0]), 0)) for labels in ranks])
+                      [(labels, self._cached(int(labels[0]), epoch, ready)) for labels in ranks])
+        blocks = node.num_kv_blocks if node.model_summary() is not None else 0
         yield _gauges("kv_blocks", "KV-cache blocks allocated on the rank's device.",
-                      [(labels, node.num_kv_blocks) for labels in ranks])
+                      [(labels, blocks) for labels in ranks])
         yield from self._processes(ranks)
         readings = [(labels, self._nvml.read(labels[1])) for labels in ranks]
         for name, field, doc in _GPU_GAUGES:    # only where a GPU answered
@@ -93,6 +101,10 @@ class _NodeCollector:
                                          if r is not None and getattr(r, field) is not None])
             if family.samples:
                 yield family
+
+    def _cached(self, global_rank: int, epoch: int | None, ready: bool) -> int:
+        seen_epoch, count = self._requests.get(global_rank, (None, 0))
+        return count if ready and seen_epoch is not None and seen_epoch == epoch else 0
 
     def _processes(self, ranks):
         pids = self._node.ranks.pids()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -232,3 +233,79 @@ def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
 def test_reset_before_any_init_is_refused():
     w = NodeWorker(FakeRanks(), LAYOUT)
     _refused(lambda: w.reset(1, ""), FailureKind.STALE_EPOCH, "does not own")
+
+
+class SlowLoadRanks(FakeRanks):
+    """Rank processes whose load waits for `release` unless interrupted (as RankGroup's does:
+    an interrupt fails it SUPERSEDED and leaves the ranks to be respawned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loading = threading.Event()
+        self.release = threading.Event()
+        self.aborted = threading.Event()
+
+    def load(self, config, layout):
+        self.loading.set()
+        for _ in range(2000):                     # bounded: a broken test fails, never hangs
+            if self.release.wait(0.01):
+                break
+            if self.aborted.is_set():
+                self.aborted.clear()
+                raise StepFailure(FailureKind.SUPERSEDED, "interrupted by a new Init or Reset")
+        else:
+            raise RuntimeError("the load was never released")
+        return super().load(config, layout)
+
+    def interrupt(self):
+        super().interrupt()
+        self.aborted.set()
+
+
+def test_an_init_no_newer_than_one_in_progress_does_not_interrupt_it(model_dir):
+    """Scheduler B takes over (epoch 2) while the old owner A is busy: B's Init interrupts A's
+    step, and A re-Inits at once with max(its epoch, Info's epoch) + 1 = 2 as well, since B's
+    epoch counts only once its load is done. A's Init interrupted B's load (rank processes are
+    then respawned), B retried and interrupted A's: with loads longer than the schedulers'
+    retry pause the two never stopped. An Init whose epoch is not above one in progress is
+    refused instead, without touching it, and the one in progress completes."""
+    ranks = SlowLoadRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    ranks.release.set()
+    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+    ranks.release.clear()
+    ranks.loading.clear()
+    took_over: list = []
+    newer = threading.Thread(target=lambda: took_over.append(
+        w.init(_config(model_dir), LAYOUT, epoch=2, owner="B")))
+    newer.start()
+    assert ranks.loading.wait(30)
+    interrupts = ranks.interrupts
+    _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=2, owner="A"),
+             FailureKind.SUPERSEDED, "an Init of epoch 2 .*is in progress")
+    assert ranks.interrupts == interrupts
+    ranks.release.set()
+    newer.join(30)
+    assert took_over and (w.fence.epoch, w.fence.owner, w.epoch) == (2, "B", 2)
+    # A learns it was taken over: its next Init is stale.
+    _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=2, owner="A"),
+             FailureKind.STALE_EPOCH, "epoch 2 is stale")
+
+
+def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
+    """A Reset whose ranks fail to drop their requests (a rank died) must not move the fence:
+    the owner's next step then carried an epoch below it, came back STALE_EPOCH, and the
+    scheduler took that for a takeover and stopped for good."""
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+
+    def dead():
+        raise StepFailure(FailureKind.RANK_FAILED, "rank 1 was killed by signal 9")
+    ranks.drop_requests = dead
+    _refused(lambda: w.reset(2, "A"), FailureKind.RANK_FAILED, "killed")
+    assert (w.fence.epoch, w.fence.owner) == (1, "A")
+    # The epoch the Reset failed in is over (the ranks may have dropped some requests):
+    # a clear failure that asks for Init, not a takeover.
+    _refused(lambda: w.step(w.open_stream(), 1, 0, b""), FailureKind.EPOCH_FAILED,
+             "a Reset to epoch 2 failed")

@@ -4,11 +4,13 @@ module injected at the boundary: there is no GPU here) the GPU gauges, labelled 
 device; on a CPU worker, or without NVML, there are no GPU series."""
 from __future__ import annotations
 
+import os
 import sys
 
 from tests.support.fake_nvml import fake_nvml
-from worker_service.config import NodeLayout
-from worker_service.ranks.rank_api import RankStepStats, StepReply
+from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.ranks.rank_api import (InitOutcome, ModelSummary, RankStepStats,
+                                           StepReply)
 from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.worker_metrics import WorkerMetrics
@@ -29,7 +31,7 @@ def test_step_stats_feed_the_histograms_of_each_rank():
     assert value(metrics, "steps_total", **cpu) == 2
     assert value(metrics, "step_execute_seconds_count", **cpu) == 2
     assert abs(value(metrics, "step_phase_seconds_sum", phase="forward", **cpu) - 0.03) < 1e-9
-    assert value(metrics, "requests_cached", **cpu) == 2            # after the last step
+    assert value(metrics, "requests_cached", **cpu) == 0      # no epoch: nothing is cached
     assert value(metrics, "kv_blocks", **cpu) == 0                  # not initialized yet
     assert value(metrics, "process_cpu_seconds_total", **cpu) > 0
     assert value(metrics, "process_resident_memory_bytes", **cpu) > 0
@@ -58,3 +60,67 @@ def test_without_nvml_a_cuda_worker_still_scrapes(monkeypatch):
     assert value(metrics, "gpu_utilization_ratio", **labels) is None
     assert value(metrics, "kv_blocks", **labels) == 0
     assert value(metrics, "process_resident_memory_bytes", **labels) > 0
+
+
+class _StatsRanks:
+    """Ranks that load at once and report `cached` requests after every step."""
+
+    device = "cpu"
+    group_id = ""
+
+    def __init__(self):
+        self.loaded = False
+        self.cached = 0
+
+    def load(self, config, layout):
+        self.loaded = True
+        return InitOutcome(num_kv_blocks=8, kv_block_bytes=64, model_reloaded=True)
+
+    def drop_requests(self):
+        return self.cached
+
+    def run_step(self, payload, verify, output_rank):
+        return StepReply(b"", None, (RankStepStats(0, 0.01, {}, self.cached),))
+
+    def interrupt(self):
+        pass
+
+    def readiness(self):
+        return (True, "") if self.loaded else (False, "not initialized")
+
+    def set_failure_listener(self, listener):
+        pass
+
+    def model_summary(self):
+        return ModelSummary("m", "torch", "float32") if self.loaded else None
+
+    def pids(self):
+        return [os.getpid()]
+
+
+def test_requests_cached_is_not_the_last_epochs_after_init_reset_or_a_rank_death(tiny_models):
+    """Init and Reset drop every cached request (the worker holds none until the next step):
+    the gauge must not keep saying what the old epoch's last step held, e.g. while a restarted
+    scheduler has no traffic yet. A worker whose ranks died holds neither requests nor KV."""
+    ranks = _StatsRanks()
+    node = NodeWorker(ranks, NodeLayout())
+    metrics = WorkerMetrics(node)
+    node.step_listener = metrics.observe_step
+    config = RunnerConfig(model_dir=tiny_models("qwen3"), max_model_len=64, block_size=4,
+                          max_num_seqs=4, max_num_batched_tokens=64)
+    cpu = {"rank": "0", "device": "cpu"}
+    node.init(config, NodeLayout(), epoch=1, owner="A")
+    ranks.cached = 3
+    node.step(node.open_stream(), 1, 0, b"")
+    assert value(metrics, "requests_cached", **cpu) == 3
+    assert value(metrics, "kv_blocks", **cpu) == 8
+    node.init(config, NodeLayout(), epoch=2, owner="B")        # a restarted scheduler
+    assert value(metrics, "requests_cached", **cpu) == 0
+    node.step(node.open_stream(), 2, 0, b"")
+    assert value(metrics, "requests_cached", **cpu) == 3
+    node.reset(3, "B")
+    assert value(metrics, "requests_cached", **cpu) == 0
+    node.step(node.open_stream(), 3, 0, b"")
+    ranks.loaded = False                                       # the ranks died
+    assert value(metrics, "requests_cached", **cpu) == 0
+    assert value(metrics, "kv_blocks", **cpu) == 0
