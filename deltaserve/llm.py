@@ -164,9 +164,6 @@ class RunnerPipeline:
         self._last: PipelineTicket | None = None
         threading.Thread(target=self._loop, name="runner", daemon=True).start()
 
-    def _last_step(self) -> int | None:
-        return getattr(self.runner, "last_step", None)     # (test doubles have none)
-
     def submit(self, payload: bytes) -> PipelineTicket:
         ticket = self._last = PipelineTicket(payload)
         self._queue.put(ticket)

@@ -272,13 +272,14 @@ def _close_objects(schema, open_refs: set[str], close: bool = True,
     their property schemas are still closed."""
     if not isinstance(schema, dict):
         return
-    parts = _open_parts(schema) + [p for key in _COMBINATORS
-                                   if isinstance(schema.get(key), list) for p in schema[key]]
+    open_parts = _open_parts(schema)
+    parts = open_parts + [p for key in _COMBINATORS
+                          if isinstance(schema.get(key), list) for p in schema[key]]
     spread = any(_lists_properties(p) or isinstance(p, dict) and "$ref" in p for p in parts)
     if (close and pointer not in open_refs and _lists_properties(schema) and not spread
             and "additionalProperties" not in schema):
         schema["additionalProperties"] = False
-    open_ids = {id(p) for p in _open_parts(schema)}
+    open_ids = {id(p) for p in open_parts}
     for step, sub in _subschemas(schema):
         _close_objects(sub, open_refs, id(sub) not in open_ids, f"{pointer}/{step}")
 

@@ -32,9 +32,9 @@ from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_c
                                          scoped_id)
 from scheduler_service.api.request_limits import (check_abort_ids, check_messages_count,
                                                   check_prompt_can_fit, check_tokenize_limits)
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
-from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.status import status_for
 
 

@@ -30,11 +30,11 @@ from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
                                               abort_requests, abort_with)
 from scheduler_service.api.api_keys import KeyBook
 from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
+from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
 from scheduler_service.api.request_limits import check_abort_ids

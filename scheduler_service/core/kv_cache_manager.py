@@ -217,11 +217,9 @@ class KVCacheManager:
         """Blocks that would return to the free queue if `request` were freed now (those no other
         request shares), less those in `taken_back`: another request's prefix hits, which would
         leave the free queue again as it is admitted."""
-        blocks = self._blocks.get(request.request_id, ())
-        if taken_back:
-            ids = {b.block_id for b in taken_back}
-            return sum(1 for b in blocks if b.ref_cnt == 1 and b.block_id not in ids)
-        return sum(1 for b in blocks if b.ref_cnt == 1)
+        taken = {id(b) for b in taken_back}
+        return sum(1 for b in self._blocks.get(request.request_id, ())
+                   if b.ref_cnt == 1 and id(b) not in taken)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none."""
