@@ -73,8 +73,9 @@ def test_serve_tiny_model_then_ctrl_c_and_kill_leave_no_worker(tmp_path):
         deadline = time.monotonic() + 30  # grace 5 s, then the stop watchdog's 5 s
         while not gone(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        # its log says whether the SIGTERM reached it ("stopping worker") and where it stuck
-        assert gone(worker), log.read_text(errors="replace")[-4000:]
+        # its log says whether the SIGTERM reached it ("stopping worker"), /proc whether it is
+        # pending, blocked or caught, and in which kernel wait each thread sits
+        assert gone(worker), log.read_text(errors="replace")[-4000:] + _signal_state(worker)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -110,3 +111,17 @@ def test_serve_stops_with_code_2_when_the_worker_refuses_the_settings(tmp_path, 
     assert "DeltaServe ready" not in out
     with socket.socket() as s:                     # the worker was stopped with serve
         assert s.connect_ex(("127.0.0.1", worker_port)) != 0
+
+
+def _signal_state(pid: int) -> str:
+    """A live process's state, signal masks and its threads' kernel waits (for a failure)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        lines = [ln for ln in status if ln.split(":")[0] in
+                 ("State", "PPid", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            lines.append(f"thread {task.name}: {(task / 'comm').read_text().strip()} "
+                         f"wchan={(task / 'wchan').read_text().strip()}")
+    except OSError as e:
+        return f"\n/proc/{pid}: {e}"
+    return "\n" + "\n".join(lines)
