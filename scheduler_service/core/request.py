@@ -68,6 +68,9 @@ class Request:
     # max_len (prompt + output tokens) comes first. Set when the scheduler queues it.
     max_num_output_tokens: int = 0
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
+    # Why an aborted request failed (its grammar failed on the worker), for its client; None
+    # for a plain abort.
+    error: str | None = None
     # Set to [] by an owner that reads only a request's final update (LLMEngine with final-only
     # outputs, for requests without stop strings or top alternatives): update_from_output then
     # makes no update per step, keeps each sampled token's logprob here, and the final update
