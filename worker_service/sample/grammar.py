@@ -232,8 +232,10 @@ class GrammarBook:
             if g.matcher is not None and g.matcher.is_error():
                 self._fail(handle, g, f"its grammar failed: {_first_line(g.matcher.get_error())}")
                 continue
-            ids = np.asarray(allowed[k] if allowed is not None else (), dtype=np.int64)
-            if len(ids) and not ((bits[k, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
+            if allowed is None or not len(allowed[k]):
+                continue
+            ids = np.asarray(allowed[k], dtype=np.int64)
+            if not ((bits[k, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
                 self._fail(handle, g, "allowed_token_ids and its grammar leave no token to "
                            f"sample (none of the {len(ids)} allowed ids may come next)")
 
