@@ -9,8 +9,8 @@ whole fuel, so the request's first mask failed ("lexer error: too many expressio
 constructed"); `a{100000}` cost 36 ms per mask. `regex_repeated_atoms` bounds that work from
 above, as RE2 and Go bound each count at 1000 but for the whole regex: counted repetitions
 multiply the size of what they repeat (nested ones multiply each other), alternatives add up,
-and `*`, `+`, `?` cost nothing extra. Character classes, escapes (`\\d`, `\\p{L}`, `\\x{..}`) and atoms weigh
-1; a group's `?:`, `?P<name>` or flags are not counted.
+and `*`, `+`, `?` cost nothing extra. Character classes, escapes (`\\d`, `\\p{L}`,
+`\\x{..}`) and other atoms weigh 1; a group's `?:`, `?P<name>` or flags are not counted.
 """
 from __future__ import annotations
 
