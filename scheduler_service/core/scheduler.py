@@ -362,6 +362,8 @@ class Scheduler:
         if runner_out.compiled_handles:
             self._grammars_compiled(sched_out.step, runner_out.compiled_handles)
         updates = []
+        if runner_out.request_errors:      # before the tokens: a failed one's token is dropped
+            updates = self._fail_on_worker(scheduled, runner_out.request_errors)
         now = time.monotonic()
         handles, tops = runner_out.handles, runner_out.top_logprobs
         get = scheduled.get
@@ -401,6 +403,20 @@ class Scheduler:
                 request.request_id, [token], [] if lp is None else [lp], top, None, None,
                 request.num_cached_tokens, request.first_scheduled_time,
                 request.first_token_time, None, request))
+        return updates
+
+    def _fail_on_worker(self, scheduled: dict[int, Request],
+                        errors: dict[int, str]) -> list[TokenUpdate]:
+        """Abort the requests of this step that failed on the output rank (their grammar), each
+        with its error; a request finished since is left alone."""
+        updates = []
+        for handle, why in errors.items():
+            request = scheduled.get(handle)
+            if request is None or request.status > _PREEMPTED:
+                continue
+            request.error = f"request {request.request_id!r} failed on the worker: {why}"
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            updates.append(TokenUpdate.final(request, [], []))
         return updates
 
     def _grammars_compiled(self, step: int, handles: list[int]) -> None:

@@ -19,7 +19,9 @@ a step or two late when the text is made on another thread) are dropped: they ne
 client and are not counted in usage.
 
 A failure while processing one request's output (a tokenizer bug, say) ends that request alone:
-its final output carries `error` (RequestFailed) and the owner aborts it in the engine.
+its final output carries `error` (RequestFailed) and the owner aborts it in the engine. A request
+the engine aborted because it failed on the worker (TokenUpdate.error: its grammar) ends the same
+way, with the engine's message.
 
 Final-only requests (`final_only`: the offline `LLM.generate`, which reads nothing but each
 request's result; vLLM's RequestOutputKind.FINAL_ONLY) get one output, at the finish, equal to
@@ -198,6 +200,9 @@ class OutputProcessor:
             if state is None:
                 continue
             ids = update.new_token_ids
+            if update.error is not None:    # the engine ended it: it failed on the worker
+                outputs.append(self._failed(state, update.error))
+                continue
             try:
                 kept = state.kept
                 if (state.steady and len(ids) == 1 and update.finish_reason is None
@@ -242,6 +247,12 @@ class OutputProcessor:
     def _fail(self, state: _RequestState, exc: Exception) -> RequestOutput:
         rid = state.request_id
         log.exception("processing the output of request %r failed; aborting it alone", rid)
+        return self._failed(state, f"request {rid!r} failed while its output was processed "
+                                   f"({type(exc).__name__}: {exc})")
+
+    def _failed(self, state: _RequestState, message: str) -> RequestOutput:
+        """The final output of a request that failed: no more text, `error` RequestFailed."""
+        rid = state.request_id
         self._states.pop(rid, None)
         state.unsent = ""       # text past the failure point cannot be trusted
         if state.timings.finish_time is None:
@@ -250,9 +261,7 @@ class OutputProcessor:
         if state.kept is not None:
             # Deferred text was never made: a final-only request's failed output has none.
             out = self._with_kept(state, out)
-        out.error = RequestFailed(
-            f"request {rid!r} failed while its output was processed "
-            f"({type(exc).__name__}: {exc}); other requests are unaffected")
+        out.error = RequestFailed(f"{message}; other requests are unaffected")
         return out
 
     def _keep(self, state: _RequestState, out: RequestOutput) -> RequestOutput | None:
