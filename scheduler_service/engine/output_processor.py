@@ -5,8 +5,8 @@ and reports which requests matched a stop string; its owner finishes those in th
 offline LLMEngine at once, the serving side of AsyncEngine with a command to the engine thread).
 
 Stop-string rules:
-- checked only once the request has produced at least `stopping.min_tokens` tokens (the match
-  may still begin in text produced earlier);
+- checked only in the text of tokens after the first `stopping.min_tokens` (as vLLM, and as stop
+  ids, which the sampler masks until then); the match may still begin in text produced earlier;
 - the first stop string to *complete* wins (earliest end, then earliest start);
 - the text is cut before the stop string, or after it with `include_stop_str_in_output`;
 - while a request has stop strings, the last (longest stop - 1) characters of unsent text are held
@@ -359,7 +359,7 @@ class OutputProcessor:
             return
         start = len(state.unsent)
         state.unsent += piece
-        if state.stops and state.num_output_tokens >= state.stopping.min_tokens:
+        if state.stops and state.num_output_tokens > state.stopping.min_tokens:
             self._check_stop(state, start)
 
     def _check_stop(self, state: _RequestState, new_start: int) -> None:

@@ -111,9 +111,18 @@ def test_min_tokens_delays_stop_strings(tok):
 
 def test_min_tokens_match_may_start_before_threshold(tok):
     proc = OutputProcessor(tok)
-    req = make_request(tok, stop=["xyz"], min_tokens=3)
+    req = make_request(tok, stop=["xyz"], min_tokens=2)
     outs, fed = run(proc, req, chars(tok, "xyz!"))
     assert text_of(outs) == "" and len(fed) == 3 and outs[-1].stop_reason == "xyz"
+
+
+def test_a_stop_string_ending_in_token_min_tokens_does_not_stop(tok):
+    """As vLLM (and as stop ids here): only a token after the first min_tokens ends a request,
+    so a stop string must end in the text of token min_tokens + 1 or later."""
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["xyz"], min_tokens=3)
+    outs, fed = run(proc, req, chars(tok, "xyz!xyz"))
+    assert text_of(outs) == "xyz!" and len(fed) == 7 and outs[-1].stop_reason == "xyz"
 
 
 def test_earliest_completed_stop_wins(tok):
