@@ -351,7 +351,9 @@ class OutputProcessor:
             if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
                 continue
             piece = state.detokenizer.add(token_id)
-            if piece:
+            if finish_reason == RequestStatus.FINISHED_STOP_TOKEN and i == len(token_ids) - 1:
+                state.unsent += piece   # a stop token's own text: no stop-string check (vLLM)
+            elif piece:
                 self._append_text(state, piece)
 
     def _append_text(self, state: _RequestState, piece: str) -> None:

@@ -151,6 +151,17 @@ def test_stop_token_text_excluded(tok, include):
     assert outs[-1].new_token_ids == [bang]
 
 
+def test_a_stop_tokens_own_text_is_not_matched_against_stop_strings(tok):
+    """As vLLM, which skips the stop-string check on a step a stop token ended: with
+    include_stop_str_in_output the token's text is kept whole and the token is the reason."""
+    proc = OutputProcessor(tok)
+    bang = chars(tok, "!")[0]
+    req = make_request(tok, stop=["!"], stop_token_ids=[bang], include_stop_str_in_output=True)
+    outs, _ = run(proc, req, chars(tok, "ok!"), finish=STOP_TOK, stop_token=bang)
+    assert text_of(outs) == "ok!"
+    assert outs[-1].finish_reason == STOP_TOK and outs[-1].stop_reason == bang
+
+
 def test_stop_string_in_the_step_that_hits_length(tok):
     proc = OutputProcessor(tok)
     req = make_request(tok, stop=["end"])
