@@ -257,6 +257,7 @@ class LLM:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
+        self.model_info = self.model_info.with_tokenizer_eos(self.tokenizer.eos_token_id)
         self.chat_template = load_chat_template(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
         # generate() reads only each request's result: one output per request, at its finish.
