@@ -11,7 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
-from tests.support.hf_reference import _load
+from tests.support.hf_reference import hf_model
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16
@@ -41,7 +41,7 @@ def llm(default_model):
     dict(presence_penalty=1.5), dict(frequency_penalty=1.0),
     dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)])
 def test_greedy_with_penalties_equals_transformers(llm, default_model, penalty):
-    model = _load(default_model, torch.float32, "cpu")
+    model = hf_model(default_model)
     for text in PROMPTS:
         prompt = llm.tokenizer.encode(text)
         out = llm.generate([prompt], SamplingParams(**penalty),
