@@ -7,7 +7,9 @@ offline LLMEngine at once, the serving side of AsyncEngine with a command to the
 Stop-string rules:
 - checked only in the text of tokens after the first `stopping.min_tokens` (as vLLM, and as stop
   ids, which the sampler masks until then); the match may still begin in text produced earlier;
-- the first stop string to *complete* wins (earliest end, then earliest start);
+- checked after each token, so the first stop string to *complete* wins; among those that
+  complete in the same token's text, the first in the request's list (vLLM's
+  check_stop_strings), at its first place there;
 - the text is cut before the stop string, or after it with `include_stop_str_in_output`;
 - while a request has stop strings, the last (longest stop - 1) characters of unsent text are held
   back, so a stop string straddling two steps never reaches the client in part; held text is
@@ -365,18 +367,15 @@ class OutputProcessor:
             self._check_stop(state, start)
 
     def _check_stop(self, state: _RequestState, new_start: int) -> None:
-        """Find the first stop string that completes in unsent[new_start:]; cut the text there."""
-        best = None  # (end, start, stop)
+        """Find a stop string that completes in unsent[new_start:] (the first listed, as vLLM);
+        cut the text there."""
         for stop in state.stops:
             pos = state.unsent.find(stop, max(0, new_start - len(stop) + 1))
             if pos >= 0:
-                cand = (pos + len(stop), pos, stop)
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
-        if best is None:
+                break
+        else:
             return
-        end, pos, stop = best
-        keep = end if state.stopping.include_stop_str_in_output else pos
+        keep = pos + len(stop) if state.stopping.include_stop_str_in_output else pos
         state.unsent = state.unsent[:keep]
         state.stop_string = stop
 

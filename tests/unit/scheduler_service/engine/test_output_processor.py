@@ -132,6 +132,15 @@ def test_earliest_completed_stop_wins(tok):
     assert text_of(outs) == "xa" and outs[-1].stop_reason == "bc"
 
 
+def test_stops_completing_in_one_token_take_the_listed_order(tok):
+    """vLLM's check_stop_strings: of the stop strings the same token completes, the first in
+    the request's list wins ("ab" starts earlier, but "b" is listed first)."""
+    for stops, text, reason in ((["b", "ab"], "xa", "b"), (["ab", "b"], "x", "ab")):
+        proc = OutputProcessor(tok)
+        outs, _ = run(proc, make_request(tok, stop=stops), chars(tok, "xaby"))
+        assert (text_of(outs), outs[-1].stop_reason) == (text, reason)
+
+
 def test_held_back_text_flushed_on_other_finish(tok):
     proc = OutputProcessor(tok)
     req = make_request(tok, stop=["never-seen"])
@@ -217,24 +226,27 @@ def test_random_chunking_matches_reference(tok):
         proc = OutputProcessor(tok)
         req = make_request(tok, f"r{trial}", stop=stops, include_stop_str_in_output=include)
         outs, fed = run(proc, req, ids, chunk=rng.randrange(1, 5))
-        expected, stop = _reference_cut(tok.decode(ids), stops, include)
+        expected, stop = _reference_cut(tok, ids, stops, include)
         assert text_of(outs) == expected, (text, stops, include)
         assert outs[-1].finished and outs[-1].stop_reason == stop
         assert [t for o in outs for t in o.new_token_ids] == fed
         assert len(proc) == 0
 
 
-def _reference_cut(text, stops, include):
-    """Cut at the stop string that completes first (earliest end, then earliest start)."""
-    best = None
-    for s in stops:
-        pos = text.find(s)
-        if pos >= 0 and (best is None or (pos + len(s), pos) < best[:2]):
-            best = (pos + len(s), pos, s)
-    if best is None:
-        return text, None
-    end, pos, s = best
-    return text[:end if include else pos], s
+def _reference_cut(tok, ids, stops, include):
+    """vLLM's rule: after each token's text, the first listed stop string found in the text
+    that token completed wins, at its first place there (check_stop_strings)."""
+    text = tok.decode(ids)
+    ends = sorted({len(t) for t in (tok.decode(ids[:k]) for k in range(1, len(ids) + 1))
+                   if not t.endswith("\ufffd")} | {len(text)})
+    done = 0
+    for end in ends:
+        for s in stops:
+            pos = text.find(s, max(0, done - len(s) + 1), end)
+            if pos >= 0:
+                return text[:pos + len(s) if include else pos], s
+        done = end
+    return text, None
 
 
 def test_logprobs_trimmed_to_request(tok):
