@@ -352,11 +352,8 @@ class OutputProcessor:
             state.num_output_tokens += 1
             if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
                 continue
-            piece = state.detokenizer.add(token_id)
-            if finish_reason == RequestStatus.FINISHED_STOP_TOKEN and i == len(token_ids) - 1:
-                state.unsent += piece   # a stop token's own text: no stop-string check (vLLM)
-            elif piece:
-                self._append_text(state, piece)
+            # A kept stop token's text is checked for stop strings too, as vLLM's.
+            self._append_text(state, state.detokenizer.add(token_id))
 
     def _append_text(self, state: _RequestState, piece: str) -> None:
         if not piece or state.stop_string is not None:

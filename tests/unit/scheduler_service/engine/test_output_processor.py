@@ -160,15 +160,18 @@ def test_stop_token_text_excluded(tok, include):
     assert outs[-1].new_token_ids == [bang]
 
 
-def test_a_stop_tokens_own_text_is_not_matched_against_stop_strings(tok):
-    """As vLLM, which skips the stop-string check on a step a stop token ended: with
-    include_stop_str_in_output the token's text is kept whole and the token is the reason."""
-    proc = OutputProcessor(tok)
-    bang = chars(tok, "!")[0]
-    req = make_request(tok, stop=["!"], stop_token_ids=[bang], include_stop_str_in_output=True)
-    outs, _ = run(proc, req, chars(tok, "ok!"), finish=STOP_TOK, stop_token=bang)
-    assert text_of(outs) == "ok!"
-    assert outs[-1].finish_reason == STOP_TOK and outs[-1].stop_reason == bang
+def test_a_stop_tokens_own_text_is_matched_against_stop_strings(tok):
+    """As vLLM: with include_stop_str_in_output the stop token's text is detokenized and
+    checked like any other (detokenizer.update(ids, stop_terminated) runs check_stop_strings on
+    it), so a stop string in it names the finish and cuts the text after itself."""
+    ll = tok.encode("hello", add_special_tokens=False)[1]
+    assert tok.decode([ll]) == "ll"
+    for stops, text, reason in ((["l"], "okl", "l"), (["ll"], "okll", "ll"), (["z"], "okll", ll)):
+        proc = OutputProcessor(tok)
+        req = make_request(tok, stop=stops, stop_token_ids=[ll], include_stop_str_in_output=True)
+        outs, _ = run(proc, req, chars(tok, "ok") + [ll], finish=STOP_TOK, stop_token=ll)
+        assert (text_of(outs), outs[-1].stop_reason) == (text, reason)
+        assert outs[-1].finish_reason == (STOP_TOK if reason == ll else STOP_STR)
 
 
 def test_stop_string_in_the_step_that_hits_length(tok):
