@@ -192,11 +192,11 @@ class AsyncEngine:
                 self._hand_off()
                 self._serve_flushes()
                 continue
-            busy = self._core.has_unfinished_requests()
+            busy = self._core.has_work()     # finished ids to send count (engine_core.py)
             self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
             self._hand_off()       # aborts and rejections need not wait for the step
             try:
-                if self._core is not None and self._core.has_unfinished_requests():
+                if self._core is not None and self._core.has_work():
                     self._step()
                 elif self._core is not None:
                     self._check_idle()

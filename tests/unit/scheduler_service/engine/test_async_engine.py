@@ -298,6 +298,9 @@ class FailingCore:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def has_work(self):
+        return bool(self.requests)
+
     def step(self):
         raise self.error
 
