@@ -30,6 +30,7 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from worker_service.config import RunnerConfig
+from worker_service.device_info import resolve_device
 from worker_service.runner.model_runner import ModelRunner
 
 
@@ -239,6 +240,8 @@ class LLM:
     (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
 
     def __init__(self, model: str, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = resolve_device(kwargs["device"], "device")
         kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         kwargs["max_model_len"] = self.model_info.max_model_len
@@ -254,6 +257,7 @@ class LLM:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
+        self.model_info = self.model_info.with_tokenizer_eos(self.tokenizer.eos_token_id)
         self.chat_template = load_chat_template(model)
         self.scheduler = Scheduler(sched_cfg, num_blocks)
         # generate() reads only each request's result: one output per request, at its finish.

@@ -11,14 +11,29 @@ import os
 import platform
 from dataclasses import dataclass
 
+from engine_common.request.params import ParamError
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; anything else is returned as is."""
-    if device != "auto":
+
+def resolve_device(device: str, flag: str = "--device") -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'. 'cuda' / 'cuda:N' only where torch
+    sees that GPU: a ParamError naming `flag` now, not torch's AssertionError at the first
+    allocation (or, in a worker, at the scheduler's Init). Anything else is returned as is."""
+    if device != "auto" and not device.startswith("cuda"):
         return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    _, _, index = device.partition(":")
+    if have == 0:
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+               else f"torch {torch.__version__} sees no CUDA device")
+        raise ParamError(flag, device, f"'cpu' or 'auto' ({why})")
+    if index and (not index.isdigit() or int(index) >= have):
+        raise ParamError(flag, device, f"'cuda' or 'cuda:N' with N in [0, {have - 1}] (torch "
+                                       f"sees {have} CUDA devices)")
+    return device
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 facts from a GGUF file's metadata (`--model file.gguf`, or a directory holding one .gguf)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,16 @@ class ModelInfo:
                    vocab_size=int(config["vocab_size"]),
                    max_model_len=max_model_len or native_len,
                    eos_token_ids=eos, hf_config=config)
+
+
+    def with_tokenizer_eos(self, eos_token_id: int | None) -> "ModelInfo":
+        """This model with its tokenizer's eos among the ids that end generation: vLLM stops
+        at the tokenizer's eos whatever generation_config.json names (a chat fine-tune's
+        tokenizer often ends turns with <|im_end|> while its generation config keeps the
+        base model's </s>)."""
+        if eos_token_id is None or eos_token_id in self.eos_token_ids:
+            return self
+        return dataclasses.replace(self, eos_token_ids=self.eos_token_ids + (eos_token_id,))
 
 
 def read_model_configs(path: Path) -> tuple[dict, dict, str]:

@@ -26,6 +26,10 @@ MAX_WAITING = 1 << 16           # ceiling of the scheduler's max_waiting (its wa
 MAX_CONSTRAINT_DEPTH = 1000     # nesting of one constraint (engine_common/constraints/constraint_depth.py):
                                 # llguidance recurses <= 4.1 KB a level, so 1000 levels take
                                 # half of an 8 MiB stack; it runs on 64 MiB ones (big_stack.py)
+MAX_REGEX_REPEAT_SIZE = 10_000  # atoms the counted repetitions of a regex add once written
+                                # out (engine_common/constraints/regex_size.py): the
+                                # worker's lexer expands them (a{100000}: 36 ms a mask; a{1000000}
+                                # spent all its fuel and failed the request's first mask)
 
 # Bytes of the encoded parts (engine_common/wire/codec.py), rounded up: a msgpack integer <= 9, an
 # array, map or bytes header <= 5. The sampling knobs travel as a SamplingParams protobuf message

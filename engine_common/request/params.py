@@ -59,9 +59,13 @@ def _check_int(name: str, value, lo=None, hi=None) -> None:
     _check_range(name, value, lo, hi)
 
 
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token. temperature 0 means greedy.
+    """How to pick the next token. temperature 0 (or below GREEDY_BELOW) means greedy.
 
     top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs. Penalties of 1 (repetition)
     and 0 (presence, frequency) are off. `seed` None lets the scheduler draw one, so every rank of a
@@ -94,6 +98,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         for k in KNOBS:
             object.__setattr__(self, k.name, _checked_knob(k, getattr(self, k.name)))
+        if self.temperature < GREEDY_BELOW:
+            # vLLM samples such a row greedily; dividing by it overflowed float32 (1e-45 made
+            # every positive logit inf, and the first of them won).
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

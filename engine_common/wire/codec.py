@@ -19,7 +19,8 @@ Layouts (positional arrays keep steady-state messages tiny):
 
     RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
                     logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}
-                    (, compiled handles (uint32 bytes): only when there are any)]
+                    (, compiled handles (uint32 bytes): only when there are any or errors
+                     follow) (, {handle: error message}: only when a request failed)]
 
 A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
 (1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
@@ -266,21 +267,38 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
 def encode_runner_output(out: RunnerOutput) -> bytes:
     top = {h: [_u32(ids), _f32(lps)] for h, (ids, lps) in out.top_logprobs.items()}
     fields = [out.step, _u32(out.handles), _u32(out.sampled_token_ids), _f32(out.logprobs), top]
-    if out.compiled_handles:
+    if out.compiled_handles or out.request_errors:
         fields.append(_u32(out.compiled_handles))
+    if out.request_errors:
+        fields.append({int(h): str(m)[:MAX_REQUEST_ERROR_CHARS]
+                       for h, m in out.request_errors.items()})
     return msgpack.packb(fields, use_bin_type=True)
+
+
+# A request error's message on the wire is clipped to this many characters (llguidance's can
+# carry its parser state).
+MAX_REQUEST_ERROR_CHARS = 1000
+
+
+def _message(value, what: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_REQUEST_ERROR_CHARS:
+        raise CodecError(f"{what}: expected a message of at most {MAX_REQUEST_ERROR_CHARS} "
+                         "characters")
+    return value
 
 
 def decode_runner_output(data: bytes) -> RunnerOutput:
     try:
         fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        compiled = b""
-        if isinstance(fields, (list, tuple)) and len(fields) == 6:
+        compiled, errors = b"", {}
+        if isinstance(fields, list) and len(fields) == 7:
+            *fields, errors = fields
+        if isinstance(fields, list) and len(fields) == 6:
             *fields, compiled = fields
         step, handles, ids, lps, top = _seq(fields, "RunnerOutput", 5)
         out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
                            _from_f32(lps), _int_map(top, "top_logprobs", _top_entry),
-                           _from_u32(compiled))
+                           _from_u32(compiled), _int_map(errors, "request_errors", _message))
         if len(out.sampled_token_ids) != len(out.handles):
             raise CodecError("sampled ids must match handles one to one")
         if out.logprobs and len(out.logprobs) != len(out.handles):

@@ -89,6 +89,10 @@ class RunnerOutput:
     # Constrained requests whose grammar finished compiling on the output rank since its last
     # reply: the scheduler schedules their first sampling only after this.
     compiled_handles: list[int] = field(default_factory=list)
+    # handle -> why that request alone failed on the output rank this step (its structured-output
+    # grammar failed to compile, its matcher entered its error state, or no token was left to
+    # sample): the scheduler ends it with that error and drops the token it sampled here.
+    request_errors: dict[int, str] = field(default_factory=dict)
 
 
 def _same(a, b) -> bool:

@@ -216,6 +216,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     if options.served_model_name:
         info = dataclasses.replace(info, name=options.served_model_name)
     tokenizer = Tokenizer.from_dir(worker.model_dir)
+    info = info.with_tokenizer_eos(tokenizer.eos_token_id)
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
     config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
                                  **limits_of(worker))

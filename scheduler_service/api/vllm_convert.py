@@ -177,16 +177,19 @@ def chunk_to_proto(out: RequestOutput, index: int,
 
 
 def complete_to_proto(final: RequestOutput, index: int, num_logprobs: int | None,
-                      token_ids: list[int], logprobs: list[TokenLogprob]) -> pb.GenerateResponse:
+                      token_ids: list[int], logprobs: list[TokenLogprob],
+                      eos_token_id: int | None = None) -> pb.GenerateResponse:
     """The end of one choice. `token_ids`/`logprobs`: every output (not streaming) or the last
-    step's (streaming, as vLLM sends them)."""
+    step's (streaming, as vLLM sends them). `eos_token_id`: the tokenizer's eos (None under
+    ignore_eos); a finish on it names no matched token, as vLLM's stop_reason is None there
+    (only stop_token_ids and the generation config's other eos ids are named)."""
     complete = pb.GenerateComplete(
         output_ids=token_ids, finish_reason=FINISH_REASONS.get(final.finish_reason, "abort"),
         prompt_tokens=final.num_prompt_tokens, completion_tokens=len(token_ids),
         cached_tokens=final.num_cached_tokens, index=index)
     if isinstance(final.stop_reason, str):
         complete.matched_stop_str = final.stop_reason
-    elif final.stop_reason is not None:
+    elif final.stop_reason is not None and final.stop_reason != eos_token_id:
         complete.matched_token_id = final.stop_reason
     if num_logprobs is not None and logprobs:
         complete.output_logprobs.CopyFrom(output_logprobs_to_proto(logprobs, num_logprobs))

@@ -143,8 +143,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     for i, rid in enumerate(ids)]
         choices = [_Choice() for _ in ids]
         finals: dict[int, pb.GenerateResponse] = {}
+        eos = None if inp.stopping.ignore_eos else self._model.tokenizer.eos_token_id
         async for index, out in self._outputs(requests):
-            for msg in _messages(inp, index, out, choices[index]):
+            for msg in _messages(inp, index, out, choices[index], eos):
                 if inp.stream:
                     yield msg
                 else:
@@ -262,20 +263,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile is not supported")
 
 
-def _messages(inp: ValidatedRequest, index: int, out: RequestOutput,
-              choice: _Choice) -> list[pb.GenerateResponse]:
-    """The messages one engine output of choice `index` turns into."""
+def _messages(inp: ValidatedRequest, index: int, out: RequestOutput, choice: _Choice,
+              eos_token_id: int | None) -> list[pb.GenerateResponse]:
+    """The messages one engine output of choice `index` turns into (`eos_token_id`: see
+    complete_to_proto)."""
     if inp.stream:
         msgs = [chunk_to_proto(out, index, inp.num_logprobs)] if out.new_token_ids else []
         if out.finished:
             msgs.append(complete_to_proto(out, index, inp.num_logprobs, out.new_token_ids,
-                                          out.logprobs))
+                                          out.logprobs, eos_token_id))
         return msgs
     choice.token_ids.extend(out.new_token_ids)
     choice.logprobs.extend(out.logprobs)
     if not out.finished:
         return []
-    return [complete_to_proto(out, index, inp.num_logprobs, choice.token_ids, choice.logprobs)]
+    return [complete_to_proto(out, index, inp.num_logprobs, choice.token_ids, choice.logprobs,
+                              eos_token_id)]
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]

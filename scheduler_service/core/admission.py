@@ -56,6 +56,12 @@ def check_admission(request: Request, *, max_model_len: int, block_size: int, nu
         raise RequestRejected(rid, "min_tokens", min_tokens,
                               f"<= {max_model_len - len(prompt)} (max_model_len {max_model_len}"
                               f" - {len(prompt)} prompt tokens)")
+    allowed = request.sampling.allowed_token_ids
+    if min_tokens and allowed and set(allowed) <= set(request.min_tokens_stop_ids):
+        # Before min_tokens every allowed id is masked: the sampler would see every logit -inf.
+        raise RequestRejected(rid, "allowed_token_ids", list(allowed)[:8],
+                              "not only eos and stop_token_ids while min_tokens > 0 (until "
+                              "min_tokens no allowed id could be sampled)")
     if -(-len(prompt) // block_size) > num_blocks:
         raise RequestRejected(rid, "prompt tokens", len(prompt),
                               f"<= KV-cache capacity ({num_blocks * block_size} tokens)")

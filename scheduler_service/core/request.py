@@ -68,6 +68,9 @@ class Request:
     # max_len (prompt + output tokens) comes first. Set when the scheduler queues it.
     max_num_output_tokens: int = 0
     stop_reason: int | str | None = None   # the stop token id or stop string that matched
+    # Why an aborted request failed (its grammar failed on the worker), for its client; None
+    # for a plain abort.
+    error: str | None = None
     # Set to [] by an owner that reads only a request's final update (LLMEngine with final-only
     # outputs, for requests without stop strings or top alternatives): update_from_output then
     # makes no update per step, keeps each sampled token's logprob here, and the final update
@@ -76,9 +79,13 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Ids that stop generation (masked by the sampler until min_tokens is reached): eos unless
-    # ignore_eos, then stopping.stop_token_ids. Derived once: neither changes after creation.
+    # Ids that stop generation: eos unless ignore_eos, then stopping.stop_token_ids. Derived
+    # once: neither changes after creation.
     stop_token_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # Ids the sampler masks until min_tokens is reached: eos (even with ignore_eos) and
+    # stop_token_ids, as vLLM's SamplingParams.all_stop_token_ids, which its min_tokens logits
+    # processor masks: ignore_eos lets eos through, it does not make it count toward min_tokens.
+    min_tokens_stop_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # The prompt's ids as uint32 bytes, made by check_admission when every id fits (None
     # otherwise, or before admission): the prefix-cache hashes read it instead of converting
     # the prompt's list again. The prompt never changes after creation.
@@ -87,6 +94,8 @@ class Request:
     def __post_init__(self):
         eos = () if self.stopping.ignore_eos else tuple(self.eos_token_ids)
         self.stop_token_ids = tuple(dict.fromkeys(eos + self.stopping.stop_token_ids))
+        self.min_tokens_stop_ids = tuple(dict.fromkeys(
+            tuple(self.eos_token_ids) + self.stopping.stop_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """Applying a step's RunnerOutput to the requests it scheduled: each sampled token appended,
-the stop rules checked, what stopped finished; and the grammar compiles the output rank reports.
+the stop rules checked, what stopped finished; the requests the output rank failed (their
+grammar) aborted; and the grammar compiles it reports.
 
 Scheduler.update_from_output calls these with its own state; they run once per step (the loop
 over the sampled tokens is the per-request hot path, kept free of helper calls)."""
@@ -63,6 +64,21 @@ def apply_sampled_tokens(scheduled: dict[int, Request], runner_out: RunnerOutput
             request.request_id, [token], [] if lp is None else [lp], top, None, None,
             request.num_cached_tokens, request.first_scheduled_time,
             request.first_token_time, None, request))
+    return updates
+
+
+def fail_on_worker(scheduled: dict[int, Request], errors: dict[int, str],
+                   finish: Callable[[Request, RequestStatus], None]) -> list[TokenUpdate]:
+    """Abort the requests of this step that failed on the output rank (their grammar), each
+    with its error; a request finished since is left alone. `errors`: handle -> why."""
+    updates = []
+    for handle, why in errors.items():
+        request = scheduled.get(handle)
+        if request is None or request.status > _PREEMPTED:
+            continue
+        request.error = f"request {request.request_id!r} failed on the worker: {why}"
+        finish(request, RequestStatus.FINISHED_ABORTED)
+        updates.append(TokenUpdate.final(request, [], []))
     return updates
 
 

@@ -50,7 +50,8 @@ from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.long_prefills import can_admit_any, held_back
 from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
+from scheduler_service.core.sampled_tokens import (apply_sampled_tokens, fail_on_worker,
+                                                   grammars_compiled)
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
@@ -342,6 +343,9 @@ class Scheduler:
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
         if runner_out.compiled_handles:
             grammars_compiled(self._compiling, sched_out.step, runner_out.compiled_handles)
+        if runner_out.request_errors:      # before the tokens: a failed one's token is dropped
+            failed = fail_on_worker(scheduled, runner_out.request_errors, self._finish)
+            return failed + apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
         return apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:

@@ -35,7 +35,7 @@ class StepPlan:
 
     def add_new(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         sampling = WorkerSamplingParams(request.sampling, request.seed,
-                                        request.stopping.min_tokens, request.stop_token_ids)
+                                        request.stopping.min_tokens, request.min_tokens_stop_ids)
         self.new_requests.append(NewRequestData(
             request.handle, list(request.prompt_token_ids), sampling, block_ids, num_computed,
             NO_LOGPROBS if request.num_logprobs is None else request.num_logprobs,

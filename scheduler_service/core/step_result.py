@@ -17,8 +17,9 @@ class TokenUpdate:
     never reads it. The token lists are made fresh for each update (never the Request's own).
 
     finish_reason is set when the engine finished the request with this update: FINISHED_LENGTH,
-    FINISHED_STOP_TOKEN (stop_token_id says which), or FINISHED_ABORTED (no tokens then). Stop
-    strings are not the engine's business: the serving side finds them and tells the engine.
+    FINISHED_STOP_TOKEN (stop_token_id says which), or FINISHED_ABORTED (no tokens then; `error`
+    says why when the request failed, on the worker). Stop strings are not the engine's
+    business: the serving side finds them and tells the engine.
     Times are time.monotonic() seconds; None until it happened.
     """
 
@@ -34,6 +35,7 @@ class TokenUpdate:
     first_token_time: float | None
     finish_time: float | None
     request: Request | None = field(default=None, repr=False, compare=False)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,7 +57,7 @@ class TokenUpdate:
         return cls(request.request_id, new_token_ids, new_logprobs, top_logprobs, reason,
                    stop_token, max(0, request.num_cached_tokens),
                    request.first_scheduled_time, request.first_token_time,
-                   request.finish_time, request)
+                   request.finish_time, request, request.error)
 
 
 def check_stop(request: Request, max_len: int) -> RequestStatus | None:

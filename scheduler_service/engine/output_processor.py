@@ -5,8 +5,8 @@ and reports which requests matched a stop string; its owner finishes those in th
 offline LLMEngine at once, the serving side of AsyncEngine with a command to the engine thread).
 
 Stop-string rules:
-- checked only once the request has produced at least `stopping.min_tokens` tokens (the match
-  may still begin in text produced earlier);
+- checked only in the text of tokens after the first `stopping.min_tokens` (as vLLM, and as stop
+  ids, which the sampler masks until then); the match may still begin in text produced earlier;
 - the first stop string to *complete* wins (earliest end, then earliest start);
 - the text is cut before the stop string, or after it with `include_stop_str_in_output`;
 - while a request has stop strings, the last (longest stop - 1) characters of unsent text are held
@@ -19,7 +19,9 @@ a step or two late when the text is made on another thread) are dropped: they ne
 client and are not counted in usage.
 
 A failure while processing one request's output (a tokenizer bug, say) ends that request alone:
-its final output carries `error` (RequestFailed) and the owner aborts it in the engine.
+its final output carries `error` (RequestFailed) and the owner aborts it in the engine. A request
+the engine aborted because it failed on the worker (TokenUpdate.error: its grammar) ends the same
+way, with the engine's message.
 
 Final-only requests (`final_only`: the offline `LLM.generate`, which reads nothing but each
 request's result; vLLM's RequestOutputKind.FINAL_ONLY) get one output, at the finish, equal to
@@ -150,6 +152,9 @@ class OutputProcessor:
             if state is None:
                 continue
             ids = update.new_token_ids
+            if update.error is not None:    # the engine ended it: it failed on the worker
+                outputs.append(self._failed(state, update.error))
+                continue
             try:
                 kept = state.kept
                 if (state.steady and len(ids) == 1 and update.finish_reason is None
@@ -194,6 +199,12 @@ class OutputProcessor:
     def _fail(self, state: _RequestState, exc: Exception) -> RequestOutput:
         rid = state.request_id
         log.exception("processing the output of request %r failed; aborting it alone", rid)
+        return self._failed(state, f"request {rid!r} failed while its output was processed "
+                                   f"({type(exc).__name__}: {exc})")
+
+    def _failed(self, state: _RequestState, message: str) -> RequestOutput:
+        """The final output of a request that failed: no more text, `error` RequestFailed."""
+        rid = state.request_id
         self._states.pop(rid, None)
         state.unsent = ""       # text past the failure point cannot be trusted
         if state.timings.finish_time is None:
@@ -202,9 +213,7 @@ class OutputProcessor:
         if state.kept is not None:
             # Deferred text was never made: a final-only request's failed output has none.
             out = self._with_kept(state, out)
-        out.error = RequestFailed(
-            f"request {rid!r} failed while its output was processed "
-            f"({type(exc).__name__}: {exc}); other requests are unaffected")
+        out.error = RequestFailed(f"{message}; other requests are unaffected")
         return out
 
     def _keep(self, state: _RequestState, out: RequestOutput) -> RequestOutput | None:
@@ -294,7 +303,9 @@ class OutputProcessor:
             if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
                 continue
             piece = state.detokenizer.add(token_id)
-            if piece:
+            if finish_reason == RequestStatus.FINISHED_STOP_TOKEN and i == len(token_ids) - 1:
+                state.unsent += piece   # a stop token's own text: no stop-string check (vLLM)
+            elif piece:
                 self._append_text(state, piece)
 
     def _append_text(self, state: _RequestState, piece: str) -> None:
@@ -302,7 +313,7 @@ class OutputProcessor:
             return
         start = len(state.unsent)
         state.unsent += piece
-        if state.stops and state.num_output_tokens >= state.stopping.min_tokens:
+        if state.stops and state.num_output_tokens > state.stopping.min_tokens:
             self._check_stop(state, start)
 
     def _check_stop(self, state: _RequestState, new_start: int) -> None:

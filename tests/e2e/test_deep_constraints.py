@@ -10,23 +10,16 @@ import pytest
 from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
 from engine_common.wire.protos import vllm_engine_pb2, vllm_engine_pb2_grpc
 from tests.support.deep_constraints import json_items_chain, lark_chain
-from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
-                                        greedy_request, pb, wait_ready)
+from tests.support.grpc_harness import (collect, generation_stub, greedy_request, pb,
+                                        scheduler_and_worker)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def target(tiny_models, tmp_path_factory):
-    procs = Processes(tmp_path_factory.mktemp("deep"))
-    w_port, s_port = free_port(), free_port()
-    worker = procs.worker(w_port)
-    sched = procs.scheduler(tiny_models("qwen3"), [w_port], s_port)
-    try:
-        wait_ready(f"127.0.0.1:{s_port}", [worker, sched])
-        yield f"127.0.0.1:{s_port}", [worker, sched]
-    finally:
-        procs.close()
+    with scheduler_and_worker(tiny_models("qwen3"), tmp_path_factory.mktemp("deep")) as served:
+        yield served
 
 
 def _refusal(call) -> tuple[grpc.StatusCode, str]:

@@ -130,3 +130,48 @@ def test_tp2_allowed_token_ids_tokens_equal_tp1(cluster, tiny_models):
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
     for ids, only in zip(expected, allowed):
         assert not only or set(ids) <= set(only), (ids, only)
+
+
+def _run_with_failures(core, model_dir, prompts, samplings, stoppings, constraints):
+    eos = ModelInfo.from_dir(model_dir).eos_token_ids
+    tokens, errors = {}, {}
+    for i, (prompt, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
+        tokens[f"r{i}"] = []
+        core.add_request(Request(f"r{i}", prompt, sp, st, eos, constraint=constraints[i]))
+    for _ in range(500):
+        if not core.has_unfinished_requests():
+            break
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.error is not None:
+                errors[out.request_id] = str(out.error)
+    assert not core.has_unfinished_requests()
+    return [tokens[f"r{i}"] for i in range(len(prompts))], errors
+
+
+def test_tp2_a_grammar_failing_on_the_ranks_fails_that_request_alone(cluster, tiny_models):
+    """Every rank decides a grammar failure alike (here: a regex of digits whose request allows
+    only a letter): under symmetry checks the ranks agree, the request fails with its error, and
+    the others get TP=1's tokens."""
+    model = tiny_models("llama")
+    prompts, samplings, stoppings = workload()
+    (letter,) = Tokenizer.from_dir(model).backend.encode("x", add_special_tokens=False).ids
+    samplings[2] = dataclasses.replace(samplings[2], allowed_token_ids=(letter,))
+    constraints = [CONSTRAINTS[i % len(CONSTRAINTS)] for i in range(len(prompts))]
+    constraints[2] = Constraint("regex", "[0-9]+")
+    llm = LLM(model, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, **LIMITS)
+    expected, expected_errors = _run_with_failures(llm.engine, model, prompts, samplings,
+                                                   stoppings, constraints)
+    assert list(expected_errors) == ["r2"] and "allowed_token_ids and its grammar" in \
+        expected_errors["r2"]
+    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    try:
+        assert client.init(cluster.spec(model, verify_symmetry=True)).tp_size == 2, cluster.logs()
+        tokens, errors = _run_with_failures(make_core(model, client), model, prompts, samplings,
+                                            stoppings, constraints)
+    except Exception:
+        print(cluster.logs())
+        raise
+    finally:
+        client.close()
+    assert errors == expected_errors and tokens == expected and tokens[2] == []

@@ -109,3 +109,23 @@ def test_reset_prefix_cache_makes_the_next_run_compute_its_prompt(tiny_models):
     assert llm.scheduler.kv.get_computed_blocks(probe)[1] == 0
     assert llm.generate([prompt], SamplingParams(), st)[0].token_ids == first
     assert_no_leaked_blocks(llm)
+
+
+def test_the_tokenizers_eos_stops_whatever_generation_config_names(tiny_models, tmp_path):
+    """vLLM stops at the tokenizer's eos even where generation_config.json names another (a
+    chat fine-tune's <|im_end|> over the base model's </s>); it ran on to max_tokens here."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_models("qwen3"), tmp_path / "model")
+    gen = json.loads((model / "generation_config.json").read_text())
+    tok_eos = gen["eos_token_id"]
+    gen["eos_token_id"] = tok_eos + 1
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(model), dtype="float32", num_kv_blocks=32)
+    assert llm.model_info.eos_token_ids == (tok_eos + 1, tok_eos)
+    for allowed in (tok_eos, tok_eos + 1):        # only that id can be sampled
+        out = llm.generate([PROMPT], SamplingParams(allowed_token_ids=(allowed,)),
+                           StoppingParams(max_tokens=6))[0]
+        assert out.token_ids == [allowed]
+        assert out.finish_reason == RequestStatus.FINISHED_STOP_TOKEN

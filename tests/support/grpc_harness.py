@@ -6,6 +6,7 @@ finalizer). Every wait is bounded.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -161,6 +162,21 @@ def wait_ready(target: str, procs: list[Proc], timeout: float = 90.0) -> None:
     """Until the scheduler's readiness (every worker initialized) is SERVING."""
     wait_for(lambda: health_status(target, GENERATION_SERVICE) == "SERVING", timeout,
              f"readiness of {target}", procs)
+
+
+@contextlib.contextmanager
+def scheduler_and_worker(model_dir: str, log_dir: Path):
+    """A CPU worker and a scheduler serving `model_dir` over loopback, both ready; yields the
+    scheduler's target and [worker, scheduler]; kills both after."""
+    procs = Processes(log_dir)
+    w_port, s_port = free_port(), free_port()
+    worker = procs.worker(w_port)
+    sched = procs.scheduler(model_dir, [w_port], s_port)
+    try:
+        wait_ready(f"127.0.0.1:{s_port}", [worker, sched])
+        yield f"127.0.0.1:{s_port}", [worker, sched]
+    finally:
+        procs.close()
 
 
 def generation_stub(channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:

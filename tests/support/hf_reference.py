@@ -24,6 +24,11 @@ def _load(model_dir: str, dtype: torch.dtype, device: str):
     return model
 
 
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' model on the same weights (loaded once; eos off: fixed-length output)."""
+    return _load(model_dir, dtype, device)
+
+
 @lru_cache(maxsize=512)
 def hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int,
               dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFGreedy:

@@ -107,15 +107,19 @@ class _SimExecutor:
     """SimWorker behind the byte-level executor interface. Its "model" samples a token of the
     tiny vocabulary (never eos) from the sequence so far, and from the seed unless greedy, so
     greedy answers depend on the prompt alone, as a real model's do. A constrained request
-    takes the first id its grammar allows from there on (eos once the text is complete)."""
+    takes the first id its grammar allows from there on (eos once the text is complete); one
+    whose grammar allows none of its allowed_token_ids, or errs, is reported failed, as the
+    workers report it (RunnerOutput.request_errors)."""
 
     def __init__(self, num_blocks: int, block_size: int, gate: StepGate,
                  grammars: GrammarCompiler):
         self.worker = SimWorker(num_blocks, block_size, sample_fn=self._sample)
         self._greedy: dict[int, bool] = {}
+        self._allowed: dict[int, tuple[int, ...]] = {}
         self._gate = gate
         self._grammars = grammars
         self._matchers: dict = {}            # handle -> llguidance matcher
+        self._errors: dict[int, str] = {}    # this step's failed requests
 
     def _sample(self, state) -> int:
         key = tuple(state.tokens) if self._greedy[state.handle] else (state.seed,
@@ -126,8 +130,12 @@ class _SimExecutor:
             return token
         bits = matcher.compute_bitmask()
         vocab = self._grammars.vocab_size
-        token = next(t % vocab for t in range(token, token + vocab)
-                     if bits[t % vocab // 8] >> (t % vocab % 8) & 1)
+        allowed = self._allowed[state.handle] or range(vocab)
+        ok = [t for t in allowed if bits[t // 8] >> (t % 8) & 1]
+        if matcher.is_error() or not ok:
+            self._errors[state.handle] = "allowed_token_ids and its grammar leave no token"
+            return 0                         # what an all -inf row's argmax picks
+        token = next(t % vocab for t in range(token, token + vocab) if t % vocab in ok)
         matcher.consume_token(token)
         return token
 
@@ -138,9 +146,12 @@ class _SimExecutor:
             self._matchers.pop(handle, None)
         for new in out.new_requests:
             self._greedy[new.handle] = new.sampling.sampling.greedy
+            self._allowed[new.handle] = new.sampling.sampling.allowed_token_ids
             if new.constraint is not None:
                 self._matchers[new.handle] = self._grammars.matcher(new.constraint)
-        return encode_runner_output(self.worker.execute(out))   # reports the compiled ones
+        reply = self.worker.execute(out)     # reports the compiled ones
+        reply.request_errors, self._errors = self._errors, {}
+        return encode_runner_output(reply)
 
 
 class SimServer:

@@ -264,10 +264,9 @@ class ModelRunner:
             raise
 
     def finish_step(self, pending: PendingStep) -> RunnerOutput:
-        """The step's one host sync (its read-back, or its staging copies when nothing
-        sampled); then write the sampled ids into the batch and build the reply, with the
-        handles whose grammar compiled since (a step that computed nothing waits up to
-        _IDLE_COMPILE_WAIT_S for one, so the engine does not spin while a constraint compiles)."""
+        """The step's one host sync, then the sampled ids into the batch and the reply, with
+        the handles whose grammar compiled since (a step that computed nothing waits up to
+        _IDLE_COMPILE_WAIT_S for one: no spinning while a constraint compiles) or failed."""
         if pending.tokens is None:
             self._stagings[pending.step % 2].wait_copies()
             self.clock.mark("readback")
@@ -278,6 +277,7 @@ class ModelRunner:
             out = self._record_samples(pending, sampled)
         out.compiled_handles = self.grammar.newly_compiled(
             0.0 if pending.computed else _IDLE_COMPILE_WAIT_S)
+        out.request_errors = self.grammar.take_errors()
         return out
 
     def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None) -> PendingStep:
@@ -291,7 +291,9 @@ class ModelRunner:
             meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
                                            self.staging, self.grammar.stopped(handles))
             if self.grammar:
-                masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu")
+                allowed = self.batch.id_sets["allowed_token_ids"]
+                masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu",
+                                                 allowed=[allowed[r] for r in sample_rows])
         fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
                                       self.batch.layout)
         self.staging.flush()

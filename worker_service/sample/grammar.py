@@ -26,28 +26,30 @@ When a grammar is complete and nothing may follow, its mask allows only the eos 
 request ends with STOP_TOKEN. Once an eos id is sampled the constraint is done (`terminated`): the
 row is masked no more (with ignore_eos it goes on unconstrained, as in vLLM). A preempted request
 drops its matcher; on resumption the matcher is rebuilt by replaying the request's output ids.
+
+A grammar that fails mid-request (no compile on this worker, the matcher's error state, a mask
+that leaves none of the row's allowed_token_ids) fails that request alone: `take_errors` hands
+it to RunnerOutput.request_errors and the scheduler ends it with the error
+(docs/structured-output.md, "A grammar that fails on the worker").
 """
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
 import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from engine_common.runtime.big_stack import call_with_big_stack
 from engine_common.constraints.constraint import Constraint
-from engine_common.text.tokenizer import Tokenizer
+from worker_service.sample.grammar_compiler import GrammarCompiler
+
+__all__ = ["GrammarBook", "GrammarCompiler", "GrammarMasks", "RequestGrammar", "bitmask_bias"]
 
 log = logging.getLogger(__name__)
-
-_MAX_COMPILED = 256
 
 
 # byte value -> the bias of its 8 ids (bit j of the byte is id 8b + j): 0 allowed, -inf not.
@@ -62,96 +64,14 @@ def bitmask_bias(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.ascontiguousarray(_BYTE_BIAS[bitmask.view(np.uint8)].reshape(k, -1)[:, :vocab_size])
 
 
-class GrammarCompiler:
-    """Compiles constraints against the model's tokenizer, one at a time on its compile thread;
-    compiled grammars are cached by the constraint's key (a hash; at most `max_compiled`, least
-    recently used out), and each request gets a copy. The tokenizer (about a second to build at
-    a 49K vocabulary) is built on the first compile, so unconstrained serving pays nothing."""
-
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
-                 eos_token_ids: Sequence[int], max_compiled: int = _MAX_COMPILED):
-        self._tokenizer_json = tokenizer_json
-        self.vocab_size = vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._compiling: dict[str, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()       # _compiled and _compiling: step and compile threads
-        self._max_compiled = max_compiled
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-compile")
-
-    @classmethod
-    def for_model(cls, model_dir: str, vocab_size: int,
-                  eos_token_ids: Sequence[int]) -> "GrammarCompiler":
-        """Compiles against the model directory's (or GGUF file's) tokenizer, read when the
-        first constraint arrives."""
-        return cls(lambda: Tokenizer.from_dir(model_dir).backend.to_str(), vocab_size,
-                   eos_token_ids)
-
-    @property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json(), n_vocab=self.vocab_size,
-                eos_token=sorted(self.eos_token_ids))
-        return self._tokenizer
-
-    def prepare(self, constraint: Constraint) -> concurrent.futures.Future:
-        """A Future of the compiled grammar (an LLMatcher to copy): done at once when cached,
-        else compiling on the compile thread. Its exception, if any, is the compile's."""
-        key = constraint.key
-        with self._lock:
-            compiled = self._compiled.get(key)
-            if compiled is not None:
-                self._compiled.move_to_end(key)
-                done = concurrent.futures.Future()
-                done.set_result(compiled)
-                return done
-            future = self._compiling.get(key)
-            if future is None:
-                future = self._compiling[key] = self.pool.submit(self._compile, constraint)
-            return future
-
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher (at the start of the output) for `constraint`, waiting for its
-        compile."""
-        return self.prepare(constraint).result().deep_copy()
-
-    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """On the compile thread. The library compiles recursively: a constraint too deep is
-        refused (ParamError; the diff check refused it already), and compiling runs on a 64 MiB
-        stack. The first mask is computed here too: llguidance builds much of its lexer lazily
-        on it (8 s of the 60,000-choice constraint's 12), which would otherwise land on a step."""
-        try:
-            constraint.check_depth()
-            tokenizer = self.tokenizer
-            compiled = call_with_big_stack(
-                lambda: llguidance.LLMatcher(tokenizer, constraint.to_grammar(), log_level=0))
-            if compiled.is_error():
-                # Validated at admission: reaching this is a library/version mismatch.
-                raise ValueError(f"{constraint.field}: {compiled.get_error()}")
-            warm = np.zeros((1, -(-self.vocab_size // 32)), dtype=np.int32)
-            fill_next_token_bitmask_par(llguidance.LLExecutor(), [(compiled.deep_copy(), 0)], warm)
-            with self._lock:
-                self._compiled[constraint.key] = compiled
-                if len(self._compiled) > self._max_compiled:
-                    self._compiled.popitem(last=False)
-            return compiled
-        finally:
-            with self._lock:
-                self._compiling.pop(constraint.key, None)
-
-    @property
-    def num_compiled(self) -> int:
-        return len(self._compiled)
-
-
 @dataclass
 class RequestGrammar:
-    """One constrained request's matcher and how far it got. No matcher once resolved: the
-    grammar did not compile on this worker (validated at admission, so a library or tokenizer
-    fault): only eos is allowed, the request ends at once with STOP_TOKEN and the step goes on
-    for the others."""
+    """One constrained request's matcher and how far it got. `error`: the grammar failed here
+    (it did not compile on this worker, a library or tokenizer fault since admission validated
+    it; its matcher entered its error state; or the step left no id to sample): the request is
+    reported once in `take_errors`, the scheduler ends it with that error, and until then its
+    mask allows only eos (no matcher) or what the failed matcher allows, and it consumes
+    nothing more. The step goes on for the others."""
 
     matcher: llguidance.LLMatcher | None
     num_consumed: int = 0          # output ids the matcher has seen
@@ -159,6 +79,7 @@ class RequestGrammar:
     # Until its row first samples: the compiled grammar's Future and the ids to replay then.
     compiling: concurrent.futures.Future | None = None
     replay: Sequence[int] = ()
+    error: str | None = None
 
     @property
     def stopped(self) -> bool:
@@ -186,6 +107,9 @@ class GrammarBook:
         self._constraints: dict[int, concurrent.futures.Future] = {}
         self._live: dict[int, RequestGrammar] = {}      # those in the batch
         self._unreported: set[int] = set()    # handles whose compile end is not reported yet
+        # handle -> why its grammar failed, not reported yet (take_errors). Written on the step
+        # thread and on the mask thread, read only after the step joined the masks.
+        self._errors: dict[int, str] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._last_masks_digest = b""
@@ -216,11 +140,21 @@ class GrammarBook:
         self._live.pop(handle, None)
         self._constraints.pop(handle, None)
         self._unreported.discard(handle)
+        self._errors.pop(handle, None)
 
     def clear(self) -> None:
         self._live.clear()
         self._constraints.clear()
         self._unreported.clear()
+        self._errors.clear()
+
+    def take_errors(self) -> dict[int, str]:
+        """handle -> why its grammar failed, for each request whose grammar failed since the
+        last call (RunnerOutput.request_errors). Every rank decides them alike: the same
+        constraint, ids and masks give the same failures; the scheduler reads the output
+        rank's."""
+        errors, self._errors = self._errors, {}
+        return errors
 
     def newly_compiled(self, wait_s: float = 0.0) -> list[int]:
         """Handles whose grammar finished compiling (or failing) since the last call, sorted;
@@ -247,21 +181,28 @@ class GrammarBook:
         return np.array([(g := self._masked(h)) is not None and g.stopped for h in handles],
                         dtype=bool)
 
-    def start_masks(self, handles: Sequence[int],
-                    bias: bool = False) -> concurrent.futures.Future | None:
+    def start_masks(self, handles: Sequence[int], bias: bool = False,
+                    allowed: Sequence[Sequence[int]] | None = None
+                    ) -> concurrent.futures.Future | None:
         """Compute the masks of `handles` on the helper thread (a Future of GrammarMasks, with
-        the additive bias too when `bias`); None when no handle is constrained."""
+        the additive bias too when `bias`); None when no handle is constrained. `allowed`: per
+        handle its allowed_token_ids (empty: every id); a constrained row whose mask allows
+        none of them fails (nothing could be sampled but a -inf row's argmax)."""
         picks = [(i, self._live[h]) for i, h in enumerate(handles) if self._masked(h)]
         if not picks:
             self._last_masks_digest = b""
             return None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-        return self._pool.submit(self._masks, picks, len(picks) == len(handles), bias)
+        handles_of = [handles[i] for i, _ in picks]
+        allowed_of = None if allowed is None else [allowed[i] for i, _ in picks]
+        return self._pool.submit(self._masks, picks, handles_of, allowed_of,
+                                 len(picks) == len(handles), bias)
 
-    def _masks(self, picks, all_rows: bool, bias: bool) -> GrammarMasks:
+    def _masks(self, picks, handles, allowed, all_rows: bool, bias: bool) -> GrammarMasks:
         masks = self.compute_masks(picks)
         masks.all_rows = all_rows
+        self._check_masks(picks, handles, allowed, masks.bitmask)
         if bias:
             masks.bias = bitmask_bias(masks.bitmask, self.compiler.vocab_size)
         return masks
@@ -280,6 +221,28 @@ class GrammarBook:
                     bitmask.view(np.uint32)[k, eos // 32] |= np.uint32(1 << eos % 32)
         self._last_masks_digest = hashlib.blake2b(bitmask.tobytes(), digest_size=16).digest()
         return GrammarMasks(np.array([i for i, _ in picks], dtype=np.int64), bitmask)
+
+    def _check_masks(self, picks, handles: Sequence[int], allowed, bitmask: np.ndarray) -> None:
+        """Record the rows whose grammar failed computing this mask (a resource limit: the
+        matcher is now in its error state) or whose mask leaves none of their allowed ids."""
+        bits = bitmask.view(np.uint32)
+        for k, ((_, g), handle) in enumerate(zip(picks, handles)):
+            if g.error is not None:
+                continue
+            if g.matcher is not None and g.matcher.is_error():
+                self._fail(handle, g, f"its grammar failed: {_first_line(g.matcher.get_error())}")
+                continue
+            if allowed is None or not len(allowed[k]):
+                continue
+            ids = np.asarray(allowed[k], dtype=np.int64)
+            if not ((bits[k, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
+                self._fail(handle, g, "allowed_token_ids and its grammar leave no token to "
+                           f"sample (none of the {len(ids)} allowed ids may come next)")
+
+    def _fail(self, handle: int, state: RequestGrammar, why: str) -> None:
+        state.error = why
+        self._errors[handle] = why
+        log.warning("request handle %d: structured output failed: %s", handle, why)
 
     def advance(self, handles: Sequence[int], token_ids: Sequence[int]) -> None:
         """Every constrained request consumes the id it sampled."""
@@ -303,8 +266,8 @@ class GrammarBook:
                 continue
             flags = [True, False, True] if m is None else [m.is_stopped(), m.is_accepting(),
                                                           m.is_error()]
-            h.update(np.array([handle, g.num_consumed, g.terminated, *flags],
-                              dtype=np.int64).tobytes())
+            h.update(np.array([handle, g.num_consumed, g.terminated, *flags,
+                               g.error is not None], dtype=np.int64).tobytes())
         h.update(self._last_masks_digest)
         return h.digest()
 
@@ -323,9 +286,10 @@ class GrammarBook:
         the scheduler did not), then the replayed ids."""
         try:
             state.matcher = state.compiling.result().deep_copy()
-        except Exception:                # never fail the step for one request's grammar
-            log.exception("request handle %d: its constraint did not compile; only eos is "
-                          "allowed", handle)
+        except Exception as e:           # never fail the step for one request's grammar
+            log.exception("request handle %d: its constraint did not compile", handle)
+            self._fail(handle, state, "its grammar did not compile on the worker: "
+                       f"{_first_line(str(e)) or type(e).__name__}")
         state.compiling = None
         for token_id in state.replay:
             self._consume(handle, state, token_id)
@@ -333,16 +297,21 @@ class GrammarBook:
 
     def _consume(self, handle: int, state: RequestGrammar, token_id: int) -> None:
         state.num_consumed += 1
-        if state.terminated:
+        if state.terminated or state.error is not None:
             return
         if token_id in self.compiler.eos_token_ids:
             state.terminated = True
             return
         if state.matcher is None:
             return
-        # A refused id leaves the matcher in its error state, whose mask allows only eos: the
-        # request then ends with STOP_TOKEN. Masked sampling never picks a refused id.
-        was_error = state.matcher.is_error()
-        if not state.matcher.consume_token(token_id) and not was_error:
-            log.warning("request handle %d: grammar matcher refused token %d: %s", handle,
-                        token_id, state.matcher.get_error())
+        # Masked sampling never picks a refused id; one refused anyway (a replay, a library
+        # fault) leaves the matcher in its error state: the request fails.
+        if not state.matcher.consume_token(token_id):
+            self._fail(handle, state, f"its grammar refused token {token_id}: "
+                       f"{_first_line(state.matcher.get_error())}")
+
+
+def _first_line(message: str, limit: int = 300) -> str:
+    """llguidance's message without the parser state it appends, clipped."""
+    line = message.strip().split("\n", 1)[0]
+    return line if len(line) <= limit else line[:limit] + "..."

@@ -8,7 +8,7 @@ Order of operations on the [N, V] float32 logits:
   2. penalties: repetition on prompt+output ids (positive logits divided, negative multiplied),
      then frequency (x count) and presence (x seen) on output ids, subtracted
   3. greedy rows: argmax
-  4. random rows: / temperature, top-k, top-p, min-p, then Gumbel-max:
+  4. random rows: / temperature, min-p, top-k, top-p (vLLM's order), then Gumbel-max:
      argmax(x + g), g = -log(-log(u)), u = hash(seed, counter, vocab id) in (0, 1).
 The noise is a pure integer function of (seed, counter, vocab id): no torch.Generator, so a request
 draws the same token whatever else is in the batch, and on every rank and device. No step reads a
@@ -210,12 +210,13 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def _sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
     x = x / temperature[:, None]
+    # min-p first, as vLLM: top-p then measures the mass of the min-p survivors.
+    if meta.min_p is not None:
+        x = apply_min_p(x, meta.min_p)
     if meta.top_p is not None:
         x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
     elif meta.top_k is not None:
         x = apply_top_k(x, meta.top_k, meta.top_k_max)
-    if meta.min_p is not None:
-        x = apply_min_p(x, meta.min_p)
     return _gumbel_argmax(x, meta.seeds, meta.counters)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from concurrent import futures
 
@@ -32,6 +31,7 @@ import grpc
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.runtime.gil_switch import shorten_gil_switch_interval
 from engine_common.runtime.metrics_http import start_metrics_server
+from engine_common.runtime.stop_signals import StopSignals
 from engine_common.wire.protos import WORKER_SERVICE, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 # Seconds a stopping worker may take beyond its grace period before it exits anyway.
 _STOP_SLACK_SECONDS = 5.0
-_SIGNAL_POLL_SECONDS = 0.5   # the longest a signal handed to another thread waits
 
 # Accept client keepalive pings every second so a scheduler can notice a dead link quickly. The
 # message size limit (payloads carry whole prompts) comes from --max-message-mib.
@@ -127,20 +126,8 @@ def run_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions
     if server.metrics_server is not None:
         print(f"deltaserve worker metrics on http://{server.metrics_server.address}/metrics",
               flush=True)
-    stop = threading.Event()
-
-    def on_signal(*_) -> None:
-        if stop.is_set():  # a second Ctrl-C / SIGTERM: do not wait any longer
-            os._exit(1)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    # Timed waits: Python runs a handler in the main thread, and a signal the kernel hands to
-    # another thread (PR_SET_PDEATHSIG's may go to any) does not wake a main thread blocked in
-    # an untimed wait, which then slept on after `deltaserve serve` was killed.
-    while not stop.wait(_SIGNAL_POLL_SECONDS):
-        pass
+    signals = StopSignals()
+    signals.wait()
     log.info("stopping worker (grace %.1fs)", grace_s)
     # A stop that outlives its grace (a call or a rank that will not end) must not leave the
     # worker running, e.g. after its parent `deltaserve serve` was killed.

@@ -94,3 +94,12 @@ def test_a_stop_list_that_is_no_list_is_refused_by_name():
         StoppingParams(stop_token_ids=5)
     with pytest.raises(ParamError, match=r"stop=3 is invalid: must be a list of strings"):
         StoppingParams(stop=3)
+
+
+def test_a_temperature_below_vllms_epsilon_is_greedy():
+    """vLLM samples temperature < 1e-5 greedily. Divided by, 1e-45 overflowed float32: every
+    positive logit became inf and the sampler took the first of them, not the best."""
+    for tiny in (1e-45, 1e-9, 9.99e-6):
+        assert SamplingParams(temperature=tiny).greedy
+        assert SamplingParams(temperature=tiny) == SamplingParams(temperature=0.0)
+    assert not SamplingParams(temperature=1e-5).greedy

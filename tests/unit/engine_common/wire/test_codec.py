@@ -200,7 +200,10 @@ def test_good_layout_decodes():
 
 @pytest.mark.parametrize("fields", [
     [1, b"", b"", b""],                                    # 4 fields, not 5
-    [1, b"", b"", b"", {}, b"", b""],                      # 7 fields, not 5 or 6
+    [1, b"", b"", b"", {}, b"", b""],                      # request errors not a map
+    [1, b"", b"", b"", {}, b"", {0: 5}],                   # an error message not a string
+    [1, b"", b"", b"", {}, b"", {0: "x" * 1001}],          # an error message too long
+    [1, b"", b"", b"", {}, b"", {}, {}],                   # 8 fields, not 5 to 7
     [1, b"", b"", b"", {}, b"\x00"],                       # 1-byte compiled handles
     [1, b"\x00\x00\x00\x00", b"", b"", {}],                # 1 handle, 0 sampled ids
     [1, b"\x00\x00", b"", b"", {}],                        # 2-byte handle array
@@ -231,6 +234,19 @@ def test_compiled_handles_travel_only_when_there_are_any():
     encoded = encode_runner_output(with_compiled)
     assert decode_runner_output(encoded) == with_compiled
     assert len(encoded) == len(encode_runner_output(plain)) + 10   # bin header + two uint32
+
+
+def test_request_errors_travel_after_the_compiled_handles_only_when_there_are_any():
+    """A request that failed on the output rank (its grammar): handle -> message, a trailing
+    field; the compiled handles before it are sent (empty) too. Long messages are cut."""
+    failed = RunnerOutput(3, [1, 2], [7, 8], [-0.5, -0.25], request_errors={2: "grammar broke"})
+    fields = msgpack.unpackb(encode_runner_output(failed), strict_map_key=False)
+    assert len(fields) == 7 and fields[5] == b"" and fields[6] == {2: "grammar broke"}
+    assert decode_runner_output(encode_runner_output(failed)) == failed
+    both = RunnerOutput(3, compiled_handles=[4], request_errors={9: "e" * 5000})
+    back = decode_runner_output(encode_runner_output(both))
+    assert back.compiled_handles == [4] and back.request_errors == {9: "e" * 1000}
+    assert len(msgpack.unpackb(encode_runner_output(RunnerOutput(3, compiled_handles=[4])))) == 6
 
 
 @settings(max_examples=100, deadline=None)

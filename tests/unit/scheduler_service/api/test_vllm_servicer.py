@@ -234,6 +234,22 @@ def test_a_choice_constraint_answers_one_choice_and_stops_at_eos(server, stub):
     assert server.used_blocks() == 0
 
 
+def test_an_eos_finish_names_no_matched_token_as_vllm(server, stub):
+    """vLLM's stop_reason is None at the tokenizer's eos, so its servicer sets no matched_stop
+    (smg then reports none); a stop id the caller listed is named, eos too under ignore_eos."""
+    choice = pb.ChoiceConstraint(choices=["yes", "no"])
+    for stream in (False, True):
+        msgs = list(stub.Generate(generate(request_id=f"e{stream}", max_tokens=30,
+                                           stream=stream, choice=choice), timeout=60))
+        _, complete = answer(server, msgs)
+        assert complete.finish_reason == "stop" and complete.output_ids[-1] == EOS
+        assert complete.WhichOneof("matched_stop") is None
+    msgs = list(stub.Generate(generate(request_id="i", max_tokens=30, ignore_eos=True,
+                                       stop_token_ids=[EOS], choice=choice), timeout=60))
+    _, complete = answer(server, msgs)
+    assert complete.finish_reason == "stop" and complete.matched_token_id == EOS
+
+
 def test_a_regex_holds_for_every_streamed_choice(server, stub):
     pattern = "[0-9]{3}-[a-z]{2}"
     msgs = list(stub.Generate(generate(stream=True, n=3, temperature=1.0, seed=3, max_tokens=40,

@@ -111,9 +111,18 @@ def test_min_tokens_delays_stop_strings(tok):
 
 def test_min_tokens_match_may_start_before_threshold(tok):
     proc = OutputProcessor(tok)
-    req = make_request(tok, stop=["xyz"], min_tokens=3)
+    req = make_request(tok, stop=["xyz"], min_tokens=2)
     outs, fed = run(proc, req, chars(tok, "xyz!"))
     assert text_of(outs) == "" and len(fed) == 3 and outs[-1].stop_reason == "xyz"
+
+
+def test_a_stop_string_ending_in_token_min_tokens_does_not_stop(tok):
+    """As vLLM (and as stop ids here): only a token after the first min_tokens ends a request,
+    so a stop string must end in the text of token min_tokens + 1 or later."""
+    proc = OutputProcessor(tok)
+    req = make_request(tok, stop=["xyz"], min_tokens=3)
+    outs, fed = run(proc, req, chars(tok, "xyz!xyz"))
+    assert text_of(outs) == "xyz!" and len(fed) == 7 and outs[-1].stop_reason == "xyz"
 
 
 def test_earliest_completed_stop_wins(tok):
@@ -140,6 +149,17 @@ def test_stop_token_text_excluded(tok, include):
     assert text_of(outs) == ("ok!" if include else "ok")
     assert outs[-1].finish_reason == STOP_TOK and outs[-1].stop_reason == bang
     assert outs[-1].new_token_ids == [bang]
+
+
+def test_a_stop_tokens_own_text_is_not_matched_against_stop_strings(tok):
+    """As vLLM, which skips the stop-string check on a step a stop token ended: with
+    include_stop_str_in_output the token's text is kept whole and the token is the reason."""
+    proc = OutputProcessor(tok)
+    bang = chars(tok, "!")[0]
+    req = make_request(tok, stop=["!"], stop_token_ids=[bang], include_stop_str_in_output=True)
+    outs, _ = run(proc, req, chars(tok, "ok!"), finish=STOP_TOK, stop_token=bang)
+    assert text_of(outs) == "ok!"
+    assert outs[-1].finish_reason == STOP_TOK and outs[-1].stop_reason == bang
 
 
 def test_stop_string_in_the_step_that_hits_length(tok):

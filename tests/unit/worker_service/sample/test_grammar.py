@@ -171,12 +171,18 @@ def test_finish_forgets_and_resume_of_an_unconstrained_request_is_a_no_op(compil
     assert not book
 
 
-def test_a_refused_token_leaves_only_eos(compiler):
+def test_a_refused_token_fails_the_request_once(compiler):
     book = GrammarBook(compiler)
     book.add(0, DIGITS)
-    feed(book, 0, encode(compiler, "x"))
-    assert book._live[0].matcher.is_error()
+    book.add(1, DIGITS)
+    x = encode(compiler, "x")[0]
+    book.advance([0, 1], [x, encode(compiler, "1")[0]])
+    assert book._live[0].matcher.is_error() and not book._live[1].matcher.is_error()
+    (error,) = book.take_errors().items()
+    assert error[0] == 0 and error[1].startswith(f"its grammar refused token {x}: ")
     assert list(masks(book, [0])[0]) == [EOS]
+    book.advance([0], [x])                   # consumes nothing more, reports nothing more
+    assert book.take_errors() == {}
 
 
 def test_digest_follows_the_state(compiler):
@@ -196,9 +202,10 @@ def test_digest_follows_the_state(compiler):
     assert not a
 
 
-def test_a_grammar_that_does_not_compile_here_allows_only_eos(tmp_path):
-    """A worker-side compile failure (a tokenizer the engine cannot read) ends that request at
-    eos instead of failing the step for every request."""
+def test_a_grammar_that_does_not_compile_here_fails_that_request(tmp_path):
+    """A worker-side compile failure (a tokenizer the engine cannot read) is reported once for
+    the scheduler to end that request with it, instead of failing the step for every request
+    (or, before, ending it as a normal stop); until then its row allows only eos."""
     inner = tiny_compiler(tmp_path)
 
     def broken():
@@ -207,10 +214,13 @@ def test_a_grammar_that_does_not_compile_here_allows_only_eos(tmp_path):
     book.add(0, YES_NO)
     assert book.stopped([0]).tolist() == [True]
     assert list(masks(book, [0])[0]) == [EOS, 40]
-    before = book.digest()
+    assert book.take_errors() == {0: "its grammar did not compile on the worker: "
+                                     "no tokenizer here"}
+    assert book.take_errors() == {}
     book.advance([0], [EOS])
-    assert book._live[0].terminated and book.start_masks([0]) is None
-    assert book.digest() != before
+    assert not book._live[0].terminated and book._live[0].error is not None
+    book.finish(0)
+    assert not book and book.take_errors() == {}
 
 
 def test_a_constraint_too_deep_is_refused_not_compiled_and_allows_only_eos(compiler):

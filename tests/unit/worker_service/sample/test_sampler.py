@@ -170,6 +170,16 @@ def test_filters_never_pick_excluded_tokens():
     assert _draw(row, 2000, temperature=1.0, min_p=0.3) <= allowed
 
 
+def test_min_p_filters_before_top_p_as_vllm():
+    """vLLM applies min_p (an argmax-invariant logits processor) after the temperature and
+    before top-k / top-p, so top-p measures the mass of the min-p survivors: with p = (.5, .3,
+    .1, .05, .05), min_p .15 drops the two .05 tokens, and top-p .85 over the renormalized
+    (.56, .33, .11) then drops the .1 token too (its ascending mass .11 <= .15)."""
+    row = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05]]))
+    assert _draw(row, 2000, temperature=1.0, min_p=0.15, top_p=0.85) == {0, 1}
+    assert _draw(row, 2000, temperature=1.0, min_p=0.15, top_k=4, top_p=0.85) == {0, 1}
+
+
 def _reference_penalties(logits, prompts, outputs, rep, pres, freq):
     out = logits.clone()
     for i in range(out.shape[0]):
