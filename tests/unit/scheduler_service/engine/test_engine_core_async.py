@@ -17,22 +17,15 @@ from engine_common.wire.codec import (decode_scheduler_output, encode_runner_out
                                  encode_scheduler_output)
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import SamplingParams, StoppingParams
-from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.scheduler_sim import SimWorker
-from tests.support.tokenizers import build_tiny_tokenizer_dir
 
 EOS = 1          # "</s>" in the tiny tokenizer
 STOPS = ("e", "th", "a", " t", "in", "o")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("tok")))
 
 
 def sample(state) -> int:
