@@ -23,8 +23,11 @@ def apply_sampled_tokens(scheduled: dict[int, Request], runner_out: RunnerOutput
     """The updates of one step's sampled tokens. `scheduled`: handle -> request of the step's
     computing requests; `finish(request, status)` finishes one that stopped (frees its blocks);
     `max_len`: the scheduler's token limit per request. Tokens of requests finished since the
-    step was scheduled are dropped; a preempted one keeps its token (the workers hold it too)."""
+    step was scheduled are dropped; a preempted one keeps its token (the workers hold it too).
+    The requests the worker failed (request_errors) are aborted first: their tokens dropped."""
     updates = []
+    if runner_out.request_errors:
+        updates = fail_on_worker(scheduled, runner_out.request_errors, finish)
     now = time.monotonic()
     handles, tops = runner_out.handles, runner_out.top_logprobs
     get = scheduled.get

@@ -50,8 +50,7 @@ from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.long_prefills import can_admit_any, held_back
 from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampled_tokens import (apply_sampled_tokens, fail_on_worker,
-                                                   grammars_compiled)
+from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
@@ -337,15 +336,12 @@ class Scheduler:
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: RunnerOutput) -> list[TokenUpdate]:
-        """Append each sampled token, apply the stop rules, finish what stopped. Outputs for
-        requests finished since the step was scheduled are dropped; a request preempted since
-        (async scheduling) keeps its token: the workers hold it too."""
+        """Abort what failed on the worker, append each sampled token, apply the stop rules,
+        finish what stopped. Outputs for requests finished since the step was scheduled are
+        dropped; one preempted since (async scheduling) keeps its token: the workers hold it."""
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
         if runner_out.compiled_handles:
             grammars_compiled(self._compiling, sched_out.step, runner_out.compiled_handles)
-        if runner_out.request_errors:      # before the tokens: a failed one's token is dropped
-            failed = fail_on_worker(scheduled, runner_out.request_errors, self._finish)
-            return failed + apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
         return apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
