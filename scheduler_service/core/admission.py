@@ -1,9 +1,10 @@
-"""Which requests the scheduler accepts, and the typed errors for those it refuses."""
+"""Which requests the scheduler accepts, the typed errors for those it refuses, and what it sets
+on one it accepts."""
 from __future__ import annotations
 
 from array import array
 
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, RequestStatus
 
 
 class RequestRejected(ValueError):
@@ -66,3 +67,16 @@ def check_admission(request: Request, *, max_model_len: int, block_size: int, nu
                               f"<= KV-cache capacity ({num_blocks * block_size} tokens)")
     if num_waiting >= max_waiting:
         raise QueueFull(rid, "waiting requests", num_waiting, f"< max_waiting ({max_waiting})")
+
+
+def prepare_queued(request: Request, handle: int, seed: int, max_len: int) -> None:
+    """Set what the scheduler derives for an accepted request before it waits: its handle, its
+    concrete seed, WAITING, whether it waits for its grammar's compile, and its output cap
+    (max_tokens, and what fits under `max_len`, the scheduler's tokens per request)."""
+    request.handle = handle
+    request.seed = seed
+    request.status = RequestStatus.WAITING
+    request.awaiting_grammar = request.constraint is not None
+    max_tokens = request.stopping.max_tokens
+    request.max_num_output_tokens = min(
+        max_len - request.num_prompt_tokens, max_len if max_tokens is None else max_tokens)

@@ -38,25 +38,26 @@ import bisect
 import random
 import time
 from collections.abc import Iterable
-from itertools import repeat
 
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import ParamError
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
-from scheduler_service.core.admission import QueueFull, RequestRejected, check_admission
+from scheduler_service.core.admission import (QueueFull, RequestRejected, check_admission,
+                                              prepare_queued)
 from scheduler_service.core.handles import HandleAllocator
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.kv_events import KvEventFeed
+from scheduler_service.core.long_prefills import can_admit_any, held_back
 from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
-from scheduler_service.core.step_result import TokenUpdate, check_stop
+from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
 
 __all__ = ["Scheduler", "RequestRejected", "QueueFull", "TokenUpdate"]
 
 _RUNNING = RequestStatus.RUNNING
-_PREEMPTED = int(RequestStatus.PREEMPTED)   # every status above it is a finished one
 
 
 class Scheduler:
@@ -94,16 +95,10 @@ class Scheduler:
                         block_size=self.config.block_size, num_blocks=self.num_total_blocks,
                         num_waiting=len(self.waiting), max_waiting=self.config.max_waiting,
                         known=request.request_id in self._requests)
-        request.handle = self._handles.allocate()
         seed = request.sampling.seed
         # One concrete seed so every tensor-parallel rank samples the same stream.
-        request.seed = self._rng.getrandbits(63) if seed is None else seed
-        request.status = RequestStatus.WAITING
-        request.awaiting_grammar = request.constraint is not None
-        max_tokens = request.stopping.max_tokens
-        request.max_num_output_tokens = min(
-            self.max_len - request.num_prompt_tokens,
-            self.max_len if max_tokens is None else max_tokens)
+        prepare_queued(request, self._handles.allocate(),
+                       self._rng.getrandbits(63) if seed is None else seed, self.max_len)
         self._requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -235,7 +230,8 @@ class Scheduler:
         the budget, at most T while requests wait, and no more than the free blocks hold (it
         does not preempt requests scheduled before it; alone in the step it may, as any)."""
         priorities = [r.priority for r in longs]
-        cap = self._long_prefill if self._can_admit_any(priorities) else plan.budget
+        admit = can_admit_any(self.waiting, self.kv, len(self.running), self.config, priorities)
+        cap = self._long_prefill if admit else plan.budget
         for request in longs:
             if request.status is not _RUNNING:
                 continue                   # preempted by a request after it
@@ -314,22 +310,7 @@ class Scheduler:
             self._admit(request, num_hit, n, plan)
 
     def _held_back(self, request: Request, long_priorities: list[int]) -> bool:
-        """Whether a long waiting request waits for the long prefills in progress."""
-        return len(long_priorities) >= self.config.max_long_partial_prefills \
-            and request.priority >= min(long_priorities)
-
-    def _can_admit_any(self, long_priorities: list[int]) -> bool:
-        """Whether a waiting request may be admitted beside these long prefills (seats and
-        the long-prefill limit; blocks are not looked at)."""
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        for i in range(len(self.waiting)):
-            request = self.waiting.at(i)
-            num_hit = self.kv.get_computed_blocks(request)[1]
-            if request.num_tokens - num_hit <= self._long_prefill \
-                    or not self._held_back(request, long_priorities):
-                return True
-        return False
+        return held_back(request, long_priorities, self.config.max_long_partial_prefills)
 
     def _admit(self, request: Request, num_hit: int, n: int, plan: StepPlan) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
@@ -351,82 +332,17 @@ class Scheduler:
         plan.schedule(request, n)
         self._advance(request, n, request.num_tokens + request.num_pending_tokens)
 
-    # ---- the step's results --------------------------------------------------------------
+    # ---- the step's results (applied in sampled_tokens.py) -------------------------------
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: RunnerOutput) -> list[TokenUpdate]:
-        """Append each sampled token, apply the stop rules, finish what stopped. Outputs for
-        requests finished since the step was scheduled are dropped; a request preempted since
-        (async scheduling) keeps its token: the workers hold it too."""
+        """Abort what failed on the worker, append each sampled token, apply the stop rules,
+        finish what stopped. Outputs for requests finished since the step was scheduled are
+        dropped; one preempted since (async scheduling) keeps its token: the workers hold it."""
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
         if runner_out.compiled_handles:
-            self._grammars_compiled(sched_out.step, runner_out.compiled_handles)
-        updates = []
-        if runner_out.request_errors:      # before the tokens: a failed one's token is dropped
-            updates = self._fail_on_worker(scheduled, runner_out.request_errors)
-        now = time.monotonic()
-        handles, tops = runner_out.handles, runner_out.top_logprobs
-        get = scheduled.get
-        lps = runner_out.logprobs           # one per sampled token; None where absent
-        if len(lps) < len(handles):
-            lps = [*lps, *repeat(None, len(handles) - len(lps))]
-        for handle, token, lp in zip(handles, runner_out.sampled_token_ids, lps):
-            request = get(handle)
-            if request is None or request.status > _PREEMPTED:   # finished since scheduled
-                continue
-            if request.num_pending_tokens:
-                request.num_pending_tokens -= 1
-            output = request.output_token_ids
-            output.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            # check_stop can fire only on a stop id or at the length limit.
-            if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
-                status = check_stop(request, self.max_len)
-                if status is not None:
-                    self._finish(request, status)
-                    top = tops.get(handle) if tops else None
-                    updates.append(TokenUpdate.final(request, [token], [] if lp is None else [lp],
-                                                     None if top is None else [top]))
-                    continue
-            held = request.held_logprobs
-            if held is not None:        # its owner reads the final update alone
-                if lp is not None:
-                    held.append(lp)
-                continue
-            top = None
-            if tops and (top := tops.get(handle)) is not None:
-                top = [top]
-            # The running case inline (it runs per request and step); a scheduled request's
-            # num_cached_tokens is set (>= 0).
-            updates.append(TokenUpdate(
-                request.request_id, [token], [] if lp is None else [lp], top, None, None,
-                request.num_cached_tokens, request.first_scheduled_time,
-                request.first_token_time, None, request))
-        return updates
-
-    def _fail_on_worker(self, scheduled: dict[int, Request],
-                        errors: dict[int, str]) -> list[TokenUpdate]:
-        """Abort the requests of this step that failed on the output rank (their grammar), each
-        with its error; a request finished since is left alone."""
-        updates = []
-        for handle, why in errors.items():
-            request = scheduled.get(handle)
-            if request is None or request.status > _PREEMPTED:
-                continue
-            request.error = f"request {request.request_id!r} failed on the worker: {why}"
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            updates.append(TokenUpdate.final(request, [], []))
-        return updates
-
-    def _grammars_compiled(self, step: int, handles: list[int]) -> None:
-        """The output rank compiled these handles' grammars by `step`; a report from before a
-        recycled handle's request was sent is not about it."""
-        for handle in handles:
-            entry = self._compiling.get(handle)
-            if entry is not None and entry[1] <= step:
-                del self._compiling[handle]
-                entry[0].awaiting_grammar = False
+            grammars_compiled(self._compiling, sched_out.step, runner_out.compiled_handles)
+        return apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
         """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""

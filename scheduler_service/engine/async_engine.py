@@ -15,7 +15,11 @@ another scheduler took the workers over (Fenced), the engine stops for good: it 
 the core, and every request gets UNAVAILABLE naming the new owner.
 
 A prefix-cache flush (`flush_prefix_cache`) waits on the engine thread until no request is
-running (or its timeout passes): cached blocks can only be forgotten while no request holds one.
+running (or its timeout passes): cached blocks can only be forgotten while no request holds one
+(prefix_flushes.py).
+
+The thread steps while the core `has_work()`: that includes finished requests the workers have
+not heard of, so an engine going idle sends them in a step that computes nothing.
 
 Only the engine thread touches the core; only a hub's loop touches that hub. Other threads read
 `stats`, an immutable snapshot the engine thread replaces after every loop turn, and `ready`.
@@ -34,9 +38,9 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.engine_stats import EngineStats
 from scheduler_service.engine.metrics import SchedulerMetrics
-from scheduler_service.engine.output_processor import (OutputProcessor, RequestOutput,
-                                                     merge_outputs)
-from scheduler_service.engine.stream_hub import StreamError, StreamHub
+from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
+from scheduler_service.engine.prefix_flushes import PendingFlushes
+from scheduler_service.engine.stream_hub import StreamError, StreamHub, coalesce
 from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.errors import EngineUnavailable, Fenced, WorkerRefused
@@ -95,8 +99,8 @@ class AsyncEngine:
         self._retry_seconds = reconnect_seconds
         # Set while a core is built (`ready`): lets waiters block instead of polling.
         self._ready = threading.Event()
-        # Engine thread only: flushes waiting for the engine to go idle (deadline, timeout, done).
-        self._flushes: list[tuple[float, float, concurrent.futures.Future]] = []
+        # Engine thread only: flushes waiting for the engine to go idle.
+        self._flushes = PendingFlushes()
 
     # -- called from the asyncio side -------------------------------------------------------
 
@@ -192,11 +196,11 @@ class AsyncEngine:
                 self._hand_off()
                 self._serve_flushes()
                 continue
-            busy = self._core.has_unfinished_requests()
+            busy = self._core.has_work()     # finished ids to send count (engine_core.py)
             self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
             self._hand_off()       # aborts and rejections need not wait for the step
             try:
-                if self._core is not None and self._core.has_unfinished_requests():
+                if self._core is not None and self._core.has_work():
                     self._step()
                 elif self._core is not None:
                     self._check_idle()
@@ -290,7 +294,7 @@ class AsyncEngine:
             done.set_result(len(ids))
         elif kind == "flush":
             _, timeout_s, done = cmd
-            self._flushes.append((self._clock() + timeout_s, timeout_s, done))
+            self._flushes.add(self._clock() + timeout_s, timeout_s, done)
         elif kind == "finish":   # the serving side ended these (stop string, failed output)
             _, request_ids, status = cmd
             ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
@@ -333,29 +337,7 @@ class AsyncEngine:
                 pass
 
     def _serve_flushes(self) -> None:
-        """Answer the waiting flushes: while requests run, only those past their deadline (not
-        flushed); otherwise all of them at once, with one reset (or none: no worker ready)."""
-        if not self._flushes:
-            return
-        core = self._core
-        if core is not None and core.has_unfinished_requests():
-            now = self._clock()
-            late = [f for f in self._flushes if f[0] <= now]
-            self._flushes = [f for f in self._flushes if f[0] > now]
-            busy = core.scheduler.num_running + core.scheduler.num_waiting
-            for _, timeout_s, done in late:
-                done.set_result((False, f"not flushed after {timeout_s:g} s: requests still "
-                                        f"running or waiting ({busy})"))
-            return
-        if core is None:
-            answer = (False, f"not flushed: no worker is ready: {self.last_error}")
-        elif core.scheduler.kv.reset_prefix_cache():
-            answer = (True, "prefix cache flushed")
-        else:
-            answer = (False, "not flushed: KV blocks are still held")
-        for _, _, done in self._flushes:
-            done.set_result(answer)
-        self._flushes = []
+        self._flushes.serve(self._core, self._clock, self.last_error)
 
     def _stop_fenced(self, error: Fenced) -> None:
         if self.fenced is None:
@@ -391,18 +373,3 @@ class AsyncEngine:
             num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_steps_in_flight=core.num_steps_in_flight)
 
-
-def coalesce(items: list) -> list:
-    """A stream's waiting items with each run of consecutive outputs merged into one (an error,
-    or a finished output, ends a run: nothing follows either)."""
-    if len(items) == 1:
-        return items
-    out: list = []
-    for item in items:
-        last = out[-1] if out else None
-        if (isinstance(last, RequestOutput) and not last.finished
-                and isinstance(item, RequestOutput)):
-            out[-1] = merge_outputs(last, item)
-        else:
-            out.append(item)
-    return out

@@ -9,6 +9,11 @@ With SchedulerConfig.async_scheduling the executor must also have `submit(payloa
 steps in flight: it collects and processes step t, then schedules and submits step t+2 before
 its caller turns step t's updates into text (step t+1 runs meanwhile).
 
+Finished requests reach the workers in the next step's diff (finished_handles). When nothing is
+left to schedule, `has_work()` stays true until a step that computes nothing has carried them:
+an idle server's workers must not keep finished requests' state (cached token lists, grammar
+matchers) until some later request arrives.
+
 NOTE EngineCore deals in token ids only. Text (detokenization, stop strings) is its owner's job:
 LLMEngine does it between steps on the same thread; AsyncEngine hands each step's TokenUpdates
 to the serving side in one batch and hears back which requests a stop string ended.
@@ -72,6 +77,18 @@ class EngineCore:
         """Requests not finished, or (async scheduling) a step still to collect."""
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    def has_work(self) -> bool:
+        """Something for `step()` to do: has_unfinished_requests, or finished requests the
+        workers still cache. An idle engine tells the workers of those in a step that computes
+        nothing, else they would hold the requests' state until the next request's step."""
+        return self.has_unfinished_requests() or self.scheduler.has_finished_to_send()
+
+    def _has_step_to_send(self) -> bool:
+        """Requests to schedule, or finished handles alone with no step in flight (a step in
+        flight is collected first: the step after it may carry them with new work)."""
+        return self.scheduler.has_unfinished_requests() or (
+            not self._in_flight and self.scheduler.has_finished_to_send())
+
     def step(self) -> list[TokenUpdate]:
         """One step's token updates (`last_step` says what it cost). Async scheduling: submit
         the next step, then process the oldest one in flight (the first call after an idle
@@ -80,7 +97,7 @@ class EngineCore:
         if not self.async_scheduling:
             sched_out, payload = self._schedule()
             return self._process(sched_out, self._wait(self.executor.execute, payload))
-        if len(self._in_flight) < 2 and self.scheduler.has_unfinished_requests():
+        if len(self._in_flight) < 2 and self._has_step_to_send():
             self._submit()
             if len(self._in_flight) < 2:
                 return []
@@ -89,7 +106,8 @@ class EngineCore:
         sched_out, ticket = self._in_flight.popleft()
         updates = self._process(sched_out, self._wait(self.executor.collect, ticket))
         # The next step goes out before this one's updates are turned into text: the output
-        # processing then overlaps the device instead of delaying the next launch.
+        # processing then overlaps the device instead of delaying the next launch. (Finished
+        # handles alone wait for a step() that has_work asks for: offline loops end sooner.)
         if self.scheduler.has_unfinished_requests():
             self._submit()
         return updates

@@ -45,63 +45,15 @@ from engine_common.request.params import StoppingParams
 from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
+from scheduler_service.engine.request_output import (RequestOutput, RequestTimings,
+                                                     TokenLogprob, merge_outputs)
 from scheduler_service.errors import RequestFailed
 
+# The output types live in request_output.py; importers of this module may name them here too.
+__all__ = ["OutputProcessor", "RequestOutput", "RequestTimings", "TokenLogprob",
+           "merge_outputs"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """One generated token: its logprob under the raw model distribution and the best
-    alternatives (best first; at most the request's num_logprobs of them). Without
-    alternatives both are the same empty tuple: one entry per generated token is kept, so an
-    entry allocates nothing more than itself."""
-
-    token_id: int
-    logprob: float
-    top_token_ids: list[int] | tuple[()] = ()
-    top_logprobs: list[float] | tuple[()] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTimings:
-    """monotonic seconds; None until it happened. Immutable: outputs share one until a time
-    changes (a new one then), so a step allocates none for most requests."""
-
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
-    first_scheduled_time: float | None = None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request. `num_output_tokens` is cumulative; finish_reason
-    and stop_reason are set only on the final output. `error` is set (on a final output with
-    finish_reason FINISHED_ABORTED) when processing this request's output failed."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: RequestStatus | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    timings: RequestTimings
-    error: RequestFailed | None = None
-
-
-def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two consecutive outputs of a request (tokens, text and logprobs in
-    order; the later one's totals, timings and finish)."""
-    return RequestOutput(first.request_id, first.new_token_ids + later.new_token_ids,
-                         first.new_text + later.new_text, first.logprobs + later.logprobs,
-                         later.finished, later.finish_reason, later.stop_reason,
-                         later.num_prompt_tokens, later.num_output_tokens,
-                         later.num_cached_tokens, later.timings, later.error)
 
 
 @dataclass(slots=True)

@@ -21,7 +21,8 @@ from typing import Callable
 from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.metrics import SchedulerMetrics
-from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
+from scheduler_service.engine.output_processor import (OutputProcessor, RequestOutput,
+                                                     merge_outputs)
 from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.core.step_result import TokenUpdate
 
@@ -126,3 +127,19 @@ class StreamHub:
         box = self._boxes.pop(request_id, None) if last else self._boxes.get(request_id)
         if box is not None:
             box.put(item)
+
+
+def coalesce(items: list) -> list:
+    """A stream's waiting items with each run of consecutive outputs merged into one (an error,
+    or a finished output, ends a run: nothing follows either)."""
+    if len(items) == 1:
+        return items
+    out: list = []
+    for item in items:
+        last = out[-1] if out else None
+        if (isinstance(last, RequestOutput) and not last.finished
+                and isinstance(item, RequestOutput)):
+            out[-1] = merge_outputs(last, item)
+        else:
+            out.append(item)
+    return out

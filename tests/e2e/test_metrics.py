@@ -75,6 +75,21 @@ def _idle(port: int, model: dict) -> bool:
             and s.get("deltaserve:num_requests_waiting", **model) == 0)
 
 
+def _worker_settled(services, before, worker_before, seen: dict) -> bool:
+    worker, after = scrape(services["worker_metrics"]), scrape(services["metrics"])
+    rank, MODEL = {"rank": "0", "device": "cpu"}, services["model"]
+    assert "deltaserve:worker_requests_cached" in worker.names
+    steps = worker.get("deltaserve:worker_steps_total", **rank) - worker_before.get(
+        "deltaserve:worker_steps_total", **rank)
+    sent = (after.get("deltaserve:step_diff_bytes_count", **MODEL)
+            - before.get("deltaserve:step_diff_bytes_count", **MODEL))
+    seen.update(requests_cached=worker.get("deltaserve:worker_requests_cached", **rank),
+                worker_steps=steps, diffs_sent=sent,
+                epochs=after.total("deltaserve:epochs_started_total"),
+                step_failures=after.total("deltaserve:step_failures_total"))
+    return seen["requests_cached"] == 0 and steps == sent
+
+
 def test_counters_move_exactly_with_the_requests(services):
     target, n, MODEL = f"127.0.0.1:{services['api']}", 6, services["model"]
     before, worker_before = scrape(services["metrics"]), scrape(services["worker_metrics"])
@@ -83,7 +98,15 @@ def test_counters_move_exactly_with_the_requests(services):
         with pytest.raises(grpc.RpcError) as bad:
             list(generation_stub(ch).Generate(pb.GenerateRequest(token_ids=[]), timeout=30))
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Idle, and no new request: the engine still tells the worker which requests finished (a
+    # step that computes nothing), so it caches none; the two sides then agree on the steps.
     wait_for(lambda: _idle(services["metrics"], MODEL), 30, "the KV gauges to return to zero")
+    seen = {}
+    try:
+        wait_for(lambda: _worker_settled(services, before, worker_before, seen), 30,
+                 "the worker to drop every finished request and to have run every step sent")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nlast seen: {seen}") from None
     after = scrape(services["metrics"])
 
     def delta(name, **labels):

@@ -3,31 +3,17 @@ allowed_token_ids, as the workers report it in RunnerOutput.request_errors) ends
 status, not a normal finish: INTERNAL naming the request and the grammar failure, as any request
 that fails on our side (status.py: RequestFailed), on deltaserve.v1.Generation and on VllmEngine
 (vLLM's own servicer ends a failed request with INTERNAL too). The other requests finish as
-usual and every KV block comes back."""
+usual and every KV block comes back. Fixtures (SimServer): conftest.py."""
 from __future__ import annotations
 
 import threading
 
 import grpc
-import pytest
 
 from engine_common.wire.protos import generation_pb2 as gpb
 from engine_common.wire.protos import generation_pb2_grpc
 from engine_common.wire.protos import vllm_engine_pb2_grpc
-from tests.support.sim_server import SimServer, make_sim_model_dir
 from tests.support.vllm_sim import PROMPT, generate, rpc_code, wait_until
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_sim_model_dir(tmp_path_factory.mktemp("sim-model"))
-
-
-@pytest.fixture
-def server(model_dir):
-    srv = SimServer(model_dir)
-    yield srv
-    srv.close()
 
 
 def _letter_id(server) -> int:

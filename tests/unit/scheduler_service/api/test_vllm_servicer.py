@@ -1,22 +1,15 @@
-"""VllmEngineServicer over a real gRPC channel, on the real engine with a simulated worker:
-streamed and unstreamed answers agree with each other and with deltaserve.v1.Generate, n > 1 is
-fanned out with indices, Abort finds requests by the caller's id, a cancelled call frees its
-blocks, refusals name the field, structured-output constraints reach the (simulated) worker and
-shape the answer, health follows the engine, and the tokenizer and the KV events arrive as the
-protocol defines them. The public port's guards: test_vllm_servicer_keys.py."""
+"""VllmEngineServicer's Generate over a real gRPC channel, on the real engine with a simulated
+worker (fixtures: conftest.py): streamed and unstreamed answers agree with each other and with
+deltaserve.v1.Generate, n > 1 is fanned out with indices, Abort finds requests by the caller's
+id, a cancelled call frees its blocks, stops end it, refusals name the field, a request id in use
+is refused, and a prompt that cannot fit is refused before it is tokenized. Structured output:
+test_vllm_servicer_constraints.py; the other calls (health, info, tokenizer, KV events, flush):
+test_vllm_servicer_admin.py; the public port's guards: test_vllm_servicer_keys.py."""
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import logging
-import re
-import threading
-import zipfile
-from pathlib import Path
 
 import grpc
-import jsonschema
 import pytest
 
 from engine_common.request.diff_limits import MAX_CONSTRAINT_DEPTH
@@ -25,32 +18,9 @@ from engine_common.wire.protos import generation_pb2 as gpb
 from engine_common.wire.protos import generation_pb2_grpc
 from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
-from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api import vllm_servicer
-from scheduler_service.api.vllm_convert import block_hash_to_int64
-from scheduler_service.core.kv_cache_manager import hash_block
 from tests.support.deep_constraints import lark_chain
-from tests.support.sim_server import EOS, SimServer, make_sim_model_dir
-from tests.support.vllm_sim import (PROMPT, LogLines, Recorded, generate, rpc_code, stored_blocks,
-                                    wait_until)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_sim_model_dir(tmp_path_factory.mktemp("sim-model"))
-
-
-@pytest.fixture
-def server(model_dir):
-    srv = SimServer(model_dir)
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+from tests.support.vllm_sim import PROMPT, LogLines, generate, rpc_code, wait_until
 
 
 def test_streamed_and_unstreamed_answers_agree_with_generate(server, stub):
@@ -212,66 +182,6 @@ def test_refusals_name_the_field(stub):
                                        f"<= 3600 seconds")
 
 
-def answer(server, msgs, index=0) -> tuple[str, pb.GenerateComplete]:
-    """The text of choice `index` (streamed or not, eos left out) and its `complete`."""
-    complete = next(m.complete for m in msgs if m.HasField("complete")
-                    and m.complete.index == index)
-    streamed = [t for m in msgs if m.HasField("chunk") and m.chunk.index == index
-                for t in m.chunk.token_ids]
-    ids = streamed or list(complete.output_ids)
-    return server.tokenizer.decode([t for t in ids if t != EOS]), complete
-
-
-def test_a_choice_constraint_answers_one_choice_and_stops_at_eos(server, stub):
-    choices = ["yes", "no", "maybe later"]
-    for seed in range(4):
-        msgs = list(stub.Generate(generate(
-            request_id=f"c{seed}", max_tokens=30, temperature=1.0, seed=seed,
-            choice=pb.ChoiceConstraint(choices=choices)), timeout=60))
-        text, complete = answer(server, msgs)
-        assert text in choices
-        assert complete.finish_reason == "stop" and complete.output_ids[-1] == EOS
-    assert server.used_blocks() == 0
-
-
-def test_an_eos_finish_names_no_matched_token_as_vllm(server, stub):
-    """vLLM's stop_reason is None at the tokenizer's eos, so its servicer sets no matched_stop
-    (smg then reports none); a stop id the caller listed is named, eos too under ignore_eos."""
-    choice = pb.ChoiceConstraint(choices=["yes", "no"])
-    for stream in (False, True):
-        msgs = list(stub.Generate(generate(request_id=f"e{stream}", max_tokens=30,
-                                           stream=stream, choice=choice), timeout=60))
-        _, complete = answer(server, msgs)
-        assert complete.finish_reason == "stop" and complete.output_ids[-1] == EOS
-        assert complete.WhichOneof("matched_stop") is None
-    msgs = list(stub.Generate(generate(request_id="i", max_tokens=30, ignore_eos=True,
-                                       stop_token_ids=[EOS], choice=choice), timeout=60))
-    _, complete = answer(server, msgs)
-    assert complete.finish_reason == "stop" and complete.matched_token_id == EOS
-
-
-def test_a_regex_holds_for_every_streamed_choice(server, stub):
-    pattern = "[0-9]{3}-[a-z]{2}"
-    msgs = list(stub.Generate(generate(stream=True, n=3, temperature=1.0, seed=3, max_tokens=40,
-                                       regex=pattern), timeout=60))
-    texts = [answer(server, msgs, i)[0] for i in range(3)]
-    assert all(re.fullmatch(pattern, t) for t in texts), texts
-
-
-def test_a_json_schema_answer_validates(server, stub):
-    schema = {"type": "object", "properties": {
-        "ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]},
-        "tags": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}},
-        "required": ["ok", "size", "tags"]}
-    for seed in range(3):
-        msgs = list(stub.Generate(generate(request_id=f"j{seed}", max_tokens=120,
-                                           temperature=1.0, seed=seed,
-                                           json_schema=json.dumps(schema)), timeout=60))
-        text, complete = answer(server, msgs)
-        assert complete.finish_reason == "stop", text
-        jsonschema.validate(json.loads(text), schema)
-
-
 def test_a_request_id_in_use_is_refused(server, stub):
     server.hold_steps(after=3)               # "dup" stays live
     stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
@@ -285,136 +195,6 @@ def test_a_request_id_in_use_is_refused(server, stub):
     finally:
         server.release_steps()
         stream.cancel()
-
-
-def test_health_follows_the_engine(server, stub):
-    assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
-    server.workers_up = False
-    wait_until(lambda: not stub.HealthCheck(pb.HealthCheckRequest()).healthy, "unhealthy")
-    reply = stub.HealthCheck(pb.HealthCheckRequest())
-    assert "simulated" in reply.message
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(generate(max_tokens=2)))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    server.workers_up = True
-    wait_until(lambda: stub.HealthCheck(pb.HealthCheckRequest()).healthy, "healthy again")
-    assert list(stub.Generate(generate(max_tokens=2)))[0].complete.finish_reason == "length"
-
-
-def test_model_info_loads_and_server_info(server, stub):
-    info = stub.GetModelInfo(pb.GetModelInfoRequest())
-    assert (info.served_model_name, info.vocab_size, info.max_context_length) == (
-        server.info.name, 320, 256)
-    assert list(info.eos_token_ids) == [1] and info.architectures == ["Qwen3ForCausalLM"]
-    loads = stub.GetLoads(pb.GetLoadsRequest())
-    (load,) = loads.loads
-    assert (loads.dp_rank_count, load.max_running_requests) == (1, 8)
-    assert load.max_total_num_tokens == server.num_blocks * 4
-    assert stub.GetLoads(pb.GetLoadsRequest(dp_rank=1)).loads == []
-    assert stub.GetServerInfo(pb.GetServerInfoRequest()).block_size == 4
-
-
-def test_tokenizer_zip_and_sha256(server, stub, monkeypatch):
-    monkeypatch.setattr(vllm_servicer, "TOKENIZER_CHUNK_BYTES", 1000)
-    pieces = list(stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=10))
-    assert len(pieces) > 1 and all(p.sha256 == "" for p in pieces[:-1])
-    data = b"".join(p.data for p in pieces)
-    assert pieces[-1].sha256 == hashlib.sha256(data).hexdigest()
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        assert sorted(zf.namelist()) == ["config.json", "tokenizer.json",
-                                         "tokenizer_config.json"]
-        assert zf.read("tokenizer.json") == (Path(server.info.path) / "tokenizer.json"
-                                             ).read_bytes()
-
-
-def test_kv_events_describe_the_cached_prompt(server, stub):
-    batches = Recorded()
-    events = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30)
-
-    def read():
-        try:
-            for batch in events:
-                batches.append(batch)
-        except grpc.RpcError as e:           # ended by the cancel below
-            assert e.code() == grpc.StatusCode.CANCELLED
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert server.kv_events.wait_subscribers(1, 10), "the subscription"
-    list(stub.Generate(generate(max_tokens=3), timeout=10))
-    batches.wait_for(lambda seen: len(stored_blocks(seen)) >= 3, "stored events for the prompt")
-    stored = stored_blocks(batches)
-    h, expected = None, []
-    for j in range(3):
-        h = hash_block(h, PROMPT[4 * j:4 * j + 4])
-        expected.append((block_hash_to_int64(h), PROMPT[4 * j:4 * j + 4]))
-    assert stored[:3] == expected
-    assert [b.sequence_number for b in batches] == list(range(1, len(batches) + 1))
-    assert stub.FlushCache(cpb.FlushCacheRequest(), timeout=10).success
-    batches.wait_for(lambda seen: any(e.HasField("cleared") for batch in seen
-                                      for e in batch.events), "the flush's cleared event")
-    events.cancel()
-    reader.join(10)
-    assert server.kv_events.wait_subscribers(0, 10), "the subscription to end"
-
-
-def _step_until_answered(server, call):
-    """The engine answers commands between steps: let the held worker run one step at a time,
-    each 0.1 s later on the engine's clock, until the call is answered (a few steps: the
-    answer's way back over gRPC; the requests held here have some 200 steps to go)."""
-    for _ in range(600):
-        if call.done():
-            return call.result()
-        server.clock.advance(0.1)
-        server.step_once()
-    raise AssertionError("the call was never answered")
-
-
-def test_flush_cache_empties_the_prefix_cache_once_idle(server, stub):
-    list(stub.Generate(generate(max_tokens=3), timeout=10))
-    (again,) = stub.Generate(generate(max_tokens=3, request_id="again"), timeout=10)
-    assert again.complete.cached_tokens == 12
-    flushed = stub.FlushCache(cpb.FlushCacheRequest(), timeout=10)
-    assert (flushed.success, flushed.message) == (True, "prefix cache flushed")
-    (cold,) = stub.Generate(generate(max_tokens=3, request_id="cold"), timeout=10)
-    assert cold.complete.cached_tokens == 0
-    assert list(cold.complete.output_ids) == list(again.complete.output_ids)
-
-    # A running request holds its blocks: timeout 0 refuses, a timeout waits for it to end.
-    server.hold_steps(after=1)
-    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True,
-                                    request_id="busy"), timeout=60)
-    wait_until(lambda: server.engine.stats.num_running == 1, "the request to run")
-    refused = _step_until_answered(
-        server, stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=0), timeout=60))
-    assert not refused.success
-    assert refused.message == "not flushed after 0 s: requests still running or waiting (1)"
-    waiting = stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=60), timeout=90)
-    # A flush sent after it is refused at a later turn, while the request still runs: the
-    # waiting one is not answered meanwhile.
-    probe = _step_until_answered(
-        server, stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=0), timeout=60))
-    assert not probe.success and not waiting.done()
-    server.release_steps()
-    assert list(stream)[-1].complete.finish_reason == "length"
-    done = waiting.result()
-    assert (done.success, done.message) == (True, "prefix cache flushed")
-    (after,) = stub.Generate(generate(max_tokens=3, request_id="after"), timeout=10)
-    assert after.complete.cached_tokens == 0
-    wait_until(lambda: server.used_blocks() == 0, "the blocks to be free")
-
-
-def test_flush_cache_gives_up_at_its_timeout(server, stub):
-    server.hold_steps(after=1)
-    stream = stub.Generate(generate(stream=True, max_tokens=200, ignore_eos=True), timeout=60)
-    wait_until(lambda: server.engine.stats.num_running == 1, "the request to run")
-    late = _step_until_answered(
-        server, stub.FlushCache.future(cpb.FlushCacheRequest(timeout_s=0.2), timeout=60))
-    assert not late.success
-    assert late.message == "not flushed after 0.2 s: requests still running or waiting (1)"
-    server.release_steps()
-    list(stream)
-    wait_until(lambda: server.used_blocks() == 0, "the request to end")
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(server, stub):

@@ -17,14 +17,9 @@ from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64
 from scheduler_service.core.kv_cache_manager import hash_block
-from tests.support.sim_server import SimServer, make_sim_model_dir
+from tests.support.sim_server import SimServer
 from tests.support.vllm_sim import (PROMPT, Recorded, generate, rpc_code, stored_blocks,
                                     wait_until)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_sim_model_dir(tmp_path_factory.mktemp("sim-model"))
 
 
 KEY_A, KEY_B, KEY_C = "vllm-key-a-0123456789", "vllm-key-b-0123456789", "vllm-key-c-0123456789"

@@ -17,22 +17,15 @@ from engine_common.wire.codec import (decode_scheduler_output, encode_runner_out
                                  encode_scheduler_output)
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import SamplingParams, StoppingParams
-from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.scheduler_sim import SimWorker
-from tests.support.tokenizers import build_tiny_tokenizer_dir
 
 EOS = 1          # "</s>" in the tiny tokenizer
 STOPS = ("e", "th", "a", " t", "in", "o")
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("tok")))
 
 
 def sample(state) -> int:
@@ -167,3 +160,28 @@ def test_step_semantics_with_two_steps_in_flight(tok):
     assert executor.log.count(("submit", 4)) == 0
     # The last step computed nothing: the request's last token was already pending.
     assert executor.worker.step_tokens[-1] == {}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_idle_core_sends_the_finished_handles_in_a_step_that_computes_nothing(
+        tok, async_scheduling):
+    """Once nothing is left to run, has_work stays true while the worker caches a finished
+    request; the step() it asks for sends one diff with the finished handle and no work (async:
+    submitted, then collected), and the worker caches nothing."""
+    engine, executor = make_core(tok, async_scheduling)
+    core = engine.core
+    engine.add_request(Request("a", tok.encode("The quick"), SamplingParams(seed=1),
+                             StoppingParams(max_tokens=3, ignore_eos=True)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    worker = executor.worker
+    assert list(worker.reqs) == [0] and core.has_work()
+    steps_before = worker.next_step
+    while core.has_work():
+        assert core.step() == []
+    assert worker.next_step == steps_before + 1 and worker.reqs == {}
+    last = worker.diffs[-1]
+    assert last.finished_handles == [0] and not last.new_requests and worker.step_tokens[-1] == {}
+    if async_scheduling:
+        assert executor.log[-2:] == [("submit", steps_before), ("collect", steps_before)]
+    assert not core.has_unfinished_requests() and not core.scheduler.has_finished_to_send()

@@ -4,21 +4,15 @@ import random
 import pytest
 
 from engine_common.request.params import SamplingParams, StoppingParams
-from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
-from tests.support.tokenizers import _byte_token_ids, build_tiny_tokenizer_dir
+from tests.support.tokenizers import _byte_token_ids
 
 LEN, STOP_TOK, STOP_STR, ABORTED = (RequestStatus.FINISHED_LENGTH,
                                     RequestStatus.FINISHED_STOP_TOKEN,
                                     RequestStatus.FINISHED_STOP_STRING,
                                     RequestStatus.FINISHED_ABORTED)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return Tokenizer.from_dir(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("tok")))
 
 
 def make_request(tok, rid="r", **stopping):

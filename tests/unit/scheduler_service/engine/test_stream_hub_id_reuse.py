@@ -14,8 +14,8 @@ from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.engine.stream_hub import StreamHub
-from tests.unit.scheduler_service.engine.test_async_engine import (  # noqa: F401 (tok: fixture)
-    NUM_BLOCKS, STOPS, copies, make_core, run_one_thread, summary, tok)
+from tests.unit.scheduler_service.engine.test_async_engine import (
+    NUM_BLOCKS, STOPS, copies, make_core, run_one_thread, summary)
 
 
 def _until_stop_string(tok, core: EngineCore, hub: StreamHub, finish_commands: list,

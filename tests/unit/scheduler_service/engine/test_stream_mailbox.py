@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from scheduler_service.core.request import RequestStatus
-from scheduler_service.engine.async_engine import coalesce
+from scheduler_service.engine.stream_hub import coalesce
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings
 from scheduler_service.engine.stream_hub import Mailbox
 from scheduler_service.errors import EngineUnavailable
