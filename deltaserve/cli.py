@@ -178,7 +178,11 @@ def _startup_errors():
 
     try:
         yield
-    except (ParamError, ModelDirError, OSError) as e:
+    except ParamError as e:
+        from deltaserve.flag_names import in_flag_words
+
+        raise CliError(in_flag_words(e)) from None
+    except (ModelDirError, OSError) as e:
         raise CliError(str(e)) from None
 
 

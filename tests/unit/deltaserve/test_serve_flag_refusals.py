@@ -1,7 +1,8 @@
 """`deltaserve serve` flags refused in one line, exit status 2, before any child starts:
 --kv-cache-gib inf (an OverflowError traceback before) or a bad number (argparse's "invalid
 gib_to_bytes value", which named neither rule nor range), and a --worker-listen the scheduler
-cannot dial (port 0 left the scheduler waiting for ever for a worker it could not reach)."""
+cannot dial (port 0 left the scheduler waiting for ever for a worker it could not reach);
+a config refusal names the flag (--step-timeout), not the field (step_timeout_s)."""
 from __future__ import annotations
 
 import pytest
@@ -37,3 +38,17 @@ def test_a_worker_listen_the_scheduler_cannot_dial_is_refused_before_the_worker_
     assert err.startswith("deltaserve serve: error: --worker-listen=") and (
         "is invalid: must be HOST:PORT with a port in [1, 65535]" in err), err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tensor-parallel-size", "0"], "--local-ranks=0 is invalid: must be an integer in "
+     "[1, inf] (--tensor-parallel-size, -tp: the same flag)"),
+    (["--step-timeout", "-1"], "--step-timeout=-1.0 is invalid: must be a number > 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs=0 is invalid: must be an integer in [1, inf]"),
+])
+def test_a_config_refusal_names_the_flag_the_operator_typed_not_the_field(
+        argv, message, capsys):
+    """local_ranks, step_timeout_s: fields no flag is called."""
+    assert cli.main(["serve", "--model", NO_MODEL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deltaserve serve: error: {message}\n", err
