@@ -16,6 +16,7 @@ from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
 from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
 from engine_common.security.worker_auth import WORKER_ONLY, WorkerCredentials
 from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
@@ -140,6 +141,8 @@ def _cmd_scheduler(args) -> int:
     if not workers:
         raise CliError("--workers names no address")
     with _startup_errors():
+        for worker in workers:
+            check_dial_address("--workers", worker)
         model = resolve_model_arg(args)
         settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load_for_client()

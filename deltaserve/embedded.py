@@ -30,9 +30,8 @@ from deltaserve.openai_gateway import OpenAIFront, openai_front
 from engine_common.text.chat_template import load_chat_template
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.device_defaults import device_defaults
-from engine_common.configuration.listen_address import next_port
+from engine_common.configuration.listen_address import check_dial_address, next_port
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.request.params import ParamError
 from engine_common.runtime.paths import cache_dir
 from engine_common.configuration.settings import from_args, to_flags
 from engine_common.security.worker_auth import WorkerAuth, new_token, token_digest_text
@@ -74,16 +73,6 @@ def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subp
     proc.stdin.write(token_digest_text(token) + "\n")
     proc.stdin.close()
     return proc
-
-
-def check_worker_listen(listen: str) -> None:
-    """--worker-listen is both where the worker binds and where the scheduler dials it: port 0
-    (any free port) cannot be dialled, and a bad address only failed in the worker, while the
-    scheduler waited for it for ever. Refused before anything starts."""
-    host, sep, port = listen.rpartition(":")
-    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ParamError("--worker-listen", listen, "HOST:PORT with a port in [1, 65535] (the "
-                         "scheduler dials it, so not port 0)")
 
 
 def stop_worker(proc: subprocess.Popen) -> None:
@@ -180,7 +169,7 @@ def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
-    check_worker_listen(args.worker_listen)
+    check_dial_address("--worker-listen", args.worker_listen)   # before anything starts
     model_dir = resolve_model(resolve_model_arg(args))
     worker_options = from_args(WorkerServiceOptions, args)
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts

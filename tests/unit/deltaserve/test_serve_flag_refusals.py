@@ -52,3 +52,12 @@ def test_a_config_refusal_names_the_flag_the_operator_typed_not_the_field(
     assert cli.main(["serve", "--model", NO_MODEL, *argv]) == 2
     err = capsys.readouterr().err
     assert err == f"deltaserve serve: error: {message}\n", err
+
+
+@pytest.mark.parametrize("workers", ["127.0.0.1:0", "127.0.0.1:50052,nohost"])
+def test_a_scheduler_worker_address_it_cannot_dial_is_refused_not_retried_for_ever(
+        workers, capsys):
+    assert cli.main(["scheduler", "--model", NO_MODEL, "--workers", workers]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deltaserve scheduler: error: --workers=") and (
+        "must be HOST:PORT with a port in [1, 65535]" in err), err
