@@ -32,6 +32,14 @@ def check_dial_address(flag: str, address: str) -> None:
                          "dials it, so not port 0)")
 
 
+def check_bind_port(address: str) -> None:
+    """OSError when `address` names a port past 65535: gRPC binds such a port modulo 65536
+    (127.0.0.1:99999 served on 34463) instead of refusing it."""
+    port = address.rpartition(":")[2]
+    if port.isdigit() and int(port) > 65535:
+        raise OSError(f"could not listen on {address}: the port must be in [0, 65535]")
+
+
 def split_listen(listen: str) -> tuple[str, int]:
     """(host, port) of a HOST:PORT."""
     host, _, port = listen.rpartition(":")

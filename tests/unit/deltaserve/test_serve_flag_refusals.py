@@ -61,3 +61,4 @@ def test_a_scheduler_worker_address_it_cannot_dial_is_refused_not_retried_for_ev
     err = capsys.readouterr().err
     assert err.startswith("deltaserve scheduler: error: --workers=") and (
         "must be HOST:PORT with a port in [1, 65535]" in err), err
+
