@@ -156,11 +156,14 @@ def _cmd_scheduler(args) -> int:
         print(f"DeltaServe scheduler ready on {args.listen.rsplit(':', 1)[0]}:{app.port}",
               flush=True)
         front.on_ready(app, lambda url: print(f"OpenAI API ready on {url}", flush=True))
+
+    def stop_front() -> None:        # while the scheduler drains: its streams need the grace
+        front.stop(settings.server.grace_period_s)
     try:
         with _startup_errors():
             return run_scheduler(workers, args.listen, settings.worker, settings.policy,
                                  settings.server, on_ready=on_ready, should_stop=front.gone,
-                                 api=settings.api, worker_auth=auth, on_drain=front.stop)
+                                 api=settings.api, worker_auth=auth, on_drain=stop_front)
     finally:
         front.stop()
 

@@ -18,6 +18,7 @@ started once the scheduler is ready; the ready line waits for it and names both 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 import tempfile
@@ -200,7 +201,8 @@ def serve(args) -> int:
                              on_ready=on_ready,
                              should_stop=worker_gone, exit_on_refusal=True, api=settings.api,
                              worker_auth=WorkerAuth(token=token),
-                             on_drain=front.stop if front is not None else None)
+                             on_drain=(None if front is None else functools.partial(
+                                 front.stop, settings.server.grace_period_s)))
     finally:
         if front is not None:
             front.stop()

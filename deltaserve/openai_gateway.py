@@ -23,6 +23,7 @@ What is carried to smg and what is not (smg 1.13.0, checked):
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shutil
 import socket
@@ -226,9 +227,11 @@ class GatewayChild:
             time.sleep(0.5)
         return False
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL when it has not exited in time."""
-        stop_process(self.proc, _STOP_SECONDS)
+    def stop(self, grace_s: float = 0.0) -> None:
+        """SIGTERM, then SIGKILL when it has not exited within `grace_s` (the scheduler's drain,
+        which ends its open streams) and _STOP_SECONDS more; never with an infinite grace."""
+        total = grace_s + _STOP_SECONDS
+        stop_process(self.proc, total if math.isfinite(total) else None)
         self._pump.join(timeout=5)
 
 
@@ -266,9 +269,10 @@ class OpenAIFront:
     def gone(self) -> str | None:
         return self.child.gone() if self.child else None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop the gateway, allowing it `grace_s` for the streams the scheduler still drains."""
         if self.child is not None:
-            self.child.stop()
+            self.child.stop(grace_s)
 
 
 def openai_front(args, api, model_dir: str, listen: str,

@@ -282,8 +282,8 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
     """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
     (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
     refuse the first Init's settings); then drain and stop, running `on_drain` meanwhile (in a
-    thread: it may stop a front whose last requests still need this server). Returns an exit code: 0, 1
-    when `should_stop` stopped it, 2 when the workers refused the settings."""
+    thread: it may stop a front whose last requests still need this server). Returns an exit
+    code: 0, 1 when `should_stop` stopped it, 2 when the workers refused the settings."""
     app = build_scheduler_server(workers, listen, worker, policy, options, api=api,
                                  worker_auth=worker_auth)
     stop = asyncio.Event()

@@ -126,3 +126,21 @@ def test_a_default_listener_gives_way_to_the_grpc_ports_keys_and_an_asked_one_is
     args = parser.parse_args(["serve", "--api-key-file", str(keys), "--port", "8001"])
     with pytest.raises(ParamError, match="api_key_file"):
         openai_front(args, ApiOptions(api_key_file=str(keys)), "m", "localhost:1")
+
+
+def test_the_gateway_is_given_the_drain_before_it_is_killed(monkeypatch):
+    # Stopped while the scheduler drains, the gateway waits for the OpenAI streams the drain
+    # still serves: killed 15 s after SIGTERM whatever --grace-period said, a client streaming
+    # through a longer grace period got its connection cut instead of the drain's status.
+    import math
+    import threading
+    from deltaserve import openai_gateway
+    waited = []
+    monkeypatch.setattr(openai_gateway, "stop_process", lambda proc, t: waited.append(t))
+    child = GatewayChild.__new__(GatewayChild)
+    child.proc, child._pump = object(), threading.Thread(target=lambda: None)
+    child._pump.start()
+    child.stop(60.0)
+    child.stop(math.inf)          # --grace-period inf: never killed
+    child.stop()                  # no drain (a start-up failure): the gateway's own stop
+    assert waited == [60.0 + openai_gateway._STOP_SECONDS, None, openai_gateway._STOP_SECONDS]
