@@ -117,7 +117,9 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
     listen = getattr(args, "openai_listen", None)
     if args.host is not None or args.port is not None:
         if listen is not None:
-            raise ParamError("host", args.host, "unset with --openai-listen (one address)")
+            # the flag the user gave (--port alone was refused as "host=None")
+            flag, value = ("--host", args.host) if args.host is not None else ("--port", args.port)
+            raise ParamError(flag, value, "unset with --openai-listen (one address)")
         base = args.openai_default_listen or f"127.0.0.1:{DEFAULT_OPENAI_PORT}"
         host, port = split_listen(base)
         listen = f"{args.host or host}:{args.port if args.port is not None else port}"

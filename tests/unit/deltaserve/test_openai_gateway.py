@@ -37,8 +37,12 @@ def test_host_and_port_name_the_openai_listener_and_off_turns_it_off():
     assert _options("scheduler", "--model", "m", "--workers", "w:1", "--port", "9000"
                     )[0].openai_listen == "127.0.0.1:9000"
     assert not _options("serve", "--openai-listen", "off")[0].enabled
-    with pytest.raises(ParamError, match="host"):
+    with pytest.raises(ParamError, match="--host='0.0.0.0' is invalid: must be unset with "
+                       "--openai-listen"):
         _options("serve", "--openai-listen", "127.0.0.1:1", "--host", "0.0.0.0")
+    with pytest.raises(ParamError, match="--port=9000 is invalid: must be unset with "
+                       "--openai-listen"):                       # was "host=None is invalid"
+        _options("serve", "--openai-listen", "off", "--port", "9000")
     with pytest.raises(ParamError, match="openai_listen"):
         _options("serve", "--openai-listen", "nowhere")
 
