@@ -33,6 +33,7 @@ from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.device_defaults import device_defaults
 from engine_common.configuration.listen_address import check_dial_address, next_port
 from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError
 from engine_common.runtime.paths import cache_dir
 from engine_common.configuration.settings import from_args, to_flags
 from engine_common.security.worker_auth import WorkerAuth, new_token, token_digest_text
@@ -171,6 +172,10 @@ def serve(args) -> int:
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
     check_dial_address("--worker-listen", args.worker_listen)   # before anything starts
+    if args.worker_listen.rpartition(":")[2] == args.listen.rpartition(":")[2]:
+        # Both on this machine: the worker failed to bind and serve exited 1 after its start.
+        raise ParamError("--worker-listen", args.worker_listen,
+                         f"a port other than --listen's ({args.listen})")
     model_dir = resolve_model(resolve_model_arg(args))
     worker_options = from_args(WorkerServiceOptions, args)
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts

@@ -62,3 +62,17 @@ def test_a_scheduler_worker_address_it_cannot_dial_is_refused_not_retried_for_ev
     assert err.startswith("deltaserve scheduler: error: --workers=") and (
         "must be HOST:PORT with a port in [1, 65535]" in err), err
 
+
+
+def test_the_worker_on_the_public_ports_number_is_refused_before_it_starts(capsys, monkeypatch):
+    """The worker then failed to bind, and serve exited 1 once it had started it."""
+    from deltaserve import embedded
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    assert cli.main(["serve", "--model", NO_MODEL, "--listen", "127.0.0.1:50061",
+                     "--worker-listen", "localhost:50061"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("deltaserve serve: error: --worker-listen='localhost:50061' is invalid: must "
+                   "be a port other than --listen's (127.0.0.1:50061)\n"), err
