@@ -11,7 +11,7 @@ drops the core and calls the factory again: that is worker-restart recovery.
 
 Shutdown (SIGTERM/SIGINT): readiness goes NOT_SERVING, the port stops taking new RPCs, open
 streams get `grace_period_s` to finish, then the engine stops and fails the rest (UNAVAILABLE,
-"the server is shutting down"); any still open 5 s later are cancelled.
+"the server is shutting down"); any still open 2 s later are cancelled.
 Torch is never imported here: this process runs where torch is not installed.
 """
 from __future__ import annotations
@@ -163,8 +163,9 @@ def _warn_if_cache_cuts_requests(num_kv_blocks: int, config: SchedulerConfig) ->
                     config.max_model_len, capacity)
 
 
-# After the grace period, how long the streams the engine fails get to send that status.
-_STREAM_FAIL_SECONDS = 5.0
+# After the grace period, how long the streams the engine fails get to send that status (a
+# stream the engine does not own, as a KV-event subscription, is cancelled that much later).
+_STREAM_FAIL_SECONDS = 2.0
 
 
 class SchedulerServer:
