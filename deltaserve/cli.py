@@ -39,13 +39,17 @@ SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen", "insecure", "model_root")
 COMMAND_GROUP = "deltaserve.commands"
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run a worker service (owns a device and the model)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve the Worker protocol on")
-    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS,
+                   help="logging level (default: INFO)")
     add_flags(p, WorkerServiceOptions)
     add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials)
 
@@ -149,8 +153,9 @@ def _cmd_scheduler(args) -> int:
         front = openai_front(args, settings.api, model, args.listen,
                              settings.server.chat_template)
     if front is None:
-        return run_scheduler(workers, args.listen, settings.worker, settings.policy,
-                             settings.server, api=settings.api, worker_auth=auth)
+        with _startup_errors():          # the model directory is read as the server is built
+            return run_scheduler(workers, args.listen, settings.worker, settings.policy,
+                                 settings.server, api=settings.api, worker_auth=auth)
 
     def on_ready(app) -> None:
         print(f"DeltaServe scheduler ready on {args.listen.rsplit(':', 1)[0]}:{app.port}",
