@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shutil
 import socket
@@ -300,4 +301,22 @@ def openai_front(args, api, model_dir: str, listen: str,
             raise
         print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
         return None
+    check_free(options.openai_listen)
     return OpenAIFront(options, smg, model_dir, listen, chat_template)
+
+
+def check_free(listen: str) -> None:
+    """OSError naming `listen` when the OpenAI address cannot be bound now. Checked before
+    anything starts, as vLLM binds its socket first: the gateway found it taken only once the
+    model had loaded, and ended `serve` with its Python traceback and exit code 1."""
+    host, port = split_listen(listen)
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(f"could not listen on {listen} (the OpenAI API): {why}") from None

@@ -148,3 +148,24 @@ def test_the_gateway_is_given_the_drain_before_it_is_killed(monkeypatch):
     child.stop(math.inf)          # --grace-period inf: never killed
     child.stop()                  # no drain (a start-up failure): the gateway's own stop
     assert waited == [60.0 + openai_gateway._STOP_SECONDS, None, openai_gateway._STOP_SECONDS]
+
+
+def test_an_openai_port_in_use_is_refused_before_anything_starts(tmp_path, monkeypatch,
+                                                                  capsys):
+    # Before, the model loaded, the worker started, and then the gateway failed to bind: its
+    # Python traceback in our log and exit code 1, where a port in use is one line and 2.
+    import socket
+    from deltaserve import cli, embedded, openai_gateway
+    from tests.support.sim_server import make_sim_model_dir
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    monkeypatch.setattr(openai_gateway, "find_smg", lambda: "smg")
+    model = make_sim_model_dir(tmp_path / "model")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--model", str(model), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"deltaserve serve: error: could not listen on 127.0.0.1:{port} (the "
+                       "OpenAI API): Address already in use"), err
