@@ -33,8 +33,8 @@ def dying_with_parent(cmd: list[str]) -> list[str]:
     return [sys.executable, "-I", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
 
 
-def stop_process(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+def stop_process(proc: subprocess.Popen, timeout: float | None) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds (None: wait)."""
     if proc.poll() is not None:
         return
     proc.terminate()

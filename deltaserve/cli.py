@@ -16,6 +16,7 @@ from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
 from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
 from engine_common.security.worker_auth import WORKER_ONLY, WorkerCredentials
 from scheduler_service.api.engine_flags import add_engine_flags, engine_settings
@@ -38,13 +39,17 @@ SERVE_SKIPS = ("node_rank", "nodes", "metrics_listen", "insecure", "model_root")
 COMMAND_GROUP = "deltaserve.commands"
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("worker", help="run a worker service (owns a device and the model)")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve the Worker protocol on")
-    p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS,
+                   help="logging level (default: INFO)")
     add_flags(p, WorkerServiceOptions)
     add_flags(p.add_argument_group("Worker protocol credentials"), WorkerCredentials)
 
@@ -140,24 +145,30 @@ def _cmd_scheduler(args) -> int:
     if not workers:
         raise CliError("--workers names no address")
     with _startup_errors():
+        for worker in workers:
+            check_dial_address("--workers", worker)
         model = resolve_model_arg(args)
         settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load_for_client()
         front = openai_front(args, settings.api, model, args.listen,
                              settings.server.chat_template)
     if front is None:
-        return run_scheduler(workers, args.listen, settings.worker, settings.policy,
-                             settings.server, api=settings.api, worker_auth=auth)
+        with _startup_errors():          # the model directory is read as the server is built
+            return run_scheduler(workers, args.listen, settings.worker, settings.policy,
+                                 settings.server, api=settings.api, worker_auth=auth)
 
     def on_ready(app) -> None:
         print(f"DeltaServe scheduler ready on {args.listen.rsplit(':', 1)[0]}:{app.port}",
               flush=True)
         front.on_ready(app, lambda url: print(f"OpenAI API ready on {url}", flush=True))
+
+    def stop_front() -> None:        # while the scheduler drains: its streams need the grace
+        front.stop(settings.server.grace_period_s)
     try:
         with _startup_errors():
             return run_scheduler(workers, args.listen, settings.worker, settings.policy,
                                  settings.server, on_ready=on_ready, should_stop=front.gone,
-                                 api=settings.api, worker_auth=auth, on_drain=front.stop)
+                                 api=settings.api, worker_auth=auth, on_drain=stop_front)
     finally:
         front.stop()
 
@@ -178,7 +189,11 @@ def _startup_errors():
 
     try:
         yield
-    except (ParamError, ModelDirError, OSError) as e:
+    except ParamError as e:
+        from deltaserve.flag_names import in_flag_words
+
+        raise CliError(in_flag_words(e)) from None
+    except (ModelDirError, OSError) as e:
         raise CliError(str(e)) from None
 
 

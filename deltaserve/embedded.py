@@ -18,6 +18,7 @@ started once the scheduler is ready; the ready line waits for it and names both 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 import tempfile
@@ -30,8 +31,9 @@ from deltaserve.openai_gateway import OpenAIFront, openai_front
 from engine_common.text.chat_template import load_chat_template
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.device_defaults import device_defaults
-from engine_common.configuration.listen_address import next_port
+from engine_common.configuration.listen_address import check_dial_address, next_port
 from engine_common.model_files.model_dir import ModelInfo
+from engine_common.request.params import ParamError
 from engine_common.runtime.paths import cache_dir
 from engine_common.configuration.settings import from_args, to_flags
 from engine_common.security.worker_auth import WorkerAuth, new_token, token_digest_text
@@ -169,6 +171,11 @@ def serve(args) -> int:
     """Run until Ctrl-C / SIGTERM, until the worker exits on its own (exit code 1), or until the
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
+    check_dial_address("--worker-listen", args.worker_listen)   # before anything starts
+    if args.worker_listen.rpartition(":")[2] == args.listen.rpartition(":")[2]:
+        # Both on this machine: the worker failed to bind and serve exited 1 after its start.
+        raise ParamError("--worker-listen", args.worker_listen,
+                         f"a port other than --listen's ({args.listen})")
     model_dir = resolve_model(resolve_model_arg(args))
     worker_options = from_args(WorkerServiceOptions, args)
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
@@ -199,7 +206,8 @@ def serve(args) -> int:
                              on_ready=on_ready,
                              should_stop=worker_gone, exit_on_refusal=True, api=settings.api,
                              worker_auth=WorkerAuth(token=token),
-                             on_drain=front.stop if front is not None else None)
+                             on_drain=(None if front is None else functools.partial(
+                                 front.stop, settings.server.grace_period_s)))
     finally:
         if front is not None:
             front.stop()

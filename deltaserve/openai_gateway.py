@@ -23,6 +23,8 @@ What is carried to smg and what is not (smg 1.13.0, checked):
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import shutil
 import socket
@@ -116,7 +118,9 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
     listen = getattr(args, "openai_listen", None)
     if args.host is not None or args.port is not None:
         if listen is not None:
-            raise ParamError("host", args.host, "unset with --openai-listen (one address)")
+            # the flag the user gave (--port alone was refused as "host=None")
+            flag, value = ("--host", args.host) if args.host is not None else ("--port", args.port)
+            raise ParamError(flag, value, "unset with --openai-listen (one address)")
         base = args.openai_default_listen or f"127.0.0.1:{DEFAULT_OPENAI_PORT}"
         host, port = split_listen(base)
         listen = f"{args.host or host}:{args.port if args.port is not None else port}"
@@ -226,9 +230,11 @@ class GatewayChild:
             time.sleep(0.5)
         return False
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL when it has not exited in time."""
-        stop_process(self.proc, _STOP_SECONDS)
+    def stop(self, grace_s: float = 0.0) -> None:
+        """SIGTERM, then SIGKILL when it has not exited within `grace_s` (the scheduler's drain,
+        which ends its open streams) and _STOP_SECONDS more; never with an infinite grace."""
+        total = grace_s + _STOP_SECONDS
+        stop_process(self.proc, total if math.isfinite(total) else None)
         self._pump.join(timeout=5)
 
 
@@ -266,9 +272,10 @@ class OpenAIFront:
     def gone(self) -> str | None:
         return self.child.gone() if self.child else None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop the gateway, allowing it `grace_s` for the streams the scheduler still drains."""
         if self.child is not None:
-            self.child.stop()
+            self.child.stop(grace_s)
 
 
 def openai_front(args, api, model_dir: str, listen: str,
@@ -294,4 +301,22 @@ def openai_front(args, api, model_dir: str, listen: str,
             raise
         print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
         return None
+    check_free(options.openai_listen)
     return OpenAIFront(options, smg, model_dir, listen, chat_template)
+
+
+def check_free(listen: str) -> None:
+    """OSError naming `listen` when the OpenAI address cannot be bound now. Checked before
+    anything starts, as vLLM binds its socket first: the gateway found it taken only once the
+    model had loaded, and ended `serve` with its Python traceback and exit code 1."""
+    host, port = split_listen(listen)
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                    flags=socket.AI_PASSIVE)[0][0]
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(f"could not listen on {listen} (the OpenAI API): {why}") from None

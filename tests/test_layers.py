@@ -75,6 +75,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.child_process": (),
     "deltaserve.hub_cache": (),
     "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",),
+    "deltaserve.flag_names": _COMMON + _SCHEDULER,
     "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.default_model",
                                                    "worker_service.models",
                                                    "deltaserve.child_process",

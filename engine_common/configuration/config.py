@@ -11,7 +11,9 @@ the code that derives them: they travel as separate arguments or result objects.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -35,10 +37,15 @@ _LONG_PREFILL_SHARE = 4
 
 
 def gib_to_bytes(text: str) -> int:
-    """A --kv-cache-gib value in bytes (ValueError names the flag)."""
-    gib = float(text)
-    if not gib > 0:
-        raise ValueError(f"--kv-cache-gib={text}: must be > 0")
+    """A --kv-cache-gib value in bytes. argparse prints an ArgumentTypeError's own text (a
+    ValueError only as "invalid gib_to_bytes value"); inf was an OverflowError traceback."""
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not (gib > 0 and math.isfinite(gib)):
+        raise argparse.ArgumentTypeError(f"--kv-cache-gib={text} is invalid: must be a finite "
+                                         "number of GiB > 0")
     return int(gib * GIB)
 
 

@@ -33,6 +33,10 @@ from engine_common.security.tls import read_pem
 
 AUTH_METADATA_KEY = "authorization"
 MIN_TOKEN_CHARS = 16
+# The token travels in a gRPC header, and gRPC refuses a call whose metadata passes 8-16 KiB:
+# a longer token was taken at start-up, then no call ever authenticated (the scheduler waited
+# for its workers for ever, RESOURCE_EXHAUSTED; the worker logged "no token").
+MAX_TOKEN_CHARS = 1024
 DIGEST_PREFIX = "sha256:"
 _HEX = frozenset("0123456789abcdef")
 _EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
@@ -186,13 +190,14 @@ def parse_token(text: str, source: str) -> str:
     if not is_token(token):
         raise ParamError("worker_token_file", source,
                          f"a file holding one token of at least {MIN_TOKEN_CHARS} printable "
-                         "ASCII characters without spaces (e.g. `openssl rand -hex 32`)")
+                         f"ASCII characters without spaces, at most {MAX_TOKEN_CHARS} (it "
+                         "travels in a gRPC header; e.g. `openssl rand -hex 32`)")
     return token
 
 
 def is_token(text: str) -> bool:
-    """At least MIN_TOKEN_CHARS printable ASCII characters without spaces."""
-    return len(text) >= MIN_TOKEN_CHARS and set(text) <= _TOKEN_CHARS
+    """MIN_TOKEN_CHARS to MAX_TOKEN_CHARS printable ASCII characters without spaces."""
+    return MIN_TOKEN_CHARS <= len(text) <= MAX_TOKEN_CHARS and set(text) <= _TOKEN_CHARS
 
 
 def sha256(token: str | bytes) -> bytes:

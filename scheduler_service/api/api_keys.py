@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from engine_common.request.params import ParamError
 
 MIN_KEY_CHARS = 16
+# A key travels in a gRPC header, refused past 8-16 KiB of metadata: a longer key was loaded,
+# then no client could ever send it.
+MAX_KEY_CHARS = 1024
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7f))
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
@@ -88,9 +91,10 @@ def load_api_keys(path: str) -> KeyBook:
             if not words or words[0].startswith("#"):
                 continue
             key, where = words[0], f"{path}:{number}"
-            if len(key) < MIN_KEY_CHARS or not set(key) <= _KEY_CHARS:
+            if not (MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS and set(key) <= _KEY_CHARS):
                 raise ParamError("api_key_file", where, f"one key per line, each at least "
-                                 f"{MIN_KEY_CHARS} printable ASCII characters without spaces")
+                                 f"{MIN_KEY_CHARS} printable ASCII characters without spaces, "
+                                 f"at most {MAX_KEY_CHARS} (a key travels in a gRPC header)")
             name = fingerprint(f"Bearer {key}")
             policies[name] = _policy(words[1:], f"key:{name}", where)
     if not policies:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from engine_common.configuration.listen_address import check_bind_port
 from engine_common.security.tls import read_pem, server_credentials
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.api_keys import KeyBook, load_api_keys
@@ -26,6 +27,7 @@ def interceptors(api: ApiOptions, keys: KeyBook) -> list[grpc.aio.ServerIntercep
 def bind(server: grpc.aio.Server, listen: str, api: ApiOptions) -> int:
     """Bind `listen` with TLS when a certificate is given, plaintext otherwise; the port.
     OSError when the address cannot be bound."""
+    check_bind_port(listen)
     try:
         if api.tls_cert is None:
             return server.add_insecure_port(listen)

@@ -10,7 +10,8 @@ per event loop, lives in the AsyncEngine and outlasts epochs). When a worker fai
 drops the core and calls the factory again: that is worker-restart recovery.
 
 Shutdown (SIGTERM/SIGINT): readiness goes NOT_SERVING, the port stops taking new RPCs, open
-streams get `grace_period_s` to finish, then the rest are cancelled and the engine stops.
+streams get `grace_period_s` to finish, then the engine stops and fails the rest (UNAVAILABLE,
+"the server is shutting down"); any still open 2 s later are cancelled.
 Torch is never imported here: this process runs where torch is not installed.
 """
 from __future__ import annotations
@@ -162,6 +163,11 @@ def _warn_if_cache_cuts_requests(num_kv_blocks: int, config: SchedulerConfig) ->
                     config.max_model_len, capacity)
 
 
+# After the grace period, how long the streams the engine fails get to send that status (a
+# stream the engine does not own, as a KV-event subscription, is cancelled that much later).
+_STREAM_FAIL_SECONDS = 2.0
+
+
 class SchedulerServer:
     """A built, not yet started scheduler service. `port` is the bound port."""
 
@@ -185,8 +191,15 @@ class SchedulerServer:
         """Drain: readiness NOT_SERVING, no new RPCs, open streams finish or are cancelled."""
         grace = self.grace_period_s if grace_period_s is None else grace_period_s
         await self.readiness.drain()
-        await self.server.stop(grace)
-        await asyncio.to_thread(self.engine.shutdown)
+        # Streams still open at the end of the grace period are failed by the engine
+        # (UNAVAILABLE "the server is shutting down") before gRPC cancels them: grpc's own
+        # cancel reached the clients first as a bare "UNAVAILABLE: Cancelling all calls".
+        stopping = asyncio.ensure_future(self.server.stop(grace + _STREAM_FAIL_SECONDS))
+        done, _ = await asyncio.wait({stopping}, timeout=grace)
+        if not done:
+            await asyncio.to_thread(self.engine.shutdown)
+        await stopping
+        await asyncio.to_thread(self.engine.shutdown)     # a second call returns at once
         await asyncio.to_thread(self.client.close)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
@@ -269,9 +282,9 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
                           on_drain: Callable[[], None] | None = None) -> int:
     """Start, call `on_ready` once the workers are initialized, and serve until SIGTERM/SIGINT
     (or until `should_stop()` returns a reason; or, with `exit_on_refusal`, until the workers
-    refuse the first Init's settings); then run `on_drain` (in a thread: it may stop a front
-    whose last requests still need this server) and drain and stop. Returns an exit code: 0, 1
-    when `should_stop` stopped it, 2 when the workers refused the settings."""
+    refuse the first Init's settings); then drain and stop, running `on_drain` meanwhile (in a
+    thread: it may stop a front whose last requests still need this server). Returns an exit
+    code: 0, 1 when `should_stop` stopped it, 2 when the workers refused the settings."""
     app = build_scheduler_server(workers, listen, worker, policy, options, api=api,
                                  worker_auth=worker_auth)
     stop = asyncio.Event()
@@ -291,12 +304,15 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
     watcher.cancel()
     # Why it stopped, read before on_drain stops what should_stop may be watching.
     reason = should_stop() if should_stop else None
-    if on_drain is not None:
-        # A front first (the OpenAI gateway): its open streams (KV events) would otherwise hold
-        # the drain for the whole grace period.
-        await asyncio.to_thread(on_drain)
+    # A front (the OpenAI gateway) stops while we drain: its open OpenAI streams are ours to
+    # finish within the grace period (cancelled at its end, which ends them at the front too),
+    # and its own streams (KV events) end when it exits. Stopped first, it waited for streams
+    # we no longer served until it was killed, and the grace period began only after that.
+    front = asyncio.create_task(asyncio.to_thread(on_drain)) if on_drain is not None else None
     log.info("draining (grace period %.1f s)", app.grace_period_s)
     await app.stop()
+    if front is not None:
+        await front
     if refused:
         return 2
     return 1 if reason else 0

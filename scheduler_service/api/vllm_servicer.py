@@ -38,6 +38,7 @@ from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
 from scheduler_service.api.request_limits import check_abort_ids
+from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 chunk_to_proto, complete_to_proto,
@@ -49,6 +50,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
 from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
+from scheduler_service.engine.serving_counters import ServingCounters
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,35 @@ class _Choice:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+
+
+class _Tally:
+    """One Generate call in the request counters (docs/metrics.md: received = rejected +
+    success + in flight). The call is one request until it is validated, then its n choices;
+    a failure before any output rejects them all (by status code), after one it ends those
+    choices not yet finished with `finished_reason="error"` (the finished ones were counted
+    as successes by the stream hub)."""
+
+    def __init__(self, counters: ServingCounters):
+        self._counters = counters
+        self._requests = 1
+        self._outputs = self._finished = 0
+        counters.received()
+
+    def choices(self, n: int) -> None:
+        if n > self._requests:
+            self._counters.received(n - self._requests)
+            self._requests = n
+
+    def output(self, out: RequestOutput) -> None:
+        self._outputs += 1
+        self._finished += out.finished
+
+    def failed(self, error: Exception) -> None:
+        if self._outputs:
+            self._counters.failed_after_output(self._requests - self._finished)
+        else:
+            self._counters.rejected(status_for(error)[0].name, self._requests)
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -94,16 +125,20 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # -- Generate ---------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Chunks per step while streaming, then one `complete` per choice."""
+        """Chunks per step while streaming, then one `complete` per choice. Counted in the
+        request counters as deltaserve.v1's Generate is (`_Tally`)."""
+        tally = _Tally(self._engine.counters)
         try:
             inp, prompt_ids = await self._validate(request, pool_caller(context))
+            tally.choices(inp.n)
             self._last_receive = time.time()
             salt = policy_of(context, self._keys).salt
-            async for msg in self._run(inp, prompt_ids, caller_of(context), salt):
+            async for msg in self._run(inp, prompt_ids, caller_of(context), salt, tally):
                 yield msg
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
+            tally.failed(e)
             await abort_with(context, e)
 
     async def _validate(self, msg: pb.GenerateRequest, caller: str
@@ -118,7 +153,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return inp, await self._door.prompt_ids(inp, caller)
 
     async def _run(self, inp: ValidatedRequest, prompt_ids: list[int], caller: str,
-                   cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
+                   cache_salt: str, tally: _Tally) -> AsyncIterator[pb.GenerateResponse]:
         key = scoped_id(caller, inp.request_id)     # each API key has its own ids
         max_waiting = self._shape.max_waiting
         if max_waiting is not None and inp.n > max_waiting:
@@ -130,14 +165,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         with self._door.quota.hold(caller, inp.request_id, inp.n):
             self._children[key] = (caller, ids)
             try:
-                async with aclosing(self._choices(inp, ids, prompt_ids, cache_salt)) as msgs:
+                async with aclosing(self._choices(inp, ids, prompt_ids, cache_salt,
+                                                  tally)) as msgs:
                     async for msg in msgs:
                         yield msg
             finally:
                 self._children.pop(key, None)
 
     async def _choices(self, inp: ValidatedRequest, ids: tuple[str, ...], prompt_ids: list[int],
-                       cache_salt: str) -> AsyncIterator[pb.GenerateResponse]:
+                       cache_salt: str, tally: _Tally) -> AsyncIterator[pb.GenerateResponse]:
         requests = [self._door.engine_request(inp, rid, prompt_ids, cache_salt,
                                               child_sampling(inp.sampling, i))
                     for i, rid in enumerate(ids)]
@@ -145,6 +181,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finals: dict[int, pb.GenerateResponse] = {}
         eos = None if inp.stopping.ignore_eos else self._model.tokenizer.eos_token_id
         async for index, out in self._outputs(requests):
+            tally.output(out)
             for msg in _messages(inp, index, out, choices[index], eos):
                 if inp.stream:
                     yield msg

@@ -275,7 +275,8 @@ def _gauge(name: str, doc: str, labels: list[str], value) -> GaugeMetricFamily:
 
 def _request_counters(m: list[str], c):
     for name, doc, value in (
-            ("requests_received", "Generate calls received.", c.received),
+            ("requests_received", "Requests received (Generate calls of deltaserve.v1 and "
+             "VllmEngine; one per choice).", c.received),
             ("prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens),
             ("prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
              c.cached_prompt_tokens),
@@ -289,7 +290,7 @@ def _request_counters(m: list[str], c):
     for (reason, stop), n in sorted(c.finished.items()):
         success.add_metric(m + [reason, stop], n)
     yield success
-    rejected = CounterMetricFamily(PREFIX + "requests_rejected", "Generate calls that ended "
+    rejected = CounterMetricFamily(PREFIX + "requests_rejected", "Requests whose call ended "
                                    "with an error status before their first output, by status "
                                    "code.", labels=["model_name", "code"])
     for code, n in sorted(c.rejected.items()):

@@ -4,7 +4,7 @@ The one source of GetServerStatus's token rates and of the Prometheus request an
 every count is made here once, by the serving side (the stream hub for outputs, the Generate
 servicer for calls and errors). Thread-safe.
 
-    received                   Generate calls
+    received                   Generate calls (a VllmEngine call with n choices: n)
     rejected[code]             calls that ended with an error status before their first output
     finished[(reason, stop)]   requests that ended with a final output (length, stop, abort),
                                or with an error status after an output (error); reason is
@@ -56,18 +56,19 @@ class ServingCounters:
         self._tokens = [0, 0, 0]                # prompt, cached prompt, generation
         self._recent: deque = deque()           # (time, computed prompt tokens, generated)
 
-    def received(self) -> None:
+    def received(self, n: int = 1) -> None:
+        """`n` requests arrived (a VllmEngine call with n choices stands for n)."""
         with self._lock:
-            self._received += 1
+            self._received += n
 
-    def rejected(self, code: str) -> None:
+    def rejected(self, code: str, n: int = 1) -> None:
         with self._lock:
-            self._rejected[code] += 1
+            self._rejected[code] += n
 
-    def failed_after_output(self) -> None:
-        """A request that streamed outputs, then ended with an error status."""
+    def failed_after_output(self, n: int = 1) -> None:
+        """`n` requests that streamed outputs, then ended with an error status."""
         with self._lock:
-            self._finished[ERROR_LABELS] += 1
+            self._finished[ERROR_LABELS] += n
 
     def record(self, outputs: list[RequestOutput]) -> None:
         """Count one hand-off's outputs (outputs carrying an error are counted by the servicer,

@@ -78,6 +78,22 @@ def test_gateway_args_are_smg_launch_flags_naming_every_replica(gateway_objects,
         assert "namespace" not in obj["metadata"], key
 
 
+def test_gateway_drains_within_the_pods_termination_grace(gateway_objects):
+    # smg waits --shutdown-grace-period-secs (180 by default) for its open streams after
+    # SIGTERM, after a settle window of up to 5 s; Kubernetes kills the pod after
+    # terminationGracePeriodSeconds (30 by default): a rolling update of the gateway cut every
+    # OpenAI stream older than that mid-stream, while the replicas drain theirs for
+    # --grace-period (20 s) within 45 s.
+    dep, ctr = _container(gateway_objects)
+    args = smg_args(ctr["args"])
+    pod_grace = dep["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+    assert 5 + args.shutdown_grace_period_secs < pod_grace
+    [replica] = [d for d in load(K8S, "scheduler-deployment.yaml") if d["kind"] == "Deployment"]
+    replica_args = replica["spec"]["template"]["spec"]["containers"][0]["args"]
+    replica_grace = float(replica_args[replica_args.index("--grace-period") + 1])
+    assert args.shutdown_grace_period_secs >= replica_grace   # the replica's streams finish
+
+
 def test_gateway_metrics_are_scraped_where_it_serves_them(gateway_objects):
     dep, ctr = _container(gateway_objects)
     annotations = dep["spec"]["template"]["metadata"]["annotations"]

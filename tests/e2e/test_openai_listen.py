@@ -62,8 +62,11 @@ def chat_model(tiny_models, tmp_path_factory):
 
 
 def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model, tmp_path):
+    # A grace period longer than the test's wait: the gateway's KV-event stream must not hold
+    # the drain (it ends when the gateway exits, which the drain does not wait on).
     serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY,
-                  "--tensor-parallel-size", "1", "--served-model-name", "my-model")
+                  "--tensor-parallel-size", "1", "--served-model-name", "my-model",
+                  "--grace-period", "600")
     try:
         text = serve.wait_ready(240)
         url = f"http://127.0.0.1:{serve.openai_port}/v1"
@@ -89,10 +92,12 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
         serve.proc.send_signal(signal.SIGINT)       # what Ctrl-C delivers
         assert serve.proc.wait(60) == 0, serve.text()
         assert all(gone(pid) for pid in children.values())
-        # The gateway (the front) stops before the scheduler drains: its KV-event stream would
-        # otherwise hold the drain for the whole grace period.
+        # The gateway (the front) stops while the scheduler drains (its OpenAI streams are the
+        # drain's to finish), and is gone before the worker stops.
         out = serve.text()
-        assert out.rindex("\n[smg] ") < out.index("draining (grace period"), out[-3000:]
+        draining = out.index("draining (grace period 600.0 s)")
+        assert draining < out.index("[smg] ", draining), out[-3000:]
+        assert out.index("Process exiting.") < out.index("stopping worker"), out[-3000:]
     finally:
         serve.close()
 

@@ -97,10 +97,16 @@ def interceptors(auth: WorkerAuth) -> tuple[grpc.ServerInterceptor, ...]:
 
 
 def add_port(server: grpc.Server, listen: str, auth: WorkerAuth) -> int:
-    """Bind `listen` (TLS requiring a client certificate when `auth` has one); the port."""
-    if auth.tls:
-        return server.add_secure_port(listen, server_credentials(auth.cert, auth.key, auth.ca))
-    return server.add_insecure_port(listen)
+    """Bind `listen` (TLS requiring a client certificate when `auth` has one); the port.
+    OSError when it cannot be bound (grpc raises a RuntimeError: a port in use was a traceback
+    and exit code 1 instead of the CLI's one line and 2)."""
+    try:
+        if auth.tls:
+            return server.add_secure_port(listen,
+                                          server_credentials(auth.cert, auth.key, auth.ca))
+        return server.add_insecure_port(listen)
+    except RuntimeError as e:
+        raise OSError(f"could not listen on {listen}: {e}") from None
 
 
 def is_loopback(listen: str) -> bool:

@@ -29,6 +29,7 @@ from concurrent import futures
 import grpc
 
 from engine_common.configuration.config import WorkerServiceOptions
+from engine_common.configuration.listen_address import check_bind_port
 from engine_common.runtime.gil_switch import shorten_gil_switch_interval
 from engine_common.runtime.metrics_http import start_metrics_server
 from engine_common.runtime.stop_signals import StopSignals
@@ -101,6 +102,7 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(worker, set_ready, options.simulated_device_ms), server)
     _add_reflection(server)
+    check_bind_port(listen)
     port = add_port(server, listen, auth)
     if port == 0:
         raise OSError(f"could not listen on {listen!r}")

@@ -37,8 +37,12 @@ def test_host_and_port_name_the_openai_listener_and_off_turns_it_off():
     assert _options("scheduler", "--model", "m", "--workers", "w:1", "--port", "9000"
                     )[0].openai_listen == "127.0.0.1:9000"
     assert not _options("serve", "--openai-listen", "off")[0].enabled
-    with pytest.raises(ParamError, match="host"):
+    with pytest.raises(ParamError, match="--host='0.0.0.0' is invalid: must be unset with "
+                       "--openai-listen"):
         _options("serve", "--openai-listen", "127.0.0.1:1", "--host", "0.0.0.0")
+    with pytest.raises(ParamError, match="--port=9000 is invalid: must be unset with "
+                       "--openai-listen"):                       # was "host=None is invalid"
+        _options("serve", "--openai-listen", "off", "--port", "9000")
     with pytest.raises(ParamError, match="openai_listen"):
         _options("serve", "--openai-listen", "nowhere")
 
@@ -126,3 +130,42 @@ def test_a_default_listener_gives_way_to_the_grpc_ports_keys_and_an_asked_one_is
     args = parser.parse_args(["serve", "--api-key-file", str(keys), "--port", "8001"])
     with pytest.raises(ParamError, match="api_key_file"):
         openai_front(args, ApiOptions(api_key_file=str(keys)), "m", "localhost:1")
+
+
+def test_the_gateway_is_given_the_drain_before_it_is_killed(monkeypatch):
+    # Stopped while the scheduler drains, the gateway waits for the OpenAI streams the drain
+    # still serves: killed 15 s after SIGTERM whatever --grace-period said, a client streaming
+    # through a longer grace period got its connection cut instead of the drain's status.
+    import math
+    import threading
+    from deltaserve import openai_gateway
+    waited = []
+    monkeypatch.setattr(openai_gateway, "stop_process", lambda proc, t: waited.append(t))
+    child = GatewayChild.__new__(GatewayChild)
+    child.proc, child._pump = object(), threading.Thread(target=lambda: None)
+    child._pump.start()
+    child.stop(60.0)
+    child.stop(math.inf)          # --grace-period inf: never killed
+    child.stop()                  # no drain (a start-up failure): the gateway's own stop
+    assert waited == [60.0 + openai_gateway._STOP_SECONDS, None, openai_gateway._STOP_SECONDS]
+
+
+def test_an_openai_port_in_use_is_refused_before_anything_starts(tmp_path, monkeypatch,
+                                                                  capsys):
+    # Before, the model loaded, the worker started, and then the gateway failed to bind: its
+    # Python traceback in our log and exit code 1, where a port in use is one line and 2.
+    import socket
+    from deltaserve import cli, embedded, openai_gateway
+    from tests.support.sim_server import make_sim_model_dir
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    monkeypatch.setattr(openai_gateway, "find_smg", lambda: "smg")
+    model = make_sim_model_dir(tmp_path / "model")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--model", str(model), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"deltaserve serve: error: could not listen on 127.0.0.1:{port} (the "
+                       "OpenAI API): Address already in use"), err

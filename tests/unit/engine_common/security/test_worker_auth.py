@@ -32,10 +32,16 @@ def test_the_token_is_compared_exactly():
     assert WorkerAuth().accepts(None) and not WorkerAuth().enabled
 
 
-@pytest.mark.parametrize("text", ["short", "has a space inside it", "x" * 15, "tab\there-xxxxxxxx"])
+@pytest.mark.parametrize("text", ["short", "has a space inside it", "x" * 15, "tab\there-xxxxxxxx",
+                                  "x" * 1025])
 def test_a_weak_or_malformed_token_is_refused(text):
     with pytest.raises(ParamError, match="at least 16 printable ASCII characters"):
         parse_token(text, "file")
+
+
+def test_the_longest_token_a_grpc_header_carries_is_taken():
+    """1025 characters and more are refused above: gRPC refuses such a header on every call."""
+    assert parse_token("x" * 1024, "file") == "x" * 1024
 
 
 def test_tls_needs_the_certificate_its_key_and_the_ca(tmp_path):

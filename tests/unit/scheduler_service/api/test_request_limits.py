@@ -88,6 +88,10 @@ def test_api_key_files(tmp_path):
     path.write_text("key-aaaaaaaaaaaaaaaa\nshort\n")
     with pytest.raises(ParamError, match=r"keys:2' is invalid: must be one key per line"):
         load_api_keys(str(path))
+    path.write_text("k" * 1025 + "\n")     # no client could send it: gRPC refuses the header
+    with pytest.raises(ParamError, match=r"keys:1' is invalid: must be one key per line, .* "
+                                         r"at most 1024"):
+        load_api_keys(str(path))
     path.write_text("# nothing\n")
     with pytest.raises(ParamError, match="at least one key"):
         load_api_keys(str(path))

@@ -1,0 +1,78 @@
+"""`deltaserve serve` flags refused in one line, exit status 2, before any child starts:
+--kv-cache-gib inf (an OverflowError traceback before) or a bad number (argparse's "invalid
+gib_to_bytes value", which named neither rule nor range), and a --worker-listen the scheduler
+cannot dial (port 0 left the scheduler waiting for ever for a worker it could not reach);
+a config refusal names the flag (--step-timeout), not the field (step_timeout_s)."""
+from __future__ import annotations
+
+import pytest
+
+from deltaserve import cli
+
+NO_MODEL = "/nonexistent/model"     # never read: the flags are refused first
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-1", "x"])
+def test_a_kv_cache_gib_that_is_no_finite_positive_size_is_refused_naming_the_rule(
+        value, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", "--model", NO_MODEL, f"--kv-cache-gib={value}"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"--kv-cache-gib={value} is invalid: must be a finite number of GiB > 0"
+            in err), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:65536", "nonsense", ":50052",
+                                    "127.0.0.1:-1"])
+def test_a_worker_listen_the_scheduler_cannot_dial_is_refused_before_the_worker_starts(
+        listen, capsys, monkeypatch):
+    from deltaserve import embedded
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    assert cli.main(["serve", "--model", NO_MODEL, "--worker-listen", listen]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deltaserve serve: error: --worker-listen=") and (
+        "is invalid: must be HOST:PORT with a port in [1, 65535]" in err), err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tensor-parallel-size", "0"], "--local-ranks=0 is invalid: must be an integer in "
+     "[1, inf] (--tensor-parallel-size, -tp: the same flag)"),
+    (["--step-timeout", "-1"], "--step-timeout=-1.0 is invalid: must be a number > 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs=0 is invalid: must be an integer in [1, inf]"),
+])
+def test_a_config_refusal_names_the_flag_the_operator_typed_not_the_field(
+        argv, message, capsys):
+    """local_ranks, step_timeout_s: fields no flag is called."""
+    assert cli.main(["serve", "--model", NO_MODEL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deltaserve serve: error: {message}\n", err
+
+
+@pytest.mark.parametrize("workers", ["127.0.0.1:0", "127.0.0.1:50052,nohost"])
+def test_a_scheduler_worker_address_it_cannot_dial_is_refused_not_retried_for_ever(
+        workers, capsys):
+    assert cli.main(["scheduler", "--model", NO_MODEL, "--workers", workers]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deltaserve scheduler: error: --workers=") and (
+        "must be HOST:PORT with a port in [1, 65535]" in err), err
+
+
+
+def test_the_worker_on_the_public_ports_number_is_refused_before_it_starts(capsys, monkeypatch):
+    """The worker then failed to bind, and serve exited 1 once it had started it."""
+    from deltaserve import embedded
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    assert cli.main(["serve", "--model", NO_MODEL, "--listen", "127.0.0.1:50061",
+                     "--worker-listen", "localhost:50061"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("deltaserve serve: error: --worker-listen='localhost:50061' is invalid: must "
+                   "be a port other than --listen's (127.0.0.1:50061)\n"), err
