@@ -144,6 +144,10 @@ def _cmd_scheduler(args) -> int:
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     if not workers:
         raise CliError("--workers names no address")
+    if len(set(workers)) < len(workers):   # one worker as two nodes: its Init would run twice
+        twice = sorted({w for w in workers if workers.count(w) > 1})
+        raise CliError(f"--workers={args.workers!r} is invalid: must name each worker once "
+                       f"({', '.join(twice)} given more than once)")
     with _startup_errors():
         for worker in workers:
             check_dial_address("--workers", worker)

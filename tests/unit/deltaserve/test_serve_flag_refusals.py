@@ -63,6 +63,14 @@ def test_a_scheduler_worker_address_it_cannot_dial_is_refused_not_retried_for_ev
         "must be HOST:PORT with a port in [1, 65535]" in err), err
 
 
+def test_a_worker_named_twice_in_scheduler_workers_is_refused(capsys):
+    """It would be Init-ed as two nodes of one tensor-parallel group."""
+    workers = "127.0.0.1:50052,127.0.0.1:50053,127.0.0.1:50052"
+    assert cli.main(["scheduler", "--model", NO_MODEL, "--workers", workers]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"deltaserve scheduler: error: --workers={workers!r} is invalid: "
+                           "must name each worker once (127.0.0.1:50052 given more than once)")
+
 
 def test_the_worker_on_the_public_ports_number_is_refused_before_it_starts(capsys, monkeypatch):
     """The worker then failed to bind, and serve exited 1 once it had started it."""
