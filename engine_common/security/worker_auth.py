@@ -79,8 +79,9 @@ class WorkerCredentials:
         given = [name for name, value in tls.items() if value is not None]
         if given and len(given) < len(tls):
             missing = sorted(set(tls) - set(given))
-            raise ParamError(missing[0], None, f"set together with {', '.join(given)} (mutual "
-                             "TLS needs the certificate, its key and the CA)")
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ParamError(missing[0], None, f"set together with {flags} (mutual TLS needs "
+                             "the certificate, its key and the CA)")
         if self.worker_tls_allowed_clients is not None:
             if not given:
                 raise ParamError("worker_tls_allowed_clients", self.worker_tls_allowed_clients,

@@ -48,7 +48,7 @@ def test_tls_needs_the_certificate_its_key_and_the_ca(tmp_path):
     pem = tmp_path / "x.pem"
     pem.write_text("-----BEGIN CERTIFICATE-----\n")
     with pytest.raises(ParamError, match="worker_tls_ca=None is invalid: must be set together "
-                                         "with worker_tls_cert, worker_tls_key"):
+                                         "with --worker-tls-cert, --worker-tls-key"):
         WorkerCredentials(worker_tls_cert=str(pem), worker_tls_key=str(pem))
     with pytest.raises(ParamError, match="worker_token_file='/no/such' is invalid: must be a "
                                          "readable file or - "):
