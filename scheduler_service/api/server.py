@@ -187,16 +187,21 @@ class SchedulerServer:
         await self.server.start()
         await self.readiness.start()
 
-    async def stop(self, grace_period_s: float | None = None) -> None:
-        """Drain: readiness NOT_SERVING, no new RPCs, open streams finish or are cancelled."""
+    async def stop(self, grace_period_s: float | None = None,
+                   hurry: asyncio.Event | None = None) -> None:
+        """Drain: readiness NOT_SERVING, no new RPCs, open streams finish or are cancelled.
+        `hurry` set (a second Ctrl-C) ends the grace period at once."""
         grace = self.grace_period_s if grace_period_s is None else grace_period_s
         await self.readiness.drain()
         # Streams still open at the end of the grace period are failed by the engine
         # (UNAVAILABLE "the server is shutting down") before gRPC cancels them: grpc's own
         # cancel reached the clients first as a bare "UNAVAILABLE: Cancelling all calls".
         stopping = asyncio.ensure_future(self.server.stop(grace + _STREAM_FAIL_SECONDS))
-        done, _ = await asyncio.wait({stopping}, timeout=grace)
-        if not done:
+        hurried = asyncio.ensure_future((hurry or asyncio.Event()).wait())
+        done, _ = await asyncio.wait({stopping, hurried}, timeout=grace,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        hurried.cancel()
+        if stopping not in done:
             await asyncio.to_thread(self.engine.shutdown)
         await stopping
         await asyncio.to_thread(self.engine.shutdown)     # a second call returns at once
@@ -309,13 +314,21 @@ async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,
     # and its own streams (KV events) end when it exits. Stopped first, it waited for streams
     # we no longer served until it was killed, and the grace period began only after that.
     front = asyncio.create_task(asyncio.to_thread(on_drain)) if on_drain is not None else None
-    log.info("draining (grace period %.1f s)", app.grace_period_s)
-    await app.stop()
+    log.info("draining (grace period %.1f s; Ctrl-C again ends it now)", app.grace_period_s)
+    hurry = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, _hurry, hurry)   # a repeated SIGTERM changes nothing
+    await app.stop(hurry=hurry)
     if front is not None:
         await front
     if refused:
         return 2
     return 1 if reason else 0
+
+
+def _hurry(hurry: asyncio.Event) -> None:
+    if not hurry.is_set():
+        log.warning("second Ctrl-C: ending the drain now (open streams get UNAVAILABLE)")
+        hurry.set()
 
 
 async def _watch(app: SchedulerServer, stop: asyncio.Event,
