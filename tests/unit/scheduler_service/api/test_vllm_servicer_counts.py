@@ -10,22 +10,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine_common.wire.protos import vllm_engine_pb2_grpc
-from tests.support.sim_server import SimServer, make_sim_model_dir
 from tests.support.vllm_sim import generate, rpc_code, wait_until
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = SimServer(make_sim_model_dir(tmp_path_factory.mktemp("sim-model")))
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
+# `server` and `stub`: conftest.py (a fresh SimServer per test)
 
 
 def _balance(server) -> tuple[int, int, int]:
