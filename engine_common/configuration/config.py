@@ -49,17 +49,24 @@ def gib_to_bytes(text: str) -> int:
     return int(gib * GIB)
 
 
+MAX_NUM_SEQS = 65536
+INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class BatchLimits:
     """Limits of one step and one request, shared by the scheduler and the workers."""
 
-    max_num_seqs: int = setting(256, "requests in the running batch", rule=AtLeast(1), wire=10)
+    # Upper bounds: a worker sizes per-row buffers by max_num_seqs, and the wire carries these
+    # as 32-bit integers (a value past them was blamed on another flag, or overflowed).
+    max_num_seqs: int = setting(256, "requests in the running batch",
+                                rule=AtLeast(1, MAX_NUM_SEQS), wire=10)
     max_num_batched_tokens: int = setting(
         2048, "tokens (prefill chunks + decodes) in one step; >= --max-num-seqs",
-        rule=AtLeast(1), wire=11)
+        rule=AtLeast(1, INT32_MAX), wire=11)
     max_model_len: int | None = setting(
         None, "prompt + output tokens of one request; unset: the model's "
-        "max_position_embeddings", rule=AtLeast(1), wire=4)
+        "max_position_embeddings", rule=AtLeast(1, INT32_MAX), wire=4)
     block_size: int = setting(16, "tokens per KV-cache block, a power of two",
                               rule=PowerOfTwo(1024), wire=5)
 

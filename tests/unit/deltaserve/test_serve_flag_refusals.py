@@ -44,7 +44,7 @@ def test_a_worker_listen_the_scheduler_cannot_dial_is_refused_before_the_worker_
     (["--tensor-parallel-size", "0"], "--local-ranks=0 is invalid: must be an integer in "
      "[1, inf] (--tensor-parallel-size, -tp: the same flag)"),
     (["--step-timeout", "-1"], "--step-timeout=-1.0 is invalid: must be a number > 0"),
-    (["--max-num-seqs", "0"], "--max-num-seqs=0 is invalid: must be an integer in [1, inf]"),
+    (["--max-num-seqs", "0"], "--max-num-seqs=0 is invalid: must be an integer in [1, 65536]"),
 ])
 def test_a_config_refusal_names_the_flag_the_operator_typed_not_the_field(
         argv, message, capsys):
@@ -84,3 +84,15 @@ def test_the_worker_on_the_public_ports_number_is_refused_before_it_starts(capsy
     err = capsys.readouterr().err
     assert err == ("deltaserve serve: error: --worker-listen='localhost:50061' is invalid: must "
                    "be a port other than --listen's (127.0.0.1:50061)\n"), err
+
+
+@pytest.mark.parametrize("flag, bound", [("--max-num-seqs", "[1, 65536]"),
+                                         ("--max-num-batched-tokens", "[1, 2147483647]"),
+                                         ("--max-model-len", "[1, 2147483647]")])
+def test_a_batch_limit_past_its_bound_is_refused_under_its_own_name(flag, bound, capsys):
+    """--max-num-seqs 1e20 was blamed on --max-num-batched-tokens ("must be >= max_num_seqs")."""
+    huge = "99999999999999999999"
+    assert cli.main(["serve", "--model", NO_MODEL, flag, huge]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"deltaserve serve: error: {flag}={huge} is invalid: must be an integer in "
+                   f"{bound}\n")
