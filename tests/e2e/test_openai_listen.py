@@ -95,7 +95,7 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
         # The gateway (the front) stops while the scheduler drains (its OpenAI streams are the
         # drain's to finish), and is gone before the worker stops.
         out = serve.text()
-        draining = out.index("draining (grace period 600.0 s)")
+        draining = out.index("draining (grace period 600.0 s;")
         assert draining < out.index("[smg] ", draining), out[-3000:]
         assert out.index("Process exiting.") < out.index("stopping worker"), out[-3000:]
     finally:
