@@ -11,9 +11,12 @@ Stop-string rules:
   complete in the same token's text, the first in the request's list (vLLM's
   check_stop_strings), at its first place there;
 - the text is cut before the stop string, or after it with `include_stop_str_in_output`;
-- while a request has stop strings, the last (longest stop - 1) characters of unsent text are held
-  back, so a stop string straddling two steps never reaches the client in part; held text is
-  flushed when the request finishes for any other reason.
+- while a request's stop strings are cut (include_stop_str_in_output=False), the last (longest
+  stop - 1) characters of unsent text are held back, so a stop string straddling two steps never
+  reaches the client in part; held text is sent when the request finishes for any other reason.
+  With include_stop_str_in_output nothing is held back (vLLM's stop_buffer_length 0): a stop
+  string may then begin in text already sent, so the last (longest stop - 1) characters sent
+  are kept for matching (`sent_tail`), and the text still ends at the stop string's end.
 Every token id is reported, even those whose text was cut.
 
 Tokens that arrive for a request after its stop string matched (the engine learns of the match
@@ -65,12 +68,14 @@ class _RequestState:
     stopping: StoppingParams
     num_logprobs: int | None       # None: the request wants no logprob (its outputs carry none)
     detokenizer: IncrementalDetokenizer
-    hold_back: int                 # characters of unsent text held while stop strings are active
+    hold_back: int                 # characters of unsent text held while stop strings are cut
+    tail_len: int                  # characters of sent text kept for matching (included stops)
     timings: RequestTimings
     num_cached_tokens: int = 0
-    # Text not sent yet. A stop string can never begin in text already sent (held-back text stays
-    # here), so matching needs only this buffer.
+    # Text not sent yet, and the end of the text sent (`tail_len` characters): a stop string
+    # begins in one or the other (with hold-back, never in text sent).
     unsent: str = ""
+    sent_tail: str = ""
     num_output_tokens: int = 0
     stop_string: str | None = None
     # No stop strings and both first times known: one plain token takes `process`'s short path.
@@ -119,9 +124,11 @@ class OutputProcessor:
         stops = request.stopping.stop
         detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
                                        self._skip_special_tokens)
-        hold_back = max((len(s) for s in stops), default=1) - 1
+        window = max((len(s) for s in stops), default=1) - 1
+        include = request.stopping.include_stop_str_in_output
         state = _RequestState(request.request_id, request.num_prompt_tokens, request.stopping,
-                              request.num_logprobs, detok, hold_back,
+                              request.num_logprobs, detok, 0 if include else window,
+                              window if include else 0,
                               RequestTimings(request.arrival_time, None, None))
         if self._final_only:
             state.kept = _Kept()
@@ -317,15 +324,18 @@ class OutputProcessor:
 
     def _check_stop(self, state: _RequestState, new_start: int) -> None:
         """Find a stop string that completes in unsent[new_start:] (the first listed, as vLLM);
-        cut the text there."""
+        cut the text there. It may begin in `sent_tail`; it ends in unsent text, so the cut
+        (before it with hold-back, after it without) never reaches text already sent."""
+        sent = len(state.sent_tail)
+        text = state.sent_tail + state.unsent if sent else state.unsent
         for stop in state.stops:
-            pos = state.unsent.find(stop, max(0, new_start - len(stop) + 1))
+            pos = text.find(stop, max(0, sent + new_start - len(stop) + 1))
             if pos >= 0:
                 break
         else:
             return
         keep = pos + len(stop) if state.stopping.include_stop_str_in_output else pos
-        state.unsent = state.unsent[:keep]
+        state.unsent = text[sent:keep]
         state.stop_string = stop
 
     def _finish(self, state, token_ids, logprobs, reason, stop_reason,
@@ -339,9 +349,11 @@ class OutputProcessor:
     def _output(self, state: _RequestState, token_ids, logprobs, finished: bool,
                 reason: RequestStatus | None, stop_reason) -> RequestOutput:
         send_upto = len(state.unsent)
-        if not finished and state.stops:
+        if not finished and state.hold_back:
             send_upto = max(0, send_upto - state.hold_back)
         new_text, state.unsent = state.unsent[:send_upto], state.unsent[send_upto:]
+        if state.tail_len and new_text:
+            state.sent_tail = (state.sent_tail + new_text)[-state.tail_len:]
         return RequestOutput(state.request_id, token_ids, new_text, logprobs, finished, reason,
                              stop_reason, state.num_prompt_tokens, state.num_output_tokens,
                              state.num_cached_tokens, state.timings)

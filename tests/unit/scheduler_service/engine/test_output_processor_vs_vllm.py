@@ -1,0 +1,67 @@
+"""The OutputProcessor's streamed text step by step against a model of vLLM v1's
+(tests/support/vllm_text.py): the hold-back only when stop strings are cut, no hold-back with
+include_stop_str_in_output."""
+import random
+
+import pytest
+
+from engine_common.request.params import SamplingParams, StoppingParams
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.step_result import TokenUpdate
+from scheduler_service.engine.output_processor import OutputProcessor
+from tests.support.tokenizers import _byte_token_ids
+from tests.support.vllm_text import VllmTextModel
+
+LEN, STOP_TOK, STOP_STR = (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOP_TOKEN,
+                           RequestStatus.FINISHED_STOP_STRING)
+
+
+def stream(tok, ids, chunk=1, finish=LEN, final_only=False, **stopping):
+    """(our outputs, vLLM's DELTA texts, vLLM's stop string) for `ids` fed `chunk` at a time,
+    the last chunk finishing with `finish`; both stop at a matched stop string."""
+    req = Request("r", tok.encode("Q:"), SamplingParams(),
+                  StoppingParams(max_tokens=None, **stopping))
+    model = VllmTextModel(tok, req.prompt_token_ids, list(req.stopping.stop),
+                          req.stopping.include_stop_str_in_output, req.stopping.min_tokens)
+    proc = OutputProcessor(tok, final_only=final_only)
+    proc.add_request(req)
+    outs, deltas, matched = [], [], None
+    chunks = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    for n, part in enumerate(chunks):
+        last = n == len(chunks) - 1
+        reason = finish if last else None
+        stop_token = part[-1] if last and finish == STOP_TOK else None
+        got, _ = proc.process([TokenUpdate("r", part, [-1.0] * len(part), None, reason,
+                                           stop_token, 0, None, None, None)])
+        outs += got
+        matched = model.update(part, reason == STOP_TOK)
+        deltas.append(model.delta(finished=last or matched is not None))
+        if matched is not None:
+            break
+    return outs, deltas, matched
+
+
+def chars(tok, text: str) -> list[int]:
+    return _byte_token_ids(tok, text.encode())
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_each_steps_text_is_vllms(tok, include):
+    outs, deltas, matched = stream(tok, chars(tok, "Hello wor wor world and more"),
+                                   stop=["world"], include_stop_str_in_output=include)
+    assert [o.new_text for o in outs] == deltas and matched == "world"
+    if include:     # vLLM holds nothing back: every character goes out with its own token
+        assert deltas[:4] == ["H", "e", "l", "l"]
+        assert "".join(deltas) == "Hello wor wor world"
+    else:           # the last len("world") - 1 characters wait
+        assert deltas[:5] == ["", "", "", "", "H"]
+        assert "".join(deltas) == "Hello wor wor "
+
+
+def test_included_stop_string_may_begin_in_text_already_sent(tok):
+    """Nothing is held back with include_stop_str_in_output, so "ab" goes out before "c"
+    completes "abc"; the match still counts, and the text ends at the stop string's end."""
+    outs, deltas, _ = stream(tok, chars(tok, "xabcz"), stop=["abc"],
+                             include_stop_str_in_output=True)
+    assert [o.new_text for o in outs] == deltas == ["x", "a", "b", "c"]
+    assert outs[-1].finish_reason == STOP_STR and outs[-1].stop_reason == "abc"
