@@ -159,9 +159,10 @@ class IncrementalDetokenizer:
     """Turns generated ids into text one token at a time.
 
     `add` returns only complete characters: bytes of a character split across tokens are held until
-    the character is complete. `flush` returns what is still held (as U+FFFD) once generation ends.
-    For byte-level BPE tokenizers the concatenation of everything returned equals
-    `tokenizer.decode(output_ids)`.
+    the character is complete (as tokenizers' DecodeStream, which vLLM v1 steps). For byte-level
+    BPE tokenizers the concatenation of what `add` returns equals `tokenizer.decode(output_ids)`,
+    less the characters of the ids still held at the end; `flush` returns those as decode gives
+    them (U+FFFD for an unfinished character). The output processor never sends them, as vLLM.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
@@ -219,7 +220,8 @@ class IncrementalDetokenizer:
         return piece
 
     def flush(self) -> str:
-        """Text still held at the end of generation (an unfinished character decodes to U+FFFD)."""
+        """Text of the ids still held (an unfinished character decodes to U+FFFD); they are
+        released."""
         if self._num_done == len(self._ids):
             return ""
         piece = self._held_text()
@@ -244,3 +246,16 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=self._ids[-_CONTEXT_TOKENS:],
                                     skip_special_tokens=self._skip)
         return piece
+
+
+def streamed_text(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
+    """What an IncrementalDetokenizer's `add` returns for `token_ids`, joined, on a byte-level
+    decoder: their decoded text, less a character they leave unfinished at the end (its bytes,
+    and any token ending with them, are never streamed). Decoded once unless the text ends in
+    U+FFFD; a byte-level decoder's text is the same after whole characters whatever came before,
+    so no prompt is needed."""
+    text = tokenizer.decode(token_ids, skip_special_tokens)
+    if not text.endswith(_REPLACEMENT):
+        return text
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
+    return "".join(map(detok.add, token_ids))

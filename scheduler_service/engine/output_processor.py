@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 
 from engine_common.request.params import StoppingParams
-from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer, streamed_text
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.engine.request_output import (RequestOutput, RequestTimings,
@@ -257,19 +257,14 @@ class OutputProcessor:
             return self._finish(state, token_ids, logprobs, RequestStatus.FINISHED_STOP_STRING,
                                 state.stop_string, None)
         if update.finished:
-            self._append_text(state, self._deferred_text(state, token_ids, update.finish_reason)
-                              if state.defer_text else state.detokenizer.flush())
+            # Ids the detokenizer still holds (a character left unfinished) are dropped, never
+            # sent as U+FFFD: vLLM v1 flushes nothing (docs/serving_text_path.md).
+            if state.defer_text:
+                self._append_text(state, self._deferred_text(state, token_ids,
+                                                             update.finish_reason))
             return self._finish(state, token_ids, logprobs, update.finish_reason,
-                                self._stop_reason(state, update), update.finish_time)
+                                update.stop_token_id, update.finish_time)
         return self._output(state, token_ids, logprobs, False, None, None)
-
-    @staticmethod
-    def _stop_reason(state: _RequestState, update: TokenUpdate) -> int | str | None:
-        """The engine's finish keeps its reason; a stop string the flushed text completed is
-        still named (an abort names none)."""
-        if state.stop_string is not None and update.finish_reason != RequestStatus.FINISHED_ABORTED:
-            return state.stop_string
-        return update.stop_token_id
 
     @staticmethod
     def _note_times(state: _RequestState, update: TokenUpdate) -> None:
@@ -294,12 +289,12 @@ class OutputProcessor:
 
     def _deferred_text(self, state: _RequestState, token_ids: list[int],
                        finish_reason: RequestStatus | None) -> str:
-        """A deferred-text request's whole text, at its finish: what the incremental pieces and
-        the final flush join into (a byte-level decoder; no stop strings)."""
+        """A deferred-text request's whole text, at its finish: what the incremental pieces
+        join into (a byte-level decoder; no stop strings)."""
         ids = state.kept.token_ids + token_ids
         if token_ids and self._drops_last(state, finish_reason):
             ids.pop()
-        return self._tokenizer.decode(ids, self._skip_special_tokens)
+        return streamed_text(self._tokenizer, ids, self._skip_special_tokens)
 
     def _detokenize(self, state: _RequestState, token_ids: list[int],
                     finish_reason: RequestStatus | None) -> None:

@@ -127,8 +127,9 @@ def test_sentencepiece_final_output_equals_merged_per_step_outputs(byte_fallback
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_deferred_text_equals_incremental_text(byte_level, skip):
-    # The finish-time decode against the incremental detokenizer's pieces and flush, with the
-    # text of a stop token left out or kept, special tokens skipped or not.
+    # The finish-time decode against the incremental detokenizer's pieces (a character left
+    # unfinished at the end dropped from both), with the text of a stop token left out or kept,
+    # special tokens skipped or not.
     rng = random.Random(5 + skip)
     split_ids = _byte_token_ids(byte_level, "你好🙂é".encode())
     for trial in range(300):

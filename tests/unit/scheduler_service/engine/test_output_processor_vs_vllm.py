@@ -1,6 +1,6 @@
 """The OutputProcessor's streamed text step by step against a model of vLLM v1's
 (tests/support/vllm_text.py): the hold-back only when stop strings are cut, no hold-back with
-include_stop_str_in_output."""
+include_stop_str_in_output, and no U+FFFD for a character the generation left unfinished."""
 import random
 
 import pytest
@@ -65,3 +65,45 @@ def test_included_stop_string_may_begin_in_text_already_sent(tok):
                              include_stop_str_in_output=True)
     assert [o.new_text for o in outs] == deltas == ["x", "a", "b", "c"]
     assert outs[-1].finish_reason == STOP_STR and outs[-1].stop_reason == "abc"
+
+
+def test_unfinished_character_at_the_end_is_not_sent(tok):
+    """As vLLM: bytes of a character the last tokens left unfinished never become text (no
+    U+FFFD); the same on the final-only path, whose text is decoded once at the finish."""
+    ids = chars(tok, "ab你")[:-1]
+    assert tok.decode(ids) == "ab\ufffd"
+    for final_only in (False, True):
+        outs, deltas, _ = stream(tok, ids, final_only=final_only)
+        assert "".join(o.new_text for o in outs) == "".join(deltas) == "ab"
+        assert outs[-1].finished and outs[-1].new_token_ids[-1:] == ids[-1:]
+    # an invalid byte mid-text is text (vLLM streams it), only the unfinished end is not
+    ids = chars(tok, "a") + chars(tok, "你")[:1] + chars(tok, "b") + chars(tok, "好")[:2]
+    outs, deltas, _ = stream(tok, ids)
+    assert "".join(o.new_text for o in outs) == "".join(deltas) == "a\ufffdb"
+
+
+def test_random_streams_match_vllm_step_by_step(tok):
+    """Random texts (whole tokens or one token per byte, cut anywhere, even inside a
+    character), stop strings, include_stop_str_in_output, min_tokens, finishes on length or on
+    a stop token. With several tokens a step, one stop string (vLLM looks once per step, this
+    processor after each token: the same with one string)."""
+    rng = random.Random(11)
+    alphabet = ["a", "b", " ", "你", "好", "🙂", "é", "x"]
+    for trial in range(250):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 20)))
+        ids = chars(tok, text) if rng.random() < 0.5 else tok.encode(text)[1:]
+        ids = ids[:rng.randrange(1, len(ids) + 1)]
+        chunk = 1 if rng.random() < 0.6 else rng.randrange(2, 5)
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 5)))
+                 for _ in range(rng.randrange(0, 4 if chunk == 1 else 2))]
+        include = rng.random() < 0.5
+        finish = LEN if rng.random() < 0.7 else STOP_TOK
+        min_tokens = rng.choice([0, 0, 2, 5])
+        outs, deltas, matched = stream(tok, ids, chunk, finish, stop=stops,
+                                       include_stop_str_in_output=include,
+                                       min_tokens=min_tokens)
+        case = (text, ids, chunk, stops, include, finish, min_tokens)
+        assert [o.new_text for o in outs] == deltas, case
+        assert outs[-1].finished and outs[-1].stop_reason == (
+            matched if matched is not None else outs[-1].stop_reason), case
+        assert (outs[-1].finish_reason == STOP_STR) == (matched is not None), case
