@@ -137,8 +137,8 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, skip_special_tokens: bool) -> dict[int, str] | None:
-        """token id -> its text decoded alone ("" when that ends inside a character), filled
-        by `token_text` as ids are met; None unless the decoder is byte-level. A byte-level
+        """token id -> its text decoded alone (ending in U+FFFD when it ends inside a
+        character), filled by `token_text` as ids are met; None unless the decoder is byte-level. A byte-level
         decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its own bytes and decodes
         their concatenation, so after ids that decode to whole characters a token adds exactly
         its text alone when that ends in a whole character. Sentencepiece decoders strip a
@@ -146,11 +146,9 @@ class Tokenizer:
         return None if self._token_texts is None else self._token_texts[skip_special_tokens]
 
     def token_text(self, token_id: int, skip_special_tokens: bool) -> str:
-        """Fill and return token_texts' entry for `token_id`: "" when its text ends inside a
-        character (U+FFFD), since it then adds no text until a later token completes it."""
+        """Fill and return token_texts' entry for `token_id`. Text ending in U+FFFD (inside a
+        character) adds nothing until a later token completes it; "" holds no bytes at all."""
         text = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
-        if text.endswith(_REPLACEMENT):
-            text = ""
         self._token_texts[skip_special_tokens][token_id] = text
         return text
 
@@ -201,7 +199,7 @@ class IncrementalDetokenizer:
                 piece = self._resync()
         else:
             # What DecodeStream.step returns there: the held ids' text once it is longer than
-            # nothing and does not end inside a character (U+FFFD; "" in token_texts).
+            # nothing and does not end inside a character (U+FFFD).
             if self._num_done == len(ids) - 1:
                 piece = texts.get(token_id)
                 if piece is None:
@@ -209,9 +207,11 @@ class IncrementalDetokenizer:
             else:
                 piece = self._backend.decode(ids[self._num_done:],
                                              skip_special_tokens=self._skip)
-                if piece.endswith(_REPLACEMENT):
-                    return ""
-        if not piece:
+            if piece.endswith(_REPLACEMENT):
+                return ""
+            # Ids that spell nothing (special tokens skipped) hold no bytes: done with them
+            # now, or a run of them (eos repeated under ignore_eos) is decoded again and again.
+        if piece is None or (not piece and texts is None):
             return ""
         # Older ids than the context are never read again; drop them now and then.
         if len(ids) > _TRIM_AT:
