@@ -138,11 +138,11 @@ class Tokenizer:
 
     def token_texts(self, skip_special_tokens: bool) -> dict[int, str] | None:
         """token id -> its text decoded alone (ending in U+FFFD when it ends inside a
-        character), filled by `token_text` as ids are met; None unless the decoder is byte-level. A byte-level
-        decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its own bytes and decodes
-        their concatenation, so after ids that decode to whole characters a token adds exactly
-        its text alone when that ends in a whole character. Sentencepiece decoders strip a
-        leading space at the start: their text depends on the place."""
+        character), filled by `token_text` as ids are met; None unless the decoder is
+        byte-level. A byte-level decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its
+        own bytes and decodes their concatenation, so after ids that decode to whole characters
+        a token adds exactly its text alone when that ends in a whole character. Sentencepiece
+        decoders strip a leading space at the start: their text depends on the place."""
         return None if self._token_texts is None else self._token_texts[skip_special_tokens]
 
     def token_text(self, token_id: int, skip_special_tokens: bool) -> str:
