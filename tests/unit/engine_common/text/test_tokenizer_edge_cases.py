@@ -80,3 +80,31 @@ def test_sentencepiece_decoders_keep_the_stream(byte_fallback):
     assert tok.token_texts(True) is None
     det = IncrementalDetokenizer(tok, tok.encode("world"))
     assert det.add(vocab["▁Hello"]) == " Hello"
+
+
+class _CountingStream:
+    """A DecodeStream that counts the ids stepped through it."""
+
+    def __init__(self, stream):
+        self.stream, self.steps = stream, 0
+
+    def step(self, backend, token_id):
+        self.steps += 1
+        return self.stream.step(backend, token_id)
+
+
+def test_skipped_special_tokens_never_reach_the_stream(byte_fallback):
+    """A skipped special token spells nothing, so the DecodeStream need not see it: a run of
+    them (eos repeated under ignore_eos) was decoded whole again at each token (quadratic:
+    4000 took 0.7 s). Bytes of a character still join across them; kept specials still show."""
+    tok, vocab = byte_fallback
+    byte = lambda b: vocab[f"<0x{b:02X}>"]  # noqa: E731
+    det = IncrementalDetokenizer(tok, tok.encode("world"))
+    det._stream = counting = _CountingStream(det._stream)
+    out = [vocab["</s>"]] * 300 + [byte(0xE4), vocab["</s>"], byte(0xBD), byte(0xA0)]
+    out += [vocab["</s>"], vocab["▁Hello"]]
+    pieces = [det.add(t) for t in out]
+    assert counting.steps == 4 and "".join(pieces) == "你 Hello"
+    kept = IncrementalDetokenizer(tok, tok.encode("world"), skip_special_tokens=False)
+    assert "".join(kept.add(t) for t in [vocab["</s>"], vocab["▁Hello"]]) == tok.decode(
+        [vocab["</s>"], vocab["▁Hello"]], skip_special_tokens=False)
