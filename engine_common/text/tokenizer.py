@@ -21,6 +21,8 @@ _CONTEXT_TOKENS = 8
 # token cost more than the token's own decode step).
 _TRIM_AT = 64
 _REPLACEMENT = "\ufffd"
+# token_texts' entry for a token whose text alone ends inside a character (compared by `is`).
+PARTIAL = _REPLACEMENT
 
 
 def _token_content(value) -> str | None:
@@ -145,18 +147,22 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_texts(self, skip_special_tokens: bool) -> dict[int, str] | None:
-        """token id -> its text decoded alone (ending in U+FFFD when it ends inside a
-        character), filled by `token_text` as ids are met; None unless the decoder is
-        byte-level. A byte-level decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its
+        """token id -> its text decoded alone (PARTIAL when that ends inside a character; ""
+        when it has no bytes), filled by `token_text` as ids are met; None unless the decoder
+        is byte-level. A byte-level decoder (GPT-2, Llama 3, Qwen, SmolLM) maps each token to its
         own bytes and decodes their concatenation, so after ids that decode to whole characters
         a token adds exactly its text alone when that ends in a whole character. Sentencepiece
         decoders strip a leading space at the start: their text depends on the place."""
         return None if self._token_texts is None else self._token_texts[skip_special_tokens]
 
     def token_text(self, token_id: int, skip_special_tokens: bool) -> str:
-        """Fill and return token_texts' entry for `token_id`. Text ending in U+FFFD (inside a
-        character) adds nothing until a later token completes it; "" holds no bytes at all."""
+        """Fill and return token_texts' entry for `token_id`: PARTIAL (this very object) when
+        its text ends inside a character (U+FFFD), since it then adds no text until a later
+        token completes it; "" when it has no bytes at all (a special token skipped, an id
+        past the vocabulary), since it never adds any."""
         text = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        if text.endswith(_REPLACEMENT):
+            text = PARTIAL
         self._token_texts[skip_special_tokens][token_id] = text
         return text
 
@@ -201,33 +207,56 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """New text made complete by `token_id` (possibly "")."""
-        ids = self._ids
-        ids.append(token_id)
         texts = self._texts
         if texts is None:
-            if token_id in self._silent:
-                if self._num_done == len(ids) - 1:      # nothing held before it
-                    self._done()
+            return self._step(token_id)
+        text = texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.token_text(token_id, self._skip)
+        if not text:
+            # No bytes (a special token skipped, an id past the vocabulary): no text now or
+            # later, so it is not kept (a run of them, eos repeated under ignore_eos, would
+            # be decoded whole at each token).
+            return ""
+        ids = self._ids
+        ids.append(token_id)
+        n = len(ids)
+        done = self._num_done
+        if n - 1 == done:               # nothing held before: the token's own text
+            if text is PARTIAL:         # it ends inside a character
                 return ""
-            try:
-                piece = self._stream.step(self._backend, token_id)
-            except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
-                piece = self._resync()
+            piece = text
         else:
-            # What DecodeStream.step returns there: the held ids' text once it is longer than
-            # nothing and does not end inside a character (U+FFFD).
-            if self._num_done == len(ids) - 1:
-                piece = texts.get(token_id)
-                if piece is None:
-                    piece = self._tokenizer.token_text(token_id, self._skip)
-            else:
-                piece = self._backend.decode(ids[self._num_done:],
-                                             skip_special_tokens=self._skip)
+            # What DecodeStream.step gives: the held ids' text once it does not end inside a
+            # character (U+FFFD). An unfinished UTF-8 sequence spans at most 3 bytes and each
+            # id here holds one or more, so the last 4 ids' text ends in U+FFFD exactly when
+            # the run's does: a long run (lead bytes a client forced) is not decoded whole at
+            # every token, only once its text is complete.
+            if n - done > 4 and self._backend.decode(
+                    ids[-4:], skip_special_tokens=self._skip).endswith(_REPLACEMENT):
+                return ""
+            piece = self._backend.decode(ids[done:], skip_special_tokens=self._skip)
             if piece.endswith(_REPLACEMENT):
                 return ""
-            # Ids that spell nothing (special tokens skipped) hold no bytes: done with them
-            # now, or a run of them (eos repeated under ignore_eos) is decoded again and again.
-        if piece is None or (not piece and texts is None):
+        if n > _TRIM_AT:                # older ids than the context are never read again
+            del ids[:-_CONTEXT_TOKENS]
+            n = _CONTEXT_TOKENS
+        self._num_done = n
+        return piece
+
+    def _step(self, token_id: int) -> str:
+        """`add` on a DecodeStream (decoders whose text depends on the place)."""
+        ids = self._ids
+        ids.append(token_id)
+        if token_id in self._silent:
+            if self._num_done == len(ids) - 1:      # nothing held before it
+                self._done()
+            return ""
+        try:
+            piece = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
+            piece = self._resync()
+        if not piece:
             return ""
         self._done()
         return piece
