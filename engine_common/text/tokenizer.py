@@ -20,6 +20,9 @@ _CONTEXT_TOKENS = 8
 # Ids an IncrementalDetokenizer keeps before it trims them to the context (trimming on every
 # token cost more than the token's own decode step).
 _TRIM_AT = 64
+# Ids a DecodeStream may hold without a whole character before their text is sent anyway: a
+# character takes at most 4 byte tokens, so only output that is no text gets there.
+_MAX_HELD = 16
 _REPLACEMENT = "\ufffd"
 # token_texts' entry for a token whose text alone ends inside a character (compared by `is`).
 PARTIAL = _REPLACEMENT
@@ -257,7 +260,18 @@ class IncrementalDetokenizer:
         except Exception:  # noqa: BLE001 -- the tokenizers library raises a bare Exception
             piece = self._resync()
         if not piece:
-            return ""
+            done = self._num_done
+            if len(ids) - done <= _MAX_HELD:
+                return ""
+            # That many ids and no whole character (lone bytes a client forced): the stream
+            # would decode the growing run at every token. Their text goes out as decoded
+            # (U+FFFD), they leave the context, and the stream starts again from the text
+            # before them (whole: its prefill must not end inside a character).
+            piece = self._held_text()
+            del ids[done:]
+            self._stream = DecodeStream(ids=ids[-_CONTEXT_TOKENS:],
+                                        skip_special_tokens=self._skip)
+            return piece
         self._done()
         return piece
 
