@@ -17,7 +17,8 @@ Stop-string rules:
   With include_stop_str_in_output nothing is held back (vLLM's stop_buffer_length 0): a stop
   string may then begin in text already sent, so the last (longest stop - 1) characters sent
   are kept for matching (`sent_tail`), and the text still ends at the stop string's end.
-Every token id is reported, even those whose text was cut.
+Every token id is reported, even those whose text was cut. Bytes of a character the generation
+leaves unfinished never become text (no U+FFFD at the end), as vLLM v1's detokenizers.
 
 Tokens that arrive for a request after its stop string matched (the engine learns of the match
 a step or two late when the text is made on another thread) are dropped: they never reach the
