@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64swire/v1/generation.proto\x12\rdeltaserve.v1\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x31\n\x08stopping\x18\x05 \x01(\x0b\x32\x1f.deltaserve.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12,\n\x08messages\x18\x08 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\x12-\n\nconstraint\x18\t \x01(\x0b\x32\x19.deltaserve.v1.ConstraintB\x07\n\x05_text\"\x99\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x31\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x1f.deltaserve.v1.ChoiceConstraintH\x00\x42\x06\n\x04kind\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe1\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.deltaserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xac\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x42\r\n\x0b_max_tokens\"\xb7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.deltaserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\'\n\x07timings\x18\t \x01(\x0b\x32\x16.deltaserve.v1.TimingsB\r\n\x0bstop_reason\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.deltaserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"K\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"M\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x95\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x37\n\x10\x64\x65\x66\x61ult_sampling\x18\x08 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\"\x18\n\x16GetServerStatusRequest\"\x9b\x02\n\x17GetServerStatusResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x05 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\x06 \x01(\x01\x12\x19\n\x11num_workers_ready\x18\x07 \x01(\r\x12\x13\n\x0bnum_workers\x18\x08 \x01(\r\x12\x1a\n\x12num_used_kv_blocks\x18\t \x01(\r\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r*e\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x0e\n\nSTOP_TOKEN\x10\x02\x12\x0f\n\x0bSTOP_STRING\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32\xa7\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.deltaserve.v1.AbortRequest\x1a\x1c.deltaserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.deltaserve.v1.TokenizeRequest\x1a\x1f.deltaserve.v1.TokenizeResponse\x12W\n\x0cGetModelInfo\x12\".deltaserve.v1.GetModelInfoRequest\x1a#.deltaserve.v1.GetModelInfoResponse\x12`\n\x0fGetServerStatus\x12%.deltaserve.v1.GetServerStatusRequest\x1a&.deltaserve.v1.GetServerStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64swire/v1/generation.proto\x12\rdeltaserve.v1\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x31\n\x08stopping\x18\x05 \x01(\x0b\x32\x1f.deltaserve.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12,\n\x08messages\x18\x08 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\x12-\n\nconstraint\x18\t \x01(\x0b\x32\x19.deltaserve.v1.ConstraintB\x07\n\x05_text\"\x99\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x31\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x1f.deltaserve.v1.ChoiceConstraintH\x00\x42\x06\n\x04kind\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe1\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.deltaserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\n \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xe6\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokens\"\xb7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.deltaserve.v1.TokenLogprob\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.deltaserve.v1.Usage\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.deltaserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\'\n\x07timings\x18\t \x01(\x0b\x32\x16.deltaserve.v1.TimingsB\r\n\x0bstop_reason\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.deltaserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"K\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"M\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.deltaserve.v1.ChatMessage\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x95\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x15\n\rkv_block_size\x18\x07 \x01(\r\x12\x37\n\x10\x64\x65\x66\x61ult_sampling\x18\x08 \x01(\x0b\x32\x1d.deltaserve.v1.SamplingParams\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\"\x18\n\x16GetServerStatusRequest\"\x9b\x02\n\x17GetServerStatusResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x05 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\x06 \x01(\x01\x12\x19\n\x11num_workers_ready\x18\x07 \x01(\r\x12\x13\n\x0bnum_workers\x18\x08 \x01(\r\x12\x1a\n\x12num_used_kv_blocks\x18\t \x01(\r\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r*e\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x0e\n\nSTOP_TOKEN\x10\x02\x12\x0f\n\x0bSTOP_STRING\x10\x03\x12\t\n\x05\x41\x42ORT\x10\x04\x32\xa7\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.deltaserve.v1.GenerateRequest\x1a\x1f.deltaserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.deltaserve.v1.AbortRequest\x1a\x1c.deltaserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.deltaserve.v1.TokenizeRequest\x1a\x1f.deltaserve.v1.TokenizeResponse\x12W\n\x0cGetModelInfo\x12\".deltaserve.v1.GetModelInfoRequest\x1a#.deltaserve.v1.GetModelInfoResponse\x12`\n\x0fGetServerStatus\x12%.deltaserve.v1.GetServerStatusRequest\x1a&.deltaserve.v1.GetServerStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2730
-  _globals['_FINISHREASON']._serialized_end=2831
+  _globals['_FINISHREASON']._serialized_start=2788
+  _globals['_FINISHREASON']._serialized_end=2889
   _globals['_GENERATEREQUEST']._serialized_start=46
   _globals['_GENERATEREQUEST']._serialized_end=359
   _globals['_CONSTRAINT']._serialized_start=362
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=913
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=961
   _globals['_STOPPINGCRITERIA']._serialized_start=1085
-  _globals['_STOPPINGCRITERIA']._serialized_end=1257
-  _globals['_GENERATERESPONSE']._serialized_start=1260
-  _globals['_GENERATERESPONSE']._serialized_end=1571
-  _globals['_TOKENLOGPROB']._serialized_start=1573
-  _globals['_TOKENLOGPROB']._serialized_end=1671
-  _globals['_TOPLOGPROB']._serialized_start=1673
-  _globals['_TOPLOGPROB']._serialized_end=1734
-  _globals['_USAGE']._serialized_start=1736
-  _globals['_USAGE']._serialized_end=1823
-  _globals['_TIMINGS']._serialized_start=1825
-  _globals['_TIMINGS']._serialized_end=1900
-  _globals['_ABORTREQUEST']._serialized_start=1902
-  _globals['_ABORTREQUEST']._serialized_end=1937
-  _globals['_ABORTRESPONSE']._serialized_start=1939
-  _globals['_ABORTRESPONSE']._serialized_end=1975
-  _globals['_TOKENIZEREQUEST']._serialized_start=1977
-  _globals['_TOKENIZEREQUEST']._serialized_end=2054
-  _globals['_TOKENIZERESPONSE']._serialized_start=2056
-  _globals['_TOKENIZERESPONSE']._serialized_end=2113
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2115
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2136
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2139
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2416
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2418
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2442
-  _globals['_GETSERVERSTATUSRESPONSE']._serialized_start=2445
-  _globals['_GETSERVERSTATUSRESPONSE']._serialized_end=2728
-  _globals['_GENERATION']._serialized_start=2834
-  _globals['_GENERATION']._serialized_end=3257
+  _globals['_STOPPINGCRITERIA']._serialized_end=1315
+  _globals['_GENERATERESPONSE']._serialized_start=1318
+  _globals['_GENERATERESPONSE']._serialized_end=1629
+  _globals['_TOKENLOGPROB']._serialized_start=1631
+  _globals['_TOKENLOGPROB']._serialized_end=1729
+  _globals['_TOPLOGPROB']._serialized_start=1731
+  _globals['_TOPLOGPROB']._serialized_end=1792
+  _globals['_USAGE']._serialized_start=1794
+  _globals['_USAGE']._serialized_end=1881
+  _globals['_TIMINGS']._serialized_start=1883
+  _globals['_TIMINGS']._serialized_end=1958
+  _globals['_ABORTREQUEST']._serialized_start=1960
+  _globals['_ABORTREQUEST']._serialized_end=1995
+  _globals['_ABORTRESPONSE']._serialized_start=1997
+  _globals['_ABORTRESPONSE']._serialized_end=2033
+  _globals['_TOKENIZEREQUEST']._serialized_start=2035
+  _globals['_TOKENIZEREQUEST']._serialized_end=2112
+  _globals['_TOKENIZERESPONSE']._serialized_start=2114
+  _globals['_TOKENIZERESPONSE']._serialized_end=2171
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2173
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2194
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2197
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2474
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2476
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2500
+  _globals['_GETSERVERSTATUSRESPONSE']._serialized_start=2503
+  _globals['_GETSERVERSTATUSRESPONSE']._serialized_end=2786
+  _globals['_GENERATION']._serialized_start=2892
+  _globals['_GENERATION']._serialized_end=3315
 # @@protoc_insertion_point(module_scope)

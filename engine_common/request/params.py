@@ -170,6 +170,9 @@ class StoppingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # The text (and so stop-string matching) leaves out special tokens (eos, chat markers), as
+    # vLLM's SamplingParams.skip_special_tokens; False keeps their text.
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         # Accept lists from callers but keep the dataclass hashable and immutable. One stop
@@ -188,6 +191,9 @@ class StoppingParams:
                 raise ParamError("stop", s, "a non-empty string")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, 2**32 - 1)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):   # "false" would read as true
+                raise ParamError(name, getattr(self, name), "true or false")
 
 
 def _as_tuple(name: str, values, what: str) -> tuple:

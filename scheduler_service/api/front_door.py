@@ -150,9 +150,19 @@ def stopping_from(msg, prefix: str, default_max_tokens: int | None,
         return StoppingParams(
             max_tokens=max_tokens, min_tokens=msg.min_tokens, stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-            include_stop_str_in_output=msg.include_stop_str_in_output)
+            include_stop_str_in_output=msg.include_stop_str_in_output,
+            skip_special_tokens=_skip_special_tokens(msg))
     except ParamError as e:
         raise ParamError(f"{prefix}.{e.field}", e.value, e.allowed) from None
+
+
+def _skip_special_tokens(msg) -> bool:
+    """Ours is optional (unset: true, vLLM's default); the vLLM protocol's is a plain bool that
+    its clients set (smg: true, false for Harmony's special-token stops), taken as sent."""
+    try:
+        return msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+    except ValueError:       # no presence: the vLLM protocol's field
+        return msg.skip_special_tokens
 
 
 # -- checks both protocols make ------------------------------------------------------------------

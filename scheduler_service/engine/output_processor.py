@@ -106,10 +106,8 @@ class OutputProcessor:
     the server). `final_only`: every request added gets only its final output (see the module
     docstring); the default is one output per step, for streaming."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 final_only: bool = False):
+    def __init__(self, tokenizer: Tokenizer, final_only: bool = False):
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
         self._final_only = final_only
         self._states: dict[str, _RequestState] = {}
 
@@ -123,8 +121,8 @@ class OutputProcessor:
         """Start tracking `request`. Only the fields fixed at creation are read (id, prompt,
         stopping, num_logprobs, arrival time): the engine may own the object from now on."""
         stops = request.stopping.stop
-        detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
-                                       self._skip_special_tokens)
+        skip = request.stopping.skip_special_tokens
+        detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, skip)
         window = max((len(s) for s in stops), default=1) - 1
         include = request.stopping.include_stop_str_in_output
         state = _RequestState(request.request_id, request.num_prompt_tokens, request.stopping,
@@ -133,8 +131,7 @@ class OutputProcessor:
                               RequestTimings(request.arrival_time, None, None))
         if self._final_only:
             state.kept = _Kept()
-            state.defer_text = not stops and self._tokenizer.token_texts(
-                self._skip_special_tokens) is not None
+            state.defer_text = not stops and self._tokenizer.token_texts(skip) is not None
         self._states[request.request_id] = state
 
     def reads_final_update_only(self, request: Request) -> bool:
@@ -295,7 +292,7 @@ class OutputProcessor:
         ids = state.kept.token_ids + token_ids
         if token_ids and self._drops_last(state, finish_reason):
             ids.pop()
-        return streamed_text(self._tokenizer, ids, self._skip_special_tokens)
+        return streamed_text(self._tokenizer, ids, state.stopping.skip_special_tokens)
 
     def _detokenize(self, state: _RequestState, token_ids: list[int],
                     finish_reason: RequestStatus | None) -> None:

@@ -111,3 +111,16 @@ def test_aborting_a_held_request_gives_every_token_so_far(tiny_models):
     assert final.finished and final.finish_reason == RequestStatus.FINISHED_ABORTED
     assert final.new_token_ids == request.output_token_ids and len(final.logprobs) == 5
     assert final.new_text == llm.tokenizer.decode(request.output_token_ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_per_request_through_generate(tiny_models, skip):
+    """The eos token sampled under ignore_eos (allowed_token_ids forces it): its text is in the
+    Completion only with skip_special_tokens false, as the tokenizer decodes it."""
+    llm = LLM(tiny_models("qwen3"), num_kv_blocks=64, max_num_seqs=2)
+    eos = llm.tokenizer.eos_token_id
+    out, = llm.generate([[5, 6, 7]], SamplingParams(allowed_token_ids=(eos,)),
+                        StoppingParams(max_tokens=3, ignore_eos=True, skip_special_tokens=skip))
+    assert out.token_ids == [eos] * 3
+    assert out.text == llm.tokenizer.decode([eos] * 3, skip_special_tokens=skip)
+    assert (out.text == "") is skip

@@ -66,6 +66,12 @@ def test_unset_fields_take_the_published_defaults_but_temperature_stays_greedy()
     assert (warm.sampling.temperature, warm.sampling.top_k) == (0.7, 20)
 
 
+def test_skip_special_tokens_unset_is_true_and_false_when_asked():
+    assert convert.request_from_proto(_req()).stopping.skip_special_tokens is True
+    got = convert.request_from_proto(_req(stopping=pb.StoppingCriteria(skip_special_tokens=False)))
+    assert got.stopping.skip_special_tokens is False
+
+
 def test_explicit_zero_temperature_is_greedy():
     got = convert.request_from_proto(_req(sampling=pb.SamplingParams(temperature=0.0, top_k=3)))
     assert got.sampling.greedy

@@ -51,6 +51,12 @@ def test_tokenized_request_with_every_supported_field():
     assert (inp.num_logprobs, inp.n, inp.stream) == (3, 1, True)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_is_taken_as_sent(skip):
+    sp = pb.SamplingParams(stop=["</s>"], skip_special_tokens=skip)
+    assert convert(gen(sampling_params=sp)).stopping.skip_special_tokens is skip
+
+
 def test_unset_and_zero_fields_take_the_server_defaults():
     defaults = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05,
                               repetition_penalty=1.1, seed=3)

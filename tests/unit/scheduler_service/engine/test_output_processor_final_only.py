@@ -138,9 +138,10 @@ def test_deferred_text_equals_incremental_text(byte_level, skip):
         include = rng.random() < 0.5
         texts = []
         for final_only in (False, True):
-            proc = OutputProcessor(byte_level, skip_special_tokens=skip, final_only=final_only)
+            proc = OutputProcessor(byte_level, final_only=final_only)
             req = Request("r", byte_level.encode(rng.choice(["Q:", "你"])), SamplingParams(),
-                          StoppingParams(max_tokens=None, include_stop_str_in_output=include))
+                          StoppingParams(max_tokens=None, include_stop_str_in_output=include,
+                                         skip_special_tokens=skip))
             proc.add_request(req)
             outs = []
             for i, t in enumerate(ids):
