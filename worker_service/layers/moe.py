@@ -115,11 +115,9 @@ class MoEExperts(nn.Module):
         weight * expert(x), [T, H] (this rank's partial sum)."""
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)
-        # stable: within an expert, pairs keep token order (as transformers' index_add does)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // top_k
+        order = torch.argsort(flat_ids, stable=True)     # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync
-        grouped = x[token_of]
+        grouped = x.index_select(0, order // top_k)
         out = torch.empty_like(grouped)
         start = 0
         for expert, n in enumerate(counts):
@@ -129,5 +127,7 @@ class MoEExperts(nn.Module):
             h = self.act_fn(F.linear(grouped[rows], self.w13_weight[expert]))
             out[rows] = F.linear(h, self.w2_weight[expert])
             start += n
-        out *= weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        # back to (token, slot) order, then each token's weighted sum over its k slots: a
+        # [1, k] x [k, H] product per token (a scatter-add over tokens is far slower on CPU)
+        per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
