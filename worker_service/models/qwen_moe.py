@@ -123,8 +123,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     qk_norm = True
     shared_expert = False
-    # the CUDA decode graphs cannot capture the experts' host sync (counts per expert); a
-    # fused MoE kernel would lift this (see docs/models-and-chat.md)
+    # why CUDA decode graphs cannot capture this model: the experts' host sync (counts per
+    # expert). Not read by the runner yet (step/cuda_graphs.graphs_unsupported_reason should);
+    # until then a CUDA start needs enforce_eager. A fused MoE kernel would lift it.
     graph_capture_blocker = "MoE experts group tokens with a host sync"
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup,
