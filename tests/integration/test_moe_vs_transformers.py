@@ -2,7 +2,7 @@
 the same tiny random weights, float32 on the CPU: 3 layers, layer 1 dense (mlp_only_layers), the
 others routing each token to 2 of 8 experts (worker_service/models/tiny_model.py).
 
-  - prefill logits through the paged cache equal transformers' forward,
+  - prefill logits through the paged cache equal transformers' forward (also with fused_ops),
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes,
   - two gloo ranks (each with half of every expert) give the single rank's logits.
@@ -58,6 +58,24 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
     got = prefill_logits(ours, ids)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_fused_ops_logits_match_transformers(tiny_models):
+    """fused_ops=True: the experts' and the shared expert's SiLU-and-mul (and the norms and
+    rope) as Triton kernels, under the interpreter on CPU (so the prompt stays short)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: Triton compiles for the GPU, not the CPU interpreter")
+    from tests.support.triton_mode import interpreted
+    if not interpreted():
+        pytest.skip("triton was imported in compiled mode (TRITON_INTERPRET unset)")
+    path = tiny_models("qwen2_moe")
+    ours = load_model(path, single_rank_group(), BACKEND, "cpu", fused_ops=True)
+    assert ours.model.layers[0].mlp.experts.act_fn._fused_kernel is not None
+    ids = torch.arange(9) * 37 % 500 + 3
+    with torch.no_grad():
+        expected = hf_model(path)(ids[None]).logits[0].float()
+    torch.testing.assert_close(prefill_logits(ours, ids), expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
