@@ -144,6 +144,7 @@ def test_sparse_layers_follow_step_and_mlp_only_layers():
            "moe_intermediate_size": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     moe = MoeArgs.from_hf(cfg, shared_expert=False)
     assert moe.num_experts == 4                     # transformers 5's name for num_experts
+    assert MoeArgs.from_hf({**cfg, "num_experts": 6}, False).num_experts == 6   # Hub's name
     assert [moe.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
     assert not MoeArgs.from_hf({**cfg, "num_local_experts": 0}, False).is_sparse(1)
 

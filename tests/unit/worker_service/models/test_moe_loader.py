@@ -54,6 +54,16 @@ def test_expert_tensors_fill_the_stacked_weights_per_rank(moe_dir):
     assert isinstance(rank1, SparseMoeBlock)
 
 
+def test_qwen2_moe_qkv_bias_follows_its_own_config_key(tmp_path):
+    """transformers' Qwen2-MoE reads qkv_bias (default on), not attention_bias."""
+    with_bias = load(make_tiny_model(tmp_path / "on", arch="qwen2_moe", num_hidden_layers=2))
+    without = load(make_tiny_model(tmp_path / "off", arch="qwen2_moe", num_hidden_layers=2,
+                                   qkv_bias=False))
+    assert with_bias.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert without.model.layers[0].self_attn.qkv_proj.bias is None
+    assert with_bias.model.layers[0].self_attn.o_proj.bias is None
+
+
 def test_a_missing_expert_tensor_is_named(moe_dir, tmp_path):
     gone = f"{EXPERTS}.3.up_proj.weight"
     missing = copy_with_tensors(moe_dir, tmp_path / "missing",
