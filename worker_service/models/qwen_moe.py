@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker_service.layers.activation import SiluAndMul
+from worker_service.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker_service.layers.moe import MoEExperts, TopKRouter, expert_target
 from worker_service.layers.sharding import default_weight_loader, new_param
 from worker_service.models.llama import LlamaForCausalLM
