@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Callable
 
 import torch
 from torch import nn
@@ -134,10 +135,11 @@ class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately and added inside the norms."""
 
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype)
-        self.mlp = DecoderMLP(args, tp, dtype)
+        self.mlp = DecoderMLP(args, tp, dtype) if mlp is None else mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
                                        args.fused_ops)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
@@ -159,12 +161,16 @@ class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
 
     def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype,
+                 make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
+        """make_mlp(layer index): that layer's MLP (e.g. a sparse MoE block); None or
+        make_mlp None: the dense DecoderMLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
         rotary_emb = get_rope(args.head_dim, hf_config, args.fused_ops)
-        self.layers = nn.ModuleList(DecoderLayer(args, rotary_emb, tp, backend, dtype)
-                                    for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i))
+            for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.fused_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -206,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.dtype = dtype
         self.fused_ops = fused_ops
-        self.model = DecoderModel(args, hf_config, tp, attn_backend, dtype)
+        self.model = DecoderModel(args, hf_config, tp, attn_backend, dtype,
+                                  self.mlp_factory(hf_config, tp, dtype))
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype)
         if args.tie_word_embeddings:
             self.tie_lm_head()
@@ -214,6 +221,12 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = args.num_layers
         self.num_kv_heads = first_attn.num_kv_heads      # per rank
         self.head_dim = args.head_dim
+
+    def mlp_factory(self, hf_config: dict, tp: TPGroup,
+                    dtype: torch.dtype) -> Callable[[int], nn.Module | None] | None:
+        """Per-layer MLP builder for DecoderModel; None: every layer is dense (subclasses with
+        sparse layers override; see models/qwen_moe.py)."""
+        return None
 
     @property
     def lm_head_is_tied(self) -> bool:

@@ -80,6 +80,11 @@ def target_of(model: nn.Module, name: str) -> tuple[str, Any] | None:
         return None
     if name == "lm_head.weight" and model.lm_head_is_tied:
         return None
+    # a model with stacked weights (MoE experts) maps their per-piece names itself
+    own_target = getattr(model, "checkpoint_target", None)
+    target = own_target(name) if own_target is not None else None
+    if target is not None:
+        return target
     for ckpt_part, (packed, shard_id) in model.packed_modules.items():
         if f".{ckpt_part}." in name:
             return name.replace(f".{ckpt_part}.", f".{packed}."), shard_id
@@ -147,7 +152,9 @@ def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
     missing = []
     for name, param in params.items():
         wanted = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
-        missing += [f"{name}[{s}]" if s is not None else name
+        # a stacked parameter names the checkpoint tensor each missing shard is read from
+        shard_name = getattr(param, "shard_name", None) or (lambda n, s: f"{n}[{s}]")
+        missing += [shard_name(name, s) if s is not None else name
                     for s in sorted(wanted - loaded.get(name, set()), key=str)]
     if unexpected:
         raise WeightLoadError(f"{len(unexpected)} checkpoint tensors match no parameter: "

@@ -10,12 +10,15 @@ from torch import nn
 
 from worker_service.models.llama import (LlamaForCausalLM, MistralForCausalLM,
                                          Qwen2ForCausalLM, Qwen3ForCausalLM)
+from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 })
 
 

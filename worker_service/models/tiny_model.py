@@ -18,7 +18,7 @@ import transformers as tf
 
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
-ARCHS = ("qwen3", "llama", "qwen2")
+ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe")
 INITIALIZER_RANGE = 0.3
 
 
@@ -35,7 +35,14 @@ def _arch_config(arch: str):
     """(config class, model class, per-arch config defaults) for one of ARCHS."""
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    # 3 layers: layer 1 is dense (mlp_only_layers), 0 and 2 route to 2 of 8 experts
+    moe = {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+           "tie_word_embeddings": True}
     table = {
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, moe),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                      {**moe, "norm_topk_prob": False, "shared_expert_intermediate_size": 48}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM,

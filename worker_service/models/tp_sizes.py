@@ -4,7 +4,9 @@ loads anything, naming the sizes that would work.
 A size t works when the layers can split evenly (worker_service/layers/linear.py):
   - t divides num_attention_heads (query heads are split),
   - t divides num_key_value_heads, or is a multiple of it (kv heads are then replicated),
-  - t divides intermediate_size (gate/up rows, down columns).
+  - t divides intermediate_size (gate/up rows, down columns),
+  - in a mixture-of-experts model, t also divides moe_intermediate_size (each rank keeps a slice
+    of every expert) and shared_expert_intermediate_size when there is a shared expert.
 The vocabulary is padded to a multiple of t, so it never constrains t.
 """
 from __future__ import annotations
@@ -29,6 +31,10 @@ def tp_size_problem(hf_config: dict, tp_size: int) -> str | None:
         return f"neither divides num_key_value_heads={kv_heads} nor is a multiple of it"
     if inter % tp_size:
         return f"does not divide intermediate_size={inter}"
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = int(hf_config.get(field) or 0)
+        if size % tp_size:
+            return f"does not divide {field}={size}"
     return None
 
 

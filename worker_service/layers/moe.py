@@ -1,0 +1,133 @@
+"""Mixture-of-experts layers: the top-k router and the experts of a sparse MLP block.
+
+Routing (as transformers' Qwen2-MoE / Qwen3-MoE TopKRouter): softmax over the experts in float32,
+the top-k probabilities, optionally renormalised to sum to 1, cast back to the logits' dtype.
+
+Experts: every expert is a gated MLP down(silu(gate(x)) * up(x)). Their weights are stacked,
+w13 [E, 2 * I_r, H] (this rank's gate rows, then its up rows) and w2 [E, H, I_r], so a fused
+kernel could read them as they are. The batch's (token, slot) pairs are sorted by expert and each
+expert that received tokens runs two GEMMs over its contiguous group: a host loop over at most E
+experts, never over tokens.
+
+Tensor parallelism: each rank keeps a slice I_r = I / tp of every expert's intermediate dimension
+(the rows of gate/up, the columns of down), so a rank's output is a partial sum over its slice;
+the block that owns the experts adds its other partial sums (a shared expert) and all-reduces once.
+
+Checkpoint names are per expert, `...mlp.experts.{e}.{gate,up,down}_proj.weight`;
+`expert_target` maps them onto the stacked parameters with the shard id (e, proj), and
+`expert_shard_name` maps a missing shard back to the checkpoint name the loader reports.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.layers.activation import SiluAndMul
+from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
+                                            new_param, read_rows)
+from worker_service.parallel_state import TPGroup
+
+EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\."
+                           r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+W13, W2 = "w13_weight", "w2_weight"
+
+
+def expert_target(name: str) -> tuple[str, tuple[int, str]] | None:
+    """Checkpoint name of one expert's projection -> (stacked parameter name, (expert, proj));
+    None for any other tensor."""
+    m = EXPERT_WEIGHT.match(name)
+    if m is None:
+        return None
+    param = W2 if m["proj"] == "down_proj" else W13
+    return f"{m['prefix']}.{param}", (int(m["expert"]), m["proj"])
+
+
+def expert_shard_name(param_name: str, shard_id: tuple[int, str]) -> str:
+    """The checkpoint name a stacked parameter's shard is read from (for error messages)."""
+    expert, proj = shard_id
+    return f"{param_name.rsplit('.', 1)[0]}.{expert}.{proj}.weight"
+
+
+class TopKRouter(nn.Module):
+    """Router logits x W^T (W [E, H], replicated on every rank) -> (weights [T, k] in x's dtype,
+    expert ids [T, k] int64)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} is invalid: must be in "
+                             f"[1, num_experts={num_experts}]")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = new_param((num_experts, hidden_size), dtype, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+
+class MoEExperts(nn.Module):
+    """E gated-MLP experts, stacked; forward returns this rank's partial sum (not reduced)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup, dtype: torch.dtype | None = None, fused_ops: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.inter_per_rank = divide(intermediate_size, tp.world_size, "moe_intermediate_size")
+        i_r = self.inter_per_rank
+        ids13 = tuple((e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj"))
+        ids2 = tuple((e, "down_proj") for e in range(num_experts))
+        self.w13_weight = new_param((num_experts, 2 * i_r, hidden_size), dtype,
+                                    self.weight_loader, ids13)
+        self.w2_weight = new_param((num_experts, hidden_size, i_r), dtype,
+                                   self.weight_loader, ids2)
+        for p in (self.w13_weight, self.w2_weight):
+            p.shard_name = expert_shard_name
+        self.act_fn = SiluAndMul(fused_ops)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """Copy this rank's slice of one expert's gate, up (rows) or down (columns)."""
+        expert, proj = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range: the config has "
+                             f"num_experts={self.num_experts}")
+        size, start = self.inter_per_rank, self.tp.rank * self.inter_per_rank
+        if proj == "down_proj":
+            copy_checked(param.data[expert], read_rows(loaded, 1, start, size), "expert down")
+            return
+        offset = 0 if proj == "gate_proj" else size
+        copy_checked(param.data[expert].narrow(0, offset, size),
+                     read_rows(loaded, 0, start, size), f"expert {proj}")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] -> sum over each token's k experts of
+        weight * expert(x), [T, H] (this rank's partial sum)."""
+        num_tokens, top_k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)     # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync
+        grouped = x.index_select(0, order // top_k)
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            h = self.act_fn(F.linear(grouped[rows], self.w13_weight[expert]))
+            out[rows] = F.linear(h, self.w2_weight[expert])
+            start += n
+        # back to (token, slot) order, then each token's weighted sum over its k slots: a
+        # [1, k] x [k, H] product per token (a scatter-add over tokens is far slower on CPU)
+        per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
