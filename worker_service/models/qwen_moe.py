@@ -124,8 +124,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     qk_norm = True
     shared_expert = False
     # why CUDA decode graphs cannot capture this model: the experts' host sync (counts per
-    # expert). Not read by the runner yet (step/cuda_graphs.graphs_unsupported_reason should);
-    # until then a CUDA start needs enforce_eager. A fused MoE kernel would lift it.
+    # expert); step/cuda_graphs.graphs_unsupported_reason reads it, so decode runs eagerly on
+    # CUDA. A fused MoE kernel (grouping on the device) would lift it.
     graph_capture_blocker = "MoE experts group tokens with a host sync"
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup,

@@ -42,10 +42,27 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
     vocab = int(hf_config["vocab_size"])
     layers = int(hf_config["num_hidden_layers"])
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    dense_mlp = 3 * hidden * inter
+    mlps = sum(_moe_mlp_elements(hf_config, i) or dense_mlp for i in range(layers))
     heads_out = 1 if hf_config.get("tie_word_embeddings") else 2
-    elements = layers * per_layer + heads_out * vocab * hidden + hidden
+    elements = layers * (attention + 2 * hidden) + mlps + heads_out * vocab * hidden + hidden
     return elements * element_bytes // tp_size
+
+
+def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
+    """A sparse layer's MLP elements (every expert, the router, a shared expert and its gate),
+    or None for a dense one: an MoE model's experts are most of its weights."""
+    if "moe_intermediate_size" not in hf_config:
+        return None
+    from worker_service.models.qwen_moe import MoeArgs
+
+    moe = MoeArgs.from_hf(hf_config, "shared_expert_intermediate_size" in hf_config)
+    if not moe.is_sparse(layer):
+        return None
+    hidden = moe.hidden_size
+    return (moe.num_experts * 3 * hidden * moe.moe_intermediate_size + moe.num_experts * hidden
+            + 3 * hidden * moe.shared_expert_intermediate_size
+            + (hidden if moe.shared_expert_intermediate_size else 0))
 
 
 def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,

@@ -149,7 +149,7 @@ class ModelRunner:
             block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1],
             max_cached_requests=max_cached_requests(self.config.max_num_seqs))
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
-                                            self.config.enforce_eager)
+                                            self.config.enforce_eager, self.model)
         if why_not is not None:
             log.info("decode CUDA graphs off: %s", why_not)
             return
@@ -181,7 +181,7 @@ class ModelRunner:
                                      c.max_num_seqs, self.max_model_len, self.device, sample)
         graph_warmup = None
         if graphs_unsupported_reason(self.attention_backend_name, self.device,
-                                     c.enforce_eager) is None:
+                                     c.enforce_eager, self.model) is None:
             graph_warmup = make_decode_warmup(self.model, self.block_size, self._max_graph_batch,
                                               self.max_model_len, self.device)
         return profile_kv_memory(warmup, self.kv_block_bytes, gpu_memory_utilization,

@@ -65,10 +65,14 @@ def padded_batch_size(num_reqs: int, sizes: list[int]) -> int | None:
 
 
 def graphs_unsupported_reason(backend_name: str, device: torch.device | str,
-                              enforce_eager: bool = False) -> str | None:
-    """Why decode steps cannot use CUDA graphs here, or None when they can."""
+                              enforce_eager: bool = False, model: object = None) -> str | None:
+    """Why decode steps cannot use CUDA graphs here, or None when they can. A model whose
+    forward syncs with the host says why in `graph_capture_blocker` (capture would fail)."""
     if enforce_eager:
         return "enforce_eager is set"
+    blocker = getattr(model, "graph_capture_blocker", None)
+    if blocker:
+        return f"the model cannot be captured ({blocker})"
     if torch.device(device).type != "cuda":
         return f"device {device} is not a CUDA device"
     if backend_name not in CAPTURABLE_BACKENDS:

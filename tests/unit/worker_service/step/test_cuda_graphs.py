@@ -56,6 +56,16 @@ def test_which_setups_can_use_graphs():
     assert "not capturable" in graphs_unsupported_reason("torch", "cuda")
     assert "not a CUDA device" in graphs_unsupported_reason("triton", "cpu")
     assert "enforce_eager" in graphs_unsupported_reason("triton", "cuda", enforce_eager=True)
+
+
+def test_a_model_that_syncs_with_the_host_is_never_captured():
+    """The MoE models group tokens per expert with a host sync: capturing them would fail."""
+    from worker_service.models.llama import Qwen3ForCausalLM
+    from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+    for moe in (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM):
+        assert "host sync" in graphs_unsupported_reason("triton", "cuda", model=moe)
+    assert graphs_unsupported_reason("triton", "cuda", model=Qwen3ForCausalLM) is None
     assert DecodeGraphRunner.supported("triton", "cuda")
     assert not DecodeGraphRunner.supported("torch", "cuda")
     assert not DecodeGraphRunner.supported("triton", "cpu")
