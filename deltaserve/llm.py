@@ -310,22 +310,34 @@ class LLM:
         try:
             admit()
             while pending or self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:
-                    # The scheduler counted the step, the runner did not take it: every later
-                    # step would fail with a step-number mismatch, which says nothing.
-                    self._failed = f"{type(e).__name__}: {e}"
-                    raise
-                for out in outputs:
+                for out in self._step():
                     self._merge(results[out.request_id], out)
                 admit()
+            self._drop_finished()
         except BaseException:
             # A refused prompt (admission), a failed step, Ctrl-C: none of this call's requests
             # may stay queued, holding blocks, for the next call to meet (KeyError, before).
             self.engine.abort(order)
+            if self._failed is None:
+                self._drop_finished()
             raise
         return [results[rid] for rid in order]
+
+    def _step(self) -> list:
+        try:
+            return self.engine.step()
+        except Exception as e:
+            # The scheduler counted the step, the runner did not take it: every later step
+            # would fail with a step-number mismatch, which says nothing.
+            self._failed = f"{type(e).__name__}: {e}"
+            raise
+
+    def _drop_finished(self) -> None:
+        """Tell the runner of the finished requests in a step that computes nothing (and
+        collect any step still in flight), so generate() returns with nothing held: the
+        runner's cached requests and batch rows lingered until the next call before."""
+        while self.engine.has_work():
+            self._step()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, so the next generate() computes its prompts from
