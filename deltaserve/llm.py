@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import random
 import threading
 from dataclasses import dataclass, field
 
@@ -22,7 +23,8 @@ from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
 from deltaserve.llm_executor import InProcessExecutor
-from deltaserve.llm_inputs import check_for_runner, conversations, per_prompt, prompt_ids
+from deltaserve.llm_inputs import (capped_to_model, check_for_runner, conversations, per_prompt,
+                                   prompt_ids)
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -55,10 +57,16 @@ class LLM:
     On CUDA the defaults of engine_common/configuration/device_defaults.py apply (async scheduling, a 16384
     token budget, fused norm and rope) unless given.
 
+    `seed`, as vLLM's: requests without a seed of their own get seeds drawn from it (None:
+    from the system, so unseeded sampling differs from run to run).
+
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
     (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, seed: int | None = None, **kwargs):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**63):
+            raise ParamError("seed", seed, "None or an integer in [0, 2**63)")
         if "device" in kwargs:
             kwargs["device"] = resolve_device(kwargs["device"], "device")
         kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
@@ -78,7 +86,10 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.model_info = self.model_info.with_tokenizer_eos(self.tokenizer.eos_token_id)
         self.chat_template = load_chat_template(model)
-        self.scheduler = Scheduler(sched_cfg, num_blocks)
+        # `seed` (vLLM's): the seeds drawn for requests without one follow from it, so a
+        # script sampling without per-request seeds answers the same on every run.
+        self.scheduler = Scheduler(sched_cfg, num_blocks,
+                                   None if seed is None else random.Random(seed))
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
                                 OutputProcessor(self.tokenizer, final_only=True))
@@ -120,6 +131,7 @@ class LLM:
                 c.validate()
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size)
+        stoppings = capped_to_model(ids_list, stoppings, self.model_info.max_model_len)
         results: dict[str, Completion] = {}
         order = []
         pending = collections.deque(zip(ids_list, samplings, stoppings, constraints))

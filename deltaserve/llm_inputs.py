@@ -5,6 +5,7 @@ is allowed; a value that reached the runner instead failed a step, and with it t
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 
@@ -155,3 +156,17 @@ def _message(name: str, message):
                              "supported)")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def capped_to_model(prompt_ids: list[list[int]], stoppings: list[StoppingParams],
+                    max_model_len: int) -> list[StoppingParams]:
+    """As vLLM's LLM: a max_tokens past what fits after its prompt in max_model_len stops there
+    (finish_reason LENGTH) instead of refusing the whole call. A prompt with no room left, or a
+    min_tokens past the room, is still refused (admission names it)."""
+    out = []
+    for ids, st in zip(prompt_ids, stoppings):
+        room = max_model_len - len(ids)
+        if st.max_tokens is not None and st.max_tokens > room >= max(st.min_tokens, 1):
+            st = dataclasses.replace(st, max_tokens=room)
+        out.append(st)
+    return out
