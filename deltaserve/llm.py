@@ -14,7 +14,7 @@ import random
 import threading
 from dataclasses import dataclass, field
 
-from engine_common.text.chat_template import ChatMessage, encode_chat, load_chat_template
+from engine_common.text.chat_template import ChatMessage, load_chat_template
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.constraints.constraint import Constraint
 from engine_common.configuration.device_defaults import device_defaults
@@ -22,6 +22,7 @@ from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
+from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_inputs import (capped_to_model, check_for_runner, conversations, per_prompt,
                                    prompt_ids)
@@ -86,6 +87,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.model_info = self.model_info.with_tokenizer_eos(self.tokenizer.eos_token_id)
         self.chat_template = load_chat_template(model)
+        self._model_dir = model
         # `seed` (vLLM's): the seeds drawn for requests without one follow from it, so a
         # script sampling without per-request seeds answers the same on every run.
         self.scheduler = Scheduler(sched_cfg, num_blocks,
@@ -232,18 +234,30 @@ class LLM:
              sampling: SamplingParams | list[SamplingParams] | None = None,
              stopping: StoppingParams | list[StoppingParams] | None = None,
              num_logprobs: int | None = None,
-             constraint: Constraint | list[Constraint | None] | None = None
-             ) -> list[Completion]:
+             constraint: Constraint | list[Constraint | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[Completion]:
         """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}
         dicts) or several (a list of such lists), each rendered with the model's chat template
         and its generation prompt, as the gRPC `messages` prompt is; OpenAI's text content parts
         are joined by newlines, as vLLM does. ParamError when the model has no chat template or
-        the messages are not a conversation. One Completion per conversation."""
+        the messages are not a conversation. One Completion per conversation.
+
+        The keyword options are vLLM's LLM.chat's, rendered as transformers'
+        apply_chat_template renders them: `chat_template` (Jinja text) instead of the model's,
+        `add_generation_prompt`, `continue_final_message` (the prompt ends inside the final
+        message, which the answer goes on with; needs add_generation_prompt=False), `tools`
+        and `chat_template_kwargs` (more template variables, e.g. enable_thinking)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, tools,
+                              chat_template_kwargs)
+        options.check()
+        template = call_template(self.chat_template, chat_template, self._model_dir)
         prompts = []
         for i, conv in enumerate(conversations(messages)):
             try:
-                prompts.append(encode_chat(self.tokenizer, self.chat_template, conv,
-                                           repr(self.model_info.name)))
+                prompts.append(chat_prompt_ids(self.tokenizer, template, conv, options,
+                                               repr(self.model_info.name)))
             except (TypeError, KeyError, AttributeError, IndexError) as e:
                 # A template's own Python failing on these messages: the caller's to fix.
                 raise ParamError(f"messages (conversation {i})", f"{len(conv)} messages",
