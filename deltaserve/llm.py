@@ -26,6 +26,7 @@ from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_inputs import (capped_to_model, check_for_runner, conversations, per_prompt,
                                    prompt_ids)
+from scheduler_service.core.admission import RequestRejected, check_admission
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -134,20 +135,22 @@ class LLM:
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size)
         stoppings = capped_to_model(ids_list, stoppings, self.model_info.max_model_len)
-        results: dict[str, Completion] = {}
-        order = []
-        pending = collections.deque(zip(ids_list, samplings, stoppings, constraints))
+        eos = self.model_info.eos_token_ids
+        requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
+                            num_logprobs=num_logprobs, constraint=c)
+                    for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints)]
+        self._check_admission(requests)
+        results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
+        order = []                        # queued so far
+        pending = collections.deque(requests)
 
         def admit() -> None:
             """Queue prompts while the waiting queue has room (max_waiting): a call with more
             prompts than that failed with QueueFull, as vLLM's never does."""
             while pending and len(self.scheduler.waiting) < self.scheduler.config.max_waiting:
-                ids, sp, st, c = pending.popleft()
-                rid = f"offline-{next(self._ids)}"
-                order.append(rid)
-                results[rid] = Completion(rid, ids)
-                self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
-                                                num_logprobs=num_logprobs, constraint=c))
+                request = pending.popleft()
+                order.append(request.request_id)
+                self.engine.add_request(request)
 
         try:
             admit()
@@ -163,7 +166,21 @@ class LLM:
             if self._failed is None:
                 self._drop_finished()
             raise
-        return [results[rid] for rid in order]
+        return [results[r.request_id] for r in requests]
+
+    def _check_admission(self, requests: list[Request]) -> None:
+        """Each request as the scheduler will admit it, before any is queued: a refused prompt
+        fails the call before anything runs, named by its index (past max_waiting, the prompts
+        before it had run first, and the error named an internal request id)."""
+        config = self.scheduler.config
+        for i, request in enumerate(requests):
+            try:
+                check_admission(request, max_model_len=config.max_model_len,
+                                block_size=config.block_size,
+                                num_blocks=self.scheduler.num_total_blocks, num_waiting=0,
+                                max_waiting=1, known=False)
+            except RequestRejected as e:
+                raise RequestRejected(f"prompts[{i}]", e.field, e.value, e.allowed) from None
 
     def _step(self) -> list:
         try:

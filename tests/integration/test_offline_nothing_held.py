@@ -47,7 +47,7 @@ def test_generate_returns_with_nothing_held(llm):
 
 
 def test_a_call_refused_half_way_holds_nothing(llm):
-    """The good prompts were queued (and stepped, past max_waiting) before the long one."""
+    """One prompt too long beside good ones."""
     reference = _run(llm)
     too_long = [5] * llm.model_info.max_model_len
     with pytest.raises(RequestRejected):

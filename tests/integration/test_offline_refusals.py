@@ -61,3 +61,17 @@ def test_a_refused_call_leaves_nothing_behind(llm, reference, case):
         llm.generate(**kwargs)
     assert_no_leaked_blocks(llm)
     assert [c.token_ids for c in llm.generate(GOOD, SamplingParams(), STOP)] == reference
+
+
+def test_a_refused_prompt_fails_the_call_before_anything_runs(tiny_models):
+    """Past max_waiting the prompts before the refused one were queued and run first, and the
+    error named an internal request id ('offline-4'), not the prompt."""
+    llm = LLM(tiny_models("qwen3"), num_kv_blocks=64, max_num_seqs=2, max_waiting=2)
+    step, steps = llm.engine.step, []
+    llm.engine.step = lambda: steps.append(1) or step()
+    with pytest.raises(RequestRejected, match=r"request 'prompts\[4\]' rejected: "
+                                              r"prompt_token_ids='\(empty\)'"):
+        llm.generate(GOOD * 2 + [[]], SamplingParams(), STOP)
+    assert steps == []
+    assert_no_leaked_blocks(llm)
+    assert len(llm.generate(GOOD * 2, SamplingParams(), STOP)) == 4 and steps
