@@ -24,6 +24,7 @@ from engine_common.request.params import ParamError, SamplingParams, StoppingPar
 from engine_common.text.tokenizer import Tokenizer
 from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
 from deltaserve.llm_executor import InProcessExecutor
+from deltaserve.llm_interrupt import DeferredInterrupt
 from deltaserve.llm_inputs import (capped_to_model, check_for_runner, conversations, per_prompt,
                                    prompt_ids)
 from scheduler_service.core.admission import RequestRejected, check_admission
@@ -152,20 +153,22 @@ class LLM:
                 order.append(request.request_id)
                 self.engine.add_request(request)
 
-        try:
-            admit()
-            while pending or self.engine.has_unfinished_requests():
-                for out in self._step():
-                    self._merge(results[out.request_id], out)
+        with DeferredInterrupt() as ctrl_c:     # Ctrl-C lands between steps
+            try:
                 admit()
-            self._drop_finished()
-        except BaseException:
-            # A refused prompt (admission), a failed step, Ctrl-C: none of this call's requests
-            # may stay queued, holding blocks, for the next call to meet (KeyError, before).
-            self.engine.abort(order)
-            if self._failed is None:
+                while pending or self.engine.has_unfinished_requests():
+                    ctrl_c.check()
+                    for out in self._step():
+                        self._merge(results[out.request_id], out)
+                    admit()
                 self._drop_finished()
-            raise
+            except BaseException:
+                # A failed step, Ctrl-C: none of this call's requests may stay queued, holding
+                # blocks, for the next call to meet (KeyError, before).
+                self.engine.abort(order)
+                if self._failed is None:
+                    self._drop_finished()
+                raise
         return [results[r.request_id] for r in requests]
 
     def _check_admission(self, requests: list[Request]) -> None:

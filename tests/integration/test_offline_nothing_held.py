@@ -8,6 +8,8 @@ Before, the runner heard of a call's finished requests only in the next call's f
 stayed cached (with their rows, grammar matchers, sampler state) while the LLM sat idle."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from deltaserve.llm import LLM
@@ -82,4 +84,51 @@ def test_ctrl_c_holds_nothing_and_the_llm_goes_on(llm, where):
         delattr(target, name)
     assert_nothing_held(llm)
     assert _run(llm) == reference
+    assert_nothing_held(llm)
+
+
+def test_ctrl_c_inside_a_step_is_taken_after_it(llm):
+    """A real SIGINT right after the scheduler counted a step, before the runner took it: the
+    step goes on, then the call stops. Before, the KeyboardInterrupt left the two disagreeing
+    and every later call of the LLM failed ("step 9 arrived after step 7")."""
+    reference = _run(llm)
+    scheduler = llm.scheduler
+    schedule, calls = scheduler.schedule, []
+
+    def interrupted_schedule():
+        out = schedule()
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    scheduler.schedule = interrupted_schedule
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, SamplingParams(), STOP)
+    finally:
+        del scheduler.schedule
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_nothing_held(llm)
+    assert _run(llm) == reference
+
+
+def test_a_second_ctrl_c_raises_at_once(llm):
+    """For a step that never ends: the first Ctrl-C waits for it, the second does not."""
+    scheduler = llm.scheduler
+    schedule, after = scheduler.schedule, []
+
+    def twice_interrupted_schedule():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        after.append(1)                   # not reached
+        return schedule()
+
+    scheduler.schedule = twice_interrupted_schedule
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, SamplingParams(), STOP)
+    finally:
+        del scheduler.schedule
+    assert after == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert_nothing_held(llm)
