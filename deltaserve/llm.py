@@ -25,8 +25,8 @@ from engine_common.text.tokenizer import Tokenizer
 from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
-from deltaserve.llm_inputs import (capped_to_model, check_for_runner, conversations, per_prompt,
-                                   prompt_ids)
+from deltaserve.llm_inputs import (capped_to_model, check_constraints, check_for_runner,
+                                   conversations, per_prompt, prompt_ids)
 from scheduler_service.core.admission import RequestRejected, check_admission
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
@@ -130,9 +130,7 @@ class LLM:
         samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
         stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
         constraints = per_prompt("constraint", constraint, n, Constraint, None)
-        for c in constraints:
-            if c is not None:
-                c.validate()
+        check_constraints(constraints)
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size)
         stoppings = capped_to_model(ids_list, stoppings, self.model_info.max_model_len)

@@ -10,7 +10,8 @@ import operator
 from collections.abc import Mapping, Sequence
 
 from engine_common.constraints.constraint import Constraint
-from engine_common.request.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS,
+                                               MAX_TOP_LOGPROBS)
 from engine_common.request.params import ID_SET_KNOBS, ParamError, SamplingParams, StoppingParams
 from engine_common.text.chat_template import ChatMessage
 from engine_common.text.tokenizer import Tokenizer
@@ -92,6 +93,20 @@ def per_prompt(name: str, given, n: int, kind: type, default) -> list:
     if not isinstance(given, kind):
         raise ParamError(name, given, allowed)
     return [given] * n
+
+
+def check_constraints(constraints: list[Constraint | None]) -> None:
+    """Each constraint's size, then the grammar engine's validation (ParamError). The runner
+    bounds a step diff by constraints of MAX_CONSTRAINT_CHARS characters, the size the servers
+    allow: bigger ones failed the step, and with it the LLM."""
+    for i, c in enumerate(constraints):
+        if c is None:
+            continue
+        if c.num_chars > MAX_CONSTRAINT_CHARS:
+            together = " (its choices together)" if c.kind == "choice" else ""
+            raise ParamError(f"constraint (prompt {i}).{c.kind}", f"{c.num_chars} characters",
+                             f"at most {MAX_CONSTRAINT_CHARS} characters{together}")
+        c.validate()
 
 
 def check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams],
