@@ -140,8 +140,10 @@ class LLM:
                     for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints)]
         self._check_admission(requests)
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
+        ids = list(results)
         order = []                        # queued so far
         pending = collections.deque(requests)
+        del requests        # a finished request's tokens are its Completion's: not kept twice
 
         def admit() -> None:
             """Queue prompts while the waiting queue has room (max_waiting): a call with more
@@ -167,7 +169,7 @@ class LLM:
                 if self._failed is None:
                     self._drop_finished()
                 raise
-        return [results[r.request_id] for r in requests]
+        return [results[rid] for rid in ids]
 
     def _check_admission(self, requests: list[Request]) -> None:
         """Each request as the scheduler will admit it, before any is queued: a refused prompt
