@@ -14,6 +14,8 @@ import random
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from engine_common.text.chat_template import ChatMessage, load_chat_template
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.constraints.constraint import Constraint
@@ -227,7 +229,7 @@ class LLM:
 
     def close(self) -> None:
         """Free the model runner: its thread ends, its KV cache and this LLM's hold on the
-        model go (on CUDA, torch.cuda.empty_cache() then returns their memory to the device).
+        model go, and on CUDA their memory goes back to the device (torch.cuda.empty_cache()).
         Waits for a call running on another thread; later calls raise RuntimeError. Leaving a
         `with LLM(...) as llm:` block closes it; dropping the last reference ends the thread."""
         with self._exclusive("close", closed_ok=True):
@@ -236,7 +238,10 @@ class LLM:
             self._closed = True
             self.engine.core.executor.close()
             self.runner.free_kv_cache()
+            on_cuda = self.runner.device.type == "cuda"
             self.engine = self.runner = self.scheduler = None
+            if on_cuda:     # the freed memory back to the device, for the next LLM's profiling
+                torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
         return self

@@ -44,6 +44,7 @@ def _used_llm(tiny_models) -> LLM:
 @pytest.mark.parametrize("how", ["close", "del"])
 def test_the_device_memory_goes_back(tiny_models, how):
     before, threads = _allocated(), set(threading.enumerate())
+    reserved_before = torch.cuda.memory_reserved()
     llm = _used_llm(tiny_models)
     runner_threads = [t for t in threading.enumerate()
                       if t not in threads and t.name.startswith("runner")]
@@ -57,3 +58,5 @@ def test_the_device_memory_goes_back(tiny_models, how):
             thread.join(JOIN_S)
     left = _allocated() - before
     assert left < KEPT_BY_TORCH, f"{left / 2**20:.0f} MiB still allocated after {how}"
+    if how == "close":      # and torch's cache gives it back to the device
+        assert torch.cuda.memory_reserved() - reserved_before < KEPT_BY_TORCH
