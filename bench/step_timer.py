@@ -72,7 +72,9 @@ class StepTimer:
         start = time.perf_counter()
         outputs = self._step()
         seconds = time.perf_counter() - start
-        if self._pending is not None:
+        # A step that scheduled nothing (LLM.generate's last, telling the runner which
+        # requests finished) computed nothing: not a step to time.
+        if self._pending is not None and self._pending[1]:
             self.records.append(StepRecord(seconds, *self._pending))
         return outputs
 

@@ -162,7 +162,11 @@ class Session:
         if answer.cancelled:
             self.out.write("\n(answer cancelled; the question is not kept)\n")
         elif answer.error:
-            self.out.write(f"\nerror: {answer.error}\n")
+            # The history only grows: once it no longer fits, every later question failed the
+            # same way, and nothing said how to go on.
+            hint = ("\n(the conversation no longer fits the model: /reset clears the history)"
+                    if self.conversation.turns and "max_model_len" in answer.error else "")
+            self.out.write(f"\nerror: {answer.error}{hint}\n")
         else:
             self.out.write("\n")
             self.conversation.turns += [("user", question), ("assistant", answer.text)]

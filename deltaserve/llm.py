@@ -7,15 +7,16 @@ the bytes the gRPC worker protocol carries.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
-import queue
+import random
 import threading
 from dataclasses import dataclass, field
 
-from engine_common.text.chat_template import ChatMessage, encode_chat, load_chat_template
-from engine_common.wire.codec import encode_runner_output
+import torch
+
+from engine_common.text.chat_template import ChatMessage, load_chat_template
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.constraints.constraint import Constraint
 from engine_common.configuration.device_defaults import device_defaults
@@ -23,7 +24,12 @@ from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
-from deltaserve.llm_inputs import check_for_runner, conversations, per_prompt, prompt_ids
+from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
+from deltaserve.llm_executor import InProcessExecutor
+from deltaserve.llm_interrupt import DeferredInterrupt
+from deltaserve.llm_inputs import (capped_to_model, check_constraints, check_for_runner,
+                                   conversations, per_prompt, prompt_ids)
+from scheduler_service.core.admission import RequestRejected, check_admission
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -32,186 +38,6 @@ from scheduler_service.core.scheduler import Scheduler
 from worker_service.config import RunnerConfig
 from worker_service.device_info import resolve_device
 from worker_service.runner.model_runner import ModelRunner
-
-
-class InProcessExecutor:
-    """A model runner behind the byte-level executor interface. `submit` runs steps in order on
-    one runner thread (async scheduling: the scheduler works while the model runs).
-
-    Where the runner's launches are asynchronous (CUDA, the simulated device: runner.pipelined)
-    the runner thread launches step t+1 *before* it finishes step t, so the device always has
-    the next step queued while the host records step t's tokens and the engine thread processes
-    them and schedules step t+2. `collect(t)` returns once step t is finished; when no later step
-    was submitted, it asks the runner thread to finish step t on its own.
-
-    Elsewhere (CPU) `collect(step t)` returns once step t is done *and* step t+1, when
-    submitted, has reached its sampler (or ended). The engine thread's Python (outputs of t,
-    scheduling t+2) then runs while the runner is inside the LM head and sampler, which hold no
-    GIL. Returning at once instead put it beside the Python that prepares step t+1's inputs, and
-    the two threads took turns on the GIL: the runner spent about 4.5 ms a step waiting
-    (step-overhead, 1 thread), more than async scheduling saved.
-    """
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        # The step in hand and the runner's last step before it, until the runner returns it.
-        self._unreturned: tuple[bytes, int] | None = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self._sampling: collections.deque[threading.Event] = collections.deque()
-        self._pipeline: RunnerPipeline | None = None
-
-    def execute(self, payload: bytes) -> bytes:
-        if self._unreturned is not None:
-            missed, before = self._unreturned
-            if before is not None and self._last_step() == before:
-                # Interrupted (Ctrl-C) before the runner took that step: the scheduler counted
-                # it, so every later diff builds on it. Its tokens were for requests aborted
-                # since; before, every later step failed ("step N arrived after step M").
-                self.runner.execute(missed)
-        self._unreturned = (payload, self._last_step())
-        reply = encode_runner_output(self.runner.execute(payload))
-        self._unreturned = None
-        return reply
-
-    def _last_step(self) -> int | None:
-        return getattr(self.runner, "last_step", None)     # (test doubles have none)
-
-    def submit(self, payload: bytes) -> concurrent.futures.Future | PipelineTicket:
-        if self.runner.pipelined:
-            if self._pipeline is None:
-                self._pipeline = RunnerPipeline(self.runner)
-            return self._pipeline.submit(payload)
-        if self._thread is None:
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, "runner")
-        sampling = threading.Event()
-        self._sampling.append(sampling)
-        return self._thread.submit(self._execute_submitted, payload, sampling)
-
-    def _execute_submitted(self, payload: bytes, sampling: threading.Event) -> bytes:
-        self.runner.on_sampling = sampling.set
-        try:
-            return self.execute(payload)
-        finally:
-            self.runner.on_sampling = None
-            sampling.set()
-
-    def wait_launched(self, ticket: concurrent.futures.Future | PipelineTicket) -> None:
-        """Pipelined: block until the submitted step is launched (or failed)."""
-        if self._pipeline is not None:
-            self._pipeline.wait_launched(ticket)
-
-    def collect(self, ticket: concurrent.futures.Future | PipelineTicket) -> bytes:
-        """Tickets are collected in submission order."""
-        if self._pipeline is not None:
-            return self._pipeline.collect(ticket)
-        self._sampling.popleft()
-        reply = ticket.result()
-        if self._sampling:
-            self._sampling[0].wait()
-        return reply
-
-
-_FINISH = object()      # RunnerPipeline's queue: finish the step in hand now
-
-
-class PipelineTicket:
-    """One step submitted to a RunnerPipeline. Two locks, each held from submission until the
-    runner thread lets go of it once: `launched` (the step is launched, or failed) and `done`
-    (its reply or error is in). A waiter takes a lock and gives it back at once, so any number
-    of waits pass once it is let go. Lighter than a Future and an Event (no condition variable,
-    no waiter lock allocated per wait): about half the hand-off time per step."""
-
-    __slots__ = ("payload", "reply", "error", "_launched", "_done")
-
-    def __init__(self, payload: bytes):
-        self.payload = payload
-        self.reply: bytes | None = None
-        self.error: BaseException | None = None
-        self._launched = threading.Lock()
-        self._launched.acquire()
-        self._done = threading.Lock()
-        self._done.acquire()
-
-    def set_launched(self) -> None:
-        self._launched.release()
-
-    def wait_launched(self) -> None:
-        with self._launched:
-            pass
-
-    def set_result(self, reply: bytes | None, error: BaseException | None = None) -> None:
-        self.reply, self.error = reply, error
-        self._done.release()
-
-    def done(self) -> bool:
-        return not self._done.locked()
-
-    def result(self) -> bytes:
-        with self._done:
-            pass
-        if self.error is not None:
-            raise self.error
-        return self.reply
-
-
-class RunnerPipeline:
-    """One runner thread that launches each submitted step before finishing the one before it
-    (ModelRunner.launch_step(diff, feed=previous)). A step whose inputs need the previous
-    step's ids on the host (grammar masks, penalties) waits for that step's finish instead."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._last: PipelineTicket | None = None
-        threading.Thread(target=self._loop, name="runner", daemon=True).start()
-
-    def submit(self, payload: bytes) -> PipelineTicket:
-        ticket = self._last = PipelineTicket(payload)
-        self._queue.put(ticket)
-        return ticket
-
-    @staticmethod
-    def wait_launched(ticket: PipelineTicket) -> None:
-        ticket.wait_launched()
-
-    def collect(self, ticket: PipelineTicket) -> bytes:
-        if ticket is self._last and not ticket.done():
-            self._queue.put(_FINISH)
-        return ticket.result()
-
-    def _loop(self) -> None:
-        held = None                       # (PendingStep, PipelineTicket): launched, not finished
-        while True:
-            ticket = self._queue.get()
-            if ticket is _FINISH:
-                held = self._finish(held)
-                continue
-            try:
-                diff = self.runner.decode(ticket.payload)
-                if held is not None and self.runner.needs_host_tokens(diff):
-                    held = self._finish(held)
-                launched = self.runner.launch_step(diff, held and held[0])
-            except BaseException as e:    # this step fails; the one before it still finishes
-                self._finish(held)
-                held = None
-                ticket.set_result(None, e)
-                ticket.set_launched()
-                continue
-            ticket.set_launched()
-            self._finish(held)
-            held = (launched, ticket)
-
-    def _finish(self, held) -> None:
-        if held is None:
-            return None
-        pending, ticket = held
-        try:
-            reply = encode_runner_output(self.runner.finish_step(pending))
-        except BaseException as e:
-            ticket.set_result(None, e)
-        else:
-            ticket.set_result(reply)
-        return None
 
 
 @dataclass
@@ -236,10 +62,16 @@ class LLM:
     On CUDA the defaults of engine_common/configuration/device_defaults.py apply (async scheduling, a 16384
     token budget, fused norm and rope) unless given.
 
+    `seed`, as vLLM's: requests without a seed of their own get seeds drawn from it (None:
+    from the system, so unseeded sampling differs from run to run).
+
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
     (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, seed: int | None = None, **kwargs):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 2**63):
+            raise ParamError("seed", seed, "None or an integer in [0, 2**63)")
         if "device" in kwargs:
             kwargs["device"] = resolve_device(kwargs["device"], "device")
         kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
@@ -259,12 +91,19 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model)
         self.model_info = self.model_info.with_tokenizer_eos(self.tokenizer.eos_token_id)
         self.chat_template = load_chat_template(model)
-        self.scheduler = Scheduler(sched_cfg, num_blocks)
+        self._model_dir = model
+        # `seed` (vLLM's): the seeds drawn for requests without one follow from it, so a
+        # script sampling without per-request seeds answers the same on every run.
+        self.scheduler = Scheduler(sched_cfg, num_blocks,
+                                   None if seed is None else random.Random(seed))
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
                                 OutputProcessor(self.tokenizer, final_only=True))
         self._ids = itertools.count()
         self._failed: str | None = None      # a failed step's error: the LLM is done
+        self._lock = threading.Lock()          # one call at a time (_exclusive)
+        self._owner: int | None = None         # the thread in a call
+        self._closed = False
         freeze_heap()     # keep the collector off torch, the model and the tokenizer
 
     def generate(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
@@ -278,7 +117,13 @@ class LLM:
         them alone is a batch of one (as vLLM). `num_logprobs` as vLLM's SamplingParams.logprobs:
         None (the default) computes and returns none (Completion.logprobs stays empty); 0 each
         output token's own logprob; k that and its k best alternatives. `constraint` (one for
-        all, or one per prompt) is validated first (ParamError)."""
+        all, or one per prompt) is validated first (ParamError). Calls from several threads
+        run one after another."""
+        with self._exclusive("generate"):
+            return self._generate(prompts, sampling, stopping, num_logprobs, constraint)
+
+    def _generate(self, prompts, sampling, stopping, num_logprobs, constraint
+                  ) -> list[Completion]:
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
@@ -287,68 +132,157 @@ class LLM:
         samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
         stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
         constraints = per_prompt("constraint", constraint, n, Constraint, None)
-        for c in constraints:
-            if c is not None:
-                c.validate()
+        check_constraints(constraints)
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size)
-        results: dict[str, Completion] = {}
-        order = []
-        pending = collections.deque(zip(ids_list, samplings, stoppings, constraints))
+        stoppings = capped_to_model(ids_list, stoppings, self.model_info.max_model_len)
+        eos = self.model_info.eos_token_ids
+        requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
+                            num_logprobs=num_logprobs, constraint=c)
+                    for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints)]
+        self._check_admission(requests)
+        results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
+        ids = list(results)
+        order = []                        # queued so far
+        pending = collections.deque(requests)
+        del requests        # a finished request's tokens are its Completion's: not kept twice
 
         def admit() -> None:
             """Queue prompts while the waiting queue has room (max_waiting): a call with more
             prompts than that failed with QueueFull, as vLLM's never does."""
             while pending and len(self.scheduler.waiting) < self.scheduler.config.max_waiting:
-                ids, sp, st, c = pending.popleft()
-                rid = f"offline-{next(self._ids)}"
-                order.append(rid)
-                results[rid] = Completion(rid, ids)
-                self.engine.add_request(Request(rid, ids, sp, st, self.model_info.eos_token_ids,
-                                                num_logprobs=num_logprobs, constraint=c))
+                request = pending.popleft()
+                order.append(request.request_id)
+                self.engine.add_request(request)
 
-        try:
-            admit()
-            while pending or self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:
-                    # The scheduler counted the step, the runner did not take it: every later
-                    # step would fail with a step-number mismatch, which says nothing.
-                    self._failed = f"{type(e).__name__}: {e}"
-                    raise
-                for out in outputs:
-                    self._merge(results[out.request_id], out)
+        with DeferredInterrupt() as ctrl_c:     # Ctrl-C lands between steps
+            try:
                 admit()
-        except BaseException:
-            # A refused prompt (admission), a failed step, Ctrl-C: none of this call's requests
-            # may stay queued, holding blocks, for the next call to meet (KeyError, before).
-            self.engine.abort(order)
+                while pending or self.engine.has_unfinished_requests():
+                    ctrl_c.check()
+                    for out in self._step():
+                        self._merge(results[out.request_id], out)
+                    admit()
+                self._drop_finished()
+            except BaseException:
+                # A failed step, Ctrl-C: none of this call's requests may stay queued, holding
+                # blocks, for the next call to meet (KeyError, before).
+                self.engine.abort(order)
+                if self._failed is None:
+                    self._drop_finished()
+                raise
+        return [results[rid] for rid in ids]
+
+    def _check_admission(self, requests: list[Request]) -> None:
+        """Each request as the scheduler will admit it, before any is queued: a refused prompt
+        fails the call before anything runs, named by its index (past max_waiting, the prompts
+        before it had run first, and the error named an internal request id)."""
+        config = self.scheduler.config
+        for i, request in enumerate(requests):
+            try:
+                check_admission(request, max_model_len=config.max_model_len,
+                                block_size=config.block_size,
+                                num_blocks=self.scheduler.num_total_blocks, num_waiting=0,
+                                max_waiting=1, known=False)
+            except RequestRejected as e:
+                raise RequestRejected(f"prompts[{i}]", e.field, e.value, e.allowed) from None
+
+    def _step(self) -> list:
+        try:
+            return self.engine.step()
+        except Exception as e:
+            # The scheduler counted the step, the runner did not take it: every later step
+            # would fail with a step-number mismatch, which says nothing.
+            self._failed = f"{type(e).__name__}: {e}"
             raise
-        return [results[rid] for rid in order]
+
+    def _drop_finished(self) -> None:
+        """Tell the runner of the finished requests in a step that computes nothing (and
+        collect any step still in flight), so generate() returns with nothing held: the
+        runner's cached requests and batch rows lingered until the next call before."""
+        while self.engine.has_work():
+            self._step()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, so the next generate() computes its prompts from
         scratch (benchmark rounds that repeat prompts). False, and nothing dropped, while a
         request holds blocks; generate() returns with none held."""
-        return self.scheduler.kv.reset_prefix_cache()
+        with self._exclusive("reset_prefix_cache"):
+            return self.scheduler.kv.reset_prefix_cache()
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str, closed_ok: bool = False):
+        """One call at a time: one from another thread waits for the running one (two at once
+        stepped the same engine, each meeting the other's outputs: KeyError, or a wrong
+        result); one made inside a running call on its own thread could never run."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RuntimeError(f"LLM.{call}() called inside a running LLM call on this thread")
+        with self._lock:
+            if self._closed and not closed_ok:
+                raise RuntimeError(f"LLM.{call}(): this LLM is closed")
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def close(self) -> None:
+        """Free the model runner: its thread ends, its KV cache and this LLM's hold on the
+        model go, and on CUDA their memory goes back to the device (torch.cuda.empty_cache()).
+        Waits for a call running on another thread; later calls raise RuntimeError. Leaving a
+        `with LLM(...) as llm:` block closes it; dropping the last reference ends the thread."""
+        with self._exclusive("close", closed_ok=True):
+            if self._closed:
+                return
+            self._closed = True
+            self.engine.core.executor.close()
+            self.runner.free_kv_cache()
+            on_cuda = self.runner.device.type == "cuda"
+            self.engine = self.runner = self.scheduler = None
+            if on_cuda:     # the freed memory back to the device, for the next LLM's profiling
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # The pipeline's runner thread held the runner (the model, the KV cache) forever.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.core.executor.close(wait=False)
 
     def chat(self, messages: list[ChatMessage | dict] | list[list[ChatMessage | dict]],
              sampling: SamplingParams | list[SamplingParams] | None = None,
              stopping: StoppingParams | list[StoppingParams] | None = None,
              num_logprobs: int | None = None,
-             constraint: Constraint | list[Constraint | None] | None = None
-             ) -> list[Completion]:
+             constraint: Constraint | list[Constraint | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[Completion]:
         """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}
         dicts) or several (a list of such lists), each rendered with the model's chat template
         and its generation prompt, as the gRPC `messages` prompt is; OpenAI's text content parts
         are joined by newlines, as vLLM does. ParamError when the model has no chat template or
-        the messages are not a conversation. One Completion per conversation."""
+        the messages are not a conversation. One Completion per conversation.
+
+        The keyword options are vLLM's LLM.chat's, rendered as transformers'
+        apply_chat_template renders them: `chat_template` (Jinja text) instead of the model's,
+        `add_generation_prompt`, `continue_final_message` (the prompt ends inside the final
+        message, which the answer goes on with; needs add_generation_prompt=False), `tools`
+        and `chat_template_kwargs` (more template variables, e.g. enable_thinking)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, tools,
+                              chat_template_kwargs)
+        options.check()
+        template = call_template(self.chat_template, chat_template, self._model_dir)
         prompts = []
         for i, conv in enumerate(conversations(messages)):
             try:
-                prompts.append(encode_chat(self.tokenizer, self.chat_template, conv,
-                                           repr(self.model_info.name)))
+                prompts.append(chat_prompt_ids(self.tokenizer, template, conv, options,
+                                               repr(self.model_info.name)))
             except (TypeError, KeyError, AttributeError, IndexError) as e:
                 # A template's own Python failing on these messages: the caller's to fix.
                 raise ParamError(f"messages (conversation {i})", f"{len(conv)} messages",

@@ -5,11 +5,13 @@ is allowed; a value that reached the runner instead failed a step, and with it t
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 
 from engine_common.constraints.constraint import Constraint
-from engine_common.request.diff_limits import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS,
+                                               MAX_TOP_LOGPROBS)
 from engine_common.request.params import ID_SET_KNOBS, ParamError, SamplingParams, StoppingParams
 from engine_common.text.chat_template import ChatMessage
 from engine_common.text.tokenizer import Tokenizer
@@ -93,6 +95,20 @@ def per_prompt(name: str, given, n: int, kind: type, default) -> list:
     return [given] * n
 
 
+def check_constraints(constraints: list[Constraint | None]) -> None:
+    """Each constraint's size, then the grammar engine's validation (ParamError). The runner
+    bounds a step diff by constraints of MAX_CONSTRAINT_CHARS characters, the size the servers
+    allow: bigger ones failed the step, and with it the LLM."""
+    for i, c in enumerate(constraints):
+        if c is None:
+            continue
+        if c.num_chars > MAX_CONSTRAINT_CHARS:
+            together = " (its choices together)" if c.kind == "choice" else ""
+            raise ParamError(f"constraint (prompt {i}).{c.kind}", f"{c.num_chars} characters",
+                             f"at most {MAX_CONSTRAINT_CHARS} characters{together}")
+        c.validate()
+
+
 def check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams],
                      stoppings: list[StoppingParams], num_logprobs: int | None,
                      vocab_size: int) -> None:
@@ -155,3 +171,17 @@ def _message(name: str, message):
                              "supported)")
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+def capped_to_model(prompt_ids: list[list[int]], stoppings: list[StoppingParams],
+                    max_model_len: int) -> list[StoppingParams]:
+    """As vLLM's LLM: a max_tokens past what fits after its prompt in max_model_len stops there
+    (finish_reason LENGTH) instead of refusing the whole call. A prompt with no room left, or a
+    min_tokens past the room, is still refused (admission names it)."""
+    out = []
+    for ids, st in zip(prompt_ids, stoppings):
+        room = max_model_len - len(ids)
+        if st.max_tokens is not None and st.max_tokens > room >= max(st.min_tokens, 1):
+            st = dataclasses.replace(st, max_tokens=room)
+        out.append(st)
+    return out

@@ -117,13 +117,16 @@ class ChatTemplate:
             raise ModelDirError(f"the chat template is not valid Jinja: {e}") from None
 
     def render(self, messages: list[ChatMessage | dict],
-               add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages`; ChatTemplateError when the template refuses them."""
+               add_generation_prompt: bool = True, *, tools: list | None = None,
+               extra: dict | None = None) -> str:
+        """The prompt text of `messages`; ChatTemplateError when the template refuses them.
+        `extra`: more variables for the template (transformers' apply_chat_template kwargs),
+        over the special tokens."""
         plain = [_plain_message(m) for m in messages]
         try:
-            return self._template.render(messages=plain, tools=None, documents=None,
+            return self._template.render(messages=plain, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **{**self.special_tokens, **(extra or {})})
         except jinja2.TemplateError as e:    # incl. raise_exception and sandbox SecurityError
             raise ChatTemplateError(f"the chat template failed: {e}") from None
 

@@ -35,6 +35,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or finished ones the workers still cache (EngineCore.has_work)."""
+        return self.core.has_work()
+
     def step(self) -> list[RequestOutput]:
         """One engine step's outputs (none for an async-scheduling step that only submitted)."""
         return self._outputs(self.core.step())

@@ -5,7 +5,7 @@ prefix caching under preemption, and at the max_model_len and max_tokens=1 edges
 
 Every test runs twice: as the CPU runs it (the runner finishes step t before it launches t+1)
 and pipelined, as CUDA runs it (step t+1 launched before step t is finished, its input ids fed
-from step t's sampler output: deltaserve.llm.RunnerPipeline, sample/token_readback.TokenFeed).
+from step t's sampler output: deltaserve.llm_executor.RunnerPipeline, sample/token_readback.TokenFeed).
 """
 from __future__ import annotations
 

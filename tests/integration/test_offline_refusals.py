@@ -1,8 +1,9 @@
 """LLM.generate handed, beside good prompts, what its model runner cannot take (a token id past
-the vocabulary, too many logprobs, min_tokens past what an int32 holds) or what admission
-refuses (a prompt too long): an error naming it, nothing left queued or holding blocks, and the
-next call answers as if the bad one never happened; a list of sampling params shorter than the
-prompts is refused (zip() dropped the prompts it did not cover, silently).
+the vocabulary, too many logprobs, min_tokens past what an int32 holds, a constraint bigger
+than the step diff's bound allows) or what admission refuses (a prompt too long): an error
+naming it, nothing left queued or holding blocks, and the next call answers as if the bad one
+never happened; a list of sampling params shorter than the prompts is refused (zip() dropped
+the prompts it did not cover, silently).
 
 Before, the runner refused the step diff (the scheduler then held requests the runner never
 took), or the good prompts of a call refused half way stayed queued: either way every later
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from deltaserve.llm import LLM
+from engine_common.constraints.constraint import Constraint
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from scheduler_service.core.admission import RequestRejected
 from tests.support.engine_checks import assert_no_leaked_blocks
@@ -50,6 +52,11 @@ def _bad_calls(vocab: int, max_model_len: int) -> dict:
                      "max_model_len"),
         "min_tokens": (dict(prompts=GOOD + [[5, 6]], stopping=[STOP, STOP, StoppingParams(
             max_tokens=None, min_tokens=2**31)]), RequestRejected, "min_tokens=2147483648"),
+        # 4 of them in one step made a diff past the runner's bound (BadDiff: the LLM failed)
+        "big constraint": (dict(prompts=GOOD * 2, constraint=Constraint(
+            "choice", [f"{i:05d}" + "x" * 100 for i in range(10_000)])), ParamError,
+            r"constraint \(prompt 0\).choice='1050000 characters' is invalid: must be at most "
+            r"65536 characters \(its choices together\)"),
     }
 
 
@@ -61,3 +68,17 @@ def test_a_refused_call_leaves_nothing_behind(llm, reference, case):
         llm.generate(**kwargs)
     assert_no_leaked_blocks(llm)
     assert [c.token_ids for c in llm.generate(GOOD, SamplingParams(), STOP)] == reference
+
+
+def test_a_refused_prompt_fails_the_call_before_anything_runs(tiny_models):
+    """Past max_waiting the prompts before the refused one were queued and run first, and the
+    error named an internal request id ('offline-4'), not the prompt."""
+    llm = LLM(tiny_models("qwen3"), num_kv_blocks=64, max_num_seqs=2, max_waiting=2)
+    step, steps = llm.engine.step, []
+    llm.engine.step = lambda: steps.append(1) or step()
+    with pytest.raises(RequestRejected, match=r"request 'prompts\[4\]' rejected: "
+                                              r"prompt_token_ids='\(empty\)'"):
+        llm.generate(GOOD * 2 + [[]], SamplingParams(), STOP)
+    assert steps == []
+    assert_no_leaked_blocks(llm)
+    assert len(llm.generate(GOOD * 2, SamplingParams(), STOP)) == 4 and steps

@@ -26,8 +26,11 @@ def _tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def hf_chat_ids(model_dir: str, chat: list[dict]) -> list[int]:
-    """transformers' prompt ids of `chat`, with the generation prompt."""
-    ids = _tokenizer(model_dir).apply_chat_template(chat, add_generation_prompt=True,
-                                                    return_dict=False)
+def hf_chat_ids(model_dir: str, chat: list[dict], add_generation_prompt: bool = True,
+                **kwargs) -> list[int]:
+    """transformers' prompt ids of `chat`, with the generation prompt unless told; `kwargs`
+    as apply_chat_template's (continue_final_message, chat_template, tools, template
+    variables)."""
+    ids = _tokenizer(model_dir).apply_chat_template(
+        chat, add_generation_prompt=add_generation_prompt, return_dict=False, **kwargs)
     return list(ids)

@@ -168,3 +168,14 @@ def test_a_real_sigint_cancels_the_call_through_the_handler_and_is_restored():
     assert "error:" not in out.getvalue()
     assert _roles(stub.requests[1]) == [("user", "again")]      # the cancelled turn is gone
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_history_too_long_for_the_model_says_how_to_go_on():
+    too_long = FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "request 'r' rejected: prompt "
+                            "tokens + max_tokens=9000 must be <= max_model_len (8192)")
+    stub = FakeStub([FakeCall(["Paris."]), FakeCall([], error=too_long), FakeCall(["ok"])])
+    out = io.StringIO()
+    assert Session(stub, _args(), _lines("a", "b", "/reset", "c"), out).run() == 0
+    assert ("max_model_len (8192)\n(the conversation no longer fits the model: /reset clears "
+            "the history)") in out.getvalue()
+    assert _roles(stub.requests[2]) == [("user", "c")]

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from deltaserve.llm import InProcessExecutor
+from deltaserve.llm_executor import InProcessExecutor
 from engine_common.wire.codec import decode_runner_output
 from engine_common.wire.diff import RunnerOutput
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from deltaserve.llm import PipelineTicket
+from deltaserve.llm_executor import PipelineTicket
 
 WAIT_S = 60.0       # only a hang hits this
 
