@@ -56,7 +56,9 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
 
 @dataclass
 class PrefixCacheStats:
-    """Counted once per (re)admission of a request: tokens looked up and tokens hit."""
+    """Counted at a request's first admission: prompt tokens looked up and tokens hit. A
+    readmission after preemption is not counted (its hits are its own blocks: recompute, not
+    reuse), as vLLM's prefix_cache_queries/hits leave preempted requests out."""
 
     queries: int = 0
     hits: int = 0
@@ -183,7 +185,8 @@ class KVCacheManager:
         if self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks) \
                 > self.pool.num_free_blocks:
             return None
-        if self.enable_caching and not held and request.num_computed_tokens == 0:
+        if self.enable_caching and not held and request.num_computed_tokens == 0 \
+                and request.num_preemptions == 0:      # a readmission's hits are recompute
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
         self.pool.touch(new_computed_blocks)

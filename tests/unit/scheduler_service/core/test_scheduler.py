@@ -259,3 +259,20 @@ def test_random_workload_no_leak_and_consistent_diffs():
     step(sched, worker)
     assert_no_leak(sched)
     assert worker.reqs == {}
+
+
+def test_readmission_after_preemption_leaves_the_prefix_cache_counts_alone():
+    """The counts are of prompt tokens at a request's first admission (docs/metrics.md, vLLM's
+    prefix_cache_queries/hits): a preempted request that is readmitted and hits its own blocks
+    (prompt and output) would otherwise report recompute as cache hits."""
+    prompts = [list(range(10, 18)), list(range(30, 38))]     # no shared prefix
+    sched, worker = make(num_blocks=7)
+    reqs = [make_request(f"r{i}", p, max_tokens=12, seed=i) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    run_steps(sched, worker)
+    assert reqs[1].num_preemptions >= 1
+    resumed = [res for d in worker.diffs for res in d.resumed_requests]
+    assert any(res.num_computed_tokens > 0 for res in resumed), "no self-hit on resumption"
+    assert (sched.kv.stats.queries, sched.kv.stats.hits) == (16, 0)
+    assert sched.prefix_cache_hit_rate == 0.0
