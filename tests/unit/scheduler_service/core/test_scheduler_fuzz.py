@@ -16,11 +16,13 @@ import pytest
 
 from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.request import Request, RequestStatus
+from engine_common.constraints.constraint import Constraint
 from tests.support.kv_invariants import check_kv_invariants
 from tests.support.scheduler_sim import default_sample, make, make_request
 
 EOS = 2
 SALTS = ("", "tenant-a", "tenant-b")
+YES_NO = Constraint("choice", ("yes", "no"))
 
 
 def sample(state) -> int:
@@ -38,7 +40,8 @@ def reference_output(request: Request) -> list[int]:
     """The request's tokens when it runs alone: `sample` until eos or its output cap."""
     tokens = list(request.prompt_token_ids)
     out = []
-    while len(out) < request.max_num_output_tokens:
+    # (a prompt that fills max_len still samples its one token, as vLLM's)
+    while len(out) < max(1, request.max_num_output_tokens):
         token = sample(_State(request.sampling.seed, tokens))
         tokens.append(token)
         out.append(token)
@@ -60,6 +63,7 @@ class Fuzz:
         bs = self.sched.config.block_size
         self.prefixes = {s: [self.rng.randrange(3, 90) for _ in range(3 * bs)] for s in SALTS}
         self.checked = 0
+        self.worker.compile_steps = self.rng.randrange(4)
 
     # ---- operations --------------------------------------------------------------------
 
@@ -68,6 +72,13 @@ class Fuzz:
         salt = rng.choice(SALTS)
         prompt = self.prefixes[salt][:rng.randrange(0, 13)] if rng.random() < 0.7 else []
         prompt += [rng.randrange(3, 90) for _ in range(rng.randrange(1, 20))]
+        max_tokens = None if rng.random() < 0.15 else rng.randrange(1, 12)
+        if rng.random() < 0.05:      # at the edges: the whole cache, max_model_len - 1, ...
+            cfg = sched.config
+            size = rng.choice([sched.max_len, sched.max_len - 1, cfg.max_model_len - 1,
+                               cfg.max_model_len])
+            prompt = (prompt * size)[:size]
+            max_tokens = rng.choice([None, 1, 2])
         if rng.random() < 0.1:       # the same tokens under another salt
             salt = rng.choice(SALTS)
         gone_ids = [r.request_id for r in self.gone if r.request_id not in sched._requests]
@@ -75,14 +86,17 @@ class Fuzz:
             rid = rng.choice(gone_ids)          # an id reused after its request left
         else:
             rid, self.next_id = f"r{self.next_id}", self.next_id + 1
-        max_tokens = None if rng.random() < 0.15 else rng.randrange(1, 12)
         request = make_request(rid, prompt, max_tokens=max_tokens, seed=rng.randrange(1000),
                                priority=rng.randrange(3), arrival=float(self.next_id))
         request.cache_salt = salt
+        if rng.random() < 0.1:       # waits for its grammar's compile before it samples
+            request.constraint = YES_NO
         try:
             sched.add_request(request)
         except RequestRejected:
             assert rid not in sched._requests or sched._requests[rid] is not request
+            assert len(prompt) + (max_tokens or 1) > sched.config.max_model_len \
+                or len(sched.waiting) >= sched.config.max_waiting
         if sched._requests and rng.random() < 0.1:   # a live id again: refused, nothing changes
             live = rng.choice(list(sched._requests.values()))
             twin = make_request(live.request_id, [5, 6, 7], max_tokens=2)
@@ -153,7 +167,7 @@ class Fuzz:
 
 
 CONFIGS = [
-    dict(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=40),
+    dict(num_blocks=10, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48),
     dict(num_blocks=16, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=64,
          long_prefill_token_threshold=6, max_long_partial_prefills=2),
     dict(num_blocks=8, max_num_seqs=1, max_num_batched_tokens=1, max_model_len=32),
