@@ -164,6 +164,14 @@ class Fuzz:
         assert sched.num_free_blocks == sched.num_total_blocks
         assert self.worker.reqs == {}, "the workers still hold finished requests"
         assert sched.kv.reset_prefix_cache() and sched.kv.pool.num_cached_blocks == 0
+        # The prefix-cache counts are those of first admissions (new requests), hits included.
+        new = [n for d in self.worker.diffs for n in d.new_requests]
+        stats = sched.kv.stats
+        if sched.config.enable_prefix_caching:
+            assert stats.queries == sum(len(n.prompt_token_ids) for n in new)
+            assert stats.hits == sum(n.num_computed_tokens for n in new)
+        else:
+            assert stats.queries == stats.hits == 0
 
 
 CONFIGS = [
