@@ -11,9 +11,11 @@ threshold left) that the long-prefill limit holds back are passed by, also when 
 own long prefills are gone (a victim would only be readmitted past them and preempted again the
 next step). A long H's room is its first chunk (the threshold), as admission caps it, and a
 victim's blocks that H hits in the prefix cache make no room (H takes them straight back).
-The running batch is scheduled before H is admitted: once H needs room, the new blocks the
-batch takes this step (a decode crossing into a new block, a prefill chunk) count against it,
-as they come out of the same free queue first, and a victim gives back those it would take.
+The running batch is scheduled before H is admitted (step_growth.py): once H needs room, the
+new blocks the batch takes this step (a decode crossing into a new block, a prefill chunk) count
+against it, as they come out of the same free queue first, and a victim gives back those it
+would take; victims are preempted only if the rest of the batch then leaves H some budget and
+the blocks for its first chunk.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request
+from scheduler_service.core.step_growth import step_growth
 from scheduler_service.core.waiting_queue import WaitingQueue
 
 
@@ -36,18 +39,21 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
         head = waiting.at(i)
         hits, num_hit = kv.get_computed_blocks(head)
         left = head.num_tokens - num_hit
-        n = min(left - head.awaiting_grammar, budget)
+        want = left - head.awaiting_grammar
         is_long = left > long_prefill
         if is_long:
-            n = min(n, long_prefill)          # its first chunk, as admission caps it
-        short = kv.num_free_blocks_needed(head, n, hits) - kv.num_free_blocks
+            want = min(want, long_prefill)    # its first chunk, as admission caps it
+        short = kv.num_free_blocks_needed(head, min(want, budget), hits) - kv.num_free_blocks
         if short > 0 or len(running) >= max_num_seqs:
             if growth is None:
-                growth = step_growth(running, kv, budget, long_prefill)
+                growth = step_growth(running, kv, budget, long_prefill)[0]
             short += sum(growth.values())
         victims = choose_priority_victims(
             head, running, max_num_seqs, short,
             lambda r: kv.num_exclusive_blocks(r, hits) + (growth or {}).get(r.handle, 0))
+        if victims and not fits_beside(head, want, hits, victims, running, kv, budget,
+                                       long_prefill):
+            victims = []
         if is_long:
             if longs is None:
                 longs = [r for r in running if r.num_tokens + r.num_pending_tokens
@@ -81,40 +87,18 @@ def choose_priority_victims(head: Request, running: Sequence[Request], max_num_s
     return victims if seats_short <= 0 and blocks_short <= 0 else []
 
 
-def step_growth(running: Sequence[Request], kv: KVCacheManager, budget: int,
-                long_prefill: int) -> dict[int, int]:
-    """handle -> new blocks each running request takes this step before admission (those
-    taking none left out), as Scheduler._schedule_running hands out the budget: in batch
-    order, long prefills after the rest with at most `long_prefill` tokens (a request waits).
-    A request awaiting its grammar's compile leaves its sampling position out."""
-    growth, longs = {}, []
-    for request in running:
-        left = _tokens_left(request)
-        if left > long_prefill:
-            longs.append(request)
-            continue
-        budget = _grow(growth, kv, request, min(left - request.awaiting_grammar, budget),
-                       budget)
-    for request in longs:
-        left = _tokens_left(request) - request.awaiting_grammar
-        budget = _grow(growth, kv, request, min(left, long_prefill, budget), budget)
-    return growth
 
-
-def _tokens_left(request: Request) -> int:
-    """Known and pending tokens not computed yet; 0 when a pending token is its last."""
-    num_output, pending = request.num_output_tokens, request.num_pending_tokens
-    if pending and num_output + pending >= request.max_num_output_tokens:
-        return 0
-    return request.num_tokens + pending - request.num_computed_tokens
-
-
-def _grow(growth: dict[int, int], kv: KVCacheManager, request: Request, n: int,
-          budget: int) -> int:
-    """Record the blocks `n` more tokens of `request` take; returns the budget left."""
-    if n > 0:
-        need = kv.num_free_blocks_needed(request, n)
-        if need:
-            growth[request.handle] = need
-        budget -= n
-    return budget
+def fits_beside(head: Request, want: int, hits: Sequence, victims: Sequence[Request],
+                running: Sequence[Request], kv: KVCacheManager, budget: int,
+                long_prefill: int) -> bool:
+    """Whether `head` is admitted this step once `victims` are gone: the rest of the batch,
+    scheduled first, leaves some budget, and the free blocks it leaves hold head's chunk (at
+    most `want` tokens, its prefix hits `hits`)."""
+    gone = {id(v) for v in victims}
+    growth, budget_left = step_growth([r for r in running if id(r) not in gone], kv, budget,
+                                      long_prefill)
+    if budget_left <= 0:
+        return False
+    room = (kv.num_free_blocks + sum(kv.num_exclusive_blocks(v, hits) for v in victims)
+            - sum(growth.values()))
+    return room >= kv.num_free_blocks_needed(head, min(want, budget_left), hits)

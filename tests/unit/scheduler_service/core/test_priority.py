@@ -321,23 +321,3 @@ def test_an_urgent_short_request_behind_a_held_back_long_head_takes_a_less_urgen
     run_steps(sched, worker)
     assert_no_leak(sched)
 
-
-def test_no_preemption_for_a_block_the_running_batch_takes_first():
-    """The running batch is scheduled before admission: a block a less urgent victim frees
-    goes first to a running request at least as urgent as the head that needs a new one this
-    step. Counting it as room preempted the victim and the head still did not fit."""
-    sched, worker = make(num_blocks=4, max_num_seqs=8, max_num_batched_tokens=32)
-    grower = make_request("grower", range(10, 18), max_tokens=6, seed=1, priority=0, arrival=0.0)
-    victim = make_request("victim", range(20, 23), max_tokens=6, seed=2, priority=1, arrival=1.0)
-    sched.add_request(grower)
-    sched.add_request(victim)
-    step(sched, worker)                # 2 + 1 blocks, 1 free: grower's 9th token takes it
-    assert sched.num_free_blocks == 1
-    head = make_request("head", range(30, 35), max_tokens=2, seed=3, priority=0, arrival=2.0)
-    sched.add_request(head)            # 2 blocks: the free one and the victim's were not enough
-    out, _ = step(sched, worker)
-    assert not out.preempted_handles and not out.new_requests
-    assert out.new_block_ids == {grower.handle: [3]}
-    updates = run_steps(sched, worker)
-    assert finished_tokens(updates) == reference([grower, victim, head])
-    assert_no_leak(sched)
