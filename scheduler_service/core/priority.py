@@ -48,9 +48,10 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
             if growth is None:
                 growth = step_growth(running, kv, budget, long_prefill)[0]
             short += sum(growth.values())
+        freed = kv.freed_blocks_counter(hits)
         victims = choose_priority_victims(
             head, running, max_num_seqs, short,
-            lambda r: kv.num_exclusive_blocks(r, hits) + (growth or {}).get(r.handle, 0))
+            lambda r: freed(r) + (growth or {}).get(r.handle, 0))
         if victims and not fits_beside(head, want, hits, victims, running, kv, budget,
                                        long_prefill):
             victims = []
@@ -67,11 +68,12 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
 
 def choose_priority_victims(head: Request, running: Sequence[Request], max_num_seqs: int,
                             blocks_short: int,
-                            exclusive_blocks: Callable[[Request], int]) -> list[Request]:
+                            freed_blocks: Callable[[Request], int]) -> list[Request]:
     """The running requests to preempt so `head` fits, or [] when it fits already or cannot be
     made to fit. `blocks_short` is how many more free blocks head needs than are free now;
-    `exclusive_blocks(r)` how many blocks preempting r returns to the free queue for good (not
-    counting head's own prefix hits, which head would take straight back out of it)."""
+    `freed_blocks(r)`, called for each victim in turn, how many more blocks preempting r too
+    returns to the free queue for good (a block victims share returns with the last of them;
+    head's own prefix hits never count: head would take them straight back out of it)."""
     seats_short = len(running) + 1 - max_num_seqs
     if seats_short <= 0 and blocks_short <= 0:
         return []
@@ -83,7 +85,7 @@ def choose_priority_victims(head: Request, running: Sequence[Request], max_num_s
             break
         victims.append(request)
         seats_short -= 1
-        blocks_short -= exclusive_blocks(request)
+        blocks_short -= freed_blocks(request)
     return victims if seats_short <= 0 and blocks_short <= 0 else []
 
 
@@ -99,6 +101,6 @@ def fits_beside(head: Request, want: int, hits: Sequence, victims: Sequence[Requ
                                       long_prefill)
     if budget_left <= 0:
         return False
-    room = (kv.num_free_blocks + sum(kv.num_exclusive_blocks(v, hits) for v in victims)
-            - sum(growth.values()))
+    freed = kv.freed_blocks_counter(hits)
+    room = kv.num_free_blocks + sum(freed(v) for v in victims) - sum(growth.values())
     return room >= kv.num_free_blocks_needed(head, min(want, budget_left), hits)

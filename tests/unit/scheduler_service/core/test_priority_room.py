@@ -50,3 +50,25 @@ def test_no_preemption_when_the_batch_takes_the_whole_budget_first():
     updates = run_steps(sched, worker)
     assert finished_tokens(updates) == reference([decode, long, head])
     assert_no_leak(sched)
+
+
+def test_victims_sharing_a_prefix_free_their_shared_blocks_together():
+    """Two less urgent requests share a 2-block prompt prefix: neither alone frees it, both do.
+    Counted one victim at a time, their room was 1 + 1 blocks and the head, which needs 5 with
+    2 free, was never given the 4 that preempting both frees."""
+    sched, worker = make(num_blocks=6, max_num_seqs=8, max_num_batched_tokens=32)
+    prefix = list(range(3, 11))
+    lazy = [make_request(f"lazy{i}", prefix + [40 + i, 41, 42], max_tokens=3, seed=i,
+                         priority=1, arrival=float(i)) for i in range(2)]
+    for r in lazy:
+        sched.add_request(r)
+    step(sched, worker)                # 2 shared + 1 + 1 blocks: 2 free
+    assert sched.num_free_blocks == 2
+    head = make_request("head", range(60, 80), max_tokens=2, seed=3, priority=0, arrival=5.0)
+    sched.add_request(head)
+    out, _ = step(sched, worker)
+    assert sorted(out.preempted_handles) == sorted(r.handle for r in lazy)
+    assert [r.handle for r in out.new_requests] == [head.handle]
+    updates = run_steps(sched, worker)
+    assert finished_tokens(updates) == reference([*lazy, head])
+    assert_no_leak(sched)
