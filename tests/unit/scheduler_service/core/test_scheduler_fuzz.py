@@ -155,7 +155,7 @@ class Fuzz:
         for _ in range(num_ops):
             self.rng.choices(funcs, weights)[0]()
             check_kv_invariants(self.sched, self.gone)
-        for _ in range(2000):
+        for _ in range(20000):
             if not (self.sched.has_unfinished_requests() or self.in_flight
                     or self.sched.has_finished_to_send()):
                 break
