@@ -35,6 +35,7 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
     long_priorities)` is the scheduler's long-prefill rule."""
     longs = None        # the running long prefills, looked for once a long one waits
     growth = None       # the batch's new blocks this step, looked at once room is needed
+    least_urgent = running[-1].priority if running else None    # running is in that order
     for i in range(len(waiting)):
         head = waiting.at(i)
         hits, num_hit = kv.get_computed_blocks(head)
@@ -43,18 +44,21 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
         is_long = left > long_prefill
         if is_long:
             want = min(want, long_prefill)    # its first chunk, as admission caps it
-        short = kv.num_free_blocks_needed(head, min(want, budget), hits) - kv.num_free_blocks
-        if short > 0 or len(running) >= max_num_seqs:
-            if growth is None:
-                growth = step_growth(running, kv, budget, long_prefill)[0]
-            short += sum(growth.values())
-        freed = kv.freed_blocks_counter(hits)
-        victims = choose_priority_victims(
-            head, running, max_num_seqs, short,
-            lambda r: freed(r) + (growth or {}).get(r.handle, 0))
-        if victims and not fits_beside(head, want, hits, victims, running, kv, budget,
-                                       long_prefill):
-            victims = []
+        victims = []
+        if least_urgent is not None and least_urgent > head.priority:
+            short = (kv.num_free_blocks_needed(head, min(want, budget), hits)
+                     - kv.num_free_blocks)
+            if short > 0 or len(running) >= max_num_seqs:
+                if growth is None:
+                    growth = step_growth(running, kv, budget, long_prefill)[0]
+                short += sum(growth.values())
+            freed = kv.freed_blocks_counter(hits)
+            victims = choose_priority_victims(
+                head, running, max_num_seqs, short,
+                lambda r: freed(r) + (growth or {}).get(r.handle, 0))
+            if victims and not fits_beside(head, want, hits, victims, running, kv, budget,
+                                           long_prefill):
+                victims = []
         if is_long:
             if longs is None:
                 longs = [r for r in running if r.num_tokens + r.num_pending_tokens
