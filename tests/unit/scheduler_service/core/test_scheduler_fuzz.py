@@ -1,6 +1,8 @@
 """Seeded random interleavings of add / abort / step / reset_prefix_cache against the real
 scheduler and SimWorker (which checks every block table against its fake paged KV), with the
-KV invariants of tests/support/kv_invariants.py asserted after every call.
+KV invariants of tests/support/kv_invariants.py asserted after every call, and the KV events
+replayed into a router's view that must equal the prefix cache. Steps run synchronously or two
+in flight (the worker running each as it is scheduled, or a whole step behind).
 
 The pools are tiny (preemption is frequent), prompts share prefixes within and across cache
 salts, ids are reused after their request finished or was aborted, and aborts hit requests
@@ -15,6 +17,7 @@ from collections import deque
 import pytest
 
 from scheduler_service.core.admission import RequestRejected
+from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, KvEventFeed
 from scheduler_service.core.request import Request, RequestStatus
 from engine_common.constraints.constraint import Constraint
 from tests.support.kv_invariants import check_kv_invariants
@@ -60,6 +63,11 @@ class Fuzz:
         self.rng = random.Random(seed)
         self.mode = mode
         self.sched, self.worker = make(sample_fn=sample, async_scheduling=mode != "sync", **cfg)
+        # A router's view of the prefix cache, kept from the KV events alone.
+        self.events = KvEventFeed()
+        self.events.enabled = True
+        self.sched.kv.events = self.sched.kv.pool.events = self.events
+        self.router_view: set[bytes] = set()
         self.in_flight: deque = deque()
         self.gone: list[Request] = []
         self.next_id = 0
@@ -156,6 +164,19 @@ class Fuzz:
         if idle:
             assert kv.pool.num_cached_blocks == 0
 
+    def check_events(self) -> None:
+        """Replaying the KV events gives exactly the blocks the prefix cache holds."""
+        for event in self.events.take():
+            if isinstance(event, AllBlocksCleared):
+                self.router_view.clear()
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= self.router_view
+                self.router_view.difference_update(event.block_hashes)
+            else:
+                assert not set(event.block_hashes) & self.router_view, "stored twice"
+                self.router_view.update(event.block_hashes)
+        assert self.router_view == set(self.sched.kv.pool._cached)
+
     # ---- the run -------------------------------------------------------------------------
 
     def run(self, num_ops: int) -> None:
@@ -164,12 +185,14 @@ class Fuzz:
         for _ in range(num_ops):
             self.rng.choices(funcs, weights)[0]()
             check_kv_invariants(self.sched, self.gone)
+            self.check_events()
         for _ in range(20000):
             if not (self.sched.has_unfinished_requests() or self.in_flight
                     or self.sched.has_finished_to_send()):
                 break
             self.step()
             check_kv_invariants(self.sched, self.gone)
+            self.check_events()
         sched = self.sched
         assert not sched.has_unfinished_requests() and not self.in_flight
         assert sched.num_free_blocks == sched.num_total_blocks
