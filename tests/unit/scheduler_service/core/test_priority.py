@@ -320,4 +320,3 @@ def test_an_urgent_short_request_behind_a_held_back_long_head_takes_a_less_urgen
     assert [r.handle for r in out.new_requests] == [short.handle] and not out.resumed_requests
     run_steps(sched, worker)
     assert_no_leak(sched)
-
