@@ -205,10 +205,11 @@ def test_updates_carry_the_finish_facts_the_output_processor_reads():
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_prompts_at_the_length_edges(async_scheduling):
-    """Driven synchronously and with two steps in flight. max_model_len 16 with a 16-token cache (4 blocks of 4): a prompt of 15 samples exactly
-    one token and computes 15 positions (the sampled one never); a 16-token prompt is refused
-    (no room for a token), with or without max_tokens. With a 12-token cache under a
-    max_model_len of 16, a 12-token prompt fills the cache and still samples its one token."""
+    """Driven synchronously and with two steps in flight. max_model_len 16 with a 16-token
+    cache (4 blocks of 4): a prompt of 15 samples exactly one token and computes 15 positions
+    (the sampled one never); a 16-token prompt is refused (no room for a token), with or
+    without max_tokens. With a 12-token cache under a max_model_len of 16, a 12-token prompt
+    fills the cache and still samples its one token."""
     for num_blocks, prompt_len, max_tokens in ((4, 15, None), (4, 15, 1), (3, 12, None),
                                                (3, 12, 4)):
         sched, worker = make(num_blocks=num_blocks, max_model_len=16,
