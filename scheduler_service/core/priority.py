@@ -93,7 +93,6 @@ def choose_priority_victims(head: Request, running: Sequence[Request], max_num_s
     return victims if seats_short <= 0 and blocks_short <= 0 else []
 
 
-
 def fits_beside(head: Request, want: int, hits: Sequence, victims: Sequence[Request],
                 running: Sequence[Request], kv: KVCacheManager, budget: int,
                 long_prefill: int) -> bool:
