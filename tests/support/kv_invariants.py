@@ -10,7 +10,8 @@
     chained hash j, salt included (a tenant never holds another salt's cached block);
   * only running requests hold blocks, enough for their computed tokens; nothing is kept for a
     request that left (blocks, hashes, counters), and the leavers are no longer queued;
-  * usage and the prefix-hit stats agree with the pool.
+  * usage and the prefix-hit stats agree with the pool;
+  * at most max_num_seqs run, and at most max_num_seqs + max_waiting are unfinished.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def check_kv_invariants(sched, gone: list[Request] = ()) -> None:
     assert all(not r.status.finished and r.status != RequestStatus.RUNNING
                for r in sched.waiting)
     assert len(running) + len(sched.waiting) == len(live)
+    # What the workers may cache (diff_limits.max_cached_requests) rests on these two.
+    config = sched.config
+    assert len(running) <= config.max_num_seqs
+    assert len(live) <= config.max_num_seqs + config.max_waiting
     for rid, blocks in tables.items():
         assert rid in running, f"{rid} holds blocks but is not running"
         request = running[rid]
