@@ -15,16 +15,21 @@
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
-from scheduler_service.core.kv_cache_manager import hash_block, salt_root
+from scheduler_service.core.kv_cache_manager import hash_block
 from scheduler_service.core.request import Request, RequestStatus
 
 
 def expected_hashes(request: Request, num_blocks: int, block_size: int) -> list[bytes]:
-    """The request's chained block hashes, recomputed without the manager's helpers' cache."""
+    """The request's chained block hashes as kv_cache_manager's docstring defines them,
+    recomputed here (the salt's root too) rather than with the manager's helpers."""
     tokens = request.prompt_token_ids + request.output_token_ids
-    parent, out = salt_root(request.cache_salt), []
+    salt = request.cache_salt
+    parent = hashlib.blake2b(b"cache-salt:" + salt.encode(), digest_size=16).digest() \
+        if salt else None
+    out = []
     for j in range(num_blocks):
         parent = hash_block(parent, tokens[j * block_size:(j + 1) * block_size])
         out.append(parent)
