@@ -68,6 +68,15 @@ class Fuzz:
         self.events.enabled = True
         self.sched.kv.events = self.sched.kv.pool.events = self.events
         self.router_view: set[bytes] = set()
+        # Steps whose priority preemption preempted someone: the head must be admitted in them.
+        self.priority_steps: set[int] = set()
+        preempt_for_priority = self.sched._preempt_for_priority
+
+        def watched(plan):
+            preempt_for_priority(plan)
+            if plan.preempted_handles:
+                self.priority_steps.add(self.sched._step)
+        self.sched._preempt_for_priority = watched
         self.in_flight: deque = deque()
         self.gone: list[Request] = []
         self.next_id = 0
@@ -142,7 +151,10 @@ class Fuzz:
                     self.finished(update.request)
 
     def execute(self, out):
-        """The worker runs the step; the scheduler's account of it must match."""
+        """The worker runs the step; the scheduler's account of it must match, and a step that
+        preempted for priority admitted someone (no preemption for nothing)."""
+        if out.step in self.priority_steps:
+            assert out.new_requests or out.resumed_requests, f"step {out.step}: for nothing"
         result = self.worker.execute(out)
         assert self.sched.scheduled_tokens(out.step) == self.worker.step_tokens[-1]
         return result
