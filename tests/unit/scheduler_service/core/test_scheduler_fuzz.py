@@ -227,6 +227,11 @@ CONFIGS = [
     dict(num_blocks=8, max_num_seqs=1, max_num_batched_tokens=1, max_model_len=32),
     dict(num_blocks=24, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=96,
          enable_prefix_caching=False),
+    # the largest batch limits, 8-token blocks; 1-token blocks with every prompt a long one
+    dict(block_size=8, num_blocks=6, max_num_seqs=65536, max_num_batched_tokens=65536,
+         max_model_len=48),
+    dict(block_size=1, num_blocks=24, max_num_seqs=2, max_num_batched_tokens=3,
+         max_model_len=24, long_prefill_token_threshold=1, max_long_partial_prefills=3),
 ]
 
 
