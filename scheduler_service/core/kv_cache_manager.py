@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
@@ -56,7 +56,9 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
 
 @dataclass
 class PrefixCacheStats:
-    """Counted once per (re)admission of a request: tokens looked up and tokens hit."""
+    """Counted at a request's first admission: prompt tokens looked up and tokens hit. A
+    readmission after preemption is not counted (its hits are its own blocks: recompute, not
+    reuse), as vLLM's prefix_cache_queries/hits leave preempted requests out."""
 
     queries: int = 0
     hits: int = 0
@@ -183,7 +185,8 @@ class KVCacheManager:
         if self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks) \
                 > self.pool.num_free_blocks:
             return None
-        if self.enable_caching and not held and request.num_computed_tokens == 0:
+        if self.enable_caching and not held and request.num_computed_tokens == 0 \
+                and request.num_preemptions == 0:      # a readmission's hits are recompute
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
         self.pool.touch(new_computed_blocks)
@@ -212,14 +215,25 @@ class KVCacheManager:
         held = len(self._blocks.get(request.request_id, ()))
         return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
 
-    def num_exclusive_blocks(self, request: Request,
-                             taken_back: Sequence[KVCacheBlock] = ()) -> int:
-        """Blocks that would return to the free queue if `request` were freed now (those no other
-        request shares), less those in `taken_back`: another request's prefix hits, which would
-        leave the free queue again as it is admitted."""
+    def freed_blocks_counter(self, taken_back: Sequence[KVCacheBlock] = ()
+                             ) -> Callable[[Request], int]:
+        """A counter for requests freed one after another (preemption victims): each call
+        returns how many more blocks would return to the free queue once that request is freed
+        too. A block the requests share returns with the last of them that holds it; blocks in
+        `taken_back` (another request's prefix hits, which would leave the free queue again as
+        it is admitted) never count."""
         taken = {id(b) for b in taken_back}
-        return sum(1 for b in self._blocks.get(request.request_id, ())
-                   if b.ref_cnt == 1 and id(b) not in taken)
+        holders: dict[int, int] = {}
+
+        def add(request: Request) -> int:
+            freed = 0
+            for block in self._blocks.get(request.request_id, ()):
+                key = id(block)
+                holders[key] = n = holders.get(key, 0) + 1
+                if n == block.ref_cnt and key not in taken:
+                    freed += 1
+            return freed
+        return add
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first. Safe to call for a request holding none."""

@@ -259,3 +259,46 @@ def test_random_workload_no_leak_and_consistent_diffs():
     step(sched, worker)
     assert_no_leak(sched)
     assert worker.reqs == {}
+
+
+def test_readmission_after_preemption_leaves_the_prefix_cache_counts_alone():
+    """The counts are of prompt tokens at a request's first admission (docs/metrics.md, vLLM's
+    prefix_cache_queries/hits): a preempted request that is readmitted and hits its own blocks
+    (prompt and output) would otherwise report recompute as cache hits."""
+    prompts = [list(range(10, 18)), list(range(30, 38))]     # no shared prefix
+    sched, worker = make(num_blocks=7)
+    reqs = [make_request(f"r{i}", p, max_tokens=12, seed=i) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    run_steps(sched, worker)
+    assert reqs[1].num_preemptions >= 1
+    resumed = [res for d in worker.diffs for res in d.resumed_requests]
+    assert any(res.num_computed_tokens > 0 for res in resumed), "no self-hit on resumption"
+    assert (sched.kv.stats.queries, sched.kv.stats.hits) == (16, 0)
+    assert sched.prefix_cache_hit_rate == 0.0
+
+
+def test_a_tenant_never_hits_another_salts_cached_blocks():
+    """Same prompt under two salts (api_keys.py gives one per key): each salt finds only its own
+    cached blocks, so a tenant's cached-token count says nothing of another's prompts; the
+    unsalted cache is a third namespace."""
+    sched, worker = make()
+    prompt = list(range(10, 30))              # 5 full blocks
+
+    def run(rid, salt):
+        request = make_request(rid, prompt, max_tokens=2)
+        request.cache_salt = salt
+        sched.add_request(request)
+        run_steps(sched, worker)
+        return request
+    a1 = run("a1", "key:a")
+    b1, plain = run("b1", "key:b"), run("plain", "")
+    a2, b2 = run("a2", "key:a"), run("b2", "key:b")
+    assert [r.num_cached_tokens for r in (a1, b1, plain)] == [0, 0, 0]
+    assert a2.num_cached_tokens == b2.num_cached_tokens == 16
+    new = [n for d in worker.diffs for n in d.new_requests]     # a1 b1 plain a2 b2
+    assert [n.num_computed_tokens for n in new] == [0, 0, 0, 16, 16]
+    assert new[3].block_ids[:4] == new[0].block_ids[:4]
+    assert new[4].block_ids[:4] == new[1].block_ids[:4]
+    assert not set(new[3].block_ids[:4]) & set(new[4].block_ids[:4])
+    assert_no_leak(sched)

@@ -9,9 +9,11 @@ import pytest
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import RunnerOutput
+from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
 from tests.support.scheduler_sim import run_steps
+from tests.unit.scheduler_service.core.test_scheduler_async import run_async
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, step
 
 
@@ -199,3 +201,28 @@ def test_updates_carry_the_finish_facts_the_output_processor_reads():
     assert stopped.status == RequestStatus.FINISHED_STOP_TOKEN
     assert by_id["capped"][-1].stop_token_id is None
     assert capped.status == RequestStatus.FINISHED_LENGTH
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompts_at_the_length_edges(async_scheduling):
+    """Driven synchronously and with two steps in flight. max_model_len 16 with a 16-token
+    cache (4 blocks of 4): a prompt of 15 samples exactly one token and computes 15 positions
+    (the sampled one never); a 16-token prompt is refused (no room for a token), with or
+    without max_tokens. With a 12-token cache under a max_model_len of 16, a 12-token prompt
+    fills the cache and still samples its one token."""
+    for num_blocks, prompt_len, max_tokens in ((4, 15, None), (4, 15, 1), (3, 12, None),
+                                               (3, 12, 4)):
+        sched, worker = make(num_blocks=num_blocks, max_model_len=16,
+                             async_scheduling=async_scheduling)
+        req = make_request("edge", range(3, 3 + prompt_len), max_tokens=max_tokens)
+        sched.add_request(req)
+        (run_async if async_scheduling else run_steps)(sched, worker)
+        assert req.status == RequestStatus.FINISHED_LENGTH and req.num_output_tokens == 1
+        assert sum(sum(t.values()) for t in worker.step_tokens) == prompt_len
+        step(sched, worker)
+        assert_no_leak(sched)
+    sched, _ = make(num_blocks=4, max_model_len=16, async_scheduling=async_scheduling)
+    for max_tokens in (None, 1):
+        with pytest.raises(RequestRejected, match="max_model_len"):
+            sched.add_request(make_request("full", range(3, 19), max_tokens=max_tokens))
+    assert sched.num_waiting == 0 and sched.num_free_blocks == 4
