@@ -18,7 +18,9 @@ and the k slots of each token are summed (torch). The grids are sized for the wo
 (kernels/moe_align.max_blocks); a program whose block is past the routing's valid blocks reads
 the count on the device and returns. Rounding follows the torch path: gate, up and h are
 rounded to x's dtype where torch's linear outputs would be; float32 dots run in IEEE float32
-(no TF32), so float32 results agree with the torch path to summation order.
+(no TF32), so float32 results agree with the torch path to summation order. The interpreter
+cannot tl.dot bfloat16 (garbage in triton 3.9), so on CPU the tiles go to float32 first: the
+products of bf16 operands are exact in float32, as a GPU's bf16 dot with float32 accumulation.
 
 Tile sizes are untuned (vLLM's untuned defaults: small M tiles when there are about as few
 pairs as experts, as in decode). On CPU the kernels run only under the Triton interpreter
@@ -48,7 +50,7 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, num_blocks_ptr,
                     top_k, num_pairs, hidden, inter, stride_xm, stride_we, stride_wn, stride_hm,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, LIBDEVICE: tl.constexpr):
+                    PRECISION: tl.constexpr, ON_GPU: tl.constexpr):
     pid_m = tl.program_id(0)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -70,12 +72,14 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, num_blocks
         gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         up = tl.load(w_base + (cols + inter)[None, :] * stride_wn + ks[:, None], mask=w_mask,
                      other=0.0)
+        if not ON_GPU:      # the interpreter cannot tl.dot bf16/fp16 (exact in fp32 anyway)
+            a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
     out_ty = h_ptr.dtype.element_ty
     g = acc_gate.to(out_ty).to(tl.float32)          # torch rounds each linear's output
     u = acc_up.to(out_ty).to(tl.float32)
-    if LIBDEVICE:
+    if ON_GPU:
         e = libdevice.exp(-g)
     else:                                           # the interpreter has no libdevice
         e = tl.exp(-g)
@@ -88,7 +92,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slots_ptr, block_expert_ptr, num_blocks
 def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, slots_ptr, block_expert_ptr,
                  num_blocks_ptr, num_pairs, hidden, inter, stride_hm, stride_we, stride_wn,
                  stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, ON_GPU: tl.constexpr):
     pid_m = tl.program_id(0)
     if pid_m >= tl.load(num_blocks_ptr):
         return
@@ -106,6 +110,8 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, slots_ptr, block_expert_ptr
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if not ON_GPU:
+            a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     out_ty = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
@@ -135,12 +141,12 @@ def expert_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
         x, w13, h, align.sorted_slots, align.block_expert, align.num_blocks, top_k, num_pairs,
         hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
-        LIBDEVICE=x.is_cuda, num_warps=4)
+        ON_GPU=x.is_cuda, num_warps=4)
     _down_kernel[(align.max_blocks, triton.cdiv(hidden, BLOCK_N))](
         h, w2, per_slot, weights.contiguous(), align.sorted_slots, align.block_expert,
         align.num_blocks, num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
         per_slot.stride(0), BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PRECISION=precision, num_warps=4)
+        PRECISION=precision, ON_GPU=x.is_cuda, num_warps=4)
     return per_slot
 
 
