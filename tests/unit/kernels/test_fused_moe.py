@@ -2,14 +2,21 @@
 grouped torch path of layers/moe.py and against transformers' sparse blocks: 1, 3 and 37 tokens,
 top-1/2/4, experts without tokens, every token on one expert; the path each module takes; and
 that the fused forward's every tensor shape follows from the batch shape alone (what CUDA graph
-capture needs), where the grouped path's does not."""
+capture needs), where the grouped path's does not; both kernels compile for sm_90 without a
+GPU."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.support.triton_mode import DEVICE, needs_kernels
+from tests.support.paths import REPO
+from tests.support.triton_mode import DEVICE, needs_kernels, triton
 from worker_service.layers.moe import MoEExperts
 from worker_service.parallel_state import single_rank_group
 
@@ -142,3 +149,43 @@ def test_fused_block_matches_transformers(arch, norm, num_tokens):
         expected = theirs(x[None])[0]
         got = ours.to(DEVICE)(x.to(DEVICE)).cpu()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+# Run in a fresh process without TRITON_INTERPRET: both kernels for sm_90 in every activation
+# dtype and both block heights (the interpreter accepts what the compiler may reject: tl.dot's
+# operand types, the early return); each must issue tensor-core MMAs (wgmma/mma).
+COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import fused_moe as fm
+
+def build(fn, ptrs, constexprs):
+    sig = {n: "constexpr" if n in constexprs else ptrs.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+index = dict(slots_ptr="*i32", block_expert_ptr="*i32", num_blocks_ptr="*i32")
+for dt in ("fp32", "bf16", "fp16"):
+    prec = "ieee" if dt == "fp32" else "tf32"
+    for block_m in (fm.SMALL_BLOCK_M, fm.LARGE_BLOCK_M):
+        tiles = dict(BLOCK_M=block_m, BLOCK_N=fm.BLOCK_N, BLOCK_K=fm.BLOCK_K, PRECISION=prec,
+                     ON_GPU=True)
+        for fn, ptrs in ((fm._gate_up_kernel, dict(x_ptr=dt, w_ptr=dt, h_ptr=dt)),
+                         (fm._down_kernel, dict(h_ptr=dt, w_ptr=dt, out_ptr=dt,
+                                                weights_ptr=dt))):
+            k = build(fn, dict(index, **{n: "*" + t for n, t in ptrs.items()}), tiles)
+            ptx = k.asm["ptx"]
+            assert dt == "fp32" or "mma" in ptx, (fn.__name__, dt, block_m, "no MMA")
+"""
+
+
+@pytest.mark.skipif(not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists(),
+                    reason="pip triton without a bundled ptxas cannot compile for sm_90")
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
