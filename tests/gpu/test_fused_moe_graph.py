@@ -58,7 +58,7 @@ def test_graph_replay_matches_eager_without_a_sync(num_tokens, dtype):
         assert torch.equal(static_out, fused_experts(x, w13, w2, weights, ids))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_matches_the_grouped_path_on_cuda(dtype, tol):
     from worker_service.layers.moe import MoEExperts
     from worker_service.parallel_state import single_rank_group
