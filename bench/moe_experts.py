@@ -13,7 +13,8 @@ weights (std 0.02) and a softmax-top-k routing of random logits, per token count
     fused graph    the same captured once in a CUDA graph and replayed (CUDA only): what a
                    decode step pays per layer once graphs capture MoE models
 
-Before timing, fused is checked against grouped (relative L2 error; a failed check exits 1).
+--block-n / --block-k / --small-block-m override the kernels' (untuned) tile sizes, for a sweep
+of one run per setting. Before timing, fused is checked against grouped (relative L2 error; a failed check exits 1).
 Timing: warm-up calls, then CUDA events around each call (CPU: perf_counter), median.
 """
 from __future__ import annotations
@@ -47,8 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if any")
     add("--iters", type=int, help="timed calls per path (CUDA 100, CPU 2)")
     add("--warmup", type=int, help="untimed calls first (CUDA 10, CPU 1)")
+    add("--block-n", type=int, help="override kernels/fused_moe.BLOCK_N (columns per program)")
+    add("--block-k", type=int, help="override kernels/fused_moe.BLOCK_K (reduction step)")
+    add("--small-block-m", type=int, help="override kernels/fused_moe.SMALL_BLOCK_M (rows per "
+        "block while pairs <= 4 x experts; >= 16)")
     add("--results-file", help="Markdown file the result block is appended to (default: none)")
     return p
+
+
+def apply_tile_overrides(args) -> str:
+    """Set the kernels' tile sizes from the flags (a sweep, one run per setting); describe them."""
+    from kernels import fused_moe as fm
+
+    for flag, name in (("block_n", "BLOCK_N"), ("block_k", "BLOCK_K"),
+                       ("small_block_m", "SMALL_BLOCK_M")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(fm, name, value)
+    return (f"tiles: BLOCK_N {fm.BLOCK_N}, BLOCK_K {fm.BLOCK_K}, BLOCK_M {fm.SMALL_BLOCK_M} "
+            f"(pairs <= 4 x experts) else {fm.LARGE_BLOCK_M}")
 
 
 def make_experts(args, device: str, dtype: torch.dtype):
@@ -117,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     m = make_experts(args, device, dtype)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines = [f"## MoE experts, {name}: E={args.experts} top-{args.top_k} H={args.hidden} "
-             f"I={args.inter} {args.dtype}", ""]
+             f"I={args.inter} {args.dtype}", "", f"- {apply_tile_overrides(args)}"]
     ok = True
     for t in (int(s) for s in (args.num_tokens or sizes).split(",")):
         line, good = run_one(m, t, args, device, dtype)

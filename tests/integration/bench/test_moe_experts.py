@@ -1,5 +1,5 @@
 """The MoE experts microbenchmark at tiny sizes (on CPU the fused kernels run in the Triton
-interpreter; on a GPU machine the same run on CUDA, with the graph-replayed column)."""
+interpreter; on a GPU machine the same run on CUDA, with the graph-replayed column), and its tile-size overrides for a sweep."""
 from __future__ import annotations
 
 import re
@@ -28,3 +28,17 @@ def test_checks_then_times_each_path(tmp_path, capsys):
         error = float(re.search(r"\(error ([\d.e+-]+)\)", line.group(3)).group(1))
         assert error <= moe_experts.CHECK_TOL["float32"]
     assert "command: `python -m bench.moe_experts --device" in results.read_text()
+
+
+def test_tile_overrides_are_applied_and_checked(monkeypatch, capsys):
+    from kernels import fused_moe as fm
+
+    for name in ("BLOCK_N", "BLOCK_K", "SMALL_BLOCK_M"):      # restored after the test
+        monkeypatch.setattr(fm, name, getattr(fm, name))
+    argv = TINY + ["--dtype", "float32", "--block-n", "16", "--block-k", "16",
+                   "--small-block-m", "32"]
+    assert moe_experts.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "- tiles: BLOCK_N 16, BLOCK_K 16, BLOCK_M 32 (pairs <= 4 x experts)" in out
+    assert (fm.BLOCK_N, fm.BLOCK_K, fm.SMALL_BLOCK_M) == (16, 16, 32)
+    assert out.count("(error ") == 2 and "CHECK FAILED" not in out
