@@ -1,5 +1,6 @@
 """The MoE experts microbenchmark at tiny sizes (on CPU the fused kernels run in the Triton
-interpreter; on a GPU machine the same run on CUDA, with the graph-replayed column), and its tile-size overrides for a sweep."""
+interpreter; on a GPU machine the same run on CUDA, with the graph-replayed column), and its
+tile-size overrides for a sweep."""
 from __future__ import annotations
 
 import re
