@@ -15,7 +15,8 @@ weights (std 0.02) and a softmax-top-k routing of random logits, per token count
 
 --block-n / --block-k / --small-block-m override the kernels' (untuned) tile sizes, for a sweep
 of one run per setting. Before timing, fused is checked against grouped (relative L2 error; a
-failed check exits 1). Timing: warm-up calls, then CUDA events around each call (CPU: perf_counter), median.
+failed check exits 1). Timing: warm-up calls, then CUDA events around each call (CPU:
+perf_counter), median.
 """
 from __future__ import annotations
 
