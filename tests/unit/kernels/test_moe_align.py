@@ -1,6 +1,7 @@
 """The device-side routing alignment of the fused MoE path (kernels/moe_align.py; torch ops, so
 it runs as it is on CPU): every (token, slot) pair lands exactly once, each block holds one
-expert's pairs, padding is marked, and the buffers' sizes depend on the shapes only."""
+expert's pairs, padding is marked, and the buffers' sizes depend on the shapes only; by the
+one-hot ranks (small batches) and by the argsort (large ones) alike."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from kernels import moe_align
 from kernels.moe_align import align_by_expert, max_blocks
 
 E = 8
@@ -48,16 +50,34 @@ def check_invariants(ids: torch.Tensor, block_m: int) -> None:
         assert mine.tolist() == sorted(mine.tolist())
 
 
+@pytest.fixture(params=["one-hot", "argsort"])
+def rank_path(request, monkeypatch):
+    """Both ways of ranking pairs within their expert (the argsort one past the size limit)."""
+    if request.param == "argsort":
+        monkeypatch.setattr(moe_align, "ONE_HOT_MAX_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("num_tokens,top_k,block_m",
                          list(itertools.product([1, 3, 37], [1, 2, 4], [1, 4, 16])))
-def test_every_pair_once_in_single_expert_blocks(num_tokens, top_k, block_m):
+def test_every_pair_once_in_single_expert_blocks(num_tokens, top_k, block_m, rank_path):
     check_invariants(routing(num_tokens, top_k, seed=num_tokens * 10 + top_k), block_m)
 
 
 @pytest.mark.parametrize("block_m", [4, 16])
-def test_all_tokens_on_one_expert_and_idle_experts(block_m):
+def test_all_tokens_on_one_expert_and_idle_experts(block_m, rank_path):
     check_invariants(torch.full((37, 1), 5), block_m)           # 7 experts without tokens
     check_invariants(torch.tensor([[7, 0]] * 20), block_m)     # two experts, the last and first
+
+
+def test_both_rank_paths_give_the_same_alignment(monkeypatch):
+    ids = routing(37, 4, seed=9)
+    one_hot = align_by_expert(ids, E, 4)
+    monkeypatch.setattr(moe_align, "ONE_HOT_MAX_ELEMENTS", 0)
+    sorted_ = align_by_expert(ids, E, 4)
+    assert torch.equal(one_hot.sorted_slots, sorted_.sorted_slots)
+    assert torch.equal(one_hot.block_expert, sorted_.block_expert)
+    assert moe_align.ONE_HOT_MAX_ELEMENTS == 0
 
 
 def test_the_worst_case_is_reached():
