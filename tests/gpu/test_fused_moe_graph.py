@@ -1,7 +1,8 @@
 """On CUDA: the fused MoE experts (kernels/fused_moe.py) make no host sync, a CUDA graph captures
 them, and a replay with another routing written into the same input buffers gives what an eager
 call gives, in bf16 and float32, at Qwen3-30B-A3B's expert shapes scaled down (128 experts,
-top-8) and at a decode batch's sizes. Marked `gpu`; skipped without CUDA."""
+top-8) and at a decode batch's sizes; a prefill-sized batch (the argsort ranks) makes no sync
+either; fused against the grouped path on CUDA. Marked `gpu`; skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +74,27 @@ def test_matches_the_grouped_path_on_cuda(dtype, tol):
         got = m(x, weights, ids)
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err.item() <= tol
+
+
+def test_a_prefill_sized_batch_makes_no_sync_either():
+    """5000 tokens x top-8 over 128 experts is past moe_align's one-hot limit: the argsort
+    ranks the pairs. Eager (prefill steps are not captured), but still no host sync, and the
+    same result as the one-hot ranks."""
+    from kernels import moe_align
+    from kernels.fused_moe import fused_experts
+
+    w13, w2 = stacked(torch.bfloat16)
+    x, weights, ids = inputs(5000, torch.bfloat16, seed=5)
+    assert ids.numel() * E > moe_align.ONE_HOT_MAX_ELEMENTS
+    want = fused_experts(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fused_experts(x, w13, w2, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(got, want)
+    halves = [fused_experts(x[i:i + 2500], w13, w2, weights[i:i + 2500], ids[i:i + 2500])
+              for i in (0, 2500)]                     # one-hot ranks (under the limit)
+    torch.testing.assert_close(torch.cat(halves), want)     # bf16 defaults
