@@ -3,12 +3,14 @@ backend available (triton and torch at block size 16; flash_attn at 256 when imp
 decode CUDA graphs on and off; graphs against eager; and fp32 exactly as the CPU test does.
 Marked `gpu`; skipped without CUDA.
 
-Scenario (each run): the tiny qwen3 and llama models of tests/conftest.py, 11 prompts of 1..130
-tokens submitted together (one repeats another, so block size 16 reuses 32 cached tokens), 16
-greedy tokens each with ignore_eos, max_num_batched_tokens 64 (prompts prefill in chunks, mixed
-with decodes), max_num_seqs 16 (graphs for batches 1, 2, 4, 8, 16). max_model_len is 256 so that
-the Triton decode split count is the same eagerly and in a graph (both bound the context by 256
-tokens: one split), leaving padding as the only difference between the two.
+Scenario (each run): the tiny qwen3, llama and qwen3_moe models of tests/conftest.py (on CUDA
+the MoE one takes the fused MoE kernels, so its decode steps are captured too), 11 prompts of
+1..130 tokens submitted together (one repeats another, so block size 16 reuses 32 cached
+tokens), 16 greedy tokens each with ignore_eos, max_num_batched_tokens 64 (prompts prefill in
+chunks, mixed with decodes), max_num_seqs 16 (graphs for batches 1, 2, 4, 8, 16).
+max_model_len is 256 so that the Triton decode split count is the same eagerly and in a graph
+(both bound the context by 256 tokens: one split), leaving padding as the only difference
+between the two.
 
 bf16 tolerance. Exact greedy equality with transformers is not expected in bf16: the two
 implementations round differently, and on these models the top logits are about 6 to 11, where
@@ -54,7 +56,7 @@ TOL_ULPS = 4
 BF16_MANTISSA_BITS = 7          # explicit bits; 8 significant with the implicit one
 DEVICE = "cuda"
 ENGINE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
-ARCHS = ["qwen3", "llama"]
+ARCHS = ["qwen3", "llama", "qwen3_moe"]
 
 
 def _flash_attn_importable() -> bool:

@@ -5,7 +5,8 @@ staging arena, forward, sample, queue the read-back copies) then finish_step (th
 sync: the read-back event, or the staging copies when nothing samples). Each launch_step of the
 scenario in tests/step_scenario.py (mixed prefill + decode, chunked prefill, a step that samples
 nothing, pure decodes with and without a non-sampling row, padded graph batches; greedy, seeded
-top-k / top-p / min-p, penalties, min_tokens stop masks, top logprobs) runs under
+top-k / top-p / min-p, penalties, min_tokens stop masks, top logprobs; the tiny qwen3 model and
+the tiny qwen3_moe one, whose experts take the fused MoE kernels on CUDA) runs under
 torch.cuda.set_sync_debug_mode("error"), which raises on every synchronizing CUDA call torch
 makes (.item(), .tolist(), .cpu(), nonzero, boolean-mask indexing, blocking copies,
 torch.tensor(list, device="cuda"), stream/device synchronize). The scenario is run once first
@@ -78,8 +79,9 @@ def count_replays(runner: ModelRunner) -> list[int]:
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_no_host_sync_before_the_read_back(tiny_models, enforce_eager):
-    runner = ModelRunner(RunnerConfig(model_dir=tiny_models("qwen3"), device="cuda",
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])    # MoE: the fused experts' path
+def test_no_host_sync_before_the_read_back(tiny_models, arch, enforce_eager):
+    runner = ModelRunner(RunnerConfig(model_dir=tiny_models(arch), device="cuda",
                                       dtype="float32", attention_backend="triton",
                                       enforce_eager=enforce_eager, max_graph_batch=4,
                                       **RUNNER_LIMITS))

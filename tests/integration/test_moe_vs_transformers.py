@@ -2,7 +2,8 @@
 the same tiny random weights, float32 on the CPU: 3 layers, layer 1 dense (mlp_only_layers), the
 others routing each token to 2 of 8 experts (worker_service/models/tiny_model.py).
 
-  - prefill logits through the paged cache equal transformers' forward (also with fused_ops),
+  - prefill logits through the paged cache equal transformers' forward (also with fused_ops,
+    and with the experts on the fused MoE kernels),
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes,
   - two gloo ranks (each with half of every expert) give the single rank's logits.
@@ -73,6 +74,30 @@ def test_fused_ops_logits_match_transformers(tiny_models):
     ours = load_model(path, single_rank_group(), BACKEND, "cpu", fused_ops=True)
     assert ours.model.layers[0].mlp.experts.act_fn._fused_kernel is not None
     ids = torch.arange(9) * 37 % 500 + 3
+    with torch.no_grad():
+        expected = hf_model(path)(ids[None]).logits[0].float()
+    torch.testing.assert_close(prefill_logits(ours, ids), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fused_moe_logits_match_transformers(tiny_models, arch):
+    """The experts on kernels/fused_moe.py (the CUDA path; forced here, the Triton interpreter
+    on CPU): the same logits, and nothing left to keep CUDA graphs from capturing the model."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: Triton compiles for the GPU, not the CPU interpreter")
+    from tests.support.triton_mode import interpreted
+    if not interpreted():
+        pytest.skip("triton was imported in compiled mode (TRITON_INTERPRET unset)")
+    from worker_service.layers.moe import MoEExperts
+    path = tiny_models(arch)
+    ours = load(path)
+    assert ours.graph_capture_blocker                  # CPU weights: the grouped path
+    for m in ours.modules():
+        if isinstance(m, MoEExperts):
+            m.fused_moe = True
+    assert ours.graph_capture_blocker is None
+    ids = torch.arange(13) * 37 % 500 + 3
     with torch.no_grad():
         expected = hf_model(path)(ids[None]).logits[0].float()
     torch.testing.assert_close(prefill_logits(ours, ids), expected, rtol=0, atol=1e-4)

@@ -7,7 +7,13 @@ Experts: every expert is a gated MLP down(silu(gate(x)) * up(x)). Their weights 
 w13 [E, 2 * I_r, H] (this rank's gate rows, then its up rows) and w2 [E, H, I_r], so a fused
 kernel could read them as they are. The batch's (token, slot) pairs are sorted by expert and each
 expert that received tokens runs two GEMMs over its contiguous group: a host loop over at most E
-experts, never over tokens.
+experts, never over tokens, after one host sync (the per-expert counts).
+
+On CUDA (with Triton importable) the experts take kernels/fused_moe.py instead: the grouping on
+the device into fixed-size buffers and two grouped Triton GEMMs, no host sync and no shape that
+depends on the routing, so CUDA graphs can capture a MoE decode step. `fused` says which path a
+module takes (the weights' device, unless forced at construction: the tests force it on CPU,
+where the kernels run under Triton's interpreter).
 
 Tensor parallelism: each rank keeps a slice I_r = I / tp of every expert's intermediate dimension
 (the rows of gate/up, the columns of down), so a rank's output is a partial sum over its slice;
@@ -19,7 +25,9 @@ Checkpoint names are per expert, `...mlp.experts.{e}.{gate,up,down}_proj.weight`
 """
 from __future__ import annotations
 
+import importlib.util
 import re
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -34,6 +42,11 @@ from worker_service.parallel_state import TPGroup
 EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\."
                            r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 W13, W2 = "w13_weight", "w2_weight"
+
+
+@lru_cache(maxsize=1)
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def expert_target(name: str) -> tuple[str, tuple[int, str]] | None:
@@ -76,11 +89,15 @@ class TopKRouter(nn.Module):
 
 
 class MoEExperts(nn.Module):
-    """E gated-MLP experts, stacked; forward returns this rank's partial sum (not reduced)."""
+    """E gated-MLP experts, stacked; forward returns this rank's partial sum (not reduced).
+    fused_moe: None picks the fused kernels when the weights are on CUDA and Triton is
+    importable; True/False forces a path."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 tp: TPGroup, dtype: torch.dtype | None = None, fused_ops: bool = False) -> None:
+                 tp: TPGroup, dtype: torch.dtype | None = None, fused_ops: bool = False,
+                 fused_moe: bool | None = None) -> None:
         super().__init__()
+        self.fused_moe = fused_moe
         self.tp = tp
         self.num_experts = num_experts
         self.inter_per_rank = divide(intermediate_size, tp.world_size, "moe_intermediate_size")
@@ -109,10 +126,21 @@ class MoEExperts(nn.Module):
         copy_checked(param.data[expert].narrow(0, offset, size),
                      read_rows(loaded, 0, start, size), f"expert {proj}")
 
+    @property
+    def fused(self) -> bool:
+        """Whether forward runs kernels/fused_moe.py (no host sync) rather than the grouped
+        torch path."""
+        if self.fused_moe is not None:
+            return self.fused_moe
+        return self.w13_weight.is_cuda and triton_importable()
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum over each token's k experts of
         weight * expert(x), [T, H] (this rank's partial sum)."""
+        if self.fused:
+            from kernels.fused_moe import fused_experts   # imports triton: only on this path
+            return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)     # (token, slot) pairs grouped by expert

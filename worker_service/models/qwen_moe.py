@@ -123,10 +123,15 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     qk_norm = True
     shared_expert = False
-    # why CUDA decode graphs cannot capture this model: the experts' host sync (counts per
-    # expert); step/cuda_graphs.graphs_unsupported_reason reads it, so decode runs eagerly on
-    # CUDA. A fused MoE kernel (grouping on the device) would lift it.
-    graph_capture_blocker = "MoE experts group tokens with a host sync"
+
+    @property
+    def graph_capture_blocker(self) -> str | None:
+        """Why CUDA decode graphs cannot capture this model (step/cuda_graphs'
+        graphs_unsupported_reason reads it), or None: experts on the grouped torch path sync
+        with the host (counts per expert); on the fused path (CUDA) nothing does."""
+        if all(m.fused for m in self.modules() if isinstance(m, MoEExperts)):
+            return None
+        return "MoE experts group tokens with a host sync"
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup,
                     dtype: torch.dtype) -> Callable[[int], nn.Module | None]:

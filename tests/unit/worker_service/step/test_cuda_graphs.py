@@ -58,13 +58,22 @@ def test_which_setups_can_use_graphs():
     assert "enforce_eager" in graphs_unsupported_reason("triton", "cuda", enforce_eager=True)
 
 
-def test_a_model_that_syncs_with_the_host_is_never_captured():
-    """The MoE models group tokens per expert with a host sync: capturing them would fail."""
+def test_a_model_that_syncs_with_the_host_is_never_captured(tiny_models):
+    """MoE models whose experts take the grouped torch path (CPU weights) sync with the host
+    per layer: capturing them would fail. On the fused path (CUDA weights; forced here) nothing
+    syncs and they are captured like any model."""
+    from worker_service.layers.moe import MoEExperts
     from worker_service.models.llama import Qwen3ForCausalLM
-    from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-    for moe in (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM):
+    for arch in ("qwen3_moe", "qwen2_moe"):
+        moe = load_model(tiny_models(arch), single_rank_group(), TorchAttentionBackend(), "cpu")
         assert "host sync" in graphs_unsupported_reason("triton", "cuda", model=moe)
+        experts = [m for m in moe.modules() if isinstance(m, MoEExperts)]
+        assert len(experts) == 2
+        experts[0].fused_moe = True                 # one grouped layer still blocks capture
+        assert "host sync" in graphs_unsupported_reason("triton", "cuda", model=moe)
+        experts[1].fused_moe = True
+        assert graphs_unsupported_reason("triton", "cuda", model=moe) is None
     assert graphs_unsupported_reason("triton", "cuda", model=Qwen3ForCausalLM) is None
     assert DecodeGraphRunner.supported("triton", "cuda")
     assert not DecodeGraphRunner.supported("torch", "cuda")
