@@ -1,0 +1,40 @@
+"""A mixture-of-experts model on the CPU with the deltaserve_cpu kernels (kernels/cpu): the dense
+layers (attention projections, the dense MLP, Qwen2-MoE's shared expert, the LM head) take the
+packed GEMMs, in a prefill (MKL) and a one-row decode (panels); the experts' stacked weights have
+no packed copy and run through F.linear; the logits still equal transformers'."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import extension
+from tests.integration.test_moe_vs_transformers import load, prefill_logits
+from tests.support.hf_reference import hf_model
+from worker_service.layers.cpu_gemm import CpuGemm
+from worker_service.layers.moe import MoEExperts
+
+pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_dense_layers_take_the_cpu_kernels_and_experts_fall_back(tiny_models, arch):
+    path = tiny_models(arch)
+    model = load(path)
+    gemms = {name: m for name, m in model.named_modules() if isinstance(m, CpuGemm)}
+    assert all(m.cpu_linear is not None for m in gemms.values()), [
+        n for n, m in gemms.items() if m.cpu_linear is None]
+    names = set(gemms)
+    assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+            "model.layers.1.mlp.gate_up_proj", "lm_head"} <= names
+    assert ("model.layers.2.mlp.shared_expert.down_proj" in names) == (arch == "qwen2_moe")
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert len(experts) == 2 and not any(e.fused for e in experts)
+    assert not any(isinstance(m, CpuGemm) for e in experts for m in e.modules())
+
+    for n in (57, 1):                       # a prefill past the panels' rows, then one row
+        ids = torch.arange(n) * 37 % 500 + 3
+        calls = {name: m.cpu_linear.calls for name, m in gemms.items()}
+        with torch.no_grad():
+            expected = hf_model(path)(ids[None]).logits[0].float()
+        torch.testing.assert_close(prefill_logits(model, ids), expected, rtol=0, atol=1e-4)
+        assert all(m.cpu_linear.calls > calls[name] for name, m in gemms.items()), n
