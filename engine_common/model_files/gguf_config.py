@@ -31,6 +31,10 @@ _FIELDS = (
     ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
 )
 _OPTIONAL = ("attention.head_count_kv",)
+# GGUF architectures whose Hugging Face checkpoints are served, but not their GGUF files (the
+# experts are stacked tensors the GGUF reader does not map): the refusal says so
+_HF_ONLY = MappingProxyType({"qwen2moe": "Qwen2MoeForCausalLM",
+                             "qwen3moe": "Qwen3MoeForCausalLM"})
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -38,8 +42,10 @@ def gguf_architecture(gguf: GGUFFile) -> str:
     """general.architecture, checked against ARCHITECTURES."""
     arch = gguf.require("general.architecture")
     if arch not in ARCHITECTURES:
+        hint = (f"; mixture-of-experts GGUF files are not read: serve the Hugging Face "
+                f"checkpoint ({_HF_ONLY[arch]}) instead" if arch in _HF_ONLY else "")
         raise GGUFError(f"{gguf.path}: general.architecture={arch!r} is not supported: must be "
-                        f"one of {sorted(ARCHITECTURES)}")
+                        f"one of {sorted(ARCHITECTURES)}{hint}")
     return arch
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -13,17 +14,28 @@ import numpy as np
 from safetensors.numpy import load_file
 
 ARCH_OF = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-           "Qwen3ForCausalLM": "qwen3"}
+           "Qwen3ForCausalLM": "qwen3",
+           # mixture-of-experts: written as llama.cpp does (no reader here supports them yet)
+           "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe"}
 _HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               # a MoE block: the router, the shared expert and its gate
+               "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+# one expert's projection -> the name of the [E, ...] tensor llama.cpp stacks every expert's into
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
 
 def gguf_name(hf: str) -> str:
+    if hf.startswith("blk."):     # already named (stacked experts)
+        return hf
     if hf in _TOP:
         return _TOP[hf]
     _, _, layer, rest = hf.split(".", 3)
@@ -94,6 +106,10 @@ def write_gguf(path: Path, model_dir: str | Path, qtype: str = "F32", pre: str |
     writer.add_key_length(cfg["head_dim"])
     writer.add_rope_dimension_count(cfg["head_dim"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if cfg.get("num_experts"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     _tokenizer_metadata(writer, model_dir, pre, user_defined)
     writer.add_eos_token_id(cfg["eos_token_id"])
     if bos_token_id is not None:
@@ -114,9 +130,25 @@ def write_gguf(path: Path, model_dir: str | Path, qtype: str = "F32", pre: str |
     return path
 
 
+def _stack_experts(weights: dict) -> dict:
+    """Per-expert projections -> one [E, out, in] tensor per layer and projection, under its
+    GGUF name (blk.N.ffn_{gate,up,down}_exps.weight); other tensors unchanged."""
+    out, experts = {}, {}
+    for name, w in weights.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = w
+        else:
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = w
+    for (layer, proj), by_expert in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack(
+            [by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
 def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, cfg: dict, arch: str,
                  qtype: gguf.GGMLQuantizationType) -> None:
-    weights = load_file(str(model_dir / "model.safetensors"))
+    weights = _stack_experts(load_file(str(model_dir / "model.safetensors")))
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name in sorted(weights):
         w = weights[name].astype(np.float32)

@@ -43,11 +43,16 @@ class MoeArgs:
     @classmethod
     def from_hf(cls, cfg: dict, shared_expert: bool) -> "MoeArgs":
         # transformers 5 writes num_local_experts; Hub checkpoints say num_experts
-        num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        field = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        num_experts, top_k = int(cfg.get(field) or 0), int(cfg["num_experts_per_tok"])
+        if num_experts and not 1 <= top_k <= num_experts:
+            # refused under the names the config uses (the router would say num_experts)
+            raise ValueError(f"config.json: num_experts_per_tok={top_k} is invalid: must be in "
+                             f"[1, {field}={num_experts}]")
         return cls(
             hidden_size=int(cfg["hidden_size"]),
-            num_experts=int(num_experts or 0),
-            top_k=int(cfg["num_experts_per_tok"]),
+            num_experts=num_experts,
+            top_k=top_k,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),

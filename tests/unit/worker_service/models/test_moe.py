@@ -154,6 +154,15 @@ def test_top_k_above_the_expert_count_is_refused():
         TopKRouter(H, E, 9, True)
 
 
+@pytest.mark.parametrize("field", ["num_experts", "num_local_experts"])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_config_top_k_outside_the_experts_is_refused_under_the_configs_names(field, top_k):
+    cfg = {"hidden_size": H, field: 4, "num_experts_per_tok": top_k, "moe_intermediate_size": 8}
+    with pytest.raises(ValueError, match=rf"^config.json: num_experts_per_tok={top_k} is "
+                                         rf"invalid: must be in \[1, {field}=4\]$"):
+        MoeArgs.from_hf(cfg, shared_expert=False)
+
+
 def test_shared_expert_output_is_not_reduced():
     """SharedExpert returns the rank's partial sum: its down projection calls matmul, not the
     row-parallel forward that would all-reduce (here world_size 2 with no process group, so a
