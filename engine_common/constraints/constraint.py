@@ -36,7 +36,9 @@ import llguidance
 
 from engine_common.runtime.big_stack import call_with_big_stack
 from engine_common.constraints.constraint_depth import grammar_depth, json_schema_depth, regex_depth
+from engine_common.constraints.grammar_repeats import grammar_repeats
 from engine_common.constraints.regex_size import regex_repeated_atoms
+from engine_common.constraints.schema_repeats import schema_repeats
 from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHOICES, MAX_CONSTRAINT_DEPTH,
                                                MAX_REGEX_REPEAT_SIZE)
 from engine_common.request.params import ParamError
@@ -121,39 +123,28 @@ class Constraint:
         return self
 
     def check_repeats(self) -> "Constraint":
-        """Raise ParamError if the counted repetitions of its regex (a `regex`, or a schema's
-        `pattern`) add more than MAX_REGEX_REPEAT_SIZE atoms once written out: the library
-        validates them symbolically and the worker's lexer pays for them (regex_size.py)."""
-        for text in self._regexes():
-            added = regex_repeated_atoms(text)
+        """Raise ParamError if the counted repetitions of a regex in it (a `regex`, a schema's
+        `pattern`, a grammar's terminal or `/regex/`) add more than MAX_REGEX_REPEAT_SIZE atoms
+        once written out: the library validates them symbolically and the worker's lexer pays
+        for them (regex_size.py, schema_repeats.py, grammar_repeats.py)."""
+        for where, added in self._repeats():
             if added > MAX_REGEX_REPEAT_SIZE:
-                which = "" if self.kind == "regex" else f"in pattern {_short(text, 100)!r} "
                 raise ParamError(self.field, _short(self.value),
                                  f"a regex whose counted repetitions add at most "
                                  f"{MAX_REGEX_REPEAT_SIZE} atoms to it (they add {added} "
-                                 f"{which}once written out: nested counts multiply)")
+                                 f"{where + ' ' if where else ''}once written out: nested "
+                                 f"counts multiply)")
         return self
 
-    def _regexes(self) -> list[str]:
+    def _repeats(self) -> list[tuple[str, int]]:
+        """(where, atoms added) per regex of the constraint ("" where it is the regex)."""
         if self.kind == "regex":
-            return [self.value]
-        if self.kind != "json_schema":
-            return []
-        try:
-            schema = json.loads(self.value)
-        except (ValueError, RecursionError):
-            return []                    # the library's validation says why
-        found, todo = [], [schema]       # iteratively: a schema may nest 1000 deep
-        while todo:
-            node = todo.pop()
-            if not isinstance(node, dict):
-                continue
-            if isinstance(node.get("pattern"), str):
-                found.append(node["pattern"])
-            if isinstance(node.get("patternProperties"), dict):
-                found.extend(k for k in node["patternProperties"] if isinstance(k, str))
-            todo.extend(sub for _, sub in _subschemas(node))
-        return found
+            return [("", regex_repeated_atoms(self.value))]
+        if self.kind == "json_schema":
+            return schema_repeats(self.value)
+        if self.kind == "grammar":
+            return grammar_repeats(self.value)
+        return []
 
     def validate(self) -> "Constraint":
         """Raise ParamError if it nests too deeply, if a regex in it expands too far, or with

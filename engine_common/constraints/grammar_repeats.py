@@ -1,0 +1,190 @@
+"""How far the counted repetitions of a grammar's lexemes expand them (regex_size.py's measure).
+
+In a Lark grammar every terminal becomes one lexer regex on the worker, as does every `/regex/`
+or string in a rule. llguidance (1.9.1) writes them out there, not at validation, as it does a
+`regex` constraint's: `start: /a{1000000}/` passed admission and cost the compile thread 0.52 s
+and 96 MB; a terminal made of terminals multiplies their counts (`A: B{1000}`, `B: "x"{1000}`:
+1.25 s, then the request's first mask failed, "lexer error: too many expressions constructed").
+`grammar_repeats` sizes, per terminal, its body written out (a name stands for its terminal's
+whole size, `{n,m}` and `~ n..m` multiply what they follow) less its text's (a name one atom,
+counts taken once), and every `/regex/` alone, and the
+schemas of `%json { ... }` as a json_schema constraint's (schema_repeats.py). A GBNF grammar is
+sized as the Lark that llguidance converts it to. Counts in rules repeat lexemes in the parser
+(llguidance builds them in a logarithmic number of rules), not within one lexeme: not counted.
+"""
+from __future__ import annotations
+
+import re
+
+from llguidance.gbnf_to_lark import any_to_lark
+
+from engine_common.constraints.constraint_depth import _json_value_end
+from engine_common.constraints.regex_size import RepeatSizer, regex_sizes
+from engine_common.constraints.schema_repeats import schema_repeats
+
+# One lexical item of a Lark grammar, as llguidance's Lark lexer reads it (a regex may span
+# lines, `#` is no comment); one left open runs to the end (the engine refuses the grammar).
+_TOKENS = re.compile(r'''
+      (?P<newline>\n)
+    | (?P<skip>//[^\n]*|[ \t\r\f\v]+)
+    | (?P<json>%json\b)
+    | (?P<ext>%(?:regex|llguidance)\b)
+    | (?P<directive>%[A-Za-z_]+)
+    | (?P<string>"(?:\\.|[^"\\])*(?:"|\Z)i?)
+    | (?P<regex>/(?:\\.|[^/\\])+(?:/[imslux]*|\Z))
+    | (?P<tilde_count>~\s*[0-9]+(?:\s*\.\.\s*[0-9]+)?)
+    | (?P<brace_count>\{\s*[0-9]*\s*(?:,\s*[0-9]*\s*)?\})
+    | (?P<name>[!?]?[A-Za-z_][A-Za-z0-9_]*(?:\.[0-9]+)?)
+    | (?P<define>:)
+    | (?P<open>[(\[])
+    | (?P<close>[)\]])
+    | (?P<alt>\|)
+    | (?P<other>.)
+''', re.VERBOSE | re.DOTALL)
+_REGEX_BODY = re.compile(r"/(.*)/[imslux]*\Z|/(.*)\Z", re.DOTALL)
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def grammar_repeats(text: str) -> list[tuple[str, int]]:
+    """(where, atoms its counts add) for every lexeme of a Lark or GBNF grammar that has
+    counts: `in terminal NAME`, `in regex '/.../'`, or a `%json` schema's finding."""
+    try:
+        text = any_to_lark(text)
+    except Exception:            # the library's own conversion fails the same way: refused
+        return []
+    bodies, found = _scan(text)
+    sizes = _terminal_sizes(bodies)
+    found.extend((f"in terminal {name}", full - plain) for name, (full, plain) in sizes.items()
+                 if full > plain)
+    return found
+
+
+def _scan(text: str) -> tuple[dict[str, list], list[tuple[str, int]]]:
+    """(terminal name -> its body's tokens, findings of regexes and %json schemas)."""
+    tokens = _tokens(text)
+    bodies: dict[str, list] = {}
+    found: list[tuple[str, int]] = []
+    current: list | None = None      # the body of the terminal being read, if any
+    level, line_start = 0, True
+    for i, (kind, value) in enumerate(tokens):
+        if kind == "newline":
+            line_start = level == 0
+            continue
+        if line_start and kind == "name" and i + 1 < len(tokens) and tokens[i + 1][0] == "define":
+            name = _bare(value)
+            current = bodies.setdefault(name, []) if _is_terminal(name) else None
+            line_start = False
+            continue
+        if line_start and kind == "directive":
+            current = None           # %ignore, %import: their items are sized alone below
+        line_start = False
+        if kind == "define" and current is not None and not current:
+            continue
+        level += {"open": 1, "close": -1}.get(kind, 0)
+        level = max(level, 0)
+        if kind == "regex":
+            full, plain = regex_sizes(_regex_body(value))
+            if full > plain:
+                found.append((f"in regex {value[:100]!r}", full - plain))
+        elif kind == "json":
+            found.extend(schema_repeats(value))
+        if current is not None:
+            current.append((kind, value))
+    return bodies, found
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    """The grammar's tokens but spaces and comments; a `%json` token carries its schema's
+    text, a `%regex` / `%llguidance` token its JSON (skipped)."""
+    out, pos = [], 0
+    while pos < len(text):
+        m = _TOKENS.match(text, pos)
+        kind, pos = m.lastgroup, m.end()
+        if kind == "skip":
+            continue
+        if kind in ("json", "ext"):
+            start = len(text) - len(text[pos:].lstrip())
+            if text.startswith("{", start):
+                end = _json_value_end(text, start)
+                out.append((kind, text[start:end]))
+                pos = end
+                continue
+        out.append((kind, m.group()))
+    return out
+
+
+def _terminal_sizes(bodies: dict[str, list]) -> dict[str, tuple[int, int]]:
+    """(size written out, size as written: counts taken once, a name one atom) per terminal;
+    written out, a name within a body stands for its terminal's whole size, so a terminal used
+    twice in another doubles it as `{2}` would (`T0: T1 T1`, `T1: T2 T2`, ... 20 deep: a{2**20},
+    2.1 s of the compile thread, then a failed first mask). Evaluated in dependency order, without recursion (a
+    chain may be 1,000 deep); a terminal on a cycle (the engine refuses it) weighs 1."""
+    sizes: dict[str, tuple[int, int]] = {}
+    refs = {name: {_bare(v) for k, v in body if k == "name"} & bodies.keys()
+            for name, body in bodies.items()}
+    waiting = {name: set(r) for name, r in refs.items()}
+    users: dict[str, list[str]] = {}
+    for name, r in refs.items():
+        for target in r:
+            users.setdefault(target, []).append(name)
+    ready = [name for name, r in waiting.items() if not r]
+    while ready:
+        name = ready.pop()
+        sizes[name] = _body_size(bodies[name], sizes)
+        for user in users.get(name, ()):
+            waiting[user].discard(name)
+            if not waiting[user] and user not in sizes:
+                ready.append(user)
+    for name in bodies.keys() - sizes.keys():        # on a cycle
+        sizes[name] = _body_size(bodies[name], sizes)
+    return sizes
+
+
+def _body_size(body: list, sizes: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    sizer = RepeatSizer()
+    for kind, value in body:
+        if kind == "string":
+            n = max(len(value.rstrip("i")) - 2, 1)    # its characters, escapes over-counted
+            sizer.atom(n, n)
+        elif kind == "regex":
+            sizer.atom(*regex_sizes(_regex_body(value)))
+        elif kind == "name":          # written out: inlined whole; in the text: one name
+            sizer.atom(sizes.get(_bare(value), (1, 1))[0], 1)
+        elif kind == "ext":
+            sizer.atom()
+        elif kind == "open":
+            sizer.open()
+        elif kind == "close":
+            sizer.close()
+        elif kind == "alt":
+            sizer.alt()
+        elif kind in ("tilde_count", "brace_count"):
+            sizer.count(_times(value))
+    return sizer.total()
+
+
+def _times(count: str) -> int:
+    """How many times a count repeats at most: `~ n`, `~ n..m`, `{n}`, `{n,m}`, `{n,}`
+    (n + 1, as regex_size counts it), `{,m}`."""
+    numbers = [int(d) for d in _DIGITS.findall(count)]
+    if not numbers:
+        return 1
+    if count.startswith("{") and "," in count and count.rstrip("} \t").endswith(","):
+        return numbers[0] + 1
+    return numbers[-1]
+
+
+def _regex_body(token: str) -> str:
+    m = _REGEX_BODY.match(token)
+    return (m.group(1) if m.group(1) is not None else m.group(2)) if m else token
+
+
+def _bare(name: str) -> str:
+    """A Lark name without its `!` / `?` prefix and `.priority` suffix."""
+    return name.lstrip("!?").split(".", 1)[0]
+
+
+def _is_terminal(name: str) -> bool:
+    """Lark's convention: terminals are upper-case (`_` prefixes allowed), rules lower-case."""
+    stripped = name.lstrip("_")
+    return bool(stripped) and stripped[0].isupper()
