@@ -2,8 +2,9 @@
 
 Two sources, both written out by llguidance (1.9.1) on the worker, not at validation:
 
-- every `pattern` and `patternProperties` key **anywhere in the document**, not only under the
-  keywords that hold subschemas: a `$ref` may point anywhere (`{"$ref": "#/x-stash/s",
+- every `pattern`, `patternProperties` key and llguidance's `x-guidance.whitespace_pattern`
+  (the regex between JSON tokens: `a{1000000}` failed the mask of the first token after `{"a":`)
+  **anywhere in the document**, not only under the keywords that hold subschemas: a `$ref` may point anywhere (`{"$ref": "#/x-stash/s",
   "x-stash": {"s": {"pattern": "^a{1000000}$"}}}` was admitted, then cost the compile thread
   0.39 s and failed the request's first mask);
 - a `pattern` with a `minLength`: the string's lexer is the intersection of the pattern with
@@ -53,6 +54,9 @@ def schema_repeats(text: str) -> list[tuple[str, int]]:
             continue
         keys = node.get("patternProperties")
         patterns = [k for k in keys if isinstance(k, str)] if isinstance(keys, dict) else []
+        options = node.get("x-guidance")
+        if isinstance(options, dict) and isinstance(options.get("whitespace_pattern"), str):
+            patterns.append(options["whitespace_pattern"])
         for pattern in patterns:
             full, plain = regex_sizes(pattern)
             if full > plain:

@@ -1,5 +1,6 @@
 """A JSON schema's regexes are bounded wherever they hide (Constraint.validate: INVALID_ARGUMENT
-naming the pattern and the bound): a `pattern` under any key (a `$ref` may point anywhere: one
+naming the pattern and the bound): llguidance's `x-guidance.whitespace_pattern` (admitted, it
+failed the mask after `{"a":`), a `pattern` under any key (a `$ref` may point anywhere: one
 under `x-stash` was admitted and cost the worker 0.39 s and a failed first mask), and a pattern
 with a `minLength`, merged from the same schema, combinator parts or `$ref` targets (the worker
 builds their intersection out: `^a+$` with minLength 4,000 failed the first mask; 3,000 worked)."""
@@ -26,6 +27,8 @@ def _worst(schema) -> tuple[str, int]:
 @pytest.mark.parametrize("schema, where, added", [
     (STASHED, "in pattern '^a{1000000}$'", 999_999),
     (IN_A_LIST, "in pattern '^(ab){200000}$'", 399_998),
+    ({"type": "object", "x-guidance": {"whitespace_pattern": "[ ]{0,3}(ab){20000}"}},
+     "in pattern '[ ]{0,3}(ab){20000}'", 40_000),
     ({"type": "string", "pattern": "^a+$", "minLength": 4000},
      "in pattern '^a+$' with minLength 4000", 12_000),
     ({"allOf": [{"$ref": "#/$defs/p"}, {"minLength": 100000}],
