@@ -19,8 +19,10 @@ import re
 from llguidance.gbnf_to_lark import any_to_lark
 
 from engine_common.constraints.constraint_depth import _json_value_end
+from engine_common.constraints.grammar_forced import forced_runs
 from engine_common.constraints.regex_size import RepeatSizer, regex_sizes
 from engine_common.constraints.schema_repeats import schema_repeats
+from engine_common.runtime.graph_components import strongly_connected
 
 # One lexical item of a Lark grammar, as llguidance's Lark lexer reads it (a regex may span
 # lines, `#` is no comment); one left open runs to the end (the engine refuses the grammar).
@@ -46,42 +48,50 @@ _DIGITS = re.compile(r"[0-9]+")
 
 
 def grammar_repeats(text: str) -> list[tuple[str, int]]:
-    """(where, atoms its counts add) for every lexeme of a Lark or GBNF grammar that has
-    counts: `in terminal NAME`, `in regex '/.../'`, or a `%json` schema's finding."""
+    """(where, atoms added) for every lexeme, then every rule, of a Lark or GBNF grammar that
+    adds some: `in terminal NAME`, `in regex '/.../'` (written out), `in rule name (the text it
+    forces)` (grammar_forced.py), or a `%json` schema's finding."""
     try:
         text = any_to_lark(text)
     except Exception:            # the library's own conversion fails the same way: refused
         return []
     bodies, found = _scan(text)
-    sizes = _terminal_sizes(bodies)
-    found.extend((f"in terminal {name}", full - plain) for name, (full, plain) in sizes.items()
-                 if full > plain)
+    terminals = {name: body for name, body in bodies.items() if _is_terminal(name)}
+    sizes = _definition_sizes(terminals)
+    for name, (full, plain) in sizes.items():
+        if full > plain:
+            found.append((f"in terminal {name}", full - plain))
+    runs = forced_runs(bodies, lambda token: regex_sizes(_regex_body(token)))
+    for name, body in bodies.items():
+        if name not in terminals:
+            added = runs[name] - _body_size(body, sizes)[1]
+            if added > 0:
+                found.append((f"in rule {name} (the text it forces)", added))
     return found
 
 
 def _scan(text: str) -> tuple[dict[str, list], list[tuple[str, int]]]:
-    """(terminal name -> its body's tokens, findings of regexes and %json schemas)."""
+    """(definition name -> its body's tokens, findings of regexes and %json schemas)."""
     tokens = _tokens(text)
     bodies: dict[str, list] = {}
     found: list[tuple[str, int]] = []
-    current: list | None = None      # the body of the terminal being read, if any
-    level, line_start = 0, True
+    current: list | None = None      # the body of the definition being read, if any
+    level, line_start, skip = 0, True, 0
     for i, (kind, value) in enumerate(tokens):
+        if skip:
+            skip -= 1
+            continue
         if kind == "newline":
             line_start = level == 0
             continue
         if line_start and kind == "name" and i + 1 < len(tokens) and tokens[i + 1][0] == "define":
-            name = _bare(value)
-            current = bodies.setdefault(name, []) if _is_terminal(name) else None
-            line_start = False
+            current = bodies.setdefault(_bare(value), [])
+            line_start, skip = False, 1
             continue
         if line_start and kind == "directive":
             current = None           # %ignore, %import: their items are sized alone below
         line_start = False
-        if kind == "define" and current is not None and not current:
-            continue
-        level += {"open": 1, "close": -1}.get(kind, 0)
-        level = max(level, 0)
+        level = max(level + {"open": 1, "close": -1}.get(kind, 0), 0)
         if kind == "regex":
             full, plain = regex_sizes(_regex_body(value))
             if full > plain:
@@ -113,30 +123,17 @@ def _tokens(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _terminal_sizes(bodies: dict[str, list]) -> dict[str, tuple[int, int]]:
-    """(size written out, size as written: counts taken once, a name one atom) per terminal;
-    written out, a name within a body stands for its terminal's whole size, so a terminal used
-    twice in another doubles it as `{2}` would (`T0: T1 T1`, `T1: T2 T2`, ... 20 deep: a{2**20},
-    2.1 s of the compile thread, then a failed first mask). Evaluated in dependency order, without recursion (a
-    chain may be 1,000 deep); a terminal on a cycle (the engine refuses it) weighs 1."""
+def _definition_sizes(bodies: dict[str, list]) -> dict[str, tuple[int, int]]:
+    """(size written out, size as written: counts taken once, a name one atom) per terminal.
+    Written out, a name stands for its terminal's whole size: a terminal used twice in another
+    doubles it as `{2}` would (`T0: T1 T1`, ... 20 deep: a{2**20}, 2.1 s of the compile
+    thread, then a failed first mask). Sized in dependency order without recursion (a chain
+    may be 1,000 deep); within a cycle (the engine refuses one) a name weighs 1."""
+    refs = {name: [_bare(v) for k, v in body if k == "name"] for name, body in bodies.items()}
     sizes: dict[str, tuple[int, int]] = {}
-    refs = {name: {_bare(v) for k, v in body if k == "name"} & bodies.keys()
-            for name, body in bodies.items()}
-    waiting = {name: set(r) for name, r in refs.items()}
-    users: dict[str, list[str]] = {}
-    for name, r in refs.items():
-        for target in r:
-            users.setdefault(target, []).append(name)
-    ready = [name for name, r in waiting.items() if not r]
-    while ready:
-        name = ready.pop()
-        sizes[name] = _body_size(bodies[name], sizes)
-        for user in users.get(name, ()):
-            waiting[user].discard(name)
-            if not waiting[user] and user not in sizes:
-                ready.append(user)
-    for name in bodies.keys() - sizes.keys():        # on a cycle
-        sizes[name] = _body_size(bodies[name], sizes)
+    for component in strongly_connected(bodies, refs):     # each after those it reaches
+        sizes.update((name, (1, 1)) for name in component)
+        sizes.update([(name, _body_size(bodies[name], sizes)) for name in component])
     return sizes
 
 
@@ -150,7 +147,7 @@ def _body_size(body: list, sizes: dict[str, tuple[int, int]]) -> tuple[int, int]
             sizer.atom(*regex_sizes(_regex_body(value)))
         elif kind == "name":          # written out: inlined whole; in the text: one name
             sizer.atom(sizes.get(_bare(value), (1, 1))[0], 1)
-        elif kind == "ext":
+        elif kind in ("ext", "json"):
             sizer.atom()
         elif kind == "open":
             sizer.open()

@@ -1,19 +1,21 @@
 """How far the regexes of a JSON schema expand on the worker (regex_size.py's measure).
 
-Two sources, both written out by llguidance (1.9.1) on the worker, not at validation:
+Three sources, all written out by llguidance (1.9.1) on the worker, not at validation:
 
 - every `pattern`, `patternProperties` key and llguidance's `x-guidance.whitespace_pattern`
   (the regex between JSON tokens: `a{1000000}` failed the mask of the first token after `{"a":`)
-  **anywhere in the document**, not only under the keywords that hold subschemas: a `$ref` may point anywhere (`{"$ref": "#/x-stash/s",
-  "x-stash": {"s": {"pattern": "^a{1000000}$"}}}` was admitted, then cost the compile thread
-  0.39 s and failed the request's first mask);
+  **anywhere in the document**, not only under the keywords that hold subschemas: a `$ref` may
+  point anywhere (`{"$ref": "#/x-stash/s", "x-stash": {"s": {"pattern": "^a{1000000}$"}}}` was
+  admitted, then cost the compile thread 0.39 s and failed the request's first mask);
 - a `pattern` with a `minLength`: the string's lexer is the intersection of the pattern with
   `.{minLength,}`, which the library builds out whole when the pattern is "positive" (it skips
   its own emptiness check): `^a+$` with minLength 4,000 failed the first mask ("too many
   expressions constructed"), 3,000 cost 6.5 ms a mask. It is sized as the pattern written out
   times minLength. A pattern and a minLength meet when their schemas merge: the same schema,
   the parts of its `allOf` / `anyOf` / `oneOf`, and `$ref` targets (the merge is over-estimated
-  as a union of those links, never under-estimated).
+  as a union of those links, never under-estimated);
+- with rigid whitespace (`x-guidance`), `$ref`s written out: the text they force
+  (schema_written_out.py).
 
 `format`s are the library's fixed regexes; with a large minLength its own emptiness check
 refuses them ("email" at 3,000), and maxLength was cheap in every case measured (`^a+$` with
@@ -26,6 +28,7 @@ import math
 
 from engine_common.constraints.constraint_depth import _containers, _RefTargets
 from engine_common.constraints.regex_size import regex_sizes
+from engine_common.constraints.schema_written_out import rigid_whitespace, written_out_growth
 
 _CAP = 1 << 62
 _COMBINED = ("allOf", "anyOf", "oneOf")
@@ -40,7 +43,12 @@ def schema_repeats(text: str) -> list[tuple[str, int]]:
         return []
     if not isinstance(doc, (dict, list)):
         return []
-    nodes, _, bases = _containers(doc)
+    nodes, children, bases = _containers(doc)
+    found = []
+    if rigid_whitespace(nodes):
+        growth = written_out_growth(nodes, children, bases)
+        if growth:
+            found.append(("in $refs written out (rigid whitespace forces them)", growth))
     merged = _merged_groups(nodes, bases)
     longest: dict[int, int] = {}
     for i, node in enumerate(nodes):
@@ -48,7 +56,6 @@ def schema_repeats(text: str) -> list[tuple[str, int]]:
         if length:
             group = merged(i)
             longest[group] = max(longest.get(group, 0), length)
-    found = []
     for i, node in enumerate(nodes):
         if not isinstance(node, dict):
             continue
