@@ -119,7 +119,7 @@ def _body(body: list, runs: dict[str, Forced], sizes_of_regex) -> Forced:
         frame = frames[-1]
         if kind == "string":
             text = value[1:-1] if value.endswith('"') else value[1:-2]
-            frame.add(fixed(len(text)) if not value.endswith("i") else _NOTHING)
+            frame.add(_NOTHING if string_is_free(value) else fixed(len(text)))
         elif kind == "regex":
             full, _ = sizes_of_regex(value)
             end = value.rfind("/")
@@ -163,46 +163,50 @@ def regex_is_free(body: str, flags: str = "") -> bool:
     """Whether the regex surely matches more than one text (a class of several characters,
     `.`, a quantifier or count range, differing alternatives, case folding). When unsure (a
     syntax only Rust's regex crate reads, as `\\p{L}`): False, so its size counts in full."""
-    if "i" in flags:
-        return True
     try:
         parsed = sre.parse(body)
     except (re.error, RecursionError, OverflowError, ValueError):
         return False
-    if parsed.state.flags & re.IGNORECASE:
-        return True
-    return _fixed_text(parsed) is None
+    return _fixed_text(parsed, "i" in flags or bool(parsed.state.flags & re.IGNORECASE)) is None
 
 
-def _fixed_text(items) -> str | int | None:
+def string_is_free(token: str) -> bool:
+    """Whether a Lark string token matches several texts: `"..."i` with a cased letter."""
+    return token.endswith("i") and any(c.lower() != c.upper() for c in token[1:-2])
+
+
+def _fixed_text(items, fold: bool = False) -> str | int | None:
     """The one text `items` matches (its length alone when longer than _TEXT_LIMIT), or None
-    when it may match several."""
+    when it may match several (`fold`: case-insensitively, so a cased letter is a choice)."""
     out: list = []
     for op, av in items:
         if op == sre.LITERAL:
             part = chr(av)
+            if fold and part.lower() != part.upper():
+                return None
         elif op == sre.IN:
             chars = {chr(a) for o, a in av if o == sre.LITERAL}
             if len(chars) != 1 or any(o != sre.LITERAL for o, a in av):
                 return None
             part = chars.pop()
+            if fold and part.lower() != part.upper():
+                return None
         elif op in _REPEATS:
             low, high, sub = av
-            inner = _fixed_text(sub)
+            inner = _fixed_text(sub, fold)
             if inner is None or low != high and inner != "":
                 return None
             part = _times(inner, low)
         elif op == sre.SUBPATTERN:
-            if av[1] & re.IGNORECASE:
-                return None
-            part = _fixed_text(av[3])
+            part = _fixed_text(av[3], (fold or bool(av[1] & re.IGNORECASE))
+                               and not av[2] & re.IGNORECASE)
         elif op == sre.BRANCH:
-            texts = [_fixed_text(branch) for branch in av[1]]
+            texts = [_fixed_text(branch, fold) for branch in av[1]]
             if any(t is None for t in texts) or len(set(texts)) > 1:
                 return None
             part = texts[0]
         elif op == getattr(sre, "ATOMIC_GROUP", None):
-            part = _fixed_text(av)
+            part = _fixed_text(av, fold)
         elif op == sre.AT:
             part = ""
         else:                       # ANY, NOT_LITERAL, CATEGORY, ...: a choice
