@@ -36,6 +36,7 @@ import llguidance
 
 from engine_common.runtime.big_stack import call_with_big_stack
 from engine_common.constraints.constraint_depth import grammar_depth, json_schema_depth, regex_depth
+from engine_common.constraints.empty_language import unproductive_ref, unproductive_rule
 from engine_common.constraints.grammar_repeats import grammar_repeats
 from engine_common.constraints.regex_size import regex_repeated_atoms
 from engine_common.constraints.schema_repeats import schema_repeats
@@ -137,9 +138,24 @@ class Constraint:
                              f"counts multiply)")
         return self
 
+    def check_productive(self) -> "Constraint":
+        """Raise ParamError if a schema in it only refers to itself, or a grammar rule can
+        never end: the library admits them and the worker's matcher fails at the first mask,
+        or mid-output where the model walked into such a part (empty_language.py)."""
+        stuck = _unproductive(self)
+        if stuck is None:
+            return self
+        if self.kind == "json_schema":
+            raise ParamError(self.field, _short(self.value),
+                             f"a schema whose references reach a schema: {_short(stuck, 100)!r} "
+                             f"refers only back to itself (through $ref, allOf, anyOf, oneOf)")
+        raise ParamError(self.field, _short(self.value),
+                         f"a grammar whose rules can all end: rule {stuck!r} can only expand "
+                         f"into itself or other such rules")
+
     def validate(self) -> "Constraint":
-        """Raise ParamError if it nests too deeply, if a regex in it expands too far, or with
-        the library's message if the grammar is not usable."""
+        """Raise ParamError if it nests too deeply, if a regex in it expands too far, with the
+        library's message if the grammar is not usable, or if a part of it can never end."""
         self.check_depth()
         self.check_repeats()
         error = _validation_error(self)
@@ -147,7 +163,7 @@ class Constraint:
             raise ParamError(self.field, _short(self.value),
                              f"{_WHAT[self.kind]} the grammar engine accepts; it says: "
                              f"{_short_lines(error.strip())}")
-        return self
+        return self.check_productive()
 
     def to_wire(self) -> list:
         value = list(self.value) if self.kind == "choice" else self.value
@@ -215,6 +231,15 @@ def _worst_repeat(constraint: Constraint) -> tuple[str, int]:
         found = []
     over = [f for f in found if f[1] > MAX_REGEX_REPEAT_SIZE]
     return over[0] if over else max(found, key=lambda f: f[1], default=("", 0))
+
+
+@lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
+def _unproductive(constraint: Constraint) -> str | None:
+    if constraint.kind == "json_schema":
+        return unproductive_ref(constraint.value)
+    if constraint.kind == "grammar":
+        return unproductive_rule(constraint.value)
+    return None
 
 
 def _library_validation(constraint: Constraint) -> str:

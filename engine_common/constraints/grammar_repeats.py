@@ -70,6 +70,15 @@ def grammar_repeats(text: str) -> list[tuple[str, int]]:
     return found
 
 
+def grammar_definitions(text: str) -> dict[str, list] | None:
+    """Definition name -> its body's tokens, for a Lark or GBNF grammar (None when it does not
+    convert to Lark: the library refuses it the same way)."""
+    try:
+        return _scan(any_to_lark(text))[0]
+    except Exception:
+        return None
+
+
 def _scan(text: str) -> tuple[dict[str, list], list[tuple[str, int]]]:
     """(definition name -> its body's tokens, findings of regexes and %json schemas)."""
     tokens = _tokens(text)
