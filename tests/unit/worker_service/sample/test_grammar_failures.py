@@ -80,3 +80,27 @@ def test_allowed_token_ids_that_meet_the_mask_and_unrestricted_rows_pass(compile
     assert book.take_errors() == {0: "allowed_token_ids and its grammar leave no token to "
                                      "sample (none of the 1 allowed ids may come next)"}
     assert EOS not in encode(compiler, "x")
+
+
+@pytest.mark.parametrize("choice, before", [("</s>", ""), ("ab</s>", "ab"), ("<s>", "")])
+def test_a_mask_offering_only_a_special_token_before_the_text_is_done_fails(compiler, choice,
+                                                                          before):
+    """llguidance tokenizes the text a grammar forces with the model's tokenizer, which reads
+    "</s>" as the eos token: the mask offered eos alone, and the request ended as a normal
+    STOP_TOKEN whose text ("", "ab") breaks the constraint (on SmolLM2, choice ["<|im_end|>"]
+    did). Now the request fails at that mask, saying why; a grammar done offers eos and
+    goes on."""
+    book = GrammarBook(compiler)
+    book.add(0, Constraint("choice", (choice,)))
+    book.add(1, Constraint("choice", ("ab",)))
+    for token_id in encode(compiler, before):
+        book.start_masks([0, 1]).result()
+        book.advance([0, 1], [token_id, token_id])
+    masks = book.start_masks([0, 1]).result()
+    assert allowed_ids(masks.bitmask[1], compiler.vocab_size) == (
+        [EOS] if before else allowed_ids(masks.bitmask[1], compiler.vocab_size))
+    errors = book.take_errors()
+    assert list(errors) == [0]
+    special = choice[len(before):]
+    assert errors[0].startswith(f"its grammar must write {special!r} as text, which the "
+                                "tokenizer reads as a special token")
