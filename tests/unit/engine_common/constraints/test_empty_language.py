@@ -33,7 +33,8 @@ def test_a_schema_referring_only_to_itself_is_refused(schema, stuck):
     with pytest.raises(ParamError) as e:
         Constraint("json_schema", json.dumps(schema)).validate()
     assert e.value.field == "constraint.json_schema"
-    assert f"{stuck!r} refers only back to itself (through $ref, allOf, anyOf, oneOf)" in str(e.value)
+    assert (f"{stuck!r} refers only back to itself (through $ref, allOf, anyOf, oneOf)"
+            in str(e.value))
 
 
 @pytest.mark.parametrize("grammar, stuck", [
