@@ -36,7 +36,8 @@ import llguidance
 
 from engine_common.runtime.big_stack import call_with_big_stack
 from engine_common.constraints.constraint_depth import grammar_depth, json_schema_depth, regex_depth
-from engine_common.constraints.empty_language import unproductive_ref, unproductive_rule
+from engine_common.constraints.empty_language import (self_concatenating_rule, unproductive_ref,
+                                                      unproductive_rule)
 from engine_common.constraints.grammar_repeats import grammar_repeats
 from engine_common.constraints.regex_size import regex_repeated_atoms
 from engine_common.constraints.schema_repeats import schema_repeats
@@ -153,6 +154,19 @@ class Constraint:
                          f"a grammar whose rules can all end: rule {stuck!r} can only expand "
                          f"into itself or other such rules")
 
+    def check_ambiguity(self) -> "Constraint":
+        """Raise ParamError if a grammar rule has an alternative that only joins rules of its
+        own cycle (`a: "a" | a a`): every split is a parse, and the parser's work per mask grows
+        with the output (up to 1.36 s; empty_language.self_concatenating_rule)."""
+        rule = _self_concatenating(self)
+        if rule is not None:
+            raise ParamError(self.field, _short(self.value),
+                             f"a grammar whose rules do not only join copies of themselves: "
+                             f"rule {rule!r} has an alternative made of its own recursion "
+                             f"alone (as `a: a a`), so every split of the output is a parse and "
+                             f"the parser's work grows with it; write a repetition (`a: \"a\"+`)")
+        return self
+
     def validate(self) -> "Constraint":
         """Raise ParamError if it nests too deeply, if a regex in it expands too far, with the
         library's message if the grammar is not usable, or if a part of it can never end."""
@@ -163,7 +177,7 @@ class Constraint:
             raise ParamError(self.field, _short(self.value),
                              f"{_WHAT[self.kind]} the grammar engine accepts; it says: "
                              f"{_short_lines(error.strip())}")
-        return self.check_productive()
+        return self.check_productive().check_ambiguity()
 
     def to_wire(self) -> list:
         value = list(self.value) if self.kind == "choice" else self.value
@@ -240,6 +254,11 @@ def _unproductive(constraint: Constraint) -> str | None:
     if constraint.kind == "grammar":
         return unproductive_rule(constraint.value)
     return None
+
+
+@lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
+def _self_concatenating(constraint: Constraint) -> str | None:
+    return self_concatenating_rule(constraint.value) if constraint.kind == "grammar" else None
 
 
 def _library_validation(constraint: Constraint) -> str:
