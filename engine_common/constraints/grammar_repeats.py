@@ -7,10 +7,10 @@ and 96 MB; a terminal made of terminals multiplies their counts (`A: B{1000}`, `
 1.25 s, then the request's first mask failed, "lexer error: too many expressions constructed").
 `grammar_repeats` sizes, per terminal, its body written out (a name stands for its terminal's
 whole size, `{n,m}` and `~ n..m` multiply what they follow) less its text's (a name one atom,
-counts taken once), and every `/regex/` alone, and the
-schemas of `%json { ... }` as a json_schema constraint's (schema_repeats.py). A GBNF grammar is
-sized as the Lark that llguidance converts it to. Counts in rules repeat lexemes in the parser
-(llguidance builds them in a logarithmic number of rules), not within one lexeme: not counted.
+counts taken once), every `/regex/` alone, and the schemas of `%json { ... }` as a json_schema
+constraint's (schema_repeats.py). A GBNF grammar is sized as the Lark that llguidance converts
+it to. Counts in rules repeat lexemes in the parser, not within one lexeme: a rule is sized by
+the text it forces instead (grammar_forced.py).
 """
 from __future__ import annotations
 
