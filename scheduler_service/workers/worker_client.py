@@ -49,8 +49,8 @@ from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
                                                    WorkerDevice, WorkerHealth)
-from scheduler_service.workers.worker_stream import (StepLate, StepStream, SymmetryError,
-                                                     describe_rpc_error)
+from scheduler_service.workers.worker_stream import (PeerEnded, StepLate, StepStream,
+                                                     SymmetryError, describe_rpc_error)
 
 __all__ = ["DEFAULT_DIST_PORT", "InitResult", "InitSpec", "SymmetryError", "WorkerClient",
            "WorkerDevice", "WorkerHealth"]
@@ -194,7 +194,16 @@ class WorkerClient:
         return replies[0].payload
 
     def _receive(self, node: int, step: int, deadline: float):
-        """Node `node`'s reply to `step`; past the deadline, only while the worker answers."""
+        """Node `node`'s reply to `step`; past the deadline, only while the worker answers.
+        When another node's stream ended first, that node's own failure (its StepError or how
+        its stream ended), at once."""
+        try:
+            return self._receive_late(node, step, deadline)
+        except PeerEnded as ended:
+            ended.peer.receive(self.epoch, step, time.monotonic())   # raises its own failure
+            raise                    # it had answered this step: it ended at a later one
+
+    def _receive_late(self, node: int, step: int, deadline: float):
         for _ in range(MAX_SLOW_PERIODS - 1):
             try:
                 return self._streams[node].receive(self.epoch, step, deadline)
@@ -323,7 +332,9 @@ class WorkerClient:
         self.epoch = epoch
         self._next_step = 0
         self._collected = -1
-        self._streams = [StepStream(stub, addr) for stub, addr in zip(self._stubs, self.addresses)]
+        peers: list[StepStream] = []     # each stream tells the others when it ends
+        self._streams = [StepStream(stub, addr, peers)
+                         for stub, addr in zip(self._stubs, self.addresses)]
         self._failure = None
 
     def _close_streams(self) -> None:

@@ -155,7 +155,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dropped = self.worker.reset(request.epoch, request.scheduler_id)
         except Exception as e:
             failure = as_failure(e)
-            if failure.kind == FailureKind.STALE_EPOCH:
+            if failure.kind in (FailureKind.STALE_EPOCH, FailureKind.SUPERSEDED):
                 log.warning("Reset refused: %s", failure)
             else:
                 log.exception("Reset failed")
