@@ -186,6 +186,14 @@ class WorkerClient:
             replies = [self._receive(i, step, deadline) for i in range(len(self._streams))]
             if self.verify_symmetry:
                 self._check_symmetry(step, replies)
+        except Fenced as e:
+            self._fail(str(e))
+            if self._owned_by_another():
+                raise
+            # Its own epoch was reset from elsewhere (an operator's Reset naming this
+            # scheduler): a failed step, which the next init repairs; not a takeover.
+            raise WorkerFailure(f"{e} (this scheduler still owns the worker: its epoch was "
+                                "reset from elsewhere)", kind="stale_epoch") from None
         except WorkerFailure as e:
             self._force_new_group |= isinstance(e, SymmetryError)
             self._fail(str(e))
@@ -324,7 +332,7 @@ class WorkerClient:
 
     def _owned_by_another(self) -> bool:
         """Whether a worker reports another owner at the epoch this client's Init asked for or
-        above (the Init was stale, not refused)."""
+        above (the Init was stale, not refused; a STALE_EPOCH step was a takeover)."""
         return any(h.epoch >= self._init_epoch and h.scheduler_id != self.scheduler_id
                    for h in self.health())
 
