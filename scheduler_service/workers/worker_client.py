@@ -208,7 +208,8 @@ class WorkerClient:
         try:
             return self._receive_late(node, step, deadline)
         except PeerEnded as ended:
-            ended.peer.receive(self.epoch, step, time.monotonic())   # raises its own failure
+            if self._streams.index(ended.peer) > node:    # its reply to `step` is not read yet
+                ended.peer.receive(self.epoch, step, time.monotonic())   # raises its failure
             raise                    # it had answered this step: it ended at a later one
 
     def _receive_late(self, node: int, step: int, deadline: float):
