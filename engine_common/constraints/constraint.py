@@ -36,7 +36,11 @@ import llguidance
 
 from engine_common.runtime.big_stack import call_with_big_stack
 from engine_common.constraints.constraint_depth import grammar_depth, json_schema_depth, regex_depth
+from engine_common.constraints.empty_language import (self_concatenating_rule, unproductive_ref,
+                                                      unproductive_rule)
+from engine_common.constraints.grammar_repeats import grammar_repeats
 from engine_common.constraints.regex_size import regex_repeated_atoms
+from engine_common.constraints.schema_repeats import schema_repeats
 from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHOICES, MAX_CONSTRAINT_DEPTH,
                                                MAX_REGEX_REPEAT_SIZE)
 from engine_common.request.params import ParamError
@@ -121,43 +125,51 @@ class Constraint:
         return self
 
     def check_repeats(self) -> "Constraint":
-        """Raise ParamError if the counted repetitions of its regex (a `regex`, or a schema's
-        `pattern`) add more than MAX_REGEX_REPEAT_SIZE atoms once written out: the library
-        validates them symbolically and the worker's lexer pays for them (regex_size.py)."""
-        for text in self._regexes():
-            added = regex_repeated_atoms(text)
-            if added > MAX_REGEX_REPEAT_SIZE:
-                which = "" if self.kind == "regex" else f"in pattern {_short(text, 100)!r} "
-                raise ParamError(self.field, _short(self.value),
-                                 f"a regex whose counted repetitions add at most "
-                                 f"{MAX_REGEX_REPEAT_SIZE} atoms to it (they add {added} "
-                                 f"{which}once written out: nested counts multiply)")
+        """Raise ParamError if the counted repetitions of a regex in it (a `regex`, a schema's
+        `pattern`, a grammar's terminal or `/regex/`), or the text a grammar's rule forces, add
+        more than MAX_REGEX_REPEAT_SIZE atoms once written out: the library validates them
+        symbolically and the worker pays for them (regex_size.py, schema_repeats.py,
+        grammar_repeats.py). Cached as validations are (a 64 KB grammar scans in 0.35 s)."""
+        where, added = _worst_repeat(self)
+        if added > MAX_REGEX_REPEAT_SIZE:
+            raise ParamError(self.field, _short(self.value),
+                             f"a regex whose counted repetitions add at most "
+                             f"{MAX_REGEX_REPEAT_SIZE} atoms to it (they add {added} "
+                             f"{where + ' ' if where else ''}once written out: nested "
+                             f"counts multiply)")
         return self
 
-    def _regexes(self) -> list[str]:
-        if self.kind == "regex":
-            return [self.value]
-        if self.kind != "json_schema":
-            return []
-        try:
-            schema = json.loads(self.value)
-        except (ValueError, RecursionError):
-            return []                    # the library's validation says why
-        found, todo = [], [schema]       # iteratively: a schema may nest 1000 deep
-        while todo:
-            node = todo.pop()
-            if not isinstance(node, dict):
-                continue
-            if isinstance(node.get("pattern"), str):
-                found.append(node["pattern"])
-            if isinstance(node.get("patternProperties"), dict):
-                found.extend(k for k in node["patternProperties"] if isinstance(k, str))
-            todo.extend(sub for _, sub in _subschemas(node))
-        return found
+    def check_productive(self) -> "Constraint":
+        """Raise ParamError if a schema in it only refers to itself, or a grammar rule can
+        never end: the library admits them and the worker's matcher fails at the first mask,
+        or mid-output where the model walked into such a part (empty_language.py)."""
+        stuck = _unproductive(self)
+        if stuck is None:
+            return self
+        if self.kind == "json_schema":
+            raise ParamError(self.field, _short(self.value),
+                             f"a schema whose references reach a schema: {_short(stuck, 100)!r} "
+                             f"refers only back to itself (through $ref, allOf, anyOf, oneOf)")
+        raise ParamError(self.field, _short(self.value),
+                         f"a grammar whose rules can all end: rule {stuck!r} can only expand "
+                         f"into itself or other such rules")
+
+    def check_ambiguity(self) -> "Constraint":
+        """Raise ParamError if a grammar rule has an alternative that only joins rules of its
+        own cycle (`a: "a" | a a`): every split is a parse, and the parser's work per mask grows
+        with the output (up to 1.36 s; empty_language.self_concatenating_rule)."""
+        rule = _self_concatenating(self)
+        if rule is not None:
+            raise ParamError(self.field, _short(self.value),
+                             f"a grammar whose rules do not only join copies of themselves: "
+                             f"rule {rule!r} has an alternative made of its own recursion "
+                             f"alone (as `a: a a`), so every split of the output is a parse and "
+                             f"the parser's work grows with it; write a repetition (`a: \"a\"+`)")
+        return self
 
     def validate(self) -> "Constraint":
-        """Raise ParamError if it nests too deeply, if a regex in it expands too far, or with
-        the library's message if the grammar is not usable."""
+        """Raise ParamError if it nests too deeply, if a regex in it expands too far, with the
+        library's message if the grammar is not usable, or if a part of it can never end."""
         self.check_depth()
         self.check_repeats()
         error = _validation_error(self)
@@ -165,7 +177,7 @@ class Constraint:
             raise ParamError(self.field, _short(self.value),
                              f"{_WHAT[self.kind]} the grammar engine accepts; it says: "
                              f"{_short_lines(error.strip())}")
-        return self
+        return self.check_productive().check_ambiguity()
 
     def to_wire(self) -> list:
         value = list(self.value) if self.kind == "choice" else self.value
@@ -216,6 +228,37 @@ def _validation_error(constraint: Constraint) -> str:
         return call_with_big_stack(_library_validation, constraint)
     except ValueError as e:          # e.g. a GBNF grammar that does not convert to Lark
         return str(e)
+
+
+@lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
+def _worst_repeat(constraint: Constraint) -> tuple[str, int]:
+    """(where, atoms added) of the first regex or rule of `constraint` over the bound (lexemes
+    come before the rules that force them), else of the one adding the most ("" where the
+    constraint is the regex; ("", 0) for choices and json_object)."""
+    if constraint.kind == "regex":
+        found = [("", regex_repeated_atoms(constraint.value))]
+    elif constraint.kind == "json_schema":
+        found = schema_repeats(constraint.value)
+    elif constraint.kind == "grammar":
+        found = grammar_repeats(constraint.value)
+    else:
+        found = []
+    over = [f for f in found if f[1] > MAX_REGEX_REPEAT_SIZE]
+    return over[0] if over else max(found, key=lambda f: f[1], default=("", 0))
+
+
+@lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
+def _unproductive(constraint: Constraint) -> str | None:
+    if constraint.kind == "json_schema":
+        return unproductive_ref(constraint.value)
+    if constraint.kind == "grammar":
+        return unproductive_rule(constraint.value)
+    return None
+
+
+@lru_cache(maxsize=_MAX_CACHED_VALIDATIONS)
+def _self_concatenating(constraint: Constraint) -> str | None:
+    return self_concatenating_rule(constraint.value) if constraint.kind == "grammar" else None
 
 
 def _library_validation(constraint: Constraint) -> str:

@@ -27,55 +27,101 @@ def regex_repeated_atoms(text: str) -> int:
     """The atoms `text`'s counted repetitions add to it: its size written out, less its size
     with every count taken once. A long regex without counts costs nothing here (the text's
     own length is bounded by --max-constraint-chars)."""
-    return regex_repeat_size(text) - regex_repeat_size(text, expand=False)
+    full, plain = regex_sizes(text)
+    return full - plain
 
 
 def regex_repeat_size(text: str, expand: bool = True) -> int:
     """The number of atoms `text` expands to once every counted repetition is written out
     (`expand` False: with every count taken once)."""
-    frames = [[0, 0]]        # per open group: [sum of finished alternatives, current branch]
-    last = 0                 # the size of the item a quantifier would repeat
+    return regex_sizes(text)[0 if expand else 1]
+
+
+def regex_sizes(text: str) -> tuple[int, int]:
+    """(its size written out, its size with every count taken once), in one pass."""
+    sizer = RepeatSizer()
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        frame = frames[-1]
         if c == "\\":
             braced = _BRACED_ESCAPE.match(text, i)
             i = braced.end() if braced else i + 2
-            frame[1], last = frame[1] + 1, 1
+            sizer.atom()
             continue
         if c == "[":
             i = _class_end(text, i)
-            frame[1], last = frame[1] + 1, 1
+            sizer.atom()
             continue
         if c == "(":
             i = _group_body(text, i)
             if i < 0:                     # a flag group, "(?i)": nothing to repeat
-                i, last = -i, 0
+                i = -i
+                sizer.forget()
                 continue
-            frames.append([0, 0])
+            sizer.open()
             continue
-        if c == ")" and len(frames) > 1:
-            done = frames.pop()
-            last = min(done[0] + done[1], _CAP)
-            frames[-1][1] = min(frames[-1][1] + last, _CAP)
+        if c == ")":
+            sizer.close()
         elif c == "|":
-            frame[0], frame[1], last = min(frame[0] + frame[1], _CAP), 0, 0
+            sizer.alt()
         elif c == "{" and (counted := _COUNTED.match(text, i)):
             low, comma, high = counted.groups()
-            times = int(high) if high else int(low) + (1 if comma else 0)
-            grown = min(last * max(times, 1), _CAP) if expand else last
-            frame[1] = min(frame[1] + grown - last, _CAP)
-            last = grown
+            sizer.count(int(high) if high else int(low) + (1 if comma else 0))
             i = counted.end()
             continue
         elif c not in "*+?":
-            frame[1], last = frame[1] + 1, 1
+            sizer.atom()
         i += 1
-    while len(frames) > 1:                # groups left open: the engine refuses the regex
-        done = frames.pop()
-        frames[-1][1] = min(frames[-1][1] + done[0] + done[1], _CAP)
-    return min(frames[0][0] + frames[0][1], _CAP)
+    return sizer.total()
+
+
+class RepeatSizer:
+    """Sizes of a regex-like sequence as it is read: per open group, the sum of its finished
+    alternatives and its current branch, each as [written out, counts taken once]. A count
+    multiplies the last item (an atom, a group, or an item already counted); `*`, `+`, `?`
+    cost nothing. Lark terminals are sized with it too (grammar_repeats.py)."""
+
+    def __init__(self):
+        self.frames = [[0, 0, 0, 0]]    # finished alternatives (full, plain), branch (full, plain)
+        self.last = (0, 0)              # the item a count would repeat
+
+    def atom(self, full: int = 1, plain: int = 1) -> None:
+        frame = self.frames[-1]
+        frame[2], frame[3] = min(frame[2] + full, _CAP), min(frame[3] + plain, _CAP)
+        self.last = (full, plain)
+
+    def forget(self) -> None:
+        """Nothing before this point can be repeated (a flag group)."""
+        self.last = (0, 0)
+
+    def open(self) -> None:
+        self.frames.append([0, 0, 0, 0])
+
+    def close(self) -> None:
+        if len(self.frames) > 1:         # a surplus ")" is an atom, as the old scan read it
+            done = self.frames.pop()
+            self.atom(min(done[0] + done[2], _CAP), min(done[1] + done[3], _CAP))
+        else:
+            self.atom()
+
+    def alt(self) -> None:
+        frame = self.frames[-1]
+        frame[0], frame[1] = min(frame[0] + frame[2], _CAP), min(frame[1] + frame[3], _CAP)
+        frame[2] = frame[3] = 0
+        self.last = (0, 0)
+
+    def count(self, times: int) -> None:
+        frame = self.frames[-1]
+        full, plain = self.last
+        grown = min(full * max(times, 1), _CAP)
+        frame[2] = min(frame[2] + grown - full, _CAP)
+        self.last = (grown, plain)
+
+    def total(self) -> tuple[int, int]:
+        while len(self.frames) > 1:      # groups left open: the engine refuses the text
+            self.close()
+        frame = self.frames[0]
+        return min(frame[0] + frame[2], _CAP), min(frame[1] + frame[3], _CAP)
 
 
 def _class_end(text: str, start: int) -> int:

@@ -49,8 +49,8 @@ from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
                                                    WorkerDevice, WorkerHealth)
-from scheduler_service.workers.worker_stream import (StepLate, StepStream, SymmetryError,
-                                                     describe_rpc_error)
+from scheduler_service.workers.worker_stream import (PeerEnded, StepLate, StepStream,
+                                                     SymmetryError, describe_rpc_error)
 
 __all__ = ["DEFAULT_DIST_PORT", "InitResult", "InitSpec", "SymmetryError", "WorkerClient",
            "WorkerDevice", "WorkerHealth"]
@@ -186,6 +186,14 @@ class WorkerClient:
             replies = [self._receive(i, step, deadline) for i in range(len(self._streams))]
             if self.verify_symmetry:
                 self._check_symmetry(step, replies)
+        except Fenced as e:
+            self._fail(str(e))
+            if self._owned_by_another():
+                raise
+            # Its own epoch was reset from elsewhere (an operator's Reset naming this
+            # scheduler): a failed step, which the next init repairs; not a takeover.
+            raise WorkerFailure(f"{e} (this scheduler still owns the worker: its epoch was "
+                                "reset from elsewhere)", kind="stale_epoch") from None
         except WorkerFailure as e:
             self._force_new_group |= isinstance(e, SymmetryError)
             self._fail(str(e))
@@ -194,7 +202,17 @@ class WorkerClient:
         return replies[0].payload
 
     def _receive(self, node: int, step: int, deadline: float):
-        """Node `node`'s reply to `step`; past the deadline, only while the worker answers."""
+        """Node `node`'s reply to `step`; past the deadline, only while the worker answers.
+        When another node's stream ended first, that node's own failure (its StepError or how
+        its stream ended), at once."""
+        try:
+            return self._receive_late(node, step, deadline)
+        except PeerEnded as ended:
+            if self._streams.index(ended.peer) > node:    # its reply to `step` is not read yet
+                ended.peer.receive(self.epoch, step, time.monotonic())   # raises its failure
+            raise                    # it had answered this step: it ended at a later one
+
+    def _receive_late(self, node: int, step: int, deadline: float):
         for _ in range(MAX_SLOW_PERIODS - 1):
             try:
                 return self._streams[node].receive(self.epoch, step, deadline)
@@ -315,7 +333,7 @@ class WorkerClient:
 
     def _owned_by_another(self) -> bool:
         """Whether a worker reports another owner at the epoch this client's Init asked for or
-        above (the Init was stale, not refused)."""
+        above (the Init was stale, not refused; a STALE_EPOCH step was a takeover)."""
         return any(h.epoch >= self._init_epoch and h.scheduler_id != self.scheduler_id
                    for h in self.health())
 
@@ -323,7 +341,9 @@ class WorkerClient:
         self.epoch = epoch
         self._next_step = 0
         self._collected = -1
-        self._streams = [StepStream(stub, addr) for stub, addr in zip(self._stubs, self.addresses)]
+        peers: list[StepStream] = []     # each stream tells the others when it ends
+        self._streams = [StepStream(stub, addr, peers)
+                         for stub, addr in zip(self._stubs, self.addresses)]
         self._failure = None
 
     def _close_streams(self) -> None:

@@ -6,6 +6,11 @@ moves responses, or the stream's end, into a second queue, so `receive` can wait
 a killed worker ends the stream (UNAVAILABLE) and `receive` raises at once; a stuck one raises
 when the deadline passes. Neither ever hangs the caller.
 
+With several nodes the streams of one epoch share a list of peers: when one ends, a
+`PeerEnded` marker goes into every other's replies, so a step waiting for node 0 (whose ranks
+may wait for ever in a collective for a dead peer) fails as soon as node 1's stream ends, not
+after node 0's step timeout.
+
 A StepError with code SYMMETRY_DIVERGENCE (a node's ranks disagreed) raises SymmetryError;
 STALE_EPOCH (another scheduler took the worker over) raises Fenced; any other error,
 WorkerFailure.
@@ -60,13 +65,34 @@ class _Ended:
         self.why = why
 
 
+class _PeerEnded:
+    """Another node's stream of the same epoch ended (the step cannot complete)."""
+
+    def __init__(self, peer: "StepStream", why: str):
+        self.peer, self.why = peer, why
+
+
+class PeerEnded(WorkerFailure):
+    """Raised by `receive` when a peer stream ended first; `peer` is that StepStream (its own
+    receive names the cause)."""
+
+    default_kind = "stream_ended"
+
+    def __init__(self, message: str, peer: "StepStream"):
+        super().__init__(message)
+        self.peer = peer
+
+
 class StepStream:
     """A Step stream to the worker at `address`; replies are awaited in send order."""
 
-    def __init__(self, stub, address: str):
+    def __init__(self, stub, address: str, peers: list | None = None):
+        """`peers`: the epoch's streams, one per node, shared by them; this one adds itself."""
         self.address = address
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._peers: list[StepStream] = [] if peers is None else peers
+        self._peers.append(self)
         self._call = stub.Step(self._requests())
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"step-reader-{address}")
@@ -86,6 +112,10 @@ class StepStream:
             self._inbox.put(item)  # every later receive fails the same way
             raise WorkerFailure(f"worker {self.address}: Step stream ended at step {step}: "
                                 f"{item.why}", kind="stream_ended")
+        if isinstance(item, _PeerEnded):
+            self._inbox.put(item)
+            raise PeerEnded(f"worker {item.peer.address}: Step stream ended before step {step} "
+                            f"completed: {item.why}", item.peer)
         if item.HasField("error"):
             code = worker_pb2.StepError.Code.Name(item.error.code)
             error = _STEP_ERRORS.get(item.error.code, WorkerFailure)
@@ -120,7 +150,11 @@ class StepStream:
         try:
             for response in call:
                 self._inbox.put(response)
-            self._inbox.put(_Ended("the worker closed it"))
+            why = "the worker closed it"
         except grpc.RpcError as e:
-            self._inbox.put(_Ended(describe_rpc_error(e)))
+            why = describe_rpc_error(e)
             e.__traceback__ = None  # the error is the call: its traceback's frames hold it
+        self._inbox.put(_Ended(why))
+        for peer in list(self._peers):
+            if peer is not self:
+                peer._inbox.put(_PeerEnded(self, why))

@@ -12,39 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from deltaserve.llm import LLM
-from kernels.attention.backend import AttentionMetadata
-from kernels.attention.torch_ref import TorchAttentionBackend
 from tests.support.engine_checks import _check, _prompts
-from tests.support.grpc_harness import free_port
 from tests.support.hf_reference import hf_model
-from worker_service.models.loader import allocate_kv_caches, load_model
+from tests.support.paged_prefill import BACKEND, assert_tp2_matches_tp1, load, prefill_logits
+from worker_service.models.loader import load_model
 from worker_service.models.tiny_model import make_tiny_model
-from worker_service.parallel_state import TPGroup, single_rank_group
+from worker_service.parallel_state import single_rank_group
 
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
-BACKEND = TorchAttentionBackend()
-
-
-def load(path, tp=None):
-    return load_model(path, tp or single_rank_group(), BACKEND, "cpu")
-
-
-def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """All-position logits of one request prefilled through a fresh paged cache (blocks of 4,
-    in reverse order)."""
-    n, block_size = ids.shape[0], 4
-    num_blocks = -(-n // block_size)
-    caches = allocate_kv_caches(model, num_blocks, block_size, "cpu")
-    table = torch.arange(num_blocks, dtype=torch.int32).flip(0)[None]
-    pos = torch.arange(n)
-    slots = table[0, pos // block_size].long() * block_size + pos % block_size
-    qsl, lens = torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
-    meta = AttentionMetadata(1, n, n, n, qsl, lens, table, slots, qsl, lens)
-    with torch.no_grad():
-        return model.compute_logits(model(ids, pos, caches, meta))
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
@@ -120,29 +97,9 @@ def test_chunked_prefill_matches_transformers(tiny_models, arch):
     _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/chunked")
 
 
-def tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    try:
-        ids = torch.arange(19) * 7 % 500
-        for i, path in enumerate(paths):
-            logits = prefill_logits(load(path, tp=TPGroup(rank=rank, world_size=2)), ids)
-            torch.save(logits, f"{out_dir}/logits_{i}_{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_tp2_matches_tp1_over_gloo(tmp_path):
     """Each rank holds half of every expert's (and the shared expert's) intermediate dim; the
     block's single all-reduce sums the halves."""
     paths = [make_tiny_model(tmp_path / arch, arch=arch, seed=2) for arch in MOE_ARCHS]
-    mp.spawn(tp_worker, args=(free_port(), [str(p) for p in paths], str(tmp_path)), nprocs=2)
-    ids = torch.arange(19) * 7 % 500
-    for i, path in enumerate(paths):
-        expected = prefill_logits(load(path), ids)
-        for rank in range(2):
-            got = torch.load(tmp_path / f"logits_{i}_{rank}.pt")
-            assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert_tp2_matches_tp1(paths, tmp_path)

@@ -43,14 +43,15 @@ class WorkerNode:
     """`deltaserve worker` for one node; stdout/stderr go to files."""
 
     def __init__(self, log_dir: Path, *, local_ranks: int, node_rank: int = 0, nodes: int = 1,
-                 env: dict | None = None):
+                 env: dict | None = None, rank_step_timeout_s: int = 60):
         self.name = f"node{node_rank}"
         self.out_path = log_dir / f"{self.name}.out"
         self.err_path = log_dir / f"{self.name}.err"
         cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", "127.0.0.1:0",
                "--device", "cpu",
                "--local-ranks", str(local_ranks), "--node-rank", str(node_rank),
-               "--nodes", str(nodes), "--dist-timeout", "60", "--rank-step-timeout", "60"]
+               "--nodes", str(nodes), "--dist-timeout", "60",
+               "--rank-step-timeout", str(rank_step_timeout_s)]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1",
@@ -112,9 +113,11 @@ class Cluster:
 
     @classmethod
     def start(cls, log_dir: Path, *, nodes: int, local_ranks: int,
-              env_by_node: dict[int, dict] | None = None) -> Cluster:
+              env_by_node: dict[int, dict] | None = None,
+              rank_step_timeout_s: int = 60) -> Cluster:
         workers = [WorkerNode(log_dir, local_ranks=local_ranks, node_rank=n, nodes=nodes,
-                              env=(env_by_node or {}).get(n)) for n in range(nodes)]
+                              env=(env_by_node or {}).get(n),
+                              rank_step_timeout_s=rank_step_timeout_s) for n in range(nodes)]
         cluster = cls(workers, local_ranks)
         try:
             for w in workers:

@@ -43,6 +43,9 @@ class RankMessageError(ValueError):
     """A message on a rank ring does not have the documented shape."""
 
 
+STEP_HEADER_BYTES = 2      # the tag and the verify byte before a step's diff
+
+
 def encode_step(payload: bytes, verify: bool) -> bytes:
     return bytes((_STEP_TAG, int(verify))) + payload
 

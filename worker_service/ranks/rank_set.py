@@ -47,6 +47,16 @@ class RankSetOptions:
     reply_slot_bytes: int = 1 << 20
     poll_s: float = 1.0            # ranks check their parent this often while idle
     stop_timeout_s: float = 5.0    # a clean stop waits this long before killing
+    # The largest command: a step's diff as the worker may receive it plus its header
+    # (serve_worker sets it from --max-message-mib, which goes to 2047 MiB: the ring's own
+    # default of 1 GiB refused a legal larger diff as an INTERNAL PayloadTooLarge).
+    max_message_bytes: int = 1 << 30
+
+
+def command_ring(num_ranks: int, options: RankSetOptions) -> ShmBroadcastRing:
+    """The ring that broadcasts every command (a step's diff) to the node's ranks."""
+    return ShmBroadcastRing.create(num_ranks, options.ring_slots, options.ring_slot_bytes,
+                                   max_message_bytes=options.max_message_bytes)
 
 
 def describe_exit(code: int | None) -> str:
@@ -86,7 +96,7 @@ class RankSet:
     def spawn(cls, make_spec: Callable[..., RankSpec], num_ranks: int,
               options: RankSetOptions, on_failure: Callable[[str], None]) -> RankSet:
         """Create the rings, then `make_spec(local_rank, command_ring, reply_ring)` per rank."""
-        ring = ShmBroadcastRing.create(num_ranks, options.ring_slots, options.ring_slot_bytes)
+        ring = command_ring(num_ranks, options)
         hub = ShmReplyHub.create(num_ranks, options.reply_slots, options.reply_slot_bytes)
         specs = [make_spec(r, ring.handle, hub.handles[r]) for r in range(num_ranks)]
         return cls(specs, ring, hub, options, on_failure)

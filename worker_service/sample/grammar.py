@@ -28,7 +28,8 @@ row is masked no more (with ignore_eos it goes on unconstrained, as in vLLM). A 
 drops its matcher; on resumption the matcher is rebuilt by replaying the request's output ids.
 
 A grammar that fails mid-request (no compile on this worker, the matcher's error state, a mask
-that leaves none of the row's allowed_token_ids) fails that request alone: `take_errors` hands
+that leaves none of the row's allowed_token_ids, a mask offering only special tokens before the
+text is complete) fails that request alone: `take_errors` hands
 it to RunnerOutput.request_errors and the scheduler ends it with the error
 (docs/structured-output.md, "A grammar that fails on the worker").
 """
@@ -232,12 +233,34 @@ class GrammarBook:
             if g.matcher is not None and g.matcher.is_error():
                 self._fail(handle, g, f"its grammar failed: {_first_line(g.matcher.get_error())}")
                 continue
+            if g.matcher is not None and not g.matcher.is_accepting():
+                special = self._only_special(bits[k])
+                if special:
+                    self._fail(handle, g, f"its grammar must write {special!r} as text, which "
+                               "the tokenizer reads as a special token, so no token may come "
+                               "next (llguidance offers the special token instead)")
+                    continue
             if allowed is None or not len(allowed[k]):
                 continue
             ids = np.asarray(allowed[k], dtype=np.int64)
             if not ((bits[k, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
                 self._fail(handle, g, "allowed_token_ids and its grammar leave no token to "
                            f"sample (none of the {len(ids)} allowed ids may come next)")
+
+    def _only_special(self, row: np.ndarray) -> str:
+        """The text of the special tokens a mask row allows, when it allows nothing else (""
+        otherwise). llguidance (1.9.1) tokenizes forced text with the model's tokenizer, which
+        reads "<|im_end|>" as that special token: for a constraint that must write it, the
+        mask offers only the special token, an eos id ended the request as a normal
+        STOP_TOKEN with text that breaks the constraint, another id failed a step later."""
+        words = np.flatnonzero(row)
+        if not len(words) or len(words) > 2:
+            return ""
+        ids = [int(w) * 32 + b for w in words for b in range(32) if int(row[w]) >> b & 1]
+        tokenizer = self.compiler.tokenizer
+        if not all(tokenizer.is_special_token(i) for i in ids):
+            return ""
+        return "".join(tokenizer.decode_bytes([i]).decode("utf-8", "replace") for i in ids)
 
     def _fail(self, handle: int, state: RequestGrammar, why: str) -> None:
         state.error = why

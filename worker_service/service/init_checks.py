@@ -1,6 +1,9 @@
 """The checks an Init passes before the worker changes anything (a refused Init leaves the model,
 the epoch and the owner as they were).
 
+    model_dir             a path the file system can name: at most PATH_MAX bytes, each part at
+                          most NAME_MAX (a 100,000-character one failed as an INTERNAL OSError
+                          whose status, repeating it, exceeded gRPC's metadata limit)
     --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR
     runner settings       runner/preflight.py: everything a ModelRunner checks before its weights
     --max-message-mib     the largest step diff the settings allow must fit in one Worker message
@@ -13,11 +16,13 @@ import os
 from dataclasses import dataclass
 
 from engine_common.request.diff_limits import max_diff_bytes
+from engine_common.request.params import quoted
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.runner.memory_fit import check_memory_fits
 from worker_service.runner.preflight import check_runner_config
 
 MIB = 1 << 20
+PATH_MAX, NAME_MAX = 4096, 255     # Linux's, in bytes
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class InitGuards:
 def check_init(config: RunnerConfig, guards: InitGuards, layout: NodeLayout) -> None:
     """ValueError (a refused setting), NotImplementedError (unsupported here) or DoesNotFit
     (more memory than the machine has) naming it."""
+    check_path_shape(config.model_dir)
     check_model_root(config.model_dir, guards.model_root)
     info = check_runner_config(config)
     largest = max_diff_bytes(config.max_num_seqs, config.max_num_batched_tokens,
@@ -41,6 +47,15 @@ def check_init(config: RunnerConfig, guards: InitGuards, layout: NodeLayout) -> 
             f"{info.max_model_len}: a step diff may take {largest / MIB:.0f} MiB, more than this "
             f"worker's --max-message-mib {guards.max_message_bytes // MIB}")
     check_memory_fits(config, info, layout.tp_size, layout.num_local_ranks)
+
+
+def check_path_shape(model_dir: str) -> None:
+    """ValueError, naming the path clipped, when no file system could hold it."""
+    encoded = os.fsencode(model_dir)
+    longest = max((len(part) for part in encoded.split(b"/")), default=0)
+    if len(encoded) > PATH_MAX or longest > NAME_MAX:
+        raise ValueError(f"model_dir={quoted(model_dir)} is invalid: must be a path of at most "
+                         f"{PATH_MAX} bytes, each part at most {NAME_MAX}")
 
 
 def check_model_root(model_dir: str, root: str | None) -> None:

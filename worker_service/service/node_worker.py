@@ -117,19 +117,31 @@ class NodeWorker:
         only once its load is done, so a displaced scheduler that re-Inits at once (its step was
         interrupted) asks for the same epoch as the newer one that is loading: it used to
         interrupt that load, the newer one retried and interrupted its load in turn, and with
-        loads longer than their retry pause neither ever finished."""
+        loads longer than their retry pause neither ever finished.
+
+        The fence is checked again here, and the ranks interrupted, under the claim: an Init
+        that passed the fence while another's load ran, and ran its checks while that load
+        finished, found itself stale only under the lock, after interrupting; a rank group's
+        interrupt stays set until the next load, so the new owner's next step was aborted and
+        its ranks respawned by a refused Init."""
         with self._claims:
-            claimed, by = self._claimed
-            if epoch <= claimed:
-                raise StepFailure(FailureKind.SUPERSEDED,
-                                  f"epoch {epoch} not taken: an Init of epoch {claimed} "
-                                  f"(scheduler {by or '?'}) is in progress; retry once it is "
-                                  "done (see Info)")
+            self._check_claim(epoch)
+            self.fence.check(epoch)      # an Init that completed meanwhile took a higher one
             self._claimed = (epoch, owner)
+            self.ranks.interrupt()
+
+    def _check_claim(self, epoch: int, any_init: bool = False) -> None:
+        """SUPERSEDED when an Init of `epoch` or above (`any_init`: any Init) is in progress
+        (under _claims)."""
+        claimed, by = self._claimed
+        if epoch <= claimed or (any_init and claimed):
+            raise StepFailure(FailureKind.SUPERSEDED,
+                              f"epoch {epoch} not taken: an Init of epoch {claimed} "
+                              f"(scheduler {by or '?'}) is in progress; retry once it is "
+                              "done (see Info)")
 
     def _init_claimed(self, config: RunnerConfig, layout: NodeLayout, epoch: int,
                       owner: str) -> InitOutcome:
-        self.ranks.interrupt()
         with self._lock:
             self.fence.check(epoch)       # another Init may have taken it while this waited
             self.epoch = None
@@ -149,7 +161,10 @@ class NodeWorker:
         """Start `epoch` (the owner's only, a higher one); drop every cached request. Returns
         how many were dropped."""
         self.fence.check_reset(epoch, owner)
-        self.ranks.interrupt()
+        with self._claims:   # a takeover's load in progress is not the owner's to interrupt
+            self._check_claim(epoch, any_init=True)
+            self.fence.check_reset(epoch, owner)
+            self.ranks.interrupt()
         with self._lock:
             self.fence.check_reset(epoch, owner)
             self._drop_held()

@@ -37,7 +37,9 @@ from engine_common.wire.protos import WORKER_SERVICE, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
 from worker_service.config import NodeLayout
 from worker_service.device_info import resolve_device
+from worker_service.ranks.messages import STEP_HEADER_BYTES
 from worker_service.ranks.rank_group import RankGroup, RankGroupOptions
+from worker_service.ranks.rank_set import RankSetOptions
 from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.auth import add_port, check_exposure, describe, interceptors
 from worker_service.service.init_checks import MIB, InitGuards
@@ -87,10 +89,12 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
     (options.metrics_listen) in `server.metrics_server` (None when off; stop it too).
     """
     check_exposure(listen, auth, options.insecure)
-    rank_options = RankGroupOptions(dist_timeout_s=options.dist_timeout_s,
-                                    step_timeout_s=options.rank_step_timeout_s)
     guards = InitGuards(model_root=options.model_root,
                         max_message_bytes=options.max_message_mib * MIB)
+    # Every diff the port accepts must also fit the rank ring.
+    ring = RankSetOptions(max_message_bytes=guards.max_message_bytes + STEP_HEADER_BYTES)
+    rank_options = RankGroupOptions(dist_timeout_s=options.dist_timeout_s,
+                                    step_timeout_s=options.rank_step_timeout_s, rank_set=ring)
     worker = make_node_worker(resolve_device(options.device), node_layout(options), rank_options,
                               guards)
     size = (("grpc.max_send_message_length", guards.max_message_bytes),

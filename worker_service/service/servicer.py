@@ -51,8 +51,9 @@ from worker_service.service.step_pipeline import pipelined_steps
 
 log = logging.getLogger(__name__)
 
-# A step failure's message in a status: what one failure may say (its quoted values are clipped
-# to a few hundred characters already; this bounds the whole against gRPC's metadata limit).
+# A failure's message in a status (a step's, an Init's, a Reset's): what one failure may say (its
+# quoted values are clipped to a few hundred characters already; this bounds the whole against
+# gRPC's metadata limit).
 MAX_STATUS_CHARS = 2000
 
 _Code = worker_pb2.StepError.Code
@@ -110,7 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             else:
                 log.exception("Init failed")
             self._on_readiness(self.worker.readiness()[0])
-            context.abort(FAILURES[failure.kind][1], f"Init failed: {failure}")
+            context.abort(FAILURES[failure.kind][1],
+                          clip(f"Init failed: {failure}", MAX_STATUS_CHARS))
         self._on_readiness(True)
         return worker_pb2.InitResponse(
             num_kv_blocks=outcome.num_kv_blocks, epoch=request.epoch,
@@ -155,12 +157,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dropped = self.worker.reset(request.epoch, request.scheduler_id)
         except Exception as e:
             failure = as_failure(e)
-            if failure.kind == FailureKind.STALE_EPOCH:
+            if failure.kind in (FailureKind.STALE_EPOCH, FailureKind.SUPERSEDED):
                 log.warning("Reset refused: %s", failure)
             else:
                 log.exception("Reset failed")
             self._on_readiness(self.worker.readiness()[0])
-            context.abort(FAILURES[failure.kind][1], f"Reset failed: {failure}")
+            context.abort(FAILURES[failure.kind][1],
+                          clip(f"Reset failed: {failure}", MAX_STATUS_CHARS))
         self._on_readiness(self.worker.readiness()[0])
         return worker_pb2.ResetResponse(epoch=request.epoch, num_dropped_requests=dropped)
 

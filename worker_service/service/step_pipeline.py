@@ -11,6 +11,11 @@ device work and then puts a wake-up into the same queue. The handler takes from 
                 and send its reply
     the end     finish the held step, send its reply, end the stream
 
+The reader takes at most MAX_READ_AHEAD requests ahead of the handler: it moved every request
+into the queue as it came, which undid gRPC's flow control, so one stream could park any number
+of messages of up to --max-message-mib each in the worker's memory behind a running step (a
+hostile run, session 38; the non-pipelined stream reads one request at a time).
+
 So a reply goes out as soon as its step is done or the next one is launched, whichever is first,
 and while the scheduler keeps two steps in flight (async scheduling) the device always has the
 next step queued. Replies keep step order. A failure is sent as the non-pipelined stream sends
@@ -26,6 +31,9 @@ from engine_common.wire.protos import worker_pb2
 from worker_service.service.node_worker import NodeWorker
 
 _END = object()
+# Requests read from the stream and not yet taken by the handler (the scheduler keeps at most two
+# steps in flight).
+MAX_READ_AHEAD = 4
 
 
 class _DeviceWatcher:
@@ -56,10 +64,16 @@ def pipelined_steps(worker: NodeWorker, stream_id: int, request_iterator,
     """The Step stream's responses. `refuse(epoch, step, error)` yields the error response and
     aborts the call."""
     events: queue.SimpleQueue = queue.SimpleQueue()
+    room = threading.Semaphore(MAX_READ_AHEAD)     # one per request the handler may be behind
+    ended = threading.Event()                      # the handler is done: the reader stops
 
     def read() -> None:
         try:
-            for req in request_iterator:
+            requests = iter(request_iterator)
+            while room.acquire() and not ended.is_set():
+                req = next(requests, _END)
+                if req is _END:
+                    break
                 events.put(req)
         except Exception:  # noqa: BLE001 - the call was cancelled or ended: end the stream
             pass
@@ -71,6 +85,8 @@ def pipelined_steps(worker: NodeWorker, stream_id: int, request_iterator,
     try:
         while True:
             item = events.get()
+            if isinstance(item, worker_pb2.StepRequest):
+                room.release()
             if item is _END or isinstance(item, tuple):
                 if isinstance(item, tuple) and worker.held_step(stream_id) is not item[1]:
                     continue                        # that step was finished meanwhile
@@ -96,6 +112,8 @@ def pipelined_steps(worker: NodeWorker, stream_id: int, request_iterator,
             if held is not None:
                 watcher.watch(held)
     finally:
+        ended.set()
+        room.release()       # a reader waiting for room wakes and stops
         watcher.close()
 
 

@@ -40,3 +40,24 @@ def test_both_protocols_refuse_a_regex_that_expands_too_far(server, regex):
     assert server.workers[-1].diffs and all(
         new.constraint is None or new.constraint.value == "[0-9]{3}"
         for diff in server.workers[-1].diffs for new in diff.new_requests)
+
+
+@pytest.mark.parametrize("field, value, where", [
+    ("grammar", 'start: A\nA: B{1000}\nB: "x"{1000}', "in terminal A"),
+    ("grammar", "root ::= [a-z]{3} x\nx ::= \"ab\"{20000}", "in terminal X"),
+    ("json_schema", '{"$ref": "#/x/s", "x": {"s": {"type": "string", "pattern": "^a{100000}$"}}}',
+     "in pattern '^a{100000}$'"),
+])
+def test_regexes_hidden_in_grammars_and_schemas_are_refused_too(server, field, value, where):
+    """A grammar's terminals and a pattern a `$ref` reaches under any key: INVALID_ARGUMENT on
+    both protocols, naming where the expansion is."""
+    with grpc.insecure_channel(server.target) as ch:
+        code, details = rpc_code(lambda: generation_pb2_grpc.GenerationStub(ch).Generate(
+            gpb.GenerateRequest(token_ids=PROMPT, stopping=gpb.StoppingCriteria(max_tokens=4),
+                                constraint=gpb.Constraint(**{field: value})), timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith(f"constraint.{field}=") and f" {where} once" in details
+        code, details = rpc_code(lambda: vllm_engine_pb2_grpc.VllmEngineStub(ch).Generate(
+            generate(max_tokens=4, **{field: value}), timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith(f"sampling_params.{field}=") and f" {where} once" in details

@@ -5,6 +5,7 @@ row's allowed_token_ids (every logit -inf: the sampler's argmax would pick id 0)
 are unaffected, and every rank decides the same (the digest agrees)."""
 from __future__ import annotations
 
+import llguidance
 import numpy as np
 import pytest
 
@@ -80,3 +81,52 @@ def test_allowed_token_ids_that_meet_the_mask_and_unrestricted_rows_pass(compile
     assert book.take_errors() == {0: "allowed_token_ids and its grammar leave no token to "
                                      "sample (none of the 1 allowed ids may come next)"}
     assert EOS not in encode(compiler, "x")
+
+
+@pytest.fixture
+def raw_compiler(tmp_path):
+    """A compiler on llguidance's own tokenizer of the JSON, which reads "</s>" in forced text
+    as the eos token (the compiler's own reads it as text: grammar_tokenizer.py)."""
+    compiler = tiny_compiler(tmp_path)
+    compiler._tokenizer = llguidance.LLTokenizer(compiler._tokenizer_json(),
+                                                 n_vocab=compiler.vocab_size, eos_token=[EOS])
+    return compiler
+
+
+@pytest.mark.parametrize("choice, before", [("</s>", ""), ("ab</s>", "ab"), ("<s>", "")])
+def test_a_mask_offering_only_a_special_token_before_the_text_is_done_fails(raw_compiler,
+                                                                          choice, before):
+    """With a tokenizer that reads forced "</s>" as the eos token the mask offered eos alone,
+    and the request ended as a normal STOP_TOKEN whose text ("", "ab") broke the constraint (on
+    SmolLM2, choice ["<|im_end|>"] did). Should it happen again, the request fails at that
+    mask, saying why; a grammar that is done offers eos and goes on."""
+    book = GrammarBook(raw_compiler)
+    book.add(0, Constraint("choice", (choice,)))
+    book.add(1, Constraint("choice", ("ab",)))
+    for token_id in encode(raw_compiler, before):
+        book.start_masks([0, 1]).result()
+        book.advance([0, 1], [token_id, token_id])
+    masks = book.start_masks([0, 1]).result()
+    if before:
+        assert allowed_ids(masks.bitmask[1], raw_compiler.vocab_size) == [EOS]
+    errors = book.take_errors()
+    assert list(errors) == [0]
+    special = choice[len(before):]
+    assert errors[0].startswith(f"its grammar must write {special!r} as text, which the "
+                                "tokenizer reads as a special token")
+
+
+@pytest.mark.parametrize("choice", ["</s>", "ab</s>", "<s>", "x <s> y"])
+def test_a_special_tokens_text_in_a_constraint_is_written_as_text(compiler, choice):
+    """The compiler's tokenizer reads forced "</s>" as text: the choice is written out in
+    ordinary tokens and accepted, and eos comes only after it."""
+    book = GrammarBook(compiler)
+    book.add(0, Constraint("choice", (choice,)))
+    ids = encode(compiler, choice)
+    assert EOS not in ids and 0 not in ids
+    for token_id in ids:
+        assert EOS not in allowed_ids(book.start_masks([0]).result().bitmask[0],
+                                      compiler.vocab_size)
+        book.advance([0], [token_id])
+    assert allowed_ids(book.start_masks([0]).result().bitmask[0], compiler.vocab_size) == [EOS]
+    assert book.take_errors() == {} and book._live[0].matcher.is_accepting()
