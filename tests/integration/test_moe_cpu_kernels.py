@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.cpu import extension
-from tests.integration.test_moe_vs_transformers import load, prefill_logits
+from tests.support.paged_prefill import load, prefill_logits
 from tests.support.hf_reference import hf_model
 from worker_service.layers.cpu_gemm import CpuGemm
 from worker_service.layers.moe import MoEExperts
