@@ -10,11 +10,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine_common.configuration.config import WorkerServiceOptions
-from engine_common.security.worker_auth import WorkerAuth
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.grpc_harness import bearer
-from worker_service.service.server import serve_worker
+from tests.support.inproc_worker import cpu_worker
 
 TOKEN = "test-token-0123456789abcdef"
 LIMITS = dict(dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4,
@@ -23,14 +21,8 @@ LIMITS = dict(dtype="float32", max_model_len=64, block_size=4, max_num_seqs=4,
 
 @pytest.fixture(scope="module")
 def stub():
-    server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
-                          WorkerAuth(token=TOKEN))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
-            yield worker_pb2_grpc.WorkerStub(channel)
-    finally:
-        server.stop(None)
-        server.node_worker.close()
+    with cpu_worker(TOKEN) as address, grpc.insecure_channel(address) as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
 
 
 def _init(stub, epoch: int, **config):

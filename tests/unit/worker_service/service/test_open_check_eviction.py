@@ -13,12 +13,10 @@ import threading
 import grpc
 import pytest
 
-from engine_common.configuration.config import WorkerServiceOptions
-from engine_common.security.worker_auth import WorkerAuth
 from tests.support.grpc_harness import health_status
+from tests.support.inproc_worker import cpu_worker
 from tests.unit.worker_service.service.test_withheld_messages import CHECK, TOKEN, Withheld
 from worker_service.service import open_check
-from worker_service.service.server import serve_worker
 
 
 class Waits:
@@ -49,13 +47,8 @@ def waits(monkeypatch):
 @pytest.fixture
 def worker_address(monkeypatch, waits):
     monkeypatch.setattr(open_check, "OPEN_CHECK_WAIT_S", 60.0)   # only eviction ends them
-    server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
-                          WorkerAuth(token=TOKEN))
-    try:
-        yield f"127.0.0.1:{server.bound_port}"
-    finally:
-        server.stop(None)
-        server.node_worker.close()
+    with cpu_worker(TOKEN) as address:
+        yield address
 
 
 def test_a_probe_is_answered_while_withheld_checks_fill_every_slot(worker_address, waits):

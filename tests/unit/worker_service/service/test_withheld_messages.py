@@ -10,12 +10,10 @@ import threading
 import grpc
 import pytest
 
-from engine_common.configuration.config import WorkerServiceOptions
-from engine_common.security.worker_auth import WorkerAuth
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.grpc_harness import bearer, health_status
+from tests.support.inproc_worker import cpu_worker
 from worker_service.service import open_check
-from worker_service.service.server import serve_worker
 
 TOKEN = "test-token-0123456789abcdef"
 REFUSED = ("/deltaserve.v1.Worker/Init", "/deltaserve.v1.Worker/Reset",
@@ -30,13 +28,8 @@ def worker_address(monkeypatch):
     # an open check waits 0.2 s for its message here, not 2 s: what is checked is that the
     # wait ends (before the fix nothing ended it), not how long it is
     monkeypatch.setattr(open_check, "OPEN_CHECK_WAIT_S", 0.2)
-    server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
-                          WorkerAuth(token=TOKEN))
-    try:
-        yield f"127.0.0.1:{server.bound_port}"
-    finally:
-        server.stop(None)
-        server.node_worker.close()
+    with cpu_worker(TOKEN) as address:
+        yield address
 
 
 class Withheld:
