@@ -53,7 +53,10 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
         request_id=msg.request_id or make_request_id(),
         prompt_text=text, prompt_token_ids=token_ids, prompt_messages=messages,
         sampling=sampling,
-        stopping=stopping_from(msg.stopping, NAMES.stopping, default_max_tokens, vocab_size),
+        stopping=stopping_from(msg.stopping, NAMES.stopping, default_max_tokens, vocab_size,
+                               # optional here; unset: true, vLLM's default
+                               not msg.stopping.HasField("skip_special_tokens")
+                               or msg.stopping.skip_special_tokens),
         num_logprobs=msg.logprobs, priority=msg.priority, names=NAMES,
         constraint=constraint_from_oneof(msg.constraint, "kind"))
 

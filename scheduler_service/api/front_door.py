@@ -141,9 +141,10 @@ def sampling_from(given: dict[str, object], logit_bias, defaults: SamplingParams
 
 
 def stopping_from(msg, prefix: str, default_max_tokens: int | None,
-                  vocab_size: int | None) -> StoppingParams:
+                  vocab_size: int | None, skip_special_tokens: bool) -> StoppingParams:
     """StoppingParams from the message holding the stopping fields (the same names in both
-    protocols); an unset max_tokens takes `default_max_tokens` (None: until max_model_len)."""
+    protocols); an unset max_tokens takes `default_max_tokens` (None: until max_model_len).
+    `skip_special_tokens` as each protocol reads its own field."""
     check_vocab(f"{prefix}.stop_token_ids", msg.stop_token_ids, vocab_size)
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens
     try:
@@ -151,18 +152,9 @@ def stopping_from(msg, prefix: str, default_max_tokens: int | None,
             max_tokens=max_tokens, min_tokens=msg.min_tokens, stop=tuple(msg.stop),
             stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
             include_stop_str_in_output=msg.include_stop_str_in_output,
-            skip_special_tokens=_skip_special_tokens(msg))
+            skip_special_tokens=skip_special_tokens)
     except ParamError as e:
         raise ParamError(f"{prefix}.{e.field}", e.value, e.allowed) from None
-
-
-def _skip_special_tokens(msg) -> bool:
-    """Ours is optional (unset: true, vLLM's default); the vLLM protocol's is a plain bool that
-    its clients set (smg: true, false for Harmony's special-token stops), taken as sent."""
-    try:
-        return msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-    except ValueError:       # no presence: the vLLM protocol's field
-        return msg.skip_special_tokens
 
 
 # -- checks both protocols make ------------------------------------------------------------------

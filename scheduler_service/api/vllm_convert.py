@@ -100,7 +100,8 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
     return ValidatedRequest(
         request_id=msg.request_id or make_request_id(), prompt_text=text, prompt_token_ids=ids,
         sampling=sampling_from_proto(sp, defaults, vocab_size),
-        stopping=stopping_from(sp, NAMES.stopping, None, vocab_size),
+        # a plain bool its clients set (smg: true; false for Harmony's special-token stops)
+        stopping=stopping_from(sp, NAMES.stopping, None, vocab_size, sp.skip_special_tokens),
         num_logprobs=num_logprobs, names=NAMES, n=n, stream=msg.stream, constraint=constraint)
 
 
