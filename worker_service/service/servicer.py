@@ -120,6 +120,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         stream_id = self.worker.open_stream()
+        try:
+            yield from self._steps(stream_id, request_iterator, context)
+        finally:     # however it ended: a vanished owner's state must not stay (orphan_watch)
+            self.worker.stream_ended(stream_id)
+
+    def _steps(self, stream_id: int, request_iterator, context):
         if self.worker.pipelined:     # one rank on CUDA (or simulated): step_pipeline.py
             log.info("Step stream %d: pipelined (step t+1 launched before step t finishes)",
                      stream_id)
