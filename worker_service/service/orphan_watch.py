@@ -16,9 +16,9 @@ prompts and outputs) until the next Init, which may never come. The rule (docs/s
   (step/owner_scrub.py) and ends the epoch: a later step of it fails EPOCH_FAILED naming why;
   the scheduler must Init (or Reset) again.
 
-vLLM and SGLang do the same in their own terms: vLLM's engine core aborts a request whose client
-disconnected and shuts down when its front-end process dies, SGLang's scheduler exits with its
-parent; neither keeps state for a client that is gone.
+vLLM and SGLang keep nothing for a client that is gone either: vLLM aborts a request whose
+client disconnected and its worker processes exit when their parent's death pipe closes; SGLang's
+scheduler process exits when its parent dies.
 
 Time is injected: `call_later(delay_s, fn)` runs `fn` once after `delay_s` (a daemon timer; a
 test's records it and calls it itself).
