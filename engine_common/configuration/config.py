@@ -18,8 +18,7 @@ import re
 from dataclasses import dataclass
 
 from engine_common.configuration.listen_address import ListenAddress
-from engine_common.model_files.model_dir import MIN_MODEL_LEN
-from engine_common.request.diff_limits import MAX_WAITING
+from engine_common.request.diff_limits import MAX_WAITING, MIN_MODEL_LEN
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
                                     PowerOfTwo, Rule, setting, validate)

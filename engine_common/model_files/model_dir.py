@@ -10,9 +10,8 @@ from pathlib import Path
 from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 
-
-# The shortest request: one prompt token and one output token. A max_model_len of 1 was accepted,
-# then every request was refused ("at most 0 tokens").
+# The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
+# MIN_MODEL_LEN, repeated because this room imports nothing of ours (tests/test_layers.py).
 MIN_MODEL_LEN = 2
 
 

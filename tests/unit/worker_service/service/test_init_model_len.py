@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from deltaserve import cli
+from engine_common.model_files.model_dir import MIN_MODEL_LEN as MODEL_FILES_FLOOR
+from engine_common.request.diff_limits import MIN_MODEL_LEN
 from engine_common.wire.codec import decode_runner_output
 from engine_common.wire.diff import SchedulerOutput
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
@@ -52,6 +54,10 @@ def test_init_refuses_a_max_model_len_outside_the_range(worker, tiny_models, max
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
     details = refused.value.details()
     assert f"max_model_len={max_model_len} " in details and allowed in details, details
+
+
+def test_both_rooms_agree_on_the_floor():
+    assert MODEL_FILES_FLOOR == MIN_MODEL_LEN == 2
 
 
 @pytest.mark.parametrize("max_model_len", [2, 3])        # below block_size (4)
