@@ -30,7 +30,8 @@ with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
 UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every
 step failure of the active stream except an epoch mismatch, a stale epoch and supersession fails
 the epoch: later steps are refused until Reset or Init. A newer Step stream supersedes the
-active one at its first step of the current epoch (the older learns so at its next step).
+active one at its first step of the current epoch (the older learns so at its next step). The
+epoch also ends when its stream ends and no stream of it steps within a grace (orphan_watch.py).
 """
 from __future__ import annotations
 
