@@ -185,6 +185,8 @@ def serve(args) -> int:
         if not hasattr(args, name):        # flags the user left unset
             setattr(args, name, value)
     settings = engine_settings(args, model_dir)
+    # --max-model-len past the model's: refused here, before a worker starts and loads it
+    ModelInfo.from_dir(model_dir, settings.worker.max_model_len)
     front = openai_front(args, settings.api, model_dir, args.listen,
                          settings.server.chat_template)
     on_ready = _announce(args.listen, model_dir, settings, front)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from engine_common.configuration.listen_address import ListenAddress
-from engine_common.request.diff_limits import MAX_WAITING
+from engine_common.request.diff_limits import MAX_WAITING, MIN_MODEL_LEN
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
                                     PowerOfTwo, Rule, setting, validate)
@@ -66,7 +66,7 @@ class BatchLimits:
         rule=AtLeast(1, INT32_MAX), wire=11)
     max_model_len: int | None = setting(
         None, "prompt + output tokens of one request; unset: the model's "
-        "max_position_embeddings", rule=AtLeast(1, INT32_MAX), wire=4)
+        "max_position_embeddings", rule=AtLeast(MIN_MODEL_LEN, INT32_MAX), wire=4)
     block_size: int = setting(16, "tokens per KV-cache block, a power of two",
                               rule=PowerOfTwo(1024), wire=5)
 

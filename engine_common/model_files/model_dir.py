@@ -10,6 +10,10 @@ from pathlib import Path
 from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 
+# The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
+# MIN_MODEL_LEN, repeated because this room imports nothing of ours (tests/test_layers.py).
+MIN_MODEL_LEN = 2
+
 
 class ModelDirError(ValueError):
     """The directory is not a usable model directory."""
@@ -56,9 +60,7 @@ class ModelInfo:
             raise ModelDirError(f"{path / 'config.json'} names no architectures")
         eos = _as_tuple(gen.get("eos_token_id", config.get("eos_token_id")))
         native_len = int(config.get("max_position_embeddings", 2048))
-        if max_model_len is not None and max_model_len > native_len:
-            raise ModelDirError(f"max_model_len={max_model_len} exceeds the model's "
-                                f"max_position_embeddings ({native_len})")
+        _check_model_len(max_model_len, native_len)
         return cls(path=str(path), name=name, architecture=archs[0],
                    vocab_size=int(config["vocab_size"]),
                    max_model_len=max_model_len or native_len,
@@ -73,6 +75,21 @@ class ModelInfo:
         if eos_token_id is None or eos_token_id in self.eos_token_ids:
             return self
         return dataclasses.replace(self, eos_token_ids=self.eos_token_ids + (eos_token_id,))
+
+
+def _check_model_len(max_model_len: int | None, native_len: int) -> None:
+    """ModelDirError naming the value and the range. No override past max_position_embeddings
+    (vLLM has one, VLLM_ALLOW_LONG_MAX_MODEL_LEN): the rotary tables stop there."""
+    if native_len < MIN_MODEL_LEN:
+        raise ModelDirError(f"max_position_embeddings={native_len} is invalid: must be at least "
+                            f"{MIN_MODEL_LEN} (a prompt token and an output token)")
+    allowed = f"must be in [{MIN_MODEL_LEN}, {native_len}]"
+    if max_model_len is not None and max_model_len > native_len:
+        raise ModelDirError(f"max_model_len={max_model_len} exceeds the model's "
+                            f"max_position_embeddings ({native_len}): {allowed}")
+    if max_model_len is not None and max_model_len < MIN_MODEL_LEN:
+        raise ModelDirError(f"max_model_len={max_model_len} is invalid: {allowed} (a prompt "
+                            "token and an output token)")
 
 
 def read_model_configs(path: Path) -> tuple[dict, dict, str]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from engine_common.request.params import KNOBS
 from engine_common.request.sampling_knobs import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS  # noqa: F401 (bounds)
 
+MIN_MODEL_LEN = 2               # max_model_len's floor: a prompt token and an output token (a
+                                # prompt holds at most max_model_len - 1); 1 was accepted, then
+                                # every request was refused
 MAX_HANDLE = 2**31 - 1          # handles are small recycled integers; uint32 on the wire
 MAX_SEED = 2**63 - 1            # int64 on the worker
 MAX_MIN_TOKENS = 2**31 - 1      # int32 on the worker

@@ -27,6 +27,7 @@ from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.parallel_state import TPGroup
 from worker_service.runner.model_runner import ModelRunner
+from worker_service.step.owner_scrub import clear_batch_rows, scrub_runner
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,16 @@ class RunnerKeeper:
         return InitOutcome(self._num_blocks(), self.runner.kv_block_bytes, reloaded)
 
     def allocate(self, num_blocks: int) -> None:
-        """Drop cached requests; (re)allocate the KV cache when its size changes."""
+        """Drop cached requests; (re)allocate the KV cache when its size changes, else zero the
+        one kept (a new epoch may be another scheduler's: step/owner_scrub.py)."""
         self.runner.reset()
         if num_blocks != self.num_kv_blocks or not self.runner.kv_caches:
             self._free_kv_cache()
-            self.runner.init_kv_cache(num_blocks)
+            self.runner.init_kv_cache(num_blocks)     # zeroed when made
             self.num_kv_blocks = num_blocks
+            clear_batch_rows(self.runner.batch)
+        else:
+            scrub_runner(self.runner)
         freeze_heap()     # start-up is over: collections walk only what steps make
 
     def run_step(self, payload: bytes, verify: bool, output_rank: bool,
@@ -162,6 +167,7 @@ class RunnerKeeper:
             return 0
         dropped = len(self.runner.requests)
         self.runner.reset()
+        scrub_runner(self.runner)      # Reset starts an epoch too (step/owner_scrub.py)
         return dropped
 
     def interrupt(self) -> None:

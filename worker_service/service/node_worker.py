@@ -17,6 +17,8 @@ RankGroup of rank processes (tp_size > 1). The rules enforced here:
   step carries the current epoch (the owner's: an outsider's stream cannot); the older stream's
   next step then fails with SUPERSEDED. (A restarted scheduler must not wait for a half-dead old
   stream.)
+- When the stream that runs the epoch ends and no stream of the epoch steps within a grace, the
+  cached requests are dropped and the epoch ends (orphan_watch.py: a scheduler that died).
 - Steps, Init and Reset hold one lock; `readiness`, `describe_devices` and `model_summary` never
   wait for it. Init first interrupts a step that is still waiting for its ranks.
 """
@@ -36,6 +38,7 @@ from worker_service.failures import FailureKind, StepFailure
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
 from worker_service.service.fencing import Fence, check_owner
 from worker_service.service.init_checks import InitGuards, check_init
+from worker_service.service.orphan_watch import Key, OrphanWatch
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class NodeWorker:
         self._opened_streams = 0
         self._active_stream = 0
         self._held = None      # (stream id, step, LaunchedStep): launched, not finished
+        self.orphans = OrphanWatch()     # tests replace its call_later
         # Called with every successful step's reply (the worker's metrics).
         self.step_listener: Callable[[StepReply], None] | None = None
 
@@ -188,6 +192,7 @@ class NodeWorker:
 
     def _start_epoch(self, epoch: int) -> None:
         self._drop_held()
+        self.orphans.new_epoch()
         self.epoch = epoch
         self._next_step = 0
         self._failure = None
@@ -200,6 +205,27 @@ class NodeWorker:
         with self._lock:
             self._opened_streams += 1
             return self._opened_streams
+
+    def stream_ended(self, stream_id: int) -> None:
+        """A Step stream's handler is done (the stream ended, failed or was cancelled)."""
+        self.orphans.ended(stream_id, self._drop_orphaned)
+
+    def _drop_orphaned(self, key: Key) -> None:
+        """The grace after the epoch's stream ended is over and no stream stepped since: drop
+        every cached request (and zero the KV cache) on every rank, and end the epoch."""
+        with self._lock:
+            if not self.orphans.due(key) or self.epoch != key[0]:
+                return
+            self._drop_held()
+            try:
+                dropped = f"its {self.ranks.drop_requests()} cached requests were dropped"
+            except StepFailure as failure:
+                dropped = f"dropping its cached requests failed ({failure})"
+            why = (f"the Step stream of epoch {key[0]} ended and no stream of the epoch stepped "
+                   f"within {self.orphans.grace_s:g} s: {dropped}")
+            log.warning("%s; Reset or Init is required", why)
+            if self._failure is None:       # a failed epoch keeps the failure it had
+                self._failure = StepFailure(FailureKind.EPOCH_FAILED, why)
 
     def step(self, stream_id: int, epoch: int, step: int, payload: bytes,
              digest: bytes | None = None) -> StepReply:
@@ -228,6 +254,7 @@ class NodeWorker:
         if self._held is not None and self._held[0] != stream_id:
             self._drop_held()                  # a newer stream of the same epoch took over
         self._active_stream = stream_id
+        self.orphans.stepped(epoch, stream_id)
 
     def _fail_epoch(self, failure: StepFailure, epoch: int, step: int) -> StepFailure:
         """Record the failure that poisons the epoch; the caller raises it."""
@@ -310,7 +337,7 @@ class NodeWorker:
                               f"{self.epoch}")
         if self._failure is not None:
             raise StepFailure(FailureKind.EPOCH_FAILED,
-                              f"an earlier step failed ({self._failure.kind.value}: "
+                              f"epoch {epoch} failed earlier ({self._failure.kind.value}: "
                               f"{self._failure}); Reset or Init is required")
         if step != self._next_step:
             gap = StepFailure(FailureKind.STEP_GAP,

@@ -30,7 +30,8 @@ with INVALID_ARGUMENT (the scheduler then backs off), an unsupported choice with
 UNIMPLEMENTED, no memory with RESOURCE_EXHAUSTED, anything else INTERNAL (FAILURES below). Every
 step failure of the active stream except an epoch mismatch, a stale epoch and supersession fails
 the epoch: later steps are refused until Reset or Init. A newer Step stream supersedes the
-active one at its first step of the current epoch (the older learns so at its next step).
+active one at its first step of the current epoch (the older learns so at its next step). The
+epoch also ends when its stream ends and no stream of it steps within a grace (orphan_watch.py).
 """
 from __future__ import annotations
 
@@ -120,6 +121,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         stream_id = self.worker.open_stream()
+        try:
+            yield from self._steps(stream_id, request_iterator, context)
+        finally:     # however it ended: a vanished owner's state must not stay (orphan_watch)
+            self.worker.stream_ended(stream_id)
+
+    def _steps(self, stream_id: int, request_iterator, context):
         if self.worker.pipelined:     # one rank on CUDA (or simulated): step_pipeline.py
             log.info("Step stream %d: pipelined (step t+1 launched before step t finishes)",
                      stream_id)

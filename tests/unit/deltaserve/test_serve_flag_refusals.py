@@ -88,7 +88,7 @@ def test_the_worker_on_the_public_ports_number_is_refused_before_it_starts(capsy
 
 @pytest.mark.parametrize("flag, bound", [("--max-num-seqs", "[1, 65536]"),
                                          ("--max-num-batched-tokens", "[1, 2147483647]"),
-                                         ("--max-model-len", "[1, 2147483647]")])
+                                         ("--max-model-len", "[2, 2147483647]")])
 def test_a_batch_limit_past_its_bound_is_refused_under_its_own_name(flag, bound, capsys):
     """--max-num-seqs 1e20 was blamed on --max-num-batched-tokens ("must be >= max_num_seqs")."""
     huge = "99999999999999999999"
