@@ -14,6 +14,7 @@ from deltaserve.llm import LLM
 from kernels.attention import cpu_paged
 from kernels.attention.selector import get_attention_backend
 from tests.integration.test_model_vs_transformers import PagedRunner, hf_logits
+from tests.support.attention_cases import ON_GPU, needs_kernels
 from tests.support.engine_checks import MAX_NEW, _check, _shared_prefix_prompts
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import prefill_logits
@@ -35,7 +36,10 @@ def cpu_kernel_or_skip():
         pytest.skip("deltaserve_cpu not built")
 
 
-BACKENDS = ["torch", "cpu", pytest.param("triton", marks=pytest.mark.slow)]
+# Triton runs these CPU models under the interpreter (a GPU machine compiles it instead)
+TRITON = [pytest.mark.slow, needs_kernels,
+          pytest.mark.skipif(ON_GPU, reason="the models run on the CPU: Triton interpreter only")]
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=TRITON)]
 
 
 @pytest.fixture
@@ -47,8 +51,6 @@ def windowed(tiny_models):
 def ours(path, backend: str):
     if backend == "cpu":
         cpu_kernel_or_skip()
-    if backend == "triton":
-        from tests.support.attention_cases import needs_kernels  # noqa: F401  (interpreter)
     return load_model(path, single_rank_group(), get_attention_backend(backend, "cpu"), "cpu")
 
 
@@ -88,8 +90,7 @@ def test_chunked_prefill_then_decodes_far_past_the_window(windowed, arch, backen
 
 
 @pytest.mark.parametrize("backend,block_size", [("torch", 4), ("cpu", 4), ("cpu", 16),
-                                                pytest.param("triton", 4,
-                                                             marks=pytest.mark.slow)])
+                                                pytest.param("triton", 4, marks=TRITON)])
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_engine_greedy_with_chunks_and_prefix_hits(windowed, arch, backend, block_size):
     """Prompts up to 130 tokens (16 windows), 16 tokens a step, a 70-token shared prefix: the
@@ -109,3 +110,17 @@ def test_engine_greedy_with_chunks_and_prefix_hits(windowed, arch, backend, bloc
     assert cached[1] >= 70 // block_size * block_size, cached      # the shared prefix
     assert cached[-1] > 0, cached                                   # a repeated prompt
     assert all(len(o.token_ids) == MAX_NEW for o in first + rest)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=TRITON) for a in CONFIGS])
+def test_fused_rope_writing_the_cache_keeps_the_window(windowed, arch):
+    """fused_ops with the Triton backend: the rope launch writes the KV cache (kv_in_rope) and
+    the backend, told kv_written, still applies each layer's window."""
+    from kernels.attention.triton_backend import TritonAttentionBackend
+    path = windowed(arch)
+    model = load_model(path, single_rank_group(), TritonAttentionBackend(), "cpu", "float32",
+                       fused_ops=True)
+    assert all(layer.self_attn.kv_in_rope for layer in model.model.layers)
+    ids = torch.arange(30) * 41 % 500 + 9
+    torch.testing.assert_close(prefill_logits(model, ids), hf_logits(hf_model(path), ids),
+                               atol=ATOL, rtol=0)
