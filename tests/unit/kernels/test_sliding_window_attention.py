@@ -14,7 +14,7 @@ import torch
 from kernels.attention.backend import check_sliding_window
 from kernels.attention.torch_ref import TorchAttentionBackend, attend_one
 from kernels.attention.triton_launch import KernelTiles, TritonLaunchConfig
-from tests.support.attention_cases import make_case, needs_kernels, triton_backend
+from tests.support.attention_cases import ON_GPU, make_case, needs_kernels, triton_backend
 
 # (seq_lens, query_lens): decodes far past the window, a fresh prefill, chunks after a cached
 # prefix (one unaligned), a one-token prompt, and a one-token chunk
@@ -104,3 +104,19 @@ def test_triton_split_heuristic_counts_only_the_window():
     meta = make_case(7, [4000], [1], 4, 2, 16, 16)[4]
     assert backend.num_splits(meta, 2, torch.device("cpu"), window=256) == 1
     assert backend.num_splits(meta, 2, torch.device("cpu")) > 1
+
+
+@needs_kernels
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [1000, 4096])
+def test_gpu_window_at_model_sizes(dtype, tol, window):
+    """Model-sized heads (32 q / 8 kv, D 128), default launch: prefills and chunks across the
+    window, then decodes past it (split decode), against the fp32 reference on the same cache."""
+    prefill = make_case(9, [5000, 1, 4200, 300, 77], [700, 1, 64, 300, 1], 32, 8, 128, 16,
+                        num_pad=3, dtype=dtype)
+    check_window(prefill, triton_backend.TritonAttentionBackend(), window, atol=tol)
+    decode = make_case(10, [6000, 1, 1000, 4500] * 8, [1] * 32, 32, 8, 128, 16, num_pad=3,
+                       dtype=dtype)
+    check_window(decode, triton_backend.TritonAttentionBackend(), window, atol=tol)
