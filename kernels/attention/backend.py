@@ -14,6 +14,11 @@ query_start_loc[i] : query_start_loc[i + 1] of q/k/v. Each request's queries are
 (query_len) positions: positions seq_len - query_len .. seq_len - 1, causal among themselves and
 attending to the whole cached prefix. A decode is query_len 1; a (chunked) prefill with a cached
 prefix is query_len > 1 with seq_len > query_len.
+
+Sliding window (per layer; Mistral, Qwen2 with use_sliding_window): forward's sliding_window=W
+(0: none) lets the query at position p see only keys p - W < k <= p, W keys counting its own,
+as transformers' sliding_window_overlay (kv_idx > q_idx - W) and flash-attn's window_size
+(W - 1, 0). Keys that fell out of the window stay in the cache (their blocks are not freed).
 """
 from __future__ import annotations
 
@@ -41,6 +46,13 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
 
 
+def check_sliding_window(window: int) -> int:
+    """window as an int >= 0 (0: none), else ValueError."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window={window!r} is invalid: must be an int >= 0 (0: none)")
+    return window
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys/values into the paged cache, then attends."""
 
@@ -48,9 +60,13 @@ class AttentionBackend(ABC):
     # True: forward also takes kv_written=True, meaning this call's keys/values are already in
     # the cache (the fused rope wrote them, kernels/fused_rope.py) and must not be written again.
     writes_kv_from_rope: bool = False
+    # True: forward takes sliding_window=W (> 0) and attends within it. A layer with a window
+    # refuses, at model load, a backend without it (worker_service/layers/attention.py).
+    supports_sliding_window: bool = False
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], kv_cache as drawn above.
-        Returns [T, Hq, D] in query's dtype. Rows past meta.num_actual_tokens are undefined."""
+        Returns [T, Hq, D] in query's dtype. Rows past meta.num_actual_tokens are undefined.
+        A backend with supports_sliding_window also takes sliding_window: int = 0."""

@@ -6,13 +6,14 @@ It writes the cache as the torch backend does (one index_copy_ per K and V), the
 request of the batch, prefills and decodes alike, in one call: no gather, no padding. Supported:
 float32 and bfloat16, head_dim 16/32/64/80/96/128, up to 48 query heads per kv head; `supports`
 says whether a layout fits, and the selector falls back to the torch backend when it does not or
-when the library could not be built.
+when the library could not be built. A sliding window (backend.py) is the kernel's `window`
+argument: items skip the chunks below it and mask the keys a row no longer sees.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.backend import AttentionBackend, AttentionMetadata, check_sliding_window
 from kernels.attention.torch_ref import write_kv_cache
 from kernels.cpu import extension
 
@@ -36,6 +37,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     batch layout; block_table must be int32 with contiguous rows."""
 
     name = "cpu"
+    supports_sliding_window = True
 
     def __init__(self) -> None:
         if not available():
@@ -45,12 +47,14 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.calls = 0              # forward calls (tests check the kernel really ran)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int = 0) -> torch.Tensor:
+        window = check_sliding_window(sliding_window)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.empty_like(query)
         num_reqs = meta.num_reqs
         if num_reqs:
             self._op(query, kv_cache, meta.block_table, meta.query_start_loc_cpu[:num_reqs + 1],
-                     meta.seq_lens_cpu[:num_reqs], scale, out)
+                     meta.seq_lens_cpu[:num_reqs], scale, out, window)
         self.calls += 1
         return out

@@ -13,6 +13,9 @@ Our cache layout (see backend.py) already is flash-attn's paged layout, one view
   cu_seqlens_q = query_start_loc and cu_seqlens_k = [0, cumsum(seq_lens)] built on the device.
   flash-attn aligns the causal mask bottom-right, which is our rule: a request's queries are its
   last query_len positions.
+* a sliding window W (backend.py) is flash-attn's window_size=(W - 1, 0) on both entry points
+  (W - 1 keys left of the query's own, none right: p - W < k <= p); without one the calls are
+  made as before.
 
 Constraints of upstream flash-attn 2 (checked here, raised as ValueError naming the value):
 * the paged block size must be a multiple of 256 (flash_api.cpp: "Paged KV cache block size must
@@ -34,7 +37,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.backend import AttentionBackend, AttentionMetadata, check_sliding_window
 
 PAGED_BLOCK_MULTIPLE = 256          # upstream flash-attn 2 paged-KV rule
 MIN_FLASH_ATTN_VERSION = (2, 6)     # varlen + block_table
@@ -106,6 +109,7 @@ class FlashAttnBackend(AttentionBackend):
     """Paged attention through flash-attn 2's varlen and kvcache entry points (CUDA only)."""
 
     name = "flash_attn"
+    supports_sliding_window = True
 
     def __init__(self) -> None:
         fa = import_flash_attn()
@@ -115,7 +119,10 @@ class FlashAttnBackend(AttentionBackend):
         self._checked: set[tuple] = set()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                sliding_window: int = 0) -> torch.Tensor:
+        window = check_sliding_window(sliding_window)
+        extra = {"window_size": (window - 1, 0)} if window else {}
         self._check_once(kv_cache, query)
         num_tokens = meta.num_actual_tokens
         self._write(key, value, kv_cache, meta.slot_mapping[:num_tokens])
@@ -125,12 +132,12 @@ class FlashAttnBackend(AttentionBackend):
             out = self._with_kvcache(
                 query[:num_tokens].unsqueeze(1), kv_cache[0], kv_cache[1],
                 cache_seqlens=meta.seq_lens, block_table=meta.block_table,
-                softmax_scale=scale, causal=True).squeeze(1)
+                softmax_scale=scale, causal=True, **extra).squeeze(1)
         else:
             out = self._varlen(
                 query[:num_tokens], kv_cache[0], kv_cache[1], meta.query_start_loc,
                 cu_seqlens_k(meta.seq_lens), meta.max_query_len, meta.max_seq_len,
-                softmax_scale=scale, causal=True, block_table=meta.block_table)
+                softmax_scale=scale, causal=True, block_table=meta.block_table, **extra)
         return _pad_rows(out, query.shape[0])
 
     def _check_once(self, kv_cache: torch.Tensor, query: torch.Tensor) -> None:

@@ -21,6 +21,12 @@ the varlen kernel then skips one-token requests, SKIP_DECODES, and the decode ke
 request whose query is not exactly one token). `python -m bench.attention_bandwidth --unified /
 --mixed / --sweep` times the designs and the launch choices on a GPU (issue 5).
 
+Sliding window W (SLIDING, a constexpr: off compiles today's kernels unchanged; window is the
+runtime W): a query at position p sees keys p - W < k <= p. The varlen kernel starts a tile at
+the first key its earliest row sees, masks the keys below its latest row's window (as it masks
+the diagonal) and runs the keys every row sees unmasked; the decode kernel splits only the last
+W keys, which its one query sees whole, so it needs no mask of its own.
+
 Tiles map to requests without a host sync: request i owns tiles starting at
 qsl[i] // BLOCK_Q + i, so cdiv(num_tokens, BLOCK_Q) + num_reqs programs always suffice and
 each finds its request by binary search over query_start_loc.
@@ -41,11 +47,12 @@ NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows n
 
 @triton.jit
 def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, start, end, kv_limit,
-                  stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale,
+                  stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale, window,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr):
     """Fold keys [start, end) into (m_i, l_i, acc). Keys are read through the block table;
-    MASKED applies key <= q_pos and key < kv_limit, else every key in range must be visible."""
+    MASKED applies key <= q_pos and key < kv_limit (and with SLIDING key > q_pos - window),
+    else every key in range must be visible."""
     for kv_start in range(start, end, BLOCK_N):
         kpos = kv_start + tl.arange(0, BLOCK_N)
         in_range = kpos < kv_limit
@@ -61,6 +68,8 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [M, N] fp32
         if MASKED:
             visible = (kpos[None, :] <= q_pos[:, None]) & in_range[None, :]
+            if SLIDING:
+                visible = visible & (kpos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -94,11 +103,11 @@ STEP_VARYING = ["num_reqs", "stride_bt"]
 @triton.jit(do_not_specialize=STEP_VARYING)
 def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
+                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                    SKIP_DECODES: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
@@ -133,14 +142,26 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
     first_pos = context_len + q_first                       # every row sees keys < first_pos
     kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
     unmasked_end = first_pos // BLOCK_N * BLOCK_N
+    if SLIDING:
+        # keys below the first row's window are skipped; [lo, full_lo) holds the keys below
+        # some row's window (masked); every row sees the keys from full_lo to unmasked_end
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N,
+                             unmasked_end)
+        m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
+                                      lo, full_lo, full_lo, stride_c_kv, stride_c_blk,
+                                      stride_c_row, dims, dim_ok, qk_scale, window,
+                                      BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, True)
+    else:
+        full_lo = 0
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
-                                  0, unmasked_end, kv_end, stride_c_kv, stride_c_blk,
-                                  stride_c_row, dims, dim_ok, qk_scale,
-                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST)
+                                  full_lo, unmasked_end, kv_end, stride_c_kv, stride_c_blk,
+                                  stride_c_row, dims, dim_ok, qk_scale, window,
+                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, False)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   unmasked_end, kv_end, kv_end, stride_c_kv, stride_c_blk,
-                                  stride_c_row, dims, dim_ok, qk_scale,
-                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST)
+                                  stride_c_row, dims, dim_ok, qk_scale, window,
+                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -149,11 +170,12 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
                    seq_lens_ptr, order_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                   stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
+                   stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr):
+                   UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr,
+                   SLIDING: tl.constexpr):
     if HEAD_FASTEST:       # grid (Hkv, num_reqs, splits): a request's kv heads run together
         kv_head = tl.program_id(0)
         req = tl.program_id(1)
@@ -167,8 +189,13 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     if tl.load(qsl_ptr + req + 1) - q_index != 1:    # padding, or a prefill (not ours)
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    if SLIDING:            # the splits share the last `window` keys, all visible to the query
+        lo = tl.maximum(seq_len - window, 0)
+        chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+    else:
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     group_idx = tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + group_idx
@@ -188,12 +215,12 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   start, full_end, end, stride_c_kv, stride_c_blk, stride_c_row,
-                                  dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, False, PRECISION,
-                                  UPCAST)
+                                  dims, dim_ok, qk_scale, window, BLOCK_SIZE, BLOCK_N, False,
+                                  PRECISION, UPCAST, False)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
-                                  dims, dim_ok, qk_scale, BLOCK_SIZE, BLOCK_N, True, PRECISION,
-                                  UPCAST)
+                                  dims, dim_ok, qk_scale, window, BLOCK_SIZE, BLOCK_N, True,
+                                  PRECISION, UPCAST, False)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
@@ -235,14 +262,14 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
                             block_table: torch.Tensor, num_reqs: int, num_tokens: int,
                             scale: float, block_q_rows: int | None = None,
                             block_n: int | None = None, launch: TritonLaunchConfig | None = None,
-                            skip_decodes: bool = False) -> None:
+                            skip_decodes: bool = False, window: int = 0) -> None:
     """Varlen causal attention with cached prefixes into out[:num_tokens] (no host sync).
 
     query/out [T, Hq, D] (last dim contiguous); query_start_loc int32 [num_reqs + 1];
     seq_lens int32 [num_reqs]; block_table int32 [num_reqs, max_blocks]. block_q_rows (tile
     height in (token, query head) rows) and block_n (keys per inner step) override `launch`'s
     block_q_rows and prefill.block_n. skip_decodes leaves one-token requests' rows of out
-    untouched (paged_decode_attention writes them).
+    untouched (paged_decode_attention writes them). window: the sliding window W (0: none).
     """
     if num_reqs == 0 or num_tokens == 0:
         return
@@ -256,10 +283,10 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
     _prefill_kernel[grid](
         query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0), *kv_cache.stride()[:4],
+        block_table.stride(0), *kv_cache.stride()[:4], window,
         GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n or tiles.block_n,
-        **_dot_params(query), SKIP_DECODES=skip_decodes,
+        **_dot_params(query), SKIP_DECODES=skip_decodes, SLIDING=window > 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -268,7 +295,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
                            block_table: torch.Tensor, num_reqs: int, num_splits: int,
                            scale: float, block_n: int | None = None,
                            launch: TritonLaunchConfig | None = None,
-                           order: torch.Tensor | None = None) -> None:
+                           order: torch.Tensor | None = None, window: int = 0) -> None:
     """Attention for the requests with exactly one query token (flash-decoding).
 
     Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
@@ -278,6 +305,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     decode_keys_per_step (fp32 or head_dim 256 read fewer keys a step). `order` (int64
     [num_reqs], a permutation: AttentionMetadata.decode_order) is the start order of the
     requests under decode_order="longest_first"; without it that order runs as head_fastest.
+    window: the sliding window W (0: none); the splits then share only the last W keys.
     """
     if num_reqs == 0:
         return
@@ -299,11 +327,11 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
         order if ordered else seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *kv_cache.stride()[:4],
+        *kv_cache.stride()[:4], window,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
         BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
-        **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered,
+        **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=window > 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](

@@ -1,25 +1,34 @@
 """The attention layer: reshapes flat q/k/v into heads and hands them to a backend.
 
 The backend (kernels/attention) writes this step's keys/values into the layer's paged KV cache,
-which the caller passes in explicitly, then attends. Head counts are per rank.
+which the caller passes in explicitly, then attends. Head counts are per rank. A layer with a
+sliding window (kernels/attention/backend.py: query p sees keys p - W < k <= p) hands it to
+the backend on every call and refuses a backend that cannot apply it.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata,
+                                       check_sliding_window)
 
 
 class Attention(nn.Module):
     """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, sliding_window: int = 0) -> None:
+        """sliding_window: W > 0 attends to the last W positions only; 0 to all."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}")
+        self.sliding_window = check_sliding_window(sliding_window)
+        if self.sliding_window and not getattr(backend, "supports_sliding_window", False):
+            raise ValueError(f"sliding_window={sliding_window}: the {backend.name!r} attention "
+                             "backend cannot apply a sliding window (it would attend to every "
+                             "key); pick one that does: torch, cpu, triton or flash_attn")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -34,6 +43,8 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         # Only a writes_kv_from_rope backend takes the flag; the others keep their call.
         extra = {"kv_written": True} if kv_written else {}
+        if self.sliding_window:      # only then: a windowless call stays as it was
+            extra["sliding_window"] = self.sliding_window
         out = self.backend.forward(
             q.reshape(num_tokens, self.num_heads, self.head_dim),
             k.reshape(num_tokens, self.num_kv_heads, self.head_dim),

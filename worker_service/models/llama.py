@@ -3,12 +3,16 @@ Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm before rope).
 
 The differences between architectures are class attributes of thin subclasses (see the bottom
 of this file and models/registry.py); nothing here branches on an architecture name.
+Sliding windows are per layer (`layer_windows`, read from config.json as transformers does):
+Mistral windows every layer; Qwen2/Qwen3 with use_sliding_window the layers layer_types marks
+"sliding_attention" (else those from max_window_layers on); the others refuse a config that
+asks for one rather than attend to every key.
 Parameter names mirror the Hugging Face checkpoints except for the packed projections
 (qkv_proj, gate_up_proj), which `packed_modules` maps back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable
 
@@ -44,6 +48,11 @@ class DecoderArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     fused_ops: bool = False      # Triton RMSNorm (+ residual) and rope: kernels/fused_*.py
+    # per layer: W > 0 attends to the last W positions only, 0 to all; () when no layer has one
+    layer_windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict, qkv_bias: bool | None, o_bias: bool | None,
@@ -72,7 +81,7 @@ class DecoderAttention(nn.Module):
     """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
 
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype, sliding_window: int = 0) -> None:
         super().__init__()
         d = args.head_dim
         self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
@@ -88,7 +97,8 @@ class DecoderAttention(nn.Module):
         self.qk_norm = args.qk_norm
         # shared by every layer: one cos/sin table per model; fused, it rotates q and k in place
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend,
+                              sliding_window)
         # fused rope + a backend that allows it: the rope launch also writes the KV cache
         self.kv_in_rope = bool(args.fused_ops and rotary_emb.fused
                                and getattr(backend, "writes_kv_from_rope", False))
@@ -136,9 +146,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, sliding_window: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype)
+        self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype, sliding_window)
         self.mlp = DecoderMLP(args, tp, dtype) if mlp is None else mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
                                        args.fused_ops)
@@ -169,7 +179,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
         rotary_emb = get_rope(args.head_dim, hf_config, args.fused_ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i))
+            DecoderLayer(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i),
+                         args.window(i))
             for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.fused_ops)
 
@@ -209,6 +220,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         args = DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm,
                                    fused_ops)
+        windows = self.layer_windows(hf_config, args.num_layers)
+        if any(windows):
+            args = replace(args, layer_windows=windows)
         self.args = args
         self.dtype = dtype
         self.fused_ops = fused_ops
@@ -221,6 +235,16 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = args.num_layers
         self.num_kv_heads = first_attn.num_kv_heads      # per rank
         self.head_dim = args.head_dim
+
+    @classmethod
+    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
+        """Each layer's sliding window (0: none). Llama has none; a subclass without a rule of
+        its own refuses a config that turns one on (use_sliding_window) rather than ignore it."""
+        if hf_config.get("use_sliding_window") and hf_config.get("sliding_window"):
+            raise ValueError(f"config.json: use_sliding_window with sliding_window="
+                             f"{hf_config['sliding_window']} is not supported for "
+                             f"{cls.__name__}")
+        return (0,) * num_layers
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup,
                     dtype: torch.dtype) -> Callable[[int], nn.Module | None] | None:
@@ -245,7 +269,30 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama layout without biases (sliding window is not applied)."""
+    """Mistral: the Llama layout without biases; sliding_window (when set) on every layer, as
+    transformers' MistralModel (which ignores layer_types)."""
+
+    @classmethod
+    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
+        return (int(hf_config.get("sliding_window") or 0),) * num_layers
+
+
+def qwen_layer_windows(hf_config: dict, num_layers: int) -> tuple[int, ...]:
+    """Qwen2/Qwen3 (transformers' Qwen2Config/Qwen3Config): no window unless use_sliding_window
+    and sliding_window are set; then the layers layer_types marks "sliding_attention", or
+    without layer_types the layers i >= max_window_layers (28 by default)."""
+    window = int(hf_config.get("sliding_window") or 0)
+    if not hf_config.get("use_sliding_window") or not window:
+        return (0,) * num_layers
+    types = hf_config.get("layer_types")
+    if types is None:
+        first = int(hf_config.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ValueError(f"config.json: layer_types has {len(types)} entries: must have "
+                         f"num_hidden_layers={num_layers}")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -254,8 +301,16 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
     o_bias = False
 
+    @classmethod
+    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
+        return qwen_layer_windows(hf_config, num_layers)
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: RMSNorm over each q and k head before rope; biases follow attention_bias."""
 
     qk_norm = True
+
+    @classmethod
+    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
+        return qwen_layer_windows(hf_config, num_layers)

@@ -18,7 +18,7 @@ import transformers as tf
 
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
-ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe")
+ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral")
 INITIALIZER_RANGE = 0.3
 
 
@@ -45,6 +45,8 @@ def _arch_config(arch: str):
                       {**moe, "norm_topk_prob": False, "shared_expert_intermediate_size": 48}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"tie_word_embeddings": True}),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+        # sliding_window: transformers' default 4096 (set it small to test the window)
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"tie_word_embeddings": False}),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM,
                   {"tie_word_embeddings": False, "rope_scaling": llama3_rope}),
     }

@@ -10,6 +10,9 @@
 //   * narrow items (decode: one token's G heads): each score is a dot product of a query row
 //     and a key row (D / kLanes fused multiply-adds, one horizontal sum), and P V accumulates
 //     each row against each value row.
+// A sliding window W > 0 (window; 0: none) hides key k from the row at position p unless
+// p - W < k: an item starts at the chunk of its first row's first key (first_key) and masks the
+// chunks that hold keys below its last row's window.
 #pragma once
 
 #include <algorithm>
@@ -31,6 +34,12 @@ constexpr int kWideRows = 48;
 constexpr int kLaneVecs = kWideRows / kLanes;  // wide tiles: 3 (AVX-512) or 6 (AVX2) vectors
 constexpr int kKeyStep = 12 / kLaneVecs;       // keys per wide score step: 12 accumulators
 constexpr int kDirectRows = 8;                 // items with at most this many rows go direct
+
+// The first key an item reads: 0, or with a window the start of the chunk holding the first
+// key its earliest row (at position first_pos) sees; chunk starts stay multiples of kChunk.
+inline int64_t first_key(int64_t first_pos, int64_t window) {
+  return window ? std::max<int64_t>(0, first_pos - window + 1) / kChunk * kChunk : 0;
+}
 
 // Rows per pass of P V for head size D: two share each value load while their 2 D / kLanes
 // accumulators (and the value and the two weights) fit in the registers.
@@ -121,12 +130,13 @@ inline void wide_scores(const float (*qT)[kWideRows], const float* const* keys, 
   for (; j < n; ++j) wide_scores_step<D, 1>(qT, keys, j, sT);
 }
 
-// Online softmax step over n keys starting at position p0 (masked when `masked`): turns sT
-// into probabilities, updates m and l, and leaves each row's rescale factor in alpha. Not
-// inlined: inside the item's loop it left bfloat16 prefill 20% slower on AVX-512 (spills).
+// Online softmax step over n keys starting at position p0 (masked when `masked`, also below
+// each row's window when window > 0): turns sT into probabilities, updates m and l, and leaves
+// each row's rescale factor in alpha. Not inlined: inside the item's loop it left bfloat16
+// prefill 20% slower on AVX-512 (spills).
 __attribute__((noinline)) inline void wide_softmax(WideState& st, float (*sT)[kWideRows],
                                                    int n, int64_t p0, bool masked,
-                                                   float* alpha) {
+                                                   float* alpha, int64_t window) {
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
   for (int v = 0; v < kLaneVecs; ++v) {
     const vf pos = load(st.pos + kLanes * v);
@@ -135,6 +145,8 @@ __attribute__((noinline)) inline void wide_softmax(WideState& st, float (*sT)[kW
       vf s = load(sT[j] + kLanes * v);
       if (masked) {
         s = select(lt(pos, set1(static_cast<float>(p0 + j))), s, neg_inf);
+        if (window)     // rows at pos >= key + window no longer see the key
+          s = select(ge(pos, set1(static_cast<float>(p0 + j + window))), s, neg_inf);
         store(sT[j] + kLanes * v, s);
       }
       mx = max(mx, s);
@@ -156,7 +168,7 @@ __attribute__((noinline)) inline void wide_softmax(WideState& st, float (*sT)[kW
 // of position p (which: 0 keys, 1 values). Writes acc / l into out rows via store_row(r, data).
 template <typename T, int D, typename RowPtr, typename StoreRow>
 void wide_item(const float (*q)[D], const int64_t* positions, int rows, const RowPtr& row,
-               const StoreRow& store_row) {
+               const StoreRow& store_row, int64_t window) {
   alignas(64) float qT[D][kWideRows];
   alignas(64) float acc[kWideRows][D];
   alignas(64) float sT[kChunk][kWideRows];
@@ -167,23 +179,28 @@ void wide_item(const float (*q)[D], const int64_t* positions, int rows, const Ro
   const float* vals[kChunk];
   WideState st;
   int64_t last = 0, first = positions[0];
+  // With a window a row may see none of a chunk's keys; a finite starting max keeps its
+  // rescale factor e^(m - max) a number (e^(-inf - -inf) is not).
+  const float m0 = window ? std::numeric_limits<float>::lowest()
+                          : -std::numeric_limits<float>::infinity();
   for (int r = 0; r < kWideRows; ++r) {
     const int src = r < rows ? r : 0;                  // padding lanes copy row 0 (dropped)
     for (int d = 0; d < D; ++d) qT[d][r] = q[src][d];
     st.pos[r] = static_cast<float>(positions[src]);
-    st.m[r] = -std::numeric_limits<float>::infinity();
+    st.m[r] = m0;
     st.l[r] = 0.f;
     last = std::max(last, positions[src]);
     first = std::min(first, positions[src]);
   }
   std::memset(acc, 0, sizeof(float) * D * rows);
   const auto p_at = [&](int r, int j) { return sT[j][r]; };
-  for (int64_t p0 = 0; p0 <= last; p0 += kChunk) {
+  const int64_t band_end = window ? last - window + 1 : 0;   // keys below: masked for some row
+  for (int64_t p0 = first_key(first, window); p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
     chunk_rows<T, D>(row, p0, n, 0, kbuf, keys);
     chunk_rows<T, D>(row, p0, n, 1, vbuf, vals);
     wide_scores<D>(qT, keys, n, sT);
-    wide_softmax(st, sT, n, p0, p0 + n - 1 > first, alpha);
+    wide_softmax(st, sT, n, p0, p0 + n - 1 > first || p0 < band_end, alpha, window);
     accumulate_pv<D>(acc, alpha, p_at, vals, n, rows);
   }
   for (int r = 0; r < rows; ++r) store_row(r, acc[r], 1.0f / st.l[r]);
@@ -266,15 +283,18 @@ inline void chunk_dots(const float* q, const float* const* keys, int n, float* s
   }
 }
 
-// Row r's chunk: scores s (visible lanes: the first `visible`) become e^(s - m) in place; the
-// running max m, the lane-wise sums lsum and the row's acc (D values) are rescaled on a new max.
+// Row r's chunk: scores s (visible lanes: the first `visible`, less the first `below`) become
+// e^(s - m) in place; the running max m, the lane-wise sums lsum and the row's acc (D values)
+// are rescaled on a new max.
 template <int D>
-inline void narrow_softmax_row(float* s, int64_t visible, float& m, float* lsum, float* acc) {
+inline void narrow_softmax_row(float* s, int64_t visible, int64_t below, float& m, float* lsum,
+                               float* acc) {
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
   vf sv[kChunkVecs];
   vf mx = neg_inf;
   for (int h = 0; h < kChunkVecs; ++h) {
     sv[h] = select(first(visible - kLanes * h), neg_inf, load(s + kLanes * h));
+    if (below > 0) sv[h] = select(first(below - kLanes * h), sv[h], neg_inf);   // window
     mx = max(mx, sv[h]);
   }
   const float cmax = reduce_max(mx);
@@ -298,7 +318,7 @@ inline void narrow_softmax_row(float* s, int64_t visible, float& m, float* lsum,
 template <typename T, int D, typename RowPtr, typename StoreRow>
 void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const RowPtr& row,
                  int64_t block_size, int64_t row_stride, const StoreRow& store_row,
-                 const Ahead& after = Ahead()) {
+                 int64_t window, const Ahead& after = Ahead()) {
   alignas(64) float acc[kDirectRows][D];
   alignas(64) float s[kDirectRows][kChunk];
   alignas(64) float lsum[kDirectRows][kChunk];  // the running sums, lane-wise (reduced at the end)
@@ -307,16 +327,17 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
   const float* keys[kChunk];
   const float* vals[kChunk];
   float m[kDirectRows];
-  int64_t last = 0;
+  int64_t last = 0, first_pos = positions[0];
   for (int r = 0; r < rows; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
     last = std::max(last, positions[r]);
+    first_pos = std::min(first_pos, positions[r]);
   }
   std::memset(lsum, 0, sizeof lsum);
   std::memset(acc, 0, sizeof acc);
   const bool chunk_in_block = block_size % kChunk == 0;     // chunks start at multiples of 16
   const auto p_at = [&](int r, int j) { return s[r][j]; };
-  for (int64_t p0 = 0; p0 <= last; p0 += kChunk) {
+  for (int64_t p0 = first_key(first_pos, window); p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
     if (chunk_in_block) {
       const T* kb = row(p0, 0);
@@ -342,9 +363,9 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
     }
     chunk_dots<D, kRowLines<T, D>>(q[0], keys, n, s[0], ahead);
     for (int r = 1; r < rows; ++r) chunk_dots<D>(q[r], keys, n, s[r]);
-    for (int r = 0; r < rows; ++r)   // lanes j < visible are real keys this row may see
-      narrow_softmax_row<D>(s[r], std::min<int64_t>(positions[r] - p0 + 1, n), m[r], lsum[r],
-                            acc[r]);
+    for (int r = 0; r < rows; ++r)   // lanes below <= j < visible are keys this row may see
+      narrow_softmax_row<D>(s[r], std::min<int64_t>(positions[r] - p0 + 1, n),
+                            window ? positions[r] - window + 1 - p0 : 0, m[r], lsum[r], acc[r]);
     accumulate_pv<D>(acc, nullptr, p_at, vals, n, rows);
   }
   for (int r = 0; r < rows; ++r) {

@@ -10,6 +10,9 @@
 // flash-attention style over chunks of kChunk key positions: scores for the whole chunk, an
 // online softmax (running max m and sum l per row), and the value accumulation, all in float32.
 // Chunks past the tile's last position are never read; the diagonal chunk is masked.
+// A sliding window W > 0 (window; 0: none) hides key k from the query at p unless p - W < k: the
+// chunks below the tile's first row's window are never read either, and those holding a key
+// below its last row's window are masked too.
 // With AVX-512 or AVX2 + FMA (simd.h) the item bodies in attention_simd.h run; the portable
 // loops below are the generic build's.
 #include <ATen/core/Tensor.h>
@@ -114,7 +117,7 @@ inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int row
 template <typename T, int D>
 void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
                  int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
-                 int64_t q_start, int64_t first_pos, int group, float scale) {
+                 int64_t q_start, int64_t first_pos, int group, float scale, int64_t window) {
   const int rows = static_cast<int>(it.ntok) * group;
   alignas(64) float q[kTileRows][D];
   alignas(64) float acc[kTileRows][D];
@@ -137,18 +140,22 @@ void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q
   }
   const int64_t last = first_pos + it.tok0 + it.ntok - 1;      // the tile's last position
   const int64_t diag = first_pos + it.tok0;                    // from here, keys may be masked
-  for (int64_t p0 = 0; p0 <= last; p0 += kChunk) {
+  // window: chunks from the first row's first key; below band_end the last row's are masked
+  const int64_t start = window ? std::max<int64_t>(0, diag - window + 1) / kChunk * kChunk : 0;
+  const int64_t band_end = window ? last - window + 1 : 0;
+  for (int64_t p0 = start; p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
     load_keys_t<T, D>(g, it.head, p0, n, kt);
     load_values<T, D>(g, it.head, p0, n, v);
     chunk_scores<D>(q, kt, rows, s);
-    const bool masked = p0 + kChunk - 1 > diag || n < kChunk;
+    const bool masked = p0 + kChunk - 1 > diag || n < kChunk || p0 < band_end;
     for (int r = 0; r < rows; ++r) {
       float* sr = s[r];
       if (masked) {
         const int64_t visible = std::min<int64_t>(pos[r] - p0 + 1, n);   // keys j < visible
+        const int64_t below = window ? pos[r] - window + 1 - p0 : 0;    // and j >= below
         for (int j = 0; j < kChunk; ++j)
-          if (j >= visible) sr[j] = -std::numeric_limits<float>::infinity();
+          if (j >= visible || j < below) sr[j] = -std::numeric_limits<float>::infinity();
       }
       float cmax = sr[0];
       for (int j = 1; j < kChunk; ++j) cmax = std::max(cmax, sr[j]);
@@ -192,7 +199,7 @@ template <typename T, int D>
 void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
-                        int64_t first_pos, int group, float scale,
+                        int64_t first_pos, int group, float scale, int64_t window,
                         const simd::Ahead& after) {
   const int rows = static_cast<int>(it.ntok) * group;
   alignas(64) float q[kTileRows][D];
@@ -219,30 +226,35 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
   if (rows <= simd::kDirectRows) {
-    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, after);
+    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
+                            after);
   } else {
-    simd::wide_item<T, D>(q, pos, rows, row, store_row);
+    simd::wide_item<T, D>(q, pos, rows, row, store_row, window);
   }
 }
 
 // The rows of item `it`'s first chunk of keys (blocks: its request's block-table row).
 template <typename T>
 simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blocks,
-                        const int32_t* qsl, const int32_t* seq_lens) {
+                        const int32_t* qsl, const int32_t* seq_lens, int64_t window) {
   const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
-  const int64_t keys = seq_lens[it.req] - qlen + it.tok0 + it.ntok;    // its last position + 1
-  const T* first = g.kv + it.head * g.head_stride + blocks[0] * g.block_stride;
+  const int64_t first_row = seq_lens[it.req] - qlen + it.tok0;        // its first position
+  const int64_t keys = first_row + it.ntok;                           // its last position + 1
+  const int64_t p = simd::first_key(first_row, window);
+  const T* first = g.kv + it.head * g.head_stride + blocks[p / g.block_size] * g.block_stride +
+                   (p % g.block_size) * g.row_stride;
   simd::Ahead a;
   a.keys = reinterpret_cast<const char*>(first);
   a.values = reinterpret_cast<const char*>(first + g.half);
   a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(T));
-  a.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys, g.block_size}));
+  a.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys - p,
+                                            g.block_size - p % g.block_size}));
   return a;
 }
 #endif
 
 std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs,
-                             int64_t num_kv_heads, int group) {
+                             int64_t num_kv_heads, int group, int64_t window) {
   const int64_t tile_tokens = std::max(1, kTileRows / group);
   std::vector<Item> items;
   for (int64_t r = 0; r < num_reqs; ++r) {
@@ -250,7 +262,8 @@ std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_
     const int64_t first_pos = seq_lens[r] - qlen;
     for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
       const int64_t n = std::min(tile_tokens, qlen - t0);
-      const int64_t cost = (first_pos + t0 + n) * n * group + 64;
+      const int64_t keys = first_pos + t0 + n;           // a window reads about W + n of them
+      const int64_t cost = (window ? std::min(keys, window + n) : keys) * n * group + 64;
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, n, cost});
     }
   }
@@ -262,13 +275,13 @@ std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_
 template <typename T, int D>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-         at::Tensor& out) {
+         at::Tensor& out, int64_t window) {
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t hkv = kv_cache.size(3);
   const int group = static_cast<int>(query.size(1) / hkv);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  std::vector<Item> items = make_items(qsl, lens, num_reqs, hkv, group);
+  std::vector<Item> items = make_items(qsl, lens, num_reqs, hkv, group, window);
   Geometry<T> base{kv_cache.data_ptr<T>(), kv_cache.stride(0), kv_cache.stride(1),
                    kv_cache.stride(2), kv_cache.stride(3), kv_cache.size(2), nullptr};
   const int32_t* table = block_table.data_ptr<int32_t>();
@@ -287,16 +300,17 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     if constexpr (D % simd::kChunk == 0) {
       // one thread: item i's last chunk prefetches item i + 1's first (the next it runs)
       const simd::Ahead after = one_thread && i + 1 < num_items
-          ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens)
+          ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens,
+                        window)
           : simd::Ahead();
       attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                              out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
-                             after);
+                             window, after);
       return;
     }
 #endif
     attend_item<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
-                      out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale);
+                      out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale, window);
   };
   if (one_thread) {
     for (int64_t i = 0; i < num_items; ++i) body(i);
@@ -309,14 +323,15 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 template <typename T>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& qsl,
-                       const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                       const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                       int64_t window) {
   switch (query.size(2)) {
-    case 16: return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
-    case 32: return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
-    case 64: return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
-    case 80: return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
-    case 96: return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
-    case 128: return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out);
+    case 16: return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
+    case 32: return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
+    case 64: return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
+    case 80: return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
+    case 96: return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
+    case 128: return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
     default: TORCH_CHECK(false, "head_dim=", query.size(2),
                          " is not supported: must be 16, 32, 64, 80, 96 or 128");
   }
@@ -326,7 +341,8 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
@@ -348,10 +364,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1,
               "query_start_loc must have num_reqs + 1 entries");
   if (query.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out);
+    dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out,
+                             window);
   } else if (query.scalar_type() == at::kBFloat16) {
     dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc, seq_lens,
-                                     scale, out);
+                                     scale, out, window);
   } else {
     TORCH_CHECK(false, "dtype ", query.scalar_type(), " is not supported: float32 or bfloat16");
   }

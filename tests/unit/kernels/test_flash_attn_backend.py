@@ -72,6 +72,45 @@ def test_pure_decode_detection():
     assert not fab.is_one_token_per_request(meta(4, 3, 1))      # a request with no query row
 
 
+class FakeFlash:
+    """flash_attn's two entry points, recording their keyword arguments."""
+
+    __version__ = "2.6.3"
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_attn_varlen_func(self, q, *args, **kwargs):
+        self.calls.append(("varlen", kwargs))
+        return torch.zeros_like(q)
+
+    def flash_attn_with_kvcache(self, q, *args, **kwargs):
+        self.calls.append(("kvcache", kwargs))
+        return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_sliding_window_is_flash_window_size(monkeypatch, window):
+    """W > 0 reaches both entry points as window_size=(W - 1, 0) (keys p - W < k <= p); no
+    window passes no window_size at all (the calls stay as they were)."""
+    fake = FakeFlash()
+    monkeypatch.setattr(fab, "import_flash_attn", lambda: fake)
+    monkeypatch.setattr(fab, "_kv_writer", lambda: lambda *args: None)
+    monkeypatch.setattr(fab, "check_flash_layout", lambda *args: None)
+    backend = fab.FlashAttnBackend()
+    assert backend.supports_sliding_window
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    t = torch.zeros(3, dtype=torch.int32)
+    for num_tokens, max_q in ((2, 1), (3, 2)):               # pure decode, then mixed
+        meta = AttentionMetadata(2, num_tokens, max_q, 4, t, t[:2], t[:2, None], t, t, t[:2])
+        q = torch.zeros(num_tokens, 1, 8)
+        backend.forward(q, q, q, cache, meta, 1.0, sliding_window=window)
+    assert [name for name, _ in fake.calls] == ["kvcache", "varlen"]
+    for _, kwargs in fake.calls:
+        assert kwargs.get("window_size") == ((window - 1, 0) if window else None)
+        assert kwargs["causal"] is True
+
+
 def test_pad_rows():
     out = torch.ones(3, 2, 8)
     assert fab._pad_rows(out, 3) is out
@@ -116,12 +155,14 @@ def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, dty
     return [t.to(dev, dtype) for t in (q, k, v, cache)] + [meta]
 
 
-def check(case, atol):
+def check(case, atol, window=0):
     q, k, v, cache, meta = case
     scale = q.shape[2] ** -0.5
     ref_cache, our_cache = cache.clone(), cache.clone()
-    expected = TorchAttentionBackend(batched=False).forward(q, k, v, ref_cache, meta, scale)
-    got = fab.FlashAttnBackend().forward(q, k, v, our_cache, meta, scale)
+    win = {"sliding_window": window} if window else {}
+    expected = TorchAttentionBackend(batched=False).forward(q, k, v, ref_cache, meta, scale,
+                                                            **win)
+    got = fab.FlashAttnBackend().forward(q, k, v, our_cache, meta, scale, **win)
     n = meta.num_actual_tokens
     assert got.shape == q.shape and got.dtype == q.dtype
     torch.testing.assert_close(got[:n].float(), expected[:n].float(), atol=atol, rtol=atol)
@@ -152,3 +193,17 @@ def test_decode_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim
     case = make_case(1, seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim,
                      dtype)
     check(case, atol=2e-2)
+
+
+@needs_flash_gpu
+@pytest.mark.parametrize("window", [1, 100, 256, 300])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES[1:3])
+def test_sliding_window_matches_reference(window, num_heads, num_kv_heads, head_dim):
+    """Both paths with a window under, at and over a block: a mixed batch, then decodes."""
+    mixed = make_case(2, [300, 2 * BLOCK + 40, 700, 1, 90, 513], [300, 40, 129, 1, 1, 1],
+                      num_heads, num_kv_heads, head_dim, torch.bfloat16, 3)
+    check(mixed, atol=2e-2, window=window)
+    seq_lens = [1, 255, 257, 1000, 2048]
+    decode = make_case(3, seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim,
+                       torch.bfloat16)
+    check(decode, atol=2e-2, window=window)
