@@ -203,7 +203,11 @@ def test_good_layout_decodes():
     [1, b"", b"", b"", {}, b"", b""],                      # request errors not a map
     [1, b"", b"", b"", {}, b"", {0: 5}],                   # an error message not a string
     [1, b"", b"", b"", {}, b"", {0: "x" * 1001}],          # an error message too long
-    [1, b"", b"", b"", {}, b"", {}, {}],                   # 8 fields, not 5 to 7
+    [1, b"", b"", b"", {}, b"", {}, {}, {}],               # 9 fields, not 5 to 8
+    [1, b"", b"", b"", {}, b"", {}, {0: [b"", b""]}],      # prompt entry not 4 arrays
+    [1, b"", b"", b"", {}, b"", {}, {0: [b"\x00" * 4, b"", b"", b""]}],  # 1 logprob, 0 ranks
+    [1, b"", b"", b"", {}, b"", {}, {0: [b"\x00" * 8, b"\x00" * 8, b"\x00" * 12,
+                                         b"\x00" * 12]}],  # 3 top entries for 2 positions
     [1, b"", b"", b"", {}, b"\x00"],                       # 1-byte compiled handles
     [1, b"\x00\x00\x00\x00", b"", b"", {}],                # 1 handle, 0 sampled ids
     [1, b"\x00\x00", b"", b"", {}],                        # 2-byte handle array
