@@ -75,8 +75,7 @@ class PromptLogprobStep:
         """Compute from the step's hidden states (every token row) and queue the copies to the
         host (no sync: `finish` waits)."""
         device = hidden.device
-        rows = torch.from_numpy(self.query_rows).to(device, non_blocking=True)
-        targets = torch.from_numpy(self.targets).to(device, non_blocking=True)
+        rows, targets = (_to_device(a, device) for a in (self.query_rows, self.targets))
         parts = []
         step = max(1, _LOGIT_ELEMENTS // vocab_size)
         for i in range(0, len(self.query_rows), step):
@@ -93,6 +92,12 @@ class PromptLogprobStep:
         if self.done is not None:
             self.done.synchronize()
         return tuple(t.numpy() for t in self.out)
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The host array on `device`, through pinned memory there (no host sync)."""
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int
