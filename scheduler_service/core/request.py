@@ -40,9 +40,6 @@ class Request:
     # at all (none computed on the workers, none in the outputs)
     num_logprobs: int | None = 0
     priority: int = 0
-    # Top alternatives per prompt position, with each prompt token's own logprob and rank
-    # (vLLM's prompt_logprobs); None: none. Such a request skips the prefix cache.
-    num_prompt_logprobs: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # What the output must match (structured output); validated at admission, sent to the
     # workers once with the new request.
@@ -50,6 +47,9 @@ class Request:
     # The prefix cache's salt: cached blocks are shared only between requests of the same salt
     # (one per API key, or per group of keys; "" without keys). See kv_cache_manager.
     cache_salt: str = ""
+    # Top alternatives per prompt position, with each prompt token's own logprob and rank
+    # (vLLM's prompt_logprobs); None: none. Such a request skips the prefix cache.
+    num_prompt_logprobs: int | None = None
 
     # Set by the scheduler.
     handle: int = -1
