@@ -4,15 +4,16 @@ of prompt token i given the tokens before it, its rank and the best k alternativ
 Computed as vLLM v1 computes them: from the model's logits at every prompt position of a
 prefill chunk, log_softmax in float32 before any sampling processor; a token's rank is the
 number of ids whose logprob is >= its own (itself included, so the best is 1; ties count
-against it), as vLLM's gather_logprobs counts it. A chunk's last position predicts the next chunk's first token (the
-targets are prompt ids, all known from the start), so a prompt split over steps gets every
-position. The rows are kept on the host per request until the prompt is done; the reply of the
-step where the request then samples its first token carries them once (a recompute after a
-preemption does not compute them again).
+against it), as vLLM's gather_logprobs counts it. A chunk's last position predicts the next
+chunk's first token (the targets are prompt ids, all known from the start), so a prompt split
+over steps gets every position. The rows are kept on the host per request until the prompt is
+done; the reply of the step where the request then samples its first token carries them once
+(a recompute after a preemption does not compute them again).
 
 Every rank computes them (the LM head may gather over the TP group: the ranks stay in step);
 only the output rank's reply is read. A step in which no cached request waits for prompt
-logprobs never gets here: `PromptLogprobBook.plan` is one falsy check (`tests` assert it).
+logprobs stops at one falsy check in `PromptLogprobBook.plan` (and `finish`): no tensor is made
+(tests/integration/test_prompt_logprobs.py asserts the path).
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, targets[:, None])
     ranks = (logprobs >= chosen).sum(dim=-1)
+    k = min(k, logprobs.shape[1])
     values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], targets[:, None][:, :0])
     return chosen.squeeze(1), ranks, ids, values
 
