@@ -47,6 +47,9 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list = field(default_factory=list)   # TokenLogprob each; empty: none asked
+    # vLLM's RequestOutput.prompt_logprobs: None first, then a PromptLogprob per prompt token
+    # (None: not asked, num_prompt_logprobs None)
+    prompt_logprobs: list | None = None
     finish_reason: RequestStatus | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -110,20 +113,24 @@ class LLM:
                  sampling: SamplingParams | list[SamplingParams] | None = None,
                  stopping: StoppingParams | list[StoppingParams] | None = None,
                  num_logprobs: int | None = None,
-                 constraint: Constraint | list[Constraint | None] | None = None
-                 ) -> list[Completion]:
+                 constraint: Constraint | list[Constraint | None] | None = None,
+                 num_prompt_logprobs: int | None = None) -> list[Completion]:
         """Run every prompt to completion, batched together; results in prompt order. A prompt
         is a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": ids}; one of
         them alone is a batch of one (as vLLM). `num_logprobs` as vLLM's SamplingParams.logprobs:
         None (the default) computes and returns none (Completion.logprobs stays empty); 0 each
-        output token's own logprob; k that and its k best alternatives. `constraint` (one for
+        output token's own logprob; k that and its k best alternatives. `num_prompt_logprobs`
+        as vLLM's SamplingParams.prompt_logprobs: None none; k (0 or more) each prompt token's
+        logprob and rank and its position's k best alternatives, in Completion.prompt_logprobs
+        (such prompts skip the prefix cache, as vLLM's). `constraint` (one for
         all, or one per prompt) is validated first (ParamError). Calls from several threads
         run one after another."""
         with self._exclusive("generate"):
-            return self._generate(prompts, sampling, stopping, num_logprobs, constraint)
+            return self._generate(prompts, sampling, stopping, num_logprobs, constraint,
+                                  num_prompt_logprobs)
 
-    def _generate(self, prompts, sampling, stopping, num_logprobs, constraint
-                  ) -> list[Completion]:
+    def _generate(self, prompts, sampling, stopping, num_logprobs, constraint,
+                  num_prompt_logprobs=None) -> list[Completion]:
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
@@ -134,11 +141,12 @@ class LLM:
         constraints = per_prompt("constraint", constraint, n, Constraint, None)
         check_constraints(constraints)
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
-                         self.model_info.vocab_size)
+                         self.model_info.vocab_size, num_prompt_logprobs)
         stoppings = capped_to_model(ids_list, stoppings, self.model_info.max_model_len)
         eos = self.model_info.eos_token_ids
         requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
-                            num_logprobs=num_logprobs, constraint=c)
+                            num_logprobs=num_logprobs, constraint=c,
+                            num_prompt_logprobs=num_prompt_logprobs)
                     for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints)]
         self._check_admission(requests)
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
@@ -297,6 +305,8 @@ class LLM:
         done.token_ids.extend(out.new_token_ids)
         done.text += out.new_text
         done.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            done.prompt_logprobs = out.prompt_logprobs
         done.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             done.finish_reason = out.finish_reason

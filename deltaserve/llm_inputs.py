@@ -111,17 +111,18 @@ def check_constraints(constraints: list[Constraint | None]) -> None:
 
 def check_for_runner(prompt_ids: list[list[int]], samplings: list[SamplingParams],
                      stoppings: list[StoppingParams], num_logprobs: int | None,
-                     vocab_size: int) -> None:
+                     vocab_size: int, num_prompt_logprobs: int | None = None) -> None:
     """ParamError for what the runner would refuse in the step diff (diff_check.py), as the
     gRPC services refuse it at their edge: token ids outside [0, vocab_size) (prompts, stop ids,
-    logit_bias, id sets), too many stop ids, num_logprobs out of range or not an int. A refused
+    logit_bias, id sets), too many stop ids, num_logprobs or num_prompt_logprobs out of range
+    or not an int. A refused
     diff failed the whole step, and the runner never took requests the scheduler still held:
     every later generate() failed too."""
     top = min(MAX_TOP_LOGPROBS, vocab_size)
-    if num_logprobs is not None and not (isinstance(num_logprobs, int)
-                                         and not isinstance(num_logprobs, bool)
-                                         and 0 <= num_logprobs <= top):
-        raise ParamError("num_logprobs", num_logprobs, f"None or an integer in [0, {top}]")
+    for name, k in (("num_logprobs", num_logprobs), ("num_prompt_logprobs", num_prompt_logprobs)):
+        if k is not None and not (isinstance(k, int) and not isinstance(k, bool)
+                                  and 0 <= k <= top):
+            raise ParamError(name, k, f"None or an integer in [0, {top}]")
     for i, (ids, sp, st) in enumerate(zip(prompt_ids, samplings, stoppings)):
         if len(st.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ParamError(f"stopping.stop_token_ids (prompt {i})",

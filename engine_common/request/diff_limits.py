@@ -74,12 +74,12 @@ def max_diff_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len
     """An upper bound on the encoded size of any legal step diff under these limits.
 
     At most min(max_num_seqs, max_num_batched_tokens) requests join in one step, each sent
-    whole: its prompt (< max_model_len uint32 ids), block ids, stop ids, sampling and a
-    constraint of up to MAX_CONSTRAINT_CHARS characters. Every seat may also be resumed, get new
-    blocks and a token count.
+    whole: its prompt (< max_model_len uint32 ids), block ids, stop ids, sampling, a
+    constraint of up to MAX_CONSTRAINT_CHARS characters and its scalars (prompt_logprobs the
+    ninth). Every seat may also be resumed, get new blocks and a token count.
     """
     blocks = max_blocks_per_request(max_model_len, block_size) * _INT + _HEADER
-    new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 8 * _INT
+    new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 9 * _INT
            + _CONSTRAINT + _LOGIT_BIAS)
     joining = min(max_num_seqs, max_num_batched_tokens)
     per_seat = 2 * (blocks + 2 * _INT) + 2 * _INT

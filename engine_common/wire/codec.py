@@ -7,7 +7,8 @@ Layouts (positional arrays keep steady-state messages tiny):
                        [finished handles], [preempted handles]]
     new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
                   sampling, block ids,
-                  num_computed_tokens, num_logprobs (-1: none), constraint]
+                  num_computed_tokens, num_logprobs (-1: none), constraint
+                  (, prompt_logprobs: only when asked, 0 or more)]
     sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
                  their neutral value (none: 0 bytes); decoded by the knobs' names and validated
@@ -20,7 +21,9 @@ Layouts (positional arrays keep steady-state messages tiny):
     RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
                     logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}
                     (, compiled handles (uint32 bytes): only when there are any or errors
-                     follow) (, {handle: error message}: only when a request failed)]
+                     follow) (, {handle: error message}: only when a request failed or
+                     prompt logprobs follow) (, {handle: [logprobs f32, ranks u32, top ids u32,
+                     top logprobs f32]}: only when a request's prompt logprobs are done)]
 
 A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
 (1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
@@ -37,8 +40,8 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
 from engine_common.constraints.constraint import Constraint
-from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, ResumedRequestData,
-                                     RunnerOutput, SchedulerOutput)
+from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, PromptLogprobs,
+                                     ResumedRequestData, RunnerOutput, SchedulerOutput)
 from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
 from engine_common.wire.protos import generation_pb2 as pb
 from engine_common.request.params import (KNOBS, SamplingParams, WorkerSamplingParams, clip,
@@ -136,13 +139,17 @@ def _constraint(value) -> Constraint | None:
 
 
 def _new_request(value) -> NewRequestData:
+    prompt_logprobs = NO_LOGPROBS
+    if isinstance(value, list) and len(value) == 8:      # prompt logprobs asked
+        *value, prompt_logprobs = value
+        _int(prompt_logprobs, "prompt_logprobs")
     h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
         value, "new request", 7)
     return NewRequestData(_int(h, "handle"), _u32_array(prompt, "prompt_token_ids"),
                           _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
                           _int(num_logprobs, "num_logprobs", lo=NO_LOGPROBS),
-                          _constraint(constraint))
+                          _constraint(constraint), prompt_logprobs)
 
 
 def _resumed_request(value) -> ResumedRequestData:
@@ -157,6 +164,18 @@ def _new_blocks(value) -> dict[int, list[int]]:
     if not isinstance(value, bytes):
         raise CodecError("new_block_ids: expected nil or bytes")
     return unpack_new_blocks(value)
+
+
+def _prompt_entry(value, what: str) -> PromptLogprobs:
+    lps, ranks, top_ids, top_lps = _seq(value, what, 4)
+    out = PromptLogprobs(_from_f32(lps), _from_u32(ranks), _from_u32(top_ids),
+                         _from_f32(top_lps))
+    n = len(out.logprobs)
+    if len(out.ranks) != n or len(out.top_ids) != len(out.top_logprobs) \
+            or (len(out.top_ids) % n if n else out.top_ids):
+        raise CodecError(f"{what}: {n} positions, {len(out.ranks)} ranks, "
+                         f"{len(out.top_ids)} top ids, {len(out.top_logprobs)} top logprobs")
+    return out
 
 
 def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
@@ -237,10 +256,17 @@ def _worker_sampling(params: WorkerSamplingParams) -> list:
             list(params.stop_ids)]
 
 
+def _new_to_wire(r: NewRequestData) -> list:
+    fields = [r.handle, _u32(r.prompt_token_ids), _worker_sampling(r.sampling), r.block_ids,
+              r.num_computed_tokens, r.num_logprobs,
+              None if r.constraint is None else r.constraint.to_wire()]
+    if r.prompt_logprobs != NO_LOGPROBS:
+        fields.append(r.prompt_logprobs)
+    return fields
+
+
 def encode_scheduler_output(out: SchedulerOutput) -> bytes:
-    new = [[r.handle, _u32(r.prompt_token_ids), _worker_sampling(r.sampling), r.block_ids,
-            r.num_computed_tokens, r.num_logprobs,
-            None if r.constraint is None else r.constraint.to_wire()] for r in out.new_requests]
+    new = [_new_to_wire(r) for r in out.new_requests]
     resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]
     grown = pack_new_blocks(out.new_block_ids) if out.new_block_ids else None
     return msgpack.packb([out.step, new, resumed, grown, out.num_scheduled_tokens,
@@ -267,11 +293,14 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
 def encode_runner_output(out: RunnerOutput) -> bytes:
     top = {h: [_u32(ids), _f32(lps)] for h, (ids, lps) in out.top_logprobs.items()}
     fields = [out.step, _u32(out.handles), _u32(out.sampled_token_ids), _f32(out.logprobs), top]
-    if out.compiled_handles or out.request_errors:
+    if out.compiled_handles or out.request_errors or out.prompt_logprobs:
         fields.append(_u32(out.compiled_handles))
-    if out.request_errors:
+    if out.request_errors or out.prompt_logprobs:
         fields.append({int(h): str(m)[:MAX_REQUEST_ERROR_CHARS]
                        for h, m in out.request_errors.items()})
+    if out.prompt_logprobs:
+        fields.append({int(h): [_f32(p.logprobs), _u32(p.ranks), _u32(p.top_ids),
+                                _f32(p.top_logprobs)] for h, p in out.prompt_logprobs.items()})
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -290,7 +319,9 @@ def _message(value, what: str) -> str:
 def decode_runner_output(data: bytes) -> RunnerOutput:
     try:
         fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        compiled, errors = b"", {}
+        compiled, errors, prompt = b"", {}, {}
+        if isinstance(fields, list) and len(fields) == 8:
+            *fields, prompt = fields
         if isinstance(fields, list) and len(fields) == 7:
             *fields, errors = fields
         if isinstance(fields, list) and len(fields) == 6:
@@ -298,7 +329,8 @@ def decode_runner_output(data: bytes) -> RunnerOutput:
         step, handles, ids, lps, top = _seq(fields, "RunnerOutput", 5)
         out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
                            _from_f32(lps), _int_map(top, "top_logprobs", _top_entry),
-                           _from_u32(compiled), _int_map(errors, "request_errors", _message))
+                           _from_u32(compiled), _int_map(errors, "request_errors", _message),
+                           _int_map(prompt, "prompt_logprobs", _prompt_entry))
         if len(out.sampled_token_ids) != len(out.handles):
             raise CodecError("sampled ids must match handles one to one")
         if out.logprobs and len(out.logprobs) != len(out.handles):

@@ -43,6 +43,10 @@ class NewRequestData:
     num_logprobs: int = 0
     # Structured output: the workers compile it and mask every sampled token with it.
     constraint: Constraint | None = None
+    # Top alternatives per prompt position, with the prompt token's own logprob and rank
+    # (vLLM's prompt_logprobs); NO_LOGPROBS: none. Only with num_computed_tokens 0: the
+    # scheduler skips the prefix cache for such a request, so every position is computed.
+    prompt_logprobs: int = NO_LOGPROBS
 
     def __eq__(self, other) -> bool:
         """Field by field, a prompt as its ids (an array equals the list of the same ids)."""
@@ -72,6 +76,24 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobs:
+    """A request's prompt logprobs, for positions 1 .. P-1 of its P prompt tokens (position 0
+    has none): the prompt token's raw logprob and rank (1 + the ids more likely, ties counted
+    as vLLM's), and the best `k` alternatives of each position, row-major [P-1, k], best first
+    (their ranks are 1 .. k). numpy arrays on the runner side, lists once decoded."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    @property
+    def k(self) -> int:
+        n = len(self.logprobs)
+        return len(self.top_ids) // n if n else 0
+
+
+@dataclass
 class RunnerOutput:
     """What the output rank returns for one step: one entry per request that sampled a token.
 
@@ -93,6 +115,9 @@ class RunnerOutput:
     # grammar failed to compile, its matcher entered its error state, or no token was left to
     # sample): the scheduler ends it with that error and drops the token it sampled here.
     request_errors: dict[int, str] = field(default_factory=dict)
+    # handle -> its whole prompt's logprobs, once, in the reply of the step where the request
+    # samples its first token after its last prompt chunk was computed.
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
 
 def _same(a, b) -> bool:

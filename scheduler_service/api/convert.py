@@ -17,6 +17,7 @@ from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, Validate
                                               prompt_from, sampling_from, stopping_from)
 from scheduler_service.api.request_limits import LimitedFields
 from scheduler_service.engine.output_processor import RequestOutput, RequestTimings, TokenLogprob
+from scheduler_service.engine.request_output import PromptLogprob
 from scheduler_service.core.request import RequestStatus
 
 NAMES = FieldNames(sampling="sampling", stopping="stopping", constraint="constraint")
@@ -49,6 +50,9 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
     sampling = sampling_from_proto(msg.sampling, defaults, vocab_size)
     if msg.logprobs > max_logprobs:
         raise ParamError("logprobs", msg.logprobs, f"in [0, {max_logprobs}]")
+    prompt_logprobs = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > max_logprobs:
+        raise ParamError("prompt_logprobs", prompt_logprobs, f"unset or in [0, {max_logprobs}]")
     return ValidatedRequest(
         request_id=msg.request_id or make_request_id(),
         prompt_text=text, prompt_token_ids=token_ids, prompt_messages=messages,
@@ -58,7 +62,8 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
                                not msg.stopping.HasField("skip_special_tokens")
                                or msg.stopping.skip_special_tokens),
         num_logprobs=msg.logprobs, priority=msg.priority, names=NAMES,
-        constraint=constraint_from_oneof(msg.constraint, "kind"))
+        constraint=constraint_from_oneof(msg.constraint, "kind"),
+        num_prompt_logprobs=prompt_logprobs)
 
 
 def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
@@ -98,10 +103,12 @@ def finish_reason_to_proto(status: RequestStatus | None) -> int:
 
 
 def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None = None,
-                    request_id: str | None = None) -> pb.GenerateResponse:
+                    request_id: str | None = None, prompt_ids: list[int] | None = None
+                    ) -> pb.GenerateResponse:
     """One GenerateResponse for one RequestOutput. `token_text` (a token id's text on its own)
     fills TopLogprob.text; without it the text is left empty. `request_id`: the id the client
-    knows (default: the output's).
+    knows (default: the output's). `prompt_ids`: the request's, naming the first prompt token
+    of its prompt logprobs.
 
     finish_reason, the matched stop and the timings are set only when the output is finished.
     NOTE built in place (`add`, field by field): a stream sends one of these per step, and
@@ -116,6 +123,8 @@ def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None 
                               entry, token_text)
         else:
             add_logprob(token_id=entry.token_id, logprob=entry.logprob)
+    if out.prompt_logprobs is not None:
+        _add_prompt_logprobs(msg, out.prompt_logprobs, token_text, prompt_ids)
     usage = msg.usage
     usage.prompt_tokens = out.num_prompt_tokens
     usage.completion_tokens = out.num_output_tokens
@@ -128,6 +137,20 @@ def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None 
             msg.stop_token_id = out.stop_reason
         msg.timings.CopyFrom(timings_to_proto(out.timings))
     return msg
+
+
+def _add_prompt_logprobs(msg: pb.GenerateResponse, entries: list[PromptLogprob | None],
+                         token_text: Callable[[int], str] | None,
+                         prompt_ids: list[int] | None) -> None:
+    """vLLM's prompt logprobs (None first) as PromptTokenLogprob entries: the first names the
+    first prompt token (from `prompt_ids`) and has no logprob."""
+    add = msg.prompt_logprobs.add
+    for entry in entries:
+        if entry is None:
+            add(token_id=prompt_ids[0] if prompt_ids else 0)
+            continue
+        _add_top_logprobs(add(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank),
+                          entry, token_text)
 
 
 def _add_top_logprobs(msg: pb.TokenLogprob, entry: TokenLogprob,

@@ -95,6 +95,9 @@ class ValidatedRequest:
     constraint: Constraint | None = None
     n: int = 1
     stream: bool = True
+    # Prompt logprobs: None none asked; k each prompt token's logprob and rank, with k
+    # alternatives per position (every choice of an n > 1 request computes them, as vLLM's).
+    num_prompt_logprobs: int | None = None
 
 
 def new_request_id() -> str:
@@ -282,7 +285,8 @@ class FrontDoor:
         """The engine's Request (`sampling`: this choice's, when not the request's own)."""
         return Request(request_id, list(prompt_ids), sampling or req.sampling, req.stopping,
                        self.model.info.eos_token_ids, num_logprobs=req.num_logprobs,
-                       priority=req.priority, constraint=req.constraint, cache_salt=cache_salt)
+                       priority=req.priority, constraint=req.constraint, cache_salt=cache_salt,
+                       num_prompt_logprobs=req.num_prompt_logprobs)
 
 
 async def abort_requests(engine, ids: list[str], context: grpc.aio.ServicerContext) -> int:

@@ -79,7 +79,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async with aclosing(self._engine.generate(engine_request)) as outputs:
                     async for out in outputs:
                         streamed = True
-                        msg = output_to_proto(out, self._token_text, own_id)
+                        msg = output_to_proto(out, self._token_text, own_id,
+                                              engine_request.prompt_token_ids)
                         writing = True
                         await context.write(msg)
                         writing = False

@@ -39,6 +39,7 @@ from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, Blo
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
 from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
+from scheduler_service.engine.request_output import PromptLogprob
 
 # Most parallel samples (`n`) one request may ask for.
 MAX_N = 128
@@ -63,7 +64,6 @@ _UNSUPPORTED_REQUEST_FIELDS = (
     ("media_refs", "unset: multimodal input is not supported"),
 )
 _UNSUPPORTED_SAMPLING_FIELDS = (
-    ("prompt_logprobs", "unset: prompt logprobs are not supported"),
     ("truncate_prompt_tokens", "unset: prompt truncation is not supported"),
     ("structural_tag", "unset: structural tags are not supported (structured output supports "
                        "json_schema, regex, grammar, json_object and choice)"),
@@ -95,6 +95,12 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
         if not 0 <= num_logprobs <= max_logprobs:
             raise ParamError("sampling_params.logprobs", num_logprobs,
                              f"in [0, {max_logprobs}] (-1, every token, is not supported)")
+    num_prompt_logprobs = None
+    if sp.HasField("prompt_logprobs"):
+        num_prompt_logprobs = sp.prompt_logprobs
+        if not 0 <= num_prompt_logprobs <= max_logprobs:
+            raise ParamError("sampling_params.prompt_logprobs", num_prompt_logprobs,
+                             f"in [0, {max_logprobs}] (-1, every token, is not supported)")
     with constraint_named(NAMES.constraint):
         constraint = constraint_from_oneof(sp, "constraint")
     return ValidatedRequest(
@@ -102,7 +108,8 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
         sampling=sampling_from_proto(sp, defaults, vocab_size),
         # a plain bool its clients set (smg: true; false for Harmony's special-token stops)
         stopping=stopping_from(sp, NAMES.stopping, None, vocab_size, sp.skip_special_tokens),
-        num_logprobs=num_logprobs, names=NAMES, n=n, stream=msg.stream, constraint=constraint)
+        num_logprobs=num_logprobs, names=NAMES, n=n, stream=msg.stream, constraint=constraint,
+        num_prompt_logprobs=num_prompt_logprobs)
 
 
 def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:
@@ -165,25 +172,48 @@ def output_logprobs_to_proto(entries: list[TokenLogprob], num_logprobs: int
     return msg
 
 
-def chunk_to_proto(out: RequestOutput, index: int,
-                   num_logprobs: int | None) -> pb.GenerateResponse:
-    """One streamed step: its new token ids (completion_tokens counts only them)."""
+def input_logprobs_to_proto(entries: list[PromptLogprob | None], prompt_ids: list[int],
+                            k: int) -> pb.InputLogProbs:
+    """vLLM's servicer's InputLogProbs: every prompt token's id and logprob (unset for the
+    first), and with k > 0 each position's best alternatives (empty for the first)."""
+    msg = pb.InputLogProbs(token_ids=prompt_ids)
+    for e in entries:
+        if e is None:
+            msg.token_logprobs.add()
+        else:
+            msg.token_logprobs.add(value=e.logprob)
+        if k > 0:
+            msg.top_logprobs.add() if e is None else msg.top_logprobs.add(
+                values=e.top_logprobs, token_ids=e.top_token_ids)
+    return msg
+
+
+def chunk_to_proto(out: RequestOutput, index: int, num_logprobs: int | None,
+                   prompt_ids: list[int] = (), num_prompt_logprobs: int = 0
+                   ) -> pb.GenerateResponse:
+    """One streamed step: its new token ids (completion_tokens counts only them), and on the
+    first one the prompt logprobs of a request that asked for them."""
     chunk = pb.GenerateStreamChunk(
         token_ids=out.new_token_ids, prompt_tokens=out.num_prompt_tokens,
         completion_tokens=len(out.new_token_ids), cached_tokens=out.num_cached_tokens,
         index=index)
     if num_logprobs is not None and out.logprobs:
         chunk.output_logprobs.CopyFrom(output_logprobs_to_proto(out.logprobs, num_logprobs))
+    if out.prompt_logprobs:
+        chunk.input_logprobs.CopyFrom(input_logprobs_to_proto(
+            out.prompt_logprobs, prompt_ids, num_prompt_logprobs))
     return pb.GenerateResponse(chunk=chunk)
 
 
 def complete_to_proto(final: RequestOutput, index: int, num_logprobs: int | None,
                       token_ids: list[int], logprobs: list[TokenLogprob],
-                      eos_token_id: int | None = None) -> pb.GenerateResponse:
+                      eos_token_id: int | None = None,
+                      input_logprobs: pb.InputLogProbs | None = None) -> pb.GenerateResponse:
     """The end of one choice. `token_ids`/`logprobs`: every output (not streaming) or the last
     step's (streaming, as vLLM sends them). `eos_token_id`: the tokenizer's eos (None under
     ignore_eos); a finish on it names no matched token, as vLLM's stop_reason is None there
-    (only stop_token_ids and the generation config's other eos ids are named)."""
+    (only stop_token_ids and the generation config's other eos ids are named).
+    `input_logprobs`: the prompt logprobs, when the request asked for them."""
     complete = pb.GenerateComplete(
         output_ids=token_ids, finish_reason=FINISH_REASONS.get(final.finish_reason, "abort"),
         prompt_tokens=final.num_prompt_tokens, completion_tokens=len(token_ids),
@@ -194,6 +224,8 @@ def complete_to_proto(final: RequestOutput, index: int, num_logprobs: int | None
         complete.matched_token_id = final.stop_reason
     if num_logprobs is not None and logprobs:
         complete.output_logprobs.CopyFrom(output_logprobs_to_proto(logprobs, num_logprobs))
+    if input_logprobs is not None:
+        complete.input_logprobs.CopyFrom(input_logprobs)
     return pb.GenerateResponse(complete=complete)
 
 

@@ -42,6 +42,7 @@ from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 chunk_to_proto, complete_to_proto,
+                                                input_logprobs_to_proto,
                                                 kv_batch_to_proto, limited_fields,
                                                 model_info_to_proto,
                                                 request_from_proto, scheduler_load_to_proto,
@@ -68,6 +69,7 @@ class _Choice:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs = None       # its prompt logprobs, once they came
 
 
 class _Tally:
@@ -182,7 +184,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         eos = None if inp.stopping.ignore_eos else self._model.tokenizer.eos_token_id
         async for index, out in self._outputs(requests):
             tally.output(out)
-            for msg in _messages(inp, index, out, choices[index], eos):
+            for msg in _messages(inp, index, out, choices[index], eos, prompt_ids):
                 if inp.stream:
                     yield msg
                 else:
@@ -301,21 +303,31 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
 
 def _messages(inp: ValidatedRequest, index: int, out: RequestOutput, choice: _Choice,
-              eos_token_id: int | None) -> list[pb.GenerateResponse]:
+              eos_token_id: int | None, prompt_ids: list[int]) -> list[pb.GenerateResponse]:
     """The messages one engine output of choice `index` turns into (`eos_token_id`: see
-    complete_to_proto)."""
+    complete_to_proto). Prompt logprobs, as vLLM's servicer sends them: streaming, on the
+    first chunk (and on the complete of an output that carries them); not, on the complete."""
+    k = inp.num_prompt_logprobs or 0
     if inp.stream:
-        msgs = [chunk_to_proto(out, index, inp.num_logprobs)] if out.new_token_ids else []
+        msgs = [chunk_to_proto(out, index, inp.num_logprobs, prompt_ids, k)
+                ] if out.new_token_ids else []
         if out.finished:
             msgs.append(complete_to_proto(out, index, inp.num_logprobs, out.new_token_ids,
-                                          out.logprobs, eos_token_id))
+                                          out.logprobs, eos_token_id,
+                                          _input_logprobs(out.prompt_logprobs, prompt_ids, k)))
         return msgs
     choice.token_ids.extend(out.new_token_ids)
     choice.logprobs.extend(out.logprobs)
+    choice.prompt_logprobs = choice.prompt_logprobs or out.prompt_logprobs
     if not out.finished:
         return []
     return [complete_to_proto(out, index, inp.num_logprobs, choice.token_ids, choice.logprobs,
-                              eos_token_id)]
+                              eos_token_id, _input_logprobs(choice.prompt_logprobs, prompt_ids,
+                                                            k))]
+
+
+def _input_logprobs(entries, prompt_ids: list[int], k: int):
+    return None if not entries else input_logprobs_to_proto(entries, prompt_ids, k)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]

@@ -104,8 +104,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request's tokens, in whole blocks, never covering the
-        last token (it must be computed to sample). Returns (blocks, number of tokens)."""
-        if not self.enable_caching:
+        last token (it must be computed to sample). Returns (blocks, number of tokens).
+        None for a request that wants prompt logprobs: every prompt position must be computed
+        (as vLLM v1's get_computed_blocks); its blocks are still offered to the cache."""
+        if not self.enable_caching or request.num_prompt_logprobs is not None:
             return [], 0
         max_hits = (request.num_tokens - 1) // self.block_size
         hits = []

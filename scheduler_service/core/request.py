@@ -47,6 +47,9 @@ class Request:
     # The prefix cache's salt: cached blocks are shared only between requests of the same salt
     # (one per API key, or per group of keys; "" without keys). See kv_cache_manager.
     cache_salt: str = ""
+    # Top alternatives per prompt position, with each prompt token's own logprob and rank
+    # (vLLM's prompt_logprobs); None: none. Such a request skips the prefix cache.
+    num_prompt_logprobs: int | None = None
 
     # Set by the scheduler.
     handle: int = -1

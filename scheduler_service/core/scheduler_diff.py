@@ -39,7 +39,8 @@ class StepPlan:
         self.new_requests.append(NewRequestData(
             request.handle, list(request.prompt_token_ids), sampling, block_ids, num_computed,
             NO_LOGPROBS if request.num_logprobs is None else request.num_logprobs,
-            request.constraint))
+            request.constraint, NO_LOGPROBS if request.num_prompt_logprobs is None
+            else request.num_prompt_logprobs))
 
     def add_resumed(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         self.resumed_requests.append(ResumedRequestData(request.handle, block_ids, num_computed))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_common.wire.diff import PromptLogprobs
 from scheduler_service.core.request import Request, RequestStatus
 
 
@@ -36,6 +37,8 @@ class TokenUpdate:
     finish_time: float | None
     request: Request | None = field(default=None, repr=False, compare=False)
     error: str | None = None
+    # The prompt's logprobs (a request that asked for them), on the update of its first token.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -50,7 +50,8 @@ from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer, stre
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.engine.request_output import (RequestOutput, RequestTimings,
-                                                     TokenLogprob, merge_outputs)
+                                                     TokenLogprob, merge_outputs,
+                                                     prompt_logprob_entries)
 from scheduler_service.errors import RequestFailed
 
 # The output types live in request_output.py; importers of this module may name them here too.
@@ -85,6 +86,8 @@ class _RequestState:
     # one (None: per-step outputs). `defer_text`: no text is made until the finish.
     kept: _Kept | None = None
     defer_text: bool = False
+    # The prompt's ids, kept only for a request that asked for prompt logprobs.
+    prompt_ids: list[int] | None = None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -98,6 +101,7 @@ class _Kept:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     text: list[str] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
@@ -129,6 +133,8 @@ class OutputProcessor:
                               request.num_logprobs, detok, 0 if include else window,
                               window if include else 0,
                               RequestTimings(request.arrival_time, None, None))
+        if request.num_prompt_logprobs is not None:
+            state.prompt_ids = request.prompt_token_ids
         if self._final_only:
             state.kept = _Kept()
             state.defer_text = not stops and self._tokenizer.token_texts(skip) is not None
@@ -139,7 +145,8 @@ class OutputProcessor:
         without stop strings (matching needs the text as it grows) or top alternatives. Its
         owner may then hold its updates until the finish (Request.held_logprobs): the final
         update carries every token, and the output is the same."""
-        return self._final_only and not request.stopping.stop and not request.num_logprobs
+        return (self._final_only and not request.stopping.stop and not request.num_logprobs
+                and request.num_prompt_logprobs is None)
 
     def drop(self, request_id: str) -> None:
         """Forget a request without an output (its stream ended with an error)."""
@@ -231,6 +238,7 @@ class OutputProcessor:
         kept = state.kept
         kept.token_ids += out.new_token_ids
         kept.logprobs += out.logprobs
+        kept.prompt_logprobs = kept.prompt_logprobs or out.prompt_logprobs
         if out.new_text:
             kept.text.append(out.new_text)
         return None
@@ -241,10 +249,17 @@ class OutputProcessor:
         kept = state.kept
         out.new_token_ids = kept.token_ids + out.new_token_ids
         out.logprobs = kept.logprobs + out.logprobs
+        out.prompt_logprobs = kept.prompt_logprobs or out.prompt_logprobs
         out.new_text = "".join(kept.text) + out.new_text
         return out
 
     def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
+        out = self._process_tokens(state, update)
+        if update.prompt_logprobs is not None and state.prompt_ids is not None:
+            out.prompt_logprobs = prompt_logprob_entries(state.prompt_ids, update.prompt_logprobs)
+        return out
+
+    def _process_tokens(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
         self._note_times(state, update)
         token_ids = update.new_token_ids
         self._detokenize(state, token_ids, update.finish_reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_common.wire.diff import PromptLogprobs
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.errors import RequestFailed
 
@@ -20,6 +21,31 @@ class TokenLogprob:
     logprob: float
     top_token_ids: list[int] | tuple[()] = ()
     top_logprobs: list[float] | tuple[()] = ()
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """One prompt position i >= 1: the logprob of prompt token i given the tokens before it
+    (raw model distribution), its rank (1: the most likely; as vLLM's Logprob.rank) and the
+    best alternatives there, best first (the request's prompt_logprobs of them; their ranks
+    are 1, 2, ...)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def prompt_logprob_entries(prompt_ids: list[int], got: PromptLogprobs
+                           ) -> list[PromptLogprob | None]:
+    """vLLM's shape: one entry per prompt token, None for the first (nothing predicts it)."""
+    k = got.k
+    lps, ranks = [float(v) for v in got.logprobs], [int(r) for r in got.ranks]
+    ids, tops = [int(t) for t in got.top_ids], [float(v) for v in got.top_logprobs]
+    return [None] + [PromptLogprob(int(prompt_ids[i + 1]), lps[i], ranks[i],
+                                   ids[i * k:(i + 1) * k], tops[i * k:(i + 1) * k])
+                     for i in range(len(lps))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +77,9 @@ class RequestOutput:
     num_cached_tokens: int
     timings: RequestTimings
     error: RequestFailed | None = None
+    # Set on the request's first output when it asked for prompt logprobs (vLLM's shape:
+    # None first); None otherwise.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -60,4 +89,5 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
                          first.new_text + later.new_text, first.logprobs + later.logprobs,
                          later.finished, later.finish_reason, later.stop_reason,
                          later.num_prompt_tokens, later.num_output_tokens,
-                         later.num_cached_tokens, later.timings, later.error)
+                         later.num_cached_tokens, later.timings, later.error,
+                         first.prompt_logprobs or later.prompt_logprobs)

@@ -32,9 +32,9 @@ def test_idle_engine_drops_finished_requests_on_the_worker(tiny_models, async_sc
     forward_steps = []
     launch = runner._launch
 
-    def counting_launch(step, inputs, feed):
+    def counting_launch(step, *args):
         forward_steps.append(step)
-        return launch(step, inputs, feed)
+        return launch(step, *args)
     runner._launch = counting_launch
 
     # The cache count goes from 0 to more only when requests arrive and back to 0 only by a

@@ -170,6 +170,11 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
     _in_range(f"{name}.num_computed_tokens", new.num_computed_tokens, limit)
     _in_range(f"{name}.num_logprobs", new.num_logprobs,
               min(MAX_TOP_LOGPROBS, bounds.vocab_size), lo=NO_LOGPROBS)
+    _in_range(f"{name}.prompt_logprobs", new.prompt_logprobs,
+              min(MAX_TOP_LOGPROBS, bounds.vocab_size), lo=NO_LOGPROBS)
+    if new.prompt_logprobs >= 0 and new.num_computed_tokens:   # its prompt must all be computed
+        raise BadDiff(f"{name}.num_computed_tokens", new.num_computed_tokens,
+                      "0 for a request that asks for prompt logprobs")
     s = new.sampling
     _in_range(f"{name}.sampling.seed", s.seed, MAX_SEED)
     _in_range(f"{name}.sampling.min_tokens", s.min_tokens, MAX_MIN_TOKENS)

@@ -30,6 +30,7 @@ from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_block
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
+from worker_service.sample.prompt_logprobs import PromptLogprobBook, PromptLogprobStep
 from worker_service.sample.sampler import Sampler, with_grammar_masks
 from worker_service.sample.sampling_metadata import (build_sampling_metadata,
                                                      history_needed, staged_row_dtypes,
@@ -40,7 +41,7 @@ from worker_service.step.step_clock import StepClock
 from worker_service.runner.simulated_device import SimulatedDevice
 from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
 from worker_service.sample.token_readback import (PendingStep, SampledTokens, TokenFeed,
-                                                  TokenReadback)
+                                                  TokenReadback, top_alternatives)
 
 log = logging.getLogger(__name__)
 # How long a step that computes nothing waits for a grammar compile to end (finish_step).
@@ -71,6 +72,7 @@ class ModelRunner:
         # Structured output: matchers of constrained requests, masks computed on every rank.
         self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,
                                                              info.eos_token_ids))
+        self.prompt_logprobs = PromptLogprobBook()    # requests that asked for them
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
@@ -196,6 +198,7 @@ class ModelRunner:
         """Drop every cached request (a new epoch). The KV cache memory is kept."""
         self.cached.clear()
         self.grammar.clear()
+        self.prompt_logprobs.clear()
         self.last_step = -1
 
     # -- one step ---------------------------------------------------------------------------
@@ -257,8 +260,9 @@ class ModelRunner:
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
+        prompt = None if self.simulated else self.prompt_logprobs.plan(self.batch, inputs)
         try:
-            return self._launch(diff.step, inputs, feed)
+            return self._launch(diff.step, inputs, feed, prompt)
         except BaseException:
             self.staging.wait_copies()      # a failed step, too, ends after its copies
             raise
@@ -275,14 +279,16 @@ class ModelRunner:
             sampled = pending.tokens.wait()
             self.clock.mark("readback")
             out = self._record_samples(pending, sampled)
+        self.prompt_logprobs.finish(pending.prompt_logprobs, out)
         out.compiled_handles = self.grammar.newly_compiled(
             0.0 if pending.computed else _IDLE_COMPILE_WAIT_S)
         out.request_errors = self.grammar.take_errors()
         return out
 
-    def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None) -> PendingStep:
+    def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None,
+                prompt: PromptLogprobStep | None) -> PendingStep:
         self.staging.begin()
-        run_model, input_ids = self._stage_model(inputs)
+        run_model, input_ids = self._stage_model(inputs, prompt)
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
@@ -307,7 +313,8 @@ class ModelRunner:
             masks = masks and masks.result()   # the grammar masks, computed meanwhile
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
-            return PendingStep(step, copied=self.staging.copied)    # computed, sampled nothing
+            # computed, sampled nothing
+            return PendingStep(step, copied=self.staging.copied, prompt_logprobs=prompt)
         if masks is not None:
             meta = with_grammar_masks(meta, masks, self.device, self.vocab_size)
         if self.on_sampling is not None:
@@ -324,18 +331,19 @@ class ModelRunner:
         self.clock.mark("sampling")
         return PendingStep(step, handles, positions, num_logprobs, self.readback.start(sampled),
                            sampled.sampled_token_ids, rows=sample_rows,
-                           layout=self.batch.layout)
+                           layout=self.batch.layout, prompt_logprobs=prompt)
 
-    def _stage_model(self, inputs: StepInputs
+    def _stage_model(self, inputs: StepInputs, prompt: PromptLogprobStep | None = None
                      ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
         gives the sampling rows' hidden states and True (the sampler applies the LM head, or
         on CUDA a plain greedy step samples straight from model-dtype logits), from a captured
-        graph for a pure-decode batch that fits one, else from the eager model."""
+        graph for a pure-decode batch that fits one, else from the eager model (then with the
+        step's `prompt` logprobs from every token row)."""
         n = len(inputs.rows)
         g = self.graph_runner
-        if g is not None and g.graph_batch(n, inputs.num_tokens,
+        if prompt is None and g is not None and g.graph_batch(n, inputs.num_tokens,
                                            int(inputs.num_scheduled.max())) is not None:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table, self.staging)
@@ -350,12 +358,15 @@ class ModelRunner:
 
         def run_eager() -> tuple[torch.Tensor, bool]:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
+            if prompt is not None:
+                prompt.launch(hidden, self.model, self.vocab_size)
             return hidden.index_select(0, staged.logits_indices), True
         return run_eager, staged.input_ids
 
     def _apply_diff(self, diff: SchedulerOutput) -> None:
         """The diff on the cached requests and the batch, then on the grammars."""
         self.cached.apply(diff)
+        self.prompt_logprobs.apply(diff)
         for handle in diff.finished_handles:
             self.grammar.finish(handle)
         for handle in diff.preempted_handles:
@@ -373,12 +384,5 @@ class ModelRunner:
         token_ids = self.cached.record(handles, pending.positions, sampled.token_ids,
                                        pending.rows if same_rows else None)
         self.grammar.advance(handles, token_ids)
-        # The logprobs and top alternatives stay numpy arrays: encode_runner_output writes
-        # their buffers to the wire as they are (no Python float per request and step).
-        top = {}
-        if sampled.top_ids is not None:
-            for i, k in enumerate(pending.num_logprobs.tolist()):
-                if k > 0:                    # NO_LOGPROBS (-1): none at all
-                    top[handles[i]] = (sampled.top_ids[i, :k], sampled.top_logprobs[i, :k])
-        return RunnerOutput(step=pending.step, handles=handles, sampled_token_ids=token_ids,
-                            logprobs=sampled.logprobs, top_logprobs=top)
+        top = top_alternatives(handles, pending.num_logprobs, sampled)
+        return RunnerOutput(pending.step, handles, token_ids, sampled.logprobs, top)

@@ -117,6 +117,20 @@ class PendingStep:
     computed: bool = True                   # False: the step scheduled no token at all
     rows: np.ndarray | None = None          # int64 [N]: their batch rows at the launch...
     layout: int = -1                        # ...valid while InputBatch.layout is this
+    prompt_logprobs: object | None = None   # the step's PromptLogprobStep, when it has one
+
+
+def top_alternatives(handles: list[int], num_logprobs: np.ndarray | None,
+                     sampled: SampledTokens) -> dict:
+    """handle -> (top ids, top logprobs) of the rows that asked for alternatives. They stay
+    numpy arrays: encode_runner_output writes their buffers to the wire as they are (no Python
+    float per request and step)."""
+    top = {}
+    if sampled.top_ids is not None:
+        for i, k in enumerate(num_logprobs.tolist()):
+            if k > 0:                    # NO_LOGPROBS (-1): none at all
+                top[handles[i]] = (sampled.top_ids[i, :k], sampled.top_logprobs[i, :k])
+    return top
 
     def wait_device(self) -> None:
         """Block until the step's device work is done (its read-back, else its staging copies);

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from engine_common.wire.codec import (CodecError, decode_runner_output, decode_scheduler_output,
                                  encode_runner_output, encode_scheduler_output)
 from engine_common.constraints.constraint import Constraint
-from engine_common.wire.diff import (NewRequestData, ResumedRequestData, RunnerOutput,
-                                SchedulerOutput)
+from engine_common.wire.diff import (NewRequestData, PromptLogprobs, ResumedRequestData,
+                                     RunnerOutput, SchedulerOutput)
 from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
 from engine_common.request.params import SamplingParams, WorkerSamplingParams
 
@@ -60,7 +60,12 @@ def runner_output(draw):
     top = draw(st.dictionaries(u32, st.integers(0, 4).flatmap(
         lambda k: st.tuples(st.lists(u32, min_size=k, max_size=k),
                             st.lists(f32, min_size=k, max_size=k))), max_size=3))
-    return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top)
+    prompt = draw(st.dictionaries(u32, st.tuples(st.integers(0, 5), st.integers(0, 3)).flatmap(
+        lambda nk: st.tuples(*(st.lists(e, min_size=size, max_size=size) for e, size in (
+            (f32, nk[0]), (u32, nk[0]), (u32, nk[0] * nk[1]), (f32, nk[0] * nk[1]))))),
+        max_size=2))
+    return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top,
+                        prompt_logprobs={h: PromptLogprobs(*p) for h, p in prompt.items()})
 
 
 @settings(max_examples=150, deadline=None)
@@ -203,7 +208,11 @@ def test_good_layout_decodes():
     [1, b"", b"", b"", {}, b"", b""],                      # request errors not a map
     [1, b"", b"", b"", {}, b"", {0: 5}],                   # an error message not a string
     [1, b"", b"", b"", {}, b"", {0: "x" * 1001}],          # an error message too long
-    [1, b"", b"", b"", {}, b"", {}, {}],                   # 8 fields, not 5 to 7
+    [1, b"", b"", b"", {}, b"", {}, {}, {}],               # 9 fields, not 5 to 8
+    [1, b"", b"", b"", {}, b"", {}, {0: [b"", b""]}],      # prompt entry not 4 arrays
+    [1, b"", b"", b"", {}, b"", {}, {0: [b"\x00" * 4, b"", b"", b""]}],  # 1 logprob, 0 ranks
+    [1, b"", b"", b"", {}, b"", {}, {0: [b"\x00" * 8, b"\x00" * 8, b"\x00" * 12,
+                                         b"\x00" * 12]}],  # 3 top entries for 2 positions
     [1, b"", b"", b"", {}, b"\x00"],                       # 1-byte compiled handles
     [1, b"\x00\x00\x00\x00", b"", b"", {}],                # 1 handle, 0 sampled ids
     [1, b"\x00\x00", b"", b"", {}],                        # 2-byte handle array
@@ -259,7 +268,10 @@ def test_runner_output_from_numpy_arrays_encodes_like_lists(out):
         np.asarray(out.logprobs, np.float32),
         {h: (np.asarray(ids, np.int64), np.asarray(lps, np.float32))
          for h, (ids, lps) in out.top_logprobs.items()},
-        out.compiled_handles)
+        out.compiled_handles, prompt_logprobs={h: PromptLogprobs(
+            np.asarray(p.logprobs, np.float32), np.asarray(p.ranks, np.int64),
+            np.asarray(p.top_ids, np.int64), np.asarray(p.top_logprobs, np.float32))
+            for h, p in out.prompt_logprobs.items()})
     assert encode_runner_output(as_arrays) == encode_runner_output(out)
     assert decode_runner_output(encode_runner_output(as_arrays)) == out
 

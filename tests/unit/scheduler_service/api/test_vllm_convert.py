@@ -110,7 +110,7 @@ def test_bad_fields_are_named(msg, field):
 UNSUPPORTED = [
     (gen(sampling_params=pb.SamplingParams(structural_tag="{}")),
      "sampling_params.structural_tag"),
-    (gen(sampling_params=pb.SamplingParams(prompt_logprobs=1)),
+    (gen(sampling_params=pb.SamplingParams(prompt_logprobs=-1)),
      "sampling_params.prompt_logprobs"),
     (gen(sampling_params=pb.SamplingParams(truncate_prompt_tokens=-1)),
      "sampling_params.truncate_prompt_tokens"),
