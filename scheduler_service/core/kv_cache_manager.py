@@ -30,10 +30,17 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return hash_block_bytes(parent, array("I", token_ids).tobytes())
 
 
+# A fresh 16-byte blake2b hasher to copy: copy() + update() + digest() takes about half the
+# time of blake2b(data, digest_size=16) on CPython 3.11 (its constructor parses a dozen keyword
+# parameters) for the same digest; one update() of parent + data beats two updates.
+_BLAKE2B_16 = hashlib.blake2b(digest_size=16)
+
+
 def hash_block_bytes(parent: BlockHash | None, data: bytes) -> BlockHash:
-    """hash_block of a block whose ids are already uint32 bytes (one call: half the time of a
-    hasher fed twice, and the same digest)."""
-    return hashlib.blake2b((parent or b"") + data, digest_size=16).digest()
+    """hash_block of a block whose ids are already uint32 bytes."""
+    hasher = _BLAKE2B_16.copy()
+    hasher.update((parent or b"") + data)
+    return hasher.digest()
 
 
 def salt_root(salt: str) -> BlockHash | None:
@@ -260,11 +267,13 @@ class KVCacheManager:
             data = prompt_u32[start * bs * 4:num_full * bs * 4]
         else:
             data = array("I", _token_slice(request, start * bs, num_full * bs)).tobytes()
-        parent = hashes[-1] if start else salt_root(request.cache_salt)
-        width = 4 * bs
-        for offset in range(0, len(data), width):
-            parent = hash_block_bytes(parent, data[offset:offset + width])
-            hashes.append(parent)
+        parent = (hashes[-1] if start else salt_root(request.cache_salt)) or b""
+        width, fresh, append = 4 * bs, _BLAKE2B_16.copy, hashes.append
+        for offset in range(0, len(data), width):     # hash_block_bytes, inlined
+            hasher = fresh()
+            hasher.update(parent + data[offset:offset + width])
+            parent = hasher.digest()
+            append(parent)
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_full: int) -> int:
