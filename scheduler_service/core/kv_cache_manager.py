@@ -285,8 +285,11 @@ class KVCacheManager:
             return start
         hashes = self._block_hashes(request, num_full)
         blocks = self._blocks[rid]
-        for j in range(start, num_full):
-            self._cache_block(request, blocks[j], hashes, j)
+        if self.events is not None and self.events.enabled:
+            for j in range(start, num_full):
+                self._cache_block(request, blocks[j], hashes, j)
+        else:       # nobody listens: no need to know which blocks entered the cache
+            self.pool.cache_full_blocks(blocks[start:num_full], hashes[start:num_full])
         self._num_cached[rid] = num_full
         return num_full
 
