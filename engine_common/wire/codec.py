@@ -238,7 +238,8 @@ def _worker_sampling(params: WorkerSamplingParams) -> list:
 
 
 def encode_scheduler_output(out: SchedulerOutput) -> bytes:
-    new = [[r.handle, _u32(r.prompt_token_ids), _worker_sampling(r.sampling), r.block_ids,
+    new = [[r.handle, _u32(r.prompt_token_ids) if r.prompt_u32 is None else r.prompt_u32,
+            _worker_sampling(r.sampling), r.block_ids,
             r.num_computed_tokens, r.num_logprobs,
             None if r.constraint is None else r.constraint.to_wire()] for r in out.new_requests]
     resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]

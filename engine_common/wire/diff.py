@@ -43,12 +43,16 @@ class NewRequestData:
     num_logprobs: int = 0
     # Structured output: the workers compile it and mask every sampled token with it.
     constraint: Constraint | None = None
+    # The prompt's ids as uint32 bytes, where the scheduler already made them (at admission):
+    # the codec writes them as they are instead of converting the ids again. Not compared.
+    prompt_u32: bytes | None = field(default=None, compare=False, repr=False)
 
     def __eq__(self, other) -> bool:
         """Field by field, a prompt as its ids (an array equals the list of the same ids)."""
         if type(other) is not type(self):
             return NotImplemented
-        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        return all(_same(getattr(self, f.name), getattr(other, f.name))
+                   for f in fields(self) if f.compare)
 
 
 @dataclass
