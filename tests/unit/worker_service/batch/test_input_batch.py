@@ -82,6 +82,7 @@ def test_step_inputs_match_a_per_token_loop():
             pos.append(p)
             slots.append(s.block_ids[p // BS] * BS + p % BS)
     assert inp.input_ids.tolist() == ids
+    assert inp.input_ids.dtype == inp.positions.dtype == inp.slot_mapping.dtype == np.int64
     assert inp.positions.tolist() == pos
     assert inp.slot_mapping.tolist() == slots
     assert inp.rows.tolist() == [i for i in range(6) if sched[i] > 0]
