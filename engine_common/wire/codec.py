@@ -233,8 +233,26 @@ def _sampling_params(data: bytes) -> SamplingParams:
 
 
 def _worker_sampling(params: WorkerSamplingParams) -> list:
-    return [sampling_to_wire(params.sampling), params.seed, params.min_tokens,
+    return [_sampling_bytes(params.sampling), params.seed, params.min_tokens,
             list(params.stop_ids)]
+
+
+def _sampling_bytes(params: SamplingParams) -> bytes:
+    """sampling_to_wire, found by the params object's identity first: a prefill step's new
+    requests mostly share one object (the caller's), and sampling_to_wire's lru_cache hashes
+    every field of the frozen dataclass per request."""
+    hit = _WIRE_BY_ID.get(id(params))
+    if hit is not None and hit[0] is params:
+        return hit[1]
+    data = sampling_to_wire(params)
+    if len(_WIRE_BY_ID) >= MAX_WIRE_BY_ID:
+        _WIRE_BY_ID.clear()
+    _WIRE_BY_ID[id(params)] = (params, data)      # holding params keeps its id from reuse
+    return data
+
+
+_WIRE_BY_ID: dict[int, tuple[SamplingParams, bytes]] = {}
+MAX_WIRE_BY_ID = 256
 
 
 def encode_scheduler_output(out: SchedulerOutput) -> bytes:
