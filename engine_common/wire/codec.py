@@ -136,6 +136,38 @@ def _constraint(value) -> Constraint | None:
 
 
 def _new_request(value) -> NewRequestData:
+    return _usual_new_request(value) or _checked_new_request(value)
+
+
+def _nonneg_ints(values) -> bool:
+    """_ints' test, without its error."""
+    return not values or ({*map(type, values)} == {int} and min(values) >= 0)
+
+
+def _usual_new_request(value) -> NewRequestData | None:
+    """_checked_new_request of a well-formed request without a constraint, its checks inline
+    (a prefill diff brings dozens of new requests: no helper call per field); None when
+    anything differs, and _checked_new_request then names what is wrong."""
+    if type(value) is not list or len(value) != 7:
+        return None
+    h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = value
+    if not (type(h) is int and h >= 0 and type(prompt) is bytes and not len(prompt) % 4
+            and type(sampling) is list and len(sampling) == 4 and type(blocks) is list
+            and type(num_computed) is int and num_computed >= 0
+            and type(num_logprobs) is int and num_logprobs >= NO_LOGPROBS
+            and constraint is None):
+        return None
+    message, seed, min_tokens, stop_ids = sampling
+    if not (type(message) is bytes and type(seed) is int and seed >= 0
+            and type(min_tokens) is int and min_tokens >= 0 and type(stop_ids) is list
+            and _nonneg_ints(stop_ids) and _nonneg_ints(blocks)):
+        return None
+    return NewRequestData(h, np.frombuffer(prompt, dtype=np.uint32), WorkerSamplingParams(
+        _sampling_params(message), seed, min_tokens, tuple(stop_ids)), blocks, num_computed,
+        num_logprobs, None)
+
+
+def _checked_new_request(value) -> NewRequestData:
     h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
         value, "new request", 7)
     return NewRequestData(_int(h, "handle"), _u32_array(prompt, "prompt_token_ids"),
