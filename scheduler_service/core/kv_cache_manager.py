@@ -61,6 +61,11 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + out[:end - p]
 
 
+def _num_free(blocks: Sequence[KVCacheBlock]) -> int:
+    """Blocks among `blocks` in the free queue (none to count without prefix hits)."""
+    return sum(1 for b in blocks if b.ref_cnt == 0) if blocks else 0
+
+
 @dataclass
 class PrefixCacheStats:
     """Counted at a request's first admission: prompt tokens looked up and tokens hit. A
@@ -189,9 +194,8 @@ class KVCacheManager:
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         need = self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
-        if self.num_free_blocks_needed(request, num_new_tokens, new_computed_blocks) \
-                > self.pool.num_free_blocks:
-            return None
+        if need + _num_free(new_computed_blocks) > self.pool.num_free_blocks:
+            return None       # (num_free_blocks_needed, its block count reused)
         if self.enable_caching and not held and request.num_computed_tokens == 0 \
                 and request.num_preemptions == 0:      # a readmission's hits are recompute
             self.stats.queries += request.num_tokens
@@ -209,7 +213,7 @@ class KVCacheManager:
         """Free-queue blocks `allocate_slots` with these arguments would take: the new blocks,
         plus hit blocks that sit in the free queue (they leave it too)."""
         return (self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
-                + sum(1 for b in new_computed_blocks if b.ref_cnt == 0))
+                + _num_free(new_computed_blocks))
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
         held = len(self._blocks.get(request.request_id, ()))
