@@ -277,9 +277,10 @@ def _sampling_bytes(params: SamplingParams) -> bytes:
     if hit is not None and hit[0] is params:
         return hit[1]
     data = sampling_to_wire(params)
-    if len(_WIRE_BY_ID) >= MAX_WIRE_BY_ID:
-        _WIRE_BY_ID.clear()
-    _WIRE_BY_ID[id(params)] = (params, data)      # holding params keeps its id from reuse
+    if len(data) <= MAX_CACHED_SAMPLING_BYTES:     # no params with many ids pinned here
+        if len(_WIRE_BY_ID) >= MAX_WIRE_BY_ID:
+            _WIRE_BY_ID.clear()
+        _WIRE_BY_ID[id(params)] = (params, data)  # holding params keeps its id from reuse
     return data
 
 

@@ -186,10 +186,10 @@ def _knobs_fit(sp, vocab_size: int) -> bool:
     hit = _KNOBS_FIT.get(id(sp))
     if hit is not None and hit[0] is sp and hit[1] == vocab_size:
         return True
+    id_lists = ([t for t, _ in sp.logit_bias], *(getattr(sp, k.name) for k in ID_SET_KNOBS))
     fits = -1 <= sp.top_k <= MAX_MIN_TOKENS and all(
-        not len(ids) or _max_id(ids) < vocab_size
-        for ids in ([t for t, _ in sp.logit_bias], *(getattr(sp, k.name) for k in ID_SET_KNOBS)))
-    if fits:
+        not len(ids) or _max_id(ids) < vocab_size for ids in id_lists)
+    if fits and sum(map(len, id_lists)) <= MAX_REMEMBERED_IDS:   # no large params pinned
         if len(_KNOBS_FIT) >= _MAX_KNOBS_FIT:
             _KNOBS_FIT.clear()
         _KNOBS_FIT[id(sp)] = (sp, vocab_size)     # holding sp keeps its id from reuse
@@ -198,6 +198,7 @@ def _knobs_fit(sp, vocab_size: int) -> bool:
 
 _KNOBS_FIT: dict[int, tuple[object, int]] = {}
 _MAX_KNOBS_FIT = 256
+MAX_REMEMBERED_IDS = 16       # as input_batch's row cache: params with more ids are rechecked
 
 
 def _check_new_named(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) -> None:

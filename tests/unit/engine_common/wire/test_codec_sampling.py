@@ -71,3 +71,6 @@ def test_shared_params_encode_like_their_own_copies_and_the_identity_cache_is_bo
     for t in range(codec.MAX_WIRE_BY_ID + 5):
         codec._sampling_bytes(SamplingParams(temperature=0.01 * (t + 1)))
     assert len(codec._WIRE_BY_ID) <= codec.MAX_WIRE_BY_ID
+    large = SamplingParams(logit_bias={j: 1.0 for j in range(100)})
+    assert codec._sampling_bytes(large) == sampling_to_wire(large)
+    assert id(large) not in codec._WIRE_BY_ID, "large params are not pinned"
