@@ -139,6 +139,38 @@ def _constraint(value) -> Constraint | None:
 
 
 def _new_request(value) -> NewRequestData:
+    return _usual_new_request(value) or _checked_new_request(value)
+
+
+def _nonneg_ints(values) -> bool:
+    """_ints' test, without its error."""
+    return not values or ({*map(type, values)} == {int} and min(values) >= 0)
+
+
+def _usual_new_request(value) -> NewRequestData | None:
+    """_checked_new_request of a well-formed request without a constraint, its checks inline
+    (a prefill diff brings dozens of new requests: no helper call per field); None when
+    anything differs, and _checked_new_request then names what is wrong."""
+    if type(value) is not list or len(value) != 7:
+        return None
+    h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = value
+    if not (type(h) is int and h >= 0 and type(prompt) is bytes and not len(prompt) % 4
+            and type(sampling) is list and len(sampling) == 4 and type(blocks) is list
+            and type(num_computed) is int and num_computed >= 0
+            and type(num_logprobs) is int and num_logprobs >= NO_LOGPROBS
+            and constraint is None):
+        return None
+    message, seed, min_tokens, stop_ids = sampling
+    if not (type(message) is bytes and type(seed) is int and seed >= 0
+            and type(min_tokens) is int and min_tokens >= 0 and type(stop_ids) is list
+            and _nonneg_ints(stop_ids) and _nonneg_ints(blocks)):
+        return None
+    return NewRequestData(h, np.frombuffer(prompt, dtype=np.uint32), WorkerSamplingParams(
+        _sampling_params(message), seed, min_tokens, tuple(stop_ids)), blocks, num_computed,
+        num_logprobs, None)
+
+
+def _checked_new_request(value) -> NewRequestData:
     prompt_logprobs = NO_LOGPROBS
     if isinstance(value, list) and len(value) == 8:      # prompt logprobs asked
         *value, prompt_logprobs = value
@@ -252,13 +284,32 @@ def _sampling_params(data: bytes) -> SamplingParams:
 
 
 def _worker_sampling(params: WorkerSamplingParams) -> list:
-    return [sampling_to_wire(params.sampling), params.seed, params.min_tokens,
+    return [_sampling_bytes(params.sampling), params.seed, params.min_tokens,
             list(params.stop_ids)]
 
 
+def _sampling_bytes(params: SamplingParams) -> bytes:
+    """sampling_to_wire, found by the params object's identity first: a prefill step's new
+    requests mostly share one object (the caller's), and sampling_to_wire's lru_cache hashes
+    every field of the frozen dataclass per request."""
+    hit = _WIRE_BY_ID.get(id(params))
+    if hit is not None and hit[0] is params:
+        return hit[1]
+    data = sampling_to_wire(params)
+    if len(data) <= MAX_CACHED_SAMPLING_BYTES:     # no params with many ids pinned here
+        if len(_WIRE_BY_ID) >= MAX_WIRE_BY_ID:
+            _WIRE_BY_ID.clear()
+        _WIRE_BY_ID[id(params)] = (params, data)  # holding params keeps its id from reuse
+    return data
+
+
+_WIRE_BY_ID: dict[int, tuple[SamplingParams, bytes]] = {}
+MAX_WIRE_BY_ID = 256
+
+
 def _new_to_wire(r: NewRequestData) -> list:
-    fields = [r.handle, _u32(r.prompt_token_ids), _worker_sampling(r.sampling), r.block_ids,
-              r.num_computed_tokens, r.num_logprobs,
+    fields = [r.handle, _u32(r.prompt_token_ids) if r.prompt_u32 is None else r.prompt_u32,
+              _worker_sampling(r.sampling), r.block_ids, r.num_computed_tokens, r.num_logprobs,
               None if r.constraint is None else r.constraint.to_wire()]
     if r.prompt_logprobs != NO_LOGPROBS:
         fields.append(r.prompt_logprobs)

@@ -47,12 +47,16 @@ class NewRequestData:
     # (vLLM's prompt_logprobs); NO_LOGPROBS: none. Only with num_computed_tokens 0: the
     # scheduler skips the prefix cache for such a request, so every position is computed.
     prompt_logprobs: int = NO_LOGPROBS
+    # The prompt's ids as uint32 bytes, where the scheduler already made them (at admission):
+    # the codec writes them as they are instead of converting the ids again. Not compared.
+    prompt_u32: bytes | None = field(default=None, compare=False, repr=False)
 
     def __eq__(self, other) -> bool:
         """Field by field, a prompt as its ids (an array equals the list of the same ids)."""
         if type(other) is not type(self):
             return NotImplemented
-        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        return all(_same(getattr(self, f.name), getattr(other, f.name))
+                   for f in fields(self) if f.compare)
 
 
 @dataclass

@@ -36,11 +36,13 @@ class StepPlan:
     def add_new(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         sampling = WorkerSamplingParams(request.sampling, request.seed,
                                         request.stopping.min_tokens, request.min_tokens_stop_ids)
+        # The request's own prompt list (it never changes; the workers copy what they keep)
+        # and its uint32 bytes from admission: the codec converts no id again.
         self.new_requests.append(NewRequestData(
-            request.handle, list(request.prompt_token_ids), sampling, block_ids, num_computed,
+            request.handle, request.prompt_token_ids, sampling, block_ids, num_computed,
             NO_LOGPROBS if request.num_logprobs is None else request.num_logprobs,
             request.constraint, NO_LOGPROBS if request.num_prompt_logprobs is None
-            else request.num_prompt_logprobs))
+            else request.num_prompt_logprobs, request.prompt_u32))
 
     def add_resumed(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         self.resumed_requests.append(ResumedRequestData(request.handle, block_ids, num_computed))

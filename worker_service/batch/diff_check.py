@@ -157,6 +157,53 @@ def _new_blocks_fit(new_block_ids: dict[int, list[int]], bounds: DiffBounds,
 
 
 def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) -> None:
+    if not _new_fits(new, bounds, view):
+        _check_new_named(name, new, bounds, view)      # raises, naming the first violation
+    view.added[new.handle] = len(new.block_ids)
+
+
+def _new_fits(new: NewRequestData, bounds: DiffBounds, view: _View) -> bool:
+    """Whether _check_new_named passes, without building a field name per check (a prefill
+    step brings dozens of new requests); the sampling knobs once per params object. False
+    for every request it would refuse (and for a constrained one or one asking for prompt
+    logprobs: that one it checks)."""
+    prompt, blocks, s, vocab = new.prompt_token_ids, new.block_ids, new.sampling, \
+        bounds.vocab_size
+    return (0 <= new.handle <= MAX_HANDLE and not view.is_cached(new.handle)
+            and 1 <= len(prompt) < bounds.max_model_len and _max_id(prompt) < vocab
+            and len(blocks) <= bounds.max_blocks_per_request
+            and (not len(blocks) or _max_id(blocks) < bounds.num_kv_blocks)
+            and 0 <= new.num_computed_tokens <= min(len(prompt), len(blocks) * bounds.block_size)
+            and NO_LOGPROBS <= new.num_logprobs <= min(MAX_TOP_LOGPROBS, vocab)
+            and 0 <= s.seed <= MAX_SEED and 0 <= s.min_tokens <= MAX_MIN_TOKENS
+            and len(s.stop_ids) <= MAX_STOP_IDS
+            and (not len(s.stop_ids) or _max_id(s.stop_ids) < vocab)
+            and _knobs_fit(s.sampling, vocab) and new.constraint is None
+            and new.prompt_logprobs == NO_LOGPROBS)
+
+
+def _knobs_fit(sp, vocab_size: int) -> bool:
+    """top_k in range and every id of logit_bias and the id sets below vocab_size, remembered
+    per params object (a decoded diff shares one per distinct message)."""
+    hit = _KNOBS_FIT.get(id(sp))
+    if hit is not None and hit[0] is sp and hit[1] == vocab_size:
+        return True
+    id_lists = ([t for t, _ in sp.logit_bias], *(getattr(sp, k.name) for k in ID_SET_KNOBS))
+    fits = -1 <= sp.top_k <= MAX_MIN_TOKENS and all(
+        not len(ids) or _max_id(ids) < vocab_size for ids in id_lists)
+    if fits and sum(map(len, id_lists)) <= MAX_REMEMBERED_IDS:   # no large params pinned
+        if len(_KNOBS_FIT) >= _MAX_KNOBS_FIT:
+            _KNOBS_FIT.clear()
+        _KNOBS_FIT[id(sp)] = (sp, vocab_size)     # holding sp keeps its id from reuse
+    return fits
+
+
+_KNOBS_FIT: dict[int, tuple[object, int]] = {}
+_MAX_KNOBS_FIT = 256
+MAX_REMEMBERED_IDS = 16       # as input_batch's row cache: params with more ids are rechecked
+
+
+def _check_new_named(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) -> None:
     _in_range(f"{name}.handle", new.handle, MAX_HANDLE)
     if view.is_cached(new.handle):
         raise StepProtocolError(f"{name}.handle={new.handle} is already a cached request")
@@ -189,7 +236,6 @@ def _check_new(name: str, new: NewRequestData, bounds: DiffBounds, view: _View) 
                    "vocab_size")
     if new.constraint is not None:
         _check_constraint(f"{name}.constraint", new.constraint)
-    view.added[new.handle] = len(new.block_ids)
 
 
 def _check_constraint(name: str, constraint: Constraint) -> None:

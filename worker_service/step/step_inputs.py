@@ -66,12 +66,19 @@ def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray | None,
     query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
     total = int(query_start_loc[-1])
-    token_rows = np.repeat(rows, counts)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1], counts)
-    positions = np.repeat(computed, counts).astype(np.int64) + offsets
-    input_ids = batch.token_ids[token_rows, positions]
-    block_ids = batch.block_table[token_rows, positions // block_size].astype(np.int64)
-    slot_mapping = block_ids * block_size + positions % block_size
+    # Per token: one arange plus its row's start, then 1-D takes at flat indices into the
+    # (C-contiguous) token and block tables: a prefill step's ~16k tokens cost about a third
+    # of the 2-D fancy indexing's time. Every index is in range (checked above).
+    positions = np.arange(total, dtype=np.int64)
+    positions += np.repeat(computed.astype(np.int64) - query_start_loc[:-1], counts)
+    flat = np.repeat(rows * batch.token_ids.shape[1], counts)
+    flat += positions
+    input_ids = batch.token_ids.ravel().take(flat)
+    block_col, offset = np.divmod(positions, block_size)
+    block_col += np.repeat(rows * batch.block_table.shape[1], counts)
+    slot_mapping = np.multiply(batch.block_table.ravel().take(block_col), block_size,
+                               dtype=np.int64)
+    slot_mapping += offset
 
     max_blocks = int(needed_blocks.max()) if len(rows) else 0
     sample_mask = seq_lens == batch.num_tokens[rows]

@@ -319,3 +319,32 @@ def test_the_sampling_cache_keeps_no_large_message():
                            repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3)
     first, second = step(small), step(small)
     assert first.sampling.sampling is second.sampling.sampling == small
+
+
+def test_the_usual_new_request_path_equals_the_checked_one_and_defers_anything_else():
+    """A well-formed new request without a constraint decodes on the inline path to what the
+    checked path gives; a constrained or malformed one is left (None) to the checked path,
+    which decodes or refuses it naming the field."""
+    from engine_common.wire.codec import _checked_new_request, _usual_new_request
+    from engine_common.wire.diff import NO_LOGPROBS
+
+    sampling = WorkerSamplingParams(SamplingParams(top_k=4), seed=7, min_tokens=2,
+                                    stop_ids=(3, 9))
+    out = SchedulerOutput(step=1, new_requests=[
+        NewRequestData(3, [0, 5, 2**32 - 1], sampling, [1, 8], 2, NO_LOGPROBS),
+        NewRequestData(4, [1], sampling, [2], 0, 0, Constraint("regex", "a+"))])
+    plain, constrained = msgpack.unpackb(encode_scheduler_output(out), raw=False,
+                                         strict_map_key=False)[1]
+    fast = _usual_new_request(plain)
+    assert fast == _checked_new_request(plain) == out.new_requests[0]
+    assert fast.prompt_token_ids.dtype == np.uint32 and not fast.prompt_token_ids.flags.writeable
+    assert _usual_new_request(constrained) is None
+    assert _checked_new_request(constrained) == out.new_requests[1]
+    for i, bad in ((0, -1), (0, True), (1, b"abc"), (3, [1, -2]), (4, -1), (5, -2)):
+        broken = list(plain)
+        broken[i] = bad
+        assert _usual_new_request(broken) is None, (i, bad)
+        with pytest.raises(CodecError):
+            decode_scheduler_output(msgpack.packb(
+                [1, [broken], [], None, {}, [], []], use_bin_type=True))
+    assert _usual_new_request([*plain[:2], [plain[2][0], -1, 2, []], *plain[3:]]) is None

@@ -43,6 +43,8 @@ def test_errors_and_disabled_caching():
     pool = BlockPool(2, enable_caching=False)
     b = pool.get_new_blocks(1)[0]
     assert not pool.cache_full_block(b, b"x") and pool.num_cached_blocks == 0
+    pool.cache_full_blocks([b], [b"x"])
+    assert b.block_hash is None and pool.num_cached_blocks == 0
     with pytest.raises(ValueError, match="only 1 free"):
         pool.get_new_blocks(2)
     pool.free_blocks([b])
@@ -85,6 +87,22 @@ class PoolMachine(RuleBasedStateMachine):
         assert ok == (block.block_hash == h and h not in self.hashes)
         if ok:
             self.hashes[h] = block.block_id
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data(), tags=st.lists(st.integers(0, 5), min_size=1, max_size=4))
+    def cache_many(self, data, tags):
+        """cache_full_blocks: one block after the other, as cache_full_block would."""
+        blocks = data.draw(st.sampled_from(self.owners))[:len(tags)]
+        hashes = [bytes([t]) for t in tags]
+        expected = {}
+        for block, h in zip(blocks, hashes):
+            if block.block_hash is None and h not in self.hashes and h not in expected:
+                expected[h] = block.block_id
+        self.pool.cache_full_blocks(blocks, hashes)
+        self.hashes.update(expected)
+        for block, h in zip(blocks, hashes):
+            if expected.get(h) == block.block_id:
+                assert block.block_hash == h
 
     @precondition(lambda self: self.hashes)
     @rule(data=st.data())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from array import array
 
 from engine_common.wire.codec import decode_scheduler_output, encode_scheduler_output
 from engine_common.constraints.constraint import Constraint
@@ -117,3 +118,24 @@ def test_steady_state_diff_with_256_constrained_requests_stays_under_100_bytes()
     assert sent == [CONSTRAINTS[i % len(CONSTRAINTS)] for i in range(NUM_REQUESTS)]
     print(f"constrained steady state: median {statistics.median(sizes)} bytes, max {max(sizes)}")
     assert len(sizes) == 64 and max(sizes) < 100
+
+
+def test_new_requests_carry_the_admission_bytes_and_encode_as_their_ids():
+    """A new request's prompt travels as the uint32 bytes made at admission (no second
+    conversion); the payload is the one the ids alone would encode to, and decodes to them."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=128,
+                             block_size=16)
+    sched = Scheduler(config, num_blocks=32, rng=random.Random(0))
+    prompts = [[3, 70000, 5] * 11, [2**32 - 1, 0, 9]]
+    for i, ids in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", ids, SamplingParams(), StoppingParams(max_tokens=4)))
+    out = sched.schedule()
+    assert [r.prompt_u32 for r in out.new_requests] == [
+        array("I", ids).tobytes() for ids in prompts]
+    payload = encode_scheduler_output(out)
+    for r in out.new_requests:
+        r.prompt_u32 = None                     # the ids alone
+    assert encode_scheduler_output(out) == payload
+    decoded = decode_scheduler_output(payload)
+    assert [d.prompt_token_ids.tolist() for d in decoded.new_requests] == prompts
+    assert decoded.new_requests == out.new_requests

@@ -199,3 +199,35 @@ def test_a_decoded_prompt_out_of_vocab_is_named_by_index_and_value():
         check_diff(diff, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))
     ok = decode_scheduler_output(enc(SchedulerOutput(0, new_requests=[new(prompt=[1, 99])])))
     check_diff(ok, _bounds(), {}, {}, np.zeros(2, dtype=np.int32))
+
+
+def test_the_unnamed_pass_accepts_clean_new_requests_and_refuses_each_bad_field():
+    """_new_fits (no field names built) passes a clean decoded new request, once per params
+    object for the knobs; for each field out of range it defers to the named check, which
+    refuses it naming the field (the garbage kinds above check the refusals end to end)."""
+    import numpy as np
+    from worker_service.batch import diff_check
+    from worker_service.batch.diff_check import _View, _new_fits
+
+    blocks = np.zeros(2, dtype=np.int32)
+    sampling = WorkerSamplingParams(SamplingParams(top_k=5, logit_bias={7: 1.0}), seed=3,
+                                    stop_ids=(9,))
+    good = decode_scheduler_output(enc(SchedulerOutput(0, new_requests=[
+        new(prompt=[1, 99], blocks=(0, 9), sampling=sampling)]))).new_requests[0]
+    assert _new_fits(good, _bounds(), _View({}, {}, blocks))
+    assert diff_check._KNOBS_FIT[id(good.sampling.sampling)] == (good.sampling.sampling, 100)
+    large = WorkerSamplingParams(SamplingParams(allowed_token_ids=range(50)), seed=0)
+    assert _new_fits(new(prompt=[1, 99], blocks=(0, 9), sampling=large), _bounds(),
+                     _View({}, {}, blocks))
+    assert id(large.sampling) not in diff_check._KNOBS_FIT, "large params are not pinned"
+    bad = {"handle": dict(handle=-1), "block_ids": dict(blocks=(0, 10)),
+           "num_computed_tokens": dict(computed=4), "num_logprobs": dict(logprobs=101),
+           "sampling.logit_bias": dict(sampling=WorkerSamplingParams(
+               SamplingParams(logit_bias={100: 1.0}), seed=0)),
+           "sampling.stop_ids": dict(sampling=WorkerSamplingParams(SamplingParams(), seed=0,
+                                                                   stop_ids=(100,)))}
+    for field, change in bad.items():
+        request = new(**{"prompt": [1, 99], "blocks": (0, 9), **change})
+        assert not _new_fits(request, _bounds(), _View({}, {}, blocks)), field
+        with pytest.raises(BadDiff, match=rf"new_requests\[0\]\.{field}"):
+            check_diff(SchedulerOutput(0, new_requests=[request]), _bounds(), {}, {}, blocks)

@@ -82,6 +82,7 @@ def test_step_inputs_match_a_per_token_loop():
             pos.append(p)
             slots.append(s.block_ids[p // BS] * BS + p % BS)
     assert inp.input_ids.tolist() == ids
+    assert inp.input_ids.dtype == inp.positions.dtype == inp.slot_mapping.dtype == np.int64
     assert inp.positions.tolist() == pos
     assert inp.slot_mapping.tolist() == slots
     assert inp.rows.tolist() == [i for i in range(6) if sched[i] > 0]
@@ -214,11 +215,34 @@ def test_the_row_cache_keeps_no_params_with_many_ids():
 
     input_batch._sampling_row.cache_clear()
     batch = InputBatch(max_num_reqs=2, max_model_len=16, max_blocks_per_req=4)
-    batch.add(_with(0, temperature=0.5, logit_bias={j: 1.0 for j in range(512)},
-                    allowed_token_ids=range(512)))
+    many = _with(0, temperature=0.5, logit_bias={j: 1.0 for j in range(512)},
+                 allowed_token_ids=range(512))
+    batch.add(many)
     assert input_batch._sampling_row.cache_info().currsize == 0
+    assert id(many.sampling.sampling) not in input_batch._ROWS_BY_ID
     assert batch.num_rows_setting["logit_bias"] == batch.num_rows_setting["temperature"] == 1
     batch.add(_with(1, temperature=0.5))
     assert input_batch._sampling_row.cache_info().currsize == 1
     assert batch.temperature[0] == batch.temperature[1] and batch.num_rows_setting[
         "temperature"] == 2
+
+
+def test_rows_of_shared_params_are_found_by_identity_and_equal_the_hashed_ones():
+    """One SamplingParams object shared by many rows (a decoded prefill diff's) is looked up
+    by identity after its first row; an equal object of its own fills the same columns, and
+    the identity cache stays bounded."""
+    from worker_service.batch import input_batch
+
+    input_batch._ROWS_BY_ID.clear()
+    shared = WorkerSamplingParams(SamplingParams(temperature=0.3, top_k=7), seed=0)
+    batch = InputBatch(max_num_reqs=3, max_model_len=16, max_blocks_per_req=4)
+    for handle in range(2):
+        batch.add(CachedRequestState(handle, [1, 2], shared, [handle], 0))
+    assert input_batch._ROWS_BY_ID[id(shared.sampling)][0] is shared.sampling
+    own = WorkerSamplingParams(SamplingParams(temperature=0.3, top_k=7), seed=0)
+    batch.add(CachedRequestState(2, [1, 2], own, [2], 0))
+    assert batch.temperature[:3].tolist() == [batch.temperature[0]] * 3
+    assert batch.top_k[:3].tolist() == [7, 7, 7] and batch.num_rows_setting["top_k"] == 3
+    for t in range(input_batch.MAX_ROWS_BY_ID + 5):
+        input_batch._row_of(SamplingParams(temperature=0.01 * (t + 1)))
+    assert len(input_batch._ROWS_BY_ID) <= input_batch.MAX_ROWS_BY_ID
