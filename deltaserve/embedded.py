@@ -178,9 +178,9 @@ def serve(args) -> int:
                          f"a port other than --listen's ({args.listen})")
     model_dir = resolve_model(resolve_model_arg(args))
     worker_options = from_args(WorkerServiceOptions, args)
+    info = ModelInfo.from_dir(model_dir)  # a config.json no model fits is refused here, too
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
-        check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
-                      "--local-ranks")
+        check_tp_size(info.hf_config, worker_options.local_ranks, "--local-ranks")
     for name, value in device_defaults(_worker_device(worker_options.device)).items():
         if not hasattr(args, name):        # flags the user left unset
             setattr(args, name, value)
