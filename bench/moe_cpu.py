@@ -5,6 +5,9 @@ routed experts) per token count T, three ways on the same random weights and inp
                   experts with tokens: what the CPU ran before kernels/cpu/moe_experts.py)
     packed        the same block after use_cpu_kernels(): experts on kernels/cpu/moe_experts.py
     transformers  transformers' Qwen3MoeSparseMoeBlock forward (its own loop over the experts)
+    dense         a dense gated MLP of the same active width (top_k x moe_intermediate) on the
+                  dense layers' CPU GEMMs: what a token costs without the routing (other
+                  weights, so not checked)
 
 in alternating rounds (each round times every path in turn, so all see the same machine): a
 round's figure is the median of --iters calls after --warmup, and each path's line gives min /
@@ -53,7 +56,18 @@ def make_blocks(args, dtype: torch.dtype):
     return ours, theirs
 
 
-def paths(ours, theirs, x: torch.Tensor) -> dict:
+def dense_mlp(args, dtype: torch.dtype):
+    """x -> down(silu(gate(x)) * up(x)) of width top_k * inter on kernels/cpu's GEMMs."""
+    from kernels.cpu import extension, linear
+
+    width = args.top_k * args.inter
+    w13 = (0.02 * torch.randn(2 * width, args.hidden)).to(dtype)
+    w2 = (0.02 * torch.randn(args.hidden, width)).to(dtype)
+    gate_up, down, ops = linear.prepare(w13), linear.prepare(w2), extension.ops()
+    return lambda x: down(ops.silu_and_mul(gate_up(x, w13)), w2)
+
+
+def paths(ours, theirs, dense, x: torch.Tensor) -> dict:
     packed = ours.experts.cpu_experts
 
     def grouped():
@@ -64,12 +78,13 @@ def paths(ours, theirs, x: torch.Tensor) -> dict:
             ours.experts.cpu_experts = packed
 
     return {"grouped": grouped, "packed": lambda: ours(x),
-            "transformers": lambda: theirs(x[None])[0]}
+            "transformers": lambda: theirs(x[None])[0], "dense": lambda: dense(x)}
 
 
-def run_one(ours, theirs, num_tokens: int, args, dtype: torch.dtype) -> tuple[str, bool]:
+def run_one(ours, theirs, dense, num_tokens: int, args,
+            dtype: torch.dtype) -> tuple[str, bool]:
     x = torch.randn(num_tokens, args.hidden).to(dtype)
-    calls = paths(ours, theirs, x)
+    calls = paths(ours, theirs, dense, x)
     with torch.inference_mode():
         want = calls["grouped"]().float()
         for name in ("packed", "transformers"):
@@ -87,7 +102,8 @@ def run_one(ours, theirs, num_tokens: int, args, dtype: torch.dtype) -> tuple[st
     med = {name: statistics.median(v) for name, v in rounds.items()}
     return (f"T={num_tokens}: {parts} (min / median / max of {args.rounds} rounds); "
             f"grouped / packed {med['grouped'] / med['packed']:.2f}x, transformers / packed "
-            f"{med['transformers'] / med['packed']:.2f}x"), True
+            f"{med['transformers'] / med['packed']:.2f}x, packed / dense "
+            f"{med['packed'] / med['dense']:.2f}x"), True
 
 
 def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:
@@ -95,12 +111,13 @@ def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:
     import platform
 
     ours, theirs = make_blocks(args, dtype)
+    dense = dense_mlp(args, dtype)
     lines = [f"## MoE sparse block on the CPU ({platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} torch threads): E={args.experts} top-{args.top_k} "
              f"H={args.hidden} I={args.inter} {args.dtype}", ""]
     ok = True
     for t in (int(s) for s in sizes.split(",")):
-        line, good = run_one(ours, theirs, t, args, dtype)
+        line, good = run_one(ours, theirs, dense, t, args, dtype)
         lines.append(f"- {line}")
         ok = ok and good
     return lines, ok

@@ -1,5 +1,6 @@
 """bench.moe_experts --cpu-kernels at tiny sizes: the grouped, packed and transformers blocks are
-checked against each other, then timed in alternating rounds, min / median / max per path."""
+checked against each other, then timed in alternating rounds with the dense MLP of the same
+active width, min / median / max per path."""
 from __future__ import annotations
 
 import re
@@ -24,7 +25,7 @@ def test_checks_then_times_three_paths_in_rounds(tmp_path, capsys, dtype):
     for t in (1, 6):
         line = re.search(rf"^- T={t}: (.*)$", out, re.M)
         assert line, out
-        for path in ("grouped", "packed", "transformers"):
+        for path in ("grouped", "packed", "transformers", "dense"):
             lo, mid, hi = map(float, re.search(rf"{path} ([\d.]+) / ([\d.]+) / ([\d.]+) ms",
                                                line.group(1)).groups())
             assert 0 < lo <= mid <= hi
