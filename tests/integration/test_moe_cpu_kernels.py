@@ -1,15 +1,13 @@
 """A mixture-of-experts model on the CPU with the deltaserve_cpu kernels (kernels/cpu): the dense
 layers (attention projections, the dense MLP, Qwen2-MoE's shared expert, the LM head) take the
 packed GEMMs, in a prefill (MKL) and a one-row decode (panels); the routed experts take their own
-packed kernel (kernels/cpu/moe_experts.py) in the decode, and in the prefill when it is within
-the panels' rows; the logits still equal transformers'."""
+packed kernel (kernels/cpu/moe_experts.py) in both; the logits still equal transformers'."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.cpu import extension
-from kernels.cpu.linear import panel_max_rows
 from tests.support.paged_prefill import load, prefill_logits
 from tests.support.hf_reference import hf_model
 from worker_service.layers.cpu_gemm import CpuGemm
@@ -42,7 +40,5 @@ def test_dense_layers_and_experts_take_the_cpu_kernels(tiny_models, arch):
             expected = hf_model(path)(ids[None]).logits[0].float()
         torch.testing.assert_close(prefill_logits(model, ids), expected, rtol=0, atol=1e-4)
         assert all(m.cpu_linear.calls > calls[name] for name, m in gemms.items()), n
-        # every sparse layer takes the packed experts up to the panels' rows (57 rows do with
-        # two threads, not with one), the grouped path past them
-        packed = int(n <= panel_max_rows(torch.float32))
-        assert [e.cpu_experts.calls - c for e, c in zip(experts, expert_calls)] == [packed] * 2
+        # both, and every sparse layer, take the packed experts (57 x top-2 rows over 8 experts)
+        assert [e.cpu_experts.calls - c for e, c in zip(experts, expert_calls)] == [1, 1], n

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.cpu import extension
-from kernels.cpu.linear import panel_max_rows
+from kernels.cpu.moe_experts import MAX_MEAN_ROWS
 from tests.unit.worker_service.models.test_moe import H, E, hf_block, our_block
 from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.layers.moe import MoEExperts
@@ -80,8 +80,8 @@ def test_packed_experts_equal_the_grouped_path(dtype, atol, num_tokens, top_k):
 
 
 def test_one_expert_taking_every_token_and_the_row_limit():
-    """All rows on expert 3 (one group, the others skipped); past panel_max_rows tokens the
-    block keeps the grouped path (a prefill), which gives the same result."""
+    """All rows on expert 3 (one group, the others skipped); past MAX_MEAN_ROWS rows an expert on
+    average the block keeps the grouped path (a long prefill)."""
     experts = MoEExperts(E, H, 24, single_rank_group(), torch.float32)
     with torch.no_grad():
         experts.w13_weight.normal_(0.0, 0.3)
@@ -92,12 +92,12 @@ def test_one_expert_taking_every_token_and_the_row_limit():
     ids[:, 1] = 5
     packed, grouped = packed_and_grouped(experts, x, torch.full((7, 2), 0.5), ids)
     torch.testing.assert_close(packed, grouped, rtol=0, atol=1e-5)
-    many = panel_max_rows(torch.float32) + 1
-    calls = experts.cpu_experts.calls
-    with torch.no_grad():
-        experts(torch.randn(many, H), torch.full((many, 1), 1.0), torch.zeros(many, 1,
-                                                                               dtype=torch.long))
-    assert experts.cpu_experts.calls == calls
+    for pairs, packed in ((MAX_MEAN_ROWS * E, 1), (MAX_MEAN_ROWS * E + 2, 0)):
+        calls, tokens = experts.cpu_experts.calls, pairs // 2
+        with torch.no_grad():
+            experts(torch.randn(tokens, H), torch.full((tokens, 2), 0.5),
+                    torch.arange(tokens * 2).view(tokens, 2) % E)
+        assert experts.cpu_experts.calls == calls + packed, pairs
 
 
 def test_tp_slices_on_the_packed_path_sum_to_the_whole_block():
