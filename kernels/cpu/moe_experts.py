@@ -5,13 +5,14 @@ kept bfloat16), and one deltaserve_cpu.moe_experts call per layer (csrc/moe_expe
 grouping by expert, both GEMMs of every expert that received tokens in one parallel region,
 silu(gate) * up between them, and each token's weighted sum over its top-k.
 
-Taken while the experts get at most MAX_MEAN_ROWS rows on average (tokens x top-k <= that x
-experts: decode steps, and prefills up to 1024 tokens at 64 experts, top-8); longer prefills
-keep the grouped torch path. One block, E=64 top-8 H=1024 I=512, grouped / packed (this 2-core
-VM, loaded; medians of 3 rounds): float32 2.1x at 129 tokens, 1.5x at 512 (64 rows an expert),
-1.0x at 2048 (256 rows); bfloat16 3.3x at 129 and 512 tokens (F.linear's bf16 path is slow).
-An expert that gets many more rows than the mean still runs correctly, on the panels' k-chunked
-walk. The panels are one extra copy of the experts' weights (the dense layers keep two).
+Taken while the experts get at most MAX_MEAN_ROWS[dtype] rows on average (tokens x top-k <=
+that x experts): decode steps and short prefills; longer prefills keep the grouped torch path.
+The crossover, one block at E=64 top-8 H=1024 I=512 on the quiet 2-core Sapphire Rapids VM,
+grouped / packed (medians of 3 rounds): float32 2.1x at 32 rows an expert, 1.4x at 64, 1.0x at
+128; bfloat16 1.5x at 8 rows, 1.07x at 16, 0.83x at 32 (F.linear's bf16 GEMM uses the CPU's
+AMX tiles once there are rows enough; the panels widen bf16 to float32 FMAs). An expert that
+gets many more rows than the mean still runs correctly, on the panels' k-chunked walk. The
+panels are one extra copy of the experts' weights (the dense layers keep two).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from kernels.cpu import extension
 
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_MEAN_ROWS = 128
+MAX_MEAN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 
 
 class CpuExperts:
@@ -37,7 +38,7 @@ class CpuExperts:
 
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.device.type == "cpu"
-                and ids.numel() <= MAX_MEAN_ROWS * self.num_experts)
+                and ids.numel() <= MAX_MEAN_ROWS[self.dtype] * self.num_experts)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor,
                  ids: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,8 @@ def test_one_expert_taking_every_token_and_the_row_limit():
     ids[:, 1] = 5
     packed, grouped = packed_and_grouped(experts, x, torch.full((7, 2), 0.5), ids)
     torch.testing.assert_close(packed, grouped, rtol=0, atol=1e-5)
-    for pairs, packed in ((MAX_MEAN_ROWS * E, 1), (MAX_MEAN_ROWS * E + 2, 0)):
+    limit = MAX_MEAN_ROWS[torch.float32] * E
+    for pairs, packed in ((limit, 1), (limit + 2, 0)):
         calls, tokens = experts.cpu_experts.calls, pairs // 2
         with torch.no_grad():
             experts(torch.randn(tokens, H), torch.full((tokens, 2), 0.5),

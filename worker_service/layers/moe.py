@@ -9,11 +9,12 @@ kernel could read them as they are. The batch's (token, slot) pairs are sorted b
 expert that received tokens runs two GEMMs over its contiguous group: a host loop over at most E
 experts, never over tokens, after one host sync (the per-expert counts).
 
-On the CPU, after use_cpu_kernels() (at load, as the dense layers), a step whose experts get at
-most kernels/cpu/moe_experts.MAX_MEAN_ROWS rows on average takes kernels/cpu/moe_experts.py
-instead: every expert's weights packed in the dense layers' decode panels, and one C++ call per
-layer for the grouping, the GEMMs of the experts with tokens (all in one parallel region),
-silu-and-mul and the weighted sum; longer prefills keep the grouped torch path.
+On the CPU, after use_cpu_kernels() (at load, as the dense layers), a step whose experts get
+at most kernels/cpu/moe_experts.MAX_MEAN_ROWS[dtype] rows on average takes
+kernels/cpu/moe_experts.py instead: every expert's weights packed in the dense layers' decode
+panels, and one C++ call per layer for the grouping, the GEMMs of the experts with tokens (all
+in one parallel region), silu-and-mul and the weighted sum; longer prefills keep the grouped
+torch path.
 
 On CUDA (with Triton importable) the experts take kernels/fused_moe.py instead: the grouping on
 the device into fixed-size buffers and two grouped Triton GEMMs, no host sync and no shape that
