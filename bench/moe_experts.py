@@ -3,6 +3,8 @@
     python -m bench.moe_experts                     # CUDA: Qwen3-30B-A3B's experts, bf16
     python -m bench.moe_experts --device cpu --num-tokens 3 --experts 8 --top-k 2 \\
         --hidden 64 --inter 32                      # the CPU smoke run (Triton interpreter)
+    python -m bench.moe_experts --device cpu --cpu-kernels --experts 64 --hidden 1024 \\
+        --inter 512 --dtype float32                 # the CPU's packed experts (bench/moe_cpu.py)
 
 One sparse layer's routed experts (worker_service/layers/moe.py MoEExperts; defaults: 128
 experts, top-8, hidden 2048, moe_intermediate 768, as Qwen3-30B-A3B's 48 sparse layers), random
@@ -32,7 +34,8 @@ from bench.report import print_and_append
 # relative L2 error allowed; bf16 on CPU: the interpreter truncates each float32 -> bf16 cast
 # (a GPU rounds to nearest), and the fused chain's five casts shrink the output by ~1.7%
 CHECK_TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
-SIZE_DEFAULTS = {"cuda": ("1,8,32,128,256,2048", 100, 10), "cpu": ("3", 2, 1)}
+SIZE_DEFAULTS = {"cuda": ("1,8,32,128,256,2048", 100, 10), "cpu": ("3", 2, 1),
+                 "cpu-kernels": ("1,8,32", 10, 2)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-k", type=int, help="override kernels/fused_moe.BLOCK_K (reduction step)")
     add("--small-block-m", type=int, help="override kernels/fused_moe.SMALL_BLOCK_M (rows per "
         "block while pairs <= 4 x experts; >= 16)")
+    add("--cpu-kernels", action="store_true", help="CPU only: the whole sparse block, grouped "
+        "torch path vs the packed kernels (kernels/cpu/moe_experts.py) vs transformers' block, "
+        "in alternating rounds (bench/moe_cpu.py) instead of grouped vs fused")
+    add("--rounds", type=int, default=3, help="with --cpu-kernels: alternating rounds")
     add("--results-file", help="Markdown file the result block is appended to (default: none)")
     return p
 
@@ -128,11 +135,19 @@ def run_one(m, num_tokens: int, args, device: str, dtype: torch.dtype) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    device = resolve_kernel_bench_device(args.device)
-    sizes, iters, warmup = SIZE_DEFAULTS[device]
+    if args.cpu_kernels and args.device == "cuda":
+        raise SystemExit("--cpu-kernels needs --device cpu")
+    device = "cpu" if args.cpu_kernels else resolve_kernel_bench_device(args.device)
+    sizes, iters, warmup = SIZE_DEFAULTS["cpu-kernels" if args.cpu_kernels else device]
     args.iters = args.iters or iters
     args.warmup = args.warmup if args.warmup is not None else warmup
     dtype = getattr(torch, args.dtype)
+    if args.cpu_kernels:
+        from bench.moe_cpu import run
+
+        lines, ok = run(args, dtype, args.num_tokens or sizes)
+        print_and_append(lines, "bench.moe_experts", argv, args.results_file)
+        return 0 if ok else 1
     m = make_experts(args, device, dtype)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lines = [f"## MoE experts, {name}: E={args.experts} top-{args.top_k} H={args.hidden} "

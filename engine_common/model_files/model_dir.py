@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_files.moe_config import moe_config_problem
 
 # The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
 # MIN_MODEL_LEN, repeated because this room imports nothing of ours (tests/test_layers.py).
@@ -58,6 +59,9 @@ class ModelInfo:
         archs = config.get("architectures") or []
         if not archs:
             raise ModelDirError(f"{path / 'config.json'} names no architectures")
+        problem = moe_config_problem(config)
+        if problem is not None:
+            raise ModelDirError(f"{path / 'config.json'}: {problem}")
         eos = _as_tuple(gen.get("eos_token_id", config.get("eos_token_id")))
         native_len = int(config.get("max_position_embeddings", 2048))
         _check_model_len(max_model_len, native_len)

@@ -5,7 +5,9 @@
     before any process starts,
   - a MoE GGUF file (llama.cpp's qwen3moe/qwen2moe: stacked expert tensors), naming its
     general.architecture and the Hugging Face checkpoint that would serve,
-  - num_experts_per_tok above num_experts: the worker refuses Init naming both.
+  - num_experts_per_tok outside [1, num_experts], or moe_intermediate_size 0, in config.json:
+    refused when the model directory is read, before the worker starts, naming the field, its
+    value and the allowed range.
 """
 from __future__ import annotations
 
@@ -64,15 +66,21 @@ def test_a_moe_gguf_file_is_refused_naming_its_architecture(tiny_models, tmp_pat
         f"read: serve the Hugging Face checkpoint ({hf_arch}) instead"), out
 
 
-def test_more_experts_per_token_than_experts_is_refused_naming_both(tiny_models, tmp_path):
+@pytest.mark.parametrize("field, value, why", [
+    ("num_experts_per_tok", 9, "num_experts_per_tok=9 is invalid: must be in "
+                               "[1, num_local_experts=8]"),
+    ("num_experts_per_tok", 0, "num_experts_per_tok=0 is invalid: must be in "
+                               "[1, num_local_experts=8]"),
+    ("moe_intermediate_size", 0, "moe_intermediate_size=0 is invalid: must be >= 1"),
+])
+def test_an_impossible_moe_config_is_refused_before_the_worker_starts(tiny_models, tmp_path,
+                                                                       field, value, why):
     model = Path(shutil.copytree(tiny_models("qwen3_moe"), tmp_path / "model"))
     config = json.loads((model / "config.json").read_text())
     # transformers 5 writes num_local_experts (Hub checkpoints: num_experts)
     assert config["num_local_experts"] == 8
-    config["num_experts_per_tok"] = 9
+    config[field] = value
     (model / "config.json").write_text(json.dumps(config))
     code, out = serve(str(model))
     assert code == 2, out
-    assert "the worker refused the settings" in out, out
-    assert ("num_experts_per_tok=9 is invalid: must be in [1, num_local_experts=8]"
-            in out), out
+    assert out.strip() == f"deltaserve serve: error: {model / 'config.json'}: {why}", out

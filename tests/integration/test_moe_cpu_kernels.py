@@ -1,7 +1,7 @@
 """A mixture-of-experts model on the CPU with the deltaserve_cpu kernels (kernels/cpu): the dense
 layers (attention projections, the dense MLP, Qwen2-MoE's shared expert, the LM head) take the
-packed GEMMs, in a prefill (MKL) and a one-row decode (panels); the experts' stacked weights have
-no packed copy and run through F.linear; the logits still equal transformers'."""
+packed GEMMs, in a prefill (MKL) and a one-row decode (panels); the routed experts take their own
+packed kernel (kernels/cpu/moe_experts.py) in both; the logits still equal transformers'."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_dense_layers_take_the_cpu_kernels_and_experts_fall_back(tiny_models, arch):
+def test_dense_layers_and_experts_take_the_cpu_kernels(tiny_models, arch):
     path = tiny_models(arch)
     model = load(path)
     gemms = {name: m for name, m in model.named_modules() if isinstance(m, CpuGemm)}
@@ -30,11 +30,15 @@ def test_dense_layers_take_the_cpu_kernels_and_experts_fall_back(tiny_models, ar
     experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
     assert len(experts) == 2 and not any(e.fused for e in experts)
     assert not any(isinstance(m, CpuGemm) for e in experts for m in e.modules())
+    assert all(e.cpu_experts is not None for e in experts)
 
     for n in (57, 1):                       # a prefill past the panels' rows, then one row
         ids = torch.arange(n) * 37 % 500 + 3
         calls = {name: m.cpu_linear.calls for name, m in gemms.items()}
+        expert_calls = [e.cpu_experts.calls for e in experts]
         with torch.no_grad():
             expected = hf_model(path)(ids[None]).logits[0].float()
         torch.testing.assert_close(prefill_logits(model, ids), expected, rtol=0, atol=1e-4)
         assert all(m.cpu_linear.calls > calls[name] for name, m in gemms.items()), n
+        # both, and every sparse layer, take the packed experts (57 x top-2 rows over 8 experts)
+        assert [e.cpu_experts.calls - c for e, c in zip(experts, expert_calls)] == [1, 1], n

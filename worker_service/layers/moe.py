@@ -9,6 +9,13 @@ kernel could read them as they are. The batch's (token, slot) pairs are sorted b
 expert that received tokens runs two GEMMs over its contiguous group: a host loop over at most E
 experts, never over tokens, after one host sync (the per-expert counts).
 
+On the CPU, after use_cpu_kernels() (at load, as the dense layers), a step whose experts get
+at most kernels/cpu/moe_experts.MAX_MEAN_ROWS[dtype] rows on average takes
+kernels/cpu/moe_experts.py instead: every expert's weights packed in the dense layers' decode
+panels, and one C++ call per layer for the grouping, the GEMMs of the experts with tokens (all
+in one parallel region), silu-and-mul and the weighted sum; longer prefills keep the grouped
+torch path.
+
 On CUDA (with Triton importable) the experts take kernels/fused_moe.py instead: the grouping on
 the device into fixed-size buffers and two grouped Triton GEMMs, no host sync and no shape that
 depends on the routing, so CUDA graphs can capture a MoE decode step. `fused` says which path a
@@ -34,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import moe_experts as cpu_moe
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
                                             new_param, read_rows)
@@ -126,6 +134,15 @@ class MoEExperts(nn.Module):
         copy_checked(param.data[expert].narrow(0, offset, size),
                      read_rows(loaded, 0, start, size), f"expert {proj}")
 
+    cpu_experts: cpu_moe.CpuExperts | None = None
+
+    def use_cpu_kernels(self) -> bool:
+        """Pack the experts for kernels/cpu/moe_experts (CPU weights, unless forced onto the
+        fused Triton kernels); re-run after changing the weights."""
+        self.cpu_experts = None if self.fused_moe else cpu_moe.prepare(self.w13_weight.data,
+                                                                       self.w2_weight.data)
+        return self.cpu_experts is not None
+
     @property
     def fused(self) -> bool:
         """Whether forward runs kernels/fused_moe.py (no host sync) rather than the grouped
@@ -141,6 +158,8 @@ class MoEExperts(nn.Module):
         if self.fused:
             from kernels.fused_moe import fused_experts   # imports triton: only on this path
             return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        if self.cpu_experts is not None and self.cpu_experts.takes(x, ids):
+            return self.cpu_experts(x, weights, ids)
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)     # (token, slot) pairs grouped by expert

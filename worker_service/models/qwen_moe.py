@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_common.model_files.moe_config import moe_config_problem
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker_service.layers.moe import MoEExperts, TopKRouter, expert_target
@@ -44,11 +45,11 @@ class MoeArgs:
     def from_hf(cls, cfg: dict, shared_expert: bool) -> "MoeArgs":
         # transformers 5 writes num_local_experts; Hub checkpoints say num_experts
         field = "num_experts" if "num_experts" in cfg else "num_local_experts"
-        num_experts, top_k = int(cfg.get(field) or 0), int(cfg["num_experts_per_tok"])
-        if num_experts and not 1 <= top_k <= num_experts:
-            # refused under the names the config uses (the router would say num_experts)
-            raise ValueError(f"config.json: num_experts_per_tok={top_k} is invalid: must be in "
-                             f"[1, {field}={num_experts}]")
+        num_experts = int(cfg.get(field) or 0)
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        problem = moe_config_problem(cfg)    # the names the config uses (the router says
+        if problem is not None:              # num_experts); the scheduler refuses them first
+            raise ValueError(f"config.json: {problem}")
         return cls(
             hidden_size=int(cfg["hidden_size"]),
             num_experts=num_experts,

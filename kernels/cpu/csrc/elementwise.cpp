@@ -188,13 +188,6 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
 
 namespace {
 
-// silu(g) = g / (1 + e^-g), computed with e^-|g| only (exp_approx takes arguments <= 0).
-inline float silu(float g) {
-  const float e = exp_approx(-std::fabs(g));
-  const float sig = g >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-  return g * sig;
-}
-
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), inter = x.size(1) / 2;

@@ -185,6 +185,18 @@ void pack_impl(const W* src, int64_t n, int64_t k, W* dst) {
 
 }  // namespace
 
+// One panel against m rows of x for another file's loop (moe_experts.cpp): y[r][0..cols) =
+// x[r] . panel[..][0..cols), x [m, k] contiguous float32, acc a 64-byte aligned scratch of m * 32
+// floats; next (or nullptr) is the panel to prefetch.
+void panel_rows(const float* x, int64_t m, int64_t k, const float* panel, const float* next,
+                float* y, int64_t ldy, int cols, float* acc) {
+  rows_against_panel(x, m, k, panel, next, y, ldy, cols, acc);
+}
+void panel_rows(const float* x, int64_t m, int64_t k, const c10::BFloat16* panel,
+                const c10::BFloat16* next, float* y, int64_t ldy, int cols, float* acc) {
+  rows_against_panel(x, m, k, panel, next, y, ldy, cols, acc);
+}
+
 // weight [N, K] (float32 or bfloat16) -> panels [ceil(N / 32), K, 32], same dtype.
 at::Tensor panel_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [N, K]");

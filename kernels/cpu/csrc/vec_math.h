@@ -1,6 +1,7 @@
 // Small math helpers written so that GCC vectorizes them inside `#pragma omp simd` loops.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -26,6 +27,14 @@ inline float exp_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return tiny ? 0.0f : p * scale;
+}
+
+// silu(g) = g / (1 + e^-g), computed with e^-|g| only (exp_approx takes arguments <= 0); shared
+// by silu_and_mul (elementwise.cpp) and the MoE experts (moe_experts.cpp), so both round alike.
+inline float silu(float g) {
+  const float e = exp_approx(-std::fabs(g));
+  const float sig = g >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return g * sig;
 }
 
 }  // namespace deltaserve_cpu

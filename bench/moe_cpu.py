@@ -1,0 +1,123 @@
+"""The CPU mode of bench.moe_experts (`--cpu-kernels`): one Qwen3-MoE sparse block (router and
+routed experts) per token count T, three ways on the same random weights and inputs:
+
+    grouped       our SparseMoeBlock, experts on the grouped F.linear path (a host loop over the
+                  experts with tokens: what the CPU ran before kernels/cpu/moe_experts.py)
+    packed        the same block after use_cpu_kernels(): experts on kernels/cpu/moe_experts.py
+    transformers  transformers' Qwen3MoeSparseMoeBlock forward (its own loop over the experts)
+    dense         a dense gated MLP of the same active width (top_k x moe_intermediate) on the
+                  dense layers' CPU GEMMs: what a token costs without the routing (other
+                  weights, so not checked)
+
+in alternating rounds (each round times every path in turn, so all see the same machine): a
+round's figure is the median of --iters calls after --warmup, and each path's line gives min /
+median / max over --rounds rounds. packed and transformers are checked against grouped first
+(relative L2 error; a failure exits 1).
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from bench.kernel_timing import time_calls
+
+CHECK_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
+
+
+def make_blocks(args, dtype: torch.dtype):
+    """(ours, transformers') with the same weights: std 0.02 experts, std 0.5 router (routing
+    far from ties, so both pick the same experts)."""
+    import transformers as tf
+
+    from worker_service.layers.cpu_kernels import use_cpu_kernels
+    from worker_service.models.qwen_moe import MoeArgs, SparseMoeBlock
+    from worker_service.parallel_state import single_rank_group
+
+    cfg = tf.Qwen3MoeConfig(hidden_size=args.hidden, num_experts=args.experts,
+                            num_experts_per_tok=args.top_k, moe_intermediate_size=args.inter,
+                            norm_topk_prob=True, num_attention_heads=max(1, args.hidden // 64),
+                            num_key_value_heads=1)
+    torch.manual_seed(0)
+    theirs = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        theirs.gate.weight.normal_(0.0, 0.5)
+        theirs.experts.gate_up_proj.normal_(0.0, 0.02)
+        theirs.experts.down_proj.normal_(0.0, 0.02)
+    theirs = theirs.to(dtype)
+    ours = SparseMoeBlock(MoeArgs.from_hf(cfg.to_dict(), False), single_rank_group(), dtype)
+    with torch.no_grad():
+        ours.gate.weight.copy_(theirs.gate.weight)
+        ours.experts.w13_weight.copy_(theirs.experts.gate_up_proj)   # [E, 2I, H]: gate, up
+        ours.experts.w2_weight.copy_(theirs.experts.down_proj)
+    use_cpu_kernels(ours)
+    if ours.experts.cpu_experts is None:
+        raise SystemExit("the deltaserve_cpu kernels did not load: no packed path to time")
+    return ours, theirs
+
+
+def dense_mlp(args, dtype: torch.dtype):
+    """x -> down(silu(gate(x)) * up(x)) of width top_k * inter on kernels/cpu's GEMMs."""
+    from kernels.cpu import extension, linear
+
+    width = args.top_k * args.inter
+    w13 = (0.02 * torch.randn(2 * width, args.hidden)).to(dtype)
+    w2 = (0.02 * torch.randn(args.hidden, width)).to(dtype)
+    gate_up, down, ops = linear.prepare(w13), linear.prepare(w2), extension.ops()
+    return lambda x: down(ops.silu_and_mul(gate_up(x, w13)), w2)
+
+
+def paths(ours, theirs, dense, x: torch.Tensor) -> dict:
+    packed = ours.experts.cpu_experts
+
+    def grouped():
+        ours.experts.cpu_experts = None
+        try:
+            return ours(x)
+        finally:
+            ours.experts.cpu_experts = packed
+
+    return {"grouped": grouped, "packed": lambda: ours(x),
+            "transformers": lambda: theirs(x[None])[0], "dense": lambda: dense(x)}
+
+
+def run_one(ours, theirs, dense, num_tokens: int, args,
+            dtype: torch.dtype) -> tuple[str, bool]:
+    x = torch.randn(num_tokens, args.hidden).to(dtype)
+    calls = paths(ours, theirs, dense, x)
+    with torch.inference_mode():
+        want = calls["grouped"]().float()
+        for name in ("packed", "transformers"):
+            got = calls[name]().float()
+            err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+            if err > CHECK_TOL[args.dtype]:
+                return f"T={num_tokens}: CHECK FAILED, {name}: relative L2 error {err:.3g}", False
+        rounds = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                seconds = time_calls(call, "cpu", args.iters, args.warmup)
+                rounds[name].append(statistics.median(seconds) * 1e3)
+    parts = ", ".join(f"{name} {min(v):.2f} / {statistics.median(v):.2f} / {max(v):.2f} ms"
+                      for name, v in rounds.items())
+    med = {name: statistics.median(v) for name, v in rounds.items()}
+    return (f"T={num_tokens}: {parts} (min / median / max of {args.rounds} rounds); "
+            f"grouped / packed {med['grouped'] / med['packed']:.2f}x, transformers / packed "
+            f"{med['transformers'] / med['packed']:.2f}x, packed / dense "
+            f"{med['packed'] / med['dense']:.2f}x"), True
+
+
+def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:
+    """The report's lines and whether every check passed."""
+    import platform
+
+    ours, theirs = make_blocks(args, dtype)
+    dense = dense_mlp(args, dtype)
+    lines = [f"## MoE sparse block on the CPU ({platform.processor() or platform.machine()}, "
+             f"{torch.get_num_threads()} torch threads): E={args.experts} top-{args.top_k} "
+             f"H={args.hidden} I={args.inter} {args.dtype}", ""]
+    ok = True
+    for t in (int(s) for s in sizes.split(",")):
+        line, good = run_one(ours, theirs, dense, t, args, dtype)
+        lines.append(f"- {line}")
+        ok = ok and good
+    return lines, ok

@@ -1,0 +1,38 @@
+"""The mixture-of-experts fields of a config.json that no model could be built from, found when
+the model directory is first read (ModelInfo.from_dir), so `deltaserve serve` and the scheduler
+refuse them before any worker starts rather than at the worker's Init.
+
+With experts (num_experts, or transformers 5's num_local_experts, above 0) a token is routed to
+num_experts_per_tok of them, each of width moe_intermediate_size:
+
+    num_experts / num_local_experts   >= 0 (0: no sparse layer, every MLP dense, as transformers)
+    num_experts_per_tok               in [1, the expert count]
+    moe_intermediate_size             >= 1
+"""
+from __future__ import annotations
+
+EXPERT_FIELDS = ("num_experts", "num_local_experts")
+
+
+def moe_config_problem(config: dict) -> str | None:
+    """Why these MoE fields cannot be served ("<field>=<value> is invalid: must be ..."), or None
+    (also for a config without experts)."""
+    for name in (*EXPERT_FIELDS, "num_experts_per_tok", "moe_intermediate_size"):
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{name}={value!r} is invalid: must be an integer"
+    field = next((f for f in EXPERT_FIELDS if f in config), None)
+    if field is None:
+        return None
+    experts = config[field] or 0
+    if experts < 0:
+        return f"{field}={experts} is invalid: must be >= 0"
+    if experts == 0:
+        return None
+    top_k = config.get("num_experts_per_tok")
+    if top_k is None or not 1 <= top_k <= experts:
+        return (f"num_experts_per_tok={top_k} is invalid: must be in [1, {field}={experts}]")
+    inter = config.get("moe_intermediate_size")
+    if inter is None or inter < 1:
+        return f"moe_intermediate_size={inter} is invalid: must be >= 1"
+    return None

@@ -1,0 +1,38 @@
+"""bench.moe_experts --cpu-kernels at tiny sizes: the grouped, packed and transformers blocks are
+checked against each other, then timed in alternating rounds with the dense MLP of the same
+active width, min / median / max per path."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench import moe_experts
+from kernels.cpu import extension
+
+pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checks_then_times_three_paths_in_rounds(tmp_path, capsys, dtype):
+    results = tmp_path / "results.md"
+    argv = ["--device", "cpu", "--cpu-kernels", "--num-tokens", "1,6", "--experts", "8",
+            "--top-k", "8", "--hidden", "64", "--inter", "40", "--iters", "1", "--warmup", "0",
+            "--rounds", "2", "--dtype", dtype, "--results-file", str(results)]
+    assert moe_experts.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "CHECK FAILED" not in out
+    for t in (1, 6):
+        line = re.search(rf"^- T={t}: (.*)$", out, re.M)
+        assert line, out
+        for path in ("grouped", "packed", "transformers", "dense"):
+            lo, mid, hi = map(float, re.search(rf"{path} ([\d.]+) / ([\d.]+) / ([\d.]+) ms",
+                                               line.group(1)).groups())
+            assert 0 < lo <= mid <= hi
+        assert "(min / median / max of 2 rounds)" in line.group(1)
+    assert f"E=8 top-8 H=64 I=40 {dtype}" in results.read_text()
+
+
+def test_cpu_kernels_mode_is_refused_off_the_cpu():
+    with pytest.raises(SystemExit, match="--cpu-kernels needs --device cpu"):
+        moe_experts.main(["--device", "cuda", "--cpu-kernels"])

@@ -1,0 +1,125 @@
+"""The routed experts on the CPU's packed kernels (kernels/cpu/moe_experts.py, one C++ call per
+layer over every expert's panel-packed weights): after use_cpu_kernels() a CPU block takes them
+for a decode-sized batch, and they equal both the grouped F.linear path and transformers'
+Qwen3MoeSparseMoeBlock on the same weights, at routings that leave experts without tokens, send
+every token to every expert (top-k = E), or put a whole batch on one expert; bfloat16 rounds
+where the grouped path does, so the two agree to the bit there."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import extension
+from kernels.cpu.moe_experts import MAX_MEAN_ROWS
+from tests.unit.worker_service.models.test_moe import H, E, hf_block, our_block
+from worker_service.layers.cpu_kernels import use_cpu_kernels
+from worker_service.layers.moe import MoEExperts
+from worker_service.parallel_state import TPGroup, single_rank_group
+
+pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+def packed_and_grouped(experts: MoEExperts, x, weights, ids):
+    """(the packed kernel's output, the grouped F.linear path's) for one call each."""
+    calls = experts.cpu_experts.calls
+    with torch.no_grad():
+        packed = experts(x, weights, ids)
+        assert experts.cpu_experts.calls == calls + 1          # the packed path was taken
+        kept, experts.cpu_experts = experts.cpu_experts, None
+        try:
+            grouped = experts(x, weights, ids)
+        finally:
+            experts.cpu_experts = kept
+    return packed, grouped
+
+
+def routings(num_tokens: int, top_k: int, seed: int):
+    """ids [T, k]: random distinct experts per token, expert E - 1 never used (unless k = E,
+    every expert for every token, in a different order per token), and weights that sum to 1."""
+    g = torch.Generator().manual_seed(seed)
+    pool = E if top_k == E else E - 1
+    ids = torch.stack([torch.randperm(pool, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=g).softmax(-1)
+    return weights, ids
+
+
+@pytest.mark.parametrize("top_k", [1, 2, E])
+@pytest.mark.parametrize("num_tokens", [1, 5, 17])
+def test_packed_block_equals_transformers_and_the_grouped_path(num_tokens, top_k):
+    cfg, theirs = hf_block("qwen3_moe", norm_topk_prob=True)
+    theirs.top_k = theirs.gate.top_k = top_k
+    cfg.num_experts_per_tok = top_k
+    ours = our_block(cfg, theirs, single_rank_group())
+    assert use_cpu_kernels(ours) >= 1 and ours.experts.cpu_experts is not None
+    x = torch.randn(num_tokens, H)
+    with torch.no_grad():
+        expected = theirs(x[None])[0]
+        weights, ids = ours.gate(x)
+    if top_k < E and num_tokens < E:
+        assert ids.unique().numel() < E                 # some expert gets no token
+    packed, grouped = packed_and_grouped(ours.experts, x, weights, ids)
+    torch.testing.assert_close(packed, grouped, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0)])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 3), (9, 3), (4, E)])
+def test_packed_experts_equal_the_grouped_path(dtype, atol, num_tokens, top_k):
+    experts = MoEExperts(E, H, 24, single_rank_group(), dtype)
+    with torch.no_grad():
+        experts.w13_weight.normal_(0.0, 0.3)
+        experts.w2_weight.normal_(0.0, 0.3)
+    assert use_cpu_kernels(experts) == 2                # the experts and their SiluAndMul
+    x = torch.randn(num_tokens, H).to(dtype)
+    weights, ids = routings(num_tokens, top_k, seed=num_tokens)
+    if top_k < E:
+        assert (ids != E - 1).all()                     # the last expert has zero tokens
+    packed, grouped = packed_and_grouped(experts, x, weights.to(dtype), ids)
+    assert packed.dtype == dtype
+    torch.testing.assert_close(packed, grouped, rtol=0, atol=atol)
+
+
+def test_one_expert_taking_every_token_and_the_row_limit():
+    """All rows on expert 3 (one group, the others skipped); past MAX_MEAN_ROWS rows an expert on
+    average the block keeps the grouped path (a long prefill)."""
+    experts = MoEExperts(E, H, 24, single_rank_group(), torch.float32)
+    with torch.no_grad():
+        experts.w13_weight.normal_(0.0, 0.3)
+        experts.w2_weight.normal_(0.0, 0.3)
+    use_cpu_kernels(experts)
+    x = torch.randn(7, H)
+    ids = torch.full((7, 2), 3)
+    ids[:, 1] = 5
+    packed, grouped = packed_and_grouped(experts, x, torch.full((7, 2), 0.5), ids)
+    torch.testing.assert_close(packed, grouped, rtol=0, atol=1e-5)
+    limit = MAX_MEAN_ROWS[torch.float32] * E
+    for pairs, packed in ((limit, 1), (limit + 2, 0)):
+        calls, tokens = experts.cpu_experts.calls, pairs // 2
+        with torch.no_grad():
+            experts(torch.randn(tokens, H), torch.full((tokens, 2), 0.5),
+                    torch.arange(tokens * 2).view(tokens, 2) % E)
+        assert experts.cpu_experts.calls == calls + packed, pairs
+
+
+def test_tp_slices_on_the_packed_path_sum_to_the_whole_block():
+    """Each rank packs its half of every expert: the partial sums still add up to the block."""
+    cfg, theirs = hf_block("qwen2_moe", norm_topk_prob=False)
+    x = torch.randn(6, H)
+    with torch.no_grad():
+        expected = theirs(x[None])[0]
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        part = our_block(cfg, theirs, TPGroup(rank=rank, world_size=2))
+        use_cpu_kernels(part)
+        with torch.no_grad():
+            weights, ids = part.gate(x)
+            calls = part.experts.cpu_experts.calls
+            partial = part.experts(x, weights, ids)
+            assert part.experts.cpu_experts.calls == calls + 1
+            total += partial + part.shared_expert_gate(x) * part.shared_expert(x)
+    torch.testing.assert_close(total, expected, rtol=0, atol=1e-5)
+
+
+def test_forced_fused_experts_are_not_packed():
+    experts = MoEExperts(E, H, 24, single_rank_group(), torch.float32, fused_moe=True)
+    assert not experts.use_cpu_kernels() and experts.cpu_experts is None
