@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deltaserve.llm import LLM
+from engine_common.request.params import SamplingParams, StoppingParams
 from kernels.attention import cpu_paged
 from kernels.attention.selector import get_attention_backend
 from tests.integration.test_model_vs_transformers import PagedRunner, hf_logits
@@ -127,17 +128,38 @@ def test_fused_rope_per_layer_tables_writing_the_cache(gemma):
 
 
 def test_final_logit_softcap_matches_transformers(gemma):
-    """final_logit_softcapping=2: logits capped as transformers caps them; the LM head's fused
-    greedy path (uncapped logprobs) is off, so the sampler takes the capped logits."""
-    path = gemma(final_logit_softcapping=2.0)
+    """final_logit_softcapping=10: logits capped as transformers caps them."""
+    path = gemma(final_logit_softcapping=10.0)
     model = ours(path)
     ids = torch.arange(20) * 11 % 500 + 3
     got = prefill_logits(model, ids)
     torch.testing.assert_close(got, hf_logits(hf_model(path), ids), atol=ATOL, rtol=0)
-    assert got.abs().max() <= 2.0
-    assert model.lm_head.greedy(torch.zeros(1, 64), True) is None
+    assert got.abs().max() <= 10.0
     model.lm_head.softcap = None         # the cap mattered: uncapped, the logits go past it
-    assert prefill_logits(model, ids).abs().max() > 4.0
+    assert prefill_logits(model, ids).abs().max() > 12.0
+
+
+def test_final_logit_softcap_logprobs_through_the_engine(gemma):
+    """Greedy with logprobs through the engine: each token's logprob is transformers'
+    log-softmax of the capped logits. A 9000-id vocabulary gives the CPU LM head its fused
+    argmax path (uncapped logprobs), which a capped head turns off."""
+    path = gemma(final_logit_softcapping=10.0, vocab_size=9000)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=2)
+    head = llm.runner.model.lm_head
+    if head.cpu_linear is None:
+        pytest.skip("deltaserve_cpu not built")
+    assert head.cpu_linear.fuses_greedy and head.greedy(torch.zeros(1, 64)) is None
+    prompt = [5, 17, 33, 60, 2, 9, 41]
+    out = llm.generate([prompt], [SamplingParams()], StoppingParams(max_tokens=6,
+                                                                    ignore_eos=True),
+                       num_logprobs=0)[0]
+    full = torch.tensor(prompt + out.token_ids)
+    expected = torch.log_softmax(hf_logits(hf_model(path), full), dim=-1)
+    rows = expected[len(prompt) - 1:-1]
+    assert out.token_ids == rows.argmax(dim=-1).tolist()
+    got = torch.tensor([lp.logprob for lp in out.logprobs])
+    torch.testing.assert_close(got, rows.gather(1, full[len(prompt):, None])[:, 0],
+                               atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow

@@ -101,3 +101,13 @@ def test_final_logit_softcap_is_read():
 def test_one_kv_head_splits_over_any_head_split():
     """gemma-3-1b: 4 query heads, 1 kv head (replicated on every rank, as for Llama)."""
     assert valid_tp_sizes(GEMMA3_1B) == [1, 2, 4]
+
+
+def test_a_gemma3_gguf_is_refused_by_name(tmp_path):
+    """GGUF Gemma is not read (no tensor-name map, no per-type rope): refused before any
+    weight, naming the architecture and the supported ones."""
+    from engine_common.model_files.gguf_config import hf_config_from_gguf
+    from engine_common.model_files.gguf_file import GGUFError
+    from tests.unit.engine_common.model_files.test_gguf_config import _minimal
+    with pytest.raises(GGUFError, match="general.architecture='gemma3' is not supported"):
+        hf_config_from_gguf(_minimal(tmp_path, arch="gemma3"))
