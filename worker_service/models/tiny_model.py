@@ -18,7 +18,7 @@ import transformers as tf
 
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
-ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral")
+ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3")
 INITIALIZER_RANGE = 0.3
 
 
@@ -39,7 +39,16 @@ def _arch_config(arch: str):
     moe = {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
            "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
            "tie_word_embeddings": True}
+    # Gemma 3: 3 layers, sliding (window 8), full, sliding; each type its own rope table
+    # (full: theta 1e6 with linear scaling x8, as the 4B+ models; sliding: local base 1e4);
+    # attention scale 1/sqrt(24), not 1/sqrt(head_dim)
+    gemma3 = {"num_hidden_layers": 3, "sliding_window": 8, "query_pre_attn_scalar": 24,
+              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+              "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+              "tie_word_embeddings": True}
     table = {
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma3),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, moe),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                       {**moe, "norm_topk_prob": False, "shared_expert_intermediate_size": 48}),
