@@ -17,10 +17,11 @@ from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
 from kernels.attention import cpu_paged
 from kernels.attention.selector import get_attention_backend
-from tests.integration.test_model_vs_transformers import PagedRunner, hf_logits
+from tests.integration.test_model_vs_transformers import hf_logits
 from tests.support.attention_cases import ON_GPU, needs_kernels
 from tests.support.engine_checks import MAX_NEW, _check, _shared_prefix_prompts
 from tests.support.hf_reference import hf_model
+from tests.support.window_schedule import assert_chunks_and_decodes_match
 from tests.support.paged_prefill import assert_tp2_matches_tp1, prefill_logits
 from worker_service.models.gemma3 import Gemma3ForCausalLM
 from worker_service.models.loader import load_model
@@ -75,18 +76,7 @@ def test_chunked_prefill_then_decodes_far_past_the_window(gemma, backend):
     """Blocks of 4: chunks of 11, 16 and 5 (windows start mid-block), then 24 decodes, with a
     second request batched alongside; every step's logits equal transformers'."""
     path = gemma()
-    model, reference = ours(path, backend), hf_model(path)
-    seqs = [torch.arange(56) * 13 % 500 + 5, torch.arange(40) * 29 % 500 + 7]
-    expected = [hf_logits(reference, s) for s in seqs]
-    runner = PagedRunner(model, seqs, seed=3)
-    schedule = [[11, 16], [16, 0], [5, 4]] + [[1, 1]] * 20 + [[1, 0]] * 4
-    for num_new in schedule:
-        before = list(runner.done)
-        outs = runner.step(num_new)
-        for i, n in enumerate(num_new):
-            torch.testing.assert_close(outs[i], expected[i][before[i]:before[i] + n],
-                                       atol=ATOL, rtol=0)
-    assert runner.done == [56, 40]
+    assert_chunks_and_decodes_match(ours(path, backend), hf_model(path), ATOL)
 
 
 @pytest.mark.parametrize("backend,block_size", [("torch", 4), ("cpu", 4), ("cpu", 16),

@@ -36,6 +36,7 @@ from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import default_weight_loader, new_param
 from worker_service.models.gemma3_config import LAYER_TYPES, Gemma3Options
 from worker_service.models.llama import DecoderArgs
+from worker_service.models.causal_lm import CausalLMHeadMixin
 from worker_service.parallel_state import TPGroup
 
 
@@ -177,7 +178,7 @@ class SoftcappedLMHead(ParallelLMHead):
         return logits.float()
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
     """A Gemma 3 text causal LM over the paged KV cache; same interface as
     models/llama.py's LlamaForCausalLM (forward -> hidden, compute_logits -> float32 logits)."""
 
@@ -205,17 +206,3 @@ class Gemma3ForCausalLM(nn.Module):
         self.num_layers = args.num_layers
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads      # per rank
         self.head_dim = args.head_dim
-
-    @property
-    def lm_head_is_tied(self) -> bool:
-        return self.lm_head.weight is self.model.embed_tokens.weight
-
-    def tie_lm_head(self) -> None:
-        self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

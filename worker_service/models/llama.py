@@ -27,6 +27,7 @@ from worker_service.layers.linear import (MergedColumnParallelLinear, QKVParalle
                                           RowParallelLinear)
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding, get_rope
+from worker_service.models.causal_lm import CausalLMHeadMixin
 from worker_service.parallel_state import TPGroup
 
 
@@ -193,7 +194,7 @@ class DecoderModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
     """A causal LM over the paged KV cache.
 
     forward(input_ids [T] int64, positions [T] int64, kv_caches (one per layer), meta)
@@ -251,21 +252,6 @@ class LlamaForCausalLM(nn.Module):
         """Per-layer MLP builder for DecoderModel; None: every layer is dense (subclasses with
         sparse layers override; see models/qwen_moe.py)."""
         return None
-
-    @property
-    def lm_head_is_tied(self) -> bool:
-        return self.lm_head.weight is self.model.embed_tokens.weight
-
-    def tie_lm_head(self) -> None:
-        """Make the LM head share the input embedding's weight."""
-        self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
