@@ -59,7 +59,7 @@ class ModelInfo:
         if not archs:
             raise ModelDirError(f"{path / 'config.json'} names no architectures")
         eos = _as_tuple(gen.get("eos_token_id", config.get("eos_token_id")))
-        native_len = int(config.get("max_position_embeddings", 2048))
+        native_len = _native_len(config.get("max_position_embeddings", 2048))
         _check_model_len(max_model_len, native_len)
         return cls(path=str(path), name=name, architecture=archs[0],
                    vocab_size=int(config["vocab_size"]),
@@ -75,6 +75,17 @@ class ModelInfo:
         if eos_token_id is None or eos_token_id in self.eos_token_ids:
             return self
         return dataclasses.replace(self, eos_token_ids=self.eos_token_ids + (eos_token_id,))
+
+
+def _native_len(value) -> int:
+    """config.json's max_position_embeddings as an int, else ModelDirError: null, a list or a
+    string raised TypeError/ValueError from int() (an INTERNAL Init, a traceback in serve)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelDirError(f"config.json: max_position_embeddings={value!r} is invalid: must "
+                            "be an integer")
+    return value
 
 
 def _check_model_len(max_model_len: int | None, native_len: int) -> None:
