@@ -26,6 +26,9 @@ CASES = [
     {"use_sliding_window": True, "max_window_layers": 2},     # key absent
     {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
     {"use_sliding_window": False},
+    # max_window_layers at its edges (no layer_types: the rule i >= max_window_layers)
+    *({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": n}
+      for n in (0, LAYERS - 1, LAYERS, LAYERS + 5, -1)),
 ]
 
 
