@@ -63,7 +63,7 @@ class ModelInfo:
         if problem is not None:
             raise ModelDirError(f"{path / 'config.json'}: {problem}")
         eos = _as_tuple(gen.get("eos_token_id", config.get("eos_token_id")))
-        native_len = int(config.get("max_position_embeddings", 2048))
+        native_len = model_position_limit(config)
         _check_model_len(max_model_len, native_len)
         return cls(path=str(path), name=name, architecture=archs[0],
                    vocab_size=int(config["vocab_size"]),
@@ -81,8 +81,36 @@ class ModelInfo:
         return dataclasses.replace(self, eos_token_ids=self.eos_token_ids + (eos_token_id,))
 
 
+def model_position_limit(config: dict) -> int:
+    """The longest sequence the model's rope covers: max_position_embeddings, times the factor
+    of linear rope scaling, as vLLM derives it (a Vicuna-v1.5-16k config says 4096 with linear
+    factor 4: transformers' rope takes positions past 4096, and the model was tuned to 16384).
+    Llama 3 scaling's max_position_embeddings is already the extended one (vLLM agrees). The
+    rotary tables (worker_service/layers/rotary.py) are this long."""
+    native = _native_len(config.get("max_position_embeddings", 2048))
+    scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if (scaling.get("rope_type") or scaling.get("type")) != "linear":
+        return native
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ModelDirError(f"config.json: linear rope scaling factor={factor!r} is invalid: "
+                            "must be a number >= 1")
+    return int(native * factor)
+
+
+def _native_len(value) -> int:
+    """config.json's max_position_embeddings as an int, else ModelDirError: null, a list or a
+    string raised TypeError/ValueError from int() (an INTERNAL Init, a traceback in serve)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelDirError(f"config.json: max_position_embeddings={value!r} is invalid: must "
+                            "be an integer")
+    return value
+
+
 def _check_model_len(max_model_len: int | None, native_len: int) -> None:
-    """ModelDirError naming the value and the range. No override past max_position_embeddings
+    """ModelDirError naming the value and the range. No override past the model's length
     (vLLM has one, VLLM_ALLOW_LONG_MAX_MODEL_LEN): the rotary tables stop there."""
     if native_len < MIN_MODEL_LEN:
         raise ModelDirError(f"max_position_embeddings={native_len} is invalid: must be at least "
@@ -90,7 +118,8 @@ def _check_model_len(max_model_len: int | None, native_len: int) -> None:
     allowed = f"must be in [{MIN_MODEL_LEN}, {native_len}]"
     if max_model_len is not None and max_model_len > native_len:
         raise ModelDirError(f"max_model_len={max_model_len} exceeds the model's "
-                            f"max_position_embeddings ({native_len}): {allowed}")
+                            f"max_position_embeddings ({native_len}, times a linear rope "
+                            f"scaling factor if any): {allowed}")
     if max_model_len is not None and max_model_len < MIN_MODEL_LEN:
         raise ModelDirError(f"max_model_len={max_model_len} is invalid: {allowed} (a prompt "
                             "token and an output token)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine_common.model_files.model_dir import model_position_limit
 from kernels.cpu.fused import ops_for
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -160,5 +161,5 @@ def _load_fused_kernel():
 def get_rope(head_dim: int, hf_config: dict, fused: bool = False) -> RotaryEmbedding:
     """The rotary embedding a Hugging Face config asks for (fused: see RotaryEmbedding)."""
     settings = RopeSettings.from_hf_config(hf_config)
-    max_position = int(hf_config.get("max_position_embeddings", 2048))
+    max_position = model_position_limit(hf_config)     # max_model_len's bound: as long
     return RotaryEmbedding(head_dim, max_position, settings, fused)

@@ -237,14 +237,24 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
         self.num_kv_heads = first_attn.num_kv_heads      # per rank
         self.head_dim = args.head_dim
 
+    # The window transformers' config class gives a config.json without the key (null: none):
+    # 4096 for Mistral, Qwen2/Qwen3 and their MoE configs; LlamaConfig has no such field.
+    default_sliding_window: int | None = None
+
+    @classmethod
+    def configured_window(cls, hf_config: dict) -> int:
+        """config.json's sliding_window as transformers reads it: absent, the config class's
+        default; null, 0 (none)."""
+        return int(hf_config.get("sliding_window", cls.default_sliding_window) or 0)
+
     @classmethod
     def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
         """Each layer's sliding window (0: none). Llama has none; a subclass without a rule of
         its own refuses a config that turns one on (use_sliding_window) rather than ignore it."""
-        if hf_config.get("use_sliding_window") and hf_config.get("sliding_window"):
-            raise ValueError(f"config.json: use_sliding_window with sliding_window="
-                             f"{hf_config['sliding_window']} is not supported for "
-                             f"{cls.__name__}")
+        window = cls.configured_window(hf_config)
+        if hf_config.get("use_sliding_window") and window:
+            raise ValueError(f"config.json: use_sliding_window with sliding_window={window} "
+                             f"is not supported for {cls.__name__}")
         return (0,) * num_layers
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup,
@@ -258,16 +268,18 @@ class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: the Llama layout without biases; sliding_window (when set) on every layer, as
     transformers' MistralModel (which ignores layer_types)."""
 
+    default_sliding_window = 4096         # MistralConfig's
+
     @classmethod
     def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
-        return (int(hf_config.get("sliding_window") or 0),) * num_layers
+        return (cls.configured_window(hf_config),) * num_layers
 
 
-def qwen_layer_windows(hf_config: dict, num_layers: int) -> tuple[int, ...]:
+def qwen_layer_windows(hf_config: dict, num_layers: int, window: int) -> tuple[int, ...]:
     """Qwen2/Qwen3 (transformers' Qwen2Config/Qwen3Config): no window unless use_sliding_window
-    and sliding_window are set; then the layers layer_types marks "sliding_attention", or
-    without layer_types the layers i >= max_window_layers (28 by default)."""
-    window = int(hf_config.get("sliding_window") or 0)
+    is true and `window` (configured_window: absent, the configs' 4096) is not 0; then the
+    layers layer_types marks "sliding_attention", or without layer_types the layers
+    i >= max_window_layers (28 by default)."""
     if not hf_config.get("use_sliding_window") or not window:
         return (0,) * num_layers
     types = hf_config.get("layer_types")
@@ -286,17 +298,19 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     qkv_bias = True
     o_bias = False
+    default_sliding_window = 4096         # Qwen2Config's
 
     @classmethod
     def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
-        return qwen_layer_windows(hf_config, num_layers)
+        return qwen_layer_windows(hf_config, num_layers, cls.configured_window(hf_config))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: RMSNorm over each q and k head before rope; biases follow attention_bias."""
 
     qk_norm = True
+    default_sliding_window = 4096         # Qwen3Config's
 
     @classmethod
     def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
-        return qwen_layer_windows(hf_config, num_layers)
+        return qwen_layer_windows(hf_config, num_layers, cls.configured_window(hf_config))

@@ -129,6 +129,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     qk_norm = True
     shared_expert = False
+    # Qwen2MoeConfig's and Qwen3MoeConfig's: use_sliding_window without the key is refused too
+    default_sliding_window = 4096
 
     @property
     def graph_capture_blocker(self) -> str | None:

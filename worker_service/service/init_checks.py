@@ -5,10 +5,12 @@ the epoch and the owner as they were).
                           most NAME_MAX (a 100,000-character one failed as an INTERNAL OSError
                           whose status, repeating it, exceeded gRPC's metadata limit)
     --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR
-    max_model_len         in [2, the model's max_position_embeddings]: the field's rule (a prompt
-                          token and an output token; RunnerConfig, before these checks) and
-                          ModelInfo.from_dir (no override past the model's: its rotary tables
-                          end there); `deltaserve serve` and the scheduler refuse the same first
+    max_model_len         in [2, the model's max_position_embeddings (times a linear rope
+                          scaling factor: model_dir.model_position_limit)]: the field's rule
+                          (a prompt token and an output token; RunnerConfig, before these
+                          checks) and ModelInfo.from_dir (no override past the model's: its
+                          rotary tables end there); `deltaserve serve` and the scheduler
+                          refuse the same first
     runner settings       runner/preflight.py: everything a ModelRunner checks before its weights
     --max-message-mib     the largest step diff the settings allow must fit in one Worker message
     memory                runner/memory_fit.py: the weights and KV cache, estimated, must fit the

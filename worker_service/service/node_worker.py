@@ -34,7 +34,7 @@ from engine_common.model_files.model_dir import read_model_configs
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.models.tp_sizes import check_tp_size
 from worker_service.device_info import DeviceDescription
-from worker_service.failures import FailureKind, StepFailure
+from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
 from worker_service.service.fencing import Fence, check_owner
 from worker_service.service.init_checks import InitGuards, check_init
@@ -174,9 +174,10 @@ class NodeWorker:
             self._drop_held()
             try:
                 dropped = self.ranks.drop_requests()
-            except StepFailure as failure:
-                # The fence stays (the owner's steps must not read as a takeover's, STALE);
-                # the current epoch is over: its requests may be half dropped.
+            except Exception as e:  # noqa: BLE001 - any error (a CUDA one too) may leave half
+                # the requests dropped. The fence stays (the owner's steps must not read as a
+                # takeover's, STALE); the current epoch is over.
+                failure = as_failure(e)
                 self._failure = StepFailure(failure.kind, f"a Reset to epoch {epoch} failed: "
                                                           f"{failure}")
                 raise
@@ -219,8 +220,8 @@ class NodeWorker:
             self._drop_held()
             try:
                 dropped = f"its {self.ranks.drop_requests()} cached requests were dropped"
-            except StepFailure as failure:
-                dropped = f"dropping its cached requests failed ({failure})"
+            except Exception as e:  # noqa: BLE001 - the epoch ends whatever the drop raised
+                dropped = f"dropping its cached requests failed ({as_failure(e)})"
             why = (f"the Step stream of epoch {key[0]} ended and no stream of the epoch stepped "
                    f"within {self.orphans.grace_s:g} s: {dropped}")
             log.warning("%s; Reset or Init is required", why)

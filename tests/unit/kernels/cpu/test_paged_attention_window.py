@@ -2,7 +2,7 @@
 the torch reference loop, on each build (conftest.py): decodes far past the window (the narrow
 vector bodies), wide prefill tiles whose rows' windows start in different chunks, chunks after
 cached prefixes, windows of 1, under a chunk, across chunks and blocks, and over the sequence;
-float32 and bfloat16; block sizes 4 (chunks cross blocks) and 16."""
+float32 and bfloat16; block sizes 4 (chunks cross blocks) and 16; head sizes 16 to 128."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +61,14 @@ def test_negative_window_is_refused(ops):
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         ops.paged_attention(query, cache, meta.block_table, meta.query_start_loc_cpu,
                             meta.seq_lens_cpu, 0.25, torch.empty_like(query), -1)
+
+
+@pytest.mark.parametrize("window", [1, 17, 131])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 80), (12, 4, 96)])
+def test_window_at_head_dims_80_and_96(window, heads, kv_heads, head_dim):
+    """The head sizes the vector bodies handle in pieces (80, 96: not a multiple of a chunk)."""
+    gen = torch.Generator().manual_seed(window + head_dim)
+    case = make_case(gen, SEQ_LENS + [140], QUERY_LENS + [3], heads, kv_heads, head_dim, 16,
+                     torch.float32, num_pad=2)
+    got, want = run_both(case, window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -1,5 +1,5 @@
 """Which layers get a sliding window, read from config.json as transformers 5 reads it:
-Mistral every layer (sliding_window null: none); Qwen2/Qwen3 only with use_sliding_window, the
+Mistral every layer (sliding_window null: none; absent: the config class's 4096); Qwen2/Qwen3 only with use_sliding_window, the
 layers layer_types marks "sliding_attention", else those from max_window_layers on; Llama and
 the MoE models refuse a config that turns a window on; a backend without windows is refused."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausa
 def test_mistral_windows_every_layer_or_none():
     assert MistralForCausalLM.layer_windows({"sliding_window": 4096}, 3) == (4096,) * 3
     assert MistralForCausalLM.layer_windows({"sliding_window": None}, 2) == (0, 0)
-    assert MistralForCausalLM.layer_windows({}, 2) == (0, 0)
+    assert MistralForCausalLM.layer_windows({}, 2) == (4096, 4096)   # MistralConfig's default
     # transformers' MistralModel ignores layer_types: so do we
     cfg = {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]}
     assert MistralForCausalLM.layer_windows(cfg, 2) == (8, 8)

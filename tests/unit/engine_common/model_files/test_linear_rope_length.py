@@ -1,0 +1,63 @@
+"""A linear rope-scaled model's length is max_position_embeddings times the factor, as vLLM
+derives it: such a config (Vicuna-v1.5-16k: 4096, linear factor 4) was capped at 4096 and a
+max_model_len of 16384 refused, though transformers' rope takes every position and the model
+was tuned to 16384. The rotary table is as long, so every admitted position has a row, and its
+rows past max_position_embeddings equal transformers' linear rope there. Llama 3 scaling (whose
+max_position_embeddings is already the extended one) and no scaling keep the plain value."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_common.model_files.model_dir import ModelDirError, ModelInfo, model_position_limit
+from worker_service.layers.rotary import get_rope
+
+LINEAR = {"rope_scaling": {"type": "linear", "factor": 4.0}}
+LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+
+
+def _model_dir(tmp_path, **fields):
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32,
+              "max_position_embeddings": 256, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_linear_scaling_extends_the_length_others_do_not(tmp_path):
+    assert ModelInfo.from_dir(_model_dir(tmp_path, **LINEAR)).max_model_len == 1024
+    assert ModelInfo.from_dir(_model_dir(tmp_path, **LINEAR), 1024).max_model_len == 1024
+    with pytest.raises(ModelDirError, match=r"max_model_len=1025 .*\[2, 1024\]"):
+        ModelInfo.from_dir(_model_dir(tmp_path, **LINEAR), 1025)
+    assert ModelInfo.from_dir(_model_dir(tmp_path, **LLAMA3)).max_model_len == 256
+    assert ModelInfo.from_dir(_model_dir(tmp_path)).max_model_len == 256
+    # transformers 5's layout names it rope_parameters
+    params = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    assert model_position_limit({"max_position_embeddings": 256, **params}) == 512
+
+
+@pytest.mark.parametrize("factor", [None, "4", 0.5, True])
+def test_a_bad_linear_factor_is_refused_by_name(tmp_path, factor):
+    with pytest.raises(ModelDirError, match="linear rope scaling factor=.* must be a number"):
+        ModelInfo.from_dir(_model_dir(tmp_path, rope_scaling={"type": "linear",
+                                                              "factor": factor}))
+
+
+def test_the_rotary_table_covers_the_length_and_equals_transformers_past_the_base():
+    transformers = pytest.importorskip("transformers")
+    config = {"max_position_embeddings": 256, "hidden_size": 64, "num_attention_heads": 4,
+              "rope_theta": 10000.0, **LINEAR}
+    rope = get_rope(16, config)
+    q = torch.randn(3, 4, 16)
+    k = torch.randn(3, 4, 16)
+    positions = torch.tensor([0, 700, 1023])          # past 256: the linear range
+    got_q, got_k = rope(positions, q.clone(), k.clone())
+    hf_config = transformers.LlamaConfig(**config)
+    hf_rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
+    cos, sin = hf_rope(q, positions[None])
+    want_q, want_k = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
