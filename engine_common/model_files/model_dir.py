@@ -89,6 +89,8 @@ def model_position_limit(config: dict) -> int:
     rotary tables (worker_service/layers/rotary.py) are this long."""
     native = _native_len(config.get("max_position_embeddings", 2048))
     scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if "gemma3" in str(config.get("model_type", "")):
+        return native      # its max_position_embeddings is already the scaled one (as vLLM)
     if (scaling.get("rope_type") or scaling.get("type")) != "linear":
         return native
     factor = scaling.get("factor")

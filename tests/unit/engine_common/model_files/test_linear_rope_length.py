@@ -61,3 +61,13 @@ def test_the_rotary_table_covers_the_length_and_equals_transformers_past_the_bas
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma3"])
+def test_gemma3_keeps_its_length(tmp_path, model_type):
+    """Gemma 3's max_position_embeddings is already the scaled length (its 4B+ configs say
+    131072 with linear factor 8 on the full layers; vLLM skips the factor for gemma3 too); its
+    rope tables (models/gemma3.py) are that long, so a factor applied here would admit
+    positions they have no row for."""
+    path = _model_dir(tmp_path, model_type=model_type, **LINEAR)
+    assert ModelInfo.from_dir(path).max_model_len == 256
