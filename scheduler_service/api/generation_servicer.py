@@ -79,8 +79,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async with aclosing(self._engine.generate(engine_request)) as outputs:
                     async for out in outputs:
                         streamed = True
-                        msg = output_to_proto(out, self._token_text, own_id,
-                                              engine_request.prompt_token_ids)
+                        args = (out, self._token_text, own_id,
+                                engine_request.prompt_token_ids)
+                        # Prompt logprobs take seconds for a long prompt: built off the
+                        # event loop, so that the other streams keep flowing meanwhile.
+                        msg = (output_to_proto(*args) if out.prompt_logprobs is None
+                               else await asyncio.to_thread(output_to_proto, *args))
                         writing = True
                         await context.write(msg)
                         writing = False

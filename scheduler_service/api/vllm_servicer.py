@@ -184,7 +184,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         eos = None if inp.stopping.ignore_eos else self._model.tokenizer.eos_token_id
         async for index, out in self._outputs(requests):
             tally.output(out)
-            for msg in _messages(inp, index, out, choices[index], eos, prompt_ids):
+            if inp.num_prompt_logprobs is None:
+                msgs = _messages(inp, index, out, choices[index], eos, prompt_ids)
+            else:       # prompt logprobs take seconds for a long prompt: off the event loop
+                msgs = await asyncio.to_thread(_messages, inp, index, out, choices[index],
+                                               eos, prompt_ids)
+            for msg in msgs:
                 if inp.stream:
                     yield msg
                 else:
