@@ -119,6 +119,14 @@ class PendingStep:
     layout: int = -1                        # ...valid while InputBatch.layout is this
     prompt_logprobs: object | None = None   # the step's PromptLogprobStep, when it has one
 
+    def wait_device(self) -> None:
+        """Block until the step's device work is done (its read-back, else its staging copies);
+        the read-back itself stays for finish_step."""
+        if self.tokens is not None:
+            self.tokens.wait_device()
+        elif self.copied is not None:
+            self.copied.synchronize()
+
 
 def top_alternatives(handles: list[int], num_logprobs: np.ndarray | None,
                      sampled: SampledTokens) -> dict:
@@ -131,14 +139,6 @@ def top_alternatives(handles: list[int], num_logprobs: np.ndarray | None,
             if k > 0:                    # NO_LOGPROBS (-1): none at all
                 top[handles[i]] = (sampled.top_ids[i, :k], sampled.top_logprobs[i, :k])
     return top
-
-    def wait_device(self) -> None:
-        """Block until the step's device work is done (its read-back, else its staging copies);
-        the read-back itself stays for finish_step."""
-        if self.tokens is not None:
-            self.tokens.wait_device()
-        elif self.copied is not None:
-            self.copied.synchronize()
 
 
 @dataclass

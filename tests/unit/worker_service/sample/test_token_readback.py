@@ -55,3 +55,18 @@ def test_rows_that_changed_hands_are_searched_by_handle():
     batch.condense()
     fast, searched = _plans(batch, prev)
     assert fast == searched == ([0, 1], [2, 1])
+
+
+def test_pending_step_waits_on_its_read_back():
+    """The pipelined worker's watcher waits on a launched step's device work through
+    PendingStep.wait_device (service/step_pipeline.py); a module function placed inside the
+    dataclass once left it without the method, and every pipelined worker's step 1 hung."""
+    waited = []
+
+    class Tokens:
+        def wait_device(self):
+            waited.append("tokens")
+
+    PendingStep(3, tokens=Tokens()).wait_device()
+    PendingStep(4).wait_device()                    # nothing sampled, no copies: returns
+    assert waited == ["tokens"]
