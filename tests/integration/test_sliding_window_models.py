@@ -10,14 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.llm import LLM
 from kernels.attention import cpu_paged
 from kernels.attention.selector import get_attention_backend
 from tests.integration.test_model_vs_transformers import hf_logits
 from tests.support.attention_cases import ON_GPU, needs_kernels
-from tests.support.engine_checks import MAX_NEW, _check, _shared_prefix_prompts
 from tests.support.hf_reference import hf_model
-from tests.support.window_schedule import assert_chunks_and_decodes_match
+from tests.support.window_schedule import (assert_chunks_and_decodes_match,
+                                          assert_engine_greedy_with_prefix_hits)
 from tests.support.paged_prefill import prefill_logits
 from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
@@ -87,19 +86,7 @@ def test_engine_greedy_with_chunks_and_prefix_hits(windowed, arch, backend, bloc
     greedy tokens equal transformers' generate() and the prefix cache was hit."""
     if backend == "cpu":
         cpu_kernel_or_skip()
-    path = windowed(arch)
-    llm = LLM(path, dtype="float32", attention_backend=backend, block_size=block_size,
-              num_kv_blocks=512, max_num_seqs=4, max_num_batched_tokens=16)
-    prompts = _shared_prefix_prompts(llm.model_info.vocab_size)
-    if backend == "triton":          # the interpreter: fewer requests (prompts[-2] repeats 1)
-        prompts = prompts[:2] + prompts[-2:-1]
-    first = _check(llm, path, prompts[:1], f"{arch}/{backend}/first")
-    rest = _check(llm, path, prompts[1:], f"{arch}/{backend}/prefix")
-    cached = [o.num_cached_tokens for o in first + rest]
-    assert cached[0] == 0
-    assert cached[1] >= 70 // block_size * block_size, cached      # the shared prefix
-    assert cached[-1] > 0, cached                                   # a repeated prompt
-    assert all(len(o.token_ids) == MAX_NEW for o in first + rest)
+    assert_engine_greedy_with_prefix_hits(windowed(arch), backend, block_size, arch)
 
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=TRITON) for a in CONFIGS])

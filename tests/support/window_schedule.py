@@ -1,10 +1,13 @@
-"""Chunked prefill then decodes far past a sliding window, step by step against transformers:
-what the windowed-model tests (Mistral / Qwen2 windows, Gemma 3) share."""
+"""Chunked prefill then decodes far past a sliding window, step by step against transformers,
+and the engine's greedy tokens with prefix hits: what the windowed-model tests (Mistral / Qwen2
+windows, Gemma 3) share."""
 from __future__ import annotations
 
 import torch
 
+from deltaserve.llm import LLM
 from tests.integration.test_model_vs_transformers import PagedRunner, hf_logits
+from tests.support.engine_checks import MAX_NEW, _check, _shared_prefix_prompts
 
 # Blocks of 4: chunks of 11, 16 and 5 (windows start mid-block), then 24 decodes, a second
 # request batched alongside for 20 of them.
@@ -23,3 +26,21 @@ def assert_chunks_and_decodes_match(model, reference, atol: float) -> None:
             torch.testing.assert_close(outs[i], expected[i][before[i]:before[i] + n],
                                        atol=atol, rtol=0)
     assert runner.done == [56, 40]
+
+
+def assert_engine_greedy_with_prefix_hits(path: str, backend: str, block_size: int,
+                                          label: str) -> None:
+    """Prompts up to 130 tokens, 16 tokens a step, a 70-token shared prefix: the engine's greedy
+    tokens equal transformers' generate() and the prefix cache was hit."""
+    llm = LLM(path, dtype="float32", attention_backend=backend, block_size=block_size,
+              num_kv_blocks=512, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = _shared_prefix_prompts(llm.model_info.vocab_size)
+    if backend == "triton":          # the interpreter: fewer requests (prompts[-2] repeats 1)
+        prompts = prompts[:2] + prompts[-2:-1]
+    first = _check(llm, path, prompts[:1], f"{label}/{backend}/first")
+    rest = _check(llm, path, prompts[1:], f"{label}/{backend}/prefix")
+    cached = [o.num_cached_tokens for o in first + rest]
+    assert cached[0] == 0
+    assert cached[1] >= 70 // block_size * block_size, cached      # the shared prefix
+    assert cached[-1] > 0, cached                                   # a repeated prompt
+    assert all(len(o.token_ids) == MAX_NEW for o in first + rest)

@@ -30,12 +30,11 @@ from torch import nn
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
 from worker_service.layers.attention import Attention
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker_service.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                          RowParallelLinear)
+from worker_service.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import default_weight_loader, new_param
 from worker_service.models.gemma3_config import LAYER_TYPES, Gemma3Options
-from worker_service.models.llama import DecoderArgs
+from worker_service.models.llama import DecoderArgs, DecoderMLP
 from worker_service.models.causal_lm import CausalLMHeadMixin
 from worker_service.parallel_state import TPGroup
 
@@ -55,19 +54,20 @@ class GemmaRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3MLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up packed into one column-parallel matmul."""
-
-    def __init__(self, args: DecoderArgs, tp: TPGroup, dtype: torch.dtype) -> None:
-        super().__init__()
-        inter = args.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(args.hidden_size, [inter, inter],
-                                                       args.mlp_bias, tp, dtype)
-        self.down_proj = RowParallelLinear(inter, args.hidden_size, args.mlp_bias, tp, dtype)
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up over [..., 2 * inter] (Gemma's hidden_activation)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class Gemma3MLP(DecoderMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): Llama's MLP with Gemma's activation."""
+
+    def __init__(self, args: DecoderArgs, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__(args, tp, dtype)
+        self.act_fn = GeluTanhAndMul()
 
 
 class Gemma3Attention(nn.Module):
