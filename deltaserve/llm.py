@@ -270,7 +270,8 @@ class LLM:
              constraint: Constraint | list[Constraint | None] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[Completion]:
+             chat_template_kwargs: dict | None = None,
+             num_prompt_logprobs: int | None = None) -> list[Completion]:
         """Answer one conversation (a list of messages: ChatMessage or {"role", "content"}
         dicts) or several (a list of such lists), each rendered with the model's chat template
         and its generation prompt, as the gRPC `messages` prompt is; OpenAI's text content parts
@@ -281,7 +282,8 @@ class LLM:
         apply_chat_template renders them: `chat_template` (Jinja text) instead of the model's,
         `add_generation_prompt`, `continue_final_message` (the prompt ends inside the final
         message, which the answer goes on with; needs add_generation_prompt=False), `tools`
-        and `chat_template_kwargs` (more template variables, e.g. enable_thinking)."""
+        and `chat_template_kwargs` (more template variables, e.g. enable_thinking).
+        `num_prompt_logprobs` as generate()'s, over the rendered prompt's ids."""
         options = ChatOptions(add_generation_prompt, continue_final_message, tools,
                               chat_template_kwargs)
         options.check()
@@ -296,7 +298,8 @@ class LLM:
                 raise ParamError(f"messages (conversation {i})", f"{len(conv)} messages",
                                  f"accepted by the model's chat template (it failed: "
                                  f"{type(e).__name__}: {e})") from None
-        return self.generate(prompts, sampling, stopping, num_logprobs, constraint)
+        return self.generate(prompts, sampling, stopping, num_logprobs, constraint,
+                             num_prompt_logprobs=num_prompt_logprobs)
 
     @staticmethod
     def _merge(done: Completion, out) -> None:

@@ -142,3 +142,13 @@ def test_bad_values_are_refused_by_name(whole, value):
     with pytest.raises(ParamError) as err:
         whole.generate(PROMPTS[:1], None, STOP, num_prompt_logprobs=value)
     assert "num_prompt_logprobs" in str(err.value) and "[0, " in str(err.value)
+
+
+def test_chat_passes_them_for_the_rendered_prompt(whole, model):
+    """LLM.chat takes num_prompt_logprobs as generate() does, over the rendered prompt's ids."""
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    out = whole.chat([{"role": "user", "content": "hello there"}], None, STOP,
+                     chat_template=template, add_generation_prompt=False,
+                     num_prompt_logprobs=2)[0]
+    assert len(out.prompt_token_ids) > 2
+    assert_matches_hf(out.prompt_logprobs, model, out.prompt_token_ids, 2)
