@@ -202,7 +202,7 @@ class WorkerServiceOptions:
         60.0, "seconds a worker keeps an epoch's requests and KV cache after its Step stream "
         "ended (the scheduler died) for a stream of the epoch to step again; then it drops "
         "them and the scheduler must Init", rule=Positive(hi=3600.0),
-        flag="--worker-orphan-grace")
+        flag="--worker-orphan-grace", metavar="S")
     metrics_listen: str | None = setting(
         None, "HOST:PORT of this worker's Prometheus /metrics endpoint (port 0: any free port), "
         "or off", rule=ListenAddress())

@@ -52,3 +52,14 @@ def test_a_stream_opened_before_a_reset_cannot_step_in_the_new_epoch(tiny_models
     with pytest.raises(StepFailure) as stale:
         w.step(early, 1, 1, b"")
     assert stale.value.kind in (FailureKind.STALE_EPOCH, FailureKind.SUPERSEDED)
+
+
+def test_a_stream_keyed_by_an_impostors_init_cannot_step_in_the_owners_next_epoch(tiny_models):
+    """A token holder may Init with the owner's id (Info publishes it) and so hold a key, of an
+    epoch scrubbed clean; the owner's next Init starts an epoch that stream cannot step in."""
+    w = NodeWorker(FakeRanks(), LAYOUT)
+    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
+    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=2, owner="A")      # the impostor
+    impostor = w.open_stream(w.stream_key(2))
+    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=3, owner="A")      # the owner again
+    _refused(lambda: w.step(impostor, 3, 0, b""), "opened before epoch 3 began")
