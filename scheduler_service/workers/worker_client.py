@@ -85,6 +85,7 @@ class WorkerClient:
         self._channels = [worker_channel(a, auth) for a in addresses]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._streams: list[StepStream] = []
+        self._stream_keys: list[bytes] = []    # the epoch's, one per worker (secret)
         self.epoch: int | None = None
         self.owned_epoch = 0          # the last epoch this client started (0: none yet)
         self._init_epoch = 0          # the epoch of the last Init sent
@@ -341,6 +342,7 @@ class WorkerClient:
         """Open the epoch's streams, each with its worker's stream key (secret: it lets a
         stream take the epoch's requests over; kept nowhere else, never logged)."""
         self.epoch = epoch
+        self._stream_keys = keys
         self._next_step = 0
         self._collected = -1
         peers: list[StepStream] = []     # each stream tells the others when it ends

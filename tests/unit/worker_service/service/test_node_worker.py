@@ -307,5 +307,5 @@ def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
     assert (w.fence.epoch, w.fence.owner) == (1, "A")
     # The epoch the Reset failed in is over (the ranks may have dropped some requests):
     # a clear failure that asks for Init, not a takeover.
-    _refused(lambda: w.step(w.open_stream(w.stream_key(w.epoch)), 1, 0, b""), FailureKind.EPOCH_FAILED,
-             "a Reset to epoch 2 failed")
+    _refused(lambda: w.step(w.open_stream(w.stream_key(w.epoch)), 1, 0, b""),
+             FailureKind.EPOCH_FAILED, "a Reset to epoch 2 failed")
