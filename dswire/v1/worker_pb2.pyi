@@ -84,16 +84,18 @@ class DeviceInfo(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class InitResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes")
+    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     epoch: int
     kv_block_bytes: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
+    stream_key: bytes
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("epoch", "step", "payload", "digest")
@@ -156,12 +158,14 @@ class ResetRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("epoch", "num_dropped_requests")
+    __slots__ = ("epoch", "num_dropped_requests", "stream_key")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_dropped_requests: int
-    def __init__(self, epoch: _Optional[int] = ..., num_dropped_requests: _Optional[int] = ...) -> None: ...
+    stream_key: bytes
+    def __init__(self, epoch: _Optional[int] = ..., num_dropped_requests: _Optional[int] = ..., stream_key: _Optional[bytes] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

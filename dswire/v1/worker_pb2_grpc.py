@@ -92,6 +92,11 @@ class WorkerServicer:
         """The step stream. The scheduler sends one StepRequest per engine step, in step order; the worker
         answers each with one StepResponse, in the same order. A gap in step numbers or a foreign
         epoch is a protocol error: the response carries `error` and the scheduler must Reset.
+        The stream must carry the current epoch's key (InitResponse/ResetResponse.stream_key) as
+        the metadata `deltaserve-stream-key-bin`: without it, or with another epoch's, the worker
+        refuses the stream PERMISSION_DENIED before reading any message (the token alone lets a
+        caller read the epoch from Info, not the key). A stream opened before an Init or Reset
+        cannot step in the epoch it started.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -198,6 +198,11 @@ class WorkerServiceOptions:
     rank_step_timeout_s: float = setting(
         600.0, "seconds one step may take on the ranks before they count as stuck",
         rule=Positive(), flag="--rank-step-timeout")
+    orphan_grace_s: float = setting(
+        60.0, "seconds a worker keeps an epoch's requests and KV cache after its Step stream "
+        "ended (the scheduler died) for a stream of the epoch to step again; then it drops "
+        "them and the scheduler must Init", rule=Positive(hi=3600.0),
+        flag="--worker-orphan-grace", metavar="S")
     metrics_listen: str | None = setting(
         None, "HOST:PORT of this worker's Prometheus /metrics endpoint (port 0: any free port), "
         "or off", rule=ListenAddress())

@@ -8,7 +8,7 @@ others answer with empty acknowledgements.
                    group (group_plan.py); an epoch above every worker's and this client's last;
                    Init on all workers at once (tensor-parallel ranks rendezvous inside Init, so
                    the calls must overlap; the first failure cancels the rest); then one Step
-                   stream per worker
+                   stream per worker, each presenting the key that worker's Init returned
     execute(p)  -> StepRequest(epoch, step, p) to every worker (once per node, never per rank;
                    the bytes do not depend on the TP size), step = 0, 1, 2, ... per epoch;
                    wait for every reply; return node 0's payload. With verify_symmetry every
@@ -85,6 +85,7 @@ class WorkerClient:
         self._channels = [worker_channel(a, auth) for a in addresses]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._streams: list[StepStream] = []
+        self._stream_keys: list[bytes] = []    # the epoch's, one per worker (secret)
         self.epoch: int | None = None
         self.owned_epoch = 0          # the last epoch this client started (0: none yet)
         self._init_epoch = 0          # the epoch of the last Init sent
@@ -118,7 +119,7 @@ class WorkerClient:
         self.owned_epoch = epoch
         self._force_new_group = False
         self.verify_symmetry = spec.config.verify_symmetry
-        self._start_epoch(epoch)
+        self._start_epoch(epoch, [r.stream_key for r in replies])
         devices = tuple(_device(d, addr, node) for node, (addr, r) in
                         enumerate(zip(self.addresses, replies)) for d in r.devices)
         return InitResult(epoch=epoch, num_kv_blocks=min(r.num_kv_blocks for r in replies),
@@ -135,7 +136,7 @@ class WorkerClient:
                  for stub in self._stubs]
         replies = [self._result(call, addr, "Reset") for call, addr in zip(calls, self.addresses)]
         self.owned_epoch = epoch
-        self._start_epoch(epoch)
+        self._start_epoch(epoch, [r.stream_key for r in replies])
         return replies[0].num_dropped_requests
 
     def close(self) -> None:
@@ -337,13 +338,16 @@ class WorkerClient:
         return any(h.epoch >= self._init_epoch and h.scheduler_id != self.scheduler_id
                    for h in self.health())
 
-    def _start_epoch(self, epoch: int) -> None:
+    def _start_epoch(self, epoch: int, keys: list[bytes]) -> None:
+        """Open the epoch's streams, each with its worker's stream key (secret: it lets a
+        stream take the epoch's requests over; kept nowhere else, never logged)."""
         self.epoch = epoch
+        self._stream_keys = keys
         self._next_step = 0
         self._collected = -1
         peers: list[StepStream] = []     # each stream tells the others when it ends
-        self._streams = [StepStream(stub, addr, peers)
-                         for stub, addr in zip(self._stubs, self.addresses)]
+        self._streams = [StepStream(stub, addr, peers, key)
+                         for stub, addr, key in zip(self._stubs, self.addresses, keys)]
         self._failure = None
 
     def _close_streams(self) -> None:

@@ -23,6 +23,7 @@ import time
 
 import grpc
 
+from engine_common.security.stream_key import stream_key_metadata
 from engine_common.wire.protos import worker_pb2
 from scheduler_service.errors import Fenced, WorkerFailure
 
@@ -86,14 +87,15 @@ class PeerEnded(WorkerFailure):
 class StepStream:
     """A Step stream to the worker at `address`; replies are awaited in send order."""
 
-    def __init__(self, stub, address: str, peers: list | None = None):
-        """`peers`: the epoch's streams, one per node, shared by them; this one adds itself."""
+    def __init__(self, stub, address: str, peers: list | None = None, key: bytes = b""):
+        """`peers`: the epoch's streams, one per node, shared by them; this one adds itself.
+        `key`: the epoch's stream key from the worker's Init or Reset (stream_key.py)."""
         self.address = address
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._peers: list[StepStream] = [] if peers is None else peers
         self._peers.append(self)
-        self._call = stub.Step(self._requests())
+        self._call = stub.Step(self._requests(), metadata=stream_key_metadata(key))
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"step-reader-{address}")
         self._reader.start()

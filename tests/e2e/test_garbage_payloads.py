@@ -14,7 +14,8 @@ from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.garbage_diffs import Limits, clean_run, garbage_cases
-from tests.support.grpc_harness import Processes, bearer, free_port, wait_for, write_token
+from tests.support.grpc_harness import (Processes, bearer, free_port, keyed, wait_for,
+                                        write_token)
 from tests.support.init_specs import init_spec
 
 pytestmark = pytest.mark.slow
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.slow
 LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
 
 
-def _stream(address: str, token: str, epoch: int, payloads: list[bytes]):
-    """(responses, final status) of one Step stream carrying `payloads` as steps 0, 1, ..."""
+def _stream(address: str, token: str, epoch: int, key: bytes, payloads: list[bytes]):
+    """(responses, final status) of one Step stream of `epoch` (whose stream key is `key`)
+    carrying `payloads` as steps 0, 1, ..."""
     requests = [worker_pb2.StepRequest(epoch=epoch, step=i, payload=p)
                 for i, p in enumerate(payloads)]
     responses = []
@@ -31,7 +33,7 @@ def _stream(address: str, token: str, epoch: int, payloads: list[bytes]):
             as channel:
         try:
             for r in worker_pb2_grpc.WorkerStub(channel).Step(iter(requests), timeout=60,
-                                                             metadata=bearer(token)):
+                                                             metadata=keyed(token, key)):
                 responses.append(r)
         except grpc.RpcError as e:
             assert len(e.details()) <= 2000, (len(e.details()), e.details()[:300])
@@ -56,21 +58,20 @@ def test_garbage_payloads_are_bad_payloads_never_internal(tiny_models, tmp_path)
                                    "max_num_batched_tokens")}))
         assert len(cases) >= 35
         statuses = collections.Counter()
-        for case in cases:
-            client.reset()
-            responses, status = _stream(address, token, client.epoch, case.payloads)
-            statuses[status.name] += 1
-            assert len(responses) == len(case.payloads), (case.name, status)
-            assert not any(r.HasField("error") for r in responses[:-1]), case.name
-            error = responses[-1].error
-            assert error.code == worker_pb2.StepError.BAD_PAYLOAD, (case.name, error)
-            assert len(error.message) <= 2000, (case.name, len(error.message))
-            assert status in (grpc.StatusCode.INVALID_ARGUMENT,
-                              grpc.StatusCode.FAILED_PRECONDITION), (case.name, status)
+        epoch = result.epoch
+        with grpc.insecure_channel(address) as channel:     # the test drives the worker itself
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for case in cases:      # a Reset as the owner tells it each epoch's stream key
+                epoch += 1
+                key = stub.Reset(worker_pb2.ResetRequest(
+                    epoch=epoch, scheduler_id=client.scheduler_id), timeout=60,
+                    metadata=bearer(token)).stream_key
+                responses, status = _stream(address, token, epoch, key, case.payloads)
+                _check(case, responses, status, statuses)
         assert set(statuses) <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}, statuses
         # The worker is still ready, and a clean epoch gives the tokens of a fresh worker.
         assert client.health()[0].ready
-        client.reset()
+        client.init(init_spec(model, dtype="float32", kv_cache_bytes=1 << 20, **LIMITS))
         got = [decode_runner_output(client.execute(p)).sampled_token_ids for p in clean_run()]
         assert all(got)
         assert "Traceback" not in worker.log_tail(2_000_000)
@@ -78,3 +79,15 @@ def test_garbage_payloads_are_bad_payloads_never_internal(tiny_models, tmp_path)
     finally:
         client.close()
         procs.close()
+
+
+def _check(case, responses, status, statuses) -> None:
+    """Every payload answered, the last one refused BAD_PAYLOAD with a clipped message."""
+    statuses[status.name] += 1
+    assert len(responses) == len(case.payloads), (case.name, status)
+    assert not any(r.HasField("error") for r in responses[:-1]), case.name
+    error = responses[-1].error
+    assert error.code == worker_pb2.StepError.BAD_PAYLOAD, (case.name, error)
+    assert len(error.message) <= 2000, (case.name, len(error.message))
+    assert status in (grpc.StatusCode.INVALID_ARGUMENT,
+                      grpc.StatusCode.FAILED_PRECONDITION), (case.name, status)

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.security.stream_key import stream_key_metadata
 from engine_common.wire.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.engine.async_engine import AsyncEngine
@@ -109,7 +110,9 @@ def test_killed_rank_fails_the_step_fast_and_worker_turns_unready(tp2, model_dir
         assert "RANK_FAILED" in message and f"pid {victim}" in message, message
         assert "SIGKILL" in message
         # The stream itself ends with UNAVAILABLE, naming the rank, for anyone who steps on.
-        code, status, details = _raw_step(tp2.addresses[0], client.epoch, step=3)
+        # (Anyone: with the epoch's stream key, which only the scheduler holds.)
+        code, status, details = _raw_step(tp2.addresses[0], client.epoch, step=3,
+                                          key=client._stream_keys[0])
         assert code == worker_pb2.StepError.RANK_FAILED
         assert status == grpc.StatusCode.UNAVAILABLE and f"pid {victim}" in details
 
@@ -170,14 +173,15 @@ def test_corrupted_node_is_detected_across_nodes_and_fails_requests(tmp_path, mo
         cluster.close()
 
 
-def _raw_step(address: str, epoch: int, step: int):
-    """One StepRequest on a fresh stream: (StepError code, stream status, status details)."""
+def _raw_step(address: str, epoch: int, step: int, key: bytes):
+    """One StepRequest on a fresh stream with the epoch's `key`: (StepError code, stream
+    status, status details)."""
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         responses = []
         try:
             for r in stub.Step(iter([worker_pb2.StepRequest(epoch=epoch, step=step)]),
-                               timeout=10):
+                               timeout=10, metadata=stream_key_metadata(key)):
                 responses.append(r)
         except grpc.RpcError as e:
             return responses[-1].error.code, e.code(), e.details()

@@ -19,6 +19,7 @@ from engine_common.wire.protos import WORKER_SERVICE, worker_pb2, worker_pb2_grp
 from kernels.cpu import extension
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
+from engine_common.security.stream_key import stream_key_metadata
 from tests.support.grpc_harness import wait_stopped
 from tests.support.init_specs import init_spec
 from tests.support.paths import REPO
@@ -140,11 +141,13 @@ def _stub(address: str) -> worker_pb2_grpc.WorkerStub:
     return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(address))
 
 
-def _raw_step(address: str, requests: list[worker_pb2.StepRequest]):
-    """Send `requests` on a fresh Step stream: (responses received, final RpcError or None)."""
+def _raw_step(address: str, requests: list[worker_pb2.StepRequest], key: bytes):
+    """Send `requests` on a fresh Step stream with the epoch's `key`: (responses received, final
+    RpcError or None)."""
     responses = []
     try:
-        for r in _stub(address).Step(iter(requests), timeout=30):
+        for r in _stub(address).Step(iter(requests), timeout=30,
+                                     metadata=stream_key_metadata(key)):
             responses.append(r)
     except grpc.RpcError as e:
         return responses, e
@@ -166,8 +169,11 @@ def test_init_and_steps_match_in_process_runner(client, model_dir):
 
 
 def test_step_gap_wrong_epoch_and_bad_payload(client, shared_worker, model_dir):
-    epoch = client.init(_spec(model_dir)).epoch
+    epoch = client.init(_spec(model_dir)).epoch + 1
     client.close()
+    # The test drives the worker itself: a Reset as the owner tells it the epoch's stream key.
+    key = _stub(shared_worker.address).Reset(worker_pb2.ResetRequest(
+        epoch=epoch, scheduler_id=client.scheduler_id)).stream_key
     step0 = encode_scheduler_output(_diffs()[0])
     step1 = encode_scheduler_output(_diffs()[1])
     cases = [  # (requests, StepError code, stream status)
@@ -179,17 +185,17 @@ def test_step_gap_wrong_epoch_and_bad_payload(client, shared_worker, model_dir):
          worker_pb2.StepError.STEP_GAP, grpc.StatusCode.FAILED_PRECONDITION),
     ]
     for requests, code, status in cases:
-        responses, err = _raw_step(shared_worker.address, requests)
+        responses, err = _raw_step(shared_worker.address, requests, key)
         assert responses[-1].error.code == code and err.code() == status, err
     # A refused stream never became the active one: the epoch is intact. A gap on the active
     # stream fails the epoch: even the next step is refused now, until Reset.
     responses, err = _raw_step(shared_worker.address, [
         worker_pb2.StepRequest(epoch=epoch, step=0, payload=step0),
-        worker_pb2.StepRequest(epoch=epoch, step=2, payload=step1)])
+        worker_pb2.StepRequest(epoch=epoch, step=2, payload=step1)], key)
     assert not responses[0].HasField("error")
     assert responses[1].error.code == worker_pb2.StepError.STEP_GAP
     responses, err = _raw_step(shared_worker.address,
-                               [worker_pb2.StepRequest(epoch=epoch, step=1, payload=step1)])
+                               [worker_pb2.StepRequest(epoch=epoch, step=1, payload=step1)], key)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "Reset" in err.details()
 
     # Only the owner resets, to a higher epoch.
@@ -198,11 +204,11 @@ def test_step_gap_wrong_epoch_and_bad_payload(client, shared_worker, model_dir):
             _stub(shared_worker.address).Reset(
                 worker_pb2.ResetRequest(epoch=new_epoch, scheduler_id=scheduler_id))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    _stub(shared_worker.address).Reset(
-        worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id=client.scheduler_id))
+    key = _stub(shared_worker.address).Reset(
+        worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id=client.scheduler_id)).stream_key
     responses, err = _raw_step(shared_worker.address, [
         worker_pb2.StepRequest(epoch=epoch + 1, step=0, payload=step0),
-        worker_pb2.StepRequest(epoch=epoch + 1, step=1, payload=b"\xc1 not msgpack")])
+        worker_pb2.StepRequest(epoch=epoch + 1, step=1, payload=b"\xc1 not msgpack")], key)
     assert not responses[0].HasField("error") and responses[0].payload
     assert responses[1].error.code == worker_pb2.StepError.BAD_PAYLOAD
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT

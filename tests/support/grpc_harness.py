@@ -215,6 +215,12 @@ def bearer(token: str | None) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def keyed(token: str | None, key: bytes) -> tuple:
+    """A Step stream's metadata: the token's `authorization` and the epoch's stream key."""
+    from engine_common.security.stream_key import stream_key_metadata
+    return bearer(token) + stream_key_metadata(key)
+
+
 def write_token(path: Path, token: str = "test-token-0123456789abcdef") -> str:
     """A worker token file (what a Kubernetes Secret would mount); returns the token."""
     path.write_text(token + "\n")

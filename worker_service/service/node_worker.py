@@ -17,6 +17,9 @@ RankGroup of rank processes (tp_size > 1). The rules enforced here:
   step carries the current epoch (the owner's: an outsider's stream cannot); the older stream's
   next step then fails with SUPERSEDED. (A restarted scheduler must not wait for a half-dead old
   stream.)
+- A Step stream must present the current epoch's stream key when it opens (stream_keys.py):
+  every Init and Reset makes a new one, told only to its caller; a stream of another holder of
+  the token is refused before it can supersede the owner's or learn a step number.
 - When the stream that runs the epoch ends and no stream of the epoch steps within a grace, the
   cached requests are dropped and the epoch ends (orphan_watch.py: a scheduler that died).
 - Steps, Init and Reset hold one lock; `readiness`, `describe_devices` and `model_summary` never
@@ -38,7 +41,8 @@ from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
 from worker_service.service.fencing import Fence, check_owner
 from worker_service.service.init_checks import InitGuards, check_init
-from worker_service.service.orphan_watch import Key, OrphanWatch
+from worker_service.service.orphan_watch import ORPHAN_GRACE_S, Key, OrphanWatch
+from worker_service.service.stream_keys import StreamKeys
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,8 @@ def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
 class NodeWorker:
     """The epoch, step and stream bookkeeping of one worker service over `ranks`."""
 
-    def __init__(self, ranks: Ranks, layout: NodeLayout, guards: InitGuards = InitGuards()):
+    def __init__(self, ranks: Ranks, layout: NodeLayout, guards: InitGuards = InitGuards(),
+                 orphan_grace_s: float = ORPHAN_GRACE_S):
         self.ranks = ranks
         self.device = ranks.device
         self.started_layout = layout
@@ -82,10 +87,10 @@ class NodeWorker:
         self._claimed: tuple[int, str] = (0, "")   # the (epoch, owner) of an Init in progress
         self._next_step = 0
         self._failure: StepFailure | None = None
-        self._opened_streams = 0
+        self.streams = StreamKeys()        # the epoch's stream key, the streams' ids
         self._active_stream = 0
         self._held = None      # (stream id, step, LaunchedStep): launched, not finished
-        self.orphans = OrphanWatch()     # tests replace its call_later
+        self.orphans = OrphanWatch(orphan_grace_s)     # tests replace its call_later
         # Called with every successful step's reply (the worker's metrics).
         self.step_listener: Callable[[StepReply], None] | None = None
 
@@ -193,6 +198,7 @@ class NodeWorker:
 
     def _start_epoch(self, epoch: int) -> None:
         self._drop_held()
+        self.streams.new_epoch(epoch)
         self.orphans.new_epoch()
         self.epoch = epoch
         self._next_step = 0
@@ -200,12 +206,14 @@ class NodeWorker:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def open_stream(self) -> int:
-        """A new Step stream's id; it becomes the active one at its first step of the current
-        epoch (`step`)."""
-        with self._lock:
-            self._opened_streams += 1
-            return self._opened_streams
+    def stream_key(self, epoch: int | None) -> bytes:
+        """The stream key of `epoch` while it is current (for the caller that started it)."""
+        return self.streams.key(epoch)
+
+    def open_stream(self, key: bytes | None) -> int:
+        """A new Step stream's id, when it presents the current epoch's key (else StepFailure
+        NOT_ALLOWED); it becomes the active one at its first step of the epoch (`step`)."""
+        return self.streams.open(key)
 
     def stream_ended(self, stream_id: int) -> None:
         """A Step stream's handler is done (the stream ended, failed or was cancelled)."""
@@ -250,6 +258,7 @@ class NodeWorker:
         if stream_id < self._active_stream:
             raise StepFailure(FailureKind.SUPERSEDED,
                               "this Step stream was superseded by a newer one")
+        self.streams.check_step(stream_id, epoch)
         # A stream that is not the active one yet fails the epoch only once it is.
         self._check_envelope(epoch, step, fail_epoch=stream_id == self._active_stream)
         if self._held is not None and self._held[0] != stream_id:

@@ -8,10 +8,11 @@ prompts and outputs) until the next Init, which may never come. The rule (docs/s
 - Only the stream that ran the current epoch's latest step counts: a superseded stream, a stream
   refused at its first step (an old owner's STALE_EPOCH after a takeover), a stream that never
   stepped, change nothing.
-- When it ends (a cancellation, an error, or the scheduler closing it), the epoch has
-  ORPHAN_GRACE_S to go on: a new Step stream of the same epoch that runs a step within it (a
-  scheduler may reconnect; the worker lets a newer stream of the current epoch take over) keeps
-  everything, and so does an Init or Reset (which drop everything themselves).
+- When it ends (a cancellation, an error, or the scheduler closing it), the epoch has the grace
+  (ORPHAN_GRACE_S, the worker's --worker-orphan-grace) to go on: a new Step stream of the same
+  epoch that runs a step within it (a scheduler may reconnect with the epoch's stream key; the
+  worker lets a newer stream of the current epoch take over) keeps everything, and so does an
+  Init or Reset (which drop everything themselves).
 - Otherwise the node worker drops every cached request on every rank, zeroes the KV cache
   (step/owner_scrub.py) and ends the epoch: a later step of it fails EPOCH_FAILED naming why;
   the scheduler must Init (or Reset) again.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-ORPHAN_GRACE_S = 60.0
+ORPHAN_GRACE_S = 60.0     # the default of the worker's --worker-orphan-grace
 
 Key = tuple[int, int]        # (epoch, stream id)
 

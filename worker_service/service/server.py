@@ -44,6 +44,7 @@ from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.auth import add_port, check_exposure, describe, interceptors
 from worker_service.service.init_checks import MIB, InitGuards
 from worker_service.service.node_worker import NodeWorker
+from worker_service.service.orphan_watch import ORPHAN_GRACE_S
 from worker_service.service.servicer import WorkerServicer
 from worker_service.service.worker_metrics import WorkerMetrics
 
@@ -72,11 +73,11 @@ def node_layout(options: WorkerServiceOptions) -> NodeLayout:
 
 def make_node_worker(device: str, layout: NodeLayout,
                      options: RankGroupOptions = RankGroupOptions(),
-                     guards: InitGuards = InitGuards()) -> NodeWorker:
+                     guards: InitGuards = InitGuards(),
+                     orphan_grace_s: float = ORPHAN_GRACE_S) -> NodeWorker:
     """In-process for a single rank in all; rank processes otherwise."""
-    if layout.tp_size == 1:
-        return NodeWorker(RunnerKeeper(device), layout, guards)
-    return NodeWorker(RankGroup(device, layout, options), layout, guards)
+    ranks = RunnerKeeper(device) if layout.tp_size == 1 else RankGroup(device, layout, options)
+    return NodeWorker(ranks, layout, guards, orphan_grace_s)
 
 
 def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptions(),
@@ -96,7 +97,7 @@ def serve_worker(listen: str, options: WorkerServiceOptions = WorkerServiceOptio
     rank_options = RankGroupOptions(dist_timeout_s=options.dist_timeout_s,
                                     step_timeout_s=options.rank_step_timeout_s, rank_set=ring)
     worker = make_node_worker(resolve_device(options.device), node_layout(options), rank_options,
-                              guards)
+                              guards, options.orphan_grace_s)
     size = (("grpc.max_send_message_length", guards.max_message_bytes),
             ("grpc.max_receive_message_length", guards.max_message_bytes))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,

@@ -10,6 +10,8 @@ set, then the stream is closed with a status (the response is skipped only for S
     no or a wrong credential (auth.py)        (no response)         UNAUTHENTICATED
     a client certificate not named by
       --worker-tls-allowed-clients            (no response)         PERMISSION_DENIED
+    no or a wrong stream key (at the open),
+      a stream older than the epoch           (no response)         PERMISSION_DENIED
     not initialized (no Init yet)             EPOCH_MISMATCH        FAILED_PRECONDITION
     an epoch older than the worker's          STALE_EPOCH           FAILED_PRECONDITION
     StepRequest.epoch != current epoch        EPOCH_MISMATCH        FAILED_PRECONDITION
@@ -43,10 +45,12 @@ import grpc
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from engine_common.request.params import clip
 from engine_common.configuration.settings import from_proto
+from engine_common.security.stream_key import STREAM_KEY_METADATA
 from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure
 from worker_service.config import NodeLayout
+from worker_service.service.log_limit import LogLimit
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.step_pipeline import pipelined_steps
 
@@ -117,10 +121,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._on_readiness(True)
         return worker_pb2.InitResponse(
             num_kv_blocks=outcome.num_kv_blocks, epoch=request.epoch,
-            kv_block_bytes=outcome.kv_block_bytes, devices=self._device_infos())
+            kv_block_bytes=outcome.kv_block_bytes, devices=self._device_infos(),
+            stream_key=self.worker.stream_key(request.epoch))
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
-        stream_id = self.worker.open_stream()
+        # The epoch's key, checked before any message is read (stream_keys.py).
+        key = dict(context.invocation_metadata() or ()).get(STREAM_KEY_METADATA)
+        try:
+            stream_id = self.worker.open_stream(key if isinstance(key, bytes) else None)
+        except Exception as e:  # noqa: BLE001 - NOT_ALLOWED: no response, only the status
+            _log_key_refusal(context)
+            context.abort(FAILURES[as_failure(e).kind][1], clip(str(e), MAX_STATUS_CHARS))
         try:
             yield from self._steps(stream_id, request_iterator, context)
         finally:     # however it ended: a vanished owner's state must not stay (orphan_watch)
@@ -172,7 +183,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             context.abort(FAILURES[failure.kind][1],
                           clip(f"Reset failed: {failure}", MAX_STATUS_CHARS))
         self._on_readiness(self.worker.readiness()[0])
-        return worker_pb2.ResetResponse(epoch=request.epoch, num_dropped_requests=dropped)
+        return worker_pb2.ResetResponse(epoch=request.epoch, num_dropped_requests=dropped,
+                                        stream_key=self.worker.stream_key(request.epoch))
 
     def Health(self, request, context):
         ready, reason = self.worker.readiness()
@@ -198,6 +210,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         layout = self.worker.layout
         return [_device_pb(d, local_rank, layout, self.worker.num_kv_blocks)
                 for local_rank, d in enumerate(self.worker.describe_devices())]
+
+
+_KEY_REFUSALS = LogLimit(10.0)    # a holder of the token repeats them at will
+
+
+def _log_key_refusal(context) -> None:
+    skipped = _KEY_REFUSALS.take()
+    if skipped is not None:
+        log.warning("refused a Step stream from %s: no or a wrong stream key (and %d other "
+                    "such refusals since the last such line)", ascii(context.peer())[:80],
+                    skipped)
 
 
 # -- protobuf <-> domain --------------------------------------------------------------------------

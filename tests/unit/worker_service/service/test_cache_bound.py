@@ -17,7 +17,7 @@ from engine_common.wire.diff import SchedulerOutput
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.garbage_diffs import enc, new
-from tests.support.grpc_harness import bearer
+from tests.support.grpc_harness import keyed
 from tests.support.init_specs import init_spec
 from worker_service.service.server import serve_worker
 
@@ -29,7 +29,8 @@ FULL_BATCH = SchedulerOutput(0, new_requests=[new(h, [3, 14, 15], [h]) for h in 
 
 @pytest.fixture(scope="module")
 def worker(tiny_models):
-    """(address, client) of a worker initialized with MAX_WAITING lowered to CEILING."""
+    """(address, client, node worker) of a worker initialized with MAX_WAITING lowered to
+    CEILING."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(diff_limits, "MAX_WAITING", CEILING)
         server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
@@ -39,7 +40,7 @@ def worker(tiny_models):
         try:
             client.init(init_spec(tiny_models("qwen3"), dtype="float32", kv_cache_bytes=1 << 20,
                                   **LIMITS))
-            yield address, client
+            yield address, client, server.node_worker
         finally:
             client.close()
             server.stop(None)
@@ -48,15 +49,16 @@ def worker(tiny_models):
 
 def _run(worker, diffs: list[SchedulerOutput]):
     """(responses, final status) of a fresh epoch's Step stream carrying `diffs`."""
-    address, client = worker
+    address, client, node_worker = worker
     client.reset()
+    key = node_worker.stream_key(client.epoch)
     requests = [worker_pb2.StepRequest(epoch=client.epoch, step=d.step, payload=enc(d))
                 for d in diffs]
     responses = []
     with grpc.insecure_channel(address) as channel:
         try:
             for r in worker_pb2_grpc.WorkerStub(channel).Step(iter(requests), timeout=60,
-                                                             metadata=bearer(TOKEN)):
+                                                             metadata=keyed(TOKEN, key)):
                 responses.append(r)
         except grpc.RpcError as e:
             return responses, e.code()

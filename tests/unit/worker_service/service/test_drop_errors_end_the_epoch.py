@@ -31,7 +31,7 @@ def _worker(model_dir: str) -> tuple[NodeWorker, FakeRanks, list]:
 
 def test_a_reset_whose_drop_raises_ends_the_epoch(model_dir):
     w, ranks, _ = _worker(model_dir)
-    stream = w.open_stream()
+    stream = w.open_stream(w.stream_key(w.epoch))
     w.step(stream, 1, 0, b"")
     ranks.drop_requests = _cuda_error
     _refused(lambda: w.reset(2, "A"), RuntimeError, "illegal memory access")
@@ -42,12 +42,12 @@ def test_a_reset_whose_drop_raises_ends_the_epoch(model_dir):
 
 def test_the_graces_drop_that_raises_ends_the_epoch(model_dir):
     w, ranks, timers = _worker(model_dir)
-    stream = w.open_stream()
+    stream = w.open_stream(w.stream_key(w.epoch))
     w.step(stream, 1, 0, b"")
     w.stream_ended(stream)
     ranks.drop_requests = _cuda_error
     [grace_over] = timers
     grace_over()                              # raised RuntimeError out of the timer thread
-    late = w.open_stream()
+    late = w.open_stream(w.stream_key(w.epoch))
     _refused(lambda: w.step(late, 1, 1, b""), FailureKind.EPOCH_FAILED,
              r"dropping its cached requests failed \(RuntimeError: CUDA error")

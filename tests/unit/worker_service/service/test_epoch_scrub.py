@@ -22,7 +22,7 @@ from engine_common.wire.codec import decode_runner_output
 from engine_common.wire.diff import SchedulerOutput
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.garbage_diffs import enc, new
-from tests.support.grpc_harness import bearer
+from tests.support.grpc_harness import bearer, keyed
 from worker_service.service.server import serve_worker
 
 TOKEN = "test-token-0123456789abcdef"
@@ -49,19 +49,22 @@ class Worker:
     def init(self, owner: str) -> None:
         self.epoch += 1
         config = worker_pb2.WorkerConfig(model_dir=self.model_dir, **LIMITS)
-        self.stub.Init(worker_pb2.InitRequest(epoch=self.epoch, scheduler_id=owner,
-                                              config=config, layout=self.layout), timeout=300,
-                       metadata=bearer(TOKEN))
+        self.key = self.stub.Init(worker_pb2.InitRequest(
+            epoch=self.epoch, scheduler_id=owner, config=config, layout=self.layout),
+            timeout=300, metadata=bearer(TOKEN)).stream_key
 
     def reset(self, owner: str) -> int:
         self.epoch += 1
-        return self.stub.Reset(worker_pb2.ResetRequest(epoch=self.epoch, scheduler_id=owner),
-                               timeout=60, metadata=bearer(TOKEN)).num_dropped_requests
+        reply = self.stub.Reset(worker_pb2.ResetRequest(epoch=self.epoch, scheduler_id=owner),
+                                timeout=60, metadata=bearer(TOKEN))
+        self.key = reply.stream_key
+        return reply.num_dropped_requests
 
     def first_token(self, diff: SchedulerOutput) -> int:
         """The token step 0 of the current epoch samples for handle 0."""
         request = worker_pb2.StepRequest(epoch=self.epoch, step=0, payload=enc(diff))
-        (reply,) = self.stub.Step(iter([request]), timeout=120, metadata=bearer(TOKEN))
+        (reply,) = self.stub.Step(iter([request]), timeout=120,
+                                  metadata=keyed(TOKEN, self.key))
         assert not reply.HasField("error"), reply.error
         out = decode_runner_output(reply.payload)
         return int(out.sampled_token_ids[list(out.handles).index(0)])

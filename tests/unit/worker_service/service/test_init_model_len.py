@@ -18,7 +18,7 @@ from engine_common.wire.codec import decode_runner_output
 from engine_common.wire.diff import SchedulerOutput
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.garbage_diffs import enc, new
-from tests.support.grpc_harness import bearer
+from tests.support.grpc_harness import bearer, keyed
 from tests.support.inproc_worker import cpu_worker
 
 TOKEN = "test-token-0123456789abcdef"
@@ -38,9 +38,9 @@ def _init(worker, model_dir: str, max_model_len: int):
     stub, epochs = worker
     epoch = next(epochs)
     config = worker_pb2.WorkerConfig(model_dir=model_dir, max_model_len=max_model_len, **LIMITS)
-    stub.Init(worker_pb2.InitRequest(epoch=epoch, scheduler_id="s", config=config), timeout=120,
-              metadata=bearer(TOKEN))
-    return epoch
+    reply = stub.Init(worker_pb2.InitRequest(epoch=epoch, scheduler_id="s", config=config),
+                      timeout=120, metadata=bearer(TOKEN))
+    return epoch, reply.stream_key
 
 
 @pytest.mark.parametrize("max_model_len, allowed", [
@@ -63,13 +63,13 @@ def test_both_rooms_agree_on_the_floor():
 @pytest.mark.parametrize("max_model_len", [2, 3])        # below block_size (4)
 def test_a_max_model_len_below_the_block_size_serves_a_request(worker, tiny_models,
                                                                max_model_len):
-    epoch = _init(worker, tiny_models("qwen3"), max_model_len)
+    epoch, key = _init(worker, tiny_models("qwen3"), max_model_len)
     prompt = [3, 14][:max_model_len - 1]                  # room for exactly one output token
     diff = SchedulerOutput(0, new_requests=[new(0, prompt, [0])],
                            num_scheduled_tokens={0: len(prompt)})
     stub, _ = worker
     (reply,) = stub.Step(iter([worker_pb2.StepRequest(epoch=epoch, step=0, payload=enc(diff))]),
-                         timeout=120, metadata=bearer(TOKEN))
+                         timeout=120, metadata=keyed(TOKEN, key))
     assert not reply.HasField("error"), reply.error
     assert len(decode_runner_output(reply.payload).sampled_token_ids) == 1
 

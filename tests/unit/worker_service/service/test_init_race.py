@@ -77,7 +77,7 @@ def test_an_init_found_stale_after_its_checks_leaves_the_new_owner_running(tiny_
     assert refused.value.kind == FailureKind.STALE_EPOCH
     assert newer_done and (w.fence.epoch, w.fence.owner, w.epoch) == (2, "B", 2)
     # B's steps run: A's refused Init left nothing behind.
-    b = w.open_stream()
+    b = w.open_stream(w.stream_key(w.epoch))
     assert w.step(b, 2, 0, b"").payload == b"ok"
     assert w.step(b, 2, 1, b"").payload == b"ok"
     assert ranks.interrupts == interrupts_before + 1      # B's Init alone
@@ -93,7 +93,7 @@ def test_a_reset_refused_as_stale_does_not_interrupt(tiny_models):
     with pytest.raises(StepFailure, match="scheduler A does not own"):
         w.reset(3, "A")
     assert ranks.interrupts == interrupts_before
-    assert w.step(w.open_stream(), 2, 0, b"").payload == b"ok"
+    assert w.step(w.open_stream(w.stream_key(w.epoch)), 2, 0, b"").payload == b"ok"
 
 
 def test_the_owners_reset_does_not_interrupt_a_takeover_in_progress(tiny_models):

@@ -111,7 +111,7 @@ def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp
         _refused(lambda: w.init(config, LAYOUT, epoch=epoch, owner="B"), error, match)
         assert _state(w, ranks) == before, (config, epoch)
     # The owner's epoch is intact: its steps still run.
-    stream = w.open_stream()
+    stream = w.open_stream(w.stream_key(w.epoch))
     assert w.step(stream, 5, 0, b"").payload == b"ok"
 
 
@@ -196,14 +196,14 @@ def test_a_higher_epoch_takes_over_and_the_old_owner_is_fenced(model_dir):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
     w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
-    a = w.open_stream()
+    a = w.open_stream(w.stream_key(w.epoch))
     w.step(a, 1, 0, b"")
     w.init(_config(model_dir), LAYOUT, epoch=2, owner="B")
     assert (w.fence.epoch, w.fence.owner) == (2, "B")
     _refused(lambda: w.step(a, 1, 1, b""), FailureKind.STALE_EPOCH,
              r"step 1 carries epoch 1, which is stale: the worker's epoch is 2 \(scheduler B\)")
     _refused(lambda: w.reset(3, "A"), FailureKind.STALE_EPOCH, "scheduler A does not own")
-    b = w.open_stream()
+    b = w.open_stream(w.stream_key(w.epoch))
     assert w.step(b, 2, 0, b"").payload == b"ok"
     assert w.reset(3, "B") == 0 and w.epoch == 3
     _refused(lambda: w.reset(3, "B"), FailureKind.STALE_EPOCH, "epoch 3 is stale")
@@ -213,16 +213,16 @@ def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
     w.init(_config(model_dir), LAYOUT, epoch=7, owner="A")
-    owner = w.open_stream()
+    owner = w.open_stream(w.stream_key(w.epoch))
     w.step(owner, 7, 0, b"")
     for epoch, step, kind in ((8, 0, FailureKind.EPOCH_MISMATCH),
                               (6, 0, FailureKind.STALE_EPOCH),
                               (7, 5, FailureKind.STEP_GAP)):
-        outsider = w.open_stream()
-        _refused(lambda: w.step(outsider, epoch, step, b""), kind, ".")
+        wrong = w.open_stream(w.stream_key(w.epoch))    # the key, a wrong envelope
+        _refused(lambda: w.step(wrong, epoch, step, b""), kind, ".")
     # Neither refused stream superseded the owner's, nor failed its epoch.
     assert w.step(owner, 7, 1, b"").payload == b"ok"
-    newer = w.open_stream()
+    newer = w.open_stream(w.stream_key(w.epoch))
     assert w.step(newer, 7, 2, b"").payload == b"ok"
     _refused(lambda: w.step(owner, 7, 3, b""), FailureKind.SUPERSEDED, "superseded")
     # A gap on the active stream does fail the epoch.
@@ -307,5 +307,5 @@ def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
     assert (w.fence.epoch, w.fence.owner) == (1, "A")
     # The epoch the Reset failed in is over (the ranks may have dropped some requests):
     # a clear failure that asks for Init, not a takeover.
-    _refused(lambda: w.step(w.open_stream(), 1, 0, b""), FailureKind.EPOCH_FAILED,
-             "a Reset to epoch 2 failed")
+    _refused(lambda: w.step(w.open_stream(w.stream_key(w.epoch)), 1, 0, b""),
+             FailureKind.EPOCH_FAILED, "a Reset to epoch 2 failed")

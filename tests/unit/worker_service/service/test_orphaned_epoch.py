@@ -18,7 +18,7 @@ from engine_common.security.worker_auth import WorkerAuth
 from engine_common.wire.diff import SchedulerOutput
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from tests.support.garbage_diffs import enc, new
-from tests.support.grpc_harness import bearer
+from tests.support.grpc_harness import bearer, keyed
 from worker_service.service.server import serve_worker
 
 TOKEN = "test-token-0123456789abcdef"
@@ -54,11 +54,11 @@ class Timers:
 class Stream:
     """One Step stream whose requests the test sends one at a time."""
 
-    def __init__(self, stub, epoch: int):
+    def __init__(self, stub, epoch: int, key: bytes):
         self.epoch = epoch
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.call = stub.Step(iter(self._requests.get, None), timeout=120,
-                              metadata=bearer(TOKEN))
+                              metadata=keyed(TOKEN, key))
 
     def step(self, diff: SchedulerOutput) -> worker_pb2.StepResponse:
         self._requests.put(worker_pb2.StepRequest(epoch=self.epoch, step=diff.step,
@@ -68,7 +68,8 @@ class Stream:
 
 @pytest.fixture
 def worker(tiny_models):
-    """(stub, node worker, timers) of a worker Inited at epoch 1 by scheduler A."""
+    """(stub, node worker, timers, epoch 1's stream key) of a worker Inited at epoch 1 by
+    scheduler A."""
     server = serve_worker("127.0.0.1:0", WorkerServiceOptions(device="cpu"),
                           WorkerAuth(token=TOKEN))
     timers = Timers()
@@ -83,10 +84,10 @@ def worker(tiny_models):
     channel = grpc.insecure_channel(f"127.0.0.1:{server.bound_port}")
     stub = worker_pb2_grpc.WorkerStub(channel)
     config = worker_pb2.WorkerConfig(model_dir=tiny_models("qwen3"), **LIMITS)
-    stub.Init(worker_pb2.InitRequest(epoch=1, scheduler_id="A", config=config), timeout=120,
-              metadata=bearer(TOKEN))
+    key = stub.Init(worker_pb2.InitRequest(epoch=1, scheduler_id="A", config=config),
+                    timeout=120, metadata=bearer(TOKEN)).stream_key
     try:
-        yield stub, server.node_worker, timers
+        yield stub, server.node_worker, timers, key
     finally:
         channel.close()
         server.stop(None)
@@ -106,8 +107,8 @@ def _vanish(stream: Stream, timers: Timers) -> None:
 
 
 def test_a_vanished_owners_requests_and_kv_are_dropped_after_the_grace(worker):
-    stub, node_worker, timers = worker
-    owner = Stream(stub, 1)
+    stub, node_worker, timers, key = worker
+    owner = Stream(stub, 1, key)
     assert not owner.step(PREFILL).HasField("error")
     assert _cached(node_worker) == 1
     _vanish(owner, timers)
@@ -116,18 +117,18 @@ def test_a_vanished_owners_requests_and_kv_are_dropped_after_the_grace(worker):
     assert _cached(node_worker) == 0
     assert all(not c.any() for c in node_worker.ranks.runner.kv_caches)
     # A stream of the epoch that comes later is told why its requests are gone.
-    late = Stream(stub, 1).step(DECODE)
+    late = Stream(stub, 1, key).step(DECODE)
     assert late.error.code == worker_pb2.StepError.CODE_UNSPECIFIED, late.error
     assert "Step stream of epoch 1 ended" in late.error.message
     assert "its 1 cached requests were dropped" in late.error.message
 
 
 def test_a_stream_of_the_epoch_within_the_grace_keeps_everything(worker):
-    stub, node_worker, timers = worker
-    owner = Stream(stub, 1)
+    stub, node_worker, timers, key = worker
+    owner = Stream(stub, 1, key)
     first = owner.step(PREFILL)
     _vanish(owner, timers)
-    again = Stream(stub, 1)                  # the scheduler reconnects at the same epoch
+    again = Stream(stub, 1, key)                  # the scheduler reconnects at the same epoch
     second = again.step(DECODE)
     assert not second.HasField("error"), second.error
     timers.fire()                            # the old grace runs out after the new stream stepped
@@ -138,13 +139,13 @@ def test_a_stream_of_the_epoch_within_the_grace_keeps_everything(worker):
 
 def test_the_old_owners_stream_ending_after_a_takeover_drops_nothing_of_the_new(worker,
                                                                                 tiny_models):
-    stub, node_worker, timers = worker
-    old = Stream(stub, 1)
+    stub, node_worker, timers, key = worker
+    old = Stream(stub, 1, key)
     old.step(PREFILL)
     config = worker_pb2.WorkerConfig(model_dir=tiny_models("qwen3"), **LIMITS)
-    stub.Init(worker_pb2.InitRequest(epoch=2, scheduler_id="B", config=config), timeout=120,
-              metadata=bearer(TOKEN))
-    new_owner = Stream(stub, 2)
+    key_b = stub.Init(worker_pb2.InitRequest(epoch=2, scheduler_id="B", config=config),
+                      timeout=120, metadata=bearer(TOKEN)).stream_key
+    new_owner = Stream(stub, 2, key_b)
     new_owner.step(PREFILL)
     with pytest.raises(grpc.RpcError):       # the old owner learns it was fenced
         old.step(DECODE)

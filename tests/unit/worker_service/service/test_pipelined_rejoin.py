@@ -32,7 +32,7 @@ def worker(tiny_models):
 def _run(worker: NodeWorker, diffs: list[SchedulerOutput]) -> list:
     """Launch every diff on one stream, each before the previous one is finished; the replies'
     RunnerOutputs in step order."""
-    stream = worker.open_stream()
+    stream = worker.open_stream(worker.stream_key(worker.epoch))
     replies = []
     for diff in diffs:
         replies += worker.launch_step(stream, 1, diff.step, enc(diff))

@@ -10,6 +10,7 @@ import pytest
 from engine_common.wire.protos import worker_pb2
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import FailureKind, StepFailure
+from engine_common.security.stream_key import STREAM_KEY_METADATA
 from worker_service.ranks.rank_api import InitOutcome
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.servicer import WorkerServicer
@@ -56,6 +57,14 @@ class _Aborted(Exception):
 
 
 class _Context:
+    """A Step call's context carrying the epoch's stream key."""
+
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def invocation_metadata(self):
+        return ((STREAM_KEY_METADATA, self.key),)
+
     def abort(self, code, details):
         self.code = code
         raise _Aborted(details)
@@ -68,7 +77,7 @@ def test_a_step_that_leaves_the_ranks_out_of_step_turns_health_not_serving(tiny_
     node.init(RunnerConfig(model_dir=tiny_models("qwen3"), max_model_len=64, block_size=4,
                            max_num_seqs=4, max_num_batched_tokens=64), NodeLayout(), epoch=1)
     served.append(True)                                   # the servicer's Init says so
-    context = _Context()
+    context = _Context(node.stream_key(1))
     responses = servicer.Step(iter([worker_pb2.StepRequest(epoch=1, step=0, payload=b"")]),
                               context)
     with pytest.raises(_Aborted, match="collective failed"):

@@ -111,16 +111,16 @@ def test_requests_cached_is_not_the_last_epochs_after_init_reset_or_a_rank_death
     cpu = {"rank": "0", "device": "cpu"}
     node.init(config, NodeLayout(), epoch=1, owner="A")
     ranks.cached = 3
-    node.step(node.open_stream(), 1, 0, b"")
+    node.step(node.open_stream(node.stream_key(node.epoch)), 1, 0, b"")
     assert value(metrics, "requests_cached", **cpu) == 3
     assert value(metrics, "kv_blocks", **cpu) == 8
     node.init(config, NodeLayout(), epoch=2, owner="B")        # a restarted scheduler
     assert value(metrics, "requests_cached", **cpu) == 0
-    node.step(node.open_stream(), 2, 0, b"")
+    node.step(node.open_stream(node.stream_key(node.epoch)), 2, 0, b"")
     assert value(metrics, "requests_cached", **cpu) == 3
     node.reset(3, "B")
     assert value(metrics, "requests_cached", **cpu) == 0
-    node.step(node.open_stream(), 3, 0, b"")
+    node.step(node.open_stream(node.stream_key(node.epoch)), 3, 0, b"")
     ranks.loaded = False                                       # the ranks died
     assert value(metrics, "requests_cached", **cpu) == 0
     assert value(metrics, "kv_blocks", **cpu) == 0
