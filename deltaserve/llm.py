@@ -309,7 +309,7 @@ class LLM:
         done.text += out.new_text
         done.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
-            done.prompt_logprobs = out.prompt_logprobs
+            done.prompt_logprobs = list(out.prompt_logprobs)   # built here, once
         done.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             done.finish_reason = out.finish_reason
