@@ -64,16 +64,23 @@ async def measure(args, llm) -> dict:
     from engine_common.wire.protos import (generation_pb2_grpc, vllm_engine_pb2,
                                            vllm_engine_pb2_grpc)
     from scheduler_service.api.front_door import ServedModel
+    from scheduler_service.api.generation_servicer import GenerationServicer
+    from scheduler_service.api.vllm_convert import EngineShape
+    from scheduler_service.api.vllm_servicer import VllmEngineServicer
     from scheduler_service.engine.async_engine import AsyncEngine
+    from scheduler_service.engine.kv_event_publisher import KvEventPublisher
     from scheduler_service.engine.output_processor import OutputProcessor
-    from tests.support.off_loop import _add_services
 
     engine = AsyncEngine(lambda: llm.engine.core, lambda: OutputProcessor(llm.tokenizer))
     engine.start()
     size = 1 << 30
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", size)])
-    _add_services(engine, ServedModel(info=llm.model_info, tokenizer=llm.tokenizer,
-                                      block_size=16), server)
+    served = ServedModel(info=llm.model_info, tokenizer=llm.tokenizer, block_size=16)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served),
+                                                         server)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
+        engine, served, EngineShape(16, 4, "float32", "auto"), KvEventPublisher(),
+        lambda: engine.ready), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     lateness: list[float] = [0.0]
