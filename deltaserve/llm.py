@@ -97,11 +97,9 @@ class LLM:
         self._model_dir = model
         # `seed` (vLLM's): the seeds drawn for requests without one follow from it, so a
         # script sampling without per-request seeds answers the same on every run.
-        self.scheduler = Scheduler(sched_cfg, num_blocks,
-                                   None if seed is None else random.Random(seed))
-        # generate() reads only each request's result: one output per request, at its finish.
-        self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
-                                OutputProcessor(self.tokenizer, final_only=True))
+        self._sched_cfg, self._num_blocks = sched_cfg, num_blocks
+        self._rng = None if seed is None else random.Random(seed)
+        self._build_engine()
         self._ids = itertools.count()
         self._failed: str | None = None      # a failed step's error: the LLM is done
         self._lock = threading.Lock()          # one call at a time (_exclusive)
@@ -172,14 +170,39 @@ class LLM:
                         self._merge(results[out.request_id], out)
                     admit()
                 self._drop_finished()
-            except BaseException:
-                # A failed step, Ctrl-C: none of this call's requests may stay queued, holding
-                # blocks, for the next call to meet (KeyError, before).
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt) and not ctrl_c.taken:
+                    self._start_over()              # it landed inside a step
+                    raise
+                # A failed step, Ctrl-C between steps: none of this call's requests may stay
+                # queued, holding blocks, for the next call to meet (KeyError, before).
                 self.engine.abort(order)
                 if self._failed is None:
                     self._drop_finished()
                 raise
         return [results[rid] for rid in ids]
+
+    def _build_engine(self) -> None:
+        """A scheduler (empty prefix cache) and its engine over the runner."""
+        self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng)
+        # generate() reads only each request's result: one output per request, at its finish.
+        self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
+                                OutputProcessor(self.tokenizer, final_only=True))
+
+    def _start_over(self) -> None:
+        """After a KeyboardInterrupt inside a step (a second Ctrl-C; the first waits for the
+        step's end): the scheduler and the runner may disagree on anything (a step counted
+        that the runner never took, a diff half applied, a reply lost), so both start over, as
+        the server does after a worker failure: the runner thread ends once the steps given to
+        it are done, the runner drops every request, and a new scheduler and engine take over
+        (the prefix cache starts empty). Interrupted again meanwhile, the LLM is failed."""
+        try:
+            self.engine.core.executor.close()
+            self.runner.reset()
+            self._build_engine()
+        except BaseException as e:
+            self._failed = f"interrupted while starting over ({type(e).__name__})"
+            raise
 
     def _check_admission(self, requests: list[Request]) -> None:
         """Each request as the scheduler will admit it, before any is queued: a refused prompt
@@ -309,7 +332,7 @@ class LLM:
         done.text += out.new_text
         done.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
-            done.prompt_logprobs = out.prompt_logprobs
+            done.prompt_logprobs = list(out.prompt_logprobs)   # built here, once
         done.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             done.finish_reason = out.finish_reason

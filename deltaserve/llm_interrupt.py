@@ -1,7 +1,8 @@
 """Ctrl-C during an offline call, taken between engine steps. A KeyboardInterrupt raised inside
 a step (after the scheduler counted it and before the runner took it, or half way through the
 scheduler's own update) left the two disagreeing: every later step of that LLM failed ("step N
-arrived after step M"). A second Ctrl-C raises at once, as before (a step that never ends).
+arrived after step M"). A second Ctrl-C raises at once, as before (a step that never ends), and
+the LLM then starts its scheduler and runner over (LLM._start_over), so that it stays usable.
 
 Only on the main thread, and only while SIGINT has Python's default handler: a handler of the
 caller's own is left alone.
@@ -19,6 +20,7 @@ class DeferredInterrupt:
 
     def __init__(self):
         self.pressed = False
+        self.taken = False               # check() raised: the Ctrl-C landed at a safe point
         self._installed = False
 
     def __enter__(self) -> DeferredInterrupt:
@@ -40,6 +42,7 @@ class DeferredInterrupt:
     def check(self) -> None:
         if self.pressed:
             self.pressed = False
+            self.taken = True
             raise KeyboardInterrupt
 
     def __exit__(self, exc_type, _exc, _tb) -> None:

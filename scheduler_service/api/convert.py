@@ -102,6 +102,19 @@ def finish_reason_to_proto(status: RequestStatus | None) -> int:
     return _FINISH_REASONS[status]
 
 
+# An output with more tokens than this has its message built on a worker thread, not on the event
+# loop: a consumer that lagged 20,000 steps at 20 top logprobs gets one output whose message took
+# ~1 s of CPU (each alternative's text decoded). One step's output stays inline (a thread hop
+# costs more than it).
+OFF_LOOP_TOKENS = 128
+
+
+def builds_off_loop(out: RequestOutput) -> bool:
+    """Whether `out`'s message is too costly for the event loop (prompt logprobs, or the
+    tokens of many steps)."""
+    return out.prompt_logprobs is not None or len(out.new_token_ids) > OFF_LOOP_TOKENS
+
+
 def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None = None,
                     request_id: str | None = None, prompt_ids: list[int] | None = None
                     ) -> pb.GenerateResponse:

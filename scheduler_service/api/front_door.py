@@ -282,8 +282,11 @@ class FrontDoor:
 
     def engine_request(self, req: ValidatedRequest, request_id: str, prompt_ids: list[int],
                        cache_salt: str, sampling: SamplingParams | None = None) -> Request:
-        """The engine's Request (`sampling`: this choice's, when not the request's own)."""
-        return Request(request_id, list(prompt_ids), sampling or req.sampling, req.stopping,
+        """The engine's Request (`sampling`: this choice's, when not the request's own).
+        `prompt_ids` (prompt_ids()'s own list) is shared, not copied: nothing changes a
+        prompt, and a copy per choice cost n=1024 choices of a 100k-token prompt ~0.8 GB and
+        ~1 s of the event loop."""
+        return Request(request_id, prompt_ids, sampling or req.sampling, req.stopping,
                        self.model.info.eos_token_ids, num_logprobs=req.num_logprobs,
                        priority=req.priority, constraint=req.constraint, cache_salt=cache_salt,
                        num_prompt_logprobs=req.num_prompt_logprobs)

@@ -23,8 +23,8 @@ from engine_common.wire.protos import generation_pb2 as pb
 from engine_common.wire.protos import generation_pb2_grpc
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.convert import (limited_fields, output_to_proto, request_from_proto,
-                                           sampling_to_proto)
+from scheduler_service.api.convert import (builds_off_loop, limited_fields, output_to_proto,
+                                           request_from_proto, sampling_to_proto)
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requests, abort_with,
                                               messages_from_proto)
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
@@ -81,10 +81,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         streamed = True
                         args = (out, self._token_text, own_id,
                                 engine_request.prompt_token_ids)
-                        # Prompt logprobs take seconds for a long prompt: built off the
-                        # event loop, so that the other streams keep flowing meanwhile.
-                        msg = (output_to_proto(*args) if out.prompt_logprobs is None
-                               else await asyncio.to_thread(output_to_proto, *args))
+                        # Prompt logprobs take seconds for a long prompt (a lagging
+                        # consumer's pile, too): built off the event loop, so that the other
+                        # streams keep flowing meanwhile.
+                        msg = (await asyncio.to_thread(output_to_proto, *args)
+                               if builds_off_loop(out) else output_to_proto(*args))
                         writing = True
                         await context.write(msg)
                         writing = False

@@ -49,9 +49,9 @@ from engine_common.request.params import StoppingParams
 from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer, streamed_text
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
-from scheduler_service.engine.request_output import (RequestOutput, RequestTimings,
-                                                     TokenLogprob, merge_outputs,
-                                                     prompt_logprob_entries)
+from scheduler_service.engine.request_output import (PromptLogprobList, RequestOutput,
+                                                     RequestTimings, TokenLogprob,
+                                                     merge_outputs)
 from scheduler_service.errors import RequestFailed
 
 # The output types live in request_output.py; importers of this module may name them here too.
@@ -256,7 +256,7 @@ class OutputProcessor:
     def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
         out = self._process_tokens(state, update)
         if update.prompt_logprobs is not None and state.prompt_ids is not None:
-            out.prompt_logprobs = prompt_logprob_entries(state.prompt_ids, update.prompt_logprobs)
+            out.prompt_logprobs = PromptLogprobList(state.prompt_ids, update.prompt_logprobs)
         return out
 
     def _process_tokens(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:

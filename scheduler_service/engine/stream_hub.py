@@ -21,8 +21,8 @@ from typing import Callable
 from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.engine.metrics import SchedulerMetrics
-from scheduler_service.engine.output_processor import (OutputProcessor, RequestOutput,
-                                                     merge_outputs)
+from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
+from scheduler_service.engine.request_output import merge_run
 from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.core.step_result import TokenUpdate
 
@@ -131,15 +131,22 @@ class StreamHub:
 
 def coalesce(items: list) -> list:
     """A stream's waiting items with each run of consecutive outputs merged into one (an error,
-    or a finished output, ends a run: nothing follows either)."""
+    or a finished output, ends a run: nothing follows either). Each run is merged at once
+    (merge_run): linear in what waited, however long the consumer lagged."""
     if len(items) == 1:
         return items
     out: list = []
+    run: list[RequestOutput] = []
     for item in items:
-        last = out[-1] if out else None
-        if (isinstance(last, RequestOutput) and not last.finished
-                and isinstance(item, RequestOutput)):
-            out[-1] = merge_outputs(last, item)
-        else:
+        if isinstance(item, RequestOutput):
+            run.append(item)
+            if not item.finished:
+                continue
+        if run:
+            out.append(merge_run(run))
+            run = []
+        if not isinstance(item, RequestOutput):
             out.append(item)
+    if run:
+        out.append(merge_run(run))
     return out

@@ -58,3 +58,32 @@ def test_coalesce_keeps_an_error_after_the_outputs_before_it():
     assert first.new_token_ids == [5, 6] and not first.finished and second is error
     single = [out([5], 1)]
     assert coalesce(single) is single and coalesce([]) == []
+
+
+class _CountingIds(list):
+    """Token ids that count the elements each `+` copies (a merge two by two copies the pile
+    again at every step)."""
+
+    copied = 0
+
+    def __add__(self, other):
+        result = _CountingIds(list.__add__(self, other))
+        _CountingIds.copied += len(result)
+        return result
+
+
+def test_coalesce_is_linear_in_what_waited():
+    """A consumer that lagged 2,000 steps: each token copied a bounded number of times (before,
+    ~n^2/2 = 2 million; 20,000 steps held the event loop ~2 s). The merge equals the pairwise
+    one."""
+    n = 2000
+    items = [out([i], i + 1) for i in range(n - 1)] + [out([n - 1], n,
+                                                          RequestStatus.FINISHED_LENGTH)]
+    for item in items:
+        item.new_token_ids = _CountingIds(item.new_token_ids)
+    _CountingIds.copied = 0
+    merged, = coalesce(items)
+    assert _CountingIds.copied <= 2 * n, _CountingIds.copied
+    assert merged.new_token_ids == list(range(n)) and merged.finished
+    assert merged.new_text == "".join(f"<{i}>" for i in range(n))
+    assert merged.num_output_tokens == n
