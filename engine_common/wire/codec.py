@@ -40,6 +40,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
 from engine_common.constraints.constraint import Constraint
+from engine_common.identity_cache import IdentityCache
 from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, PromptLogprobs,
                                      ResumedRequestData, RunnerOutput, SchedulerOutput)
 from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
@@ -292,19 +293,16 @@ def _sampling_bytes(params: SamplingParams) -> bytes:
     """sampling_to_wire, found by the params object's identity first: a prefill step's new
     requests mostly share one object (the caller's), and sampling_to_wire's lru_cache hashes
     every field of the frozen dataclass per request."""
-    hit = _WIRE_BY_ID.get(id(params))
-    if hit is not None and hit[0] is params:
-        return hit[1]
-    data = sampling_to_wire(params)
-    if len(data) <= MAX_CACHED_SAMPLING_BYTES:     # no params with many ids pinned here
-        if len(_WIRE_BY_ID) >= MAX_WIRE_BY_ID:
-            _WIRE_BY_ID.clear()
-        _WIRE_BY_ID[id(params)] = (params, data)  # holding params keeps its id from reuse
+    data = _WIRE_BY_ID.get(params)
+    if data is None:
+        data = sampling_to_wire(params)
+        if len(data) <= MAX_CACHED_SAMPLING_BYTES:     # no params with many ids pinned here
+            _WIRE_BY_ID.put(params, data)
     return data
 
 
-_WIRE_BY_ID: dict[int, tuple[SamplingParams, bytes]] = {}
 MAX_WIRE_BY_ID = 256
+_WIRE_BY_ID = IdentityCache(MAX_WIRE_BY_ID)
 
 
 def _new_to_wire(r: NewRequestData) -> list:
