@@ -14,35 +14,43 @@ from __future__ import annotations
 
 
 class IdentityCache:
-    """id(key) -> (key, value), bounded; see the module docstring."""
+    """id(key) -> value, bounded, each key held; see the module docstring.
 
-    __slots__ = ("_entries", "max_entries")
+    Holding the key is what makes its id a safe key: two live objects never share an id, so
+    while an entry exists its id names that very object, and no `is` check is needed on a hit.
+    get_by_id is the hot paths' form (the dict's own C get: no Python frame per request), for
+    id() of an object the caller holds."""
+
+    __slots__ = ("_values", "_keys", "max_entries", "get_by_id")
 
     def __init__(self, max_entries: int = 256) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries={max_entries}: expected at least 1")
-        self._entries: dict[int, tuple[object, object]] = {}
+        self._values: dict[int, object] = {}
+        self._keys: dict[int, object] = {}       # holding each key keeps its id from reuse
         self.max_entries = max_entries
+        self.get_by_id = self._values.get
 
     def get(self, key: object):
         """The value put for this very object, or None."""
-        hit = self._entries.get(id(key))
-        return hit[1] if hit is not None and hit[0] is key else None
+        return self._values.get(id(key))
 
     def put(self, key: object, value: object) -> None:
         """Remember `value` for `key` (None is not a value: get could not tell it from a miss)."""
         if value is None:
             raise ValueError("IdentityCache cannot hold None")
-        entries = self._entries
-        if len(entries) >= self.max_entries and id(key) not in entries:
-            entries.clear()
-        entries[id(key)] = (key, value)       # holding key keeps its id from reuse
+        k = id(key)
+        if len(self._values) >= self.max_entries and k not in self._values:
+            self.clear()
+        self._keys[k] = key
+        self._values[k] = value
 
     def __contains__(self, key: object) -> bool:
-        return self.get(key) is not None
+        return id(key) in self._values
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._values)
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._values.clear()
+        self._keys.clear()

@@ -88,7 +88,7 @@ def cached_sampling_bytes(params: SamplingParams) -> bytes:
     """sampling_to_wire, found by the params object's identity first: a prefill step's new
     requests mostly share one object (the caller's), and sampling_to_wire's lru_cache hashes
     every field of the frozen dataclass per request."""
-    data = _WIRE_BY_ID.get(params)
+    data = _WIRE_BY_ID.get_by_id(id(params))
     if data is None:
         data = sampling_to_wire(params)
         if len(data) <= MAX_CACHED_SAMPLING_BYTES:     # no params with many ids pinned here

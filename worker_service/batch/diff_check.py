@@ -186,7 +186,7 @@ def _new_fits(new: NewRequestData, bounds: DiffBounds, view: _View) -> bool:
 def _knobs_fit(sp, vocab_size: int) -> bool:
     """top_k in range and every id of logit_bias and the id sets below vocab_size, remembered
     per params object (a decoded diff shares one per distinct message)."""
-    if _KNOBS_FIT.get(sp) == vocab_size:
+    if _KNOBS_FIT.get_by_id(id(sp)) == vocab_size:
         return True
     id_lists = ([t for t, _ in sp.logit_bias], *(getattr(sp, k.name) for k in ID_SET_KNOBS))
     fits = -1 <= sp.top_k <= MAX_MIN_TOKENS and all(

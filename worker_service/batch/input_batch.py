@@ -253,7 +253,7 @@ MAX_CACHED_ROW_IDS = 16
 
 def _row_of(sp: SamplingParams) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
     """_sampling_row, cached for params with few token ids (the usual ones)."""
-    row = _ROWS_BY_ID.get(sp)
+    row = _ROWS_BY_ID.get_by_id(id(sp))
     if row is not None:
         return row
     if len(sp.logit_bias) + sum(len(getattr(sp, k.name)) for k in ID_SET_KNOBS) \

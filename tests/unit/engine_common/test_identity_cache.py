@@ -63,3 +63,15 @@ def test_an_entry_holds_its_key_so_its_id_is_not_reused():
     cache.clear()
     gc.collect()
     assert ref() is None and len(cache) == 0
+
+
+def test_get_by_id_is_get_for_a_held_object():
+    """The hot paths' form answers as get does: the value for the object put, None for an
+    equal twin or after a clear."""
+    cache = IdentityCache(2)
+    key, twin = _Params(0.5), _Params(0.5)
+    cache.put(key, "row")
+    assert cache.get_by_id(id(key)) == cache.get(key) == "row"
+    assert cache.get_by_id(id(twin)) is None
+    cache.clear()
+    assert cache.get_by_id(id(key)) is None and key not in cache
