@@ -26,8 +26,8 @@ import os
 import torch
 
 from engine_common.model_files.model_dir import ModelInfo
-from worker_service.config import RunnerConfig, rank_device
 from kernels.cpu.moe_experts import packed_bytes
+from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import resolve_dtype
 
@@ -70,7 +70,8 @@ def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
 
 def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1) -> int:
     """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
-    sparse layer (0 for a dense model or a dtype the kernel does not take)."""
+    sparse layer (0 for a dense model or a dtype the kernel does not take). Counted also where
+    the experts stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
     if "moe_intermediate_size" not in hf_config:
         return 0
     from worker_service.models.qwen_moe import MoeArgs
