@@ -5,9 +5,16 @@ refuse them before any worker starts rather than at the worker's Init.
 With experts (num_experts, or transformers 5's num_local_experts, above 0) a token is routed to
 num_experts_per_tok of them, each of width moe_intermediate_size:
 
-    num_experts / num_local_experts   >= 0 (0: no sparse layer, every MLP dense, as transformers)
+    num_experts / num_local_experts   >= 0 (0: no sparse layer, every MLP dense; see below)
     num_experts_per_tok               in [1, the expert count]
     moe_intermediate_size             >= 1
+
+Zero experts, per class served (worker_service/models/registry.py): transformers'
+Qwen2MoeDecoderLayer and Qwen3MoeDecoderLayer build the sparse block only when num_experts > 0
+(5.x, modeling_qwen{2,3}_moe.py), else the dense MLP of width intermediate_size (Qwen2-MoE
+without its shared expert), and so does models/qwen_moe.MoeArgs.is_sparse: such a config is
+the dense model, served as transformers runs it (tests/integration/test_moe_config_variants.py).
+An MoE class whose transformers model cannot run without experts must refuse 0 here.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ Layouts (positional arrays keep steady-state messages tiny):
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
                  their neutral value (none: 0 bytes); decoded by the knobs' names and validated
                  by their declarations, so a bad value is refused naming the knob
+                 (engine_common/wire/sampling_wire.py)
     constraint = nil, or [kind, value] (engine_common/constraints/constraint.py): sent once, here only
     resumed    = [handle, block ids, num_computed_tokens]
     new blocks = nil when no request grows, else bytes: sorted handle gaps and block counts,
@@ -32,24 +33,20 @@ per growing request plus a few bytes per run of consecutive block ids.
 from __future__ import annotations
 
 from array import array
-from functools import lru_cache
 
 import msgpack
 import numpy as np
-from google.protobuf import unknown_fields
-from google.protobuf.message import DecodeError
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, PromptLogprobs,
                                      ResumedRequestData, RunnerOutput, SchedulerOutput)
 from engine_common.wire.new_blocks import pack_new_blocks, unpack_new_blocks
-from engine_common.wire.protos import generation_pb2 as pb
-from engine_common.request.params import (KNOBS, SamplingParams, WorkerSamplingParams, clip,
-                                          quoted)
-
-
-class CodecError(ValueError):
-    """A payload that does not decode to the expected layout."""
+from engine_common.wire.codec_error import CodecError
+# given_knobs, sampling_to_wire and sampling_from_wire: importable from here, as before the split
+from engine_common.wire.sampling_wire import (MAX_CACHED_SAMPLING_BYTES,  # noqa: F401
+                                              cached_sampling_bytes, cached_sampling_params,
+                                              given_knobs, sampling_from_wire, sampling_to_wire)
+from engine_common.request.params import WorkerSamplingParams, clip, quoted
 
 
 def _why(e: Exception) -> str:
@@ -126,7 +123,7 @@ def _sampling(value) -> WorkerSamplingParams:
     sampling, seed, min_tokens, stop_ids = _seq(value, "sampling", 4)
     if not isinstance(sampling, bytes):
         raise CodecError("sampling params: expected bytes (a SamplingParams message)")
-    return WorkerSamplingParams(_sampling_params(sampling), _int(seed, "seed"),
+    return WorkerSamplingParams(cached_sampling_params(sampling), _int(seed, "seed"),
                                 _int(min_tokens, "min_tokens"),
                                 tuple(_ints(stop_ids, "stop_ids")))
 
@@ -166,7 +163,7 @@ def _usual_new_request(value) -> NewRequestData | None:
             and _nonneg_ints(stop_ids) and _nonneg_ints(blocks)):
         return None
     return NewRequestData(h, np.frombuffer(prompt, dtype=np.uint32), WorkerSamplingParams(
-        _sampling_params(message), seed, min_tokens, tuple(stop_ids)), blocks, num_computed,
+        cached_sampling_params(message), seed, min_tokens, tuple(stop_ids)), blocks, num_computed,
         num_logprobs, None)
 
 
@@ -218,93 +215,9 @@ def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
-# ---- the sampling knobs: the public API's SamplingParams message, serialized (the module
-# docstring). Every knob (engine_common/request/sampling_knobs.py) has a field of its name in it;
-# a knob at its neutral value is left unset, so a greedy request's sampling is 0 bytes. ----
-
-def given_knobs(msg) -> dict[str, object]:
-    """The sampling knobs (params.KNOBS) a SamplingParams message of either protocol sets, by
-    name: a field of the knob's name with presence counts when set, a proto3 scalar without it
-    when not 0, a repeated one when not empty."""
-    given = {}
-    for k in KNOBS:
-        fd = msg.DESCRIPTOR.fields_by_name.get(k.name)
-        if fd is None:
-            continue
-        value = getattr(msg, k.name)
-        if fd.is_repeated:
-            value = tuple(value)
-        if msg.HasField(k.name) if fd.has_presence else value:
-            given[k.name] = value
-    return given
-
-
-@lru_cache(maxsize=1024)      # requests mostly share their sampling: one message per kind
-def sampling_to_wire(params: SamplingParams) -> bytes:
-    """The knobs off their neutral value, and the logit bias, as SamplingParams bytes."""
-    msg = pb.SamplingParams(logit_bias=dict(params.logit_bias))
-    for k in KNOBS:
-        value = getattr(params, k.name)
-        if value != k.neutral:
-            if k.meta.ids:
-                getattr(msg, k.name).extend(value)
-            else:
-                setattr(msg, k.name, value)
-    return msg.SerializeToString(deterministic=True)
-
-
-def sampling_from_wire(data: bytes) -> SamplingParams:
-    """The domain SamplingParams of sampling_to_wire's bytes; raises CodecError (not a message,
-    unknown fields) or ParamError (a knob out of its range, by name)."""
-    try:
-        msg = pb.SamplingParams.FromString(data)
-    except DecodeError as e:
-        raise CodecError(f"sampling: not a SamplingParams message ({e})") from None
-    unknown = unknown_fields.UnknownFieldSet(msg)
-    if len(unknown):
-        raise CodecError(f"sampling: unknown field number {unknown[0].field_number} (not a "
-                         "SamplingParams field)")
-    return SamplingParams(**given_knobs(msg), logit_bias=dict(msg.logit_bias))
-
-
-# A prefill step brings hundreds of new requests, mostly of one or a few kinds of sampling: the
-# message is parsed and validated once per kind (SamplingParams is frozen, so sharing one is
-# safe; a refused message raises each time, lru_cache keeps no exceptions).
-_cached_sampling_from_wire = lru_cache(maxsize=1024)(sampling_from_wire)
-# Only messages this small are cached: every scalar knob fits in ~100 bytes, while one with 1024
-# logit_bias entries and 1024 allowed ids is ~16 KB and parses to ~140 KB of Python objects, so
-# a client sending 1024 distinct ones would pin ~160 MB in every rank process.
-MAX_CACHED_SAMPLING_BYTES = 256
-
-
-def _sampling_params(data: bytes) -> SamplingParams:
-    if len(data) <= MAX_CACHED_SAMPLING_BYTES:
-        return _cached_sampling_from_wire(data)
-    return sampling_from_wire(data)
-
-
 def _worker_sampling(params: WorkerSamplingParams) -> list:
-    return [_sampling_bytes(params.sampling), params.seed, params.min_tokens,
+    return [cached_sampling_bytes(params.sampling), params.seed, params.min_tokens,
             list(params.stop_ids)]
-
-
-def _sampling_bytes(params: SamplingParams) -> bytes:
-    """sampling_to_wire, found by the params object's identity first: a prefill step's new
-    requests mostly share one object (the caller's), and sampling_to_wire's lru_cache hashes
-    every field of the frozen dataclass per request."""
-    hit = _WIRE_BY_ID.get(id(params))
-    if hit is not None and hit[0] is params:
-        return hit[1]
-    data = sampling_to_wire(params)
-    if len(data) <= MAX_CACHED_SAMPLING_BYTES:     # no params with many ids pinned here
-        if len(_WIRE_BY_ID) >= MAX_WIRE_BY_ID:
-            _WIRE_BY_ID.clear()
-        _WIRE_BY_ID[id(params)] = (params, data)  # holding params keeps its id from reuse
-    return data
-
-
-_WIRE_BY_ID: dict[int, tuple[SamplingParams, bytes]] = {}
-MAX_WIRE_BY_ID = 256
 
 
 def _new_to_wire(r: NewRequestData) -> list:

@@ -12,7 +12,9 @@ grouped / packed (medians of 3 rounds): float32 2.1x at 32 rows an expert, 1.4x 
 128; bfloat16 1.5x at 8 rows, 1.07x at 16, 0.83x at 32 (F.linear's bf16 GEMM uses the CPU's
 AMX tiles once there are rows enough; the panels widen bf16 to float32 FMAs). An expert that
 gets many more rows than the mean still runs correctly, on the panels' k-chunked walk. The
-panels are one extra copy of the experts' weights (the dense layers keep two).
+panels are one extra copy of the experts' weights (the dense layers keep two), padded to whole
+panels: packed_bytes gives its size before anything is loaded, for the memory check
+(worker_service/runner/memory_fit.py) that budgets the weights beside the KV cache.
 """
 from __future__ import annotations
 
@@ -22,6 +24,16 @@ from kernels.cpu import extension
 
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_MEAN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
+PANEL_COLUMNS = 32          # csrc/panel_gemm.cpp's kPanel: output columns per panel
+
+
+def packed_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Bytes of one layer's CpuExperts panels (w13 [E, 2I, H] and w2 [E, H, I], each expert's
+    output rows padded up to whole panels); 0 for a dtype the kernel does not take."""
+    if dtype not in DTYPES or num_experts < 1:
+        return 0
+    panels = -(-2 * inter // PANEL_COLUMNS) * hidden + -(-hidden // PANEL_COLUMNS) * inter
+    return num_experts * panels * PANEL_COLUMNS * torch.empty((), dtype=dtype).element_size()
 
 
 class CpuExperts:
@@ -35,6 +47,10 @@ class CpuExperts:
         self.w13_panels = _stacked_panels(ops, w13)
         self.w2_panels = _stacked_panels(ops, w2)
         self.calls = 0              # calls that took the kernel (tests check it ran)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13_panels.nbytes + self.w2_panels.nbytes
 
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.device.type == "cpu"

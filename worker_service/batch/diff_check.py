@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from engine_common.wire.codec import CodecError
 from engine_common.constraints.constraint import Constraint
+from engine_common.identity_cache import IdentityCache
 from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, ResumedRequestData,
                                      SchedulerOutput)
 from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,
@@ -185,21 +186,17 @@ def _new_fits(new: NewRequestData, bounds: DiffBounds, view: _View) -> bool:
 def _knobs_fit(sp, vocab_size: int) -> bool:
     """top_k in range and every id of logit_bias and the id sets below vocab_size, remembered
     per params object (a decoded diff shares one per distinct message)."""
-    hit = _KNOBS_FIT.get(id(sp))
-    if hit is not None and hit[0] is sp and hit[1] == vocab_size:
+    if _KNOBS_FIT.get_by_id(id(sp)) == vocab_size:
         return True
     id_lists = ([t for t, _ in sp.logit_bias], *(getattr(sp, k.name) for k in ID_SET_KNOBS))
     fits = -1 <= sp.top_k <= MAX_MIN_TOKENS and all(
         not len(ids) or _max_id(ids) < vocab_size for ids in id_lists)
     if fits and sum(map(len, id_lists)) <= MAX_REMEMBERED_IDS:   # no large params pinned
-        if len(_KNOBS_FIT) >= _MAX_KNOBS_FIT:
-            _KNOBS_FIT.clear()
-        _KNOBS_FIT[id(sp)] = (sp, vocab_size)     # holding sp keeps its id from reuse
+        _KNOBS_FIT.put(sp, vocab_size)
     return fits
 
 
-_KNOBS_FIT: dict[int, tuple[object, int]] = {}
-_MAX_KNOBS_FIT = 256
+_KNOBS_FIT = IdentityCache(256)     # params -> the vocab size it fits
 MAX_REMEMBERED_IDS = 16       # as input_batch's row cache: params with more ids are rechecked
 
 

@@ -25,6 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from engine_common.identity_cache import IdentityCache
 from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS, SamplingParams
 from engine_common.wire.diff import NewRequestData
 
@@ -252,25 +253,22 @@ MAX_CACHED_ROW_IDS = 16
 
 def _row_of(sp: SamplingParams) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
     """_sampling_row, cached for params with few token ids (the usual ones)."""
-    hit = _ROWS_BY_ID.get(id(sp))
-    if hit is not None and hit[0] is sp:
-        return hit[1]
+    row = _ROWS_BY_ID.get_by_id(id(sp))
+    if row is not None:
+        return row
     if len(sp.logit_bias) + sum(len(getattr(sp, k.name)) for k in ID_SET_KNOBS) \
             > MAX_CACHED_ROW_IDS:
         return _sampling_row.__wrapped__(sp)
     row = _sampling_row(sp)
-    if len(_ROWS_BY_ID) >= MAX_ROWS_BY_ID:
-        _ROWS_BY_ID.clear()
-    _ROWS_BY_ID[id(sp)] = (sp, row)
+    _ROWS_BY_ID.put(sp, row)
     return row
 
 
-# id(params) -> (params, _sampling_row(params)): a decoded prefill diff shares one
-# SamplingParams object per distinct message (the codec caches them), so its hundreds of rows
-# find theirs by identity instead of hashing every field of the frozen dataclass for the
-# lru_cache (~5 us a row). Holding `params` keeps its id from being reused; cleared when full.
-_ROWS_BY_ID: dict[int, tuple[SamplingParams, tuple]] = {}
+# params -> _sampling_row(params): a decoded prefill diff shares one SamplingParams object per
+# distinct message (the codec caches them), so its hundreds of rows find theirs by identity
+# instead of hashing every field of the frozen dataclass for the lru_cache (~5 us a row).
 MAX_ROWS_BY_ID = 256
+_ROWS_BY_ID = IdentityCache(MAX_ROWS_BY_ID)
 
 
 @lru_cache(maxsize=1024)       # requests mostly share their sampling params (frozen, hashable)

@@ -6,7 +6,9 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
     weights   per rank: the embedding (and an untied LM head), then per layer the attention
               projections q, k, v, o, the gated MLP's three matrices and two norms, in the
               weights' dtype, divided by tp_size (a lower bound: layers not split, buffers and
-              the loader's transient copies come on top)
+              the loader's transient copies come on top); on the CPU also the routed
+              experts' panel-packed copies (kernels/cpu/moe_experts.py: a second copy of every
+              expert, most of an MoE model's bytes), sized as the packing pads them
     KV cache  per rank: num_kv_blocks x the block's bytes when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
               loading, so only the weights are checked
@@ -24,6 +26,7 @@ import os
 import torch
 
 from engine_common.model_files.model_dir import ModelInfo
+from kernels.cpu.moe_experts import packed_bytes
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import resolve_dtype
@@ -65,6 +68,20 @@ def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
             + (hidden if moe.shared_expert_intermediate_size else 0))
 
 
+def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
+    sparse layer (0 for a dense model or a dtype the kernel does not take). Counted also where
+    the experts stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
+    if "moe_intermediate_size" not in hf_config:
+        return 0
+    from worker_service.models.qwen_moe import MoeArgs
+
+    moe = MoeArgs.from_hf(hf_config, "shared_expert_intermediate_size" in hf_config)
+    sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
+    return sparse * packed_bytes(moe.num_experts, moe.hidden_size,
+                                 moe.moe_intermediate_size // tp_size, dtype)
+
+
 def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
                       tp_size: int = 1) -> int | None:
     """One rank's KV-cache bytes; None when it is profiled from free memory (CUDA with
@@ -81,25 +98,46 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
     return config.kv_budget_bytes
 
 
+def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local_ranks: int,
+                  machine_bytes: int | None = None) -> tuple[int, int, int] | None:
+    """(the most KV-cache bytes per rank the machine leaves beside the weights, the weights'
+    estimate, the CPU-packed expert copies' part of it); None when the machine's memory is
+    unknown."""
+    device = torch.device(config.device).type
+    dtype = resolve_dtype(info.hf_config, config.dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    packed = estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size) if device == "cpu" else 0
+    weights = estimate_weight_bytes(info.hf_config, element, tp_size) + packed
+    have = machine_bytes if machine_bytes is not None else _machine_bytes(config.device)
+    if not have:
+        return None
+    sharing = num_local_ranks if device == "cpu" else 1
+    return have // sharing - weights, weights, packed
+
+
 def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
                       num_local_ranks: int, machine_bytes: int | None = None) -> None:
     """DoesNotFit when the node's ranks would need more than the machine has."""
     device = torch.device(config.device).type
-    element = torch.empty((), dtype=resolve_dtype(info.hf_config, config.dtype)).element_size()
-    weights = estimate_weight_bytes(info.hf_config, element, tp_size)
-    kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
-    sharing = num_local_ranks if device == "cpu" else 1
-    need = (weights + (kv or 0)) * sharing
     have = machine_bytes if machine_bytes is not None else _machine_bytes(config.device)
-    if not have or need <= have:
+    room = kv_room_bytes(config, info, tp_size, num_local_ranks, have)
+    if room is None:
         return
+    room_bytes, weights, packed = room
+    element = torch.empty((), dtype=resolve_dtype(info.hf_config, config.dtype)).element_size()
+    kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
+    if (kv or 0) <= room_bytes:
+        return
+    sharing = num_local_ranks if device == "cpu" else 1
     kv_text = "sized from free memory" if kv is None else _size(kv)
+    packed_text = f" ({_size(packed)} of it the experts' CPU-packed copies)" if packed else ""
     where = (f"this machine's {_size(have)} of memory" if device == "cpu"
              else f"{config.device}'s {_size(have)}")
     ranks = f" x {sharing} local ranks" if sharing > 1 else ""
     raise DoesNotFit(f"model_dir={config.model_dir!r} does not fit: its weights need about "
-                     f"{_size(weights)} and its KV cache {kv_text} per rank{ranks}, more than "
-                     f"{where} (lower kv_cache_bytes or num_kv_blocks, or raise tp_size)")
+                     f"{_size(weights)}{packed_text} and its KV cache {kv_text} per rank{ranks}, "
+                     f"more than {where} (lower kv_cache_bytes or num_kv_blocks, or raise "
+                     f"tp_size)")
 
 
 def _size(num_bytes: int) -> str:

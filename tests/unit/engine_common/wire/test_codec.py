@@ -302,19 +302,19 @@ def test_the_sampling_cache_keeps_no_large_message():
     """A hostile client's requests, each with its own 1024 logit_bias entries and 1024 allowed
     ids, must not be pinned by the per-message cache (~140 KB each, 1024 of them per rank);
     small messages (every scalar knob) are still parsed once."""
-    from engine_common.wire import codec
+    from engine_common.wire import sampling_wire
 
     def step(sp: SamplingParams) -> NewRequestData:
         new = NewRequestData(0, [1], WorkerSamplingParams(sp, seed=0), [0], 0)
         payload = encode_scheduler_output(SchedulerOutput(step=1, new_requests=[new]))
         return decode_scheduler_output(payload).new_requests[0]
 
-    codec._cached_sampling_from_wire.cache_clear()
+    sampling_wire._cached_sampling_from_wire.cache_clear()
     for i in range(3):
         big = SamplingParams(logit_bias={j: float(i) for j in range(1024)},
                              allowed_token_ids=range(i, i + 1024))
         assert step(big).sampling.sampling == big
-    assert codec._cached_sampling_from_wire.cache_info().currsize == 0
+    assert sampling_wire._cached_sampling_from_wire.cache_info().currsize == 0
     small = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05,
                            repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3)
     first, second = step(small), step(small)

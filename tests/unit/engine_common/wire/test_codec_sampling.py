@@ -54,7 +54,7 @@ def test_a_new_request_carries_its_sampling_through_the_codec():
 def test_shared_params_encode_like_their_own_copies_and_the_identity_cache_is_bounded():
     """New requests sharing one SamplingParams object encode to the bytes equal but distinct
     objects give; the encoder's identity cache keeps at most MAX_WIRE_BY_ID objects."""
-    from engine_common.wire import codec
+    from engine_common.wire import sampling_wire
 
     shared = SamplingParams(temperature=0.5, top_k=3, logit_bias={2: 1.0})
 
@@ -63,14 +63,14 @@ def test_shared_params_encode_like_their_own_copies_and_the_identity_cache_is_bo
             NewRequestData(h, [1, 2], WorkerSamplingParams(params_of(h), seed=h), [h], 0)
             for h in range(4)])
     payload = encode_scheduler_output(diff(lambda h: shared))
-    assert codec._WIRE_BY_ID[id(shared)] == (shared, sampling_to_wire(shared))
+    assert sampling_wire._WIRE_BY_ID.get(shared) == sampling_to_wire(shared)
     assert payload == encode_scheduler_output(diff(
         lambda h: SamplingParams(temperature=0.5, top_k=3, logit_bias={2: 1.0})))
     decoded = decode_scheduler_output(payload).new_requests
     assert [r.sampling.sampling for r in decoded] == [shared] * 4
-    for t in range(codec.MAX_WIRE_BY_ID + 5):
-        codec._sampling_bytes(SamplingParams(temperature=0.01 * (t + 1)))
-    assert len(codec._WIRE_BY_ID) <= codec.MAX_WIRE_BY_ID
+    for t in range(sampling_wire.MAX_WIRE_BY_ID + 5):
+        sampling_wire.cached_sampling_bytes(SamplingParams(temperature=0.01 * (t + 1)))
+    assert len(sampling_wire._WIRE_BY_ID) <= sampling_wire.MAX_WIRE_BY_ID
     large = SamplingParams(logit_bias={j: 1.0 for j in range(100)})
-    assert codec._sampling_bytes(large) == sampling_to_wire(large)
-    assert id(large) not in codec._WIRE_BY_ID, "large params are not pinned"
+    assert sampling_wire.cached_sampling_bytes(large) == sampling_to_wire(large)
+    assert large not in sampling_wire._WIRE_BY_ID, "large params are not pinned"

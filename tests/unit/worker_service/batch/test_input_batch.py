@@ -219,7 +219,7 @@ def test_the_row_cache_keeps_no_params_with_many_ids():
                  allowed_token_ids=range(512))
     batch.add(many)
     assert input_batch._sampling_row.cache_info().currsize == 0
-    assert id(many.sampling.sampling) not in input_batch._ROWS_BY_ID
+    assert many.sampling.sampling not in input_batch._ROWS_BY_ID
     assert batch.num_rows_setting["logit_bias"] == batch.num_rows_setting["temperature"] == 1
     batch.add(_with(1, temperature=0.5))
     assert input_batch._sampling_row.cache_info().currsize == 1
@@ -238,7 +238,7 @@ def test_rows_of_shared_params_are_found_by_identity_and_equal_the_hashed_ones()
     batch = InputBatch(max_num_reqs=3, max_model_len=16, max_blocks_per_req=4)
     for handle in range(2):
         batch.add(CachedRequestState(handle, [1, 2], shared, [handle], 0))
-    assert input_batch._ROWS_BY_ID[id(shared.sampling)][0] is shared.sampling
+    assert shared.sampling in input_batch._ROWS_BY_ID
     own = WorkerSamplingParams(SamplingParams(temperature=0.3, top_k=7), seed=0)
     batch.add(CachedRequestState(2, [1, 2], own, [2], 0))
     assert batch.temperature[:3].tolist() == [batch.temperature[0]] * 3

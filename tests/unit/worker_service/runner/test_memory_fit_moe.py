@@ -1,0 +1,66 @@
+"""runner/memory_fit.py on an MoE model on the CPU: the experts' panel-packed copies
+(kernels/cpu/moe_experts.py) are a second copy of most of the weights, so the memory check
+counts them, at the size the packing really allocates, and the KV cache's room shrinks by them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_common.model_files.model_dir import ModelInfo
+from kernels.cpu import extension
+from kernels.cpu.moe_experts import CpuExperts, packed_bytes
+from tests.support.paged_prefill import load
+from worker_service.config import RunnerConfig
+from worker_service.failures import DoesNotFit
+from worker_service.runner.memory_fit import (GIB, check_memory_fits,
+                                              estimate_cpu_packed_bytes, estimate_weight_bytes,
+                                              kv_room_bytes)
+
+needs_extension = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts, hidden, inter", [(3, 40, 20), (2, 64, 32), (1, 33, 7)])
+def test_packed_bytes_is_what_the_packing_allocates(dtype, experts, hidden, inter):
+    """Shapes off the 32-column panel width too (padded up): the formula equals the panels'
+    real bytes."""
+    w13 = torch.randn(experts, 2 * inter, hidden).to(dtype)
+    w2 = torch.randn(experts, hidden, inter).to(dtype)
+    assert packed_bytes(experts, hidden, inter, dtype) == CpuExperts(w13, w2).nbytes
+
+
+def test_a_dtype_the_kernel_does_not_take_packs_nothing():
+    assert packed_bytes(4, 64, 32, torch.float16) == 0
+    assert packed_bytes(4, 64, 32, torch.float32) > 0
+
+
+@needs_extension
+def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
+    """The tiny Qwen3-MoE loaded on the CPU: its layers' packed experts, measured, are exactly
+    what the KV room loses beside the plain weight estimate; a dense model loses nothing; and
+    the check refuses one byte less than weights + packed copies + KV, naming the copies."""
+    path = tiny_models("qwen3_moe")
+    model = load(path)
+    measured = sum(m.cpu_experts.nbytes for m in model.modules()
+                   if getattr(m, "cpu_experts", None) is not None)
+    assert measured > 0
+    info = ModelInfo.from_dir(path)
+    config = RunnerConfig(model_dir=path, device="cpu", dtype="float32", kv_cache_bytes=GIB)
+    assert estimate_cpu_packed_bytes(info.hf_config, torch.float32) == measured
+    plain = estimate_weight_bytes(info.hf_config, 4)
+    have = 2 * GIB
+    assert kv_room_bytes(config, info, 1, 1, have) == (have - plain - measured,
+                                                       plain + measured, measured)
+
+    dense = tiny_models("qwen3")
+    dense_info = ModelInfo.from_dir(dense)
+    dense_config = RunnerConfig(model_dir=dense, device="cpu", dtype="float32")
+    assert kv_room_bytes(dense_config, dense_info, 1, 1, have)[0] == (
+        have - estimate_weight_bytes(dense_info.hf_config, 4))
+
+    exact = plain + measured + GIB
+    check_memory_fits(config, info, 1, 1, machine_bytes=exact)
+    with pytest.raises(DoesNotFit, match=r"of it the experts' CPU-packed copies\) and its KV "
+                                         r"cache 1\.00 GiB per rank"):
+        check_memory_fits(config, info, 1, 1, machine_bytes=exact - 1)
