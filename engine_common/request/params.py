@@ -1,7 +1,7 @@
 """Sampling and stopping parameters, validated once where they enter the system.
 
 Both sides share these: the scheduler validates what clients send, the worker receives the
-sampling part on the wire (engine_common/wire/codec.py: the public API's SamplingParams
+sampling part on the wire (engine_common/wire/sampling_wire.py: the public API's SamplingParams
 message) and applies it in its sampler.
 """
 from __future__ import annotations

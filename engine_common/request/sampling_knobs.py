@@ -5,7 +5,7 @@ batch column and its client flag.
 
 From that one declaration (engine_common/request/params.py) come: the validation
 (SamplingParams.__post_init__), the field of both public APIs and of the step diff (the proto
-field has the knob's name: engine_common/wire/codec.py's given_knobs reads any that a
+field has the knob's name: engine_common/wire/sampling_wire.py's given_knobs reads any that a
 message has; the diff carries the public SamplingParams message itself), the client flags
 (`deltaserve generate` / `chat`: deltaserve/client.py), the generation_config.json keys and the
 defaults vLLM publishes, the worker's batch column (InputBatch), its staging region and the
