@@ -68,8 +68,9 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [M, N] fp32
-        if SOFTCAP:        # tanh(y) = 1 - 2 / (exp(2y) + 1): finite at both ends
-            s = softcap * (1.0 - 2.0 / (tl.exp(s * (2.0 / softcap)) + 1.0))
+        if SOFTCAP:        # tanh from exp(-2|y|) <= 1: no overflow at either end
+            e = tl.exp(tl.abs(s) * (-2.0 / softcap))
+            s = softcap * tl.where(s < 0, e - 1.0, 1.0 - e) / (1.0 + e)
         if MASKED:
             visible = (kpos[None, :] <= q_pos[:, None]) & in_range[None, :]
             if SLIDING:
