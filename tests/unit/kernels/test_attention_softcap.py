@@ -5,7 +5,8 @@ The per-request torch loop is checked first against a plain dense torch computat
 here (transformers' eager_attention_forward, request by request); then the batched torch path,
 every Triton design (under the interpreter on CPU) and the CPU backend (which hands a capped
 call to the torch backend) against the loop, alone and with a sliding window, on batches of
-decodes, fresh prefills and chunks after cached prefixes. A layer refuses a backend without it.
+decodes, fresh prefills and chunks after cached prefixes; flash-attn gets its own softcap
+argument (a recording stand-in: no CUDA here). A layer refuses a backend without softcap.
 """
 from __future__ import annotations
 
@@ -121,3 +122,27 @@ def test_invalid_softcaps_are_refused():
     for bad in (-1.0, True, None, "30"):
         with pytest.raises(ValueError, match="softcap"):
             check_softcap(bad)
+
+
+@pytest.mark.parametrize("cap", [0.0, 50.0])
+def test_flash_attn_gets_its_own_softcap_argument(monkeypatch, cap):
+    """flash-attn (>= 2.6) caps in its kernels: both entry points get softcap=cap; no cap
+    passes none (the calls stay as they were). (CUDA only: the real kernels run in the GPU
+    tests; here a stand-in records the arguments.)"""
+    from kernels.attention import flash_attn_backend as fab
+    from kernels.attention.backend import AttentionMetadata
+    from tests.unit.kernels.test_flash_attn_backend import FakeFlash
+    fake = FakeFlash()
+    monkeypatch.setattr(fab, "import_flash_attn", lambda: fake)
+    monkeypatch.setattr(fab, "_kv_writer", lambda: lambda *args: None)
+    monkeypatch.setattr(fab, "check_flash_layout", lambda *args: None)
+    backend = fab.FlashAttnBackend()
+    assert backend.supports_softcap
+    cache, t = torch.zeros(2, 2, 4, 1, 8), torch.zeros(3, dtype=torch.int32)
+    for num_tokens, max_q in ((2, 1), (3, 2)):               # pure decode, then mixed
+        meta = AttentionMetadata(2, num_tokens, max_q, 4, t, t[:2], t[:2, None], t, t, t[:2])
+        q = torch.zeros(num_tokens, 1, 8)
+        backend.forward(q, q, q, cache, meta, 1.0, softcap=cap)
+    assert [name for name, _ in fake.calls] == ["kvcache", "varlen"]
+    for _, kwargs in fake.calls:
+        assert kwargs.get("softcap") == (cap or None)
