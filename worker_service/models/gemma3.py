@@ -11,8 +11,8 @@ Where Gemma differs from the Llama decoder (models/llama.py):
   - attention scale query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
   - sliding_attention layers have a window and their own rope table (rope_local_base_freq),
     full_attention layers rope_theta with rope_scaling (models/gemma3_config.py);
-  - optional final-logit softcap (cap * tanh(logits / cap), in the model dtype) and attention
-    logit softcap (every attention backend applies it: kernels/attention/backend.py).
+  - optional final-logit softcap (cap * tanh(logits / cap), in the model dtype); an attention
+    logit softcap is refused for Gemma 3 (gemma3_config.py) and applied for Gemma 2.
 models/gemma2.py reuses all of this with Gemma 2's config reading and attention.
 fused_ops=True fuses the rope only (each layer passes its own cos/sin table to
 kernels/fused_rope.py, and with a writes_kv_from_rope backend the same launch writes the KV

@@ -9,8 +9,9 @@ Both config layouts are read:
   - transformers 5: `rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}`
     and `layer_types`.
 
-Attention logit softcapping (null on the Hub checkpoints) is applied when set. Refused rather
-than approximated: bidirectional attention (Gemma 3 embedding models), another MLP activation than
+Refused rather than approximated: attention logit softcapping (null on every Hub checkpoint;
+transformers 5's Gemma3Attention reads it but never applies it, vLLM applies it: the two
+references disagree, so neither is picked), bidirectional attention (Gemma 3 embedding models), another MLP activation than
 gelu_pytorch_tanh, and a sliding layer without a window.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Gemma3Options:
     rope: dict[str, RopeSettings]          # layer type -> its rope table's settings
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None
-    attn_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None     # always None for Gemma 3 (refused)
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -47,6 +48,11 @@ class Gemma3Options:
     @classmethod
     def from_hf(cls, cfg: dict) -> "Gemma3Options":
         refuse_unsupported(cfg)
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError(f"config.json: attn_logit_softcapping="
+                             f"{cfg['attn_logit_softcapping']} is not supported for Gemma 3: "
+                             f"transformers' Gemma3 ignores it and vLLM applies it (the Hub "
+                             f"checkpoints set it to null)")
         types = layer_types(cfg)
         window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW)
         if SLIDING in types and not window:
@@ -55,8 +61,7 @@ class Gemma3Options:
         return cls(layer_types=types, sliding_window=int(window or 0),
                    rope=rope_settings(cfg),
                    query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-                   final_logit_softcapping=optional_cap(cfg.get("final_logit_softcapping")),
-                   attn_logit_softcapping=optional_cap(cfg.get("attn_logit_softcapping")))
+                   final_logit_softcapping=optional_cap(cfg.get("final_logit_softcapping")))
 
 
 def optional_cap(value) -> float | None:
