@@ -11,8 +11,8 @@ Both config layouts are read:
 
 Refused rather than approximated: attention logit softcapping (null on every Hub checkpoint;
 transformers 5's Gemma3Attention reads it but never applies it, vLLM applies it: the two
-references disagree, so neither is picked), bidirectional attention (Gemma 3 embedding models), another MLP activation than
-gelu_pytorch_tanh, and a sliding layer without a window.
+references disagree, so neither is picked), bidirectional attention (Gemma 3 embedding
+models), another MLP activation than gelu_pytorch_tanh, and a sliding layer without a window.
 """
 from __future__ import annotations
 
