@@ -110,3 +110,16 @@ def test_sampled_logprobs_and_prompt_logprobs_are_the_capped_ones(gemma):
     prompt_got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
     torch.testing.assert_close(prompt_got, chosen[:len(prompt) - 1], atol=ATOL, rtol=0)
     assert len(set(out.token_ids)) > 1            # sampled, not a repeated argmax
+
+
+def test_a_backend_without_softcap_is_refused_naming_model_and_backend(gemma):
+    """Never attend uncapped: a backend without supports_softcap fails the load by name."""
+    from kernels.attention.torch_ref import TorchAttentionBackend
+
+    class NoCap(TorchAttentionBackend):
+        name = "nocap"
+        supports_softcap = False
+
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM \(attn_logit_softcapping=2.0\): "
+                                         r"the 'nocap' attention backend cannot apply"):
+        load_model(gemma(), single_rank_group(), NoCap(), "cpu")

@@ -192,6 +192,12 @@ class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__()
         opts = self.options_class.from_hf(hf_config)
+        cap = opts.attn_logit_softcapping
+        if cap and not getattr(attn_backend, "supports_softcap", False):
+            raise ValueError(f"{type(self).__name__} (attn_logit_softcapping={cap}): the "
+                             f"{attn_backend.name!r} attention backend cannot apply an attention "
+                             f"softcap (it would attend uncapped); pick one that does: torch, "
+                             f"cpu, triton or flash_attn")
         # head_dim absent: the config classes' 256 (not hidden / heads)
         hf_config = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
         args = DecoderArgs.from_hf(hf_config, None, None, False, fused_ops)
