@@ -83,8 +83,6 @@ class Gemma3Attention(DecoderAttention):
                          softcap=opts.attn_logit_softcapping or 0.0)
         self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
-        self.kv_in_rope = bool(rotary_emb.fused
-                               and getattr(backend, "writes_kv_from_rope", False))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
