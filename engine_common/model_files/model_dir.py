@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine_common.model_files.gguf_config import generation_config_from_gguf, hf_config_from_gguf
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
+from engine_common.model_files.max_len import MaxLenError, derived_max_len
 from engine_common.model_files.moe_config import moe_config_problem
 
 # The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
@@ -82,12 +83,16 @@ class ModelInfo:
 
 
 def model_position_limit(config: dict) -> int:
-    """The longest sequence the model's rope covers: max_position_embeddings, times the factor
+    """The longest sequence the model's rope covers: its length (max_len.py: the smallest length
+    key, absent ones at the architecture's transformers default, as vLLM), times the factor
     of linear rope scaling, as vLLM derives it (a Vicuna-v1.5-16k config says 4096 with linear
     factor 4: transformers' rope takes positions past 4096, and the model was tuned to 16384).
     Llama 3 scaling's max_position_embeddings is already the extended one (vLLM agrees). The
     rotary tables (worker_service/layers/rotary.py) are this long."""
-    native = _native_len(config.get("max_position_embeddings", 2048))
+    try:
+        native, _ = derived_max_len(config)
+    except MaxLenError as e:
+        raise ModelDirError(str(e)) from None
     scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     if "gemma3" in str(config.get("model_type", "")):
         return native      # its max_position_embeddings is already the scaled one (as vLLM)
@@ -98,17 +103,6 @@ def model_position_limit(config: dict) -> int:
         raise ModelDirError(f"config.json: linear rope scaling factor={factor!r} is invalid: "
                             "must be a number >= 1")
     return int(native * factor)
-
-
-def _native_len(value) -> int:
-    """config.json's max_position_embeddings as an int, else ModelDirError: null, a list or a
-    string raised TypeError/ValueError from int() (an INTERNAL Init, a traceback in serve)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ModelDirError(f"config.json: max_position_embeddings={value!r} is invalid: must "
-                            "be an integer")
-    return value
 
 
 def _check_model_len(max_model_len: int | None, native_len: int) -> None:

@@ -19,6 +19,11 @@ Sliding window (per layer; Mistral, Qwen2 with use_sliding_window): forward's sl
 (0: none) lets the query at position p see only keys p - W < k <= p, W keys counting its own,
 as transformers' sliding_window_overlay (kv_idx > q_idx - W) and flash-attn's window_size
 (W - 1, 0). Keys that fell out of the window stay in the cache (their blocks are not freed).
+
+Attention logit soft-capping (per layer; Gemma 2): forward's softcap=cap (0: none) replaces each
+scaled score s by cap * tanh(s / cap) before the mask and softmax, as transformers'
+eager_attention_forward. A backend without supports_softcap is refused at model load
+(worker_service/layers/attention.py) rather than attend uncapped.
 """
 from __future__ import annotations
 
@@ -53,6 +58,13 @@ def check_sliding_window(window: int) -> int:
     return window
 
 
+def check_softcap(cap: float) -> float:
+    """cap as a float >= 0 (0: none), else ValueError."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0:
+        raise ValueError(f"softcap={cap!r} is invalid: must be a number >= 0 (0: none)")
+    return float(cap)
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys/values into the paged cache, then attends."""
 
@@ -63,10 +75,14 @@ class AttentionBackend(ABC):
     # True: forward takes sliding_window=W (> 0) and attends within it. A layer with a window
     # refuses, at model load, a backend without it (worker_service/layers/attention.py).
     supports_sliding_window: bool = False
+    # True: forward takes softcap=cap (> 0) and caps the scores; a layer with a cap refuses a
+    # backend without it.
+    supports_softcap: bool = False
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], kv_cache as drawn above.
         Returns [T, Hq, D] in query's dtype. Rows past meta.num_actual_tokens are undefined.
-        A backend with supports_sliding_window also takes sliding_window: int = 0."""
+        A backend with supports_sliding_window also takes sliding_window: int = 0; one with
+        supports_softcap also takes softcap: float = 0.0."""

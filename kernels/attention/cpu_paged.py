@@ -8,13 +8,16 @@ float32 and bfloat16, head_dim 16/32/64/80/96/128, up to 48 query heads per kv h
 says whether a layout fits, and the selector falls back to the torch backend when it does not or
 when the library could not be built. A sliding window (backend.py) is the kernel's `window`
 argument: items skip the chunks below it and mask the keys a row no longer sees.
+The kernel has no attention softcap (Gemma 2): a call with one is handed to the torch backend,
+which reads and writes the same cache layout, so a capped layer is exact rather than uncapped.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, check_sliding_window
-from kernels.attention.torch_ref import write_kv_cache
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sliding_window,
+                                       check_softcap)
+from kernels.attention.torch_ref import TorchAttentionBackend, write_kv_cache
 from kernels.cpu import extension
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
@@ -38,6 +41,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     name = "cpu"
     supports_sliding_window = True
+    supports_softcap = True        # through the torch backend (module docstring)
 
     def __init__(self) -> None:
         if not available():
@@ -45,11 +49,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
                                f"{extension.status()}")
         self._op = extension.ops().paged_attention
         self.calls = 0              # forward calls (tests check the kernel really ran)
+        self.capped_calls = 0       # calls handed to the torch backend for their softcap
+        self._capped = TorchAttentionBackend()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0) -> torch.Tensor:
+                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         window = check_sliding_window(sliding_window)
+        if check_softcap(softcap):
+            self.capped_calls += 1
+            return self._capped.forward(query, key, value, kv_cache, meta, scale,
+                                        sliding_window=window, softcap=softcap)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.empty_like(query)
         num_reqs = meta.num_reqs

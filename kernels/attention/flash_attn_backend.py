@@ -16,6 +16,8 @@ Our cache layout (see backend.py) already is flash-attn's paged layout, one view
 * a sliding window W (backend.py) is flash-attn's window_size=(W - 1, 0) on both entry points
   (W - 1 keys left of the query's own, none right: p - W < k <= p); without one the calls are
   made as before.
+* an attention softcap (backend.py, Gemma 2) is flash-attn's own softcap argument (>= 2.6, the
+  version required here), on both entry points.
 
 Constraints of upstream flash-attn 2 (checked here, raised as ValueError naming the value):
 * the paged block size must be a multiple of 256 (flash_api.cpp: "Paged KV cache block size must
@@ -37,7 +39,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, check_sliding_window
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sliding_window,
+                                       check_softcap)
 
 PAGED_BLOCK_MULTIPLE = 256          # upstream flash-attn 2 paged-KV rule
 MIN_FLASH_ATTN_VERSION = (2, 6)     # varlen + block_table
@@ -110,6 +113,7 @@ class FlashAttnBackend(AttentionBackend):
 
     name = "flash_attn"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self) -> None:
         fa = import_flash_attn()
@@ -120,9 +124,11 @@ class FlashAttnBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0) -> torch.Tensor:
+                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         window = check_sliding_window(sliding_window)
         extra = {"window_size": (window - 1, 0)} if window else {}
+        if check_softcap(softcap):
+            extra["softcap"] = softcap
         self._check_once(kv_cache, query)
         num_tokens = meta.num_actual_tokens
         self._write(key, value, kv_cache, meta.slot_mapping[:num_tokens])

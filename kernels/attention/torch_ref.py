@@ -10,13 +10,15 @@ Two ways to attend (layout and query/position rules: see kernels/attention/backe
   max_padded_bytes (256 MiB by default; torch_batched.padded_bytes) takes the per-request loop.
 
 Both write the cache the same way first: one index_copy_ per K and V by slot mapping. A sliding
-window (backend.py) is one more bound on the same mask; every key is still gathered.
+window (backend.py) is one more bound on the same mask; every key is still gathered. A softcap
+(backend.py) caps the scaled scores before the mask.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, check_sliding_window
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sliding_window,
+                                       check_softcap)
 from kernels.attention.torch_batched import attend_decodes, attend_group
 
 DEFAULT_MAX_PADDED_BYTES = 256 * 1024 * 1024
@@ -53,12 +55,12 @@ def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor,
 
 
 def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               scale: float, window: int = 0) -> torch.Tensor:
+               scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal GQA attention for one request, in float32.
 
     query [Q, Hq, D] holds the last Q positions of a sequence whose keys/values [S, Hkv, D]
     cover all S positions; query row j sits at position p = S - Q + j and sees keys 0 .. p,
-    or with window W > 0 only keys p - W + 1 .. p.
+    or with window W > 0 only keys p - W + 1 .. p. softcap > 0: scores -> cap * tanh(s / cap).
     """
     num_q, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -67,6 +69,8 @@ def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)        # [Hq, S, D]
     v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)      # [Hq, S, D]
     scores = torch.matmul(q, k.transpose(1, 2)) * scale                     # [Hq, Q, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)[:, None]
     k_pos = torch.arange(seq_len, device=query.device)[None, :]
     hidden = k_pos > q_pos
@@ -79,7 +83,7 @@ def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     req_ids: list[int], scale: float, out: torch.Tensor,
-                    window: int = 0) -> None:
+                    window: int = 0, softcap: float = 0.0) -> None:
     """The reference: attend requests req_ids one by one into their rows of out."""
     starts = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
@@ -89,7 +93,7 @@ def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             continue
         keys, values = gather_kv(kv_cache, meta.block_table[i], seq_lens[i])
         out[start:end] = attend_one(query[start:end], keys, values, scale,
-                                    window).to(query.dtype)
+                                    window, softcap).to(query.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -102,6 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, batched: bool = True,
                  max_padded_bytes: int = DEFAULT_MAX_PADDED_BYTES) -> None:
@@ -112,25 +117,26 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0) -> torch.Tensor:
-        window = check_sliding_window(sliding_window)
+                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        # the two bounds on the scores, passed on together: (window, softcap)
+        bounds = (check_sliding_window(sliding_window), check_softcap(softcap))
         write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.zeros_like(query)
         all_reqs = list(range(meta.num_reqs))
         if not self.batched or meta.num_reqs == 0:
-            attend_requests(query, kv_cache, meta, all_reqs, scale, out, window)
+            attend_requests(query, kv_cache, meta, all_reqs, scale, out, *bounds)
         elif meta.num_actual_tokens == meta.num_reqs and meta.max_query_len == 1:
             # pure decode: request r's one query is flat row r
             if not attend_decodes(query, kv_cache, meta.block_table,
                                   meta.seq_lens_cpu[:meta.num_reqs], scale, out,
-                                  self.max_padded_bytes, window):
-                attend_requests(query, kv_cache, meta, all_reqs, scale, out, window)
+                                  self.max_padded_bytes, *bounds):
+                attend_requests(query, kv_cache, meta, all_reqs, scale, out, *bounds)
         else:
-            self._attend_mixed(query, kv_cache, meta, scale, out, window)
+            self._attend_mixed(query, kv_cache, meta, scale, out, bounds)
         return out
 
     def _attend_mixed(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor, window: int) -> None:
+                      scale: float, out: torch.Tensor, bounds: tuple[int, float]) -> None:
         """Decodes as one padded group, prefills (query_len > 1) as another: mixing them would
         pad every decode to the longest prefill chunk. Requests with no query are skipped."""
         starts = meta.query_start_loc_cpu[:meta.num_reqs + 1].long()
@@ -140,5 +146,5 @@ class TorchAttentionBackend(AttentionBackend):
                         (query_lens > 1).nonzero().squeeze(1)):
             if len(req_ids) and not attend_group(
                     query, kv_cache, meta.block_table, req_ids, starts, query_lens, seq_lens,
-                    scale, out, self.max_padded_bytes, window):
-                attend_requests(query, kv_cache, meta, req_ids.tolist(), scale, out, window)
+                    scale, out, self.max_padded_bytes, *bounds):
+                attend_requests(query, kv_cache, meta, req_ids.tolist(), scale, out, *bounds)

@@ -48,11 +48,13 @@ NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows n
 @triton.jit
 def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, start, end, kv_limit,
                   stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale, window,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr):
+                  softcap, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     """Fold keys [start, end) into (m_i, l_i, acc). Keys are read through the block table;
     MASKED applies key <= q_pos and key < kv_limit (and with SLIDING key > q_pos - window),
-    else every key in range must be visible."""
+    else every key in range must be visible. SOFTCAP: scores -> cap * tanh(scores / cap) before
+    the mask (softcap is cap * log2(e), since s is in log2 units)."""
     for kv_start in range(start, end, BLOCK_N):
         kpos = kv_start + tl.arange(0, BLOCK_N)
         in_range = kpos < kv_limit
@@ -66,6 +68,9 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [M, N] fp32
+        if SOFTCAP:        # tanh from exp(-2|y|) <= 1: no overflow at either end
+            e = tl.exp(tl.abs(s) * (-2.0 / softcap))
+            s = softcap * tl.where(s < 0, e - 1.0, 1.0 - e) / (1.0 + e)
         if MASKED:
             visible = (kpos[None, :] <= q_pos[:, None]) & in_range[None, :]
             if SLIDING:
@@ -103,11 +108,12 @@ STEP_VARYING = ["num_reqs", "stride_bt"]
 @triton.jit(do_not_specialize=STEP_VARYING)
 def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window,
+                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window, softcap,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                    SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr):
+                    SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
@@ -150,18 +156,18 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
                              unmasked_end)
         m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                       lo, full_lo, full_lo, stride_c_kv, stride_c_blk,
-                                      stride_c_row, dims, dim_ok, qk_scale, window,
-                                      BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, True)
+                                      stride_c_row, dims, dim_ok, qk_scale, window, softcap,
+                                      BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, True, SOFTCAP)
     else:
         full_lo = 0
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_lo, unmasked_end, kv_end, stride_c_kv, stride_c_blk,
-                                  stride_c_row, dims, dim_ok, qk_scale, window,
-                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, False)
+                                  stride_c_row, dims, dim_ok, qk_scale, window, softcap,
+                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, False, SOFTCAP)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   unmasked_end, kv_end, kv_end, stride_c_kv, stride_c_blk,
-                                  stride_c_row, dims, dim_ok, qk_scale, window,
-                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING)
+                                  stride_c_row, dims, dim_ok, qk_scale, window, softcap,
+                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -170,12 +176,12 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
                    seq_lens_ptr, order_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                   stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window,
+                   stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window, softcap,
                    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr,
-                   SLIDING: tl.constexpr):
+                   SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     if HEAD_FASTEST:       # grid (Hkv, num_reqs, splits): a request's kv heads run together
         kv_head = tl.program_id(0)
         req = tl.program_id(1)
@@ -215,12 +221,12 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   start, full_end, end, stride_c_kv, stride_c_blk, stride_c_row,
-                                  dims, dim_ok, qk_scale, window, BLOCK_SIZE, BLOCK_N, False,
-                                  PRECISION, UPCAST, False)
+                                  dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
+                                  False, PRECISION, UPCAST, False, SOFTCAP)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
-                                  dims, dim_ok, qk_scale, window, BLOCK_SIZE, BLOCK_N, True,
-                                  PRECISION, UPCAST, False)
+                                  dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
+                                  True, PRECISION, UPCAST, False, SOFTCAP)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
@@ -262,7 +268,8 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
                             block_table: torch.Tensor, num_reqs: int, num_tokens: int,
                             scale: float, block_q_rows: int | None = None,
                             block_n: int | None = None, launch: TritonLaunchConfig | None = None,
-                            skip_decodes: bool = False, window: int = 0) -> None:
+                            skip_decodes: bool = False, window: int = 0,
+                            softcap: float = 0.0) -> None:
     """Varlen causal attention with cached prefixes into out[:num_tokens] (no host sync).
 
     query/out [T, Hq, D] (last dim contiguous); query_start_loc int32 [num_reqs + 1];
@@ -270,6 +277,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
     height in (token, query head) rows) and block_n (keys per inner step) override `launch`'s
     block_q_rows and prefill.block_n. skip_decodes leaves one-token requests' rows of out
     untouched (paged_decode_attention writes them). window: the sliding window W (0: none).
+    softcap: cap > 0 caps every score to cap * tanh(score / cap) (Gemma 2); 0: none.
     """
     if num_reqs == 0 or num_tokens == 0:
         return
@@ -283,10 +291,11 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
     _prefill_kernel[grid](
         query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0), *kv_cache.stride()[:4], window,
+        block_table.stride(0), *kv_cache.stride()[:4], window, softcap * LOG2E,
         GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n or tiles.block_n,
         **_dot_params(query), SKIP_DECODES=skip_decodes, SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -295,7 +304,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
                            block_table: torch.Tensor, num_reqs: int, num_splits: int,
                            scale: float, block_n: int | None = None,
                            launch: TritonLaunchConfig | None = None,
-                           order: torch.Tensor | None = None, window: int = 0) -> None:
+                           order: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> None:
     """Attention for the requests with exactly one query token (flash-decoding).
 
     Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
@@ -327,11 +337,12 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
         order if ordered else seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *kv_cache.stride()[:4], window,
+        *kv_cache.stride()[:4], window, softcap * LOG2E,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
         BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
         **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](

@@ -3,7 +3,8 @@
 The backend (kernels/attention) writes this step's keys/values into the layer's paged KV cache,
 which the caller passes in explicitly, then attends. Head counts are per rank. A layer with a
 sliding window (kernels/attention/backend.py: query p sees keys p - W < k <= p) hands it to
-the backend on every call and refuses a backend that cannot apply it.
+the backend on every call and refuses a backend that cannot apply it; so does a layer with an
+attention logit softcap (Gemma 2's attn_logit_softcapping).
 """
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import torch
 from torch import nn
 
 from kernels.attention.backend import (AttentionBackend, AttentionMetadata,
-                                       check_sliding_window)
+                                       check_sliding_window, check_softcap)
 
 
 class Attention(nn.Module):
     """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: AttentionBackend, sliding_window: int = 0) -> None:
-        """sliding_window: W > 0 attends to the last W positions only; 0 to all."""
+                 backend: AttentionBackend, sliding_window: int = 0,
+                 softcap: float = 0.0) -> None:
+        """sliding_window: W > 0 attends to the last W positions only; 0 to all.
+        softcap: cap > 0 caps the scaled scores to cap * tanh(s / cap); 0: none."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
@@ -29,6 +32,11 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window={sliding_window}: the {backend.name!r} attention "
                              "backend cannot apply a sliding window (it would attend to every "
                              "key); pick one that does: torch, cpu, triton or flash_attn")
+        self.softcap = check_softcap(softcap)
+        if self.softcap and not getattr(backend, "supports_softcap", False):
+            raise ValueError(f"attention softcap={softcap}: the {backend.name!r} attention "
+                             "backend cannot apply it (it would attend uncapped); pick one "
+                             "that does: torch, cpu, triton or flash_attn")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -45,6 +53,8 @@ class Attention(nn.Module):
         extra = {"kv_written": True} if kv_written else {}
         if self.sliding_window:      # only then: a windowless call stays as it was
             extra["sliding_window"] = self.sliding_window
+        if self.softcap:
+            extra["softcap"] = self.softcap
         out = self.backend.forward(
             q.reshape(num_tokens, self.num_heads, self.head_dim),
             k.reshape(num_tokens, self.num_kv_heads, self.head_dim),

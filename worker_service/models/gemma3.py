@@ -11,8 +11,9 @@ Where Gemma differs from the Llama decoder (models/llama.py):
   - attention scale query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
   - sliding_attention layers have a window and their own rope table (rope_local_base_freq),
     full_attention layers rope_theta with rope_scaling (models/gemma3_config.py);
-  - optional final-logit softcap (cap * tanh(logits / cap), in the model dtype); attention
-    softcapping is refused at load.
+  - optional final-logit softcap (cap * tanh(logits / cap), in the model dtype); an attention
+    logit softcap is refused for Gemma 3 (gemma3_config.py) and applied for Gemma 2.
+models/gemma2.py reuses all of this with Gemma 2's config reading and attention.
 fused_ops=True fuses the rope only (each layer passes its own cos/sin table to
 kernels/fused_rope.py, and with a writes_kv_from_rope backend the same launch writes the KV
 cache); the norms and GeGLU stay in torch: Gemma's norm rounds differently from the fused
@@ -27,14 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_common.model_files.model_dir import model_position_limit
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
-from worker_service.layers.attention import Attention
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker_service.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import default_weight_loader, new_param
-from worker_service.models.gemma3_config import LAYER_TYPES, Gemma3Options
-from worker_service.models.llama import DecoderArgs, DecoderMLP
+from worker_service.models.gemma3_config import DEFAULT_HEAD_DIM, LAYER_TYPES, Gemma3Options
+from worker_service.models.llama import DecoderArgs, DecoderAttention, DecoderMLP
 from worker_service.models.causal_lm import CausalLMHeadMixin
 from worker_service.parallel_state import TPGroup
 
@@ -70,29 +70,19 @@ class Gemma3MLP(DecoderMLP):
         self.act_fn = GeluTanhAndMul()
 
 
-class Gemma3Attention(nn.Module):
-    """qkv projection, Gemma q/k norm per head, this layer type's rope, paged attention (scale
-    query_pre_attn_scalar ** -0.5, the layer's window), output projection."""
+class Gemma3Attention(DecoderAttention):
+    """Llama's attention (projections, rope, paged attention) with Gemma's q/k norm per head
+    before rope, scale query_pre_attn_scalar ** -0.5, the layer's window and the attention
+    softcap (if any)."""
 
-    def __init__(self, args: DecoderArgs, opts: Gemma3Options, rotary_emb: RotaryEmbedding,
-                 tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype,
-                 sliding_window: int) -> None:
-        super().__init__()
-        d = args.head_dim
-        self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
-                                          args.qkv_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(args.num_heads * d, args.hidden_size, args.o_bias, tp,
-                                        dtype)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.head_dim = d
-        self.q_norm = GemmaRMSNorm(d, args.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(d, args.rms_norm_eps, dtype)
-        self.rotary_emb = rotary_emb           # shared by the layers of one type
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d,
-                              opts.query_pre_attn_scalar ** -0.5, backend, sliding_window)
-        self.kv_in_rope = bool(rotary_emb.fused
-                               and getattr(backend, "writes_kv_from_rope", False))
+    def __init__(self, args: DecoderArgs, opts, rotary_emb: RotaryEmbedding, tp: TPGroup,
+                 backend: AttentionBackend, dtype: torch.dtype, sliding_window: int) -> None:
+        # qk_norm off for the base: its norms round as Llama's (and may fuse into the rope)
+        super().__init__(replace(args, qk_norm=False), rotary_emb, tp, backend, dtype,
+                         sliding_window, scale=opts.query_pre_attn_scalar ** -0.5,
+                         softcap=opts.attn_logit_softcapping or 0.0)
+        self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -112,12 +102,10 @@ class Gemma3Attention(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich-norm block: x + post_attn(attn(input(x))), then + post_ff(mlp(pre_ff(.)))."""
 
-    def __init__(self, args: DecoderArgs, opts: Gemma3Options, rotary_emb: RotaryEmbedding,
-                 tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype,
-                 sliding_window: int) -> None:
+    def __init__(self, self_attn: nn.Module, args: DecoderArgs, tp: TPGroup,
+                 dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(args, opts, rotary_emb, tp, backend, dtype,
-                                         sliding_window)
+        self.self_attn = self_attn
         self.mlp = Gemma3MLP(args, tp, dtype)
         h, eps = args.hidden_size, args.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
@@ -134,21 +122,29 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    """Scaled embedding, the layer stack and the final norm (HF's `model.` prefix)."""
+    """Scaled embedding, the layer stack and the final norm (HF's `model.` prefix).
+    attention_class: the layers' attention (Gemma3Attention, models/gemma2.py's)."""
 
-    def __init__(self, args: DecoderArgs, opts: Gemma3Options, max_position: int,
-                 tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, args: DecoderArgs, opts, max_position: int, tp: TPGroup,
+                 backend: AttentionBackend, dtype: torch.dtype,
+                 attention_class: type[nn.Module] = Gemma3Attention) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
         # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the weight dtype
         scale = torch.tensor(args.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
         self.register_buffer("embed_scale", scale, persistent=False)
-        # one cos/sin table per layer type, shared by that type's layers
-        self.rotary = nn.ModuleDict({
-            t: RotaryEmbedding(args.head_dim, max_position, opts.rope[t], args.fused_ops)
-            for t in LAYER_TYPES})
+        # one cos/sin table per distinct rope settings, shared by the layer types that use it
+        # (Gemma 2's two types share one); RopeSettings hold a dict, so matched by equality
+        tables: list[tuple] = []
+        for t in LAYER_TYPES:
+            if not any(settings == opts.rope[t] for settings, _ in tables):
+                tables.append((opts.rope[t], RotaryEmbedding(args.head_dim, max_position,
+                                                             opts.rope[t], args.fused_ops)))
+        self.rotary = nn.ModuleDict({t: next(table for settings, table in tables
+                                             if settings == opts.rope[t]) for t in LAYER_TYPES})
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(args, opts, self.rotary[t], tp, backend, dtype, args.window(i))
+            Gemma3DecoderLayer(attention_class(args, opts, self.rotary[t], tp, backend, dtype,
+                                               args.window(i)), args, tp, dtype)
             for i, t in enumerate(opts.layer_types))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
@@ -186,19 +182,32 @@ class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     })
+    # what Gemma 2 (models/gemma2.py) swaps: its config reading and its attention
+    options_class = Gemma3Options
+    attention_class = Gemma3Attention
 
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__()
-        opts = Gemma3Options.from_hf(hf_config)
-        args = DecoderArgs.from_hf(hf_config, None, None, True, fused_ops)
+        opts = self.options_class.from_hf(hf_config)
+        cap = opts.attn_logit_softcapping
+        if cap and not getattr(attn_backend, "supports_softcap", False):
+            raise ValueError(f"{type(self).__name__} (attn_logit_softcapping={cap}): the "
+                             f"{attn_backend.name!r} attention backend cannot apply an attention "
+                             f"softcap (it would attend uncapped); pick one that does: torch, "
+                             f"cpu, triton or flash_attn")
+        # head_dim absent: the config classes' 256 (not hidden / heads)
+        hf_config = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
+        args = DecoderArgs.from_hf(hf_config, None, None, False, fused_ops)
         args = replace(args, layer_windows=opts.layer_windows,
                        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
         self.args, self.options = args, opts
         self.dtype = dtype
         self.fused_ops = fused_ops
-        max_position = int(hf_config.get("max_position_embeddings", 2048))
-        self.model = Gemma3Model(args, opts, max_position, tp, attn_backend, dtype)
+        # the rope table covers the engine's max length (absent key: the config class default)
+        max_position = model_position_limit(hf_config)
+        self.model = Gemma3Model(args, opts, max_position, tp, attn_backend, dtype,
+                                 self.attention_class)
         self.lm_head = SoftcappedLMHead(args.vocab_size, args.hidden_size, tp, dtype)
         self.lm_head.softcap = opts.final_logit_softcapping
         if args.tie_word_embeddings:

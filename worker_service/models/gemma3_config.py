@@ -9,9 +9,10 @@ Both config layouts are read:
   - transformers 5: `rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}`
     and `layer_types`.
 
-Refused rather than approximated: attention logit softcapping (no attention backend applies a
-softcap), bidirectional attention (Gemma 3 embedding models), another MLP activation than
-gelu_pytorch_tanh, and a sliding layer without a window.
+Refused rather than approximated: attention logit softcapping (null on every Hub checkpoint;
+transformers 5's Gemma3Attention reads it but never applies it, vLLM applies it: the two
+references disagree, so neither is picked), bidirectional attention (Gemma 3 embedding
+models), another MLP activation than gelu_pytorch_tanh, and a sliding layer without a window.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ LAYER_TYPES = (SLIDING, FULL)
 DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_PATTERN = 6
+DEFAULT_HEAD_DIM = 256          # Gemma2Config's and Gemma3TextConfig's
 ACTIVATION = "gelu_pytorch_tanh"
 
 
@@ -37,6 +39,7 @@ class Gemma3Options:
     rope: dict[str, RopeSettings]          # layer type -> its rope table's settings
     query_pre_attn_scalar: float
     final_logit_softcapping: float | None
+    attn_logit_softcapping: float | None = None     # always None for Gemma 3 (refused)
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -44,25 +47,35 @@ class Gemma3Options:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Gemma3Options":
-        _refuse_unsupported(cfg)
+        refuse_unsupported(cfg)
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError(f"config.json: attn_logit_softcapping="
+                             f"{cfg['attn_logit_softcapping']} is not supported for Gemma 3: "
+                             f"transformers' Gemma3 ignores it and vLLM applies it (the Hub "
+                             f"checkpoints set it to null)")
         types = layer_types(cfg)
         window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW)
         if SLIDING in types and not window:
             raise ValueError(f"config.json: sliding_window={window!r} with sliding_attention "
                              f"layers is invalid: must be a positive number of positions")
-        softcap = cfg.get("final_logit_softcapping")
         return cls(layer_types=types, sliding_window=int(window or 0),
                    rope=rope_settings(cfg),
                    query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-                   final_logit_softcapping=float(softcap) if softcap else None)
+                   final_logit_softcapping=optional_cap(cfg.get("final_logit_softcapping")))
 
 
-def _refuse_unsupported(cfg: dict) -> None:
-    if cfg.get("attn_logit_softcapping"):
-        raise ValueError(f"config.json: attn_logit_softcapping="
-                         f"{cfg['attn_logit_softcapping']} is not supported: no attention "
-                         f"backend applies a softcap to the attention scores (Gemma 3 "
-                         f"checkpoints set it to null)")
+def optional_cap(value) -> float | None:
+    """A softcap field: null or 0 is none, else a positive number."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"config.json: softcapping={value!r} is invalid: must be a positive "
+                         f"number or null")
+    return float(value)
+
+
+def refuse_unsupported(cfg: dict) -> None:
+    """ValueError for what Gemma 2 and 3 configs may ask that is not implemented."""
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("config.json: use_bidirectional_attention=true is not supported: the "
                          "attention backends are causal")

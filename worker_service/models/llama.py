@@ -79,10 +79,12 @@ class DecoderArgs:
 
 
 class DecoderAttention(nn.Module):
-    """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
+    """qkv projection, optional per-head q/k norm, rope, paged attention, output projection.
+    scale: None is head_dim ** -0.5; softcap: the attention logit cap (0: none)."""
 
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
-                 backend: AttentionBackend, dtype: torch.dtype, sliding_window: int = 0) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype, sliding_window: int = 0,
+                 scale: float | None = None, softcap: float = 0.0) -> None:
         super().__init__()
         d = args.head_dim
         self.qkv_proj = QKVParallelLinear(args.hidden_size, d, args.num_heads, args.num_kv_heads,
@@ -98,8 +100,9 @@ class DecoderAttention(nn.Module):
         self.qk_norm = args.qk_norm
         # shared by every layer: one cos/sin table per model; fused, it rotates q and k in place
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d ** -0.5, backend,
-                              sliding_window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d,
+                              d ** -0.5 if scale is None else scale, backend, sliding_window,
+                              softcap)
         # fused rope + a backend that allows it: the rope launch also writes the KV cache
         self.kv_in_rope = bool(args.fused_ops and rotary_emb.fused
                                and getattr(backend, "writes_kv_from_rope", False))

@@ -18,7 +18,7 @@ import transformers as tf
 
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
-ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3")
+ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2")
 INITIALIZER_RANGE = 0.3
 
 
@@ -47,7 +47,13 @@ def _arch_config(arch: str):
               "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
               "rope_scaling": {"rope_type": "linear", "factor": 8.0},
               "tie_word_embeddings": True}
+    # Gemma 2: 4 layers alternating sliding (window 8) / full (Gemma2Config's rule); caps low
+    # enough that the tiny model's scores and logits reach them
+    gemma2 = {"num_hidden_layers": 4, "sliding_window": 8, "query_pre_attn_scalar": 24,
+              "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+              "tie_word_embeddings": True}
     table = {
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma3),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, moe),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,

@@ -2,7 +2,8 @@
 
 null, a list or a string made int() raise TypeError/ValueError from ModelInfo.from_dir: an Init
 then failed INTERNAL (not INVALID_ARGUMENT) and `deltaserve serve` (which names ModelDirError)
-printed a traceback. Absent still means transformers' default, 2048."""
+printed a traceback. Absent means the architecture's transformers default (test_max_len.py):
+LlamaConfig's 2048 here."""
 from __future__ import annotations
 
 import json

@@ -79,6 +79,7 @@ def test_defaults_match_transformers():
 
 @pytest.mark.parametrize("change,words", [
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    ({"final_logit_softcapping": -1.0}, "softcapping=-1.0 is invalid"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
     ({"sliding_window": None}, "sliding_window=None"),
