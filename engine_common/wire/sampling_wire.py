@@ -13,7 +13,7 @@ from functools import lru_cache
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from engine_common.identity_cache import IdentityCache
+from engine_common.runtime.identity_cache import IdentityCache
 from engine_common.request.params import KNOBS, SamplingParams
 from engine_common.wire.codec_error import CodecError
 from engine_common.wire.protos import generation_pb2 as pb

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from engine_common.wire.codec import CodecError
 from engine_common.constraints.constraint import Constraint
-from engine_common.identity_cache import IdentityCache
+from engine_common.runtime.identity_cache import IdentityCache
 from engine_common.wire.diff import (NO_LOGPROBS, NewRequestData, ResumedRequestData,
                                      SchedulerOutput)
 from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRAINT_DEPTH, MAX_HANDLE,

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine_common.identity_cache import IdentityCache
+from engine_common.runtime.identity_cache import IdentityCache
 from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS, SamplingParams
 from engine_common.wire.diff import NewRequestData
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine_common.identity_cache import IdentityCache
+from engine_common.runtime.identity_cache import IdentityCache
 
 
 @dataclass(frozen=True)
