@@ -52,6 +52,7 @@ from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
+from scheduler_service.core.spec_decode import SpecDecoder
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
 
@@ -86,6 +87,8 @@ class Scheduler:
         self._step = 0
         # step -> (handle -> request, handle -> tokens when not 1) for the requests that compute
         self._in_flight: dict[int, tuple[dict[int, Request], dict[int, int]]] = {}
+        spec = config.speculative        # n-gram drafts (spec_decode.py); None: off
+        self.spec = None if spec is None else SpecDecoder(spec)
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -150,6 +153,8 @@ class Scheduler:
         self._preempt_for_priority(plan)
         num_for_priority = len(plan.preempted_handles)
         long_priorities = self._schedule_running(plan)
+        if self.spec is not None and plan.work:
+            self.spec.add_drafts(self._step, plan, self.kv)
         if len(plan.preempted_handles) == num_for_priority:
             self._schedule_waiting(plan, long_priorities)
         out = build_output(self._step, plan, self._finished_handles)
@@ -342,6 +347,9 @@ class Scheduler:
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
         if runner_out.compiled_handles:
             grammars_compiled(self._compiling, sched_out.step, runner_out.compiled_handles)
+        if self.spec is not None:
+            return self.spec.apply(sched_out.step, scheduled, runner_out, self._finish,
+                                   self.max_len)
         return apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
