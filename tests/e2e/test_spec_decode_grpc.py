@@ -16,6 +16,7 @@ from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.grpc_harness import (Processes, child_env, collect, free_port,
                                         generation_stub, greedy_request, server_status,
                                         wait_for, wait_ready)
+from tests.support.metrics_scrape import scrape
 from tests.support.paths import REPO
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -29,14 +30,15 @@ MAX_NEW = 20
 def target(tiny_models, tmp_path_factory):
     procs = Processes(tmp_path_factory.mktemp("spec_grpc"))
     try:
-        w_port, s_port = free_port(), free_port()
+        w_port, s_port, m_port = free_port(), free_port(), free_port()
         worker = procs.worker(w_port)
         sched = procs.scheduler(tiny_models("qwen3"), [w_port], s_port,
                                 "--speculative-config", SPEC, "--max-num-seqs", "4",
-                                "--max-num-batched-tokens", "32")
+                                "--max-num-batched-tokens", "32",
+                                "--metrics-listen", f"127.0.0.1:{m_port}")
         target = f"127.0.0.1:{s_port}"
         wait_ready(target, [worker, sched])
-        yield target
+        yield target, m_port
     finally:
         procs.close()
 
@@ -49,6 +51,7 @@ def _one(target: str, i: int) -> list[int]:
 
 
 def test_streams_equal_the_engine_without_speculation(target, tiny_models):
+    target, metrics_port = target
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda i: _one(target, i), range(len(PROMPTS))))
     llm = LLM(tiny_models("qwen3"), dtype="float32", num_kv_blocks=128)
@@ -56,6 +59,12 @@ def test_streams_equal_the_engine_without_speculation(target, tiny_models):
                         StoppingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert got == [w.token_ids for w in want]
     wait_for(lambda: server_status(target).num_used_kv_blocks == 0, 10, "blocks freed")
+    m = scrape(metrics_port)
+    drafts = m.total("deltaserve:spec_decode_num_draft_tokens_total")
+    accepted = m.total("deltaserve:spec_decode_num_accepted_tokens_total")
+    assert m.total("deltaserve:spec_decode_num_drafts_total") > 0 and drafts > 0
+    assert 0 < accepted <= drafts
+    assert m.total("deltaserve:spec_decode_num_accepted_tokens_per_pos_total") == accepted
 
 
 @pytest.mark.parametrize("flags, key", [
