@@ -5,8 +5,8 @@ Scheduling: after the running batch is scheduled (scheduler.py's hot loop, untou
 request that samples this step with one token and may draft gets up to k drafts
 (spec_proposer.py), capped by its max_tokens / max_len and the step's budget: its count
 becomes 1 + k, its KV slots grow by k (a request that cannot get the blocks drafts nothing:
-drafts never preempt), and num_computed_tokens counts them, as the step is assumed to run.
-The prefix cache offers only blocks full of known tokens (KVCacheManager.grow_slots), so a
+drafts never preempt, and a step that preempted has none), and num_computed_tokens counts
+them, as the step is assumed to run. The prefix cache offers only blocks full of known tokens (KVCacheManager.grow_slots), so a
 block holding a draft is never cached.
 
 Update: the workers reply with the accepted drafts and one more token under the handle;
@@ -73,7 +73,12 @@ class SpecDecoder:
         self._drafts: dict[int, dict[int, int]] = {}     # step -> handle -> drafts sent
 
     def add_drafts(self, step: int, plan: StepPlan, kv: KVCacheManager) -> None:
-        """Drafts for the step's one-token decodes (see the module docstring), into `plan`."""
+        """Drafts for the step's one-token decodes (see the module docstring), into `plan`.
+        None in a step that preempted: the blocks freed are for the request preempted for
+        (priority) or the batch (memory), not for drafts."""
+        if plan.preempted_handles:
+            self._buffers.end_round()
+            return
         c = self.config
         counts, sent = plan.counts, {}
         for handle, request in plan.work.items():
