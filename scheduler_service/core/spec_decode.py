@@ -6,8 +6,8 @@ request that samples this step with one token and may draft gets up to k drafts
 (spec_proposer.py), capped by its max_tokens / max_len and the step's budget: its count
 becomes 1 + k, its KV slots grow by k (a request that cannot get the blocks drafts nothing:
 drafts never preempt, and a step that preempted has none), and num_computed_tokens counts
-them, as the step is assumed to run. The prefix cache offers only blocks full of known tokens (KVCacheManager.grow_slots), so a
-block holding a draft is never cached.
+them, as the step is assumed to run. The prefix cache offers only blocks full of known
+tokens (KVCacheManager.grow_slots), so a block holding a draft is never cached.
 
 Update: the workers reply with the accepted drafts and one more token under the handle;
 num_computed_tokens drops by the rejected drafts (their KV slots are written again by the

@@ -273,7 +273,7 @@ class ModelRunner:
         else:
             sampled = pending.tokens.wait()
             self.clock.mark("readback")
-            out = self._record_samples(pending, sampled, pending.spec)
+            out = self._record_samples(pending, sampled)
         self.prompt_logprobs.finish(pending.prompt_logprobs, out)
         out.compiled_handles = self.grammar.newly_compiled(
             0.0 if pending.computed else _IDLE_COMPILE_WAIT_S)
@@ -329,8 +329,7 @@ class ModelRunner:
                            layout=self.batch.layout, prompt_logprobs=prompt, spec=spec)
 
     def _stage_model(self, inputs: StepInputs, prompt: PromptLogprobStep | None = None,
-                     spec: SpecStep | None = None
-                     ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
+                     spec: SpecStep | None = None) -> tuple[Callable, torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
         gives the sampling rows' hidden states and True (the sampler applies the LM head, or
@@ -339,8 +338,8 @@ class ModelRunner:
         step's `prompt` logprobs from every token row and its `spec` drafts verified)."""
         n = len(inputs.rows)
         g = self.graph_runner
-        if prompt is None and spec is None and g is not None and g.graph_batch(n, inputs.num_tokens,
-                                           int(inputs.num_scheduled.max())) is not None:
+        if prompt is None and spec is None and g is not None and g.graph_batch(
+                n, inputs.num_tokens, int(inputs.num_scheduled.max())) is not None:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table, self.staging)
             if inputs.sample_mask.all():
@@ -374,8 +373,7 @@ class ModelRunner:
         for res in diff.resumed_requests:
             self.grammar.resume(res.handle, self.requests[res.handle].output_token_ids)
 
-    def _record_samples(self, pending: PendingStep, sampled: SampledTokens,
-                        spec: SpecStep | None) -> RunnerOutput:
+    def _record_samples(self, pending: PendingStep, sampled: SampledTokens) -> RunnerOutput:
         """Write the sampled ids into the batch and the cached states; build the reply. A
         request finished or preempted since the launch still gets its token in the reply; a
         drafted one gets its accepted drafts and one more (spec_verify.py)."""
@@ -383,8 +381,8 @@ class ModelRunner:
         same_rows = pending.layout == self.batch.layout     # no row changed hands since
         top = top_alternatives(handles, pending.num_logprobs, sampled)
         ids, logprobs = sampled.token_ids, sampled.logprobs
-        if spec is not None:       # sync scheduling only: the rows are the launch's
-            handles, rows, positions, ids, logprobs = spec.accept(
+        if pending.spec is not None:      # sync scheduling only: the rows are the launch's
+            handles, rows, positions, ids, logprobs = pending.spec.accept(
                 self.batch, handles, rows, positions, ids, logprobs)
         token_ids = self.cached.record(handles, positions, ids, rows if same_rows else None)
         self.grammar.advance(handles, token_ids)
