@@ -139,3 +139,16 @@ def test_stop_strings_and_ids_cut_where_one_token_decoding_does(tiny_models):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert on.scheduler.spec.stats.num_accepted_tokens > 0
     assert_no_leaked_blocks(on)
+
+
+def test_offline_config_errors_name_the_key(tiny_models):
+    from engine_common.request.params import ParamError
+
+    model = tiny_models("qwen3")
+    with pytest.raises(ParamError) as e:
+        LLM(model, dtype="float32", speculative_config={"method": "ngram",
+                                                         "num_speculative_tokens": 0})
+    assert e.value.field == "speculative_config.num_speculative_tokens"
+    with pytest.raises(ParamError) as e:
+        LLM(model, dtype="float32", speculative_config=SPEC, async_scheduling=True)
+    assert e.value.field == "async_scheduling"
