@@ -18,6 +18,7 @@ import torch
 
 from engine_common.text.chat_template import ChatMessage, load_chat_template
 from engine_common.configuration.config import SchedulerConfig
+from engine_common.configuration.speculative import to_json
 from engine_common.constraints.constraint import Constraint
 from engine_common.configuration.device_defaults import device_defaults
 from engine_common.runtime.gc_heap import freeze_heap
@@ -77,7 +78,10 @@ class LLM:
             raise ParamError("seed", seed, "None or an integer in [0, 2**63)")
         if "device" in kwargs:
             kwargs["device"] = resolve_device(kwargs["device"], "device")
-        kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
+        if isinstance(kwargs.get("speculative_config"), dict):     # vLLM's form: a dict
+            kwargs["speculative_config"] = to_json(kwargs["speculative_config"])
+        kwargs = {**device_defaults(kwargs.get("device", "cpu"),
+                                    bool(kwargs.get("speculative_config"))), **kwargs}
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         kwargs["max_model_len"] = self.model_info.max_model_len
         runner_keys = {f.name for f in dataclasses.fields(RunnerConfig)}

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from engine_common.configuration.listen_address import ListenAddress
+from engine_common.configuration.speculative import SpeculativeConfig, parse_speculative_config
 from engine_common.request.diff_limits import MAX_WAITING, MIN_MODEL_LEN
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
@@ -108,14 +109,29 @@ class SchedulerConfig(BatchLimits):
     max_long_partial_prefills: int = setting(
         1, "long prefills in progress at once; a further long prompt waits, shorter ones behind "
         "it are admitted", rule=AtLeast(1))
+    # docs/speculative-decoding.md: n-gram drafts verified in one step; sync scheduling only.
+    speculative_config: str | None = setting(
+        None, "speculative decoding as vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}'; "
+        "unset: off")
 
     def __post_init__(self):
         super().__post_init__()
+        spec = self.speculative
+        if spec is not None and self.async_scheduling:
+            raise ParamError("async_scheduling", True, "off with speculative_config "
+                             "(speculative decoding runs with sync scheduling: leave "
+                             "--async-scheduling out)")
         threshold = self.long_prefill_threshold
         if self.max_long_partial_prefills * threshold > self.max_num_batched_tokens:
             raise ParamError("max_long_partial_prefills x long_prefill_token_threshold",
                              f"{self.max_long_partial_prefills} x {threshold}",
                              f"<= max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed (validated on construction); None: off."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def long_prefill_threshold(self) -> int:

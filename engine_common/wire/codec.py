@@ -4,7 +4,8 @@ the sampling knobs, which travel as the public API's SamplingParams protobuf mes
 Layouts (positional arrays keep steady-state messages tiny):
 
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
-                       [finished handles], [preempted handles]]
+                       [finished handles], [preempted handles]
+                       (, {handle: [draft ids]}: only when a request has speculative drafts)]
     new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
                   sampling, block ids,
                   num_computed_tokens, num_logprobs (-1: none), constraint
@@ -233,14 +234,20 @@ def encode_scheduler_output(out: SchedulerOutput) -> bytes:
     new = [_new_to_wire(r) for r in out.new_requests]
     resumed = [[r.handle, r.block_ids, r.num_computed_tokens] for r in out.resumed_requests]
     grown = pack_new_blocks(out.new_block_ids) if out.new_block_ids else None
-    return msgpack.packb([out.step, new, resumed, grown, out.num_scheduled_tokens,
-                          out.finished_handles, out.preempted_handles], use_bin_type=True)
+    fields = [out.step, new, resumed, grown, out.num_scheduled_tokens, out.finished_handles,
+              out.preempted_handles]
+    if out.spec_token_ids:
+        fields.append(out.spec_token_ids)
+    return msgpack.packb(fields, use_bin_type=True)
 
 
 def decode_scheduler_output(data: bytes) -> SchedulerOutput:
     try:
-        step, new, resumed, new_blocks, num_sched, finished, preempted = _seq(msgpack.unpackb(
-            data, raw=False, strict_map_key=False), "SchedulerOutput", 7)
+        fields, drafts = msgpack.unpackb(data, raw=False, strict_map_key=False), {}
+        if isinstance(fields, list) and len(fields) == 8:
+            *fields, drafts = fields
+        step, new, resumed, new_blocks, num_sched, finished, preempted = _seq(
+            fields, "SchedulerOutput", 7)
         return SchedulerOutput(
             step=_int(step, "step"),
             new_requests=[_new_request(r) for r in _seq(new, "new_requests")],
@@ -249,6 +256,7 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
             num_scheduled_tokens=_int_map(num_sched, "num_scheduled_tokens", _int),
             finished_handles=_ints(finished, "finished_handles"),
             preempted_handles=_ints(preempted, "preempted_handles"),
+            spec_token_ids=_int_map(drafts, "spec_token_ids", _ints) if drafts else {},
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise CodecError(f"malformed SchedulerOutput payload: {_why(e)}") from e

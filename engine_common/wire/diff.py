@@ -8,6 +8,8 @@ A diff says only what changed since the previous step. The worker applies its pa
     resumed_requests   -> put a preempted request back with a fresh block table
     new_block_ids      -> append blocks to running requests' tables
     num_scheduled_tokens -> per-handle token counts for this step
+    spec_token_ids     -> speculative drafts (docs/speculative-decoding.md): a handle's count is
+                          then 1 + its drafts, which follow its last token as query tokens
 
 Every request in the batch that `num_scheduled_tokens` does not name is scheduled for exactly one
 token: a decode step that feeds back the token the worker itself sampled last step. A count of 0
@@ -77,6 +79,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
     finished_handles: list[int] = field(default_factory=list)
     preempted_handles: list[int] = field(default_factory=list)
+    # handle -> draft token ids (n-gram speculation): verified by the workers this step, which
+    # reply with the accepted drafts and one more token, all under that handle, in order.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,7 +106,9 @@ class PromptLogprobs:
 class RunnerOutput:
     """What the output rank returns for one step: one entry per request that sampled a token.
 
-    Requests in the middle of a chunked prefill sample nothing and are absent.
+    Requests in the middle of a chunked prefill sample nothing and are absent. A request with
+    speculative drafts has one entry per token it produced (its accepted drafts, then the
+    correction or bonus token), consecutive and in order.
     """
 
     step: int

@@ -30,6 +30,8 @@ NOTE the rules of one step (`schedule()`):
     request whose pending tokens already reach max_tokens or max_len is not scheduled again. A
     request preempted with a token in flight keeps that token when it arrives (its workers hold
     it too) and recomputes it on resumption like any other.
+  * Speculative decoding (speculative_config; sync scheduling only): after the running batch,
+    plain greedy decodes get n-gram drafts (spec_decode.py); rejected ones are rolled back.
   * Every returned diff must reach the workers (steps are numbered without gaps).
 """
 from __future__ import annotations
@@ -52,6 +54,8 @@ from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
+from scheduler_service.core.scheduler_views import SchedulerViews
+from scheduler_service.core.spec_decode import SpecDecoder
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
 
@@ -60,7 +64,7 @@ __all__ = ["Scheduler", "RequestRejected", "QueueFull", "TokenUpdate"]
 _RUNNING = RequestStatus.RUNNING
 
 
-class Scheduler:
+class Scheduler(SchedulerViews):
     """Owns the requests, the KV-cache blocks and the step diffs. Not thread-safe."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
@@ -86,6 +90,8 @@ class Scheduler:
         self._step = 0
         # step -> (handle -> request, handle -> tokens when not 1) for the requests that compute
         self._in_flight: dict[int, tuple[dict[int, Request], dict[int, int]]] = {}
+        spec = config.speculative        # n-gram drafts (spec_decode.py); None: off
+        self.spec = None if spec is None else SpecDecoder(spec)
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -150,6 +156,8 @@ class Scheduler:
         self._preempt_for_priority(plan)
         num_for_priority = len(plan.preempted_handles)
         long_priorities = self._schedule_running(plan)
+        if self.spec is not None and plan.work:
+            self.spec.add_drafts(self._step, plan, self.kv)
         if len(plan.preempted_handles) == num_for_priority:
             self._schedule_waiting(plan, long_priorities)
         out = build_output(self._step, plan, self._finished_handles)
@@ -342,6 +350,9 @@ class Scheduler:
         scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
         if runner_out.compiled_handles:
             grammars_compiled(self._compiling, sched_out.step, runner_out.compiled_handles)
+        if self.spec is not None:
+            return self.spec.apply(sched_out.step, scheduled, runner_out, self._finish,
+                                   self.max_len)
         return apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
 
     def scheduled_tokens(self, step: int) -> dict[int, int]:
@@ -354,36 +365,3 @@ class Scheduler:
         counts name every computing request whose count is not 1, and the idle ones (0)."""
         work, counts = self._in_flight.get(step, ({}, {}))
         return len(work), len(work) + sum(n - 1 for n in counts.values() if n)
-
-    # ---- introspection -------------------------------------------------------------------
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
-
-    def has_finished_to_send(self) -> bool:
-        """Finished handles the workers have not been told about yet (sent with the next diff)."""
-        return bool(self._finished_handles)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv.usage
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.kv.stats.hit_rate
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.kv.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.kv.num_total_blocks

@@ -24,6 +24,7 @@ class StepPlan:
     resumed_requests: list[ResumedRequestData] = field(default_factory=list)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)
     preempted_handles: list[int] = field(default_factory=list)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)   # spec_decode.py
 
     def schedule(self, request: Request, num_tokens: int) -> None:
         handle = request.handle
@@ -62,4 +63,5 @@ def build_output(step: int, plan: StepPlan, finished_handles: list[int]) -> Sche
         num_scheduled_tokens=plan.counts,
         finished_handles=list(finished_handles),
         preempted_handles=plan.preempted_handles,
+        spec_token_ids=plan.spec_token_ids,
     )

@@ -1,6 +1,7 @@
 """What one step's sampled tokens mean for a request: the update handed on, and the stop rules."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine_common.wire.diff import PromptLogprobs
@@ -43,6 +44,13 @@ class TokenUpdate:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def first(self, n: int) -> "TokenUpdate":
+        """This update with its first `n` tokens only (and their logprobs)."""
+        top = self.top_logprobs
+        return dataclasses.replace(self, new_token_ids=self.new_token_ids[:n],
+                                   new_logprobs=self.new_logprobs[:n],
+                                   top_logprobs=None if top is None else top[:n])
 
     @classmethod
     def final(cls, request: Request, new_token_ids: list[int], new_logprobs: list[float],

@@ -258,7 +258,9 @@ class AsyncEngine:
     def _step(self) -> None:
         core = self._core
         self._route(core.step())
-        self.metrics.observe_step(core.last_step, core.scheduler.kv.stats)
+        spec = core.scheduler.spec
+        self.metrics.observe_step(core.last_step, core.scheduler.kv.stats,
+                                  None if spec is None else spec.stats)
 
     def _check_idle(self) -> None:
         now = self._clock()

@@ -26,6 +26,7 @@ from scheduler_service.engine.engine_core import StepStats
 from scheduler_service.engine.engine_stats import EngineStats
 from scheduler_service.engine.output_processor import RequestOutput
 from scheduler_service.engine.serving_counters import ServingCounters
+from scheduler_service.engine.spec_metrics import SpecMetrics
 from scheduler_service.errors import EngineUnavailable, WorkerFailure
 
 PREFIX = "deltaserve:"
@@ -67,6 +68,7 @@ class SchedulerMetrics:
         self._token_times: dict[str, tuple[float, float]] = {}   # request -> (first, last)
         self._prefix_seen: tuple[int, int] = (0, 0)   # this epoch's (queries, hits) so far
         self._phases: dict = {}     # phase -> step_phase's child, made at its first observation
+        self._spec: SpecMetrics | None = None      # made at the first step that drafts
         self._make_request_histograms(request_token_buckets(max_model_len))
         self._make_step_metrics()
 
@@ -177,7 +179,8 @@ class SchedulerMetrics:
 
     # -- the engine thread, once per step ------------------------------------------------------
 
-    def observe_step(self, step: StepStats, prefix: PrefixCacheStats) -> None:
+    def observe_step(self, step: StepStats, prefix: PrefixCacheStats, spec=None) -> None:
+        """`spec`: the scheduler's SpecStats when it drafts."""
         phase = self._phase
         if step.diff_bytes:
             phase("schedule").observe(step.schedule_s)
@@ -190,6 +193,10 @@ class SchedulerMetrics:
         if step.num_preempted:
             self.preemptions.inc(step.num_preempted)
         self._observe_prefix_cache(prefix)
+        if spec is not None:
+            if self._spec is None:
+                self._spec = SpecMetrics(self.registry, PREFIX, self.model_name)
+            self._spec.observe(spec)
 
     def _phase(self, name: str):
         """step_phase's child for `name` (labels() costs a few us; two threads may both make
@@ -210,6 +217,8 @@ class SchedulerMetrics:
         """A new engine core (the engine thread, before its first step)."""
         self.epochs.inc()
         self._prefix_seen = (0, 0)
+        if self._spec is not None:
+            self._spec.reset()
 
     def observe_failure(self, error: BaseException) -> None:
         """A failed engine step (the streams of the epoch failed with it)."""

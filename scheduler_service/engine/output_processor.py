@@ -262,7 +262,10 @@ class OutputProcessor:
     def _process_tokens(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
         self._note_times(state, update)
         token_ids = update.new_token_ids
-        self._detokenize(state, token_ids, update.finish_reason)
+        kept = self._detokenize(state, token_ids, update.finish_reason)
+        if kept < len(token_ids):     # a stop string before the last of several (drafts)
+            update = update.first(kept)
+            token_ids = update.new_token_ids
         logprobs = self._logprobs(state.num_logprobs, token_ids, update.new_logprobs,
                                   update.top_logprobs)
         # An aborted update carries no tokens, so a stop string here matched in this step's text.
@@ -310,17 +313,20 @@ class OutputProcessor:
         return streamed_text(self._tokenizer, ids, state.stopping.skip_special_tokens)
 
     def _detokenize(self, state: _RequestState, token_ids: list[int],
-                    finish_reason: RequestStatus | None) -> None:
+                    finish_reason: RequestStatus | None) -> int:
         if state.defer_text:                    # the text is made at the finish
             state.num_output_tokens += len(token_ids)
-            return
+            return len(token_ids)
         drop_last = self._drops_last(state, finish_reason)
         for i, token_id in enumerate(token_ids):
+            if state.stop_string is not None:   # the tokens after a stop string's: dropped
+                return i
             state.num_output_tokens += 1
-            if state.stop_string is not None or (drop_last and i == len(token_ids) - 1):
+            if drop_last and i == len(token_ids) - 1:
                 continue
             # A kept stop token's text is checked for stop strings too, as vLLM's.
             self._append_text(state, state.detokenizer.add(token_id))
+        return len(token_ids)
 
     def _append_text(self, state: _RequestState, piece: str) -> None:
         if not piece or state.stop_string is not None:

@@ -21,6 +21,8 @@ each part adds or removes, so the whole diff is judged against the state it will
     new_block_ids          requests in the batch; blocks as above
     num_scheduled_tokens   requests in the batch; the step's tokens <= max_num_batched_tokens;
                            the batch <= max_num_seqs
+    spec_token_ids         requests in the batch whose count is 1 + their drafts (at least
+                           one); draft ids < vocab_size
 
 Cost: proportional to the diff, not to the batch (a decode step checks nearly nothing). A row's
 computed + scheduled tokens against its known tokens and blocks, and a sampling row's room below
@@ -129,6 +131,22 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
                 raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
             _check_blocks(name, block_ids, bounds, view.blocks(handle))
     _check_counts(diff.num_scheduled_tokens, bounds, view)
+    if diff.spec_token_ids:
+        _check_drafts(diff.spec_token_ids, diff.num_scheduled_tokens, bounds, view)
+
+
+def _check_drafts(drafts: dict[int, list[int]], counts: dict[int, int], bounds: DiffBounds,
+                  view: _View) -> None:
+    """Each drafted handle is in the batch and scheduled for its last token plus its drafts
+    (whether that reaches exactly its known tokens is checked with the batch: spec_verify)."""
+    for handle, ids in drafts.items():
+        name = f"spec_token_ids[{handle}]"
+        if not view.in_batch(handle):
+            raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
+        if not ids or counts.get(handle, 1) != 1 + len(ids):
+            raise BadDiff(f"num_scheduled_tokens[{handle}]", counts.get(handle, 1),
+                          f"1 + the {len(ids)} drafts of {name} (at least one)")
+        _ids_below(name, ids, bounds.vocab_size, "vocab_size")
 
 
 def _check_lengths(diff: SchedulerOutput, bounds: DiffBounds) -> None:

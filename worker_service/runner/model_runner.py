@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-import numpy as np
 import torch
 
 from engine_common.wire.codec import decode_scheduler_output
@@ -32,6 +31,7 @@ from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
 from worker_service.sample.prompt_logprobs import PromptLogprobBook, PromptLogprobStep
 from worker_service.sample.sampler import Sampler, with_grammar_masks
+from worker_service.sample.spec_verify import SpecStep, prepare_with_drafts
 from worker_service.sample.sampling_metadata import (build_sampling_metadata,
                                                      history_needed, staged_row_dtypes,
                                                      worst_case_sampling_metadata)
@@ -39,7 +39,7 @@ from worker_service.step.step_buffers import StepBuffers, attention_metadata, st
 from worker_service.failures import StepProtocolError
 from worker_service.step.step_clock import StepClock
 from worker_service.runner.simulated_device import SimulatedDevice
-from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
+from worker_service.step.step_inputs import StepInputs
 from worker_service.sample.token_readback import (PendingStep, SampledTokens, TokenFeed,
                                                   TokenReadback, top_alternatives)
 
@@ -251,18 +251,13 @@ class ModelRunner:
         self.staging = self._stagings[diff.step % 2]
         self.readback = self._readbacks[diff.step % 2]
         self._apply_diff(diff)
-        num_scheduled = None          # every row one token: the steady decode step
-        if diff.num_scheduled_tokens:
-            num_scheduled = np.ones(self.batch.num_reqs, dtype=np.int32)
-            for handle, n in diff.num_scheduled_tokens.items():
-                num_scheduled[self.cached.row(handle)] = n
-        inputs = prepare_step_inputs(self.batch, num_scheduled, self.block_size)
+        inputs, spec = prepare_with_drafts(self.batch, self.cached, diff, self.block_size)
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
         prompt = None if self.simulated else self.prompt_logprobs.plan(self.batch, inputs)
         try:
-            return self._launch(diff.step, inputs, feed, prompt)
+            return self._launch(diff.step, inputs, feed, prompt, spec)
         except BaseException:
             self.staging.wait_copies()      # a failed step, too, ends after its copies
             raise
@@ -286,9 +281,9 @@ class ModelRunner:
         return out
 
     def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None,
-                prompt: PromptLogprobStep | None) -> PendingStep:
+                prompt: PromptLogprobStep | None, spec: SpecStep | None = None) -> PendingStep:
         self.staging.begin()
-        run_model, input_ids = self._stage_model(inputs, prompt)
+        run_model, input_ids = self._stage_model(inputs, prompt, spec)
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
@@ -331,20 +326,20 @@ class ModelRunner:
         self.clock.mark("sampling")
         return PendingStep(step, handles, positions, num_logprobs, self.readback.start(sampled),
                            sampled.sampled_token_ids, rows=sample_rows,
-                           layout=self.batch.layout, prompt_logprobs=prompt)
+                           layout=self.batch.layout, prompt_logprobs=prompt, spec=spec)
 
-    def _stage_model(self, inputs: StepInputs, prompt: PromptLogprobStep | None = None
-                     ) -> tuple[Callable[[], tuple[torch.Tensor, bool]], torch.Tensor]:
+    def _stage_model(self, inputs: StepInputs, prompt: PromptLogprobStep | None = None,
+                     spec: SpecStep | None = None) -> tuple[Callable, torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
         gives the sampling rows' hidden states and True (the sampler applies the LM head, or
         on CUDA a plain greedy step samples straight from model-dtype logits), from a captured
         graph for a pure-decode batch that fits one, else from the eager model (then with the
-        step's `prompt` logprobs from every token row)."""
+        step's `prompt` logprobs from every token row and its `spec` drafts verified)."""
         n = len(inputs.rows)
         g = self.graph_runner
-        if prompt is None and g is not None and g.graph_batch(n, inputs.num_tokens,
-                                           int(inputs.num_scheduled.max())) is not None:
+        if prompt is None and spec is None and g is not None and g.graph_batch(
+                n, inputs.num_tokens, int(inputs.num_scheduled.max())) is not None:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table, self.staging)
             if inputs.sample_mask.all():
@@ -360,6 +355,8 @@ class ModelRunner:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
             if prompt is not None:
                 prompt.launch(hidden, self.model, self.vocab_size)
+            if spec is not None:
+                spec.launch(hidden, self.model)
             return hidden.index_select(0, staged.logits_indices), True
         return run_eager, staged.input_ids
 
@@ -378,11 +375,15 @@ class ModelRunner:
 
     def _record_samples(self, pending: PendingStep, sampled: SampledTokens) -> RunnerOutput:
         """Write the sampled ids into the batch and the cached states; build the reply. A
-        request finished or preempted since the launch still gets its token in the reply."""
-        handles = pending.handles
+        request finished or preempted since the launch still gets its token in the reply; a
+        drafted one gets its accepted drafts and one more (spec_verify.py)."""
+        handles, rows, positions = pending.handles, pending.rows, pending.positions
         same_rows = pending.layout == self.batch.layout     # no row changed hands since
-        token_ids = self.cached.record(handles, pending.positions, sampled.token_ids,
-                                       pending.rows if same_rows else None)
-        self.grammar.advance(handles, token_ids)
         top = top_alternatives(handles, pending.num_logprobs, sampled)
-        return RunnerOutput(pending.step, handles, token_ids, sampled.logprobs, top)
+        ids, logprobs = sampled.token_ids, sampled.logprobs
+        if pending.spec is not None:      # sync scheduling only: the rows are the launch's
+            handles, rows, positions, ids, logprobs = pending.spec.accept(
+                self.batch, handles, rows, positions, ids, logprobs)
+        token_ids = self.cached.record(handles, positions, ids, rows if same_rows else None)
+        self.grammar.advance(handles, token_ids)
+        return RunnerOutput(pending.step, handles, token_ids, logprobs, top)

@@ -118,6 +118,7 @@ class PendingStep:
     rows: np.ndarray | None = None          # int64 [N]: their batch rows at the launch...
     layout: int = -1                        # ...valid while InputBatch.layout is this
     prompt_logprobs: object | None = None   # the step's PromptLogprobStep, when it has one
+    spec: object | None = None              # the step's SpecStep (drafts), when it has one
 
     def wait_device(self) -> None:
         """Block until the step's device work is done (its read-back, else its staging copies);

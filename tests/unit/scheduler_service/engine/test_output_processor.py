@@ -227,7 +227,12 @@ def test_random_chunking_matches_reference(tok):
         expected, stop = _reference_cut(tok, ids, stops, include)
         assert text_of(outs) == expected, (text, stops, include)
         assert outs[-1].finished and outs[-1].stop_reason == stop
-        assert [t for o in outs for t in o.new_token_ids] == fed
+        # Several tokens in one update (speculative decoding) end where one at a time would
+        # have: at the token whose text completed the stop string.
+        one_by_one = run(OutputProcessor(tok), make_request(
+            tok, f"r{trial}", stop=stops, include_stop_str_in_output=include), ids)[1]
+        assert [t for o in outs for t in o.new_token_ids] == one_by_one
+        assert outs[-1].num_output_tokens == len(one_by_one)
         assert len(proc) == 0
 
 

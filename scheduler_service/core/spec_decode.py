@@ -1,0 +1,180 @@
+"""Speculative decoding on the scheduler side (docs/speculative-decoding.md): n-gram drafts
+added to a step's decodes, and the verified tokens applied back.
+
+Scheduling: after the running batch is scheduled (scheduler.py's hot loop, untouched), each
+request that samples this step with one token and may draft gets up to k drafts
+(spec_proposer.py), capped by its max_tokens / max_len and the step's budget: its count
+becomes 1 + k, its KV slots grow by k (a request that cannot get the blocks drafts nothing:
+drafts never preempt, and a step that preempted has none), and num_computed_tokens counts
+them, as the step is assumed to run. The prefix cache offers only blocks full of known
+tokens (KVCacheManager.grow_slots), so a block holding a draft is never cached.
+
+Update: the workers reply with the accepted drafts and one more token under the handle;
+num_computed_tokens drops by the rejected drafts (their KV slots are written again by the
+next step; the blocks stay with the request until it ends). The stop rules see each token in
+order and cut the run where one-token decoding would have stopped.
+
+Who drafts (the rest decode one token a step, as without speculation): greedy requests
+without penalties, logit_bias or token-id sets, without a grammar, asking at most for the
+sampled token's logprob, and past min_tokens. Their drafts are verified by argmax, so their
+tokens are exactly those of one-token greedy decoding.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_common.configuration.speculative import SpeculativeConfig
+from engine_common.request.params import ID_SET_KNOBS
+from engine_common.wire.diff import RunnerOutput
+from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.sampled_tokens import attach_prompt_logprobs, fail_on_worker
+from scheduler_service.core.scheduler_diff import StepPlan
+from scheduler_service.core.spec_proposer import TokenBuffers, propose_ngram
+from scheduler_service.core.step_result import TokenUpdate, check_stop
+
+_PREEMPTED = int(RequestStatus.PREEMPTED)
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec decode counters: drafting requests-steps, draft tokens, accepted drafts, and
+    the accepted ones per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def can_draft(request: Request) -> bool:
+    """Whether the request's drafts are verified by argmax alone (see the module docstring)."""
+    sp = request.sampling
+    return (sp.temperature == 0.0 and request.constraint is None and not request.num_logprobs
+            and not sp.logit_bias and not sp.has_penalties
+            and len(request.output_token_ids) >= request.stopping.min_tokens
+            and not any(getattr(sp, k.name) for k in ID_SET_KNOBS))
+
+
+class SpecDecoder:
+    """The proposer, the drafts of the steps in flight and the counters."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._buffers = TokenBuffers()
+        self._drafts: dict[int, dict[int, int]] = {}     # step -> handle -> drafts sent
+
+    def add_drafts(self, step: int, plan: StepPlan, kv: KVCacheManager) -> None:
+        """Drafts for the step's one-token decodes (see the module docstring), into `plan`.
+        None in a step that preempted: the blocks freed are for the request preempted for
+        (priority) or the batch (memory), not for drafts."""
+        if plan.preempted_handles:
+            self._buffers.end_round()
+            return
+        c = self.config
+        counts, sent = plan.counts, {}
+        for handle, request in plan.work.items():
+            if handle in counts or plan.budget <= 0:
+                continue
+            num_output = len(request.output_token_ids)
+            if request.num_computed_tokens != len(request.prompt_token_ids) + num_output \
+                    or not can_draft(request):
+                continue          # not sampling its next token this step, or may not draft
+            k = min(c.num_speculative_tokens, plan.budget,
+                    request.max_num_output_tokens - num_output - 1)
+            if k <= 0:
+                continue
+            ids = propose_ngram(self._buffers.tokens(request), k, c.prompt_lookup_min,
+                                c.prompt_lookup_max)
+            if not len(ids) or (new_ids := kv.grow_slots(request, len(ids))) is None:
+                continue
+            k = len(ids)
+            if new_ids:
+                plan.new_block_ids.setdefault(handle, []).extend(new_ids)
+            request.num_computed_tokens += k
+            counts[handle] = 1 + k
+            plan.budget -= k
+            plan.spec_token_ids[handle] = ids.tolist()
+            sent[handle] = k
+        self._buffers.end_round()
+        if sent:
+            self._drafts[step] = sent
+            self.stats.num_drafts += len(sent)
+            self.stats.num_draft_tokens += sum(sent.values())
+
+    def apply(self, step: int, scheduled: dict[int, Request], runner_out: RunnerOutput,
+              finish: Callable[[Request, RequestStatus], None],
+              max_len: int) -> list[TokenUpdate]:
+        """sampled_tokens.apply_sampled_tokens for a step that may hold drafts: a handle's
+        consecutive entries are its tokens, applied in order, in one update."""
+        drafted = self._drafts.pop(step, {})
+        updates = []
+        if runner_out.request_errors:
+            updates = fail_on_worker(scheduled, runner_out.request_errors, finish)
+        handles, ids, tops = runner_out.handles, runner_out.sampled_token_ids, \
+            runner_out.top_logprobs
+        lps = runner_out.logprobs
+        i, n = 0, len(handles)
+        while i < n:
+            handle, j = handles[i], i + 1
+            while j < n and handles[j] == handle:
+                j += 1
+            tokens, logprobs = ids[i:j], (lps[i:j] if lps else [])
+            i = j
+            k = drafted.get(handle)
+            if k is not None:
+                self._count(len(tokens) - 1)
+            request = scheduled.get(handle)
+            if request is None or request.status > _PREEMPTED:   # finished since scheduled
+                continue
+            if k is not None and request.status is _RUNNING:
+                request.num_computed_tokens -= k + 1 - len(tokens)    # the rejected drafts
+            update = self._append(request, handle, tokens, logprobs, tops, finish, max_len)
+            if update is not None:
+                updates.append(update)
+        if runner_out.prompt_logprobs:
+            attach_prompt_logprobs(scheduled, runner_out, updates)
+        return updates
+
+    def _count(self, accepted: int) -> None:
+        stats = self.stats
+        stats.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            stats.accepted_per_pos[pos] += 1
+
+    @staticmethod
+    def _append(request: Request, handle: int, tokens: list[int], logprobs: list[float],
+                tops: dict, finish, max_len: int) -> TokenUpdate | None:
+        """Append the tokens one by one under the stop rules; the request's update."""
+        output, taken = request.output_token_ids, 0
+        for token in tokens:
+            if request.num_pending_tokens:
+                request.num_pending_tokens -= 1
+            output.append(token)
+            taken += 1
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if token in request.stop_token_ids or len(output) >= request.max_num_output_tokens:
+                status = check_stop(request, max_len)
+                if status is not None:
+                    finish(request, status)
+                    top = tops.get(handle) if tops else None
+                    return TokenUpdate.final(request, tokens[:taken], list(logprobs[:taken]),
+                                             None if top is None else [top])
+        held = request.held_logprobs
+        if held is not None:
+            held.extend(logprobs)
+            return None
+        top = tops.get(handle) if tops else None
+        return TokenUpdate(
+            request.request_id, list(tokens), list(logprobs), None if top is None else [top],
+            None, None, request.num_cached_tokens, request.first_scheduled_time,
+            request.first_token_time, None, request)

@@ -1,0 +1,149 @@
+"""Speculative drafts on the worker (docs/speculative-decoding.md): staged as query tokens of
+their request's row, verified by argmax, and the accepted run written back.
+
+A request with k drafts d_0..d_{k-1} after its T known tokens is scheduled 1 + k tokens:
+positions T-1 (its last token) .. T+k-1 (its last draft). The row's sampling position is the
+last one (the normal sampler picks the token after every draft: the bonus). The logits at the
+first k positions are reduced to their argmax v_0..v_{k-1} here (with its raw logprob), the
+same greedy head the sampler uses. Verification (greedy: the scheduler drafts only for plain
+greedy requests): d_j is accepted while v_j == d_j; the tokens of the step are the accepted
+drafts and then v_a at the first mismatch a, or the bonus when all k match. They are exactly
+one-token greedy decoding's: v_j is the argmax after the same known tokens. The row's KV of
+rejected drafts is left in place; num_computed drops to T + a, so the next step writes those
+slots again. Every rank verifies alike (same logits, same argmax): nothing is broadcast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_common.wire.diff import SchedulerOutput
+from worker_service.batch.cached_requests import CachedRequests
+from worker_service.batch.input_batch import InputBatch
+from worker_service.failures import StepProtocolError
+from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
+
+
+def prepare_with_drafts(batch: InputBatch, cached: CachedRequests, diff: SchedulerOutput,
+                        block_size: int) -> tuple[StepInputs, "SpecStep | None"]:
+    """The step's model inputs for the applied `diff` (its counts per row; none named: one
+    token each, the steady decode step), with its speculative drafts as query tokens."""
+    num_scheduled = None
+    if diff.num_scheduled_tokens:
+        num_scheduled = np.ones(batch.num_reqs, dtype=np.int32)
+        for handle, n in diff.num_scheduled_tokens.items():
+            num_scheduled[cached.row(handle)] = n
+    if not diff.spec_token_ids:
+        return prepare_step_inputs(batch, num_scheduled, block_size), None
+    spec, inputs = SpecStep.stage(batch, cached, diff.spec_token_ids), None
+    try:
+        inputs = prepare_step_inputs(batch, num_scheduled, block_size)
+    finally:
+        spec.unstage(batch, inputs)
+    return inputs, spec
+
+
+@dataclass
+class SpecStep:
+    """One step's drafted rows (batch row order as the diff named them)."""
+
+    rows: np.ndarray                  # int64 [R] batch rows
+    drafts: list[list[int]]           # per row, its draft ids
+    ks: np.ndarray                    # int32 [R] drafts per row
+    query_rows: np.ndarray | None = None   # int64 [sum k]: their verified query positions
+    ids: torch.Tensor | None = None        # int64 [sum k]: argmax at each
+    logprobs: torch.Tensor | None = None   # float32 [sum k]: its raw logprob
+
+    @classmethod
+    def stage(cls, batch: InputBatch, cached: CachedRequests,
+              spec_token_ids: dict[int, list[int]]) -> "SpecStep":
+        """Write each request's drafts after its known tokens and count them as known while
+        the step's inputs are prepared (`unstage` takes them back out of num_tokens)."""
+        rows = np.array([cached.row(h) for h in spec_token_ids], dtype=np.int64)
+        drafts = list(spec_token_ids.values())
+        ks = np.array([len(d) for d in drafts], dtype=np.int32)
+        width = batch.token_ids.shape[1]
+        for row, ids in zip(rows.tolist(), drafts):
+            start = int(batch.num_tokens[row])
+            if start + len(ids) >= width:
+                raise StepProtocolError(f"handle {batch.handles[row]}: {len(ids)} drafts after "
+                                        f"{start} tokens pass max_model_len ({width})")
+            batch.token_ids[row, start:start + len(ids)] = ids
+        batch.num_tokens[rows] += ks
+        return cls(rows, drafts, ks)
+
+    def unstage(self, batch: InputBatch, inputs: StepInputs | None) -> None:
+        """num_tokens as before `stage`; each drafted row must sample this step (its last
+        known token and every draft scheduled); its verified query positions."""
+        batch.num_tokens[self.rows] -= self.ks
+        if inputs is None:
+            return
+        at = np.searchsorted(inputs.rows, self.rows)
+        at = np.minimum(at, len(inputs.rows) - 1)
+        ok = (inputs.rows[at] == self.rows) & inputs.sample_mask[at] \
+            & (inputs.num_scheduled[at] == self.ks + 1)
+        if not ok.all():
+            bad = int(self.rows[np.flatnonzero(~ok)[0]])
+            raise StepProtocolError(f"handle {batch.handles[bad]}: drafts must follow its last "
+                                    "known token, all scheduled in this step")
+        starts = inputs.query_start_loc[at].astype(np.int64)
+        self.query_rows = np.repeat(starts, self.ks) + _ranges(self.ks)
+
+    def launch(self, hidden: torch.Tensor, model) -> None:
+        """The argmax and its logprob at each verified position (no host sync)."""
+        rows = hidden.index_select(0, torch.as_tensor(self.query_rows, device=hidden.device))
+        fused = model.lm_head.greedy(rows, True)
+        if fused is not None:
+            self.ids, self.logprobs = fused
+            return
+        logits = model.compute_logits(rows).float()
+        self.ids = logits.argmax(dim=-1)
+        self.logprobs = logits.gather(1, self.ids[:, None]).squeeze(1) \
+            - torch.logsumexp(logits, dim=-1)
+
+    def accept(self, batch: InputBatch, handles: list[int], rows: np.ndarray,
+               positions: np.ndarray, token_ids: np.ndarray, logprobs: np.ndarray):
+        """The step's sampled rows expanded to every token they produced: (handles, rows,
+        positions, token ids, logprobs), a drafted row's accepted drafts then its last token;
+        the rows' num_tokens and num_computed set to what was accepted. `logprobs` empty:
+        none anywhere."""
+        v = self.ids.cpu().numpy()
+        v_lp = self.logprobs.float().cpu().numpy()
+        drafted = {int(r): i for i, r in enumerate(self.rows.tolist())}
+        offsets = np.concatenate([[0], np.cumsum(self.ks)])
+        out_h, out_r, out_p, out_t, out_l = [], [], [], [], []
+        with_lp = len(logprobs) > 0
+        for i, (handle, row) in enumerate(zip(handles, rows.tolist())):
+            j = drafted.get(row)
+            if j is None:
+                out_h.append(handle), out_r.append(row), out_p.append(int(positions[i]))
+                out_t.append(int(token_ids[i]))
+                if with_lp:
+                    out_l.append(float(logprobs[i]))
+                continue
+            k, lo = int(self.ks[j]), int(offsets[j])
+            ver, drafts = v[lo:lo + k], self.drafts[j]
+            a = 0
+            while a < k and int(ver[a]) == drafts[a]:
+                a += 1
+            toks = [*map(int, ver[:a]), int(ver[a]) if a < k else int(token_ids[i])]
+            out_h += [handle] * (a + 1)
+            out_r += [row] * (a + 1)
+            out_p += range(int(positions[i]), int(positions[i]) + a + 1)
+            out_t += toks
+            if with_lp:
+                out_l += [*map(float, v_lp[lo:lo + a]),
+                          float(v_lp[lo + a]) if a < k else float(logprobs[i])]
+            batch.num_tokens[row] += a                  # the launch counted one
+            batch.num_computed[row] -= k - a            # the rejected drafts' slots
+        return (out_h, np.array(out_r, dtype=np.int64), np.array(out_p, dtype=np.int32),
+                np.array(out_t, dtype=np.int64), np.array(out_l, dtype=np.float32))
+
+
+def _ranges(ks: np.ndarray) -> np.ndarray:
+    """0..k-1 for each k, laid end to end."""
+    total = int(ks.sum())
+    starts = np.repeat(np.cumsum(ks) - ks, ks)
+    return np.arange(total, dtype=np.int64) - starts
