@@ -106,6 +106,7 @@ class LLM:
         self._build_engine()
         self._ids = itertools.count()
         self._failed: str | None = None      # a failed step's error: the LLM is done
+        self._unsettled = None    # the executor a start-over closed, until its thread ended
         self._lock = threading.Lock()          # one call at a time (_exclusive)
         self._owner: int | None = None         # the thread in a call
         self._closed = False
@@ -136,6 +137,7 @@ class LLM:
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
+        self._settle()
         ids_list = prompt_ids(prompts, self.tokenizer)
         n = len(ids_list)
         samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
@@ -197,16 +199,24 @@ class LLM:
         """After a KeyboardInterrupt inside a step (a second Ctrl-C; the first waits for the
         step's end): the scheduler and the runner may disagree on anything (a step counted
         that the runner never took, a diff half applied, a reply lost), so both start over, as
-        the server does after a worker failure: the runner thread ends once the steps given to
-        it are done, the runner drops every request, and a new scheduler and engine take over
-        (the prefix cache starts empty). Interrupted again meanwhile, the LLM is failed."""
-        try:
-            self.engine.core.executor.close()
+        the server does after a worker failure: a new scheduler and engine take over now (the
+        prefix cache starts empty), and the runner drops every request once the runner thread
+        ended the steps given to it (`_settle`, at the next call). Not waited for here: the
+        second Ctrl-C is the way out of a step that does not end, and must raise at once."""
+        executor = self.engine.core.executor
+        executor.close(wait=False)
+        self._unsettled = executor
+        self._build_engine()
+        if executor.ran_no_thread():       # nothing to wait for
+            self._settle()
+
+    def _settle(self) -> None:
+        """The rest of a start-over: wait for the old runner thread, then the runner drops
+        every request. Interrupted, the next call tries again."""
+        if self._unsettled is not None:
+            self._unsettled.wait_closed()
             self.runner.reset()
-            self._build_engine()
-        except BaseException as e:
-            self._failed = f"interrupted while starting over ({type(e).__name__})"
-            raise
+            self._unsettled = None
 
     def _check_admission(self, requests: list[Request]) -> None:
         """Each request as the scheduler will admit it, before any is queued: a refused prompt
@@ -272,6 +282,8 @@ class LLM:
                 return
             self._closed = True
             self.engine.core.executor.close()
+            if self._unsettled is not None:
+                self._unsettled.wait_closed()
             self.runner.free_kv_cache()
             on_cuda = self.runner.device.type == "cuda"
             self.engine = self.runner = self.scheduler = None

@@ -38,6 +38,7 @@ class InProcessExecutor:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._sampling: collections.deque[threading.Event] = collections.deque()
         self._pipeline: RunnerPipeline | None = None
+        self._closing: tuple = (None, None)      # what close() ended, for wait_closed
 
     def execute(self, payload: bytes) -> bytes:
         if self._unreturned is not None:
@@ -95,10 +96,24 @@ class InProcessExecutor:
         life of the process."""
         pipeline, pool = self._pipeline, self._thread
         self._pipeline = self._thread = None
+        self._closing = (pipeline, pool)
         if pipeline is not None:
             pipeline.close(wait)
         if pool is not None:
             pool.shutdown(wait=wait)
+
+    def ran_no_thread(self) -> bool:
+        """Whether close() ended no runner thread (steps ran on the caller's: sync)."""
+        return self._closing == (None, None)
+
+    def wait_closed(self) -> None:
+        """Return once the runner thread that close() ended is gone (after close(wait=False):
+        its steps were still running)."""
+        pipeline, pool = self._closing
+        if pipeline is not None:
+            pipeline.join()
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 _FINISH = object()      # RunnerPipeline's queue: finish the step in hand now
@@ -175,6 +190,9 @@ class RunnerPipeline:
         self._queue.put(_STOP)
         if wait:
             self._thread.join()
+
+    def join(self) -> None:
+        self._thread.join()
 
     def _loop(self) -> None:
         held = None                       # (PendingStep, PipelineTicket): launched, not finished

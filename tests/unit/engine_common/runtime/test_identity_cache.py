@@ -1,5 +1,6 @@
 """IdentityCache's rules: identity hits only, bounded, and its entries hold their keys."""
 import gc
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -75,3 +76,37 @@ def test_get_by_id_is_get_for_a_held_object():
     assert cache.get_by_id(id(twin)) is None
     cache.clear()
     assert cache.get_by_id(id(key)) is None and key not in cache
+
+
+class _ClearBetweenPutsWrites(dict):
+    """The cache's key dict: its first write starts another thread's clear() there, between
+    put's two writes, and lets it run as far as it can before put goes on."""
+
+    def __init__(self, cache, *args):
+        super().__init__(*args)
+        self.cache, self.clearer = cache, None
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        if self.clearer is None:
+            self.clearer = threading.Thread(target=self.cache.clear)
+            self.clearer.start()
+            # Done at once where nothing stops it; where put holds the cache's lock the clear
+            # waits for put, and this bounded join only lets the test go on.
+            self.clearer.join(timeout=1.0)
+
+
+def test_a_clear_from_another_thread_never_leaves_a_value_without_its_key():
+    """Another thread's clear landing inside put (two LLMs, or in-process workers, share the
+    module caches) left the value with its key dropped: once the key was freed, a new object
+    at its address hit that value (another request's sampling bytes, a knob check skipped).
+    Afterwards every value's key is held."""
+    cache = IdentityCache(4)
+    keys = _ClearBetweenPutsWrites(cache, cache._keys)
+    cache._keys = keys
+    key = _Params(0.5)
+    cache.put(key, b"wire")
+    keys.clearer.join()
+    held = {k for k in keys}
+    assert all(k in held for k in list(cache._values)), "a value outlived its key"
+    assert cache.get(key) in (None, b"wire")
