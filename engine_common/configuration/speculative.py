@@ -1,10 +1,12 @@
 """vLLM's `--speculative-config` JSON, parsed and validated (docs/speculative-decoding.md).
 
     {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-     "prompt_lookup_min": M}
+     "prompt_lookup_min": M, "disable_by_batch_size": B}
 
 Only the n-gram (prompt lookup) method exists. As vLLM: one of prompt_lookup_max / _min
-given alone sets the other to it, neither given sets both to 5. Every error names the key, its
+given alone sets the other to it, neither given sets both to 5. disable_by_batch_size (optional,
+>= 2 as in vLLM): a step that runs more requests than B drafts nothing, since with a batch a
+step stops being bound by reading the weights and drafts cost what they save. Every error names the key, its
 value and the allowed range (ParamError).
 """
 from __future__ import annotations
@@ -17,7 +19,9 @@ from engine_common.request.params import ParamError
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16       # drafts per request and step
 MAX_LOOKUP = 64                   # longest n-gram a proposer looks for
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "disable_by_batch_size")
+MAX_BATCH = 2**31 - 1
 _FLAG = "speculative_config"
 
 
@@ -27,6 +31,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    disable_by_batch_size: int | None = None     # None: draft at any batch size
 
 
 def _int(key: str, value, lo: int, hi: int) -> int:
@@ -68,7 +73,10 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
         hi = _int("prompt_lookup_min", lo, 1, MAX_LOOKUP)
     lo = _int("prompt_lookup_min", lo, 1, MAX_LOOKUP)
     hi = _int("prompt_lookup_max", hi, lo, MAX_LOOKUP)
-    return SpeculativeConfig(method, k, hi, lo)
+    batch = value.get("disable_by_batch_size")
+    if batch is not None:
+        batch = _int("disable_by_batch_size", batch, 2, MAX_BATCH)
+    return SpeculativeConfig(method, k, hi, lo, batch)
 
 
 def to_json(value: str | dict | None) -> str | None:

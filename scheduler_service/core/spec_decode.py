@@ -75,11 +75,13 @@ class SpecDecoder:
     def add_drafts(self, step: int, plan: StepPlan, kv: KVCacheManager) -> None:
         """Drafts for the step's one-token decodes (see the module docstring), into `plan`.
         None in a step that preempted: the blocks freed are for the request preempted for
-        (priority) or the batch (memory), not for drafts."""
-        if plan.preempted_handles:
+        (priority) or the batch (memory), not for drafts; none in a step of more requests than
+        the config's disable_by_batch_size."""
+        c = self.config
+        if plan.preempted_handles or (c.disable_by_batch_size is not None
+                                      and len(plan.work) > c.disable_by_batch_size):
             self._buffers.end_round()
             return
-        c = self.config
         counts, sent = plan.counts, {}
         for handle, request in plan.work.items():
             if handle in counts or plan.budget <= 0:

@@ -167,6 +167,10 @@ def test_who_drafts():
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}',
      "speculative_config.lookup"),
     ('not json', "speculative_config"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}',
+     "speculative_config.disable_by_batch_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 2.5}',
+     "speculative_config.disable_by_batch_size"),
 ])
 def test_config_errors_name_the_key(spec, key):
     with pytest.raises(ParamError) as e:
@@ -181,3 +185,29 @@ def test_config_defaults_and_async_refused():
     assert SchedulerConfig(max_model_len=64).speculative is None
     with pytest.raises(ParamError, match="async"):
         SchedulerConfig(max_model_len=64, speculative_config=SPEC, async_scheduling=True)
+
+
+def _spec_with_batch_limit(limit: int) -> str:
+    return json.dumps({**json.loads(SPEC), "disable_by_batch_size": limit})
+
+
+@pytest.mark.parametrize("limit, drafts", [(8, True), (7, False)])
+def test_disable_by_batch_size(limit, drafts):
+    """Eight requests decode side by side: a limit of 8 still drafts, 7 drafts in no step of
+    all eight (and in the end, as requests finish and the batch shrinks, it may); the tokens
+    stay those of one-token decoding either way."""
+    sample = periodic_sample(3)
+    want, _, _ = _run(_requests(max_tokens=12), False, sample)
+    sched, _ = make(num_blocks=64, sample_fn=sample,
+                    speculative_config=_spec_with_batch_limit(limit))
+    assert sched.config.speculative.disable_by_batch_size == limit
+    worker = SpecSimWorker(64, sched.config.block_size, sample_fn=sample)
+    reqs = [make_request(rid, prompt, **kw) for rid, prompt, kw in _requests(max_tokens=12)]
+    for r in reqs:
+        sched.add_request(r)
+    run_steps(sched, worker)
+    assert_no_leak(sched)
+    assert [(r.output_token_ids, r.status) for r in reqs] == want
+    full_steps = [step for step in worker.produced if len(step) == 8]
+    assert full_steps
+    assert any(max(step.values()) > 1 for step in full_steps) == drafts
