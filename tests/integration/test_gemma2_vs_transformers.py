@@ -21,10 +21,9 @@ from engine_common.request.params import SamplingParams, StoppingParams
 from kernels.attention import cpu_paged
 from kernels.attention.selector import get_attention_backend
 from tests.integration.test_model_vs_transformers import hf_logits
-from tests.support.attention_cases import ON_GPU, needs_kernels
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import prefill_logits
-from tests.support.window_schedule import (assert_chunks_and_decodes_match,
+from tests.support.window_schedule import (BACKENDS, TRITON, assert_chunks_and_decodes_match,
                                           assert_engine_greedy_with_prefix_hits)
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.loader import load_model
@@ -32,9 +31,6 @@ from worker_service.parallel_state import single_rank_group
 
 WINDOWS = [8, 0, 8, 0]
 ATOL = 1e-4
-TRITON = [pytest.mark.slow, needs_kernels,
-          pytest.mark.skipif(ON_GPU, reason="the models run on the CPU: Triton interpreter only")]
-BACKENDS = ["torch", "cpu", pytest.param("triton", marks=TRITON)]
 
 
 @pytest.fixture

@@ -3,14 +3,20 @@ and the engine's greedy tokens with prefix hits: what the windowed-model tests (
 windows, Gemma 3) share."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deltaserve.llm import LLM
 from tests.integration.test_model_vs_transformers import PagedRunner, hf_logits
+from tests.support.attention_cases import ON_GPU, needs_kernels
 from tests.support.engine_checks import MAX_NEW, _check, _shared_prefix_prompts
 
 # Blocks of 4: chunks of 11, 16 and 5 (windows start mid-block), then 24 decodes, a second
 # request batched alongside for 20 of them.
+# The windowed models' backends on the CPU: Triton runs under its interpreter only, and slowly.
+TRITON = [pytest.mark.slow, needs_kernels,
+          pytest.mark.skipif(ON_GPU, reason="the models run on the CPU: Triton interpreter only")]
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=TRITON)]
 SCHEDULE = [[11, 16], [16, 0], [5, 4]] + [[1, 1]] * 20 + [[1, 0]] * 4
 
 
