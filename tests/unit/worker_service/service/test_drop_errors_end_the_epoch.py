@@ -34,7 +34,7 @@ def test_a_reset_whose_drop_raises_ends_the_epoch(model_dir):
     stream = w.open_stream(w.stream_key(w.epoch))
     w.step(stream, 1, 0, b"")
     ranks.drop_requests = _cuda_error
-    _refused(lambda: w.reset(2, "A"), RuntimeError, "illegal memory access")
+    _refused(lambda: w.reset(2, "A", w.stream_key(1)), RuntimeError, "illegal memory access")
     assert (w.fence.epoch, w.fence.owner) == (1, "A")
     _refused(lambda: w.step(stream, 1, 1, b""), FailureKind.EPOCH_FAILED,
              "a Reset to epoch 2 failed: RuntimeError: CUDA error")

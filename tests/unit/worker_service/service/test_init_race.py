@@ -88,10 +88,11 @@ def test_a_reset_refused_as_stale_does_not_interrupt(tiny_models):
     ranks = StickyInterruptRanks()
     w = NodeWorker(ranks, LAYOUT)
     w.init(config, LAYOUT, epoch=1, owner="A")
+    a_key = w.stream_key(1)
     w.init(config, LAYOUT, epoch=2, owner="B")
     interrupts_before = ranks.interrupts
     with pytest.raises(StepFailure, match="scheduler A does not own"):
-        w.reset(3, "A")
+        w.reset(3, "A", a_key)
     assert ranks.interrupts == interrupts_before
     assert w.step(w.open_stream(w.stream_key(w.epoch)), 2, 0, b"").payload == b"ok"
 
@@ -105,6 +106,7 @@ def test_the_owners_reset_does_not_interrupt_a_takeover_in_progress(tiny_models)
     w = NodeWorker(ranks, LAYOUT)
     ranks.release.set()
     w.init(config, LAYOUT, epoch=1, owner="A")
+    a_key = w.stream_key(1)
     ranks.release.clear()
     ranks.loading.clear()
     took_over: list = []
@@ -115,11 +117,11 @@ def test_the_owners_reset_does_not_interrupt_a_takeover_in_progress(tiny_models)
     interrupts = ranks.interrupts
     for epoch in (2, 3):
         with pytest.raises(StepFailure, match="an Init of epoch 2 .*is in progress") as refused:
-            w.reset(epoch, "A")
+            w.reset(epoch, "A", a_key)
         assert refused.value.kind == FailureKind.SUPERSEDED
     assert ranks.interrupts == interrupts
     ranks.release.set()
     newer.join(30)
     assert took_over and (w.fence.epoch, w.fence.owner, w.epoch) == (2, "B", 2)
     with pytest.raises(StepFailure, match="scheduler A does not own"):
-        w.reset(3, "A")
+        w.reset(3, "A", a_key)

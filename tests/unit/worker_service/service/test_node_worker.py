@@ -164,7 +164,8 @@ def test_an_overlong_scheduler_id_is_refused_before_anything_changes(model_dir):
     _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=6, owner=long_id), StepFailure,
              "scheduler_id of 257 characters is invalid: must be at most 256")
     assert _state(w, ranks) == before
-    _refused(lambda: w.reset(6, long_id), StepFailure, "scheduler_id of 257 characters")
+    _refused(lambda: w.reset(6, long_id, w.stream_key(5)), StepFailure,
+             "scheduler_id of 257 characters")
     assert _state(w, ranks) == before
     w.init(_config(model_dir), LAYOUT, epoch=6, owner="y" * 256)      # the limit itself is fine
     assert w.fence.owner == "y" * 256
@@ -196,17 +197,20 @@ def test_a_higher_epoch_takes_over_and_the_old_owner_is_fenced(model_dir):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
     w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
-    a = w.open_stream(w.stream_key(w.epoch))
+    a_key = w.stream_key(1)
+    a = w.open_stream(a_key)
     w.step(a, 1, 0, b"")
     w.init(_config(model_dir), LAYOUT, epoch=2, owner="B")
     assert (w.fence.epoch, w.fence.owner) == (2, "B")
     _refused(lambda: w.step(a, 1, 1, b""), FailureKind.STALE_EPOCH,
              r"step 1 carries epoch 1, which is stale: the worker's epoch is 2 \(scheduler B\)")
-    _refused(lambda: w.reset(3, "A"), FailureKind.STALE_EPOCH, "scheduler A does not own")
+    _refused(lambda: w.reset(3, "A", a_key), FailureKind.STALE_EPOCH,
+             "scheduler A does not own")
     b = w.open_stream(w.stream_key(w.epoch))
     assert w.step(b, 2, 0, b"").payload == b"ok"
-    assert w.reset(3, "B") == 0 and w.epoch == 3
-    _refused(lambda: w.reset(3, "B"), FailureKind.STALE_EPOCH, "epoch 3 is stale")
+    assert w.reset(3, "B", w.stream_key(2)) == 0 and w.epoch == 3
+    _refused(lambda: w.reset(3, "B", w.stream_key(3)), FailureKind.STALE_EPOCH,
+             "epoch 3 is stale")
 
 
 def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
@@ -232,7 +236,7 @@ def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
 
 def test_reset_before_any_init_is_refused():
     w = NodeWorker(FakeRanks(), LAYOUT)
-    _refused(lambda: w.reset(1, ""), FailureKind.STALE_EPOCH, "does not own")
+    _refused(lambda: w.reset(1, "", None), FailureKind.STALE_EPOCH, "does not own")
 
 
 class SlowLoadRanks(FakeRanks):
@@ -303,7 +307,7 @@ def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
     def dead():
         raise StepFailure(FailureKind.RANK_FAILED, "rank 1 was killed by signal 9")
     ranks.drop_requests = dead
-    _refused(lambda: w.reset(2, "A"), FailureKind.RANK_FAILED, "killed")
+    _refused(lambda: w.reset(2, "A", w.stream_key(1)), FailureKind.RANK_FAILED, "killed")
     assert (w.fence.epoch, w.fence.owner) == (1, "A")
     # The epoch the Reset failed in is over (the ranks may have dropped some requests):
     # a clear failure that asks for Init, not a takeover.

@@ -29,7 +29,7 @@ def test_each_epoch_has_its_own_key_and_the_last_one_is_void(tiny_models):
     first = w.stream_key(1)
     assert len(first) == 32
     w.step(w.open_stream(first), 1, 0, b"")
-    w.reset(2, "A")
+    w.reset(2, "A", first)
     second = w.stream_key(2)
     assert w.stream_key(1) == b"" and len(second) == 32 and second != first
     w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=3, owner="B")
@@ -44,7 +44,7 @@ def test_a_stream_opened_before_a_reset_cannot_step_in_the_new_epoch(tiny_models
     w = NodeWorker(FakeRanks(), LAYOUT)
     w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
     early = w.open_stream(w.stream_key(1))
-    w.reset(2, "A")
+    w.reset(2, "A", w.stream_key(1))
     _refused(lambda: w.step(early, 2, 0, b""), "opened before epoch 2 began")
     # Refused without failing the epoch: a stream with the new key steps at step 0.
     assert w.step(w.open_stream(w.stream_key(2)), 2, 0, b"").payload == b"ok"

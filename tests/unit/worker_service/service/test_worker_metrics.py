@@ -118,7 +118,7 @@ def test_requests_cached_is_not_the_last_epochs_after_init_reset_or_a_rank_death
     assert value(metrics, "requests_cached", **cpu) == 0
     node.step(node.open_stream(node.stream_key(node.epoch)), 2, 0, b"")
     assert value(metrics, "requests_cached", **cpu) == 3
-    node.reset(3, "B")
+    node.reset(3, "B", node.stream_key(2))
     assert value(metrics, "requests_cached", **cpu) == 0
     node.step(node.open_stream(node.stream_key(node.epoch)), 3, 0, b"")
     ranks.loaded = False                                       # the ranks died
