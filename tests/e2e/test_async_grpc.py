@@ -28,8 +28,7 @@ from scheduler_service.api.server import WorkerCoreFactory
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.init_specs import init_spec
 from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request, pb,
-                                        Processes, scheduler_and_worker, server_status, wait_for,
-                                        wait_ready)
+                                        Processes, scheduler_and_worker, server_status, wait_for)
 
 
 @pytest.fixture(scope="module")

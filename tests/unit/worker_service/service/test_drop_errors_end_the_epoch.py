@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from worker_service.failures import FailureKind
 from worker_service.service.node_worker import NodeWorker
-from tests.unit.worker_service.service.test_node_worker import (LAYOUT, FakeRanks, _config,
-                                                               _refused, model_dir)
+from tests.support.fake_ranks import LAYOUT, FakeRanks, runner_config
+from tests.unit.worker_service.service.test_node_worker import _refused, model_dir
 
 __all__ = ["model_dir"]     # the fixture, used by name
 
@@ -25,7 +25,7 @@ def _worker(model_dir: str) -> tuple[NodeWorker, FakeRanks, list]:
     w = NodeWorker(ranks, LAYOUT)
     timers: list = []
     w.orphans.call_later = lambda delay_s, fn: timers.append(fn)
-    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=1, owner="A")
     return w, ranks, timers
 
 
