@@ -146,8 +146,9 @@ class WorkerClient:
         return replies[0].num_dropped_requests
 
     def close(self) -> None:
-        """End the streams and close the channels."""
+        """End the streams and close the channels (and forget the epoch's keys)."""
         self._close_streams()
+        self._stream_keys = []
         self._failure = "closed"
         for channel in self._channels:
             channel.close()
