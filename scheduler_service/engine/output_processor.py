@@ -4,21 +4,10 @@ The output processor never touches the engine: it reads TokenUpdates (copies of 
 and reports which requests matched a stop string; its owner finishes those in the engine (the
 offline LLMEngine at once, the serving side of AsyncEngine with a command to the engine thread).
 
-Stop-string rules:
-- checked only in the text of tokens after the first `stopping.min_tokens` (as vLLM, and as stop
-  ids, which the sampler masks until then); the match may still begin in text produced earlier;
-- checked after each token, so the first stop string to *complete* wins; among those that
-  complete in the same token's text, the first in the request's list (vLLM's
-  check_stop_strings), at its first place there;
-- the text is cut before the stop string, or after it with `include_stop_str_in_output`;
-- while a request's stop strings are cut (include_stop_str_in_output=False), the last (longest
-  stop - 1) characters of unsent text are held back, so a stop string straddling two steps never
-  reaches the client in part; held text is sent when the request finishes for any other reason.
-  With include_stop_str_in_output nothing is held back (vLLM's stop_buffer_length 0): a stop
-  string may then begin in text already sent, so the last (longest stop - 1) characters sent
-  are kept for matching (`sent_tail`), and the text still ends at the stop string's end.
-Every token id is reported, even those whose text was cut. Bytes of a character the generation
-leaves unfinished never become text (no U+FFFD at the end), as vLLM v1's detokenizers.
+Stop strings are matched and cut, and text held back for them, by the rules of stop_strings.py;
+a request's state is request_text_state.py's RequestTextState. Every token id is reported, even
+those whose text was cut. Bytes of a character the generation leaves unfinished never become text
+(no U+FFFD at the end), as vLLM v1's detokenizers.
 
 Tokens that arrive for a request after its stop string matched (the engine learns of the match
 a step or two late when the text is made on another thread) are dropped: they never reach the
@@ -31,27 +20,29 @@ way, with the engine's message.
 
 Final-only requests (`final_only`: the offline `LLM.generate`, which reads nothing but each
 request's result; vLLM's RequestOutputKind.FINAL_ONLY) get one output, at the finish, equal to
-the merge (`merge_outputs`) of every per-step output they would have had: no per-step
-RequestOutput is built. Without stop strings, on a byte-level decoder, their text is decoded once
-at the finish (`_RequestState.defer_text`): such a decoder's text after whole characters does not
-depend on the ids before (see Tokenizer.token_texts), so the incremental pieces join into the
-text of all the ids at once. With stop strings (matching needs the text as it grows) and on other
-decoders the text is still made token by token.
+the merge (`merge_outputs`) of every per-step output they would have had (kept by
+request_text_state.keep_for_final): no per-step RequestOutput is built. Without stop strings, on
+a byte-level decoder, their text is decoded once at the finish (`RequestTextState.defer_text`):
+such a decoder's text after whole characters does not depend on the ids before (see
+Tokenizer.token_texts), so the incremental pieces join into the text of all the ids at once.
+With stop strings (matching needs the text as it grows) and on other decoders the text is still
+made token by token.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
-from engine_common.request.params import StoppingParams
 from engine_common.text.tokenizer import IncrementalDetokenizer, Tokenizer, streamed_text
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.engine.request_output import (PromptLogprobList, RequestOutput,
                                                      RequestTimings, TokenLogprob,
                                                      merge_outputs)
+from scheduler_service.engine.request_text_state import (KeptOutputs, RequestTextState,
+                                                         keep_for_final, with_kept)
+from scheduler_service.engine.stop_strings import append_text, take_sendable_text
 from scheduler_service.errors import RequestFailed
 
 # The output types live in request_output.py; importers of this module may name them here too.
@@ -59,49 +50,6 @@ __all__ = ["OutputProcessor", "RequestOutput", "RequestTimings", "TokenLogprob",
            "merge_outputs"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """What the processor knows of one request: fixed facts copied at add time, the text state."""
-
-    request_id: str
-    num_prompt_tokens: int
-    stopping: StoppingParams
-    num_logprobs: int | None       # None: the request wants no logprob (its outputs carry none)
-    detokenizer: IncrementalDetokenizer
-    hold_back: int                 # characters of unsent text held while stop strings are cut
-    tail_len: int                  # characters of sent text kept for matching (included stops)
-    timings: RequestTimings
-    num_cached_tokens: int = 0
-    # Text not sent yet, and the end of the text sent (`tail_len` characters): a stop string
-    # begins in one or the other (with hold-back, never in text sent).
-    unsent: str = ""
-    sent_tail: str = ""
-    num_output_tokens: int = 0
-    stop_string: str | None = None
-    # No stop strings and both first times known: one plain token takes `process`'s short path.
-    steady: bool = False
-    # Final-only: what the outputs before the final one would have carried, kept for the final
-    # one (None: per-step outputs). `defer_text`: no text is made until the finish.
-    kept: _Kept | None = None
-    defer_text: bool = False
-    # The prompt's ids, kept only for a request that asked for prompt logprobs.
-    prompt_ids: list[int] | None = None
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return self.stopping.stop
-
-
-@dataclass(slots=True)
-class _Kept:
-    """A final-only request's tokens, logprobs and text (pieces) so far."""
-
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    text: list[str] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list | None = None
 
 
 class OutputProcessor:
@@ -113,7 +61,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, final_only: bool = False):
         self._tokenizer = tokenizer
         self._final_only = final_only
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestTextState] = {}
 
     def __len__(self) -> int:
         return len(self._states)
@@ -129,14 +77,14 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, skip)
         window = max((len(s) for s in stops), default=1) - 1
         include = request.stopping.include_stop_str_in_output
-        state = _RequestState(request.request_id, request.num_prompt_tokens, request.stopping,
-                              request.num_logprobs, detok, 0 if include else window,
-                              window if include else 0,
-                              RequestTimings(request.arrival_time, None, None))
+        state = RequestTextState(request.request_id, request.num_prompt_tokens,
+                                 request.stopping, request.num_logprobs, detok,
+                                 0 if include else window, window if include else 0,
+                                 RequestTimings(request.arrival_time, None, None))
         if request.num_prompt_logprobs is not None:
             state.prompt_ids = request.prompt_token_ids
         if self._final_only:
-            state.kept = _Kept()
+            state.kept = KeptOutputs()
             state.defer_text = not stops and self._tokenizer.token_texts(skip) is not None
         self._states[request.request_id] = state
 
@@ -200,7 +148,7 @@ class OutputProcessor:
                         kept.logprobs.append(TokenLogprob(int(token_id), float(lps[0])))
                     continue
                 out = self._process_one(state, update)
-                if kept is not None and (out := self._keep(state, out)) is None:
+                if kept is not None and (out := keep_for_final(state, out)) is None:
                     continue
             except Exception as e:  # noqa: BLE001 - one request's bug must not end the others
                 outputs.append(self._fail(state, e))
@@ -210,13 +158,13 @@ class OutputProcessor:
                 stopped_ids.append(out.request_id)
         return outputs, stopped_ids
 
-    def _fail(self, state: _RequestState, exc: Exception) -> RequestOutput:
+    def _fail(self, state: RequestTextState, exc: Exception) -> RequestOutput:
         rid = state.request_id
         log.exception("processing the output of request %r failed; aborting it alone", rid)
         return self._failed(state, f"request {rid!r} failed while its output was processed "
                                    f"({type(exc).__name__}: {exc})")
 
-    def _failed(self, state: _RequestState, message: str) -> RequestOutput:
+    def _failed(self, state: RequestTextState, message: str) -> RequestOutput:
         """The final output of a request that failed: no more text, `error` RequestFailed."""
         rid = state.request_id
         self._states.pop(rid, None)
@@ -226,40 +174,17 @@ class OutputProcessor:
         out = self._output(state, [], [], True, RequestStatus.FINISHED_ABORTED, None)
         if state.kept is not None:
             # Deferred text was never made: a final-only request's failed output has none.
-            out = self._with_kept(state, out)
+            out = with_kept(state, out)
         out.error = RequestFailed(f"{message}; other requests are unaffected")
         return out
 
-    def _keep(self, state: _RequestState, out: RequestOutput) -> RequestOutput | None:
-        """A final-only request's output: kept (None) until the final one, which then carries
-        what every output before it would have (`_with_kept`)."""
-        if out.finished:
-            return self._with_kept(state, out)
-        kept = state.kept
-        kept.token_ids += out.new_token_ids
-        kept.logprobs += out.logprobs
-        kept.prompt_logprobs = kept.prompt_logprobs or out.prompt_logprobs
-        if out.new_text:
-            kept.text.append(out.new_text)
-        return None
-
-    @staticmethod
-    def _with_kept(state: _RequestState, out: RequestOutput) -> RequestOutput:
-        """`out` (a final output) with the kept tokens, logprobs and text before its own."""
-        kept = state.kept
-        out.new_token_ids = kept.token_ids + out.new_token_ids
-        out.logprobs = kept.logprobs + out.logprobs
-        out.prompt_logprobs = kept.prompt_logprobs or out.prompt_logprobs
-        out.new_text = "".join(kept.text) + out.new_text
-        return out
-
-    def _process_one(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
+    def _process_one(self, state: RequestTextState, update: TokenUpdate) -> RequestOutput:
         out = self._process_tokens(state, update)
         if update.prompt_logprobs is not None and state.prompt_ids is not None:
             out.prompt_logprobs = PromptLogprobList(state.prompt_ids, update.prompt_logprobs)
         return out
 
-    def _process_tokens(self, state: _RequestState, update: TokenUpdate) -> RequestOutput:
+    def _process_tokens(self, state: RequestTextState, update: TokenUpdate) -> RequestOutput:
         self._note_times(state, update)
         token_ids = update.new_token_ids
         kept = self._detokenize(state, token_ids, update.finish_reason)
@@ -276,14 +201,14 @@ class OutputProcessor:
             # Ids the detokenizer still holds (a character left unfinished) are dropped, never
             # sent as U+FFFD: vLLM v1 flushes nothing (docs/serving_text_path.md).
             if state.defer_text:
-                self._append_text(state, self._deferred_text(state, token_ids,
-                                                             update.finish_reason))
+                append_text(state, self._deferred_text(state, token_ids,
+                                                       update.finish_reason))
             return self._finish(state, token_ids, logprobs, update.finish_reason,
                                 update.stop_token_id, update.finish_time)
         return self._output(state, token_ids, logprobs, False, None, None)
 
     @staticmethod
-    def _note_times(state: _RequestState, update: TokenUpdate) -> None:
+    def _note_times(state: RequestTextState, update: TokenUpdate) -> None:
         state.num_cached_tokens = update.num_cached_tokens
         t = state.timings
         if t.first_scheduled_time is not None and t.first_token_time is not None:
@@ -298,12 +223,12 @@ class OutputProcessor:
                                                 first_token_time=first_token)
 
     @staticmethod
-    def _drops_last(state: _RequestState, finish_reason: RequestStatus | None) -> bool:
+    def _drops_last(state: RequestTextState, finish_reason: RequestStatus | None) -> bool:
         """The text of a stop token (eos or stop_token_ids) is not part of the output."""
         return (finish_reason == RequestStatus.FINISHED_STOP_TOKEN
                 and not state.stopping.include_stop_str_in_output)
 
-    def _deferred_text(self, state: _RequestState, token_ids: list[int],
+    def _deferred_text(self, state: RequestTextState, token_ids: list[int],
                        finish_reason: RequestStatus | None) -> str:
         """A deferred-text request's whole text, at its finish: what the incremental pieces
         join into (a byte-level decoder; no stop strings)."""
@@ -312,7 +237,7 @@ class OutputProcessor:
             ids.pop()
         return streamed_text(self._tokenizer, ids, state.stopping.skip_special_tokens)
 
-    def _detokenize(self, state: _RequestState, token_ids: list[int],
+    def _detokenize(self, state: RequestTextState, token_ids: list[int],
                     finish_reason: RequestStatus | None) -> int:
         if state.defer_text:                    # the text is made at the finish
             state.num_output_tokens += len(token_ids)
@@ -325,32 +250,8 @@ class OutputProcessor:
             if drop_last and i == len(token_ids) - 1:
                 continue
             # A kept stop token's text is checked for stop strings too, as vLLM's.
-            self._append_text(state, state.detokenizer.add(token_id))
+            append_text(state, state.detokenizer.add(token_id))
         return len(token_ids)
-
-    def _append_text(self, state: _RequestState, piece: str) -> None:
-        if not piece or state.stop_string is not None:
-            return
-        start = len(state.unsent)
-        state.unsent += piece
-        if state.stops and state.num_output_tokens > state.stopping.min_tokens:
-            self._check_stop(state, start)
-
-    def _check_stop(self, state: _RequestState, new_start: int) -> None:
-        """Find a stop string that completes in unsent[new_start:] (the first listed, as vLLM);
-        cut the text there. It may begin in `sent_tail`; it ends in unsent text, so the cut
-        (before it with hold-back, after it without) never reaches text already sent."""
-        sent = len(state.sent_tail)
-        text = state.sent_tail + state.unsent if sent else state.unsent
-        for stop in state.stops:
-            pos = text.find(stop, max(0, sent + new_start - len(stop) + 1))
-            if pos >= 0:
-                break
-        else:
-            return
-        keep = pos + len(stop) if state.stopping.include_stop_str_in_output else pos
-        state.unsent = text[sent:keep]
-        state.stop_string = stop
 
     def _finish(self, state, token_ids, logprobs, reason, stop_reason,
                 finish_time: float | None) -> RequestOutput:
@@ -360,14 +261,9 @@ class OutputProcessor:
                                                 finish_time=finish_time or time.monotonic())
         return self._output(state, token_ids, logprobs, True, reason, stop_reason)
 
-    def _output(self, state: _RequestState, token_ids, logprobs, finished: bool,
+    def _output(self, state: RequestTextState, token_ids, logprobs, finished: bool,
                 reason: RequestStatus | None, stop_reason) -> RequestOutput:
-        send_upto = len(state.unsent)
-        if not finished and state.hold_back:
-            send_upto = max(0, send_upto - state.hold_back)
-        new_text, state.unsent = state.unsent[:send_upto], state.unsent[send_upto:]
-        if state.tail_len and new_text:
-            state.sent_tail = (state.sent_tail + new_text)[-state.tail_len:]
+        new_text = take_sendable_text(state, finished)
         return RequestOutput(state.request_id, token_ids, new_text, logprobs, finished, reason,
                              stop_reason, state.num_prompt_tokens, state.num_output_tokens,
                              state.num_cached_tokens, state.timings)

@@ -43,6 +43,7 @@ import grpc
 from engine_common.request.params import ParamError
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
 from engine_common.configuration.settings import to_proto
+from engine_common.security.stream_key import stream_key_metadata
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.channels import worker_channel
@@ -85,7 +86,8 @@ class WorkerClient:
         self._channels = [worker_channel(a, auth) for a in addresses]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self._streams: list[StepStream] = []
-        self._stream_keys: list[bytes] = []    # the epoch's, one per worker (secret)
+        self._stream_keys: list[bytes] = []    # the epoch's, one per worker (secret): its
+        #                                        streams and its Reset present them
         self.epoch: int | None = None
         self.owned_epoch = 0          # the last epoch this client started (0: none yet)
         self._init_epoch = 0          # the epoch of the last Init sent
@@ -127,21 +129,26 @@ class WorkerClient:
                           tp_size=plan.tp_size, group_id=plan.group_id)
 
     def reset(self) -> int:
-        """Start a new epoch on every worker; returns how many cached requests node 0 dropped."""
+        """Start a new epoch on every worker; returns how many cached requests node 0 dropped.
+        Each worker's Reset presents that worker's key of the current epoch (the worker refuses
+        a Reset without it: the owner's id is public)."""
         self._close_streams()
         self._failure = "a reset() did not complete"
         epoch = self.owned_epoch + 1
         request = worker_pb2.ResetRequest(epoch=epoch, scheduler_id=self.scheduler_id)
-        calls = [stub.Reset.future(request, timeout=self.connect_timeout_s)
-                 for stub in self._stubs]
+        keys = self._stream_keys or [b""] * len(self._stubs)    # none before an Init: refused
+        calls = [stub.Reset.future(request, timeout=self.connect_timeout_s,
+                                   metadata=stream_key_metadata(key))
+                 for stub, key in zip(self._stubs, keys)]
         replies = [self._result(call, addr, "Reset") for call, addr in zip(calls, self.addresses)]
         self.owned_epoch = epoch
         self._start_epoch(epoch, [r.stream_key for r in replies])
         return replies[0].num_dropped_requests
 
     def close(self) -> None:
-        """End the streams and close the channels."""
+        """End the streams and close the channels (and forget the epoch's keys)."""
         self._close_streams()
+        self._stream_keys = []
         self._failure = "closed"
         for channel in self._channels:
             channel.close()
@@ -191,10 +198,11 @@ class WorkerClient:
             self._fail(str(e))
             if self._owned_by_another():
                 raise
-            # Its own epoch was reset from elsewhere (an operator's Reset naming this
-            # scheduler): a failed step, which the next init repairs; not a takeover.
-            raise WorkerFailure(f"{e} (this scheduler still owns the worker: its epoch was "
-                                "reset from elsewhere)", kind="stale_epoch") from None
+            # A new epoch under its own id from elsewhere (an operator's Init naming this
+            # scheduler; a Reset needs its key): a failed step, which the next init repairs.
+            raise WorkerFailure(f"{e} (this scheduler still owns the worker: a new epoch was "
+                                "started under its id from elsewhere)",
+                                kind="stale_epoch") from None
         except WorkerFailure as e:
             self._force_new_group |= isinstance(e, SymmetryError)
             self._fail(str(e))
@@ -339,8 +347,8 @@ class WorkerClient:
                    for h in self.health())
 
     def _start_epoch(self, epoch: int, keys: list[bytes]) -> None:
-        """Open the epoch's streams, each with its worker's stream key (secret: it lets a
-        stream take the epoch's requests over; kept nowhere else, never logged)."""
+        """Open the epoch's streams, each with its worker's stream key (secret: it opens the
+        epoch's streams and its Reset; kept nowhere else, never logged)."""
         self.epoch = epoch
         self._stream_keys = keys
         self._next_step = 0

@@ -27,25 +27,18 @@ from scheduler_service.core.request import Request
 from scheduler_service.api.server import WorkerCoreFactory
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.init_specs import init_spec
-from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
-                                        greedy_request, pb, server_status, wait_for, wait_ready)
+from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request, pb,
+                                        Processes, scheduler_and_worker, server_status, wait_for)
 
 
 @pytest.fixture(scope="module")
 def target(tiny_models, tmp_path_factory):
     """A scheduler with two steps in flight that runs 4 requests at once in a small cache."""
-    procs = Processes(tmp_path_factory.mktemp("async_grpc"))
-    try:
-        w_port, s_port = free_port(), free_port()
-        worker = procs.worker(w_port)
-        sched = procs.scheduler(tiny_models("qwen3"), [w_port], s_port, "--async-scheduling",
-                                "--max-model-len", "256", "--max-num-seqs", "4",
-                                "--max-num-batched-tokens", "32", "--kv-cache-gib", "0.0002")
-        target = f"127.0.0.1:{s_port}"
-        wait_ready(target, [worker, sched])
+    with scheduler_and_worker(tiny_models("qwen3"), tmp_path_factory.mktemp("async_grpc"),
+                              ["--async-scheduling", "--max-model-len", "256",
+                               "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                               "--kv-cache-gib", "0.0002"]) as (target, _):
         yield target
-    finally:
-        procs.close()
 
 
 def _idle(target: str) -> bool:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from engine_common.wire.codec import encode_scheduler_output
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.text.tokenizer import Tokenizer
@@ -19,25 +17,18 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.tp_harness import workload
-from tests.support.tp_harness import NUM_BLOCKS, Cluster, reference, scheduler_config
+from tests.support.tp_harness import NUM_BLOCKS, reference, scheduler_config
 
 ABORT_AT = {3: "r1", 6: "r4"}     # engine step -> request aborted after it
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster.start(tmp_path_factory.mktemp("async_tp"), nodes=2, local_ranks=1)
-    yield c
-    c.close()
-
-
-def test_async_tp2_with_aborts_matches_tp1(cluster, tiny_models):
+def test_async_tp2_with_aborts_matches_tp1(tp2_two_nodes, tiny_models):
     model = tiny_models("llama")
     prompts, samplings, stoppings = workload()
     expected, _ = reference(model, prompts, samplings, stoppings)
-    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    client = tp2_two_nodes.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        client.init(cluster.spec(model, verify_symmetry=True))
+        client.init(tp2_two_nodes.spec(model, verify_symmetry=True))
         config = dataclasses.replace(scheduler_config(), async_scheduling=True)
         core = LLMEngine(EngineCore(Scheduler(config, NUM_BLOCKS), client),
                          OutputProcessor(Tokenizer.from_dir(model)))
@@ -61,7 +52,7 @@ def test_async_tp2_with_aborts_matches_tp1(cluster, tiny_models):
         client.execute(encode_scheduler_output(core.scheduler.schedule()))
         assert client.reset() == 0
     except Exception:
-        print(cluster.logs())
+        print(tp2_two_nodes.logs())
         raise
     finally:
         client.close()

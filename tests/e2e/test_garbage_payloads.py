@@ -16,7 +16,7 @@ from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.garbage_diffs import Limits, clean_run, garbage_cases
 from tests.support.grpc_harness import (Processes, bearer, free_port, keyed, wait_for,
                                         write_token)
-from tests.support.init_specs import init_spec
+from tests.support.init_specs import init_request, init_spec
 
 pytestmark = pytest.mark.slow
 
@@ -51,21 +51,26 @@ def test_garbage_payloads_are_bad_payloads_never_internal(tiny_models, tmp_path)
     client = WorkerClient([address], connect_timeout_s=60, auth=WorkerAuth(token=token))
     try:
         wait_for(lambda: "listening on" in worker.log_tail(), 120, "the worker", [worker])
-        result = client.init(init_spec(model, dtype="float32", kv_cache_bytes=1 << 20, **LIMITS))
+        spec = init_spec(model, dtype="float32", kv_cache_bytes=1 << 20, **LIMITS)
+        result = client.init(spec)
         vocab = ModelInfo.from_dir(model).vocab_size
         cases = garbage_cases(Limits(result.num_kv_blocks, vocab, **{
             k: LIMITS[k] for k in ("max_model_len", "block_size", "max_num_seqs",
                                    "max_num_batched_tokens")}))
         assert len(cases) >= 35
         statuses = collections.Counter()
-        epoch = result.epoch
+        epoch = result.epoch + 1
         with grpc.insecure_channel(address) as channel:     # the test drives the worker itself
             stub = worker_pb2_grpc.WorkerStub(channel)
-            for case in cases:      # a Reset as the owner tells it each epoch's stream key
+            # Its own Init (same settings: the model stays) tells it the epoch's stream key,
+            # and each Reset, which presents it, the next one.
+            key = stub.Init(init_request(spec, epoch, client.scheduler_id), timeout=120,
+                            metadata=bearer(token)).stream_key
+            for case in cases:
                 epoch += 1
                 key = stub.Reset(worker_pb2.ResetRequest(
                     epoch=epoch, scheduler_id=client.scheduler_id), timeout=60,
-                    metadata=bearer(token)).stream_key
+                    metadata=keyed(token, key)).stream_key
                 responses, status = _stream(address, token, epoch, key, case.payloads)
                 _check(case, responses, status, statuses)
         assert set(statuses) <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}, statuses

@@ -12,8 +12,8 @@ import random
 import grpc
 import pytest
 
-from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
-                                        greedy_request, pb, server_status, wait_for, wait_ready)
+from tests.support.grpc_harness import (collect, generation_stub, greedy_request, pb,
+                                        scheduler_and_worker, server_status, wait_for)
 
 NUM_CLIENTS = 32
 
@@ -21,20 +21,12 @@ NUM_CLIENTS = 32
 @pytest.fixture(scope="module", params=["sync", "async"])
 def target(tiny_models, tmp_path_factory, request):
     """The scheduler one step at a time, and with --async-scheduling (two steps in flight)."""
-    model_dir = tiny_models("qwen3")
-    procs = Processes(tmp_path_factory.mktemp("concurrency"))
-    try:
-        w_port, s_port = free_port(), free_port()
-        worker = procs.worker(w_port)
-        extra = ["--async-scheduling"] if request.param == "async" else []
-        sched = procs.scheduler(model_dir, [w_port], s_port, "--max-model-len", "256",
-                                "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                                "--kv-cache-gib", "0.0002", *extra)
-        target = f"127.0.0.1:{s_port}"
-        wait_ready(target, [worker, sched])
+    extra = ["--async-scheduling"] if request.param == "async" else []
+    with scheduler_and_worker(tiny_models("qwen3"), tmp_path_factory.mktemp("concurrency"),
+                              ["--max-model-len", "256", "--max-num-seqs", "8",
+                               "--max-num-batched-tokens", "64", "--kv-cache-gib", "0.0002",
+                               *extra]) as (target, _):
         yield target
-    finally:
-        procs.close()
 
 
 def _requests() -> list[pb.GenerateRequest]:

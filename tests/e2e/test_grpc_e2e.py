@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from engine_common.text.tokenizer import Tokenizer
-from tests.support.grpc_harness import (REPO, Processes, free_port, generation_stub, grpcurl,
-                                        json_stream, pb, wait_ready)
+from tests.support.grpc_harness import (generation_stub, grpcurl, json_stream, pb, REPO,
+                                        scheduler_and_worker)
 from tests.support.hf_reference import hf_greedy, hf_greedy_allowed
 from engine_common.wire.protos import vllm_engine_pb2 as vpb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
@@ -23,17 +23,9 @@ MAX_MODEL_LEN = 256
 def server(tiny_models, tmp_path_factory):
     """(target, model_dir): one worker and one scheduler started through the CLI."""
     model_dir = tiny_models("qwen3")
-    procs = Processes(tmp_path_factory.mktemp("e2e"))
-    try:
-        w_port, s_port = free_port(), free_port()
-        worker = procs.worker(w_port)
-        sched = procs.scheduler(model_dir, [w_port], s_port, "--max-model-len",
-                                str(MAX_MODEL_LEN))
-        target = f"127.0.0.1:{s_port}"
-        wait_ready(target, [worker, sched])
+    with scheduler_and_worker(model_dir, tmp_path_factory.mktemp("e2e"),
+                              ["--max-model-len", str(MAX_MODEL_LEN)]) as (target, _):
         yield target, model_dir
-    finally:
-        procs.close()
 
 
 def test_grpcurl_lists_services(server):

@@ -10,9 +10,9 @@ import asyncio
 import grpc
 import pytest
 
-from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
-                                        greedy_request, health_status, pb, server_status, wait_for,
-                                        wait_ready)
+from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request,
+                                        health_status, pb, Processes, scheduler_and_worker,
+                                        server_status, wait_for)
 
 MAX_MODEL_LEN = 2048
 VOCAB = 512
@@ -21,18 +21,10 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def target(tiny_models, tmp_path_factory):
     """A server that runs 2 requests at once and queues at most 2 more."""
-    model_dir = tiny_models("qwen3")
-    procs = Processes(tmp_path_factory.mktemp("errors"))
-    try:
-        w_port, s_port = free_port(), free_port()
-        worker = procs.worker(w_port)
-        sched = procs.scheduler(model_dir, [w_port], s_port, "--max-model-len",
-                                str(MAX_MODEL_LEN), "--max-num-seqs", "2", "--max-waiting", "2")
-        target = f"127.0.0.1:{s_port}"
-        wait_ready(target, [worker, sched])
+    with scheduler_and_worker(tiny_models("qwen3"), tmp_path_factory.mktemp("errors"),
+                              ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2",
+                               "--max-waiting", "2"]) as (target, _):
         yield target
-    finally:
-        procs.close()
 
 
 @pytest.fixture

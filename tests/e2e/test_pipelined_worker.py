@@ -14,27 +14,20 @@ import grpc
 import pytest
 
 from engine_common.model_files.model_dir import ModelInfo
-from tests.support.grpc_harness import (Processes, free_port, generation_stub, greedy_request,
-                                        server_status, wait_for, wait_ready)
+from tests.support.grpc_harness import (generation_stub, greedy_request, scheduler_and_worker,
+                                        server_status, wait_for)
 
 
 @pytest.fixture(scope="module", params=["async", "sync"])
 def served(request, tiny_models, tmp_path_factory):
-    procs = Processes(tmp_path_factory.mktemp(f"pipelined_{request.param}"))
     model = tiny_models("qwen3")
-    try:
-        w_port, s_port = free_port(), free_port()
-        worker = procs.worker(w_port, "--simulated-device-ms", "1")
-        flags = ["--async-scheduling"] if request.param == "async" else []
-        sched = procs.scheduler(model, [w_port], s_port, *flags, "--max-model-len", "256",
-                                "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-                                "--kv-cache-gib", "0.0002")
-        target = f"127.0.0.1:{s_port}"
-        wait_ready(target, [worker, sched])
+    flags = ["--async-scheduling"] if request.param == "async" else []
+    with scheduler_and_worker(model, tmp_path_factory.mktemp(f"pipelined_{request.param}"),
+                              [*flags, "--max-model-len", "256", "--max-num-seqs", "4",
+                               "--max-num-batched-tokens", "32", "--kv-cache-gib", "0.0002"],
+                              ["--simulated-device-ms", "1"]) as (target, (worker, _)):
         yield target, ModelInfo.from_dir(model).vocab_size
         assert "pipelined" in worker.log_tail(20000), worker.log_tail()
-    finally:
-        procs.close()
 
 
 def _expected(prompt_len: int, max_tokens: int, vocab: int) -> list[int]:

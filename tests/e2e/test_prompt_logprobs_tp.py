@@ -11,26 +11,18 @@ from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request
 from tests.support.prompt_logprobs_reference import assert_matches_hf
-from tests.support.tp_harness import Cluster, make_core
+from tests.support.tp_harness import make_core
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = {"long": [(7 * i + 3) % 250 + 2 for i in range(60)], "short": [9, 4, 200, 31, 5]}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster.start(tmp_path_factory.mktemp("tp2-prompt-logprobs"), nodes=1, local_ranks=2)
-    yield c
-    c.close()
-
-
-def test_tp2_prompt_logprobs_equal_transformers(cluster, tiny_models):
+def test_tp2_prompt_logprobs_equal_transformers(tp2, tiny_models):
     model = tiny_models("llama")
-    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        assert client.init(cluster.spec(model, verify_symmetry=True)).tp_size == 2, \
-            cluster.logs()
+        assert client.init(tp2.spec(model, verify_symmetry=True)).tp_size == 2, tp2.logs()
         core = make_core(model, client)
         eos = ModelInfo.from_dir(model).eos_token_ids
         asked = {"long": 3, "short": None}
@@ -45,7 +37,7 @@ def test_tp2_prompt_logprobs_equal_transformers(cluster, tiny_models):
             for out in core.step():
                 got[out.request_id].append(out)
     except Exception:
-        print(cluster.logs())
+        print(tp2.logs())
         raise
     finally:
         client.close()

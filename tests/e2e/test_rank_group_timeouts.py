@@ -25,12 +25,12 @@ def test_reply_missing_from_one_rank_fails_the_call(tiny_models):
     victim = None
     try:
         worker.init(config, layout, epoch=1)
-        assert worker.reset(epoch=2) == 0       # both ranks answer
+        assert worker.reset(2, "", worker.stream_key(1)) == 0       # both ranks answer
         victim = worker.ranks.rank_set.pids[1]
         os.kill(victim, signal.SIGSTOP)
         wait_stopped(victim)
         with pytest.raises(StepFailure) as failure:   # at the 1.5 s control timeout
-            worker.reset(epoch=3)
+            worker.reset(3, "", worker.stream_key(2))
         assert failure.value.kind.name == "RANK_FAILED"
         assert "[1]" in str(failure.value), str(failure.value)
         ready, why = worker.readiness()

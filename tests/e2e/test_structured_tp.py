@@ -18,7 +18,7 @@ from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.core.request import Request
-from tests.support.tp_harness import (BLOCK_SIZE, LIMITS, NUM_BLOCKS, Cluster, make_core)
+from tests.support.tp_harness import BLOCK_SIZE, LIMITS, NUM_BLOCKS, make_core
 
 pytestmark = pytest.mark.slow
 
@@ -56,25 +56,18 @@ def run_constrained(core, model_dir, prompts, samplings, stoppings) -> list[list
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster.start(tmp_path_factory.mktemp("tp2"), nodes=1, local_ranks=2)
-    yield c
-    c.close()
-
-
-def test_tp2_constrained_tokens_equal_tp1(cluster, tiny_models):
+def test_tp2_constrained_tokens_equal_tp1(tp2, tiny_models):
     model = tiny_models("llama")
     # The reference: TP=1 in process, the same scheduler settings and constraints.
     llm = LLM(model, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, **LIMITS)
     expected = run_constrained(llm.engine, model, *workload())
-    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        result = client.init(cluster.spec(model, verify_symmetry=True))
-        assert result.tp_size == 2, cluster.logs()
+        result = client.init(tp2.spec(model, verify_symmetry=True))
+        assert result.tp_size == 2, tp2.logs()
         tokens = run_constrained(make_core(model, client), model, *workload())
     except Exception:
-        print(cluster.logs())
+        print(tp2.logs())
         raise
     finally:
         client.close()
@@ -98,7 +91,7 @@ def test_tp2_constrained_tokens_equal_tp1(cluster, tiny_models):
     assert all(ids[-1] in eos for ids in finished), tokens
 
 
-def test_tp2_allowed_token_ids_tokens_equal_tp1(cluster, tiny_models):
+def test_tp2_allowed_token_ids_tokens_equal_tp1(tp2, tiny_models):
     """Every rank restricts the same rows to the same ids: the TP=2 tokens, greedy and sampled,
     are TP=1's, and only allowed ids come out."""
     model = tiny_models("llama")
@@ -108,9 +101,9 @@ def test_tp2_allowed_token_ids_tokens_equal_tp1(cluster, tiny_models):
                  for sp, ids in zip(samplings, allowed)]
     llm = LLM(model, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, **LIMITS)
     expected = [c.token_ids for c in llm.generate(prompts, samplings, stoppings)]
-    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        assert client.init(cluster.spec(model, verify_symmetry=True)).tp_size == 2, cluster.logs()
+        assert client.init(tp2.spec(model, verify_symmetry=True)).tp_size == 2, tp2.logs()
         core = make_core(model, client)
         eos = ModelInfo.from_dir(model).eos_token_ids
         tokens = {}
@@ -123,7 +116,7 @@ def test_tp2_allowed_token_ids_tokens_equal_tp1(cluster, tiny_models):
             for out in core.step():
                 tokens[out.request_id].extend(out.new_token_ids)
     except Exception:
-        print(cluster.logs())
+        print(tp2.logs())
         raise
     finally:
         client.close()
@@ -149,7 +142,7 @@ def _run_with_failures(core, model_dir, prompts, samplings, stoppings, constrain
     return [tokens[f"r{i}"] for i in range(len(prompts))], errors
 
 
-def test_tp2_a_grammar_failing_on_the_ranks_fails_that_request_alone(cluster, tiny_models):
+def test_tp2_a_grammar_failing_on_the_ranks_fails_that_request_alone(tp2, tiny_models):
     """Every rank decides a grammar failure alike (here: a regex of digits whose request allows
     only a letter): under symmetry checks the ranks agree, the request fails with its error, and
     the others get TP=1's tokens."""
@@ -164,13 +157,13 @@ def test_tp2_a_grammar_failing_on_the_ranks_fails_that_request_alone(cluster, ti
                                                    stoppings, constraints)
     assert list(expected_errors) == ["r2"] and "allowed_token_ids and its grammar" in \
         expected_errors["r2"]
-    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        assert client.init(cluster.spec(model, verify_symmetry=True)).tp_size == 2, cluster.logs()
+        assert client.init(tp2.spec(model, verify_symmetry=True)).tp_size == 2, tp2.logs()
         tokens, errors = _run_with_failures(make_core(model, client), model, prompts, samplings,
                                             stoppings, constraints)
     except Exception:
-        print(cluster.logs())
+        print(tp2.logs())
         raise
     finally:
         client.close()

@@ -57,14 +57,6 @@ def model_dir(tiny_models) -> str:
     return tiny_models("qwen3")
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    """One worker service with 2 local ranks."""
-    c = Cluster.start(tmp_path_factory.mktemp("tp2"), nodes=1, local_ranks=2)
-    yield c
-    c.close()
-
-
 def test_verify_symmetry_is_silent_on_a_mixed_workload(tp2, model_dir):
     work = mixed_workload()
     client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)

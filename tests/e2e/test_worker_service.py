@@ -21,7 +21,7 @@ from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from engine_common.security.stream_key import stream_key_metadata
 from tests.support.grpc_harness import wait_stopped
-from tests.support.init_specs import init_spec
+from tests.support.init_specs import init_request, init_spec
 from tests.support.paths import REPO
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [2, 71, 82, 81]]
@@ -171,9 +171,10 @@ def test_init_and_steps_match_in_process_runner(client, model_dir):
 def test_step_gap_wrong_epoch_and_bad_payload(client, shared_worker, model_dir):
     epoch = client.init(_spec(model_dir)).epoch + 1
     client.close()
-    # The test drives the worker itself: a Reset as the owner tells it the epoch's stream key.
-    key = _stub(shared_worker.address).Reset(worker_pb2.ResetRequest(
-        epoch=epoch, scheduler_id=client.scheduler_id)).stream_key
+    # The test drives the worker itself: its own Init (the same settings: the model stays)
+    # tells it the epoch's stream key.
+    key = _stub(shared_worker.address).Init(
+        init_request(_spec(model_dir), epoch, client.scheduler_id)).stream_key
     step0 = encode_scheduler_output(_diffs()[0])
     step1 = encode_scheduler_output(_diffs()[1])
     cases = [  # (requests, StepError code, stream status)
@@ -198,14 +199,20 @@ def test_step_gap_wrong_epoch_and_bad_payload(client, shared_worker, model_dir):
                                [worker_pb2.StepRequest(epoch=epoch, step=1, payload=step1)], key)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "Reset" in err.details()
 
-    # Only the owner resets, to a higher epoch.
+    # Only the owner resets, to a higher epoch, presenting the epoch's stream key.
     for scheduler_id, new_epoch in (("someone-else", epoch + 1), (client.scheduler_id, epoch)):
         with pytest.raises(grpc.RpcError) as refused:
             _stub(shared_worker.address).Reset(
-                worker_pb2.ResetRequest(epoch=new_epoch, scheduler_id=scheduler_id))
+                worker_pb2.ResetRequest(epoch=new_epoch, scheduler_id=scheduler_id),
+                metadata=stream_key_metadata(key))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as refused:     # the owner's id, no key
+        _stub(shared_worker.address).Reset(
+            worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id=client.scheduler_id))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     key = _stub(shared_worker.address).Reset(
-        worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id=client.scheduler_id)).stream_key
+        worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id=client.scheduler_id),
+        metadata=stream_key_metadata(key)).stream_key
     responses, err = _raw_step(shared_worker.address, [
         worker_pb2.StepRequest(epoch=epoch + 1, step=0, payload=step0),
         worker_pb2.StepRequest(epoch=epoch + 1, step=1, payload=b"\xc1 not msgpack")], key)

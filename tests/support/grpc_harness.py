@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -165,13 +166,15 @@ def wait_ready(target: str, procs: list[Proc], timeout: float = 90.0) -> None:
 
 
 @contextlib.contextmanager
-def scheduler_and_worker(model_dir: str, log_dir: Path):
-    """A CPU worker and a scheduler serving `model_dir` over loopback, both ready; yields the
-    scheduler's target and [worker, scheduler]; kills both after."""
+def scheduler_and_worker(model_dir: str, log_dir: Path, scheduler_args: Sequence[str] = (),
+                         worker_args: Sequence[str] = ()):
+    """A CPU worker and a scheduler serving `model_dir` over loopback (each with its extra
+    command-line flags), both ready; yields the scheduler's target and [worker, scheduler];
+    kills both after."""
     procs = Processes(log_dir)
     w_port, s_port = free_port(), free_port()
-    worker = procs.worker(w_port)
-    sched = procs.scheduler(model_dir, [w_port], s_port)
+    worker = procs.worker(w_port, *worker_args)
+    sched = procs.scheduler(model_dir, [w_port], s_port, *scheduler_args)
     try:
         wait_ready(f"127.0.0.1:{s_port}", [worker, sched])
         yield f"127.0.0.1:{s_port}", [worker, sched]

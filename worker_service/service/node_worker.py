@@ -6,7 +6,7 @@ RankGroup of rank processes (tp_size > 1). The rules enforced here:
 
 - One scheduler at a time (fencing.py): Init must carry an epoch above every epoch accepted
   before; a higher one from another scheduler takes the worker over, and the displaced
-  scheduler's steps fail STALE_EPOCH. Reset is the owner's only.
+  scheduler's steps fail STALE_EPOCH. Reset is the owner's only, with the epoch's stream key.
 - An Init interrupts one in progress only with a higher epoch (an equal or lower one is refused
   SUPERSEDED: two schedulers must not abort each other's loads in turn forever).
 - A refused Init changes nothing (init_checks.py runs before the model is touched): the loaded
@@ -166,16 +166,16 @@ class NodeWorker:
             self._start_epoch(epoch)
             return outcome
 
-    def reset(self, epoch: int, owner: str = "") -> int:
-        """Start `epoch` (the owner's only, a higher one); drop every cached request. Returns
-        how many were dropped."""
-        self.fence.check_reset(epoch, owner)
+    def reset(self, epoch: int, owner: str, key: bytes | None) -> int:
+        """Start `epoch` (the owner's only, a higher one, presenting the current epoch's stream
+        `key`); drop every cached request. Returns how many were dropped."""
+        self._check_reset(epoch, owner, key)
         with self._claims:   # a takeover's load in progress is not the owner's to interrupt
             self._check_claim(epoch, any_init=True)
-            self.fence.check_reset(epoch, owner)
+            self._check_reset(epoch, owner, key)
             self.ranks.interrupt()
         with self._lock:
-            self.fence.check_reset(epoch, owner)
+            self._check_reset(epoch, owner, key)
             self._drop_held()
             try:
                 dropped = self.ranks.drop_requests()
@@ -189,6 +189,12 @@ class NodeWorker:
             self.fence.take(epoch, owner)
             self._start_epoch(epoch)
             return dropped
+
+    def _check_reset(self, epoch: int, owner: str, key: bytes | None) -> None:
+        """The fence first (a displaced owner learns STALE_EPOCH, as from a step), then the key:
+        the owner's id is public (Info), the key only its Init's or Reset's caller knows."""
+        self.fence.check_reset(epoch, owner)
+        self.streams.check_reset(key)
 
     def close(self) -> None:
         """Release processes and shared memory (the service is stopping)."""

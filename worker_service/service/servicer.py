@@ -10,8 +10,9 @@ set, then the stream is closed with a status (the response is skipped only for S
     no or a wrong credential (auth.py)        (no response)         UNAUTHENTICATED
     a client certificate not named by
       --worker-tls-allowed-clients            (no response)         PERMISSION_DENIED
-    no or a wrong stream key (at the open),
-      a stream older than the epoch           (no response)         PERMISSION_DENIED
+    no or a wrong stream key (at the open;
+      a Reset's too), a stream older than
+      the epoch                               (no response)         PERMISSION_DENIED
     not initialized (no Init yet)             EPOCH_MISMATCH        FAILED_PRECONDITION
     an epoch older than the worker's          STALE_EPOCH           FAILED_PRECONDITION
     StepRequest.epoch != current epoch        EPOCH_MISMATCH        FAILED_PRECONDITION
@@ -126,11 +127,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         # The epoch's key, checked before any message is read (stream_keys.py).
-        key = dict(context.invocation_metadata() or ()).get(STREAM_KEY_METADATA)
         try:
-            stream_id = self.worker.open_stream(key if isinstance(key, bytes) else None)
+            stream_id = self.worker.open_stream(_stream_key(context))
         except Exception as e:  # noqa: BLE001 - NOT_ALLOWED: no response, only the status
-            _log_key_refusal(context)
+            _log_key_refusal(context, "Step stream")
             context.abort(FAILURES[as_failure(e).kind][1], clip(str(e), MAX_STATUS_CHARS))
         try:
             yield from self._steps(stream_id, request_iterator, context)
@@ -172,10 +172,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Reset(self, request, context):
         try:
-            dropped = self.worker.reset(request.epoch, request.scheduler_id)
+            dropped = self.worker.reset(request.epoch, request.scheduler_id,
+                                        _stream_key(context))
         except Exception as e:
             failure = as_failure(e)
-            if failure.kind in (FailureKind.STALE_EPOCH, FailureKind.SUPERSEDED):
+            if failure.kind == FailureKind.NOT_ALLOWED:
+                _log_key_refusal(context, "Reset")
+            elif failure.kind in (FailureKind.STALE_EPOCH, FailureKind.SUPERSEDED):
                 log.warning("Reset refused: %s", failure)
             else:
                 log.exception("Reset failed")
@@ -215,11 +218,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 _KEY_REFUSALS = LogLimit(10.0)    # a holder of the token repeats them at will
 
 
-def _log_key_refusal(context) -> None:
+def _stream_key(context) -> bytes | None:
+    """The epoch's stream key a Step stream or Reset presents (stream_keys.py), if any."""
+    key = dict(context.invocation_metadata() or ()).get(STREAM_KEY_METADATA)
+    return key if isinstance(key, bytes) else None
+
+
+def _log_key_refusal(context, call: str) -> None:
     skipped = _KEY_REFUSALS.take()
     if skipped is not None:
-        log.warning("refused a Step stream from %s: no or a wrong stream key (and %d other "
-                    "such refusals since the last such line)", ascii(context.peer())[:80],
+        log.warning("refused a %s from %s: no or a wrong stream key (and %d other such "
+                    "refusals since the last such line)", call, ascii(context.peer())[:80],
                     skipped)
 
 

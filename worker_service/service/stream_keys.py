@@ -13,6 +13,10 @@ orphan grace presents the same key and takes over as before.
 A stream opened before the epoch began (with the previous epoch's key) cannot step in it: the
 scheduler opens new streams after every Init and Reset.
 
+A Reset presents the current key too (the same metadata): the token holder could read the
+owner's id from Info and Reset the owner's epoch with it, wiping its cache at will. Only Init at a
+higher epoch takes a worker over without the key (fencing.py: a restarted scheduler holds none).
+
 The rank ring (ranks/shm_ring.py) needs no key: only the service process writes it, after a step
 was admitted here, and its shared memory is the worker's own (mode 0600, a random name). Each
 node of a group has its own key (its own Init); the scheduler holds one per node.
@@ -53,11 +57,20 @@ class StreamKeys:
         """A new stream's id, when `key` is the current epoch's (compared in constant time);
         else StepFailure NOT_ALLOWED, and nothing changes."""
         with self._lock:
-            keyed = self._keyed
-            if not key or keyed is None or not hmac.compare_digest(key, keyed[1]):
-                raise StepFailure(FailureKind.NOT_ALLOWED, _refusal(key, keyed))
+            self._check(key, "Step stream")
             self._opened += 1
             return self._opened
+
+    def check_reset(self, key: bytes | None) -> None:
+        """StepFailure NOT_ALLOWED unless `key` is the current epoch's: a Reset is its caller's
+        only, not any holder of the token who read the owner's id from Info."""
+        with self._lock:
+            self._check(key, "Reset")
+
+    def _check(self, key: bytes | None, call: str) -> None:
+        keyed = self._keyed
+        if not key or keyed is None or not hmac.compare_digest(key, keyed[1]):
+            raise StepFailure(FailureKind.NOT_ALLOWED, _refusal(call, key, keyed))
 
     def check_step(self, stream_id: int, epoch: int) -> None:
         """NOT_ALLOWED for a stream opened before `epoch` (the current one) began."""
@@ -68,12 +81,14 @@ class StreamKeys:
                               "a new one with the key its Init or Reset returned")
 
 
-def _refusal(key: bytes | None, keyed: tuple[int, bytes] | None) -> str:
-    """Why a stream is refused; never a key, nor how close a wrong one came."""
+def _refusal(call: str, key: bytes | None, keyed: tuple[int, bytes] | None) -> str:
+    """Why `call` (a Step stream, a Reset) is refused; never a key, nor how close a wrong one
+    came."""
     if keyed is None:
-        return ("Step stream refused: the worker has no epoch yet (Init returns the epoch's "
-                f"stream key, which every Step stream presents as `{STREAM_KEY_METADATA}`)")
+        return (f"{call} refused: the worker has no epoch yet (Init returns the epoch's "
+                f"stream key, which every Step stream and Reset presents as "
+                f"`{STREAM_KEY_METADATA}`)")
     what = "carries no" if not key else "carries the wrong"
-    return (f"Step stream refused: it {what} stream key (metadata `{STREAM_KEY_METADATA}`); "
-            "every stream presents the key returned by the Init or Reset that started the "
-            "current epoch, and only its caller has it")
+    return (f"{call} refused: it {what} stream key (metadata `{STREAM_KEY_METADATA}`); "
+            "every Step stream and Reset presents the key returned by the Init or Reset that "
+            "started the current epoch, and only its caller has it")

@@ -13,7 +13,7 @@ from engine_common.configuration.settings import from_args, to_flags
 from worker_service.config import NodeLayout
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.orphan_watch import ORPHAN_GRACE_S
-from tests.unit.worker_service.service.test_node_worker import FakeRanks, _config
+from tests.support.fake_ranks import FakeRanks, runner_config
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "3600.5", "nan"])
@@ -41,7 +41,7 @@ def test_the_grace_is_what_the_orphan_watch_waits(tiny_models):
     delays: list[float] = []
     w = NodeWorker(FakeRanks(), NodeLayout(), orphan_grace_s=5.0)
     w.orphans.call_later = lambda delay_s, fn: delays.append(delay_s)
-    w.init(_config(tiny_models("qwen3")), NodeLayout(), epoch=1, owner="A")
+    w.init(runner_config(tiny_models("qwen3")), NodeLayout(), epoch=1, owner="A")
     stream = w.open_stream(w.stream_key(1))
     w.step(stream, 1, 0, b"")
     w.stream_ended(stream)

@@ -1,6 +1,7 @@
 """A step refused STALE_EPOCH means another scheduler took the worker over only when the worker
-says so; a Reset of this scheduler's own epoch from elsewhere (an operator's grpcurl with the
-owner's id from Info) is a failed step, not a takeover.
+says so; a new epoch under this scheduler's own id from elsewhere (an operator's grpcurl Init
+with the owner's id from Info; a Reset needs the epoch's stream key since session 41) is a failed
+step, not a takeover.
 
 The client raised Fenced on every STALE_EPOCH: the engine then failed every stream with "another
 scheduler took the workers over", turned NOT_SERVING and never built a core again, although no

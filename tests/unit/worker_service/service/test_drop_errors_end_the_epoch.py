@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from worker_service.failures import FailureKind
 from worker_service.service.node_worker import NodeWorker
-from tests.unit.worker_service.service.test_node_worker import (LAYOUT, FakeRanks, _config,
-                                                               _refused, model_dir)
+from tests.support.fake_ranks import LAYOUT, FakeRanks, runner_config
+from tests.unit.worker_service.service.test_node_worker import _refused, model_dir
 
 __all__ = ["model_dir"]     # the fixture, used by name
 
@@ -25,7 +25,7 @@ def _worker(model_dir: str) -> tuple[NodeWorker, FakeRanks, list]:
     w = NodeWorker(ranks, LAYOUT)
     timers: list = []
     w.orphans.call_later = lambda delay_s, fn: timers.append(fn)
-    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=1, owner="A")
     return w, ranks, timers
 
 
@@ -34,7 +34,7 @@ def test_a_reset_whose_drop_raises_ends_the_epoch(model_dir):
     stream = w.open_stream(w.stream_key(w.epoch))
     w.step(stream, 1, 0, b"")
     ranks.drop_requests = _cuda_error
-    _refused(lambda: w.reset(2, "A"), RuntimeError, "illegal memory access")
+    _refused(lambda: w.reset(2, "A", w.stream_key(1)), RuntimeError, "illegal memory access")
     assert (w.fence.epoch, w.fence.owner) == (1, "A")
     _refused(lambda: w.step(stream, 1, 1, b""), FailureKind.EPOCH_FAILED,
              "a Reset to epoch 2 failed: RuntimeError: CUDA error")

@@ -56,7 +56,7 @@ class Worker:
     def reset(self, owner: str) -> int:
         self.epoch += 1
         reply = self.stub.Reset(worker_pb2.ResetRequest(epoch=self.epoch, scheduler_id=owner),
-                                timeout=60, metadata=bearer(TOKEN))
+                                timeout=60, metadata=keyed(TOKEN, self.key))
         self.key = reply.stream_key
         return reply.num_dropped_requests
 

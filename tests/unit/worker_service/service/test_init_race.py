@@ -19,7 +19,8 @@ from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.service import node_worker
 from worker_service.service.node_worker import NodeWorker
-from tests.unit.worker_service.service.test_node_worker import FakeRanks, SlowLoadRanks
+from tests.support.fake_ranks import FakeRanks
+from tests.unit.worker_service.service.test_node_worker import SlowLoadRanks
 
 LAYOUT = NodeLayout()
 
@@ -50,14 +51,14 @@ class StickyInterruptRanks(FakeRanks):
         return super().run_step(payload, verify, output_rank)
 
 
-def _config(model_dir: str) -> RunnerConfig:
+def runner_config(model_dir: str) -> RunnerConfig:
     return RunnerConfig(model_dir=model_dir, max_model_len=64, block_size=4, max_num_seqs=4,
                         max_num_batched_tokens=64)
 
 
 def test_an_init_found_stale_after_its_checks_leaves_the_new_owner_running(tiny_models,
                                                                             monkeypatch):
-    config = _config(tiny_models("qwen3"))
+    config = runner_config(tiny_models("qwen3"))
     ranks = StickyInterruptRanks()
     w = NodeWorker(ranks, LAYOUT)
     w.init(config, LAYOUT, epoch=1, owner="A")
@@ -84,14 +85,15 @@ def test_an_init_found_stale_after_its_checks_leaves_the_new_owner_running(tiny_
 
 
 def test_a_reset_refused_as_stale_does_not_interrupt(tiny_models):
-    config = _config(tiny_models("qwen3"))
+    config = runner_config(tiny_models("qwen3"))
     ranks = StickyInterruptRanks()
     w = NodeWorker(ranks, LAYOUT)
     w.init(config, LAYOUT, epoch=1, owner="A")
+    a_key = w.stream_key(1)
     w.init(config, LAYOUT, epoch=2, owner="B")
     interrupts_before = ranks.interrupts
     with pytest.raises(StepFailure, match="scheduler A does not own"):
-        w.reset(3, "A")
+        w.reset(3, "A", a_key)
     assert ranks.interrupts == interrupts_before
     assert w.step(w.open_stream(w.stream_key(w.epoch)), 2, 0, b"").payload == b"ok"
 
@@ -100,11 +102,12 @@ def test_the_owners_reset_does_not_interrupt_a_takeover_in_progress(tiny_models)
     """A (the owner) resets after a late step while B's Init is loading: the Reset interrupted
     B's load (B failed and retried, as in the livelock the claims end). It is refused
     SUPERSEDED instead; B's load completes and A is then fenced."""
-    config = _config(tiny_models("qwen3"))
+    config = runner_config(tiny_models("qwen3"))
     ranks = SlowLoadRanks()
     w = NodeWorker(ranks, LAYOUT)
     ranks.release.set()
     w.init(config, LAYOUT, epoch=1, owner="A")
+    a_key = w.stream_key(1)
     ranks.release.clear()
     ranks.loading.clear()
     took_over: list = []
@@ -115,11 +118,11 @@ def test_the_owners_reset_does_not_interrupt_a_takeover_in_progress(tiny_models)
     interrupts = ranks.interrupts
     for epoch in (2, 3):
         with pytest.raises(StepFailure, match="an Init of epoch 2 .*is in progress") as refused:
-            w.reset(epoch, "A")
+            w.reset(epoch, "A", a_key)
         assert refused.value.kind == FailureKind.SUPERSEDED
     assert ranks.interrupts == interrupts
     ranks.release.set()
     newer.join(30)
     assert took_over and (w.fence.epoch, w.fence.owner, w.epoch) == (2, "B", 2)
     with pytest.raises(StepFailure, match="scheduler A does not own"):
-        w.reset(3, "A")
+        w.reset(3, "A", a_key)

@@ -8,63 +8,15 @@ import threading
 
 import pytest
 
-from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit, FailureKind, StepFailure, as_failure
-from worker_service.ranks.rank_api import InitOutcome, StepReply
 from worker_service.service.init_checks import InitGuards
 from worker_service.service.node_worker import NodeWorker
-
-LAYOUT = NodeLayout()
-
-
-class FakeRanks:
-    """Counts loads and interrupts; every step answers b"ok"."""
-
-    device = "cpu"
-    group_id = ""
-
-    def __init__(self):
-        self.num_model_loads = 0
-        self.interrupts = 0
-        self.loaded: RunnerConfig | None = None
-        self.steps = 0
-
-    def load(self, config, layout):
-        self.num_model_loads += 1
-        self.loaded = config
-        return InitOutcome(num_kv_blocks=8, kv_block_bytes=64, model_reloaded=True)
-
-    def drop_requests(self):
-        return 0
-
-    def run_step(self, payload, verify, output_rank):
-        self.steps += 1
-        return StepReply(b"ok")
-
-    def interrupt(self):
-        self.interrupts += 1
-
-    def readiness(self):
-        return (self.loaded is not None, "" if self.loaded else "not initialized")
-
-    def set_failure_listener(self, listener):
-        pass
-
-    def describe_devices(self):
-        return []
-
-    def model_summary(self):
-        return None
-
+from tests.support.fake_ranks import LAYOUT, FakeRanks, runner_config
 
 @pytest.fixture
 def model_dir(tiny_models) -> str:
     return tiny_models("qwen3")
-
-
-def _config(model_dir: str, **fields) -> RunnerConfig:
-    limits = dict(max_model_len=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
-    return RunnerConfig(model_dir=model_dir, **{**limits, **fields})
 
 
 def _state(w: NodeWorker, ranks: FakeRanks) -> tuple:
@@ -84,25 +36,25 @@ def test_a_refused_init_leaves_model_epoch_and_owner_as_they_were(model_dir, tmp
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT, InitGuards(model_root=os.path.dirname(model_dir),
                                              max_message_bytes=4 << 20))
-    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=5, owner="A")
     before = _state(w, ranks)
     outside = tmp_path / "outside"
     outside.mkdir()
     (tmp_path / "link").symlink_to(outside)
     refusals = [
-        (_config(model_dir), 5, StepFailure, "epoch 5 is stale: the worker's epoch is 5 "
+        (runner_config(model_dir), 5, StepFailure, "epoch 5 is stale: the worker's epoch is 5 "
                                              r"\(scheduler A\)"),
-        (_config(model_dir), 3, StepFailure, "epoch 3 is stale"),
-        (_config(model_dir), 5 + (1 << 32) + 1, StepFailure,
+        (runner_config(model_dir), 3, StepFailure, "epoch 3 is stale"),
+        (runner_config(model_dir), 5 + (1 << 32) + 1, StepFailure,
          r"epoch=4294967302 is invalid: must be in \[6, 4294967301\]"),
-        (_config(model_dir), (1 << 64) - 1, StepFailure, "an epoch climbs at most 4294967296"),
-        (_config("/etc"), 9, ValueError, "must be under this worker's --model-root"),
-        (_config(str(tmp_path / "link")), 9, ValueError, "--model-root"),
-        (_config(model_dir + "/../missing"), 9, ValueError, "does not exist"),
-        (_config(model_dir, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048),
+        (runner_config(model_dir), (1 << 64) - 1, StepFailure, "an epoch climbs at most 4294967296"),
+        (runner_config("/etc"), 9, ValueError, "must be under this worker's --model-root"),
+        (runner_config(str(tmp_path / "link")), 9, ValueError, "--model-root"),
+        (runner_config(model_dir + "/../missing"), 9, ValueError, "does not exist"),
+        (runner_config(model_dir, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048),
          9, ValueError, "a step diff may take .* MiB, more than this worker's "
                         "--max-message-mib 4"),
-        (_config(model_dir, attention_backend="flash_attn"), 9,
+        (runner_config(model_dir, attention_backend="flash_attn"), 9,
          (ValueError, NotImplementedError), "flash_attn"),
         (RunnerConfig(model_dir=model_dir, max_model_len=10**6), 9, ValueError,
          "max_position_embeddings"),
@@ -131,10 +83,10 @@ def _huge_model(model_dir: str, path) -> str:
 def test_what_cannot_fit_the_machine_is_refused_before_anything_changes(model_dir, tmp_path):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
-    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=5, owner="A")
     before = _state(w, ranks)
-    cases = [(_config(model_dir, kv_cache_bytes=2**62), r"KV cache 4294967296\.00 GiB"),
-             (_config(_huge_model(model_dir, tmp_path / "huge")), r"weights need about \d{3,}")]
+    cases = [(runner_config(model_dir, kv_cache_bytes=2**62), r"KV cache 4294967296\.00 GiB"),
+             (runner_config(_huge_model(model_dir, tmp_path / "huge")), r"weights need about \d{3,}")]
     for config, match in cases:
         _refused(lambda: w.init(config, LAYOUT, epoch=9, owner="B"), DoesNotFit,
                  match + r".* more than this machine's [\d.]+ GiB of memory")
@@ -158,15 +110,16 @@ def test_an_overlong_scheduler_id_is_refused_before_anything_changes(model_dir):
     """One credential holder's megabyte-long id would be stored and logged with every status."""
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
-    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=5, owner="A")
     before = _state(w, ranks)
     long_id = "x" * 257
-    _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=6, owner=long_id), StepFailure,
+    _refused(lambda: w.init(runner_config(model_dir), LAYOUT, epoch=6, owner=long_id), StepFailure,
              "scheduler_id of 257 characters is invalid: must be at most 256")
     assert _state(w, ranks) == before
-    _refused(lambda: w.reset(6, long_id), StepFailure, "scheduler_id of 257 characters")
+    _refused(lambda: w.reset(6, long_id, w.stream_key(5)), StepFailure,
+             "scheduler_id of 257 characters")
     assert _state(w, ranks) == before
-    w.init(_config(model_dir), LAYOUT, epoch=6, owner="y" * 256)      # the limit itself is fine
+    w.init(runner_config(model_dir), LAYOUT, epoch=6, owner="y" * 256)      # the limit itself is fine
     assert w.fence.owner == "y" * 256
 
 
@@ -174,13 +127,13 @@ def test_a_failed_load_leaves_the_epoch_and_owner_as_they_were(model_dir):
     """Issue 23: the epoch and owner changed before the load, which then failed."""
     ranks = FailingRanks()
     w = NodeWorker(ranks, LAYOUT)
-    w.init(_config(model_dir), LAYOUT, epoch=5, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=5, owner="A")
     ranks.fail = True
     with pytest.raises(RuntimeError, match="checkpoint truncated"):
-        w.init(_config(model_dir, dtype="bfloat16"), LAYOUT, epoch=9, owner="B")
+        w.init(runner_config(model_dir, dtype="bfloat16"), LAYOUT, epoch=9, owner="B")
     assert (w.fence.epoch, w.fence.owner, w.epoch) == (5, "A", None)
     ranks.fail = False
-    w.init(_config(model_dir), LAYOUT, epoch=6, owner="A")     # the owner takes it back
+    w.init(runner_config(model_dir), LAYOUT, epoch=6, owner="A")     # the owner takes it back
     assert (w.fence.epoch, w.fence.owner, w.epoch) == (6, "A", 6)
 
 
@@ -195,24 +148,27 @@ def test_a_batch_too_big_for_memory_is_refused_before_anything_changes(model_dir
 def test_a_higher_epoch_takes_over_and_the_old_owner_is_fenced(model_dir):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
-    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
-    a = w.open_stream(w.stream_key(w.epoch))
+    w.init(runner_config(model_dir), LAYOUT, epoch=1, owner="A")
+    a_key = w.stream_key(1)
+    a = w.open_stream(a_key)
     w.step(a, 1, 0, b"")
-    w.init(_config(model_dir), LAYOUT, epoch=2, owner="B")
+    w.init(runner_config(model_dir), LAYOUT, epoch=2, owner="B")
     assert (w.fence.epoch, w.fence.owner) == (2, "B")
     _refused(lambda: w.step(a, 1, 1, b""), FailureKind.STALE_EPOCH,
              r"step 1 carries epoch 1, which is stale: the worker's epoch is 2 \(scheduler B\)")
-    _refused(lambda: w.reset(3, "A"), FailureKind.STALE_EPOCH, "scheduler A does not own")
+    _refused(lambda: w.reset(3, "A", a_key), FailureKind.STALE_EPOCH,
+             "scheduler A does not own")
     b = w.open_stream(w.stream_key(w.epoch))
     assert w.step(b, 2, 0, b"").payload == b"ok"
-    assert w.reset(3, "B") == 0 and w.epoch == 3
-    _refused(lambda: w.reset(3, "B"), FailureKind.STALE_EPOCH, "epoch 3 is stale")
+    assert w.reset(3, "B", w.stream_key(2)) == 0 and w.epoch == 3
+    _refused(lambda: w.reset(3, "B", w.stream_key(3)), FailureKind.STALE_EPOCH,
+             "epoch 3 is stale")
 
 
 def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
-    w.init(_config(model_dir), LAYOUT, epoch=7, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=7, owner="A")
     owner = w.open_stream(w.stream_key(w.epoch))
     w.step(owner, 7, 0, b"")
     for epoch, step, kind in ((8, 0, FailureKind.EPOCH_MISMATCH),
@@ -232,7 +188,7 @@ def test_a_new_stream_supersedes_only_with_the_current_epoch(model_dir):
 
 def test_reset_before_any_init_is_refused():
     w = NodeWorker(FakeRanks(), LAYOUT)
-    _refused(lambda: w.reset(1, ""), FailureKind.STALE_EPOCH, "does not own")
+    _refused(lambda: w.reset(1, "", None), FailureKind.STALE_EPOCH, "does not own")
 
 
 class SlowLoadRanks(FakeRanks):
@@ -272,23 +228,23 @@ def test_an_init_no_newer_than_one_in_progress_does_not_interrupt_it(model_dir):
     ranks = SlowLoadRanks()
     w = NodeWorker(ranks, LAYOUT)
     ranks.release.set()
-    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=1, owner="A")
     ranks.release.clear()
     ranks.loading.clear()
     took_over: list = []
     newer = threading.Thread(target=lambda: took_over.append(
-        w.init(_config(model_dir), LAYOUT, epoch=2, owner="B")))
+        w.init(runner_config(model_dir), LAYOUT, epoch=2, owner="B")))
     newer.start()
     assert ranks.loading.wait(30)
     interrupts = ranks.interrupts
-    _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=2, owner="A"),
+    _refused(lambda: w.init(runner_config(model_dir), LAYOUT, epoch=2, owner="A"),
              FailureKind.SUPERSEDED, "an Init of epoch 2 .*is in progress")
     assert ranks.interrupts == interrupts
     ranks.release.set()
     newer.join(30)
     assert took_over and (w.fence.epoch, w.fence.owner, w.epoch) == (2, "B", 2)
     # A learns it was taken over: its next Init is stale.
-    _refused(lambda: w.init(_config(model_dir), LAYOUT, epoch=2, owner="A"),
+    _refused(lambda: w.init(runner_config(model_dir), LAYOUT, epoch=2, owner="A"),
              FailureKind.STALE_EPOCH, "epoch 2 is stale")
 
 
@@ -298,12 +254,12 @@ def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
     scheduler took that for a takeover and stopped for good."""
     ranks = FakeRanks()
     w = NodeWorker(ranks, LAYOUT)
-    w.init(_config(model_dir), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(model_dir), LAYOUT, epoch=1, owner="A")
 
     def dead():
         raise StepFailure(FailureKind.RANK_FAILED, "rank 1 was killed by signal 9")
     ranks.drop_requests = dead
-    _refused(lambda: w.reset(2, "A"), FailureKind.RANK_FAILED, "killed")
+    _refused(lambda: w.reset(2, "A", w.stream_key(1)), FailureKind.RANK_FAILED, "killed")
     assert (w.fence.epoch, w.fence.owner) == (1, "A")
     # The epoch the Reset failed in is over (the ranks may have dropped some requests):
     # a clear failure that asks for Init, not a takeover.

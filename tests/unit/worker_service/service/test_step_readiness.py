@@ -11,45 +11,31 @@ from engine_common.wire.protos import worker_pb2
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.failures import FailureKind, StepFailure
 from engine_common.security.stream_key import STREAM_KEY_METADATA
-from worker_service.ranks.rank_api import InitOutcome
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.servicer import WorkerServicer
+from tests.support.fake_ranks import FakeRanks
 
 
-class _OutOfStepRanks:
+class _OutOfStepRanks(FakeRanks):
     """Loads at once; every step fails INTERNAL and leaves the ranks out of step (as RankSet
     marks itself dirty)."""
 
-    device = "cpu"
-    group_id = ""
-
     def __init__(self):
-        self.loaded = self.dirty = False
+        super().__init__()
+        self.dirty = False
 
     def load(self, config, layout):
-        self.loaded, self.dirty = True, False
-        return InitOutcome(num_kv_blocks=8, kv_block_bytes=64, model_reloaded=True)
+        self.dirty = False
+        return super().load(config, layout)
 
     def run_step(self, payload, verify, output_rank):
         self.dirty = True
         raise StepFailure(FailureKind.INTERNAL, "rank 1: the collective failed")
 
-    def interrupt(self):
-        pass
-
     def readiness(self):
         if not self.loaded:
             return False, "not initialized"
         return (False, "the ranks are out of step") if self.dirty else (True, "")
-
-    def set_failure_listener(self, listener):
-        pass
-
-    def describe_devices(self):
-        return []
-
-    def model_summary(self):
-        return None
 
 
 class _Aborted(Exception):

@@ -4,7 +4,8 @@ read the owner's epoch from Info, opened a Step stream of it and learnt the next
 from STEP_GAP; its first step superseded the owner's stream and ran the owner's requests, its
 reply carrying the owner's next tokens. Now a Step stream must present the key only the Init's
 caller got: an impostor's stream is refused PERMISSION_DENIED when it opens, supersedes nothing
-and learns nothing. A real worker service on loopback with the tiny model."""
+and learns nothing; so is its Reset with the owner's id from Info, which used to wipe the owner's
+cache. A real worker service on loopback with the tiny model."""
 from __future__ import annotations
 
 import queue
@@ -116,13 +117,43 @@ def test_the_owners_reconnect_within_the_grace_keeps_every_request(worker, serve
     assert len(server.node_worker.ranks.runner.requests) == 2
 
 
-def test_a_reset_voids_the_last_key(worker):
+@pytest.mark.parametrize("impostor_key", ["none", "random"])
+def test_an_impostor_with_the_owners_id_cannot_reset_its_epoch(worker, server, impostor_key):
+    """Before, Reset asked only for the owner's id, which Info publishes: a holder of the token
+    wiped the owner's cache and failed its next step, as often as it liked."""
+    stub, key, epoch = worker
+    owner = Stream(stub, keyed(TOKEN, key))
+    assert len(_tokens(owner.step(epoch, PREFILL))) == 2
+    info = stub.Info(worker_pb2.InfoRequest(), timeout=10, metadata=bearer(TOKEN))
+    assert (info.epoch, info.scheduler_id) == (epoch, "owner")
+    guess = secrets.token_bytes(32) if impostor_key == "random" else b""
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Reset(worker_pb2.ResetRequest(epoch=info.epoch + 1, scheduler_id=info.scheduler_id),
+                   timeout=60, metadata=keyed(TOKEN, guess))
+    error = refused.value
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
+    assert error.details().startswith("Reset failed: Reset refused: it carries ")
+    assert "stream key" in error.details() and "deltaserve-stream-key-bin" in error.details()
+    # Nothing changed: the epoch, its owner and key, both cached requests; the owner's stream
+    # runs its next step with both.
+    node = server.node_worker
+    assert (node.fence.epoch, node.fence.owner, node.stream_key(epoch)) == (epoch, "owner", key)
+    assert len(node.ranks.runner.requests) == 2
+    assert len(_tokens(owner.step(epoch, SchedulerOutput(1)))) == 2
+
+
+def test_the_owners_reset_voids_the_last_key(worker):
     stub, key, epoch = worker
     reply = stub.Reset(worker_pb2.ResetRequest(epoch=epoch + 1, scheduler_id="owner"),
-                       timeout=60, metadata=bearer(TOKEN))
+                       timeout=60, metadata=keyed(TOKEN, key))
     assert reply.stream_key not in (b"", key)
     old = _refused(Stream(stub, keyed(TOKEN, key)), epoch + 1, 0)
     assert old.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as again:      # nor does the last key Reset again
+        stub.Reset(worker_pb2.ResetRequest(epoch=epoch + 2, scheduler_id="owner"),
+                   timeout=60, metadata=keyed(TOKEN, key))
+    assert again.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "carries the wrong stream key" in again.value.details()
     assert len(_tokens(Stream(stub, keyed(TOKEN, reply.stream_key)).step(epoch + 1,
                                                                         PREFILL))) == 2
 

@@ -7,7 +7,7 @@ import pytest
 
 from worker_service.failures import FailureKind, StepFailure
 from worker_service.service.node_worker import NodeWorker
-from tests.unit.worker_service.service.test_node_worker import LAYOUT, FakeRanks, _config
+from tests.support.fake_ranks import LAYOUT, FakeRanks, runner_config
 
 
 def _refused(call, match: str) -> StepFailure:
@@ -25,14 +25,14 @@ def test_no_stream_opens_before_the_first_init():
 
 def test_each_epoch_has_its_own_key_and_the_last_one_is_void(tiny_models):
     w = NodeWorker(FakeRanks(), LAYOUT)
-    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
     first = w.stream_key(1)
     assert len(first) == 32
     w.step(w.open_stream(first), 1, 0, b"")
-    w.reset(2, "A")
+    w.reset(2, "A", first)
     second = w.stream_key(2)
     assert w.stream_key(1) == b"" and len(second) == 32 and second != first
-    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=3, owner="B")
+    w.init(runner_config(tiny_models("qwen3")), LAYOUT, epoch=3, owner="B")
     assert w.stream_key(2) == b"" and w.stream_key(3) not in (b"", first, second)
     for key, what in ((first, "the wrong"), (second, "the wrong"), (None, "no"), (b"", "no")):
         failure = _refused(lambda: w.open_stream(key), f"carries {what} stream key")
@@ -42,9 +42,9 @@ def test_each_epoch_has_its_own_key_and_the_last_one_is_void(tiny_models):
 
 def test_a_stream_opened_before_a_reset_cannot_step_in_the_new_epoch(tiny_models):
     w = NodeWorker(FakeRanks(), LAYOUT)
-    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
     early = w.open_stream(w.stream_key(1))
-    w.reset(2, "A")
+    w.reset(2, "A", w.stream_key(1))
     _refused(lambda: w.step(early, 2, 0, b""), "opened before epoch 2 began")
     # Refused without failing the epoch: a stream with the new key steps at step 0.
     assert w.step(w.open_stream(w.stream_key(2)), 2, 0, b"").payload == b"ok"
@@ -58,8 +58,8 @@ def test_a_stream_keyed_by_an_impostors_init_cannot_step_in_the_owners_next_epoc
     """A token holder may Init with the owner's id (Info publishes it) and so hold a key, of an
     epoch scrubbed clean; the owner's next Init starts an epoch that stream cannot step in."""
     w = NodeWorker(FakeRanks(), LAYOUT)
-    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
-    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=2, owner="A")      # the impostor
+    w.init(runner_config(tiny_models("qwen3")), LAYOUT, epoch=1, owner="A")
+    w.init(runner_config(tiny_models("qwen3")), LAYOUT, epoch=2, owner="A")      # the impostor
     impostor = w.open_stream(w.stream_key(2))
-    w.init(_config(tiny_models("qwen3")), LAYOUT, epoch=3, owner="A")      # the owner again
+    w.init(runner_config(tiny_models("qwen3")), LAYOUT, epoch=3, owner="A")      # the owner again
     _refused(lambda: w.step(impostor, 3, 0, b""), "opened before epoch 3 began")

@@ -9,11 +9,11 @@ import sys
 
 from tests.support.fake_nvml import fake_nvml
 from worker_service.config import NodeLayout, RunnerConfig
-from worker_service.ranks.rank_api import (InitOutcome, ModelSummary, RankStepStats,
-                                           StepReply)
+from worker_service.ranks.rank_api import ModelSummary, RankStepStats, StepReply
 from worker_service.ranks.runner_keeper import RunnerKeeper
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.worker_metrics import WorkerMetrics
+from tests.support.fake_ranks import FakeRanks
 
 
 def value(metrics, name, **labels):
@@ -62,19 +62,13 @@ def test_without_nvml_a_cuda_worker_still_scrapes(monkeypatch):
     assert value(metrics, "process_resident_memory_bytes", **labels) > 0
 
 
-class _StatsRanks:
-    """Ranks that load at once and report `cached` requests after every step."""
-
-    device = "cpu"
-    group_id = ""
+class _StatsRanks(FakeRanks):
+    """Ranks that load at once and report `cached` requests after every step; `loaded = False`
+    stands for ranks that died."""
 
     def __init__(self):
-        self.loaded = False
+        super().__init__()
         self.cached = 0
-
-    def load(self, config, layout):
-        self.loaded = True
-        return InitOutcome(num_kv_blocks=8, kv_block_bytes=64, model_reloaded=True)
 
     def drop_requests(self):
         return self.cached
@@ -82,14 +76,8 @@ class _StatsRanks:
     def run_step(self, payload, verify, output_rank):
         return StepReply(b"", None, (RankStepStats(0, 0.01, {}, self.cached),))
 
-    def interrupt(self):
-        pass
-
     def readiness(self):
         return (True, "") if self.loaded else (False, "not initialized")
-
-    def set_failure_listener(self, listener):
-        pass
 
     def model_summary(self):
         return ModelSummary("m", "torch", "float32") if self.loaded else None
@@ -118,7 +106,7 @@ def test_requests_cached_is_not_the_last_epochs_after_init_reset_or_a_rank_death
     assert value(metrics, "requests_cached", **cpu) == 0
     node.step(node.open_stream(node.stream_key(node.epoch)), 2, 0, b"")
     assert value(metrics, "requests_cached", **cpu) == 3
-    node.reset(3, "B")
+    node.reset(3, "B", node.stream_key(2))
     assert value(metrics, "requests_cached", **cpu) == 0
     node.step(node.open_stream(node.stream_key(node.epoch)), 3, 0, b"")
     ranks.loaded = False                                       # the ranks died
