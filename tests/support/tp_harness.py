@@ -162,6 +162,10 @@ class RecordingExecutor:
         self.payloads.append(payload)
         return self.inner.execute(payload)
 
+    def __getattr__(self, name):
+        # Everything else (close() from LLM.__del__, above all) is the wrapped executor's.
+        return getattr(self.inner, name)
+
 
 def scheduler_config() -> SchedulerConfig:
     return SchedulerConfig(block_size=BLOCK_SIZE, **LIMITS)
