@@ -1,13 +1,11 @@
 """Speculative decoding against a real TP=2 layout (one worker service with two rank processes,
 gloo on CPU, symmetry verification on: both ranks must verify the drafts alike every step): the
 tokens equal the TP=1 in-process reference without speculation, drafts are accepted, and the
-workers end holding no request."""
+workers end holding no request. Greedy and sampled requests draft."""
 from __future__ import annotations
 
 import dataclasses
 import json
-
-import pytest
 
 from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.wire.codec import encode_scheduler_output
@@ -16,30 +14,24 @@ from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from engine_common.text.tokenizer import Tokenizer
-from tests.support.tp_harness import (NUM_BLOCKS, Cluster, reference, run_requests,
-                                      scheduler_config)
+from tests.support.tp_harness import NUM_BLOCKS, reference, run_requests, scheduler_config
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                    "prompt_lookup_min": 1})
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster.start(tmp_path_factory.mktemp("spec_tp"), nodes=1, local_ranks=2)
-    yield c
-    c.close()
-
-
-def test_tp2_with_drafts_matches_tp1_without(cluster, tiny_models):
+def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models):
     model = tiny_models("qwen3")      # its greedy output falls into loops: drafts accepted
     prompts = [[5, 17, 99, 42, 7] * 6, [200] * 7, [3, 4, 5, 6] * 5, list(range(40, 70)),
                [9, 8, 7, 9, 8, 7, 100]]
-    samplings = [SamplingParams()] * 4 + [SamplingParams(temperature=0.9, seed=3)]
+    # Greedy and sampled drafts: both ranks draw the same noise for each draft position.
+    samplings = [SamplingParams()] * 3 + [SamplingParams(temperature=0.1, seed=11),
+                                          SamplingParams(temperature=0.9, seed=3)]
     stoppings = [StoppingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
     expected, _ = reference(model, prompts, samplings, stoppings)
-    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        client.init(cluster.spec(model, verify_symmetry=True))
+        client.init(tp2.spec(model, verify_symmetry=True))
         config = dataclasses.replace(scheduler_config(), speculative_config=SPEC)
         core = LLMEngine(EngineCore(Scheduler(config, NUM_BLOCKS), client),
                          OutputProcessor(Tokenizer.from_dir(model)))
@@ -48,7 +40,7 @@ def test_tp2_with_drafts_matches_tp1_without(cluster, tiny_models):
         client.execute(encode_scheduler_output(core.scheduler.schedule()))
         assert client.reset() == 0
     except Exception:
-        print(cluster.logs())
+        print(tp2.logs())
         raise
     finally:
         client.close()

@@ -1,6 +1,7 @@
 """n-gram speculative decoding through the whole in-process engine on the tiny models: greedy
 tokens equal transformers' greedy and speculation off, with chunked prefill, preemption and
-prefix caching; logprobs, stop strings and requests that may not draft, in the same batches."""
+prefix caching; sampled requests draft too and get the tokens of speculation off; logprobs, stop
+strings and requests that may not draft, in the same batches."""
 from __future__ import annotations
 
 import random
@@ -99,9 +100,32 @@ def test_logprobs_of_accepted_tokens(tiny_models):
     assert_no_leaked_blocks(on)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_sampled_requests_draft_and_get_the_tokens_of_speculation_off(tiny_models, arch):
+    """Sampled requests (temperature, top-k, top-p, min-p; low temperatures so that drafts of
+    the random tiny models are sometimes right) draft;
+    each draft is kept or replaced by the draw one-token decoding makes there, so the tokens
+    equal speculation off, with both acceptances and rejections in the run."""
+    model = tiny_models(arch)
+    prompts = _prompts()
+    samplings = [SamplingParams(temperature=0.3, seed=1), SamplingParams(temperature=0.7, seed=2),
+                 SamplingParams(temperature=1.0, top_k=5, seed=3),
+                 SamplingParams(temperature=0.8, top_p=0.7, seed=4),
+                 SamplingParams(temperature=1.0, min_p=0.2, seed=5), SamplingParams(seed=6),
+                 SamplingParams(temperature=0.1, seed=7), SamplingParams(temperature=0.05, seed=8)]
+    st = StoppingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    on, off = _llm(model, True), _llm(model, False)
+    got, want = on.generate(prompts, samplings, st), off.generate(prompts, samplings, st)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = on.scheduler.spec.stats
+    assert stats.num_accepted_tokens > 0, stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens, stats
+    assert_no_leaked_blocks(on)
+
+
 def test_requests_that_do_not_draft_share_the_batch(tiny_models):
-    """Sampled, penalised and top-logprob requests decode one token a step beside drafting
-    ones, with the tokens they get without speculation."""
+    """Penalised and top-logprob requests decode one token a step beside drafting ones
+    (greedy and sampled), with the tokens they get without speculation."""
     model = tiny_models("qwen3")
     prompts = _prompts()[:6]
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=5),

@@ -298,6 +298,9 @@ class ModelRunner:
         fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
                                       self.batch.layout)
         self.staging.flush()
+        if spec is not None and meta is not None:   # reads staged columns: after the flush
+            meta = spec.sampling(meta, sample_rows, self.batch.temperature[sample_rows],
+                                 self.sampler)
         if fed is not None and self.simulated is None:
             fed.apply(input_ids)
         self.clock.mark("input_prep")

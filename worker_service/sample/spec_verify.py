@@ -1,19 +1,25 @@
 """Speculative drafts on the worker (docs/speculative-decoding.md): staged as query tokens of
-their request's row, verified by argmax, and the accepted run written back.
+their request's row, verified by the sampler's own draw, and the accepted run written back.
 
 A request with k drafts d_0..d_{k-1} after its T known tokens is scheduled 1 + k tokens:
 positions T-1 (its last token) .. T+k-1 (its last draft). The row's sampling position is the
-last one (the normal sampler picks the token after every draft: the bonus). The logits at the
-first k positions are reduced to their argmax v_0..v_{k-1} here (with its raw logprob), the
-same greedy head the sampler uses. Verification (greedy: the scheduler drafts only for plain
-greedy requests): d_j is accepted while v_j == d_j; the tokens of the step are the accepted
-drafts and then v_a at the first mismatch a, or the bonus when all k match. They are exactly
-one-token greedy decoding's: v_j is the argmax after the same known tokens. The row's KV of
+last one (the normal sampler picks the token after every draft: the bonus). At each of the
+first k positions the token v_j that one-token decoding would have drawn there is drawn here:
+for a greedy row the argmax (the LM head's greedy head, with its raw logprob); for a sampled row
+the sampler's Gumbel-max draw with the row's seed and the counter of that output token (c + j,
+c the row's tokens generated before the step; the bonus uses c + k). d_j is accepted while
+v_j == d_j; the tokens of the step are the accepted drafts and then v_a at the first mismatch a,
+or the bonus when all k match. The draft is one token with probability 1 (an n-gram), so this
+is the rejection sampler exactly: d_j is kept with probability p(d_j), and on a mismatch v_a is
+a draw of p given != d_a (the residual max(p - q, 0) normalised, q one-hot on d_a). Since the
+noise is a pure function of (seed, counter, vocab id), the tokens are those of decoding without
+drafts, seeded or not (the scheduler gives an unseeded request its seed). The row's KV of
 rejected drafts is left in place; num_computed drops to T + a, so the next step writes those
-slots again. Every rank verifies alike (same logits, same argmax): nothing is broadcast.
+slots again. Every rank verifies alike (same logits, same noise): nothing is broadcast.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +29,8 @@ from engine_common.wire.diff import SchedulerOutput
 from worker_service.batch.cached_requests import CachedRequests
 from worker_service.batch.input_batch import InputBatch
 from worker_service.failures import StepProtocolError
+from worker_service.sample.sampler import Sampler
+from worker_service.sample.sampling_metadata import SamplingMetadata
 from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
 
 
@@ -53,8 +61,11 @@ class SpecStep:
     drafts: list[list[int]]           # per row, its draft ids
     ks: np.ndarray                    # int32 [R] drafts per row
     query_rows: np.ndarray | None = None   # int64 [sum k]: their verified query positions
-    ids: torch.Tensor | None = None        # int64 [sum k]: argmax at each
+    ids: torch.Tensor | None = None        # int64 [sum k]: the draw at each
     logprobs: torch.Tensor | None = None   # float32 [sum k]: its raw logprob
+    # The draws' sampling inputs when a drafted row samples (None: all greedy, argmax)
+    draft_meta: SamplingMetadata | None = None
+    sampler: Sampler | None = None
 
     @classmethod
     def stage(cls, batch: InputBatch, cached: CachedRequests,
@@ -91,9 +102,42 @@ class SpecStep:
         starts = inputs.query_start_loc[at].astype(np.int64)
         self.query_rows = np.repeat(starts, self.ks) + _ranges(self.ks)
 
+    def sampling(self, meta: SamplingMetadata, sample_rows: np.ndarray, temperature: np.ndarray,
+                 sampler: Sampler) -> SamplingMetadata:
+        """The step's sampling inputs (of `sample_rows`, `temperature` their host column) with
+        each drafted row's counter moved past its drafts (the bonus is output token c + k), and
+        the draws' inputs at the draft positions. All drafted rows greedy: `meta` unchanged.
+        Drafted rows carry no penalties, biases, id sets, stop masks or grammar (can_draft)."""
+        at = np.searchsorted(sample_rows, self.rows)
+        if not (temperature[at] > 0).any():
+            return meta
+        device = meta.counters.device
+        offsets = np.zeros(len(sample_rows), dtype=np.int64)
+        offsets[at] = self.ks
+        counters = meta.counters + torch.from_numpy(offsets).to(device)
+        rep = np.repeat(at, self.ks)
+        pick = torch.from_numpy(rep).to(device)
+        greedy = temperature[rep] == 0.0
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, pick)
+        self.draft_meta = SamplingMetadata(
+            temperature=take(meta.temperature), all_greedy=bool(greedy.all()),
+            all_random=bool((~greedy).all()), top_p=take(meta.top_p), top_k=take(meta.top_k),
+            min_p=take(meta.min_p), seeds=take(meta.seeds),
+            counters=take(meta.counters) + torch.from_numpy(_ranges(self.ks)).to(device),
+            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+            prompt_token_ids=None, output_token_ids=None, top_k_max=meta.top_k_max)
+        self.sampler = sampler
+        return dataclasses.replace(meta, counters=counters)
+
     def launch(self, hidden: torch.Tensor, model) -> None:
-        """The argmax and its logprob at each verified position (no host sync)."""
+        """The draw and its raw logprob at each verified position (no host sync)."""
         rows = hidden.index_select(0, torch.as_tensor(self.query_rows, device=hidden.device))
+        if self.draft_meta is not None:
+            out = self.sampler(model.compute_logits(rows), self.draft_meta)
+            self.ids, self.logprobs = out.sampled_token_ids, out.logprobs
+            return
         fused = model.lm_head.greedy(rows, True)
         if fused is not None:
             self.ids, self.logprobs = fused

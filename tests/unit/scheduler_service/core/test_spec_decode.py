@@ -142,7 +142,7 @@ def _req(**sampling) -> Request:
 
 def test_who_drafts():
     assert can_draft(_req())
-    assert not can_draft(_req(temperature=0.7))
+    assert can_draft(_req(temperature=0.7))           # sampled: the draw verifies it
     assert not can_draft(_req(repetition_penalty=1.2))
     assert not can_draft(_req(logit_bias=((3, 1.0),)))
     assert not can_draft(_req(allowed_token_ids=(3, 4)))
