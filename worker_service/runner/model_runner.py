@@ -299,8 +299,7 @@ class ModelRunner:
                                       self.batch.layout)
         self.staging.flush()
         if spec is not None and meta is not None:   # reads staged columns: after the flush
-            meta = spec.sampling(meta, sample_rows, self.batch.temperature[sample_rows],
-                                 self.sampler)
+            meta = spec.sampling(meta, sample_rows, self.batch, self.sampler)
         if fed is not None and self.simulated is None:
             fed.apply(input_ids)
         self.clock.mark("input_prep")

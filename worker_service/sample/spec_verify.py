@@ -102,13 +102,16 @@ class SpecStep:
         starts = inputs.query_start_loc[at].astype(np.int64)
         self.query_rows = np.repeat(starts, self.ks) + _ranges(self.ks)
 
-    def sampling(self, meta: SamplingMetadata, sample_rows: np.ndarray, temperature: np.ndarray,
+    def sampling(self, meta: SamplingMetadata, sample_rows: np.ndarray, batch: InputBatch,
                  sampler: Sampler) -> SamplingMetadata:
-        """The step's sampling inputs (of `sample_rows`, `temperature` their host column) with
-        each drafted row's counter moved past its drafts (the bonus is output token c + k), and
-        the draws' inputs at the draft positions. All drafted rows greedy: `meta` unchanged.
-        Drafted rows carry no penalties, biases, id sets, stop masks or grammar (can_draft)."""
+        """The step's sampling inputs (of `sample_rows`) with each drafted row's counter moved
+        past its drafts (the bonus is output token c + k), and the draws' inputs at the draft
+        positions. All drafted rows greedy: `meta` unchanged. Drafted rows carry no penalties,
+        biases, id sets, stop masks or grammar (the scheduler's can_draft)."""
+        if not batch.num_rows_setting["temperature"]:     # every row greedy
+            return meta
         at = np.searchsorted(sample_rows, self.rows)
+        temperature = batch.temperature[sample_rows]
         if not (temperature[at] > 0).any():
             return meta
         device = meta.counters.device
