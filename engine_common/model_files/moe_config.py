@@ -14,7 +14,8 @@ Qwen2MoeDecoderLayer and Qwen3MoeDecoderLayer build the sparse block only when n
 (5.x, modeling_qwen{2,3}_moe.py), else the dense MLP of width intermediate_size (Qwen2-MoE
 without its shared expert), and so does models/qwen_moe.MoeArgs.is_sparse: such a config is
 the dense model, served as transformers runs it (tests/integration/test_moe_config_variants.py).
-An MoE class whose transformers model cannot run without experts must refuse 0 here.
+An MoE class whose transformers model cannot run without experts must refuse 0 here: Mixtral
+(every layer sparse; its experts are intermediate_size wide, it has no moe_intermediate_size).
 """
 from __future__ import annotations
 
@@ -32,14 +33,27 @@ def moe_config_problem(config: dict) -> str | None:
     if field is None:
         return None
     experts = config[field] or 0
-    if experts < 0:
-        return f"{field}={experts} is invalid: must be >= 0"
+    mixtral = is_mixtral(config)
+    if experts < (1 if mixtral else 0):
+        return f"{field}={experts} is invalid: must be >= {1 if mixtral else 0}"
     if experts == 0:
         return None
     top_k = config.get("num_experts_per_tok")
     if top_k is None or not 1 <= top_k <= experts:
         return (f"num_experts_per_tok={top_k} is invalid: must be in [1, {field}={experts}]")
-    inter = config.get("moe_intermediate_size")
+    width = expert_width_field(config)
+    inter = config.get(width)
+    if inter is not None and (isinstance(inter, bool) or not isinstance(inter, int)):
+        return f"{width}={inter!r} is invalid: must be an integer"
     if inter is None or inter < 1:
-        return f"moe_intermediate_size={inter} is invalid: must be >= 1"
+        return f"{width}={inter} is invalid: must be >= 1"
     return None
+
+
+def is_mixtral(config: dict) -> bool:
+    return "MixtralForCausalLM" in (config.get("architectures") or ())
+
+
+def expert_width_field(config: dict) -> str:
+    """The config key of an expert's width: Mixtral's experts are its MLPs (intermediate_size)."""
+    return "intermediate_size" if is_mixtral(config) else "moe_intermediate_size"

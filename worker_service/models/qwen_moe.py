@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_common.model_files.moe_config import moe_config_problem
+from engine_common.model_files.moe_config import expert_width_field, is_mixtral, moe_config_problem
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker_service.layers.moe import MoEExperts, TopKRouter, expert_target
@@ -30,7 +30,7 @@ from worker_service.parallel_state import TPGroup
 
 @dataclass(frozen=True)
 class MoeArgs:
-    """The sparse-MLP fields of a Qwen MoE config.json."""
+    """The sparse-MLP fields of a Qwen MoE (or Mixtral) config.json."""
 
     hidden_size: int
     num_experts: int
@@ -50,16 +50,25 @@ class MoeArgs:
         problem = moe_config_problem(cfg)    # the names the config uses (the router says
         if problem is not None:              # num_experts); the scheduler refuses them first
             raise ValueError(f"config.json: {problem}")
+        mixtral = is_mixtral(cfg)     # every layer sparse, top-k always renormalised
         return cls(
             hidden_size=int(cfg["hidden_size"]),
             num_experts=num_experts,
             top_k=top_k,
-            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            moe_intermediate_size=int(cfg[expert_width_field(cfg)]),
+            norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
             mlp_only_layers=frozenset(int(i) for i in cfg.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=(
                 int(cfg["shared_expert_intermediate_size"]) if shared_expert else 0))
+
+    @classmethod
+    def of_config(cls, cfg: dict) -> "MoeArgs | None":
+        """The sparse-MLP fields of any MoE config we serve; None for a dense model."""
+        if expert_width_field(cfg) not in cfg or not any(
+                f in cfg for f in ("num_experts", "num_local_experts")):
+            return None
+        return cls.from_hf(cfg, "shared_expert_intermediate_size" in cfg)
 
     def is_sparse(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer not in self.mlp_only_layers

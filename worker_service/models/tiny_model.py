@@ -18,7 +18,8 @@ import transformers as tf
 
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
-ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2")
+ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
+         "mixtral")
 INITIALIZER_RANGE = 0.3
 
 
@@ -52,7 +53,11 @@ def _arch_config(arch: str):
     gemma2 = {"num_hidden_layers": 4, "sliding_window": 8, "query_pre_attn_scalar": 24,
               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
               "tie_word_embeddings": True}
+    # Mixtral: every layer sparse, 2 of 4 experts of intermediate_size (no dense MLP), window 8
+    mixtral = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+               "sliding_window": 8, "tie_word_embeddings": False}
     table = {
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, mixtral),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma3),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, moe),

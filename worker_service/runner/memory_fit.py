@@ -55,12 +55,10 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
 def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
     """A sparse layer's MLP elements (every expert, the router, a shared expert and its gate),
     or None for a dense one: an MoE model's experts are most of its weights."""
-    if "moe_intermediate_size" not in hf_config:
-        return None
     from worker_service.models.qwen_moe import MoeArgs
 
-    moe = MoeArgs.from_hf(hf_config, "shared_expert_intermediate_size" in hf_config)
-    if not moe.is_sparse(layer):
+    moe = MoeArgs.of_config(hf_config)
+    if moe is None or not moe.is_sparse(layer):
         return None
     hidden = moe.hidden_size
     return (moe.num_experts * 3 * hidden * moe.moe_intermediate_size + moe.num_experts * hidden
@@ -72,11 +70,11 @@ def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
     sparse layer (0 for a dense model or a dtype the kernel does not take). Counted also where
     the experts stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
-    if "moe_intermediate_size" not in hf_config:
-        return 0
     from worker_service.models.qwen_moe import MoeArgs
 
-    moe = MoeArgs.from_hf(hf_config, "shared_expert_intermediate_size" in hf_config)
+    moe = MoeArgs.of_config(hf_config)
+    if moe is None:
+        return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
     return sparse * packed_bytes(moe.num_experts, moe.hidden_size,
                                  moe.moe_intermediate_size // tp_size, dtype)
