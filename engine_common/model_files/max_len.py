@@ -19,12 +19,13 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
                 "max_seq_length", "seq_len")
 
 # max_position_embeddings of the transformers config class of each architecture we serve
-# (transformers 5.x: LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
-# Qwen2MoeConfig, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig).
+# (transformers 5.x: LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+# Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig).
 ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "LlamaForCausalLM": 2048,
     "MistralForCausalLM": 131072,          # 4096 * 32
     "MixtralForCausalLM": 131072,          # 4096 * 32
+    "Phi3ForCausalLM": 4096,
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
     "Qwen2MoeForCausalLM": 32768,

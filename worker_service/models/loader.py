@@ -122,20 +122,32 @@ def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = Non
     with torch.no_grad():
         for name, tensor_slice in _gguf_errors(tensors):
             progress.advance()
-            target = target_of(model, name)
-            if target is None:
-                continue
-            param_name, shard_id = target
-            if param_name not in params:
-                unexpected.append(name)
-                continue
-            param = params[param_name]
-            try:
-                param.weight_loader(param, tensor_slice, shard_id)
-            except ValueError as e:
-                raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
-            loaded.setdefault(param_name, set()).add(shard_id)
+            for piece_name, piece in _pieces(model, name, tensor_slice):
+                target = target_of(model, piece_name)
+                if target is None:
+                    continue
+                param_name, shard_id = target
+                if param_name not in params:
+                    unexpected.append(name)
+                    continue
+                param = params[param_name]
+                try:
+                    param.weight_loader(param, piece, shard_id)
+                except ValueError as e:
+                    raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
+                loaded.setdefault(param_name, set()).add(shard_id)
     check_complete(params, loaded, unexpected)
+
+
+def _pieces(model: nn.Module, name: str, tensor_slice) -> list[tuple[str, Any]]:
+    """A checkpoint tensor as the model reads it: whole, or cut by the model's
+    split_checkpoint_tensor (a fused projection in its unfused parts: models/phi3.py)."""
+    split = getattr(model, "split_checkpoint_tensor", None)
+    try:
+        pieces = split(name, tensor_slice) if split is not None else None
+    except ValueError as e:
+        raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
+    return pieces if pieces is not None else [(name, tensor_slice)]
 
 
 def _gguf_errors(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

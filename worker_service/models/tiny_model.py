@@ -19,7 +19,7 @@ import transformers as tf
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
-         "mixtral")
+         "mixtral", "phi3")
 INITIALIZER_RANGE = 0.3
 
 
@@ -56,7 +56,10 @@ def _arch_config(arch: str):
     # Mixtral: every layer sparse, 2 of 4 experts of intermediate_size (no dense MLP), window 8
     mixtral = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
                "sliding_window": 8, "tie_word_embeddings": False}
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, window 8 on every layer
+    phi3 = {"sliding_window": 8, "tie_word_embeddings": False}
     table = {
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, phi3),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, mixtral),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma3),

@@ -24,7 +24,7 @@ def test_the_table_is_transformers_config_class_defaults():
     from worker_service.models.registry import MODEL_REGISTRY
     assert set(ARCH_DEFAULT_MAX_POSITIONS) == set(MODEL_REGISTRY)      # every served arch
     classes = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-               "MixtralForCausalLM": "MixtralConfig",
+               "MixtralForCausalLM": "MixtralConfig", "Phi3ForCausalLM": "Phi3Config",
                "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
                "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig"}
