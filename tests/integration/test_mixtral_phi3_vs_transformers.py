@@ -7,7 +7,9 @@ both with a sliding window of 8 on every layer.
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes, with prefix-cache hits,
   - two gloo ranks (half of the heads, of the MLP, of every expert) give the single rank's logits,
-  - a Mixtral config without experts, Phi-3's longrope and a fused tensor of the wrong size are
+  - Phi-3's LongRoPE: generate()'s tokens within the original length, transformers' cached
+    one-token forward past it,
+  - a Mixtral config without experts, longrope factors and a fused tensor of the wrong size are
     refused naming them.
 """
 from __future__ import annotations
@@ -83,14 +85,46 @@ def _copy(src: str, dst) -> str:
     return str(dst)
 
 
-def test_phi3_longrope_is_refused_naming_it(tiny_models, tmp_path):
-    path = _copy(tiny_models("phi3"), tmp_path / "longrope")
+# LongRoPE (Phi-3.5-mini's scaling) on the tiny Phi-3: 16 original positions of 64, distinct
+# short and long factors.
+LONGROPE = {"max_position_embeddings": 64, "original_max_position_embeddings": 16,
+            "sliding_window": None,
+            "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                             "long_factor": [2.0 + i for i in range(8)]}}
+
+
+def test_phi3_longrope_matches_transformers(tiny_models):
+    """Within the original length: the engine's greedy tokens are generate()'s. Past it: every
+    position's logits are those of transformers' forward decoding one token at a time on its
+    cache (short factors below 16, long from 16 on). transformers' generate() instead drops its
+    cache once a sequence crosses 16 and recomputes everything long (Phi3ForCausalLM's
+    prepare_inputs_for_generation), which a paged cache does not do (docs/models-and-chat.md)."""
+    model = tiny_models("phi3", **LONGROPE)
+    cfg = json.load(open(f"{model}/config.json"))
+    assert (cfg.get("rope_parameters") or cfg.get("rope_scaling"))["rope_type"] == "longrope"
+    llm = LLM(model, dtype="float32", num_kv_blocks=64)
+    _check(llm, model, [p[:4] for p in _prompts(llm.model_info.vocab_size)], "phi3/longrope")
+    hf = hf_model(model)
+    ids = torch.arange(24) * 37 % 500 + 3
+    with torch.no_grad():
+        out = hf(ids[None, :16], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits[0]]
+        for t in range(16, 24):
+            out = hf(ids[None, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[0])
+    expected = torch.cat(steps).float()
+    torch.testing.assert_close(prefill_logits(load(model), ids), expected, rtol=0, atol=1e-4)
+
+
+def test_phi3_longrope_factors_of_the_wrong_length_are_refused(tiny_models, tmp_path):
+    path = _copy(tiny_models("phi3", **LONGROPE), tmp_path / "short-factors")
     cfg = json.load(open(f"{path}/config.json"))
-    cfg.pop("rope_parameters", None)
-    cfg["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8,
-                           "long_factor": [2.0] * 8}
+    rope = cfg.get("rope_parameters") or cfg["rope_scaling"]
+    rope["short_factor"] = [1.0] * 3
     json.dump(cfg, open(f"{path}/config.json", "w"))
-    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
+    with pytest.raises(ValueError, match=r"rope short_factor=3 is invalid: must be a list of "
+                                         r"head_dim / 2 = 8 numbers"):
         load(path)
 
 

@@ -1,7 +1,7 @@
 """Rotary position embedding (the "rotate half" layout Llama/Qwen checkpoints use).
 
-Supported rope types: "default", "linear" and "llama3". The settings are read from either
-config layout:
+Supported rope types: "default", "linear", "llama3" and "longrope" (layers/longrope.py). The
+settings are read from either config layout:
   - transformers >= 5: `rope_parameters = {"rope_type": ..., "rope_theta": ..., "factor": ...}`
   - older configs:     `rope_theta` plus `rope_scaling = {"type" or "rope_type": ..., ...}`
 """
@@ -15,8 +15,9 @@ from torch import nn
 
 from engine_common.model_files.model_dir import model_position_limit
 from kernels.cpu.fused import ops_for
+from worker_service.layers.longrope import longrope_cos_sin
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class RopeSettings:
                         or hf_config.get("partial_rotary_factor") or 1.0)
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial} is not supported: must be 1.0")
+        if rope_type == "longrope":       # its factor and cut-off come from the config's lengths
+            longest = int(hf_config.get("max_position_embeddings") or 0)
+            merged.setdefault("original_max_position_embeddings",
+                              hf_config.get("original_max_position_embeddings") or longest)
+            merged["max_position_embeddings"] = longest
         return cls(rope_type=rope_type, theta=float(theta), scaling=merged)
 
 
@@ -109,12 +115,16 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.fused = fused
         self._fused_kernel = _load_fused_kernel() if fused else None
-        inv_freq = compute_inv_freq(head_dim, settings)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.to(positions.device))
-        angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, head_dim]
-        self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        if settings.rope_type == "longrope":    # per-position factors and a scale: its module
+            cos, sin = longrope_cos_sin(head_dim, max_position, settings.theta, settings.scaling)
+        else:
+            inv_freq = compute_inv_freq(head_dim, settings)
+            positions = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq.to(positions.device))
+            angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, head_dim]
+            cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def use_cpu_kernels(self) -> bool:
         if not self.fused and self.cos_cache.device.type == "cpu":

@@ -1,11 +1,11 @@
-"""Phi-3 and Phi-4 (Phi3ForCausalLM: Phi-3-mini-4k, Phi-3-medium-4k, Phi-4), as transformers'
-modeling_phi3: the Llama layout without biases whose checkpoints hold q/k/v as one `qkv_proj`
+"""Phi-3 and Phi-4 (Phi3ForCausalLM: Phi-3-mini-4k and -128k, Phi-3-medium, Phi-3.5-mini, Phi-4),
+as transformers' modeling_phi3: the Llama layout without biases whose checkpoints hold q/k/v as one `qkv_proj`
 and gate/up as one `gate_up_proj`, and a sliding window on every layer when the config sets
 one (Phi-3-mini-4k: 2047). The fused checkpoint tensors are cut into their q, k, v (gate, up)
 rows at load (`split_checkpoint_tensor`), so tensor parallelism shards each part as for Llama.
 
-Not served (refused at load by the rope settings): `longrope` scaling (Phi-3-mini-128k,
-Phi-3.5-mini, Phi-4-mini) and a partial_rotary_factor below 1 (Phi-4-mini).
+The 128k models' `longrope` scaling is layers/longrope.py. Not served (refused at load by the
+rope settings): a partial_rotary_factor below 1 (Phi-4-mini).
 """
 from __future__ import annotations
 
