@@ -33,9 +33,9 @@ def moe_config_problem(config: dict) -> str | None:
     if field is None:
         return None
     experts = config[field] or 0
-    mixtral = is_mixtral(config)
-    if experts < (1 if mixtral else 0):
-        return f"{field}={experts} is invalid: must be >= {1 if mixtral else 0}"
+    least = 1 if is_mixtral(config) else 0
+    if experts < least:
+        return f"{field}={experts} is invalid: must be >= {least}"
     if experts == 0:
         return None
     top_k = config.get("num_experts_per_tok")

@@ -267,15 +267,18 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
         return None
 
 
+def window_on_every_layer(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
+    """A layer_windows rule: sliding_window (when set) on every layer, as transformers'
+    Mistral, Mixtral and Phi-3 models (which ignore layer_types)."""
+    return (cls.configured_window(hf_config),) * num_layers
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: the Llama layout without biases; sliding_window (when set) on every layer, as
     transformers' MistralModel (which ignores layer_types)."""
 
     default_sliding_window = 4096         # MistralConfig's
-
-    @classmethod
-    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
-        return (cls.configured_window(hf_config),) * num_layers
+    layer_windows = classmethod(window_on_every_layer)
 
 
 def qwen_layer_windows(hf_config: dict, num_layers: int, window: int) -> tuple[int, ...]:

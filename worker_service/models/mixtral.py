@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from worker_service.layers.moe import expert_target
+from worker_service.models.llama import window_on_every_layer
 from worker_service.models.qwen_moe import Qwen3MoeForCausalLM
 
 _PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
@@ -23,11 +24,7 @@ class MixtralForCausalLM(Qwen3MoeForCausalLM):
 
     qk_norm = False
     default_sliding_window = None          # MixtralConfig's: no window unless the key sets one
-
-    @classmethod
-    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
-        """sliding_window (when set) on every layer, as transformers' MixtralModel."""
-        return (cls.configured_window(hf_config),) * num_layers
+    layer_windows = classmethod(window_on_every_layer)
 
     @staticmethod
     def checkpoint_target(name: str):

@@ -1,6 +1,6 @@
 """Phi-3 and Phi-4 (Phi3ForCausalLM: Phi-3-mini-4k and -128k, Phi-3-medium, Phi-3.5-mini, Phi-4),
-as transformers' modeling_phi3: the Llama layout without biases whose checkpoints hold q/k/v as one `qkv_proj`
-and gate/up as one `gate_up_proj`, and a sliding window on every layer when the config sets
+as transformers' modeling_phi3: the Llama layout without biases whose checkpoints hold q/k/v as
+one `qkv_proj` and gate/up as one `gate_up_proj`, and a sliding window on every layer when the config sets
 one (Phi-3-mini-4k: 2047). The fused checkpoint tensors are cut into their q, k, v (gate, up)
 rows at load (`split_checkpoint_tensor`), so tensor parallelism shards each part as for Llama.
 
@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.llama import MistralForCausalLM
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """Llama's decoder; fused checkpoint projections; the window on every layer."""
+class Phi3ForCausalLM(MistralForCausalLM):
+    """Mistral's decoder (the window on every layer); fused checkpoint projections."""
 
     default_sliding_window = None          # Phi3Config's
-
-    @classmethod
-    def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:
-        """sliding_window (when set) on every layer, as transformers' Phi3Model."""
-        return (cls.configured_window(hf_config),) * num_layers
 
     def split_checkpoint_tensor(self, name: str, tensor: Any) -> list[tuple[str, Any]] | None:
         """qkv_proj -> q_proj, k_proj, v_proj and gate_up_proj -> gate_proj, up_proj, by rows

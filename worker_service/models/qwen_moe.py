@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_common.model_files.moe_config import expert_width_field, is_mixtral, moe_config_problem
+from engine_common.model_files.moe_config import (EXPERT_FIELDS, expert_width_field, is_mixtral,
+                                                  moe_config_problem)
 from worker_service.layers.activation import SiluAndMul
 from worker_service.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker_service.layers.moe import MoEExperts, TopKRouter, expert_target
@@ -65,8 +66,7 @@ class MoeArgs:
     @classmethod
     def of_config(cls, cfg: dict) -> "MoeArgs | None":
         """The sparse-MLP fields of any MoE config we serve; None for a dense model."""
-        if expert_width_field(cfg) not in cfg or not any(
-                f in cfg for f in ("num_experts", "num_local_experts")):
+        if expert_width_field(cfg) not in cfg or not any(f in cfg for f in EXPERT_FIELDS):
             return None
         return cls.from_hf(cfg, "shared_expert_intermediate_size" in cfg)
 
