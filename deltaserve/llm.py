@@ -24,8 +24,10 @@ from engine_common.configuration.device_defaults import device_defaults
 from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
+from engine_common.request.pooling import NO_POOLING
 from engine_common.text.tokenizer import Tokenizer
 from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
+from deltaserve.llm_embed import EmbedMixin, pooler_from_kwargs
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
 from deltaserve.llm_inputs import (capped_to_model, check_constraints, check_for_runner,
@@ -55,9 +57,10 @@ class Completion:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None      # set when this request alone failed (finish_reason ABORTED)
+    embedding: list[float] | None = None     # a pooling request's vector (LLM.embed)
 
 
-class LLM:
+class LLM(EmbedMixin):
     """Keyword arguments are the fields of RunnerConfig (the worker's: device, dtype,
     attention_backend, kv_cache_bytes, gpu_memory_utilization, num_kv_blocks, fused_ops, ...)
     and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
@@ -70,7 +73,11 @@ class LLM:
     from the system, so unseeded sampling differs from run to run).
 
     KV-cache size: num_kv_blocks, else kv_cache_bytes, else on CUDA a profiled share of the GPU
-    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU."""
+    (`gpu_memory_utilization`, default 0.9, as the worker service does), else 1 GiB on CPU.
+
+    `runner="pooling"` (vLLM's): an embedding model, served by embed() (llm_embed.py), pooled
+    as `pooler_config` ({"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}) or the
+    model directory says."""
 
     def __init__(self, model: str, *, seed: int | None = None, **kwargs):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
@@ -80,6 +87,7 @@ class LLM:
             kwargs["device"] = resolve_device(kwargs["device"], "device")
         if isinstance(kwargs.get("speculative_config"), dict):     # vLLM's form: a dict
             kwargs["speculative_config"] = to_json(kwargs["speculative_config"])
+        self.pooler = pooler_from_kwargs(model, kwargs)
         kwargs = {**device_defaults(kwargs.get("device", "cpu"),
                                     bool(kwargs.get("speculative_config"))), **kwargs}
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
@@ -128,12 +136,13 @@ class LLM:
         (such prompts skip the prefix cache, as vLLM's). `constraint` (one for
         all, or one per prompt) is validated first (ParamError). Calls from several threads
         run one after another."""
+        self._check_generates()
         with self._exclusive("generate"):
             return self._generate(prompts, sampling, stopping, num_logprobs, constraint,
                                   num_prompt_logprobs)
 
     def _generate(self, prompts, sampling, stopping, num_logprobs, constraint,
-                  num_prompt_logprobs=None) -> list[Completion]:
+                  num_prompt_logprobs=None, pooling: int = NO_POOLING) -> list[Completion]:
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
@@ -150,7 +159,7 @@ class LLM:
         eos = self.model_info.eos_token_ids
         requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
                             num_logprobs=num_logprobs, constraint=c,
-                            num_prompt_logprobs=num_prompt_logprobs)
+                            num_prompt_logprobs=num_prompt_logprobs, pooling=pooling)
                     for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints)]
         self._check_admission(requests)
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
@@ -354,6 +363,7 @@ class LLM:
             done.finish_reason = out.finish_reason
             done.stop_reason = out.stop_reason
             done.error = None if out.error is None else str(out.error)
+            done.embedding = out.embedding
 
 
 def _default_budget(kwargs: dict) -> dict:

@@ -34,6 +34,11 @@ class Fenced(WorkerFailure):
     default_kind = "fenced"
 
 
+class WrongRunner(RuntimeError):
+    """A call this server's runner does not serve (Generate on a pooling server, Embed on a
+    generating one): FAILED_PRECONDITION, naming the runner and the flag."""
+
+
 class RequestFailed(RuntimeError):
     """One request failed on the scheduler side (a bug, not bad input); the engine aborts it and
     serves the others: INTERNAL, for that stream only."""

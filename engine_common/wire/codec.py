@@ -9,7 +9,8 @@ Layouts (positional arrays keep steady-state messages tiny):
     new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
                   sampling, block ids,
                   num_computed_tokens, num_logprobs (-1: none), constraint
-                  (, prompt_logprobs: only when asked, 0 or more)]
+                  (, prompt_logprobs: when asked, 0 or more, or a pooling request follows:
+                   -1) (, pooling: a pooling request's code, engine_common/request/pooling.py)]
     sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
                  their neutral value (none: 0 bytes); decoded by the knobs' names and validated
@@ -25,7 +26,8 @@ Layouts (positional arrays keep steady-state messages tiny):
                     (, compiled handles (uint32 bytes): only when there are any or errors
                      follow) (, {handle: error message}: only when a request failed or
                      prompt logprobs follow) (, {handle: [logprobs f32, ranks u32, top ids u32,
-                     top logprobs f32]}: only when a request's prompt logprobs are done)]
+                     top logprobs f32]}: only when a request's prompt logprobs are done or
+                     pooled vectors follow) (, {handle: pooled f32}: pooling requests done)]
 
 A steady decode step of any batch size is [step, [], [], nil, {}, [], []]: 7 bytes plus the step
 (1 byte below 128, 3 below 65536, 5 above); a step where requests grow a block adds about 1 byte
@@ -48,6 +50,7 @@ from engine_common.wire.sampling_wire import (MAX_CACHED_SAMPLING_BYTES,  # noqa
                                               cached_sampling_bytes, cached_sampling_params,
                                               given_knobs, sampling_from_wire, sampling_to_wire)
 from engine_common.request.params import WorkerSamplingParams, clip, quoted
+from engine_common.request.pooling import NO_POOLING, decode_code
 
 
 def _why(e: Exception) -> str:
@@ -169,17 +172,20 @@ def _usual_new_request(value) -> NewRequestData | None:
 
 
 def _checked_new_request(value) -> NewRequestData:
-    prompt_logprobs = NO_LOGPROBS
+    prompt_logprobs, pooling = NO_LOGPROBS, NO_POOLING
+    if isinstance(value, list) and len(value) == 9:      # a pooling request
+        *value, pooling = value
+        decode_code(_int(pooling, "pooling"))
     if isinstance(value, list) and len(value) == 8:      # prompt logprobs asked
         *value, prompt_logprobs = value
-        _int(prompt_logprobs, "prompt_logprobs")
+        _int(prompt_logprobs, "prompt_logprobs", lo=NO_LOGPROBS)
     h, prompt, sampling, blocks, num_computed, num_logprobs, constraint = _seq(
         value, "new request", 7)
     return NewRequestData(_int(h, "handle"), _u32_array(prompt, "prompt_token_ids"),
                           _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
                           _int(num_logprobs, "num_logprobs", lo=NO_LOGPROBS),
-                          _constraint(constraint), prompt_logprobs)
+                          _constraint(constraint), prompt_logprobs, pooling)
 
 
 def _resumed_request(value) -> ResumedRequestData:
@@ -208,6 +214,12 @@ def _prompt_entry(value, what: str) -> PromptLogprobs:
     return out
 
 
+def _pooled_entry(value, what: str) -> list[float]:
+    if not isinstance(value, bytes) or not value:
+        raise CodecError(f"{what}: expected a non-empty float32 vector")
+    return _from_f32(value)
+
+
 def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
     ids, lps = _seq(value, what, 2)
     ids, lps = _from_u32(ids), _from_f32(lps)
@@ -225,8 +237,10 @@ def _new_to_wire(r: NewRequestData) -> list:
     fields = [r.handle, _u32(r.prompt_token_ids) if r.prompt_u32 is None else r.prompt_u32,
               _worker_sampling(r.sampling), r.block_ids, r.num_computed_tokens, r.num_logprobs,
               None if r.constraint is None else r.constraint.to_wire()]
-    if r.prompt_logprobs != NO_LOGPROBS:
+    if r.prompt_logprobs != NO_LOGPROBS or r.pooling != NO_POOLING:
         fields.append(r.prompt_logprobs)
+    if r.pooling != NO_POOLING:
+        fields.append(r.pooling)
     return fields
 
 
@@ -265,14 +279,16 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
 def encode_runner_output(out: RunnerOutput) -> bytes:
     top = {h: [_u32(ids), _f32(lps)] for h, (ids, lps) in out.top_logprobs.items()}
     fields = [out.step, _u32(out.handles), _u32(out.sampled_token_ids), _f32(out.logprobs), top]
-    if out.compiled_handles or out.request_errors or out.prompt_logprobs:
+    if out.compiled_handles or out.request_errors or out.prompt_logprobs or out.pooled:
         fields.append(_u32(out.compiled_handles))
-    if out.request_errors or out.prompt_logprobs:
+    if out.request_errors or out.prompt_logprobs or out.pooled:
         fields.append({int(h): str(m)[:MAX_REQUEST_ERROR_CHARS]
                        for h, m in out.request_errors.items()})
-    if out.prompt_logprobs:
+    if out.prompt_logprobs or out.pooled:
         fields.append({int(h): [_f32(p.logprobs), _u32(p.ranks), _u32(p.top_ids),
                                 _f32(p.top_logprobs)] for h, p in out.prompt_logprobs.items()})
+    if out.pooled:
+        fields.append({int(h): _f32(v) for h, v in out.pooled.items()})
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -291,7 +307,9 @@ def _message(value, what: str) -> str:
 def decode_runner_output(data: bytes) -> RunnerOutput:
     try:
         fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        compiled, errors, prompt = b"", {}, {}
+        compiled, errors, prompt, pooled = b"", {}, {}, {}
+        if isinstance(fields, list) and len(fields) == 9:
+            *fields, pooled = fields
         if isinstance(fields, list) and len(fields) == 8:
             *fields, prompt = fields
         if isinstance(fields, list) and len(fields) == 7:
@@ -302,7 +320,8 @@ def decode_runner_output(data: bytes) -> RunnerOutput:
         out = RunnerOutput(_int(step, "step"), _from_u32(handles), _from_u32(ids),
                            _from_f32(lps), _int_map(top, "top_logprobs", _top_entry),
                            _from_u32(compiled), _int_map(errors, "request_errors", _message),
-                           _int_map(prompt, "prompt_logprobs", _prompt_entry))
+                           _int_map(prompt, "prompt_logprobs", _prompt_entry),
+                           _int_map(pooled, "pooled", _pooled_entry))
         if len(out.sampled_token_ids) != len(out.handles):
             raise CodecError("sampled ids must match handles one to one")
         if out.logprobs and len(out.logprobs) != len(out.handles):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.request.params import WorkerSamplingParams
+from engine_common.request.pooling import NO_POOLING
 
 # NewRequestData.num_logprobs of a request that wants no logprob at all (vLLM's logprobs=None):
 # none is computed for it, and none comes back.
@@ -49,6 +50,10 @@ class NewRequestData:
     # (vLLM's prompt_logprobs); NO_LOGPROBS: none. Only with num_computed_tokens 0: the
     # scheduler skips the prefix cache for such a request, so every position is computed.
     prompt_logprobs: int = NO_LOGPROBS
+    # A pooling (embedding) request's pooling (engine_common/request/pooling.py: type and
+    # normalize as one int); NO_POOLING for generation. MEAN and CLS come with
+    # num_computed_tokens 0 (no prefix hit), as prompt logprobs do.
+    pooling: int = NO_POOLING
     # The prompt's ids as uint32 bytes, where the scheduler already made them (at admission):
     # the codec writes them as they are instead of converting the ids again. Not compared.
     prompt_u32: bytes | None = field(default=None, compare=False, repr=False)
@@ -129,6 +134,9 @@ class RunnerOutput:
     # handle -> its whole prompt's logprobs, once, in the reply of the step where the request
     # samples its first token after its last prompt chunk was computed.
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # handle -> a pooling request's pooled vector (float32 [hidden_size]), once, in the reply of
+    # the step where it samples its first token (the step that computed its last prompt token).
+    pooled: dict[int, list[float]] = field(default_factory=dict)
 
 
 def _same(a, b) -> bool:

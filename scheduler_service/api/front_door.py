@@ -25,6 +25,7 @@ from engine_common.text.chat_template import ChatMessage, ChatTemplate, encode_c
 from engine_common.constraints.constraint import Constraint
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import KNOBS, ParamError, SamplingParams, StoppingParams
+from engine_common.request.pooling import PoolerConfig
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.wire.codec import given_knobs
 from scheduler_service.api.api_options import ApiOptions
@@ -34,7 +35,7 @@ from scheduler_service.api.request_limits import (LimitedFields, check_messages_
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
-from scheduler_service.errors import EngineUnavailable
+from scheduler_service.errors import EngineUnavailable, WrongRunner
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class ServedModel:
     num_workers: int = 1
     default_sampling: SamplingParams = SamplingParams()
     chat_template: ChatTemplate | None = None
+    # --runner pooling: how Embed pools (engine_common/request/pooling.py); None: generation.
+    pooler: PoolerConfig | None = None
     # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
     # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
     prompt_chars_fit: int = field(init=False)
@@ -60,6 +63,14 @@ class ServedModel:
     def __post_init__(self):
         object.__setattr__(self, "prompt_chars_fit",
                            self.info.max_model_len * self.tokenizer.max_token_bytes())
+
+    def check_runner(self, call: str) -> None:
+        """WrongRunner unless this server's runner serves `call` (Embed or Generate)."""
+        pooling = self.pooler is not None
+        if pooling != (call == "Embed"):
+            runner = "pooling" if pooling else "generate"
+            raise WrongRunner(f"{call}: this server runs --runner {runner}; {call} needs "
+                              f"--runner {'generate' if pooling else 'pooling'}")
 
     def chat_prompt_ids(self, messages) -> list[int]:
         """Token ids of chat messages, rendered with the model's template (ParamError if none,

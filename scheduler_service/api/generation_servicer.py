@@ -120,6 +120,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The engine's request (its id scoped to the caller's key); the prompt tokenized in
         `pool_share`'s share of the tokenizer threads."""
         info = self._model.info
+        self._model.check_runner("Generate")
         self._door.check_limits(msg, limited_fields(msg))
         policy.check_priority(msg.priority)
         req = request_from_proto(msg, defaults=self._model.default_sampling,

@@ -34,7 +34,8 @@ from engine_common.runtime.metrics_http import MetricsServer, start_metrics_serv
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.wire.protos import (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, generation_pb2_grpc,
                                   vllm_engine_pb2_grpc)
-from engine_common.configuration.settings import AtLeast, AtLeastZero, Positive, ReadableFile, setting, validate
+from engine_common.configuration.settings import (AtLeast, AtLeastZero, OneOf, Positive,
+                                                  ReadableFile, setting, validate)
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
@@ -43,6 +44,7 @@ from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.embeddings import served_pooler
 from scheduler_service.api.front_door import ServedModel
 from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.health import HEALTH_SERVICE, Readiness
@@ -93,6 +95,12 @@ class ServerOptions:
         "auto", "where unset sampling fields take their defaults: auto (the model's "
         "generation_config.json), vllm (none), or a directory holding a generation_config.json; "
         "a temperature it does not set is 1", metavar="auto|vllm|DIR")
+    runner: str = setting("generate", "generate, or pooling: serve embeddings (Embed, "
+                          "/v1/embeddings) instead of generation, as vLLM's --runner pooling",
+                          rule=OneOf(("generate", "pooling")))
+    pooler_config: str | None = setting(
+        None, "with --runner pooling: JSON {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+        "\"normalize\": true|false} over the model's own (docs/embeddings.md)", metavar="JSON")
 
     def __post_init__(self):
         validate(self)
@@ -253,7 +261,9 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                          default_sampling=sampling_defaults(worker.model_dir,
                                                             options.generation_config),
                          chat_template=load_chat_template(worker.model_dir,
-                                                          options.chat_template))
+                                                          options.chat_template),
+                         pooler=served_pooler(options.runner, options.pooler_config,
+                                              worker.model_dir))
 
     keys = public_port.api_keys(api)
     server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),

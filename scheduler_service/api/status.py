@@ -3,6 +3,7 @@
     ParamError, RequestRejected (a bad field, a prompt too long)  -> INVALID_ARGUMENT
     QueueFull (more than max_waiting requests queued)              -> RESOURCE_EXHAUSTED
     EngineUnavailable, WorkerFailure (no worker ready, one died)   -> UNAVAILABLE
+    WrongRunner (Embed on a generating server, or the reverse)     -> FAILED_PRECONDITION
     RequestFailed (one request's output could not be processed)    -> INTERNAL, its own message
     anything else                                                  -> INTERNAL
 """
@@ -12,7 +13,7 @@ import grpc
 
 from engine_common.request.params import ParamError
 from scheduler_service.core.admission import QueueFull, RequestRejected
-from scheduler_service.errors import EngineUnavailable, RequestFailed
+from scheduler_service.errors import EngineUnavailable, RequestFailed, WrongRunner
 
 # Checked in order: a subclass comes before its base class.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -20,6 +21,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RequestRejected, grpc.StatusCode.INVALID_ARGUMENT),
     (ParamError, grpc.StatusCode.INVALID_ARGUMENT),
     (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (WrongRunner, grpc.StatusCode.FAILED_PRECONDITION),
     (RequestFailed, grpc.StatusCode.INTERNAL),
 )
 

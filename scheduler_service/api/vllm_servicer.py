@@ -11,7 +11,7 @@ done). Abort(request_ids) finds them by the caller's id, and ends only requests
 made with the caller's API key; cancelling the call aborts them too. Every failure becomes a
 status through status.status_for (a field we cannot honour is
 INVALID_ARGUMENT naming it). FlushCache empties the prefix cache once no request is running.
-Embed and the profiler RPCs are UNIMPLEMENTED.
+Embed serves a --runner pooling server (embeddings.py); the profiler RPCs are UNIMPLEMENTED.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import OFF_LOOP_TOKENS
+from scheduler_service.api.embeddings import embed, prompt_of
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
-                                              abort_requests, abort_with)
+                                              abort_requests, abort_with, new_request_id)
 from scheduler_service.api.api_keys import KeyBook
 from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
 from scheduler_service.api.request_quota import RequestQuota
@@ -132,6 +133,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         request counters as deltaserve.v1's Generate is (`_Tally`)."""
         tally = _Tally(self._engine.counters)
         try:
+            self._model.check_runner("Generate")
             inp, prompt_ids = await self._validate(request, pool_caller(context))
             tally.choices(inp.n)
             self._last_receive = time.time()
@@ -297,9 +299,30 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # -- not served -------------------------------------------------------------------------
 
-    async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: DeltaServe serves generation "
-                            "models only")
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """One prompt's vector, on a --runner pooling server (FAILED_PRECONDITION on a
+        generating one, and Generate there): tokenized.input_ids, else original_text
+        tokenized here. Counted in the request counters as a Generate is."""
+        tally = _Tally(self._engine.counters)
+        try:
+            self._model.check_runner("Embed")
+            caller = caller_of(context)
+            tokenized = request.tokenized
+            ids = await prompt_of(self._door, tokenized.input_ids, tokenized.original_text,
+                                  pool_caller(context))
+            self._last_receive = time.time()
+            rid = request.request_id or new_request_id()
+            salt = policy_of(context, self._keys).salt
+            with self._door.quota.hold(caller, rid, 1):
+                vector = await embed(self._engine, self._door, scoped_id(caller, rid), ids,
+                                     salt, tally.output)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes one status
+            tally.failed(e)
+            await abort_with(context, e)
+        return pb.EmbedResponse(embedding=vector, prompt_tokens=len(ids),
+                                embedding_dim=len(vector))
 
     async def StartProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile is not supported")

@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine_common.request.pooling import needs_every_position
 from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.request import Request
@@ -119,7 +120,8 @@ class KVCacheManager:
         last token (it must be computed to sample). Returns (blocks, number of tokens).
         None for a request that wants prompt logprobs: every prompt position must be computed
         (as vLLM v1's get_computed_blocks); its blocks are still offered to the cache."""
-        if not self.enable_caching or request.num_prompt_logprobs is not None:
+        if (not self.enable_caching or request.num_prompt_logprobs is not None
+                or needs_every_position(request.pooling)):     # MEAN, CLS pooling: the same
             return [], 0
         max_hits = (request.num_tokens - 1) // self.block_size
         hits = []

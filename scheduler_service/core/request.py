@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.request.pooling import NO_POOLING
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,6 +51,10 @@ class Request:
     # Top alternatives per prompt position, with each prompt token's own logprob and rank
     # (vLLM's prompt_logprobs); None: none. Such a request skips the prefix cache.
     num_prompt_logprobs: int | None = None
+    # An embedding request's pooling (engine_common/request/pooling.py, one int); NO_POOLING
+    # for generation. Such a request computes its prompt, samples one token it never shows,
+    # and finishes with its pooled vector (TokenUpdate.pooled).
+    pooling: int = NO_POOLING
 
     # Set by the scheduler.
     handle: int = -1

@@ -67,22 +67,23 @@ def apply_sampled_tokens(scheduled: dict[int, Request], runner_out: RunnerOutput
             request.request_id, [token], [] if lp is None else [lp], top, None, None,
             request.num_cached_tokens, request.first_scheduled_time,
             request.first_token_time, None, request))
-    if runner_out.prompt_logprobs:
-        attach_prompt_logprobs(scheduled, runner_out, updates)
+    if runner_out.prompt_logprobs or runner_out.pooled:
+        attach_prompt_results(scheduled, runner_out, updates)
     return updates
 
 
-def attach_prompt_logprobs(scheduled: dict[int, Request], runner_out: RunnerOutput,
-                           updates: list[TokenUpdate]) -> None:
-    """Each request's prompt logprobs onto the update of the token sampled with them (the
-    workers send them once, with that token); dropped with the token of a request finished
-    since. A step of requests that asked for none never comes here."""
+def attach_prompt_results(scheduled: dict[int, Request], runner_out: RunnerOutput,
+                          updates: list[TokenUpdate]) -> None:
+    """Each request's prompt logprobs and pooled vector onto the update of the token sampled
+    with them (the workers send them once, with that token); dropped with the token of a
+    request finished since. A step of requests that asked for neither never comes here."""
     by_request = {id(u.request): u for u in updates}
-    for handle, prompt in runner_out.prompt_logprobs.items():
-        request = scheduled.get(handle)
-        update = None if request is None else by_request.get(id(request))
-        if update is not None:
-            update.prompt_logprobs = prompt
+    for name in ("prompt_logprobs", "pooled"):
+        for handle, value in getattr(runner_out, name).items():
+            request = scheduled.get(handle)
+            update = None if request is None else by_request.get(id(request))
+            if update is not None:
+                setattr(update, name, value)
 
 
 def fail_on_worker(scheduled: dict[int, Request], errors: dict[int, str],

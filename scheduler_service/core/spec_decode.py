@@ -33,7 +33,7 @@ from engine_common.request.params import ID_SET_KNOBS
 from engine_common.wire.diff import RunnerOutput
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampled_tokens import attach_prompt_logprobs, fail_on_worker
+from scheduler_service.core.sampled_tokens import attach_prompt_results, fail_on_worker
 from scheduler_service.core.scheduler_diff import StepPlan
 from scheduler_service.core.spec_proposer import TokenBuffers, propose_ngram
 from scheduler_service.core.step_result import TokenUpdate, check_stop
@@ -146,8 +146,8 @@ class SpecDecoder:
             update = self._append(request, handle, tokens, logprobs, tops, finish, max_len)
             if update is not None:
                 updates.append(update)
-        if runner_out.prompt_logprobs:
-            attach_prompt_logprobs(scheduled, runner_out, updates)
+        if runner_out.prompt_logprobs or runner_out.pooled:
+            attach_prompt_results(scheduled, runner_out, updates)
         return updates
 
     def _count(self, accepted: int) -> None:

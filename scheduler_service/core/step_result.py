@@ -40,6 +40,8 @@ class TokenUpdate:
     error: str | None = None
     # The prompt's logprobs (a request that asked for them), on the update of its first token.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request's vector (float32 values), on its one update.
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -182,6 +182,8 @@ class OutputProcessor:
         out = self._process_tokens(state, update)
         if update.prompt_logprobs is not None and state.prompt_ids is not None:
             out.prompt_logprobs = PromptLogprobList(state.prompt_ids, update.prompt_logprobs)
+        if update.pooled is not None:
+            out.embedding = update.pooled
         return out
 
     def _process_tokens(self, state: RequestTextState, update: TokenUpdate) -> RequestOutput:

@@ -120,6 +120,8 @@ class RequestOutput:
     # Set on the request's first output when it asked for prompt logprobs (vLLM's shape:
     # None first; built when first read); None otherwise.
     prompt_logprobs: PromptLogprobList | list[PromptLogprob | None] | None = None
+    # A pooling request's vector, on its one (final) output; None otherwise.
+    embedding: list[float] | None = None
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -146,4 +148,4 @@ def merge_run(outputs: list[RequestOutput]) -> RequestOutput:
                          logprobs, last.finished, last.finish_reason, last.stop_reason,
                          last.num_prompt_tokens, last.num_output_tokens,
                          last.num_cached_tokens, last.timings, last.error,
-                         prompt_logprobs or last.prompt_logprobs)
+                         prompt_logprobs or last.prompt_logprobs, last.embedding)

@@ -29,9 +29,10 @@ from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_block
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
-from worker_service.sample.prompt_logprobs import PromptLogprobBook, PromptLogprobStep
+from worker_service.sample.pooling import PoolingBook
+from worker_service.sample.prompt_logprobs import PromptLogprobBook
 from worker_service.sample.sampler import Sampler, with_grammar_masks
-from worker_service.sample.spec_verify import SpecStep, prepare_with_drafts
+from worker_service.sample.spec_verify import prepare_with_drafts
 from worker_service.sample.sampling_metadata import (build_sampling_metadata,
                                                      history_needed, staged_row_dtypes,
                                                      worst_case_sampling_metadata)
@@ -72,7 +73,8 @@ class ModelRunner:
         # Structured output: matchers of constrained requests, masks computed on every rank.
         self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,
                                                              info.eos_token_ids))
-        self.prompt_logprobs = PromptLogprobBook()    # requests that asked for them
+        self.prompt_logprobs = PromptLogprobBook(self.vocab_size)  # requests that asked
+        self.pooling = PoolingBook()      # embedding requests (docs/embeddings.md)
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
@@ -199,6 +201,7 @@ class ModelRunner:
         self.cached.clear()
         self.grammar.clear()
         self.prompt_logprobs.clear()
+        self.pooling.clear()
         self.last_step = -1
 
     # -- one step ---------------------------------------------------------------------------
@@ -255,9 +258,12 @@ class ModelRunner:
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
-        prompt = None if self.simulated else self.prompt_logprobs.plan(self.batch, inputs)
+        prompt = pool = None
+        if self.simulated is None:
+            prompt = self.prompt_logprobs.plan(self.batch, inputs)
+            pool = self.pooling.plan(self.batch, inputs)
         try:
-            return self._launch(diff.step, inputs, feed, prompt, spec)
+            return self._launch(diff.step, inputs, feed, (prompt, pool, spec))
         except BaseException:
             self.staging.wait_copies()      # a failed step, too, ends after its copies
             raise
@@ -275,15 +281,18 @@ class ModelRunner:
             self.clock.mark("readback")
             out = self._record_samples(pending, sampled)
         self.prompt_logprobs.finish(pending.prompt_logprobs, out)
+        self.pooling.finish(pending.pooling, out)
         out.compiled_handles = self.grammar.newly_compiled(
             0.0 if pending.computed else _IDLE_COMPILE_WAIT_S)
         out.request_errors = self.grammar.take_errors()
         return out
 
     def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None,
-                prompt: PromptLogprobStep | None, spec: SpecStep | None = None) -> PendingStep:
+                taps: tuple = (None, None, None)) -> PendingStep:
+        """`taps`: the step's prompt-logprob, pooling and draft work (each None or a step)."""
+        prompt, pool, spec = taps
         self.staging.begin()
-        run_model, input_ids = self._stage_model(inputs, prompt, spec)
+        run_model, input_ids = self._stage_model(inputs, [t for t in taps if t is not None])
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
@@ -311,7 +320,8 @@ class ModelRunner:
         self.batch.num_computed[inputs.rows] += inputs.num_scheduled
         if meta is None:
             # computed, sampled nothing
-            return PendingStep(step, copied=self.staging.copied, prompt_logprobs=prompt)
+            return PendingStep(step, copied=self.staging.copied, prompt_logprobs=prompt,
+                               pooling=pool)
         if masks is not None:
             meta = with_grammar_masks(meta, masks, self.device, self.vocab_size)
         if self.on_sampling is not None:
@@ -328,19 +338,19 @@ class ModelRunner:
         self.clock.mark("sampling")
         return PendingStep(step, handles, positions, num_logprobs, self.readback.start(sampled),
                            sampled.sampled_token_ids, rows=sample_rows,
-                           layout=self.batch.layout, prompt_logprobs=prompt, spec=spec)
+                           layout=self.batch.layout, prompt_logprobs=prompt, spec=spec,
+                           pooling=pool)
 
-    def _stage_model(self, inputs: StepInputs, prompt: PromptLogprobStep | None = None,
-                     spec: SpecStep | None = None) -> tuple[Callable, torch.Tensor]:
+    def _stage_model(self, inputs: StepInputs, taps: list = ()) -> tuple[Callable, torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
         gives the sampling rows' hidden states and True (the sampler applies the LM head, or
         on CUDA a plain greedy step samples straight from model-dtype logits), from a captured
-        graph for a pure-decode batch that fits one, else from the eager model (then with the
-        step's `prompt` logprobs from every token row and its `spec` drafts verified)."""
+        graph for a pure-decode batch that fits one, else from the eager model (then each of
+        the step's `taps` reads every token row: prompt logprobs, pooling, drafts verified)."""
         n = len(inputs.rows)
         g = self.graph_runner
-        if prompt is None and spec is None and g is not None and g.graph_batch(
+        if not taps and g is not None and g.graph_batch(
                 n, inputs.num_tokens, int(inputs.num_scheduled.max())) is not None:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table, self.staging)
@@ -355,25 +365,17 @@ class ModelRunner:
 
         def run_eager() -> tuple[torch.Tensor, bool]:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
-            if prompt is not None:
-                prompt.launch(hidden, self.model, self.vocab_size)
-            if spec is not None:
-                spec.launch(hidden, self.model)
+            for tap in taps:
+                tap.launch(hidden, self.model)
             return hidden.index_select(0, staged.logits_indices), True
         return run_eager, staged.input_ids
 
     def _apply_diff(self, diff: SchedulerOutput) -> None:
-        """The diff on the cached requests and the batch, then on the grammars."""
+        """The diff on the cached requests and the batch, then on the books of each."""
         self.cached.apply(diff)
         self.prompt_logprobs.apply(diff)
-        for handle in diff.finished_handles:
-            self.grammar.finish(handle)
-        for handle in diff.preempted_handles:
-            self.grammar.preempt(handle)
-        for new in diff.new_requests:
-            self.grammar.add(new.handle, new.constraint)
-        for res in diff.resumed_requests:
-            self.grammar.resume(res.handle, self.requests[res.handle].output_token_ids)
+        self.pooling.apply(diff)
+        self.grammar.apply(diff, self.requests)
 
     def _record_samples(self, pending: PendingStep, sampled: SampledTokens) -> RunnerOutput:
         """Write the sampled ids into the batch and the cached states; build the reply. A

@@ -143,6 +143,17 @@ class GrammarBook:
         self._unreported.discard(handle)
         self._errors.pop(handle, None)
 
+    def apply(self, diff, requests) -> None:
+        """A step's diff (a SchedulerOutput; `requests`: the cached states by handle)."""
+        for handle in diff.finished_handles:
+            self.finish(handle)
+        for handle in diff.preempted_handles:
+            self.preempt(handle)
+        for new in diff.new_requests:
+            self.add(new.handle, new.constraint)
+        for res in diff.resumed_requests:
+            self.resume(res.handle, requests[res.handle].output_token_ids)
+
     def clear(self) -> None:
         self._live.clear()
         self._constraints.clear()

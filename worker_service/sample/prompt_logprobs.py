@@ -69,16 +69,17 @@ class PromptLogprobStep:
     query_rows: np.ndarray              # int64: rows of the step's flattened tokens
     targets: np.ndarray                 # int64: the prompt token each row predicts
     k: int                              # the widest k of the step
+    vocab_size: int
     out: tuple[torch.Tensor, ...] | None = None
     done: torch.cuda.Event | None = None
 
-    def launch(self, hidden: torch.Tensor, model, vocab_size: int) -> None:
+    def launch(self, hidden: torch.Tensor, model) -> None:
         """Compute from the step's hidden states (every token row) and queue the copies to the
         host (no sync: `finish` waits)."""
         device = hidden.device
         rows, targets = (_to_device(a, device) for a in (self.query_rows, self.targets))
         parts = []
-        step = max(1, _LOGIT_ELEMENTS // vocab_size)
+        step = max(1, _LOGIT_ELEMENTS // self.vocab_size)
         for i in range(0, len(self.query_rows), step):
             logits = model.compute_logits(hidden.index_select(0, rows[i:i + step]))
             parts.append(token_logprobs(logits, targets[i:i + step], self.k))
@@ -117,7 +118,8 @@ class PromptLogprobBook:
     """The cached requests that want prompt logprobs: filling (`pending`, chunks still to come)
     and done but not yet sent (`ready`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self.pending: dict[int, _Entry] = {}
         self.ready: dict[int, PromptLogprobs] = {}
         self._entries: dict[int, _Entry] = {}     # every one of them, by handle
@@ -171,7 +173,7 @@ class PromptLogprobBook:
             return None
         k = max(c.entry.k for c in chunks)
         cat = (lambda a: np.concatenate(a) if a else np.zeros(0, np.int64))
-        return PromptLogprobStep(chunks, cat(query), cat(targets), k)
+        return PromptLogprobStep(chunks, cat(query), cat(targets), k, self.vocab_size)
 
     def record(self, step: PromptLogprobStep) -> None:
         """The step's rows into their requests; a completed one becomes ready."""

@@ -119,6 +119,7 @@ class PendingStep:
     layout: int = -1                        # ...valid while InputBatch.layout is this
     prompt_logprobs: object | None = None   # the step's PromptLogprobStep, when it has one
     spec: object | None = None              # the step's SpecStep (drafts), when it has one
+    pooling: object | None = None           # the step's PoolingStep, when it has one
 
     def wait_device(self) -> None:
         """Block until the step's device work is done (its read-back, else its staging copies);

@@ -208,7 +208,10 @@ def test_good_layout_decodes():
     [1, b"", b"", b"", {}, b"", b""],                      # request errors not a map
     [1, b"", b"", b"", {}, b"", {0: 5}],                   # an error message not a string
     [1, b"", b"", b"", {}, b"", {0: "x" * 1001}],          # an error message too long
-    [1, b"", b"", b"", {}, b"", {}, {}, {}],               # 9 fields, not 5 to 8
+    [1, b"", b"", b"", {}, b"", {}, {}, {}, {}],           # 10 fields, not 5 to 9
+    [1, b"", b"", b"", {}, b"", {}, {}, {0: 5}],           # a pooled vector not bytes
+    [1, b"", b"", b"", {}, b"", {}, {}, {0: b""}],         # an empty pooled vector
+    [1, b"", b"", b"", {}, b"", {}, {}, {0: b"\x00" * 6}],  # not whole float32s
     [1, b"", b"", b"", {}, b"", {}, {0: [b"", b""]}],      # prompt entry not 4 arrays
     [1, b"", b"", b"", {}, b"", {}, {0: [b"\x00" * 4, b"", b"", b""]}],  # 1 logprob, 0 ranks
     [1, b"", b"", b"", {}, b"", {}, {0: [b"\x00" * 8, b"\x00" * 8, b"\x00" * 12,

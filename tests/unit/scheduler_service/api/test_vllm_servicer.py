@@ -173,7 +173,8 @@ def test_refusals_name_the_field(stub):
     assert "sampling_params.max_tokens" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         stub.Embed(pb.EmbedRequest())
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION     # a generating server
+    assert "--runner generate; Embed needs --runner pooling" in err.value.details()
     for timeout_s, shown in ((-1.0, "-1.0"), (float("nan"), "nan"), (1e9, "1000000000.0")):
         with pytest.raises(grpc.RpcError) as err:
             stub.FlushCache(cpb.FlushCacheRequest(timeout_s=timeout_s), timeout=10)

@@ -1,0 +1,143 @@
+"""How a pooling (embedding) request turns its prompt's hidden states into one vector.
+
+vLLM's `--runner pooling` embed task: the final hidden states (after the model's last norm, before
+the LM head), pooled over the prompt, then optionally L2-normalised. The default for a decoder
+model is LAST with normalisation (vLLM's embed default); a sentence-transformers directory's
+`modules.json` and `1_Pooling/config.json` override it (vLLM reads them too), and
+`--pooler-config '{"pooling_type": "MEAN", "normalize": false}'` overrides both.
+
+On the step protocol a request's pooling travels as one int (`code`): the type's index, plus
+NORMALIZE when the vector is normalised; NO_POOLING for a generation request.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_common.request.params import ParamError, SamplingParams, StoppingParams
+
+NO_POOLING = -1
+# Pooling types, by their index on the wire.
+LAST, MEAN, CLS = 0, 1, 2
+POOLING_TYPES = {"LAST": LAST, "MEAN": MEAN, "CLS": CLS}
+NORMALIZE = 4
+# What a pooling request samples (and drops) once its prompt is computed: one greedy token.
+POOL_SAMPLING = SamplingParams(temperature=0.0)
+POOL_STOPPING = StoppingParams(max_tokens=1)
+
+# sentence-transformers module classes a directory may list: what they do is done here.
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# 1_Pooling/config.json's mode flags -> our type.
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_cls_token": "CLS"}
+
+
+class PoolerConfigError(ValueError):
+    """A pooler configuration (flag or model files) this engine cannot honour."""
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    @property
+    def code(self) -> int:
+        """The int the step protocol carries for a request pooled this way."""
+        return POOLING_TYPES[self.pooling_type] | (NORMALIZE if self.normalize else 0)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """MEAN and CLS read positions a prefix-cache hit would skip: such requests skip the
+        prefix cache (LAST reads only the last position, which is always computed)."""
+        return self.pooling_type != "LAST"
+
+
+def decode_code(code: int) -> tuple[int, bool]:
+    """(pooling type index, normalize) of a wire code; ValueError for a code no config makes."""
+    kind, normalize = code & ~NORMALIZE, bool(code & NORMALIZE)
+    if code < 0 or kind not in POOLING_TYPES.values():
+        raise ValueError(f"pooling code {code}: expected a type in 0..{len(POOLING_TYPES) - 1}, "
+                         f"plus {NORMALIZE} to normalise")
+    return kind, normalize
+
+
+def needs_every_position(code: int) -> bool:
+    return code != NO_POOLING and code & ~NORMALIZE != LAST
+
+
+def parse_pooler_config(text: str | None, base: PoolerConfig) -> PoolerConfig:
+    """`--pooler-config` JSON over `base` (the model's own); keys pooling_type and normalize."""
+    if not text:
+        return base
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PoolerConfigError(f"--pooler-config: not JSON ({e}): {text!r}") from None
+    if not isinstance(given, dict):
+        raise PoolerConfigError(f"--pooler-config: expected a JSON object, got {text!r}")
+    unknown = sorted(set(given) - {"pooling_type", "normalize"})
+    if unknown:
+        raise PoolerConfigError(f"--pooler-config: unknown key(s) {unknown}; "
+                                "allowed: pooling_type, normalize")
+    kind = given.get("pooling_type", base.pooling_type)
+    if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+        raise PoolerConfigError(f"--pooler-config: pooling_type {kind!r}: expected one of "
+                                f"{sorted(POOLING_TYPES)}")
+    normalize = given.get("normalize", base.normalize)
+    if not isinstance(normalize, bool):
+        raise PoolerConfigError(f"--pooler-config: normalize {normalize!r}: expected true or "
+                                "false")
+    return PoolerConfig(kind.upper(), normalize)
+
+
+def model_pooler_config(model_dir: str | Path) -> PoolerConfig:
+    """The directory's own pooling: its sentence-transformers files when it has them (a module
+    we do not run, such as a Dense projection, is refused by name), else LAST + normalize."""
+    path = Path(model_dir)
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return PoolerConfig()
+    modules = _read_json(modules_file)
+    kinds = [m.get("type") for m in modules] if isinstance(modules, list) else None
+    if not kinds or not all(isinstance(m, dict) for m in modules):
+        raise PoolerConfigError(f"{modules_file}: expected a list of modules with a 'type'")
+    others = [k for k in kinds if k not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
+    if others:
+        raise PoolerConfigError(f"{modules_file}: module(s) {others} are not supported; "
+                                f"supported: {_ST_TRANSFORMER}, {_ST_POOLING}, {_ST_NORMALIZE}")
+    kind = "LAST"
+    if _ST_POOLING in kinds:
+        folder = modules[kinds.index(_ST_POOLING)].get("path") or "1_Pooling"
+        kind = _st_pooling_type(path / folder / "config.json")
+    return PoolerConfig(kind, _ST_NORMALIZE in kinds)
+
+
+def _st_pooling_type(config_file: Path) -> str:
+    config = _read_json(config_file)
+    chosen = [mode for flag, mode in _ST_MODES.items() if config.get(flag)]
+    others = sorted(k for k, v in config.items()
+                    if k.startswith("pooling_mode_") and v and k not in _ST_MODES)
+    if others or len(chosen) != 1:
+        raise PoolerConfigError(
+            f"{config_file}: pooling modes {others + chosen or 'none'}: exactly one of "
+            f"{sorted(_ST_MODES)} is supported")
+    return chosen[0]
+
+
+def _read_json(path: Path):
+    if not path.is_file():
+        raise PoolerConfigError(f"{path} is missing")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PoolerConfigError(f"{path}: not JSON ({e})") from None
+
+
+def check_pooling_prompt(num_prompt_tokens: int) -> None:
+    """An embedding needs at least one token."""
+    if num_prompt_tokens < 1:
+        raise ParamError("input", num_prompt_tokens, "at least one token")

@@ -1,0 +1,78 @@
+"""Embeddings on the scheduler side: which pooling a `--runner pooling` server applies, and one
+embedding request through the engine (the vLLM engine protocol's Embed calls `embed`).
+
+A pooling request is an engine Request with `pooling` set: it computes its prompt (chunked,
+with prefix-cache hits for LAST pooling), samples one greedy token nobody sees, and finishes
+with its vector (docs/embeddings.md).
+"""
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from engine_common.request.params import ParamError
+from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerConfig,
+                                           PoolerConfigError, model_pooler_config,
+                                           parse_pooler_config)
+from scheduler_service.api.front_door import FrontDoor, check_prompt_length, check_vocab
+from scheduler_service.core.request import Request
+from scheduler_service.errors import RequestFailed
+
+
+def served_pooler(runner: str, pooler_config: str | None, model_dir: str
+                  ) -> PoolerConfig | None:
+    """The server's pooling for --runner pooling (the model directory's, under
+    --pooler-config); None for --runner generate (where --pooler-config is refused)."""
+    if runner != "pooling":
+        if pooler_config:
+            raise ParamError("--pooler-config", pooler_config, "only with --runner pooling")
+        return None
+    try:
+        return parse_pooler_config(pooler_config, model_pooler_config(model_dir))
+    except PoolerConfigError as e:
+        raise ParamError("--pooler-config", pooler_config or "unset",
+                         f"a pooling this engine runs ({e})") from None
+
+
+async def prompt_of(door: FrontDoor, input_ids, text: str, caller: str) -> list[int]:
+    """The ids to embed: `input_ids` (checked against the vocabulary), else `text` tokenized
+    on the pool; at least one, and fewer than max_model_len (one more position is computed)."""
+    info = door.model.info
+    if len(input_ids) >= info.max_model_len:       # before copying millions of ids
+        check_prompt_length(len(input_ids), 1, info.max_model_len, "tokenized")
+    if len(input_ids):
+        ids = list(input_ids)
+        check_vocab("tokenized.input_ids", ids, info.vocab_size)
+    elif text:
+        if len(text) > door.model.prompt_chars_fit:
+            raise ParamError("tokenized.original_text", f"{len(text)} characters",
+                             f"at most {door.model.prompt_chars_fit}")
+        ids = await door.offload(caller, door.model.tokenizer.encode, text)
+    else:
+        raise ParamError("tokenized", "no input_ids and no original_text",
+                         "at least one token id, or a text")
+    if not ids:
+        raise ParamError("tokenized.original_text", repr(text), "a text of at least one token")
+    check_prompt_length(len(ids), 1, info.max_model_len, "tokenized")
+    return ids
+
+
+async def embed(engine, door: FrontDoor, request_id: str, prompt_ids: list[int],
+                cache_salt: str, on_output=None) -> list[float]:
+    """The vector of one prompt, pooled as the server's pooler says (`on_output`: called with
+    the request's output, for the request counters). A cancelled caller aborts the request."""
+    model = door.model
+    request = Request(request_id, prompt_ids, POOL_SAMPLING, POOL_STOPPING,
+                      model.info.eos_token_ids, num_logprobs=None, cache_salt=cache_salt,
+                      pooling=model.pooler.code)
+    last = None
+    async with aclosing(engine.generate(request)) as outputs:
+        async for out in outputs:
+            last = out
+            if on_output is not None:
+                on_output(out)
+    if last is not None and last.error is not None:
+        raise last.error
+    if last is None or last.embedding is None:
+        raise RequestFailed(f"embedding request {request_id!r} ended without a vector "
+                            f"({'no output' if last is None else last.finish_reason!r})")
+    return last.embedding

@@ -1,0 +1,144 @@
+"""Pooling (embedding) requests on the worker: one vector per request from the final hidden states
+of its prompt (after the model's last norm, before the LM head), as vLLM's embed pooler.
+
+LAST takes the last prompt position's row, computed in the step that completes the prompt (a
+prefix-cache hit never covers it: the scheduler always computes at least the last token). MEAN
+adds each chunk's rows to a float32 sum on the device, CLS keeps the first position's row; both
+come with no prefix hit (the scheduler skips the cache for them), and a recompute after a
+preemption adds no position twice. The vector, normalised when asked (L2, float32), reaches the
+host once, in the reply of the step where the request samples its first token (the scheduler
+then finishes it: a pooling request never decodes).
+
+Every rank holds the full hidden state after the last all-reduce and computes the same vector;
+only the output rank's reply is read. A step without pooling requests stops at one falsy check
+in `PoolingBook.plan` and `finish`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_common.request.pooling import CLS, LAST, MEAN, NO_POOLING, decode_code
+from engine_common.wire.diff import RunnerOutput, SchedulerOutput
+
+
+@dataclass(eq=False)
+class _Entry:
+    kind: int
+    normalize: bool
+    prompt_len: int
+    covered: int = 0                     # prompt positions already pooled (MEAN, CLS)
+    acc: torch.Tensor | None = None      # MEAN: the sum so far; CLS: the first row (float32)
+
+
+@dataclass
+class _Chunk:
+    handle: int
+    entry: _Entry
+    first_row: int       # the step's row of its first new position
+    count: int           # new prompt positions in this step (MEAN, CLS: those not pooled yet)
+    last: bool           # this step computes the prompt's last position
+
+
+@dataclass
+class PoolingStep:
+    """One step's pooling work; after `launch`, the finished vectors on their way to the host."""
+
+    chunks: list[_Chunk]
+    out: dict[int, torch.Tensor] | None = None
+    done: torch.cuda.Event | None = None
+
+    def launch(self, hidden: torch.Tensor, model=None) -> None:
+        """Pool from the step's hidden states (every token row); queue the copies (no sync)."""
+        out = {}
+        for c in self.chunks:
+            e = c.entry
+            rows = hidden[c.first_row:c.first_row + c.count].float()
+            if e.kind == MEAN and c.count:
+                e.acc = rows.sum(0) if e.acc is None else e.acc + rows.sum(0)
+            elif e.kind == CLS and c.count and e.acc is None:
+                e.acc = rows[0].clone()
+            if c.last:
+                vec = rows[-1] if e.kind == LAST else e.acc
+                if e.kind == MEAN:
+                    vec = vec / e.prompt_len
+                if e.normalize:
+                    vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
+                out[c.handle] = vec
+        if hidden.device.type == "cuda" and out:
+            out = {h: v.to("cpu", non_blocking=True) for h, v in out.items()}
+            self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream(hidden.device))
+        self.out = out
+
+    def finish(self) -> dict[int, np.ndarray]:
+        if self.done is not None:
+            self.done.synchronize()
+        return {h: v.numpy() for h, v in (self.out or {}).items()}
+
+
+class PoolingBook:
+    """The cached pooling requests: still computing their prompt (`pending`) and pooled but not
+    yet sent (`ready`)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, _Entry] = {}
+        self.ready: dict[int, np.ndarray] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.pending or self.ready)
+
+    def apply(self, diff: SchedulerOutput) -> None:
+        """Finished requests dropped; new pooling requests added."""
+        if self:
+            for handle in diff.finished_handles:
+                self.pending.pop(handle, None)
+                self.ready.pop(handle, None)
+        for new in diff.new_requests:
+            if new.pooling != NO_POOLING:
+                kind, normalize = decode_code(new.pooling)
+                self.pending[new.handle] = _Entry(kind, normalize, len(new.prompt_token_ids))
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.ready.clear()
+
+    def plan(self, batch, inputs) -> PoolingStep | None:
+        """This step's prompt rows of the pending requests (an InputBatch before the step's
+        tokens are counted computed, the step's StepInputs), or None when none."""
+        if not self.pending:
+            return None
+        chunks = []
+        for i, row in enumerate(inputs.rows.tolist()):
+            handle = int(batch.handle_ids[row])
+            e = self.pending.get(handle)
+            if e is None:
+                continue
+            start, n = int(batch.num_computed[row]), int(inputs.num_scheduled[i])
+            end = min(start + n, e.prompt_len)
+            q = int(inputs.query_start_loc[i])
+            last = end >= e.prompt_len
+            if e.kind == LAST:
+                if last:
+                    chunks.append(_Chunk(handle, e, q + end - 1 - start, 1, True))
+            else:
+                begin = max(start, e.covered)      # a recompute adds no position twice
+                count = max(0, end - begin)
+                if count or last:
+                    chunks.append(_Chunk(handle, e, q + begin - start, count, last))
+                e.covered = max(e.covered, end)
+            if last:
+                del self.pending[handle]
+        return PoolingStep(chunks) if chunks else None
+
+    def finish(self, step: PoolingStep | None, out: RunnerOutput) -> None:
+        """At a step's finish: its vectors become ready; those of requests that sampled in it
+        go into the reply, once."""
+        if step is not None:
+            self.ready.update(step.finish())
+        if self.ready:
+            for h in out.handles:
+                if h in self.ready:
+                    out.pooled[h] = self.ready.pop(h)
