@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from deltaserve.llm import LLM
-from tests.support.hf_reference import hf_model
+from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.request.pooling import MEAN, POOL_SAMPLING, POOL_STOPPING
+from scheduler_service.core.request import Request
+from tests.support.hf_reference import hf_greedy, hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], list(range(3, 40)), [42]]
 
@@ -131,3 +134,39 @@ def test_runner_mismatches_are_refused(tiny_models):
         LLM(model, dtype="float32", num_kv_blocks=64, runner="pool")
     with pytest.raises(ValueError, match="pooling_type 'SUM'"):
         pooling_llm(model, pooler_config={"pooling_type": "SUM"})
+
+
+def test_pooling_requests_preempted_mid_prompt_pool_every_position_once(tiny_models):
+    """A generating request that grows preempts pooling requests in the middle of their chunked
+    prompts (a KV cache of 6 blocks); recomputed from position 0, MEAN adds no position twice,
+    and generation and vectors both equal transformers'."""
+    model = tiny_models("qwen3")
+    llm = LLM(model, dtype="float32", num_kv_blocks=6, block_size=16, max_num_seqs=8,
+              max_num_batched_tokens=16)
+    preempted = []
+    real = llm.scheduler._preempt
+    llm.scheduler._preempt = lambda request, *a, **k: (preempted.append(request.request_id),
+                                                       real(request, *a, **k))[1]
+    eos = llm.model_info.eos_token_ids
+    gen_prompt = [5, 17, 99, 42, 7] * 4
+    gen = Request("gen", list(gen_prompt), SamplingParams(temperature=0.0),
+                  StoppingParams(max_tokens=60, ignore_eos=True), eos)
+    llm.engine.add_request(gen)
+    tokens = []
+    while gen.num_output_tokens < 26:    # 46 tokens: the next block needed at position 48
+        tokens += [t for out in llm.engine.step() for t in out.new_token_ids]
+    prompts = [list(range(3 + i, 43 + i)) for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(Request(f"p{i}", list(prompt), POOL_SAMPLING, POOL_STOPPING, eos,
+                                       num_logprobs=None, pooling=MEAN))
+    vectors = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.request_id == "gen":
+                tokens += out.new_token_ids
+            else:
+                vectors[out.request_id] = out
+    assert any(rid.startswith("p") for rid in preempted), preempted
+    assert tokens == list(hf_greedy(model, tuple(gen_prompt), 60).token_ids)
+    assert_vectors([vectors[f"p{i}"] for i in range(3)],
+                   expected_vectors(model, prompts, "MEAN", normalize=False))

@@ -39,9 +39,11 @@ constraint = st.none() | st.one_of(
     st.builds(Constraint, st.sampled_from(["json_schema", "regex", "grammar"]), text),
     st.just(Constraint("json_object", True)),
     st.builds(Constraint, st.just("choice"), st.lists(text, min_size=1, max_size=4)))
+# prompt logprobs (-1: none) and pooling (-1: none; else a type 0..2, plus 4 to normalise)
 new_request = st.builds(NewRequestData, handle, st.lists(u32, min_size=1, max_size=20),
                         worker_sampling, block_ids, st.integers(0, 4096), st.integers(0, 20),
-                        constraint)
+                        constraint, st.integers(-1, 5),
+                        st.sampled_from([-1, 0, 1, 2, 4, 5, 6]))
 resumed_request = st.builds(ResumedRequestData, handle, block_ids, st.integers(0, 4096))
 scheduler_output = st.builds(
     SchedulerOutput, st.integers(0, 2**40), st.lists(new_request, max_size=3),
@@ -64,8 +66,10 @@ def runner_output(draw):
         lambda nk: st.tuples(*(st.lists(e, min_size=size, max_size=size) for e, size in (
             (f32, nk[0]), (u32, nk[0]), (u32, nk[0] * nk[1]), (f32, nk[0] * nk[1]))))),
         max_size=2))
+    pooled = draw(st.dictionaries(u32, st.lists(f32, min_size=1, max_size=8), max_size=2))
     return RunnerOutput(draw(st.integers(0, 2**40)), handles, ids, lps, top,
-                        prompt_logprobs={h: PromptLogprobs(*p) for h, p in prompt.items()})
+                        prompt_logprobs={h: PromptLogprobs(*p) for h, p in prompt.items()},
+                        pooled=pooled)
 
 
 @settings(max_examples=150, deadline=None)
@@ -78,6 +82,14 @@ def test_scheduler_output_round_trip(out):
 @given(runner_output())
 def test_runner_output_round_trip(out):
     assert decode_runner_output(encode_runner_output(out)) == out
+
+
+@pytest.mark.parametrize("pooling", [3, 7, 8, 100])
+def test_a_pooling_code_no_config_makes_raises(pooling):
+    new = [1, np.arange(3, dtype=np.uint32).tobytes(), [b"", 0, 0, []], [], 0, 0, None, -1,
+           pooling]
+    with pytest.raises(CodecError, match="pooling code"):
+        decode_scheduler_output(msgpack.packb([1, [new], [], None, {}, [], []]))
 
 
 def test_steady_state_diff_is_tiny():
@@ -264,8 +276,8 @@ def test_request_errors_travel_after_the_compiled_handles_only_when_there_are_an
 @settings(max_examples=100, deadline=None)
 @given(runner_output())
 def test_runner_output_from_numpy_arrays_encodes_like_lists(out):
-    """The model runner hands over its sampled ids, logprobs and top alternatives as numpy
-    arrays (int64 / float32, as the sampler makes them): the wire bytes are those of the lists."""
+    """The model runner hands over its sampled ids, logprobs, top alternatives and pooled vectors
+    as numpy arrays (int64 / float32, as it makes them): the wire bytes are those of the lists."""
     as_arrays = RunnerOutput(
         out.step, np.asarray(out.handles, np.int64), np.asarray(out.sampled_token_ids, np.int64),
         np.asarray(out.logprobs, np.float32),
@@ -274,7 +286,8 @@ def test_runner_output_from_numpy_arrays_encodes_like_lists(out):
         out.compiled_handles, prompt_logprobs={h: PromptLogprobs(
             np.asarray(p.logprobs, np.float32), np.asarray(p.ranks, np.int64),
             np.asarray(p.top_ids, np.int64), np.asarray(p.top_logprobs, np.float32))
-            for h, p in out.prompt_logprobs.items()})
+            for h, p in out.prompt_logprobs.items()},
+        pooled={h: np.asarray(v, np.float32) for h, v in out.pooled.items()})
     assert encode_runner_output(as_arrays) == encode_runner_output(out)
     assert decode_runner_output(encode_runner_output(as_arrays)) == out
 

@@ -1,0 +1,90 @@
+"""engine_common.request.pooling: the pooler configuration from --pooler-config and from a
+sentence-transformers directory, and its wire code."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_common.request.pooling import (CLS, LAST, MEAN, NORMALIZE, PoolerConfig,
+                                           PoolerConfigError, decode_code,
+                                           model_pooler_config, needs_every_position,
+                                           parse_pooler_config)
+
+TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
+POOLING = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+NORM = {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+
+
+def test_codes_round_trip_and_say_what_skips_the_prefix_cache():
+    for kind, index in (("LAST", LAST), ("MEAN", MEAN), ("CLS", CLS)):
+        for normalize in (False, True):
+            config = PoolerConfig(kind, normalize)
+            assert decode_code(config.code) == (index, normalize)
+            assert needs_every_position(config.code) == (kind != "LAST")
+    assert PoolerConfig().code == LAST | NORMALIZE
+    assert not needs_every_position(-1)
+    for bad in (-2, 3, 7, 8):
+        with pytest.raises(ValueError, match=f"pooling code {bad}"):
+            decode_code(bad)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (None, PoolerConfig("LAST", True)),
+    ('{"pooling_type": "mean"}', PoolerConfig("MEAN", True)),
+    ('{"normalize": false}', PoolerConfig("LAST", False)),
+    ('{"pooling_type": "CLS", "normalize": true}', PoolerConfig("CLS", True)),
+])
+def test_pooler_config_flag_overrides_the_model(text, expected):
+    assert parse_pooler_config(text, PoolerConfig()) == expected
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{", "not JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"pooling": "MEAN"}', "unknown key(s) ['pooling']"),
+    ('{"pooling_type": "ALL"}', "pooling_type 'ALL': expected one of"),
+    ('{"normalize": "yes"}', "normalize 'yes': expected true or false"),
+])
+def test_bad_pooler_config_flags_name_the_problem(text, says):
+    with pytest.raises(PoolerConfigError) as err:
+        parse_pooler_config(text, PoolerConfig())
+    assert says in str(err.value)
+
+
+def _st_dir(tmp_path, modules, pooling: dict | None = None):
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    if pooling is not None:
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return tmp_path
+
+
+def test_model_directory_pooling(tmp_path):
+    assert model_pooler_config(tmp_path) == PoolerConfig("LAST", True)    # no ST files
+    last = {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}
+    d = _st_dir(tmp_path, [TRANSFORMER, POOLING, NORM], last)
+    assert model_pooler_config(d) == PoolerConfig("LAST", True)
+    (d / "modules.json").write_text(json.dumps([TRANSFORMER, POOLING]))
+    assert model_pooler_config(d) == PoolerConfig("LAST", False)
+
+
+@pytest.mark.parametrize("pooling, says", [
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True}, "exactly one of"),
+    ({"pooling_mode_max_tokens": True}, "pooling_mode_max_tokens"),
+    ({}, "none"),
+])
+def test_unsupported_sentence_transformers_pooling_is_refused(tmp_path, pooling, says):
+    with pytest.raises(PoolerConfigError, match=says):
+        model_pooler_config(_st_dir(tmp_path, [TRANSFORMER, POOLING], pooling))
+
+
+def test_missing_or_broken_sentence_transformers_files_are_refused(tmp_path):
+    with pytest.raises(PoolerConfigError, match="1_Pooling/config.json is missing"):
+        model_pooler_config(_st_dir(tmp_path, [TRANSFORMER, POOLING]))
+    (tmp_path / "modules.json").write_text("{")
+    with pytest.raises(PoolerConfigError, match="modules.json: not JSON"):
+        model_pooler_config(tmp_path)
+    (tmp_path / "modules.json").write_text('{"a": 1}')
+    with pytest.raises(PoolerConfigError, match="expected a list of modules"):
+        model_pooler_config(tmp_path)
