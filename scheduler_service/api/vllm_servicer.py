@@ -40,7 +40,7 @@ from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
 from scheduler_service.api.request_limits import check_abort_ids
-from scheduler_service.api.status import status_for
+from scheduler_service.api.request_tally import RequestTally
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 chunk_to_proto, complete_to_proto,
@@ -53,7 +53,6 @@ from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
 from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
-from scheduler_service.engine.serving_counters import ServingCounters
 
 log = logging.getLogger(__name__)
 
@@ -72,35 +71,6 @@ class _Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs = None       # its prompt logprobs, once they came
-
-
-class _Tally:
-    """One Generate call in the request counters (docs/metrics.md: received = rejected +
-    success + in flight). The call is one request until it is validated, then its n choices;
-    a failure before any output rejects them all (by status code), after one it ends those
-    choices not yet finished with `finished_reason="error"` (the finished ones were counted
-    as successes by the stream hub)."""
-
-    def __init__(self, counters: ServingCounters):
-        self._counters = counters
-        self._requests = 1
-        self._outputs = self._finished = 0
-        counters.received()
-
-    def choices(self, n: int) -> None:
-        if n > self._requests:
-            self._counters.received(n - self._requests)
-            self._requests = n
-
-    def output(self, out: RequestOutput) -> None:
-        self._outputs += 1
-        self._finished += out.finished
-
-    def failed(self, error: Exception) -> None:
-        if self._outputs:
-            self._counters.failed_after_output(self._requests - self._finished)
-        else:
-            self._counters.rejected(status_for(error)[0].name, self._requests)
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -130,8 +100,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """Chunks per step while streaming, then one `complete` per choice. Counted in the
-        request counters as deltaserve.v1's Generate is (`_Tally`)."""
-        tally = _Tally(self._engine.counters)
+        request counters as deltaserve.v1's Generate is (`RequestTally`)."""
+        tally = RequestTally(self._engine.counters)
         try:
             self._model.check_runner("Generate")
             inp, prompt_ids = await self._validate(request, pool_caller(context))
@@ -158,7 +128,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return inp, await self._door.prompt_ids(inp, caller)
 
     async def _run(self, inp: ValidatedRequest, prompt_ids: list[int], caller: str,
-                   cache_salt: str, tally: _Tally) -> AsyncIterator[pb.GenerateResponse]:
+                   cache_salt: str, tally: RequestTally) -> AsyncIterator[pb.GenerateResponse]:
         key = scoped_id(caller, inp.request_id)     # each API key has its own ids
         max_waiting = self._shape.max_waiting
         if max_waiting is not None and inp.n > max_waiting:
@@ -178,7 +148,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 self._children.pop(key, None)
 
     async def _choices(self, inp: ValidatedRequest, ids: tuple[str, ...], prompt_ids: list[int],
-                       cache_salt: str, tally: _Tally) -> AsyncIterator[pb.GenerateResponse]:
+                       cache_salt: str, tally: RequestTally) -> AsyncIterator[pb.GenerateResponse]:
         requests = [self._door.engine_request(inp, rid, prompt_ids, cache_salt,
                                               child_sampling(inp.sampling, i))
                     for i, rid in enumerate(ids)]
@@ -303,7 +273,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """One prompt's vector, on a --runner pooling server (FAILED_PRECONDITION on a
         generating one, and Generate there): tokenized.input_ids, else original_text
         tokenized here. Counted in the request counters as a Generate is."""
-        tally = _Tally(self._engine.counters)
+        tally = RequestTally(self._engine.counters)
         try:
             self._model.check_runner("Embed")
             caller = caller_of(context)
