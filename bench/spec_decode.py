@@ -44,14 +44,16 @@ def conversations(n: int) -> list[list[dict]]:
     return out
 
 
-def run_once(llm, chats, max_tokens: int, concurrency: int,
-             temperature: float = 0.0) -> tuple[float, list[list[int]]]:
+def run_once(llm, chats, max_tokens: int, concurrency: int, temperature: float = 0.0,
+             repetition_penalty: float = 1.0) -> tuple[float, list[list[int]]]:
     """Every conversation, `concurrency` at a time; (seconds, output ids of each). Sampled
     (temperature > 0): conversation i has seed i, so both engines draw the same tokens."""
     start, ids = time.perf_counter(), []
     for i in range(0, len(chats), concurrency):
         part = chats[i:i + concurrency]
-        sampling = [SamplingParams(temperature=temperature, seed=i + j) for j in range(len(part))]
+        sampling = [SamplingParams(temperature=temperature, seed=i + j,
+                                   repetition_penalty=repetition_penalty)
+                    for j in range(len(part))]
         outs = llm.chat(part, sampling, StoppingParams(max_tokens=max_tokens))
         ids += [o.token_ids for o in outs]
     return time.perf_counter() - start, ids
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above: sampled with a seed per conversation")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's repetition_penalty for every conversation (1: off)")
     args = p.parse_args(argv)
 
     from deltaserve.llm import LLM
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                "on": LLM(model, dtype="float32", speculative_config=spec)}
     chats = conversations(args.num_prompts)
     for llm in engines.values():                  # warm-up (untimed): the same work once
-        run_once(llm, chats, args.max_tokens, args.concurrency, args.temperature)
+        run_once(llm, chats, args.max_tokens, args.concurrency, args.temperature,
+                 args.repetition_penalty)
     engines["on"].scheduler.spec.stats = type(engines["on"].scheduler.spec.stats)(
         accepted_per_pos=[0] * args.num_speculative_tokens)
     rates: dict[str, list[float]] = {"off": [], "on": []}
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
             elapsed, ids = run_once(engines[name], chats, args.max_tokens, args.concurrency,
-                                    args.temperature)
+                                    args.temperature, args.repetition_penalty)
             tokens = sum(map(len, ids))
             rates[name].append(tokens / elapsed)
             print(f"round {r} spec {name:3}: {tokens} tokens in {elapsed:.2f} s = "

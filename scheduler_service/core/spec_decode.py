@@ -14,13 +14,13 @@ num_computed_tokens drops by the rejected drafts (their KV slots are written aga
 next step; the blocks stay with the request until it ends). The stop rules see each token in
 order and cut the run where one-token decoding would have stopped.
 
-Who drafts (the rest decode one token a step, as without speculation): greedy and sampled
-requests (temperature, top-k, top-p, min-p, seed) without penalties, logit_bias or token-id
-sets, without a grammar, asking at most for the sampled token's logprob, and past min_tokens.
-The workers verify a draft by the draw one-token decoding would make at its position (argmax,
-or the seeded Gumbel-max draw with that token's counter), so their tokens are exactly those of
-decoding without drafts, and for sampled requests this is the rejection sampler of an n-gram
-(probability-1) draft.
+Who drafts (the rest decode one token a step, as without speculation): every request but
+those with a grammar or asking for top alternatives; greedy and sampled, with penalties,
+min_tokens, logit_bias and token-id sets. The workers verify a draft by the draw one-token
+decoding would make at its position (argmax, or the seeded Gumbel-max draw with that token's
+counter, the penalties' history and min_tokens of that position), so their tokens are exactly
+those of decoding without drafts, and for sampled requests this is the rejection sampler of an
+n-gram (probability-1) draft.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_common.configuration.speculative import SpeculativeConfig
-from engine_common.request.params import ID_SET_KNOBS
 from engine_common.wire.diff import RunnerOutput
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
@@ -58,13 +57,10 @@ class SpecStats:
 
 
 def can_draft(request: Request) -> bool:
-    """Whether the request's drafts are verified by one draw per position from the row's own
-    sampling inputs, unchanged along the run (see the module docstring): greedy or sampled."""
-    sp = request.sampling
-    return (request.constraint is None and not request.num_logprobs
-            and not sp.logit_bias and not sp.has_penalties
-            and len(request.output_token_ids) >= request.stopping.min_tokens
-            and not any(getattr(sp, k.name) for k in ID_SET_KNOBS))
+    """Whether the request may draft: any sampling parameters, but no grammar (its mask at a
+    draft position depends on the drafts before it, which the workers' matcher has not
+    consumed) and no top alternatives (see the module docstring)."""
+    return request.constraint is None and not request.num_logprobs
 
 
 class SpecDecoder:

@@ -23,9 +23,8 @@ from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupporte
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.runner.host_memory import zeroed_host_tensor
 from worker_service.batch.input_batch import InputBatch
-from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
-                                               make_decode_warmup, make_prefill_warmup,
-                                               profile_kv_memory)
+from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
+from worker_service.runner.runner_profile import profile_runner
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
@@ -34,8 +33,7 @@ from worker_service.sample.prompt_logprobs import PromptLogprobBook
 from worker_service.sample.sampler import Sampler, with_grammar_masks
 from worker_service.sample.spec_verify import prepare_with_drafts
 from worker_service.sample.sampling_metadata import (build_sampling_metadata,
-                                                     history_needed, staged_row_dtypes,
-                                                     worst_case_sampling_metadata)
+                                                     history_needed, staged_row_dtypes)
 from worker_service.step.step_buffers import StepBuffers, attention_metadata, stage_step_inputs
 from worker_service.failures import StepProtocolError
 from worker_service.step.step_clock import StepClock
@@ -84,7 +82,9 @@ class ModelRunner:
         self._stagings = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                       max_blocks, self.device, staged_row_dtypes())
                           for _ in range(2)]
-        self._readbacks = [TokenReadback(config.max_num_seqs, self.device) for _ in range(2)]
+        # A speculative step draws at every draft position too: up to the token budget.
+        self._readbacks = [TokenReadback(max(config.max_num_seqs, config.max_num_batched_tokens),
+                                         self.device) for _ in range(2)]
         self.staging, self.readback = self._stagings[0], self._readbacks[0]
         # A stand-in for the forward pass and sampler (bench/host_overhead.py): the host work
         # is real, the device is a timed wait. None: the model runs.
@@ -176,20 +176,7 @@ class ModelRunner:
         """CUDA: what the KV cache may take after a profiled warm-up at the largest step (and
         the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
         every tensor-parallel rank must call it together (the warm-up runs collectives)."""
-        c = self.config
-        def sample(logits: torch.Tensor) -> None:
-            self.sampler.forward(logits, worst_case_sampling_metadata(
-                logits.shape[0], self.vocab_size, self.device))
-
-        warmup = make_prefill_warmup(self.model, self.block_size, c.max_num_batched_tokens,
-                                     c.max_num_seqs, self.max_model_len, self.device, sample)
-        graph_warmup = None
-        if graphs_unsupported_reason(self.attention_backend_name, self.device,
-                                     c.enforce_eager, self.model) is None:
-            graph_warmup = make_decode_warmup(self.model, self.block_size, self._max_graph_batch,
-                                              self.max_model_len, self.device)
-        return profile_kv_memory(warmup, self.kv_block_bytes, gpu_memory_utilization,
-                                 self.device, graph_warmup)
+        return profile_runner(self, gpu_memory_utilization)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
         """The digest of this step's sampled ids, the cached state and the grammars' (see
@@ -292,14 +279,17 @@ class ModelRunner:
         """`taps`: the step's prompt-logprob, pooling and draft work (each None or a step)."""
         prompt, pool, spec = taps
         self.staging.begin()
-        run_model, input_ids = self._stage_model(inputs, [t for t in taps if t is not None])
+        run_model, input_ids = self._stage_model(inputs, [t for t in (prompt, pool) if t], spec)
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
         handles = self.batch.handle_ids[sample_rows].tolist()
         if len(sample_rows):
-            meta = build_sampling_metadata(self.batch, sample_rows, self.vocab_size,
-                                           self.staging, self.grammar.stopped(handles))
+            draw_rows, known, done = sample_rows, None, self.grammar.stopped(handles)
+            if spec is not None:     # also a draw at every draft position (spec_verify.py)
+                draw_rows, known, done = spec.sampling_rows(self.batch, sample_rows, done)
+            meta = build_sampling_metadata(self.batch, draw_rows, self.vocab_size,
+                                           self.staging, done, known)
             if self.grammar:
                 allowed = self.batch.id_sets["allowed_token_ids"]
                 masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu",
@@ -307,8 +297,6 @@ class ModelRunner:
         fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
                                       self.batch.layout)
         self.staging.flush()
-        if spec is not None and meta is not None:   # reads staged columns: after the flush
-            meta = spec.sampling(meta, sample_rows, self.batch, self.sampler)
         if fed is not None and self.simulated is None:
             fed.apply(input_ids)
         self.clock.mark("input_prep")
@@ -341,16 +329,18 @@ class ModelRunner:
                            layout=self.batch.layout, prompt_logprobs=prompt, spec=spec,
                            pooling=pool)
 
-    def _stage_model(self, inputs: StepInputs, taps: list = ()) -> tuple[Callable, torch.Tensor]:
+    def _stage_model(self, inputs: StepInputs, taps: list = (), spec=None
+                     ) -> tuple[Callable, torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
         gives the sampling rows' hidden states and True (the sampler applies the LM head, or
         on CUDA a plain greedy step samples straight from model-dtype logits), from a captured
         graph for a pure-decode batch that fits one, else from the eager model (then each of
-        the step's `taps` reads every token row: prompt logprobs, pooling, drafts verified)."""
+        the step's `taps` reads every token row: prompt logprobs, pooling; and the rows of
+        the `spec` step's draft positions follow the sampling rows)."""
         n = len(inputs.rows)
         g = self.graph_runner
-        if not taps and g is not None and g.graph_batch(
+        if not taps and spec is None and g is not None and g.graph_batch(
                 n, inputs.num_tokens, int(inputs.num_scheduled.max())) is not None:
             staged = g.stage(n, inputs.input_ids, inputs.positions, inputs.slot_mapping,
                              inputs.seq_lens, inputs.block_table, self.staging)
@@ -367,7 +357,9 @@ class ModelRunner:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
             for tap in taps:
                 tap.launch(hidden, self.model)
-            return hidden.index_select(0, staged.logits_indices), True
+            rows = staged.logits_indices if spec is None else spec.logits_rows(
+                staged.logits_indices)
+            return hidden.index_select(0, rows), True
         return run_eager, staged.input_ids
 
     def _apply_diff(self, diff: SchedulerOutput) -> None:

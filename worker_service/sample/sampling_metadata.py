@@ -188,15 +188,20 @@ def id_set_pairs(batch: InputBatch, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 def build_sampling_metadata(batch: InputBatch, rows: np.ndarray, vocab_size: int,
                             staging: StepBuffers,
-                            grammar_done: np.ndarray | None = None) -> SamplingMetadata:
+                            grammar_done: np.ndarray | None = None,
+                            num_tokens: np.ndarray | None = None) -> SamplingMetadata:
     """Stage the sampling columns of `rows` (call between staging.begin() and flush()).
     `grammar_done`: bool per row, True where a complete grammar allows only eos (min_tokens
-    then does not mask it: the grammar wins)."""
+    then does not mask it: the grammar wins). `num_tokens`: per entry of `rows`, the tokens
+    known before the one it samples (default: the batch's num_tokens). A speculative step
+    samples a row at several positions (`rows` repeats it), each with the counter, penalty
+    history and min_tokens masks of its own position (spec_verify.py)."""
     setting = batch.num_rows_setting
     columns = knob_columns(batch, rows, staging)
     penalties = any(columns[k.name] is not None for k in HISTORY_KNOBS)
     num_prompt = batch.num_prompt_tokens[rows]
-    num_tokens = batch.num_tokens[rows]
+    if num_tokens is None:
+        num_tokens = batch.num_tokens[rows]
     counters = (num_tokens - num_prompt).astype(np.int64)
 
     ragged = []

@@ -2,24 +2,24 @@
 their request's row, verified by the sampler's own draw, and the accepted run written back.
 
 A request with k drafts d_0..d_{k-1} after its T known tokens is scheduled 1 + k tokens:
-positions T-1 (its last token) .. T+k-1 (its last draft). The row's sampling position is the
-last one (the normal sampler picks the token after every draft: the bonus). At each of the
-first k positions the token v_j that one-token decoding would have drawn there is drawn here:
-for a greedy row the argmax (the LM head's greedy head, with its raw logprob); for a sampled row
-the sampler's Gumbel-max draw with the row's seed and the counter of that output token (c + j,
-c the row's tokens generated before the step; the bonus uses c + k). d_j is accepted while
-v_j == d_j; the tokens of the step are the accepted drafts and then v_a at the first mismatch a,
-or the bonus when all k match. The draft is one token with probability 1 (an n-gram), so this
+positions T-1 (its last token) .. T+k-1 (its last draft). The step's one sampler call draws for
+the step's sampling rows (a drafted row's draw there follows all k drafts: the bonus) and then
+for every draft position j of every drafted row (`sampling_rows`), each with what one-token
+decoding would use for that output token: the counter c + j (c the row's tokens generated
+before the step; the bonus c + k), the penalties' history with drafts 0..j-1 in it, the
+min_tokens mask of that length, the row's logit_bias and id sets (build_sampling_metadata's
+`num_tokens`). d_j is accepted while the draw v_j == d_j; the step's tokens are the accepted
+drafts and then v_a at the first mismatch a, or the bonus when all k match. Since the noise is
+a pure function of (seed, counter, vocab id), the tokens are those of decoding without drafts,
+seeded or not (the scheduler gives an unseeded request its seed), greedy (the argmax, the
+temperature-0 case) or sampled. The draft is one token with probability 1 (an n-gram), so this
 is the rejection sampler exactly: d_j is kept with probability p(d_j), and on a mismatch v_a is
-a draw of p given != d_a (the residual max(p - q, 0) normalised, q one-hot on d_a). Since the
-noise is a pure function of (seed, counter, vocab id), the tokens are those of decoding without
-drafts, seeded or not (the scheduler gives an unseeded request its seed). The row's KV of
-rejected drafts is left in place; num_computed drops to T + a, so the next step writes those
-slots again. Every rank verifies alike (same logits, same noise): nothing is broadcast.
+a draw of p given != d_a (the residual max(p - q, 0) normalised, q one-hot on d_a). The row's
+KV of rejected drafts is left in place; num_computed drops to T + a, so the next step writes
+those slots again. Every rank verifies alike (same logits, same noise): nothing is broadcast.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,8 +29,6 @@ from engine_common.wire.diff import SchedulerOutput
 from worker_service.batch.cached_requests import CachedRequests
 from worker_service.batch.input_batch import InputBatch
 from worker_service.failures import StepProtocolError
-from worker_service.sample.sampler import Sampler
-from worker_service.sample.sampling_metadata import SamplingMetadata
 from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
 
 
@@ -61,11 +59,6 @@ class SpecStep:
     drafts: list[list[int]]           # per row, its draft ids
     ks: np.ndarray                    # int32 [R] drafts per row
     query_rows: np.ndarray | None = None   # int64 [sum k]: their verified query positions
-    ids: torch.Tensor | None = None        # int64 [sum k]: the draw at each
-    logprobs: torch.Tensor | None = None   # float32 [sum k]: its raw logprob
-    # The draws' sampling inputs when a drafted row samples (None: all greedy, argmax)
-    draft_meta: SamplingMetadata | None = None
-    sampler: Sampler | None = None
 
     @classmethod
     def stage(cls, batch: InputBatch, cached: CachedRequests,
@@ -102,66 +95,44 @@ class SpecStep:
         starts = inputs.query_start_loc[at].astype(np.int64)
         self.query_rows = np.repeat(starts, self.ks) + _ranges(self.ks)
 
-    def sampling(self, meta: SamplingMetadata, sample_rows: np.ndarray, batch: InputBatch,
-                 sampler: Sampler) -> SamplingMetadata:
-        """The step's sampling inputs (of `sample_rows`) with each drafted row's counter moved
-        past its drafts (the bonus is output token c + k), and the draws' inputs at the draft
-        positions. All drafted rows greedy: `meta` unchanged. Drafted rows carry no penalties,
-        biases, id sets, stop masks or grammar (the scheduler's can_draft)."""
-        if not batch.num_rows_setting["temperature"]:     # every row greedy
-            return meta
+    def sampling_rows(self, batch: InputBatch, sample_rows: np.ndarray,
+                      grammar_done: np.ndarray | None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """What the step's one sampler call draws for: the step's sampling rows (a drafted
+        row's draw there follows its k drafts: the bonus), then each drafted row once per draft
+        position j (after its drafts 0..j-1), in `query_rows` order; with the tokens known
+        before each draw (build_sampling_metadata's `num_tokens`: the counter, the penalties'
+        history, min_tokens) and `grammar_done` widened to them (drafted rows have no grammar).
+        """
+        known = batch.num_tokens[sample_rows].copy()
         at = np.searchsorted(sample_rows, self.rows)
-        temperature = batch.temperature[sample_rows]
-        if not (temperature[at] > 0).any():
-            return meta
-        device = meta.counters.device
-        offsets = np.zeros(len(sample_rows), dtype=np.int64)
-        offsets[at] = self.ks
-        counters = meta.counters + torch.from_numpy(offsets).to(device)
-        rep = np.repeat(at, self.ks)
-        pick = torch.from_numpy(rep).to(device)
-        greedy = temperature[rep] == 0.0
+        known[at] += self.ks
+        before = np.repeat(batch.num_tokens[self.rows], self.ks) + _ranges(self.ks)
+        if grammar_done is not None:
+            grammar_done = np.concatenate([grammar_done, np.zeros(len(before), dtype=bool)])
+        return (np.concatenate([sample_rows, np.repeat(self.rows, self.ks)]),
+                np.concatenate([known, before]), grammar_done)
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, pick)
-        self.draft_meta = SamplingMetadata(
-            temperature=take(meta.temperature), all_greedy=bool(greedy.all()),
-            all_random=bool((~greedy).all()), top_p=take(meta.top_p), top_k=take(meta.top_k),
-            min_p=take(meta.min_p), seeds=take(meta.seeds),
-            counters=take(meta.counters) + torch.from_numpy(_ranges(self.ks)).to(device),
-            repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-            prompt_token_ids=None, output_token_ids=None, top_k_max=meta.top_k_max)
-        self.sampler = sampler
-        return dataclasses.replace(meta, counters=counters)
-
-    def launch(self, hidden: torch.Tensor, model) -> None:
-        """The draw and its raw logprob at each verified position (no host sync)."""
-        rows = hidden.index_select(0, torch.as_tensor(self.query_rows, device=hidden.device))
-        if self.draft_meta is not None:
-            out = self.sampler(model.compute_logits(rows), self.draft_meta)
-            self.ids, self.logprobs = out.sampled_token_ids, out.logprobs
-            return
-        fused = model.lm_head.greedy(rows, True)
-        if fused is not None:
-            self.ids, self.logprobs = fused
-            return
-        logits = model.compute_logits(rows).float()
-        self.ids = logits.argmax(dim=-1)
-        self.logprobs = logits.gather(1, self.ids[:, None]).squeeze(1) \
-            - torch.logsumexp(logits, dim=-1)
+    def logits_rows(self, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The hidden rows the sampler reads, matching `sampling_rows`: the step's sampling
+        rows, then every verified draft position."""
+        extra = torch.as_tensor(self.query_rows, device=logits_indices.device)
+        return torch.cat([logits_indices, extra])
 
     def accept(self, batch: InputBatch, handles: list[int], rows: np.ndarray,
                positions: np.ndarray, token_ids: np.ndarray, logprobs: np.ndarray):
         """The step's sampled rows expanded to every token they produced: (handles, rows,
         positions, token ids, logprobs), a drafted row's accepted drafts then its last token;
-        the rows' num_tokens and num_computed set to what was accepted. `logprobs` empty:
-        none anywhere."""
-        v = self.ids.cpu().numpy()
-        v_lp = self.logprobs.float().cpu().numpy()
+        the rows' num_tokens and num_computed set to what was accepted. `token_ids` and
+        `logprobs` hold the sampler's draws for `sampling_rows` (the step's rows, then the
+        draft positions); `logprobs` empty: none anywhere."""
+        n = len(handles)
+        v, token_ids = token_ids[n:], token_ids[:n]
+        with_lp = len(logprobs) > 0
+        v_lp, logprobs = (logprobs[n:], logprobs[:n]) if with_lp else (logprobs, logprobs)
         drafted = {int(r): i for i, r in enumerate(self.rows.tolist())}
         offsets = np.concatenate([[0], np.cumsum(self.ks)])
         out_h, out_r, out_p, out_t, out_l = [], [], [], [], []
-        with_lp = len(logprobs) > 0
         for i, (handle, row) in enumerate(zip(handles, rows.tolist())):
             j = drafted.get(row)
             if j is None:

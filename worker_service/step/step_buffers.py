@@ -123,7 +123,8 @@ class StepBuffers:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
                  device: torch.device | str, row_regions: Sequence[torch.dtype] = ()) -> None:
         """`row_regions`: the dtype of each further per-row array a step stages (the sampler's
-        columns: sampling_metadata.staged_row_dtypes), one region of max_num_reqs each."""
+        columns: sampling_metadata.staged_row_dtypes), one region of max(tokens, rows) each: a
+        speculative step samples at every draft position."""
         for name, value in (("max_num_tokens", max_num_tokens), ("max_num_reqs", max_num_reqs),
                             ("max_blocks_per_req", max_blocks_per_req)):
             if value < 1:
@@ -141,8 +142,8 @@ class StepBuffers:
             torch.int32: [req + 1, req, req * blk],  # query_start_loc, seq_lens, block table
             torch.float32: [],
         }
-        for dtype in row_regions:
-            regions.setdefault(dtype, []).append(req)
+        for dtype in row_regions:   # token rows: a speculative step samples every draft
+            regions.setdefault(dtype, []).append(tok)
         self.arenas = {dtype: StagingArena(dtype, sum(aligned(n, dtype) for n in sizes),
                                            self.device) for dtype, sizes in regions.items()}
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None

@@ -10,6 +10,7 @@ import pytest
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
+from engine_common.constraints.constraint import Constraint
 from scheduler_service.core.spec_decode import can_draft
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, run_steps
 from tests.support.spec_sim import SpecSimWorker, periodic_sample
@@ -143,16 +144,18 @@ def _req(**sampling) -> Request:
 def test_who_drafts():
     assert can_draft(_req())
     assert can_draft(_req(temperature=0.7))           # sampled: the draw verifies it
-    assert not can_draft(_req(repetition_penalty=1.2))
-    assert not can_draft(_req(logit_bias=((3, 1.0),)))
-    assert not can_draft(_req(allowed_token_ids=(3, 4)))
+    # penalties, biases, id sets and min_tokens: drawn per position with that position's
+    # history and length (spec_verify.py)
+    assert can_draft(_req(repetition_penalty=1.2))
+    assert can_draft(_req(logit_bias=((3, 1.0),)))
+    assert can_draft(_req(allowed_token_ids=(3, 4)))
+    assert can_draft(Request("y", [1, 2], SamplingParams(), StoppingParams(min_tokens=3)))
     top = _req()
     top.num_logprobs = 2
     assert not can_draft(top)
-    early = Request("y", [1, 2], SamplingParams(), StoppingParams(min_tokens=3))
-    assert not can_draft(early)
-    early.output_token_ids += [5, 6, 7]
-    assert can_draft(early)
+    constrained = _req()
+    constrained.constraint = Constraint("regex", "[a-z]+")
+    assert not can_draft(constrained)
 
 
 @pytest.mark.parametrize("spec, key", [

@@ -21,7 +21,16 @@ SAMPLINGS = {
     "top_k": SamplingParams(temperature=1.0, top_k=20),
     "top_p": SamplingParams(temperature=0.9, top_p=0.8),
     "min_p": SamplingParams(temperature=1.2, min_p=0.05),
+    # the history before each draft position counts: strong penalties change the draw
+    "frequency": SamplingParams(temperature=0.8, frequency_penalty=1.5),
+    "presence": SamplingParams(temperature=0.7, presence_penalty=1.2),
+    "repetition_greedy": SamplingParams(repetition_penalty=1.8),
+    "logit_bias": SamplingParams(temperature=0.9, logit_bias=((3, 5.0), (7, 3.0))),
+    "allowed": SamplingParams(temperature=1.0, allowed_token_ids=tuple(range(3, 60))),
+    # min_tokens 5 with most ids as stop ids: the mask lifts in the middle of the drafts
+    "min_tokens": SamplingParams(temperature=0.9),
 }
+MIN_TOKENS = {"min_tokens": (5, tuple(range(400)))}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +46,9 @@ def _runner(model: str, rows: int = 4) -> ModelRunner:
     return runner
 
 
-def _sampled_prefill(runner: ModelRunner, sp: SamplingParams, seed: int) -> int:
-    req = new(blocks=list(range(8)), sampling=WorkerSamplingParams(sp, seed=seed))
+def _sampled_prefill(runner: ModelRunner, sp: SamplingParams, seed: int,
+                     min_tokens: tuple = (0, ())) -> int:
+    req = new(blocks=list(range(8)), sampling=WorkerSamplingParams(sp, seed, *min_tokens))
     out = runner.execute_diff(SchedulerOutput(0, new_requests=[req],
                                               num_scheduled_tokens={0: len(PROMPT)}))
     return out.sampled_token_ids[0]
@@ -46,13 +56,15 @@ def _sampled_prefill(runner: ModelRunner, sp: SamplingParams, seed: int) -> int:
 
 @pytest.mark.parametrize("name", sorted(SAMPLINGS))
 def test_sampled_drafts_give_the_tokens_of_one_token_steps(model, name):
-    sp, seed = SAMPLINGS[name], 1234
+    sp, seed, min_tokens = SAMPLINGS[name], 1234, MIN_TOKENS.get(name, (0, ()))
     ref = _runner(model)
-    first = _sampled_prefill(ref, sp, seed)
+    first = _sampled_prefill(ref, sp, seed, min_tokens)
     want = [first] + [ref.execute_diff(SchedulerOutput(s)).sampled_token_ids[0]
                       for s in range(1, 9)]
+    if name == "min_tokens":        # masked below 5 tokens, sampled freely after
+        assert all(t >= 400 for t in want[:5]) and any(t < 400 for t in want[5:]), want
     run = _runner(model)
-    assert _sampled_prefill(run, sp, seed) == first
+    assert _sampled_prefill(run, sp, seed, min_tokens) == first
     # Three right drafts, then a wrong one: the three plus the draw at the fourth position.
     wrong = (want[4] + 1) % run.vocab_size
     out = run.execute_diff(SchedulerOutput(1, num_scheduled_tokens={0: 5},
