@@ -60,6 +60,11 @@ class GenerationStub:
                 request_serializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
                 response_deserializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/deltaserve.v1.Generation/Embed',
+                request_serializer=dswire_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -104,6 +109,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One embedding, on a server started with --runner pooling (GetModelInfo's `runner`): the
+        model's final hidden states over the prompt, pooled and normalised as the server's pooler
+        configuration says (docs/embeddings.md). On a generating server FAILED_PRECONDITION, as
+        Generate is on a pooling one. Cancelling the RPC aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +146,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerStatus,
                     request_deserializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusRequest.FromString,
                     response_serializer=dswire_dot_v1_dot_generation__pb2.GetServerStatusResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +289,33 @@ class Generation:
             '/deltaserve.v1.Generation/GetServerStatus',
             dswire_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
             dswire_dot_v1_dot_generation__pb2.GetServerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/Embed',
+            dswire_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,26 +33,34 @@ def served_pooler(runner: str, pooler_config: str | None, model_dir: str
                          f"a pooling this engine runs ({e})") from None
 
 
-async def prompt_of(door: FrontDoor, input_ids, text: str, caller: str) -> list[int]:
+# The prompt fields' names in the vLLM engine protocol's EmbedRequest: (the prompt, its ids,
+# its text); deltaserve.v1's are ("prompt", "token_ids", "text").
+VLLM_FIELDS = ("tokenized", "tokenized.input_ids", "tokenized.original_text")
+
+
+async def prompt_of(door: FrontDoor, input_ids, text: str, caller: str,
+                    names: tuple[str, str, str] = VLLM_FIELDS) -> list[int]:
     """The ids to embed: `input_ids` (checked against the vocabulary), else `text` tokenized
-    on the pool; at least one, and fewer than max_model_len (one more position is computed)."""
+    on the pool; at least one, and fewer than max_model_len (one more position is computed).
+    Errors name the fields by `names`."""
     info = door.model.info
+    prompt, ids_field, text_field = names
     if len(input_ids) >= info.max_model_len:       # before copying millions of ids
-        check_prompt_length(len(input_ids), 1, info.max_model_len, "tokenized")
+        check_prompt_length(len(input_ids), 1, info.max_model_len, prompt)
     if len(input_ids):
         ids = list(input_ids)
-        check_vocab("tokenized.input_ids", ids, info.vocab_size)
+        check_vocab(ids_field, ids, info.vocab_size)
     elif text:
         if len(text) > door.model.prompt_chars_fit:
-            raise ParamError("tokenized.original_text", f"{len(text)} characters",
+            raise ParamError(text_field, f"{len(text)} characters",
                              f"at most {door.model.prompt_chars_fit}")
         ids = await door.offload(caller, door.model.tokenizer.encode, text)
     else:
-        raise ParamError("tokenized", "no input_ids and no original_text",
+        raise ParamError(prompt, f"no {ids_field} and no {text_field}",
                          "at least one token id, or a text")
     if not ids:
-        raise ParamError("tokenized.original_text", repr(text), "a text of at least one token")
-    check_prompt_length(len(ids), 1, info.max_model_len, "tokenized")
+        raise ParamError(text_field, repr(text), "a text of at least one token")
+    check_prompt_length(len(ids), 1, info.max_model_len, prompt)
     return ids
 
 

@@ -25,8 +25,9 @@ from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (builds_off_loop, limited_fields, output_to_proto,
                                            request_from_proto, sampling_to_proto)
+from scheduler_service.api.embeddings import embed, prompt_of
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requests, abort_with,
-                                              messages_from_proto)
+                                              messages_from_proto, new_request_id)
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
 from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
                                          scoped_id)
@@ -147,6 +148,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ids = [rid for rid in scoped if self._owners.get(rid) == caller]
         return pb.AbortResponse(num_aborted=await abort_requests(self._engine, ids, context))
 
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """One prompt's vector on a --runner pooling server (embeddings.py); counted in the
+        request counters as a Generate is."""
+        self._engine.counters.received()
+        caller, done = caller_of(context), False
+        try:
+            self._model.check_runner("Embed")
+            if request.HasField("text") and request.token_ids:
+                raise ParamError("prompt", "text and token_ids", "exactly one of them")
+            ids = await prompt_of(self._door, request.token_ids, request.text,
+                                  pool_caller(context), ("prompt", "token_ids", "text"))
+            rid = request.request_id or new_request_id()
+            salt = policy_of(context, self._keys).salt
+            with self._door.quota.hold(caller, rid):
+                vector = await embed(self._engine, self._door, scoped_id(caller, rid), ids,
+                                     salt)
+            done = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes one status
+            self._count_failure(e, done)
+            await abort_with(context, e)
+        return pb.EmbedResponse(request_id=rid, embedding=vector, num_prompt_tokens=len(ids))
+
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         """Token ids of the text or chat, exactly as a Generate prompt is tokenized."""
         try:
@@ -177,7 +202,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # This API's unset temperature is greedy (generation.proto), whatever the model's.
             default_sampling=sampling_to_proto(replace(m.default_sampling, temperature=0.0)),
             max_logprobs=self._options.max_logprobs,
-            has_chat_template=m.chat_template is not None)
+            has_chat_template=m.chat_template is not None,
+            runner="generate" if m.pooler is None else "pooling",
+            pooling_type="" if m.pooler is None else m.pooler.pooling_type,
+            pooling_normalize=m.pooler is not None and m.pooler.normalize)
 
     async def GetServerStatus(self, request, context) -> pb.GetServerStatusResponse:
         """Live load figures from the engine thread's latest snapshot."""

@@ -79,3 +79,26 @@ def test_generate_on_a_pooling_server_is_refused(served):
     assert _embed(ch, input_ids=[5, 6, 7]).embedding_dim > 0
     status = generation_stub(ch).GetServerStatus(gpb.GetServerStatusRequest(), timeout=30)
     assert status.num_running == status.num_waiting == status.num_used_kv_blocks == 0
+
+
+def test_deltaserve_v1_embed(served):
+    """Our own API's Embed: the same vectors; the runner in GetModelInfo; bad input named."""
+    model, ch = served
+    stub = generation_stub(ch)
+    info = stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
+    assert (info.runner, info.pooling_type, info.pooling_normalize) == ("pooling", "LAST", True)
+    ids = [5, 9, 200, 31, 7]
+    got = stub.Embed(gpb.EmbedRequest(request_id="mine", token_ids=ids), timeout=60)
+    assert (got.request_id, got.num_prompt_tokens) == ("mine", len(ids))
+    torch.testing.assert_close(torch.tensor(list(got.embedding)),
+                               expected_vectors(model, [ids])[0], rtol=0, atol=1e-5)
+    text = stub.Embed(gpb.EmbedRequest(text="hello embeddings"), timeout=60)
+    assert len(text.request_id) == 32 and text.num_prompt_tokens > 0
+    for req, field in ((gpb.EmbedRequest(), "prompt"),
+                       (gpb.EmbedRequest(text="a", token_ids=[5]), "prompt"),
+                       (gpb.EmbedRequest(token_ids=[5, 10**6]), "token_ids"),
+                       (gpb.EmbedRequest(text="x" * 10**6), "text")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(req, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(field), err.value.details()

@@ -82,6 +82,7 @@ def test_generation_service_contract():
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False, False),
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
         "GetServerStatus": ("GetServerStatusRequest", "GetServerStatusResponse", False, False),
+        "Embed": ("EmbedRequest", "EmbedResponse", False, False),
     }
 
 
