@@ -243,7 +243,7 @@ def _start(args, engines, peer_python, workload_file: Path, settings: dict, work
     threads = args.threads
     plan = []
     if "vllm" in engines:
-        env = _vllm_env(threads, settings["kv_cache_gib"], work, args.isa)
+        env = vllm_env(threads, settings["kv_cache_gib"], work, args.isa)
         opts = _options(args.vllm_option, "vllm_option")
         argv = [str(peer_python), "-m", "bench.peers.vllm_child", str(workload_file),
                 json.dumps({**settings, "options": opts})]
@@ -327,7 +327,7 @@ def deltaserve_env(threads: int, isa: str) -> dict[str, str]:
             "PYTHONPATH": _with_repo(os.environ.get("PYTHONPATH")), **isa_env(isa)}
 
 
-def _vllm_env(threads: int, kv_cache_gib: float, work: Path,
+def vllm_env(threads: int, kv_cache_gib: float, work: Path,
               isa: str = "native") -> dict[str, str]:
     """vLLM's environment: its model thread(s) bound to cores 0..N-1, the KV budget in whole
     GiB, the AOT compile cache off (it recompiles on every start otherwise), only our `bench`
