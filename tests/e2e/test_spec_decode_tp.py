@@ -1,7 +1,8 @@
 """Speculative decoding against a real TP=2 layout (one worker service with two rank processes,
 gloo on CPU, symmetry verification on: both ranks must verify the drafts alike every step): the
 tokens equal the TP=1 in-process reference without speculation, drafts are accepted, and the
-workers end holding no request. Greedy and sampled requests draft."""
+workers end holding no request. Greedy and sampled requests draft, penalised and biased
+ones and ones under min_tokens too."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,11 +24,17 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_looku
 def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models):
     model = tiny_models("qwen3")      # its greedy output falls into loops: drafts accepted
     prompts = [[5, 17, 99, 42, 7] * 6, [200] * 7, [3, 4, 5, 6] * 5, list(range(40, 70)),
-               [9, 8, 7, 9, 8, 7, 100]]
-    # Greedy and sampled drafts: both ranks draw the same noise for each draft position.
+               [9, 8, 7, 9, 8, 7, 100], [3, 4, 5, 6] * 5, [5, 17, 99, 42, 7] * 6]
+    # Greedy and sampled drafts: both ranks draw the same noise for each draft position, with
+    # the same per-position history (penalties), length (min_tokens) and bias pairs.
     samplings = [SamplingParams()] * 3 + [SamplingParams(temperature=0.1, seed=11),
-                                          SamplingParams(temperature=0.9, seed=3)]
-    stoppings = [StoppingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
+                                          SamplingParams(temperature=0.9, seed=3),
+                                          SamplingParams(frequency_penalty=0.3),
+                                          SamplingParams(temperature=0.2, seed=5,
+                                                         repetition_penalty=1.05,
+                                                         logit_bias=((7, 1.0), (99, -2.0)))]
+    stoppings = [StoppingParams(max_tokens=16, ignore_eos=True)] * 5 + [
+        StoppingParams(max_tokens=16, min_tokens=6, stop_token_ids=(4, 5, 17))] * 2
     expected, _ = reference(model, prompts, samplings, stoppings)
     client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:

@@ -66,6 +66,11 @@ class SpecStep:
         """Write each request's drafts after its known tokens and count them as known while
         the step's inputs are prepared (`unstage` takes them back out of num_tokens)."""
         rows = np.array([cached.row(h) for h in spec_token_ids], dtype=np.int64)
+        for h in spec_token_ids:      # what one draw per draft position cannot verify
+            state = cached.states[h]
+            if state.constraint is not None or state.num_logprobs > 0:
+                raise StepProtocolError(f"handle {h}: drafts are not allowed for a request "
+                                        "with a grammar or top logprobs")
         drafts = list(spec_token_ids.values())
         ks = np.array([len(d) for d in drafts], dtype=np.int32)
         width = batch.token_ids.shape[1]

@@ -80,3 +80,15 @@ def test_bad_drafts_are_refused(model):
         run.execute_diff(SchedulerOutput(1, num_scheduled_tokens={0: 2},
                                          spec_token_ids={0: [5], 9: [1]}))
     assert run.last_step == 0
+
+
+def test_drafts_for_top_logprob_requests_are_refused(model):
+    """The alternatives are computed for the bonus position only: such a request may not
+    draft (the scheduler's can_draft), and a diff that drafts for it is refused unapplied."""
+    run = _runner(model)
+    out = run.execute_diff(SchedulerOutput(0, new_requests=[new(logprobs=2)],
+                                           num_scheduled_tokens={0: len(PROMPT)}))
+    with pytest.raises(StepProtocolError, match="handle 0: drafts are not allowed"):
+        run.execute_diff(SchedulerOutput(1, num_scheduled_tokens={0: 2},
+                                         spec_token_ids={0: out.sampled_token_ids}))
+    assert run.batch.num_tokens[0] == len(PROMPT) + 1
