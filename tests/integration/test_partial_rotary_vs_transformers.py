@@ -14,8 +14,8 @@ import torch
 from deltaserve.llm import LLM
 from tests.support.engine_checks import _check, _prompts
 from tests.support.hf_reference import hf_model
-from tests.support.paged_prefill import load, prefill_logits
-from worker_service.layers.rotary import RopeSettings
+from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
+from worker_service.layers.rotary import RopeSettings, RotaryEmbedding
 
 PARTIAL = {"partial_rotary_factor": 0.75, "sliding_window": None}
 LONGROPE = {**PARTIAL, "max_position_embeddings": 64, "original_max_position_embeddings": 16,
@@ -57,3 +57,25 @@ def test_factor_leaving_an_odd_rotary_dim_is_refused():
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0.3 is invalid for head_dim=10: "
                                          r"int\(head_dim \* factor\) = 3 must be an even"):
         settings.rotary_dim(10)
+
+
+def test_partial_rotary_uses_neither_the_cpp_nor_the_triton_rope():
+    """Both kernels rotate whole heads: a partial model asked for them gets the torch path."""
+    settings = RopeSettings.from_hf_config({"partial_rotary_factor": 0.5})
+    asked_fused = RotaryEmbedding(16, 32, settings, fused=True)
+    assert not asked_fused.fused and not asked_fused.use_cpu_kernels()
+    plain = RotaryEmbedding(16, 32, settings)
+    q, k = torch.randn(5, 2, 16), torch.randn(5, 1, 16)
+    positions = torch.tensor([0, 3, 7, 8, 31])
+    for got, x in zip(asked_fused(positions, q, k), (q, k)):
+        torch.testing.assert_close(got[..., 8:], x[..., 8:], rtol=0, atol=0)
+    torch.testing.assert_close(asked_fused(positions, q, k), plain(positions, q, k))
+    assert not torch.equal(plain(positions, q, k)[0][1:, :, :8], q[1:, :, :8])
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1_over_gloo(tmp_path):
+    """Rope is per head: each rank rotates the first 12 dims of its half of the heads."""
+    from worker_service.models.tiny_model import make_tiny_model
+    assert_tp2_matches_tp1([make_tiny_model(tmp_path / "phi4mini", arch="phi3", seed=2,
+                                            **PARTIAL)], tmp_path)
