@@ -19,7 +19,8 @@ from worker_service.layers.rotary import RopeSettings, RotaryEmbedding
 
 PARTIAL = {"partial_rotary_factor": 0.75, "sliding_window": None}
 LONGROPE = {**PARTIAL, "max_position_embeddings": 64, "original_max_position_embeddings": 16,
-            "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(6)],
+            "rope_scaling": {"rope_type": "longrope",
+                             "short_factor": [1.0 + i / 8 for i in range(6)],
                              "long_factor": [2.0 + i for i in range(6)]}}
 
 
