@@ -124,7 +124,7 @@ def test_phi3_longrope_factors_of_the_wrong_length_are_refused(tiny_models, tmp_
     rope["short_factor"] = [1.0] * 3
     json.dump(cfg, open(f"{path}/config.json", "w"))
     with pytest.raises(ValueError, match=r"rope short_factor=3 is invalid: must be a list of "
-                                         r"head_dim / 2 = 8 numbers"):
+                                         r"rotary_dim / 2 = 8 numbers"):
         load(path)
 
 

@@ -20,10 +20,11 @@ import math
 import torch
 
 
-def longrope_cos_sin(head_dim: int, max_position: int, theta: float,
+def longrope_cos_sin(rotary_dim: int, max_position: int, theta: float,
                      scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin caches [max_position, head_dim], float32, each row [f, f]."""
-    half = head_dim // 2
+    """cos and sin caches [max_position, rotary_dim], float32, each row [f, f]. rotary_dim is
+    head_dim, or less with a partial_rotary_factor (the factors then have rotary_dim / 2)."""
+    half = rotary_dim // 2
     short, long = (_factors(scaling, key, half) for key in ("short_factor", "long_factor"))
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
@@ -31,7 +32,7 @@ def longrope_cos_sin(head_dim: int, max_position: int, theta: float,
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor)
                                                         / math.log(original))
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     positions = torch.arange(max_position, dtype=torch.float32)
     freqs = torch.where((positions >= original)[:, None],
                         torch.outer(positions, 1.0 / (long * theta ** exponents)),
@@ -44,6 +45,6 @@ def _factors(scaling: dict, key: str, half: int) -> torch.Tensor:
     values = scaling.get(key)
     if not isinstance(values, (list, tuple)) or len(values) != half:
         n = len(values) if isinstance(values, (list, tuple)) else values
-        raise ValueError(f"rope {key}={n!r} is invalid: must be a list of head_dim / 2 = {half} "
+        raise ValueError(f"rope {key}={n!r} is invalid: must be a list of rotary_dim / 2 = {half} "
                          "numbers")
     return torch.tensor([float(v) for v in values], dtype=torch.float32)

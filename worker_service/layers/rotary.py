@@ -27,6 +27,7 @@ class RopeSettings:
     rope_type: str = "default"
     theta: float = 10000.0
     scaling: dict = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0   # Phi-4-mini: only the first head_dim * this rotate
 
     @classmethod
     def from_hf_config(cls, hf_config: dict) -> "RopeSettings":
@@ -39,16 +40,33 @@ class RopeSettings:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type={rope_type!r} is not supported: "
                              f"must be one of {ROPE_TYPES}")
-        partial = float(merged.get("partial_rotary_factor")
-                        or hf_config.get("partial_rotary_factor") or 1.0)
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} is not supported: must be 1.0")
+        partial = merged.pop("partial_rotary_factor", None)
+        if partial is None:
+            partial = hf_config.get("partial_rotary_factor")
+        partial = _partial_factor(1.0 if partial is None else partial)
         if rope_type == "longrope":       # its factor and cut-off come from the config's lengths
             longest = int(hf_config.get("max_position_embeddings") or 0)
             merged.setdefault("original_max_position_embeddings",
                               hf_config.get("original_max_position_embeddings") or longest)
             merged["max_position_embeddings"] = longest
-        return cls(rope_type=rope_type, theta=float(theta), scaling=merged)
+        return cls(rope_type=rope_type, theta=float(theta), scaling=merged,
+                   partial_rotary_factor=partial)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dims of each head rotate (transformers: int(head_dim * factor))."""
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim < 2 or dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} is invalid "
+                             f"for head_dim={head_dim}: int(head_dim * factor) = {dim} must be "
+                             "an even number >= 2")
+        return dim
+
+
+def _partial_factor(value) -> float:
+    """partial_rotary_factor as a float in (0, 1], or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"partial_rotary_factor={value!r} is invalid: must be a number in (0, 1]")
+    return float(value)
 
 
 def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -97,6 +115,11 @@ class RotaryEmbedding(nn.Module):
     activations' dtype before use, as the reference implementation does. Each cache row is
     [f, f]: both halves hold the same D/2 angles.
 
+    Partial rotary (settings.partial_rotary_factor < 1, Phi-4-mini): only the first
+    rotary_dim = int(head_dim * factor) dims of each head rotate, in halves within them; the
+    rest pass through, as transformers does. That runs on the torch path only: the C++ and
+    Triton ropes rotate whole heads, so such a model uses neither (fused is turned off).
+
     fused=False returns new tensors. fused=True runs kernels/fused_rope.py's Triton kernel (same
     rounding; needs CUDA or Triton's interpreter): q and k are rotated IN PLACE, one launch for
     both, and returned. On the CPU, after use_cpu_kernels(), kernels/cpu's rope also rotates
@@ -113,21 +136,24 @@ class RotaryEmbedding(nn.Module):
                  fused: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.fused = fused
-        self._fused_kernel = _load_fused_kernel() if fused else None
+        self.rotary_dim = settings.rotary_dim(head_dim)
+        self.fused = fused and self.rotary_dim == head_dim     # the kernels rotate whole heads
+        self._fused_kernel = _load_fused_kernel() if self.fused else None
         if settings.rope_type == "longrope":    # per-position factors and a scale: its module
-            cos, sin = longrope_cos_sin(head_dim, max_position, settings.theta, settings.scaling)
+            cos, sin = longrope_cos_sin(self.rotary_dim, max_position, settings.theta,
+                                        settings.scaling)
         else:
-            inv_freq = compute_inv_freq(head_dim, settings)
+            inv_freq = compute_inv_freq(self.rotary_dim, settings)
             positions = torch.arange(max_position, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq.to(positions.device))
-            angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, head_dim]
+            angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, rotary_dim]
             cos, sin = angles.cos(), angles.sin()
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
 
     def use_cpu_kernels(self) -> bool:
-        if not self.fused and self.cos_cache.device.type == "cpu":
+        if not self.fused and self.rotary_dim == self.head_dim \
+                and self.cos_cache.device.type == "cpu":
             self._cpu = ops_for(torch.float32)
         return self._cpu is not None
 
@@ -155,11 +181,18 @@ class RotaryEmbedding(nn.Module):
         if self._fused_kernel is not None:
             return self._fused_kernel(positions, query, key, self.cos_cache, self.sin_cache,
                                       **write)
-        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, D]
+        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, rotary_dim]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
-        q = query * cos + rotate_half(query) * sin
-        k = key * cos + rotate_half(key) * sin
-        return q, k
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated over its first cos.shape[-1] dims, the rest passed through."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
 def _load_fused_kernel():

@@ -4,8 +4,8 @@ one `qkv_proj` and gate/up as one `gate_up_proj`, and a sliding window on every 
 one (Phi-3-mini-4k: 2047). The fused checkpoint tensors are cut into their q, k, v (gate, up)
 rows at load (`split_checkpoint_tensor`), so tensor parallelism shards each part as for Llama.
 
-The 128k models' `longrope` scaling is layers/longrope.py. Not served (refused at load by the
-rope settings): a partial_rotary_factor below 1 (Phi-4-mini).
+The 128k models' `longrope` scaling is layers/longrope.py. Phi-4-mini (partial_rotary_factor
+0.75) rotates the first 3/4 of each head, on the torch rope path (layers/rotary.py).
 """
 from __future__ import annotations
 
