@@ -49,6 +49,8 @@ class NewRequestData:
     # (vLLM's prompt_logprobs); NO_LOGPROBS: none. Only with num_computed_tokens 0: the
     # scheduler skips the prefix cache for such a request, so every position is computed.
     prompt_logprobs: int = NO_LOGPROBS
+    # The LoRA adapter (docs/lora.md): its id, 1-based in --lora-modules; 0 the base model.
+    lora_id: int = 0
     # The prompt's ids as uint32 bytes, where the scheduler already made them (at admission):
     # the codec writes them as they are instead of converting the ids again. Not compared.
     prompt_u32: bytes | None = field(default=None, compare=False, repr=False)

@@ -1,0 +1,56 @@
+"""Real PEFT LoRA adapters for tiny models, and transformers + peft greedy references."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from tests.support.hf_reference import HFGreedy
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(model_dir: str, out_dir: Path, *, r: int = 8, alpha: int = 16,
+                 targets=ALL_TARGETS, seed: int = 0, use_rslora: bool = False) -> str:
+    """A PEFT LoRA directory over `model_dir` with random A and B (B != 0: init_lora_weights
+    False), scaled up so the adapter changes the greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                     init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(base, cfg)
+    peft_model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+@lru_cache(maxsize=8)
+def _peft_model(model_dir: str, adapter_dir: str | None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@lru_cache(maxsize=512)
+def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...],
+                max_new_tokens: int) -> HFGreedy:
+    """transformers' greedy generate() with the adapter applied by peft (None: the base)."""
+    model = _peft_model(model_dir, adapter_dir)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    margins = []
+    for step in out.logits:
+        top2 = step[0].float().topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return HFGreedy(tuple(out.sequences[0, len(prompt):].tolist()), tuple(margins))
