@@ -91,8 +91,19 @@ def test_prefix_cache_shared_within_an_adapter_only(setup):
 def test_max_loras_one_runs_both_adapters(setup):
     model, adapters = setup
     llm = _llm(model, adapters, max_loras=1)
+    seen = []
+    orig_schedule = llm.scheduler.schedule
+
+    def schedule():
+        out = orig_schedule()
+        seen.append({r.lora_id for r in llm.scheduler.running if r.lora_id})
+        return out
+
+    llm.scheduler.schedule = schedule
     prompts = _prompts(llm.model_info.vocab_size, 6, 9)
-    _check(llm, model, adapters, prompts, ["sql", "chat"] * 3)
+    _check(llm, model, adapters, prompts, ["sql", "chat", None] * 2)
+    assert max(map(len, seen)) == 1, seen        # one adapter at a time...
+    assert {1, 2} <= set().union(*seen)         # ...and both ran
 
 
 def test_unknown_adapter_is_refused(setup):
