@@ -73,14 +73,16 @@ class BatchLimits:
                               rule=PowerOfTwo(1024), wire=5)
     # LoRA (docs/lora.md), vLLM's flags: the scheduler maps adapter names to ids, every worker
     # rank loads the same adapters at start.
-    enable_lora: bool = setting(False, "serve the LoRA adapters of --lora-modules")
+    enable_lora: bool = setting(False, "serve the LoRA adapters of --lora-modules",
+                                  wire=16)
     lora_modules: str | None = setting(
         None, "LoRA adapters, whitespace-separated: name=path (a PEFT directory) or vLLM's "
         "JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'",
-        metavar="NAME=PATH")
-    max_loras: int = setting(1, "distinct LoRA adapters in one step", rule=AtLeast(1, 64))
+        metavar="NAME=PATH", wire=17)
+    max_loras: int = setting(1, "distinct LoRA adapters in one step", rule=AtLeast(1, 64),
+                             wire=18)
     max_lora_rank: int = setting(16, "largest LoRA rank r an adapter may have",
-                                 rule=AtLeast(1, 512))
+                                 rule=AtLeast(1, 512), wire=19)
 
     def __post_init__(self):
         validate(self)
