@@ -54,3 +54,38 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...]
         top2 = step[0].float().topk(2).values
         margins.append(float(top2[0] - top2[1]))
     return HFGreedy(tuple(out.sequences[0, len(prompt):].tolist()), tuple(margins))
+
+
+def token_slots(n: int):
+    """A mixed step: the first third adapter slot 0, the middle the base (-1), the rest 1."""
+    import numpy as np
+    return np.array([0] * (n // 3) + [-1] * (n // 3) + [1] * (n - 2 * (n // 3)))
+
+
+def lora_prefill_logits(model_dir: str, adapters: list[str], tp=None):
+    """Prefill logits of paged_prefill.tp_ids() with the adapters attached, rows per
+    token_slots."""
+    from tests.support.paged_prefill import load, prefill_logits, tp_ids
+    from worker_service.lora.adapter import read_adapter
+    from worker_service.lora.layers import attach_lora
+
+    model = load(model_dir, tp=tp)
+    state = attach_lora(model, [read_adapter(f"a{i}", p, 16) for i, p in enumerate(adapters)])
+    ids = tp_ids()
+    state.set_token_slots(token_slots(len(ids)))
+    return prefill_logits(model, ids)
+
+
+def lora_tp_worker(rank: int, port: int, model_dir: str, adapters: list[str],
+                   out_dir: str) -> None:
+    """One of two gloo ranks: lora_prefill_logits on this rank's slices."""
+    import torch.distributed as dist
+
+    from worker_service.parallel_state import TPGroup
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        logits = lora_prefill_logits(model_dir, adapters, TPGroup(rank=rank, world_size=2))
+        torch.save(logits, f"{out_dir}/lora_logits_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
