@@ -32,8 +32,9 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 class LoRAState:
     """Which adapter each token row of the current forward uses, shared by every LoRALinear."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_adapters: int) -> None:
         self.device = device
+        self.num_adapters = num_adapters
         # (slot, rows): rows None = every row; empty: the base model alone
         self.segments: list[tuple[int, torch.Tensor | None]] = []
 
@@ -152,7 +153,7 @@ def attach_lora(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRAState:
                 raise LoRAError(f"LoRA adapter {ad.name!r}: module {ckpt} is not a projection "
                                 f"of this {type(model).__name__} model")
             targets.setdefault(path, {})[(i, piece)] = ckpt
-    state = LoRAState(next(model.parameters()).device)
+    state = LoRAState(next(model.parameters()).device, len(adapters))
     rank = max(ad.rank for ad in adapters)
     for path, by_piece in targets.items():
         module = modules[path]

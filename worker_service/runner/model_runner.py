@@ -26,7 +26,7 @@ from worker_service.batch.input_batch import InputBatch
 from worker_service.runner.kv_profiler import (KVMemoryProfile, cpu_num_kv_blocks,
                                                make_decode_warmup, make_prefill_warmup,
                                                profile_kv_memory)
-from worker_service.lora.load import load_lora
+from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
@@ -371,6 +371,7 @@ class ModelRunner:
 
     def _apply_diff(self, diff: SchedulerOutput) -> None:
         """The diff on the cached requests and the batch, then on the grammars."""
+        check_lora_ids(diff.new_requests, self.lora)
         self.cached.apply(diff)
         self.prompt_logprobs.apply(diff)
         for handle in diff.finished_handles:

@@ -73,3 +73,25 @@ def test_lora_modules_forms():
 def test_lora_modules_need_enable_lora(model, adapter):
     with pytest.raises(ParamError, match="enable_lora=False is invalid"):
         LLM(model, dtype="float32", num_kv_blocks=32, lora_modules=f"a={adapter}")
+
+
+def test_worker_refuses_an_adapter_it_does_not_hold(model, adapter):
+    """A diff naming lora_id 2 on a worker with one adapter (or none) is a protocol error, not
+    a silent base-model run."""
+    from engine_common.request.params import SamplingParams, WorkerSamplingParams
+    from engine_common.wire.diff import NewRequestData
+    from worker_service.failures import StepProtocolError
+    from worker_service.lora.load import check_lora_ids
+
+    llm = _llm(model, f"a={adapter}")
+    lora = llm.runner.lora
+    sampling = WorkerSamplingParams(SamplingParams(), 0, 0, ())
+
+    def new(lora_id):
+        return NewRequestData(3, [5, 6], sampling, [0], 0, lora_id=lora_id)
+
+    check_lora_ids([new(0), new(1)], lora)
+    with pytest.raises(StepProtocolError, match="lora_id=2 is invalid: this worker holds 1"):
+        check_lora_ids([new(2)], lora)
+    with pytest.raises(StepProtocolError, match="lora_id=1 is invalid: this worker holds 0"):
+        check_lora_ids([new(1)], None)
