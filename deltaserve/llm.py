@@ -31,7 +31,7 @@ from deltaserve.llm_embed import EmbedMixin, pooler_from_kwargs
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
 from deltaserve.llm_inputs import (capped_to_model, check_constraints, check_for_runner,
-                                   conversations, per_prompt, prompt_ids)
+                                   conversations, lora_ids_per_prompt, per_prompt, prompt_ids)
 from scheduler_service.core.admission import RequestRejected, check_admission
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
@@ -125,7 +125,8 @@ class LLM(EmbedMixin):
                  stopping: StoppingParams | list[StoppingParams] | None = None,
                  num_logprobs: int | None = None,
                  constraint: Constraint | list[Constraint | None] | None = None,
-                 num_prompt_logprobs: int | None = None) -> list[Completion]:
+                 num_prompt_logprobs: int | None = None,
+                 lora_request=None) -> list[Completion]:
         """Run every prompt to completion, batched together; results in prompt order. A prompt
         is a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": ids}; one of
         them alone is a batch of one (as vLLM). `num_logprobs` as vLLM's SamplingParams.logprobs:
@@ -134,15 +135,18 @@ class LLM(EmbedMixin):
         as vLLM's SamplingParams.prompt_logprobs: None none; k (0 or more) each prompt token's
         logprob and rank and its position's k best alternatives, in Completion.prompt_logprobs
         (such prompts skip the prefix cache, as vLLM's). `constraint` (one for
-        all, or one per prompt) is validated first (ParamError). Calls from several threads
-        run one after another."""
+        all, or one per prompt) is validated first (ParamError). `lora_request` (vLLM's): an
+        adapter of lora_modules by name or as a LoRARequest, one for all or a list of one per
+        prompt; None the base model (docs/lora.md). Calls from several threads run one after
+        another."""
         self._check_generates()
         with self._exclusive("generate"):
             return self._generate(prompts, sampling, stopping, num_logprobs, constraint,
-                                  num_prompt_logprobs)
+                                  num_prompt_logprobs, lora_request)
 
     def _generate(self, prompts, sampling, stopping, num_logprobs, constraint,
-                  num_prompt_logprobs=None, pooling: int = NO_POOLING) -> list[Completion]:
+                  num_prompt_logprobs=None, lora_request=None,
+                  pooling: int = NO_POOLING) -> list[Completion]:
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
@@ -152,6 +156,7 @@ class LLM(EmbedMixin):
         samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
         stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
         constraints = per_prompt("constraint", constraint, n, Constraint, None)
+        adapters = lora_ids_per_prompt(lora_request, n, self._sched_cfg)
         check_constraints(constraints)
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size, num_prompt_logprobs)
@@ -159,8 +164,10 @@ class LLM(EmbedMixin):
         eos = self.model_info.eos_token_ids
         requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
                             num_logprobs=num_logprobs, constraint=c,
-                            num_prompt_logprobs=num_prompt_logprobs, pooling=pooling)
-                    for ids, sp, st, c in zip(ids_list, samplings, stoppings, constraints)]
+                            num_prompt_logprobs=num_prompt_logprobs, lora_id=lora,
+                            pooling=pooling)
+                    for ids, sp, st, c, lora in zip(ids_list, samplings, stoppings,
+                                                    constraints, adapters)]
         self._check_admission(requests)
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
         ids = list(results)

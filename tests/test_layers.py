@@ -34,7 +34,8 @@ _SCHEDULER = ("scheduler_service.errors", "scheduler_service.core", "scheduler_s
               "scheduler_service.engine", "scheduler_service.api")
 # One step's data, lowest first: the batch a worker holds, the step's staged inputs, sampling.
 _STEP_DATA = ("worker_service.batch", "worker_service.step", "worker_service.sample")
-_WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models") + _STEP_DATA + (
+_WORKER = _WORKER_LEAVES + ("worker_service.layers", "worker_service.models",
+                            "worker_service.lora") + _STEP_DATA + (
     "worker_service.runner", "worker_service.ranks", "worker_service.service")
 
 # room -> the rooms it may import (besides itself), each listed before it: lower layers come first.
@@ -60,19 +61,21 @@ LAYERS: dict[str, tuple[str, ...]] = {
     **{leaf: _COMMON for leaf in _WORKER_LEAVES},
     "worker_service.layers": _COMMON + _WORKER_LEAVES + ("kernels",),
     "worker_service.models": _COMMON + _WORKER_LEAVES + ("kernels", "worker_service.layers"),
+    "worker_service.lora": _COMMON + _WORKER_LEAVES + ("kernels", "worker_service.layers",
+                                                       "worker_service.models"),
     "worker_service.batch": _COMMON + _WORKER_LEAVES,
     "worker_service.step": _COMMON + _WORKER_LEAVES + ("kernels",) + _STEP_DATA[:1],
     "worker_service.sample": _COMMON + _WORKER_LEAVES + ("kernels",) + _STEP_DATA[:2],
-    "worker_service.runner": _COMMON + _WORKER[:9] + ("kernels",),
-    "worker_service.ranks": _COMMON + _WORKER[:10],
-    "worker_service.service": _COMMON + _WORKER[:11],
+    "worker_service.runner": _COMMON + _WORKER[:10] + ("kernels",),
+    "worker_service.ranks": _COMMON + _WORKER[:11],
+    "worker_service.service": _COMMON + _WORKER[:12],
     "deltaserve.client": _COMMON,
     "deltaserve.llm_inputs": _COMMON,
-    "deltaserve.llm_executor": _COMMON + _WORKER[:10] + ("kernels",),
+    "deltaserve.llm_executor": _COMMON + _WORKER[:11] + ("kernels",),
     "deltaserve.llm_chat": _COMMON,
     "deltaserve.llm_interrupt": (),
     "deltaserve.llm_embed": _COMMON,
-    "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:10] + ("kernels",
+    "deltaserve.llm": _COMMON + _SCHEDULER[:4] + _WORKER[:11] + ("kernels",
                                                                  "deltaserve.llm_inputs",
                                                                  "deltaserve.llm_executor",
                                                                  "deltaserve.llm_chat",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine_common.configuration.listen_address import ListenAddress
 from engine_common.configuration.speculative import SpeculativeConfig, parse_speculative_config
+from engine_common.configuration.lora import LoRAModule, parse_lora_modules
 from engine_common.request.diff_limits import MAX_WAITING, MIN_MODEL_LEN
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
@@ -70,6 +71,18 @@ class BatchLimits:
         "max_position_embeddings", rule=AtLeast(MIN_MODEL_LEN, INT32_MAX), wire=4)
     block_size: int = setting(16, "tokens per KV-cache block, a power of two",
                               rule=PowerOfTwo(1024), wire=5)
+    # LoRA (docs/lora.md), vLLM's flags: the scheduler maps adapter names to ids, every worker
+    # rank loads the same adapters at start.
+    enable_lora: bool = setting(False, "serve the LoRA adapters of --lora-modules",
+                                  wire=16)
+    lora_modules: str | None = setting(
+        None, "LoRA adapters, whitespace-separated: name=path (a PEFT directory) or vLLM's "
+        "JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'",
+        metavar="NAME=PATH", wire=17)
+    max_loras: int = setting(1, "distinct LoRA adapters in one step", rule=AtLeast(1, 64),
+                             wire=18)
+    max_lora_rank: int = setting(16, "largest LoRA rank r an adapter may have",
+                                 rule=AtLeast(1, 512), wire=19)
 
     def __post_init__(self):
         validate(self)
@@ -77,6 +90,13 @@ class BatchLimits:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ParamError("max_num_batched_tokens", self.max_num_batched_tokens,
                              f">= max_num_seqs ({self.max_num_seqs})")
+        if parse_lora_modules(self.lora_modules) and not self.enable_lora:
+            raise ParamError("enable_lora", self.enable_lora, "true when lora_modules is set")
+
+    @property
+    def lora(self) -> tuple[LoRAModule, ...]:
+        """The adapters of lora_modules (none without enable_lora)."""
+        return parse_lora_modules(self.lora_modules) if self.enable_lora else ()
 
 
 def limits_of(config: BatchLimits) -> dict:

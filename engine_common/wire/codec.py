@@ -9,8 +9,10 @@ Layouts (positional arrays keep steady-state messages tiny):
     new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
                   sampling, block ids,
                   num_computed_tokens, num_logprobs (-1: none), constraint
-                  (, prompt_logprobs: when asked, 0 or more, or a pooling request follows:
-                   -1) (, pooling: a pooling request's code, engine_common/request/pooling.py)]
+                  (, prompt_logprobs: when asked, 0 or more, or a pooling request or lora id
+                   follows: -1) (, pooling: a pooling request's code,
+                   engine_common/request/pooling.py, or -1 before a lora id) (, lora id: a LoRA
+                   adapter's, 1 or more; absent for the base model)]
     sampling   = [SamplingParams message, seed, min_tokens, stop ids]: the message is the public
                  API's own (proto/dswire/v1/generation.proto), serialized, holding the knobs off
                  their neutral value (none: 0 bytes); decoded by the knobs' names and validated
@@ -172,10 +174,14 @@ def _usual_new_request(value) -> NewRequestData | None:
 
 
 def _checked_new_request(value) -> NewRequestData:
-    prompt_logprobs, pooling = NO_LOGPROBS, NO_POOLING
-    if isinstance(value, list) and len(value) == 9:      # a pooling request
+    prompt_logprobs, pooling, lora_id = NO_LOGPROBS, NO_POOLING, 0
+    if isinstance(value, list) and len(value) == 10:     # a LoRA adapter
+        *value, lora_id = value
+        _int(lora_id, "lora_id", lo=1)
+    if isinstance(value, list) and len(value) == 9:      # a pooling request (or -1)
         *value, pooling = value
-        decode_code(_int(pooling, "pooling"))
+        if _int(pooling, "pooling", lo=NO_POOLING) != NO_POOLING:
+            decode_code(pooling)
     if isinstance(value, list) and len(value) == 8:      # prompt logprobs asked
         *value, prompt_logprobs = value
         _int(prompt_logprobs, "prompt_logprobs", lo=NO_LOGPROBS)
@@ -185,7 +191,7 @@ def _checked_new_request(value) -> NewRequestData:
                           _sampling(sampling),
                           _ints(blocks, "block_ids"), _int(num_computed, "num_computed_tokens"),
                           _int(num_logprobs, "num_logprobs", lo=NO_LOGPROBS),
-                          _constraint(constraint), prompt_logprobs, pooling)
+                          _constraint(constraint), prompt_logprobs, pooling, lora_id)
 
 
 def _resumed_request(value) -> ResumedRequestData:
@@ -237,10 +243,12 @@ def _new_to_wire(r: NewRequestData) -> list:
     fields = [r.handle, _u32(r.prompt_token_ids) if r.prompt_u32 is None else r.prompt_u32,
               _worker_sampling(r.sampling), r.block_ids, r.num_computed_tokens, r.num_logprobs,
               None if r.constraint is None else r.constraint.to_wire()]
-    if r.prompt_logprobs != NO_LOGPROBS or r.pooling != NO_POOLING:
+    if r.prompt_logprobs != NO_LOGPROBS or r.pooling != NO_POOLING or r.lora_id:
         fields.append(r.prompt_logprobs)
-    if r.pooling != NO_POOLING:
+    if r.pooling != NO_POOLING or r.lora_id:
         fields.append(r.pooling)
+    if r.lora_id:
+        fields.append(r.lora_id)
     return fields
 
 

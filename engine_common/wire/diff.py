@@ -54,6 +54,8 @@ class NewRequestData:
     # normalize as one int); NO_POOLING for generation. MEAN and CLS come with
     # num_computed_tokens 0 (no prefix hit), as prompt logprobs do.
     pooling: int = NO_POOLING
+    # The LoRA adapter (docs/lora.md): its id, 1-based in --lora-modules; 0 the base model.
+    lora_id: int = 0
     # The prompt's ids as uint32 bytes, where the scheduler already made them (at admission):
     # the codec writes them as they are instead of converting the ids again. Not compared.
     prompt_u32: bytes | None = field(default=None, compare=False, repr=False)

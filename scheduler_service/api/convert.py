@@ -63,7 +63,7 @@ def request_from_proto(msg: pb.GenerateRequest, *, defaults: SamplingParams = Sa
                                or msg.stopping.skip_special_tokens),
         num_logprobs=msg.logprobs, priority=msg.priority, names=NAMES,
         constraint=constraint_from_oneof(msg.constraint, "kind"),
-        num_prompt_logprobs=prompt_logprobs)
+        num_prompt_logprobs=prompt_logprobs, lora_name=msg.lora_name or None)
 
 
 def limited_fields(msg: pb.GenerateRequest) -> LimitedFields:

@@ -17,10 +17,11 @@ import logging
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import grpc
 
+from engine_common.configuration.lora import resolve_lora_id
 from engine_common.text.chat_template import ChatMessage, ChatTemplate, encode_chat
 from engine_common.constraints.constraint import Constraint
 from engine_common.model_files.model_dir import ModelInfo
@@ -56,6 +57,8 @@ class ServedModel:
     chat_template: ChatTemplate | None = None
     # --runner pooling: how Embed pools (engine_common/request/pooling.py); None: generation.
     pooler: PoolerConfig | None = None
+    # LoRA adapter name -> id (engine_common/configuration/lora.py); empty without LoRA
+    lora_ids: Mapping[str, int] = field(default_factory=dict)
     # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
     # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
     prompt_chars_fit: int = field(init=False)
@@ -109,6 +112,8 @@ class ValidatedRequest:
     # Prompt logprobs: None none asked; k each prompt token's logprob and rank, with k
     # alternatives per position (every choice of an n > 1 request computes them, as vLLM's).
     num_prompt_logprobs: int | None = None
+    # The LoRA adapter's name (GenerateRequest.lora_name); None: the base model
+    lora_name: str | None = None
 
 
 def new_request_id() -> str:
@@ -300,7 +305,8 @@ class FrontDoor:
         return Request(request_id, prompt_ids, sampling or req.sampling, req.stopping,
                        self.model.info.eos_token_ids, num_logprobs=req.num_logprobs,
                        priority=req.priority, constraint=req.constraint, cache_salt=cache_salt,
-                       num_prompt_logprobs=req.num_prompt_logprobs)
+                       num_prompt_logprobs=req.num_prompt_logprobs,
+                       lora_id=resolve_lora_id(req.lora_name, self.model.lora_ids, "lora_name"))
 
 
 async def abort_requests(engine, ids: list[str], context: grpc.aio.ServicerContext) -> int:

@@ -27,6 +27,7 @@ import grpc
 
 from engine_common.text.chat_template import load_chat_template
 from engine_common.configuration.config import SchedulerConfig, WorkerConfig, limits_of
+from engine_common.configuration.lora import lora_ids
 from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.runtime.gil_switch import shorten_gil_switch_interval
 from engine_common.configuration.listen_address import ListenAddress
@@ -257,7 +258,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                          on_turn=kv_events.publish)
     metrics.attach(lambda: engine.stats, engine.counters, len(workers))
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
-                         num_workers=len(workers),
+                         num_workers=len(workers), lora_ids=lora_ids(config.lora),
                          default_sampling=sampling_defaults(worker.model_dir,
                                                             options.generation_config),
                          chat_template=load_chat_template(worker.model_dir,

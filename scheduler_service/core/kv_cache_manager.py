@@ -275,7 +275,7 @@ class KVCacheManager:
             data = prompt_u32[start * bs * 4:num_full * bs * 4]
         else:
             data = array("I", _token_slice(request, start * bs, num_full * bs)).tobytes()
-        parent = (hashes[-1] if start else salt_root(request.cache_salt)) or b""
+        parent = (hashes[-1] if start else salt_root(request.prefix_salt)) or b""
         width, fresh, append = 4 * bs, _BLAKE2B_16.copy, hashes.append
         for offset in range(0, len(data), width):     # hash_block_bytes, inlined
             hasher = fresh()

@@ -55,6 +55,9 @@ class Request:
     # for generation. Such a request computes its prompt, samples one token it never shows,
     # and finishes with its pooled vector (TokenUpdate.pooled).
     pooling: int = NO_POOLING
+    # The LoRA adapter's id (engine_common/configuration/lora.py; 0: the base model). It salts
+    # the prefix cache: requests of two adapters never share a block, of one adapter they do.
+    lora_id: int = 0
 
     # Set by the scheduler.
     handle: int = -1
@@ -104,6 +107,11 @@ class Request:
         self.stop_token_ids = tuple(dict.fromkeys(eos + self.stopping.stop_token_ids))
         self.min_tokens_stop_ids = tuple(dict.fromkeys(
             tuple(self.eos_token_ids) + self.stopping.stop_token_ids))
+
+    @property
+    def prefix_salt(self) -> str:
+        """The prefix cache's salt: cache_salt, and the adapter when there is one."""
+        return self.cache_salt if not self.lora_id else f"{self.cache_salt}\0lora:{self.lora_id}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -295,8 +295,13 @@ class Scheduler(SchedulerViews):
     def _schedule_waiting(self, plan: StepPlan, long_priorities: list[int]) -> None:
         """Admit in queue order. A long request waits while max_long_partial_prefills long
         prefills at least as urgent are in progress, and those behind it may pass it; otherwise
-        nobody overtakes a request that does not fit (FCFS)."""
+        nobody overtakes a request that does not fit (FCFS). At most max_loras LoRA adapters
+        run at once: a request of another adapter waits, and no adapter request behind it
+        passes it (the running adapters drain, so it is not starved); base requests may."""
         waiting = self.waiting
+        loras = ({r.lora_id for r in self.running if r.lora_id} if self.config.enable_lora
+                 else None)
+        lora_blocked = False
         i = 0
         while i < len(waiting) and plan.budget > 0 \
                 and len(self.running) < self.config.max_num_seqs:
@@ -307,6 +312,13 @@ class Scheduler(SchedulerViews):
             if is_long and self._held_back(request, long_priorities):
                 i += 1
                 continue
+            if loras is not None and request.lora_id:
+                if lora_blocked or (request.lora_id not in loras
+                                    and len(loras) >= self.config.max_loras):
+                    lora_blocked = True
+                    i += 1
+                    continue
+                loras.add(request.lora_id)
             n = min(left - request.awaiting_grammar, plan.budget)   # may be 0: sent, idle
             if is_long and (self.running or len(waiting) > 1):
                 n = min(n, self._long_prefill)

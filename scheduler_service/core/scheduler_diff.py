@@ -43,7 +43,8 @@ class StepPlan:
             request.handle, request.prompt_token_ids, sampling, block_ids, num_computed,
             NO_LOGPROBS if request.num_logprobs is None else request.num_logprobs,
             request.constraint, NO_LOGPROBS if request.num_prompt_logprobs is None
-            else request.num_prompt_logprobs, request.pooling, request.prompt_u32))
+            else request.num_prompt_logprobs, request.pooling, request.lora_id,
+            request.prompt_u32))
 
     def add_resumed(self, request: Request, block_ids: list[int], num_computed: int) -> None:
         self.resumed_requests.append(ResumedRequestData(request.handle, block_ids, num_computed))

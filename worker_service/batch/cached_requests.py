@@ -55,7 +55,8 @@ class CachedRequests:
                                        prompt if hasattr(prompt, "dtype") else list(prompt),
                                        new.sampling,
                                        list(new.block_ids), new.num_computed_tokens,
-                                       new.num_logprobs, new.constraint)
+                                       new.num_logprobs, new.constraint,
+                                       lora_id=new.lora_id)
             states[new.handle] = state
             batch.add(state)
         for res in diff.resumed_requests:

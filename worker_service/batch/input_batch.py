@@ -84,6 +84,8 @@ class InputBatch:
         self.min_tokens = np.zeros(r, dtype=np.int32)
         # top alternatives per row; -1 (NO_LOGPROBS): no logprob at all
         self.num_logprobs = np.zeros(r, dtype=np.int32)
+        # LoRA adapter slot per row (adapter id - 1; -1: the base model)
+        self.lora_slots = np.full(r, -1, dtype=np.int32)
         self.stop_ids: list[tuple[int, ...]] = [()] * r
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * r
         # Entries per row of each list-valued knob: a step finds the rows that set one with a
@@ -207,6 +209,7 @@ class InputBatch:
         self.logit_bias[row] = sp.logit_bias
         self.num_entries["logit_bias"][row] = len(sp.logit_bias)
         self.num_logprobs[row] = state.num_logprobs
+        self.lora_slots[row] = state.lora_id - 1
         if state.sampling.min_tokens and state.sampling.stop_ids:
             features += ("min_tokens",)
         if state.num_logprobs:          # alternatives, or none at all (-1)
@@ -220,7 +223,7 @@ class InputBatch:
             counts[name] += sign
 
     _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_known_ids",
-                   "num_blocks", "seeds", "min_tokens", "num_logprobs") + tuple(
+                   "num_blocks", "seeds", "min_tokens", "num_logprobs", "lora_slots") + tuple(
                        k.name for k in COLUMN_KNOBS)
 
     def _move_row(self, src: int, dst: int) -> None:

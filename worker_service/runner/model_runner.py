@@ -25,6 +25,7 @@ from worker_service.runner.host_memory import zeroed_host_tensor
 from worker_service.batch.input_batch import InputBatch
 from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
 from worker_service.runner.runner_profile import profile_runner
+from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
@@ -67,6 +68,8 @@ class ModelRunner:
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
                                 fused_ops=config.fused_ops)
+        # LoRA adapters (docs/lora.md): None without --enable-lora, the model untouched.
+        self.lora = load_lora(self.model, config)
         self.sampler = Sampler()
         # Structured output: matchers of constrained requests, masks computed on every rank.
         self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,
@@ -154,6 +157,8 @@ class ModelRunner:
             max_cached_requests=max_cached_requests(self.config.max_num_seqs))
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
                                             self.config.enforce_eager, self.model)
+        if why_not is None and self.lora is not None:
+            why_not = "LoRA adapters are on (the per-row adapter is not a graph input)"
         if why_not is not None:
             log.info("decode CUDA graphs off: %s", why_not)
             return
@@ -352,6 +357,8 @@ class ModelRunner:
                 staged.tokens[0]
         staged = stage_step_inputs(self.staging, inputs)
         meta = attention_metadata(inputs, staged)
+        if self.lora is not None:
+            self.lora.set_rows(self.batch.lora_slots[inputs.rows], inputs.num_scheduled)
 
         def run_eager() -> tuple[torch.Tensor, bool]:
             hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
@@ -364,6 +371,7 @@ class ModelRunner:
 
     def _apply_diff(self, diff: SchedulerOutput) -> None:
         """The diff on the cached requests and the batch, then on the books of each."""
+        check_lora_ids(diff.new_requests, self.lora)
         self.cached.apply(diff)
         self.prompt_logprobs.apply(diff)
         self.pooling.apply(diff)

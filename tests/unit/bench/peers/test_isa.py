@@ -21,7 +21,7 @@ AVX2_VARS = {"DELTASERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
 def test_avx2_gives_both_engines_the_same_four_variables(tmp_path):
     assert isa.isa_env("avx2") == AVX2_VARS and isa.isa_env("native") == {}
     ours = harness.deltaserve_env(1, "avx2")
-    peer = harness._vllm_env(1, 1.0, tmp_path, "avx2")
+    peer = harness.vllm_env(1, 1.0, tmp_path, "avx2")
     for env in (ours, peer):
         assert {k: env[k] for k in AVX2_VARS} == AVX2_VARS
     assert ours["OMP_NUM_THREADS"] == "1" and peer["VLLM_CPU_OMP_THREADS_BIND"] == "0"
@@ -30,7 +30,7 @@ def test_avx2_gives_both_engines_the_same_four_variables(tmp_path):
 def test_native_leaves_the_environment_as_it_is(tmp_path, monkeypatch):
     for key in AVX2_VARS:
         monkeypatch.delenv(key, raising=False)
-    for env in (harness.deltaserve_env(2, "native"), harness._vllm_env(2, 1.0, tmp_path)):
+    for env in (harness.deltaserve_env(2, "native"), harness.vllm_env(2, 1.0, tmp_path)):
         assert not set(AVX2_VARS) & set(env)
 
 

@@ -39,11 +39,12 @@ constraint = st.none() | st.one_of(
     st.builds(Constraint, st.sampled_from(["json_schema", "regex", "grammar"]), text),
     st.just(Constraint("json_object", True)),
     st.builds(Constraint, st.just("choice"), st.lists(text, min_size=1, max_size=4)))
-# prompt logprobs (-1: none) and pooling (-1: none; else a type 0..2, plus 4 to normalise)
+# prompt logprobs (-1: none), pooling (-1: none; else a type 0..2, plus 4 to normalise) and
+# the LoRA adapter's id (0: none)
 new_request = st.builds(NewRequestData, handle, st.lists(u32, min_size=1, max_size=20),
                         worker_sampling, block_ids, st.integers(0, 4096), st.integers(0, 20),
                         constraint, st.integers(-1, 5),
-                        st.sampled_from([-1, 0, 1, 2, 4, 5, 6]))
+                        st.sampled_from([-1, 0, 1, 2, 4, 5, 6]), st.integers(0, 3))
 resumed_request = st.builds(ResumedRequestData, handle, block_ids, st.integers(0, 4096))
 scheduler_output = st.builds(
     SchedulerOutput, st.integers(0, 2**40), st.lists(new_request, max_size=3),

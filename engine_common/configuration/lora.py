@@ -1,0 +1,81 @@
+"""LoRA adapter flags (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank),
+parsed torch-free: the scheduler maps an adapter name to its id, the workers load the files.
+
+An adapter's id is its 1-based place in --lora-modules (0: the base model, no adapter), the same
+on the scheduler and on every worker rank.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine_common.request.params import ParamError
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One adapter of --lora-modules: the name requests use, its PEFT directory."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _one_module(text: str) -> LoRAModule:
+    text = text.strip()
+    if text.startswith("{"):           # vLLM's JSON form
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ParamError("lora_modules", text, f"name=path or JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
+                or not isinstance(obj.get("path"), str):
+            raise ParamError("lora_modules", text,
+                             'JSON with string "name" and "path" (and "base_model_name")')
+        return LoRAModule(obj["name"], obj["path"], obj.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ParamError("lora_modules", text, "name=path or vLLM's JSON form")
+    return LoRAModule(name, path)
+
+
+def parse_lora_modules(value) -> tuple[LoRAModule, ...]:
+    """--lora-modules as given: None, a string of whitespace-separated entries, or a list of
+    entries (each 'name=path', a JSON object, or a LoRAModule). Names must be unique."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        value = [value] if value.strip().startswith("{") else value.split()
+    modules = tuple(v if isinstance(v, LoRAModule) else _one_module(v) for v in value)
+    names = [m.name for m in modules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ParamError("lora_modules", dup, "unique adapter names")
+    return modules
+
+
+def lora_ids(modules: tuple[LoRAModule, ...]) -> dict[str, int]:
+    """Adapter name -> id (1-based; 0 is the base model)."""
+    return {m.name: i + 1 for i, m in enumerate(modules)}
+
+
+def adapter_name(value) -> str | None:
+    """A request's adapter as its name: None, a name, or vLLM's LoRARequest (lora_name)."""
+    if value is None or isinstance(value, str):
+        return value or None
+    name = getattr(value, "lora_name", None)
+    if isinstance(name, str):
+        return name
+    raise ParamError("lora_request", value, "None, an adapter name or a LoRARequest")
+
+
+def resolve_lora_id(name: str | None, ids: dict[str, int],
+                    field_name: str = "lora_request") -> int:
+    """The id of adapter `name` (0 for None: the base model); ParamError naming the field,
+    the value and the known names when the server has no such adapter."""
+    if name is None:
+        return 0
+    if name not in ids:
+        known = sorted(ids) or "none (start with --enable-lora --lora-modules)"
+        raise ParamError(field_name, name, f"a served LoRA adapter: {known}")
+    return ids[name]

@@ -1,0 +1,91 @@
+"""Real PEFT LoRA adapters for tiny models, and transformers + peft greedy references."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from tests.support.hf_reference import HFGreedy
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(model_dir: str, out_dir: Path, *, r: int = 8, alpha: int = 16,
+                 targets=ALL_TARGETS, seed: int = 0, use_rslora: bool = False) -> str:
+    """A PEFT LoRA directory over `model_dir` with random A and B (B != 0: init_lora_weights
+    False), scaled up so the adapter changes the greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                     init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(base, cfg)
+    peft_model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+@lru_cache(maxsize=8)
+def _peft_model(model_dir: str, adapter_dir: str | None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@lru_cache(maxsize=512)
+def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...],
+                max_new_tokens: int) -> HFGreedy:
+    """transformers' greedy generate() with the adapter applied by peft (None: the base)."""
+    model = _peft_model(model_dir, adapter_dir)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    margins = []
+    for step in out.logits:
+        top2 = step[0].float().topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+    return HFGreedy(tuple(out.sequences[0, len(prompt):].tolist()), tuple(margins))
+
+
+def token_slots(n: int):
+    """A mixed step: the first third adapter slot 0, the middle the base (-1), the rest 1."""
+    import numpy as np
+    return np.array([0] * (n // 3) + [-1] * (n // 3) + [1] * (n - 2 * (n // 3)))
+
+
+def lora_prefill_logits(model_dir: str, adapters: list[str], tp=None):
+    """Prefill logits of paged_prefill.tp_ids() with the adapters attached, rows per
+    token_slots."""
+    from tests.support.paged_prefill import load, prefill_logits, tp_ids
+    from worker_service.lora.adapter import read_adapter
+    from worker_service.lora.layers import attach_lora
+
+    model = load(model_dir, tp=tp)
+    state = attach_lora(model, [read_adapter(f"a{i}", p, 16) for i, p in enumerate(adapters)])
+    ids = tp_ids()
+    state.set_token_slots(token_slots(len(ids)))
+    return prefill_logits(model, ids)
+
+
+def lora_tp_worker(rank: int, port: int, model_dir: str, adapters: list[str],
+                   out_dir: str) -> None:
+    """One of two gloo ranks: lora_prefill_logits on this rank's slices."""
+    import torch.distributed as dist
+
+    from worker_service.parallel_state import TPGroup
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        logits = lora_prefill_logits(model_dir, adapters, TPGroup(rank=rank, world_size=2))
+        torch.save(logits, f"{out_dir}/lora_logits_{rank}.pt")
+    finally:
+        dist.destroy_process_group()

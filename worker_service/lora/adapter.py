@@ -1,0 +1,84 @@
+"""Read and validate one PEFT LoRA directory (adapter_config.json + adapter_model.safetensors).
+
+Weights come back per checkpoint module ("model.layers.0.self_attn.q_proj") as (A [r, in],
+B [out, r]) float32 tensors, with the scaling (alpha / r, rslora alpha / sqrt(r)) kept apart.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# The projections a Llama-family decoder has (checkpoint names); others are refused.
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PREFIX = "base_model.model."
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served: the message names the adapter and what is wrong."""
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int
+    scaling: float
+    # checkpoint module path -> (A [r, in], B [out, r]), float32
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _targets(cfg: dict) -> list[str]:
+    t = cfg.get("target_modules") or []
+    return [t] if isinstance(t, str) else list(t)
+
+
+def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
+    """LoRAError naming the adapter when the directory is missing a file, its rank exceeds
+    max_rank, or it targets a module outside SUPPORTED_TARGETS."""
+    d = Path(path)
+    cfg_file, weights_file = d / "adapter_config.json", d / "adapter_model.safetensors"
+    for f in (cfg_file, weights_file):
+        if not f.is_file():
+            raise LoRAError(f"LoRA adapter {name!r}: {f} does not exist (a PEFT directory "
+                            f"needs adapter_config.json and adapter_model.safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    if not 1 <= rank <= max_rank:
+        raise LoRAError(f"LoRA adapter {name!r}: r={rank} is invalid: must be in "
+                        f"[1, max_lora_rank={max_rank}]")
+    bad = [t for t in _targets(cfg) if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS]
+    if bad:
+        raise LoRAError(f"LoRA adapter {name!r}: target module(s) {bad} are not supported: "
+                        f"must be among {list(SUPPORTED_TARGETS)}")
+    if cfg.get("fan_in_fan_out"):
+        raise LoRAError(f"LoRA adapter {name!r}: fan_in_fan_out=true is not supported "
+                        f"(a Conv1D base layer; Llama-family projections are nn.Linear)")
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return LoRAAdapter(name, rank, scaling, _pairs(name, load_file(str(weights_file))))
+
+
+def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """PEFT keys 'base_model.model.<module>.lora_A.weight' / lora_B paired by module."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if not key.startswith(_PREFIX) or not key.endswith(".weight"):
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a PEFT LoRA weight")
+        module, _, half = key[len(_PREFIX):-len(".weight")].rpartition(".")
+        if half not in ("lora_A", "lora_B"):
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not supported "
+                            f"(only lora_A / lora_B weights)")
+        halves.setdefault(module, {})[half] = t.float()
+    out = {}
+    for module, h in halves.items():
+        if set(h) != {"lora_A", "lora_B"}:
+            raise LoRAError(f"LoRA adapter {name!r}: {module} lacks lora_A or lora_B")
+        a, b = h["lora_A"], h["lora_B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} and "
+                            f"lora_B {tuple(b.shape)} do not pair as [r, in] and [out, r]")
+        out[module] = (a, b)
+    return out

@@ -1,0 +1,163 @@
+"""The LoRA-aware projections: y = base(x) + scale_i * (x A_i^T) B_i^T for the token rows of
+adapter i (docs/lora.md).
+
+attach_lora swaps each decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj) for a
+LoRALinear that holds every adapter's A and B stacked by slot (adapter id - 1), the scaling folded
+into B. Packed projections keep one rank-R block per piece (q, k, v; gate, up): A pieces stacked
+along the rank, B block-diagonal. Tensor parallel, as the base layer: column-parallel B is split by
+output rows (the base layer's own weight loader picks this rank's rows), row-parallel A by input
+columns, and its partial delta joins the base partial sums before the one all-reduce.
+
+The adapter rows of a step come from LoRAState.set_token_slots; the forward is a loop over the
+adapters present (at most --max-loras), each an index_select, two GEMMs and an index_add
+(one adapter on every row: no gather at all). Without LoRA the model is not touched.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from worker_service.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                          QKVParallelLinear, RowParallelLinear)
+from worker_service.lora.adapter import LoRAAdapter, LoRAError
+
+# Model classes whose projections attach_lora knows (the Llama family in models/llama.py).
+SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                    "Qwen3ForCausalLM")
+
+
+class LoRAState:
+    """Which adapter each token row of the current forward uses, shared by every LoRALinear."""
+
+    def __init__(self, device: torch.device, num_adapters: int) -> None:
+        self.device = device
+        self.num_adapters = num_adapters
+        # (slot, rows): rows None = every row; empty: the base model alone
+        self.segments: list[tuple[int, torch.Tensor | None]] = []
+
+    def set_token_slots(self, slots: np.ndarray) -> None:
+        """slots: int [num_tokens], an adapter's slot (id - 1) per token row, -1 for none."""
+        present = np.unique(slots)
+        present = present[present >= 0]
+        if len(present) == 1 and slots[0] == present[0] and (slots == present[0]).all():
+            self.segments = [(int(present[0]), None)]
+            return
+        self.segments = [(int(s), torch.from_numpy(np.flatnonzero(slots == s)).to(self.device))
+                         for s in present]
+
+    def set_rows(self, row_slots: np.ndarray, num_scheduled: np.ndarray) -> None:
+        """A step's slots by batch row and its token counts per row, in query order."""
+        self.set_token_slots(np.repeat(row_slots, num_scheduled))
+
+    def clear(self) -> None:
+        self.segments = []
+
+
+class LoRALinear(nn.Module):
+    """A base projection plus the stacked adapters: a [S, R', in] and b [S, out, R']."""
+
+    def __init__(self, base: nn.Module, state: LoRAState, a: torch.Tensor,
+                 b: torch.Tensor) -> None:
+        super().__init__()
+        self.base, self.state = base, state
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        self.register_buffer("lora_a", a, persistent=False)
+        self.register_buffer("lora_b", b, persistent=False)
+
+    def _add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        for slot, rows in self.state.segments:
+            a, b = self.lora_a[slot], self.lora_b[slot]
+            if rows is None:
+                y = y + (x @ a.t()) @ b.t()
+            else:
+                y = y.index_add(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        if not self.row_parallel or base.tp.world_size == 1:
+            return self._add_delta(base(x), x)
+        y = base.tp.all_reduce(self._add_delta(base.matmul(x), x))
+        return y if base.bias is None else y + base.bias
+
+
+def _pieces(module: nn.Module) -> tuple:
+    if isinstance(module, QKVParallelLinear):
+        return ("q", "k", "v")
+    if isinstance(module, MergedColumnParallelLinear):
+        return tuple(range(len(module.output_sizes)))
+    return (None,)
+
+
+def _local_pair(module: nn.Module, piece, a: torch.Tensor, b: torch.Tensor, what: str):
+    """This rank's (A [r, in_rank], B [out_rank, r]) of one piece; B holds zeros outside the
+    piece's rows. LoRAError when the shapes do not fit the base layer."""
+    r = a.shape[0]
+    if isinstance(module, RowParallelLinear):
+        in_total = module.input_size_per_rank * module.tp.world_size
+        if a.shape[1] != in_total or b.shape[0] != module.weight.shape[0]:
+            raise LoRAError(f"{what}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                            f"fit the base layer ([out={module.weight.shape[0]}, in={in_total}])")
+        a_local = a.new_zeros(r, module.input_size_per_rank)
+        module.weight_loader(SimpleNamespace(data=a_local), a)
+        return a_local, b
+    if a.shape[1] != module.input_size:
+        raise LoRAError(f"{what}: lora_A {tuple(a.shape)} does not fit the base layer's "
+                        f"input size {module.input_size}")
+    b_local = b.new_zeros(module.output_size_per_rank, r)
+    try:
+        module.weight_loader(SimpleNamespace(data=b_local), b, piece)
+    except ValueError as e:
+        raise LoRAError(f"{what}: lora_B {tuple(b.shape)} does not fit the base layer "
+                        f"({e})") from None
+    return a, b_local
+
+
+def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: list[LoRAAdapter],
+            rank: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [S, P*rank, in_rank], b [S, out_rank, P*rank] for one of our modules; by_piece maps
+    (adapter index, piece) -> checkpoint module name."""
+    pieces = _pieces(module)
+    in_rank = (module.input_size_per_rank if isinstance(module, RowParallelLinear)
+               else module.input_size)
+    out_rank = module.weight.shape[0]
+    a_all = torch.zeros(len(adapters), len(pieces) * rank, in_rank)
+    b_all = torch.zeros(len(adapters), out_rank, len(pieces) * rank)
+    for (i, piece), ckpt in by_piece.items():
+        ad = adapters[i]
+        a, b = ad.weights[ckpt]
+        a, b = _local_pair(module, piece, a, b, f"LoRA adapter {ad.name!r}: {ckpt}")
+        p, r = pieces.index(piece), a.shape[0]
+        a_all[i, p * rank:p * rank + r] = a
+        b_all[i, :, p * rank:p * rank + r] = b * ad.scaling
+    return a_all.to(device=device, dtype=dtype), b_all.to(device=device, dtype=dtype)
+
+
+def attach_lora(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRAState:
+    """Wrap the projections of `model` that any adapter targets; LoRAError naming the adapter
+    and module for a model or module we cannot adapt."""
+    if type(model).__name__ not in SUPPORTED_MODELS:
+        raise LoRAError(f"LoRA is not supported for {type(model).__name__}: must be one of "
+                        f"{list(SUPPORTED_MODELS)}")
+    modules = dict(model.named_modules())
+    targets: dict[str, dict] = {}
+    for i, ad in enumerate(adapters):
+        for ckpt in ad.weights:
+            prefix, _, leaf = ckpt.rpartition(".")
+            ours, piece = model.packed_modules.get(leaf, (leaf, None))
+            path = f"{prefix}.{ours}"
+            if not isinstance(modules.get(path), (ColumnParallelLinear, RowParallelLinear)):
+                raise LoRAError(f"LoRA adapter {ad.name!r}: module {ckpt} is not a projection "
+                                f"of this {type(model).__name__} model")
+            targets.setdefault(path, {})[(i, piece)] = ckpt
+    state = LoRAState(next(model.parameters()).device, len(adapters))
+    rank = max(ad.rank for ad in adapters)
+    for path, by_piece in targets.items():
+        module = modules[path]
+        a, b = _stacks(path, module, by_piece, adapters, rank, model.dtype, state.device)
+        parent, _, leaf = path.rpartition(".")
+        setattr(modules[parent], leaf, LoRALinear(module, state, a, b))
+    return state
