@@ -8,16 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine_common.wire.codec import encode_scheduler_output
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.text.tokenizer import Tokenizer
-from scheduler_service.engine.engine_core import EngineCore
-from scheduler_service.engine.llm_engine import LLMEngine
-from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.scheduler import Scheduler
-from tests.support.tp_harness import workload
-from tests.support.tp_harness import NUM_BLOCKS, reference, scheduler_config
+from tests.support.tp_harness import engine_on, reference, scheduler_config, workload
 
 ABORT_AT = {3: "r1", 6: "r4"}     # engine step -> request aborted after it
 
@@ -26,12 +19,8 @@ def test_async_tp2_with_aborts_matches_tp1(tp2_two_nodes, tiny_models):
     model = tiny_models("llama")
     prompts, samplings, stoppings = workload()
     expected, _ = reference(model, prompts, samplings, stoppings)
-    client = tp2_two_nodes.client(init_timeout_s=120.0, step_timeout_s=60.0)
-    try:
-        client.init(tp2_two_nodes.spec(model, verify_symmetry=True))
-        config = dataclasses.replace(scheduler_config(), async_scheduling=True)
-        core = LLMEngine(EngineCore(Scheduler(config, NUM_BLOCKS), client),
-                         OutputProcessor(Tokenizer.from_dir(model)))
+    config = dataclasses.replace(scheduler_config(), async_scheduling=True)
+    with engine_on(tp2_two_nodes, model, config) as core:
         eos = ModelInfo.from_dir(model).eos_token_ids
         tokens, reasons = {}, {}
         for i, (p, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
@@ -48,14 +37,6 @@ def test_async_tp2_with_aborts_matches_tp1(tp2_two_nodes, tiny_models):
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
-        # The finished handles reach the workers; then node 0 holds no request at all.
-        client.execute(encode_scheduler_output(core.scheduler.schedule()))
-        assert client.reset() == 0
-    except Exception:
-        print(tp2_two_nodes.logs())
-        raise
-    finally:
-        client.close()
     for i, want in enumerate(expected):
         rid = f"r{i}"
         if rid in ABORT_AT.values():

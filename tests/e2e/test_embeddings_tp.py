@@ -11,10 +11,9 @@ from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.request.pooling import (LAST, MEAN, NORMALIZE, POOL_SAMPLING,
                                            POOL_STOPPING)
-from engine_common.wire.codec import encode_scheduler_output
 from scheduler_service.core.request import Request
 from tests.integration.test_embeddings import expected_vectors
-from tests.support.tp_harness import make_core, reference
+from tests.support.tp_harness import engine_on, reference
 
 PROMPTS = [list(range(3, 40)), [11, 12, 13], [7, 8, 9, 10] * 9]
 
@@ -25,10 +24,7 @@ def test_tp2_embeddings_match_transformers(tp2, tiny_models):
     greedy = ([[5, 17, 99, 42, 7] * 4], [SamplingParams()], [StoppingParams(max_tokens=8,
                                                                             ignore_eos=True)])
     expected_tokens, _ = reference(model, *greedy)
-    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
-    try:
-        client.init(tp2.spec(model, verify_symmetry=True))
-        core = make_core(model, client)
+    with engine_on(tp2, model) as core:
         core.add_request(Request("gen", list(greedy[0][0]), greedy[1][0], greedy[2][0], eos))
         for i, prompt in enumerate(PROMPTS):
             for name, code in (("last", LAST | NORMALIZE), ("mean", MEAN)):
@@ -43,13 +39,6 @@ def test_tp2_embeddings_match_transformers(tp2, tiny_models):
                     tokens += out.new_token_ids
                 elif out.finished:
                     vectors[out.request_id] = out.embedding
-        client.execute(encode_scheduler_output(core.scheduler.schedule()))
-        assert client.reset() == 0
-    except Exception:
-        print(tp2.logs())
-        raise
-    finally:
-        client.close()
     assert tokens == expected_tokens[0]
     for name, pooling, normalize in (("last", "LAST", True), ("mean", "MEAN", False)):
         for i, want in enumerate(expected_vectors(model, PROMPTS, pooling, normalize)):

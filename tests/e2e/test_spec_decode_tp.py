@@ -9,13 +9,7 @@ import dataclasses
 import json
 
 from engine_common.request.params import SamplingParams, StoppingParams
-from engine_common.wire.codec import encode_scheduler_output
-from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.engine.engine_core import EngineCore
-from scheduler_service.engine.llm_engine import LLMEngine
-from scheduler_service.engine.output_processor import OutputProcessor
-from engine_common.text.tokenizer import Tokenizer
-from tests.support.tp_harness import NUM_BLOCKS, reference, run_requests, scheduler_config
+from tests.support.tp_harness import engine_on, reference, run_requests, scheduler_config
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                    "prompt_lookup_min": 1})
@@ -36,20 +30,9 @@ def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models):
     stoppings = [StoppingParams(max_tokens=16, ignore_eos=True)] * 5 + [
         StoppingParams(max_tokens=16, min_tokens=6, stop_token_ids=(4, 5, 17))] * 2
     expected, _ = reference(model, prompts, samplings, stoppings)
-    client = tp2.client(init_timeout_s=120.0, step_timeout_s=60.0)
-    try:
-        client.init(tp2.spec(model, verify_symmetry=True))
-        config = dataclasses.replace(scheduler_config(), speculative_config=SPEC)
-        core = LLMEngine(EngineCore(Scheduler(config, NUM_BLOCKS), client),
-                         OutputProcessor(Tokenizer.from_dir(model)))
+    config = dataclasses.replace(scheduler_config(), speculative_config=SPEC)
+    with engine_on(tp2, model, config) as core:
         got = run_requests(core, model, prompts, samplings, stoppings)
         stats = core.scheduler.spec.stats
-        client.execute(encode_scheduler_output(core.scheduler.schedule()))
-        assert client.reset() == 0
-    except Exception:
-        print(tp2.logs())
-        raise
-    finally:
-        client.close()
     assert got == expected
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from engine_common.configuration.config import SchedulerConfig
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.text.tokenizer import Tokenizer
+from engine_common.wire.codec import encode_scheduler_output
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
@@ -171,9 +173,28 @@ def scheduler_config() -> SchedulerConfig:
     return SchedulerConfig(block_size=BLOCK_SIZE, **LIMITS)
 
 
-def make_core(model_dir: str, executor) -> LLMEngine:
-    return LLMEngine(EngineCore(Scheduler(scheduler_config(), NUM_BLOCKS), executor),
+def make_core(model_dir: str, executor, config: SchedulerConfig | None = None) -> LLMEngine:
+    return LLMEngine(EngineCore(Scheduler(config or scheduler_config(), NUM_BLOCKS), executor),
                      OutputProcessor(Tokenizer.from_dir(model_dir)))
+
+
+@contextmanager
+def engine_on(cluster: Cluster, model_dir: str, config: SchedulerConfig | None = None):
+    """An engine over `cluster`'s workers, Init-ed with symmetry verification on. After the
+    body the finished requests' handles reach the workers, which must then hold no request;
+    a failure prints the cluster's logs."""
+    client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
+    try:
+        client.init(cluster.spec(model_dir, verify_symmetry=True))
+        core = make_core(model_dir, client, config)
+        yield core
+        client.execute(encode_scheduler_output(core.scheduler.schedule()))
+        assert client.reset() == 0
+    except Exception:
+        print(cluster.logs())
+        raise
+    finally:
+        client.close()
 
 
 def run_requests(core: LLMEngine, model_dir: str, prompts: list[list[int]],
