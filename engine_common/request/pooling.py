@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_common.request.params import ParamError, SamplingParams, StoppingParams
+from engine_common.request.params import SamplingParams, StoppingParams
 
 NO_POOLING = -1
 # Pooling types, by their index on the wire.
@@ -49,12 +49,6 @@ class PoolerConfig:
         """The int the step protocol carries for a request pooled this way."""
         return POOLING_TYPES[self.pooling_type] | (NORMALIZE if self.normalize else 0)
 
-    @property
-    def needs_every_position(self) -> bool:
-        """MEAN and CLS read positions a prefix-cache hit would skip: such requests skip the
-        prefix cache (LAST reads only the last position, which is always computed)."""
-        return self.pooling_type != "LAST"
-
 
 def decode_code(code: int) -> tuple[int, bool]:
     """(pooling type index, normalize) of a wire code; ValueError for a code no config makes."""
@@ -66,6 +60,8 @@ def decode_code(code: int) -> tuple[int, bool]:
 
 
 def needs_every_position(code: int) -> bool:
+    """MEAN and CLS read positions a prefix-cache hit would skip: such requests skip the
+    prefix cache (LAST reads only the last position, which is always computed)."""
     return code != NO_POOLING and code & ~NORMALIZE != LAST
 
 
@@ -135,9 +131,3 @@ def _read_json(path: Path):
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PoolerConfigError(f"{path}: not JSON ({e})") from None
-
-
-def check_pooling_prompt(num_prompt_tokens: int) -> None:
-    """An embedding needs at least one token."""
-    if num_prompt_tokens < 1:
-        raise ParamError("input", num_prompt_tokens, "at least one token")

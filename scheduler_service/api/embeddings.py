@@ -14,6 +14,7 @@ from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerC
                                            PoolerConfigError, model_pooler_config,
                                            parse_pooler_config)
 from scheduler_service.api.front_door import FrontDoor, check_prompt_length, check_vocab
+from scheduler_service.api.guard import scoped_id
 from scheduler_service.core.request import Request
 from scheduler_service.errors import RequestFailed
 
@@ -64,20 +65,22 @@ async def prompt_of(door: FrontDoor, input_ids, text: str, caller: str,
     return ids
 
 
-async def embed(engine, door: FrontDoor, request_id: str, prompt_ids: list[int],
+async def embed(engine, door: FrontDoor, caller: str, request_id: str, prompt_ids: list[int],
                 cache_salt: str, on_output=None) -> list[float]:
-    """The vector of one prompt, pooled as the server's pooler says (`on_output`: called with
-    the request's output, for the request counters). A cancelled caller aborts the request."""
+    """The vector of one prompt, pooled as the server's pooler says: `caller`'s request
+    `request_id`, within the caller's quota and under its own id namespace (`on_output`: called
+    with the request's output, for the request counters). A cancelled caller aborts it."""
     model = door.model
-    request = Request(request_id, prompt_ids, POOL_SAMPLING, POOL_STOPPING,
+    request = Request(scoped_id(caller, request_id), prompt_ids, POOL_SAMPLING, POOL_STOPPING,
                       model.info.eos_token_ids, num_logprobs=None, cache_salt=cache_salt,
                       pooling=model.pooler.code)
     last = None
-    async with aclosing(engine.generate(request)) as outputs:
-        async for out in outputs:
-            last = out
-            if on_output is not None:
-                on_output(out)
+    with door.quota.hold(caller, request_id):
+        async with aclosing(engine.generate(request)) as outputs:
+            async for out in outputs:
+                last = out
+                if on_output is not None:
+                    on_output(out)
     if last is not None and last.error is not None:
         raise last.error
     if last is None or last.embedding is None:

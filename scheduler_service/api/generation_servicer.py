@@ -152,7 +152,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """One prompt's vector on a --runner pooling server (embeddings.py); counted in the
         request counters as a Generate is."""
         self._engine.counters.received()
-        caller, done = caller_of(context), False
+        caller = caller_of(context)
         try:
             self._model.check_runner("Embed")
             if request.HasField("text") and request.token_ids:
@@ -160,15 +160,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ids = await prompt_of(self._door, request.token_ids, request.text,
                                   pool_caller(context), ("prompt", "token_ids", "text"))
             rid = request.request_id or new_request_id()
-            salt = policy_of(context, self._keys).salt
-            with self._door.quota.hold(caller, rid):
-                vector = await embed(self._engine, self._door, scoped_id(caller, rid), ids,
-                                     salt)
-            done = True
+            vector = await embed(self._engine, self._door, caller, rid, ids,
+                                 policy_of(context, self._keys).salt)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status
-            self._count_failure(e, done)
+            self._count_failure(e, False)
             await abort_with(context, e)
         return pb.EmbedResponse(request_id=rid, embedding=vector, num_prompt_tokens=len(ids))
 

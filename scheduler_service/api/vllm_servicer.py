@@ -282,10 +282,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                   pool_caller(context))
             self._last_receive = time.time()
             rid = request.request_id or new_request_id()
-            salt = policy_of(context, self._keys).salt
-            with self._door.quota.hold(caller, rid, 1):
-                vector = await embed(self._engine, self._door, scoped_id(caller, rid), ids,
-                                     salt, tally.output)
+            vector = await embed(self._engine, self._door, caller, rid, ids,
+                                 policy_of(context, self._keys).salt, tally.output)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status

@@ -255,7 +255,7 @@ class ModelRunner:
             prompt = self.prompt_logprobs.plan(self.batch, inputs)
             pool = self.pooling.plan(self.batch, inputs)
         try:
-            return self._launch(diff.step, inputs, feed, (prompt, pool, spec))
+            return self._launch(diff.step, inputs, feed, prompt, pool, spec)
         except BaseException:
             self.staging.wait_copies()      # a failed step, too, ends after its copies
             raise
@@ -280,11 +280,12 @@ class ModelRunner:
         return out
 
     def _launch(self, step: int, inputs: StepInputs, feed: PendingStep | None,
-                taps: tuple = (None, None, None)) -> PendingStep:
-        """`taps`: the step's prompt-logprob, pooling and draft work (each None or a step)."""
-        prompt, pool, spec = taps
+                prompt=None, pool=None, spec=None) -> PendingStep:
+        """`prompt`, `pool`, `spec`: the step's prompt-logprob, pooling and draft work (each
+        None when it has none)."""
         self.staging.begin()
-        run_model, input_ids = self._stage_model(inputs, [t for t in (prompt, pool) if t], spec)
+        taps = [t for t in (prompt, pool) if t is not None]
+        run_model, input_ids = self._stage_model(inputs, taps, spec)
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
