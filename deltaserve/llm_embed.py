@@ -5,6 +5,7 @@ A pooling request computes its prompt and pools the final hidden states into one
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerConfig,
@@ -34,7 +35,6 @@ def pooler_from_kwargs(model_dir: str, kwargs: dict) -> PoolerConfig | None:
             raise ValueError("pooler_config is for runner='pooling'")
         return None
     if isinstance(given, dict):
-        import json
         given = json.dumps(given)
     return parse_pooler_config(given, model_pooler_config(model_dir))
 
