@@ -66,7 +66,8 @@ _state: dict[str, dict] = {}         # per ISA: ok, why
 _selected: str | None = None         # the process's ISA once read from $DELTASERVE_CPU_ISA
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's flags as /proc/cpuinfo spells them, sorted and space-separated."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -99,7 +100,7 @@ def cannot_run(which: str) -> str | None:
         return None
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"avx2 is an x86-64 build; this machine is {platform.machine()}"
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     missing = [f for f in AVX2_NEEDS if f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)} for the avx2 build"
@@ -115,7 +116,7 @@ def library_name(which: str | None = None) -> str:
     for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
     h.update(" ".join((str(CSRC), torch.__version__, sys.version, *_cflags(which),
-                       _cpu_flags())).encode())
+                       cpu_flags())).encode())
     return f"{namespace(which)}_{h.hexdigest()[:16]}"
 
 

@@ -9,7 +9,12 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               more threads the panels split evenly between them while MKL's own threading
               splits few rows poorly (1.4x from a second thread at 64 rows, the panels 1.9x),
               so float32 goes to the panels up to 128 rows there.
-    MKL       more rows (prefill): float32 W packed once into MKL's blocked layout
+    oneDNN    more rows (prefill) on an AVX-512 CPU (kernels/cpu/onednn_gemm.py): W reordered
+              once into oneDNN's blocked layout; ~12% over MKL's packed sgemm in float32 and
+              ~2.3x its bf16 GEMM where the CPU has bf16 dot products (AVX512-BF16, AMX). Its
+              lead over the panels starts at fewer rows, so the panels' limit is lower with it
+              (ONEDNN_PANEL_MAX_ROWS; bench/cpu_gemm_layouts.py).
+    MKL       more rows elsewhere: float32 W packed once into MKL's blocked layout
               (cblas_sgemm_pack, then cblas_sgemm_compute); bfloat16 through
               cblas_gemm_bf16bf16f32 (float32 accumulation, one rounding), several times the
               speed of F.linear's oneDNN path on CPUs without native bf16 dot products.
@@ -31,17 +36,21 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
 A non-2-D input or another dtype goes to F.linear, as does everything when the library is not
 loaded. The packed copies are made from the weight at prepare time (re-prepare after changing
 it); they cost memory (two extra copies of each linear weight) and must not be moved (MKL's
-packed data depends on its address), so they are plain attributes, never parameters or buffers.
+packed data depends on its address; oneDNN's is an opaque tensor), so they are plain
+attributes, never parameters or buffers.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import extension
+from kernels.cpu import extension, onednn_gemm
 
 PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}            # one thread
 PANEL_MAX_ROWS_THREADED = {torch.float32: 128, torch.bfloat16: 128}   # two or more
+# when oneDNN takes the rows above (Zen 4, 30 layers of SmolLM2-135M's shapes)
+ONEDNN_PANEL_MAX_ROWS = {torch.float32: 15, torch.bfloat16: 11}
+ONEDNN_PANEL_MAX_ROWS_THREADED = {torch.float32: 48, torch.bfloat16: 32}
 GREEDY_PANEL_MAX_ROWS = (48, 64)            # LM head + sampler: (one thread, two or more)
 TILE_N = 512
 TILED_FROM_N = 8192
@@ -59,11 +68,14 @@ class CpuLinear:
         self.packed = None
         self.tiles: list[torch.Tensor] | None = None
         self.screen: tuple[torch.Tensor, ...] | None = None
+        self.onednn: torch.Tensor | None = None
         if weight.dtype == torch.float32 and self.out_features >= TILED_FROM_N:
             self.tiles = [ops.mkl_pack(w[i:i + TILE_N].contiguous())
                           for i in range(0, self.out_features, TILE_N)]
             if ops.screen_available():
                 self.weight, self.screen = w, _screen_pack(ops, w)
+        elif onednn_gemm.wanted(weight.dtype):
+            self.onednn = onednn_gemm.pack(w)
         elif weight.dtype == torch.float32:
             self.packed = ops.mkl_pack(w)
         self.calls = 0              # calls that took a kernel (tests check they ran)
@@ -74,8 +86,10 @@ class CpuLinear:
             return F.linear(x, weight, bias)
         self.calls += 1
         ops, x, n = extension.ops(), x.contiguous(), self.out_features
-        if x.shape[0] <= panel_max_rows(self.dtype):
+        if x.shape[0] <= panel_max_rows(self.dtype, self.onednn is not None):
             return ops.panel_linear(x, self.panels, n, bias)
+        if self.onednn is not None:
+            return onednn_gemm.linear(x, self.onednn, bias)
         if self.tiles is not None:
             return ops.mkl_tiled_linear(x, self.tiles, TILE_N, n, bias)
         if self.packed is not None:
@@ -120,11 +134,14 @@ def _screen_pack(ops, w: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         return None
 
 
-def panel_max_rows(dtype: torch.dtype) -> int:
+def panel_max_rows(dtype: torch.dtype, onednn: bool = False) -> int:
     """The most rows that take the panels at the current thread count (measured crossovers
-    against MKL on 30 layers of SmolLM2-135M's shapes streaming from memory)."""
-    table = PANEL_MAX_ROWS if torch.get_num_threads() == 1 else PANEL_MAX_ROWS_THREADED
-    return table[dtype]
+    against MKL, or oneDNN where it takes the rows above, on 30 layers of SmolLM2-135M's
+    shapes streaming from memory)."""
+    one = torch.get_num_threads() == 1
+    if onednn:
+        return (ONEDNN_PANEL_MAX_ROWS if one else ONEDNN_PANEL_MAX_ROWS_THREADED)[dtype]
+    return (PANEL_MAX_ROWS if one else PANEL_MAX_ROWS_THREADED)[dtype]
 
 
 def prepare(weight: torch.Tensor) -> CpuLinear | None:

@@ -34,7 +34,7 @@ def test_library_name_follows_sources_and_cpu():
 
 
 def _native_body() -> str:
-    flags = set(extension._cpu_flags().split())
+    flags = set(extension.cpu_flags().split())
     if "avx512f" in flags:
         return "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "generic"

@@ -1,37 +1,48 @@
-"""kernels/cpu/linear.py: MKL's packed float32 GEMM and its bf16 GEMM against F.linear, the
-shapes that fall back, and the layers' hook (worker_service/layers/cpu_gemm.py)."""
+"""kernels/cpu/linear.py: the weight panels, MKL's packed float32 GEMM and its bf16 GEMM, and
+oneDNN's blocked GEMM (kernels/cpu/onednn_gemm.py) against F.linear, the shapes that fall back,
+which rows take which layout, and the layers' hook (worker_service/layers/cpu_gemm.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import extension, linear
+from kernels.cpu import extension, linear, onednn_gemm
 
 pytestmark = [pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built"),
               pytest.mark.usefixtures("cpu_isa")]
 
 
+@pytest.fixture(params=["mkl", "onednn"])
+def many_rows(request, monkeypatch):
+    """The layout many-row calls take, forced through the switch (either runs on any x86)."""
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "1" if request.param == "onednn" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 4, 5, 13, 31, 48, 49, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panels_and_packed_float32_match_f_linear(rows, bias):
+def test_panels_and_packed_float32_match_f_linear(rows, bias, many_rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(100, 40, generator=gen)                # 100: a partial last panel
     b = torch.randn(100, generator=gen) if bias else None
     x = torch.randn(rows, 40, generator=gen)
     lin = linear.prepare(w)
-    assert lin is not None and lin.packed is not None
+    assert lin is not None
+    assert (lin.packed is not None, lin.onednn is not None) == (many_rows == "mkl",
+                                                                many_rows == "onednn")
     torch.testing.assert_close(lin(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     assert lin.calls == 1
 
 
 @pytest.mark.parametrize("rows", [1, 4, 33, 64, 65, 130])
-def test_bf16_matches_float32_math_rounded_once(rows):
+def test_bf16_matches_float32_math_rounded_once(rows, many_rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 64, generator=gen).bfloat16()
     b = torch.randn(80, generator=gen).bfloat16()
     x = torch.randn(rows, 64, generator=gen).bfloat16()
     lin = linear.prepare(w)
+    assert (lin.onednn is not None) == (many_rows == "onednn")
     got = lin(x, w, b)
     want = (F.linear(x.float(), w.float()) + b.float()).bfloat16()
     assert got.dtype == torch.bfloat16 and lin.calls == 1
@@ -39,9 +50,10 @@ def test_bf16_matches_float32_math_rounded_once(rows):
     assert (got == want).float().mean() > 0.95        # the same rounding almost everywhere
 
 
-def test_more_threads_send_more_rows_to_the_panels():
+def test_more_threads_send_more_rows_to_the_panels(monkeypatch):
     """MKL's own threading splits few rows poorly, the panels split evenly: with 2+ threads
-    float32 takes the panels up to 128 rows (and the greedy LM head up to 64)."""
+    float32 takes the panels up to 128 rows ahead of MKL (and the greedy LM head up to 64)."""
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "0")
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(100, 40, generator=gen)
     x = torch.randn(100, 40, generator=gen)
@@ -59,6 +71,47 @@ def test_more_threads_send_more_rows_to_the_panels():
         torch.set_num_threads(before)
     assert torch.equal(got, panels)
     torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_take_onednn_above_its_panel_limit(dtype, monkeypatch):
+    """With oneDNN the panels stop sooner (15 float32 rows on one thread, 48 on two): the row
+    after the limit is oneDNN's own result, the limit itself the panels'."""
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "1")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=gen).to(dtype)
+    lin = linear.prepare(w)
+    ops = extension.ops()
+    before = torch.get_num_threads()
+    try:
+        for threads, limit in ((1, linear.ONEDNN_PANEL_MAX_ROWS[dtype]),
+                               (2, linear.ONEDNN_PANEL_MAX_ROWS_THREADED[dtype])):
+            torch.set_num_threads(threads)
+            assert linear.panel_max_rows(dtype, onednn=True) == limit
+            at, past = (torch.randn(m, 64, generator=gen).to(dtype) for m in (limit, limit + 1))
+            assert torch.equal(lin(at, w), ops.panel_linear(at, lin.panels, 96, None))
+            assert torch.equal(lin(past, w), onednn_gemm.linear(past, lin.onednn, None))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_onednn_is_chosen_by_isa_and_switch(monkeypatch, cpu_isa):
+    """auto: float32 on an AVX-512 build, bf16 only with bf16 dot products; never on the avx2
+    build (not measured ahead of MKL there); 0 / 1 override; anything else is refused by name."""
+    monkeypatch.delenv(onednn_gemm.ENV_SWITCH, raising=False)
+    flags = set(extension.cpu_flags().split())
+    wide = cpu_isa == "native" and "avx512f" in flags
+    assert onednn_gemm.wanted(torch.float32) == wide
+    assert onednn_gemm.wanted(torch.bfloat16) == (wide and bool(
+        flags & set(onednn_gemm.BF16_FLAGS)))
+    assert not onednn_gemm.wanted(torch.float16)
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "0")
+    assert not onednn_gemm.wanted(torch.float32)
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "1")
+    assert onednn_gemm.wanted(torch.float32) and onednn_gemm.wanted(torch.bfloat16)
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "yes")
+    with pytest.raises(ValueError, match="DELTASERVE_CPU_ONEDNN='yes' must be auto, 0 or 1"):
+        onednn_gemm.wanted(torch.float32)
 
 
 def test_odd_inputs_take_f_linear():

