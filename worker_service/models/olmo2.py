@@ -28,12 +28,11 @@ from worker_service.layers.embedding import VocabParallelEmbedding
 from worker_service.layers.rotary import RotaryEmbedding, get_rope
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, new_param,
                                             read_rows)
-from worker_service.models.causal_lm import CausalLMHeadMixin
+from worker_service.models.causal_lm import CausalLMHeadMixin, refuse_activation
 from worker_service.models.llama import (DecoderArgs, DecoderAttention, DecoderMLP,
                                          LlamaForCausalLM)
 from worker_service.parallel_state import TPGroup
 
-SUPPORTED_ACTIVATION = "silu"
 DEFAULT_RMS_NORM_EPS = 1e-5        # Olmo2Config's (a config.json without the key)
 
 
@@ -129,14 +128,6 @@ class Olmo2Model(nn.Module):
         return self.norm(hidden)
 
 
-def refuse_unsupported(cfg: dict) -> None:
-    """ValueError naming a config.json option transformers' OLMo 2 reads and we do not run."""
-    act = cfg.get("hidden_act", SUPPORTED_ACTIVATION)
-    if act != SUPPORTED_ACTIVATION:
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported for "
-                         f"Olmo2ForCausalLM: must be {SUPPORTED_ACTIVATION!r}")
-
-
 class Olmo2ForCausalLM(CausalLMHeadMixin, nn.Module):
     """An OLMo 2 causal LM over the paged KV cache; same interface as LlamaForCausalLM."""
 
@@ -146,7 +137,7 @@ class Olmo2ForCausalLM(CausalLMHeadMixin, nn.Module):
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__()
-        refuse_unsupported(hf_config)
+        refuse_activation(hf_config, type(self).__name__)
         hf_config = {"rms_norm_eps": DEFAULT_RMS_NORM_EPS, **hf_config}
         args = DecoderArgs.from_hf(hf_config, None, None, False, fused_ops)
         # transformers' Olmo2MLP has no bias whatever mlp_bias says; no sliding window

@@ -10,6 +10,7 @@ from torch import nn
 
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
+from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import (LlamaForCausalLM, MistralForCausalLM,
                                          Qwen2ForCausalLM, Qwen3ForCausalLM)
 from worker_service.models.mixtral import MixtralForCausalLM
@@ -20,6 +21,7 @@ from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausa
 MODEL_REGISTRY = MappingProxyType({
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
