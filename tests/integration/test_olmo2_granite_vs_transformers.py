@@ -25,7 +25,7 @@ import torch
 from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
 from tests.integration.test_model_vs_transformers import hf_logits
-from tests.support.engine_checks import _check, _prompts
+from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_prefix_hits
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
 from worker_service.lora.adapter import LoRAError
@@ -54,21 +54,11 @@ def test_the_granite_multipliers_matter(tiny_models, tmp_path):
         assert (prefill_logits(load(plain), ids) - ours).abs().max() > 1e-2, key
 
 
+@pytest.mark.parametrize("check", [check_greedy_and_prefix_hits, check_chunked_greedy],
+                         ids=["whole-then-prefix-hits", "chunked"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(tiny_models, arch):
-    model = tiny_models(arch)
-    llm = LLM(model, dtype="float32", num_kv_blocks=256)
-    _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/plain")
-    _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/prefix-hits")
-    assert llm.scheduler.kv.stats.hits > 0
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_matches_transformers(tiny_models, arch):
-    model = tiny_models(arch)
-    llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
-              max_num_seqs=8)
-    _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/chunked")
+def test_engine_greedy_matches_transformers(tiny_models, arch, check):
+    check(tiny_models(arch), arch)
 
 
 def test_granite_greedy_logprobs_are_of_the_scaled_logits(tiny_models):

@@ -24,9 +24,9 @@ import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
 from worker_service.layers.embedding import ParallelLMHead
-from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.models.causal_lm import refuse_activation
-from worker_service.models.llama import DecoderArgs, DecoderLayer, DecoderModel, LlamaForCausalLM
+from worker_service.models.llama import (DecoderArgs, DecoderAttention, DecoderLayer, DecoderMLP,
+                                         DecoderModel, LlamaForCausalLM)
 from worker_service.parallel_state import TPGroup
 
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -57,25 +57,33 @@ def granite_multipliers(cfg: dict) -> dict[str, float]:
     return values
 
 
-class GraniteDecoderLayer(DecoderLayer):
-    """Llama's pre-norm block with each sub-block's output times residual_multiplier."""
+class GraniteAttention(DecoderAttention):
+    """Llama's attention (scale: DecoderArgs.attn_scale), its output times residual_multiplier
+    (transformers scales it just before the residual add: the same product)."""
 
-    def __init__(self, args: GraniteArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
-                 backend: AttentionBackend, dtype: torch.dtype, mlp=None,
-                 sliding_window: int = 0) -> None:
-        super().__init__(args, rotary_emb, tp, backend, dtype, mlp, sliding_window)
+    def __init__(self, args: GraniteArgs, *rest) -> None:
+        super().__init__(args, *rest)
         self.residual_multiplier = args.residual_multiplier
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta) * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
+    def forward(self, *inputs) -> torch.Tensor:
+        return super().forward(*inputs) * self.residual_multiplier
+
+
+class GraniteMLP(DecoderMLP):
+    """Llama's MLP, its output times residual_multiplier."""
+
+    def __init__(self, args: GraniteArgs, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__(args, tp, dtype)
+        self.residual_multiplier = args.residual_multiplier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.residual_multiplier
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    """Llama's pre-norm block with Granite's attention (its MLP comes from mlp_factory)."""
+
+    attention_class = GraniteAttention
 
 
 class GraniteModel(DecoderModel):
@@ -121,6 +129,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__(hf_config, tp, attn_backend, dtype, fused_ops)
         self.lm_head.logits_scaling = self.args.logits_scaling
+
+    def mlp_factory(self, hf_config: dict, tp: TPGroup, dtype: torch.dtype):
+        return lambda layer: GraniteMLP(self.args, tp, dtype)
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> GraniteArgs:
         refuse_activation(hf_config, type(self).__name__)

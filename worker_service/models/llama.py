@@ -150,11 +150,14 @@ class DecoderMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately and added inside the norms."""
 
+    attention_class = DecoderAttention      # a subclass's own attention (models/granite.py)
+
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype,
                  mlp: nn.Module | None = None, sliding_window: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype, sliding_window)
+        self.self_attn = self.attention_class(args, rotary_emb, tp, backend, dtype,
+                                              sliding_window)
         self.mlp = DecoderMLP(args, tp, dtype) if mlp is None else mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
                                        args.fused_ops)
