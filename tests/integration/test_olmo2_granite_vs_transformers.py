@@ -3,7 +3,8 @@
 k projections and post-norm blocks; Granite with every multiplier away from 1 (embeddings x3,
 sub-block outputs x0.5, attention scale 1/8 instead of 1/4, logits / 2.5) and a tied head.
 
-  - prefill logits through the paged cache equal transformers' forward,
+  - logits through the paged cache equal transformers' forward: one whole prefill, and chunked
+    prefills then decodes of two requests batched,
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes, with prefix-cache hits,
   - Granite's greedy logprobs are transformers' log_softmax of the scaled logits (the fused
@@ -28,6 +29,7 @@ from tests.integration.test_model_vs_transformers import hf_logits
 from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_prefix_hits
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
+from tests.support.window_schedule import assert_chunks_and_decodes_match
 from worker_service.lora.adapter import LoRAError
 from worker_service.lora.layers import attach_lora
 from worker_service.models.granite import granite_multipliers
@@ -41,6 +43,13 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
     ids = torch.arange(41) * 37 % 500 + 3
     expected = hf_logits(hf_model(path), ids)
     torch.testing.assert_close(prefill_logits(load(path), ids), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_and_decode_logits_match_transformers(tiny_models, arch):
+    """Two requests prefilled in chunks of 11, 16 and 5 tokens, then decoded side by side."""
+    path = tiny_models(arch)
+    assert_chunks_and_decodes_match(load(path), hf_model(path), atol=1e-4)
 
 
 def test_the_granite_multipliers_matter(tiny_models, tmp_path):
