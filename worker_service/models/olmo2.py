@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
-from worker_service.layers.embedding import VocabParallelEmbedding
+from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_service.layers.rotary import RotaryEmbedding, get_rope
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, new_param,
                                             read_rows)
@@ -132,7 +132,6 @@ class Olmo2ForCausalLM(CausalLMHeadMixin, nn.Module):
     """An OLMo 2 causal LM over the paged KV cache; same interface as LlamaForCausalLM."""
 
     packed_modules = LlamaForCausalLM.packed_modules
-    lm_head_class = LlamaForCausalLM.lm_head_class
 
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
@@ -145,7 +144,7 @@ class Olmo2ForCausalLM(CausalLMHeadMixin, nn.Module):
         self.dtype = dtype
         self.fused_ops = fused_ops
         self.model = Olmo2Model(args, hf_config, tp, attn_backend, dtype)
-        self.lm_head = self.lm_head_class(args.vocab_size, args.hidden_size, tp, dtype)
+        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype)
         if args.tie_word_embeddings:
             self.tie_lm_head()
         self.num_layers = args.num_layers
