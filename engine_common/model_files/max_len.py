@@ -20,7 +20,8 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 
 # max_position_embeddings of the transformers config class of each architecture we serve
 # (transformers 5.x: LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-# Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig).
+# Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig, Olmo2Config,
+# GraniteConfig).
 ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "LlamaForCausalLM": 2048,
     "MistralForCausalLM": 131072,          # 4096 * 32
@@ -32,6 +33,8 @@ ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "Qwen3MoeForCausalLM": 32768,
     "Gemma2ForCausalLM": 8192,
     "Gemma3ForCausalLM": 131072,
+    "Olmo2ForCausalLM": 2048,
+    "GraniteForCausalLM": 2048,
 })
 # vLLM's length when no key is found at all (an architecture outside the table)
 FALLBACK_MAX_LEN = 2048

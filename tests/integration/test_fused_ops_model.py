@@ -109,6 +109,19 @@ def test_fused_ops_give_the_same_logits(tiny_models, arch, backend):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("arch", ["olmo2", "granite"])
+def test_olmo2_and_granite_through_the_rope_that_writes_the_cache(tiny_models, arch):
+    """Their own attention forwards (OLMo 2's whole-projection q/k norm, Granite's scaled
+    output) on the Triton backend: the fused rope writes the KV cache, same logits as torch."""
+    model_dir = tiny_models(arch)
+    plain, fused = _load(model_dir, False, "triton"), _load(model_dir, True, "triton")
+    assert all(m.self_attn.kv_in_rope for m in fused.model.layers)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 5)]
+    for step, (want, got) in enumerate(zip(_run_steps(plain, seqs), _run_steps(fused, seqs))):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+
+
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models, backend):
     from deltaserve.llm import LLM

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.llm import LLM
 from engine_common.model_files.moe_config import moe_config_problem
-from tests.support.engine_checks import _check, _prompts
+from tests.support.engine_checks import (_check, _prompts, check_chunked_greedy,
+                                         check_greedy_and_prefix_hits)
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
 from worker_service.models.loader import WeightLoadError
@@ -46,20 +47,12 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(tiny_models, arch):
-    model = tiny_models(arch)
-    llm = LLM(model, dtype="float32", num_kv_blocks=256)
-    _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/plain")
-    # the same prompts again: whole-block prefix hits, then the same tokens
-    _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/prefix-hits")
-    assert llm.scheduler.kv.stats.hits > 0
+    check_greedy_and_prefix_hits(tiny_models(arch), arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_matches_transformers(tiny_models, arch):
-    model = tiny_models(arch)
-    llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
-              max_num_seqs=8)
-    _check(llm, model, _prompts(llm.model_info.vocab_size), f"{arch}/chunked")
+    check_chunked_greedy(tiny_models(arch), arch)
 
 
 @pytest.mark.slow

@@ -42,6 +42,23 @@ def _check(llm: LLM, model_dir: str, prompts: list[list[int]], label: str) -> li
     return outs
 
 
+def check_greedy_and_prefix_hits(model_dir: str, label: str) -> None:
+    """The in-process engine's greedy tokens equal generate()'s; then the same prompts again:
+    whole-block prefix-cache hits, and the same tokens."""
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
+    _check(llm, model_dir, _prompts(llm.model_info.vocab_size), f"{label}/plain")
+    _check(llm, model_dir, _prompts(llm.model_info.vocab_size), f"{label}/prefix-hits")
+    assert llm.scheduler.kv.stats.hits > 0
+
+
+def check_chunked_greedy(model_dir: str, label: str) -> None:
+    """24 tokens a step, most prompts longer: chunked prefills batched with decodes give
+    generate()'s greedy tokens."""
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
+              max_num_seqs=8)
+    _check(llm, model_dir, _prompts(llm.model_info.vocab_size), f"{label}/chunked")
+
+
 MODELS = ["qwen3", "llama"]
 
 

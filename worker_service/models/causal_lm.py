@@ -24,3 +24,14 @@ class CausalLMHeadMixin:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+SUPPORTED_ACTIVATION = "silu"
+
+
+def refuse_activation(hf_config: dict, arch: str) -> None:
+    """ValueError naming config.json's hidden_act unless it is the SiLU our gated MLP runs."""
+    act = hf_config.get("hidden_act", SUPPORTED_ACTIVATION)
+    if act != SUPPORTED_ACTIVATION:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported for {arch}: must "
+                         f"be {SUPPORTED_ACTIVATION!r}")

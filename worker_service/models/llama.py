@@ -51,6 +51,7 @@ class DecoderArgs:
     fused_ops: bool = False      # Triton RMSNorm (+ residual) and rope: kernels/fused_*.py
     # per layer: W > 0 attends to the last W positions only, 0 to all; () when no layer has one
     layer_windows: tuple[int, ...] = ()
+    attn_scale: float | None = None    # softmax scale; None: head_dim ** -0.5 (Granite sets it)
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -100,6 +101,7 @@ class DecoderAttention(nn.Module):
         self.qk_norm = args.qk_norm
         # shared by every layer: one cos/sin table per model; fused, it rotates q and k in place
         self.rotary_emb = rotary_emb
+        scale = args.attn_scale if scale is None else scale
         self.attn = Attention(self.num_heads, self.num_kv_heads, d,
                               d ** -0.5 if scale is None else scale, backend, sliding_window,
                               softcap)
@@ -148,11 +150,14 @@ class DecoderMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately and added inside the norms."""
 
+    attention_class = DecoderAttention      # a subclass's own attention (models/granite.py)
+
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype,
                  mlp: nn.Module | None = None, sliding_window: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(args, rotary_emb, tp, backend, dtype, sliding_window)
+        self.self_attn = self.attention_class(args, rotary_emb, tp, backend, dtype,
+                                              sliding_window)
         self.mlp = DecoderMLP(args, tp, dtype) if mlp is None else mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype,
                                        args.fused_ops)
@@ -174,6 +179,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's `model.` prefix)."""
 
+    layer_class = DecoderLayer      # a subclass's own block (models/granite.py)
+
     def __init__(self, args: DecoderArgs, hf_config: dict, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype,
                  make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
@@ -183,8 +190,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
         rotary_emb = get_rope(args.head_dim, hf_config, args.fused_ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i),
-                         args.window(i))
+            self.layer_class(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i),
+                             args.window(i))
             for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.fused_ops)
 
@@ -213,6 +220,9 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     qk_norm: bool = False
+    # the decoder and head classes a subclass may swap (models/granite.py)
+    decoder_class = DecoderModel
+    lm_head_class = ParallelLMHead
     # checkpoint projection name -> (our packed module name, shard id)
     packed_modules = MappingProxyType({
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -222,23 +232,27 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__()
-        args = DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm,
-                                   fused_ops)
+        args = self.decoder_args(hf_config, fused_ops)
         windows = self.layer_windows(hf_config, args.num_layers)
         if any(windows):
             args = replace(args, layer_windows=windows)
         self.args = args
         self.dtype = dtype
         self.fused_ops = fused_ops
-        self.model = DecoderModel(args, hf_config, tp, attn_backend, dtype,
-                                  self.mlp_factory(hf_config, tp, dtype))
-        self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp, dtype)
+        self.model = self.decoder_class(args, hf_config, tp, attn_backend, dtype,
+                                        self.mlp_factory(hf_config, tp, dtype))
+        self.lm_head = self.lm_head_class(args.vocab_size, args.hidden_size, tp, dtype)
         if args.tie_word_embeddings:
             self.tie_lm_head()
         first_attn = self.model.layers[0].self_attn
         self.num_layers = args.num_layers
         self.num_kv_heads = first_attn.num_kv_heads      # per rank
         self.head_dim = args.head_dim
+
+    def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
+        """The decoder's shape and options from config.json (a subclass may add its own)."""
+        return DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm,
+                                   fused_ops)
 
     # The window transformers' config class gives a config.json without the key (null: none):
     # 4096 for Mistral, Qwen2/Qwen3 and their MoE configs; LlamaConfig has no such field.

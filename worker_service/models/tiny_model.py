@@ -19,7 +19,7 @@ import transformers as tf
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
-         "mixtral", "phi3")
+         "mixtral", "phi3", "olmo2", "granite")
 INITIALIZER_RANGE = 0.3
 
 
@@ -58,7 +58,14 @@ def _arch_config(arch: str):
                "sliding_window": 8, "tie_word_embeddings": False}
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, window 8 on every layer
     phi3 = {"sliding_window": 8, "tie_word_embeddings": False}
+    # OLMo 2: q/k bias (attention_bias) on, tied head off
+    olmo2 = {"attention_bias": True, "tie_word_embeddings": False}
+    # Granite: every multiplier away from 1, attention scale 1/8 (not 1/sqrt(16))
+    granite = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+               "attention_multiplier": 0.125, "logits_scaling": 2.5, "tie_word_embeddings": True}
     table = {
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, olmo2),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, granite),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, phi3),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, mixtral),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma2),
