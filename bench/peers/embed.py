@@ -1,9 +1,11 @@
 """Embeddings against vLLM-CPU, side by side: `LLM(model, runner="pooling").embed(prompts)` in
-both engines on the same token-id prompts, fp32, the same model threads, alternating processes
-(round r: vLLM first when r is even), prompt tokens per second, and how far the vectors differ.
+both engines on the same token-id prompts, fp32 (or --dtype bfloat16), the same model
+threads, alternating processes (round r: vLLM first when r is even), prompt tokens per second,
+and how far the vectors differ.
 
     python -m bench.peers.embed [--model DIR] [--num-prompts 64] [--rounds 3] [--threads 1]
-                                [--vllm-venv DIR] [--results-file bench/results.md]
+                                [--dtype float32|bfloat16] [--vllm-venv DIR]
+                                [--results-file bench/results.md]
 
 Each round starts each engine afresh (bench/peers/embed_child.py: load, warm up on 4 prompts, then
 one timed embed() of them all). The default model is SmolLM2-135M-Instruct, a decoder both
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=480)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--vllm-venv", default=None)
     p.add_argument("--results-file", default=None)
     args = p.parse_args(argv)
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         workload = work / "workload.json"
         workload.write_text(json.dumps({"model": model, "prompts": prompts,
-                                        "threads": args.threads,
+                                        "threads": args.threads, "dtype": args.dtype,
                                         "max_model_len": args.max_len + 16}))
         envs = {"deltaserve": deltaserve_env(args.threads, "native"),
                 "vllm": vllm_env(args.threads, 1, work)}
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"cpu: {describe_cpu()}",
         f"model {model}, {args.num_prompts} prompts of {args.min_len}-{args.max_len} token ids "
-        f"({tokens} tokens), fp32, {args.threads} thread(s), {args.rounds} rounds alternating",
+        f"({tokens} tokens), {args.dtype}, {args.threads} thread(s), {args.rounds} rounds "
+        f"alternating",
         *(f"{e}: {statistics.median(rates[e]):.0f} prompt tok/s median (min "
           f"{min(rates[e]):.0f}, max {max(rates[e]):.0f})" for e in ENGINES),
         f"DeltaServe / vLLM: {statistics.median(ratios):.2f}x median (min {ratios[0]:.2f}x, "

@@ -4,8 +4,8 @@ embed the whole workload once (timed), write the vectors and the seconds.
     python -m bench.peers.embed_child {deltaserve|vllm} WORKLOAD_JSON OUT_JSON
 
 Imports only the engine it runs (vLLM's virtualenv has our `bench` package on its path and
-nothing else of ours). Both: fp32, runner "pooling" with the model's default pooler (LAST,
-normalised), prefix caching off, the same max_model_len.
+nothing else of ours). Both: the workload's dtype (fp32 by default), runner "pooling" with the
+model's default pooler (LAST, normalised), prefix caching off, the same max_model_len.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _deltaserve(work: dict):
     from deltaserve.llm import LLM
 
     torch.set_num_threads(work["threads"])
-    llm = LLM(work["model"], runner="pooling", dtype="float32",
+    llm = LLM(work["model"], runner="pooling", dtype=work.get("dtype", "float32"),
               max_model_len=work["max_model_len"], enable_prefix_caching=False)
     return lambda prompts: [o.embedding for o in llm.embed(prompts)]
 
@@ -30,7 +30,7 @@ def _vllm(work: dict):
 
     # gpu_memory_utilization: on the CPU backend the share of RAM vLLM insists is free at start
     # (0.92 by default fails on a shared machine); the KV cache is VLLM_CPU_KVCACHE_SPACE.
-    llm = LLM(work["model"], runner="pooling", dtype="float32",
+    llm = LLM(work["model"], runner="pooling", dtype=work.get("dtype", "float32"),
               max_model_len=work["max_model_len"], enable_prefix_caching=False,
               gpu_memory_utilization=0.3, seed=0)
     return lambda prompts: [list(o.outputs.embedding) for o in llm.embed(
