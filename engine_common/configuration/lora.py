@@ -12,6 +12,21 @@ from dataclasses import dataclass
 from engine_common.request.params import ParamError
 
 
+class AdapterNotFound(ParamError):
+    """A request or an unload names an adapter the server does not serve (now): NOT_FOUND over
+    gRPC, as vLLM's 404."""
+
+
+class AdapterExists(ParamError):
+    """A load names an adapter the server serves already: ALREADY_EXISTS (vLLM: 400)."""
+
+
+class AdapterRefused(ValueError):
+    """A worker refused a LoRA directory at a runtime load (missing files, rank above
+    --max-lora-rank, an unsupported target, shapes of another model): INVALID_ARGUMENT; the
+    message names the path and the reason."""
+
+
 @dataclass(frozen=True)
 class LoRAModule:
     """One adapter of --lora-modules: the name requests use, its PEFT directory."""
@@ -77,5 +92,5 @@ def resolve_lora_id(name: str | None, ids: dict[str, int],
         return 0
     if name not in ids:
         known = sorted(ids) or "none (start with --enable-lora --lora-modules)"
-        raise ParamError(field_name, name, f"a served LoRA adapter: {known}")
+        raise AdapterNotFound(field_name, name, f"a served LoRA adapter: {known}")
     return ids[name]

@@ -83,6 +83,11 @@ def test_generation_service_contract():
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
         "GetServerStatus": ("GetServerStatusRequest", "GetServerStatusResponse", False, False),
         "Embed": ("EmbedRequest", "EmbedResponse", False, False),
+        "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False, False),
+        "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False,
+                              False),
+        "ListLoraAdapters": ("ListLoraAdaptersRequest", "ListLoraAdaptersResponse", False,
+                             False),
     }
 
 
@@ -92,6 +97,8 @@ def test_worker_service_contract():
         "Init": ("InitRequest", "InitResponse", False, False),
         "Step": ("StepRequest", "StepResponse", True, True),
         "Reset": ("ResetRequest", "ResetResponse", False, False),
+        "LoadLora": ("LoadLoraRequest", "LoadLoraResponse", False, False),
+        "UnloadLora": ("UnloadLoraRequest", "UnloadLoraResponse", False, False),
         "Health": ("HealthRequest", "HealthResponse", False, False),
         "Info": ("InfoRequest", "InfoResponse", False, False),
     }
