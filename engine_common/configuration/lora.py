@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from engine_common.request.params import ParamError
 
 
+# The most adapter ids (slots) a server holds at once: a worker sizes each adapted projection's
+# stacks by the largest id it holds, so an id from a Worker call is bounded by it.
+MAX_LORA_ID = 1024
+
+
 class AdapterNotFound(ParamError):
     """A request or an unload names an adapter the server does not serve (now): NOT_FOUND over
     gRPC, as vLLM's 404."""

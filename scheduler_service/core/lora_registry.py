@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from engine_common.configuration.lora import (AdapterExists, AdapterNotFound, LoRAModule,
-                                              resolve_lora_id)
+from engine_common.configuration.lora import (MAX_LORA_ID, AdapterExists, AdapterNotFound,
+                                              LoRAModule, resolve_lora_id)
 from engine_common.request.params import ParamError
 
 MAX_NAME_CHARS = 256
@@ -79,6 +79,9 @@ class LoRARegistry:
                                     "it first)")
             taken = {a.lora_id for a in self._by_name.values()} | self._draining | ids_in_use
             lora_id = next(i for i in range(1, len(taken) + 2) if i not in taken)
+            if lora_id > MAX_LORA_ID:
+                raise ParamError("lora_name", name, f"room for it: {MAX_LORA_ID} adapter ids "
+                                 "are served, draining or in use (unload one)")
             generation, self._next_generation = self._next_generation, self._next_generation + 1
             return ServedAdapter(name, path, lora_id, generation)
 

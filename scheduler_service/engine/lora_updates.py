@@ -102,7 +102,7 @@ class LoRAUpdates:
         """The AsyncEngine's end-of-turn hook (engine thread): when a draining id is no longer
         used, sweep it on the engine thread's next turn."""
         core = engine.core
-        if core is None or not self.registry.draining():
+        if not self.allowed or core is None or not self.registry.draining():
             return
         if self.can_sweep(core.scheduler.lora_ids_in_use()):
             engine.call_on_engine(

@@ -44,6 +44,7 @@ from typing import Callable, Iterator
 import grpc
 
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.configuration.lora import MAX_LORA_ID
 from engine_common.request.params import clip
 from engine_common.configuration.settings import from_proto
 from engine_common.security.stream_key import STREAM_KEY_METADATA
@@ -205,9 +206,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadLoraResponse()
 
     def _lora_call(self, request, context, call: str, fn) -> None:
-        if request.lora_id < 1:
+        if not 1 <= request.lora_id <= MAX_LORA_ID:
             context.abort(_S.INVALID_ARGUMENT, f"{call}: lora_id={request.lora_id} is invalid: "
-                                               "must be >= 1")
+                                               f"must be in [1, {MAX_LORA_ID}]")
         try:
             self.worker.owner_call(request.epoch, request.scheduler_id, _stream_key(context),
                                    call, fn)

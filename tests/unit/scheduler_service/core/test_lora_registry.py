@@ -48,3 +48,14 @@ def test_refusals_name_the_field_and_value():
         reg.reserve("a\tb", "/x", set())
     with pytest.raises(ParamError, match=r"lora_path='' is invalid"):
         reg.reserve("new", "", set())
+
+
+def test_ids_are_bounded(monkeypatch):
+    from scheduler_service.core import lora_registry
+
+    monkeypatch.setattr(lora_registry, "MAX_LORA_ID", 2)
+    reg = LoRARegistry(parse_lora_modules("a=/a"))
+    reg.add(reg.reserve("b", "/b", set()))
+    with pytest.raises(ParamError, match=r"lora_name='c' is invalid: must be room for it: 2 "
+                                         r"adapter ids are served, draining or in use"):
+        reg.reserve("c", "/c", set())
