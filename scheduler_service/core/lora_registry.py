@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from engine_common.configuration.lora import (MAX_LORA_ID, AdapterExists, AdapterNotFound,
-                                              LoRAModule, resolve_lora_id)
+                                              LoRAModule)
 from engine_common.request.params import ParamError
 
 MAX_NAME_CHARS = 256
@@ -52,10 +52,17 @@ class LoRARegistry:
     def resolve(self, name: str | None, field_name: str = "lora_request") -> tuple[int, int]:
         """(lora_id, generation) of adapter `name`; (0, 0) for None (the base model).
         AdapterNotFound naming the field, the value and the served names."""
+        if name is None:
+            return 0, 0
         with self._lock:
-            ids = {n: a.lora_id for n, a in self._by_name.items()}
-            lora_id = resolve_lora_id(name, ids, field_name)
-            return (0, 0) if not lora_id else (lora_id, self._by_name[name].generation)
+            adapter = self._by_name.get(name)
+            if adapter is None:
+                raise AdapterNotFound(field_name, name, f"a served LoRA adapter: {self._known()}")
+            return adapter.lora_id, adapter.generation
+
+    def _known(self):
+        return sorted(self._by_name) or ("none (--enable-lora with --lora-modules, or "
+                                         "LoadLoraAdapter with --allow-runtime-lora-updating)")
 
     def is_live(self, lora_id: int, generation: int) -> bool:
         """Whether a request resolved to (lora_id, generation) may still be queued: its
@@ -95,8 +102,7 @@ class LoRARegistry:
         with self._lock:
             adapter = self._by_name.pop(name, None)
             if adapter is None:
-                known = sorted(self._by_name) or "none"
-                raise AdapterNotFound("lora_name", name, f"a served LoRA adapter: {known}")
+                raise AdapterNotFound("lora_name", name, f"a served LoRA adapter: {self._known()}")
             self._draining.add(adapter.lora_id)
             return adapter
 
