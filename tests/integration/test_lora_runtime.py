@@ -131,14 +131,17 @@ def test_bad_names_and_the_flag(setup):
         LLM(model, dtype="float32", num_kv_blocks=32, allow_runtime_lora_updating=True)
 
 
-def test_unload_while_running_drains(setup):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_unload_while_running_drains(setup, async_scheduling):
     """Step by step: a request running when its adapter is unloaded finishes with it (its slot
     stays on the runner, draining, and no load takes its id), a request resolved before the
-    unload but queued after is refused, and the slot is freed once the request is done."""
+    unload but queued after is refused, and the slot is freed once the request is done. With
+    two steps in flight the unload first collects them (the server's drain)."""
     from scheduler_service.core.request import Request
 
     model, sql, chat, _ = setup
-    llm = _llm(model)
+    llm = _llm(model, async_scheduling=async_scheduling)
+    core = llm.engine.core
     llm.load_lora("sql", sql)
     registry = llm._lora.registry
     lora_id, generation = registry.resolve("sql")
@@ -152,12 +155,16 @@ def test_unload_while_running_drains(setup):
     running = request("running")
     llm.engine.add_request(running)
     llm.engine.step()                                    # the prompt: it runs now
-    llm.unload_lora("sql")
+    llm.engine.step()
+    assert core.num_steps_in_flight == (2 if async_scheduling else 0)
+    llm.unload_lora("sql")                              # nothing to free yet: no drain
     assert registry.draining() == {lora_id} and llm.runner.lora.holds(lora_id)
     with pytest.raises(AdapterNotFound, match=r"lora_name='id 1' is invalid: must be a served "
                                               r"LoRA adapter \(it was unloaded meanwhile\)"):
         llm.engine.add_request(request("late"))
-    assert llm.load_lora("chat", chat) == 2              # id 1 is still in use
+    drain = lambda: llm.engine._outputs(core.drain_in_flight())      # noqa: E731
+    assert llm._lora.load(llm._in_use(), drain, "chat", chat).lora_id == 2   # 1 is in use
+    assert core.num_steps_in_flight == 0                 # loaded between steps
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert running.output_token_ids == list(

@@ -26,17 +26,21 @@ PROMPT = (11, 40, 7, 93, 5, 120, 64, 3, 77, 18, 25, 60, 31, 99, 140, 12, 9, 44, 
 TP2 = ["--local-ranks", "2", "--dist-timeout", "60", "--rank-step-timeout", "60"]
 
 
+# One rank with two steps in flight (a load or unload first collects them), and two rank
+# processes.
 @pytest.fixture(scope="module", params=[
-    pytest.param([], id="tp1"), pytest.param(TP2, id="tp2", marks=pytest.mark.slow)])
+    pytest.param(([], ["--async-scheduling"]), id="tp1-async"),
+    pytest.param((TP2, []), id="tp2", marks=pytest.mark.slow)])
 def served(request, tiny_models, tmp_path_factory):
     """(stub, model, adapters dir) of a running scheduler and worker."""
+    worker_args, more = request.param
     model = tiny_models("llama")
-    root = tmp_path_factory.mktemp("lora-grpc-tp2" if request.param else "lora-grpc-tp1")
+    root = tmp_path_factory.mktemp("lora-grpc")
     (root / "logs").mkdir()
     flags = ["--enable-lora", "--allow-runtime-lora-updating", "--max-lora-rank",
-             str(MAX_RANK), "--verify-symmetry", "--dtype", "float32"]
+             str(MAX_RANK), "--verify-symmetry", "--dtype", "float32", *more]
     with scheduler_and_worker(model, root / "logs", scheduler_args=flags,
-                              worker_args=request.param) as (target, _):
+                              worker_args=worker_args) as (target, _):
         with grpc.insecure_channel(target) as channel:
             yield generation_stub(channel), model, root
 
