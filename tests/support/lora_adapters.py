@@ -108,8 +108,16 @@ def bad_adapters(model_dir: str, root: Path, max_rank: int) -> dict[str, tuple[s
     key = next(k for k in tensors if "q_proj.lora_A" in k)
     tensors[key] = tensors[key].repeat(1, 2)          # in = 2 x hidden_size: another model
     save_file(tensors, f"{wide}/adapter_model.safetensors")
+    garbled = root / "garbled"
+    shutil.copytree(good, garbled)
+    (garbled / "adapter_model.safetensors").write_bytes(b"\x00 not safetensors")
+    listed = root / "listed"
+    shutil.copytree(good, listed)
+    (listed / "adapter_config.json").write_text("[1, 2]")
     return {
         "missing file": (str(half), r"adapter_model.safetensors does not exist"),
+        "unreadable weights": (str(garbled), r"adapter_model.safetensors cannot be read"),
+        "config not an object": (str(listed), r"adapter_config.json is not a JSON object"),
         "no directory": (str(root / "nowhere"), r"adapter_config.json does not exist"),
         "rank too large": (make_adapter(model_dir, root / "big", r=2 * max_rank, seed=6),
                            rf"r={2 * max_rank} is invalid: must be in \[1, "
