@@ -1,12 +1,13 @@
 """Runs the engine loop on its own thread and serves many asyncio streams from it.
 
 The gRPC handlers live on an asyncio loop; scheduling and the blocking Step round trip live on one
-engine thread, which deals in token ids only. Handlers send commands (add, abort) through a queue;
-the thread hands each loop turn's TokenUpdates to the loop in ONE `call_soon_threadsafe` (per
-event loop with streams), not one per stream. The loop's StreamHub does the text work
-(detokenization, stop strings) and sends back, in one `finish` command, the requests a stop
-string ended: the engine finishes them (frees their blocks) at its next turn. A token the engine
-computed for such a request meanwhile never reaches the client.
+engine thread, which deals in token ids only. Handlers send commands (add, abort, call: a
+function run between steps) through a queue; the thread hands each loop turn's TokenUpdates to
+the loop in ONE `call_soon_threadsafe` (per event loop with streams), not one per stream. The
+loop's StreamHub does the text work (detokenization, stop strings) and sends back, in one
+`finish` command, the requests a stop string ended: the engine finishes them (frees their
+blocks) at its next turn. A token the engine computed for such a request meanwhile never reaches
+the client.
 
 When a worker fails, every open stream ends with EngineUnavailable and the thread rebuilds the
 core (reconnect, re-Init, new epoch) before taking new requests. When the output of one request
