@@ -30,6 +30,7 @@ from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
 from deltaserve.llm_embed import EmbedMixin, pooler_from_kwargs
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
+from deltaserve.llm_lora import LoRAMixin, lora_updates
 from deltaserve.llm_inputs import (capped_to_model, check_constraints, check_for_runner,
                                    conversations, lora_ids_per_prompt, per_prompt, prompt_ids)
 from scheduler_service.core.admission import RequestRejected, check_admission
@@ -60,7 +61,7 @@ class Completion:
     embedding: list[float] | None = None     # a pooling request's vector (LLM.embed)
 
 
-class LLM(EmbedMixin):
+class LLM(EmbedMixin, LoRAMixin):
     """Keyword arguments are the fields of RunnerConfig (the worker's: device, dtype,
     attention_backend, kv_cache_bytes, gpu_memory_utilization, num_kv_blocks, fused_ops, ...)
     and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
@@ -111,6 +112,7 @@ class LLM(EmbedMixin):
         # script sampling without per-request seeds answers the same on every run.
         self._sched_cfg, self._num_blocks = sched_cfg, num_blocks
         self._rng = None if seed is None else random.Random(seed)
+        self._lora = lora_updates(self.runner, sched_cfg)    # llm_lora.py
         self._build_engine()
         self._ids = itertools.count()
         self._failed: str | None = None      # a failed step's error: the LLM is done
@@ -156,7 +158,7 @@ class LLM(EmbedMixin):
         samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
         stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
         constraints = per_prompt("constraint", constraint, n, Constraint, None)
-        adapters = lora_ids_per_prompt(lora_request, n, self._sched_cfg)
+        adapters = lora_ids_per_prompt(lora_request, n, self._lora.registry)
         check_constraints(constraints)
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size, num_prompt_logprobs)
@@ -164,8 +166,8 @@ class LLM(EmbedMixin):
         eos = self.model_info.eos_token_ids
         requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
                             num_logprobs=num_logprobs, constraint=c,
-                            num_prompt_logprobs=num_prompt_logprobs, lora_id=lora,
-                            pooling=pooling)
+                            num_prompt_logprobs=num_prompt_logprobs, lora_id=lora[0],
+                            lora_generation=lora[1], pooling=pooling)
                     for ids, sp, st, c, lora in zip(ids_list, samplings, stoppings,
                                                     constraints, adapters)]
         self._check_admission(requests)
@@ -208,7 +210,8 @@ class LLM(EmbedMixin):
         """A scheduler (empty prefix cache) and its engine over the runner."""
         self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng)
         # generate() reads only each request's result: one output per request, at its finish.
-        self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner)),
+        self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner),
+                                           self._lora.registry),
                                 OutputProcessor(self.tokenizer, final_only=True))
 
     def _start_over(self) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 
-from engine_common.configuration.lora import adapter_name, lora_ids, resolve_lora_id
+from engine_common.configuration.lora import adapter_name
 from engine_common.constraints.constraint import Constraint
 from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS,
                                                MAX_TOP_LOGPROBS)
@@ -189,13 +189,13 @@ def capped_to_model(prompt_ids: list[list[int]], stoppings: list[StoppingParams]
     return out
 
 
-def lora_ids_per_prompt(given, n: int, config) -> list[int]:
-    """generate()'s lora_request as one adapter id per prompt (0: the base model): one for
-    all, or a list of exactly n; ParamError for an adapter the LLM does not serve."""
-    ids = lora_ids(config.lora)
+def lora_ids_per_prompt(given, n: int, registry) -> list[tuple[int, int]]:
+    """generate()'s lora_request as one (adapter id, load generation) per prompt ((0, 0): the
+    base model): one for all, or a list of exactly n; AdapterNotFound (a ParamError) for an
+    adapter the LLM does not serve (now: scheduler_service/core/lora_registry.py)."""
     if isinstance(given, (list, tuple)):
         if len(given) != n:
             raise ParamError("lora_request", f"a list of {len(given)}",
                              f"one for every prompt, or a list of one per prompt ({n})")
-        return [resolve_lora_id(adapter_name(g), ids) for g in given]
-    return [resolve_lora_id(adapter_name(given), ids)] * n
+        return [registry.resolve(adapter_name(g)) for g in given]
+    return [registry.resolve(adapter_name(given))] * n

@@ -42,3 +42,8 @@ class WrongRunner(RuntimeError):
 class RequestFailed(RuntimeError):
     """One request failed on the scheduler side (a bug, not bad input); the engine aborts it and
     serves the others: INTERNAL, for that stream only."""
+
+
+class LoRAUpdatesOff(RuntimeError):
+    """LoadLoraAdapter / UnloadLoraAdapter on a server started without
+    --allow-runtime-lora-updating: FAILED_PRECONDITION naming the flag."""

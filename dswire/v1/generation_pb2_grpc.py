@@ -65,6 +65,21 @@ class GenerationStub:
                 request_serializer=dswire_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=dswire_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/deltaserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/deltaserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=dswire_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/deltaserve.v1.Generation/ListLoraAdapters',
+                request_serializer=dswire_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -119,6 +134,34 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter at run time (vLLM's POST /v1/load_lora_adapter) on every worker rank;
+        answers once requests may name it. Only on a server started with
+        --allow-runtime-lora-updating (else FAILED_PRECONDITION naming the flag); with
+        --api-key-file only `admin` keys may call it. A name already served: ALREADY_EXISTS; a
+        directory a worker refuses (missing files, rank above --max-lora-rank, an unsupported
+        target module, shapes of another model): INVALID_ARGUMENT naming the path and the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads a LoRA adapter (vLLM's POST /v1/unload_lora_adapter): new requests naming it get
+        NOT_FOUND; requests already running with it finish with it. An unknown name: NOT_FOUND.
+        Same flag and key rules as LoadLoraAdapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The LoRA adapters requests may name now (--lora-modules and those loaded at run time).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +194,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=dswire_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=dswire_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +374,87 @@ class Generation:
             '/deltaserve.v1.Generation/Embed',
             dswire_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
             dswire_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/LoadLoraAdapter',
+            dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/UnloadLoraAdapter',
+            dswire_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/ListLoraAdapters',
+            dswire_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,16 @@ class WorkerStub:
                 request_serializer=dswire_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
                 response_deserializer=dswire_dot_v1_dot_worker__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/deltaserve.v1.Worker/LoadLora',
+                request_serializer=dswire_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/deltaserve.v1.Worker/UnloadLora',
+                request_serializer=dswire_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/deltaserve.v1.Worker/Health',
                 request_serializer=dswire_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
@@ -110,6 +120,26 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Loads one LoRA adapter (a PEFT directory) into adapter slot `lora_id` on every local rank,
+        replacing what that slot held (docs/lora.md, "Loading at run time"); the owner's only, in
+        the current epoch, with its stream key (as Reset). Served between steps: a step that names
+        the slot is sent only after every worker answered. A directory any rank refuses is
+        INVALID_ARGUMENT naming the path and the reason, and no rank keeps it. Refused
+        FAILED_PRECONDITION unless the Init's WorkerConfig allowed runtime LoRA updating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Frees adapter slot `lora_id` on every local rank (an empty slot: nothing to do). Same rules
+        as LoadLora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Readiness of this worker service (all local ranks alive and initialized).
         """
@@ -141,6 +171,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=dswire_dot_v1_dot_worker__pb2.ResetRequest.FromString,
                     response_serializer=dswire_dot_v1_dot_worker__pb2.ResetResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=dswire_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_worker__pb2.UnloadLoraResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -240,6 +280,60 @@ class Worker:
             '/deltaserve.v1.Worker/Reset',
             dswire_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
             dswire_dot_v1_dot_worker__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Worker/LoadLora',
+            dswire_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Worker/UnloadLora',
+            dswire_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+            dswire_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

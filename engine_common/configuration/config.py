@@ -83,6 +83,11 @@ class BatchLimits:
                              wire=18)
     max_lora_rank: int = setting(16, "largest LoRA rank r an adapter may have",
                                  rule=AtLeast(1, 512), wire=19)
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag: a public RPC that makes the server
+    # read a path of its choice is the operator's decision (docs/security.md).
+    allow_runtime_lora_updating: bool = setting(
+        False, "serve LoadLoraAdapter / UnloadLoraAdapter: load and unload LoRA adapters at run "
+        "time (needs --enable-lora)", wire=20)
 
     def __post_init__(self):
         validate(self)
@@ -92,6 +97,9 @@ class BatchLimits:
                              f">= max_num_seqs ({self.max_num_seqs})")
         if parse_lora_modules(self.lora_modules) and not self.enable_lora:
             raise ParamError("enable_lora", self.enable_lora, "true when lora_modules is set")
+        if self.allow_runtime_lora_updating and not self.enable_lora:
+            raise ParamError("enable_lora", self.enable_lora,
+                             "true when allow_runtime_lora_updating is set")
 
     @property
     def lora(self) -> tuple[LoRAModule, ...]:

@@ -2,7 +2,8 @@
 parsed torch-free: the scheduler maps an adapter name to its id, the workers load the files.
 
 An adapter's id is its 1-based place in --lora-modules (0: the base model, no adapter), the same
-on the scheduler and on every worker rank.
+on the scheduler and on every worker rank; runtime loads take free ids after them
+(scheduler_service/core/lora_registry.py maps names to ids).
 """
 from __future__ import annotations
 
@@ -10,6 +11,26 @@ import json
 from dataclasses import dataclass
 
 from engine_common.request.params import ParamError
+
+
+# The most adapter ids (slots) a server holds at once: a worker sizes each adapted projection's
+# stacks by the largest id it holds, so an id from a Worker call is bounded by it.
+MAX_LORA_ID = 1024
+
+
+class AdapterNotFound(ParamError):
+    """A request or an unload names an adapter the server does not serve (now): NOT_FOUND over
+    gRPC, as vLLM's 404."""
+
+
+class AdapterExists(ParamError):
+    """A load names an adapter the server serves already: ALREADY_EXISTS (vLLM: 400)."""
+
+
+class AdapterRefused(ValueError):
+    """A worker refused a LoRA directory at a runtime load (missing files, rank above
+    --max-lora-rank, an unsupported target, shapes of another model): INVALID_ARGUMENT; the
+    message names the path and the reason."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +75,6 @@ def parse_lora_modules(value) -> tuple[LoRAModule, ...]:
     return modules
 
 
-def lora_ids(modules: tuple[LoRAModule, ...]) -> dict[str, int]:
-    """Adapter name -> id (1-based; 0 is the base model)."""
-    return {m.name: i + 1 for i, m in enumerate(modules)}
-
-
 def adapter_name(value) -> str | None:
     """A request's adapter as its name: None, a name, or vLLM's LoRARequest (lora_name)."""
     if value is None or isinstance(value, str):
@@ -67,15 +83,3 @@ def adapter_name(value) -> str | None:
     if isinstance(name, str):
         return name
     raise ParamError("lora_request", value, "None, an adapter name or a LoRARequest")
-
-
-def resolve_lora_id(name: str | None, ids: dict[str, int],
-                    field_name: str = "lora_request") -> int:
-    """The id of adapter `name` (0 for None: the base model); ParamError naming the field,
-    the value and the known names when the server has no such adapter."""
-    if name is None:
-        return 0
-    if name not in ids:
-        known = sorted(ids) or "none (start with --enable-lora --lora-modules)"
-        raise ParamError(field_name, name, f"a served LoRA adapter: {known}")
-    return ids[name]

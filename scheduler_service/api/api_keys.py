@@ -12,7 +12,8 @@ One key per line, then its attributes, separated by spaces; blank lines and `#` 
   cache hits, `usage.cached_prompt_tokens` included, never reveal another's prompt. Keys given
   the same NAME share their cached prompts; a key without one shares with no other key.
 - `admin`: may call the operator's methods (ADMIN_METHODS: the KV events stream, which carries
-  every cached prompt's token ids, and FlushCache, which empties everyone's cache); other keys
+  every cached prompt's token ids, FlushCache, which empties everyone's cache, and
+  Load/UnloadLoraAdapter, which read a path of the caller's choice on the workers); other keys
   get PERMISSION_DENIED.
 - `priority=LO..HI`: the priorities its requests may ask for (lower is served first; the
   default 0). Without it a key may ask for 0 or later, never ahead of the default.
@@ -36,7 +37,9 @@ INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 # Methods only a key marked `admin` may call (with --api-key-file).
 ADMIN_METHODS = frozenset({"/vllm.grpc.engine.VllmEngine/SubscribeKvEvents",
-                           "/vllm.grpc.engine.VllmEngine/FlushCache"})
+                           "/vllm.grpc.engine.VllmEngine/FlushCache",
+                           "/deltaserve.v1.Generation/LoadLoraAdapter",
+                           "/deltaserve.v1.Generation/UnloadLoraAdapter"})
 
 
 def fingerprint(header: str) -> str:

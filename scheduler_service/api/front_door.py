@@ -17,11 +17,10 @@ import logging
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable
 
 import grpc
 
-from engine_common.configuration.lora import resolve_lora_id
 from engine_common.text.chat_template import ChatMessage, ChatTemplate, encode_chat
 from engine_common.constraints.constraint import Constraint
 from engine_common.model_files.model_dir import ModelInfo
@@ -35,6 +34,7 @@ from scheduler_service.api.request_limits import (LimitedFields, check_messages_
                                                   check_prompt_can_fit, check_request_limits)
 from scheduler_service.api.status import status_for
 from scheduler_service.api.tokenizer_pool import TokenizerPool
+from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.core.request import Request
 from scheduler_service.errors import EngineUnavailable, WrongRunner
 
@@ -57,8 +57,8 @@ class ServedModel:
     chat_template: ChatTemplate | None = None
     # --runner pooling: how Embed pools (engine_common/request/pooling.py); None: generation.
     pooler: PoolerConfig | None = None
-    # LoRA adapter name -> id (engine_common/configuration/lora.py); empty without LoRA
-    lora_ids: Mapping[str, int] = field(default_factory=dict)
+    # The LoRA adapters served now, by name (core/lora_registry.py); empty without LoRA
+    lora: LoRARegistry = field(default_factory=LoRARegistry)
     # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
     # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
     prompt_chars_fit: int = field(init=False)
@@ -302,11 +302,12 @@ class FrontDoor:
         `prompt_ids` (prompt_ids()'s own list) is shared, not copied: nothing changes a
         prompt, and a copy per choice cost n=1024 choices of a 100k-token prompt ~0.8 GB and
         ~1 s of the event loop."""
+        lora_id, generation = self.model.lora.resolve(req.lora_name, "lora_name")
         return Request(request_id, prompt_ids, sampling or req.sampling, req.stopping,
                        self.model.info.eos_token_ids, num_logprobs=req.num_logprobs,
                        priority=req.priority, constraint=req.constraint, cache_salt=cache_salt,
-                       num_prompt_logprobs=req.num_prompt_logprobs,
-                       lora_id=resolve_lora_id(req.lora_name, self.model.lora_ids, "lora_name"))
+                       num_prompt_logprobs=req.num_prompt_logprobs, lora_id=lora_id,
+                       lora_generation=generation)
 
 
 async def abort_requests(engine, ids: list[str], context: grpc.aio.ServicerContext) -> int:

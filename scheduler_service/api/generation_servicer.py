@@ -22,6 +22,7 @@ from engine_common.request.params import ParamError
 from engine_common.wire.protos import generation_pb2 as pb
 from engine_common.wire.protos import generation_pb2_grpc
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.engine.lora_updates import LoRAUpdates
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (builds_off_loop, limited_fields, output_to_proto,
                                            request_from_proto, sampling_to_proto)
@@ -45,12 +46,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: AsyncEngine, model: ServedModel,
                  tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions(),
                  tokenizer_pool: TokenizerPool | None = None, keys: KeyBook = KeyBook(),
-                 quota: RequestQuota | None = None):
+                 quota: RequestQuota | None = None, lora: LoRAUpdates | None = None):
         """`tp_size()`: ranks the workers run (known once they are initialized);
         `tokenizer_pool`, `quota` (requests per key): shared with the port's other services
         (ones of its own if None); `keys`: what each API key may do (its cache salt, its
-        priorities)."""
+        priorities); `lora`: the runtime LoRA loads (docs/lora.md), off when None."""
         self._engine = engine
+        self._lora = lora or LoRAUpdates(model.lora, None, allowed=False)
         self._model = model
         self._tp_size = tp_size
         self._options = options
@@ -203,6 +205,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             runner="generate" if m.pooler is None else "pooling",
             pooling_type="" if m.pooler is None else m.pooler.pooling_type,
             pooling_normalize=m.pooler is not None and m.pooler.normalize)
+
+    # -- LoRA adapters at run time (docs/lora.md; admin keys only: api_keys.ADMIN_METHODS) -----
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context) -> pb.LoadLoraAdapterResponse:
+        """Load an adapter on every worker rank; OK once requests may name it."""
+        name, path = request.lora_name, request.lora_path
+        adapter = await self._on_engine(context, "LoadLoraAdapter", lambda core, drain: self._lora
+                                        .load(core.scheduler.lora_ids_in_use(), drain, name,
+                                              path))
+        return pb.LoadLoraAdapterResponse(lora_id=adapter.lora_id)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context) -> pb.UnloadLoraAdapterResponse:
+        """Stop serving an adapter: new requests naming it get NOT_FOUND."""
+        name = request.lora_name
+        await self._on_engine(context, "UnloadLoraAdapter", lambda core, drain: self._lora
+                              .unload(core.scheduler.lora_ids_in_use(), drain, name))
+        return pb.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(self, request, context) -> pb.ListLoraAdaptersResponse:
+        """The adapters requests may name now."""
+        return pb.ListLoraAdaptersResponse(adapters=[
+            pb.LoraAdapter(lora_name=a.name, lora_path=a.path, lora_id=a.lora_id,
+                           static=a.static) for a in self._model.lora.adapters()])
+
+    async def _on_engine(self, context, call: str, fn):
+        """fn(core, drain) on the engine thread; its error as a status (status_for)."""
+        try:
+            self._lora.check_allowed(call)     # refused before the engine is asked
+            return await asyncio.wrap_future(self._engine.call_on_engine(fn))
+        except Exception as e:  # every failure becomes one status, through one function
+            await abort_with(context, e)
 
     async def GetServerStatus(self, request, context) -> pb.GetServerStatusResponse:
         """Live load figures from the engine thread's latest snapshot."""

@@ -27,7 +27,6 @@ import grpc
 
 from engine_common.text.chat_template import load_chat_template
 from engine_common.configuration.config import SchedulerConfig, WorkerConfig, limits_of
-from engine_common.configuration.lora import lora_ids
 from engine_common.runtime.gc_heap import freeze_heap
 from engine_common.runtime.gil_switch import shorten_gil_switch_interval
 from engine_common.configuration.listen_address import ListenAddress
@@ -40,7 +39,9 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, OneOf, P
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.lora_updates import LoRAUpdates
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api import public_port
@@ -59,6 +60,7 @@ from scheduler_service.api.vllm_servicer import VllmEngineServicer
 from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.workers.lora_calls import WorkerLoRA
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from scheduler_service.workers.worker_spec import DEFAULT_DIST_PORT
 
@@ -111,8 +113,9 @@ class WorkerCoreFactory:
     """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
 
     def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
-                 kv_events: KvEventFeed | None = None):
+                 kv_events: KvEventFeed | None = None, lora: LoRAUpdates | None = None):
         self.client = client
+        self.lora = lora      # runtime LoRA adapters: loaded again after every Init
         self.spec = spec
         self.config = config
         self.kv_events = kv_events
@@ -139,8 +142,11 @@ class WorkerCoreFactory:
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
         _warn_if_cache_cuts_requests(result.num_kv_blocks, self.config)
+        if self.lora is not None and self.lora.allowed:
+            self.lora.replay()
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events)
-        return EngineCore(scheduler, self.client)
+        return EngineCore(scheduler, self.client,
+                          None if self.lora is None else self.lora.registry)
 
     def check_health(self, core: EngineCore) -> None:
         """Raise EngineUnavailable when a worker is gone or lost its model (restarted), Fenced
@@ -251,14 +257,16 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS,
                           step_timeout_s=options.step_timeout_s, auth=worker_auth)
     kv_events = KvEventPublisher(KvEventFeed())
-    factory = WorkerCoreFactory(client, spec, config, kv_events.feed)
+    lora = LoRAUpdates(LoRARegistry(config.lora), WorkerLoRA(client),
+                       config.allow_runtime_lora_updating)
+    factory = WorkerCoreFactory(client, spec, config, kv_events.feed, lora)
     metrics = SchedulerMetrics(info.name, info.max_model_len)
     engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),
                          idle_check=factory.check_health, metrics=metrics,
-                         on_turn=kv_events.publish)
+                         on_turn=lambda: (kv_events.publish(), lora.on_turn(engine)))
     metrics.attach(lambda: engine.stats, engine.counters, len(workers))
     served = ServedModel(info=info, tokenizer=tokenizer, block_size=worker.block_size,
-                         num_workers=len(workers), lora_ids=lora_ids(config.lora),
+                         num_workers=len(workers), lora=lora.registry,
                          default_sampling=sampling_defaults(worker.model_dir,
                                                             options.generation_config),
                          chat_template=load_chat_template(worker.model_dir,
@@ -273,7 +281,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     quota = RequestQuota(api.max_requests_per_key)  # both services' requests per key
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, served, tp_size=factory.tp_size, options=api,
-                           tokenizer_pool=pool, keys=keys, quota=quota), server)
+                           tokenizer_pool=pool, keys=keys, quota=quota, lora=lora), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,

@@ -55,9 +55,12 @@ class Request:
     # for generation. Such a request computes its prompt, samples one token it never shows,
     # and finishes with its pooled vector (TokenUpdate.pooled).
     pooling: int = NO_POOLING
-    # The LoRA adapter's id (engine_common/configuration/lora.py; 0: the base model). It salts
-    # the prefix cache: requests of two adapters never share a block, of one adapter they do.
+    # The LoRA adapter's id (engine_common/configuration/lora.py; 0: the base model), and its
+    # load generation (core/lora_registry.py; 0: the id's), which salts the prefix cache:
+    # requests of two adapters never share a block, of one adapter they do, and an adapter
+    # loaded again under the same name and id never hits the blocks of the one before.
     lora_id: int = 0
+    lora_generation: int = 0
 
     # Set by the scheduler.
     handle: int = -1
@@ -110,8 +113,10 @@ class Request:
 
     @property
     def prefix_salt(self) -> str:
-        """The prefix cache's salt: cache_salt, and the adapter when there is one."""
-        return self.cache_salt if not self.lora_id else f"{self.cache_salt}\0lora:{self.lora_id}"
+        """The prefix cache's salt: cache_salt, and the adapter's generation when there is one."""
+        if not self.lora_id:
+            return self.cache_salt
+        return f"{self.cache_salt}\0lora:{self.lora_generation or self.lora_id}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -108,6 +108,10 @@ class Scheduler(SchedulerViews):
         self._requests[request.request_id] = request
         self.waiting.push(request)
 
+    def lora_ids_in_use(self) -> set[int]:
+        """The LoRA adapter ids of unfinished requests (an unloaded id is freed once unused)."""
+        return {r.lora_id for r in self._requests.values() if r.lora_id}
+
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus) -> list[Request]:
         """Finish (abort, stop-string hit, ...) unfinished requests wherever they are; frees

@@ -1,12 +1,13 @@
 """Runs the engine loop on its own thread and serves many asyncio streams from it.
 
 The gRPC handlers live on an asyncio loop; scheduling and the blocking Step round trip live on one
-engine thread, which deals in token ids only. Handlers send commands (add, abort) through a queue;
-the thread hands each loop turn's TokenUpdates to the loop in ONE `call_soon_threadsafe` (per
-event loop with streams), not one per stream. The loop's StreamHub does the text work
-(detokenization, stop strings) and sends back, in one `finish` command, the requests a stop
-string ended: the engine finishes them (frees their blocks) at its next turn. A token the engine
-computed for such a request meanwhile never reaches the client.
+engine thread, which deals in token ids only. Handlers send commands (add, abort, call: a
+function run between steps) through a queue; the thread hands each loop turn's TokenUpdates to
+the loop in ONE `call_soon_threadsafe` (per event loop with streams), not one per stream. The
+loop's StreamHub does the text work (detokenization, stop strings) and sends back, in one
+`finish` command, the requests a stop string ended: the engine finishes them (frees their
+blocks) at its next turn. A token the engine computed for such a request meanwhile never reaches
+the client.
 
 When a worker fails, every open stream ends with EngineUnavailable and the thread rebuilds the
 core (reconnect, re-Init, new epoch) before taking new requests. When the output of one request
@@ -164,6 +165,14 @@ class AsyncEngine:
         self._commands.put(("flush", timeout_s, done))
         return done
 
+    def call_on_engine(self, fn: Callable) -> concurrent.futures.Future:
+        """Run fn(core, drain) on the engine thread between steps (LoRA loads: docs/lora.md);
+        `drain()` first collects the steps in flight. The future resolves to its result or
+        error; an EngineUnavailable it raises also fails the streams, as a step's would."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, done))
+        return done
+
     def throughput(self) -> tuple[float, float]:
         """(prompt tokens/s less prefix-cache hits, generated tokens/s) streamed over the last
         few seconds."""
@@ -297,11 +306,27 @@ class AsyncEngine:
         elif kind == "flush":
             _, timeout_s, done = cmd
             self._flushes.add(self._clock() + timeout_s, timeout_s, done)
+        elif kind == "call":
+            self._call(cmd[1], cmd[2])
         elif kind == "finish":   # the serving side ended these (stop string, failed output)
             _, request_ids, status = cmd
             ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
             if self._core is not None and ids:
                 self._core.scheduler.finish_requests(ids, status)
+
+    def _call(self, fn: Callable, done: concurrent.futures.Future) -> None:
+        if self._core is None:
+            done.set_exception(EngineUnavailable(f"no worker is ready: {self.last_error}"))
+            return
+        core = self._core
+        try:
+            done.set_result(fn(core, lambda: self._route(core.drain_in_flight())))
+        except EngineUnavailable as e:
+            done.set_exception(e)
+            self.metrics.observe_failure(e)
+            self._fail_all(e)
+        except Exception as e:  # noqa: BLE001 - the caller's to report (a refused load)
+            done.set_exception(e)
 
     def _add(self, request: Request, hub: StreamHub) -> None:
         rid = request.request_id

@@ -25,7 +25,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine_common.configuration.lora import AdapterNotFound
 from engine_common.wire.codec import decode_runner_output, encode_scheduler_output
+from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_result import TokenUpdate
@@ -51,9 +53,13 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: StepExecutor):
+    def __init__(self, scheduler: Scheduler, executor: StepExecutor,
+                 lora: LoRARegistry | None = None):
         self.scheduler = scheduler
         self.executor = executor
+        # The adapters served now (runtime loads): a request resolved to one that was unloaded
+        # before it got here is refused, never run on a slot another adapter may take.
+        self.lora = lora
         self.async_scheduling = scheduler.config.async_scheduling
         self._in_flight: deque = deque()   # (SchedulerOutput, ticket), oldest first
         self.last_step = StepStats()
@@ -64,8 +70,22 @@ class EngineCore:
         return len(self._in_flight)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; raises RequestRejected (a ValueError) when it cannot run here."""
+        """Queue a request; raises RequestRejected (a ValueError) when it cannot run here,
+        AdapterNotFound when its LoRA adapter was unloaded since its name was resolved."""
+        if self.lora is not None and not self.lora.is_live(request.lora_id,
+                                                           request.lora_generation):
+            raise AdapterNotFound("lora_name", f"id {request.lora_id}",
+                                  "a served LoRA adapter (it was unloaded meanwhile)")
         self.scheduler.add_request(request)
+
+    def drain_in_flight(self) -> list[TokenUpdate]:
+        """Collect every step in flight without submitting another: the workers are then
+        between steps with nothing queued (a LoRA load or unload goes in there)."""
+        updates: list[TokenUpdate] = []
+        while self._in_flight:
+            sched_out, ticket = self._in_flight.popleft()
+            updates += self._process(sched_out, self._wait(self.executor.collect, ticket))
+        return updates
 
     def abort(self, request_ids: list[str]) -> list[TokenUpdate]:
         """Finish requests at once (cancel, deadline); their blocks go back to the pool. One

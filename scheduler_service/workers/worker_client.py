@@ -37,6 +37,7 @@ import queue
 import secrets
 import socket
 import time
+from typing import Callable
 
 import grpc
 
@@ -144,6 +145,23 @@ class WorkerClient:
         self.owned_epoch = epoch
         self._start_epoch(epoch, [r.stream_key for r in replies])
         return replies[0].num_dropped_requests
+
+    def call_owned(self, rpc: str, make_request: Callable[[int, str], object]) -> list:
+        """`rpc` (LoadLora, UnloadLora) on every worker at once, as the owner of the current
+        epoch (make_request(epoch, scheduler_id)), each call with that worker's stream key. One
+        entry per worker, in order: its reply, or the grpc.RpcError it failed with."""
+        request = make_request(self.owned_epoch, self.scheduler_id)
+        keys = self._stream_keys or [b""] * len(self._stubs)
+        calls = [getattr(stub, rpc).future(request, timeout=self.init_timeout_s,
+                                           metadata=stream_key_metadata(key))
+                 for stub, key in zip(self._stubs, keys)]
+        out = []
+        for call in calls:
+            try:
+                out.append(call.result())
+            except grpc.RpcError as e:
+                out.append(e)
+        return out
 
     def close(self) -> None:
         """End the streams and close the channels (and forget the epoch's keys)."""

@@ -1,11 +1,13 @@
 """LoRA over gRPC (docs/lora.md): a scheduler and a separate CPU worker process started with
 --enable-lora --lora-modules; Generate's lora_name picks the adapter (tokens == transformers +
-peft), an unknown name is INVALID_ARGUMENT naming the field, the value and the served names."""
+peft), an unknown name is NOT_FOUND naming the field, the value and the served names, and
+without --allow-runtime-lora-updating LoadLoraAdapter is FAILED_PRECONDITION naming the flag."""
 from __future__ import annotations
 
 import grpc
 import pytest
 
+from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (collect, generation_stub, greedy_request,
                                         scheduler_and_worker)
 from tests.support.lora_adapters import make_adapter, peft_greedy
@@ -28,8 +30,15 @@ def test_generate_names_an_adapter(tiny_models, tmp_path):
             request.lora_name = "nope"
             with pytest.raises(grpc.RpcError) as err:
                 collect(stub.Generate(request))
+            with pytest.raises(grpc.RpcError) as off:
+                stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="x", lora_path=sql))
+            served = [a.lora_name for a in
+                      stub.ListLoraAdapters(pb.ListLoraAdaptersRequest()).adapters]
     assert base == list(peft_greedy(model, None, PROMPT, 8).token_ids)
     assert adapted == list(peft_greedy(model, sql, PROMPT, 8).token_ids)
     assert adapted != base
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "lora_name='nope'" in err.value.details() and "['sql']" in err.value.details()
+    assert off.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--allow-runtime-lora-updating" in off.value.details()
+    assert served == ["sql"]

@@ -89,3 +89,41 @@ def lora_tp_worker(rank: int, port: int, model_dir: str, adapters: list[str],
         torch.save(logits, f"{out_dir}/lora_logits_{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def bad_adapters(model_dir: str, root: Path, max_rank: int) -> dict[str, tuple[str, str]]:
+    """Directories a server with --max-lora-rank `max_rank` must refuse, by case:
+    case -> (path, a regex of the reason the refusal names)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    good = make_adapter(model_dir, root / "good", r=4, alpha=8, seed=5)
+    half = root / "half"
+    half.mkdir()
+    shutil.copy(f"{good}/adapter_config.json", half)
+    wide = root / "wide"
+    shutil.copytree(good, wide)
+    tensors = load_file(f"{wide}/adapter_model.safetensors")
+    key = next(k for k in tensors if "q_proj.lora_A" in k)
+    tensors[key] = tensors[key].repeat(1, 2)          # in = 2 x hidden_size: another model
+    save_file(tensors, f"{wide}/adapter_model.safetensors")
+    garbled = root / "garbled"
+    shutil.copytree(good, garbled)
+    (garbled / "adapter_model.safetensors").write_bytes(b"\x00 not safetensors")
+    listed = root / "listed"
+    shutil.copytree(good, listed)
+    (listed / "adapter_config.json").write_text("[1, 2]")
+    return {
+        "missing file": (str(half), r"adapter_model.safetensors does not exist"),
+        "unreadable weights": (str(garbled), r"adapter_model.safetensors cannot be read"),
+        "config not an object": (str(listed), r"adapter_config.json is not a JSON object"),
+        "no directory": (str(root / "nowhere"), r"adapter_config.json does not exist"),
+        "rank too large": (make_adapter(model_dir, root / "big", r=2 * max_rank, seed=6),
+                           rf"r={2 * max_rank} is invalid: must be in \[1, "
+                           rf"max_lora_rank={max_rank}\]"),
+        "unsupported target": (make_adapter(model_dir, root / "head",
+                                            targets=("q_proj", "lm_head"), r=4, seed=7),
+                               r"target module\(s\) \['lm_head'\] are not supported"),
+        "another model's shapes": (str(wide), r"q_proj: lora_A \(4, \d+\) does not fit"),
+    }

@@ -45,8 +45,12 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
         if not f.is_file():
             raise LoRAError(f"LoRA adapter {name!r}: {f} does not exist (a PEFT directory "
                             f"needs adapter_config.json and adapter_model.safetensors)")
-    cfg = json.loads(cfg_file.read_text())
-    rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    cfg = _read_config(name, cfg_file)
+    try:
+        rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    except (TypeError, ValueError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: r / lora_alpha in {cfg_file} are not "
+                        f"numbers ({e})") from None
     if not 1 <= rank <= max_rank:
         raise LoRAError(f"LoRA adapter {name!r}: r={rank} is invalid: must be in "
                         f"[1, max_lora_rank={max_rank}]")
@@ -58,7 +62,23 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
         raise LoRAError(f"LoRA adapter {name!r}: fan_in_fan_out=true is not supported "
                         f"(a Conv1D base layer; Llama-family projections are nn.Linear)")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    return LoRAAdapter(name, rank, scaling, _pairs(name, load_file(str(weights_file))))
+    try:      # a file named at run time (LoadLora) may be anything: never an INTERNAL error
+        tensors = load_file(str(weights_file))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error is no ValueError
+        raise LoRAError(f"LoRA adapter {name!r}: {weights_file} cannot be read "
+                        f"({type(e).__name__}: {e})") from None
+    return LoRAAdapter(name, rank, scaling, _pairs(name, tensors))
+
+
+def _read_config(name: str, cfg_file: Path) -> dict:
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} cannot be read "
+                        f"({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} is not a JSON object")
+    return cfg
 
 
 def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:

@@ -116,16 +116,17 @@ def _local_pair(module: nn.Module, piece, a: torch.Tensor, b: torch.Tensor, what
     return a, b_local
 
 
-def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: list[LoRAAdapter],
-            rank: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: dict[int, LoRAAdapter],
+            num_slots: int, rank: int, dtype: torch.dtype, device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """a [S, P*rank, in_rank], b [S, out_rank, P*rank] for one of our modules; by_piece maps
-    (adapter index, piece) -> checkpoint module name."""
+    (slot, piece) -> checkpoint module name. Slots no adapter holds stay zero."""
     pieces = _pieces(module)
     in_rank = (module.input_size_per_rank if isinstance(module, RowParallelLinear)
                else module.input_size)
     out_rank = module.weight.shape[0]
-    a_all = torch.zeros(len(adapters), len(pieces) * rank, in_rank)
-    b_all = torch.zeros(len(adapters), out_rank, len(pieces) * rank)
+    a_all = torch.zeros(num_slots, len(pieces) * rank, in_rank)
+    b_all = torch.zeros(num_slots, out_rank, len(pieces) * rank)
     for (i, piece), ckpt in by_piece.items():
         ad = adapters[i]
         a, b = ad.weights[ckpt]
@@ -136,28 +137,63 @@ def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: list[LoRAAda
     return a_all.to(device=device, dtype=dtype), b_all.to(device=device, dtype=dtype)
 
 
-def attach_lora(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRAState:
-    """Wrap the projections of `model` that any adapter targets; LoRAError naming the adapter
-    and module for a model or module we cannot adapt."""
+def _base(module: nn.Module | None) -> nn.Module | None:
+    """The projection itself, whether or not a LoRALinear wraps it already."""
+    return module.base if isinstance(module, LoRALinear) else module
+
+
+def plan_lora(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, tuple]:
+    """Module path -> (base projection, a, b): the stacks every targeted projection of `model`
+    needs for `adapters` (slot -> adapter). Changes nothing: LoRAError naming the adapter and
+    module for a model or module we cannot adapt, or shapes that do not fit."""
     if type(model).__name__ not in SUPPORTED_MODELS:
         raise LoRAError(f"LoRA is not supported for {type(model).__name__}: must be one of "
                         f"{list(SUPPORTED_MODELS)}")
+    if not adapters:
+        return {}
     modules = dict(model.named_modules())
     targets: dict[str, dict] = {}
-    for i, ad in enumerate(adapters):
+    for i, ad in adapters.items():
         for ckpt in ad.weights:
             prefix, _, leaf = ckpt.rpartition(".")
             ours, piece = model.packed_modules.get(leaf, (leaf, None))
             path = f"{prefix}.{ours}"
-            if not isinstance(modules.get(path), (ColumnParallelLinear, RowParallelLinear)):
+            if not isinstance(_base(modules.get(path)), (ColumnParallelLinear, RowParallelLinear)):
                 raise LoRAError(f"LoRA adapter {ad.name!r}: module {ckpt} is not a projection "
                                 f"of this {type(model).__name__} model")
             targets.setdefault(path, {})[(i, piece)] = ckpt
-    state = LoRAState(next(model.parameters()).device, len(adapters))
-    rank = max(ad.rank for ad in adapters)
+    device = next(model.parameters()).device
+    num_slots, rank = max(adapters) + 1, max(ad.rank for ad in adapters.values())
+    plan = {}
     for path, by_piece in targets.items():
-        module = modules[path]
-        a, b = _stacks(path, module, by_piece, adapters, rank, model.dtype, state.device)
-        parent, _, leaf = path.rpartition(".")
-        setattr(modules[parent], leaf, LoRALinear(module, state, a, b))
+        base = _base(modules[path])
+        plan[path] = (base, *_stacks(path, base, by_piece, adapters, num_slots, rank,
+                                     model.dtype, device))
+    return plan
+
+
+def apply_lora(model: nn.Module, state: LoRAState, plan: dict[str, tuple],
+               num_slots: int) -> None:
+    """Make `model` what `plan` says: planned projections wrapped (or their stacks replaced:
+    new tensors, so a step still on the device reads the old ones), the others unwrapped."""
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
+        if isinstance(module, LoRALinear) and path not in plan:
+            parent, _, leaf = path.rpartition(".")
+            setattr(modules[parent], leaf, module.base)
+    for path, (base, a, b) in plan.items():
+        current = modules[path]
+        if isinstance(current, LoRALinear):
+            current.lora_a, current.lora_b = a, b
+        else:
+            parent, _, leaf = path.rpartition(".")
+            setattr(modules[parent], leaf, LoRALinear(base, state, a, b))
+    state.num_adapters = num_slots
+
+
+def attach_lora(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRAState:
+    """Wrap the projections of `model` that any adapter targets (adapter i in slot i);
+    LoRAError naming the adapter and module for a model or module we cannot adapt."""
+    state = LoRAState(next(model.parameters()).device, len(adapters))
+    apply_lora(model, state, plan_lora(model, dict(enumerate(adapters))), len(adapters))
     return state

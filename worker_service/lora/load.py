@@ -1,29 +1,43 @@
-"""The runner's LoRA set-up: every adapter of --lora-modules read, validated and attached."""
+"""The runner's LoRA set-up: every adapter of --lora-modules read, validated and attached, and
+the adapters LoadLora / UnloadLora change at run time (slots.py)."""
 from __future__ import annotations
 
 from torch import nn
 
 from engine_common.configuration.config import WorkerConfig
-from worker_service.failures import StepProtocolError
+from worker_service.failures import FailureKind, StepFailure, StepProtocolError
 from worker_service.lora.adapter import read_adapter
-from worker_service.lora.layers import LoRAState, attach_lora
+from worker_service.lora.slots import LoRASlots
 
 
-def load_lora(model: nn.Module, config: WorkerConfig) -> LoRAState | None:
-    """None without adapters; else the state the runner sets each step. Adapter ids are the
-    1-based places in lora_modules (slot = id - 1), as the scheduler numbers them."""
+def load_lora(model: nn.Module, config: WorkerConfig) -> LoRASlots | None:
+    """None without adapters (and without runtime updating); else the slots the runner sets
+    each step. Adapter ids are the 1-based places in lora_modules (slot = id - 1), as the
+    scheduler numbers them; runtime loads take free slots after them."""
     modules = config.lora
-    if not modules:
+    if not modules and not (config.enable_lora and config.allow_runtime_lora_updating):
         return None
-    adapters = [read_adapter(m.name, m.path, config.max_lora_rank) for m in modules]
-    return attach_lora(model, adapters)
+    adapters = {i: read_adapter(m.name, m.path, config.max_lora_rank)
+                for i, m in enumerate(modules)}
+    return LoRASlots(model, config.max_lora_rank, adapters)
 
 
-def check_lora_ids(new_requests, lora: LoRAState | None) -> None:
+def runtime_slots(lora: LoRASlots | None, config: WorkerConfig, call: str) -> LoRASlots:
+    """The slots a LoadLora / UnloadLora changes; FAILED_PRECONDITION (BAD_STATE) naming the
+    setting when the Init did not allow runtime updating."""
+    if lora is None or not config.allow_runtime_lora_updating:
+        raise StepFailure(FailureKind.BAD_STATE,
+                          f"{call}: allow_runtime_lora_updating=false in this worker's Init "
+                          "(start the scheduler with --enable-lora "
+                          "--allow-runtime-lora-updating)")
+    return lora
+
+
+def check_lora_ids(new_requests, lora: LoRASlots | None) -> None:
     """StepProtocolError for a new request naming an adapter this worker does not hold (a
     scheduler started with other --lora-modules): never run it on the base model silently."""
-    held = 0 if lora is None else lora.num_adapters
     for r in new_requests:
-        if r.lora_id > held:
+        if r.lora_id and (lora is None or not lora.holds(r.lora_id)):
+            held = [] if lora is None else sorted(s + 1 for s in lora.adapters)
             raise StepProtocolError(f"new request {r.handle}: lora_id={r.lora_id} is invalid: "
-                                    f"this worker holds {held} LoRA adapter(s)")
+                                    f"this worker holds LoRA adapter ids {held}")

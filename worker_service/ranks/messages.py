@@ -10,6 +10,8 @@ Worker -> every rank, on the shared-memory broadcast ring:
         join the process group (first time only), load or keep the model, measure the KV blocks
     msgpack ["allocate", num_kv_blocks]     drop cached requests, (re)allocate the KV cache
     msgpack ["reset"]                       drop cached requests
+    msgpack ["lora_load", id, name, path]   load a LoRA adapter into slot id - 1 (docs/lora.md)
+    msgpack ["lora_unload", id]             free that slot
     msgpack ["stop"]                        leave the loop and exit
 
 (A msgpack array never starts with byte 0x01, so the first byte tells the two forms apart.)
@@ -34,7 +36,8 @@ import msgpack
 from worker_service.device_info import DeviceDescription
 
 CONFIGURE, ALLOCATE, RESET, STEP, STOP = "configure", "allocate", "reset", "step", "stop"
-COMMANDS = (CONFIGURE, ALLOCATE, RESET, STEP, STOP)
+LORA_LOAD, LORA_UNLOAD = "lora_load", "lora_unload"
+COMMANDS = (CONFIGURE, ALLOCATE, RESET, STEP, STOP, LORA_LOAD, LORA_UNLOAD)
 _STEP_TAG = 0x01
 _HEADER_LEN = struct.Struct("<I")
 

@@ -78,6 +78,13 @@ class Ranks(Protocol):
     def run_step(self, payload: bytes, verify: bool, output_rank: bool) -> StepReply:
         """Run one encoded diff; raises StepFailure."""
 
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Load a LoRA adapter into slot lora_id - 1 on every rank, or on none (a refusal is
+        StepFailure INVALID_SETTINGS naming the path)."""
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Free that slot on every rank."""
+
     def interrupt(self) -> None:
         """Make a step that is waiting (for rank replies) give up; before Init and Reset."""
 

@@ -32,7 +32,8 @@ from engine_common.configuration.settings import to_wire
 from worker_service.config import NodeLayout, RunnerConfig, rank_device
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure
-from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, RankReply,
+from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, LORA_LOAD, LORA_UNLOAD, RESET,
+                                           RankReply,
                                            device_from_wire, encode_command, encode_step)
 from worker_service.ranks.rank_process import RankSpec
 from worker_service.ranks.rank_set import RankSet, RankSetOptions
@@ -118,6 +119,30 @@ class RankGroup:
 
     def close(self) -> None:
         self._close_ranks()
+
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """LoadLora on every rank; when any rank refuses, the slot is freed on all of them
+        again, so no rank keeps a half-loaded adapter (the refusal is raised)."""
+        self._check_ready()
+        try:
+            self._call(encode_command(LORA_LOAD, lora_id, name, path),
+                       self.options.control_timeout_s)
+        except StepFailure:
+            try:
+                self._call(encode_command(LORA_UNLOAD, lora_id), self.options.control_timeout_s)
+            except StepFailure as e:     # the ranks are out of step: the next Init respawns
+                self.rank_set.dirty = True
+                log.error("freeing LoRA slot %d after a refused load failed: %s", lora_id, e)
+            raise
+
+    def unload_lora(self, lora_id: int) -> None:
+        """UnloadLora on every rank."""
+        self._check_ready()
+        self._call(encode_command(LORA_UNLOAD, lora_id), self.options.control_timeout_s)
+
+    def _check_ready(self) -> None:
+        if self.rank_set is None or not self._ready:
+            raise StepFailure(FailureKind.NOT_INITIALIZED, "the ranks have no model")
 
     def _can_keep_ranks(self, layout: NodeLayout) -> bool:
         ranks = self.rank_set

@@ -32,7 +32,8 @@ from engine_common.configuration.settings import from_wire
 from worker_service.config import RunnerConfig
 from worker_service.device_info import describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
-from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, RESET, STEP, STOP, RankReply,
+from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, LORA_LOAD, LORA_UNLOAD, RESET,
+                                           STEP, STOP, RankReply,
                                            decode_command, device_to_wire, encode_reply)
 from worker_service.ranks.shm_ring import (RingClosed, RingError, RingHandle, RingTimeout,
                                            ShmBroadcastRing)
@@ -174,12 +175,25 @@ class RankLoop:
                 return RankReply(info={"dropped": self.keeper.drop_requests() if self.keeper else 0})
             if name == STEP:
                 return self._step(*args)
+            if name in (LORA_LOAD, LORA_UNLOAD):
+                return self._lora(name, args)
             raise ValueError(f"bad rank command: {args[0] if args else name!r}")
         except Exception as e:  # reported to the worker as its kind
             failure = as_failure(e, at_init=name == CONFIGURE)
             if failure.kind == FailureKind.INTERNAL:
                 log.exception("rank %d: %s failed", self.spec.global_rank, name)
             return RankReply(failure.kind.value, str(failure))
+
+    def _lora(self, name: str, args: list) -> RankReply:
+        """A LoRA adapter loaded into or freed from a slot (runner_keeper.py says how)."""
+        if self.keeper is None:
+            raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
+        if name == LORA_LOAD:
+            lora_id, adapter_name, path = args
+            self.keeper.load_lora(int(lora_id), str(adapter_name), str(path))
+        else:
+            self.keeper.unload_lora(int(args[0]))
+        return RankReply()
 
     def _configure(self, config_wire: dict) -> RankReply:
         if self.keeper is None:

@@ -26,6 +26,7 @@ from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.parallel_state import TPGroup
+from worker_service.lora.load import runtime_slots
 from worker_service.runner.model_runner import ModelRunner
 from worker_service.step.owner_scrub import clear_batch_rows, scrub_runner
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
@@ -102,6 +103,26 @@ class RunnerKeeper:
             failure = as_failure(e)
             if failure.kind == FailureKind.INTERNAL:   # a model, device or collective failure
                 log.exception("step failed")
+            raise failure from e
+
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """LoadLora on this rank (docs/lora.md): a refused directory is INVALID_SETTINGS naming
+        the path, and the rank's adapters stay as they were."""
+        self._lora_call("LoadLora", lambda slots: slots.load(lora_id, name, path))
+
+    def unload_lora(self, lora_id: int) -> None:
+        """UnloadLora on this rank: free adapter id `lora_id` (nothing when it is empty)."""
+        self._lora_call("UnloadLora", lambda slots: slots.unload(lora_id))
+
+    def _lora_call(self, call: str, change: Callable) -> None:
+        if self.runner is None or not self.ready:
+            raise StepFailure(FailureKind.NOT_INITIALIZED, "the rank has no model or KV cache")
+        try:
+            change(runtime_slots(self.runner.lora, self.runner.config, call))
+        except Exception as e:
+            failure = as_failure(e, at_init=True)      # a LoRAError: the directory's fault
+            if failure.kind == FailureKind.INTERNAL:
+                log.exception("%s failed", call)
             raise failure from e
 
     # -- pipelined steps (tp_size 1 on an asynchronous device: service/step_pipeline.py) --------

@@ -68,7 +68,7 @@ class ModelRunner:
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
                                 fused_ops=config.fused_ops)
-        # LoRA adapters (docs/lora.md): None without --enable-lora, the model untouched.
+        # LoRA (docs/lora.md): None without --enable-lora (the model untouched), else LoRASlots.
         self.lora = load_lora(self.model, config)
         self.sampler = Sampler()
         # Structured output: matchers of constrained requests, masks computed on every rank.

@@ -71,3 +71,17 @@ def check_model_root(model_dir: str, root: str | None) -> None:
     if os.path.commonpath([real, real_root]) != real_root:
         raise ValueError(f"model_dir={model_dir!r} is invalid: must be under this worker's "
                          f"--model-root {root}")
+
+
+def check_lora_path(path: str, root: str | None) -> None:
+    """A LoadLora path (docs/lora.md): ValueError naming it when no file system could hold it
+    or it is outside this worker's --model-root (which bounds every path a scheduler names)."""
+    encoded = os.fsencode(path)
+    if not path or len(encoded) > PATH_MAX:
+        raise ValueError(f"lora_path={quoted(path)} is invalid: must be a path of 1 to "
+                         f"{PATH_MAX} bytes")
+    if root is not None:
+        real, real_root = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise ValueError(f"lora_path={quoted(path)} is invalid: must be under this "
+                             f"worker's --model-root {root}")

@@ -196,6 +196,25 @@ class NodeWorker:
         self.fence.check_reset(epoch, owner)
         self.streams.check_reset(key)
 
+    def owner_call(self, epoch: int, owner: str, key: bytes | None, call: str,
+                   fn: Callable[[Ranks], object]):
+        """fn(ranks) between steps, for the owner of the current epoch presenting its stream
+        key (LoadLora, UnloadLora: docs/lora.md); a failure does not end the epoch."""
+        self._check_owner_call(epoch, owner, key, call)
+        with self._lock:
+            self._check_owner_call(epoch, owner, key, call)
+            return fn(self.ranks)
+
+    def _check_owner_call(self, epoch: int, owner: str, key: bytes | None, call: str) -> None:
+        check_owner(owner)
+        if not self.fence.epoch or owner != self.fence.owner:
+            raise StepFailure(FailureKind.STALE_EPOCH, f"{call}: scheduler {owner or '?'} does "
+                              f"not own this worker (scheduler {self.fence.owner or '?'} does)")
+        if epoch != self.epoch:
+            raise StepFailure(FailureKind.EPOCH_MISMATCH, f"{call}: epoch={epoch} is invalid: "
+                              f"must be the current epoch {self.epoch}")
+        self.streams.check_key(key, call)
+
     def close(self) -> None:
         """Release processes and shared memory (the service is stopping)."""
         self.ranks.interrupt()

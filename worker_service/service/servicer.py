@@ -44,6 +44,7 @@ from typing import Callable, Iterator
 import grpc
 
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.configuration.lora import MAX_LORA_ID
 from engine_common.request.params import clip
 from engine_common.configuration.settings import from_proto
 from engine_common.security.stream_key import STREAM_KEY_METADATA
@@ -51,6 +52,7 @@ from worker_service.config import RunnerConfig
 from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, as_failure
 from worker_service.config import NodeLayout
+from worker_service.service.init_checks import check_lora_path
 from worker_service.service.log_limit import LogLimit
 from worker_service.service.node_worker import NodeWorker
 from worker_service.service.step_pipeline import pipelined_steps
@@ -188,6 +190,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._on_readiness(self.worker.readiness()[0])
         return worker_pb2.ResetResponse(epoch=request.epoch, num_dropped_requests=dropped,
                                         stream_key=self.worker.stream_key(request.epoch))
+
+    def LoadLora(self, request, context):
+        """A LoRA adapter into a slot on every local rank (docs/lora.md)."""
+        def load(ranks):
+            check_lora_path(request.path, self.worker.guards.model_root)
+            ranks.load_lora(request.lora_id, request.name, request.path)
+        self._lora_call(request, context, "LoadLora", load)
+        return worker_pb2.LoadLoraResponse()
+
+    def UnloadLora(self, request, context):
+        """Free a LoRA adapter slot on every local rank."""
+        self._lora_call(request, context, "UnloadLora",
+                        lambda ranks: ranks.unload_lora(request.lora_id))
+        return worker_pb2.UnloadLoraResponse()
+
+    def _lora_call(self, request, context, call: str, fn) -> None:
+        if not 1 <= request.lora_id <= MAX_LORA_ID:
+            context.abort(_S.INVALID_ARGUMENT, f"{call}: lora_id={request.lora_id} is invalid: "
+                                               f"must be in [1, {MAX_LORA_ID}]")
+        try:
+            self.worker.owner_call(request.epoch, request.scheduler_id, _stream_key(context),
+                                   call, fn)
+        except Exception as e:  # noqa: BLE001 - every failure is a kind and a status
+            failure = as_failure(e, at_init=True)     # a ValueError: the path's fault
+            if failure.kind == FailureKind.NOT_ALLOWED:
+                _log_key_refusal(context, call)
+            elif failure.kind == FailureKind.INTERNAL:
+                log.exception("%s failed", call)
+            else:
+                log.warning("%s refused: %s", call, failure)
+            context.abort(FAILURES[failure.kind][1],
+                          clip(f"{call} failed: {failure}", MAX_STATUS_CHARS))
 
     def Health(self, request, context):
         ready, reason = self.worker.readiness()

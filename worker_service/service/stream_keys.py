@@ -67,6 +67,11 @@ class StreamKeys:
         with self._lock:
             self._check(key, "Reset")
 
+    def check_key(self, key: bytes | None, call: str) -> None:
+        """As check_reset, for another owner-only call (LoadLora, UnloadLora)."""
+        with self._lock:
+            self._check(key, call)
+
     def _check(self, key: bytes | None, call: str) -> None:
         keyed = self._keyed
         if not key or keyed is None or not hmac.compare_digest(key, keyed[1]):

@@ -83,6 +83,11 @@ def test_generation_service_contract():
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
         "GetServerStatus": ("GetServerStatusRequest", "GetServerStatusResponse", False, False),
         "Embed": ("EmbedRequest", "EmbedResponse", False, False),
+        "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False, False),
+        "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False,
+                              False),
+        "ListLoraAdapters": ("ListLoraAdaptersRequest", "ListLoraAdaptersResponse", False,
+                             False),
     }
 
 
@@ -92,6 +97,8 @@ def test_worker_service_contract():
         "Init": ("InitRequest", "InitResponse", False, False),
         "Step": ("StepRequest", "StepResponse", True, True),
         "Reset": ("ResetRequest", "ResetResponse", False, False),
+        "LoadLora": ("LoadLoraRequest", "LoadLoraResponse", False, False),
+        "UnloadLora": ("UnloadLoraRequest", "UnloadLoraResponse", False, False),
         "Health": ("HealthRequest", "HealthResponse", False, False),
         "Info": ("InfoRequest", "InfoResponse", False, False),
     }
@@ -396,3 +403,16 @@ def test_protos_import_without_torch():
     code = ("import sys, engine_common.wire.protos, scheduler_service.api.convert; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_admin_methods_name_real_methods():
+    """api_keys.ADMIN_METHODS (the calls only `admin` keys may make) name methods the port
+    serves: a typo there would leave LoadLoraAdapter open to every key."""
+    from engine_common.wire.protos import vllm_engine_pb2
+    from scheduler_service.api.api_keys import ADMIN_METHODS
+
+    served = {f"/{svc.full_name}/{m.name}" for module in (generation_pb2, vllm_engine_pb2)
+              for svc in module.DESCRIPTOR.services_by_name.values() for m in svc.methods}
+    assert ADMIN_METHODS <= served
+    assert {"/deltaserve.v1.Generation/LoadLoraAdapter",
+            "/deltaserve.v1.Generation/UnloadLoraAdapter"} <= ADMIN_METHODS

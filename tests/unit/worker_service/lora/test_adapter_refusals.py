@@ -91,7 +91,9 @@ def test_worker_refuses_an_adapter_it_does_not_hold(model, adapter):
         return NewRequestData(3, [5, 6], sampling, [0], 0, lora_id=lora_id)
 
     check_lora_ids([new(0), new(1)], lora)
-    with pytest.raises(StepProtocolError, match="lora_id=2 is invalid: this worker holds 1"):
+    with pytest.raises(StepProtocolError,
+                       match=r"lora_id=2 is invalid: this worker holds LoRA adapter ids \[1\]"):
         check_lora_ids([new(2)], lora)
-    with pytest.raises(StepProtocolError, match="lora_id=1 is invalid: this worker holds 0"):
+    with pytest.raises(StepProtocolError,
+                       match=r"lora_id=1 is invalid: this worker holds LoRA adapter ids \[\]"):
         check_lora_ids([new(1)], None)

@@ -1,0 +1,109 @@
+"""LoRA adapters loaded and unloaded at run time (docs/lora.md, "Loading at run time"), on the
+engine thread, between steps.
+
+    load    the name checked and an id reserved (core/lora_registry.py), the steps in flight
+            collected, every worker rank loads the directory; only then may requests name it
+    unload  the name stops resolving at once (new requests: NOT_FOUND); requests already
+            queued or running with it finish with it (vLLM's behaviour); its id drains
+    sweep   a draining id no unfinished request uses is freed on the workers (after every
+            engine turn that finds one, and at each load and unload)
+    replay  after the workers were Init again (a new epoch), the runtime adapters are loaded
+            again and draining ids freed: a restarted worker process holds none of them
+
+`ops` changes the workers' slots: WorkerLoRA (gRPC) or the in-process runner (deltaserve.llm).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
+from scheduler_service.errors import EngineUnavailable, LoRAUpdatesOff
+
+log = logging.getLogger(__name__)
+
+FLAG = "--allow-runtime-lora-updating"
+
+
+class LoRAOps(Protocol):
+    def load_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Every rank holds the adapter in slot lora_id - 1, or none does (raises)."""
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Every rank frees slot lora_id - 1."""
+
+
+class LoRAUpdates:
+    """The runtime loads of one server: its registry, the workers' ops, the flag."""
+
+    def __init__(self, registry: LoRARegistry, ops: LoRAOps, allowed: bool):
+        self.registry, self.ops, self.allowed = registry, ops, allowed
+
+    def check_allowed(self, call: str) -> None:
+        """LoRAUpdatesOff naming the flag unless the server was started with it."""
+        if not self.allowed:
+            raise LoRAUpdatesOff(f"{call}: runtime LoRA updating is off: start the server "
+                                 f"with --enable-lora {FLAG}")
+
+    def load(self, in_use: set[int], drain: Callable[[], object], name: str,
+             path: str) -> ServedAdapter:
+        """Load `name` from `path` on every rank, then serve it. `in_use`: the adapter ids of
+        unfinished requests; `drain()` collects the steps in flight."""
+        self.check_allowed("LoadLoraAdapter")
+        adapter = self.registry.reserve(name, path, in_use)
+        drain()
+        self.ops.load_lora(adapter.lora_id, name, path)
+        self.registry.add(adapter)
+        log.info("LoRA adapter %r loaded from %s (id %d, generation %d)", name, path,
+                 adapter.lora_id, adapter.generation)
+        self.sweep(in_use, drain)
+        return adapter
+
+    def unload(self, in_use: set[int], drain: Callable[[], object], name: str) -> None:
+        """Stop serving `name`; its id is freed on the workers once no request uses it."""
+        self.check_allowed("UnloadLoraAdapter")
+        adapter = self.registry.remove(name)
+        log.info("LoRA adapter %r unloaded (id %d)", name, adapter.lora_id)
+        self.sweep(in_use, drain)
+
+    def can_sweep(self, in_use: set[int]) -> bool:
+        """A draining id no request uses: sweep() has work."""
+        return bool(self.registry.draining() - in_use)
+
+    def sweep(self, in_use: set[int], drain: Callable[[], object]) -> None:
+        """Free on the workers every draining id no unfinished request uses."""
+        free = sorted(self.registry.draining() - in_use)
+        if not free:
+            return
+        drain()
+        for lora_id in free:
+            self.ops.unload_lora(lora_id)
+            self.registry.freed(lora_id)
+
+    def replay(self) -> None:
+        """After an Init: the runtime adapters loaded again (one that fails now is no longer
+        served, logged), the draining ids freed (nothing runs in a new epoch)."""
+        for lora_id in sorted(self.registry.draining()):
+            self.ops.unload_lora(lora_id)
+            self.registry.freed(lora_id)
+        for adapter in self.registry.adapters():
+            if adapter.static:
+                continue
+            try:
+                self.ops.load_lora(adapter.lora_id, adapter.name, adapter.path)
+            except EngineUnavailable:
+                raise
+            except Exception as e:  # noqa: BLE001 - the directory changed since: drop it
+                log.error("LoRA adapter %r is no longer served: loading it again after the "
+                          "workers' Init failed: %s", adapter.name, e)
+                self.registry.drop(adapter.name)
+
+    def on_turn(self, engine) -> None:
+        """The AsyncEngine's end-of-turn hook (engine thread): when a draining id is no longer
+        used, sweep it on the engine thread's next turn."""
+        core = engine.core
+        if not self.allowed or core is None or not self.registry.draining():
+            return
+        if self.can_sweep(core.scheduler.lora_ids_in_use()):
+            engine.call_on_engine(
+                lambda c, drain: self.sweep(c.scheduler.lora_ids_in_use(), drain))
