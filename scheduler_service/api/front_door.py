@@ -57,6 +57,8 @@ class ServedModel:
     chat_template: ChatTemplate | None = None
     # --runner pooling: how Embed pools (engine_common/request/pooling.py); None: generation.
     pooler: PoolerConfig | None = None
+    # The step's token budget (--max-num-batched-tokens): an encoder's prompt must fit it.
+    max_step_tokens: int | None = None
     # LoRA adapter name -> id (engine_common/configuration/lora.py); empty without LoRA
     lora_ids: Mapping[str, int] = field(default_factory=dict)
     # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
