@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_common.model_files.model_dir import read_model_configs
 from engine_common.request.params import SamplingParams, StoppingParams
 
 NO_POOLING = -1
@@ -86,10 +85,10 @@ def needs_every_position(code: int) -> bool:
     return code != NO_POOLING and (code & ~NORMALIZE != LAST)
 
 
-def is_encoder(hf_config: dict) -> bool:
+def is_encoder(hf_config) -> bool:
     """config.json names an encoder embedding model (no LM head, bidirectional attention)."""
-    archs = hf_config.get("architectures") or [None]
-    return archs[0] in ENCODER_ARCHITECTURES
+    archs = hf_config.get("architectures") if isinstance(hf_config, dict) else None
+    return bool(archs) and isinstance(archs, list) and archs[0] in ENCODER_ARCHITECTURES
 
 
 def parse_pooler_config(text: str | None, base: PoolerConfig) -> PoolerConfig:
@@ -117,16 +116,19 @@ def parse_pooler_config(text: str | None, base: PoolerConfig) -> PoolerConfig:
     return PoolerConfig(kind.upper(), normalize, base.whole_prompt)
 
 
-def model_is_encoder(model_dir: str | Path) -> bool:
-    """The directory holds an encoder embedding model (config.json's architecture)."""
-    return is_encoder(read_model_configs(Path(model_dir))[0])
+def _encoder_architecture(model_dir: str | Path) -> str | None:
+    """config.json's architecture when it names an encoder embedding model, else None (a
+    GGUF file or a directory without config.json holds a decoder)."""
+    config_file = Path(model_dir) / "config.json"
+    config = _read_json(config_file) if config_file.is_file() else {}
+    return (config.get("architectures") or [None])[0] if is_encoder(config) else None
 
 
 def check_runner(runner: str, model_dir: str | Path) -> None:
     """PoolerConfigError when `runner` is generate and the model is an encoder (no LM head),
     as vLLM refuses it."""
-    if runner != "pooling" and model_is_encoder(model_dir):
-        arch = read_model_configs(Path(model_dir))[0]["architectures"][0]
+    arch = _encoder_architecture(model_dir)
+    if runner != "pooling" and arch is not None:
         raise PoolerConfigError(f"runner={runner!r}: {arch} is an encoder embedding model "
                                 "without an LM head; it is served with --runner pooling only")
 
@@ -136,7 +138,7 @@ def model_pooler_config(model_dir: str | Path) -> PoolerConfig:
     we do not run, such as a Dense projection, is refused by name), else LAST + normalize
     (CLS + normalize for an encoder, as vLLM). An encoder's requests are WHOLE_PROMPT."""
     path = Path(model_dir)
-    encoder = model_is_encoder(path)
+    encoder = _encoder_architecture(path) is not None
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return PoolerConfig("CLS" if encoder else "LAST", True, encoder)
