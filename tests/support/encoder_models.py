@@ -61,29 +61,32 @@ def _xlmr_tokenizer(path: Path) -> None:
 
 
 def make_encoder_model(path: Path, arch: str = "bert", pooling: str | None = None,
-                       normalize: bool = True, seed: int = 0, **overrides) -> Path:
-    """A model directory of `arch` ("bert" or "xlmr"); `pooling` ("CLS", "MEAN"): write the
-    sentence-transformers files choosing it (Normalize listed when `normalize`)."""
+                       normalize: bool = True, seed: int = 0, max_positions: int = MAX_POSITIONS,
+                       **overrides) -> Path:
+    """A model directory of `arch` ("bert" or "xlmr") taking prompts of up to `max_positions`
+    tokens; `pooling` ("CLS", "MEAN"): write the sentence-transformers files choosing it
+    (Normalize listed when `normalize`). `overrides`: config fields (hidden_size, ...)."""
     path.mkdir(parents=True, exist_ok=True)
     (_bert_tokenizer if arch == "bert" else _xlmr_tokenizer)(path)
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
     shape = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=128, initializer_range=0.3, **overrides)
+                 intermediate_size=128, initializer_range=0.3)
+    shape.update(overrides)
     if arch == "bert":
-        config = tf.BertConfig(max_position_embeddings=MAX_POSITIONS, pad_token_id=0, **shape)
+        config = tf.BertConfig(max_position_embeddings=max_positions, pad_token_id=0, **shape)
         model_class = tf.BertModel
     else:
-        config = tf.XLMRobertaConfig(max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1,
+        config = tf.XLMRobertaConfig(max_position_embeddings=max_positions + 2, pad_token_id=1,
                                      bos_token_id=0, eos_token_id=2, type_vocab_size=1, **shape)
         model_class = tf.XLMRobertaModel
     torch.manual_seed(seed)
     model_class(config).eval().save_pretrained(path)
     if pooling is not None:
-        write_st_files(path, pooling, normalize)
+        write_st_files(path, pooling, normalize, shape["hidden_size"])
     return path
 
 
-def write_st_files(path: Path, pooling: str, normalize: bool) -> None:
+def write_st_files(path: Path, pooling: str, normalize: bool, width: int = 64) -> None:
     """sentence-transformers' modules.json and 1_Pooling/config.json for CLS or MEAN."""
     modules = [{"idx": 0, "name": "0", "path": "",
                 "type": "sentence_transformers.models.Transformer"},
@@ -95,7 +98,7 @@ def write_st_files(path: Path, pooling: str, normalize: bool) -> None:
     (path / "modules.json").write_text(json.dumps(modules))
     (path / "1_Pooling").mkdir(exist_ok=True)
     (path / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "CLS",
+        "word_embedding_dimension": width, "pooling_mode_cls_token": pooling == "CLS",
         "pooling_mode_mean_tokens": pooling == "MEAN", "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False}))
 
