@@ -135,12 +135,15 @@ class EncoderSelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, starts: list[int]) -> torch.Tensor:
         """starts: each request's first row in `hidden`, then the end of the last."""
         t = hidden.shape[0]
-        q, k, v = (x.view(t, self.num_heads, self.head_dim).transpose(0, 1)
+        # [1, heads, T, head_dim] views: 4-D inputs take torch's flash kernel on the CPU too
+        q, k, v = (x.view(1, t, self.num_heads, self.head_dim).transpose(1, 2)
                    for x in self.qkv_proj(hidden).split([self.size] * 3, dim=-1))
-        out = hidden.new_zeros(self.num_heads, t, self.head_dim)
+        out = hidden.new_zeros(t, self.size) if starts[-1] < t else hidden.new_empty(
+            t, self.size)                                    # padding rows stay zero
         for a, b in zip(starts, starts[1:]):
-            out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b])
-        return out.transpose(0, 1).reshape(t, self.size)
+            o = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+            out[a:b] = o[0].transpose(0, 1).reshape(b - a, self.size)
+        return out
 
 
 class EncoderLayer(nn.Module):
