@@ -110,6 +110,16 @@ def test_text_is_tokenized_as_transformers_and_cls_is_the_default(encoders, arch
     assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("arch", ["bert", "xlmr"])
+def test_a_masked_lm_checkpoint_embeds_with_its_encoder(tmp_path, arch):
+    """BertForMaskedLM / XLMRobertaForMaskedLM: the `bert.` / `roberta.` prefix dropped, the
+    MaskedLM head skipped; the vectors are AutoModel's (the same encoder weights)."""
+    model = str(make_encoder_model(tmp_path / arch, arch, "MEAN", masked_lm=True))
+    llm = encoder_llm(model)
+    prompts = prompts_for(model)[:3]
+    assert_vectors(llm.embed(prompts), reference_vectors(model, prompts, "MEAN", True))
+
+
 def test_limits_and_generation_are_refused(encoders):
     model = encoders("bert", "MEAN")
     with pytest.raises(ValueError, match="BertModel is an encoder.*--runner pooling"):

@@ -62,10 +62,11 @@ def _xlmr_tokenizer(path: Path) -> None:
 
 def make_encoder_model(path: Path, arch: str = "bert", pooling: str | None = None,
                        normalize: bool = True, seed: int = 0, max_positions: int = MAX_POSITIONS,
-                       **overrides) -> Path:
+                       masked_lm: bool = False, **overrides) -> Path:
     """A model directory of `arch` ("bert" or "xlmr") taking prompts of up to `max_positions`
     tokens; `pooling` ("CLS", "MEAN"): write the sentence-transformers files choosing it
-    (Normalize listed when `normalize`). `overrides`: config fields (hidden_size, ...)."""
+    (Normalize listed when `normalize`); `masked_lm`: saved as the MaskedLM model (its
+    checkpoint prefixed `bert.` / `roberta.`, with an LM head). `overrides`: config fields."""
     path.mkdir(parents=True, exist_ok=True)
     (_bert_tokenizer if arch == "bert" else _xlmr_tokenizer)(path)
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
@@ -74,11 +75,11 @@ def make_encoder_model(path: Path, arch: str = "bert", pooling: str | None = Non
     shape.update(overrides)
     if arch == "bert":
         config = tf.BertConfig(max_position_embeddings=max_positions, pad_token_id=0, **shape)
-        model_class = tf.BertModel
+        model_class = tf.BertForMaskedLM if masked_lm else tf.BertModel
     else:
         config = tf.XLMRobertaConfig(max_position_embeddings=max_positions + 2, pad_token_id=1,
                                      bos_token_id=0, eos_token_id=2, type_vocab_size=1, **shape)
-        model_class = tf.XLMRobertaModel
+        model_class = tf.XLMRobertaForMaskedLM if masked_lm else tf.XLMRobertaModel
     torch.manual_seed(seed)
     model_class(config).eval().save_pretrained(path)
     if pooling is not None:
