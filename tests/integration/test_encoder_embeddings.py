@@ -4,7 +4,8 @@ pools them (float32, CPU; tests/support/encoder_models.py):
 
   - prompts of mixed lengths in one step, and a token budget that spreads them over several
     steps (each prompt whole in one), equal the reference within 1e-5, for CLS and MEAN;
-  - text is tokenized as transformers' tokenizer does ([CLS] ... [SEP], <s> ... </s>);
+  - text is tokenized as transformers' tokenizer does ([CLS] ... [SEP], <s> ... </s>); RoBERTa
+    positions as transformers numbers them (a pad id inside a prompt too);
   - a prompt of max_model_len tokens (every position) is served; longer ones, and ones over
     the step's token budget, are refused naming the limit; generate is refused;
   - nothing samples (the sampler is never called, no token comes out) and no KV block is held
@@ -118,6 +119,14 @@ def test_a_masked_lm_checkpoint_embeds_with_its_encoder(tmp_path, arch):
     llm = encoder_llm(model)
     prompts = prompts_for(model)[:3]
     assert_vectors(llm.embed(prompts), reference_vectors(model, prompts, "MEAN", True))
+
+
+def test_a_pad_id_inside_an_xlmr_prompt_takes_transformers_positions(encoders):
+    """RoBERTa numbers only non-pad ids (a pad id takes the pad position), per request."""
+    model = encoders("xlmr", "MEAN")
+    prompts = [[0, 5, 1, 1, 6, 7, 2], [0, 1, 9, 2], [0, 8, 2]]      # pad id 1 inside
+    assert_vectors(encoder_llm(model).embed(prompts),
+                   reference_vectors(model, prompts, "MEAN", True))
 
 
 def test_limits_and_generation_are_refused(encoders):

@@ -2,11 +2,12 @@
 (RobertaModel, XLMRobertaModel and their MaskedLM checkpoints), as transformers' BertModel and
 XLMRobertaModel compute `last_hidden_state`:
 
-    embeddings  x = LayerNorm(word[id] + token_type[0] + position[pos + offset])
+    embeddings  x = LayerNorm(word[id] + token_type[0] + position[p])
     each layer  x = LayerNorm(x + dense(attention(x)))          post-LN
                 x = LayerNorm(x + out(act(intermediate(x))))
 
-offset is 0 for BERT, padding_idx + 1 for RoBERTa (its positions are numbered after the pad id).
+p is the position in the prompt for BERT; RoBERTa numbers its non-pad ids from pad_token_id + 1
+(transformers' create_position_ids_from_input_ids).
 Attention is bidirectional within each request: the scheduler computes an encoder's prompt in
 one step (WHOLE_PROMPT, engine_common/request/pooling.py), so a request's rows of the step are
 its whole prompt and it attends over them (torch SDPA per request, no mask). Nothing is written
@@ -61,10 +62,10 @@ class EncoderArgs:
     max_positions: int
     type_vocab_size: int
     hidden_act: str
-    position_offset: int      # added to a request's 0-based positions (RoBERTa: pad id + 1)
+    pad_token_id: int         # RoBERTa numbers positions after it
 
     @classmethod
-    def from_hf(cls, cfg: dict, position_offset: int) -> "EncoderArgs":
+    def from_hf(cls, cfg: dict) -> "EncoderArgs":
         act = cfg.get("hidden_act", "gelu")
         if act not in _ACTIVATIONS:
             raise ValueError(f"config.json: hidden_act={act!r} is not supported: must be one of "
@@ -80,7 +81,11 @@ class EncoderArgs:
                    layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
                    max_positions=int(cfg.get("max_position_embeddings", 512)),
                    type_vocab_size=int(cfg.get("type_vocab_size", 2)),
-                   hidden_act=act, position_offset=position_offset)
+                   hidden_act=act, pad_token_id=_int_or(cfg.get("pad_token_id"), 1))
+
+
+def _int_or(value, default: int) -> int:
+    return default if value is None else int(value)
 
 
 class LayerNorm(nn.Module):
@@ -106,11 +111,11 @@ class EncoderEmbeddings(nn.Module):
         self.position_embeddings = _table(args.max_positions, args.hidden_size, dtype)
         self.token_type_embeddings = _table(args.type_vocab_size, args.hidden_size, dtype)
         self.LayerNorm = LayerNorm(args.hidden_size, args.layer_norm_eps, dtype)
-        self.offset = args.position_offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """positions: each row's index into the position table."""
         x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
-        x = x + F.embedding(positions + self.offset, self.position_embeddings.weight)
+        x = x + F.embedding(positions, self.position_embeddings.weight)
         return self.LayerNorm(x)
 
 
@@ -180,7 +185,6 @@ class BertModel(nn.Module):
     Every request in the step must be a whole prompt (positions 0..n-1); ValueError otherwise.
     """
 
-    position_offset_from_pad = False     # RoBERTa: positions start at pad_token_id + 1
     needs_kv_cache = False
     lm_head_is_tied = False
     packed_modules = MappingProxyType({
@@ -189,9 +193,7 @@ class BertModel(nn.Module):
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
         super().__init__()
-        offset = (int(hf_config.get("pad_token_id") or 1) + 1
-                  if self.position_offset_from_pad else 0)
-        self.args = args = EncoderArgs.from_hf(hf_config, offset)
+        self.args = args = EncoderArgs.from_hf(hf_config)
         self.dtype = dtype
         self.embeddings = EncoderEmbeddings(args, tp, dtype)
         self.encoder = nn.Module()
@@ -218,10 +220,15 @@ class BertModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         starts = whole_prompt_starts(meta)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, self.table_positions(input_ids, positions, starts))
         for layer in self.encoder.layer:
             x = layer(x, starts)
         return x
+
+    def table_positions(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        starts: list[int]) -> torch.Tensor:
+        """Each row's position-table index: BERT's is its position in the prompt."""
+        return positions
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(self).__name__} is an encoder embedding model without an LM "
@@ -243,4 +250,14 @@ def whole_prompt_starts(meta: AttentionMetadata) -> list[int]:
 class RobertaModel(BertModel):
     """RoBERTa / XLM-R: BERT's layers; positions numbered from pad_token_id + 1."""
 
-    position_offset_from_pad = True
+    def table_positions(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        starts: list[int]) -> torch.Tensor:
+        """As transformers' create_position_ids_from_input_ids: pad + the count of non-pad
+        ids up to and including the row, per request; a pad id itself takes pad (vLLM only
+        adds pad + 1, which differs for a pad id inside a prompt)."""
+        pad = self.args.pad_token_id
+        real = (input_ids != pad).to(positions.dtype)
+        out = torch.full_like(positions, pad)           # padding rows: a valid index
+        for a, b in zip(starts, starts[1:]):
+            out[a:b] = torch.cumsum(real[a:b], 0) * real[a:b] + pad
+        return out
