@@ -245,6 +245,7 @@ class LLM(EmbedMixin, LoRAMixin):
         for i, request in enumerate(requests):
             try:
                 check_admission(request, max_model_len=config.max_model_len,
+                                max_step_tokens=config.max_num_batched_tokens,
                                 block_size=config.block_size,
                                 num_blocks=self.scheduler.num_total_blocks, num_waiting=0,
                                 max_waiting=1, known=False)

@@ -1,7 +1,7 @@
 """LLM.embed: vLLM's offline embeddings (`LLM(model, runner="pooling").embed(prompts)`).
 
 A pooling request computes its prompt and pools the final hidden states into one vector
-(engine_common/request/pooling.py, docs/embeddings.md); the one token it samples is never shown.
+(engine_common/request/pooling.py, docs/embeddings.md); it samples no token.
 """
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass
 
 from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerConfig,
-                                           model_pooler_config, parse_pooler_config)
+                                           check_runner, model_pooler_config,
+                                           parse_pooler_config)
 
 RUNNERS = ("generate", "pooling")
 
@@ -30,6 +31,7 @@ def pooler_from_kwargs(model_dir: str, kwargs: dict) -> PoolerConfig | None:
     given = kwargs.pop("pooler_config", None)
     if runner not in RUNNERS:
         raise ValueError(f"runner={runner!r}: expected one of {list(RUNNERS)}")
+    check_runner(runner, model_dir)
     if runner == "generate":
         if given is not None:
             raise ValueError("pooler_config is for runner='pooling'")

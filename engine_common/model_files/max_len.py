@@ -35,6 +35,10 @@ ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "Gemma3ForCausalLM": 131072,
     "Olmo2ForCausalLM": 2048,
     "GraniteForCausalLM": 2048,
+    # encoders (BertConfig, RobertaConfig, XLMRobertaConfig); RoBERTa's 512 includes the
+    # pad_token_id + 1 positions it never uses (model_dir.model_position_limit)
+    "BertModel": 512, "BertForMaskedLM": 512, "RobertaModel": 512, "RobertaForMaskedLM": 512,
+    "XLMRobertaModel": 512, "XLMRobertaForMaskedLM": 512,
 })
 # vLLM's length when no key is found at all (an architecture outside the table)
 FALLBACK_MAX_LEN = 2048

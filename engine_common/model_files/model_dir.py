@@ -82,6 +82,10 @@ class ModelInfo:
         return dataclasses.replace(self, eos_token_ids=self.eos_token_ids + (eos_token_id,))
 
 
+# RoBERTa-style encoders number positions from pad_token_id + 1: that many fewer tokens fit.
+_PADDED_POSITIONS = frozenset({"roberta", "xlm-roberta"})
+
+
 def model_position_limit(config: dict) -> int:
     """The longest sequence the model's rope covers: its length (max_len.py: the smallest length
     key, absent ones at the architecture's transformers default, as vLLM), times the factor
@@ -93,6 +97,8 @@ def model_position_limit(config: dict) -> int:
         native, _ = derived_max_len(config)
     except MaxLenError as e:
         raise ModelDirError(str(e)) from None
+    if config.get("model_type") in _PADDED_POSITIONS:     # positions start at pad + 1 (vLLM)
+        return native - int(config.get("pad_token_id") or 1) - 1
     scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     if "gemma3" in str(config.get("model_type", "")):
         return native      # its max_position_embeddings is already the scaled one (as vLLM)

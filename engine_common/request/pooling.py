@@ -7,7 +7,13 @@ model is LAST with normalisation (vLLM's embed default); a sentence-transformers
 `--pooler-config '{"pooling_type": "MEAN", "normalize": false}'` overrides both.
 
 On the step protocol a request's pooling travels as one int (`code`): the type's index, plus
-NORMALIZE when the vector is normalised; NO_POOLING for a generation request.
+NORMALIZE when the vector is normalised, plus WHOLE_PROMPT for an encoder model's request;
+NO_POOLING for a generation request.
+
+Encoder embedding models (BERT, RoBERTa, XLM-R: ENCODER_ARCHITECTURES) attend both ways, so a
+prompt must be computed in one step (WHOLE_PROMPT: never chunked, never a prefix-cache hit);
+they have no LM head, so they serve only --runner pooling, and default to CLS pooling as vLLM's
+BertEmbeddingModel does. No pooling request samples: it finishes on its vector.
 """
 from __future__ import annotations
 
@@ -22,9 +28,15 @@ NO_POOLING = -1
 LAST, MEAN, CLS = 0, 1, 2
 POOLING_TYPES = {"LAST": LAST, "MEAN": MEAN, "CLS": CLS}
 NORMALIZE = 4
-# What a pooling request samples (and drops) once its prompt is computed: one greedy token.
+WHOLE_PROMPT = 8        # a bidirectional (encoder) model's request: its prompt in one step
+# A pooling request's sampling and stopping: it samples nothing (its one output is the vector,
+# hence max_tokens=1 in the scheduler's counts); greedy so no seed matters.
 POOL_SAMPLING = SamplingParams(temperature=0.0)
 POOL_STOPPING = StoppingParams(max_tokens=1)
+# config.json architectures served as encoder embedding models (worker_service/models/bert.py).
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "RobertaModel",
+                                   "RobertaForMaskedLM", "XLMRobertaModel",
+                                   "XLMRobertaForMaskedLM"})
 
 # sentence-transformers module classes a directory may list: what they do is done here.
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
@@ -43,26 +55,40 @@ class PoolerConfigError(ValueError):
 class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
+    whole_prompt: bool = False      # an encoder model: each prompt computed in one step
 
     @property
     def code(self) -> int:
         """The int the step protocol carries for a request pooled this way."""
-        return POOLING_TYPES[self.pooling_type] | (NORMALIZE if self.normalize else 0)
+        return (POOLING_TYPES[self.pooling_type] | (NORMALIZE if self.normalize else 0)
+                | (WHOLE_PROMPT if self.whole_prompt else 0))
 
 
 def decode_code(code: int) -> tuple[int, bool]:
     """(pooling type index, normalize) of a wire code; ValueError for a code no config makes."""
-    kind, normalize = code & ~NORMALIZE, bool(code & NORMALIZE)
+    kind, normalize = code & ~(NORMALIZE | WHOLE_PROMPT), bool(code & NORMALIZE)
     if code < 0 or kind not in POOLING_TYPES.values():
         raise ValueError(f"pooling code {code}: expected a type in 0..{len(POOLING_TYPES) - 1}, "
-                         f"plus {NORMALIZE} to normalise")
+                         f"plus {NORMALIZE} to normalise, plus {WHOLE_PROMPT} for an encoder")
     return kind, normalize
 
 
+def is_whole_prompt(code: int) -> bool:
+    """An encoder model's request: its prompt is computed in one step (no chunk, no hit)."""
+    return code != NO_POOLING and bool(code & WHOLE_PROMPT)
+
+
 def needs_every_position(code: int) -> bool:
-    """MEAN and CLS read positions a prefix-cache hit would skip: such requests skip the
-    prefix cache (LAST reads only the last position, which is always computed)."""
-    return code != NO_POOLING and code & ~NORMALIZE != LAST
+    """MEAN and CLS read positions a prefix-cache hit would skip, and an encoder model's
+    positions all see each other: such requests skip the prefix cache (a decoder's LAST reads
+    only the last position, which is always computed)."""
+    return code != NO_POOLING and (code & ~NORMALIZE != LAST)
+
+
+def is_encoder(hf_config) -> bool:
+    """config.json names an encoder embedding model (no LM head, bidirectional attention)."""
+    archs = hf_config.get("architectures") if isinstance(hf_config, dict) else None
+    return bool(archs) and isinstance(archs, list) and archs[0] in ENCODER_ARCHITECTURES
 
 
 def parse_pooler_config(text: str | None, base: PoolerConfig) -> PoolerConfig:
@@ -87,16 +113,35 @@ def parse_pooler_config(text: str | None, base: PoolerConfig) -> PoolerConfig:
     if not isinstance(normalize, bool):
         raise PoolerConfigError(f"--pooler-config: normalize {normalize!r}: expected true or "
                                 "false")
-    return PoolerConfig(kind.upper(), normalize)
+    return PoolerConfig(kind.upper(), normalize, base.whole_prompt)
+
+
+def _encoder_architecture(model_dir: str | Path) -> str | None:
+    """config.json's architecture when it names an encoder embedding model, else None (a
+    GGUF file or a directory without config.json holds a decoder)."""
+    config_file = Path(model_dir) / "config.json"
+    config = _read_json(config_file) if config_file.is_file() else {}
+    return (config.get("architectures") or [None])[0] if is_encoder(config) else None
+
+
+def check_runner(runner: str, model_dir: str | Path) -> None:
+    """PoolerConfigError when `runner` is generate and the model is an encoder (no LM head),
+    as vLLM refuses it."""
+    arch = _encoder_architecture(model_dir)
+    if runner != "pooling" and arch is not None:
+        raise PoolerConfigError(f"runner={runner!r}: {arch} is an encoder embedding model "
+                                "without an LM head; it is served with --runner pooling only")
 
 
 def model_pooler_config(model_dir: str | Path) -> PoolerConfig:
     """The directory's own pooling: its sentence-transformers files when it has them (a module
-    we do not run, such as a Dense projection, is refused by name), else LAST + normalize."""
+    we do not run, such as a Dense projection, is refused by name), else LAST + normalize
+    (CLS + normalize for an encoder, as vLLM). An encoder's requests are WHOLE_PROMPT."""
     path = Path(model_dir)
+    encoder = _encoder_architecture(path) is not None
     modules_file = path / "modules.json"
     if not modules_file.is_file():
-        return PoolerConfig()
+        return PoolerConfig("CLS" if encoder else "LAST", True, encoder)
     modules = _read_json(modules_file)
     kinds = [m.get("type") for m in modules] if isinstance(modules, list) else None
     if not kinds or not all(isinstance(m, dict) for m in modules):
@@ -105,11 +150,11 @@ def model_pooler_config(model_dir: str | Path) -> PoolerConfig:
     if others:
         raise PoolerConfigError(f"{modules_file}: module(s) {others} are not supported; "
                                 f"supported: {_ST_TRANSFORMER}, {_ST_POOLING}, {_ST_NORMALIZE}")
-    kind = "LAST"
+    kind = "CLS" if encoder else "LAST"
     if _ST_POOLING in kinds:
         folder = modules[kinds.index(_ST_POOLING)].get("path") or "1_Pooling"
         kind = _st_pooling_type(path / folder / "config.json")
-    return PoolerConfig(kind, _ST_NORMALIZE in kinds)
+    return PoolerConfig(kind, _ST_NORMALIZE in kinds, encoder)
 
 
 def _st_pooling_type(config_file: Path) -> str:

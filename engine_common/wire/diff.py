@@ -137,7 +137,7 @@ class RunnerOutput:
     # samples its first token after its last prompt chunk was computed.
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     # handle -> a pooling request's pooled vector (float32 [hidden_size]), once, in the reply of
-    # the step where it samples its first token (the step that computed its last prompt token).
+    # the step that computed its last prompt token (it samples nothing; the vector ends it).
     pooled: dict[int, list[float]] = field(default_factory=dict)
 
 

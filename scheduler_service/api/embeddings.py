@@ -2,8 +2,8 @@
 embedding request through the engine (the vLLM engine protocol's Embed calls `embed`).
 
 A pooling request is an engine Request with `pooling` set: it computes its prompt (chunked,
-with prefix-cache hits for LAST pooling), samples one greedy token nobody sees, and finishes
-with its vector (docs/embeddings.md).
+with prefix-cache hits for a decoder's LAST pooling; an encoder's in one step), samples
+nothing, and finishes with its vector (docs/embeddings.md).
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from contextlib import aclosing
 
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerConfig,
-                                           PoolerConfigError, model_pooler_config,
+                                           PoolerConfigError, check_runner,
+                                           model_pooler_config,
                                            parse_pooler_config)
-from scheduler_service.api.front_door import FrontDoor, check_prompt_length, check_vocab
+from scheduler_service.api.front_door import FrontDoor, ServedModel, check_vocab
 from scheduler_service.api.guard import scoped_id
 from scheduler_service.core.request import Request
 from scheduler_service.errors import RequestFailed
@@ -22,7 +23,12 @@ from scheduler_service.errors import RequestFailed
 def served_pooler(runner: str, pooler_config: str | None, model_dir: str
                   ) -> PoolerConfig | None:
     """The server's pooling for --runner pooling (the model directory's, under
-    --pooler-config); None for --runner generate (where --pooler-config is refused)."""
+    --pooler-config); None for --runner generate (where --pooler-config is refused, and so is
+    an encoder model: it has no LM head)."""
+    try:
+        check_runner(runner, model_dir)
+    except PoolerConfigError as e:
+        raise ParamError("--runner", runner, f"pooling for this model ({e})") from None
     if runner != "pooling":
         if pooler_config:
             raise ParamError("--pooler-config", pooler_config, "only with --runner pooling")
@@ -42,12 +48,13 @@ VLLM_FIELDS = ("tokenized", "tokenized.input_ids", "tokenized.original_text")
 async def prompt_of(door: FrontDoor, input_ids, text: str, caller: str,
                     names: tuple[str, str, str] = VLLM_FIELDS) -> list[int]:
     """The ids to embed: `input_ids` (checked against the vocabulary), else `text` tokenized
-    on the pool; at least one, and fewer than max_model_len (one more position is computed).
-    Errors name the fields by `names`."""
+    on the pool; at least one, at most max_model_len (nothing is sampled after them), and for
+    an encoder at most the step's token budget (its prompt is never chunked). Errors name the
+    fields by `names`."""
     info = door.model.info
     prompt, ids_field, text_field = names
-    if len(input_ids) >= info.max_model_len:       # before copying millions of ids
-        check_prompt_length(len(input_ids), 1, info.max_model_len, prompt)
+    if len(input_ids) > info.max_model_len:       # before copying millions of ids
+        check_pool_length(door.model, len(input_ids), prompt)
     if len(input_ids):
         ids = list(input_ids)
         check_vocab(ids_field, ids, info.vocab_size)
@@ -61,8 +68,22 @@ async def prompt_of(door: FrontDoor, input_ids, text: str, caller: str,
                          "at least one token id, or a text")
     if not ids:
         raise ParamError(text_field, repr(text), "a text of at least one token")
-    check_prompt_length(len(ids), 1, info.max_model_len, prompt)
+    check_pool_length(door.model, len(ids), prompt)
     return ids
+
+
+def check_pool_length(model: ServedModel, num_tokens: int, field: str) -> None:
+    """ParamError naming `field` unless a pooling prompt of `num_tokens` fits max_model_len
+    and, for an encoder (whole-prompt pooling), the step's token budget."""
+    limit = model.info.max_model_len
+    if num_tokens > limit:
+        raise ParamError(field, f"{num_tokens} tokens", f"at most {limit} tokens "
+                         f"(max_model_len {limit})")
+    budget = model.max_step_tokens
+    if model.pooler.whole_prompt and budget is not None and num_tokens > budget:
+        raise ParamError(field, f"{num_tokens} tokens", f"at most {budget} tokens "
+                         f"(max_num_batched_tokens {budget}: an encoder model computes a "
+                         "prompt in one step)")
 
 
 async def embed(engine, door: FrontDoor, caller: str, request_id: str, prompt_ids: list[int],

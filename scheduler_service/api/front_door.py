@@ -59,6 +59,8 @@ class ServedModel:
     pooler: PoolerConfig | None = None
     # The LoRA adapters served now, by name (core/lora_registry.py); empty without LoRA
     lora: LoRARegistry = field(default_factory=LoRARegistry)
+    # The step's token budget (--max-num-batched-tokens): an encoder's prompt must fit it.
+    max_step_tokens: int | None = None
     # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
     # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
     prompt_chars_fit: int = field(init=False)

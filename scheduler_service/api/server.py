@@ -272,7 +272,8 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                          chat_template=load_chat_template(worker.model_dir,
                                                           options.chat_template),
                          pooler=served_pooler(options.runner, options.pooler_config,
-                                              worker.model_dir))
+                                              worker.model_dir),
+                         max_step_tokens=config.max_num_batched_tokens)
 
     keys = public_port.api_keys(api)
     server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 
+from engine_common.request.pooling import NO_POOLING, is_whole_prompt
 from scheduler_service.core.request import Request, RequestStatus
 
 
@@ -28,8 +29,10 @@ _MAX_TOKEN_ID = 2**32 - 1
 
 
 def check_admission(request: Request, *, max_model_len: int, block_size: int, num_blocks: int,
-                    num_waiting: int, max_waiting: int, known: bool) -> None:
-    """Raise RequestRejected / QueueFull unless `request` may join the waiting queue."""
+                    num_waiting: int, max_waiting: int, known: bool,
+                    max_step_tokens: int | None = None) -> None:
+    """Raise RequestRejected / QueueFull unless `request` may join the waiting queue.
+    `max_step_tokens`: the step's token budget, which an encoder's prompt must fit whole."""
     rid = request.request_id
     if known:
         raise RequestRejected(rid, "request_id", rid, "unique among unfinished requests")
@@ -45,7 +48,9 @@ def check_admission(request: Request, *, max_model_len: int, block_size: int, nu
             raise RequestRejected(rid, "prompt_token_ids", bad,
                                   f"token ids in [0, {_MAX_TOKEN_ID}]") from None
     max_tokens = request.stopping.max_tokens
-    total = len(prompt) + (max_tokens or 1)
+    if request.pooling != NO_POOLING:
+        _check_pooling_prompt(request, max_model_len, max_step_tokens)
+    total = len(prompt) + (max_tokens or 1) * (request.pooling == NO_POOLING)
     if total > max_model_len:
         raise RequestRejected(rid, "prompt tokens + max_tokens", total,
                               f"<= max_model_len ({max_model_len})")
@@ -67,6 +72,21 @@ def check_admission(request: Request, *, max_model_len: int, block_size: int, nu
                               f"<= KV-cache capacity ({num_blocks * block_size} tokens)")
     if num_waiting >= max_waiting:
         raise QueueFull(rid, "waiting requests", num_waiting, f"< max_waiting ({max_waiting})")
+
+
+def _check_pooling_prompt(request: Request, max_model_len: int,
+                          max_step_tokens: int | None) -> None:
+    """A pooling prompt samples nothing, so it may fill max_model_len; an encoder's must also
+    fit one step (it is never chunked)."""
+    n = len(request.prompt_token_ids)
+    if n > max_model_len:
+        raise RequestRejected(request.request_id, "prompt tokens", n,
+                              f"<= max_model_len ({max_model_len})")
+    if is_whole_prompt(request.pooling) and max_step_tokens is not None \
+            and n > max_step_tokens:
+        raise RequestRejected(request.request_id, "prompt tokens", n,
+                              f"<= max_num_batched_tokens ({max_step_tokens}): an encoder "
+                              "model computes a prompt in one step")
 
 
 def prepare_queued(request: Request, handle: int, seed: int, max_len: int) -> None:

@@ -1,5 +1,6 @@
 """Applying a step's RunnerOutput to the requests it scheduled: each sampled token appended,
-the stop rules checked, what stopped finished; the requests the output rank failed (their
+the stop rules checked, what stopped finished; each pooled vector finishing its request; the
+requests the output rank failed (their
 grammar) aborted; and the grammar compiles it reports.
 
 Scheduler.update_from_output calls these with its own state; they run once per step (the loop
@@ -67,23 +68,44 @@ def apply_sampled_tokens(scheduled: dict[int, Request], runner_out: RunnerOutput
             request.request_id, [token], [] if lp is None else [lp], top, None, None,
             request.num_cached_tokens, request.first_scheduled_time,
             request.first_token_time, None, request))
-    if runner_out.prompt_logprobs or runner_out.pooled:
+    if runner_out.prompt_logprobs:
         attach_prompt_results(scheduled, runner_out, updates)
+    if runner_out.pooled:
+        updates += finish_pooled(scheduled, runner_out.pooled, finish)
     return updates
 
 
 def attach_prompt_results(scheduled: dict[int, Request], runner_out: RunnerOutput,
                           updates: list[TokenUpdate]) -> None:
-    """Each request's prompt logprobs and pooled vector onto the update of the token sampled
-    with them (the workers send them once, with that token); dropped with the token of a
-    request finished since. A step of requests that asked for neither never comes here."""
+    """Each request's prompt logprobs onto the update of the token sampled with them (the
+    workers send them once, with that token); dropped with the token of a request finished
+    since. A step of requests that asked for none never comes here."""
     by_request = {id(u.request): u for u in updates}
-    for name in ("prompt_logprobs", "pooled"):
-        for handle, value in getattr(runner_out, name).items():
-            request = scheduled.get(handle)
-            update = None if request is None else by_request.get(id(request))
-            if update is not None:
-                setattr(update, name, value)
+    for handle, value in runner_out.prompt_logprobs.items():
+        request = scheduled.get(handle)
+        update = None if request is None else by_request.get(id(request))
+        if update is not None:
+            update.prompt_logprobs = value
+
+
+def finish_pooled(scheduled: dict[int, Request], pooled: dict[int, list[float]],
+                  finish: Callable[[Request, RequestStatus], None]) -> list[TokenUpdate]:
+    """Finish each pooling request whose vector came back (it samples nothing: the vector is
+    its one output, as vLLM's pooling requests end when their prompt is computed). A request
+    finished since is left alone; one preempted since (async scheduling) still ends on it: the
+    vector was computed in full."""
+    updates = []
+    now = time.monotonic()
+    for handle, vector in pooled.items():
+        request = scheduled.get(handle)
+        if request is None or request.status > _PREEMPTED:
+            continue
+        request.first_token_time = now         # time to the vector
+        finish(request, RequestStatus.FINISHED_LENGTH)
+        update = TokenUpdate.final(request, [], [])
+        update.pooled = vector
+        updates.append(update)
+    return updates
 
 
 def fail_on_worker(scheduled: dict[int, Request], errors: dict[int, str],

@@ -21,6 +21,10 @@ NOTE the rules of one step (`schedule()`):
     new request's first step is admitted and stays short). At most max_long_partial_prefills of
     them are in progress at once: a further long request waits, and requests behind it in the
     queue that are short (or more urgent) are admitted past it.
+  * An encoder model's pooling request (WHOLE_PROMPT: bidirectional attention) is admitted
+    only with its whole prompt in the step, never chunked nor treated as long; while it does
+    not fit, admission stops there (FCFS). A pooling request samples nothing: its vector,
+    when it comes back, finishes it (sampled_tokens.finish_pooled).
   * A constrained request samples only once the output rank has reported its grammar compiled
     (RunnerOutput.compiled_handles, docs/structured-output.md): until then its prompt is
     prefilled up to its last token, which waits (an idle count 0 when nothing else is left).
@@ -43,6 +47,7 @@ from collections.abc import Iterable
 
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import ParamError
+from engine_common.request.pooling import is_whole_prompt
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
 from scheduler_service.core.admission import (QueueFull, RequestRejected, check_admission,
                                               prepare_queued)
@@ -98,6 +103,7 @@ class Scheduler(SchedulerViews):
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises RequestRejected (or its subclass QueueFull)."""
         check_admission(request, max_model_len=self.config.max_model_len,
+                        max_step_tokens=self.config.max_num_batched_tokens,
                         block_size=self.config.block_size, num_blocks=self.num_total_blocks,
                         num_waiting=len(self.waiting), max_waiting=self.config.max_waiting,
                         known=request.request_id in self._requests)
@@ -312,7 +318,8 @@ class Scheduler(SchedulerViews):
             request = waiting.at(i)
             hits, num_hit = self.kv.get_computed_blocks(request)
             left = request.num_tokens - num_hit
-            is_long = left > self._long_prefill
+            whole = is_whole_prompt(request.pooling)     # an encoder's: all of it, or wait
+            is_long = left > self._long_prefill and not whole
             if is_long and self._held_back(request, long_priorities):
                 i += 1
                 continue
@@ -324,6 +331,8 @@ class Scheduler(SchedulerViews):
                     continue
                 loras.add(request.lora_id)
             n = min(left - request.awaiting_grammar, plan.budget)   # may be 0: sent, idle
+            if whole and n < left:
+                return                   # a later step has room for its whole prompt (FCFS)
             if is_long and (self.running or len(waiting) > 1):
                 n = min(n, self._long_prefill)
             if self.kv.allocate_slots(request, n, hits) is None:

@@ -32,7 +32,8 @@ from engine_common.configuration.speculative import SpeculativeConfig
 from engine_common.wire.diff import RunnerOutput
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampled_tokens import attach_prompt_results, fail_on_worker
+from scheduler_service.core.sampled_tokens import (attach_prompt_results, fail_on_worker,
+                                                  finish_pooled)
 from scheduler_service.core.scheduler_diff import StepPlan
 from scheduler_service.core.spec_proposer import TokenBuffers, propose_ngram
 from scheduler_service.core.step_result import TokenUpdate, check_stop
@@ -142,8 +143,10 @@ class SpecDecoder:
             update = self._append(request, handle, tokens, logprobs, tops, finish, max_len)
             if update is not None:
                 updates.append(update)
-        if runner_out.prompt_logprobs or runner_out.pooled:
+        if runner_out.prompt_logprobs:
             attach_prompt_results(scheduled, runner_out, updates)
+        if runner_out.pooled:
+            updates += finish_pooled(scheduled, runner_out.pooled, finish)
         return updates
 
     def _count(self, accepted: int) -> None:

@@ -54,7 +54,7 @@ def test_embed_matches_transformers(served):
 @pytest.mark.parametrize("tokenized, field", [
     ({}, "tokenized"),
     ({"input_ids": [3, 10**6]}, "tokenized.input_ids"),
-    ({"input_ids": list(range(3, 131))}, "prompt"),       # 128 tokens: max_model_len 128
+    ({"input_ids": list(range(3, 132))}, "tokenized"),    # 129 tokens: max_model_len 128
 ])
 def test_bad_input_is_invalid_argument(served, tokenized, field):
     _, ch = served

@@ -179,13 +179,14 @@ def make_core(model_dir: str, executor, config: SchedulerConfig | None = None) -
 
 
 @contextmanager
-def engine_on(cluster: Cluster, model_dir: str, config: SchedulerConfig | None = None):
-    """An engine over `cluster`'s workers, Init-ed with symmetry verification on. After the
-    body the finished requests' handles reach the workers, which must then hold no request;
-    a failure prints the cluster's logs."""
+def engine_on(cluster: Cluster, model_dir: str, config: SchedulerConfig | None = None,
+              **spec_overrides):
+    """An engine over `cluster`'s workers, Init-ed with symmetry verification on (and the
+    InitSpec's `spec_overrides`). After the body the finished requests' handles reach the
+    workers, which must then hold no request; a failure prints the cluster's logs."""
     client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        client.init(cluster.spec(model_dir, verify_symmetry=True))
+        client.init(cluster.spec(model_dir, verify_symmetry=True, **spec_overrides))
         core = make_core(model_dir, client, config)
         yield core
         client.execute(encode_scheduler_output(core.scheduler.schedule()))

@@ -56,7 +56,7 @@ class CachedRequests:
                                        new.sampling,
                                        list(new.block_ids), new.num_computed_tokens,
                                        new.num_logprobs, new.constraint,
-                                       lora_id=new.lora_id)
+                                       pooling=new.pooling, lora_id=new.lora_id)
             states[new.handle] = state
             batch.add(state)
         for res in diff.resumed_requests:

@@ -12,7 +12,8 @@ each part adds or removes, so the whole diff is judged against the state it will
     new_requests           the cached requests after it <= max_cached_requests (preempted ones
                            hold no KV blocks: engine_common/request/diff_limits.py derives the
                            bound from the scheduler's admission); handles not cached;
-                           prompt ids < vocab_size, 1 .. max_model_len - 1 of them; block
+                           prompt ids < vocab_size, 1 .. max_model_len - 1 of them (up
+                           to max_model_len for a pooling request: it samples none); block
                            ids < num_kv_blocks, at most a request's share; prefix hit within
                            the prompt and its blocks; sampling, stop ids, logprobs, a
                            constraint's characters and nesting depth
@@ -42,6 +43,7 @@ from engine_common.request.diff_limits import (MAX_CONSTRAINT_CHARS, MAX_CONSTRA
                                        MAX_MIN_TOKENS, MAX_SEED, MAX_STOP_IDS,
                                        MAX_TOP_LOGPROBS)
 from engine_common.request.params import ID_SET_KNOBS, clip, quoted
+from engine_common.request.pooling import NO_POOLING
 from worker_service.failures import StepProtocolError
 
 
@@ -223,9 +225,10 @@ def _check_new_named(name: str, new: NewRequestData, bounds: DiffBounds, view: _
     if view.is_cached(new.handle):
         raise StepProtocolError(f"{name}.handle={new.handle} is already a cached request")
     prompt = new.prompt_token_ids
-    if not 1 <= len(prompt) < bounds.max_model_len:
+    room = bounds.max_model_len - (new.pooling == NO_POOLING)   # a pooling one samples none
+    if not 1 <= len(prompt) <= room:
         raise BadDiff(f"{name}.prompt_token_ids length", len(prompt),
-                      f"in [1, {bounds.max_model_len - 1}] (max_model_len - 1)")
+                      f"in [1, {room}] (max_model_len{' - 1' * (room < bounds.max_model_len)})")
     _ids_below(f"{name}.prompt_token_ids", prompt, bounds.vocab_size, "vocab_size")
     _check_blocks(f"{name}.block_ids", new.block_ids, bounds, 0)
     limit = min(len(prompt), len(new.block_ids) * bounds.block_size)

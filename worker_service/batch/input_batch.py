@@ -11,6 +11,7 @@ a decode step writes one token per row.
     num_known_ids[row]                 tokens whose ids are in token_ids (a launched step's
                                        sampled ids arrive at its finish)
     <knob>[row]                        each sampling knob with a column (params.KNOBS)
+    pools[row]                         a pooling request's row: it never samples
     id_sets[<knob>][row]               each knob that is a set of token ids, a tuple per row
 
 A running request's sampled ids live only in its row (its cached state gets them when the row is
@@ -27,6 +28,7 @@ import numpy as np
 
 from engine_common.runtime.identity_cache import IdentityCache
 from engine_common.request.params import COLUMN_KNOBS, ID_SET_KNOBS, SamplingParams
+from engine_common.request.pooling import NO_POOLING
 from engine_common.wire.diff import NewRequestData
 
 
@@ -47,8 +49,9 @@ class CachedRequestState(NewRequestData):
 
 # What InputBatch.num_rows_setting counts: each knob column off its neutral value, each
 # list-valued knob with entries, stop ids masked for min_tokens, top alternatives asked for.
+# "pooling": rows of pooling requests, which never sample (step_inputs.py).
 FEATURES = (tuple(k.name for k in COLUMN_KNOBS) + ("logit_bias",)
-            + tuple(k.name for k in ID_SET_KNOBS) + ("min_tokens", "num_logprobs"))
+            + tuple(k.name for k in ID_SET_KNOBS) + ("min_tokens", "num_logprobs", "pooling"))
 
 
 class BatchFullError(RuntimeError):
@@ -86,6 +89,8 @@ class InputBatch:
         self.num_logprobs = np.zeros(r, dtype=np.int32)
         # LoRA adapter slot per row (adapter id - 1; -1: the base model)
         self.lora_slots = np.full(r, -1, dtype=np.int32)
+        # A pooling (embedding) request's row: it computes its prompt and never samples.
+        self.pools = np.zeros(r, dtype=bool)
         self.stop_ids: list[tuple[int, ...]] = [()] * r
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * r
         # Entries per row of each list-valued knob: a step finds the rows that set one with a
@@ -210,6 +215,9 @@ class InputBatch:
         self.num_entries["logit_bias"][row] = len(sp.logit_bias)
         self.num_logprobs[row] = state.num_logprobs
         self.lora_slots[row] = state.lora_id - 1
+        self.pools[row] = state.pooling != NO_POOLING
+        if self.pools[row]:
+            features += ("pooling",)
         if state.sampling.min_tokens and state.sampling.stop_ids:
             features += ("min_tokens",)
         if state.num_logprobs:          # alternatives, or none at all (-1)
@@ -223,7 +231,7 @@ class InputBatch:
             counts[name] += sign
 
     _ROW_ARRAYS = ("num_tokens", "num_prompt_tokens", "num_computed", "num_known_ids",
-                   "num_blocks", "seeds", "min_tokens", "num_logprobs", "lora_slots") + tuple(
+                   "num_blocks", "seeds", "min_tokens", "num_logprobs", "lora_slots", "pools") + tuple(
                        k.name for k in COLUMN_KNOBS)
 
     def _move_row(self, src: int, dst: int) -> None:

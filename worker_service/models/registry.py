@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 from torch import nn
 
+from worker_service.models.bert import BertModel, RobertaModel
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
@@ -19,6 +20,13 @@ from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = MappingProxyType({
+    # encoder embedding models (--runner pooling only): engine_common's ENCODER_ARCHITECTURES
+    "BertForMaskedLM": BertModel,
+    "BertModel": BertModel,
+    "RobertaForMaskedLM": RobertaModel,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaForMaskedLM": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

@@ -75,7 +75,8 @@ class ModelRunner:
         self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,
                                                              info.eos_token_ids))
         self.prompt_logprobs = PromptLogprobBook(self.vocab_size)  # requests that asked
-        self.pooling = PoolingBook()      # embedding requests (docs/embeddings.md)
+        # embedding requests (docs/embeddings.md); an encoder model serves nothing else
+        self.pooling = PoolingBook(only=not getattr(self.model, "needs_kv_cache", True))
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
@@ -114,11 +115,16 @@ class ModelRunner:
     # -- KV cache ---------------------------------------------------------------------------
 
     @property
+    def num_cache_layers(self) -> int:
+        """Layers that keep a KV cache: none for an encoder (models/bert.py)."""
+        return self.model.num_layers if getattr(self.model, "needs_kv_cache", True) else 0
+
+    @property
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers on this rank (keys and values)."""
         m = self.model
         elem = torch.empty((), dtype=self.model_dtype).element_size()
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return 2 * self.num_cache_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -130,6 +136,8 @@ class ModelRunner:
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
+        if not self.num_cache_layers:     # blocks are bookkeeping only: a full-length seat each
+            return config.max_num_seqs * self.batch.block_table.shape[1]
         if config.gpu_memory_utilization is None or self.device.type != "cuda":
             return cpu_num_kv_blocks(config.kv_budget_bytes, self.kv_block_bytes)
         with heartbeat(f"profiling KV memory on {self.device} with a warm-up step of "
@@ -145,10 +153,10 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         if self.device.type == "cpu":
             self.kv_caches = [zeroed_host_tensor(shape, self.model_dtype)
-                              for _ in range(m.num_layers)]
+                              for _ in range(self.num_cache_layers)]
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
-                              for _ in range(m.num_layers)]
+                              for _ in range(self.num_cache_layers)]
         self.diff_bounds = DiffBounds(
             num_kv_blocks=num_blocks, vocab_size=self.vocab_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
@@ -157,6 +165,8 @@ class ModelRunner:
             max_cached_requests=max_cached_requests(self.config.max_num_seqs))
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
                                             self.config.enforce_eager, self.model)
+        if why_not is None and not self.num_cache_layers:
+            why_not = "an encoder model (no KV cache, no decode steps)"
         if why_not is None and self.lora is not None:
             why_not = "LoRA adapters are on (the per-row adapter is not a graph input)"
         if why_not is not None:
@@ -373,6 +383,7 @@ class ModelRunner:
     def _apply_diff(self, diff: SchedulerOutput) -> None:
         """The diff on the cached requests and the batch, then on the books of each."""
         check_lora_ids(diff.new_requests, self.lora)
+        self.pooling.check_new(diff.new_requests)
         self.cached.apply(diff)
         self.prompt_logprobs.apply(diff)
         self.pooling.apply(diff)

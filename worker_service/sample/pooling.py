@@ -6,8 +6,8 @@ prefix-cache hit never covers it: the scheduler always computes at least the las
 adds each chunk's rows to a float32 sum on the device, CLS keeps the first position's row; both
 come with no prefix hit (the scheduler skips the cache for them), and a recompute after a
 preemption adds no position twice. The vector, normalised when asked (L2, float32), reaches the
-host once, in the reply of the step where the request samples its first token (the scheduler
-then finishes it: a pooling request never decodes).
+host once, in the reply of the step that completes the prompt; a pooling row never samples
+(InputBatch.pools), and the scheduler finishes the request on its vector.
 
 Every rank holds the full hidden state after the last all-reduce and computes the same vector;
 only the output rank's reply is read. A step without pooling requests stops at one falsy check
@@ -22,6 +22,7 @@ import torch
 
 from engine_common.request.pooling import CLS, LAST, MEAN, NO_POOLING, decode_code
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
+from worker_service.batch.diff_check import BadDiff
 
 
 @dataclass(eq=False)
@@ -80,22 +81,31 @@ class PoolingStep:
 
 
 class PoolingBook:
-    """The cached pooling requests: still computing their prompt (`pending`) and pooled but not
-    yet sent (`ready`)."""
+    """The cached pooling requests still computing their prompt (`pending`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: bool = False) -> None:
+        """only: the model serves pooling requests only (an encoder: no LM head)."""
         self.pending: dict[int, _Entry] = {}
-        self.ready: dict[int, np.ndarray] = {}
+        self.only = only
+
+    def check_new(self, new_requests) -> None:
+        """BadDiff for a generation request sent to a pooling-only model (before the diff is
+        applied anywhere)."""
+        if self.only:
+            for new in new_requests:
+                if new.pooling == NO_POOLING:
+                    raise BadDiff(f"new request {new.handle} pooling", new.pooling,
+                                  "a pooling code: this encoder model has no LM head, it "
+                                  "only embeds")
 
     def __bool__(self) -> bool:
-        return bool(self.pending or self.ready)
+        return bool(self.pending)
 
     def apply(self, diff: SchedulerOutput) -> None:
         """Finished requests dropped; new pooling requests added."""
         if self:
             for handle in diff.finished_handles:
                 self.pending.pop(handle, None)
-                self.ready.pop(handle, None)
         for new in diff.new_requests:
             if new.pooling != NO_POOLING:
                 kind, normalize = decode_code(new.pooling)
@@ -103,7 +113,6 @@ class PoolingBook:
 
     def clear(self) -> None:
         self.pending.clear()
-        self.ready.clear()
 
     def plan(self, batch, inputs) -> PoolingStep | None:
         """This step's prompt rows of the pending requests (an InputBatch before the step's
@@ -134,11 +143,6 @@ class PoolingBook:
         return PoolingStep(chunks) if chunks else None
 
     def finish(self, step: PoolingStep | None, out: RunnerOutput) -> None:
-        """At a step's finish: its vectors become ready; those of requests that sampled in it
-        go into the reply, once."""
+        """At a step's finish: the vectors it completed go into its reply, once."""
         if step is not None:
-            self.ready.update(step.finish())
-        if self.ready:
-            for h in out.handles:
-                if h in self.ready:
-                    out.pooled[h] = self.ready.pop(h)
+            out.pooled.update(step.finish())

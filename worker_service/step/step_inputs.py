@@ -7,7 +7,8 @@ For the scheduled rows r0, r1, ... (in row order) with n0, n1, ... tokens each:
     slot_mapping   = block_table[r, pos // block_size] * block_size + pos % block_size
     query_start_loc= [0, n0, n0+n1, ...]
     seq_lens       = num_computed[r] + n
-A row samples only when the step reaches its last known token (the end of its prefill, or a decode).
+A row samples only when the step reaches its last known token (the end of its prefill, or a
+decode), and never a pooling request's row (it ends on its vector).
 
 The steady decode step (every row of the batch one token: num_scheduled None) has its own path:
 rows, counts, query_start_loc and logits_indices are slices of the batch's persistent index
@@ -82,6 +83,8 @@ def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray | None,
 
     max_blocks = int(needed_blocks.max()) if len(rows) else 0
     sample_mask = seq_lens == batch.num_tokens[rows]
+    if batch.num_rows_setting["pooling"]:
+        sample_mask &= ~batch.pools[rows]         # a pooling request ends on its vector
     _check_room_to_sample(batch, rows[sample_mask])
     logits_indices = (query_start_loc[1:][sample_mask] - 1).astype(np.int64)
     return StepInputs(rows=rows, num_scheduled=counts, input_ids=input_ids, positions=positions,
@@ -111,6 +114,8 @@ def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
     slot_mapping = np.multiply(batch.block_table[rows, block_col], block_size, dtype=np.int64)
     slot_mapping += offset
     sample_mask = ahead == 0
+    if batch.num_rows_setting["pooling"]:
+        sample_mask &= ~batch.pools[:n]
     logits_indices = rows if sample_mask.all() else np.flatnonzero(sample_mask)
     return StepInputs(rows=rows, num_scheduled=batch.ones[:n], input_ids=batch.token_ids[
                           rows, positions], positions=positions, slot_mapping=slot_mapping,

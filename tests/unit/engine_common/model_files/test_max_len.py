@@ -28,7 +28,11 @@ def test_the_table_is_transformers_config_class_defaults():
                "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
                "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
-               "Olmo2ForCausalLM": "Olmo2Config", "GraniteForCausalLM": "GraniteConfig"}
+               "Olmo2ForCausalLM": "Olmo2Config", "GraniteForCausalLM": "GraniteConfig",
+               "BertModel": "BertConfig", "BertForMaskedLM": "BertConfig",
+               "RobertaModel": "RobertaConfig", "RobertaForMaskedLM": "RobertaConfig",
+               "XLMRobertaModel": "XLMRobertaConfig",
+               "XLMRobertaForMaskedLM": "XLMRobertaConfig"}
     for arch, name in classes.items():
         default = getattr(transformers, name)().max_position_embeddings
         assert ARCH_DEFAULT_MAX_POSITIONS[arch] == default, arch

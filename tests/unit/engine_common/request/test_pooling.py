@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from engine_common.request.pooling import (CLS, LAST, MEAN, NORMALIZE, PoolerConfig,
-                                           PoolerConfigError, decode_code,
+from engine_common.request.pooling import (CLS, ENCODER_ARCHITECTURES, LAST, MEAN, NORMALIZE,
+                                           PoolerConfig, PoolerConfigError, check_runner,
+                                           decode_code,
                                            model_pooler_config, needs_every_position,
-                                           parse_pooler_config)
+                                           is_whole_prompt, parse_pooler_config)
 
 TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
 POOLING = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
@@ -19,12 +20,14 @@ NORM = {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transfor
 def test_codes_round_trip_and_say_what_skips_the_prefix_cache():
     for kind, index in (("LAST", LAST), ("MEAN", MEAN), ("CLS", CLS)):
         for normalize in (False, True):
-            config = PoolerConfig(kind, normalize)
-            assert decode_code(config.code) == (index, normalize)
-            assert needs_every_position(config.code) == (kind != "LAST")
+            for whole in (False, True):      # an encoder's request: never a prefix hit
+                config = PoolerConfig(kind, normalize, whole)
+                assert decode_code(config.code) == (index, normalize)
+                assert is_whole_prompt(config.code) == whole
+                assert needs_every_position(config.code) == (kind != "LAST" or whole)
     assert PoolerConfig().code == LAST | NORMALIZE
-    assert not needs_every_position(-1)
-    for bad in (-2, 3, 7, 8):
+    assert not needs_every_position(-1) and not is_whole_prompt(-1)
+    for bad in (-2, 3, 7, 11, 15, 16):
         with pytest.raises(ValueError, match=f"pooling code {bad}"):
             decode_code(bad)
 
@@ -52,7 +55,13 @@ def test_bad_pooler_config_flags_name_the_problem(text, says):
     assert says in str(err.value)
 
 
-def _st_dir(tmp_path, modules, pooling: dict | None = None):
+def _model_dir(tmp_path, arch: str = "Qwen3ForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    return tmp_path
+
+
+def _st_dir(tmp_path, modules, pooling: dict | None = None, arch: str = "Qwen3ForCausalLM"):
+    _model_dir(tmp_path, arch)
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     if pooling is not None:
         (tmp_path / "1_Pooling").mkdir()
@@ -61,7 +70,7 @@ def _st_dir(tmp_path, modules, pooling: dict | None = None):
 
 
 def test_model_directory_pooling(tmp_path):
-    assert model_pooler_config(tmp_path) == PoolerConfig("LAST", True)    # no ST files
+    assert model_pooler_config(_model_dir(tmp_path)) == PoolerConfig("LAST", True)  # no ST
     last = {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}
     d = _st_dir(tmp_path, [TRANSFORMER, POOLING, NORM], last)
     assert model_pooler_config(d) == PoolerConfig("LAST", True)
@@ -88,3 +97,19 @@ def test_missing_or_broken_sentence_transformers_files_are_refused(tmp_path):
     (tmp_path / "modules.json").write_text('{"a": 1}')
     with pytest.raises(PoolerConfigError, match="expected a list of modules"):
         model_pooler_config(tmp_path)
+
+
+@pytest.mark.parametrize("arch", sorted(ENCODER_ARCHITECTURES))
+def test_an_encoder_pools_whole_prompts_by_cls_unless_its_files_say(tmp_path, arch):
+    """vLLM's BertEmbeddingModel default: CLS, normalised; every request WHOLE_PROMPT, also
+    under --pooler-config; --runner generate refused (no LM head)."""
+    assert model_pooler_config(_model_dir(tmp_path, arch)) == PoolerConfig("CLS", True, True)
+    mean = {"pooling_mode_mean_tokens": True}
+    d = _st_dir(tmp_path, [TRANSFORMER, POOLING], mean, arch)
+    assert model_pooler_config(d) == PoolerConfig("MEAN", False, True)
+    flag = parse_pooler_config('{"pooling_type": "LAST"}', model_pooler_config(d))
+    assert flag == PoolerConfig("LAST", False, True) and is_whole_prompt(flag.code)
+    check_runner("pooling", d)
+    with pytest.raises(PoolerConfigError, match=f"{arch} is an encoder.*--runner pooling"):
+        check_runner("generate", d)
+    check_runner("generate", _model_dir(tmp_path))        # a decoder generates
