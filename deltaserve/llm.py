@@ -306,7 +306,7 @@ class LLM(EmbedMixin, LoRAMixin):
                 self._unsettled.wait_closed()
             self.runner.free_kv_cache()
             on_cuda = self.runner.device.type == "cuda"
-            self.engine = self.runner = self.scheduler = None
+            self.engine = self.runner = self.scheduler = self._lora = None   # _lora: the runner
             if on_cuda:     # the freed memory back to the device, for the next LLM's profiling
                 torch.cuda.empty_cache()
 
