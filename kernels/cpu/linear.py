@@ -49,8 +49,8 @@ from kernels.cpu import extension, onednn_gemm
 PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}            # one thread
 PANEL_MAX_ROWS_THREADED = {torch.float32: 128, torch.bfloat16: 128}   # two or more
 # when oneDNN takes the rows above (Zen 4, 30 layers of SmolLM2-135M's shapes)
-ONEDNN_PANEL_MAX_ROWS = {torch.float32: 15, torch.bfloat16: 11}
-ONEDNN_PANEL_MAX_ROWS_THREADED = {torch.float32: 48, torch.bfloat16: 32}
+ONEDNN_PANEL_MAX_ROWS = {torch.float32: 15, torch.bfloat16: 7}
+ONEDNN_PANEL_MAX_ROWS_THREADED = {torch.float32: 48, torch.bfloat16: 11}
 GREEDY_PANEL_MAX_ROWS = (48, 64)            # LM head + sampler: (one thread, two or more)
 TILE_N = 512
 TILED_FROM_N = 8192
