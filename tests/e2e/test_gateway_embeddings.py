@@ -12,28 +12,16 @@ import torch
 
 from engine_common.text.tokenizer import Tokenizer
 from tests.integration.test_embeddings import expected_vectors
-from tests.support.gateway import Gateway, Replica, http_json, require_smg
-from tests.support.grpc_harness import REPO, Processes
+from tests.support.gateway import http_json, pooling_gateway
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def gateway(tiny_models, tmp_path_factory):
-    smg = require_smg()
     model = tiny_models("qwen3")
-    log_dir = tmp_path_factory.mktemp("gateway-embeddings")
-    procs = Processes(log_dir)
-    gw = None
-    try:
-        replica = Replica(procs, os.path.relpath(model, REPO), "--runner", "pooling")
-        gw = Gateway(smg, [replica.url], os.path.basename(model), log_dir)
-        gw.wait_healthy(1, procs=procs.procs)
+    with pooling_gateway(model, tmp_path_factory.mktemp("gateway-embeddings")) as gw:
         yield gw, model
-    finally:
-        if gw is not None:
-            gw.close()
-        procs.close()
 
 
 def _embeddings(gw, model: str, given) -> tuple[int, dict]:

@@ -10,28 +10,16 @@ import pytest
 import torch
 
 from tests.support.encoder_models import make_encoder_model, reference_ids, reference_vectors
-from tests.support.gateway import Gateway, Replica, http_json, require_smg
-from tests.support.grpc_harness import REPO, Processes
+from tests.support.gateway import http_json, pooling_gateway
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    smg = require_smg()
     model = str(make_encoder_model(tmp_path_factory.mktemp("bert") / "bert", "bert", "MEAN"))
-    log_dir = tmp_path_factory.mktemp("gateway-encoder")
-    procs = Processes(log_dir)
-    gw = None
-    try:
-        replica = Replica(procs, os.path.relpath(model, REPO), "--runner", "pooling")
-        gw = Gateway(smg, [replica.url], os.path.basename(model), log_dir)
-        gw.wait_healthy(1, procs=procs.procs)
+    with pooling_gateway(model, tmp_path_factory.mktemp("gateway-encoder")) as gw:
         yield gw, model
-    finally:
-        if gw is not None:
-            gw.close()
-        procs.close()
 
 
 def test_embeddings_match_transformers(gateway):

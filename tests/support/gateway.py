@@ -9,8 +9,10 @@ applies chat templates itself).
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +25,8 @@ import pytest
 
 from engine_common.wire.protos import vllm_engine_pb2 as vpb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
-from tests.support.grpc_harness import Processes, Proc, child_env, free_port, wait_for, wait_ready
+from tests.support.grpc_harness import (REPO, Processes, Proc, child_env, free_port, wait_for,
+                                       wait_ready)
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
           "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -180,3 +183,20 @@ class Replica:
         with grpc.insecure_channel(self.target) as ch:
             return vllm_engine_pb2_grpc.VllmEngineStub(ch).GetServerInfo(
                 vpb.GetServerInfoRequest(), timeout=5).last_receive_timestamp
+
+
+@contextlib.contextmanager
+def pooling_gateway(model: str, log_dir: Path):
+    """A Gateway in front of one `--runner pooling` replica of `model` (smg must run)."""
+    smg = require_smg()
+    procs = Processes(log_dir)
+    gw = None
+    try:
+        replica = Replica(procs, os.path.relpath(model, REPO), "--runner", "pooling")
+        gw = Gateway(smg, [replica.url], os.path.basename(model), log_dir)
+        gw.wait_healthy(1, procs=procs.procs)
+        yield gw
+    finally:
+        if gw is not None:
+            gw.close()
+        procs.close()
