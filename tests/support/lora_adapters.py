@@ -114,6 +114,9 @@ def bad_adapters(model_dir: str, root: Path, max_rank: int) -> dict[str, tuple[s
     listed = root / "listed"
     shutil.copytree(good, listed)
     (listed / "adapter_config.json").write_text("[1, 2]")
+    deep = root / "deep"
+    shutil.copytree(good, deep)
+    (deep / "adapter_config.json").write_text("[" * 100_000)       # RecursionError in json
     return {
         "missing file": (str(half), r"adapter_model.safetensors does not exist"),
         "unreadable weights": (str(garbled), r"adapter_model.safetensors cannot be read"),
@@ -126,4 +129,32 @@ def bad_adapters(model_dir: str, root: Path, max_rank: int) -> dict[str, tuple[s
                                             targets=("q_proj", "lm_head"), r=4, seed=7),
                                r"target module\(s\) \['lm_head'\] are not supported"),
         "another model's shapes": (str(wide), r"q_proj: lora_A \(4, \d+\) does not fit"),
+        **_bad_configs(good, root),
+        "config nested too deep": (str(deep), r"adapter_config.json cannot be read "
+                                              r"\(RecursionError"),
     }
+
+
+def _bad_configs(good: str, root: Path) -> dict[str, tuple[str, str]]:
+    """bad_adapters' cases of a good directory with one adapter_config.json field changed."""
+    import json
+    import shutil
+
+    cases = {   # case -> (field, value, reason)
+        "tensors' rank unlike r": ("r", 2, r"lora_A \(4, \d+\) has rank 4: "
+                                          r"adapter_config.json says r=2"),
+        "r not finite": ("r", float("inf"), r"r / lora_alpha in .* are not finite numbers"),
+        "lora_alpha not finite": ("lora_alpha", float("nan"),
+                                  r"r / lora_alpha in .* are not finite numbers"),
+        "target_modules not names": ("target_modules", 5, r"target_modules=5 is invalid"),
+        "alpha_pattern": ("alpha_pattern", {"q_proj": 64}, r"alpha_pattern=.* is not "
+                                                           r"supported"),
+    }
+    out = {}
+    for i, (case, (field, value, reason)) in enumerate(cases.items()):
+        d = root / f"config{i}"
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
+        out[case] = (str(d), reason)
+    return out

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engine_common.request.params import quoted
+
 # The projections a Llama-family decoder has (checkpoint names); others are refused.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PREFIX = "base_model.model."
@@ -31,9 +33,13 @@ class LoRAAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _targets(cfg: dict) -> list[str]:
+def _targets(name: str, cfg: dict) -> list[str]:
     t = cfg.get("target_modules") or []
-    return [t] if isinstance(t, str) else list(t)
+    t = [t] if isinstance(t, str) else t
+    if not isinstance(t, list) or not all(isinstance(x, str) for x in t):
+        raise LoRAError(f"LoRA adapter {name!r}: target_modules={quoted(t)} is invalid: must "
+                        f"be a module name or a list of them")
+    return t
 
 
 def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
@@ -46,34 +52,40 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
             raise LoRAError(f"LoRA adapter {name!r}: {f} does not exist (a PEFT directory "
                             f"needs adapter_config.json and adapter_model.safetensors)")
     cfg = _read_config(name, cfg_file)
-    try:
+    try:      # Infinity and NaN are JSON to Python: int() raises OverflowError on the first
         rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
-    except (TypeError, ValueError) as e:
+        if not math.isfinite(alpha):
+            raise ValueError(f"lora_alpha={alpha}")
+    except (TypeError, ValueError, OverflowError) as e:
         raise LoRAError(f"LoRA adapter {name!r}: r / lora_alpha in {cfg_file} are not "
-                        f"numbers ({e})") from None
+                        f"finite numbers ({e})") from None
     if not 1 <= rank <= max_rank:
         raise LoRAError(f"LoRA adapter {name!r}: r={rank} is invalid: must be in "
                         f"[1, max_lora_rank={max_rank}]")
-    bad = [t for t in _targets(cfg) if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS]
+    bad = [t for t in _targets(name, cfg) if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS]
     if bad:
         raise LoRAError(f"LoRA adapter {name!r}: target module(s) {bad} are not supported: "
                         f"must be among {list(SUPPORTED_TARGETS)}")
     if cfg.get("fan_in_fan_out"):
         raise LoRAError(f"LoRA adapter {name!r}: fan_in_fan_out=true is not supported "
                         f"(a Conv1D base layer; Llama-family projections are nn.Linear)")
+    for key in ("rank_pattern", "alpha_pattern"):   # per-module r / alpha: not applied here
+        if cfg.get(key):
+            raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(cfg[key])} is not "
+                            f"supported (every module must use r and lora_alpha)")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     try:      # a file named at run time (LoadLora) may be anything: never an INTERNAL error
         tensors = load_file(str(weights_file))
     except Exception as e:  # noqa: BLE001 - safetensors' own error is no ValueError
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
-    return LoRAAdapter(name, rank, scaling, _pairs(name, tensors))
+    return LoRAAdapter(name, rank, scaling, _pairs(name, tensors, rank))
 
 
 def _read_config(name: str, cfg_file: Path) -> dict:
     try:
         cfg = json.loads(cfg_file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:   # nested too deep
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
     if not isinstance(cfg, dict):
@@ -81,8 +93,9 @@ def _read_config(name: str, cfg_file: Path) -> dict:
     return cfg
 
 
-def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    """PEFT keys 'base_model.model.<module>.lora_A.weight' / lora_B paired by module."""
+def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tuple]:
+    """PEFT keys 'base_model.model.<module>.lora_A.weight' / lora_B paired by module, each of
+    rank `rank` (the config's r: the stacks are sized by it, and the scaling uses it)."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         if not key.startswith(_PREFIX) or not key.endswith(".weight"):
@@ -100,5 +113,8 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)} do not pair as [r, in] and [out, r]")
+        if a.shape[0] != rank:
+            raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} has "
+                            f"rank {a.shape[0]}: adapter_config.json says r={rank}")
         out[module] = (a, b)
     return out

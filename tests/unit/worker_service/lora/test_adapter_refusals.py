@@ -97,3 +97,16 @@ def test_worker_refuses_an_adapter_it_does_not_hold(model, adapter):
     with pytest.raises(StepProtocolError,
                        match=r"lora_id=1 is invalid: this worker holds LoRA adapter ids \[\]"):
         check_lora_ids([new(1)], None)
+
+
+def test_every_bad_directory_is_a_lora_error(model, tmp_path):
+    """Reading refuses each bad directory with a LoRAError naming the reason, never another
+    exception (at a runtime load that would be INTERNAL: a worker failure and a new epoch,
+    every running request lost). The shapes against the base model are checked later."""
+    from tests.support.lora_adapters import bad_adapters
+
+    for case, (path, reason) in bad_adapters(model, tmp_path, 8).items():
+        if case == "another model's shapes":
+            continue
+        with pytest.raises(LoRAError, match=reason):
+            read_adapter("bad", path, 8)
