@@ -98,7 +98,8 @@ def model_position_limit(config: dict) -> int:
     except MaxLenError as e:
         raise ModelDirError(str(e)) from None
     if config.get("model_type") in _PADDED_POSITIONS:     # positions start at pad + 1 (vLLM)
-        return native - int(config.get("pad_token_id") or 1) - 1
+        pad = config.get("pad_token_id")
+        return native - (1 if pad is None else int(pad)) - 1
     scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     if "gemma3" in str(config.get("model_type", "")):
         return native      # its max_position_embeddings is already the scaled one (as vLLM)

@@ -71,3 +71,12 @@ def test_gemma3_keeps_its_length(tmp_path, model_type):
     positions they have no row for."""
     path = _model_dir(tmp_path, model_type=model_type, **LINEAR)
     assert ModelInfo.from_dir(path).max_model_len == 256
+
+
+@pytest.mark.parametrize("pad, limit", [(None, 512), (1, 512), (0, 513)])
+def test_roberta_positions_start_after_its_pad_id(pad, limit):
+    """RoBERTa numbers positions from pad_token_id + 1 (a pad id of 0 is 0, not the default)."""
+    config = {"model_type": "roberta", "max_position_embeddings": 514}
+    if pad is not None:
+        config["pad_token_id"] = pad
+    assert model_position_limit(config) == limit
