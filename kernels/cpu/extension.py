@@ -27,6 +27,7 @@ run every body the machine can execute).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -66,8 +67,10 @@ _state: dict[str, dict] = {}         # per ISA: ok, why
 _selected: str | None = None         # the process's ISA once read from $DELTASERVE_CPU_ISA
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The CPU's flags as /proc/cpuinfo spells them, sorted and space-separated."""
+    """The CPU's flags as /proc/cpuinfo spells them, sorted and space-separated (read once:
+    every linear layer asks at load)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

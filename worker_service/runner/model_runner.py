@@ -76,7 +76,7 @@ class ModelRunner:
                                                              info.eos_token_ids))
         self.prompt_logprobs = PromptLogprobBook(self.vocab_size)  # requests that asked
         # embedding requests (docs/embeddings.md); an encoder model serves nothing else
-        self.pooling = PoolingBook(only=not getattr(self.model, "needs_kv_cache", True))
+        self.pooling = PoolingBook(only=not self.num_cache_layers)
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
