@@ -83,9 +83,7 @@ class LoRAUpdates:
     def replay(self) -> None:
         """After an Init: the runtime adapters loaded again (one that fails now is no longer
         served, logged), the draining ids freed (nothing runs in a new epoch)."""
-        for lora_id in sorted(self.registry.draining()):
-            self.ops.unload_lora(lora_id)
-            self.registry.freed(lora_id)
+        self.sweep(set(), lambda: None)
         for adapter in self.registry.adapters():
             if adapter.static:
                 continue
