@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_common.wire.protos import (GENERATION_SERVICE, generation_pb2, generation_pb2_grpc,
                                   worker_pb2, worker_pb2_grpc)
 from tests.support.paths import REPO
+from tests.support.ports import free_port
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 pb = generation_pb2
@@ -29,11 +29,6 @@ pb = generation_pb2
 # A KV cache of a few hundred blocks of the tiny model (about 8 KiB per block).
 SMALL_KV_GIB = "0.004"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +27,13 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from tests.support.init_specs import init_spec
 from tests.support.paths import REPO
+from tests.support.ports import free_port
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160            # the scheduler's pool; every worker holds at least this many
 KV_BYTES = 1 << 20          # per rank: >= 512 blocks of the tiny models
 LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=48, max_model_len=96)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerNode:
