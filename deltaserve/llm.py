@@ -28,6 +28,7 @@ from engine_common.request.pooling import NO_POOLING
 from engine_common.text.tokenizer import Tokenizer
 from deltaserve.llm_chat import ChatOptions, call_template, chat_prompt_ids
 from deltaserve.llm_embed import EmbedMixin, pooler_from_kwargs
+from deltaserve.llm_score import ScoreMixin
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
 from deltaserve.llm_lora import LoRAMixin, lora_updates
@@ -61,7 +62,7 @@ class Completion:
     embedding: list[float] | None = None     # a pooling request's vector (LLM.embed)
 
 
-class LLM(EmbedMixin, LoRAMixin):
+class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
     """Keyword arguments are the fields of RunnerConfig (the worker's: device, dtype,
     attention_backend, kv_cache_bytes, gpu_memory_utilization, num_kv_blocks, fused_ops, ...)
     and of SchedulerConfig (max_waiting, enable_prefix_caching, async_scheduling); the batch
@@ -78,7 +79,8 @@ class LLM(EmbedMixin, LoRAMixin):
 
     `runner="pooling"` (vLLM's): an embedding model, served by embed() (llm_embed.py), pooled
     as `pooler_config` ({"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}) or the
-    model directory says."""
+    model directory says; a classification model, served by classify() and score()
+    (llm_score.py)."""
 
     def __init__(self, model: str, *, seed: int | None = None, **kwargs):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
@@ -148,7 +150,7 @@ class LLM(EmbedMixin, LoRAMixin):
 
     def _generate(self, prompts, sampling, stopping, num_logprobs, constraint,
                   num_prompt_logprobs=None, lora_request=None,
-                  pooling: int = NO_POOLING) -> list[Completion]:
+                  pooling: int | list[int] = NO_POOLING) -> list[Completion]:
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
@@ -159,6 +161,7 @@ class LLM(EmbedMixin, LoRAMixin):
         stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
         constraints = per_prompt("constraint", constraint, n, Constraint, None)
         adapters = lora_ids_per_prompt(lora_request, n, self._lora.registry)
+        poolings = pooling if isinstance(pooling, list) else [pooling] * n
         check_constraints(constraints)
         check_for_runner(ids_list, samplings, stoppings, num_logprobs,
                          self.model_info.vocab_size, num_prompt_logprobs)
@@ -167,9 +170,9 @@ class LLM(EmbedMixin, LoRAMixin):
         requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
                             num_logprobs=num_logprobs, constraint=c,
                             num_prompt_logprobs=num_prompt_logprobs, lora_id=lora[0],
-                            lora_generation=lora[1], pooling=pooling)
-                    for ids, sp, st, c, lora in zip(ids_list, samplings, stoppings,
-                                                    constraints, adapters)]
+                            lora_generation=lora[1], pooling=code)
+                    for ids, sp, st, c, lora, code in zip(ids_list, samplings, stoppings,
+                                                          constraints, adapters, poolings)]
         self._check_admission(requests)
         results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
         ids = list(results)

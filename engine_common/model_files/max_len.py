@@ -39,6 +39,11 @@ ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     # pad_token_id + 1 positions it never uses (model_dir.model_position_limit)
     "BertModel": 512, "BertForMaskedLM": 512, "RobertaModel": 512, "RobertaForMaskedLM": 512,
     "XLMRobertaModel": 512, "XLMRobertaForMaskedLM": 512,
+    "BertForSequenceClassification": 512, "RobertaForSequenceClassification": 512,
+    "XLMRobertaForSequenceClassification": 512,
+    # decoder classifiers: their causal LM's config class
+    "LlamaForSequenceClassification": 2048, "Qwen2ForSequenceClassification": 32768,
+    "Qwen3ForSequenceClassification": 32768,
 })
 # vLLM's length when no key is found at all (an architecture outside the table)
 FALLBACK_MAX_LEN = 2048

@@ -2,11 +2,12 @@
 (RobertaModel, XLMRobertaModel and their MaskedLM checkpoints), as transformers' BertModel and
 XLMRobertaModel compute `last_hidden_state`:
 
-    embeddings  x = LayerNorm(word[id] + token_type[0] + position[p])
+    embeddings  x = LayerNorm(word[id] + token_type[t] + position[p])
     each layer  x = LayerNorm(x + dense(attention(x)))          post-LN
                 x = LayerNorm(x + out(act(intermediate(x))))
 
-p is the position in the prompt for BERT; RoBERTa numbers its non-pad ids from pad_token_id + 1
+t is 0, or 1 from a sentence pair's second text on (`token_type_ids`, given only for a step
+with pairs); p is the position in the prompt for BERT; RoBERTa numbers its non-pad ids from pad_token_id + 1
 (transformers' create_position_ids_from_input_ids).
 Attention is bidirectional within each request: the scheduler computes an encoder's prompt in
 one step (WHOLE_PROMPT, engine_common/request/pooling.py), so a request's rows of the step are
@@ -102,7 +103,7 @@ class LayerNorm(nn.Module):
 
 
 class EncoderEmbeddings(nn.Module):
-    """Token, position and token-type (always type 0) embeddings, summed and normalised."""
+    """Token, position and token-type embeddings, summed and normalised."""
 
     def __init__(self, args: EncoderArgs, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -112,9 +113,13 @@ class EncoderEmbeddings(nn.Module):
         self.token_type_embeddings = _table(args.type_vocab_size, args.hidden_size, dtype)
         self.LayerNorm = LayerNorm(args.hidden_size, args.layer_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """positions: each row's index into the position table."""
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: each row's index into the position table; token_type_ids: each row's
+        type (None: all 0)."""
+        types = self.token_type_embeddings.weight
+        x = self.word_embeddings(input_ids) + (
+            types[0] if token_type_ids is None else F.embedding(token_type_ids, types))
         x = x + F.embedding(positions, self.position_embeddings.weight)
         return self.LayerNorm(x)
 
@@ -180,8 +185,8 @@ class EncoderLayer(nn.Module):
 class BertModel(nn.Module):
     """An encoder embedding model over the step's flattened rows.
 
-    forward(input_ids [T] int64, positions [T] int64, kv_caches (unused, empty), meta)
-        -> last_hidden_state rows [T, hidden_size]
+    forward(input_ids [T] int64, positions [T] int64, kv_caches (unused, empty), meta,
+            token_type_ids [T] int64 or None) -> last_hidden_state rows [T, hidden_size]
     Every request in the step must be a whole prompt (positions 0..n-1); ValueError otherwise.
     """
 
@@ -218,9 +223,11 @@ class BertModel(nn.Module):
         return [(name, tensor)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         starts = whole_prompt_starts(meta)
-        x = self.embeddings(input_ids, self.table_positions(input_ids, positions, starts))
+        x = self.embeddings(input_ids, self.table_positions(input_ids, positions, starts),
+                            token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, starts)
         return x

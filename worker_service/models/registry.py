@@ -9,6 +9,11 @@ from types import MappingProxyType
 from torch import nn
 
 from worker_service.models.bert import BertModel, RobertaModel
+from worker_service.models.classifiers import (BertForSequenceClassification,
+                                               LlamaForSequenceClassification,
+                                               Qwen2ForSequenceClassification,
+                                               Qwen3ForSequenceClassification,
+                                               RobertaForSequenceClassification)
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
@@ -27,6 +32,14 @@ MODEL_REGISTRY = MappingProxyType({
     "RobertaModel": RobertaModel,
     "XLMRobertaForMaskedLM": RobertaModel,
     "XLMRobertaModel": RobertaModel,
+    # classification (cross-encoder) models, --runner pooling only: engine_common's
+    # ENCODER_CLASSIFIERS and DECODER_CLASSIFIERS
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

@@ -75,8 +75,12 @@ class ModelRunner:
         self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,
                                                              info.eos_token_ids))
         self.prompt_logprobs = PromptLogprobBook(self.vocab_size)  # requests that asked
-        # embedding requests (docs/embeddings.md); an encoder model serves nothing else
-        self.pooling = PoolingBook(only=not self.num_cache_layers)
+        # embedding and classification requests (docs/embeddings.md, docs/scoring.md); an
+        # encoder or a classifier model serves nothing else
+        self.pooling = PoolingBook(
+            only=not self.num_cache_layers or getattr(self.model, "pooling_only", False),
+            classifier=hasattr(self.model, "classify"),
+            token_types=getattr(getattr(self.model, "args", None), "type_vocab_size", 0) > 1)
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)
@@ -295,7 +299,7 @@ class ModelRunner:
         None when it has none)."""
         self.staging.begin()
         taps = [t for t in (prompt, pool) if t is not None]
-        run_model, input_ids = self._stage_model(inputs, taps, spec)
+        run_model, input_ids = self._stage_model(inputs, taps, spec, pool)
         sample_rows = inputs.rows[inputs.sample_mask]
         meta = masks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
@@ -345,7 +349,7 @@ class ModelRunner:
                            layout=self.batch.layout, prompt_logprobs=prompt, spec=spec,
                            pooling=pool)
 
-    def _stage_model(self, inputs: StepInputs, taps: list = (), spec=None
+    def _stage_model(self, inputs: StepInputs, taps: list = (), spec=None, pool=None
                      ) -> tuple[Callable, torch.Tensor]:
         """Stage the model inputs; returns the call (made after the flush) that runs the model
         and the device view of the staged input ids (a TokenFeed fills rows of it). The call
@@ -353,7 +357,8 @@ class ModelRunner:
         on CUDA a plain greedy step samples straight from model-dtype logits), from a captured
         graph for a pure-decode batch that fits one, else from the eager model (then each of
         the step's `taps` reads every token row: prompt logprobs, pooling; and the rows of
-        the `spec` step's draft positions follow the sampling rows)."""
+        the `spec` step's draft positions follow the sampling rows; the `pool` step's
+        sentence pairs give the model their token types)."""
         n = len(inputs.rows)
         g = self.graph_runner
         if not taps and spec is None and g is not None and g.graph_batch(
@@ -371,8 +376,12 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_rows(self.batch.lora_slots[inputs.rows], inputs.num_scheduled)
 
+        types = pool and pool.token_type_ids(staged.input_ids.shape[0], self.device)
+        extra = {} if types is None else {"token_type_ids": types}
+
         def run_eager() -> tuple[torch.Tensor, bool]:
-            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
+            hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta,
+                                **extra)
             for tap in taps:
                 tap.launch(hidden, self.model)
             rows = staged.logits_indices if spec is None else spec.logits_rows(
