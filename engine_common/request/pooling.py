@@ -172,10 +172,11 @@ def _pooling_only_architecture(model_dir: str | Path) -> tuple[str | None, dict]
 def check_runner(runner: str, model_dir: str | Path) -> None:
     """PoolerConfigError when `runner` is generate and the model has no LM head (an encoder, a
     classifier), as vLLM refuses it."""
-    arch, _ = _pooling_only_architecture(model_dir)
+    arch, config = _pooling_only_architecture(model_dir)
     if runner != "pooling" and arch is not None:
-        raise PoolerConfigError(f"runner={runner!r}: {arch} is a model without an LM head; it "
-                                "is served with --runner pooling only")
+        kind = "a classification" if is_classifier(config) else "an encoder embedding"
+        raise PoolerConfigError(f"runner={runner!r}: {arch} is {kind} model without an LM "
+                                "head; it is served with --runner pooling only")
 
 
 def model_pooler_config(model_dir: str | Path) -> PoolerConfig:

@@ -6,11 +6,13 @@ import json
 
 import pytest
 
-from engine_common.request.pooling import (CLS, ENCODER_ARCHITECTURES, LAST, MEAN, NORMALIZE,
-                                           PoolerConfig, PoolerConfigError, check_runner,
-                                           decode_code,
+from engine_common.request.pooling import (CLS, DECODER_CLASSIFIERS, ENCODER_ARCHITECTURES,
+                                           ENCODER_CLASSIFIERS, LAST, MEAN, NORMALIZE,
+                                           PAIR_SHIFT, PoolerConfig, PoolerConfigError,
+                                           check_runner, decode_code, is_classify,
                                            model_pooler_config, needs_every_position,
-                                           is_whole_prompt, parse_pooler_config)
+                                           is_whole_prompt, pair_start, parse_pooler_config,
+                                           with_pair_start)
 
 TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
 POOLING = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
@@ -27,7 +29,7 @@ def test_codes_round_trip_and_say_what_skips_the_prefix_cache():
                 assert needs_every_position(config.code) == (kind != "LAST" or whole)
     assert PoolerConfig().code == LAST | NORMALIZE
     assert not needs_every_position(-1) and not is_whole_prompt(-1)
-    for bad in (-2, 3, 7, 11, 15, 16):
+    for bad in (-2, 3, 7, 11, 15, 19, 3 | 1 << PAIR_SHIFT):
         with pytest.raises(ValueError, match=f"pooling code {bad}"):
             decode_code(bad)
 
@@ -99,7 +101,7 @@ def test_missing_or_broken_sentence_transformers_files_are_refused(tmp_path):
         model_pooler_config(tmp_path)
 
 
-@pytest.mark.parametrize("arch", sorted(ENCODER_ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(ENCODER_ARCHITECTURES - ENCODER_CLASSIFIERS))
 def test_an_encoder_pools_whole_prompts_by_cls_unless_its_files_say(tmp_path, arch):
     """vLLM's BertEmbeddingModel default: CLS, normalised; every request WHOLE_PROMPT, also
     under --pooler-config; --runner generate refused (no LM head)."""
@@ -113,3 +115,28 @@ def test_an_encoder_pools_whole_prompts_by_cls_unless_its_files_say(tmp_path, ar
     with pytest.raises(PoolerConfigError, match=f"{arch} is an encoder.*--runner pooling"):
         check_runner("generate", d)
     check_runner("generate", _model_dir(tmp_path))        # a decoder generates
+
+
+@pytest.mark.parametrize("arch", sorted(ENCODER_CLASSIFIERS | DECODER_CLASSIFIERS))
+def test_a_classifier_pools_its_heads_row_into_logits(tmp_path, arch):
+    """CLS for an encoder's head, LAST for a decoder's; never normalised (refused under
+    --pooler-config); --runner generate refused; a decoder's LAST still takes prefix hits."""
+    encoder = arch in ENCODER_CLASSIFIERS
+    config = model_pooler_config(_model_dir(tmp_path, arch))
+    assert config == PoolerConfig("CLS" if encoder else "LAST", False, encoder, classify=True)
+    assert is_classify(config.code) and needs_every_position(config.code) == encoder
+    assert decode_code(config.code) == (CLS if encoder else LAST, False)
+    with pytest.raises(PoolerConfigError, match="normalize true.*expected false"):
+        parse_pooler_config('{"normalize": true}', config)
+    assert parse_pooler_config('{"pooling_type": "MEAN"}', config).classify
+    with pytest.raises(PoolerConfigError, match=f"{arch} is a classification.*--runner pooling"):
+        check_runner("generate", tmp_path)
+
+
+def test_a_pair_start_rides_on_the_code_without_changing_the_rest():
+    code = PoolerConfig("CLS", False, True, classify=True).code
+    paired = with_pair_start(code, 7)
+    assert pair_start(paired) == 7 and pair_start(code) == 0 and pair_start(-1) == 0
+    assert decode_code(paired) == decode_code(code) and is_classify(paired)
+    assert is_whole_prompt(paired) and needs_every_position(paired)
+    assert not is_classify(-1) and not is_classify(PoolerConfig().code)
