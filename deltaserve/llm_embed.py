@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from engine_common.request.classify import ClassifierInfo
 from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerConfig,
                                            check_runner, model_pooler_config,
-                                           parse_pooler_config)
+                                           parse_pooler_config, read_config)
 
 RUNNERS = ("generate", "pooling")
 
@@ -38,7 +39,10 @@ def pooler_from_kwargs(model_dir: str, kwargs: dict) -> PoolerConfig | None:
         return None
     if isinstance(given, dict):
         given = json.dumps(given)
-    return parse_pooler_config(given, model_pooler_config(model_dir))
+    pooler = parse_pooler_config(given, model_pooler_config(model_dir))
+    if pooler.classify:       # its labels and activations must be ones we honour
+        ClassifierInfo.from_config(read_config(model_dir))
+    return pooler
 
 
 class EmbedMixin:

@@ -278,7 +278,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "tp_size", "num_kv_blocks", "kv_block_size", "default_sampling", "max_logprobs", "has_chat_template", "runner", "pooling_type", "pooling_normalize")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "tp_size", "num_kv_blocks", "kv_block_size", "default_sampling", "max_logprobs", "has_chat_template", "runner", "pooling_type", "pooling_normalize", "num_labels", "labels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,8 @@ class GetModelInfoResponse(_message.Message):
     RUNNER_FIELD_NUMBER: _ClassVar[int]
     POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
     POOLING_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -305,7 +307,9 @@ class GetModelInfoResponse(_message.Message):
     runner: str
     pooling_type: str
     pooling_normalize: bool
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., runner: _Optional[str] = ..., pooling_type: _Optional[str] = ..., pooling_normalize: _Optional[bool] = ...) -> None: ...
+    num_labels: int
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., runner: _Optional[str] = ..., pooling_type: _Optional[str] = ..., pooling_normalize: _Optional[bool] = ..., num_labels: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids")
@@ -326,6 +330,68 @@ class EmbedResponse(_message.Message):
     embedding: _containers.RepeatedScalarFieldContainer[float]
     num_prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("request_id", "input", "activation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input: _containers.RepeatedScalarFieldContainer[str]
+    activation: bool
+    def __init__(self, request_id: _Optional[str] = ..., input: _Optional[_Iterable[str]] = ..., activation: _Optional[bool] = ...) -> None: ...
+
+class ClassifyResult(_message.Message):
+    __slots__ = ("index", "label", "probs", "num_classes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    label: str
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    num_classes: int
+    def __init__(self, index: _Optional[int] = ..., label: _Optional[str] = ..., probs: _Optional[_Iterable[float]] = ..., num_classes: _Optional[int] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("request_id", "data", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: _containers.RepeatedCompositeFieldContainer[ClassifyResult]
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[ClassifyResult, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "text_1", "text_2", "activation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_1_FIELD_NUMBER: _ClassVar[int]
+    TEXT_2_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text_1: _containers.RepeatedScalarFieldContainer[str]
+    text_2: _containers.RepeatedScalarFieldContainer[str]
+    activation: bool
+    def __init__(self, request_id: _Optional[str] = ..., text_1: _Optional[_Iterable[str]] = ..., text_2: _Optional[_Iterable[str]] = ..., activation: _Optional[bool] = ...) -> None: ...
+
+class ScoreResult(_message.Message):
+    __slots__ = ("index", "score")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("request_id", "data", "num_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: _containers.RepeatedCompositeFieldContainer[ScoreResult]
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GetServerStatusRequest(_message.Message):
     __slots__ = ()

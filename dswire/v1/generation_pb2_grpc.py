@@ -65,6 +65,16 @@ class GenerationStub:
                 request_serializer=dswire_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=dswire_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/deltaserve.v1.Generation/Classify',
+                request_serializer=dswire_dot_v1_dot_generation__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/deltaserve.v1.Generation/Score',
+                request_serializer=dswire_dot_v1_dot_generation__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=dswire_dot_v1_dot_generation__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.LoadLoraAdapter = channel.unary_unary(
                 '/deltaserve.v1.Generation/LoadLoraAdapter',
                 request_serializer=dswire_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
@@ -134,6 +144,26 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Class probabilities of each text, on a --runner pooling server with a sequence
+        classification model (GetModelInfo's `num_labels` above 0; docs/scoring.md), as vLLM's
+        /classify: the model's logits through its activation (softmax over 2+ labels, sigmoid for
+        one; config.json's problem_type). FAILED_PRECONDITION on any other server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Cross-encoder scores of sentence pairs, as vLLM's /score: one text_1 against each text_2
+        (1-to-N), or text_1[i] with text_2[i] (N-to-N); each pair tokenized as transformers'
+        tokenizer(text_1, text_2). Needs a one-label classification model (FAILED_PRECONDITION
+        otherwise). A rerank is a Score of the query against the documents, sorted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadLoraAdapter(self, request, context):
         """Loads a LoRA adapter at run time (vLLM's POST /v1/load_lora_adapter) on every worker rank;
         answers once requests may name it. Only on a server started with
@@ -194,6 +224,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=dswire_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=dswire_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.ClassifyRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=dswire_dot_v1_dot_generation__pb2.ScoreRequest.FromString,
+                    response_serializer=dswire_dot_v1_dot_generation__pb2.ScoreResponse.SerializeToString,
             ),
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoraAdapter,
@@ -374,6 +414,60 @@ class Generation:
             '/deltaserve.v1.Generation/Embed',
             dswire_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
             dswire_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/Classify',
+            dswire_dot_v1_dot_generation__pb2.ClassifyRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltaserve.v1.Generation/Score',
+            dswire_dot_v1_dot_generation__pb2.ScoreRequest.SerializeToString,
+            dswire_dot_v1_dot_generation__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

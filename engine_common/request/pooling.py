@@ -159,12 +159,17 @@ def parse_pooler_config(text: str | None, base: PoolerConfig) -> PoolerConfig:
     return PoolerConfig(kind.upper(), normalize, base.whole_prompt, base.classify)
 
 
+def read_config(model_dir: str | Path) -> dict:
+    """config.json of a model directory ({} without one: a GGUF file)."""
+    config_file = Path(model_dir) / "config.json"
+    return _read_json(config_file) if config_file.is_file() else {}
+
+
 def _pooling_only_architecture(model_dir: str | Path) -> tuple[str | None, dict]:
     """(config.json's architecture when it names a model without an LM head (an encoder or a
     classifier), else None; config.json). A GGUF file or a directory without config.json holds
     a decoder."""
-    config_file = Path(model_dir) / "config.json"
-    config = _read_json(config_file) if config_file.is_file() else {}
+    config = read_config(model_dir)
     pooling_only = is_encoder(config) or is_classifier(config)
     return (_first_architecture(config) if pooling_only else None), config
 

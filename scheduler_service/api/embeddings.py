@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
+from engine_common.request.classify import ClassifierInfo
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerConfig,
                                            PoolerConfigError, check_runner,
                                            model_pooler_config,
-                                           parse_pooler_config)
+                                           parse_pooler_config, read_config)
 from scheduler_service.api.front_door import FrontDoor, ServedModel, check_vocab
 from scheduler_service.api.guard import scoped_id
 from scheduler_service.core.request import Request
@@ -34,7 +35,10 @@ def served_pooler(runner: str, pooler_config: str | None, model_dir: str
             raise ParamError("--pooler-config", pooler_config, "only with --runner pooling")
         return None
     try:
-        return parse_pooler_config(pooler_config, model_pooler_config(model_dir))
+        pooler = parse_pooler_config(pooler_config, model_pooler_config(model_dir))
+        if pooler.classify:       # its labels and activations must be ones we honour
+            ClassifierInfo.from_config(read_config(model_dir))
+        return pooler
     except PoolerConfigError as e:
         raise ParamError("--pooler-config", pooler_config or "unset",
                          f"a pooling this engine runs ({e})") from None
@@ -87,14 +91,15 @@ def check_pool_length(model: ServedModel, num_tokens: int, field: str) -> None:
 
 
 async def embed(engine, door: FrontDoor, caller: str, request_id: str, prompt_ids: list[int],
-                cache_salt: str, on_output=None) -> list[float]:
-    """The vector of one prompt, pooled as the server's pooler says: `caller`'s request
-    `request_id`, within the caller's quota and under its own id namespace (`on_output`: called
-    with the request's output, for the request counters). A cancelled caller aborts it."""
+                cache_salt: str, on_output=None, pooling: int | None = None) -> list[float]:
+    """The vector of one prompt, pooled as the server's pooler says (or as `pooling`, a code
+    of it with a pair start: scoring.py): `caller`'s request `request_id`, within the caller's
+    quota and under its own id namespace (`on_output`: called with the request's output, for
+    the request counters). A cancelled caller aborts it. A classifier's vector is its logits."""
     model = door.model
     request = Request(scoped_id(caller, request_id), prompt_ids, POOL_SAMPLING, POOL_STOPPING,
                       model.info.eos_token_ids, num_logprobs=None, cache_salt=cache_salt,
-                      pooling=model.pooler.code)
+                      pooling=model.pooler.code if pooling is None else pooling)
     last = None
     with door.quota.hold(caller, request_id):
         async with aclosing(engine.generate(request)) as outputs:

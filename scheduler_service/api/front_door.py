@@ -70,9 +70,16 @@ class ServedModel:
                            self.info.max_model_len * self.tokenizer.max_token_bytes())
 
     def check_runner(self, call: str) -> None:
-        """WrongRunner unless this server's runner serves `call` (Embed or Generate)."""
+        """WrongRunner unless this server's runner serves `call` (Embed or Generate; Classify
+        and Score: a classification model's pooling runner)."""
         pooling = self.pooler is not None
-        if pooling != (call == "Embed"):
+        if call in ("Classify", "Score"):
+            if not (pooling and self.pooler.classify):
+                does = "embeds" if pooling else "generates"
+                raise WrongRunner(f"{call}: this server's model {does}; {call} needs a "
+                                  "sequence classification model (*ForSequenceClassification) "
+                                  "with --runner pooling")
+        elif pooling != (call == "Embed"):
             runner = "pooling" if pooling else "generate"
             raise WrongRunner(f"{call}: this server runs --runner {runner}; {call} needs "
                               f"--runner {'generate' if pooling else 'pooling'}")

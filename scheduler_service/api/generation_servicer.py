@@ -18,6 +18,7 @@ from typing import Callable
 
 import grpc
 
+from engine_common.request.classify import ClassifierInfo
 from engine_common.request.params import ParamError
 from engine_common.wire.protos import generation_pb2 as pb
 from engine_common.wire.protos import generation_pb2_grpc
@@ -26,6 +27,7 @@ from scheduler_service.engine.lora_updates import LoRAUpdates
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (builds_off_loop, limited_fields, output_to_proto,
                                            request_from_proto, sampling_to_proto)
+from scheduler_service.api import scoring
 from scheduler_service.api.embeddings import embed, prompt_of
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requests, abort_with,
                                               messages_from_proto, new_request_id)
@@ -171,6 +173,38 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await abort_with(context, e)
         return pb.EmbedResponse(request_id=rid, embedding=vector, num_prompt_tokens=len(ids))
 
+    async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
+        """Each text's class on a classification model's pooling server (scoring.py)."""
+        rid = request.request_id or new_request_id()
+        try:
+            out = await scoring.classify(
+                self._engine, self._door, caller_of(context), rid, list(request.input),
+                _activation(request), policy_of(context, self._keys).salt,
+                pool_caller(context))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes one status
+            await abort_with(context, e)
+        data = [pb.ClassifyResult(index=i, label=c.label, probs=c.probs,
+                                  num_classes=len(c.probs)) for i, c in enumerate(out)]
+        return pb.ClassifyResponse(request_id=rid, data=data,
+                                   num_prompt_tokens=sum(c.num_tokens for c in out))
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        """Cross-encoder scores of the pairs (1-to-N or N-to-N; scoring.py)."""
+        rid = request.request_id or new_request_id()
+        try:
+            scores, num_tokens = await scoring.score(
+                self._engine, self._door, caller_of(context), rid, list(request.text_1),
+                list(request.text_2), _activation(request),
+                policy_of(context, self._keys).salt, pool_caller(context))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes one status
+            await abort_with(context, e)
+        return pb.ScoreResponse(request_id=rid, num_prompt_tokens=num_tokens, data=[
+            pb.ScoreResult(index=i, score=v) for i, v in enumerate(scores)])
+
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         """Token ids of the text or chat, exactly as a Generate prompt is tokenized."""
         try:
@@ -204,7 +238,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             has_chat_template=m.chat_template is not None,
             runner="generate" if m.pooler is None else "pooling",
             pooling_type="" if m.pooler is None else m.pooler.pooling_type,
-            pooling_normalize=m.pooler is not None and m.pooler.normalize)
+            pooling_normalize=m.pooler is not None and m.pooler.normalize,
+            **_labels(m))
 
     # -- LoRA adapters at run time (docs/lora.md; admin keys only: api_keys.ADMIN_METHODS) -----
 
@@ -252,3 +287,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_workers=self._model.num_workers,
             num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks)
 
+
+
+def _activation(request) -> bool:
+    """A Classify / Score request's `activation` (unset: true)."""
+    return not request.HasField("activation") or request.activation
+
+
+def _labels(m: ServedModel) -> dict:
+    """GetModelInfo's num_labels and labels for a classification model, else nothing."""
+    if m.pooler is None or not m.pooler.classify:
+        return {}
+    info = ClassifierInfo.from_config(m.info.hf_config)
+    return {"num_labels": info.num_labels, "labels": info.labels}

@@ -1,0 +1,110 @@
+"""Classification and cross-encoder scoring on the scheduler side (deltaserve.v1 Classify and
+Score; docs/scoring.md): each text, or each (text_1, text_2) pair, is one pooling request of a
+*ForSequenceClassification model (embeddings.embed with CLASSIFY in its code), all of a call's
+requests in flight together so they share steps; the worker returns the logits and the
+activation is applied here as vLLM's pooler does (engine_common/request/classify.py).
+
+A pair is tokenized as transformers' tokenizer(text_1, text_2); for a model with token types
+(BERT) the second text's start rides on the request's pooling code.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, pair_code,
+                                            score_pairs, uses_token_types)
+from engine_common.request.params import ParamError
+from engine_common.request.pooling import PoolerConfigError
+from scheduler_service.api.embeddings import check_pool_length, embed, prompt_of
+from scheduler_service.api.front_door import FrontDoor
+from scheduler_service.errors import WrongRunner
+
+# Texts (or pairs) one call may hold: each is a request in flight at once.
+MAX_INPUTS = 1024
+
+
+@dataclass(frozen=True)
+class Classified:
+    """One text's class: its label, probabilities (or logits) and prompt length."""
+
+    label: str
+    probs: list[float]
+    num_tokens: int
+
+
+def classifier_of(door: FrontDoor, call: str) -> ClassifierInfo:
+    """The served classifier's labels and activations; WrongRunner unless the server runs one
+    (Score: one with a single label)."""
+    door.model.check_runner(call)
+    try:
+        info = ClassifierInfo.from_config(door.model.info.hf_config)
+    except PoolerConfigError as e:
+        raise WrongRunner(f"{call}: {e}") from None
+    if call == "Score" and info.num_labels != 1:
+        raise WrongRunner(f"Score: this model has num_labels={info.num_labels}; a score needs "
+                          "a model with one label (use Classify)")
+    return info
+
+
+def _check_count(field: str, n: int) -> None:
+    if not 1 <= n <= MAX_INPUTS:
+        raise ParamError(field, f"{n} texts", f"1 to {MAX_INPUTS}")
+
+
+async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts: list[str],
+                   activation: bool, salt: str, pool_caller: str) -> list[Classified]:
+    """Each text's class, in order (errors name `input[i]`)."""
+    info = classifier_of(door, "Classify")
+    _check_count("input", len(texts))
+    ids = []
+    for i, text in enumerate(texts):
+        if not text:
+            raise ParamError(f"input[{i}]", "''", "a non-empty text")
+        ids.append(await prompt_of(door, (), text, pool_caller, (f"input[{i}]",) * 3))
+    act = info.classify_activation if activation else IDENTITY
+    logits = await _run_all(engine, door, caller, request_id, ids,
+                            [door.model.pooler.code] * len(ids), salt)
+    out = []
+    for prompt, row in zip(ids, logits):
+        probs = activate(row, act)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        out.append(Classified(info.labels[best], probs, len(prompt)))
+    return out
+
+
+async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: list[str],
+                text_2: list[str], activation: bool, salt: str, pool_caller: str
+                ) -> tuple[list[float], int]:
+    """(each pair's score in order, the pairs' tokens together)."""
+    info = classifier_of(door, "Score")
+    pairs = score_pairs(text_1, text_2)
+    _check_count("text_2", len(pairs))
+    token_types = uses_token_types(door.model.info.hf_config)
+    ids, codes = [], []
+    for i, (a, b) in enumerate(pairs):
+        if len(a) + len(b) > door.model.prompt_chars_fit:
+            raise ParamError(f"pair[{i}]", f"{len(a) + len(b)} characters",
+                             f"at most {door.model.prompt_chars_fit}")
+        pair_ids, types = await door.offload(pool_caller, door.model.tokenizer.encode_pair,
+                                             a, b)
+        check_pool_length(door.model, len(pair_ids), f"pair[{i}]")
+        ids.append(pair_ids)
+        codes.append(pair_code(door.model.pooler.code, types, token_types))
+    act = info.score_activation if activation else IDENTITY
+    logits = await _run_all(engine, door, caller, request_id, ids, codes, salt)
+    return [activate(row, act)[0] for row in logits], sum(map(len, ids))
+
+
+async def _run_all(engine, door: FrontDoor, caller: str, request_id: str,
+                   prompts: list[list[int]], codes: list[int], salt: str) -> list[list[float]]:
+    """Every prompt's logits, all in flight at once (ids `<request_id>-<i>`); the first
+    failure cancels (so aborts) the others."""
+    tasks = [asyncio.ensure_future(embed(engine, door, caller, f"{request_id}-{i}", ids, salt,
+                                         pooling=code))
+             for i, (ids, code) in enumerate(zip(prompts, codes))]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
