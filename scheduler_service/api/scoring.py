@@ -60,7 +60,7 @@ async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts:
     ids = []
     for i, text in enumerate(texts):
         if not text:
-            raise ParamError(f"input[{i}]", "''", "a non-empty text")
+            raise ParamError(f"input[{i}]", "an empty text", "a non-empty text")
         ids.append(await prompt_of(door, (), text, pool_caller, (f"input[{i}]",) * 3))
     act = info.classify_activation if activation else IDENTITY
     logits = await _run_all(engine, door, caller, request_id, ids,
