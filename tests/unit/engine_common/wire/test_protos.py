@@ -83,6 +83,8 @@ def test_generation_service_contract():
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False, False),
         "GetServerStatus": ("GetServerStatusRequest", "GetServerStatusResponse", False, False),
         "Embed": ("EmbedRequest", "EmbedResponse", False, False),
+        "Classify": ("ClassifyRequest", "ClassifyResponse", False, False),
+        "Score": ("ScoreRequest", "ScoreResponse", False, False),
         "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False, False),
         "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False,
                               False),
