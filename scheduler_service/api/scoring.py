@@ -105,6 +105,8 @@ async def _run_all(engine, door: FrontDoor, caller: str, request_id: str,
              for i, (ids, code) in enumerate(zip(prompts, codes))]
     try:
         return list(await asyncio.gather(*tasks))
-    finally:
+    except BaseException:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)     # each has aborted its own
+        raise
