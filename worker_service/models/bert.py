@@ -7,8 +7,8 @@ XLMRobertaModel compute `last_hidden_state`:
                 x = LayerNorm(x + out(act(intermediate(x))))
 
 t is 0, or 1 from a sentence pair's second text on (`token_type_ids`, given only for a step
-with pairs); p is the position in the prompt for BERT; RoBERTa numbers its non-pad ids from pad_token_id + 1
-(transformers' create_position_ids_from_input_ids).
+with pairs); p is the position in the prompt for BERT; RoBERTa numbers its non-pad ids from
+pad_token_id + 1 (transformers' create_position_ids_from_input_ids).
 Attention is bidirectional within each request: the scheduler computes an encoder's prompt in
 one step (WHOLE_PROMPT, engine_common/request/pooling.py), so a request's rows of the step are
 its whole prompt and it attends over them (torch SDPA per request, no mask). Nothing is written

@@ -77,10 +77,7 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobBook(self.vocab_size)  # requests that asked
         # embedding and classification requests (docs/embeddings.md, docs/scoring.md); an
         # encoder or a classifier model serves nothing else
-        self.pooling = PoolingBook(
-            only=not self.num_cache_layers or getattr(self.model, "pooling_only", False),
-            classifier=hasattr(self.model, "classify"),
-            token_types=getattr(getattr(self.model, "args", None), "type_vocab_size", 0) > 1)
+        self.pooling = PoolingBook.for_model(self.model, self.num_cache_layers)
         self.block_size = config.block_size
         max_blocks = -(-self.max_model_len // self.block_size)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, max_blocks)

@@ -110,6 +110,14 @@ class PoolingBook:
         self.pending: dict[int, _Entry] = {}
         self.only, self.classifier, self.token_types = only, classifier, token_types
 
+    @classmethod
+    def for_model(cls, model, num_cache_layers: int) -> "PoolingBook":
+        """The book for `model`: pooling only without a KV cache or an LM head, a head for
+        classifiers (`classify`), token types for a model with more than one."""
+        return cls(only=not num_cache_layers or getattr(model, "pooling_only", False),
+                   classifier=hasattr(model, "classify"),
+                   token_types=getattr(getattr(model, "args", None), "type_vocab_size", 0) > 1)
+
     def check_new(self, new_requests) -> None:
         """BadDiff for a request this model cannot serve (before the diff is applied
         anywhere): generation on a pooling-only model, CLASSIFY without a head or the other
