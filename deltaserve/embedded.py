@@ -34,6 +34,7 @@ from engine_common.configuration.device_defaults import device_defaults
 from engine_common.configuration.listen_address import check_dial_address, next_port
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import ParamError
+from engine_common.request.pooling import model_pooler_config
 from engine_common.runtime.paths import cache_dir
 from engine_common.configuration.settings import from_args, to_flags
 from engine_common.security.worker_auth import WorkerAuth, new_token, token_digest_text
@@ -138,6 +139,27 @@ def _examples(target: str, chat: bool, api, model_name: str, openai_url: str | N
     return "".join(f"  {line}\n" for line in lines)
 
 
+def _pooling_examples(target: str, api, model_name: str, openai_url: str | None,
+                      openai_key: bool, classify: bool) -> str:
+    """Commands to try on a --runner pooling server: Embed and /v1/embeddings, or for a
+    classification model Classify, Score and /v1/classify (docs/scoring.md)."""
+    tls = "-cacert CA.pem" if api.tls_cert else "-plaintext"
+    key = " -H 'authorization: Bearer KEY'" if api.api_key_file else ""
+    text = "what is a KV cache?"
+    calls = ([("Classify", f'{{"input": ["{text}"]}}'),
+              ("Score", f'{{"text_1": ["{text}"], "text_2": ["keys and values", "a fox"]}}')]
+             if classify else [("Embed", f'{{"text": "{text}"}}')])
+    lines = [f"{_command('grpcurl')} {tls}{key} -d '{body}' {target} "
+             f"deltaserve.v1.Generation/{rpc}" for rpc, body in calls]
+    if openai_url is not None:
+        auth = " -H 'authorization: Bearer KEY'" if openai_key else ""
+        curl_tls = " -k" if openai_url.startswith("https") else ""
+        request = f'{{"model": "{model_name}", "input": "{text}"}}'
+        lines.append(f"curl{curl_tls} {openai_url}/{'classify' if classify else 'embeddings'}"
+                     f"{auth} -H 'content-type: application/json' -d '{request}'")
+    return "".join(f"  {line}\n" for line in lines)
+
+
 def _announce(listen: str, model_dir: str, settings, front: OpenAIFront | None):
     server, api = settings.server, settings.api
     chat = load_chat_template(model_dir, server.chat_template) is not None
@@ -146,8 +168,12 @@ def _announce(listen: str, model_dir: str, settings, front: OpenAIFront | None):
     def ready_line(target: str, openai_url: str | None) -> None:
         where = f", OpenAI API on {openai_url}" if openai_url else ""
         key = bool(front and front.options.api_key)
+        examples = (_examples(target, chat, api, model_name, openai_url, key)
+                    if server.runner != "pooling" else _pooling_examples(
+                        target, api, model_name, openai_url, key,
+                        model_pooler_config(model_dir).classify))
         print(f"DeltaServe ready on {target}{where} (model {model_dir})\n"
-              f"Try:\n{_examples(target, chat, api, model_name, openai_url, key)}"
+              f"Try:\n{examples}"
               f"Ctrl-C stops the server and its worker.", flush=True)
 
     def on_ready(app) -> None:

@@ -99,7 +99,8 @@ class ServerOptions:
         "generation_config.json), vllm (none), or a directory holding a generation_config.json; "
         "a temperature it does not set is 1", metavar="auto|vllm|DIR")
     runner: str = setting("generate", "generate, or pooling: serve embeddings (Embed, "
-                          "/v1/embeddings) instead of generation, as vLLM's --runner pooling",
+                          "/v1/embeddings), or a classification model's Classify, Score and "
+                          "/v1/classify, instead of generation, as vLLM's --runner pooling",
                           rule=OneOf(("generate", "pooling")))
     pooler_config: str | None = setting(
         None, "with --runner pooling: JSON {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
