@@ -41,7 +41,7 @@ from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.engine.engine_core import EngineCore
-from scheduler_service.engine.lora_updates import LoRAUpdates
+from scheduler_service.engine.lora_updates import LoRAUpdates, init_config
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api import public_port
@@ -130,6 +130,8 @@ class WorkerCoreFactory:
     def __call__(self) -> EngineCore:
         try:
             result = self.client.init(self.spec)
+            if self.lora is not None and self.lora.allowed:  # the adapters served now
+                self.lora.replay(first=not self._was_ready)
         except EngineUnavailable as e:
             self._log_once(str(e))
             raise
@@ -142,8 +144,6 @@ class WorkerCoreFactory:
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
         _warn_if_cache_cuts_requests(result.num_kv_blocks, self.config)
-        if self.lora is not None and self.lora.allowed:
-            self.lora.replay()
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events)
         return EngineCore(scheduler, self.client,
                           None if self.lora is None else self.lora.registry)
@@ -253,7 +253,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
     config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
                                  **limits_of(worker))
-    spec = InitSpec(worker, dist_port=options.dist_port)
+    spec = InitSpec(init_config(worker), dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS,
                           step_timeout_s=options.step_timeout_s, auth=worker_auth)
     kv_events = KvEventPublisher(KvEventFeed())
