@@ -16,6 +16,7 @@ from typing import Callable
 
 import grpc
 
+from engine_common.configuration.config import WorkerConfig
 from engine_common.configuration.listen_address import ListenAddress
 from engine_common.request.params import ParamError
 from engine_common.wire.protos import VLLM_ENGINE_SERVICE, vllm_engine_pb2_grpc
@@ -47,6 +48,21 @@ def parse_adapter_listen(text: str | None) -> tuple[tuple[str, str], ...]:
         if dup:
             raise ParamError(FIELD, dup, "unique adapter names and addresses")
     return tuple(pairs)
+
+
+def adapter_listen_of(text: str | None, worker: WorkerConfig) -> tuple[tuple[str, str], ...]:
+    """parse_adapter_listen, and ParamError unless every name can ever be served: it needs
+    --enable-lora, and without runtime updating a name of --lora-modules (a port whose every
+    request is NOT_FOUND would still be listed by the gateway)."""
+    pairs = parse_adapter_listen(text)
+    if pairs and not worker.enable_lora:
+        raise ParamError("enable_lora", False, "true with --lora-engine-listen")
+    names = [m.name for m in worker.lora]
+    for name, _ in pairs:
+        if not worker.allow_runtime_lora_updating and name not in names:
+            raise ParamError(FIELD, name, f"an adapter of --lora-modules {names} (or start "
+                             "with --allow-runtime-lora-updating and load it)")
+    return pairs
 
 
 @dataclass

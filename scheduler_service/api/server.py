@@ -39,9 +39,9 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, OneOf, P
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
-from engine_common.request.params import ParamError
-from scheduler_service.api.adapter_ports import (AdapterPort, build_adapter_ports,
-                                                 parse_adapter_listen, start_ports, stop_ports)
+from scheduler_service.api.adapter_ports import (AdapterPort, adapter_listen_of,
+                                                 build_adapter_ports,
+                                                 adapter_listen_of, start_ports, stop_ports)
 from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.engine.lora_updates import LoRAUpdates, init_config
 from scheduler_service.engine.metrics import SchedulerMetrics
@@ -186,9 +186,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     The batch limits (BatchLimits fields) are the worker config's, for both sides: `policy`
     contributes only its own fields (waiting queue, prefix caching, async scheduling). `api`
     guards the public port; `worker_auth` is the credential every Worker RPC carries."""
-    adapter_listen = parse_adapter_listen(options.lora_engine_listen)
-    if adapter_listen and not worker.enable_lora:
-        raise ParamError("enable_lora", False, "true with --lora-engine-listen")
+    adapter_listen = adapter_listen_of(options.lora_engine_listen, worker)
     info = ModelInfo.from_dir(worker.model_dir, worker.max_model_len)
     if options.served_model_name:
         info = dataclasses.replace(info, name=options.served_model_name)

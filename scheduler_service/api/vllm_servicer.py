@@ -283,6 +283,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         tally = RequestTally(self._engine.counters)
         try:
             self._model.check_runner("Embed")
+            if self._adapter is not None:      # it would run the base model under its name
+                raise ParamError("model", self._adapter, "the base model's port: embeddings "
+                                 "run no LoRA adapter")
             caller = caller_of(context)
             tokenized = request.tokenized
             ids = await prompt_of(self._door, tokenized.input_ids, tokenized.original_text,

@@ -7,7 +7,7 @@ import pytest
 
 from engine_common.configuration.config import WorkerConfig
 from engine_common.request.params import ParamError
-from scheduler_service.api.adapter_ports import parse_adapter_listen
+from scheduler_service.api.adapter_ports import adapter_listen_of, parse_adapter_listen
 from scheduler_service.api.server import ServerOptions, build_scheduler_server
 
 
@@ -30,6 +30,17 @@ def test_bad_entries_are_named(text, says):
     with pytest.raises(ParamError, match="lora_engine_listen=.* is invalid: must be") as err:
         parse_adapter_listen(text)
     assert says in str(err.value)
+
+
+def test_a_name_that_can_never_be_served_is_refused(tmp_path):
+    fixed = WorkerConfig(model_dir=str(tmp_path), enable_lora=True, lora_modules="sql=/a")
+    assert adapter_listen_of("sql=127.0.0.1:0", fixed) == (("sql", "127.0.0.1:0"),)
+    with pytest.raises(ParamError, match=r"lora_engine_listen='chat' is invalid: must be an "
+                                         r"adapter of --lora-modules \['sql'\]"):
+        adapter_listen_of("chat=127.0.0.1:0", fixed)
+    loadable = WorkerConfig(model_dir=str(tmp_path), enable_lora=True,
+                            allow_runtime_lora_updating=True)
+    assert adapter_listen_of("chat=127.0.0.1:0", loadable) == (("chat", "127.0.0.1:0"),)
 
 
 def test_needs_enable_lora(tiny_models):
