@@ -50,9 +50,12 @@ def _targets(name: str, cfg: dict) -> list[str]:
     return t
 
 
-def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
+def read_adapter(name: str, path: str | Path, max_rank: int,
+                 max_weights_bytes: int | None = None) -> LoRAAdapter:
     """LoRAError naming the adapter when the directory is missing a file, its rank exceeds
-    max_rank, or it targets a module outside SUPPORTED_TARGETS."""
+    max_rank, it targets a module outside SUPPORTED_TARGETS, or a file is larger than it can
+    be (the config, the safetensors header, the weights past `max_weights_bytes`:
+    layers.max_adapter_bytes of the model)."""
     d = Path(path)
     cfg_file, weights_file = d / CONFIG_FILE, d / WEIGHTS_FILE
     for f in (cfg_file, weights_file):
@@ -83,6 +86,9 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
                             f"supported (every module must use r and lora_alpha)")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     _check_header_size(name, weights_file)
+    size = weights_file.stat().st_size
+    if max_weights_bytes is not None and size > max_weights_bytes:
+        raise _too_big(name, weights_file, "a file", size, max_weights_bytes)
     try:      # a file named at run time (LoadLora) may be anything: never an INTERNAL error
         tensors = load_file(str(weights_file))
     except Exception as e:  # noqa: BLE001 - safetensors' own error is no ValueError
