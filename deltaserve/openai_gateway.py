@@ -150,12 +150,15 @@ def check_compatible(options: OpenAIOptions, api) -> None:
 
 
 def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
-                metrics_port: int, chat_template: str | None = None) -> list[str]:
-    """`smg launch` in front of `grpc_target` (HOST:PORT). `model`: a directory the gateway
-    reads the tokenizer from, or a path that does not exist (it then asks us, GetTokenizer)."""
+                metrics_port: int, chat_template: str | None = None,
+                adapter_targets: tuple[str, ...] = ()) -> list[str]:
+    """`smg launch` in front of `grpc_target` (HOST:PORT) and the LoRA adapters' own ports
+    (`adapter_targets`, --lora-engine-listen: one more worker each). `model`: a directory the
+    gateway reads the tokenizer from, or a path that does not exist (it asks us, GetTokenizer)."""
     host, port = split_listen(options.openai_listen)
+    urls = [f"grpc://{t}" for t in (grpc_target, *adapter_targets)]
     cmd = [smg, "launch", "--host", host, "--port", str(port),
-           "--worker-urls", f"grpc://{grpc_target}", "--model-path", model,
+           "--worker-urls", *urls, "--model-path", model,
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--log-level", "info"]
     optional = (("--api-key", options.api_key), ("--tls-cert-path", options.ssl_certfile),
@@ -256,7 +259,8 @@ class OpenAIFront:
         """Start the child (called on the scheduler's event loop: nothing here blocks)."""
         cmd = smg_command(self.smg, self.options, grpc_target_of(self.listen, app.port),
                           gateway_model_path(self.model_dir), free_local_port(),
-                          self.chat_template)
+                          self.chat_template, tuple(grpc_target_of(p.address, p.port)
+                                                    for p in app.adapter_ports))
         self.child = GatewayChild(cmd)
         threading.Thread(target=self._announce_when_ready, args=(announce,),
                          name="smg-ready", daemon=True).start()

@@ -316,7 +316,7 @@ class FrontDoor:
                        self.model.info.eos_token_ids, num_logprobs=req.num_logprobs,
                        priority=req.priority, constraint=req.constraint, cache_salt=cache_salt,
                        num_prompt_logprobs=req.num_prompt_logprobs, lora_id=lora_id,
-                       lora_generation=generation)
+                       lora_generation=generation, lora_name=req.lora_name or "")
 
 
 async def abort_requests(engine, ids: list[str], context: grpc.aio.ServicerContext) -> int:

@@ -39,11 +39,12 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, OneOf, P
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
+from scheduler_service.api.adapter_ports import (AdapterPort, adapter_listen_of,
+                                                 build_adapter_ports,
+                                                 adapter_listen_of, start_ports, stop_ports)
 from scheduler_service.core.lora_registry import LoRARegistry
-from scheduler_service.engine.engine_core import EngineCore
-from scheduler_service.engine.lora_updates import LoRAUpdates
+from scheduler_service.engine.lora_updates import LoRAUpdates, init_config
 from scheduler_service.engine.metrics import SchedulerMetrics
-from scheduler_service.errors import EngineUnavailable
 from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.embeddings import served_pooler
@@ -58,8 +59,8 @@ from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
 from scheduler_service.core.kv_events import KvEventFeed
+from scheduler_service.api.worker_core_factory import WorkerCoreFactory
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher
-from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.workers.lora_calls import WorkerLoRA
 from scheduler_service.workers.worker_client import InitSpec, WorkerClient
 from scheduler_service.workers.worker_spec import DEFAULT_DIST_PORT
@@ -102,81 +103,16 @@ class ServerOptions:
                           "/v1/embeddings), or a classification model's Classify, Score and "
                           "/v1/classify, instead of generation, as vLLM's --runner pooling",
                           rule=OneOf(("generate", "pooling")))
+    lora_engine_listen: str | None = setting(
+        None, "with --enable-lora: NAME=HOST:PORT entries, each a VllmEngine port of its own "
+        "for LoRA adapter NAME (its model name to the smg gateway, which has no adapter "
+        "field: docs/lora.md)", metavar="NAME=HOST:PORT ...")
     pooler_config: str | None = setting(
         None, "with --runner pooling: JSON {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
         "\"normalize\": true|false} over the model's own (docs/embeddings.md)", metavar="JSON")
 
     def __post_init__(self):
         validate(self)
-
-
-class WorkerCoreFactory:
-    """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
-
-    def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
-                 kv_events: KvEventFeed | None = None, lora: LoRAUpdates | None = None):
-        self.client = client
-        self.lora = lora      # runtime LoRA adapters: loaded again after every Init
-        self.spec = spec
-        self.config = config
-        self.kv_events = kv_events
-        self._last_error = ""
-        self._was_ready = False
-        self._num_ranks = 0
-
-    def tp_size(self) -> int:
-        """Ranks of the last successful Init (0 before the first)."""
-        return self._num_ranks
-
-    def __call__(self) -> EngineCore:
-        try:
-            result = self.client.init(self.spec)
-        except EngineUnavailable as e:
-            self._log_once(str(e))
-            raise
-        except Exception as e:  # e.g. a worker refused the model: keep retrying, say why
-            self._log_once(f"{type(e).__name__}: {e}")
-            raise EngineUnavailable(f"worker Init failed: {e}") from e
-        self._last_error = ""
-        self._was_ready = True
-        self._num_ranks = len(result.devices)
-        log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
-                 self.config.block_size)
-        _warn_if_cache_cuts_requests(result.num_kv_blocks, self.config)
-        if self.lora is not None and self.lora.allowed:
-            self.lora.replay()
-        scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events)
-        return EngineCore(scheduler, self.client,
-                          None if self.lora is None else self.lora.registry)
-
-    def check_health(self, core: EngineCore) -> None:
-        """Raise EngineUnavailable when a worker is gone or lost its model (restarted), Fenced
-        when another scheduler took one over; run by the engine thread while idle."""
-        health = self.client.health()
-        self.client.check_owner(health)
-        bad = [f"{h.address}: {h.reason or 'not ready'}" for h in health if not h.ready]
-        if bad:
-            raise EngineUnavailable("worker not ready: " + "; ".join(bad))
-
-    def _log_once(self, message: str) -> None:
-        """Each new reason once; at startup (workers still loading) as INFO, later as WARNING."""
-        if message != self._last_error:
-            level = logging.WARNING if self._was_ready else logging.INFO
-            log.log(level, "waiting for the workers: %s", message)
-            self._last_error = message
-
-
-def _warn_if_cache_cuts_requests(num_kv_blocks: int, config: SchedulerConfig) -> None:
-    """A request longer than the whole KV cache ends there ("length", fewer tokens than its
-    max_tokens asked): say so once per Init where max_model_len allows such requests (vLLM
-    refuses to start then)."""
-    capacity = num_kv_blocks * config.block_size
-    if config.max_model_len is not None and capacity < config.max_model_len:
-        log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request "
-                    "whose prompt and output outgrow it ends at %d tokens with finish_reason "
-                    "length whatever its max_tokens; lower --max-model-len or give the cache "
-                    "more (--kv-cache-gib, --gpu-memory-utilization)", capacity,
-                    config.max_model_len, capacity)
 
 
 # After the grace period, how long the streams the engine fails get to send that status (a
@@ -189,7 +125,8 @@ class SchedulerServer:
 
     def __init__(self, server: grpc.aio.Server, engine: AsyncEngine, readiness: Readiness,
                  client: WorkerClient, port: int, grace_period_s: float,
-                 metrics_server: MetricsServer | None = None):
+                 metrics_server: MetricsServer | None = None,
+                 adapter_ports: list[AdapterPort] | None = None):
         self.server = server
         self.engine = engine
         self.readiness = readiness
@@ -197,10 +134,12 @@ class SchedulerServer:
         self.port = port
         self.grace_period_s = grace_period_s
         self.metrics_server = metrics_server   # serving /metrics already; None when off
+        self.adapter_ports = adapter_ports or []  # --lora-engine-listen
 
     async def start(self) -> None:
         self.engine.start()
         await self.server.start()
+        await start_ports(self.adapter_ports)
         await self.readiness.start()
 
     async def stop(self, grace_period_s: float | None = None,
@@ -212,7 +151,9 @@ class SchedulerServer:
         # Streams still open at the end of the grace period are failed by the engine
         # (UNAVAILABLE "the server is shutting down") before gRPC cancels them: grpc's own
         # cancel reached the clients first as a bare "UNAVAILABLE: Cancelling all calls".
-        stopping = asyncio.ensure_future(self.server.stop(grace + _STREAM_FAIL_SECONDS))
+        stopping = asyncio.ensure_future(asyncio.gather(
+            self.server.stop(grace + _STREAM_FAIL_SECONDS),
+            stop_ports(self.adapter_ports, grace + _STREAM_FAIL_SECONDS)))
         hurried = asyncio.ensure_future((hurry or asyncio.Event()).wait())
         done, _ = await asyncio.wait({stopping, hurried}, timeout=grace,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -246,6 +187,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     The batch limits (BatchLimits fields) are the worker config's, for both sides: `policy`
     contributes only its own fields (waiting queue, prefix caching, async scheduling). `api`
     guards the public port; `worker_auth` is the credential every Worker RPC carries."""
+    adapter_listen = adapter_listen_of(options.lora_engine_listen, worker)
     info = ModelInfo.from_dir(worker.model_dir, worker.max_model_len)
     if options.served_model_name:
         info = dataclasses.replace(info, name=options.served_model_name)
@@ -254,7 +196,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
     config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
                                  **limits_of(worker))
-    spec = InitSpec(worker, dist_port=options.dist_port)
+    spec = InitSpec(init_config(worker), dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS,
                           step_timeout_s=options.step_timeout_s, auth=worker_auth)
     kv_events = KvEventPublisher(KvEventFeed())
@@ -288,14 +230,18 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
                         worker.attention_backend, max_waiting=config.max_waiting)
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        VllmEngineServicer(engine, served, shape, kv_events, readiness.serving, options=api,
-                           tokenizer_pool=pool, keys=keys, quota=quota), server)
+    def vllm_servicer(adapter: str | None = None) -> VllmEngineServicer:
+        return VllmEngineServicer(engine, served, shape, kv_events, readiness.serving,
+                                  options=api, tokenizer_pool=pool, keys=keys, quota=quota,
+                                  adapter=adapter)
+
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_servicer(), server)
     add_reflection(server, (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE))
     port = public_port.bind(server, listen, api)
+    adapter_ports = build_adapter_ports(adapter_listen, vllm_servicer, readiness, api, keys)
     metrics_server = start_metrics_server(options.metrics_listen, metrics.registry)
     return SchedulerServer(server, engine, readiness, client, port, options.grace_period_s,
-                           metrics_server)
+                           metrics_server, adapter_ports)
 
 
 async def serve_scheduler(workers: list[str], listen: str, worker: WorkerConfig,

@@ -310,17 +310,29 @@ def kv_batch_to_proto(batch: KvEventBatch) -> cpb.KvEventBatch:
 
 def _kv_event_to_proto(event, event_id: int) -> cpb.KvCacheEvent:
     if isinstance(event, BlockStored):
-        bs = event.block_size
-        blocks = [cpb.KvBlock(block_hash=block_hash_to_int64(h),
-                              token_ids=event.token_ids[i * bs:(i + 1) * bs], block_size=bs)
-                  for i, h in enumerate(event.block_hashes)]
-        stored = cpb.KvBlocksStored(blocks=blocks)
-        if event.parent_block_hash is not None:
-            stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
-        return cpb.KvCacheEvent(event_id=event_id, stored=stored)
+        return cpb.KvCacheEvent(event_id=event_id, stored=_stored_to_proto(event))
     if isinstance(event, BlockRemoved):
         return cpb.KvCacheEvent(event_id=event_id, removed=cpb.KvBlocksRemoved(
             block_hashes=[block_hash_to_int64(h) for h in event.block_hashes]))
     if isinstance(event, AllBlocksCleared):
         return cpb.KvCacheEvent(event_id=event_id, cleared=cpb.KvCacheCleared())
     raise TypeError(f"not a KV event: {event!r}")
+
+
+def _stored_to_proto(event: BlockStored) -> cpb.KvBlocksStored:
+    """vLLM's BlockStored: the namespace as `lora_name` / `cache_salt` on the event,
+    `lora_id` on each block, and each block's `extra_keys` as vLLM lists them (the adapter's
+    name on every block, the salt on a prompt's first block only)."""
+    bs, ns = event.block_size, event.namespace
+    blocks = []
+    for i, h in enumerate(event.block_hashes):
+        keys = [ns.lora_name] if ns.lora_name else []
+        if ns.cache_salt and i == 0 and event.parent_block_hash is None:
+            keys.append(ns.cache_salt)
+        blocks.append(cpb.KvBlock(block_hash=block_hash_to_int64(h), lora_id=ns.lora_id,
+                                  token_ids=event.token_ids[i * bs:(i + 1) * bs], block_size=bs,
+                                  extra_keys=[cpb.KvBlockExtraKey(text=k) for k in keys]))
+    stored = cpb.KvBlocksStored(blocks=blocks, lora_name=ns.lora_name, cache_salt=ns.cache_salt)
+    if event.parent_block_hash is not None:
+        stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
+    return stored

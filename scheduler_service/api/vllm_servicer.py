@@ -16,6 +16,7 @@ Embed serves a --runner pooling server (embeddings.py); the profiler RPCs are UN
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -76,13 +77,16 @@ class _Choice:
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """`is_ready()`: the service's readiness (workers initialized, not draining);
     `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
-    `keys`: what each API key may do (its cache salt)."""
+    `keys`: what each API key may do (its cache salt); `adapter`: a LoRA adapter's own port
+    (adapter_ports.py): its name is the model's, and every Generate runs it."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
                  options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None,
-                 keys: KeyBook = KeyBook(), quota: RequestQuota | None = None):
+                 keys: KeyBook = KeyBook(), quota: RequestQuota | None = None,
+                 adapter: str | None = None):
         self._engine = engine
+        self._adapter = adapter
         self._options = options
         self._keys = keys
         self._door = FrontDoor(model, options, tokenizer_pool, quota)
@@ -125,6 +129,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
                                  vocab_size=info.vocab_size,
                                  max_logprobs=self._options.max_logprobs)
+        if self._adapter is not None:
+            inp = dataclasses.replace(inp, lora_name=self._adapter)
         return inp, await self._door.prompt_ids(inp, caller)
 
     async def _run(self, inp: ValidatedRequest, prompt_ids: list[int], caller: str,
@@ -224,7 +230,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:
         m = self._model
-        return model_info_to_proto(m.info, m.tokenizer.bos_token_id, m.default_sampling)
+        info = m.info if self._adapter is None else dataclasses.replace(m.info, name=self._adapter)
+        return model_info_to_proto(info, m.tokenizer.bos_token_id, m.default_sampling)
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:
         stats = self._engine.stats
@@ -276,6 +283,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         tally = RequestTally(self._engine.counters)
         try:
             self._model.check_runner("Embed")
+            if self._adapter is not None:      # it would run the base model under its name
+                raise ParamError("model", self._adapter, "the base model's port: embeddings "
+                                 "run no LoRA adapter")
             caller = caller_of(context)
             tokenized = request.tokenized
             ids = await prompt_of(self._door, tokenized.input_ids, tokenized.original_text,

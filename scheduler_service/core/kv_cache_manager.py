@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from engine_common.request.pooling import needs_every_position
 from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
-from scheduler_service.core.kv_events import KvEventFeed
+from scheduler_service.core.kv_events import BASE_NAMESPACE, BlockNamespace, KvEventFeed
 from scheduler_service.core.request import Request
 
 
@@ -42,6 +42,16 @@ def hash_block_bytes(parent: BlockHash | None, data: bytes) -> BlockHash:
     hasher = _BLAKE2B_16.copy()
     hasher.update((parent or b"") + data)
     return hasher.digest()
+
+
+def block_namespace(request: Request) -> BlockNamespace:
+    """What besides its tokens entered the hashes of `request`'s blocks (its KV events say it):
+    the adapter's load generation and name, the salt's digest (salt_root, never the salt)."""
+    if not request.lora_id and not request.cache_salt:
+        return BASE_NAMESPACE
+    root = salt_root(request.cache_salt)
+    return BlockNamespace(request.lora_generation or request.lora_id or None,
+                          request.lora_name or None, root.hex() if root else None)
 
 
 def salt_root(salt: str) -> BlockHash | None:
@@ -309,4 +319,5 @@ class KVCacheManager:
                 and self.events.enabled:
             bs = self.block_size
             self.events.stored(hashes[j], hashes[j - 1] if j else None,
-                               _token_slice(request, j * bs, (j + 1) * bs), bs)
+                               _token_slice(request, j * bs, (j + 1) * bs), bs,
+                               block_namespace(request))

@@ -4,10 +4,12 @@ A cache-aware router (the Shepherd Model Gateway) keeps an index of the blocks e
 these events keep it true. The block pool and the KV-cache manager record them into a
 `KvEventFeed` on the engine thread, in the order they happen:
 
-    BlockStored(block_hashes, parent_block_hash, token_ids, block_size)
+    BlockStored(block_hashes, parent_block_hash, token_ids, block_size, namespace)
         full blocks that just entered the prefix cache, consecutive blocks of one chain: block i's
         parent is block i-1, the first one's is `parent_block_hash` (None: a prompt's first block);
-        `token_ids` holds block_size tokens per block, in order
+        `token_ids` holds block_size tokens per block, in order; `namespace` what else went into
+        their hashes (the adapter, the tenant's salt): a router hashing token ids itself must
+        fold it in, or it takes two adapters' blocks of the same tokens for one
     BlockRemoved(block_hashes)
         cached blocks evicted (their KV is about to be overwritten)
     AllBlocksCleared()
@@ -24,12 +26,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class BlockNamespace:
+    """What besides token ids entered a block's hash, as vLLM's BlockStored names it. None: not
+    part of it (the base model; no salt)."""
+
+    lora_id: int | None = None      # the adapter's load generation: unique per load, as vLLM's
+    lora_name: str | None = None    # lora_int_id (the same name loaded again: another id)
+    cache_salt: str | None = None   # the tenant salt's digest (hex), never the salt itself
+
+
+BASE_NAMESPACE = BlockNamespace()
+
+
 @dataclass
 class BlockStored:
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
+    namespace: BlockNamespace = BASE_NAMESPACE
 
 
 @dataclass
@@ -54,17 +70,19 @@ class KvEventFeed:
         self._events: list[KvEvent] = []
 
     def stored(self, block_hash: bytes, parent: bytes | None, token_ids: Sequence[int],
-               block_size: int) -> None:
+               block_size: int, namespace: BlockNamespace = BASE_NAMESPACE) -> None:
         """A full block entered the cache; `parent` is the hash of the block before it."""
         if not self.enabled:
             return
         last = self._events[-1] if self._events else None
         if (isinstance(last, BlockStored) and last.block_size == block_size
-                and parent is not None and last.block_hashes[-1] == parent):
+                and parent is not None and last.block_hashes[-1] == parent
+                and last.namespace == namespace):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
         else:
-            self._events.append(BlockStored([block_hash], parent, list(token_ids), block_size))
+            self._events.append(BlockStored([block_hash], parent, list(token_ids), block_size,
+                                            namespace))
 
     def removed(self, block_hash: bytes) -> None:
         """A cached block was evicted."""

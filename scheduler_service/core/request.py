@@ -61,6 +61,7 @@ class Request:
     # loaded again under the same name and id never hits the blocks of the one before.
     lora_id: int = 0
     lora_generation: int = 0
+    lora_name: str = ""     # its name, for the KV events (kv_events.BlockNamespace)
 
     # Set by the scheduler.
     handle: int = -1

@@ -7,22 +7,35 @@ engine thread, between steps.
             queued or running with it finish with it (vLLM's behaviour); its id drains
     sweep   a draining id no unfinished request uses is freed on the workers (after every
             engine turn that finds one, and at each load and unload)
-    replay  after the workers were Init again (a new epoch), the runtime adapters are loaded
-            again and draining ids freed: a restarted worker process holds none of them
+    replay  after every Init (a new epoch), every adapter served *now* is loaded with its id,
+            the --lora-modules ones too, and draining ids freed: a restarted worker process
+            holds none of them, and the Init carries none (init_config), so an adapter
+            unloaded since the start is never sent again (its directory may be gone)
 
 `ops` changes the workers' slots: WorkerLoRA (gRPC) or the in-process runner (deltaserve.llm).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Protocol
 
+from engine_common.configuration.config import WorkerConfig
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
-from scheduler_service.errors import EngineUnavailable, LoRAUpdatesOff
+from scheduler_service.errors import EngineUnavailable, LoRAUpdatesOff, WorkerRefused
 
 log = logging.getLogger(__name__)
 
 FLAG = "--allow-runtime-lora-updating"
+
+
+def init_config(worker: WorkerConfig) -> WorkerConfig:
+    """What the workers' Init carries: with runtime updating, no adapter (replay loads the
+    registry's current set by LoadLora, each with its id); without it, --lora-modules as
+    given (that set never changes)."""
+    if not (worker.enable_lora and worker.allow_runtime_lora_updating):
+        return worker
+    return dataclasses.replace(worker, lora_modules=None)
 
 
 class LoRAOps(Protocol):
@@ -48,23 +61,32 @@ class LoRAUpdates:
     def load(self, in_use: set[int], drain: Callable[[], object], name: str,
              path: str) -> ServedAdapter:
         """Load `name` from `path` on every rank, then serve it. `in_use`: the adapter ids of
-        unfinished requests; `drain()` collects the steps in flight."""
+        unfinished requests; `drain()` collects the steps in flight. The answer is the state:
+        draining ids are freed *before* the load (a failure there answers UNAVAILABLE with
+        nothing loaded), and once the workers hold the adapter nothing else can fail."""
         self.check_allowed("LoadLoraAdapter")
         adapter = self.registry.reserve(name, path, in_use)
+        self.sweep(in_use, drain)
         drain()
         self.ops.load_lora(adapter.lora_id, name, path)
         self.registry.add(adapter)
         log.info("LoRA adapter %r loaded from %s (id %d, generation %d)", name, path,
                  adapter.lora_id, adapter.generation)
-        self.sweep(in_use, drain)
         return adapter
 
     def unload(self, in_use: set[int], drain: Callable[[], object], name: str) -> None:
-        """Stop serving `name`; its id is freed on the workers once no request uses it."""
+        """Stop serving `name`; its id is freed on the workers once no request uses it. When
+        freeing it fails (a worker died: UNAVAILABLE, the workers start a new epoch), the
+        error says the unload itself took effect."""
         self.check_allowed("UnloadLoraAdapter")
         adapter = self.registry.remove(name)
         log.info("LoRA adapter %r unloaded (id %d)", name, adapter.lora_id)
-        self.sweep(in_use, drain)
+        try:
+            self.sweep(in_use, drain)
+        except EngineUnavailable as e:     # same type and kind (metrics), truer message
+            e.args = (f"LoRA adapter {name!r} is unloaded (requests naming it get NOT_FOUND), "
+                      f"but freeing its slot on the workers failed: {e}",)
+            raise
 
     def can_sweep(self, in_use: set[int]) -> bool:
         """A draining id no request uses: sweep() has work."""
@@ -80,18 +102,20 @@ class LoRAUpdates:
             self.ops.unload_lora(lora_id)
             self.registry.freed(lora_id)
 
-    def replay(self) -> None:
-        """After an Init: the runtime adapters loaded again (one that fails now is no longer
-        served, logged), the draining ids freed (nothing runs in a new epoch)."""
+    def replay(self, first: bool = False) -> None:
+        """After an Init: the draining ids freed (nothing runs in a new epoch), then every
+        adapter served now loaded again with its id and generation (init_config sent none).
+        One whose directory fails now is no longer served (logged); on the `first` Init an
+        adapter of --lora-modules that fails is WorkerRefused, as vLLM refuses to start."""
         self.sweep(set(), lambda: None)
         for adapter in self.registry.adapters():
-            if adapter.static:
-                continue
             try:
                 self.ops.load_lora(adapter.lora_id, adapter.name, adapter.path)
             except EngineUnavailable:
                 raise
             except Exception as e:  # noqa: BLE001 - the directory changed since: drop it
+                if first and adapter.static:
+                    raise WorkerRefused(f"--lora-modules adapter {adapter.name!r}: {e}") from e
                 log.error("LoRA adapter %r is no longer served: loading it again after the "
                           "workers' Init failed: %s", adapter.name, e)
                 self.registry.drop(adapter.name)

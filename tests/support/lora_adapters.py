@@ -110,7 +110,8 @@ def bad_adapters(model_dir: str, root: Path, max_rank: int) -> dict[str, tuple[s
     save_file(tensors, f"{wide}/adapter_model.safetensors")
     garbled = root / "garbled"
     shutil.copytree(good, garbled)
-    (garbled / "adapter_model.safetensors").write_bytes(b"\x00 not safetensors")
+    (garbled / "adapter_model.safetensors").write_bytes(   # a 16-byte header that is not JSON
+        (16).to_bytes(8, "little") + b"\x00 not safetensors")
     listed = root / "listed"
     shutil.copytree(good, listed)
     (listed / "adapter_config.json").write_text("[1, 2]")
@@ -132,6 +133,32 @@ def bad_adapters(model_dir: str, root: Path, max_rank: int) -> dict[str, tuple[s
         **_bad_configs(good, root),
         "config nested too deep": (str(deep), r"adapter_config.json cannot be read "
                                               r"\(RecursionError"),
+        **_huge_files(good, root),
+    }
+
+
+def _huge_files(good: str, root: Path) -> dict[str, tuple[str, str]]:
+    """A valid adapter_config.json padded past MAX_CONFIG_BYTES (valid JSON: only its size is
+    wrong), and a safetensors file whose header claims 50 MB (safetensors' own limit is 100 MB:
+    it would read and parse all of it)."""
+    import shutil
+
+    from worker_service.lora.adapter import MAX_CONFIG_BYTES, MAX_HEADER_BYTES
+
+    padded, header = root / "padded", root / "header"
+    shutil.copytree(good, padded)
+    cfg = (padded / "adapter_config.json").read_text()
+    (padded / "adapter_config.json").write_text(cfg + " " * MAX_CONFIG_BYTES)
+    shutil.copytree(good, header)
+    (header / "adapter_model.safetensors").write_bytes((50_000_000).to_bytes(8, "little")
+                                                      + b"{" + b" " * 1000)
+    return {
+        "config too large": (str(padded), rf"adapter_config.json: a file of "
+                                          rf"{len(cfg) + MAX_CONFIG_BYTES} bytes is invalid: "
+                                          rf"must be at most {MAX_CONFIG_BYTES} bytes"),
+        "header too large": (str(header), rf"adapter_model.safetensors: a safetensors header "
+                                          rf"of 50000000 bytes is invalid: must be at most "
+                                          rf"{MAX_HEADER_BYTES} bytes"),
     }
 
 

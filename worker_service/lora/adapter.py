@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from engine_common.request.params import quoted
 # The projections a Llama-family decoder has (checkpoint names); others are refused.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# Read before anything is parsed: a huge file must be a refusal, never a worker out of memory
+# (that is a worker failure, which fails every tenant's requests). PEFT writes a config of about
+# 1 KiB and a header of about 150 bytes per tensor (an 80-layer adapter on every projection:
+# 1,120 tensors, ~170 KiB).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_HEADER_BYTES = 16 << 20
 
 
 class LoRAError(ValueError):
@@ -42,11 +50,14 @@ def _targets(name: str, cfg: dict) -> list[str]:
     return t
 
 
-def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
+def read_adapter(name: str, path: str | Path, max_rank: int,
+                 max_weights_bytes: int | None = None) -> LoRAAdapter:
     """LoRAError naming the adapter when the directory is missing a file, its rank exceeds
-    max_rank, or it targets a module outside SUPPORTED_TARGETS."""
+    max_rank, it targets a module outside SUPPORTED_TARGETS, or a file is larger than it can
+    be (the config, the safetensors header, the weights past `max_weights_bytes`:
+    layers.max_adapter_bytes of the model)."""
     d = Path(path)
-    cfg_file, weights_file = d / "adapter_config.json", d / "adapter_model.safetensors"
+    cfg_file, weights_file = d / CONFIG_FILE, d / WEIGHTS_FILE
     for f in (cfg_file, weights_file):
         if not f.is_file():
             raise LoRAError(f"LoRA adapter {name!r}: {f} does not exist (a PEFT directory "
@@ -74,6 +85,10 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
             raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(cfg[key])} is not "
                             f"supported (every module must use r and lora_alpha)")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    _check_header_size(name, weights_file)
+    size = weights_file.stat().st_size
+    if max_weights_bytes is not None and size > max_weights_bytes:
+        raise _too_big(name, weights_file, "a file", size, max_weights_bytes)
     try:      # a file named at run time (LoadLora) may be anything: never an INTERNAL error
         tensors = load_file(str(weights_file))
     except Exception as e:  # noqa: BLE001 - safetensors' own error is no ValueError
@@ -82,15 +97,41 @@ def read_adapter(name: str, path: str | Path, max_rank: int) -> LoRAAdapter:
     return LoRAAdapter(name, rank, scaling, _pairs(name, tensors, rank))
 
 
+def _too_big(name: str, file: Path, what: str, size: int, limit: int) -> LoRAError:
+    return LoRAError(f"LoRA adapter {name!r}: {file}: {what} of {size} bytes is invalid: must "
+                     f"be at most {limit} bytes")
+
+
 def _read_config(name: str, cfg_file: Path) -> dict:
     try:
-        cfg = json.loads(cfg_file.read_text())
+        with open(cfg_file, "rb") as f:       # never more than the limit, whatever stat said
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+            if len(raw) > MAX_CONFIG_BYTES:
+                size = max(os.fstat(f.fileno()).st_size, len(raw))
+                raise _too_big(name, cfg_file, "a file", size, MAX_CONFIG_BYTES)
+        cfg = json.loads(raw.decode())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:   # nested too deep
+        if isinstance(e, LoRAError):
+            raise
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
     if not isinstance(cfg, dict):
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} is not a JSON object")
     return cfg
+
+
+def _check_header_size(name: str, weights_file: Path) -> None:
+    """LoRAError when the safetensors header (its first 8 bytes: the JSON header's length,
+    little-endian) is over MAX_HEADER_BYTES: safetensors would read and parse it whole."""
+    try:
+        with open(weights_file, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {weights_file} cannot be read "
+                        f"({type(e).__name__}: {e})") from None
+    size = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if size > MAX_HEADER_BYTES:
+        raise _too_big(name, weights_file, "a safetensors header", size, MAX_HEADER_BYTES)
 
 
 def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tuple]:

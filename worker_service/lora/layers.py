@@ -22,7 +22,7 @@ from torch import nn
 
 from worker_service.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                           QKVParallelLinear, RowParallelLinear)
-from worker_service.lora.adapter import LoRAAdapter, LoRAError
+from worker_service.lora.adapter import MAX_HEADER_BYTES, LoRAAdapter, LoRAError
 
 # Model classes whose projections attach_lora knows (the Llama family in models/llama.py).
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -135,6 +135,25 @@ def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: dict[int, Lo
         a_all[i, p * rank:p * rank + r] = a
         b_all[i, :, p * rank:p * rank + r] = b * ad.scaling
     return a_all.to(device=device, dtype=dtype), b_all.to(device=device, dtype=dtype)
+
+
+def max_adapter_bytes(model: nn.Module, max_rank: int) -> int:
+    """The most bytes an adapter_model.safetensors that fits `model` can hold: rank max_rank
+    on every projection, each piece's A [r, in] and B [out, r] at full (unsharded) size, as
+    float64, plus the largest header we read. A bigger file cannot fit and is refused unread
+    (read_adapter), never loaded whole into the worker's memory."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear):
+            fan_in, fan_out, pieces = (module.input_size_per_rank * module.tp.world_size,
+                                       module.weight.shape[0], 1)
+        elif isinstance(module, ColumnParallelLinear):
+            fan_in, fan_out = module.input_size, module.output_size_per_rank * module.tp.world_size
+            pieces = len(_pieces(module))
+        else:
+            continue
+        total += max_rank * (pieces * fan_in + fan_out) * 8
+    return total + 8 + MAX_HEADER_BYTES
 
 
 def _base(module: nn.Module | None) -> nn.Module | None:

@@ -12,7 +12,7 @@ import numpy as np
 from torch import nn
 
 from worker_service.lora.adapter import LoRAAdapter, LoRAError, read_adapter
-from worker_service.lora.layers import LoRAState, apply_lora, plan_lora
+from worker_service.lora.layers import LoRAState, apply_lora, max_adapter_bytes, plan_lora
 
 
 class LoRASlots:
@@ -21,6 +21,7 @@ class LoRASlots:
     def __init__(self, model: nn.Module, max_rank: int,
                  adapters: dict[int, LoRAAdapter] | None = None) -> None:
         self.model, self.max_rank = model, max_rank
+        self.max_weights_bytes = max_adapter_bytes(model, max_rank)
         self.adapters: dict[int, LoRAAdapter] = {}
         self.state = LoRAState(next(model.parameters()).device, 0)
         self._apply(adapters or {})
@@ -36,7 +37,7 @@ class LoRASlots:
         """Read `path` and put it in slot lora_id - 1 (replacing what it held). LoRAError
         naming the path and the reason; then nothing changed."""
         try:
-            adapter = read_adapter(name, path, self.max_rank)
+            adapter = read_adapter(name, path, self.max_rank, self.max_weights_bytes)
             self._apply({**self.adapters, lora_id - 1: adapter})
         except LoRAError as e:
             raise LoRAError(f"lora_path={path!r} is invalid: {e}") from None

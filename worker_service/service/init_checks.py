@@ -4,7 +4,9 @@ the epoch and the owner as they were).
     model_dir             a path the file system can name: at most PATH_MAX bytes, each part at
                           most NAME_MAX (a 100,000-character one failed as an INTERNAL OSError
                           whose status, repeating it, exceeded gRPC's metadata limit)
-    --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR
+    --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR,
+                          and so must every --lora-modules directory and each file of it a rank
+                          opens (a symlink inside it to /etc/... is refused too)
     max_model_len         in [2, the model's max_position_embeddings (times a linear rope
                           scaling factor: model_dir.model_position_limit)]: the field's rule
                           (a prompt token and an output token; RunnerConfig, before these
@@ -24,10 +26,12 @@ from dataclasses import dataclass
 from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.request.params import quoted
 from worker_service.config import NodeLayout, RunnerConfig
+from worker_service.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
 from worker_service.runner.memory_fit import check_memory_fits
 from worker_service.runner.preflight import check_runner_config
 
 MIB = 1 << 20
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)    # what a rank opens in a LoRA directory
 PATH_MAX, NAME_MAX = 4096, 255     # Linux's, in bytes
 
 
@@ -44,6 +48,8 @@ def check_init(config: RunnerConfig, guards: InitGuards, layout: NodeLayout) -> 
     (more memory than the machine has) naming it."""
     check_path_shape(config.model_dir)
     check_model_root(config.model_dir, guards.model_root)
+    for module in config.lora:
+        check_lora_path(module.path, guards.model_root)
     info = check_runner_config(config)
     largest = max_diff_bytes(config.max_num_seqs, config.max_num_batched_tokens,
                              info.max_model_len, config.block_size)
@@ -74,14 +80,19 @@ def check_model_root(model_dir: str, root: str | None) -> None:
 
 
 def check_lora_path(path: str, root: str | None) -> None:
-    """A LoadLora path (docs/lora.md): ValueError naming it when no file system could hold it
-    or it is outside this worker's --model-root (which bounds every path a scheduler names)."""
+    """A LoRA directory (LoadLora, --lora-modules; docs/lora.md): ValueError naming it when no
+    file system could hold it, or when it or a file of it a rank opens (a symlink followed)
+    is outside this worker's --model-root (which bounds every path a scheduler names)."""
     encoded = os.fsencode(path)
     if not path or len(encoded) > PATH_MAX:
         raise ValueError(f"lora_path={quoted(path)} is invalid: must be a path of 1 to "
                          f"{PATH_MAX} bytes")
-    if root is not None:
-        real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if root is None:
+        return
+    real_root = os.path.realpath(root)
+    for opened in (path, *(os.path.join(path, name) for name in ADAPTER_FILES)):
+        real = os.path.realpath(opened)
         if os.path.commonpath([real, real_root]) != real_root:
-            raise ValueError(f"lora_path={quoted(path)} is invalid: must be under this "
+            what = "" if opened == path else f": {os.path.basename(opened)} resolves to {real}"
+            raise ValueError(f"lora_path={quoted(path)} is invalid{what}: must be under this "
                              f"worker's --model-root {root}")

@@ -74,6 +74,10 @@ def test_smg_command_carries_the_parsers_key_https_and_chat_template(tmp_path):
     assert flags["--tls-cert-path"] == str(cert) and flags["--tls-key-path"] == str(cert)
     plain = smg_command("/bin/smg", _options("serve")[0], "h:1", "/m", 1)
     assert not {"--api-key", "--tool-call-parser", "--chat-template"} & set(plain)
+    with_sql = smg_command("/bin/smg", _options("serve")[0], "h:1", "/m", 1,
+                           adapter_targets=("h:2",))     # --lora-engine-listen: one more worker
+    urls = with_sql.index("--worker-urls")
+    assert with_sql[urls + 1:urls + 4] == ["grpc://h:1", "grpc://h:2", "--model-path"]
 
 
 def test_what_smg_cannot_front_is_refused_by_name(tmp_path):

@@ -16,7 +16,8 @@ from scheduler_service.api import vllm_convert as vc
 from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
                                               checked_constraint, constraint_named)
 from scheduler_service.core.kv_cache_manager import hash_block
-from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from scheduler_service.core.kv_events import (AllBlocksCleared, BlockNamespace, BlockRemoved,
+                                              BlockStored)
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.engine_stats import EngineStats
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
@@ -298,6 +299,24 @@ def test_kv_batch_to_proto():
     assert list(msg.events[3].removed.block_hashes) == [vc.block_hash_to_int64(h0),
                                                         vc.block_hash_to_int64(h1)]
     assert cpb.KvEventBatch.FromString(msg.SerializeToString()) == msg
+    for block in first.blocks:                 # the base model, no salt: nothing more is sent
+        assert not block.HasField("lora_id") and not block.extra_keys
+    assert not first.HasField("lora_name") and not first.HasField("cache_salt")
+
+
+def test_stored_blocks_carry_their_namespace_as_vllm_publishes_it():
+    """vLLM's BlockStored: lora_id (per load) and lora_name, the salt; per block extra_keys
+    hold the adapter's name, and the salt on a prompt's first block only."""
+    h0 = hash_block(None, [1, 2])
+    ns = BlockNamespace(lora_id=5, lora_name="sql", cache_salt="ab" * 16)
+    batch = KvEventBatch(1, 0.0, (BlockStored([h0, hash_block(h0, [3, 4])], None, [1, 2, 3, 4],
+                                              2, ns),
+                                  BlockStored([hash_block(h0, [9, 9])], h0, [9, 9], 2, ns)))
+    first, later = (e.stored for e in vc.kv_batch_to_proto(batch).events)
+    assert (first.lora_name, first.cache_salt) == ("sql", "ab" * 16)
+    assert [b.lora_id for b in first.blocks] == [5, 5]
+    keys = [[k.text for k in b.extra_keys] for b in [*first.blocks, *later.blocks]]
+    assert keys == [["sql", "ab" * 16], ["sql"], ["sql"]]
 
 
 def test_logit_bias_is_carried_sorted_by_token_id():

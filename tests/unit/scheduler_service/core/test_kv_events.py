@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.block_pool import BlockPool
-from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block
-from scheduler_service.core.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                              KvEventFeed)
+from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block, salt_root
+from scheduler_service.core.kv_events import (AllBlocksCleared, BlockNamespace, BlockRemoved,
+                                              BlockStored, KvEventFeed)
 from scheduler_service.core.scheduler import Scheduler
 from tests.support.scheduler_sim import SimWorker, make, make_request, run_steps
 
@@ -92,6 +92,30 @@ def test_manager_records_stored_chains_with_their_tokens():
     h0 = hash_block(None, [10, 11, 12, 13])
     assert event == BlockStored([h0, hash_block(h0, [14, 15, 16, 17])], None,
                                 list(range(10, 18)), 4)
+
+
+def test_stored_blocks_name_their_adapter_and_salt():
+    """Two adapters' (and the base model's) blocks of the same tokens: different hashes, and
+    events that say why (vLLM's lora_id / lora_name; the salt as its digest), so a router that
+    hashes token ids itself can keep them apart. Blocks of two namespaces never coalesce."""
+    feed = enabled_feed()
+    kv = KVCacheManager(32, 4, enable_caching=True, events=feed)
+    feed.take()
+    tokens = list(range(10, 19))                     # two full blocks of 4
+    reqs = [make_request("base", tokens), make_request("salted", tokens),
+            make_request("sql", tokens), make_request("chat", tokens)]
+    reqs[1].cache_salt = "key:team-a"
+    for r, (lora_id, generation, name) in zip(reqs[2:], [(1, 3, "sql"), (2, 4, "chat")]):
+        r.lora_id, r.lora_generation, r.lora_name = lora_id, generation, name
+    for r in reqs:
+        assert kv.allocate_slots(r, 9) is not None
+    events = feed.take()
+    assert [e.namespace for e in events] == [
+        BlockNamespace(), BlockNamespace(cache_salt=salt_root("key:team-a").hex()),
+        BlockNamespace(3, "sql"), BlockNamespace(4, "chat")]
+    assert "team-a" not in events[1].namespace.cache_salt      # a digest, not the salt
+    assert len({e.block_hashes[0] for e in events}) == 4
+    assert all(len(e.block_hashes) == 2 and e.token_ids == tokens[:8] for e in events)
 
 
 def test_manager_without_a_feed_or_caching_records_nothing():

@@ -2,6 +2,7 @@
 adapter, the module or value, and what is allowed (docs/lora.md)."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -110,3 +111,17 @@ def test_every_bad_directory_is_a_lora_error(model, tmp_path):
             continue
         with pytest.raises(LoRAError, match=reason):
             read_adapter("bad", path, 8)
+
+
+def test_weights_larger_than_any_adapter_of_the_model_are_refused_unread(model, adapter,
+                                                                         tmp_path):
+    """An adapter_model.safetensors larger than rank max_lora_rank on every projection of the
+    model (as float64) could only be another model's or garbage: refused from its size, never
+    loaded whole into the worker's memory (a sparse 10 GB file here, no disk used)."""
+    d = tmp_path / "huge"
+    shutil.copytree(adapter, d)
+    os.truncate(d / "adapter_model.safetensors", 10 ** 10)
+    with pytest.raises(LoRAError, match=r"'huge': .*adapter_model.safetensors: a file of "
+                                        r"10000000000 bytes is invalid: must be at most "
+                                        r"\d+ bytes"):
+        _llm(model, f"huge={d}")

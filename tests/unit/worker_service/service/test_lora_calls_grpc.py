@@ -51,6 +51,16 @@ def _init(server, model, allow: bool):
     return channel, stub, keyed(TOKEN, reply.stream_key), epoch
 
 
+def _linked_adapter(adapter: str, outside: str, name: str) -> str:
+    """A copy of `adapter` (under the model root) whose file `name` is a symlink to that file
+    of `outside` (not under it)."""
+    linked = Path(adapter).parent / f"linked-{name}"
+    linked.mkdir()
+    for f in Path(adapter).iterdir():
+        (linked / f.name).symlink_to(Path(outside, f.name) if f.name == name else f)
+    return str(linked)
+
+
 def _refused(call, code: grpc.StatusCode) -> str:
     with pytest.raises(grpc.RpcError) as err:
         call()
@@ -78,6 +88,12 @@ def test_owner_only_and_refusals(server, model, tmp_path):
             lambda: load(lora_id=0), grpc.StatusCode.INVALID_ARGUMENT)
         assert (f"lora_path={outside!r} is invalid: must be under this worker's --model-root"
                 in _refused(lambda: load(path=outside), grpc.StatusCode.INVALID_ARGUMENT))
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            linked = _linked_adapter(adapter, outside, name)   # under the root, one file not
+            assert (f"lora_path={linked!r} is invalid: {name} resolves to "
+                    f"{Path(outside, name).resolve()}: must be under this worker's "
+                    "--model-root" in _refused(lambda: load(path=linked),
+                                               grpc.StatusCode.INVALID_ARGUMENT))
         slots = server.node_worker.ranks.runner.lora
         assert slots.adapters == {}
         load(lora_id=3)
@@ -92,3 +108,15 @@ def test_owner_only_and_refusals(server, model, tmp_path):
             epoch=epoch, scheduler_id="owner", lora_id=1, name="a", path=adapter),
             timeout=60, metadata=meta), grpc.StatusCode.FAILED_PRECONDITION)
         assert "allow_runtime_lora_updating=false in this worker's Init" in details
+
+
+def test_init_refuses_lora_modules_outside_the_model_root(server, model, tmp_path):
+    outside = make_adapter(model, tmp_path / "outside", r=4, alpha=8)
+    with grpc.insecure_channel(f"127.0.0.1:{server.bound_port}") as channel:
+        config = worker_pb2.WorkerConfig(model_dir=model, lora_modules=f"x={outside}", **LIMITS)
+        details = _refused(lambda: worker_pb2_grpc.WorkerStub(channel).Init(
+            worker_pb2.InitRequest(epoch=server.node_worker.fence.epoch + 1,
+                                   scheduler_id="owner", config=config),
+            timeout=60, metadata=bearer(TOKEN)), grpc.StatusCode.INVALID_ARGUMENT)
+    assert f"lora_path={outside!r} is invalid: must be under this worker's --model-root" \
+        in details

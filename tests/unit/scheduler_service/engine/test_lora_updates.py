@@ -1,0 +1,102 @@
+"""Runtime LoRA updates (scheduler_service/engine/lora_updates.py) against the LoRAOps seam: the
+Init carries no adapter with runtime updating on, a replay after an Init loads the adapters
+served *now* with their ids (an unloaded --lora-modules one never again), a --lora-modules
+adapter refused at the first Init refuses the start, and a load's answer matches its state when
+freeing a draining id fails. The workers' side of every call is tested over gRPC in
+tests/integration/test_lora_runtime_grpc.py and tests/e2e/test_lora_worker_restart.py; here a
+recording LoRAOps stands in for them, because a worker that answers LoadLora but fails the
+UnloadLora just before it cannot be produced with real processes on demand."""
+from __future__ import annotations
+
+import pytest
+
+from engine_common.configuration.config import WorkerConfig
+from engine_common.configuration.lora import AdapterRefused, parse_lora_modules
+from scheduler_service.core.lora_registry import LoRARegistry
+from scheduler_service.engine.lora_updates import LoRAUpdates, init_config
+from scheduler_service.errors import WorkerFailure, WorkerRefused
+
+
+class RecordingOps:
+    """LoRAOps recording each call; `refuse` paths raise AdapterRefused, `fail_unload` makes
+    UnloadLora a WorkerFailure (a worker that stopped answering)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.refuse: set[str] = set()
+        self.fail_unload = False
+
+    def load_lora(self, lora_id, name, path):
+        if path in self.refuse:
+            raise AdapterRefused(f"lora_path={path!r} is invalid: gone")
+        self.calls.append(("load", lora_id, name))
+
+    def unload_lora(self, lora_id):
+        if self.fail_unload:
+            raise WorkerFailure("worker 127.0.0.1:1: UnloadLora failed: stream ended",
+                                "stream_ended")
+        self.calls.append(("unload", lora_id))
+
+
+def _updates(modules="a=/a b=/b"):
+    ops = RecordingOps()
+    return LoRAUpdates(LoRARegistry(parse_lora_modules(modules)), ops, allowed=True), ops
+
+
+def test_init_carries_no_adapter_with_runtime_updating(tmp_path):
+    kw = dict(model_dir=str(tmp_path), enable_lora=True, lora_modules="a=/a")
+    assert init_config(WorkerConfig(**kw, allow_runtime_lora_updating=True)).lora_modules is None
+    fixed = WorkerConfig(**kw)
+    assert init_config(fixed) is fixed          # without it the set never changes
+
+
+def test_replay_loads_the_current_set_with_ids_and_generations():
+    lora, ops = _updates()
+    lora.unload(set(), lambda: None, "a")             # id 1 freed at once (unused)
+    c = lora.load(set(), lambda: None, "c", "/c")     # takes id 1, a new generation
+    assert (c.lora_id, c.generation) == (1, 3)
+    ops.calls.clear()
+    ops.refuse.add("/a")                              # a's directory deleted meanwhile
+    lora.replay(first=False)
+    assert ops.calls == [("load", 1, "c"), ("load", 2, "b")]
+    assert lora.registry.resolve("c") == (1, 3) and lora.registry.resolve("b") == (2, 2)
+
+
+def test_replay_frees_draining_ids_first_and_drops_a_failing_runtime_adapter():
+    lora, ops = _updates("a=/a")
+    lora.load(set(), lambda: None, "c", "/c")
+    lora.unload({1}, lambda: None, "a")               # a request still uses id 1: drains
+    assert lora.registry.draining() == {1}
+    ops.calls.clear()
+    ops.refuse.add("/c")
+    lora.replay()
+    assert ops.calls == [("unload", 1)]
+    assert lora.registry.adapters() == [] and lora.registry.draining() == set()
+
+
+def test_a_refused_lora_module_refuses_the_first_init_only():
+    lora, ops = _updates()
+    ops.refuse.add("/b")
+    with pytest.raises(WorkerRefused, match=r"--lora-modules adapter 'b': lora_path='/b'"):
+        lora.replay(first=True)
+    assert [a.name for a in lora.registry.adapters()] == ["a", "b"]   # still to be served
+    lora.replay(first=False)                          # a later epoch: dropped, logged
+    assert [a.name for a in lora.registry.adapters()] == ["a"]
+
+
+def test_a_load_whose_sweep_fails_loads_nothing():
+    lora, ops = _updates("a=/a")
+    lora.unload({1}, lambda: None, "a")               # draining while a request uses it
+    ops.fail_unload = True
+    with pytest.raises(WorkerFailure):
+        lora.load(set(), lambda: None, "c", "/c")     # frees id 1 first: the worker fails
+    assert ops.calls == [] and lora.registry.adapters() == []   # UNAVAILABLE == not loaded
+
+
+def test_an_unload_whose_sweep_fails_says_it_took_effect():
+    lora, ops = _updates("a=/a")
+    ops.fail_unload = True
+    with pytest.raises(WorkerFailure, match=r"'a' is unloaded .* freeing its slot") as err:
+        lora.unload(set(), lambda: None, "a")
+    assert err.value.kind == "stream_ended"            # the metrics' kind is kept
+    assert lora.registry.adapters() == [] and lora.registry.draining() == {1}
