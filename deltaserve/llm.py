@@ -208,7 +208,8 @@ class LLM(EmbedMixin, LoRAMixin):
 
     def _build_engine(self) -> None:
         """A scheduler (empty prefix cache) and its engine over the runner."""
-        self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng)
+        self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng,
+                                   sliding_window=self.runner.sliding_window)
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner),
                                            self._lora.registry),

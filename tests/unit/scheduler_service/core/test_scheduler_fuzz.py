@@ -232,6 +232,11 @@ CONFIGS = [
          max_model_len=48),
     dict(block_size=1, num_blocks=24, max_num_seqs=2, max_num_batched_tokens=3,
          max_model_len=24, long_prefill_token_threshold=1, max_long_partial_prefills=3),
+    # a sliding window on every layer: requests outgrow the pool (blocks freed as they go)
+    dict(sliding_window=8, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=8,
+         max_model_len=64),
+    dict(sliding_window=5, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=8,
+         max_model_len=80, long_prefill_token_threshold=4, max_long_partial_prefills=2),
 ]
 
 
