@@ -248,7 +248,7 @@ class LLM(EmbedMixin, LoRAMixin):
                 check_admission(request, max_model_len=config.max_model_len,
                                 max_step_tokens=config.max_num_batched_tokens,
                                 block_size=config.block_size,
-                                num_blocks=self.scheduler.num_total_blocks, num_waiting=0,
+                                num_blocks=self.scheduler.max_prompt_blocks, num_waiting=0,
                                 max_waiting=1, known=False)
             except RequestRejected as e:
                 raise RequestRejected(f"prompts[{i}]", e.field, e.value, e.allowed) from None

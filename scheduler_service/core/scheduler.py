@@ -77,14 +77,15 @@ class Scheduler(SchedulerViews):
                  rng: random.Random | None = None, kv_events: KvEventFeed | None = None,
                  sliding_window: int = 0):
         """`kv_events`, when given, records what the prefix cache stores and evicts.
-        `sliding_window`: the window every attention layer of the model has, as the workers
-        report it (0: some layer sees every key); blocks that left it are freed."""
+        `sliding_window`: every attention layer's, as the workers report it (sliding_window.py)."""
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  kv_events, sliding_window)
         if config.max_model_len is None:
             raise ParamError("max_model_len", None, "set: the scheduler needs the model's limit")
+        # A request (its prompt too) fits the whole cache, unless a window lets it outgrow it.
         self.max_len = max_request_len(config, num_blocks, sliding_window)
+        self.max_prompt_blocks = max(num_blocks, -(-self.max_len // config.block_size))
         self._long_prefill = config.long_prefill_threshold
         self._rng = rng or random.SystemRandom()
         self._handles = HandleAllocator()
@@ -107,7 +108,7 @@ class Scheduler(SchedulerViews):
         """Queue a request. Raises RequestRejected (or its subclass QueueFull)."""
         check_admission(request, max_model_len=self.config.max_model_len,
                         max_step_tokens=self.config.max_num_batched_tokens,
-                        block_size=self.config.block_size, num_blocks=self.num_total_blocks,
+                        block_size=self.config.block_size, num_blocks=self.max_prompt_blocks,
                         num_waiting=len(self.waiting), max_waiting=self.config.max_waiting,
                         known=request.request_id in self._requests)
         seed = request.sampling.seed

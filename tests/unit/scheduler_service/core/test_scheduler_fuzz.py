@@ -117,7 +117,7 @@ class Fuzz:
             assert rid not in sched._requests or sched._requests[rid] is not request
             bs = sched.config.block_size
             assert len(prompt) + (max_tokens or 1) > sched.config.max_model_len \
-                or -(-len(prompt) // bs) > sched.num_total_blocks \
+                or -(-len(prompt) // bs) > sched.max_prompt_blocks \
                 or len(sched.waiting) >= sched.config.max_waiting
         if sched._requests and rng.random() < 0.1:   # a live id again: refused, nothing changes
             live = rng.choice(list(sched._requests.values()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.sliding_window import (NULL_BLOCK_ID, longest_window_hit,
@@ -132,3 +133,17 @@ def test_preemption_and_aborts_leak_nothing():
 def test_a_bad_window_is_refused_by_name(window):
     with pytest.raises(ValueError, match="sliding_window"):
         KVCacheManager(4, BS, True, sliding_window=window)
+
+
+def test_a_prompt_longer_than_the_whole_cache_is_admitted_and_chunked():
+    """60 prompt tokens, 40 in the cache: refused without a window (a prompt must fit the
+    cache); with one, prefilled 8 tokens a step, the blocks behind the window reused."""
+    sched, worker = make(num_blocks=10, max_num_batched_tokens=8)
+    with pytest.raises(RequestRejected, match="prompt tokens"):
+        sched.add_request(make_request("a", range(3, 63), max_tokens=4))
+    sched, worker = make(num_blocks=10, sliding_window=W, max_num_batched_tokens=8)
+    request = make_request("a", range(3, 63), max_tokens=4)
+    sched.add_request(request)
+    run_steps(sched, worker, on_step=lambda *_: check_kv_invariants(sched))
+    assert request.num_output_tokens == 4
+    assert sched.num_free_blocks == sched.num_total_blocks
