@@ -211,7 +211,8 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
 
     def _build_engine(self) -> None:
         """A scheduler (empty prefix cache) and its engine over the runner."""
-        self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng)
+        self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng,
+                                   sliding_window=self.runner.sliding_window)
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner),
                                            self._lora.registry),
@@ -250,7 +251,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
                 check_admission(request, max_model_len=config.max_model_len,
                                 max_step_tokens=config.max_num_batched_tokens,
                                 block_size=config.block_size,
-                                num_blocks=self.scheduler.num_total_blocks, num_waiting=0,
+                                num_blocks=self.scheduler.max_prompt_blocks, num_waiting=0,
                                 max_waiting=1, known=False)
             except RequestRejected as e:
                 raise RequestRejected(f"prompts[{i}]", e.field, e.value, e.allowed) from None

@@ -49,8 +49,9 @@ class WorkerCoreFactory:
         self._num_ranks = len(result.devices)
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
-        _warn_if_cache_cuts_requests(result.num_kv_blocks, self.config)
-        scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events)
+        scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events,
+                              sliding_window=result.sliding_window)
+        _warn_if_cache_cuts_requests(scheduler.max_len, self.config)
         return EngineCore(scheduler, self.client,
                           None if self.lora is None else self.lora.registry)
 
@@ -71,11 +72,11 @@ class WorkerCoreFactory:
             self._last_error = message
 
 
-def _warn_if_cache_cuts_requests(num_kv_blocks: int, config: SchedulerConfig) -> None:
+def _warn_if_cache_cuts_requests(capacity: int, config: SchedulerConfig) -> None:
     """A request longer than the whole KV cache ends there ("length", fewer tokens than its
     max_tokens asked): say so once per Init where max_model_len allows such requests (vLLM
-    refuses to start then)."""
-    capacity = num_kv_blocks * config.block_size
+    refuses to start then). `capacity`: the scheduler's max_len (a model with a sliding window
+    on every layer may outgrow the cache: sliding_window.max_request_len)."""
     if config.max_model_len is not None and capacity < config.max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a request "
                     "whose prompt and output outgrow it ends at %d tokens with finish_reason "

@@ -12,6 +12,11 @@ Only full blocks whose tokens are all known are hashed and cached. They are cach
 they are scheduled to be computed (the step is assumed to run), so a request admitted later in
 the same step may already share them: the attention backends write a step's keys/values for the
 whole batch before attending.
+
+With a sliding window on every attention layer (`sliding_window`), the blocks that fell out of
+the window go back to the pool as a request advances, their places taken by a null block, and a
+prefix hit needs only the blocks the window still sees (sliding_window.py). A freed block keeps
+its hash until the pool hands it out again, so it may still be hit.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from engine_common.request.pooling import needs_every_position
 from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from scheduler_service.core.kv_events import BASE_NAMESPACE, BlockNamespace, KvEventFeed
 from scheduler_service.core.request import Request
+from scheduler_service.core.sliding_window import (longest_window_hit, new_null_block,
+                                                   next_skip_at, num_skipped_blocks)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -73,7 +80,8 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
 
 
 def _num_free(blocks: Sequence[KVCacheBlock]) -> int:
-    """Blocks among `blocks` in the free queue (none to count without prefix hits)."""
+    """Blocks among `blocks` in the free queue (none to count without prefix hits; the null
+    block's ref_cnt stays 0 but it is never in the free queue: callers pass live hits only)."""
     return sum(1 for b in blocks if b.ref_cnt == 0) if blocks else 0
 
 
@@ -95,9 +103,18 @@ class KVCacheManager:
     """Allocates and frees the blocks of each request; finds and records cached prefixes."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 events: KvEventFeed | None = None):
-        """`events`, when given, records the blocks the prefix cache stores and evicts."""
+                 events: KvEventFeed | None = None, sliding_window: int = 0):
+        """`events`, when given, records the blocks the prefix cache stores and evicts.
+        `sliding_window`: the window every attention layer has (0: some layer sees every key);
+        blocks no query can see any more are then freed (sliding_window.py)."""
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+                or sliding_window < 0:
+            raise ValueError(f"sliding_window={sliding_window!r} is invalid: must be an "
+                             "integer >= 0 (0: no window on some layer)")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.null_block = new_null_block()          # at the places of freed blocks
+        self._num_skipped: dict[str, int] = {}      # leading places holding the null block
         self.enable_caching = enable_caching
         self.events = events
         self.pool = BlockPool(num_blocks, enable_caching, events)
@@ -134,6 +151,11 @@ class KVCacheManager:
                 or needs_every_position(request.pooling)):     # MEAN, CLS pooling: the same
             return [], 0
         max_hits = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window:       # only the blocks the window sees must be cached
+            hits = longest_window_hit(self._block_hashes(request, max_hits), max_hits,
+                                      self.sliding_window, self.block_size,
+                                      self.pool.get_cached_block, self.null_block)
+            return hits, len(hits) * self.block_size
         hits = []
         for block_hash in self._block_hashes(request, max_hits)[:max_hits]:
             block = self.pool.get_cached_block(block_hash)
@@ -159,13 +181,19 @@ class KVCacheManager:
             self._set_quiet_until(rid, len(self._blocks[rid]), self._num_cached.get(rid, 0))
         return new_blocks
 
-    def grow_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    def grow_slots(self, request: Request, num_new_tokens: int,
+                   free_skipped: bool = True) -> list[int] | None:
         """allocate_slots for a request that holds blocks and gets no prefix hit (a running
         request after its first step), kept lean for the scheduler's hot loop. Returns the ids
-        of the blocks appended ([] when none), or None (nothing changed) when too few are free.
-        The blocks that became full are offered to the prefix cache."""
+        of the blocks appended ([] when none), or None when too few are free (nothing changed
+        but, with a window, blocks no query sees any more are freed first). The blocks that
+        became full are offered to the prefix cache. The request's num_computed_tokens must be
+        where this step's queries start: a caller that advanced it already (draft tokens after
+        the step's own) passes free_skipped=False."""
         rid, bs = request.request_id, self.block_size
         held = self._blocks[rid]
+        if self.sliding_window and free_skipped:
+            self._free_skipped(rid, held, request.num_computed_tokens)
         total = request.num_computed_tokens + num_new_tokens
         need = -(-total // bs) - len(held)
         new_ids = []
@@ -184,19 +212,27 @@ class KVCacheManager:
                                + len(request.output_token_ids)) // bs
                 if num_full > num_cached:
                     hashes = self._block_hashes(request, num_full)
-                    for j in range(num_cached, num_full):
+                    # (a null block's place, below the window, is never offered)
+                    for j in range(max(num_cached, self._num_skipped.get(rid, 0)), num_full):
                         self._cache_block(request, held[j], hashes, j)
                     self._num_cached[rid] = num_cached = num_full
             limit = min(limit, (num_cached + 1) * bs - 1)
+        if self.sliding_window:
+            limit = min(limit, next_skip_at(self._num_skipped.get(rid, 0),
+                                            self.sliding_window, bs))
         self.quiet_until[rid] = limit
         return new_ids
 
     def _set_quiet_until(self, rid: str, num_held: int, num_cached: int) -> None:
-        """grow_slots changes nothing for a total of T tokens while T fits the held blocks and
-        (with caching) T // block_size does not pass the blocks already offered to the cache."""
+        """grow_slots changes nothing for a total of T tokens while T fits the held blocks,
+        (with caching) T // block_size does not pass the blocks already offered to the cache
+        and (with a window) T does not reach the count that frees one more block."""
         limit = num_held * self.block_size
         if self.enable_caching:
             limit = min(limit, (num_cached + 1) * self.block_size - 1)
+        if self.sliding_window:    # grow_slots frees the next block once computed reaches it
+            limit = min(limit, next_skip_at(self._num_skipped.get(rid, 0),
+                                            self.sliding_window, self.block_size))
         self.quiet_until[rid] = limit
 
     def _allocate_first(self, request: Request, held: list[KVCacheBlock], num_new_tokens: int,
@@ -208,15 +244,20 @@ class KVCacheManager:
         num_hit_tokens = len(new_computed_blocks) * self.block_size
         total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         need = self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
-        if need + _num_free(new_computed_blocks) > self.pool.num_free_blocks:
+        skip = self._num_skipped_hits(request, new_computed_blocks)
+        live_hits = new_computed_blocks[skip:]
+        if need + _num_free(live_hits) > self.pool.num_free_blocks:
             return None       # (num_free_blocks_needed, its block count reused)
         if self.enable_caching and not held and request.num_computed_tokens == 0 \
                 and request.num_preemptions == 0:      # a readmission's hits are recompute
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_tokens
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(live_hits)
         blocks = self._blocks.setdefault(rid, held)
-        blocks.extend(new_computed_blocks)
+        if skip:          # hits no query will see: their places hold the null block
+            blocks.extend([self.null_block] * skip)
+            self._num_skipped[rid] = skip
+        blocks.extend(live_hits)
         new_blocks = self.pool.get_new_blocks(need)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, min(total, request.num_tokens) // self.block_size)
@@ -226,8 +267,31 @@ class KVCacheManager:
                                new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
         """Free-queue blocks `allocate_slots` with these arguments would take: the new blocks,
         plus hit blocks that sit in the free queue (they leave it too)."""
+        skip = self._num_skipped_hits(request, new_computed_blocks)
         return (self._num_new_blocks(request, num_new_tokens, len(new_computed_blocks))
-                + _num_free(new_computed_blocks))
+                + _num_free(new_computed_blocks[skip:]))
+
+    def _num_skipped_hits(self, request: Request, hits: Sequence[KVCacheBlock]) -> int:
+        """Leading prefix hits no query of the request will see (0 without a window)."""
+        if not hits or not self.sliding_window:
+            return 0
+        return min(len(hits), num_skipped_blocks(
+            request.num_computed_tokens + len(hits) * self.block_size, self.sliding_window,
+            self.block_size))
+
+    def _free_skipped(self, rid: str, held: list[KVCacheBlock], num_computed: int) -> None:
+        """Free the request's blocks that no query from position num_computed on can see;
+        their places take the null block. The later ones join the free queue first (evicted
+        first), as free() orders a whole table."""
+        start = self._num_skipped.get(rid, 0)
+        end = min(len(held), num_skipped_blocks(num_computed, self.sliding_window,
+                                                self.block_size))
+        if end <= start:
+            return
+        gone = held[start:end]
+        held[start:end] = [self.null_block] * (end - start)
+        self._num_skipped[rid] = end
+        self.pool.free_blocks(reversed(gone))
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
         held = len(self._blocks.get(request.request_id, ()))
@@ -249,10 +313,13 @@ class KVCacheManager:
         it is admitted) never count."""
         taken = {id(b) for b in taken_back}
         holders: dict[int, int] = {}
+        null = self.null_block
 
         def add(request: Request) -> int:
             freed = 0
             for block in self._blocks.get(request.request_id, ()):
+                if block is null:
+                    continue
                 key = id(block)
                 holders[key] = n = holders.get(key, 0) + 1
                 if n == block.ref_cnt and key not in taken:
@@ -267,7 +334,8 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
         self.quiet_until.pop(rid, None)
-        self.pool.free_blocks(reversed(blocks))
+        skipped = self._num_skipped.pop(rid, 0)       # the leading null places
+        self.pool.free_blocks(reversed(blocks[skipped:]))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -303,6 +371,7 @@ class KVCacheManager:
             return start
         hashes = self._block_hashes(request, num_full)
         blocks = self._blocks[rid]
+        start = max(start, self._num_skipped.get(rid, 0))     # never a null block's place
         if self.events is not None and self.events.enabled:
             for j in range(start, num_full):
                 self._cache_block(request, blocks[j], hashes, j)

@@ -60,6 +60,7 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
 from scheduler_service.core.scheduler_views import SchedulerViews
+from scheduler_service.core.sliding_window import max_request_len
 from scheduler_service.core.spec_decode import SpecDecoder
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
@@ -73,15 +74,18 @@ class Scheduler(SchedulerViews):
     """Owns the requests, the KV-cache blocks and the step diffs. Not thread-safe."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
-                 rng: random.Random | None = None, kv_events: KvEventFeed | None = None):
-        """`kv_events`, when given, records what the prefix cache stores and evicts."""
+                 rng: random.Random | None = None, kv_events: KvEventFeed | None = None,
+                 sliding_window: int = 0):
+        """`kv_events`, when given, records what the prefix cache stores and evicts.
+        `sliding_window`: every attention layer's, as the workers report it (sliding_window.py)."""
         self.config = config
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 kv_events)
-        # A request never holds more tokens than fit in the whole cache.
+                                 kv_events, sliding_window)
         if config.max_model_len is None:
             raise ParamError("max_model_len", None, "set: the scheduler needs the model's limit")
-        self.max_len = min(config.max_model_len, num_blocks * config.block_size)
+        # A request (its prompt too) fits the whole cache, unless a window lets it outgrow it.
+        self.max_len = max_request_len(config, num_blocks, sliding_window)
+        self.max_prompt_blocks = max(num_blocks, -(-self.max_len // config.block_size))
         self._long_prefill = config.long_prefill_threshold
         self._rng = rng or random.SystemRandom()
         self._handles = HandleAllocator()
@@ -104,7 +108,7 @@ class Scheduler(SchedulerViews):
         """Queue a request. Raises RequestRejected (or its subclass QueueFull)."""
         check_admission(request, max_model_len=self.config.max_model_len,
                         max_step_tokens=self.config.max_num_batched_tokens,
-                        block_size=self.config.block_size, num_blocks=self.num_total_blocks,
+                        block_size=self.config.block_size, num_blocks=self.max_prompt_blocks,
                         num_waiting=len(self.waiting), max_waiting=self.config.max_waiting,
                         known=request.request_id in self._requests)
         seed = request.sampling.seed

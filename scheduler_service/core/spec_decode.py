@@ -97,7 +97,9 @@ class SpecDecoder:
                 continue
             ids = propose_ngram(self._buffers.tokens(request), k, c.prompt_lookup_min,
                                 c.prompt_lookup_max)
-            if not len(ids) or (new_ids := kv.grow_slots(request, len(ids))) is None:
+            # (its num_computed_tokens counts the step's own token already: nothing to free)
+            if not len(ids) or (new_ids := kv.grow_slots(
+                    request, len(ids), free_skipped=False)) is None:
                 continue
             k = len(ids)
             if new_ids:

@@ -127,7 +127,8 @@ class WorkerClient:
                         enumerate(zip(self.addresses, replies)) for d in r.devices)
         return InitResult(epoch=epoch, num_kv_blocks=min(r.num_kv_blocks for r in replies),
                           kv_block_bytes=replies[0].kv_block_bytes, devices=devices,
-                          tp_size=plan.tp_size, group_id=plan.group_id)
+                          tp_size=plan.tp_size, group_id=plan.group_id,
+                          sliding_window=_shared_window([r.sliding_window for r in replies]))
 
     def reset(self) -> int:
         """Start a new epoch on every worker; returns how many cached requests node 0 dropped.
@@ -394,3 +395,9 @@ def _device(d, address: str, node_rank: int) -> WorkerDevice:
                         global_rank=d.global_rank, kind=d.device_kind, name=d.device_name,
                         total_memory_bytes=d.total_memory_bytes,
                         free_memory_bytes=d.free_memory_bytes, num_kv_blocks=d.num_kv_blocks)
+
+
+def _shared_window(windows: list[int]) -> int:
+    """The window the scheduler frees KV blocks by, from each worker's: none when one has
+    none (an older worker says 0), else the largest (it frees least)."""
+    return max(windows) if all(windows) else 0

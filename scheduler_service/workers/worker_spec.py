@@ -56,6 +56,9 @@ class InitResult:
     devices: tuple[WorkerDevice, ...]
     tp_size: int = 1
     group_id: str = ""
+    # The window every attention layer of the model has (0: none), by which the scheduler
+    # frees KV blocks: 0 when a worker reports none (an older one), else the largest.
+    sliding_window: int = 0
 
 
 @dataclass(frozen=True)

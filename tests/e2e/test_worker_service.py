@@ -160,6 +160,7 @@ def test_init_and_steps_match_in_process_runner(client, model_dir):
     result = client.init(_spec(model_dir))
     assert result.num_kv_blocks > 0 and result.kv_block_bytes > 0
     assert result.num_kv_blocks == KV_BYTES // result.kv_block_bytes
+    assert result.sliding_window == 0           # the tiny Qwen3 has no window
     (dev,) = result.devices
     assert (dev.kind, dev.node_rank, dev.global_rank) == ("cpu", 0, 0)
     assert dev.total_memory_bytes >= dev.free_memory_bytes > 0

@@ -8,6 +8,8 @@
   * the prefix-cache map and the blocks' hashes agree both ways;
   * a block a request holds at position j and that is cached carries that request's own
     chained hash j, salt included (a tenant never holds another salt's cached block);
+  * with a sliding window, a table's null places are exactly its leading skipped ones, and only
+    blocks no query from the request's computed tokens on can see are skipped;
   * only running requests hold blocks, enough for their computed tokens; nothing is kept for a
     request that left (blocks, hashes, counters), and the leavers are no longer queued;
   * usage and the prefix-hit stats agree with the pool;
@@ -20,6 +22,7 @@ from collections import Counter
 
 from scheduler_service.core.kv_cache_manager import hash_block
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.sliding_window import num_skipped_blocks
 
 
 def expected_hashes(request: Request, num_blocks: int, block_size: int) -> list[bytes]:
@@ -43,8 +46,9 @@ def check_kv_invariants(sched, gone: list[Request] = ()) -> None:
     assert len(free) == len(set(free)), "a block is in the free queue twice"
     tables = kv._blocks
     refs = Counter()
+    null = kv.null_block
     for rid, blocks in tables.items():
-        ids = [b.block_id for b in blocks]
+        ids = [b.block_id for b in blocks if b is not null]
         assert len(ids) == len(set(ids)), f"{rid} holds a block twice: {ids}"
         refs.update(ids)
     for block in pool.blocks:
@@ -72,13 +76,19 @@ def check_kv_invariants(sched, gone: list[Request] = ()) -> None:
         assert rid in running, f"{rid} holds blocks but is not running"
         request = running[rid]
         assert len(blocks) * bs >= request.num_computed_tokens, f"{rid}: table too short"
+        skipped = kv._num_skipped.get(rid, 0)
+        assert [b is null for b in blocks] == [j < skipped for j in range(len(blocks))], (
+            f"{rid}: null places {[j for j, b in enumerate(blocks) if b is null]}, "
+            f"skipped {skipped}")
+        assert skipped <= num_skipped_blocks(request.num_computed_tokens, kv.sliding_window,
+                                             bs), f"{rid}: a block its window sees was freed"
         num_known = min(len(blocks), request.num_tokens // bs)
         want = expected_hashes(request, num_known, bs)
         for j, block in enumerate(blocks[:num_known]):
-            if block.block_hash is not None:
+            if block is not null and block.block_hash is not None:
                 assert block.block_hash == want[j], (
                     f"{rid} holds block {block.block_id} at {j}, cached for other tokens or salt")
-    for name in ("_blocks", "_hashes", "_num_cached", "quiet_until"):
+    for name in ("_blocks", "_hashes", "_num_cached", "quiet_until", "_num_skipped"):
         assert set(getattr(kv, name)) <= set(live), f"kv.{name} keeps a request that left"
     for request in gone:
         assert request.status.finished

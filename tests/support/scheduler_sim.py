@@ -5,6 +5,8 @@ round trip), keeps its own copy of every request's tokens and block table, and "
 paged KV cache: the slot of position p holds an id of the token prefix [0..p]. Every step it
 checks that each scheduled request reads back the right prefix from its block table, so a wrong
 block id, a prefix-cache hit on the wrong block or a block reused while still in use fails loudly.
+With a sliding window W, as attention it reads only the positions a step's queries see (from its
+first query's p - W + 1 on): the scheduler may have freed and reused the blocks below.
 Sampled tokens come from `sample_fn(state)`, deterministic in the request's seed and tokens.
 """
 from __future__ import annotations
@@ -50,8 +52,10 @@ def default_sample(state: SimRequest) -> int:
 
 
 class SimWorker:
-    def __init__(self, num_blocks: int, block_size: int, sample_fn=default_sample):
+    def __init__(self, num_blocks: int, block_size: int, sample_fn=default_sample,
+                 window: int = 0):
         self.block_size = block_size
+        self.window = window
         self.kv = [None] * (num_blocks * block_size)
         self.sample_fn = sample_fn
         self.reqs: dict[int, SimRequest] = {}
@@ -128,8 +132,9 @@ class SimWorker:
                 self.kv[self._slot(state, pos)] = state.prefix_id(pos)
         result = RunnerOutput(out.step)
         for state, n in work:
+            first = max(0, state.num_computed - self.window + 1) if self.window else 0
             state.num_computed += n
-            for pos in range(state.num_computed):
+            for pos in range(first, state.num_computed):
                 assert self.kv[self._slot(state, pos)] == state.prefix_id(pos), (
                     f"handle {state.handle}: wrong KV at position {pos}")
             if state.num_computed == len(state.tokens):
@@ -187,12 +192,12 @@ def make_request(rid, prompt, max_tokens=8, seed=1, priority=0, arrival=None, **
                    priority=priority, **kw)
 
 
-def make(num_blocks=64, sample_fn=None, **cfg):
+def make(num_blocks=64, sample_fn=None, sliding_window=0, **cfg):
     config = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8,
                                 "max_num_batched_tokens": 32, "max_model_len": 128, **cfg})
-    sched = Scheduler(config, num_blocks, rng=random.Random(0))
+    sched = Scheduler(config, num_blocks, rng=random.Random(0), sliding_window=sliding_window)
     kw = {} if sample_fn is None else {"sample_fn": sample_fn}
-    return sched, SimWorker(num_blocks, config.block_size, **kw)
+    return sched, SimWorker(num_blocks, config.block_size, window=sliding_window, **kw)
 
 
 def assert_no_leak(sched):

@@ -4,7 +4,8 @@ Each drafted request's drafts are computed as query tokens after its last token:
 their positions names the draft-extended prefix. Verification is greedy against `sample_fn`
 (the sim's "model": the token after a prefix): drafts are accepted while they equal it, then
 one more token. So a block the scheduler caches while it holds a rejected draft's KV, or a slot
-not written again after a rejection, fails the sim's KV read-back check.
+not written again after a rejection, fails the sim's KV read-back check (with a window, of the
+positions the step's first query sees on, as SimWorker reads).
 """
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ class SpecSimWorker(SimWorker):
         result, produced = RunnerOutput(out.step), {}
         for state, n in work:
             d = drafts.get(state.handle, [])
+            first = max(0, state.num_computed - self.window + 1) if self.window else 0
             state.num_computed += n
             num_known = len(state.tokens)
             if state.num_computed < num_known:        # a prefill chunk
                 assert all(self.kv[self._slot(state, p)] == state.prefix_id(p)
-                           for p in range(state.num_computed)), f"handle {state.handle}: KV"
+                           for p in range(first, state.num_computed)), \
+                    f"handle {state.handle}: KV"
                 continue
             tokens = []
             for j in range(len(d) + 1):
@@ -79,7 +82,7 @@ class SpecSimWorker(SimWorker):
                     break
             state.num_computed = num_known + len(tokens) - 1     # rejected drafts undone
             state.tokens += tokens
-            for pos in range(state.num_computed):
+            for pos in range(first, state.num_computed):
                 assert self.kv[self._slot(state, pos)] == state.prefix_id(pos), (
                     f"handle {state.handle}: wrong KV at position {pos}")
             produced[state.handle] = len(tokens)

@@ -168,21 +168,25 @@ def scheduler_config() -> SchedulerConfig:
     return SchedulerConfig(block_size=BLOCK_SIZE, **LIMITS)
 
 
-def make_core(model_dir: str, executor, config: SchedulerConfig | None = None) -> LLMEngine:
-    return LLMEngine(EngineCore(Scheduler(config or scheduler_config(), NUM_BLOCKS), executor),
+def make_core(model_dir: str, executor, config: SchedulerConfig | None = None,
+              num_blocks: int = NUM_BLOCKS, sliding_window: int = 0) -> LLMEngine:
+    scheduler = Scheduler(config or scheduler_config(), num_blocks,
+                          sliding_window=sliding_window)
+    return LLMEngine(EngineCore(scheduler, executor),
                      OutputProcessor(Tokenizer.from_dir(model_dir)))
 
 
 @contextmanager
 def engine_on(cluster: Cluster, model_dir: str, config: SchedulerConfig | None = None,
-              **spec_overrides):
+              num_blocks: int = NUM_BLOCKS, **spec_overrides):
     """An engine over `cluster`'s workers, Init-ed with symmetry verification on (and the
-    InitSpec's `spec_overrides`). After the body the finished requests' handles reach the
+    InitSpec's `spec_overrides`), its scheduler given `num_blocks` and the sliding window Init
+    reported, as the server does. After the body the finished requests' handles reach the
     workers, which must then hold no request; a failure prints the cluster's logs."""
     client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
-        client.init(cluster.spec(model_dir, verify_symmetry=True, **spec_overrides))
-        core = make_core(model_dir, client, config)
+        result = client.init(cluster.spec(model_dir, verify_symmetry=True, **spec_overrides))
+        core = make_core(model_dir, client, config, num_blocks, result.sliding_window)
         yield core
         client.execute(encode_scheduler_output(core.scheduler.schedule()))
         assert client.reset() == 0
@@ -211,13 +215,14 @@ def run_requests(core: LLMEngine, model_dir: str, prompts: list[list[int]],
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-def reference(model_dir: str, prompts, samplings, stoppings) -> tuple[list[list[int]], list]:
+def reference(model_dir: str, prompts, samplings, stoppings,
+              num_blocks: int = NUM_BLOCKS) -> tuple[list[list[int]], list]:
     """TP=1 in process (deltaserve.llm.LLM, same scheduler settings): (tokens, diff payloads)."""
     from deltaserve.llm import LLM
 
-    llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
+    llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
               **LIMITS)
-    assert llm.scheduler.num_total_blocks == NUM_BLOCKS
+    assert llm.scheduler.num_total_blocks == num_blocks
     recorder = RecordingExecutor(llm.engine.core.executor)
     llm.engine.core.executor = recorder
     return run_requests(llm.engine, model_dir, prompts, samplings, stoppings), recorder.payloads

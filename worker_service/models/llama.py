@@ -56,6 +56,12 @@ class DecoderArgs:
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    def shared_window(self) -> int:
+        """The window every layer has (the largest, if they differ); 0 when some layer sees
+        every key. The scheduler frees the KV blocks no layer's window reaches any more."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(windows) else 0
+
     @classmethod
     def from_hf(cls, cfg: dict, qkv_bias: bool | None, o_bias: bool | None,
                 qk_norm: bool, fused_ops: bool = False) -> "DecoderArgs":

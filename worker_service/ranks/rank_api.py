@@ -20,6 +20,7 @@ class InitOutcome:
     num_kv_blocks: int      # the minimum over this node's ranks
     kv_block_bytes: int     # per rank
     model_reloaded: bool
+    sliding_window: int = 0   # the window every attention layer has (ModelRunner's), 0: none
 
 
 @dataclass(frozen=True)

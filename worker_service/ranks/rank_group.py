@@ -109,7 +109,11 @@ class RankGroup:
         self._ready = True
         log.info("ranks %s ready: %d KV blocks each (pids %s)", self._global_ranks(layout),
                  num_blocks, [r.info["pid"] for r in replies])
-        return InitOutcome(num_blocks, max(r.info["kv_block_bytes"] for r in replies), reloaded)
+        # every rank loads the same model; were one to disagree, the window that frees least
+        windows = [r.info.get("sliding_window", 0) for r in replies]
+        window = max(windows) if all(windows) else 0
+        return InitOutcome(num_blocks, max(r.info["kv_block_bytes"] for r in replies), reloaded,
+                           window)
 
     def drop_requests(self) -> int:
         self._abort.clear()

@@ -204,6 +204,7 @@ class RankLoop:
         return RankReply(info={
             "num_kv_blocks": prepared.num_kv_blocks, "kv_block_bytes": prepared.kv_block_bytes,
             "model_reloaded": prepared.model_reloaded, "pid": os.getpid(),
+            "sliding_window": prepared.sliding_window,
             "attention_backend": summary.attention_backend, "dtype": summary.dtype,
             "device": device_to_wire(describe_device(self.spec.device))})
 

@@ -68,7 +68,8 @@ class RunnerKeeper:
         if reloaded:
             self._load(config)
         self.runner.config = config  # same load key; records the KV budget now in force
-        return InitOutcome(self._num_blocks(), self.runner.kv_block_bytes, reloaded)
+        return InitOutcome(self._num_blocks(), self.runner.kv_block_bytes, reloaded,
+                           self.runner.sliding_window)
 
     def allocate(self, num_blocks: int) -> None:
         """Drop cached requests; (re)allocate the KV cache when its size changes, else zero the

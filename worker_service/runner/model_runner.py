@@ -121,6 +121,12 @@ class ModelRunner:
         return self.model.num_layers if getattr(self.model, "needs_kv_cache", True) else 0
 
     @property
+    def sliding_window(self) -> int:
+        """The window every attention layer has (DecoderArgs.shared_window; 0: none, or no KV
+        cache), which the scheduler frees KV blocks by."""
+        return self.model.args.shared_window() if self.num_cache_layers else 0
+
+    @property
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers on this rank (keys and values)."""
         m = self.model

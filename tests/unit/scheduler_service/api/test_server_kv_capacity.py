@@ -4,28 +4,30 @@ max_tokens; vLLM refuses to start then), and one that holds a whole request says
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
-
 from engine_common.configuration.config import SchedulerConfig
 from scheduler_service.api import server
 from scheduler_service.api.server import WorkerCoreFactory
+from scheduler_service.workers.worker_spec import InitResult
 
 
 class _Client:
     """A worker client whose Init reports `num_kv_blocks` on one device."""
 
-    def __init__(self, num_kv_blocks: int):
+    def __init__(self, num_kv_blocks: int, sliding_window: int = 0):
         self.num_kv_blocks = num_kv_blocks
+        self.sliding_window = sliding_window
 
     def init(self, spec):
-        return SimpleNamespace(num_kv_blocks=self.num_kv_blocks, devices=("cpu",))
+        return InitResult(epoch=1, num_kv_blocks=self.num_kv_blocks, kv_block_bytes=0,
+                          devices=("cpu",), sliding_window=self.sliding_window)
 
 
-def _init(caplog, num_kv_blocks: int) -> list[str]:
-    config = SchedulerConfig(max_model_len=8192, block_size=16)
+def _init(caplog, num_kv_blocks: int, sliding_window: int = 0) -> list[str]:
+    config = SchedulerConfig(max_model_len=8192, block_size=16, max_num_batched_tokens=512)
     with caplog.at_level(logging.WARNING, logger=server.__name__):
-        core = WorkerCoreFactory(_Client(num_kv_blocks), spec=None, config=config)()
-    assert core.scheduler is not None
+        core = WorkerCoreFactory(_Client(num_kv_blocks, sliding_window), spec=None,
+                                 config=config)()
+    assert core.scheduler.kv.sliding_window == sliding_window
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -37,3 +39,12 @@ def test_a_cache_smaller_than_max_model_len_is_named_with_both_sizes(caplog):
 
 def test_a_cache_that_holds_a_whole_request_says_nothing(caplog):
     assert _init(caplog, 512) == []
+
+
+def test_a_window_on_every_layer_lets_requests_outgrow_the_cache(caplog):
+    """The workers report a window: the scheduler frees blocks that left it, so a request is
+    not cut to the cache and nothing is said; too small for one chunk and a window, it is."""
+    assert _init(caplog, 145, sliding_window=512) == []
+    caplog.clear()
+    (warning,) = _init(caplog, 20, sliding_window=512)
+    assert "320 tokens, fewer than max_model_len 8192" in warning

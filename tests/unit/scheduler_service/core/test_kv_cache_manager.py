@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block, salt_root
 from scheduler_service.core.request import Request
+from scheduler_service.core.sliding_window import num_skipped_blocks
 
 BS = 4
 
@@ -174,9 +175,11 @@ def test_blocks_cached_as_decode_fills_them():
 class ManagerMachine(RuleBasedStateMachine):
     """Random admit / chunk / decode / free with heavily shared prefixes."""
 
+    WINDOW = 0       # a sliding window on every layer (WindowedManagerMachine)
+
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(12, BS, enable_caching=True)
+        self.kv = KVCacheManager(12, BS, enable_caching=True, sliding_window=self.WINDOW)
         self.live: dict[str, Request] = {}
         self.n = 0
 
@@ -233,12 +236,17 @@ class ManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         holders: dict[int, int] = {}
         for r in self.live.values():
-            ids = self.kv.get_block_ids(r)
-            assert len(ids) == -(-r.num_computed_tokens // BS)
+            table = self.kv._blocks[r.request_id]
+            assert len(table) == -(-r.num_computed_tokens // BS)
+            skipped = num_skipped_blocks(r.num_computed_tokens, self.WINDOW, BS)
             hashes = chain_hashes(r.all_token_ids[:r.num_computed_tokens])
-            for j, bid in enumerate(ids):
+            for j, block in enumerate(table):
+                if block is self.kv.null_block:     # only below what the window sees
+                    assert j < skipped
+                    continue
+                bid = block.block_id
                 holders[bid] = holders.get(bid, 0) + 1
-                block = self.kv.pool.blocks[bid]
+                assert block is self.kv.pool.blocks[bid]
                 # A cached block in a table holds exactly the tokens of that table position.
                 if block.block_hash is not None:
                     assert j < len(hashes) and block.block_hash == hashes[j]
@@ -255,3 +263,14 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+class WindowedManagerMachine(ManagerMachine):
+    """The same with a window of 6 tokens on every layer: blocks that left it are freed."""
+
+    WINDOW = 6
+
+
+TestWindowedManagerMachine = WindowedManagerMachine.TestCase
+TestWindowedManagerMachine.settings = settings(max_examples=60, stateful_step_count=30,
+                                               deadline=None)

@@ -117,7 +117,7 @@ class Fuzz:
             assert rid not in sched._requests or sched._requests[rid] is not request
             bs = sched.config.block_size
             assert len(prompt) + (max_tokens or 1) > sched.config.max_model_len \
-                or -(-len(prompt) // bs) > sched.num_total_blocks \
+                or -(-len(prompt) // bs) > sched.max_prompt_blocks \
                 or len(sched.waiting) >= sched.config.max_waiting
         if sched._requests and rng.random() < 0.1:   # a live id again: refused, nothing changes
             live = rng.choice(list(sched._requests.values()))
@@ -232,6 +232,11 @@ CONFIGS = [
          max_model_len=48),
     dict(block_size=1, num_blocks=24, max_num_seqs=2, max_num_batched_tokens=3,
          max_model_len=24, long_prefill_token_threshold=1, max_long_partial_prefills=3),
+    # a sliding window on every layer: requests outgrow the pool (blocks freed as they go)
+    dict(sliding_window=8, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=8,
+         max_model_len=64),
+    dict(sliding_window=5, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=8,
+         max_model_len=80, long_prefill_token_threshold=4, max_long_partial_prefills=2),
 ]
 
 

@@ -23,7 +23,8 @@ def _run(requests, spec: bool, sample_fn, num_blocks=64, **cfg):
     """Every request's output tokens and finish status; the scheduler and worker."""
     sched, plain = make(num_blocks=num_blocks, sample_fn=sample_fn,
                         speculative_config=SPEC if spec else None, **cfg)
-    worker = SpecSimWorker(num_blocks, sched.config.block_size, sample_fn=sample_fn)
+    worker = SpecSimWorker(num_blocks, sched.config.block_size, sample_fn=sample_fn,
+                           window=cfg.get("sliding_window", 0))
     reqs = [make_request(rid, prompt, **kw) for rid, prompt, kw in requests]
     for r in reqs:
         sched.add_request(r)
@@ -125,6 +126,21 @@ def test_preemption_under_a_small_pool_and_chunked_prefill():
     assert got == want
     assert any(d.preempted_handles for d in worker.diffs), "the pool should force preemption"
     assert sched.spec.stats.num_accepted_tokens > 0
+
+
+def test_drafts_and_rollbacks_with_a_sliding_window():
+    """Every layer with a window of 8: the blocks behind it are freed from a pool smaller than
+    the requests, never one a draft's verification or a rollback still reads (the sim reads
+    from each step's first query's window on); the same tokens as one-token decoding."""
+    sample = periodic_sample(3, 7)
+    reqs = [(f"r{i}", list(range(50 + i, 50 + i + 9)) * 2, {"max_tokens": 60, "seed": i})
+            for i in range(4)]
+    kw = {"num_blocks": 10, "max_num_batched_tokens": 16, "sliding_window": 8,
+          "max_model_len": 96}
+    want, _, _ = _run(reqs, False, sample, **kw)
+    got, sched, worker = _run(reqs, True, sample, **kw)
+    assert got == want and all(len(out) == 60 for out, _ in got)     # 78 tokens > 40 held
+    assert sched.spec.stats.num_accepted_tokens < sched.spec.stats.num_draft_tokens
 
 
 def test_budget_and_max_len_bound_the_drafts():
