@@ -130,9 +130,11 @@ class SpecDecoder:
         pending = request.num_pending_tokens
         if pending < 1 or request.num_computed_tokens + 1 != num_known + pending:
             return None           # not sampling its next token with one token this step
-        flight = before.ids if before is not None else []
-        if pending > 1 and pending != 2 + len(flight):
+        if pending > 1 and pending != 2 + (len(before.ids) if before is not None else 0):
             return None           # pending from a step this decoder did not see
+        # Drafts in flight whose own assumption already failed (known since the step before
+        # was applied) are dropped by the workers: that step makes one token.
+        flight = before.ids if before is not None and before.valid else []
         k = min(self.config.num_speculative_tokens, budget,
                 request.max_num_output_tokens - len(request.output_token_ids) - pending)
         if k <= 0:
