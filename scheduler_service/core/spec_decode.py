@@ -47,12 +47,15 @@ _RUNNING = RequestStatus.RUNNING
 @dataclass
 class SpecStats:
     """vLLM's spec decode counters: drafting requests-steps, draft tokens, accepted drafts, and
-    the accepted ones per draft position."""
+    the accepted ones per draft position; counted as the workers verified them. Ours:
+    requests-steps whose drafts the workers dropped (async scheduling: the guess over the step
+    in flight failed), counted in none of vLLM's."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_dropped: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -182,6 +185,8 @@ class SpecDecoder:
                     request.num_computed_tokens -= rejected
                 if sent.valid:           # drafts the workers verified (not dropped)
                     self._count(len(sent.ids), len(tokens) - 1)
+                else:
+                    self.stats.num_dropped += 1
             update = self._append(request, handle, tokens, logprobs, tops, finish, max_len)
             if update is not None:
                 updates.append(update)

@@ -71,6 +71,7 @@ def test_same_tokens_as_sync_and_no_speculation(noise):
     assert stats.num_draft_tokens == sum(k for k, _ in worker.verified)
     assert stats.num_accepted_tokens == sum(a for _, a in worker.verified) > 0
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert stats.num_dropped == worker.dropped
     # Without noise every draft and guess is right: no assumption fails. With it, a failed
     # one does not fail the steps after it (they assume the one token a dropped step makes):
     # most drafts are still verified.
