@@ -9,6 +9,12 @@ drafts never preempt, and a step that preempted has none), and num_computed_toke
 them, as the step is assumed to run. The prefix cache offers only blocks full of known
 tokens (KVCacheManager.grow_slots), so a block holding a draft is never cached.
 
+Async scheduling (a step in flight when the next is scheduled): drafts count as pending
+tokens, and a request with tokens pending drafts over them: its proposal assumes the step in
+flight's drafts all accepted and guesses its last token (`_propose`); the diff's spec_assumed
+carries that, the workers drop drafts whose assumption fails (the handle then makes one token),
+and `apply` learns the same from the step before, so the next proposal assumes one token.
+
 Update: the workers reply with the accepted drafts and one more token under the handle;
 num_computed_tokens drops by the rejected drafts (their KV slots are written again by the
 next step; the blocks stay with the request until it ends). The stop rules see each token in
