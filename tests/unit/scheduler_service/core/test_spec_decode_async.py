@@ -163,3 +163,15 @@ def test_min_tokens_masks_a_stop_id_inside_a_run():
     got, _, _ = _run(reqs, sample, True, True)
     assert got == want and got[0][1] == RequestStatus.FINISHED_STOP_TOKEN
     assert len(got[0][0]) > 4
+
+
+def test_max_model_len_inside_a_run():
+    """Requests that end at max_model_len (no max_tokens): drafts and pending tokens never
+    reach past the last position; the tokens of one-token decoding."""
+    sample = periodic_sample(3)
+    reqs = [(f"m{n}", ([11, 12, 13] * 8)[:n], {"max_tokens": None}) for n in (3, 5, 8, 13, 20)]
+    want, _, _ = _run(reqs, sample, False, False, max_model_len=24)
+    got, sched, worker = _run(reqs, sample, True, True, max_model_len=24)
+    assert got == want
+    assert [len(out) for out, _ in got] == [21, 19, 16, 11, 4]
+    assert sched.spec.stats.num_accepted_tokens > 0
