@@ -104,6 +104,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
+        # Whether the last launched step verified drafts: its accepted run sets its rows'
+        # lengths only when it finishes, so the next step waits for that (needs_host_tokens).
+        self._launched_drafts = False
         self.clock = StepClock()          # the last step's phases, for the worker's metrics
         # Called once per step as the sampler (and the LM head, for hidden rows) starts: the
         # step's longest stretch without Python, which an in-process engine thread uses.
@@ -212,6 +215,7 @@ class ModelRunner:
         self.prompt_logprobs.clear()
         self.pooling.clear()
         self.last_step = -1
+        self._launched_drafts = False
 
     # -- one step ---------------------------------------------------------------------------
     # launch_step: apply the diff, stage every input (one copy per staging arena), forward,
@@ -241,7 +245,11 @@ class ModelRunner:
     def needs_host_tokens(self, diff: SchedulerOutput) -> bool:
         """Whether `diff` must see the previous step's sampled ids on the host before it is
         launched: grammar masks and penalties are computed from them, and a handle that leaves
-        the batch and joins it again in `diff` changes rows (cached_requests.rejoins)."""
+        the batch and joins it again in `diff` changes rows (cached_requests.rejoins). Drafts
+        too: a step after one with drafts starts where that one's accepted run ended, and
+        drafts assumed over the step before are checked against its tokens (spec_verify.py)."""
+        if self._launched_drafts or diff.spec_token_ids:
+            return True
         if self.grammar or any(new.constraint is not None for new in diff.new_requests):
             return True
         if rejoins(diff):
@@ -264,6 +272,7 @@ class ModelRunner:
         self.readback = self._readbacks[diff.step % 2]
         self._apply_diff(diff)
         inputs, spec = prepare_with_drafts(self.batch, self.cached, diff, self.block_size)
+        self._launched_drafts = spec is not None
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
@@ -409,7 +418,7 @@ class ModelRunner:
         same_rows = pending.layout == self.batch.layout     # no row changed hands since
         top = top_alternatives(handles, pending.num_logprobs, sampled)
         ids, logprobs = sampled.token_ids, sampled.logprobs
-        if pending.spec is not None:      # sync scheduling only: the rows are the launch's
+        if pending.spec is not None:      # finished before the next launch: the launch's rows
             handles, rows, positions, ids, logprobs = pending.spec.accept(
                 self.batch, handles, rows, positions, ids, logprobs)
         token_ids = self.cached.record(handles, positions, ids, rows if same_rows else None)
