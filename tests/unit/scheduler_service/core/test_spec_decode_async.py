@@ -38,11 +38,12 @@ def run_async(sched, worker, on_step=None, max_steps: int = 3000) -> None:
 
 
 def _run(requests, sample, spec: bool, asynchronous: bool, num_blocks=64, on_step=None,
-         **cfg):
-    sched, _ = make(num_blocks=num_blocks, sample_fn=sample,
+         window: int = 0, **cfg):
+    sched, _ = make(num_blocks=num_blocks, sample_fn=sample, sliding_window=window,
                     speculative_config=SPEC if spec else None,
                     async_scheduling=asynchronous, **cfg)
-    worker = SpecSimWorker(num_blocks, sched.config.block_size, sample_fn=sample)
+    worker = SpecSimWorker(num_blocks, sched.config.block_size, sample_fn=sample,
+                           window=window)
     reqs = [make_request(rid, prompt, **kw) for rid, prompt, kw in requests]
     for r in reqs:
         sched.add_request(r)
@@ -175,3 +176,19 @@ def test_max_model_len_inside_a_run():
     assert got == want
     assert [len(out) for out, _ in got] == [21, 19, 16, 11, 4]
     assert sched.spec.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("noise", [3, 5, 7])
+def test_a_sliding_window_frees_only_what_rejected_drafts_cannot_need(noise):
+    """With a window the scheduler frees blocks no query will see. A step scheduled while a
+    drafted step is in flight counts those drafts as computed; freeing from that count would
+    free a block the queries need once the drafts are rejected (the worker's window reads
+    another request's keys there). A pool barely larger than the windows makes freed blocks
+    come back at once: the tokens are those of sync decoding without speculation."""
+    sample = periodic_sample(3, noise)
+    reqs = _requests(n=6, max_tokens=60)
+    want, _, _ = _run(reqs, sample, spec=False, asynchronous=False, window=6, num_blocks=14)
+    got, sched, worker = _run(reqs, sample, spec=True, asynchronous=True, window=6,
+                              num_blocks=14)
+    assert got == want
+    assert worker.dropped > 0 and any(k > a for k, a in worker.verified)
