@@ -19,19 +19,7 @@ from engine_common.request.params import SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.engine_checks import MODELS, _check, _prompts, _shared_prefix_prompts
-from worker_service.runner.model_runner import ModelRunner
-
-
-@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "pipelined"])
-def pipelined(request, monkeypatch):
-    """Force the runner's pipelining on or off (a CPU runner has it off by default)."""
-    init = ModelRunner.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.pipelined = request.param
-    monkeypatch.setattr(ModelRunner, "__init__", patched)
-    return request.param
+from tests.support.pipelining import pipelined  # noqa: F401 (autouse fixture)
 
 
 def _watch_pipeline(llm: LLM) -> dict:

@@ -9,10 +9,8 @@ import random
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.request.params import SamplingParams, StoppingParams
 from kernels.attention import cpu_paged
-from tests.support.engine_checks import assert_no_leaked_blocks
-from tests.support.hf_reference import assert_greedy_agrees, compare_greedy, hf_greedy
+from tests.support.engine_checks import _check
 
 WINDOW, BS, NUM_BLOCKS, MAX_NEW = 8, 4, 12, 40
 
@@ -47,20 +45,10 @@ def test_requests_longer_than_the_cache_match_transformers(tiny_models, backend)
         preempted.append(request.request_id)
         preempt(request, plan)
     sched._preempt = counted
-    batch = prompts(llm.model_info.vocab_size)
-    outs = llm.generate(batch, SamplingParams(),
-                        StoppingParams(max_tokens=MAX_NEW, ignore_eos=True))
-    near_ties, failures = [], []
-    for i, (p, out) in enumerate(zip(batch, outs)):
-        assert len(out.token_ids) == MAX_NEW
-        failure = compare_greedy(f"{backend}/prompt{i}(len {len(p)})", out.token_ids,
-                                 hf_greedy(path, tuple(p), MAX_NEW), near_ties)
-        if failure:
-            failures.append(failure)
-    assert_greedy_agrees(failures, near_ties)
+    outs = _check(llm, path, prompts(llm.model_info.vocab_size), backend, MAX_NEW)
+    assert all(len(out.token_ids) == MAX_NEW for out in outs)
     assert preempted, "the four requests should not have fit together"
     assert outs[1].num_cached_tokens >= 24 // BS * BS, outs[1].num_cached_tokens
-    assert_no_leaked_blocks(llm)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -81,15 +69,6 @@ def test_drafts_rolled_back_below_a_freed_block_match_transformers(tiny_models, 
     vocab = llm.model_info.vocab_size
     batch = [[5, 17, 99, 42, 7] * 4, [200] * 9, [3, 4, 5, 6] * 5,
              [rng.randrange(3, vocab) for _ in range(12)] * 2]
-    outs = llm.generate(batch, SamplingParams(),
-                        StoppingParams(max_tokens=MAX_NEW, ignore_eos=True))
-    near_ties, failures = [], []
-    for i, (p, out) in enumerate(zip(batch, outs)):
-        failure = compare_greedy(f"spec/{asynchronous}/prompt{i}", out.token_ids,
-                                 hf_greedy(path, tuple(p), MAX_NEW), near_ties)
-        if failure:
-            failures.append(failure)
-    assert_greedy_agrees(failures, near_ties)
+    _check(llm, path, batch, f"spec/{asynchronous}", MAX_NEW)
     stats = llm.scheduler.spec.stats     # (the tiny model seldom repeats: drafts rejected)
     assert stats.num_draft_tokens + stats.num_dropped > 0, stats
-    assert_no_leaked_blocks(llm)

@@ -28,13 +28,16 @@ def _shared_prefix_prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-def _check(llm: LLM, model_dir: str, prompts: list[list[int]], label: str) -> list:
+def _check(llm: LLM, model_dir: str, prompts: list[list[int]], label: str,
+           max_new: int = MAX_NEW) -> list:
+    """Greedy outputs of `prompts` (max_new tokens each, eos ignored) equal transformers'
+    generate(); no KV block left held. Returns the outputs."""
     outs = llm.generate(prompts, SamplingParams(),
-                        StoppingParams(max_tokens=MAX_NEW, ignore_eos=True))
+                        StoppingParams(max_tokens=max_new, ignore_eos=True))
     near_ties, failures = [], []
     for i, (p, out) in enumerate(zip(prompts, outs)):
         failure = compare_greedy(f"{label}/prompt{i}(len {len(p)})", out.token_ids,
-                                 hf_greedy(model_dir, tuple(p), MAX_NEW), near_ties)
+                                 hf_greedy(model_dir, tuple(p), max_new), near_ties)
         if failure:
             failures.append(failure)
     assert_greedy_agrees(failures, near_ties)
