@@ -30,7 +30,8 @@ from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from scheduler_service.core.kv_events import BASE_NAMESPACE, BlockNamespace, KvEventFeed
 from scheduler_service.core.request import Request
 from scheduler_service.core.sliding_window import (longest_window_hit, new_null_block,
-                                                   next_skip_at, num_skipped_blocks)
+                                                   next_skip_at, num_freed_behind,
+                                                   num_skipped_blocks)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -300,9 +301,15 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - held - num_hit_blocks)
 
     def num_fitting_tokens(self, request: Request) -> int:
-        """New tokens a running request's held blocks and the free queue hold together."""
-        held = len(self._blocks.get(request.request_id, ()))
-        return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
+        """New tokens a running request's held blocks and the free queue hold together, with
+        (under a window) the blocks grow_slots frees first: those no query of it sees now."""
+        rid = request.request_id
+        blocks, free = self._blocks.get(rid, ()), self.pool.num_free_blocks
+        if self.sliding_window:
+            free += num_freed_behind(blocks, self._num_skipped.get(rid, 0),
+                                     request.num_computed_tokens, self.sliding_window,
+                                     self.block_size)
+        return (len(blocks) + free) * self.block_size - request.num_computed_tokens
 
     def freed_blocks_counter(self, taken_back: Sequence[KVCacheBlock] = ()
                              ) -> Callable[[Request], int]:

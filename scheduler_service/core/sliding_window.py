@@ -46,6 +46,15 @@ def next_skip_at(num_skipped: int, window: int, block_size: int) -> int:
     return (num_skipped + 1) * block_size + window - 1
 
 
+def num_freed_behind(blocks: Sequence[KVCacheBlock], num_skipped: int, num_computed: int,
+                     window: int, block_size: int) -> int:
+    """Blocks that go back to the free queue once a request's places no query from
+    `num_computed` on sees are freed (its first `num_skipped` places are null already; a block
+    another request shares stays held)."""
+    end = num_skipped_blocks(num_computed, window, block_size)
+    return sum(1 for b in blocks[num_skipped:end] if b.ref_cnt == 1)
+
+
 def blocks_for_one_chunk(max_chunk: int, window: int, block_size: int) -> int:
     """Blocks a request holds at most while it computes a chunk of up to `max_chunk` tokens:
     the chunk's own and the window's before it, each edge in a partial block. A cache this

@@ -147,3 +147,31 @@ def test_a_prompt_longer_than_the_whole_cache_is_admitted_and_chunked():
     run_steps(sched, worker, on_step=lambda *_: check_kv_invariants(sched))
     assert request.num_output_tokens == 4
     assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_a_long_prefill_never_idles_on_blocks_its_window_left():
+    """Two decodes take the free blocks first; the long prefill behind them (80 tokens in
+    chunks of 4) counts the blocks it is about to free (those behind its window) as room, so
+    it advances in every step it is scheduled instead of idling on them."""
+    sched, worker = make(num_blocks=10, sliding_window=W, max_num_batched_tokens=8,
+                         long_prefill_token_threshold=4, max_num_seqs=4, max_model_len=200)
+    decodes = [make_request(f"d{i}", range(3 + i, 9 + i), max_tokens=120, seed=i)
+               for i in range(2)]
+    long = make_request("long", range(100, 180), max_tokens=2)
+    for r in decodes + [long]:
+        sched.add_request(r)
+    idle_on_freeable = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if long.status == RequestStatus.RUNNING and long.num_preemptions == 0 \
+                and out.num_scheduled_tokens.get(long.handle) == 0 \
+                and long.num_computed_tokens < long.num_prompt_tokens:
+            freeable = (num_skipped_blocks(long.num_computed_tokens, W, BS)
+                        - sched.kv._num_skipped.get("long", 0))
+            if freeable > 0:
+                idle_on_freeable.append((out.step, long.num_computed_tokens, freeable))
+        sched.update_from_output(out, worker.execute(out))
+        check_kv_invariants(sched)
+    assert long.num_output_tokens == 2 and long.num_preemptions == 0
+    assert idle_on_freeable == []
+    assert sched.num_free_blocks == sched.num_total_blocks
