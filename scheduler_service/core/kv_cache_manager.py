@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine_common.request.pooling import needs_every_position
@@ -301,15 +301,19 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - held - num_hit_blocks)
 
     def num_fitting_tokens(self, request: Request) -> int:
-        """New tokens a running request's held blocks and the free queue hold together, with
-        (under a window) the blocks grow_slots frees first: those no query of it sees now."""
+        """New tokens a running request's held blocks, those it frees first (num_freed_by_window)
+        and the free queue hold together."""
+        free = self.pool.num_free_blocks + self.num_freed_by_window(request)
+        held = len(self._blocks.get(request.request_id, ()))
+        return (held + free) * self.block_size - request.num_computed_tokens
+
+    def num_freed_by_window(self, request: Request, taken_back: Collection[int] = ()) -> int:
+        """Blocks behind the request's window its next grow_slots returns to the free queue
+        (0 without a window), but those whose id() is in `taken_back` (another's prefix hits)."""
         rid = request.request_id
-        blocks, free = self._blocks.get(rid, ()), self.pool.num_free_blocks
-        if self.sliding_window:
-            free += num_freed_behind(blocks, self._num_skipped.get(rid, 0),
-                                     request.num_computed_tokens, self.sliding_window,
-                                     self.block_size)
-        return (len(blocks) + free) * self.block_size - request.num_computed_tokens
+        return self.sliding_window and num_freed_behind(
+            self._blocks.get(rid, ()), self._num_skipped.get(rid, 0), request.num_computed_tokens,
+            self.sliding_window, self.block_size, taken_back)
 
     def freed_blocks_counter(self, taken_back: Sequence[KVCacheBlock] = ()
                              ) -> Callable[[Request], int]:
