@@ -3,6 +3,7 @@
 
     python -m bench.spec_decode                      # the default model (SmolLM2-135M), CPU
     python -m bench.spec_decode --rounds 3 --max-tokens 128 --num-speculative-tokens 4
+    python -m bench.spec_decode --async-scheduling   # both engines with async scheduling
 
 Each prompt asks the chat model to repeat or lightly edit a given passage (greedy), so most of
 its answer is in its prompt: the case prompt lookup is for. Prints one line per run and the
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="0: greedy; above: sampled with a seed per conversation")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="vLLM's repetition_penalty for every conversation (1: off)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="both engines schedule a step ahead (speculation then drafts over "
+                   "the step in flight: docs/speculative-decoding.md)")
     args = p.parse_args(argv)
 
     from deltaserve.llm import LLM
@@ -85,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max,
             "prompt_lookup_min": args.prompt_lookup_min}
-    engines = {"off": LLM(model, dtype="float32"),
-               "on": LLM(model, dtype="float32", speculative_config=spec)}
+    kw = {"dtype": "float32", "async_scheduling": args.async_scheduling}
+    engines = {"off": LLM(model, **kw), "on": LLM(model, speculative_config=spec, **kw)}
     chats = conversations(args.num_prompts)
     for llm in engines.values():                  # warm-up (untimed): the same work once
         run_once(llm, chats, args.max_tokens, args.concurrency, args.temperature,
@@ -106,12 +110,17 @@ def main(argv: list[str] | None = None) -> int:
             texts[name] = ids
     stats = engines["on"].scheduler.spec.stats
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    for name in ("off", "on"):
+        print(f"spec {name:3} output tok/s min / median / max: {min(rates[name]):.1f} / "
+              f"{statistics.median(rates[name]):.1f} / {max(rates[name]):.1f}")
     print(f"median output tok/s: off {off:.1f}, on {on:.1f} ({on / off:.2f}x); same tokens "
-          f"on and off: {texts['on'] == texts['off']}")
+          f"on and off: {texts['on'] == texts['off']}; async scheduling: "
+          f"{args.async_scheduling}")
     print(f"drafts: {stats.num_drafts} requests-steps, {stats.num_draft_tokens} tokens, "
           f"{stats.num_accepted_tokens} accepted (acceptance {stats.acceptance_rate:.2f}; per "
           f"position {stats.accepted_per_pos}); mean accepted per draft "
-          f"{stats.num_accepted_tokens / max(1, stats.num_drafts):.2f}")
+          f"{stats.num_accepted_tokens / max(1, stats.num_drafts):.2f}; dropped (a guess over "
+          f"the step in flight failed): {stats.num_dropped} requests-steps")
     return 0
 
 

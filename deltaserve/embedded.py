@@ -207,8 +207,7 @@ def serve(args) -> int:
     if worker_options.local_ranks > 1:    # refused here, in one line, before anything starts
         check_tp_size(ModelInfo.from_dir(model_dir).hf_config, worker_options.local_ranks,
                       "--local-ranks")
-    for name, value in device_defaults(_worker_device(worker_options.device),
-                                       bool(getattr(args, "speculative_config", None))).items():
+    for name, value in device_defaults(_worker_device(worker_options.device)).items():
         if not hasattr(args, name):        # flags the user left unset
             setattr(args, name, value)
     settings = engine_settings(args, model_dir)

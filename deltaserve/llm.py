@@ -91,8 +91,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
         if isinstance(kwargs.get("speculative_config"), dict):     # vLLM's form: a dict
             kwargs["speculative_config"] = to_json(kwargs["speculative_config"])
         self.pooler = pooler_from_kwargs(model, kwargs)
-        kwargs = {**device_defaults(kwargs.get("device", "cpu"),
-                                    bool(kwargs.get("speculative_config"))), **kwargs}
+        kwargs = {**device_defaults(kwargs.get("device", "cpu")), **kwargs}
         self.model_info = ModelInfo.from_dir(model, kwargs.get("max_model_len"))
         kwargs["max_model_len"] = self.model_info.max_model_len
         runner_keys = {f.name for f in dataclasses.fields(RunnerConfig)}

@@ -137,7 +137,7 @@ class SchedulerConfig(BatchLimits):
     max_long_partial_prefills: int = setting(
         1, "long prefills in progress at once; a further long prompt waits, shorter ones behind "
         "it are admitted", rule=AtLeast(1))
-    # docs/speculative-decoding.md: n-gram drafts verified in one step; sync scheduling only.
+    # docs/speculative-decoding.md: n-gram drafts verified in one step (sync or async).
     speculative_config: str | None = setting(
         None, "speculative decoding as vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}'; "
@@ -145,11 +145,7 @@ class SchedulerConfig(BatchLimits):
 
     def __post_init__(self):
         super().__post_init__()
-        spec = self.speculative
-        if spec is not None and self.async_scheduling:
-            raise ParamError("async_scheduling", True, "off with speculative_config "
-                             "(speculative decoding runs with sync scheduling: leave "
-                             "--async-scheduling out)")
+        self.speculative       # parsed once here: a bad speculative_config is refused now
         threshold = self.long_prefill_threshold
         if self.max_long_partial_prefills * threshold > self.max_num_batched_tokens:
             raise ParamError("max_long_partial_prefills x long_prefill_token_threshold",

@@ -13,10 +13,7 @@ from __future__ import annotations
 CUDA_DEFAULTS = {"async_scheduling": True, "max_num_batched_tokens": 16384, "fused_ops": True}
 
 
-def device_defaults(device: str, speculative: bool = False) -> dict:
+def device_defaults(device: str) -> dict:
     """The defaults for a model on `device` ("cuda", "cuda:1", "cpu", ...) that differ from
-    the declared ones. With speculative decoding async scheduling stays off (it runs sync)."""
-    out = dict(CUDA_DEFAULTS) if str(device).startswith("cuda") else {}
-    if speculative:
-        out.pop("async_scheduling", None)
-    return out
+    the declared ones (with or without speculative decoding: it runs with async scheduling)."""
+    return dict(CUDA_DEFAULTS) if str(device).startswith("cuda") else {}

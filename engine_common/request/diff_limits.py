@@ -77,12 +77,13 @@ def max_diff_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len
     whole: its prompt (< max_model_len uint32 ids), block ids, stop ids, sampling, a
     constraint of up to MAX_CONSTRAINT_CHARS characters and its scalars (prompt_logprobs the
     ninth). Every seat may also be resumed, get new blocks and a token count, and speculative
-    drafts (each a scheduled token: at most max_num_batched_tokens ids in all).
+    drafts (each a scheduled token: at most max_num_batched_tokens ids in all) with what they
+    assume of the step in flight (spec_assumed: a key and two ints).
     """
     blocks = max_blocks_per_request(max_model_len, block_size) * _INT + _HEADER
     new = (4 * max_model_len + _HEADER + blocks + MAX_STOP_IDS * _INT + _SAMPLING + 9 * _INT
            + _CONSTRAINT + _LOGIT_BIAS)
     joining = min(max_num_seqs, max_num_batched_tokens)
     per_seat = 2 * (blocks + 2 * _INT) + 2 * _INT
-    drafts = max_num_batched_tokens * _INT + max_num_seqs * (_INT + _HEADER)
+    drafts = max_num_batched_tokens * _INT + max_num_seqs * (2 * _INT + 2 * _HEADER + 2 * _INT)
     return joining * new + max_num_seqs * per_seat + drafts + _SLACK

@@ -5,7 +5,8 @@ Layouts (positional arrays keep steady-state messages tiny):
 
     SchedulerOutput = [step, [new...], [resumed...], new blocks, {handle: n},
                        [finished handles], [preempted handles]
-                       (, {handle: [draft ids]}: only when a request has speculative drafts)]
+                       (, {handle: [draft ids]}: only when a request has speculative drafts)
+                       (, {handle: [num tokens, last id]}: drafts assumed over a step in flight)]
     new        = [handle, prompt ids (uint32 bytes: decoded as a read-only numpy array),
                   sampling, block ids,
                   num_computed_tokens, num_logprobs (-1: none), constraint
@@ -260,12 +261,17 @@ def encode_scheduler_output(out: SchedulerOutput) -> bytes:
               out.preempted_handles]
     if out.spec_token_ids:
         fields.append(out.spec_token_ids)
+        if out.spec_assumed:
+            fields.append(out.spec_assumed)
     return msgpack.packb(fields, use_bin_type=True)
 
 
 def decode_scheduler_output(data: bytes) -> SchedulerOutput:
     try:
         fields, drafts = msgpack.unpackb(data, raw=False, strict_map_key=False), {}
+        assumed = {}
+        if isinstance(fields, list) and len(fields) == 9:
+            *fields, assumed = fields
         if isinstance(fields, list) and len(fields) == 8:
             *fields, drafts = fields
         step, new, resumed, new_blocks, num_sched, finished, preempted = _seq(
@@ -279,6 +285,7 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
             finished_handles=_ints(finished, "finished_handles"),
             preempted_handles=_ints(preempted, "preempted_handles"),
             spec_token_ids=_int_map(drafts, "spec_token_ids", _ints) if drafts else {},
+            spec_assumed=_int_map(assumed, "spec_assumed", _ints) if assumed else {},
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise CodecError(f"malformed SchedulerOutput payload: {_why(e)}") from e

@@ -10,6 +10,9 @@ A diff says only what changed since the previous step. The worker applies its pa
     num_scheduled_tokens -> per-handle token counts for this step
     spec_token_ids     -> speculative drafts (docs/speculative-decoding.md): a handle's count is
                           then 1 + its drafts, which follow its last token as query tokens
+    spec_assumed       -> (async scheduling) drafts proposed before the step in flight came
+                          back: they stand only if the request then has that many tokens, the
+                          last one as guessed; else the workers run the handle as one token
 
 Every request in the batch that `num_scheduled_tokens` does not name is scheduled for exactly one
 token: a decode step that feeds back the token the worker itself sampled last step. A count of 0
@@ -89,6 +92,11 @@ class SchedulerOutput:
     # handle -> draft token ids (n-gram speculation): verified by the workers this step, which
     # reply with the accepted drafts and one more token, all under that handle, in order.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # handle -> [num_tokens, last token id] (async scheduling; every handle is in
+    # spec_token_ids): the drafts were proposed assuming the request would hold num_tokens
+    # tokens, ending with that id, once the step in flight is done. Where it does not, the
+    # workers drop the drafts and compute the handle's one token where it really is.
+    spec_assumed: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -194,7 +194,10 @@ class KVCacheManager:
         rid, bs = request.request_id, self.block_size
         held = self._blocks[rid]
         if self.sliding_window and free_skipped:
-            self._free_skipped(rid, held, request.num_computed_tokens)
+            # From the lowest position this step's queries may start at: tokens in flight
+            # (async scheduling) count as computed, and drafts among them may be rejected.
+            self._free_skipped(rid, held,
+                               request.num_computed_tokens - request.num_pending_tokens)
         total = request.num_computed_tokens + num_new_tokens
         need = -(-total // bs) - len(held)
         new_ids = []

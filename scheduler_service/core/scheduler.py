@@ -34,8 +34,10 @@ NOTE the rules of one step (`schedule()`):
     request whose pending tokens already reach max_tokens or max_len is not scheduled again. A
     request preempted with a token in flight keeps that token when it arrives (its workers hold
     it too) and recomputes it on resumption like any other.
-  * Speculative decoding (speculative_config; sync scheduling only): after the running batch,
-    plain greedy decodes get n-gram drafts (spec_decode.py); rejected ones are rolled back.
+  * Speculative decoding (speculative_config): after the running batch, one-token decodes get
+    n-gram drafts (spec_decode.py), counted as pending; rejected ones are rolled back. With
+    async scheduling, drafts over a step in flight assume its drafts accepted and guess its
+    last token (the workers drop them where that fails).
   * Every returned diff must reach the workers (steps are numbered without gaps).
 """
 from __future__ import annotations

@@ -25,6 +25,8 @@ class StepPlan:
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)
     preempted_handles: list[int] = field(default_factory=list)
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)   # spec_decode.py
+    # handle -> [num tokens, last token]: what drafts over a step in flight assumed (async)
+    spec_assumed: dict[int, list[int]] = field(default_factory=dict)
 
     def schedule(self, request: Request, num_tokens: int) -> None:
         handle = request.handle
@@ -65,4 +67,5 @@ def build_output(step: int, plan: StepPlan, finished_handles: list[int]) -> Sche
         finished_handles=list(finished_handles),
         preempted_handles=plan.preempted_handles,
         spec_token_ids=plan.spec_token_ids,
+        spec_assumed=plan.spec_assumed,
     )

@@ -43,12 +43,12 @@ import grpc
 
 from engine_common.request.params import ParamError
 from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
-from engine_common.configuration.settings import to_proto
 from engine_common.security.stream_key import stream_key_metadata
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
+from scheduler_service.workers.init_messages import init_request, shared_window, worker_device
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
                                                    WorkerDevice, WorkerHealth)
 from scheduler_service.workers.worker_stream import (PeerEnded, StepLate, StepStream,
@@ -114,8 +114,8 @@ class WorkerClient:
                           force_new=self._force_new_group)
         epoch = max([self.owned_epoch] + [info.epoch for info in infos]) + 1
         self._init_epoch = epoch
-        calls = [stub.Init.future(_init_request(spec, epoch, plan.layout_pb(node),
-                                                self.scheduler_id),
+        calls = [stub.Init.future(init_request(spec, epoch, plan.layout_pb(node),
+                                               self.scheduler_id),
                                   timeout=self.init_timeout_s)
                  for node, stub in enumerate(self._stubs)]
         replies = self._all_results(calls, "Init")
@@ -123,12 +123,12 @@ class WorkerClient:
         self._force_new_group = False
         self.verify_symmetry = spec.config.verify_symmetry
         self._start_epoch(epoch, [r.stream_key for r in replies])
-        devices = tuple(_device(d, addr, node) for node, (addr, r) in
+        devices = tuple(worker_device(d, addr, node) for node, (addr, r) in
                         enumerate(zip(self.addresses, replies)) for d in r.devices)
         return InitResult(epoch=epoch, num_kv_blocks=min(r.num_kv_blocks for r in replies),
                           kv_block_bytes=replies[0].kv_block_bytes, devices=devices,
                           tp_size=plan.tp_size, group_id=plan.group_id,
-                          sliding_window=_shared_window([r.sliding_window for r in replies]))
+                          sliding_window=shared_window([r.sliding_window for r in replies]))
 
     def reset(self) -> int:
         """Start a new epoch on every worker; returns how many cached requests node 0 dropped.
@@ -382,22 +382,3 @@ class WorkerClient:
             stream.close()
         self._streams = []
 
-
-def _init_request(spec: InitSpec, epoch: int, layout: worker_pb2.ParallelLayout,
-                  scheduler_id: str) -> worker_pb2.InitRequest:
-    req = worker_pb2.InitRequest(epoch=epoch, layout=layout, scheduler_id=scheduler_id)
-    to_proto(spec.config, req.config)
-    return req
-
-
-def _device(d, address: str, node_rank: int) -> WorkerDevice:
-    return WorkerDevice(address=address, node_rank=node_rank, local_rank=d.local_rank,
-                        global_rank=d.global_rank, kind=d.device_kind, name=d.device_name,
-                        total_memory_bytes=d.total_memory_bytes,
-                        free_memory_bytes=d.free_memory_bytes, num_kv_blocks=d.num_kv_blocks)
-
-
-def _shared_window(windows: list[int]) -> int:
-    """The window the scheduler frees KV blocks by, from each worker's: none when one has
-    none (an older worker says 0), else the largest (it frees least)."""
-    return max(windows) if all(windows) else 0

@@ -1,6 +1,7 @@
-"""--speculative-config over real processes: a scheduler and a separate worker; concurrent
-greedy streams with drafts give the tokens of the in-process engine without speculation, every
-block comes back, and a bad config or one with --async-scheduling is refused naming the key."""
+"""--speculative-config over real processes: a scheduler and a separate worker, with sync and
+with async scheduling (drafts over the step in flight); concurrent greedy streams with drafts
+give the tokens of the in-process engine without speculation, every block comes back, the
+counters agree with each other, and a bad config is refused naming the key."""
 from __future__ import annotations
 
 import json
@@ -26,16 +27,17 @@ PROMPTS = [[5, 17, 99, 42, 7] * 6, [200] * 7, [3, 4, 5, 6] * 5, list(range(40, 9
 MAX_NEW = 20
 
 
-@pytest.fixture(scope="module")
-def target(tiny_models, tmp_path_factory):
+@pytest.fixture(scope="module", params=["sync", "async"])
+def target(request, tiny_models, tmp_path_factory):
     procs = Processes(tmp_path_factory.mktemp("spec_grpc"))
+    mode = ["--async-scheduling"] if request.param == "async" else []
     try:
         w_port, s_port, m_port = free_port(), free_port(), free_port()
         worker = procs.worker(w_port)
         sched = procs.scheduler(tiny_models("qwen3"), [w_port], s_port,
                                 "--speculative-config", SPEC, "--max-num-seqs", "4",
                                 "--max-num-batched-tokens", "32",
-                                "--metrics-listen", f"127.0.0.1:{m_port}")
+                                "--metrics-listen", f"127.0.0.1:{m_port}", *mode)
         target = f"127.0.0.1:{s_port}"
         wait_ready(target, [worker, sched])
         yield target, m_port
@@ -70,7 +72,9 @@ def test_streams_equal_the_engine_without_speculation(target, tiny_models):
 @pytest.mark.parametrize("flags, key", [
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'],
      "speculative_config.num_speculative_tokens"),
-    (["--speculative-config", SPEC, "--async-scheduling"], "--async-scheduling=True"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                              '"prompt_lookup_min": 9, "prompt_lookup_max": 3}'],
+     "speculative_config.prompt_lookup_max"),
 ])
 def test_bad_config_is_refused_naming_the_key(tiny_models, flags, key):
     cmd = [sys.executable, "-m", "deltaserve.cli", "scheduler", "--model", tiny_models("qwen3"),

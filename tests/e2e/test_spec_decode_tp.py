@@ -2,11 +2,14 @@
 gloo on CPU, symmetry verification on: both ranks must verify the drafts alike every step): the
 tokens equal the TP=1 in-process reference without speculation, drafts are accepted, and the
 workers end holding no request. Greedy and sampled requests draft, penalised and biased
-ones and ones under min_tokens too."""
+ones and ones under min_tokens too; with sync and with async scheduling (drafts proposed over
+the step in flight: every rank drops or verifies them alike)."""
 from __future__ import annotations
 
 import dataclasses
 import json
+
+import pytest
 
 from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.tp_harness import engine_on, reference, run_requests, scheduler_config
@@ -15,7 +18,8 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_looku
                    "prompt_lookup_min": 1})
 
 
-def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models, asynchronous):
     model = tiny_models("qwen3")      # its greedy output falls into loops: drafts accepted
     prompts = [[5, 17, 99, 42, 7] * 6, [200] * 7, [3, 4, 5, 6] * 5, list(range(40, 70)),
                [9, 8, 7, 9, 8, 7, 100], [3, 4, 5, 6] * 5, [5, 17, 99, 42, 7] * 6]
@@ -30,9 +34,15 @@ def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models):
     stoppings = [StoppingParams(max_tokens=16, ignore_eos=True)] * 5 + [
         StoppingParams(max_tokens=16, min_tokens=6, stop_token_ids=(4, 5, 17))] * 2
     expected, _ = reference(model, prompts, samplings, stoppings)
-    config = dataclasses.replace(scheduler_config(), speculative_config=SPEC)
+    config = dataclasses.replace(scheduler_config(), speculative_config=SPEC,
+                                 async_scheduling=asynchronous)
+    assumed = []
     with engine_on(tp2, model, config) as core:
+        schedule = core.scheduler.schedule
+        core.scheduler.schedule = lambda: assumed.append(out := schedule()) or out
         got = run_requests(core, model, prompts, samplings, stoppings)
         stats = core.scheduler.spec.stats
     assert got == expected
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    # async: drafts over the step in flight were sent (and some of them verified)
+    assert any(out.spec_assumed for out in assumed) == asynchronous

@@ -216,6 +216,8 @@ def test_offline_config_errors_name_the_key(tiny_models):
         LLM(model, dtype="float32", speculative_config={"method": "ngram",
                                                          "num_speculative_tokens": 0})
     assert e.value.field == "speculative_config.num_speculative_tokens"
-    with pytest.raises(ParamError) as e:
-        LLM(model, dtype="float32", speculative_config=SPEC, async_scheduling=True)
-    assert e.value.field == "async_scheduling"
+    with pytest.raises(ParamError) as e:     # refused with async scheduling too
+        LLM(model, dtype="float32", async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                "prompt_lookup_min": 9, "prompt_lookup_max": 3})
+    assert e.value.field == "speculative_config.prompt_lookup_max"

@@ -25,11 +25,14 @@ def periodic_sample(period: int = 3, noise_every: int = 0):
 
 
 class SpecSimWorker(SimWorker):
-    """Also counts per step the tokens each request produced (`produced`)."""
+    """Also counts per step the tokens each request produced (`produced`); drops the drafts
+    whose spec_assumed does not hold, as the runner does (spec_verify.held_drafts)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.produced: list[dict[int, int]] = []
+        self.dropped = 0          # drafted handles whose assumption (spec_assumed) failed
+        self.verified: list[tuple[int, int]] = []     # (drafts, accepted) per verified run
 
     def _virtual_prefix(self, state: SimRequest, drafts: list[int], pos: int) -> int:
         """The prefix id of position `pos` of tokens + drafts (never cached in state)."""
@@ -51,8 +54,14 @@ class SpecSimWorker(SimWorker):
 
     def _run(self, out: SchedulerOutput) -> RunnerOutput:
         assert not self.compiling, "SpecSimWorker does not compile grammars"
-        drafts = out.spec_token_ids
-        work = [(self.reqs[h], out.num_scheduled_tokens.get(h, 1)) for h in self.batch]
+        drafts, counts = dict(out.spec_token_ids), dict(out.num_scheduled_tokens)
+        for h, (num, last) in out.spec_assumed.items():   # async: drafts over a step before
+            tokens = self.reqs[h].tokens
+            if len(tokens) != num or tokens[-1] != last:
+                del drafts[h]
+                counts[h] = 1
+                self.dropped += 1
+        work = [(self.reqs[h], counts.get(h, 1)) for h in self.batch]
         work = [(s, n) for s, n in work if n > 0]
         self.step_tokens.append({s.handle: n for s, n in work})
         for state, n in work:
@@ -86,6 +95,8 @@ class SpecSimWorker(SimWorker):
                 assert self.kv[self._slot(state, pos)] == state.prefix_id(pos), (
                     f"handle {state.handle}: wrong KV at position {pos}")
             produced[state.handle] = len(tokens)
+            if d:
+                self.verified.append((len(d), len(tokens) - 1))
             for tok in tokens:
                 result.handles.append(state.handle)
                 result.sampled_token_ids.append(tok)

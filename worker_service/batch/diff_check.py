@@ -24,6 +24,8 @@ each part adds or removes, so the whole diff is judged against the state it will
                            the batch <= max_num_seqs
     spec_token_ids         requests in the batch whose count is 1 + their drafts (at least
                            one); draft ids < vocab_size
+    spec_assumed           drafted handles only; [num tokens 1 .. max_model_len - 1, last id
+                           < vocab_size]
 
 Cost: proportional to the diff, not to the batch (a decode step checks nearly nothing). A row's
 computed + scheduled tokens against its known tokens and blocks, and a sampling row's room below
@@ -135,6 +137,24 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
     _check_counts(diff.num_scheduled_tokens, bounds, view)
     if diff.spec_token_ids:
         _check_drafts(diff.spec_token_ids, diff.num_scheduled_tokens, bounds, view)
+    if diff.spec_assumed:
+        _check_assumed(diff.spec_assumed, diff.spec_token_ids, bounds)
+
+
+def _check_assumed(assumed: dict[int, list[int]], drafts: dict[int, list[int]],
+                   bounds: DiffBounds) -> None:
+    """Each assumption is of a drafted handle: a length the row may have, a token id."""
+    for handle, value in assumed.items():
+        name = f"spec_assumed[{handle}]"
+        if handle not in drafts:
+            raise BadDiff(name, value, "absent: the handle has no spec_token_ids")
+        if len(value) != 2:
+            raise BadDiff(name, value, "[num tokens, last token id]")
+        if not 1 <= value[0] < bounds.max_model_len:
+            raise BadDiff(f"{name}[0]", value[0], f"in [1, {bounds.max_model_len - 1}] "
+                          "(max_model_len - 1)")
+        if value[1] >= bounds.vocab_size:
+            raise BadDiff(f"{name}[1]", value[1], f"< vocab_size ({bounds.vocab_size})")
 
 
 def _check_drafts(drafts: dict[int, list[int]], counts: dict[int, int], bounds: DiffBounds,

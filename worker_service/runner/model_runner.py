@@ -6,25 +6,21 @@ into its own persistent batch.
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 
 from engine_common.wire.codec import decode_scheduler_output
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
-from engine_common.request.diff_limits import max_cached_requests, max_diff_bytes
+from engine_common.request.diff_limits import max_diff_bytes
 from engine_common.model_files.model_dir import ModelInfo
-from engine_common.runtime.progress import heartbeat
 from kernels.attention.selector import CacheLayout, get_attention_backend, resolve_backend_name
 from worker_service.batch.cached_requests import CachedRequests, rejoins
 from worker_service.config import RunnerConfig
-from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
+from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
-from worker_service.runner.host_memory import zeroed_host_tensor
 from worker_service.batch.input_batch import InputBatch
-from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
-from worker_service.runner.runner_profile import profile_runner
+from worker_service.runner.runner_kv_cache import RunnerKVCache
 from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import load_model, resolve_dtype
 from worker_service.parallel_state import TPGroup, single_rank_group
@@ -43,7 +39,6 @@ from worker_service.step.step_inputs import StepInputs
 from worker_service.sample.token_readback import (PendingStep, SampledTokens, TokenFeed,
                                                   TokenReadback, top_alternatives)
 
-log = logging.getLogger(__name__)
 # How long a step that computes nothing waits for a grammar compile to end (finish_step).
 _IDLE_COMPILE_WAIT_S = 0.05
 
@@ -54,7 +49,7 @@ def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
     return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype))
 
 
-class ModelRunner:
+class ModelRunner(RunnerKVCache):
     def __init__(self, config: RunnerConfig, tp: TPGroup | None = None):
         self.config = config
         self.tp = tp or single_rank_group()
@@ -104,6 +99,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
+        # Whether the last launched step verified drafts: its accepted run sets its rows'
+        # lengths only when it finishes, so the next step waits for that (needs_host_tokens).
+        self._launched_drafts = False
         self.clock = StepClock()          # the last step's phases, for the worker's metrics
         # Called once per step as the sampler (and the LM head, for hidden rows) starts: the
         # step's longest stretch without Python, which an in-process engine thread uses.
@@ -112,93 +110,6 @@ class ModelRunner:
                                                 config.max_num_batched_tokens,
                                                 self.max_model_len, self.block_size)
         self.diff_bounds: DiffBounds | None = None    # set with the KV cache
-
-    # -- KV cache ---------------------------------------------------------------------------
-
-    @property
-    def num_cache_layers(self) -> int:
-        """Layers that keep a KV cache: none for an encoder (models/bert.py)."""
-        return self.model.num_layers if getattr(self.model, "needs_kv_cache", True) else 0
-
-    @property
-    def sliding_window(self) -> int:
-        """The window every attention layer has (DecoderArgs.shared_window; 0: none, or no KV
-        cache), which the scheduler frees KV blocks by."""
-        return self.model.args.shared_window() if self.num_cache_layers else 0
-
-    @property
-    def kv_block_bytes(self) -> int:
-        """Bytes one block takes across all layers on this rank (keys and values)."""
-        m = self.model
-        elem = torch.empty((), dtype=self.model_dtype).element_size()
-        return 2 * self.num_cache_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
-
-    @property
-    def model_dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    def determine_num_blocks(self) -> int:
-        """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
-        profiled share of the device (call with no cache allocated); else the byte budget."""
-        config = self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if not self.num_cache_layers:     # blocks are bookkeeping only: a full-length seat each
-            return config.max_num_seqs * self.batch.block_table.shape[1]
-        if config.gpu_memory_utilization is None or self.device.type != "cuda":
-            return cpu_num_kv_blocks(config.kv_budget_bytes, self.kv_block_bytes)
-        with heartbeat(f"profiling KV memory on {self.device} with a warm-up step of "
-                       f"{config.max_num_batched_tokens} tokens", emit=log.info):
-            profile = self.profile_kv_memory(config.gpu_memory_utilization)
-        log.info("KV memory on %s: %s", self.device, profile)
-        return profile.num_blocks
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache, then capture decode CUDA graphs over it where they apply."""
-        self.free_kv_cache()
-        m = self.model
-        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        if self.device.type == "cpu":
-            self.kv_caches = [zeroed_host_tensor(shape, self.model_dtype)
-                              for _ in range(self.num_cache_layers)]
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
-                              for _ in range(self.num_cache_layers)]
-        self.diff_bounds = DiffBounds(
-            num_kv_blocks=num_blocks, vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1],
-            max_cached_requests=max_cached_requests(self.config.max_num_seqs))
-        why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
-                                            self.config.enforce_eager, self.model)
-        if why_not is None and not self.num_cache_layers:
-            why_not = "an encoder model (no KV cache, no decode steps)"
-        if why_not is None and self.lora is not None:
-            why_not = "LoRA adapters are on (the per-row adapter is not a graph input)"
-        if why_not is not None:
-            log.info("decode CUDA graphs off: %s", why_not)
-            return
-        self.graph_runner = DecodeGraphRunner(
-            self.model, self.kv_caches, self._max_graph_batch, self.batch.block_table.shape[1],
-            self.max_model_len, self.device, self.staging)
-        self.graph_runner.capture()
-
-    def free_kv_cache(self) -> None:
-        """Drop the cache and the graphs captured over it (they hold its memory and pool)."""
-        self.graph_runner = None
-        self.kv_caches = []
-        self.diff_bounds = None
-
-    @property
-    def _max_graph_batch(self) -> int:
-        return min(self.config.max_graph_batch, self.config.max_num_seqs)
-
-    def profile_kv_memory(self, gpu_memory_utilization: float) -> KVMemoryProfile:
-        """CUDA: what the KV cache may take after a profiled warm-up at the largest step (and
-        the largest graphed decode batch), as nano-vllm sizes it. Call with no cache allocated;
-        every tensor-parallel rank must call it together (the warm-up runs collectives)."""
-        return profile_runner(self, gpu_memory_utilization)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
         """The digest of this step's sampled ids, the cached state and the grammars' (see
@@ -212,6 +123,7 @@ class ModelRunner:
         self.prompt_logprobs.clear()
         self.pooling.clear()
         self.last_step = -1
+        self._launched_drafts = False
 
     # -- one step ---------------------------------------------------------------------------
     # launch_step: apply the diff, stage every input (one copy per staging arena), forward,
@@ -241,7 +153,11 @@ class ModelRunner:
     def needs_host_tokens(self, diff: SchedulerOutput) -> bool:
         """Whether `diff` must see the previous step's sampled ids on the host before it is
         launched: grammar masks and penalties are computed from them, and a handle that leaves
-        the batch and joins it again in `diff` changes rows (cached_requests.rejoins)."""
+        the batch and joins it again in `diff` changes rows (cached_requests.rejoins). Drafts
+        too: a step after one with drafts starts where that one's accepted run ended, and
+        drafts assumed over the step before are checked against its tokens (spec_verify.py)."""
+        if self._launched_drafts or diff.spec_token_ids:
+            return True
         if self.grammar or any(new.constraint is not None for new in diff.new_requests):
             return True
         if rejoins(diff):
@@ -264,6 +180,7 @@ class ModelRunner:
         self.readback = self._readbacks[diff.step % 2]
         self._apply_diff(diff)
         inputs, spec = prepare_with_drafts(self.batch, self.cached, diff, self.block_size)
+        self._launched_drafts = spec is not None
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)
         self.staging.check_fits(inputs.num_tokens, len(inputs.rows), inputs.block_table.shape[1])
@@ -409,7 +326,7 @@ class ModelRunner:
         same_rows = pending.layout == self.batch.layout     # no row changed hands since
         top = top_alternatives(handles, pending.num_logprobs, sampled)
         ids, logprobs = sampled.token_ids, sampled.logprobs
-        if pending.spec is not None:      # sync scheduling only: the rows are the launch's
+        if pending.spec is not None:      # finished before the next launch: the launch's rows
             handles, rows, positions, ids, logprobs = pending.spec.accept(
                 self.batch, handles, rows, positions, ids, logprobs)
         token_ids = self.cached.record(handles, positions, ids, rows if same_rows else None)

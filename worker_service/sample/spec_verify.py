@@ -17,6 +17,12 @@ is the rejection sampler exactly: d_j is kept with probability p(d_j), and on a 
 a draw of p given != d_a (the residual max(p - q, 0) normalised, q one-hot on d_a). The row's
 KV of rejected drafts is left in place; num_computed drops to T + a, so the next step writes
 those slots again. Every rank verifies alike (same logits, same noise): nothing is broadcast.
+
+Async scheduling: the scheduler drafts for step t+1 before step t's tokens are back, assuming
+step t's drafts all accepted and guessing its last token (diff.spec_assumed). The runner
+finishes step t before launching step t+1 (needs_host_tokens), so the batch holds step t's
+tokens: a row where the assumption holds is verified as above; one where it fails drops its
+drafts and computes its one token at its true position (`held_drafts`), as a plain decode.
 """
 from __future__ import annotations
 
@@ -35,20 +41,41 @@ from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
 def prepare_with_drafts(batch: InputBatch, cached: CachedRequests, diff: SchedulerOutput,
                         block_size: int) -> tuple[StepInputs, "SpecStep | None"]:
     """The step's model inputs for the applied `diff` (its counts per row; none named: one
-    token each, the steady decode step), with its speculative drafts as query tokens."""
+    token each, the steady decode step), with its speculative drafts as query tokens (but
+    those whose assumption failed: `held_drafts`)."""
     num_scheduled = None
     if diff.num_scheduled_tokens:
         num_scheduled = np.ones(batch.num_reqs, dtype=np.int32)
         for handle, n in diff.num_scheduled_tokens.items():
             num_scheduled[cached.row(handle)] = n
-    if not diff.spec_token_ids:
+    drafts = diff.spec_token_ids
+    if diff.spec_assumed:
+        drafts = held_drafts(batch, cached, diff)
+        for handle in diff.spec_token_ids.keys() - drafts.keys():
+            num_scheduled[cached.row(handle)] = 1      # its one token, where it really is
+    if not drafts:
         return prepare_step_inputs(batch, num_scheduled, block_size), None
-    spec, inputs = SpecStep.stage(batch, cached, diff.spec_token_ids), None
+    spec, inputs = SpecStep.stage(batch, cached, drafts), None
     try:
         inputs = prepare_step_inputs(batch, num_scheduled, block_size)
     finally:
         spec.unstage(batch, inputs)
     return inputs, spec
+
+
+def held_drafts(batch: InputBatch, cached: CachedRequests,
+                diff: SchedulerOutput) -> dict[int, list[int]]:
+    """diff.spec_token_ids without the drafts whose assumption failed: async scheduling drafts
+    over the step before this one (its drafts all accepted, its last token guessed); a row
+    that does not hold diff.spec_assumed's [num tokens, last token] after that step runs its
+    one token instead. The batch holds that step's tokens (needs_host_tokens)."""
+    drafts = dict(diff.spec_token_ids)
+    for handle, (num, last) in diff.spec_assumed.items():
+        row = cached.row(handle)
+        n = int(batch.num_tokens[row])
+        if n != num or int(batch.token_ids[row, n - 1]) != last:
+            del drafts[handle]
+    return drafts
 
 
 @dataclass

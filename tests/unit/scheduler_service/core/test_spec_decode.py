@@ -197,13 +197,13 @@ def test_config_errors_name_the_key(spec, key):
     assert e.value.field == key
 
 
-def test_config_defaults_and_async_refused():
+def test_config_defaults_and_async_allowed():
     c = SchedulerConfig(max_model_len=64, speculative_config='{"method": "ngram", '
                         '"num_speculative_tokens": 3, "prompt_lookup_min": 2}').speculative
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 2, 2)
     assert SchedulerConfig(max_model_len=64).speculative is None
-    with pytest.raises(ParamError, match="async"):
-        SchedulerConfig(max_model_len=64, speculative_config=SPEC, async_scheduling=True)
+    both = SchedulerConfig(max_model_len=64, speculative_config=SPEC, async_scheduling=True)
+    assert both.async_scheduling and both.speculative.num_speculative_tokens == 4
 
 
 def _spec_with_batch_limit(limit: int) -> str:

@@ -1,0 +1,29 @@
+"""The Worker protocol's Init messages on the scheduler's side: the request each worker gets and
+what its response says (devices, the sliding window). Torch-free."""
+from __future__ import annotations
+
+from engine_common.configuration.settings import to_proto
+from engine_common.wire.protos import worker_pb2
+from scheduler_service.workers.worker_spec import InitSpec, WorkerDevice
+
+
+def init_request(spec: InitSpec, epoch: int, layout: worker_pb2.ParallelLayout,
+                 scheduler_id: str) -> worker_pb2.InitRequest:
+    """The Init a worker gets: the epoch, its place in the group, the settings."""
+    req = worker_pb2.InitRequest(epoch=epoch, layout=layout, scheduler_id=scheduler_id)
+    to_proto(spec.config, req.config)
+    return req
+
+
+def worker_device(d, address: str, node_rank: int) -> WorkerDevice:
+    """One rank's device as a worker's InitResponse describes it."""
+    return WorkerDevice(address=address, node_rank=node_rank, local_rank=d.local_rank,
+                        global_rank=d.global_rank, kind=d.device_kind, name=d.device_name,
+                        total_memory_bytes=d.total_memory_bytes,
+                        free_memory_bytes=d.free_memory_bytes, num_kv_blocks=d.num_kv_blocks)
+
+
+def shared_window(windows: list[int]) -> int:
+    """The window the scheduler frees KV blocks by, from each worker's: none when one has
+    none (an older worker says 0), else the largest (it frees least)."""
+    return max(windows) if all(windows) else 0
