@@ -80,6 +80,13 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + out[:end - p]
 
 
+def _lowest_query(request: Request) -> int:
+    """The lowest position a running request's next step's queries may start at, which a
+    window frees blocks by: tokens in flight (async scheduling) count as computed, and drafts
+    among them may be rejected."""
+    return request.num_computed_tokens - request.num_pending_tokens
+
+
 def _num_free(blocks: Sequence[KVCacheBlock]) -> int:
     """Blocks among `blocks` in the free queue (none to count without prefix hits; the null
     block's ref_cnt stays 0 but it is never in the free queue: callers pass live hits only)."""
@@ -194,10 +201,7 @@ class KVCacheManager:
         rid, bs = request.request_id, self.block_size
         held = self._blocks[rid]
         if self.sliding_window and free_skipped:
-            # From the lowest position this step's queries may start at: tokens in flight
-            # (async scheduling) count as computed, and drafts among them may be rejected.
-            self._free_skipped(rid, held,
-                               request.num_computed_tokens - request.num_pending_tokens)
+            self._free_skipped(rid, held, _lowest_query(request))
         total = request.num_computed_tokens + num_new_tokens
         need = -(-total // bs) - len(held)
         new_ids = []
@@ -315,7 +319,7 @@ class KVCacheManager:
         (0 without a window), but those whose id() is in `taken_back` (another's prefix hits)."""
         rid = request.request_id
         return self.sliding_window and num_freed_behind(
-            self._blocks.get(rid, ()), self._num_skipped.get(rid, 0), request.num_computed_tokens,
+            self._blocks.get(rid, ()), self._num_skipped.get(rid, 0), _lowest_query(request),
             self.sliding_window, self.block_size, taken_back)
 
     def freed_blocks_counter(self, taken_back: Sequence[KVCacheBlock] = ()
