@@ -18,7 +18,10 @@ prefix is query_len > 1 with seq_len > query_len.
 Sliding window (per layer; Mistral, Qwen2 with use_sliding_window): forward's sliding_window=W
 (0: none) lets the query at position p see only keys p - W < k <= p, W keys counting its own,
 as transformers' sliding_window_overlay (kv_idx > q_idx - W) and flash-attn's window_size
-(W - 1, 0). Keys that fell out of the window stay in the cache (their blocks are not freed).
+(W - 1, 0). When every layer has a window the scheduler frees the blocks below every query's
+window (scheduler_service/core/sliding_window.py): the table still names such a block (or names
+block 0) while another request may write it, so a backend must skip those keys or mask them out
+(they hold finite values, never this request's keys).
 
 Attention logit soft-capping (per layer; Gemma 2): forward's softcap=cap (0: none) replaces each
 scaled score s by cap * tanh(s / cap) before the mask and softmax, as transformers'

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine_common.request.pooling import needs_every_position
@@ -30,7 +30,8 @@ from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from scheduler_service.core.kv_events import BASE_NAMESPACE, BlockNamespace, KvEventFeed
 from scheduler_service.core.request import Request
 from scheduler_service.core.sliding_window import (longest_window_hit, new_null_block,
-                                                   next_skip_at, num_skipped_blocks)
+                                                   next_skip_at, num_freed_behind,
+                                                   num_skipped_blocks)
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -77,6 +78,13 @@ def _token_slice(request: Request, start: int, end: int) -> list[int]:
     if start >= p:
         return out[start - p:end - p]
     return prompt[start:] + out[:end - p]
+
+
+def _lowest_query(request: Request) -> int:
+    """The lowest position a running request's next step's queries may start at, which a
+    window frees blocks by: tokens in flight (async scheduling) count as computed, and drafts
+    among them may be rejected."""
+    return request.num_computed_tokens - request.num_pending_tokens
 
 
 def _num_free(blocks: Sequence[KVCacheBlock]) -> int:
@@ -193,10 +201,7 @@ class KVCacheManager:
         rid, bs = request.request_id, self.block_size
         held = self._blocks[rid]
         if self.sliding_window and free_skipped:
-            # From the lowest position this step's queries may start at: tokens in flight
-            # (async scheduling) count as computed, and drafts among them may be rejected.
-            self._free_skipped(rid, held,
-                               request.num_computed_tokens - request.num_pending_tokens)
+            self._free_skipped(rid, held, _lowest_query(request))
         total = request.num_computed_tokens + num_new_tokens
         need = -(-total // bs) - len(held)
         new_ids = []
@@ -303,9 +308,19 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - held - num_hit_blocks)
 
     def num_fitting_tokens(self, request: Request) -> int:
-        """New tokens a running request's held blocks and the free queue hold together."""
+        """New tokens a running request's held blocks, those it frees first (num_freed_by_window)
+        and the free queue hold together."""
+        free = self.pool.num_free_blocks + self.num_freed_by_window(request)
         held = len(self._blocks.get(request.request_id, ()))
-        return (held + self.pool.num_free_blocks) * self.block_size - request.num_computed_tokens
+        return (held + free) * self.block_size - request.num_computed_tokens
+
+    def num_freed_by_window(self, request: Request, taken_back: Collection[int] = ()) -> int:
+        """Blocks behind the request's window its next grow_slots returns to the free queue
+        (0 without a window), but those whose id() is in `taken_back` (another's prefix hits)."""
+        rid = request.request_id
+        return self.sliding_window and num_freed_behind(
+            self._blocks.get(rid, ()), self._num_skipped.get(rid, 0), _lowest_query(request),
+            self.sliding_window, self.block_size, taken_back)
 
     def freed_blocks_counter(self, taken_back: Sequence[KVCacheBlock] = ()
                              ) -> Callable[[Request], int]:

@@ -13,9 +13,10 @@ next step). A long H's room is its first chunk (the threshold), as admission cap
 victim's blocks that H hits in the prefix cache make no room (H takes them straight back).
 The running batch is scheduled before H is admitted (step_growth.py): once H needs room, the
 new blocks the batch takes this step (a decode crossing into a new block, a prefill chunk) count
-against it, as they come out of the same free queue first, and a victim gives back those it
-would take; victims are preempted only if the rest of the batch then leaves H some budget and
-the blocks for its first chunk.
+against it, as they come out of the same free queue first, less those it frees behind a sliding
+window as it grows (not H's prefix hits), and a victim gives back those it would take;
+victims are preempted only if the rest of the batch then leaves H some budget and the blocks
+for its first chunk.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
                      - kv.num_free_blocks)
             if short > 0 or len(running) >= max_num_seqs:
                 if growth is None:
-                    growth = step_growth(running, kv, budget, long_prefill)[0]
+                    growth = step_growth(running, kv, budget, long_prefill,
+                                         {id(b) for b in hits})[0]
                 short += sum(growth.values())
             freed = kv.freed_blocks_counter(hits)
             victims = choose_priority_victims(
@@ -101,7 +103,7 @@ def fits_beside(head: Request, want: int, hits: Sequence, victims: Sequence[Requ
     most `want` tokens, its prefix hits `hits`)."""
     gone = {id(v) for v in victims}
     growth, budget_left = step_growth([r for r in running if id(r) not in gone], kv, budget,
-                                      long_prefill)
+                                      long_prefill, {id(b) for b in hits})
     if budget_left <= 0:
         return False
     freed = kv.freed_blocks_counter(hits)

@@ -20,7 +20,7 @@ NULL_BLOCK_ID at the skipped places: a valid block id, whatever it holds, that n
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from engine_common.configuration.config import SchedulerConfig
 from scheduler_service.core.block_pool import BlockHash, KVCacheBlock
@@ -44,6 +44,16 @@ def num_skipped_blocks(num_computed: int, window: int, block_size: int) -> int:
 def next_skip_at(num_skipped: int, window: int, block_size: int) -> int:
     """The computed-token count at which block `num_skipped` too is never read again."""
     return (num_skipped + 1) * block_size + window - 1
+
+
+def num_freed_behind(blocks: Sequence[KVCacheBlock], num_skipped: int, num_computed: int,
+                     window: int, block_size: int, taken_back: Collection[int] = ()) -> int:
+    """Blocks that go back to the free queue once a request's places no query from
+    `num_computed` on sees are freed (its first `num_skipped` places are null already; a block
+    another request shares stays held; one whose id() is in `taken_back`, another request's
+    prefix hit, leaves the queue again)."""
+    end = num_skipped_blocks(num_computed, window, block_size)
+    return sum(1 for b in blocks[num_skipped:end] if b.ref_cnt == 1 and id(b) not in taken_back)
 
 
 def blocks_for_one_chunk(max_chunk: int, window: int, block_size: int) -> int:

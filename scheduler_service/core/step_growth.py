@@ -4,18 +4,21 @@ preemption (priority.py) counts them: a block or budget a victim frees goes to t
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request
 
 
 def step_growth(running: Sequence[Request], kv: KVCacheManager, budget: int,
-                long_prefill: int) -> tuple[dict[int, int], int]:
-    """(handle -> new blocks each request takes, those taking none left out; the budget left)
-    for `running` scheduled while a request waits: in batch order, long prefills (more than
-    `long_prefill` tokens left) after the rest with at most `long_prefill` tokens each. A
-    request awaiting its grammar's compile leaves its sampling position out."""
+                long_prefill: int, taken_back: Collection[int] = ()
+                ) -> tuple[dict[int, int], int]:
+    """(handle -> new blocks each request takes, net of those it frees behind a sliding
+    window first (negative: it gives back more than it takes), those with none left out; the
+    budget left) for `running` scheduled while a request waits: in batch order, long prefills
+    (more than `long_prefill` tokens left) after the rest with at most `long_prefill` tokens
+    each. A request awaiting its grammar's compile leaves its sampling position out.
+    `taken_back`: ids of the waiting request's prefix hits (freed, they are not room)."""
     growth, longs = {}, []
     for request in running:
         left = _tokens_left(request)
@@ -23,10 +26,11 @@ def step_growth(running: Sequence[Request], kv: KVCacheManager, budget: int,
             longs.append(request)
             continue
         budget = _grow(growth, kv, request, min(left - request.awaiting_grammar, budget),
-                       budget)
+                       budget, taken_back)
     for request in longs:
         left = _tokens_left(request) - request.awaiting_grammar
-        budget = _grow(growth, kv, request, min(left, long_prefill, budget), budget)
+        budget = _grow(growth, kv, request, min(left, long_prefill, budget), budget,
+                       taken_back)
     return growth, budget
 
 
@@ -39,10 +43,12 @@ def _tokens_left(request: Request) -> int:
 
 
 def _grow(growth: dict[int, int], kv: KVCacheManager, request: Request, n: int,
-          budget: int) -> int:
-    """Record the blocks `n` more tokens of `request` take; returns the budget left."""
+          budget: int, taken_back: Collection[int]) -> int:
+    """Record the blocks `n` more tokens of `request` take (grow_slots frees those behind its
+    window first); returns the budget left."""
     if n > 0:
-        need = kv.num_free_blocks_needed(request, n)
+        need = kv.num_free_blocks_needed(request, n) - kv.num_freed_by_window(request,
+                                                                               taken_back)
         if need:
             growth[request.handle] = need
         budget -= n

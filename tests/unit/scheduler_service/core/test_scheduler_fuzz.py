@@ -237,6 +237,12 @@ CONFIGS = [
          max_model_len=64),
     dict(sliding_window=5, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=8,
          max_model_len=80, long_prefill_token_threshold=4, max_long_partial_prefills=2),
+    # the edges: a window of 1 (each query sees only its own key: a hit needs no block) and a
+    # window smaller than a block (the block of the first query is the only one kept)
+    dict(sliding_window=1, num_blocks=8, max_num_seqs=4, max_num_batched_tokens=8,
+         max_model_len=64),
+    dict(sliding_window=3, block_size=8, num_blocks=8, max_num_seqs=4,
+         max_num_batched_tokens=16, max_model_len=64),
 ]
 
 

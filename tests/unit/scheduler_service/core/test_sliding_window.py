@@ -147,3 +147,64 @@ def test_a_prompt_longer_than_the_whole_cache_is_admitted_and_chunked():
     run_steps(sched, worker, on_step=lambda *_: check_kv_invariants(sched))
     assert request.num_output_tokens == 4
     assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_a_long_prefill_never_idles_on_blocks_its_window_left():
+    """Two decodes take the free blocks first; the long prefill behind them (80 tokens in
+    chunks of 4) counts the blocks it is about to free (those behind its window) as room, so
+    it advances in every step it is scheduled instead of idling on them."""
+    sched, worker = make(num_blocks=10, sliding_window=W, max_num_batched_tokens=8,
+                         long_prefill_token_threshold=4, max_num_seqs=4, max_model_len=200)
+    decodes = [make_request(f"d{i}", range(3 + i, 9 + i), max_tokens=120, seed=i)
+               for i in range(2)]
+    long = make_request("long", range(100, 180), max_tokens=2)
+    for r in decodes + [long]:
+        sched.add_request(r)
+    idle_on_freeable = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        if long.status == RequestStatus.RUNNING and long.num_preemptions == 0 \
+                and out.num_scheduled_tokens.get(long.handle) == 0 \
+                and long.num_computed_tokens < long.num_prompt_tokens:
+            freeable = (num_skipped_blocks(long.num_computed_tokens, W, BS)
+                        - sched.kv._num_skipped.get("long", 0))
+            if freeable > 0:
+                idle_on_freeable.append((out.step, long.num_computed_tokens, freeable))
+        sched.update_from_output(out, worker.execute(out))
+        check_kv_invariants(sched)
+    assert long.num_output_tokens == 2 and long.num_preemptions == 0
+    assert idle_on_freeable == []
+    assert sched.num_free_blocks == sched.num_total_blocks
+
+
+def test_priority_preemption_counts_the_blocks_the_batch_frees_behind_its_window():
+    """The pool is full, but each running decode frees a block behind its window as it is
+    scheduled (and takes none): an urgent request needing one block is admitted in that step
+    without preempting anybody (priority preemption counted the decodes' growth, not what they
+    give back, and preempted one for nothing)."""
+    sched, worker = make(num_blocks=6, sliding_window=W, max_num_batched_tokens=16,
+                         max_num_seqs=4, max_model_len=200)
+    kv = sched.kv
+    low = [make_request(f"low{i}", range(3 + i, 9 + i), max_tokens=150, seed=i, priority=1)
+           for i in range(2)]
+    for r in low:
+        sched.add_request(r)
+
+    def frees_and_takes_none(r) -> bool:
+        return (num_skipped_blocks(r.num_computed_tokens, W, BS)
+                > kv._num_skipped.get(r.request_id, 0) and kv.num_free_blocks_needed(r, 1) == 0)
+    for _ in range(300):
+        if kv.num_free_blocks == 0 and all(frees_and_takes_none(r) for r in low):
+            break
+        out = sched.schedule()
+        sched.update_from_output(out, worker.execute(out))
+    else:
+        pytest.fail("no step found where the decodes free blocks and take none")
+    urgent = make_request("urgent", [5, 6, 7], max_tokens=2, priority=0)
+    sched.add_request(urgent)
+    out = sched.schedule()
+    assert out.preempted_handles == [] and all(r.status == RequestStatus.RUNNING for r in low)
+    assert [n.handle for n in out.new_requests] == [urgent.handle]
+    sched.update_from_output(out, worker.execute(out))
+    run_steps(sched, worker, on_step=lambda *_: check_kv_invariants(sched))
+    assert sched.num_free_blocks == sched.num_total_blocks
