@@ -40,8 +40,7 @@ from engine_common.text.tokenizer import Tokenizer
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.adapter_ports import (AdapterPort, adapter_listen_of,
-                                                 build_adapter_ports,
-                                                 adapter_listen_of, start_ports, stop_ports)
+                                                 build_adapter_ports, start_ports, stop_ports)
 from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.engine.lora_updates import LoRAUpdates, init_config
 from scheduler_service.engine.metrics import SchedulerMetrics

@@ -20,53 +20,18 @@ its hash until the pool hands it out again, so it may still be hit.
 """
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine_common.request.pooling import needs_every_position
 from scheduler_service.core.block_pool import BlockHash, BlockPool, KVCacheBlock
-from scheduler_service.core.kv_events import BASE_NAMESPACE, BlockNamespace, KvEventFeed
+from scheduler_service.core.block_hashes import append_chained, block_namespace, salt_root
+from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.request import Request
 from scheduler_service.core.sliding_window import (longest_window_hit, new_null_block,
                                                    next_skip_at, num_freed_behind,
                                                    num_skipped_blocks)
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained, process-independent hash of one full block."""
-    return hash_block_bytes(parent, array("I", token_ids).tobytes())
-
-
-# A fresh 16-byte blake2b hasher to copy: copy() + update() + digest() takes about half the
-# time of blake2b(data, digest_size=16) on CPython 3.11 (its constructor parses a dozen keyword
-# parameters) for the same digest; one update() of parent + data beats two updates.
-_BLAKE2B_16 = hashlib.blake2b(digest_size=16)
-
-
-def hash_block_bytes(parent: BlockHash | None, data: bytes) -> BlockHash:
-    """hash_block of a block whose ids are already uint32 bytes."""
-    hasher = _BLAKE2B_16.copy()
-    hasher.update((parent or b"") + data)
-    return hasher.digest()
-
-
-def block_namespace(request: Request) -> BlockNamespace:
-    """What besides its tokens entered the hashes of `request`'s blocks (its KV events say it):
-    the adapter's load generation and name, the salt's digest (salt_root, never the salt)."""
-    if not request.lora_id and not request.cache_salt:
-        return BASE_NAMESPACE
-    root = salt_root(request.cache_salt)
-    return BlockNamespace(request.lora_generation or request.lora_id or None,
-                          request.lora_name or None, root.hex() if root else None)
-
-
-def salt_root(salt: str) -> BlockHash | None:
-    """The parent of a request's first block: None without a salt."""
-    if not salt:
-        return None
-    return hashlib.blake2b(b"cache-salt:" + salt.encode(), digest_size=16).digest()
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -372,12 +337,7 @@ class KVCacheManager:
         else:
             data = array("I", _token_slice(request, start * bs, num_full * bs)).tobytes()
         parent = (hashes[-1] if start else salt_root(request.prefix_salt)) or b""
-        width, fresh, append = 4 * bs, _BLAKE2B_16.copy, hashes.append
-        for offset in range(0, len(data), width):     # hash_block_bytes, inlined
-            hasher = fresh()
-            hasher.update(parent + data[offset:offset + width])
-            parent = hasher.digest()
-            append(parent)
+        append_chained(hashes, parent, data, 4 * bs)
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_full: int) -> int:

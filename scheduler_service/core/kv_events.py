@@ -15,7 +15,7 @@ these events keep it true. The block pool and the KV-cache manager record them i
     AllBlocksCleared()
         the whole cache is gone: a new block pool (a new epoch after a worker failure), a reset
 
-Hashes are the chained block hashes of kv_cache_manager.hash_block (bytes; the API edge turns
+Hashes are the chained block hashes of block_hashes.hash_block (bytes; the API edge turns
 them into what its protocol wants). The feed records only while `enabled` (someone listens), so
 a replica nobody routes by pays one attribute read per newly cached block. The feed is not
 thread-safe: only the engine thread records and takes; other threads only flip `enabled`.

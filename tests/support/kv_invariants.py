@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from scheduler_service.core.kv_cache_manager import hash_block
+from scheduler_service.core.block_hashes import hash_block
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.sliding_window import num_skipped_blocks
 

@@ -15,7 +15,7 @@ from engine_common.wire.protos import vllm_engine_pb2 as pb
 from scheduler_service.api import vllm_convert as vc
 from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
                                               checked_constraint, constraint_named)
-from scheduler_service.core.kv_cache_manager import hash_block
+from scheduler_service.core.block_hashes import hash_block
 from scheduler_service.core.kv_events import (AllBlocksCleared, BlockNamespace, BlockRemoved,
                                               BlockStored)
 from scheduler_service.core.request import RequestStatus

@@ -17,7 +17,7 @@ from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
 from scheduler_service.api import vllm_servicer
 from scheduler_service.api.vllm_convert import block_hash_to_int64
-from scheduler_service.core.kv_cache_manager import hash_block
+from scheduler_service.core.block_hashes import hash_block
 from tests.support.vllm_sim import PROMPT, Recorded, generate, stored_blocks, wait_until
 
 

@@ -16,7 +16,7 @@ from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.vllm_convert import block_hash_to_int64
-from scheduler_service.core.kv_cache_manager import hash_block
+from scheduler_service.core.block_hashes import hash_block
 from tests.support.sim_server import SimServer
 from tests.support.vllm_sim import (PROMPT, Recorded, generate, rpc_code, stored_blocks,
                                     wait_until)

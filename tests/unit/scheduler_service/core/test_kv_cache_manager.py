@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_common.request.params import SamplingParams, StoppingParams
-from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block, salt_root
+from scheduler_service.core.block_hashes import hash_block, salt_root
+from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request
 from scheduler_service.core.sliding_window import num_skipped_blocks
 
@@ -39,7 +40,7 @@ def chain_hashes(tokens):
 
 
 def test_hash_is_process_independent():
-    code = ("from scheduler_service.core.kv_cache_manager import hash_block;"
+    code = ("from scheduler_service.core.block_hashes import hash_block;"
             "print(hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}, check=True,

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core.block_pool import BlockPool
-from scheduler_service.core.kv_cache_manager import KVCacheManager, hash_block, salt_root
+from scheduler_service.core.block_hashes import hash_block, salt_root
+from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.kv_events import (AllBlocksCleared, BlockNamespace, BlockRemoved,
                                               BlockStored, KvEventFeed)
 from scheduler_service.core.scheduler import Scheduler
