@@ -102,6 +102,8 @@ async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: l
                              f"at most {door.model.prompt_chars_fit}")
         pair_ids, types = await door.offload(pool_caller, door.model.tokenizer.encode_pair,
                                              a, b)
+        if not pair_ids:        # a decoder's pair template adds no tokens to two empty texts
+            raise ParamError(f"pair[{i}]", "no tokens", "a pair of at least one token")
         check_pool_length(door.model, len(pair_ids), f"pair[{i}]")
         ids.append(pair_ids)
         codes.append(pair_code(door.model.pooler.code, types, token_types))
