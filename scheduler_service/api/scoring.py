@@ -10,16 +10,18 @@ a call of 1024 pairs then never fills the waiting queue other callers share (--m
 nor passes its key's bound, and another caller's request waits behind one batch of it, not
 all of it. Each text or pair counts in the request counters as one Embed (`RequestTally`).
 
-A pair is tokenized as transformers' tokenizer(text_1, text_2); for a model with token types
-(BERT) the second text's start rides on the request's pooling code.
+A pair is tokenized as vLLM does (transformers' tokenizer(text_1, text_2), or text_1 + text_2
+as one text for a model whose config.json says `use_pad_token: false`); for a model with
+token types (BERT) the second text's start rides on the request's pooling code.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
-from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, pair_code,
-                                            score_pairs, uses_token_types)
+from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate,
+                                            encode_score_pair, pair_code, score_pairs,
+                                            uses_token_types)
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import PoolerConfigError
 from scheduler_service.api.embeddings import check_pool_length, embed, prompt_of
@@ -100,7 +102,8 @@ async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: l
         if len(a) + len(b) > door.model.prompt_chars_fit:
             raise ParamError(f"pair[{i}]", f"{len(a) + len(b)} characters",
                              f"at most {door.model.prompt_chars_fit}")
-        pair_ids, types = await door.offload(pool_caller, door.model.tokenizer.encode_pair,
+        pair_ids, types = await door.offload(pool_caller, encode_score_pair,
+                                             door.model.tokenizer, door.model.info.hf_config,
                                              a, b)
         if not pair_ids:        # a decoder's pair template adds no tokens to two empty texts
             raise ParamError(f"pair[{i}]", "no tokens", "a pair of at least one token")
