@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, pair_code,
-                                            score_pairs, uses_token_types)
+from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate,
+                                            encode_score_pair, pair_code, score_pairs,
+                                            uses_token_types)
 from engine_common.request.pooling import POOL_SAMPLING, POOL_STOPPING
 
 
@@ -76,7 +77,7 @@ class ScoreMixin:
         token_types = uses_token_types(self.model_info.hf_config)
         prompts, codes = [], []
         for a, b in score_pairs(text_1, text_2):
-            ids, types = self.tokenizer.encode_pair(a, b)
+            ids, types = encode_score_pair(self.tokenizer, self.model_info.hf_config, a, b)
             prompts.append(ids)
             codes.append(pair_code(self.pooler.code, types, token_types))
         with self._exclusive("score"):

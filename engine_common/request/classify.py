@@ -11,7 +11,8 @@ front door applies the activation here, per call:
   Identity leaves the logits, Sigmoid or Softmax take the classify rule above (vLLM's
   PoolerActivation.wraps); none named: the classify rule.
 
-A request's `activation: false` (vLLM's use_activation) returns the raw logits. A score is one
+A request's `activation: false` (vLLM's use_activation) returns the raw logits. A pair is
+tokenized as vLLM's get_score_prompt does (`encode_score_pair`). A score is one
 number, so Score needs a one-label model (vLLM: "pooled_data should be a scalar score").
 """
 from __future__ import annotations
@@ -88,6 +89,23 @@ def uses_token_types(hf_config: dict) -> bool:
     """The model embeds token types (BERT: type_vocab_size 2), so a pair's second text is sent
     as type 1; RoBERTa / XLM-R (1 type) and decoders see only the ids."""
     return is_encoder(hf_config) and int(hf_config.get("type_vocab_size", 2)) > 1
+
+
+def concatenates_pairs(hf_config: dict) -> bool:
+    """config.json's `use_pad_token: false` (vLLM's "LLM as reranker" conversions, e.g. its
+    convert_model_to_seq_cls.py): a pair is text_1 + text_2 tokenized as one text, as vLLM's
+    get_score_prompt does, not with the tokenizer's pair template (unset: the template)."""
+    return hf_config.get("use_pad_token", True) is False
+
+
+def encode_score_pair(tokenizer, hf_config: dict, text_1: str, text_2: str
+                      ) -> tuple[list[int], list[int]]:
+    """(ids, token type ids) of a score pair as vLLM tokenizes it: tokenizer(text_1, text_2),
+    or tokenizer(text_1 + text_2) (all type 0) when the model `concatenates_pairs`."""
+    if concatenates_pairs(hf_config):
+        ids = tokenizer.encode(text_1 + text_2)
+        return ids, [0] * len(ids)
+    return tokenizer.encode_pair(text_1, text_2)
 
 
 def pair_code(code: int, type_ids: list[int], token_types: bool) -> int:

@@ -61,6 +61,9 @@ class ServedModel:
     lora: LoRARegistry = field(default_factory=LoRARegistry)
     # The step's token budget (--max-num-batched-tokens): an encoder's prompt must fit it.
     max_step_tokens: int | None = None
+    # Requests in a step's batch (--max-num-seqs): one Classify / Score call keeps at most
+    # this many of its own in flight (scoring.py), so it never floods the shared waiting queue.
+    max_num_seqs: int | None = None
     # Characters beyond which a prompt cannot fit max_model_len whatever its text: refused
     # before tokenizing (request_limits.check_prompt_can_fit). Derived here, once, at start.
     prompt_chars_fit: int = field(init=False)

@@ -37,6 +37,7 @@ from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_c
 from scheduler_service.api.request_limits import (check_abort_ids, check_messages_count,
                                                   check_prompt_can_fit, check_tokenize_limits)
 from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.api.request_tally import RequestTally
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
 from scheduler_service.api.status import status_for
@@ -174,16 +175,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.EmbedResponse(request_id=rid, embedding=vector, num_prompt_tokens=len(ids))
 
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
-        """Each text's class on a classification model's pooling server (scoring.py)."""
+        """Each text's class on a classification model's pooling server (scoring.py); each
+        text counted in the request counters as an Embed is."""
         rid = request.request_id or new_request_id()
+        tally = RequestTally(self._engine.counters)
         try:
             out = await scoring.classify(
                 self._engine, self._door, caller_of(context), rid, list(request.input),
                 _activation(request), policy_of(context, self._keys).salt,
-                pool_caller(context))
+                pool_caller(context), tally)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status
+            tally.failed(e)
             await abort_with(context, e)
         data = [pb.ClassifyResult(index=i, label=c.label, probs=c.probs,
                                   num_classes=len(c.probs)) for i, c in enumerate(out)]
@@ -191,16 +195,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    num_prompt_tokens=sum(c.num_tokens for c in out))
 
     async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
-        """Cross-encoder scores of the pairs (1-to-N or N-to-N; scoring.py)."""
+        """Cross-encoder scores of the pairs (1-to-N or N-to-N; scoring.py); each pair
+        counted in the request counters as an Embed is."""
         rid = request.request_id or new_request_id()
+        tally = RequestTally(self._engine.counters)
         try:
             scores, num_tokens = await scoring.score(
                 self._engine, self._door, caller_of(context), rid, list(request.text_1),
                 list(request.text_2), _activation(request),
-                policy_of(context, self._keys).salt, pool_caller(context))
+                policy_of(context, self._keys).salt, pool_caller(context), tally)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status
+            tally.failed(e)
             await abort_with(context, e)
         return pb.ScoreResponse(request_id=rid, num_prompt_tokens=num_tokens, data=[
             pb.ScoreResult(index=i, score=v) for i, v in enumerate(scores)])

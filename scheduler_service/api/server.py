@@ -215,7 +215,8 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                                                           options.chat_template),
                          pooler=served_pooler(options.runner, options.pooler_config,
                                               worker.model_dir),
-                         max_step_tokens=config.max_num_batched_tokens)
+                         max_step_tokens=config.max_num_batched_tokens,
+                         max_num_seqs=config.max_num_seqs)
 
     keys = public_port.api_keys(api)
     server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),

@@ -9,7 +9,11 @@ calls `classify`; the request's code carries CLASSIFY, engine_common/request/poo
                                       score(h[last])          (no bias)
 
 The heads are small ([num_labels, hidden], [hidden, hidden]) and replicated: every rank holds
-the whole hidden state after the last all-reduce and computes the same logits. None of these
+the whole hidden state after the last all-reduce and computes the same logits. They hold and
+compute in float32 whatever the model's dtype (the pooled row cast up), as vLLM's pooling
+models' head_dtype: a bfloat16 head's logits are off by ~1e-2, enough to reorder close rerank
+scores. config.json's `"head_dtype": "model"` keeps the model's dtype (vLLM's override), a
+dtype name picks that one. None of these
 models has an LM head (`pooling_only`): they serve --runner pooling only, and compute_logits
 refuses. Dropout is inference's identity. The decoders' checkpoints carry no lm_head: the
 loader ties one to the embedding (no copy), which nothing reads.
@@ -24,6 +28,24 @@ from worker_service.models.bert import BertModel, RobertaModel
 from worker_service.models.llama import (LlamaForCausalLM, Qwen2ForCausalLM,
                                          Qwen3ForCausalLM)
 from worker_service.layers.sharding import default_weight_loader, new_param
+
+
+_HEAD_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+                "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def head_dtype(hf_config: dict, model_dtype: torch.dtype) -> torch.dtype:
+    """The classification head's dtype: config.json's `head_dtype` ("model": the model's; a
+    dtype name), else float32 (vLLM's default for pooling models)."""
+    name = hf_config.get("head_dtype")
+    if name is None:
+        return torch.float32
+    if name == "model":
+        return model_dtype
+    if str(name).lower() not in _HEAD_DTYPES:
+        raise ValueError(f"config.json: head_dtype={name!r}: expected \"model\" or one of "
+                         f"{sorted(_HEAD_DTYPES)}")
+    return _HEAD_DTYPES[str(name).lower()]
 
 
 def num_labels(hf_config: dict) -> int:
@@ -56,10 +78,10 @@ class BertForSequenceClassification(BertModel):
     def __init__(self, hf_config: dict, tp, attn_backend, dtype: torch.dtype,
                  fused_ops: bool = False) -> None:
         super().__init__(hf_config, tp, attn_backend, dtype, fused_ops)
-        h = self.args.hidden_size
+        h, head = self.args.hidden_size, head_dtype(hf_config, dtype)
         self.pooler = nn.Module()
-        self.pooler.dense = ReplicatedLinear(h, h, True, dtype)
-        self.classifier = ReplicatedLinear(h, num_labels(hf_config), True, dtype)
+        self.pooler.dense = ReplicatedLinear(h, h, True, head)
+        self.classifier = ReplicatedLinear(h, num_labels(hf_config), True, head)
 
     def split_checkpoint_tensor(self, name: str, tensor) -> list[tuple[str, object]]:
         """BertModel's names; the pooler and the classifier kept."""
@@ -81,10 +103,10 @@ class RobertaForSequenceClassification(RobertaModel):
     def __init__(self, hf_config: dict, tp, attn_backend, dtype: torch.dtype,
                  fused_ops: bool = False) -> None:
         super().__init__(hf_config, tp, attn_backend, dtype, fused_ops)
-        h = self.args.hidden_size
+        h, head = self.args.hidden_size, head_dtype(hf_config, dtype)
         self.classifier = nn.Module()
-        self.classifier.dense = ReplicatedLinear(h, h, True, dtype)
-        self.classifier.out_proj = ReplicatedLinear(h, num_labels(hf_config), True, dtype)
+        self.classifier.dense = ReplicatedLinear(h, h, True, head)
+        self.classifier.out_proj = ReplicatedLinear(h, num_labels(hf_config), True, head)
 
     def split_checkpoint_tensor(self, name: str, tensor) -> list[tuple[str, object]]:
         """RobertaModel's names; the classification head kept."""
@@ -108,7 +130,7 @@ class DecoderClassifierMixin:
                  fused_ops: bool = False) -> None:
         super().__init__(hf_config, tp, attn_backend, dtype, fused_ops)
         self.score = ReplicatedLinear(self.args.hidden_size, num_labels(hf_config), False,
-                                      dtype)
+                                      head_dtype(hf_config, dtype))
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_labels] of the pooled last row."""

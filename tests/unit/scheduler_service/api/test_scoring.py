@@ -2,6 +2,7 @@
 otherwise, naming why), and a classifier's labels."""
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -9,8 +10,10 @@ import pytest
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.pooling import PoolerConfig, model_pooler_config
 from engine_common.text.tokenizer import Tokenizer
-from scheduler_service.api.front_door import ServedModel
-from scheduler_service.api.scoring import classifier_of
+from engine_common.request.params import ParamError
+from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.front_door import FrontDoor, ServedModel
+from scheduler_service.api.scoring import classifier_of, score
 from scheduler_service.errors import WrongRunner
 from tests.support.classifier_models import make_classifier_model
 
@@ -43,3 +46,17 @@ def test_score_needs_one_label_classify_takes_any(classifiers):
         classifier_of(three, "Score")
     one = door(classifiers[1], model_pooler_config(classifiers[1]))
     assert classifier_of(one, "Score").num_labels == 1
+
+
+def test_an_empty_pair_is_refused_naming_it(tmp_path):
+    """A decoder's tokenizer adds no specials to a pair: two empty texts are no tokens. That is
+    INVALID_ARGUMENT naming `pair[i]` before any engine is asked (was: an engine rejection
+    naming `prompt_token_ids` of an internal request id)."""
+    model = str(make_classifier_model(tmp_path / "qwen3", "qwen3", 1))
+    served = ServedModel(ModelInfo.from_dir(model), Tokenizer.from_dir(model), block_size=16,
+                         pooler=model_pooler_config(model))
+    door = FrontDoor(served, ApiOptions())
+    no_engine = None          # refused before the engine is reached
+    with pytest.raises(ParamError, match=r"pair\[1\]='no tokens'"):
+        asyncio.run(score(no_engine, door, "caller", "r", ["a", ""], ["b", ""], True, "",
+                          "caller"))
