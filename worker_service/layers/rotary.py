@@ -117,8 +117,8 @@ class RotaryEmbedding(nn.Module):
 
     Partial rotary (settings.partial_rotary_factor < 1, Phi-4-mini): only the first
     rotary_dim = int(head_dim * factor) dims of each head rotate, in halves within them; the
-    rest pass through, as transformers does. That runs on the torch path only: the C++ and
-    Triton ropes rotate whole heads, so such a model uses neither (fused is turned off).
+    rest pass through, as transformers does. The caches are then [max_position, rotary_dim]
+    and the C++ and Triton ropes rotate the first cache-width dims of each head, as torch does.
 
     fused=False returns new tensors. fused=True runs kernels/fused_rope.py's Triton kernel (same
     rounding; needs CUDA or Triton's interpreter): q and k are rotated IN PLACE, one launch for
@@ -137,7 +137,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = settings.rotary_dim(head_dim)
-        self.fused = fused and self.rotary_dim == head_dim     # the kernels rotate whole heads
+        self.fused = fused
         self._fused_kernel = _load_fused_kernel() if self.fused else None
         if settings.rope_type == "longrope":    # per-position factors and a scale: its module
             cos, sin = longrope_cos_sin(self.rotary_dim, max_position, settings.theta,
@@ -152,10 +152,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
 
     def use_cpu_kernels(self) -> bool:
-        if not self.fused and self.rotary_dim == self.head_dim \
-                and self.cos_cache.device.type == "cpu":
+        """Rotate CPU float32 / bfloat16 inputs with kernels/cpu's rope from now on (unless
+        fused); True when that library is loaded."""
+        if not self.fused and self.cos_cache.device.type == "cpu":
             self._cpu = ops_for(torch.float32)
         return self._cpu is not None
+
+    @property
+    def kernel(self) -> str:
+        """Which rope rotates inputs it takes: "triton" (fused), "cpu" (kernels/cpu, after
+        use_cpu_kernels()) or "torch"."""
+        return "triton" if self.fused else "cpu" if self._cpu is not None else "torch"
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,

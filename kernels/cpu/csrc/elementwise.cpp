@@ -4,7 +4,8 @@
 //
 //   rms_norm(x, w, eps)                 y = w * (x / sqrt(mean(x^2) + eps))
 //   add_rms_norm(x, residual, w, eps)   residual += x (in place), y = rms_norm(residual)
-//   rope(positions, q, k, cos, sin)     q, k rotated in place ("rotate half" layout)
+//   rope(positions, q, k, cos, sin)     q, k rotated in place ("rotate half" layout) over
+//                                       the first cos.size(1) dims of each head
 //   silu_and_mul(x)                     [T, 2I] -> silu(x[:, :I]) * x[:, I:]
 //   greedy_sample(logits, logprobs)     argmax per row (first index on ties) and its logprob,
 //                                       one pass (an online max and sum of exponentials);
@@ -127,15 +128,18 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
 
 namespace {
 
-// x [T, H, D] strided (D contiguous), rotated in place at each token's position.
+// x [T, H, D] strided (D contiguous), rotated in place at each token's position. Only the
+// first `rot` dims of each head rotate (rot == D, or less with a partial_rotary_factor:
+// Phi-4-mini), in halves within them; dims rot .. D-1 are not touched. cos / sin rows are
+// [rot] wide: [f, f].
 template <typename T>
-void rope_one(const int64_t* pos, T* x, int64_t tokens, int64_t heads, int64_t d,
+void rope_one(const int64_t* pos, T* x, int64_t tokens, int64_t heads, int64_t rot,
               int64_t tok_stride, int64_t head_stride, const float* cos, const float* sin) {
-  const int64_t half = d / 2;
+  const int64_t half = rot / 2;
   at::parallel_for(0, tokens, kGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      const float* c = cos + pos[t] * d;
-      const float* s = sin + pos[t] * d;
+      const float* c = cos + pos[t] * rot;
+      const float* s = sin + pos[t] * rot;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = x + t * tok_stride + h * head_stride;
 #pragma omp simd
@@ -166,9 +170,16 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
   check_heads(key, "key");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "positions must be contiguous int64");
-  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && cos_cache.is_contiguous() &&
-                  sin_cache.is_contiguous() && cos_cache.size(1) == query.size(2),
-              "cos/sin caches must be contiguous float32 [max_position, D]");
+  TORCH_CHECK(key.size(2) == query.size(2), "key head_dim ", key.size(2),
+              " must equal query's ", query.size(2));
+  // The caches' width is the rotary dim: the first rot dims of each head rotate.
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
+                  cos_cache.dim() == 2 && cos_cache.is_contiguous() &&
+                  sin_cache.is_contiguous() && sin_cache.sizes() == cos_cache.sizes(),
+              "cos/sin caches must be contiguous float32 [max_position, rotary_dim], equal shapes");
+  const int64_t rot = cos_cache.size(1);
+  TORCH_CHECK(rot >= 2 && rot % 2 == 0 && rot <= query.size(2), "cos/sin cache width ", rot,
+              " (rotary_dim) must be even, in [2, head_dim=", query.size(2), "]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
   const int64_t tokens = positions.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -176,12 +187,12 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
   const float* s = sin_cache.data_ptr<float>();
   for (const at::Tensor* x : {&query, &key}) {
     if (x->scalar_type() == at::kFloat) {
-      rope_one<float>(pos, x->data_ptr<float>(), tokens, x->size(1), x->size(2), x->stride(0),
+      rope_one<float>(pos, x->data_ptr<float>(), tokens, x->size(1), rot, x->stride(0),
                       x->stride(1), c, s);
     } else {
       TORCH_CHECK(x->scalar_type() == at::kBFloat16, "rope: float32 or bfloat16 only");
       rope_one<c10::BFloat16>(pos, x->data_ptr<c10::BFloat16>(), tokens, x->size(1),
-                              x->size(2), x->stride(0), x->stride(1), c, s);
+                              rot, x->stride(0), x->stride(1), c, s);
     }
   }
 }
