@@ -15,11 +15,14 @@ see tests/unit/kernels/test_fused_rope.py for the tolerance that costs).
 Layouts:
     positions  [T] any integer dtype, each in [0, max_position) (not checked: no device sync)
     query      [T, Hq, D], key [T, Hk, D]: any token/head strides, last dim contiguous
-    cos_cache, sin_cache  [max_position, D] float32, rows [f, f] (both halves equal, as
-               RotaryEmbedding builds them): only the first D/2 columns are read
+    cos_cache, sin_cache  [max_position, R] float32, rows [f, f] (both halves equal, as
+               RotaryEmbedding builds them): only the first R/2 columns are read. R is the
+               rotary dim: D, or less with a partial_rotary_factor (Phi-4-mini: 0.75 D); the
+               first R dims of each head rotate (x1, x2 split at R/2), dims R .. D-1 pass
+               through (read only to normalise them or to store keys in the cache)
 
 Grid: (T, head blocks); head block b < cdiv(Hq, BLOCK_H) rotates query heads, the rest key heads.
-D may be any even size up to MAX_HEAD_DIM (D/2 is padded to a power of two and masked).
+D may be any even size up to MAX_HEAD_DIM (R/2 and D - R are padded to powers of two and masked).
 
 With q_weight / k_weight (Qwen3's per-head q_norm / k_norm, applied before rope) each head is
 first RMS-normalised as kernels/fused_norm.py does (statistics in float32, the normalised row
@@ -50,49 +53,72 @@ def _mul(x, y):
 
 
 @triton.jit
-def _rms_normed(x1, x2, w_ptr, eps, half, cols):
-    """Both halves of each row of heads RMS-normalised over the whole head, times the weight:
-    fused_norm's rounding (float32 statistics, normalised row rounded, weight product rounded)."""
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * half)
-    rstd = (1.0 / tl.sqrt(mean_sq + eps))[:, None]
-    w1 = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)[None, :]
-    n1 = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
-    n2 = (w2 * (b * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
-    return n1, n2
+def _normed(x, rstd, w_ptr, cols, width):
+    """x * rstd rounded to x's dtype, times the weight w_ptr[cols] (cols < width), rounded."""
+    w = tl.load(w_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)[None, :]
+    return (w * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
-def _rotate_heads(base_ptr, stride_h, num_heads, head0, half, cos, sin, w_ptr, eps,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+def _rms_normed(x1, x2, x3, w_ptr, eps, half, tail, cols, tcols, HAS_TAIL: tl.constexpr):
+    """The rotated halves (x1, x2) and the pass-through tail (x3, HAS_TAIL) of each row of heads
+    RMS-normalised over the whole head, times the weight: fused_norm's rounding (float32
+    statistics, normalised row rounded, weight product rounded)."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    sum_sq = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+    if HAS_TAIL:
+        c = x3.to(tl.float32)
+        sum_sq += tl.sum(c * c, axis=1)
+    rstd = (1.0 / tl.sqrt(sum_sq / (2 * half + tail) + eps))[:, None]
+    n1 = _normed(x1, rstd, w_ptr, cols, half)
+    n2 = _normed(x2, rstd, w_ptr + half, cols, half)
+    if HAS_TAIL:
+        x3 = _normed(x3, rstd, w_ptr + 2 * half, tcols, tail)
+    return n1, n2, x3
+
+
+@triton.jit
+def _rotate_heads(base_ptr, stride_h, num_heads, head0, half, tail, cos, sin, w_ptr, eps,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                  NORM: tl.constexpr, LOAD_TAIL: tl.constexpr):
     """Rotate heads head0 .. head0 + BLOCK_H - 1 (those < num_heads) of one token in place,
-    RMS-normalising each first when NORM."""
+    RMS-normalising each first when NORM. Returns the rotated halves and, when LOAD_TAIL, the
+    tail (dims 2 * half .. 2 * half + tail - 1: never rotated, normalised in place when NORM;
+    LOAD_TAIL must be set when there is a tail and NORM)."""
     heads = head0 + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (cols < half)[None, :]
     ptr1 = base_ptr + heads[:, None].to(tl.int64) * stride_h + cols[None, :]
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr1 + half, mask=mask, other=0.0)
+    tcols = tl.arange(0, BLOCK_TAIL)
+    tmask = (heads < num_heads)[:, None] & (tcols < tail)[None, :]
+    ptr3 = base_ptr + heads[:, None].to(tl.int64) * stride_h + 2 * half + tcols[None, :]
+    x3 = tl.zeros((BLOCK_H, BLOCK_TAIL), dtype=x1.dtype)
+    if LOAD_TAIL:
+        x3 = tl.load(ptr3, mask=tmask, other=0.0)
     if NORM:
-        x1, x2 = _rms_normed(x1, x2, w_ptr, eps, half, cols)
+        x1, x2, x3 = _rms_normed(x1, x2, x3, w_ptr, eps, half, tail, cols, tcols, LOAD_TAIL)
+        if LOAD_TAIL:
+            tl.store(ptr3, x3, mask=tmask)
     c = cos.to(x1.dtype)[None, :]          # cast first, as torch's cos_cache[...].to(dtype)
     s = sin.to(x1.dtype)[None, :]
     out1 = (_mul(x1, c).to(tl.float32) - _mul(x2, s).to(tl.float32)).to(x1.dtype)
     out2 = (_mul(x2, c).to(tl.float32) + _mul(x1, s).to(tl.float32)).to(x1.dtype)
     tl.store(ptr1, out1, mask=mask)
     tl.store(ptr1 + half, out2, mask=mask)
-    return out1, out2
+    return out1, out2, x3
 
 
 @triton.jit
-def _store_kv(out1, out2, token, head0, num_heads, half, v_ptr, stride_vt, stride_vh,
-              cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk, stride_c_row,
-              stride_c_head, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr):
-    """The rotated key heads (out1, out2) and the same heads of the value row into the cache at
-    slot_mapping[token]: nothing for token >= num_slots (>= 1) or a slot of -1."""
+def _store_kv(out1, out2, out3, token, head0, num_heads, half, tail, v_ptr, stride_vt,
+              stride_vh, cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk,
+              stride_c_row, stride_c_head, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+              BLOCK_TAIL: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The rotated key heads (out1, out2, and the unrotated tail out3 when HAS_TAIL) and the
+    same heads of the value row into the cache at slot_mapping[token]: nothing for
+    token >= num_slots (>= 1) or a slot of -1."""
     slot = tl.load(slot_ptr + tl.minimum(token, num_slots - 1)).to(tl.int64)
     slot = tl.where(token < num_slots, slot, -1)
     heads = head0 + tl.arange(0, BLOCK_H)
@@ -101,15 +127,23 @@ def _store_kv(out1, out2, token, head0, num_heads, half, v_ptr, stride_vt, strid
     limit = tl.where(slot >= 0, num_heads, 0)
     mask = (heads < limit)[:, None] & (cols < half)[None, :]
     safe_slot = tl.maximum(slot, 0)       # keeps masked rows' addresses in range
-    dst = cache_ptr + (safe_slot // BLOCK_SIZE) * stride_c_blk \
-        + (safe_slot % BLOCK_SIZE) * stride_c_row \
-        + heads[:, None].to(tl.int64) * stride_c_head + cols[None, :]
-    src = v_ptr + token * stride_vt + heads[:, None].to(tl.int64) * stride_vh + cols[None, :]
+    dst_row = cache_ptr + (safe_slot // BLOCK_SIZE) * stride_c_blk \
+        + (safe_slot % BLOCK_SIZE) * stride_c_row + heads[:, None].to(tl.int64) * stride_c_head
+    src_row = v_ptr + token * stride_vt + heads[:, None].to(tl.int64) * stride_vh
+    dst = dst_row + cols[None, :]
+    src = src_row + cols[None, :]
     ty = cache_ptr.dtype.element_ty
     tl.store(dst, out1.to(ty), mask=mask)
     tl.store(dst + half, out2.to(ty), mask=mask)
     tl.store(dst + stride_c_kv, tl.load(src, mask=mask).to(ty), mask=mask)
     tl.store(dst + stride_c_kv + half, tl.load(src + half, mask=mask).to(ty), mask=mask)
+    if HAS_TAIL:
+        tcols = tl.arange(0, BLOCK_TAIL)
+        tmask = (heads < limit)[:, None] & (tcols < tail)[None, :]
+        tdst = dst_row + 2 * half + tcols[None, :]
+        tsrc = src_row + 2 * half + tcols[None, :]
+        tl.store(tdst, out3.to(ty), mask=tmask)
+        tl.store(tdst + stride_c_kv, tl.load(tsrc, mask=tmask).to(ty), mask=tmask)
 
 
 # num_slots is len(slot_mapping) (or T without a write): it varies with the batch, and a
@@ -117,11 +151,14 @@ def _store_kv(out1, out2, token, head0, num_heads, half, v_ptr, stride_vt, strid
 @triton.jit(do_not_specialize=["num_slots"])
 def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-                 num_q_heads, num_k_heads, half,
+                 num_q_heads, num_k_heads, half, tail,
                  v_ptr, cache_ptr, slot_ptr, num_slots, stride_vt, stride_vh,
                  stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-                 WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                 NORM: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 Q_TAIL: tl.constexpr, K_TAIL: tl.constexpr):
+    # Q_TAIL / K_TAIL: whether query / key heads touch their unrotated tail (partial rotary with
+    # a norm, or a cache write for keys); without, the tail is never read.
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -131,15 +168,17 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
     if block < num_q_blocks:
         _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, block * BLOCK_H, half,
-                      cos, sin, qw_ptr, eps, BLOCK_H, BLOCK_HALF, NORM)
+                      tail, cos, sin, qw_ptr, eps, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, NORM, Q_TAIL)
     else:
         head0 = (block - num_q_blocks) * BLOCK_H
-        out1, out2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_k_heads, head0,
-                                   half, cos, sin, kw_ptr, eps, BLOCK_H, BLOCK_HALF, NORM)
+        out1, out2, out3 = _rotate_heads(
+            k_ptr + token * stride_kt, stride_kh, num_k_heads, head0, half, tail, cos, sin,
+            kw_ptr, eps, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, NORM, K_TAIL)
         if WRITE_KV:
-            _store_kv(out1, out2, token, head0, num_k_heads, half, v_ptr, stride_vt, stride_vh,
-                      cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk, stride_c_row,
-                      stride_c_head, BLOCK_H, BLOCK_HALF, BLOCK_SIZE)
+            _store_kv(out1, out2, out3, token, head0, num_k_heads, half, tail, v_ptr, stride_vt,
+                      stride_vh, cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk,
+                      stride_c_row, stride_c_head, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, K_TAIL,
+                      BLOCK_SIZE)
 
 
 def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -169,7 +208,9 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     num_k_heads = key.shape[1]
     if num_tokens == 0:
         return query, key
-    block_half = triton.next_power_of_2(head_dim // 2)
+    rotary_dim = cos_cache.shape[1]           # the first rotary_dim dims of each head rotate
+    tail = head_dim - rotary_dim
+    block_half = triton.next_power_of_2(rotary_dim // 2)
     block_h = max(1, min(triton.next_power_of_2(min(num_q_heads, num_k_heads)),
                          TILE_ELEMS // block_half))
     num_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
@@ -179,11 +220,12 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         positions, query, key, cos_cache, sin_cache,
         q_weight if norm else query, k_weight if norm else key, float(eps),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_cache.stride(0),
-        num_q_heads, num_k_heads, head_dim // 2,
+        num_q_heads, num_k_heads, rotary_dim // 2, tail,
         v, cache, slots, slots.shape[0], v.stride(0), v.stride(1),
         *(kv_cache.stride()[:4] if write_kv else (0, 0, 0, 0)),
-        BLOCK_H=block_h, BLOCK_HALF=block_half, NORM=norm, WRITE_KV=write_kv,
-        BLOCK_SIZE=kv_cache.shape[2] if write_kv else 1,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
+        NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=kv_cache.shape[2] if write_kv else 1,
+        Q_TAIL=tail > 0 and norm, K_TAIL=tail > 0 and (norm or write_kv),
         num_warps=max(1, min(4, block_h * block_half // 256)), enable_fp_fusion=False)
     return query, key
 
@@ -242,12 +284,15 @@ def _check(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     if len(devices) != 1:
         raise ValueError(f"positions, query, key, cos_cache and sin_cache are on devices "
                          f"{sorted(map(str, devices))}: must share one device")
+    rotary_dim = cos_cache.shape[-1] if cos_cache.dim() else 0
     for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if (cache.dim() != 2 or cache.shape[1] != head_dim or cache.dtype != torch.float32
+        if (cache.dim() != 2 or cache.shape[1] != rotary_dim or rotary_dim % 2
+                or not 2 <= rotary_dim <= head_dim or cache.dtype != torch.float32
                 or cache.stride(-1) != 1 or cache.stride() != cos_cache.stride()):
             raise ValueError(f"{name} {tuple(cache.shape)} {cache.dtype}: must be "
-                             f"[max_position, {head_dim}] float32 with a contiguous last dim "
-                             f"(strides equal to cos_cache's)")
+                             f"[max_position, rotary_dim] float32, rotary_dim even in "
+                             f"[2, head_dim={head_dim}] and equal for both caches, with a "
+                             f"contiguous last dim (strides equal to cos_cache's)")
 
 
 def triton_runs_on(device: str | torch.device) -> bool:

@@ -208,13 +208,17 @@ def build(fn, ptrs, constexprs, **options):
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-for dt, norm, kv in [(dt, norm, kv) for dt in ("fp32", "fp16", "bf16") for norm in (False, True)
-                    for kv in (False, True)]:
+# tail: partial rotary (96 of 128 dims rotate, 32 pass through), in bf16 only
+for dt, norm, kv, tail in [(dt, norm, kv, tail) for dt in ("fp32", "fp16", "bf16")
+                          for norm in (False, True) for kv in (False, True)
+                          for tail in (False, True) if dt == "bf16" or not tail]:
     rope = build(fused_rope._rope_kernel, dict(pos_ptr="*i64", q_ptr="*" + dt, k_ptr="*" + dt,
                  cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*" + dt, kw_ptr="*" + dt,
                  eps="fp32", v_ptr="*" + dt, cache_ptr="*" + dt, slot_ptr="*i64",
                  stride_c_blk="i64"),
-                 dict(BLOCK_H=8, BLOCK_HALF=64, NORM=norm, WRITE_KV=kv, BLOCK_SIZE=16),
+                 dict(BLOCK_H=8, BLOCK_HALF=64, NORM=norm, WRITE_KV=kv,
+                      BLOCK_SIZE=16, BLOCK_TAIL=32 if tail else 1, Q_TAIL=tail and norm,
+                      K_TAIL=tail and (norm or kv)),
                  num_warps=2, enable_fp_fusion=False)
     assert "fma" not in rope.asm["ptx"], "rope must not contract mul+add into fma"
 for dt in ("fp32", "fp16", "bf16"):
@@ -233,7 +237,7 @@ for dt in ("fp32", "fp16", "bf16"):
 def test_fused_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter accepts things the compiler rejects: compile the fused kernels for
     sm_90 in a fresh process (no TRITON_INTERPRET), every dtype, rope with and without the KV
-    cache write."""
+    cache write, and with a partial-rotary tail."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO_ROOT)
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env,
