@@ -4,6 +4,8 @@ pass through), float32 on the CPU, with and without LongRoPE (6 factors each):
 
   - prefill logits through the paged cache equal transformers' forward,
   - the engine's greedy tokens equal generate()'s, chunked and with prefix-cache hits,
+  - both on the C++ rope (kernels/cpu, which rotates the first rotary_dim dims as torch does)
+    whenever the library is built: the test asserts it ran,
   - a factor outside (0, 1] or one leaving an odd rotary_dim is refused naming it.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from deltaserve.llm import LLM
+from kernels.cpu import extension
 from tests.support.engine_checks import _check, _prompts
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
@@ -30,19 +33,45 @@ def test_prefill_logits_match_transformers(tiny_models, overrides):
     ours = load(path)
     rope = ours.model.layers[0].self_attn.rotary_emb
     assert (rope.head_dim, rope.rotary_dim, rope.cos_cache.shape[-1]) == (16, 12, 12)
+    spy = _count_cpu_ropes(rope)
     ids = torch.arange(15) * 37 % 500 + 3          # within LongRoPE's 16 original positions
     with torch.no_grad():
         expected = hf_model(path)(ids[None]).logits[0].float()
     torch.testing.assert_close(prefill_logits(ours, ids), expected, rtol=0, atol=1e-4)
+    assert spy is None or spy.calls == len(ours.model.layers), "every layer on the C++ rope"
 
 
 def test_greedy_matches_transformers_chunked_and_prefix_hits(tiny_models):
     model = tiny_models("phi3", **PARTIAL)
     llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
               max_num_seqs=8)
+    spy = _count_cpu_ropes(llm.runner.model.model.layers[0].self_attn.rotary_emb)
     _check(llm, model, _prompts(llm.model_info.vocab_size), "phi4mini/chunked")
     _check(llm, model, _prompts(llm.model_info.vocab_size), "phi4mini/prefix-hits")
     assert llm.scheduler.kv.stats.hits > 0
+    assert spy is None or spy.calls > 0, "the engine's steps ran the C++ rope"
+
+
+class _CountingOps:
+    """Passes rope calls on to the real kernels/cpu ops, counting them."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.calls = ops, 0
+
+    def rope(self, *args) -> None:
+        self.calls += 1
+        self.ops.rope(*args)
+
+
+def _count_cpu_ropes(rope: RotaryEmbedding) -> _CountingOps | None:
+    """A counter of the C++ rope's calls on this module, or None when the library is not built
+    (the torch rope then runs, and the comparison with transformers still holds)."""
+    if not extension.load():
+        assert rope.kernel == "torch"
+        return None
+    assert rope.kernel == "cpu", "a partial-rotary model on the CPU takes the C++ rope"
+    rope._cpu = _CountingOps(rope._cpu)
+    return rope._cpu
 
 
 @pytest.mark.parametrize("factor", [0, 1.5, "0.5", True])
@@ -58,20 +87,6 @@ def test_factor_leaving_an_odd_rotary_dim_is_refused():
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0.3 is invalid for head_dim=10: "
                                          r"int\(head_dim \* factor\) = 3 must be an even"):
         settings.rotary_dim(10)
-
-
-def test_partial_rotary_uses_neither_the_cpp_nor_the_triton_rope():
-    """Both kernels rotate whole heads: a partial model asked for them gets the torch path."""
-    settings = RopeSettings.from_hf_config({"partial_rotary_factor": 0.5})
-    asked_fused = RotaryEmbedding(16, 32, settings, fused=True)
-    assert not asked_fused.fused and not asked_fused.use_cpu_kernels()
-    plain = RotaryEmbedding(16, 32, settings)
-    q, k = torch.randn(5, 2, 16), torch.randn(5, 1, 16)
-    positions = torch.tensor([0, 3, 7, 8, 31])
-    for got, x in zip(asked_fused(positions, q, k), (q, k)):
-        torch.testing.assert_close(got[..., 8:], x[..., 8:], rtol=0, atol=0)
-    torch.testing.assert_close(asked_fused(positions, q, k), plain(positions, q, k))
-    assert not torch.equal(plain(positions, q, k)[0][1:, :, :8], q[1:, :, :8])
 
 
 @pytest.mark.slow
