@@ -5,7 +5,7 @@ one (Phi-3-mini-4k: 2047). The fused checkpoint tensors are cut into their q, k,
 rows at load (`split_checkpoint_tensor`), so tensor parallelism shards each part as for Llama.
 
 The 128k models' `longrope` scaling is layers/longrope.py. Phi-4-mini (partial_rotary_factor
-0.75) rotates the first 3/4 of each head, on the torch rope path (layers/rotary.py).
+0.75) rotates the first 3/4 of each head (layers/rotary.py; the C++ and Triton ropes too).
 """
 from __future__ import annotations
 
