@@ -122,6 +122,25 @@ def test_olmo2_and_granite_through_the_rope_that_writes_the_cache(tiny_models, a
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("arch,overrides", [
+    ("phi3", {"partial_rotary_factor": 0.75, "sliding_window": None}),    # Phi-4-mini's
+    ("qwen3", {"partial_rotary_factor": 0.5}),          # with the q/k norm over whole heads
+], ids=["phi4mini", "qwen3-qk-norm"])
+def test_partial_rotary_through_the_triton_rope_that_writes_the_cache(tiny_models, arch,
+                                                                       overrides):
+    """Partial rotary on the fused rope: only the first rotary_dim dims of each head rotate,
+    the tail is normalised with the head and stored with the keys; same logits as torch."""
+    model_dir = tiny_models(arch, **overrides)
+    plain, fused = _load(model_dir, False, "triton"), _load(model_dir, True, "triton")
+    rope = fused.model.layers[0].self_attn.rotary_emb
+    assert rope.kernel == "triton" and rope.rotary_dim < rope.head_dim
+    assert all(m.self_attn.kv_in_rope for m in fused.model.layers)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 5)]
+    for step, (want, got) in enumerate(zip(_run_steps(plain, seqs), _run_steps(fused, seqs))):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+
+
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models, backend):
     from deltaserve.llm import LLM
