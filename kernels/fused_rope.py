@@ -189,7 +189,8 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query [T, Hq, D] and key [T, Hk, D] at `positions` [T] IN PLACE, one launch;
     returns (query, key), the same tensors. cos_cache / sin_cache: RotaryEmbedding's float32
-    [max_position, D] buffers. q_weight and k_weight ([D], the activations' dtype; both or
+    [max_position, rotary_dim] buffers (rotary_dim <= D: the first rotary_dim dims of each head
+    rotate, the rest pass through). q_weight and k_weight ([D], the activations' dtype; both or
     neither): RMS-normalise each head with them and `eps` first. value [T, Hk, D] (last dim
     contiguous), kv_cache [2, num_blocks, block_size, Hk, D] and slot_mapping [<= T] (all three
     or none): also store rows t < len(slot_mapping) of the rotated key and of value at
@@ -211,8 +212,11 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     rotary_dim = cos_cache.shape[1]           # the first rotary_dim dims of each head rotate
     tail = head_dim - rotary_dim
     block_half = triton.next_power_of_2(rotary_dim // 2)
+    load_tail = tail > 0 and (norm or write_kv)
+    block_tail = triton.next_power_of_2(max(tail, 1))
+    widest = max(block_half, block_tail) if load_tail else block_half   # a tile's row
     block_h = max(1, min(triton.next_power_of_2(min(num_q_heads, num_k_heads)),
-                         TILE_ELEMS // block_half))
+                         TILE_ELEMS // widest))
     num_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
     # Without a write the cache arguments are dead code: any tensors of the right kind do.
     v, cache, slots = (value, kv_cache, slot_mapping) if write_kv else (key, key, positions)
@@ -223,10 +227,10 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         num_q_heads, num_k_heads, rotary_dim // 2, tail,
         v, cache, slots, slots.shape[0], v.stride(0), v.stride(1),
         *(kv_cache.stride()[:4] if write_kv else (0, 0, 0, 0)),
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
         NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=kv_cache.shape[2] if write_kv else 1,
-        Q_TAIL=tail > 0 and norm, K_TAIL=tail > 0 and (norm or write_kv),
-        num_warps=max(1, min(4, block_h * block_half // 256)), enable_fp_fusion=False)
+        Q_TAIL=tail > 0 and norm, K_TAIL=load_tail,
+        num_warps=max(1, min(4, block_h * widest // 256)), enable_fp_fusion=False)
     return query, key
 
 

@@ -81,14 +81,16 @@ def test_partial_rotation_matches_torch_and_passes_the_tail(rotary_dim, dtype):
     assert torch.equal(qkv[:, 5 * HEAD_DIM:], before[:, 5 * HEAD_DIM:]), "v untouched"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_covers_the_whole_head_and_the_cache_gets_the_tail(dtype):
-    """q/k norm over all 64 dims, then 48 rotate; the cache holds what the backend's own
-    write of the rotated keys (tail included) and of the values would."""
+@pytest.mark.parametrize("rotary_dim,dtype", [(48, torch.float32), (48, torch.bfloat16),
+                                              (16, torch.float32)])
+def test_norm_covers_the_whole_head_and_the_cache_gets_the_tail(rotary_dim, dtype):
+    """q/k norm over all 64 dims, then rotary_dim rotate (16: a tail of 48, padded to 64 and
+    masked); the cache holds what the backend's own write of the rotated keys (tail
+    included) and of the values would."""
     from kernels.attention.triton_cache import triton_write_kv_cache
     from kernels.fused_rope import fused_rope
 
-    rope = _rope(48)
+    rope = _rope(rotary_dim)
     gen = torch.Generator().manual_seed(4)
     norms = [RMSNorm(HEAD_DIM, 1e-6, dtype).to(DEVICE) for _ in range(2)]
     for norm in norms:
