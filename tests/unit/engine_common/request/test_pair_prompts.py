@@ -17,25 +17,10 @@ from engine_common.request.pair_prompts import PairPrompts
 from engine_common.request.params import ParamError
 from engine_common.text.tokenizer import Tokenizer
 from tests.support import encoder_models as enc
+from tests.support.tokenizers import CountingBackend
 
 QUERY = "what is a KV cache?"
 DOCS = ["keys and values", "a fox", "", "the cache of keys " * 3]
-
-
-class CountingBackend:
-    """The real tokenizers.Tokenizer, counting each text it tokenizes (a pair's two)."""
-
-    def __init__(self, backend):
-        self._backend = backend
-        self.texts: list[str] = []
-
-    def encode_batch(self, inputs, **kwargs):
-        for item in inputs:
-            self.texts.extend(item if isinstance(item, tuple) else [item])
-        return self._backend.encode_batch(inputs, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
 
 
 @pytest.fixture(params=["bert", "xlmr"])
