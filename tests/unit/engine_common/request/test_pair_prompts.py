@@ -1,4 +1,4 @@
-"""A Score call's pairs tokenized up front and held compactly (engine_common/request/pair_prompts.py):
+"""A Score call's pairs tokenized up front and held compactly (request/pair_prompts.py):
 
   - every pair's prompt equals Tokenizer.encode_pair's (BERT and XLM-R templates, an empty
     second text, `use_pad_token: false` concatenation);

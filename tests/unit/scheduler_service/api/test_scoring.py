@@ -16,7 +16,7 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import FrontDoor, ServedModel
 from scheduler_service.api.embeddings import served_pooler
 from scheduler_service.api.request_quota import RequestQuota
-from scheduler_service.api.scoring import call_ids, call_window, classifier_of, score
+from scheduler_service.api.scoring import call_ids, call_window, classifier_of, classify, score
 from scheduler_service.errors import WrongRunner
 from tests.support.classifier_models import make_classifier_model
 
@@ -115,3 +115,15 @@ def test_a_bad_head_dtype_is_refused_at_start(tmp_path):
     with pytest.raises(ParamError, match=r"config.json head_dtype='float8' is invalid: must "
                                          r"be \"model\" .* or one of float32, .*bfloat16"):
         served_pooler("pooling", None, model)
+
+
+def test_a_classify_call_past_the_token_limit_is_refused_by_name(classifiers):
+    served = ServedModel(ModelInfo.from_dir(classifiers[3]),
+                         Tokenizer.from_dir(classifiers[3]), block_size=16,
+                         pooler=model_pooler_config(classifiers[3]))
+    door = FrontDoor(served, ApiOptions(max_score_tokens=20))
+    texts = ["keys and values in a cache"] * 8
+    no_engine = None          # refused before the engine is reached
+    with pytest.raises(ParamError, match=r"input='2\d tokens in the first \d texts' is invalid: "
+                                         r"must be at most 20 tokens .*--max-score-tokens"):
+        asyncio.run(classify(no_engine, door, "caller", "r", texts, True, "", "caller"))
