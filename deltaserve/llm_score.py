@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate,
-                                            encode_score_pair, pair_code, score_pairs,
-                                            uses_token_types)
+from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, pair_code,
+                                            score_pairs, uses_token_types)
+from engine_common.request.pair_prompts import PairPrompts
 from engine_common.request.pooling import POOL_SAMPLING, POOL_STOPPING
 
 
@@ -68,16 +68,21 @@ class ScoreMixin:
     def score(self, text_1: str | list[str], text_2: str | list[str],
               activation: bool = True) -> list[ScoringOutput]:
         """Cross-encoder scores, as vLLM's LLM.score: one text against one or N (1-to-N), or N
-        against N (zipped); one score per pair, in order. The model must have one label."""
+        against N (zipped); one score per pair, in order. The model must have one label. A
+        1-to-N call tokenizes text_1 once; the pairs together hold at most 8 Mi tokens
+        (pair_prompts.DEFAULT_MAX_SCORE_TOKENS; ParamError naming text_2 beyond)."""
         info = self.classifier_info("score")
         if info.num_labels != 1:
             raise ValueError(f"score() needs a model with num_labels=1 (a score per pair); "
                              f"this one has {info.num_labels}: use classify()")
         act = info.score_activation if activation else IDENTITY
         token_types = uses_token_types(self.model_info.hf_config)
-        prompts, codes = [], []
+        pairs = PairPrompts(self.tokenizer, self.model_info.hf_config)
         for a, b in score_pairs(text_1, text_2):
-            ids, types = encode_score_pair(self.tokenizer, self.model_info.hf_config, a, b)
+            pairs.add(a, b)
+        prompts, codes = [], []
+        for i in range(len(pairs)):
+            ids, types = pairs.prompt(i)
             prompts.append(ids)
             codes.append(pair_code(self.pooler.code, types, token_types))
         with self._exclusive("score"):

@@ -24,6 +24,10 @@ from engine_common.request.params import ParamError
 from engine_common.request.pooling import PoolerConfigError, is_encoder, with_pair_start
 
 IDENTITY, SIGMOID, SOFTMAX = "identity", "sigmoid", "softmax"
+# config.json's head_dtype values (vLLM's): the model's own dtype, or one of these torch names
+# (worker_service/models/classifiers.py maps them to dtypes).
+HEAD_DTYPE_MODEL = "model"
+HEAD_DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16")
 # sentence-transformers activation class names (torch.nn.modules.*) -> what vLLM does
 _ST_ACTIVATIONS = {"Identity": IDENTITY, "Sigmoid": None, "Softmax": None}
 
@@ -39,7 +43,8 @@ class ClassifierInfo:
 
     @classmethod
     def from_config(cls, config: dict) -> "ClassifierInfo":
-        """From config.json; PoolerConfigError naming a key we cannot honour."""
+        """From config.json; PoolerConfigError naming a key we cannot honour (ParamError for
+        a bad head_dtype)."""
         id2label = config.get("id2label") or {}
         num = config.get("num_labels", len(id2label) or 2)   # transformers' default: 2
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
@@ -50,7 +55,19 @@ class ClassifierInfo:
         problem = config.get("problem_type")
         classify = {"regression": IDENTITY, "multi_label_classification": SIGMOID}.get(
             problem, by_count)
+        check_head_dtype(config)
         return cls(num, labels, classify, _score_activation(config, by_count))
+
+
+def check_head_dtype(config: dict) -> None:
+    """ParamError naming config.json's `head_dtype` unless it is unset, "model" or a dtype
+    name (checked at start, where the worker would only fail building the model)."""
+    name = config.get("head_dtype")
+    if name is None or name == HEAD_DTYPE_MODEL:
+        return
+    if not isinstance(name, str) or name.lower() not in HEAD_DTYPE_NAMES:
+        raise ParamError("config.json head_dtype", name, f'"{HEAD_DTYPE_MODEL}" (the model\'s '
+                         f"dtype) or one of {', '.join(HEAD_DTYPE_NAMES)}")
 
 
 def _score_activation(config: dict, by_count: str) -> str:

@@ -13,6 +13,7 @@ from tokenizers.decoders import ByteLevel, DecodeStream
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
 from engine_common.model_files.model_dir import ModelDirError, load_json
+from engine_common.text.pair_template import PairTemplate
 
 # Prompt tokens handed to the stream as context: enough for decoders whose output depends on the
 # previous token (leading-space rules), without decoding a long prompt.
@@ -57,6 +58,7 @@ class Tokenizer:
         # None: tokenizer.json's post-processor decides; else (add_bos, add_eos), where a flag the
         # config leaves out keeps what the post-processor does.
         self._explicit: tuple[bool, bool] | None = None
+        self._pair_template: PairTemplate | None | bool = False     # False: not read yet
         add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
         if add_bos is not None or add_eos is not None:
             implied_bos, implied_eos = self._post_processor_adds(backend)
@@ -136,9 +138,28 @@ class Tokenizer:
     def encode_pair(self, text: str, text_pair: str) -> tuple[list[int], list[int]]:
         """(ids, token type ids) of a sentence pair, as transformers' tokenizer(text, text_pair)
         encodes it with tokenizer.json's pair template (BERT: [CLS] a [SEP] b [SEP], types
-        0...0 1...1; RoBERTa: <s> a </s></s> b </s>, all 0). Releases the GIL as `encode`."""
+        0...0 1...1; RoBERTa: <s> a </s></s> b </s>, all 0). tokenizer_config.json's
+        add_bos_token / add_eos_token do not apply: transformers (5.x) drops them when a
+        tokenizer.json is there, for pairs as for single texts. An empty `text_pair` is no pair
+        there (`[(text, text_pair)] if text_pair else [text]`): `text` alone, as
+        tokenizer.json's post-processor makes it. Releases the GIL as `encode`."""
+        if not text_pair:
+            enc = self.backend.encode_batch([text], add_special_tokens=True)[0]
+            return enc.ids, enc.type_ids
+        template = self.pair_template()
+        if template is not None:
+            return template.join(self.encode(text, add_special_tokens=False),
+                                 self.encode(text_pair, add_special_tokens=False))
         enc = self.backend.encode_batch([(text, text_pair)], add_special_tokens=True)[0]
         return enc.ids, enc.type_ids
+
+    def pair_template(self) -> PairTemplate | None:
+        """The special tokens a pair gets around its texts' plain ids (pair_template.py), read
+        off the post-processor once; None when it is not of that shape (then only
+        `encode_pair` encodes pairs, whole)."""
+        if self._pair_template is False:
+            self._pair_template = PairTemplate.probe(self.backend)
+        return self._pair_template
 
     def max_token_bytes(self) -> int:
         """An upper bound on the characters one token covers: the most UTF-8 bytes any token of

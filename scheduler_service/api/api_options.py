@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_common.request.diff_limits import MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from engine_common.request.pair_prompts import DEFAULT_MAX_SCORE_TOKENS
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import AtLeast, ReadableFile, setting, validate
 
@@ -56,6 +57,10 @@ class ApiOptions:
         None, "requests one API key may have queued or running at once (without keys: the whole "
         "port); more get RESOURCE_EXHAUSTED, so no tenant fills the waiting queue for the "
         "others. Unset: no bound", rule=AtLeast(1))
+    max_score_tokens: int = setting(
+        DEFAULT_MAX_SCORE_TOKENS, "tokens of one Score call's pairs (each pair's special "
+        "tokens included) or one Classify call's texts together, counted as they are "
+        "tokenized: more is INVALID_ARGUMENT naming text_2 (or input)", rule=AtLeast(1))
     tokenizer_threads: int = setting(
         4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
         "all but one of them)", rule=AtLeast(1))

@@ -9,6 +9,7 @@ the same caller, so the bound is then one for the whole port.
 """
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
@@ -23,9 +24,26 @@ class RequestQuota:
     def __init__(self, per_key: int | None = None):
         self.per_key = per_key
         self._live: Counter[str] = Counter()
+        self._waiters: dict[str, list[asyncio.Future]] = {}   # caller -> wait_place calls
 
     def live(self, caller: str) -> int:
         return self._live[caller]
+
+    async def wait_place(self, caller: str) -> None:
+        """Return once `caller` holds fewer places than the bound, so a `hold` of one made
+        before the next await succeeds (a Classify / Score call's next request waits for a
+        place rather than failing)."""
+        while self.per_key is not None and self._live[caller] >= self.per_key:
+            freed = asyncio.get_running_loop().create_future()
+            waiters = self._waiters.setdefault(caller, [])
+            waiters.append(freed)
+            try:
+                await freed
+            finally:
+                if freed in waiters:
+                    waiters.remove(freed)
+                if not waiters:
+                    self._waiters.pop(caller, None)
 
     @contextmanager
     def hold(self, caller: str, request_id: str, n: int = 1) -> Iterator[None]:
@@ -42,3 +60,6 @@ class RequestQuota:
             self._live[caller] -= n
             if not self._live[caller]:
                 del self._live[caller]
+            for freed in self._waiters.get(caller, ()):     # each looks again
+                if not freed.done():
+                    freed.set_result(None)

@@ -5,23 +5,29 @@ requests sharing steps; the worker returns the logits and the activation is appl
 vLLM's pooler does (engine_common/request/classify.py).
 
 A call keeps at most one running batch of its requests in flight (`call_window`:
---max-num-seqs, and the caller's --max-requests-per-key) and sends the next as one finishes:
-a call of 1024 pairs then never fills the waiting queue other callers share (--max-waiting),
-nor passes its key's bound, and another caller's request waits behind one batch of it, not
-all of it. Each text or pair counts in the request counters as one Embed (`RequestTally`).
+--max-num-seqs, and the places the caller's --max-requests-per-key has left) and sends the
+next as one finishes, each waiting for a place of the key rather than failing: a call of 1024
+pairs then never fills the waiting queue other callers share (--max-waiting), nor passes its
+key's bound, and another caller's request waits behind one batch of it, not all of it. Its
+requests' engine ids are its own (`call_ids`). Each text or pair counts in the request
+counters as one Embed (`RequestTally`).
 
 A pair is tokenized as vLLM does (transformers' tokenizer(text_1, text_2), or text_1 + text_2
-as one text for a model whose config.json says `use_pad_token: false`); for a model with
+as one text for a model whose config.json says `use_pad_token: false`), all up front but held
+compactly, within --max-score-tokens (engine_common/request/pair_prompts.py); for a model with
 token types (BERT) the second text's start rides on the request's pooling code.
 """
 from __future__ import annotations
 
 import asyncio
+import secrets
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate,
-                                            encode_score_pair, pair_code, score_pairs,
-                                            uses_token_types)
+from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, pair_code,
+                                            score_pairs, uses_token_types)
+from engine_common.request.pair_prompts import PairPrompts
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import PoolerConfigError
 from scheduler_service.api.embeddings import check_pool_length, embed, prompt_of
@@ -61,10 +67,23 @@ def _check_count(field: str, n: int) -> None:
         raise ParamError(field, f"{n} texts", f"1 to {MAX_INPUTS}")
 
 
-def call_window(door: FrontDoor) -> int:
-    """Requests of one call in flight at once: a step's batch, within the key's bound."""
-    bounds = (door.model.max_num_seqs, door.quota.per_key, MAX_INPUTS)
+def call_window(door: FrontDoor, caller: str) -> int:
+    """Requests of one call in flight at once: a step's batch, within the places the caller's
+    key has left (its bound less those its other requests hold; at least one, which then
+    waits for a place)."""
+    per_key = door.quota.per_key
+    left = None if per_key is None else per_key - door.quota.live(caller)
+    bounds = (door.model.max_num_seqs, left, MAX_INPUTS)
     return max(1, min(b for b in bounds if b is not None))
+
+
+def call_ids(kind: str, request_id: str) -> Callable[[int], str]:
+    """The engine ids of a call's requests: `<kind>-<random>-<request_id>-<i>`, vLLM's
+    per-endpoint prefix with a per-call random part (64 bits), so the same caller's Embed or
+    Generate id (`<request_id>-<i>` included) never names one of them. The call answers with
+    `request_id` as given."""
+    base = f"{kind}-{secrets.token_hex(8)}-{request_id}"
+    return lambda i: f"{base}-{i}"
 
 
 async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts: list[str],
@@ -73,14 +92,20 @@ async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts:
     """Each text's class, in order (errors name `input[i]`; `tally`: the call's counts)."""
     info = classifier_of(door, "Classify")
     _check_count("input", len(texts))
-    ids = []
+    ids, total, limit = [], 0, door.options.max_score_tokens
     for i, text in enumerate(texts):
         if not text:
             raise ParamError(f"input[{i}]", "an empty text", "a non-empty text")
-        ids.append(await prompt_of(door, (), text, pool_caller, (f"input[{i}]",) * 3))
+        prompt = array("I", await prompt_of(door, (), text, pool_caller, (f"input[{i}]",) * 3))
+        total += len(prompt)
+        if total > limit:
+            raise ParamError("input", f"{total} tokens in the first {i + 1} texts", f"at most "
+                             f"{limit} tokens in one call's texts together (--max-score-tokens)")
+        ids.append(prompt)       # 4 bytes a token until it is sent
     act = info.classify_activation if activation else IDENTITY
-    logits = await _run_all(engine, door, caller, request_id, ids,
-                            [door.model.pooler.code] * len(ids), salt, tally)
+    code = door.model.pooler.code
+    logits = await _run_all(engine, door, caller, call_ids("classify", request_id), len(ids),
+                            lambda i: (ids[i].tolist(), code), salt, tally)
     out = []
     for prompt, row in zip(ids, logits):
         probs = activate(row, act)
@@ -97,41 +122,45 @@ async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: l
     pairs = score_pairs(text_1, text_2)
     _check_count("text_2", len(pairs))
     token_types = uses_token_types(door.model.info.hf_config)
-    ids, codes = [], []
+    prompts = PairPrompts(door.model.tokenizer, door.model.info.hf_config,
+                          door.options.max_score_tokens)
+    codes = []
     for i, (a, b) in enumerate(pairs):
         if len(a) + len(b) > door.model.prompt_chars_fit:
             raise ParamError(f"pair[{i}]", f"{len(a) + len(b)} characters",
                              f"at most {door.model.prompt_chars_fit}")
-        pair_ids, types = await door.offload(pool_caller, encode_score_pair,
-                                             door.model.tokenizer, door.model.info.hf_config,
-                                             a, b)
-        if not pair_ids:        # a decoder's pair template adds no tokens to two empty texts
+        num_tokens = await door.offload(pool_caller, prompts.add, a, b)
+        if not num_tokens:      # a decoder's pair template adds no tokens to two empty texts
             raise ParamError(f"pair[{i}]", "no tokens", "a pair of at least one token")
-        check_pool_length(door.model, len(pair_ids), f"pair[{i}]")
-        ids.append(pair_ids)
-        codes.append(pair_code(door.model.pooler.code, types, token_types))
+        check_pool_length(door.model, num_tokens, f"pair[{i}]")
+        codes.append(pair_code(door.model.pooler.code, prompts.prompt(i)[1], token_types)
+                     if token_types else door.model.pooler.code)
+
     act = info.score_activation if activation else IDENTITY
-    logits = await _run_all(engine, door, caller, request_id, ids, codes, salt, tally)
-    return [activate(row, act)[0] for row in logits], sum(map(len, ids))
+    logits = await _run_all(engine, door, caller, call_ids("score", request_id), len(prompts),
+                            lambda i: (prompts.prompt(i)[0], codes[i]), salt, tally)
+    return [activate(row, act)[0] for row in logits], prompts.num_tokens
 
 
-async def _run_all(engine, door: FrontDoor, caller: str, request_id: str,
-                   prompts: list[list[int]], codes: list[int], salt: str,
+async def _run_all(engine, door: FrontDoor, caller: str, engine_id: Callable[[int], str],
+                   num: int, prompt_at: Callable[[int], tuple[list[int], int]], salt: str,
                    tally: RequestTally | None) -> list[list[float]]:
-    """Every prompt's logits (ids `<request_id>-<i>`), `call_window` of them in flight at
-    once, in order; the first failure cancels (so aborts) the others."""
+    """The logits of the call's `num` prompts (`prompt_at(i)`: ids and pooling code, built
+    as each is sent), `call_window` of them in flight at once, in order, each waiting for a
+    place of the caller's key; the first failure cancels (so aborts) the others."""
     if tally is not None:
-        tally.choices(len(prompts))
-    gate = asyncio.Semaphore(call_window(door))
+        tally.choices(num)
+    gate = asyncio.Semaphore(call_window(door, caller))
     on_output = None if tally is None else tally.output
 
-    async def one(i: int, ids: list[int], code: int) -> list[float]:
+    async def one(i: int) -> list[float]:
         async with gate:          # FIFO: the call's requests start in their order
-            return await embed(engine, door, caller, f"{request_id}-{i}", ids, salt,
-                               on_output, pooling=code)
+            await door.quota.wait_place(caller)
+            ids, code = prompt_at(i)      # no await until embed holds the place
+            return await embed(engine, door, caller, engine_id(i), ids, salt, on_output,
+                               pooling=code)
 
-    tasks = [asyncio.ensure_future(one(i, ids, code))
-             for i, (ids, code) in enumerate(zip(prompts, codes))]
+    tasks = [asyncio.ensure_future(one(i)) for i in range(num)]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -50,3 +50,19 @@ def _byte_token_ids(tok, data: bytes) -> list[int]:
             table[b] = chr(256 + extra)
             extra += 1
     return [tok.token_to_id(table[b]) for b in data]
+
+
+class CountingBackend:
+    """The real tokenizers.Tokenizer, counting each text it tokenizes (a pair's two)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.texts: list[str] = []
+
+    def encode_batch(self, inputs, **kwargs):
+        for item in inputs:
+            self.texts.extend(item if isinstance(item, tuple) else [item])
+        return self._backend.encode_batch(inputs, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)

@@ -24,14 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_common.request.classify import HEAD_DTYPE_NAMES, check_head_dtype
 from worker_service.models.bert import BertModel, RobertaModel
 from worker_service.models.llama import (LlamaForCausalLM, Qwen2ForCausalLM,
                                          Qwen3ForCausalLM)
 from worker_service.layers.sharding import default_weight_loader, new_param
 
 
-_HEAD_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-                "half": torch.float16, "bfloat16": torch.bfloat16}
+# torch.float / torch.half are float32 / float16.
+_HEAD_DTYPES = {name: getattr(torch, name) for name in HEAD_DTYPE_NAMES}
 
 
 def head_dtype(hf_config: dict, model_dtype: torch.dtype) -> torch.dtype:
@@ -42,10 +43,8 @@ def head_dtype(hf_config: dict, model_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
     if name == "model":
         return model_dtype
-    if str(name).lower() not in _HEAD_DTYPES:
-        raise ValueError(f"config.json: head_dtype={name!r}: expected \"model\" or one of "
-                         f"{sorted(_HEAD_DTYPES)}")
-    return _HEAD_DTYPES[str(name).lower()]
+    check_head_dtype(hf_config)       # the scheduler refused a bad one at start already
+    return _HEAD_DTYPES[name.lower()]
 
 
 def num_labels(hf_config: dict) -> int:

@@ -1,5 +1,6 @@
 """scheduler_service.api.scoring: which servers serve Classify and Score (FAILED_PRECONDITION
-otherwise, naming why), and a classifier's labels."""
+otherwise, naming why), a classifier's labels, a call's window within its key's places, its
+requests' engine ids, and a bad head_dtype refused at start."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,9 @@ from engine_common.text.tokenizer import Tokenizer
 from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import FrontDoor, ServedModel
-from scheduler_service.api.scoring import classifier_of, score
+from scheduler_service.api.embeddings import served_pooler
+from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.api.scoring import call_ids, call_window, classifier_of, classify, score
 from scheduler_service.errors import WrongRunner
 from tests.support.classifier_models import make_classifier_model
 
@@ -60,3 +63,67 @@ def test_an_empty_pair_is_refused_naming_it(tmp_path):
     with pytest.raises(ParamError, match=r"pair\[1\]='no tokens'"):
         asyncio.run(score(no_engine, door, "caller", "r", ["a", ""], ["b", ""], True, "",
                           "caller"))
+
+
+def test_the_call_window_leaves_the_places_the_key_holds(classifiers):
+    """--max-requests-per-key 3 with 2 of the key's requests running: the call's window is 1
+    (before: 3, so its second request failed RESOURCE_EXHAUSTED)."""
+    served = ServedModel(ModelInfo.from_dir(classifiers[1]),
+                         Tokenizer.from_dir(classifiers[1]), block_size=16,
+                         pooler=model_pooler_config(classifiers[1]), max_num_seqs=4)
+    door = FrontDoor(served, ApiOptions(max_requests_per_key=3))
+    assert call_window(door, "alice") == 3
+    with door.quota.hold("alice", "g1", n=2):
+        assert call_window(door, "alice") == 1
+        assert call_window(door, "bob") == 3
+        with door.quota.hold("alice", "g2"):
+            assert call_window(door, "alice") == 1        # at least one, which waits
+    assert call_window(FrontDoor(served, ApiOptions()), "alice") == 4    # max_num_seqs
+
+
+def test_a_call_request_waits_for_a_place_of_its_key():
+    async def run() -> None:
+        quota = RequestQuota(per_key=2)
+        await quota.wait_place("alice")                   # free: at once
+        with quota.hold("alice", "a"):
+            held = quota.hold("alice", "b")
+            held.__enter__()
+            waiting = asyncio.ensure_future(quota.wait_place("alice"))
+            other = asyncio.ensure_future(quota.wait_place("bob"))
+            await asyncio.wait_for(other, 5)              # another key's: at once
+            assert not waiting.done()
+            held.__exit__(None, None, None)               # a place comes free
+            await asyncio.wait_for(waiting, 5)
+            with quota.hold("alice", "c"):                # and is there to take
+                assert quota.live("alice") == 2
+        assert quota.live("alice") == 0
+    asyncio.run(run())
+
+
+def test_a_calls_engine_ids_are_its_own():
+    """A call's requests never take an id its caller can give (before: `<request_id>-<i>`,
+    the same caller's Embed `x-0` clashed with Score `x`'s first pair)."""
+    first, again = call_ids("score", "x"), call_ids("score", "x")
+    assert first(0) != "x-0" and first(0).startswith("score-") and first(0).endswith("-x-0")
+    assert first(0) != again(0) and first(0) != first(1)
+
+
+def test_a_bad_head_dtype_is_refused_at_start(tmp_path):
+    """Refused where the server reads its pooling (served_pooler), naming config.json's field,
+    the value and the allowed values; before, only the worker failed, building the model."""
+    model = str(make_classifier_model(tmp_path / "bert", "bert", 1, head_dtype="float8"))
+    with pytest.raises(ParamError, match=r"config.json head_dtype='float8' is invalid: must "
+                                         r"be \"model\" .* or one of float32, .*bfloat16"):
+        served_pooler("pooling", None, model)
+
+
+def test_a_classify_call_past_the_token_limit_is_refused_by_name(classifiers):
+    served = ServedModel(ModelInfo.from_dir(classifiers[3]),
+                         Tokenizer.from_dir(classifiers[3]), block_size=16,
+                         pooler=model_pooler_config(classifiers[3]))
+    door = FrontDoor(served, ApiOptions(max_score_tokens=20))
+    texts = ["keys and values in a cache"] * 8
+    no_engine = None          # refused before the engine is reached
+    with pytest.raises(ParamError, match=r"input='2\d tokens in the first \d texts' is invalid: "
+                                         r"must be at most 20 tokens .*--max-score-tokens"):
+        asyncio.run(classify(no_engine, door, "caller", "r", texts, True, "", "caller"))
