@@ -26,7 +26,6 @@ from scheduler_service.api.reflection import add_reflection
 from scheduler_service.core.lora_registry import check_name
 
 FIELD = "lora_engine_listen"
-_NO_REUSEPORT = (("grpc.so_reuseport", 0),)    # a port in use is an error, as the main port's
 
 
 def parse_adapter_listen(text: str | None) -> tuple[tuple[str, str], ...]:
@@ -83,7 +82,7 @@ def build_adapter_ports(pairs: tuple[tuple[str, str], ...],
     the caller's failure path: nothing was started yet)."""
     ports = []
     for name, address in pairs:
-        server = grpc.aio.server(options=_NO_REUSEPORT + public_port.port_options(api),
+        server = grpc.aio.server(options=public_port.port_options(api),
                                  interceptors=public_port.interceptors(api, keys))
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer_for(name), server)
         readiness.add_to_server(server)

@@ -12,7 +12,9 @@ from scheduler_service.api.guard import Gate
 
 
 def port_options(api: ApiOptions) -> tuple:
-    return (("grpc.max_receive_message_length", api.max_request_bytes),)
+    """A public port's gRPC server options: a port already in use is an error, not a silent
+    share (no SO_REUSEPORT); requests up to --max-request-bytes."""
+    return (("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", api.max_request_bytes))
 
 
 def api_keys(api: ApiOptions) -> KeyBook:

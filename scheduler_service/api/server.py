@@ -66,8 +66,6 @@ from scheduler_service.workers.worker_spec import DEFAULT_DIST_PORT
 
 log = logging.getLogger(__name__)
 
-# No SO_REUSEPORT: a second server on a port in use must fail, not share the port silently.
-_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 # How long one reconnect attempt waits for a worker's port; retried every half second after.
 _CONNECT_TIMEOUT_SECONDS = 2.0
 
@@ -219,7 +217,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                          max_num_seqs=config.max_num_seqs)
 
     keys = public_port.api_keys(api)
-    server = grpc.aio.server(options=_SERVER_OPTIONS + public_port.port_options(api),
+    server = grpc.aio.server(options=public_port.port_options(api),
                              interceptors=public_port.interceptors(api, keys))
     pool = TokenizerPool(api.tokenizer_threads)   # both services' tokenizing, off the loop
     quota = RequestQuota(api.max_requests_per_key)  # both services' requests per key
