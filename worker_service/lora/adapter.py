@@ -103,18 +103,19 @@ def _too_big(name: str, file: Path, what: str, size: int, limit: int) -> LoRAErr
 
 
 def _read_config(name: str, cfg_file: Path) -> dict:
+    size = 0
     try:
         with open(cfg_file, "rb") as f:       # never more than the limit, whatever stat said
             raw = f.read(MAX_CONFIG_BYTES + 1)
             if len(raw) > MAX_CONFIG_BYTES:
                 size = max(os.fstat(f.fileno()).st_size, len(raw))
-                raise _too_big(name, cfg_file, "a file", size, MAX_CONFIG_BYTES)
-        cfg = json.loads(raw.decode())
+            else:
+                cfg = json.loads(raw.decode())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:   # nested too deep
-        if isinstance(e, LoRAError):
-            raise
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
+    if size:
+        raise _too_big(name, cfg_file, "a file", size, MAX_CONFIG_BYTES)
     if not isinstance(cfg, dict):
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} is not a JSON object")
     return cfg
