@@ -262,8 +262,8 @@ class Scheduler(SchedulerViews):
             wanted = request.num_tokens + request.num_pending_tokens
             left = wanted - request.num_computed_tokens - request.awaiting_grammar
             n = min(left, cap, plan.budget, self.kv.num_fitting_tokens(request))
-            if n > 0:
-                new_ids = self.kv.grow_slots(request, n)
+            if n > 0:                    # fits by num_fitting_tokens: grow_fitting's contract
+                new_ids = self.kv.grow_fitting(request, n)
             elif plan.work or plan.budget <= 0 or left <= 0:
                 plan.counts[request.handle] = 0       # idle: the others free blocks in time
                 continue
