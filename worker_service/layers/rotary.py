@@ -226,6 +226,27 @@ class RotaryEmbedding(nn.Module):
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
+class NoRope(nn.Module):
+    """The rope of a layer without position embedding (NoPE: SmolLM3's every 4th layer): q and
+    k pass through, after their per-head norms if any. Never fused, so no attention asks it to
+    write the KV cache (the backend writes it)."""
+
+    fused = False
+    kernel = "none"
+
+    def use_cpu_kernels(self) -> bool:
+        return False
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                kv_write=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_write is not None:
+            raise ValueError("kv_write needs the fused rope; a NoPE layer has none")
+        if q_norm is not None:
+            return q_norm(query), k_norm(key)
+        return query, key
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x rotated over its first cos.shape[-1] dims, the rest passed through."""
     dim = cos.shape[-1]

@@ -196,10 +196,16 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
         rotary_emb = get_rope(args.head_dim, hf_config, args.fused_ops)
         self.layers = nn.ModuleList(
-            self.layer_class(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i),
-                             args.window(i))
+            self.layer_class(args, self.layer_rope(i, rotary_emb, hf_config), tp, backend,
+                             dtype, make_mlp and make_mlp(i), args.window(i))
             for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.fused_ops)
+
+    def layer_rope(self, layer: int, rotary_emb: RotaryEmbedding,
+                   hf_config: dict) -> nn.Module:
+        """Layer `layer`'s rope: the model's one table (models/smollm3.py's NoPE layers have
+        none)."""
+        return rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

@@ -23,6 +23,7 @@ from worker_service.models.mixtral import MixtralForCausalLM
 from worker_service.models.olmo2 import Olmo2ForCausalLM
 from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from worker_service.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY = MappingProxyType({
     # encoder embedding models (--runner pooling only): engine_common's ENCODER_ARCHITECTURES
@@ -52,6 +53,7 @@ MODEL_REGISTRY = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 })
 
 
