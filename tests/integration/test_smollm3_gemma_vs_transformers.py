@@ -9,7 +9,10 @@ gelu-tanh GeGLU.
     prefills batched with decodes, with prefix-cache hits,
   - two gloo ranks give the single rank's logits,
   - SmolLM3's NoPE layers matter (rope on every layer changes the logits), an explicit
-    no_rope_layers list is read, and bad NoPE / window fields are refused naming them.
+    no_rope_layers list is read, and bad NoPE / window fields are refused naming them,
+  - Gemma's legacy hidden_act "gelu" is served as the tanh GeLU (GemmaConfig's rewrite), other
+    activations and bidirectional attention are refused, absent head_dim / tie_word_embeddings
+    are GemmaConfig's 256 / tied; LoRA is refused for both by architecture.
 """
 from __future__ import annotations
 
@@ -22,12 +25,16 @@ import torch
 from tests.integration.test_model_vs_transformers import hf_logits
 from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_prefix_hits
 from tests.support.hf_reference import hf_model
-from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
+from tests.support.paged_prefill import BACKEND, assert_tp2_matches_tp1, load, prefill_logits
 from tests.support.window_schedule import assert_chunks_and_decodes_match
 from worker_service.layers.rotary import NoRope, RotaryEmbedding
+from worker_service.lora.adapter import LoRAError
+from worker_service.lora.layers import attach_lora
+from worker_service.models.gemma import GemmaForCausalLM
 from worker_service.models.smollm3 import rope_layers, smollm3_layer_windows
+from worker_service.parallel_state import single_rank_group
 
-ARCHS = ("smollm3",)
+ARCHS = ("smollm3", "gemma")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -105,3 +112,32 @@ def test_smollm3_windows_follow_its_config():
     with pytest.raises(ValueError, match=r"layer_types marks sliding_attention layers but "
                                          r"use_sliding_window=None"):
         smollm3_layer_windows({**base, "layer_types": types}, 4)
+
+
+def test_gemma_legacy_gelu_is_the_tanh_gelu_and_others_are_refused(tiny_models, tmp_path):
+    """The Hub's Gemma configs say hidden_act "gelu"; GemmaConfig serves it as the tanh GeLU."""
+    path = tiny_models("gemma")
+    ids = torch.arange(19) * 37 % 500 + 3
+    legacy = load(_with_config(path, tmp_path / "gelu", hidden_act="gelu"))
+    torch.testing.assert_close(prefill_logits(legacy, ids), hf_logits(hf_model(path), ids),
+                               rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match=r"hidden_act='silu' is not supported for "
+                                         r"GemmaForCausalLM: must be one of"):
+        load(_with_config(path, tmp_path / "silu", hidden_act="silu"))
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=true is not supported"):
+        load(_with_config(path, tmp_path / "bidi", use_bidirectional_attention=True))
+
+
+def test_gemma_defaults_are_gemma_configs(tiny_models):
+    """Without head_dim and tie_word_embeddings in config.json: GemmaConfig's 256 and tied."""
+    cfg = json.load(open(f"{tiny_models('gemma')}/config.json"))
+    assert cfg["tie_word_embeddings"] and cfg["head_dim"] == 16
+    bare = {k: v for k, v in cfg.items() if k not in ("head_dim", "tie_word_embeddings")}
+    model = GemmaForCausalLM(bare, single_rank_group(), BACKEND, torch.float32)
+    assert model.head_dim == 256 and model.lm_head_is_tied
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_is_refused_by_architecture(tiny_models, arch):
+    with pytest.raises(LoRAError, match=r"LoRA is not supported for (SmolLM3|Gemma)ForCausalLM"):
+        attach_lora(load(tiny_models(arch)), [])

@@ -19,7 +19,7 @@ import transformers as tf
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
-         "mixtral", "phi3", "olmo2", "granite", "smollm3")
+         "mixtral", "phi3", "olmo2", "granite", "smollm3", "gemma")
 INITIALIZER_RANGE = 0.3
 
 
@@ -65,7 +65,10 @@ def _arch_config(arch: str):
                "attention_multiplier": 0.125, "logits_scaling": 2.5, "tie_word_embeddings": True}
     # SmolLM3: 4 layers, every 2nd NoPE (layers 1 and 3), tied head (its config's default)
     smollm3 = {"num_hidden_layers": 4, "no_rope_layer_interval": 2}
+    # Gemma (1): its GeGLU, (1 + w) norms and scaled embedding; q/k/v/o biases on
+    gemma = {"attention_bias": True, "tie_word_embeddings": True}
     table = {
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, smollm3),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, olmo2),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, granite),
