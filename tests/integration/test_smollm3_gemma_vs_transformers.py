@@ -17,12 +17,12 @@ gelu-tanh GeGLU.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from tests.integration.test_model_vs_transformers import hf_logits
+from tests.support.config_edit import with_config
 from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_prefix_hits
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import BACKEND, assert_tp2_matches_tp1, load, prefill_logits
@@ -66,13 +66,6 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
                             for arch in ARCHS], tmp_path)
 
 
-def _with_config(src: str, dst, **changes) -> str:
-    shutil.copytree(src, dst)
-    cfg = json.load(open(f"{dst}/config.json"))
-    json.dump({**cfg, **changes}, open(f"{dst}/config.json", "w"))
-    return str(dst)
-
-
 def test_smollm3_nope_layers_skip_the_rope_and_matter(tiny_models, tmp_path):
     path = tiny_models("smollm3")
     ours = load(path)
@@ -80,7 +73,7 @@ def test_smollm3_nope_layers_skip_the_rope_and_matter(tiny_models, tmp_path):
     assert ropes == [RotaryEmbedding, NoRope, RotaryEmbedding, NoRope]
     assert ours.lm_head_is_tied
     ids = torch.arange(23) * 37 % 500 + 3
-    all_rope = load(_with_config(path, tmp_path / "all", no_rope_layers=[1, 1, 1, 1]))
+    all_rope = load(with_config(path, tmp_path / "all", no_rope_layers=[1, 1, 1, 1]))
     assert (prefill_logits(all_rope, ids) - prefill_logits(ours, ids)).abs().max() > 1e-2
 
 
@@ -118,14 +111,14 @@ def test_gemma_legacy_gelu_is_the_tanh_gelu_and_others_are_refused(tiny_models, 
     """The Hub's Gemma configs say hidden_act "gelu"; GemmaConfig serves it as the tanh GeLU."""
     path = tiny_models("gemma")
     ids = torch.arange(19) * 37 % 500 + 3
-    legacy = load(_with_config(path, tmp_path / "gelu", hidden_act="gelu"))
+    legacy = load(with_config(path, tmp_path / "gelu", hidden_act="gelu"))
     torch.testing.assert_close(prefill_logits(legacy, ids), hf_logits(hf_model(path), ids),
                                rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match=r"hidden_act='silu' is not supported for "
                                          r"GemmaForCausalLM: must be one of"):
-        load(_with_config(path, tmp_path / "silu", hidden_act="silu"))
+        load(with_config(path, tmp_path / "silu", hidden_act="silu"))
     with pytest.raises(ValueError, match=r"use_bidirectional_attention=true is not supported"):
-        load(_with_config(path, tmp_path / "bidi", use_bidirectional_attention=True))
+        load(with_config(path, tmp_path / "bidi", use_bidirectional_attention=True))
 
 
 def test_gemma_defaults_are_gemma_configs(tiny_models):

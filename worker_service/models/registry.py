@@ -25,6 +25,7 @@ from worker_service.models.olmo2 import Olmo2ForCausalLM
 from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from worker_service.models.smollm3 import SmolLM3ForCausalLM
+from worker_service.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY = MappingProxyType({
     # encoder embedding models (--runner pooling only): engine_common's ENCODER_ARCHITECTURES
@@ -56,6 +57,7 @@ MODEL_REGISTRY = MappingProxyType({
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
 })
 
 
