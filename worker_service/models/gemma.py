@@ -88,13 +88,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """A Gemma causal LM over the paged KV cache (interface as LlamaForCausalLM's)."""
 
     decoder_class = GemmaModel
+    tie_by_default = True              # GemmaConfig's
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
         refuse_unsupported(hf_config)
         cfg = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
         args = super().decoder_args(cfg, fused_ops)
-        return replace(args, mlp_bias=False,
-                       tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+        return replace(args, mlp_bias=False)
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup, dtype: torch.dtype):
         return lambda layer: Gemma3MLP(self.args, tp, dtype)

@@ -17,8 +17,6 @@ LoRA is refused (lora/layers.py lists the Llama family only).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from worker_service.layers.rotary import NoRope, RotaryEmbedding
@@ -77,13 +75,12 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     """A SmolLM3 causal LM over the paged KV cache (interface as LlamaForCausalLM's)."""
 
     decoder_class = SmolLM3Model
+    tie_by_default = True              # SmolLM3Config's
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
         refuse_activation(hf_config, type(self).__name__)
         rope_layers(hf_config)           # refused before any module is built
-        args = super().decoder_args(hf_config, fused_ops)
-        return replace(args, tie_word_embeddings=bool(hf_config.get("tie_word_embeddings",
-                                                                    True)))
+        return super().decoder_args(hf_config, fused_ops)
 
     @classmethod
     def layer_windows(cls, hf_config: dict, num_layers: int) -> tuple[int, ...]:

@@ -93,15 +93,17 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     decoder_class = Starcoder2Model
     layer_windows = classmethod(window_on_every_layer)     # default_sliding_window: None
+    mlp_matrices = 2                   # c_fc, c_proj: not gated
+    tie_by_default = True              # Starcoder2Config's
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
         gelu_approximation(hf_config)
         bias = bool(hf_config.get("use_bias", True))
-        args = DecoderArgs.from_hf(hf_config, bias, bias, False, fused_ops)
+        args = DecoderArgs.from_hf({"tie_word_embeddings": self.tie_by_default, **hf_config},
+                                   bias, bias, False, fused_ops)
         eps = hf_config.get("norm_epsilon")
         return replace(args, mlp_bias=bias,
-                       rms_norm_eps=float(DEFAULT_NORM_EPS if eps is None else eps),
-                       tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+                       rms_norm_eps=float(DEFAULT_NORM_EPS if eps is None else eps))
 
     def mlp_factory(self, hf_config: dict, tp: TPGroup, dtype: torch.dtype):
         approximate = gelu_approximation(hf_config)
