@@ -59,6 +59,8 @@ def yarn_original_length(config: dict, scaling: dict) -> int:
         value = scaling.get("original_max_position_embeddings")
     if value is None:
         value = declared_max_positions(config)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"config.json: yarn original_max_position_embeddings={value!r} is "
                          "invalid: must be a positive integer")

@@ -114,3 +114,10 @@ def test_rope_settings_keep_the_lengths_the_tables_need():
                                             "rope_scaling": _yarn()})
     assert settings.scaling["max_position_embeddings"] == 32768     # Qwen3Config's default
     assert settings.scaling["original_max_position_embeddings"] == 32
+
+
+def test_a_whole_float_original_length_is_read_as_transformers_does():
+    config = {**BASE, "max_position_embeddings": 128, "rope_scaling": _yarn(),
+              "original_max_position_embeddings": 32.0}
+    assert model_position_limit(config) == 128
+    assert get_rope(16, config).cos_cache.shape == (128, 16)
