@@ -19,7 +19,8 @@ import transformers as tf
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
-         "mixtral", "phi3", "olmo2", "granite")
+         "mixtral", "phi3", "olmo2", "granite", "smollm3", "gemma",
+         "starcoder2")
 INITIALIZER_RANGE = 0.3
 
 
@@ -63,7 +64,17 @@ def _arch_config(arch: str):
     # Granite: every multiplier away from 1, attention scale 1/8 (not 1/sqrt(16))
     granite = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.125, "logits_scaling": 2.5, "tie_word_embeddings": True}
+    # SmolLM3: 4 layers, every 2nd NoPE (layers 1 and 3), tied head (its config's default)
+    smollm3 = {"num_hidden_layers": 4, "no_rope_layer_interval": 2}
+    # Gemma (1): its GeGLU, (1 + w) norms and scaled embedding; q/k/v/o biases on
+    gemma = {"attention_bias": True, "tie_word_embeddings": True}
+    # StarCoder2: LayerNorms, a plain gelu MLP, biases everywhere (use_bias), tied head; no
+    # window unless a test sets sliding_window
+    starcoder2 = {"norm_epsilon": 1e-5, "tie_word_embeddings": True}
     table = {
+        "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, starcoder2),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, smollm3),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, olmo2),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, granite),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, phi3),

@@ -7,8 +7,8 @@ the epoch and the owner as they were).
     --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR,
                           and so must every --lora-modules directory and each file of it a rank
                           opens (a symlink inside it to /etc/... is refused too)
-    max_model_len         in [2, the model's max_position_embeddings (times a linear rope
-                          scaling factor: model_dir.model_position_limit)]: the field's rule
+    max_model_len         in [2, the model's max_position_embeddings (stretched by a linear,
+                          dynamic or YaRN factor: model_dir.model_position_limit)]: the field's rule
                           (a prompt token and an output token; RunnerConfig, before these
                           checks) and ModelInfo.from_dir (no override past the model's: its
                           rotary tables end there); `deltaserve serve` and the scheduler
