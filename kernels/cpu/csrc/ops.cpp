@@ -68,10 +68,20 @@ std::string body() {
   return "generic";
 #endif
 }
+
+// Whether a bfloat16 cache's prefill tiles use AVX512-BF16 dot products (attention_bf16dot.h).
+bool bf16_dot() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
   m.def("body() -> str", &body);
+  m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int window=0) "
         "-> ()",

@@ -25,10 +25,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
 #include "attention_simd.h"
+#include "attention_bf16dot.h"
 
 namespace deltaserve_cpu {
 namespace {
@@ -202,14 +204,13 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t first_pos, int group, float scale, int64_t window,
                         const simd::Ahead& after) {
   const int rows = static_cast<int>(it.ntok) * group;
-  alignas(64) float q[kTileRows][D];
+  const T* qrows[kTileRows];
   int64_t pos[kTileRows];
   for (int t = 0; t < it.ntok; ++t) {
     for (int gi = 0; gi < group; ++gi) {
       const int r = t * group + gi;
-      const T* src = query + (q_start + it.tok0 + t) * q_tok_stride +
-                     (it.head * group + gi) * q_head_stride;
-      for (int d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * scale;
+      qrows[r] = query + (q_start + it.tok0 + t) * q_tok_stride +
+                 (it.head * group + gi) * q_head_stride;
       pos[r] = first_pos + it.tok0 + t;
     }
   }
@@ -225,6 +226,17 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
              (it.head * group + r % group) * o_head_stride;
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
+#if defined(DELTASERVE_BF16DOT)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (rows > simd::kDirectRows) {
+      simd::wide_item_bf16dot<D>(qrows, scale, pos, rows, row, store_row, window);
+      return;
+    }
+  }
+#endif
+  alignas(64) float q[kTileRows][D];
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < D; ++d) q[r][d] = to_float(qrows[r][d]) * scale;
   if (rows <= simd::kDirectRows) {
     simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
                             after);

@@ -33,6 +33,13 @@ def test_library_name_follows_sources_and_cpu():
     assert extension.namespace("generic") == "deltaserve_cpu_generic"
 
 
+def test_every_source_and_header_is_in_the_library_name():
+    """An edited header must rebuild the library: a file left out of SOURCES/HEADERS would let
+    a stale build load under the old name."""
+    on_disk = {p.name for p in extension.CSRC.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == set(extension.SOURCES + extension.HEADERS)
+
+
 def _native_body() -> str:
     flags = set(extension.cpu_flags().split())
     if "avx512f" in flags:
