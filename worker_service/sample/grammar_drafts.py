@@ -86,9 +86,10 @@ def fill_masks(executor: llguidance.LLExecutor, jobs: list[tuple], bitmask: np.n
     """Fill `bitmask`: per job (matcher, first row, walk or None) the masks of its positions
     from its first row on (a walk's `masked_positions` in order; no walk: one row). A failed
     grammar (no matcher) is left for the caller; unreached positions copy `valid`'s row."""
-    plain = [(m, row) for m, row, w in jobs if m is not None and w is None]
+    # (llguidance refuses an empty draft list: a walk with none valid is one plain mask)
+    plain = [(m, row) for m, row, w in jobs if m is not None and (w is None or not w.valid)]
     drafted = [(m, row, w.drafts[:w.valid]) for m, row, w in jobs
-               if m is not None and w is not None]
+               if m is not None and w is not None and w.valid]
     if drafted:
         # llguidance leaves a row past an invalid draft as it is: zeros here
         fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
