@@ -46,6 +46,7 @@ import numpy as np
 
 from engine_common.constraints.constraint import Constraint
 from worker_service.sample.grammar_compiler import GrammarCompiler
+from worker_service.sample.grammar_checks import mask_failure
 from worker_service.sample.grammar_drafts import DraftWalk, fill_masks, walk
 
 __all__ = ["GrammarBook", "GrammarCompiler", "GrammarMasks", "RequestGrammar", "bitmask_bias"]
@@ -286,42 +287,13 @@ class GrammarBook:
                 if w is not None and w.state_of(p) != p:
                     break                     # never reached: its draft is refused before
                 accepting = m is None or (m.is_accepting() if w is None else w.accepting[p])
-                why = self._mask_failure(bits[first + at], accepting, ids)
+                why = mask_failure(self.compiler.tokenizer, bits[first + at], accepting, ids)
                 if why is not None:
                     if p == 0:
                         self._fail(handle, g, why)
                     else:
                         self._deferred[handle] = (p, why)
                     break
-
-    def _mask_failure(self, bits: np.ndarray, accepting: bool, ids: np.ndarray | None
-                      ) -> str | None:
-        """Why a mask row leaves nothing to sample, or None."""
-        if not accepting:
-            special = self._only_special(bits)
-            if special:
-                return (f"its grammar must write {special!r} as text, which the tokenizer "
-                        "reads as a special token, so no token may come next (llguidance "
-                        "offers the special token instead)")
-        if ids is not None and not ((bits[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
-            return ("allowed_token_ids and its grammar leave no token to sample (none of the "
-                    f"{len(ids)} allowed ids may come next)")
-        return None
-
-    def _only_special(self, row: np.ndarray) -> str:
-        """The text of the special tokens a mask row allows, when it allows nothing else (""
-        otherwise). llguidance (1.9.1) tokenizes forced text with the model's tokenizer, which
-        reads "<|im_end|>" as that special token: for a constraint that must write it, the
-        mask offers only the special token, an eos id ended the request as a normal
-        STOP_TOKEN with text that breaks the constraint, another id failed a step later."""
-        words = np.flatnonzero(row)
-        if not len(words) or len(words) > 2:
-            return ""
-        ids = [int(w) * 32 + b for w in words for b in range(32) if int(row[w]) >> b & 1]
-        tokenizer = self.compiler.tokenizer
-        if not all(tokenizer.is_special_token(i) for i in ids):
-            return ""
-        return "".join(tokenizer.decode_bytes([i]).decode("utf-8", "replace") for i in ids)
 
     def _fail(self, handle: int, state: RequestGrammar, why: str) -> None:
         state.error = why
