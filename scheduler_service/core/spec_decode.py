@@ -20,13 +20,13 @@ num_computed_tokens drops by the rejected drafts (their KV slots are written aga
 next step; the blocks stay with the request until it ends). The stop rules see each token in
 order and cut the run where one-token decoding would have stopped.
 
-Who drafts (the rest decode one token a step, as without speculation): every request but
-those with a grammar or asking for top alternatives; greedy and sampled, with penalties,
-min_tokens, logit_bias and token-id sets. The workers verify a draft by the draw one-token
-decoding would make at its position (argmax, or the seeded Gumbel-max draw with that token's
-counter, the penalties' history and min_tokens of that position), so their tokens are exactly
-those of decoding without drafts, and for sampled requests this is the rejection sampler of an
-n-gram (probability-1) draft.
+Who drafts: every request that decodes (greedy and sampled, with penalties, min_tokens,
+logit_bias, token-id sets, a structured-output grammar, top alternatives). The workers verify a
+draft by the draw one-token decoding would make at its position (argmax, or the seeded
+Gumbel-max draw with that token's counter, the penalties' history, min_tokens and the grammar's
+mask after the drafts before it), so their tokens are exactly those of decoding without drafts,
+and for sampled requests this is the rejection sampler of an n-gram (probability-1) draft. A
+handle's top alternatives come k per token it produced, token after token (`_per_token`).
 """
 from __future__ import annotations
 
@@ -233,7 +233,8 @@ class SpecDecoder:
             held.extend(logprobs)
             return None
         return TokenUpdate(
-            request.request_id, list(tokens), list(logprobs), _per_token(tops, handle, len(tokens)),
+            request.request_id, list(tokens), list(logprobs),
+            _per_token(tops, handle, len(tokens)),
             None, None, request.num_cached_tokens, request.first_scheduled_time,
             request.first_token_time, None, request)
 

@@ -374,7 +374,8 @@ def test_top_alternatives_must_be_k_per_token_of_their_handle():
     alternatives; a count that is no multiple, or alternatives of a handle with no token, are
     refused naming the handle."""
     run = RunnerOutput(3, [5, 5, 6], [7, 8, 9], [-0.5, -0.125, -0.25],
-                       {5: ([1, 2, 3, 4], [-0.125, -0.25, -0.375, -0.75]), 6: ([1, 2], [-0.125, -0.25])})
+                       {5: ([1, 2, 3, 4], [-0.125, -0.25, -0.375, -0.75]),
+                        6: ([1, 2], [-0.125, -0.25])})
     assert decode_runner_output(encode_runner_output(run)) == run
     for top in ({5: ([1, 2, 3], [-0.125, -0.25, -0.375])}, {8: ([1], [-0.125])}):
         bad = RunnerOutput(3, [5, 5, 6], [7, 8, 9], [-0.5, -0.125, -0.25], top)
