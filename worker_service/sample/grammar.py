@@ -306,16 +306,17 @@ class GrammarBook:
         deferred, self._deferred = self._deferred, {}
         if not self._live:
             return
-        seen: dict[int, int] = {}
-        for handle, token_id in zip(handles, token_ids):
+        at = 0                     # the token's index in its handle's run this step
+        for i, (handle, token_id) in enumerate(zip(handles, token_ids)):
             state = self._live.get(handle)
             if state is not None:
                 if state.compiling is not None:     # sampled without masks: never expected
                     self._resolve(handle, state)
-                at = seen[handle] = seen.get(handle, -1) + 1
-                failed = deferred.get(handle)
-                if failed is not None and failed[0] == at and state.error is None:
-                    self._fail(handle, state, failed[1])
+                if deferred:
+                    at = at + 1 if i and handles[i - 1] == handle else 0
+                    failed = deferred.get(handle)
+                    if failed is not None and failed[0] == at and state.error is None:
+                        self._fail(handle, state, failed[1])
                 self._consume(handle, state, token_id)
 
     def digest(self) -> bytes:
