@@ -95,3 +95,19 @@ def test_sampled_constrained_drafts_equal_speculation_off(model, asynchronous, p
         _same(_run(on, samplings, num_logprobs=2), _run(off, samplings, num_logprobs=2))
     assert on.scheduler.spec.stats.num_accepted_tokens > 0
     assert_no_leaked_blocks(on)
+
+
+def test_min_tokens_past_the_grammars_end(model):
+    """min_tokens beyond where the grammar completes: the grammar wins (eos is not masked where
+    only eos may follow), also at a draft position, so the run ends there as without drafts."""
+    on, off = _llm(model, True), _llm(model, False)
+    constraints = [c for c, _ in CASES[1:]]
+    prompts = _prompts(on)[1:]
+    stop = StoppingParams(max_tokens=MAX_NEW, min_tokens=40)
+    for samplings in ([SamplingParams()] * 2, [SamplingParams(temperature=0.5, seed=4)] * 2):
+        got = on.generate(prompts, samplings, stop, constraint=constraints)
+        want = off.generate(prompts, samplings, stop, constraint=constraints)
+        assert [(o.token_ids, o.finish_reason) for o in got] == \
+            [(o.token_ids, o.finish_reason) for o in want]
+        assert all(o.finish_reason == RequestStatus.FINISHED_STOP_TOKEN for o in got)
+    assert on.scheduler.spec.stats.num_accepted_tokens > 0

@@ -9,8 +9,10 @@ import pytest
 
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import SchedulerOutput
-from tests.support.garbage_diffs import PROMPT, new
+from engine_common.request.params import SamplingParams, WorkerSamplingParams
+from tests.support.garbage_diffs import GREEDY, PROMPT, new
 from worker_service.config import RunnerConfig
+from worker_service.runner import model_runner
 from worker_service.runner.model_runner import ModelRunner
 
 LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
@@ -28,9 +30,10 @@ def _runner(model: str) -> ModelRunner:
     return runner
 
 
-def _prefill(runner: ModelRunner, constraint=REGEX) -> int:
+def _prefill(runner: ModelRunner, sampling=GREEDY) -> int:
     out = runner.execute_diff(SchedulerOutput(
-        0, new_requests=[new(blocks=list(range(12)), constraint=constraint, logprobs=2)],
+        0, new_requests=[new(blocks=list(range(12)), constraint=REGEX, logprobs=2,
+                             sampling=sampling)],
         num_scheduled_tokens={0: len(PROMPT)}))
     return out.sampled_token_ids[0]
 
@@ -87,18 +90,29 @@ def test_a_draft_the_grammar_forbids_is_rejected(model, reference):
     assert out.sampled_token_ids == tokens[3:6]
 
 
-def test_a_grammar_that_ends_inside_the_drafts_stops_there(model, reference):
+@pytest.mark.parametrize("min_tokens", [0, 40])
+def test_a_grammar_that_ends_inside_the_drafts_stops_there(model, reference, min_tokens,
+                                                          monkeypatch):
     """Drafts running past the grammar's end: the eos position draws eos (the only id its
-    mask allows), whatever the draft there."""
+    mask allows), whatever the draft there; with min_tokens far beyond it too (the grammar
+    wins: that draft position counts as stopped, so min_tokens does not mask eos there)."""
     tokens, _, compiler = reference
     end = len(tokens) - 1                                 # eos's index
+    eos = tuple(sorted(compiler.eos_token_ids))
     run = _runner(model)
-    _prefill(run)
+    _prefill(run, WorkerSamplingParams(SamplingParams(), seed=0, min_tokens=min_tokens,
+                                       stop_ids=eos))
     done, step = 1, 1
     while end - done > 3:                                 # up to 3 tokens before eos
         done += len(_step(run, step, tokens[done:done + 2]).sampled_token_ids)
         step += 1
+    seen = []                # each step's grammar_done, per draw (the sampling row, then drafts)
+    build = model_runner.build_sampling_metadata
+    monkeypatch.setattr(model_runner, "build_sampling_metadata",
+                        lambda *a: seen.append(a[4].tolist()) or build(*a))
     out = _step(run, step, tokens[done:end] + [tokens[1]])   # a text token where eos must be
+    m = end - done                      # eos is drawn at draft position m
+    assert seen[-1] == [True] + [False] * m + [True]      # the bonus is never reached
     assert out.sampled_token_ids == tokens[done:end + 1]
     assert out.sampled_token_ids[-1] in compiler.eos_token_ids
     assert run.grammar._live[0].terminated and run.grammar.take_errors() == {}
