@@ -48,9 +48,12 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 
 def _run(llm: LLM, samplings, **kw):
-    constraints = [c for c, _ in CASES]
-    return llm.generate(_prompts(llm), samplings, StoppingParams(max_tokens=MAX_NEW),
-                        constraint=constraints, **kw)
+    """The CASES, then an unconstrained request in the same batches (its drafts beside the
+    constrained rows' masked ones)."""
+    constraints = [c for c, _ in CASES] + [None]
+    prompts = _prompts(llm)
+    return llm.generate(prompts + [prompts[-1]], samplings + samplings[:1],
+                        StoppingParams(max_tokens=MAX_NEW), constraint=constraints, **kw)
 
 
 def _same(got, want) -> None:
@@ -80,7 +83,7 @@ def test_greedy_constrained_drafts_equal_speculation_off_and_transformers(model,
         ref = hf_greedy_guided(model, tuple(prompt), MAX_NEW, compiler.matcher(constraint), eos)
         assert tuple(out.token_ids) == ref, constraint.kind
     # the regex and the choice end inside MAX_NEW (the JSON may wander in its whitespace)
-    assert [o.finish_reason for o in got[1:]] == [RequestStatus.FINISHED_STOP_TOKEN] * 2
+    assert [o.finish_reason for o in got[1:3]] == [RequestStatus.FINISHED_STOP_TOKEN] * 2
     assert_no_leaked_blocks(on)
 
 

@@ -236,7 +236,7 @@ class ModelRunner(RunnerKVCache):
                 allowed = self.batch.id_sets["allowed_token_ids"]
                 masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu",
                                                  allowed=[allowed[r] for r in sample_rows],
-                                                 walks=walks)
+                                                 walks=walks, num_draws=len(draw_rows))
         fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
                                       self.batch.layout)
         self.staging.flush()

@@ -217,13 +217,14 @@ class GrammarBook:
 
     def start_masks(self, handles: Sequence[int], bias: bool = False,
                     allowed: Sequence[Sequence[int]] | None = None,
-                    walks: dict[int, DraftWalk] | None = None
+                    walks: dict[int, DraftWalk] | None = None, num_draws: int | None = None
                     ) -> concurrent.futures.Future | None:
         """Compute the masks of `handles` on the helper thread (a Future of GrammarMasks, with
         the additive bias too when `bias`); None when no handle is constrained. `allowed`: per
         handle its allowed_token_ids (empty: every id); a constrained row whose mask allows
         none of them fails (nothing could be sampled but a -inf row's argmax). `walks`: the
-        drafted handles' (walk_drafts, their `draws` set): a mask per draft position too."""
+        drafted handles' (walk_drafts, their `draws` set): a mask per draft position too, of
+        the step's `num_draws` draws (default: one per handle)."""
         walks = walks or {}
         jobs = [(i, self._live[h], walks.get(h)) for i, h in enumerate(handles)
                 if self._masked(h)]
@@ -235,7 +236,8 @@ class GrammarBook:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
         handles_of = [handles[i] for i, _, _ in jobs]
         allowed_of = None if allowed is None else [allowed[i] for i, _, _ in jobs]
-        return self._pool.submit(self._masks, jobs, handles_of, allowed_of, len(handles), bias)
+        return self._pool.submit(self._masks, jobs, handles_of, allowed_of,
+                                 len(handles) if num_draws is None else num_draws, bias)
 
     def _masks(self, jobs, handles, allowed, num_rows: int, bias: bool) -> GrammarMasks:
         masks = self.compute_masks(jobs)
