@@ -11,6 +11,9 @@ Per step (the model runner drives it):
     the sampler           -> -inf outside each row's mask (sampler.apply_grammar_bias: the mask
                              as a 0 / -inf bias, unpacked on the helper thread on CPU)
     advance(handles, ids) -> after the read-back: every matcher consumes its sampled id
+A speculative step also masks every draft position of a constrained row: walk_drafts (before
+the sampling metadata) and the masks of each position (grammar_drafts.py); advance then
+consumes the accepted run.
 
 Bitmask layout (llguidance's and xgrammar's): int32 [rows, ceil(vocab / 32)]; token t is allowed
 when bit (t % 32) of word t // 32 is set. Ids past the tokenizer's vocabulary are never allowed.
