@@ -9,9 +9,10 @@ decoding would use for that output token: the counter c + j (c the row's tokens 
 before the step; the bonus c + k), the penalties' history with drafts 0..j-1 in it, the
 min_tokens mask of that length, the row's logit_bias and id sets (build_sampling_metadata's
 `num_tokens`), and a constrained row's grammar mask after drafts 0..j-1 (grammar_drafts.py:
-a draft the grammar forbids has a -inf logit there, so it is rejected). Each produced token's
-logprob and top alternatives are those of its draw (`accept` names it). d_j is accepted while the draw v_j == d_j; the step's tokens are the accepted
-drafts and then v_a at the first mismatch a, or the bonus when all k match. Since the noise is
+a draft the grammar forbids has a -inf logit there, so it is rejected). d_j is accepted while
+the draw v_j == d_j; the step's tokens are the accepted drafts and then v_a at the first
+mismatch a, or the bonus when all k match; each token's logprob and top alternatives are
+those of its draw (`accept` names it). Since the noise is
 a pure function of (seed, counter, vocab id), the tokens are those of decoding without drafts,
 seeded or not (the scheduler gives an unseeded request its seed), greedy (the argmax, the
 temperature-0 case) or sampled. The draft is one token with probability 1 (an n-gram), so this
