@@ -189,6 +189,13 @@ def test_top_logprob_requests_draft_in_shared_batches(tiny_models):
         for x, y in zip(a.logprobs, b.logprobs):
             assert abs(x.logprob - y.logprob) < 1e-4
             assert max(abs(p - q) for p, q in zip(x.top_logprobs, y.top_logprobs)) < 1e-4
+    # a stop id inside an accepted run: the alternatives end with the token that stopped it
+    for p, free in zip(prompts[:3], tops_off):
+        stop = StoppingParams(max_tokens=MAX_NEW, stop_token_ids=(free.token_ids[9],))
+        a = on.generate([p], SamplingParams(), stop, num_logprobs=2)[0]
+        b = off.generate([p], SamplingParams(), stop, num_logprobs=2)[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.token_ids)
+        assert [lp.top_token_ids for lp in a.logprobs] == [lp.top_token_ids for lp in b.logprobs]
     assert_no_leaked_blocks(on)
 
 
