@@ -4,17 +4,22 @@
     python -m bench.spec_decode                      # the default model (SmolLM2-135M), CPU
     python -m bench.spec_decode --rounds 3 --max-tokens 128 --num-speculative-tokens 4
     python -m bench.spec_decode --async-scheduling   # both engines with async scheduling
+    python -m bench.spec_decode --workload json      # structured output: a JSON schema
 
 Each prompt asks the chat model to repeat or lightly edit a given passage (greedy), so most of
-its answer is in its prompt: the case prompt lookup is for. Prints one line per run and the
-medians; nothing is written to a file.
+its answer is in its prompt: the case prompt lookup is for. `--workload json`: each asks for a
+record as JSON under a JSON-schema constraint (an example record in the same format is in the
+prompt, the values in the text), so the drafts are masked by the grammar at every position.
+Prints one line per run and the medians; nothing is written to a file.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
+from engine_common.constraints.constraint import Constraint
 from engine_common.request.params import SamplingParams, StoppingParams
 
 PASSAGES = [
@@ -37,6 +42,30 @@ TASKS = [
 ]
 
 
+RECORD_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "city", "role", "skills"],
+    "properties": {"name": {"type": "string", "maxLength": 40},
+                   "city": {"type": "string", "maxLength": 30},
+                   "role": {"enum": ["engineer", "manager", "designer", "analyst"]},
+                   "skills": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                              "maxItems": 4}}}
+EXAMPLE = ('Text: Maria Lopez lives in Madrid and works as a designer; she knows figma, '
+           'sketching and typography.\nJSON: {"name": "Maria Lopez", "city": "Madrid", '
+           '"role": "designer", "skills": ["figma", "sketching", "typography"]}')
+RECORDS = [
+    "John Carter lives in Boston and works as an engineer; he knows python, rust and docker.",
+    "Aiko Tanaka lives in Osaka and works as an analyst; she knows sql, excel and statistics.",
+    "Peter Novak lives in Prague and works as a manager; he knows budgeting and hiring.",
+    "Lena Fischer lives in Berlin and works as a designer; she knows css, figma and drawing.",
+]
+
+
+def json_conversations(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Write the record as JSON in the same format.\n\n"
+              f"{EXAMPLE}\n\nText: {RECORDS[i % len(RECORDS)]}\nJSON:"}] for i in range(n)]
+
+
 def conversations(n: int) -> list[list[dict]]:
     out = []
     for i in range(n):
@@ -46,16 +75,19 @@ def conversations(n: int) -> list[list[dict]]:
 
 
 def run_once(llm, chats, max_tokens: int, concurrency: int, temperature: float = 0.0,
-             repetition_penalty: float = 1.0) -> tuple[float, list[list[int]]]:
+             repetition_penalty: float = 1.0, constraint: Constraint | None = None
+             ) -> tuple[float, list[list[int]]]:
     """Every conversation, `concurrency` at a time; (seconds, output ids of each). Sampled
-    (temperature > 0): conversation i has seed i, so both engines draw the same tokens."""
+    (temperature > 0): conversation i has seed i, so both engines draw the same tokens.
+    `constraint`: every conversation's structured output."""
     start, ids = time.perf_counter(), []
     for i in range(0, len(chats), concurrency):
         part = chats[i:i + concurrency]
         sampling = [SamplingParams(temperature=temperature, seed=i + j,
                                    repetition_penalty=repetition_penalty)
                     for j in range(len(part))]
-        outs = llm.chat(part, sampling, StoppingParams(max_tokens=max_tokens))
+        outs = llm.chat(part, sampling, StoppingParams(max_tokens=max_tokens),
+                        constraint=constraint)
         ids += [o.token_ids for o in outs]
     return time.perf_counter() - start, ids
 
@@ -76,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="0: greedy; above: sampled with a seed per conversation")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="vLLM's repetition_penalty for every conversation (1: off)")
+    p.add_argument("--workload", choices=("passages", "json"), default="passages",
+                   help="passages to repeat or edit; json: records as JSON under a JSON "
+                   "schema (structured output)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="both engines schedule a step ahead (speculation then drafts over "
                    "the step in flight: docs/speculative-decoding.md)")
@@ -91,18 +126,21 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_lookup_min": args.prompt_lookup_min}
     kw = {"dtype": "float32", "async_scheduling": args.async_scheduling}
     engines = {"off": LLM(model, **kw), "on": LLM(model, speculative_config=spec, **kw)}
-    chats = conversations(args.num_prompts)
+    chats, constraint = conversations(args.num_prompts), None
+    if args.workload == "json":
+        chats = json_conversations(args.num_prompts)
+        constraint = Constraint("json_schema", json.dumps(RECORD_SCHEMA))
+    work = (args.max_tokens, args.concurrency, args.temperature, args.repetition_penalty,
+            constraint)
     for llm in engines.values():                  # warm-up (untimed): the same work once
-        run_once(llm, chats, args.max_tokens, args.concurrency, args.temperature,
-                 args.repetition_penalty)
+        run_once(llm, chats, *work)
     engines["on"].scheduler.spec.stats = type(engines["on"].scheduler.spec.stats)(
         accepted_per_pos=[0] * args.num_speculative_tokens)
     rates: dict[str, list[float]] = {"off": [], "on": []}
     texts = {}
     for r in range(args.rounds):
         for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            elapsed, ids = run_once(engines[name], chats, args.max_tokens, args.concurrency,
-                                    args.temperature, args.repetition_penalty)
+            elapsed, ids = run_once(engines[name], chats, *work)
             tokens = sum(map(len, ids))
             rates[name].append(tokens / elapsed)
             print(f"round {r} spec {name:3}: {tokens} tokens in {elapsed:.2f} s = "
@@ -115,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(rates[name]):.1f} / {max(rates[name]):.1f}")
     print(f"median output tok/s: off {off:.1f}, on {on:.1f} ({on / off:.2f}x); same tokens "
           f"on and off: {texts['on'] == texts['off']}; async scheduling: "
-          f"{args.async_scheduling}")
+          f"{args.async_scheduling}; workload: {args.workload}")
     print(f"drafts: {stats.num_drafts} requests-steps, {stats.num_draft_tokens} tokens, "
           f"{stats.num_accepted_tokens} accepted (acceptance {stats.acceptance_rate:.2f}; per "
           f"position {stats.accepted_per_pos}); mean accepted per draft "

@@ -25,7 +25,8 @@ Layouts (positional arrays keep steady-state messages tiny):
                  then the block ids as runs of consecutive ids (engine_common/wire/new_blocks.py)
 
     RunnerOutput = [step, handles (uint32 bytes), sampled ids (uint32 bytes),
-                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]}
+                    logprobs (float32 bytes), {handle: [ids bytes, logprobs bytes]: k
+                    alternatives per token the handle produced, token after token}
                     (, compiled handles (uint32 bytes): only when there are any or errors
                      follow) (, {handle: error message}: only when a request failed or
                      prompt logprobs follow) (, {handle: [logprobs f32, ranks u32, top ids u32,
@@ -39,6 +40,7 @@ per growing request plus a few bytes per run of consecutive block ids.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 
 import msgpack
 import numpy as np
@@ -227,6 +229,17 @@ def _pooled_entry(value, what: str) -> list[float]:
     return _from_f32(value)
 
 
+def _check_top_runs(out: RunnerOutput) -> None:
+    """A handle's top alternatives hold k per token it produced (n tokens: n * k, token
+    after token; speculative drafts give n > 1)."""
+    runs = Counter(out.handles)
+    for handle, (ids, _) in out.top_logprobs.items():
+        n = runs.get(handle, 0)
+        if not n or len(ids) % n:
+            raise CodecError(f"top_logprobs[{handle}]: {len(ids)} alternatives is invalid: "
+                             f"must be a multiple of the handle's {n} sampled tokens (> 0)")
+
+
 def _top_entry(value, what: str) -> tuple[list[int], list[float]]:
     ids, lps = _seq(value, what, 2)
     ids, lps = _from_u32(ids), _from_f32(lps)
@@ -341,6 +354,8 @@ def decode_runner_output(data: bytes) -> RunnerOutput:
             raise CodecError("sampled ids must match handles one to one")
         if out.logprobs and len(out.logprobs) != len(out.handles):
             raise CodecError("logprobs must match handles one to one")
+        if out.top_logprobs:
+            _check_top_runs(out)
         return out
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise CodecError(f"malformed RunnerOutput payload: {_why(e)}") from e

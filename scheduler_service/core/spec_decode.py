@@ -20,13 +20,13 @@ num_computed_tokens drops by the rejected drafts (their KV slots are written aga
 next step; the blocks stay with the request until it ends). The stop rules see each token in
 order and cut the run where one-token decoding would have stopped.
 
-Who drafts (the rest decode one token a step, as without speculation): every request but
-those with a grammar or asking for top alternatives; greedy and sampled, with penalties,
-min_tokens, logit_bias and token-id sets. The workers verify a draft by the draw one-token
-decoding would make at its position (argmax, or the seeded Gumbel-max draw with that token's
-counter, the penalties' history and min_tokens of that position), so their tokens are exactly
-those of decoding without drafts, and for sampled requests this is the rejection sampler of an
-n-gram (probability-1) draft.
+Who drafts: every request that decodes (greedy and sampled, with penalties, min_tokens,
+logit_bias, token-id sets, a structured-output grammar, top alternatives). The workers verify a
+draft by the draw one-token decoding would make at its position (argmax, or the seeded
+Gumbel-max draw with that token's counter, the penalties' history, min_tokens and the grammar's
+mask after the drafts before it), so their tokens are exactly those of decoding without drafts,
+and for sampled requests this is the rejection sampler of an n-gram (probability-1) draft. A
+handle's top alternatives come k per token it produced, token after token (`_per_token`).
 """
 from __future__ import annotations
 
@@ -68,13 +68,6 @@ class SpecStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
-def can_draft(request: Request) -> bool:
-    """Whether the request may draft: any sampling parameters, but no grammar (its mask at a
-    draft position depends on the drafts before it, which the workers' matcher has not
-    consumed) and no top alternatives (see the module docstring)."""
-    return request.constraint is None and not request.num_logprobs
-
-
 @dataclass(slots=True)
 class _Sent:
     """One request's drafts in one step: the ids, what they assumed of the step before (async
@@ -108,7 +101,7 @@ class SpecDecoder:
         counts, sent = plan.counts, {}
         in_flight = self._drafts.get(step - 1, {})
         for handle, request in plan.work.items():
-            if handle in counts or plan.budget <= 0 or not can_draft(request):
+            if handle in counts or plan.budget <= 0:
                 continue
             drafts = self._propose(request, in_flight.get(handle), plan.budget)
             # (its num_computed_tokens counts the step's own token already: nothing to free)
@@ -232,15 +225,26 @@ class SpecDecoder:
                 status = check_stop(request, max_len)
                 if status is not None:
                     finish(request, status)
-                    top = tops.get(handle) if tops else None
+                    top = _per_token(tops, handle, len(tokens))
                     return TokenUpdate.final(request, tokens[:taken], list(logprobs[:taken]),
-                                             None if top is None else [top])
+                                             None if top is None else top[:taken])
         held = request.held_logprobs
         if held is not None:
             held.extend(logprobs)
             return None
-        top = tops.get(handle) if tops else None
         return TokenUpdate(
-            request.request_id, list(tokens), list(logprobs), None if top is None else [top],
+            request.request_id, list(tokens), list(logprobs),
+            _per_token(tops, handle, len(tokens)),
             None, None, request.num_cached_tokens, request.first_scheduled_time,
             request.first_token_time, None, request)
+
+
+def _per_token(tops: dict, handle: int, n: int) -> list[tuple[list[int], list[float]]] | None:
+    """The handle's top alternatives split per token: the workers send a handle that produced
+    n tokens n * k of each, token after token (the codec checks the multiple)."""
+    top = tops.get(handle) if tops else None
+    if top is None:
+        return None
+    ids, lps = top
+    k = len(ids) // n
+    return [(ids[t * k:(t + 1) * k], lps[t * k:(t + 1) * k]) for t in range(n)]

@@ -3,7 +3,8 @@ gloo on CPU, symmetry verification on: both ranks must verify the drafts alike e
 tokens equal the TP=1 in-process reference without speculation, drafts are accepted, and the
 workers end holding no request. Greedy and sampled requests draft, penalised and biased
 ones and ones under min_tokens too; with sync and with async scheduling (drafts proposed over
-the step in flight: every rank drops or verifies them alike)."""
+the step in flight: every rank drops or verifies them alike). Constrained requests draft too:
+every rank walks its matcher through the drafts and masks each position alike."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,8 @@ import json
 import pytest
 
 from engine_common.request.params import SamplingParams, StoppingParams
+from engine_common.text.tokenizer import Tokenizer
+from tests.integration.test_spec_decode_grammar import CASES
 from tests.support.tp_harness import engine_on, reference, run_requests, scheduler_config
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -46,3 +49,23 @@ def test_tp2_with_drafts_matches_tp1_without(tp2, tiny_models, asynchronous):
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     # async: drafts over the step in flight were sent (and some of them verified)
     assert any(out.spec_assumed for out in assumed) == asynchronous
+
+
+def test_tp2_constrained_drafts_match_tp1_without(tp2, tiny_models):
+    """JSON-schema, regex and choice requests draft (their prompts hold the forced text): each
+    rank computes every draft position's mask from its own matcher (the symmetry digest covers
+    the masks), and the tokens equal TP=1 without speculation, greedy and sampled."""
+    model = tiny_models("qwen3")
+    tokenizer = Tokenizer.from_dir(model)
+    prompts = [tokenizer.encode(text)[:64] for _, text in CASES] * 2    # max_model_len 96
+    constraints = [c for c, _ in CASES] * 2
+    samplings = [SamplingParams()] * 3 + [SamplingParams(temperature=0.8, seed=s)
+                                          for s in (1, 2, 3)]
+    stoppings = [StoppingParams(max_tokens=24)] * 6
+    expected, _ = reference(model, prompts, samplings, stoppings, constraints=constraints)
+    config = dataclasses.replace(scheduler_config(), speculative_config=SPEC)
+    with engine_on(tp2, model, config) as core:
+        got = run_requests(core, model, prompts, samplings, stoppings, constraints=constraints)
+        stats = core.scheduler.spec.stats
+    assert got == expected
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats

@@ -1,8 +1,8 @@
 """n-gram speculative decoding through the whole in-process engine on the tiny models: greedy
 tokens equal transformers' greedy and speculation off, with chunked prefill, preemption and
 prefix caching; sampled requests, penalised ones, ones with logit_bias, id sets or min_tokens
-draft too and get the tokens of speculation off; logprobs, stop strings and requests that may
-not draft, in the same batches."""
+draft too and get the tokens of speculation off; logprobs, stop strings and top-logprob
+requests in the same batches (constrained ones: test_spec_decode_grammar.py)."""
 from __future__ import annotations
 
 import random
@@ -166,9 +166,9 @@ def test_penalties_biases_id_sets_and_min_tokens_draft(tiny_models, arch):
     assert_no_leaked_blocks(on)
 
 
-def test_requests_that_do_not_draft_share_the_batch(tiny_models):
-    """Top-logprob requests decode one token a step beside drafting ones (greedy, sampled and
-    penalised), with the tokens they get without speculation."""
+def test_top_logprob_requests_draft_in_shared_batches(tiny_models):
+    """Top-logprob requests draft beside other drafting ones (greedy, sampled and penalised),
+    with the tokens, logprobs and alternatives they get without speculation."""
     model = tiny_models("qwen3")
     prompts = _prompts()[:6]
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=5),
@@ -179,10 +179,23 @@ def test_requests_that_do_not_draft_share_the_batch(tiny_models):
     on, off = _llm(model, True), _llm(model, False)
     got, want = on.generate(prompts, samplings, st), off.generate(prompts, samplings, st)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    tops_on = on.generate(prompts[:2], SamplingParams(), st, num_logprobs=2)
-    tops_off = off.generate(prompts[:2], SamplingParams(), st, num_logprobs=2)
-    assert [[lp.top_token_ids for lp in o.logprobs] for o in tops_on] == \
-        [[lp.top_token_ids for lp in o.logprobs] for o in tops_off]
+    before = on.scheduler.spec.stats.num_accepted_tokens
+    tops_on = on.generate(prompts[:3], samplings[:3], st, num_logprobs=2)
+    tops_off = off.generate(prompts[:3], samplings[:3], st, num_logprobs=2)
+    assert on.scheduler.spec.stats.num_accepted_tokens > before     # they drafted
+    for a, b in zip(tops_on, tops_off):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == MAX_NEW
+        assert [lp.top_token_ids for lp in a.logprobs] == [lp.top_token_ids for lp in b.logprobs]
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-4
+            assert max(abs(p - q) for p, q in zip(x.top_logprobs, y.top_logprobs)) < 1e-4
+    # a stop id inside an accepted run: the alternatives end with the token that stopped it
+    for p, free in zip(prompts[:3], tops_off):
+        stop = StoppingParams(max_tokens=MAX_NEW, stop_token_ids=(free.token_ids[9],))
+        a = on.generate([p], SamplingParams(), stop, num_logprobs=2)[0]
+        b = off.generate([p], SamplingParams(), stop, num_logprobs=2)[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(b.token_ids)
+        assert [lp.top_token_ids for lp in a.logprobs] == [lp.top_token_ids for lp in b.logprobs]
     assert_no_leaked_blocks(on)
 
 

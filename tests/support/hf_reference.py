@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 NEAR_TIE = 1e-5
@@ -81,3 +82,36 @@ def hf_greedy_allowed(model_dir: str, prompt: tuple[int, ...], max_new_tokens: i
                              max_new_tokens=max_new_tokens, pad_token_id=0,
                              prefix_allowed_tokens_fn=lambda batch, seq: list(allowed))
     return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy_guided(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int, matcher,
+                     eos_ids) -> tuple[int, ...]:
+    """transformers' greedy generate() under a grammar: at every step only the ids a fresh
+    llguidance `matcher` allows after the tokens so far (prefix_allowed_tokens_fn), float32 on
+    the CPU; the output ends at its first eos id, as a constrained request does."""
+    model = _load(model_dir, torch.float32, "cpu")
+    vocab = model.config.vocab_size
+    seen = {"n": 0, "ended": False}
+
+    def allowed(_batch, seq):
+        new = seq[len(prompt):].tolist()
+        for token in new[seen["n"]:]:
+            if token in eos_ids:
+                seen["ended"] = True
+            elif not seen["ended"] and not matcher.consume_token(token):
+                raise AssertionError(f"the grammar refused {token}: {matcher.get_error()}")
+        seen["n"] = len(new)
+        if seen["ended"]:
+            return [min(eos_ids)]
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                             bitorder="little")[:vocab]
+        return np.flatnonzero(bits).tolist()
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0,
+                             prefix_allowed_tokens_fn=allowed)
+    tokens = out[0, len(prompt):].tolist()
+    end = next((i for i, t in enumerate(tokens) if t in eos_ids), len(tokens) - 1)
+    return tuple(tokens[:end + 1])

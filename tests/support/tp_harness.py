@@ -199,13 +199,16 @@ def engine_on(cluster: Cluster, model_dir: str, config: SchedulerConfig | None =
 
 def run_requests(core: LLMEngine, model_dir: str, prompts: list[list[int]],
                  samplings: list[SamplingParams], stoppings: list[StoppingParams],
-                 max_steps: int = 2000) -> list[list[int]]:
-    """Add every prompt, step the core until all finish; the generated ids in prompt order."""
+                 max_steps: int = 2000, constraints=None) -> list[list[int]]:
+    """Add every prompt (with its constraint, when `constraints` lists them), step the core
+    until all finish; the generated ids in prompt order."""
     eos = ModelInfo.from_dir(model_dir).eos_token_ids
     tokens: dict[str, list[int]] = {}
+    constraints = constraints or [None] * len(prompts)
     for i, (prompt, sp, st) in enumerate(zip(prompts, samplings, stoppings)):
         tokens[f"r{i}"] = []
-        core.add_request(Request(f"r{i}", list(prompt), sp, st, eos))
+        core.add_request(Request(f"r{i}", list(prompt), sp, st, eos,
+                                 constraint=constraints[i]))
     for _ in range(max_steps):
         if not core.has_unfinished_requests():
             break
@@ -216,7 +219,7 @@ def run_requests(core: LLMEngine, model_dir: str, prompts: list[list[int]],
 
 
 def reference(model_dir: str, prompts, samplings, stoppings,
-              num_blocks: int = NUM_BLOCKS) -> tuple[list[list[int]], list]:
+              num_blocks: int = NUM_BLOCKS, constraints=None) -> tuple[list[list[int]], list]:
     """TP=1 in process (deltaserve.llm.LLM, same scheduler settings): (tokens, diff payloads)."""
     from deltaserve.llm import LLM
 
@@ -225,7 +228,8 @@ def reference(model_dir: str, prompts, samplings, stoppings,
     assert llm.scheduler.num_total_blocks == num_blocks
     recorder = RecordingExecutor(llm.engine.core.executor)
     llm.engine.core.executor = recorder
-    return run_requests(llm.engine, model_dir, prompts, samplings, stoppings), recorder.payloads
+    return (run_requests(llm.engine, model_dir, prompts, samplings, stoppings,
+                         constraints=constraints), recorder.payloads)
 
 
 def workload(seed: int = 7):

@@ -221,19 +221,22 @@ class ModelRunner(RunnerKVCache):
         taps = [t for t in (prompt, pool) if t is not None]
         run_model, input_ids = self._stage_model(inputs, taps, spec, pool)
         sample_rows = inputs.rows[inputs.sample_mask]
-        meta = masks = None
+        meta = masks = walks = None
         # Structured output only: the constrained rows' masks, computed beside the forward.
         handles = self.batch.handle_ids[sample_rows].tolist()
         if len(sample_rows):
             draw_rows, known, done = sample_rows, None, self.grammar.stopped(handles)
             if spec is not None:     # also a draw at every draft position (spec_verify.py)
-                draw_rows, known, done = spec.sampling_rows(self.batch, sample_rows, done)
+                walks = spec.walk_grammars(self.batch, self.grammar) if self.grammar else None
+                draw_rows, known, done = spec.sampling_rows(self.batch, sample_rows, done,
+                                                            walks)
             meta = build_sampling_metadata(self.batch, draw_rows, self.vocab_size,
                                            self.staging, done, known)
             if self.grammar:
                 allowed = self.batch.id_sets["allowed_token_ids"]
                 masks = self.grammar.start_masks(handles, bias=self.device.type == "cpu",
-                                                 allowed=[allowed[r] for r in sample_rows])
+                                                 allowed=[allowed[r] for r in sample_rows],
+                                                 walks=walks, num_draws=len(draw_rows))
         fed = feed and TokenFeed.plan(feed, self.batch.handle_ids, inputs, self.staging,
                                       self.batch.layout)
         self.staging.flush()
@@ -324,11 +327,14 @@ class ModelRunner(RunnerKVCache):
         drafted one gets its accepted drafts and one more (spec_verify.py)."""
         handles, rows, positions = pending.handles, pending.rows, pending.positions
         same_rows = pending.layout == self.batch.layout     # no row changed hands since
-        top = top_alternatives(handles, pending.num_logprobs, sampled)
         ids, logprobs = sampled.token_ids, sampled.logprobs
-        if pending.spec is not None:      # finished before the next launch: the launch's rows
-            handles, rows, positions, ids, logprobs = pending.spec.accept(
-                self.batch, handles, rows, positions, ids, logprobs)
+        if pending.spec is None:
+            top = top_alternatives(handles, pending.num_logprobs, sampled)
+        else:      # finished before the next launch: the launch's rows
+            handles, rows, positions, draws, counts = pending.spec.accept(
+                self.batch, handles, rows, positions, ids)
+            top = top_alternatives(pending.handles, pending.num_logprobs, sampled, draws, counts)
+            ids, logprobs = ids[draws], (logprobs[draws] if len(logprobs) else logprobs)
         token_ids = self.cached.record(handles, positions, ids, rows if same_rows else None)
         self.grammar.advance(handles, token_ids)
         return RunnerOutput(pending.step, handles, token_ids, logprobs, top)

@@ -11,6 +11,9 @@ Per step (the model runner drives it):
     the sampler           -> -inf outside each row's mask (sampler.apply_grammar_bias: the mask
                              as a 0 / -inf bias, unpacked on the helper thread on CPU)
     advance(handles, ids) -> after the read-back: every matcher consumes its sampled id
+A speculative step also masks every draft position of a constrained row: walk_drafts (before
+the sampling metadata) and the masks of each position (grammar_drafts.py); advance then
+consumes the accepted run.
 
 Bitmask layout (llguidance's and xgrammar's): int32 [rows, ceil(vocab / 32)]; token t is allowed
 when bit (t % 32) of word t // 32 is set. Ids past the tokenizer's vocabulary are never allowed.
@@ -43,10 +46,11 @@ from typing import Sequence
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from engine_common.constraints.constraint import Constraint
 from worker_service.sample.grammar_compiler import GrammarCompiler
+from worker_service.sample.grammar_checks import mask_failure
+from worker_service.sample.grammar_drafts import DraftWalk, fill_masks, walk
 
 __all__ = ["GrammarBook", "GrammarCompiler", "GrammarMasks", "RequestGrammar", "bitmask_bias"]
 
@@ -114,6 +118,9 @@ class GrammarBook:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._last_masks_digest = b""
+        # handle -> (draft position, why) of a mask failure past position 0 this step: it
+        # fails the request only if the accepted run reaches that position (advance)
+        self._deferred: dict[int, tuple[int, str]] = {}
 
     # -- membership (the diff) ------------------------------------------------------------------
 
@@ -193,85 +200,105 @@ class GrammarBook:
         return np.array([(g := self._masked(h)) is not None and g.stopped for h in handles],
                         dtype=bool)
 
+    def walk_drafts(self, handles: Sequence[int], drafts: Sequence[list[int]]
+                    ) -> dict[int, DraftWalk]:
+        """Per drafted constrained handle, its grammar walked through its drafts (the matcher
+        left where it was; grammar_drafts.py). Call after `stopped` (which resolves the
+        matchers of the sampling rows)."""
+        walks = {}
+        for handle, ids in zip(handles, drafts):
+            state = self._masked(handle)
+            if state is None:
+                continue
+            matcher = None if state.error is not None else state.matcher
+            try:
+                walks[handle] = walk(matcher, list(ids), self.compiler.eos_token_ids)
+            except Exception as e:        # a library fault: this request fails, not the step
+                self._fail(handle, state, f"its grammar failed on drafts: {_first_line(str(e))}")
+                walks[handle] = walk(None, list(ids), self.compiler.eos_token_ids)
+        return walks
+
     def start_masks(self, handles: Sequence[int], bias: bool = False,
-                    allowed: Sequence[Sequence[int]] | None = None
+                    allowed: Sequence[Sequence[int]] | None = None,
+                    walks: dict[int, DraftWalk] | None = None, num_draws: int | None = None
                     ) -> concurrent.futures.Future | None:
         """Compute the masks of `handles` on the helper thread (a Future of GrammarMasks, with
         the additive bias too when `bias`); None when no handle is constrained. `allowed`: per
         handle its allowed_token_ids (empty: every id); a constrained row whose mask allows
-        none of them fails (nothing could be sampled but a -inf row's argmax)."""
-        picks = [(i, self._live[h]) for i, h in enumerate(handles) if self._masked(h)]
-        if not picks:
+        none of them fails (nothing could be sampled but a -inf row's argmax). `walks`: the
+        drafted handles' (walk_drafts, their `draws` set): a mask per draft position too, of
+        the step's `num_draws` draws (default: one per handle)."""
+        walks = walks or {}
+        jobs = [(i, self._live[h], walks.get(h)) for i, h in enumerate(handles)
+                if self._masked(h)]
+        self._deferred = {}
+        if not jobs:
             self._last_masks_digest = b""
             return None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")
-        handles_of = [handles[i] for i, _ in picks]
-        allowed_of = None if allowed is None else [allowed[i] for i, _ in picks]
-        return self._pool.submit(self._masks, picks, handles_of, allowed_of,
-                                 len(picks) == len(handles), bias)
+        handles_of = [handles[i] for i, _, _ in jobs]
+        allowed_of = None if allowed is None else [allowed[i] for i, _, _ in jobs]
+        return self._pool.submit(self._masks, jobs, handles_of, allowed_of,
+                                 len(handles) if num_draws is None else num_draws, bias)
 
-    def _masks(self, picks, handles, allowed, all_rows: bool, bias: bool) -> GrammarMasks:
-        masks = self.compute_masks(picks)
-        masks.all_rows = all_rows
-        self._check_masks(picks, handles, allowed, masks.bitmask)
+    def _masks(self, jobs, handles, allowed, num_rows: int, bias: bool) -> GrammarMasks:
+        masks = self.compute_masks(jobs)
+        masks.all_rows = len(masks.indices) == num_rows and bool(
+            (masks.indices == np.arange(num_rows)).all())
+        self._check_masks(jobs, handles, allowed, masks.bitmask)
         if bias:
             masks.bias = bitmask_bias(masks.bitmask, self.compiler.vocab_size)
         return masks
 
-    def compute_masks(self, picks: list[tuple[int, RequestGrammar]]) -> GrammarMasks:
+    def compute_masks(self, jobs: list[tuple]) -> GrammarMasks:
+        """The masks of `jobs` ((sampling index, state, walk or None) each): one row per
+        job, or one per masked draft position of a walk, indexed by their draws."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         words = -(-self.compiler.vocab_size // 32)
-        bitmask = np.zeros((len(picks), words), dtype=np.int32)
-        matchers = [(g.matcher, k) for k, (_, g) in enumerate(picks) if g.matcher]
-        if matchers:
-            fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        for k, (_, g) in enumerate(picks):
+        indices, firsts = [], []
+        for i, _, w in jobs:
+            firsts.append(len(indices))
+            indices += [i] if w is None else [w.draws[p] for p in w.masked_positions]
+        bitmask = np.zeros((len(indices), words), dtype=np.int32)
+        fill_masks(self._executor, [(g.matcher, row, w) for (_, g, w), row in zip(jobs, firsts)],
+                   bitmask)
+        ends = firsts[1:] + [len(indices)]
+        for (_, g, w), row, end in zip(jobs, firsts, ends):
             if g.matcher is None:
                 for eos in self.compiler.eos_token_ids:
-                    bitmask.view(np.uint32)[k, eos // 32] |= np.uint32(1 << eos % 32)
+                    bitmask.view(np.uint32)[row:end, eos // 32] |= np.uint32(1 << eos % 32)
         self._last_masks_digest = hashlib.blake2b(bitmask.tobytes(), digest_size=16).digest()
-        return GrammarMasks(np.array([i for i, _ in picks], dtype=np.int64), bitmask)
+        return GrammarMasks(np.array(indices, dtype=np.int64), bitmask)
 
-    def _check_masks(self, picks, handles: Sequence[int], allowed, bitmask: np.ndarray) -> None:
+    def _check_masks(self, jobs, handles: Sequence[int], allowed, bitmask: np.ndarray) -> None:
         """Record the rows whose grammar failed computing this mask (a resource limit: the
-        matcher is now in its error state) or whose mask leaves none of their allowed ids."""
-        bits = bitmask.view(np.uint32)
-        for k, ((_, g), handle) in enumerate(zip(picks, handles)):
+        matcher is now in its error state) or whose mask leaves none of their allowed ids;
+        at a draft position p >= 1 only once the step's accepted run reaches it (`advance`)."""
+        bits, row = bitmask.view(np.uint32), 0
+        for k, ((_, g, w), handle) in enumerate(zip(jobs, handles)):
+            ids = None if allowed is None or not len(allowed[k]) else \
+                np.asarray(allowed[k], dtype=np.int64)
+            positions = [0] if w is None else w.masked_positions
+            first, row = row, row + len(positions)
             if g.error is not None:
                 continue
-            if g.matcher is not None and g.matcher.is_error():
-                self._fail(handle, g, f"its grammar failed: {_first_line(g.matcher.get_error())}")
+            m = g.matcher
+            if m is not None and m.is_error():
+                self._fail(handle, g, f"its grammar failed: {_first_line(m.get_error())}")
                 continue
-            if g.matcher is not None and not g.matcher.is_accepting():
-                special = self._only_special(bits[k])
-                if special:
-                    self._fail(handle, g, f"its grammar must write {special!r} as text, which "
-                               "the tokenizer reads as a special token, so no token may come "
-                               "next (llguidance offers the special token instead)")
-                    continue
-            if allowed is None or not len(allowed[k]):
-                continue
-            ids = np.asarray(allowed[k], dtype=np.int64)
-            if not ((bits[k, ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any():
-                self._fail(handle, g, "allowed_token_ids and its grammar leave no token to "
-                           f"sample (none of the {len(ids)} allowed ids may come next)")
-
-    def _only_special(self, row: np.ndarray) -> str:
-        """The text of the special tokens a mask row allows, when it allows nothing else (""
-        otherwise). llguidance (1.9.1) tokenizes forced text with the model's tokenizer, which
-        reads "<|im_end|>" as that special token: for a constraint that must write it, the
-        mask offers only the special token, an eos id ended the request as a normal
-        STOP_TOKEN with text that breaks the constraint, another id failed a step later."""
-        words = np.flatnonzero(row)
-        if not len(words) or len(words) > 2:
-            return ""
-        ids = [int(w) * 32 + b for w in words for b in range(32) if int(row[w]) >> b & 1]
-        tokenizer = self.compiler.tokenizer
-        if not all(tokenizer.is_special_token(i) for i in ids):
-            return ""
-        return "".join(tokenizer.decode_bytes([i]).decode("utf-8", "replace") for i in ids)
+            for at, p in enumerate(positions):
+                if w is not None and w.state_of(p) != p:
+                    break                     # never reached: its draft is refused before
+                accepting = m is None or (m.is_accepting() if w is None else w.accepting[p])
+                why = mask_failure(self.compiler.tokenizer, bits[first + at], accepting, ids)
+                if why is not None:
+                    if p == 0:
+                        self._fail(handle, g, why)
+                    else:
+                        self._deferred[handle] = (p, why)
+                    break
 
     def _fail(self, handle: int, state: RequestGrammar, why: str) -> None:
         state.error = why
@@ -279,14 +306,22 @@ class GrammarBook:
         log.warning("request handle %d: structured output failed: %s", handle, why)
 
     def advance(self, handles: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Every constrained request consumes the id it sampled."""
+        """Every constrained request consumes the ids it sampled (a drafted one: its accepted
+        run, in order); a failure found at a draft position counts once the run reaches it."""
+        deferred, self._deferred = self._deferred, {}
         if not self._live:
             return
-        for handle, token_id in zip(handles, token_ids):
+        at = 0                     # the token's index in its handle's run this step
+        for i, (handle, token_id) in enumerate(zip(handles, token_ids)):
             state = self._live.get(handle)
             if state is not None:
                 if state.compiling is not None:     # sampled without masks: never expected
                     self._resolve(handle, state)
+                if deferred:
+                    at = at + 1 if i and handles[i - 1] == handle else 0
+                    failed = deferred.get(handle)
+                    if failed is not None and failed[0] == at and state.error is None:
+                        self._fail(handle, state, failed[1])
                 self._consume(handle, state, token_id)
 
     def digest(self) -> bytes:

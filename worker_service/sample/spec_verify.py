@@ -8,8 +8,11 @@ for every draft position j of every drafted row (`sampling_rows`), each with wha
 decoding would use for that output token: the counter c + j (c the row's tokens generated
 before the step; the bonus c + k), the penalties' history with drafts 0..j-1 in it, the
 min_tokens mask of that length, the row's logit_bias and id sets (build_sampling_metadata's
-`num_tokens`). d_j is accepted while the draw v_j == d_j; the step's tokens are the accepted
-drafts and then v_a at the first mismatch a, or the bonus when all k match. Since the noise is
+`num_tokens`), and a constrained row's grammar mask after drafts 0..j-1 (grammar_drafts.py:
+a draft the grammar forbids has a -inf logit there, so it is rejected). d_j is accepted while
+the draw v_j == d_j; the step's tokens are the accepted drafts and then v_a at the first
+mismatch a, or the bonus when all k match; each token's logprob and top alternatives are
+those of its draw (`accept` names it). Since the noise is
 a pure function of (seed, counter, vocab id), the tokens are those of decoding without drafts,
 seeded or not (the scheduler gives an unseeded request its seed), greedy (the argmax, the
 temperature-0 case) or sampled. The draft is one token with probability 1 (an n-gram), so this
@@ -93,11 +96,6 @@ class SpecStep:
         """Write each request's drafts after its known tokens and count them as known while
         the step's inputs are prepared (`unstage` takes them back out of num_tokens)."""
         rows = np.array([cached.row(h) for h in spec_token_ids], dtype=np.int64)
-        for h in spec_token_ids:      # what one draw per draft position cannot verify
-            state = cached.states[h]
-            if state.constraint is not None or state.num_logprobs > 0:
-                raise StepProtocolError(f"handle {h}: drafts are not allowed for a request "
-                                        "with a grammar or top logprobs")
         drafts = list(spec_token_ids.values())
         ks = np.array([len(d) for d in drafts], dtype=np.int32)
         width = batch.token_ids.shape[1]
@@ -128,22 +126,35 @@ class SpecStep:
         self.query_rows = np.repeat(starts, self.ks) + _ranges(self.ks)
 
     def sampling_rows(self, batch: InputBatch, sample_rows: np.ndarray,
-                      grammar_done: np.ndarray | None
+                      grammar_done: np.ndarray | None, walks: dict | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """What the step's one sampler call draws for: the step's sampling rows (a drafted
         row's draw there follows its k drafts: the bonus), then each drafted row once per draft
         position j (after its drafts 0..j-1), in `query_rows` order; with the tokens known
         before each draw (build_sampling_metadata's `num_tokens`: the counter, the penalties'
-        history, min_tokens) and `grammar_done` widened to them (drafted rows have no grammar).
-        """
+        history, min_tokens) and `grammar_done` widened to them. `walks`: handle -> DraftWalk
+        of the drafted constrained rows (grammar_drafts.py): their `stopped` per position
+        goes into grammar_done, and each gets its positions' draw indices (`draws`)."""
         known = batch.num_tokens[sample_rows].copy()
         at = np.searchsorted(sample_rows, self.rows)
         known[at] += self.ks
         before = np.repeat(batch.num_tokens[self.rows], self.ks) + _ranges(self.ks)
         if grammar_done is not None:
             grammar_done = np.concatenate([grammar_done, np.zeros(len(before), dtype=bool)])
+        if walks:
+            n, lo = len(sample_rows), 0
+            for j, (row, k) in enumerate(zip(self.rows.tolist(), self.ks.tolist())):
+                w = walks.get(int(batch.handle_ids[row]))
+                if w is not None:
+                    w.draws = [*range(n + lo, n + lo + k), int(at[j])]
+                    grammar_done[w.draws] = w.stopped
+                lo += k
         return (np.concatenate([sample_rows, np.repeat(self.rows, self.ks)]),
                 np.concatenate([known, before]), grammar_done)
+
+    def walk_grammars(self, batch: InputBatch, grammar) -> dict:
+        """The drafted rows' grammars walked through their drafts (GrammarBook.walk_drafts)."""
+        return grammar.walk_drafts(batch.handle_ids[self.rows].tolist(), self.drafts)
 
     def logits_rows(self, logits_indices: torch.Tensor) -> torch.Tensor:
         """The hidden rows the sampler reads, matching `sampling_rows`: the step's sampling
@@ -152,44 +163,38 @@ class SpecStep:
         return torch.cat([logits_indices, extra])
 
     def accept(self, batch: InputBatch, handles: list[int], rows: np.ndarray,
-               positions: np.ndarray, token_ids: np.ndarray, logprobs: np.ndarray):
+               positions: np.ndarray, token_ids: np.ndarray):
         """The step's sampled rows expanded to every token they produced: (handles, rows,
-        positions, token ids, logprobs), a drafted row's accepted drafts then its last token;
-        the rows' num_tokens and num_computed set to what was accepted. `token_ids` and
-        `logprobs` hold the sampler's draws for `sampling_rows` (the step's rows, then the
-        draft positions); `logprobs` empty: none anywhere."""
+        positions, draws, counts), a drafted row's accepted drafts then its last token, each
+        token as the index of its draw in `token_ids` (the sampler's draws for
+        `sampling_rows`: the step's rows, then the draft positions; its logprob and top
+        alternatives are that draw's), and the tokens per sampled row; the rows' num_tokens
+        and num_computed set to what was accepted."""
         n = len(handles)
-        v, token_ids = token_ids[n:], token_ids[:n]
-        with_lp = len(logprobs) > 0
-        v_lp, logprobs = (logprobs[n:], logprobs[:n]) if with_lp else (logprobs, logprobs)
+        v = token_ids[n:]
         drafted = {int(r): i for i, r in enumerate(self.rows.tolist())}
         offsets = np.concatenate([[0], np.cumsum(self.ks)])
-        out_h, out_r, out_p, out_t, out_l = [], [], [], [], []
+        out_h, out_r, out_p, out_d, counts = [], [], [], [], []
         for i, (handle, row) in enumerate(zip(handles, rows.tolist())):
             j = drafted.get(row)
             if j is None:
                 out_h.append(handle), out_r.append(row), out_p.append(int(positions[i]))
-                out_t.append(int(token_ids[i]))
-                if with_lp:
-                    out_l.append(float(logprobs[i]))
+                out_d.append(i), counts.append(1)
                 continue
             k, lo = int(self.ks[j]), int(offsets[j])
             ver, drafts = v[lo:lo + k], self.drafts[j]
             a = 0
             while a < k and int(ver[a]) == drafts[a]:
                 a += 1
-            toks = [*map(int, ver[:a]), int(ver[a]) if a < k else int(token_ids[i])]
             out_h += [handle] * (a + 1)
             out_r += [row] * (a + 1)
             out_p += range(int(positions[i]), int(positions[i]) + a + 1)
-            out_t += toks
-            if with_lp:
-                out_l += [*map(float, v_lp[lo:lo + a]),
-                          float(v_lp[lo + a]) if a < k else float(logprobs[i])]
+            out_d += [*range(n + lo, n + lo + a), n + lo + a if a < k else i]
+            counts.append(a + 1)
             batch.num_tokens[row] += a                  # the launch counted one
             batch.num_computed[row] -= k - a            # the rejected drafts' slots
         return (out_h, np.array(out_r, dtype=np.int64), np.array(out_p, dtype=np.int32),
-                np.array(out_t, dtype=np.int64), np.array(out_l, dtype=np.float32))
+                np.array(out_d, dtype=np.int64), np.array(counts, dtype=np.int64))
 
 
 def _ranges(ks: np.ndarray) -> np.ndarray:

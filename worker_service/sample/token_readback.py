@@ -131,15 +131,26 @@ class PendingStep:
 
 
 def top_alternatives(handles: list[int], num_logprobs: np.ndarray | None,
-                     sampled: SampledTokens) -> dict:
+                     sampled: SampledTokens, draws: np.ndarray | None = None,
+                     counts: np.ndarray | None = None) -> dict:
     """handle -> (top ids, top logprobs) of the rows that asked for alternatives. They stay
     numpy arrays: encode_runner_output writes their buffers to the wire as they are (no Python
-    float per request and step)."""
+    float per request and step). A speculative step (`draws`: per produced token the index of
+    its draw, `counts`: tokens per sampled row) gives a row that produced n tokens n * k of
+    each, token after token."""
     top = {}
     if sampled.top_ids is not None:
+        starts = None if counts is None else np.cumsum(counts) - counts
         for i, k in enumerate(num_logprobs.tolist()):
-            if k > 0:                    # NO_LOGPROBS (-1): none at all
-                top[handles[i]] = (sampled.top_ids[i, :k], sampled.top_logprobs[i, :k])
+            if k <= 0:                   # NO_LOGPROBS (-1): none at all
+                continue
+            if starts is None or counts[i] == 1:
+                at = i if draws is None else int(draws[starts[i]])
+                top[handles[i]] = (sampled.top_ids[at, :k], sampled.top_logprobs[at, :k])
+            else:
+                at = draws[starts[i]:starts[i] + counts[i]]
+                top[handles[i]] = (sampled.top_ids[at, :k].reshape(-1),
+                                   sampled.top_logprobs[at, :k].reshape(-1))
     return top
 
 

@@ -60,9 +60,11 @@ def runner_output(draw):
     n = len(handles)
     ids = draw(st.lists(u32, min_size=n, max_size=n))
     lps = draw(st.lists(f32, min_size=n, max_size=n))
-    top = draw(st.dictionaries(u32, st.integers(0, 4).flatmap(
-        lambda k: st.tuples(st.lists(u32, min_size=k, max_size=k),
-                            st.lists(f32, min_size=k, max_size=k))), max_size=3))
+    top = {}        # k alternatives per token of the handle (speculative runs: several)
+    for h in draw(st.sets(st.sampled_from(handles), max_size=3)) if handles else ():
+        size = draw(st.integers(0, 4)) * handles.count(h)
+        top[h] = (draw(st.lists(u32, min_size=size, max_size=size)),
+                  draw(st.lists(f32, min_size=size, max_size=size)))
     prompt = draw(st.dictionaries(u32, st.tuples(st.integers(0, 5), st.integers(0, 3)).flatmap(
         lambda nk: st.tuples(*(st.lists(e, min_size=size, max_size=size) for e, size in (
             (f32, nk[0]), (u32, nk[0]), (u32, nk[0] * nk[1]), (f32, nk[0] * nk[1]))))),
@@ -365,3 +367,17 @@ def test_the_usual_new_request_path_equals_the_checked_one_and_defers_anything_e
             decode_scheduler_output(msgpack.packb(
                 [1, [broken], [], None, {}, [], []], use_bin_type=True))
     assert _usual_new_request([*plain[:2], [plain[2][0], -1, 2, []], *plain[3:]]) is None
+
+
+def test_top_alternatives_must_be_k_per_token_of_their_handle():
+    """A handle that produced 2 tokens (an accepted draft and one more) carries 2 * k
+    alternatives; a count that is no multiple, or alternatives of a handle with no token, are
+    refused naming the handle."""
+    run = RunnerOutput(3, [5, 5, 6], [7, 8, 9], [-0.5, -0.125, -0.25],
+                       {5: ([1, 2, 3, 4], [-0.125, -0.25, -0.375, -0.75]),
+                        6: ([1, 2], [-0.125, -0.25])})
+    assert decode_runner_output(encode_runner_output(run)) == run
+    for top in ({5: ([1, 2, 3], [-0.125, -0.25, -0.375])}, {8: ([1], [-0.125])}):
+        bad = RunnerOutput(3, [5, 5, 6], [7, 8, 9], [-0.5, -0.125, -0.25], top)
+        with pytest.raises(CodecError, match=r"top_logprobs\[\d\]: \d alternatives is invalid"):
+            decode_runner_output(encode_runner_output(bad))

@@ -10,8 +10,6 @@ import pytest
 from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from scheduler_service.core.request import Request, RequestStatus
-from engine_common.constraints.constraint import Constraint
-from scheduler_service.core.spec_decode import can_draft
 from tests.support.scheduler_sim import assert_no_leak, make, make_request, run_steps
 from tests.support.spec_sim import SpecSimWorker, periodic_sample
 
@@ -152,26 +150,22 @@ def test_budget_and_max_len_bound_the_drafts():
     assert all(len(out) == 36 for out, _ in got)
 
 
-def _req(**sampling) -> Request:
-    r = Request("x", [1, 2], SamplingParams(**sampling), StoppingParams(min_tokens=0))
-    return r
-
-
-def test_who_drafts():
-    assert can_draft(_req())
-    assert can_draft(_req(temperature=0.7))           # sampled: the draw verifies it
-    # penalties, biases, id sets and min_tokens: drawn per position with that position's
-    # history and length (spec_verify.py)
-    assert can_draft(_req(repetition_penalty=1.2))
-    assert can_draft(_req(logit_bias=((3, 1.0),)))
-    assert can_draft(_req(allowed_token_ids=(3, 4)))
-    assert can_draft(Request("y", [1, 2], SamplingParams(), StoppingParams(min_tokens=3)))
-    top = _req()
-    top.num_logprobs = 2
-    assert not can_draft(top)
-    constrained = _req()
-    constrained.constraint = Constraint("regex", "[a-z]+")
-    assert not can_draft(constrained)
+def test_top_logprob_requests_draft():
+    """Every request may draft now, top alternatives too (the workers return them for every
+    token of an accepted run): the same tokens as one-token decoding, drafted."""
+    sample = periodic_sample(3)
+    tops = _requests(n=3)
+    want, _, _ = _run(tops, False, sample)
+    sched, _ = make(num_blocks=64, sample_fn=sample, speculative_config=SPEC)
+    worker = SpecSimWorker(64, sched.config.block_size, sample_fn=sample)
+    reqs = [make_request(rid, prompt, **kw) for rid, prompt, kw in tops]
+    for r in reqs:
+        r.num_logprobs = 2
+        sched.add_request(r)
+    run_steps(sched, worker)
+    assert_no_leak(sched)
+    assert [(r.output_token_ids, r.status) for r in reqs] == want
+    assert any(diff.spec_token_ids for diff in worker.diffs)
 
 
 @pytest.mark.parametrize("spec, key", [

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_common.wire.codec import decode_scheduler_output, encode_scheduler_output
+from engine_common.wire.codec import (decode_runner_output, decode_scheduler_output,
+                                      encode_runner_output, encode_scheduler_output)
 from engine_common.wire.diff import SchedulerOutput
 from tests.support.garbage_diffs import PROMPT, new
 from worker_service.batch.diff_check import BadDiff
@@ -82,13 +83,27 @@ def test_bad_drafts_are_refused(model):
     assert run.last_step == 0
 
 
-def test_drafts_for_top_logprob_requests_are_refused(model):
-    """The alternatives are computed for the bonus position only: such a request may not
-    draft (the scheduler's can_draft), and a diff that drafts for it is refused unapplied."""
+def test_top_logprobs_of_every_token_of_a_drafted_step(model):
+    """A top-logprob request drafts: each produced token carries its own logprob and top
+    alternatives (k per token, token after token), those of one-token steps."""
+    ref = _runner(model)
+    first = ref.execute_diff(SchedulerOutput(0, new_requests=[new(logprobs=3)],
+                                             num_scheduled_tokens={0: len(PROMPT)}))
+    steps = [ref.execute_diff(SchedulerOutput(s)) for s in range(1, 6)]
+    greedy = [first.sampled_token_ids[0]] + [o.sampled_token_ids[0] for o in steps]
     run = _runner(model)
-    out = run.execute_diff(SchedulerOutput(0, new_requests=[new(logprobs=2)],
-                                           num_scheduled_tokens={0: len(PROMPT)}))
-    with pytest.raises(StepProtocolError, match="handle 0: drafts are not allowed"):
-        run.execute_diff(SchedulerOutput(1, num_scheduled_tokens={0: 2},
-                                         spec_token_ids={0: out.sampled_token_ids}))
-    assert run.batch.num_tokens[0] == len(PROMPT) + 1
+    run.execute_diff(SchedulerOutput(0, new_requests=[new(logprobs=3)],
+                                     num_scheduled_tokens={0: len(PROMPT)}))
+    wrong = (greedy[4] + 1) % run.vocab_size
+    out = run.execute_diff(SchedulerOutput(1, num_scheduled_tokens={0: 5},
+                                           spec_token_ids={0: greedy[1:4] + [wrong]}))
+    assert out.sampled_token_ids == greedy[1:5]
+    ids, lps = out.top_logprobs[0]
+    assert len(ids) == len(lps) == 4 * 3
+    for t, one in enumerate(steps[:4]):
+        want_ids, want_lps = one.top_logprobs[0]
+        assert list(ids[3 * t:3 * t + 3]) == list(want_ids)
+        assert abs(out.logprobs[t] - one.logprobs[0]) < 1e-5
+        assert max(abs(a - b) for a, b in zip(lps[3 * t:3 * t + 3], want_lps)) < 1e-5
+    wire = decode_runner_output(encode_runner_output(out))       # as the scheduler reads it
+    assert wire.top_logprobs[0][0] == [int(i) for i in ids]

@@ -1,0 +1,121 @@
+"""Grammar masks at speculative draft positions (worker_service/sample/grammar_drafts.py) on a
+tiny real tokenizer: the mask at position p is the one a matcher fed the drafts before p
+computes; the matcher is left where it was; a draft the grammar refuses ends the walk there;
+a grammar that completes inside the drafts offers only eos there and nothing is masked after
+an eos; a failure at a later position counts only when the accepted run reaches it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_common.constraints.constraint import Constraint
+from tests.support.grammar_text import EOS, encode, tiny_compiler
+from worker_service.sample.grammar import GrammarBook
+
+DIGITS = Constraint("regex", "[0-9]{2}-[a-z]{2}")
+YES_NO = Constraint("choice", ("yes", "no"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    return tiny_compiler(tmp_path_factory.mktemp("grammar-drafts"))
+
+
+def allowed_ids(row: np.ndarray, vocab: int) -> list[int]:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]).tolist()
+
+
+def fed_book(compiler, constraint, ids) -> GrammarBook:
+    book = GrammarBook(compiler)
+    book.add(0, constraint)
+    book.stopped([0])
+    book.advance([0] * len(ids), ids)
+    return book
+
+
+def one_mask(book: GrammarBook) -> list[int]:
+    m = book.start_masks([0]).result()
+    return allowed_ids(m.bitmask[0], book.compiler.vocab_size)
+
+
+def drafted_masks(book: GrammarBook, drafts: list[int], allowed=None):
+    """The step's masks for handle 0 with `drafts`, drawn as sampling row 0 (the bonus) and
+    draws 1..k (positions 0..k-1), as SpecStep.sampling_rows lays them out: (walk, position
+    -> allowed ids, or None where nothing is masked)."""
+    book.stopped([0])
+    walks = book.walk_drafts([0], [drafts])
+    w = walks[0]
+    k = len(drafts)
+    w.draws = [*range(1, k + 1), 0]
+    m = book.start_masks([0], allowed=allowed, walks=walks).result()
+    rows = {int(i): allowed_ids(r, book.compiler.vocab_size) for i, r in zip(m.indices, m.bitmask)}
+    return w, {p: rows.get(w.draws[p]) for p in range(k + 1)}
+
+
+def test_each_position_masks_with_the_state_after_the_drafts_before_it(compiler):
+    """A mutation that gives every position the step's first mask fails here: the regex
+    allows digits, then '-', then letters."""
+    drafts = encode(compiler, "12-ab")
+    assert len(drafts) >= 4
+    book = fed_book(compiler, DIGITS, [])
+    before = book.digest()
+    w, got = drafted_masks(book, drafts)
+    assert w.valid == len(drafts) and not w.eos
+    for p in range(len(drafts) + 1):
+        want = one_mask(fed_book(compiler, DIGITS, drafts[:p]))
+        assert got[p] == want, p
+    assert got[0] != got[len(drafts) - 1]
+    assert got[len(drafts)] == [EOS] and w.stopped[-1] and not any(w.stopped[:-1])
+    # the matcher is where it was: the same masks and state as before the walk
+    book.start_masks([0]).result()
+    assert one_mask(book) == one_mask(fed_book(compiler, DIGITS, []))
+    assert book._live[0].num_consumed == 0 and book.digest() != b"" and before
+
+
+def test_a_draft_the_grammar_refuses_ends_the_walk(compiler):
+    ok = encode(compiler, "1")
+    bad = encode(compiler, "x")             # a letter where the regex wants a digit
+    drafts = ok + bad + encode(compiler, "2-a")
+    book = fed_book(compiler, DIGITS, [])
+    w, got = drafted_masks(book, drafts)
+    assert w.valid == len(ok)
+    at = len(ok)
+    assert bad[0] not in got[at]                       # its draw can never be the draft
+    assert got[at] == one_mask(fed_book(compiler, DIGITS, ok))
+    for p in range(at + 1, len(drafts) + 1):           # never reached: `valid`'s mask
+        assert got[p] == got[at]
+    assert book.take_errors() == {}
+
+
+def test_a_grammar_that_completes_inside_the_drafts(compiler):
+    """"yes" then eos then more: the eos position offers eos alone; after it nothing is
+    masked (the grammar is done, as after a sampled eos)."""
+    yes = encode(compiler, "yes")
+    drafts = yes + [EOS] + encode(compiler, "no")
+    book = fed_book(compiler, YES_NO, [])
+    w, got = drafted_masks(book, drafts)
+    assert w.valid == len(yes) and w.eos
+    assert got[len(yes)] == [EOS] and w.stopped[len(yes)]
+    assert all(got[p] is None for p in range(len(yes) + 1, len(drafts) + 1))
+    assert not any(w.stopped[len(yes) + 1:])
+    # the accepted run: the matcher consumes it as one-token decoding would
+    book.advance([0] * (len(yes) + 1), yes + [EOS])
+    assert book._live[0].terminated and book.start_masks([0]) is None
+
+
+def test_a_failure_at_a_later_position_counts_only_when_the_run_reaches_it(compiler):
+    """allowed_token_ids of digits only: positions 0 and 1 may sample, '-' at position 2 leaves
+    nothing; a run that stops before position 2 does not fail, one that reaches it does."""
+    drafts = encode(compiler, "12-ab")
+    digits = encode(compiler, "0123456789")
+    two = len(encode(compiler, "12"))
+    for reached, fails in ((two, False), (two + 1, True)):
+        book = fed_book(compiler, DIGITS, [])
+        drafted_masks(book, drafts, allowed=[digits])
+        assert book.take_errors() == {}                   # nothing yet: position 0 is fine
+        book.advance([0] * reached, drafts[:reached])
+        errors = book.take_errors()
+        assert (0 in errors) == fails, errors
+        if fails:
+            assert errors[0].startswith("allowed_token_ids and its grammar leave no token")
+            assert book._live[0].num_consumed == reached

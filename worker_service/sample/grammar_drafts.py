@@ -1,0 +1,101 @@
+"""Grammar masks at speculative draft positions (docs/speculative-decoding.md, "Who drafts").
+
+A constrained request with k drafts d_0..d_{k-1} is drawn at k + 1 positions in one step:
+position p follows its known tokens and d_0..d_{p-1} (position k: the bonus). The mask at
+position p is the grammar's after those drafts, so the matcher is walked through them:
+
+    position   0        1            ...   valid                 valid+1 .. k
+    state      now      after d_0    ...   after d_0..d_{valid-1} never reached: d_valid is
+                                                                  forbidden at `valid`, so its
+                                                                  draw differs and stops there
+                                                                  (mask: a copy of `valid`'s)
+or, when d_valid is an eos id the grammar allows there: positions after it are unconstrained
+(the grammar is done, `terminated`, as when one-token decoding samples eos).
+
+`walk` runs on the step thread before the sampling metadata is built (the per-position
+`stopped` flags exempt eos from min_tokens there) and leaves the matcher where it was; the
+masks are computed on the mask helper thread (llguidance's draft-aware batch call advances each
+matcher through `drafts[:valid]` and rolls it back). A mask's failure checks apply only to a
+position the step reaches: position 0 at once, later ones when the accepted run reaches them
+(GrammarBook.advance). After the step the matcher consumes what was accepted, one id at a
+time, as without drafts, so it follows the tokens the worker actually kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+from llguidance.numpy import (fill_next_token_bitmask_par,
+                              fill_next_token_bitmask_par_with_draft_tokens)
+
+
+@dataclass
+class DraftWalk:
+    """One drafted constrained request's grammar over its drafts: `valid` drafts the matcher
+    consumes in turn, whether the one after them is an allowed eos (`eos`: the positions after
+    it are unconstrained), and per position 0..k whether the grammar is stopped (only eos may
+    follow) and accepting there. `draws`: per position its index among the step's draws."""
+
+    drafts: list[int]
+    valid: int
+    eos: bool
+    stopped: list[bool]
+    accepting: list[bool]
+    draws: list[int] | None = None
+
+    def state_of(self, position: int) -> int:
+        """The position whose matcher state the mask at `position` uses (-1: unconstrained)."""
+        if position <= self.valid:
+            return position
+        return -1 if self.eos else self.valid
+
+    @property
+    def masked_positions(self) -> list[int]:
+        """The positions that get a mask row, in order (all but those after an eos)."""
+        return [p for p in range(len(self.drafts) + 1) if self.state_of(p) >= 0]
+
+
+def walk(matcher: llguidance.LLMatcher | None, drafts: list[int],
+         eos_ids: tuple[int, ...]) -> DraftWalk:
+    """`matcher` (None: its grammar failed; only eos is masked in) walked through `drafts`
+    and rolled back to where it was."""
+    k = len(drafts)
+    if matcher is None or matcher.is_error():
+        stopped = [True] * (k + 1)
+        return DraftWalk(drafts, 0, False, stopped, [matcher is None] * (k + 1))
+    stopped, accepting = [matcher.is_stopped()], [matcher.is_accepting()]
+    # validated first: a refused consume_token would leave the matcher in its error state
+    text = next((i for i, t in enumerate(drafts) if t in eos_ids), k)
+    valid = matcher.validate_tokens(drafts[:text]) if text else 0
+    for token in drafts[:valid]:
+        if not matcher.consume_token(token):
+            raise RuntimeError(f"llguidance validated draft token {token} but refused it")
+        stopped.append(matcher.is_stopped())
+        accepting.append(matcher.is_accepting())
+    eos = valid == text < k and accepting[valid]
+    if valid and not matcher.rollback(valid):
+        raise RuntimeError(f"llguidance could not roll back {valid} draft tokens")
+    # never reached (or unconstrained after an eos): the flags of `valid`, resp. off
+    tail = [False] * (k - valid) if eos else [stopped[valid]] * (k - valid)
+    atail = [False] * (k - valid) if eos else [accepting[valid]] * (k - valid)
+    return DraftWalk(drafts, valid, eos, stopped + tail, accepting + atail)
+
+
+def fill_masks(executor: llguidance.LLExecutor, jobs: list[tuple], bitmask: np.ndarray) -> None:
+    """Fill `bitmask`: per job (matcher, first row, walk or None) the masks of its positions
+    from its first row on (a walk's `masked_positions` in order; no walk: one row). A failed
+    grammar (no matcher) is left for the caller; unreached positions copy `valid`'s row."""
+    # (llguidance refuses an empty draft list: a walk with none valid is one plain mask)
+    plain = [(m, row) for m, row, w in jobs if m is not None and (w is None or not w.valid)]
+    drafted = [(m, row, w.drafts[:w.valid]) for m, row, w in jobs
+               if m is not None and w is not None and w.valid]
+    if drafted:
+        # llguidance leaves a row past an invalid draft as it is: zeros here
+        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
+    if plain:
+        fill_next_token_bitmask_par(executor, plain, bitmask)
+    for m, row, w in jobs:
+        if w is not None and not w.eos:
+            end = row + len(w.drafts) + 1
+            bitmask[row + w.valid + 1:end] = bitmask[row + w.valid]
