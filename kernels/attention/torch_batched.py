@@ -13,8 +13,8 @@ Padding repeats a real row, so it is always finite (never stale cache contents, 
 NaN) and masked out: query row i of request r sits at position p = seq_len - qlen + i and sees
 keys j <= p (and, with a sliding window W, j > p - W). That one causal rule is also the length
 mask, since p <= seq_len - 1 for real rows.
-A softcap (backend.py) cannot go through SDPA: a capped group takes explicit float32 math
-(scores, tanh cap, mask, softmax), holding the [R, Hq, Q, L] scores.
+A softcap or sinks (backend.py) cannot go through SDPA: such a group takes explicit float32 math
+(scores, tanh cap, mask, softmax with the sink column), holding the [R, Hq, Q, L] scores.
 Padded query rows are computed and dropped. Math is float32; attention is one
 scaled_dot_product_attention call with a boolean mask and enable_gqa (query head h reads kv
 head h // (Hq / Hkv)), so keys are never repeated.
@@ -41,6 +41,15 @@ def padded_bytes(num_reqs: int, max_query_len: int, max_seq_len: int, num_heads:
     return F32_BYTES * (kv + q_out) + num_reqs * max_query_len * max_seq_len
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of scores [..., Hq, Q, S]; with sinks [Hq] each head's sink
+    logit is one more column of the softmax, dropped after it."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
 def _clamped_index(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """[R, width] int64: min(j, lengths[r] - 1) for j < width (lengths >= 1)."""
     cols = torch.arange(width, dtype=torch.long)
@@ -63,32 +72,36 @@ def gather_padded_kv(kv_cache: torch.Tensor, block_rows: torch.Tensor,
 
 
 def attend_padded(q: torch.Tensor, kv: torch.Tensor, q_pos: torch.Tensor,
-                  scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                  scale: float, window: int = 0, softcap: float = 0.0,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [R, Q, Hq, D] float32, kv [2, R, L, Hkv, D] float32, q_pos [R, Q] absolute positions.
     Key j is visible to query (r, i) iff j <= q_pos[r, i] (and j > q_pos[r, i] - window when
-    window > 0). softcap > 0 caps the scores first. Returns [R, Q, Hq, D] float32."""
+    window > 0). softcap > 0 caps the scores first; sinks [Hq] join the softmax.
+    Returns [R, Q, Hq, D] float32."""
     width = kv.shape[2]
     keys = torch.arange(width, device=q.device)[None, None, :]
     visible = keys <= q_pos[:, :, None]
     if window:
         visible &= keys > q_pos[:, :, None] - window
-    if softcap:
-        return _attend_capped(q, kv, visible, scale, softcap)
+    if softcap or sinks is not None:
+        return _attend_explicit(q, kv, visible, scale, softcap, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
         attn_mask=visible[:, None], scale=scale, enable_gqa=True)        # [R, Hq, Q, D]
     return out.transpose(1, 2)
 
 
-def _attend_capped(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float,
-                   softcap: float) -> torch.Tensor:
-    """attend_padded's math with the scores capped: cap * tanh(s / cap), then mask, softmax."""
+def _attend_explicit(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float,
+                     softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """attend_padded's math step by step: scores, the cap (cap * tanh(s / cap), if any), the
+    mask, the softmax with the sink column (if any)."""
     group = q.shape[2] // kv.shape[3]
     keys, values = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in kv)
     scores = torch.matmul(q.transpose(1, 2), keys.transpose(2, 3)) * scale  # [R, Hq, Q, L]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values).transpose(1, 2)
+    return torch.matmul(softmax_with_sinks(scores, sinks), values).transpose(1, 2)
 
 
 def _fits(num_reqs: int, max_query_len: int, width: int, query: torch.Tensor,
@@ -99,7 +112,8 @@ def _fits(num_reqs: int, max_query_len: int, width: int, query: torch.Tensor,
 
 def attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                   max_bytes: int, window: int = 0, softcap: float = 0.0) -> bool:
+                   max_bytes: int, window: int = 0, softcap: float = 0.0,
+                   sinks: torch.Tensor | None = None) -> bool:
     """A pure-decode batch (request r's one query is flat row r) in one padded group.
 
     seq_lens: host [R]. Writes rows 0..R-1 of out; returns False, writing nothing, when the
@@ -112,7 +126,8 @@ def attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     kv = gather_padded_kv(kv_cache, block_table[:num_reqs],
                           _clamped_index(seq_lens, width).to(device))
     q_pos = (seq_lens.long() - 1)[:, None].to(device)                   # [R, 1]
-    result = attend_padded(query[:num_reqs, None].float(), kv, q_pos, scale, window, softcap)
+    result = attend_padded(query[:num_reqs, None].float(), kv, q_pos, scale, window, softcap,
+                           sinks)
     out[:num_reqs] = result[:, 0].to(out.dtype)
     return True
 
@@ -120,7 +135,8 @@ def attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 def attend_group(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  req_ids: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor, max_bytes: int,
-                 window: int = 0, softcap: float = 0.0) -> bool:
+                 window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> bool:
     """Attend requests req_ids (host int64) at once and write their rows of out [T, Hq, D].
 
     starts/query_lens/seq_lens: host tensors indexed by request; every query_len in the group
@@ -137,7 +153,7 @@ def attend_group(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     kv = gather_padded_kv(kv_cache, block_table[req_ids.to(device)],
                           _clamped_index(lens, width).to(device))
     q = query.index_select(0, rows.flatten().to(device)).view(rows.shape + query.shape[1:])
-    result = attend_padded(q.float(), kv, q_pos.to(device), scale, window, softcap)
+    result = attend_padded(q.float(), kv, q_pos.to(device), scale, window, softcap, sinks)
     real = torch.arange(max_q)[None, :] < qlens[:, None]                 # [R, Q]
     out[rows[real].to(device)] = result[real.to(device)].to(out.dtype)
     return True

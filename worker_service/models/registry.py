@@ -16,6 +16,7 @@ from worker_service.models.classifiers import (BertForSequenceClassification,
                                                RobertaForSequenceClassification)
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
+from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import (LlamaForCausalLM, MistralForCausalLM,
                                          Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -42,6 +43,7 @@ MODEL_REGISTRY = MappingProxyType({
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

@@ -19,7 +19,7 @@ import transformers as tf
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
-         "mixtral", "phi3", "olmo2", "granite")
+         "mixtral", "phi3", "olmo2", "granite", "gpt_oss")
 INITIALIZER_RANGE = 0.3
 
 
@@ -63,7 +63,14 @@ def _arch_config(arch: str):
     # Granite: every multiplier away from 1, attention scale 1/8 (not 1/sqrt(16))
     granite = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.125, "logits_scaling": 2.5, "tie_word_embeddings": True}
+    # GPT-OSS: 3 layers (sliding window 8, full, sliding), 2 of 4 experts of width 48, a plain
+    # rope (GptOssConfig's default is yarn), a SwiGLU limit low enough that the clamps bite
+    gpt_oss = {"num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "intermediate_size": 48, "sliding_window": 8, "swiglu_limit": 1.5,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+               "tie_word_embeddings": False}
     table = {
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, gpt_oss),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, olmo2),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, granite),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, phi3),
@@ -88,7 +95,7 @@ def _perturb_biases_and_norms(model) -> None:
     code paths untested; give them random values (from the already seeded generator)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):
                 param.normal_(0.0, INITIALIZER_RANGE)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
