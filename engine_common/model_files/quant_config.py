@@ -3,7 +3,7 @@ model directory is first read (ModelInfo.from_dir) so that `deltaserve serve` an
 refuse the others before any worker starts.
 
 Served: MXFP4 experts of GPT-OSS (quant_method "mxfp4", as openai/gpt-oss-20b/-120b ship them),
-dequantized at load to the model's dtype (worker_service/models/mxfp4.py). Its config may list
+dequantized at load to the model's dtype (worker_service/layers/mxfp4.py). Its config may list
 modules_to_not_convert (the modules stored unquantized; the loader tells them apart by their
 tensor names). Any other method, an mxfp4 config on another architecture, or any other key is
 refused by name rather than loaded as if unquantized.

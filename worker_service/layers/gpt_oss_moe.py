@@ -11,7 +11,7 @@ Experts: each is a clamped SwiGLU MLP with biases,
 stacked in transformers' layout, gate and up interleaved by column:
     gate_up_proj [E, H, 2I] (gate = columns 0::2, up = 1::2), gate_up_proj_bias [E, 2I],
     down_proj [E, I, H], down_proj_bias [E, H],
-or, quantized (models/mxfp4.py), gate_up_proj_blocks/_scales and down_proj_blocks/_scales in
+or, quantized (layers/mxfp4.py), gate_up_proj_blocks/_scales and down_proj_blocks/_scales in
 place of the two weights, dequantized at load into the model's dtype. They load into
     w13_weight [E, 2 I_r, H] (this rank's gate rows, then its up rows), w13_bias [E, 2 I_r],
     w2_weight [E, H, I_r], w2_bias [E, H] (whole on every rank, added by rank 0 only),
@@ -33,7 +33,7 @@ from torch import nn
 
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
                                             new_param, read_all)
-from worker_service.models.mxfp4 import dequantize_experts
+from worker_service.layers.mxfp4 import dequantize_experts
 from worker_service.parallel_state import TPGroup
 
 MXFP4_PIECES = ("blocks", "scales")

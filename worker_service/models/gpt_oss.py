@@ -8,7 +8,7 @@ computes it: the Llama-family decoder (models/llama.py) with
     sliding_window (128 by default);
   - every MLP a sparse block (layers/gpt_oss_moe.py): a router with bias, a softmax over the
     top-k logits, clamped-SwiGLU experts with biases; MXFP4 experts (quantization_config
-    quant_method "mxfp4") dequantized at load (models/mxfp4.py).
+    quant_method "mxfp4") dequantized at load (layers/mxfp4.py).
 
 A config.json without rope_parameters/rope_scaling gets GptOssConfig's default rope (yarn,
 factor 32 over 4096 positions, theta 150000), as transformers reads it, rather than a plain rope.
@@ -85,6 +85,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """GPT-OSS: biased attention with sinks, alternating windows, every MLP sparse."""
 
     decoder_class = GptOssDecoderModel
+    attention_sinks = True         # the backend selector skips backends without them
 
     def __init__(self, hf_config: dict, *args, **kwargs) -> None:
         problem = quantization_problem(hf_config)

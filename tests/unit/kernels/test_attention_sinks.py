@@ -144,3 +144,32 @@ def test_invalid_sinks_are_refused():
         with pytest.raises(ValueError, match=r"sinks=.* is invalid: must be a tensor of shape "
                                              r"\[num_heads=4\]"):
             check_sinks(bad, 4)
+
+
+def test_auto_skips_flash_attn_for_a_model_with_sinks(monkeypatch):
+    """On CUDA `auto` would pick flash-attn; a layout with sinks goes to Triton instead, and
+    naming flash-attn for it is refused naming the ones that apply sinks."""
+    import importlib.util
+
+    from kernels.attention import flash_attn_backend, selector
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(selector.importlib.util, "find_spec",
+                        lambda name: object() if name in ("flash_attn", "triton")
+                        else real_find_spec(name))
+    monkeypatch.setattr(flash_attn_backend, "flash_attn_supports", lambda *args: True)
+    plain = selector.CacheLayout(256, 64, torch.bfloat16)
+    with_sinks = selector.CacheLayout(256, 64, torch.bfloat16, sinks=True)
+    assert selector.resolve_backend_name("auto", "cuda", plain) == "flash_attn"
+    assert selector.resolve_backend_name("auto", "cuda", with_sinks) == "triton"
+    with pytest.raises(ValueError, match="flash-attn cannot apply its attention sinks; pick "
+                                         "one that does: triton, cpu or torch"):
+        selector.get_attention_backend("flash_attn", "cuda", with_sinks)
+
+
+def test_the_runner_layout_of_gpt_oss_asks_for_sinks():
+    from worker_service.config import RunnerConfig
+    from worker_service.runner.model_runner import cache_layout
+    cfg = {"num_attention_heads": 4, "hidden_size": 64, "head_dim": 16}
+    config = RunnerConfig(model_dir="unused", dtype="float32")
+    assert cache_layout({**cfg, "architectures": ["GptOssForCausalLM"]}, config).sinks
+    assert not cache_layout({**cfg, "architectures": ["LlamaForCausalLM"]}, config).sinks
