@@ -33,12 +33,17 @@ F32_BYTES = 4
 
 
 def padded_bytes(num_reqs: int, max_query_len: int, max_seq_len: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int) -> int:
+                 num_kv_heads: int, head_dim: int, explicit: bool = False) -> int:
     """Scratch bytes of one padded group: float32 keys+values, queries+outputs, bool mask.
-    (SDPA's fused CPU/CUDA kernels never hold the [R, Hq, Q, L] scores at once.)"""
+    (SDPA's fused CPU/CUDA kernels never hold the [R, Hq, Q, L] scores at once.) explicit:
+    the math a softcap or sinks take, which also holds keys+values repeated to Hq heads and
+    the scores and probabilities [R, Hq, Q, L]."""
     kv = 2 * num_reqs * max_seq_len * num_kv_heads * head_dim
     q_out = 2 * num_reqs * max_query_len * num_heads * head_dim
-    return F32_BYTES * (kv + q_out) + num_reqs * max_query_len * max_seq_len
+    extra = 0
+    if explicit:
+        extra = 2 * num_reqs * num_heads * max_seq_len * (head_dim + max_query_len)
+    return F32_BYTES * (kv + q_out + extra) + num_reqs * max_query_len * max_seq_len
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -105,9 +110,9 @@ def _attend_explicit(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, s
 
 
 def _fits(num_reqs: int, max_query_len: int, width: int, query: torch.Tensor,
-          kv_cache: torch.Tensor, max_bytes: int) -> bool:
+          kv_cache: torch.Tensor, max_bytes: int, explicit: bool) -> bool:
     return padded_bytes(num_reqs, max_query_len, width, query.shape[1], kv_cache.shape[3],
-                        query.shape[2]) <= max_bytes
+                        query.shape[2], explicit) <= max_bytes
 
 
 def attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -120,7 +125,8 @@ def attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     group would need more than max_bytes.
     """
     num_reqs, width = seq_lens.shape[0], int(seq_lens.max())
-    if not _fits(num_reqs, 1, width, query, kv_cache, max_bytes):
+    explicit = bool(softcap) or sinks is not None
+    if not _fits(num_reqs, 1, width, query, kv_cache, max_bytes, explicit):
         return False
     device = query.device
     kv = gather_padded_kv(kv_cache, block_table[:num_reqs],
@@ -144,7 +150,8 @@ def attend_group(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     """
     qlens, lens = query_lens[req_ids], seq_lens[req_ids].long()
     max_q, width = int(qlens.max()), int(lens.max())
-    if not _fits(len(req_ids), max_q, width, query, kv_cache, max_bytes):
+    explicit = bool(softcap) or sinks is not None
+    if not _fits(len(req_ids), max_q, width, query, kv_cache, max_bytes, explicit):
         return False
     device = query.device
     q_idx = _clamped_index(qlens, max_q)                                 # [R, Q]

@@ -87,6 +87,10 @@ class GptOssExperts(nn.Module):
         self.w2_weight = new_param((num_experts, hidden_size, i_r), dtype,
                                    self._weight_loader, pieces)
         self.w2_bias = new_param((num_experts, hidden_size), dtype, default_weight_loader)
+        for param, name in ((self.w13_weight, "gate_up_proj"), (self.w2_weight, "down_proj")):
+            # a missing piece is reported by its checkpoint name
+            param.shard_name = lambda param_name, piece, name=name: (
+                f"{param_name.rsplit('.', 1)[0]}.{name}_{piece}")
         self._packed: dict[int, dict[str, torch.Tensor]] = {}   # MXFP4 pieces met so far
 
     # ---- loading ------------------------------------------------------------------------

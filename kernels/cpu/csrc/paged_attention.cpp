@@ -47,17 +47,6 @@ struct Item {
 };
 
 inline float to_float(float x) { return x; }
-
-// The factor a row's accumulator (sums relative to its running max m, total l) is scaled by to
-// become its output: 1 / l, or with a sink logit 1 / (l + e^(sink - m)), computed against
-// max(m, sink) so that neither exponential overflows.
-inline float normalizer(float m, float l, const float* sinks, int64_t head) {
-  if (sinks == nullptr) return 1.f / l;
-  const float sink = sinks[head];
-  const float top = std::max(m, sink);
-  const float keep = std::exp(m - top);
-  return keep / (l * keep + std::exp(sink - top));
-}
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 template <typename T>
@@ -371,7 +360,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   const float* sink_ptr = nullptr;
   if (sinks.has_value()) {
-    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                    sinks->dim() == 1 &&
                     sinks->size(0) == query.size(1) && sinks->is_contiguous(),
                 "sinks must be a contiguous float32 [Hq] tensor (one logit per query head)");
     sink_ptr = sinks->data_ptr<float>();

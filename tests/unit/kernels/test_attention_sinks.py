@@ -82,6 +82,23 @@ def test_torch_batched_matches_the_loop(batch, window):
                                reference(case, sinks, window), atol=1e-5, rtol=1e-5)
 
 
+def test_the_explicit_math_counts_its_scores_against_the_bound(monkeypatch):
+    """With sinks the batched path holds the [R, Hq, Q, L] scores and the repeated keys: its
+    bound counts them, so a group that fits SDPA's scratch only takes the loop."""
+    from kernels.attention.torch_batched import padded_bytes
+    sdpa, explicit = padded_bytes(1, 33, 70, 4, 2, 16), padded_bytes(1, 33, 70, 4, 2, 16, True)
+    assert explicit == sdpa + 4 * 2 * 1 * 4 * 70 * (16 + 33)
+    from kernels.attention import torch_ref
+    case = make_case(2, [70], [33], 4, 2, 16, 4, device="cpu")
+    looped, loop = [], torch_ref.attend_requests
+    monkeypatch.setattr(torch_ref, "attend_requests",
+                        lambda *args: looped.append(args[3]) or loop(*args))
+    backend = TorchAttentionBackend(max_padded_bytes=sdpa)      # between the two
+    got = run(backend, case, sinks_for(4, 2))
+    assert [list(ids) for ids in looped] == [[0]]               # the batched path declined
+    torch.testing.assert_close(got, reference(case, sinks_for(4, 2)), atol=1e-5, rtol=1e-5)
+
+
 def triton(**launch):
     return triton_backend.TritonAttentionBackend(launch=TritonLaunchConfig(**launch))
 
