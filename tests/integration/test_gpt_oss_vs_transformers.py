@@ -134,6 +134,21 @@ def test_mxfp4_without_its_scales_is_refused(mxfp4_pair, tmp_path):
         ours(path)
 
 
+def test_mxfp4_blocks_of_the_wrong_shape_are_refused(mxfp4_pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from worker_service.models.loader import WeightLoadError
+    path = shutil.copytree(mxfp4_pair[0], tmp_path / "short-blocks")
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    weights[name] = weights[name][:, :, :1].contiguous()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=r"experts\.gate_up_proj_blocks: checkpoint shape "
+                                              r"\(4, 128, 1, 16\) does not match the config's "
+                                              r"\(4, 128, 2, 16\)"):
+        ours(path)
+
+
 @pytest.mark.slow
 def test_tp2_matches_tp1_over_gloo(tiny_models, mxfp4_pair, tmp_path):
     assert_tp2_matches_tp1([tiny_models("gpt_oss"), mxfp4_pair[0]], tmp_path)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
-                                            new_param, read_all)
+                                            loaded_shape, new_param, read_all)
 from worker_service.layers.mxfp4 import dequantize_experts
 from worker_service.parallel_state import TPGroup
 
@@ -97,49 +97,62 @@ class GptOssExperts(nn.Module):
 
     def _weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """A whole weight (transformers' layout), or one MXFP4 piece of it: the weight is
-        dequantized once both its blocks and its scales have arrived."""
+        dequantized once both its blocks and its scales have arrived. gate_up is read only
+        over this rank's columns 2 s .. 2 (s + I_r) (its gate and up units, interleaved)."""
+        gate_up = param is self.w13_weight
+        name = "gate_up_proj" if gate_up else "down_proj"
         if shard_id is None:
-            self._load_full(param, read_all(loaded))
+            self._check(loaded, self._full_shape(gate_up), name)
+            self._load_part(param, loaded[:, :, self._cols()] if gate_up else read_all(loaded))
             return
         if shard_id not in MXFP4_PIECES:
             raise ValueError(f"shard_id={shard_id!r} is invalid: must be one of {MXFP4_PIECES}")
+        # the quantized W [E, rows, cols]: blocks [E, rows, cols / 32, 16], scales without the 16
+        rows, cols = ((2 * self.intermediate_size, self.hidden_size) if gate_up
+                      else (self.hidden_size, self.intermediate_size))
+        packed = (self.num_experts, rows, cols // 32) + ((16,) if shard_id == "blocks" else ())
+        self._check(loaded, packed, f"{name}_{shard_id}")
         pending = self._packed.setdefault(id(param), {})
-        pending[shard_id] = read_all(loaded)
+        pending[shard_id] = loaded[:, self._cols()] if gate_up else read_all(loaded)
         if len(pending) == len(MXFP4_PIECES):
             del self._packed[id(param)]
-            what = "gate_up_proj" if param is self.w13_weight else "down_proj"
-            self._load_full(param, dequantize_experts(pending["blocks"], pending["scales"],
-                                                      self.dtype, what))
+            self._load_part(param, dequantize_experts(pending["blocks"], pending["scales"],
+                                                      self.dtype, name))
 
-    def _load_full(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        """transformers' gate_up_proj [E, H, 2I] or down_proj [E, I, H] -> this rank's slice."""
+    def _full_shape(self, gate_up: bool) -> tuple[int, int, int]:
+        """transformers' gate_up_proj [E, H, 2I] or down_proj [E, I, H]."""
         e, h, inter = self.num_experts, self.hidden_size, self.intermediate_size
-        start, size = self.tp.rank * self.inter_per_rank, self.inter_per_rank
+        return (e, h, 2 * inter) if gate_up else (e, inter, h)
+
+    def _cols(self) -> slice:
+        """This rank's gate_up columns: its I_r gate and I_r up units, interleaved."""
+        start = self.tp.rank * self.inter_per_rank
+        return slice(2 * start, 2 * (start + self.inter_per_rank))
+
+    def _load_part(self, param: nn.Parameter, part: torch.Tensor) -> None:
+        """This rank's gate_up columns [E, H, 2 I_r] (interleaved) or the whole down_proj
+        [E, I, H] -> the stacked parameter."""
         if param is self.w13_weight:
-            self._check(full, (e, h, 2 * inter), "gate_up_proj")
-            rows = full.transpose(1, 2)                                   # [E, 2I, H]
-            copy_checked(param.data, torch.cat([rows[:, 0::2][:, start:start + size],
-                                                rows[:, 1::2][:, start:start + size]], 1),
+            rows = part.transpose(1, 2)                                   # [E, 2 I_r, H]
+            copy_checked(param.data, torch.cat([rows[:, 0::2], rows[:, 1::2]], 1),
                          "expert gate_up_proj")
             return
-        self._check(full, (e, inter, h), "down_proj")
-        copy_checked(param.data, full.transpose(1, 2)[:, :, start:start + size],
+        start, size = self.tp.rank * self.inter_per_rank, self.inter_per_rank
+        copy_checked(param.data, part.transpose(1, 2)[:, :, start:start + size],
                      "expert down_proj")
 
     def _gate_up_bias_loader(self, param: nn.Parameter, loaded: Any,
                              shard_id: Any = None) -> None:
         """gate_up_proj_bias [E, 2I] (interleaved) -> this rank's gate, then up entries."""
-        full = read_all(loaded)
-        self._check(full, (self.num_experts, 2 * self.intermediate_size), "gate_up_proj_bias")
-        start, size = self.tp.rank * self.inter_per_rank, self.inter_per_rank
-        copy_checked(param.data, torch.cat([full[:, 0::2][:, start:start + size],
-                                            full[:, 1::2][:, start:start + size]], 1),
+        self._check(loaded, (self.num_experts, 2 * self.intermediate_size), "gate_up_proj_bias")
+        part = loaded[:, self._cols()]
+        copy_checked(param.data, torch.cat([part[:, 0::2], part[:, 1::2]], 1),
                      "expert gate_up_proj_bias")
 
     @staticmethod
-    def _check(full: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
-        if tuple(full.shape) != shape:
-            raise ValueError(f"experts.{name}: checkpoint shape {tuple(full.shape)} does not "
+    def _check(loaded: Any, shape: tuple[int, ...], name: str) -> None:
+        if loaded_shape(loaded) != shape:
+            raise ValueError(f"experts.{name}: checkpoint shape {loaded_shape(loaded)} does not "
                              f"match the config's {shape}")
 
     # ---- forward ------------------------------------------------------------------------
