@@ -32,13 +32,12 @@ from deltaserve.llm_score import ScoreMixin
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
 from deltaserve.llm_lora import LoRAMixin, lora_updates
-from deltaserve.llm_inputs import (capped_to_model, check_constraints, check_for_runner,
-                                   conversations, lora_ids_per_prompt, per_prompt, prompt_ids)
-from scheduler_service.core.admission import RequestRejected, check_admission
+from deltaserve.llm_inputs import conversations
+from deltaserve.llm_requests import OfflineRequests, pooling_window
 from scheduler_service.engine.engine_core import EngineCore
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
-from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from worker_service.config import RunnerConfig
 from worker_service.device_info import resolve_device
@@ -150,40 +149,29 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
     def _generate(self, prompts, sampling, stopping, num_logprobs, constraint,
                   num_prompt_logprobs=None, lora_request=None,
                   pooling: int | list[int] = NO_POOLING) -> list[Completion]:
+        """Run the call's prompts to completion, in prompt order. Each prompt's request is
+        made as it is queued, while the waiting queue has room (max_waiting: a call with more
+        prompts than that failed with QueueFull, as vLLM's never does) and, for a pooling
+        call (embed, classify, score), while fewer than `pooling_window` are in the scheduler."""
         if self._failed is not None:
             raise RuntimeError("this LLM's model runner failed a step earlier and cannot run "
                                f"another ({self._failed}); build a new LLM") from None
         self._settle()
-        ids_list = prompt_ids(prompts, self.tokenizer)
-        n = len(ids_list)
-        samplings = per_prompt("sampling", sampling, n, SamplingParams, SamplingParams())
-        stoppings = per_prompt("stopping", stopping, n, StoppingParams, StoppingParams())
-        constraints = per_prompt("constraint", constraint, n, Constraint, None)
-        adapters = lora_ids_per_prompt(lora_request, n, self._lora.registry)
-        poolings = pooling if isinstance(pooling, list) else [pooling] * n
-        check_constraints(constraints)
-        check_for_runner(ids_list, samplings, stoppings, num_logprobs,
-                         self.model_info.vocab_size, num_prompt_logprobs)
-        stoppings = capped_to_model(ids_list, stoppings, self.model_info.max_model_len)
-        eos = self.model_info.eos_token_ids
-        requests = [Request(f"offline-{next(self._ids)}", ids, sp, st, eos,
-                            num_logprobs=num_logprobs, constraint=c,
-                            num_prompt_logprobs=num_prompt_logprobs, lora_id=lora[0],
-                            lora_generation=lora[1], pooling=code)
-                    for ids, sp, st, c, lora, code in zip(ids_list, samplings, stoppings,
-                                                          constraints, adapters, poolings)]
-        self._check_admission(requests)
-        results = {r.request_id: Completion(r.request_id, r.prompt_token_ids) for r in requests}
-        ids = list(results)
+        calls = OfflineRequests(self, prompts, sampling, stopping, num_logprobs, constraint,
+                                num_prompt_logprobs, lora_request, pooling)
+        calls.check_admission(self.scheduler)
+        # A finished request's tokens are its Completion's: not kept twice.
+        results = {rid: Completion(rid, ids) for rid, ids in zip(calls.request_ids,
+                                                                calls.prompt_ids)}
         order = []                        # queued so far
-        pending = collections.deque(requests)
-        del requests        # a finished request's tokens are its Completion's: not kept twice
+        pending = collections.deque(range(len(calls)))
+        sched = self.scheduler
+        limit = len(calls) if pooling == NO_POOLING else pooling_window(sched)
 
         def admit() -> None:
-            """Queue prompts while the waiting queue has room (max_waiting): a call with more
-            prompts than that failed with QueueFull, as vLLM's never does."""
-            while pending and len(self.scheduler.waiting) < self.scheduler.config.max_waiting:
-                request = pending.popleft()
+            while (pending and len(sched.waiting) < sched.config.max_waiting
+                   and len(sched.waiting) + len(sched.running) < limit):
+                request = calls.request(pending.popleft())
                 order.append(request.request_id)
                 self.engine.add_request(request)
 
@@ -206,7 +194,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
                 if self._failed is None:
                     self._drop_finished()
                 raise
-        return [results[rid] for rid in ids]
+        return [results[rid] for rid in calls.request_ids]
 
     def _build_engine(self) -> None:
         """A scheduler (empty prefix cache) and its engine over the runner."""
@@ -239,21 +227,6 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
             self._unsettled.wait_closed()
             self.runner.reset()
             self._unsettled = None
-
-    def _check_admission(self, requests: list[Request]) -> None:
-        """Each request as the scheduler will admit it, before any is queued: a refused prompt
-        fails the call before anything runs, named by its index (past max_waiting, the prompts
-        before it had run first, and the error named an internal request id)."""
-        config = self.scheduler.config
-        for i, request in enumerate(requests):
-            try:
-                check_admission(request, max_model_len=config.max_model_len,
-                                max_step_tokens=config.max_num_batched_tokens,
-                                block_size=config.block_size,
-                                num_blocks=self.scheduler.max_prompt_blocks, num_waiting=0,
-                                max_waiting=1, known=False)
-            except RequestRejected as e:
-                raise RequestRejected(f"prompts[{i}]", e.field, e.value, e.allowed) from None
 
     def _step(self) -> list:
         try:

@@ -20,8 +20,9 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 
 # max_position_embeddings of the transformers config class of each architecture we serve
 # (transformers 5.x: LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-# Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig, Olmo2Config,
-# GraniteConfig, GptOssConfig).
+# Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, GemmaConfig, Gemma2Config, Gemma3TextConfig,
+# Olmo2Config, GraniteConfig, SmolLM3Config, Starcoder2Config,
+# GptOssConfig).
 ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "LlamaForCausalLM": 2048,
     "MistralForCausalLM": 131072,          # 4096 * 32
@@ -31,10 +32,13 @@ ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "Qwen3ForCausalLM": 32768,
     "Qwen2MoeForCausalLM": 32768,
     "Qwen3MoeForCausalLM": 32768,
+    "GemmaForCausalLM": 8192,
     "Gemma2ForCausalLM": 8192,
     "Gemma3ForCausalLM": 131072,
     "Olmo2ForCausalLM": 2048,
     "GraniteForCausalLM": 2048,
+    "SmolLM3ForCausalLM": 32768,
+    "Starcoder2ForCausalLM": 4096,
     "GptOssForCausalLM": 131072,
     # encoders (BertConfig, RobertaConfig, XLMRobertaConfig); RoBERTa's 512 includes the
     # pad_token_id + 1 positions it never uses (model_dir.model_position_limit)

@@ -12,6 +12,7 @@ from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.max_len import MaxLenError, derived_max_len
 from engine_common.model_files.moe_config import moe_config_problem
 from engine_common.model_files.quant_config import quantization_problem
+from engine_common.model_files.rope_config import scaled_position_limit
 
 # The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
 # MIN_MODEL_LEN, repeated because this room imports nothing of ours (tests/test_layers.py).
@@ -89,11 +90,12 @@ _PADDED_POSITIONS = frozenset({"roberta", "xlm-roberta"})
 
 def model_position_limit(config: dict) -> int:
     """The longest sequence the model's rope covers: its length (max_len.py: the smallest length
-    key, absent ones at the architecture's transformers default, as vLLM), times the factor
-    of linear rope scaling, as vLLM derives it (a Vicuna-v1.5-16k config says 4096 with linear
-    factor 4: transformers' rope takes positions past 4096, and the model was tuned to 16384).
-    Llama 3 scaling's max_position_embeddings is already the extended one (vLLM agrees). The
-    rotary tables (worker_service/layers/rotary.py) are this long."""
+    key, absent ones at the architecture's transformers default, as vLLM), stretched by a
+    linear, dynamic or YaRN rope scaling factor as vLLM stretches it (rope_config.py): a
+    Vicuna-v1.5-16k config says 4096 with linear factor 4 and was tuned to 16384; a Qwen2.5
+    config with YaRN factor 4 over 32768 original positions serves 131072. Llama 3 and
+    LongRoPE configs already state the extended length (vLLM agrees). The rotary tables
+    (worker_service/layers/rotary.py) are this long."""
     try:
         native, _ = derived_max_len(config)
     except MaxLenError as e:
@@ -101,16 +103,12 @@ def model_position_limit(config: dict) -> int:
     if config.get("model_type") in _PADDED_POSITIONS:     # positions start at pad + 1 (vLLM)
         pad = config.get("pad_token_id")
         return native - (1 if pad is None else int(pad)) - 1
-    scaling = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     if "gemma3" in str(config.get("model_type", "")):
         return native      # its max_position_embeddings is already the scaled one (as vLLM)
-    if (scaling.get("rope_type") or scaling.get("type")) != "linear":
-        return native
-    factor = scaling.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
-        raise ModelDirError(f"config.json: linear rope scaling factor={factor!r} is invalid: "
-                            "must be a number >= 1")
-    return int(native * factor)
+    try:
+        return scaled_position_limit(native, config)
+    except ValueError as e:
+        raise ModelDirError(str(e)) from None
 
 
 def _check_model_len(max_model_len: int | None, native_len: int) -> None:
@@ -122,7 +120,7 @@ def _check_model_len(max_model_len: int | None, native_len: int) -> None:
     allowed = f"must be in [{MIN_MODEL_LEN}, {native_len}]"
     if max_model_len is not None and max_model_len > native_len:
         raise ModelDirError(f"max_model_len={max_model_len} exceeds the model's "
-                            f"max_position_embeddings ({native_len}, times a linear rope "
+                            f"max_position_embeddings ({native_len}, stretched by a rope "
                             f"scaling factor if any): {allowed}")
     if max_model_len is not None and max_model_len < MIN_MODEL_LEN:
         raise ModelDirError(f"max_model_len={max_model_len} is invalid: {allowed} (a prompt "

@@ -2,7 +2,9 @@
 sampler (C++ in csrc/elementwise.cpp; the same roundings as the torch reference in bf16):
 
     rms_norm(x, w, eps) / add_rms_norm(x, residual, w, eps)   residual updated in place
-    rope(positions, q, k, cos_cache, sin_cache)                q, k rotated in place
+    rope(positions, q, k, cos_cache, sin_cache)                q, k rotated in place (a
+                                                               position outside the caches,
+                                                               or not one per token: error)
     silu_and_mul(x)                                            [T, 2I] -> [T, I]
     greedy_sample(logits, logprobs=True) -> (ids, logprobs)    one pass per row (False: ids
                                                                alone, logprobs empty)

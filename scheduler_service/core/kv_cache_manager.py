@@ -279,6 +279,19 @@ class KVCacheManager:
         held = len(self._blocks.get(request.request_id, ()))
         return (held + free) * self.block_size - request.num_computed_tokens
 
+    def grow_fitting(self, request: Request, num_new_tokens: int) -> list[int]:
+        """grow_slots for at most num_fitting_tokens(request) tokens, which the free blocks
+        hold, so it never returns None; a caller past that broke the contract, and scheduling
+        the tokens anyway (a None read as "no new blocks") would send them without KV blocks
+        to write to: RuntimeError, nothing changed."""
+        new_ids = self.grow_slots(request, num_new_tokens)
+        if new_ids is None:
+            raise RuntimeError(
+                f"KV cache: {num_new_tokens} new tokens of {request.request_id} do not fit (at "
+                f"most num_fitting_tokens={self.num_fitting_tokens(request)}); the caller must "
+                "ask within it")
+        return new_ids
+
     def num_freed_by_window(self, request: Request, taken_back: Collection[int] = ()) -> int:
         """Blocks behind the request's window its next grow_slots returns to the free queue
         (0 without a window), but those whose id() is in `taken_back` (another's prefix hits)."""

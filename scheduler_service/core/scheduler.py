@@ -120,10 +120,6 @@ class Scheduler(SchedulerViews):
         self._requests[request.request_id] = request
         self.waiting.push(request)
 
-    def lora_ids_in_use(self) -> set[int]:
-        """The LoRA adapter ids of unfinished requests (an unloaded id is freed once unused)."""
-        return {r.lora_id for r in self._requests.values() if r.lora_id}
-
     def finish_requests(self, request_ids: str | Iterable[str],
                         status: RequestStatus) -> list[Request]:
         """Finish (abort, stop-string hit, ...) unfinished requests wherever they are; frees
@@ -262,8 +258,8 @@ class Scheduler(SchedulerViews):
             wanted = request.num_tokens + request.num_pending_tokens
             left = wanted - request.num_computed_tokens - request.awaiting_grammar
             n = min(left, cap, plan.budget, self.kv.num_fitting_tokens(request))
-            if n > 0:
-                new_ids = self.kv.grow_slots(request, n)
+            if n > 0:                    # fits by num_fitting_tokens: grow_fitting's contract
+                new_ids = self.kv.grow_fitting(request, n)
             elif plan.work or plan.budget <= 0 or left <= 0:
                 plan.counts[request.handle] = 0       # idle: the others free blocks in time
                 continue
@@ -385,14 +381,3 @@ class Scheduler(SchedulerViews):
             return self.spec.apply(sched_out.step, scheduled, runner_out, self._finish,
                                    self.max_len)
         return apply_sampled_tokens(scheduled, runner_out, self._finish, self.max_len)
-
-    def scheduled_tokens(self, step: int) -> dict[int, int]:
-        """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""
-        work, counts = self._in_flight.get(step, ({}, {}))
-        return {h: counts.get(h, 1) for h in work}
-
-    def scheduled_size(self, step: int) -> tuple[int, int]:
-        """(requests, tokens) of scheduled_tokens(step), without a dict per request: the
-        counts name every computing request whose count is not 1, and the idle ones (0)."""
-        work, counts = self._in_flight.get(step, ({}, {}))
-        return len(work), len(work) + sum(n - 1 for n in counts.values() if n)

@@ -1,5 +1,5 @@
-"""What the scheduler's owners read of it between steps (counts, KV usage), apart from
-the scheduling itself (scheduler.py)."""
+"""What the scheduler's owners read of it between steps (counts, KV usage, the steps in
+flight, the adapters in use), apart from the scheduling itself (scheduler.py)."""
 from __future__ import annotations
 
 
@@ -36,3 +36,18 @@ class SchedulerViews:
     @property
     def num_total_blocks(self) -> int:
         return self.kv.num_total_blocks
+
+    def lora_ids_in_use(self) -> set[int]:
+        """The LoRA adapter ids of unfinished requests (an unloaded id is freed once unused)."""
+        return {r.lora_id for r in self._requests.values() if r.lora_id}
+
+    def scheduled_tokens(self, step: int) -> dict[int, int]:
+        """handle -> tokens of a step whose output is still expected (handles with 0 left out)."""
+        work, counts = self._in_flight.get(step, ({}, {}))
+        return {h: counts.get(h, 1) for h in work}
+
+    def scheduled_size(self, step: int) -> tuple[int, int]:
+        """(requests, tokens) of scheduled_tokens(step), without a dict per request: the
+        counts name every computing request whose count is not 1, and the idle ones (0)."""
+        work, counts = self._in_flight.get(step, ({}, {}))
+        return len(work), len(work) + sum(n - 1 for n in counts.values() if n)

@@ -3,7 +3,7 @@
 The gRPC handlers live on an asyncio loop; scheduling and the blocking Step round trip live on one
 engine thread, which deals in token ids only. Handlers send commands (add, abort, call: a
 function run between steps) through a queue; the thread hands each loop turn's TokenUpdates to
-the loop in ONE `call_soon_threadsafe` (per event loop with streams), not one per stream. The
+the loop in ONE `call_soon_threadsafe` (per event loop with streams: stream_routes.py). The
 loop's StreamHub does the text work (detokenization, stop strings) and sends back, in one
 `finish` command, the requests a stop string ended: the engine finishes them (frees their
 blocks) at its next turn. A token the engine computed for such a request meanwhile never reaches
@@ -42,8 +42,8 @@ from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
 from scheduler_service.engine.prefix_flushes import PendingFlushes
 from scheduler_service.engine.stream_hub import StreamError, StreamHub, coalesce
+from scheduler_service.engine.stream_routes import StreamRoutes
 from scheduler_service.engine.serving_counters import ServingCounters
-from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.errors import EngineUnavailable, Fenced, WorkerRefused
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         # Engine thread only: the hub of every request in the core, and this turn's hand-offs.
-        self._routes: dict[str, StreamHub] = {}
-        self._outbox: dict[StreamHub, list] = {}
+        self._routes = StreamRoutes()
         self._hubs: dict[asyncio.AbstractEventLoop, StreamHub] = {}
         self._hubs_lock = threading.Lock()
         self.counters = ServingCounters()
@@ -197,17 +196,17 @@ class AsyncEngine:
         while not self._stop.is_set():
             if self.fenced is not None:
                 self._drain_commands(block_seconds=self._reconnect_seconds)
-                self._hand_off()
+                self._routes.hand_off()
                 self._serve_flushes()
                 continue
             if self._core is None and not self._connect():
                 self._drain_commands(block_seconds=self._retry_seconds)
-                self._hand_off()
+                self._routes.hand_off()
                 self._serve_flushes()
                 continue
             busy = self._core.has_work()     # finished ids to send count (engine_core.py)
             self._drain_commands(block_seconds=None if busy else _IDLE_WAIT_SECONDS)
-            self._hand_off()       # aborts and rejections need not wait for the step
+            self._routes.hand_off()       # aborts and rejections need not wait for the step
             try:
                 if self._core is not None and self._core.has_work():
                     self._step()
@@ -221,11 +220,11 @@ class AsyncEngine:
                 self.metrics.observe_failure(e)
                 self._fail_all(e)
             self._publish_stats()
-            self._hand_off()
+            self._routes.hand_off()
             self._serve_flushes()
             self._end_turn()
         self._fail_all(EngineUnavailable("the server is shutting down"))
-        self._hand_off()
+        self._routes.hand_off()
         self._serve_flushes()
 
     def _end_turn(self) -> None:
@@ -266,7 +265,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         core = self._core
-        self._route(core.step())
+        self._routes.route(core.step())
         spec = core.scheduler.spec
         self.metrics.observe_step(core.last_step, core.scheduler.kv.stats,
                                   None if spec is None else spec.stats)
@@ -299,9 +298,9 @@ class AsyncEngine:
             _, request_ids, done = cmd
             ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._routes]
             if self._core is not None and ids:
-                self._route(self._core.abort(ids))
+                self._routes.route(self._core.abort(ids))
             for rid in ids:  # aborted before any final update was produced
-                self._routes.pop(rid, None)
+                self._routes.close(rid)
             done.set_result(len(ids))
         elif kind == "flush":
             _, timeout_s, done = cmd
@@ -310,7 +309,7 @@ class AsyncEngine:
             self._call(cmd[1], cmd[2])
         elif kind == "finish":   # the serving side ended these (stop string, failed output)
             _, request_ids, status = cmd
-            ids = [rid for rid in request_ids if self._routes.pop(rid, None) is not None]
+            ids = [rid for rid in request_ids if self._routes.close(rid)]
             if self._core is not None and ids:
                 self._core.scheduler.finish_requests(ids, status)
 
@@ -320,7 +319,7 @@ class AsyncEngine:
             return
         core = self._core
         try:
-            done.set_result(fn(core, lambda: self._route(core.drain_in_flight())))
+            done.set_result(fn(core, lambda: self._routes.route(core.drain_in_flight())))
         except EngineUnavailable as e:
             done.set_exception(e)
             self.metrics.observe_failure(e)
@@ -331,37 +330,15 @@ class AsyncEngine:
     def _add(self, request: Request, hub: StreamHub) -> None:
         rid = request.request_id
         if self._core is None:
-            self._post(hub, StreamError(rid, EngineUnavailable(
+            self._routes.post(hub, StreamError(rid, EngineUnavailable(
                 f"no worker is ready: {self.last_error}")))
             return
         try:
             self._core.add_request(request)
         except ValueError as e:  # rejected: the API layer maps the subclass to a status
-            self._post(hub, StreamError(rid, e))
+            self._routes.post(hub, StreamError(rid, e))
             return
-        self._routes[rid] = hub
-
-    def _route(self, updates: list[TokenUpdate]) -> None:
-        """File each update with its request's hub; a final update ends the route."""
-        for update in updates:
-            hub = self._routes.get(update.request_id)
-            if hub is None:
-                continue
-            self._post(hub, update)
-            if update.finished:
-                del self._routes[update.request_id]
-
-    def _post(self, hub: StreamHub, item: TokenUpdate | StreamError) -> None:
-        self._outbox.setdefault(hub, []).append(item)
-
-    def _hand_off(self) -> None:
-        """One call_soon_threadsafe per hub with anything to deliver."""
-        outbox, self._outbox = self._outbox, {}
-        for hub, items in outbox.items():
-            try:
-                hub.loop.call_soon_threadsafe(hub.deliver, items)
-            except RuntimeError:   # the loop is closed: nobody is listening any more
-                pass
+        self._routes.open(rid, hub)
 
     def _serve_flushes(self) -> None:
         self._flushes.serve(self._core, self._clock, self.last_error)
@@ -383,9 +360,7 @@ class AsyncEngine:
             self._stop_fenced(error)
         if self._routes:
             log.error("failing %d open streams: %s", len(self._routes), error)
-        for rid, hub in self._routes.items():
-            self._post(hub, StreamError(rid, error))
-        self._routes.clear()
+        self._routes.fail_all(error)
         self._drain_commands(block_seconds=None)   # answer queued adds and aborts at once
 
     def _publish_stats(self) -> None:

@@ -40,7 +40,7 @@ def target(request, tiny_models, tmp_path_factory):
                                 "--metrics-listen", f"127.0.0.1:{m_port}", *mode)
         target = f"127.0.0.1:{s_port}"
         wait_ready(target, [worker, sched])
-        yield target, m_port
+        yield target, m_port, request.param
     finally:
         procs.close()
 
@@ -53,7 +53,7 @@ def _one(target: str, i: int) -> list[int]:
 
 
 def test_streams_equal_the_engine_without_speculation(target, tiny_models):
-    target, metrics_port = target
+    target, metrics_port, mode = target
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda i: _one(target, i), range(len(PROMPTS))))
     llm = LLM(tiny_models("qwen3"), dtype="float32", num_kv_blocks=128)
@@ -67,6 +67,10 @@ def test_streams_equal_the_engine_without_speculation(target, tiny_models):
     assert m.total("deltaserve:spec_decode_num_drafts_total") > 0 and drafts > 0
     assert 0 < accepted <= drafts
     assert m.total("deltaserve:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    # Only async scheduling drafts over a step in flight, so only it can drop drafts.
+    assert "deltaserve:spec_decode_num_dropped_drafts_total" in m.names
+    if mode == "sync":
+        assert m.total("deltaserve:spec_decode_num_dropped_drafts_total") == 0
 
 
 @pytest.mark.parametrize("flags, key", [

@@ -141,6 +141,28 @@ def test_partial_rotary_through_the_triton_rope_that_writes_the_cache(tiny_model
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("arch,overrides", [
+    ("smollm3", {"num_hidden_layers": 2}),   # layer 1 NoPE: the backend writes its cache
+    ("gemma", {}), ("starcoder2", {}),
+    ("qwen3", {"max_position_embeddings": 256,           # YaRN: cos/sin x attention factor
+               "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 64}}),
+], ids=["smollm3", "gemma", "starcoder2", "qwen3-yarn"])
+def test_newer_models_through_the_triton_rope_that_writes_the_cache(tiny_models, arch,
+                                                                     overrides):
+    """Each rope layer's fused rope writes its KV cache; SmolLM3's NoPE layers have no rope
+    to fuse, so the Triton backend writes theirs: same logits as torch."""
+    model_dir = tiny_models(arch, **overrides)
+    plain, fused = _load(model_dir, False, "triton"), _load(model_dir, True, "triton")
+    has_rope = [m.self_attn.rotary_emb.kernel != "none" for m in fused.model.layers]
+    assert [m.self_attn.kv_in_rope for m in fused.model.layers] == has_rope
+    assert any(has_rope) and (all(has_rope) or arch == "smollm3")
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 5)]
+    for step, (want, got) in enumerate(zip(_run_steps(plain, seqs), _run_steps(fused, seqs))):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+
+
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_llm_with_fused_ops_generates_the_same_tokens(tiny_models, backend):
     from deltaserve.llm import LLM

@@ -145,5 +145,7 @@ def test_rope_settings_read_both_config_layouts():
                                "original_max_position_embeddings": 256}}
     assert RopeSettings.from_hf_config(legacy) == RopeSettings.from_hf_config(new)
     assert RopeSettings.from_hf_config({}).rope_type == "default"
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        RopeSettings.from_hf_config({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_type='proportional' is not supported: must be "
+                                         "one of .*'yarn', 'dynamic'"):
+        RopeSettings.from_hf_config({"rope_parameters": {"rope_type": "proportional",
+                                                         "factor": 4.0}})

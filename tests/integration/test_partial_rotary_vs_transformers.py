@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from deltaserve.llm import LLM
-from kernels.cpu import extension
+from tests.support.cpu_rope_spy import count_cpu_ropes
 from tests.support.engine_checks import _check, _prompts
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
-from worker_service.layers.rotary import RopeSettings, RotaryEmbedding
+from worker_service.layers.rotary import RopeSettings
 
 PARTIAL = {"partial_rotary_factor": 0.75, "sliding_window": None}
 LONGROPE = {**PARTIAL, "max_position_embeddings": 64, "original_max_position_embeddings": 16,
@@ -33,7 +33,7 @@ def test_prefill_logits_match_transformers(tiny_models, overrides):
     ours = load(path)
     rope = ours.model.layers[0].self_attn.rotary_emb
     assert (rope.head_dim, rope.rotary_dim, rope.cos_cache.shape[-1]) == (16, 12, 12)
-    spy = _count_cpu_ropes(rope)
+    spy = count_cpu_ropes(rope)
     ids = torch.arange(15) * 37 % 500 + 3          # within LongRoPE's 16 original positions
     with torch.no_grad():
         expected = hf_model(path)(ids[None]).logits[0].float()
@@ -45,33 +45,11 @@ def test_greedy_matches_transformers_chunked_and_prefix_hits(tiny_models):
     model = tiny_models("phi3", **PARTIAL)
     llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
               max_num_seqs=8)
-    spy = _count_cpu_ropes(llm.runner.model.model.layers[0].self_attn.rotary_emb)
+    spy = count_cpu_ropes(llm.runner.model.model.layers[0].self_attn.rotary_emb)
     _check(llm, model, _prompts(llm.model_info.vocab_size), "phi4mini/chunked")
     _check(llm, model, _prompts(llm.model_info.vocab_size), "phi4mini/prefix-hits")
     assert llm.scheduler.kv.stats.hits > 0
     assert spy is None or spy.calls > 0, "the engine's steps ran the C++ rope"
-
-
-class _CountingOps:
-    """Passes rope calls on to the real kernels/cpu ops, counting them."""
-
-    def __init__(self, ops) -> None:
-        self.ops, self.calls = ops, 0
-
-    def rope(self, *args) -> None:
-        self.calls += 1
-        self.ops.rope(*args)
-
-
-def _count_cpu_ropes(rope: RotaryEmbedding) -> _CountingOps | None:
-    """A counter of the C++ rope's calls on this module, or None when the library is not built
-    (the torch rope then runs, and the comparison with transformers still holds)."""
-    if not extension.load():
-        assert rope.kernel == "torch"
-        return None
-    assert rope.kernel == "cpu", "a partial-rotary model on the CPU takes the C++ rope"
-    rope._cpu = _CountingOps(rope._cpu)
-    return rope._cpu
 
 
 @pytest.mark.parametrize("factor", [0, 1.5, "0.5", True])

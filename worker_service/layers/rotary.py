@@ -1,7 +1,8 @@
 """Rotary position embedding (the "rotate half" layout Llama/Qwen checkpoints use).
 
-Supported rope types: "default", "linear", "llama3" and "longrope" (layers/longrope.py). The
-settings are read from either config layout:
+Supported rope types: "default", "linear", "llama3", "longrope" (layers/longrope.py), "yarn"
+(layers/yarn_rope.py) and "dynamic" (dynamic NTK, layers/dynamic_rope.py). The settings are read
+from either config layout:
   - transformers >= 5: `rope_parameters = {"rope_type": ..., "rope_theta": ..., "factor": ...}`
   - older configs:     `rope_theta` plus `rope_scaling = {"type" or "rope_type": ..., ...}`
 """
@@ -14,10 +15,14 @@ import torch
 from torch import nn
 
 from engine_common.model_files.model_dir import model_position_limit
+from engine_common.model_files.rope_config import (declared_max_positions, scaling_factor,
+                                                   yarn_original_length)
 from kernels.cpu.fused import ops_for
+from worker_service.layers.dynamic_rope import dynamic_ntk_cos_sin
 from worker_service.layers.longrope import longrope_cos_sin
+from worker_service.layers.yarn_rope import yarn_inv_freq
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -44,11 +49,7 @@ class RopeSettings:
         if partial is None:
             partial = hf_config.get("partial_rotary_factor")
         partial = _partial_factor(1.0 if partial is None else partial)
-        if rope_type == "longrope":       # its factor and cut-off come from the config's lengths
-            longest = int(hf_config.get("max_position_embeddings") or 0)
-            merged.setdefault("original_max_position_embeddings",
-                              hf_config.get("original_max_position_embeddings") or longest)
-            merged["max_position_embeddings"] = longest
+        merged.update(_scaling_lengths(rope_type, hf_config, merged))
         return cls(rope_type=rope_type, theta=float(theta), scaling=merged,
                    partial_rotary_factor=partial)
 
@@ -60,6 +61,24 @@ class RopeSettings:
                              f"for head_dim={head_dim}: int(head_dim * factor) = {dim} must be "
                              "an even number >= 2")
         return dim
+
+
+def _scaling_lengths(rope_type: str, hf_config: dict, scaling: dict) -> dict:
+    """The lengths a rope type's tables are built from (engine_common's rope_config reads them
+    for max_model_len too), and a bad factor refused naming it."""
+    if rope_type == "longrope":       # its factor and cut-off come from the config's lengths
+        longest = int(hf_config.get("max_position_embeddings") or 0)
+        original = scaling.get("original_max_position_embeddings",
+                               hf_config.get("original_max_position_embeddings") or longest)
+        return {"max_position_embeddings": longest, "original_max_position_embeddings": original}
+    if rope_type == "yarn":
+        scaling_factor({**scaling, "rope_type": rope_type}, required=False)
+        return {"max_position_embeddings": declared_max_positions(hf_config),
+                "original_max_position_embeddings": yarn_original_length(hf_config, scaling)}
+    if rope_type == "dynamic":
+        scaling_factor({**scaling, "rope_type": rope_type})
+        return {"max_position_embeddings": declared_max_positions(hf_config)}
+    return {}
 
 
 def _partial_factor(value) -> float:
@@ -102,6 +121,28 @@ def compute_inv_freq(rotary_dim: int, settings: RopeSettings) -> torch.Tensor:
     return inv_freq
 
 
+def rope_cos_sin(rotary_dim: int, max_position: int,
+                 settings: RopeSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin caches [max_position, rotary_dim], float32, each row [f, f], times the rope
+    type's attention factor (YaRN, LongRoPE; 1 for the others)."""
+    theta, scaling = settings.theta, settings.scaling
+    if settings.rope_type == "longrope":    # per-position factors and a scale: its module
+        return longrope_cos_sin(rotary_dim, max_position, theta, scaling)
+    if settings.rope_type == "dynamic":     # per-position bases past max_position_embeddings
+        return dynamic_ntk_cos_sin(rotary_dim, max_position, theta, scaling)
+    attention = 1.0
+    if settings.rope_type == "yarn":
+        inv_freq, attention = yarn_inv_freq(rotary_dim, theta, scaling)
+    else:
+        inv_freq = compute_inv_freq(rotary_dim, settings)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq.to(positions.device))
+    angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, rotary_dim]
+    if attention == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention, angles.sin() * attention
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [-x2, x1] over the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -139,15 +180,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = settings.rotary_dim(head_dim)
         self.fused = fused
         self._fused_kernel = _load_fused_kernel() if self.fused else None
-        if settings.rope_type == "longrope":    # per-position factors and a scale: its module
-            cos, sin = longrope_cos_sin(self.rotary_dim, max_position, settings.theta,
-                                        settings.scaling)
-        else:
-            inv_freq = compute_inv_freq(self.rotary_dim, settings)
-            positions = torch.arange(max_position, dtype=torch.float32)
-            freqs = torch.outer(positions, inv_freq.to(positions.device))
-            angles = torch.cat((freqs, freqs), dim=-1)          # [max_position, rotary_dim]
-            cos, sin = angles.cos(), angles.sin()
+        cos, sin = rope_cos_sin(self.rotary_dim, max_position, settings)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
 
@@ -191,6 +224,27 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]   # [T, 1, rotary_dim]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+class NoRope(nn.Module):
+    """The rope of a layer without position embedding (NoPE: SmolLM3's every 4th layer): q and
+    k pass through, after their per-head norms if any. Never fused, so no attention asks it to
+    write the KV cache (the backend writes it)."""
+
+    fused = False
+    kernel = "none"
+
+    def use_cpu_kernels(self) -> bool:
+        return False
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                kv_write=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_write is not None:
+            raise ValueError("kv_write needs the fused rope; a NoPE layer has none")
+        if q_norm is not None:
+            return q_norm(query), k_norm(key)
+        return query, key
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,7 @@ class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
     # what Gemma 2 (models/gemma2.py) swaps: its config reading and its attention
     options_class = Gemma3Options
     attention_class = Gemma3Attention
+    tie_by_default = True              # Gemma2Config's and Gemma3TextConfig's
 
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
@@ -200,7 +201,8 @@ class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
         hf_config = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
         args = DecoderArgs.from_hf(hf_config, None, None, False, fused_ops)
         args = replace(args, layer_windows=opts.layer_windows,
-                       tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+                       tie_word_embeddings=bool(hf_config.get("tie_word_embeddings",
+                                                              self.tie_by_default)))
         self.args, self.options = args, opts
         self.dtype = dtype
         self.fused_ops = fused_ops

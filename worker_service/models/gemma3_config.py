@@ -28,6 +28,7 @@ DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_PATTERN = 6
 DEFAULT_HEAD_DIM = 256          # Gemma2Config's and Gemma3TextConfig's
 ACTIVATION = "gelu_pytorch_tanh"
+LENGTH_KEYS = ("architectures", "max_position_embeddings", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -116,5 +117,7 @@ def rope_settings(cfg: dict) -> dict[str, RopeSettings]:
     params[FULL].setdefault("rope_theta", cfg.get("rope_theta") or DEFAULT_THETA[FULL])
     params[SLIDING].setdefault("rope_theta",
                                cfg.get("rope_local_base_freq") or DEFAULT_THETA[SLIDING])
-    return {t: RopeSettings.from_hf_config({"rope_parameters": params[t]})
+    # the lengths a scaled rope reads (rope_config.py) come along
+    lengths = {k: cfg[k] for k in LENGTH_KEYS if k in cfg}
+    return {t: RopeSettings.from_hf_config({**lengths, "rope_parameters": params[t]})
             for t in LAYER_TYPES}

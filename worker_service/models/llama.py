@@ -204,10 +204,16 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp, dtype)
         rotary_emb = get_rope(args.head_dim, hf_config, args.fused_ops)
         self.layers = nn.ModuleList(
-            self.layer_class(args, rotary_emb, tp, backend, dtype, make_mlp and make_mlp(i),
-                             args.window(i))
+            self.layer_class(args, self.layer_rope(i, rotary_emb, hf_config), tp, backend,
+                             dtype, make_mlp and make_mlp(i), args.window(i))
             for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.fused_ops)
+
+    def layer_rope(self, layer: int, rotary_emb: RotaryEmbedding,
+                   hf_config: dict) -> nn.Module:
+        """Layer `layer`'s rope: the model's one table (models/smollm3.py's NoPE layers have
+        none)."""
+        return rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -234,6 +240,11 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     qk_norm: bool = False
+    # weight matrices of a dense MLP (gate, up, down) and whether an absent
+    # tie_word_embeddings ties the head (the transformers config class's default): read by the
+    # model and by runner/memory_fit.py's estimate alike
+    mlp_matrices: int = 3
+    tie_by_default: bool = False
     # the decoder and head classes a subclass may swap (models/granite.py)
     decoder_class = DecoderModel
     lm_head_class = ParallelLMHead
@@ -265,8 +276,8 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
         """The decoder's shape and options from config.json (a subclass may add its own)."""
-        return DecoderArgs.from_hf(hf_config, self.qkv_bias, self.o_bias, self.qk_norm,
-                                   fused_ops)
+        return DecoderArgs.from_hf({"tie_word_embeddings": self.tie_by_default, **hf_config},
+                                   self.qkv_bias, self.o_bias, self.qk_norm, fused_ops)
 
     # The window transformers' config class gives a config.json without the key (null: none):
     # 4096 for Mistral, Qwen2/Qwen3 and their MoE configs; LlamaConfig has no such field.

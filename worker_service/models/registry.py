@@ -14,6 +14,7 @@ from worker_service.models.classifiers import (BertForSequenceClassification,
                                                Qwen2ForSequenceClassification,
                                                Qwen3ForSequenceClassification,
                                                RobertaForSequenceClassification)
+from worker_service.models.gemma import GemmaForCausalLM
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
 from worker_service.models.gpt_oss import GptOssForCausalLM
@@ -24,6 +25,8 @@ from worker_service.models.mixtral import MixtralForCausalLM
 from worker_service.models.olmo2 import Olmo2ForCausalLM
 from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from worker_service.models.smollm3 import SmolLM3ForCausalLM
+from worker_service.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY = MappingProxyType({
     # encoder embedding models (--runner pooling only): engine_common's ENCODER_ARCHITECTURES
@@ -41,6 +44,7 @@ MODEL_REGISTRY = MappingProxyType({
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -54,6 +58,8 @@ MODEL_REGISTRY = MappingProxyType({
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
 })
 
 

@@ -19,7 +19,8 @@ import transformers as tf
 from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
-         "mixtral", "phi3", "olmo2", "granite", "gpt_oss")
+         "mixtral", "phi3", "olmo2", "granite", "smollm3", "gemma",
+         "starcoder2", "gpt_oss")
 INITIALIZER_RANGE = 0.3
 
 
@@ -63,6 +64,13 @@ def _arch_config(arch: str):
     # Granite: every multiplier away from 1, attention scale 1/8 (not 1/sqrt(16))
     granite = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.125, "logits_scaling": 2.5, "tie_word_embeddings": True}
+    # SmolLM3: 4 layers, every 2nd NoPE (layers 1 and 3), tied head (its config's default)
+    smollm3 = {"num_hidden_layers": 4, "no_rope_layer_interval": 2}
+    # Gemma (1): its GeGLU, (1 + w) norms and scaled embedding; q/k/v/o biases on
+    gemma = {"attention_bias": True, "tie_word_embeddings": True}
+    # StarCoder2: LayerNorms, a plain gelu MLP, biases everywhere (use_bias), tied head; no
+    # window unless a test sets sliding_window
+    starcoder2 = {"norm_epsilon": 1e-5, "tie_word_embeddings": True}
     # GPT-OSS: 3 layers (sliding window 8, full, sliding), 2 of 4 experts of width 48, a plain
     # rope (GptOssConfig's default is yarn), a SwiGLU limit low enough that the clamps bite
     gpt_oss = {"num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -71,6 +79,9 @@ def _arch_config(arch: str):
                "tie_word_embeddings": False}
     table = {
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, gpt_oss),
+        "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, starcoder2),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, smollm3),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, olmo2),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, granite),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, phi3),

@@ -4,11 +4,12 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
 2^62 failed with "Cannot allocate memory" after the epoch and owner had changed).
 
     weights   per rank: the embedding (and an untied LM head), then per layer the attention
-              projections q, k, v, o, the gated MLP's three matrices and two norms, in the
-              weights' dtype, divided by tp_size (a lower bound: layers not split, buffers and
-              the loader's transient copies come on top); on the CPU also the routed
-              experts' panel-packed copies (kernels/cpu/moe_experts.py: a second copy of every
-              expert, most of an MoE model's bytes), sized as the packing pads them
+              projections q, k, v, o, the MLP's matrices (three gated, StarCoder2's two) and
+              two norms, in the weights' dtype, divided by tp_size (a lower bound: layers not
+              split, buffers and the loader's transient copies come on top); on the CPU also
+              the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
+              copy of every expert, most of an MoE model's bytes), sized as the packing pads
+              them
     KV cache  per rank: num_kv_blocks x the block's bytes when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
               loading, so only the weights are checked
@@ -30,13 +31,17 @@ from kernels.cpu.moe_experts import packed_bytes
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import resolve_dtype
+from worker_service.models.registry import MODEL_REGISTRY
 
 GIB = 1 << 30
 MIB = 1 << 20
 
 
 def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1) -> int:
-    """A lower bound on one rank's weight bytes for a Llama/Qwen-shaped config."""
+    """A lower bound on one rank's weight bytes for a Llama/Qwen-shaped config (the
+    architecture's class says how many matrices its dense MLP has and whether an absent
+    tie_word_embeddings ties the head)."""
+    model_class = MODEL_REGISTRY.get((hf_config.get("architectures") or [None])[0])
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
@@ -45,9 +50,10 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
     vocab = int(hf_config["vocab_size"])
     layers = int(hf_config["num_hidden_layers"])
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    dense_mlp = 3 * hidden * inter
+    dense_mlp = getattr(model_class, "mlp_matrices", 3) * hidden * inter
     mlps = sum(_moe_mlp_elements(hf_config, i) or dense_mlp for i in range(layers))
-    heads_out = 1 if hf_config.get("tie_word_embeddings") else 2
+    tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
+    heads_out = 1 if tied else 2
     elements = layers * (attention + 2 * hidden) + mlps + heads_out * vocab * hidden + hidden
     return elements * element_bytes // tp_size
 

@@ -7,8 +7,8 @@ the epoch and the owner as they were).
     --model-root DIR      the model directory must resolve (symlinks followed) to a path under DIR,
                           and so must every --lora-modules directory and each file of it a rank
                           opens (a symlink inside it to /etc/... is refused too)
-    max_model_len         in [2, the model's max_position_embeddings (times a linear rope
-                          scaling factor: model_dir.model_position_limit)]: the field's rule
+    max_model_len         in [2, the model's max_position_embeddings (stretched by a linear,
+                          dynamic or YaRN factor: model_dir.model_position_limit)]: the field's rule
                           (a prompt token and an output token; RunnerConfig, before these
                           checks) and ModelInfo.from_dir (no override past the model's: its
                           rotary tables end there); `deltaserve serve` and the scheduler
@@ -17,6 +17,8 @@ the epoch and the owner as they were).
     --max-message-mib     the largest step diff the settings allow must fit in one Worker message
     memory                runner/memory_fit.py: the weights and KV cache, estimated, must fit the
                           machine (DoesNotFit: FAILED_PRECONDITION)
+    layout                node_rank, num_nodes and num_local_ranks as the worker was started
+                          (`check_layout`, first of all)
 """
 from __future__ import annotations
 
@@ -59,6 +61,17 @@ def check_init(config: RunnerConfig, guards: InitGuards, layout: NodeLayout) -> 
             f"{info.max_model_len}: a step diff may take {largest / MIB:.0f} MiB, more than this "
             f"worker's --max-message-mib {guards.max_message_bytes // MIB}")
     check_memory_fits(config, info, layout.tp_size, layout.num_local_ranks)
+
+
+def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
+    """Init's layout must match the flags the worker was started with (ValueError naming both)."""
+    for name, flag in (("node_rank", "--node-rank"), ("num_nodes", "--nodes"),
+                       ("num_local_ranks", "--local-ranks")):
+        want, got = getattr(started, name), getattr(requested, name)
+        if want != got:
+            raise ValueError(f"layout.{name}={got} is invalid: this worker was started with "
+                             f"{flag} {want} (check the order and number of the scheduler's "
+                             "--workers)")
 
 
 def check_path_shape(model_dir: str) -> None:

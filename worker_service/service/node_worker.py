@@ -27,7 +27,6 @@ RankGroup of rank processes (tp_size > 1). The rules enforced here:
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -40,32 +39,12 @@ from worker_service.device_info import DeviceDescription
 from worker_service.failures import FailureKind, StepFailure, as_failure
 from worker_service.ranks.rank_api import InitOutcome, ModelSummary, Ranks, StepReply
 from worker_service.service.fencing import Fence, check_owner
-from worker_service.service.init_checks import InitGuards, check_init
+from worker_service.service.init_checks import InitGuards, check_init, check_layout
 from worker_service.service.orphan_watch import ORPHAN_GRACE_S, Key, OrphanWatch
+from worker_service.service.step_digest import check_digest
 from worker_service.service.stream_keys import StreamKeys
 
 log = logging.getLogger(__name__)
-
-
-def payload_digest(payload: bytes) -> bytes:
-    """The optional StepRequest digest: BLAKE2b, 16 bytes, of the payload."""
-    return hashlib.blake2b(payload, digest_size=16).digest()
-
-
-def _check_digest(payload: bytes, digest: bytes | None) -> None:
-    if digest is not None and digest != payload_digest(payload):
-        raise StepFailure(FailureKind.BAD_PAYLOAD, "the payload does not match its digest")
-
-
-def check_layout(started: NodeLayout, requested: NodeLayout) -> None:
-    """Init's layout must match the flags the worker was started with (ValueError naming both)."""
-    for name, flag in (("node_rank", "--node-rank"), ("num_nodes", "--nodes"),
-                       ("num_local_ranks", "--local-ranks")):
-        want, got = getattr(started, name), getattr(requested, name)
-        if want != got:
-            raise ValueError(f"layout.{name}={got} is invalid: this worker was started with "
-                             f"{flag} {want} (check the order and number of the scheduler's "
-                             "--workers)")
 
 
 class NodeWorker:
@@ -268,7 +247,7 @@ class NodeWorker:
         with self._lock:
             self._admit(stream_id, epoch, step)
             try:
-                _check_digest(payload, digest)
+                check_digest(payload, digest)
                 reply = self.ranks.run_step(payload, self.verify_symmetry,
                                             self.layout.node_rank == 0)
             except StepFailure as failure:
@@ -314,7 +293,7 @@ class NodeWorker:
             self._admit(stream_id, epoch, step)
             replies: list[tuple[int, StepReply]] = []
             try:
-                _check_digest(payload, digest)
+                check_digest(payload, digest)
                 held = self._held[2] if self._held is not None else None
                 launched = self.ranks.launch_step(payload, held,
                                                   lambda: replies.append(self._finish_held()))

@@ -5,7 +5,8 @@
 //   rms_norm(x, w, eps)                 y = w * (x / sqrt(mean(x^2) + eps))
 //   add_rms_norm(x, residual, w, eps)   residual += x (in place), y = rms_norm(residual)
 //   rope(positions, q, k, cos, sin)     q, k rotated in place ("rotate half" layout) over
-//                                       the first cos.size(1) dims of each head
+//                                       the first cos.size(1) dims of each head; every
+//                                       position in [0, cos.size(0)), one per token
 //   silu_and_mul(x)                     [T, 2I] -> silu(x[:, :I]) * x[:, I:]
 //   greedy_sample(logits, logprobs)     argmax per row (first index on ties) and its logprob,
 //                                       one pass (an online max and sum of exponentials);
@@ -162,6 +163,20 @@ void check_heads(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, name, " must be [T, H, D] with D contiguous");
 }
 
+// Every position must index a cos/sin row: the kernel reads the tables unchecked (the torch
+// path's indexing raises IndexError). One pass over T int64s, before anything is rotated.
+void check_positions(const int64_t* pos, int64_t tokens, int64_t max_position) {
+  const uint64_t limit = static_cast<uint64_t>(max_position);   // a negative one wraps past it
+  int64_t outside = 0;
+#pragma omp simd reduction(+ : outside)
+  for (int64_t t = 0; t < tokens; ++t) outside += static_cast<uint64_t>(pos[t]) >= limit;
+  if (outside == 0) return;
+  for (int64_t t = 0; t < tokens; ++t) {   // the first one outside, named
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "rope: positions[", t, "] = ", pos[t],
+                " is outside the cos/sin caches' [0, ", max_position, ") (max_position)");
+  }
+}
+
 }  // namespace
 
 void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
@@ -182,7 +197,11 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
               " (rotary_dim) must be even, in [2, head_dim=", query.size(2), "]");
   TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
   const int64_t tokens = positions.size(0);
+  TORCH_CHECK(positions.dim() == 1 && query.size(0) == tokens && key.size(0) == tokens,
+              "positions must be [T] with T = query's and key's tokens (", query.size(0), ", ",
+              key.size(0), "), got ", positions.sizes());
   const int64_t* pos = positions.data_ptr<int64_t>();
+  check_positions(pos, tokens, cos_cache.size(0));
   const float* c = cos_cache.data_ptr<float>();
   const float* s = sin_cache.data_ptr<float>();
   for (const at::Tensor* x : {&query, &key}) {

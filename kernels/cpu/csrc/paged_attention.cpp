@@ -334,18 +334,18 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& seq_lens, double scale, at::Tensor& out,
                        int64_t window, const float* sinks) {
   switch (query.size(2)) {
-    case 16: return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                                   sinks);
-    case 32: return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                                   sinks);
-    case 64: return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                                   sinks);
-    case 80: return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                                   sinks);
-    case 96: return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                                   sinks);
-    case 128: return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                                   sinks);
+    case 16:
+      return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 32:
+      return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 64:
+      return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 80:
+      return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 96:
+      return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 128:
+      return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     default: TORCH_CHECK(false, "head_dim=", query.size(2),
                          " is not supported: must be 16, 32, 64, 80, 96 or 128");
   }
@@ -358,14 +358,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window,
                      const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
-  const float* sink_ptr = nullptr;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
-                    sinks->dim() == 1 &&
-                    sinks->size(0) == query.size(1) && sinks->is_contiguous(),
-                "sinks must be a contiguous float32 [Hq] tensor (one logit per query head)");
-    sink_ptr = sinks->data_ptr<float>();
-  }
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
@@ -386,6 +378,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                   seq_lens.is_contiguous(), "index tensors must be contiguous (rows)");
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1,
               "query_start_loc must have num_reqs + 1 entries");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                    sinks->dim() == 1 && sinks->size(0) == query.size(1) && sinks->is_contiguous(),
+                "sinks must be a contiguous float32 [Hq] tensor (one logit per query head)");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   if (query.scalar_type() == at::kFloat) {
     dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out,
                              window, sink_ptr);

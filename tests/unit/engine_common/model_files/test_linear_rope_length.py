@@ -80,3 +80,24 @@ def test_roberta_positions_start_after_its_pad_id(pad, limit):
     if pad is not None:
         config["pad_token_id"] = pad
     assert model_position_limit(config) == limit
+
+
+@pytest.mark.parametrize("scaling, limit", [
+    ({"type": "dynamic", "factor": 2.0}, 512),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    ({"rope_type": "yarn", "factor": 3.0}, 768),        # original absent: max_position_embeddings
+    ({"rope_type": "yarn", "original_max_position_embeddings": 64}, 256),   # factor absent
+])
+def test_dynamic_and_yarn_stretch_the_length_as_vllm(tmp_path, scaling, limit):
+    """vLLM: dynamic multiplies the model's length by its factor, YaRN its original length."""
+    assert ModelInfo.from_dir(_model_dir(tmp_path, rope_scaling=scaling)).max_model_len == limit
+    with pytest.raises(ModelDirError, match=rf"max_model_len={limit + 1} exceeds"):
+        ModelInfo.from_dir(_model_dir(tmp_path, rope_scaling=scaling), limit + 1)
+
+
+@pytest.mark.parametrize("scaling", [{"type": "dynamic"}, {"type": "yarn", "factor": "4"},
+                                     {"type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": -1}])
+def test_a_bad_dynamic_or_yarn_field_is_refused_by_name(tmp_path, scaling):
+    with pytest.raises(ModelDirError, match=r"(dynamic|yarn) .*=.* is invalid: must be"):
+        ModelInfo.from_dir(_model_dir(tmp_path, rope_scaling=scaling))

@@ -29,6 +29,8 @@ def test_the_table_is_transformers_config_class_defaults():
                "Qwen2MoeForCausalLM": "Qwen2MoeConfig", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
                "Olmo2ForCausalLM": "Olmo2Config", "GraniteForCausalLM": "GraniteConfig",
+               "SmolLM3ForCausalLM": "SmolLM3Config", "GemmaForCausalLM": "GemmaConfig",
+               "Starcoder2ForCausalLM": "Starcoder2Config",
                "GptOssForCausalLM": "GptOssConfig",
                "BertModel": "BertConfig", "BertForMaskedLM": "BertConfig",
                "RobertaModel": "RobertaConfig", "RobertaForMaskedLM": "RobertaConfig",

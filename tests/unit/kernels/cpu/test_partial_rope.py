@@ -89,3 +89,36 @@ def test_cache_widths_the_kernel_cannot_take_are_named(ops):
             ops.rope(pos, q, k, cos, sin)
     with pytest.raises(RuntimeError, match="key head_dim 32 must equal query's 64"):
         ops.rope(pos, q, torch.zeros(2, 1, 32), rope.cos_cache, rope.sin_cache)
+
+
+@pytest.mark.parametrize("bad", [-1, MAX_POSITION, MAX_POSITION + 7, 2 ** 40, -2 ** 62])
+def test_positions_outside_the_caches_are_refused_before_anything_rotates(ops, bad):
+    """The torch path's cos_cache[positions] raises IndexError (and wraps -1 to the last
+    row); the kernel read the tables unchecked (a segfault, or silent garbage). Now:
+    RuntimeError naming the index, the value and the range, and q, k untouched."""
+    rope = partial_rope(32)
+    qkv, q, k, positions = strided_qk(5, torch.float32, seed=3)
+    positions[3] = bad
+    before = qkv.clone()
+    with pytest.raises(RuntimeError, match=rf"positions\[3\] = {bad} is outside the cos/sin "
+                                           rf"caches' \[0, {MAX_POSITION}\)"):
+        ops.rope(positions, q, k, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(qkv, before), "nothing rotated"
+    assert rope.use_cpu_kernels()       # the module's CPU path (RotaryEmbedding.forward)
+    with pytest.raises(RuntimeError, match=rf"positions\[3\] = {bad}"):
+        rope(positions, q, k)
+    positions[3] = MAX_POSITION - 1     # the last row is inside
+    ops.rope(positions, q, k, rope.cos_cache, rope.sin_cache)
+
+
+def test_positions_must_match_the_tokens(ops):
+    """One position per token of q and k: more positions than rows read past q's end."""
+    rope = partial_rope(32)
+    _, q, k, positions = strided_qk(4, torch.float32, seed=4)
+    for pos, match in ((positions[:3], r"T = query's and key's tokens \(4, 4\), got \[3\]"),
+                       (torch.zeros(5, dtype=torch.long), r"got \[5\]")):
+        with pytest.raises(RuntimeError, match=match):
+            ops.rope(pos.contiguous(), q, k, rope.cos_cache, rope.sin_cache)
+    with pytest.raises(RuntimeError, match=r"\(4, 3\)"):
+        ops.rope(positions, q, k[:3], rope.cos_cache, rope.sin_cache)
+    ops.rope(positions[:0].contiguous(), q[:0], k[:0], rope.cos_cache, rope.sin_cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -275,3 +276,31 @@ class WindowedManagerMachine(ManagerMachine):
 TestWindowedManagerMachine = WindowedManagerMachine.TestCase
 TestWindowedManagerMachine.settings = settings(max_examples=60, stateful_step_count=30,
                                                deadline=None)
+
+
+@pytest.mark.parametrize("window, caching", [(0, True), (0, False), (6, True)])
+def test_grow_fitting_takes_num_fitting_tokens_and_refuses_past_it(window, caching):
+    """The long-prefill path asks grow_fitting for at most num_fitting_tokens: exactly that
+    many always fit (with a window, counting the blocks it frees first); one more is the
+    caller's bug, refused loudly with nothing changed (grow_slots' None, read as "no new
+    blocks", scheduled tokens with no KV block to write to)."""
+    kv = KVCacheManager(8, BS, enable_caching=caching, sliding_window=window)
+    other = req("other", range(100, 109))
+    prefill(kv, other)                        # 3 blocks
+    long = req("long", range(40))
+    prefill(kv, long, chunk=10)               # 3 blocks, 2 left free
+    freed = kv.num_freed_by_window(long)
+    assert freed == (1 if window else 0)      # a window of 6 no longer sees block 0
+    fitting = kv.num_fitting_tokens(long)
+    assert fitting == (3 + 2 + freed) * BS - 10
+    ids = kv.get_block_ids(long)
+    with pytest.raises(RuntimeError, match=rf"{fitting + 1} new tokens of long do not fit "
+                                           rf"\(at most num_fitting_tokens={fitting}\)"):
+        kv.grow_fitting(long, fitting + 1)
+    assert kv.get_block_ids(long)[1:] == ids[1:]      # but the block behind the window
+    assert kv.pool.num_free_blocks == 2 + freed
+    new_ids = kv.grow_fitting(long, fitting)
+    assert len(new_ids) == 2 + freed and kv.pool.num_free_blocks == 0
+    kv.free(long)
+    kv.free(other)
+    assert kv.pool.num_free_blocks == 8

@@ -86,7 +86,7 @@ def test_defaults_match_transformers():
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries"),
     ({"layer_types": ["chunked_attention"] * 26}, "layer_types ['chunked_attention']"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "nested by layer type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "rope_type='proportional'"),
 ])
 def test_refused_at_load(change, words):
     with pytest.raises(ValueError) as e:

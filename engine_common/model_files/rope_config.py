@@ -1,0 +1,80 @@
+"""What config.json says about rope scaling, read without torch: the scaling fields in either
+layout, the lengths a scaled rope is built from, and the longest position it covers.
+
+Both the scheduler (max_model_len, model_dir.model_position_limit) and the worker's rotary
+tables (worker_service/layers/rotary.py) read these, so the two never disagree on a length.
+
+Lengths, as transformers and vLLM read them:
+  - max_position_embeddings: config.json's key, else the architecture's transformers default
+    (max_len.py's table), else vLLM's 2048;
+  - YaRN's original_max_position_embeddings: a top-level key of that name wins (transformers'
+    rope recomputation standardizes the rope dict from the config attribute, overwriting it),
+    else the scaling dict's, else max_position_embeddings (transformers' standardization);
+  - the longest position (vLLM's _get_and_verify_max_len): linear and dynamic scaling multiply
+    the model's length by `factor`; YaRN multiplies its original length by `factor`; llama3 and
+    longrope configs already state the extended length; Gemma 3's is already scaled.
+"""
+from __future__ import annotations
+
+from engine_common.model_files.max_len import FALLBACK_MAX_LEN, arch_default_max_positions
+
+# rope types whose `factor` stretches the model's length (vLLM: every type but su, longrope and
+# llama3, whose max_position_embeddings is already the long one)
+STRETCHING_TYPES = ("linear", "dynamic", "yarn")
+
+
+def rope_scaling_fields(config: dict) -> dict:
+    """The scaling fields of either layout, merged (transformers 5's rope_parameters over the
+    older rope_scaling), with `rope_type` set ("default" when neither names one)."""
+    merged = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
+    return merged
+
+
+def declared_max_positions(config: dict) -> int:
+    """max_position_embeddings as transformers' config object holds it (absent: its class
+    default for the architecture, else vLLM's fallback)."""
+    value = config.get("max_position_embeddings")
+    if value is None:
+        value = arch_default_max_positions(config) or FALLBACK_MAX_LEN
+    return int(value)
+
+
+def scaling_factor(scaling: dict, required: bool = True) -> float | None:
+    """`factor` of a stretching rope type as a float >= 1, or a ValueError naming it (None
+    when absent and not required: YaRN then derives it from the lengths)."""
+    factor = scaling.get("factor")
+    if factor is None and not required:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ValueError(f"config.json: {scaling['rope_type']} rope scaling factor={factor!r} "
+                         "is invalid: must be a number >= 1")
+    return float(factor)
+
+
+def yarn_original_length(config: dict, scaling: dict) -> int:
+    """YaRN's pre-training length (see the module docstring for which key wins)."""
+    value = config.get("original_max_position_embeddings")
+    if value is None:
+        value = scaling.get("original_max_position_embeddings")
+    if value is None:
+        value = declared_max_positions(config)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: yarn original_max_position_embeddings={value!r} is "
+                         "invalid: must be a positive integer")
+    return value
+
+
+def scaled_position_limit(native: int, config: dict) -> int:
+    """The longest position the configured rope covers, given the model's own length."""
+    scaling = rope_scaling_fields(config)
+    rope_type = scaling["rope_type"]
+    if rope_type not in STRETCHING_TYPES:
+        return native
+    if rope_type == "yarn":
+        original = yarn_original_length(config, scaling)
+        factor = scaling_factor(scaling, required=False)
+        return declared_max_positions(config) if factor is None else int(original * factor)
+    return int(native * scaling_factor(scaling))
