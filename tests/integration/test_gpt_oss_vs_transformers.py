@@ -182,8 +182,7 @@ def test_unservable_quantization_configs_are_refused(tiny_models, tmp_path, quan
 
 def test_config_defaults_are_gpt_oss_configs():
     """An absent key reads as GptOssConfig's default: biases on, layers alternating (sliding
-    first) with window 128, the yarn rope at theta 150000 (refused by the rope until yarn is
-    served, never replaced by a plain rope)."""
+    first) with window 128, the yarn rope at theta 150000 (never a plain rope)."""
     transformers = pytest.importorskip("transformers")
     ref = transformers.GptOssConfig(num_hidden_layers=4)
     cfg = with_config_defaults({"num_hidden_layers": 4})
@@ -195,6 +194,28 @@ def test_config_defaults_are_gpt_oss_configs():
     kept = with_config_defaults({"rope_parameters": {"rope_type": "default",
                                                      "rope_theta": 1e4}})
     assert kept["rope_parameters"]["rope_theta"] == 1e4 and "rope_theta" not in kept
+
+
+# the released checkpoints' rope (yarn, truncate false) scaled down to the tiny model
+YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+
+
+@pytest.mark.parametrize("rope", ["yarn", "absent"])
+def test_yarn_rope_matches_transformers(tiny_models, tmp_path, rope):
+    """The checkpoints' yarn rope, and a config.json without any rope key (GptOssConfig's
+    default: yarn, factor 32 over 4096 positions, theta 150000): logits past the original
+    length equal transformers'."""
+    path = shutil.copytree(tiny_models("gpt_oss", rope_parameters=YARN), tmp_path / rope)
+    if rope == "absent":
+        cfg = json.load(open(path / "config.json"))
+        del cfg["rope_parameters"]
+        json.dump(cfg, open(path / "config.json", "w"))
+        hf_cfg = pytest.importorskip("transformers").AutoConfig.from_pretrained(path)
+        assert hf_cfg.rope_parameters["rope_type"] == "yarn"
+    ids = torch.arange(60) * 37 % 500 + 3
+    torch.testing.assert_close(prefill_logits(ours(path), ids),
+                               hf_logits(hf_model(str(path)), ids), atol=ATOL, rtol=0)
 
 
 def test_bad_layer_types_are_refused():
