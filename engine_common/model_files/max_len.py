@@ -21,7 +21,8 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 # max_position_embeddings of the transformers config class of each architecture we serve
 # (transformers 5.x: LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
 # Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, GemmaConfig, Gemma2Config, Gemma3TextConfig,
-# Olmo2Config, GraniteConfig, SmolLM3Config, Starcoder2Config).
+# Olmo2Config, GraniteConfig, SmolLM3Config, Starcoder2Config,
+# GptOssConfig).
 ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "LlamaForCausalLM": 2048,
     "MistralForCausalLM": 131072,          # 4096 * 32
@@ -38,6 +39,7 @@ ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "GraniteForCausalLM": 2048,
     "SmolLM3ForCausalLM": 32768,
     "Starcoder2ForCausalLM": 4096,
+    "GptOssForCausalLM": 131072,
     # encoders (BertConfig, RobertaConfig, XLMRobertaConfig); RoBERTa's 512 includes the
     # pad_token_id + 1 positions it never uses (model_dir.model_position_limit)
     "BertModel": 512, "BertForMaskedLM": 512, "RobertaModel": 512, "RobertaForMaskedLM": 512,

@@ -11,6 +11,7 @@ from engine_common.model_files.gguf_config import generation_config_from_gguf, h
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.max_len import MaxLenError, derived_max_len
 from engine_common.model_files.moe_config import moe_config_problem
+from engine_common.model_files.quant_config import quantization_problem
 from engine_common.model_files.rope_config import scaled_position_limit
 
 # The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
@@ -61,7 +62,7 @@ class ModelInfo:
         archs = config.get("architectures") or []
         if not archs:
             raise ModelDirError(f"{path / 'config.json'} names no architectures")
-        problem = moe_config_problem(config)
+        problem = moe_config_problem(config) or quantization_problem(config)
         if problem is not None:
             raise ModelDirError(f"{path / 'config.json'}: {problem}")
         eos = _as_tuple(gen.get("eos_token_id", config.get("eos_token_id")))

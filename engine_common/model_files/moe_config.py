@@ -15,7 +15,8 @@ Qwen2MoeDecoderLayer and Qwen3MoeDecoderLayer build the sparse block only when n
 without its shared expert), and so does models/qwen_moe.MoeArgs.is_sparse: such a config is
 the dense model, served as transformers runs it (tests/integration/test_moe_config_variants.py).
 An MoE class whose transformers model cannot run without experts must refuse 0 here: Mixtral
-(every layer sparse; its experts are intermediate_size wide, it has no moe_intermediate_size).
+and GPT-OSS (every layer sparse; their experts are intermediate_size wide, they have no
+moe_intermediate_size).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def moe_config_problem(config: dict) -> str | None:
     if field is None:
         return None
     experts = config[field] or 0
-    least = 1 if is_mixtral(config) else 0
+    least = 1 if experts_are_the_mlp(config) else 0
     if experts < least:
         return f"{field}={experts} is invalid: must be >= {least}"
     if experts == 0:
@@ -54,6 +55,16 @@ def is_mixtral(config: dict) -> bool:
     return "MixtralForCausalLM" in (config.get("architectures") or ())
 
 
+# architectures whose every MLP is sparse, with experts intermediate_size wide
+WHOLE_MLP_EXPERTS = ("MixtralForCausalLM", "GptOssForCausalLM")
+
+
+def experts_are_the_mlp(config: dict) -> bool:
+    archs = config.get("architectures") or ()
+    return any(arch in archs for arch in WHOLE_MLP_EXPERTS)
+
+
 def expert_width_field(config: dict) -> str:
-    """The config key of an expert's width: Mixtral's experts are its MLPs (intermediate_size)."""
-    return "intermediate_size" if is_mixtral(config) else "moe_intermediate_size"
+    """The config key of an expert's width: Mixtral's and GPT-OSS's experts are their MLPs
+    (intermediate_size)."""
+    return "intermediate_size" if experts_are_the_mlp(config) else "moe_intermediate_size"

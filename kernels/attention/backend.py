@@ -27,6 +27,13 @@ Attention logit soft-capping (per layer; Gemma 2): forward's softcap=cap (0: non
 scaled score s by cap * tanh(s / cap) before the mask and softmax, as transformers'
 eager_attention_forward. A backend without supports_softcap is refused at model load
 (worker_service/layers/attention.py) rather than attend uncapped.
+
+Attention sinks (per layer; GPT-OSS): forward's sinks=[Hq] float32 logits (None: none) join each
+query head's softmax denominator as one more key with no value,
+    out = sum_k e^(s_k) v_k / (sum_k e^(s_k) + e^(sink_h)),
+as transformers' GPT-OSS eager_attention_forward (which appends the sink logit to the scores,
+softmaxes and drops it). Under tensor parallelism each rank holds its own heads' sinks. A
+backend without supports_sinks is refused at model load rather than attend without them.
 """
 from __future__ import annotations
 
@@ -61,6 +68,17 @@ def check_sliding_window(window: int) -> int:
     return window
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """sinks as a contiguous float32 [num_heads] tensor (None: none), else ValueError."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks={shape} is invalid: must be a tensor of shape "
+                         f"[num_heads={num_heads}] (one logit per query head)")
+    return sinks.float().contiguous()
+
+
 def check_softcap(cap: float) -> float:
     """cap as a float >= 0 (0: none), else ValueError."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0:
@@ -81,6 +99,9 @@ class AttentionBackend(ABC):
     # True: forward takes softcap=cap (> 0) and caps the scores; a layer with a cap refuses a
     # backend without it.
     supports_softcap: bool = False
+    # True: forward takes sinks=[Hq] logits and adds e^(sink) to each softmax denominator; a
+    # layer with sinks refuses a backend without it.
+    supports_sinks: bool = False
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -88,4 +109,5 @@ class AttentionBackend(ABC):
         """query [T, Hq, D], key/value [T, Hkv, D], kv_cache as drawn above.
         Returns [T, Hq, D] in query's dtype. Rows past meta.num_actual_tokens are undefined.
         A backend with supports_sliding_window also takes sliding_window: int = 0; one with
-        supports_softcap also takes softcap: float = 0.0."""
+        supports_softcap also takes softcap: float = 0.0; one with supports_sinks also takes
+        sinks: torch.Tensor | None = None."""

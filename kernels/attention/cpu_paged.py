@@ -7,7 +7,9 @@ request of the batch, prefills and decodes alike, in one call: no gather, no pad
 float32 and bfloat16, head_dim 16/32/64/80/96/128, up to 48 query heads per kv head; `supports`
 says whether a layout fits, and the selector falls back to the torch backend when it does not or
 when the library could not be built. A sliding window (backend.py) is the kernel's `window`
-argument: items skip the chunks below it and mask the keys a row no longer sees.
+argument: items skip the chunks below it and mask the keys a row no longer sees. Attention
+sinks (GPT-OSS) are the kernel's `sinks` argument (float32 [Hq]): each row's denominator gains
+e^(sink) when the row is stored; without them the kernel runs as before.
 The kernel has no attention softcap (Gemma 2): a call with one is handed to the torch backend,
 which reads and writes the same cache layout, so a capped layer is exact rather than uncapped.
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sliding_window,
-                                       check_softcap)
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sinks,
+                                       check_sliding_window, check_softcap)
 from kernels.attention.torch_ref import TorchAttentionBackend, write_kv_cache
 from kernels.cpu import extension
 
@@ -42,6 +44,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu"
     supports_sliding_window = True
     supports_softcap = True        # through the torch backend (module docstring)
+    supports_sinks = True
 
     def __init__(self) -> None:
         if not available():
@@ -54,17 +57,19 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                sliding_window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         window = check_sliding_window(sliding_window)
+        sinks = check_sinks(sinks, query.shape[1])
         if check_softcap(softcap):
             self.capped_calls += 1
             return self._capped.forward(query, key, value, kv_cache, meta, scale,
-                                        sliding_window=window, softcap=softcap)
+                                        sliding_window=window, softcap=softcap, sinks=sinks)
         write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.empty_like(query)
         num_reqs = meta.num_reqs
         if num_reqs:
             self._op(query, kv_cache, meta.block_table, meta.query_start_loc_cpu[:num_reqs + 1],
-                     meta.seq_lens_cpu[:num_reqs], scale, out, window)
+                     meta.seq_lens_cpu[:num_reqs], scale, out, window, sinks)
         self.calls += 1
         return out

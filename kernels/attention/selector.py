@@ -13,17 +13,21 @@ BACKEND_NAMES = ("auto", "flash_attn", "triton", "cpu", "torch")
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """What a backend must accept: flash-attn's paged kernels need blocks of 256 and fp16/bf16."""
+    """What a backend must accept: flash-attn's paged kernels need blocks of 256 and fp16/bf16,
+    and have no attention sinks (a model with them, GPT-OSS, sets sinks)."""
 
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    sinks: bool = False
 
 
 def _flash_attn_fits(layout: CacheLayout | None) -> bool:
     if importlib.util.find_spec("flash_attn") is None:
         return False
     from kernels.attention.flash_attn_backend import flash_attn_supports
+    if layout is not None and layout.sinks:
+        return False
     return layout is None or flash_attn_supports(layout.block_size, layout.head_dim,
                                                  layout.dtype)
 
@@ -36,7 +40,8 @@ def _cpu_kernel_fits(layout: CacheLayout | None) -> bool:
 
 
 def resolve_backend_name(name: str, device_type: str, layout: CacheLayout | None = None) -> str:
-    """`auto` prefers flash-attn (when it accepts the cache layout), then Triton on CUDA; on
+    """`auto` prefers flash-attn (when it accepts the cache layout and the model has no
+    attention sinks), then Triton on CUDA; on
     the CPU the compiled paged kernel (when it is built and fits the layout); else the torch
     reference."""
     if name not in BACKEND_NAMES:
@@ -65,6 +70,10 @@ def get_attention_backend(name: str, device_type: str,
         from kernels.attention.cpu_paged import CpuPagedAttentionBackend
         return CpuPagedAttentionBackend()
     from kernels.attention.flash_attn_backend import FlashAttnBackend, check_flash_layout
+    if layout is not None and layout.sinks:
+        raise ValueError("attention_backend='flash_attn' is invalid for this model: flash-attn "
+                         "cannot apply its attention sinks; pick one that does: triton, cpu or "
+                         "torch (or auto)")
     if layout is not None:
         check_flash_layout(layout.block_size, layout.head_dim, layout.dtype)
     return FlashAttnBackend()

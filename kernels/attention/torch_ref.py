@@ -11,15 +11,16 @@ Two ways to attend (layout and query/position rules: see kernels/attention/backe
 
 Both write the cache the same way first: one index_copy_ per K and V by slot mapping. A sliding
 window (backend.py) is one more bound on the same mask; every key is still gathered. A softcap
-(backend.py) caps the scaled scores before the mask.
+(backend.py) caps the scaled scores before the mask; sinks (backend.py) join the softmax as
+one more logit per head, dropped after it.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sliding_window,
-                                       check_softcap)
-from kernels.attention.torch_batched import attend_decodes, attend_group
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sinks,
+                                       check_sliding_window, check_softcap)
+from kernels.attention.torch_batched import attend_decodes, attend_group, softmax_with_sinks
 
 DEFAULT_MAX_PADDED_BYTES = 256 * 1024 * 1024
 
@@ -55,12 +56,14 @@ def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor,
 
 
 def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+               scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention for one request, in float32.
 
     query [Q, Hq, D] holds the last Q positions of a sequence whose keys/values [S, Hkv, D]
     cover all S positions; query row j sits at position p = S - Q + j and sees keys 0 .. p,
     or with window W > 0 only keys p - W + 1 .. p. softcap > 0: scores -> cap * tanh(s / cap).
+    sinks [Hq]: each head's sink logit joins its softmax (transformers' GPT-OSS eager).
     """
     num_q, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
@@ -77,13 +80,14 @@ def attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if window:
         hidden |= k_pos <= q_pos - window
     scores = scores.masked_fill(hidden, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)                    # [Hq, Q, D]
+    out = torch.matmul(softmax_with_sinks(scores, sinks), v)                # [Hq, Q, D]
     return out.transpose(0, 1)
 
 
 def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     req_ids: list[int], scale: float, out: torch.Tensor,
-                    window: int = 0, softcap: float = 0.0) -> None:
+                    window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> None:
     """The reference: attend requests req_ids one by one into their rows of out."""
     starts = meta.query_start_loc_cpu.tolist()
     seq_lens = meta.seq_lens_cpu.tolist()
@@ -93,7 +97,7 @@ def attend_requests(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             continue
         keys, values = gather_kv(kv_cache, meta.block_table[i], seq_lens[i])
         out[start:end] = attend_one(query[start:end], keys, values, scale,
-                                    window, softcap).to(query.dtype)
+                                    window, softcap, sinks).to(query.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -107,6 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def __init__(self, batched: bool = True,
                  max_padded_bytes: int = DEFAULT_MAX_PADDED_BYTES) -> None:
@@ -117,9 +122,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        # the two bounds on the scores, passed on together: (window, softcap)
-        bounds = (check_sliding_window(sliding_window), check_softcap(softcap))
+                sliding_window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # what shapes the scores, passed on together: (window, softcap, sinks)
+        bounds = (check_sliding_window(sliding_window), check_softcap(softcap),
+                  check_sinks(sinks, query.shape[1]))
         write_kv_cache(key, value, kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         out = torch.zeros_like(query)
         all_reqs = list(range(meta.num_reqs))
@@ -136,7 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _attend_mixed(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, out: torch.Tensor, bounds: tuple[int, float]) -> None:
+                      scale: float, out: torch.Tensor, bounds: tuple) -> None:
         """Decodes as one padded group, prefills (query_len > 1) as another: mixing them would
         pad every decode to the longest prefill chunk. Requests with no query are skipped."""
         starts = meta.query_start_loc_cpu[:meta.num_reqs + 1].long()

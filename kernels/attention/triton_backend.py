@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import torch
 
-from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sliding_window,
-                                       check_softcap)
+from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sinks,
+                                       check_sliding_window, check_softcap)
 from kernels.attention.triton_cache import triton_write_kv_cache
 from kernels.attention.triton_launch import TritonLaunchConfig
 from kernels.attention.triton_paged_attention import (
@@ -33,6 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
     writes_kv_from_rope = True
     supports_sliding_window = True
     supports_softcap = True
+    supports_sinks = True
 
     def __init__(self, decode_splits: int | None = None,
                  launch: TritonLaunchConfig | None = None) -> None:
@@ -52,12 +53,14 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_written: bool = False, sliding_window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """kv_written: the fused rope already stored this call's keys/values (same slots,
         same bound), so the write launch is skipped. sliding_window: W > 0 attends to the last
-        W positions only (backend.py). softcap: cap > 0 caps the scores (backend.py)."""
+        W positions only (backend.py). softcap: cap > 0 caps the scores (backend.py). sinks:
+        [Hq] logits joining each softmax's denominator (backend.py)."""
         window = check_sliding_window(sliding_window)
         cap = check_softcap(softcap)
+        sinks = check_sinks(sinks, query.shape[1])
         if not kv_written:
             triton_write_kv_cache(key, value, kv_cache,
                                   meta.slot_mapping[:meta.num_actual_tokens])
@@ -66,13 +69,13 @@ class TritonAttentionBackend(AttentionBackend):
         all_decode = meta.max_query_len == 1
         if dispatch == "unified":
             rows = self.launch.decode_q_rows if all_decode else None
-            self._varlen(query, kv_cache, out, meta, scale, rows, False, window, cap)
+            self._varlen(query, kv_cache, out, meta, scale, rows, False, window, cap, sinks)
             return out
         if all_decode or dispatch == "per_request":
-            self._decode(query, kv_cache, out, meta, scale, window, cap)
+            self._decode(query, kv_cache, out, meta, scale, window, cap, sinks)
         if not all_decode:
             self._varlen(query, kv_cache, out, meta, scale, None,
-                         dispatch == "per_request", window, cap)
+                         dispatch == "per_request", window, cap, sinks)
         return out
 
     def num_splits(self, meta: AttentionMetadata, num_kv_heads: int,
@@ -83,21 +86,21 @@ class TritonAttentionBackend(AttentionBackend):
         return self.launch.splits_for(meta.num_reqs, num_kv_heads, keys, self._sms(device))
 
     def _decode(self, query, kv_cache, out, meta: AttentionMetadata, scale: float,
-                window: int, softcap: float) -> None:
+                window: int, softcap: float, sinks: torch.Tensor | None) -> None:
         splits = self.num_splits(meta, kv_cache.shape[3], query.device, window)
         paged_decode_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
                                meta.block_table, meta.num_reqs, splits, scale,
                                launch=self.launch, order=meta.decode_order, window=window,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
 
     def _varlen(self, query, kv_cache, out, meta: AttentionMetadata, scale: float,
                 block_q_rows: int | None, skip_decodes: bool, window: int,
-                softcap: float) -> None:
+                softcap: float, sinks: torch.Tensor | None) -> None:
         paged_prefill_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
                                 meta.block_table, meta.num_reqs, meta.num_actual_tokens, scale,
                                 block_q_rows=block_q_rows, launch=self.launch,
                                 skip_decodes=skip_decodes, window=window,
-                                softcap=softcap)
+                                softcap=softcap, sinks=sinks)
 
     def _sms(self, device: torch.device) -> int:
         """Streaming multiprocessors on `device`, asked once per device."""

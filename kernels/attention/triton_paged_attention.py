@@ -27,6 +27,11 @@ the first key its earliest row sees, masks the keys below its latest row's windo
 the diagonal) and runs the keys every row sees unmasked; the decode kernel splits only the last
 W keys, which its one query sees whole, so it needs no mask of its own.
 
+Attention sinks (SINKS, a constexpr; GPT-OSS): a per-query-head logit, passed in log2 units
+(sinks * log2(e)), that joins each row's softmax denominator when the row is normalised
+(`_normalize`; in the split decode, `_reduce_kernel` adds it once over the merged splits). Off,
+the kernels compile as before apart from the unused pointer argument.
+
 Tiles map to requests without a host sync: request i owns tiles starting at
 qsl[i] // BLOCK_Q + i, so cdiv(num_tokens, BLOCK_Q) + num_reqs programs always suffice and
 each finds its request by binary search over query_start_loc.
@@ -86,6 +91,18 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
 
 
 @triton.jit
+def _normalize(acc, m_i, l_i, sinks_ptr, head, row_ok, SINKS: tl.constexpr):
+    """acc / l, or with sinks acc / (l + 2^(sink - m)) computed against max(m, sink) so that
+    neither power overflows (rows with no key: 0)."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+        top = tl.maximum(m_i, sink)
+        keep = tl.exp2(m_i - top)
+        return acc * (keep / (l_i * keep + tl.exp2(sink - top)))[:, None]
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     """The request owning query tile `tile`: the last i with qsl[i] // BLOCK_Q + i <= tile."""
     lo = tile * 0
@@ -109,11 +126,12 @@ STEP_VARYING = ["num_reqs", "stride_bt"]
 def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, num_reqs, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window, softcap,
+                    sinks_ptr,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
@@ -168,7 +186,7 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
                                   unmasked_end, kv_end, kv_end, stride_c_kv, stride_c_blk,
                                   stride_c_row, dims, dim_ok, qk_scale, window, softcap,
                                   BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_ok, SINKS)
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -177,11 +195,11 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
 def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
                    seq_lens_ptr, order_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window, softcap,
-                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   sinks_ptr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr,
-                   SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+                   SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     if HEAD_FASTEST:       # grid (Hkv, num_reqs, splits): a request's kv heads run together
         kv_head = tl.program_id(0)
         req = tl.program_id(1)
@@ -228,7 +246,7 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
                                   dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
                                   True, PRECISION, UPCAST, False, SOFTCAP)
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = _normalize(acc, m_i, l_i, sinks_ptr, head, group_idx < GROUP, SINKS)
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
                  + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -240,9 +258,9 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
 
 
 @triton.jit
-def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh,
+def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh, sinks_ptr,
                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_index = tl.load(qsl_ptr + req)
@@ -256,8 +274,14 @@ def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh
     l = tl.load(l_ptr + part, mask=split_ok, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))                   # empty splits: l = 0, acc = 0
-    total = tl.sum(weight * l, 0)
+    if SINKS:              # the sink is one more term of the merged denominator
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(tl.max(m, 0), sink)
+        weight = tl.exp2(m - top)                        # empty splits: l = 0, acc = 0
+        total = tl.sum(weight * l, 0) + tl.exp2(sink - top)
+    else:
+        weight = tl.exp2(m - tl.max(m, 0))               # empty splits: l = 0, acc = 0
+        total = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
@@ -269,7 +293,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
                             scale: float, block_q_rows: int | None = None,
                             block_n: int | None = None, launch: TritonLaunchConfig | None = None,
                             skip_decodes: bool = False, window: int = 0,
-                            softcap: float = 0.0) -> None:
+                            softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """Varlen causal attention with cached prefixes into out[:num_tokens] (no host sync).
 
     query/out [T, Hq, D] (last dim contiguous); query_start_loc int32 [num_reqs + 1];
@@ -278,6 +302,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
     block_q_rows and prefill.block_n. skip_decodes leaves one-token requests' rows of out
     untouched (paged_decode_attention writes them). window: the sliding window W (0: none).
     softcap: cap > 0 caps every score to cap * tanh(score / cap) (Gemma 2); 0: none.
+    sinks: float32 [Hq] sink logits (GPT-OSS; backend.py); None: none.
     """
     if num_reqs == 0 or num_tokens == 0:
         return
@@ -292,11 +317,18 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
         query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), *kv_cache.stride()[:4], window, softcap * LOG2E,
+        _log2_sinks(sinks, seq_lens),
         GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n or tiles.block_n,
         **_dot_params(query), SKIP_DECODES=skip_decodes, SLIDING=window > 0,
-        SOFTCAP=softcap > 0,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _log2_sinks(sinks: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """The sink logits in the kernels' log2 units, or (no sinks) a tensor the kernel never
+    reads, so the launch keeps one signature."""
+    return stand_in if sinks is None else (sinks.float() * LOG2E).contiguous()
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
@@ -305,7 +337,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
                            scale: float, block_n: int | None = None,
                            launch: TritonLaunchConfig | None = None,
                            order: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0) -> None:
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """Attention for the requests with exactly one query token (flash-decoding).
 
     Same tensors as paged_prefill_attention. Each request's context is cut into num_splits
@@ -329,6 +361,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     l = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     acc = torch.empty(part_shape + (head_dim,), dtype=torch.float32, device=query.device)
+    log2_sinks = _log2_sinks(sinks, seq_lens)
     head_fastest = launch.decode_order != "request_fastest"
     ordered = launch.decode_order == "longest_first" and order is not None
     grid = ((kv_cache.shape[3], num_reqs) if head_fastest else (num_reqs, kv_cache.shape[3])) \
@@ -337,18 +370,19 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
         order if ordered else seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *kv_cache.stride()[:4], window, softcap * LOG2E,
+        *kv_cache.stride()[:4], window, softcap * LOG2E, log2_sinks,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
         BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
         **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=window > 0,
-        SOFTCAP=softcap > 0,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None and num_splits == 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](
-            out, m, l, acc, query_start_loc, out.stride(0), out.stride(1),
+            out, m, l, acc, query_start_loc, out.stride(0), out.stride(1), log2_sinks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=1)
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            SINKS=sinks is not None, num_warps=1)
 
 
 def _shape_params(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:

@@ -4,7 +4,8 @@ The backend (kernels/attention) writes this step's keys/values into the layer's 
 which the caller passes in explicitly, then attends. Head counts are per rank. A layer with a
 sliding window (kernels/attention/backend.py: query p sees keys p - W < k <= p) hands it to
 the backend on every call and refuses a backend that cannot apply it; so does a layer with an
-attention logit softcap (Gemma 2's attn_logit_softcapping).
+attention logit softcap (Gemma 2's attn_logit_softcapping), and so does a layer with attention
+sinks (GPT-OSS: the sink logits are the caller's parameter, handed over on every call).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend, sliding_window: int = 0,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, sinks: bool = False) -> None:
         """sliding_window: W > 0 attends to the last W positions only; 0 to all.
-        softcap: cap > 0 caps the scaled scores to cap * tanh(s / cap); 0: none."""
+        softcap: cap > 0 caps the scaled scores to cap * tanh(s / cap); 0: none.
+        sinks: forward gets each head's sink logit (backend.py), so the backend must apply it."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
@@ -37,6 +39,10 @@ class Attention(nn.Module):
             raise ValueError(f"attention softcap={softcap}: the {backend.name!r} attention "
                              "backend cannot apply it (it would attend uncapped); pick one "
                              "that does: torch, cpu, triton or flash_attn")
+        if sinks and not getattr(backend, "supports_sinks", False):
+            raise ValueError(f"attention sinks: the {backend.name!r} attention backend cannot "
+                             "apply them (it would attend without them); pick one that does: "
+                             "torch, cpu or triton")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -45,9 +51,10 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                kv_written: bool = False) -> torch.Tensor:
+                kv_written: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """kv_written: k/v are already in kv_cache (only for a backend with
-        writes_kv_from_rope, which then skips its write)."""
+        writes_kv_from_rope, which then skips its write). sinks: [num_heads] sink logits
+        (only for a layer built with sinks=True)."""
         num_tokens = q.shape[0]
         # Only a writes_kv_from_rope backend takes the flag; the others keep their call.
         extra = {"kv_written": True} if kv_written else {}
@@ -55,6 +62,8 @@ class Attention(nn.Module):
             extra["sliding_window"] = self.sliding_window
         if self.softcap:
             extra["softcap"] = self.softcap
+        if sinks is not None:
+            extra["sinks"] = sinks
         out = self.backend.forward(
             q.reshape(num_tokens, self.num_heads, self.head_dim),
             k.reshape(num_tokens, self.num_kv_heads, self.head_dim),

@@ -87,7 +87,14 @@ class DecoderArgs:
 
 class DecoderAttention(nn.Module):
     """qkv projection, optional per-head q/k norm, rope, paged attention, output projection.
-    scale: None is head_dim ** -0.5; softcap: the attention logit cap (0: none)."""
+    scale: None is head_dim ** -0.5; softcap: the attention logit cap (0: none).
+    A subclass with has_sinks returns this rank's heads' sink logits from attention_sinks()
+    (models/gpt_oss.py), which every attention call then gets."""
+
+    has_sinks = False
+
+    def attention_sinks(self) -> torch.Tensor | None:
+        return None
 
     def __init__(self, args: DecoderArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype, sliding_window: int = 0,
@@ -110,7 +117,7 @@ class DecoderAttention(nn.Module):
         scale = args.attn_scale if scale is None else scale
         self.attn = Attention(self.num_heads, self.num_kv_heads, d,
                               d ** -0.5 if scale is None else scale, backend, sliding_window,
-                              softcap)
+                              softcap, self.has_sinks)
         # fused rope + a backend that allows it: the rope launch also writes the KV cache
         self.kv_in_rope = bool(args.fused_ops and rotary_emb.fused
                                and getattr(backend, "writes_kv_from_rope", False))
@@ -127,7 +134,7 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=self.attention_sinks()))
 
     def _forward_kv_in_rope(self, positions, q, k, v, kv_cache, meta: AttentionMetadata):
         """One launch normalises (Qwen3), rotates and writes k/v into the cache; the backend
@@ -135,7 +142,8 @@ class DecoderAttention(nn.Module):
         kv_write = (v.reshape(k.shape), kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         q, k = self.rotary_emb(positions, q, k, *norms, kv_write=kv_write)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True,
+                                     sinks=self.attention_sinks()))
 
 
 class DecoderMLP(nn.Module):

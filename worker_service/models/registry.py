@@ -17,6 +17,7 @@ from worker_service.models.classifiers import (BertForSequenceClassification,
 from worker_service.models.gemma import GemmaForCausalLM
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
+from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import (LlamaForCausalLM, MistralForCausalLM,
                                          Qwen2ForCausalLM, Qwen3ForCausalLM)
@@ -46,6 +47,7 @@ MODEL_REGISTRY = MappingProxyType({
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

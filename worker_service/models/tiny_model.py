@@ -20,7 +20,7 @@ from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
          "mixtral", "phi3", "olmo2", "granite", "smollm3", "gemma",
-         "starcoder2")
+         "starcoder2", "gpt_oss")
 INITIALIZER_RANGE = 0.3
 
 
@@ -71,7 +71,14 @@ def _arch_config(arch: str):
     # StarCoder2: LayerNorms, a plain gelu MLP, biases everywhere (use_bias), tied head; no
     # window unless a test sets sliding_window
     starcoder2 = {"norm_epsilon": 1e-5, "tie_word_embeddings": True}
+    # GPT-OSS: 3 layers (sliding window 8, full, sliding), 2 of 4 experts of width 48, a plain
+    # rope (GptOssConfig's default is yarn), a SwiGLU limit low enough that the clamps bite
+    gpt_oss = {"num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "intermediate_size": 48, "sliding_window": 8, "swiglu_limit": 1.5,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+               "tie_word_embeddings": False}
     table = {
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, gpt_oss),
         "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, starcoder2),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM, smollm3),
@@ -99,7 +106,7 @@ def _perturb_biases_and_norms(model) -> None:
     code paths untested; give them random values (from the already seeded generator)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):
                 param.normal_(0.0, INITIALIZER_RANGE)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)

@@ -23,6 +23,7 @@ from worker_service.batch.input_batch import InputBatch
 from worker_service.runner.runner_kv_cache import RunnerKVCache
 from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import load_model, resolve_dtype
+from worker_service.models.registry import MODEL_REGISTRY
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
 from worker_service.sample.pooling import PoolingBook
@@ -46,7 +47,10 @@ _IDLE_COMPILE_WAIT_S = 0.05
 def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
     heads = int(hf_config["num_attention_heads"])
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
-    return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype))
+    arch = (hf_config.get("architectures") or [None])[0]
+    sinks = bool(getattr(MODEL_REGISTRY.get(arch), "attention_sinks", False))
+    return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype),
+                       sinks)
 
 
 class ModelRunner(RunnerKVCache):

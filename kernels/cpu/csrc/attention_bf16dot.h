@@ -174,7 +174,7 @@ void wide_item_bf16dot(const c10::BFloat16* const* qrows, float scale, const int
     for (; r + R <= rows; r += R) dot_pv_pass<D, R>(acc, r, alpha, pp, vp, pairs);
     for (; r < rows; ++r) dot_pv_pass<D, 1>(acc, r, alpha, pp, vp, pairs);
   }
-  for (int r = 0; r < rows; ++r) store_row(r, acc[r], 1.0f / st.l[r]);
+  for (int r = 0; r < rows; ++r) store_row(r, acc[r], st.m[r], st.l[r]);
 }
 
 }  // namespace simd

@@ -165,7 +165,8 @@ __attribute__((noinline)) inline void wide_softmax(WideState& st, float (*sT)[kW
 }
 
 // One wide item: q rows [rows][D] (scaled), row positions; row(p, which) gives the cache row
-// of position p (which: 0 keys, 1 values). Writes acc / l into out rows via store_row(r, data).
+// of position p (which: 0 keys, 1 values). Hands each row's acc, running max m and sum l to
+// store_row(r, acc, m, l), which normalises it (and folds in an attention sink).
 template <typename T, int D, typename RowPtr, typename StoreRow>
 void wide_item(const float (*q)[D], const int64_t* positions, int rows, const RowPtr& row,
                const StoreRow& store_row, int64_t window) {
@@ -203,7 +204,7 @@ void wide_item(const float (*q)[D], const int64_t* positions, int rows, const Ro
     wide_softmax(st, sT, n, p0, p0 + n - 1 > first || p0 < band_end, alpha, window);
     accumulate_pv<D>(acc, alpha, p_at, vals, n, rows);
   }
-  for (int r = 0; r < rows; ++r) store_row(r, acc[r], 1.0f / st.l[r]);
+  for (int r = 0; r < rows; ++r) store_row(r, acc[r], st.m[r], st.l[r]);
 }
 
 // ---- narrow items: one dot product per (row, key) -----------------------------------------
@@ -371,7 +372,7 @@ void narrow_item(const float (*q)[D], const int64_t* positions, int rows, const 
   for (int r = 0; r < rows; ++r) {
     vf total = zero();
     for (int h = 0; h < kChunkVecs; ++h) total = add(total, load(lsum[r] + kLanes * h));
-    store_row(r, acc[r], 1.0f / reduce_add(total));
+    store_row(r, acc[r], m[r], reduce_add(total));
   }
 }
 

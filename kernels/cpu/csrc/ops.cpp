@@ -18,7 +18,8 @@
 namespace deltaserve_cpu {
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window);
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window,
+                     const std::optional<at::Tensor>& sinks);
 bool mkl_sgemm_packed_available();
 bool mkl_bf16_available();
 at::Tensor mkl_pack(const at::Tensor& weight);
@@ -54,8 +55,9 @@ namespace {
 void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
                         const at::Tensor& block_table, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, double scale, at::Tensor out,
-                        int64_t window) {
-  paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out, window);
+                        int64_t window, const std::optional<at::Tensor>& sinks) {
+  paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out, window,
+                  sinks);
 }
 
 // Which vector bodies this build compiled: "avx512", "avx2" or "generic" (portable loops).
@@ -83,8 +85,8 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
   m.def("body() -> str", &body);
   m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int window=0) "
-        "-> ()",
+        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, int window=0, "
+        "Tensor? sinks=None) -> ()",
         &paged_attention_op);
   m.def("mkl_sgemm_packed_available() -> bool", &mkl_sgemm_packed_available);
   m.def("mkl_bf16_available() -> bool", &mkl_bf16_available);

@@ -13,6 +13,10 @@
 // A sliding window W > 0 (window; 0: none) hides key k from the query at p unless p - W < k: the
 // chunks below the tile's first row's window are never read either, and those holding a key
 // below its last row's window are masked too.
+// Attention sinks (sinks: a float32 logit per query head, or null: none; GPT-OSS) join each
+// row's softmax denominator: out = sum_k e^(s_k) v_k / (sum_k e^(s_k) + e^(sink)). Every body
+// folds them in once per row when it stores it (normalizer), so a call without sinks runs the
+// loops it ran before.
 // With AVX-512 or AVX2 + FMA (simd.h) the item bodies in attention_simd.h run; the portable
 // loops below are the generic build's.
 #include <ATen/core/Tensor.h>
@@ -25,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -119,7 +124,8 @@ inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int row
 template <typename T, int D>
 void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
                  int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
-                 int64_t q_start, int64_t first_pos, int group, float scale, int64_t window) {
+                 int64_t q_start, int64_t first_pos, int group, float scale, int64_t window,
+                 const float* sinks) {
   const int rows = static_cast<int>(it.ntok) * group;
   alignas(64) float q[kTileRows][D];
   alignas(64) float acc[kTileRows][D];
@@ -188,7 +194,7 @@ void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q
   for (int t = 0; t < it.ntok; ++t) {
     for (int gi = 0; gi < group; ++gi) {
       const int r = t * group + gi;
-      const float inv = 1.f / l[r];
+      const float inv = normalizer(m[r], l[r], sinks, it.head * group + gi);
       T* dst = out + (q_start + it.tok0 + t) * o_tok_stride + (it.head * group + gi) * o_head_stride;
       for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
     }
@@ -202,7 +208,7 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
                         int64_t first_pos, int group, float scale, int64_t window,
-                        const simd::Ahead& after) {
+                        const float* sinks, const simd::Ahead& after) {
   const int rows = static_cast<int>(it.ntok) * group;
   const T* qrows[kTileRows];
   int64_t pos[kTileRows];
@@ -221,7 +227,8 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     return head_base + which * g.half + g.blocks[p >> shift] * g.block_stride +
            (p & mask) * g.row_stride;
   };
-  auto store_row = [&](int r, const float* acc, float inv) {
+  auto store_row = [&](int r, const float* acc, float m, float l) {
+    const float inv = normalizer(m, l, sinks, it.head * group + r % group);
     T* dst = out + (q_start + it.tok0 + r / group) * o_tok_stride +
              (it.head * group + r % group) * o_head_stride;
     for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
@@ -287,7 +294,7 @@ std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_
 template <typename T, int D>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-         at::Tensor& out, int64_t window) {
+         at::Tensor& out, int64_t window, const float* sinks) {
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t hkv = kv_cache.size(3);
   const int group = static_cast<int>(query.size(1) / hkv);
@@ -317,12 +324,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           : simd::Ahead();
       attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                              out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
-                             window, after);
+                             window, sinks, after);
       return;
     }
 #endif
     attend_item<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
-                      out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale, window);
+                      out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale, window,
+                      sinks);
   };
   if (one_thread) {
     for (int64_t i = 0; i < num_items; ++i) body(i);
@@ -336,14 +344,20 @@ template <typename T>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& qsl,
                        const at::Tensor& seq_lens, double scale, at::Tensor& out,
-                       int64_t window) {
+                       int64_t window, const float* sinks) {
   switch (query.size(2)) {
-    case 16: return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
-    case 32: return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
-    case 64: return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
-    case 80: return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
-    case 96: return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
-    case 128: return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window);
+    case 16:
+      return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 32:
+      return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 64:
+      return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 80:
+      return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 96:
+      return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 128:
+      return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     default: TORCH_CHECK(false, "head_dim=", query.size(2),
                          " is not supported: must be 16, 32, 64, 80, 96 or 128");
   }
@@ -353,7 +367,8 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                     const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window) {
+                     const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window,
+                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -375,12 +390,19 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                   seq_lens.is_contiguous(), "index tensors must be contiguous (rows)");
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1,
               "query_start_loc must have num_reqs + 1 entries");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                    sinks->dim() == 1 && sinks->size(0) == query.size(1) && sinks->is_contiguous(),
+                "sinks must be a contiguous float32 [Hq] tensor (one logit per query head)");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   if (query.scalar_type() == at::kFloat) {
     dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out,
-                             window);
+                             window, sink_ptr);
   } else if (query.scalar_type() == at::kBFloat16) {
     dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc, seq_lens,
-                                     scale, out, window);
+                                     scale, out, window, sink_ptr);
   } else {
     TORCH_CHECK(false, "dtype ", query.scalar_type(), " is not supported: float32 or bfloat16");
   }

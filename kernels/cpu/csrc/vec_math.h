@@ -1,6 +1,7 @@
 // Small math helpers written so that GCC vectorizes them inside `#pragma omp simd` loops.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +36,17 @@ inline float silu(float g) {
   const float e = exp_approx(-std::fabs(g));
   const float sig = g >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
   return g * sig;
+}
+
+// The factor a row's accumulator (sums relative to its running max m, total l) is scaled by to
+// become its output: 1 / l, or with a sink logit 1 / (l + e^(sink - m)), computed against
+// max(m, sink) so that neither exponential overflows.
+inline float normalizer(float m, float l, const float* sinks, int64_t head) {
+  if (sinks == nullptr) return 1.f / l;
+  const float sink = sinks[head];
+  const float top = std::max(m, sink);
+  const float keep = std::exp(m - top);
+  return keep / (l * keep + std::exp(sink - top));
 }
 
 }  // namespace deltaserve_cpu

@@ -226,9 +226,10 @@ def test_backend_over_the_bound_falls_back_to_the_loop(query_lens, monkeypatch):
     looped: list[list[int]] = []
     loop = torch_ref.attend_requests
 
-    def counting_loop(query, kv_cache, meta, req_ids, scale, out, window=0, softcap=0.0):
+    def counting_loop(query, kv_cache, meta, req_ids, scale, out, window=0, softcap=0.0,
+                      sinks=None):
         looped.append(list(req_ids))
-        return loop(query, kv_cache, meta, req_ids, scale, out, window, softcap)
+        return loop(query, kv_cache, meta, req_ids, scale, out, window, softcap, sinks)
 
     monkeypatch.setattr(torch_ref, "attend_requests", counting_loop)
     got, want = run_both(case, max_padded_bytes=100)   # below any group: every group loops

@@ -206,21 +206,25 @@ def build(fn, ptr_types, constexprs, aligned=False, **options):
 for dt in ("fp16", "bf16"):
     ptrs = dict(q_ptr=dt, out_ptr=dt, cache_ptr=dt, key_ptr=dt, value_ptr=dt, slot_ptr="i64",
                 bt_ptr="i32", qsl_ptr="i32", seq_lens_ptr="i32", m_ptr="fp32", l_ptr="fp32",
-                acc_ptr="fp32")
+                acc_ptr="fp32", sinks_ptr="fp32")
     dot = dict(PRECISION="tf32", UPCAST=False)
-    # SKIP_DECODES: per-request dispatch; SLIDING: a sliding window
-    for skip, warps, sliding in ((False, 4, False), (True, 8, False), (False, 4, True)):
+    # SKIP_DECODES: per-request dispatch; SLIDING: a sliding window; SINKS: attention sinks
+    for skip, warps, sliding, sinks in ((False, 4, False, False), (True, 8, False, False),
+                                        (False, 4, True, False), (False, 4, True, True)):
         build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
-              BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, SLIDING=sliding, **dot),
-              num_warps=warps, num_stages=2)
-    for head_fastest, ordered, sliding in ((False, False, False), (True, False, False),
-                                           (True, True, False), (False, False, True)):
+              BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, SLIDING=sliding,
+              SINKS=sinks, **dot), num_warps=warps, num_stages=2)
+    for head_fastest, ordered, sliding, splits, sinks in (
+            (False, False, False, 8, False), (True, False, False, 8, False),
+            (True, True, False, 8, False), (False, False, True, 8, False),
+            (False, False, True, 1, True)):
         build(pa._decode_kernel, dict(ptrs, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
-              HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=8, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
-              HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=sliding, **dot), num_warps=4,
-              num_stages=2)
-    build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
-          BLOCK_D=128), num_warps=1)
+              HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=splits, BLOCK_G=16, BLOCK_D=128,
+              BLOCK_N=64, HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=sliding,
+              SINKS=sinks, **dot), num_warps=4, num_stages=2)
+    for sinks in (False, True):
+        build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
+              BLOCK_D=128, SINKS=sinks), num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
           BLOCK_H=8, BLOCK_D=128), num_warps=4)
 
@@ -230,12 +234,13 @@ from kernels.attention.triton_launch import TritonLaunchConfig, decode_keys_per_
 tiles = TritonLaunchConfig().decode
 for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256), ("fp32", 4, 256)):
     ptrs = dict(q_ptr=dt, out_ptr=dt, cache_ptr=dt, bt_ptr="i32", qsl_ptr="i32",
-                seq_lens_ptr="i32", order_ptr="i64", m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32")
+                seq_lens_ptr="i32", order_ptr="i64", m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32",
+                sinks_ptr="fp32")
     keys = decode_keys_per_step(tiles.block_n, head_dim, size)
     k = build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
               BLOCK_SIZE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
               PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False,
-              HEAD_FASTEST=False, ORDERED=False, SLIDING=False), aligned=True,
+              HEAD_FASTEST=False, ORDERED=False, SLIDING=False, SINKS=False), aligned=True,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     assert k.metadata.shared <= 99 * 1024, (dt, head_dim, keys, k.metadata.shared)
 """

@@ -31,6 +31,7 @@ def test_the_table_is_transformers_config_class_defaults():
                "Olmo2ForCausalLM": "Olmo2Config", "GraniteForCausalLM": "GraniteConfig",
                "SmolLM3ForCausalLM": "SmolLM3Config", "GemmaForCausalLM": "GemmaConfig",
                "Starcoder2ForCausalLM": "Starcoder2Config",
+               "GptOssForCausalLM": "GptOssConfig",
                "BertModel": "BertConfig", "BertForMaskedLM": "BertConfig",
                "RobertaModel": "RobertaConfig", "RobertaForMaskedLM": "RobertaConfig",
                "XLMRobertaModel": "XLMRobertaConfig",
