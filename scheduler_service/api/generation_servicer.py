@@ -36,7 +36,7 @@ from scheduler_service.api.api_keys import KeyBook, KeyPolicy
 from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
 from scheduler_service.api.request_limits import (check_abort_ids, check_messages_count,
                                                   check_prompt_can_fit, check_tokenize_limits)
-from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.api.request_quota import TOKENIZE, RequestQuota
 from scheduler_service.api.request_tally import RequestTally
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
@@ -228,11 +228,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_prompt_can_fit(request, self._model.prompt_chars_fit,
                                  self._model.info.max_model_len)
             caller = pool_caller(context)
-            if request.messages:
-                ids = await self._door.offload(caller, self._model.chat_prompt_ids,
-                                               messages_from_proto(request.messages))
-            else:
-                ids = await self._door.offload(caller, self._model.tokenizer.encode, request.text)
+            with self._door.quota.call(caller_of(context), "", TOKENIZE):
+                if request.messages:
+                    ids = await self._door.offload(caller, self._model.chat_prompt_ids,
+                                                   messages_from_proto(request.messages))
+                else:
+                    ids = await self._door.offload(caller, self._model.tokenizer.encode,
+                                                   request.text)
         except Exception as e:
             await abort_with(context, e)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))

@@ -132,3 +132,31 @@ def test_a_key_at_its_bound_is_refused_before_its_prompt_is_tokenized(keyed):
     for call in held:
         assert list(call)
     wait_until(lambda: server.quota.live(CALLER_A) == 0, "the places to come back")
+
+
+def test_a_key_holds_at_most_its_bound_of_tokenize_calls(keyed):
+    """Tokenize holds no place of the engine, but it waits for the key's share of the
+    tokenizer threads holding its message (up to --max-request-mib): a key could queue any
+    number of them (hostile run, session 45). Now at most --max-requests-per-key at once; the
+    next is RESOURCE_EXHAUSTED naming the bound, another key's is served."""
+    server, _, generation = keyed
+    release = threading.Event()
+    blockers = [asyncio.run_coroutine_threadsafe(
+        server.pool.run(release.wait, caller=CALLER_A), server._loop)
+        for _ in range(server.pool.per_caller)]
+    tokenize = gpb.TokenizeRequest(text="a b c")
+    try:
+        queued = [generation.Tokenize.future(tokenize, timeout=30, metadata=BEARER_A)
+                  for _ in range(2)]
+        wait_until(lambda: server.pool.num_jobs(CALLER_A) == server.pool.per_caller + 2,
+                   "key A's two Tokenize calls to wait for its threads")
+        code, details = rpc_code(lambda: generation.Tokenize(tokenize, timeout=10,
+                                                             metadata=BEARER_A))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert "Tokenize calls in progress for this API key=3 must be <= 2" in details
+        assert generation.Tokenize(tokenize, timeout=10, metadata=BEARER_B).num_tokens > 0
+    finally:
+        release.set()
+        for job in blockers:
+            job.result(10)
+    assert all(call.result().num_tokens > 0 for call in queued)
