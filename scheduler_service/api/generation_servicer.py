@@ -28,15 +28,15 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import (builds_off_loop, limited_fields, output_to_proto,
                                            request_from_proto, sampling_to_proto)
 from scheduler_service.api import scoring
-from scheduler_service.api.embeddings import embed, prompt_of
+from scheduler_service.api.embeddings import embed_in_place, prompt_of
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, abort_requests, abort_with,
-                                              messages_from_proto, new_request_id)
+                                              ValidatedRequest, messages_from_proto,
+                                              new_request_id)
 from scheduler_service.api.api_keys import KeyBook, KeyPolicy
-from scheduler_service.api.guard import (caller_of, client_id, policy_of, pool_caller,
-                                         scoped_id)
+from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
 from scheduler_service.api.request_limits import (check_abort_ids, check_messages_count,
                                                   check_prompt_can_fit, check_tokenize_limits)
-from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.api.request_quota import TOKENIZE, RequestQuota
 from scheduler_service.api.request_tally import RequestTally
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
@@ -77,15 +77,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         owned = None
         caller = caller_of(context)
         try:
-            engine_request = await self._to_engine_request(
-                request, policy_of(context, self._keys), pool_caller(context), caller)
-            own_id = client_id(caller, engine_request.request_id)
-            with self._door.quota.hold(caller, own_id):
+            policy = policy_of(context, self._keys)
+            req = self._validated(request, policy)
+            # The place first: a key at its bound is refused before it costs tokenizer time.
+            with self._door.quota.hold(caller, req.request_id):
+                engine_request = await self._to_engine_request(req, policy,
+                                                               pool_caller(context), caller)
                 owned = self._own(engine_request.request_id, caller)
                 async with aclosing(self._engine.generate(engine_request)) as outputs:
                     async for out in outputs:
                         streamed = True
-                        args = (out, self._token_text, own_id,
+                        args = (out, self._token_text, req.request_id,
                                 engine_request.prompt_token_ids)
                         # Prompt logprobs take seconds for a long prompt (a lagging
                         # consumer's pile, too): built off the event loop, so that the other
@@ -121,17 +123,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._owners[request_id] = caller
         return request_id
 
-    async def _to_engine_request(self, msg: pb.GenerateRequest, policy: KeyPolicy,
-                                 pool_share: str, caller: str) -> Request:
-        """The engine's request (its id scoped to the caller's key); the prompt tokenized in
-        `pool_share`'s share of the tokenizer threads."""
+    def _validated(self, msg: pb.GenerateRequest, policy: KeyPolicy) -> ValidatedRequest:
+        """Every field checked, nothing costly done yet (no tokenizing)."""
         info = self._model.info
         self._model.check_runner("Generate")
         self._door.check_limits(msg, limited_fields(msg))
         policy.check_priority(msg.priority)
-        req = request_from_proto(msg, defaults=self._model.default_sampling,
-                                 vocab_size=info.vocab_size,
-                                 max_logprobs=self._options.max_logprobs)
+        return request_from_proto(msg, defaults=self._model.default_sampling,
+                                  vocab_size=info.vocab_size,
+                                  max_logprobs=self._options.max_logprobs)
+
+    async def _to_engine_request(self, req: ValidatedRequest, policy: KeyPolicy,
+                                 pool_share: str, caller: str) -> Request:
+        """The engine's request (its id scoped to the caller's key); the prompt tokenized in
+        `pool_share`'s share of the tokenizer threads."""
         ids = await self._door.prompt_ids(req, pool_share)
         return self._door.engine_request(req, scoped_id(caller, req.request_id), ids,
                                          policy.salt)
@@ -162,11 +167,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._model.check_runner("Embed")
             if request.HasField("text") and request.token_ids:
                 raise ParamError("prompt", "text and token_ids", "exactly one of them")
-            ids = await prompt_of(self._door, request.token_ids, request.text,
-                                  pool_caller(context), ("prompt", "token_ids", "text"))
             rid = request.request_id or new_request_id()
-            vector = await embed(self._engine, self._door, caller, rid, ids,
-                                 policy_of(context, self._keys).salt)
+            with self._door.quota.hold(caller, rid):       # before tokenizing
+                ids = await prompt_of(self._door, request.token_ids, request.text,
+                                      pool_caller(context), ("prompt", "token_ids", "text"))
+                vector = await embed_in_place(self._engine, self._door, caller, rid, ids,
+                                              policy_of(context, self._keys).salt)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status
@@ -222,11 +228,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             check_prompt_can_fit(request, self._model.prompt_chars_fit,
                                  self._model.info.max_model_len)
             caller = pool_caller(context)
-            if request.messages:
-                ids = await self._door.offload(caller, self._model.chat_prompt_ids,
-                                               messages_from_proto(request.messages))
-            else:
-                ids = await self._door.offload(caller, self._model.tokenizer.encode, request.text)
+            with self._door.quota.call(caller_of(context), "", TOKENIZE):
+                if request.messages:
+                    ids = await self._door.offload(caller, self._model.chat_prompt_ids,
+                                                   messages_from_proto(request.messages))
+                else:
+                    ids = await self._door.offload(caller, self._model.tokenizer.encode,
+                                                   request.text)
         except Exception as e:
             await abort_with(context, e)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids))

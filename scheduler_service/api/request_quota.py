@@ -6,6 +6,11 @@ With --max-requests-per-key N a key holds at most N requests at once, queued or 
 VllmEngine Generate with n choices holds n), and its next one is refused with
 RESOURCE_EXHAUSTED naming the limit; other keys are not affected. Without API keys every call is
 the same caller, so the bound is then one for the whole port.
+
+Calls that wait holding their message but no place are bounded per key too (`call`), by kind:
+a Classify or Score call's requests wait for places of their key (scoring.py) while it holds
+its texts' token ids, and a Tokenize call waits for the key's share of the tokenizer threads.
+A key holds at most N calls of each kind at once, so what its waiting calls hold is bounded.
 """
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ from typing import Iterator
 
 from scheduler_service.core.admission import QueueFull
 
+# The kinds of calls `RequestQuota.call` bounds (its message names them).
+CLASSIFY_SCORE = "Classify and Score"
+TOKENIZE = "Tokenize"
+
 
 class RequestQuota:
     """`per_key`: requests one caller may hold at once (None: no bound). Used from the event
@@ -25,9 +34,31 @@ class RequestQuota:
         self.per_key = per_key
         self._live: Counter[str] = Counter()
         self._waiters: dict[str, list[asyncio.Future]] = {}   # caller -> wait_place calls
+        self._calls: Counter[tuple[str, str]] = Counter()     # (caller, kind) -> calls
 
     def live(self, caller: str) -> int:
         return self._live[caller]
+
+    def calls(self, caller: str, kind: str = CLASSIFY_SCORE) -> int:
+        """`caller`'s calls of `kind` in progress."""
+        return self._calls[caller, kind]
+
+    @contextmanager
+    def call(self, caller: str, request_id: str, kind: str = CLASSIFY_SCORE
+             ) -> Iterator[None]:
+        """One call of `kind` by `caller` while the block runs; QueueFull when the key holds
+        its bound of them already (taken before the call tokenizes anything)."""
+        held = self._calls[caller, kind]
+        if self.per_key is not None and held >= self.per_key:
+            raise QueueFull(request_id, f"{kind} calls in progress for this API key", held + 1,
+                            f"<= {self.per_key} (--max-requests-per-key)")
+        self._calls[caller, kind] = held + 1
+        try:
+            yield
+        finally:
+            self._calls[caller, kind] -= 1
+            if not self._calls[caller, kind]:
+                del self._calls[caller, kind]
 
     async def wait_place(self, caller: str) -> None:
         """Return once `caller` holds fewer places than the bound, so a `hold` of one made

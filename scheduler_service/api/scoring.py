@@ -89,8 +89,17 @@ def call_ids(kind: str, request_id: str) -> Callable[[int], str]:
 async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts: list[str],
                    activation: bool, salt: str, pool_caller: str,
                    tally: RequestTally | None = None) -> list[Classified]:
-    """Each text's class, in order (errors name `input[i]`; `tally`: the call's counts)."""
+    """Each text's class, in order (errors name `input[i]`; `tally`: the call's counts). One
+    of the key's calls (RequestQuota.call) from before its texts are tokenized."""
     info = classifier_of(door, "Classify")
+    with door.quota.call(caller, request_id):
+        return await _classify(engine, door, info, caller, request_id, texts, activation, salt,
+                               pool_caller, tally)
+
+
+async def _classify(engine, door: FrontDoor, info: ClassifierInfo, caller: str,
+                    request_id: str, texts: list[str], activation: bool, salt: str,
+                    pool_caller: str, tally: RequestTally | None) -> list[Classified]:
     _check_count("input", len(texts))
     ids, total, limit = [], 0, door.options.max_score_tokens
     for i, text in enumerate(texts):
@@ -117,8 +126,17 @@ async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts:
 async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: list[str],
                 text_2: list[str], activation: bool, salt: str, pool_caller: str,
                 tally: RequestTally | None = None) -> tuple[list[float], int]:
-    """(each pair's score in order, the pairs' tokens together; `tally`: the call's counts)."""
+    """(each pair's score in order, the pairs' tokens together; `tally`: the call's counts).
+    One of the key's calls (RequestQuota.call) from before its pairs are tokenized."""
     info = classifier_of(door, "Score")
+    with door.quota.call(caller, request_id):
+        return await _score(engine, door, info, caller, request_id, text_1, text_2,
+                            activation, salt, pool_caller, tally)
+
+
+async def _score(engine, door: FrontDoor, info: ClassifierInfo, caller: str, request_id: str,
+                 text_1: list[str], text_2: list[str], activation: bool, salt: str,
+                 pool_caller: str, tally: RequestTally | None) -> tuple[list[float], int]:
     pairs = score_pairs(text_1, text_2)
     _check_count("text_2", len(pairs))
     token_types = uses_token_types(door.model.info.hf_config)

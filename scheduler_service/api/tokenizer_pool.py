@@ -46,6 +46,10 @@ class TokenizerPool:
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, caller))
         return await asyncio.wrap_future(job)
 
+    def num_jobs(self, caller: str) -> int:
+        """`caller`'s jobs waiting for a thread or running."""
+        return self._users.get(caller, 0)
+
     def _release(self, caller: str) -> None:
         self._slots[caller].release()
         self._leave(caller)

@@ -32,7 +32,7 @@ from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.convert import OFF_LOOP_TOKENS
-from scheduler_service.api.embeddings import embed, prompt_of
+from scheduler_service.api.embeddings import embed_in_place, prompt_of
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
                                               abort_requests, abort_with, new_request_id)
 from scheduler_service.api.api_keys import KeyBook
@@ -108,22 +108,24 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         tally = RequestTally(self._engine.counters)
         try:
             self._model.check_runner("Generate")
-            inp, prompt_ids = await self._validate(request, pool_caller(context))
+            inp = self._validate(request)
             tally.choices(inp.n)
             self._last_receive = time.time()
-            salt = policy_of(context, self._keys).salt
-            async for msg in self._run(inp, prompt_ids, caller_of(context), salt, tally):
-                yield msg
+            salt, caller = policy_of(context, self._keys).salt, caller_of(context)
+            # The places first: a key at its bound is refused before it costs tokenizer time.
+            with self._door.quota.hold(caller, inp.request_id, inp.n):
+                prompt_ids = await self._door.prompt_ids(inp, pool_caller(context))
+                async for msg in self._run(inp, prompt_ids, caller, salt, tally):
+                    yield msg
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
             tally.failed(e)
             await abort_with(context, e)
 
-    async def _validate(self, msg: pb.GenerateRequest, caller: str
-                        ) -> tuple[ValidatedRequest, list[int]]:
-        """Limits first, then the conversion; the constraint is validated and a text prompt
-        tokenized on the pool, within `caller`'s share of it."""
+    def _validate(self, msg: pb.GenerateRequest) -> ValidatedRequest:
+        """Limits first, then the conversion; nothing costly yet (the constraint is validated
+        and a text prompt tokenized on the pool by FrontDoor.prompt_ids)."""
         info = self._model.info
         self._door.check_limits(msg, limited_fields(msg))
         inp = request_from_proto(msg, defaults=self._model.default_sampling,
@@ -131,10 +133,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                  max_logprobs=self._options.max_logprobs)
         if self._adapter is not None:
             inp = dataclasses.replace(inp, lora_name=self._adapter)
-        return inp, await self._door.prompt_ids(inp, caller)
+        return inp
 
     async def _run(self, inp: ValidatedRequest, prompt_ids: list[int], caller: str,
                    cache_salt: str, tally: RequestTally) -> AsyncIterator[pb.GenerateResponse]:
+        """The choices' messages; the caller holds their places (n of the key's)."""
         key = scoped_id(caller, inp.request_id)     # each API key has its own ids
         max_waiting = self._shape.max_waiting
         if max_waiting is not None and inp.n > max_waiting:
@@ -143,15 +146,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         ids = (key,) if inp.n == 1 else tuple(f"{key}-{i}" for i in range(inp.n))
         if key in self._children:
             raise ParamError("request_id", inp.request_id, "not the id of a running request")
-        with self._door.quota.hold(caller, inp.request_id, inp.n):
-            self._children[key] = (caller, ids)
-            try:
-                async with aclosing(self._choices(inp, ids, prompt_ids, cache_salt,
-                                                  tally)) as msgs:
-                    async for msg in msgs:
-                        yield msg
-            finally:
-                self._children.pop(key, None)
+        self._children[key] = (caller, ids)
+        try:
+            async with aclosing(self._choices(inp, ids, prompt_ids, cache_salt,
+                                              tally)) as msgs:
+                async for msg in msgs:
+                    yield msg
+        finally:
+            self._children.pop(key, None)
 
     async def _choices(self, inp: ValidatedRequest, ids: tuple[str, ...], prompt_ids: list[int],
                        cache_salt: str, tally: RequestTally) -> AsyncIterator[pb.GenerateResponse]:
@@ -288,12 +290,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                  "run no LoRA adapter")
             caller = caller_of(context)
             tokenized = request.tokenized
-            ids = await prompt_of(self._door, tokenized.input_ids, tokenized.original_text,
-                                  pool_caller(context))
-            self._last_receive = time.time()
             rid = request.request_id or new_request_id()
-            vector = await embed(self._engine, self._door, caller, rid, ids,
-                                 policy_of(context, self._keys).salt, tally.output)
+            with self._door.quota.hold(caller, rid):       # before tokenizing
+                ids = await prompt_of(self._door, tokenized.input_ids,
+                                      tokenized.original_text, pool_caller(context))
+                self._last_receive = time.time()
+                vector = await embed_in_place(self._engine, self._door, caller, rid, ids,
+                                              policy_of(context, self._keys).salt, tally.output)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status

@@ -208,7 +208,7 @@ class SimServer:
                                       interceptors=public_port.interceptors(self.api, keys))
         shape = EngineShape(self.config.block_size, self.config.max_num_seqs, "float32", "auto",
                             max_waiting=self.config.max_waiting)
-        pool = TokenizerPool(self.api.tokenizer_threads)
+        self.pool = pool = TokenizerPool(self.api.tokenizer_threads)
         self.quota = RequestQuota(self.api.max_requests_per_key)   # shared, as server.py does
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.engine, self.model, shape, self.kv_events,

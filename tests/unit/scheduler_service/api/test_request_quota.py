@@ -4,11 +4,15 @@ the limit, while other keys are admitted. Without the bound one tenant could fil
 waiting queue (--max-waiting) and leave every other tenant refused (hostile run, session 36)."""
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import grpc
 import pytest
 
 from engine_common.wire.protos import generation_pb2 as gpb
 from engine_common.wire.protos import generation_pb2_grpc
+from engine_common.wire.protos import vllm_engine_pb2 as vpb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_keys import fingerprint
 from scheduler_service.api.api_options import ApiOptions
@@ -89,3 +93,70 @@ def test_a_key_at_its_bound_is_refused_on_both_services_and_others_are_not(keyed
                                           metadata=BEARER_A)) == (grpc.StatusCode.OK, "")
     wait_until(lambda: server.quota.live(CALLER_A) == 0, "a5's place to come back")
     assert server.used_blocks() == 0
+
+
+def test_a_key_at_its_bound_is_refused_before_its_prompt_is_tokenized(keyed):
+    """A place is taken before the tokenizer pool is: a key at its bound used to have each
+    further text prompt tokenized (queued behind its share of the threads, the message held)
+    and only then refused, so one key could queue any number of calls, megabytes each, and
+    keep its threads busy with work thrown away (hostile run, session 45). Key A's share of
+    the pool is held here by jobs that wait: a call that reached the pool would wait too."""
+    server, vllm, generation = keyed
+    server.hold_steps(after=0)
+    held = [generation.Generate(_generation(f"a{i}"), timeout=30, metadata=BEARER_A)
+            for i in range(2)]
+    wait_until(lambda: server.quota.live(CALLER_A) == 2, "key A's two requests to be held")
+    release = threading.Event()
+    blockers = [asyncio.run_coroutine_threadsafe(
+        server.pool.run(release.wait, caller=CALLER_A), server._loop)
+        for _ in range(server.pool.per_caller)]
+    try:
+        text_calls = (
+            lambda: generation.Generate(gpb.GenerateRequest(request_id="a3", text="a b c",
+                                                            stopping=gpb.StoppingCriteria(
+                                                                max_tokens=2)),
+                                        timeout=10, metadata=BEARER_A),
+            lambda: vllm.Generate(vpb.GenerateRequest(request_id="a4", text="a b c",
+                                                      sampling_params=vpb.SamplingParams(
+                                                          max_tokens=2)),
+                                  timeout=10, metadata=BEARER_A))
+        for call in text_calls:
+            code, details = rpc_code(call)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+            assert "<= 2 (--max-requests-per-key)" in details
+    finally:
+        release.set()
+        for job in blockers:
+            job.result(10)
+        server.release_steps()
+    for call in held:
+        assert list(call)
+    wait_until(lambda: server.quota.live(CALLER_A) == 0, "the places to come back")
+
+
+def test_a_key_holds_at_most_its_bound_of_tokenize_calls(keyed):
+    """Tokenize holds no place of the engine, but it waits for the key's share of the
+    tokenizer threads holding its message (up to --max-request-mib): a key could queue any
+    number of them (hostile run, session 45). Now at most --max-requests-per-key at once; the
+    next is RESOURCE_EXHAUSTED naming the bound, another key's is served."""
+    server, _, generation = keyed
+    release = threading.Event()
+    blockers = [asyncio.run_coroutine_threadsafe(
+        server.pool.run(release.wait, caller=CALLER_A), server._loop)
+        for _ in range(server.pool.per_caller)]
+    tokenize = gpb.TokenizeRequest(text="a b c")
+    try:
+        queued = [generation.Tokenize.future(tokenize, timeout=30, metadata=BEARER_A)
+                  for _ in range(2)]
+        wait_until(lambda: server.pool.num_jobs(CALLER_A) == server.pool.per_caller + 2,
+                   "key A's two Tokenize calls to wait for its threads")
+        code, details = rpc_code(lambda: generation.Tokenize(tokenize, timeout=10,
+                                                             metadata=BEARER_A))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert "Tokenize calls in progress for this API key=3 must be <= 2" in details
+        assert generation.Tokenize(tokenize, timeout=10, metadata=BEARER_B).num_tokens > 0
+    finally:
+        release.set()
+        for job in blockers:
+            job.result(10)
+    assert all(call.result().num_tokens > 0 for call in queued)

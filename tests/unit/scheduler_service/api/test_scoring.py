@@ -16,6 +16,7 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import FrontDoor, ServedModel
 from scheduler_service.api.embeddings import served_pooler
 from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.core.admission import QueueFull
 from scheduler_service.api.scoring import call_ids, call_window, classifier_of, classify, score
 from scheduler_service.errors import WrongRunner
 from tests.support.classifier_models import make_classifier_model
@@ -127,3 +128,34 @@ def test_a_classify_call_past_the_token_limit_is_refused_by_name(classifiers):
     with pytest.raises(ParamError, match=r"input='2\d tokens in the first \d texts' is invalid: "
                                          r"must be at most 20 tokens .*--max-score-tokens"):
         asyncio.run(classify(no_engine, door, "caller", "r", texts, True, "", "caller"))
+
+
+def test_a_key_holds_at_most_its_bound_of_classify_and_score_calls(classifiers):
+    """A call's requests wait for places of the key, and a call holds its texts' token ids
+    meanwhile (up to --max-score-tokens: 32 MiB at the default): a key at its bound could open
+    any number of calls, each tokenized and waiting, and take the scheduler's memory from every
+    tenant (hostile run, session 45). Now a key holds at most --max-requests-per-key calls at
+    once (a call is at least one request); the next is QueueFull, refused before tokenizing;
+    another key is not affected."""
+    served = ServedModel(ModelInfo.from_dir(classifiers[1]),
+                         Tokenizer.from_dir(classifiers[1]), block_size=16,
+                         pooler=model_pooler_config(classifiers[1]), max_num_seqs=4)
+    door = FrontDoor(served, ApiOptions(max_requests_per_key=1))
+    no_engine = None          # the waiting call never reaches it: its key's place is held
+
+    async def run() -> None:
+        with door.quota.hold("alice", "g"):
+            waiting = asyncio.ensure_future(score(no_engine, door, "alice", "s1", ["q"], ["d"],
+                                                  True, "", "alice"))
+            await asyncio.sleep(0)        # the task runs to its first wait (the tokenizer)
+            for call in (score(no_engine, door, "alice", "s2", ["q"], ["d"], True, "", "alice"),
+                         classify(no_engine, door, "alice", "c1", ["t"], True, "", "alice")):
+                with pytest.raises(QueueFull, match=r"Classify and Score calls in progress for "
+                                   r"this API key=2 must be <= 1 \(--max-requests-per-key\)"):
+                    await asyncio.wait_for(call, 30)
+            assert door.quota.calls("bob") == 0 and door.quota.calls("alice") == 1
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        assert door.quota.calls("alice") == 0 and door.quota.live("alice") == 0
+    asyncio.run(run())
