@@ -121,6 +121,24 @@ def test_mxfp4_greedy_matches_transformers_dequantized(mxfp4_pair):
     _check(llm, str(reference), _prompts(llm.model_info.vocab_size)[:6], "gpt_oss/mxfp4")
 
 
+def test_mxfp4_checkpoint_with_some_experts_dequantized(mxfp4_pair, tmp_path):
+    """Layer 1's experts stored plain (dequantized) beside MXFP4 ones under the same mxfp4
+    config: transformers loads it; so do we, to the same weights (was: "missing
+    gate_up_proj_blocks")."""
+    from safetensors.torch import load_file, save_file
+    quantized, reference = mxfp4_pair
+    path = shutil.copytree(quantized, tmp_path / "mixed")
+    weights = load_file(path / "model.safetensors")
+    plain = load_file(reference / "model.safetensors")
+    layer1 = "model.layers.1.mlp.experts."
+    weights = {n: t for n, t in weights.items() if not n.startswith(layer1)}
+    weights.update({n: t for n, t in plain.items() if n.startswith(layer1)})
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    got, want = ours(path), ours(reference)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_mxfp4_without_its_scales_is_refused(mxfp4_pair, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -163,11 +163,16 @@ def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
     """Raise WeightLoadError naming unexpected tensors and parameters left unloaded."""
     missing = []
     for name, param in params.items():
-        wanted = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
+        got = loaded.get(name, set())
+        # a stacked parameter read whole (shard None) needs none of its pieces: a GPT-OSS
+        # checkpoint may hold some layers' experts dequantized beside MXFP4 ones, as
+        # transformers loads it
+        wanted = set(param.shard_ids) if getattr(param, "shard_ids", None) and None not in got \
+            else {None}
         # a stacked parameter names the checkpoint tensor each missing shard is read from
         shard_name = getattr(param, "shard_name", None) or (lambda n, s: f"{n}[{s}]")
         missing += [shard_name(name, s) if s is not None else name
-                    for s in sorted(wanted - loaded.get(name, set()), key=str)]
+                    for s in sorted(wanted - got, key=str)]
     if unexpected:
         raise WeightLoadError(f"{len(unexpected)} checkpoint tensors match no parameter: "
                               f"{sorted(unexpected)[:10]}")
