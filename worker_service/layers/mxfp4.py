@@ -50,5 +50,21 @@ def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.
     out[:, 0::2] = lut[(flat & 0x0F).to(torch.int)]
     out[:, 1::2] = lut[(flat >> 4).to(torch.int)]
     torch.ldexp(out, exponents, out=out)
+    check_finite(out.view(num_experts, rows, groups, width * 2), scales, dtype, name)
     out = out.view(num_experts, rows, groups * width * 2)
     return out.transpose(1, 2).contiguous()
+
+
+def check_finite(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 name: str) -> None:
+    """ValueError naming the first group [E, R, G, 32] whose scale overflows `dtype` (255, the
+    E8M0 NaN code, always does): transformers would load inf/NaN weights silently and every
+    token routed to that expert would come out NaN."""
+    bad = ~torch.isfinite(values).all(dim=-1)
+    if not bad.any():
+        return
+    expert, row, group = (int(i) for i in bad.nonzero()[0])
+    scale = int(scales[expert, row, group])
+    raise ValueError(f"{name}: MXFP4 scale {scale} (expert {expert}, row {row}, group {group}) "
+                     f"gives non-finite {dtype} weights: each code x 2^(scale - {SCALE_BIAS}) "
+                     f"must be within +-{torch.finfo(dtype).max:.4g} (255 is the NaN code)")
