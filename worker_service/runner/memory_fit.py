@@ -111,7 +111,7 @@ def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local
     estimate, the CPU-packed expert copies' part of it); None when the machine's memory is
     unknown."""
     device = torch.device(config.device).type
-    dtype = resolve_dtype(info.hf_config, config.dtype)
+    dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
     element = torch.empty((), dtype=dtype).element_size()
     packed = estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size) if device == "cpu" else 0
     weights = estimate_weight_bytes(info.hf_config, element, tp_size) + packed
@@ -131,7 +131,8 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
     if room is None:
         return
     room_bytes, weights, packed = room
-    element = torch.empty((), dtype=resolve_dtype(info.hf_config, config.dtype)).element_size()
+    dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
+    element = torch.empty((), dtype=dtype).element_size()
     kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
     if (kv or 0) <= room_bytes:
         return
