@@ -175,9 +175,11 @@ def test_tp2_matches_tp1_over_gloo(tiny_models, mxfp4_pair, tmp_path):
 @pytest.mark.parametrize("quant,problem", [
     ({"quant_method": "awq"}, "quantization_config.quant_method='awq' is not supported for "
                               "GptOssForCausalLM: only 'mxfp4' on GptOssForCausalLM"),
-    ({"quant_method": "mxfp4", "dequantize": True},
-     "quantization_config.dequantize=True is not supported: an mxfp4 config may only hold "
-     "quant_method, modules_to_not_convert"),
+    ({"quant_method": "mxfp4", "group_size": 64},
+     "quantization_config.group_size=64 is not supported: an mxfp4 config may only hold "
+     "quant_method, modules_to_not_convert, dequantize"),
+    ({"quant_method": "mxfp4", "dequantize": "yes"},
+     "quantization_config.dequantize='yes' is invalid: must be true or false"),
     ({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"},
      "quantization_config.modules_to_not_convert='lm_head' is invalid: must be a list of "
      "module names"),
@@ -196,6 +198,21 @@ def test_unservable_quantization_configs_are_refused(tiny_models, tmp_path, quan
     mxfp4_elsewhere = {"architectures": ["LlamaForCausalLM"],
                        "quantization_config": {"quant_method": "mxfp4"}}
     assert "not supported for LlamaForCausalLM" in quantization_problem(mxfp4_elsewhere)
+
+
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_mxfp4_dequantize_flag_is_served(mxfp4_pair, tmp_path, dequantize):
+    """transformers' Mxfp4Config(dequantize=...) saved in config.json: transformers loads it
+    (dequantizing on the CPU either way); so do we, to the same weights (was refused)."""
+    quantized, reference = mxfp4_pair
+    path = shutil.copytree(quantized, tmp_path / "flag")
+    cfg = json.load(open(path / "config.json"))
+    cfg["quantization_config"]["dequantize"] = dequantize
+    json.dump(cfg, open(path / "config.json", "w"))
+    ModelInfo.from_dir(path)
+    got, want = ours(path), ours(reference)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_config_defaults_are_gpt_oss_configs():
