@@ -152,6 +152,21 @@ def test_mxfp4_without_its_scales_is_refused(mxfp4_pair, tmp_path):
         ours(path)
 
 
+def test_mxfp4_pieces_without_the_mxfp4_config_are_refused(mxfp4_pair, tmp_path):
+    """A quantized checkpoint whose config.json lost its quantization_config: named as such
+    (was: its expert weights, loaded, reported missing by internal names)."""
+    from worker_service.models.loader import WeightLoadError
+    path = shutil.copytree(mxfp4_pair[0], tmp_path / "no-quant-config")
+    cfg = json.load(open(path / "config.json"))
+    del cfg["quantization_config"]
+    json.dump(cfg, open(path / "config.json", "w"))
+    with pytest.raises(WeightLoadError, match=r"experts\.(gate_up|down)_proj_(blocks|scales)': "
+                                              r"(gate_up|down)_proj_(blocks|scales) is an MXFP4 "
+                                              r"piece, but config\.json has no "
+                                              r"quantization_config"):
+        ours(path)
+
+
 def test_mxfp4_blocks_of_the_wrong_shape_are_refused(mxfp4_pair, tmp_path):
     from safetensors.torch import load_file, save_file
 
