@@ -34,11 +34,34 @@ ARCH_DEFAULT_ORIGINAL_POSITIONS = MappingProxyType({"Phi3ForCausalLM": 4096})
 
 
 def rope_scaling_fields(config: dict) -> dict:
-    """The scaling fields of either layout, merged (transformers 5's rope_parameters over the
-    older rope_scaling), with `rope_type` set ("default" when neither names one)."""
-    merged = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    """The scaling fields of whichever layout config.json uses (transformers 5's
+    rope_parameters or the older rope_scaling; both set is refused: rope_layout), with
+    `rope_type` set ("default" when it names none)."""
+    merged = dict(rope_layout(config))
     merged["rope_type"] = canonical_rope_type(merged.get("rope_type") or merged.get("type"))
     return merged
+
+
+def rope_layout(config: dict) -> dict:
+    """config.json's rope dict: rope_parameters or rope_scaling (null or {}: none).
+
+    Both set means a rope_scaling block pasted into a config transformers 5 saved (it writes
+    rope_parameters only). transformers then reads rope_scaling alone and drops
+    rope_parameters, its rope_theta included (the theta falls back to a top-level rope_theta
+    or the config class's default; vLLM reads transformers' result): a Qwen3 config with
+    rope_parameters' theta 1e6 and a pasted YaRN block would rotate with theta 1e4. Neither
+    reading is what the user meant, so it is refused naming both."""
+    scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
+    for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config.json: {key}={value!r} is invalid: must be an object "
+                             "or null")
+    if scaling and params:
+        raise ValueError(f"config.json: rope_scaling={scaling!r} and rope_parameters={params!r} "
+                         "are both set: transformers reads rope_scaling alone and drops "
+                         "rope_parameters (its rope_theta too): must set one (put the scaling "
+                         "fields and rope_theta into rope_parameters)")
+    return scaling or params or {}
 
 
 def canonical_rope_type(name: str | None) -> str:

@@ -6,6 +6,7 @@ name "su" too), "yarn"
 from either config layout:
   - transformers >= 5: `rope_parameters = {"rope_type": ..., "rope_theta": ..., "factor": ...}`
   - older configs:     `rope_theta` plus `rope_scaling = {"type" or "rope_type": ..., ...}`
+Both set is refused (engine_common/model_files/rope_config.py: rope_layout says why).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from torch import nn
 
 from engine_common.model_files.model_dir import model_position_limit
 from engine_common.model_files.rope_config import (canonical_rope_type, declared_max_positions,
-                                                   original_length, scaling_factor)
+                                                   original_length, rope_layout,
+                                                   scaling_factor)
 from kernels.cpu.fused import ops_for
 from worker_service.layers.dynamic_rope import dynamic_ntk_cos_sin
 from worker_service.layers.longrope import longrope_cos_sin
@@ -37,9 +39,7 @@ class RopeSettings:
 
     @classmethod
     def from_hf_config(cls, hf_config: dict) -> "RopeSettings":
-        params = dict(hf_config.get("rope_parameters") or {})
-        legacy = dict(hf_config.get("rope_scaling") or {})
-        merged = {**legacy, **params}
+        merged = dict(rope_layout(hf_config))
         rope_type = canonical_rope_type(merged.pop("rope_type", None) or merged.pop("type", None))
         merged.pop("type", None)
         theta = merged.pop("rope_theta", None) or hf_config.get("rope_theta") or 10000.0
