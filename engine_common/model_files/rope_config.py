@@ -18,6 +18,7 @@ Lengths, as transformers and vLLM read them:
 """
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 from engine_common.model_files.max_len import FALLBACK_MAX_LEN, arch_default_max_positions
@@ -91,9 +92,10 @@ def scaling_factor(scaling: dict, required: bool = True) -> float | None:
     return float(factor)
 
 
-def original_length(config: dict, scaling: dict, rope_type: str) -> int:
+def original_length(config: dict, scaling: dict, rope_type: str) -> int | float:
     """The pre-training length of a yarn, longrope or llama3 rope (see the module docstring
-    for which key wins)."""
+    for which key wins): a positive integer; llama3's may be any positive number (its formula
+    only divides by it, and a GGUF's rope_freqs solve to a fractional one)."""
     value = config.get("original_max_position_embeddings")
     if value is None:
         archs = config.get("architectures") or [None]
@@ -104,9 +106,12 @@ def original_length(config: dict, scaling: dict, rope_type: str) -> int:
         value = declared_max_positions(config)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = (int, float) if rope_type == "llama3" else int
+    if (isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value)
+            or value <= 0 or (number is int and value < 1)):
+        kind = "a positive number" if rope_type == "llama3" else "a positive integer"
         raise ValueError(f"config.json: {rope_type} original_max_position_embeddings={value!r} "
-                         "is invalid: must be a positive integer")
+                         f"is invalid: must be {kind}")
     return value
 
 

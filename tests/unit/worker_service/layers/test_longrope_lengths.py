@@ -90,3 +90,21 @@ def test_a_bad_original_length_is_refused_naming_the_rope_type():
     with pytest.raises(ValueError, match=r"longrope original_max_position_embeddings='x' is "
                                          r"invalid: must be a positive integer"):
         get_rope(16, {**PHI3, "original_max_position_embeddings": "x"})
+
+
+def test_a_fractional_llama3_original_length_is_read_as_transformers_does():
+    """A GGUF's rope_freqs.weight can solve to a fractional context (gguf_config.py); llama3's
+    formula only divides by it, and transformers takes it as is."""
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 300,
+              "max_position_embeddings": 512,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 300.5}}
+    rope = get_rope(16, config)
+    hf = tf.models.llama.modeling_llama.LlamaRotaryEmbedding(tf.LlamaConfig(**config))
+    cos, _ = hf(torch.zeros(1), torch.arange(512)[None])
+    torch.testing.assert_close(rope.cos_cache, cos[0], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"llama3 original_max_position_embeddings=-1 is "
+                                         r"invalid: must be a positive number"):
+        get_rope(16, {**config, "original_max_position_embeddings": -1})
