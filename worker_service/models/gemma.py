@@ -89,10 +89,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     decoder_class = GemmaModel
     tie_by_default = True              # GemmaConfig's
+    default_head_dim = DEFAULT_HEAD_DIM
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
         refuse_unsupported(hf_config)
-        cfg = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
+        cfg = {**hf_config, "head_dim": hf_config.get("head_dim") or self.default_head_dim}
         args = super().decoder_args(cfg, fused_ops)
         return replace(args, mlp_bias=False)
 
