@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from worker_service.layers.norm import ResidualInterface
 from worker_service.models.gemma3 import Gemma3MLP, GemmaRMSNorm
 from worker_service.models.llama import DecoderArgs, DecoderLayer, DecoderModel, LlamaForCausalLM
 from worker_service.parallel_state import TPGroup
@@ -31,15 +32,8 @@ DEFAULT_HEAD_DIM = 256          # GemmaConfig's
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
 
-class GemmaNorm(GemmaRMSNorm):
-    """Gemma's RMSNorm with Llama's residual interface: norm(x), or given the residual stream
-    (norm(x + residual), x + residual)."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return super().forward(x)
-        x = x + residual
-        return super().forward(x), x
+class GemmaNorm(ResidualInterface, GemmaRMSNorm):
+    """Gemma's RMSNorm with Llama's residual interface."""
 
 
 class GemmaDecoderLayer(DecoderLayer):
