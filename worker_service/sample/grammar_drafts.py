@@ -58,24 +58,26 @@ class DraftWalk:
 
 def walk(matcher: llguidance.LLMatcher | None, drafts: list[int],
          eos_ids: tuple[int, ...]) -> DraftWalk:
-    """`matcher` (None: its grammar failed; only eos is masked in) walked through `drafts`
-    and rolled back to where it was."""
+    """A copy of `matcher` (None: its grammar failed; only eos is masked in) walked through
+    `drafts`; `matcher` itself is left as it was."""
     k = len(drafts)
     if matcher is None or matcher.is_error():
         stopped = [True] * (k + 1)
         return DraftWalk(drafts, 0, False, stopped, [matcher is None] * (k + 1))
     stopped, accepting = [matcher.is_stopped()], [matcher.is_accepting()]
-    # validated first: a refused consume_token would leave the matcher in its error state
+    # Walked on a copy: a validated draft can still hit a resource limit when consumed (an
+    # Earley row past max_items_in_row), and the error state never leaves a matcher; one-token
+    # decoding fails only if it consumes that draft (advance does, when the run accepts it).
+    probe = matcher.deep_copy()
     text = next((i for i, t in enumerate(drafts) if t in eos_ids), k)
-    valid = matcher.validate_tokens(drafts[:text]) if text else 0
-    for token in drafts[:valid]:
-        if not matcher.consume_token(token):
-            raise RuntimeError(f"llguidance validated draft token {token} but refused it")
-        stopped.append(matcher.is_stopped())
-        accepting.append(matcher.is_accepting())
+    valid = probe.validate_tokens(drafts[:text]) if text else 0
+    for i, token in enumerate(drafts[:valid]):
+        if not probe.consume_token(token):
+            valid = i                   # masked as a refused draft: allowed at `i`, not past
+            break
+        stopped.append(probe.is_stopped())
+        accepting.append(probe.is_accepting())
     eos = valid == text < k and accepting[valid]
-    if valid and not matcher.rollback(valid):
-        raise RuntimeError(f"llguidance could not roll back {valid} draft tokens")
     # never reached (or unconstrained after an eos): the flags of `valid`, resp. off
     tail = [False] * (k - valid) if eos else [stopped[valid]] * (k - valid)
     atail = [False] * (k - valid) if eos else [accepting[valid]] * (k - valid)
