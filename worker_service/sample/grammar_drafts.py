@@ -12,8 +12,10 @@ position p is the grammar's after those drafts, so the matcher is walked through
 or, when d_valid is an eos id the grammar allows there: positions after it are unconstrained
 (the grammar is done, `terminated`, as when one-token decoding samples eos).
 
-`walk` runs on the step thread before the sampling metadata is built (the per-position
-`stopped` flags exempt eos from min_tokens there) and leaves the matcher where it was; the
+`walk` runs on the step thread before the step's inputs are prepared (spec_verify.grammar_trim
+then cuts the drafts from `valid` on unless it is an allowed eos, so the runner never masks a
+position past `valid`; the per-position `stopped` flags exempt eos from min_tokens) on a copy of
+the matcher, which stays where it was; the
 masks are computed on the mask helper thread (llguidance's draft-aware batch call advances each
 matcher through `drafts[:valid]` and rolls it back). A mask's failure checks apply only to a
 position the step reaches: position 0 at once, later ones when the accepted run reaches them
@@ -49,6 +51,13 @@ class DraftWalk:
         if position <= self.valid:
             return position
         return -1 if self.eos else self.valid
+
+    def cut(self) -> "DraftWalk":
+        """The walk of `drafts[:valid]` alone (grammar_trim: the drafts from the refused one
+        on are never sent to the model)."""
+        n = self.valid + 1
+        return DraftWalk(self.drafts[:self.valid], self.valid, False, self.stopped[:n],
+                         self.accepting[:n])
 
     @property
     def masked_positions(self) -> list[int]:
