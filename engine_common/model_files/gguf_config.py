@@ -31,10 +31,16 @@ _FIELDS = (
     ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
 )
 _OPTIONAL = ("attention.head_count_kv",)
-# GGUF architectures whose Hugging Face checkpoints are served, but not their GGUF files (the
-# experts are stacked tensors the GGUF reader does not map): the refusal says so
-_HF_ONLY = MappingProxyType({"qwen2moe": "Qwen2MoeForCausalLM",
-                             "qwen3moe": "Qwen3MoeForCausalLM"})
+# GGUF architectures whose Hugging Face checkpoints are served, but not their GGUF files (MoE:
+# the experts are stacked tensors the GGUF reader does not map; the others: llama.cpp's tensor
+# names and norms for them are not mapped): the refusal says so
+_HF_ONLY_MOE = MappingProxyType({"qwen2moe": "Qwen2MoeForCausalLM",
+                                 "qwen3moe": "Qwen3MoeForCausalLM"})
+_HF_ONLY = MappingProxyType({**_HF_ONLY_MOE, "gemma": "GemmaForCausalLM",
+                             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                             "starcoder2": "Starcoder2ForCausalLM",
+                             "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                             "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM"})
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -42,8 +48,9 @@ def gguf_architecture(gguf: GGUFFile) -> str:
     """general.architecture, checked against ARCHITECTURES."""
     arch = gguf.require("general.architecture")
     if arch not in ARCHITECTURES:
-        hint = (f"; mixture-of-experts GGUF files are not read: serve the Hugging Face "
-                f"checkpoint ({_HF_ONLY[arch]}) instead" if arch in _HF_ONLY else "")
+        kind = "mixture-of-experts GGUF files" if arch in _HF_ONLY_MOE else f"{arch} GGUF files"
+        hint = (f"; {kind} are not read: serve the Hugging Face checkpoint ({_HF_ONLY[arch]}) "
+                "instead" if arch in _HF_ONLY else "")
         raise GGUFError(f"{gguf.path}: general.architecture={arch!r} is not supported: must be "
                         f"one of {sorted(ARCHITECTURES)}{hint}")
     return arch

@@ -7,28 +7,68 @@ tables (worker_service/layers/rotary.py) read these, so the two never disagree o
 Lengths, as transformers and vLLM read them:
   - max_position_embeddings: config.json's key, else the architecture's transformers default
     (max_len.py's table), else vLLM's 2048;
-  - YaRN's original_max_position_embeddings: a top-level key of that name wins (transformers'
-    rope recomputation standardizes the rope dict from the config attribute, overwriting it),
-    else the scaling dict's, else max_position_embeddings (transformers' standardization);
+  - the original_max_position_embeddings of YaRN, LongRoPE and llama3 (transformers'
+    standardize_rope_params): a top-level key of that name wins, overwriting the rope dict's;
+    a config class that defines the attribute always holds one (Phi3Config: 4096), so for its
+    architecture an absent top-level key means that default, not the dict's; else the scaling
+    dict's, else max_position_embeddings;
   - the longest position (vLLM's _get_and_verify_max_len): linear and dynamic scaling multiply
     the model's length by `factor`; YaRN multiplies its original length by `factor`; llama3 and
     longrope configs already state the extended length; Gemma 3's is already scaled.
 """
 from __future__ import annotations
 
+import math
+from types import MappingProxyType
+
 from engine_common.model_files.max_len import FALLBACK_MAX_LEN, arch_default_max_positions
 
 # rope types whose `factor` stretches the model's length (vLLM: every type but su, longrope and
 # llama3, whose max_position_embeddings is already the long one)
 STRETCHING_TYPES = ("linear", "dynamic", "yarn")
+# older spellings of a rope type (Phi-3-mini-128k's first config.json said "su"; Phi3Config and
+# vLLM read it as longrope)
+ROPE_TYPE_ALIASES = MappingProxyType({"su": "longrope"})
+# transformers config classes with an original_max_position_embeddings attribute, by
+# architecture: its default (which then wins over the rope dict's value)
+ARCH_DEFAULT_ORIGINAL_POSITIONS = MappingProxyType({"Phi3ForCausalLM": 4096})
 
 
 def rope_scaling_fields(config: dict) -> dict:
-    """The scaling fields of either layout, merged (transformers 5's rope_parameters over the
-    older rope_scaling), with `rope_type` set ("default" when neither names one)."""
-    merged = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
+    """The scaling fields of whichever layout config.json uses (transformers 5's
+    rope_parameters or the older rope_scaling; both set is refused: rope_layout), with
+    `rope_type` set ("default" when it names none)."""
+    merged = dict(rope_layout(config))
+    merged["rope_type"] = canonical_rope_type(merged.get("rope_type") or merged.get("type"))
     return merged
+
+
+def rope_layout(config: dict) -> dict:
+    """config.json's rope dict: rope_parameters or rope_scaling (null or {}: none).
+
+    Both set means a rope_scaling block pasted into a config transformers 5 saved (it writes
+    rope_parameters only). transformers then reads rope_scaling alone and drops
+    rope_parameters, its rope_theta included (the theta falls back to a top-level rope_theta
+    or the config class's default; vLLM reads transformers' result): a Qwen3 config with
+    rope_parameters' theta 1e6 and a pasted YaRN block would rotate with theta 1e4. Neither
+    reading is what the user meant, so it is refused naming both."""
+    scaling, params = config.get("rope_scaling"), config.get("rope_parameters")
+    for key, value in (("rope_scaling", scaling), ("rope_parameters", params)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"config.json: {key}={value!r} is invalid: must be an object "
+                             "or null")
+    if scaling and params:
+        raise ValueError(f"config.json: rope_scaling={scaling!r} and rope_parameters={params!r} "
+                         "are both set: transformers reads rope_scaling alone and drops "
+                         "rope_parameters (its rope_theta too): must set one (put the scaling "
+                         "fields and rope_theta into rope_parameters)")
+    return scaling or params or {}
+
+
+def canonical_rope_type(name: str | None) -> str:
+    """A rope type's name with its alias resolved ("default" for none)."""
+    name = name or "default"
+    return ROPE_TYPE_ALIASES.get(name, name)
 
 
 def declared_max_positions(config: dict) -> int:
@@ -52,18 +92,26 @@ def scaling_factor(scaling: dict, required: bool = True) -> float | None:
     return float(factor)
 
 
-def yarn_original_length(config: dict, scaling: dict) -> int:
-    """YaRN's pre-training length (see the module docstring for which key wins)."""
+def original_length(config: dict, scaling: dict, rope_type: str) -> int | float:
+    """The pre-training length of a yarn, longrope or llama3 rope (see the module docstring
+    for which key wins): a positive integer; llama3's may be any positive number (its formula
+    only divides by it, and a GGUF's rope_freqs solve to a fractional one)."""
     value = config.get("original_max_position_embeddings")
+    if value is None:
+        archs = config.get("architectures") or [None]
+        value = ARCH_DEFAULT_ORIGINAL_POSITIONS.get(archs[0])
     if value is None:
         value = scaling.get("original_max_position_embeddings")
     if value is None:
         value = declared_max_positions(config)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.json: yarn original_max_position_embeddings={value!r} is "
-                         "invalid: must be a positive integer")
+    number = (int, float) if rope_type == "llama3" else int
+    if (isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value)
+            or value <= 0 or (number is int and value < 1)):
+        kind = "a positive number" if rope_type == "llama3" else "a positive integer"
+        raise ValueError(f"config.json: {rope_type} original_max_position_embeddings={value!r} "
+                         f"is invalid: must be {kind}")
     return value
 
 
@@ -74,7 +122,7 @@ def scaled_position_limit(native: int, config: dict) -> int:
     if rope_type not in STRETCHING_TYPES:
         return native
     if rope_type == "yarn":
-        original = yarn_original_length(config, scaling)
+        original = original_length(config, scaling, rope_type)
         factor = scaling_factor(scaling, required=False)
         return declared_max_positions(config) if factor is None else int(original * factor)
     return int(native * scaling_factor(scaling))

@@ -116,3 +116,38 @@ def test_min_tokens_past_the_grammars_end(model):
             [(o.token_ids, o.finish_reason) for o in want]
         assert all(o.finish_reason == RequestStatus.FINISHED_STOP_TOKEN for o in got)
     assert on.scheduler.spec.stats.num_accepted_tokens > 0
+
+
+def _same_prompt_logprobs(got, want) -> None:
+    for g, w in zip(got, want):
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) > 1
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_stop_strings_ignore_eos_and_logprobs_0_with_prompt_logprobs(model, asynchronous,
+                                                                    pipelined):
+    """Constrained drafts beside the other output knobs, equal to speculation off: a stop
+    string inside an accepted run (the choice), ignore_eos (the regex ends, eos is taken and
+    decoding goes on unconstrained, drafting), each token's own logprob alone
+    (num_logprobs=0) and prompt logprobs, greedy and sampled."""
+    if pipelined and not asynchronous:
+        pytest.skip("the pipelined runner runs with async scheduling only")
+    on, off = _llm(model, True, asynchronous), _llm(model, False)
+    constraints = [c for c, _ in CASES]
+    prompts = _prompts(on)
+    stops = [StoppingParams(max_tokens=MAX_NEW),
+             StoppingParams(max_tokens=MAX_NEW, ignore_eos=True),
+             StoppingParams(max_tokens=MAX_NEW, stop=("fox jumps",))]
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.7, seed=3)):
+        kw = dict(num_logprobs=0, num_prompt_logprobs=2, constraint=constraints)
+        got = on.generate(prompts, [sampling] * 3, stops, **kw)
+        want = off.generate(prompts, [sampling] * 3, stops, **kw)
+        _same(got, want)
+        _same_prompt_logprobs(got, want)
+        assert [g.text for g in got] == [w.text for w in want]
+        assert got[1].finish_reason == RequestStatus.FINISHED_LENGTH      # ignore_eos
+        assert got[2].finish_reason == RequestStatus.FINISHED_STOP_STRING
+    assert on.scheduler.spec.stats.num_accepted_tokens > 0
+    assert_no_leaked_blocks(on)

@@ -8,6 +8,17 @@ from kernels.cpu.fused import ops_for
 from worker_service.layers.sharding import default_weight_loader, new_param
 
 
+class ResidualInterface:
+    """Mixin giving a plain norm module RMSNorm's residual interface: forward(x) -> normed,
+    forward(x, residual) -> (norm(x + residual), x + residual). List it before the norm class."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
+
+
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), the statistics taken in float32.
 

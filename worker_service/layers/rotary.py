@@ -1,10 +1,12 @@
 """Rotary position embedding (the "rotate half" layout Llama/Qwen checkpoints use).
 
-Supported rope types: "default", "linear", "llama3", "longrope" (layers/longrope.py), "yarn"
+Supported rope types: "default", "linear", "llama3", "longrope" (layers/longrope.py; its older
+name "su" too), "yarn"
 (layers/yarn_rope.py) and "dynamic" (dynamic NTK, layers/dynamic_rope.py). The settings are read
 from either config layout:
   - transformers >= 5: `rope_parameters = {"rope_type": ..., "rope_theta": ..., "factor": ...}`
   - older configs:     `rope_theta` plus `rope_scaling = {"type" or "rope_type": ..., ...}`
+Both set is refused (engine_common/model_files/rope_config.py: rope_layout says why).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import torch
 from torch import nn
 
 from engine_common.model_files.model_dir import model_position_limit
-from engine_common.model_files.rope_config import (declared_max_positions, scaling_factor,
-                                                   yarn_original_length)
+from engine_common.model_files.rope_config import (canonical_rope_type, declared_max_positions,
+                                                   original_length, rope_layout,
+                                                   scaling_factor)
 from kernels.cpu.fused import ops_for
 from worker_service.layers.dynamic_rope import dynamic_ntk_cos_sin
 from worker_service.layers.longrope import longrope_cos_sin
@@ -36,10 +39,8 @@ class RopeSettings:
 
     @classmethod
     def from_hf_config(cls, hf_config: dict) -> "RopeSettings":
-        params = dict(hf_config.get("rope_parameters") or {})
-        legacy = dict(hf_config.get("rope_scaling") or {})
-        merged = {**legacy, **params}
-        rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+        merged = dict(rope_layout(hf_config))
+        rope_type = canonical_rope_type(merged.pop("rope_type", None) or merged.pop("type", None))
         merged.pop("type", None)
         theta = merged.pop("rope_theta", None) or hf_config.get("rope_theta") or 10000.0
         if rope_type not in ROPE_TYPES:
@@ -66,15 +67,12 @@ class RopeSettings:
 def _scaling_lengths(rope_type: str, hf_config: dict, scaling: dict) -> dict:
     """The lengths a rope type's tables are built from (engine_common's rope_config reads them
     for max_model_len too), and a bad factor refused naming it."""
-    if rope_type == "longrope":       # its factor and cut-off come from the config's lengths
-        longest = int(hf_config.get("max_position_embeddings") or 0)
-        original = scaling.get("original_max_position_embeddings",
-                               hf_config.get("original_max_position_embeddings") or longest)
-        return {"max_position_embeddings": longest, "original_max_position_embeddings": original}
-    if rope_type == "yarn":
-        scaling_factor({**scaling, "rope_type": rope_type}, required=False)
+    if rope_type in ("longrope", "llama3", "yarn"):    # their factor and cut-off: the lengths
+        if rope_type == "yarn":
+            scaling_factor({**scaling, "rope_type": rope_type}, required=False)
         return {"max_position_embeddings": declared_max_positions(hf_config),
-                "original_max_position_embeddings": yarn_original_length(hf_config, scaling)}
+                "original_max_position_embeddings": original_length(hf_config, scaling,
+                                                                    rope_type)}
     if rope_type == "dynamic":
         scaling_factor({**scaling, "rope_type": rope_type})
         return {"max_position_embeddings": declared_max_positions(hf_config)}

@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from worker_service.layers.norm import ResidualInterface
 from worker_service.models.gemma3 import Gemma3MLP, GemmaRMSNorm
 from worker_service.models.llama import DecoderArgs, DecoderLayer, DecoderModel, LlamaForCausalLM
 from worker_service.parallel_state import TPGroup
@@ -31,15 +32,8 @@ DEFAULT_HEAD_DIM = 256          # GemmaConfig's
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
 
-class GemmaNorm(GemmaRMSNorm):
-    """Gemma's RMSNorm with Llama's residual interface: norm(x), or given the residual stream
-    (norm(x + residual), x + residual)."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return super().forward(x)
-        x = x + residual
-        return super().forward(x), x
+class GemmaNorm(ResidualInterface, GemmaRMSNorm):
+    """Gemma's RMSNorm with Llama's residual interface."""
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -89,10 +83,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     decoder_class = GemmaModel
     tie_by_default = True              # GemmaConfig's
+    default_head_dim = DEFAULT_HEAD_DIM
 
     def decoder_args(self, hf_config: dict, fused_ops: bool) -> DecoderArgs:
         refuse_unsupported(hf_config)
-        cfg = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
+        cfg = {**hf_config, "head_dim": hf_config.get("head_dim") or self.default_head_dim}
         args = super().decoder_args(cfg, fused_ops)
         return replace(args, mlp_bias=False)
 

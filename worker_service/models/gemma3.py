@@ -186,6 +186,7 @@ class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
     options_class = Gemma3Options
     attention_class = Gemma3Attention
     tie_by_default = True              # Gemma2Config's and Gemma3TextConfig's
+    default_head_dim = DEFAULT_HEAD_DIM
 
     def __init__(self, hf_config: dict, tp: TPGroup, attn_backend: AttentionBackend,
                  dtype: torch.dtype, fused_ops: bool = False) -> None:
@@ -198,7 +199,7 @@ class Gemma3ForCausalLM(CausalLMHeadMixin, nn.Module):
                              f"softcap (it would attend uncapped); pick one that does: torch, "
                              f"cpu, triton or flash_attn")
         # head_dim absent: the config classes' 256 (not hidden / heads)
-        hf_config = {**hf_config, "head_dim": hf_config.get("head_dim") or DEFAULT_HEAD_DIM}
+        hf_config = {**hf_config, "head_dim": hf_config.get("head_dim") or self.default_head_dim}
         args = DecoderArgs.from_hf(hf_config, None, None, False, fused_ops)
         args = replace(args, layer_windows=opts.layer_windows,
                        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings",

@@ -28,7 +28,10 @@ DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_PATTERN = 6
 DEFAULT_HEAD_DIM = 256          # Gemma2Config's and Gemma3TextConfig's
 ACTIVATION = "gelu_pytorch_tanh"
-LENGTH_KEYS = ("architectures", "max_position_embeddings", "original_max_position_embeddings")
+# the lengths a scaled rope reads (rope_config.py); not a top-level original_max_position_embeddings:
+# transformers standardizes nested (per layer type) rope dicts with setdefault, so each type's
+# own value, else max_position_embeddings, is its original length
+LENGTH_KEYS = ("architectures", "max_position_embeddings")
 
 
 @dataclass(frozen=True)

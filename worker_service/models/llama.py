@@ -240,11 +240,13 @@ class LlamaForCausalLM(CausalLMHeadMixin, nn.Module):
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     qk_norm: bool = False
-    # weight matrices of a dense MLP (gate, up, down) and whether an absent
-    # tie_word_embeddings ties the head (the transformers config class's default): read by the
-    # model and by runner/memory_fit.py's estimate alike
+    # weight matrices of a dense MLP (gate, up, down), whether an absent tie_word_embeddings
+    # ties the head and the head_dim of a config without one (the transformers config class's
+    # defaults): read by the model and by runner/memory_fit.py's estimate alike
     mlp_matrices: int = 3
     tie_by_default: bool = False
+    # head_dim when config.json has none (None: hidden_size / num_attention_heads; Gemma: 256)
+    default_head_dim: int | None = None
     # the decoder and head classes a subclass may swap (models/granite.py)
     decoder_class = DecoderModel
     lm_head_class = ParallelLMHead

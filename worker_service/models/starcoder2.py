@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker_service.layers.norm import ResidualInterface
 from worker_service.models.bert import LayerNorm
 from worker_service.models.llama import (DecoderArgs, DecoderLayer, DecoderModel,
                                          LlamaForCausalLM, window_on_every_layer)
@@ -30,15 +31,8 @@ DEFAULT_NORM_EPS = 1e-5         # Starcoder2Config's norm_epsilon
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}     # -> F.gelu's approximate
 
 
-class ResidualLayerNorm(LayerNorm):
-    """LayerNorm with Llama's residual interface: norm(x), or given the residual stream
-    (norm(x + residual), x + residual)."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return super().forward(x)
-        x = x + residual
-        return super().forward(x), x
+class ResidualLayerNorm(ResidualInterface, LayerNorm):
+    """LayerNorm with Llama's residual interface."""
 
 
 class Starcoder2MLP(nn.Module):

@@ -41,11 +41,11 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
     """A lower bound on one rank's weight bytes for a Llama/Qwen-shaped config (the
     architecture's class says how many matrices its dense MLP has and whether an absent
     tie_word_embeddings ties the head)."""
-    model_class = MODEL_REGISTRY.get((hf_config.get("architectures") or [None])[0])
+    model_class = _model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    head_dim = _head_dim(hf_config)
     inter = int(hf_config.get("intermediate_size") or 4 * hidden)
     vocab = int(hf_config["vocab_size"])
     layers = int(hf_config["num_hidden_layers"])
@@ -56,6 +56,18 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
     heads_out = 1 if tied else 2
     elements = layers * (attention + 2 * hidden) + mlps + heads_out * vocab * hidden + hidden
     return elements * element_bytes // tp_size
+
+
+def _model_class(hf_config: dict):
+    return MODEL_REGISTRY.get((hf_config.get("architectures") or [None])[0])
+
+
+def _head_dim(hf_config: dict) -> int:
+    """config.json's head_dim, else the architecture's default (Gemma: 256, as the model builds
+    it), else hidden_size / num_attention_heads."""
+    default = getattr(_model_class(hf_config), "default_head_dim", None)
+    return int(hf_config.get("head_dim") or default
+               or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]))
 
 
 def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
@@ -76,8 +88,8 @@ def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
     sparse layer (0 for a dense model, a model whose experts never pack (GPT-OSS: biased,
     clamped experts on the grouped torch path) or a dtype the kernel does not take). Counted
-    also where
-    the experts stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
+    also where the experts stay unpacked (no C++ extension built, fused_moe forced): over,
+    never under."""
     from worker_service.models.qwen_moe import MoeArgs
 
     moe = MoeArgs.of_config(hf_config)
@@ -96,7 +108,7 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
     if config.num_kv_blocks is not None:
         heads = int(hf_config["num_attention_heads"])
         kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-        head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+        head_dim = _head_dim(hf_config)
         block = (2 * int(hf_config["num_hidden_layers"]) * config.block_size
                  * max(1, kv_heads // tp_size) * head_dim * element_bytes)
         return config.num_kv_blocks * block

@@ -183,7 +183,8 @@ class ModelRunner(RunnerKVCache):
         self.staging = self._stagings[diff.step % 2]
         self.readback = self._readbacks[diff.step % 2]
         self._apply_diff(diff)
-        inputs, spec = prepare_with_drafts(self.batch, self.cached, diff, self.block_size)
+        inputs, spec = prepare_with_drafts(self.batch, self.cached, diff, self.block_size,
+                                           self.grammar)
         self._launched_drafts = spec is not None
         if inputs.num_tokens == 0:
             return PendingStep(diff.step, computed=False)

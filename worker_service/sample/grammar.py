@@ -12,7 +12,8 @@ Per step (the model runner drives it):
                              as a 0 / -inf bias, unpacked on the helper thread on CPU)
     advance(handles, ids) -> after the read-back: every matcher consumes its sampled id
 A speculative step also masks every draft position of a constrained row: walk_drafts (before
-the sampling metadata) and the masks of each position (grammar_drafts.py); advance then
+the step's inputs: spec_verify.grammar_trim) and the masks of each position
+(grammar_drafts.py); advance then
 consumes the accepted run.
 
 Bitmask layout (llguidance's and xgrammar's): int32 [rows, ceil(vocab / 32)]; token t is allowed
@@ -203,8 +204,8 @@ class GrammarBook:
     def walk_drafts(self, handles: Sequence[int], drafts: Sequence[list[int]]
                     ) -> dict[int, DraftWalk]:
         """Per drafted constrained handle, its grammar walked through its drafts (the matcher
-        left where it was; grammar_drafts.py). Call after `stopped` (which resolves the
-        matchers of the sampling rows)."""
+        left where it was; grammar_drafts.py), its matcher resolved first (a drafted row
+        always samples: SpecStep.unstage)."""
         walks = {}
         for handle, ids in zip(handles, drafts):
             state = self._masked(handle)

@@ -12,8 +12,10 @@ position p is the grammar's after those drafts, so the matcher is walked through
 or, when d_valid is an eos id the grammar allows there: positions after it are unconstrained
 (the grammar is done, `terminated`, as when one-token decoding samples eos).
 
-`walk` runs on the step thread before the sampling metadata is built (the per-position
-`stopped` flags exempt eos from min_tokens there) and leaves the matcher where it was; the
+`walk` runs on the step thread before the step's inputs are prepared (spec_verify.grammar_trim
+then cuts the drafts from `valid` on unless it is an allowed eos, so the runner never masks a
+position past `valid`; the per-position `stopped` flags exempt eos from min_tokens) on a copy of
+the matcher, which stays where it was; the
 masks are computed on the mask helper thread (llguidance's draft-aware batch call advances each
 matcher through `drafts[:valid]` and rolls it back). A mask's failure checks apply only to a
 position the step reaches: position 0 at once, later ones when the accepted run reaches them
@@ -50,6 +52,13 @@ class DraftWalk:
             return position
         return -1 if self.eos else self.valid
 
+    def cut(self) -> "DraftWalk":
+        """The walk of `drafts[:valid]` alone (grammar_trim: the drafts from the refused one
+        on are never sent to the model)."""
+        n = self.valid + 1
+        return DraftWalk(self.drafts[:self.valid], self.valid, False, self.stopped[:n],
+                         self.accepting[:n])
+
     @property
     def masked_positions(self) -> list[int]:
         """The positions that get a mask row, in order (all but those after an eos)."""
@@ -58,24 +67,26 @@ class DraftWalk:
 
 def walk(matcher: llguidance.LLMatcher | None, drafts: list[int],
          eos_ids: tuple[int, ...]) -> DraftWalk:
-    """`matcher` (None: its grammar failed; only eos is masked in) walked through `drafts`
-    and rolled back to where it was."""
+    """A copy of `matcher` (None: its grammar failed; only eos is masked in) walked through
+    `drafts`; `matcher` itself is left as it was."""
     k = len(drafts)
     if matcher is None or matcher.is_error():
         stopped = [True] * (k + 1)
         return DraftWalk(drafts, 0, False, stopped, [matcher is None] * (k + 1))
     stopped, accepting = [matcher.is_stopped()], [matcher.is_accepting()]
-    # validated first: a refused consume_token would leave the matcher in its error state
+    # Walked on a copy: a validated draft can still hit a resource limit when consumed (an
+    # Earley row past max_items_in_row), and the error state never leaves a matcher; one-token
+    # decoding fails only if it consumes that draft (advance does, when the run accepts it).
+    probe = matcher.deep_copy()
     text = next((i for i, t in enumerate(drafts) if t in eos_ids), k)
-    valid = matcher.validate_tokens(drafts[:text]) if text else 0
-    for token in drafts[:valid]:
-        if not matcher.consume_token(token):
-            raise RuntimeError(f"llguidance validated draft token {token} but refused it")
-        stopped.append(matcher.is_stopped())
-        accepting.append(matcher.is_accepting())
+    valid = probe.validate_tokens(drafts[:text]) if text else 0
+    for i, token in enumerate(drafts[:valid]):
+        if not probe.consume_token(token):
+            valid = i                   # masked as a refused draft: allowed at `i`, not past
+            break
+        stopped.append(probe.is_stopped())
+        accepting.append(probe.is_accepting())
     eos = valid == text < k and accepting[valid]
-    if valid and not matcher.rollback(valid):
-        raise RuntimeError(f"llguidance could not roll back {valid} draft tokens")
     # never reached (or unconstrained after an eos): the flags of `valid`, resp. off
     tail = [False] * (k - valid) if eos else [stopped[valid]] * (k - valid)
     atail = [False] * (k - valid) if eos else [accepting[valid]] * (k - valid)

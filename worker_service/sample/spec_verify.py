@@ -42,23 +42,27 @@ from worker_service.step.step_inputs import StepInputs, prepare_step_inputs
 
 
 def prepare_with_drafts(batch: InputBatch, cached: CachedRequests, diff: SchedulerOutput,
-                        block_size: int) -> tuple[StepInputs, "SpecStep | None"]:
+                        block_size: int, grammar=None) -> tuple[StepInputs, "SpecStep | None"]:
     """The step's model inputs for the applied `diff` (its counts per row; none named: one
     token each, the steady decode step), with its speculative drafts as query tokens (but
-    those whose assumption failed: `held_drafts`)."""
+    those whose assumption failed: `held_drafts`; and a constrained row's drafts from the
+    first its grammar refuses: `grammar_trim`, with `grammar` the runner's GrammarBook)."""
     num_scheduled = None
     if diff.num_scheduled_tokens:
         num_scheduled = np.ones(batch.num_reqs, dtype=np.int32)
         for handle, n in diff.num_scheduled_tokens.items():
             num_scheduled[cached.row(handle)] = n
-    drafts = diff.spec_token_ids
+    drafts, walks = diff.spec_token_ids, {}
     if diff.spec_assumed:
         drafts = held_drafts(batch, cached, diff)
-        for handle in diff.spec_token_ids.keys() - drafts.keys():
-            num_scheduled[cached.row(handle)] = 1      # its one token, where it really is
+    if grammar and drafts:
+        drafts, walks = grammar_trim(drafts, grammar)
+    for handle, sent in diff.spec_token_ids.items():
+        if len(drafts.get(handle, ())) != len(sent):     # its row, where it really is
+            num_scheduled[cached.row(handle)] = 1 + len(drafts.get(handle, ()))
     if not drafts:
         return prepare_step_inputs(batch, num_scheduled, block_size), None
-    spec, inputs = SpecStep.stage(batch, cached, drafts), None
+    spec, inputs = SpecStep.stage(batch, cached, drafts, walks), None
     try:
         inputs = prepare_step_inputs(batch, num_scheduled, block_size)
     finally:
@@ -81,6 +85,29 @@ def held_drafts(batch: InputBatch, cached: CachedRequests,
     return drafts
 
 
+def grammar_trim(drafts: dict[int, list[int]], grammar) -> tuple[dict, dict]:
+    """(drafts, walks): each constrained row's drafts cut before the first its grammar refuses,
+    and their DraftWalks (GrammarBook.walk_drafts). Its draw there cannot equal the refused
+    draft, so the run always ends at that position: the drafts after it would never be
+    reached, and that draw is the same as the bonus of the cut drafts (the same tokens before
+    it, the same counter and mask). vLLM trims them in its scheduler (`validate_tokens`); the
+    matchers live on the workers here, and every rank cuts alike. A row cut to no draft
+    computes its one token."""
+    handles = list(drafts)
+    walks = grammar.walk_drafts(handles, [drafts[h] for h in handles])
+    kept = dict(drafts)
+    for handle, w in list(walks.items()):
+        if w.eos or w.valid == len(w.drafts):
+            continue
+        if w.valid == 0:
+            del kept[handle]
+            del walks[handle]
+            continue
+        kept[handle] = w.drafts[:w.valid]
+        walks[handle] = w.cut()
+    return kept, walks
+
+
 @dataclass
 class SpecStep:
     """One step's drafted rows (batch row order as the diff named them)."""
@@ -89,10 +116,11 @@ class SpecStep:
     drafts: list[list[int]]           # per row, its draft ids
     ks: np.ndarray                    # int32 [R] drafts per row
     query_rows: np.ndarray | None = None   # int64 [sum k]: their verified query positions
+    walks: dict | None = None         # handle -> DraftWalk of its constrained drafted rows
 
     @classmethod
     def stage(cls, batch: InputBatch, cached: CachedRequests,
-              spec_token_ids: dict[int, list[int]]) -> "SpecStep":
+              spec_token_ids: dict[int, list[int]], walks: dict | None = None) -> "SpecStep":
         """Write each request's drafts after its known tokens and count them as known while
         the step's inputs are prepared (`unstage` takes them back out of num_tokens)."""
         rows = np.array([cached.row(h) for h in spec_token_ids], dtype=np.int64)
@@ -106,7 +134,7 @@ class SpecStep:
                                         f"{start} tokens pass max_model_len ({width})")
             batch.token_ids[row, start:start + len(ids)] = ids
         batch.num_tokens[rows] += ks
-        return cls(rows, drafts, ks)
+        return cls(rows, drafts, ks, walks=walks)
 
     def unstage(self, batch: InputBatch, inputs: StepInputs | None) -> None:
         """num_tokens as before `stage`; each drafted row must sample this step (its last
@@ -153,7 +181,10 @@ class SpecStep:
                 np.concatenate([known, before]), grammar_done)
 
     def walk_grammars(self, batch: InputBatch, grammar) -> dict:
-        """The drafted rows' grammars walked through their drafts (GrammarBook.walk_drafts)."""
+        """The drafted rows' grammars walked through their drafts (GrammarBook.walk_drafts;
+        walked already when the drafts were trimmed: `grammar_trim`)."""
+        if self.walks is not None:
+            return self.walks
         return grammar.walk_drafts(batch.handle_ids[self.rows].tolist(), self.drafts)
 
     def logits_rows(self, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -142,19 +142,12 @@ void wide_item_bf16dot(const c10::BFloat16* const* qrows, float scale, const int
   const c10::BFloat16* keys[kChunk];
   const c10::BFloat16* vals[kChunk];
   WideState st;
-  int64_t last = 0, first = positions[0];
-  const float m0 = window ? std::numeric_limits<float>::lowest()
-                          : -std::numeric_limits<float>::infinity();
+  int64_t first, last;
+  init_wide_state(st, positions, rows, window, first, last);
   for (int r = 0; r < kWideRows; ++r) {
-    const int src = r < rows ? r : 0;                  // padding lanes copy row 0 (dropped)
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(qrows[src]);
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(qrows[r < rows ? r : 0]);
     for (int i = 0; i < D / 2; ++i)
       qp[i][r] = static_cast<uint32_t>(q[2 * i]) | (static_cast<uint32_t>(q[2 * i + 1]) << 16);
-    st.pos[r] = static_cast<float>(positions[src]);
-    st.m[r] = m0;
-    st.l[r] = 0.f;
-    last = std::max(last, positions[src]);
-    first = std::min(first, positions[src]);
   }
   std::memset(acc, 0, sizeof(float) * D * rows);
   constexpr int R = 2 * (D / kLanes) + 2 <= kRegs ? 2 : 1;

@@ -103,6 +103,26 @@ struct WideState {
   alignas(64) float pos[kWideRows];        // each row's position (float; < 2^24)
 };
 
+// The state of a wide item's kWideRows lanes (padding lanes copy row 0; their results are
+// dropped); first / last: the smallest and largest position of its rows.
+inline void init_wide_state(WideState& st, const int64_t* positions, int rows, int64_t window,
+                            int64_t& first, int64_t& last) {
+  // With a window a row may see none of a chunk's keys; a finite starting max keeps its
+  // rescale factor e^(m - max) a number (e^(-inf - -inf) is not).
+  const float m0 = window ? std::numeric_limits<float>::lowest()
+                          : -std::numeric_limits<float>::infinity();
+  first = positions[0];
+  last = positions[0];
+  for (int r = 0; r < kWideRows; ++r) {
+    const int64_t p = positions[r < rows ? r : 0];
+    st.pos[r] = static_cast<float>(p);
+    st.m[r] = m0;
+    st.l[r] = 0.f;
+    last = std::max(last, p);
+    first = std::min(first, p);
+  }
+}
+
 // sT[j][..] for keys j .. j + K - 1
 template <int D, int K>
 inline void wide_scores_step(const float (*qT)[kWideRows], const float* const* keys, int j,
@@ -179,20 +199,10 @@ void wide_item(const float (*q)[D], const int64_t* positions, int rows, const Ro
   const float* keys[kChunk];
   const float* vals[kChunk];
   WideState st;
-  int64_t last = 0, first = positions[0];
-  // With a window a row may see none of a chunk's keys; a finite starting max keeps its
-  // rescale factor e^(m - max) a number (e^(-inf - -inf) is not).
-  const float m0 = window ? std::numeric_limits<float>::lowest()
-                          : -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < kWideRows; ++r) {
-    const int src = r < rows ? r : 0;                  // padding lanes copy row 0 (dropped)
-    for (int d = 0; d < D; ++d) qT[d][r] = q[src][d];
-    st.pos[r] = static_cast<float>(positions[src]);
-    st.m[r] = m0;
-    st.l[r] = 0.f;
-    last = std::max(last, positions[src]);
-    first = std::min(first, positions[src]);
-  }
+  int64_t first, last;
+  init_wide_state(st, positions, rows, window, first, last);
+  for (int r = 0; r < kWideRows; ++r)
+    for (int d = 0; d < D; ++d) qT[d][r] = q[r < rows ? r : 0][d];
   std::memset(acc, 0, sizeof(float) * D * rows);
   const auto p_at = [&](int r, int j) { return sT[j][r]; };
   const int64_t band_end = window ? last - window + 1 : 0;   // keys below: masked for some row

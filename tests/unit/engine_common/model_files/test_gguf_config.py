@@ -90,9 +90,20 @@ def test_generation_config_ends_on_eot_and_eom_too(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    with pytest.raises(GGUFError, match="general.architecture='gemma' is not supported: must "
-                                        "be one of \\['llama', 'qwen2', 'qwen3'\\]"):
-        hf_config_from_gguf(_minimal(tmp_path, arch="gemma"))
+    with pytest.raises(GGUFError, match="general.architecture='gpt2' is not supported: must "
+                                        "be one of \\['llama', 'qwen2', 'qwen3'\\]$"):
+        hf_config_from_gguf(_minimal(tmp_path, arch="gpt2"))
+
+
+@pytest.mark.parametrize("arch, hf_arch", [("gemma", "GemmaForCausalLM"),
+                                           ("starcoder2", "Starcoder2ForCausalLM"),
+                                           ("smollm3", "SmolLM3ForCausalLM")])
+def test_a_family_served_from_hugging_face_only_is_named_with_the_way_out(tmp_path, arch,
+                                                                          hf_arch):
+    with pytest.raises(GGUFError, match=rf"general.architecture='{arch}' is not supported: "
+                                        rf"must be one of .*; {arch} GGUF files are not read: "
+                                        rf"serve the Hugging Face checkpoint \({hf_arch}\)"):
+        hf_config_from_gguf(_minimal(tmp_path, arch=arch))
 
 
 def test_llama3_rope_scaling_is_read_back_from_rope_freqs(tiny_models, tiny_ggufs):

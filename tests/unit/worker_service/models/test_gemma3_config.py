@@ -4,10 +4,13 @@ rope_local_base_freq, rope_scaling, sliding_window_pattern) and transformers 5's
 (rope_parameters by layer type, layer_types); and the configs refused at load."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 import transformers as tf
 
-from worker_service.layers.rotary import compute_inv_freq, RopeSettings
+from worker_service.layers.rotary import RopeSettings, RotaryEmbedding, compute_inv_freq
 from worker_service.models.gemma3_config import FULL, SLIDING, Gemma3Options
 from worker_service.models.tp_sizes import valid_tp_sizes
 
@@ -112,3 +115,32 @@ def test_a_gemma3_gguf_is_refused_by_name(tmp_path):
     from tests.unit.engine_common.model_files.test_gguf_config import _minimal
     with pytest.raises(GGUFError, match="general.architecture='gemma3' is not supported"):
         hf_config_from_gguf(_minimal(tmp_path, arch="gemma3"))
+
+
+# a YaRN full-attention rope with its own original length next to a top-level one
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+_TINY = {**GEMMA3_1B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "num_hidden_layers": 2, "sliding_window": 8,
+         "layer_types": [SLIDING, FULL], "max_position_embeddings": 512,
+         "original_max_position_embeddings": 64, "rope_theta": 100.0}
+
+
+@pytest.mark.parametrize("fields", [
+    {"rope_scaling": None, "rope_theta": None,
+     "rope_parameters": {FULL: {**_YARN, "rope_theta": 100.0},
+                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}}},
+    {"rope_scaling": _YARN},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+], ids=["nested", "hub", "hub-no-original"])
+def test_a_yarn_original_length_is_the_layer_types_own(fields, tmp_path):
+    """transformers standardizes nested rope dicts with setdefault: each type's own original
+    length (else max_position_embeddings) wins over a top-level original_max_position_embeddings
+    (which had been passed along and won: 64 where transformers reads 128, or 512)."""
+    config = {k: v for k, v in {**_TINY, **fields}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_config = tf.AutoConfig.from_pretrained(tmp_path)
+    rope = tf.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(hf_config)
+    cos, sin = rope(torch.zeros(1), torch.arange(512)[None], layer_type=FULL)
+    ours = RotaryEmbedding(16, 512, Gemma3Options.from_hf(config).rope[FULL])
+    torch.testing.assert_close(ours.cos_cache, cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.sin_cache, sin[0], rtol=0, atol=1e-6)

@@ -64,3 +64,25 @@ def test_more_than_the_machine_has_is_refused_naming_every_number(tiny_models):
                                          r"3\.00 GiB per rank x 2 local ranks, more than this "
                                          r"machine's 4\.00 GiB of memory"):
         check_memory_fits(config, info, 2, 2, machine_bytes=4 * GIB)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_a_gemma_without_head_dim_is_estimated_with_the_256_the_model_builds(tiny_models, arch):
+    """GemmaConfig / Gemma2Config / Gemma3TextConfig default head_dim to 256, not
+    hidden / heads (16 here): the estimates had counted 16-wide heads, 16 times too few KV
+    bytes and attention weights."""
+    import torch
+
+    from kernels.attention.torch_ref import TorchAttentionBackend
+    from worker_service.models.registry import MODEL_REGISTRY
+    from worker_service.parallel_state import single_rank_group
+    config = json.loads((Path(tiny_models(arch)) / "config.json").read_text())
+    del config["head_dim"]
+    model = MODEL_REGISTRY[config["architectures"][0]](config, single_rank_group(),
+                                                       TorchAttentionBackend(), torch.float32)
+    assert model.head_dim == 256
+    by_blocks = RunnerConfig(model_dir="m", num_kv_blocks=10, block_size=16)
+    assert estimate_kv_bytes(by_blocks, config, 4) == 10 * (
+        2 * config["num_hidden_layers"] * 16 * config["num_key_value_heads"] * 256 * 4)
+    real = sum(p.numel() for p in model.parameters())
+    assert 0.95 * real <= estimate_weight_bytes(config, 1) <= real

@@ -5,6 +5,7 @@ a grammar that completes inside the drafts offers only eos there and nothing is 
 an eos; a failure at a later position counts only when the accepted run reaches it."""
 from __future__ import annotations
 
+import llguidance
 import numpy as np
 import pytest
 
@@ -119,3 +120,37 @@ def test_a_failure_at_a_later_position_counts_only_when_the_run_reaches_it(compi
         if fails:
             assert errors[0].startswith("allowed_token_ids and its grammar leave no token")
             assert book._live[0].num_consumed == reached
+
+
+def limited_book(compiler, max_items_in_row: int) -> GrammarBook:
+    """A book whose request 0 has an ambiguous grammar (every split of "aaa.." parses, so
+    llguidance's Earley rows grow with the output) under a tight row limit: consuming the
+    4th "a" hits it and the matcher enters its error state for good."""
+    book = GrammarBook(compiler)
+    book.add(0, Constraint("grammar", 'start: s\ns: "a"'))
+    book.stopped([0])
+    grammar = llguidance.LLMatcher.grammar_from_lark('start: s\ns: s s | "a"')
+    limits = llguidance.LLParserLimits(max_items_in_row=max_items_in_row)
+    book._live[0].matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0,
+                                                 limits=limits)
+    return book
+
+
+def test_a_limit_hit_at_a_draft_the_run_does_not_reach_fails_nothing(compiler):
+    """One-token decoding fails this request only once it consumes the 4th "a". Drafts of
+    five "a"s from the start walk past that point; a run that stops after two (eos drawn at
+    position 2) must not fail, and the matcher must still work; a run that takes the 4th "a"
+    fails as one-token decoding would."""
+    a = encode(compiler, "a")
+    assert len(a) == 1
+    for run, fails in ((a * 2 + [EOS], False), (a * 4, True)):
+        book = limited_book(compiler, 10)
+        w, got = drafted_masks(book, a * 5)
+        assert book.take_errors() == {}, run
+        assert not book._live[0].matcher.is_error()
+        assert w.valid == 3 and all(a[0] in got[p] for p in range(4)) and EOS in got[2]
+        book.advance([0] * len(run), run)
+        errors = book.take_errors()
+        assert (0 in errors) == fails, (run, errors)
+        if not fails:
+            assert book._live[0].terminated

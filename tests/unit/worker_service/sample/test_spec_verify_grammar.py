@@ -76,18 +76,28 @@ def test_right_drafts_are_accepted_under_each_positions_mask(model, reference):
     assert run.grammar._live[0].terminated
 
 
-def test_a_draft_the_grammar_forbids_is_rejected(model, reference):
+def test_a_draft_the_grammar_forbids_is_rejected(model, reference, monkeypatch):
+    """...and never computed: the drafts from the refused one on are cut before the forward
+    (grammar_trim: the row's draw at the refused draft's position is its last either way)."""
     tokens, _, compiler = reference
     letter = compiler.tokenizer.tokenize_str("q")[0]       # where the regex wants a digit
     run = _runner(model)
     _prefill(run)
+    seen = []                                             # each step's draws
+    build = model_runner.build_sampling_metadata
+    monkeypatch.setattr(model_runner, "build_sampling_metadata",
+                        lambda *a: seen.append(len(a[1])) or build(*a))
     out = _step(run, 1, [tokens[1], letter, tokens[3]])
     assert out.sampled_token_ids == tokens[1:3]            # 1 accepted, then the correction
+    assert seen == [2]                  # drawn after the last token and after the first draft
+    out = _step(run, 2, [letter, tokens[4]])               # refused at once: one token
+    assert out.sampled_token_ids == tokens[3:4] and seen == [2, 1]
+    assert run.grammar._live[0].num_consumed == 4
     row = run.batch.handle_to_row[0]
-    assert run.batch.num_tokens[row] == len(PROMPT) + 3
-    assert run.grammar._live[0].num_consumed == 3 and run.grammar.take_errors() == {}
-    out = _step(run, 2, tokens[3:5])
-    assert out.sampled_token_ids == tokens[3:6]
+    assert run.batch.num_tokens[row] == len(PROMPT) + 4
+    assert run.grammar.take_errors() == {}
+    out = _step(run, 3, tokens[4:6])
+    assert out.sampled_token_ids == tokens[4:7]
 
 
 @pytest.mark.parametrize("min_tokens", [0, 40])
@@ -112,7 +122,9 @@ def test_a_grammar_that_ends_inside_the_drafts_stops_there(model, reference, min
                         lambda *a: seen.append(a[4].tolist()) or build(*a))
     out = _step(run, step, tokens[done:end] + [tokens[1]])   # a text token where eos must be
     m = end - done                      # eos is drawn at draft position m
-    assert seen[-1] == [True] + [False] * m + [True]      # the bonus is never reached
+    # the drafts from the refused text token on are cut (grammar_trim): the row's draw
+    # after the m drafts, at the eos position, is its last
+    assert seen[-1] == [True] + [False] * m
     assert out.sampled_token_ids == tokens[done:end + 1]
     assert out.sampled_token_ids[-1] in compiler.eos_token_ids
     assert run.grammar._live[0].terminated and run.grammar.take_errors() == {}
