@@ -5,13 +5,15 @@ refuse the others before any worker starts.
 Served: MXFP4 experts of GPT-OSS (quant_method "mxfp4", as openai/gpt-oss-20b/-120b ship them),
 dequantized at load to the model's dtype (worker_service/layers/mxfp4.py). Its config may list
 modules_to_not_convert (the modules stored unquantized; the loader tells them apart by their
-tensor names). Any other method, an mxfp4 config on another architecture, or any other key is
+tensor names) and dequantize (transformers' load-time switch: we always dequantize). Any other method, an mxfp4 config on another architecture, or any other key is
 refused by name rather than loaded as if unquantized.
 """
 from __future__ import annotations
 
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
-MXFP4_KEYS = ("quant_method", "modules_to_not_convert")
+# transformers' Mxfp4Config fields; `dequantize` (true: dequantize at load) asks for what we do
+# either way, so both of its values are served
+MXFP4_KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
 
 
 def quantization_problem(config: dict) -> str | None:
@@ -29,6 +31,9 @@ def quantization_problem(config: dict) -> str | None:
     for key in sorted(set(quant) - set(MXFP4_KEYS)):
         return (f"quantization_config.{key}={quant[key]!r} is not supported: an mxfp4 config "
                 f"may only hold {', '.join(MXFP4_KEYS)}")
+    if not isinstance(quant.get("dequantize", False), bool):
+        return (f"quantization_config.dequantize={quant['dequantize']!r} is invalid: must be "
+                "true or false")
     skipped = quant.get("modules_to_not_convert")
     if skipped is not None and not (isinstance(skipped, list)
                                     and all(isinstance(m, str) for m in skipped)):

@@ -121,6 +121,24 @@ def test_mxfp4_greedy_matches_transformers_dequantized(mxfp4_pair):
     _check(llm, str(reference), _prompts(llm.model_info.vocab_size)[:6], "gpt_oss/mxfp4")
 
 
+def test_mxfp4_checkpoint_with_some_experts_dequantized(mxfp4_pair, tmp_path):
+    """Layer 1's experts stored plain (dequantized) beside MXFP4 ones under the same mxfp4
+    config: transformers loads it; so do we, to the same weights (was: "missing
+    gate_up_proj_blocks")."""
+    from safetensors.torch import load_file, save_file
+    quantized, reference = mxfp4_pair
+    path = shutil.copytree(quantized, tmp_path / "mixed")
+    weights = load_file(path / "model.safetensors")
+    plain = load_file(reference / "model.safetensors")
+    layer1 = "model.layers.1.mlp.experts."
+    weights = {n: t for n, t in weights.items() if not n.startswith(layer1)}
+    weights.update({n: t for n, t in plain.items() if n.startswith(layer1)})
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    got, want = ours(path), ours(reference)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_mxfp4_without_its_scales_is_refused(mxfp4_pair, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -131,6 +149,21 @@ def test_mxfp4_without_its_scales_is_refused(mxfp4_pair, tmp_path):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     missing = r"missing from the checkpoint: \['model\.layers\.1\.mlp\.experts\.down_proj_scales'"
     with pytest.raises(WeightLoadError, match=missing):
+        ours(path)
+
+
+def test_mxfp4_pieces_without_the_mxfp4_config_are_refused(mxfp4_pair, tmp_path):
+    """A quantized checkpoint whose config.json lost its quantization_config: named as such
+    (was: its expert weights, loaded, reported missing by internal names)."""
+    from worker_service.models.loader import WeightLoadError
+    path = shutil.copytree(mxfp4_pair[0], tmp_path / "no-quant-config")
+    cfg = json.load(open(path / "config.json"))
+    del cfg["quantization_config"]
+    json.dump(cfg, open(path / "config.json", "w"))
+    with pytest.raises(WeightLoadError, match=r"experts\.(gate_up|down)_proj_(blocks|scales)': "
+                                              r"(gate_up|down)_proj_(blocks|scales) is an MXFP4 "
+                                              r"piece, but config\.json has no "
+                                              r"quantization_config"):
         ours(path)
 
 
@@ -157,9 +190,11 @@ def test_tp2_matches_tp1_over_gloo(tiny_models, mxfp4_pair, tmp_path):
 @pytest.mark.parametrize("quant,problem", [
     ({"quant_method": "awq"}, "quantization_config.quant_method='awq' is not supported for "
                               "GptOssForCausalLM: only 'mxfp4' on GptOssForCausalLM"),
-    ({"quant_method": "mxfp4", "dequantize": True},
-     "quantization_config.dequantize=True is not supported: an mxfp4 config may only hold "
-     "quant_method, modules_to_not_convert"),
+    ({"quant_method": "mxfp4", "group_size": 64},
+     "quantization_config.group_size=64 is not supported: an mxfp4 config may only hold "
+     "quant_method, modules_to_not_convert, dequantize"),
+    ({"quant_method": "mxfp4", "dequantize": "yes"},
+     "quantization_config.dequantize='yes' is invalid: must be true or false"),
     ({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"},
      "quantization_config.modules_to_not_convert='lm_head' is invalid: must be a list of "
      "module names"),
@@ -178,6 +213,21 @@ def test_unservable_quantization_configs_are_refused(tiny_models, tmp_path, quan
     mxfp4_elsewhere = {"architectures": ["LlamaForCausalLM"],
                        "quantization_config": {"quant_method": "mxfp4"}}
     assert "not supported for LlamaForCausalLM" in quantization_problem(mxfp4_elsewhere)
+
+
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_mxfp4_dequantize_flag_is_served(mxfp4_pair, tmp_path, dequantize):
+    """transformers' Mxfp4Config(dequantize=...) saved in config.json: transformers loads it
+    (dequantizing on the CPU either way); so do we, to the same weights (was refused)."""
+    quantized, reference = mxfp4_pair
+    path = shutil.copytree(quantized, tmp_path / "flag")
+    cfg = json.load(open(path / "config.json"))
+    cfg["quantization_config"]["dequantize"] = dequantize
+    json.dump(cfg, open(path / "config.json", "w"))
+    ModelInfo.from_dir(path)
+    got, want = ours(path), ours(reference)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_config_defaults_are_gpt_oss_configs():

@@ -107,6 +107,9 @@ class GptOssExperts(nn.Module):
             return
         if shard_id not in MXFP4_PIECES:
             raise ValueError(f"shard_id={shard_id!r} is invalid: must be one of {MXFP4_PIECES}")
+        if not param.shard_ids:    # transformers would leave the weight random, warning only
+            raise ValueError(f"{name}_{shard_id} is an MXFP4 piece, but config.json has no "
+                             "quantization_config with quant_method 'mxfp4'")
         # the quantized W [E, rows, cols]: blocks [E, rows, cols / 32, 16], scales without the 16
         rows, cols = ((2 * self.intermediate_size, self.hidden_size) if gate_up
                       else (self.hidden_size, self.intermediate_size))

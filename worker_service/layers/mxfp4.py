@@ -16,6 +16,8 @@ as transformers' do, so bfloat16 results round the same way.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 # the e2m1 code points, by code (bit 3 is the sign), as transformers' FP4_VALUES
@@ -50,5 +52,24 @@ def dequantize_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.
     out[:, 0::2] = lut[(flat & 0x0F).to(torch.int)]
     out[:, 1::2] = lut[(flat >> 4).to(torch.int)]
     torch.ldexp(out, exponents, out=out)
+    check_finite(out.view(num_experts, rows, groups, width * 2), scales, dtype, name)
     out = out.view(num_experts, rows, groups * width * 2)
     return out.transpose(1, 2).contiguous()
+
+
+def check_finite(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 name: str) -> None:
+    """ValueError naming the first group [E, R, G, 32] whose scale overflows `dtype` (255, the
+    E8M0 NaN code, always does): transformers would load inf/NaN weights silently and every
+    token routed to that expert would come out NaN."""
+    largest_safe = SCALE_BIAS + math.floor(math.log2(torch.finfo(dtype).max / 6.0))
+    if scales.numel() == 0 or int(scales.max()) <= largest_safe:
+        return              # no group can overflow: skip the pass over the weights
+    bad = ~torch.isfinite(values).all(dim=-1)
+    if not bad.any():
+        return
+    expert, row, group = (int(i) for i in bad.nonzero()[0])
+    scale = int(scales[expert, row, group])
+    raise ValueError(f"{name}: MXFP4 scale {scale} (expert {expert}, row {row}, group {group}) "
+                     f"gives non-finite {dtype} weights: each code x 2^(scale - {SCALE_BIAS}) "
+                     f"must be within +-{torch.finfo(dtype).max:.4g} (255 is the NaN code)")

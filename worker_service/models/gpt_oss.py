@@ -86,6 +86,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     decoder_class = GptOssDecoderModel
     attention_sinks = True         # the backend selector skips backends without them
+    packs_cpu_experts = False      # grouped torch experts: no CPU-packed copy (memory_fit)
 
     def __init__(self, hf_config: dict, *args, **kwargs) -> None:
         problem = quantization_problem(hf_config)

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine_common.model_files.checkpoint_dtype import checkpoint_dtype
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
 from engine_common.runtime.progress import Progress
@@ -37,13 +38,17 @@ class WeightLoadError(ValueError):
     """The checkpoint does not fit the model: missing, unexpected or mis-shaped weights."""
 
 
-def resolve_dtype(hf_config: dict, dtype: str | torch.dtype | None = None) -> torch.dtype:
+def resolve_dtype(hf_config: dict, dtype: str | torch.dtype | None = None,
+                  model_dir: str | Path | None = None) -> torch.dtype:
     """`dtype` when given (a torch.dtype or one of DTYPES), else config's dtype/torch_dtype,
-    else float32. "auto" means "as the config says"."""
+    else the checkpoint's in `model_dir` (checkpoint_dtype.py: transformers' "auto"; gpt-oss's
+    config names none and its bfloat16 weights were loaded as float32), else float32. "auto"
+    means "as the config (or the checkpoint) says"."""
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype if dtype not in (None, "auto") else (
-        hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+        hf_config.get("dtype") or hf_config.get("torch_dtype")
+        or (checkpoint_dtype(model_dir) if model_dir is not None else None) or "float32")
     name = str(name).removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is invalid: must be one of {sorted(DTYPES)} or 'auto'")
@@ -163,11 +168,16 @@ def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
     """Raise WeightLoadError naming unexpected tensors and parameters left unloaded."""
     missing = []
     for name, param in params.items():
-        wanted = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
+        got = loaded.get(name, set())
+        # a stacked parameter read whole (shard None) needs none of its pieces: a GPT-OSS
+        # checkpoint may hold some layers' experts dequantized beside MXFP4 ones, as
+        # transformers loads it
+        wanted = set(param.shard_ids) if getattr(param, "shard_ids", None) and None not in got \
+            else {None}
         # a stacked parameter names the checkpoint tensor each missing shard is read from
         shard_name = getattr(param, "shard_name", None) or (lambda n, s: f"{n}[{s}]")
         missing += [shard_name(name, s) if s is not None else name
-                    for s in sorted(wanted - loaded.get(name, set()), key=str)]
+                    for s in sorted(wanted - got, key=str)]
     if unexpected:
         raise WeightLoadError(f"{len(unexpected)} checkpoint tensors match no parameter: "
                               f"{sorted(unexpected)[:10]}")
@@ -187,7 +197,7 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
     hf_config = read_model_configs(path)[0]
     archs = hf_config.get("architectures") or [None]
     model_class = get_model_class(archs[0])
-    torch_dtype = resolve_dtype(hf_config, dtype)
+    torch_dtype = resolve_dtype(hf_config, dtype, path)
     if fused_ops:
         check_fused_ops_device(device)
     with torch.device(device):

@@ -86,12 +86,15 @@ def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
 
 def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1) -> int:
     """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
-    sparse layer (0 for a dense model or a dtype the kernel does not take). Counted also where
-    the experts stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
+    sparse layer (0 for a dense model, a model whose experts never pack (GPT-OSS: biased,
+    clamped experts on the grouped torch path) or a dtype the kernel does not take). Counted
+    also where the experts stay unpacked (no C++ extension built, fused_moe forced): over,
+    never under."""
     from worker_service.models.qwen_moe import MoeArgs
 
     moe = MoeArgs.of_config(hf_config)
-    if moe is None:
+    model_class = MODEL_REGISTRY.get((hf_config.get("architectures") or [None])[0])
+    if moe is None or not getattr(model_class, "packs_cpu_experts", True):
         return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
     return sparse * packed_bytes(moe.num_experts, moe.hidden_size,
@@ -120,7 +123,7 @@ def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local
     estimate, the CPU-packed expert copies' part of it); None when the machine's memory is
     unknown."""
     device = torch.device(config.device).type
-    dtype = resolve_dtype(info.hf_config, config.dtype)
+    dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
     element = torch.empty((), dtype=dtype).element_size()
     packed = estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size) if device == "cpu" else 0
     weights = estimate_weight_bytes(info.hf_config, element, tp_size) + packed
@@ -140,7 +143,8 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
     if room is None:
         return
     room_bytes, weights, packed = room
-    element = torch.empty((), dtype=resolve_dtype(info.hf_config, config.dtype)).element_size()
+    dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
+    element = torch.empty((), dtype=dtype).element_size()
     kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
     if (kv or 0) <= room_bytes:
         return

@@ -49,8 +49,8 @@ def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
     arch = (hf_config.get("architectures") or [None])[0]
     sinks = bool(getattr(MODEL_REGISTRY.get(arch), "attention_sinks", False))
-    return CacheLayout(config.block_size, head_dim, resolve_dtype(hf_config, config.dtype),
-                       sinks)
+    return CacheLayout(config.block_size, head_dim,
+                       resolve_dtype(hf_config, config.dtype, config.model_dir), sinks)
 
 
 class ModelRunner(RunnerKVCache):

@@ -1,6 +1,6 @@
 """MXFP4 dequantization (models/mxfp4.py) against transformers' own convert_moe_packed_tensors
 on random blocks and scales (every byte and a wide exponent range), bit for bit in each dtype;
-and the refusal of pieces that do not fit."""
+and the refusal of pieces that do not fit and of scales whose weights overflow."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,8 @@ transformers_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 def test_bit_for_bit_as_transformers(dtype):
     gen = torch.Generator().manual_seed(7)
     blocks = torch.randint(0, 256, (3, 40, 5, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (3, 40, 5), generator=gen, dtype=torch.uint8)
+    top = 141 if dtype == torch.float16 else 150        # float16: 6 x 2^14 overflows
+    scales = torch.randint(100, top, (3, 40, 5), generator=gen, dtype=torch.uint8)
     want = transformers_mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype)
     got = dequantize_experts(blocks, scales, dtype)
     assert got.shape == want.shape == (3, 160, 40) and got.dtype == dtype
@@ -47,3 +48,24 @@ def test_every_code_and_its_scale():
 def test_pieces_that_do_not_fit_are_refused(blocks, scales, match):
     with pytest.raises(ValueError, match=f"down_proj: MXFP4 .*{match}"):
         dequantize_experts(blocks, scales, torch.float32, "down_proj")
+
+
+@pytest.mark.parametrize("dtype,scale,ok", [
+    (torch.float32, 0, True), (torch.bfloat16, 252, True), (torch.bfloat16, 253, False),
+    (torch.float32, 255, False), (torch.float16, 140, True), (torch.float16, 141, False),
+])
+def test_scales_that_overflow_the_dtype_are_refused(dtype, scale, ok):
+    """Exponent extremes: 2^(scale - 127) x 6 (the largest code) must stay finite; scale 255 (the
+    E8M0 NaN code) never does. transformers gives the same values, and loads inf/NaN as they
+    come; the first bad group is named instead."""
+    blocks = torch.full((2, 3, 2, 16), 0x77, dtype=torch.uint8)        # every value 6.0
+    scales = torch.full((2, 3, 2), 127, dtype=torch.uint8)
+    scales[1, 2, 1] = scale
+    if ok:
+        got = dequantize_experts(blocks, scales, dtype, "down_proj")
+        want = transformers_mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+        assert torch.equal(got, want) and torch.isfinite(got).all()
+        return
+    with pytest.raises(ValueError, match=rf"down_proj: MXFP4 scale {scale} \(expert 1, row 2, "
+                                         r"group 1\) gives non-finite"):
+        dequantize_experts(blocks, scales, dtype, "down_proj")

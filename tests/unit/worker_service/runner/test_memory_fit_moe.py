@@ -64,3 +64,20 @@ def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
     with pytest.raises(DoesNotFit, match=r"of it the experts' CPU-packed copies\) and its KV "
                                          r"cache 1\.00 GiB per rank"):
         check_memory_fits(config, info, 1, 1, machine_bytes=exact - 1)
+
+
+@needs_extension
+def test_gpt_oss_experts_are_counted_once(tiny_models):
+    """GPT-OSS's experts run on the grouped torch path and are never packed: the estimate adds
+    no packed copy (it added one, about as large as the weights: gpt-oss-20b in bfloat16,
+    41.8 GB of weights, was estimated at 80 GB), and stays a lower bound of the loaded bytes."""
+    path = tiny_models("gpt_oss")
+    model = load(path)
+    assert not any(getattr(m, "cpu_experts", None) is not None for m in model.modules())
+    info = ModelInfo.from_dir(path)
+    assert estimate_cpu_packed_bytes(info.hf_config, torch.float32) == 0
+    plain = estimate_weight_bytes(info.hf_config, 4)
+    loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0.9 * loaded <= plain <= loaded
+    config = RunnerConfig(model_dir=path, device="cpu", dtype="float32", kv_cache_bytes=GIB)
+    assert kv_room_bytes(config, info, 1, 1, 2 * GIB) == (2 * GIB - plain, plain, 0)
