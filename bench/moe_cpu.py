@@ -19,6 +19,7 @@ median / max over --rounds rounds. packed and transformers are checked against g
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -123,6 +124,7 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
             dtype: torch.dtype) -> tuple[str, bool]:
     x = torch.randn(num_tokens, args.hidden).to(dtype)
     calls = paths(ours, theirs, dense, x)
+    clock = time.thread_time if args.thread_time else time.perf_counter
     with torch.inference_mode():
         want = calls["grouped"]().float()
         for name in ("packed", "transformers"):
@@ -133,7 +135,7 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
         rounds = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
-                seconds = time_calls(call, "cpu", args.iters, args.warmup)
+                seconds = time_calls(call, "cpu", args.iters, args.warmup, clock)
                 rounds[name].append(statistics.median(seconds) * 1e3)
     parts = ", ".join(f"{name} {min(v):.2f} / {statistics.median(v):.2f} / {max(v):.2f} ms"
                       for name, v in rounds.items())
@@ -146,14 +148,15 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
 
 def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:
     """The report's lines and whether every check passed."""
-    import platform
+    from bench.isa import describe_cpu
 
     ours, theirs = (make_gpt_oss_blocks if args.gpt_oss else make_blocks)(args, dtype)
     dense = dense_mlp(args, dtype)
     block = "GPT-OSS sparse block" if args.gpt_oss else "MoE sparse block"
-    lines = [f"## {block} on the CPU ({platform.processor() or platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads): E={args.experts} top-{args.top_k} "
-             f"H={args.hidden} I={args.inter} {args.dtype}", ""]
+    clock = "thread CPU time" if args.thread_time else "wall time"
+    lines = [f"## {block} on the CPU ({torch.get_num_threads()} torch threads, {clock}): "
+             f"E={args.experts} top-{args.top_k} H={args.hidden} I={args.inter} {args.dtype}",
+             "", f"- CPU: {describe_cpu()}"]
     ok = True
     for t in (int(s) for s in sizes.split(",")):
         line, good = run_one(ours, theirs, dense, t, args, dtype)

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         "torch path vs the packed kernels (kernels/cpu/moe_experts.py) vs transformers' block, "
         "in alternating rounds (bench/moe_cpu.py) instead of grouped vs fused")
     add("--rounds", type=int, default=3, help="with --cpu-kernels: alternating rounds")
+    add("--thread-time", action="store_true", help="with --cpu-kernels: time each call by "
+        "this thread's CPU time (with OMP_NUM_THREADS=1 the whole call), not the wall clock: "
+        "for a shared machine")
     add("--gpt-oss", action="store_true", help="with --cpu-kernels: GPT-OSS's sparse block "
         "(expert biases, clamped SwiGLU) instead of Qwen3-MoE's; gpt-oss-20b's layer: "
         "--experts 32 --top-k 4 --hidden 2880 --inter 2880")
