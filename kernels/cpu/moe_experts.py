@@ -31,13 +31,17 @@ MAX_MEAN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 PANEL_COLUMNS = 32          # csrc/panel_gemm.cpp's kPanel: output columns per panel
 
 
-def packed_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+def packed_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                 biases: bool = False) -> int:
     """Bytes of one layer's CpuExperts panels (w13 [E, 2I, H] and w2 [E, H, I], each expert's
-    output rows padded up to whole panels); 0 for a dtype the kernel does not take."""
+    output rows padded up to whole panels), plus with `biases` (GPT-OSS) the float32 copies of
+    [E, 2I] and [E, H] a bfloat16 layer keeps; 0 for a dtype the kernel does not take."""
     if dtype not in DTYPES or num_experts < 1:
         return 0
     panels = -(-2 * inter // PANEL_COLUMNS) * hidden + -(-hidden // PANEL_COLUMNS) * inter
-    return num_experts * panels * PANEL_COLUMNS * torch.empty((), dtype=dtype).element_size()
+    bias_copies = num_experts * (2 * inter + hidden) * 4 if biases and dtype != torch.float32 else 0
+    return (num_experts * panels * PANEL_COLUMNS * torch.empty((), dtype=dtype).element_size()
+            + bias_copies)
 
 
 class ClampedSwiGLU(NamedTuple):

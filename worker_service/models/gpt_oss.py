@@ -84,6 +84,7 @@ class GptOssDecoderModel(DecoderModel):
 class GptOssForCausalLM(LlamaForCausalLM):
     """GPT-OSS: biased attention with sinks, alternating windows, every MLP sparse."""
 
+    expert_biases = True        # memory_fit: the CPU packed experts keep float32 bias copies
     decoder_class = GptOssDecoderModel
     attention_sinks = True         # the backend selector skips backends without them
 

@@ -94,8 +94,9 @@ def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     if moe is None:
         return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
+    biases = getattr(_model_class(hf_config), "expert_biases", False)
     return sparse * packed_bytes(moe.num_experts, moe.hidden_size,
-                                 moe.moe_intermediate_size // tp_size, dtype)
+                                 moe.moe_intermediate_size // tp_size, dtype, biases)
 
 
 def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,

@@ -9,9 +9,11 @@ import torch
 from engine_common.model_files.model_dir import ModelInfo
 from kernels.cpu import extension
 from kernels.cpu.moe_experts import CpuExperts, packed_bytes
-from tests.support.paged_prefill import load
+from tests.support.paged_prefill import BACKEND, load
 from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit
+from worker_service.models.loader import load_model
+from worker_service.parallel_state import single_rank_group
 from worker_service.runner.memory_fit import (GIB, check_memory_fits,
                                               estimate_cpu_packed_bytes, estimate_weight_bytes,
                                               kv_room_bytes)
@@ -28,6 +30,11 @@ def test_packed_bytes_is_what_the_packing_allocates(dtype, experts, hidden, inte
     w13 = torch.randn(experts, 2 * inter, hidden).to(dtype)
     w2 = torch.randn(experts, hidden, inter).to(dtype)
     assert packed_bytes(experts, hidden, inter, dtype) == CpuExperts(w13, w2).nbytes
+    # GPT-OSS's experts add their biases (float32 copies in a bfloat16 layer)
+    b13, b2 = torch.randn(experts, 2 * inter).to(dtype), torch.randn(experts, hidden).to(dtype)
+    with_biases = CpuExperts(w13, w2, b13, b2).nbytes
+    assert packed_bytes(experts, hidden, inter, dtype, biases=True) == with_biases
+    assert (with_biases > CpuExperts(w13, w2).nbytes) == (dtype == torch.bfloat16)
 
 
 def test_a_dtype_the_kernel_does_not_take_packs_nothing():
@@ -64,3 +71,17 @@ def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
     with pytest.raises(DoesNotFit, match=r"of it the experts' CPU-packed copies\) and its KV "
                                          r"cache 1\.00 GiB per rank"):
         check_memory_fits(config, info, 1, 1, machine_bytes=exact - 1)
+
+
+@needs_extension
+def test_gpt_oss_packed_bytes_with_its_biases_are_estimated(tiny_models):
+    """The tiny GPT-OSS loaded in bfloat16 on the CPU: the estimate equals its packed experts'
+    measured bytes, the float32 bias copies included."""
+    path = tiny_models("gpt_oss")
+    model = load_model(path, single_rank_group(), BACKEND, "cpu", "bfloat16")
+    measured = sum(m.cpu_experts.nbytes for m in model.modules()
+                   if getattr(m, "cpu_experts", None) is not None)
+    hf_config = ModelInfo.from_dir(path).hf_config
+    estimate = estimate_cpu_packed_bytes(hf_config, torch.bfloat16)
+    assert estimate == measured > estimate_cpu_packed_bytes(
+        {**hf_config, "architectures": ["Qwen3MoeForCausalLM"]}, torch.bfloat16)
