@@ -209,10 +209,11 @@ void run(const at::Tensor& x, const at::Tensor& weights, const Groups& g, int64_
 const float* bias_data(const std::optional<at::Tensor>& bias, int64_t experts, int64_t n,
                        const char* name) {
   if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->dim() == 2 &&
-                  bias->size(0) == experts && bias->size(1) == n,
-              name, " must be contiguous float32 [", experts, ", ", n, "], got ",
-              bias->scalar_type(), " ", bias->sizes());
+  TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                  bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == experts &&
+                  bias->size(1) == n,
+              name, " must be a contiguous float32 CPU tensor [", experts, ", ", n, "], got ",
+              bias->scalar_type(), " ", bias->sizes(), " on ", bias->device());
   return bias->data_ptr<float>();
 }
 
