@@ -22,17 +22,19 @@ def resolve_kernel_bench_device(requested: str) -> str:
     return device
 
 
-def time_calls(call, device: str, iters: int, warmup: int) -> list[float]:
+def time_calls(call, device: str, iters: int, warmup: int,
+               clock=time.perf_counter) -> list[float]:
     """Seconds per call after `warmup` untimed calls: CUDA events around each call on CUDA,
-    perf_counter on CPU."""
+    `clock` on CPU (perf_counter; time.thread_time counts only this thread's CPU time: the
+    whole call with one torch thread, not the waits of a shared machine)."""
     for _ in range(warmup):
         call()
     if device != "cuda":
         seconds = []
         for _ in range(iters):
-            t0 = time.perf_counter()
+            t0 = clock()
             call()
-            seconds.append(time.perf_counter() - t0)
+            seconds.append(clock() - t0)
         return seconds
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

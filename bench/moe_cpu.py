@@ -1,10 +1,12 @@
 """The CPU mode of bench.moe_experts (`--cpu-kernels`): one Qwen3-MoE sparse block (router and
-routed experts) per token count T, three ways on the same random weights and inputs:
+routed experts; `--gpt-oss`: GPT-OSS's, biases and the clamped SwiGLU) per token count T, three
+ways on the same random weights and inputs:
 
     grouped       our SparseMoeBlock, experts on the grouped F.linear path (a host loop over the
                   experts with tokens: what the CPU ran before kernels/cpu/moe_experts.py)
     packed        the same block after use_cpu_kernels(): experts on kernels/cpu/moe_experts.py
-    transformers  transformers' Qwen3MoeSparseMoeBlock forward (its own loop over the experts)
+    transformers  transformers' Qwen3MoeSparseMoeBlock (GptOssMLP) forward (its own loop over
+                  the experts)
     dense         a dense gated MLP of the same active width (top_k x moe_intermediate) on the
                   dense layers' CPU GEMMs: what a token costs without the routing (other
                   weights, so not checked)
@@ -17,6 +19,7 @@ median / max over --rounds rounds. packed and transformers are checked against g
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -26,11 +29,10 @@ CHECK_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 
 def make_blocks(args, dtype: torch.dtype):
-    """(ours, transformers') with the same weights: std 0.02 experts, std 0.5 router (routing
-    far from ties, so both pick the same experts)."""
+    """(ours, transformers' forward x [T, H] -> [T, H]) with the same weights: std 0.02
+    experts, std 0.5 router (routing far from ties, so both pick the same experts)."""
     import transformers as tf
 
-    from worker_service.layers.cpu_kernels import use_cpu_kernels
     from worker_service.models.qwen_moe import MoeArgs, SparseMoeBlock
     from worker_service.parallel_state import single_rank_group
 
@@ -50,10 +52,47 @@ def make_blocks(args, dtype: torch.dtype):
         ours.gate.weight.copy_(theirs.gate.weight)
         ours.experts.w13_weight.copy_(theirs.experts.gate_up_proj)   # [E, 2I, H]: gate, up
         ours.experts.w2_weight.copy_(theirs.experts.down_proj)
+    return packed(ours), lambda x: theirs(x[None])[0]
+
+
+def make_gpt_oss_blocks(args, dtype: torch.dtype):
+    """(ours, transformers' forward) for GPT-OSS's block, the same weights: std 0.02 experts
+    and biases, std 0.5 router; ours loaded through its checkpoint loaders (gate/up interleaved)."""
+    import transformers as tf
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from worker_service.layers.gpt_oss_moe import GptOssMoeBlock
+    from worker_service.parallel_state import single_rank_group
+
+    cfg = tf.GptOssConfig(hidden_size=args.hidden, num_local_experts=args.experts,
+                          num_experts_per_tok=args.top_k, intermediate_size=args.inter,
+                          num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=1)
+    torch.manual_seed(0)
+    theirs = GptOssMLP(cfg).eval().to(dtype)
+    with torch.no_grad():
+        theirs.router.weight.normal_(0.0, 0.5)
+        for p in theirs.experts.parameters():
+            p.normal_(0.0, 0.02)
+    ours = GptOssMoeBlock(args.hidden, args.experts, args.top_k, args.inter,
+                          single_rank_group(), dtype, cfg.swiglu_alpha, cfg.swiglu_limit)
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.router.weight)
+        ours.router.bias.copy_(theirs.router.bias)
+    e, t = ours.experts, theirs.experts
+    for param, loaded in ((e.w13_weight, t.gate_up_proj), (e.w13_bias, t.gate_up_proj_bias),
+                          (e.w2_weight, t.down_proj), (e.w2_bias, t.down_proj_bias)):
+        param.weight_loader(param, loaded.data)
+    return packed(ours), lambda x: theirs(x[None])[0][0]
+
+
+def packed(ours):
+    """ours after use_cpu_kernels(); exits when the experts could not be packed."""
+    from worker_service.layers.cpu_kernels import use_cpu_kernels
+
     use_cpu_kernels(ours)
     if ours.experts.cpu_experts is None:
         raise SystemExit("the deltaserve_cpu kernels did not load: no packed path to time")
-    return ours, theirs
+    return ours
 
 
 def dense_mlp(args, dtype: torch.dtype):
@@ -78,13 +117,14 @@ def paths(ours, theirs, dense, x: torch.Tensor) -> dict:
             ours.experts.cpu_experts = packed
 
     return {"grouped": grouped, "packed": lambda: ours(x),
-            "transformers": lambda: theirs(x[None])[0], "dense": lambda: dense(x)}
+            "transformers": lambda: theirs(x), "dense": lambda: dense(x)}
 
 
 def run_one(ours, theirs, dense, num_tokens: int, args,
             dtype: torch.dtype) -> tuple[str, bool]:
     x = torch.randn(num_tokens, args.hidden).to(dtype)
     calls = paths(ours, theirs, dense, x)
+    clock = time.thread_time if args.thread_time else time.perf_counter
     with torch.inference_mode():
         want = calls["grouped"]().float()
         for name in ("packed", "transformers"):
@@ -95,7 +135,7 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
         rounds = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
-                seconds = time_calls(call, "cpu", args.iters, args.warmup)
+                seconds = time_calls(call, "cpu", args.iters, args.warmup, clock)
                 rounds[name].append(statistics.median(seconds) * 1e3)
     parts = ", ".join(f"{name} {min(v):.2f} / {statistics.median(v):.2f} / {max(v):.2f} ms"
                       for name, v in rounds.items())
@@ -108,13 +148,15 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
 
 def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:
     """The report's lines and whether every check passed."""
-    import platform
+    from bench.isa import describe_cpu
 
-    ours, theirs = make_blocks(args, dtype)
+    ours, theirs = (make_gpt_oss_blocks if args.gpt_oss else make_blocks)(args, dtype)
     dense = dense_mlp(args, dtype)
-    lines = [f"## MoE sparse block on the CPU ({platform.processor() or platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads): E={args.experts} top-{args.top_k} "
-             f"H={args.hidden} I={args.inter} {args.dtype}", ""]
+    block = "GPT-OSS sparse block" if args.gpt_oss else "MoE sparse block"
+    clock = "thread CPU time" if args.thread_time else "wall time"
+    lines = [f"## {block} on the CPU ({torch.get_num_threads()} torch threads, {clock}): "
+             f"E={args.experts} top-{args.top_k} H={args.hidden} I={args.inter} {args.dtype}",
+             "", f"- CPU: {describe_cpu()}"]
     ok = True
     for t in (int(s) for s in sizes.split(",")):
         line, good = run_one(ours, theirs, dense, t, args, dtype)

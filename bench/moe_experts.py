@@ -5,6 +5,8 @@
         --hidden 64 --inter 32                      # the CPU smoke run (Triton interpreter)
     python -m bench.moe_experts --device cpu --cpu-kernels --experts 64 --hidden 1024 \\
         --inter 512 --dtype float32                 # the CPU's packed experts (bench/moe_cpu.py)
+    python -m bench.moe_experts --device cpu --cpu-kernels --gpt-oss --experts 32 --top-k 4 \\
+        --hidden 2880 --inter 2880                  # the same, gpt-oss-20b's layer
 
 One sparse layer's routed experts (worker_service/layers/moe.py MoEExperts; defaults: 128
 experts, top-8, hidden 2048, moe_intermediate 768, as Qwen3-30B-A3B's 48 sparse layers), random
@@ -60,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         "torch path vs the packed kernels (kernels/cpu/moe_experts.py) vs transformers' block, "
         "in alternating rounds (bench/moe_cpu.py) instead of grouped vs fused")
     add("--rounds", type=int, default=3, help="with --cpu-kernels: alternating rounds")
+    add("--thread-time", action="store_true", help="with --cpu-kernels: time each call by "
+        "this thread's CPU time (with OMP_NUM_THREADS=1 the whole call), not the wall clock: "
+        "for a shared machine")
+    add("--gpt-oss", action="store_true", help="with --cpu-kernels: GPT-OSS's sparse block "
+        "(expert biases, clamped SwiGLU) instead of Qwen3-MoE's; gpt-oss-20b's layer: "
+        "--experts 32 --top-k 4 --hidden 2880 --inter 2880")
     add("--results-file", help="Markdown file the result block is appended to (default: none)")
     return p
 
@@ -137,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_kernels and args.device == "cuda":
         raise SystemExit("--cpu-kernels needs --device cpu")
+    if args.gpt_oss and not args.cpu_kernels:
+        raise SystemExit("--gpt-oss needs --cpu-kernels")
     device = "cpu" if args.cpu_kernels else resolve_kernel_bench_device(args.device)
     sizes, iters, warmup = SIZE_DEFAULTS["cpu-kernels" if args.cpu_kernels else device]
     args.iters = args.iters or iters

@@ -3,7 +3,9 @@ expert's stacked gate_up [E, 2I, H] and down [E, H, I] weights repacked once, at
 panels of csrc/panel_gemm.cpp ([E, panels, K, 32], the dense layers' decode layout, bfloat16
 kept bfloat16), and one deltaserve_cpu.moe_experts call per layer (csrc/moe_experts.cpp): the
 grouping by expert, both GEMMs of every expert that received tokens in one parallel region,
-silu(gate) * up between them, and each token's weighted sum over its top-k.
+silu(gate) * up between them, and each token's weighted sum over its top-k. GPT-OSS's experts
+(worker_service/layers/gpt_oss_moe.py) add per-expert biases (kept float32 here) and take its
+clamped SwiGLU (ClampedSwiGLU, passed per call) in place of silu, in the same call.
 
 Taken while the experts get at most MAX_MEAN_ROWS[dtype] rows on average (tokens x top-k <=
 that x experts): decode steps and short prefills; longer prefills keep the grouped torch path.
@@ -18,6 +20,8 @@ panels: packed_bytes gives its size before anything is loaded, for the memory ch
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.cpu import extension
@@ -27,41 +31,66 @@ MAX_MEAN_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 PANEL_COLUMNS = 32          # csrc/panel_gemm.cpp's kPanel: output columns per panel
 
 
-def packed_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+def packed_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                 biases: bool = False) -> int:
     """Bytes of one layer's CpuExperts panels (w13 [E, 2I, H] and w2 [E, H, I], each expert's
-    output rows padded up to whole panels); 0 for a dtype the kernel does not take."""
+    output rows padded up to whole panels), plus with `biases` (GPT-OSS) the float32 copies of
+    [E, 2I] and [E, H] a bfloat16 layer keeps; 0 for a dtype the kernel does not take."""
     if dtype not in DTYPES or num_experts < 1:
         return 0
     panels = -(-2 * inter // PANEL_COLUMNS) * hidden + -(-hidden // PANEL_COLUMNS) * inter
-    return num_experts * panels * PANEL_COLUMNS * torch.empty((), dtype=dtype).element_size()
+    bias_copies = num_experts * (2 * inter + hidden) * 4 if biases and dtype != torch.float32 else 0
+    return (num_experts * panels * PANEL_COLUMNS * torch.empty((), dtype=dtype).element_size()
+            + bias_copies)
+
+
+class ClampedSwiGLU(NamedTuple):
+    """GPT-OSS's activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
+    g = clamp(gate, max=limit)."""
+    alpha: float
+    limit: float
 
 
 class CpuExperts:
-    """The packed experts of one layer; call it as MoEExperts.forward(x, weights, ids)."""
+    """The packed experts of one layer; call it as MoEExperts.forward(x, weights, ids), plus
+    the activation for experts that do not use silu(gate) * up."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None = None,
+                 w2_bias: torch.Tensor | None = None) -> None:
         ops = extension.ops()
         self.dtype = w13.dtype
         self.inter = w2.shape[2]
         self.num_experts = w13.shape[0]
         self.w13_panels = _stacked_panels(ops, w13)
         self.w2_panels = _stacked_panels(ops, w2)
+        # [E, 2I] and [E, H] in float32 (bfloat16 widens exactly; float32 is not copied)
+        self.w13_bias = None if w13_bias is None else w13_bias.float().contiguous()
+        self.w2_bias = None if w2_bias is None else w2_bias.float().contiguous()
         self.calls = 0              # calls that took the kernel (tests check it ran)
 
     @property
     def nbytes(self) -> int:
-        return self.w13_panels.nbytes + self.w2_panels.nbytes
+        biases = sum(b.nbytes for b in (self.w13_bias, self.w2_bias)
+                     if b is not None and self.dtype != torch.float32)
+        return self.w13_panels.nbytes + self.w2_panels.nbytes + biases
 
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.device.type == "cpu"
                 and ids.numel() <= MAX_MEAN_ROWS[self.dtype] * self.num_experts)
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor,
-                 ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 swiglu: ClampedSwiGLU | None = None) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] -> [T, H]; silu(gate) * up, or swiglu's clamped
+        SwiGLU."""
         self.calls += 1
-        return extension.ops().moe_experts(x.contiguous(), weights.to(x.dtype).contiguous(),
-                                           ids.contiguous(), self.w13_panels, self.w2_panels,
-                                           self.inter)
+        args = (x.contiguous(), weights.to(x.dtype).contiguous(), ids.contiguous(),
+                self.w13_panels, self.w2_panels, self.inter)
+        ops = extension.ops()
+        if swiglu is None and self.w13_bias is None and self.w2_bias is None:
+            return ops.moe_experts(*args)           # the other MoE models' call, as before
+        activation = "silu" if swiglu is None else "clamped_swiglu"
+        alpha, limit = swiglu or (0.0, 0.0)
+        return ops.moe_experts(*args, self.w13_bias, self.w2_bias, activation, alpha, limit)
 
 
 def _stacked_panels(ops, w: torch.Tensor) -> torch.Tensor:
@@ -74,9 +103,11 @@ def _stacked_panels(ops, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def prepare(w13: torch.Tensor, w2: torch.Tensor) -> CpuExperts | None:
-    """CpuExperts for CPU expert weights in a dtype the kernel takes, else None."""
+def prepare(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None = None,
+            w2_bias: torch.Tensor | None = None) -> CpuExperts | None:
+    """CpuExperts for CPU expert weights in a dtype the kernel takes (and optional per-expert
+    biases [E, 2I], [E, H]), else None."""
     if (w13.device.type != "cpu" or w13.dtype not in DTYPES or w2.dtype != w13.dtype
             or w13.shape[0] == 0 or not extension.load()):
         return None
-    return CpuExperts(w13, w2)
+    return CpuExperts(w13, w2, w13_bias, w2_bias)

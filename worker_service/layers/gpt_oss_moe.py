@@ -18,10 +18,12 @@ place of the two weights, dequantized at load into the model's dtype. They load 
 so under tensor parallelism each rank keeps a slice I_r = I / tp of every expert and returns a
 partial sum, which the block all-reduces.
 
-The experts run on the grouped torch path on every device (one host sync for the per-expert
-counts, then two GEMMs per expert that has tokens): the CPU packed experts and the fused
-Triton kernels compute silu(gate) * up without biases, so they are not used for this block
-(the model's graph_capture_blocker says so).
+On the CPU, after use_cpu_kernels() (at load), a step within kernels/cpu/moe_experts'
+MAX_MEAN_ROWS takes the packed experts, as the other MoE models' experts do: the same call,
+with the biases and the clamped SwiGLU. Otherwise (longer prefills, CUDA) the experts run on
+the grouped torch path (one host sync for the per-expert counts, then two GEMMs per expert that
+has tokens): the fused Triton kernels compute silu(gate) * up without biases, so they are not
+used for this block (the model's graph_capture_blocker says so).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import moe_experts as cpu_moe
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
                                             loaded_shape, new_param, read_all)
 from worker_service.layers.mxfp4 import dequantize_experts
@@ -160,10 +163,23 @@ class GptOssExperts(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
 
+    cpu_experts: cpu_moe.CpuExperts | None = None
+
+    def use_cpu_kernels(self) -> bool:
+        """Pack the experts and their biases for kernels/cpu/moe_experts (CPU weights); re-run
+        after changing the weights."""
+        self.cpu_experts = cpu_moe.prepare(self.w13_weight.data, self.w2_weight.data,
+                                           self.w13_bias.data,
+                                           self.w2_bias.data if self.tp.rank == 0 else None)
+        return self.cpu_experts is not None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum over each token's k experts of
         weight * expert(x), [T, H] (this rank's partial sum; the down bias on rank 0 only)."""
+        if self.cpu_experts is not None and self.cpu_experts.takes(x, ids):
+            return self.cpu_experts(x, weights, ids,
+                                    cpu_moe.ClampedSwiGLU(self.alpha, self.limit))
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)     # (token, slot) pairs grouped by expert

@@ -84,9 +84,9 @@ class GptOssDecoderModel(DecoderModel):
 class GptOssForCausalLM(LlamaForCausalLM):
     """GPT-OSS: biased attention with sinks, alternating windows, every MLP sparse."""
 
+    expert_biases = True        # memory_fit: the CPU packed experts keep float32 bias copies
     decoder_class = GptOssDecoderModel
     attention_sinks = True         # the backend selector skips backends without them
-    packs_cpu_experts = False      # grouped torch experts: no CPU-packed copy (memory_fit)
 
     def __init__(self, hf_config: dict, *args, **kwargs) -> None:
         problem = quantization_problem(hf_config)

@@ -86,19 +86,18 @@ def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
 
 def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1) -> int:
     """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
-    sparse layer (0 for a dense model, a model whose experts never pack (GPT-OSS: biased,
-    clamped experts on the grouped torch path) or a dtype the kernel does not take). Counted
+    sparse layer (0 for a dense model or a dtype the kernel does not take). Counted
     also where the experts stay unpacked (no C++ extension built, fused_moe forced): over,
     never under."""
     from worker_service.models.qwen_moe import MoeArgs
 
     moe = MoeArgs.of_config(hf_config)
-    model_class = MODEL_REGISTRY.get((hf_config.get("architectures") or [None])[0])
-    if moe is None or not getattr(model_class, "packs_cpu_experts", True):
+    if moe is None:
         return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
+    biases = getattr(_model_class(hf_config), "expert_biases", False)
     return sparse * packed_bytes(moe.num_experts, moe.hidden_size,
-                                 moe.moe_intermediate_size // tp_size, dtype)
+                                 moe.moe_intermediate_size // tp_size, dtype, biases)
 
 
 def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,

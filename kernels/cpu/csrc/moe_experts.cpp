@@ -7,21 +7,29 @@
 //      split between the threads, so one layer's experts share a single parallel region (a
 //      decode step spreads its few rows over many experts: per-expert GEMM calls would each
 //      pay a thread fork and join, and F.linear's few-row GEMMs stream the weight slowly);
-//   3. silu(gate) * up, row by row;
-//   4. down = act W2_e^T, split the same way;
+//   3. silu(gate) * up, row by row (or GPT-OSS's clamped SwiGLU, below), after adding the
+//      expert's gate_up bias when there is one;
+//   4. down = act W2_e^T, split the same way, plus the expert's down bias when there is one;
 //   5. out[t] = sum over t's slots of weight * down, in slot order.
 //
+// GPT-OSS (worker_service/layers/gpt_oss_moe.py): g = min(gate, limit), u = clamp(up, -limit,
+// limit), act = (u + 1) * g * sigmoid(alpha g), with per-expert biases [E, 2I] and [E, H]
+// (float32). Without biases and with silu the path is the one the other MoE models always took.
+//
 // Experts without rows are never read. bfloat16 rounds where the torch path does (gate_up,
-// silu, the product, down, the weighted sum: F.linear, silu_and_mul, bmm in bfloat16); float32
-// needs no rounding. Weights are the experts' panel_pack outputs stacked [E, panels, K, 32].
+// silu, the product, down, the weighted sum: F.linear, silu_and_mul, bmm in bfloat16; each
+// elementwise op of the clamped SwiGLU); float32 needs no rounding. Weights are the experts'
+// panel_pack outputs stacked [E, panels, K, 32].
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +58,7 @@ struct Groups {
   std::vector<int64_t> start;      // [E + 1]
   std::vector<int64_t> row_of;     // [T * k]: the grouped row of pair (t, s)
   std::vector<int64_t> token_of;   // [T * k]: the token of grouped row r
+  std::vector<int64_t> expert_of;  // [T * k]: the expert of grouped row r
   std::vector<int64_t> active;     // experts with rows, ascending
   int64_t max_rows = 0;
 };
@@ -71,10 +80,12 @@ Groups group_pairs(const int64_t* ids, int64_t pairs, int64_t top_k, int64_t exp
   std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
   g.row_of.resize(static_cast<size_t>(pairs));
   g.token_of.resize(static_cast<size_t>(pairs));
+  g.expert_of.resize(static_cast<size_t>(pairs));
   for (int64_t i = 0; i < pairs; ++i) {
     const int64_t r = next[ids[i]]++;
     g.row_of[i] = r;
     g.token_of[r] = i / top_k;
+    g.expert_of[r] = ids[i];
   }
   return g;
 }
@@ -103,9 +114,49 @@ void experts_gemm(const Groups& g, const float* x, int64_t k, const W* panels, i
   });
 }
 
+// What runs around the two GEMMs: optional per-expert biases, silu or the clamped SwiGLU.
+struct Epilogue {
+  const float* w13_bias = nullptr;   // [E, 2I] or none
+  const float* w2_bias = nullptr;    // [E, H] or none
+  bool clamped = false;              // GPT-OSS's clamped SwiGLU instead of silu(gate) * up
+  float alpha = 0.f, limit = 0.f;
+};
+
+// y[r] += bias[expert of r], y [pairs, n] float32, bias [E, n].
+void add_bias(const Groups& g, const float* bias, int64_t n, float* y) {
+  const int64_t pairs = static_cast<int64_t>(g.expert_of.size());
+  at::parallel_for(0, pairs, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* b = bias + g.expert_of[r] * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) y[r * n + i] += b[i];
+    }
+  });
+}
+
+// act[r] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit), rounded
+// after each op as torch's bfloat16 elementwise ops round (gpt_oss_moe.clamped_swiglu).
+void clamped_swiglu_rows(const float* h13, int64_t pairs, int64_t inter, float alpha,
+                         float limit, bool bf16, float* act) {
+  at::parallel_for(0, pairs, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* gate = h13 + r * 2 * inter;
+      const float* up = gate + inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = rounded(std::min(rounded(gate[i], bf16), limit), bf16);
+        const float u = rounded(std::max(std::min(rounded(up[i], bf16), limit), -limit), bf16);
+        const float s = rounded(sigmoid(rounded(g * alpha, bf16)), bf16);
+        act[r * inter + i] = rounded(rounded(u + 1.f, bf16) * rounded(g * s, bf16), bf16);
+      }
+    }
+  });
+}
+
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& weights, const Groups& g, int64_t top_k,
-         const at::Tensor& w13, const at::Tensor& w2, int64_t inter, at::Tensor& out) {
+         const at::Tensor& w13, const at::Tensor& w2, int64_t inter, const Epilogue& ep,
+         at::Tensor& out) {
   constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
   const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
   const auto f32 = x.options().dtype(at::kFloat);
@@ -122,7 +173,9 @@ void run(const at::Tensor& x, const at::Tensor& weights, const Groups& g, int64_
     }
   });
   experts_gemm(g, xgp, hidden, w13.data_ptr<T>(), 2 * inter, hp);
-  at::parallel_for(0, pairs, 16, [&](int64_t lo, int64_t hi) {
+  if (ep.w13_bias != nullptr) add_bias(g, ep.w13_bias, 2 * inter, hp);
+  if (ep.clamped) clamped_swiglu_rows(hp, pairs, inter, ep.alpha, ep.limit, bf16, ap);
+  else at::parallel_for(0, pairs, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* gate = hp + r * 2 * inter;
       const float* up = gate + inter;
@@ -133,6 +186,7 @@ void run(const at::Tensor& x, const at::Tensor& weights, const Groups& g, int64_
     }
   });
   experts_gemm(g, ap, inter, w2.data_ptr<T>(), hidden, dp);
+  if (ep.w2_bias != nullptr) add_bias(g, ep.w2_bias, hidden, dp);
   at::Tensor w = weights.to(at::kFloat).contiguous();
   const float* wp = w.data_ptr<float>();
   T* op = out.data_ptr<T>();
@@ -151,12 +205,46 @@ void run(const at::Tensor& x, const at::Tensor& weights, const Groups& g, int64_
   });
 }
 
+// A bias's float32 data after checking it is contiguous float32 [experts, n]; none: nullptr.
+const float* bias_data(const std::optional<at::Tensor>& bias, int64_t experts, int64_t n,
+                       const char* name) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                  bias->is_contiguous() && bias->dim() == 2 && bias->size(0) == experts &&
+                  bias->size(1) == n,
+              name, " must be a contiguous float32 CPU tensor [", experts, ", ", n, "], got ",
+              bias->scalar_type(), " ", bias->sizes(), " on ", bias->device());
+  return bias->data_ptr<float>();
+}
+
+Epilogue epilogue(const std::optional<at::Tensor>& w13_bias,
+                  const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                  double alpha, double limit, int64_t experts, int64_t hidden, int64_t inter) {
+  Epilogue ep;
+  ep.w13_bias = bias_data(w13_bias, experts, 2 * inter, "w13_bias");
+  ep.w2_bias = bias_data(w2_bias, experts, hidden, "w2_bias");
+  ep.clamped = activation == "clamped_swiglu";
+  TORCH_CHECK(ep.clamped || activation == "silu", "activation='", activation,
+              "' is not one of 'silu', 'clamped_swiglu'");
+  TORCH_CHECK(!ep.clamped || (std::isfinite(alpha) && !std::isnan(limit) && limit >= 0),
+              "clamped_swiglu needs a finite alpha and a limit >= 0, got alpha=", alpha,
+              " limit=", limit);
+  ep.alpha = static_cast<float>(alpha);
+  ep.limit = static_cast<float>(limit);
+  return ep;
+}
+
 }  // namespace
 
 // x [T, H], weights [T, k] (x's dtype), ids [T, k] int64, w13_panels [E, ceil(2I / 32), H, 32],
 // w2_panels [E, ceil(H / 32), I, 32] (x's dtype: float32 or bfloat16) -> [T, H] in x's dtype.
+// Optional float32 biases w13_bias [E, 2I], w2_bias [E, H]; activation "silu" (silu(gate) * up)
+// or "clamped_swiglu" (GPT-OSS's, with alpha and limit).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                       const at::Tensor& w13_panels, const at::Tensor& w2_panels, int64_t inter) {
+                       const at::Tensor& w13_panels, const at::Tensor& w2_panels, int64_t inter,
+                       const std::optional<at::Tensor>& w13_bias,
+                       const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                       double alpha, double limit) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dtype == at::kFloat || dtype == at::kBFloat16),
               "x must be a contiguous float32 or bfloat16 [T, H] tensor");
@@ -174,13 +262,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
                   w2_panels.size(1) == (hidden + kPanel - 1) / kPanel &&
                   w2_panels.size(2) == inter && w2_panels.size(3) == kPanel,
               "panels do not match x and inter");
+  const Epilogue ep = epilogue(w13_bias, w2_bias, activation, alpha, limit, experts, hidden,
+                               inter);
   at::Tensor out = at::empty({tokens, hidden}, x.options());
   const int64_t top_k = ids.size(1);
   if (tokens == 0 || top_k == 0) return out.zero_();
   at::Tensor flat = ids.contiguous();
   const Groups g = group_pairs(flat.data_ptr<int64_t>(), tokens * top_k, top_k, experts);
-  if (dtype == at::kFloat) run<float>(x, weights, g, top_k, w13_panels, w2_panels, inter, out);
-  else run<c10::BFloat16>(x, weights, g, top_k, w13_panels, w2_panels, inter, out);
+  if (dtype == at::kFloat) run<float>(x, weights, g, top_k, w13_panels, w2_panels, inter, ep, out);
+  else run<c10::BFloat16>(x, weights, g, top_k, w13_panels, w2_panels, inter, ep, out);
   return out;
 }
 

@@ -43,7 +43,10 @@ void rope(const at::Tensor& positions, at::Tensor query, at::Tensor key,
           const at::Tensor& cos_cache, const at::Tensor& sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                       const at::Tensor& w13_panels, const at::Tensor& w2_panels, int64_t inter);
+                       const at::Tensor& w13_panels, const at::Tensor& w2_panels, int64_t inter,
+                       const std::optional<at::Tensor>& w13_bias,
+                       const std::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                       double alpha, double limit);
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits, bool logprobs);
 bool screen_available();
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_pack(const at::Tensor& weight);
@@ -107,7 +110,8 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
         "Tensor sin_cache) -> ()", &rope);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor w13_panels, Tensor w2_panels, "
-        "int inter) -> Tensor", &moe_experts);
+        "int inter, Tensor? w13_bias=None, Tensor? w2_bias=None, str activation='silu', "
+        "float alpha=0., float limit=0.) -> Tensor", &moe_experts);
   m.def("greedy_sample(Tensor logits, bool logprobs=True) -> (Tensor, Tensor)", &greedy_sample);
   m.def("screen_available() -> bool", &screen_available);
   m.def("screen_pack(Tensor weight) -> (Tensor, Tensor, Tensor, Tensor)", &screen_pack);

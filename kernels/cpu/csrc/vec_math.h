@@ -38,6 +38,12 @@ inline float silu(float g) {
   return g * sig;
 }
 
+// sigmoid(z) = 1 / (1 + e^-z), the same way (GPT-OSS's clamped SwiGLU in moe_experts.cpp).
+inline float sigmoid(float z) {
+  const float e = exp_approx(-std::fabs(z));
+  return z >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+}
+
 // The factor a row's accumulator (sums relative to its running max m, total l) is scaled by to
 // become its output: 1 / l, or with a sink logit 1 / (l + e^(sink - m)), computed against
 // max(m, sink) so that neither exponential overflows.

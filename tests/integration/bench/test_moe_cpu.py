@@ -36,3 +36,17 @@ def test_checks_then_times_three_paths_in_rounds(tmp_path, capsys, dtype):
 def test_cpu_kernels_mode_is_refused_off_the_cpu():
     with pytest.raises(SystemExit, match="--cpu-kernels needs --device cpu"):
         moe_experts.main(["--device", "cuda", "--cpu-kernels"])
+
+
+def test_gpt_oss_block_is_checked_and_timed(capsys):
+    """--gpt-oss: GPT-OSS's block (biases, clamped SwiGLU), packed checked against grouped and
+    transformers' GptOssMLP before timing."""
+    argv = ["--device", "cpu", "--cpu-kernels", "--gpt-oss", "--num-tokens", "1,5",
+            "--experts", "6", "--top-k", "2", "--hidden", "64", "--inter", "40", "--iters", "1",
+            "--warmup", "0", "--rounds", "1", "--dtype", "float32"]
+    assert moe_experts.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "GPT-OSS sparse block" in out and "E=6 top-2 H=64 I=40 float32" in out
+    assert "CHECK FAILED" not in out and len(re.findall(r"^- T=\d+: grouped ", out, re.M)) == 2
+    with pytest.raises(SystemExit, match="--gpt-oss needs --cpu-kernels"):
+        moe_experts.main(["--device", "cpu", "--gpt-oss"])

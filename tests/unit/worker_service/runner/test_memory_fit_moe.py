@@ -9,9 +9,11 @@ import torch
 from engine_common.model_files.model_dir import ModelInfo
 from kernels.cpu import extension
 from kernels.cpu.moe_experts import CpuExperts, packed_bytes
-from tests.support.paged_prefill import load
+from tests.support.paged_prefill import BACKEND, load
 from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit
+from worker_service.models.loader import load_model
+from worker_service.parallel_state import single_rank_group
 from worker_service.runner.memory_fit import (GIB, check_memory_fits,
                                               estimate_cpu_packed_bytes, estimate_weight_bytes,
                                               kv_room_bytes)
@@ -28,6 +30,11 @@ def test_packed_bytes_is_what_the_packing_allocates(dtype, experts, hidden, inte
     w13 = torch.randn(experts, 2 * inter, hidden).to(dtype)
     w2 = torch.randn(experts, hidden, inter).to(dtype)
     assert packed_bytes(experts, hidden, inter, dtype) == CpuExperts(w13, w2).nbytes
+    # GPT-OSS's experts add their biases (float32 copies in a bfloat16 layer)
+    b13, b2 = torch.randn(experts, 2 * inter).to(dtype), torch.randn(experts, hidden).to(dtype)
+    with_biases = CpuExperts(w13, w2, b13, b2).nbytes
+    assert packed_bytes(experts, hidden, inter, dtype, biases=True) == with_biases
+    assert (with_biases > CpuExperts(w13, w2).nbytes) == (dtype == torch.bfloat16)
 
 
 def test_a_dtype_the_kernel_does_not_take_packs_nothing():
@@ -67,17 +74,14 @@ def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
 
 
 @needs_extension
-def test_gpt_oss_experts_are_counted_once(tiny_models):
-    """GPT-OSS's experts run on the grouped torch path and are never packed: the estimate adds
-    no packed copy (it added one, about as large as the weights: gpt-oss-20b in bfloat16,
-    41.8 GB of weights, was estimated at 80 GB), and stays a lower bound of the loaded bytes."""
+def test_gpt_oss_packed_bytes_with_its_biases_are_estimated(tiny_models):
+    """The tiny GPT-OSS loaded in bfloat16 on the CPU: the estimate equals its packed experts'
+    measured bytes, the float32 bias copies included."""
     path = tiny_models("gpt_oss")
-    model = load(path)
-    assert not any(getattr(m, "cpu_experts", None) is not None for m in model.modules())
-    info = ModelInfo.from_dir(path)
-    assert estimate_cpu_packed_bytes(info.hf_config, torch.float32) == 0
-    plain = estimate_weight_bytes(info.hf_config, 4)
-    loaded = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert 0.9 * loaded <= plain <= loaded
-    config = RunnerConfig(model_dir=path, device="cpu", dtype="float32", kv_cache_bytes=GIB)
-    assert kv_room_bytes(config, info, 1, 1, 2 * GIB) == (2 * GIB - plain, plain, 0)
+    model = load_model(path, single_rank_group(), BACKEND, "cpu", "bfloat16")
+    measured = sum(m.cpu_experts.nbytes for m in model.modules()
+                   if getattr(m, "cpu_experts", None) is not None)
+    hf_config = ModelInfo.from_dir(path).hf_config
+    estimate = estimate_cpu_packed_bytes(hf_config, torch.bfloat16)
+    assert estimate == measured > estimate_cpu_packed_bytes(
+        {**hf_config, "architectures": ["Qwen3MoeForCausalLM"]}, torch.bfloat16)
