@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_common.model_files.checkpoint_dtype import checkpoint_dtype
+from engine_common.model_files.checkpoint_dtype import INDEX_FILE, SINGLE_FILE, checkpoint_dtype
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
 from engine_common.runtime.progress import Progress
@@ -27,8 +27,6 @@ from worker_service.parallel_state import TPGroup
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@
 #if defined(DELTASERVE_SIMD) && DELTASERVE_SIMD == 512 && defined(__AVX512BF16__)
 #define DELTASERVE_BF16DOT 1
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 #include <c10/util/BFloat16.h>
 
