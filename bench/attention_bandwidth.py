@@ -6,6 +6,7 @@ the device's measured copy bandwidth.
     python -m bench.attention_bandwidth                      # 256 requests x 1024, triton
     python -m bench.attention_bandwidth --all-backends
     python -m bench.attention_bandwidth --device cpu --num-reqs 4 --context 64 --backend torch
+    python -m bench.attention_bandwidth --device cpu --backend cpu --dtype bfloat16   # the C++ kernel
     python -m bench.attention_bandwidth --unified            # split-KV decode vs one kernel
     python -m bench.attention_bandwidth --mixed              # two-kernel dispatch vs one kernel
     python -m bench.attention_bandwidth --sweep --unified    # launch choices of both designs
@@ -51,7 +52,7 @@ from bench.attention_batch import (CHECK_TOL, BackendRun, Session, Shape,  # noq
 from bench.kernel_timing import resolve_kernel_bench_device
 from bench.report import add_report_flags, append_block, git_commit
 
-BACKENDS = ("triton", "flash_attn", "torch")
+BACKENDS = ("triton", "flash_attn", "cpu", "torch")
 FLASH_BLOCK_SIZE = 256      # flash-attn's paged kernels need blocks of a multiple of 256
 # (num_reqs, context, iterations, warm-up) when not given, per device type
 SIZE_DEFAULTS = {"cuda": (256, 1024, 50, 5), "cpu": (8, 128, 5, 1)}
@@ -215,6 +216,10 @@ def _available_backends(device: str) -> list[str]:
             names.append("flash_attn")
         except ImportError:
             pass
+    else:
+        from kernels.attention import cpu_paged
+        if cpu_paged.available():
+            names.append("cpu")
     return names + ["torch"]
 
 

@@ -1,5 +1,5 @@
-"""The decode attention microbenchmark at tiny sizes: on CPU the torch backend and the Triton
-kernels under the interpreter (on a GPU machine, the same run on CUDA); plus the batch it builds
+"""The decode attention microbenchmark at tiny sizes: on CPU the torch backend, the C++ kernel
+and the Triton kernels under the interpreter (on a GPU machine, the same run on CUDA); plus the batch it builds
 and the bytes it counts."""
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ def _backend_line(name: str, out: str) -> str:
     return match.group(0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_one_backend_prints_positive_figures_and_appends_block(tmp_path, capsys, backend):
     if backend == "triton":
         pytest.importorskip("triton")
+    if backend == "cpu" and "cpu" not in ab._available_backends(DEVICE):
+        pytest.skip("the C++ CPU kernel runs on CPU machines with its library built")
     results = tmp_path / "results.md"
     argv = TINY + ["--backend", backend, "--results-file", str(results), "--note", "smoke"]
     assert ab.main(argv) == 0
