@@ -11,6 +11,9 @@ yarn with DeepSeek's mscale):
   - the cache holds one latent head per token (kv_lora_rank + qk_rope_head_dim),
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes, and with prefix-cache hits,
+  - the released models' latent (kv_lora_rank 512 + qk_rope_head_dim 64 = 576, no power of two)
+    gives transformers' logits step by step through chunked prefills and decodes on the torch
+    backend and on Triton's (interpreter on the CPU, slow lane),
   - two gloo ranks (each half of the heads and of every expert) give the single rank's logits.
 """
 from __future__ import annotations
@@ -23,6 +26,8 @@ from kernels.cpu import extension
 from tests.support.engine_checks import _check, _prompts, check_greedy_and_prefix_hits
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
+from tests.support.window_schedule import TRITON, assert_chunks_and_decodes_match
+from kernels.attention.selector import get_attention_backend
 from worker_service.layers.mla import MLAAttention
 from worker_service.models.loader import load_model
 from worker_service.models.tiny_model import make_tiny_model
@@ -88,6 +93,16 @@ def test_latent_size_the_cpu_kernel_lacks_attends_on_torch(tiny_models):
     assert ours.head_dim == 56
     assert_logits_match(path, ours)
     assert backend.calls == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON)])
+def test_real_latent_size_through_chunks_and_decodes(tiny_models, backend):
+    path = tiny_models("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64,
+                       head_dim=64)
+    model = load_model(path, single_rank_group(), get_attention_backend(backend, "cpu"), "cpu")
+    assert model.head_dim == 576
+    # the absorbed query sums over 512 latent dims, transformers over 128 + 64: fp32 order
+    assert_chunks_and_decodes_match(model, hf_model(path), 3e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

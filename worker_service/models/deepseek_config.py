@@ -10,7 +10,8 @@ Refused by name rather than run differently from transformers: a V2 config with 
 true (transformers ignores it, DeepSeek's code renormalises without routed_scaling_factor, vLLM
 renormalises and scales; no released V2 sets it), a topk_method / scoring_func other than the
 one the class computes (V2: greedy or group_limited_greedy with softmax; V3: noaux_tc with
-sigmoid), a hidden_act other than silu and mlp_bias (the shared experts have no bias).
+sigmoid), a hidden_act other than silu, mlp_bias (the shared experts have no bias) and a
+head_dim other than qk_rope_head_dim (transformers sizes its rope table by it and fails).
 """
 from __future__ import annotations
 
@@ -123,6 +124,10 @@ def read_mla(cfg: dict, v3: bool) -> MlaArgs:
     nope, rope = _positive(cfg, "qk_nope_head_dim"), _positive(cfg, "qk_rope_head_dim")
     if rope % 2:
         raise ValueError(f"config.json: qk_rope_head_dim={rope} is invalid: must be even")
+    head_dim = cfg.get("head_dim")      # transformers' rope table is head_dim wide when set
+    if head_dim is not None and head_dim != rope:
+        raise ValueError(f"config.json: head_dim={head_dim!r} is invalid for {arch}: must be "
+                         f"absent or qk_rope_head_dim={rope} (the rope's width)")
     return MlaArgs(hidden_size=_positive(cfg, "hidden_size"),
                    num_heads=_positive(cfg, "num_attention_heads"),
                    q_lora_rank=0 if q_lora is None else _positive(cfg, "q_lora_rank"),

@@ -104,6 +104,8 @@ def test_routing_refusals_name_the_field(v3, change, message):
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"qk_rope_head_dim": 63}, "qk_rope_head_dim=63 is invalid: must be even"),
     ({"kv_lora_rank": 0}, "kv_lora_rank=0 is invalid: must be an integer >= 1"),
+    ({"head_dim": 128}, "head_dim=128 is invalid for DeepseekV2ForCausalLM: must be absent or "
+                        "qk_rope_head_dim=64"),
 ])
 def test_attention_refusals_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
