@@ -7,7 +7,8 @@ yarn with DeepSeek's mscale):
   - prefill logits through the paged cache equal transformers' forward, with the config variants
     that change the computation (rope_interleave off, greedy V2 routing, V2 with q_lora_rank,
     a plain rope, no dense layer, one expert group), on the torch backend and on the C++ CPU
-    kernel (whose latent head sizes it takes; the others attend on the torch backend),
+    kernel (whose latent head sizes it takes; the others attend on the torch backend), and
+    with fused_ops (Triton's interpreter),
   - the cache holds one latent head per token (kv_lora_rank + qk_rope_head_dim),
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes, and with prefix-cache hits,
@@ -25,7 +26,8 @@ from deltaserve.llm import LLM
 from kernels.cpu import extension
 from tests.support.engine_checks import _check, _prompts, check_greedy_and_prefix_hits
 from tests.support.hf_reference import hf_model
-from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
+from tests.support.paged_prefill import (BACKEND, assert_tp2_matches_tp1, load,
+                                        prefill_logits)
 from tests.support.window_schedule import TRITON, assert_chunks_and_decodes_match
 from kernels.attention.selector import get_attention_backend
 from worker_service.layers.mla import MLAAttention
@@ -67,6 +69,22 @@ def test_prefill_logits_match_transformers(tiny_models, arch):
 @pytest.mark.parametrize("arch,overrides", VARIANTS, ids=lambda v: str(v))
 def test_config_variants_match_transformers(tiny_models, arch, overrides):
     assert_logits_match(tiny_models(arch, **overrides))
+
+
+def test_fused_ops_logits_match_transformers(tiny_models):
+    """fused_ops=True: the latent norms, the rope over the rope dims, the experts' SiLU-and-mul
+    as Triton kernels, under the interpreter on CPU (so the prompt stays short)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: Triton compiles for the GPU, not the CPU interpreter")
+    from tests.support.triton_mode import interpreted
+    if not interpreted():
+        pytest.skip("triton was imported in compiled mode (TRITON_INTERPRET unset)")
+    path = tiny_models("deepseek_v3")
+    ours = load_model(path, single_rank_group(), BACKEND, "cpu", fused_ops=True)
+    attn = ours.model.layers[1].self_attn
+    assert attn.kv_a_layernorm._fused_kernel is not None and attn.rotary_emb.fused
+    assert_logits_match(path, ours, n=9)
 
 
 @pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
