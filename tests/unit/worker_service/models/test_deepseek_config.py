@@ -146,3 +146,20 @@ def test_the_mtp_layer_is_skipped_on_load(tiny_models, tmp_path):
     with_mtp, plain = load(path), load(src)
     for (name, a), (_, b) in zip(with_mtp.named_parameters(), plain.named_parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_the_estimates_are_what_the_built_model_holds(tiny_models, arch):
+    """The KV estimate is the cache the model asks for (one latent head); the weight estimate
+    is within 1% of its parameters (it counts a shared-expert gate DeepSeek lacks)."""
+    from pathlib import Path
+    from worker_service.models.loader import kv_cache_shape
+    path = tiny_models(arch)
+    config = json.loads((Path(path) / "config.json").read_text())
+    model = load(path)
+    by_blocks = RunnerConfig(model_dir="m", num_kv_blocks=10, block_size=16)
+    shape = kv_cache_shape(model, 10, 16)
+    assert shape == (2, 10, 16, 1, 64)
+    assert estimate_kv_bytes(by_blocks, config, 4) == model.num_layers * math.prod(shape) * 4
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(estimate_weight_bytes(config, 1) - real) <= 0.01 * real
