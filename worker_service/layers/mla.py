@@ -29,8 +29,9 @@ mscale_all_dim) ** 2 for a scaled rope with mscale_all_dim (transformers' yarn_a
 Tensor parallelism splits the heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns); the
 latent projections are replicated, so every rank caches the same latents.
 
-The C++ CPU kernel takes head sizes 16..128 and up to 48 query heads per kv head; a layer whose
-latent size or heads per rank it cannot take attends on the torch backend instead (same cache).
+The C++ CPU kernel takes head sizes 16..128 and up to 48 query heads per kv head; a model whose
+latent size or heads per rank it cannot take attends on the torch backend instead (same cache
+layout): mla_backend chooses, once per model.
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ class LatentUpProjection(ColumnParallelLinear):
 
 def mla_backend(backend: AttentionBackend, latent_dim: int, heads: int,
                 dtype: torch.dtype) -> AttentionBackend:
-    """`backend`, or the torch backend where the CPU kernel cannot take the latent head."""
+    """`backend`, or the torch backend where the CPU kernel cannot take the latent head
+    (`heads`: query heads per rank)."""
     if getattr(backend, "name", None) != "cpu":
         return backend
     if cpu_paged.supports(latent_dim, dtype) and heads <= cpu_paged.MAX_GROUP:
@@ -116,7 +118,8 @@ def mla_backend(backend: AttentionBackend, latent_dim: int, heads: int,
 
 
 class MLAAttention(nn.Module):
-    """hidden [T, hidden_size] -> [T, hidden_size] through the latent cache (module docstring)."""
+    """hidden [T, hidden_size] -> [T, hidden_size] through the latent cache (module docstring).
+    `backend` must take the latent head (mla_backend picks one that does)."""
 
     def __init__(self, mla: MlaArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype, fused_ops: bool = False) -> None:
@@ -142,8 +145,7 @@ class MLAAttention(nn.Module):
                                         mla.attention_bias, tp, dtype)
         self.rotary_emb = rotary_emb
         self.num_kv_heads = 1
-        self.attn = Attention(self.num_heads, 1, mla.latent_dim, mla.scale,
-                              mla_backend(backend, mla.latent_dim, self.num_heads, dtype))
+        self.attn = Attention(self.num_heads, 1, mla.latent_dim, mla.scale, backend)
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.mla.q_lora_rank:

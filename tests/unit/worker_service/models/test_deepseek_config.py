@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.cpu import extension
 from tests.support.paged_prefill import load
 from worker_service.config import RunnerConfig
 from worker_service.models.deepseek_config import (read_mla, read_routing, read_sparse_layers,
                                                    with_defaults)
 from worker_service.models.registry import get_model_class
-from worker_service.runner.memory_fit import (estimate_kv_bytes, estimate_weight_bytes,
-                                              kv_cache_dims)
+from worker_service.runner.memory_fit import (estimate_cpu_packed_bytes, estimate_kv_bytes,
+                                              estimate_weight_bytes, kv_cache_dims)
 from worker_service.runner.model_runner import cache_layout
 
 # DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3, less quantization_config)
@@ -163,3 +164,9 @@ def test_the_estimates_are_what_the_built_model_holds(tiny_models, arch):
     assert estimate_kv_bytes(by_blocks, config, 4) == model.num_layers * math.prod(shape) * 4
     real = sum(p.numel() for p in model.parameters())
     assert abs(estimate_weight_bytes(config, 1) - real) <= 0.01 * real
+    # the routed experts' CPU-packed copies (2 sparse layers), as the packing allocated them
+    packed = sum(m.cpu_experts.nbytes for m in model.modules()
+                 if getattr(m, "cpu_experts", None) is not None)
+    if extension.load():
+        assert packed > 0
+        assert estimate_cpu_packed_bytes(config, torch.float32) == packed
