@@ -32,7 +32,7 @@ PREFIX_LEN = 40
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "gpt_oss",
-                                                     "deepseek_v3"])
+                                        "deepseek_v3"])
 def moe_tp2(request, tiny_models, tmp_path_factory):
     """(target, model_dir): a TP=2 worker and a scheduler serving one tiny MoE model."""
     model_dir = tiny_models(request.param)

@@ -4,13 +4,15 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
 2^62 failed with "Cannot allocate memory" after the epoch and owner had changed).
 
     weights   per rank: the embedding (and an untied LM head), then per layer the attention
-              projections q, k, v, o, the MLP's matrices (three gated, StarCoder2's two) and
+              projections q, k, v, o (DeepSeek's latent attention: the class counts its own),
+              the MLP's matrices (three gated, StarCoder2's two) and
               two norms, in the weights' dtype, divided by tp_size (a lower bound: layers not
               split, buffers and the loader's transient copies come on top); on the CPU also
               the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
               copy of every expert, most of an MoE model's bytes), sized as the packing pads
               them
-    KV cache  per rank: num_kv_blocks x the block's bytes when set, else kv_cache_bytes (1 GiB
+    KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
+              latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
               loading, so only the weights are checked
     machine   CPU: the host's physical memory, shared by the node's local ranks; CUDA: each
