@@ -1,7 +1,8 @@
 """A mixture-of-experts model served by real processes: `deltaserve worker --local-ranks 2` (two
 gloo rank processes, each holding half of every expert and of Qwen2-MoE's shared expert) and
 `deltaserve scheduler --verify-symmetry` over loopback gRPC, float32 on the CPU, for the tiny
-Qwen3-MoE, Qwen2-MoE and GPT-OSS (its attention sinks split by head, its biased experts by width).
+Qwen3-MoE, Qwen2-MoE, GPT-OSS (its attention sinks split by head, its biased experts by width) and
+DeepSeek-V3 (MLA's heads split, its latent cache the same on both ranks; grouped sigmoid routing).
 
   - greedy tokens equal transformers' generate() on the same weights, for prompts
     that prefill in one step and in chunks (--max-num-batched-tokens 32), sent together so the
@@ -30,7 +31,8 @@ MAX_NEW = 10
 PREFIX_LEN = 40
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "gpt_oss",
+                                        "deepseek_v3"])
 def moe_tp2(request, tiny_models, tmp_path_factory):
     """(target, model_dir): a TP=2 worker and a scheduler serving one tiny MoE model."""
     model_dir = tiny_models(request.param)

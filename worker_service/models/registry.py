@@ -14,6 +14,7 @@ from worker_service.models.classifiers import (BertForSequenceClassification,
                                                Qwen2ForSequenceClassification,
                                                Qwen3ForSequenceClassification,
                                                RobertaForSequenceClassification)
+from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.gemma import GemmaForCausalLM
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
@@ -44,6 +45,8 @@ MODEL_REGISTRY = MappingProxyType({
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

@@ -20,7 +20,7 @@ from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
          "mixtral", "phi3", "olmo2", "granite", "smollm3", "gemma",
-         "starcoder2", "gpt_oss")
+         "starcoder2", "gpt_oss", "deepseek_v2", "deepseek_v3")
 INITIALIZER_RANGE = 0.3
 
 
@@ -77,7 +77,27 @@ def _arch_config(arch: str):
                "intermediate_size": 48, "sliding_window": 8, "swiglu_limit": 1.5,
                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                "tie_word_embeddings": False}
+    # DeepSeek: 3 layers, layer 0 dense, 1 and 2 route to 2 of 8 experts in 4 groups (2 kept)
+    # plus shared experts; MLA with a latent of 48 + 16 rope dims (64: the CPU kernel's size)
+    deepseek = {"num_hidden_layers": 3, "num_key_value_heads": 4, "intermediate_size": 96,
+                "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "kv_lora_rank": 48,
+                "qk_rope_head_dim": 16, "qk_nope_head_dim": 24, "v_head_dim": 20,
+                "tie_word_embeddings": False}
+    # V2-Lite's shape (q_proj, no q_lora_rank), group-limited routing, 2 shared experts
+    deepseek_v2 = {**deepseek, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+                   "n_shared_experts": 2, "routed_scaling_factor": 1.5}
+    # V3: q through the q LoRA, sigmoid routing with the correction bias, yarn with DeepSeek's
+    # mscale / mscale_all_dim (the attention factor and the softmax scale both away from 1)
+    deepseek_v3 = {**deepseek, "q_lora_rank": 24, "n_shared_experts": 1,
+                   "routed_scaling_factor": 2.5,
+                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                       "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                       "original_max_position_embeddings": 512,
+                                       "beta_fast": 32, "beta_slow": 1}}
     table = {
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, deepseek_v2),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, deepseek_v3),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, gpt_oss),
         "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, starcoder2),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),
@@ -110,6 +130,9 @@ def _perturb_biases_and_norms(model) -> None:
                 param.normal_(0.0, INITIALIZER_RANGE)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):    # DeepSeek-V3's router (zeros)
+                buffer.normal_(0.0, INITIALIZER_RANGE)
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", seed: int = 0,

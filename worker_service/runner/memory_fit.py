@@ -4,13 +4,15 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
 2^62 failed with "Cannot allocate memory" after the epoch and owner had changed).
 
     weights   per rank: the embedding (and an untied LM head), then per layer the attention
-              projections q, k, v, o, the MLP's matrices (three gated, StarCoder2's two) and
+              projections q, k, v, o (DeepSeek's latent attention: the class counts its own),
+              the MLP's matrices (three gated, StarCoder2's two) and
               two norms, in the weights' dtype, divided by tp_size (a lower bound: layers not
               split, buffers and the loader's transient copies come on top); on the CPU also
               the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
               copy of every expert, most of an MoE model's bytes), sized as the packing pads
               them
-    KV cache  per rank: num_kv_blocks x the block's bytes when set, else kv_cache_bytes (1 GiB
+    KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
+              latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
               loading, so only the weights are checked
     machine   CPU: the host's physical memory, shared by the node's local ranks; CUDA: each
@@ -50,6 +52,9 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
     vocab = int(hf_config["vocab_size"])
     layers = int(hf_config["num_hidden_layers"])
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    own_attention = getattr(model_class, "attention_elements", None)   # MLA (DeepSeek)
+    if own_attention is not None:
+        attention = own_attention(hf_config)
     dense_mlp = getattr(model_class, "mlp_matrices", 3) * hidden * inter
     mlps = sum(_moe_mlp_elements(hf_config, i) or dense_mlp for i in range(layers))
     tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
@@ -70,12 +75,29 @@ def _head_dim(hf_config: dict) -> int:
                or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]))
 
 
+def kv_cache_dims(hf_config: dict) -> tuple[int, int]:
+    """(kv heads, head size) of the KV cache, all ranks together: the architecture's own
+    (DeepSeek's one latent head) or the config's."""
+    own = getattr(_model_class(hf_config), "kv_cache_dims", None)
+    if own is not None:
+        return own(hf_config)
+    heads = int(hf_config["num_attention_heads"])
+    return int(hf_config.get("num_key_value_heads") or heads), _head_dim(hf_config)
+
+
+def _moe_args(hf_config: dict):
+    """The sparse-MLP fields (models/qwen_moe.MoeArgs) of an MoE config, None for a dense one;
+    an architecture with its own reading (DeepSeek) gives them itself."""
+    from worker_service.models.qwen_moe import MoeArgs
+
+    own = getattr(_model_class(hf_config), "moe_args", None)
+    return own(hf_config) if own is not None else MoeArgs.of_config(hf_config)
+
+
 def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
     """A sparse layer's MLP elements (every expert, the router, a shared expert and its gate),
     or None for a dense one: an MoE model's experts are most of its weights."""
-    from worker_service.models.qwen_moe import MoeArgs
-
-    moe = MoeArgs.of_config(hf_config)
+    moe = _moe_args(hf_config)
     if moe is None or not moe.is_sparse(layer):
         return None
     hidden = moe.hidden_size
@@ -89,9 +111,7 @@ def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     sparse layer (0 for a dense model or a dtype the kernel does not take). Counted
     also where the experts stay unpacked (no C++ extension built, fused_moe forced): over,
     never under."""
-    from worker_service.models.qwen_moe import MoeArgs
-
-    moe = MoeArgs.of_config(hf_config)
+    moe = _moe_args(hf_config)
     if moe is None:
         return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
@@ -105,9 +125,7 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
     """One rank's KV-cache bytes; None when it is profiled from free memory (CUDA with
     gpu_memory_utilization)."""
     if config.num_kv_blocks is not None:
-        heads = int(hf_config["num_attention_heads"])
-        kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-        head_dim = _head_dim(hf_config)
+        kv_heads, head_dim = kv_cache_dims(hf_config)
         block = (2 * int(hf_config["num_hidden_layers"]) * config.block_size
                  * max(1, kv_heads // tp_size) * head_dim * element_bytes)
         return config.num_kv_blocks * block

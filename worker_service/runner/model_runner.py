@@ -20,6 +20,7 @@ from worker_service.config import RunnerConfig
 from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.batch.input_batch import InputBatch
+from worker_service.runner.memory_fit import kv_cache_dims
 from worker_service.runner.runner_kv_cache import RunnerKVCache
 from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import load_model, resolve_dtype
@@ -45,8 +46,7 @@ _IDLE_COMPILE_WAIT_S = 0.05
 
 
 def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
-    heads = int(hf_config["num_attention_heads"])
-    head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
+    head_dim = kv_cache_dims(hf_config)[1]       # DeepSeek: the latent head (layers/mla.py)
     arch = (hf_config.get("architectures") or [None])[0]
     sinks = bool(getattr(MODEL_REGISTRY.get(arch), "attention_sinks", False))
     return CacheLayout(config.block_size, head_dim,

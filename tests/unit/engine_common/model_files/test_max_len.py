@@ -32,6 +32,8 @@ def test_the_table_is_transformers_config_class_defaults():
                "SmolLM3ForCausalLM": "SmolLM3Config", "GemmaForCausalLM": "GemmaConfig",
                "Starcoder2ForCausalLM": "Starcoder2Config",
                "GptOssForCausalLM": "GptOssConfig",
+               "DeepseekV2ForCausalLM": "DeepseekV2Config",
+               "DeepseekV3ForCausalLM": "DeepseekV3Config",
                "BertModel": "BertConfig", "BertForMaskedLM": "BertConfig",
                "RobertaModel": "RobertaConfig", "RobertaForMaskedLM": "RobertaConfig",
                "XLMRobertaModel": "XLMRobertaConfig",
