@@ -32,6 +32,8 @@ def test_the_table_is_transformers_config_class_defaults():
                "SmolLM3ForCausalLM": "SmolLM3Config", "GemmaForCausalLM": "GemmaConfig",
                "Starcoder2ForCausalLM": "Starcoder2Config",
                "GptOssForCausalLM": "GptOssConfig",
+               "GlmForCausalLM": "GlmConfig", "Glm4ForCausalLM": "Glm4Config",
+               "CohereForCausalLM": "CohereConfig", "Cohere2ForCausalLM": "Cohere2Config",
                "BertModel": "BertConfig", "BertForMaskedLM": "BertConfig",
                "RobertaModel": "RobertaConfig", "RobertaForMaskedLM": "RobertaConfig",
                "XLMRobertaModel": "XLMRobertaConfig",
