@@ -102,9 +102,16 @@ def _gemma3(gguf: GGUFFile, arch: str, config: dict) -> dict:
     return out
 
 
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def _phi3(gguf: GGUFFile, arch: str, config: dict) -> dict:
     """Heads are hidden / heads wide; rope.dimension_count is the rotary part (Phi-4-mini:
-    0.75 of the head)."""
+    0.75 of the head). LongRoPE factors (the 128k models) are refused by name."""
+    longrope = [t for t in _LONGROPE_TENSORS if t in gguf.tensors]
+    if longrope:
+        raise GGUFError(f"{gguf.path}: {longrope[0]} (Phi-3 LongRoPE) is not read from GGUF "
+                        "files: serve the Hugging Face checkpoint (Phi3ForCausalLM) instead")
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     out = {**_rms_eps(gguf, arch, config), "head_dim": head_dim,
            "sliding_window": _window(gguf, arch) or None}

@@ -95,3 +95,12 @@ def test_a_bad_window_and_a_missing_gemma2_window_are_named(tmp_path):
     with pytest.raises(GGUFError, match=r"phi3.attention.sliding_window=-1 is invalid: must "
                                         r"be a non-negative integer"):
         _config(tmp_path / "b", "phi3", attention__sliding_window=(-1, gguf.GGUFValueType.INT32))
+
+
+def test_phi3_longrope_factors_are_refused_with_the_way_out(tmp_path):
+    import numpy as np
+    tensors = {"token_embd.weight": np.zeros((2, 32), np.float32),
+               "rope_factors_long.weight": np.ones(8, np.float32)}
+    with pytest.raises(GGUFError, match=r"rope_factors_long.weight \(Phi-3 LongRoPE\) is not "
+                                        r"read from GGUF files: serve the Hugging Face checkpoint"):
+        _config(tmp_path, "phi3", tensors=tensors)
