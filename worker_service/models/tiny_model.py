@@ -33,6 +33,22 @@ def _base_config(vocab_size: int, eos_token_id: int) -> dict:
         eos_token_id=eos_token_id, pad_token_id=eos_token_id)
 
 
+def _interleaved_rope_archs() -> dict:
+    """GLM, GLM-4, Cohere, Cohere2: (config class, model class, per-arch defaults)."""
+    # GLM / GLM-4: their defaults (rope over half of each head, interleaved; q/k/v biases);
+    # GLM-4's extra norms come with its class
+    glm = {"tie_word_embeddings": False}
+    # Cohere: per-head q/k LayerNorms (Command-R+), a logit scale that is not a power of 2;
+    # Cohere2: 4 layers, the 4th full (no rope), the others sliding with a window of 8
+    cohere = {"use_qk_norm": True, "logit_scale": 0.7, "tie_word_embeddings": True}
+    cohere2 = {"num_hidden_layers": 4, "sliding_window": 8, "logit_scale": 0.7,
+               "tie_word_embeddings": True}
+    return {"glm": (tf.GlmConfig, tf.GlmForCausalLM, glm),
+            "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, glm),
+            "cohere": (tf.CohereConfig, tf.CohereForCausalLM, cohere),
+            "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM, cohere2)}
+
+
 def _arch_config(arch: str):
     """(config class, model class, per-arch config defaults) for one of ARCHS."""
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -77,19 +93,8 @@ def _arch_config(arch: str):
                "intermediate_size": 48, "sliding_window": 8, "swiglu_limit": 1.5,
                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                "tie_word_embeddings": False}
-    # GLM / GLM-4: their defaults (rope over half of each head, interleaved; q/k/v biases);
-    # GLM-4's extra norms come with its class
-    glm = {"tie_word_embeddings": False}
-    # Cohere: per-head q/k LayerNorms (Command-R+), a logit scale that is not a power of 2;
-    # Cohere2: 4 layers, the 4th full (no rope), the others sliding with a window of 8
-    cohere = {"use_qk_norm": True, "logit_scale": 0.7, "tie_word_embeddings": True}
-    cohere2 = {"num_hidden_layers": 4, "sliding_window": 8, "logit_scale": 0.7,
-               "tie_word_embeddings": True}
     table = {
-        "glm": (tf.GlmConfig, tf.GlmForCausalLM, glm),
-        "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, glm),
-        "cohere": (tf.CohereConfig, tf.CohereForCausalLM, cohere),
-        "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM, cohere2),
+        **_interleaved_rope_archs(),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, gpt_oss),
         "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, starcoder2),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),
