@@ -78,3 +78,12 @@ def test_engine_greedy_on_the_gguf_equals_transformers_on_the_twin(twins, name):
     _check(llm, hf_dir, prompts, f"{name}/gguf-chunked")
     _check(llm, hf_dir, prompts, f"{name}/gguf-prefix-hits")
     assert llm.scheduler.kv.stats.hits > 0
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_matches_one_rank(twins, tmp_path):
+    """Each rank reads the whole dequantized tensor and keeps its slice: Phi-3's fused qkv /
+    gate_up cut before sharding, Gemma 3's norms offset, StarCoder2's biases."""
+    from tests.support.paged_prefill import assert_tp2_matches_tp1
+    assert_tp2_matches_tp1([twins(name)[1] for name in ("phi3", "gemma3", "starcoder2")],
+                           tmp_path)
