@@ -77,7 +77,7 @@ def _gemma(gguf: GGUFFile, arch: str, config: dict) -> dict:
 
 def _gemma2(gguf: GGUFFile, arch: str, config: dict) -> dict:
     out = {**_rms_eps(gguf, arch, config), "hidden_activation": GELU_TANH,
-           "query_pre_attn_scalar": _gemma_scale(gguf, arch, config),
+           "hidden_act": GELU_TANH, "query_pre_attn_scalar": _gemma_scale(gguf, arch, config),
            "sliding_window": gguf.require(f"{arch}.attention.sliding_window")}
     for key, default in _GEMMA2_SOFTCAPS.items():
         out[key] = float(gguf.get(f"{arch}.{key}", default))
@@ -93,7 +93,8 @@ def _gemma3(gguf: GGUFFile, arch: str, config: dict) -> dict:
              for i in range(layers)]
     rope = config.pop("rope_parameters")
     out = {**_rms_eps(gguf, arch, config), "hidden_activation": GELU_TANH,
-           "query_pre_attn_scalar": _gemma_scale(gguf, arch, config), "layer_types": types,
+           "hidden_act": GELU_TANH, "query_pre_attn_scalar": _gemma_scale(gguf, arch, config),
+           "layer_types": types,
            "sliding_window": window or None, "rope_local_base_freq": _GEMMA3_LOCAL_THETA,
            "rope_theta": rope["rope_theta"], "final_logit_softcapping":
            gguf.get(f"{arch}.final_logit_softcapping")}
