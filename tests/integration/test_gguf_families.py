@@ -87,3 +87,29 @@ def test_tp2_over_gloo_matches_one_rank(twins, tmp_path):
     from tests.support.paged_prefill import assert_tp2_matches_tp1
     assert_tp2_matches_tp1([twins(name)[1] for name in ("phi3", "gemma3", "starcoder2")],
                            tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3", "starcoder2"])
+def test_weights_and_shapes_equal_transformers_gguf_loader(twins, name):
+    """Where transformers reads the family's GGUF files: every tensor we yield equals the one
+    its loader puts in the model (names, fused pieces, norms with the + 1 taken off), and the
+    config's shape fields agree."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine_common.model_files.gguf_config import hf_config_from_gguf
+    from engine_common.model_files.gguf_file import GGUFFile
+    from worker_service.models.gguf_weights import iter_gguf_weights
+
+    _, path = twins(name)
+    ours_cfg = hf_config_from_gguf(GGUFFile.open(path))
+    ref_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
+        assert ours_cfg[key] == ref_cfg[key], key
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                               dtype=torch.float32).state_dict()
+    ours = dict(iter_gguf_weights(GGUFFile.open(path), ours_cfg))
+    assert set(ours) <= set(ref)
+    for key, value in ours.items():
+        torch.testing.assert_close(torch.from_numpy(value), ref[key], rtol=0, atol=0,
+                                   msg=key)

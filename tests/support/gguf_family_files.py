@@ -91,6 +91,7 @@ def write_family_gguf(path: Path, model_dir: str | Path, qtype: str = "F32") -> 
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _tokenizer_metadata(w, model_dir, None, ())
     w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])       # Phi3Config's default 32000 is off the vocab
     _tensors(w, arch, cfg, model_dir, gguf.GGMLQuantizationType[qtype])
     w.write_header_to_file()
     w.write_kv_data_to_file()
