@@ -110,3 +110,43 @@ def test_bad_config_values_are_refused_naming_them(tiny_models, tmp_path, arch, 
 def test_lora_is_refused(tiny_models):
     with pytest.raises(LoRAError, match=r"LoRA is not supported for CohereForCausalLM"):
         attach_lora(load(tiny_models("cohere")), [])
+
+
+# The released checkpoints' config.json keys (transformers 4.x layout), tiny sizes: Command-R
+# (no head_dim, use_qk_norm false, its 8e6 theta) and Command-R7B (sliding_window_pattern
+# instead of layer_types, rope_scaling null, keys transformers ignores)
+HUB = {
+    "cohere": {"architectures": ["CohereForCausalLM"], "attention_bias": False,
+               "bos_token_id": 5, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 64,
+               "initializer_range": 0.02, "intermediate_size": 128, "layer_norm_eps": 1e-05,
+               "logit_scale": 0.0625, "max_position_embeddings": 2048, "model_type": "cohere",
+               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+               "pad_token_id": 0, "rope_theta": 8000000.0, "torch_dtype": "float32",
+               "use_cache": True, "use_qk_norm": False, "vocab_size": 512},
+    "cohere2": {"architectures": ["Cohere2ForCausalLM"], "attention_bias": False,
+                "attention_dropout": 0.0, "bos_token_id": 5, "cache_implementation": "hybrid",
+                "eos_token_id": 0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+                "initializer_range": 0.02, "intermediate_size": 128, "layer_norm_eps": 1e-05,
+                "logit_scale": 0.25, "max_position_embeddings": 2048, "model_type": "cohere2",
+                "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+                "order_of_interleaved_layers": "local_attn_first", "pad_token_id": 0,
+                "position_embedding_type": "rope_gptj", "rope_scaling": None,
+                "rope_theta": 50000, "rotary_pct": 1.0, "sliding_window": 8,
+                "sliding_window_pattern": 4, "torch_dtype": "float32", "use_cache": True,
+                "use_embedding_sharing": True, "use_parallel_block": True, "vocab_size": 512},
+}
+
+
+@pytest.mark.parametrize("arch", list(HUB))
+def test_a_hub_style_config_matches_transformers(tiny_models, tmp_path, arch):
+    """The released checkpoints' config.json layout, read as transformers 5 reads it: logits
+    and the engine's greedy tokens with chunked prefill."""
+    import json
+    import shutil
+    dst = tmp_path / f"hub-{arch}"
+    shutil.copytree(tiny_models(arch, use_qk_norm=False), dst)
+    json.dump(HUB[arch], open(dst / "config.json", "w"))
+    ours = load(dst)
+    torch.testing.assert_close(prefill_logits(ours, IDS), hf_logits(hf_model(str(dst)), IDS),
+                               rtol=0, atol=1e-4)
+    check_chunked_greedy(str(dst), f"{arch}-hub-config")

@@ -93,3 +93,29 @@ def test_another_activation_is_refused_and_lora_too(tiny_models, tmp_path):
         load(with_config(path, tmp_path / "gelu", hidden_act="gelu"))
     with pytest.raises(LoRAError, match=r"LoRA is not supported for Glm4ForCausalLM"):
         attach_lora(load(path), [])
+
+
+# GLM-4-9B-0414's config.json keys (transformers 4.x layout: rope_theta and
+# partial_rotary_factor at the top level, no rope_parameters), tiny sizes, another theta
+HUB_GLM4 = {"architectures": ["Glm4ForCausalLM"], "attention_bias": True,
+            "attention_dropout": 0.0, "eos_token_id": [0, 1, 2], "head_dim": 16,
+            "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+            "intermediate_size": 128, "max_position_embeddings": 2048, "model_type": "glm4",
+            "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+            "pad_token_id": 0, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+            "rope_theta": 500.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+            "transformers_version": "4.51.3", "use_cache": True, "vocab_size": 512}
+
+
+def test_a_hub_style_config_matches_transformers(tiny_models, tmp_path):
+    """The released checkpoint's config.json layout, read as transformers 5 reads it: logits and
+    the engine's greedy tokens with chunked prefill."""
+    import shutil
+    dst = tmp_path / "hub-glm4"
+    shutil.copytree(tiny_models("glm4"), dst)
+    json.dump(HUB_GLM4, open(dst / "config.json", "w"))
+    ours = load(dst)
+    assert ours.model.layers[0].self_attn.rotary_emb.rotary_dim == 8
+    torch.testing.assert_close(prefill_logits(ours, IDS), hf_logits(hf_model(str(dst)), IDS),
+                               rtol=0, atol=1e-4)
+    check_chunked_greedy(str(dst), "glm4-hub-config")
