@@ -1,8 +1,10 @@
 """A GGUF file's metadata as Hugging Face config.json and generation_config.json dicts.
 
 llama.cpp writes `<arch>.<key>` metadata; transformers' GGUF loader (integrations/ggml.py) is the
-reference for the mapping. Supported: the Llama family (`llama`, incl. Llama 3 and SmolLM) and
-the Qwen family (`qwen2`, `qwen3`). No output.weight tensor means tied embeddings.
+reference for the mapping, llama.cpp's converter for what it leaves out. Supported: the Llama
+family (`llama`, incl. Llama 3, SmolLM and Mistral), the Qwen family (`qwen2`, `qwen3`), Gemma
+(`gemma`, `gemma2`, `gemma3` text), Phi-3 (`phi3`) and StarCoder2 (`starcoder2`); what each
+family adds is gguf_families.py. No output.weight tensor means tied embeddings.
 """
 from __future__ import annotations
 
@@ -11,14 +13,11 @@ from types import MappingProxyType
 
 import numpy as np
 
+from engine_common.model_files.gguf_families import FAMILIES
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
 
 # GGUF general.architecture -> (HF architectures[0], HF model_type)
-ARCHITECTURES = MappingProxyType({
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-})
+ARCHITECTURES = MappingProxyType({arch: family[:2] for arch, family in FAMILIES.items()})
 
 # GGUF key (after "<arch>.") -> HF config field; required unless in _OPTIONAL
 _FIELDS = (
@@ -28,7 +27,6 @@ _FIELDS = (
     ("embedding_length", "hidden_size"),
     ("attention.head_count", "num_attention_heads"),
     ("attention.head_count_kv", "num_key_value_heads"),
-    ("attention.layer_norm_rms_epsilon", "rms_norm_eps"),
 )
 _OPTIONAL = ("attention.head_count_kv",)
 # GGUF architectures whose Hugging Face checkpoints are served, but not their GGUF files (MoE:
@@ -36,11 +34,10 @@ _OPTIONAL = ("attention.head_count_kv",)
 # names and norms for them are not mapped): the refusal says so
 _HF_ONLY_MOE = MappingProxyType({"qwen2moe": "Qwen2MoeForCausalLM",
                                  "qwen3moe": "Qwen3MoeForCausalLM"})
-_HF_ONLY = MappingProxyType({**_HF_ONLY_MOE, "gemma": "GemmaForCausalLM",
-                             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                             "starcoder2": "Starcoder2ForCausalLM",
-                             "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                             "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM"})
+_HF_ONLY = MappingProxyType({**_HF_ONLY_MOE, "smollm3": "SmolLM3ForCausalLM",
+                             "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM",
+                             "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+                             "glm4": "Glm4ForCausalLM", "chatglm": "GlmForCausalLM"})
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -79,6 +76,7 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict:
     config["hidden_act"] = "silu"
     config["dtype"] = "float32"
     config.update(_special_ids(gguf))
+    config.update(FAMILIES[arch][2](gguf, arch, config))     # may replace any of the above
     return config
 
 
@@ -94,9 +92,12 @@ def _head_dim(gguf: GGUFFile, arch: str, config: dict) -> int:
 def _rope_parameters(gguf: GGUFFile, arch: str, theta: float, head_dim: int) -> dict:
     """rope_parameters; rope scaling the engine would get wrong is refused by name."""
     scaling = gguf.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", "linear"):
         raise GGUFError(f"{gguf.path}: {arch}.rope.scaling.type={scaling!r} is not supported: "
-                        "must be absent or 'none'")
+                        "must be absent, 'none' or 'linear'")
+    if scaling == "linear":         # Gemma 3 4B+ (its full layers), linear fine-tunes
+        factor = gguf.require(f"{arch}.rope.scaling.factor")
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
     if "rope_freqs.weight" not in gguf.tensors:
         return {"rope_type": "default", "rope_theta": theta}
     info = gguf.tensors["rope_freqs.weight"]

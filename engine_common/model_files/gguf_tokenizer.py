@@ -9,7 +9,11 @@ the ids equal `AutoTokenizer.from_pretrained(dir, gguf_file=...)`'s. Supported
              alphabet; split by the regex `tokenizer.ggml.pre` names (table below)
     "llama"  SentencePiece BPE (Llama 2, Mistral v0.1, TinyLlama): "▁" marks a space, a "▁" is
              prepended to the text, unknown bytes fall back to the <0xXX> tokens; without merges
-             in the file they are rebuilt from the scores (transformers' generate_merges)
+             in the file they are rebuilt from the scores (transformers' generate_merges);
+             per architecture as transformers builds it (GGUF_SENTENCEPIECE_BUILDERS):
+             gemma/gemma2/gemma3: GemmaTokenizer (spaces normalized to "▁", nothing prepended,
+             whitespace-only tokens the file spells with spaces respelled with "▁", merges
+             rebuilt in file order); phi3: "▁" prepended and spaces replaced by a normalizer
 
 Metadata used:
 
@@ -28,11 +32,13 @@ from __future__ import annotations
 from functools import lru_cache
 from types import MappingProxyType
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
 
 SUPPORTED_MODELS = ("gpt2", "llama")
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_SPACE = "\u2581"
 _CONTROL, _USER_DEFINED = 3, 4
 
 _LLAMA3_SPLIT = (
@@ -82,9 +88,16 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> Tokenizer:
         tok = Tokenizer(_byte_level_bpe(tokens, gguf.require("tokenizer.ggml.merges")))
         tok.pre_tokenizer = _pre_tokenizer(gguf.get("tokenizer.ggml.pre"))
         tok.decoder = decoders.ByteLevel()
+    elif gguf.get("general.architecture") in _GEMMA_ARCHS:
+        tok = _gemma_bpe(tokens, gguf.get("tokenizer.ggml.merges"))
     else:
         tok = _sentencepiece_bpe(tokens, gguf.get("tokenizer.ggml.merges"),
                                  gguf.get("tokenizer.ggml.scores"), gguf)
+        if gguf.get("general.architecture") == "phi3":
+            # transformers' phi3_tokenizer: the prefix space from a normalizer, no Metaspace
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE),
+                                                   normalizers.Replace(" ", _SPACE)])
+            tok.pre_tokenizer = None
     _add_special_tokens(tok, tokens, gguf.get("tokenizer.ggml.token_type") or [],
                         kind == "gpt2", _named_special_tokens(gguf, tokens))
     return tok
@@ -107,6 +120,27 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list
                                                  split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def _gemma_bpe(tokens: list[str], merges: list[str] | None) -> Tokenizer:
+    """transformers' gemma_tokenizer + GemmaTokenizer for a GGUF: whitespace-only tokens the
+    file spells with spaces respelled as "▁"s (GemmaTokenizer looks them up so), merges from the
+    file or rebuilt with the file's order as their priority (Gemma's scores do not follow its
+    merge order), spaces normalized to "▁", nothing prepended."""
+    respelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(respelled)}
+    if merges is not None:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    else:
+        pairs = merges_from_scores(vocab, {t: -i for i, t in enumerate(respelled)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, unk_token="<unk>",
+                               dropout=None, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous",
+                                             invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.normalizer = normalizers.Replace(" ", _SPACE)
     return tok
 
 

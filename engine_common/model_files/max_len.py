@@ -22,7 +22,8 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 # (transformers 5.x: LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
 # Qwen3Config, Qwen2MoeConfig, Qwen3MoeConfig, GemmaConfig, Gemma2Config, Gemma3TextConfig,
 # Olmo2Config, GraniteConfig, SmolLM3Config, Starcoder2Config,
-# GptOssConfig, DeepseekV2Config, DeepseekV3Config).
+# GptOssConfig, GlmConfig, Glm4Config, CohereConfig, Cohere2Config, DeepseekV2Config,
+# DeepseekV3Config).
 ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "LlamaForCausalLM": 2048,
     "MistralForCausalLM": 131072,          # 4096 * 32
@@ -42,6 +43,10 @@ ARCH_DEFAULT_MAX_POSITIONS = MappingProxyType({
     "GptOssForCausalLM": 131072,
     "DeepseekV2ForCausalLM": 2048,
     "DeepseekV3ForCausalLM": 4096,
+    "GlmForCausalLM": 131072,
+    "Glm4ForCausalLM": 131072,
+    "CohereForCausalLM": 8192,
+    "Cohere2ForCausalLM": 8192,
     # encoders (BertConfig, RobertaConfig, XLMRobertaConfig); RoBERTa's 512 includes the
     # pad_token_id + 1 positions it never uses (model_dir.model_position_limit)
     "BertModel": 512, "BertForMaskedLM": 512, "RobertaModel": 512, "RobertaForMaskedLM": 512,

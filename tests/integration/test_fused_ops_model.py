@@ -147,7 +147,9 @@ def test_partial_rotary_through_the_triton_rope_that_writes_the_cache(tiny_model
     ("qwen3", {"max_position_embeddings": 256,           # YaRN: cos/sin x attention factor
                "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                 "original_max_position_embeddings": 64}}),
-], ids=["smollm3", "gemma", "starcoder2", "qwen3-yarn"])
+    ("glm4", {}), ("cohere", {}),            # interleaved pairs served by reordered q/k rows
+    ("cohere2", {}),                         # its full layer has no rope: the backend writes it
+], ids=["smollm3", "gemma", "starcoder2", "qwen3-yarn", "glm4", "cohere", "cohere2"])
 def test_newer_models_through_the_triton_rope_that_writes_the_cache(tiny_models, arch,
                                                                      overrides):
     """Each rope layer's fused rope writes its KV cache; SmolLM3's NoPE layers have no rope
@@ -156,7 +158,7 @@ def test_newer_models_through_the_triton_rope_that_writes_the_cache(tiny_models,
     plain, fused = _load(model_dir, False, "triton"), _load(model_dir, True, "triton")
     has_rope = [m.self_attn.rotary_emb.kernel != "none" for m in fused.model.layers]
     assert [m.self_attn.kv_in_rope for m in fused.model.layers] == has_rope
-    assert any(has_rope) and (all(has_rope) or arch == "smollm3")
+    assert any(has_rope) and (all(has_rope) or arch in ("smollm3", "cohere2"))
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 5)]
     for step, (want, got) in enumerate(zip(_run_steps(plain, seqs), _run_steps(fused, seqs))):

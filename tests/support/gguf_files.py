@@ -161,10 +161,13 @@ def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, cfg: dict, arch: str,
             writer.add_tensor(gguf_name(name), w)
 
 
-def write_spm_tokenizer_gguf(path: Path, corpus: list[str], vocab_size: int = 600) -> Path:
+def write_spm_tokenizer_gguf(path: Path, corpus: list[str], vocab_size: int = 600,
+                             arch: str = "llama") -> Path:
     """A GGUF holding only a SentencePiece-style ("llama") tokenizer, as llama.cpp writes Llama 2
     files: <unk>, <s>, </s>, the 256 <0xXX> byte tokens, then pieces with "▁" for spaces; scores
-    give the merge priority (no tokenizer.ggml.merges key)."""
+    give the merge priority (no tokenizer.ggml.merges key). `arch` names the architecture
+    (general.architecture and its keys); a Gemma one also gets whitespace-only pieces spelled
+    with real spaces, as Gemma files hold them."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -173,13 +176,15 @@ def write_spm_tokenizer_gguf(path: Path, corpus: list[str], vocab_size: int = 60
     tok.train_from_iterator(list(corpus) * 3, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials, show_progress=False))
     tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    if arch.startswith("gemma"):
+        tokens += ["  ", "   ", "\t\t"]
     types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x")
              else 1 for t in tokens]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 32,
                        "feed_forward_length": 64, "attention.head_count": 2}.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0 if kind != 1 else -float(i) for i, kind in enumerate(types)])

@@ -10,10 +10,19 @@
     blk.N.attn_output.weight       model.layers.N.self_attn.o_proj.weight
     blk.N.attn_{q,k}_norm.weight   model.layers.N.self_attn.{q,k}_norm.weight   (Qwen3)
     blk.N.ffn_{gate,up,down}.weight    model.layers.N.mlp.{gate,up,down}_proj.weight
+  and per family (_FAMILY_LAYER, gguf-py's tensor map for that architecture):
+    gemma2, gemma3: blk.N.post_attention_norm -> post_attention_layernorm,
+                    blk.N.ffn_norm -> pre_feedforward_layernorm,
+                    blk.N.post_ffw_norm -> post_feedforward_layernorm
+    phi3:           blk.N.attn_qkv -> self_attn.qkv_proj, blk.N.ffn_up -> mlp.gate_up_proj
+                    (both fused: models/phi3.py cuts them as it cuts the checkpoint's)
+    starcoder2:     blk.N.ffn_up -> mlp.c_fc, blk.N.ffn_down -> mlp.c_proj (norms with .bias)
 
 llama.cpp's converter permutes the q and k rows of `llama` files from the Hugging Face "rotate
 half" rope layout to interleaved pairs; `unpermute_rows` undoes it (as transformers'
-LlamaTensorProcessor does). Qwen files are not permuted.
+LlamaTensorProcessor does). Other families are not permuted. Gemma files hold every RMSNorm
+weight with Gemma's (1 + w) folded in (w + 1); 1 is subtracted back (transformers'
+Gemma2TensorProcessor does so for gemma2/gemma3; gemma files were converted the same way).
 """
 from __future__ import annotations
 
@@ -27,25 +36,38 @@ from worker_service.models.gguf_dequant import check_supported, dequantize_tenso
 
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
+              "output_norm.bias": "model.norm.bias",          # StarCoder2's LayerNorm
               "output.weight": "lm_head.weight"}
 _PER_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_FAMILY_LAYER = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+}
+_FAMILY_LAYER["gemma3"] = _FAMILY_LAYER["gemma2"]
 # GGUF architectures whose q/k rows llama.cpp permuted
 _PERMUTED_ARCHS = ("llama",)
+# GGUF architectures whose norm weights llama.cpp stored as w + 1
+_NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
 # tensors the config reads instead (Llama 3.1 rope factors: engine_common/model_files/gguf_config.py)
 CONFIG_TENSORS = ("rope_freqs.weight",)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None when it has none."""
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`, or None when it has
+    none."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
+    per_layer = {**_PER_LAYER, **_FAMILY_LAYER.get(arch, {})}
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in per_layer:
+        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -59,10 +81,11 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def gguf_tensor_names(gguf: GGUFFile) -> set[str]:
     """The Hugging Face names the file provides (GGUFError naming a tensor with none)."""
     names = set()
+    arch = gguf.get("general.architecture")
     for name in gguf.tensors:
         if name in CONFIG_TENSORS:
             continue
-        mapped = hf_name(name)
+        mapped = hf_name(name, arch)
         if mapped is None:
             raise GGUFError(f"{gguf.path}: tensor {name!r} has no Hugging Face counterpart "
                             f"(architecture {gguf.get('general.architecture')!r})")
@@ -80,9 +103,11 @@ def iter_gguf_weights(gguf: GGUFFile, hf_config: dict) -> Iterator[tuple[str, np
     for info in gguf.tensors.values():
         if info.name in CONFIG_TENSORS:
             continue
-        name = hf_name(info.name)
+        name = hf_name(info.name, arch)
         w = dequantize_tensor(gguf, info)
         proj = name.split(".")[-2]
         if arch in _PERMUTED_ARCHS and proj in heads:
             w = unpermute_rows(w, heads[proj])
+        if arch in _NORM_PLUS_ONE_ARCHS and info.name.endswith("norm.weight"):
+            w = w - np.float32(1)
         yield name, w

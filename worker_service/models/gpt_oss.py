@@ -15,6 +15,7 @@ factor 32 over 4096 positions, theta 150000), as transformers reads it, rather t
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -81,6 +82,18 @@ class GptOssDecoderModel(DecoderModel):
     layer_class = GptOssDecoderLayer
 
 
+def swiglu_constant(cfg: dict, key: str, default: float) -> float:
+    """swiglu_alpha / swiglu_limit as a float (absent: GptOssConfig's default), or a ValueError
+    naming it. null is refused as transformers refuses it (GptOssConfig's strict float field:
+    no limit is not a value it has; its clamp(max=None) would fail too); so are NaN, booleans
+    and strings. An integer is read as its float (transformers is stricter there)."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"config.json: {key}={value!r} is invalid for GptOssForCausalLM: must "
+                         f"be a number (GptOssConfig's float; absent: {default})")
+    return float(value)
+
+
 class GptOssForCausalLM(LlamaForCausalLM):
     """GPT-OSS: biased attention with sinks, alternating windows, every MLP sparse."""
 
@@ -121,8 +134,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
             raise ValueError(f"config.json: num_local_experts={experts} is invalid: must be >= 1")
         args = (int(hf_config["hidden_size"]), experts, int(hf_config["num_experts_per_tok"]),
                 int(hf_config["intermediate_size"]), tp, dtype,
-                float(hf_config.get("swiglu_alpha", DEFAULT_SWIGLU_ALPHA)),
-                float(hf_config.get("swiglu_limit", DEFAULT_SWIGLU_LIMIT)), is_mxfp4(hf_config))
+                swiglu_constant(hf_config, "swiglu_alpha", DEFAULT_SWIGLU_ALPHA),
+                swiglu_constant(hf_config, "swiglu_limit", DEFAULT_SWIGLU_LIMIT),
+                is_mxfp4(hf_config))
         return lambda i: GptOssMoeBlock(*args)
 
     @staticmethod

@@ -22,23 +22,27 @@ class Phi3ForCausalLM(MistralForCausalLM):
     def split_checkpoint_tensor(self, name: str, tensor: Any) -> list[tuple[str, Any]] | None:
         """qkv_proj -> q_proj, k_proj, v_proj and gate_up_proj -> gate_proj, up_proj, by rows
         (a lazy safetensors slice is cut without reading the rest); None for other tensors."""
-        if name.endswith(".self_attn.qkv_proj.weight"):
-            a = self.args
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            parts = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
-            fused = "qkv_proj"
-        elif name.endswith(".mlp.gate_up_proj.weight"):
-            inter = self.args.intermediate_size
-            parts = (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
-            fused = "gate_up_proj"
-        else:
-            return None
-        rows = _num_rows(tensor)
-        if rows != parts[-1][2]:
-            raise ValueError(f"{name}: {rows} rows, expected {parts[-1][2]} (the config's "
-                             f"{' + '.join(p[0] for p in parts)})")
-        return [(name.replace(f".{fused}.", f".{part}."), tensor[lo:hi])
-                for part, lo, hi in parts]
+        return split_fused_projection(self.args, name, tensor)
+
+
+def split_fused_projection(a, name: str, tensor: Any) -> list[tuple[str, Any]] | None:
+    """A checkpoint's fused qkv_proj / gate_up_proj cut by rows into the parts the decoder
+    (args `a`: a DecoderArgs) loads; None for other tensors (GLM's gate_up_proj too)."""
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        parts = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
+        fused = "qkv_proj"
+    elif name.endswith(".mlp.gate_up_proj.weight"):
+        inter = a.intermediate_size
+        parts = (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
+        fused = "gate_up_proj"
+    else:
+        return None
+    rows = _num_rows(tensor)
+    if rows != parts[-1][2]:
+        raise ValueError(f"{name}: {rows} rows, expected {parts[-1][2]} (the config's "
+                         f"{' + '.join(p[0] for p in parts)})")
+    return [(name.replace(f".{fused}.", f".{part}."), tensor[lo:hi]) for part, lo, hi in parts]
 
 
 def _num_rows(tensor: Any) -> int:

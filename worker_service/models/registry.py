@@ -14,10 +14,12 @@ from worker_service.models.classifiers import (BertForSequenceClassification,
                                                Qwen2ForSequenceClassification,
                                                Qwen3ForSequenceClassification,
                                                RobertaForSequenceClassification)
+from worker_service.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.gemma import GemmaForCausalLM
 from worker_service.models.gemma2 import Gemma2ForCausalLM
 from worker_service.models.gemma3 import Gemma3ForCausalLM
+from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import (LlamaForCausalLM, MistralForCausalLM,
@@ -47,9 +49,13 @@ MODEL_REGISTRY = MappingProxyType({
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -20,7 +20,8 @@ from engine_common.text.tiny_tokenizer import make_tiny_tokenizer_dir
 
 ARCHS = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mistral", "gemma3", "gemma2",
          "mixtral", "phi3", "olmo2", "granite", "smollm3", "gemma",
-         "starcoder2", "gpt_oss", "deepseek_v2", "deepseek_v3")
+         "starcoder2", "gpt_oss", "glm", "glm4", "cohere", "cohere2", "deepseek_v2",
+         "deepseek_v3")
 INITIALIZER_RANGE = 0.3
 
 
@@ -31,6 +32,22 @@ def _base_config(vocab_size: int, eos_token_id: int) -> dict:
         max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
         initializer_range=INITIALIZER_RANGE, bos_token_id=eos_token_id,
         eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+
+
+def _interleaved_rope_archs() -> dict:
+    """GLM, GLM-4, Cohere, Cohere2: (config class, model class, per-arch defaults)."""
+    # GLM / GLM-4: their defaults (rope over half of each head, interleaved; q/k/v biases);
+    # GLM-4's extra norms come with its class
+    glm = {"tie_word_embeddings": False}
+    # Cohere: per-head q/k LayerNorms (Command-R+), a logit scale that is not a power of 2;
+    # Cohere2: 4 layers, the 4th full (no rope), the others sliding with a window of 8
+    cohere = {"use_qk_norm": True, "logit_scale": 0.7, "tie_word_embeddings": True}
+    cohere2 = {"num_hidden_layers": 4, "sliding_window": 8, "logit_scale": 0.7,
+               "tie_word_embeddings": True}
+    return {"glm": (tf.GlmConfig, tf.GlmForCausalLM, glm),
+            "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, glm),
+            "cohere": (tf.CohereConfig, tf.CohereForCausalLM, cohere),
+            "cohere2": (tf.Cohere2Config, tf.Cohere2ForCausalLM, cohere2)}
 
 
 def _arch_config(arch: str):
@@ -98,6 +115,7 @@ def _arch_config(arch: str):
     table = {
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, deepseek_v2),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, deepseek_v3),
+        **_interleaved_rope_archs(),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, gpt_oss),
         "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, starcoder2),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, gemma),

@@ -91,12 +91,13 @@ def test_generation_config_ends_on_eot_and_eom_too(tmp_path):
 
 def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(GGUFError, match="general.architecture='gpt2' is not supported: must "
-                                        "be one of \\['llama', 'qwen2', 'qwen3'\\]$"):
+                                        "be one of \\['gemma', 'gemma2', 'gemma3', 'llama', "
+                                        "'phi3', 'qwen2', 'qwen3', 'starcoder2'\\]$"):
         hf_config_from_gguf(_minimal(tmp_path, arch="gpt2"))
 
 
-@pytest.mark.parametrize("arch, hf_arch", [("gemma", "GemmaForCausalLM"),
-                                           ("starcoder2", "Starcoder2ForCausalLM"),
+@pytest.mark.parametrize("arch, hf_arch", [("olmo2", "Olmo2ForCausalLM"),
+                                           ("command-r", "CohereForCausalLM"),
                                            ("smollm3", "SmolLM3ForCausalLM")])
 def test_a_family_served_from_hugging_face_only_is_named_with_the_way_out(tmp_path, arch,
                                                                           hf_arch):

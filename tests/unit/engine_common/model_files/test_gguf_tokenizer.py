@@ -98,3 +98,21 @@ def test_sentencepiece_text_streams_as_it_decodes(spm_gguf):
     streamed = "".join(detok.add(t) for t in ids[3:]) + detok.flush()
     assert tok.decode(ids[:3] + ids[3:]).startswith(tok.decode(ids[:3]))
     assert streamed == tok.decode(ids)[len(tok.decode(ids[:3])):]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_gemma_and_phi3_sentencepiece_files_equal_transformers(tmp_path, arch):
+    """transformers builds these per architecture: Gemma's tokenizer (spaces normalized to "▁",
+    nothing prepended, whitespace-only pieces respelled, merges in file order) and Phi-3's
+    (the prefix space from a normalizer), which differ from Llama 2's (transformers reads no
+    GGUF "gemma" tokenizer; ours builds Gemma 1's as Gemma 2's)."""
+    path = write_spm_tokenizer_gguf(tmp_path / f"{arch}.gguf", CORPUS, arch=arch)
+    ours = Tokenizer.from_dir(path)
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS + ["", " x", "  two  spaces   three", "\t\ttabs", "Ελληνικά ☃ snowman"]:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    llama = write_spm_tokenizer_gguf(tmp_path / "llama.gguf", CORPUS)
+    text = "  hi" if arch == "phi3" else "hello"          # the builders differ
+    assert ours.encode(text) != Tokenizer.from_dir(llama).encode(text)

@@ -34,6 +34,8 @@ def test_the_table_is_transformers_config_class_defaults():
                "GptOssForCausalLM": "GptOssConfig",
                "DeepseekV2ForCausalLM": "DeepseekV2Config",
                "DeepseekV3ForCausalLM": "DeepseekV3Config",
+               "GlmForCausalLM": "GlmConfig", "Glm4ForCausalLM": "Glm4Config",
+               "CohereForCausalLM": "CohereConfig", "Cohere2ForCausalLM": "Cohere2Config",
                "BertModel": "BertConfig", "BertForMaskedLM": "BertConfig",
                "RobertaModel": "RobertaConfig", "RobertaForMaskedLM": "RobertaConfig",
                "XLMRobertaModel": "XLMRobertaConfig",

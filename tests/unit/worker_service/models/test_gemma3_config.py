@@ -107,14 +107,13 @@ def test_one_kv_head_splits_over_any_head_split():
     assert valid_tp_sizes(GEMMA3_1B) == [1, 2, 4]
 
 
-def test_a_gemma3_gguf_is_refused_by_name(tmp_path):
-    """GGUF Gemma is not read (no tensor-name map, no per-type rope): refused before any
-    weight, naming the architecture and the supported ones."""
+def test_a_gemma3_gguf_is_read_as_gemma3(tmp_path):
+    """GGUF Gemma 3 text files are read (engine_common/model_files/gguf_families.py; their
+    tests: tests/unit/engine_common/model_files/test_gguf_families.py)."""
     from engine_common.model_files.gguf_config import hf_config_from_gguf
-    from engine_common.model_files.gguf_file import GGUFError
     from tests.unit.engine_common.model_files.test_gguf_config import _minimal
-    with pytest.raises(GGUFError, match="general.architecture='gemma3' is not supported"):
-        hf_config_from_gguf(_minimal(tmp_path, arch="gemma3"))
+    cfg = hf_config_from_gguf(_minimal(tmp_path, arch="gemma3"))
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["model_type"] == "gemma3_text"
 
 
 # a YaRN full-attention rope with its own original length next to a top-level one
