@@ -55,8 +55,8 @@ def pack_words(codes: list[int], bits: int) -> int:
 
 
 def gptq_pack(q: torch.Tensor, z: torch.Tensor, bits: int = 4):
-    """(qweight [C/p, R], qzeros [G, R/p]) of codes q [C, R] and true zeros z [G, R], v1 format
-    (zeros stored minus one)."""
+    """(qweight [C/p, R], qzeros [G, R/p]) of codes q [C, R] and true zeros z [G, R] (1 .. 16),
+    v1 format (zeros stored minus one)."""
     p = 32 // bits
     cols, rows = q.shape
     qweight = torch.tensor([[pack_words([q[i * p + k, r] for k in range(p)], bits)
@@ -74,17 +74,19 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
                           for j in range(rows // 8)] for i in range(n)], dtype=torch.int32)
 
 
-def _draw_int4(w: torch.Tensor, group_size: int, gen: torch.Generator, shuffle: bool):
+def _draw_int4(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str):
     """Random codes, zeros, scales (float16) and each column's group for a weight w [R, C]
-    (its magnitude kept): returns q [C, R], z [G, R], scales [G, R], groups [C]."""
+    (its magnitude kept): returns q [C, R], z [G, R], scales [G, R], groups [C]. GPTQ v1's
+    zeros run 1 .. 16 (stored minus one), AWQ's 0 .. 15; both ends are drawn."""
     rows, cols = w.shape
     num_groups = cols // group_size
     groups = torch.arange(cols) // group_size
-    if shuffle:                         # act order: columns visit the groups out of order
+    if fmt == "gptq":                   # act order: columns visit the groups out of order
         groups = groups[torch.randperm(cols, generator=gen)]
     q = torch.randint(0, 16, (cols, rows), generator=gen, dtype=torch.int32)
-    z = torch.randint(0, 16, (num_groups, rows), generator=gen, dtype=torch.int32)
-    z[0, :2] = torch.tensor([0, 15])    # v1 stores zero 0 as 15 (0 - 1 wrapped): both ends
+    low = 1 if fmt == "gptq" else 0
+    z = torch.randint(low, low + 16, (num_groups, rows), generator=gen, dtype=torch.int32)
+    z[0, :2] = torch.tensor([low, low + 15])
     scales = (w.abs().mean() / 4 * (0.5 + torch.rand(num_groups, rows, generator=gen)))
     return q, z, scales.to(torch.float16), groups
 
@@ -107,7 +109,7 @@ def quantize(name: str, w: torch.Tensor, fmt: str, gen: torch.Generator,
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
         weight = (w / scale.float()).to(torch.float8_e4m3fn)
         return {name: weight, f"{prefix}.weight_scale": scale}, weight.float() * scale.float()
-    q, z, scales, groups = _draw_int4(w, group_size, gen, shuffle=fmt == "gptq")
+    q, z, scales, groups = _draw_int4(w, group_size, gen, fmt)
     ref = _dequant_int4(q, z, scales, groups)
     if fmt == "gptq":
         qweight, qzeros = gptq_pack(q, z)

@@ -12,7 +12,9 @@ GPTQ (AutoGPTQ / GPTQModel, quant_method "gptq"), W [R out, C in]:
     g_idx    int32 [C]           the group of input column c (act order, desc_act: any order;
                                  absent: c // group_size)
 
-    the v1 format ("gptq") stores every zero point minus one: z = (code + 1) & (2^bits - 1)
+    the v1 format ("gptq") stores every zero point minus one (clamped at 0): z = code + 1, so
+    its zeros run 1 .. 2^bits (a stored 15 is zero 16 at 4 bits), as AutoGPTQ's qlinear_cuda,
+    ExLlama and vLLM's gptq_gemm read it (AutoGPTQ's older cuda-old kernel wraps 15 to 0)
 
 AWQ (AutoAWQ GEMM, quant_method "awq", 4 bits), packed over OUTPUT rows in AWQ's order:
 
@@ -46,8 +48,7 @@ def gptq_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
 
 def gptq_zeros(qzeros: torch.Tensor, bits: int, zero_offset: int) -> torch.Tensor:
     """qzeros [G, R / p] -> z [G, R], v1's stored-minus-one undone when zero_offset is 1."""
-    codes = unpack_codes(qzeros, bits).reshape(qzeros.shape[0], -1)
-    return (codes + zero_offset) & ((1 << bits) - 1)
+    return unpack_codes(qzeros, bits).reshape(qzeros.shape[0], -1) + zero_offset
 
 
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
