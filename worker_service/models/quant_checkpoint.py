@@ -98,6 +98,9 @@ def quantized_checkpoint(index: dict[str, Path],
     files = CheckpointFiles(index)
     try:
         modules = _plan(files, quant)
+    except ValueError as e:                 # a piece's shape (quant_regions.packed_shape)
+        files.close()
+        raise QuantCheckpointError(str(e)) from None
     except BaseException:
         files.close()
         raise
