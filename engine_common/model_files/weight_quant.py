@@ -5,7 +5,9 @@ Served, each dequantized at load to the model's dtype (worker_service/models/qua
 
     quant_method "fp8"                 Qwen3-*-FP8, DeepSeek-V3: fmt e4m3, `weight_scale_inv`
                                        float32 per [bn, bk] block (weight_block_size), or one per
-                                       tensor without a block size; activation_scheme dynamic
+                                       tensor without a block size (`weight_scale_inv`, or
+                                       AutoFP8's `weight_scale`); activation_scheme dynamic;
+                                       scale_fmt ue8m0 (power-of-two scales) or none
     quant_method "compressed-tensors"  RedHatAI / neuralmagic "*-FP8-dynamic": format
                                        float-quantized, weights float 8-bit symmetric, strategy
                                        channel ([R, 1] `weight_scale`) or tensor; input
@@ -30,13 +32,14 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 # honour either way (transformers' `dequantize`)
 _QUIET_KEYS = {
     "fp8": {"quant_method", "fmt", "activation_scheme", "weight_block_size",
-            "modules_to_not_convert", "dequantize", "ignored_layers"},
+            "modules_to_not_convert", "dequantize", "ignored_layers", "scale_fmt"},
     "gptq": {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
              "damp_percent", "damp_auto_increment", "static_groups", "true_sequential",
              "model_name_or_path", "model_file_base_name", "is_marlin_format", "lm_head",
              "pack_dtype", "meta", "quantizer", "mse", "tokenizer", "dataset", "use_exllama",
              "exllama_config", "use_cuda_fp16", "batch_size", "pad_token_id", "max_input_length",
-             "cache_block_outputs", "modules_in_block_to_quantize", "module_name_preceding_first_block",
+             "cache_block_outputs", "modules_in_block_to_quantize",
+             "module_name_preceding_first_block",
              "block_name_to_quantize", "backend", "hyb_act", "v2", "v2_alpha", "act_group_aware",
              "format", "dynamic", "adapter"},
     "awq": {"quant_method", "bits", "group_size", "version", "zero_point",
@@ -96,6 +99,9 @@ def _field(path: str, value, allowed: str) -> QuantConfigError:
 def _fp8(quant: dict) -> WeightQuant:
     if quant.get("fmt", "e4m3") != "e4m3":
         raise _field("fmt", quant["fmt"], "only 'e4m3'")
+    if quant.get("scale_fmt") not in (None, "ue8m0"):
+        raise _field("scale_fmt", quant["scale_fmt"], "only 'ue8m0' or null (DeepSeek-V3.1's "
+                     "power-of-two scales, stored as floats)")
     scheme = quant.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise _field("activation_scheme", scheme, f"only 'dynamic' {_STATIC_WHY}")

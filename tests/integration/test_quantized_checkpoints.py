@@ -164,3 +164,22 @@ def test_unservable_configs_are_refused_before_and_at_load(quant_pair, tmp_path)
         ModelInfo.from_dir(path)
     with pytest.raises(ValueError, match=r"quantization_config\.activation_scheme='static'"):
         ours(path)
+
+
+def test_scales_in_another_shard_than_their_weights(quant_pair, tmp_path):
+    """A sharded checkpoint (DeepSeek-V3 has 163 files) may keep a module's scale or packed
+    pieces in another file than its weight: every piece is found through the index."""
+    for fmt in ("fp8", "gptq"):
+        quantized, twin = quant_pair("qwen3", fmt)
+        path = shutil.copytree(quantized, tmp_path / fmt)
+        tensors = load_file(path / "model.safetensors")
+        (path / "model.safetensors").unlink()
+        main = {n: t for n, t in tensors.items() if n.endswith((".weight", ".qweight"))}
+        rest = {n: t for n, t in tensors.items() if n not in main}
+        files = {"model-00001-of-00002.safetensors": main,
+                 "model-00002-of-00002.safetensors": rest}
+        for fname, part in files.items():
+            save_file(part, path / fname, metadata={"format": "pt"})
+        weight_map = {n: f for f, part in files.items() for n in part}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        assert_same_weights(ours(path), ours(twin))

@@ -40,6 +40,9 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     """weight float8_e4m3fn [R, C] x its scales (module docstring) -> float32 [R, C]; a
     non-finite result (a NaN code, an inf scale) is refused naming `name`."""
     check_fp8(weight, name)
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"{name}: FP8 scale dtype {scale.dtype} is not supported: only floating "
+                         "scales (float32, bfloat16, float16, float8_e8m0fnu)")
     rows, cols = weight.shape
     values = weight.to(torch.float32)
     if block is not None:

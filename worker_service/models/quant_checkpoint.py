@@ -29,8 +29,10 @@ from worker_service.models.quant_regions import REGION_READERS, packed_shape
 # the tensor each method's quantized module is named by, and the pieces read with it
 MAIN_PIECE = {"fp8": "weight", "compressed-tensors": "weight", "gptq": "qweight",
               "awq": "qweight"}
-SCALE_PIECES = {"fp8": ("weight_scale_inv",), "compressed-tensors": ("weight_scale",),
-                "gptq": ("qzeros", "scales"), "awq": ("qzeros", "scales")}
+# fp8: transformers' / DeepSeek's weight_scale_inv, or AutoFP8's weight_scale (per tensor)
+SCALE_PIECES = {"fp8": ("weight_scale_inv", "weight_scale"),
+                "compressed-tensors": ("weight_scale",), "gptq": ("qzeros", "scales"),
+                "awq": ("qzeros", "scales")}
 OPTIONAL_PIECES = {"gptq": ("g_idx",)}
 # tensors of what is not served: static activation scales, KV-cache scales, zero points of
 # asymmetric FP8
@@ -53,11 +55,18 @@ class CheckpointFiles:
 
     def slice(self, name: str):
         """The lazy safetensors slice of tensor `name`."""
+        return self._file(name).get_slice(name)
+
+    def tensor(self, name: str):
+        """The whole tensor `name` (a 0-d scale cannot be sliced)."""
+        return self._file(name).get_tensor(name)
+
+    def _file(self, name: str):
         path = self.index[name]
         if path not in self._open:
             self._open[path] = self._stack.enter_context(
                 safe_open(path, framework="pt", device="cpu"))
-        return self._open[path].get_slice(name)
+        return self._open[path]
 
     def close(self) -> None:
         self._stack.close()
@@ -120,7 +129,8 @@ def _plan(files: CheckpointFiles, quant: WeightQuant) -> dict[str, tuple[int, in
             raise QuantCheckpointError(
                 f"checkpoint tensor {name!r} is not supported: {leaf} (static activation or "
                 "KV-cache scales, asymmetric FP8) is not served")
-        if leaf == SCALE_PIECES[method][0] and f"{prefix}.{main}" in files.index:
+        if leaf in SCALE_PIECES[method] and method not in ("gptq", "awq") \
+                and f"{prefix}.{main}" in files.index:
             modules[prefix] = None
         elif leaf in pieces and f"{prefix}.{main}" not in files.index:
             raise QuantCheckpointError(f"checkpoint tensor {name!r} has no {prefix}.{main} "

@@ -59,16 +59,17 @@ def read_fp8(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], row
              cols: Span) -> torch.Tensor:
     """fp8 / compressed-tensors: the region's weight and its blocks' (or rows') scales."""
     name = f"{prefix}.weight"
-    scale_name = f"{prefix}.weight_scale_inv" if quant.method == "fp8" else \
-        f"{prefix}.weight_scale"
+    scale_name = f"{prefix}.weight_scale_inv"
+    if scale_name not in files.index:             # compressed-tensors', AutoFP8's
+        scale_name = f"{prefix}.weight_scale"
     weight = files.slice(name)[rows[0]:rows[1], cols[0]:cols[1]]
     scale = files.slice(scale_name)
     block = quant.block
     if block is None:
         scale_shape = scale.get_shape()
         per_row = len(scale_shape) >= 1 and scale_shape[0] == shape[0] and shape[0] > 1
-        return dequantize_fp8(weight, scale[rows[0]:rows[1]] if per_row else scale[:], None,
-                              name)
+        return dequantize_fp8(weight, scale[rows[0]:rows[1]] if per_row
+                              else files.tensor(scale_name), None, name)
     check_edges(name, "rows", rows, shape[0], block[0], "FP8 block")
     check_edges(name, "columns", cols, shape[1], block[1], "FP8 block")
     region = scale[rows[0] // block[0]:_cdiv(rows[1], block[0]),

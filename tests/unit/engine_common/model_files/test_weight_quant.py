@@ -37,6 +37,7 @@ def cfg(quant, arch="Qwen3ForCausalLM") -> dict:
 @pytest.mark.parametrize("quant,want", [
     (QWEN3_FP8, WeightQuant("fp8", block=(128, 128))),
     ({**QWEN3_FP8, "weight_block_size": None}, WeightQuant("fp8")),
+    ({**QWEN3_FP8, "scale_fmt": "ue8m0"}, WeightQuant("fp8", block=(128, 128))),
     (RED_HAT_FP8_DYNAMIC, WeightQuant("compressed-tensors")),
     ({**RED_HAT_FP8_DYNAMIC, "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {**CT_CHANNEL, "strategy": "tensor"},
@@ -64,6 +65,8 @@ CT_GROUP = RED_HAT_FP8_DYNAMIC["config_groups"]["group_0"]
      "quantization_config.activation_scheme='static' is not supported: only 'dynamic' "
      "(activations are served unquantized: static input scales would be ignored)"),
     ({**QWEN3_FP8, "fmt": "e5m2"}, "quantization_config.fmt='e5m2' is not supported: only 'e4m3'"),
+    ({**QWEN3_FP8, "scale_fmt": "e4m3"},
+     "quantization_config.scale_fmt='e4m3' is not supported: only 'ue8m0' or null"),
     ({**QWEN3_FP8, "weight_block_size": [128]},
      "quantization_config.weight_block_size=[128] is not supported: must be [rows, cols]"),
     ({**QWEN3_FP8, "kv_cache_scheme": "fp8"},

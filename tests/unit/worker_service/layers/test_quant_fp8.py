@@ -55,6 +55,10 @@ def test_per_channel_and_per_tensor_scales():
                        weight.float() * rows.float())
     for one in (torch.tensor(0.125), torch.tensor([0.125])):
         assert torch.equal(dequantize_fp8(weight, one, None, "w"), weight.float() * 0.125)
+    # DeepSeek-V3.1's ue8m0 scales: powers of two, here stored as float8_e8m0fnu
+    e8m0 = torch.tensor([[0.5, 4.0]]).to(torch.float8_e8m0fnu)
+    assert torch.equal(dequantize_fp8(weight, e8m0, (8, 12), "w"),
+                       weight.float() * torch.tensor([0.5] * 12 + [4.0] * 12))
 
 
 @pytest.mark.parametrize("weight,scale,block,match", [
@@ -70,6 +74,8 @@ def test_per_channel_and_per_tensor_scales():
      (2, 2), r"m\.weight: FP8 weight dequantizes to non-finite values"),
     (torch.ones(2, 2).to(torch.float8_e4m3fn), torch.tensor([[float("inf")]]), (2, 2),
      r"non-finite"),
+    (torch.ones(2, 2).to(torch.float8_e4m3fn), torch.tensor([[127]], dtype=torch.uint8), (2, 2),
+     r"m\.weight: FP8 scale dtype torch\.uint8 is not supported: only floating scales"),
 ])
 def test_refusals_name_the_tensor(weight, scale, block, match):
     with pytest.raises(ValueError, match=match):

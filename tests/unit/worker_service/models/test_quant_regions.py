@@ -36,6 +36,10 @@ class RecordingFiles(CheckpointFiles):
     def slice(self, name: str):
         return RecordingSlice(super().slice(name), self.reads.setdefault(name, []))
 
+    def tensor(self, name: str):
+        self.reads.setdefault(name, []).append("whole")
+        return super().tensor(name)
+
 
 def files_of(tmp_path, tensors: dict) -> RecordingFiles:
     path = tmp_path / "model.safetensors"
@@ -57,6 +61,17 @@ def test_fp8_block_region_reads_its_blocks(tmp_path):
     with pytest.raises(ValueError, match=r"m\.weight: rows \[8, 40\) of 40 do not fall on FP8 "
                                          r"block edges \(multiples of 16\)"):
         read_fp8(files, "m", quant, (40, 56), (8, 40), (0, 56))
+
+
+def test_fp8_per_tensor_weight_scale(tmp_path):
+    """quant_method fp8 without weight_block_size: one scale per tensor, under transformers'
+    name (weight_scale_inv) or AutoFP8's (weight_scale)."""
+    weight = torch.linspace(-3, 3, 48).reshape(6, 8).to(torch.float8_e4m3fn)
+    for scale_name in ("weight_scale_inv", "weight_scale"):
+        files = files_of(tmp_path, {"m.weight": weight, f"m.{scale_name}": torch.tensor(0.25)})
+        got = read_fp8(files, "m", WeightQuant("fp8"), (6, 8), (2, 6), (0, 8))
+        assert torch.equal(got, weight[2:6].float() * 0.25)
+        files.close()
 
 
 def test_gptq_region_reads_its_words_and_groups(tmp_path):
