@@ -143,6 +143,8 @@ PREFIX = "model.layers.0.self_attn.q_proj"
      "checkpoint tensor 'model.layers.0.self_attn.k_scale' is not supported"),
     ("gptq", lambda t: t.pop(f"{PREFIX}.qzeros"),
      f"{PREFIX}.qweight has no {PREFIX}.qzeros beside it"),
+    ("gptq", lambda t: t.pop(f"{PREFIX}.g_idx"),
+     f"{PREFIX}.qweight has no {PREFIX}.g_idx beside it (desc_act is true"),
     ("awq", lambda t: t.update({f"{PREFIX}.scales": t[f"{PREFIX}.scales"][:1]}),
      f"checkpoint tensor '{PREFIX}.weight': {PREFIX}.qweight: group index"),
 ])
@@ -183,3 +185,17 @@ def test_scales_in_another_shard_than_their_weights(quant_pair, tmp_path):
         weight_map = {n: f for f, part in files.items() for n in part}
         (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         assert_same_weights(ours(path), ours(twin))
+
+
+def test_gptqs_spare_zero_biases_are_skipped_nonzero_ones_refused(quant_pair, tmp_path):
+    """GPTQ-for-LLaMa / AutoGPTQ saved an all-zero bias beside every packed module, Llama's
+    too (vLLM skips them): skipped where the model has no bias; a nonzero one is refused."""
+    quantized, twin = quant_pair("llama", "gptq")
+    zero = rewrite(quantized, tmp_path / "zero", lambda t: t.update(
+        {f"{PREFIX}.bias": torch.zeros(64, dtype=torch.float16)}))
+    assert_same_weights(ours(zero), ours(twin))
+    nonzero = rewrite(quantized, tmp_path / "nonzero", lambda t: t.update(
+        {f"{PREFIX}.bias": torch.ones(64, dtype=torch.float16)}))
+    with pytest.raises(WeightLoadError, match=r"1 checkpoint tensors match no parameter: "
+                                              r"\['model\.layers\.0\.self_attn\.q_proj\.bias'\]"):
+        ours(nonzero)

@@ -141,7 +141,8 @@ def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = Non
                     continue
                 param_name, shard_id = target
                 if param_name not in params:
-                    unexpected.append(name)
+                    if not getattr(tensor_slice, "spare", False):   # quant_checkpoint.py
+                        unexpected.append(name)
                     continue
                 param = params[param_name]
                 try:

@@ -99,6 +99,23 @@ class DequantSlice:
         return self._read(r0, max(r0, r1), c0, max(c0, c1))
 
 
+class SpareZeroBias:
+    """An all-zero bias GPTQ-for-LLaMa / AutoGPTQ saved beside packed modules whether the model
+    has a bias or not: loaded where the model has one, skipped (`spare`) where it has none, as
+    vLLM skips them. A nonzero bias without a parameter is still refused."""
+
+    spare = True
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, key):
+        return self.tensor[key]
+
+
 def quantized_checkpoint(index: dict[str, Path],
                          quant: WeightQuant) -> tuple[set[str], Iterator[tuple[str, Any]]]:
     """(tensor names as the model sees them, (name, lazy slice) pairs), the quantized modules'
@@ -177,13 +194,23 @@ def _tensors(files: CheckpointFiles, quant: WeightQuant,
             for name in by_file[path]:
                 prefix = _owner(name, modules, quant)
                 if prefix is None:
-                    yield name, files.slice(name)
+                    yield name, _plain(files, name, modules, quant)
                 elif name == f"{prefix}.{main}":
                     yield f"{prefix}.weight", DequantSlice(
                         f"{prefix}.weight", modules[prefix],
                         _region_of(files, prefix, quant, modules[prefix], reader))
     finally:
         files.close()
+
+
+def _plain(files: CheckpointFiles, name: str, modules: dict, quant: WeightQuant):
+    """A plain tensor's lazy slice; a packed module's all-zero bias as a SpareZeroBias."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf == "bias" and prefix in modules and quant.method in ("gptq", "awq"):
+        bias = files.tensor(name)
+        if not bias.any():
+            return SpareZeroBias(bias)
+    return files.slice(name)
 
 
 def _region_of(files, prefix, quant, shape, reader):

@@ -45,9 +45,11 @@ def packed_shape(files, prefix: str, quant: WeightQuant) -> tuple[int, int]:
             raise ValueError(f"{prefix}.weight: FP8 weight shape {shape} is not served: only "
                              "[out, in] linear weights")
         return int(shape[0]), int(shape[1])
-    for piece in ("qzeros", "scales"):
+    for piece in ("qzeros", "scales") + (("g_idx",) if quant.desc_act else ()):
         if f"{prefix}.{piece}" not in files.index:
-            raise ValueError(f"{prefix}.qweight has no {prefix}.{piece} beside it")
+            why = " (desc_act is true: act order needs each column's group)" \
+                if piece == "g_idx" else ""
+            raise ValueError(f"{prefix}.qweight has no {prefix}.{piece} beside it{why}")
     packed = files.slice(f"{prefix}.qweight").get_shape()
     per_word = 32 // quant.bits
     if method == "gptq":
