@@ -54,6 +54,7 @@ def assert_same_weights(got, want) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow              # 15 architectures x 5 formats: about 2 minutes on 2 cores
 @pytest.mark.parametrize("arch", SERVED_ARCHS)
 def test_every_format_loads_as_its_dequantized_twin(quant_pair, arch):
     for fmt in FORMATS:

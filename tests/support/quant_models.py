@@ -6,6 +6,7 @@ transformers loads.
     fp8          Qwen3-*-FP8 / DeepSeek-V3: weight F8_E4M3 + weight_scale_inv F32 per block
     fp8-ct       compressed-tensors FP8-dynamic: weight F8_E4M3 + weight_scale BF16 [R, 1]
     gptq         AutoGPTQ v1, 4 bits, desc_act (a shuffled g_idx), asymmetric zeros
+    gptq8        GPTQModel gptq_v2, 8 bits, symmetric, no act order (no g_idx)
     awq          AutoAWQ GEMM, 4 bits, zero_point
 
 FP8's reference is transformers' own _dequantize_fp8_weight; GPTQ's and AWQ's are the integer
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-FORMATS = ("fp8", "fp8-ct", "gptq", "awq")
+FORMATS = ("fp8", "fp8-ct", "gptq", "gptq8", "awq")
 FP8_MAX = 448.0
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -54,14 +55,14 @@ def pack_words(codes: list[int], bits: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def gptq_pack(q: torch.Tensor, z: torch.Tensor, bits: int = 4):
-    """(qweight [C/p, R], qzeros [G, R/p]) of codes q [C, R] and true zeros z [G, R] (1 .. 16),
-    v1 format (zeros stored minus one)."""
+def gptq_pack(q: torch.Tensor, z: torch.Tensor, bits: int = 4, zero_offset: int = 1):
+    """(qweight [C/p, R], qzeros [G, R/p]) of codes q [C, R] and true zeros z [G, R]; the v1
+    format (zero_offset 1) stores each zero minus one, gptq_v2 (0) the zero itself."""
     p = 32 // bits
     cols, rows = q.shape
     qweight = torch.tensor([[pack_words([q[i * p + k, r] for k in range(p)], bits)
                              for r in range(rows)] for i in range(cols // p)], dtype=torch.int32)
-    qzeros = torch.tensor([[pack_words([z[g, j * p + k] - 1 for k in range(p)], bits)
+    qzeros = torch.tensor([[pack_words([z[g, j * p + k] - zero_offset for k in range(p)], bits)
                             for j in range(rows // p)] for g in range(z.shape[0])],
                           dtype=torch.int32)
     return qweight, qzeros
@@ -74,10 +75,13 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
                           for j in range(rows // 8)] for i in range(n)], dtype=torch.int32)
 
 
-def _draw_int4(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str):
+def _draw_ints(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str):
     """Random codes, zeros, scales (float16) and each column's group for a weight w [R, C]
     (its magnitude kept): returns q [C, R], z [G, R], scales [G, R], groups [C]. GPTQ v1's
-    zeros run 1 .. 16 (stored minus one), AWQ's 0 .. 15; both ends are drawn."""
+    zeros run 1 .. 16 (stored minus one), AWQ's 0 .. 15, both ends drawn; gptq8 is symmetric
+    8-bit (every zero 128)."""
+    if fmt == "gptq8":
+        return _draw_sym8(w, group_size, gen)
     rows, cols = w.shape
     num_groups = cols // group_size
     groups = torch.arange(cols) // group_size
@@ -91,7 +95,16 @@ def _draw_int4(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str)
     return q, z, scales.to(torch.float16), groups
 
 
-def _dequant_int4(q, z, scales, groups) -> torch.Tensor:
+def _draw_sym8(w: torch.Tensor, group_size: int, gen: torch.Generator):
+    rows, cols = w.shape
+    num_groups = cols // group_size
+    q = torch.randint(0, 256, (cols, rows), generator=gen, dtype=torch.int32)
+    z = torch.full((num_groups, rows), 128, dtype=torch.int32)
+    scales = w.abs().mean() / 64 * (0.5 + torch.rand(num_groups, rows, generator=gen))
+    return q, z, scales.to(torch.float16), torch.arange(cols) // group_size
+
+
+def _dequant_ints(q, z, scales, groups) -> torch.Tensor:
     """W [R, C] = scales[g, r] * (q[c, r] - z[g, r]), float32, from the drawn integers."""
     return ((q - z[groups]).to(torch.float32) * scales.to(torch.float32)[groups]).t().contiguous()
 
@@ -109,8 +122,12 @@ def quantize(name: str, w: torch.Tensor, fmt: str, gen: torch.Generator,
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
         weight = (w / scale.float()).to(torch.float8_e4m3fn)
         return {name: weight, f"{prefix}.weight_scale": scale}, weight.float() * scale.float()
-    q, z, scales, groups = _draw_int4(w, group_size, gen, fmt)
-    ref = _dequant_int4(q, z, scales, groups)
+    q, z, scales, groups = _draw_ints(w, group_size, gen, fmt)
+    ref = _dequant_ints(q, z, scales, groups)
+    if fmt == "gptq8":                  # gptq_v2, no act order: no g_idx saved
+        qweight, qzeros = gptq_pack(q, z, bits=8, zero_offset=0)
+        return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
+                f"{prefix}.scales": scales}, ref
     if fmt == "gptq":
         qweight, qzeros = gptq_pack(q, z)
         return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros,
@@ -140,6 +157,10 @@ def quant_config(fmt: str, group_size: int, block: tuple[int, int]) -> dict:
                 "sym": False, "damp_percent": 0.01, "static_groups": False,
                 "true_sequential": True, "checkpoint_format": "gptq",
                 "model_name_or_path": None, "model_file_base_name": "model"}
+    if fmt == "gptq8":
+        return {"quant_method": "gptq", "bits": 8, "group_size": group_size, "desc_act": False,
+                "sym": True, "lm_head": False, "checkpoint_format": "gptq_v2",
+                "pack_dtype": "int32", "meta": {"quantizer": ["gptqmodel:2.2.0"]}}
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
             "zero_point": True, "modules_to_not_convert": None}
 
