@@ -22,8 +22,10 @@ from tests.support.engine_checks import _check, _prompts
 from tests.support.paged_prefill import assert_tp2_matches_tp1
 from tests.support.quant_models import FORMATS, make_quantized_pair
 from worker_service.models.loader import WeightLoadError, load_model, resolve_dtype
+from worker_service.config import RunnerConfig
 from worker_service.models.tiny_model import ARCHS
 from worker_service.parallel_state import TPGroup, single_rank_group
+from worker_service.runner.memory_fit import estimate_weight_bytes, kv_room_bytes
 
 SERVED_ARCHS = [a for a in ARCHS if a != "gpt_oss"]      # GPT-OSS ships MXFP4 experts
 
@@ -92,6 +94,9 @@ def test_dtype_auto_is_the_configs_torch_dtype_never_fp8(quant_pair, tmp_path):
     got = ours(path, dtype="auto")
     assert {p.dtype for p in got.parameters()} == {torch.bfloat16}
     assert_same_weights(got, ours(twin, dtype="bfloat16"))
+    _, weights, _ = kv_room_bytes(RunnerConfig(model_dir=str(path), device="cpu"),
+                                  ModelInfo.from_dir(path), 1, 1, machine_bytes=1 << 40)
+    assert weights == estimate_weight_bytes(cfg, 2) > 0
 
 
 @pytest.mark.slow
