@@ -32,7 +32,8 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 # honour either way (transformers' `dequantize`)
 _QUIET_KEYS = {
     "fp8": {"quant_method", "fmt", "activation_scheme", "weight_block_size",
-            "modules_to_not_convert", "dequantize", "ignored_layers", "scale_fmt"},
+            "modules_to_not_convert", "modules_to_convert", "dequantize", "ignored_layers",
+            "scale_fmt", "expert_dtype"},
     "gptq": {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format",
              "damp_percent", "damp_auto_increment", "static_groups", "true_sequential",
              "model_name_or_path", "model_file_base_name", "is_marlin_format", "lm_head",
@@ -41,10 +42,15 @@ _QUIET_KEYS = {
              "cache_block_outputs", "modules_in_block_to_quantize",
              "module_name_preceding_first_block",
              "block_name_to_quantize", "backend", "hyb_act", "v2", "v2_alpha", "act_group_aware",
-             "format", "dynamic", "adapter"},
-    "awq": {"quant_method", "bits", "group_size", "version", "zero_point",
+             "format", "dynamic", "adapter", "model_seqlen"},
+    # transformers 5's AwqConfig is a GPTQConfig: it saves GPTQ's calibration keys too
+    "awq": {"quant_method", "bits", "group_size", "version", "format", "zero_point",
             "modules_to_not_convert", "backend", "do_fuse", "fuse_max_seq_len",
-            "exllama_config", "modules_to_fuse"},
+            "exllama_config", "modules_to_fuse", "act_group_aware", "batch_size",
+            "block_name_to_quantize", "cache_block_outputs", "damp_percent", "dataset",
+            "desc_act", "max_input_length", "meta", "model_seqlen",
+            "module_name_preceding_first_block", "modules_in_block_to_quantize", "pad_token_id",
+            "sym", "tokenizer", "true_sequential"},
     "compressed-tensors": {"quant_method", "format", "config_groups", "ignore",
                            "kv_cache_scheme", "quantization_status", "global_compression_ratio",
                            "sparsity_config", "version", "transform_config",
@@ -99,9 +105,13 @@ def _field(path: str, value, allowed: str) -> QuantConfigError:
 def _fp8(quant: dict) -> WeightQuant:
     if quant.get("fmt", "e4m3") != "e4m3":
         raise _field("fmt", quant["fmt"], "only 'e4m3'")
-    if quant.get("scale_fmt") not in (None, "ue8m0"):
-        raise _field("scale_fmt", quant["scale_fmt"], "only 'ue8m0' or null (DeepSeek-V3.1's "
-                     "power-of-two scales, stored as floats)")
+    if quant.get("scale_fmt") not in (None, "float", "ue8m0"):
+        raise _field("scale_fmt", quant["scale_fmt"], "only 'float', 'ue8m0' (DeepSeek-V3.1's "
+                     "power-of-two scales) or null")
+    if quant.get("expert_dtype") not in (None, "fp8"):
+        raise _field("expert_dtype", quant["expert_dtype"], "only 'fp8' (FP4-packed experts "
+                     "are not served)")
+    _module_list("modules_to_convert", quant.get("modules_to_convert"))
     scheme = quant.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise _field("activation_scheme", scheme, f"only 'dynamic' {_STATIC_WHY}")
@@ -110,7 +120,7 @@ def _fp8(quant: dict) -> WeightQuant:
     block = quant.get("weight_block_size")
     if block is None:
         return WeightQuant("fp8")
-    if not (isinstance(block, list) and len(block) == 2
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise _field("weight_block_size", block, "must be [rows, cols], two positive integers")
     return WeightQuant("fp8", block=(block[0], block[1]))
@@ -144,9 +154,11 @@ def _gptq(quant: dict) -> WeightQuant:
     if quant.get("dynamic"):
         raise _field("dynamic", quant["dynamic"], "per-module overrides are not served: "
                      "only null or {}")
-    fmt = quant.get("checkpoint_format") or "gptq"
+    # transformers 5 saves `format`; the legacy `checkpoint_format` wins where both are
+    key = "checkpoint_format" if quant.get("checkpoint_format") else "format"
+    fmt = str(quant.get(key) or "gptq").lower()
     if fmt not in GPTQ_FORMATS:
-        raise _field("checkpoint_format", fmt, f"must be one of {list(GPTQ_FORMATS)}")
+        raise _field(key, quant[key], f"must be one of {list(GPTQ_FORMATS)}")
     if quant.get("is_marlin_format"):
         raise _field("is_marlin_format", True, "only the gptq packing (false)")
     return WeightQuant("gptq", bits=bits, group_size=_group_size(quant),
@@ -156,9 +168,12 @@ def _gptq(quant: dict) -> WeightQuant:
 
 def _awq(quant: dict) -> WeightQuant:
     bits = _int_field(quant, "bits", (4,))
-    version = str(quant.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise _field("version", quant["version"], "only 'gemm' (GEMV packs differently)")
+    # the legacy `version` wins over transformers 5's `format`, as AwqConfig reads them
+    key = "version" if quant.get("version") else "format"
+    if str(quant.get(key) or "gemm").lower() != "gemm":
+        raise _field(key, quant[key], "only 'gemm' (GEMV and llm-awq pack differently)")
+    if quant.get("desc_act"):
+        raise _field("desc_act", quant["desc_act"], "only false (AWQ has no act order)")
     if quant.get("zero_point", True) is not True:
         raise _field("zero_point", quant["zero_point"], "only true")
     _module_list("modules_to_not_convert", quant.get("modules_to_not_convert"))

@@ -166,10 +166,12 @@ def _refuse_unpaired_fp8(files: CheckpointFiles, modules: dict, quant: WeightQua
         if name.rpartition(".")[0] in modules:
             continue
         if files.slice(name).get_dtype() in FP8_DTYPES:
-            scale = SCALE_PIECES.get(quant.method, ("scale",))[0]
+            if quant.method in ("gptq", "awq"):
+                raise QuantCheckpointError(f"checkpoint tensor {name!r} is FP8: a "
+                                           f"{quant.method} checkpoint holds none")
             raise QuantCheckpointError(
-                f"checkpoint tensor {name!r} is FP8 without a {scale} beside it: only "
-                f"{quant.method} modules with their scales are served")
+                f"checkpoint tensor {name!r} is FP8 without a {SCALE_PIECES[quant.method][0]} "
+                f"beside it: only {quant.method} modules with their scales are served")
 
 
 def _owner(name: str, modules: dict, quant: WeightQuant) -> str | None:
