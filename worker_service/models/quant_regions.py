@@ -87,6 +87,10 @@ def _groups(files, prefix: str, quant: WeightQuant, cols: Span, total_cols: int)
         if groups.shape[0] != cols[1] - cols[0]:
             raise ValueError(f"{g_idx}: {files.slice(g_idx).get_shape()} entries, expected "
                              f"{total_cols} (one per input column)")
+        num_groups = files.slice(f"{prefix}.scales").get_shape()[0]
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+            raise ValueError(f"{g_idx}: group {int(groups.min())} .. {int(groups.max())} out of "
+                             f"range: the scales hold groups [0, {num_groups})")
         return groups.long()
     size = quant.group_size if quant.group_size > 0 else total_cols
     return torch.arange(cols[0], cols[1]) // size

@@ -96,6 +96,20 @@ def test_gptq_region_reads_its_words_and_groups(tmp_path):
         read_gptq(files, "m", quant, (24, 64), (4, 24), (0, 64))
 
 
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_gptq_g_idx_out_of_range_is_refused(tmp_path, bad):
+    q = torch.zeros(16, 8, dtype=torch.int32)
+    qweight, qzeros = gptq_pack(q, torch.ones(4, 8, dtype=torch.int32))
+    g_idx = torch.tensor([0, 1, 2, 3] * 3 + [0, 1, 2, bad], dtype=torch.int32)
+    files = files_of(tmp_path, {"m.qweight": qweight, "m.qzeros": qzeros,
+                                "m.scales": torch.ones(4, 8, dtype=torch.float16),
+                                "m.g_idx": g_idx})
+    quant = WeightQuant("gptq", bits=4, group_size=4, desc_act=True, zero_offset=1)
+    with pytest.raises(ValueError, match=rf"m\.g_idx: group {min(bad, 0)} \.\. {max(bad, 3)} "
+                                         r"out of range: the scales hold groups \[0, 4\)"):
+        read_gptq(files, "m", quant, (8, 16), (0, 8), (0, 16))
+
+
 def test_awq_region_reads_its_words_and_groups(tmp_path):
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(0, 16, (32, 24), generator=gen, dtype=torch.int32)     # C = 32, R = 24
