@@ -19,7 +19,7 @@ from deltaserve.llm import LLM
 from engine_common.model_files.model_dir import ModelDirError, ModelInfo
 from kernels.attention.torch_ref import TorchAttentionBackend
 from tests.support.engine_checks import _check, _prompts
-from tests.support.paged_prefill import assert_tp2_matches_tp1
+from tests.support.paged_prefill import assert_tp2_matches_tp1, prefill_logits
 from tests.support.quant_models import FORMATS, make_quantized_pair
 from worker_service.models.loader import WeightLoadError, load_model, resolve_dtype
 from worker_service.config import RunnerConfig
@@ -205,3 +205,22 @@ def test_gptqs_spare_zero_biases_are_skipped_nonzero_ones_refused(quant_pair, tm
     with pytest.raises(WeightLoadError, match=r"1 checkpoint tensors match no parameter: "
                                               r"\['model\.layers\.0\.self_attn\.q_proj\.bias'\]"):
         ours(nonzero)
+
+
+def test_fp8_as_transformers_itself_loads_the_fp8_directory(quant_pair):
+    """transformers dequantizes an FP8 checkpoint at load on a machine without an FP8 GPU
+    (FineGrainedFP8's dequantize): our weights equal its, bit for bit, and the prefill logits
+    agree, from the quantized directory itself rather than a twin."""
+    transformers = pytest.importorskip("transformers")
+    quantized, _ = quant_pair("qwen3", "fp8")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
+    got = ours(quantized)
+    layer, hf_layer = got.model.layers[0], hf.model.layers[0]
+    hf_qkv = torch.cat([getattr(hf_layer.self_attn, p).weight for p in ("q_proj", "k_proj",
+                                                                        "v_proj")])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, hf_qkv)
+    assert torch.equal(layer.mlp.down_proj.weight, hf_layer.mlp.down_proj.weight)
+    ids = torch.arange(30) * 7 % 500 + 3
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    torch.testing.assert_close(prefill_logits(got, ids), want, atol=1e-4, rtol=0)
