@@ -2,7 +2,8 @@
 / `torch_dtype`: openai/gpt-oss-20b's), read torch-free from a safetensors header.
 
 transformers 5's from_pretrained (dtype "auto", its default) then takes the first floating-point
-tensor of the first checkpoint file, in the file's (sorted) key order, as the model's dtype;
+tensor of the first checkpoint file, in the file's (sorted) key order, as the model's dtype
+(we skip a quantized checkpoint's scales: float32 `weight_scale_inv` is not the model's dtype);
 vLLM reads the safetensors dtypes too. A safetensors file starts with the header's length
 (little-endian u64), then the header: JSON {tensor name: {"dtype": "BF16", ...}, ...}.
 """
@@ -17,6 +18,8 @@ SINGLE_FILE = "model.safetensors"
 # safetensors' floating dtypes -> torch names (float8 is skipped, as transformers skips it)
 FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 MAX_HEADER_BYTES = 100 << 20       # safetensors' own limit
+# a quantized checkpoint's float32 scales say nothing of the model's dtype (weight_quant.py)
+SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "scales", "input_scale")
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str | None:
@@ -36,7 +39,8 @@ def checkpoint_dtype(model_dir: str | Path) -> str | None:
     for name in sorted(header):
         entry = header[name]
         if name != "__metadata__" and isinstance(entry, dict) \
-                and entry.get("dtype") in FLOAT_DTYPES:
+                and entry.get("dtype") in FLOAT_DTYPES \
+                and name.rpartition(".")[2] not in SCALE_LEAVES:
             return FLOAT_DTYPES[entry["dtype"]]
     return None
 

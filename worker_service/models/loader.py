@@ -18,10 +18,13 @@ from torch import nn
 from engine_common.model_files.checkpoint_dtype import INDEX_FILE, SINGLE_FILE, checkpoint_dtype
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
+from engine_common.model_files.quant_config import quantization_problem
+from engine_common.model_files.weight_quant import weight_quant
 from engine_common.runtime.progress import Progress
 from kernels.attention.backend import AttentionBackend
 from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.models.gguf_weights import gguf_tensor_names, iter_gguf_weights
+from worker_service.models.quant_checkpoint import QuantCheckpointError, quantized_checkpoint
 from worker_service.models.registry import get_model_class
 from worker_service.parallel_state import TPGroup
 
@@ -97,7 +100,8 @@ def target_of(model: nn.Module, name: str) -> tuple[str, Any] | None:
 def open_checkpoint(model_path: Path,
                     hf_config: dict) -> tuple[set[str], Iterator[tuple[str, Any]]]:
     """(tensor names, (name, tensor or lazy slice) pairs) of a safetensors directory or a GGUF;
-    GGUF tensors are dequantized to float32 one at a time."""
+    GGUF tensors are dequantized to float32 one at a time, a weight-quantized checkpoint's
+    (FP8, GPTQ, AWQ: models/quant_checkpoint.py) region by region as each rank reads them."""
     try:
         gguf_path = find_gguf(model_path)
         if gguf_path is not None:
@@ -108,6 +112,12 @@ def open_checkpoint(model_path: Path,
     except GGUFError as e:
         raise ModelDirError(str(e)) from None
     index = checkpoint_index(model_path)
+    quant = weight_quant(hf_config)
+    if quant is not None:
+        try:
+            return quantized_checkpoint(index, quant)
+        except QuantCheckpointError as e:
+            raise WeightLoadError(str(e)) from None
     return set(index), iter_checkpoint(index)
 
 
@@ -131,7 +141,8 @@ def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = Non
                     continue
                 param_name, shard_id = target
                 if param_name not in params:
-                    unexpected.append(name)
+                    if not getattr(tensor_slice, "spare", False):   # quant_checkpoint.py
+                        unexpected.append(name)
                     continue
                 param = params[param_name]
                 try:
@@ -193,6 +204,9 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
     kernels/fused_rope.py); ValueError unless `device` is CUDA or Triton runs interpreted."""
     path = Path(model_dir)
     hf_config = read_model_configs(path)[0]
+    problem = quantization_problem(hf_config)
+    if problem is not None:
+        raise ValueError(f"config.json: {problem}")
     archs = hf_config.get("architectures") or [None]
     model_class = get_model_class(archs[0])
     torch_dtype = resolve_dtype(hf_config, dtype, path)

@@ -63,3 +63,17 @@ def test_no_floating_tensor_or_no_checkpoint_says_none(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8)       # a header far too long
     assert checkpoint_dtype(tmp_path) is None
     assert checkpoint_dtype(tmp_path / "absent") is None
+
+
+def test_a_quantized_checkpoints_scales_are_not_its_dtype(tmp_path):
+    """An FP8 checkpoint whose config names no dtype: its float32 weight_scale_inv (first in
+    key order here) and F8 weights are skipped; the bfloat16 plain tensors are the dtype, so
+    --dtype auto and the memory estimate never take FP8 or the scales' float32."""
+    from safetensors.torch import save_file
+    save_file({"a.weight_scale_inv": torch.ones(1, 1),
+               "a.weight": torch.zeros(2, 2).to(torch.float8_e4m3fn),
+               "b.norm.weight": torch.ones(2, dtype=torch.bfloat16)},
+              tmp_path / "model.safetensors")
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    assert resolve_dtype({"quantization_config": {"quant_method": "fp8"}}, "auto",
+                         tmp_path) == torch.bfloat16

@@ -1,0 +1,69 @@
+"""FP8 (e4m3) linear weights dequantized at load: quant_method "fp8" (Qwen3-*-FP8, DeepSeek-V3)
+and compressed-tensors "float-quantized" (RedHatAI / neuralmagic *-FP8-dynamic).
+
+A weight W [R, C] is stored as `weight` float8_e4m3fn [R, C] and one float scale per
+
+    block     [bn, bk] (weight_block_size): scale [ceil(R / bn), ceil(C / bk)]; the last block
+              row / column may be partial (R or C not a multiple of the block)
+    channel   row: scale [R, 1] (or [R])
+    tensor    the whole weight: scale [] (or [1])
+
+    W[r, c] = float32(weight[r, c]) * scale[r // bn, c // bk]       (block; the others alike)
+
+computed in float32 and rounded once to the model dtype, as transformers' Fp8Dequantize does
+(`weight_scale_inv` is, despite its name, the multiplier: the checkpoint stores 1 / the
+quantizer's scale). A region [r0, r1) x [c0, c1) is dequantized from its own blocks only.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def check_fp8(weight: torch.Tensor, name: str) -> None:
+    """ValueError naming `name` unless the weight is float8_e4m3fn (the e4m3 format)."""
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: FP8 weight dtype {weight.dtype} is not supported: only "
+                         f"{FP8_DTYPE} (fmt e4m3)")
+
+
+def expand_block_scale(scale: torch.Tensor, block: tuple[int, int], rows: int,
+                       cols: int) -> torch.Tensor:
+    """Per-block scales [ceil(rows / bn), ceil(cols / bk)] -> one per element [rows, cols]."""
+    return (scale.to(torch.float32).repeat_interleave(block[0], dim=0)[:rows]
+            .repeat_interleave(block[1], dim=1)[:, :cols])
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   name: str) -> torch.Tensor:
+    """weight float8_e4m3fn [R, C] x its scales (module docstring) -> float32 [R, C]; a
+    non-finite result (a NaN code, an inf scale) is refused naming `name`."""
+    check_fp8(weight, name)
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"{name}: FP8 scale dtype {scale.dtype} is not supported: only floating "
+                         "scales (float32, bfloat16, float16, float8_e8m0fnu)")
+    rows, cols = weight.shape
+    values = weight.to(torch.float32)
+    if block is not None:
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"{name}: FP8 block scale shape {tuple(scale.shape)} does not fit "
+                             f"weight {(rows, cols)} in blocks {list(block)}: must be {want}")
+        out = values * expand_block_scale(scale, block, rows, cols)
+    else:
+        out = values * _channel_or_tensor(scale, rows, name)
+    if not torch.isfinite(out).all():
+        raise ValueError(f"{name}: FP8 weight dequantizes to non-finite values (a NaN code or "
+                         "an infinite scale)")
+    return out
+
+
+def _channel_or_tensor(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A per-row [R, 1] / [R] or per-tensor [] / [1] scale, shaped to broadcast over [R, C]."""
+    if scale.numel() == 1 and scale.dim() <= 1:
+        return scale.to(torch.float32).reshape(1, 1)
+    if tuple(scale.shape) in ((rows, 1), (rows,)):
+        return scale.to(torch.float32).reshape(rows, 1)
+    raise ValueError(f"{name}: FP8 scale shape {tuple(scale.shape)} does not fit {rows} rows: "
+                     f"must be [{rows}, 1] (per channel) or [] / [1] (per tensor)")
