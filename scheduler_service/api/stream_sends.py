@@ -12,11 +12,14 @@ nginx's `send_timeout` bounds the time between two successive writes to a client
 still waiting then is cancelled, the handler raises StalledClient, and the engine's stream is
 closed as for any early end (the request aborted, its KV blocks freed at once, its mailbox
 dropped); the call ends RESOURCE_EXHAUSTED naming the flag, which the client reads after the
-messages grpc still holds for it. A client that reads, however slowly, lets each write
-through: only one that reads none of a message's bytes for `timeout_s` (for a message beyond
-the windows, less than the window's worth) is cut. No cap on the output waiting: it is the
-request's own output (max_tokens bounds it), and a cap would cut a slow reader of a long
-answer, whose backlog grows while it reads. The time is the injected `clock`'s, read at each
+messages grpc still holds for it. A client that keeps reading lets each write through: a
+lagging reader's backlog is sent as messages of at most MAX_MERGED_STEPS steps
+(stream_hub.py), so a write waits for at most one such message to pass the client's window;
+only a client that takes less than that in `timeout_s` (for 64 steps of a token with 20
+logprobs, some 20 KB: under 400 bytes a second at 60 s) is cut. A non-streamed VllmEngine
+answer is one message, which must pass within the timeout. No cap on the output waiting: it
+is the request's own output (max_tokens bounds it), and a cap would cut a slow reader of a
+long answer, whose backlog grows while it reads. The time is the injected `clock`'s, read at each
 write and at each tick (every `tick_s` of the event loop while a write waits).
 """
 from __future__ import annotations
@@ -62,9 +65,7 @@ class SendWatch:
         if not self.timeout_s:
             await context.write(message)
             return
-        if first:
-            await context.send_initial_metadata(())
-        write = asyncio.ensure_future(context.write(message))
+        write = asyncio.ensure_future(_send(context, message, first))
         self._writes[write] = self._clock()
         self.num_started += 1
         self._arm()
@@ -104,6 +105,12 @@ class SendWatch:
         self.check()
         if self._writes:
             self._arm()
+
+
+async def _send(context, message, first: bool) -> None:
+    if first:       # the headers alone first: a status may then follow a write that hangs
+        await context.send_initial_metadata(())
+    await context.write(message)
 
 
 def send_watch(options, engine) -> SendWatch:
