@@ -45,8 +45,9 @@ class SendWatch:
         self._clock = clock
         self._tick_s = tick_s if tick_s is not None else min(max(timeout_s / 8, 0.05), 1.0)
         self._on_stall = on_stall
-        self._writes: dict[asyncio.Future, float] = {}    # a write in progress -> its start
-        self._stalled: set[asyncio.Future] = set()       # writes cancelled by `check`
+        # the handler task of each write in progress -> the write's start
+        self._writes: dict[asyncio.Task, float] = {}
+        self._stalled: set[asyncio.Task] = set()         # those `check` cancelled
         self._ticker: asyncio.TimerHandle | None = None
         self.num_started = 0           # writes begun, sent, and streams cut: tests watch them
         self.num_sent = 0
@@ -61,21 +62,24 @@ class SendWatch:
         """`context.write(message)`, or StalledClient when it waits `timeout_s`. `first`: the
         stream's first message: its headers go first, on their own (not flow-controlled), so
         that a status can follow a write that never ends (grpc refuses to send the headers
-        again with the status while the first message's batch is pending)."""
+        again with the status while the first message's batch is pending). Timed in the
+        handler's own task (`check` cancels it): no task per message."""
         if not self.timeout_s:
             await context.write(message)
             return
-        write = asyncio.ensure_future(_send(context, message, first))
-        self._writes[write] = self._clock()
+        task = asyncio.current_task()
+        self._writes[task] = self._clock()
         self.num_started += 1
         self._arm()
         try:
-            await write       # a cancelled handler cancels the write as well
+            if first:
+                await context.send_initial_metadata(())
+            await context.write(message)
             self.num_sent += 1
         except asyncio.CancelledError:
-            if write not in self._stalled:
-                raise
-            self._stalled.discard(write)
+            if task not in self._stalled:
+                raise                    # the call was cancelled: not ours
+            task.uncancel()
             self.num_stalled += 1
             if self._on_stall is not None:
                 self._on_stall()
@@ -85,16 +89,16 @@ class SendWatch:
                 "(--stream-send-timeout); the request was aborted and its KV blocks freed"
             ) from None
         finally:
-            self._writes.pop(write, None)
+            self._writes.pop(task, None)
+            self._stalled.discard(task)
 
     def check(self) -> None:
-        """Cancel each write that has waited `timeout_s` by the clock."""
+        """Cancel each write that has waited `timeout_s` by the clock (its handler's task)."""
         now = self._clock()
-        for write, start in list(self._writes.items()):
-            if now - start >= self.timeout_s and not write.done():
-                del self._writes[write]
-                self._stalled.add(write)
-                write.cancel()
+        for task, start in list(self._writes.items()):
+            if now - start >= self.timeout_s and task not in self._stalled:
+                self._stalled.add(task)
+                task.cancel()
 
     def _arm(self) -> None:
         if self._ticker is None:
@@ -105,12 +109,6 @@ class SendWatch:
         self.check()
         if self._writes:
             self._arm()
-
-
-async def _send(context, message, first: bool) -> None:
-    if first:       # the headers alone first: a status may then follow a write that hangs
-        await context.send_initial_metadata(())
-    await context.write(message)
 
 
 def send_watch(options, engine) -> SendWatch:
