@@ -59,10 +59,11 @@ def test_two_calls_of_one_caller_take_or_are_refused_its_places(served):
     for t in threads:
         t.join()
     assert len(got) >= 1, refused
-    for call, code, details in refused:
+    for call, code, details in list(refused):
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
         assert "<= 3 (--max-requests-per-key)" in details
         score(call)                         # the other call has ended: served now
+    assert sorted(got) == ["a", "b"], refused
     for call, texts in docs.items():
         ids, types = reference_pairs(model, [(QUERY, d) for d in texts])
         want = [torch.sigmoid(r)[0].item() for r in reference_logits(model, ids, types)]
