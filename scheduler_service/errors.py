@@ -34,6 +34,11 @@ class Fenced(WorkerFailure):
     default_kind = "fenced"
 
 
+class StalledClient(RuntimeError):
+    """A stream's client read none of its output for --stream-send-timeout seconds while it
+    waited (api/stream_sends.py): the request is aborted; RESOURCE_EXHAUSTED naming the flag."""
+
+
 class WrongRunner(RuntimeError):
     """A call this server's runner does not serve (Generate on a pooling server, Embed on a
     generating one): FAILED_PRECONDITION, naming the runner and the flag."""

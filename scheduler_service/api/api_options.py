@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from engine_common.request.diff_limits import MAX_CONSTRAINT_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from engine_common.request.pair_prompts import DEFAULT_MAX_SCORE_TOKENS
 from engine_common.request.params import ParamError
-from engine_common.configuration.settings import AtLeast, ReadableFile, setting, validate
+from engine_common.configuration.settings import (AtLeast, AtLeastZero, ReadableFile, setting,
+                                                  validate)
+from scheduler_service.api.stream_sends import DEFAULT_SEND_TIMEOUT_S
 
 MIB = 1 << 20
 
@@ -61,6 +63,12 @@ class ApiOptions:
         DEFAULT_MAX_SCORE_TOKENS, "tokens of one Score call's pairs (each pair's special "
         "tokens included) or one Classify call's texts together, counted as they are "
         "tokenized: more is INVALID_ARGUMENT naming text_2 (or input)", rule=AtLeast(1))
+    stream_send_timeout_s: float = setting(
+        DEFAULT_SEND_TIMEOUT_S, "seconds a Generate stream's client may read none of its output "
+        "while it waits (each message's write; nginx's send_timeout): then the request is "
+        "aborted, its KV blocks freed, and the call ends RESOURCE_EXHAUSTED naming this flag. "
+        "A client that reads, however slowly, is never cut. 0: no limit", rule=AtLeastZero(),
+        metavar="S")
     tokenizer_threads: int = setting(
         4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
         "all but one of them)", rule=AtLeast(1))

@@ -90,23 +90,15 @@ def check_pool_length(model: ServedModel, num_tokens: int, field: str) -> None:
                          "prompt in one step)")
 
 
-async def embed(engine, door: FrontDoor, caller: str, request_id: str, prompt_ids: list[int],
-                cache_salt: str, on_output=None, pooling: int | None = None) -> list[float]:
-    """The vector of one prompt, pooled as the server's pooler says (or as `pooling`, a code
-    of it with a pair start: scoring.py): `caller`'s request `request_id`, holding one of the
-    caller's places (QueueFull at its bound) and under its own id namespace (`on_output`:
-    called with the request's output, for the request counters). A cancelled caller aborts
-    it. A classifier's vector is its logits."""
-    with door.quota.hold(caller, request_id):
-        return await embed_in_place(engine, door, caller, request_id, prompt_ids, cache_salt,
-                                    on_output, pooling)
-
-
 async def embed_in_place(engine, door: FrontDoor, caller: str, request_id: str,
                          prompt_ids: list[int], cache_salt: str, on_output=None,
                          pooling: int | None = None) -> list[float]:
-    """`embed` for a caller that already holds the request's place (an Embed call takes it
-    before tokenizing, so a key at its bound is refused before it costs tokenizer time)."""
+    """The vector of one prompt, pooled as the server's pooler says (or as `pooling`, a code
+    of it with a pair start: scoring.py): `caller`'s request `request_id` under its own id
+    namespace (`on_output`: called with the request's output, for the request counters). The
+    caller holds the request's place (an Embed call takes it before tokenizing, a Classify or
+    Score call its window's), so a key at its bound is refused before it costs tokenizer
+    time. A cancelled caller aborts it. A classifier's vector is its logits."""
     model = door.model
     request = Request(scoped_id(caller, request_id), prompt_ids, POOL_SAMPLING, POOL_STOPPING,
                       model.info.eos_token_ids, num_logprobs=None, cache_salt=cache_salt,

@@ -38,8 +38,10 @@ from scheduler_service.api.request_limits import (check_abort_ids, check_message
                                                   check_prompt_can_fit, check_tokenize_limits)
 from scheduler_service.api.request_quota import TOKENIZE, RequestQuota
 from scheduler_service.api.request_tally import RequestTally
+from scheduler_service.api.stream_sends import SendWatch, send_watch
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.core.request import Request
+from scheduler_service.errors import StalledClient
 from scheduler_service.api.status import status_for
 
 
@@ -49,11 +51,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: AsyncEngine, model: ServedModel,
                  tp_size: Callable[[], int] = lambda: 1, options: ApiOptions = ApiOptions(),
                  tokenizer_pool: TokenizerPool | None = None, keys: KeyBook = KeyBook(),
-                 quota: RequestQuota | None = None, lora: LoRAUpdates | None = None):
+                 quota: RequestQuota | None = None, lora: LoRAUpdates | None = None,
+                 sends: SendWatch | None = None):
         """`tp_size()`: ranks the workers run (known once they are initialized);
-        `tokenizer_pool`, `quota` (requests per key): shared with the port's other services
-        (ones of its own if None); `keys`: what each API key may do (its cache salt, its
-        priorities); `lora`: the runtime LoRA loads (docs/lora.md), off when None."""
+        `tokenizer_pool`, `quota` (requests per key), `sends` (--stream-send-timeout): shared
+        with the port's other services (ones of its own if None); `keys`: what each API key
+        may do (its cache salt, its priorities); `lora`: the runtime LoRA loads
+        (docs/lora.md), off when None."""
         self._engine = engine
         self._lora = lora or LoRAUpdates(model.lora, None, allowed=False)
         self._model = model
@@ -62,6 +66,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._keys = keys
         self._door = FrontDoor(model, options, tokenizer_pool, quota)
         self._owners: dict[str, str] = {}     # live request id -> caller_of() its Generate
+        self._sends = sends or send_watch(options, engine)
 
     # -- Generate ---------------------------------------------------------------------------
 
@@ -70,8 +75,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         Written with context.write (a coroutine handler): each message then passes one async
         generator (the engine's) on its way to grpc, not two more of this layer's. A failed
-        write is grpc's to report, as with a generator handler; the engine's stream is closed
-        (the request aborted) however the call ends."""
+        write is grpc's to report, as with a generator handler, but for one that waited
+        --stream-send-timeout for the client (stream_sends.py: RESOURCE_EXHAUSTED); the
+        engine's stream is closed (the request aborted) however the call ends."""
         self._engine.counters.received()
         streamed = writing = False
         owned = None
@@ -86,7 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 owned = self._own(engine_request.request_id, caller)
                 async with aclosing(self._engine.generate(engine_request)) as outputs:
                     async for out in outputs:
-                        streamed = True
+                        first, streamed = not streamed, True
                         args = (out, self._token_text, req.request_id,
                                 engine_request.prompt_token_ids)
                         # Prompt logprobs take seconds for a long prompt (a lagging
@@ -95,12 +101,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         msg = (await asyncio.to_thread(output_to_proto, *args)
                                if builds_off_loop(out) else output_to_proto(*args))
                         writing = True
-                        await context.write(msg)
+                        await self._sends.write(context, msg, first)   # StalledClient past it
                         writing = False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
-            if writing:          # the call is over (grpc's error): nothing more to tell it
+            if writing and not isinstance(e, StalledClient):   # grpc's error: the call is over
                 raise
             self._count_failure(e, streamed)
             await abort_with(context, e)

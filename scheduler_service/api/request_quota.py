@@ -7,22 +7,20 @@ VllmEngine Generate with n choices holds n), and its next one is refused with
 RESOURCE_EXHAUSTED naming the limit; other keys are not affected. Without API keys every call is
 the same caller, so the bound is then one for the whole port.
 
-Calls that wait holding their message but no place are bounded per key too (`call`), by kind:
-a Classify or Score call's requests wait for places of their key (scoring.py) while it holds
-its texts' token ids, and a Tokenize call waits for the key's share of the tokenizer threads.
-A key holds at most N calls of each kind at once, so what its waiting calls hold is bounded.
+Nothing waits for a place: every call that needs one (Generate, Embed, a Classify or Score
+call's window of them: scoring.py) takes it at once or is refused, as a gateway's rate limit
+answers 429 at once. A Tokenize call holds no place but waits for the key's share of the
+tokenizer threads holding its message, so a key holds at most N of them at once (`call`).
 """
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
 from scheduler_service.core.admission import QueueFull
 
-# The kinds of calls `RequestQuota.call` bounds (its message names them).
-CLASSIFY_SCORE = "Classify and Score"
+# The kind of calls `RequestQuota.call` bounds (its message names it).
 TOKENIZE = "Tokenize"
 
 
@@ -33,19 +31,17 @@ class RequestQuota:
     def __init__(self, per_key: int | None = None):
         self.per_key = per_key
         self._live: Counter[str] = Counter()
-        self._waiters: dict[str, list[asyncio.Future]] = {}   # caller -> wait_place calls
         self._calls: Counter[tuple[str, str]] = Counter()     # (caller, kind) -> calls
 
     def live(self, caller: str) -> int:
         return self._live[caller]
 
-    def calls(self, caller: str, kind: str = CLASSIFY_SCORE) -> int:
+    def calls(self, caller: str, kind: str = TOKENIZE) -> int:
         """`caller`'s calls of `kind` in progress."""
         return self._calls[caller, kind]
 
     @contextmanager
-    def call(self, caller: str, request_id: str, kind: str = CLASSIFY_SCORE
-             ) -> Iterator[None]:
+    def call(self, caller: str, request_id: str, kind: str = TOKENIZE) -> Iterator[None]:
         """One call of `kind` by `caller` while the block runs; QueueFull when the key holds
         its bound of them already (taken before the call tokenizes anything)."""
         held = self._calls[caller, kind]
@@ -59,22 +55,6 @@ class RequestQuota:
             self._calls[caller, kind] -= 1
             if not self._calls[caller, kind]:
                 del self._calls[caller, kind]
-
-    async def wait_place(self, caller: str) -> None:
-        """Return once `caller` holds fewer places than the bound, so a `hold` of one made
-        before the next await succeeds (a Classify / Score call's next request waits for a
-        place rather than failing)."""
-        while self.per_key is not None and self._live[caller] >= self.per_key:
-            freed = asyncio.get_running_loop().create_future()
-            waiters = self._waiters.setdefault(caller, [])
-            waiters.append(freed)
-            try:
-                await freed
-            finally:
-                if freed in waiters:
-                    waiters.remove(freed)
-                if not waiters:
-                    self._waiters.pop(caller, None)
 
     @contextmanager
     def hold(self, caller: str, request_id: str, n: int = 1) -> Iterator[None]:
@@ -91,6 +71,3 @@ class RequestQuota:
             self._live[caller] -= n
             if not self._live[caller]:
                 del self._live[caller]
-            for freed in self._waiters.get(caller, ()):     # each looks again
-                if not freed.done():
-                    freed.set_result(None)

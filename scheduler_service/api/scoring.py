@@ -4,13 +4,18 @@ Score; docs/scoring.md): each text, or each (text_1, text_2) pair, is one poolin
 requests sharing steps; the worker returns the logits and the activation is applied here as
 vLLM's pooler does (engine_common/request/classify.py).
 
-A call keeps at most one running batch of its requests in flight (`call_window`:
---max-num-seqs, and the places the caller's --max-requests-per-key has left) and sends the
-next as one finishes, each waiting for a place of the key rather than failing: a call of 1024
-pairs then never fills the waiting queue other callers share (--max-waiting), nor passes its
-key's bound, and another caller's request waits behind one batch of it, not all of it. Its
-requests' engine ids are its own (`call_ids`). Each text or pair counts in the request
-counters as one Embed (`RequestTally`).
+A call is admitted or refused at once, as a Generate is: before its texts are tokenized it
+takes its places under --max-requests-per-key (`call_window`: --max-num-seqs, its number of
+inputs, and the places its key has left; RESOURCE_EXHAUSTED naming the bound when none is left),
+holds them to its end, and keeps that many of its requests in flight, sending the next as one
+finishes. So a call of 1024 pairs is served without filling the waiting queue other callers
+share (--max-waiting) or passing its key's bound, another caller's request waits behind one
+batch of it, not all of it, and nothing waits for a place of its key: before (session 45), a
+call's requests waited for the key's places while the key's Generate and Embed calls were
+refused at the bound, and a waiting call took every place as it came free, so the key's other
+calls were refused for as long as it ran (docs/security.md, "Tenants"). Its requests' engine
+ids are its own (`call_ids`). Each text or pair counts in the request counters as one Embed
+(`RequestTally`).
 
 A pair is tokenized as vLLM does (transformers' tokenizer(text_1, text_2), or text_1 + text_2
 as one text for a model whose config.json says `use_pad_token: false`), all up front but held
@@ -30,7 +35,7 @@ from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, 
 from engine_common.request.pair_prompts import PairPrompts
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import PoolerConfigError
-from scheduler_service.api.embeddings import check_pool_length, embed, prompt_of
+from scheduler_service.api.embeddings import check_pool_length, embed_in_place, prompt_of
 from scheduler_service.api.front_door import FrontDoor
 from scheduler_service.api.request_tally import RequestTally
 from scheduler_service.errors import WrongRunner
@@ -67,13 +72,13 @@ def _check_count(field: str, n: int) -> None:
         raise ParamError(field, f"{n} texts", f"1 to {MAX_INPUTS}")
 
 
-def call_window(door: FrontDoor, caller: str) -> int:
-    """Requests of one call in flight at once: a step's batch, within the places the caller's
-    key has left (its bound less those its other requests hold; at least one, which then
-    waits for a place)."""
+def call_window(door: FrontDoor, caller: str, num_inputs: int = MAX_INPUTS) -> int:
+    """Requests of one call of `num_inputs` in flight at once, the places it takes: a step's
+    batch, within the places the caller's key has left (its bound less those its other
+    requests hold; at least one, which `hold` refuses when none is left)."""
     per_key = door.quota.per_key
     left = None if per_key is None else per_key - door.quota.live(caller)
-    bounds = (door.model.max_num_seqs, left, MAX_INPUTS)
+    bounds = (door.model.max_num_seqs, left, num_inputs, MAX_INPUTS)
     return max(1, min(b for b in bounds if b is not None))
 
 
@@ -89,18 +94,19 @@ def call_ids(kind: str, request_id: str) -> Callable[[int], str]:
 async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts: list[str],
                    activation: bool, salt: str, pool_caller: str,
                    tally: RequestTally | None = None) -> list[Classified]:
-    """Each text's class, in order (errors name `input[i]`; `tally`: the call's counts). One
-    of the key's calls (RequestQuota.call) from before its texts are tokenized."""
+    """Each text's class, in order (errors name `input[i]`; `tally`: the call's counts). The
+    call's places are taken before its texts are tokenized (QueueFull at the key's bound)."""
     info = classifier_of(door, "Classify")
-    with door.quota.call(caller, request_id):
+    _check_count("input", len(texts))
+    window = call_window(door, caller, len(texts))
+    with door.quota.hold(caller, request_id, window):
         return await _classify(engine, door, info, caller, request_id, texts, activation, salt,
-                               pool_caller, tally)
+                               pool_caller, tally, window)
 
 
 async def _classify(engine, door: FrontDoor, info: ClassifierInfo, caller: str,
                     request_id: str, texts: list[str], activation: bool, salt: str,
-                    pool_caller: str, tally: RequestTally | None) -> list[Classified]:
-    _check_count("input", len(texts))
+                    pool_caller: str, tally: RequestTally | None, window: int) -> list[Classified]:
     ids, total, limit = [], 0, door.options.max_score_tokens
     for i, text in enumerate(texts):
         if not text:
@@ -114,7 +120,7 @@ async def _classify(engine, door: FrontDoor, info: ClassifierInfo, caller: str,
     act = info.classify_activation if activation else IDENTITY
     code = door.model.pooler.code
     logits = await _run_all(engine, door, caller, call_ids("classify", request_id), len(ids),
-                            lambda i: (ids[i].tolist(), code), salt, tally)
+                            lambda i: (ids[i].tolist(), code), salt, tally, window)
     out = []
     for prompt, row in zip(ids, logits):
         probs = activate(row, act)
@@ -127,18 +133,20 @@ async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: l
                 text_2: list[str], activation: bool, salt: str, pool_caller: str,
                 tally: RequestTally | None = None) -> tuple[list[float], int]:
     """(each pair's score in order, the pairs' tokens together; `tally`: the call's counts).
-    One of the key's calls (RequestQuota.call) from before its pairs are tokenized."""
+    The call's places are taken before its pairs are tokenized (QueueFull at the key's
+    bound)."""
     info = classifier_of(door, "Score")
-    with door.quota.call(caller, request_id):
-        return await _score(engine, door, info, caller, request_id, text_1, text_2,
-                            activation, salt, pool_caller, tally)
+    pairs = score_pairs(text_1, text_2)
+    _check_count("text_2", len(pairs))
+    window = call_window(door, caller, len(pairs))
+    with door.quota.hold(caller, request_id, window):
+        return await _score(engine, door, info, caller, request_id, pairs, activation, salt,
+                            pool_caller, tally, window)
 
 
 async def _score(engine, door: FrontDoor, info: ClassifierInfo, caller: str, request_id: str,
-                 text_1: list[str], text_2: list[str], activation: bool, salt: str,
-                 pool_caller: str, tally: RequestTally | None) -> tuple[list[float], int]:
-    pairs = score_pairs(text_1, text_2)
-    _check_count("text_2", len(pairs))
+                 pairs: list[tuple[str, str]], activation: bool, salt: str, pool_caller: str,
+                 tally: RequestTally | None, window: int) -> tuple[list[float], int]:
     token_types = uses_token_types(door.model.info.hf_config)
     prompts = PairPrompts(door.model.tokenizer, door.model.info.hf_config,
                           door.options.max_score_tokens)
@@ -156,27 +164,26 @@ async def _score(engine, door: FrontDoor, info: ClassifierInfo, caller: str, req
 
     act = info.score_activation if activation else IDENTITY
     logits = await _run_all(engine, door, caller, call_ids("score", request_id), len(prompts),
-                            lambda i: (prompts.prompt(i)[0], codes[i]), salt, tally)
+                            lambda i: (prompts.prompt(i)[0], codes[i]), salt, tally, window)
     return [activate(row, act)[0] for row in logits], prompts.num_tokens
 
 
 async def _run_all(engine, door: FrontDoor, caller: str, engine_id: Callable[[int], str],
                    num: int, prompt_at: Callable[[int], tuple[list[int], int]], salt: str,
-                   tally: RequestTally | None) -> list[list[float]]:
+                   tally: RequestTally | None, window: int) -> list[list[float]]:
     """The logits of the call's `num` prompts (`prompt_at(i)`: ids and pooling code, built
-    as each is sent), `call_window` of them in flight at once, in order, each waiting for a
-    place of the caller's key; the first failure cancels (so aborts) the others."""
+    as each is sent), `window` of them (the places the call holds) in flight at once, in
+    order; the first failure cancels (so aborts) the others."""
     if tally is not None:
         tally.choices(num)
-    gate = asyncio.Semaphore(call_window(door, caller))
+    gate = asyncio.Semaphore(window)
     on_output = None if tally is None else tally.output
 
     async def one(i: int) -> list[float]:
         async with gate:          # FIFO: the call's requests start in their order
-            await door.quota.wait_place(caller)
-            ids, code = prompt_at(i)      # no await until embed holds the place
-            return await embed(engine, door, caller, engine_id(i), ids, salt, on_output,
-                               pooling=code)
+            ids, code = prompt_at(i)
+            return await embed_in_place(engine, door, caller, engine_id(i), ids, salt,
+                                        on_output, pooling=code)
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(num)]
     try:

@@ -54,6 +54,7 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.api.reflection import add_reflection
 from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.sampling_defaults import sampling_defaults
+from scheduler_service.api.stream_sends import send_watch
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
@@ -221,9 +222,11 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
                              interceptors=public_port.interceptors(api, keys))
     pool = TokenizerPool(api.tokenizer_threads)   # both services' tokenizing, off the loop
     quota = RequestQuota(api.max_requests_per_key)  # both services' requests per key
+    sends = send_watch(api, engine)                 # both services' --stream-send-timeout
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, served, tp_size=factory.tp_size, options=api,
-                           tokenizer_pool=pool, keys=keys, quota=quota, lora=lora), server)
+                           tokenizer_pool=pool, keys=keys, quota=quota, lora=lora,
+                           sends=sends), server)
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
@@ -231,7 +234,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     def vllm_servicer(adapter: str | None = None) -> VllmEngineServicer:
         return VllmEngineServicer(engine, served, shape, kv_events, readiness.serving,
                                   options=api, tokenizer_pool=pool, keys=keys, quota=quota,
-                                  adapter=adapter)
+                                  adapter=adapter, sends=sends)
 
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_servicer(), server)
     add_reflection(server, (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE))

@@ -42,6 +42,7 @@ from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_token
                                                     chunks)
 from scheduler_service.api.request_limits import check_abort_ids
 from scheduler_service.api.request_tally import RequestTally
+from scheduler_service.api.stream_sends import SendWatch, send_watch
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 chunk_to_proto, complete_to_proto,
@@ -54,6 +55,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
 from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
+from scheduler_service.errors import StalledClient
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
                  options: ApiOptions = ApiOptions(), tokenizer_pool: TokenizerPool | None = None,
                  keys: KeyBook = KeyBook(), quota: RequestQuota | None = None,
-                 adapter: str | None = None):
+                 adapter: str | None = None, sends: SendWatch | None = None):
         self._engine = engine
+        self._sends = sends or send_watch(options, engine)   # --stream-send-timeout
         self._adapter = adapter
         self._options = options
         self._keys = keys
@@ -103,9 +106,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # -- Generate ---------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """Chunks per step while streaming, then one `complete` per choice. Counted in the
+        """Chunks per step while streaming, then one `complete` per choice, each write waiting
+        at most --stream-send-timeout for the client (stream_sends.py). Counted in the
         request counters as deltaserve.v1's Generate is (`RequestTally`)."""
         tally = RequestTally(self._engine.counters)
+        writing, first = False, True
         try:
             self._model.check_runner("Generate")
             inp = self._validate(request)
@@ -115,11 +120,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # The places first: a key at its bound is refused before it costs tokenizer time.
             with self._door.quota.hold(caller, inp.request_id, inp.n):
                 prompt_ids = await self._door.prompt_ids(inp, pool_caller(context))
-                async for msg in self._run(inp, prompt_ids, caller, salt, tally):
-                    yield msg
+                async with aclosing(self._run(inp, prompt_ids, caller, salt, tally)) as msgs:
+                    async for msg in msgs:
+                        writing = True
+                        await self._sends.write(context, msg, first)
+                        writing = first = False
         except asyncio.CancelledError:
             raise
         except Exception as e:  # every failure becomes one status, through one function
+            if writing and not isinstance(e, StalledClient):   # grpc's error: the call is over
+                raise
             tally.failed(e)
             await abort_with(context, e)
 

@@ -41,7 +41,8 @@ from scheduler_service.engine.engine_stats import EngineStats
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.engine.output_processor import OutputProcessor, RequestOutput
 from scheduler_service.engine.prefix_flushes import PendingFlushes
-from scheduler_service.engine.stream_hub import StreamError, StreamHub, coalesce
+from scheduler_service.engine.stream_hub import (MAX_MERGED_STEPS, StreamError, StreamHub,
+                                                 coalesce)
 from scheduler_service.engine.stream_routes import StreamRoutes
 from scheduler_service.engine.serving_counters import ServingCounters
 from scheduler_service.errors import EngineUnavailable, Fenced, WorkerRefused
@@ -126,9 +127,9 @@ class AsyncEngine:
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield outputs until the request finishes: one per engine step, or, when the caller
-        reads slower than the engine steps, the waiting steps' outputs merged into one (as
-        vLLM's output collector does; each message costs the event loop ~70 us of gRPC work at
-        128 streams, which then does not grow with the lag). Aborts the request if the caller
+        reads slower than the engine steps, the waiting steps' outputs merged, up to
+        MAX_MERGED_STEPS in one (as vLLM's output collector does; each message costs the event
+        loop ~70 us of gRPC work at 128 streams, which then does not grow with the lag). Aborts the request if the caller
         goes away (cancellation, deadline) or the stream ends early for any other reason."""
         if not self.ready:
             raise EngineUnavailable(f"no worker is ready: {self.last_error}")
@@ -139,7 +140,7 @@ class AsyncEngine:
         try:
             while not finished:
                 # A consumer that fell behind gets the steps waiting for it as one output.
-                for item in coalesce(await box.take()):
+                for item in coalesce(await box.take(), MAX_MERGED_STEPS):
                     if isinstance(item, BaseException):
                         finished = True   # never added, or already dropped by the engine
                         raise item

@@ -290,7 +290,10 @@ def _request_counters(m: list[str], c):
             ("prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
              c.cached_prompt_tokens),
             ("generation_tokens", "Number of generation tokens processed.",
-             c.generation_tokens)):
+             c.generation_tokens),
+            ("streams_stalled", "Generate streams cut because their client read none of "
+             "their output for --stream-send-timeout seconds (the request aborted, its KV "
+             "blocks freed).", c.stalled)):
         family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
         family.add_metric(m, value)
         yield family

@@ -13,6 +13,8 @@ servicer for calls and errors). Thread-safe.
     prompt_tokens              all prompt tokens of requests whose first token came out
     cached_prompt_tokens       of those, served by the prefix cache
     generation_tokens          tokens streamed
+    stalled                    streams cut because their client read nothing for
+                               --stream-send-timeout (api/stream_sends.py)
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class CountsSnapshot:
     prompt_tokens: int
     cached_prompt_tokens: int
     generation_tokens: int
+    stalled: int = 0
 
 
 class ServingCounters:
@@ -51,6 +54,7 @@ class ServingCounters:
         self._window = window_seconds
         self._lock = threading.Lock()
         self._received = 0
+        self._stalled = 0
         self._rejected: Counter = Counter()
         self._finished: Counter = Counter()
         self._tokens = [0, 0, 0]                # prompt, cached prompt, generation
@@ -64,6 +68,11 @@ class ServingCounters:
     def rejected(self, code: str, n: int = 1) -> None:
         with self._lock:
             self._rejected[code] += n
+
+    def stalled(self) -> None:
+        """A stream was cut: its client read nothing for --stream-send-timeout."""
+        with self._lock:
+            self._stalled += 1
 
     def failed_after_output(self, n: int = 1) -> None:
         """`n` requests that streamed outputs, then ended with an error status."""
@@ -97,7 +106,7 @@ class ServingCounters:
     def snapshot(self) -> CountsSnapshot:
         with self._lock:
             return CountsSnapshot(self._received, dict(self._rejected), dict(self._finished),
-                                  *self._tokens)
+                                  *self._tokens, stalled=self._stalled)
 
     def rates(self) -> tuple[float, float]:
         """(prompt tokens/s less the prefix-cache hits, generated tokens/s) over the window."""

@@ -129,10 +129,18 @@ class StreamHub:
             box.put(item)
 
 
-def coalesce(items: list) -> list:
+# Outputs (engine steps) merged into one message at most (AsyncEngine.generate): a lagging
+# reader's messages stay small, so each goes through its client's window in bounded time and
+# a reader that keeps reading never has one write wait --stream-send-timeout (before, the whole
+# backlog was one message, which grew with the lag until one write took longer than any limit).
+MAX_MERGED_STEPS = 64
+
+
+def coalesce(items: list, max_run: int | None = None) -> list:
     """A stream's waiting items with each run of consecutive outputs merged into one (an error,
-    or a finished output, ends a run: nothing follows either). Each run is merged at once
-    (merge_run): linear in what waited, however long the consumer lagged."""
+    or a finished output, ends a run: nothing follows either; so does `max_run` outputs). Each
+    run is merged at once (merge_run): linear in what waited, however long the consumer
+    lagged."""
     if len(items) == 1:
         return items
     out: list = []
@@ -140,7 +148,7 @@ def coalesce(items: list) -> list:
     for item in items:
         if isinstance(item, RequestOutput):
             run.append(item)
-            if not item.finished:
+            if not item.finished and (max_run is None or len(run) < max_run):
                 continue
         if run:
             out.append(merge_run(run))

@@ -1,10 +1,12 @@
 """Score calls against a key's bound and a call's token limit (a scheduler and a CPU worker
 process, a one-label BERT cross-encoder, --max-requests-per-key 3):
 
-  - two Score calls of one caller at once are both served and equal transformers: each call's
-    window is the places the key has left, and each request waits for a place rather than
-    failing (before: each call sized its window to the whole bound, so the second's requests
-    were RESOURCE_EXHAUSTED);
+  - two Score calls of one caller at once: each takes the places the key has left when it
+    starts (its window), so the one that finds none is RESOURCE_EXHAUSTED at once, naming the
+    bound, as a Generate of the key would be (session 46: before, its requests waited for
+    places while the key's Generates were refused); a refused call made again once the other
+    ended is served, and every score equals transformers' (before session 45, each call sized
+    its window to the whole bound, and the second's requests failed mid-call);
   - calls of one caller with the same request_id run side by side (no per-key bound): each
     call's engine ids are its own (before: all `x-<i>`, the second refused as a live id);
   - a call whose pairs pass --max-score-tokens together is INVALID_ARGUMENT naming text_2,
@@ -38,25 +40,30 @@ def served(tmp_path_factory):
         yield model, generation_stub(ch)
 
 
-def test_two_calls_of_one_caller_share_its_places(served):
+def test_two_calls_of_one_caller_take_or_are_refused_its_places(served):
     model, stub = served
     docs = {c: [f"call {c} document {i} says {'kv ' * (i % 3)}cache" for i in range(48)]
             for c in "ab"}
-    got, errors = {}, []
+    got, refused = {}, []
 
     def score(call: str) -> None:
         try:
             got[call] = stub.Score(gpb.ScoreRequest(request_id="x", text_1=[QUERY],
                                                     text_2=docs[call]), timeout=300)
-        except grpc.RpcError as e:          # reported below, with the call
-            errors.append((call, e.code(), e.details()))
+        except grpc.RpcError as e:          # checked below, with the call
+            refused.append((call, e.code(), e.details()))
 
     threads = [threading.Thread(target=score, args=(c,)) for c in docs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors, errors
+    assert len(got) >= 1, refused
+    for call, code, details in list(refused):
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert "<= 3 (--max-requests-per-key)" in details
+        score(call)                         # the other call has ended: served now
+    assert sorted(got) == ["a", "b"], refused
     for call, texts in docs.items():
         ids, types = reference_pairs(model, [(QUERY, d) for d in texts])
         want = [torch.sigmoid(r)[0].item() for r in reference_logits(model, ids, types)]

@@ -29,6 +29,7 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import ServedModel
 from scheduler_service.api.generation_servicer import GenerationServicer
 from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.api.stream_sends import SendWatch
 from scheduler_service.api.tokenizer_pool import TokenizerPool
 from scheduler_service.api.vllm_convert import EngineShape
 from scheduler_service.api.vllm_servicer import VllmEngineServicer
@@ -210,13 +211,17 @@ class SimServer:
                             max_waiting=self.config.max_waiting)
         self.pool = pool = TokenizerPool(self.api.tokenizer_threads)
         self.quota = RequestQuota(self.api.max_requests_per_key)   # shared, as server.py does
+        # --stream-send-timeout by the test's clock, checked every 20 ms of the loop
+        self.sends = SendWatch(self.api.stream_send_timeout_s, clock=self.clock, tick_s=0.02,
+                               on_stall=self.engine.counters.stalled)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.engine, self.model, shape, self.kv_events,
                                lambda: self.engine.ready, options=self.api,
-                               tokenizer_pool=pool, keys=keys, quota=self.quota), self.server)
+                               tokenizer_pool=pool, keys=keys, quota=self.quota,
+                               sends=self.sends), self.server)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, self.model, options=self.api, tokenizer_pool=pool,
-                               keys=keys, quota=self.quota), self.server)
+                               keys=keys, quota=self.quota, sends=self.sends), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.engine.start()
         await self.server.start()

@@ -290,8 +290,8 @@ class GrammarBook:
                 self._fail(handle, g, f"its grammar failed: {_first_line(m.get_error())}")
                 continue
             for at, p in enumerate(positions):
-                if w is not None and w.state_of(p) != p:
-                    break                     # never reached: its draft is refused before
+                if w is not None and not w.reached(p):
+                    break         # never reached: its draft is refused, or a mask failed
                 accepting = m is None or (m.is_accepting() if w is None else w.accepting[p])
                 why = mask_failure(self.compiler.tokenizer, bits[first + at], accepting, ids)
                 if why is not None:

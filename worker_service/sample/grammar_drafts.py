@@ -45,6 +45,14 @@ class DraftWalk:
     stopped: list[bool]
     accepting: list[bool]
     draws: list[int] | None = None
+    # The last position the run may reach: computing the mask after it failed (a resource
+    # limit of llguidance, on a copy), so the draw here ends the run (SpecStep.accept).
+    reach: int | None = None
+
+    def reached(self, position: int) -> bool:
+        """Whether the accepted run can reach `position` (its mask is checked then)."""
+        return self.state_of(position) == position and (self.reach is None
+                                                         or position <= self.reach)
 
     def state_of(self, position: int) -> int:
         """The position whose matcher state the mask at `position` uses (-1: unconstrained)."""
@@ -57,6 +65,13 @@ class DraftWalk:
         on are never sent to the model)."""
         n = self.valid + 1
         return DraftWalk(self.drafts[:self.valid], self.valid, False, self.stopped[:n],
+                         self.accepting[:n])
+
+    def cut_after_eos(self) -> "DraftWalk":
+        """The walk of the drafts up to the allowed eos at `valid` (grammar_trim: a draft after
+        it only computes a token the request never keeps, as it ends at that eos)."""
+        n = self.valid + 2
+        return DraftWalk(self.drafts[:self.valid + 1], self.valid, True, self.stopped[:n],
                          self.accepting[:n])
 
     @property
@@ -96,17 +111,46 @@ def walk(matcher: llguidance.LLMatcher | None, drafts: list[int],
 def fill_masks(executor: llguidance.LLExecutor, jobs: list[tuple], bitmask: np.ndarray) -> None:
     """Fill `bitmask`: per job (matcher, first row, walk or None) the masks of its positions
     from its first row on (a walk's `masked_positions` in order; no walk: one row). A failed
-    grammar (no matcher) is left for the caller; unreached positions copy `valid`'s row."""
+    grammar (no matcher) is left for the caller; unreached positions copy `valid`'s row.
+
+    The drafted masks are computed on copies of the matchers: llguidance may fail computing
+    the mask at a draft position (a resource limit, e.g. too many Earley items), and the error
+    state never leaves a matcher. Such a walk gets its `reach` (`_settle_failure`) and the
+    matcher itself fails only if its own position 0 does, as one-token decoding would."""
     # (llguidance refuses an empty draft list: a walk with none valid is one plain mask)
     plain = [(m, row) for m, row, w in jobs if m is not None and (w is None or not w.valid)]
-    drafted = [(m, row, w.drafts[:w.valid]) for m, row, w in jobs
-               if m is not None and w is not None and w.valid]
-    if drafted:
+    drafted = [(m, row, w) for m, row, w in jobs if m is not None and w is not None and w.valid]
+    copies = [(m.deep_copy(), row, w.drafts[:w.valid]) for m, row, w in drafted]
+    if copies:
         # llguidance leaves a row past an invalid draft as it is: zeros here
-        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
+        fill_next_token_bitmask_par_with_draft_tokens(executor, copies, bitmask)
     if plain:
         fill_next_token_bitmask_par(executor, plain, bitmask)
+    for (m, row, w), (copy, _, _) in zip(drafted, copies):
+        if copy.is_error():
+            _settle_failure(executor, m, row, w, bitmask)
     for m, row, w in jobs:
         if w is not None and not w.eos:
             end = row + len(w.drafts) + 1
             bitmask[row + w.valid + 1:end] = bitmask[row + w.valid]
+        if w is not None and w.reach is not None:      # the run never passes `reach`
+            bitmask[row + w.reach + 1:row + len(w.masked_positions)] = bitmask[row + w.reach]
+
+
+def _settle_failure(executor: llguidance.LLExecutor, matcher: llguidance.LLMatcher, row: int,
+                    w: DraftWalk, bitmask: np.ndarray) -> None:
+    """A drafted mask failed: find the first position p whose mask fails, each position
+    recomputed on a fresh copy walked to it (rare: only after a failure). p = 0 is the
+    matcher's own state: its mask is computed on the matcher itself, which fails as it would
+    without drafts. p >= 1: the run ends at p - 1 (`reach`): its draw there is the token
+    one-token decoding samples, and the next step masks p's state on the matcher itself,
+    failing the request only if the error is hit again there."""
+    for p in range(w.valid + 1):
+        probe = matcher if p == 0 else matcher.deep_copy()
+        for token in w.drafts[:p]:
+            probe.consume_token(token)      # walked already: each is consumed
+        fill_next_token_bitmask_par(executor, [(probe, row + p)], bitmask)
+        if probe.is_error():
+            if p:
+                w.reach = p - 1
+            return

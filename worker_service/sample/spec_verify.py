@@ -92,12 +92,19 @@ def grammar_trim(drafts: dict[int, list[int]], grammar) -> tuple[dict, dict]:
     reached, and that draw is the same as the bonus of the cut drafts (the same tokens before
     it, the same counter and mask). vLLM trims them in its scheduler (`validate_tokens`); the
     matchers live on the workers here, and every rank cuts alike. A row cut to no draft
-    computes its one token."""
+    computes its one token. Drafts after an allowed eos are cut too: the request ends at that
+    eos (or, with ignore_eos, goes on unconstrained), so they were forward work for tokens
+    never kept; the draw after the eos is the cut drafts' bonus, the same token."""
     handles = list(drafts)
     walks = grammar.walk_drafts(handles, [drafts[h] for h in handles])
     kept = dict(drafts)
     for handle, w in list(walks.items()):
-        if w.eos or w.valid == len(w.drafts):
+        if w.eos:                   # nothing after an allowed eos: it ends the request
+            if w.valid + 1 < len(w.drafts):
+                kept[handle] = w.drafts[:w.valid + 1]
+                walks[handle] = w.cut_after_eos()
+            continue
+        if w.valid == len(w.drafts):
             continue
         if w.valid == 0:
             del kept[handle]
@@ -183,9 +190,9 @@ class SpecStep:
     def walk_grammars(self, batch: InputBatch, grammar) -> dict:
         """The drafted rows' grammars walked through their drafts (GrammarBook.walk_drafts;
         walked already when the drafts were trimmed: `grammar_trim`)."""
-        if self.walks is not None:
-            return self.walks
-        return grammar.walk_drafts(batch.handle_ids[self.rows].tolist(), self.drafts)
+        if self.walks is None:      # kept: `accept` reads a walk's `reach`
+            self.walks = grammar.walk_drafts(batch.handle_ids[self.rows].tolist(), self.drafts)
+        return self.walks
 
     def logits_rows(self, logits_indices: torch.Tensor) -> torch.Tensor:
         """The hidden rows the sampler reads, matching `sampling_rows`: the step's sampling
@@ -214,8 +221,8 @@ class SpecStep:
                 continue
             k, lo = int(self.ks[j]), int(offsets[j])
             ver, drafts = v[lo:lo + k], self.drafts[j]
-            a = 0
-            while a < k and int(ver[a]) == drafts[a]:
+            a, last = 0, self._last_position(handle, k)
+            while a < last and int(ver[a]) == drafts[a]:
                 a += 1
             out_h += [handle] * (a + 1)
             out_r += [row] * (a + 1)
@@ -226,6 +233,13 @@ class SpecStep:
             batch.num_computed[row] -= k - a            # the rejected drafts' slots
         return (out_h, np.array(out_r, dtype=np.int64), np.array(out_p, dtype=np.int32),
                 np.array(out_d, dtype=np.int64), np.array(counts, dtype=np.int64))
+
+
+    def _last_position(self, handle: int, k: int) -> int:
+        """The last position the run of `handle`'s k drafts may reach: k (the bonus), or the
+        `reach` of its grammar walk (a mask past it failed: the draw there ends the run)."""
+        w = None if self.walks is None else self.walks.get(handle)
+        return k if w is None or w.reach is None else min(k, w.reach)
 
 
 def _ranges(ks: np.ndarray) -> np.ndarray:

@@ -15,7 +15,6 @@ from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import FrontDoor, ServedModel
 from scheduler_service.api.embeddings import served_pooler
-from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.core.admission import QueueFull
 from scheduler_service.api.scoring import call_ids, call_window, classifier_of, classify, score
 from scheduler_service.errors import WrongRunner
@@ -68,37 +67,18 @@ def test_an_empty_pair_is_refused_naming_it(tmp_path):
 
 def test_the_call_window_leaves_the_places_the_key_holds(classifiers):
     """--max-requests-per-key 3 with 2 of the key's requests running: the call's window is 1
-    (before: 3, so its second request failed RESOURCE_EXHAUSTED)."""
+    (before: 3, so its second request failed RESOURCE_EXHAUSTED); never more than its inputs."""
     served = ServedModel(ModelInfo.from_dir(classifiers[1]),
                          Tokenizer.from_dir(classifiers[1]), block_size=16,
                          pooler=model_pooler_config(classifiers[1]), max_num_seqs=4)
     door = FrontDoor(served, ApiOptions(max_requests_per_key=3))
-    assert call_window(door, "alice") == 3
+    assert call_window(door, "alice") == 3 and call_window(door, "alice", 2) == 2
     with door.quota.hold("alice", "g1", n=2):
         assert call_window(door, "alice") == 1
         assert call_window(door, "bob") == 3
         with door.quota.hold("alice", "g2"):
-            assert call_window(door, "alice") == 1        # at least one, which waits
+            assert call_window(door, "alice") == 1        # at least one: `hold` refuses it
     assert call_window(FrontDoor(served, ApiOptions()), "alice") == 4    # max_num_seqs
-
-
-def test_a_call_request_waits_for_a_place_of_its_key():
-    async def run() -> None:
-        quota = RequestQuota(per_key=2)
-        await quota.wait_place("alice")                   # free: at once
-        with quota.hold("alice", "a"):
-            held = quota.hold("alice", "b")
-            held.__enter__()
-            waiting = asyncio.ensure_future(quota.wait_place("alice"))
-            other = asyncio.ensure_future(quota.wait_place("bob"))
-            await asyncio.wait_for(other, 5)              # another key's: at once
-            assert not waiting.done()
-            held.__exit__(None, None, None)               # a place comes free
-            await asyncio.wait_for(waiting, 5)
-            with quota.hold("alice", "c"):                # and is there to take
-                assert quota.live("alice") == 2
-        assert quota.live("alice") == 0
-    asyncio.run(run())
 
 
 def test_a_calls_engine_ids_are_its_own():
@@ -130,32 +110,29 @@ def test_a_classify_call_past_the_token_limit_is_refused_by_name(classifiers):
         asyncio.run(classify(no_engine, door, "caller", "r", texts, True, "", "caller"))
 
 
-def test_a_key_holds_at_most_its_bound_of_classify_and_score_calls(classifiers):
-    """A call's requests wait for places of the key, and a call holds its texts' token ids
-    meanwhile (up to --max-score-tokens: 32 MiB at the default): a key at its bound could open
-    any number of calls, each tokenized and waiting, and take the scheduler's memory from every
-    tenant (hostile run, session 45). Now a key holds at most --max-requests-per-key calls at
-    once (a call is at least one request); the next is QueueFull, refused before tokenizing;
-    another key is not affected."""
+def test_a_call_at_its_keys_bound_is_refused_at_once_as_a_generate_is(classifiers):
+    """Before (session 45), a Classify or Score call's requests waited for places of the key
+    while the key's Generate and Embed calls were refused at the bound, and a waiting call
+    took each place as it came free, so the key's other calls were refused for as long as it
+    ran. Now a call takes its places at once, before its texts are tokenized, or is refused
+    RESOURCE_EXHAUSTED with a Generate's message (QueueFull); another key is not affected;
+    nothing is left held."""
     served = ServedModel(ModelInfo.from_dir(classifiers[1]),
                          Tokenizer.from_dir(classifiers[1]), block_size=16,
                          pooler=model_pooler_config(classifiers[1]), max_num_seqs=4)
     door = FrontDoor(served, ApiOptions(max_requests_per_key=1))
-    no_engine = None          # the waiting call never reaches it: its key's place is held
+    no_engine = None          # refused before the engine is reached
 
     async def run() -> None:
         with door.quota.hold("alice", "g"):
-            waiting = asyncio.ensure_future(score(no_engine, door, "alice", "s1", ["q"], ["d"],
-                                                  True, "", "alice"))
-            await asyncio.sleep(0)        # the task runs to its first wait (the tokenizer)
-            for call in (score(no_engine, door, "alice", "s2", ["q"], ["d"], True, "", "alice"),
+            for call in (score(no_engine, door, "alice", "s1", ["q"], ["d"], True, "", "alice"),
                          classify(no_engine, door, "alice", "c1", ["t"], True, "", "alice")):
-                with pytest.raises(QueueFull, match=r"Classify and Score calls in progress for "
-                                   r"this API key=2 must be <= 1 \(--max-requests-per-key\)"):
-                    await asyncio.wait_for(call, 30)
-            assert door.quota.calls("bob") == 0 and door.quota.calls("alice") == 1
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
-        assert door.quota.calls("alice") == 0 and door.quota.live("alice") == 0
+                with pytest.raises(QueueFull, match=r"requests in flight for this API key=2 "
+                                   r"must be <= 1 \(--max-requests-per-key\)"):
+                    await asyncio.wait_for(call, 30)      # before: waited for the place
+            assert door.quota.live("alice") == 1 and door.quota.live("bob") == 0
+            # another key's call takes its place (and fails later, at the missing engine)
+            with pytest.raises(AttributeError):
+                await score(no_engine, door, "bob", "s2", ["q"], ["d"], True, "", "bob")
+        assert door.quota.live("alice") == door.quota.live("bob") == 0
     asyncio.run(run())

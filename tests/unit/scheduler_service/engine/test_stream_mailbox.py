@@ -87,3 +87,15 @@ def test_coalesce_is_linear_in_what_waited():
     assert merged.new_token_ids == list(range(n)) and merged.finished
     assert merged.new_text == "".join(f"<{i}>" for i in range(n))
     assert merged.num_output_tokens == n
+
+
+def test_coalesce_merges_at_most_max_run_outputs_into_one():
+    """A reader that lags 130 steps gets 3 messages of at most 64 steps (MAX_MERGED_STEPS in
+    AsyncEngine.generate), not one that grows with the lag: each write then goes through its
+    client's window in bounded time (--stream-send-timeout)."""
+    items = [out([i], i + 1) for i in range(130)]
+    merged = coalesce(items, 64)
+    assert [m.new_token_ids for m in merged] == [list(range(64)), list(range(64, 128)),
+                                                 [128, 129]]
+    assert [m.num_output_tokens for m in merged] == [64, 128, 130]
+    assert len(coalesce(items)) == 1

@@ -12,6 +12,7 @@ import pytest
 from engine_common.constraints.constraint import Constraint
 from tests.support.grammar_text import EOS, encode, tiny_compiler
 from worker_service.sample.grammar import GrammarBook
+from worker_service.sample.spec_verify import grammar_trim
 
 DIGITS = Constraint("regex", "[0-9]{2}-[a-z]{2}")
 YES_NO = Constraint("choice", ("yes", "no"))
@@ -154,3 +155,60 @@ def test_a_limit_hit_at_a_draft_the_run_does_not_reach_fails_nothing(compiler):
         assert (0 in errors) == fails, (run, errors)
         if not fails:
             assert book._live[0].terminated
+
+
+def mask_limited_book(compiler, step_max_items: int) -> GrammarBook:
+    """As limited_book, but under a limit on the items of one mask: consuming goes on, and
+    computing the mask after the 3rd "a" fails (step_max_items 10)."""
+    book = limited_book(compiler, 10_000)
+    grammar = llguidance.LLMatcher.grammar_from_lark('start: s\ns: s s | "a"')
+    limits = llguidance.LLParserLimits(step_max_items=step_max_items)
+    book._live[0].matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0,
+                                                 limits=limits)
+    return book
+
+
+def test_a_mask_failing_at_a_draft_position_ends_the_run_before_it(compiler):
+    """Drafts of five "a"s from the start: the mask at position 3 fails. Before, the matcher
+    itself computed the drafted masks, entered its error state and failed the request at once
+    though the run might stop before position 3. Now the request is unharmed, the run may
+    reach position 2 at most (`reach`: its draw there is the one-token decoding's), rows past
+    it repeat its mask, and the request fails only when its own next mask fails too."""
+    a = encode(compiler, "a")
+    book = mask_limited_book(compiler, 10)
+    w, got = drafted_masks(book, a * 5)
+    assert book.take_errors() == {} and not book._live[0].matcher.is_error()
+    assert w.valid == 5 and w.reach == 2
+    assert all(got[p] == got[2] for p in range(3, 6)) and a[0] in got[2]
+    assert [w.reached(p) for p in range(6)] == [True] * 3 + [False] * 3
+    book.advance([0] * 3, a * 3)                     # the run: two drafts, then its draw
+    assert book.take_errors() == {}
+    one_mask(book)                                   # the real state's mask: the same limit
+    errors = book.take_errors()
+    assert "Too many items (limit 10; mask)" in errors[0]
+
+
+def test_a_mask_failing_at_position_0_fails_the_request_as_without_drafts(compiler):
+    a = encode(compiler, "a")
+    book = mask_limited_book(compiler, 10)
+    book.advance([0] * 3, a * 3)
+    drafted_masks(book, a * 2)
+    errors = book.take_errors()
+    assert "Too many items (limit 10; mask)" in errors[0]
+    assert book._live[0].matcher.is_error()
+
+
+def test_drafts_after_an_allowed_eos_are_not_computed(compiler):
+    """grammar_trim keeps the drafts up to an allowed eos and cuts those after it: the request
+    ends at that eos (with ignore_eos it goes on unconstrained, and the cut drafts' bonus is
+    the same draw), so they were forward work for tokens never kept."""
+    yes = encode(compiler, "yes")
+    drafts = yes + [EOS] + encode(compiler, "no")
+    book = fed_book(compiler, YES_NO, [])
+    book.stopped([0])
+    kept, walks = grammar_trim({0: drafts, 5: [7, 8]}, book)
+    assert kept == {0: yes + [EOS], 5: [7, 8]}        # 5: unconstrained, as it was
+    w = walks[0]
+    assert w.eos and w.valid == len(yes) and w.drafts == yes + [EOS]
+    assert len(w.stopped) == len(w.accepting) == len(yes) + 2
+    assert w.masked_positions == list(range(len(yes) + 1))      # the bonus is unmasked
