@@ -19,6 +19,9 @@ yarn with DeepSeek's mscale):
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,18 +102,46 @@ def test_cpu_kernel_backend_matches_transformers(tiny_models, arch):
 
 
 @pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
-def test_latent_size_the_cpu_kernel_lacks_attends_on_torch(tiny_models):
-    """kv_lora_rank 40 + 16 = 56, not a size the kernel takes: the torch backend, same answer."""
+def test_latent_size_the_cpu_kernel_lacks_runs_and_is_reported_as_torch(tiny_models):
+    """kv_lora_rank 40 + 16 = 56, not a size the kernel takes: `auto` picks torch, the runner
+    reports torch and the layers attend on torch; `cpu` named for it is refused by name, by the
+    runner's preflight and by the model itself (never swapped for another backend)."""
     from kernels.attention.cpu_paged import CpuPagedAttentionBackend
     from kernels.attention.torch_ref import TorchAttentionBackend
+    from worker_service.config import RunnerConfig
+    from worker_service.runner.model_runner import ModelRunner
+    from worker_service.runner.preflight import check_runner_config
     path = tiny_models("deepseek_v3", kv_lora_rank=40)
-    backend = CpuPagedAttentionBackend()
-    ours = load_model(path, single_rank_group(), backend, "cpu")
-    layers = [m for m in ours.modules() if isinstance(m, MLAAttention)]
-    assert all(isinstance(m.attn.backend, TorchAttentionBackend) for m in layers)
-    assert ours.head_dim == 56
-    assert_logits_match(path, ours)
-    assert backend.calls == 0
+    runner = ModelRunner(RunnerConfig(model_dir=path, device="cpu", dtype="float32",
+                                      num_kv_blocks=16))
+    assert runner.attention_backend_name == "torch"
+    layers = [m for m in runner.model.modules() if isinstance(m, MLAAttention)]
+    assert layers and all(isinstance(m.attn.backend, TorchAttentionBackend) for m in layers)
+    assert runner.model.head_dim == 56
+    explicit = RunnerConfig(model_dir=path, device="cpu", dtype="float32", num_kv_blocks=16,
+                            attention_backend="cpu")
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid .* head size 56"):
+        check_runner_config(explicit)
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid .* head size 56"):
+        load_model(path, single_rank_group(), CpuPagedAttentionBackend(), "cpu")
+
+
+@pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+def test_more_heads_than_the_cpu_kernel_groups_is_reported_as_torch(tiny_models):
+    """64 heads on the one latent head (the kernel groups at most 48): `auto` picks torch and
+    says so; at TP=2 (32 a rank) the kernel takes it; `cpu` at TP=1 is refused by name."""
+    from kernels.attention.selector import resolve_backend_name
+    from worker_service.config import RunnerConfig
+    from worker_service.runner.model_runner import cache_layout
+    from worker_service.runner.preflight import check_runner_config
+    path = tiny_models("deepseek_v3", num_attention_heads=64, num_key_value_heads=64)
+    hf_config = json.loads(Path(path, "config.json").read_text())
+    one = RunnerConfig(model_dir=path, device="cpu", dtype="float32", num_kv_blocks=16)
+    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one)) == "torch"
+    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one, tp_size=2)) == "cpu"
+    with pytest.raises(ValueError, match="64 query heads per kv head on a rank"):
+        check_runner_config(RunnerConfig(model_dir=path, device="cpu", dtype="float32",
+                                         num_kv_blocks=16, attention_backend="cpu"))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON)])
