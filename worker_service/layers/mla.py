@@ -75,11 +75,19 @@ class MlaArgs:
 
 
 def mla_softmax_scale(qk_head_dim: int, rope: RopeSettings) -> float:
-    """qk_head_dim ** -0.5, times mscale ** 2 where a scaled rope sets mscale_all_dim."""
+    """qk_head_dim ** -0.5, times mscale ** 2 where a scaled rope sets mscale_all_dim (its
+    factor required, as transformers, DeepSeek's code and vLLM require it: the rope's
+    max_position_embeddings / original_max_position_embeddings fallback is not theirs)."""
     scale = qk_head_dim ** -0.5
     mscale_all_dim = rope.scaling.get("mscale_all_dim") or 0
-    factor = float(rope.scaling.get("factor") or 1.0)
-    if rope.rope_type != "default" and mscale_all_dim and factor > 1:
+    if rope.rope_type == "default" or not mscale_all_dim:
+        return scale
+    if rope.scaling.get("factor") is None:
+        raise ValueError(f"config.json: rope_scaling.factor is absent with rope_type="
+                         f"{rope.rope_type!r} and mscale_all_dim={mscale_all_dim}: must be set "
+                         "(the attention's softmax scale is computed from it)")
+    factor = float(rope.scaling["factor"])
+    if factor > 1:
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale
