@@ -15,7 +15,8 @@ yarn with DeepSeek's mscale):
   - the released models' latent (kv_lora_rank 512 + qk_rope_head_dim 64 = 576, no power of two)
     gives transformers' logits step by step through chunked prefills and decodes on the torch
     backend and on Triton's (interpreter on the CPU, slow lane),
-  - two gloo ranks (each half of the heads and of every expert) give the single rank's logits.
+  - two and three gloo ranks (each a share of the heads and of every expert) give the single
+    rank's logits.
 """
 from __future__ import annotations
 
@@ -180,3 +181,13 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
     expert's width; the latent projections are replicated, so both cache the same latents."""
     paths = [make_tiny_model(tmp_path / arch, arch=arch, seed=2) for arch in ARCHS]
     assert_tp2_matches_tp1(paths, tmp_path)
+
+
+@pytest.mark.slow
+def test_tp3_matches_tp1_over_gloo(tmp_path):
+    """Three ranks: 6 heads (2 a rank: q, kv_b rows, o columns), every expert 48 wide (16 a
+    rank), the dense MLP 96 (32 a rank); the routers and their groups replicated."""
+    shapes = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 6,
+              "moe_intermediate_size": 48}
+    paths = [make_tiny_model(tmp_path / arch, arch=arch, seed=5, **shapes) for arch in ARCHS]
+    assert_tp2_matches_tp1(paths, tmp_path, world_size=3)
