@@ -68,7 +68,7 @@ class SparseLayers:
 
 
 def read_sparse_layers(cfg: dict) -> SparseLayers:
-    first = cfg.get("first_k_dense_replace") or 0
+    first = cfg.get("first_k_dense_replace")   # null: transformers and DeepSeek's code fail
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"config.json: first_k_dense_replace={first!r} is invalid: must be an "
                          "integer >= 0")

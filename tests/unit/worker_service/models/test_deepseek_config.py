@@ -71,6 +71,12 @@ def test_real_configs_read_as_transformers_reads_them():
     assert read_routing(lite, v3=False).grouped is False
 
 
+def test_null_first_k_dense_replace_is_refused_by_name():
+    with pytest.raises(ValueError, match="first_k_dense_replace=None is invalid: must be an "
+                                         "integer >= 0"):
+        read_sparse_layers(with_defaults({**V3_CONFIG, "first_k_dense_replace": None}, True))
+
+
 def test_moe_layer_freq_and_absent_keys_take_the_config_class_defaults():
     sparse = read_sparse_layers(with_defaults({"num_hidden_layers": 8, "moe_layer_freq": 2,
                                                "first_k_dense_replace": 1}, v3=True))
