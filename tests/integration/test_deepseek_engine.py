@@ -6,6 +6,7 @@
     prefix: greedy tokens equal transformers' generate(), prefix hits, no block leaked;
   - n-gram speculative decoding under a structured-output constraint: tokens and logprobs equal
     speculation off, and transformers' greedy under the same grammar;
+  - LoRA refused by name (the adapters know the Llama family's projections only);
   - the latent cache's bytes: the runner's kv_block_bytes (what the worker reports at Init and
     the scheduler sizes by) is what the allocated bfloat16 caches take per block, and what the
     memory estimate counts.
@@ -88,3 +89,10 @@ def test_kv_block_bytes_are_the_latent_caches_bytes(tiny_models):
     hf_config = json.loads(Path(path, "config.json").read_text())
     assert estimate_kv_bytes(config, hf_config, 2) == allocated
     assert estimate_kv_bytes(config, hf_config, 2, tp_size=2) == allocated   # replicated
+
+
+def test_lora_is_refused_by_name(tiny_models):
+    from worker_service.lora.adapter import LoRAError
+    with pytest.raises(LoRAError, match="LoRA is not supported for DeepseekV3ForCausalLM"):
+        LLM(tiny_models("deepseek_v3"), dtype="float32", num_kv_blocks=32, enable_lora=True,
+            allow_runtime_lora_updating=True)
