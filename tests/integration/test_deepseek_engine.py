@@ -27,17 +27,22 @@ from tests.integration.test_spec_decode import SPEC
 from tests.support.engine_checks import _check, assert_no_leaked_blocks
 from tests.support.hf_reference import hf_greedy_guided
 from worker_service.config import RunnerConfig
+from worker_service.layers.mla import MLAAttention
 from worker_service.runner.memory_fit import estimate_kv_bytes
 from worker_service.runner.model_runner import ModelRunner
 
 BS = 4
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])      # auto: the CPU kernel when built
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_preempted_chunked_requests_match_transformers(tiny_models, arch):
+def test_preempted_chunked_requests_match_transformers(tiny_models, arch, backend):
     path = tiny_models(arch, seed=4)
-    llm = LLM(path, dtype="float32", attention_backend="torch", block_size=BS,
+    llm = LLM(path, dtype="float32", attention_backend=backend, block_size=BS,
               num_kv_blocks=20, max_num_seqs=4, max_num_batched_tokens=10)
+    # what the runner reports is what its layers attend on
+    layers = [m for m in llm.runner.model.modules() if isinstance(m, MLAAttention)]
+    assert {m.attn.backend.name for m in layers} == {llm.runner.attention_backend_name}
     sched = llm.scheduler
     preempted = []
     preempt = sched._preempt

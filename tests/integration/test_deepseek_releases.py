@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention.cpu_paged import CpuPagedAttentionBackend
+from kernels.cpu import extension
 from tests.support.deepseek_releases import ORIGINAL, RELEASES, make_release_model
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import BACKEND, prefill_logits
@@ -15,6 +17,7 @@ from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
 
 PROMPT_LEN = 3 * ORIGINAL + 5
+CPU_KERNEL = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +30,10 @@ def _ids() -> torch.Tensor:
     return torch.arange(PROMPT_LEN) * 37 % 500 + 3
 
 
-def _logits(path: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(path: str, dtype: torch.dtype,
+            backend=BACKEND) -> tuple[torch.Tensor, torch.Tensor]:
     ids = _ids()
-    ours = load_model(path, single_rank_group(), BACKEND, "cpu", dtype=dtype)
+    ours = load_model(path, single_rank_group(), backend, "cpu", dtype=dtype)
     with torch.no_grad():
         expected = hf_model(path)(ids[None]).logits[0].float()
     return prefill_logits(ours, ids).float(), expected
@@ -41,13 +45,17 @@ def test_release_logits_match_transformers_fp32(release_dirs, release):
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=CPU_KERNEL)],
+                         ids=["torch", "cpu-kernel"])
 @pytest.mark.parametrize("release", list(RELEASES))
-def test_release_bf16_errs_no_more_than_transformers_bf16(release_dirs, release):
+def test_release_bf16_errs_no_more_than_transformers_bf16(release_dirs, release, kernel):
     """bfloat16 against the float32 reference: our error and top-1 agreement as good as
     transformers' own bfloat16 run (tiny random weights amplify rounding, and bf16 can flip a
     routing choice, so the reference for "close" is transformers' bf16, not a fixed bound)."""
     path = release_dirs[release]
-    got, truth = _logits(path, torch.bfloat16)
+    backend = CpuPagedAttentionBackend() if kernel else BACKEND
+    got, truth = _logits(path, torch.bfloat16, backend)
+    assert not kernel or backend.calls == 3           # the latent (64) on the kernel
     with torch.no_grad():
         theirs = hf_model(path, torch.bfloat16)(_ids()[None]).logits[0].float()
     assert (got - truth).abs().mean() <= 1.25 * (theirs - truth).abs().mean()
