@@ -7,8 +7,9 @@ request of the batch, prefills and decodes alike, in one call: no gather, no pad
 float32 and bfloat16, head_dim 16/32/64/80/96/128, up to 48 query heads per kv head; `supports`
 says whether a layout fits, and the selector's `auto` falls back to the torch backend when it
 does not or when the library could not be built; `cpu` named for a layout it does not fit is
-refused (check_layout), so the backend reported is the one that runs. A sliding window (backend.py) is the kernel's `window`
-argument: items skip the chunks below it and mask the keys a row no longer sees. Attention
+refused (check_layout), so the backend reported is the one that runs. A sliding window
+(backend.py) is the kernel's `window` argument: items skip the chunks below it and mask the keys
+a row no longer sees. Attention
 sinks (GPT-OSS) are the kernel's `sinks` argument (float32 [Hq]): each row's denominator gains
 e^(sink) when the row is stored; without them the kernel runs as before.
 The kernel has no attention softcap (Gemma 2): a call with one is handed to the torch backend,
