@@ -5,9 +5,11 @@ one work item per (request, kv head, tile of query tokens), flash style, in floa
 It writes the cache as the torch backend does (one index_copy_ per K and V), then attends every
 request of the batch, prefills and decodes alike, in one call: no gather, no padding. Supported:
 float32 and bfloat16, head_dim 16/32/64/80/96/128, up to 48 query heads per kv head; `supports`
-says whether a layout fits, and the selector falls back to the torch backend when it does not or
-when the library could not be built. A sliding window (backend.py) is the kernel's `window`
-argument: items skip the chunks below it and mask the keys a row no longer sees. Attention
+says whether a layout fits, and the selector's `auto` falls back to the torch backend when it
+does not or when the library could not be built; `cpu` named for a layout it does not fit is
+refused (check_layout), so the backend reported is the one that runs. A sliding window
+(backend.py) is the kernel's `window` argument: items skip the chunks below it and mask the keys
+a row no longer sees. Attention
 sinks (GPT-OSS) are the kernel's `sinks` argument (float32 [Hq]): each row's denominator gains
 e^(sink) when the row is stored; without them the kernel runs as before.
 The kernel has no attention softcap (Gemma 2): a call with one is handed to the torch backend,
@@ -25,6 +27,21 @@ from kernels.cpu import extension
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_GROUP = 48
+
+
+def check_layout(head_dim: int, dtype: torch.dtype, group: int) -> None:
+    """ValueError naming what the kernel cannot take (an explicit attention_backend='cpu')."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"attention_backend='cpu' is invalid for this model: its cached head "
+                         f"size {head_dim} is not one the cpu kernel takes {HEAD_DIMS}; pick "
+                         "torch (or auto, which picks it)")
+    if dtype not in DTYPES:
+        raise ValueError(f"attention_backend='cpu' is invalid with dtype {dtype}: must be one "
+                         f"of {DTYPES}; pick torch (or auto, which picks it)")
+    if group > MAX_GROUP:
+        raise ValueError(f"attention_backend='cpu' is invalid for this model: {group} query "
+                         f"heads per kv head on a rank, the cpu kernel takes at most "
+                         f"{MAX_GROUP}; pick torch (or auto, which picks it)")
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:

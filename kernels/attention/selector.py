@@ -14,12 +14,15 @@ BACKEND_NAMES = ("auto", "flash_attn", "triton", "cpu", "torch")
 @dataclass(frozen=True)
 class CacheLayout:
     """What a backend must accept: flash-attn's paged kernels need blocks of 256 and fp16/bf16,
-    and have no attention sinks (a model with them, GPT-OSS, sets sinks)."""
+    and have no attention sinks (a model with them, GPT-OSS, sets sinks); the CPU kernel takes
+    some head sizes and at most cpu_paged.MAX_GROUP query heads per kv head (`group`, on a
+    rank: DeepSeek's latent cache has one kv head for all of a rank's heads)."""
 
     block_size: int
     head_dim: int
     dtype: torch.dtype
     sinks: bool = False
+    group: int = 1
 
 
 def _flash_attn_fits(layout: CacheLayout | None) -> bool:
@@ -34,7 +37,8 @@ def _flash_attn_fits(layout: CacheLayout | None) -> bool:
 
 def _cpu_kernel_fits(layout: CacheLayout | None) -> bool:
     from kernels.attention import cpu_paged
-    if layout is not None and not cpu_paged.supports(layout.head_dim, layout.dtype):
+    if layout is not None and not (cpu_paged.supports(layout.head_dim, layout.dtype)
+                                   and layout.group <= cpu_paged.MAX_GROUP):
         return False
     return cpu_paged.available()
 
@@ -67,7 +71,9 @@ def get_attention_backend(name: str, device_type: str,
         from kernels.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
     if resolved == "cpu":
-        from kernels.attention.cpu_paged import CpuPagedAttentionBackend
+        from kernels.attention.cpu_paged import CpuPagedAttentionBackend, check_layout
+        if layout is not None:      # named explicitly: refused rather than run as another
+            check_layout(layout.head_dim, layout.dtype, layout.group)
         return CpuPagedAttentionBackend()
     from kernels.attention.flash_attn_backend import FlashAttnBackend, check_flash_layout
     if layout is not None and layout.sinks:

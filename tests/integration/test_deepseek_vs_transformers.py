@@ -15,9 +15,13 @@ yarn with DeepSeek's mscale):
   - the released models' latent (kv_lora_rank 512 + qk_rope_head_dim 64 = 576, no power of two)
     gives transformers' logits step by step through chunked prefills and decodes on the torch
     backend and on Triton's (interpreter on the CPU, slow lane),
-  - two gloo ranks (each half of the heads and of every expert) give the single rank's logits.
+  - two and three gloo ranks (each a share of the heads and of every expert) give the single
+    rank's logits.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,18 +103,46 @@ def test_cpu_kernel_backend_matches_transformers(tiny_models, arch):
 
 
 @pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
-def test_latent_size_the_cpu_kernel_lacks_attends_on_torch(tiny_models):
-    """kv_lora_rank 40 + 16 = 56, not a size the kernel takes: the torch backend, same answer."""
+def test_latent_size_the_cpu_kernel_lacks_runs_and_is_reported_as_torch(tiny_models):
+    """kv_lora_rank 40 + 16 = 56, not a size the kernel takes: `auto` picks torch, the runner
+    reports torch and the layers attend on torch; `cpu` named for it is refused by name, by the
+    runner's preflight and by the model itself (never swapped for another backend)."""
     from kernels.attention.cpu_paged import CpuPagedAttentionBackend
     from kernels.attention.torch_ref import TorchAttentionBackend
+    from worker_service.config import RunnerConfig
+    from worker_service.runner.model_runner import ModelRunner
+    from worker_service.runner.preflight import check_runner_config
     path = tiny_models("deepseek_v3", kv_lora_rank=40)
-    backend = CpuPagedAttentionBackend()
-    ours = load_model(path, single_rank_group(), backend, "cpu")
-    layers = [m for m in ours.modules() if isinstance(m, MLAAttention)]
-    assert all(isinstance(m.attn.backend, TorchAttentionBackend) for m in layers)
-    assert ours.head_dim == 56
-    assert_logits_match(path, ours)
-    assert backend.calls == 0
+    runner = ModelRunner(RunnerConfig(model_dir=path, device="cpu", dtype="float32",
+                                      num_kv_blocks=16))
+    assert runner.attention_backend_name == "torch"
+    layers = [m for m in runner.model.modules() if isinstance(m, MLAAttention)]
+    assert layers and all(isinstance(m.attn.backend, TorchAttentionBackend) for m in layers)
+    assert runner.model.head_dim == 56
+    explicit = RunnerConfig(model_dir=path, device="cpu", dtype="float32", num_kv_blocks=16,
+                            attention_backend="cpu")
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid .* head size 56"):
+        check_runner_config(explicit)
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid .* head size 56"):
+        load_model(path, single_rank_group(), CpuPagedAttentionBackend(), "cpu")
+
+
+@pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+def test_more_heads_than_the_cpu_kernel_groups_is_reported_as_torch(tiny_models):
+    """64 heads on the one latent head (the kernel groups at most 48): `auto` picks torch and
+    says so; at TP=2 (32 a rank) the kernel takes it; `cpu` at TP=1 is refused by name."""
+    from kernels.attention.selector import resolve_backend_name
+    from worker_service.config import RunnerConfig
+    from worker_service.runner.model_runner import cache_layout
+    from worker_service.runner.preflight import check_runner_config
+    path = tiny_models("deepseek_v3", num_attention_heads=64, num_key_value_heads=64)
+    hf_config = json.loads(Path(path, "config.json").read_text())
+    one = RunnerConfig(model_dir=path, device="cpu", dtype="float32", num_kv_blocks=16)
+    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one)) == "torch"
+    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one, tp_size=2)) == "cpu"
+    with pytest.raises(ValueError, match="64 query heads per kv head on a rank"):
+        check_runner_config(RunnerConfig(model_dir=path, device="cpu", dtype="float32",
+                                         num_kv_blocks=16, attention_backend="cpu"))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON)])
@@ -149,3 +181,13 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
     expert's width; the latent projections are replicated, so both cache the same latents."""
     paths = [make_tiny_model(tmp_path / arch, arch=arch, seed=2) for arch in ARCHS]
     assert_tp2_matches_tp1(paths, tmp_path)
+
+
+@pytest.mark.slow
+def test_tp3_matches_tp1_over_gloo(tmp_path):
+    """Three ranks: 6 heads (2 a rank: q, kv_b rows, o columns), every expert 48 wide (16 a
+    rank), the dense MLP 96 (32 a rank); the routers and their groups replicated."""
+    shapes = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 6,
+              "moe_intermediate_size": 48}
+    paths = [make_tiny_model(tmp_path / arch, arch=arch, seed=5, **shapes) for arch in ARCHS]
+    assert_tp2_matches_tp1(paths, tmp_path, world_size=3)

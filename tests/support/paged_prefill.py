@@ -36,30 +36,34 @@ def tp_ids() -> torch.Tensor:
     return torch.arange(19) * 7 % 500
 
 
-def tp_worker(rank: int, port: int, paths: list[str], out_dir: str) -> None:
-    """One of two gloo ranks (torch.multiprocessing.spawn): each model's prefill logits on
-    this rank's slice, saved as logits_<model>_<rank>.pt."""
+def tp_worker(rank: int, port: int, paths: list[str], out_dir: str,
+              world_size: int = 2) -> None:
+    """One of world_size gloo ranks (torch.multiprocessing.spawn): each model's prefill logits
+    on this rank's slice, saved as logits_<model>_<rank>.pt."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=world_size)
     try:
         for i, path in enumerate(paths):
-            logits = prefill_logits(load(path, tp=TPGroup(rank=rank, world_size=2)), tp_ids())
+            logits = prefill_logits(load(path, tp=TPGroup(rank=rank, world_size=world_size)),
+                                    tp_ids())
             torch.save(logits, f"{out_dir}/logits_{i}_{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def assert_tp2_matches_tp1(paths: list, out_dir) -> None:
-    """Both ranks' logits of every model equal the single rank's."""
+def assert_tp2_matches_tp1(paths: list, out_dir, world_size: int = 2) -> None:
+    """Every rank's logits of every model (two ranks unless world_size says) equal the single
+    rank's."""
     import torch.multiprocessing as mp
 
     from tests.support.grpc_harness import free_port
 
-    mp.spawn(tp_worker, args=(free_port(), [str(p) for p in paths], str(out_dir)), nprocs=2)
+    mp.spawn(tp_worker, args=(free_port(), [str(p) for p in paths], str(out_dir), world_size),
+             nprocs=world_size)
     for i, path in enumerate(paths):
         expected = prefill_logits(load(path), tp_ids())
-        for rank in range(2):
+        for rank in range(world_size):
             got = torch.load(f"{out_dir}/logits_{i}_{rank}.pt")
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

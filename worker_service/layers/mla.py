@@ -29,13 +29,12 @@ mscale_all_dim) ** 2 for a scaled rope with mscale_all_dim (transformers' yarn_a
 Tensor parallelism splits the heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns); the
 latent projections are replicated, so every rank caches the same latents.
 
-The C++ CPU kernel takes head sizes 16..128 and up to 48 query heads per kv head; a model whose
-latent size or heads per rank it cannot take attends on the torch backend instead (same cache
-layout): mla_backend chooses, once per model.
+The C++ CPU kernel takes head sizes 16..128 and up to 48 query heads per kv head: the runner's
+`auto` picks the torch backend for a latent it cannot take (the released 576); the cpu backend
+named for one is refused by name (check_mla_backend), never swapped for another.
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -44,7 +43,6 @@ from torch import nn
 
 from kernels.attention import cpu_paged
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
-from kernels.attention.torch_ref import TorchAttentionBackend
 from worker_service.layers.attention import Attention
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
@@ -53,8 +51,6 @@ from worker_service.layers.sharding import divide
 from worker_service.parallel_state import TPGroup, single_rank_group
 
 LATENT_NORM_EPS = 1e-6     # transformers builds q_a_layernorm / kv_a_layernorm with the default
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,11 +75,19 @@ class MlaArgs:
 
 
 def mla_softmax_scale(qk_head_dim: int, rope: RopeSettings) -> float:
-    """qk_head_dim ** -0.5, times mscale ** 2 where a scaled rope sets mscale_all_dim."""
+    """qk_head_dim ** -0.5, times mscale ** 2 where a scaled rope sets mscale_all_dim (its
+    factor required, as transformers, DeepSeek's code and vLLM require it: the rope's
+    max_position_embeddings / original_max_position_embeddings fallback is not theirs)."""
     scale = qk_head_dim ** -0.5
     mscale_all_dim = rope.scaling.get("mscale_all_dim") or 0
-    factor = float(rope.scaling.get("factor") or 1.0)
-    if rope.rope_type != "default" and mscale_all_dim and factor > 1:
+    if rope.rope_type == "default" or not mscale_all_dim:
+        return scale
+    if rope.scaling.get("factor") is None:
+        raise ValueError(f"config.json: rope_scaling.factor is absent with rope_type="
+                         f"{rope.rope_type!r} and mscale_all_dim={mscale_all_dim}: must be set "
+                         "(the attention's softmax scale is computed from it)")
+    factor = float(rope.scaling["factor"])
+    if factor > 1:
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale
@@ -103,23 +107,18 @@ class LatentUpProjection(ColumnParallelLinear):
         return False
 
 
-def mla_backend(backend: AttentionBackend, latent_dim: int, heads: int,
-                dtype: torch.dtype) -> AttentionBackend:
-    """`backend`, or the torch backend where the CPU kernel cannot take the latent head
-    (`heads`: query heads per rank)."""
-    if getattr(backend, "name", None) != "cpu":
-        return backend
-    if cpu_paged.supports(latent_dim, dtype) and heads <= cpu_paged.MAX_GROUP:
-        return backend
-    log.info("MLA: the cpu attention kernel takes head sizes %s and <= %d heads per kv head; "
-             "latent head %d with %d heads attends on the torch backend",
-             cpu_paged.HEAD_DIMS, cpu_paged.MAX_GROUP, latent_dim, heads)
-    return TorchAttentionBackend()
+def check_mla_backend(backend: AttentionBackend, latent_dim: int, heads: int,
+                      dtype: torch.dtype) -> None:
+    """ValueError naming what the CPU kernel cannot take when `backend` is it (`heads`: query
+    heads per rank, all on the one latent head). Refused rather than attended on another
+    backend, so the backend the runner reports is the one that runs."""
+    if getattr(backend, "name", None) == "cpu":
+        cpu_paged.check_layout(latent_dim, dtype, heads)
 
 
 class MLAAttention(nn.Module):
     """hidden [T, hidden_size] -> [T, hidden_size] through the latent cache (module docstring).
-    `backend` must take the latent head (mla_backend picks one that does)."""
+    `backend` must take the latent head (check_mla_backend)."""
 
     def __init__(self, mla: MlaArgs, rotary_emb: RotaryEmbedding, tp: TPGroup,
                  backend: AttentionBackend, dtype: torch.dtype, fused_ops: bool = False) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from worker_service.layers.deepseek_moe import DeepseekRouter, RoutingArgs
-from worker_service.layers.mla import MlaArgs, MLAAttention, mla_backend
+from worker_service.layers.mla import MlaArgs, MLAAttention, check_mla_backend
 from worker_service.layers.moe import MoEExperts, expert_target
 from worker_service.models.deepseek_config import (read_mla, read_routing, read_sparse_layers,
                                                    with_defaults)
@@ -97,9 +97,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                  fused_ops: bool = False) -> None:
         cfg = with_defaults(hf_config, self.v3)
         mla = read_mla(cfg, self.v3)
-        backend = mla_backend(attn_backend, mla.latent_dim,
-                              max(1, mla.num_heads // tp.world_size), dtype)
-        super().__init__(cfg, tp, backend, dtype, fused_ops)
+        check_mla_backend(attn_backend, mla.latent_dim, max(1, mla.num_heads // tp.world_size),
+                          dtype)
+        super().__init__(cfg, tp, attn_backend, dtype, fused_ops)
         self.num_kv_heads = 1                       # the latent cache (layers/mla.py)
         self.head_dim = self.args.mla.latent_dim
 

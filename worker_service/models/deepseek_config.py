@@ -68,7 +68,7 @@ class SparseLayers:
 
 
 def read_sparse_layers(cfg: dict) -> SparseLayers:
-    first = cfg.get("first_k_dense_replace") or 0
+    first = cfg.get("first_k_dense_replace")   # null: transformers and DeepSeek's code fail
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"config.json: first_k_dense_replace={first!r} is invalid: must be an "
                          "integer >= 0")
@@ -113,6 +113,13 @@ def read_routing(cfg: dict, v3: bool) -> RoutingArgs:
                        routed_scaling_factor=float(scaling))
 
 
+def _q_lora_rank(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: q_lora_rank={value!r} is invalid: must be null (q_proj) "
+                         "or an integer >= 1")
+    return value
+
+
 def read_mla(cfg: dict, v3: bool) -> MlaArgs:
     """The attention fields; the rope dims interleaved always on V2, per rope_interleave on V3."""
     arch = "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"
@@ -130,7 +137,7 @@ def read_mla(cfg: dict, v3: bool) -> MlaArgs:
                          f"absent or qk_rope_head_dim={rope} (the rope's width)")
     return MlaArgs(hidden_size=_positive(cfg, "hidden_size"),
                    num_heads=_positive(cfg, "num_attention_heads"),
-                   q_lora_rank=0 if q_lora is None else _positive(cfg, "q_lora_rank"),
+                   q_lora_rank=0 if q_lora is None else _q_lora_rank(q_lora),
                    kv_lora_rank=_positive(cfg, "kv_lora_rank"), qk_nope_head_dim=nope,
                    qk_rope_head_dim=rope, v_head_dim=_positive(cfg, "v_head_dim"),
                    attention_bias=bool(cfg.get("attention_bias")),

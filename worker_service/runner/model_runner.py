@@ -45,12 +45,15 @@ from worker_service.sample.token_readback import (PendingStep, SampledTokens, To
 _IDLE_COMPILE_WAIT_S = 0.05
 
 
-def cache_layout(hf_config: dict, config: RunnerConfig) -> CacheLayout:
-    head_dim = kv_cache_dims(hf_config)[1]       # DeepSeek: the latent head (layers/mla.py)
+def cache_layout(hf_config: dict, config: RunnerConfig, tp_size: int = 1) -> CacheLayout:
+    """What one rank (of tp_size) gives its attention backend (kernels/attention/selector.py)."""
+    kv_heads, head_dim = kv_cache_dims(hf_config)   # DeepSeek: one latent head (layers/mla.py)
     arch = (hf_config.get("architectures") or [None])[0]
     sinks = bool(getattr(MODEL_REGISTRY.get(arch), "attention_sinks", False))
+    heads = max(1, int(hf_config["num_attention_heads"]) // tp_size)
+    group = heads // max(1, kv_heads // tp_size)
     return CacheLayout(config.block_size, head_dim,
-                       resolve_dtype(hf_config, config.dtype, config.model_dir), sinks)
+                       resolve_dtype(hf_config, config.dtype, config.model_dir), sinks, group)
 
 
 class ModelRunner(RunnerKVCache):
@@ -61,7 +64,7 @@ class ModelRunner(RunnerKVCache):
         info = ModelInfo.from_dir(config.model_dir, config.max_model_len)
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
-        layout = cache_layout(info.hf_config, config)
+        layout = cache_layout(info.hf_config, config, self.tp.world_size)
         self.attention_backend_name = resolve_backend_name(config.attention_backend,
                                                            self.device.type, layout)
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)

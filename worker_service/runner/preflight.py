@@ -28,12 +28,12 @@ _MAX_BATCH_MEMORY_SHARE = 0.5
 _BYTES_PER_TOKEN_CELL = 8
 
 
-def check_runner_config(config: RunnerConfig) -> ModelInfo:
-    """Raise unless a ModelRunner could be built from `config`; returns the model's info (its
-    max_model_len resolved)."""
+def check_runner_config(config: RunnerConfig, tp_size: int = 1) -> ModelInfo:
+    """Raise unless a ModelRunner (one rank of tp_size) could be built from `config`; returns
+    the model's info (its max_model_len resolved)."""
     info = ModelInfo.from_dir(config.model_dir, config.max_model_len)
     get_model_class(info.architecture)
-    layout = cache_layout(info.hf_config, config)
+    layout = cache_layout(info.hf_config, config, tp_size)
     device_type = torch.device(config.device).type
     try:
         get_attention_backend(config.attention_backend, device_type, layout)

@@ -52,7 +52,7 @@ def check_init(config: RunnerConfig, guards: InitGuards, layout: NodeLayout) -> 
     check_model_root(config.model_dir, guards.model_root)
     for module in config.lora:
         check_lora_path(module.path, guards.model_root)
-    info = check_runner_config(config)
+    info = check_runner_config(config, layout.tp_size)
     largest = max_diff_bytes(config.max_num_seqs, config.max_num_batched_tokens,
                              info.max_model_len, config.block_size)
     if largest > guards.max_message_bytes:

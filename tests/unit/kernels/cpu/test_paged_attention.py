@@ -125,3 +125,16 @@ def test_selector_picks_it_on_cpu_when_the_layout_fits():
     assert resolve_backend_name("auto", "cpu", CacheLayout(16, 72, torch.float32)) == "torch"
     assert resolve_backend_name("auto", "cpu", CacheLayout(16, 64, torch.float16)) == "torch"
     assert resolve_backend_name("torch", "cpu", CacheLayout(16, 64, torch.float32)) == "torch"
+
+
+def test_cpu_named_for_a_layout_it_cannot_take_is_refused_by_name():
+    """`auto` falls back to torch; `cpu` named explicitly is refused, naming the head size or the
+    heads per kv head, never run as another backend (the reported backend is what runs)."""
+    from kernels.attention.selector import (CacheLayout, get_attention_backend,
+                                            resolve_backend_name)
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid .* head size 72"):
+        get_attention_backend("cpu", "cpu", CacheLayout(16, 72, torch.float32))
+    with pytest.raises(ValueError, match="49 query heads per kv head on a rank"):
+        get_attention_backend("cpu", "cpu", CacheLayout(16, 64, torch.float32, group=49))
+    assert resolve_backend_name("auto", "cpu", CacheLayout(16, 64, torch.float32,
+                                                           group=49)) == "torch"

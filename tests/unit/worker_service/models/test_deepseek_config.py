@@ -71,6 +71,12 @@ def test_real_configs_read_as_transformers_reads_them():
     assert read_routing(lite, v3=False).grouped is False
 
 
+def test_null_first_k_dense_replace_is_refused_by_name():
+    with pytest.raises(ValueError, match="first_k_dense_replace=None is invalid: must be an "
+                                         "integer >= 0"):
+        read_sparse_layers(with_defaults({**V3_CONFIG, "first_k_dense_replace": None}, True))
+
+
 def test_moe_layer_freq_and_absent_keys_take_the_config_class_defaults():
     sparse = read_sparse_layers(with_defaults({"num_hidden_layers": 8, "moe_layer_freq": 2,
                                                "first_k_dense_replace": 1}, v3=True))
@@ -105,6 +111,11 @@ def test_routing_refusals_name_the_field(v3, change, message):
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"qk_rope_head_dim": 63}, "qk_rope_head_dim=63 is invalid: must be even"),
     ({"kv_lora_rank": 0}, "kv_lora_rank=0 is invalid: must be an integer >= 1"),
+    ({"q_lora_rank": 0}, r"q_lora_rank=0 is invalid: must be null \(q_proj\) or an integer"),
+    ({"rope_scaling": {"type": "yarn", "mscale_all_dim": 0.707,
+                       "original_max_position_embeddings": 4096}},
+     "rope_scaling.factor is absent with rope_type='yarn' and mscale_all_dim=0.707: must be "
+     "set"),
     ({"head_dim": 128}, "head_dim=128 is invalid for DeepseekV2ForCausalLM: must be absent or "
                         "qk_rope_head_dim=64"),
 ])
@@ -170,3 +181,17 @@ def test_the_estimates_are_what_the_built_model_holds(tiny_models, arch):
     if extension.load():
         assert packed > 0
         assert estimate_cpu_packed_bytes(config, torch.float32) == packed
+
+
+def test_tp_sizes_that_do_not_split_the_heads_or_experts_are_refused_by_name():
+    """V3: 128 heads, experts 2048 wide, dense 18432: TP=3 refused before any rank loads
+    anything, naming the heads; 2, 4, 8 accepted (the latent is replicated, not split)."""
+    from engine_common.request.params import ParamError
+    from worker_service.models.tp_sizes import check_tp_size
+    for tp in (2, 4, 8):
+        check_tp_size(V3_CONFIG, tp)
+    with pytest.raises(ParamError, match=r"tp_size=3 .*3 does not divide "
+                                         r"num_attention_heads=128"):
+        check_tp_size(V3_CONFIG, 3)
+    with pytest.raises(ParamError, match="does not divide moe_intermediate_size=1400"):
+        check_tp_size({**V2_LITE_CONFIG, "moe_intermediate_size": 1400}, 16)
