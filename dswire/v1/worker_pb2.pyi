@@ -94,20 +94,24 @@ class DeviceInfo(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class InitResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key", "sliding_window")
+    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key", "sliding_window", "window_group_window", "window_group_blocks")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_GROUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_GROUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     epoch: int
     kv_block_bytes: int
     stream_key: bytes
     sliding_window: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    window_group_window: int
+    window_group_blocks: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., sliding_window: _Optional[int] = ..., window_group_window: _Optional[int] = ..., window_group_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("epoch", "step", "payload", "digest")
