@@ -117,6 +117,8 @@ def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
     """prepare_step_inputs for one token in every row 0..n-1: the same arrays (the index ones
     are read-only slices of the batch's), without a gather per count."""
     n = batch.num_reqs
+    if batch.window_table is not None:     # a hybrid model: the general path's window part
+        return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)
     computed = batch.num_computed[:n]
     seq_lens = computed + 1
     ahead = batch.num_tokens[:n] - seq_lens        # tokens known past this one; < 0: none
@@ -136,8 +138,6 @@ def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
     if batch.num_rows_setting["pooling"]:
         sample_mask &= ~batch.pools[:n]
     logits_indices = rows if sample_mask.all() else np.flatnonzero(sample_mask)
-    if batch.window_table is not None:     # a hybrid model: the general path's window part
-        return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)
     return StepInputs(rows=rows, num_scheduled=batch.ones[:n], input_ids=batch.token_ids[
                           rows, positions], positions=positions, slot_mapping=slot_mapping,
                       query_start_loc=batch.arange[:n + 1].astype(np.int32), seq_lens=seq_lens,

@@ -130,3 +130,13 @@ def test_window_ids_on_the_wire_and_absent_for_other_models():
 @pytest.mark.parametrize("seqs,tokens,expected", [(4, 16, 4 * 5 + 8), (256, 2048, 256 * 5 + 1024)])
 def test_window_pool_bound(seqs, tokens, expected):
     assert window_pool_bound(W, BS, seqs, tokens) == expected
+
+
+def test_workers_window_groups_agree_or_init_is_refused():
+    from scheduler_service.workers.init_messages import shared_window_group
+
+    assert shared_window_group([(0, 0), (0, 0)]) is None
+    assert shared_window_group([(8, 30), (8, 28)]) == WindowGroup(8, 28)     # the smallest
+    with pytest.raises(ValueError, match=r"workers disagree on the hybrid KV cache's window "
+                                         r"group: \(window, blocks\) \[\(8, 30\), \(0, 0\)\]"):
+        shared_window_group([(8, 30), (0, 0)])
