@@ -1,6 +1,7 @@
 """Hybrid KV cache (engine_common/request/kv_groups.py) on the tiny Gemma 2 (layers window 8 /
 full alternating) and GPT-OSS (window 8 / full / window 8) models through the in-process
-engine, against transformers' greedy tokens (fp32), on the torch and the C++ CPU backends.
+engine, against transformers' greedy tokens (fp32), on the torch and the C++ CPU backends and
+Triton under its interpreter.
 
 Blocks of 4 tokens, 2 sequences, 16 tokens a step: the window group's pool is
 window_pool_bound = 2 * (2 + 3) + 2 * 4 = 18 blocks. A budget of 40 blocks of every layer holds
@@ -17,6 +18,7 @@ from engine_common.request.params import SamplingParams, StoppingParams
 from kernels.attention import cpu_paged
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import assert_greedy_agrees, compare_greedy, hf_greedy
+from tests.support.window_schedule import BACKENDS
 
 ARCHS = {"gemma2": 62, "gpt_oss": 84}          # full-group blocks of the 40-block budget
 BUDGET, WINDOW_POOL = 40, 18
@@ -59,7 +61,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(i * 37 + seed * 101) % 480 + 5 for i in range(n)]
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)       # torch, cpu, Triton (interpreted: slow)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_longer_than_one_pool_holds_preempts_and_hits(tiny_models, arch, backend):
     path = tiny_models(arch)

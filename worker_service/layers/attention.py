@@ -58,7 +58,8 @@ class Attention(nn.Module):
         writes_kv_from_rope, which then skips its write). sinks: [num_heads] sink logits
         (only for a layer built with sinks=True)."""
         num_tokens = q.shape[0]
-        meta = meta.for_window(self.sliding_window)     # a hybrid model's: its KV group's
+        if self.sliding_window and meta is not None and meta.window is not None:
+            meta = meta.window          # a hybrid model's windowed layer: its KV group's
         # Only a writes_kv_from_rope backend takes the flag; the others keep their call.
         extra = {"kv_written": True} if kv_written else {}
         if self.sliding_window:      # only then: a windowless call stays as it was
