@@ -54,6 +54,8 @@ class RunnerKVCache:
         layer (kv_groups.split_kv_blocks): (num_blocks, None) unless the model is hybrid."""
         window, num_layers, num_window_layers = self.kv_layers
         c = self.config
+        if c.disable_hybrid_kv_cache_manager:
+            return num_blocks, None
         return split_kv_blocks(num_blocks, num_layers, num_window_layers, window,
                                self.block_size, c.max_num_seqs, c.max_num_batched_tokens)
 
@@ -132,6 +134,8 @@ class RunnerKVCache:
         window, _, _ = self.kv_layers
         if why:
             log.info("hybrid KV cache off: %s", why)
+        elif window and self.config.disable_hybrid_kv_cache_manager:
+            log.info("hybrid KV cache off: --disable-hybrid-kv-cache-manager")
         elif window and group is None:
             log.info("hybrid KV cache off: the cache's %d blocks are fewer than the window "
                      "group alone needs (kv_groups.window_pool_bound); one pool", num_blocks)

@@ -16,8 +16,8 @@ LIMITS = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_to
 BOUND = 4 * (2 + 3) + 2 * 16          # kv_groups.window_pool_bound of LIMITS and window 8
 
 
-def _runner(path: str, num_blocks: int) -> ModelRunner:
-    runner = ModelRunner(RunnerConfig(model_dir=path, dtype="float32", **LIMITS))
+def _runner(path: str, num_blocks: int, **config) -> ModelRunner:
+    runner = ModelRunner(RunnerConfig(model_dir=path, dtype="float32", **LIMITS, **config))
     runner.init_kv_cache(num_blocks)
     return runner
 
@@ -53,6 +53,12 @@ def test_a_budget_below_the_bound_keeps_one_pool(tiny_models):
     runner = _runner(tiny_models("gemma2", seed=4), BOUND - 1)
     assert runner.window_group is None and runner.batch.window_table is None
     assert [c.shape[1] for c in runner.kv_caches] == [BOUND - 1] * 4
+
+
+def test_vllms_flag_keeps_one_pool(tiny_models):
+    runner = _runner(tiny_models("gemma2", seed=4), 100, disable_hybrid_kv_cache_manager=True)
+    assert runner.window_group is None and runner.diff_bounds.num_window_blocks == 0
+    assert [c.shape[1] for c in runner.kv_caches] == [100] * 4
 
 
 def test_a_prefill_with_its_window_table_runs(gemma):
