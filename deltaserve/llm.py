@@ -198,8 +198,12 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
 
     def _build_engine(self) -> None:
         """A scheduler (empty prefix cache) and its engine over the runner."""
-        self.scheduler = Scheduler(self._sched_cfg, self._num_blocks, self._rng,
-                                   sliding_window=self.runner.sliding_window)
+        group = self.runner.window_group          # a hybrid model's (kv_groups.py)
+        num_blocks = self._num_blocks if group is None else self.runner.kv_split(
+            self._num_blocks)[0]
+        self.scheduler = Scheduler(self._sched_cfg, num_blocks, self._rng,
+                                   sliding_window=self.runner.sliding_window,
+                                   window_group=group)
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner),
                                            self._lora.registry),

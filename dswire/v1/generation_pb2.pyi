@@ -398,7 +398,7 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatusResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "prompt_tokens_per_s", "num_workers_ready", "num_workers", "num_used_kv_blocks", "num_kv_blocks")
+    __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "prompt_tokens_per_s", "num_workers_ready", "num_workers", "num_used_kv_blocks", "num_kv_blocks", "num_used_window_kv_blocks", "num_window_kv_blocks")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +409,8 @@ class GetServerStatusResponse(_message.Message):
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_WINDOW_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_cache_usage: float
@@ -419,4 +421,6 @@ class GetServerStatusResponse(_message.Message):
     num_workers: int
     num_used_kv_blocks: int
     num_kv_blocks: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_workers_ready: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_used_window_kv_blocks: int
+    num_window_kv_blocks: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_workers_ready: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_used_window_kv_blocks: _Optional[int] = ..., num_window_kv_blocks: _Optional[int] = ...) -> None: ...

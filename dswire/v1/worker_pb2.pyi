@@ -36,7 +36,7 @@ class InitRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[WorkerConfig, _Mapping]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_updating")
+    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_updating", "disable_hybrid_kv_cache_manager")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class WorkerConfig(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     ALLOW_RUNTIME_LORA_UPDATING_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_HYBRID_KV_CACHE_MANAGER_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     dtype: str
     attention_backend: str
@@ -73,7 +74,8 @@ class WorkerConfig(_message.Message):
     max_loras: int
     max_lora_rank: int
     allow_runtime_lora_updating: bool
-    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ..., enable_lora: _Optional[bool] = ..., lora_modules: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., allow_runtime_lora_updating: _Optional[bool] = ...) -> None: ...
+    disable_hybrid_kv_cache_manager: bool
+    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ..., enable_lora: _Optional[bool] = ..., lora_modules: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., allow_runtime_lora_updating: _Optional[bool] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("local_rank", "global_rank", "device_kind", "device_name", "total_memory_bytes", "free_memory_bytes", "num_kv_blocks")
@@ -94,20 +96,24 @@ class DeviceInfo(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class InitResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key", "sliding_window")
+    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key", "sliding_window", "window_group_window", "window_group_blocks")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_GROUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_GROUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     epoch: int
     kv_block_bytes: int
     stream_key: bytes
     sliding_window: int
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    window_group_window: int
+    window_group_blocks: int
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., sliding_window: _Optional[int] = ..., window_group_window: _Optional[int] = ..., window_group_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("epoch", "step", "payload", "digest")

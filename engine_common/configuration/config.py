@@ -198,6 +198,10 @@ class WorkerConfig(BatchLimits):
     fused_ops: bool = setting(
         False, "fused Triton RMSNorm, rotary embedding and SiLU-and-mul (CUDA; the device "
         "defaults turn it on there)", wire=15)
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "one KV pool for a model that mixes sliding-window and full-attention layers, "
+        "as vLLM's flag: every layer keeps every block of the context (better prefix-cache "
+        "retention), instead of the window layers' own small pool", wire=21)
 
     def __post_init__(self):
         super().__post_init__()

@@ -272,17 +272,21 @@ def encode_scheduler_output(out: SchedulerOutput) -> bytes:
     grown = pack_new_blocks(out.new_block_ids) if out.new_block_ids else None
     fields = [out.step, new, resumed, grown, out.num_scheduled_tokens, out.finished_handles,
               out.preempted_handles]
-    if out.spec_token_ids:
+    if out.spec_token_ids or out.new_window_block_ids:
         fields.append(out.spec_token_ids)
-        if out.spec_assumed:
+        if out.spec_assumed or out.new_window_block_ids:
             fields.append(out.spec_assumed)
+    if out.new_window_block_ids:          # a hybrid model's: absent for any other
+        fields.append(pack_new_blocks(out.new_window_block_ids))
     return msgpack.packb(fields, use_bin_type=True)
 
 
 def decode_scheduler_output(data: bytes) -> SchedulerOutput:
     try:
         fields, drafts = msgpack.unpackb(data, raw=False, strict_map_key=False), {}
-        assumed = {}
+        assumed, window_blocks = {}, None
+        if isinstance(fields, list) and len(fields) == 10:
+            *fields, window_blocks = fields
         if isinstance(fields, list) and len(fields) == 9:
             *fields, assumed = fields
         if isinstance(fields, list) and len(fields) == 8:
@@ -299,6 +303,7 @@ def decode_scheduler_output(data: bytes) -> SchedulerOutput:
             preempted_handles=_ints(preempted, "preempted_handles"),
             spec_token_ids=_int_map(drafts, "spec_token_ids", _ints) if drafts else {},
             spec_assumed=_int_map(assumed, "spec_assumed", _ints) if assumed else {},
+            new_window_block_ids=_new_blocks(window_blocks),
         )
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         raise CodecError(f"malformed SchedulerOutput payload: {_why(e)}") from e

@@ -7,6 +7,7 @@ A diff says only what changed since the previous step. The worker applies its pa
     new_requests       -> cache the request and add it to the batch
     resumed_requests   -> put a preempted request back with a fresh block table
     new_block_ids      -> append blocks to running requests' tables
+    new_window_block_ids -> (hybrid models only) append blocks to the window-group tables
     num_scheduled_tokens -> per-handle token counts for this step
     spec_token_ids     -> speculative drafts (docs/speculative-decoding.md): a handle's count is
                           then 1 + its drafts, which follow its last token as query tokens
@@ -97,6 +98,10 @@ class SchedulerOutput:
     # tokens, ending with that id, once the step in flight is done. Where it does not, the
     # workers drop the drafts and compute the handle's one token where it really is.
     spec_assumed: dict[int, list[int]] = field(default_factory=dict)
+    # handle -> block ids appended to its window-group table (a hybrid model's windowed
+    # layers, engine_common/request/kv_groups.py); a new or resumed request's table starts
+    # empty, so it gets its whole table here. Always empty for any other model.
+    new_window_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -59,6 +59,13 @@ class AttentionMetadata:
     # int64 [num_reqs], device: the requests by seq_len, longest first (a permutation), for a
     # decode kernel that starts the longest work first; None where the step staged none.
     decode_order: torch.Tensor | None = None
+    # A hybrid model's window group (engine_common/request/kv_groups.py): this metadata with
+    # that group's block_table and slot_mapping, which its windowed layers read; None else.
+    window: "AttentionMetadata | None" = None
+
+    def for_window(self, window: int) -> "AttentionMetadata":
+        """The metadata of a layer with this window (0: none): its group's."""
+        return self.window if window and self.window is not None else self
 
 
 def check_sliding_window(window: int) -> int:

@@ -306,7 +306,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             generation_tokens_per_s=gen_tps, prompt_tokens_per_s=prompt_tps,
             num_workers_ready=stats.num_workers_ready(self._model.num_workers),
             num_workers=self._model.num_workers,
-            num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks)
+            num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks,
+            num_used_window_kv_blocks=stats.num_used_window_blocks,
+            num_window_kv_blocks=stats.num_total_window_blocks)
 
 
 

@@ -50,7 +50,8 @@ class WorkerCoreFactory:
         log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
                  self.config.block_size)
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events,
-                              sliding_window=result.sliding_window)
+                              sliding_window=result.sliding_window,
+                              window_group=result.window_group)
         _warn_if_cache_cuts_requests(scheduler.max_len, self.config)
         return EngineCore(scheduler, self.client,
                           None if self.lora is None else self.lora.registry)

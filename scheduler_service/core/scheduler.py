@@ -48,13 +48,14 @@ import time
 from collections.abc import Iterable
 
 from engine_common.configuration.config import SchedulerConfig
+from engine_common.request.kv_groups import WindowGroup
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import is_whole_prompt
 from engine_common.wire.diff import RunnerOutput, SchedulerOutput
 from scheduler_service.core.admission import (QueueFull, RequestRejected, check_admission,
                                               prepare_queued)
 from scheduler_service.core.handles import HandleAllocator
-from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.hybrid_kv import make_kv_manager
 from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.long_prefills import can_admit_any, held_back
 from scheduler_service.core.priority import priority_victims
@@ -77,12 +78,14 @@ class Scheduler(SchedulerViews):
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
                  rng: random.Random | None = None, kv_events: KvEventFeed | None = None,
-                 sliding_window: int = 0):
+                 sliding_window: int = 0, window_group: WindowGroup | None = None):
         """`kv_events`, when given, records what the prefix cache stores and evicts.
-        `sliding_window`: every attention layer's, as the workers report it (sliding_window.py)."""
+        `sliding_window`: every attention layer's, as the workers report it (sliding_window.py).
+        `window_group`: a hybrid model's windowed layers' pool (hybrid_kv.py); `num_blocks` is
+        then the full group's."""
         self.config = config
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 kv_events, sliding_window)
+        self.kv = make_kv_manager(config, num_blocks, kv_events, sliding_window, window_group)
+        self._hybrid = window_group is not None
         if config.max_model_len is None:
             raise ParamError("max_model_len", None, "set: the scheduler needs the model's limit")
         # A request (its prompt too) fits the whole cache, unless a window lets it outgrow it.
@@ -173,6 +176,8 @@ class Scheduler(SchedulerViews):
         if len(plan.preempted_handles) == num_for_priority:
             self._schedule_waiting(plan, long_priorities)
         out = build_output(self._step, plan, self._finished_handles)
+        if self._hybrid and self.kv.window_ids:
+            out.new_window_block_ids = self.kv.take_window_ids()
         for handle in self._finished_handles:
             self._handles.release(handle)
         self._finished_handles = []

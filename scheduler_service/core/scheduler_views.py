@@ -37,6 +37,14 @@ class SchedulerViews:
     def num_total_blocks(self) -> int:
         return self.kv.num_total_blocks
 
+    @property
+    def window_blocks(self) -> tuple[int, int]:
+        """A hybrid model's window group's (used, total) blocks (hybrid_kv.py); (0, 0) else."""
+        window = getattr(self.kv, "window_group", None)
+        if window is None:
+            return 0, 0
+        return window.num_total_blocks - window.num_free_blocks, window.num_total_blocks
+
     def lora_ids_in_use(self) -> set[int]:
         """The LoRA adapter ids of unfinished requests (an unloaded id is freed once unused)."""
         return {r.lora_id for r in self._requests.values() if r.lora_id}

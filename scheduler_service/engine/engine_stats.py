@@ -12,6 +12,9 @@ class EngineStats:
     num_running: int = 0
     num_used_blocks: int = 0     # held by live requests (free cached blocks do not count)
     num_total_blocks: int = 0
+    # a hybrid model's window group (hybrid_kv.py; the counts above are its full group's)
+    num_used_window_blocks: int = 0
+    num_total_window_blocks: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_steps_in_flight: int = 0
 

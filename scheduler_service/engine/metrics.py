@@ -268,6 +268,10 @@ class _Snapshots:
                  s.kv_cache_usage),
                 ("kv_blocks_used", "KV-cache blocks held by live requests.", s.num_used_blocks),
                 ("kv_blocks_total", "KV-cache blocks on every worker rank.", s.num_total_blocks),
+                ("kv_window_blocks_used", "A hybrid model's window-group KV blocks held by "
+                 "live requests (0 for another model).", s.num_used_window_blocks),
+                ("kv_window_blocks_total", "A hybrid model's window-group KV blocks (0 for "
+                 "another model).", s.num_total_window_blocks),
                 ("workers_ready", "Worker services initialized in the current epoch.",
                  s.num_workers_ready(self._num_workers)),
                 ("steps_in_flight", "Steps sent to the workers and not collected yet.",

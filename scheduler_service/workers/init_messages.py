@@ -3,6 +3,7 @@ what its response says (devices, the sliding window). Torch-free."""
 from __future__ import annotations
 
 from engine_common.configuration.settings import to_proto
+from engine_common.request.kv_groups import WindowGroup
 from engine_common.wire.protos import worker_pb2
 from scheduler_service.workers.worker_spec import InitSpec, WorkerDevice
 
@@ -27,3 +28,17 @@ def shared_window(windows: list[int]) -> int:
     """The window the scheduler frees KV blocks by, from each worker's: none when one has
     none (an older worker says 0), else the largest (it frees least)."""
     return max(windows) if all(windows) else 0
+
+
+def shared_window_group(groups: list[tuple[int, int]]) -> WindowGroup | None:
+    """The window group of a hybrid model (engine_common/request/kv_groups.py) from each
+    worker's (window, blocks) as InitResponse says them (0, 0: none): the smallest pool when
+    every worker has one of the same window, None when none has. Workers that disagree (one
+    split its cache and another not: a budget below the split's bound) cannot serve one
+    scheduler: ValueError naming what they said."""
+    if not any(window for window, _ in groups):
+        return None
+    if len({window for window, _ in groups}) != 1 or not all(n for _, n in groups):
+        raise ValueError(f"workers disagree on the hybrid KV cache's window group: (window, "
+                         f"blocks) {groups}; give each worker the same KV budget")
+    return WindowGroup(groups[0][0], min(n for _, n in groups))

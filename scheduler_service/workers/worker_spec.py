@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_common.configuration.config import WorkerConfig
+from engine_common.request.kv_groups import WindowGroup
 from engine_common.request.params import ParamError
 
 # The rendezvous port on node 0 when there are several nodes: torch.distributed's customary
@@ -59,6 +60,9 @@ class InitResult:
     # The window every attention layer of the model has (0: none), by which the scheduler
     # frees KV blocks: 0 when a worker reports none (an older one), else the largest.
     sliding_window: int = 0
+    # A hybrid model's window group (engine_common/request/kv_groups.py); num_kv_blocks is then
+    # the full group's. None for any other model.
+    window_group: WindowGroup | None = None
 
 
 @dataclass(frozen=True)

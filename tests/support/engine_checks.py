@@ -71,3 +71,7 @@ def assert_no_leaked_blocks(llm) -> None:
     assert not sched.has_unfinished_requests()
     assert sched.num_free_blocks == sched.num_total_blocks, (
         f"{sched.num_total_blocks - sched.num_free_blocks} KV blocks leaked")
+    window = getattr(sched.kv, "window_group", None)     # a hybrid model's (hybrid_kv.py)
+    if window is not None:
+        assert window.num_free_blocks == window.num_total_blocks, (
+            f"{window.num_total_blocks - window.num_free_blocks} window-group blocks leaked")

@@ -13,6 +13,8 @@
   * only running requests hold blocks, enough for their computed tokens; nothing is kept for a
     request that left (blocks, hashes, counters), and the leavers are no longer queued;
   * usage and the prefix-hit stats agree with the pool;
+  * a hybrid model's window group (hybrid_kv.py) keeps the same per-pool invariants and
+    holds the same requests as the full group;
   * at most max_num_seqs run, and at most max_num_seqs + max_waiting are unfinished.
 """
 from __future__ import annotations
@@ -41,7 +43,36 @@ def expected_hashes(request: Request, num_blocks: int, block_size: int) -> list[
 
 def check_kv_invariants(sched, gone: list[Request] = ()) -> None:
     kv, pool = sched.kv, sched.kv.pool
-    bs = kv.block_size
+    live = sched._requests
+    running = {r.request_id: r for r in sched.running}
+    assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+    assert all(not r.status.finished and r.status != RequestStatus.RUNNING
+               for r in sched.waiting)
+    assert len(running) + len(sched.waiting) == len(live)
+    # What the workers may cache (diff_limits.max_cached_requests) rests on these two.
+    config = sched.config
+    assert len(running) <= config.max_num_seqs
+    assert len(live) <= config.max_num_seqs + config.max_waiting
+    _check_manager(kv, running, live)
+    window = getattr(kv, "window_group", None)      # a hybrid model's second group
+    if window is not None:
+        _check_manager(window, running, live)
+        assert set(window._blocks) == set(kv._blocks), "the groups hold different requests"
+    for request in gone:
+        assert request.status.finished
+        rid = request.request_id
+        if live.get(rid) is not request:       # (an id may be reused by a later request)
+            assert all(r is not request for r in sched.running)
+            assert all(r is not request for r in sched.waiting)
+    used = pool.num_blocks - pool.num_free_blocks
+    assert abs(sched.kv_cache_usage - used / pool.num_blocks) < 1e-12
+    assert 0 <= kv.stats.hits <= kv.stats.queries
+    assert 0.0 <= sched.prefix_cache_hit_rate <= 1.0
+
+
+def _check_manager(kv, running: dict[str, Request], live: dict[str, Request]) -> None:
+    """One KV cache manager's pool and tables (a hybrid model's: each group's)."""
+    pool, bs = kv.pool, kv.block_size
     free = pool.free_block_ids()
     assert len(free) == len(set(free)), "a block is in the free queue twice"
     tables = kv._blocks
@@ -62,16 +93,6 @@ def check_kv_invariants(sched, gone: list[Request] = ()) -> None:
         if block.block_hash is not None:
             assert pool._cached.get(block.block_hash) is block, (
                 f"block {block.block_id} has a hash the cache map does not know")
-    live = sched._requests
-    running = {r.request_id: r for r in sched.running}
-    assert all(r.status == RequestStatus.RUNNING for r in sched.running)
-    assert all(not r.status.finished and r.status != RequestStatus.RUNNING
-               for r in sched.waiting)
-    assert len(running) + len(sched.waiting) == len(live)
-    # What the workers may cache (diff_limits.max_cached_requests) rests on these two.
-    config = sched.config
-    assert len(running) <= config.max_num_seqs
-    assert len(live) <= config.max_num_seqs + config.max_waiting
     for rid, blocks in tables.items():
         assert rid in running, f"{rid} holds blocks but is not running"
         request = running[rid]
@@ -90,13 +111,3 @@ def check_kv_invariants(sched, gone: list[Request] = ()) -> None:
                     f"{rid} holds block {block.block_id} at {j}, cached for other tokens or salt")
     for name in ("_blocks", "_hashes", "_num_cached", "quiet_until", "_num_skipped"):
         assert set(getattr(kv, name)) <= set(live), f"kv.{name} keeps a request that left"
-    for request in gone:
-        assert request.status.finished
-        rid = request.request_id
-        if live.get(rid) is not request:       # (an id may be reused by a later request)
-            assert all(r is not request for r in sched.running)
-            assert all(r is not request for r in sched.waiting)
-    used = pool.num_blocks - pool.num_free_blocks
-    assert abs(sched.kv_cache_usage - used / pool.num_blocks) < 1e-12
-    assert 0 <= kv.stats.hits <= kv.stats.queries
-    assert 0.0 <= sched.prefix_cache_hit_rate <= 1.0

@@ -6,7 +6,10 @@ paged KV cache: the slot of position p holds an id of the token prefix [0..p]. E
 checks that each scheduled request reads back the right prefix from its block table, so a wrong
 block id, a prefix-cache hit on the wrong block or a block reused while still in use fails loudly.
 With a sliding window W, as attention it reads only the positions a step's queries see (from its
-first query's p - W + 1 on): the scheduler may have freed and reused the blocks below.
+first query's p - W + 1 on): the scheduler may have freed and reused the blocks below. With a
+hybrid model's window group (`window_group`), a second fake cache stands for the windowed layers:
+every position is written to both, the full one is read from position 0, the window one (through
+the window tables of new_window_block_ids) from the first query's p - W + 1.
 Sampled tokens come from `sample_fn(state)`, deterministic in the request's seed and tokens.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SimRequest:
     block_ids: list[int]
     num_computed: int
     prefix_ids: list[int] = field(default_factory=list)   # prefix id per position
+    window_ids: list[int] = field(default_factory=list)   # the window group's block table
 
     def prefix_id(self, pos: int) -> int:
         while len(self.prefix_ids) <= pos:
@@ -53,10 +57,12 @@ def default_sample(state: SimRequest) -> int:
 
 class SimWorker:
     def __init__(self, num_blocks: int, block_size: int, sample_fn=default_sample,
-                 window: int = 0):
+                 window: int = 0, window_group=None):
         self.block_size = block_size
         self.window = window
         self.kv = [None] * (num_blocks * block_size)
+        self.group = window_group
+        self.window_kv = [None] * (window_group.num_blocks * block_size if window_group else 0)
         self.sample_fn = sample_fn
         self.reqs: dict[int, SimRequest] = {}
         self.batch: list[int] = []
@@ -110,14 +116,24 @@ class SimWorker:
             state = self.reqs[res.handle]
             state.block_ids = list(res.block_ids)
             state.num_computed = res.num_computed_tokens
+            state.window_ids = []
             self.batch.append(res.handle)
         for h, ids in out.new_block_ids.items():
             assert h in self.batch
             self.reqs[h].block_ids.extend(ids)
+        assert not out.new_window_block_ids or self.group is not None
+        for h, ids in out.new_window_block_ids.items():
+            assert h in self.batch
+            self.reqs[h].window_ids.extend(ids)
         assert set(out.num_scheduled_tokens) <= set(self.batch)
 
     def _slot(self, state: SimRequest, pos: int) -> int:
         return state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _window_slot(self, state: SimRequest, pos: int) -> int:
+        bs = self.block_size
+        assert pos // bs < len(state.window_ids), "window-group table too short"
+        return state.window_ids[pos // bs] * bs + pos % bs
 
     def _run(self, out: SchedulerOutput) -> RunnerOutput:
         work = [(self.reqs[h], out.num_scheduled_tokens.get(h, 1)) for h in self.batch]
@@ -130,6 +146,8 @@ class SimWorker:
             assert len(state.block_ids) * self.block_size >= end, "block table too short"
             for pos in range(state.num_computed, end):
                 self.kv[self._slot(state, pos)] = state.prefix_id(pos)
+                if self.group is not None:
+                    self.window_kv[self._window_slot(state, pos)] = state.prefix_id(pos)
         result = RunnerOutput(out.step)
         for state, n in work:
             first = max(0, state.num_computed - self.window + 1) if self.window else 0
@@ -137,6 +155,11 @@ class SimWorker:
             for pos in range(first, state.num_computed):
                 assert self.kv[self._slot(state, pos)] == state.prefix_id(pos), (
                     f"handle {state.handle}: wrong KV at position {pos}")
+            if self.group is not None:
+                start = max(0, state.num_computed - n - self.group.window + 1)
+                for pos in range(start, state.num_computed):
+                    assert self.window_kv[self._window_slot(state, pos)] == state.prefix_id(
+                        pos), f"handle {state.handle}: wrong window-group KV at {pos}"
             if state.num_computed == len(state.tokens):
                 assert state.handle not in self.compiling, (
                     f"handle {state.handle} samples before its grammar compiled")
@@ -192,12 +215,14 @@ def make_request(rid, prompt, max_tokens=8, seed=1, priority=0, arrival=None, **
                    priority=priority, **kw)
 
 
-def make(num_blocks=64, sample_fn=None, sliding_window=0, **cfg):
+def make(num_blocks=64, sample_fn=None, sliding_window=0, window_group=None, **cfg):
     config = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8,
                                 "max_num_batched_tokens": 32, "max_model_len": 128, **cfg})
-    sched = Scheduler(config, num_blocks, rng=random.Random(0), sliding_window=sliding_window)
+    sched = Scheduler(config, num_blocks, rng=random.Random(0), sliding_window=sliding_window,
+                      window_group=window_group)
     kw = {} if sample_fn is None else {"sample_fn": sample_fn}
-    return sched, SimWorker(num_blocks, config.block_size, window=sliding_window, **kw)
+    return sched, SimWorker(num_blocks, config.block_size, window=sliding_window,
+                            window_group=window_group, **kw)
 
 
 def assert_no_leak(sched):

@@ -169,9 +169,10 @@ def scheduler_config() -> SchedulerConfig:
 
 
 def make_core(model_dir: str, executor, config: SchedulerConfig | None = None,
-              num_blocks: int = NUM_BLOCKS, sliding_window: int = 0) -> LLMEngine:
+              num_blocks: int = NUM_BLOCKS, sliding_window: int = 0,
+              window_group=None) -> LLMEngine:
     scheduler = Scheduler(config or scheduler_config(), num_blocks,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, window_group=window_group)
     return LLMEngine(EngineCore(scheduler, executor),
                      OutputProcessor(Tokenizer.from_dir(model_dir)))
 
@@ -180,13 +181,14 @@ def make_core(model_dir: str, executor, config: SchedulerConfig | None = None,
 def engine_on(cluster: Cluster, model_dir: str, config: SchedulerConfig | None = None,
               num_blocks: int = NUM_BLOCKS, **spec_overrides):
     """An engine over `cluster`'s workers, Init-ed with symmetry verification on (and the
-    InitSpec's `spec_overrides`), its scheduler given `num_blocks` and the sliding window Init
-    reported, as the server does. After the body the finished requests' handles reach the
+    InitSpec's `spec_overrides`), its scheduler given `num_blocks` (a hybrid model's full group)
+    and the sliding window and window group Init reported, as the server does. After the body the finished requests' handles reach the
     workers, which must then hold no request; a failure prints the cluster's logs."""
     client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
     try:
         result = client.init(cluster.spec(model_dir, verify_symmetry=True, **spec_overrides))
-        core = make_core(model_dir, client, config, num_blocks, result.sliding_window)
+        core = make_core(model_dir, client, config, num_blocks, result.sliding_window,
+                         result.window_group)
         yield core
         client.execute(encode_scheduler_output(core.scheduler.schedule()))
         assert client.reset() == 0
@@ -225,7 +227,8 @@ def reference(model_dir: str, prompts, samplings, stoppings,
 
     llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=num_blocks,
               **LIMITS)
-    assert llm.scheduler.num_total_blocks == num_blocks
+    # (a hybrid model's full group gets more: kv_groups.split_kv_blocks)
+    assert llm.scheduler.num_total_blocks == num_blocks or llm.runner.window_group is not None
     recorder = RecordingExecutor(llm.engine.core.executor)
     llm.engine.core.executor = recorder
     return (run_requests(llm.engine, model_dir, prompts, samplings, stoppings,

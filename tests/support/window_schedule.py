@@ -48,5 +48,12 @@ def assert_engine_greedy_with_prefix_hits(path: str, backend: str, block_size: i
     cached = [o.num_cached_tokens for o in first + rest]
     assert cached[0] == 0
     assert cached[1] >= 70 // block_size * block_size, cached      # the shared prefix
-    assert cached[-1] > 0, cached                                   # a repeated prompt
+    if getattr(llm.scheduler.kv, "window_group", None) is None:
+        assert cached[-1] > 0, cached                               # a repeated prompt
+    else:
+        # A hybrid cache's window group keeps few freed blocks (kv_groups.window_pool_bound):
+        # a prompt repeated after eight others finds its last window evicted there, so the
+        # hit is cut to nothing; repeated right after its own run, it hits in both groups.
+        again = _check(llm, path, [prompts[-1]], f"{label}/{backend}/again")
+        assert again[0].num_cached_tokens > 0, again[0].num_cached_tokens
     assert all(len(o.token_ids) == MAX_NEW for o in first + rest)

@@ -66,6 +66,11 @@ class CachedRequests:
             batch.add(state)
         if diff.new_block_ids:
             self._append_blocks(diff.new_block_ids)
+        for handle, block_ids in diff.new_window_block_ids.items():
+            if batch.window_table is None:
+                raise StepProtocolError(f"new_window_block_ids[{handle}]: this model has no "
+                                        "window group (not a hybrid model)")
+            batch.append_window_block_ids(self.row(handle), block_ids)
         batch.condense()
 
     def _give_up_row(self, handle: int) -> None:

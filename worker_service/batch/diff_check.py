@@ -20,6 +20,8 @@ each part adds or removes, so the whole diff is judged against the state it will
     resumed_requests       cached requests not in the batch; blocks as above; computed tokens
                            within the request's tokens
     new_block_ids          requests in the batch; blocks as above
+    new_window_block_ids   (a hybrid model's only) requests in the batch; ids <
+                           num_window_blocks, a request's share at most
     num_scheduled_tokens   requests in the batch; the step's tokens <= max_num_batched_tokens;
                            the batch <= max_num_seqs
     spec_token_ids         requests in the batch whose count is 1 + their drafts (at least
@@ -68,6 +70,7 @@ class DiffBounds:
     block_size: int
     max_blocks_per_request: int
     max_cached_requests: int     # running + preempted (diff_limits.max_cached_requests)
+    num_window_blocks: int = 0   # a hybrid model's window-group pool; 0: no window group
 
 
 @dataclass
@@ -97,10 +100,11 @@ class _View:
 
 
 def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: dict,
-               batch_blocks) -> None:
+               batch_blocks, window_blocks=None) -> None:
     """Raise BadDiff (a value out of range) or StepProtocolError (a handle the state does not
     have) for the first violation; return when the whole diff fits. `cached`: handle -> cached
-    request; `batch`: handle -> row; `batch_blocks`: row -> blocks held (none is changed)."""
+    request; `batch`: handle -> row; `batch_blocks`: row -> blocks held (none is changed);
+    `window_blocks`: row -> window-group blocks held (a hybrid model's)."""
     view = _View(cached, batch, batch_blocks)
     _check_lengths(diff, bounds)
     for i, handle in enumerate(diff.finished_handles):
@@ -134,6 +138,8 @@ def check_diff(diff: SchedulerOutput, bounds: DiffBounds, cached: dict, batch: d
             if not view.in_batch(handle):
                 raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
             _check_blocks(name, block_ids, bounds, view.blocks(handle))
+    if diff.new_window_block_ids:
+        _check_window_blocks(diff.new_window_block_ids, bounds, view, window_blocks)
     _check_counts(diff.num_scheduled_tokens, bounds, view)
     if diff.spec_token_ids:
         _check_drafts(diff.spec_token_ids, diff.num_scheduled_tokens, bounds, view)
@@ -303,6 +309,25 @@ def _check_blocks(name: str, block_ids: list[int], bounds: DiffBounds, held: int
                       f"<= {bounds.max_blocks_per_request - held} (a request holds at most "
                       f"{bounds.max_blocks_per_request} blocks of {bounds.block_size} tokens)")
     _ids_below(name, block_ids, bounds.num_kv_blocks, "num_kv_blocks")
+
+
+def _check_window_blocks(new_ids: dict[int, list[int]], bounds: DiffBounds, view: _View,
+                         window_blocks) -> None:
+    """Each handle in the batch; ids < num_window_blocks; a table within a request's share (a
+    new or resumed request's starts empty)."""
+    for handle, block_ids in new_ids.items():
+        name = f"new_window_block_ids[{handle}]"
+        if not bounds.num_window_blocks:
+            raise BadDiff(name, block_ids, "absent: the model has no window group")
+        if not view.in_batch(handle):
+            raise StepProtocolError(f"{name}: handle {handle} is not in the batch")
+        held = 0 if handle in view.added else int(window_blocks[view.batch[handle]])
+        if held + len(block_ids) > bounds.max_blocks_per_request:
+            raise BadDiff(f"{name} length", len(block_ids),
+                          f"<= {bounds.max_blocks_per_request - held} (a request holds at most "
+                          f"{bounds.max_blocks_per_request} blocks of {bounds.block_size} "
+                          "tokens)")
+        _ids_below(name, block_ids, bounds.num_window_blocks, "num_window_blocks")
 
 
 def _check_counts(counts: dict[int, int], bounds: DiffBounds, view: _View) -> None:

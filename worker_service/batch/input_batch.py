@@ -79,6 +79,9 @@ class InputBatch:
         self.num_known_ids = np.zeros(r, dtype=np.int32)
         self.block_table = np.zeros((r, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(r, dtype=np.int32)
+        # A hybrid model's window-group tables (enable_window_group), same places; else None.
+        self.window_table: np.ndarray | None = None
+        self.window_num_blocks: np.ndarray | None = None
         # Sampling knobs as arrays, so the sampler's inputs are slices, not Python loops.
         for k in COLUMN_KNOBS:
             setattr(self, k.name, np.full(r, k.column_neutral, dtype=k.meta.column))
@@ -104,6 +107,12 @@ class InputBatch:
         self.arange = np.arange(r + 1, dtype=np.int64)
         self.ones = np.ones(r, dtype=np.int32)
         self.arange.flags.writeable = self.ones.flags.writeable = False
+
+    def enable_window_group(self) -> None:
+        """Keep a second block table per row for a hybrid model's windowed layers
+        (engine_common/request/kv_groups.py); a row's starts empty when it joins."""
+        self.window_table = np.zeros_like(self.block_table)
+        self.window_num_blocks = np.zeros_like(self.num_blocks)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -178,6 +187,13 @@ class InputBatch:
             table[row, col] = block_id
             num_blocks[row] = col + 1
 
+    def append_window_block_ids(self, row: int, block_ids: list[int]) -> None:
+        """Append to the row's window-group table (enable_window_group first)."""
+        start = int(self.window_num_blocks[row])
+        self._check_blocks(start + len(block_ids))
+        self.window_table[row, start:start + len(block_ids)] = block_ids
+        self.window_num_blocks[row] = start + len(block_ids)
+
     def write_sampled(self, rows: np.ndarray, positions: np.ndarray,
                       token_ids: np.ndarray) -> None:
         """Write one sampled id per row at its position (launched steps finish in order)."""
@@ -201,6 +217,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_computed[row] = state.num_computed_tokens
         self.set_block_ids(row, state.block_ids)
+        if self.window_num_blocks is not None:
+            self.window_num_blocks[row] = 0          # the diff's new_window_block_ids fill it
         sp = state.sampling.sampling
         columns, features = _row_of(sp)
         for name, value in columns:
@@ -239,6 +257,10 @@ class InputBatch:
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         nb = int(self.num_blocks[src])
         self.block_table[dst, :nb] = self.block_table[src, :nb]
+        if self.window_table is not None:
+            nw = int(self.window_num_blocks[src])
+            self.window_table[dst, :nw] = self.window_table[src, :nw]
+            self.window_num_blocks[dst] = nw
         for name in self._ROW_ARRAYS:
             arr = getattr(self, name)
             arr[dst] = arr[src]

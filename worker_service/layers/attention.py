@@ -6,6 +6,8 @@ sliding window (kernels/attention/backend.py: query p sees keys p - W < k <= p) 
 the backend on every call and refuses a backend that cannot apply it; so does a layer with an
 attention logit softcap (Gemma 2's attn_logit_softcapping), and so does a layer with attention
 sinks (GPT-OSS: the sink logits are the caller's parameter, handed over on every call).
+A windowed layer of a hybrid model reads its KV group's block table and slots
+(AttentionMetadata.for_window): its cache tensor is sized by that group's pool.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ class Attention(nn.Module):
         writes_kv_from_rope, which then skips its write). sinks: [num_heads] sink logits
         (only for a layer built with sinks=True)."""
         num_tokens = q.shape[0]
+        if self.sliding_window and meta is not None and meta.window is not None:
+            meta = meta.window          # a hybrid model's windowed layer: its KV group's
         # Only a writes_kv_from_rope backend takes the flag; the others keep their call.
         extra = {"kv_written": True} if kv_written else {}
         if self.sliding_window:      # only then: a windowless call stays as it was

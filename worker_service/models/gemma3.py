@@ -91,8 +91,8 @@ class Gemma3Attention(DecoderAttention):
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         if self.kv_in_rope:      # the rope launch also writes k/v into the cache
-            kv_write = (v.reshape(k.shape), kv_cache,
-                        meta.slot_mapping[:meta.num_actual_tokens])
+            slots = meta.for_window(self.attn.sliding_window).slot_mapping   # its KV group's
+            kv_write = (v.reshape(k.shape), kv_cache, slots[:meta.num_actual_tokens])
             q, k = self.rotary_emb(positions, q, k, kv_write=kv_write)
             return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True))
         q, k = self.rotary_emb(positions, q, k)

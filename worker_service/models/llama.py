@@ -139,7 +139,8 @@ class DecoderAttention(nn.Module):
     def _forward_kv_in_rope(self, positions, q, k, v, kv_cache, meta: AttentionMetadata):
         """One launch normalises (Qwen3), rotates and writes k/v into the cache; the backend
         then attends without writing. Same slots and bound as the backend's own write."""
-        kv_write = (v.reshape(k.shape), kv_cache, meta.slot_mapping[:meta.num_actual_tokens])
+        slots = meta.for_window(self.attn.sliding_window).slot_mapping     # its KV group's
+        kv_write = (v.reshape(k.shape), kv_cache, slots[:meta.num_actual_tokens])
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         q, k = self.rotary_emb(positions, q, k, *norms, kv_write=kv_write)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta, kv_written=True,

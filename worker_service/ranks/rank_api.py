@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from engine_common.request.kv_groups import WindowGroup
 from worker_service.config import NodeLayout, RunnerConfig
 from worker_service.device_info import DeviceDescription
 
@@ -21,6 +22,9 @@ class InitOutcome:
     kv_block_bytes: int     # per rank
     model_reloaded: bool
     sliding_window: int = 0   # the window every attention layer has (ModelRunner's), 0: none
+    # A hybrid model's window group (engine_common/request/kv_groups.py): num_kv_blocks is then
+    # the full group's. Known once the cache is allocated; None before, or for another model.
+    window_group: WindowGroup | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine_common.configuration.settings import to_wire
+from engine_common.request.kv_groups import WindowGroup
 from worker_service.config import NodeLayout, RunnerConfig, rank_device
 from worker_service.device_info import DeviceDescription, describe_device
 from worker_service.failures import FailureKind, StepFailure
@@ -100,7 +101,8 @@ class RankGroup:
         command = encode_command(CONFIGURE, to_wire(config))
         replies = self._call(command, self.options.init_timeout_s)
         num_blocks = min(r.info["num_kv_blocks"] for r in replies)
-        self._call(encode_command(ALLOCATE, num_blocks), self.options.control_timeout_s)
+        allocated = self._call(encode_command(ALLOCATE, num_blocks),
+                               self.options.control_timeout_s)
         first = replies[0].info
         self._summary = ModelSummary(config.model_dir, first["attention_backend"], first["dtype"])
         self._devices = [device_from_wire(r.info["device"]) for r in replies]
@@ -112,8 +114,10 @@ class RankGroup:
         # every rank loads the same model; were one to disagree, the window that frees least
         windows = [r.info.get("sliding_window", 0) for r in replies]
         window = max(windows) if all(windows) else 0
-        return InitOutcome(num_blocks, max(r.info["kv_block_bytes"] for r in replies), reloaded,
-                           window)
+        group = allocated[0].info.get("window_group")     # every rank splits the same budget
+        return InitOutcome(allocated[0].info.get("num_full_blocks", num_blocks),
+                           max(r.info["kv_block_bytes"] for r in replies), reloaded, window,
+                           None if group is None else WindowGroup(*group))
 
     def drop_requests(self) -> int:
         self._abort.clear()

@@ -170,7 +170,10 @@ class RankLoop:
                 return self._configure(*args)
             if name == ALLOCATE:
                 self.keeper.allocate(int(args[0]))
-                return RankReply()
+                group = self.keeper.runner.window_group      # a hybrid model's split
+                return RankReply(info={} if group is None else {
+                    "num_full_blocks": self.keeper.runner.diff_bounds.num_kv_blocks,
+                    "window_group": [group.window, group.num_blocks]})
             if name == RESET:
                 return RankReply(info={"dropped": self.keeper.drop_requests() if self.keeper else 0})
             if name == STEP:

@@ -182,7 +182,16 @@ class RunnerKeeper:
                              "rank: must be 1")
         outcome = self.prepare(config)
         self.allocate(outcome.num_kv_blocks)
-        return outcome
+        return self.allocated(outcome)
+
+    def allocated(self, outcome: InitOutcome) -> InitOutcome:
+        """`outcome` with the cache as allocated: a hybrid model's full-group blocks and
+        window group (engine_common/request/kv_groups.py)."""
+        group = self.runner.window_group
+        if group is None:
+            return outcome
+        return dataclasses.replace(outcome, num_kv_blocks=self.runner.diff_bounds.num_kv_blocks,
+                                   window_group=group)
 
     def drop_requests(self) -> int:
         if self.runner is None:

@@ -87,7 +87,8 @@ class ModelRunner(RunnerKVCache):
         # sets, used by alternate steps, so a step can be launched while the one before it is
         # still on the device (launch_step before finish_step; see `pipelined`).
         self._stagings = [StepBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                      max_blocks, self.device, staged_row_dtypes())
+                                      max_blocks, self.device, staged_row_dtypes(),
+                                      window_group=bool(self.kv_layers[0]))
                           for _ in range(2)]
         # A speculative step draws at every draft position too: up to the token budget.
         self._readbacks = [TokenReadback(max(config.max_num_seqs, config.max_num_batched_tokens),
@@ -104,6 +105,7 @@ class ModelRunner(RunnerKVCache):
         self.cached = CachedRequests(self.batch)
         self.requests = self.cached.states     # every cached request by handle
         self.kv_caches: list[torch.Tensor] = []
+        self.window_group = None        # a hybrid model's window group (init_kv_cache)
         self.graph_runner: DecodeGraphRunner | None = None
         self.last_step = -1
         # Whether the last launched step verified drafts: its accepted run sets its rows'
@@ -181,7 +183,7 @@ class ModelRunner(RunnerKVCache):
             raise StepProtocolError("no KV cache is allocated: Init first")
         self.clock.start()
         check_diff(diff, self.diff_bounds, self.requests, self.batch.handle_to_row,
-                   self.batch.num_blocks)
+                   self.batch.num_blocks, self.batch.window_num_blocks)
         self.last_step = diff.step
         self.staging = self._stagings[diff.step % 2]
         self.readback = self._readbacks[diff.step % 2]

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from engine_common.request.diff_limits import max_cached_requests
+from engine_common.request.kv_groups import WindowGroup, hybrid_window, split_kv_blocks
 from engine_common.runtime.progress import heartbeat
 from worker_service.batch.diff_check import DiffBounds
 from worker_service.runner.host_memory import zeroed_host_tensor
@@ -31,6 +32,32 @@ class RunnerKVCache:
         """The window every attention layer has (DecoderArgs.shared_window; 0: none, or no KV
         cache), which the scheduler frees KV blocks by."""
         return self.model.args.shared_window() if self.num_cache_layers else 0
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each cache layer's window (0: none); () when no layer has one or none has a cache."""
+        if not self.num_cache_layers:
+            return ()
+        return tuple(getattr(self.model.args, "layer_windows", ()) or ())
+
+    @property
+    def kv_layers(self) -> tuple[int, int, int]:
+        """(W, cache layers, layers with W) of a hybrid model (kv_groups.py); (0, 0, 0) else."""
+        windows = self.layer_windows
+        window, _ = hybrid_window(windows)
+        if not window:
+            return 0, 0, 0
+        return window, len(windows), sum(1 for w in windows if w)
+
+    def kv_split(self, num_blocks: int) -> tuple[int, WindowGroup | None]:
+        """(full group's blocks, the window group) of a cache of `num_blocks` blocks of every
+        layer (kv_groups.split_kv_blocks): (num_blocks, None) unless the model is hybrid."""
+        window, num_layers, num_window_layers = self.kv_layers
+        c = self.config
+        if c.disable_hybrid_kv_cache_manager:
+            return num_blocks, None
+        return split_kv_blocks(num_blocks, num_layers, num_window_layers, window,
+                               self.block_size, c.max_num_seqs, c.max_num_batched_tokens)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -63,23 +90,33 @@ class RunnerKVCache:
         """Allocate the cache, then capture decode CUDA graphs over it where they apply."""
         self.free_kv_cache()
         m = self.model
-        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        if self.device.type == "cpu":
-            self.kv_caches = [zeroed_host_tensor(shape, self.model_dtype)
-                              for _ in range(self.num_cache_layers)]
+        num_full, group = self._split_logged(num_blocks)
+        self.window_group = group
+        windows = self.layer_windows or (0,) * self.num_cache_layers
+        self.kv_caches = []
+        for window in windows:       # a windowed layer of a hybrid model: its group's pool
+            n = group.num_blocks if group is not None and window else num_full
+            shape = (2, n, self.block_size, m.num_kv_heads, m.head_dim)
+            self.kv_caches.append(
+                zeroed_host_tensor(shape, self.model_dtype) if self.device.type == "cpu"
+                else torch.zeros(shape, dtype=self.model_dtype, device=self.device))
+        if group is not None:
+            self.batch.enable_window_group()
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.model_dtype, device=self.device)
-                              for _ in range(self.num_cache_layers)]
+            self.batch.window_table = self.batch.window_num_blocks = None
         self.diff_bounds = DiffBounds(
-            num_kv_blocks=num_blocks, vocab_size=self.vocab_size,
+            num_kv_blocks=num_full, vocab_size=self.vocab_size,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             block_size=self.block_size, max_blocks_per_request=self.batch.block_table.shape[1],
-            max_cached_requests=max_cached_requests(self.config.max_num_seqs))
+            max_cached_requests=max_cached_requests(self.config.max_num_seqs),
+            num_window_blocks=0 if group is None else group.num_blocks)
         why_not = graphs_unsupported_reason(self.attention_backend_name, self.device,
                                             self.config.enforce_eager, self.model)
         if why_not is None and not self.num_cache_layers:
             why_not = "an encoder model (no KV cache, no decode steps)"
+        if why_not is None and group is not None:
+            why_not = "a hybrid KV cache (the graphs take one block table)"
         if why_not is None and self.lora is not None:
             why_not = "LoRA adapters are on (the per-row adapter is not a graph input)"
         if why_not is not None:
@@ -90,11 +127,29 @@ class RunnerKVCache:
             self.max_model_len, self.device, self.staging)
         self.graph_runner.capture()
 
+    def _split_logged(self, num_blocks: int) -> tuple[int, WindowGroup | None]:
+        """kv_split, saying why a model that mixes windowed and full layers keeps one pool."""
+        _, why = hybrid_window(self.layer_windows)
+        num_full, group = self.kv_split(num_blocks)
+        window, _, _ = self.kv_layers
+        if why:
+            log.info("hybrid KV cache off: %s", why)
+        elif window and self.config.disable_hybrid_kv_cache_manager:
+            log.info("hybrid KV cache off: --disable-hybrid-kv-cache-manager")
+        elif window and group is None:
+            log.info("hybrid KV cache off: the cache's %d blocks are fewer than the window "
+                     "group alone needs (kv_groups.window_pool_bound); one pool", num_blocks)
+        elif group is not None:
+            log.info("hybrid KV cache: %d blocks for the full-attention layers, %d for the "
+                     "window-%d layers", num_full, group.num_blocks, window)
+        return num_full, group
+
     def free_kv_cache(self) -> None:
         """Drop the cache and the graphs captured over it (they hold its memory and pool)."""
         self.graph_runner = None
         self.kv_caches = []
         self.diff_bounds = None
+        self.window_group = None
 
     @property
     def _max_graph_batch(self) -> int:

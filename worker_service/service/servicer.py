@@ -126,7 +126,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=outcome.num_kv_blocks, epoch=request.epoch,
             kv_block_bytes=outcome.kv_block_bytes, devices=self._device_infos(),
             sliding_window=outcome.sliding_window,
-            stream_key=self.worker.stream_key(request.epoch))
+            stream_key=self.worker.stream_key(request.epoch),
+            **_window_group_fields(outcome.window_group))
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:
         # The epoch's key, checked before any message is read (stream_keys.py).
@@ -297,3 +298,10 @@ def _device_pb(d: DeviceDescription, local_rank: int, layout: NodeLayout,
         local_rank=local_rank, global_rank=layout.node_rank * layout.num_local_ranks + local_rank,
         device_kind=d.kind, device_name=d.name, total_memory_bytes=d.total_memory_bytes,
         free_memory_bytes=d.free_memory_bytes, num_kv_blocks=num_kv_blocks)
+
+
+def _window_group_fields(group) -> dict:
+    """InitResponse's window-group fields of a hybrid model (none for another)."""
+    if group is None:
+        return {}
+    return {"window_group_window": group.window, "window_group_blocks": group.num_blocks}

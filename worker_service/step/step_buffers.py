@@ -31,6 +31,7 @@ was finished (synced) before step t+1 is launched.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from math import prod
 from typing import Sequence
@@ -115,16 +116,20 @@ class StagedInputs:
     seq_lens: torch.Tensor          # int32 [num_reqs]
     block_table: torch.Tensor       # int32 [num_reqs, max blocks among them], contiguous
     logits_indices: torch.Tensor    # int64 [num sampling rows]
+    window_slot_mapping: torch.Tensor | None = None   # a hybrid model's window group's
+    window_block_table: torch.Tensor | None = None
 
 
 class StepBuffers:
     """The arenas of one runner (see the module docstring for the layout and the reuse rule)."""
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
-                 device: torch.device | str, row_regions: Sequence[torch.dtype] = ()) -> None:
+                 device: torch.device | str, row_regions: Sequence[torch.dtype] = (),
+                 window_group: bool = False) -> None:
         """`row_regions`: the dtype of each further per-row array a step stages (the sampler's
         columns: sampling_metadata.staged_row_dtypes), one region of max(tokens, rows) each: a
-        speculative step samples at every draft position."""
+        speculative step samples at every draft position. `window_group`: room for a hybrid
+        model's second slots and block table."""
         for name, value in (("max_num_tokens", max_num_tokens), ("max_num_reqs", max_num_reqs),
                             ("max_blocks_per_req", max_blocks_per_req)):
             if value < 1:
@@ -142,6 +147,9 @@ class StepBuffers:
             torch.int32: [req + 1, req, req * blk],  # query_start_loc, seq_lens, block table
             torch.float32: [],
         }
+        if window_group:
+            regions[torch.int64].append(tok)
+            regions[torch.int32].append(req * blk)
         for dtype in row_regions:   # token rows: a speculative step samples every draft
             regions.setdefault(dtype, []).append(tok)
         self.arenas = {dtype: StagingArena(dtype, sum(aligned(n, dtype) for n in sizes),
@@ -214,7 +222,7 @@ def stage_step_inputs(buffers: StepBuffers, inputs: StepInputs) -> StagedInputs:
     n = len(inputs.rows)
     buffers.check_fits(inputs.num_tokens, n, inputs.block_table.shape[1])
     # One region per array, so each starts aligned (a [3, T] block would misalign rows 1, 2).
-    return StagedInputs(
+    staged = StagedInputs(
         input_ids=buffers.put(inputs.input_ids, torch.int64, "input_ids"),
         positions=buffers.put(inputs.positions, torch.int64, "positions"),
         slot_mapping=buffers.put(inputs.slot_mapping, torch.int64, "slot_mapping"),
@@ -222,15 +230,25 @@ def stage_step_inputs(buffers: StepBuffers, inputs: StepInputs) -> StagedInputs:
         seq_lens=buffers.put(inputs.seq_lens, torch.int32, "seq_lens"),
         block_table=buffers.put(inputs.block_table, torch.int32, "block_table"),
         logits_indices=buffers.put(inputs.logits_indices, torch.int64, "logits_indices"))
+    if inputs.window_slot_mapping is not None:
+        staged.window_slot_mapping = buffers.put(inputs.window_slot_mapping, torch.int64,
+                                                 "window_slot_mapping")
+        staged.window_block_table = buffers.put(inputs.window_block_table, torch.int32,
+                                                "window_block_table")
+    return staged
 
 
 def attention_metadata(inputs: StepInputs, staged: StagedInputs) -> AttentionMetadata:
     """A step's metadata: device tensors from the staging; host lengths and bounds (ints and
     the *_cpu tensors) from the numpy StepInputs, so nothing is read back."""
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         num_reqs=len(inputs.rows), num_actual_tokens=inputs.num_tokens,
         max_query_len=int(inputs.num_scheduled.max()), max_seq_len=int(inputs.seq_lens.max()),
         query_start_loc=staged.query_start_loc, seq_lens=staged.seq_lens,
         block_table=staged.block_table, slot_mapping=staged.slot_mapping,
         query_start_loc_cpu=torch.from_numpy(inputs.query_start_loc),
         seq_lens_cpu=torch.from_numpy(inputs.seq_lens))
+    if staged.window_block_table is not None:      # a hybrid model's windowed layers read it
+        meta.window = dataclasses.replace(meta, block_table=staged.window_block_table,
+                                          slot_mapping=staged.window_slot_mapping)
+    return meta

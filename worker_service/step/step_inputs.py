@@ -36,6 +36,9 @@ class StepInputs:
     block_table: np.ndarray       # int32 [num_reqs, max blocks among them]
     sample_mask: np.ndarray       # bool [num_reqs]: the row samples a token this step
     logits_indices: np.ndarray    # int64 [num sampling rows]: last query row of each
+    # A hybrid model's window group (batch.window_table): its slots and table; None else.
+    window_slot_mapping: np.ndarray | None = None     # int64 [T]
+    window_block_table: np.ndarray | None = None      # int32 [num_reqs, max blocks]
 
     @property
     def num_tokens(self) -> int:
@@ -87,17 +90,35 @@ def prepare_step_inputs(batch: InputBatch, num_scheduled: np.ndarray | None,
         sample_mask &= ~batch.pools[rows]         # a pooling request ends on its vector
     _check_room_to_sample(batch, rows[sample_mask])
     logits_indices = (query_start_loc[1:][sample_mask] - 1).astype(np.int64)
-    return StepInputs(rows=rows, num_scheduled=counts, input_ids=input_ids, positions=positions,
-                      slot_mapping=slot_mapping, query_start_loc=query_start_loc,
-                      seq_lens=seq_lens.astype(np.int32),
-                      block_table=batch.block_table[rows, :max_blocks],
-                      sample_mask=sample_mask, logits_indices=logits_indices)
+    inputs = StepInputs(rows=rows, num_scheduled=counts, input_ids=input_ids,
+                        positions=positions, slot_mapping=slot_mapping,
+                        query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
+                        block_table=batch.block_table[rows, :max_blocks],
+                        sample_mask=sample_mask, logits_indices=logits_indices)
+    if batch.window_table is not None:
+        _check_window_blocks(batch, rows, needed_blocks)
+        inputs.window_slot_mapping = np.multiply(batch.window_table.ravel().take(block_col),
+                                                 block_size, dtype=np.int64) + offset
+        inputs.window_block_table = batch.window_table[rows, :max_blocks]
+    return inputs
+
+
+def _check_window_blocks(batch: InputBatch, rows: np.ndarray, needed: np.ndarray) -> None:
+    """Every scheduled row's window-group table reaches its last position (as its table)."""
+    short = needed > batch.window_num_blocks[rows]
+    if np.any(short):
+        bad = rows[short][0]
+        raise StepProtocolError(f"handle {batch.handles[bad]}: not enough window-group KV "
+                                f"blocks ({int(batch.window_num_blocks[bad])} for "
+                                f"{int(needed[short][0])} blocks of positions)")
 
 
 def _one_token_each(batch: InputBatch, block_size: int) -> StepInputs:
     """prepare_step_inputs for one token in every row 0..n-1: the same arrays (the index ones
     are read-only slices of the batch's), without a gather per count."""
     n = batch.num_reqs
+    if batch.window_table is not None:     # a hybrid model: the general path's window part
+        return prepare_step_inputs(batch, batch.ones[:n].copy(), block_size)
     computed = batch.num_computed[:n]
     seq_lens = computed + 1
     ahead = batch.num_tokens[:n] - seq_lens        # tokens known past this one; < 0: none

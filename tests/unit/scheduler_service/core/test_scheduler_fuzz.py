@@ -18,6 +18,7 @@ import pytest
 
 from scheduler_service.core.admission import RequestRejected
 from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, KvEventFeed
+from engine_common.request.kv_groups import WindowGroup
 from scheduler_service.core.request import Request, RequestStatus
 from engine_common.constraints.constraint import Constraint
 from tests.support.kv_invariants import check_kv_invariants
@@ -243,6 +244,12 @@ CONFIGS = [
          max_model_len=64),
     dict(sliding_window=3, block_size=8, num_blocks=8, max_num_seqs=4,
          max_num_batched_tokens=16, max_model_len=64),
+    # a hybrid model's two groups (hybrid_kv.py): the window pool at its bound
+    # (kv_groups.window_pool_bound), and one below it, whose shortage must preempt or wait
+    dict(window_group=WindowGroup(8, 4 * (2 + 3) + 2 * 2), num_blocks=16, max_num_seqs=4,
+         max_num_batched_tokens=8, max_model_len=64),
+    dict(window_group=WindowGroup(5, 8), num_blocks=20, max_num_seqs=3,
+         max_num_batched_tokens=8, max_model_len=64),
 ]
 
 

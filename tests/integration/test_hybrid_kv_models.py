@@ -1,0 +1,84 @@
+"""Hybrid KV cache (engine_common/request/kv_groups.py) on the tiny Gemma 2 (layers window 8 /
+full alternating) and GPT-OSS (window 8 / full / window 8) models through the in-process
+engine, against transformers' greedy tokens (fp32), on the torch and the C++ CPU backends and
+Triton under its interpreter.
+
+Blocks of 4 tokens, 2 sequences, 16 tokens a step: the window group's pool is
+window_pool_bound = 2 * (2 + 3) + 2 * 4 = 18 blocks. A budget of 40 blocks of every layer holds
+160 tokens as one pool; split, the full group gets 62 (Gemma 2) or 84 (GPT-OSS) blocks, so a
+request of 180 tokens runs whole, two of them preempt each other, and a prefix hit right after
+its first request holds in both groups.
+"""
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.llm import LLM
+from engine_common.request.params import SamplingParams, StoppingParams
+from kernels.attention import cpu_paged
+from tests.support.engine_checks import assert_no_leaked_blocks
+from tests.support.hf_reference import assert_greedy_agrees, compare_greedy, hf_greedy
+from tests.support.window_schedule import BACKENDS
+
+ARCHS = {"gemma2": 62, "gpt_oss": 84}          # full-group blocks of the 40-block budget
+BUDGET, WINDOW_POOL = 40, 18
+
+
+def _llm(path: str, backend: str) -> LLM:
+    if backend == "cpu" and not cpu_paged.available():
+        pytest.skip("deltaserve_cpu not built")
+    return LLM(path, dtype="float32", attention_backend=backend, block_size=4,
+               num_kv_blocks=BUDGET, max_num_seqs=2, max_num_batched_tokens=16)
+
+
+def _greedy(llm: LLM, path: str, prompts: list[list[int]], max_new: int, label: str) -> list:
+    outs = llm.generate(prompts, SamplingParams(),
+                        StoppingParams(max_tokens=max_new, ignore_eos=True))
+    near_ties, failures = [], []
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        failure = compare_greedy(f"{label}/prompt{i}(len {len(p)})", out.token_ids,
+                                 hf_greedy(path, tuple(p), max_new), near_ties)
+        if failure:
+            failures.append(failure)
+    assert_greedy_agrees(failures, near_ties)
+    assert_no_leaked_blocks(llm)          # both groups' pools whole
+    return outs
+
+
+def _spy_preemptions(llm: LLM) -> list[int]:
+    """The handles each diff preempts, from now on."""
+    preempted, schedule = [], llm.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        preempted.extend(out.preempted_handles)
+        return out
+    llm.scheduler.schedule = spy
+    return preempted
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(i * 37 + seed * 101) % 480 + 5 for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)       # torch, cpu, Triton (interpreted: slow)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_longer_than_one_pool_holds_preempts_and_hits(tiny_models, arch, backend):
+    path = tiny_models(arch)
+    llm = _llm(path, backend)
+    kv = llm.scheduler.kv
+    assert (kv.num_total_blocks, kv.window_group.num_total_blocks) == (ARCHS[arch], WINDOW_POOL)
+    assert llm.scheduler.max_len == ARCHS[arch] * 4 > BUDGET * 4    # one pool: 160 tokens
+    label = f"{arch}/{backend}"
+    # 150 + 30 tokens: more than one pool of the same bytes holds, whole here
+    long = _greedy(llm, path, [_prompt(150, 1)], 30, f"{label}/long")
+    assert len(long[0].token_ids) == 30
+    # two such requests do not fit the full group together: one is preempted, resumes
+    preempted = _spy_preemptions(llm)
+    _greedy(llm, path, [_prompt(150, 2), _prompt(150, 3)], 30, f"{label}/preempt")
+    assert preempted
+    # the same prompt again at once: a hit both groups hold
+    shared = _prompt(60, 4)
+    _greedy(llm, path, [shared], 4, f"{label}/first")
+    outs = _greedy(llm, path, [shared + [7, 9, 11]], 4, f"{label}/hit")
+    assert outs[0].num_cached_tokens >= 52, outs[0].num_cached_tokens
