@@ -82,15 +82,17 @@ def test_ngram_drafts_under_a_regex_equal_speculation_off_and_transformers(tiny_
 
 
 def test_kv_block_bytes_are_the_latent_caches_bytes(tiny_models):
-    """One latent head (48 + 16) per token and layer, bf16: 2 x 3 layers x 4 rows x 64 x 2."""
+    """One latent head (48 + 16) per token and layer, held once, bf16: 3 layers x 4 rows x 64 x 2
+    (the cache's value half is its key half: one memory)."""
     path = tiny_models("deepseek_v3")
     config = RunnerConfig(model_dir=path, device="cpu", dtype="bfloat16", num_kv_blocks=6,
                           block_size=BS)
     runner = ModelRunner(config)
     runner.init_kv_cache(6)
-    allocated = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+    allocated = sum(c.untyped_storage().nbytes() for c in runner.kv_caches)
     assert {c.dtype for c in runner.kv_caches} == {torch.bfloat16}
-    assert runner.kv_block_bytes == allocated // 6 == 2 * 3 * BS * 64 * 2
+    assert all(c.shape[0] == 2 and c[0].data_ptr() == c[1].data_ptr() for c in runner.kv_caches)
+    assert runner.kv_block_bytes == allocated // 6 == 3 * BS * 64 * 2
     hf_config = json.loads(Path(path, "config.json").read_text())
     assert estimate_kv_bytes(config, hf_config, 2) == allocated
     assert estimate_kv_bytes(config, hf_config, 2, tp_size=2) == allocated   # replicated

@@ -9,15 +9,16 @@ Per token the layer projects
 and transformers expands c through kv_b_proj = per head [W_UK (nope rows) | W_UV (v rows)]:
     k_h = [W_UK_h c | k_pe],  v_h = W_UV_h c,  score_h = (q_nope_h . W_UK_h c + q_pe_h . k_pe)
 We never expand. The cache holds one "head" per token, the latent itself, as both K and V
-(the paged backends take one head size for both; MQA with one kv head):
+(the paged backends take one head size for both; MQA with one kv head), in memory once (the
+model's kv_values_are_keys: its cache's value half is its key half, loader.new_kv_cache):
 
     kv_cache[0 or 1, block, row, 0, :] = [ c (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim) ]
 
 and the query is absorbed through W_UK, the output through W_UV:
     q'_h = [q_nope_h W_UK_h | rope(q_pe_h)]       (score_h = q'_h . [c | k_pe], unchanged)
     o_h  = (attention over the cached latents)[:kv_lora_rank] W_UV_h^T   -> v_head_dim
-so a token costs 2 * (kv_lora_rank + qk_rope_head_dim) elements per layer (DeepSeek-V3:
-2 * 576) instead of 2 * heads * (nope + rope) (128 heads: 2 * 24,576).
+so a token costs kv_lora_rank + qk_rope_head_dim elements per layer (DeepSeek-V3: 576)
+instead of 2 * heads * (nope + rope) (128 heads: 2 * 24,576).
 
 Rope covers the rope dims only. DeepSeek checkpoints keep those dims in interleaved pairs
 (x0, x1), (x2, x3), ...: V2 always (its complex rope), V3 when rope_interleave (default true).

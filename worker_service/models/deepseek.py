@@ -89,6 +89,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     v3 = False
     decoder_class = DeepseekDecoderModel
+    # the latent is both the key and the value (layers/mla.py): the cache holds it once
+    kv_values_are_keys = True
     # the dense MLPs' and shared experts' gate/up packed; q_proj (V2-Lite) stays as it is
     packed_modules = MappingProxyType({"gate_proj": ("gate_up_proj", 0),
                                        "up_proj": ("gate_up_proj", 1)})

@@ -234,10 +234,26 @@ def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[
     return (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
 
 
+def kv_cache_halves(model_or_class) -> int:
+    """Halves of the cache held in memory: 2 (keys, values), or 1 for a model whose values
+    are its keys (DeepSeek's latent: `kv_values_are_keys`), whose [2, ...] cache is one
+    tensor seen twice (stride 0 on the first dimension)."""
+    return 1 if getattr(model_or_class, "kv_values_are_keys", False) else 2
+
+
+def new_kv_cache(shape: tuple[int, ...], halves: int, make) -> torch.Tensor:
+    """A [2, ...] cache of `shape` from make(shape) (zeroed): its own values half, or with
+    halves == 1 the keys half seen again as the values (writing both writes the same bytes)."""
+    if halves == 2:
+        return make(shape)
+    return make((1, *shape[1:])).expand(shape)
+
+
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int,
                        device: str | torch.device,
                        dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """One zeroed cache per layer, in the model's dtype unless `dtype` is given."""
     shape = kv_cache_shape(model, num_blocks, block_size)
-    return [torch.zeros(shape, dtype=dtype or model.dtype, device=device)
+    return [new_kv_cache(shape, kv_cache_halves(model),
+                         lambda s: torch.zeros(s, dtype=dtype or model.dtype, device=device))
             for _ in range(model.num_layers)]

@@ -32,7 +32,7 @@ from engine_common.model_files.model_dir import ModelInfo
 from kernels.cpu.moe_experts import packed_bytes
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
-from worker_service.models.loader import resolve_dtype
+from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
 
 GIB = 1 << 30
@@ -126,7 +126,8 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
     gpu_memory_utilization)."""
     if config.num_kv_blocks is not None:
         kv_heads, head_dim = kv_cache_dims(hf_config)
-        block = (2 * int(hf_config["num_hidden_layers"]) * config.block_size
+        halves = kv_cache_halves(_model_class(hf_config))
+        block = (halves * int(hf_config["num_hidden_layers"]) * config.block_size
                  * max(1, kv_heads // tp_size) * head_dim * element_bytes)
         return config.num_kv_blocks * block
     if config.gpu_memory_utilization is not None:

@@ -11,6 +11,7 @@ from engine_common.request.diff_limits import max_cached_requests
 from engine_common.request.kv_groups import WindowGroup, hybrid_window, split_kv_blocks
 from engine_common.runtime.progress import heartbeat
 from worker_service.batch.diff_check import DiffBounds
+from worker_service.models.loader import kv_cache_halves, new_kv_cache
 from worker_service.runner.host_memory import zeroed_host_tensor
 from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
 from worker_service.runner.runner_profile import profile_runner
@@ -64,7 +65,8 @@ class RunnerKVCache:
         """Bytes one block takes across all layers on this rank (keys and values)."""
         m = self.model
         elem = torch.empty((), dtype=self.model_dtype).element_size()
-        return 2 * self.num_cache_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return (kv_cache_halves(m) * self.num_cache_layers * self.block_size * m.num_kv_heads
+                * m.head_dim * elem)
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -97,9 +99,7 @@ class RunnerKVCache:
         for window in windows:       # a windowed layer of a hybrid model: its group's pool
             n = group.num_blocks if group is not None and window else num_full
             shape = (2, n, self.block_size, m.num_kv_heads, m.head_dim)
-            self.kv_caches.append(
-                zeroed_host_tensor(shape, self.model_dtype) if self.device.type == "cpu"
-                else torch.zeros(shape, dtype=self.model_dtype, device=self.device))
+            self.kv_caches.append(new_kv_cache(shape, kv_cache_halves(m), self._zeroed))
         if group is not None:
             self.batch.enable_window_group()
         else:
@@ -126,6 +126,12 @@ class RunnerKVCache:
             self.model, self.kv_caches, self._max_graph_batch, self.batch.block_table.shape[1],
             self.max_model_len, self.device, self.staging)
         self.graph_runner.capture()
+
+    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed cache tensor (on CPU: resident host pages)."""
+        if self.device.type == "cpu":
+            return zeroed_host_tensor(shape, self.model_dtype)
+        return torch.zeros(shape, dtype=self.model_dtype, device=self.device)
 
     def _split_logged(self, num_blocks: int) -> tuple[int, WindowGroup | None]:
         """kv_split, saying why a model that mixes windowed and full layers keeps one pool."""

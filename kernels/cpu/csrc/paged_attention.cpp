@@ -371,8 +371,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor");
+  // the two halves: contiguous one after the other, or one tensor seen twice (stride 0: a
+  // model whose values are its keys, DeepSeek's latent cache)
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
+                  (kv_cache.stride(0) == 0 || kv_cache.is_contiguous()),
+              "kv_cache must be a [2, num_blocks, block_size, Hkv, D] tensor, contiguous or "
+              "with both halves one contiguous tensor");
   TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head_dim differs from query's");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kTileRows, "too many query heads per kv head");

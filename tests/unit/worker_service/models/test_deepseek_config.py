@@ -130,7 +130,7 @@ def test_the_kv_estimate_and_the_cache_layout_count_one_latent_head():
     assert kv_cache_dims(V3_CONFIG) == (1, 576)
     config = RunnerConfig(model_dir="unused", device="cpu", dtype="bfloat16", num_kv_blocks=10,
                           block_size=16)
-    per_block = 2 * 61 * 16 * 576 * 2
+    per_block = 61 * 16 * 576 * 2       # the latent once: the values are the keys
     assert estimate_kv_bytes(config, V3_CONFIG, 2) == 10 * per_block
     assert estimate_kv_bytes(config, V3_CONFIG, 2, tp_size=8) == 10 * per_block
     assert cache_layout(V3_CONFIG, config).head_dim == 576
@@ -172,7 +172,8 @@ def test_the_estimates_are_what_the_built_model_holds(tiny_models, arch):
     by_blocks = RunnerConfig(model_dir="m", num_kv_blocks=10, block_size=16)
     shape = kv_cache_shape(model, 10, 16)
     assert shape == (2, 10, 16, 1, 64)
-    assert estimate_kv_bytes(by_blocks, config, 4) == model.num_layers * math.prod(shape) * 4
+    # the [2, ...] shape's halves are one memory (loader.kv_cache_halves)
+    assert estimate_kv_bytes(by_blocks, config, 4) == model.num_layers * math.prod(shape) * 4 // 2
     real = sum(p.numel() for p in model.parameters())
     assert abs(estimate_weight_bytes(config, 1) - real) <= 0.01 * real
     # the routed experts' CPU-packed copies (2 sparse layers), as the packing allocated them
