@@ -68,7 +68,7 @@ class ApiOptions:
         "while it waits (each message's write; nginx's send_timeout): then the request is "
         "aborted, its KV blocks freed, and the call ends RESOURCE_EXHAUSTED naming this flag. "
         "A client that reads, however slowly, is never cut. 0: no limit", rule=AtLeastZero(),
-        metavar="S")
+        flag="--stream-send-timeout", metavar="S")
     tokenizer_threads: int = setting(
         4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
         "all but one of them)", rule=AtLeast(1))
