@@ -110,6 +110,29 @@ def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(server, serv
     assert counts.generation_tokens < 30 + LONG
 
 
+
+def test_a_stalled_stream_of_two_choices_aborts_both(server):
+    """n = 2 on VllmEngine: the choices' engine streams are merged; the cut aborts both, frees
+    all their blocks, and counts each choice once, as aborted (before: also as an error)."""
+    server.hold_steps(after=0)
+    with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
+        stalled = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
+            generate(PROMPT, stream=True, request_id="two", max_tokens=LONG, ignore_eos=True,
+                     logprobs=5, n=2), timeout=60)
+        wait_until(lambda: server.engine.counters.snapshot().received == 2, "both choices")
+        server.hold_steps(after=40)
+        assert server.gate.wait_held()
+        assert server.engine.stats.num_running == 2
+        _advance_until_cut(server)
+        server.release_steps()
+        wait_until(lambda: server.used_blocks() == 0 and server.engine.stats.num_running == 0,
+                   "both choices' blocks to be freed")
+        with pytest.raises(grpc.RpcError) as ended:
+            list(stalled)
+    assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    counts = server.engine.counters.snapshot()
+    assert counts.stalled == 1 and counts.finished == {("abort", ""): 2}
+
 def test_a_client_that_reads_slowly_is_never_cut(server):
     """The client reads nothing while 12 steps' output piles up, then reads it all, 10 times
     over; the clock moves 0.75 timeouts each time one of its writes goes through: far more
