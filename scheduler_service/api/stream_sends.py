@@ -41,7 +41,7 @@ DEFAULT_SEND_TIMEOUT_S = 60.0      # nginx's send_timeout
 WINDOW_BYTES = 64 * 1024
 
 
-@dataclass
+@dataclass(slots=True)
 class _Write:
     """A write in progress: when it began, its message, and how long it may wait (computed
     once it has waited `timeout_s`: the message's size is read only for the rare slow write)."""
