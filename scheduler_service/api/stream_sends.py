@@ -20,11 +20,11 @@ logprobs, some 20 KB: under 400 bytes a second at 60 s) is cut. A message larger
 WINDOW_BYTES (a non-streamed VllmEngine answer, a first message carrying a long prompt's
 logprobs) gets `timeout_s` per WINDOW_BYTES of it: grpc passes it to the client a window at a
 time, and a client on a slow link that keeps taking it is not cut because its answer is one
-message (before, a 5 MB answer read at 64 KB/s was). No cap on the output waiting: it
-is the request's own output (max_tokens bounds it), and a cap would cut a slow reader of a
-long answer, whose backlog grows while it reads. The time is the injected `clock`'s, read at each
-write and at each tick (every `tick_s` of the event loop while a write waits).
-"""
+message (a 5 MB answer taken at 64 KB/s needs 80 s: before, it was cut at 60). No cap on the
+output waiting: it is the request's own output (max_tokens bounds it), and a cap would cut a
+slow reader of a long answer, whose backlog grows while it reads. The time is the injected
+`clock`'s, read at each write and at each tick (every `tick_s` of the event loop while a write
+waits)."""
 from __future__ import annotations
 
 import asyncio
