@@ -66,9 +66,10 @@ class ApiOptions:
     stream_send_timeout_s: float = setting(
         DEFAULT_SEND_TIMEOUT_S, "seconds a Generate stream's client may read none of its output "
         "while it waits (each message's write; nginx's send_timeout): then the request is "
-        "aborted, its KV blocks freed, and the call ends RESOURCE_EXHAUSTED naming this flag. "
-        "A client that reads, however slowly, is never cut. 0: no limit", rule=AtLeastZero(),
-        metavar="S")
+        "aborted, its KV blocks freed, and the call ends RESOURCE_EXHAUSTED naming this flag "
+        "(a message over 64 KiB: this per 64 KiB of it). A client that reads, however slowly, "
+        "is never cut. 0: no limit", rule=AtLeastZero(),
+        flag="--stream-send-timeout", metavar="S")
     tokenizer_threads: int = setting(
         4, "threads that tokenize text prompts, off the event loop (one caller holds at most "
         "all but one of them)", rule=AtLeast(1))

@@ -116,7 +116,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _count_failure(self, error: Exception, streamed: bool) -> None:
         """Before the first output a failure is a rejection (by status code); after it, a
-        request that finished with an error."""
+        request that finished with an error. Not a stream cut by --stream-send-timeout: the
+        engine counts its request's end (abort, or how it finished before the cut)."""
+        if isinstance(error, StalledClient):
+            return
         if streamed:
             self._engine.counters.failed_after_output()
         else:

@@ -16,21 +16,38 @@ messages grpc still holds for it. A client that keeps reading lets each write th
 lagging reader's backlog is sent as messages of at most MAX_MERGED_STEPS steps
 (stream_hub.py), so a write waits for at most one such message to pass the client's window;
 only a client that takes less than that in `timeout_s` (for 64 steps of a token with 20
-logprobs, some 20 KB: under 400 bytes a second at 60 s) is cut. A non-streamed VllmEngine
-answer is one message, which must pass within the timeout. No cap on the output waiting: it
-is the request's own output (max_tokens bounds it), and a cap would cut a slow reader of a
-long answer, whose backlog grows while it reads. The time is the injected `clock`'s, read at each
-write and at each tick (every `tick_s` of the event loop while a write waits).
-"""
+logprobs, some 20 KB: under 400 bytes a second at 60 s) is cut. A message larger than
+WINDOW_BYTES (a non-streamed VllmEngine answer, a first message carrying a long prompt's
+logprobs) gets `timeout_s` per WINDOW_BYTES of it: grpc passes it to the client a window at a
+time, and a client on a slow link that keeps taking it is not cut because its answer is one
+message (a 5 MB answer taken at 64 KB/s needs 80 s: before, it was cut at 60). No cap on the
+output waiting: it is the request's own output (max_tokens bounds it), and a cap would cut a
+slow reader of a long answer, whose backlog grows while it reads. The time is the injected
+`clock`'s, read at each write and at each tick (every `tick_s` of the event loop while a write
+waits)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from scheduler_service.errors import StalledClient
 
 DEFAULT_SEND_TIMEOUT_S = 60.0      # nginx's send_timeout
+# A write may wait `timeout_s` per this many bytes of its message (HTTP/2's initial window):
+# a client is cut when it takes less than one window of a message in `timeout_s`.
+WINDOW_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class _Write:
+    """A write in progress: when it began, its message, and how long it may wait (computed
+    once it has waited `timeout_s`: the message's size is read only for the rare slow write)."""
+    start: float
+    message: object
+    allowed_s: float | None = None
 
 
 class SendWatch:
@@ -45,13 +62,15 @@ class SendWatch:
         self._clock = clock
         self._tick_s = tick_s if tick_s is not None else min(max(timeout_s / 8, 0.05), 1.0)
         self._on_stall = on_stall
-        # the handler task of each write in progress -> the write's start
-        self._writes: dict[asyncio.Task, float] = {}
+        # the handler task of each write in progress -> the write
+        self._writes: dict[asyncio.Task, _Write] = {}
         self._stalled: set[asyncio.Task] = set()         # those `check` cancelled
         self._ticker: asyncio.TimerHandle | None = None
-        self.num_started = 0           # writes begun, sent, and streams cut: tests watch them
+        # writes begun, sent, streams cut, and checks made: tests watch them
+        self.num_started = 0
         self.num_sent = 0
         self.num_stalled = 0
+        self.num_checks = 0
 
     @property
     def num_waiting(self) -> int:
@@ -68,7 +87,7 @@ class SendWatch:
             await context.write(message)
             return
         task = asyncio.current_task()
-        self._writes[task] = self._clock()
+        self._writes[task] = write = _Write(self._clock(), message)
         self.num_started += 1
         self._arm()
         try:
@@ -83,22 +102,33 @@ class SendWatch:
             self.num_stalled += 1
             if self._on_stall is not None:
                 self._on_stall()
-            raise StalledClient(
-                f"stream_send_timeout={self.timeout_s:g} s is exceeded: the client read none of "
-                f"this stream's output for {self.timeout_s:g} s while it waited "
-                "(--stream-send-timeout); the request was aborted and its KV blocks freed"
-            ) from None
+            raise StalledClient(self._why(write.allowed_s)) from None
         finally:
             self._writes.pop(task, None)
             self._stalled.discard(task)
 
     def check(self) -> None:
-        """Cancel each write that has waited `timeout_s` by the clock (its handler's task)."""
+        """Cancel each write that has waited its allowance by the clock (its handler's task):
+        `timeout_s`, per WINDOW_BYTES of a larger message."""
         now = self._clock()
-        for task, start in list(self._writes.items()):
-            if now - start >= self.timeout_s and task not in self._stalled:
+        self.num_checks += 1
+        for task, write in list(self._writes.items()):
+            if now - write.start < self.timeout_s or task in self._stalled:
+                continue
+            if write.allowed_s is None:
+                windows = math.ceil(write.message.ByteSize() / WINDOW_BYTES)
+                write.allowed_s = self.timeout_s * max(1, windows)
+            if now - write.start >= write.allowed_s:
                 self._stalled.add(task)
                 task.cancel()
+
+    def _why(self, allowed_s: float) -> str:
+        waited = (f"the client read none of this stream's output for {self.timeout_s:g} s "
+                  "while it waited" if allowed_s == self.timeout_s else
+                  f"one message of this stream waited {allowed_s:g} s for the client (the "
+                  f"timeout per {WINDOW_BYTES // 1024} KiB of it)")
+        return (f"stream_send_timeout={self.timeout_s:g} s is exceeded: {waited} "
+                "(--stream-send-timeout); the request was aborted and its KV blocks freed")
 
     def _arm(self) -> None:
         if self._ticker is None:

@@ -95,11 +95,11 @@ class AdvancedClock:
         return time.monotonic() + self._ahead
 
 
-def make_sim_model_dir(path: Path) -> Path:
+def make_sim_model_dir(path: Path, max_position: int = 256) -> Path:
     """config.json + the tiny tokenizer: all the scheduler reads of a model directory."""
     build_tiny_tokenizer_dir(path)
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 320,
-              "max_position_embeddings": 256, "eos_token_id": EOS, "bos_token_id": 0}
+              "max_position_embeddings": max_position, "eos_token_id": EOS, "bos_token_id": 0}
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -158,14 +158,15 @@ class _SimExecutor:
 class SimServer:
     def __init__(self, model_dir: Path, num_blocks: int = 64, block_size: int = 4,
                  enable_prefix_caching: bool = True, api: ApiOptions = ApiOptions(),
-                 chat_template: ChatTemplate | None = None, max_waiting: int | None = None):
+                 chat_template: ChatTemplate | None = None, max_waiting: int | None = None,
+                 max_model_len: int = 256):
         self.api = api
         self.info = ModelInfo.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.grammars = GrammarCompiler(lambda: self.tokenizer.backend.to_str(),
                                         self.info.vocab_size, self.info.eos_token_ids)
         self.config = SchedulerConfig(block_size=block_size, max_num_seqs=8,
-                                      max_num_batched_tokens=64, max_model_len=256,
+                                      max_num_batched_tokens=64, max_model_len=max_model_len,
                                       enable_prefix_caching=enable_prefix_caching,
                                       **({} if max_waiting is None
                                          else {"max_waiting": max_waiting}))

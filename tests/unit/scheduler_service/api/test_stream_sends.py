@@ -16,6 +16,7 @@ import pytest
 from engine_common.wire.protos import generation_pb2 as gpb
 from engine_common.wire.protos import generation_pb2_grpc, vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.stream_sends import WINDOW_BYTES
 from tests.support.sim_server import SimServer, make_sim_model_dir
 from tests.support.vllm_sim import generate, wait_until
 
@@ -102,10 +103,35 @@ def test_a_client_that_stops_reading_is_cut_and_its_request_aborted(server, serv
     assert "(--stream-send-timeout)" in ended.value.details()
     assert got < LONG
     counts = server.engine.counters.snapshot()
-    assert counts.stalled == 1 and counts.finished.get(("error", "")) == 1
+    # each request counted once: the cut one as aborted (before: as aborted and as an error)
+    assert counts.stalled == 1
+    assert counts.finished == {("length", ""): 1, ("abort", ""): 1}
     # the engine never produced the cut request's remaining tokens
     assert counts.generation_tokens < 30 + LONG
 
+
+
+def test_a_stalled_stream_of_two_choices_aborts_both(server):
+    """n = 2 on VllmEngine: the choices' engine streams are merged; the cut aborts both, frees
+    all their blocks, and counts each choice once, as aborted (before: also as an error)."""
+    server.hold_steps(after=0)
+    with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
+        stalled = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
+            generate(PROMPT, stream=True, request_id="two", max_tokens=LONG, ignore_eos=True,
+                     logprobs=5, n=2), timeout=60)
+        wait_until(lambda: server.engine.counters.snapshot().received == 2, "both choices")
+        server.hold_steps(after=40)
+        assert server.gate.wait_held()
+        assert server.engine.stats.num_running == 2
+        _advance_until_cut(server)
+        server.release_steps()
+        wait_until(lambda: server.used_blocks() == 0 and server.engine.stats.num_running == 0,
+                   "both choices' blocks to be freed")
+        with pytest.raises(grpc.RpcError) as ended:
+            list(stalled)
+    assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    counts = server.engine.counters.snapshot()
+    assert counts.stalled == 1 and counts.finished == {("abort", ""): 2}
 
 def test_a_client_that_reads_slowly_is_never_cut(server):
     """The client reads nothing while 12 steps' output piles up, then reads it all, 10 times
@@ -156,3 +182,63 @@ def test_the_flag_refuses_a_negative_timeout():
     with pytest.raises(ValueError, match=r"stream_send_timeout_s=-1 is invalid: must be a "
                                          r"number >= 0"):
         ApiOptions(stream_send_timeout_s=-1)
+
+
+
+LONG_ANSWER = 2000      # tokens: with 20 logprobs each, a message of over 3 windows
+
+
+@pytest.fixture
+def long_server(tmp_path):
+    srv = SimServer(make_sim_model_dir(tmp_path / "model", max_position=2048), num_blocks=1024,
+                    max_model_len=2048, api=ApiOptions(stream_send_timeout_s=TIMEOUT_S))
+    yield srv
+    srv.release_steps()
+    srv.close()
+
+
+def _big_answer(channel: grpc.Channel):
+    """A non-streamed VllmEngine answer (one message) with 20 logprobs a token, not read yet:
+    its write waits until the whole message has passed the client's window."""
+    return vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(
+        generate(PROMPT, stream=False, request_id="big", max_tokens=LONG_ANSWER,
+                 ignore_eos=True, logprobs=20), timeout=60)
+
+
+def _advance_and_check(server: SimServer, seconds: float) -> None:
+    """Advance the clock while the answer's write waits, and wait for a check after it."""
+    wait_until(lambda: server.sends.num_waiting == 1, "the answer's write to wait")
+    checks = server.sends.num_checks
+    server.clock.advance(seconds)
+    wait_until(lambda: server.sends.num_checks > checks, "a check after the advance")
+
+
+def test_a_slow_reader_of_one_large_message_gets_time_in_proportion_to_its_size(long_server):
+    """A non-streamed answer is one message: on a slow link it passes a window at a time, so a
+    client that keeps taking it may take longer for the whole than the timeout. Before, a write
+    of any size was cut after the timeout: a legitimate slow client of a long answer lost it."""
+    with grpc.insecure_channel(long_server.target, options=SMALL_WINDOW) as channel:
+        answer = _big_answer(channel)
+        _advance_and_check(long_server, 2 * TIMEOUT_S + 1)
+        assert long_server.sends.num_stalled == 0
+        msgs = list(answer)
+    assert msgs[0].complete.ByteSize() > 3 * WINDOW_BYTES     # 4 timeouts allowed
+    assert [len(m.complete.output_ids) for m in msgs] == [LONG_ANSWER]
+    assert long_server.engine.counters.snapshot().stalled == 0
+
+
+def test_a_large_message_nobody_reads_is_cut_after_its_allowance(long_server):
+    with grpc.insecure_channel(long_server.target, options=SMALL_WINDOW) as channel:
+        answer = _big_answer(channel)
+        _advance_and_check(long_server, 4 * TIMEOUT_S + 1)
+        wait_until(lambda: long_server.sends.num_stalled == 1, "the answer's write to be cut")
+        with pytest.raises(grpc.RpcError) as ended:
+            list(answer)
+    assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("one message of this stream waited 240 s for the client (the timeout per 64 KiB "
+            "of it)") in ended.value.details()
+    counts = long_server.engine.counters.snapshot()
+    # the request had finished before the cut: counted once, as it finished (before: also
+    # as an error)
+    assert counts.stalled == 1 and counts.finished == {("length", ""): 1}
+    assert long_server.used_blocks() == 0
