@@ -1,0 +1,67 @@
+"""engine_common/model_files/gguf_values.py through hf_config_from_gguf: a GGUF whose numeric
+metadata has the wrong type or an impossible value is refused with a GGUFError naming the key and
+the value (before: a string block_count or rms epsilon reached config.json and failed later, or
+was served; a string softcap raised a bare ValueError; Phi-3's rope dims of 0 or over the head
+became a partial_rotary_factor of 0 or 2.5), and llama.cpp's -1 token id reads as absent."""
+from __future__ import annotations
+
+import pytest
+
+from engine_common.model_files.gguf_config import generation_config_from_gguf
+from engine_common.model_files.gguf_file import GGUFError
+from tests.unit.engine_common.model_files.test_gguf_config import _minimal
+from tests.unit.engine_common.model_files.test_gguf_families import F32, STR, U32, _config
+
+I32 = __import__("gguf").GGUFValueType.INT32
+WINDOW = {"attention__sliding_window": (4, U32)}
+
+BAD = {
+    "block-count-string": ("llama", {"block_count": ("2", STR)}, "llama.block_count='2'",
+                           "an integer >= 1"),
+    "heads-zero": ("llama", {"attention__head_count": (0, U32)},
+                   "llama.attention.head_count=0", "an integer >= 1"),
+    "rms-eps-string": ("llama", {"attention__layer_norm_rms_epsilon": ("x", STR)},
+                       "llama.attention.layer_norm_rms_epsilon='x'", "a finite number > 0"),
+    "rms-eps-negative": ("qwen2", {"attention__layer_norm_rms_epsilon": (-1.0, F32)},
+                         "qwen2.attention.layer_norm_rms_epsilon=-1.0", "a finite number > 0"),
+    "rope-base-string": ("llama", {"rope__freq_base": ("x", STR)}, "llama.rope.freq_base='x'",
+                         "a finite number > 0"),
+    "key-length-string": ("gemma2", {**WINDOW, "attention__key_length": ("8", STR)},
+                          "gemma2.attention.key_length='8'", "an integer >= 2"),
+    "softcap-string": ("gemma2", {**WINDOW, "attn_logit_softcapping": ("x", STR)},
+                       "gemma2.attn_logit_softcapping='x'", "a finite number > 0"),
+    "gemma2-window-string": ("gemma2", {"attention__sliding_window": ("4", STR)},
+                             "gemma2.attention.sliding_window='4'", "an integer >= 1"),
+    "gemma3-final-softcap-string": ("gemma3", {**WINDOW, "final_logit_softcapping": ("x", STR)},
+                                    "gemma3.final_logit_softcapping='x'", "a finite number"),
+    "phi3-rope-dims-zero": ("phi3", {"rope__dimension_count": (0, U32)},
+                            "phi3.rope.dimension_count=0", "an integer >= 2"),
+    "phi3-rope-dims-over-head": ("phi3", {"rope__dimension_count": (40, U32)},
+                                 "phi3.rope.dimension_count=40", r"an even number of dims in \[2, "
+                                 r"16\]"),
+    "phi3-rope-dims-odd": ("phi3", {"rope__dimension_count": (7, U32)},
+                           "phi3.rope.dimension_count=7", "an even"),
+    "starcoder2-eps-string": ("starcoder2", {"attention__layer_norm_epsilon": ("x", STR)},
+                              "starcoder2.attention.layer_norm_epsilon='x'",
+                              "a finite number > 0"),
+    "eos-id-string": ("llama", {}, "tokenizer.ggml.eos_token_id='1'", "an integer >= -1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_wrong_type_or_range_is_refused_naming_the_key(tmp_path, case):
+    arch, keys, named, must = BAD[case]
+    if case == "eos-id-string":       # a key outside the arch's namespace
+        with pytest.raises(GGUFError, match=rf"metadata {named} is invalid: must be {must}"):
+            generation_config_from_gguf(_minimal(
+                tmp_path, extra={"tokenizer.ggml.eos_token_id": ("1", STR)}))
+        return
+    with pytest.raises(GGUFError, match=rf"metadata {named} is invalid: must be {must}"):
+        _config(tmp_path, arch, **keys)
+
+
+def test_llama_cpps_null_token_id_reads_as_absent(tmp_path):
+    gen = generation_config_from_gguf(_minimal(
+        tmp_path, extra={"tokenizer.ggml.padding_token_id": (-1, I32),
+                         "tokenizer.ggml.eot_token_id": (-1, I32)}))
+    assert gen == {"eos_token_id": 1}
