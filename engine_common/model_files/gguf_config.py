@@ -15,7 +15,8 @@ import numpy as np
 
 from engine_common.model_files.gguf_families import FAMILIES
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
-from engine_common.model_files.gguf_values import MISSING, metadata_float, metadata_int
+from engine_common.model_files.gguf_values import (MISSING, metadata_float, metadata_int,
+                                                   metadata_list)
 
 # GGUF general.architecture -> (HF architectures[0], HF model_type)
 ARCHITECTURES = MappingProxyType({arch: family[:2] for arch, family in FAMILIES.items()})
@@ -66,7 +67,7 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict:
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     config["head_dim"] = _head_dim(gguf, arch, config)
     config["vocab_size"] = metadata_int(gguf, f"{arch}.vocab_size", None, 1) or len(
-        gguf.require("tokenizer.ggml.tokens"))
+        metadata_list(gguf, "tokenizer.ggml.tokens", str))
     theta = metadata_float(gguf, f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA)
     config["rope_theta"] = theta    # both layouts: transformers 4.x reads this one
     config["rope_parameters"] = _rope_parameters(gguf, arch, theta, config["head_dim"])

@@ -1,10 +1,13 @@
-"""engine_common/model_files/gguf_values.py through hf_config_from_gguf: a GGUF whose numeric
-metadata has the wrong type or an impossible value is refused with a GGUFError naming the key and
-the value (before: a string block_count or rms epsilon reached config.json and failed later, or
-was served; a string softcap raised a bare ValueError; Phi-3's rope dims of 0 or over the head
-became a partial_rotary_factor of 0 or 2.5), and llama.cpp's -1 token id reads as absent."""
+"""engine_common/model_files/gguf_values.py through hf_config_from_gguf and the GGUF tokenizer: a
+file whose metadata has the wrong type or an impossible value is refused with a GGUFError naming
+the key and the value. Before: a string block_count or rms epsilon reached config.json and failed
+later, or was served; a string softcap raised a bare ValueError; Phi-3's rope dims of 0 or over
+the head became a partial_rotary_factor of 0 or 2.5; a string vocabulary made the tokenizers
+library panic; malformed merges raised a bare TypeError; a string add_bos_token read as True.
+llama.cpp's -1 token id reads as absent."""
 from __future__ import annotations
 
+import gguf
 import pytest
 
 from engine_common.model_files.gguf_config import generation_config_from_gguf
@@ -12,7 +15,7 @@ from engine_common.model_files.gguf_file import GGUFError
 from tests.unit.engine_common.model_files.test_gguf_config import _minimal
 from tests.unit.engine_common.model_files.test_gguf_families import F32, STR, U32, _config
 
-I32 = __import__("gguf").GGUFValueType.INT32
+I32 = gguf.GGUFValueType.INT32
 WINDOW = {"attention__sliding_window": (4, U32)}
 
 BAD = {
@@ -65,3 +68,68 @@ def test_llama_cpps_null_token_id_reads_as_absent(tmp_path):
         tmp_path, extra={"tokenizer.ggml.padding_token_id": (-1, I32),
                          "tokenizer.ggml.eot_token_id": (-1, I32)}))
     assert gen == {"eos_token_id": 1}
+
+
+def _tokenizer_file(tmp_path, tokens=("a", "b", "ab"), merges=("a b",), extra=()):
+    """A byte-level ("gpt2") tokenizer file with `extra` (key, value, type) metadata; tokens or
+    merges given as a str are written as one string instead of an array."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    for key, value in (("tokenizer.ggml.tokens", tokens), ("tokenizer.ggml.merges", merges)):
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, list(value))
+    for key, value, kind in extra:
+        w.add_key_value(key, value, kind)
+    w.add_tensor("token_embd.weight", np.zeros((3, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tmp_path
+
+
+ARRAY = gguf.GGUFValueType.ARRAY
+BAD_TOKENIZERS = {
+    # a str vocabulary made the tokenizers library panic (a BaseException past every handler)
+    "tokens-a-string": ({"tokens": "abc"}, r"tokenizer.ggml.tokens \(a str\) is invalid: must "
+                                           r"be a non-empty array of strings"),
+    "merges-a-string": ({"merges": "a b"}, r"tokenizer.ggml.merges \(a str\) is invalid"),
+    "merge-of-ints": ({"merges": (1, 2)}, r"tokenizer.ggml.merges\[0\]=1 is invalid: must be a "
+                                          r"string"),
+    "merge-without-space": ({"merges": ("ab",)}, r"tokenizer.ggml.merges\[0\]='ab' is invalid: "
+                                                 r"must be two pieces joined by one space"),
+    "token-type-strings": ({"extra": [("tokenizer.ggml.token_type", ["x", "y", "z"], ARRAY)]},
+                           r"tokenizer.ggml.token_type\[0\]='x' is invalid: must be an integer"),
+    "token-type-short": ({"extra": [("tokenizer.ggml.token_type", [1], ARRAY)]},
+                         r"tokenizer.ggml.token_type \(an array of 1\) is invalid: must be a "
+                         r"non-empty array of integers \(3: one per token\)"),
+    "add-bos-a-string": ({"extra": [("tokenizer.ggml.add_bos_token", "no", STR)]},
+                         r"tokenizer.ggml.add_bos_token='no' is invalid: must be a bool"),
+    "template-a-number": ({"extra": [("tokenizer.chat_template", 5, U32)]},
+                          r"tokenizer.chat_template=5 is invalid: must be a string"),
+    "pre-a-number": ({"extra": [("tokenizer.ggml.pre", 5, U32)]},
+                     r"tokenizer.ggml.pre=5 is invalid: must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TOKENIZERS))
+def test_bad_tokenizer_metadata_is_refused_naming_the_key(tmp_path, case):
+    from engine_common.model_files.model_dir import ModelDirError
+    from engine_common.text.tokenizer import Tokenizer
+
+    kwargs, message = BAD_TOKENIZERS[case]
+    with pytest.raises(ModelDirError, match=message):
+        Tokenizer.from_dir(_tokenizer_file(tmp_path, **kwargs))
+
+
+def test_a_well_formed_tokenizer_file_still_reads(tmp_path):
+    from engine_common.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(_tokenizer_file(tmp_path, extra=[
+        ("tokenizer.ggml.token_type", [1, 1, 1], ARRAY),
+        ("tokenizer.ggml.add_bos_token", False, gguf.GGUFValueType.BOOL)]))
+    assert tok.encode("ab") == [2]
