@@ -133,3 +133,11 @@ def test_a_well_formed_tokenizer_file_still_reads(tmp_path):
         ("tokenizer.ggml.token_type", [1, 1, 1], ARRAY),
         ("tokenizer.ggml.add_bos_token", False, gguf.GGUFValueType.BOOL)]))
     assert tok.encode("ab") == [2]
+
+
+@pytest.mark.parametrize("value,kind", [("32", STR), (0, U32), (12, U32)])
+def test_a_bad_alignment_is_refused_naming_it(tmp_path, value, kind):
+    """Before: a string raised a bare ValueError and 0 a ZeroDivisionError."""
+    with pytest.raises(GGUFError, match=rf"metadata general.alignment={value!r} is invalid: "
+                                        r"must be a positive multiple of 8"):
+        _minimal(tmp_path, extra={"general.alignment": (value, kind)})
