@@ -1,6 +1,7 @@
 """Command-R's and GLM-4's chat templates render and encode exactly as transformers'
 apply_chat_template. Command-R's tokenizer_config.json holds named templates ("default",
-"tool_use", "rag": the last two stand-ins here) and a chat without tools takes "default"; its
+"tool_use", "rag": the last two stand-ins here): a chat without tools takes "default", one with
+tools "tool_use" (before: "default" always, the tools dropped without a word); "default"'s
 `{{ bos_token }}` is tokenized to the one BOS id, its turns are special tokens, its content
 `.strip()`ped, its roles checked with raise_exception. GLM-4-0414's starts with the
 `[gMASK]<sop>` special tokens as text, gathers the system messages first, reads
@@ -38,7 +39,9 @@ COMMAND_R = (
     "content.strip() + '<|END_OF_TURN_TOKEN|>' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '" + _TURN + "<|CHATBOT_TOKEN|>' }}{% endif %}")
 COMMAND_R_NAMED = [{"name": "default", "template": COMMAND_R},
-                   {"name": "tool_use", "template": "TOOL USE {{ tools }}"},
+                   {"name": "tool_use", "template": (
+                       "{{ bos_token }}TOOLS {{ tools | tojson }}{% for m in messages %}"
+                       "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")},
                    {"name": "rag", "template": "RAG {{ documents }}"}]
 GLM4 = (
     "[gMASK]<sop>{%- if tools -%}<|system|>\n# tools\n{% for tool in tools %}"
@@ -107,3 +110,16 @@ def test_glm4_gathers_system_messages_first(tmp_path):
     text = load_chat_template(_model_dir(tmp_path, "glm4")).render(CONVERSATIONS[1], True)
     assert text.startswith("[gMASK]<sop><|system|>\n  Be brief.  <|user|>\nHi 🙂<|assistant|>\n")
     assert text.endswith("<|user|>\nhéllo wörld, 你好<|assistant|>")
+
+
+def test_command_r_with_tools_takes_its_tool_use_template(tmp_path):
+    model_dir = _model_dir(tmp_path, "command-r")
+    ref = AutoTokenizer.from_pretrained(model_dir)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    template = load_chat_template(model_dir)
+    for conv in CONVERSATIONS:
+        want = ref.apply_chat_template(conv, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)
+        assert template.render(conv, True, tools=tools) == want
+        assert want.startswith('<BOS_TOKEN>TOOLS [{"type": "function"')
+    assert template.render(CONVERSATIONS[0], True, tools=None).startswith(f"<BOS_TOKEN>{_TURN}")
