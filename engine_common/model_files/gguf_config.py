@@ -15,6 +15,8 @@ import numpy as np
 
 from engine_common.model_files.gguf_families import FAMILIES
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
+from engine_common.model_files.gguf_values import (MISSING, metadata_float, metadata_int,
+                                                   metadata_list)
 
 # GGUF general.architecture -> (HF architectures[0], HF model_type)
 ARCHITECTURES = MappingProxyType({arch: family[:2] for arch, family in FAMILIES.items()})
@@ -59,16 +61,14 @@ def hf_config_from_gguf(gguf: GGUFFile) -> dict:
     hf_arch, model_type = ARCHITECTURES[arch]
     config = {"architectures": [hf_arch], "model_type": model_type}
     for key, field in _FIELDS:
-        full = f"{arch}.{key}"
-        if full in gguf.metadata:
-            config[field] = gguf.metadata[full]
-        elif key not in _OPTIONAL:
-            gguf.require(full)
+        value = metadata_int(gguf, f"{arch}.{key}", None if key in _OPTIONAL else MISSING, 1)
+        if value is not None:
+            config[field] = value
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     config["head_dim"] = _head_dim(gguf, arch, config)
-    config["vocab_size"] = gguf.get(f"{arch}.vocab_size") or len(
-        gguf.require("tokenizer.ggml.tokens"))
-    theta = float(gguf.get(f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA))
+    config["vocab_size"] = metadata_int(gguf, f"{arch}.vocab_size", None, 1) or len(
+        metadata_list(gguf, "tokenizer.ggml.tokens", str))
+    theta = metadata_float(gguf, f"{arch}.rope.freq_base", _DEFAULT_ROPE_THETA)
     config["rope_theta"] = theta    # both layouts: transformers 4.x reads this one
     config["rope_parameters"] = _rope_parameters(gguf, arch, theta, config["head_dim"])
     config["tie_word_embeddings"] = "output.weight" not in gguf.tensors
@@ -85,7 +85,7 @@ def _head_dim(gguf: GGUFFile, arch: str, config: dict) -> int:
     dimension count, else hidden_size / heads."""
     for key in ("attention.key_length", "rope.dimension_count"):
         if f"{arch}.{key}" in gguf.metadata:
-            return int(gguf.metadata[f"{arch}.{key}"])
+            return metadata_int(gguf, f"{arch}.{key}", minimum=2)
     return config["hidden_size"] // config["num_attention_heads"]
 
 
@@ -96,8 +96,8 @@ def _rope_parameters(gguf: GGUFFile, arch: str, theta: float, head_dim: int) -> 
         raise GGUFError(f"{gguf.path}: {arch}.rope.scaling.type={scaling!r} is not supported: "
                         "must be absent, 'none' or 'linear'")
     if scaling == "linear":         # Gemma 3 4B+ (its full layers), linear fine-tunes
-        factor = gguf.require(f"{arch}.rope.scaling.factor")
-        return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+        factor = metadata_float(gguf, f"{arch}.rope.scaling.factor")
+        return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
     if "rope_freqs.weight" not in gguf.tensors:
         return {"rope_type": "default", "rope_theta": theta}
     info = gguf.tensors["rope_freqs.weight"]
@@ -145,13 +145,23 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, gguf: GGUF
             "original_max_position_embeddings": round(context, 3)}
 
 
+# llama.cpp's "no such token" (LLAMA_TOKEN_NULL): read as an absent id, not an error
+_NO_TOKEN = -1
+
+
+def _token_id(gguf: GGUFFile, key: str) -> int | None:
+    """tokenizer.ggml.<key> (an integer, else GGUFError naming it); None when absent or -1."""
+    value = metadata_int(gguf, f"tokenizer.ggml.{key}", None, minimum=_NO_TOKEN)
+    return None if value is None or value == _NO_TOKEN else value
+
+
 def _special_ids(gguf: GGUFFile) -> dict:
     ids = {}
     for field, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):
-        value = gguf.get(f"tokenizer.ggml.{key}")
+        value = _token_id(gguf, key)
         if value is not None:
-            ids[field] = int(value)
+            ids[field] = value
     return ids
 
 
@@ -162,9 +172,9 @@ def generation_config_from_gguf(gguf: GGUFFile) -> dict:
     gen = _special_ids(gguf)
     ends = [gen["eos_token_id"]] if "eos_token_id" in gen else []
     for key in ("eot_token_id", "eom_token_id"):
-        value = gguf.get(f"tokenizer.ggml.{key}")
-        if value is not None and int(value) not in ends:
-            ends.append(int(value))
+        value = _token_id(gguf, key)
+        if value is not None and value not in ends:
+            ends.append(value)
     if len(ends) > 1:
         gen["eos_token_id"] = ends
     return gen

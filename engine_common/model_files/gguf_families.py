@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Callable
 
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
+from engine_common.model_files.gguf_values import metadata_float, metadata_int
 
 GELU_TANH = "gelu_pytorch_tanh"
 # llama.cpp's model-size guess for the Gemma 27B models (layer count), whose attention scale
@@ -42,16 +43,12 @@ _GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 3
 
 
 def _rms_eps(gguf: GGUFFile, arch: str, config: dict) -> dict:
-    return {"rms_norm_eps": gguf.require(f"{arch}.attention.layer_norm_rms_epsilon")}
+    return {"rms_norm_eps": metadata_float(gguf, f"{arch}.attention.layer_norm_rms_epsilon")}
 
 
 def _window(gguf: GGUFFile, arch: str) -> int:
     """attention.sliding_window as an int (absent: 0)."""
-    value = gguf.get(f"{arch}.attention.sliding_window", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise GGUFError(f"{gguf.path}: {arch}.attention.sliding_window={value!r} is invalid: "
-                        "must be a non-negative integer")
-    return value
+    return metadata_int(gguf, f"{arch}.attention.sliding_window", 0)
 
 
 def _llama(gguf: GGUFFile, arch: str, config: dict) -> dict:
@@ -78,9 +75,10 @@ def _gemma(gguf: GGUFFile, arch: str, config: dict) -> dict:
 def _gemma2(gguf: GGUFFile, arch: str, config: dict) -> dict:
     out = {**_rms_eps(gguf, arch, config), "hidden_activation": GELU_TANH,
            "hidden_act": GELU_TANH, "query_pre_attn_scalar": _gemma_scale(gguf, arch, config),
-           "sliding_window": gguf.require(f"{arch}.attention.sliding_window")}
+           "sliding_window": metadata_int(gguf, f"{arch}.attention.sliding_window",
+                                          minimum=1)}
     for key, default in _GEMMA2_SOFTCAPS.items():
-        out[key] = float(gguf.get(f"{arch}.{key}", default))
+        out[key] = metadata_float(gguf, f"{arch}.{key}", default)
     return out
 
 
@@ -97,7 +95,7 @@ def _gemma3(gguf: GGUFFile, arch: str, config: dict) -> dict:
            "layer_types": types,
            "sliding_window": window or None, "rope_local_base_freq": _GEMMA3_LOCAL_THETA,
            "rope_theta": rope["rope_theta"], "final_logit_softcapping":
-           gguf.get(f"{arch}.final_logit_softcapping")}
+           metadata_float(gguf, f"{arch}.final_logit_softcapping", None)}
     if rope["rope_type"] != "default":
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return out
@@ -116,7 +114,11 @@ def _phi3(gguf: GGUFFile, arch: str, config: dict) -> dict:
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     out = {**_rms_eps(gguf, arch, config), "head_dim": head_dim,
            "sliding_window": _window(gguf, arch) or None}
-    rotary = int(gguf.get(f"{arch}.rope.dimension_count", head_dim))
+    key = f"{arch}.rope.dimension_count"
+    rotary = metadata_int(gguf, key, head_dim, minimum=2)
+    if rotary > head_dim or rotary % 2:
+        raise GGUFError(f"{gguf.path}: metadata {key}={rotary} is invalid: must be an even "
+                        f"number of dims in [2, {head_dim}] (hidden / heads)")
     if rotary != head_dim:
         out["rope_parameters"] = {**config["rope_parameters"],
                                   "partial_rotary_factor": rotary / head_dim}
@@ -125,7 +127,7 @@ def _phi3(gguf: GGUFFile, arch: str, config: dict) -> dict:
 
 def _starcoder2(gguf: GGUFFile, arch: str, config: dict) -> dict:
     window = _window(gguf, arch)
-    return {"norm_epsilon": gguf.require(f"{arch}.attention.layer_norm_epsilon"),
+    return {"norm_epsilon": metadata_float(gguf, f"{arch}.attention.layer_norm_epsilon"),
             "use_bias": "blk.0.attn_q.bias" in gguf.tensors, "hidden_act": GELU_TANH,
             "head_dim": config["hidden_size"] // config["num_attention_heads"],
             "sliding_window": window or None}

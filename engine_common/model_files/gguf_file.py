@@ -153,7 +153,11 @@ class GGUFFile:
             key = cur.string()
             metadata[key] = cur.value(cur.scalar("<I"))
         entries = [cls._tensor_entry(cur) for _ in range(num_tensors)]
-        align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or align < 8 or align % 8:
+            # (a string raised a bare ValueError, 0 a ZeroDivisionError)
+            raise GGUFError(f"{path}: metadata general.alignment={align!r} is invalid: must be "
+                            "a positive multiple of 8 (the GGUF spec)")
         data_start = -(-cur.pos // align) * align
         tensors = {}
         for name, ne, type_id, rel in entries:

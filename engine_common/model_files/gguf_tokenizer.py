@@ -35,6 +35,8 @@ from types import MappingProxyType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
+from engine_common.model_files.gguf_values import (MISSING, metadata_bool, metadata_int,
+                                                   metadata_list, metadata_str)
 
 SUPPORTED_MODELS = ("gpt2", "llama")
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -79,36 +81,38 @@ def byte_to_unicode() -> dict[int, str]:
 
 def tokenizer_from_gguf(gguf: GGUFFile) -> Tokenizer:
     """The file's tokenizer, ready to encode (what tokenizer.json would hold)."""
-    kind = gguf.require("tokenizer.ggml.model")
+    kind = metadata_str(gguf, "tokenizer.ggml.model")
     if kind not in SUPPORTED_MODELS:
         raise GGUFError(f"{gguf.path}: tokenizer.ggml.model={kind!r} is not supported: must be "
                         f"one of {SUPPORTED_MODELS}")
-    tokens = gguf.require("tokenizer.ggml.tokens")
+    tokens = metadata_list(gguf, "tokenizer.ggml.tokens", str)
+    merges = _merges(gguf, None if kind == "llama" else MISSING)
     if kind == "gpt2":
-        tok = Tokenizer(_byte_level_bpe(tokens, gguf.require("tokenizer.ggml.merges")))
-        tok.pre_tokenizer = _pre_tokenizer(gguf.get("tokenizer.ggml.pre"))
+        tok = Tokenizer(_byte_level_bpe(tokens, merges))
+        tok.pre_tokenizer = _pre_tokenizer(metadata_str(gguf, "tokenizer.ggml.pre", None))
         tok.decoder = decoders.ByteLevel()
     elif gguf.get("general.architecture") in _GEMMA_ARCHS:
-        tok = _gemma_bpe(tokens, gguf.get("tokenizer.ggml.merges"))
+        tok = _gemma_bpe(tokens, merges)
     else:
-        tok = _sentencepiece_bpe(tokens, gguf.get("tokenizer.ggml.merges"),
-                                 gguf.get("tokenizer.ggml.scores"), gguf)
+        tok = _sentencepiece_bpe(tokens, merges, metadata_list(
+            gguf, "tokenizer.ggml.scores", float, None, len(tokens)), gguf)
         if gguf.get("general.architecture") == "phi3":
             # transformers' phi3_tokenizer: the prefix space from a normalizer, no Metaspace
             tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE),
                                                    normalizers.Replace(" ", _SPACE)])
             tok.pre_tokenizer = None
-    _add_special_tokens(tok, tokens, gguf.get("tokenizer.ggml.token_type") or [],
+    _add_special_tokens(tok, tokens, metadata_list(gguf, "tokenizer.ggml.token_type", int, [],
+                                                   len(tokens)),
                         kind == "gpt2", _named_special_tokens(gguf, tokens))
     return tok
 
 
-def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list[float] | None,
-                       gguf: GGUFFile) -> Tokenizer:
+def _sentencepiece_bpe(tokens: list[str], merges: list[tuple[str, str]] | None,
+                       scores: list[float] | None, gguf: GGUFFile) -> Tokenizer:
     """transformers' LlamaTokenizer(vocab, merges) as it builds it for a GGUF."""
     vocab = {token: index for index, token in enumerate(tokens)}
     if merges is not None:
-        pairs = [tuple(m.split(" ")) for m in merges]
+        pairs = merges
     elif scores is not None:
         pairs = merges_from_scores(vocab, dict(zip(tokens, scores)))
     else:
@@ -123,7 +127,7 @@ def _sentencepiece_bpe(tokens: list[str], merges: list[str] | None, scores: list
     return tok
 
 
-def _gemma_bpe(tokens: list[str], merges: list[str] | None) -> Tokenizer:
+def _gemma_bpe(tokens: list[str], merges: list[tuple[str, str]] | None) -> Tokenizer:
     """transformers' gemma_tokenizer + GemmaTokenizer for a GGUF: whitespace-only tokens the
     file spells with spaces respelled as "▁"s (GemmaTokenizer looks them up so), merges from the
     file or rebuilt with the file's order as their priority (Gemma's scores do not follow its
@@ -131,7 +135,7 @@ def _gemma_bpe(tokens: list[str], merges: list[str] | None) -> Tokenizer:
     respelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {token: index for index, token in enumerate(respelled)}
     if merges is not None:
-        pairs = [tuple(m.split(" ")) for m in merges]
+        pairs = merges
     else:
         pairs = merges_from_scores(vocab, {t: -i for i, t in enumerate(respelled)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, unk_token="<unk>",
@@ -156,7 +160,22 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
     return [(left, right) for left, right, _ in merges]
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
+def _merges(gguf: GGUFFile, default) -> list[tuple[str, str]] | None:
+    """tokenizer.ggml.merges as (left, right) pairs; GGUFError naming the first merge that is
+    not two pieces joined by one space (the tokenizers library would panic on it)."""
+    key = "tokenizer.ggml.merges"
+    merges = metadata_list(gguf, key, str, default)
+    if merges is None:
+        return None
+    pairs = [tuple(m.split(" ")) for m in merges]
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2 or not all(pair):
+            raise GGUFError(f"{gguf.path}: metadata {key}[{i}]={merges[i]!r} is invalid: must "
+                            "be two pieces joined by one space")
+    return pairs
+
+
+def _byte_level_bpe(tokens: list[str], pairs: list[tuple[str, str]]) -> models.BPE:
     spelling = byte_to_unicode()
     alphabet = set(spelling.values())
     vocab = {}
@@ -164,7 +183,6 @@ def _byte_level_bpe(tokens: list[str], merges: list[str]) -> models.BPE:
         if not set(token) <= alphabet:   # spelled as text: respell its UTF-8 bytes
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[token] = index
-    pairs = [tuple(m.split(" ")) for m in merges]
     return models.BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
                       end_of_word_suffix="", fuse_unk=False)
 
@@ -182,7 +200,7 @@ def _named_special_tokens(gguf: GGUFFile, tokens: list[str]) -> dict[str, str]:
     """bos / eos / unk / pad token strings, by tokenizer_config.json name."""
     named = {}
     for name, key in _SPECIAL_TOKENS:
-        token_id = gguf.get(f"tokenizer.ggml.{key}")
+        token_id = metadata_int(gguf, f"tokenizer.ggml.{key}", None, minimum=-1)
         if token_id is not None and 0 <= token_id < len(tokens):
             named[name] = tokens[token_id]
     return named
@@ -209,14 +227,13 @@ def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int
 def tokenizer_config_from_gguf(gguf: GGUFFile) -> dict:
     """tokenizer_config.json: the special tokens by name, add_bos/eos_token, the chat template.
     A SentencePiece ("llama") vocabulary that does not say adds BOS, as llama.cpp does."""
-    tokens = gguf.require("tokenizer.ggml.tokens")
+    tokens = metadata_list(gguf, "tokenizer.ggml.tokens", str)
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast",
                     **_named_special_tokens(gguf, tokens)}
     default_bos = gguf.get("tokenizer.ggml.model") == "llama"
     for key, default in (("add_bos_token", default_bos), ("add_eos_token", False)):
-        value = gguf.get(f"tokenizer.ggml.{key}")
-        config[key] = bool(value) if value is not None else default
-    template = gguf.get("tokenizer.chat_template")
+        config[key] = metadata_bool(gguf, f"tokenizer.ggml.{key}", default)
+    template = metadata_str(gguf, "tokenizer.chat_template", None)
     if template:
         config["chat_template"] = template
     return config

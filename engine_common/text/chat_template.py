@@ -106,15 +106,16 @@ def _compile(source: str) -> jinja2.Template:
 
 
 class ChatTemplate:
-    """A compiled chat template and the special tokens it may refer to."""
+    """A compiled chat template and the special tokens it may refer to; `tool_use`: the
+    template a chat with tools renders with instead (Command-R's named "tool_use" one)."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None,
+                 tool_use: str | None = None):
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        try:
-            self._template = _compile(source)
-        except jinja2.TemplateError as e:   # the model's files are broken: refuse it at load
-            raise ModelDirError(f"the chat template is not valid Jinja: {e}") from None
+        self._template = _compile_model_template(source, "chat template")
+        self._tool_use = _compile_model_template(tool_use, "tool_use chat template") \
+            if tool_use else None
 
     def render(self, messages: list[ChatMessage | dict],
                add_generation_prompt: bool = True, *, tools: list | None = None,
@@ -123,8 +124,10 @@ class ChatTemplate:
         `extra`: more variables for the template (transformers' apply_chat_template kwargs),
         over the special tokens."""
         plain = [_plain_message(m) for m in messages]
+        # transformers' get_chat_template: tools pick the "tool_use" template when there is one
+        template = self._tool_use if tools is not None and self._tool_use else self._template
         try:
-            return self._template.render(messages=plain, tools=tools, documents=None,
+            return template.render(messages=plain, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**self.special_tokens, **(extra or {})})
         except jinja2.TemplateError as e:    # incl. raise_exception and sandbox SecurityError
@@ -134,13 +137,25 @@ class ChatTemplate:
     def from_tokenizer_config(cls, source: str | list | None,
                               tokenizer_config: dict) -> "ChatTemplate | None":
         """The template `source` (a string, or named templates) with tokenizer_config.json's
-        special tokens; None when there is no template."""
-        if isinstance(source, list):   # [{"name": ..., "template": ...}]: take "default"
+        special tokens; None when there is no template. Named templates
+        ([{"name": ..., "template": ...}]: Command-R's) give "default", and "tool_use" for chats
+        with tools."""
+        tool_use = None
+        if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
+            source, tool_use = named.get("default"), named.get("tool_use")
         if not source:
             return None
-        return cls(source, special_tokens_of(tokenizer_config))
+        return cls(source, special_tokens_of(tokenizer_config), tool_use)
+
+
+def _compile_model_template(source: str, what: str) -> jinja2.Template:
+    """A model's template compiled; ModelDirError when it is not valid Jinja (the model's files
+    are broken: refused at load)."""
+    try:
+        return _compile(source)
+    except jinja2.TemplateError as e:
+        raise ModelDirError(f"the {what} is not valid Jinja: {e}") from None
 
 
 def _plain_message(message: ChatMessage | dict) -> dict:

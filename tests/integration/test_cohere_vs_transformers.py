@@ -81,6 +81,20 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
                            tmp_path)
 
 
+@pytest.mark.slow
+def test_tp3_matches_tp1_over_gloo(tmp_path):
+    """Three ranks (6 heads): Cohere's q/k norm rows sliced by a start that is not a power of
+    two, its kv heads split (3) and replicated (1); GLM's half-rotary reordered rows and GLM-4's
+    extra norms; Cohere2's rope-less full layer."""
+    from worker_service.models.tiny_model import make_tiny_model
+    sizes = {"hidden_size": 96, "num_attention_heads": 6, "head_dim": 16,
+             "intermediate_size": 96}
+    models = [("cohere", 3), ("cohere", 1), ("cohere2", 3), ("glm4", 1), ("glm", 3)]
+    assert_tp2_matches_tp1([make_tiny_model(tmp_path / f"{arch}-{kv}", arch=arch, seed=i,
+                                            num_key_value_heads=kv, **sizes)
+                            for i, (arch, kv) in enumerate(models)], tmp_path, world_size=3)
+
+
 def test_logit_scale_and_the_missing_rope_matter(tiny_models, tmp_path):
     """Guards against the tests passing whatever those two do: a scale of 1 and a Cohere2 whose
     every layer rotates change the logits."""

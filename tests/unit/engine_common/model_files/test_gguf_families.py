@@ -93,7 +93,7 @@ def test_a_bad_window_and_a_missing_gemma2_window_are_named(tmp_path):
                                         "missing"):
         _config(tmp_path / "a", "gemma2")
     with pytest.raises(GGUFError, match=r"phi3.attention.sliding_window=-1 is invalid: must "
-                                        r"be a non-negative integer"):
+                                        r"be an integer >= 0"):
         _config(tmp_path / "b", "phi3", attention__sliding_window=(-1, gguf.GGUFValueType.INT32))
 
 
