@@ -152,7 +152,11 @@ PREFIX = "model.layers.0.self_attn.q_proj"
     ("gptq", lambda t: t.pop(f"{PREFIX}.g_idx"),
      f"{PREFIX}.qweight has no {PREFIX}.g_idx beside it (desc_act is true"),
     ("awq", lambda t: t.update({f"{PREFIX}.scales": t[f"{PREFIX}.scales"][:1]}),
-     f"checkpoint tensor '{PREFIX}.weight': {PREFIX}.qweight: group index"),
+     f"{PREFIX}.scales: shape [1, 64] does not fit the weight: must be [4, 64]"),
+    # a scale grid one block row too many: its extra row used to be ignored silently
+    ("fp8", lambda t: t.update({f"{PREFIX}.weight_scale_inv": t[f"{PREFIX}.weight_scale_inv"]
+                                .repeat(2, 1)}),
+     f"{PREFIX}.weight_scale_inv: shape [8, 4] does not fit the weight: must be [4, 4]"),
 ])
 def test_tensors_that_do_not_fit_the_config_are_refused(quant_pair, tmp_path, fmt, edit,
                                                         problem):
