@@ -66,7 +66,8 @@ def test_every_format_loads_as_its_dequantized_twin(quant_pair, arch):
 
 
 @pytest.mark.parametrize("arch,fmt", [("qwen3", f) for f in FORMATS]
-                         + [("qwen3_moe", "fp8"), ("llama", "gptq"), ("phi3", "awq")])
+                         + [("qwen3_moe", "fp8"), ("llama", "gptq"), ("phi3", "awq"),
+                            ("deepseek_v3", "fp8"), ("glm4", "gptq"), ("cohere", "fp8-ct")])
 def test_greedy_matches_transformers_on_the_twin(quant_pair, arch, fmt):
     quantized, twin = quant_pair(arch, fmt)
     llm = LLM(str(quantized), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
