@@ -229,3 +229,30 @@ def test_fp8_as_transformers_itself_loads_the_fp8_directory(quant_pair):
     with torch.no_grad():
         want = hf(ids[None]).logits[0]
     torch.testing.assert_close(prefill_logits(got, ids), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,fname,settings", [
+    # AutoGPTQ 0.4's quantize_config.json (no quant_method), TheBloke's older *-GPTQ repos
+    ("gptq", "quantize_config.json", {"bits": 4, "group_size": 16, "damp_percent": 0.01,
+                                      "desc_act": True, "static_groups": False, "sym": False,
+                                      "true_sequential": True, "model_name_or_path": None,
+                                      "model_file_base_name": "model"}),
+    # AutoAWQ's quant_config.json, in its own key names
+    ("awq", "quant_config.json", {"zero_point": True, "q_group_size": 16, "w_bit": 4,
+                                  "version": "GEMM"}),
+])
+def test_settings_in_a_file_beside_config_json(quant_pair, tmp_path, fmt, fname, settings):
+    quantized, twin = quant_pair("qwen3", fmt)
+    path = shutil.copytree(quantized, tmp_path / fmt)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / fname).write_text(json.dumps(settings))
+    assert ModelInfo.from_dir(path).hf_config["quantization_config"]["quant_method"] == fmt
+    assert_same_weights(ours(path), ours(twin))
+    (path / fname).write_text(json.dumps({**settings, "desc_act": "yes"}))
+    with pytest.raises(ModelDirError, match=r"quantization_config\.desc_act='yes'"):
+        ModelInfo.from_dir(path)
+    (path / fname).write_text("[4]")
+    with pytest.raises(ModelDirError, match=rf"{fname} is invalid: must be a JSON object"):
+        ModelInfo.from_dir(path)
