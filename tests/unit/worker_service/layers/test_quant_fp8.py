@@ -80,3 +80,18 @@ def test_per_channel_and_per_tensor_scales():
 def test_refusals_name_the_tensor(weight, scale, block, match):
     with pytest.raises(ValueError, match=match):
         dequantize_fp8(weight, scale, block, "m.weight")
+
+
+@pytest.mark.parametrize("block", [(4, 4), None])
+@pytest.mark.parametrize("where", ["code", "nan scale", "-inf scale"])
+def test_one_non_finite_value_among_many_is_refused(block, where):
+    """A single NaN code, or one block's (one row's) NaN / -inf scale, in an otherwise finite
+    weight: the min / max check sees it as isfinite did."""
+    weight = torch.ones(12, 12).to(torch.float8_e4m3fn)
+    scale = torch.ones(3, 3) if block else torch.ones(12, 1)
+    if where == "code":
+        weight.view(torch.uint8)[7, 9] = 0xFF                  # e4m3fn's negative NaN
+    else:
+        scale[1, 0 if block is None else 2] = float("nan" if where == "nan scale" else "-inf")
+    with pytest.raises(ValueError, match=r"^m\.weight: FP8 weight dequantizes to non-finite"):
+        dequantize_fp8(weight, scale, block, "m.weight")
