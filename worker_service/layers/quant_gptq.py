@@ -43,9 +43,15 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def gptq_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """qweight [C / p, R] -> q [C, R] (packed over input columns)."""
-    codes = unpack_codes(qweight, bits)                  # [C / p, R, p]
-    return codes.permute(0, 2, 1).reshape(-1, qweight.shape[1])
+    """qweight [C / p, R] -> q [C, R] (packed over input columns): code k of each word
+    written straight to input row i * p + k, with no [C / p, R, p] copy to permute."""
+    if qweight.dtype != torch.int32:
+        raise ValueError(f"packed codes must be int32, got {qweight.dtype}")
+    per_word = 32 // bits
+    codes = torch.empty(qweight.shape[0], per_word, qweight.shape[1], dtype=torch.int32)
+    for k in range(per_word):
+        torch.bitwise_and(qweight >> (k * bits), (1 << bits) - 1, out=codes[:, k])
+    return codes.view(-1, qweight.shape[1])
 
 
 def gptq_zeros(qzeros: torch.Tensor, bits: int, zero_offset: int) -> torch.Tensor:
