@@ -12,6 +12,7 @@ from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.max_len import MaxLenError, derived_max_len
 from engine_common.model_files.moe_config import moe_config_problem
 from engine_common.model_files.quant_config import quantization_problem
+from engine_common.model_files.quant_files import with_quant_file
 from engine_common.model_files.rope_config import scaled_position_limit
 
 # The shortest request, a prompt token and an output token: engine_common/request/diff_limits.py's
@@ -140,4 +141,8 @@ def read_model_configs(path: Path) -> tuple[dict, dict, str]:
         raise ModelDirError(f"{str(path)!r} is neither a model directory nor a .gguf file")
     gen_path = path / "generation_config.json"
     gen = load_json(gen_path) if gen_path.exists() else {}
-    return load_json(path / "config.json"), gen, path.name
+    try:                      # GPTQ / AWQ settings in a file beside config.json
+        config = with_quant_file(load_json(path / "config.json"), path)
+    except ValueError as e:
+        raise ModelDirError(str(e)) from None
+    return config, gen, path.name

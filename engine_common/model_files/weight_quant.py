@@ -159,6 +159,10 @@ def _gptq(quant: dict) -> WeightQuant:
     fmt = str(quant.get(key) or "gptq").lower()
     if fmt not in GPTQ_FORMATS:
         raise _field(key, quant[key], f"must be one of {list(GPTQ_FORMATS)}")
+    if quant.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        # GPTQModel packs into int64 / int16 / int8 words on request: other word widths
+        raise _field("pack_dtype", quant["pack_dtype"], "only 'int32' (codes packed into "
+                     "32-bit words)")
     if quant.get("is_marlin_format"):
         raise _field("is_marlin_format", True, "only the gptq packing (false)")
     return WeightQuant("gptq", bits=bits, group_size=_group_size(quant),

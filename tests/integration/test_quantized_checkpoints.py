@@ -66,7 +66,8 @@ def test_every_format_loads_as_its_dequantized_twin(quant_pair, arch):
 
 
 @pytest.mark.parametrize("arch,fmt", [("qwen3", f) for f in FORMATS]
-                         + [("qwen3_moe", "fp8"), ("llama", "gptq"), ("phi3", "awq")])
+                         + [("qwen3_moe", "fp8"), ("llama", "gptq"), ("phi3", "awq"),
+                            ("deepseek_v3", "fp8"), ("glm4", "gptq"), ("cohere", "fp8-ct")])
 def test_greedy_matches_transformers_on_the_twin(quant_pair, arch, fmt):
     quantized, twin = quant_pair(arch, fmt)
     llm = LLM(str(quantized), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
@@ -152,7 +153,11 @@ PREFIX = "model.layers.0.self_attn.q_proj"
     ("gptq", lambda t: t.pop(f"{PREFIX}.g_idx"),
      f"{PREFIX}.qweight has no {PREFIX}.g_idx beside it (desc_act is true"),
     ("awq", lambda t: t.update({f"{PREFIX}.scales": t[f"{PREFIX}.scales"][:1]}),
-     f"checkpoint tensor '{PREFIX}.weight': {PREFIX}.qweight: group index"),
+     f"{PREFIX}.scales: shape [1, 64] does not fit the weight: must be [4, 64]"),
+    # a scale grid one block row too many: its extra row used to be ignored silently
+    ("fp8", lambda t: t.update({f"{PREFIX}.weight_scale_inv": t[f"{PREFIX}.weight_scale_inv"]
+                                .repeat(2, 1)}),
+     f"{PREFIX}.weight_scale_inv: shape [8, 4] does not fit the weight: must be [4, 4]"),
 ])
 def test_tensors_that_do_not_fit_the_config_are_refused(quant_pair, tmp_path, fmt, edit,
                                                         problem):
@@ -224,3 +229,30 @@ def test_fp8_as_transformers_itself_loads_the_fp8_directory(quant_pair):
     with torch.no_grad():
         want = hf(ids[None]).logits[0]
     torch.testing.assert_close(prefill_logits(got, ids), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,fname,settings", [
+    # AutoGPTQ 0.4's quantize_config.json (no quant_method), TheBloke's older *-GPTQ repos
+    ("gptq", "quantize_config.json", {"bits": 4, "group_size": 16, "damp_percent": 0.01,
+                                      "desc_act": True, "static_groups": False, "sym": False,
+                                      "true_sequential": True, "model_name_or_path": None,
+                                      "model_file_base_name": "model"}),
+    # AutoAWQ's quant_config.json, in its own key names
+    ("awq", "quant_config.json", {"zero_point": True, "q_group_size": 16, "w_bit": 4,
+                                  "version": "GEMM"}),
+])
+def test_settings_in_a_file_beside_config_json(quant_pair, tmp_path, fmt, fname, settings):
+    quantized, twin = quant_pair("qwen3", fmt)
+    path = shutil.copytree(quantized, tmp_path / fmt)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / fname).write_text(json.dumps(settings))
+    assert ModelInfo.from_dir(path).hf_config["quantization_config"]["quant_method"] == fmt
+    assert_same_weights(ours(path), ours(twin))
+    (path / fname).write_text(json.dumps({**settings, "desc_act": "yes"}))
+    with pytest.raises(ModelDirError, match=r"quantization_config\.desc_act='yes'"):
+        ModelInfo.from_dir(path)
+    (path / fname).write_text("[4]")
+    with pytest.raises(ModelDirError, match=rf"{fname} is invalid: must be a JSON object"):
+        ModelInfo.from_dir(path)

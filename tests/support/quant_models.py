@@ -83,7 +83,7 @@ def _draw_ints(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str)
     if fmt == "gptq8":
         return _draw_sym8(w, group_size, gen)
     rows, cols = w.shape
-    num_groups = cols // group_size
+    num_groups = -(-cols // group_size)        # a partial last group (DeepSeek q_lora_rank 24)
     groups = torch.arange(cols) // group_size
     if fmt == "gptq":                   # act order: columns visit the groups out of order
         groups = groups[torch.randperm(cols, generator=gen)]
@@ -97,7 +97,7 @@ def _draw_ints(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str)
 
 def _draw_sym8(w: torch.Tensor, group_size: int, gen: torch.Generator):
     rows, cols = w.shape
-    num_groups = cols // group_size
+    num_groups = -(-cols // group_size)        # a partial last group (DeepSeek q_lora_rank 24)
     q = torch.randint(0, 256, (cols, rows), generator=gen, dtype=torch.int32)
     z = torch.full((num_groups, rows), 128, dtype=torch.int32)
     scales = w.abs().mean() / 64 * (0.5 + torch.rand(num_groups, rows, generator=gen))

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from worker_service.layers.quant_fp8 import check_finite
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -41,9 +43,15 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def gptq_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """qweight [C / p, R] -> q [C, R] (packed over input columns)."""
-    codes = unpack_codes(qweight, bits)                  # [C / p, R, p]
-    return codes.permute(0, 2, 1).reshape(-1, qweight.shape[1])
+    """qweight [C / p, R] -> q [C, R] (packed over input columns): code k of each word
+    written straight to input row i * p + k, with no [C / p, R, p] copy to permute."""
+    if qweight.dtype != torch.int32:
+        raise ValueError(f"packed codes must be int32, got {qweight.dtype}")
+    per_word = 32 // bits
+    codes = torch.empty(qweight.shape[0], per_word, qweight.shape[1], dtype=torch.int32)
+    for k in range(per_word):
+        torch.bitwise_and(qweight >> (k * bits), (1 << bits) - 1, out=codes[:, k])
+    return codes.view(-1, qweight.shape[1])
 
 
 def gptq_zeros(qzeros: torch.Tensor, bits: int, zero_offset: int) -> torch.Tensor:
@@ -70,7 +78,21 @@ def dequantize_grouped(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"{name}: zeros {tuple(z.shape)}, scales {tuple(scales.shape)} and "
                          f"codes {tuple(q.shape)} do not fit: must be [G, R], [G, R], [C, R]")
     groups = groups.long()
-    w = (q - z[groups]).to(torch.float32) * scales.to(torch.float32)[groups]
-    if not torch.isfinite(w).all():
-        raise ValueError(f"{name}: scales give non-finite weights")
+    w, zf, sf = q.to(torch.float32), z.to(torch.float32), scales.to(torch.float32)
+    size = _run_length(groups, scales.shape[0])
+    if size:                   # groups in order: per-group rows broadcast, none gathered
+        w.view(-1, size, w.shape[1]).sub_(zf[:, None]).mul_(sf[:, None])
+    else:                      # act order, or a partial last group: gather each column's
+        w.sub_(zf[groups]).mul_(sf[groups])
+    check_finite(w, f"{name}: scales give non-finite weights")
     return w.t()
+
+
+def _run_length(groups: torch.Tensor, num_groups: int) -> int:
+    """n when groups is 0 x n, 1 x n, ... up to num_groups - 1 (every group whole, in order),
+    else 0. q - z is a small integer, exact in float32, so both paths give the same bits."""
+    count = int(groups.max()) + 1 if groups.numel() else 0
+    if not count or count != num_groups or groups.numel() % count:
+        return 0
+    size = groups.numel() // count
+    return size if torch.equal(groups, torch.arange(groups.numel()) // size) else 0

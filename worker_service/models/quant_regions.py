@@ -19,6 +19,7 @@ from engine_common.model_files.weight_quant import WeightQuant
 from worker_service.layers.quant_fp8 import dequantize_fp8
 from worker_service.layers.quant_gptq import (awq_unpack, dequantize_grouped, gptq_codes,
                                               gptq_zeros)
+from worker_service.models.quant_pieces import check_fp8_scale, check_packed
 
 Span = tuple[int, int]
 
@@ -37,13 +38,15 @@ def check_edges(name: str, what: str, span: Span, total: int, step: int, unit: s
 
 
 def packed_shape(files, prefix: str, quant: WeightQuant) -> tuple[int, int]:
-    """The dequantized [R, C] of a quantized module, its pieces' shapes checked."""
+    """The dequantized [R, C] of a quantized module, its pieces' shapes and dtypes checked
+    (quant_pieces.py)."""
     method = quant.method
     if method in ("fp8", "compressed-tensors"):
         shape = files.slice(f"{prefix}.weight").get_shape()
         if len(shape) != 2:
             raise ValueError(f"{prefix}.weight: FP8 weight shape {shape} is not served: only "
                              "[out, in] linear weights")
+        check_fp8_scale(files, prefix, quant, int(shape[0]), int(shape[1]))
         return int(shape[0]), int(shape[1])
     for piece in ("qzeros", "scales") + (("g_idx",) if quant.desc_act else ()):
         if f"{prefix}.{piece}" not in files.index:
@@ -51,10 +54,16 @@ def packed_shape(files, prefix: str, quant: WeightQuant) -> tuple[int, int]:
                 if piece == "g_idx" else ""
             raise ValueError(f"{prefix}.qweight has no {prefix}.{piece} beside it{why}")
     packed = files.slice(f"{prefix}.qweight").get_shape()
+    if len(packed) != 2:
+        raise ValueError(f"{prefix}.qweight: shape {packed} is not served: only 2-D packed "
+                         "linear weights")
     per_word = 32 // quant.bits
     if method == "gptq":
-        return int(packed[1]), int(packed[0]) * per_word
-    return int(packed[1]) * per_word, int(packed[0])
+        rows, cols = int(packed[1]), int(packed[0]) * per_word
+    else:
+        rows, cols = int(packed[1]) * 8, int(packed[0])
+    check_packed(files, prefix, quant, rows, cols)
+    return rows, cols
 
 
 def read_fp8(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], rows: Span,

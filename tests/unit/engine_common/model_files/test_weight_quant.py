@@ -101,6 +101,8 @@ CT_GROUP = RED_HAT_FP8_DYNAMIC["config_groups"]["group_0"]
      "['gptq', 'gptq_v2']"),
     ({**THEBLOKE_GPTQ, "dynamic": {"-:.*lm_head": {}}},
      "quantization_config.dynamic={'-:.*lm_head': {}} is not supported: per-module overrides"),
+    ({**THEBLOKE_GPTQ, "pack_dtype": "int64"},
+     "quantization_config.pack_dtype='int64' is not supported: only 'int32'"),
     ({**AUTOAWQ, "version": "gemv"}, "quantization_config.version='gemv' is not supported: "
                                      "only 'gemm'"),
     ({**TRANSFORMERS5_AWQ, "format": "gemv_fast"},

@@ -80,3 +80,31 @@ def test_per_channel_and_per_tensor_scales():
 def test_refusals_name_the_tensor(weight, scale, block, match):
     with pytest.raises(ValueError, match=match):
         dequantize_fp8(weight, scale, block, "m.weight")
+
+
+@pytest.mark.parametrize("block", [(4, 4), None])
+@pytest.mark.parametrize("where", ["code", "nan scale", "-inf scale"])
+def test_one_non_finite_value_among_many_is_refused(block, where):
+    """A single NaN code, or one block's (one row's) NaN / -inf scale, in an otherwise finite
+    weight: the min / max check sees it as isfinite did."""
+    weight = torch.ones(12, 12).to(torch.float8_e4m3fn)
+    scale = torch.ones(3, 3) if block else torch.ones(12, 1)
+    if where == "code":
+        weight.view(torch.uint8)[7, 9] = 0xFF                  # e4m3fn's negative NaN
+    else:
+        scale[1, 0 if block is None else 2] = float("nan" if where == "nan scale" else "-inf")
+    with pytest.raises(ValueError, match=r"^m\.weight: FP8 weight dequantizes to non-finite"):
+        dequantize_fp8(weight, scale, block, "m.weight")
+
+
+@pytest.mark.parametrize("shape,block", [((5, 300), (128, 128)), ((300, 5), (128, 128)),
+                                         ((3, 4), (128, 128)), ((256, 256), (128, 128)),
+                                         ((576, 200), (128, 128)), ((70, 90), (16, 32))])
+def test_whole_and_partial_blocks_as_transformers(shape, block):
+    """No whole block, whole blocks only, partial block rows / columns (DeepSeek-V3's
+    kv_a_proj_with_mqa has 576 rows: 4.5 blocks): each part as transformers dequantizes it."""
+    weight = random_fp8(*shape, seed=3)
+    grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    scale = torch.rand(grid, generator=torch.Generator().manual_seed(4)) + 0.5
+    want = finegrained._dequantize_fp8_weight(weight, scale, list(block), torch.float32)
+    assert torch.equal(dequantize_fp8(weight, scale, block, "w"), want)

@@ -80,3 +80,27 @@ def test_bad_pieces_are_refused_by_name():
         dequantize_grouped(q, z[:, :0], s, torch.zeros(4, dtype=torch.long), "m.qweight")
     with pytest.raises(ValueError, match="packed codes must be int32"):
         unpack_codes(torch.zeros(2, dtype=torch.int64), 4)
+
+
+def test_groups_in_order_broadcast_as_the_formula():
+    """Groups 0 x 4, 1 x 4, 2 x 4 take the broadcast path (no per-column gather): the same
+    values as the formula written out element by element."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (12, 3), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (3, 3), generator=gen, dtype=torch.int32)
+    scales = torch.rand(3, 3, generator=gen).to(torch.float16)
+    got = dequantize_grouped(q, z, scales, torch.arange(12) // 4, "m")
+    for r in range(3):
+        for c in range(12):
+            assert float(got[r, c]) == float(scales[c // 4, r]) * (int(q[c, r]) - int(z[c // 4, r]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("g_idx", [torch.arange(8) // 4, torch.tensor([1, 0, 0, 1, 0, 1, 1, 0])])
+def test_one_non_finite_scale_is_refused_in_order_or_not(bad, g_idx):
+    q = torch.ones(8, 4, dtype=torch.int32)
+    z = torch.zeros(2, 4, dtype=torch.int32)
+    scales = torch.ones(2, 4)
+    scales[1, 2] = bad
+    with pytest.raises(ValueError, match=r"^m\.qweight: scales give non-finite weights"):
+        dequantize_grouped(q, z, scales, g_idx, "m.qweight")
