@@ -82,3 +82,18 @@ def test_longer_than_one_pool_holds_preempts_and_hits(tiny_models, arch, backend
     _greedy(llm, path, [shared], 4, f"{label}/first")
     outs = _greedy(llm, path, [shared + [7, 9, 11]], 4, f"{label}/hit")
     assert outs[0].num_cached_tokens >= 52, outs[0].num_cached_tokens
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_prompt_repeated_after_a_longer_one_still_hits(tiny_models, arch):
+    """A 150-token request between a 60-token prompt and its repeat passes ~40 blocks through
+    the 18-block window pool; the blocks it leaves behind its window are churn, evicted before
+    the first prompt's tail, so the repeat hits in both groups (one pool of the same bytes
+    would keep it too) and its tokens are transformers'."""
+    path = tiny_models(arch)
+    llm = _llm(path, "torch")
+    shared = _prompt(60, 5)
+    _greedy(llm, path, [shared], 4, f"{arch}/first")
+    _greedy(llm, path, [_prompt(150, 6)], 4, f"{arch}/between")
+    outs = _greedy(llm, path, [shared + [7, 9, 11]], 4, f"{arch}/repeat")
+    assert outs[0].num_cached_tokens >= 52, outs[0].num_cached_tokens
