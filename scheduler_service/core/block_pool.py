@@ -78,13 +78,13 @@ class BlockPool:
         and debugging)."""
         return list(self._churn) + list(self._free)
 
-    def _pop_free(self) -> KVCacheBlock:
-        """The next block to hand out: the churn queue's oldest while it is over its cap (or
-        the main queue is empty), else the main queue's least recently freed."""
+    def _pop_free(self) -> tuple[int, KVCacheBlock]:
+        """The next (id, block) to hand out: the churn queue's oldest while it is over its cap
+        (or the main queue is empty), else the main queue's least recently freed."""
         churn = self._churn
         if churn and (len(churn) > self.churn_cap or not self._free):
-            return churn.popitem(last=False)[1]
-        return self._free.popitem(last=False)[1]
+            return churn.popitem(last=False)
+        return self._free.popitem(last=False)
 
     def get_new_blocks(self, num: int) -> list[KVCacheBlock]:
         """Take `num` blocks from the head of the free queue, evicting their cached contents."""
@@ -92,10 +92,9 @@ class BlockPool:
             raise ValueError(f"cannot allocate {num} blocks: only {self.num_free_blocks} free")
         # A prefill step takes ~1000 blocks: the eviction inline, the lookups hoisted.
         out = []
-        cached, events = self._cached, self.events
-        pop = self._pop_free if self._churn else (lambda pop=self._free.popitem: pop(False)[1])
+        popitem, churn, cached, events = self._free.popitem, self._churn, self._cached, self.events
         for _ in range(num):
-            block = pop()
+            block = (self._pop_free() if churn else popitem(last=False))[1]
             block_hash = block.block_hash
             if block_hash is not None:
                 if cached.get(block_hash) is block:
