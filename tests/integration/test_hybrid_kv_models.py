@@ -129,3 +129,22 @@ def test_copies_of_one_prompt_in_one_batch_share_blocks_in_both_groups(tiny_mode
     prompt = _prompt(70, 9)
     outs = _greedy(llm, path, [prompt] * 3, 20, f"{arch}/copies")
     assert max(o.num_cached_tokens for o in outs) >= 64, [o.num_cached_tokens for o in outs]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_async_scheduling_preempts_and_hits_in_both_groups(tiny_models, arch):
+    """Async scheduling (a step in flight while the next one frees window blocks and preempts):
+    two requests of 150 + 30 tokens that do not fit the full group together, then a prompt and
+    its repeat; greedy tokens are transformers', a preemption happened, the repeat hits in
+    both groups, both pools whole."""
+    path = tiny_models(arch)
+    llm = LLM(path, dtype="float32", attention_backend="torch", block_size=4,
+              num_kv_blocks=BUDGET, max_num_seqs=2, max_num_batched_tokens=16,
+              async_scheduling=True)
+    preempted = _spy_preemptions(llm)
+    _greedy(llm, path, [_prompt(150, 10), _prompt(150, 11)], 30, f"{arch}/async")
+    assert preempted
+    shared = _prompt(60, 12)
+    _greedy(llm, path, [shared], 4, f"{arch}/async-first")
+    outs = _greedy(llm, path, [shared + [3, 5]], 4, f"{arch}/async-hit")
+    assert outs[0].num_cached_tokens >= 52, outs[0].num_cached_tokens
