@@ -61,6 +61,11 @@ class HybridKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, enable_caching, events)
         self.window_group = KVCacheManager(window_group.num_blocks, block_size, enable_caching,
                                            None, window_group.window)
+        # Blocks freed behind the window are churn (sliding_window.split_churn). Half the pool
+        # keeps the latest of them cached: enough for a shared system prompt followed by a long
+        # question, chunked (the prefix-retention figures in docs/models-and-chat.md).
+        self.window_group.evict_behind_first = True
+        self.window_group.pool.churn_cap = window_group.num_blocks // 2
         # handle -> window-group block ids for the next diff (new_window_block_ids)
         self.window_ids: dict[int, list[int]] = {}
 

@@ -31,7 +31,7 @@ from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.request import Request
 from scheduler_service.core.sliding_window import (longest_window_hit, new_null_block,
                                                    next_skip_at, num_freed_behind,
-                                                   num_skipped_blocks)
+                                                   num_skipped_blocks, split_churn)
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -98,6 +98,9 @@ class KVCacheManager:
         # request id -> computed + new tokens up to which allocate_slots (without prefix hits)
         # would change nothing: no new block, no block to cache. Callers may skip it below that.
         self.quiet_until: dict[str, int] = {}
+        # Blocks freed behind the window go to the pool's churn queue (split_churn): a hybrid
+        # model's small window pool then keeps ended requests' tails, not every passing run.
+        self.evict_behind_first = False
 
     @property
     def num_total_blocks(self) -> int:
@@ -166,7 +169,7 @@ class KVCacheManager:
         rid, bs = request.request_id, self.block_size
         held = self._blocks[rid]
         if self.sliding_window and free_skipped:
-            self._free_skipped(rid, held, _lowest_query(request))
+            self._free_skipped(request, held, _lowest_query(request))
         total = request.num_computed_tokens + num_new_tokens
         need = -(-total // bs) - len(held)
         new_ids = []
@@ -252,10 +255,12 @@ class KVCacheManager:
             request.num_computed_tokens + len(hits) * self.block_size, self.sliding_window,
             self.block_size))
 
-    def _free_skipped(self, rid: str, held: list[KVCacheBlock], num_computed: int) -> None:
+    def _free_skipped(self, request: Request, held: list[KVCacheBlock], num_computed: int) -> None:
         """Free the request's blocks that no query from position num_computed on can see;
         their places take the null block. The later ones join the free queue first (evicted
-        first), as free() orders a whole table."""
+        first), as free() orders a whole table; with evict_behind_first, those no hit at the
+        prompt's end needs and never hit join the pool's churn queue instead."""
+        rid = request.request_id
         start = self._num_skipped.get(rid, 0)
         end = min(len(held), num_skipped_blocks(num_computed, self.sliding_window,
                                                 self.block_size))
@@ -264,7 +269,13 @@ class KVCacheManager:
         gone = held[start:end]
         held[start:end] = [self.null_block] * (end - start)
         self._num_skipped[rid] = end
-        self.pool.free_blocks(reversed(gone))
+        if not self.evict_behind_first:
+            self.pool.free_blocks(reversed(gone))
+            return
+        kept, churn = split_churn(gone, start, len(request.prompt_token_ids),
+                                  self.sliding_window, self.block_size)
+        self.pool.free_blocks(reversed(kept))
+        self.pool.free_blocks(reversed(churn), churn=True)
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
         held = len(self._blocks.get(request.request_id, ()))

@@ -94,3 +94,19 @@ def longest_window_hit(hashes: Sequence[BlockHash], max_hits: int, window: int,
             return [null_block] * first + found
         n = j
     return []
+
+
+def split_churn(gone: Sequence[KVCacheBlock], first: int, num_prompt: int, window: int,
+                block_size: int) -> tuple[list[KVCacheBlock], list[KVCacheBlock]]:
+    """(kept, churn) of the blocks `gone` at places first.. freed behind the window of a request
+    with `num_prompt` prompt tokens. Kept (the main LRU queue): those a hit on the same prompt
+    needs (its window before the prompt's last whole block) and those a prefix hit once took.
+    Churn (the pool's queue evicted first past its cap): the rest, the long run of a prompt
+    every request passes through, which in a hybrid model's small window pool would otherwise
+    flush the kept blocks of every ended request (block_pool.py)."""
+    prompt_hit = (num_prompt - 1) // block_size * block_size      # a repeat's longest hit
+    keep_from = num_skipped_blocks(prompt_hit, window, block_size)
+    kept, churn = [], []
+    for j, block in enumerate(gone, first):
+        (kept if j >= keep_from or block.reused else churn).append(block)
+    return kept, churn

@@ -147,3 +147,25 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_churn_queue_is_evicted_first_past_its_cap_and_its_blocks_stay_hittable():
+    """Blocks freed with churn=True are handed out before the main queue's only while the churn
+    queue holds more than churn_cap; under the cap the main queue's go first, and a cached churn
+    block is revived by a hit like any free one."""
+    pool = BlockPool(8, enable_caching=True)
+    pool.churn_cap = 2
+    blocks = pool.get_new_blocks(8)
+    pool.free_blocks(blocks[:2])                     # main queue: 0, 1
+    pool.cache_full_block(blocks[2], b"h2")
+    pool.free_blocks(blocks[2:6], churn=True)        # churn queue: 2, 3, 4, 5
+    assert pool.num_free_blocks == 6 and pool.free_block_ids() == [2, 3, 4, 5, 0, 1]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [2, 3]    # 4 over the cap of 2
+    assert pool.get_cached_block(b"h2") is None                       # evicted with block 2
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [0, 1]    # at the cap: main first
+    pool.cache_full_block(blocks[6], b"h6")
+    pool.free_blocks([blocks[6]], churn=True)
+    pool.touch([pool.get_cached_block(b"h6")])                       # a hit out of the churn
+    assert blocks[6].ref_cnt == 1 and blocks[6].reused and pool.free_block_ids() == [4, 5]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 5]    # main empty: churn's
+    assert not any(b.reused for b in pool.blocks if b.ref_cnt == 1 and b.block_id != 6)

@@ -83,22 +83,55 @@ def test_prefix_hit_holds_in_both_groups():
     _assert_whole(sched)
 
 
-def test_prefix_hit_is_cut_where_the_window_group_lost_its_blocks():
-    """Blocks the window group no longer caches (evicted by other requests through its small
-    pool) cut the hit to what both groups hold, here nothing."""
+def _hit_after(others: list[list[int]], prompt: list[int]) -> tuple[int, int]:
+    """(hit both groups hold, the full group's own hit) for `prompt` + [1] after `prompt` ran,
+    then each of `others` one after another, through a window pool of 12 blocks."""
     sched, worker = make(num_blocks=200, window_group=_group(12), max_num_seqs=1,
                          max_num_batched_tokens=8, max_model_len=128, enable_prefix_caching=True)
-    prompt = list(range(50, 90))
     sched.add_request(make_request("a", prompt, max_tokens=2, ignore_eos=True))
     run_steps(sched, worker)
-    sched.add_request(make_request("x", range(300, 380), max_tokens=2, ignore_eos=True))
-    run_steps(sched, worker)
+    for i, other in enumerate(others):
+        sched.add_request(make_request(f"x{i}", other, max_tokens=2, ignore_eos=True))
+        run_steps(sched, worker)
     _, num_hit = sched.kv.get_computed_blocks(make_request("b", prompt + [1], max_tokens=2))
     full_only = KVCacheManager.get_computed_blocks(
         sched.kv, make_request("c", prompt + [1], max_tokens=2))[1]
-    assert full_only == 40 and num_hit < full_only
     sched.add_request(make_request("b", prompt + [1], max_tokens=2, ignore_eos=True))
-    run_steps(sched, worker)                              # the reads check the cut hit
+    run_steps(sched, worker)                              # the reads check the hit
+    _assert_whole(sched)
+    return num_hit, full_only
+
+
+def test_a_long_request_passing_through_the_window_pool_keeps_an_ended_prompts_tail():
+    """An 80-token request after a 40-token prompt takes twice the window pool's 12 blocks, but
+    those it frees behind its window are evicted before the ended prompt's tail: the prompt
+    repeated still hits all 40 tokens, as one pool would (the blocks freed behind the window
+    once took the LRU place of the tail, and the hit was lost)."""
+    num_hit, full_only = _hit_after([list(range(300, 380))], list(range(50, 90)))
+    assert num_hit == full_only == 40
+
+
+def test_prefix_hit_is_cut_where_the_window_group_lost_its_blocks():
+    """The tails of five more ended requests evict the prompt's tail from the window pool: the
+    hit is cut to what both groups hold, here nothing."""
+    others = [list(range(300 + 20 * i, 316 + 20 * i)) for i in range(5)]
+    num_hit, full_only = _hit_after(others, list(range(50, 90)))
+    assert full_only == 40 and num_hit < full_only
+
+
+def test_blocks_once_hit_outlive_the_churn_behind_the_window():
+    """A shared 24-token system prompt hit by a second request, both with 40-token questions:
+    the system prompt's blocks, freed behind the window as a later request passes them, keep
+    their LRU place (they were hit), so a third request after a long unrelated one hits them."""
+    system = list(range(500, 524))
+    sched, worker = make(num_blocks=200, window_group=_group(20), max_num_seqs=1,
+                         max_num_batched_tokens=8, max_model_len=128, enable_prefix_caching=True)
+    for i, tail in enumerate([range(600, 640), range(700, 740), range(300, 380)]):
+        prompt = list(tail) if i == 2 else system + list(tail)
+        sched.add_request(make_request(f"r{i}", prompt, max_tokens=2, ignore_eos=True))
+        run_steps(sched, worker)
+    _, num_hit = sched.kv.get_computed_blocks(make_request("q", system + [9] * 40, max_tokens=2))
+    assert num_hit == 24
     _assert_whole(sched)
 
 
