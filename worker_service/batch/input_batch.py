@@ -170,10 +170,7 @@ class InputBatch:
         self.num_blocks[row] = len(block_ids)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        self._check_blocks(start + len(block_ids))
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        self._append(self.block_table, self.num_blocks, row, block_ids)
 
     def append_one_block_each(self, rows: list[int], block_ids: list[int]) -> None:
         """Append block_ids[i] to row rows[i]'s table. Scalar writes: a step grows a few rows,
@@ -189,10 +186,14 @@ class InputBatch:
 
     def append_window_block_ids(self, row: int, block_ids: list[int]) -> None:
         """Append to the row's window-group table (enable_window_group first)."""
-        start = int(self.window_num_blocks[row])
+        self._append(self.window_table, self.window_num_blocks, row, block_ids)
+
+    def _append(self, table: np.ndarray, counts: np.ndarray, row: int,
+                block_ids: list[int]) -> None:
+        start = int(counts[row])
         self._check_blocks(start + len(block_ids))
-        self.window_table[row, start:start + len(block_ids)] = block_ids
-        self.window_num_blocks[row] = start + len(block_ids)
+        table[row, start:start + len(block_ids)] = block_ids
+        counts[row] = start + len(block_ids)
 
     def write_sampled(self, rows: np.ndarray, positions: np.ndarray,
                       token_ids: np.ndarray) -> None:
