@@ -29,19 +29,28 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_GROUP = 48
 
 
+def layout_problem(head_dim: int, dtype: torch.dtype, group: int) -> str | None:
+    """What the kernel cannot take in this layout (the refusal of an explicit
+    attention_backend='cpu'), or None when it fits."""
+    if head_dim not in HEAD_DIMS:
+        return (f"attention_backend='cpu' is invalid for this model: its cached head "
+                f"size {head_dim} is not one the cpu kernel takes {HEAD_DIMS}; pick "
+                "torch (or auto, which picks it)")
+    if dtype not in DTYPES:
+        return (f"attention_backend='cpu' is invalid with dtype {dtype}: must be one "
+                f"of {DTYPES}; pick torch (or auto, which picks it)")
+    if group > MAX_GROUP:
+        return (f"attention_backend='cpu' is invalid for this model: {group} query "
+                f"heads per kv head on a rank, the cpu kernel takes at most "
+                f"{MAX_GROUP}; pick torch (or auto, which picks it)")
+    return None
+
+
 def check_layout(head_dim: int, dtype: torch.dtype, group: int) -> None:
     """ValueError naming what the kernel cannot take (an explicit attention_backend='cpu')."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"attention_backend='cpu' is invalid for this model: its cached head "
-                         f"size {head_dim} is not one the cpu kernel takes {HEAD_DIMS}; pick "
-                         "torch (or auto, which picks it)")
-    if dtype not in DTYPES:
-        raise ValueError(f"attention_backend='cpu' is invalid with dtype {dtype}: must be one "
-                         f"of {DTYPES}; pick torch (or auto, which picks it)")
-    if group > MAX_GROUP:
-        raise ValueError(f"attention_backend='cpu' is invalid for this model: {group} query "
-                         f"heads per kv head on a rank, the cpu kernel takes at most "
-                         f"{MAX_GROUP}; pick torch (or auto, which picks it)")
+    problem = layout_problem(head_dim, dtype, group)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:

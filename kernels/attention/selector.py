@@ -37,8 +37,8 @@ def _flash_attn_fits(layout: CacheLayout | None) -> bool:
 
 def _cpu_kernel_fits(layout: CacheLayout | None) -> bool:
     from kernels.attention import cpu_paged
-    if layout is not None and not (cpu_paged.supports(layout.head_dim, layout.dtype)
-                                   and layout.group <= cpu_paged.MAX_GROUP):
+    if layout is not None and cpu_paged.layout_problem(layout.head_dim, layout.dtype,
+                                                        layout.group) is not None:
         return False
     return cpu_paged.available()
 
