@@ -11,7 +11,7 @@ from engine_common.request.diff_limits import max_cached_requests
 from engine_common.request.kv_groups import WindowGroup, hybrid_window, split_kv_blocks
 from engine_common.runtime.progress import heartbeat
 from worker_service.batch.diff_check import DiffBounds
-from worker_service.models.loader import kv_cache_halves, new_kv_cache
+from worker_service.models.loader import kv_cache_halves, kv_cache_shape, new_kv_cache
 from worker_service.runner.host_memory import zeroed_host_tensor
 from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
 from worker_service.runner.runner_profile import profile_runner
@@ -98,8 +98,8 @@ class RunnerKVCache:
         self.kv_caches = []
         for window in windows:       # a windowed layer of a hybrid model: its group's pool
             n = group.num_blocks if group is not None and window else num_full
-            shape = (2, n, self.block_size, m.num_kv_heads, m.head_dim)
-            self.kv_caches.append(new_kv_cache(shape, kv_cache_halves(m), self._zeroed))
+            self.kv_caches.append(new_kv_cache(kv_cache_shape(m, n, self.block_size),
+                                               kv_cache_halves(m), self._zeroed))
         if group is not None:
             self.batch.enable_window_group()
         else:
