@@ -36,7 +36,6 @@ named for one is refused by name (check_mla_backend), never swapped for another.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +48,7 @@ from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RopeSettings, RotaryEmbedding
 from worker_service.layers.sharding import divide
+from worker_service.layers.yarn_rope import yarn_mscale
 from worker_service.parallel_state import TPGroup, single_rank_group
 
 LATENT_NORM_EPS = 1e-6     # transformers builds q_a_layernorm / kv_a_layernorm with the default
@@ -87,11 +87,7 @@ def mla_softmax_scale(qk_head_dim: int, rope: RopeSettings) -> float:
         raise ValueError(f"config.json: rope_scaling.factor is absent with rope_type="
                          f"{rope.rope_type!r} and mscale_all_dim={mscale_all_dim}: must be set "
                          "(the attention's softmax scale is computed from it)")
-    factor = float(rope.scaling["factor"])
-    if factor > 1:
-        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
-        scale *= mscale * mscale
-    return scale
+    return scale * yarn_mscale(float(rope.scaling["factor"]), mscale_all_dim) ** 2
 
 
 def replicated_linear(in_size: int, out_size: int, bias: bool,

@@ -32,8 +32,8 @@ def yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> tuple[torch.T
     attention = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if attention is None:
-        attention = (_mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
-                     if mscale and mscale_all_dim else _mscale(factor))
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                     if mscale and mscale_all_dim else yarn_mscale(factor))
     beta_fast = scaling.get("beta_fast") or 32
     beta_slow = scaling.get("beta_slow") or 1
     low, high = _correction_range(beta_fast, beta_slow, rotary_dim, theta, original,
@@ -54,7 +54,9 @@ def _check_numbers(scaling: dict) -> None:
                              "be a finite number")
 
 
-def _mscale(scale: float, mscale: float = 1) -> float:
+def yarn_mscale(scale: float, mscale: float = 1) -> float:
+    """YaRN's get_mscale: 0.1 * mscale * ln(scale) + 1, 1 for scale <= 1 (also DeepSeek's
+    softmax-scale factor, layers/mla.py)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
