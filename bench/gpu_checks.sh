@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check of DeltaServe in one script, for a machine with an NVIDIA GPU:
 #
-#   bash bench/gpu_checks.sh [bench] [profile] [tests] [attention] [fused] [hf]
+#   bash bench/gpu_checks.sh [--dry-run] [bench] [profile] [tests] [attention] [fused] [hf]
 #                            (none named: bench profile tests, about 8 minutes in all)
+#
+# --dry-run prints the stages, their limits and their sum, and the tests stage's runs in order
+# (pytest arguments), then exits: no GPU, no wheels, nothing written (tests/unit/bench/
+# test_gpu_checks_kit.py reads it).
 #
 # Each stage has its own time limit (bench 240, profile 180, tests 300, attention 240, fused 400,
 # hf 240 s by default; see the environment variables below), so a run that must fit a time
@@ -11,7 +15,10 @@
 #              CUDA paths (the ones named below and any tests/**/test_*.py that mentions
 #              torch.cuda.is_available, mark.gpu or tests.support.triton_mode);
 #              tests/gpu/test_engine_bf16.py with -s so its accepted bf16 divergences are
-#              printed and collected into the summary.
+#              printed and collected into the summary; then the CUDA twins of session 46's
+#              features (NEW_CUDA_TESTS: quantized checkpoints, hybrid KV and partial rotary,
+#              last MLA at head 576, whose 1024-wide kernels compile slowest), also with -s;
+#              then the other modules, then `-m gpu`.
 #              Modules that fail to import only for want of grpc_health / grpc_reflection /
 #              grpc_tools (absent from some GPU images) are left out and listed.
 #   attention  bench/attention_bandwidth.py (qwen3-0.6b heads, bf16), to decide between one
@@ -54,18 +61,24 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 
+DRY=0
+[ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 OUT_DIR=${OUT:-/tmp/gpu_checks}
-mkdir -p "$OUT_DIR"
+[ "$DRY" = 1 ] || mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 SUMMARY="$OUT_DIR/summary.txt"
-: >"$SUMMARY"
+[ "$DRY" = 1 ] || : >"$SUMMARY"
 NOTE="device run via bench/gpu_checks.sh${DS_COMMIT:+, tree at commit $DS_COMMIT}"
 EXPLICIT_TESTS=(tests/unit/kernels/test_triton_attention.py
                 tests/unit/worker_service/step/test_cuda_graphs.py
                 tests/unit/worker_service/runner/test_kv_profiler.py
                 tests/unit/kernels/test_flash_attn_backend.py tests/gpu/test_engine_bf16.py)
+# Session 46's CUDA twins, run right after the bf16 checks, quickest answers first.
+NEW_CUDA_TESTS=(tests/gpu/test_quantized_cuda.py tests/gpu/test_hybrid_rope_cuda.py
+                tests/gpu/test_mla_cuda.py)
+STAGE_LIMITS=(bench=240 profile=180 tests=300 attention=240 fused=400 hf=240)
 
 STATUS=0                     # 1 once any test run, benchmark or check fails
 
@@ -130,25 +143,59 @@ pytest_run() {  # label, then pytest arguments; appends to tests.log, records th
         "$OUT_DIR/tests.log" | tail -1 | tr -d '=' | sed 's/^ *//')"
 }
 
+# The modules that test CUDA paths (EXPLICIT_TESTS and every test file that mentions
+# torch.cuda.is_available, mark.gpu or tests.support.triton_mode), unit modules first (kernels,
+# graphs, sampler: many quick tests) before the integration and bench ones (each a model or a
+# sweep): a run cut by its limit loses the slow ones. On 2026-11-27 sorted order reached none
+# of the kernel modules after tests/integration.
+cuda_modules() {
+    printf '%s\n' "${EXPLICIT_TESTS[@]}" \
+        $(grep -rlE 'cuda\.is_available|mark\.gpu|support.triton_mode' --include="test_*.py" tests) \
+        | sort -u | awk '{ print (/^tests\/unit\// ? 0 : 1), $0 }' | sort -k1,1n -s | cut -d' ' -f2
+}
+
+stage_limit() {  # stage name -> its limit in seconds (the environment's, else the default)
+    local kv name=$1 var
+    var="$(echo "$name" | tr '[:lower:]' '[:upper:]')_LIMIT"
+    for kv in "${STAGE_LIMITS[@]}"; do
+        [ "${kv%%=*}" = "$name" ] && { echo "${!var:-${kv#*=}}"; return; }
+    done
+}
+
+dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing runs
+    local s total=0 explicit
+    for s in "${stages[@]}"; do
+        echo "stage $s: limit $(stage_limit "$s") s"
+        total=$(( total + $(stage_limit "$s") ))
+    done
+    echo "limits sum: $total s"
+    case " ${stages[*]} " in *" tests "*) ;; *) return 0 ;; esac
+    if [ -n "${TESTS_ONLY:-}" ]; then
+        echo "tests run selected: -s $TESTS_ONLY"
+        return 0
+    fi
+    explicit=$(cuda_modules | grep -vxF -e tests/gpu/test_engine_bf16.py \
+        $(printf -- '-e %s ' "${NEW_CUDA_TESTS[@]}"))
+    echo "tests run engine-bf16: -s tests/gpu/test_engine_bf16.py"
+    echo "tests run session46: -s ${NEW_CUDA_TESTS[*]}"
+    echo "tests run cuda-modules:" $explicit
+    echo "tests run marked-gpu: -m gpu tests/ (the modules above ignored)"
+}
+
 stage_tests() {
     local start=$SECONDS skip explicit ignores=() f
     : >"$OUT_DIR/tests.log"
     skip=$(uncollectable_modules)
     [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
-    # Unit modules (kernels, graphs, sampler: many quick tests) before the integration and
-    # bench ones (each a model or a sweep): a run cut by its limit loses the slow ones. On
-    # 2026-11-27 sorted order reached none of the kernel modules after tests/integration.
-    explicit=$(printf '%s\n' "${EXPLICIT_TESTS[@]}" \
-        $(grep -rlE 'cuda\.is_available|mark\.gpu|support.triton_mode' --include="test_*.py" tests) \
-        | sort -u | awk '{ print (/^tests\/unit\// ? 0 : 1), $0 }' | sort -k1,1n -s | cut -d' ' -f2)
+    explicit=$(cuda_modules)
     for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
-    for f in $explicit; do ignores+=("--ignore=$f"); done
+    for f in $explicit "${NEW_CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
     # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
     # stage cut short by its time limit loses the least important runs.
     TESTS_LEFT=${TESTS_LIMIT:-300}
     if [ -n "${TESTS_ONLY:-}" ]; then           # a short device call: just these, in this order
         pytest_run "selected" -s $TESTS_ONLY
-        grep -E '^(BF16 DIVERGENCE|NEAR TIE|FAILED|ERROR)' "$OUT_DIR/tests.log" | sed 's/^/  /' \
+        grep -E '^(BF16 DIVERGENCE|NEAR TIE|GRAPHS REFUSED|FAILED|ERROR)' "$OUT_DIR/tests.log" | sed 's/^/  /' \
             | tee -a "$SUMMARY"
         say "tests: $((SECONDS - start)) s"
         return
@@ -156,7 +203,14 @@ stage_tests() {
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
-    pytest_run "cuda-modules" $(echo "$explicit" | grep -vx tests/gpu/test_engine_bf16.py)
+    local mark
+    mark=$(wc -l <"$OUT_DIR/tests.log")
+    pytest_run "session46" -s "${NEW_CUDA_TESTS[@]}"
+    tail -n +"$((mark + 1))" "$OUT_DIR/tests.log" \
+        | grep -E '^(BF16 DIVERGENCE|NEAR TIE|GRAPHS REFUSED)' | sed 's/^/  /' | tee -a "$SUMMARY"
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    pytest_run "cuda-modules" $(echo "$explicit" | grep -vxF -e tests/gpu/test_engine_bf16.py \
+        $(printf -- '-e %s ' "${NEW_CUDA_TESTS[@]}"))
     TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
     pytest_run "marked-gpu" -m gpu "${ignores[@]}" tests/
     grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
@@ -301,6 +355,7 @@ for s in "${stages[@]}"; do
         *) echo "unknown stage '$s': bench, profile, tests, attention, fused or hf" >&2
            exit 2 ;; esac
 done
+[ "$DRY" = 1 ] && { dry_run; exit 0; }
 install_wheels || say "wheel install failed: continuing without .whl/"
 record_env
 for s in "${stages[@]}"; do "stage_$s"; done
