@@ -42,7 +42,11 @@ _QUIET_KEYS = {
              "cache_block_outputs", "modules_in_block_to_quantize",
              "module_name_preceding_first_block",
              "block_name_to_quantize", "backend", "hyb_act", "v2", "v2_alpha", "act_group_aware",
-             "format", "dynamic", "adapter", "model_seqlen"},
+             "format", "dynamic", "adapter", "model_seqlen",
+             # GPTQModel's settings of the quantization run (where it ran, how it fell back):
+             # the packed tensors read the same whatever they say
+             "offload_to_disk", "offload_to_disk_path", "pack_impl", "device",
+             "v2_memory_device", "compute_device_filter", "fail_safe", "failsafe", "fallback"},
     # transformers 5's AwqConfig is a GPTQConfig: it saves GPTQ's calibration keys too
     "awq": {"quant_method", "bits", "group_size", "version", "format", "zero_point",
             "modules_to_not_convert", "backend", "do_fuse", "fuse_max_seq_len",

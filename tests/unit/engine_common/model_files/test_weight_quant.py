@@ -173,13 +173,18 @@ def test_the_configs_transformers_itself_saves_are_served():
 # keys newer GPTQModel releases save into quantize_config.json that we do not know, each at
 # its off value (null, false, empty), beside the ones that would change the weights when set
 GPTQMODEL_OFF_KEYS = {"rotation": None, "gptaq": None, "foem": None, "mock_quantization": False,
-                      "offload_to_disk_path": "", "adapter_options": {}, "hyb_act_layers": []}
+                      "adapter_options": {}, "hyb_act_layers": [],
+                      # the quantization run's own settings, at GPTQModel's defaults
+                      "offload_to_disk": True, "offload_to_disk_path": None, "pack_impl": "cpu",
+                      "v2_memory_device": "auto",
+                      "failsafe": {"strategy": "rtn", "threshold": "0.5%"}}
 
 
 def test_unknown_gptqmodel_keys_at_their_off_value_are_served(tmp_path):
     """An unknown key set to null, false or empty asks for nothing that changes the packing
-    (GPTQModel writes every field of its QuantizeConfig, most of them off), so a
-    quantize_config.json holding them reads as the same WeightQuant as without them."""
+    (GPTQModel writes every field of its QuantizeConfig, most of them off), nor do the
+    quantization run's settings, so a quantize_config.json holding them reads as the same
+    WeightQuant as without them."""
     saved = {k: v for k, v in GPTQMODEL_V2.items() if k != "quant_method"}
     (tmp_path / "quantize_config.json").write_text(json.dumps({**saved, **GPTQMODEL_OFF_KEYS}))
     config = with_quant_file({"architectures": ["Qwen3ForCausalLM"]}, tmp_path)
