@@ -8,6 +8,7 @@ family adds is gguf_families.py. No output.weight tensor means tied embeddings.
 """
 from __future__ import annotations
 
+import logging
 import math
 from types import MappingProxyType
 
@@ -17,6 +18,8 @@ from engine_common.model_files.gguf_families import FAMILIES
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile
 from engine_common.model_files.gguf_values import (MISSING, metadata_float, metadata_int,
                                                    metadata_list)
+
+log = logging.getLogger(__name__)
 
 # GGUF general.architecture -> (HF architectures[0], HF model_type)
 ARCHITECTURES = MappingProxyType({arch: family[:2] for arch, family in FAMILIES.items()})
@@ -150,12 +153,23 @@ _NO_TOKEN = -1
 
 
 def _token_id(gguf: GGUFFile, key: str) -> int | None:
-    """tokenizer.ggml.<key> (an integer, else GGUFError naming it); None when absent or -1."""
+    """tokenizer.ggml.<key> (an integer, else GGUFError naming it); None when absent or -1, or
+    past the vocabulary: llama.cpp keeps a special id only below its token count (a "bad
+    special token" warning), and such an id names no token the model reads or produces, so it
+    is dropped with a warning (transformers' GGUF tokenizer would fail on tokens[id])."""
     value = metadata_int(gguf, f"tokenizer.ggml.{key}", None, minimum=_NO_TOKEN)
-    return None if value is None or value == _NO_TOKEN else value
+    if value is None or value == _NO_TOKEN:
+        return None
+    num_tokens = len(metadata_list(gguf, "tokenizer.ggml.tokens", str, []))
+    if num_tokens and value >= num_tokens:
+        log.warning("%s: tokenizer.ggml.%s=%d is past the vocabulary (%d tokens): dropped, as "
+                    "llama.cpp drops it", gguf.path, key, value, num_tokens)
+        return None
+    return value
 
 
 def _special_ids(gguf: GGUFFile) -> dict:
+    """bos / eos / pad ids the file names within its vocabulary (config.json's fields)."""
     ids = {}
     for field, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("pad_token_id", "padding_token_id")):

@@ -42,6 +42,7 @@ SUPPORTED_MODELS = ("gpt2", "llama")
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 _SPACE = "\u2581"
 _CONTROL, _USER_DEFINED = 3, 4
+_GEMMA_MASK = "<mask>"              # GemmaTokenizer's default mask_token
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -197,20 +198,26 @@ def _pre_tokenizer(pre: str | None):
 
 
 def _named_special_tokens(gguf: GGUFFile, tokens: list[str]) -> dict[str, str]:
-    """bos / eos / unk / pad token strings, by tokenizer_config.json name."""
+    """bos / eos / unk / pad token strings, by tokenizer_config.json name (an id past the
+    vocabulary names none: llama.cpp drops it). A Gemma file also gets GemmaTokenizer's
+    mask_token: transformers wraps its tokenizer in that class, whose default "<mask>" the file
+    cannot override (GGUF names no mask id), so "<mask>" is special there however the file
+    marks it (older converters wrote it user-defined): skipped in decoded text."""
     named = {}
     for name, key in _SPECIAL_TOKENS:
         token_id = metadata_int(gguf, f"tokenizer.ggml.{key}", None, minimum=-1)
         if token_id is not None and 0 <= token_id < len(tokens):
             named[name] = tokens[token_id]
+    if gguf.get("general.architecture") in _GEMMA_ARCHS and _GEMMA_MASK in tokens:
+        named["mask_token"] = _GEMMA_MASK
     return named
 
 
 def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int],
                         byte_level: bool, named: dict[str, str]) -> None:
-    """Control tokens and the named special tokens (bos, eos, unk, pad) become special added
-    tokens (in a byte-level vocabulary a control token spelled outside the byte alphabet is a
-    llama.cpp mislabel and is skipped); user-defined ones plain added tokens."""
+    """Control tokens and the named special tokens (bos, eos, unk, pad, Gemma's mask) become
+    special added tokens (in a byte-level vocabulary a control token spelled outside the byte
+    alphabet is a llama.cpp mislabel and is skipped); user-defined ones plain added tokens."""
     alphabet = set(byte_to_unicode().values())
     special = [t for t, kind in zip(tokens, token_types)
                if kind == _CONTROL and (not byte_level or set(t) <= alphabet)]

@@ -81,10 +81,18 @@ def declared_max_positions(config: dict) -> int:
 
 
 def scaling_factor(scaling: dict, required: bool = True) -> float | None:
-    """`factor` of a stretching rope type as a float >= 1, or a ValueError naming it (None
-    when absent and not required: YaRN then derives it from the lengths)."""
+    """`factor` of a stretching rope type as a float >= 1, or a ValueError naming it. Not
+    required (YaRN): an explicit null gives None (transformers' _compute_yarn_parameters then
+    derives it from the lengths), while a missing key is refused, as transformers' YaRN
+    validation refuses it at config load (a KeyError) and vLLM's get_rope reads it."""
     factor = scaling.get("factor")
     if factor is None and not required:
+        if "factor" not in scaling:
+            raise ValueError(f"config.json: {scaling['rope_type']} rope scaling has no 'factor' "
+                             "key: must be set (a number >= 1, or null for "
+                             "max_position_embeddings / original_max_position_embeddings, as "
+                             "transformers reads it; transformers refuses the config without "
+                             "the key)")
         return None
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
         raise ValueError(f"config.json: {scaling['rope_type']} rope scaling factor={factor!r} "

@@ -42,7 +42,11 @@ _QUIET_KEYS = {
              "cache_block_outputs", "modules_in_block_to_quantize",
              "module_name_preceding_first_block",
              "block_name_to_quantize", "backend", "hyb_act", "v2", "v2_alpha", "act_group_aware",
-             "format", "dynamic", "adapter", "model_seqlen"},
+             "format", "dynamic", "adapter", "model_seqlen",
+             # GPTQModel's settings of the quantization run (where it ran, how it fell back):
+             # the packed tensors read the same whatever they say
+             "offload_to_disk", "offload_to_disk_path", "pack_impl", "device",
+             "v2_memory_device", "compute_device_filter", "fail_safe", "failsafe", "fallback"},
     # transformers 5's AwqConfig is a GPTQConfig: it saves GPTQ's calibration keys too
     "awq": {"quant_method", "bits", "group_size", "version", "format", "zero_point",
             "modules_to_not_convert", "backend", "do_fuse", "fuse_max_seq_len",
@@ -88,14 +92,34 @@ def weight_quant(config: dict) -> WeightQuant | None:
     if not isinstance(quant, dict) or quant.get("quant_method") not in WEIGHT_QUANT_METHODS:
         return None
     method = quant["quant_method"]
-    unknown = sorted(set(quant) - _QUIET_KEYS[method])
-    if unknown:
-        raise QuantConfigError(
-            f"quantization_config.{unknown[0]}={quant[unknown[0]]!r} is not supported: a "
-            f"{method!r} config may only hold {', '.join(sorted(_QUIET_KEYS[method]))}")
+    _check_unknown_keys(method, quant)
     parse = {"fp8": _fp8, "compressed-tensors": _compressed_tensors, "gptq": _gptq,
              "awq": _awq}[method]
     return parse(quant)
+
+
+def _check_unknown_keys(method: str, quant: dict) -> None:
+    """Refuse a key the method's reader does not know, naming it. GPTQ: GPTQModel saves every
+    field of its QuantizeConfig, most of them off, and adds fields each release; an unknown
+    one at its off value (null, false, empty) asks for nothing that changes the packing, so
+    only one that is set is refused."""
+    unknown = sorted(set(quant) - _QUIET_KEYS[method])
+    if method == "gptq":
+        unknown = [key for key in unknown if not _is_off(quant[key])]
+        if unknown:
+            raise _field(unknown[0], quant[unknown[0]], "an unknown 'gptq' key may only be "
+                         "null, false or empty (set, it may change the weights: GPTQModel's "
+                         "rotation, GPTAQ, ...)")
+    elif unknown:
+        raise QuantConfigError(
+            f"quantization_config.{unknown[0]}={quant[unknown[0]]!r} is not supported: a "
+            f"{method!r} config may only hold {', '.join(sorted(_QUIET_KEYS[method]))}")
+
+
+def _is_off(value) -> bool:
+    """null, false or an empty string / list / object: a switch left off."""
+    return value is None or value is False or (isinstance(value, (str, list, dict))
+                                               and not value)
 
 
 def _field(path: str, value, allowed: str) -> QuantConfigError:

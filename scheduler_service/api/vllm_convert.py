@@ -312,8 +312,11 @@ def _kv_event_to_proto(event, event_id: int) -> cpb.KvCacheEvent:
     if isinstance(event, BlockStored):
         return cpb.KvCacheEvent(event_id=event_id, stored=_stored_to_proto(event))
     if isinstance(event, BlockRemoved):
-        return cpb.KvCacheEvent(event_id=event_id, removed=cpb.KvBlocksRemoved(
-            block_hashes=[block_hash_to_int64(h) for h in event.block_hashes]))
+        removed = cpb.KvBlocksRemoved(
+            block_hashes=[block_hash_to_int64(h) for h in event.block_hashes])
+        if event.group is not None:
+            removed.group_idx = event.group.index
+        return cpb.KvCacheEvent(event_id=event_id, removed=removed)
     if isinstance(event, AllBlocksCleared):
         return cpb.KvCacheEvent(event_id=event_id, cleared=cpb.KvCacheCleared())
     raise TypeError(f"not a KV event: {event!r}")
@@ -335,4 +338,9 @@ def _stored_to_proto(event: BlockStored) -> cpb.KvBlocksStored:
     stored = cpb.KvBlocksStored(blocks=blocks, lora_name=ns.lora_name, cache_salt=ns.cache_salt)
     if event.parent_block_hash is not None:
         stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
+    group = event.group          # a hybrid model's: vLLM's group_idx and spec kind
+    if group is not None:
+        stored.group_idx, stored.kv_cache_spec_kind = group.index, group.kind
+        if group.sliding_window is not None:
+            stored.kv_cache_spec_sliding_window = group.sliding_window
     return stored

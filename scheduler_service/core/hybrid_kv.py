@@ -23,7 +23,7 @@ from engine_common.configuration.config import SchedulerConfig
 from engine_common.request.kv_groups import WindowGroup
 from scheduler_service.core.block_pool import KVCacheBlock
 from scheduler_service.core.kv_cache_manager import KVCacheManager
-from scheduler_service.core.kv_events import KvEventFeed
+from scheduler_service.core.kv_events import FULL_GROUP, KvEventFeed, KvGroupFeed, KvGroupTag
 from scheduler_service.core.request import Request
 from scheduler_service.core.sliding_window import longest_window_hit
 
@@ -57,10 +57,16 @@ class HybridKVCacheManager(KVCacheManager):
 
     def __init__(self, num_blocks: int, block_size: int, window_group: WindowGroup,
                  enable_caching: bool = False, events: KvEventFeed | None = None):
-        """`events`: the full group's (the window group's blocks are not reported)."""
-        super().__init__(num_blocks, block_size, enable_caching, events)
+        """`events`: both groups record into it, each event tagged with its group (vLLM's
+        group_idx and kind: kv_events.py), so a router can index the full group's alone."""
+        full_events = window_events = None
+        if events is not None:
+            full_events = KvGroupFeed(events, FULL_GROUP)
+            window_events = KvGroupFeed(events, KvGroupTag(1, "sliding_window",
+                                                           window_group.window))
+        super().__init__(num_blocks, block_size, enable_caching, full_events)
         self.window_group = KVCacheManager(window_group.num_blocks, block_size, enable_caching,
-                                           None, window_group.window)
+                                           window_events, window_group.window)
         # Blocks freed behind the window are churn (sliding_window.split_churn). Half the pool
         # keeps the latest of them cached: enough for a shared system prompt followed by a long
         # question, chunked (the prefix-retention figures in docs/models-and-chat.md).

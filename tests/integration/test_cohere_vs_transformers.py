@@ -106,12 +106,32 @@ def test_logit_scale_and_the_missing_rope_matter(tiny_models, tmp_path):
     assert (prefill_logits(all_rope, IDS) - base).abs().max() > 1e-2
 
 
+def test_cohere2_with_only_full_layers_needs_no_window(tiny_models, tmp_path):
+    """layer_types all full with sliding_window null: transformers' Cohere2Config takes it and
+    no Cohere2Attention reads the window, so it is served (no layer rotates, no window).
+    transformers' forward still builds a sliding mask it never uses and fails on the null, so
+    the reference is the same weights with a window set, which no layer reads either (its
+    logits equal those with another window): logits and greedy tokens with prefix hits."""
+    full = {"layer_types": ["full_attention"] * 4}
+    path = with_config(tiny_models("cohere2"), tmp_path / "full", sliding_window=None, **full)
+    refs = [with_config(tiny_models("cohere2"), tmp_path / f"ref{w}", sliding_window=w, **full)
+            for w in (8, 4096)]
+    ours = load(path)
+    assert not any(ours.args.layer_windows) and ours.args.shared_window() == 0
+    assert all(isinstance(layer.self_attn.rotary_emb, NoRope) for layer in ours.model.layers)
+    want = hf_logits(hf_model(refs[0]), IDS)
+    torch.testing.assert_close(hf_logits(hf_model(refs[1]), IDS), want, rtol=0, atol=0)
+    torch.testing.assert_close(prefill_logits(ours, IDS), want, rtol=0, atol=1e-4)
+    check_greedy_and_prefix_hits(path, "cohere2-all-full", reference_dir=refs[0])
+
+
 @pytest.mark.parametrize("arch,changes,message", [
     ("cohere", {"logit_scale": None}, r"logit_scale=None is invalid: must be a finite number"),
     ("cohere", {"hidden_act": "gelu"},
      r"hidden_act='gelu' is not supported for CohereForCausalLM: must be 'silu'"),
     ("cohere2", {"sliding_window": None},
-     r"sliding_window=None is not supported for Cohere2ForCausalLM: must be a positive integer"),
+     r"sliding_window=None is not supported for Cohere2ForCausalLM with sliding_attention "
+     r"layers: must be a positive integer"),
     ("cohere2", {"layer_types": ["sliding_attention"] * 3},
      r"layer_types=.* is invalid: must be num_hidden_layers=4 entries"),
 ], ids=["logit-scale-null", "gelu", "cohere2-no-window", "layer-types-length"])

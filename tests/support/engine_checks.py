@@ -45,12 +45,15 @@ def _check(llm: LLM, model_dir: str, prompts: list[list[int]], label: str,
     return outs
 
 
-def check_greedy_and_prefix_hits(model_dir: str, label: str) -> None:
-    """The in-process engine's greedy tokens equal generate()'s; then the same prompts again:
-    whole-block prefix-cache hits, and the same tokens."""
+def check_greedy_and_prefix_hits(model_dir: str, label: str,
+                                 reference_dir: str | None = None) -> None:
+    """The in-process engine's greedy tokens equal generate()'s (on `reference_dir` when
+    transformers cannot run `model_dir` itself); then the same prompts again: whole-block
+    prefix-cache hits, and the same tokens."""
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
-    _check(llm, model_dir, _prompts(llm.model_info.vocab_size), f"{label}/plain")
-    _check(llm, model_dir, _prompts(llm.model_info.vocab_size), f"{label}/prefix-hits")
+    reference = reference_dir or model_dir
+    _check(llm, reference, _prompts(llm.model_info.vocab_size), f"{label}/plain")
+    _check(llm, reference, _prompts(llm.model_info.vocab_size), f"{label}/prefix-hits")
     assert llm.scheduler.kv.stats.hits > 0
 
 

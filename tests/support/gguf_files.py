@@ -162,12 +162,15 @@ def _add_tensors(writer: gguf.GGUFWriter, model_dir: Path, cfg: dict, arch: str,
 
 
 def write_spm_tokenizer_gguf(path: Path, corpus: list[str], vocab_size: int = 600,
-                             arch: str = "llama") -> Path:
+                             arch: str = "llama",
+                             extra_tokens: tuple[tuple[str, int], ...] = ()) -> Path:
     """A GGUF holding only a SentencePiece-style ("llama") tokenizer, as llama.cpp writes Llama 2
     files: <unk>, <s>, </s>, the 256 <0xXX> byte tokens, then pieces with "▁" for spaces; scores
     give the merge priority (no tokenizer.ggml.merges key). `arch` names the architecture
     (general.architecture and its keys); a Gemma one also gets whitespace-only pieces spelled
-    with real spaces, as Gemma files hold them."""
+    with real spaces, as Gemma files hold them. `extra_tokens`: (token, token_type) appended
+    (Gemma's <mask>, marked user-defined by converters older than llama.cpp's
+    does_token_look_special)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -180,6 +183,8 @@ def write_spm_tokenizer_gguf(path: Path, corpus: list[str], vocab_size: int = 60
         tokens += ["  ", "   ", "\t\t"]
     types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x")
              else 1 for t in tokens]
+    tokens += [t for t, _ in extra_tokens]
+    types += [kind for _, kind in extra_tokens]
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 32,
                        "feed_forward_length": 64, "attention.head_count": 2}.items():

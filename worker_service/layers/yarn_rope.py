@@ -8,7 +8,8 @@ as transformers' _compute_yarn_parameters computes it, so the tables equal its r
   - cos and sin scaled by the attention factor: `attention_factor` when given, else
     get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are set (and not
     0), else get_mscale(factor) = 0.1 * ln(factor) + 1 (1 for factor <= 1);
-  - factor absent: max_position_embeddings / original_max_position_embeddings.
+  - factor null: max_position_embeddings / original_max_position_embeddings (a missing
+    `factor` key is refused, as transformers refuses it: rope_config.scaling_factor).
 
 One table for every position (transformers' and vLLM's YaRN are static: nothing depends on the
 sequence's length). The lengths are read by engine_common/model_files/rope_config.py.

@@ -16,7 +16,8 @@ Command-R7B, Command-A), as transformers' modeling_cohere / modeling_cohere2 com
     absent.
 
 hidden_act other than silu, a logit_scale that is not a finite number, and a Cohere2 config
-without a window are refused naming the key; LoRA is refused by architecture (lora/layers.py).
+with sliding layers but no window are refused naming the key (all layers full: no window
+needed, as transformers); LoRA is refused by architecture (lora/layers.py).
 """
 from __future__ import annotations
 
@@ -208,12 +209,22 @@ class CohereForCausalLM(PairRopeCheckpoint, LlamaForCausalLM):
 
 def cohere2_layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     """Each layer's window (0: full, no rope), as Cohere2Config / Cohere2Attention read them;
-    a ValueError names a bad layer_types, pattern or window."""
+    a ValueError names a bad layer_types, pattern or window. The window is read only when a
+    layer slides (transformers' Cohere2Attention reads it there alone): a config whose layers
+    are all full may leave it null."""
+    types = _cohere2_layer_types(cfg, num_layers)
+    if SLIDING not in types:
+        return (0,) * num_layers
     window = cfg.get("sliding_window", COHERE_DEFAULTS["sliding_window"])
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"config.json: sliding_window={window!r} is not supported for "
-                         "Cohere2ForCausalLM: must be a positive integer (its sliding layers "
-                         "are its only rotary ones)")
+                         "Cohere2ForCausalLM with sliding_attention layers: must be a positive "
+                         "integer (its sliding layers are its only rotary ones)")
+    return tuple(window if t == SLIDING else 0 for t in types)
+
+
+def _cohere2_layer_types(cfg: dict, num_layers: int) -> list:
+    """layer_types, or Cohere2Config's from sliding_window_pattern (every pattern-th full)."""
     types = cfg.get("layer_types")
     if types is None:
         pattern = cfg.get("sliding_window_pattern", DEFAULT_PATTERN)
@@ -225,7 +236,7 @@ def cohere2_layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
             or not set(types) <= {SLIDING, FULL}:
         raise ValueError(f"config.json: layer_types={types!r} is invalid: must be "
                          f"num_hidden_layers={num_layers} entries of {(SLIDING, FULL)}")
-    return tuple(window if t == SLIDING else 0 for t in types)
+    return types
 
 
 class Cohere2ForCausalLM(CohereForCausalLM):

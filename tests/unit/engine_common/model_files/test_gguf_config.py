@@ -89,6 +89,26 @@ def test_generation_config_ends_on_eot_and_eom_too(tmp_path):
     assert generation_config_from_gguf(f)["eos_token_id"] == [1, 0]
 
 
+def test_special_ids_past_the_vocabulary_are_dropped_as_llama_cpp_does(tmp_path, caplog):
+    """llama.cpp keeps a special id only below the token count ("bad special token ... using
+    default id"); transformers' GGUF tokenizer fails on one (tokens[id]). Such an id names no
+    token the model can read or produce, so config.json and generation_config.json leave it
+    out, with a warning naming the key, the value and the vocabulary size."""
+    u32 = gguf.GGUFValueType.UINT32
+    f = _minimal(tmp_path, extra={"tokenizer.ggml.bos_token_id": (2, u32),
+                                  "tokenizer.ggml.padding_token_id": (32000, u32),
+                                  "tokenizer.ggml.eot_token_id": (7, u32),
+                                  "tokenizer.ggml.eom_token_id": (0, u32)})
+    with caplog.at_level("WARNING"):
+        cfg, gen = hf_config_from_gguf(f), generation_config_from_gguf(f)
+    assert {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
+        "bos_token_id": None, "eos_token_id": 1, "pad_token_id": None}
+    assert gen == {"eos_token_id": [1, 0]}
+    for key, value in (("bos_token_id", 2), ("padding_token_id", 32000), ("eot_token_id", 7)):
+        assert (f"tokenizer.ggml.{key}={value} is past the vocabulary (2 tokens): dropped"
+                in caplog.text), key
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(GGUFError, match="general.architecture='gpt2' is not supported: must "
                                         "be one of \\['gemma', 'gemma2', 'gemma3', 'llama', "

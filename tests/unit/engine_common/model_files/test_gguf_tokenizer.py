@@ -116,3 +116,22 @@ def test_gemma_and_phi3_sentencepiece_files_equal_transformers(tmp_path, arch):
     llama = write_spm_tokenizer_gguf(tmp_path / "llama.gguf", CORPUS)
     text = "  hi" if arch == "phi3" else "hello"          # the builders differ
     assert ours.encode(text) != Tokenizer.from_dir(llama).encode(text)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "llama"])
+@pytest.mark.parametrize("kind", [1, 3, 4])
+def test_gemma_mask_token_decodes_as_transformers(tmp_path, arch, kind):
+    """transformers wraps a Gemma file's tokenizer in GemmaTokenizer, whose mask_token
+    "<mask>" (the file names no mask id) is special: skipped in decoded text and matched whole,
+    however the file marks it (normal, control, or user-defined as older converters wrote
+    it); a Llama file's "<mask>" is special only when marked control."""
+    path = write_spm_tokenizer_gguf(tmp_path / f"{arch}.gguf", CORPUS, arch=arch,
+                                    extra_tokens=(("<mask>", kind),))
+    ours = Tokenizer.from_dir(path)
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    mask = ref.convert_tokens_to_ids("<mask>")
+    assert mask == ours.backend.token_to_id("<mask>")
+    ids = ours.encode("hello world") + [mask] + ours.encode("again", add_special_tokens=False)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.encode("a <mask> b") == ref("a <mask> b")["input_ids"]
+    assert ("<mask>" in ours.decode(ids)) == (arch == "llama" and kind != 3)

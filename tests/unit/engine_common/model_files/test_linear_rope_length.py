@@ -86,7 +86,8 @@ def test_roberta_positions_start_after_its_pad_id(pad, limit):
     ({"type": "dynamic", "factor": 2.0}, 512),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
     ({"rope_type": "yarn", "factor": 3.0}, 768),        # original absent: max_position_embeddings
-    ({"rope_type": "yarn", "original_max_position_embeddings": 64}, 256),   # factor absent
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64},
+     256),      # factor null: max_position_embeddings (a missing key is refused)
 ])
 def test_dynamic_and_yarn_stretch_the_length_as_vllm(tmp_path, scaling, limit):
     """vLLM: dynamic multiplies the model's length by its factor, YaRN its original length."""

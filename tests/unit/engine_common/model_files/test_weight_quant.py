@@ -8,6 +8,7 @@ import json
 import pytest
 
 from engine_common.model_files.quant_config import quantization_problem
+from engine_common.model_files.quant_files import with_quant_file
 from engine_common.model_files.weight_quant import WeightQuant, weight_quant
 
 QWEN3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -167,3 +168,35 @@ def test_the_configs_transformers_itself_saves_are_served():
     assert weight_quant(cfg(saved["gptq_v2"])) == WeightQuant("gptq", bits=8, group_size=128)
     assert weight_quant(cfg(saved["awq"])) == WeightQuant("awq", bits=4, group_size=128)
     assert weight_quant(cfg(saved["fp8"])) == WeightQuant("fp8", block=(128, 128))
+
+
+# keys newer GPTQModel releases save into quantize_config.json that we do not know, each at
+# its off value (null, false, empty), beside the ones that would change the weights when set
+GPTQMODEL_OFF_KEYS = {"rotation": None, "gptaq": None, "foem": None, "mock_quantization": False,
+                      "adapter_options": {}, "hyb_act_layers": [],
+                      # the quantization run's own settings, at GPTQModel's defaults
+                      "offload_to_disk": True, "offload_to_disk_path": None, "pack_impl": "cpu",
+                      "v2_memory_device": "auto",
+                      "failsafe": {"strategy": "rtn", "threshold": "0.5%"}}
+
+
+def test_unknown_gptqmodel_keys_at_their_off_value_are_served(tmp_path):
+    """An unknown key set to null, false or empty asks for nothing that changes the packing
+    (GPTQModel writes every field of its QuantizeConfig, most of them off), nor do the
+    quantization run's settings, so a quantize_config.json holding them reads as the same
+    WeightQuant as without them."""
+    saved = {k: v for k, v in GPTQMODEL_V2.items() if k != "quant_method"}
+    (tmp_path / "quantize_config.json").write_text(json.dumps({**saved, **GPTQMODEL_OFF_KEYS}))
+    config = with_quant_file({"architectures": ["Qwen3ForCausalLM"]}, tmp_path)
+    assert quantization_problem(config) is None
+    assert weight_quant(config) == weight_quant(cfg(GPTQMODEL_V2)) == WeightQuant(
+        "gptq", bits=8, group_size=-1)
+
+
+@pytest.mark.parametrize("key, value", [("rotation", "hadamard"), ("gptaq", {"alpha": 0.25}),
+                                        ("mock_quantization", True), ("foem", 0.1)])
+def test_unknown_gptqmodel_keys_set_are_refused_by_name(key, value):
+    problem = quantization_problem(cfg({**GPTQMODEL_V2, **GPTQMODEL_OFF_KEYS, key: value}))
+    assert problem is not None and problem.startswith(
+        f"quantization_config.{key}={value!r} is not supported: an unknown 'gptq' key may "
+        "only be null, false or empty"), problem

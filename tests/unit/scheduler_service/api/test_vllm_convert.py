@@ -16,8 +16,8 @@ from scheduler_service.api import vllm_convert as vc
 from scheduler_service.api.front_door import (ValidatedRequest, check_prompt_length,
                                               checked_constraint, constraint_named)
 from scheduler_service.core.block_hashes import hash_block
-from scheduler_service.core.kv_events import (AllBlocksCleared, BlockNamespace, BlockRemoved,
-                                              BlockStored)
+from scheduler_service.core.kv_events import (FULL_GROUP, AllBlocksCleared, BlockNamespace,
+                                              BlockRemoved, BlockStored, KvGroupTag)
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.engine_stats import EngineStats
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
@@ -317,6 +317,29 @@ def test_stored_blocks_carry_their_namespace_as_vllm_publishes_it():
     assert [b.lora_id for b in first.blocks] == [5, 5]
     keys = [[k.text for k in b.extra_keys] for b in [*first.blocks, *later.blocks]]
     assert keys == [["sql", "ab" * 16], ["sql"], ["sql"]]
+
+
+def test_a_hybrid_models_events_name_their_group_as_vllm_publishes_them():
+    """group_idx, kv_cache_spec_kind and (the window group's) kv_cache_spec_sliding_window on
+    stored blocks, group_idx on removed ones; untagged events leave every field unset."""
+    h0 = hash_block(None, [1, 2])
+    window = KvGroupTag(1, "sliding_window", 8)
+    batch = KvEventBatch(1, 0.0, (BlockStored([h0], None, [1, 2], 2, group=FULL_GROUP),
+                                  BlockStored([h0], None, [1, 2], 2, group=window),
+                                  BlockRemoved([h0], window), BlockRemoved([h0], FULL_GROUP),
+                                  BlockStored([h0], None, [1, 2], 2), BlockRemoved([h0])))
+    events = vc.kv_batch_to_proto(batch).events
+    full, win = events[0].stored, events[1].stored
+    assert (full.group_idx, full.kv_cache_spec_kind) == (0, "full_attention")
+    assert not full.HasField("kv_cache_spec_sliding_window")
+    assert (win.group_idx, win.kv_cache_spec_kind, win.kv_cache_spec_sliding_window) == (
+        1, "sliding_window", 8)
+    assert [events[i].removed.group_idx for i in (2, 3)] == [1, 0]
+    assert events[3].removed.HasField("group_idx")
+    plain_stored, plain_removed = events[4].stored, events[5].removed
+    assert not any(plain_stored.HasField(f) for f in ("group_idx", "kv_cache_spec_kind",
+                                                      "kv_cache_spec_sliding_window"))
+    assert not plain_removed.HasField("group_idx")
 
 
 def test_logit_bias_is_carried_sorted_by_token_id():

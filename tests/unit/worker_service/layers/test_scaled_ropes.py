@@ -3,7 +3,7 @@ against transformers 5's own rotary embedding on the same config, row by row:
 
   - YaRN: every position's cos and sin equal transformers' (its frequencies and its attention
     factor), over the defaults, beta_fast / beta_slow, mscale / mscale_all_dim, an explicit
-    attention_factor, truncate false, an absent factor, partial rotary and both config layouts;
+    attention_factor, truncate false, a null factor, partial rotary and both config layouts;
     a top-level original_max_position_embeddings wins over the rope dict's, as in transformers;
   - dynamic: positions below max_position_embeddings equal transformers' forward over them, and
     each position past it equals transformers' forward decoding that position next (base of
@@ -72,6 +72,25 @@ def test_yarn_length_is_the_original_times_the_factor():
     assert model_position_limit({**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}) \
         == 65536        # no original: max_position_embeddings (transformers' standardization)
     assert get_rope(16, {**BASE, **YARN_CASES["defaults"]}).cos_cache.shape == (128, 16)
+
+
+def test_yarn_without_a_factor_key_is_refused_as_transformers_refuses_it():
+    """transformers' YaRN validation requires the `factor` key (KeyError at config load) and
+    vLLM's get_rope reads it; only an explicit null falls back to max_position_embeddings /
+    original_max_position_embeddings (_compute_yarn_parameters, the "no-factor" case above).
+    The scheduler's length and the worker's tables refuse it alike, naming the key."""
+    scaling = {"rope_type": "yarn", "original_max_position_embeddings": 32}
+    config = {**BASE, "max_position_embeddings": 128, "rope_scaling": scaling}
+    with pytest.raises(KeyError):
+        tf.Qwen3Config(**config)
+    message = r"yarn rope scaling has no 'factor' key: must be set \(a number >= 1, or null"
+    with pytest.raises(ValueError, match=message):
+        get_rope(16, config)
+    with pytest.raises(ValueError, match=message):
+        model_position_limit({**config, "architectures": ["Qwen3ForCausalLM"]})
+    null = {**config, "rope_scaling": {**scaling, "factor": None}}
+    assert model_position_limit({**null, "architectures": ["Qwen3ForCausalLM"]}) == 128
+    assert get_rope(16, null).cos_cache.shape == (128, 16)
 
 
 def test_dynamic_tables_equal_transformers_within_and_decoding_past_the_length():

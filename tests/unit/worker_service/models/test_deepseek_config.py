@@ -112,10 +112,13 @@ def test_routing_refusals_name_the_field(v3, change, message):
     ({"qk_rope_head_dim": 63}, "qk_rope_head_dim=63 is invalid: must be even"),
     ({"kv_lora_rank": 0}, "kv_lora_rank=0 is invalid: must be an integer >= 1"),
     ({"q_lora_rank": 0}, r"q_lora_rank=0 is invalid: must be null \(q_proj\) or an integer"),
-    ({"rope_scaling": {"type": "yarn", "mscale_all_dim": 0.707,
+    ({"rope_scaling": {"type": "yarn", "factor": None, "mscale_all_dim": 0.707,
                        "original_max_position_embeddings": 4096}},
      "rope_scaling.factor is absent with rope_type='yarn' and mscale_all_dim=0.707: must be "
      "set"),
+    ({"rope_scaling": {"type": "yarn", "mscale_all_dim": 0.707,
+                       "original_max_position_embeddings": 4096}},
+     "yarn rope scaling has no 'factor' key: must be set"),
     ({"head_dim": 128}, "head_dim=128 is invalid for DeepseekV2ForCausalLM: must be absent or "
                         "qk_rope_head_dim=64"),
 ])
