@@ -137,3 +137,20 @@ def test_the_op_refuses_a_value_dim_it_has_no_body_for(ops):
         ops.paged_attention(torch.randn(1, 129, 576), latent_cache(base),
                                         meta.block_table, meta.query_start_loc_cpu,
                                         meta.seq_lens_cpu, SCALE, torch.empty(1, 129, 512))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_with_its_own_value_half(dtype):
+    """[2, ...] contiguous, values not the keys: the kernel reads the value row's first 512."""
+    gen = torch.Generator().manual_seed(9)
+    query, latent, base, meta = make_case(gen, [30, 7], [1, 7], 16, 16, dtype)
+    cache = torch.stack((base, torch.randn(base.shape, generator=gen).to(dtype)))
+    value = torch.randn(latent.shape, generator=gen).to(dtype)
+    ref_cache = cache.clone()
+    got = cpu_paged.CpuPagedAttentionBackend().forward(query, latent, value, cache, meta, SCALE,
+                                                       v_head_dim=VALUE)
+    want = TorchAttentionBackend(batched=False).forward(query, latent, value, ref_cache, meta,
+                                                        SCALE)
+    n = meta.num_actual_tokens
+    torch.testing.assert_close(got[:n].float(), want[:n, :, :VALUE].float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
