@@ -154,3 +154,22 @@ def test_a_cache_with_its_own_value_half(dtype):
     n = meta.num_actual_tokens
     torch.testing.assert_close(got[:n].float(), want[:n, :, :VALUE].float(), atol=TOL[dtype],
                                rtol=TOL[dtype])
+
+
+def test_the_attention_layer_returns_the_value_width_on_either_backend():
+    """layers/attention.py with v_head_dim=512: the cpu backend attends the prefix, the torch
+    backend the whole head (sliced by the layer); both give [T, H * 512], the same values."""
+    from worker_service.layers.attention import Attention
+    gen = torch.Generator().manual_seed(4)
+    query, latent, base, meta = make_case(gen, [12, 30], [12, 1], 16, 16, torch.float32)
+    n = meta.num_actual_tokens
+    outs = []
+    for backend in (cpu_paged.CpuPagedAttentionBackend(), TorchAttentionBackend()):
+        layer = Attention(16, 1, LATENT, SCALE, backend, v_head_dim=VALUE)
+        outs.append(layer(query.flatten(1), latent.flatten(1), latent.flatten(1),
+                          latent_cache(base.clone()), meta))
+    assert outs[0].shape == outs[1].shape == (query.shape[0], 16 * VALUE)
+    torch.testing.assert_close(outs[0][:n], outs[1][:n], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match=r"v_head_dim=577 is invalid: must be an int in "
+                                         r"0\.\.head_dim=576"):
+        Attention(16, 1, LATENT, SCALE, TorchAttentionBackend(), v_head_dim=577)
