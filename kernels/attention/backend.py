@@ -109,6 +109,10 @@ class AttentionBackend(ABC):
     # True: forward takes sinks=[Hq] logits and adds e^(sink) to each softmax denominator; a
     # layer with sinks refuses a backend without it.
     supports_sinks: bool = False
+    # True: forward takes v_head_dim=Dv (< D) and returns [T, Hq, Dv], the attention over each
+    # value row's first Dv dims (MLA's latent, layers/attention.py); the layer slices the
+    # whole-head output of a backend without it.
+    supports_value_prefix: bool = False
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -117,4 +121,5 @@ class AttentionBackend(ABC):
         Returns [T, Hq, D] in query's dtype. Rows past meta.num_actual_tokens are undefined.
         A backend with supports_sliding_window also takes sliding_window: int = 0; one with
         supports_softcap also takes softcap: float = 0.0; one with supports_sinks also takes
-        sinks: torch.Tensor | None = None."""
+        sinks: torch.Tensor | None = None; one with supports_value_prefix also takes
+        v_head_dim: int = 0."""

@@ -42,6 +42,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+    if kv_cache.stride(0) == 0 and value.data_ptr() == key.data_ptr() and (
+            value.stride() == key.stride()):
+        return          # one tensor seen twice (MLA's latent), written once: the same rows
     flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
 

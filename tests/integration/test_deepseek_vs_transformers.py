@@ -7,7 +7,8 @@ yarn with DeepSeek's mscale):
   - prefill logits through the paged cache equal transformers' forward, with the config variants
     that change the computation (rope_interleave off, greedy V2 routing, V2 with q_lora_rank,
     a plain rope, no dense layer, one expert group), on the torch backend and on the C++ CPU
-    kernel (whose latent head sizes it takes; the others attend on the torch backend), and
+    kernel (whose latent head sizes it takes; the others attend on the torch backend;
+    test_deepseek_cpu_kernel.py runs the engine on it), and
     with fused_ops (Triton's interpreter),
   - the cache holds one latent head per token (kv_lora_rank + qk_rope_head_dim),
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
@@ -129,8 +130,9 @@ def test_latent_size_the_cpu_kernel_lacks_runs_and_is_reported_as_torch(tiny_mod
 
 @pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
 def test_more_heads_than_the_cpu_kernel_groups_is_reported_as_torch(tiny_models):
-    """64 heads on the one latent head (the kernel groups at most 48): `auto` picks torch and
-    says so; at TP=2 (32 a rank) the kernel takes it; `cpu` at TP=1 is refused by name."""
+    """64 heads on the one latent head fit the kernel (head tiles of 48 past 48); 130 (over its
+    128 per kv head) do not: `auto` picks torch at TP=1 and the kernel at TP=2 (65 a rank);
+    `cpu` named for 130 at TP=1 is refused by name."""
     from kernels.attention.selector import resolve_backend_name
     from worker_service.config import RunnerConfig
     from worker_service.runner.model_runner import cache_layout
@@ -138,9 +140,12 @@ def test_more_heads_than_the_cpu_kernel_groups_is_reported_as_torch(tiny_models)
     path = tiny_models("deepseek_v3", num_attention_heads=64, num_key_value_heads=64)
     hf_config = json.loads(Path(path, "config.json").read_text())
     one = RunnerConfig(model_dir=path, device="cpu", dtype="float32", num_kv_blocks=16)
-    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one)) == "torch"
-    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one, tp_size=2)) == "cpu"
-    with pytest.raises(ValueError, match="64 query heads per kv head on a rank"):
+    assert resolve_backend_name("auto", "cpu", cache_layout(hf_config, one)) == "cpu"
+    wide = {**hf_config, "num_attention_heads": 130, "num_key_value_heads": 130}
+    assert resolve_backend_name("auto", "cpu", cache_layout(wide, one)) == "torch"
+    assert resolve_backend_name("auto", "cpu", cache_layout(wide, one, tp_size=2)) == "cpu"
+    path = tiny_models("deepseek_v3", num_attention_heads=130, num_key_value_heads=130)
+    with pytest.raises(ValueError, match="130 query heads per kv head on a rank"):
         check_runner_config(RunnerConfig(model_dir=path, device="cpu", dtype="float32",
                                          num_kv_blocks=16, attention_backend="cpu"))
 

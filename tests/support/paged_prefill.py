@@ -37,33 +37,37 @@ def tp_ids() -> torch.Tensor:
 
 
 def tp_worker(rank: int, port: int, paths: list[str], out_dir: str,
-              world_size: int = 2) -> None:
+              world_size: int = 2, backend: str = "torch") -> None:
     """One of world_size gloo ranks (torch.multiprocessing.spawn): each model's prefill logits
-    on this rank's slice, saved as logits_<model>_<rank>.pt."""
+    on this rank's slice (attending on `backend`), saved as logits_<model>_<rank>.pt."""
     import torch.distributed as dist
+
+    from kernels.attention.selector import get_attention_backend
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
         for i, path in enumerate(paths):
-            logits = prefill_logits(load(path, tp=TPGroup(rank=rank, world_size=world_size)),
-                                    tp_ids())
+            tp = TPGroup(rank=rank, world_size=world_size)
+            model = load_model(path, tp, get_attention_backend(backend, "cpu"), "cpu")
+            logits = prefill_logits(model, tp_ids())
             torch.save(logits, f"{out_dir}/logits_{i}_{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def assert_tp2_matches_tp1(paths: list, out_dir, world_size: int = 2) -> None:
-    """Every rank's logits of every model (two ranks unless world_size says) equal the single
-    rank's."""
+def assert_tp2_matches_tp1(paths: list, out_dir, world_size: int = 2,
+                           backend: str = "torch", atol: float = 1e-4) -> None:
+    """Every rank's logits of every model (two ranks unless world_size says; the ranks attend on
+    `backend`) equal the single rank's (on the torch backend)."""
     import torch.multiprocessing as mp
 
     from tests.support.grpc_harness import free_port
 
-    mp.spawn(tp_worker, args=(free_port(), [str(p) for p in paths], str(out_dir), world_size),
-             nprocs=world_size)
+    mp.spawn(tp_worker, args=(free_port(), [str(p) for p in paths], str(out_dir), world_size,
+                              backend), nprocs=world_size)
     for i, path in enumerate(paths):
         expected = prefill_logits(load(path), tp_ids())
         for rank in range(world_size):
             got = torch.load(f"{out_dir}/logits_{i}_{rank}.pt")
             assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(got, expected, atol=atol, rtol=0)

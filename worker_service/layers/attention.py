@@ -6,6 +6,9 @@ sliding window (kernels/attention/backend.py: query p sees keys p - W < k <= p) 
 the backend on every call and refuses a backend that cannot apply it; so does a layer with an
 attention logit softcap (Gemma 2's attn_logit_softcapping), and so does a layer with attention
 sinks (GPT-OSS: the sink logits are the caller's parameter, handed over on every call).
+A layer whose value is the first v_head_dim dims of the cached value row (MLA: the latent is
+both, layers/mla.py) returns [T, Hq * v_head_dim]: a backend with supports_value_prefix (cpu)
+attends only those dims; the others attend the whole head, and the layer slices it.
 A windowed layer of a hybrid model reads its KV group's block table and slots
 (AttentionMetadata.for_window): its cache tensor is sized by that group's pool.
 """
@@ -19,12 +22,14 @@ from kernels.attention.backend import (AttentionBackend, AttentionMetadata,
 
 
 class Attention(nn.Module):
-    """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * D]."""
+    """q [T, Hq * D], k/v [T, Hkv * D] -> [T, Hq * Dv] (Dv: v_head_dim, else D)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend, sliding_window: int = 0,
-                 softcap: float = 0.0, sinks: bool = False) -> None:
+                 softcap: float = 0.0, sinks: bool = False, v_head_dim: int = 0) -> None:
         """sliding_window: W > 0 attends to the last W positions only; 0 to all.
+        v_head_dim: 0 (values are whole heads), or the value is each cached value row's first
+        v_head_dim dims (MLA).
         softcap: cap > 0 caps the scaled scores to cap * tanh(s / cap); 0: none.
         sinks: forward gets each head's sink logit (backend.py), so the backend must apply it."""
         super().__init__()
@@ -45,6 +50,11 @@ class Attention(nn.Module):
             raise ValueError(f"attention sinks: the {backend.name!r} attention backend cannot "
                              "apply them (it would attend without them); pick one that does: "
                              "torch, cpu or triton")
+        if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or not (
+                0 <= v_head_dim <= head_dim):
+            raise ValueError(f"v_head_dim={v_head_dim!r} is invalid: must be an int in "
+                             f"0..head_dim={head_dim} (0: the whole head)")
+        self.v_head_dim = v_head_dim if v_head_dim and v_head_dim < head_dim else 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -68,9 +78,14 @@ class Attention(nn.Module):
             extra["softcap"] = self.softcap
         if sinks is not None:
             extra["sinks"] = sinks
+        prefix = self.v_head_dim and getattr(self.backend, "supports_value_prefix", False)
+        if prefix:
+            extra["v_head_dim"] = self.v_head_dim
         out = self.backend.forward(
             q.reshape(num_tokens, self.num_heads, self.head_dim),
             k.reshape(num_tokens, self.num_kv_heads, self.head_dim),
             v.reshape(num_tokens, self.num_kv_heads, self.head_dim),
             kv_cache, meta, self.scale, **extra)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if self.v_head_dim and not prefix:
+            out = out[..., :self.v_head_dim]
+        return out.reshape(num_tokens, self.num_heads * (self.v_head_dim or self.head_dim))

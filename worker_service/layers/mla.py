@@ -30,9 +30,11 @@ mscale_all_dim) ** 2 for a scaled rope with mscale_all_dim (transformers' yarn_a
 Tensor parallelism splits the heads (q_b_proj / q_proj, kv_b_proj rows, o_proj columns); the
 latent projections are replicated, so every rank caches the same latents.
 
-The C++ CPU kernel takes head sizes 16..128 and up to 48 query heads per kv head: the runner's
-`auto` picks the torch backend for a latent it cannot take (the released 576); the cpu backend
-named for one is refused by name (check_mla_backend), never swapped for another.
+The C++ CPU kernel takes head sizes 16..128 and the released latent (576, its value the first
+512 dims of the same row: the attention layer's v_head_dim), up to 128 query heads per kv head:
+the runner's `auto` picks it when it fits and the torch backend for a latent it cannot take
+(another size); the cpu backend named for one is refused by name (check_mla_backend), never
+swapped for another.
 """
 from __future__ import annotations
 
@@ -141,7 +143,9 @@ class MLAAttention(nn.Module):
                                         mla.attention_bias, tp, dtype)
         self.rotary_emb = rotary_emb
         self.num_kv_heads = 1
-        self.attn = Attention(self.num_heads, 1, mla.latent_dim, mla.scale, backend)
+        # the value is the latent: the cached row's first kv_lora_rank dims
+        self.attn = Attention(self.num_heads, 1, mla.latent_dim, mla.scale, backend,
+                              v_head_dim=mla.kv_lora_rank)
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.mla.q_lora_rank:
@@ -176,6 +180,6 @@ class MLAAttention(nn.Module):
         query = torch.cat((q_latent, q_pe), dim=-1)
         key = torch.cat((latent.unsqueeze(1), k_pe), dim=-1)                # [T, 1, latent]
         out = self.attn(query, key, key, kv_cache, meta)
-        out = out.view(num_tokens, self.num_heads, m.latent_dim)[..., :m.kv_lora_rank]
+        out = out.view(num_tokens, self.num_heads, m.kv_lora_rank)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))          # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, -1))

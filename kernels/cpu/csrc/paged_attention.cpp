@@ -6,7 +6,11 @@
 //   key position p of request r lives in block block_table[r, p / block_size], row p % block_size.
 //
 // Work items are (request, kv head, tile of query tokens); a tile holds up to kTileRows query
-// rows, each token contributing its G = Hq / Hkv heads (rows ordered token-major). Each item runs
+// rows, each token contributing its G = Hq / Hkv heads (rows ordered token-major). A group of
+// more than kTileRows heads (DeepSeek's MLA: up to 128 query heads on its one latent head) is
+// cut into head tiles of kTileRows, one token each.
+// The value head DV is out's last dim: D itself, or for the latent (D = 576) its first 512
+// dims, read from the value row (for MLA the same cached row as the key: kv_cache seen twice). Each item runs
 // flash-attention style over chunks of kChunk key positions: scores for the whole chunk, an
 // online softmax (running max m and sum l per row), and the value accumulation, all in float32.
 // Chunks past the tile's last position are never read; the diagonal chunk is masked.
@@ -36,17 +40,29 @@
 #include "vec_math.h"
 #include "attention_simd.h"
 #include "attention_bf16dot.h"
+#include "attention_latent.h"
 
 namespace deltaserve_cpu {
 namespace {
 
 constexpr int kChunk = 16;        // key positions per step of the online softmax
 constexpr int kTileRows = 48;     // query rows (tokens x heads) per work item at most
+constexpr int kMaxGroup = 128;    // query heads per kv head (DeepSeek-V3's 128 on one latent)
 
 struct Item {
   int64_t req, head, tok0, ntok;  // kv head; tokens tok0 .. tok0+ntok-1 of the request's queries
+  int g0, ng;                     // the kv head's query heads g0 .. g0+ng-1 (row r: head r % ng)
   int64_t cost;                   // ~ rows x keys, to order the dynamic schedule
 };
+
+// A per-thread float scratch of at least n floats, 64-byte aligned (the generic body's buffers:
+// over 200 KiB at the latent's 576 dims, too much for an OpenMP thread's stack).
+inline float* thread_scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n + 16) buf.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -76,7 +92,7 @@ inline void load_keys_t(const Geometry<T>& g, int64_t head, int64_t p0, int n,
   }
 }
 
-// v[j][:] = value of position p0 + j (j < n), float32.
+// v[j][:] = the first D dims of the value of position p0 + j (j < n), float32.
 template <typename T, int D>
 inline void load_values(const Geometry<T>& g, int64_t head, int64_t p0, int n,
                         float (*v)[D]) {
@@ -121,29 +137,31 @@ inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int row
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int DV>
 void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
                  int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
                  int64_t q_start, int64_t first_pos, int group, float scale, int64_t window,
                  const float* sinks) {
-  const int rows = static_cast<int>(it.ntok) * group;
-  alignas(64) float q[kTileRows][D];
-  alignas(64) float acc[kTileRows][D];
-  alignas(64) float kt[D][kChunk];
-  alignas(64) float v[kChunk][D];
-  alignas(64) float s[kTileRows][kChunk];
+  const int ng = it.ng;
+  const int rows = static_cast<int>(it.ntok) * ng;
+  float* buf = thread_scratch(kTileRows * (D + DV + kChunk) + kChunk * (D + DV));
+  auto q = reinterpret_cast<float (*)[D]>(buf);
+  auto acc = reinterpret_cast<float (*)[DV]>(buf + kTileRows * D);
+  auto kt = reinterpret_cast<float (*)[kChunk]>(buf + kTileRows * (D + DV));
+  auto v = reinterpret_cast<float (*)[DV]>(buf + kTileRows * (D + DV) + D * kChunk);
+  auto s = reinterpret_cast<float (*)[kChunk]>(buf + kTileRows * (D + DV) + kChunk * (D + DV));
   float m[kTileRows], l[kTileRows];
   int64_t pos[kTileRows];
   for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < group; ++gi) {
-      const int r = t * group + gi;
+    for (int gi = 0; gi < ng; ++gi) {
+      const int r = t * ng + gi;
       const T* src = query + (q_start + it.tok0 + t) * q_tok_stride +
-                     (it.head * group + gi) * q_head_stride;
+                     (it.head * group + it.g0 + gi) * q_head_stride;
       for (int d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * scale;
       pos[r] = first_pos + it.tok0 + t;
       m[r] = -std::numeric_limits<float>::infinity();
       l[r] = 0.f;
-      std::memset(acc[r], 0, sizeof(float) * D);
+      std::memset(acc[r], 0, sizeof(float) * DV);
     }
   }
   const int64_t last = first_pos + it.tok0 + it.ntok - 1;      // the tile's last position
@@ -154,7 +172,7 @@ void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q
   for (int64_t p0 = start; p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
     load_keys_t<T, D>(g, it.head, p0, n, kt);
-    load_values<T, D>(g, it.head, p0, n, v);
+    load_values<T, DV>(g, it.head, p0, n, v);
     chunk_scores<D>(q, kt, rows, s);
     const bool masked = p0 + kChunk - 1 > diag || n < kChunk || p0 < band_end;
     for (int r = 0; r < rows; ++r) {
@@ -182,41 +200,43 @@ void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q
       float* ar = acc[r];
       if (alpha != 1.f) {
 #pragma omp simd
-        for (int d = 0; d < D; ++d) ar[d] *= alpha;
+        for (int d = 0; d < DV; ++d) ar[d] *= alpha;
       }
       for (int j = 0; j < n; ++j) {
         const float pj = sr[j];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) ar[d] += pj * v[j][d];
+        for (int d = 0; d < DV; ++d) ar[d] += pj * v[j][d];
       }
     }
   }
   for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < group; ++gi) {
-      const int r = t * group + gi;
-      const float inv = normalizer(m[r], l[r], sinks, it.head * group + gi);
-      T* dst = out + (q_start + it.tok0 + t) * o_tok_stride + (it.head * group + gi) * o_head_stride;
-      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
+    for (int gi = 0; gi < ng; ++gi) {
+      const int r = t * ng + gi;
+      const int64_t h = it.head * group + it.g0 + gi;
+      const float inv = normalizer(m[r], l[r], sinks, h);
+      T* dst = out + (q_start + it.tok0 + t) * o_tok_stride + h * o_head_stride;
+      for (int d = 0; d < DV; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
     }
   }
 }
 
 #if defined(DELTASERVE_SIMD)
 // The vector bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
-template <typename T, int D>
+template <typename T, int D, int DV>
 void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
                         int64_t first_pos, int group, float scale, int64_t window,
                         const float* sinks, const simd::Ahead& after) {
-  const int rows = static_cast<int>(it.ntok) * group;
+  const int ng = it.ng;
+  const int rows = static_cast<int>(it.ntok) * ng;
   const T* qrows[kTileRows];
   int64_t pos[kTileRows];
   for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < group; ++gi) {
-      const int r = t * group + gi;
+    for (int gi = 0; gi < ng; ++gi) {
+      const int r = t * ng + gi;
       qrows[r] = query + (q_start + it.tok0 + t) * q_tok_stride +
-                 (it.head * group + gi) * q_head_stride;
+                 (it.head * group + it.g0 + gi) * q_head_stride;
       pos[r] = first_pos + it.tok0 + t;
     }
   }
@@ -228,27 +248,32 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
            (p & mask) * g.row_stride;
   };
   auto store_row = [&](int r, const float* acc, float m, float l) {
-    const float inv = normalizer(m, l, sinks, it.head * group + r % group);
-    T* dst = out + (q_start + it.tok0 + r / group) * o_tok_stride +
-             (it.head * group + r % group) * o_head_stride;
-    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+    const int64_t h = it.head * group + it.g0 + r % ng;
+    const float inv = normalizer(m, l, sinks, h);
+    T* dst = out + (q_start + it.tok0 + r / ng) * o_tok_stride + h * o_head_stride;
+    for (int d = 0; d < DV; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
-#if defined(DELTASERVE_BF16DOT)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (rows > simd::kDirectRows) {
-      simd::wide_item_bf16dot<D>(qrows, scale, pos, rows, row, store_row, window);
-      return;
-    }
-  }
-#endif
-  alignas(64) float q[kTileRows][D];
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < D; ++d) q[r][d] = to_float(qrows[r][d]) * scale;
-  if (rows <= simd::kDirectRows) {
-    simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
-                            after);
+  if constexpr (D > 128 || DV != D) {     // the latent (no window, no sinks: the entry checks)
+    simd::latent_item_rows<T, D, DV>(qrows, scale, pos, rows, row, g.half == 0, store_row);
+    return;
   } else {
-    simd::wide_item<T, D>(q, pos, rows, row, store_row, window);
+#if defined(DELTASERVE_BF16DOT)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (rows > simd::kDirectRows) {
+        simd::wide_item_bf16dot<D>(qrows, scale, pos, rows, row, store_row, window);
+        return;
+      }
+    }
+#endif
+    alignas(64) float q[kTileRows][D];
+    for (int r = 0; r < rows; ++r)
+      for (int d = 0; d < D; ++d) q[r][d] = to_float(qrows[r][d]) * scale;
+    if (rows <= simd::kDirectRows) {
+      simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
+                              after);
+    } else {
+      simd::wide_item<T, D>(q, pos, rows, row, store_row, window);
+    }
   }
 }
 
@@ -274,7 +299,9 @@ simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blo
 
 std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs,
                              int64_t num_kv_heads, int group, int64_t window) {
-  const int64_t tile_tokens = std::max(1, kTileRows / group);
+  // head tiles: the whole group, or kTileRows heads at a time (one token each) past it
+  const int tile_heads = std::min(group, kTileRows);
+  const int64_t tile_tokens = std::max(1, kTileRows / tile_heads);
   std::vector<Item> items;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t qlen = qsl[r + 1] - qsl[r];
@@ -282,8 +309,11 @@ std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_
     for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
       const int64_t n = std::min(tile_tokens, qlen - t0);
       const int64_t keys = first_pos + t0 + n;           // a window reads about W + n of them
-      const int64_t cost = (window ? std::min(keys, window + n) : keys) * n * group + 64;
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, n, cost});
+      for (int g0 = 0; g0 < group; g0 += tile_heads) {
+        const int ng = std::min(tile_heads, group - g0);
+        const int64_t cost = (window ? std::min(keys, window + n) : keys) * n * ng + 64;
+        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, n, g0, ng, cost});
+      }
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -291,7 +321,7 @@ std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_
   return items;
 }
 
-template <typename T, int D>
+template <typename T, int D, int DV>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
          at::Tensor& out, int64_t window, const float* sinks) {
@@ -322,13 +352,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens,
                         window)
           : simd::Ahead();
-      attend_item_simd<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+      attend_item_simd<T, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                              out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
                              window, sinks, after);
       return;
     }
 #endif
-    attend_item<T, D>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+    attend_item<T, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                       out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale, window,
                       sinks);
   };
@@ -347,19 +377,22 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
                        int64_t window, const float* sinks) {
   switch (query.size(2)) {
     case 16:
-      return run<T, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+      return run<T, 16, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     case 32:
-      return run<T, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+      return run<T, 32, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     case 64:
-      return run<T, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+      return run<T, 64, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     case 80:
-      return run<T, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+      return run<T, 80, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     case 96:
-      return run<T, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+      return run<T, 96, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
     case 128:
-      return run<T, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+      return run<T, 128, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 576:     // DeepSeek's MLA latent: kv_lora_rank 512 + rope 64, values the first 512
+      return run<T, 576, 512>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
+                              sinks);
     default: TORCH_CHECK(false, "head_dim=", query.size(2),
-                         " is not supported: must be 16, 32, 64, 80, 96 or 128");
+                         " is not supported: must be 16, 32, 64, 80, 96, 128 or 576");
   }
 }
 
@@ -370,16 +403,25 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& seq_lens, double scale, at::Tensor& out, int64_t window,
                      const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, Hq, D]");
   // the two halves: contiguous one after the other, or one tensor seen twice (stride 0: a
   // model whose values are its keys, DeepSeek's latent cache)
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache[0].is_contiguous() &&
                   (kv_cache.stride(0) == 0 || kv_cache.is_contiguous()),
               "kv_cache must be a [2, num_blocks, block_size, Hkv, D] tensor, contiguous or "
               "with both halves one contiguous tensor");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.size(0) == query.size(0) &&
+                  out.size(1) == query.size(1),
+              "query must be [T, Hq, D] and out [T, Hq, Dv]");
   TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head_dim differs from query's");
+  const int64_t head_dim = query.size(2), v_dim = out.size(2);
+  TORCH_CHECK(head_dim == 576 ? v_dim == 512 : v_dim == head_dim, "out's value head dim ", v_dim,
+              " with head_dim ", head_dim, ": must be head_dim itself (512 for the 576 latent)");
+  TORCH_CHECK(v_dim == head_dim || (window == 0 && !sinks.has_value()),
+              "a sliding window or sinks with a value head (", v_dim, ") smaller than the key "
+              "head (", head_dim, "): not supported (MLA has neither)");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "Hq must be a multiple of Hkv");
-  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kTileRows, "too many query heads per kv head");
+  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query heads per kv head: ",
+              query.size(1) / kv_cache.size(3), ", at most ", kMaxGroup);
   const int64_t block_size = kv_cache.size(2);
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
               "block_size must be a power of two");

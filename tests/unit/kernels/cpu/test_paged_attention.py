@@ -115,6 +115,7 @@ def test_the_kernel_reads_only_each_requests_own_positions():
 
 def test_supports_names_the_layouts_it_takes():
     assert cpu_paged.supports(64, torch.float32) and cpu_paged.supports(128, torch.bfloat16)
+    assert cpu_paged.supports(576, torch.float32)                # the MLA latent
     assert not cpu_paged.supports(72, torch.float32)
     assert not cpu_paged.supports(64, torch.float16)
 
@@ -134,7 +135,12 @@ def test_cpu_named_for_a_layout_it_cannot_take_is_refused_by_name():
                                             resolve_backend_name)
     with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid .* head size 72"):
         get_attention_backend("cpu", "cpu", CacheLayout(16, 72, torch.float32))
-    with pytest.raises(ValueError, match="49 query heads per kv head on a rank"):
-        get_attention_backend("cpu", "cpu", CacheLayout(16, 64, torch.float32, group=49))
+    with pytest.raises(ValueError, match="129 query heads per kv head on a rank"):
+        get_attention_backend("cpu", "cpu", CacheLayout(16, 64, torch.float32, group=129))
     assert resolve_backend_name("auto", "cpu", CacheLayout(16, 64, torch.float32,
-                                                           group=49)) == "torch"
+                                                           group=129)) == "torch"
+    # DeepSeek's latent: 576 with up to 128 heads on its one kv head fits; 512 does not
+    assert resolve_backend_name("auto", "cpu", CacheLayout(16, 576, torch.bfloat16,
+                                                           group=128)) == "cpu"
+    assert resolve_backend_name("auto", "cpu", CacheLayout(16, 512, torch.float32,
+                                                           group=16)) == "torch"
