@@ -6,16 +6,22 @@ serve attention and dense / shared-expert MLPs, and refuse an adapter of a route
 module name."""
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import assert_greedy_agrees, compare_greedy
 from tests.support.lora_adapters import make_adapter, peft_greedy
+from tests.support.paged_prefill import load
+from worker_service.lora.adapter import LoRAError
 from worker_service.lora.families import ATTENTION, LLAMA
+from worker_service.lora.layers import attach_lora
 
 MAX_NEW = 10
 # tiny_model arch -> the modules its adapters target (transformers' names)
@@ -68,3 +74,52 @@ def test_mixed_batch_matches_peft(tiny_models, tmp_path, arch):
     first = [peft_greedy(model, adapters.get(n), tuple(prompts[0]), MAX_NEW).token_ids
              for n in (None, "a")]
     assert first[0] != first[1], first
+
+
+@pytest.mark.parametrize("arch,cls", [("gpt_oss", "GptOssForCausalLM"),
+                                      ("deepseek_v2", "DeepseekV2ForCausalLM")])
+def test_other_architectures_are_refused_naming_the_served_ones(tiny_models, arch, cls):
+    with pytest.raises(LoRAError, match=rf"LoRA is not supported for {cls}: must be one of "
+                                        rf"\[.*'Phi3ForCausalLM'.*\]"):
+        attach_lora(load(tiny_models(arch)), [])
+
+
+def test_moe_expert_adapters_are_refused_naming_the_module(tiny_models, tmp_path):
+    """peft's target_parameters (transformers 5's fused experts) and, in the older layout,
+    a tensor of one routed expert's projection: refused naming it and what is served."""
+    model = tiny_models("qwen3_moe")
+    fused = make_adapter(model, tmp_path / "fused", r=4, targets=LLAMA)
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'fused': target_parameters=.* is not "
+                                        r"supported \(LoRA on parameters"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"fused={fused}")
+    per_expert = shutil.copytree(make_adapter(model, tmp_path / "attn", r=4, targets=ATTENTION),
+                                 tmp_path / "per_expert")
+    weights = per_expert / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    expert = "base_model.model.model.layers.0.mlp.experts.3.gate_proj"
+    for half in ("lora_A", "lora_B"):
+        tensors[f"{expert}.{half}.weight"] = tensors.pop(f"{q}.{half}.weight")
+    save_file(tensors, weights)
+    cfg = json.loads((per_expert / "adapter_config.json").read_text())
+    (per_expert / "adapter_config.json").write_text(json.dumps(
+        {**cfg, "target_modules": ["k_proj", "v_proj", "o_proj", "gate_proj"]}))
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'moe': module model\.layers\.0\.mlp\."
+                                        r"experts\.3\.gate_proj is a routed expert: LoRA on "
+                                        r"MoE experts is not supported for "
+                                        r"Qwen3MoeForCausalLM \(served: \['q_proj'"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"moe={per_expert}")
+
+
+def test_a_target_another_family_names_is_refused(tiny_models, tmp_path):
+    """Phi-3 has no q_proj of its own (transformers names its fused qkv_proj): an adapter
+    naming q_proj is another model's, refused naming the served modules."""
+    model = tiny_models("phi3")
+    other = make_adapter(tiny_models("llama"), tmp_path / "llama", r=4, targets=("q_proj",))
+    with pytest.raises(LoRAError, match=r"target module\(s\) \['q_proj'\] are not supported: "
+                                        r"must be among \['qkv_proj', 'o_proj', "
+                                        r"'gate_up_proj', 'down_proj'\]"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"other={other}")

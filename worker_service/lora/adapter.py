@@ -81,14 +81,14 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
     if cfg.get("fan_in_fan_out"):
         raise LoRAError(f"LoRA adapter {name!r}: fan_in_fan_out=true is not supported "
                         f"(a Conv1D base layer; Llama-family projections are nn.Linear)")
-    for key in ("rank_pattern", "alpha_pattern"):   # per-module r / alpha: not applied here
-        if cfg.get(key):
-            raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(cfg[key])} is not "
-                            f"supported (every module must use r and lora_alpha)")
     if cfg.get("target_parameters"):                # peft's LoRA on MoE experts' parameters
         raise LoRAError(f"LoRA adapter {name!r}: target_parameters="
                         f"{quoted(cfg['target_parameters'])} is not supported (LoRA on "
                         f"parameters, such as MoE experts'; only target_modules)")
+    for key in ("rank_pattern", "alpha_pattern"):   # per-module r / alpha: not applied here
+        if cfg.get(key):
+            raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(cfg[key])} is not "
+                            f"supported (every module must use r and lora_alpha)")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     _check_header_size(name, weights_file)
     size = weights_file.stat().st_size
