@@ -16,7 +16,8 @@ Command-R7B, Command-A), as transformers' modeling_cohere / modeling_cohere2 com
     absent.
 
 hidden_act other than silu, a logit_scale that is not a finite number, and a Cohere2 config
-without a window are refused naming the key; LoRA is refused by architecture (lora/layers.py).
+without a window are refused naming the key. LoRA: lora/families.py (lora_B q/k rows reordered
+as the weights).
 """
 from __future__ import annotations
 
