@@ -1,8 +1,8 @@
 """The LoRA-aware projections: y = base(x) + scale_i * (x A_i^T) B_i^T for the token rows of
 adapter i (docs/lora.md).
 
-attach_lora swaps each decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj) for a
-LoRALinear that holds every adapter's A and B stacked by slot (adapter id - 1), the scaling folded
+attach_lora swaps each targeted projection (qkv_proj, o_proj, gate_up_proj, down_proj, c_fc,
+...: families.py lists each model's) for a LoRALinear that holds every adapter's A and B stacked by slot (adapter id - 1), the scaling folded
 into B. Packed projections keep one rank-R block per piece (q, k, v; gate, up): A pieces stacked
 along the rank, B block-diagonal. Tensor parallel, as the base layer: column-parallel B is split by
 output rows (the base layer's own weight loader picks this rank's rows), row-parallel A by input
