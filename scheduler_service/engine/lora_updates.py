@@ -148,25 +148,37 @@ class LoRAUpdates:
 
     def replay(self, first: bool = False) -> None:
         """After an Init: the draining ids freed (nothing runs in a new epoch), then every
-        adapter served now loaded again with its id and generation (init_config sent none).
-        One whose directory fails now is no longer served (logged); on the `first` Init an
-        adapter of --lora-modules that fails is WorkerRefused, as vLLM refuses to start."""
+        adapter served now loaded again with its id and generation (init_config sent none;
+        with --max-cpu-loras those the LRU holds). One whose directory fails now is no longer
+        served (logged); on the `first` Init an adapter of --lora-modules that fails is
+        WorkerRefused, as vLLM refuses to start: with --max-cpu-loras the ones the LRU does
+        not hold are loaded and freed again first, one at a time, to check them."""
         self.sweep(set(), lambda: None)
-        for adapter in self.registry.adapters():
-            if self.cache is not None and not self.cache.holds(adapter.lora_id):
-                continue                      # loaded when a request wants it
-            try:
-                self.ops.load_lora(adapter.lora_id, adapter.name, adapter.path)
-            except EngineUnavailable:
-                raise
-            except Exception as e:  # noqa: BLE001 - the directory changed since: drop it
-                if first and adapter.static:
-                    raise WorkerRefused(f"--lora-modules adapter {adapter.name!r}: {e}") from e
-                log.error("LoRA adapter %r is no longer served: loading it again after the "
-                          "workers' Init failed: %s", adapter.name, e)
-                self.registry.drop(adapter.name)
-                if self.cache is not None:
-                    self.cache.forget(adapter.lora_id)
+        adapters = self.registry.adapters()
+        held = [a for a in adapters if self.cache is None or self.cache.holds(a.lora_id)]
+        if first:
+            for adapter in (a for a in adapters if a.static and a not in held):
+                if self._load_again(adapter, first):
+                    self.ops.unload_lora(adapter.lora_id)
+        for adapter in held:
+            self._load_again(adapter, first)
+
+    def _load_again(self, adapter: ServedAdapter, first: bool) -> bool:
+        """Load a served adapter into its id; False (and no longer served) when it fails."""
+        try:
+            self.ops.load_lora(adapter.lora_id, adapter.name, adapter.path)
+            return True
+        except EngineUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - the directory changed since: drop it
+            if first and adapter.static:
+                raise WorkerRefused(f"--lora-modules adapter {adapter.name!r}: {e}") from e
+            log.error("LoRA adapter %r is no longer served: loading it again after the "
+                      "workers' Init failed: %s", adapter.name, e)
+            self.registry.drop(adapter.name)
+            if self.cache is not None:
+                self.cache.forget(adapter.lora_id)
+            return False
 
     def on_turn(self, engine) -> None:
         """The AsyncEngine's end-of-turn hook (engine thread): when a draining id is no longer

@@ -12,6 +12,7 @@ import pytest
 from deltaserve.llm import LLM
 from engine_common.request.params import ParamError, SamplingParams, StoppingParams
 from scheduler_service.core.request import RequestStatus
+from scheduler_service.errors import WorkerRefused
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.lora_adapters import make_adapter
 
@@ -149,3 +150,12 @@ def test_bad_values_are_refused_naming_the_flag(setup, kw, message):
     model, adapters = setup
     with pytest.raises(ParamError, match=message):
         _llm(model, adapters, **kw)
+
+
+def test_a_bad_adapter_the_cache_does_not_hold_refuses_the_start(setup, tmp_path):
+    """Each adapter of --lora-modules is read at start, held or not (as without the flag)."""
+    model, adapters = setup
+    big = make_adapter(model, tmp_path / "big", r=32, seed=9)
+    with pytest.raises(WorkerRefused, match=r"--lora-modules adapter 'big': .*r=32 is invalid: "
+                                            r"must be in \[1, max_lora_rank=16\]"):
+        _llm(model, {"a": adapters["a"], "big": big}, max_cpu_loras=1)
