@@ -49,8 +49,10 @@ def make_resident(updates: LoRAUpdates, scheduler: Scheduler) -> list[str]:
                 break
             updates.ops.unload_lora(victim)
             cache.evicted(victim)
-        name, path = updates.sources[lora_id]
+        name, path = updates.sources.get(lora_id, (f"id {lora_id}", ""))
         try:
+            if not path:           # never loaded by this scheduler: nothing to read
+                raise LookupError(f"no directory is known for LoRA adapter id {lora_id}")
             updates.ops.load_lora(lora_id, name, path)
         except EngineUnavailable:
             raise

@@ -123,3 +123,20 @@ def test_a_target_another_family_names_is_refused(tiny_models, tmp_path):
                                         r"'gate_up_proj', 'down_proj'\]"):
         LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
             lora_modules=f"other={other}")
+
+
+def test_a_fused_target_of_another_shape_is_refused(tiny_models, tmp_path):
+    """Phi-3's qkv_proj lora_B is cut by the model's own rule: rows that do not add up to
+    q + k + v are refused naming the module and both sizes."""
+    model = tiny_models("phi3")
+    short = make_adapter(model, tmp_path / "short", r=4, targets=("qkv_proj",))
+    weights = f"{short}/adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "layers.0.self_attn.qkv_proj.lora_B" in k)
+    tensors[key] = tensors[key][:-16]
+    save_file(tensors, weights)
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'short': model\.layers\.0\.self_attn\."
+                                        r"qkv_proj: lora_B \(112, 4\) does not fit the base "
+                                        r"layer \(.*112 rows, expected 128"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"short={short}")
