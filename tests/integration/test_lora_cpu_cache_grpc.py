@@ -4,15 +4,17 @@ rank with two steps in flight, and two rank processes with every step's symmetry
 The Init carries no adapter; the scheduler loads and evicts them with LoadLora / UnloadLora, the
 same calls on every rank; requests cycling through the adapters give transformers + peft's
 tokens (a worker refuses a step naming an adapter it does not hold, so a wrong residency
-decision fails the request)."""
+decision fails the request), and the scheduler's metrics say one adapter is loaded after each
+request, and how many loads and evictions it took."""
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from tests.support.grpc_harness import (collect, generation_stub, greedy_request,
+from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request,
                                         scheduler_and_worker)
 from tests.support.lora_adapters import make_adapter, peft_greedy
+from tests.support.metrics_scrape import scrape
 
 MAX_NEW = 6
 PROMPT = (11, 40, 7, 93, 5, 120, 64, 3, 77, 18)
@@ -27,7 +29,8 @@ def test_cycling_adapters_through_one_slot(tiny_models, tmp_path, worker_args, m
     adapters = {n: make_adapter(model, tmp_path / n, r=4, alpha=16, seed=i + 1)
                 for i, n in enumerate("abc")}
     (tmp_path / "logs").mkdir()
-    flags = ["--enable-lora", "--lora-modules", " ".join(f"{n}={p}" for n, p in
+    metrics = free_port()
+    flags = ["--metrics-listen", f"127.0.0.1:{metrics}","--enable-lora", "--lora-modules", " ".join(f"{n}={p}" for n, p in
                                                          adapters.items()),
              "--max-cpu-loras", "1", "--verify-symmetry", "--dtype", "float32", *more]
     with scheduler_and_worker(model, tmp_path / "logs", scheduler_args=flags,
@@ -40,3 +43,8 @@ def test_cycling_adapters_through_one_slot(tiny_models, tmp_path, worker_args, m
                 ids, _, _ = collect(stub.Generate(request))
                 want = peft_greedy(model, adapters.get(name), PROMPT, MAX_NEW).token_ids
                 assert ids == list(want), name
+                assert scrape(metrics).total("deltaserve:lora_adapters_loaded") == 1
+            s = scrape(metrics)
+            # a at start, then c, a, b, a, c read again, each evicting the one before
+            assert s.total("deltaserve:lora_loads_total") == 6
+            assert s.total("deltaserve:lora_evictions_total") == 5
