@@ -47,7 +47,7 @@ class CpuGemm:
         """Keep `loaded`'s packed band (rows / cols of the checkpoint weight; None: all) at
         output row `offset` when it has one (True); False: load it dense as before."""
         read = getattr(loaded, "read_packed", None)
-        if read is None or param is not self.weight:
+        if read is None or param is not self.weight or not self._runs_as_linear():
             return False
         band = read(rows, cols)
         if band is None:                          # act order: no kernel layout (quant_regions)
@@ -58,6 +58,11 @@ class CpuGemm:
         if self.packed_rows.complete:
             self._build_packed()
         return True
+
+    def _runs_as_linear(self) -> bool:
+        """False for a layer that opts out of the CPU GEMMs (MLA's kv_b_proj overrides
+        use_cpu_kernels): it reads its weight as matrices, so the weight must be dense."""
+        return type(self).use_cpu_kernels is CpuGemm.use_cpu_kernels
 
     def _build_packed(self) -> None:
         weight = self.weight
