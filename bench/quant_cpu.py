@@ -10,8 +10,11 @@ Each step runs every linear once on [M, K] rows (a decode step of M requests, at
 norms left out: the linears are what reads the weights). Rounds alternate the two modes;
 tokens/s = M x steps/s, reported min / median / max over the rounds.
 
-    python -m bench.quant_cpu [--layers 8] [--rows 1,16] [--dtypes float32,bfloat16]
-                              [--rounds 3] [--steps 5]
+    python -m bench.quant_cpu [--layers 8] [--rows 1,4,16,64] [--dtypes bfloat16]
+                              [--rounds 3] [--steps 3]
+
+float32 / float16 models are not run natively (quant_linear.NATIVE_DTYPES: torch's kernel is
+scalar for them); asked for, the line says so.
 """
 from __future__ import annotations
 
@@ -74,16 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant_cpu",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rows", default="1,16")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--dtypes", default="bfloat16")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     print(f"cpu: {describe_cpu()}; {torch.get_num_threads()} thread(s), {args.layers} layers, "
           f"GPTQ int4 group {GROUP}")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
+        why = build(_band(16, GROUP, torch.Generator()), dtype)
+        if isinstance(why, str):
+            print(f"{name}: not run natively: {why}")
+            continue
         native, dense, native_bytes, dense_bytes = _stacks(args.layers, dtype)
         print(f"{name}: weights native {native_bytes / 2**20:.0f} MiB (packed codes + scales "
               f"and zeros), dequantized {dense_bytes / 2**20:.0f} MiB (before the CPU GEMMs' "

@@ -200,9 +200,10 @@ class WorkerConfig(BatchLimits):
         False, "fused Triton RMSNorm, rotary embedding and SiLU-and-mul (CUDA; the device "
         "defaults turn it on there)", wire=15)
     cpu_quantized_weights: str = setting(
-        "native", "GPTQ / AWQ checkpoints on a CPU device: native keeps 4-bit (and per-row "
-        "8-bit) linear weights packed and runs torch's weight-only int4 / int8 kernels; "
-        "dequantize expands them to the model dtype at load (CUDA always does)",
+        "native", "GPTQ / AWQ checkpoints in a bfloat16 model on a CPU device: native keeps "
+        "4-bit (and per-row 8-bit) linear weights packed and runs torch's weight-only int4 / "
+        "int8 kernels; dequantize expands them to the model dtype at load (CUDA, and float32 "
+        "/ float16 models, always do)",
         rule=OneOf(CPU_QUANTIZED_WEIGHTS), wire=22)
     disable_hybrid_kv_cache_manager: bool = setting(
         False, "one KV pool for a model that mixes sliding-window and full-attention layers, "

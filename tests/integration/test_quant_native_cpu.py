@@ -1,20 +1,27 @@
 """GPTQ / AWQ checkpoints kept packed on the CPU (--cpu-quantized-weights native, the default;
-layers/quant_linear.py): the linears run torch's int4 / int8 kernels, greedy tokens equal
-transformers' on the dequantized twin in float32, TP=2 ranks agree with one, act order and
-groups the kernels cannot take stay dequantized, and the memory estimate counts the packed
-size."""
+layers/quant_linear.py): the linears of a bfloat16 model run torch's int4 / int8 kernels; with
+the (scalar, so not used by default) float32 path switched on, greedy tokens equal
+transformers' on the dequantized twin in float32 and TP=2 ranks agree with one; act order,
+groups the kernels cannot take and float32 models by default stay dequantized; the memory
+estimate counts the packed size."""
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from deltaserve.llm import LLM
 from engine_common.model_files.model_dir import ModelInfo
 from kernels.attention.torch_ref import TorchAttentionBackend
 from tests.support.engine_checks import _check, _prompts
-from tests.support.paged_prefill import assert_tp2_matches_tp1, prefill_logits, tp_ids
+from tests.support.grpc_harness import free_port
+from tests.support.paged_prefill import prefill_logits, tp_ids, tp_worker
 from tests.support.quant_models import make_quantized_pair
 from worker_service.config import RunnerConfig
+from worker_service.layers import quant_linear
 from worker_service.layers.quant_linear import QuantLinear
 from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
@@ -40,6 +47,11 @@ def pair(tiny_models, tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def float32_native(monkeypatch):
+    monkeypatch.setattr(quant_linear, "NATIVE_DTYPES", (torch.bfloat16, torch.float32))
+
+
 def load(path, mode="native", dtype="float32"):
     return load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu", dtype,
                       cpu_quantized_weights=mode)
@@ -51,7 +63,7 @@ def packed_layers(model) -> list[QuantLinear]:
 
 
 @pytest.mark.parametrize("fmt", sorted(NATIVE))
-def test_native_logits_match_the_dequantized_load(pair, fmt):
+def test_native_logits_match_the_dequantized_load(pair, fmt, float32_native):
     quantized, _ = pair(fmt, **NATIVE[fmt])
     native, dense = load(quantized), load(quantized, "dequantize")
     layers = packed_layers(native)
@@ -75,7 +87,7 @@ def test_bfloat16_logits_within_the_kernels_rounding(pair):
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
-def test_greedy_matches_transformers_on_the_twin(pair, fmt):
+def test_greedy_matches_transformers_on_the_twin(pair, fmt, float32_native):
     quantized, twin = pair(fmt, **NATIVE[fmt])
     llm = LLM(str(quantized), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24,
               max_num_seqs=8)
@@ -85,7 +97,7 @@ def test_greedy_matches_transformers_on_the_twin(pair, fmt):
 @pytest.mark.parametrize("fmt,kwargs", [("gptq", {"group_size": 32}),   # act order
                                         ("gptq", {"group_size": 16, "act_order": False}),
                                         ("gptq8", {"group_size": 16})])
-def test_what_the_kernels_cannot_take_loads_dequantized(pair, fmt, kwargs):
+def test_what_the_kernels_cannot_take_loads_dequantized(pair, fmt, kwargs, float32_native):
     quantized, twin = pair(fmt, **kwargs)
     model = load(quantized)
     assert not packed_layers(model)
@@ -96,18 +108,39 @@ def test_what_the_kernels_cannot_take_loads_dequantized(pair, fmt, kwargs):
 
 @pytest.mark.slow
 def test_tp2_matches_tp1_over_gloo(pair, tmp_path):
-    """Two gloo ranks, each packing its band: column-parallel output rows, row-parallel groups."""
-    assert_tp2_matches_tp1([pair("awq", **NATIVE["awq"])[0]], tmp_path)
+    """Two gloo ranks, each packing its band (column-parallel output rows, row-parallel
+    groups), in bfloat16 (the spawned ranks take the default NATIVE_DTYPES)."""
+    path = pair("awq", **NATIVE["awq"])[0]
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(path, bf16)
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    one = load(bf16, dtype="auto")
+    assert len(packed_layers(one)) == LINEARS
+    want = prefill_logits(one, tp_ids()).float()
+    mp.spawn(tp_worker, args=(free_port(), [str(bf16)], str(tmp_path), 2), nprocs=2)
+    got = [torch.load(tmp_path / f"logits_0_{rank}.pt") for rank in (0, 1)]
+    assert torch.equal(got[0], got[1])                  # both ranks hold the reduced sum
+    # each rank's partial products are rounded to bfloat16 before the all-reduce
+    assert float((got[0].float() - want).abs().max() / want.abs().max()) < 5e-2
+
+
+def test_float32_models_stay_dequantized_by_default(pair):
+    """torch's float32 int4 kernel is scalar: a float32 model keeps the dequantized GEMMs."""
+    quantized, _ = pair("awq", **NATIVE["awq"])
+    assert not packed_layers(load(quantized))
+    assert len(packed_layers(load(quantized, dtype="bfloat16"))) == LINEARS
 
 
 def test_memory_estimate_counts_the_packed_size(pair):
     quantized, _ = pair("awq", **NATIVE["awq"])
     info = ModelInfo.from_dir(quantized)
     room = {mode: kv_room_bytes(RunnerConfig(model_dir=str(quantized), device="cpu",
-                                             cpu_quantized_weights=mode), info, 1, 1,
-                                machine_bytes=1 << 40)[1]
+                                             dtype="bfloat16", cpu_quantized_weights=mode),
+                                info, 1, 1, machine_bytes=1 << 40)[1]
             for mode in ("native", "dequantize")}
-    model = load(quantized)
+    model = load(quantized, dtype="bfloat16")
     packed = sum(q.nbytes for q in packed_layers(model))
-    dense = sum(q.out_features * q.in_features * 4 for q in packed_layers(model))
+    dense = sum(q.out_features * q.in_features * 2 for q in packed_layers(model))
     assert room["dequantize"] - room["native"] == dense - packed

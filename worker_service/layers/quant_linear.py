@@ -17,10 +17,13 @@ q - z in [-128, 127] (symmetric GPTQ's zero 128); anything else the kernels cann
 (4-bit groups under 32, an output band not a multiple of 16) is dequantized at load as before,
 its reason logged once per layer shape.
 
+Used for bfloat16 models only (NATIVE_DTYPES: torch's float32 and float16 paths are scalar,
+5-45x slower than the dequantized GEMMs here); float32 / float16 models are dequantized at load.
+
 Numerics: float32 activations give F.linear on the dequantized weight to ~1e-6 (relative, the
-order of summation differs). bfloat16 / float16 activations keep scale and zero in that dtype
-(the kernel's rule), so (8 - z) * s is rounded once more than the dequantized weight is: ~4e-3
-relative in bfloat16 (bench/quant_linear_numerics: `python -m bench.quant_linear_numerics`).
+order of summation differs). bfloat16 activations keep scale and zero in bfloat16 (the
+kernel's rule), so (8 - z) * s is rounded once more than the dequantized weight is: ~4e-3
+relative on a linear's output (tests/unit/worker_service/layers/test_quant_linear.py).
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ from typing import NamedTuple
 import torch
 
 KERNEL_GROUPS = (256, 128, 64, 32)
+# activations the kernels run fast: torch 2.13's int4 CPU kernel vectorizes bfloat16 only; its
+# float32 and float16 paths are scalar (on the 2-core Zen 4, a [12288, 2048] linear at 1 row:
+# float32 118 ms and float16 134 ms against 22 / 21 ms dequantized; bfloat16 12 ms against 17-25),
+# so those models stay dequantized (tests widen this to check the float32 numerics)
+NATIVE_DTYPES = (torch.bfloat16,)
 N_MULTIPLE = 16
 _INT4_OFFSET = 8
 
@@ -109,6 +117,9 @@ class QuantLinear:
 def build(band: PackedBand, dtype: torch.dtype) -> QuantLinear | str:
     """The kernel's form of a whole [N, K] band, or the reason it has none."""
     n, k = band.codes.shape
+    if dtype not in NATIVE_DTYPES:
+        return (f"{dtype} activations: torch's int4 / int8 CPU kernels are vectorized for "
+                f"{', '.join(map(str, NATIVE_DTYPES))} only")
     problem = native_problem(band, n, k)
     if problem is not None:
         return problem

@@ -33,7 +33,6 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
 log = logging.getLogger(__name__)
 
 

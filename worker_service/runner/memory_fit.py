@@ -35,6 +35,7 @@ from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
+from worker_service.layers import quant_linear
 from worker_service.runner.quant_memory import native_saving
 
 GIB = 1 << 30
@@ -153,7 +154,8 @@ def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local
     dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
     element = torch.empty((), dtype=dtype).element_size()
     packed = estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size) if device == "cpu" else 0
-    native = device == "cpu" and config.cpu_quantized_weights == "native"
+    native = device == "cpu" and config.cpu_quantized_weights == "native" \
+        and dtype in quant_linear.NATIVE_DTYPES
     weights = estimate_weight_bytes(info.hf_config, element, tp_size, native) + packed
     have = machine_bytes if machine_bytes is not None else _machine_bytes(config.device)
     if not have:

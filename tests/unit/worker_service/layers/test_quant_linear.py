@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from worker_service.layers import quant_linear
 from worker_service.layers.quant_linear import PackedBand, PackedRows, build, dequantize
+
+
+@pytest.fixture(autouse=True)
+def float32_too(monkeypatch):
+    """The float32 kernel path is scalar (slow, so models do not take it) but exact: checked."""
+    monkeypatch.setattr(quant_linear, "NATIVE_DTYPES", (torch.bfloat16, torch.float32))
 
 
 def band(n: int, k: int, group: int, bits: int = 4, seed: int = 0, zero_low: int = 1):
@@ -71,6 +78,12 @@ def test_8bit_zero_points_off_128_fall_back():
     b = band(32, 64, 64, bits=8)
     b.zeros.fill_(100)
     assert "outside int8" in build(b, torch.float32)
+
+
+def test_float32_and_float16_models_stay_dequantized(monkeypatch):
+    monkeypatch.undo()
+    for dtype in (torch.float32, torch.float16):
+        assert "vectorized for torch.bfloat16 only" in build(band(32, 64, 32), dtype)
 
 
 def test_wrong_input_dtype_is_refused():
