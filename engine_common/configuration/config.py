@@ -27,6 +27,7 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
+CPU_QUANTIZED_WEIGHTS = ("native", "dequantize")
 GIB = 1 << 30
 # When unset, a long prefill is one with more than 512 tokens left (a step of ~512 prompt tokens
 # stays short next to a full 2048-token one, and matmuls stay efficient), or the whole budget
@@ -212,6 +213,12 @@ class WorkerConfig(BatchLimits):
     fused_ops: bool = setting(
         False, "fused Triton RMSNorm, rotary embedding and SiLU-and-mul (CUDA; the device "
         "defaults turn it on there)", wire=15)
+    cpu_quantized_weights: str = setting(
+        "native", "GPTQ / AWQ checkpoints in a bfloat16 model on a CPU device: native keeps "
+        "4-bit (and per-row 8-bit) linear weights packed and runs torch's weight-only int4 / "
+        "int8 kernels; dequantize expands them to the model dtype at load (CUDA, and float32 "
+        "/ float16 models, always do)",
+        rule=OneOf(CPU_QUANTIZED_WEIGHTS), wire=22)
     disable_hybrid_kv_cache_manager: bool = setting(
         False, "one KV pool for a model that mixes sliding-window and full-attention layers, "
         "as vLLM's flag: every layer keeps every block of the context (better prefix-cache "

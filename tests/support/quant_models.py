@@ -75,17 +75,19 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
                           for j in range(rows // 8)] for i in range(n)], dtype=torch.int32)
 
 
-def _draw_ints(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str):
+def _draw_ints(w: torch.Tensor, group_size: int, gen: torch.Generator, fmt: str,
+               act_order: bool = True):
     """Random codes, zeros, scales (float16) and each column's group for a weight w [R, C]
     (its magnitude kept): returns q [C, R], z [G, R], scales [G, R], groups [C]. GPTQ v1's
     zeros run 1 .. 16 (stored minus one), AWQ's 0 .. 15, both ends drawn; gptq8 is symmetric
-    8-bit (every zero 128)."""
+    8-bit (every zero 128). group_size -1: one group of all columns."""
+    group_size = group_size if group_size > 0 else w.shape[1]
     if fmt == "gptq8":
         return _draw_sym8(w, group_size, gen)
     rows, cols = w.shape
     num_groups = -(-cols // group_size)        # a partial last group (DeepSeek q_lora_rank 24)
     groups = torch.arange(cols) // group_size
-    if fmt == "gptq":                   # act order: columns visit the groups out of order
+    if fmt == "gptq" and act_order:     # act order: columns visit the groups out of order
         groups = groups[torch.randperm(cols, generator=gen)]
     q = torch.randint(0, 16, (cols, rows), generator=gen, dtype=torch.int32)
     low = 1 if fmt == "gptq" else 0
@@ -110,7 +112,8 @@ def _dequant_ints(q, z, scales, groups) -> torch.Tensor:
 
 
 def quantize(name: str, w: torch.Tensor, fmt: str, gen: torch.Generator,
-             group_size: int, block: tuple[int, int]) -> tuple[dict, torch.Tensor]:
+             group_size: int, block: tuple[int, int], act_order: bool = True
+             ) -> tuple[dict, torch.Tensor]:
     """(the packed tensors of module `name`'s weight, the reference dequantized weight)."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
     prefix = name.removesuffix(".weight")
@@ -122,7 +125,7 @@ def quantize(name: str, w: torch.Tensor, fmt: str, gen: torch.Generator,
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
         weight = (w / scale.float()).to(torch.float8_e4m3fn)
         return {name: weight, f"{prefix}.weight_scale": scale}, weight.float() * scale.float()
-    q, z, scales, groups = _draw_ints(w, group_size, gen, fmt)
+    q, z, scales, groups = _draw_ints(w, group_size, gen, fmt, act_order)
     ref = _dequant_ints(q, z, scales, groups)
     if fmt == "gptq8":                  # gptq_v2, no act order: no g_idx saved
         qweight, qzeros = gptq_pack(q, z, bits=8, zero_offset=0)
@@ -136,7 +139,8 @@ def quantize(name: str, w: torch.Tensor, fmt: str, gen: torch.Generator,
             f"{prefix}.scales": scales}, ref
 
 
-def quant_config(fmt: str, group_size: int, block: tuple[int, int]) -> dict:
+def quant_config(fmt: str, group_size: int, block: tuple[int, int],
+                 act_order: bool = True) -> dict:
     """The quantization_config the released checkpoints of `fmt` carry."""
     if fmt == "fp8":
         return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -153,7 +157,7 @@ def quant_config(fmt: str, group_size: int, block: tuple[int, int]) -> dict:
                 "ignore": ["lm_head"], "kv_cache_scheme": None,
                 "quantization_status": "compressed", "global_compression_ratio": 1.5}
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": True,
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
                 "sym": False, "damp_percent": 0.01, "static_groups": False,
                 "true_sequential": True, "checkpoint_format": "gptq",
                 "model_name_or_path": None, "model_file_base_name": "model"}
@@ -166,9 +170,10 @@ def quant_config(fmt: str, group_size: int, block: tuple[int, int]) -> dict:
 
 
 def make_quantized_pair(src: str | Path, out: str | Path, fmt: str, seed: int = 0,
-                        group_size: int = 16, block: tuple[int, int] = (16, 16)
-                        ) -> tuple[Path, Path]:
-    """Copy the tiny model at `src` as (`out`/fmt quantized, `out`/fmt-ref its float32 twin)."""
+                        group_size: int = 16, block: tuple[int, int] = (16, 16),
+                        act_order: bool = True) -> tuple[Path, Path]:
+    """Copy the tiny model at `src` as (`out`/fmt quantized, `out`/fmt-ref its float32 twin);
+    act_order False: gptq's g_idx in column order (desc_act false)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r} is invalid: must be one of {FORMATS}")
     src, out = Path(src), Path(out)
@@ -181,12 +186,12 @@ def make_quantized_pair(src: str | Path, out: str | Path, fmt: str, seed: int = 
         if not is_quantized(name, tensor):
             packed[name] = dense[name] = tensor
             continue
-        pieces, dense[name] = quantize(name, tensor, fmt, gen, group_size, block)
+        pieces, dense[name] = quantize(name, tensor, fmt, gen, group_size, block, act_order)
         packed.update(pieces)
     save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
     save_file(dense, reference / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = quant_config(fmt, group_size, block)
+    cfg["quantization_config"] = quant_config(fmt, group_size, block, act_order)
     cfg["torch_dtype"] = cfg.get("torch_dtype") or "float32"
     (quantized / "config.json").write_text(json.dumps(cfg, indent=2))
     return quantized, reference

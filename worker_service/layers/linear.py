@@ -6,7 +6,8 @@
                       then an all-reduce sums the partial outputs; the bias is added once, after.
 
 Packed layers (qkv_proj, gate_up_proj) hold several checkpoint tensors stacked along the output
-dim; their weight loader takes a shard_id saying which piece it was handed.
+dim; their weight loader takes a shard_id saying which piece it was handed. A GPTQ / AWQ piece
+loaded natively on the CPU is kept packed (cpu_gemm.CpuGemm.take_packed) at the same rows.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class ColumnParallelLinear(CpuGemm, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """Copy this rank's block of output rows (weight or bias)."""
         size = self.output_size_per_rank
+        start = self.tp.rank * size
+        if self.take_packed(param, loaded, (start, start + size), None):
+            return
         copy_checked(param.data, read_rows(loaded, 0, self.tp.rank * size, size), "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +69,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         world = self.tp.world_size
         size = divide(self.output_sizes[shard_id], world, f"output_sizes[{shard_id}]")
         offset = sum(self.output_sizes[:shard_id]) // world
+        start = self.tp.rank * size
+        if self.take_packed(param, loaded, (start, start + size), None, offset):
+            return
         src = read_rows(loaded, 0, self.tp.rank * size, size)
         copy_checked(param.data.narrow(0, offset, size), src, f"merged piece {shard_id}")
 
@@ -102,6 +109,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, start = self.kv_size, self.kv_head_start * self.head_dim
         else:
             raise ValueError(f"shard_id={shard_id!r} is invalid: must be 'q', 'k' or 'v'")
+        if self.take_packed(param, loaded, (start, start + size), None, offset):
+            return
         src = read_rows(loaded, 0, start, size)
         copy_checked(param.data.narrow(0, offset, size), src, f"qkv piece {shard_id}")
 
@@ -127,6 +136,9 @@ class RowParallelLinear(CpuGemm, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """Copy this rank's block of input columns."""
         size = self.input_size_per_rank
+        start = self.tp.rank * size
+        if self.take_packed(param, loaded, None, (start, start + size)):
+            return
         copy_checked(param.data, read_rows(loaded, 1, self.tp.rank * size, size), "row")
 
     def bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine_common.configuration.config import CPU_QUANTIZED_WEIGHTS
 from engine_common.model_files.checkpoint_dtype import INDEX_FILE, SINGLE_FILE, checkpoint_dtype
 from engine_common.model_files.gguf_file import GGUFError, GGUFFile, find_gguf
 from engine_common.model_files.model_dir import ModelDirError, load_json, read_model_configs
@@ -97,11 +98,12 @@ def target_of(model: nn.Module, name: str) -> tuple[str, Any] | None:
     return name, None
 
 
-def open_checkpoint(model_path: Path,
-                    hf_config: dict) -> tuple[set[str], Iterator[tuple[str, Any]]]:
+def open_checkpoint(model_path: Path, hf_config: dict, native_quant: bool = False
+                    ) -> tuple[set[str], Iterator[tuple[str, Any]]]:
     """(tensor names, (name, tensor or lazy slice) pairs) of a safetensors directory or a GGUF;
     GGUF tensors are dequantized to float32 one at a time, a weight-quantized checkpoint's
-    (FP8, GPTQ, AWQ: models/quant_checkpoint.py) region by region as each rank reads them."""
+    (FP8, GPTQ, AWQ: models/quant_checkpoint.py) region by region as each rank reads them.
+    native_quant: GPTQ / AWQ linear weights are offered packed too (CPU kernels)."""
     try:
         gguf_path = find_gguf(model_path)
         if gguf_path is not None:
@@ -115,15 +117,17 @@ def open_checkpoint(model_path: Path,
     quant = weight_quant(hf_config)
     if quant is not None:
         try:
-            return quantized_checkpoint(index, quant)
+            return quantized_checkpoint(index, quant, native_quant)
         except QuantCheckpointError as e:
             raise WeightLoadError(str(e)) from None
     return set(index), iter_checkpoint(index)
 
 
-def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = None) -> None:
-    """Copy this rank's slice of every checkpoint tensor into the model's parameters."""
-    names, tensors = open_checkpoint(Path(model_dir), hf_config or {})
+def load_weights(model: nn.Module, model_dir: Path, hf_config: dict | None = None,
+                 native_quant: bool = False) -> None:
+    """Copy this rank's slice of every checkpoint tensor into the model's parameters
+    (native_quant: GPTQ / AWQ linear weights kept packed, layers/quant_linear.py)."""
+    names, tensors = open_checkpoint(Path(model_dir), hf_config or {}, native_quant)
     if "lm_head.weight" not in names:
         model.tie_lm_head()                  # no separate head in the checkpoint: tie it
     params = dict(model.named_parameters())
@@ -197,11 +201,16 @@ def check_complete(params: dict[str, nn.Parameter], loaded: dict[str, set],
 
 def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBackend,
                device: str | torch.device, dtype: str | torch.dtype | None = None,
-               fused_ops: bool = False) -> nn.Module:
+               fused_ops: bool = False, cpu_quantized_weights: str = "native") -> nn.Module:
     """Build the model config.json names, on `device`, and load this rank's weights.
 
     fused_ops=True: the model's RMSNorms and rope run as Triton kernels (kernels/fused_norm.py,
-    kernels/fused_rope.py); ValueError unless `device` is CUDA or Triton runs interpreted."""
+    kernels/fused_rope.py); ValueError unless `device` is CUDA or Triton runs interpreted.
+    cpu_quantized_weights: "native" keeps a GPTQ / AWQ checkpoint's linear weights packed on a
+    CPU device (layers/quant_linear.py), "dequantize" expands them at load (always on CUDA)."""
+    if cpu_quantized_weights not in CPU_QUANTIZED_WEIGHTS:
+        raise ValueError(f"cpu_quantized_weights={cpu_quantized_weights!r} is invalid: must "
+                         f"be one of {list(CPU_QUANTIZED_WEIGHTS)}")
     path = Path(model_dir)
     hf_config = read_model_configs(path)[0]
     problem = quantization_problem(hf_config)
@@ -214,8 +223,9 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
         check_fused_ops_device(device)
     with torch.device(device):
         model = model_class(hf_config, tp, attn_backend, torch_dtype, fused_ops=fused_ops)
-    load_weights(model, path, hf_config)
-    if torch.device(device).type == "cpu":
+    on_cpu = torch.device(device).type == "cpu"
+    load_weights(model, path, hf_config, on_cpu and cpu_quantized_weights == "native")
+    if on_cpu:
         use_cpu_kernels(model)
     return model.eval()
 

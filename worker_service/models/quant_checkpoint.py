@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from safetensors import safe_open
 
 from engine_common.model_files.weight_quant import WeightQuant
-from worker_service.models.quant_regions import REGION_READERS, packed_shape
+from worker_service.models.quant_regions import PACKED_READERS, REGION_READERS, packed_shape
 
 # the tensor each method's quantized module is named by, and the pieces read with it
 MAIN_PIECE = {"fp8": "weight", "compressed-tensors": "weight", "gptq": "qweight",
@@ -74,12 +74,18 @@ class CheckpointFiles:
 
 class DequantSlice:
     """A quantized weight as a lazy slice of its dequantized float32 [R, C] value: supports
-    get_shape() and [a:b] / [:, a:b] / [a:b, c:d], as the weight loaders read slices."""
+    get_shape() and [a:b] / [:, a:b] / [a:b, c:d], as the weight loaders read slices.
+    With native CPU weights (GPTQ / AWQ), also `read_packed(rows, cols)`: the band as stored
+    (layers/quant_linear.PackedBand, None for act order), which the linear layers keep packed;
+    every other reader (MoE experts, fused splits, embeddings) still dequantizes."""
 
-    def __init__(self, name: str, shape: tuple[int, int], read_region) -> None:
+    def __init__(self, name: str, shape: tuple[int, int], read_region,
+                 read_packed=None) -> None:
         self.name = name
         self.shape = shape
         self._read = read_region
+        if read_packed is not None:
+            self.read_packed = read_packed
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -116,11 +122,12 @@ class SpareZeroBias:
         return self.tensor[key]
 
 
-def quantized_checkpoint(index: dict[str, Path],
-                         quant: WeightQuant) -> tuple[set[str], Iterator[tuple[str, Any]]]:
+def quantized_checkpoint(index: dict[str, Path], quant: WeightQuant, native: bool = False
+                         ) -> tuple[set[str], Iterator[tuple[str, Any]]]:
     """(tensor names as the model sees them, (name, lazy slice) pairs), the quantized modules'
     pieces joined into dequantizing `<module>.weight` slices; QuantCheckpointError (read from
-    the headers alone) when the tensors do not fit the config."""
+    the headers alone) when the tensors do not fit the config. native: GPTQ / AWQ slices also
+    offer their packed bands (read_packed) to the CPU's quantized linear layers."""
     files = CheckpointFiles(index)
     try:
         modules = _plan(files, quant)
@@ -132,7 +139,7 @@ def quantized_checkpoint(index: dict[str, Path],
         raise
     names = {n for n in index if _owner(n, modules, quant) is None} | {
         f"{m}.weight" for m in modules}
-    return names, _tensors(files, quant, modules)
+    return names, _tensors(files, quant, modules, native)
 
 
 def _plan(files: CheckpointFiles, quant: WeightQuant) -> dict[str, tuple[int, int]]:
@@ -182,8 +189,8 @@ def _owner(name: str, modules: dict, quant: WeightQuant) -> str | None:
     return prefix if prefix in modules and leaf in pieces else None
 
 
-def _tensors(files: CheckpointFiles, quant: WeightQuant,
-             modules: dict[str, tuple[int, int]]) -> Iterator[tuple[str, Any]]:
+def _tensors(files: CheckpointFiles, quant: WeightQuant, modules: dict[str, tuple[int, int]],
+             native: bool = False) -> Iterator[tuple[str, Any]]:
     """The checkpoint in file order: plain tensors as they are, each quantized module once (at
     its main piece) as a DequantSlice."""
     by_file: dict[Path, list[str]] = {}
@@ -191,6 +198,7 @@ def _tensors(files: CheckpointFiles, quant: WeightQuant,
         by_file.setdefault(path, []).append(name)
     main = MAIN_PIECE[quant.method]
     reader = REGION_READERS[quant.method]
+    packed = PACKED_READERS.get(quant.method) if native else None
     try:
         for path in sorted(by_file):
             for name in by_file[path]:
@@ -200,7 +208,8 @@ def _tensors(files: CheckpointFiles, quant: WeightQuant,
                 elif name == f"{prefix}.{main}":
                     yield f"{prefix}.weight", DequantSlice(
                         f"{prefix}.weight", modules[prefix],
-                        _region_of(files, prefix, quant, modules[prefix], reader))
+                        _region_of(files, prefix, quant, modules[prefix], reader),
+                        packed and _packed_of(files, prefix, quant, modules[prefix], packed))
     finally:
         files.close()
 
@@ -217,3 +226,7 @@ def _plain(files: CheckpointFiles, name: str, modules: dict, quant: WeightQuant)
 
 def _region_of(files, prefix, quant, shape, reader):
     return lambda r0, r1, c0, c1: reader(files, prefix, quant, shape, (r0, r1), (c0, c1))
+
+
+def _packed_of(files, prefix, quant, shape, reader):
+    return lambda rows, cols: reader(files, prefix, quant, shape, rows, cols)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from engine_common.model_files.weight_quant import WeightQuant
-from worker_service.layers.quant_fp8 import dequantize_fp8
+from worker_service.layers.quant_fp8 import check_finite, dequantize_fp8
 from worker_service.layers.quant_gptq import (awq_unpack, dequantize_grouped, gptq_codes,
                                               gptq_zeros)
+from worker_service.layers.quant_linear import PackedBand
 from worker_service.models.quant_pieces import check_fp8_scale, check_packed
 
 Span = tuple[int, int]
@@ -140,3 +141,57 @@ def read_awq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], row
 
 REGION_READERS = {"fp8": read_fp8, "compressed-tensors": read_fp8, "gptq": read_gptq,
                   "awq": read_awq}
+
+
+def _span(span: Span | None, total: int) -> Span:
+    return (0, total) if span is None else span
+
+
+def packed_gptq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int],
+                rows: Span | None, cols: Span | None) -> PackedBand | None:
+    """gptq: the band's codes, zeros and scales as stored (quant_linear.py's kernels), or None
+    for act order (g_idx not c // group_size): the kernels take groups of consecutive columns,
+    and the pieces of one fused layer (q, k, v) each permute their inputs their own way."""
+    rows, cols = _span(rows, shape[0]), _span(cols, shape[1])
+    name, per_word = f"{prefix}.qweight", 32 // quant.bits
+    check_edges(name, "rows", rows, shape[0], per_word, "packed zero-point word")
+    check_edges(name, "columns", cols, shape[1], per_word, "packed word")
+    size = quant.group_size if quant.group_size > 0 else shape[1]
+    if quant.group_size > 0:
+        check_edges(name, "columns", cols, shape[1], quant.group_size, "GPTQ group")
+    groups = _groups(files, prefix, quant, cols, shape[1])
+    if not torch.equal(groups, torch.arange(cols[0], cols[1]) // size):
+        return None
+    g0, g1 = cols[0] // size, _cdiv(cols[1], size)
+    q = gptq_codes(files.slice(name)[cols[0] // per_word:_cdiv(cols[1], per_word),
+                                     rows[0]:rows[1]], quant.bits)[:cols[1] - cols[0]]
+    zeros = files.slice(f"{prefix}.qzeros")[g0:g1, rows[0] // per_word:_cdiv(rows[1], per_word)]
+    z = gptq_zeros(zeros, quant.bits, quant.zero_offset)[:, :rows[1] - rows[0]]
+    scales = files.slice(f"{prefix}.scales")[g0:g1, rows[0]:rows[1]]
+    return _band(q, z, scales, min(size, cols[1] - cols[0]), quant.bits, name)
+
+
+def packed_awq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int],
+               rows: Span | None, cols: Span | None) -> PackedBand:
+    """awq: the band's codes, zeros and scales in row order (AWQ_ORDER undone)."""
+    rows, cols = _span(rows, shape[0]), _span(cols, shape[1])
+    name, per_word = f"{prefix}.qweight", 8
+    check_edges(name, "rows", rows, shape[0], per_word, "packed AWQ word")
+    check_edges(name, "columns", cols, shape[1], quant.group_size, "AWQ group")
+    words = slice(rows[0] // per_word, _cdiv(rows[1], per_word))
+    g0, g1 = cols[0] // quant.group_size, _cdiv(cols[1], quant.group_size)
+    q = awq_unpack(files.slice(name)[cols[0]:cols[1], words])[:, :rows[1] - rows[0]]
+    z = awq_unpack(files.slice(f"{prefix}.qzeros")[g0:g1, words])[:, :rows[1] - rows[0]]
+    scales = files.slice(f"{prefix}.scales")[g0:g1, rows[0]:rows[1]]
+    return _band(q, z, scales, quant.group_size, 4, name)
+
+
+def _band(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int, bits: int,
+          name: str) -> PackedBand:
+    """q [C, R] -> the band [R, C] uint8; scales checked finite as the dequantized path does."""
+    check_finite(scales.to(torch.float32), f"{name}: non-finite scales")
+    return PackedBand(q.t().to(torch.uint8).contiguous(), z.to(torch.int32),
+                      scales.contiguous(), group_size, bits)
+
+
+PACKED_READERS = {"gptq": packed_gptq, "awq": packed_awq}

@@ -10,7 +10,8 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               split, buffers and the loader's transient copies come on top); on the CPU also
               the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
               copy of every expert, most of an MoE model's bytes), sized as the packing pads
-              them
+              them; a GPTQ / AWQ checkpoint's dense linears kept packed on the CPU
+              (--cpu-quantized-weights native) at their packed size (quant_memory.py)
     KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
               latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
@@ -34,15 +35,19 @@ from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
+from worker_service.layers import quant_linear
+from worker_service.runner.quant_memory import native_saving
 
 GIB = 1 << 30
 MIB = 1 << 20
 
 
-def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1) -> int:
+def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1,
+                          native_quant: bool = False) -> int:
     """A lower bound on one rank's weight bytes for a Llama/Qwen-shaped config (the
     architecture's class says how many matrices its dense MLP has and whether an absent
-    tie_word_embeddings ties the head)."""
+    tie_word_embeddings ties the head). native_quant: a GPTQ / AWQ checkpoint's dense linears
+    counted at their packed size (quant_memory.py)."""
     model_class = _model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
@@ -60,7 +65,12 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1)
     tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
     heads_out = 1 if tied else 2
     elements = layers * (attention + 2 * hidden) + mlps + heads_out * vocab * hidden + hidden
-    return elements * element_bytes // tp_size
+    saving = 0
+    if native_quant:
+        dense_linear = layers * (attention if own_attention is None else 0) + sum(
+            0 if _moe_mlp_elements(hf_config, i) else dense_mlp for i in range(layers))
+        saving = native_saving(hf_config, element_bytes, dense_linear, tp_size)
+    return elements * element_bytes // tp_size - saving
 
 
 def _model_class(hf_config: dict):
@@ -144,7 +154,9 @@ def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local
     dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
     element = torch.empty((), dtype=dtype).element_size()
     packed = estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size) if device == "cpu" else 0
-    weights = estimate_weight_bytes(info.hf_config, element, tp_size) + packed
+    native = device == "cpu" and config.cpu_quantized_weights == "native" \
+        and dtype in quant_linear.NATIVE_DTYPES
+    weights = estimate_weight_bytes(info.hf_config, element, tp_size, native) + packed
     have = machine_bytes if machine_bytes is not None else _machine_bytes(config.device)
     if not have:
         return None

@@ -69,7 +69,8 @@ class ModelRunner(RunnerKVCache):
                                                            self.device.type, layout)
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
-                                fused_ops=config.fused_ops)
+                                fused_ops=config.fused_ops,
+                                cpu_quantized_weights=config.cpu_quantized_weights)
         # LoRA (docs/lora.md): None without --enable-lora (the model untouched), else LoRASlots.
         self.lora = load_lora(self.model, config)
         self.sampler = Sampler()
