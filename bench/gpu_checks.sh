@@ -4,9 +4,10 @@
 #   bash bench/gpu_checks.sh [--dry-run] [bench] [profile] [tests] [attention] [fused] [hf]
 #                            (none named: bench profile tests, about 8 minutes in all)
 #
-# --dry-run prints the stages, their limits and their sum, and the tests stage's runs in order
-# (pytest arguments), then exits: no GPU, no wheels, nothing written (tests/unit/bench/
-# test_gpu_checks_kit.py reads it).
+# --dry-run prints the stages, their limits and their sum, the longest each can run ("at most":
+# later runs' floors and every run's kill grace; what a device call's timeout must cover), and
+# the tests stage's runs in order (pytest arguments), then exits: no GPU, no wheels, nothing
+# written (tests/unit/bench/test_gpu_checks_kit.py reads it).
 #
 # Each stage has its own time limit (bench 240, profile 180, tests 300, attention 240, fused 400,
 # hf 240 s by default; see the environment variables below), so a run that must fit a time
@@ -114,9 +115,12 @@ EOF
     say "env: $(grep -m1 -E '^cuda ' "$OUT_DIR/env.txt" || echo 'no CUDA device seen')"
 }
 
+COLLECT_LIMIT=120            # seconds for the tests stage's collection pass (full selection)
+
 # Test modules whose collection fails only because an optional gRPC package is missing.
 uncollectable_modules() {
-    "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/ 2>&1 | "$PY" -c '
+    timeout --kill-after=10 "$COLLECT_LIMIT" "$PY" -m pytest --collect-only -q \
+        -p no:cacheprovider tests/ 2>&1 | "$PY" -c '
 import re, sys
 current, skip = None, []
 for line in sys.stdin:
@@ -162,13 +166,43 @@ stage_limit() {  # stage name -> its limit in seconds (the environment's, else t
     done
 }
 
+entries() {  # the number of ';'-separated entries in $1 (read -a's count), 0 when unset
+    local parts=()
+    [ -z "$1" ] && { echo 0; return; }
+    IFS=';' read -r -a parts <<<"$1"
+    echo "${#parts[@]}"
+}
+
+stage_worst() {  # stage name -> the longest it can run: its limit, then each later run's floor
+    local name=$1 limit runs  # and every run's kill grace (timeout --kill-after)
+    limit=$(stage_limit "$name")
+    case $name in
+        tests) [ "$limit" -lt 60 ] && limit=60
+               if [ -n "${TESTS_ONLY:-}" ]; then echo $(( limit + 30 ))
+               else echo $(( COLLECT_LIMIT + limit + 30 + 3 * (60 + 30) )); fi ;;
+        bench) runs=$(( 1 + $(entries "${BENCH_VARIANTS:-}") ))
+               [ -z "${BENCH_VARIANTS:-}" ] && [ "${BENCH_SYNC:-1}" = 1 ] && runs=2
+               [ "$limit" -lt 30 ] && limit=30
+               echo $(( limit + 20 + (runs - 1) * (30 + 20) )) ;;
+        profile) runs=$(entries "${PROFILE_VARIANTS:-}"); [ "$runs" = 0 ] && runs=1
+               [ "$limit" -lt 30 ] && limit=30
+               echo $(( limit + 20 + (runs - 1) * (30 + 20) )) ;;
+        attention) [ "$limit" -lt 20 ] && limit=20; echo $(( limit + 20 + 6 * (20 + 20) )) ;;
+        fused) [ "$limit" -lt 30 ] && limit=30; echo $(( limit + 20 + 3 * (30 + 20) )) ;;
+        hf) echo $(( limit + 20 )) ;;
+    esac
+}
+
 dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing runs
-    local s total=0 explicit
+    local s total=0 worst=0 explicit
     for s in "${stages[@]}"; do
-        echo "stage $s: limit $(stage_limit "$s") s"
+        echo "stage $s: limit $(stage_limit "$s") s, at most $(stage_worst "$s") s"
         total=$(( total + $(stage_limit "$s") ))
+        worst=$(( worst + $(stage_worst "$s") ))
     done
     echo "limits sum: $total s"
+    echo "at most: $worst s (each later run's floor and every kill grace counted; not the" \
+        "wheel install and env record before the stages)"
     case " ${stages[*]} " in *" tests "*) ;; *) return 0 ;; esac
     if [ -n "${TESTS_ONLY:-}" ]; then
         echo "tests run selected: -s $TESTS_ONLY"
@@ -185,13 +219,6 @@ dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing 
 stage_tests() {
     local start=$SECONDS skip explicit ignores=() f
     : >"$OUT_DIR/tests.log"
-    skip=$(uncollectable_modules)
-    [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
-    explicit=$(cuda_modules)
-    for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
-    for f in $explicit "${NEW_CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
-    # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
-    # stage cut short by its time limit loses the least important runs.
     TESTS_LEFT=${TESTS_LIMIT:-300}
     if [ -n "${TESTS_ONLY:-}" ]; then           # a short device call: just these, in this order
         pytest_run "selected" -s $TESTS_ONLY
@@ -200,6 +227,14 @@ stage_tests() {
         say "tests: $((SECONDS - start)) s"
         return
     fi
+    skip=$(uncollectable_modules)     # the whole of tests/ collected: not for TESTS_ONLY
+    [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
+    explicit=$(cuda_modules)
+    for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
+    for f in $explicit "${NEW_CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
+    # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
+    # stage cut short by its time limit loses the least important runs.
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
