@@ -166,31 +166,25 @@ stage_limit() {  # stage name -> its limit in seconds (the environment's, else t
     done
 }
 
-entries() {  # the number of ';'-separated entries in $1 (read -a's count), 0 when unset
-    local parts=()
-    [ -z "$1" ] && { echo 0; return; }
-    IFS=';' read -r -a parts <<<"$1"
-    echo "${#parts[@]}"
+entries() {  # the number of ';'-separated entries in $1 (as read -a splits them), 0 if unset
+    local parts=(); [ -n "$1" ] && IFS=';' read -r -a parts <<<"$1"; echo "${#parts[@]}"
 }
 
-stage_worst() {  # stage name -> the longest it can run: its limit, then each later run's floor
-    local name=$1 limit runs  # and every run's kill grace (timeout --kill-after)
+stage_worst() {  # stage -> the longest it can run: its limit (floored), each later run's floor
+    local name=$1 limit runs floor=30 grace=20 later=0  # and every run's kill grace
     limit=$(stage_limit "$name")
     case $name in
-        tests) [ "$limit" -lt 60 ] && limit=60
-               if [ -n "${TESTS_ONLY:-}" ]; then echo $(( limit + 30 ))
-               else echo $(( COLLECT_LIMIT + limit + 30 + 3 * (60 + 30) )); fi ;;
-        bench) runs=$(( 1 + $(entries "${BENCH_VARIANTS:-}") ))
-               [ -z "${BENCH_VARIANTS:-}" ] && [ "${BENCH_SYNC:-1}" = 1 ] && runs=2
-               [ "$limit" -lt 30 ] && limit=30
-               echo $(( limit + 20 + (runs - 1) * (30 + 20) )) ;;
-        profile) runs=$(entries "${PROFILE_VARIANTS:-}"); [ "$runs" = 0 ] && runs=1
-               [ "$limit" -lt 30 ] && limit=30
-               echo $(( limit + 20 + (runs - 1) * (30 + 20) )) ;;
-        attention) [ "$limit" -lt 20 ] && limit=20; echo $(( limit + 20 + 6 * (20 + 20) )) ;;
-        fused) [ "$limit" -lt 30 ] && limit=30; echo $(( limit + 20 + 3 * (30 + 20) )) ;;
-        hf) echo $(( limit + 20 )) ;;
+        tests) floor=60 grace=30; [ -z "${TESTS_ONLY:-}" ] && later=3 ;;
+        bench) later=$(entries "${BENCH_VARIANTS:-}")
+               [ -z "${BENCH_VARIANTS:-}" ] && [ "${BENCH_SYNC:-1}" = 1 ] && later=1 ;;
+        profile) runs=$(entries "${PROFILE_VARIANTS:-}"); later=$(( runs > 1 ? runs - 1 : 0 )) ;;
+        attention) floor=20 later=6 ;;
+        fused) later=3 ;;
+        hf) floor=0 ;;
     esac
+    [ "$limit" -lt "$floor" ] && limit=$floor
+    [ "$name" = tests ] && [ -z "${TESTS_ONLY:-}" ] && limit=$(( limit + COLLECT_LIMIT ))
+    echo $(( limit + grace + later * (floor + grace) ))
 }
 
 dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing runs

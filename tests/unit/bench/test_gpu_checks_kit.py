@@ -96,6 +96,12 @@ def test_each_stage_limit_is_the_one_its_function_uses():
     result = dry("tests", "hf", TESTS_LIMIT="100")
     assert _stages(result.stdout) == {"tests": (100, 120 + 100 + 30 + 270), "hf": (240, 260)}
     assert "limits sum: 340 s" in result.stdout
+    result = dry("bench", "profile", "attention", "fused", BENCH_VARIANTS="a;b",
+                 PROFILE_VARIANTS=";--skip 0")          # one more run per variant entry
+    assert _stages(result.stdout) == {"bench": (240, 240 + 20 + 2 * 50),
+                                      "profile": (180, 180 + 20 + 50),
+                                      "attention": (240, 240 + 20 + 6 * 40),
+                                      "fused": (400, 400 + 20 + 3 * 50)}
 
 
 def test_the_tests_stage_runs_the_new_cuda_twins_after_the_bf16_checks():
