@@ -31,7 +31,7 @@ from deltaserve.llm_embed import EmbedMixin, pooler_from_kwargs
 from deltaserve.llm_score import ScoreMixin
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
-from deltaserve.llm_lora import LoRAMixin, lora_updates
+from deltaserve.llm_lora import LoRAMixin, lora_updates, runner_config
 from deltaserve.llm_inputs import conversations
 from deltaserve.llm_requests import OfflineRequests, pooling_window
 from scheduler_service.engine.engine_core import EngineCore
@@ -101,7 +101,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
         runner_cfg = RunnerConfig(model_dir=model, **_default_budget(kwargs),
                                   **{k: v for k, v in kwargs.items() if k in runner_keys})
         sched_cfg = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_keys})
-        self.runner = ModelRunner(runner_cfg)
+        self.runner = ModelRunner(runner_config(runner_cfg, sched_cfg))     # llm_lora.py
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
@@ -113,6 +113,8 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
         self._sched_cfg, self._num_blocks = sched_cfg, num_blocks
         self._rng = None if seed is None else random.Random(seed)
         self._lora = lora_updates(self.runner, sched_cfg)    # llm_lora.py
+        if self._lora.cache is not None:
+            self._lora.replay(first=True)     # the adapters --max-cpu-loras holds at first
         self._build_engine()
         self._ids = itertools.count()
         self._failed: str | None = None      # a failed step's error: the LLM is done
@@ -206,7 +208,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
                                    window_group=group)
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner),
-                                           self._lora.registry),
+                                           self._lora.registry, self._lora),
                                 OutputProcessor(self.tokenizer, final_only=True))
 
     def _start_over(self) -> None:

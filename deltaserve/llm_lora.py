@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from engine_common.configuration.lora import AdapterRefused
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
-from scheduler_service.engine.lora_updates import LoRAUpdates
+from scheduler_service.engine.lora_updates import LoRAUpdates, init_config, lora_cache
 from worker_service.lora.adapter import LoRAError
 from worker_service.lora.load import runtime_slots
 
@@ -31,9 +31,19 @@ class RunnerLoRA:
 
 
 def lora_updates(runner, config) -> LoRAUpdates:
-    """The LLM's runtime loads: the adapters of config.lora_modules, the flag of config."""
-    return LoRAUpdates(LoRARegistry(config.lora), RunnerLoRA(runner),
-                       config.allow_runtime_lora_updating)
+    """The LLM's runtime loads: the adapters of config.lora_modules, the flag of config, the
+    LRU of max_cpu_loras (None: every adapter stays loaded)."""
+    registry = LoRARegistry(config.lora)
+    return LoRAUpdates(registry, RunnerLoRA(runner), config.allow_runtime_lora_updating,
+                       lora_cache(registry, config.max_cpu_loras))
+
+
+def runner_config(runner_cfg, sched_cfg):
+    """The runner's config: with max_cpu_loras it loads no adapter at start (replay loads
+    those the LRU holds), as a worker's Init (lora_updates.init_config)."""
+    if sched_cfg.max_cpu_loras is None:
+        return runner_cfg
+    return init_config(runner_cfg, sched_cfg.max_cpu_loras)
 
 
 class LoRAMixin:

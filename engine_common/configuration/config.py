@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from engine_common.configuration.listen_address import ListenAddress
 from engine_common.configuration.speculative import SpeculativeConfig, parse_speculative_config
-from engine_common.configuration.lora import LoRAModule, parse_lora_modules
+from engine_common.configuration.lora import MAX_LORA_ID, LoRAModule, parse_lora_modules
 from engine_common.request.diff_limits import MAX_WAITING, MIN_MODEL_LEN
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty, OneOf, Positive,
@@ -143,9 +143,23 @@ class SchedulerConfig(BatchLimits):
         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}'; "
         "unset: off")
 
+    # vLLM's --max-cpu-loras (docs/lora.md, "Adapters the workers keep"): an LRU of the
+    # adapters loaded on the workers; the others are read again from their path when wanted.
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
+        "read again from their directory when a request wants one); unset: every served "
+        "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID))
+
     def __post_init__(self):
         super().__post_init__()
         self.speculative       # parsed once here: a bad speculative_config is refused now
+        if self.max_cpu_loras is not None:
+            if not self.enable_lora:
+                raise ParamError("enable_lora", self.enable_lora,
+                                 "true when max_cpu_loras is set")
+            if self.max_cpu_loras < self.max_loras:
+                raise ParamError("max_cpu_loras", self.max_cpu_loras,
+                                 f"in [max_loras={self.max_loras}, {MAX_LORA_ID}]")
         threshold = self.long_prefill_threshold
         if self.max_long_partial_prefills * threshold > self.max_num_batched_tokens:
             raise ParamError("max_long_partial_prefills x long_prefill_token_threshold",

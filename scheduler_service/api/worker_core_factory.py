@@ -36,7 +36,8 @@ class WorkerCoreFactory:
     def __call__(self) -> EngineCore:
         try:
             result = self.client.init(self.spec)
-            if self.lora is not None and self.lora.allowed:  # the adapters served now
+            if self.lora is not None and (self.lora.allowed or self.lora.cache is not None):
+                # the adapters served now (with --max-cpu-loras: those it holds)
                 self.lora.replay(first=not self._was_ready)
         except EngineUnavailable as e:
             self._log_once(str(e))
@@ -54,7 +55,7 @@ class WorkerCoreFactory:
                               window_group=result.window_group)
         _warn_if_cache_cuts_requests(scheduler.max_len, self.config)
         return EngineCore(scheduler, self.client,
-                          None if self.lora is None else self.lora.registry)
+                          None if self.lora is None else self.lora.registry, self.lora)
 
     def check_health(self, core: EngineCore) -> None:
         """Raise EngineUnavailable when a worker is gone or lost its model (restarted), Fenced

@@ -106,6 +106,7 @@ class Scheduler(SchedulerViews):
         self._in_flight: dict[int, tuple[dict[int, Request], dict[int, int]]] = {}
         spec = config.speculative        # n-gram drafts (spec_decode.py); None: off
         self.spec = None if spec is None else SpecDecoder(spec)
+        self.lora_cache = None           # --max-cpu-loras: the adapters loaded (lora_cache.py)
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -314,7 +315,8 @@ class Scheduler(SchedulerViews):
         prefills at least as urgent are in progress, and those behind it may pass it; otherwise
         nobody overtakes a request that does not fit (FCFS). At most max_loras LoRA adapters
         run at once: a request of another adapter waits, and no adapter request behind it
-        passes it (the running adapters drain, so it is not starved); base requests may."""
+        passes it (the running adapters drain, so it is not starved); base requests may. So
+        does a request whose adapter is not loaded now (--max-cpu-loras), until it is."""
         waiting = self.waiting
         loras = ({r.lora_id for r in self.running if r.lora_id} if self.config.enable_lora
                  else None)
@@ -331,8 +333,8 @@ class Scheduler(SchedulerViews):
                 i += 1
                 continue
             if loras is not None and request.lora_id:
-                if lora_blocked or (request.lora_id not in loras
-                                    and len(loras) >= self.config.max_loras):
+                if lora_blocked or not self._lora_loaded(request.lora_id) or (
+                        request.lora_id not in loras and len(loras) >= self.config.max_loras):
                     lora_blocked = True
                     i += 1
                     continue

@@ -45,6 +45,22 @@ class SchedulerViews:
             return 0, 0
         return window.num_total_blocks - window.num_free_blocks, window.num_total_blocks
 
+    def _lora_loaded(self, lora_id: int) -> bool:
+        """Whether the workers hold adapter `lora_id` now (always without --max-cpu-loras)."""
+        return self.lora_cache is None or self.lora_cache.holds(lora_id)
+
+    def lora_ids_wanted(self) -> list[int]:
+        """Adapter ids of waiting requests the workers do not hold, in queue order."""
+        wanted = []
+        for request in self.waiting:
+            if not self._lora_loaded(request.lora_id) and request.lora_id not in wanted:
+                wanted.append(request.lora_id)
+        return wanted
+
+    def lora_ids_running(self) -> set[int]:
+        """The adapter ids of running requests: never evicted (--max-cpu-loras)."""
+        return {r.lora_id for r in self.running if r.lora_id}
+
     def lora_ids_in_use(self) -> set[int]:
         """The LoRA adapter ids of unfinished requests (an unloaded id is freed once unused)."""
         return {r.lora_id for r in self._requests.values() if r.lora_id}

@@ -371,10 +371,14 @@ class AsyncEngine:
             return
         s = core.scheduler
         used_window, total_window = s.window_blocks     # a hybrid model's; (0, 0) else
+        lru = s.lora_cache                              # --max-cpu-loras; None else
         self.stats = EngineStats(
             ready=True, num_waiting=s.num_waiting, num_running=s.num_running,
             num_used_blocks=s.num_total_blocks - s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_steps_in_flight=core.num_steps_in_flight,
-            num_used_window_blocks=used_window, num_total_window_blocks=total_window)
+            num_used_window_blocks=used_window, num_total_window_blocks=total_window,
+            num_loras_loaded=0 if lru is None else len(lru.resident()),
+            num_lora_loads=0 if lru is None else lru.num_loads,
+            num_lora_evictions=0 if lru is None else lru.num_evictions)
 

@@ -31,6 +31,8 @@ from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_result import TokenUpdate
+from scheduler_service.engine.lora_residency import make_resident, wants_loads
+from scheduler_service.engine.lora_updates import LoRAUpdates
 
 
 class StepExecutor(Protocol):
@@ -54,12 +56,15 @@ class StepStats:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: StepExecutor,
-                 lora: LoRARegistry | None = None):
+                 lora: LoRARegistry | None = None, lora_updates: LoRAUpdates | None = None):
         self.scheduler = scheduler
         self.executor = executor
         # The adapters served now (runtime loads): a request resolved to one that was unloaded
         # before it got here is refused, never run on a slot another adapter may take.
         self.lora = lora
+        # --max-cpu-loras: the adapters loaded on the workers (lora_residency.py)
+        self.lora_updates = lora_updates
+        scheduler.lora_cache = None if lora_updates is None else lora_updates.cache
         self.async_scheduling = scheduler.config.async_scheduling
         self._in_flight: deque = deque()   # (SchedulerOutput, ticket), oldest first
         self.last_step = StepStats()
@@ -112,8 +117,19 @@ class EngineCore:
     def step(self) -> list[TokenUpdate]:
         """One step's token updates (`last_step` says what it cost). Async scheduling: submit
         the next step, then process the oldest one in flight (the first call after an idle
-        spell only submits)."""
+        spell only submits). With --max-cpu-loras the adapters waiting requests want are
+        loaded first, between steps (the steps in flight collected)."""
         self.last_step = StepStats()
+        updates = []
+        if wants_loads(self.lora_updates, self.scheduler):
+            updates = self.drain_in_flight()
+            updates += self.abort(make_resident(self.lora_updates, self.scheduler))
+        updates += self._step()
+        if self.scheduler.lora_cache is not None:
+            self.scheduler.lora_cache.touch(self.scheduler.lora_ids_running())
+        return updates
+
+    def _step(self) -> list[TokenUpdate]:
         if not self.async_scheduling:
             sched_out, payload = self._schedule()
             return self._process(sched_out, self._wait(self.executor.execute, payload))

@@ -13,6 +13,9 @@ engine thread, between steps.
             unloaded since the start is never sent again (its directory may be gone)
 
 `ops` changes the workers' slots: WorkerLoRA (gRPC) or the in-process runner (deltaserve.llm).
+With --max-cpu-loras the workers hold only the adapters of `cache` (core/lora_cache.py): a load
+evicts the least recently used one no request uses, replay loads only those held, and
+engine/lora_residency.py loads a waiting request's adapter again before it runs.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import logging
 from typing import Callable, Protocol
 
 from engine_common.configuration.config import WorkerConfig
+from engine_common.request.params import ParamError
+from scheduler_service.core.lora_cache import LoRACache
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
 from scheduler_service.errors import EngineUnavailable, LoRAUpdatesOff, WorkerRefused
 
@@ -29,13 +34,24 @@ log = logging.getLogger(__name__)
 FLAG = "--allow-runtime-lora-updating"
 
 
-def init_config(worker: WorkerConfig) -> WorkerConfig:
-    """What the workers' Init carries: with runtime updating, no adapter (replay loads the
-    registry's current set by LoadLora, each with its id); without it, --lora-modules as
-    given (that set never changes)."""
-    if not (worker.enable_lora and worker.allow_runtime_lora_updating):
+def init_config(worker: WorkerConfig, max_cpu_loras: int | None = None) -> WorkerConfig:
+    """What the workers' Init carries: with runtime updating or --max-cpu-loras, no adapter
+    and LoadLora allowed (replay loads the adapters held now by LoadLora, each with its id);
+    otherwise --lora-modules as given (that set never changes)."""
+    if not worker.enable_lora or not (worker.allow_runtime_lora_updating or max_cpu_loras):
         return worker
-    return dataclasses.replace(worker, lora_modules=None)
+    return dataclasses.replace(worker, lora_modules=None, allow_runtime_lora_updating=True)
+
+
+def lora_cache(registry: LoRARegistry, max_cpu_loras: int | None) -> LoRACache | None:
+    """None without --max-cpu-loras; else an LRU holding the first max_cpu_loras adapters of
+    --lora-modules (the first replay loads them)."""
+    if max_cpu_loras is None:
+        return None
+    cache = LoRACache(max_cpu_loras)
+    for adapter in registry.adapters()[:max_cpu_loras]:
+        cache.loaded(adapter.lora_id)
+    return cache
 
 
 class LoRAOps(Protocol):
@@ -49,8 +65,12 @@ class LoRAOps(Protocol):
 class LoRAUpdates:
     """The runtime loads of one server: its registry, the workers' ops, the flag."""
 
-    def __init__(self, registry: LoRARegistry, ops: LoRAOps, allowed: bool):
-        self.registry, self.ops, self.allowed = registry, ops, allowed
+    def __init__(self, registry: LoRARegistry, ops: LoRAOps, allowed: bool,
+                 cache: LoRACache | None = None):
+        self.registry, self.ops, self.allowed, self.cache = registry, ops, allowed, cache
+        # id -> (name, path) of every adapter the workers may have to load again (served or
+        # draining): a queued request of an unloaded adapter still runs with it
+        self.sources = {a.lora_id: (a.name, a.path) for a in registry.adapters()}
 
     def check_allowed(self, call: str) -> None:
         """LoRAUpdatesOff naming the flag unless the server was started with it."""
@@ -68,11 +88,31 @@ class LoRAUpdates:
         adapter = self.registry.reserve(name, path, in_use)
         self.sweep(in_use, drain)
         drain()
+        self._make_room(in_use, name)
         self.ops.load_lora(adapter.lora_id, name, path)
+        self._loaded(adapter.lora_id, name, path)
         self.registry.add(adapter)
         log.info("LoRA adapter %r loaded from %s (id %d, generation %d)", name, path,
                  adapter.lora_id, adapter.generation)
         return adapter
+
+    def _make_room(self, pinned: set[int], name: str) -> None:
+        """With --max-cpu-loras and every slot taken: evict the least recently used adapter
+        outside `pinned`; ParamError naming the flag when each one is in use."""
+        if self.cache is None or not self.cache.is_full():
+            return
+        victim = self.cache.victim(pinned)
+        if victim is None:
+            raise ParamError("lora_name", name, f"room for it: --max-cpu-loras="
+                             f"{self.cache.capacity} adapters are loaded and each is in use "
+                             "by a request")
+        self.ops.unload_lora(victim)
+        self.cache.evicted(victim)
+
+    def _loaded(self, lora_id: int, name: str, path: str) -> None:
+        self.sources[lora_id] = (name, path)
+        if self.cache is not None:
+            self.cache.loaded(lora_id)
 
     def unload(self, in_use: set[int], drain: Callable[[], object], name: str) -> None:
         """Stop serving `name`; its id is freed on the workers once no request uses it. When
@@ -99,26 +139,46 @@ class LoRAUpdates:
             return
         drain()
         for lora_id in free:
-            self.ops.unload_lora(lora_id)
+            if self.cache is None or self.cache.holds(lora_id):
+                self.ops.unload_lora(lora_id)
+            if self.cache is not None:
+                self.cache.forget(lora_id)
+            self.sources.pop(lora_id, None)
             self.registry.freed(lora_id)
 
     def replay(self, first: bool = False) -> None:
         """After an Init: the draining ids freed (nothing runs in a new epoch), then every
-        adapter served now loaded again with its id and generation (init_config sent none).
-        One whose directory fails now is no longer served (logged); on the `first` Init an
-        adapter of --lora-modules that fails is WorkerRefused, as vLLM refuses to start."""
+        adapter served now loaded again with its id and generation (init_config sent none;
+        with --max-cpu-loras those the LRU holds). One whose directory fails now is no longer
+        served (logged); on the `first` Init an adapter of --lora-modules that fails is
+        WorkerRefused, as vLLM refuses to start: with --max-cpu-loras the ones the LRU does
+        not hold are loaded and freed again first, one at a time, to check them."""
         self.sweep(set(), lambda: None)
-        for adapter in self.registry.adapters():
-            try:
-                self.ops.load_lora(adapter.lora_id, adapter.name, adapter.path)
-            except EngineUnavailable:
-                raise
-            except Exception as e:  # noqa: BLE001 - the directory changed since: drop it
-                if first and adapter.static:
-                    raise WorkerRefused(f"--lora-modules adapter {adapter.name!r}: {e}") from e
-                log.error("LoRA adapter %r is no longer served: loading it again after the "
-                          "workers' Init failed: %s", adapter.name, e)
-                self.registry.drop(adapter.name)
+        adapters = self.registry.adapters()
+        held = [a for a in adapters if self.cache is None or self.cache.holds(a.lora_id)]
+        if first:
+            for adapter in (a for a in adapters if a.static and a not in held):
+                if self._load_again(adapter, first):
+                    self.ops.unload_lora(adapter.lora_id)
+        for adapter in held:
+            self._load_again(adapter, first)
+
+    def _load_again(self, adapter: ServedAdapter, first: bool) -> bool:
+        """Load a served adapter into its id; False (and no longer served) when it fails."""
+        try:
+            self.ops.load_lora(adapter.lora_id, adapter.name, adapter.path)
+            return True
+        except EngineUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - the directory changed since: drop it
+            if first and adapter.static:
+                raise WorkerRefused(f"--lora-modules adapter {adapter.name!r}: {e}") from e
+            log.error("LoRA adapter %r is no longer served: loading it again after the "
+                      "workers' Init failed: %s", adapter.name, e)
+            self.registry.drop(adapter.name)
+            if self.cache is not None:
+                self.cache.forget(adapter.lora_id)
+            return False
 
     def on_turn(self, engine) -> None:
         """The AsyncEngine's end-of-turn hook (engine thread): when a draining id is no longer

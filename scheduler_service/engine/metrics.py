@@ -275,9 +275,23 @@ class _Snapshots:
                 ("workers_ready", "Worker services initialized in the current epoch.",
                  s.num_workers_ready(self._num_workers)),
                 ("steps_in_flight", "Steps sent to the workers and not collected yet.",
-                 s.num_steps_in_flight)):
+                 s.num_steps_in_flight),
+                ("lora_adapters_loaded", "LoRA adapters loaded on the workers "
+                 "(--max-cpu-loras; 0 without it).", s.num_loras_loaded)):
             yield _gauge(name, doc, m, value)
         yield from _request_counters(m, c)
+        yield from _lora_counters(m, s)
+
+
+def _lora_counters(m: list[str], s: EngineStats):
+    for name, doc, value in (
+            ("lora_loads", "LoRA adapters --max-cpu-loras loaded on the workers (at start, "
+             "and each one read again).", s.num_lora_loads),
+            ("lora_evictions", "LoRA adapters --max-cpu-loras freed on the workers to make "
+             "room for another.", s.num_lora_evictions)):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric(m, value)
+        yield family
 
 
 def _gauge(name: str, doc: str, labels: list[str], value) -> GaugeMetricFamily:

@@ -26,8 +26,6 @@ from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
 from tests.support.window_schedule import assert_chunks_and_decodes_match
 from worker_service.layers.rotary import NoRope, RotaryEmbedding
-from worker_service.lora.adapter import LoRAError
-from worker_service.lora.layers import attach_lora
 
 IDS = torch.arange(41) * 37 % 500 + 3
 VARIANTS = {"cohere-qk-norm": ("cohere", {}),
@@ -139,11 +137,6 @@ def test_bad_config_values_are_refused_naming_them(tiny_models, tmp_path, arch, 
                                                    message):
     with pytest.raises(ValueError, match=message):
         load(with_config(tiny_models(arch), tmp_path / "bad", **changes))
-
-
-def test_lora_is_refused(tiny_models):
-    with pytest.raises(LoRAError, match=r"LoRA is not supported for CohereForCausalLM"):
-        attach_lora(load(tiny_models("cohere")), [])
 
 
 # The released checkpoints' config.json keys (transformers 4.x layout), tiny sizes: Command-R

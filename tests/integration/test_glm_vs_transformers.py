@@ -9,7 +9,7 @@ q/k/v biases, the fused gate_up_proj, GLM-4's two extra norms.
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes, with prefix-cache hits,
   - two gloo ranks give the single rank's logits (kv heads split, and replicated),
-  - another activation is refused naming it, and LoRA is refused by architecture.
+  - another activation is refused naming it (LoRA: test_lora_families.py).
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_p
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
 from tests.support.window_schedule import assert_chunks_and_decodes_match
-from worker_service.lora.adapter import LoRAError
-from worker_service.lora.layers import attach_lora
 
 IDS = torch.arange(41) * 37 % 500 + 3
 VARIANTS = {"glm": ("glm", {}), "glm4": ("glm4", {}),
@@ -86,13 +84,11 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
                                             num_key_value_heads=1)], tmp_path)
 
 
-def test_another_activation_is_refused_and_lora_too(tiny_models, tmp_path):
+def test_another_activation_is_refused(tiny_models, tmp_path):
     path = tiny_models("glm4")
     with pytest.raises(ValueError, match=r"hidden_act='gelu' is not supported for "
                                          r"Glm4ForCausalLM: must be 'silu'"):
         load(with_config(path, tmp_path / "gelu", hidden_act="gelu"))
-    with pytest.raises(LoRAError, match=r"LoRA is not supported for Glm4ForCausalLM"):
-        attach_lora(load(path), [])
 
 
 # GLM-4-9B-0414's config.json keys (transformers 4.x layout: rope_theta and

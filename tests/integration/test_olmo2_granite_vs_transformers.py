@@ -13,7 +13,7 @@ sub-block outputs x0.5, attention scale 1/8 instead of 1/4, logits / 2.5) and a 
   - two gloo ranks give the single rank's logits (OLMo 2's q/k norm spans the ranks; with one kv
     head both ranks hold it),
   - an unsupported activation and a multiplier transformers would turn into inf/NaN are
-    refused naming the key and value; LoRA is refused by architecture.
+    refused naming the key and value (LoRA: test_lora_families.py).
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_p
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
 from tests.support.window_schedule import assert_chunks_and_decodes_match
-from worker_service.lora.adapter import LoRAError
-from worker_service.lora.layers import attach_lora
 from worker_service.models.granite import granite_multipliers
 
 ARCHS = ("olmo2", "granite")
@@ -123,8 +121,3 @@ def test_logits_scaling_zero_is_refused_and_the_others_are_served(tiny_models, t
         "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 0.0,
         "logits_scaling": -2.0}
 
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_lora_is_refused_by_architecture(tiny_models, arch):
-    with pytest.raises(LoRAError, match=r"LoRA is not supported for (Olmo2|Granite)ForCausalLM"):
-        attach_lora(load(tiny_models(arch)), [])

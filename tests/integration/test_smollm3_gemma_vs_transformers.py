@@ -12,7 +12,7 @@ gelu-tanh GeGLU.
     no_rope_layers list is read, and bad NoPE / window fields are refused naming them,
   - Gemma's legacy hidden_act "gelu" is served as the tanh GeLU (GemmaConfig's rewrite), other
     activations and bidirectional attention are refused, absent head_dim / tie_word_embeddings
-    are GemmaConfig's 256 / tied; LoRA is refused for both by architecture.
+    are GemmaConfig's 256 / tied (LoRA: test_lora_families.py).
 """
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import BACKEND, assert_tp2_matches_tp1, load, prefill_logits
 from tests.support.window_schedule import assert_chunks_and_decodes_match
 from worker_service.layers.rotary import NoRope, RotaryEmbedding
-from worker_service.lora.adapter import LoRAError
-from worker_service.lora.layers import attach_lora
 from worker_service.models.gemma import GemmaForCausalLM
 from worker_service.models.smollm3 import rope_layers, smollm3_layer_windows
 from worker_service.parallel_state import single_rank_group
@@ -129,8 +127,3 @@ def test_gemma_defaults_are_gemma_configs(tiny_models):
     model = GemmaForCausalLM(bare, single_rank_group(), BACKEND, torch.float32)
     assert model.head_dim == 256 and model.lm_head_is_tied
 
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_lora_is_refused_by_architecture(tiny_models, arch):
-    with pytest.raises(LoRAError, match=r"LoRA is not supported for (SmolLM3|Gemma)ForCausalLM"):
-        attach_lora(load(tiny_models(arch)), [])

@@ -8,8 +8,8 @@ gelu-tanh MLP, biases on every projection, a tied head.
   - the in-process engine's greedy tokens equal transformers' generate(), whole and chunked
     prefills batched with decodes, with prefix-cache hits,
   - two gloo ranks give the single rank's logits,
-  - use_bias false and the exact gelu are read, another activation is refused naming it, and
-    LoRA is refused by architecture.
+  - use_bias false and the exact gelu are read, another activation is refused naming it
+    (LoRA: test_lora_families.py).
 """
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from tests.support.engine_checks import check_chunked_greedy, check_greedy_and_p
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import assert_tp2_matches_tp1, load, prefill_logits
 from tests.support.window_schedule import assert_chunks_and_decodes_match
-from worker_service.lora.adapter import LoRAError
-from worker_service.lora.layers import attach_lora
 
 WINDOWS = {"none": {}, "window8": {"sliding_window": 8}}
 
@@ -61,10 +59,8 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
                                             seed=2)], tmp_path)
 
 
-def test_another_activation_is_refused_and_lora_too(tiny_models, tmp_path):
+def test_another_activation_is_refused(tiny_models, tmp_path):
     path = tiny_models("starcoder2")
     with pytest.raises(ValueError, match=r"hidden_act='silu' is not supported for "
                                          r"Starcoder2ForCausalLM: must be one of"):
         load(with_config(path, tmp_path / "silu", hidden_act="silu"))
-    with pytest.raises(LoRAError, match=r"LoRA is not supported for Starcoder2ForCausalLM"):
-        attach_lora(load(path), [])

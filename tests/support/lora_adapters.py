@@ -67,10 +67,13 @@ def lora_prefill_logits(model_dir: str, adapters: list[str], tp=None):
     token_slots."""
     from tests.support.paged_prefill import load, prefill_logits, tp_ids
     from worker_service.lora.adapter import read_adapter
+    from worker_service.lora.families import lora_targets
     from worker_service.lora.layers import attach_lora
 
     model = load(model_dir, tp=tp)
-    state = attach_lora(model, [read_adapter(f"a{i}", p, 16) for i, p in enumerate(adapters)])
+    targets = lora_targets(model)
+    state = attach_lora(model, [read_adapter(f"a{i}", p, 16, None, targets)
+                                for i, p in enumerate(adapters)])
     ids = tp_ids()
     state.set_token_slots(token_slots(len(ids)))
     return prefill_logits(model, ids)

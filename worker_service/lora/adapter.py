@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from engine_common.request.params import quoted
 
-# The projections a Llama-family decoder has (checkpoint names); others are refused.
+# The projections a Llama-family decoder has (checkpoint names); families.py has every model's.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -51,11 +51,12 @@ def _targets(name: str, cfg: dict) -> list[str]:
 
 
 def read_adapter(name: str, path: str | Path, max_rank: int,
-                 max_weights_bytes: int | None = None) -> LoRAAdapter:
+                 max_weights_bytes: int | None = None,
+                 targets: tuple[str, ...] = SUPPORTED_TARGETS) -> LoRAAdapter:
     """LoRAError naming the adapter when the directory is missing a file, its rank exceeds
-    max_rank, it targets a module outside SUPPORTED_TARGETS, or a file is larger than it can
-    be (the config, the safetensors header, the weights past `max_weights_bytes`:
-    layers.max_adapter_bytes of the model)."""
+    max_rank, it targets a module outside `targets` (the model's: families.lora_targets), or
+    a file is larger than it can be (the config, the safetensors header, the weights past
+    `max_weights_bytes`: layers.max_adapter_bytes of the model)."""
     d = Path(path)
     cfg_file, weights_file = d / CONFIG_FILE, d / WEIGHTS_FILE
     for f in (cfg_file, weights_file):
@@ -73,13 +74,17 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
     if not 1 <= rank <= max_rank:
         raise LoRAError(f"LoRA adapter {name!r}: r={rank} is invalid: must be in "
                         f"[1, max_lora_rank={max_rank}]")
-    bad = [t for t in _targets(name, cfg) if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS]
+    bad = [t for t in _targets(name, cfg) if t.rsplit(".", 1)[-1] not in targets]
     if bad:
         raise LoRAError(f"LoRA adapter {name!r}: target module(s) {bad} are not supported: "
-                        f"must be among {list(SUPPORTED_TARGETS)}")
+                        f"must be among {list(targets)}")
     if cfg.get("fan_in_fan_out"):
         raise LoRAError(f"LoRA adapter {name!r}: fan_in_fan_out=true is not supported "
                         f"(a Conv1D base layer; Llama-family projections are nn.Linear)")
+    if cfg.get("target_parameters"):                # peft's LoRA on MoE experts' parameters
+        raise LoRAError(f"LoRA adapter {name!r}: target_parameters="
+                        f"{quoted(cfg['target_parameters'])} is not supported (LoRA on "
+                        f"parameters, such as MoE experts'; only target_modules)")
     for key in ("rank_pattern", "alpha_pattern"):   # per-module r / alpha: not applied here
         if cfg.get(key):
             raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(cfg[key])} is not "

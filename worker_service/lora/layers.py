@@ -1,8 +1,8 @@
 """The LoRA-aware projections: y = base(x) + scale_i * (x A_i^T) B_i^T for the token rows of
 adapter i (docs/lora.md).
 
-attach_lora swaps each decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj) for a
-LoRALinear that holds every adapter's A and B stacked by slot (adapter id - 1), the scaling folded
+attach_lora swaps each targeted projection (qkv_proj, o_proj, gate_up_proj, down_proj, c_fc,
+...: families.py lists each model's) for a LoRALinear that holds every adapter's A and B stacked by slot (adapter id - 1), the scaling folded
 into B. Packed projections keep one rank-R block per piece (q, k, v; gate, up): A pieces stacked
 along the rank, B block-diagonal. Tensor parallel, as the base layer: column-parallel B is split by
 output rows (the base layer's own weight loader picks this rank's rows), row-parallel A by input
@@ -23,11 +23,7 @@ from torch import nn
 from worker_service.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                           QKVParallelLinear, RowParallelLinear)
 from worker_service.lora.adapter import MAX_HEADER_BYTES, LoRAAdapter, LoRAError
-
-# Model classes whose projections attach_lora knows (the Llama family in models/llama.py).
-SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                    "Qwen3ForCausalLM")
-
+from worker_service.lora.families import expert_refusal, lora_targets
 
 class LoRAState:
     """Which adapter each token row of the current forward uses, shared by every LoRALinear."""
@@ -80,8 +76,13 @@ class LoRALinear(nn.Module):
         base = self.base
         if not self.row_parallel or base.tp.world_size == 1:
             return self._add_delta(base(x), x)
-        y = base.tp.all_reduce(self._add_delta(base.matmul(x), x))
+        y = base.tp.all_reduce(self.matmul(x))
         return y if base.bias is None else y + base.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T plus the adapters' delta, no bias and no all-reduce: a row-parallel layer's
+        partial sum (a shared expert's down_proj, reduced by its MoE block)."""
+        return self._add_delta(self.base.matmul(x), x)
 
 
 def _pieces(module: nn.Module) -> tuple:
@@ -120,16 +121,15 @@ def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: dict[int, Lo
             num_slots: int, rank: int, dtype: torch.dtype, device
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """a [S, P*rank, in_rank], b [S, out_rank, P*rank] for one of our modules; by_piece maps
-    (slot, piece) -> checkpoint module name. Slots no adapter holds stay zero."""
+    (slot, piece) -> (checkpoint module name, A, B). Slots no adapter holds stay zero."""
     pieces = _pieces(module)
     in_rank = (module.input_size_per_rank if isinstance(module, RowParallelLinear)
                else module.input_size)
     out_rank = module.weight.shape[0]
     a_all = torch.zeros(num_slots, len(pieces) * rank, in_rank)
     b_all = torch.zeros(num_slots, out_rank, len(pieces) * rank)
-    for (i, piece), ckpt in by_piece.items():
+    for (i, piece), (ckpt, a, b) in by_piece.items():
         ad = adapters[i]
-        a, b = ad.weights[ckpt]
         a, b = _local_pair(module, piece, a, b, f"LoRA adapter {ad.name!r}: {ckpt}")
         p, r = pieces.index(piece), a.shape[0]
         a_all[i, p * rank:p * rank + r] = a
@@ -161,30 +161,56 @@ def _base(module: nn.Module | None) -> nn.Module | None:
     return module.base if isinstance(module, LoRALinear) else module
 
 
+def _checkpoint_pieces(model: nn.Module, ad: LoRAAdapter, ckpt: str, a: torch.Tensor,
+                       b: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(module, A, B) pieces of one adapted checkpoint module: lora_B goes through the model's
+    split_checkpoint_tensor as its base weight did (a fused qkv_proj / gate_up_proj cut by
+    rows, GLM's and Cohere's q/k rows reordered); every piece keeps the whole A."""
+    split = getattr(model, "split_checkpoint_tensor", None)
+    try:
+        parts = split(f"{ckpt}.weight", b) if split is not None else None
+    except (ValueError, RuntimeError) as e:        # rows that do not fit the base model
+        raise LoRAError(f"LoRA adapter {ad.name!r}: {ckpt}: lora_B {tuple(b.shape)} does not "
+                        f"fit the base layer ({e})") from None
+    if parts is None:
+        return [(ckpt, a, b)]
+    return [(name[:-len(".weight")], a, piece) for name, piece in parts]
+
+
+def _targets(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, dict]:
+    """Our module path -> {(slot, piece): (checkpoint module, A, B)}; LoRAError naming the
+    adapter and module for a module that is not one of our projections."""
+    modules = dict(model.named_modules())
+    targets: dict[str, dict] = {}
+    for i, ad in adapters.items():
+        for ckpt, (a, b) in ad.weights.items():
+            why = expert_refusal(model, ad.name, ckpt)
+            if why:
+                raise LoRAError(why)
+            for name, a_part, b_part in _checkpoint_pieces(model, ad, ckpt, a, b):
+                prefix, _, leaf = name.rpartition(".")
+                ours, piece = model.packed_modules.get(leaf, (leaf, None))
+                path = f"{prefix}.{ours}"
+                if not isinstance(_base(modules.get(path)),
+                                  (ColumnParallelLinear, RowParallelLinear)):
+                    raise LoRAError(f"LoRA adapter {ad.name!r}: module {ckpt} is not a "
+                                    f"projection of this {type(model).__name__} model")
+                targets.setdefault(path, {})[(i, piece)] = (ckpt, a_part, b_part)
+    return targets
+
+
 def plan_lora(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, tuple]:
     """Module path -> (base projection, a, b): the stacks every targeted projection of `model`
     needs for `adapters` (slot -> adapter). Changes nothing: LoRAError naming the adapter and
     module for a model or module we cannot adapt, or shapes that do not fit."""
-    if type(model).__name__ not in SUPPORTED_MODELS:
-        raise LoRAError(f"LoRA is not supported for {type(model).__name__}: must be one of "
-                        f"{list(SUPPORTED_MODELS)}")
+    lora_targets(model)                  # LoRAError naming the model class and the served ones
     if not adapters:
         return {}
     modules = dict(model.named_modules())
-    targets: dict[str, dict] = {}
-    for i, ad in adapters.items():
-        for ckpt in ad.weights:
-            prefix, _, leaf = ckpt.rpartition(".")
-            ours, piece = model.packed_modules.get(leaf, (leaf, None))
-            path = f"{prefix}.{ours}"
-            if not isinstance(_base(modules.get(path)), (ColumnParallelLinear, RowParallelLinear)):
-                raise LoRAError(f"LoRA adapter {ad.name!r}: module {ckpt} is not a projection "
-                                f"of this {type(model).__name__} model")
-            targets.setdefault(path, {})[(i, piece)] = ckpt
     device = next(model.parameters()).device
     num_slots, rank = max(adapters) + 1, max(ad.rank for ad in adapters.values())
     plan = {}
-    for path, by_piece in targets.items():
+    for path, by_piece in _targets(model, adapters).items():
         base = _base(modules[path])
         plan[path] = (base, *_stacks(path, base, by_piece, adapters, num_slots, rank,
                                      model.dtype, device))

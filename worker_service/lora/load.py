@@ -7,6 +7,7 @@ from torch import nn
 from engine_common.configuration.config import WorkerConfig
 from worker_service.failures import FailureKind, StepFailure, StepProtocolError
 from worker_service.lora.adapter import read_adapter
+from worker_service.lora.families import lora_targets
 from worker_service.lora.layers import max_adapter_bytes
 from worker_service.lora.slots import LoRASlots
 
@@ -18,8 +19,8 @@ def load_lora(model: nn.Module, config: WorkerConfig) -> LoRASlots | None:
     modules = config.lora
     if not modules and not (config.enable_lora and config.allow_runtime_lora_updating):
         return None
-    limit = max_adapter_bytes(model, config.max_lora_rank)
-    adapters = {i: read_adapter(m.name, m.path, config.max_lora_rank, limit)
+    limit, targets = max_adapter_bytes(model, config.max_lora_rank), lora_targets(model)
+    adapters = {i: read_adapter(m.name, m.path, config.max_lora_rank, limit, targets)
                 for i, m in enumerate(modules)}
     return LoRASlots(model, config.max_lora_rank, adapters)
 

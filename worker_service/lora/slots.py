@@ -12,6 +12,7 @@ import numpy as np
 from torch import nn
 
 from worker_service.lora.adapter import LoRAAdapter, LoRAError, read_adapter
+from worker_service.lora.families import lora_targets
 from worker_service.lora.layers import LoRAState, apply_lora, max_adapter_bytes, plan_lora
 
 
@@ -37,7 +38,8 @@ class LoRASlots:
         """Read `path` and put it in slot lora_id - 1 (replacing what it held). LoRAError
         naming the path and the reason; then nothing changed."""
         try:
-            adapter = read_adapter(name, path, self.max_rank, self.max_weights_bytes)
+            adapter = read_adapter(name, path, self.max_rank, self.max_weights_bytes,
+                                   lora_targets(self.model))
             self._apply({**self.adapters, lora_id - 1: adapter})
         except LoRAError as e:
             raise LoRAError(f"lora_path={path!r} is invalid: {e}") from None

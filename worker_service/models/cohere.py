@@ -17,7 +17,7 @@ Command-R7B, Command-A), as transformers' modeling_cohere / modeling_cohere2 com
 
 hidden_act other than silu, a logit_scale that is not a finite number, and a Cohere2 config
 with sliding layers but no window are refused naming the key (all layers full: no window
-needed, as transformers); LoRA is refused by architecture (lora/layers.py).
+needed, as transformers). LoRA: lora/families.py (lora_B q/k rows reordered as the weights).
 """
 from __future__ import annotations
 

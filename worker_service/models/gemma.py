@@ -13,8 +13,7 @@ reused from models/gemma3.py:
   - attention scale head_dim ** -0.5, one rope table, no window and no softcap;
   - head_dim 256 and a tied LM head when config.json does not say (GemmaConfig's defaults).
 
-use_bidirectional_attention is refused (the backends are causal); LoRA is refused
-(lora/layers.py lists the Llama family only).
+use_bidirectional_attention is refused (the backends are causal). LoRA: lora/families.py.
 """
 from __future__ import annotations
 

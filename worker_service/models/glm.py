@@ -14,7 +14,7 @@ transformers' modeling_glm / modeling_glm4 compute them: Llama's pre-norm decode
     rms_norm_eps 1.5625e-7, an untied head.
 
 hidden_act other than silu is refused naming it; no sliding window (a config that turns one on
-is refused, as for Llama); LoRA is refused by architecture (lora/layers.py).
+is refused, as for Llama). LoRA: lora/families.py (gate_up_proj and q/k as the weights).
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ them: the Llama decoder (models/llama.py) with four scalars from config.json, ea
     unscaled): greedy() answers None and the sampler reads the scaled logits.
 
 A non-finite multiplier and logits_scaling=0 are refused (transformers would produce inf/NaN);
-other values, negative ones included, are served as transformers computes them. LoRA is refused
-(lora/layers.py lists the Llama family only).
+other values, negative ones included, are served as transformers computes them. LoRA:
+lora/families.py.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Tensor parallelism: a rank holds a slice of the heads, so the q/k norm's mean sq
 each rank sums the squares of its slice and the sums are all-reduced (one [T, 2] all-reduce per
 layer). Replicated kv heads (num_key_value_heads < tp size) are held by tp / num_kv_heads ranks
 each, so the sum over ranks divided by tp * local width is still the mean over every element.
-fused_ops fuses the rope only (the norms stay in torch); LoRA is refused (lora/layers.py).
+fused_ops fuses the rope only (the norms stay in torch). LoRA: lora/families.py.
 """
 from __future__ import annotations
 

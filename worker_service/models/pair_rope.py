@@ -13,8 +13,8 @@ within each head (values untouched, so the attention output is the same):
 
 our dims [0, r/2) hold the checkpoint's even dims, [r/2, r) its odd ones, the rest (partial
 rotary: GLM's r = D/2) stay. The rotate-half rope over transformers' frequency table then
-rotates exactly the pairs transformers rotates. LoRA is refused on these models by name
-(lora/layers.py), so no adapter meets the reordered rows.
+rotates exactly the pairs transformers rotates. A LoRA adapter's q/k lora_B rows go through
+the same split_checkpoint_tensor (lora/layers.py), so they are reordered alike.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ computes it: Llama's decoder (models/llama.py) in which some layers have no posi
   - the LM head tied to the embedding unless tie_word_embeddings is false (SmolLM3Config's
     default is true, LlamaConfig's false); the MLP is SiLU-gated (another hidden_act refused).
 
-LoRA is refused (lora/layers.py lists the Llama family only).
+LoRA: lora/families.py.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ modeling_starcoder2 computes it: Llama's pre-norm decoder (models/llama.py) with
     absent or null, none (Starcoder2Config's default);
   - the LM head tied unless `tie_word_embeddings` is false (Starcoder2Config's default true).
 
-LoRA is refused (lora/layers.py lists the Llama family only).
+LoRA: lora/families.py (c_fc / c_proj are the targets' names).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ async def _turns_of_the_loop(engine: AsyncEngine, n: int = 3) -> list[tuple[bool
 
 
 _SCHED = SimpleNamespace(num_waiting=0, num_running=0, num_total_blocks=1, num_free_blocks=1,
-                         prefix_cache_hit_rate=0.0, window_blocks=(0, 0))
+                         prefix_cache_hit_rate=0.0, window_blocks=(0, 0), lora_cache=None)
 
 
 class FailingCore:

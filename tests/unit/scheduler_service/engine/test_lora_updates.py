@@ -100,3 +100,27 @@ def test_an_unload_whose_sweep_fails_says_it_took_effect():
         lora.unload(set(), lambda: None, "a")
     assert err.value.kind == "stream_ended"            # the metrics' kind is kept
     assert lora.registry.adapters() == [] and lora.registry.draining() == {1}
+
+
+def test_max_cpu_loras_init_and_replays_load_what_the_lru_holds(tmp_path):
+    """--max-cpu-loras 1 over three --lora-modules: the Init carries none and allows LoadLora;
+    the first replay checks the two the LRU does not hold (loaded and freed, one at a time:
+    never two held), then loads the first; a later epoch loads only what the LRU holds."""
+    from scheduler_service.engine.lora_updates import lora_cache
+
+    worker = WorkerConfig(model_dir=str(tmp_path), enable_lora=True, lora_modules="a=/a b=/b")
+    sent = init_config(worker, max_cpu_loras=1)
+    assert sent.lora_modules is None and sent.allow_runtime_lora_updating
+    registry = LoRARegistry(parse_lora_modules("a=/a b=/b c=/c"))
+    ops = RecordingOps()
+    lora = LoRAUpdates(registry, ops, allowed=False, cache=lora_cache(registry, 1))
+    lora.replay(first=True)
+    assert ops.calls == [("load", 2, "b"), ("unload", 2), ("load", 3, "c"), ("unload", 3),
+                         ("load", 1, "a")]
+    assert lora.cache.resident() == [1]
+    ops.calls.clear()
+    lora.replay(first=False)
+    assert ops.calls == [("load", 1, "a")]
+    ops.refuse.add("/c")
+    with pytest.raises(WorkerRefused, match="--lora-modules adapter 'c'"):
+        lora.replay(first=True)

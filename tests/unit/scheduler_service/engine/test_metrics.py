@@ -84,7 +84,8 @@ def test_worker_failures_by_kind(metrics):
 def test_scrape_reads_the_snapshots_get_server_status_reads(metrics):
     counters = ServingCounters()
     stats = [EngineStats(ready=True, num_waiting=2, num_running=3, num_used_blocks=5,
-                         num_total_blocks=20, num_steps_in_flight=1)]
+                         num_total_blocks=20, num_steps_in_flight=1, num_loras_loaded=2,
+                         num_lora_loads=7, num_lora_evictions=5)]
     metrics.attach(lambda: stats[0], counters, num_workers=2)
     counters.received()
     counters.received()
@@ -99,6 +100,9 @@ def test_scrape_reads_the_snapshots_get_server_status_reads(metrics):
     assert value(metrics, "kv_cache_usage_perc") == 0.25
     assert value(metrics, "kv_blocks_used") == 5 and value(metrics, "kv_blocks_total") == 20
     assert value(metrics, "workers_ready") == 2 and value(metrics, "steps_in_flight") == 1
+    assert value(metrics, "lora_adapters_loaded") == 2
+    assert value(metrics, "lora_loads_total") == 7
+    assert value(metrics, "lora_evictions_total") == 5
     assert value(metrics, "requests_received_total") == 2
     assert value(metrics, "requests_rejected_total", code="INVALID_ARGUMENT") == 1
     assert value(metrics, "prompt_tokens_total") == 10                 # a and c started

@@ -1,0 +1,142 @@
+"""LoRA beyond the Llama family (docs/lora.md, "What is supported"): for each served family, the
+in-process LLM's greedy tokens with adapters equal transformers + peft's, fp32, in one mixed
+batch of base and adapter rows. Each adapter targets the modules transformers names (Phi-3's
+fused qkv_proj / gate_up_proj, StarCoder2's c_fc / c_proj, GLM's gate_up_proj); MoE models
+serve attention and dense / shared-expert MLPs, and refuse an adapter of a routed expert by
+module name."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from deltaserve.llm import LLM
+from engine_common.request.params import SamplingParams, StoppingParams
+from tests.support.engine_checks import assert_no_leaked_blocks
+from tests.support.hf_reference import assert_greedy_agrees, compare_greedy
+from tests.support.lora_adapters import make_adapter, peft_greedy
+from tests.support.paged_prefill import load
+from worker_service.lora.adapter import LoRAError
+from worker_service.lora.families import ATTENTION, LLAMA
+from worker_service.lora.layers import attach_lora
+
+MAX_NEW = 10
+# tiny_model arch -> the modules its adapters target (transformers' names)
+FAMILIES = {
+    "gemma": LLAMA, "gemma2": LLAMA, "gemma3": LLAMA, "granite": LLAMA, "olmo2": LLAMA,
+    "smollm3": LLAMA, "cohere": LLAMA, "cohere2": LLAMA,
+    "glm": ATTENTION + ("gate_up_proj", "down_proj"),
+    "glm4": ATTENTION + ("gate_up_proj", "down_proj"),
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "starcoder2": ATTENTION + ("c_fc", "c_proj"),
+    # peft (0.21, transformers 5) turns MLP targets of a MoE into target_parameters of the
+    # fused experts (refused below): attention only; Qwen2-MoE's shared expert is modules
+    "qwen3_moe": ATTENTION,
+    "qwen2_moe": LLAMA,
+    "mixtral": ATTENTION,
+}
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_mixed_batch_matches_peft(tiny_models, tmp_path, arch):
+    model = tiny_models(arch)
+    targets = FAMILIES[arch]
+    adapters = {"a": make_adapter(model, tmp_path / "a", r=8, alpha=32, seed=1,
+                                  targets=targets),
+                "b": make_adapter(model, tmp_path / "b", r=4, alpha=8, seed=2,
+                                  targets=targets[:2], use_rslora=True)}
+    mods = " ".join(f"{n}={p}" for n, p in adapters.items())
+    llm = LLM(model, dtype="float32", num_kv_blocks=256, enable_lora=True, lora_modules=mods,
+              max_loras=2)
+    prompts = _prompts(llm.model_info.vocab_size, 6, 0)
+    names = [None, "a", "b"] * 2
+    outs = llm.generate(prompts, SamplingParams(), StoppingParams(max_tokens=MAX_NEW,
+                                                                 ignore_eos=True),
+                        lora_request=names)
+    near_ties, failures, refs = [], [], {}
+    for i, (p, name, out) in enumerate(zip(prompts, names, outs)):
+        ref = peft_greedy(model, adapters.get(name), tuple(p), MAX_NEW)
+        refs.setdefault(i % 3, set()).add(ref.token_ids)
+        failure = compare_greedy(f"{arch}/{name}/prompt{i}", out.token_ids, ref, near_ties)
+        if failure:
+            failures.append(failure)
+    assert_greedy_agrees(failures, near_ties)
+    assert_no_leaked_blocks(llm)
+    # the adapters change the tokens: one that changed nothing would prove nothing
+    first = [peft_greedy(model, adapters.get(n), tuple(prompts[0]), MAX_NEW).token_ids
+             for n in (None, "a")]
+    assert first[0] != first[1], first
+
+
+@pytest.mark.parametrize("arch,cls", [("gpt_oss", "GptOssForCausalLM"),
+                                      ("deepseek_v2", "DeepseekV2ForCausalLM")])
+def test_other_architectures_are_refused_naming_the_served_ones(tiny_models, arch, cls):
+    with pytest.raises(LoRAError, match=rf"LoRA is not supported for {cls}: must be one of "
+                                        rf"\[.*'Phi3ForCausalLM'.*\]"):
+        attach_lora(load(tiny_models(arch)), [])
+
+
+def test_moe_expert_adapters_are_refused_naming_the_module(tiny_models, tmp_path):
+    """peft's target_parameters (transformers 5's fused experts) and, in the older layout,
+    a tensor of one routed expert's projection: refused naming it and what is served."""
+    model = tiny_models("qwen3_moe")
+    fused = make_adapter(model, tmp_path / "fused", r=4, targets=LLAMA)
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'fused': target_parameters=.* is not "
+                                        r"supported \(LoRA on parameters"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"fused={fused}")
+    per_expert = shutil.copytree(make_adapter(model, tmp_path / "attn", r=4, targets=ATTENTION),
+                                 tmp_path / "per_expert")
+    weights = per_expert / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    expert = "base_model.model.model.layers.0.mlp.experts.3.gate_proj"
+    for half in ("lora_A", "lora_B"):
+        tensors[f"{expert}.{half}.weight"] = tensors.pop(f"{q}.{half}.weight")
+    save_file(tensors, weights)
+    cfg = json.loads((per_expert / "adapter_config.json").read_text())
+    (per_expert / "adapter_config.json").write_text(json.dumps(
+        {**cfg, "target_modules": ["k_proj", "v_proj", "o_proj", "gate_proj"]}))
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'moe': module model\.layers\.0\.mlp\."
+                                        r"experts\.3\.gate_proj is a routed expert: LoRA on "
+                                        r"MoE experts is not supported for "
+                                        r"Qwen3MoeForCausalLM \(served: \['q_proj'"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"moe={per_expert}")
+
+
+def test_a_target_another_family_names_is_refused(tiny_models, tmp_path):
+    """Phi-3 has no q_proj of its own (transformers names its fused qkv_proj): an adapter
+    naming q_proj is another model's, refused naming the served modules."""
+    model = tiny_models("phi3")
+    other = make_adapter(tiny_models("llama"), tmp_path / "llama", r=4, targets=("q_proj",))
+    with pytest.raises(LoRAError, match=r"target module\(s\) \['q_proj'\] are not supported: "
+                                        r"must be among \['qkv_proj', 'o_proj', "
+                                        r"'gate_up_proj', 'down_proj'\]"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"other={other}")
+
+
+def test_a_fused_target_of_another_shape_is_refused(tiny_models, tmp_path):
+    """Phi-3's qkv_proj lora_B is cut by the model's own rule: rows that do not add up to
+    q + k + v are refused naming the module and both sizes."""
+    model = tiny_models("phi3")
+    short = make_adapter(model, tmp_path / "short", r=4, targets=("qkv_proj",))
+    weights = f"{short}/adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "layers.0.self_attn.qkv_proj.lora_B" in k)
+    tensors[key] = tensors[key][:-16]
+    save_file(tensors, weights)
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'short': model\.layers\.0\.self_attn\."
+                                        r"qkv_proj: lora_B \(112, 4\) does not fit the base "
+                                        r"layer \(.*112 rows, expected 128"):
+        LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+            lora_modules=f"short={short}")
