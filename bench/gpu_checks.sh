@@ -183,7 +183,7 @@ stage_worst() {  # stage -> the longest it can run: its limit (floored), each la
         hf) floor=0 ;;
     esac
     [ "$limit" -lt "$floor" ] && limit=$floor
-    [ "$name" = tests ] && [ -z "${TESTS_ONLY:-}" ] && limit=$(( limit + COLLECT_LIMIT ))
+    [ "$name" = tests ] && [ -z "${TESTS_ONLY:-}" ] && limit=$(( limit + COLLECT_LIMIT + 10 ))
     echo $(( limit + grace + later * (floor + grace) ))
 }
 
@@ -211,7 +211,7 @@ dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing 
 }
 
 stage_tests() {
-    local start=$SECONDS skip explicit ignores=() f
+    local start=$SECONDS runs_start skip explicit ignores=() f
     : >"$OUT_DIR/tests.log"
     TESTS_LEFT=${TESTS_LIMIT:-300}
     if [ -n "${TESTS_ONLY:-}" ]; then           # a short device call: just these, in this order
@@ -228,19 +228,20 @@ stage_tests() {
     for f in $explicit "${NEW_CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
     # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
     # stage cut short by its time limit loses the least important runs.
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=${TESTS_LIMIT:-300}      # the runs' limit, after the collection
+    runs_start=$SECONDS
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - runs_start) ))
     local mark
     mark=$(wc -l <"$OUT_DIR/tests.log")
     pytest_run "session46" -s "${NEW_CUDA_TESTS[@]}"
     tail -n +"$((mark + 1))" "$OUT_DIR/tests.log" \
         | grep -E '^(BF16 DIVERGENCE|NEAR TIE|GRAPHS REFUSED)' | sed 's/^/  /' | tee -a "$SUMMARY"
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - runs_start) ))
     pytest_run "cuda-modules" $(echo "$explicit" | grep -vxF -e tests/gpu/test_engine_bf16.py \
         $(printf -- '-e %s ' "${NEW_CUDA_TESTS[@]}"))
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - runs_start) ))
     pytest_run "marked-gpu" -m gpu "${ignores[@]}" tests/
     grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     say "tests: $((SECONDS - start)) s"

@@ -50,17 +50,18 @@ def test_the_script_parses():
 
 def test_default_stages_say_their_limits_and_longest_runs_and_write_nothing(tmp_path):
     """Defaults: bench 240 s (two runs: the second's floor 30 s; kill grace 20 s each), profile
-    180, tests 300 (a 120 s collection, then four runs, each later one's floor 60 s; kill grace
-    30 s each): the limits sum to 720 s, the longest run to 1230 s, over one device call."""
+    180, tests 300 (first a collection of 120 s, kill grace 10, then four runs, each later
+    one's floor 60 s; kill grace 30 s each): the limits sum to 720 s, the longest run to
+    1240 s, over one device call."""
     out = tmp_path / "out"
     result = dry(OUT=str(out))
     assert result.returncode == 0, result.stderr
     stages = _stages(result.stdout)
     assert stages == {"bench": (240, 240 + 20 + 50), "profile": (180, 200),
-                      "tests": (300, 120 + 300 + 30 + 3 * 90)}
+                      "tests": (300, 130 + 300 + 30 + 3 * 90)}
     total = int(re.search(r"^limits sum: (\d+) s$", result.stdout, re.M)[1])
     assert total == sum(limit for limit, _ in stages.values()) == 720
-    assert _at_most(result.stdout) == sum(most for _, most in stages.values()) == 1230
+    assert _at_most(result.stdout) == sum(most for _, most in stages.values()) == 1240
     assert not out.exists()
 
 
@@ -94,7 +95,7 @@ def test_each_stage_limit_is_the_one_its_function_uses():
         used = set(re.findall(r"\$\{" + stage.upper() + r"_LIMIT:-(\d+)\}", text))
         assert used == {limit}, (stage, limit, used)
     result = dry("tests", "hf", TESTS_LIMIT="100")
-    assert _stages(result.stdout) == {"tests": (100, 120 + 100 + 30 + 270), "hf": (240, 260)}
+    assert _stages(result.stdout) == {"tests": (100, 130 + 100 + 30 + 270), "hf": (240, 260)}
     assert "limits sum: 340 s" in result.stdout
     result = dry("bench", "profile", "attention", "fused", BENCH_VARIANTS="a;b",
                  PROFILE_VARIANTS=";--skip 0")          # one more run per variant entry
