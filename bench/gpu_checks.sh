@@ -4,9 +4,10 @@
 #   bash bench/gpu_checks.sh [--dry-run] [bench] [profile] [tests] [attention] [fused] [hf]
 #                            (none named: bench profile tests, about 8 minutes in all)
 #
-# --dry-run prints the stages, their limits and their sum, and the tests stage's runs in order
-# (pytest arguments), then exits: no GPU, no wheels, nothing written (tests/unit/bench/
-# test_gpu_checks_kit.py reads it).
+# --dry-run prints the stages, their limits and their sum, the longest each can run ("at most":
+# later runs' floors and every run's kill grace; what a device call's timeout must cover), and
+# the tests stage's runs in order (pytest arguments), then exits: no GPU, no wheels, nothing
+# written (tests/unit/bench/test_gpu_checks_kit.py reads it).
 #
 # Each stage has its own time limit (bench 240, profile 180, tests 300, attention 240, fused 400,
 # hf 240 s by default; see the environment variables below), so a run that must fit a time
@@ -114,9 +115,12 @@ EOF
     say "env: $(grep -m1 -E '^cuda ' "$OUT_DIR/env.txt" || echo 'no CUDA device seen')"
 }
 
+COLLECT_LIMIT=120            # seconds for the tests stage's collection pass (full selection)
+
 # Test modules whose collection fails only because an optional gRPC package is missing.
 uncollectable_modules() {
-    "$PY" -m pytest --collect-only -q -p no:cacheprovider tests/ 2>&1 | "$PY" -c '
+    timeout --kill-after=10 "$COLLECT_LIMIT" "$PY" -m pytest --collect-only -q \
+        -p no:cacheprovider tests/ 2>&1 | "$PY" -c '
 import re, sys
 current, skip = None, []
 for line in sys.stdin:
@@ -162,13 +166,37 @@ stage_limit() {  # stage name -> its limit in seconds (the environment's, else t
     done
 }
 
+entries() {  # the number of ';'-separated entries in $1 (as read -a splits them), 0 if unset
+    local parts=(); [ -n "$1" ] && IFS=';' read -r -a parts <<<"$1"; echo "${#parts[@]}"
+}
+
+stage_worst() {  # stage -> the longest it can run: its limit (floored), each later run's floor
+    local name=$1 limit runs floor=30 grace=20 later=0  # and every run's kill grace
+    limit=$(stage_limit "$name")
+    case $name in
+        tests) floor=60 grace=30; [ -z "${TESTS_ONLY:-}" ] && later=3 ;;
+        bench) later=$(entries "${BENCH_VARIANTS:-}")
+               [ -z "${BENCH_VARIANTS:-}" ] && [ "${BENCH_SYNC:-1}" = 1 ] && later=1 ;;
+        profile) runs=$(entries "${PROFILE_VARIANTS:-}"); later=$(( runs > 1 ? runs - 1 : 0 )) ;;
+        attention) floor=20 later=6 ;;
+        fused) later=3 ;;
+        hf) floor=0 ;;
+    esac
+    [ "$limit" -lt "$floor" ] && limit=$floor
+    [ "$name" = tests ] && [ -z "${TESTS_ONLY:-}" ] && limit=$(( limit + COLLECT_LIMIT + 10 ))
+    echo $(( limit + grace + later * (floor + grace) ))
+}
+
 dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing runs
-    local s total=0 explicit
+    local s total=0 worst=0 explicit
     for s in "${stages[@]}"; do
-        echo "stage $s: limit $(stage_limit "$s") s"
+        echo "stage $s: limit $(stage_limit "$s") s, at most $(stage_worst "$s") s"
         total=$(( total + $(stage_limit "$s") ))
+        worst=$(( worst + $(stage_worst "$s") ))
     done
     echo "limits sum: $total s"
+    echo "at most: $worst s (each later run's floor and every kill grace counted; not the" \
+        "wheel install and env record before the stages)"
     case " ${stages[*]} " in *" tests "*) ;; *) return 0 ;; esac
     if [ -n "${TESTS_ONLY:-}" ]; then
         echo "tests run selected: -s $TESTS_ONLY"
@@ -183,15 +211,8 @@ dry_run() {  # the stages, limits and the tests stage's runs, in order; nothing 
 }
 
 stage_tests() {
-    local start=$SECONDS skip explicit ignores=() f
+    local start=$SECONDS runs_start skip explicit ignores=() f
     : >"$OUT_DIR/tests.log"
-    skip=$(uncollectable_modules)
-    [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
-    explicit=$(cuda_modules)
-    for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
-    for f in $explicit "${NEW_CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
-    # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
-    # stage cut short by its time limit loses the least important runs.
     TESTS_LEFT=${TESTS_LIMIT:-300}
     if [ -n "${TESTS_ONLY:-}" ]; then           # a short device call: just these, in this order
         pytest_run "selected" -s $TESTS_ONLY
@@ -200,18 +221,27 @@ stage_tests() {
         say "tests: $((SECONDS - start)) s"
         return
     fi
+    skip=$(uncollectable_modules)     # the whole of tests/ collected: not for TESTS_ONLY
+    [ -n "$skip" ] && say "tests: left out (optional gRPC packages missing here): $skip"
+    explicit=$(cuda_modules)
+    for f in $skip; do explicit=$(echo "$explicit" | grep -vx "$f"); ignores+=("--ignore=$f"); done
+    for f in $explicit "${NEW_CUDA_TESTS[@]}"; do ignores+=("--ignore=$f"); done
+    # The bf16-vs-transformers checks first (per backend, graphs vs eager), so a
+    # stage cut short by its time limit loses the least important runs.
+    TESTS_LEFT=${TESTS_LIMIT:-300}      # the runs' limit, after the collection
+    runs_start=$SECONDS
     pytest_run "engine-bf16" -s tests/gpu/test_engine_bf16.py
     grep -E '^(BF16 DIVERGENCE|NEAR TIE)' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - runs_start) ))
     local mark
     mark=$(wc -l <"$OUT_DIR/tests.log")
     pytest_run "session46" -s "${NEW_CUDA_TESTS[@]}"
     tail -n +"$((mark + 1))" "$OUT_DIR/tests.log" \
         | grep -E '^(BF16 DIVERGENCE|NEAR TIE|GRAPHS REFUSED)' | sed 's/^/  /' | tee -a "$SUMMARY"
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - runs_start) ))
     pytest_run "cuda-modules" $(echo "$explicit" | grep -vxF -e tests/gpu/test_engine_bf16.py \
         $(printf -- '-e %s ' "${NEW_CUDA_TESTS[@]}"))
-    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - start) ))
+    TESTS_LEFT=$(( ${TESTS_LIMIT:-300} - (SECONDS - runs_start) ))
     pytest_run "marked-gpu" -m gpu "${ignores[@]}" tests/
     grep -E '^(FAILED|ERROR) ' "$OUT_DIR/tests.log" | sed 's/^/  /' | tee -a "$SUMMARY"
     say "tests: $((SECONDS - start)) s"

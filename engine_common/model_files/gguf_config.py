@@ -154,18 +154,29 @@ _NO_TOKEN = -1
 
 def _token_id(gguf: GGUFFile, key: str) -> int | None:
     """tokenizer.ggml.<key> (an integer, else GGUFError naming it); None when absent or -1, or
-    past the vocabulary: llama.cpp keeps a special id only below its token count (a "bad
-    special token" warning), and such an id names no token the model reads or produces, so it
-    is dropped with a warning (transformers' GGUF tokenizer would fail on tokens[id])."""
+    past the vocabulary: such an id names no token the model reads or produces (transformers'
+    GGUF tokenizer fails on tokens[id]; llama.cpp warns "bad special token" and keeps its
+    vocabulary type's default id instead), so it is dropped, with one warning per process."""
     value = metadata_int(gguf, f"tokenizer.ggml.{key}", None, minimum=_NO_TOKEN)
     if value is None or value == _NO_TOKEN:
         return None
     num_tokens = len(metadata_list(gguf, "tokenizer.ggml.tokens", str, []))
     if num_tokens and value >= num_tokens:
-        log.warning("%s: tokenizer.ggml.%s=%d is past the vocabulary (%d tokens): dropped, as "
-                    "llama.cpp drops it", gguf.path, key, value, num_tokens)
+        _warn_once(gguf, f"tokenizer.ggml.{key}={value} is past the vocabulary ({num_tokens} "
+                         "tokens): dropped")
         return None
     return value
+
+
+# (file, message) pairs already logged: every process reads a file's ids several times
+# (config.json, generation_config.json, the tokenizer bundle)
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(gguf: GGUFFile, message: str) -> None:
+    if (str(gguf.path), message) not in _WARNED:
+        _WARNED.add((str(gguf.path), message))
+        log.warning("%s: %s", gguf.path, message)
 
 
 def _special_ids(gguf: GGUFFile) -> dict:
@@ -182,13 +193,18 @@ def _special_ids(gguf: GGUFFile) -> dict:
 def generation_config_from_gguf(gguf: GGUFFile) -> dict:
     """bos / eos / pad ids: the file's tokenizer.ggml.*_token_id. Generation ends on every
     end-of-generation id the file names, as llama.cpp does: eos, then eot and eom (Llama 3's
-    <|eot_id|> and <|eom_id|>) when present."""
+    <|eot_id|> and <|eom_id|>) when present, each only within the vocabulary."""
     gen = _special_ids(gguf)
     ends = [gen["eos_token_id"]] if "eos_token_id" in gen else []
     for key in ("eot_token_id", "eom_token_id"):
         value = _token_id(gguf, key)
         if value is not None and value not in ends:
             ends.append(value)
-    if len(ends) > 1:
-        gen["eos_token_id"] = ends
+    if ends:                # eot alone too (the eos absent or past the vocabulary)
+        gen["eos_token_id"] = ends if len(ends) > 1 else ends[0]
+    named_eos = metadata_int(gguf, "tokenizer.ggml.eos_token_id", None, minimum=_NO_TOKEN)
+    if not ends and named_eos not in (None, _NO_TOKEN):     # named, but past the vocabulary
+        _warn_once(gguf, "no end-of-generation id is left (its eos id is past the vocabulary, "
+                         "and it names no eot/eom id): a request ends only at its max_tokens, "
+                         "a stop string or the model's length")
     return gen

@@ -35,7 +35,8 @@ from scheduler_service.api.front_door import (MAX_LOGPROBS, FieldNames, Validate
                                               new_request_id, prompt_from, sampling_from,
                                               stopping_from)
 from scheduler_service.api.request_limits import LimitedFields
-from scheduler_service.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from scheduler_service.core.kv_events import (FULL_GROUP, AllBlocksCleared, BlockRemoved,
+                                              BlockStored, KvGroupTag)
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.engine.kv_event_publisher import KvEventBatch
 from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
@@ -300,10 +301,26 @@ def block_hash_to_int64(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[:8], "little", signed=True)
 
 
-def kv_batch_to_proto(batch: KvEventBatch) -> cpb.KvEventBatch:
-    """Events get consecutive ids from batch.first_event_id."""
-    events = [_kv_event_to_proto(event, batch.first_event_id + i)
-              for i, event in enumerate(batch.events)]
+def kv_batch_to_proto(batch: KvEventBatch, announced: set[int] | None = None
+                      ) -> cpb.KvEventBatch:
+    """Events get consecutive ids from batch.first_event_id.
+
+    `announced`: one stream's groups whose kind it has sent (SubscribeKvEvents keeps one set
+    per stream). A removal names only its group_idx, and SMG takes a group it has not yet seen
+    a kind for as full attention: a window-group removal first on a stream (blocks stored
+    before the subscriber came) would drop the full group's block of the same hash from its
+    index. So before such a removal the stream gets the group's kind as a KvBlocksStored with
+    no blocks (it shares the removal's event id)."""
+    events = []
+    for i, event in enumerate(batch.events):
+        event_id = batch.first_event_id + i
+        group = getattr(event, "group", None)
+        if announced is not None and group is not None and group.index not in announced:
+            announced.add(group.index)
+            if isinstance(event, BlockRemoved) and group.kind != FULL_GROUP.kind:
+                events.append(cpb.KvCacheEvent(event_id=event_id,
+                                               stored=_group_fields(cpb.KvBlocksStored(), group)))
+        events.append(_kv_event_to_proto(event, event_id))
     return cpb.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp,
                             events=events)
 
@@ -338,9 +355,13 @@ def _stored_to_proto(event: BlockStored) -> cpb.KvBlocksStored:
     stored = cpb.KvBlocksStored(blocks=blocks, lora_name=ns.lora_name, cache_salt=ns.cache_salt)
     if event.parent_block_hash is not None:
         stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
-    group = event.group          # a hybrid model's: vLLM's group_idx and spec kind
-    if group is not None:
-        stored.group_idx, stored.kv_cache_spec_kind = group.index, group.kind
-        if group.sliding_window is not None:
-            stored.kv_cache_spec_sliding_window = group.sliding_window
+    if event.group is not None:          # a hybrid model's: vLLM's group_idx and spec kind
+        _group_fields(stored, event.group)
+    return stored
+
+
+def _group_fields(stored: cpb.KvBlocksStored, group: KvGroupTag) -> cpb.KvBlocksStored:
+    stored.group_idx, stored.kv_cache_spec_kind = group.index, group.kind
+    if group.sliding_window is not None:
+        stored.kv_cache_spec_sliding_window = group.sliding_window
     return stored

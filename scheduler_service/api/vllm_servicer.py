@@ -280,9 +280,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
         """The prefix cache's stored/removed blocks from now on, one batch per engine step."""
         await context.send_initial_metadata(())
+        announced: set[int] = set()        # this stream's KV groups whose kind it has sent
         try:
             async for batch in self._kv_events.subscribe():
-                yield kv_batch_to_proto(batch)
+                yield kv_batch_to_proto(batch, announced)
         except SubscriberLagging as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 

@@ -47,6 +47,20 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]):
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
+def dequant_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int]) -> torch.Tensor:
+    """float32 weight [R, C] of FP8 `weight` and its per-block scale_inv: transformers'
+    _dequantize_fp8_weight where it has one (5.24 does; 5.17, the GPU image's, does not: the
+    same product then, equal to it bit for bit: tests/unit/bench/test_gpu_image_compat.py)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    except ImportError:
+        rows, cols = weight.shape
+        full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)
+        return weight.to(torch.float32) * full[:, :cols].to(torch.float32)
+    return _dequantize_fp8_weight(weight, scale, list(block), torch.float32)
+
+
 def pack_words(codes: list[int], bits: int) -> int:
     """Codes (first at the lowest bits) in one int32 word, as a signed Python int."""
     word = 0
@@ -115,11 +129,10 @@ def quantize(name: str, w: torch.Tensor, fmt: str, gen: torch.Generator,
              group_size: int, block: tuple[int, int], act_order: bool = True
              ) -> tuple[dict, torch.Tensor]:
     """(the packed tensors of module `name`'s weight, the reference dequantized weight)."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
     prefix = name.removesuffix(".weight")
     if fmt == "fp8":
         weight, scale = quantize_fp8_blocks(w, block)
-        ref = _dequantize_fp8_weight(weight, scale, list(block), torch.float32)
+        ref = dequant_fp8_blocks(weight, scale, block)
         return {name: weight, f"{prefix}.weight_scale_inv": scale}, ref
     if fmt == "fp8-ct":
         scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(torch.bfloat16)

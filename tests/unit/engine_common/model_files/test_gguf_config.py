@@ -53,7 +53,7 @@ def test_model_info_of_a_gguf_path_and_of_its_directory(tiny_ggufs):
         assert info.eos_token_ids == (0,) and info.vocab_size == 512
 
 
-def _minimal(tmp_path, arch="llama", extra=None, tensors=("token_embd.weight",)):
+def _minimal(tmp_path, arch="llama", extra=None, tensors=("token_embd.weight",), eos=1):
     import numpy as np
 
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
@@ -62,7 +62,8 @@ def _minimal(tmp_path, arch="llama", extra=None, tensors=("token_embd.weight",))
                        "attention.layer_norm_rms_epsilon": 1e-5}.items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"{arch}.{key}", value)
     w.add_array("tokenizer.ggml.tokens", ["a", "b"])
-    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    if eos is not None:
+        w.add_uint32("tokenizer.ggml.eos_token_id", eos)
     for key, value in (extra or {}).items():
         w.add_key_value(key, *value)
     for name in tensors:
@@ -89,24 +90,44 @@ def test_generation_config_ends_on_eot_and_eom_too(tmp_path):
     assert generation_config_from_gguf(f)["eos_token_id"] == [1, 0]
 
 
-def test_special_ids_past_the_vocabulary_are_dropped_as_llama_cpp_does(tmp_path, caplog):
+def test_special_ids_past_the_vocabulary_are_dropped_and_warned_once(tmp_path, caplog):
     """llama.cpp keeps a special id only below the token count ("bad special token ... using
     default id"); transformers' GGUF tokenizer fails on one (tokens[id]). Such an id names no
     token the model can read or produce, so config.json and generation_config.json leave it
-    out, with a warning naming the key, the value and the vocabulary size."""
+    out, with one warning per file and key in a process (the files are read several times:
+    config.json, generation_config.json, the tokenizer bundle), naming the key, the value and
+    the vocabulary size."""
     u32 = gguf.GGUFValueType.UINT32
     f = _minimal(tmp_path, extra={"tokenizer.ggml.bos_token_id": (2, u32),
                                   "tokenizer.ggml.padding_token_id": (32000, u32),
                                   "tokenizer.ggml.eot_token_id": (7, u32),
                                   "tokenizer.ggml.eom_token_id": (0, u32)})
     with caplog.at_level("WARNING"):
-        cfg, gen = hf_config_from_gguf(f), generation_config_from_gguf(f)
+        for _ in range(2):
+            cfg, gen = hf_config_from_gguf(f), generation_config_from_gguf(f)
     assert {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} == {
         "bos_token_id": None, "eos_token_id": 1, "pad_token_id": None}
     assert gen == {"eos_token_id": [1, 0]}
     for key, value in (("bos_token_id", 2), ("padding_token_id", 32000), ("eot_token_id", 7)):
-        assert (f"tokenizer.ggml.{key}={value} is past the vocabulary (2 tokens): dropped"
-                in caplog.text), key
+        assert caplog.text.count(f"tokenizer.ggml.{key}={value} is past the vocabulary "
+                                 "(2 tokens): dropped") == 1, key
+    assert "no end-of-generation id" not in caplog.text
+
+
+@pytest.mark.parametrize("eot", [None, 0])
+def test_an_eos_past_the_vocabulary_says_when_nothing_ends_generation(tmp_path, caplog, eot):
+    """With its eos dropped and no eot/eom id, nothing ends a request but its max_tokens, a
+    stop string or the model's length: said once, by name; an eot id alone still ends it (it
+    was left out of generation_config.json unless an eos came with it)."""
+    extra = {} if eot is None else {"tokenizer.ggml.eot_token_id": (eot,
+                                                                     gguf.GGUFValueType.UINT32)}
+    f = _minimal(tmp_path, eos=5, extra=extra)
+    with caplog.at_level("WARNING"):
+        configs = [(hf_config_from_gguf(f), generation_config_from_gguf(f)) for _ in range(2)]
+    assert caplog.text.count("tokenizer.ggml.eos_token_id=5 is past the vocabulary") == 1
+    assert "eos_token_id" not in configs[0][0]
+    assert configs[0][1] == ({} if eot is None else {"eos_token_id": 0})
+    assert caplog.text.count("no end-of-generation id is left") == (1 if eot is None else 0)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
