@@ -11,7 +11,7 @@ CPU twins: tests/integration/test_deepseek_vs_transformers.py
 tests); the engine path under the interpreter: tests/gpu/test_cuda_twins_interpreted.py. The
 1024-wide kernels compile slowest: the kit runs this module after the others. Their launches
 take the wide-head tiles (kernels/attention/triton_launch.py), which compiled for sm_90 fit its
-shared memory (tests/gpu/test_mla_kernel_fit.py: 66,048 bytes in bf16, ~132,000 in float32).
+shared memory (tests/gpu/test_mla_kernel_fit.py: 66,048 bytes in bf16, 132,160 in float32).
 Marked `gpu`; skipped without CUDA.
 """
 from __future__ import annotations
