@@ -11,7 +11,7 @@ is reported, not asserted.
 Measured here (triton 3.9, 2026-11-29), before the wide-head tiles: the varlen kernel needed
 655,360 bytes at head 576 in bf16 (64 rows of 1024-wide queries, 64 keys, K and V, two stages),
 and decode with 128 query heads a kv head 393,216. The figures now: docs/gpu.md. Skipped where
-CUDA is present: the CUDA tests launch the kernels there. Slow: 32 compiles, ~15 minutes on 2
+CUDA is present: the CUDA tests launch the kernels there. Slow: 28 compiles, ~15 minutes on 2
 cores without Triton's cache.
 """
 from __future__ import annotations
