@@ -68,6 +68,18 @@ def test_latent_decode_matches_torch(heads, dtype, splits):
     check_latent_case(case, triton_backend.TritonAttentionBackend(splits), dtype)
 
 
+@pytest.mark.slow
+@needs_kernels
+def test_latent_at_the_untimed_wide_tiles():
+    """docs/gpu.md's alternatives (32-row tiles: 128 heads as 4 tiles of 32; 32 keys a step)."""
+    launch = TritonLaunchConfig(wide_tile_rows=32, wide_block_n=32)
+    prefill = make_case(13, [40, 23, 1], [12, 1, 1], 128, 1, LATENT, 16, dtype=torch.float32)
+    check_latent_case(prefill, triton_backend.TritonAttentionBackend(launch=launch),
+                      torch.float32)
+    decode = make_case(14, [45, 3], [1, 1], 128, 1, LATENT, 16, dtype=torch.float32)
+    check_latent_case(decode, triton_backend.TritonAttentionBackend(2, launch), torch.float32)
+
+
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 8, 16, 128])
