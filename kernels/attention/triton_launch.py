@@ -20,7 +20,7 @@ every key), so all three are exact. The defaults are the values the kernels were
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DISPATCH_MODES = ("by_batch", "unified", "per_request")
 # decode: the order programs start in. request_fastest runs one kv head of every request, then
@@ -40,6 +40,16 @@ MIN_DOT_ROWS = 16            # tl.dot wants >= 16 rows and >= 16 keys per step
 # sm_86/sm_89 GPUs).
 DECODE_MAX_TILE_BYTES = 32 * 1024
 MAX_WARPS = 16
+# Wide heads: a head dim padded to WIDE_HEAD_DIM or more (DeepSeek's MLA latent, 576 -> 1024)
+# takes its own tiles, because at the ordinary ones a 64-row tile of 1024-wide queries and two
+# stages of 64 keys needed 655,360 bytes of shared memory (sm_90 allows 232,448 a block). Its
+# tiles hold WIDE_TILE_ROWS rows (tokens x query heads; a GQA group above it is cut into tiles
+# of that many heads, each its own program) and step WIDE_BLOCK_N keys at a time; a cache whose
+# value half is its key half (MLA's, stride 0) is read once for both (KV_SHARED).
+# tests/gpu/test_mla_kernel_fit.py compiles every such launch for sm_90.
+WIDE_HEAD_DIM = 512
+WIDE_TILE_ROWS = 16
+WIDE_BLOCK_N = 16
 
 
 def _check_pow2(name: str, value: int, lo: int, hi: int | None = None) -> None:
@@ -81,10 +91,19 @@ class TritonLaunchConfig:
     split_waves: int = SPLIT_WAVES
     dispatch: str = "by_batch"
     decode_order: str = "request_fastest"
+    # wide heads (WIDE_HEAD_DIM): tile rows (both kernels; a GQA group above it is cut into
+    # tiles), the varlen kernel's keys per step and warps. Chosen to fit sm_90, never timed on
+    # a GPU (docs/gpu.md)
+    wide_tile_rows: int = WIDE_TILE_ROWS
+    wide_block_n: int = WIDE_BLOCK_N
+    wide_num_warps: int = 4
 
     def __post_init__(self) -> None:
         _check_pow2("block_q_rows", self.block_q_rows, MIN_DOT_ROWS)
         _check_pow2("decode_q_rows", self.decode_q_rows, MIN_DOT_ROWS)
+        _check_pow2("wide_tile_rows", self.wide_tile_rows, MIN_DOT_ROWS)
+        _check_pow2("wide_block_n", self.wide_block_n, MIN_DOT_ROWS)
+        _check_pow2("wide_num_warps", self.wide_num_warps, 1, MAX_WARPS)
         if self.decode_splits is not None and self.decode_splits < 1:
             raise ValueError(f"decode_splits={self.decode_splits} is invalid: "
                              "must be >= 1 or None")
@@ -103,6 +122,77 @@ class TritonLaunchConfig:
             return self.decode_splits
         return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, num_sms,
                                  self.min_split_tokens, self.max_splits, self.split_waves)
+
+
+def is_wide_head(padded_head_dim: int) -> bool:
+    """Whether a head dim (padded to a power of two) takes the wide-head tiles."""
+    return padded_head_dim >= WIDE_HEAD_DIM
+
+
+def head_tiles(group: int, block_g: int, padded_head_dim: int, wide_rows: int,
+               min_rows: int = 1) -> tuple[int, int]:
+    """(query heads per tile, tiles per kv head) for a GQA group of `group` heads, padded to
+    block_g (a power of two), and tiles of at least min_rows heads: one tile of the whole group,
+    except for a wide head, whose tiles hold at most wide_rows heads."""
+    tile = max(min_rows, block_g)
+    if is_wide_head(padded_head_dim):
+        tile = max(min_rows, min(block_g, wide_rows))
+    return tile, -(-group // tile)
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """One launch's tile: query heads per tile (block_g), tiles per kv head (g_tiles), tokens
+    per tile (block_q: varlen only), head dim padded (block_d), and the kernel's KernelTiles."""
+
+    block_g: int
+    g_tiles: int
+    block_q: int
+    block_d: int
+    tiles: KernelTiles
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' BLOCK_D: head_dim padded to a power of two >= 16."""
+    return max(MIN_DOT_ROWS, _pow2_at_least(head_dim))
+
+
+def prefill_tile_shape(launch: TritonLaunchConfig, group: int, head_dim: int, elem_bytes: int,
+                       block_q_rows: int | None = None) -> TileShape:
+    """The varlen kernel's tile for `group` query heads per kv head of head_dim, in a cache
+    of elem_bytes elements: launch.prefill and block_q_rows (or launch.block_q_rows) rows, or
+    for a wide head the wide tiles. A tile has at least tl.dot's 16 rows."""
+    block_d = padded_head_dim(head_dim)
+    tiles, rows = launch.prefill, block_q_rows or launch.block_q_rows
+    if is_wide_head(block_d):
+        tiles, rows = wide_prefill_tiles(launch), launch.wide_tile_rows
+    block_g, g_tiles = head_tiles(group, _pow2_at_least(group), block_d, launch.wide_tile_rows)
+    block_q = max(1, rows // block_g)
+    if block_q * block_g < MIN_DOT_ROWS:
+        block_q = MIN_DOT_ROWS // block_g
+    return TileShape(block_g, g_tiles, block_q, block_d, tiles)
+
+
+def decode_tile_shape(launch: TritonLaunchConfig, group: int, head_dim: int, elem_bytes: int,
+                      block_n: int | None = None) -> TileShape:
+    """The decode kernel's tile (block_q 1): launch.decode with its keys per step capped by
+    decode_keys_per_step, and at least 16 query-head rows (a group below it is padded)."""
+    block_d = padded_head_dim(head_dim)
+    block_g, g_tiles = head_tiles(group, _pow2_at_least(group), block_d, launch.wide_tile_rows,
+                                  MIN_DOT_ROWS)
+    keys = decode_keys_per_step(block_n or launch.decode.block_n, block_d, elem_bytes)
+    return TileShape(block_g, g_tiles, 1, block_d, replace(launch.decode, block_n=keys))
+
+
+def wide_prefill_tiles(launch: TritonLaunchConfig) -> KernelTiles:
+    """The varlen kernel's launch for a wide head: launch.wide_block_n keys a step on
+    launch.wide_num_warps warps, launch.prefill's stages."""
+    return KernelTiles(block_n=launch.wide_block_n, num_warps=launch.wide_num_warps,
+                       num_stages=launch.prefill.num_stages)
 
 
 def decode_keys_per_step(block_n: int, padded_head_dim: int, elem_bytes: int) -> int:

@@ -32,6 +32,12 @@ Attention sinks (SINKS, a constexpr; GPT-OSS): a per-query-head logit, passed in
 (`_normalize`; in the split decode, `_reduce_kernel` adds it once over the merged splits). Off,
 the kernels compile as before apart from the unused pointer argument.
 
+Wide heads (a head padded to triton_launch.WIDE_HEAD_DIM or more: DeepSeek's MLA latent, 576
+-> 1024) take smaller tiles so both kernels fit sm_90's shared memory (triton_launch.py): a GQA
+group above wide_tile_rows heads is cut into G_TILES tiles, each its own program (grid axis of
+the kv heads times G_TILES; G_TILES == 1 compiles as before). KV_SHARED (a constexpr: the
+cache's value half is its key half, stride 0, as MLA's) reads each key tile once as K and V.
+
 Tiles map to requests without a host sync: request i owns tiles starting at
 qsl[i] // BLOCK_Q + i, so cdiv(num_tokens, BLOCK_Q) + num_reqs programs always suffice and
 each finds its request by binary search over query_start_loc.
@@ -44,7 +50,7 @@ import triton.language as tl
 
 from kernels.attention.triton_launch import (  # noqa: F401  (re-exported names)
     MAX_SPLITS, MIN_DOT_ROWS, MIN_SPLIT_TOKENS, TritonLaunchConfig, choose_num_splits,
-    decode_keys_per_step)
+    decode_keys_per_step, decode_tile_shape, prefill_tile_shape)
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows never make NaNs
@@ -55,11 +61,12 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
                   stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale, window,
                   softcap, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
+                  SOFTCAP: tl.constexpr, KV_SHARED: tl.constexpr):
     """Fold keys [start, end) into (m_i, l_i, acc). Keys are read through the block table;
     MASKED applies key <= q_pos and key < kv_limit (and with SLIDING key > q_pos - window),
     else every key in range must be visible. SOFTCAP: scores -> cap * tanh(scores / cap) before
-    the mask (softcap is cap * log2(e), since s is in log2 units)."""
+    the mask (softcap is cap * log2(e), since s is in log2 units). KV_SHARED: the cache's value
+    half is its key half (stride 0: MLA's latent), so one load and one tile serve as both."""
     for kv_start in range(start, end, BLOCK_N):
         kpos = kv_start + tl.arange(0, BLOCK_N)
         in_range = kpos < kv_limit
@@ -67,8 +74,11 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
         row_off = blk * stride_c_blk + (kpos % BLOCK_SIZE) * stride_c_row + head_off
         kv_mask = in_range[:, None] & dim_ok[None, :]
         k = tl.load(cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + stride_c_kv + row_off[:, None] + dims[None, :], mask=kv_mask,
-                    other=0.0)
+        if KV_SHARED:
+            v = k
+        else:
+            v = tl.load(cache_ptr + stride_c_kv + row_off[:, None] + dims[None, :],
+                        mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -103,6 +113,19 @@ def _normalize(acc, m_i, l_i, sinks_ptr, head, row_ok, SINKS: tl.constexpr):
 
 
 @triton.jit
+def _head_tile(pid, G_TILES: tl.constexpr, BLOCK_G: tl.constexpr):
+    """(kv head, first query head of the tile within its group) of program id `pid` when each
+    kv head's GROUP query heads are cut into G_TILES tiles of BLOCK_G (1: one tile, pid)."""
+    if G_TILES == 1:
+        kv_head = pid
+        g_first = pid * 0
+    else:
+        kv_head = pid // G_TILES
+        g_first = pid % G_TILES * BLOCK_G
+    return kv_head, g_first
+
+
+@triton.jit
 def _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     """The request owning query tile `tile`: the last i with qsl[i] // BLOCK_Q + i <= tile."""
     lo = tile * 0
@@ -131,9 +154,10 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
                     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr,
-                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+                    SOFTCAP: tl.constexpr, SINKS: tl.constexpr, G_TILES: tl.constexpr,
+                    KV_SHARED: tl.constexpr):
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head, g_first = _head_tile(tl.program_id(1), G_TILES, BLOCK_G)
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_begin
@@ -146,7 +170,7 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
     context_len = tl.load(seq_lens_ptr + req) - q_len          # cached keys before the queries
     rows = tl.arange(0, BLOCK_Q * BLOCK_G)                      # row = token * BLOCK_G + g
     tok = q_first + rows // BLOCK_G
-    group_idx = rows % BLOCK_G
+    group_idx = g_first + rows % BLOCK_G
     row_ok = (tok < q_len) & (group_idx < GROUP)
     head = kv_head * GROUP + group_idx
     dims = tl.arange(0, BLOCK_D)
@@ -175,17 +199,20 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
         m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                       lo, full_lo, full_lo, stride_c_kv, stride_c_blk,
                                       stride_c_row, dims, dim_ok, qk_scale, window, softcap,
-                                      BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, True, SOFTCAP)
+                                      BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, True, SOFTCAP,
+                                      KV_SHARED)
     else:
         full_lo = 0
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_lo, unmasked_end, kv_end, stride_c_kv, stride_c_blk,
                                   stride_c_row, dims, dim_ok, qk_scale, window, softcap,
-                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, False, SOFTCAP)
+                                  BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, False, SOFTCAP,
+                                  KV_SHARED)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   unmasked_end, kv_end, kv_end, stride_c_kv, stride_c_blk,
                                   stride_c_row, dims, dim_ok, qk_scale, window, softcap,
-                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP)
+                                  BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
+                                  KV_SHARED)
     out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_ok, SINKS)
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -199,15 +226,16 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr,
-                   SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
-    if HEAD_FASTEST:       # grid (Hkv, num_reqs, splits): a request's kv heads run together
-        kv_head = tl.program_id(0)
+                   SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+                   G_TILES: tl.constexpr, KV_SHARED: tl.constexpr):
+    if HEAD_FASTEST:       # grid (Hkv * G_TILES, num_reqs, splits): a request's heads together
+        kv_head, g_first = _head_tile(tl.program_id(0), G_TILES, BLOCK_G)
         req = tl.program_id(1)
         if ORDERED:        # the rank-th longest request (order_ptr: int64 [num_reqs])
             req = tl.load(order_ptr + req).to(tl.int32)
-    else:                  # grid (num_reqs, Hkv, splits)
+    else:                  # grid (num_reqs, Hkv * G_TILES, splits)
         req = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head, g_first = _head_tile(tl.program_id(1), G_TILES, BLOCK_G)
     split = tl.program_id(2)
     q_index = tl.load(qsl_ptr + req)
     if tl.load(qsl_ptr + req + 1) - q_index != 1:    # padding, or a prefill (not ours)
@@ -221,7 +249,7 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
         chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    group_idx = tl.arange(0, BLOCK_G)
+    group_idx = g_first + tl.arange(0, BLOCK_G)
     head = kv_head * GROUP + group_idx
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
@@ -240,11 +268,11 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   start, full_end, end, stride_c_kv, stride_c_blk, stride_c_row,
                                   dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
-                                  False, PRECISION, UPCAST, False, SOFTCAP)
+                                  False, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
                                   dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
-                                  True, PRECISION, UPCAST, False, SOFTCAP)
+                                  True, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED)
     if NUM_SPLITS == 1:
         out = _normalize(acc, m_i, l_i, sinks_ptr, head, group_idx < GROUP, SINKS)
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
@@ -307,21 +335,22 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
     if num_reqs == 0 or num_tokens == 0:
         return
     launch = launch or TritonLaunchConfig()
-    tiles = launch.prefill
-    group, block_g, block_d = _shape_params(query, kv_cache)
-    block_q = max(1, (block_q_rows or launch.block_q_rows) // block_g)
-    if block_q * block_g < MIN_DOT_ROWS:
-        block_q = MIN_DOT_ROWS // block_g
-    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, kv_cache.shape[3])
+    group = _check_shapes(query, kv_cache)
+    shape = prefill_tile_shape(launch, group, query.shape[2], kv_cache.element_size(),
+                               block_q_rows)
+    tiles = shape.tiles
+    grid = (triton.cdiv(num_tokens, shape.block_q) + num_reqs, kv_cache.shape[3] * shape.g_tiles)
     _prefill_kernel[grid](
         query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), *kv_cache.stride()[:4], window, softcap * LOG2E,
         _log2_sinks(sinks, seq_lens),
-        GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=block_q,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n or tiles.block_n,
+        GROUP=group, HEAD_DIM=query.shape[2], BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_Q=shape.block_q, BLOCK_G=shape.block_g, BLOCK_D=shape.block_d,
+        BLOCK_N=block_n or tiles.block_n,
         **_dot_params(query), SKIP_DECODES=skip_decodes, SLIDING=window > 0,
-        SOFTCAP=softcap > 0, SINKS=sinks is not None,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, G_TILES=shape.g_tiles,
+        KV_SHARED=kv_cache.stride(0) == 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -354,8 +383,9 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} is invalid: must be >= 1")
     launch = launch or TritonLaunchConfig()
-    tiles = launch.decode
-    group, block_g, block_d = _shape_params(query, kv_cache)
+    group = _check_shapes(query, kv_cache)
+    shape = decode_tile_shape(launch, group, query.shape[2], kv_cache.element_size(), block_n)
+    tiles = shape.tiles
     num_heads, head_dim = query.shape[1], query.shape[2]
     part_shape = (num_reqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
     m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
@@ -364,7 +394,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     log2_sinks = _log2_sinks(sinks, seq_lens)
     head_fastest = launch.decode_order != "request_fastest"
     ordered = launch.decode_order == "longest_first" and order is not None
-    grid = ((kv_cache.shape[3], num_reqs) if head_fastest else (num_reqs, kv_cache.shape[3])) \
+    head_programs = kv_cache.shape[3] * shape.g_tiles
+    grid = ((head_programs, num_reqs) if head_fastest else (num_reqs, head_programs)) \
         + (num_splits,)
     _decode_kernel[grid](
         query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
@@ -372,21 +403,21 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *kv_cache.stride()[:4], window, softcap * LOG2E, log2_sinks,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        NUM_SPLITS=num_splits, BLOCK_G=max(MIN_DOT_ROWS, block_g), BLOCK_D=block_d,
-        BLOCK_N=decode_keys_per_step(block_n or tiles.block_n, block_d, kv_cache.element_size()),
+        NUM_SPLITS=num_splits, BLOCK_G=shape.block_g, BLOCK_D=shape.block_d,
+        BLOCK_N=tiles.block_n,
         **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=window > 0,
-        SOFTCAP=softcap > 0, SINKS=sinks is not None and num_splits == 1,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        SOFTCAP=softcap > 0, SINKS=sinks is not None and num_splits == 1, G_TILES=shape.g_tiles,
+        KV_SHARED=kv_cache.stride(0) == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if num_splits > 1:
         _reduce_kernel[(num_reqs, num_heads)](
             out, m, l, acc, query_start_loc, out.stride(0), out.stride(1), log2_sinks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=shape.block_d,
             SINKS=sinks is not None, num_warps=1)
 
 
-def _shape_params(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
-    """(GQA group, group padded to a power of two, head_dim padded to a power of two >= 16)."""
+def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor) -> int:
+    """The GQA group (query heads per kv head), after checking query against the cache."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     if kv_cache.shape[4] != head_dim or num_heads % num_kv_heads:
@@ -394,8 +425,7 @@ def _shape_params(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int
                          f"{tuple(kv_cache.shape)}: Hq must be a multiple of Hkv, D must match")
     if query.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("query and kv_cache must have a contiguous last (head_dim) dim")
-    group = num_heads // num_kv_heads
-    return group, triton.next_power_of_2(group), max(16, triton.next_power_of_2(head_dim))
+    return num_heads // num_kv_heads
 
 
 def _dot_params(query: torch.Tensor) -> dict:

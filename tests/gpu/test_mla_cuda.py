@@ -9,10 +9,10 @@ fused MoE makes no host sync, so the steps capture), float32 equal to transforme
 CPU twins: tests/integration/test_deepseek_vs_transformers.py
 (test_real_latent_size_through_chunks_and_decodes on Triton's interpreter; the engine's greedy
 tests); the engine path under the interpreter: tests/gpu/test_cuda_twins_interpreted.py. The
-1024-wide kernels compile slowest: the kit runs this module after the others. Expected to fail
-at the first prefill until the varlen kernel fits at this width (655,360 bytes of shared memory
-in bf16 against sm_90's 232,448: tests/gpu/test_mla_kernel_fit.py). Marked `gpu`; skipped
-without CUDA.
+1024-wide kernels compile slowest: the kit runs this module after the others. Their launches
+take the wide-head tiles (kernels/attention/triton_launch.py), which compiled for sm_90 fit its
+shared memory (tests/gpu/test_mla_kernel_fit.py: 66,048 bytes in bf16, 132,160 in float32).
+Marked `gpu`; skipped without CUDA.
 """
 from __future__ import annotations
 

@@ -213,7 +213,7 @@ for dt in ("fp16", "bf16"):
                                         (False, 4, True, False), (False, 4, True, True)):
         build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
               BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, SLIDING=sliding,
-              SINKS=sinks, **dot), num_warps=warps, num_stages=2)
+              SINKS=sinks, G_TILES=1, KV_SHARED=False, **dot), num_warps=warps, num_stages=2)
     for head_fastest, ordered, sliding, splits, sinks in (
             (False, False, False, 8, False), (True, False, False, 8, False),
             (True, True, False, 8, False), (False, False, True, 8, False),
@@ -221,7 +221,7 @@ for dt in ("fp16", "bf16"):
         build(pa._decode_kernel, dict(ptrs, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
               HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=splits, BLOCK_G=16, BLOCK_D=128,
               BLOCK_N=64, HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=sliding,
-              SINKS=sinks, **dot), num_warps=4, num_stages=2)
+              SINKS=sinks, G_TILES=1, KV_SHARED=False, **dot), num_warps=4, num_stages=2)
     for sinks in (False, True):
         build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
               BLOCK_D=128, SINKS=sinks), num_warps=1)
@@ -240,7 +240,8 @@ for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256),
     k = build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
               BLOCK_SIZE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
               PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False,
-              HEAD_FASTEST=False, ORDERED=False, SLIDING=False, SINKS=False), aligned=True,
+              HEAD_FASTEST=False, ORDERED=False, SLIDING=False, SINKS=False, G_TILES=1,
+              KV_SHARED=False), aligned=True,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     assert k.metadata.shared <= 99 * 1024, (dt, head_dim, keys, k.metadata.shared)
 """
