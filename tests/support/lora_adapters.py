@@ -12,16 +12,19 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(model_dir: str, out_dir: Path, *, r: int = 8, alpha: int = 16,
-                 targets=ALL_TARGETS, seed: int = 0, use_rslora: bool = False) -> str:
+                 targets=ALL_TARGETS, seed: int = 0, use_rslora: bool = False,
+                 **peft_options) -> str:
     """A PEFT LoRA directory over `model_dir` with random A and B (B != 0: init_lora_weights
-    False), scaled up so the adapter changes the greedy tokens."""
+    False), scaled up so the adapter changes the greedy tokens; `peft_options`: more
+    LoraConfig fields (use_dora, modules_to_save, bias, ...)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                     init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0)
+                     init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0,
+                     **peft_options)
     peft_model = get_peft_model(base, cfg)
     peft_model.save_pretrained(str(out_dir))
     return str(out_dir)
