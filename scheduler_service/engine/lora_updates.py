@@ -78,17 +78,21 @@ class LoRAUpdates:
             raise LoRAUpdatesOff(f"{call}: runtime LoRA updating is off: start the server "
                                  f"with --enable-lora {FLAG}")
 
-    def load(self, in_use: set[int], drain: Callable[[], object], name: str,
-             path: str) -> ServedAdapter:
+    def load(self, in_use: set[int], drain: Callable[[], object], name: str, path: str,
+             pinned: Callable[[], set[int]] | None = None) -> ServedAdapter:
         """Load `name` from `path` on every rank, then serve it. `in_use`: the adapter ids of
-        unfinished requests; `drain()` collects the steps in flight. The answer is the state:
-        draining ids are freed *before* the load (a failure there answers UNAVAILABLE with
-        nothing loaded), and once the workers hold the adapter nothing else can fail."""
+        unfinished requests; `drain()` collects the steps in flight; `pinned()` (after the
+        drain; None: `in_use`): the ids --max-cpu-loras may not evict for it, the running
+        requests' (a waiting request's adapter is read again before it runs:
+        lora_residency.py; vLLM's LRU evicts the oldest).
+        The answer is the state: draining ids are freed *before* the load (a failure there
+        answers UNAVAILABLE with nothing loaded), and once the workers hold the adapter
+        nothing else can fail."""
         self.check_allowed("LoadLoraAdapter")
         adapter = self.registry.reserve(name, path, in_use)
         self.sweep(in_use, drain)
         drain()
-        self._make_room(in_use, name)
+        self._make_room(in_use if pinned is None else pinned(), name)
         self.ops.load_lora(adapter.lora_id, name, path)
         self._loaded(adapter.lora_id, name, path)
         self.registry.add(adapter)
@@ -105,7 +109,7 @@ class LoRAUpdates:
         if victim is None:
             raise ParamError("lora_name", name, f"room for it: --max-cpu-loras="
                              f"{self.cache.capacity} adapters are loaded and each is in use "
-                             "by a request")
+                             "by a running request")
         self.ops.unload_lora(victim)
         self.cache.evicted(victim)
 
