@@ -83,15 +83,16 @@ def lora_prefill_logits(model_dir: str, adapters: list[str], tp=None):
 
 
 def lora_tp_worker(rank: int, port: int, model_dir: str, adapters: list[str],
-                   out_dir: str) -> None:
-    """One of two gloo ranks: lora_prefill_logits on this rank's slices."""
+                   out_dir: str, world_size: int = 2) -> None:
+    """One of world_size gloo ranks: lora_prefill_logits on this rank's slices."""
     import torch.distributed as dist
 
     from worker_service.parallel_state import TPGroup
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=world_size)
     try:
-        logits = lora_prefill_logits(model_dir, adapters, TPGroup(rank=rank, world_size=2))
+        logits = lora_prefill_logits(model_dir, adapters,
+                                     TPGroup(rank=rank, world_size=world_size))
         torch.save(logits, f"{out_dir}/lora_logits_{rank}.pt")
     finally:
         dist.destroy_process_group()
