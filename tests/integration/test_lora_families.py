@@ -140,3 +140,31 @@ def test_a_fused_target_of_another_shape_is_refused(tiny_models, tmp_path):
                                         r"layer \(.*112 rows, expected 128"):
         LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
             lora_modules=f"short={short}")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_hybrid_kv_prefix_cache_within_an_adapter_only(tiny_models, tmp_path, arch):
+    """Gemma 2 / 3 keep a window group beside the full one (hybrid KV): a prompt longer than
+    the window (8) again with the same adapter hits both groups' blocks, with another adapter
+    or the base model none; every answer is still transformers + peft's."""
+    model = tiny_models(arch)
+    adapters = {n: make_adapter(model, tmp_path / n, r=4, alpha=16, seed=i + 1)
+                for i, n in enumerate("ab")}
+    llm = LLM(model, dtype="float32", num_kv_blocks=4096, enable_lora=True, max_loras=2,
+              lora_modules=" ".join(f"{n}={p}" for n, p in adapters.items()))
+    assert getattr(llm.scheduler.kv, "window_group", None) is not None      # hybrid
+    prompt = (_prompts(llm.model_info.vocab_size, 1, 7)[0] * 8)[:36]     # > 4 windows
+    stopping = StoppingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    names = [["a"], ["a", "b", None]]
+    outs = [llm.generate([prompt] * len(n), SamplingParams(), stopping, lora_request=n)
+            for n in names]
+    assert outs[0][0].num_cached_tokens == 0
+    assert [o.num_cached_tokens > 0 for o in outs[1]] == [True, False, False]
+    near_ties, failures = [], []
+    for name, out in zip(names[0] + names[1], outs[0] + outs[1]):
+        ref = peft_greedy(model, adapters.get(name), tuple(prompt), MAX_NEW)
+        failure = compare_greedy(f"{arch}/{name}", out.token_ids, ref, near_ties)
+        if failure:
+            failures.append(failure)
+    assert_greedy_agrees(failures, near_ties)
+    assert_no_leaked_blocks(llm)
