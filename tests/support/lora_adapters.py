@@ -59,6 +59,12 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...]
     return HFGreedy(tuple(out.sequences[0, len(prompt):].tolist()), tuple(margins))
 
 
+def peft_logits(model_dir: str, adapter_dir: str | None, ids: torch.Tensor) -> torch.Tensor:
+    """transformers + peft's logits at every position of `ids` (one request; None: the base)."""
+    with torch.no_grad():
+        return _peft_model(model_dir, adapter_dir)(input_ids=ids[None]).logits[0]
+
+
 def token_slots(n: int):
     """A mixed step: the first third adapter slot 0, the middle the base (-1), the rest 1."""
     import numpy as np
