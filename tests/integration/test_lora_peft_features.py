@@ -1,5 +1,6 @@
 """PEFT features beyond plain LoRA (docs/lora.md, "What is refused"): an adapter saved by peft
-with DoRA, modules_to_save, trained biases or a lora_B bias changes what its weights mean, so
+with DoRA, modules_to_save, trained biases, a lora_B bias, replicated layers or trained
+embedding rows changes what its weights mean, so
 it is refused naming the adapter_config.json key and its value (vLLM's PEFTHelper refuses the
 same), never served as a plain LoRA that would give other tokens than peft."""
 from __future__ import annotations
@@ -17,6 +18,10 @@ from worker_service.lora.families import LLAMA
     ("llama", {"modules_to_save": ["lm_head"]},
      r"modules_to_save=\['lm_head'\] is not supported \(whole modules saved"),
     ("llama", {"lora_bias": True}, r"lora_bias=True is not supported \(a bias on lora_B\)"),
+    ("llama", {"layer_replication": [[0, 2], [1, 2]]},
+     r"layer_replication=\[\[0, 2\], \[1, 2\]\] is not supported \(decoder layers"),
+    ("llama", {"trainable_token_indices": [3, 4]},
+     r"trainable_token_indices=\[3, 4\] is not supported \(trained embedding rows\)"),
     # StarCoder2's projections have biases: peft saves them trained, next to lora_A / lora_B
     ("starcoder2", {"bias": "all"}, r"bias='all' is not supported \(biases trained"),
     ("starcoder2", {"bias": "lora_only"}, r"bias='lora_only' is not supported"),

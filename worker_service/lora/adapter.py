@@ -104,6 +104,8 @@ _PLAIN = {
     "fan_in_fan_out": (False, "a Conv1D base layer; the served projections are nn.Linear"),
     "target_parameters": (None, "LoRA on parameters, such as MoE experts'; only "
                                 "target_modules"),
+    "layer_replication": (None, "decoder layers the adapter repeats: another model"),
+    "trainable_token_indices": (None, "trained embedding rows"),
     "rank_pattern": (None, "per-module r; every module must use r"),
     "alpha_pattern": (None, "per-module lora_alpha; every module must use lora_alpha"),
 }
