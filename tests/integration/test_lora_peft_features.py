@@ -1,8 +1,8 @@
-"""PEFT features beyond plain LoRA (docs/lora.md, "What is refused"): an adapter saved by peft
-with DoRA, modules_to_save, trained biases, a lora_B bias, replicated layers or trained
-embedding rows changes what its weights mean, so
-it is refused naming the adapter_config.json key and its value (vLLM's PEFTHelper refuses the
-same), never served as a plain LoRA that would give other tokens than peft."""
+"""PEFT features beyond plain LoRA (docs/lora.md): an adapter saved by peft with DoRA,
+modules_to_save, trained biases, a lora_B bias, replicated layers or trained embedding rows
+changes what its weights mean, so it is refused naming the adapter_config.json key and its
+value (vLLM's PEFTHelper refuses DoRA and modules_to_save), never served as a plain LoRA that
+would give other tokens than peft."""
 from __future__ import annotations
 
 import pytest

@@ -93,8 +93,8 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
 
 
 # adapter_config.json keys whose value changes what the weights mean, and the value that does
-# not (peft's defaults): anything else is refused by name, as vLLM's PEFTHelper refuses DoRA,
-# modules_to_save and biases, never served as a plain LoRA that would give other tokens.
+# not (peft's defaults): anything else is refused by name (as vLLM's PEFTHelper refuses DoRA
+# and modules_to_save), never served as a plain LoRA that would give other tokens.
 _PLAIN = {
     "use_dora": (False, "DoRA (its lora_magnitude_vector)"),
     "modules_to_save": (None, "whole modules saved with the adapter (they would replace the "
