@@ -24,10 +24,10 @@ import logging
 from typing import Callable, Protocol
 
 from engine_common.configuration.config import WorkerConfig
-from engine_common.request.params import ParamError
 from scheduler_service.core.lora_cache import LoRACache
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
-from scheduler_service.errors import EngineUnavailable, LoRAUpdatesOff, WorkerRefused
+from scheduler_service.errors import (AdaptersBusy, EngineUnavailable, LoRAUpdatesOff,
+                                     WorkerRefused)
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,13 @@ class LoRAUpdates:
 
     def _make_room(self, pinned: set[int], name: str) -> None:
         """With --max-cpu-loras and every slot taken: evict the least recently used adapter
-        outside `pinned`; ParamError naming the flag when each one is in use."""
+        outside `pinned`; AdaptersBusy (RESOURCE_EXHAUSTED) naming the flag when each one is
+        pinned."""
         if self.cache is None or not self.cache.is_full():
             return
         victim = self.cache.victim(pinned)
         if victim is None:
-            raise ParamError("lora_name", name, f"room for it: --max-cpu-loras="
+            raise AdaptersBusy("lora_name", name, f"room for it: --max-cpu-loras="
                              f"{self.cache.capacity} adapters are loaded and each is in use "
                              "by a running request")
         self.ops.unload_lora(victim)

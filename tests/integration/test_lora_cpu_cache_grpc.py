@@ -52,10 +52,11 @@ def test_cycling_adapters_through_one_slot(tiny_models, tmp_path, worker_args, m
 
 
 def test_a_runtime_load_evicts_an_adapter_only_waiting_requests_use(tiny_models, tmp_path):
-    """--max-cpu-loras 1, --max-num-seqs 1: a base request runs, one of adapter 'a' waits
-    behind it. LoadLoraAdapter('d') evicts 'a' (vLLM's LRU evicts the oldest; a waiting
-    request's adapter is read again before it runs), never INVALID_ARGUMENT because a queued
-    request names 'a'; the waiting request then gets a's tokens (peft's)."""
+    """--max-cpu-loras 1, --max-num-seqs 1. While a request of 'a' runs, LoadLoraAdapter('d')
+    is RESOURCE_EXHAUSTED naming the flag (retry later, not a bad argument). Then a base
+    request runs, one of 'a' waits behind it: LoadLoraAdapter('d') evicts 'a' (vLLM's LRU
+    evicts the oldest; a waiting request's adapter is read again before it runs), never a
+    refusal because a queued request names 'a'; the waiting request gets a's tokens (peft's)."""
     model = tiny_models("llama")
     a, d = (make_adapter(model, tmp_path / n, r=4, alpha=16, seed=i + 1)
             for i, n in enumerate("ad"))
@@ -67,7 +68,19 @@ def test_a_runtime_load_evicts_an_adapter_only_waiting_requests_use(tiny_models,
     with scheduler_and_worker(model, tmp_path / "logs", scheduler_args=flags) as (target, procs):
         with grpc.insecure_channel(target) as channel:
             stub = generation_stub(channel)
-            base = stub.Generate(greedy_request(PROMPT, 2000))     # runs until cancelled
+            running = greedy_request(PROMPT, 2000)                   # runs until cancelled
+            running.lora_name = "a"
+            running = stub.Generate(running)
+            next(running)
+            with pytest.raises(grpc.RpcError) as busy:               # retry once it ends
+                stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="d", lora_path=d),
+                                     timeout=60)
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert busy.value.details() == (
+                "lora_name='d' is invalid: must be room for it: --max-cpu-loras=1 adapters are "
+                "loaded and each is in use by a running request")
+            running.cancel()
+            base = stub.Generate(greedy_request(PROMPT, 2000))       # runs until cancelled
             next(base)
             queued = greedy_request(PROMPT, MAX_NEW)
             queued.lora_name = "a"
