@@ -4,7 +4,7 @@ limit; the runner never holds more than the limit (its real slots, checked at ev
 an adapter a running request uses is never evicted; an adapter whose directory is gone when it
 must be read again stops being served and its queued requests end; a request of an evicted
 adapter is served under a storm of other adapters' requests and aborts (sync and async), with
-nothing leaked."""
+nothing leaked, and still served once unloaded while its request was queued."""
 from __future__ import annotations
 
 import shutil
@@ -208,3 +208,30 @@ def test_an_evicted_adapters_request_is_served_under_a_storm(setup, async_schedu
     assert max(held) <= 1, held
     resident = llm._lora.cache.resident()
     assert sorted(s + 1 for s in llm.runner.lora.adapters) == sorted(resident)
+
+
+def test_unloading_an_evicted_adapter_with_a_queued_request(setup):
+    """'b' evicted ('a' loaded), a request of 'b' queued, then 'b' unloaded: the queued
+    request still runs with b (read again from its path, as a queued request of an unloaded
+    adapter finishes with it), then b's id is freed: not held by the LRU nor by the runner."""
+    from deltaserve.llm_requests import OfflineRequests
+
+    model, adapters = setup
+    two = {n: adapters[n] for n in "ab"}
+    want = _generate(_llm(model, two, max_loras=1), _prompts(2)[1:], ["b"], 4)[0]
+    llm = _llm(model, two, max_loras=1, max_cpu_loras=1, allow_runtime_lora_updating=True)
+    assert llm._lora.cache.resident() == [1]                          # 'a' only
+    calls = OfflineRequests(llm, _prompts(2)[1:], SamplingParams(),
+                            StoppingParams(max_tokens=4, ignore_eos=True), None, None,
+                            lora_request=["b"])
+    llm.engine.add_request(calls.request(0))
+    llm.unload_lora("b")
+    tokens = []
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            tokens += out.new_token_ids
+        llm._lora.sweep(llm.scheduler.lora_ids_in_use(), lambda: None)
+    assert tokens == want
+    assert 2 not in llm._lora.cache.resident() and 1 not in llm.runner.lora.adapters
+    assert [a.name for a in llm.lora_adapters()] == ["a"]
+    assert_no_leaked_blocks(llm)
