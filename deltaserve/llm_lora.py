@@ -55,7 +55,8 @@ class LoRAMixin:
         it from now on. Returns its id. AdapterExists for a served name, AdapterRefused naming
         the path and the reason for a directory that cannot be served (nothing changes)."""
         with self._exclusive("load_lora"):
-            return self._lora.load(self._in_use(), lambda: None, name, path).lora_id
+            return self._lora.load(self._in_use(), lambda: None, name, path,
+                                   self.engine.core.scheduler.lora_ids_running).lora_id
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name` and free it (vLLM's unload_lora_adapter); a request

@@ -1,6 +1,8 @@
 """Errors the scheduler side raises toward the API layer, each with one gRPC meaning."""
 from __future__ import annotations
 
+from engine_common.request.params import ParamError
+
 
 class EngineUnavailable(RuntimeError):
     """No worker is ready (not connected yet, died, or restarting): UNAVAILABLE."""
@@ -52,3 +54,8 @@ class RequestFailed(RuntimeError):
 class LoRAUpdatesOff(RuntimeError):
     """LoadLoraAdapter / UnloadLoraAdapter on a server started without
     --allow-runtime-lora-updating: FAILED_PRECONDITION naming the flag."""
+
+
+class AdaptersBusy(ParamError):
+    """A runtime LoRA load finds every adapter --max-cpu-loras keeps in use by a running
+    request: RESOURCE_EXHAUSTED (retry once one finishes), naming lora_name and the flag."""

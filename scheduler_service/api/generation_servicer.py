@@ -273,7 +273,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         name, path = request.lora_name, request.lora_path
         adapter = await self._on_engine(context, "LoadLoraAdapter", lambda core, drain: self._lora
                                         .load(core.scheduler.lora_ids_in_use(), drain, name,
-                                              path))
+                                              path, core.scheduler.lora_ids_running))
         return pb.LoadLoraAdapterResponse(lora_id=adapter.lora_id)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,

@@ -7,6 +7,7 @@
     LoRAUpdatesOff (no --allow-runtime-lora-updating)             -> FAILED_PRECONDITION
     QueueFull (more than max_waiting requests queued)              -> RESOURCE_EXHAUSTED
     StalledClient (a client read nothing for --stream-send-timeout) -> RESOURCE_EXHAUSTED
+    AdaptersBusy (a LoRA load with every --max-cpu-loras slot running) -> RESOURCE_EXHAUSTED
     EngineUnavailable, WorkerFailure (no worker ready, one died)   -> UNAVAILABLE
     WrongRunner (Embed on a generating server, or the reverse)     -> FAILED_PRECONDITION
     RequestFailed (one request's output could not be processed)    -> INTERNAL, its own message
@@ -19,13 +20,14 @@ import grpc
 from engine_common.configuration.lora import AdapterExists, AdapterNotFound, AdapterRefused
 from engine_common.request.params import ParamError
 from scheduler_service.core.admission import QueueFull, RequestRejected
-from scheduler_service.errors import (EngineUnavailable, LoRAUpdatesOff, RequestFailed,
-                                     StalledClient, WrongRunner)
+from scheduler_service.errors import (AdaptersBusy, EngineUnavailable, LoRAUpdatesOff,
+                                     RequestFailed, StalledClient, WrongRunner)
 
 # Checked in order: a subclass comes before its base class.
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StalledClient, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (AdaptersBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (AdapterExists, grpc.StatusCode.ALREADY_EXISTS),
     (AdapterRefused, grpc.StatusCode.INVALID_ARGUMENT),

@@ -24,10 +24,10 @@ import logging
 from typing import Callable, Protocol
 
 from engine_common.configuration.config import WorkerConfig
-from engine_common.request.params import ParamError
 from scheduler_service.core.lora_cache import LoRACache
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
-from scheduler_service.errors import EngineUnavailable, LoRAUpdatesOff, WorkerRefused
+from scheduler_service.errors import (AdaptersBusy, EngineUnavailable, LoRAUpdatesOff,
+                                     WorkerRefused)
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +78,21 @@ class LoRAUpdates:
             raise LoRAUpdatesOff(f"{call}: runtime LoRA updating is off: start the server "
                                  f"with --enable-lora {FLAG}")
 
-    def load(self, in_use: set[int], drain: Callable[[], object], name: str,
-             path: str) -> ServedAdapter:
+    def load(self, in_use: set[int], drain: Callable[[], object], name: str, path: str,
+             pinned: Callable[[], set[int]] | None = None) -> ServedAdapter:
         """Load `name` from `path` on every rank, then serve it. `in_use`: the adapter ids of
-        unfinished requests; `drain()` collects the steps in flight. The answer is the state:
-        draining ids are freed *before* the load (a failure there answers UNAVAILABLE with
-        nothing loaded), and once the workers hold the adapter nothing else can fail."""
+        unfinished requests; `drain()` collects the steps in flight; `pinned()` (after the
+        drain; None: `in_use`): the ids --max-cpu-loras may not evict for it, the running
+        requests' (a waiting request's adapter is read again before it runs:
+        lora_residency.py; vLLM's LRU evicts the oldest).
+        The answer is the state: draining ids are freed *before* the load (a failure there
+        answers UNAVAILABLE with nothing loaded), and once the workers hold the adapter
+        nothing else can fail."""
         self.check_allowed("LoadLoraAdapter")
         adapter = self.registry.reserve(name, path, in_use)
         self.sweep(in_use, drain)
         drain()
-        self._make_room(in_use, name)
+        self._make_room(in_use if pinned is None else pinned(), name)
         self.ops.load_lora(adapter.lora_id, name, path)
         self._loaded(adapter.lora_id, name, path)
         self.registry.add(adapter)
@@ -98,14 +102,15 @@ class LoRAUpdates:
 
     def _make_room(self, pinned: set[int], name: str) -> None:
         """With --max-cpu-loras and every slot taken: evict the least recently used adapter
-        outside `pinned`; ParamError naming the flag when each one is in use."""
+        outside `pinned`; AdaptersBusy (RESOURCE_EXHAUSTED) naming the flag when each one is
+        pinned."""
         if self.cache is None or not self.cache.is_full():
             return
         victim = self.cache.victim(pinned)
         if victim is None:
-            raise ParamError("lora_name", name, f"room for it: --max-cpu-loras="
+            raise AdaptersBusy("lora_name", name, f"room for it: --max-cpu-loras="
                              f"{self.cache.capacity} adapters are loaded and each is in use "
-                             "by a request")
+                             "by a running request")
         self.ops.unload_lora(victim)
         self.cache.evicted(victim)
 

@@ -2,7 +2,9 @@
 workers keep loaded. Requests cycling through them give the tokens of a server without the
 limit; the runner never holds more than the limit (its real slots, checked at every change);
 an adapter a running request uses is never evicted; an adapter whose directory is gone when it
-must be read again stops being served and its queued requests end."""
+must be read again stops being served and its queued requests end; a request of an evicted
+adapter is served under a storm of other adapters' requests and aborts (sync and async), with
+nothing leaked, and still served once unloaded while its request was queued."""
 from __future__ import annotations
 
 import shutil
@@ -159,3 +161,77 @@ def test_a_bad_adapter_the_cache_does_not_hold_refuses_the_start(setup, tmp_path
     with pytest.raises(WorkerRefused, match=r"--lora-modules adapter 'big': .*r=32 is invalid: "
                                             r"must be in \[1, max_lora_rank=16\]"):
         _llm(model, {"a": adapters["a"], "big": big}, max_cpu_loras=1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_evicted_adapters_request_is_served_under_a_storm(setup, async_scheduling):
+    """--max-loras 1 --max-cpu-loras 1: 'a' runs, a request of 'c' (not loaded) waits, then
+    each step a request of 'a' or 'b' arrives and every third step three of the newest are
+    aborted (running or waiting). The request of 'c' is served (c read again, before every
+    request that arrived after it), with c's tokens; at the end nothing leaks: no block, no
+    slot past the limit, the workers hold what the LRU says."""
+    from deltaserve.llm_requests import OfflineRequests
+
+    model, adapters = setup
+    want = _generate(_llm(model, adapters, max_loras=1), _prompts(3)[2:], ["c"], 4)[0]
+    llm = _llm(model, adapters, max_loras=1, max_cpu_loras=1,
+               async_scheduling=async_scheduling)
+    held, engine = _held_spy(llm), llm.engine
+    names = ["a", "c"] + ["a", "b"] * 40
+    first = _prompts(3)
+    prompts = [first[0], first[2]] + [[20 + i % 50, 9, 4] for i in range(len(names) - 2)]
+    stops = [StoppingParams(max_tokens=n, ignore_eos=True) for n in [12, 4] + [3] * 80]
+    calls = OfflineRequests(llm, prompts, SamplingParams(), stops, None, None,
+                            lora_request=names)
+    ids = calls.request_ids
+    done, tokens = {}, {}
+    engine.add_request(calls.request(0))
+    engine.add_request(calls.request(1))
+    for step in range(len(names) - 2):
+        engine.add_request(calls.request(step + 2))
+        if step % 3 == 2:
+            for out in engine.abort([i for i in ids[max(2, step - 1):step + 3]
+                                     if i not in done]):
+                done[out.request_id] = out
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = out
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens[ids[1]] == want                     # c's request, with c's tokens
+    assert done[ids[1]].finish_reason == RequestStatus.FINISHED_LENGTH
+    aborted = [o for o in done.values() if o.finish_reason == RequestStatus.FINISHED_ABORTED]
+    assert len(aborted) >= 20 and llm._lora.cache.num_evictions >= 3
+    assert_no_leaked_blocks(llm)
+    assert max(held) <= 1, held
+    resident = llm._lora.cache.resident()
+    assert sorted(s + 1 for s in llm.runner.lora.adapters) == sorted(resident)
+
+
+def test_unloading_an_evicted_adapter_with_a_queued_request(setup):
+    """'b' evicted ('a' loaded), a request of 'b' queued, then 'b' unloaded: the queued
+    request still runs with b (read again from its path, as a queued request of an unloaded
+    adapter finishes with it), then b's id is freed: not held by the LRU nor by the runner."""
+    from deltaserve.llm_requests import OfflineRequests
+
+    model, adapters = setup
+    two = {n: adapters[n] for n in "ab"}
+    want = _generate(_llm(model, two, max_loras=1), _prompts(2)[1:], ["b"], 4)[0]
+    llm = _llm(model, two, max_loras=1, max_cpu_loras=1, allow_runtime_lora_updating=True)
+    assert llm._lora.cache.resident() == [1]                          # 'a' only
+    calls = OfflineRequests(llm, _prompts(2)[1:], SamplingParams(),
+                            StoppingParams(max_tokens=4, ignore_eos=True), None, None,
+                            lora_request=["b"])
+    llm.engine.add_request(calls.request(0))
+    llm.unload_lora("b")
+    tokens = []
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            tokens += out.new_token_ids
+        llm._lora.sweep(llm.scheduler.lora_ids_in_use(), lambda: None)
+    assert tokens == want
+    assert 2 not in llm._lora.cache.resident() and 1 not in llm.runner.lora.adapters
+    assert [a.name for a in llm.lora_adapters()] == ["a"]
+    assert_no_leaked_blocks(llm)

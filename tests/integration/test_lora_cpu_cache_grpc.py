@@ -11,8 +11,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request,
-                                        scheduler_and_worker)
+                                        scheduler_and_worker, wait_for)
 from tests.support.lora_adapters import make_adapter, peft_greedy
 from tests.support.metrics_scrape import scrape
 
@@ -48,3 +49,50 @@ def test_cycling_adapters_through_one_slot(tiny_models, tmp_path, worker_args, m
             # a at start, then c, a, b, a, c read again, each evicting the one before
             assert s.total("deltaserve:lora_loads_total") == 6
             assert s.total("deltaserve:lora_evictions_total") == 5
+
+
+def test_a_runtime_load_evicts_an_adapter_only_waiting_requests_use(tiny_models, tmp_path):
+    """--max-cpu-loras 1, --max-num-seqs 1. While a request of 'a' runs, LoadLoraAdapter('d')
+    is RESOURCE_EXHAUSTED naming the flag (retry later, not a bad argument). Then a base
+    request runs, one of 'a' waits behind it: LoadLoraAdapter('d') evicts 'a' (vLLM's LRU
+    evicts the oldest; a waiting request's adapter is read again before it runs), never a
+    refusal because a queued request names 'a'; the waiting request gets a's tokens (peft's)."""
+    model = tiny_models("llama")
+    a, d = (make_adapter(model, tmp_path / n, r=4, alpha=16, seed=i + 1)
+            for i, n in enumerate("ad"))
+    (tmp_path / "logs").mkdir()
+    metrics = free_port()
+    flags = ["--metrics-listen", f"127.0.0.1:{metrics}", "--enable-lora",
+             "--allow-runtime-lora-updating", "--lora-modules", f"a={a}", "--max-cpu-loras",
+             "1", "--max-num-seqs", "1", "--dtype", "float32"]
+    with scheduler_and_worker(model, tmp_path / "logs", scheduler_args=flags) as (target, procs):
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_stub(channel)
+            running = greedy_request(PROMPT, 2000)                   # runs until cancelled
+            running.lora_name = "a"
+            running = stub.Generate(running)
+            next(running)
+            with pytest.raises(grpc.RpcError) as busy:               # retry once it ends
+                stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="d", lora_path=d),
+                                     timeout=60)
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert busy.value.details() == (
+                "lora_name='d' is invalid: must be room for it: --max-cpu-loras=1 adapters are "
+                "loaded and each is in use by a running request")
+            running.cancel()
+            base = stub.Generate(greedy_request(PROMPT, 2000))       # runs until cancelled
+            next(base)
+            queued = greedy_request(PROMPT, MAX_NEW)
+            queued.lora_name = "a"
+            waiting = stub.Generate(queued)
+            wait_for(lambda: scrape(metrics).total("deltaserve:num_requests_waiting") == 1,
+                     60, "the request of 'a' queued", procs)
+            stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="d", lora_path=d),
+                                 timeout=60)
+            base.cancel()
+            ids, _, _ = collect(waiting)
+            assert ids == list(peft_greedy(model, a, PROMPT, MAX_NEW).token_ids)
+            s = scrape(metrics)
+            # a at start, d (evicting a), a read again (evicting d)
+            assert s.total("deltaserve:lora_loads_total") == 3
+            assert s.total("deltaserve:lora_evictions_total") == 2

@@ -10,18 +10,22 @@ import json
 import random
 import shutil
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
 from tests.support.engine_checks import assert_no_leaked_blocks
 from tests.support.hf_reference import assert_greedy_agrees, compare_greedy
-from tests.support.lora_adapters import make_adapter, peft_greedy
-from tests.support.paged_prefill import load
-from worker_service.lora.adapter import LoRAError
-from worker_service.lora.families import ATTENTION, LLAMA
+from tests.support.lora_adapters import make_adapter, peft_greedy, peft_logits
+from tests.support.paged_prefill import BACKEND, load, prefill_logits, tp_ids
+from worker_service.lora.adapter import LoRAError, read_adapter
+from worker_service.lora.families import ATTENTION, LLAMA, lora_targets
 from worker_service.lora.layers import attach_lora
+from worker_service.models.loader import load_model
+from worker_service.parallel_state import single_rank_group
 
 MAX_NEW = 10
 # tiny_model arch -> the modules its adapters target (transformers' names)
@@ -140,3 +144,72 @@ def test_a_fused_target_of_another_shape_is_refused(tiny_models, tmp_path):
                                         r"layer \(.*112 rows, expected 128"):
         LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
             lora_modules=f"short={short}")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_hybrid_kv_prefix_cache_within_an_adapter_only(tiny_models, tmp_path, arch):
+    """Gemma 2 / 3 keep a window group beside the full one (hybrid KV): a prompt longer than
+    the window (8) again with the same adapter hits both groups' blocks, with another adapter
+    or the base model none; every answer is still transformers + peft's."""
+    model = tiny_models(arch)
+    adapters = {n: make_adapter(model, tmp_path / n, r=4, alpha=16, seed=i + 1)
+                for i, n in enumerate("ab")}
+    llm = LLM(model, dtype="float32", num_kv_blocks=4096, enable_lora=True, max_loras=2,
+              lora_modules=" ".join(f"{n}={p}" for n, p in adapters.items()))
+    assert getattr(llm.scheduler.kv, "window_group", None) is not None      # hybrid
+    prompt = (_prompts(llm.model_info.vocab_size, 1, 7)[0] * 8)[:36]     # > 4 windows
+    stopping = StoppingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    names = [["a"], ["a", "b", None]]
+    outs = [llm.generate([prompt] * len(n), SamplingParams(), stopping, lora_request=n)
+            for n in names]
+    assert outs[0][0].num_cached_tokens == 0
+    assert [o.num_cached_tokens > 0 for o in outs[1]] == [True, False, False]
+    near_ties, failures = [], []
+    for name, out in zip(names[0] + names[1], outs[0] + outs[1]):
+        ref = peft_greedy(model, adapters.get(name), tuple(prompt), MAX_NEW)
+        failure = compare_greedy(f"{arch}/{name}", out.token_ids, ref, near_ties)
+        if failure:
+            failures.append(failure)
+    assert_greedy_agrees(failures, near_ties)
+    assert_no_leaked_blocks(llm)
+
+
+@pytest.mark.parametrize("arch", ["glm", "cohere", "phi3", "starcoder2", "gemma"])
+def test_prefill_logits_match_peft(tiny_models, tmp_path, arch):
+    """Logits, not only greedy tokens: a lora_B whose q/k rows were reordered twice (GLM's and
+    Cohere's rotary layout), cut at the wrong fused rows (Phi-3) or a bias counted twice
+    (StarCoder2) can leave a tiny model's argmax alone, never its logits."""
+    model_dir = tiny_models(arch)
+    path = make_adapter(model_dir, tmp_path / "a", r=8, alpha=32, seed=3,
+                        targets=FAMILIES[arch])
+    model = load(model_dir)
+    state = attach_lora(model, [read_adapter("a", path, 16, None, lora_targets(model))])
+    ids = tp_ids()
+    state.set_token_slots(np.zeros(len(ids), dtype=np.int64))
+    ours = prefill_logits(model, ids)
+    want, base = peft_logits(model_dir, path, ids), peft_logits(model_dir, None, ids)
+    assert (want - base).abs().max() > 1e-2                  # the adapter changes the logits
+    torch.testing.assert_close(ours, want, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_bf16_adapter_error_is_the_base_models(tiny_models, tmp_path, arch):
+    """bf16 (stacks in the model's dtype, the scaling folded into B before the cast): the
+    adapter's logits are as far from peft's fp32 ones as the base model's are from
+    transformers', and far closer than the adapter's own effect."""
+    model_dir = tiny_models(arch)
+    targets = FAMILIES.get(arch, LLAMA)
+    path = make_adapter(model_dir, tmp_path / "a", r=8, alpha=32, seed=3, targets=targets)
+    ids = tp_ids()
+    errors = {}
+    for adapter in (None, path):
+        model = load_model(model_dir, single_rank_group(), BACKEND, "cpu", torch.bfloat16)
+        if adapter is not None:
+            state = attach_lora(model, [read_adapter("a", adapter, 16, None,
+                                                     lora_targets(model))])
+            state.set_token_slots(np.zeros(len(ids), dtype=np.int64))
+        ours = prefill_logits(model, ids).float()
+        errors[adapter] = (ours - peft_logits(model_dir, adapter, ids)).abs().max().item()
+    effect = (peft_logits(model_dir, path, ids) - peft_logits(model_dir, None, ids)).abs().max()
+    assert errors[path] <= 4 * errors[None] + 1e-2, errors
+    assert errors[path] < 0.25 * effect.item(), (errors, effect)

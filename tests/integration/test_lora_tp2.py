@@ -34,3 +34,25 @@ def test_lora_tp2_matches_tp1(tmp_path, arch, overrides, targets):
     for rank in range(2):
         got = torch.load(tmp_path / f"lora_logits_{rank}.pt")
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", [3, 1], ids=["gqa-kv-split", "kv-replicated"])
+def test_phi3_fused_lora_tp3_matches_tp1(tmp_path, kv_heads):
+    """Three ranks over Phi-3's fused qkv_proj: 6 q heads and 3 (one per rank) or 1 (every
+    rank a copy) kv heads. lora_B is cut on the q / k / v boundaries first, then each piece
+    by heads, so each rank's rows are its own heads' (a cut of the fused rows in thirds would
+    give rank 0 q rows only)."""
+    import torch.multiprocessing as mp
+
+    model = str(make_tiny_model(tmp_path / "phi3", arch="phi3", hidden_size=96,
+                                num_attention_heads=6, num_key_value_heads=kv_heads,
+                                head_dim=16, intermediate_size=192))
+    adapters = [make_adapter(model, tmp_path / "a0", r=8, alpha=32, seed=1, targets=PHI3),
+                make_adapter(model, tmp_path / "a1", r=4, alpha=8, seed=2,
+                             targets=("qkv_proj",))]
+    mp.spawn(lora_tp_worker, args=(free_port(), model, adapters, str(tmp_path), 3), nprocs=3)
+    expected = lora_prefill_logits(model, adapters)
+    for rank in range(3):
+        got = torch.load(tmp_path / f"lora_logits_{rank}.pt")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

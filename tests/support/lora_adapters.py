@@ -12,16 +12,19 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(model_dir: str, out_dir: Path, *, r: int = 8, alpha: int = 16,
-                 targets=ALL_TARGETS, seed: int = 0, use_rslora: bool = False) -> str:
+                 targets=ALL_TARGETS, seed: int = 0, use_rslora: bool = False,
+                 **peft_options) -> str:
     """A PEFT LoRA directory over `model_dir` with random A and B (B != 0: init_lora_weights
-    False), scaled up so the adapter changes the greedy tokens."""
+    False), scaled up so the adapter changes the greedy tokens; `peft_options`: more
+    LoraConfig fields (use_dora, modules_to_save, bias, ...)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                     init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0)
+                     init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0,
+                     **peft_options)
     peft_model = get_peft_model(base, cfg)
     peft_model.save_pretrained(str(out_dir))
     return str(out_dir)
@@ -56,6 +59,12 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...]
     return HFGreedy(tuple(out.sequences[0, len(prompt):].tolist()), tuple(margins))
 
 
+def peft_logits(model_dir: str, adapter_dir: str | None, ids: torch.Tensor) -> torch.Tensor:
+    """transformers + peft's logits at every position of `ids` (one request; None: the base)."""
+    with torch.no_grad():
+        return _peft_model(model_dir, adapter_dir)(input_ids=ids[None]).logits[0]
+
+
 def token_slots(n: int):
     """A mixed step: the first third adapter slot 0, the middle the base (-1), the rest 1."""
     import numpy as np
@@ -80,15 +89,16 @@ def lora_prefill_logits(model_dir: str, adapters: list[str], tp=None):
 
 
 def lora_tp_worker(rank: int, port: int, model_dir: str, adapters: list[str],
-                   out_dir: str) -> None:
-    """One of two gloo ranks: lora_prefill_logits on this rank's slices."""
+                   out_dir: str, world_size: int = 2) -> None:
+    """One of world_size gloo ranks: lora_prefill_logits on this rank's slices."""
     import torch.distributed as dist
 
     from worker_service.parallel_state import TPGroup
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=world_size)
     try:
-        logits = lora_prefill_logits(model_dir, adapters, TPGroup(rank=rank, world_size=2))
+        logits = lora_prefill_logits(model_dir, adapters,
+                                     TPGroup(rank=rank, world_size=world_size))
         torch.save(logits, f"{out_dir}/lora_logits_{rank}.pt")
     finally:
         dist.destroy_process_group()

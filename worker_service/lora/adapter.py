@@ -78,17 +78,7 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
     if bad:
         raise LoRAError(f"LoRA adapter {name!r}: target module(s) {bad} are not supported: "
                         f"must be among {list(targets)}")
-    if cfg.get("fan_in_fan_out"):
-        raise LoRAError(f"LoRA adapter {name!r}: fan_in_fan_out=true is not supported "
-                        f"(a Conv1D base layer; Llama-family projections are nn.Linear)")
-    if cfg.get("target_parameters"):                # peft's LoRA on MoE experts' parameters
-        raise LoRAError(f"LoRA adapter {name!r}: target_parameters="
-                        f"{quoted(cfg['target_parameters'])} is not supported (LoRA on "
-                        f"parameters, such as MoE experts'; only target_modules)")
-    for key in ("rank_pattern", "alpha_pattern"):   # per-module r / alpha: not applied here
-        if cfg.get(key):
-            raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(cfg[key])} is not "
-                            f"supported (every module must use r and lora_alpha)")
+    _refuse_features(name, cfg)
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     _check_header_size(name, weights_file)
     size = weights_file.stat().st_size
@@ -100,6 +90,35 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
     return LoRAAdapter(name, rank, scaling, _pairs(name, tensors, rank))
+
+
+# adapter_config.json keys whose value changes what the weights mean, and the value that does
+# not (peft's defaults): anything else is refused by name (as vLLM's PEFTHelper refuses DoRA
+# and modules_to_save), never served as a plain LoRA that would give other tokens.
+_PLAIN = {
+    "use_dora": (False, "DoRA (its lora_magnitude_vector)"),
+    "modules_to_save": (None, "whole modules saved with the adapter (they would replace the "
+                              "base model's)"),
+    "bias": ("none", "biases trained with the adapter"),
+    "lora_bias": (False, "a bias on lora_B"),
+    "fan_in_fan_out": (False, "a Conv1D base layer; the served projections are nn.Linear"),
+    "target_parameters": (None, "LoRA on parameters, such as MoE experts'; only "
+                                "target_modules"),
+    "layer_replication": (None, "decoder layers the adapter repeats: another model"),
+    "trainable_token_indices": (None, "trained embedding rows"),
+    "rank_pattern": (None, "per-module r; every module must use r"),
+    "alpha_pattern": (None, "per-module lora_alpha; every module must use lora_alpha"),
+}
+
+
+def _refuse_features(name: str, cfg: dict) -> None:
+    """LoRAError naming the first key of adapter_config.json whose value is not plain LoRA."""
+    for key, (plain, what) in _PLAIN.items():
+        value = cfg.get(key)
+        if value not in (plain, None, False, "", [], {}):    # absent, null, false, empty
+            must = "unset" if plain is None else json.dumps(plain)
+            raise LoRAError(f"LoRA adapter {name!r}: {key}={quoted(value)} is not supported "
+                            f"({what}): must be {must}")
 
 
 def _too_big(name: str, file: Path, what: str, size: int, limit: int) -> LoRAError:
