@@ -36,6 +36,17 @@ def test_latent_groups_not_a_multiple_of_16(heads):
 
 @pytest.mark.slow
 @needs_kernels
+def test_latent_unified_dispatch():
+    """dispatch="unified": the varlen kernel serves a pure-decode batch too, at the wide tiles
+    (its 16-row decode tile is the wide tile already), 40 heads as three G tiles."""
+    launch = TritonLaunchConfig(dispatch="unified")
+    decode = make_case(26, [33, 1, 17], [1, 1, 1], 40, 1, LATENT, 16, num_pad=1)
+    check_latent_case(decode, triton_backend.TritonAttentionBackend(launch=launch),
+                      torch.float32)
+
+
+@pytest.mark.slow
+@needs_kernels
 def test_wide_head_ordinary_cache_two_kv_heads():
     """Head 576 over a cache with distinct K and V halves and 2 kv heads of 20 query heads:
     KV_SHARED is off, and kv head 1's tiles read its own keys and values."""
