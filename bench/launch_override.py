@@ -33,13 +33,25 @@ def parse_launch(text: str):
             raise ValueError(f"--triton-launch name {name!r} is invalid: must be one of "
                              f"{sorted(f.name for f in fields(TritonLaunchConfig))} or "
                              f"prefill./decode. + {sorted(f.name for f in fields(KernelTiles))}")
-        parsed = value if name in STRING_FIELDS else None if value == "none" else int(value)
+        parsed = value if name in STRING_FIELDS else _parse_int(name, value)
         if dot:
             tiles[kernel][field] = parsed
         else:
             top[name] = parsed
     return replace(config, prefill=replace(config.prefill, **tiles["prefill"]),
                    decode=replace(config.decode, **tiles["decode"]), **top)
+
+
+def _parse_int(name: str, value: str) -> int | None:
+    """An int field's value ("none": None, which only decode_splits allows); ValueError names
+    the field, the value and what it must be."""
+    if value == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--triton-launch {name}={value!r} is invalid: must be an integer"
+                         + (" or none" if name == "decode_splits" else "")) from None
 
 
 def apply_launch(llm, launch) -> None:

@@ -12,7 +12,7 @@ import torch
 from kernels.attention.backend import (AttentionBackend, AttentionMetadata, check_sinks,
                                        check_sliding_window, check_softcap)
 from kernels.attention.triton_cache import triton_write_kv_cache
-from kernels.attention.triton_launch import TritonLaunchConfig
+from kernels.attention.triton_launch import TritonLaunchConfig, decode_tile_shape
 from kernels.attention.triton_paged_attention import (
     paged_decode_attention, paged_prefill_attention)
 
@@ -81,17 +81,28 @@ class TritonAttentionBackend(AttentionBackend):
     def num_splits(self, meta: AttentionMetadata, num_kv_heads: int,
                    device: torch.device, window: int = 0) -> int:
         """Decode splits for this batch: fixed, or the heuristic's (host ints, no sync), which
-        sizes them for the keys a query reads: at most `window` of them when it is set."""
+        sizes them for the keys a query reads: at most `window` of them when it is set.
+        num_kv_heads: the decode programs per request and split (decode_head_programs)."""
         keys = min(meta.max_seq_len, window) if window else meta.max_seq_len
         return self.launch.splits_for(meta.num_reqs, num_kv_heads, keys, self._sms(device))
 
     def _decode(self, query, kv_cache, out, meta: AttentionMetadata, scale: float,
                 window: int, softcap: float, sinks: torch.Tensor | None) -> None:
-        splits = self.num_splits(meta, kv_cache.shape[3], query.device, window)
+        splits = self.num_splits(meta, self.decode_head_programs(query, kv_cache),
+                                 query.device, window)
         paged_decode_attention(query, kv_cache, out, meta.query_start_loc, meta.seq_lens,
                                meta.block_table, meta.num_reqs, splits, scale,
                                launch=self.launch, order=meta.decode_order, window=window,
                                softcap=softcap, sinks=sinks)
+
+    def decode_head_programs(self, query: torch.Tensor, kv_cache: torch.Tensor) -> int:
+        """Decode programs per request and split: the kv heads times the tiles each one's
+        query heads are cut into (a wide head's G tiles: MLA's 128 heads on its one latent
+        head run 8 programs), so the split heuristic counts the programs that really run."""
+        num_kv_heads = kv_cache.shape[3]
+        shape = decode_tile_shape(self.launch, query.shape[1] // num_kv_heads, query.shape[2],
+                                  kv_cache.element_size())
+        return num_kv_heads * shape.g_tiles
 
     def _varlen(self, query, kv_cache, out, meta: AttentionMetadata, scale: float,
                 block_q_rows: int | None, skip_decodes: bool, window: int,

@@ -41,12 +41,19 @@ def test_launch_flag_sets_fields_of_both_levels():
     assert launch.prefill.block_n == 64 and launch.decode.num_warps == 4     # the defaults
     assert parse_launch("decode_splits=none").decode_splits is None
     assert parse_launch("decode_order=head_fastest").decode_order == "head_fastest"
+    wide = parse_launch("wide_tile_rows=32,wide_block_n=32,wide_num_warps=8")
+    assert (wide.wide_tile_rows, wide.wide_block_n, wide.wide_num_warps) == (32, 32, 8)
 
 
 @pytest.mark.parametrize("text,named", [("x=1", "'x'"), ("decode.foo=2", "'decode.foo'"),
                                         ("decode_splits", "name=value"),
                                         ("decode.block_n=24", "block_n=24"),
-                                        ("decode_order=by_head", "decode_order='by_head'")])
+                                        ("decode_order=by_head", "decode_order='by_head'"),
+                                        ("wide_tile_rows=24", "wide_tile_rows=24"),
+                                        ("wide_num_warps=32", "wide_num_warps=32"),
+                                        ("wide_block_n=sixteen", "wide_block_n='sixteen'"),
+                                        ("decode.num_warps=4.0", "decode.num_warps='4.0'"),
+                                        ("wide_block_n=none", "wide_block_n=None")])
 def test_launch_flag_names_what_is_wrong(text, named):
     with pytest.raises(ValueError, match=named):
         parse_launch(text)
