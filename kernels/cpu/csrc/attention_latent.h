@@ -130,7 +130,7 @@ void latent_item(const T* const* qrows, float scale, const int64_t* positions, i
       vals[j] = values_are_keys ? keys[j] : as_f32<DV>(row(p0 + j, 1), vbuf + j * DV);
     }
     for (int j = 0; j < kChunk; j += K) latent_scores_step<D, NV, K>(qT, keys, j, sT);
-    wide_softmax(st, sT, n, p0, p0 + n - 1 > first, alpha, 0, NV);
+    wide_softmax<NV>(st, sT, n, p0, p0 + n - 1 > first, alpha, 0);
     latent_pv<DV, NV>(accT, alpha, sT, vals, n);
   }
   alignas(64) float out[DV];
