@@ -51,6 +51,30 @@ def test_auto_picks_the_cpu_kernel_for_the_released_latent(tiny_models):
     assert llm.runner.model.head_dim == 576
 
 
+def test_a_576_latent_whose_value_is_wider_than_512_is_left_to_torch(tiny_models):
+    """kv_lora_rank 544 + rope 32 is 576 too, but its value (544) is past the kernel's 512:
+    `auto` picks torch and the engine serves it (it picked the kernel, which failed at the
+    first step); `cpu` named for it is refused by name, by preflight and by the model."""
+    from kernels.attention.torch_ref import TorchAttentionBackend
+    from worker_service.config import RunnerConfig
+    from worker_service.models.loader import load_model
+    from worker_service.parallel_state import single_rank_group
+    from worker_service.runner.preflight import check_runner_config
+    path = tiny_models("deepseek_v3", kv_lora_rank=544, qk_rope_head_dim=32, head_dim=32)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24,
+              max_num_seqs=8)
+    assert llm.runner.attention_backend_name == "torch" and llm.runner.model.head_dim == 576
+    layers = [m for m in llm.runner.model.modules() if isinstance(m, MLAAttention)]
+    assert layers and all(isinstance(m.attn.backend, TorchAttentionBackend) for m in layers)
+    _check(llm, path, _prompts(llm.model_info.vocab_size)[:2], "deepseek_v3/544+32")
+    why = r"attention_backend='cpu' is invalid .* head size 576 with a value of 544 dims"
+    with pytest.raises(ValueError, match=why):
+        check_runner_config(RunnerConfig(model_dir=path, device="cpu", dtype="float32",
+                                         num_kv_blocks=16, attention_backend="cpu"))
+    with pytest.raises(ValueError, match=why):
+        load_model(path, single_rank_group(), cpu_paged.CpuPagedAttentionBackend(), "cpu")
+
+
 @pytest.mark.slow
 def test_tp2_on_the_cpu_kernel_matches_tp1(tmp_path):
     """Two ranks (2 of the 4 heads each, on the released latent) on the kernel."""

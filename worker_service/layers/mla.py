@@ -106,13 +106,14 @@ class LatentUpProjection(ColumnParallelLinear):
         return False
 
 
-def check_mla_backend(backend: AttentionBackend, latent_dim: int, heads: int,
+def check_mla_backend(backend: AttentionBackend, mla: MlaArgs, heads: int,
                       dtype: torch.dtype) -> None:
     """ValueError naming what the CPU kernel cannot take when `backend` is it (`heads`: query
-    heads per rank, all on the one latent head). Refused rather than attended on another
-    backend, so the backend the runner reports is the one that runs."""
+    heads per rank, all on the one latent head; the value: its first kv_lora_rank dims).
+    Refused rather than attended on another backend, so the backend the runner reports is the
+    one that runs."""
     if getattr(backend, "name", None) == "cpu":
-        cpu_paged.check_layout(latent_dim, dtype, heads)
+        cpu_paged.check_layout(mla.latent_dim, dtype, heads, value_dim=mla.kv_lora_rank)
 
 
 class MLAAttention(nn.Module):
