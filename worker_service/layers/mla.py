@@ -33,7 +33,7 @@ latent projections are replicated, so every rank caches the same latents.
 The C++ CPU kernel takes head sizes 16..128 and the released latent (576, its value the first
 512 dims of the same row: the attention layer's v_head_dim), up to 128 query heads per kv head:
 the runner's `auto` picks it when it fits and the torch backend for a latent it cannot take
-(another size); the cpu backend named for one is refused by name (check_mla_backend), never
+(another size, or a 576 whose kv_lora_rank is past 512); the cpu backend named for one is refused by name (check_mla_backend), never
 swapped for another.
 """
 from __future__ import annotations
