@@ -35,9 +35,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_GROUP = 128
 
 
-def layout_problem(head_dim: int, dtype: torch.dtype, group: int) -> str | None:
+def layout_problem(head_dim: int, dtype: torch.dtype, group: int, value_dim: int = 0,
+                   sinks: bool = False) -> str | None:
     """What the kernel cannot take in this layout (the refusal of an explicit
-    attention_backend='cpu'), or None when it fits."""
+    attention_backend='cpu'), or None when it fits. value_dim: the value dims the layer reads
+    of each cached value row (0: the whole head); sinks: the model has attention sinks."""
     if head_dim not in HEAD_DIMS:
         return (f"attention_backend='cpu' is invalid for this model: its cached head "
                 f"size {head_dim} is not one the cpu kernel takes {HEAD_DIMS}; pick "
@@ -49,6 +51,25 @@ def layout_problem(head_dim: int, dtype: torch.dtype, group: int) -> str | None:
         return (f"attention_backend='cpu' is invalid for this model: {group} query "
                 f"heads per kv head on a rank, the cpu kernel takes at most "
                 f"{MAX_GROUP}; pick torch (or auto, which picks it)")
+    return _value_problem(head_dim, value_dim or head_dim, sinks)
+
+
+def _value_problem(head_dim: int, value_dim: int, sinks: bool) -> str | None:
+    """A head the kernel attends only as a latent (its value a prefix of the row): the value
+    must fit the prefix, and there are no sinks (forward: check_value_prefix)."""
+    prefix = VALUE_PREFIX_DIMS.get(head_dim)
+    if prefix is None:
+        return None
+    if value_dim > prefix:
+        return (f"attention_backend='cpu' is invalid for this model: its cached head size "
+                f"{head_dim} with a value of {value_dim} dims; the cpu kernel takes "
+                f"{head_dim} only as MLA's latent, a value of at most its first {prefix} "
+                "(kv_lora_rank); pick torch (or auto, which picks it)")
+    if sinks:
+        return (f"attention_backend='cpu' is invalid for this model: attention sinks with "
+                f"its cached head size {head_dim} (a latent whose value is its first "
+                f"{prefix} dims): the cpu kernel takes sinks only with whole-head values; pick "
+                "torch (or auto, which picks it)")
     return None
 
 
@@ -69,9 +90,10 @@ def check_value_prefix(v_head_dim: int, head_dim: int, window: int,
     return v_dim
 
 
-def check_layout(head_dim: int, dtype: torch.dtype, group: int) -> None:
+def check_layout(head_dim: int, dtype: torch.dtype, group: int, value_dim: int = 0,
+                 sinks: bool = False) -> None:
     """ValueError naming what the kernel cannot take (an explicit attention_backend='cpu')."""
-    problem = layout_problem(head_dim, dtype, group)
+    problem = layout_problem(head_dim, dtype, group, value_dim, sinks)
     if problem is not None:
         raise ValueError(problem)
 

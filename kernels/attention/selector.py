@@ -16,13 +16,16 @@ class CacheLayout:
     """What a backend must accept: flash-attn's paged kernels need blocks of 256 and fp16/bf16,
     and have no attention sinks (a model with them, GPT-OSS, sets sinks); the CPU kernel takes
     some head sizes and at most cpu_paged.MAX_GROUP query heads per kv head (`group`, on a
-    rank: DeepSeek's latent cache has one kv head for all of a rank's heads)."""
+    rank: DeepSeek's latent cache has one kv head for all of a rank's heads) and its latent
+    (576) only with a value of at most the row's first 512 dims (`value_dim`: the dims of each
+    cached value row the model reads, 0 for the whole head; DeepSeek's kv_lora_rank)."""
 
     block_size: int
     head_dim: int
     dtype: torch.dtype
     sinks: bool = False
     group: int = 1
+    value_dim: int = 0
 
 
 def _flash_attn_fits(layout: CacheLayout | None) -> bool:
@@ -37,8 +40,9 @@ def _flash_attn_fits(layout: CacheLayout | None) -> bool:
 
 def _cpu_kernel_fits(layout: CacheLayout | None) -> bool:
     from kernels.attention import cpu_paged
-    if layout is not None and cpu_paged.layout_problem(layout.head_dim, layout.dtype,
-                                                        layout.group) is not None:
+    if layout is not None and cpu_paged.layout_problem(
+            layout.head_dim, layout.dtype, layout.group, layout.value_dim,
+            layout.sinks) is not None:
         return False
     return cpu_paged.available()
 
@@ -73,7 +77,8 @@ def get_attention_backend(name: str, device_type: str,
     if resolved == "cpu":
         from kernels.attention.cpu_paged import CpuPagedAttentionBackend, check_layout
         if layout is not None:      # named explicitly: refused rather than run as another
-            check_layout(layout.head_dim, layout.dtype, layout.group)
+            check_layout(layout.head_dim, layout.dtype, layout.group, layout.value_dim,
+                         layout.sinks)
         return CpuPagedAttentionBackend()
     from kernels.attention.flash_attn_backend import FlashAttnBackend, check_flash_layout
     if layout is not None and layout.sinks:

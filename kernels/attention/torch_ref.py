@@ -30,8 +30,16 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     """Scatter key/value rows [T, Hkv, D] into kv_cache[2, num_blocks, block_size, Hkv, D].
 
     Row t goes to flat slot slot_mapping[t] (= block * block_size + offset); rows whose slot is
-    -1 (padding) are skipped. Only len(slot_mapping) rows of key/value are read.
+    -1 (padding) are skipped. Only len(slot_mapping) rows of key/value are read. A cache whose
+    value half is its key half (stride 0: MLA's latent, loader.new_kv_cache) takes the key
+    tensor itself as the value and is written once; another value would overwrite the keys
+    (ValueError).
     """
+    one_half = kv_cache.stride(0) == 0
+    if one_half and not (value.data_ptr() == key.data_ptr() and value.stride() == key.stride()
+                         and value.shape == key.shape and value.dtype == key.dtype):
+        raise ValueError("value is not the key tensor, but kv_cache's value half is its key "
+                         "half (stride 0 on dim 0): writing it would overwrite the keys")
     num_slots = slot_mapping.shape[0]
     slots = slot_mapping.to(torch.long)
     key, value = key[:num_slots], value[:num_slots]
@@ -42,10 +50,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-    if kv_cache.stride(0) == 0 and value.data_ptr() == key.data_ptr() and (
-            value.stride() == key.stride()):
-        return          # one tensor seen twice (MLA's latent), written once: the same rows
-    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+    if not one_half:     # else the same rows of the same tensor: written once
+        flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor,

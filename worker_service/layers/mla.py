@@ -33,7 +33,7 @@ latent projections are replicated, so every rank caches the same latents.
 The C++ CPU kernel takes head sizes 16..128 and the released latent (576, its value the first
 512 dims of the same row: the attention layer's v_head_dim), up to 128 query heads per kv head:
 the runner's `auto` picks it when it fits and the torch backend for a latent it cannot take
-(another size); the cpu backend named for one is refused by name (check_mla_backend), never
+(another size, or a 576 whose kv_lora_rank is past 512); the cpu backend named for one is refused by name (check_mla_backend), never
 swapped for another.
 """
 from __future__ import annotations
@@ -106,13 +106,14 @@ class LatentUpProjection(ColumnParallelLinear):
         return False
 
 
-def check_mla_backend(backend: AttentionBackend, latent_dim: int, heads: int,
+def check_mla_backend(backend: AttentionBackend, mla: MlaArgs, heads: int,
                       dtype: torch.dtype) -> None:
     """ValueError naming what the CPU kernel cannot take when `backend` is it (`heads`: query
-    heads per rank, all on the one latent head). Refused rather than attended on another
-    backend, so the backend the runner reports is the one that runs."""
+    heads per rank, all on the one latent head; the value: its first kv_lora_rank dims).
+    Refused rather than attended on another backend, so the backend the runner reports is the
+    one that runs."""
     if getattr(backend, "name", None) == "cpu":
-        cpu_paged.check_layout(latent_dim, dtype, heads)
+        cpu_paged.check_layout(mla.latent_dim, dtype, heads, value_dim=mla.kv_lora_rank)
 
 
 class MLAAttention(nn.Module):

@@ -99,8 +99,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                  fused_ops: bool = False) -> None:
         cfg = with_defaults(hf_config, self.v3)
         mla = read_mla(cfg, self.v3)
-        check_mla_backend(attn_backend, mla.latent_dim, max(1, mla.num_heads // tp.world_size),
-                          dtype)
+        check_mla_backend(attn_backend, mla, max(1, mla.num_heads // tp.world_size), dtype)
         super().__init__(cfg, tp, attn_backend, dtype, fused_ops)
         self.num_kv_heads = 1                       # the latent cache (layers/mla.py)
         self.head_dim = self.args.mla.latent_dim
@@ -145,6 +144,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def kv_cache_dims(cls, hf_config: dict) -> tuple[int, int]:
         """(kv heads, head size) of the cache: one latent head."""
         return 1, read_mla(with_defaults(hf_config, cls.v3), cls.v3).latent_dim
+
+    @classmethod
+    def kv_value_dim(cls, hf_config: dict) -> int:
+        """The value's dims of each cached row: the latent's first kv_lora_rank."""
+        return read_mla(with_defaults(hf_config, cls.v3), cls.v3).kv_lora_rank
 
     @classmethod
     def attention_elements(cls, hf_config: dict) -> int:

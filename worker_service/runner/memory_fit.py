@@ -95,6 +95,13 @@ def kv_cache_dims(hf_config: dict) -> tuple[int, int]:
     return int(hf_config.get("num_key_value_heads") or heads), _head_dim(hf_config)
 
 
+def kv_value_dim(hf_config: dict) -> int:
+    """The dims of each cached value row the attention reads: the architecture's own (DeepSeek:
+    its latent's first kv_lora_rank) or 0 (the whole head)."""
+    own = getattr(_model_class(hf_config), "kv_value_dim", None)
+    return own(hf_config) if own is not None else 0
+
+
 def _moe_args(hf_config: dict):
     """The sparse-MLP fields (models/qwen_moe.MoeArgs) of an MoE config, None for a dense one;
     an architecture with its own reading (DeepSeek) gives them itself."""

@@ -20,7 +20,7 @@ from worker_service.config import RunnerConfig
 from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.batch.input_batch import InputBatch
-from worker_service.runner.memory_fit import kv_cache_dims
+from worker_service.runner.memory_fit import kv_cache_dims, kv_value_dim
 from worker_service.runner.runner_kv_cache import RunnerKVCache
 from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import load_model, resolve_dtype
@@ -53,7 +53,8 @@ def cache_layout(hf_config: dict, config: RunnerConfig, tp_size: int = 1) -> Cac
     heads = max(1, int(hf_config["num_attention_heads"]) // tp_size)
     group = heads // max(1, kv_heads // tp_size)
     return CacheLayout(config.block_size, head_dim,
-                       resolve_dtype(hf_config, config.dtype, config.model_dir), sinks, group)
+                       resolve_dtype(hf_config, config.dtype, config.model_dir), sinks, group,
+                       kv_value_dim(hf_config))
 
 
 class ModelRunner(RunnerKVCache):

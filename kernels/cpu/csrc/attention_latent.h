@@ -12,17 +12,21 @@
 // wide_softmax's. The query (qT), the accumulators (accT) and bf16 rows widened to float32 live
 // in a per-thread scratch (over 100 KiB at 576 dims, too much for an OpenMP thread's stack).
 // Values that are the keys' prefix in the same row (the cache seen twice, half == 0) are read
-// from the keys' float32 rows, never widened twice.
+// from the keys' float32 rows, never widened twice. A bfloat16 cache on a CPU with AVX512-BF16
+// takes the scores in bf16 pairs instead (latent_dot_scores_step: keys read in place, half the
+// instructions; attention_bf16dot.h's pairing) and widens only the DV value dims.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <c10/util/BFloat16.h>
 
 #include "attention_simd.h"
+#include "attention_bf16dot.h"
 
 #if defined(DELTASERVE_SIMD)
 namespace deltaserve_cpu {
@@ -63,6 +67,32 @@ inline void latent_scores_step(const float* qT, const float* const* keys, int j,
   for (int a = 0; a < K; ++a)
     for (int v = 0; v < NV; ++v) store(sT[j + a] + kLanes * v, acc[a][v]);
 }
+
+#if defined(DELTASERVE_BF16DOT)
+// latent_scores_step for a bfloat16 cache with AVX512-BF16 dot products: qp [D / 2][W] holds
+// each lane's query pair (unscaled bf16, as attention_bf16dot.h), the key's pair is broadcast;
+// the products are exact in float32 and the scale applies to the sums.
+template <int D, int NV, int K>
+inline void latent_dot_scores_step(const uint32_t* qp, const c10::BFloat16* const* keys, int j,
+                                   float scale, float (*sT)[kWideRows]) {
+  constexpr int W = NV * kLanes;
+  __m512 acc[K][NV];
+  for (int a = 0; a < K; ++a)
+    for (int v = 0; v < NV; ++v) acc[a][v] = zero();
+  for (int i = 0; i < D / 2; ++i) {
+    __m512i q[NV];
+    for (int v = 0; v < NV; ++v)
+      q[v] = _mm512_load_si512(reinterpret_cast<const void*>(qp + i * W + kLanes * v));
+    for (int a = 0; a < K; ++a) {
+      const __m512i k = bcast_pair(keys[j + a] + 2 * i);
+      for (int v = 0; v < NV; ++v) acc[a][v] = dot2(acc[a][v], q[v], k);
+    }
+  }
+  const vf s = set1(scale);
+  for (int a = 0; a < K; ++a)
+    for (int v = 0; v < NV; ++v) store(sT[j + a] + kLanes * v, mul(acc[a][v], s));
+}
+#endif
 
 // accT[d][..] = accT[d][..] * alpha + sum_{j < n} vals[j][d] P[j][..] for d < DV, K dims a step.
 template <int DV, int NV>
@@ -113,24 +143,50 @@ void latent_item(const T* const* qrows, float scale, const int64_t* positions, i
   WideState st;
   int64_t first, last;
   init_wide_state(st, positions, rows, 0, first, last);
+#if defined(DELTASERVE_BF16DOT)
+  constexpr bool kDot = std::is_same_v<T, c10::BFloat16>;   // scores in bf16 pairs
+#else
+  constexpr bool kDot = false;
+#endif
   for (int r = 0; r < W; ++r) {
     const T* q = qrows[r < rows ? r : 0];
-    for (int d = 0; d < D; ++d) qT[d * W + r] = static_cast<float>(q[d]) * scale;
+    if constexpr (kDot) {        // qT's room holds the pairs [D / 2][W]
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(q);
+      uint32_t* qp = reinterpret_cast<uint32_t*>(qT);
+      for (int i = 0; i < D / 2; ++i)
+        qp[i * W + r] = bits[2 * i] | (static_cast<uint32_t>(bits[2 * i + 1]) << 16);
+    } else {
+      for (int d = 0; d < D; ++d) qT[d * W + r] = static_cast<float>(q[d]) * scale;
+    }
   }
   std::memset(accT, 0, sizeof(float) * DV * W);
   std::memset(zeros, 0, sizeof(float) * D);
   for (int64_t p0 = 0; p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
-    for (int j = 0; j < kChunk; ++j) {
-      if (j >= n) {
-        keys[j] = zeros;
-        continue;
+#if defined(DELTASERVE_BF16DOT)
+    if constexpr (kDot) {        // keys read in place; only the values widened
+      const c10::BFloat16* kb[kChunk];
+      for (int j = 0; j < kChunk; ++j) {
+        kb[j] = j < n ? row(p0 + j, 0) : reinterpret_cast<const c10::BFloat16*>(zeros);
+        if (j < n) vals[j] = as_f32<DV>(row(p0 + j, 1), vbuf + j * DV);
       }
-      keys[j] = as_f32<D>(row(p0 + j, 0), kbuf + j * D);
-      vals[j] = values_are_keys ? keys[j] : as_f32<DV>(row(p0 + j, 1), vbuf + j * DV);
+      for (int j = 0; j < kChunk; j += K)
+        latent_dot_scores_step<D, NV, K>(reinterpret_cast<const uint32_t*>(qT), kb, j, scale,
+                                         sT);
     }
-    for (int j = 0; j < kChunk; j += K) latent_scores_step<D, NV, K>(qT, keys, j, sT);
-    wide_softmax(st, sT, n, p0, p0 + n - 1 > first, alpha, 0, NV);
+#endif
+    if constexpr (!kDot) {
+      for (int j = 0; j < kChunk; ++j) {
+        if (j >= n) {
+          keys[j] = zeros;
+          continue;
+        }
+        keys[j] = as_f32<D>(row(p0 + j, 0), kbuf + j * D);
+        vals[j] = values_are_keys ? keys[j] : as_f32<DV>(row(p0 + j, 1), vbuf + j * DV);
+      }
+      for (int j = 0; j < kChunk; j += K) latent_scores_step<D, NV, K>(qT, keys, j, sT);
+    }
+    wide_softmax<NV>(st, sT, n, p0, p0 + n - 1 > first, alpha, 0);
     latent_pv<DV, NV>(accT, alpha, sT, vals, n);
   }
   alignas(64) float out[DV];

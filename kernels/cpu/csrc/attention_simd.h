@@ -152,15 +152,15 @@ inline void wide_scores(const float (*qT)[kWideRows], const float* const* keys, 
 
 // Online softmax step over n keys starting at position p0 (masked when `masked`, also below
 // each row's window when window > 0): turns sT into probabilities, updates m and l, and leaves
-// each row's rescale factor in alpha; vecs: the lane vectors in use (rows beyond are left
-// alone; attention_latent.h's items fill fewer than kLaneVecs). Not inlined: inside the item's loop it left bfloat16
-// prefill 20% slower on AVX-512 (spills).
-__attribute__((noinline)) inline void wide_softmax(WideState& st, float (*sT)[kWideRows],
-                                                   int n, int64_t p0, bool masked,
-                                                   float* alpha, int64_t window,
-                                                   int vecs = kLaneVecs) {
+// each row's rescale factor in alpha; Vecs: the lane vectors in use, a constant (rows beyond
+// are left alone; attention_latent.h's items fill fewer than kLaneVecs). Not inlined: inside
+// the item's loop it left bfloat16 prefill 20% slower on AVX-512 (spills).
+template <int Vecs = kLaneVecs>
+__attribute__((noinline)) void wide_softmax(WideState& st, float (*sT)[kWideRows], int n,
+                                            int64_t p0, bool masked, float* alpha,
+                                            int64_t window) {
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
-  for (int v = 0; v < vecs; ++v) {
+  for (int v = 0; v < Vecs; ++v) {
     const vf pos = load(st.pos + kLanes * v);
     vf mx = load(st.m + kLanes * v);
     for (int j = 0; j < n; ++j) {

@@ -241,3 +241,49 @@ def test_backend_over_the_bound_falls_back_to_the_loop(query_lens, monkeypatch):
 def test_negative_bound_is_rejected():
     with pytest.raises(ValueError, match="max_padded_bytes=-1"):
         TorchAttentionBackend(max_padded_bytes=-1)
+
+
+def _count_index_copies(fn) -> int:
+    """How many index_copy_ calls fn() makes (a dispatch mode sees every aten op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.index_copy_:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("slots", [[5, 0, 9], [5, -1, 0]], ids=["full", "padded"])
+def test_a_cache_whose_values_are_its_keys_is_written_once(slots):
+    """MLA's latent cache (loader.new_kv_cache: one tensor seen twice, stride 0) takes the key
+    as the value: one index_copy_, also past padding rows (which index key and value apart);
+    the rows land in both halves, the others stay zero."""
+    key = torch.randn(3, 1, 8)
+    base = torch.zeros(3, 4, 1, 8)
+    kv_cache = base.unsqueeze(0).expand(2, *base.shape)
+    slot_mapping = torch.tensor(slots)
+    assert _count_index_copies(lambda: write_kv_cache(key, key, kv_cache, slot_mapping)) == 1
+    flat = base.view(-1, 1, 8)
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            torch.testing.assert_close(flat[slot], key[row], atol=0, rtol=0)
+    assert int((flat.abs().sum((1, 2)) != 0).sum()) == sum(s >= 0 for s in slots)
+    assert _count_index_copies(lambda: write_kv_cache(key, key, torch.zeros(2, 3, 4, 1, 8),
+                                                      slot_mapping)) == 2
+
+
+def test_another_value_into_a_cache_whose_values_are_its_keys_is_refused():
+    """A value that is not the key tensor would overwrite the keys of a stride-0 cache."""
+    key = torch.randn(3, 1, 8)
+    base = torch.zeros(3, 4, 1, 8)
+    kv_cache = base.unsqueeze(0).expand(2, *base.shape)
+    with pytest.raises(ValueError, match="value is not the key tensor.*stride 0"):
+        write_kv_cache(key, key.clone(), kv_cache, torch.tensor([0, 1, 2]))
+    assert not base.any()

@@ -141,6 +141,26 @@ def test_cpu_named_for_a_layout_it_cannot_take_is_refused_by_name():
                                                            group=129)) == "torch"
     # DeepSeek's latent: 576 with up to 128 heads on its one kv head fits; 512 does not
     assert resolve_backend_name("auto", "cpu", CacheLayout(16, 576, torch.bfloat16,
-                                                           group=128)) == "cpu"
+                                                           group=128, value_dim=512)) == "cpu"
     assert resolve_backend_name("auto", "cpu", CacheLayout(16, 512, torch.float32,
                                                            group=16)) == "torch"
+
+
+@pytest.mark.parametrize("value_dim,sinks,why", [
+    (0, False, "its cached head size 576 with a value of 576 dims; .* at most its first 512"),
+    (544, False, "its cached head size 576 with a value of 544 dims; .* at most its first 512"),
+    (512, True, "attention sinks with its cached head size 576"),
+])
+def test_the_latent_head_only_with_a_value_in_its_prefix(value_dim, sinks, why):
+    """576 is attended as MLA's latent (values the row's first 512, no sinks): a whole-head
+    value, a wider latent value (kv_lora_rank 544 + rope 32) or sinks at 576 are left to torch
+    by `auto` and refused by name for `cpu` (the kernel would fail at the first step)."""
+    from kernels.attention.selector import (CacheLayout, get_attention_backend,
+                                            resolve_backend_name)
+    layout = CacheLayout(16, 576, torch.float32, sinks=sinks, group=16, value_dim=value_dim)
+    assert resolve_backend_name("auto", "cpu", layout) == "torch"
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' is invalid for this model: "
+                                         + why):
+        get_attention_backend("cpu", "cpu", layout)
+    assert resolve_backend_name("auto", "cpu", CacheLayout(16, 576, torch.float32, group=16,
+                                                           value_dim=448)) == "cpu"

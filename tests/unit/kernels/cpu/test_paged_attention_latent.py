@@ -3,8 +3,8 @@ keys of 576 dims (kv_lora_rank 512 + rope 64), values the first 512 dims of the 
 (the [2, ...] cache is one tensor seen twice, stride 0), 16 / 32 / 128 query heads on the one
 latent head (past 48 the kernel cuts them into head tiles), against the torch reference
 backend: decodes, chunked prefills on a cached prefix, a mixed batch, several blocks per
-request, float32 and bfloat16, with MLA's yarn-scaled softmax scale; on each build
-(conftest.py)."""
+request, float32 and bfloat16 (on an AVX512-BF16 build bfloat16's scores take the pair
+products), with MLA's yarn-scaled softmax scale; on each build (conftest.py)."""
 from __future__ import annotations
 
 import pytest
@@ -96,17 +96,19 @@ def test_head_counts_off_the_vector_width(heads):
     check(make_case(gen, [5, 30], [5, 1], heads, 4, torch.float32), TOL[torch.float32])
 
 
-def test_the_kernel_reads_only_each_requests_own_rows():
-    """NaN in every latent row no request owns never reaches the output."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_reads_only_each_requests_own_rows(dtype):
+    """NaN in every latent row no request owns never reaches the output (bfloat16 on an
+    AVX512-BF16 build: the keys read in place by the pair products)."""
     gen = torch.Generator().manual_seed(3)
-    query, latent, base, meta = make_case(gen, [5, 40], [5, 1], 16, 16, torch.float32)
+    query, latent, base, meta = make_case(gen, [5, 40], [5, 1], 16, 16, dtype)
     live = torch.zeros(base.shape[0] * base.shape[1], dtype=torch.bool)
     for i, s in enumerate(meta.seq_lens_cpu.tolist()):
         pos = torch.arange(s)
         live[meta.block_table[i, pos // 16].long() * 16 + pos % 16] = True
     live[meta.slot_mapping[meta.slot_mapping >= 0]] = True
     base.view(-1, LATENT)[~live] = float("nan")
-    check((query, latent, base, meta), TOL[torch.float32])
+    check((query, latent, base, meta), TOL[dtype])
 
 
 def test_a_window_or_sinks_with_the_latent_are_refused_by_name():
