@@ -66,6 +66,9 @@ def test_lora_on_a_native_gptq_base_matches_peft_on_the_twin(tiny_models, tmp_pa
     for prompt, name, out in zip(prompts, names, outs):
         want = peft_greedy(str(twin), adapter if name else None, tuple(prompt), MAX_NEW)
         assert tuple(out.token_ids) == want.token_ids, (name, prompt)
+    packed = [m.cpu_linear for m in llm.runner.model.modules()
+              if isinstance(getattr(m, "cpu_linear", None), quant_linear.QuantLinear)]
+    assert len(packed) == 8 and all(q.calls for q in packed)    # 2 layers x 4 linears
     base = peft_greedy(str(twin), None, tuple(prompts[0]), MAX_NEW).token_ids
     assert tuple(outs[0].token_ids) != base          # the adapter changed the tokens
 
