@@ -25,6 +25,7 @@ from engine_common.runtime.progress import Progress
 from kernels.attention.backend import AttentionBackend
 from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.models.gguf_weights import gguf_tensor_names, iter_gguf_weights
+from worker_service.models.heap_trim import trim_heap
 from worker_service.models.quant_checkpoint import QuantCheckpointError, quantized_checkpoint
 from worker_service.models.registry import get_model_class
 from worker_service.parallel_state import TPGroup
@@ -227,6 +228,7 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
     load_weights(model, path, hf_config, on_cpu and cpu_quantized_weights == "native")
     if on_cpu:
         use_cpu_kernels(model)
+        trim_heap()                          # the load's transients, freed but resident
     return model.eval()
 
 

@@ -29,6 +29,7 @@ def _parse(*argv, classes=(SchedulerConfig, WorkerConfig)):
     ("dtype", "fp8", "one of auto, bfloat16, float16, float32"),
     ("gpu_memory_utilization", 1.5, "in (0, 1.0]"),
     ("fused_ops", 1, "a bool"),
+    ("cpu_quantized_weights", "Native", "one of native, dequantize"),
 ])
 def test_a_bad_value_names_the_field_the_value_and_the_range(field, value, allowed):
     with pytest.raises(ParamError) as e:
