@@ -127,6 +127,14 @@ def read_gptq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], ro
 def read_awq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], rows: Span,
              cols: Span) -> torch.Tensor:
     """awq: the band's input rows of the packed output words covering its rows."""
+    q, z, scales, g0 = _awq_pieces(files, prefix, quant, shape, rows, cols)
+    groups = torch.arange(cols[0], cols[1]) // quant.group_size - g0
+    return dequantize_grouped(q, z, scales, groups, f"{prefix}.qweight")
+
+
+def _awq_pieces(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], rows: Span,
+                cols: Span) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(codes, zeros, scales, first group) of an AWQ band, AWQ_ORDER undone, edges checked."""
     name, per_word = f"{prefix}.qweight", 8
     check_edges(name, "rows", rows, shape[0], per_word, "packed AWQ word")
     check_edges(name, "columns", cols, shape[1], quant.group_size, "AWQ group")
@@ -134,9 +142,7 @@ def read_awq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int], row
     g0, g1 = cols[0] // quant.group_size, _cdiv(cols[1], quant.group_size)
     q = awq_unpack(files.slice(name)[cols[0]:cols[1], words])[:, :rows[1] - rows[0]]
     z = awq_unpack(files.slice(f"{prefix}.qzeros")[g0:g1, words])[:, :rows[1] - rows[0]]
-    scales = files.slice(f"{prefix}.scales")[g0:g1, rows[0]:rows[1]]
-    groups = torch.arange(cols[0], cols[1]) // quant.group_size - g0
-    return dequantize_grouped(q, z, scales, groups, name)
+    return q, z, files.slice(f"{prefix}.scales")[g0:g1, rows[0]:rows[1]], g0
 
 
 REGION_READERS = {"fp8": read_fp8, "compressed-tensors": read_fp8, "gptq": read_gptq,
@@ -175,15 +181,8 @@ def packed_awq(files, prefix: str, quant: WeightQuant, shape: tuple[int, int],
                rows: Span | None, cols: Span | None) -> PackedBand:
     """awq: the band's codes, zeros and scales in row order (AWQ_ORDER undone)."""
     rows, cols = _span(rows, shape[0]), _span(cols, shape[1])
-    name, per_word = f"{prefix}.qweight", 8
-    check_edges(name, "rows", rows, shape[0], per_word, "packed AWQ word")
-    check_edges(name, "columns", cols, shape[1], quant.group_size, "AWQ group")
-    words = slice(rows[0] // per_word, _cdiv(rows[1], per_word))
-    g0, g1 = cols[0] // quant.group_size, _cdiv(cols[1], quant.group_size)
-    q = awq_unpack(files.slice(name)[cols[0]:cols[1], words])[:, :rows[1] - rows[0]]
-    z = awq_unpack(files.slice(f"{prefix}.qzeros")[g0:g1, words])[:, :rows[1] - rows[0]]
-    scales = files.slice(f"{prefix}.scales")[g0:g1, rows[0]:rows[1]]
-    return _band(q, z, scales, quant.group_size, 4, name)
+    q, z, scales, _ = _awq_pieces(files, prefix, quant, shape, rows, cols)
+    return _band(q, z, scales, quant.group_size, 4, f"{prefix}.qweight")
 
 
 def _band(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int, bits: int,
