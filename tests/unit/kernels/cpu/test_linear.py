@@ -243,3 +243,28 @@ def test_a_tied_head_keeps_the_weight_the_embedding_reads(tiny_models, tied):
     head = embed if tied else _checkpoint_tensor(path, "lm_head.weight")
     torch.testing.assert_close(model.lm_head(hidden), F.linear(hidden, head),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_the_parameter_goes_unless_the_kernels_read_it(monkeypatch, dtype, onednn):
+    """Without oneDNN a bfloat16 weight's many-row calls run MKL's bf16 GEMM on the weight
+    itself, so the module keeps it; every other layout leaves the parameter a NaN stand-in,
+    and the layer's output is unchanged either way."""
+    from worker_service.layers.linear import RowParallelLinear
+    from worker_service.parallel_state import single_rank_group
+
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, onednn)
+    layer = RowParallelLinear(64, 48, False, single_rank_group(), dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+    w = layer.weight.detach().clone()
+    assert layer.use_cpu_kernels()
+    reads = dtype == torch.bfloat16 and onednn == "0"
+    assert (layer.cpu_linear.weight is not None) == reads
+    assert layer.release_dense_weight() != reads
+    assert layer.weight.shape == w.shape and layer.weight.isnan().all() != reads
+    for rows in (3, 200):                            # panels, then the pack / MKL bf16 GEMM
+        x = torch.randn(rows, 64).to(dtype)
+        torch.testing.assert_close(layer.matmul(x), F.linear(x.float(), w.float()).to(dtype),
+                                   atol=1e-3, rtol=2e-2)
