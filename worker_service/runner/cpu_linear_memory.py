@@ -6,9 +6,10 @@ kernels/cpu/linear.CpuLinear keeps two layouts of each weight: the decode panels
 tiles for a wide float32 head); layers/cpu_kernels.py then lets the parameter go. So each
 linear costs about one copy more than estimate_weight_bytes counts, and a head tied to the
 embedding two more (its parameter stays: the embedding reads it). A bfloat16 weight without
-oneDNN runs MKL's bf16 GEMM on the parameter itself: the panels are its only extra copy. Both are
-counted as dense: a lower bound (the panels pad N to 32 columns; MKL reserves more than it
-writes, but only written pages are resident; the AVX2 build's screened head adds a 16-bit copy). Attention projections and dense MLPs kept natively quantized
+oneDNN runs MKL's bf16 GEMM on the parameter itself: the panels are its
+only extra copy. Both are counted as dense: a lower bound (the panels pad N to 32 columns; MKL
+reserves more than it writes, but only written pages are resident; the AVX2 build's screened
+head adds a 16-bit copy). Attention projections and dense MLPs kept natively quantized
 (quant_memory.py), MoE experts (their own packs: moe_experts.packed_bytes) and latent
 attention (reads its weight as matrices) add nothing here.
 """

@@ -10,9 +10,10 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               split, buffers and the loader's transient copies come on top); on the CPU also
               the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
               copy of every expert, most of an MoE model's bytes), sized as the packing pads
-              them; the dense linears' panels and packs (cpu_linear_memory.py: about one
-              copy more of each, two of a tied head); a GPTQ / AWQ checkpoint's dense linears kept packed on the CPU
-              (--cpu-quantized-weights native) at their packed size (quant_memory.py)
+              them; the dense linears' panels and packs (cpu_linear_memory.py: one copy
+              more of each, two of a tied head); a GPTQ / AWQ checkpoint's dense linears
+              kept packed on the CPU (--cpu-quantized-weights native) at their packed size
+              (quant_memory.py)
     KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
               latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
