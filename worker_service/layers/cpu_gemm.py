@@ -28,10 +28,11 @@ class CpuGemm:
 
     cpu_linear: cpu_linear.CpuLinear | quant_linear.QuantLinear | None = None
     packed_rows: quant_linear.PackedRows | None = None
+    dense_released = False
 
     def use_cpu_kernels(self) -> bool:
-        if isinstance(self.cpu_linear, quant_linear.QuantLinear):
-            return True
+        if isinstance(self.cpu_linear, quant_linear.QuantLinear) or self.dense_released:
+            return True                           # the weight is only in the packs now
         if self.packed_rows is not None:          # some pieces came plain: all dense
             self.packed_rows.write_dequantized(self.weight.data)
             self.packed_rows = None
@@ -48,6 +49,7 @@ class CpuGemm:
         weight = self.weight
         weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(
             *weight.shape)
+        self.dense_released = True
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

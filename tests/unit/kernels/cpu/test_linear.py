@@ -264,6 +264,9 @@ def test_the_parameter_goes_unless_the_kernels_read_it(monkeypatch, dtype, onedn
     assert (layer.cpu_linear.weight is not None) == reads
     assert layer.release_dense_weight() != reads
     assert layer.weight.shape == w.shape and layer.weight.isnan().all() != reads
+    packs = layer.cpu_linear
+    assert layer.use_cpu_kernels()                  # a second prepare never packs the NaN
+    assert (layer.cpu_linear is packs) != reads     # a kept weight is packed again
     for rows in (3, 200):                            # panels, then the pack / MKL bf16 GEMM
         x = torch.randn(rows, 64).to(dtype)
         torch.testing.assert_close(layer.matmul(x), F.linear(x.float(), w.float()).to(dtype),
