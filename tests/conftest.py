@@ -117,3 +117,12 @@ def default_model():
     from deltaserve.default_model import ensure_default_model
 
     return str(ensure_default_model())
+
+
+@pytest.fixture
+def keep_dense_weights(monkeypatch):
+    """A CPU load keeps every linear's parameter (layers/cpu_kernels.release_dense_weights
+    lets them go once packed): for tests that check where the loader writes weights."""
+    from worker_service.layers import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "release_dense_weights", lambda model: 0)

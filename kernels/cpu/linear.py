@@ -33,17 +33,18 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               FMAs keep pace with 16-bit ones, so that build keeps MKL). Costs a half-size copy
               of the weight.
 
-A non-2-D input or another dtype goes to F.linear, as does everything when the library is not
-loaded. The packed copies are made from the weight at prepare time (re-prepare after changing
-it); they cost memory (two extra copies of each linear weight) and must not be moved (MKL's
-packed data depends on its address; oneDNN's is an opaque tensor), so they are plain
-attributes, never parameters or buffers.
+A 3-D input runs as its rows flattened; another dtype is cast to the weight's and the result
+back (F.linear would refuse the mix), so no call needs the dense weight unless `weight` (below)
+says so. The packed copies are made from the weight at prepare time (re-prepare after changing
+it) and must not be moved (MKL's packed data depends on its address; oneDNN's is an opaque
+tensor), so they are plain attributes, never parameters or buffers. Panels plus one pack are
+two copies of the weight; once prepared, layers/cpu_kernels.py lets the module's parameter go
+(a NaN stand-in) unless `weight` is set here (the bf16 MKL path, the screened head: it IS the
+parameter's tensor, no extra copy) or another module shares the parameter (a tied head).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
 from kernels.cpu import extension, onednn_gemm
 
 PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}            # one thread
@@ -69,6 +70,8 @@ class CpuLinear:
         self.tiles: list[torch.Tensor] | None = None
         self.screen: tuple[torch.Tensor, ...] | None = None
         self.onednn: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None     # the dense weight, where a path reads it
+        self.in_features = weight.shape[1]
         if weight.dtype == torch.float32 and self.out_features >= TILED_FROM_N:
             self.tiles = [ops.mkl_pack(w[i:i + TILE_N].contiguous())
                           for i in range(0, self.out_features, TILE_N)]
@@ -78,12 +81,23 @@ class CpuLinear:
             self.onednn = onednn_gemm.pack(w)
         elif weight.dtype == torch.float32:
             self.packed = ops.mkl_pack(w)
+        else:                       # bfloat16 through cblas_gemm_bf16bf16f32 reads W itself
+            self.weight = w
         self.calls = 0              # calls that took a kernel (tests check they ran)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != self.dtype:
-            return F.linear(x, weight, bias)
+        """x W^T + bias for x [..., K] of any float dtype (the result in x's dtype); `weight`
+        is ignored (the module's parameter may be a stand-in once prepared)."""
+        if x.dim() != 2:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"x's last dim {x.shape[-1]} must be the weight's "
+                                 f"in_features {self.in_features}")
+            return self(x.reshape(-1, self.in_features), None, bias).reshape(
+                *x.shape[:-1], self.out_features)
+        if x.dtype != self.dtype:
+            b = None if bias is None else bias.to(self.dtype)
+            return self(x.to(self.dtype), None, b).to(x.dtype)
         self.calls += 1
         ops, x, n = extension.ops(), x.contiguous(), self.out_features
         if x.shape[0] <= panel_max_rows(self.dtype, self.onednn is not None):
@@ -94,7 +108,7 @@ class CpuLinear:
             return ops.mkl_tiled_linear(x, self.tiles, TILE_N, n, bias)
         if self.packed is not None:
             return ops.mkl_packed_linear(x, self.packed, n, bias)
-        return ops.mkl_bf16_linear(x, weight, bias)
+        return ops.mkl_bf16_linear(x, self.weight, bias)
 
     @property
     def fuses_greedy(self) -> bool:

@@ -37,6 +37,9 @@ ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "phi3-partial-rotary": "Phi3ForCausalLM",
                  "starcoder2": "Starcoder2ForCausalLM", "mistral-window": "MistralForCausalLM"}
 
+# some tests compare the weights the loader writes, read back from the parameters
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")
+
 
 @pytest.fixture(scope="module")
 def twins(tiny_models, tmp_path_factory):

@@ -41,6 +41,9 @@ from worker_service.parallel_state import single_rank_group
 ATOL = 1e-4
 WINDOWS = [8, 0, 8]
 
+# some tests compare the weights the loader writes, read back from the parameters
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")
+
 
 def ours(path, backend: str = "torch"):
     if backend == "cpu" and not cpu_paged.available():

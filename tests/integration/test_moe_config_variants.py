@@ -14,6 +14,9 @@ from tests.support.engine_checks import _check, _prompts
 from tests.support.hf_reference import hf_model
 from tests.support.paged_prefill import load, prefill_logits
 
+# some tests compare the weights the loader writes, read back from the parameters
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")
+
 
 @pytest.mark.parametrize("top_k", [1, 8])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])

@@ -32,6 +32,9 @@ LINEARS = 8
 NATIVE = {"gptq": {"group_size": 32, "act_order": False}, "awq": {"group_size": 32},
           "gptq8": {"group_size": -1}}
 
+# some tests compare the weights the loader writes, read back from the parameters
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")
+
 
 @pytest.fixture(scope="module")
 def pair(tiny_models, tmp_path_factory):
@@ -143,4 +146,5 @@ def test_memory_estimate_counts_the_packed_size(pair):
     model = load(quantized, dtype="bfloat16")
     packed = sum(q.nbytes for q in packed_layers(model))
     dense = sum(q.out_features * q.in_features * 2 for q in packed_layers(model))
-    assert room["dequantize"] - room["native"] == dense - packed
+    # dequantized, each linear also holds the CPU GEMMs' panels and pack: one copy more
+    assert room["dequantize"] - room["native"] == dense - packed + dense

@@ -22,7 +22,8 @@ from tests.support.real_model import (CHATS, FRANCE, FRANCE_ANSWER, FRANCE_ANSWE
 from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,     # compares the loaded parameters: keep them
+              pytest.mark.usefixtures("keep_dense_weights")]
 MAX_NEW = 24
 
 

@@ -8,7 +8,8 @@ missing) layers keep F.linear.
 A GPTQ / AWQ checkpoint loaded with native CPU weights (quant_checkpoint.py's `read_packed`)
 hands the linear layers packed pieces instead: `take_packed` keeps them, and once the rank's
 whole weight is in, `cpu_linear` becomes a layers/quant_linear.QuantLinear and the dense
-weight is never written (a one-element NaN seen as [out, in]: any use that bypasses `matmul`
+weight is never written (a dense weight's CpuLinear lets it go the same way once packed:
+release_dense_weight) (a one-element NaN seen as [out, in]: any use that bypasses `matmul`
 gives NaN, never a silent zero). What its kernels cannot run is dequantized into the weight.
 """
 from __future__ import annotations
@@ -27,15 +28,29 @@ class CpuGemm:
 
     cpu_linear: cpu_linear.CpuLinear | quant_linear.QuantLinear | None = None
     packed_rows: quant_linear.PackedRows | None = None
+    dense_released = False
 
     def use_cpu_kernels(self) -> bool:
-        if isinstance(self.cpu_linear, quant_linear.QuantLinear):
-            return True
+        if isinstance(self.cpu_linear, quant_linear.QuantLinear) or self.dense_released:
+            return True                           # the weight is only in the packs now
         if self.packed_rows is not None:          # some pieces came plain: all dense
             self.packed_rows.write_dequantized(self.weight.data)
             self.packed_rows = None
         self.cpu_linear = cpu_linear.prepare(self.weight.data)
         return self.cpu_linear is not None
+
+    def release_dense_weight(self) -> bool:
+        """Once a CpuLinear holds the weight's panels and pack and reads nothing else, let
+        the parameter's data go: a one-element NaN seen as [out, in] (shape reads work, any
+        value read is NaN). The caller checks no other module shares the parameter."""
+        lin = self.cpu_linear
+        if not isinstance(lin, cpu_linear.CpuLinear) or lin.weight is not None:
+            return False
+        weight = self.weight
+        weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(
+            *weight.shape)
+        self.dense_released = True
+        return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.cpu_linear is not None:

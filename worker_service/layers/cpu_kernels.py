@@ -3,6 +3,9 @@ defines `use_cpu_kernels()` (the linear layers and LM head, RMSNorm, the rope, S
 prepares itself. Each keeps its torch code for inputs the kernels do not take, and when the
 library is missing.
 
+A prepared linear's own parameter is then let go (release_dense_weights): its panels and
+pack are the two copies kept.
+
 This is the long step after the weights load on a CPU (the GEMM weights are packed, about 2 s
 for the 135M default model), and on a first start the library is compiled before it (1-3
 minutes): both say how far they are."""
@@ -31,4 +34,24 @@ def use_cpu_kernels(model: nn.Module) -> int:
     for module in modules:
         used += bool(module.use_cpu_kernels())
         progress.advance()
+    release_dense_weights(model)
     return used
+
+
+def release_dense_weights(model: nn.Module) -> int:
+    """Let every prepared linear's parameter go (cpu_gemm.CpuGemm.release_dense_weight) but
+    one whose storage another module also holds (a head tied to the embedding, which reads
+    it); returns how many went."""
+    holders: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        key = param.untyped_storage().data_ptr()
+        holders[key] = holders.get(key, 0) + 1
+    released = 0
+    for module in model.modules():
+        release = getattr(module, "release_dense_weight", None)
+        weight = getattr(module, "weight", None)
+        if release is None or weight is None or weight.numel() == 0:
+            continue
+        if holders.get(weight.untyped_storage().data_ptr(), 0) == 1:
+            released += bool(release())
+    return released

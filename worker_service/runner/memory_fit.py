@@ -10,8 +10,10 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               split, buffers and the loader's transient copies come on top); on the CPU also
               the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
               copy of every expert, most of an MoE model's bytes), sized as the packing pads
-              them; a GPTQ / AWQ checkpoint's dense linears kept packed on the CPU
-              (--cpu-quantized-weights native) at their packed size (quant_memory.py)
+              them; the dense linears' panels and packs (cpu_linear_memory.py: one copy
+              more of each, two of a tied head); a GPTQ / AWQ checkpoint's dense linears
+              kept packed on the CPU (--cpu-quantized-weights native) at their packed size
+              (quant_memory.py)
     KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
               latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
@@ -30,13 +32,15 @@ import os
 import torch
 
 from engine_common.model_files.model_dir import ModelInfo
+from kernels.cpu import onednn_gemm
 from kernels.cpu.moe_experts import packed_bytes
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
 from worker_service.layers import quant_linear
-from worker_service.runner.quant_memory import native_saving
+from worker_service.runner.cpu_linear_memory import extra_copy_bytes
+from worker_service.runner.quant_memory import native_bytes_per_param, native_saving
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -152,17 +156,49 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
     return config.kv_budget_bytes
 
 
+def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1,
+                              native_quant: bool = False) -> int:
+    """One rank's bytes beyond estimate_weight_bytes that the CPU GEMMs' panels and packs
+    of its dense linears hold (cpu_linear_memory.py): the attention projections (not a
+    latent attention's) and dense MLPs unless kept natively quantized, shared experts, the
+    head."""
+    model_class = _model_class(hf_config)
+    hidden = int(hf_config["hidden_size"])
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    layers = int(hf_config["num_hidden_layers"])
+    inter = int(hf_config.get("intermediate_size") or 4 * hidden)
+    dense_mlp = getattr(model_class, "mlp_matrices", 3) * hidden * inter
+    moe = _moe_args(hf_config)
+    sparse = [moe is not None and moe.is_sparse(i) for i in range(layers)]
+    elements = 0
+    if not (native_quant and native_bytes_per_param(
+            hf_config, torch.empty((), dtype=dtype).element_size()) is not None):
+        if getattr(model_class, "attention_elements", None) is None:
+            elements += layers * (2 * hidden * heads + 2 * hidden * kv_heads) * _head_dim(
+                hf_config)
+        elements += dense_mlp * sparse.count(False)
+    if moe is not None:
+        elements += sum(sparse) * 3 * moe.hidden_size * moe.shared_expert_intermediate_size
+    head = int(hf_config["vocab_size"]) * hidden
+    tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
+    return extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
+                            onednn_gemm.wanted(dtype)) // tp_size
+
+
 def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local_ranks: int,
                   machine_bytes: int | None = None) -> tuple[int, int, int] | None:
     """(the most KV-cache bytes per rank the machine leaves beside the weights, the weights'
-    estimate, the CPU-packed expert copies' part of it); None when the machine's memory is
-    unknown."""
+    estimate, the CPU kernels' packed copies' part of it: experts and linears); None when
+    the machine's memory is unknown."""
     device = torch.device(config.device).type
     dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
     element = torch.empty((), dtype=dtype).element_size()
-    packed = estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size) if device == "cpu" else 0
     native = device == "cpu" and config.cpu_quantized_weights == "native" \
         and dtype in quant_linear.NATIVE_DTYPES
+    packed = (estimate_cpu_packed_bytes(info.hf_config, dtype, tp_size)
+              + estimate_cpu_linear_bytes(info.hf_config, dtype, tp_size, native)
+              if device == "cpu" else 0)
     weights = estimate_weight_bytes(info.hf_config, element, tp_size, native) + packed
     have = machine_bytes if machine_bytes is not None else _machine_bytes(config.device)
     if not have:
@@ -187,7 +223,7 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
         return
     sharing = num_local_ranks if device == "cpu" else 1
     kv_text = "sized from free memory" if kv is None else _size(kv)
-    packed_text = f" ({_size(packed)} of it the experts' CPU-packed copies)" if packed else ""
+    packed_text = f" ({_size(packed)} of it the CPU kernels' packed copies)" if packed else ""
     where = (f"this machine's {_size(have)} of memory" if device == "cpu"
              else f"{config.device}'s {_size(have)}")
     ranks = f" x {sharing} local ranks" if sharing > 1 else ""

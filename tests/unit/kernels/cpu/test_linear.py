@@ -3,6 +3,8 @@ oneDNN's blocked GEMM (kernels/cpu/onednn_gemm.py) against F.linear, the shapes 
 which rows take which layout, and the layers' hook (worker_service/layers/cpu_gemm.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,12 +116,20 @@ def test_onednn_is_chosen_by_isa_and_switch(monkeypatch, cpu_isa):
         onednn_gemm.wanted(torch.float32)
 
 
-def test_odd_inputs_take_f_linear():
-    w = torch.randn(16, 8)
+def test_odd_inputs_run_the_kernels_without_the_dense_weight():
+    """3-D rows flattened, another dtype cast to the weight's and back: the NaN stand-in the
+    module keeps after prepare is never read."""
+    w, b = torch.randn(16, 8), torch.randn(16)
     lin = linear.prepare(w)
-    for x in (torch.randn(2, 5, 8), torch.randn(6, 8).double()):
-        torch.testing.assert_close(lin(x, w.to(x.dtype)), F.linear(x, w.to(x.dtype)))
-    assert lin.calls == 0
+    stand_in = torch.full((1, 1), float("nan")).expand(16, 8)
+    for x in (torch.randn(2, 5, 8), torch.randn(6, 8).double(), torch.randn(8)):
+        got = lin(x, stand_in, b.to(x.dtype))
+        assert got.dtype == x.dtype and got.shape == (*x.shape[:-1], 16)
+        torch.testing.assert_close(got, F.linear(x, w.to(x.dtype), b.to(x.dtype)),
+                                   atol=1e-5, rtol=1e-5)
+    assert lin.calls == 3
+    with pytest.raises(ValueError, match="last dim 7 must be the weight's in_features 8"):
+        lin(torch.randn(2, 3, 7))
 
 
 def test_only_cpu_float32_and_bf16_weights_are_prepared():
@@ -139,9 +149,21 @@ def test_loaded_cpu_model_runs_its_linears_through_the_kernels(tiny_models):
               layer.mlp.down_proj, model.lm_head):
         assert m.cpu_linear is not None
     x = torch.randn(8, model.args.hidden_size)
-    torch.testing.assert_close(layer.mlp.gate_up_proj(x),
-                               F.linear(x, layer.mlp.gate_up_proj.weight), atol=1e-5, rtol=1e-5)
+    gate_up = torch.cat([_checkpoint_tensor(tiny_models("llama"), f"model.layers.0.mlp.{p}.weight")
+                         for p in ("gate_proj", "up_proj")])
+    torch.testing.assert_close(layer.mlp.gate_up_proj(x), F.linear(x, gate_up),
+                               atol=1e-5, rtol=1e-5)
     assert layer.mlp.gate_up_proj.cpu_linear.calls == 1
+    weight = layer.mlp.gate_up_proj.weight      # let go after prepare: a NaN stand-in
+    assert weight.shape == gate_up.shape and weight.untyped_storage().nbytes() == 4
+    assert weight.isnan().all()
+
+
+def _checkpoint_tensor(model_dir, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        return f.get_tensor(name)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -201,3 +223,51 @@ def test_tiled_greedy_finds_the_first_max_across_tiles(threads, with_logprobs):
     logits = w.T[:5]
     want = logits.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     torch.testing.assert_close(logprobs, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_head_keeps_the_weight_the_embedding_reads(tiny_models, tied):
+    """A head tied to the embedding shares its parameter: the embedding looks rows up in it,
+    so it stays; an untied head's parameter goes as every other prepared linear's does."""
+    from worker_service.models.loader import load_model
+    from worker_service.parallel_state import single_rank_group
+    from kernels.attention.torch_ref import TorchAttentionBackend
+
+    path = tiny_models("llama", tie_word_embeddings=tied)
+    model = load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu", "float32")
+    embed = _checkpoint_tensor(path, "model.embed_tokens.weight")
+    assert model.lm_head_is_tied == tied and model.lm_head.cpu_linear is not None
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert model.lm_head.weight.isnan().all() != tied
+    hidden = torch.randn(3, embed.shape[1])
+    head = embed if tied else _checkpoint_tensor(path, "lm_head.weight")
+    torch.testing.assert_close(model.lm_head(hidden), F.linear(hidden, head),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_the_parameter_goes_unless_the_kernels_read_it(monkeypatch, dtype, onednn):
+    """Without oneDNN a bfloat16 weight's many-row calls run MKL's bf16 GEMM on the weight
+    itself, so the module keeps it; every other layout leaves the parameter a NaN stand-in,
+    and the layer's output is unchanged either way."""
+    from worker_service.layers.linear import RowParallelLinear
+    from worker_service.parallel_state import single_rank_group
+
+    monkeypatch.setenv(onednn_gemm.ENV_SWITCH, onednn)
+    layer = RowParallelLinear(64, 48, False, single_rank_group(), dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+    w = layer.weight.detach().clone()
+    assert layer.use_cpu_kernels()
+    reads = dtype == torch.bfloat16 and onednn == "0"
+    assert (layer.cpu_linear.weight is not None) == reads
+    assert layer.release_dense_weight() != reads
+    assert layer.weight.shape == w.shape and layer.weight.isnan().all() != reads
+    packs = layer.cpu_linear
+    assert layer.use_cpu_kernels()                  # a second prepare never packs the NaN
+    assert (layer.cpu_linear is packs) != reads     # a kept weight is packed again
+    for rows in (3, 200):                            # panels, then the pack / MKL bf16 GEMM
+        x = torch.randn(rows, 64).to(dtype)
+        torch.testing.assert_close(layer.matmul(x), F.linear(x.float(), w.float()).to(dtype),
+                                   atol=1e-3, rtol=2e-2)

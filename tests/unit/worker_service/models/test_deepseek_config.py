@@ -146,7 +146,7 @@ def test_the_weight_estimate_is_deepseek_v3s_parameter_count():
     assert 670e9 < params < 672e9, params
 
 
-def test_the_mtp_layer_is_skipped_on_load(tiny_models, tmp_path):
+def test_the_mtp_layer_is_skipped_on_load(tiny_models, tmp_path, keep_dense_weights):
     """A checkpoint with model.layers.{num_hidden_layers}.* (V3's MTP module) loads as without."""
     import shutil
     src = tiny_models("deepseek_v3")

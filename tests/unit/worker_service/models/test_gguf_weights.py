@@ -21,6 +21,9 @@ from worker_service.models.gguf_weights import hf_name, iter_gguf_weights, unper
 from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
 
+# these check the weights the loader writes, read back from the parameters
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")
+
 
 def _ours(path) -> dict[str, np.ndarray]:
     f = GGUFFile.open(path)

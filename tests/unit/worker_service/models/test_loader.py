@@ -22,6 +22,9 @@ from worker_service.parallel_state import TPGroup, single_rank_group
 
 BACKEND = TorchAttentionBackend()
 
+# these check the weights the loader writes, read back from the parameters
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")
+
 
 @pytest.fixture(scope="module")
 def qwen3_dirs(tmp_path_factory):

@@ -60,7 +60,8 @@ def test_more_than_the_machine_has_is_refused_naming_every_number(tiny_models):
     info = ModelInfo.from_dir(model_dir)
     config = RunnerConfig(model_dir=model_dir, kv_cache_bytes=3 * GIB)
     check_memory_fits(config, info, 1, 1, machine_bytes=4 * GIB)
-    with pytest.raises(DoesNotFit, match=r"weights need about [\d.]+ MiB and its KV cache "
+    with pytest.raises(DoesNotFit, match=r"weights need about [\d.]+ MiB \([\d.]+ MiB of it "
+                                         r"the CPU kernels' packed copies\) and its KV cache "
                                          r"3\.00 GiB per rank x 2 local ranks, more than this "
                                          r"machine's 4\.00 GiB of memory"):
         check_memory_fits(config, info, 2, 2, machine_bytes=4 * GIB)

@@ -15,6 +15,7 @@ from worker_service.failures import DoesNotFit
 from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
 from worker_service.runner.memory_fit import (GIB, check_memory_fits,
+                                              estimate_cpu_linear_bytes,
                                               estimate_cpu_packed_bytes, estimate_weight_bytes,
                                               kv_room_bytes)
 
@@ -45,7 +46,8 @@ def test_a_dtype_the_kernel_does_not_take_packs_nothing():
 @needs_extension
 def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
     """The tiny Qwen3-MoE loaded on the CPU: its layers' packed experts, measured, are exactly
-    what the KV room loses beside the plain weight estimate; a dense model loses nothing; and
+    what the KV room loses beside the plain weight estimate and the linears' copies; a dense
+    model loses the linears' only; and
     the check refuses one byte less than weights + packed copies + KV, naming the copies."""
     path = tiny_models("qwen3_moe")
     model = load(path)
@@ -56,19 +58,23 @@ def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
     config = RunnerConfig(model_dir=path, device="cpu", dtype="float32", kv_cache_bytes=GIB)
     assert estimate_cpu_packed_bytes(info.hf_config, torch.float32) == measured
     plain = estimate_weight_bytes(info.hf_config, 4)
+    linears = estimate_cpu_linear_bytes(info.hf_config, torch.float32)  # cpu_linear_memory
+    assert linears > 0
     have = 2 * GIB
-    assert kv_room_bytes(config, info, 1, 1, have) == (have - plain - measured,
-                                                       plain + measured, measured)
+    assert kv_room_bytes(config, info, 1, 1, have) == (have - plain - measured - linears,
+                                                       plain + measured + linears,
+                                                       measured + linears)
 
     dense = tiny_models("qwen3")
     dense_info = ModelInfo.from_dir(dense)
     dense_config = RunnerConfig(model_dir=dense, device="cpu", dtype="float32")
     assert kv_room_bytes(dense_config, dense_info, 1, 1, have)[0] == (
-        have - estimate_weight_bytes(dense_info.hf_config, 4))
+        have - estimate_weight_bytes(dense_info.hf_config, 4)
+        - estimate_cpu_linear_bytes(dense_info.hf_config, torch.float32))
 
-    exact = plain + measured + GIB
+    exact = plain + measured + linears + GIB
     check_memory_fits(config, info, 1, 1, machine_bytes=exact)
-    with pytest.raises(DoesNotFit, match=r"of it the experts' CPU-packed copies\) and its KV "
+    with pytest.raises(DoesNotFit, match=r"of it the CPU kernels' packed copies\) and its KV "
                                          r"cache 1\.00 GiB per rank"):
         check_memory_fits(config, info, 1, 1, machine_bytes=exact - 1)
 

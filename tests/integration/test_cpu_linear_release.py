@@ -1,0 +1,45 @@
+"""A loaded CPU model's dense linears let their parameters go once packed
+(layers/cpu_kernels.release_dense_weights): the greedy tokens are those of the same model
+with every parameter kept, float32 and bfloat16, tied head or not, prefill (oneDNN / MKL rows)
+and decode (panels) steps; and the float32 engine still equals transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.llm import LLM
+from engine_common.request.params import SamplingParams, StoppingParams
+from kernels.cpu import extension
+from tests.support.engine_checks import _check, _prompts
+from worker_service.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+def _greedy(model_dir: str, dtype: str) -> tuple[list[list[int]], object]:
+    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=64)
+    outs = llm.generate(_prompts(500)[:6], SamplingParams(),
+                        StoppingParams(max_tokens=6, ignore_eos=True))
+    return [o.token_ids for o in outs], llm.runner.model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_released_parameters_leave_the_greedy_tokens_unchanged(tiny_models, monkeypatch,
+                                                                dtype, tied):
+    path = tiny_models("llama", tie_word_embeddings=tied)
+    released, model = _greedy(path, dtype)
+    proj = model.model.layers[0].mlp.down_proj
+    assert proj.weight.isnan().all() and proj.weight.untyped_storage().nbytes() <= 4
+    assert model.lm_head.weight.isnan().all() != tied and model.lm_head.cpu_linear.calls > 0
+    monkeypatch.setattr(cpu_kernels, "release_dense_weights", lambda m: 0)
+    kept, kept_model = _greedy(path, dtype)
+    assert not torch.isnan(kept_model.model.layers[0].mlp.down_proj.weight).any()
+    assert released == kept
+
+
+def test_a_tied_head_still_equals_transformers(tiny_models):
+    path = tiny_models("llama", tie_word_embeddings=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=128)
+    assert llm.runner.model.lm_head_is_tied
+    _check(llm, path, _prompts(500), "llama-tied/cpu-kernels")

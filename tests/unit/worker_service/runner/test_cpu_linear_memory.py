@@ -1,0 +1,58 @@
+"""runner/cpu_linear_memory.py: the estimate of what a CPU rank's prepared dense linears hold
+beyond one copy of their weights (panels, packs, a tied head's kept parameter) against the
+real bytes of a loaded tiny model's CpuLinears."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_common.model_files.model_dir import ModelInfo
+from kernels.attention.torch_ref import TorchAttentionBackend
+from kernels.cpu import extension, linear
+from worker_service.models.loader import load_model
+from worker_service.parallel_state import single_rank_group
+from worker_service.runner.cpu_linear_memory import extra_copy_bytes
+from worker_service.runner.memory_fit import estimate_cpu_linear_bytes
+
+needs_extension = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not built")
+
+
+def _held_beyond_one_copy(model) -> int:
+    """Every CpuLinear's panels and pack (an MKL pack counted as the dense bytes it writes: it
+    reserves more) plus its parameter where it stays, less one dense copy of each (what the
+    plain weight estimate counts); a tied head's parameter is the embedding's copy."""
+    embedding = model.model.embed_tokens.weight
+    total = 0
+    for m in model.modules():
+        lin = getattr(m, "cpu_linear", None)
+        if not isinstance(lin, linear.CpuLinear):
+            continue
+        dense = m.weight.numel() * m.weight.element_size()
+        pack = dense if lin.onednn is not None or lin.packed is not None or lin.tiles else 0
+        kept = m.weight.untyped_storage().nbytes() if m.weight is not embedding else 0
+        total += lin.panels.nbytes + pack + (kept if kept > 8 else 0) - dense
+        if m.weight is embedding:
+            total += dense
+    return total
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "starcoder2"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_estimate_is_a_close_lower_bound_of_the_real_copies(tiny_models, arch, dtype, tied):
+    """Dense and tied heads, a shared expert, two-matrix MLPs, float32 and bfloat16: the
+    estimate is at most the real bytes and within the panels' padding of them."""
+    path = tiny_models(arch, tie_word_embeddings=tied)
+    model = load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu",
+                       str(dtype).split(".")[1])
+    assert model.lm_head_is_tied == tied
+    real = _held_beyond_one_copy(model)
+    estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, dtype)
+    assert 0.9 * real <= estimate <= real, (estimate, real)
+
+
+def test_a_dtype_the_kernels_do_not_take_adds_nothing():
+    assert extra_copy_bytes(100, 10, torch.float16, True) == 0
+    assert extra_copy_bytes(100, 10, torch.float32, False) == 120 * 4
+    assert extra_copy_bytes(100, 10, torch.bfloat16, False) == 110 * 2   # the bf16 GEMM's W
