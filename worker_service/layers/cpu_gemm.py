@@ -46,9 +46,7 @@ class CpuGemm:
         lin = self.cpu_linear
         if not isinstance(lin, cpu_linear.CpuLinear) or lin.weight is not None:
             return False
-        weight = self.weight
-        weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(
-            *weight.shape)
+        _stand_in(self.weight)
         self.dense_released = True
         return True
 
@@ -87,6 +85,11 @@ class CpuGemm:
             self.packed_rows.write_dequantized(weight.data)
         else:
             self.cpu_linear = built
-            weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(
-                *weight.shape)
+            _stand_in(weight)
         self.packed_rows = None
+
+
+def _stand_in(weight: torch.Tensor) -> None:
+    """Let the parameter's data go once the kernels hold it: a one-element NaN seen as its
+    shape (shape reads work; any value read is NaN, never a silent zero)."""
+    weight.data = torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(*weight.shape)
