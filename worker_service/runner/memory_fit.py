@@ -159,8 +159,8 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
 def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1,
                               native_quant: bool = False) -> int:
     """One rank's bytes beyond estimate_weight_bytes that the CPU GEMMs' panels and packs
-    of its dense linears hold (cpu_linear_memory.py): the attention projections (not a
-    latent attention's) and dense MLPs unless kept natively quantized, shared experts, the
+    of its dense linears hold (cpu_linear_memory.py): the attention projections (a latent
+    attention's but kv_b) and dense MLPs unless kept natively quantized, shared experts, the
     head."""
     model_class = _model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
@@ -174,9 +174,9 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     elements = 0
     if not (native_quant and native_bytes_per_param(
             hf_config, torch.empty((), dtype=dtype).element_size()) is not None):
-        if getattr(model_class, "attention_elements", None) is None:
-            elements += layers * (2 * hidden * heads + 2 * hidden * kv_heads) * _head_dim(
-                hf_config)
+        own_linears = getattr(model_class, "attention_linear_elements", None)   # MLA
+        elements += layers * (own_linears(hf_config) if own_linears is not None else
+                              (2 * hidden * heads + 2 * hidden * kv_heads) * _head_dim(hf_config))
         elements += dense_mlp * sparse.count(False)
     if moe is not None:
         elements += sum(sparse) * 3 * moe.hidden_size * moe.shared_expert_intermediate_size

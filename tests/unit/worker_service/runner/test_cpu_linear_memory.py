@@ -38,11 +38,13 @@ def _held_beyond_one_copy(model) -> int:
 
 @needs_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "starcoder2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe", "starcoder2", "deepseek_v2",
+                                  "deepseek_v3"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_estimate_is_a_close_lower_bound_of_the_real_copies(tiny_models, arch, dtype, tied):
-    """Dense and tied heads, a shared expert, two-matrix MLPs, float32 and bfloat16: the
-    estimate is at most the real bytes and within the panels' padding of them."""
+    """Dense and tied heads, a shared expert, two-matrix MLPs, latent attention (its q, kv_a
+    and o projections run as linears, kv_b does not), float32 and bfloat16: the estimate is
+    at most the real bytes and within the panels' padding of them."""
     path = tiny_models(arch, tie_word_embeddings=tied)
     model = load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu",
                        str(dtype).split(".")[1])
