@@ -10,8 +10,9 @@ oneDNN runs MKL's bf16 GEMM on the parameter itself: the panels are its
 only extra copy. Both are counted as dense: a lower bound (the panels pad N to 32 columns; MKL
 reserves more than it writes, but only written pages are resident; the AVX2 build's screened
 head adds a 16-bit copy). Attention projections and dense MLPs kept natively quantized
-(quant_memory.py), MoE experts (their own packs: moe_experts.packed_bytes) and latent
-attention (reads its weight as matrices) add nothing here.
+(quant_memory.py), MoE experts (their own packs: moe_experts.packed_bytes) and a latent
+attention's kv_b (read as matrices; its q, kv_a and o projections are linears) add nothing
+here.
 """
 from __future__ import annotations
 
