@@ -31,7 +31,8 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               out computed in float32; the argmax of the float32 logits, the same on any batch.
               1.1-1.5x the float32 paths at 1-256 rows (emulated AVX2; on AVX-512 the float32
               FMAs keep pace with 16-bit ones, so that build keeps MKL). Costs a half-size copy
-              of the weight.
+              of the weight, and keeps the weight (its float32 pass over the columns the bound keeps reads it): only
+              a layer asked for greedy() (prepare's `greedy`: the one-rank LM head) takes it.
 
 A 3-D input runs as its rows flattened; another dtype is cast to the weight's and the result
 back (F.linear would refuse the mix), so no call needs the dense weight unless `weight` (below)
@@ -60,7 +61,7 @@ TILED_FROM_N = 8192
 class CpuLinear:
     """One weight prepared for the CPU GEMMs; call it as F.linear(x, weight, bias)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, greedy: bool = True) -> None:
         ops = extension.ops()
         self.dtype = weight.dtype
         self.out_features = weight.shape[0]
@@ -75,7 +76,7 @@ class CpuLinear:
         if weight.dtype == torch.float32 and self.out_features >= TILED_FROM_N:
             self.tiles = [ops.mkl_pack(w[i:i + TILE_N].contiguous())
                           for i in range(0, self.out_features, TILE_N)]
-            if ops.screen_available():
+            if greedy and ops.screen_available():
                 self.weight, self.screen = w, _screen_pack(ops, w)
         elif onednn_gemm.wanted(weight.dtype):
             self.onednn = onednn_gemm.pack(w)
@@ -158,13 +159,15 @@ def panel_max_rows(dtype: torch.dtype, onednn: bool = False) -> int:
     return (PANEL_MAX_ROWS if one else PANEL_MAX_ROWS_THREADED)[dtype]
 
 
-def prepare(weight: torch.Tensor) -> CpuLinear | None:
-    """A CpuLinear for a CPU weight this module can run faster than F.linear, else None."""
+def prepare(weight: torch.Tensor, greedy: bool = True) -> CpuLinear | None:
+    """A CpuLinear for a CPU weight this module can run faster than F.linear, else None.
+    greedy False: `greedy()` is never asked (any layer but a one-rank LM head), so a wide
+    weight takes no screen (its 16-bit copy, and the kept dense weight it reads)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not extension.load():
         return None
     ops = extension.ops()
     if weight.dtype == torch.float32 and ops.mkl_sgemm_packed_available():
-        return CpuLinear(weight)
+        return CpuLinear(weight, greedy)
     if weight.dtype == torch.bfloat16 and ops.mkl_bf16_available():
-        return CpuLinear(weight)
+        return CpuLinear(weight, greedy)
     return None

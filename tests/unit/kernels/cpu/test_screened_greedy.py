@@ -282,3 +282,30 @@ def test_a_pack_of_another_shape_is_refused(screening):
     longer = torch.cat([w, 100 * w[:1].expand(40, 8)])
     with pytest.raises(RuntimeError, match="does not match"):
         screening.screen_greedy(w[:2].contiguous(), w, *screening.screen_pack(longer))
+
+
+def test_only_the_lm_head_keeps_a_screen(screening):
+    """The screen serves greedy() alone, which only a one-rank LM head is asked: a wide
+    float32 projection (an MLP's up / gate_up) takes no 16-bit copy, so its parameter is let
+    go like any other linear's; the head keeps the screen and the weight it reads."""
+    from torch import nn
+
+    from worker_service.layers import cpu_kernels
+    from worker_service.layers.embedding import ParallelLMHead
+    from worker_service.layers.linear import ColumnParallelLinear
+    from worker_service.parallel_state import single_rank_group
+
+    tp, n, gen = single_rank_group(), linear.TILED_FROM_N, torch.Generator().manual_seed(12)
+    model = nn.Module()
+    model.up = ColumnParallelLinear(16, n, False, tp, torch.float32)
+    model.head = ParallelLMHead(n, 16, tp, torch.float32)
+    weights = [torch.randn(n, 16, generator=gen) for _ in range(2)]
+    for module, w in zip((model.up, model.head), weights):
+        module.weight.data.copy_(w)
+    cpu_kernels.use_cpu_kernels(model)
+    assert model.up.cpu_linear.screen is None and model.up.dense_released
+    assert model.up.weight.untyped_storage().nbytes() == 4
+    assert model.head.cpu_linear.screen is not None and not model.head.dense_released
+    x = torch.randn(5, 16, generator=gen)
+    torch.testing.assert_close(model.up(x), F.linear(x, weights[0]), atol=1e-4, rtol=1e-5)
+    assert model.head.greedy(x, False)[0].tolist() == F.linear(x, weights[1]).argmax(-1).tolist()
