@@ -180,7 +180,9 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
         elements += dense_mlp * sparse.count(False)
     if moe is not None:
         elements += sum(sparse) * 3 * moe.hidden_size * moe.shared_expert_intermediate_size
-    head = int(hf_config["vocab_size"]) * hidden
+    # a pooling-only model's head is never prepared (cpu_kernels.use_cpu_kernels)
+    head = 0 if getattr(model_class, "pooling_only", False) else int(
+        hf_config["vocab_size"]) * hidden
     tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
     return extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
                             onednn_gemm.wanted(dtype)) // tp_size

@@ -58,3 +58,20 @@ def test_a_dtype_the_kernels_do_not_take_adds_nothing():
     assert extra_copy_bytes(100, 10, torch.float16, True) == 0
     assert extra_copy_bytes(100, 10, torch.float32, False) == 120 * 4
     assert extra_copy_bytes(100, 10, torch.bfloat16, False) == 110 * 2   # the bf16 GEMM's W
+
+
+@needs_extension
+def test_a_pooling_only_decoder_packs_no_head(tmp_path):
+    """A decoder classifier (Qwen3ForSequenceClassification) has no head in its checkpoint:
+    the loader ties one to the embedding, which nothing reads (compute_logits refuses), so
+    it gets no panels or pack, and the estimate counts none (it counted one copy of an
+    untied head: config.json says tie_word_embeddings false)."""
+    from tests.support.classifier_models import make_classifier_model
+
+    path = make_classifier_model(tmp_path / "qwen3", "qwen3", 2)
+    model = load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu", "float32")
+    assert model.lm_head_is_tied and model.lm_head.cpu_linear is None
+    assert model.model.layers[0].mlp.down_proj.cpu_linear is not None
+    real = _held_beyond_one_copy(model)
+    estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, torch.float32)
+    assert 0.9 * real <= estimate <= real, (estimate, real)
