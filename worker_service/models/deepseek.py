@@ -169,6 +169,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return q + m.hidden_size * m.latent_dim + m.num_heads * m.v_head_dim * m.hidden_size
 
     @classmethod
+    def replicated_attention_elements(cls, hf_config: dict) -> int:
+        """The part of attention_linear_elements every rank holds whole (q_a, kv_a)."""
+        m = read_mla(with_defaults(hf_config, cls.v3), cls.v3)
+        return m.hidden_size * ((m.q_lora_rank or 0) + m.latent_dim)
+
+    @classmethod
     def moe_args(cls, hf_config: dict) -> MoeArgs:
         """The sparse layers in MoeArgs' terms (the dense ones as mlp_only_layers)."""
         cfg = with_defaults(hf_config, cls.v3)

@@ -164,8 +164,6 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     head."""
     model_class = _model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
-    heads = int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     layers = int(hf_config["num_hidden_layers"])
     inter = int(hf_config.get("intermediate_size") or 4 * hidden)
     dense_mlp = getattr(model_class, "mlp_matrices", 3) * hidden * inter
@@ -174,9 +172,7 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     elements = 0
     if not (native_quant and native_bytes_per_param(
             hf_config, torch.empty((), dtype=dtype).element_size()) is not None):
-        own_linears = getattr(model_class, "attention_linear_elements", None)   # MLA
-        elements += layers * (own_linears(hf_config) if own_linears is not None else
-                              (2 * hidden * heads + 2 * hidden * kv_heads) * _head_dim(hf_config))
+        elements += layers * _attention_linear_elements(hf_config, model_class, tp_size)
         elements += dense_mlp * sparse.count(False)
     if moe is not None:
         elements += sum(sparse) * 3 * moe.hidden_size * moe.shared_expert_intermediate_size
@@ -186,6 +182,19 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
     return extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
                             onednn_gemm.wanted(dtype)) // tp_size
+
+
+def _attention_linear_elements(hf_config: dict, model_class, tp_size: int) -> int:
+    """One layer's attention weights run as CPU linears, all ranks together, what each rank
+    holds whole counted once per rank: k / v when there are fewer kv heads than ranks (each
+    keeps one), a latent attention's q_a / kv_a (its kv_b is no linear)."""
+    own = getattr(model_class, "attention_linear_elements", None)   # MLA
+    if own is not None:
+        return own(hf_config) + (tp_size - 1) * model_class.replicated_attention_elements(
+            hf_config)
+    hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    return 2 * hidden * (heads + max(kv_heads, tp_size)) * _head_dim(hf_config)
 
 
 def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local_ranks: int,

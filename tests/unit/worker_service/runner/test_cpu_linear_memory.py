@@ -10,7 +10,7 @@ from engine_common.model_files.model_dir import ModelInfo
 from kernels.attention.torch_ref import TorchAttentionBackend
 from kernels.cpu import extension, linear
 from worker_service.models.loader import load_model
-from worker_service.parallel_state import single_rank_group
+from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.runner.cpu_linear_memory import extra_copy_bytes
 from worker_service.runner.memory_fit import estimate_cpu_linear_bytes
 
@@ -75,3 +75,17 @@ def test_a_pooling_only_decoder_packs_no_head(tmp_path):
     real = _held_beyond_one_copy(model)
     estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, torch.float32)
     assert 0.9 * real <= estimate <= real, (estimate, real)
+
+
+@needs_extension
+@pytest.mark.parametrize("arch, overrides", [("llama", {"num_key_value_heads": 1}),
+                                             ("deepseek_v2", {})])
+def test_one_rank_of_two_holds_what_the_estimate_counts(tiny_models, arch, overrides):
+    """Rank 0 of two, loaded alone (loading takes no collectives): what every rank holds
+    whole is not halved, k / v when there are fewer kv heads than ranks (each keeps one), a
+    latent attention's q_a / kv_a (replicated)."""
+    path = tiny_models(arch, **overrides)
+    model = load_model(path, TPGroup(0, 2), TorchAttentionBackend(), "cpu", "float32")
+    real = _held_beyond_one_copy(model)
+    estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, torch.float32, 2)
+    assert 0.95 * real <= estimate <= real, (estimate, real)
