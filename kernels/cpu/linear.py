@@ -45,6 +45,8 @@ parameter's tensor, no extra copy) or another module shares the parameter (a tie
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from kernels.cpu import extension, onednn_gemm
 
@@ -147,6 +149,18 @@ def _screen_pack(ops, w: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         return ops.screen_pack(w)
     except RuntimeError:
         return None
+
+
+def screens_heads() -> bool:
+    """Whether a wide float32 head prepared in this process keeps a screen: its build's vector
+    body is AVX2 (the avx2 build, or the native one on a CPU without AVX-512), told from the
+    CPU's flags without loading the library (the memory check runs before the load)."""
+    if os.environ.get(extension.ENV_SWITCH, "") == "0":
+        return False
+    flags = set(extension.cpu_flags().split())
+    if extension.isa() == "avx2":
+        return True
+    return extension.isa() == "native" and "avx512f" not in flags and {"avx2", "fma"} <= flags
 
 
 def panel_max_rows(dtype: torch.dtype, onednn: bool = False) -> int:

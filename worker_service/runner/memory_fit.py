@@ -32,14 +32,14 @@ import os
 import torch
 
 from engine_common.model_files.model_dir import ModelInfo
-from kernels.cpu import onednn_gemm
+from kernels.cpu import linear as cpu_linear, onednn_gemm
 from kernels.cpu.moe_experts import packed_bytes
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
 from worker_service.layers import quant_linear
-from worker_service.runner.cpu_linear_memory import extra_copy_bytes
+from worker_service.runner.cpu_linear_memory import extra_copy_bytes, screen_bytes
 from worker_service.runner.quant_memory import native_bytes_per_param, native_saving
 
 GIB = 1 << 30
@@ -180,8 +180,12 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     head = 0 if getattr(model_class, "pooling_only", False) else int(
         hf_config["vocab_size"]) * hidden
     tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
-    return extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
-                            onednn_gemm.wanted(dtype)) // tp_size
+    screened = (dtype == torch.float32 and tp_size == 1 and head
+                and int(hf_config["vocab_size"]) >= cpu_linear.TILED_FROM_N
+                and cpu_linear.screens_heads())
+    return (extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
+                             onednn_gemm.wanted(dtype))
+            + (screen_bytes(head, tied) if screened else 0)) // tp_size
 
 
 def _attention_linear_elements(hf_config: dict, model_class, tp_size: int) -> int:

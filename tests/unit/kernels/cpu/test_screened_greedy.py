@@ -39,6 +39,7 @@ def test_only_the_avx2_body_screens(cpu_isa, ops):
     """AVX-512's float32 FMAs keep pace with its 16-bit multiply-adds, and the generic build
     has no vector body: both keep MKL's path, and prepare() builds no 16-bit copy there."""
     assert ops.screen_available() == (cpu_isa == "avx2" or ops.body() == "avx2")
+    assert linear.screens_heads() == ops.screen_available()     # told without the library
     lin = linear.prepare(torch.randn(linear.TILED_FROM_N, 8))
     assert (lin.screen is not None) == ops.screen_available()
 
@@ -309,3 +310,24 @@ def test_only_the_lm_head_keeps_a_screen(screening):
     x = torch.randn(5, 16, generator=gen)
     torch.testing.assert_close(model.up(x), F.linear(x, weights[0]), atol=1e-4, rtol=1e-5)
     assert model.head.greedy(x, False)[0].tolist() == F.linear(x, weights[1]).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_estimate_counts_the_screened_heads_copies(screening, tiny_models, tied):
+    """The memory check runs before the library loads: it tells the AVX2 body from the CPU's
+    flags (linear.screens_heads) and counts the screen (half a copy of the head) and an untied
+    head's parameter, which the screen reads and so stays."""
+    from engine_common.model_files.model_dir import ModelInfo
+    from kernels.attention.torch_ref import TorchAttentionBackend
+    from tests.unit.worker_service.runner.test_cpu_linear_memory import _held_beyond_one_copy
+    from worker_service.models.loader import load_model
+    from worker_service.parallel_state import single_rank_group
+    from worker_service.runner.memory_fit import estimate_cpu_linear_bytes
+
+    assert linear.screens_heads()
+    path = tiny_models("llama", vocab_size=linear.TILED_FROM_N, tie_word_embeddings=tied)
+    model = load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu", "float32")
+    assert model.lm_head.cpu_linear.screen is not None
+    real = _held_beyond_one_copy(model)
+    estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, torch.float32)
+    assert 0.9 * real <= estimate <= real, (estimate, real)

@@ -19,7 +19,7 @@ needs_extension = pytest.mark.skipif(not extension.load(), reason="deltaserve_cp
 
 def _held_beyond_one_copy(model) -> int:
     """Every CpuLinear's panels and pack (an MKL pack counted as the dense bytes it writes: it
-    reserves more) plus its parameter where it stays, less one dense copy of each (what the
+    reserves more), the AVX2 head's screen, plus its parameter where it stays, less one dense copy of each (what the
     plain weight estimate counts); a tied head's parameter is the embedding's copy."""
     embedding = model.model.embed_tokens.weight
     total = 0
@@ -30,7 +30,8 @@ def _held_beyond_one_copy(model) -> int:
         dense = m.weight.numel() * m.weight.element_size()
         pack = dense if lin.onednn is not None or lin.packed is not None or lin.tiles else 0
         kept = m.weight.untyped_storage().nbytes() if m.weight is not embedding else 0
-        total += lin.panels.nbytes + pack + (kept if kept > 8 else 0) - dense
+        screen = sum(t.nbytes for t in lin.screen) if lin.screen is not None else 0
+        total += lin.panels.nbytes + pack + screen + (kept if kept > 8 else 0) - dense
         if m.weight is embedding:
             total += dense
     return total
