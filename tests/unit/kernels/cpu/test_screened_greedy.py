@@ -331,3 +331,19 @@ def test_the_estimate_counts_the_screened_heads_copies(screening, tiny_models, t
     real = _held_beyond_one_copy(model)
     estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, torch.float32)
     assert 0.9 * real <= estimate <= real, (estimate, real)
+
+
+def test_the_avx2_engine_with_a_wide_mlp_equals_transformers(screening, tiny_models):
+    """The whole engine on the AVX2 body, float32: the 8,192-wide gate_up runs released
+    (panels and tiles, no screen), the 8,192-token head screened; greedy == transformers."""
+    from deltaserve.llm import LLM
+    from tests.support.engine_checks import _check, _prompts
+
+    path = tiny_models("llama", vocab_size=linear.TILED_FROM_N, intermediate_size=4096)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    model = llm.runner.model
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.dense_released and gate_up.cpu_linear.screen is None
+    assert model.lm_head.cpu_linear.screen is not None
+    _check(llm, path, _prompts(500)[:4], "llama-avx2-wide")
+    assert gate_up.cpu_linear.calls > 0
