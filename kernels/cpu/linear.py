@@ -31,7 +31,8 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               out computed in float32; the argmax of the float32 logits, the same on any batch.
               1.1-1.5x the float32 paths at 1-256 rows (emulated AVX2; on AVX-512 the float32
               FMAs keep pace with 16-bit ones, so that build keeps MKL). Costs a half-size copy
-              of the weight.
+              of the weight, and keeps the weight (its float32 pass over the columns the bound keeps reads it): only
+              a layer asked for greedy() (prepare's `greedy`: the one-rank LM head) takes it.
 
 A 3-D input runs as its rows flattened; another dtype is cast to the weight's and the result
 back (F.linear would refuse the mix), so no call needs the dense weight unless `weight` (below)
@@ -43,6 +44,8 @@ two copies of the weight; once prepared, layers/cpu_kernels.py lets the module's
 parameter's tensor, no extra copy) or another module shares the parameter (a tied head).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from kernels.cpu import extension, onednn_gemm
@@ -60,7 +63,7 @@ TILED_FROM_N = 8192
 class CpuLinear:
     """One weight prepared for the CPU GEMMs; call it as F.linear(x, weight, bias)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, greedy: bool = True) -> None:
         ops = extension.ops()
         self.dtype = weight.dtype
         self.out_features = weight.shape[0]
@@ -75,7 +78,7 @@ class CpuLinear:
         if weight.dtype == torch.float32 and self.out_features >= TILED_FROM_N:
             self.tiles = [ops.mkl_pack(w[i:i + TILE_N].contiguous())
                           for i in range(0, self.out_features, TILE_N)]
-            if ops.screen_available():
+            if greedy and ops.screen_available():
                 self.weight, self.screen = w, _screen_pack(ops, w)
         elif onednn_gemm.wanted(weight.dtype):
             self.onednn = onednn_gemm.pack(w)
@@ -148,6 +151,18 @@ def _screen_pack(ops, w: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         return None
 
 
+def screens_heads() -> bool:
+    """Whether a wide float32 head prepared in this process keeps a screen: its build's vector
+    body is AVX2 (the avx2 build, or the native one on a CPU without AVX-512), told from the
+    CPU's flags without loading the library (the memory check runs before the load)."""
+    if os.environ.get(extension.ENV_SWITCH, "") == "0":
+        return False
+    flags = set(extension.cpu_flags().split())
+    if extension.isa() == "avx2":
+        return True
+    return extension.isa() == "native" and "avx512f" not in flags and {"avx2", "fma"} <= flags
+
+
 def panel_max_rows(dtype: torch.dtype, onednn: bool = False) -> int:
     """The most rows that take the panels at the current thread count (measured crossovers
     against MKL, or oneDNN where it takes the rows above, on 30 layers of SmolLM2-135M's
@@ -158,13 +173,15 @@ def panel_max_rows(dtype: torch.dtype, onednn: bool = False) -> int:
     return (PANEL_MAX_ROWS if one else PANEL_MAX_ROWS_THREADED)[dtype]
 
 
-def prepare(weight: torch.Tensor) -> CpuLinear | None:
-    """A CpuLinear for a CPU weight this module can run faster than F.linear, else None."""
+def prepare(weight: torch.Tensor, greedy: bool = True) -> CpuLinear | None:
+    """A CpuLinear for a CPU weight this module can run faster than F.linear, else None.
+    greedy False: `greedy()` is never asked (any layer but a one-rank LM head), so a wide
+    weight takes no screen (its 16-bit copy, and the kept dense weight it reads)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not extension.load():
         return None
     ops = extension.ops()
     if weight.dtype == torch.float32 and ops.mkl_sgemm_packed_available():
-        return CpuLinear(weight)
+        return CpuLinear(weight, greedy)
     if weight.dtype == torch.bfloat16 and ops.mkl_bf16_available():
-        return CpuLinear(weight)
+        return CpuLinear(weight, greedy)
     return None

@@ -36,8 +36,13 @@ class CpuGemm:
         if self.packed_rows is not None:          # some pieces came plain: all dense
             self.packed_rows.write_dequantized(self.weight.data)
             self.packed_rows = None
-        self.cpu_linear = cpu_linear.prepare(self.weight.data)
+        self.cpu_linear = cpu_linear.prepare(self.weight.data, self.asks_greedy())
         return self.cpu_linear is not None
+
+    def asks_greedy(self) -> bool:
+        """Whether this layer asks its CpuLinear for greedy() (the LM head): only then does a
+        wide float32 weight keep the AVX2 build's screen, and the weight with it."""
+        return False
 
     def release_dense_weight(self) -> bool:
         """Once a CpuLinear holds the weight's panels and pack and reads nothing else, let

@@ -27,7 +27,10 @@ def use_cpu_kernels(model: nn.Module) -> int:
         with heartbeat("building CPU kernels (about 1-3 minutes, once per checkout)",
                        emit=log.info):
             extension.load()
-    modules = [m for m in model.modules() if callable(getattr(m, "use_cpu_kernels", None))]
+    # a pooling-only model's head (tied by the loader) is never run: no panels or pack for it
+    unread = getattr(model, "lm_head", None) if getattr(model, "pooling_only", False) else None
+    modules = [m for m in model.modules()
+               if m is not unread and callable(getattr(m, "use_cpu_kernels", None))]
     progress = Progress("packing weights for the CPU kernels", len(modules), "layers",
                         emit=log.info)
     used = 0

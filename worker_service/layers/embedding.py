@@ -63,6 +63,10 @@ class ParallelLMHead(CpuGemm, VocabParallelEmbedding):
                              f"{tuple(embedding.weight.shape)}")
         self.weight = embedding.weight
 
+    def asks_greedy(self) -> bool:
+        """greedy() takes the CPU kernels on one rank only (below)."""
+        return self.tp.world_size == 1
+
     def greedy(self, hidden: torch.Tensor, logprobs: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(argmax token of each row, its logprob) from the hidden states without float32

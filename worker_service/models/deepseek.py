@@ -154,12 +154,25 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def attention_elements(cls, hf_config: dict) -> int:
         """One layer's attention weights (q, the latent projections, kv_b, o, two norms)."""
         m = read_mla(with_defaults(hf_config, cls.v3), cls.v3)
+        norms = m.kv_lora_rank + (m.q_lora_rank or 0)
+        return (cls.attention_linear_elements(hf_config) + norms
+                + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim))
+
+    @classmethod
+    def attention_linear_elements(cls, hf_config: dict) -> int:
+        """One layer's attention weights that run as CPU linears (q or q_a and q_b, kv_a, o):
+        all but kv_b, which is read as matrices (mla.LatentUpProjection), and the norms."""
+        m = read_mla(with_defaults(hf_config, cls.v3), cls.v3)
         q_out = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        q = (m.hidden_size * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * q_out
+        q = (m.hidden_size * m.q_lora_rank + m.q_lora_rank * q_out
              if m.q_lora_rank else m.hidden_size * q_out)
-        return (q + m.hidden_size * m.latent_dim + m.kv_lora_rank
-                + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
-                + m.num_heads * m.v_head_dim * m.hidden_size)
+        return q + m.hidden_size * m.latent_dim + m.num_heads * m.v_head_dim * m.hidden_size
+
+    @classmethod
+    def replicated_attention_elements(cls, hf_config: dict) -> int:
+        """The part of attention_linear_elements every rank holds whole (q_a, kv_a)."""
+        m = read_mla(with_defaults(hf_config, cls.v3), cls.v3)
+        return m.hidden_size * ((m.q_lora_rank or 0) + m.latent_dim)
 
     @classmethod
     def moe_args(cls, hf_config: dict) -> MoeArgs:

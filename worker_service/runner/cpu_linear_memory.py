@@ -8,10 +8,11 @@ linear costs about one copy more than estimate_weight_bytes counts, and a head t
 embedding two more (its parameter stays: the embedding reads it). A bfloat16 weight without
 oneDNN runs MKL's bf16 GEMM on the parameter itself: the panels are its
 only extra copy. Both are counted as dense: a lower bound (the panels pad N to 32 columns; MKL
-reserves more than it writes, but only written pages are resident; the AVX2 build's screened
-head adds a 16-bit copy). Attention projections and dense MLPs kept natively quantized
-(quant_memory.py), MoE experts (their own packs: moe_experts.packed_bytes) and latent
-attention (reads its weight as matrices) add nothing here.
+reserves more than it writes, but only written pages are resident). The AVX2 build's screened
+head adds its 16-bit copy and keeps its parameter (screen_bytes). Attention projections and dense MLPs kept natively quantized
+(quant_memory.py), MoE experts (their own packs: moe_experts.packed_bytes) and a latent
+attention's kv_b (read as matrices; its q, kv_a and o projections are linears) add nothing
+here.
 """
 from __future__ import annotations
 
@@ -30,3 +31,9 @@ def extra_copy_bytes(linear_elements: int, tied_head_elements: int, dtype: torch
     packs = dtype == torch.float32 or onednn      # else the bf16 GEMM reads the parameter
     # untied: panels + pack, the parameter let go (or parameter + panels): one copy more
     return (linear_elements + tied_head_elements * (2 if packs else 1)) * element
+
+
+def screen_bytes(head_elements: int, tied: bool) -> int:
+    """The AVX2 build's screened float32 head (kernels/cpu/linear.screens_heads): its 16-bit
+    copy, and an untied head's parameter, which the screen reads (so it stays)."""
+    return head_elements * (2 + (0 if tied else 4))

@@ -32,14 +32,14 @@ import os
 import torch
 
 from engine_common.model_files.model_dir import ModelInfo
-from kernels.cpu import onednn_gemm
+from kernels.cpu import linear as cpu_linear, onednn_gemm
 from kernels.cpu.moe_experts import packed_bytes
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
 from worker_service.layers import quant_linear
-from worker_service.runner.cpu_linear_memory import extra_copy_bytes
+from worker_service.runner.cpu_linear_memory import extra_copy_bytes, screen_bytes
 from worker_service.runner.quant_memory import native_bytes_per_param, native_saving
 
 GIB = 1 << 30
@@ -159,13 +159,11 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
 def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1,
                               native_quant: bool = False) -> int:
     """One rank's bytes beyond estimate_weight_bytes that the CPU GEMMs' panels and packs
-    of its dense linears hold (cpu_linear_memory.py): the attention projections (not a
-    latent attention's) and dense MLPs unless kept natively quantized, shared experts, the
+    of its dense linears hold (cpu_linear_memory.py): the attention projections (a latent
+    attention's but kv_b) and dense MLPs unless kept natively quantized, shared experts, the
     head."""
     model_class = _model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
-    heads = int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     layers = int(hf_config["num_hidden_layers"])
     inter = int(hf_config.get("intermediate_size") or 4 * hidden)
     dense_mlp = getattr(model_class, "mlp_matrices", 3) * hidden * inter
@@ -174,16 +172,33 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     elements = 0
     if not (native_quant and native_bytes_per_param(
             hf_config, torch.empty((), dtype=dtype).element_size()) is not None):
-        if getattr(model_class, "attention_elements", None) is None:
-            elements += layers * (2 * hidden * heads + 2 * hidden * kv_heads) * _head_dim(
-                hf_config)
+        elements += layers * _attention_linear_elements(hf_config, model_class, tp_size)
         elements += dense_mlp * sparse.count(False)
     if moe is not None:
         elements += sum(sparse) * 3 * moe.hidden_size * moe.shared_expert_intermediate_size
-    head = int(hf_config["vocab_size"]) * hidden
+    # a pooling-only model's head is never prepared (cpu_kernels.use_cpu_kernels)
+    head = 0 if getattr(model_class, "pooling_only", False) else int(
+        hf_config["vocab_size"]) * hidden
     tied = hf_config.get("tie_word_embeddings", getattr(model_class, "tie_by_default", False))
-    return extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
-                            onednn_gemm.wanted(dtype)) // tp_size
+    screened = (dtype == torch.float32 and tp_size == 1 and head
+                and int(hf_config["vocab_size"]) >= cpu_linear.TILED_FROM_N
+                and cpu_linear.screens_heads())
+    return (extra_copy_bytes(elements + (0 if tied else head), head if tied else 0, dtype,
+                             onednn_gemm.wanted(dtype))
+            + (screen_bytes(head, tied) if screened else 0)) // tp_size
+
+
+def _attention_linear_elements(hf_config: dict, model_class, tp_size: int) -> int:
+    """One layer's attention weights run as CPU linears, all ranks together, what each rank
+    holds whole counted once per rank: k / v when there are fewer kv heads than ranks (each
+    keeps one), a latent attention's q_a / kv_a (its kv_b is no linear)."""
+    own = getattr(model_class, "attention_linear_elements", None)   # MLA
+    if own is not None:
+        return own(hf_config) + (tp_size - 1) * model_class.replicated_attention_elements(
+            hf_config)
+    hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    return 2 * hidden * (heads + max(kv_heads, tp_size)) * _head_dim(hf_config)
 
 
 def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local_ranks: int,

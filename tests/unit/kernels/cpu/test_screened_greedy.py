@@ -39,6 +39,7 @@ def test_only_the_avx2_body_screens(cpu_isa, ops):
     """AVX-512's float32 FMAs keep pace with its 16-bit multiply-adds, and the generic build
     has no vector body: both keep MKL's path, and prepare() builds no 16-bit copy there."""
     assert ops.screen_available() == (cpu_isa == "avx2" or ops.body() == "avx2")
+    assert linear.screens_heads() == ops.screen_available()     # told without the library
     lin = linear.prepare(torch.randn(linear.TILED_FROM_N, 8))
     assert (lin.screen is not None) == ops.screen_available()
 
@@ -282,3 +283,67 @@ def test_a_pack_of_another_shape_is_refused(screening):
     longer = torch.cat([w, 100 * w[:1].expand(40, 8)])
     with pytest.raises(RuntimeError, match="does not match"):
         screening.screen_greedy(w[:2].contiguous(), w, *screening.screen_pack(longer))
+
+
+def test_only_the_lm_head_keeps_a_screen(screening):
+    """The screen serves greedy() alone, which only a one-rank LM head is asked: a wide
+    float32 projection (an MLP's up / gate_up) takes no 16-bit copy, so its parameter is let
+    go like any other linear's; the head keeps the screen and the weight it reads."""
+    from torch import nn
+
+    from worker_service.layers import cpu_kernels
+    from worker_service.layers.embedding import ParallelLMHead
+    from worker_service.layers.linear import ColumnParallelLinear
+    from worker_service.parallel_state import single_rank_group
+
+    tp, n, gen = single_rank_group(), linear.TILED_FROM_N, torch.Generator().manual_seed(12)
+    model = nn.Module()
+    model.up = ColumnParallelLinear(16, n, False, tp, torch.float32)
+    model.head = ParallelLMHead(n, 16, tp, torch.float32)
+    weights = [torch.randn(n, 16, generator=gen) for _ in range(2)]
+    for module, w in zip((model.up, model.head), weights):
+        module.weight.data.copy_(w)
+    cpu_kernels.use_cpu_kernels(model)
+    assert model.up.cpu_linear.screen is None and model.up.dense_released
+    assert model.up.weight.untyped_storage().nbytes() == 4
+    assert model.head.cpu_linear.screen is not None and not model.head.dense_released
+    x = torch.randn(5, 16, generator=gen)
+    torch.testing.assert_close(model.up(x), F.linear(x, weights[0]), atol=1e-4, rtol=1e-5)
+    assert model.head.greedy(x, False)[0].tolist() == F.linear(x, weights[1]).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_estimate_counts_the_screened_heads_copies(screening, tiny_models, tied):
+    """The memory check runs before the library loads: it tells the AVX2 body from the CPU's
+    flags (linear.screens_heads) and counts the screen (half a copy of the head) and an untied
+    head's parameter, which the screen reads and so stays."""
+    from engine_common.model_files.model_dir import ModelInfo
+    from kernels.attention.torch_ref import TorchAttentionBackend
+    from tests.unit.worker_service.runner.test_cpu_linear_memory import _held_beyond_one_copy
+    from worker_service.models.loader import load_model
+    from worker_service.parallel_state import single_rank_group
+    from worker_service.runner.memory_fit import estimate_cpu_linear_bytes
+
+    assert linear.screens_heads()
+    path = tiny_models("llama", vocab_size=linear.TILED_FROM_N, tie_word_embeddings=tied)
+    model = load_model(path, single_rank_group(), TorchAttentionBackend(), "cpu", "float32")
+    assert model.lm_head.cpu_linear.screen is not None
+    real = _held_beyond_one_copy(model)
+    estimate = estimate_cpu_linear_bytes(ModelInfo.from_dir(path).hf_config, torch.float32)
+    assert 0.9 * real <= estimate <= real, (estimate, real)
+
+
+def test_the_avx2_engine_with_a_wide_mlp_equals_transformers(screening, tiny_models):
+    """The whole engine on the AVX2 body, float32: the 8,192-wide gate_up runs released
+    (panels and tiles, no screen), the 8,192-token head screened; greedy == transformers."""
+    from deltaserve.llm import LLM
+    from tests.support.engine_checks import _check, _prompts
+
+    path = tiny_models("llama", vocab_size=linear.TILED_FROM_N, intermediate_size=4096)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    model = llm.runner.model
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up.dense_released and gate_up.cpu_linear.screen is None
+    assert model.lm_head.cpu_linear.screen is not None
+    _check(llm, path, _prompts(500)[:4], "llama-avx2-wide")
+    assert gate_up.cpu_linear.calls > 0
