@@ -20,16 +20,20 @@ pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not
 
 
 def packed_and_grouped(experts: MoEExperts, x, weights, ids):
-    """(the packed kernel's output, the grouped F.linear path's) for one call each."""
-    calls = experts.cpu_experts.calls
+    """(the packed kernel's output, the grouped F.linear path's) for one call each; the
+    grouped path forced by a row limit of 0 (after use_cpu_kernels it reads the panels: the
+    parameters are gone)."""
+    packed_experts = experts.cpu_experts
+    calls = packed_experts.calls
     with torch.no_grad():
         packed = experts(x, weights, ids)
-        assert experts.cpu_experts.calls == calls + 1          # the packed path was taken
-        kept, experts.cpu_experts = experts.cpu_experts, None
+        assert packed_experts.calls == calls + 1          # the packed path was taken
+        kept, packed_experts.max_mean_rows = packed_experts.max_mean_rows, 0
         try:
             grouped = experts(x, weights, ids)
         finally:
-            experts.cpu_experts = kept
+            packed_experts.max_mean_rows = kept
+    assert packed_experts.calls == calls + 1              # the grouped one was not
     return packed, grouped
 
 
