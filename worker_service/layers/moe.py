@@ -102,6 +102,15 @@ class PackedExperts:
             return self.cpu_experts.expert_weights(expert)
         return self.w13_weight[expert], self.w2_weight[expert]
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2 I_r, H], w2 [E, H, I_r]): the parameters, or after the release a
+        transient copy of every expert from the panels (only a test forcing the fused Triton
+        path onto packed CPU experts needs it: on CUDA nothing is packed)."""
+        if not self.weights_released:
+            return self.w13_weight, self.w2_weight
+        w13, w2 = zip(*(self.expert_weights(e) for e in range(self.w13_weight.shape[0])))
+        return torch.stack(w13), torch.stack(w2)
+
 
 class TopKRouter(nn.Module):
     """Router logits x W^T (W [E, H], replicated on every rank) -> (weights [T, k] in x's dtype,
@@ -188,7 +197,7 @@ class MoEExperts(PackedExperts, nn.Module):
         weight * expert(x), [T, H] (this rank's partial sum)."""
         if self.fused:
             from kernels.fused_moe import fused_experts   # imports triton: only on this path
-            return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            return fused_experts(x, *self.stacked_weights(), weights, ids)
         if self.cpu_experts is not None and self.cpu_experts.takes(x, ids):
             return self.cpu_experts(x, weights, ids)
         num_tokens, top_k = ids.shape
