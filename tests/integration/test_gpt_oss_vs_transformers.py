@@ -34,7 +34,6 @@ from tests.support.mxfp4_models import make_mxfp4_pair
 from tests.support.paged_prefill import assert_tp2_matches_tp1, prefill_logits
 from tests.support.window_schedule import (BACKENDS, assert_chunks_and_decodes_match,
                                            assert_engine_greedy_with_prefix_hits)
-from worker_service.layers.gpt_oss_moe import GptOssExperts
 from worker_service.models.gpt_oss import GptOssForCausalLM, with_config_defaults
 from worker_service.models.loader import load_model
 from worker_service.parallel_state import single_rank_group
@@ -50,20 +49,6 @@ def ours(path, backend: str = "torch"):
     if backend == "cpu" and not cpu_paged.available():
         pytest.skip("deltaserve_cpu not built")
     return load_model(path, single_rank_group(), get_attention_backend(backend, "cpu"), "cpu")
-
-
-def assert_same_weights(got, want) -> None:
-    """Every parameter equal, the routed experts' read back from their panels (once packed on
-    the CPU their stacked parameters are NaN stand-ins: layers/moe.py's PackedExperts)."""
-    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
-        if not name.endswith(("experts.w13_weight", "experts.w2_weight")):
-            assert torch.equal(a, b), name
-    experts = [(a, b) for a, b in zip(got.modules(), want.modules())
-               if isinstance(a, GptOssExperts)]
-    assert experts
-    for a, b in experts:
-        for name, x, y in zip(("w13", "w2"), a.stacked_weights(), b.stacked_weights()):
-            assert x.isfinite().all() and torch.equal(x, y), name
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +110,8 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(mxfp4_pair):
     ModelInfo.from_dir(quantized)                         # the scheduler side accepts it
     got, want = ours(quantized), ours(reference)
     assert got.model.layers[0].mlp.experts.w13_weight.shard_ids == ("blocks", "scales")
-    assert_same_weights(got, want)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
     ids = torch.arange(41) * 37 % 500 + 3
     torch.testing.assert_close(prefill_logits(got, ids), hf_logits(hf_model(reference), ids),
                                atol=ATOL, rtol=0)
@@ -152,7 +138,8 @@ def test_mxfp4_checkpoint_with_some_experts_dequantized(mxfp4_pair, tmp_path):
     weights.update({n: t for n, t in plain.items() if n.startswith(layer1)})
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     got, want = ours(path), ours(reference)
-    assert_same_weights(got, want)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_mxfp4_without_its_scales_is_refused(mxfp4_pair, tmp_path):
@@ -242,7 +229,8 @@ def test_mxfp4_dequantize_flag_is_served(mxfp4_pair, tmp_path, dequantize):
     json.dump(cfg, open(path / "config.json", "w"))
     ModelInfo.from_dir(path)
     got, want = ours(path), ours(reference)
-    assert_same_weights(got, want)
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_config_defaults_are_gpt_oss_configs():
