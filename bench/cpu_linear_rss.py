@@ -4,8 +4,9 @@
 
 Loads MODEL_DIR as the worker does (loader.load_model on "cpu": load, prepare the CPU
 kernels, trim the heap) in this process and prints its resident set and the bytes the
-prepared linears hold (parameters still resident, panels, packs). Run it once per checkout
-to compare (docs/cpu_performance.md).
+prepared linears hold (parameters still resident, panels, packs), and for an MoE model its
+packed routed experts' (dense size, parameters still resident, panels). Run it once per
+checkout to compare (docs/cpu_performance.md).
 """
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ def main(model_dir: str, dtype: str) -> None:
     print(f"{model_dir} {dtype}: RSS {_rss_mib():.0f} MiB ({_rss_mib() - base:.0f} MiB over "
           f"torch's import); {len(linears)} linears, {dense / 2**20:.0f} MiB dense, "
           f"{kept / 2**20:.0f} MiB of their parameters resident")
+    experts = [m for m in model.modules() if getattr(m, "cpu_experts", None) is not None]
+    if experts:
+        params = [p for m in experts for p in (m.w13_weight, m.w2_weight)]
+        dense = sum(p.numel() * p.element_size() for p in params)
+        kept = sum(p.untyped_storage().nbytes() for p in params)
+        panels = sum(m.cpu_experts.nbytes for m in experts)
+        print(f"  {len(experts)} packed expert layers, {dense / 2**20:.0f} MiB dense, "
+              f"{kept / 2**20:.0f} MiB of their parameters resident, {panels / 2**20:.0f} MiB "
+              f"of panels")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ routed experts; `--gpt-oss`: GPT-OSS's, biases and the clamped SwiGLU) per token
 ways on the same random weights and inputs:
 
     grouped       our SparseMoeBlock, experts on the grouped F.linear path (a host loop over the
-                  experts with tokens: what the CPU ran before kernels/cpu/moe_experts.py)
+                  experts with tokens: what the CPU ran before kernels/cpu/moe_experts.py; each
+                  expert's weights read back from the panels, as a long prefill does)
     packed        the same block after use_cpu_kernels(): experts on kernels/cpu/moe_experts.py
     transformers  transformers' Qwen3MoeSparseMoeBlock (GptOssMLP) forward (its own loop over
                   the experts)
@@ -109,12 +110,12 @@ def dense_mlp(args, dtype: torch.dtype):
 def paths(ours, theirs, dense, x: torch.Tensor) -> dict:
     packed = ours.experts.cpu_experts
 
-    def grouped():
-        ours.experts.cpu_experts = None
+    def grouped():                      # a row limit of 0: every step takes the grouped path
+        kept, packed.max_mean_rows = packed.max_mean_rows, 0
         try:
             return ours(x)
         finally:
-            ours.experts.cpu_experts = packed
+            packed.max_mean_rows = kept
 
     return {"grouped": grouped, "packed": lambda: ours(x),
             "transformers": lambda: theirs(x), "dense": lambda: dense(x)}

@@ -121,8 +121,10 @@ def default_model():
 
 @pytest.fixture
 def keep_dense_weights(monkeypatch):
-    """A CPU load keeps every linear's parameter (layers/cpu_kernels.release_dense_weights
-    lets them go once packed): for tests that check where the loader writes weights."""
+    """A CPU load keeps every linear's parameter and every packed MoE experts module's
+    stacked weights (layers/cpu_kernels.release_dense_weights / release_expert_weights let
+    them go once packed): for tests that check where the loader writes weights."""
     from worker_service.layers import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "release_dense_weights", lambda model: 0)
+    monkeypatch.setattr(cpu_kernels, "release_expert_weights", lambda model: 0)

@@ -13,10 +13,15 @@ The crossover, one block at E=64 top-8 H=1024 I=512 on the quiet 2-core Sapphire
 grouped / packed (medians of 3 rounds): float32 2.1x at 32 rows an expert, 1.4x at 64, 1.0x at
 128; bfloat16 1.5x at 8 rows, 1.07x at 16, 0.83x at 32 (F.linear's bf16 GEMM uses the CPU's
 AMX tiles once there are rows enough; the panels widen bf16 to float32 FMAs). An expert that
-gets many more rows than the mean still runs correctly, on the panels' k-chunked walk. The
-panels are one extra copy of the experts' weights (the dense layers keep two), padded to whole
-panels: packed_bytes gives its size before anything is loaded, for the memory check
-(worker_service/runner/memory_fit.py) that budgets the weights beside the KV cache.
+gets many more rows than the mean still runs correctly, on the panels' k-chunked walk.
+
+The panels are the experts' only copy once loaded: the layers let their parameters go
+(worker_service/layers/moe.py's PackedExperts), and a longer prefill's grouped torch path reads
+each expert's weights back from the panels (expert_weights: one transient dense copy of an
+expert at a time). packed_bytes gives the panels' size before anything is loaded and
+bytes_beyond_weights what they hold beyond one dense copy (the padding to whole panels, the
+biases' float32 copies), for the memory check (worker_service/runner/memory_fit.py) that budgets
+the weights beside the KV cache.
 """
 from __future__ import annotations
 
@@ -44,6 +49,18 @@ def packed_bytes(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
             + bias_copies)
 
 
+def bytes_beyond_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                         biases: bool = False) -> int:
+    """packed_bytes less one dense copy of w13 and w2 (the parameters the panels replace): the
+    padding to whole panels and a bfloat16 layer's float32 biases; 0 for a dtype the kernel
+    does not take."""
+    packed = packed_bytes(num_experts, hidden, inter, dtype, biases)
+    if packed == 0:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return packed - num_experts * 3 * hidden * inter * element
+
+
 class ClampedSwiGLU(NamedTuple):
     """GPT-OSS's activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), with
     g = clamp(gate, max=limit)."""
@@ -60,7 +77,9 @@ class CpuExperts:
         ops = extension.ops()
         self.dtype = w13.dtype
         self.inter = w2.shape[2]
+        self.hidden = w2.shape[1]
         self.num_experts = w13.shape[0]
+        self.max_mean_rows = MAX_MEAN_ROWS[self.dtype]   # a step over it: the grouped path
         self.w13_panels = _stacked_panels(ops, w13)
         self.w2_panels = _stacked_panels(ops, w2)
         # [E, 2I] and [E, H] in float32 (bfloat16 widens exactly; float32 is not copied)
@@ -76,7 +95,13 @@ class CpuExperts:
 
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.device.type == "cpu"
-                and ids.numel() <= MAX_MEAN_ROWS[self.dtype] * self.num_experts)
+                and ids.numel() <= self.max_mean_rows * self.num_experts)
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (w13 [2I, H], w2 [H, I]) read back from the panels, as dense
+        contiguous copies (the same values: the panels hold the weights unchanged)."""
+        return (_unpacked(self.w13_panels[expert], 2 * self.inter),
+                _unpacked(self.w2_panels[expert], self.hidden))
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  swiglu: ClampedSwiGLU | None = None) -> torch.Tensor:
@@ -101,6 +126,11 @@ def _stacked_panels(ops, w: torch.Tensor) -> torch.Tensor:
     for e in range(1, w.shape[0]):
         out[e] = ops.panel_pack(w[e].contiguous())
     return out
+
+
+def _unpacked(panels: torch.Tensor, rows: int) -> torch.Tensor:
+    """[ceil(N / 32), K, 32] -> [N, K]: panel p's column c is row 32 p + c (padding dropped)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:rows]
 
 
 def prepare(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None = None,

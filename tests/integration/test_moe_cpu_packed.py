@@ -20,16 +20,20 @@ pytestmark = pytest.mark.skipif(not extension.load(), reason="deltaserve_cpu not
 
 
 def packed_and_grouped(experts: MoEExperts, x, weights, ids):
-    """(the packed kernel's output, the grouped F.linear path's) for one call each."""
-    calls = experts.cpu_experts.calls
+    """(the packed kernel's output, the grouped F.linear path's) for one call each; the
+    grouped path forced by a row limit of 0 (after use_cpu_kernels it reads the panels: the
+    parameters are gone)."""
+    packed_experts = experts.cpu_experts
+    calls = packed_experts.calls
     with torch.no_grad():
         packed = experts(x, weights, ids)
-        assert experts.cpu_experts.calls == calls + 1          # the packed path was taken
-        kept, experts.cpu_experts = experts.cpu_experts, None
+        assert packed_experts.calls == calls + 1          # the packed path was taken
+        kept, packed_experts.max_mean_rows = packed_experts.max_mean_rows, 0
         try:
             grouped = experts(x, weights, ids)
         finally:
-            experts.cpu_experts = kept
+            packed_experts.max_mean_rows = kept
+    assert packed_experts.calls == calls + 1              # the grouped one was not
     return packed, grouped
 
 
@@ -123,3 +127,66 @@ def test_tp_slices_on_the_packed_path_sum_to_the_whole_block():
 def test_forced_fused_experts_are_not_packed():
     experts = MoEExperts(E, H, 24, single_rank_group(), torch.float32, fused_moe=True)
     assert not experts.use_cpu_kernels() and experts.cpu_experts is None
+
+
+def random_experts(dtype: torch.dtype, fused_moe: bool | None = None) -> MoEExperts:
+    experts = MoEExperts(E, H, 24, single_rank_group(), dtype, fused_moe=fused_moe)
+    with torch.no_grad():
+        experts.w13_weight.normal_(0.0, 0.3)
+        experts.w2_weight.normal_(0.0, 0.3)
+    return experts
+
+
+def grouped_reference(experts: MoEExperts) -> MoEExperts:
+    """An unpacked copy of `experts` (its own dense parameters, the same SiluAndMul kernel):
+    the grouped path before any release."""
+    ref = MoEExperts(E, H, 24, single_rank_group(), experts.w13_weight.dtype)
+    with torch.no_grad():
+        ref.w13_weight.copy_(experts.w13_weight)
+        ref.w2_weight.copy_(experts.w2_weight)
+    ref.act_fn.use_cpu_kernels()
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_let_their_weights_go_and_long_prefills_read_the_panels(dtype):
+    """After the model's use_cpu_kernels the stacked parameters are one-element NaNs seen as
+    their shapes; a prefill past the row limit (the grouped path) reads each expert back from
+    the panels and equals the grouped path on the dense weights to the bit; a second
+    use_cpu_kernels keeps the panels (never re-packs the NaNs); a weight loader writing into a
+    released parameter fails loudly."""
+    experts = random_experts(dtype)
+    ref = grouped_reference(experts)
+    shapes = (experts.w13_weight.shape, experts.w2_weight.shape)
+    assert use_cpu_kernels(experts) == 2 and experts.weights_released
+    for p, shape in zip((experts.w13_weight, experts.w2_weight), shapes):
+        assert p.shape == shape and p.untyped_storage().nbytes() == p.element_size()
+        assert p.isnan().all()
+    tokens = MAX_MEAN_ROWS[dtype] * E // 2 + 1          # top-2: just past the limit
+    weights, ids = routings(tokens, 2, seed=3)
+    x = torch.randn(tokens, H).to(dtype)
+    packed = experts.cpu_experts
+    with torch.no_grad():
+        got = experts(x, weights.to(dtype), ids)
+        want = ref(x, weights.to(dtype), ids)
+    assert packed.calls == 0 and not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert experts.use_cpu_kernels() and experts.cpu_experts is packed
+    with pytest.raises(RuntimeError):
+        experts.weight_loader(experts.w2_weight, torch.zeros(H, 24), (0, "down_proj"))
+
+
+@pytest.mark.parametrize("dtype, fused_moe", [(torch.float16, None), (torch.float32, True)])
+def test_unpacked_experts_keep_their_weights(dtype, fused_moe):
+    """Experts the kernel does not take (float16; forced onto the fused kernels) stay on their
+    parameters: nothing is let go, the grouped path reads them."""
+    experts = random_experts(dtype, fused_moe)
+    kept = (experts.w13_weight.detach().clone(), experts.w2_weight.detach().clone())
+    use_cpu_kernels(experts)
+    assert experts.cpu_experts is None and not experts.weights_released
+    assert torch.equal(experts.w13_weight, kept[0]) and torch.equal(experts.w2_weight, kept[1])
+    if fused_moe is None:
+        weights, ids = routings(5, 2, seed=5)
+        with torch.no_grad():
+            out = experts(torch.randn(5, H).to(dtype), weights.to(dtype), ids)
+        assert out.isfinite().all()

@@ -4,7 +4,8 @@ prepares itself. Each keeps its torch code for inputs the kernels do not take, a
 library is missing.
 
 A prepared linear's own parameter is then let go (release_dense_weights): its panels and
-pack are the two copies kept.
+pack are the two copies kept; so are packed MoE experts' stacked weights
+(release_expert_weights): their panels are the one copy.
 
 This is the long step after the weights load on a CPU (the GEMM weights are packed, about 2 s
 for the 135M default model), and on a first start the library is compiled before it (1-3
@@ -38,7 +39,15 @@ def use_cpu_kernels(model: nn.Module) -> int:
         used += bool(module.use_cpu_kernels())
         progress.advance()
     release_dense_weights(model)
+    release_expert_weights(model)
     return used
+
+
+def release_expert_weights(model: nn.Module) -> int:
+    """Let every packed MoE experts module's stacked weights go (layers/moe.py's
+    PackedExperts: the panels are their copy from then on); returns how many did."""
+    return sum(bool(m.release_expert_weights()) for m in model.modules()
+               if callable(getattr(m, "release_expert_weights", None)))
 
 
 def release_dense_weights(model: nn.Module) -> int:

@@ -22,7 +22,8 @@ On the CPU, after use_cpu_kernels() (at load), a step within kernels/cpu/moe_exp
 MAX_MEAN_ROWS takes the packed experts, as the other MoE models' experts do: the same call,
 with the biases and the clamped SwiGLU. Otherwise (longer prefills, CUDA) the experts run on
 the grouped torch path (one host sync for the per-expert counts, then two GEMMs per expert that
-has tokens): the fused Triton kernels compute silu(gate) * up without biases, so they are not
+has tokens; on the CPU the weights read back from the panels once the parameters are let go, as
+layers/moe.py's PackedExperts does): the fused Triton kernels compute silu(gate) * up without biases, so they are not
 used for this block (the model's graph_capture_blocker says so).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import moe_experts as cpu_moe
+from worker_service.layers.moe import PackedExperts
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
                                             loaded_shape, new_param, read_all)
 from worker_service.layers.mxfp4 import dequantize_experts
@@ -69,7 +71,7 @@ class GptOssRouter(nn.Module):
         return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(PackedExperts, nn.Module):
     """E clamped-SwiGLU experts with biases; forward returns this rank's partial sum.
     mxfp4: the checkpoint holds the two weights as MXFP4 blocks and scales."""
 
@@ -163,11 +165,12 @@ class GptOssExperts(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
 
-    cpu_experts: cpu_moe.CpuExperts | None = None
-
     def use_cpu_kernels(self) -> bool:
         """Pack the experts and their biases for kernels/cpu/moe_experts (CPU weights); re-run
-        after changing the weights."""
+        after changing the weights (not after the release: the panels are the weights then;
+        the biases stay parameters)."""
+        if self.weights_released:
+            return True
         self.cpu_experts = cpu_moe.prepare(self.w13_weight.data, self.w2_weight.data,
                                            self.w13_bias.data,
                                            self.w2_bias.data if self.tp.rank == 0 else None)
@@ -191,11 +194,11 @@ class GptOssExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            gate, up = F.linear(grouped[rows], self.w13_weight[expert],
-                                self.w13_bias[expert]).split(i_r, dim=-1)
+            w13, w2 = self.expert_weights(expert)
+            gate, up = F.linear(grouped[rows], w13, self.w13_bias[expert]).split(i_r, dim=-1)
             hidden = clamped_swiglu(gate, up, self.alpha, self.limit)
             bias = self.w2_bias[expert] if self.tp.rank == 0 else None
-            out[rows] = F.linear(hidden, self.w2_weight[expert], bias)
+            out[rows] = F.linear(hidden, w2, bias)
             start += n
         per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
         return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)

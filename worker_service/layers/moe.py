@@ -14,7 +14,9 @@ at most kernels/cpu/moe_experts.MAX_MEAN_ROWS[dtype] rows on average takes
 kernels/cpu/moe_experts.py instead: every expert's weights packed in the dense layers' decode
 panels, and one C++ call per layer for the grouping, the GEMMs of the experts with tokens (all
 in one parallel region), silu-and-mul and the weighted sum; longer prefills keep the grouped
-torch path.
+torch path. Then the model lets the parameters go (PackedExperts.release_expert_weights, from
+layers/cpu_kernels.py): the panels are the experts' one copy, and the grouped path reads each
+expert back from them.
 
 On CUDA (with Triton importable) the experts take kernels/fused_moe.py instead: the grouping on
 the device into fixed-size buffers and two grouped Triton GEMMs, no host sync and no shape that
@@ -43,6 +45,7 @@ from torch import nn
 
 from kernels.cpu import moe_experts as cpu_moe
 from worker_service.layers.activation import SiluAndMul
+from worker_service.layers.cpu_gemm import _stand_in
 from worker_service.layers.sharding import (copy_checked, default_weight_loader, divide,
                                             new_param, read_rows)
 from worker_service.parallel_state import TPGroup
@@ -73,6 +76,42 @@ def expert_shard_name(param_name: str, shard_id: tuple[int, str]) -> str:
     return f"{param_name.rsplit('.', 1)[0]}.{expert}.{proj}.weight"
 
 
+class PackedExperts:
+    """Mixin for an experts module with stacked `w13_weight` / `w2_weight` and, once packed,
+    `cpu_experts`: once the panels hold the weights the parameters go, and every later read of
+    an expert's weights comes from the panels."""
+
+    cpu_experts: cpu_moe.CpuExperts | None = None
+    weights_released = False
+
+    def release_expert_weights(self) -> bool:
+        """Let w13_weight and w2_weight go once packed: one-element NaNs seen as their shapes
+        (cpu_gemm._stand_in: any read that bypasses expert_weights gives NaN, never a silent
+        zero; a weight loader writing into them fails). False when not packed."""
+        if self.cpu_experts is None or self.weights_released:
+            return False
+        _stand_in(self.w13_weight)
+        _stand_in(self.w2_weight)
+        self.weights_released = True
+        return True
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [2 I_r, H], w2 [H, I_r]) of one expert: views of the parameters, or after the
+        release copies read back from the panels."""
+        if self.weights_released:
+            return self.cpu_experts.expert_weights(expert)
+        return self.w13_weight[expert], self.w2_weight[expert]
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2 I_r, H], w2 [E, H, I_r]): the parameters, or after the release a
+        transient copy of every expert from the panels (only a test forcing the fused Triton
+        path onto packed CPU experts needs it: on CUDA nothing is packed)."""
+        if not self.weights_released:
+            return self.w13_weight, self.w2_weight
+        w13, w2 = zip(*(self.expert_weights(e) for e in range(self.w13_weight.shape[0])))
+        return torch.stack(w13), torch.stack(w2)
+
+
 class TopKRouter(nn.Module):
     """Router logits x W^T (W [E, H], replicated on every rank) -> (weights [T, k] in x's dtype,
     expert ids [T, k] int64)."""
@@ -96,7 +135,7 @@ class TopKRouter(nn.Module):
         return weights.to(logits.dtype), ids
 
 
-class MoEExperts(nn.Module):
+class MoEExperts(PackedExperts, nn.Module):
     """E gated-MLP experts, stacked; forward returns this rank's partial sum (not reduced).
     fused_moe: None picks the fused kernels when the weights are on CUDA and Triton is
     importable; True/False forces a path."""
@@ -134,11 +173,12 @@ class MoEExperts(nn.Module):
         copy_checked(param.data[expert].narrow(0, offset, size),
                      read_rows(loaded, 0, start, size), f"expert {proj}")
 
-    cpu_experts: cpu_moe.CpuExperts | None = None
-
     def use_cpu_kernels(self) -> bool:
         """Pack the experts for kernels/cpu/moe_experts (CPU weights, unless forced onto the
-        fused Triton kernels); re-run after changing the weights."""
+        fused Triton kernels); re-run after changing the weights (not after the release: the
+        panels are the weights then)."""
+        if self.weights_released:
+            return True
         self.cpu_experts = None if self.fused_moe else cpu_moe.prepare(self.w13_weight.data,
                                                                        self.w2_weight.data)
         return self.cpu_experts is not None
@@ -157,7 +197,7 @@ class MoEExperts(nn.Module):
         weight * expert(x), [T, H] (this rank's partial sum)."""
         if self.fused:
             from kernels.fused_moe import fused_experts   # imports triton: only on this path
-            return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            return fused_experts(x, *self.stacked_weights(), weights, ids)
         if self.cpu_experts is not None and self.cpu_experts.takes(x, ids):
             return self.cpu_experts(x, weights, ids)
         num_tokens, top_k = ids.shape
@@ -171,8 +211,8 @@ class MoEExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            h = self.act_fn(F.linear(grouped[rows], self.w13_weight[expert]))
-            out[rows] = F.linear(h, self.w2_weight[expert])
+            w13, w2 = self.expert_weights(expert)
+            out[rows] = F.linear(self.act_fn(F.linear(grouped[rows], w13)), w2)
             start += n
         # back to (token, slot) order, then each token's weighted sum over its k slots: a
         # [1, k] x [k, H] product per token (a scatter-add over tokens is far slower on CPU)

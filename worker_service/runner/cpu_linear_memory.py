@@ -10,7 +10,7 @@ oneDNN runs MKL's bf16 GEMM on the parameter itself: the panels are its
 only extra copy. Both are counted as dense: a lower bound (the panels pad N to 32 columns; MKL
 reserves more than it writes, but only written pages are resident). The AVX2 build's screened
 head adds its 16-bit copy and keeps its parameter (screen_bytes). Attention projections and dense MLPs kept natively quantized
-(quant_memory.py), MoE experts (their own packs: moe_experts.packed_bytes) and a latent
+(quant_memory.py), MoE experts (their panels beyond the released parameters: moe_experts.bytes_beyond_weights) and a latent
 attention's kv_b (read as matrices; its q, kv_a and o projections are linears) add nothing
 here.
 """

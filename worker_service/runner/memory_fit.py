@@ -8,9 +8,9 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               the MLP's matrices (three gated, StarCoder2's two) and
               two norms, in the weights' dtype, divided by tp_size (a lower bound: layers not
               split, buffers and the loader's transient copies come on top); on the CPU also
-              the routed experts' panel-packed copies (kernels/cpu/moe_experts.py: a second
-              copy of every expert, most of an MoE model's bytes), sized as the packing pads
-              them; the dense linears' panels and packs (cpu_linear_memory.py: one copy
+              what the routed experts' panels (kernels/cpu/moe_experts.py) hold beyond the
+              dense experts counted above, which they replace: their padding to whole panels
+              and a bfloat16 GPT-OSS layer's float32 biases; the dense linears' panels and packs (cpu_linear_memory.py: one copy
               more of each, two of a tied head); a GPTQ / AWQ checkpoint's dense linears
               kept packed on the CPU (--cpu-quantized-weights native) at their packed size
               (quant_memory.py)
@@ -33,7 +33,7 @@ import torch
 
 from engine_common.model_files.model_dir import ModelInfo
 from kernels.cpu import linear as cpu_linear, onednn_gemm
-from kernels.cpu.moe_experts import packed_bytes
+from kernels.cpu.moe_experts import bytes_beyond_weights
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
@@ -128,17 +128,17 @@ def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
 
 
 def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """One rank's CPU-packed expert copies: kernels/cpu/moe_experts.packed_bytes for every
-    sparse layer (0 for a dense model or a dtype the kernel does not take). Counted
-    also where the experts stay unpacked (no C++ extension built, fused_moe forced): over,
-    never under."""
+    """One rank's bytes of CPU-packed experts beyond their dense weights (the panels replace
+    the parameters): kernels/cpu/moe_experts.bytes_beyond_weights for every sparse layer (0
+    for a dense model or a dtype the kernel does not take). Counted also where the experts
+    stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
     moe = _moe_args(hf_config)
     if moe is None:
         return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
     biases = getattr(_model_class(hf_config), "expert_biases", False)
-    return sparse * packed_bytes(moe.num_experts, moe.hidden_size,
-                                 moe.moe_intermediate_size // tp_size, dtype, biases)
+    return sparse * bytes_beyond_weights(moe.num_experts, moe.hidden_size,
+                                         moe.moe_intermediate_size // tp_size, dtype, biases)
 
 
 def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,

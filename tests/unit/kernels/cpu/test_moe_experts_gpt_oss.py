@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu import extension, moe_experts
+from worker_service.layers.cpu_kernels import use_cpu_kernels
 from worker_service.layers.gpt_oss_moe import GptOssExperts
 from worker_service.parallel_state import single_rank_group
 
@@ -90,3 +91,24 @@ def test_bad_biases_and_activations_are_refused():
         ops.moe_experts(*args, None, None, "gelu", 0.0, 0.0)
     with pytest.raises(RuntimeError, match=r"a limit >= 0, got alpha=1(\.0*)? limit=-1"):
         ops.moe_experts(*args, None, None, "clamped_swiglu", 1.0, -1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_experts_run_a_long_prefill_on_the_panels(dtype):
+    """After the model's use_cpu_kernels the stacked weights are NaN stand-ins (the biases
+    stay); a prefill past the row limit takes the grouped path over the weights read back from
+    the panels: the bits of the grouped path on the dense weights."""
+    m, ref = gpt_oss_experts(dtype), gpt_oss_experts(dtype)
+    ref.cpu_experts = None
+    use_cpu_kernels(m)
+    assert m.weights_released and m.w13_weight.isnan().all() and m.w2_weight.isnan().all()
+    assert m.w13_bias.isfinite().all() and m.w2_bias.isfinite().all()
+    tokens = moe_experts.MAX_MEAN_ROWS[dtype] * E // TOP_K + 1
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(tokens, H, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen).softmax(-1).to(dtype)
+    with torch.no_grad():
+        got, want = m(x, weights, ids), ref(x, weights, ids)
+    assert m.cpu_experts.calls == 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -15,6 +15,7 @@ from worker_service.models.tp_sizes import tp_size_problem, valid_tp_sizes
 from worker_service.parallel_state import TPGroup, single_rank_group
 
 EXPERTS = "model.layers.0.mlp.experts"
+pytestmark = pytest.mark.usefixtures("keep_dense_weights")   # reads the stacked parameters
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """runner/memory_fit.py on an MoE model on the CPU: the experts' panel-packed copies
-(kernels/cpu/moe_experts.py) are a second copy of most of the weights, so the memory check
-counts them, at the size the packing really allocates, and the KV cache's room shrinks by them."""
+(kernels/cpu/moe_experts.py) replace most of the weights (the parameters are let go), so the
+memory check counts what they hold beyond the dense experts (the padding to whole panels, a
+bfloat16 layer's float32 biases), at the size the packing really allocates, and the KV cache's
+room shrinks by that."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 
 from engine_common.model_files.model_dir import ModelInfo
 from kernels.cpu import extension
-from kernels.cpu.moe_experts import CpuExperts, packed_bytes
+from kernels.cpu.moe_experts import CpuExperts, bytes_beyond_weights, packed_bytes
 from tests.support.paged_prefill import BACKEND, load
 from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit
@@ -41,19 +43,45 @@ def test_packed_bytes_is_what_the_packing_allocates(dtype, experts, hidden, inte
 def test_a_dtype_the_kernel_does_not_take_packs_nothing():
     assert packed_bytes(4, 64, 32, torch.float16) == 0
     assert packed_bytes(4, 64, 32, torch.float32) > 0
+    assert bytes_beyond_weights(4, 64, 32, torch.float16) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_beyond_the_weights_is_the_padding_and_the_bias_copies(dtype):
+    """Whole panels (2I and H multiples of 32) hold exactly the dense experts; H = 40 pads the
+    down panels to 64 rows; GPT-OSS's bfloat16 biases add their float32 copies."""
+    element = torch.empty((), dtype=dtype).element_size()
+    assert bytes_beyond_weights(4, 64, 32, dtype) == 0
+    assert bytes_beyond_weights(3, 40, 16, dtype) == 3 * (64 - 40) * 16 * element
+    biases = 4 * (2 * 32 + 64) * 4 if dtype == torch.bfloat16 else 0
+    assert bytes_beyond_weights(4, 64, 32, dtype, biases=True) == biases
+
+
+def resident_beyond_weights(model) -> int:
+    """The loaded model's packed experts' bytes less the dense experts' (shape x element
+    size), after checking each one's stacked parameters were let go (one element resident)."""
+    total, num_packed = 0, 0
+    for m in model.modules():
+        if getattr(m, "cpu_experts", None) is None:
+            continue
+        num_packed += 1
+        params = (m.w13_weight, m.w2_weight)
+        assert m.weights_released
+        assert all(p.untyped_storage().nbytes() == p.element_size() for p in params)
+        total += m.cpu_experts.nbytes - sum(p.numel() * p.element_size() for p in params)
+    assert num_packed > 0
+    return total
 
 
 @needs_extension
 def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
-    """The tiny Qwen3-MoE loaded on the CPU: its layers' packed experts, measured, are exactly
-    what the KV room loses beside the plain weight estimate and the linears' copies; a dense
+    """The tiny Qwen3-MoE loaded on the CPU: what its layers' packed experts hold beyond the
+    dense experts, measured, is exactly what the KV room loses beside the plain weight estimate
+    and the linears' copies; a dense
     model loses the linears' only; and
     the check refuses one byte less than weights + packed copies + KV, naming the copies."""
     path = tiny_models("qwen3_moe")
-    model = load(path)
-    measured = sum(m.cpu_experts.nbytes for m in model.modules()
-                   if getattr(m, "cpu_experts", None) is not None)
-    assert measured > 0
+    measured = resident_beyond_weights(load(path))      # 0: its H and 2I are whole panels
     info = ModelInfo.from_dir(path)
     config = RunnerConfig(model_dir=path, device="cpu", dtype="float32", kv_cache_bytes=GIB)
     assert estimate_cpu_packed_bytes(info.hf_config, torch.float32) == measured
@@ -82,11 +110,10 @@ def test_the_kv_room_shrinks_by_the_measured_packed_bytes(tiny_models):
 @needs_extension
 def test_gpt_oss_packed_bytes_with_its_biases_are_estimated(tiny_models):
     """The tiny GPT-OSS loaded in bfloat16 on the CPU: the estimate equals its packed experts'
-    measured bytes, the float32 bias copies included."""
+    bytes beyond the dense experts, the float32 bias copies included."""
     path = tiny_models("gpt_oss")
     model = load_model(path, single_rank_group(), BACKEND, "cpu", "bfloat16")
-    measured = sum(m.cpu_experts.nbytes for m in model.modules()
-                   if getattr(m, "cpu_experts", None) is not None)
+    measured = resident_beyond_weights(model)
     hf_config = ModelInfo.from_dir(path).hf_config
     estimate = estimate_cpu_packed_bytes(hf_config, torch.bfloat16)
     assert estimate == measured > estimate_cpu_packed_bytes(
