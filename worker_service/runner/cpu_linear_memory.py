@@ -8,11 +8,11 @@ linear costs about one copy more than estimate_weight_bytes counts, and a head t
 embedding two more (its parameter stays: the embedding reads it). A bfloat16 weight without
 oneDNN runs MKL's bf16 GEMM on the parameter itself: the panels are its
 only extra copy. Both are counted as dense: a lower bound (the panels pad N to 32 columns; MKL
-reserves more than it writes, but only written pages are resident). The AVX2 build's screened
-head adds its 16-bit copy and keeps its parameter (screen_bytes). Attention projections and dense MLPs kept natively quantized
-(quant_memory.py), MoE experts (their panels beyond the released parameters: moe_experts.bytes_beyond_weights) and a latent
-attention's kv_b (read as matrices; its q, kv_a and o projections are linears) add nothing
-here.
+reserves more than it writes, but only written pages are resident). The AVX2 build's screened head
+adds its 16-bit copy and keeps its parameter (screen_bytes). Attention projections and dense MLPs
+kept natively quantized (quant_memory.py), MoE experts (their panels beyond the released parameters:
+moe_experts.bytes_beyond_weights) and a latent attention's kv_b (read as matrices; its q, kv_a and o
+projections are linears) add nothing here.
 """
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               split, buffers and the loader's transient copies come on top); on the CPU also
               what the routed experts' panels (kernels/cpu/moe_experts.py) hold beyond the
               dense experts counted above, which they replace: their padding to whole panels
-              and a bfloat16 GPT-OSS layer's float32 biases; the dense linears' panels and packs (cpu_linear_memory.py: one copy
-              more of each, two of a tied head); a GPTQ / AWQ checkpoint's dense linears
+              and a bfloat16 GPT-OSS layer's float32 biases; the dense linears' panels and
+              packs (cpu_linear_memory.py: one copy more of each, two of a tied head); a
+              GPTQ / AWQ checkpoint's dense linears
               kept packed on the CPU (--cpu-quantized-weights native) at their packed size
               (quant_memory.py)
     KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
