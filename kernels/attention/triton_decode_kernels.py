@@ -9,12 +9,31 @@ import triton.language as tl
 from kernels.attention.triton_attend import NEG_BIG, _attend_range, _head_tile, _normalize
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit
+def _split_keys(keys, num_splits, BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr):
+    """Keys per split, whole BLOCK_N steps: all of them without PARTIALS (one split), so that
+    launch compiles as it did with the split count a constexpr 1 (no division)."""
+    if PARTIALS:
+        keys = tl.cdiv(keys, num_splits)
+    return tl.cdiv(keys, BLOCK_N) * BLOCK_N
+
+
+# Arguments that move with the batch, unspecialised (Triton compiles again for an int that turns
+# 1 or a multiple of 16): the block table's row stride, and the split count. That is a runtime
+# argument, not a constexpr: the heuristic (choose_num_splits) picks any count up to max_splits
+# as the batch moves, and eager decode compiled the pair anew for each one. It costs one division
+# per program, outside the key loop; PARTIALS (num_splits > 1) is the only split constexpr, so a
+# model compiles two decode variants and one reduce (docs/gpu.md).
+DECODE_VARYING = ["stride_bt", "num_splits"]
+
+
+@triton.jit(do_not_specialize=DECODE_VARYING)
 def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl_ptr,
-                   seq_lens_ptr, order_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                   stride_c_kv, stride_c_blk, stride_c_row, stride_c_head, window, softcap,
-                   sinks_ptr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   seq_lens_ptr, order_ptr, num_splits, qk_scale, stride_qt, stride_qh, stride_ot,
+                   stride_oh, stride_bt, stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
+                   window, softcap, sinks_ptr,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr,
                    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
@@ -34,10 +53,10 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     seq_len = tl.load(seq_lens_ptr + req)
     if SLIDING:            # the splits share the last `window` keys, all visible to the query
         lo = tl.maximum(seq_len - window, 0)
-        chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = _split_keys(seq_len - lo, num_splits, BLOCK_N, PARTIALS)
         start = lo + split * chunk
     else:
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = _split_keys(seq_len, num_splits, BLOCK_N, PARTIALS)
         start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     group_idx = g_first + tl.arange(0, BLOCK_G)
@@ -64,43 +83,51 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
                                   full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
                                   dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
                                   True, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED)
-    if NUM_SPLITS == 1:
+    if not PARTIALS:
         out = _normalize(acc, m_i, l_i, sinks_ptr, head, group_idx < GROUP, SINKS)
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh
                  + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        # partials: m, l [num_reqs, NUM_HEADS, NUM_SPLITS]; acc [..., HEAD_DIM], all fp32
-        part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        # partials: m, l [num_reqs, NUM_HEADS, num_splits]; acc [..., HEAD_DIM], all fp32
+        part = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(m_ptr + part, m_i, mask=group_idx < GROUP)
         tl.store(l_ptr + part, l_i, mask=group_idx < GROUP)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
 
 
-@triton.jit
-def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, stride_ot, stride_oh, sinks_ptr,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, qsl_ptr, num_splits, stride_ot, stride_oh,
+                   sinks_ptr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
+    """Merge a request's num_splits partials of one head, one split a step (a runtime loop, so
+    no split count is compiled in, and one head row of registers at any count: a [splits, D]
+    tile of MLA's 1024-wide rows would not fit one warp's registers)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_index = tl.load(qsl_ptr + req)
     if tl.load(qsl_ptr + req + 1) - q_index != 1:
         return
-    splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < NUM_SPLITS
     dims = tl.arange(0, BLOCK_D)
-    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
-    m = tl.load(m_ptr + part, mask=split_ok, other=NEG_BIG)
-    l = tl.load(l_ptr + part, mask=split_ok, other=0.0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    dim_ok = dims < HEAD_DIM
+    first = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
+    m = tl.load(m_ptr + first)
+    l = tl.load(l_ptr + first)
+    acc = tl.load(acc_ptr + first * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+    for split in range(1, num_splits):     # online merge; an empty split: m NEG_BIG, l 0, acc 0
+        m_s = tl.load(m_ptr + first + split)
+        top = tl.maximum(m, m_s)
+        keep = tl.exp2(m - top)
+        weight = tl.exp2(m_s - top)
+        l = l * keep + tl.load(l_ptr + first + split) * weight
+        acc = acc * keep + tl.load(acc_ptr + (first + split) * HEAD_DIM + dims, mask=dim_ok,
+                                   other=0.0) * weight
+        m = top
     if SINKS:              # the sink is one more term of the merged denominator
         sink = tl.load(sinks_ptr + head)
-        top = tl.maximum(tl.max(m, 0), sink)
-        weight = tl.exp2(m - top)                        # empty splits: l = 0, acc = 0
-        total = tl.sum(weight * l, 0) + tl.exp2(sink - top)
-    else:
-        weight = tl.exp2(m - tl.max(m, 0))               # empty splits: l = 0, acc = 0
-        total = tl.sum(weight * l, 0)
-    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+        top = tl.maximum(m, sink)
+        keep = tl.exp2(m - top)
+        acc = acc * keep
+        l = l * keep + tl.exp2(sink - top)
+    out = acc / tl.where(l > 0, l, 1.0)
     tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)

@@ -129,7 +129,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     shape = decode_tile_shape(launch, group, query.shape[2], kv_cache.element_size(), block_n)
     tiles = shape.tiles
     num_heads, head_dim = query.shape[1], query.shape[2]
-    part_shape = (num_reqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+    partials = num_splits > 1
+    part_shape = (num_reqs, num_heads, num_splits) if partials else (1, 1, 1)
     m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     l = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     acc = torch.empty(part_shape + (head_dim,), dtype=torch.float32, device=query.device)
@@ -141,20 +142,19 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         + (num_splits,)
     _decode_kernel[grid](
         query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
-        order if ordered else seq_lens, scale * LOG2E,
+        order if ordered else seq_lens, num_splits, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *kv_cache.stride()[:4], window, softcap * LOG2E, log2_sinks,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
-        NUM_SPLITS=num_splits, BLOCK_G=shape.block_g, BLOCK_D=shape.block_d,
+        PARTIALS=partials, BLOCK_G=shape.block_g, BLOCK_D=shape.block_d,
         BLOCK_N=tiles.block_n,
         **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=window > 0,
-        SOFTCAP=softcap > 0, SINKS=sinks is not None and num_splits == 1, G_TILES=shape.g_tiles,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None and not partials, G_TILES=shape.g_tiles,
         KV_SHARED=kv_cache.stride(0) == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if num_splits > 1:
+    if partials:
         _reduce_kernel[(num_reqs, num_heads)](
-            out, m, l, acc, query_start_loc, out.stride(0), out.stride(1), log2_sinks,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=shape.block_d,
+            out, m, l, acc, query_start_loc, num_splits, out.stride(0), out.stride(1),
+            log2_sinks, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=shape.block_d,
             SINKS=sinks is not None, num_warps=1)
 
 

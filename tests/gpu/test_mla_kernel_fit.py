@@ -68,7 +68,7 @@ for kind, dt, head_dim, group, shared in json.loads(sys.argv[1]):
                   SINKS=False, KV_SHARED=shared)
     if kind == "decode":
         fn, s = _decode_kernel, decode_tile_shape(launch, group, head_dim, size)
-        consts = dict(NUM_HEADS=group, NUM_SPLITS=1, HEAD_FASTEST=False, ORDERED=False)
+        consts = dict(NUM_HEADS=group, PARTIALS=False, HEAD_FASTEST=False, ORDERED=False)
     else:
         fn, s = _prefill_kernel, prefill_tile_shape(launch, group, head_dim, size)
         consts = dict(BLOCK_Q=s.block_q, SKIP_DECODES=False)

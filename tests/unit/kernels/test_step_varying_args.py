@@ -22,7 +22,9 @@ STEP_VARYING = {
     "kernels.attention.triton_prefill_kernel:_prefill_kernel": ["num_reqs", "stride_bt"],
     # the block table's row stride; the grid (kv heads x G tiles, requests, splits) is no
     # argument, and G_TILES / KV_SHARED are per-model constexprs
-    "kernels.attention.triton_decode_kernels:_decode_kernel": ["stride_bt"],
+    # num_splits: the split heuristic's count moves with the batch (eager decode)
+    "kernels.attention.triton_decode_kernels:_decode_kernel": ["stride_bt", "num_splits"],
+    "kernels.attention.triton_decode_kernels:_reduce_kernel": ["num_splits"],
 }
 
 SCRIPT = """
