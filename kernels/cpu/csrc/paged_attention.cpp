@@ -22,7 +22,7 @@
 // folds them in once per row when it stores it (normalizer), so a call without sinks runs the
 // loops it ran before.
 // With AVX-512 or AVX2 + FMA (simd.h) the item bodies in attention_simd.h run; the portable
-// loops below are the generic build's.
+// loops of attention_portable.h are the generic build's (attention_item.h: the work item).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -38,187 +38,15 @@
 #include <vector>
 
 #include "vec_math.h"
+#include "attention_item.h"
+#include "attention_portable.h"
 #include "attention_simd.h"
 #include "attention_bf16dot.h"
 #include "attention_latent.h"
 
 namespace deltaserve_cpu {
+namespace paged {
 namespace {
-
-constexpr int kChunk = 16;        // key positions per step of the online softmax
-constexpr int kTileRows = 48;     // query rows (tokens x heads) per work item at most
-constexpr int kMaxGroup = 128;    // query heads per kv head (DeepSeek-V3's 128 on one latent)
-
-struct Item {
-  int64_t req, head, tok0, ntok;  // kv head; tokens tok0 .. tok0+ntok-1 of the request's queries
-  int g0, ng;                     // the kv head's query heads g0 .. g0+ng-1 (row r: head r % ng)
-  int64_t cost;                   // ~ rows x keys, to order the dynamic schedule
-};
-
-// A per-thread float scratch of at least n floats, 64-byte aligned (the generic body's buffers:
-// over 200 KiB at the latent's 576 dims, too much for an OpenMP thread's stack).
-inline float* thread_scratch(size_t n) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < n + 16) buf.resize(n + 16);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-template <typename T>
-struct Geometry {
-  const T* kv;                    // cache base
-  int64_t half;                   // elements from the key cache to the value cache
-  int64_t block_stride, row_stride, head_stride;   // elements
-  int64_t block_size;
-  const int32_t* blocks;          // this request's block-table row
-};
-
-// kt[d][j] = key of position p0 + j (j < n), float32; columns n..kChunk-1 are zero.
-template <typename T, int D>
-inline void load_keys_t(const Geometry<T>& g, int64_t head, int64_t p0, int n,
-                        float (*kt)[kChunk]) {
-  for (int j = 0; j < kChunk; ++j) {
-    if (j >= n) {
-      for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
-      continue;
-    }
-    const int64_t p = p0 + j;
-    const T* k = g.kv + g.blocks[p / g.block_size] * g.block_stride +
-                 (p % g.block_size) * g.row_stride + head * g.head_stride;
-    for (int d = 0; d < D; ++d) kt[d][j] = to_float(k[d]);
-  }
-}
-
-// v[j][:] = the first D dims of the value of position p0 + j (j < n), float32.
-template <typename T, int D>
-inline void load_values(const Geometry<T>& g, int64_t head, int64_t p0, int n,
-                        float (*v)[D]) {
-  for (int j = 0; j < n; ++j) {
-    const int64_t p = p0 + j;
-    const T* src = g.kv + g.half + g.blocks[p / g.block_size] * g.block_stride +
-                   (p % g.block_size) * g.row_stride + head * g.head_stride;
-    for (int d = 0; d < D; ++d) v[j][d] = to_float(src[d]);
-  }
-}
-
-// s[r][j] = sum_d q[r][d] * kt[d][j] for rows 0..rows-1 (q already scaled).
-template <int D>
-inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int rows,
-                         float (*s)[kChunk]) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    float a0[kChunk] = {}, a1[kChunk] = {}, a2[kChunk] = {}, a3[kChunk] = {};
-    for (int d = 0; d < D; ++d) {
-      const float q0 = q[r][d], q1 = q[r + 1][d], q2 = q[r + 2][d], q3 = q[r + 3][d];
-#pragma omp simd
-      for (int j = 0; j < kChunk; ++j) {
-        a0[j] += q0 * kt[d][j];
-        a1[j] += q1 * kt[d][j];
-        a2[j] += q2 * kt[d][j];
-        a3[j] += q3 * kt[d][j];
-      }
-    }
-    std::memcpy(s[r], a0, sizeof a0);
-    std::memcpy(s[r + 1], a1, sizeof a1);
-    std::memcpy(s[r + 2], a2, sizeof a2);
-    std::memcpy(s[r + 3], a3, sizeof a3);
-  }
-  for (; r < rows; ++r) {
-    float a0[kChunk] = {};
-    for (int d = 0; d < D; ++d) {
-      const float q0 = q[r][d];
-#pragma omp simd
-      for (int j = 0; j < kChunk; ++j) a0[j] += q0 * kt[d][j];
-    }
-    std::memcpy(s[r], a0, sizeof a0);
-  }
-}
-
-template <typename T, int D, int DV>
-void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
-                 int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
-                 int64_t q_start, int64_t first_pos, int group, float scale, int64_t window,
-                 const float* sinks) {
-  const int ng = it.ng;
-  const int rows = static_cast<int>(it.ntok) * ng;
-  float* buf = thread_scratch(kTileRows * (D + DV + kChunk) + kChunk * (D + DV));
-  auto q = reinterpret_cast<float (*)[D]>(buf);
-  auto acc = reinterpret_cast<float (*)[DV]>(buf + kTileRows * D);
-  auto kt = reinterpret_cast<float (*)[kChunk]>(buf + kTileRows * (D + DV));
-  auto v = reinterpret_cast<float (*)[DV]>(buf + kTileRows * (D + DV) + D * kChunk);
-  auto s = reinterpret_cast<float (*)[kChunk]>(buf + kTileRows * (D + DV) + kChunk * (D + DV));
-  float m[kTileRows], l[kTileRows];
-  int64_t pos[kTileRows];
-  for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < ng; ++gi) {
-      const int r = t * ng + gi;
-      const T* src = query + (q_start + it.tok0 + t) * q_tok_stride +
-                     (it.head * group + it.g0 + gi) * q_head_stride;
-      for (int d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * scale;
-      pos[r] = first_pos + it.tok0 + t;
-      m[r] = -std::numeric_limits<float>::infinity();
-      l[r] = 0.f;
-      std::memset(acc[r], 0, sizeof(float) * DV);
-    }
-  }
-  const int64_t last = first_pos + it.tok0 + it.ntok - 1;      // the tile's last position
-  const int64_t diag = first_pos + it.tok0;                    // from here, keys may be masked
-  // window: chunks from the first row's first key; below band_end the last row's are masked
-  const int64_t start = window ? std::max<int64_t>(0, diag - window + 1) / kChunk * kChunk : 0;
-  const int64_t band_end = window ? last - window + 1 : 0;
-  for (int64_t p0 = start; p0 <= last; p0 += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
-    load_keys_t<T, D>(g, it.head, p0, n, kt);
-    load_values<T, DV>(g, it.head, p0, n, v);
-    chunk_scores<D>(q, kt, rows, s);
-    const bool masked = p0 + kChunk - 1 > diag || n < kChunk || p0 < band_end;
-    for (int r = 0; r < rows; ++r) {
-      float* sr = s[r];
-      if (masked) {
-        const int64_t visible = std::min<int64_t>(pos[r] - p0 + 1, n);   // keys j < visible
-        const int64_t below = window ? pos[r] - window + 1 - p0 : 0;    // and j >= below
-        for (int j = 0; j < kChunk; ++j)
-          if (j >= visible || j < below) sr[j] = -std::numeric_limits<float>::infinity();
-      }
-      float cmax = sr[0];
-      for (int j = 1; j < kChunk; ++j) cmax = std::max(cmax, sr[j]);
-      if (cmax == -std::numeric_limits<float>::infinity()) continue;   // nothing visible
-      const float mnew = std::max(m[r], cmax);
-      const float alpha = exp_approx(m[r] - mnew);                     // 0 on the first chunk
-      float psum = 0.f;
-#pragma omp simd reduction(+ : psum)
-      for (int j = 0; j < kChunk; ++j) {
-        const float e = exp_approx(sr[j] - mnew);
-        sr[j] = e;
-        psum += e;
-      }
-      l[r] = l[r] * alpha + psum;
-      m[r] = mnew;
-      float* ar = acc[r];
-      if (alpha != 1.f) {
-#pragma omp simd
-        for (int d = 0; d < DV; ++d) ar[d] *= alpha;
-      }
-      for (int j = 0; j < n; ++j) {
-        const float pj = sr[j];
-#pragma omp simd
-        for (int d = 0; d < DV; ++d) ar[d] += pj * v[j][d];
-      }
-    }
-  }
-  for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < ng; ++gi) {
-      const int r = t * ng + gi;
-      const int64_t h = it.head * group + it.g0 + gi;
-      const float inv = normalizer(m[r], l[r], sinks, h);
-      T* dst = out + (q_start + it.tok0 + t) * o_tok_stride + h * o_head_stride;
-      for (int d = 0; d < DV; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
-    }
-  }
-}
 
 #if defined(DELTASERVE_SIMD)
 // The vector bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
@@ -297,30 +125,6 @@ simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blo
 }
 #endif
 
-std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs,
-                             int64_t num_kv_heads, int group, int64_t window) {
-  // head tiles: the whole group, or kTileRows heads at a time (one token each) past it
-  const int tile_heads = std::min(group, kTileRows);
-  const int64_t tile_tokens = std::max(1, kTileRows / tile_heads);
-  std::vector<Item> items;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t qlen = qsl[r + 1] - qsl[r];
-    const int64_t first_pos = seq_lens[r] - qlen;
-    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
-      const int64_t n = std::min(tile_tokens, qlen - t0);
-      const int64_t keys = first_pos + t0 + n;           // a window reads about W + n of them
-      for (int g0 = 0; g0 < group; g0 += tile_heads) {
-        const int ng = std::min(tile_heads, group - g0);
-        const int64_t cost = (window ? std::min(keys, window + n) : keys) * n * ng + 64;
-        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, n, g0, ng, cost});
-      }
-    }
-  }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  return items;
-}
-
 template <typename T, int D, int DV>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
@@ -397,6 +201,7 @@ void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
 }
 
 }  // namespace
+}  // namespace paged
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc,
@@ -420,8 +225,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "a sliding window or sinks with a value head (", v_dim, ") smaller than the key "
               "head (", head_dim, "): not supported (MLA has neither)");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "Hq must be a multiple of Hkv");
-  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query heads per kv head: ",
-              query.size(1) / kv_cache.size(3), ", at most ", kMaxGroup);
+  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= paged::kMaxGroup, "query heads per kv head: ",
+              query.size(1) / kv_cache.size(3), ", at most ", paged::kMaxGroup);
   const int64_t block_size = kv_cache.size(2);
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
               "block_size must be a power of two");
@@ -444,11 +249,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     sink_ptr = sinks->data_ptr<float>();
   }
   if (query.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out,
-                             window, sink_ptr);
+    paged::dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens,
+                                    scale, out, window, sink_ptr);
   } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc, seq_lens,
-                                     scale, out, window, sink_ptr);
+    paged::dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc,
+                                            seq_lens, scale, out, window, sink_ptr);
   } else {
     TORCH_CHECK(false, "dtype ", query.scalar_type(), " is not supported: float32 or bfloat16");
   }
