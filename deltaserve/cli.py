@@ -14,7 +14,8 @@ from importlib.metadata import entry_points
 
 from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
-from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
+from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
+                                       openai_options)
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
@@ -151,6 +152,7 @@ def _cmd_scheduler(args) -> int:
     with _startup_errors():
         for worker in workers:
             check_dial_address("--workers", worker)
+        openai_options(args)        # the OpenAI flags, before the model is read
         model = resolve_model_arg(args)
         settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load_for_client()

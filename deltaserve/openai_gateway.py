@@ -40,13 +40,24 @@ from pathlib import Path
 from deltaserve.child_process import dying_with_parent, stop_process
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
 from engine_common.request.params import ParamError
-from engine_common.configuration.settings import ReadableFile, add_flags, from_args, setting, validate
+from engine_common.configuration.settings import (NonEmpty, ReadableFile, add_flags, from_args,
+                                                  setting, validate)
 
 DEFAULT_OPENAI_PORT = 8000          # vllm serve's
 SMG_INSTALL = "pip install 'deltaserve[openai]'"
 _STOP_SECONDS = 15.0                # smg keeps its listener open 5 s after SIGTERM (drain)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ANY_HOST = ("0.0.0.0", "::", "")
+_PORTS = "in [1, 65535] (the gateway refuses port 0)"
+
+
+class GatewayListen(ListenAddress):
+    """HOST:PORT with PORT in [1, 65535], or "off": smg refuses port 0 (any free port)."""
+
+    allowed = "HOST:PORT with a port in [1, 65535] (the gateway refuses port 0), or off"
+
+    def ok(self, value) -> bool:
+        return super().ok(value) and (value == OFF or split_listen(value)[1] > 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,11 +66,11 @@ class OpenAIOptions:
 
     openai_listen: str | None = setting(
         None, "HOST:PORT of the OpenAI-compatible HTTP API, or off (its flag: "
-        "add_openai_flags, whose default depends on the command)", rule=ListenAddress(),
+        "add_openai_flags, whose default depends on the command)", rule=GatewayListen(),
         cli=False)
     api_key: str | None = setting(
         None, "the key OpenAI clients must send as `Authorization: Bearer KEY` (the gRPC port's "
-        "keys are --api-key-file)", metavar="KEY")
+        "keys are --api-key-file)", rule=NonEmpty(), metavar="KEY")
     ssl_certfile: str | None = setting(
         None, "PEM certificate chain: serve the OpenAI API over HTTPS (with --ssl-keyfile)",
         rule=ReadableFile(), metavar="FILE")
@@ -113,9 +124,17 @@ def add_openai_flags(parser, default_listen: str | None) -> None:
 
 def openai_options(args) -> tuple[OpenAIOptions, bool]:
     """(the options, whether the user asked for the listener). --host/--port override the
-    default address; with --openai-listen as well they are refused."""
+    default address; with --openai-listen as well they are refused. Each refusal names the flag
+    typed; `serve` and `scheduler` call this before the model is read, as smg would refuse a
+    port 0 or an empty key only once the model had loaded."""
     asked = hasattr(args, "openai_listen") or args.host is not None or args.port is not None
     listen = getattr(args, "openai_listen", None)
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise ParamError("--port", args.port, _PORTS)
+    if listen is not None and not GatewayListen().ok(listen):
+        raise ParamError("--openai-listen", listen, GatewayListen.allowed)
+    if getattr(args, "api_key", None) == "":
+        raise ParamError("--api-key", "", NonEmpty.allowed)
     if args.host is not None or args.port is not None:
         if listen is not None:
             # the flag the user gave (--port alone was refused as "host=None")

@@ -43,7 +43,7 @@ def test_host_and_port_name_the_openai_listener_and_off_turns_it_off():
     with pytest.raises(ParamError, match="--port=9000 is invalid: must be unset with "
                        "--openai-listen"):                       # was "host=None is invalid"
         _options("serve", "--openai-listen", "off", "--port", "9000")
-    with pytest.raises(ParamError, match="openai_listen"):
+    with pytest.raises(ParamError, match="--openai-listen='nowhere' is invalid"):
         _options("serve", "--openai-listen", "nowhere")
 
 
