@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
               skip=WORKER_ONLY)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (vllm serve's positional form)")
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory, a .gguf file, a Hub id (org/name) in "
                         "the local Hugging Face cache (downloaded when missing, unless "
@@ -182,8 +184,20 @@ def _cmd_scheduler(args) -> int:
 def _cmd_serve(args) -> int:
     from deltaserve.embedded import serve
 
+    _take_model_tag(args)
     with _startup_errors():
         return serve(args)
+
+
+def _take_model_tag(args) -> None:
+    """`serve MODEL` as `vllm serve MODEL`: the positional model becomes --model (one model:
+    both, naming two, are refused)."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise CliError(f"MODEL={args.model_tag!r} is invalid: must be the --model given as "
+                       f"well ({args.model!r}), or given once")
+    args.model = args.model_tag
 
 
 @contextlib.contextmanager

@@ -122,3 +122,17 @@ def test_the_scheduler_refuses_an_openai_port_the_gateway_would_refuse_before_th
     err = capsys.readouterr().err
     assert err == ("deltaserve scheduler: error: --port=0 is invalid: must be in [1, 65535] "
                    "(the gateway refuses port 0)\n"), err
+
+
+def test_the_model_may_be_given_as_vllm_serve_takes_it_positionally(capsys):
+    """`vllm serve MODEL`: the same line here was "unrecognized arguments: MODEL"."""
+    assert cli.main(["serve", NO_MODEL]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deltaserve serve: error: model directory '{NO_MODEL}' does not exist\n", err
+
+
+def test_two_different_models_positional_and_by_flag_are_refused(capsys):
+    assert cli.main(["serve", NO_MODEL, "--model", "/other/model"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"deltaserve serve: error: MODEL='{NO_MODEL}' is invalid: must be the "
+                   "--model given as well ('/other/model'), or given once\n"), err
