@@ -18,7 +18,8 @@ What is carried to smg and what is not (smg 1.13.0, checked):
   * --ssl-certfile/--ssl-keyfile: HTTPS on the OpenAI listener (smg --tls-cert-path/-key-path).
     smg could not connect to a TLS gRPC worker (grpcs://: "transport error"), so --tls-cert on
     the gRPC port keeps the default listener off, and an asked-for one is refused.
-  * --tool-call-parser, --reasoning-parser, --chat-template: passed through.
+  * --tool-call-parser, --reasoning-parser, --chat-template: passed through (a parser name the
+    installed smg does not list is refused first: check_parsers).
 """
 from __future__ import annotations
 
@@ -324,8 +325,32 @@ def openai_front(args, api, model_dir: str, listen: str,
             raise
         print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
         return None
+    check_parsers(smg, options)
     check_free(options.openai_listen)
     return OpenAIFront(options, smg, model_dir, listen, chat_template)
+
+
+def check_parsers(smg: str, options: OpenAIOptions) -> None:
+    """ParamError naming --tool-call-parser / --reasoning-parser when the gateway would refuse
+    the name: smg said so ("invalid choice") only once the model had loaded, and `serve` then
+    stopped with exit code 1 (vLLM's `hermes` is no smg name). The names are the choices in
+    `smg launch --help`, so they follow the installed gateway; help that cannot be read or
+    lists none skips the check (the gateway still refuses at its start)."""
+    asked = [(flag, value) for flag, value in (("--tool-call-parser", options.tool_call_parser),
+                                               ("--reasoning-parser", options.reasoning_parser))
+             if value is not None]
+    if not asked:
+        return
+    try:
+        usage = subprocess.run([smg, "launch", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return
+    for flag, value in asked:
+        listed = re.search(re.escape(flag) + r" \{([^}\s]*)\}", usage)
+        if listed and value not in listed.group(1).split(","):
+            raise ParamError(flag, value, "one of the gateway's: "
+                             + ", ".join(listed.group(1).split(",")))
 
 
 def check_free(listen: str) -> None:

@@ -5,13 +5,14 @@ child process. The real gateway: tests/e2e/test_openai_listen.py."""
 from __future__ import annotations
 
 import io
+import socket
 import sys
 
 import pytest
 
 from deltaserve.cli import build_parser
 from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, check_compatible,
-                                       find_smg, gateway_model_path, grpc_target_of,
+                                       check_parsers, find_smg, gateway_model_path, grpc_target_of,
                                        openai_front, openai_options, smg_command)
 from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
@@ -173,3 +174,26 @@ def test_an_openai_port_in_use_is_refused_before_anything_starts(tmp_path, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"deltaserve serve: error: could not listen on 127.0.0.1:{port} (the "
                        "OpenAI API): Address already in use"), err
+
+
+@pytest.mark.skipif(find_smg() is None, reason="needs the smg gateway (the openai extra)")
+def test_a_parser_name_the_gateway_refuses_is_refused_before_the_worker_starts(
+        tmp_path, monkeypatch, capsys):
+    # vLLM's `--tool-call-parser hermes`: smg refused it only once the model had loaded and the
+    # gateway started ("invalid choice"), and serve stopped with exit code 1.
+    from deltaserve import cli, embedded
+    from tests.support.sim_server import make_sim_model_dir
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    model = str(make_sim_model_dir(tmp_path / "model"))
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = str(probe.getsockname()[1])        # free once closed: check_free passes
+    for flag, name, listed in (("--tool-call-parser", "hermes", " qwen,"),
+                               ("--reasoning-parser", "nope", " deepseek_r1,")):
+        assert cli.main(["serve", "--model", model, "--port", port, flag, name]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"deltaserve serve: error: {flag}='{name}' is invalid: must "
+                                  "be one of the gateway's: ") and listed in err[-1], err
+    check_parsers(find_smg(), OpenAIOptions(tool_call_parser="qwen", reasoning_parser="qwen3"))
