@@ -91,6 +91,18 @@ class OpenAIOptions:
             missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
             raise ParamError(missing, None, "set together with --ssl-certfile/--ssl-keyfile")
 
+    def check_tls(self) -> None:
+        """ParamError naming --ssl-certfile unless it and --ssl-keyfile load as a certificate
+        chain and its key (smg refused them only once the model had loaded)."""
+        if self.ssl_certfile is None:
+            return
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                self.ssl_certfile, self.ssl_keyfile)
+        except (ssl.SSLError, OSError) as e:
+            raise ParamError("--ssl-certfile", self.ssl_certfile, "a PEM certificate chain "
+                             f"whose key is --ssl-keyfile ({self.ssl_keyfile!r}); {e}") from None
+
     @property
     def enabled(self) -> bool:
         return self.openai_listen not in (None, OFF)
@@ -326,6 +338,7 @@ def openai_front(args, api, model_dir: str, listen: str,
         print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
         return None
     check_parsers(smg, options)
+    options.check_tls()
     check_free(options.openai_listen)
     return OpenAIFront(options, smg, model_dir, listen, chat_template)
 

@@ -197,3 +197,32 @@ def test_a_parser_name_the_gateway_refuses_is_refused_before_the_worker_starts(
         assert err[-1].startswith(f"deltaserve serve: error: {flag}='{name}' is invalid: must "
                                   "be one of the gateway's: ") and listed in err[-1], err
     check_parsers(find_smg(), OpenAIOptions(tool_call_parser="qwen", reasoning_parser="qwen3"))
+
+
+@pytest.mark.skipif(find_smg() is None, reason="needs the smg gateway (the openai extra)")
+def test_https_files_that_hold_no_certificate_and_key_are_refused_before_the_worker_starts(
+        tmp_path, monkeypatch, capsys):
+    # Readable files with no PEM in them (or a key of another certificate): smg said "Failed to
+    # create TLS config" only once the model had loaded, and serve stopped with exit code 1.
+    from deltaserve import cli, embedded
+    from tests.support.certs import make_ca, make_cert
+    from tests.support.sim_server import make_sim_model_dir
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    model = str(make_sim_model_dir(tmp_path / "model"))
+    ca = make_ca(tmp_path, "ca")
+    good = make_cert(tmp_path, ca, "server", hosts=("127.0.0.1",))
+    junk = tmp_path / "junk.pem"
+    junk.write_text("garbage\n")
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = str(probe.getsockname()[1])
+    for cert, key in ((junk, junk), (good.cert, junk), (good.cert, ca.key)):
+        assert cli.main(["serve", "--model", model, "--port", port, "--ssl-certfile", str(cert),
+                         "--ssl-keyfile", str(key)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"deltaserve serve: error: --ssl-certfile='{cert}' is "
+                                  f"invalid: must be a PEM certificate chain whose key is "
+                                  f"--ssl-keyfile ('{key}'); "), err
+    OpenAIOptions(ssl_certfile=str(good.cert), ssl_keyfile=str(good.key)).check_tls()
