@@ -146,8 +146,9 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
         raise ParamError("--port", args.port, _PORTS)
     if listen is not None and not GatewayListen().ok(listen):
         raise ParamError("--openai-listen", listen, GatewayListen.allowed)
-    if getattr(args, "api_key", None) == "":
-        raise ParamError("--api-key", "", NonEmpty.allowed)
+    key = getattr(args, "api_key", None)
+    if key is not None and not key.strip():     # smg trims it, then refuses an empty one
+        raise ParamError("--api-key", key, "a key with a character other than whitespace")
     if args.host is not None or args.port is not None:
         if listen is not None:
             # the flag the user gave (--port alone was refused as "host=None")

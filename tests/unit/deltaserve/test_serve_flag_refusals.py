@@ -104,7 +104,10 @@ def test_a_batch_limit_past_its_bound_is_refused_under_its_own_name(flag, bound,
      "port 0)"),
     (["--openai-listen", "127.0.0.1:0"], "--openai-listen='127.0.0.1:0' is invalid: must be "
      "HOST:PORT with a port in [1, 65535] (the gateway refuses port 0), or off"),
-    (["--api-key", ""], "--api-key='' is invalid: must be a non-empty string"),
+    (["--api-key", ""], "--api-key='' is invalid: must be a key with a character other than "
+     "whitespace"),
+    (["--api-key", " \t"], "--api-key=' \\t' is invalid: must be a key with a character other "
+     "than whitespace"),
 ])
 def test_an_openai_listener_the_gateway_would_refuse_is_refused_before_the_model_loads(
         argv, message, capsys):
