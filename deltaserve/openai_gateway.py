@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import shutil
 import socket
@@ -39,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import dying_with_parent, stop_process
+from deltaserve.gateway_checks import (bind_address, check_compatible, check_free, check_parsers,
+                                       check_tls)
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (NonEmpty, ReadableFile, add_flags, from_args,
@@ -91,18 +92,6 @@ class OpenAIOptions:
             missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
             raise ParamError(missing, None, "set together with --ssl-certfile/--ssl-keyfile")
 
-    def check_tls(self) -> None:
-        """ParamError naming --ssl-certfile unless it and --ssl-keyfile load as a certificate
-        chain and its key (smg refused them only once the model had loaded)."""
-        if self.ssl_certfile is None:
-            return
-        try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                self.ssl_certfile, self.ssl_keyfile)
-        except (ssl.SSLError, OSError) as e:
-            raise ParamError("--ssl-certfile", self.ssl_certfile, "a PEM certificate chain "
-                             f"whose key is --ssl-keyfile ({self.ssl_keyfile!r}); {e}") from None
-
     @property
     def enabled(self) -> bool:
         return self.openai_listen not in (None, OFF)
@@ -111,6 +100,7 @@ class OpenAIOptions:
     def base_url(self) -> str:
         host, port = split_listen(self.openai_listen)
         host = "127.0.0.1" if host in _ANY_HOST else host
+        host = f"[{host}]" if ":" in host else host         # an IPv6 address in a URL
         scheme = "https" if self.ssl_certfile else "http"
         return f"{scheme}://{host}:{port}/v1"
 
@@ -168,20 +158,6 @@ def find_smg() -> str | None:
     return str(beside) if beside.exists() else shutil.which("smg")
 
 
-def check_compatible(options: OpenAIOptions, api) -> None:
-    """Refuse, before anything starts, what smg cannot put in front of the gRPC port."""
-    if api.api_key_file:
-        raise ParamError("api_key_file", api.api_key_file,
-                         "unset with the OpenAI listener on: the smg gateway sends no key to a "
-                         "gRPC worker; use --api-key for the OpenAI API and keep --listen on "
-                         "loopback, or --openai-listen off")
-    if api.tls_cert:
-        raise ParamError("tls_cert", api.tls_cert,
-                         "unset with the OpenAI listener on: the smg gateway cannot reach a "
-                         "TLS gRPC port; use --ssl-certfile/--ssl-keyfile for HTTPS on the "
-                         "OpenAI API, or --openai-listen off")
-
-
 def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
                 metrics_port: int, chat_template: str | None = None,
                 adapter_targets: tuple[str, ...] = ()) -> list[str]:
@@ -190,7 +166,7 @@ def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
     gateway reads the tokenizer from, or a path that does not exist (it asks us, GetTokenizer)."""
     host, port = split_listen(options.openai_listen)
     urls = [f"grpc://{t}" for t in (grpc_target, *adapter_targets)]
-    cmd = [smg, "launch", "--host", host, "--port", str(port),
+    cmd = [smg, "launch", "--host", bind_address(host), "--port", str(port),
            "--worker-urls", *urls, "--model-path", model,
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--log-level", "info"]
@@ -339,46 +315,6 @@ def openai_front(args, api, model_dir: str, listen: str,
         print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
         return None
     check_parsers(smg, options)
-    options.check_tls()
+    check_tls(options)
     check_free(options.openai_listen)
     return OpenAIFront(options, smg, model_dir, listen, chat_template)
-
-
-def check_parsers(smg: str, options: OpenAIOptions) -> None:
-    """ParamError naming --tool-call-parser / --reasoning-parser when the gateway would refuse
-    the name: smg said so ("invalid choice") only once the model had loaded, and `serve` then
-    stopped with exit code 1 (vLLM's `hermes` is no smg name). The names are the choices in
-    `smg launch --help`, so they follow the installed gateway; help that cannot be read or
-    lists none skips the check (the gateway still refuses at its start)."""
-    asked = [(flag, value) for flag, value in (("--tool-call-parser", options.tool_call_parser),
-                                               ("--reasoning-parser", options.reasoning_parser))
-             if value is not None]
-    if not asked:
-        return
-    try:
-        usage = subprocess.run([smg, "launch", "--help"], capture_output=True, text=True,
-                               timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return
-    for flag, value in asked:
-        listed = re.search(re.escape(flag) + r" \{([^}\s]*)\}", usage)
-        if listed and value not in listed.group(1).split(","):
-            raise ParamError(flag, value, "one of the gateway's: "
-                             + ", ".join(listed.group(1).split(",")))
-
-
-def check_free(listen: str) -> None:
-    """OSError naming `listen` when the OpenAI address cannot be bound now. Checked before
-    anything starts, as vLLM binds its socket first: the gateway found it taken only once the
-    model had loaded, and ended `serve` with its Python traceback and exit code 1."""
-    host, port = split_listen(listen)
-    if port == 0:
-        return
-    try:
-        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                    flags=socket.AI_PASSIVE)[0][0]
-        with socket.create_server((host, port), family=family):
-            pass
-    except OSError as e:
-        why = os.strerror(e.errno) if e.errno else str(e)
-        raise OSError(f"could not listen on {listen} (the OpenAI API): {why}") from None

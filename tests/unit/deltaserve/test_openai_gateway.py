@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from deltaserve.cli import build_parser
-from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, check_compatible,
-                                       check_parsers, find_smg, gateway_model_path, grpc_target_of,
-                                       openai_front, openai_options, smg_command)
+from deltaserve.gateway_checks import check_compatible, check_parsers, check_tls
+from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, find_smg, gateway_model_path,
+                                       grpc_target_of, openai_front, openai_options, smg_command)
 from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 
@@ -225,4 +225,21 @@ def test_https_files_that_hold_no_certificate_and_key_are_refused_before_the_wor
         assert err[-1].startswith(f"deltaserve serve: error: --ssl-certfile='{cert}' is "
                                   f"invalid: must be a PEM certificate chain whose key is "
                                   f"--ssl-keyfile ('{key}'); "), err
-    OpenAIOptions(ssl_certfile=str(good.cert), ssl_keyfile=str(good.key)).check_tls()
+    check_tls(OpenAIOptions(ssl_certfile=str(good.cert), ssl_keyfile=str(good.key)))
+
+
+def test_a_host_name_reaches_smg_as_an_address_and_an_ipv6_url_is_bracketed():
+    # vLLM's `--host localhost` (uvicorn binds a name): smg takes only an IP address, and
+    # refused it once the model had loaded; --host ::1 announced http://::1:8000/v1.
+    import ipaddress
+
+    options, _ = _options("serve", "--host", "localhost")
+    flags = dict(zip(*[iter(smg_command("/bin/smg", options, "h:1", "/m", 1)[2:])] * 2))
+    assert ipaddress.ip_address(flags["--host"]).is_loopback, flags["--host"]
+    assert options.base_url == "http://localhost:8000/v1"
+    options, _ = _options("serve", "--host", "::1", "--port", "8001")
+    assert options.base_url == "http://[::1]:8001/v1"
+    flags = dict(zip(*[iter(smg_command("/bin/smg", options, "h:1", "/m", 1)[2:])] * 2))
+    assert flags["--host"] == "::1"
+    options, _ = _options("serve", "--openai-listen", "[::]:8002")
+    assert options.base_url == "http://127.0.0.1:8002/v1"         # where a local client goes
