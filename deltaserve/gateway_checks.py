@@ -69,12 +69,13 @@ def check_parsers(smg: str, options) -> None:
 
 def check_tls(options) -> None:
     """ParamError naming --ssl-certfile unless it and --ssl-keyfile load as a certificate
-    chain and its key (smg refused them only once the model had loaded)."""
+    chain and its key (smg refused them only once the model had loaded). An encrypted key is
+    refused too (smg reads none), without OpenSSL's passphrase prompt on the terminal."""
     if options.ssl_certfile is None:
         return
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            options.ssl_certfile, options.ssl_keyfile)
+            options.ssl_certfile, options.ssl_keyfile, password=b"")
     except (ssl.SSLError, OSError) as e:
         raise ParamError("--ssl-certfile", options.ssl_certfile, "a PEM certificate chain "
                          f"whose key is --ssl-keyfile ({options.ssl_keyfile!r}); {e}") from None

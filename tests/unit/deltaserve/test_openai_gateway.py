@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -218,7 +219,10 @@ def test_https_files_that_hold_no_certificate_and_key_are_refused_before_the_wor
     junk.write_text("garbage\n")
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = str(probe.getsockname()[1])
-    for cert, key in ((junk, junk), (good.cert, junk), (good.cert, ca.key)):
+    sealed = tmp_path / "sealed.key"          # encrypted: smg reads no such key
+    subprocess.run(["openssl", "pkey", "-in", str(good.key), "-out", str(sealed), "-aes256",
+                    "-passout", "pass:secret"], check=True, capture_output=True)
+    for cert, key in ((junk, junk), (good.cert, junk), (good.cert, ca.key), (good.cert, sealed)):
         assert cli.main(["serve", "--model", model, "--port", port, "--ssl-certfile", str(cert),
                          "--ssl-keyfile", str(key)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
