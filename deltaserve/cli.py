@@ -14,7 +14,8 @@ from importlib.metadata import entry_points
 
 from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
-from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
+from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
+                                       openai_options)
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
               skip=WORKER_ONLY)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (vllm serve's positional form)")
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory, a .gguf file, a Hub id (org/name) in "
                         "the local Hugging Face cache (downloaded when missing, unless "
@@ -151,6 +154,7 @@ def _cmd_scheduler(args) -> int:
     with _startup_errors():
         for worker in workers:
             check_dial_address("--workers", worker)
+        openai_options(args)        # the OpenAI flags, before the model is read
         model = resolve_model_arg(args)
         settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load_for_client()
@@ -180,8 +184,20 @@ def _cmd_scheduler(args) -> int:
 def _cmd_serve(args) -> int:
     from deltaserve.embedded import serve
 
+    _take_model_tag(args)
     with _startup_errors():
         return serve(args)
+
+
+def _take_model_tag(args) -> None:
+    """`serve MODEL` as `vllm serve MODEL`: the positional model becomes --model (one model:
+    both, naming two, are refused)."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise CliError(f"MODEL={args.model_tag!r} is invalid: must be the --model given as "
+                       f"well ({args.model!r}), or given once")
+    args.model = args.model_tag
 
 
 @contextlib.contextmanager

@@ -123,7 +123,8 @@ class SchedulerConfig(BatchLimits):
     max_waiting: int = setting(1024, "queued requests before new ones get RESOURCE_EXHAUSTED",
                                rule=AtLeast(1, MAX_WAITING))
     enable_prefix_caching: bool = setting(
-        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching")
+        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching",
+        aliases=("--no-enable-prefix-caching",))
     async_scheduling: bool = setting(
         False, "keep two steps in flight: schedule step t+1 while the workers run step t (they "
         "feed their own sampled tokens back)")
