@@ -10,7 +10,7 @@ Each step runs every linear once on [M, K] rows (a decode step of M requests, at
 norms left out: the linears are what reads the weights). Rounds alternate the two modes;
 tokens/s = M x steps/s, reported min / median / max over the rounds.
 
-    python -m bench.quant_cpu [--layers 8] [--rows 1,4,16,64] [--dtypes bfloat16]
+    python -m bench.quant_cpu [--layers 8] [--rows 1,4,16,64,300] [--dtypes bfloat16]
                               [--rounds 3] [--steps 3]
 
 float32 / float16 models are not run natively (quant_linear.NATIVE_DTYPES: torch's kernel is
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant_cpu",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--rows", default="1,4,16,64,300")
     p.add_argument("--dtypes", default="bfloat16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
