@@ -67,11 +67,11 @@ def layout(which: str | None = None) -> Int4Layout | None:
     return _probe(extension.namespace(which))
 
 
-def wanted(rows: int) -> bool:
-    """Whether a call of `rows` rows takes the panel kernel in this process: enough rows, and
-    a build with AVX512-BF16 dot products (elsewhere its portable body is slower than torch's
-    kernel; the tests still run it)."""
-    if rows < MIN_ROWS or layout() is None:
+def wanted(rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a call of `rows` rows of `dtype` takes the panel kernel in this process:
+    bfloat16, enough rows, and a build with AVX512-BF16 dot products (elsewhere its portable
+    body is slower than torch's kernel; the tests still run it)."""
+    if dtype != torch.bfloat16 or rows < MIN_ROWS or layout() is None:
         return False
     return bool(extension.ops().bf16_dot())
 

@@ -97,6 +97,7 @@ class QuantLinear:
         self.out_features, self.in_features = n, k
         self.dtype = scales.dtype
         self.calls = 0
+        self.many_row_calls = 0     # calls that took int4_gemm's kernel (tests check it ran)
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +112,8 @@ class QuantLinear:
         self.calls += 1
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.kind == "int4" and int4_gemm.wanted(x2.shape[0]):
+        if self.kind == "int4" and int4_gemm.wanted(x2.shape[0], x2.dtype):
+            self.many_row_calls += 1
             y = int4_gemm.linear(x2, self.packed, self.scales, self.group, self.out_features)
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group,

@@ -76,7 +76,7 @@ PanelCodes panel_codes(const Layout& L, int64_t col0) {
     const int64_t r = col0 + c - b0;
     const bool inter = L.interleaved && rows == L.block;
     pc.byte[c] = static_cast<int32_t>(inter ? r % (L.block / 2) : r / 2);
-    pc.shift[c] = inter ? static_cast<int32_t>(r / (L.block / 2)) * 4 : static_cast<int32_t>(r % 2) * 4;
+    pc.shift[c] = static_cast<int32_t>(inter ? r / (L.block / 2) : r % 2) * 4;
   }
   return pc;
 }
@@ -211,7 +211,9 @@ struct FreeDeleter {
 template <typename T>
 std::unique_ptr<T[], FreeDeleter> aligned(int64_t count) {
   const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
-  return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(std::aligned_alloc(64, bytes)));
+  T* p = static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
+  TORCH_CHECK(p != nullptr, "int4pack: cannot allocate ", bytes, " bytes of scratch");
+  return std::unique_ptr<T[], FreeDeleter>(p);
 }
 
 // x [M, K] as chunks [K / kKChunk][M][kKChunk] (the last one narrower): a register block's
