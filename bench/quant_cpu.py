@@ -1,6 +1,7 @@
-"""GPTQ int4 linears on the CPU kept packed (layers/quant_linear.py, torch's weight-only int4
-kernel) against the same weights dequantized at load (kernels/cpu/linear.py: panels / oneDNN /
-MKL, what --cpu-quantized-weights dequantize runs): resident weight bytes, and the decode
+"""GPTQ int4 linears on the CPU kept packed (layers/quant_linear.py: torch's weight-only int4
+kernel below kernels/cpu/int4_gemm.MIN_ROWS rows, the repo's panel kernel from there) against
+the same weights dequantized at load (kernels/cpu/linear.py: panels / oneDNN / MKL, what
+--cpu-quantized-weights dequantize runs): resident weight bytes, and the decode
 throughput of the linear stack of a model of real shape, random GPTQ codes (group 128):
 
     layers x (qkv [3072, 2048], o [2048, 2048], gate_up [12288, 2048], down [2048, 6144])
