@@ -43,7 +43,7 @@ namespace {
 
 constexpr int kPanel = 32;     // output columns per panel
 constexpr int kKChunk = 256;   // k values dequantized at a time (a multiple of every group)
-constexpr int kRows = 12;      // rows of x per register block
+constexpr int kRows = 6;       // rows of x per register block: 2 x 6 x 2 accumulators
 constexpr int kGroupPanels = 4;  // panels dequantized together (4 x 16 KiB of pairs, in L2)
 
 struct Layout {
@@ -113,84 +113,95 @@ void rows_f32(const c10::BFloat16* x, int64_t ldx, int64_t rows, const float* w,
 }
 
 #if defined(DELTASERVE_INT4_BF16DOT)
-// (w[k][c], w[k + 1][c]) as bfloat16 pairs: pairs[(k - k0) / 2][c][2].
-void to_pairs(const float* w, int64_t kk, uint16_t* pairs) {
-  for (int64_t k = 0; k < kk; k += 2)
+// The bfloat16 body keeps the codes raw and factors scale and zero out of each group's sum:
+//
+//     y[r][c] = sum_g  s[g][c] * D[r][g][c] + b[g][c] * X[r][g]
+//     D = sum_{k in g} (128 + q[k][c]) x[r][k]     X = sum_{k in g} x[r][k]
+//     b = zero - (128 + 8) s                       (w = (q - 8) s + zero)
+//
+// 128 + q (q < 16) is exact in bfloat16, its bits 0x4300 | q: the codes become dot-product
+// operands with an AND and an OR, no float conversion, and s, b apply once per group and row.
+constexpr uint16_t kOffsetBits = 0x4300;   // bfloat16(128)
+constexpr float kOffset = 128.f + 8.f;
+
+// Per group of the chunk: s[32] then b[32] (float32), zero past the panel's width.
+void group_scales(const Layout& L, const PanelCodes& pc, int64_t k0, int64_t k1, float* sb) {
+  for (int64_t g0 = k0; g0 < k1; g0 += L.group, sb += 2 * kPanel) {
+    const c10::BFloat16* sz = L.sz + ((g0 / L.group) * L.n + pc.col0) * 2;
     for (int c = 0; c < kPanel; ++c) {
-      pairs[(k / 2) * 2 * kPanel + 2 * c] = c10::BFloat16(w[k * kPanel + c]).x;
-      pairs[(k / 2) * 2 * kPanel + 2 * c + 1] = c10::BFloat16(w[(k + 1) * kPanel + c]).x;
+      const float sc = c < pc.cols ? static_cast<float>(sz[2 * c]) : 0.f;
+      const float z = c < pc.cols ? static_cast<float>(sz[2 * c + 1]) : 0.f;
+      sb[c] = sc;
+      sb[kPanel + c] = z - kOffset * sc;
     }
+  }
 }
 
-// 16 columns' (scale, zero) from sz's interleaved bfloat16 pairs, widened to float32.
-inline void scale_zero(const c10::BFloat16* sz, __m512& s, __m512& z) {
-  const __m512i raw = _mm512_loadu_si512(sz);
-  s = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-  z = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000))));
+// pairs[(k - k0) / 2][c] = (128 + q[k][c], 128 + q[k + 1][c]) as bfloat16 bits, any layout.
+void raw_pairs(const PanelCodes& pc, int64_t k0, int64_t k1, uint16_t* pairs) {
+  for (int64_t k = k0; k < k1; k += 2)
+    for (int c = 0; c < kPanel; ++c)
+      for (int t = 0; t < 2; ++t) {
+        const int q = c < pc.cols ? (pc.base[(k + t) * pc.stride + pc.byte[c]] >> pc.shift[c]) & 15
+                                  : 0;
+        pairs[(k - k0) * kPanel + 2 * c + t] = static_cast<uint16_t>(kOffsetBits | q);
+      }
 }
 
-// The fast dequantization: a whole panel of an interleaved 64-row block, whose 32 columns are
-// the low (first half) or high (second half) nibbles of the k's 32 bytes.
-void dequant_pairs_64(const Layout& L, const PanelCodes& pc, int64_t k0, int64_t k1,
-                      uint16_t* pairs) {
+// The same for a whole panel of an interleaved 64-row block, whose 32 columns are the low
+// (first half) or high (second half) nibbles of the k's 32 bytes.
+void raw_pairs_64(const PanelCodes& pc, int64_t k0, int64_t k1, uint16_t* pairs) {
   const bool high = (pc.col0 % 64) != 0;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // pairs of (k, k + 1) for each column: bf16 index 2c <- w_k[c], 2c + 1 <- w_k1[c]
-  alignas(64) int16_t idx[32];
+  const __m512i offset = _mm512_set1_epi16(static_cast<int16_t>(kOffsetBits));
+  alignas(64) int16_t lo[32], hi[32];        // word 2c <- k's column, 2c + 1 <- k + 1's
   for (int c = 0; c < 16; ++c) {
-    idx[2 * c] = static_cast<int16_t>(c);
-    idx[2 * c + 1] = static_cast<int16_t>(16 + c);
+    lo[2 * c] = static_cast<int16_t>(c), lo[2 * c + 1] = static_cast<int16_t>(32 + c);
+    hi[2 * c] = static_cast<int16_t>(16 + c), hi[2 * c + 1] = static_cast<int16_t>(48 + c);
   }
-  const __m512i perm = _mm512_load_si512(idx);
-  const __m512 eight = _mm512_set1_ps(8.f);
-  for (int64_t g0 = k0; g0 < k1; g0 += L.group) {          // chunks hold whole groups
-    const c10::BFloat16* sz = L.sz + ((g0 / L.group) * L.n + pc.col0) * 2;
-    __m512 s[2], b[2];
-    for (int h = 0; h < 2; ++h) {
-      __m512 z;
-      scale_zero(sz + 32 * h, s[h], z);
-      b[h] = _mm512_fnmadd_ps(eight, s[h], z);             // w = q s + (z - 8 s)
+  const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512i w[2];
+    for (int t = 0; t < 2; ++t) {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc.base + (k + t) * 32));
+      if (high) v = _mm256_srli_epi16(v, 4);
+      w[t] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(v, low4)), offset);
     }
-    for (int64_t k = g0; k < std::min(k1, g0 + L.group); k += 2) {
-      __m256i q[2];
-      for (int t = 0; t < 2; ++t) {
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc.base + (k + t) * 32));
-        if (high) v = _mm256_srli_epi16(v, 4);
-        q[t] = _mm256_and_si256(v, low4);
-      }
-      for (int h = 0; h < 2; ++h) {          // columns 16 h .. 16 h + 15
-        __m512 w[2];
-        for (int t = 0; t < 2; ++t) {
-          const __m128i bytes =
-              h ? _mm256_extracti128_si256(q[t], 1) : _mm256_castsi256_si128(q[t]);
-          w[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), s[h], b[h]);
-        }
-        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));
-        _mm512_storeu_si512(pairs + ((k - k0) / 2) * 2 * kPanel + 32 * h,
-                            _mm512_permutexvar_epi16(perm, both));
-      }
-    }
+    uint16_t* out = pairs + (k - k0) * kPanel;
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi16(w[0], ilo, w[1]));
+    _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(w[0], ihi, w[1]));
   }
 }
 
-// acc[r][0..32) += sum over the chunk's pairs of x[r] . pairs for r < R (vdpbf16ps).
+// acc[r][0..32) += sum over the chunk's groups of s * D + b * X for r < R (vdpbf16ps); xs:
+// X of the chunk's first group for row 0, the next group xs_group further.
 template <int R>
-void rows_dot(const c10::BFloat16* x, int64_t ldx, const uint16_t* pairs, int64_t npairs,
-              float* acc) {
+void rows_dot(const c10::BFloat16* x, int64_t ldx, const uint16_t* pairs, int64_t kk,
+              int64_t group, const float* sb, const float* xs, int64_t xs_group, float* acc) {
   __m512 a[R][2];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v)
-      a[r][v] = _mm512_loadu_ps(acc + r * kPanel + 16 * v);
-  for (int64_t p = 0; p < npairs; ++p) {
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + p * 64));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + p * 64 + 32));
+    for (int v = 0; v < 2; ++v) a[r][v] = _mm512_loadu_ps(acc + r * kPanel + 16 * v);
+  for (int64_t g0 = 0; g0 < kk; g0 += group, sb += 2 * kPanel, xs += xs_group) {
+    __m512 d[R][2];
+    for (int r = 0; r < R; ++r) d[r][0] = d[r][1] = _mm512_setzero_ps();
+    for (int64_t p = g0 / 2; p < (g0 + group) / 2; ++p) {
+      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + p * 64));
+      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + p * 64 + 32));
 #pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        int32_t xp;
+        std::memcpy(&xp, x + r * ldx + 2 * p, sizeof(xp));
+        const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp));
+        d[r][0] = _mm512_dpbf16_ps(d[r][0], xb, w0);
+        d[r][1] = _mm512_dpbf16_ps(d[r][1], xb, w1);
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      int32_t xp;
-      std::memcpy(&xp, x + r * ldx + 2 * p, sizeof(xp));
-      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp));
-      a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);
-      a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);
+      const __m512 xr = _mm512_set1_ps(xs[r]);
+      for (int v = 0; v < 2; ++v) {
+        a[r][v] = _mm512_fmadd_ps(d[r][v], _mm512_loadu_ps(sb + 16 * v), a[r][v]);
+        a[r][v] = _mm512_fmadd_ps(_mm512_loadu_ps(sb + kPanel + 16 * v), xr, a[r][v]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -199,8 +210,10 @@ void rows_dot(const c10::BFloat16* x, int64_t ldx, const uint16_t* pairs, int64_
 
 template <int... Rs>
 void rows_dot_any(int rows, const c10::BFloat16* x, int64_t ldx, const uint16_t* pairs,
-                  int64_t npairs, float* acc, std::integer_sequence<int, Rs...>) {
-  ((rows == Rs + 1 ? rows_dot<Rs + 1>(x, ldx, pairs, npairs, acc) : void()), ...);
+                  int64_t kk, int64_t group, const float* sb, const float* xs, int64_t xs_group,
+                  float* acc, std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? rows_dot<Rs + 1>(x, ldx, pairs, kk, group, sb, xs, xs_group, acc)
+                   : void()), ...);
 }
 #endif
 
@@ -230,15 +243,32 @@ std::unique_ptr<c10::BFloat16[], FreeDeleter> chunk_rows(const c10::BFloat16* x,
   return out;
 }
 
+// X[g][r] = sum of x[r][k] over group g (float32), the zero's factor in the bfloat16 body.
+std::unique_ptr<float[], FreeDeleter> group_sums(const c10::BFloat16* x, int64_t m, int64_t k,
+                                                 int64_t group) {
+  auto out = aligned<float>(m * (k / group));
+  for (int64_t g = 0; g < k / group; ++g)
+    for (int64_t r = 0; r < m; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < group; ++i) sum += static_cast<float>(x[r * k + g * group + i]);
+      out[g * m + r] = sum;
+    }
+  return out;
+}
+
 // y[:, panels p0 .. p1) of x W^T (x chunked as chunk_rows), kGroupPanels panels at a time:
 // their chunks dequantized together, so a register block's rows of x, once in L1, serve all of
 // them (at 300 rows x streams from L2 once per group instead of once per panel).
-void run_panels(const Layout& L, const c10::BFloat16* x, int64_t m, c10::BFloat16* y,
-                int64_t p0, int64_t p1) {
+void run_panels(const Layout& L, const c10::BFloat16* x, const float* xs, int64_t m,
+                c10::BFloat16* y, int64_t p0, int64_t p1) {
   auto acc = aligned<float>(kGroupPanels * m * kPanel);
   auto w = aligned<float>(kKChunk * kPanel);
 #if defined(DELTASERVE_INT4_BF16DOT)
   auto pairs = aligned<uint16_t>(kGroupPanels * kKChunk * kPanel);
+  const int64_t chunk_groups = kKChunk / L.group;
+  auto sb = aligned<float>(kGroupPanels * chunk_groups * 2 * kPanel);
+#else
+  (void)xs;
 #endif
   PanelCodes pcs[kGroupPanels];
   for (int64_t pa = p0; pa < p1; pa += kGroupPanels) {
@@ -252,12 +282,11 @@ void run_panels(const Layout& L, const c10::BFloat16* x, int64_t m, c10::BFloat1
         const PanelCodes& pc = pcs[j];
 #if defined(DELTASERVE_INT4_BF16DOT)
         uint16_t* pj = pairs.get() + j * kKChunk * kPanel;
-        if (L.interleaved && L.block == 64 && pc.cols == kPanel && pc.stride == 32) {
-          dequant_pairs_64(L, pc, k0, k1, pj);
-        } else {
-          dequant_f32(L, pc, k0, k1, w.get());
-          to_pairs(w.get(), k1 - k0, pj);
-        }
+        if (L.interleaved && L.block == 64 && pc.cols == kPanel && pc.stride == 32)
+          raw_pairs_64(pc, k0, k1, pj);
+        else
+          raw_pairs(pc, k0, k1, pj);
+        group_scales(L, pc, k0, k1, sb.get() + j * chunk_groups * 2 * kPanel);
 #else
         dequant_f32(L, pc, k0, k1, w.get());
         rows_f32(xc, k1 - k0, m, w.get(), 0, k1 - k0, acc.get() + j * m * kPanel);
@@ -268,7 +297,8 @@ void run_panels(const Layout& L, const c10::BFloat16* x, int64_t m, c10::BFloat1
         for (int j = 0; j < np; ++j)
           rows_dot_any(static_cast<int>(std::min<int64_t>(kRows, m - r0)),
                        xc + r0 * (k1 - k0), k1 - k0, pairs.get() + j * kKChunk * kPanel,
-                       (k1 - k0) / 2, acc.get() + (j * m + r0) * kPanel,
+                       k1 - k0, L.group, sb.get() + j * chunk_groups * 2 * kPanel,
+                       xs + (k0 / L.group) * m + r0, m, acc.get() + (j * m + r0) * kPanel,
                        std::make_integer_sequence<int, kRows>{});
 #endif
     }
@@ -313,11 +343,17 @@ at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& packed, const 
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const auto chunked = chunk_rows(x.data_ptr<c10::BFloat16>(), m, L.k);
+#if defined(DELTASERVE_INT4_BF16DOT)
+  const auto sums = group_sums(x.data_ptr<c10::BFloat16>(), m, L.k, L.group);
+  const float* xs = sums.get();
+#else
+  const float* xs = nullptr;
+#endif
   const c10::BFloat16* xp = chunked.get();
   auto* yp = y.data_ptr<c10::BFloat16>();
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    run_panels(L, xp, m, yp, p0, p1);
+    run_panels(L, xp, xs, m, yp, p0, p1);
   });
   return y;
 }
