@@ -1,6 +1,6 @@
 """Many-row linears straight from torch's packed int4 weight (csrc/int4_gemm.cpp): each panel of
-32 output columns dequantized a chunk of k at a time into L1 and reused by every row, so the
-dequantization is paid once per call instead of once per 4 rows as in torch's
+32 output columns expanded a chunk of k at a time into a small scratch and reused by every row,
+so the expansion is paid once per call instead of once per 4 rows as in torch's
 _weight_int4pack_mm_for_cpu (which stays the faster kernel for a few rows: it streams the
 codes once with no scratch). layers/quant_linear.py picks between them by row count.
 
@@ -21,8 +21,8 @@ from kernels.cpu import extension
 
 # rows from which the panel kernel beats torch's (Zen 4, one [12288, 2048] linear, CPU time:
 # 3.0 against 2.5 ms at 4 rows, 22 against 28 ms wall at 8 with 2 threads; torch's kernel
-# costs ~1 ms a row past a few, the panel kernel's dequantization ~2.4 ms a call plus its dot
-# products; docs/cpu_performance.md)
+# costs ~0.6 ms a row past a few, the panel kernel ~2.2 ms a call plus its dot products;
+# docs/cpu_performance.md)
 MIN_ROWS = 8
 _CANDIDATES = ((64, True), (32, True), (32, False), (64, False))
 _PROBE_N, _PROBE_K, _PROBE_GROUP = 80, 64, 32     # one full 64-row block and a 16-row tail

@@ -11,8 +11,8 @@ torch's CPU kernels (aten/src/ATen/native/cpu/int4mm_kernel.cpp, LinearAlgebra.c
     _weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])  w[n, k] * scales[n]
 
 From int4_gemm.MIN_ROWS rows on (prefill, big batches) an int4 linear runs the repo's own kernel
-on the same packed tensor instead (kernels/cpu/int4_gemm.py: W dequantized a chunk at a time
-into L1 and reused by every row; torch's kernel re-expands W for every 4 rows, 0.4x the
+on the same packed tensor instead (kernels/cpu/int4_gemm.py: W expanded a chunk at a time into
+a small scratch reused by every row; torch's kernel re-expands W for every 4 rows, 0.4x the
 dequantized GEMM at 300 rows). No other copy of W is kept.
 
 GPTQ's and AWQ's W = s * (q - z) is the int4 form with zero = (8 - z) * s. A checkpoint group

@@ -1,7 +1,7 @@
 // y = x W^T for many rows (prefill, big batches) straight from torch's packed int4 weight
 // (worker_service/layers/quant_linear.py), no dense copy of W kept: each thread takes panels of
 // 32 output columns and, for every chunk of kKChunk values of k, dequantizes the panel's chunk
-// once into a small L1 scratch that all rows of x then stream against. The dequantization
+// once into a small scratch that all rows of x then stream against. The dequantization
 // (about K N values) is paid once per call, not once per row: torch's own kernel
 // (_weight_int4pack_mm_for_cpu) re-expands W for every 4 rows, 0.4x the dequantized GEMM at
 // 300 rows.
@@ -17,9 +17,10 @@
 // (kernels/cpu/int4_gemm.py finds which one this torch wrote by packing a probe.) Scales and
 // zeros are torch's too: sz [K / group, N, 2] bfloat16, w = (q - 8) * sz[g][n][0] + sz[g][n][1].
 //
-// Bodies: AVX512-BF16 dequantizes to bfloat16 pairs (scratch[k / 2][32 columns][2]) and
-// accumulates with vdpbf16ps, 12 rows x 32 columns in 24 registers; every other build
-// dequantizes to float32 (scratch[k][32]) and runs portable loops the compiler vectorizes.
+// Bodies: AVX512-BF16 expands the codes to bfloat16 pairs (scratch[k / 2][32 columns][2],
+// scale and zero factored out, below) and accumulates with vdpbf16ps, 6 rows x 32 columns per
+// register block; every other build dequantizes to float32 (scratch[k][32]) and runs portable
+// loops the compiler vectorizes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

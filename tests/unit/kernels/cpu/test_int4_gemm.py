@@ -38,8 +38,9 @@ def test_matches_the_dequantized_weight(cpu_isa, n, k, group, m):
     got = int4_gemm.linear(x, int4_gemm.pack(codes), sz, group, n, cpu_isa)
     want = x.float() @ w.t()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    # the same bfloat16 weights (the panel body rounds each one as the dequantized load
-    # does; the portable body keeps float32): the output's rounding plus the weights'
+    # against bfloat16-rounded weights (the bfloat16 body applies scale and zero in float32
+    # per group, the portable body dequantizes in float32): the output's rounding plus the
+    # weights'
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2 * float(want.abs().max()))
 
 
