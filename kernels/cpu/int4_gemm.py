@@ -74,7 +74,12 @@ def wanted(rows: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     body is slower than torch's kernel; the tests still run it)."""
     if dtype != torch.bfloat16 or rows < MIN_ROWS or layout() is None:
         return False
-    return bool(extension.ops().bf16_dot())
+    return _bf16_dot(extension.namespace())
+
+
+@functools.cache
+def _bf16_dot(namespace: str) -> bool:
+    return bool(getattr(torch.ops, namespace).bf16_dot())
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group: int,
