@@ -79,8 +79,9 @@ class _Choice:
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """`is_ready()`: the service's readiness (workers initialized, not draining);
     `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
-    `keys`: what each API key may do (its cache salt); `adapter`: a LoRA adapter's own port
-    (adapter_ports.py): its name is the model's, and every Generate runs it."""
+    `keys`: what each API key may do (its cache salt, its default priority); `adapter`: a
+    LoRA adapter's own port (adapter_ports.py): its name is the model's, and every Generate
+    runs it."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
