@@ -14,6 +14,7 @@ import urllib.request
 from prometheus_client import CollectorRegistry, Counter
 
 from engine_common.runtime.metrics_http import start_metrics_server
+from tests.support.vllm_sim import wait_until
 
 # Long enough that a failing listener shows as a timeout here, not as a hang of the suite.
 _CLIENT_WAIT_S = 30
@@ -63,6 +64,8 @@ def test_connections_past_the_bound_are_closed_at_once():
         assert server.num_connections == 4
         for s in held + extra:
             s.close()
-        assert "deltaserve:probe_total 1.0" in _scrape(server)   # its place came back
+        # each held thread sees its client's end, then gives its place back
+        wait_until(lambda: server.num_connections == 0, "the closed connections' places")
+        assert "deltaserve:probe_total 1.0" in _scrape(server)
     finally:
         server.stop()
