@@ -147,7 +147,8 @@ async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: l
 
 async def _score(engine, door: FrontDoor, info: ClassifierInfo, caller: str, request_id: str,
                  pairs: list[tuple[str, str]], activation: bool, tenant: KeyPolicy,
-                 pool_caller: str, tally: RequestTally | None, window: int) -> tuple[list[float], int]:
+                 pool_caller: str, tally: RequestTally | None,
+                 window: int) -> tuple[list[float], int]:
     token_types = uses_token_types(door.model.info.hf_config)
     prompts = PairPrompts(door.model.tokenizer, door.model.info.hf_config,
                           door.options.max_score_tokens)
