@@ -16,6 +16,7 @@ from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
                                        openai_options)
+from deltaserve.vllm_flags import add_vllm_flags, vllm_flag_problem, vllm_spellings
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_openai_flags(p, default_listen=DEFAULT_OPENAI_LISTEN)
     add_flags(p, WorkerServiceOptions, skip=SERVE_SKIPS)
     add_engine_flags(p, skip=SERVE_SKIPS)
+    add_vllm_flags(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text")
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `deltaserve` console script."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(vllm_spellings(sys.argv[1:] if argv is None else argv))
     try:
         return (_COMMANDS.get(args.command) or args.run_command)(args)
     except KeyboardInterrupt:
@@ -185,6 +187,9 @@ def _cmd_serve(args) -> int:
     from deltaserve.embedded import serve
 
     _take_model_tag(args)
+    problem = vllm_flag_problem(args)      # vLLM's flags we cannot honour: before anything runs
+    if problem is not None:
+        raise CliError(problem)
     with _startup_errors():
         return serve(args)
 
