@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine_common.request.params import quoted
+
 HARMLESS = "harmless"   # accepted; its effect here differs but cannot change an answer
 REFUSED = "refused"     # refused for the values named in its check
 
@@ -150,7 +152,8 @@ def vllm_flag_problem(args: argparse.Namespace) -> str | None:
         value = getattr(args, _dest(flag))
         why = _refusal(flag, value, args)
         if why is not None:
-            return f"{flag.names[0]}={_shown(value)} is invalid: {why}"
+            given = "" if isinstance(value, bool) else f"={quoted(value)}"
+            return f"{flag.names[0]}{given} is invalid: {why}"
     return None
 
 
@@ -188,9 +191,6 @@ def quantization_problem(args: argparse.Namespace, hf_config: dict,
 def _dest(flag: VllmFlag) -> str:
     return "vllm_" + flag.names[0].lstrip("-").replace("-", "_")
 
-
-def _shown(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # vLLM's spellings of the values of flags we share: --dtype half, --max-model-len 32k / -1.

@@ -95,7 +95,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",
                                             "deltaserve.gateway_checks"),
     "deltaserve.flag_names": _COMMON + _SCHEDULER + ("deltaserve.openai_gateway",),
-    "deltaserve.vllm_flags": (),
+    "deltaserve.vllm_flags": _COMMON,
     "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.default_model",
                                                    "worker_service.models",
                                                    "deltaserve.child_process",

@@ -48,31 +48,31 @@ def test_a_realistic_vllm_command_line_is_accepted_up_to_reading_the_model(line,
      "--tensor-parallel-size)"),
     ("--data-parallel-size 4", "--data-parallel-size=4 is invalid: must be 1 (one `deltaserve "
      "serve` per replica behind a router)"),
-    ("--distributed-executor-backend ray", "--distributed-executor-backend=ray is invalid: must "
+    ("--distributed-executor-backend ray", "--distributed-executor-backend='ray' is invalid: must "
      "be mp or uni (several machines: `deltaserve worker` on each, docs/tensor-parallel.md)"),
-    ("-q bitsandbytes", "--quantization=bitsandbytes is invalid: must be fp8 or "
+    ("-q bitsandbytes", "--quantization='bitsandbytes' is invalid: must be fp8 or "
      "compressed-tensors or gptq or gptq_marlin or awq or awq_marlin or mxfp4 or gguf (a "
      "quantized "
      "checkpoint of that method; nothing is quantized at load)"),
-    ("--enable-auto-tool-choice", "--enable-auto-tool-choice=true is invalid: needs "
+    ("--enable-auto-tool-choice", "--enable-auto-tool-choice is invalid: needs "
      "--tool-call-parser (as in vLLM)"),
-    ("--tokenizer-mode mistral", "--tokenizer-mode=mistral is invalid: must be auto or hf "
+    ("--tokenizer-mode mistral", "--tokenizer-mode='mistral' is invalid: must be auto or hf "
      "(the model's tokenizer.json)"),
-    ("--tokenizer /models/other", f"--tokenizer=/models/other is invalid: must be the model "
+    ("--tokenizer /models/other", f"--tokenizer='/models/other' is invalid: must be the model "
      f"itself ({NO_MODEL!r}): the tokenizer is read from the model directory (copy another "
      "tokenizer's files into it)"),
-    ("--revision v1.1", "--revision=v1.1 is invalid: must be main (give that revision's "
+    ("--revision v1.1", "--revision='v1.1' is invalid: must be main (give that revision's "
      "snapshot directory as MODEL)"),
-    ("--response-role bot", "--response-role=bot is invalid: must be assistant (chat answers "
+    ("--response-role bot", "--response-role='bot' is invalid: must be assistant (chat answers "
      "have the role assistant)"),
     ("--override-generation-config '{\"temperature\":0.5}'", "--override-generation-config="
-     "{\"temperature\":0.5} is invalid: must be {} (write them into a generation_config.json "
+     "'{\"temperature\":0.5}' is invalid: must be {} (write them into a generation_config.json "
      "and give its directory as --generation-config DIR)"),
     ("--num-scheduler-steps 8", "--num-scheduler-steps=8 is invalid: must be 1 "
      "(--async-scheduling overlaps steps)"),
-    ("--task embed", "--task=embed is invalid: must be generate (vLLM removed --task; here: "
+    ("--task embed", "--task='embed' is invalid: must be generate (vLLM removed --task; here: "
      "--runner pooling)"),
-    ("--load-format dummy", "--load-format=dummy is invalid: must be auto or safetensors or "
+    ("--load-format dummy", "--load-format='dummy' is invalid: must be auto or safetensors or "
      "gguf (weights in safetensors or GGUF files)"),
     ("--allowed-origins *", "--allowed-origins='*' is invalid: must be a JSON list of origins, "
      "e.g. '[\"https://example.com\"]' or '[\"*\"]'"),
