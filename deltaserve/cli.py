@@ -16,7 +16,7 @@ from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
                                        openai_options)
-from deltaserve.vllm_flags import add_vllm_flags, vllm_flag_problem, vllm_spellings
+from deltaserve.vllm_flags import add_vllm_flags, near_miss, vllm_flag_problem, vllm_spellings
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `deltaserve` console script."""
-    args = build_parser().parse_args(vllm_spellings(sys.argv[1:] if argv is None else argv))
+    args = _parse(build_parser(), vllm_spellings(sys.argv[1:] if argv is None else argv))
     try:
         return (_COMMANDS.get(args.command) or args.run_command)(args)
     except KeyboardInterrupt:
@@ -124,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"deltaserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, naming the flag an unrecognized one is a near miss of (--seeds: --seed)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        hint = near_miss(unknown, commands.choices[args.command])
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 class CliError(Exception):

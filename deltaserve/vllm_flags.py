@@ -10,6 +10,7 @@ settings, not here; `vllm_spellings` only rewrites vLLM's spellings of their val
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,3 +230,14 @@ def _spelled(name: str, value: str) -> str | None:
         return str(round(float(value[:-1]) * unit))
     except ValueError:
         return value
+
+
+def near_miss(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """" (did you mean --x?)" for the first unknown flag close to one of `parser`'s, else ""."""
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.partition("=")[0], known, n=1, cutoff=0.8)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""

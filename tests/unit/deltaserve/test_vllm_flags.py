@@ -90,14 +90,21 @@ def test_the_tokenizer_may_name_the_model_itself():
     assert vllm_flag_problem(args) is None
 
 
-@pytest.mark.parametrize("flag", ["--seeds", "--trust-remote-codes", "--enable-auto-tools"])
-def test_an_unknown_flag_still_fails_with_argparse_s_error(flag, capsys):
-    argv = ["serve", NO_MODEL, flag]
+@pytest.mark.parametrize("argv,hint", [
+    (["--seeds", "1"], " (did you mean --seed?)"),
+    (["--trust-remote-codes"], " (did you mean --trust-remote-code?)"),
+    (["--enable-auto-tools-choice"], " (did you mean --enable-auto-tool-choice?)"),
+    (["--max-model-length=9"], " (did you mean --max-model-len?)"),
+    (["--kv-transfer-config", "{}"], ""),        # vLLM's, no near miss: argparse's error alone
+])
+def test_an_unknown_flag_still_fails_with_argparse_s_error_naming_a_near_miss(
+        argv, hint, capsys):
     with pytest.raises(SystemExit) as stopped:
-        cli.main(argv)
+        cli.main(["serve", NO_MODEL, *argv])
     assert stopped.value.code == 2
-    err = capsys.readouterr().err
-    assert "error:" in err and flag in err, err
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("usage: deltaserve ")
+    assert err[-1] == f"deltaserve: error: unrecognized arguments: {' '.join(argv)}{hint}"
 
 
 @pytest.mark.parametrize("given,expected", [
