@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -196,7 +197,11 @@ def _dest(flag: VllmFlag) -> str:
 
 # vLLM's spellings of the values of flags we share: --dtype half, --max-model-len 32k / -1.
 _DTYPES = {"half": "float16", "float": "float32"}
-_LEN_UNITS = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2, "g": 1000**3, "G": 1024**3}
+# vLLM's human_readable_int: a lower-case suffix is decimal (decimals allowed: 25.6k), an
+# upper-case one binary (a whole number only).
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def vllm_spellings(argv: list[str]) -> list[str]:
@@ -221,15 +226,15 @@ def vllm_spellings(argv: list[str]) -> list[str]:
 def _spelled(name: str, value: str) -> str | None:
     if name == "--dtype":
         return _DTYPES.get(value, value)
-    if value in ("-1", "auto"):
+    if value.strip() == "-1" or value.strip().lower() == "auto":
         return None                      # the model's length: the flag left unset
-    unit = _LEN_UNITS.get(value[-1:])
-    if unit is None:
+    match = _HUMAN_INT.fullmatch(value.strip())
+    if match is None:
         return value
-    try:
-        return str(round(float(value[:-1]) * unit))
-    except ValueError:
-        return value
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return str(int(float(number) * _DECIMAL[suffix]))
+    return str(int(number) * _BINARY[suffix]) if number.isdigit() else value
 
 
 def near_miss(unknown: list[str], parser: argparse.ArgumentParser) -> str:

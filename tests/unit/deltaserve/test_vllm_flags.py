@@ -112,6 +112,9 @@ def test_an_unknown_flag_still_fails_with_argparse_s_error_naming_a_near_miss(
     (["--max-model-len", "32k"], ["--max-model-len=32000"]),
     (["--max-model-len=32K"], ["--max-model-len=32768"]),
     (["--max-model-len", "1.5k"], ["--max-model-len=1500"]),
+    (["--max-model-len", "25.6k"], ["--max-model-len=25600"]),
+    (["--max-model-len", "1.5K"], ["--max-model-len=1.5K"]),     # vLLM refuses it too
+    (["--max-model-len=AUTO"], []),
     (["--max-model-len", "-1"], []), (["--max-model-len=auto"], []),
     (["--max-model-len", "4096", "--seed", "3"], ["--max-model-len=4096", "--seed", "3"]),
     (["--max-model-len", "x"], ["--max-model-len=x"]),      # the flag's own error then
