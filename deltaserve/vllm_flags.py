@@ -33,18 +33,18 @@ _CHECKPOINT_QUANT = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "
 class VllmFlag:
     """One vLLM flag: its names, how argparse reads it, and what it does here.
 
-    `refuse(value)` returns why a value is refused (the allowed values and what to use
+    `refuse(value, args)` returns why a value is refused (the allowed values and what to use
     instead) or None when it is accepted."""
 
     names: tuple[str, ...]
     effect: str                               # docs: what the flag does on deltaserve serve
     kind: str = HARMLESS
-    action: str | type = "store"              # argparse action; "store" takes one value
-    refuse: Callable[[object], str | None] | None = None
+    action: str | type = "store_true"         # an argparse action, or the type of a value
+    refuse: Callable[[object, argparse.Namespace], str | None] | None = None
 
 
-def _only(*allowed, instead: str) -> Callable[[object], str | None]:
-    def check(value) -> str | None:
+def _only(*allowed, instead: str) -> Callable[[object, argparse.Namespace], str | None]:
+    def check(value, args) -> str | None:
         if str(value) in allowed:
             return None
         shown = " or ".join(allowed)
@@ -52,8 +52,8 @@ def _only(*allowed, instead: str) -> Callable[[object], str | None]:
     return check
 
 
-def _json_empty(instead: str) -> Callable[[object], str | None]:
-    def check(value) -> str | None:
+def _json_empty(instead: str) -> Callable[[object, argparse.Namespace], str | None]:
+    def check(value, args) -> str | None:
         try:
             parsed = json.loads(str(value))
         except ValueError:
@@ -62,12 +62,29 @@ def _json_empty(instead: str) -> Callable[[object], str | None]:
     return check
 
 
-def _task(value) -> str | None:
+def _task(value, args) -> str | None:
     if value in ("auto", "generate"):
         return None
     if value in ("embed", "embedding", "classify", "score", "reward"):
         return "must be generate (vLLM removed --task; here: --runner pooling)"
     return "must be auto or generate (vLLM removed --task; here: --runner generate|pooling)"
+
+
+def _tokenizer(value, args) -> str | None:
+    model = getattr(args, "model", None) or getattr(args, "model_tag", None)
+    if model is not None and _same_path(value, model):
+        return None
+    return (f"must be the model itself ({model!r}): the tokenizer is read from the model "
+            "directory (copy another tokenizer's files into it)")
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _auto_tool_choice(value, args) -> str | None:
+    return None if getattr(args, "tool_call_parser", None) else (
+        "needs --tool-call-parser (as in vLLM)")
 
 
 VLLM_FLAGS: tuple[VllmFlag, ...] = (
@@ -76,7 +93,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "load, naming the architecture", action=argparse.BooleanOptionalAction),
     VllmFlag(("--enable-auto-tool-choice",), "accepted with --tool-call-parser, which turns "
              "on the gateway's tool-call parsing; without it refused, as vLLM refuses it",
-             action="store_true"),
+             action="store_true", refuse=_auto_tool_choice),
     VllmFlag(("--disable-log-requests",), "accepted; requests are not logged (the metrics "
              "count them)", action="store_true"),
     VllmFlag(("--enable-log-requests",), "accepted; requests are not logged (the metrics count "
@@ -104,7 +121,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "refused", REFUSED, str, _only("auto", "safetensors", "gguf", instead="weights "
                                               "in safetensors or GGUF files")),
     VllmFlag(("--tokenizer",), "accepted when it names the model itself; another tokenizer "
-             "refused", REFUSED, str),
+             "refused", REFUSED, str, _tokenizer),
     VllmFlag(("--tokenizer-mode",), "auto and hf: the model's fast tokenizer; others refused",
              REFUSED, str, _only("auto", "hf", instead="the model's tokenizer.json")),
     VllmFlag(("--revision",), "main accepted (the cache's snapshot); another revision refused",
@@ -134,14 +151,10 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of VLLM_FLAGS, in a group of their own; an absent flag leaves no attribute."""
     group = parser.add_argument_group("vLLM's flags (docs/cli.md, Coming from vLLM)")
     for flag in VLLM_FLAGS:
-        if isinstance(flag.action, str):
-            kwargs = {"action": flag.action}
-        elif isinstance(flag.action, type) and issubclass(flag.action, argparse.Action):
-            kwargs = {"action": flag.action}
-        else:
-            kwargs = {"type": flag.action}
-        if "type" in kwargs:
-            kwargs["metavar"] = "VALUE"
+        takes_value = not isinstance(flag.action, str) and not issubclass(flag.action,
+                                                                           argparse.Action)
+        kwargs = ({"type": flag.action, "metavar": "VALUE"} if takes_value
+                  else {"action": flag.action})
         group.add_argument(*flag.names, dest=_dest(flag), default=argparse.SUPPRESS,
                            help=flag.effect, **kwargs)
 
@@ -152,33 +165,17 @@ def vllm_flag_problem(args: argparse.Namespace) -> str | None:
         if not hasattr(args, _dest(flag)):
             continue
         value = getattr(args, _dest(flag))
-        why = _refusal(flag, value, args)
+        why = None if flag.refuse is None else flag.refuse(value, args)
         if why is not None:
             given = "" if isinstance(value, bool) else f"={quoted(value)}"
             return f"{flag.names[0]}{given} is invalid: {why}"
     return None
 
 
-def _refusal(flag: VllmFlag, value, args) -> str | None:
-    name = flag.names[0]
-    if name == "--tokenizer":
-        model = getattr(args, "model", None) or getattr(args, "model_tag", None)
-        return None if model is not None and _same_path(value, model) else (
-            f"must be the model itself ({model!r}): the tokenizer is read from the model "
-            "directory (copy another tokenizer's files into it)")
-    if name == "--enable-auto-tool-choice" and getattr(args, "tool_call_parser", None) is None:
-        return "needs --tool-call-parser (as in vLLM)"
-    return None if flag.refuse is None else flag.refuse(value)
-
-
-def _same_path(a: str, b: str) -> bool:
-    return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
 def quantization_problem(args: argparse.Namespace, hf_config: dict,
                          model_path: str) -> str | None:
-    """What -q must be (None: it is fine), for -q naming a method the checkpoint is not quantized with: vLLM would quantize at load
-    (fp8) or refuse; we never quantize at load."""
+    """What -q must be, when it names a method the checkpoint is not quantized with (vLLM
+    would quantize at load, fp8, or refuse; we never quantize at load); None when it is fine."""
     value = getattr(args, "vllm_quantization", None)
     if value is None:
         return None
@@ -192,7 +189,6 @@ def quantization_problem(args: argparse.Namespace, hf_config: dict,
 
 def _dest(flag: VllmFlag) -> str:
     return "vllm_" + flag.names[0].lstrip("-").replace("-", "_")
-
 
 
 # vLLM's spellings of the values of flags we share: --dtype half, --max-model-len 32k / -1.

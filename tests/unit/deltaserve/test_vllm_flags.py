@@ -146,8 +146,10 @@ def test_every_vllm_flag_has_a_row_in_docs_cli_md():
     its class."""
     doc = (REPO / "docs" / "cli.md").read_text()
     section = doc[doc.index("## Coming from vLLM"):]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
     for flag in VLLM_FLAGS:
-        assert f"`{flag.names[0]}" in section, flag.names[0]
+        row = [r for r in rows if f"`{flag.names[0]}`" in r.split(" | ")[0]]
+        assert len(row) == 1 and f" | {flag.kind} | " in row[0], (flag.names[0], row)
     for name in ("--seed", "--max-model-len", "--dtype", "--tensor-parallel-size",
                  "--allowed-origins"):
         assert f"`{name}" in section, name
