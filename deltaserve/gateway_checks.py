@@ -5,6 +5,7 @@ and given to smg as an IP address)."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -12,6 +13,7 @@ import ssl
 import subprocess
 
 from engine_common.configuration.listen_address import split_listen
+from engine_common.configuration.settings import Rule
 from engine_common.request.params import ParamError
 
 
@@ -96,3 +98,25 @@ def check_free(listen: str) -> None:
     except OSError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
         raise OSError(f"could not listen on {listen} (the OpenAI API): {why}") from None
+
+
+class OriginList(Rule):
+    """vLLM's --allowed-origins: a JSON list of origins (strings), "*" for any."""
+
+    allowed = 'a JSON list of origins, e.g. \'["https://example.com"]\' or \'["*"]\''
+
+    def ok(self, value) -> bool:
+        return cors_origins(value) is not None
+
+
+def cors_origins(value: str) -> list[str] | None:
+    """The origins of an --allowed-origins value for smg's --cors-allowed-origins ("*" alone
+    when it is among them: smg takes it only alone), or None when it is no JSON list of
+    non-empty strings."""
+    try:
+        origins = json.loads(value)
+    except ValueError:
+        return None
+    if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+        return None
+    return ["*"] if "*" in origins else origins

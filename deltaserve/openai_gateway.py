@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import dying_with_parent, stop_process
-from deltaserve.gateway_checks import (bind_address, check_compatible, check_free, check_parsers,
-                                       check_tls)
+from deltaserve.gateway_checks import (OriginList, bind_address, check_compatible, check_free,
+                                       check_parsers, check_tls, cors_origins)
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
 from engine_common.request.params import ParamError
 from engine_common.configuration.settings import (NonEmpty, ReadableFile, add_flags, from_args,
@@ -85,6 +85,10 @@ class OpenAIOptions:
     reasoning_parser: str | None = setting(
         None, "how the gateway splits reasoning from the answer (smg --reasoning-parser: "
         "qwen3, deepseek_r1, ...; unset: none)", metavar="NAME")
+    allowed_origins: str | None = setting(
+        None, "origins a browser page may call the OpenAI API from, as vLLM's JSON list "
+        "(smg --cors-allowed-origins); unset: none, as in vLLM", rule=OriginList(),
+        metavar="JSON")
 
     def __post_init__(self):
         validate(self)
@@ -178,6 +182,8 @@ def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
     for flag, value in optional:
         if value is not None:
             cmd += [flag, value]
+    if options.allowed_origins is not None and cors_origins(options.allowed_origins):
+        cmd += ["--cors-allowed-origins", *cors_origins(options.allowed_origins)]
     return cmd
 
 

@@ -152,6 +152,13 @@ class SchedulerConfig(BatchLimits):
         "read again from their directory when a request wants one); unset: every served "
         "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID))
 
+    # vLLM's --seed: a request without a seed samples with one the scheduler draws; seeded,
+    # those draws repeat, so a run's unseeded requests repeat in the same arrival order.
+    seed: int | None = setting(
+        None, "seeds the scheduler's draw of each unseeded request's seed: the same requests "
+        "in the same order sample the same tokens (vLLM's --seed); unset: from the OS",
+        rule=AtLeast(0, 2**63 - 1))
+
     def __post_init__(self):
         super().__post_init__()
         self.speculative       # parsed once here: a bad speculative_config is refused now
