@@ -14,6 +14,7 @@ would be dropped), as is a name smg's `ALIAS=NAME` cannot carry.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from engine_common.request.params import ParamError
 
@@ -76,3 +77,20 @@ def smg_key_flags(keys: tuple[str, ...]) -> list[str]:
     extra = [arg for i, key in enumerate(keys[1:], start=2)
              for arg in ("--tenant-api-key", f"key-{i}:{key}")]
     return ["--api-key", keys[0], *extra]
+
+
+def swallowed_model(args) -> str | None:
+    """Why `serve --api-key K MODEL` (or --served-model-name N MODEL) is refused: argparse
+    gave MODEL to the list, as vLLM's does, and serve would start the default model with
+    MODEL as a key or a name. None when a model was given or no list value is a path."""
+    if getattr(args, "model", None) or getattr(args, "model_tag", None):
+        return None
+    lists = (("--api-key", list(getattr(args, "api_key", None) or ())),
+             ("--served-model-name", [getattr(args, "served_model_name", None) or "",
+                                      *getattr(args, "model_aliases", ())]))
+    for flag, values in lists:
+        path = next((v for v in values if v and Path(v).expanduser().exists()), None)
+        if path is not None:
+            return (f"MODEL={path!r} is invalid: it was read as a value of {flag}, which takes "
+                    "several; give MODEL before it (serve MODEL ...)")
+    return None

@@ -73,3 +73,12 @@ def test_the_cli_refuses_an_alias_in_one_line_before_the_model_is_read(capsys, t
                  "--served-model-name", "alpha", "beta"])
     err = capsys.readouterr().err
     assert code == 2 and "--served-model-name" in err and "one name without" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])
+def test_a_model_after_a_list_flag_is_refused_not_taken_as_a_value(flag, capsys, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    code = main(["serve", "--openai-listen", "off", flag, "k1", str(model)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"it was read as a value of {flag}" in err, err
