@@ -17,6 +17,7 @@ from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
                                        openai_options)
 from deltaserve.vllm_flags import add_vllm_flags, near_miss, vllm_flag_problem, vllm_spellings
+from deltaserve.vllm_lists import swallowed_model
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
@@ -208,6 +209,9 @@ def _take_model_tag(args) -> None:
     """`serve MODEL` as `vllm serve MODEL`: the positional model becomes --model (one model:
     both, naming two, are refused)."""
     if args.model_tag is None:
+        swallowed = swallowed_model(args)
+        if swallowed is not None:
+            raise CliError(swallowed)
         return
     if args.model is not None and args.model != args.model_tag:
         raise CliError(f"MODEL={args.model_tag!r} is invalid: must be the --model given as "

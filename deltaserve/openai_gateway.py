@@ -11,7 +11,9 @@ SIGTERM if we die. Its output is folded into our stderr, each line prefixed `[sm
 exits on its own, `gone()` says so and the whole group stops (exit code 1).
 
 What is carried to smg and what is not (smg 1.13.0, checked):
-  * --api-key KEY: smg's --api-key; every /v1 request must send `Authorization: Bearer KEY`.
+  * --api-key KEY [KEY ...]: smg's --api-key (and --tenant-api-key for the others:
+    deltaserve/vllm_lists.py); every /v1 request must send `Authorization: Bearer KEY`.
+  * --served-model-name NAME [ALIAS ...]: each alias is smg's --model-alias ALIAS=NAME.
     smg sends no key to a gRPC worker, so a gRPC port guarded by --api-key-file cannot sit
     behind it: the default listener then stays off, an asked-for one is refused (use --api-key
     and keep --listen on loopback).
@@ -38,11 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import dying_with_parent, stop_process
+from deltaserve.vllm_lists import (add_list_flags, checked_aliases, checked_keys,
+                                   smg_alias_flags, smg_key_flags)
 from deltaserve.gateway_checks import (OriginList, bind_address, check_compatible, check_free,
                                        check_parsers, check_tls, cors_origins)
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
 from engine_common.request.params import ParamError
-from engine_common.configuration.settings import (NonEmpty, ReadableFile, add_flags, from_args,
+from engine_common.configuration.settings import (ReadableFile, add_flags, from_args,
                                                   setting, validate)
 
 DEFAULT_OPENAI_PORT = 8000          # vllm serve's
@@ -70,9 +74,13 @@ class OpenAIOptions:
         None, "HOST:PORT of the OpenAI-compatible HTTP API, or off (its flag: "
         "add_openai_flags, whose default depends on the command)", rule=GatewayListen(),
         cli=False)
-    api_key: str | None = setting(
-        None, "the key OpenAI clients must send as `Authorization: Bearer KEY` (the gRPC port's "
-        "keys are --api-key-file)", rule=NonEmpty(), metavar="KEY")
+    api_keys: tuple[str, ...] = setting(
+        (), "the keys OpenAI clients may send as `Authorization: Bearer KEY` (--api-key)",
+        cli=False)
+    served_model_name: str | None = setting(
+        None, "the model's name, which the aliases stand for (--served-model-name)", cli=False)
+    model_aliases: tuple[str, ...] = setting(
+        (), "more names the OpenAI API serves the model under (--served-model-name)", cli=False)
     ssl_certfile: str | None = setting(
         None, "PEM certificate chain: serve the OpenAI API over HTTPS (with --ssl-keyfile)",
         rule=ReadableFile(), metavar="FILE")
@@ -95,6 +103,11 @@ class OpenAIOptions:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
             raise ParamError(missing, None, "set together with --ssl-certfile/--ssl-keyfile")
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key (the one the gateway's own checks send), or None."""
+        return self.api_keys[0] if self.api_keys else None
 
     @property
     def enabled(self) -> bool:
@@ -125,6 +138,7 @@ def add_openai_flags(parser, default_listen: str | None) -> None:
                        f"{split_listen(default_listen)[0] if default_listen else '127.0.0.1'})")
     group.add_argument("--port", type=int, default=None,
                        help=f"port of the OpenAI API (default: {DEFAULT_OPENAI_PORT})")
+    add_list_flags(group)
     add_flags(group, OpenAIOptions, skip=("openai_listen",))
     parser.set_defaults(openai_default_listen=default_listen)
 
@@ -140,9 +154,9 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
         raise ParamError("--port", args.port, _PORTS)
     if listen is not None and not GatewayListen().ok(listen):
         raise ParamError("--openai-listen", listen, GatewayListen.allowed)
-    key = getattr(args, "api_key", None)
-    if key is not None and not key.strip():     # smg trims it, then refuses an empty one
-        raise ParamError("--api-key", key, "a key with a character other than whitespace")
+    keys = checked_keys(getattr(args, "api_key", None))
+    name = getattr(args, "served_model_name", None)
+    aliases = checked_aliases(name, getattr(args, "model_aliases", ()))
     if args.host is not None or args.port is not None:
         if listen is not None:
             # the flag the user gave (--port alone was refused as "host=None")
@@ -153,7 +167,19 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
         listen = f"{args.host or host}:{args.port if args.port is not None else port}"
     if listen is None:
         listen = args.openai_default_listen
-    return from_args(OpenAIOptions, args, openai_listen=listen), asked
+    options = from_args(OpenAIOptions, args, openai_listen=listen, api_keys=keys,
+                        served_model_name=name, model_aliases=aliases)
+    if not options.enabled:
+        no_aliases(options)
+    return options, asked
+
+
+def no_aliases(options: OpenAIOptions) -> None:
+    """ParamError when --served-model-name names aliases that no gateway would serve."""
+    if options.model_aliases:
+        raise ParamError("--served-model-name", [options.served_model_name,
+                                                 *options.model_aliases],
+                         "one name without the OpenAI API: its aliases are the gateway's")
 
 
 def find_smg() -> str | None:
@@ -174,7 +200,9 @@ def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
            "--worker-urls", *urls, "--model-path", model,
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--log-level", "info"]
-    optional = (("--api-key", options.api_key), ("--tls-cert-path", options.ssl_certfile),
+    cmd += smg_key_flags(options.api_keys)
+    cmd += smg_alias_flags(options.served_model_name, options.model_aliases)
+    optional = (("--tls-cert-path", options.ssl_certfile),
                 ("--tls-key-path", options.ssl_keyfile),
                 ("--tool-call-parser", options.tool_call_parser),
                 ("--reasoning-parser", options.reasoning_parser),
@@ -303,6 +331,14 @@ def openai_front(args, api, model_dir: str, listen: str,
     installed, or it cannot front the gRPC port's keys or TLS: then a note says why).
     ParamError for what was asked for and cannot work."""
     options, asked = openai_options(args)
+    front = _front(options, asked, api, model_dir, listen, chat_template)
+    if front is None:
+        no_aliases(options)
+    return front
+
+
+def _front(options: OpenAIOptions, asked: bool, api, model_dir: str, listen: str,
+           chat_template: str | None) -> OpenAIFront | None:
     if not options.enabled:
         return None
     smg = find_smg()

@@ -89,7 +89,8 @@ class ServerOptions:
         rule=Positive(), flag="--step-timeout")
     served_model_name: str | None = setting(
         None, "the model's name in both APIs (/v1/models, GetModelInfo) and the metrics; "
-        "unset: the model directory's name", metavar="NAME")
+        "unset: the model directory's name (its flag, which takes aliases too: "
+        "deltaserve/vllm_lists.py)", cli=False)
     chat_template: str | None = setting(
         None, "a Jinja chat template file, used instead of the model's (by the gateway too)",
         rule=ReadableFile(), metavar="FILE")
