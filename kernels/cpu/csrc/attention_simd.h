@@ -22,6 +22,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "attention_fp8.h"
 #include "simd.h"
 
 #if defined(DELTASERVE_SIMD)   // a generic build has no vector bodies
@@ -53,6 +54,14 @@ template <int D>
 inline const float* as_f32(const c10::BFloat16* src, float* buf) {
   for (int c = 0; c < D / kLanes; ++c) storeu(buf + kLanes * c, loadu(src + kLanes * c));
   return buf;
+}
+template <int D>
+inline const float* as_f32(const c10::Float8_e5m2* src, float* buf) {
+  return fp8_row_f32<D>(src, buf);
+}
+template <int D>
+inline const float* as_f32(const c10::Float8_e4m3fn* src, float* buf) {
+  return fp8_row_f32<D>(src, buf);
 }
 
 // Key/value rows of positions p0 .. p0+n-1 as float32 pointers.
