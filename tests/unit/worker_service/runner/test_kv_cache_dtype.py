@@ -21,8 +21,10 @@ import pytest
 import torch
 import transformers.models.llama.modeling_llama as hf_llama
 
+from deltaserve import cli
 from deltaserve.llm import LLM
 from engine_common.request.params import ParamError, StoppingParams
+from worker_service.runner.kv_dtype import fp8_problem
 from tests.support.hf_reference import hf_greedy, hf_model
 from tests.support.prompt_logprobs_reference import hf_prompt_logprobs
 
@@ -149,3 +151,17 @@ def test_bad_values_are_refused_with_the_field_named(model, value):
 def test_layouts_not_built_are_refused_at_start(tiny_models, arch, overrides, why):
     with pytest.raises(ValueError, match=f"--kv-cache-dtype fp8 is refused.*{why}"):
         _llm(tiny_models(arch, **overrides), kv_cache_dtype="fp8")
+
+
+def test_cuda_is_refused_by_name():
+    why = fp8_problem("fp8_e4m3", "cuda", latent=False, sinks=False, windows=())
+    assert why.startswith("--kv-cache-dtype fp8_e4m3 is refused") and "triton" in why
+    assert fp8_problem("auto", "cuda", latent=True, sinks=True, windows=(8,)) is None
+
+
+def test_serve_refuses_a_bad_value_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", "--model", "/nonexistent/model", "--kv-cache-dtype", "fp16"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "'fp16'" in err and "fp8_e4m3" in err, err
