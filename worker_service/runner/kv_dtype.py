@@ -15,7 +15,8 @@ activation past 448 (e4m3) is clipped, not turned into NaN.
 Built: the torch backend and the CPU paged kernel (kernels/cpu/csrc), for full-attention
 decoders without sinks. Refused at start, naming the flag and the value (`fp8_problem`): a CUDA
 device (the Triton and flash-attn backends read the model dtype only), a latent cache (MLA),
-attention sinks, sliding windows (hybrid KV pools included).
+attention sinks, sliding windows (hybrid KV pools included), and any other backend (the Triton
+interpreter on the CPU).
 """
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_DTYPES[name]
 
 
+BUILT_BACKENDS = ("torch", "cpu")
+
+
 def fp8_problem(name: str, device_type: str, *, latent: bool, sinks: bool,
-                windows: tuple[int, ...]) -> str | None:
+                windows: tuple[int, ...], backend: str = "cpu") -> str | None:
     """Why --kv-cache-dtype `name` cannot run this model here (None: it can, or it is auto)."""
     if name == "auto":
         return None
@@ -46,6 +50,9 @@ def fp8_problem(name: str, device_type: str, *, latent: bool, sinks: bool,
     if device_type != "cpu":
         why = (f"the {device_type} attention backends (triton, flash_attn) read a cache in the "
                "model dtype only; fp8 caches run on the CPU")
+    elif backend not in BUILT_BACKENDS:
+        why = (f"attention_backend={backend!r} reads a cache in the model dtype only; fp8 "
+               f"caches run on {' and '.join(BUILT_BACKENDS)}")
     elif latent:
         why = "a latent (MLA) cache is not built for fp8; its kernel reads the model dtype"
     elif sinks:

@@ -130,7 +130,8 @@ class ModelRunner(RunnerKVCache):
         latent = kv_cache_halves(self.model) == 1 or bool(layout.value_dim)
         why = fp8_problem(self.config.kv_cache_dtype, self.device.type, latent=latent,
                           sinks=layout.sinks,
-                          windows=self.layer_windows + (self.sliding_window,))
+                          windows=self.layer_windows + (self.sliding_window,),
+                          backend=self.attention_backend_name)
         if why is not None:
             raise ValueError(why)
 

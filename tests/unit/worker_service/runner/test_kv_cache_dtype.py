@@ -157,6 +157,8 @@ def test_cuda_is_refused_by_name():
     why = fp8_problem("fp8_e4m3", "cuda", latent=False, sinks=False, windows=())
     assert why.startswith("--kv-cache-dtype fp8_e4m3 is refused") and "triton" in why
     assert fp8_problem("auto", "cuda", latent=True, sinks=True, windows=(8,)) is None
+    why = fp8_problem("fp8", "cpu", latent=False, sinks=False, windows=(), backend="triton")
+    assert "attention_backend='triton'" in why
 
 
 def test_serve_refuses_a_bad_value_naming_the_flag(capsys):
