@@ -62,11 +62,20 @@ inline vf fp8_load(const c10::Float8_e4m3fn* p) {
 }
 #endif
 
-// A cached row of D fp8 values as float32 in buf (the vector bodies' as_f32).
+// A cached row of D fp8 values as float32 in buf: the vector bodies' as_f32 (attention_simd.h)
+// for fp8 caches.
 template <int D, typename F8>
 inline const float* fp8_row_f32(const F8* src, float* buf) {
   for (int c = 0; c < D / kLanes; ++c) storeu(buf + kLanes * c, fp8_load(src + kLanes * c));
   return buf;
+}
+template <int D>
+inline const float* as_f32(const c10::Float8_e5m2* src, float* buf) {
+  return fp8_row_f32<D>(src, buf);
+}
+template <int D>
+inline const float* as_f32(const c10::Float8_e4m3fn* src, float* buf) {
+  return fp8_row_f32<D>(src, buf);
 }
 
 }  // namespace simd

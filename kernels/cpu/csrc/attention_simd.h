@@ -55,14 +55,7 @@ inline const float* as_f32(const c10::BFloat16* src, float* buf) {
   for (int c = 0; c < D / kLanes; ++c) storeu(buf + kLanes * c, loadu(src + kLanes * c));
   return buf;
 }
-template <int D>
-inline const float* as_f32(const c10::Float8_e5m2* src, float* buf) {
-  return fp8_row_f32<D>(src, buf);
-}
-template <int D>
-inline const float* as_f32(const c10::Float8_e4m3fn* src, float* buf) {
-  return fp8_row_f32<D>(src, buf);
-}
+// (fp8 caches: attention_fp8.h's overloads)
 
 // Key/value rows of positions p0 .. p0+n-1 as float32 pointers.
 template <typename T, int D, typename RowPtr>

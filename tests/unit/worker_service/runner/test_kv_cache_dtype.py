@@ -17,16 +17,24 @@ Two references on the same weights:
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers.models.llama.modeling_llama as hf_llama
 
 from deltaserve import cli
 from deltaserve.llm import LLM
+from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import ParamError, StoppingParams
-from worker_service.runner.kv_dtype import fp8_problem
 from tests.support.hf_reference import hf_greedy, hf_model
 from tests.support.prompt_logprobs_reference import hf_prompt_logprobs
+from worker_service.config import RunnerConfig
+from worker_service.failures import DoesNotFit
+from worker_service.runner.kv_dtype import fp8_problem
+from worker_service.runner.memory_fit import check_memory_fits, estimate_kv_bytes, kv_room_bytes
 
 PROMPT = list(range(5, 29))              # 24 tokens: six prefill chunks of 4, then decodes
 FP8 = {"fp8": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2,
@@ -167,3 +175,19 @@ def test_serve_refuses_a_bad_value_naming_the_flag(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "--kv-cache-dtype" in err and "'fp16'" in err and "fp8_e4m3" in err, err
+
+
+def test_blocks_counted_at_one_byte_fit_where_float32_blocks_do_not(model):
+    """memory_fit's estimate of num_kv_blocks counts --kv-cache-dtype's byte per value."""
+    info = ModelInfo.from_dir(model)
+    config = json.loads((Path(model) / "config.json").read_text())
+    blocks = 1 << 16
+    fp32_kv = estimate_kv_bytes(RunnerConfig(model_dir=model, num_kv_blocks=blocks), config, 4)
+    machine = kv_room_bytes(RunnerConfig(model_dir=model), info, 1, 1, 1 << 40)[1] \
+        + fp32_kv // 2             # the weights, and half the float32 cache
+    fp8 = RunnerConfig(model_dir=model, num_kv_blocks=blocks, dtype="float32",
+                       kv_cache_dtype="fp8")
+    check_memory_fits(fp8, info, 1, 1, machine_bytes=machine)
+    with pytest.raises(DoesNotFit):
+        check_memory_fits(dataclasses.replace(fp8, kv_cache_dtype="auto"), info, 1, 1,
+                          machine_bytes=machine)
