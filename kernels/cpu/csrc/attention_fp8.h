@@ -5,6 +5,8 @@
 //   e4m3  s eeee mmm   (bias 7, no inf; 0x7f / 0xff NaN): half bits = sign << 8 | rest << 7
 //                      is the value x 2^-8 (float16's bias is 15; subnormals map to float16
 //                      subnormals, which the conversion widens exactly), so x 256 after.
+//                      The NaN bytes widen to +-480 here (torch: NaN); only a NaN key or value
+//                      writes one (write_kv_cache saturates finite values at 448).
 //
 // Scalar conversions for the portable loops (to_float), vector ones (AVX-512: 16 values from
 // 16 bytes; AVX2: 8 from 8, both through F16C's half -> float) for the vector bodies' as_f32.
