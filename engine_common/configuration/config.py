@@ -125,7 +125,8 @@ class SchedulerConfig(BatchLimits):
     max_waiting: int = setting(1024, "queued requests before new ones get RESOURCE_EXHAUSTED",
                                rule=AtLeast(1, MAX_WAITING))
     enable_prefix_caching: bool = setting(
-        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching")
+        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching",
+        aliases=("--no-enable-prefix-caching",))
     async_scheduling: bool = setting(
         False, "keep two steps in flight: schedule step t+1 while the workers run step t (they "
         "feed their own sampled tokens back)")
@@ -152,6 +153,13 @@ class SchedulerConfig(BatchLimits):
         None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
         "read again from their directory when a request wants one); unset: every served "
         "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID))
+
+    # vLLM's --seed: a request without a seed samples with one the scheduler draws; seeded,
+    # those draws repeat, so a run's unseeded requests repeat in the same arrival order.
+    seed: int | None = setting(
+        None, "seeds the scheduler's draw of each unseeded request's seed: the same requests "
+        "in the same order sample the same tokens (vLLM's --seed); unset: from the OS",
+        rule=AtLeast(0, 2**63 - 1))
 
     def __post_init__(self):
         super().__post_init__()
