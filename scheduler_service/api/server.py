@@ -232,7 +232,8 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
-                        worker.attention_backend, max_waiting=config.max_waiting)
+                        worker.attention_backend, max_waiting=config.max_waiting,
+                        kv_cache_dtype=worker.kv_cache_dtype)
     def vllm_servicer(adapter: str | None = None) -> VllmEngineServicer:
         return VllmEngineServicer(engine, served, shape, kv_events, readiness.serving,
                                   options=api, tokenizer_pool=pool, keys=keys, quota=quota,

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention_fp8.h"
+
 namespace deltaserve_cpu {
 namespace paged {
 

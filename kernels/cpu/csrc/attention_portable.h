@@ -87,8 +87,9 @@ inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int row
   }
 }
 
-template <typename T, int D, int DV>
-void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
+// T: the query's and out's type; KT: the cache's (T, or an fp8 type: attention_fp8.h).
+template <typename T, typename KT, int D, int DV>
+void attend_item(const Item& it, const Geometry<KT>& g, const T* query, int64_t q_tok_stride,
                  int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
                  int64_t q_start, int64_t first_pos, int group, float scale, int64_t window,
                  const float* sinks) {
@@ -121,8 +122,8 @@ void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q
   const int64_t band_end = window ? last - window + 1 : 0;
   for (int64_t p0 = start; p0 <= last; p0 += kChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
-    load_keys_t<T, D>(g, it.head, p0, n, kt);
-    load_values<T, DV>(g, it.head, p0, n, v);
+    load_keys_t<KT, D>(g, it.head, p0, n, kt);
+    load_values<KT, DV>(g, it.head, p0, n, v);
     chunk_scores<D>(q, kt, rows, s);
     const bool masked = p0 + kChunk - 1 > diag || n < kChunk || p0 < band_end;
     for (int r = 0; r < rows; ++r) {

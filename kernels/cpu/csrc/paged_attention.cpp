@@ -1,6 +1,7 @@
 // Paged attention on the CPU, reading keys and values in place from the paged cache.
 //
-//   kv_cache[2, num_blocks, block_size, Hkv, D]   (0 = keys, 1 = values; float32 or bfloat16)
+//   kv_cache[2, num_blocks, block_size, Hkv, D]   (0 = keys, 1 = values; float32 or bfloat16,
+//   the query's, or one byte per value: float8_e5m2 / float8_e4m3fn, widened as read, attention_fp8.h)
 //   request r: query rows query_start_loc[r] .. query_start_loc[r+1]-1 of query [T, Hq, D],
 //   at positions seq_len - qlen .. seq_len - 1; query row i sees keys 0 .. its own position.
 //   key position p of request r lives in block block_table[r, p / block_size], row p % block_size.
@@ -50,8 +51,9 @@ namespace {
 
 #if defined(DELTASERVE_SIMD)
 // The vector bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
-template <typename T, int D, int DV>
-void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
+// T: the query's and out's type; KT: the cache's (T, or fp8: rows widened by as_f32).
+template <typename T, typename KT, int D, int DV>
+void attend_item_simd(const Item& it, const Geometry<KT>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
                         int64_t first_pos, int group, float scale, int64_t window,
@@ -70,8 +72,8 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
   }
   const int shift = __builtin_ctzll(static_cast<uint64_t>(g.block_size));
   const int64_t mask = g.block_size - 1;
-  const T* head_base = g.kv + it.head * g.head_stride;
-  auto row = [&](int64_t p, int which) -> const T* {
+  const KT* head_base = g.kv + it.head * g.head_stride;
+  auto row = [&](int64_t p, int which) -> const KT* {
     return head_base + which * g.half + g.blocks[p >> shift] * g.block_stride +
            (p & mask) * g.row_stride;
   };
@@ -86,7 +88,7 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     return;
   } else {
 #if defined(DELTASERVE_BF16DOT)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KT, T>) {
       if (rows > simd::kDirectRows) {
         simd::wide_item_bf16dot<D>(qrows, scale, pos, rows, row, store_row, window);
         return;
@@ -97,35 +99,35 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     for (int r = 0; r < rows; ++r)
       for (int d = 0; d < D; ++d) q[r][d] = to_float(qrows[r][d]) * scale;
     if (rows <= simd::kDirectRows) {
-      simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
-                              after);
+      simd::narrow_item<KT, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
+                               after);
     } else {
-      simd::wide_item<T, D>(q, pos, rows, row, store_row, window);
+      simd::wide_item<KT, D>(q, pos, rows, row, store_row, window);
     }
   }
 }
 
 // The rows of item `it`'s first chunk of keys (blocks: its request's block-table row).
-template <typename T>
-simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blocks,
+template <typename KT>
+simd::Ahead first_chunk(const Item& it, const Geometry<KT>& g, const int32_t* blocks,
                         const int32_t* qsl, const int32_t* seq_lens, int64_t window) {
   const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
   const int64_t first_row = seq_lens[it.req] - qlen + it.tok0;        // its first position
   const int64_t keys = first_row + it.ntok;                           // its last position + 1
   const int64_t p = simd::first_key(first_row, window);
-  const T* first = g.kv + it.head * g.head_stride + blocks[p / g.block_size] * g.block_stride +
+  const KT* first = g.kv + it.head * g.head_stride + blocks[p / g.block_size] * g.block_stride +
                    (p % g.block_size) * g.row_stride;
   simd::Ahead a;
   a.keys = reinterpret_cast<const char*>(first);
   a.values = reinterpret_cast<const char*>(first + g.half);
-  a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(T));
+  a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(KT));
   a.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys - p,
                                             g.block_size - p % g.block_size}));
   return a;
 }
 #endif
 
-template <typename T, int D, int DV>
+template <typename T, typename KT, int D, int DV>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
          at::Tensor& out, int64_t window, const float* sinks) {
@@ -135,7 +137,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<Item> items = make_items(qsl, lens, num_reqs, hkv, group, window);
-  Geometry<T> base{kv_cache.data_ptr<T>(), kv_cache.stride(0), kv_cache.stride(1),
+  Geometry<KT> base{static_cast<const KT*>(kv_cache.data_ptr()), kv_cache.stride(0),
+                    kv_cache.stride(1),
                    kv_cache.stride(2), kv_cache.stride(3), kv_cache.size(2), nullptr};
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t table_stride = block_table.stride(0);
@@ -146,7 +149,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const bool one_thread = at::get_num_threads() == 1 || num_items < 2;
   auto body = [&](int64_t i) {
     const Item& it = items[i];
-    Geometry<T> g = base;
+    Geometry<KT> g = base;
     g.blocks = table + it.req * table_stride;
     const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
 #if defined(DELTASERVE_SIMD)
@@ -156,13 +159,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens,
                         window)
           : simd::Ahead();
-      attend_item_simd<T, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+      attend_item_simd<T, KT, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                              out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
                              window, sinks, after);
       return;
     }
 #endif
-    attend_item<T, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+    attend_item<T, KT, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                       out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale, window,
                       sinks);
   };
@@ -174,29 +177,49 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   for (int64_t i = 0; i < num_items; ++i) body(i);
 }
 
-template <typename T>
+// KT: the cache's type (T, or an fp8 type: no latent, whose kernel reads T only).
+template <typename T, typename KT>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& qsl,
                        const at::Tensor& seq_lens, double scale, at::Tensor& out,
                        int64_t window, const float* sinks) {
+#define DELTASERVE_RUN(D, DV) \
+  return run<T, KT, D, DV>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks)
   switch (query.size(2)) {
-    case 16:
-      return run<T, 16, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 32:
-      return run<T, 32, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 64:
-      return run<T, 64, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 80:
-      return run<T, 80, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 96:
-      return run<T, 96, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 128:
-      return run<T, 128, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 16: DELTASERVE_RUN(16, 16);
+    case 32: DELTASERVE_RUN(32, 32);
+    case 64: DELTASERVE_RUN(64, 64);
+    case 80: DELTASERVE_RUN(80, 80);
+    case 96: DELTASERVE_RUN(96, 96);
+    case 128: DELTASERVE_RUN(128, 128);
     case 576:     // DeepSeek's MLA latent: kv_lora_rank 512 + rope 64, values the first 512
-      return run<T, 576, 512>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                              sinks);
+      if constexpr (std::is_same_v<KT, T>) DELTASERVE_RUN(576, 512);
+      TORCH_CHECK(false, "head_dim=576 (the MLA latent) with an fp8 kv_cache: not supported");
     default: TORCH_CHECK(false, "head_dim=", query.size(2),
                          " is not supported: must be 16, 32, 64, 80, 96, 128 or 576");
+  }
+#undef DELTASERVE_RUN
+}
+
+// The query's type T with the cache's: T itself, or an fp8 cache (--kv-cache-dtype).
+template <typename T>
+void dispatch_cache_dtype(const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_table, const at::Tensor& qsl,
+                          const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                          int64_t window, const float* sinks) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat8_e5m2:
+      return dispatch_head_dim<T, c10::Float8_e5m2>(query, kv_cache, block_table, qsl, seq_lens,
+                                                    scale, out, window, sinks);
+    case at::kFloat8_e4m3fn:
+      return dispatch_head_dim<T, c10::Float8_e4m3fn>(query, kv_cache, block_table, qsl,
+                                                      seq_lens, scale, out, window, sinks);
+    default:
+      TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache's dtype ",
+                  kv_cache.scalar_type(), " with query's ", query.scalar_type(),
+                  ": must be query's, float8_e5m2 or float8_e4m3fn");
+      return dispatch_head_dim<T, T>(query, kv_cache, block_table, qsl, seq_lens, scale, out,
+                                     window, sinks);
   }
 }
 
@@ -231,9 +254,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
               "block_size must be a power of two");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype "
+              "(kv_cache: the same, or float8_e5m2 / float8_e4m3fn)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt,
               "block_table, query_start_loc and seq_lens must be int32");
@@ -249,11 +271,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     sink_ptr = sinks->data_ptr<float>();
   }
   if (query.scalar_type() == at::kFloat) {
-    paged::dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens,
-                                    scale, out, window, sink_ptr);
+    paged::dispatch_cache_dtype<float>(query, kv_cache, block_table, query_start_loc, seq_lens,
+                                       scale, out, window, sink_ptr);
   } else if (query.scalar_type() == at::kBFloat16) {
-    paged::dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc,
-                                            seq_lens, scale, out, window, sink_ptr);
+    paged::dispatch_cache_dtype<c10::BFloat16>(query, kv_cache, block_table, query_start_loc,
+                                               seq_lens, scale, out, window, sink_ptr);
   } else {
     TORCH_CHECK(false, "dtype ", query.scalar_type(), " is not supported: float32 or bfloat16");
   }
