@@ -201,7 +201,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     registry = LoRARegistry(config.lora)
     lora = LoRAUpdates(registry, WorkerLoRA(client), config.allow_runtime_lora_updating,
                        lora_cache(registry, config.max_cpu_loras))
-    factory = WorkerCoreFactory(client, spec, config, kv_events.feed, lora)
+    factory = WorkerCoreFactory(client, spec, config, kv_events.feed, lora, info.vocab_size)
     metrics = SchedulerMetrics(info.name, info.max_model_len)
     engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),
                          idle_check=factory.check_health, metrics=metrics,

@@ -191,7 +191,7 @@ class SimServer:
         if not self.workers_up:
             raise EngineUnavailable("simulated: no worker")
         scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
-                              kv_events=self.kv_events.feed)
+                              kv_events=self.kv_events.feed, vocab_size=self.info.vocab_size)
         executor = _SimExecutor(self.num_blocks, self.config.block_size, self.gate,
                                 self.grammars)
         self.workers.append(executor.worker)
