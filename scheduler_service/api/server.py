@@ -228,7 +228,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
         GenerationServicer(engine, served, tp_size=factory.tp_size, options=api,
                            tokenizer_pool=pool, keys=keys, quota=quota, lora=lora,
                            sends=sends), server)
-    readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
+    readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready, quota)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
                         worker.attention_backend, max_waiting=config.max_waiting)
