@@ -9,7 +9,7 @@ breaks a rule here fails the step as a worker fault does (BadReply is a WorkerFa
 UNAVAILABLE naming what was wrong, the engine drops its core (every KV block with it) and starts
 a new epoch, whose Init gives every worker a clean cache.
 
-Rules (each once per step, in C where it can be: max() of the ids, a set of the handles):
+Rules (each once per step, in C where it can be: max() of the ids, one set op on the handles):
   - the payload's step is the step sent;
   - every sampled id, and every top-alternative id, is in [0, vocab_size);
   - every handle that sampled is one of the step's requests (request_errors, pooled and
@@ -45,10 +45,9 @@ def check_reply(step: int, scheduled: dict, counts: dict[int, int] | None,
     if handles:
         if vocab_size is not None and max(out.sampled_token_ids) >= vocab_size:
             _bad_id(step, "sampled_token_ids", out.sampled_token_ids, vocab_size)
-        distinct = set(handles)
-        _check_known(step, "handles", distinct, scheduled)
-        if len(distinct) != len(handles):
-            _check_runs(step, handles, distinct, counts or {}, spec)
+        # One set op: every handle one of the step's and none repeated (the usual reply).
+        if len(scheduled.keys() & handles) != len(handles):
+            _check_handles(step, handles, scheduled, counts or {}, spec)
     if out.top_logprobs and vocab_size is not None:
         for handle, (ids, _) in out.top_logprobs.items():
             if ids and max(ids) >= vocab_size:
@@ -59,15 +58,14 @@ def check_reply(step: int, scheduled: dict, counts: dict[int, int] | None,
                 _bad_id(step, f"prompt_logprobs[{handle}].top_ids", entry.top_ids, vocab_size)
 
 
-def _check_known(step: int, name: str, handles, scheduled: dict) -> None:
-    if not scheduled.keys() >= handles:
-        handle = min(set(handles) - scheduled.keys())
-        _bad(step, name, handle, f"one of the {len(scheduled)} handles of the step's requests")
-
-
-def _check_runs(step: int, handles: list[int], distinct: set[int], counts: dict[int, int],
-                spec: bool) -> None:
-    """A handle repeats: allowed with drafts, in one run no longer than its scheduled tokens."""
+def _check_handles(step: int, handles: list[int], scheduled: dict, counts: dict[int, int],
+                   spec: bool) -> None:
+    """Some handle is not of the step or repeats: allowed only with drafts, a request's tokens
+    in one run no longer than its scheduled tokens."""
+    distinct = set(handles)
+    if not scheduled.keys() >= distinct:
+        _bad(step, "handles", min(distinct - scheduled.keys()),
+             f"one of the {len(scheduled)} handles of the step's requests")
     num_runs = 1 + sum(map(ne, handles, islice(handles, 1, None)))
     if not spec or num_runs != len(distinct):
         seen: set[int] = set()
