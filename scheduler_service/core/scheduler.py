@@ -84,8 +84,8 @@ class Scheduler(SchedulerViews):
         """`kv_events`, when given, records what the prefix cache stores and evicts.
         `sliding_window`: every attention layer's, as the workers report it (sliding_window.py).
         `window_group`: a hybrid model's windowed layers' pool (hybrid_kv.py); `num_blocks` is
-        then the full group's. `vocab_size`: the model's (config.json), which every id a step
-        reply carries must be below (reply_checks.py; None: not checked)."""
+        then the full group's. `vocab_size`: the model's, bounding a reply's ids (None: not
+        checked)."""
         self.config = config
         self.vocab_size = vocab_size
         self.kv = make_kv_manager(config, num_blocks, kv_events, sliding_window, window_group)
@@ -382,10 +382,10 @@ class Scheduler(SchedulerViews):
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: RunnerOutput) -> list[TokenUpdate]:
-        """Check the reply (BadReply, a WorkerFailure, when it breaks the protocol's rules:
-        reply_checks.py), abort what failed on the worker, append each sampled token, apply the
-        stop rules, finish what stopped. Outputs for requests finished since the step was scheduled are
-        dropped; one preempted since (async scheduling) keeps its token: the workers hold it."""
+        """Check the reply (reply_checks.py: BadReply), abort what failed on the worker, append
+        each sampled token, apply the stop rules, finish what stopped. Outputs for requests
+        finished since the step was scheduled are dropped; one preempted since (async
+        scheduling) keeps its token: the workers hold it."""
         scheduled, counts = self._in_flight.pop(sched_out.step, ({}, None))
         check_reply(sched_out.step, scheduled, counts, runner_out, self.vocab_size,
                     self.spec is not None)
