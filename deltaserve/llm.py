@@ -205,7 +205,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
             self._num_blocks)[0]
         self.scheduler = Scheduler(self._sched_cfg, num_blocks, self._rng,
                                    sliding_window=self.runner.sliding_window,
-                                   window_group=group)
+                                   window_group=group, vocab_size=self.model_info.vocab_size)
         # generate() reads only each request's result: one output per request, at its finish.
         self.engine = LLMEngine(EngineCore(self.scheduler, InProcessExecutor(self.runner),
                                            self._lora.registry, self._lora),

@@ -36,6 +36,16 @@ class Fenced(WorkerFailure):
     default_kind = "fenced"
 
 
+class EngineFault(RuntimeError):
+    """A bug in an engine step (an exception that is no WorkerFailure): every open stream ends
+    INTERNAL naming the exception's type only. Its text stays in the server's log: it may name
+    any tenant's request (an id, a stop string, a token), and every tenant's stream gets it."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"the engine step failed ({type(error).__name__}; the server's log "
+                         "has the cause): every open stream was ended and a new epoch starts")
+
+
 class StalledClient(RuntimeError):
     """A stream's client read none of its output for --stream-send-timeout seconds while it
     waited (api/stream_sends.py): the request is aborted; RESOURCE_EXHAUSTED naming the flag."""

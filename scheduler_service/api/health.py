@@ -7,6 +7,10 @@
 
 Readiness follows the engine by polling its `ready` flag on the event loop (a cheap attribute
 read), so no callback ever crosses from the engine thread.
+
+A Watch is a stream the server holds for as long as its client keeps it open: with
+--max-requests-per-key N a key holds at most N at once (request_quota.py), the next one is
+RESOURCE_EXHAUSTED naming the bound.
 """
 from __future__ import annotations
 
@@ -17,6 +21,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from scheduler_service.api.guard import caller_of
+from scheduler_service.api.request_quota import WATCH, RequestQuota
+from scheduler_service.api.status import status_for
+from scheduler_service.core.admission import QueueFull
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -24,13 +33,32 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _POLL_SECONDS = 0.1
 
 
-class Readiness:
-    """Owns the Health servicer and keeps the readiness entry in step with `is_ready()`."""
+class _BoundedHealthServicer(health_aio.HealthServicer):
+    """grpc's servicer, each key's Watch streams bounded by `quota` (none: unbounded)."""
 
-    def __init__(self, service_name: str, is_ready: Callable[[], bool]):
+    def __init__(self, quota: RequestQuota | None):
+        super().__init__()
+        self._quota = quota
+
+    async def Watch(self, request, context) -> None:
+        if self._quota is None:
+            return await super().Watch(request, context)
+        try:
+            with self._quota.call(caller_of(context), "", WATCH):
+                await super().Watch(request, context)
+        except QueueFull as e:          # the key holds its bound of them (taken at once)
+            await context.abort(*status_for(e))
+
+
+class Readiness:
+    """Owns the Health servicer and keeps the readiness entry in step with `is_ready()`.
+    `quota`: bounds each key's Watch streams (--max-requests-per-key)."""
+
+    def __init__(self, service_name: str, is_ready: Callable[[], bool],
+                 quota: RequestQuota | None = None):
         self.service_name = service_name
         self._is_ready = is_ready
-        self.servicer = health_aio.HealthServicer()   # "" starts SERVING
+        self.servicer = _BoundedHealthServicer(quota)   # "" starts SERVING
         self._draining = False
         self._published: int | None = None
         self._task: asyncio.Task | None = None

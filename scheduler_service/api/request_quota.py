@@ -11,6 +11,8 @@ Nothing waits for a place: every call that needs one (Generate, Embed, a Classif
 call's window of them: scoring.py) takes it at once or is refused, as a gateway's rate limit
 answers 429 at once. A Tokenize call holds no place but waits for the key's share of the
 tokenizer threads holding its message, so a key holds at most N of them at once (`call`).
+So does each kind of stream a client keeps open as long as it likes (health Watch, VllmEngine
+GetTokenizer and SubscribeKvEvents): at most N of each per key, the next RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ from typing import Iterator
 
 from scheduler_service.core.admission import QueueFull
 
-# The kind of calls `RequestQuota.call` bounds (its message names it).
+# The kinds of calls `RequestQuota.call` bounds (its message names them): Tokenize, and the
+# streams a client may keep open for as long as it likes, which hold no request place.
 TOKENIZE = "Tokenize"
+WATCH = "Watch"                                  # grpc.health.v1
+GET_TOKENIZER = "GetTokenizer"                   # VllmEngine
+SUBSCRIBE_KV_EVENTS = "SubscribeKvEvents"        # VllmEngine, admin keys only
 
 
 class RequestQuota:

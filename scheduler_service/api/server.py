@@ -202,7 +202,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     registry = LoRARegistry(config.lora)
     lora = LoRAUpdates(registry, WorkerLoRA(client), config.allow_runtime_lora_updating,
                        lora_cache(registry, config.max_cpu_loras))
-    factory = WorkerCoreFactory(client, spec, config, kv_events.feed, lora)
+    factory = WorkerCoreFactory(client, spec, config, kv_events.feed, lora, info.vocab_size)
     metrics = SchedulerMetrics(info.name, info.max_model_len)
     engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),
                          idle_check=factory.check_health, metrics=metrics,
@@ -229,7 +229,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
         GenerationServicer(engine, served, tp_size=factory.tp_size, options=api,
                            tokenizer_pool=pool, keys=keys, quota=quota, lora=lora,
                            sends=sends), server)
-    readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
+    readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready, quota)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
                         worker.attention_backend, max_waiting=config.max_waiting,

@@ -37,7 +37,7 @@ from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedR
                                               abort_requests, abort_with, new_request_id)
 from scheduler_service.api.api_keys import KeyBook
 from scheduler_service.api.guard import caller_of, policy_of, pool_caller, scoped_id
-from scheduler_service.api.request_quota import RequestQuota
+from scheduler_service.api.request_quota import GET_TOKENIZER, SUBSCRIBE_KV_EVENTS, RequestQuota
 from scheduler_service.api.tokenizer_bundle import (TokenizerBundle, build_tokenizer_bundle,
                                                     chunks)
 from scheduler_service.api.request_limits import check_abort_ids
@@ -51,6 +51,7 @@ from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
                                                 model_info_to_proto,
                                                 request_from_proto, scheduler_load_to_proto,
                                                 server_info_to_proto)
+from scheduler_service.core.admission import QueueFull
 from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
@@ -263,15 +264,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                    version=VERSION, dp_rank_count=1, loads=loads)
 
     async def GetTokenizer(self, request, context) -> AsyncIterator[cpb.GetTokenizerChunk]:
-        """The tokenizer files as one zip in 64 KiB chunks; the last carries its sha256."""
+        """The tokenizer files as one zip in 64 KiB chunks; the last carries its sha256. A key
+        holds at most --max-requests-per-key of these streams at once (a client that reads
+        slowly keeps one open)."""
         try:
-            bundle = await self._bundle()
+            with self._door.quota.call(caller_of(context), "", GET_TOKENIZER):
+                bundle = await self._bundle()
+                pieces = chunks(bundle.data, TOKENIZER_CHUNK_BYTES)
+                for i, piece in enumerate(pieces):
+                    yield cpb.GetTokenizerChunk(
+                        data=piece, sha256=bundle.sha256 if i == len(pieces) - 1 else "")
         except Exception as e:
             await abort_with(context, e)
-        pieces = chunks(bundle.data, TOKENIZER_CHUNK_BYTES)
-        for i, piece in enumerate(pieces):
-            yield cpb.GetTokenizerChunk(data=piece,
-                                        sha256=bundle.sha256 if i == len(pieces) - 1 else "")
 
     async def _bundle(self) -> TokenizerBundle:
         if self._tokenizer_bundle is None:   # the files do not change while we serve
@@ -280,14 +284,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return self._tokenizer_bundle
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[cpb.KvEventBatch]:
-        """The prefix cache's stored/removed blocks from now on, one batch per engine step."""
-        await context.send_initial_metadata(())
-        announced: set[int] = set()        # this stream's KV groups whose kind it has sent
+        """The prefix cache's stored/removed blocks from now on, one batch per engine step. A
+        key holds at most --max-requests-per-key of these streams at once."""
         try:
-            async for batch in self._kv_events.subscribe():
-                yield kv_batch_to_proto(batch, announced)
+            with self._door.quota.call(caller_of(context), "", SUBSCRIBE_KV_EVENTS):
+                await context.send_initial_metadata(())
+                announced: set[int] = set()    # this stream's KV groups whose kind it sent
+                async for batch in self._kv_events.subscribe():
+                    yield kv_batch_to_proto(batch, announced)
         except SubscriberLagging as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except QueueFull as e:
+            await abort_with(context, e)
 
     # -- not served -------------------------------------------------------------------------
 

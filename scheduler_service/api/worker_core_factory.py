@@ -19,8 +19,11 @@ class WorkerCoreFactory:
     """`make_core` for AsyncEngine: Init the workers (new epoch), then a fresh EngineCore."""
 
     def __init__(self, client: WorkerClient, spec: InitSpec, config: SchedulerConfig,
-                 kv_events: KvEventFeed | None = None, lora: LoRAUpdates | None = None):
+                 kv_events: KvEventFeed | None = None, lora: LoRAUpdates | None = None,
+                 vocab_size: int | None = None):
+        """`vocab_size`: the model's, which every sampled id of a step reply must be below."""
         self.client = client
+        self.vocab_size = vocab_size
         self.lora = lora      # runtime LoRA adapters: loaded again after every Init
         self.spec = spec
         self.config = config
@@ -52,7 +55,7 @@ class WorkerCoreFactory:
                  self.config.block_size)
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events,
                               sliding_window=result.sliding_window,
-                              window_group=result.window_group)
+                              window_group=result.window_group, vocab_size=self.vocab_size)
         _warn_if_cache_cuts_requests(scheduler.max_len, self.config)
         return EngineCore(scheduler, self.client,
                           None if self.lora is None else self.lora.registry, self.lora)

@@ -60,6 +60,7 @@ from scheduler_service.core.kv_events import KvEventFeed
 from scheduler_service.core.long_prefills import can_admit_any, held_back
 from scheduler_service.core.priority import priority_victims
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.reply_checks import check_reply
 from scheduler_service.core.sampled_tokens import apply_sampled_tokens, grammars_compiled
 from scheduler_service.core.scheduler_diff import StepPlan, build_output
 from scheduler_service.core.scheduler_views import SchedulerViews
@@ -78,12 +79,15 @@ class Scheduler(SchedulerViews):
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
                  rng: random.Random | None = None, kv_events: KvEventFeed | None = None,
-                 sliding_window: int = 0, window_group: WindowGroup | None = None):
+                 sliding_window: int = 0, window_group: WindowGroup | None = None,
+                 vocab_size: int | None = None):
         """`kv_events`, when given, records what the prefix cache stores and evicts.
         `sliding_window`: every attention layer's, as the workers report it (sliding_window.py).
         `window_group`: a hybrid model's windowed layers' pool (hybrid_kv.py); `num_blocks` is
-        then the full group's."""
+        then the full group's. `vocab_size`: the model's, bounding a reply's ids (None: not
+        checked)."""
         self.config = config
+        self.vocab_size = vocab_size
         self.kv = make_kv_manager(config, num_blocks, kv_events, sliding_window, window_group)
         self._hybrid = window_group is not None
         if config.max_model_len is None:
@@ -379,10 +383,13 @@ class Scheduler(SchedulerViews):
 
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: RunnerOutput) -> list[TokenUpdate]:
-        """Abort what failed on the worker, append each sampled token, apply the stop rules,
-        finish what stopped. Outputs for requests finished since the step was scheduled are
-        dropped; one preempted since (async scheduling) keeps its token: the workers hold it."""
-        scheduled = self._in_flight.pop(sched_out.step, ({}, None))[0]
+        """Check the reply (reply_checks.py: BadReply), abort what failed on the worker, append
+        each sampled token, apply the stop rules, finish what stopped. Outputs for requests
+        finished since the step was scheduled are dropped; one preempted since (async
+        scheduling) keeps its token: the workers hold it."""
+        scheduled, counts = self._in_flight.pop(sched_out.step, ({}, None))
+        check_reply(sched_out.step, scheduled, counts, runner_out, self.vocab_size,
+                    self.spec is not None)
         if runner_out.compiled_handles:
             grammars_compiled(self._compiling, sched_out.step, runner_out.compiled_handles)
         if self.spec is not None:

@@ -45,7 +45,7 @@ from scheduler_service.engine.stream_hub import (MAX_MERGED_STEPS, StreamError, 
                                                  coalesce)
 from scheduler_service.engine.stream_routes import StreamRoutes
 from scheduler_service.engine.serving_counters import ServingCounters
-from scheduler_service.errors import EngineUnavailable, Fenced, WorkerRefused
+from scheduler_service.errors import EngineFault, EngineUnavailable, Fenced, WorkerRefused
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class AsyncEngine:
             except Exception as e:  # a bug: fail the streams loudly, start a clean epoch
                 log.exception("engine step failed")
                 self.metrics.observe_failure(e)
-                self._fail_all(e)
+                self._fail_all(EngineFault(e))   # its text to the log only
             self._publish_stats()
             self._routes.hand_off()
             self._serve_flushes()

@@ -215,11 +215,12 @@ def make_request(rid, prompt, max_tokens=8, seed=1, priority=0, arrival=None, **
                    priority=priority, **kw)
 
 
-def make(num_blocks=64, sample_fn=None, sliding_window=0, window_group=None, **cfg):
+def make(num_blocks=64, sample_fn=None, sliding_window=0, window_group=None, vocab_size=None,
+         **cfg):
     config = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8,
                                 "max_num_batched_tokens": 32, "max_model_len": 128, **cfg})
     sched = Scheduler(config, num_blocks, rng=random.Random(0), sliding_window=sliding_window,
-                      window_group=window_group)
+                      window_group=window_group, vocab_size=vocab_size)
     kw = {} if sample_fn is None else {"sample_fn": sample_fn}
     return sched, SimWorker(num_blocks, config.block_size, window=sliding_window,
                             window_group=window_group, **kw)

@@ -28,6 +28,7 @@ from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import ServedModel
 from scheduler_service.api.generation_servicer import GenerationServicer
+from scheduler_service.api.health import Readiness
 from scheduler_service.api.request_quota import RequestQuota
 from scheduler_service.api.stream_sends import SendWatch
 from scheduler_service.api.tokenizer_pool import TokenizerPool
@@ -191,7 +192,7 @@ class SimServer:
         if not self.workers_up:
             raise EngineUnavailable("simulated: no worker")
         scheduler = Scheduler(self.config, self.num_blocks, rng=random.Random(0),
-                              kv_events=self.kv_events.feed)
+                              kv_events=self.kv_events.feed, vocab_size=self.info.vocab_size)
         executor = _SimExecutor(self.num_blocks, self.config.block_size, self.gate,
                                 self.grammars)
         self.workers.append(executor.worker)
@@ -223,9 +224,14 @@ class SimServer:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.engine, self.model, options=self.api, tokenizer_pool=pool,
                                keys=keys, quota=self.quota, sends=self.sends), self.server)
+        # grpc.health.v1, each key's Watch streams bounded by the same quota (server.py)
+        self.readiness = Readiness("deltaserve.v1.Generation", lambda: self.engine.ready,
+                                   self.quota)
+        self.readiness.add_to_server(self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.engine.start()
         await self.server.start()
+        await self.readiness.start()
         return port
 
     def hold_steps(self, after: int = 0) -> None:
@@ -246,6 +252,7 @@ class SimServer:
         return stats.num_used_blocks
 
     def close(self) -> None:
+        self._call(self.readiness.drain())
         self._call(self.server.stop(None))
         self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -10,6 +10,7 @@ import pytest
 from engine_common.constraints.constraint import Constraint
 from engine_common.wire.diff import RunnerOutput
 from scheduler_service.core.admission import RequestRejected
+from scheduler_service.core.reply_checks import BadReply
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.step_result import TokenUpdate
 from tests.support.scheduler_sim import run_steps
@@ -130,8 +131,12 @@ def test_outputs_of_aborted_requests_are_ignored():
     updates = sched.update_from_output(out, runner_out)
     assert [u.request.request_id for u in updates] == ["b"]
     assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
-    # An output for a step that scheduled nothing is ignored too.
-    assert sched.update_from_output(out, RunnerOutput(out.step, [b.handle], [5], [0.0])) == []
+    # A token for a step that has no request in flight (this one was applied) is a bad reply
+    # (reply_checks.py), never appended to anything.
+    with pytest.raises(BadReply, match=r"handles=\d+ must be one of the 0 handles"):
+        sched.update_from_output(out, RunnerOutput(out.step, [b.handle], [5], [0.0]))
+    sampled = dict(zip(runner_out.handles, runner_out.sampled_token_ids))
+    assert b.output_token_ids == [sampled[b.handle]]
 
 
 def test_logprobs_and_updates():

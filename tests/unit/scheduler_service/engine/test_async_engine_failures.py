@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
+
 from engine_common.request.params import SamplingParams, StoppingParams
+from scheduler_service.api.status import status_for
 from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.engine.stream_hub import StreamError, StreamHub
-from scheduler_service.errors import EngineUnavailable, Fenced
+from scheduler_service.errors import EngineFault, EngineUnavailable, Fenced
 
 EOS = 1                 # "</s>" in the tiny tokenizer
 WAIT_S = 30.0           # a bound on a wait for an event, never reached in a passing run
@@ -163,3 +166,35 @@ def test_a_flush_without_a_worker_answers_at_once_and_names_why(tok):
 
     assert _run_engine(engine, scenario) == (
         False, "not flushed: no worker is ready: worker w:1 not reachable")
+
+
+def test_a_bug_in_a_step_reaches_the_streams_without_its_text(tok, caplog):
+    """Every open stream, whoever's, hears of a failed step: a bug's exception text may name
+    another tenant's request (here its scoped id), so the streams get its type only, and the
+    log the whole of it. Before, every stream got `internal error: KeyError: '<the id>'`."""
+    secret = "3f2a9c/tenant-b-private-request"
+    cores = iter([FailingCore(KeyError(secret))])
+
+    def make_core():
+        core = next(cores, None)
+        if core is None:
+            raise EngineUnavailable("worker not reachable")
+        return core
+
+    engine = AsyncEngine(make_core, lambda: OutputProcessor(tok), reconnect_seconds=TINY_RETRY_S)
+
+    async def scenario():
+        await _until_ready(engine)
+        try:
+            async for _ in engine.generate(_request("a")):
+                pass
+        except Exception as e:  # noqa: BLE001 - the stream's error is what is checked
+            return e, engine.last_error
+        return None, engine.last_error
+
+    error, last_error = _run_engine(engine, scenario)
+    assert isinstance(error, EngineFault), error
+    code, message = status_for(error)
+    assert code == grpc.StatusCode.INTERNAL and "KeyError" in message
+    assert secret not in message and secret not in last_error
+    assert secret in caplog.text                         # the operator still sees the cause

@@ -1,0 +1,92 @@
+"""A worker's step reply checked against the step it answers, before anything of it is applied.
+
+The workers are authenticated and fenced, but a buggy or version-skewed worker must not corrupt
+the streams: before, a handle sent twice appended two tokens to one request (past its
+max_tokens, and a wrong text), an id outside the vocabulary reached the client and the
+detokenizer, and a payload naming another step was applied to this one's requests. A reply that
+breaks a rule here fails the step as a worker fault does (BadReply is a WorkerFailure of kind
+"protocol", like a reply to the wrong epoch or step on the stream): every open stream ends
+UNAVAILABLE naming what was wrong, the engine drops its core (every KV block with it) and starts
+a new epoch, whose Init gives every worker a clean cache.
+
+Rules (each once per step, in C where it can be: max() of the ids, one set op on the handles):
+  - the payload's step is the step sent;
+  - every sampled id, and every top-alternative id, is in [0, vocab_size);
+  - every handle that sampled is one of the step's requests (request_errors, pooled and
+    prompt_logprobs of another handle are dropped where they are applied, as before);
+  - a handle samples once, or with speculative drafts in one run of at most the tokens
+    scheduled for it (its drafts + 1).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from itertools import islice
+from operator import ne
+
+from engine_common.wire.diff import RunnerOutput
+from scheduler_service.errors import WorkerFailure
+
+
+class BadReply(WorkerFailure):
+    """A step reply that breaks the protocol's rules (this module's docstring)."""
+
+    default_kind = "protocol"
+
+
+def check_reply(step: int, scheduled: dict, counts: dict[int, int] | None,
+                out: RunnerOutput, vocab_size: int | None, spec: bool) -> None:
+    """BadReply naming the field, its value and what it must be, when `out` is not a valid reply
+    to step `step`. `scheduled`: handle -> request of the step's computing requests; `counts`:
+    handle -> tokens scheduled when not 1; `vocab_size`: None skips the id checks; `spec`: a
+    handle may produce a run of tokens (its drafts verified)."""
+    if out.step != step:
+        _bad(step, "step", out.step, f"{step}: the step it answers")
+    handles = out.handles
+    if handles:
+        if vocab_size is not None and max(out.sampled_token_ids) >= vocab_size:
+            _bad_id(step, "sampled_token_ids", out.sampled_token_ids, vocab_size)
+        # One set op: every handle one of the step's and none repeated (the usual reply).
+        if len(scheduled.keys() & handles) != len(handles):
+            _check_handles(step, handles, scheduled, counts or {}, spec)
+    if out.top_logprobs and vocab_size is not None:
+        for handle, (ids, _) in out.top_logprobs.items():
+            if ids and max(ids) >= vocab_size:
+                _bad_id(step, f"top_logprobs[{handle}]", ids, vocab_size)
+    if out.prompt_logprobs and vocab_size is not None:
+        for handle, entry in out.prompt_logprobs.items():
+            if entry.top_ids and max(entry.top_ids) >= vocab_size:
+                _bad_id(step, f"prompt_logprobs[{handle}].top_ids", entry.top_ids, vocab_size)
+
+
+def _check_handles(step: int, handles: list[int], scheduled: dict, counts: dict[int, int],
+                   spec: bool) -> None:
+    """Some handle is not of the step or repeats: allowed only with drafts, a request's tokens
+    in one run no longer than its scheduled tokens."""
+    distinct = set(handles)
+    if not scheduled.keys() >= distinct:
+        _bad(step, "handles", min(distinct - scheduled.keys()),
+             f"one of the {len(scheduled)} handles of the step's requests")
+    num_runs = 1 + sum(map(ne, handles, islice(handles, 1, None)))
+    if not spec or num_runs != len(distinct):
+        seen: set[int] = set()
+        for i, handle in enumerate(handles):
+            if handle in seen and (not spec or handles[i - 1] != handle):
+                _bad(step, f"handles[{i}]", handle, "a handle not sent before in this reply "
+                     + ("(a request's tokens come in one run)" if spec else
+                        "(one sampled token per request)"))
+            seen.add(handle)
+    for handle, n in Counter(handles).items():
+        if n > counts.get(handle, 1):
+            _bad(step, f"handles (handle {handle})", f"{n} tokens",
+                 f"at most {counts.get(handle, 1)}: the tokens scheduled for it")
+
+
+def _bad_id(step: int, name: str, ids: list[int], vocab_size: int) -> None:
+    i = next(i for i, t in enumerate(ids) if t >= vocab_size)
+    _bad(step, f"{name}[{i}]", ids[i], f"a token id in [0, {vocab_size - 1}] (vocab_size)")
+
+
+def _bad(step: int, name: str, value, allowed: str) -> None:
+    raise BadReply(f"the workers' reply to step {step} is invalid: {name}={value!r} must be "
+                   f"{allowed}; the step fails as a worker fault (a buggy or version-skewed "
+                   "worker)")
