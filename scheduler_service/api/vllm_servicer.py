@@ -31,7 +31,6 @@ from engine_common.wire.protos import smg_common_pb2 as cpb
 from engine_common.wire.protos import vllm_engine_pb2 as pb
 from engine_common.wire.protos import vllm_engine_pb2_grpc
 from scheduler_service.api.api_options import ApiOptions
-from scheduler_service.api.convert import OFF_LOOP_TOKENS
 from scheduler_service.api.embeddings import embed_in_place, prompt_of
 from scheduler_service.api.front_door import (FrontDoor, ServedModel, ValidatedRequest,
                                               abort_requests, abort_with, new_request_id)
@@ -44,9 +43,8 @@ from scheduler_service.api.request_limits import check_abort_ids
 from scheduler_service.api.request_tally import RequestTally
 from scheduler_service.api.stream_sends import SendWatch, send_watch
 from scheduler_service.api.tokenizer_pool import TokenizerPool
+from scheduler_service.api.vllm_outputs import Choice, choice_builds_off_loop, merge, messages
 from scheduler_service.api.vllm_convert import (EngineShape, child_sampling,
-                                                chunk_to_proto, complete_to_proto,
-                                                input_logprobs_to_proto,
                                                 kv_batch_to_proto, limited_fields,
                                                 model_info_to_proto,
                                                 request_from_proto, scheduler_load_to_proto,
@@ -55,7 +53,7 @@ from scheduler_service.core.admission import QueueFull
 from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.kv_event_publisher import KvEventPublisher, SubscriberLagging
-from scheduler_service.engine.output_processor import RequestOutput, TokenLogprob
+from scheduler_service.engine.output_processor import RequestOutput
 from scheduler_service.errors import StalledClient
 
 log = logging.getLogger(__name__)
@@ -66,15 +64,6 @@ VERSION = "deltaserve-0.1.0"
 # An Abort's log line names at most this many of its ids (it may carry millions, each with any
 # characters: one line of several MB, or a forged line after a newline, before).
 _LOGGED_ABORT_IDS = 8
-
-
-class _Choice:
-    """What one choice of a non-streamed request produced so far."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs = None       # its prompt logprobs, once they came
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -173,15 +162,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         requests = [self._door.engine_request(inp, rid, prompt_ids, cache_salt,
                                               child_sampling(inp.sampling, i))
                     for i, rid in enumerate(ids)]
-        choices = [_Choice() for _ in ids]
+        choices = [Choice() for _ in ids]
         finals: dict[int, pb.GenerateResponse] = {}
         eos = None if inp.stopping.ignore_eos else self._model.tokenizer.eos_token_id
         async for index, out in self._outputs(requests):
             tally.output(out)
-            if not _builds_off_loop(inp, out, choices[index]):
-                msgs = _messages(inp, index, out, choices[index], eos, prompt_ids)
+            if not choice_builds_off_loop(inp, out, choices[index]):
+                msgs = messages(inp, index, out, choices[index], eos, prompt_ids)
             else:       # prompt logprobs take seconds for a long prompt: off the event loop
-                msgs = await asyncio.to_thread(_messages, inp, index, out, choices[index],
+                msgs = await asyncio.to_thread(messages, inp, index, out, choices[index],
                                                eos, prompt_ids)
             for msg in msgs:
                 if inp.stream:
@@ -200,7 +189,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             async for out in self._engine.generate(requests[0]):
                 yield 0, out
             return
-        async for item in _merge([self._engine.generate(r) for r in requests]):
+        async for item in merge([self._engine.generate(r) for r in requests]):
             yield item
 
     # -- management -------------------------------------------------------------------------
@@ -331,73 +320,3 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def StopProfile(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile is not supported")
-
-
-def _messages(inp: ValidatedRequest, index: int, out: RequestOutput, choice: _Choice,
-              eos_token_id: int | None, prompt_ids: list[int]) -> list[pb.GenerateResponse]:
-    """The messages one engine output of choice `index` turns into (`eos_token_id`: see
-    complete_to_proto). Prompt logprobs, as vLLM's servicer sends them: streaming, on the
-    first chunk (and on the complete of an output that carries them); not, on the complete."""
-    k = inp.num_prompt_logprobs or 0
-    if inp.stream:
-        msgs = [chunk_to_proto(out, index, inp.num_logprobs, prompt_ids, k)
-                ] if out.new_token_ids else []
-        if out.finished:
-            msgs.append(complete_to_proto(out, index, inp.num_logprobs, out.new_token_ids,
-                                          out.logprobs, eos_token_id,
-                                          _input_logprobs(out.prompt_logprobs, prompt_ids, k)))
-        return msgs
-    choice.token_ids.extend(out.new_token_ids)
-    choice.logprobs.extend(out.logprobs)
-    choice.prompt_logprobs = choice.prompt_logprobs or out.prompt_logprobs
-    if not out.finished:
-        return []
-    return [complete_to_proto(out, index, inp.num_logprobs, choice.token_ids, choice.logprobs,
-                              eos_token_id, _input_logprobs(choice.prompt_logprobs, prompt_ids,
-                                                            k))]
-
-
-def _builds_off_loop(inp: ValidatedRequest, out: RequestOutput, choice: _Choice) -> bool:
-    """Prompt logprobs, the tokens of many steps (a lagging consumer), or a non-streamed
-    choice's whole output at its finish (20,000 tokens at 20 logprobs: ~0.15 s of CPU)."""
-    return (inp.num_prompt_logprobs is not None or len(out.new_token_ids) > OFF_LOOP_TOKENS
-            or (out.finished and not inp.stream and len(choice.token_ids) > OFF_LOOP_TOKENS))
-
-
-def _input_logprobs(entries, prompt_ids: list[int], k: int):
-    return None if not entries else input_logprobs_to_proto(entries, prompt_ids, k)
-
-
-async def _merge(streams: list[AsyncIterator[RequestOutput]]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several output streams as (stream index, output) in arrival order. The first
-    failure ends the merge; leaving it early (cancellation) closes every stream, which aborts
-    their requests."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((index, out))
-        except Exception as e:   # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((index, e))
-        finally:
-            queue.put_nowait((index, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-

@@ -66,6 +66,7 @@ from scheduler_service.core.scheduler_diff import StepPlan, build_output
 from scheduler_service.core.scheduler_views import SchedulerViews
 from scheduler_service.core.sliding_window import max_request_len
 from scheduler_service.core.spec_decode import SpecDecoder
+from scheduler_service.core.step_growth import advance
 from scheduler_service.core.step_result import TokenUpdate
 from scheduler_service.core.waiting_queue import WaitingQueue
 
@@ -206,8 +207,8 @@ class Scheduler(SchedulerViews):
         # The hot loop (every running request, every step): no helper calls, and the KV manager
         # only when its quiet_until says allocate_slots would do something. A request asks for
         # its known and pending tokens not computed yet, or none when a pending token will
-        # already be its last (max_tokens, max_len); then it advances as _advance says. Long
-        # prefills wait for the rest (_schedule_long_prefills).
+        # already be its last (max_tokens, max_len); then it advances as step_growth.advance
+        # says. Long prefills wait for the rest (_schedule_long_prefills).
         running, grow, quiet_until = self.running, self.kv.grow_slots, self.kv.quiet_until
         work, counts, new_block_ids = plan.work, plan.counts, plan.new_block_ids
         budget, threshold = plan.budget, self._long_prefill
@@ -281,15 +282,7 @@ class Scheduler(SchedulerViews):
             if new_ids:
                 plan.new_block_ids[request.handle] = new_ids
             plan.schedule(request, n)
-            self._advance(request, n, wanted)
-
-    @staticmethod
-    def _advance(request: Request, n: int, num_known_and_pending: int) -> None:
-        """The step is assumed to run: its tokens count as computed at once, and a request whose
-        step reaches past its known and pending tokens samples one more (pending)."""
-        request.num_computed_tokens += n
-        if request.num_computed_tokens >= num_known_and_pending:
-            request.num_pending_tokens += 1
+            advance(request, n, wanted)
 
     def _allocate_or_preempt(self, request: Request, n: int, plan: StepPlan):
         """The ids of the blocks appended for `n` more tokens of a running request (grow_slots),
@@ -377,7 +370,7 @@ class Scheduler(SchedulerViews):
             if request.awaiting_grammar:
                 self._compiling[request.handle] = (request, self._step)
         plan.schedule(request, n)
-        self._advance(request, n, request.num_tokens + request.num_pending_tokens)
+        advance(request, n, request.num_tokens + request.num_pending_tokens)
 
     # ---- the step's results (applied in sampled_tokens.py) -------------------------------
 

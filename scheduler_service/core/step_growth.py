@@ -1,6 +1,7 @@
 """What the running batch takes in one step before any waiting request is admitted: the new
 KV blocks and the token budget, as Scheduler._schedule_running hands them out. Priority
 preemption (priority.py) counts them: a block or budget a victim frees goes to the batch first.
+Also `advance`: what a scheduled step does to a request's counts.
 """
 from __future__ import annotations
 
@@ -53,3 +54,11 @@ def _grow(growth: dict[int, int], kv: KVCacheManager, request: Request, n: int,
             growth[request.handle] = need
         budget -= n
     return budget
+
+
+def advance(request: Request, n: int, num_known_and_pending: int) -> None:
+    """The step is assumed to run: its tokens count as computed at once, and a request whose
+    step reaches past its known and pending tokens samples one more (pending)."""
+    request.num_computed_tokens += n
+    if request.num_computed_tokens >= num_known_and_pending:
+        request.num_pending_tokens += 1

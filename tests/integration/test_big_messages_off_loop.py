@@ -31,13 +31,13 @@ def test_which_outputs_are_built_off_the_loop():
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_long_non_streamed_choice_is_completed_off_the_loop(llm, monkeypatch, stream):
     calls = []          # (thread, finished, the output's tokens)
-    build = vllm_servicer._messages
+    build = vllm_servicer.messages
 
     def recording(inp, index, out, choice, *rest):
         msgs = build(inp, index, out, choice, *rest)
         calls.append((threading.current_thread(), out.finished, len(out.new_token_ids)))
         return msgs
-    monkeypatch.setattr(vllm_servicer, "_messages", recording)
+    monkeypatch.setattr(vllm_servicer, "messages", recording)
     max_tokens = OFF_LOOP_TOKENS + 4
 
     async def talk(ch):

@@ -167,8 +167,8 @@ def test_their_messages_are_built_off_the_event_loop(llm, monkeypatch, stream):
         return wrapper
     monkeypatch.setattr(generation_servicer, "output_to_proto", recording(
         generation_servicer.output_to_proto, lambda a: a[0].prompt_logprobs is not None))
-    monkeypatch.setattr(vllm_servicer, "_messages", recording(
-        vllm_servicer._messages, lambda a: a[2].prompt_logprobs is not None
+    monkeypatch.setattr(vllm_servicer, "messages", recording(
+        vllm_servicer.messages, lambda a: a[2].prompt_logprobs is not None
         or (a[2].finished and a[3].prompt_logprobs is not None)))
 
     async def talk(ch):
