@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import extension
 
@@ -86,6 +87,9 @@ class CpuExperts:
         self.w13_bias = None if w13_bias is None else w13_bias.float().contiguous()
         self.w2_bias = None if w2_bias is None else w2_bias.float().contiguous()
         self.calls = 0              # calls that took the kernel (tests check it ran)
+        # the grouped path's GEMMs on the panels themselves (expert_linear): float32 always
+        # (panel_gemm.cpp's row blocks keep up with MKL), bfloat16 with AVX512-BF16 pairs
+        self.reads_panels_in_place = self.dtype == torch.float32 or ops.panel_bf16_dot()
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +100,18 @@ class CpuExperts:
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.device.type == "cpu"
                 and ids.numel() <= self.max_mean_rows * self.num_experts)
+
+    def expert_linear(self, x: torch.Tensor, expert: int, down: bool,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, bias) for one expert's w13 [2I, H] (or w2 [H, I] with `down`), x [M, K]
+        in the experts' dtype, computed on the panels: float32 and (with AVX512-BF16) bfloat16
+        read them in place (csrc/panel_gemm*.cpp); a bfloat16 body without the dot products
+        runs F.linear on a transient dense copy of the one weight."""
+        panels = (self.w2_panels if down else self.w13_panels)[expert]
+        n = self.hidden if down else 2 * self.inter
+        if self.reads_panels_in_place:
+            return extension.ops().panel_linear_many(x.contiguous(), panels, n, bias)
+        return F.linear(x, _unpacked(panels, n), bias)
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's (w13 [2I, H], w2 [H, I]) read back from the panels, as dense

@@ -194,11 +194,11 @@ class GptOssExperts(PackedExperts, nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            w13, w2 = self.expert_weights(expert)
-            gate, up = F.linear(grouped[rows], w13, self.w13_bias[expert]).split(i_r, dim=-1)
+            gate_up = self.expert_linear(grouped[rows], expert, False, self.w13_bias[expert])
+            gate, up = gate_up.split(i_r, dim=-1)
             hidden = clamped_swiglu(gate, up, self.alpha, self.limit)
             bias = self.w2_bias[expert] if self.tp.rank == 0 else None
-            out[rows] = F.linear(hidden, w2, bias)
+            out[rows] = self.expert_linear(hidden, expert, True, bias)
             start += n
         per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
         return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)

@@ -102,6 +102,15 @@ class PackedExperts:
             return self.cpu_experts.expert_weights(expert)
         return self.w13_weight[expert], self.w2_weight[expert]
 
+    def expert_linear(self, x: torch.Tensor, expert: int, down: bool,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, bias) for one expert's w13 (w2 with `down`): the parameter, or after
+        the release the panels (CpuExperts.expert_linear: no dense copy where the body reads
+        them in place)."""
+        if self.weights_released:
+            return self.cpu_experts.expert_linear(x, expert, down, bias)
+        return F.linear(x, (self.w2_weight if down else self.w13_weight)[expert], bias)
+
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2 I_r, H], w2 [E, H, I_r]): the parameters, or after the release a
         transient copy of every expert from the panels (only a test forcing the fused Triton
@@ -211,8 +220,8 @@ class MoEExperts(PackedExperts, nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            w13, w2 = self.expert_weights(expert)
-            out[rows] = F.linear(self.act_fn(F.linear(grouped[rows], w13)), w2)
+            gate_up = self.expert_linear(grouped[rows], expert, down=False)
+            out[rows] = self.expert_linear(self.act_fn(gate_up), expert, down=True)
             start += n
         # back to (token, slot) order, then each token's weighted sum over its k slots: a
         # [1, k] x [k, H] product per token (a scatter-add over tokens is far slower on CPU)
