@@ -170,8 +170,9 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
     if "dense" in med:
         ratios += [f"transformers / packed {med['transformers'] / med['packed']:.2f}x",
                    f"packed / dense {med['packed'] / med['dense']:.2f}x"]
-    return (f"T={num_tokens} ({num_tokens * args.top_k / args.experts:g} rows an expert): "
-            f"{parts} (min / median / max of {args.rounds} rounds); {', '.join(ratios)}"), True
+    return (f"T={num_tokens}: {parts} (min / median / max of {args.rounds} rounds); "
+            f"{', '.join(ratios)}; {num_tokens * args.top_k / args.experts:g} rows an expert"
+            ), True
 
 
 def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:

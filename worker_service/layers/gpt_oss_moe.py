@@ -22,9 +22,9 @@ On the CPU, after use_cpu_kernels() (at load), a step within kernels/cpu/moe_exp
 MAX_MEAN_ROWS takes the packed experts, as the other MoE models' experts do: the same call,
 with the biases and the clamped SwiGLU. Otherwise (longer prefills, CUDA) the experts run on
 the grouped torch path (one host sync for the per-expert counts, then two GEMMs per expert that
-has tokens; on the CPU the weights read back from the panels once the parameters are let go, as
-layers/moe.py's PackedExperts does): the fused Triton kernels compute silu(gate) * up without biases, so they are not
-used for this block (the model's graph_capture_blocker says so).
+has tokens; on the CPU those GEMMs run on the panels once the parameters are let go, as
+layers/moe.py's PackedExperts.expert_linear does): the fused Triton kernels compute silu(gate) *
+up without biases, so they are not used for this block (the model's graph_capture_blocker says so).
 """
 from __future__ import annotations
 

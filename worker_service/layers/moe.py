@@ -15,8 +15,8 @@ kernels/cpu/moe_experts.py instead: every expert's weights packed in the dense l
 panels, and one C++ call per layer for the grouping, the GEMMs of the experts with tokens (all
 in one parallel region), silu-and-mul and the weighted sum; longer prefills keep the grouped
 torch path. Then the model lets the parameters go (PackedExperts.release_expert_weights, from
-layers/cpu_kernels.py): the panels are the experts' one copy, and the grouped path reads each
-expert back from them.
+layers/cpu_kernels.py): the panels are the experts' one copy, and the grouped path runs each
+expert's two GEMMs on them in place (PackedExperts.expert_linear).
 
 On CUDA (with Triton importable) the experts take kernels/fused_moe.py instead: the grouping on
 the device into fixed-size buffers and two grouped Triton GEMMs, no host sync and no shape that
@@ -97,7 +97,7 @@ class PackedExperts:
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [2 I_r, H], w2 [H, I_r]) of one expert: views of the parameters, or after the
-        release copies read back from the panels."""
+        release copies read back from the panels (stacked_weights; forward uses expert_linear)."""
         if self.weights_released:
             return self.cpu_experts.expert_weights(expert)
         return self.w13_weight[expert], self.w2_weight[expert]

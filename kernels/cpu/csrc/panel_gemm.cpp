@@ -9,7 +9,9 @@
 // L1 (partial sums parked in a small buffer), the next panel's chunk prefetched a slice per
 // block. For 4-47 rows this beats MKL's packed GEMM
 // by streaming W at close to the memory bandwidth; a bfloat16 W is widened in registers, so it
-// streams half the bytes. Larger row counts go to MKL (kernels/cpu/linear.py).
+// streams half the bytes. Larger row counts go to MKL (kernels/cpu/linear.py), except a long
+// prefill's MoE experts, whose panels are their only copy (kernels/cpu/moe_experts.py): their
+// rows are taken in L2-sized slices of x, each slice walking the panels.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
