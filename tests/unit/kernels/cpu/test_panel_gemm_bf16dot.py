@@ -45,8 +45,9 @@ def test_bf16_equals_f_linear_within_one_rounding(ops, rows, n, with_bias):
 
 @pytest.mark.parametrize("rows", [5, 130])
 def test_a_slice_of_x_rows_and_many_slices(ops, rows):
-    """k = 2048: the kernel walks x in slices of 16 rows' worth (64 KiB), so 130 rows take
-    several slices; each row's output is its own (a row alone gives the same bits)."""
+    """k = 2048: the kernel walks x in slices of 96 rows (384 KiB), so 130 rows take two, the
+    second a partial row block; each row's output is its own (a row alone gives the same
+    bits)."""
     x, w, _ = case(rows, 2048, 40, torch.bfloat16, seed=3)
     panels = ops.panel_pack(w)
     got = ops.panel_linear_many(x, panels, 40, None)
