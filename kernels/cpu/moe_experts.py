@@ -19,10 +19,10 @@ The panels are the experts' only copy once loaded: the layers let their paramete
 (worker_service/layers/moe.py's PackedExperts), and a longer prefill's grouped torch path runs
 each expert's GEMMs on the panels in place (expert_linear: float32 on csrc/panel_gemm.cpp's row
 blocks, bfloat16 on csrc/panel_gemm_bf16dot.cpp's AVX512-BF16 pairs; a bfloat16 build without
-them copies one expert's weight out at a time, expert_weights). packed_bytes gives the panels' size before anything is loaded and
-bytes_beyond_weights what they hold beyond one dense copy (the padding to whole panels, the
-biases' float32 copies), for the memory check (worker_service/runner/memory_fit.py) that budgets
-the weights beside the KV cache.
+them copies one expert's weight out at a time, expert_weights). packed_bytes gives the panels'
+size before anything is loaded and bytes_beyond_weights what they hold beyond one dense copy
+(the padding to whole panels, the biases' float32 copies), for the memory check
+(worker_service/runner/memory_fit.py) that budgets the weights beside the KV cache.
 """
 from __future__ import annotations
 
