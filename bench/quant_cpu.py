@@ -1,6 +1,7 @@
-"""GPTQ int4 linears on the CPU kept packed (layers/quant_linear.py, torch's weight-only int4
-kernel) against the same weights dequantized at load (kernels/cpu/linear.py: panels / oneDNN /
-MKL, what --cpu-quantized-weights dequantize runs): resident weight bytes, and the decode
+"""GPTQ int4 linears on the CPU kept packed (layers/quant_linear.py: torch's weight-only int4
+kernel below kernels/cpu/int4_gemm.MIN_ROWS rows, the repo's panel kernel from there) against
+the same weights dequantized at load (kernels/cpu/linear.py: panels / oneDNN / MKL, what
+--cpu-quantized-weights dequantize runs): resident weight bytes, and the decode
 throughput of the linear stack of a model of real shape, random GPTQ codes (group 128):
 
     layers x (qkv [3072, 2048], o [2048, 2048], gate_up [12288, 2048], down [2048, 6144])
@@ -10,7 +11,7 @@ Each step runs every linear once on [M, K] rows (a decode step of M requests, at
 norms left out: the linears are what reads the weights). Rounds alternate the two modes;
 tokens/s = M x steps/s, reported min / median / max over the rounds.
 
-    python -m bench.quant_cpu [--layers 8] [--rows 1,4,16,64] [--dtypes bfloat16]
+    python -m bench.quant_cpu [--layers 8] [--rows 1,4,16,64,300] [--dtypes bfloat16]
                               [--rounds 3] [--steps 3]
 
 float32 / float16 models are not run natively (quant_linear.NATIVE_DTYPES: torch's kernel is
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant_cpu",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--rows", default="1,4,16,64")
+    p.add_argument("--rows", default="1,4,16,64,300")
     p.add_argument("--dtypes", default="bfloat16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)

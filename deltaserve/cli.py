@@ -14,7 +14,10 @@ from importlib.metadata import entry_points
 
 from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
-from deltaserve.openai_gateway import DEFAULT_OPENAI_PORT, add_openai_flags, openai_front
+from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
+                                       openai_options)
+from deltaserve.vllm_flags import add_vllm_flags, near_miss, vllm_flag_problem, vllm_spellings
+from deltaserve.vllm_lists import swallowed_model
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.listen_address import check_dial_address
 from engine_common.configuration.settings import add_flags, from_args
@@ -66,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
               skip=WORKER_ONLY)
 
     p = sub.add_parser("serve", help="one worker and the scheduler on this machine")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (vllm serve's positional form)")
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory, a .gguf file, a Hub id (org/name) in "
                         "the local Hugging Face cache (downloaded when missing, unless "
@@ -85,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_openai_flags(p, default_listen=DEFAULT_OPENAI_LISTEN)
     add_flags(p, WorkerServiceOptions, skip=SERVE_SKIPS)
     add_engine_flags(p, skip=SERVE_SKIPS)
+    add_vllm_flags(p)
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text")
@@ -111,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `deltaserve` console script."""
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), vllm_spellings(sys.argv[1:] if argv is None else argv))
     try:
         return (_COMMANDS.get(args.command) or args.run_command)(args)
     except KeyboardInterrupt:
@@ -119,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"deltaserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, naming the flag an unrecognized one is a near miss of (--seeds: --seed)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        hint = near_miss(unknown, commands.choices[args.command])
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 class CliError(Exception):
@@ -151,6 +167,7 @@ def _cmd_scheduler(args) -> int:
     with _startup_errors():
         for worker in workers:
             check_dial_address("--workers", worker)
+        openai_options(args)        # the OpenAI flags, before the model is read
         model = resolve_model_arg(args)
         settings = engine_settings(args, model)
         auth = from_args(WorkerCredentials, args).load_for_client()
@@ -180,8 +197,26 @@ def _cmd_scheduler(args) -> int:
 def _cmd_serve(args) -> int:
     from deltaserve.embedded import serve
 
+    _take_model_tag(args)
+    problem = vllm_flag_problem(args)      # vLLM's flags we cannot honour: before anything runs
+    if problem is not None:
+        raise CliError(problem)
     with _startup_errors():
         return serve(args)
+
+
+def _take_model_tag(args) -> None:
+    """`serve MODEL` as `vllm serve MODEL`: the positional model becomes --model (one model:
+    both, naming two, are refused)."""
+    if args.model_tag is None:
+        swallowed = swallowed_model(args)
+        if swallowed is not None:
+            raise CliError(swallowed)
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise CliError(f"MODEL={args.model_tag!r} is invalid: must be the --model given as "
+                       f"well ({args.model!r}), or given once")
+    args.model = args.model_tag
 
 
 @contextlib.contextmanager

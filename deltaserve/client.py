@@ -6,6 +6,7 @@ Torch-free: grpc, the generated stubs and the sampling knobs (engine_common.requ
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import grpc
@@ -30,6 +31,8 @@ def build_request(args) -> pb.GenerateRequest:
         req.token_ids.extend(ids)
     elif args.prompt is not None:
         req.text = args.prompt
+    else:       # said here, not by the server after a round trip
+        raise ParamError("prompt", "none given", "a prompt text (the argument) or --token-ids")
     set_options(req, args)
     return req
 
@@ -68,7 +71,11 @@ def _set_flag(msg, name: str, value, flag: str) -> None:
 
 def set_options(req: pb.GenerateRequest, args) -> None:
     """Sampling and stopping fields from the flags the subcommand has (unset ones stay unset);
-    ParamError naming the flag for a value its field cannot hold."""
+    ParamError naming the flag for a value its field cannot hold, or a --timeout that is no
+    deadline (0 or less, or inf, failed at once as DEADLINE_EXCEEDED; NaN meant none)."""
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < math.inf:
+        raise ParamError("--timeout", timeout, "a finite number of seconds > 0")
     for k in FLAG_KNOBS:
         value = getattr(args, k.name, None)
         if value is not None:

@@ -27,7 +27,8 @@ from pathlib import Path
 from deltaserve.child_process import dying_with_parent, stop_process
 from deltaserve.default_model import DefaultModelError, ensure_default_model
 from deltaserve.hub_cache import resolve_model_arg
-from deltaserve.openai_gateway import OpenAIFront, openai_front
+from deltaserve.openai_gateway import OpenAIFront, openai_front, openai_options
+from deltaserve.vllm_flags import quantization_problem
 from engine_common.text.chat_template import load_chat_template
 from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.configuration.device_defaults import device_defaults
@@ -198,6 +199,7 @@ def serve(args) -> int:
     worker refuses the settings at start-up (exit code 2: one machine, one user's flags, so
     retrying cannot help)."""
     check_dial_address("--worker-listen", args.worker_listen)   # before anything starts
+    openai_options(args)            # its flags too: smg refused a bad one after the model loaded
     if args.worker_listen.rpartition(":")[2] == args.listen.rpartition(":")[2]:
         # Both on this machine: the worker failed to bind and serve exited 1 after its start.
         raise ParamError("--worker-listen", args.worker_listen,
@@ -212,7 +214,10 @@ def serve(args) -> int:
             setattr(args, name, value)
     settings = engine_settings(args, model_dir)
     # --max-model-len past the model's: refused here, before a worker starts and loads it
-    ModelInfo.from_dir(model_dir, settings.worker.max_model_len)
+    info = ModelInfo.from_dir(model_dir, settings.worker.max_model_len)
+    problem = quantization_problem(args, info.hf_config, model_dir)
+    if problem is not None:             # vLLM's -q: a method the checkpoint is not in
+        raise ParamError("--quantization", args.vllm_quantization, problem)
     front = openai_front(args, settings.api, model_dir, args.listen,
                          settings.server.chat_template)
     on_ready = _announce(args.listen, model_dir, settings, front)

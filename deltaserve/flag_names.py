@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from deltaserve.openai_gateway import OpenAIOptions
 from engine_common.configuration.config import (SchedulerConfig, WorkerConfig,
                                                 WorkerServiceOptions)
 from engine_common.configuration.settings import declared
@@ -18,7 +19,7 @@ from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.server import ServerOptions
 
 _CONFIGS = (WorkerServiceOptions, WorkerCredentials, SchedulerConfig, WorkerConfig,
-            ServerOptions, ApiOptions)
+            ServerOptions, ApiOptions, OpenAIOptions)
 
 
 @cache

@@ -11,20 +11,22 @@ SIGTERM if we die. Its output is folded into our stderr, each line prefixed `[sm
 exits on its own, `gone()` says so and the whole group stops (exit code 1).
 
 What is carried to smg and what is not (smg 1.13.0, checked):
-  * --api-key KEY: smg's --api-key; every /v1 request must send `Authorization: Bearer KEY`.
+  * --api-key KEY [KEY ...]: smg's --api-key (and --tenant-api-key for the others:
+    deltaserve/vllm_lists.py); every /v1 request must send `Authorization: Bearer KEY`.
+  * --served-model-name NAME [ALIAS ...]: each alias is smg's --model-alias ALIAS=NAME.
     smg sends no key to a gRPC worker, so a gRPC port guarded by --api-key-file cannot sit
     behind it: the default listener then stays off, an asked-for one is refused (use --api-key
     and keep --listen on loopback).
   * --ssl-certfile/--ssl-keyfile: HTTPS on the OpenAI listener (smg --tls-cert-path/-key-path).
     smg could not connect to a TLS gRPC worker (grpcs://: "transport error"), so --tls-cert on
     the gRPC port keeps the default listener off, and an asked-for one is refused.
-  * --tool-call-parser, --reasoning-parser, --chat-template: passed through.
+  * --tool-call-parser, --reasoning-parser, --chat-template: passed through (a parser name the
+    installed smg does not list is refused first: check_parsers).
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import shutil
 import socket
@@ -38,15 +40,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import dying_with_parent, stop_process
+from deltaserve.vllm_lists import (add_list_flags, checked_aliases, checked_keys,
+                                   smg_alias_flags, smg_key_flags)
+from deltaserve.gateway_checks import (OriginList, bind_address, check_compatible, check_free,
+                                       check_parsers, check_tls, cors_origins)
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
 from engine_common.request.params import ParamError
-from engine_common.configuration.settings import ReadableFile, add_flags, from_args, setting, validate
+from engine_common.configuration.settings import (ReadableFile, add_flags, from_args,
+                                                  setting, validate)
 
 DEFAULT_OPENAI_PORT = 8000          # vllm serve's
 SMG_INSTALL = "pip install 'deltaserve[openai]'"
 _STOP_SECONDS = 15.0                # smg keeps its listener open 5 s after SIGTERM (drain)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ANY_HOST = ("0.0.0.0", "::", "")
+_PORTS = "in [1, 65535] (the gateway refuses port 0)"
+
+
+class GatewayListen(ListenAddress):
+    """HOST:PORT with PORT in [1, 65535], or "off": smg refuses port 0 (any free port)."""
+
+    allowed = "HOST:PORT with a port in [1, 65535] (the gateway refuses port 0), or off"
+
+    def ok(self, value) -> bool:
+        return super().ok(value) and (value == OFF or split_listen(value)[1] > 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,11 +72,15 @@ class OpenAIOptions:
 
     openai_listen: str | None = setting(
         None, "HOST:PORT of the OpenAI-compatible HTTP API, or off (its flag: "
-        "add_openai_flags, whose default depends on the command)", rule=ListenAddress(),
+        "add_openai_flags, whose default depends on the command)", rule=GatewayListen(),
         cli=False)
-    api_key: str | None = setting(
-        None, "the key OpenAI clients must send as `Authorization: Bearer KEY` (the gRPC port's "
-        "keys are --api-key-file)", metavar="KEY")
+    api_keys: tuple[str, ...] = setting(
+        (), "the keys OpenAI clients may send as `Authorization: Bearer KEY` (--api-key)",
+        cli=False)
+    served_model_name: str | None = setting(
+        None, "the model's name, which the aliases stand for (--served-model-name)", cli=False)
+    model_aliases: tuple[str, ...] = setting(
+        (), "more names the OpenAI API serves the model under (--served-model-name)", cli=False)
     ssl_certfile: str | None = setting(
         None, "PEM certificate chain: serve the OpenAI API over HTTPS (with --ssl-keyfile)",
         rule=ReadableFile(), metavar="FILE")
@@ -72,12 +93,21 @@ class OpenAIOptions:
     reasoning_parser: str | None = setting(
         None, "how the gateway splits reasoning from the answer (smg --reasoning-parser: "
         "qwen3, deepseek_r1, ...; unset: none)", metavar="NAME")
+    allowed_origins: str | None = setting(
+        None, "origins a browser page may call the OpenAI API from, as vLLM's JSON list "
+        "(smg --cors-allowed-origins); unset: none, as in vLLM", rule=OriginList(),
+        metavar="JSON")
 
     def __post_init__(self):
         validate(self)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
             raise ParamError(missing, None, "set together with --ssl-certfile/--ssl-keyfile")
+
+    @property
+    def api_key(self) -> str | None:
+        """The first key (the one the gateway's own checks send), or None."""
+        return self.api_keys[0] if self.api_keys else None
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +117,7 @@ class OpenAIOptions:
     def base_url(self) -> str:
         host, port = split_listen(self.openai_listen)
         host = "127.0.0.1" if host in _ANY_HOST else host
+        host = f"[{host}]" if ":" in host else host         # an IPv6 address in a URL
         scheme = "https" if self.ssl_certfile else "http"
         return f"{scheme}://{host}:{port}/v1"
 
@@ -107,15 +138,25 @@ def add_openai_flags(parser, default_listen: str | None) -> None:
                        f"{split_listen(default_listen)[0] if default_listen else '127.0.0.1'})")
     group.add_argument("--port", type=int, default=None,
                        help=f"port of the OpenAI API (default: {DEFAULT_OPENAI_PORT})")
+    add_list_flags(group)
     add_flags(group, OpenAIOptions, skip=("openai_listen",))
     parser.set_defaults(openai_default_listen=default_listen)
 
 
 def openai_options(args) -> tuple[OpenAIOptions, bool]:
     """(the options, whether the user asked for the listener). --host/--port override the
-    default address; with --openai-listen as well they are refused."""
+    default address; with --openai-listen as well they are refused. Each refusal names the flag
+    typed; `serve` and `scheduler` call this before the model is read, as smg would refuse a
+    port 0 or an empty key only once the model had loaded."""
     asked = hasattr(args, "openai_listen") or args.host is not None or args.port is not None
     listen = getattr(args, "openai_listen", None)
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise ParamError("--port", args.port, _PORTS)
+    if listen is not None and not GatewayListen().ok(listen):
+        raise ParamError("--openai-listen", listen, GatewayListen.allowed)
+    keys = checked_keys(getattr(args, "api_key", None))
+    name = getattr(args, "served_model_name", None)
+    aliases = checked_aliases(name, getattr(args, "model_aliases", ()))
     if args.host is not None or args.port is not None:
         if listen is not None:
             # the flag the user gave (--port alone was refused as "host=None")
@@ -126,27 +167,25 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
         listen = f"{args.host or host}:{args.port if args.port is not None else port}"
     if listen is None:
         listen = args.openai_default_listen
-    return from_args(OpenAIOptions, args, openai_listen=listen), asked
+    options = from_args(OpenAIOptions, args, openai_listen=listen, api_keys=keys,
+                        served_model_name=name, model_aliases=aliases)
+    if not options.enabled:
+        no_aliases(options)
+    return options, asked
+
+
+def no_aliases(options: OpenAIOptions) -> None:
+    """ParamError when --served-model-name names aliases that no gateway would serve."""
+    if options.model_aliases:
+        raise ParamError("--served-model-name", [options.served_model_name,
+                                                 *options.model_aliases],
+                         "one name without the OpenAI API: its aliases are the gateway's")
 
 
 def find_smg() -> str | None:
     """The `smg` command beside this Python, else on PATH."""
     beside = Path(sys.executable).parent / "smg"
     return str(beside) if beside.exists() else shutil.which("smg")
-
-
-def check_compatible(options: OpenAIOptions, api) -> None:
-    """Refuse, before anything starts, what smg cannot put in front of the gRPC port."""
-    if api.api_key_file:
-        raise ParamError("api_key_file", api.api_key_file,
-                         "unset with the OpenAI listener on: the smg gateway sends no key to a "
-                         "gRPC worker; use --api-key for the OpenAI API and keep --listen on "
-                         "loopback, or --openai-listen off")
-    if api.tls_cert:
-        raise ParamError("tls_cert", api.tls_cert,
-                         "unset with the OpenAI listener on: the smg gateway cannot reach a "
-                         "TLS gRPC port; use --ssl-certfile/--ssl-keyfile for HTTPS on the "
-                         "OpenAI API, or --openai-listen off")
 
 
 def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
@@ -157,11 +196,13 @@ def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
     gateway reads the tokenizer from, or a path that does not exist (it asks us, GetTokenizer)."""
     host, port = split_listen(options.openai_listen)
     urls = [f"grpc://{t}" for t in (grpc_target, *adapter_targets)]
-    cmd = [smg, "launch", "--host", host, "--port", str(port),
+    cmd = [smg, "launch", "--host", bind_address(host), "--port", str(port),
            "--worker-urls", *urls, "--model-path", model,
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--log-level", "info"]
-    optional = (("--api-key", options.api_key), ("--tls-cert-path", options.ssl_certfile),
+    cmd += smg_key_flags(options.api_keys)
+    cmd += smg_alias_flags(options.served_model_name, options.model_aliases)
+    optional = (("--tls-cert-path", options.ssl_certfile),
                 ("--tls-key-path", options.ssl_keyfile),
                 ("--tool-call-parser", options.tool_call_parser),
                 ("--reasoning-parser", options.reasoning_parser),
@@ -169,6 +210,8 @@ def smg_command(smg: str, options: OpenAIOptions, grpc_target: str, model: str,
     for flag, value in optional:
         if value is not None:
             cmd += [flag, value]
+    if options.allowed_origins is not None and cors_origins(options.allowed_origins):
+        cmd += ["--cors-allowed-origins", *cors_origins(options.allowed_origins)]
     return cmd
 
 
@@ -288,6 +331,14 @@ def openai_front(args, api, model_dir: str, listen: str,
     installed, or it cannot front the gRPC port's keys or TLS: then a note says why).
     ParamError for what was asked for and cannot work."""
     options, asked = openai_options(args)
+    front = _front(options, asked, api, model_dir, listen, chat_template)
+    if front is None:
+        no_aliases(options)
+    return front
+
+
+def _front(options: OpenAIOptions, asked: bool, api, model_dir: str, listen: str,
+           chat_template: str | None) -> OpenAIFront | None:
     if not options.enabled:
         return None
     smg = find_smg()
@@ -305,22 +356,7 @@ def openai_front(args, api, model_dir: str, listen: str,
             raise
         print(f"deltaserve: the OpenAI API is off: {e}", flush=True)
         return None
+    check_parsers(smg, options)
+    check_tls(options)
     check_free(options.openai_listen)
     return OpenAIFront(options, smg, model_dir, listen, chat_template)
-
-
-def check_free(listen: str) -> None:
-    """OSError naming `listen` when the OpenAI address cannot be bound now. Checked before
-    anything starts, as vLLM binds its socket first: the gateway found it taken only once the
-    model had loaded, and ended `serve` with its Python traceback and exit code 1."""
-    host, port = split_listen(listen)
-    if port == 0:
-        return
-    try:
-        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                    flags=socket.AI_PASSIVE)[0][0]
-        with socket.create_server((host, port), family=family):
-            pass
-    except OSError as e:
-        why = os.strerror(e.errno) if e.errno else str(e)
-        raise OSError(f"could not listen on {listen} (the OpenAI API): {why}") from None

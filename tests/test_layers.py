@@ -91,13 +91,19 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.chat": _COMMON + ("deltaserve.client",),
     "deltaserve.child_process": (),
     "deltaserve.hub_cache": (),
-    "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",),
-    "deltaserve.flag_names": _COMMON + _SCHEDULER,
+    "deltaserve.gateway_checks": _COMMON,
+    "deltaserve.vllm_lists": _COMMON,
+    "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",
+                                            "deltaserve.gateway_checks",
+                                            "deltaserve.vllm_lists"),
+    "deltaserve.flag_names": _COMMON + _SCHEDULER + ("deltaserve.openai_gateway",),
+    "deltaserve.vllm_flags": _COMMON,
     "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.default_model",
                                                    "worker_service.models",
                                                    "deltaserve.child_process",
                                                    "deltaserve.hub_cache",
-                                                   "deltaserve.openai_gateway"),
+                                                   "deltaserve.openai_gateway",
+                                                   "deltaserve.vllm_flags"),
     "deltaserve": (),                                   # the package __init__: empty
     "deltaserve.cli": ("*",),                           # may import every room listed before it
     # Above the CLI: `deltaserve bench` is an entry point the bench declares, not an import.

@@ -28,6 +28,8 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
 CPU_QUANTIZED_WEIGHTS = ("native", "dequantize")
+# vLLM's --kv-cache-dtype names (fp8: e5m2 on CPU, as vLLM-CPU; worker_service/runner/kv_dtype.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_e4m3")
 GIB = 1 << 30
 # When unset, a long prefill is one with more than 512 tokens left (a step of ~512 prompt tokens
 # stays short next to a full 2048-token one, and matmuls stay efficient), or the whole budget
@@ -123,7 +125,8 @@ class SchedulerConfig(BatchLimits):
     max_waiting: int = setting(1024, "queued requests before new ones get RESOURCE_EXHAUSTED",
                                rule=AtLeast(1, MAX_WAITING))
     enable_prefix_caching: bool = setting(
-        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching")
+        True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching",
+        aliases=("--no-enable-prefix-caching",))
     async_scheduling: bool = setting(
         False, "keep two steps in flight: schedule step t+1 while the workers run step t (they "
         "feed their own sampled tokens back)")
@@ -150,6 +153,13 @@ class SchedulerConfig(BatchLimits):
         None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
         "read again from their directory when a request wants one); unset: every served "
         "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID))
+
+    # vLLM's --seed: a request without a seed samples with one the scheduler draws; seeded,
+    # those draws repeat, so a run's unseeded requests repeat in the same arrival order.
+    seed: int | None = setting(
+        None, "seeds the scheduler's draw of each unseeded request's seed: the same requests "
+        "in the same order sample the same tokens (vLLM's --seed); unset: from the OS",
+        rule=AtLeast(0, 2**63 - 1))
 
     def __post_init__(self):
         super().__post_init__()
@@ -223,6 +233,10 @@ class WorkerConfig(BatchLimits):
         False, "one KV pool for a model that mixes sliding-window and full-attention layers, "
         "as vLLM's flag: every layer keeps every block of the context (better prefix-cache "
         "retention), instead of the window layers' own small pool", wire=21)
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache element type, as vLLM's flag: auto keeps the model dtype; fp8 "
+        "(e5m2 on CPU), fp8_e5m2 and fp8_e4m3 store one byte per value with scale 1.0 (twice "
+        "the blocks in the same --kv-cache-gib)", rule=OneOf(KV_CACHE_DTYPES), wire=23)
 
     def __post_init__(self):
         super().__post_init__()

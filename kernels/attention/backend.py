@@ -9,6 +9,10 @@ Paged KV cache, one tensor per layer:
     token at position p of request r lives in block block_table[r, p // block_size],
     row p % block_size;  slot = block_id * block_size + p % block_size.
 
+    element type: the model dtype, or one byte (float8_e5m2 / float8_e4m3fn, scale 1.0) with
+    --kv-cache-dtype fp8 (worker_service/runner/kv_dtype.py): written by write_kv_cache's
+    rounding; the torch and cpu backends widen it to float32 as they read, others refuse it.
+
 The batch is flattened: the query tokens of request i are rows
 query_start_loc[i] : query_start_loc[i + 1] of q/k/v. Each request's queries are its *last*
 (query_len) positions: positions seq_len - query_len .. seq_len - 1, causal among themselves and

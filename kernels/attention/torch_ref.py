@@ -23,6 +23,9 @@ from kernels.attention.backend import (AttentionBackend, AttentionMetadata, chec
 from kernels.attention.torch_batched import attend_decodes, attend_group, softmax_with_sinks
 
 DEFAULT_MAX_PADDED_BYTES = 256 * 1024 * 1024
+# the one-byte caches of --kv-cache-dtype fp8 (worker_service/runner/kv_dtype.py): read by
+# widening to float32 (gather_kv, torch_batched.gather_padded_kv, the CPU kernel)
+FP8_CACHE_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -49,9 +52,21 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         slots, key, value = slots[rows], key[rows], value[rows]
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
+    if kv_cache.dtype in FP8_CACHE_DTYPES:     # torch has no fp8 index_copy_: copy the bytes
+        flat = flat.view(torch.uint8)
+    flat[0].index_copy_(0, slots, to_cache_dtype(key, kv_cache.dtype))
     if not one_half:     # else the same rows of the same tensor: written once
-        flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, to_cache_dtype(value, kv_cache.dtype))
+
+
+def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows in the cache's dtype; an fp8 cache (--kv-cache-dtype, scale 1.0) gets them rounded
+    to nearest and saturated at the type's largest finite value (as vLLM's fp8 conversion),
+    as bytes (uint8) for write_kv_cache's index_copy_."""
+    if dtype not in FP8_CACHE_DTYPES:
+        return rows.to(dtype)
+    limit = torch.finfo(dtype).max
+    return rows.float().clamp(-limit, limit).to(dtype).view(torch.uint8)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_row: torch.Tensor,

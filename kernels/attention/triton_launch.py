@@ -1,8 +1,9 @@
 """Launch choices of the Triton attention kernels, in one frozen config (pure Python: no torch).
 
-Two kernels live in triton_paged_attention.py: the varlen kernel ("prefill": any query lengths,
-also correct for one-token queries) and the split-KV flash-decoding kernel ("decode": exactly
-one query token per request, plus a reduce kernel when a request's context is split).
+Two kernels, launched by triton_paged_attention.py: the varlen kernel ("prefill": any query
+lengths, also correct for one-token queries; triton_prefill_kernel.py) and the split-KV
+flash-decoding kernel ("decode": exactly one query token per request, plus a reduce kernel when
+a request's context is split; triton_decode_kernels.py).
 `dispatch` says which kernel serves which requests:
 
     by_batch     a batch whose max_query_len is 1 takes the decode kernel; any other batch

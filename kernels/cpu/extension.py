@@ -44,9 +44,11 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "paged_attention.cpp", "mkl_linear.cpp", "elementwise.cpp",
-           "panel_gemm.cpp", "panel_gemm_bf16dot.cpp", "screened_greedy.cpp", "moe_experts.cpp")
-HEADERS = ("vec_math.h", "simd.h", "attention_simd.h", "attention_bf16dot.h", "attention_latent.h",
-           "row_argmax.h", "float_bounds.h")
+           "panel_gemm.cpp", "panel_gemm_bf16dot.cpp", "screened_greedy.cpp", "moe_experts.cpp",
+           "int4_gemm.cpp")
+HEADERS = ("vec_math.h", "simd.h", "attention_item.h", "attention_portable.h", "attention_simd.h",
+           "attention_bf16dot.h", "attention_latent.h", "row_argmax.h", "float_bounds.h",
+           "attention_fp8.h")
 # -fno-trapping-math: without AVX-512's masked operations GCC turns a select over a computed
 # value (exp_approx's underflow guard, silu's sign cases) into a branch and leaves the loop
 # scalar; no value changes (it only lets a result be computed before it is known to be needed).

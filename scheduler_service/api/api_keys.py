@@ -16,7 +16,8 @@ One key per line, then its attributes, separated by spaces; blank lines and `#` 
   Load/UnloadLoraAdapter, which read a path of the caller's choice on the workers); other keys
   get PERMISSION_DENIED.
 - `priority=LO..HI`: the priorities its requests may ask for (lower is served first; the
-  default 0). Without it a key may ask for 0 or later, never ahead of the default.
+  default 0). Without it a key may ask for 0 or later, never ahead of the default. A request
+  that names no priority (every API but Generation's Generate) runs at 0 moved into the range.
 
 Without --api-key-file everyone is one caller (OPEN_POLICY): no salt, every method, any
 priority, as before keys existed.
@@ -62,6 +63,12 @@ class KeyPolicy:
             raise ParamError("priority", priority, f"in [{self.min_priority}, "
                              f"{self.max_priority}] for this API key (its priority= in the "
                              "server's --api-key-file)")
+
+    @property
+    def default_priority(self) -> int:
+        """The priority of a request that names none (VllmEngine's Generate, Embed, Classify,
+        Score): 0 moved into this key's range, so no API runs a key outside it."""
+        return min(max(0, self.min_priority), self.max_priority)
 
 
 OPEN_POLICY = KeyPolicy()

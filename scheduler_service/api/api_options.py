@@ -31,10 +31,10 @@ class ApiOptions:
         "needs --tls-cert)", rule=ReadableFile(), metavar="FILE")
     api_key_file: str | None = setting(
         None, "file of API keys, one per line, each with optional attributes `admin`, "
-        "`salt=NAME`, `priority=LO..HI` (docs/security.md): every call but grpc.health.v1 (and "
-        "reflection with --open-reflection) must carry `authorization: Bearer <key>`; Abort "
-        "ends only requests made with the same key; each key's prefix cache is its own unless "
-        "keys share a salt; KV events and FlushCache need an admin key",
+        "`salt=NAME`, `priority=LO..HI` (docs/security.md): every call but grpc.health.v1's "
+        "Check (and reflection with --open-reflection) must carry `authorization: Bearer "
+        "<key>`; Abort ends only requests made with the same key; each key's prefix cache is "
+        "its own unless keys share a salt; KV events and FlushCache need an admin key",
         rule=ReadableFile(), metavar="FILE")
     open_reflection: bool = setting(
         False, "serve server reflection without an API key (with --api-key-file)")

@@ -15,6 +15,7 @@ from engine_common.request.pooling import (POOL_SAMPLING, POOL_STOPPING, PoolerC
                                            PoolerConfigError, check_runner,
                                            model_pooler_config,
                                            parse_pooler_config, read_config)
+from scheduler_service.api.api_keys import KeyPolicy
 from scheduler_service.api.front_door import FrontDoor, ServedModel, check_vocab
 from scheduler_service.api.guard import scoped_id
 from scheduler_service.core.request import Request
@@ -91,17 +92,20 @@ def check_pool_length(model: ServedModel, num_tokens: int, field: str) -> None:
 
 
 async def embed_in_place(engine, door: FrontDoor, caller: str, request_id: str,
-                         prompt_ids: list[int], cache_salt: str, on_output=None,
+                         prompt_ids: list[int], tenant: KeyPolicy, on_output=None,
                          pooling: int | None = None) -> list[float]:
     """The vector of one prompt, pooled as the server's pooler says (or as `pooling`, a code
     of it with a pair start: scoring.py): `caller`'s request `request_id` under its own id
     namespace (`on_output`: called with the request's output, for the request counters). The
     caller holds the request's place (an Embed call takes it before tokenizing, a Classify or
     Score call its window's), so a key at its bound is refused before it costs tokenizer
-    time. A cancelled caller aborts it. A classifier's vector is its logits."""
+    time. A cancelled caller aborts it. A classifier's vector is its logits. `tenant`: the
+    caller's key's policy (its cache salt, and its default priority: no API runs a key
+    outside its priority= range)."""
     model = door.model
     request = Request(scoped_id(caller, request_id), prompt_ids, POOL_SAMPLING, POOL_STOPPING,
-                      model.info.eos_token_ids, num_logprobs=None, cache_salt=cache_salt,
+                      model.info.eos_token_ids, num_logprobs=None, cache_salt=tenant.salt,
+                      priority=tenant.default_priority,
                       pooling=model.pooler.code if pooling is None else pooling)
     last = None
     async with aclosing(engine.generate(request)) as outputs:

@@ -181,7 +181,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 ids = await prompt_of(self._door, request.token_ids, request.text,
                                       pool_caller(context), ("prompt", "token_ids", "text"))
                 vector = await embed_in_place(self._engine, self._door, caller, rid, ids,
-                                              policy_of(context, self._keys).salt)
+                                              policy_of(context, self._keys))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status
@@ -197,7 +197,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             out = await scoring.classify(
                 self._engine, self._door, caller_of(context), rid, list(request.input),
-                _activation(request), policy_of(context, self._keys).salt,
+                _activation(request), policy_of(context, self._keys),
                 pool_caller(context), tally)
         except asyncio.CancelledError:
             raise
@@ -218,7 +218,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             scores, num_tokens = await scoring.score(
                 self._engine, self._door, caller_of(context), rid, list(request.text_1),
                 list(request.text_2), _activation(request),
-                policy_of(context, self._keys).salt, pool_caller(context), tally)
+                policy_of(context, self._keys), pool_caller(context), tally)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status

@@ -22,7 +22,9 @@ from engine_common.security.grpc_metadata import same_shape_handler
 from scheduler_service.api.api_keys import ADMIN_METHODS, KeyBook, KeyPolicy, fingerprint
 
 AUTH_KEY = "authorization"
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# Open without a key: the probes' Check (Kubernetes, grpc-health-probe). Not Watch, a stream
+# the server holds for as long as its client likes (as on the worker's port).
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/",
                        "/grpc.reflection.v1.ServerReflection/")
 def caller_of(context) -> str:
@@ -63,7 +65,7 @@ class Gate(grpc.aio.ServerInterceptor):
 
     def __init__(self, keys: KeyBook = KeyBook(), open_reflection: bool = False):
         self._keys = keys
-        self._open = (HEALTH_PREFIX,) + (REFLECTION_PREFIXES if open_reflection else ())
+        self._open = (HEALTH_CHECK,) + (REFLECTION_PREFIXES if open_reflection else ())
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

@@ -35,6 +35,7 @@ from engine_common.request.classify import (IDENTITY, ClassifierInfo, activate, 
 from engine_common.request.pair_prompts import PairPrompts
 from engine_common.request.params import ParamError
 from engine_common.request.pooling import PoolerConfigError
+from scheduler_service.api.api_keys import KeyPolicy
 from scheduler_service.api.embeddings import check_pool_length, embed_in_place, prompt_of
 from scheduler_service.api.front_door import FrontDoor
 from scheduler_service.api.request_tally import RequestTally
@@ -92,7 +93,7 @@ def call_ids(kind: str, request_id: str) -> Callable[[int], str]:
 
 
 async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts: list[str],
-                   activation: bool, salt: str, pool_caller: str,
+                   activation: bool, tenant: KeyPolicy, pool_caller: str,
                    tally: RequestTally | None = None) -> list[Classified]:
     """Each text's class, in order (errors name `input[i]`; `tally`: the call's counts). The
     call's places are taken before its texts are tokenized (QueueFull at the key's bound)."""
@@ -100,12 +101,12 @@ async def classify(engine, door: FrontDoor, caller: str, request_id: str, texts:
     _check_count("input", len(texts))
     window = call_window(door, caller, len(texts))
     with door.quota.hold(caller, request_id, window):
-        return await _classify(engine, door, info, caller, request_id, texts, activation, salt,
+        return await _classify(engine, door, info, caller, request_id, texts, activation, tenant,
                                pool_caller, tally, window)
 
 
 async def _classify(engine, door: FrontDoor, info: ClassifierInfo, caller: str,
-                    request_id: str, texts: list[str], activation: bool, salt: str,
+                    request_id: str, texts: list[str], activation: bool, tenant: KeyPolicy,
                     pool_caller: str, tally: RequestTally | None, window: int) -> list[Classified]:
     ids, total, limit = [], 0, door.options.max_score_tokens
     for i, text in enumerate(texts):
@@ -120,7 +121,7 @@ async def _classify(engine, door: FrontDoor, info: ClassifierInfo, caller: str,
     act = info.classify_activation if activation else IDENTITY
     code = door.model.pooler.code
     logits = await _run_all(engine, door, caller, call_ids("classify", request_id), len(ids),
-                            lambda i: (ids[i].tolist(), code), salt, tally, window)
+                            lambda i: (ids[i].tolist(), code), tenant, tally, window)
     out = []
     for prompt, row in zip(ids, logits):
         probs = activate(row, act)
@@ -130,7 +131,7 @@ async def _classify(engine, door: FrontDoor, info: ClassifierInfo, caller: str,
 
 
 async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: list[str],
-                text_2: list[str], activation: bool, salt: str, pool_caller: str,
+                text_2: list[str], activation: bool, tenant: KeyPolicy, pool_caller: str,
                 tally: RequestTally | None = None) -> tuple[list[float], int]:
     """(each pair's score in order, the pairs' tokens together; `tally`: the call's counts).
     The call's places are taken before its pairs are tokenized (QueueFull at the key's
@@ -140,13 +141,14 @@ async def score(engine, door: FrontDoor, caller: str, request_id: str, text_1: l
     _check_count("text_2", len(pairs))
     window = call_window(door, caller, len(pairs))
     with door.quota.hold(caller, request_id, window):
-        return await _score(engine, door, info, caller, request_id, pairs, activation, salt,
+        return await _score(engine, door, info, caller, request_id, pairs, activation, tenant,
                             pool_caller, tally, window)
 
 
 async def _score(engine, door: FrontDoor, info: ClassifierInfo, caller: str, request_id: str,
-                 pairs: list[tuple[str, str]], activation: bool, salt: str, pool_caller: str,
-                 tally: RequestTally | None, window: int) -> tuple[list[float], int]:
+                 pairs: list[tuple[str, str]], activation: bool, tenant: KeyPolicy,
+                 pool_caller: str, tally: RequestTally | None,
+                 window: int) -> tuple[list[float], int]:
     token_types = uses_token_types(door.model.info.hf_config)
     prompts = PairPrompts(door.model.tokenizer, door.model.info.hf_config,
                           door.options.max_score_tokens)
@@ -164,12 +166,12 @@ async def _score(engine, door: FrontDoor, info: ClassifierInfo, caller: str, req
 
     act = info.score_activation if activation else IDENTITY
     logits = await _run_all(engine, door, caller, call_ids("score", request_id), len(prompts),
-                            lambda i: (prompts.prompt(i)[0], codes[i]), salt, tally, window)
+                            lambda i: (prompts.prompt(i)[0], codes[i]), tenant, tally, window)
     return [activate(row, act)[0] for row in logits], prompts.num_tokens
 
 
 async def _run_all(engine, door: FrontDoor, caller: str, engine_id: Callable[[int], str],
-                   num: int, prompt_at: Callable[[int], tuple[list[int], int]], salt: str,
+                   num: int, prompt_at: Callable[[int], tuple[list[int], int]], tenant: KeyPolicy,
                    tally: RequestTally | None, window: int) -> list[list[float]]:
     """The logits of the call's `num` prompts (`prompt_at(i)`: ids and pooling code, built
     as each is sent), `window` of them (the places the call holds) in flight at once, in
@@ -182,7 +184,7 @@ async def _run_all(engine, door: FrontDoor, caller: str, engine_id: Callable[[in
     async def one(i: int) -> list[float]:
         async with gate:          # FIFO: the call's requests start in their order
             ids, code = prompt_at(i)
-            return await embed_in_place(engine, door, caller, engine_id(i), ids, salt,
+            return await embed_in_place(engine, door, caller, engine_id(i), ids, tenant,
                                         on_output, pooling=code)
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(num)]

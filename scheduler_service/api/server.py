@@ -89,7 +89,8 @@ class ServerOptions:
         rule=Positive(), flag="--step-timeout")
     served_model_name: str | None = setting(
         None, "the model's name in both APIs (/v1/models, GetModelInfo) and the metrics; "
-        "unset: the model directory's name", metavar="NAME")
+        "unset: the model directory's name (its flag, which takes aliases too: "
+        "deltaserve/vllm_lists.py)", cli=False)
     chat_template: str | None = setting(
         None, "a Jinja chat template file, used instead of the model's (by the gateway too)",
         rule=ReadableFile(), metavar="FILE")
@@ -231,7 +232,8 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     readiness = Readiness(GENERATION_SERVICE, lambda: engine.ready)
     readiness.add_to_server(server)
     shape = EngineShape(worker.block_size, worker.max_num_seqs, worker.dtype,
-                        worker.attention_backend, max_waiting=config.max_waiting)
+                        worker.attention_backend, max_waiting=config.max_waiting,
+                        kv_cache_dtype=worker.kv_cache_dtype)
     def vllm_servicer(adapter: str | None = None) -> VllmEngineServicer:
         return VllmEngineServicer(engine, served, shape, kv_events, readiness.serving,
                                   options=api, tokenizer_pool=pool, keys=keys, quota=quota,

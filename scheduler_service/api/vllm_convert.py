@@ -268,6 +268,7 @@ class EngineShape:
     # The scheduler's waiting-queue bound: a Generate's n choices queue together, so n above
     # it can never be admitted (refused by name, not answered RESOURCE_EXHAUSTED forever).
     max_waiting: int | None = None
+    kv_cache_dtype: str = "auto"      # --kv-cache-dtype as given (vLLM reports its flag too)
 
 
 def server_info_to_proto(num_active: int, uptime_s: float, last_receive_s: float,
@@ -275,7 +276,7 @@ def server_info_to_proto(num_active: int, uptime_s: float, last_receive_s: float
     return pb.GetServerInfoResponse(
         active_requests=num_active, is_paused=False, last_receive_timestamp=last_receive_s,
         uptime_seconds=uptime_s, server_type="deltaserve-grpc", data_parallel_size=1,
-        kv_cache_dtype="auto", block_size=shape.block_size,
+        kv_cache_dtype=shape.kv_cache_dtype, block_size=shape.block_size,
         attention_backend="" if shape.attention_backend == "auto" else shape.attention_backend,
         model_dtype=shape.dtype, max_num_seqs=shape.max_num_seqs)
 

@@ -79,8 +79,9 @@ class _Choice:
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """`is_ready()`: the service's readiness (workers initialized, not draining);
     `tokenizer_pool`: shared with the port's other services (a pool of its own if None);
-    `keys`: what each API key may do (its cache salt); `adapter`: a LoRA adapter's own port
-    (adapter_ports.py): its name is the model's, and every Generate runs it."""
+    `keys`: what each API key may do (its cache salt, its default priority); `adapter`: a
+    LoRA adapter's own port (adapter_ports.py): its name is the model's, and every Generate
+    runs it."""
 
     def __init__(self, engine: AsyncEngine, model: ServedModel, shape: EngineShape,
                  kv_events: KvEventPublisher, is_ready: Callable[[], bool],
@@ -113,14 +114,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         writing, first = False, True
         try:
             self._model.check_runner("Generate")
-            inp = self._validate(request)
+            policy, caller = policy_of(context, self._keys), caller_of(context)
+            # no priority field: the key's default, never outside its priority= range
+            inp = dataclasses.replace(self._validate(request), priority=policy.default_priority)
             tally.choices(inp.n)
             self._last_receive = time.time()
-            salt, caller = policy_of(context, self._keys).salt, caller_of(context)
             # The places first: a key at its bound is refused before it costs tokenizer time.
             with self._door.quota.hold(caller, inp.request_id, inp.n):
                 prompt_ids = await self._door.prompt_ids(inp, pool_caller(context))
-                async with aclosing(self._run(inp, prompt_ids, caller, salt, tally)) as msgs:
+                async with aclosing(self._run(inp, prompt_ids, caller, policy.salt, tally)) as msgs:
                     async for msg in msgs:
                         writing = True
                         await self._sends.write(context, msg, first)
@@ -307,7 +309,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                       tokenized.original_text, pool_caller(context))
                 self._last_receive = time.time()
                 vector = await embed_in_place(self._engine, self._door, caller, rid, ids,
-                                              policy_of(context, self._keys).salt, tally.output)
+                                              policy_of(context, self._keys), tally.output)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure becomes one status

@@ -92,7 +92,8 @@ class Scheduler(SchedulerViews):
         self.max_len = max_request_len(config, num_blocks, sliding_window)
         self.max_prompt_blocks = max(num_blocks, -(-self.max_len // config.block_size))
         self._long_prefill = config.long_prefill_threshold
-        self._rng = rng or random.SystemRandom()
+        seeded = config.seed is not None     # --seed: unseeded requests' seeds repeat
+        self._rng = rng or (random.Random(config.seed) if seeded else random.SystemRandom())
         self._handles = HandleAllocator()
         self._requests: dict[str, Request] = {}       # unfinished, by id
         self.waiting = WaitingQueue()

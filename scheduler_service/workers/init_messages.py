@@ -30,6 +30,18 @@ def shared_window(windows: list[int]) -> int:
     return max(windows) if all(windows) else 0
 
 
+def shared_kv_block_bytes(block_bytes: list[int]) -> int:
+    """The bytes of one KV block on a rank, which every worker must agree on: the same Init
+    (kv_cache_dtype, the model) gives the same; a worker that differs (one that dropped
+    --kv-cache-dtype, an older build) would attend in another precision than its peers:
+    ValueError naming what each said."""
+    if len(set(block_bytes)) > 1:
+        raise ValueError(f"workers disagree on the bytes of a KV block (per node, in order: "
+                         f"{block_bytes}): every node must run the same kv_cache_dtype and "
+                         "model; is one an older build that does not know --kv-cache-dtype?")
+    return block_bytes[0]
+
+
 def shared_window_group(groups: list[tuple[int, int]]) -> WindowGroup | None:
     """The window group of a hybrid model (engine_common/request/kv_groups.py) from each
     worker's (window, blocks) as InitResponse says them (0, 0: none): the smallest pool when

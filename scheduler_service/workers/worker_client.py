@@ -48,8 +48,9 @@ from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
-from scheduler_service.workers.init_messages import (init_request, shared_window,
-                                                     shared_window_group, worker_device)
+from scheduler_service.workers.init_messages import (init_request, shared_kv_block_bytes,
+                                                     shared_window, shared_window_group,
+                                                     worker_device)
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
                                                    WorkerDevice, WorkerHealth)
 from scheduler_service.workers.worker_stream import (PeerEnded, StepLate, StepStream,
@@ -127,7 +128,8 @@ class WorkerClient:
         devices = tuple(worker_device(d, addr, node) for node, (addr, r) in
                         enumerate(zip(self.addresses, replies)) for d in r.devices)
         return InitResult(epoch=epoch, num_kv_blocks=min(r.num_kv_blocks for r in replies),
-                          kv_block_bytes=replies[0].kv_block_bytes, devices=devices,
+                          kv_block_bytes=shared_kv_block_bytes(
+                              [r.kv_block_bytes for r in replies]), devices=devices,
                           tp_size=plan.tp_size, group_id=plan.group_id,
                           sliding_window=shared_window([r.sliding_window for r in replies]),
                           window_group=shared_window_group(

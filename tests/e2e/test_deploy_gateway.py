@@ -1,6 +1,6 @@
 """deploy/: the gateway in front of N replicas agrees with the replicas' manifests and with the
-real gateway's command line (smg's own argument parser), like tests/e2e/test_deploy.py does for
-the replica. No Docker and no cluster. (tests/e2e/test_gateway.py checks the probe paths against
+real gateway's command line (smg's own argument parser), like tests/e2e/test_deploy_k8s.py does
+for the replica. No Docker and no cluster. (tests/e2e/test_gateway.py checks the probe paths against
 a running gateway.)"""
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ gateway as a supervised child (skipped, with the reason, where its binary cannot
 
   * the ready line names both APIs and its curl command answers as printed (with the key);
   * vLLM's --tensor-parallel-size and --served-model-name: /v1/models lists the served name;
+    a second name is served as an alias, answered under the first; a second --api-key admits;
   * the gateway's log lines are folded into ours with an `[smg] ` prefix;
   * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
     open);
@@ -12,6 +13,7 @@ gateway as a supervised child (skipped, with the reason, where its binary cannot
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shlex
@@ -28,6 +30,18 @@ from tests.support.serve_process import ServeProcess, children, gone
 pytestmark = pytest.mark.slow
 
 KEY = "openai-test-key-0123456789"
+KEY2 = "openai-second-key"
+
+
+def _chat_with_key(port: int, request: dict, key: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(request),
+                     {"content-type": "application/json", "authorization": f"Bearer {key}"})
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read() or b"{}")
+    finally:
+        conn.close()
 
 
 def _children(pid: int) -> dict[str, int]:
@@ -64,8 +78,8 @@ def chat_model(tiny_models, tmp_path_factory):
 def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model, tmp_path):
     # A grace period longer than the test's wait: the gateway's KV-event stream must not hold
     # the drain (it ends when the gateway exits, which the drain does not wait on).
-    serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY,
-                  "--tensor-parallel-size", "1", "--served-model-name", "my-model",
+    serve = Serve(chat_model, tmp_path / "serve.log", "--api-key", KEY, KEY2,
+                  "--tensor-parallel-size", "1", "--served-model-name", "my-model", "my-alias",
                   "--grace-period", "600")
     try:
         text = serve.wait_ready(240)
@@ -86,6 +100,8 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
                    "messages": [{"role": "user", "content": "hi"}]}
         status, body = http_json(serve.openai_port, "POST", "/v1/chat/completions", request)
         assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+        status, body = _chat_with_key(serve.openai_port, {**request, "model": "my-alias"}, KEY2)
+        assert (status, body.get("model")) == (200, "my-model"), body
 
         children = _children(serve.proc.pid)
         assert set(children) == {"smg", "worker"}

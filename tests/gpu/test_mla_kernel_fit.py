@@ -55,7 +55,8 @@ SCRIPT = """
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.attention import triton_paged_attention as pa
+from kernels.attention.triton_decode_kernels import _decode_kernel
+from kernels.attention.triton_prefill_kernel import _prefill_kernel
 from kernels.attention.triton_launch import (TritonLaunchConfig, decode_tile_shape,
                                              prefill_tile_shape)
 
@@ -66,10 +67,10 @@ for kind, dt, head_dim, group, shared in json.loads(sys.argv[1]):
                   if dt == "fp32" else "tf32", UPCAST=False, SLIDING=False, SOFTCAP=False,
                   SINKS=False, KV_SHARED=shared)
     if kind == "decode":
-        fn, s = pa._decode_kernel, decode_tile_shape(launch, group, head_dim, size)
-        consts = dict(NUM_HEADS=group, NUM_SPLITS=1, HEAD_FASTEST=False, ORDERED=False)
+        fn, s = _decode_kernel, decode_tile_shape(launch, group, head_dim, size)
+        consts = dict(NUM_HEADS=group, PARTIALS=False, HEAD_FASTEST=False, ORDERED=False)
     else:
-        fn, s = pa._prefill_kernel, prefill_tile_shape(launch, group, head_dim, size)
+        fn, s = _prefill_kernel, prefill_tile_shape(launch, group, head_dim, size)
         consts = dict(BLOCK_Q=s.block_q, SKIP_DECODES=False)
     consts.update(common, BLOCK_G=s.block_g, BLOCK_D=s.block_d, BLOCK_N=s.tiles.block_n,
                   G_TILES=s.g_tiles)

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from deltaserve.llm import LLM
 from engine_common.model_files.model_dir import ModelInfo
 from kernels.attention.torch_ref import TorchAttentionBackend
+from kernels.cpu import int4_gemm
 from tests.support.engine_checks import _check, _prompts
 from tests.support.grpc_harness import free_port
 from tests.support.paged_prefill import prefill_logits, tp_ids, tp_worker
@@ -87,6 +88,27 @@ def test_bfloat16_logits_within_the_kernels_rounding(pair):
     got = prefill_logits(load(quantized, dtype="bfloat16"), tp_ids()).float()
     want = prefill_logits(load(quantized, "dequantize", dtype="bfloat16"), tp_ids()).float()
     assert float((got - want).abs().max() / want.abs().max()) < 5e-2
+
+
+def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens, each step the whole sequence prefilled again (every step many rows)."""
+    for _ in range(steps):
+        ids = torch.cat([ids, prefill_logits(model, ids)[-1].argmax().view(1)])
+    return ids[-steps:].tolist()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_bfloat16_greedy_matches_the_dequantized_twin(pair, fmt):
+    """bfloat16 prefills of 19+ rows take int4_gemm's kernel where the CPU has it: the same
+    greedy tokens as the dequantized load."""
+    quantized, _ = pair(fmt, **NATIVE[fmt])
+    native = load(quantized, dtype="bfloat16")
+    dense = load(quantized, "dequantize", dtype="bfloat16")
+    assert greedy(native, tp_ids(), 8) == greedy(dense, tp_ids(), 8)
+    layers = packed_layers(native)
+    assert all(q.calls for q in layers)
+    if int4_gemm.wanted(len(tp_ids())):
+        assert all(q.many_row_calls == 8 for q in layers)
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])

@@ -10,6 +10,11 @@ torch's CPU kernels (aten/src/ATen/native/cpu/int4mm_kernel.cpp, LinearAlgebra.c
         scales_and_zeros of x's dtype
     _weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])  w[n, k] * scales[n]
 
+From int4_gemm.MIN_ROWS rows on (prefill, big batches) an int4 linear runs the repo's own kernel
+on the same packed tensor instead (kernels/cpu/int4_gemm.py: W expanded a chunk at a time into
+a small scratch reused by every row; torch's kernel re-expands W for every 4 rows, 0.4x the
+dequantized GEMM at 300 rows). No other copy of W is kept.
+
 GPTQ's and AWQ's W = s * (q - z) is the int4 form with zero = (8 - z) * s. A checkpoint group
 larger than 256 (group_size -1: one group of all K) is written as several kernel groups with the
 same scale and zero. 8 bits take the int8 kernel only with one group per output row and every
@@ -31,6 +36,8 @@ import logging
 from typing import NamedTuple
 
 import torch
+
+from kernels.cpu import int4_gemm
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 # activations the kernels run fast: torch 2.13's int4 CPU kernel vectorizes bfloat16 only; its
@@ -90,6 +97,7 @@ class QuantLinear:
         self.out_features, self.in_features = n, k
         self.dtype = scales.dtype
         self.calls = 0
+        self.many_row_calls = 0     # calls that took int4_gemm's kernel (tests check it ran)
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +112,10 @@ class QuantLinear:
         self.calls += 1
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if self.kind == "int4":
+        if self.kind == "int4" and int4_gemm.wanted(x2.shape[0], x2.dtype):
+            self.many_row_calls += 1
+            y = int4_gemm.linear(x2, self.packed, self.scales, self.group, self.out_features)
+        elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group,
                                                             self.scales)
         else:

@@ -218,7 +218,7 @@ def load_model(model_dir: str | Path, tp: TPGroup, attn_backend: AttentionBacken
     if problem is not None:
         raise ValueError(f"config.json: {problem}")
     archs = hf_config.get("architectures") or [None]
-    model_class = get_model_class(archs[0])
+    model_class = get_model_class(archs[0], hf_config.get("auto_map"))
     torch_dtype = resolve_dtype(hf_config, dtype, path)
     if fused_ops:
         check_fused_ops_device(device)

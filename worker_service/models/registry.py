@@ -80,11 +80,16 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(sorted(MODEL_REGISTRY))
 
 
-def get_model_class(arch: str) -> type[nn.Module]:
-    """The class implementing `arch`, or UnsupportedArchitectureError listing the known ones."""
+def get_model_class(arch: str, auto_map: dict | None = None) -> type[nn.Module]:
+    """The class implementing `arch`, or UnsupportedArchitectureError listing the known ones.
+    `auto_map` (config.json's): the checkpoint ships code of its own for its classes; an
+    unknown `arch` is then said to be that code's, which is never run (vLLM's
+    --trust-remote-code would run it)."""
     try:
         return MODEL_REGISTRY[arch]
     except KeyError:
+        own_code = (" (config.json's auto_map names the checkpoint's own code for it, which "
+                    "DeltaServe never runs, --trust-remote-code or not)" if auto_map else "")
         raise UnsupportedArchitectureError(
-            f"architecture={arch!r} is not supported: must be one of "
+            f"architecture={arch!r} is not supported{own_code}: must be one of "
             f"{supported_architectures()}") from None

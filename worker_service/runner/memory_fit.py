@@ -15,7 +15,8 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               GPTQ / AWQ checkpoint's dense linears
               kept packed on the CPU (--cpu-quantized-weights native) at their packed size
               (quant_memory.py)
-    KV cache  per rank: num_kv_blocks x the block's bytes (kv_cache_dims: DeepSeek caches one
+    KV cache  per rank: num_kv_blocks x the block's bytes (in --kv-cache-dtype's element:
+              fp8 one byte; kv_cache_dims: DeepSeek caches one
               latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
               loading, so only the weights are checked
@@ -38,6 +39,7 @@ from kernels.cpu.moe_experts import bytes_beyond_weights
 from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
+from worker_service.runner.kv_dtype import kv_cache_dtype
 from worker_service.models.registry import MODEL_REGISTRY
 from worker_service.layers import quant_linear
 from worker_service.runner.cpu_linear_memory import extra_copy_bytes, screen_bytes
@@ -232,8 +234,9 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
     if room is None:
         return
     room_bytes, weights, packed = room
-    dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
-    element = torch.empty((), dtype=dtype).element_size()
+    dtype = kv_cache_dtype(config.kv_cache_dtype,
+                           resolve_dtype(info.hf_config, config.dtype, info.path))
+    element = torch.empty((), dtype=dtype).element_size()      # fp8 caches: 1 byte a value
     kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
     if (kv or 0) <= room_bytes:
         return

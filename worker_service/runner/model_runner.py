@@ -20,10 +20,11 @@ from worker_service.config import RunnerConfig
 from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.batch.input_batch import InputBatch
+from worker_service.runner.kv_dtype import fp8_problem
 from worker_service.runner.memory_fit import kv_cache_dims, kv_value_dim
 from worker_service.runner.runner_kv_cache import RunnerKVCache
 from worker_service.lora.load import check_lora_ids, load_lora
-from worker_service.models.loader import load_model, resolve_dtype
+from worker_service.models.loader import kv_cache_halves, load_model, resolve_dtype
 from worker_service.models.registry import MODEL_REGISTRY
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.sample.grammar import GrammarBook, GrammarCompiler
@@ -72,6 +73,7 @@ class ModelRunner(RunnerKVCache):
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
                                 fused_ops=config.fused_ops,
                                 cpu_quantized_weights=config.cpu_quantized_weights)
+        self._check_kv_cache_dtype(layout)
         # LoRA (docs/lora.md): None without --enable-lora (the model untouched), else LoRASlots.
         self.lora = load_lora(self.model, config)
         self.sampler = Sampler()
@@ -121,6 +123,17 @@ class ModelRunner(RunnerKVCache):
                                                 config.max_num_batched_tokens,
                                                 self.max_model_len, self.block_size)
         self.diff_bounds: DiffBounds | None = None    # set with the KV cache
+
+    def _check_kv_cache_dtype(self, layout: CacheLayout) -> None:
+        """ValueError when --kv-cache-dtype names an fp8 cache this model cannot run with
+        (worker_service/runner/kv_dtype.py: what is built)."""
+        latent = kv_cache_halves(self.model) == 1 or bool(layout.value_dim)
+        why = fp8_problem(self.config.kv_cache_dtype, self.device.type, latent=latent,
+                          sinks=layout.sinks,
+                          windows=self.layer_windows + (self.sliding_window,),
+                          backend=self.attention_backend_name)
+        if why is not None:
+            raise ValueError(why)
 
     def state_digest(self, out: RunnerOutput) -> bytes:
         """The digest of this step's sampled ids, the cached state and the grammars' (see

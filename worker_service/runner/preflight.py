@@ -32,7 +32,7 @@ def check_runner_config(config: RunnerConfig, tp_size: int = 1) -> ModelInfo:
     """Raise unless a ModelRunner (one rank of tp_size) could be built from `config`; returns
     the model's info (its max_model_len resolved)."""
     info = ModelInfo.from_dir(config.model_dir, config.max_model_len)
-    get_model_class(info.architecture)
+    get_model_class(info.architecture, info.hf_config.get("auto_map"))
     layout = cache_layout(info.hf_config, config, tp_size)
     device_type = torch.device(config.device).type
     try:

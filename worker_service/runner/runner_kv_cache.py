@@ -13,6 +13,7 @@ from engine_common.runtime.progress import heartbeat
 from worker_service.batch.diff_check import DiffBounds
 from worker_service.models.loader import kv_cache_halves, kv_cache_shape, new_kv_cache
 from worker_service.runner.host_memory import zeroed_host_tensor
+from worker_service.runner.kv_dtype import kv_cache_dtype
 from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
 from worker_service.runner.runner_profile import profile_runner
 from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
@@ -64,13 +65,18 @@ class RunnerKVCache:
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers on this rank (keys and values)."""
         m = self.model
-        elem = torch.empty((), dtype=self.model_dtype).element_size()
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()   # fp8: 1 byte
         return (kv_cache_halves(m) * self.num_cache_layers * self.block_size * m.num_kv_heads
                 * m.head_dim * elem)
 
     @property
     def model_dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's, or fp8 (--kv-cache-dtype, kv_dtype.py)."""
+        return kv_cache_dtype(self.config.kv_cache_dtype, self.model_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
@@ -130,8 +136,8 @@ class RunnerKVCache:
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed cache tensor (on CPU: resident host pages)."""
         if self.device.type == "cpu":
-            return zeroed_host_tensor(shape, self.model_dtype)
-        return torch.zeros(shape, dtype=self.model_dtype, device=self.device)
+            return zeroed_host_tensor(shape, self.cache_dtype)
+        return torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
 
     def _split_logged(self, num_blocks: int) -> tuple[int, WindowGroup | None]:
         """kv_split, saying why a model that mixes windowed and full layers keeps one pool."""

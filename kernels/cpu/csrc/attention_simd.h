@@ -22,6 +22,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "attention_fp8.h"
 #include "simd.h"
 
 #if defined(DELTASERVE_SIMD)   // a generic build has no vector bodies
@@ -54,6 +55,7 @@ inline const float* as_f32(const c10::BFloat16* src, float* buf) {
   for (int c = 0; c < D / kLanes; ++c) storeu(buf + kLanes * c, loadu(src + kLanes * c));
   return buf;
 }
+// (fp8 caches: attention_fp8.h's overloads)
 
 // Key/value rows of positions p0 .. p0+n-1 as float32 pointers.
 template <typename T, int D, typename RowPtr>

@@ -56,6 +56,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> screen_pack(const at:
 at::Tensor screen_greedy(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                          const at::Tensor& scale, const at::Tensor& floor,
                          const at::Tensor& bounds);
+at::Tensor int4pack_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                           int64_t group, int64_t n, int64_t block, bool interleaved);
+at::Tensor int4pack_dequantize(const at::Tensor& packed, const at::Tensor& sz, int64_t group,
+                               int64_t n, int64_t block, bool interleaved);
 
 namespace {
 void paged_attention_op(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -109,6 +113,10 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
   m.def("panel_bf16_dot() -> bool", &panel_bf16_dot);
   m.def("panel_linear_many(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor",
         &panel_linear_many);
+  m.def("int4pack_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group, int n, "
+        "int block, bool interleaved) -> Tensor", &int4pack_linear);
+  m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group, int n, "
+        "int block, bool interleaved) -> Tensor", &int4pack_dequantize);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &add_rms_norm);

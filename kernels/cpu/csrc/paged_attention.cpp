@@ -1,6 +1,7 @@
 // Paged attention on the CPU, reading keys and values in place from the paged cache.
 //
-//   kv_cache[2, num_blocks, block_size, Hkv, D]   (0 = keys, 1 = values; float32 or bfloat16)
+//   kv_cache[2, num_blocks, block_size, Hkv, D]   (0 = keys, 1 = values; float32 or bfloat16,
+//   the query's, or one byte per value: float8_e5m2 / float8_e4m3fn, widened as read, attention_fp8.h)
 //   request r: query rows query_start_loc[r] .. query_start_loc[r+1]-1 of query [T, Hq, D],
 //   at positions seq_len - qlen .. seq_len - 1; query row i sees keys 0 .. its own position.
 //   key position p of request r lives in block block_table[r, p / block_size], row p % block_size.
@@ -22,7 +23,7 @@
 // folds them in once per row when it stores it (normalizer), so a call without sinks runs the
 // loops it ran before.
 // With AVX-512 or AVX2 + FMA (simd.h) the item bodies in attention_simd.h run; the portable
-// loops below are the generic build's.
+// loops of attention_portable.h are the generic build's (attention_item.h: the work item).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -38,192 +39,21 @@
 #include <vector>
 
 #include "vec_math.h"
+#include "attention_item.h"
+#include "attention_portable.h"
 #include "attention_simd.h"
 #include "attention_bf16dot.h"
 #include "attention_latent.h"
 
 namespace deltaserve_cpu {
+namespace paged {
 namespace {
-
-constexpr int kChunk = 16;        // key positions per step of the online softmax
-constexpr int kTileRows = 48;     // query rows (tokens x heads) per work item at most
-constexpr int kMaxGroup = 128;    // query heads per kv head (DeepSeek-V3's 128 on one latent)
-
-struct Item {
-  int64_t req, head, tok0, ntok;  // kv head; tokens tok0 .. tok0+ntok-1 of the request's queries
-  int g0, ng;                     // the kv head's query heads g0 .. g0+ng-1 (row r: head r % ng)
-  int64_t cost;                   // ~ rows x keys, to order the dynamic schedule
-};
-
-// A per-thread float scratch of at least n floats, 64-byte aligned (the generic body's buffers:
-// over 200 KiB at the latent's 576 dims, too much for an OpenMP thread's stack).
-inline float* thread_scratch(size_t n) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < n + 16) buf.resize(n + 16);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-template <typename T>
-struct Geometry {
-  const T* kv;                    // cache base
-  int64_t half;                   // elements from the key cache to the value cache
-  int64_t block_stride, row_stride, head_stride;   // elements
-  int64_t block_size;
-  const int32_t* blocks;          // this request's block-table row
-};
-
-// kt[d][j] = key of position p0 + j (j < n), float32; columns n..kChunk-1 are zero.
-template <typename T, int D>
-inline void load_keys_t(const Geometry<T>& g, int64_t head, int64_t p0, int n,
-                        float (*kt)[kChunk]) {
-  for (int j = 0; j < kChunk; ++j) {
-    if (j >= n) {
-      for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
-      continue;
-    }
-    const int64_t p = p0 + j;
-    const T* k = g.kv + g.blocks[p / g.block_size] * g.block_stride +
-                 (p % g.block_size) * g.row_stride + head * g.head_stride;
-    for (int d = 0; d < D; ++d) kt[d][j] = to_float(k[d]);
-  }
-}
-
-// v[j][:] = the first D dims of the value of position p0 + j (j < n), float32.
-template <typename T, int D>
-inline void load_values(const Geometry<T>& g, int64_t head, int64_t p0, int n,
-                        float (*v)[D]) {
-  for (int j = 0; j < n; ++j) {
-    const int64_t p = p0 + j;
-    const T* src = g.kv + g.half + g.blocks[p / g.block_size] * g.block_stride +
-                   (p % g.block_size) * g.row_stride + head * g.head_stride;
-    for (int d = 0; d < D; ++d) v[j][d] = to_float(src[d]);
-  }
-}
-
-// s[r][j] = sum_d q[r][d] * kt[d][j] for rows 0..rows-1 (q already scaled).
-template <int D>
-inline void chunk_scores(const float (*q)[D], const float (*kt)[kChunk], int rows,
-                         float (*s)[kChunk]) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    float a0[kChunk] = {}, a1[kChunk] = {}, a2[kChunk] = {}, a3[kChunk] = {};
-    for (int d = 0; d < D; ++d) {
-      const float q0 = q[r][d], q1 = q[r + 1][d], q2 = q[r + 2][d], q3 = q[r + 3][d];
-#pragma omp simd
-      for (int j = 0; j < kChunk; ++j) {
-        a0[j] += q0 * kt[d][j];
-        a1[j] += q1 * kt[d][j];
-        a2[j] += q2 * kt[d][j];
-        a3[j] += q3 * kt[d][j];
-      }
-    }
-    std::memcpy(s[r], a0, sizeof a0);
-    std::memcpy(s[r + 1], a1, sizeof a1);
-    std::memcpy(s[r + 2], a2, sizeof a2);
-    std::memcpy(s[r + 3], a3, sizeof a3);
-  }
-  for (; r < rows; ++r) {
-    float a0[kChunk] = {};
-    for (int d = 0; d < D; ++d) {
-      const float q0 = q[r][d];
-#pragma omp simd
-      for (int j = 0; j < kChunk; ++j) a0[j] += q0 * kt[d][j];
-    }
-    std::memcpy(s[r], a0, sizeof a0);
-  }
-}
-
-template <typename T, int D, int DV>
-void attend_item(const Item& it, const Geometry<T>& g, const T* query, int64_t q_tok_stride,
-                 int64_t q_head_stride, T* out, int64_t o_tok_stride, int64_t o_head_stride,
-                 int64_t q_start, int64_t first_pos, int group, float scale, int64_t window,
-                 const float* sinks) {
-  const int ng = it.ng;
-  const int rows = static_cast<int>(it.ntok) * ng;
-  float* buf = thread_scratch(kTileRows * (D + DV + kChunk) + kChunk * (D + DV));
-  auto q = reinterpret_cast<float (*)[D]>(buf);
-  auto acc = reinterpret_cast<float (*)[DV]>(buf + kTileRows * D);
-  auto kt = reinterpret_cast<float (*)[kChunk]>(buf + kTileRows * (D + DV));
-  auto v = reinterpret_cast<float (*)[DV]>(buf + kTileRows * (D + DV) + D * kChunk);
-  auto s = reinterpret_cast<float (*)[kChunk]>(buf + kTileRows * (D + DV) + kChunk * (D + DV));
-  float m[kTileRows], l[kTileRows];
-  int64_t pos[kTileRows];
-  for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < ng; ++gi) {
-      const int r = t * ng + gi;
-      const T* src = query + (q_start + it.tok0 + t) * q_tok_stride +
-                     (it.head * group + it.g0 + gi) * q_head_stride;
-      for (int d = 0; d < D; ++d) q[r][d] = to_float(src[d]) * scale;
-      pos[r] = first_pos + it.tok0 + t;
-      m[r] = -std::numeric_limits<float>::infinity();
-      l[r] = 0.f;
-      std::memset(acc[r], 0, sizeof(float) * DV);
-    }
-  }
-  const int64_t last = first_pos + it.tok0 + it.ntok - 1;      // the tile's last position
-  const int64_t diag = first_pos + it.tok0;                    // from here, keys may be masked
-  // window: chunks from the first row's first key; below band_end the last row's are masked
-  const int64_t start = window ? std::max<int64_t>(0, diag - window + 1) / kChunk * kChunk : 0;
-  const int64_t band_end = window ? last - window + 1 : 0;
-  for (int64_t p0 = start; p0 <= last; p0 += kChunk) {
-    const int n = static_cast<int>(std::min<int64_t>(kChunk, last + 1 - p0));
-    load_keys_t<T, D>(g, it.head, p0, n, kt);
-    load_values<T, DV>(g, it.head, p0, n, v);
-    chunk_scores<D>(q, kt, rows, s);
-    const bool masked = p0 + kChunk - 1 > diag || n < kChunk || p0 < band_end;
-    for (int r = 0; r < rows; ++r) {
-      float* sr = s[r];
-      if (masked) {
-        const int64_t visible = std::min<int64_t>(pos[r] - p0 + 1, n);   // keys j < visible
-        const int64_t below = window ? pos[r] - window + 1 - p0 : 0;    // and j >= below
-        for (int j = 0; j < kChunk; ++j)
-          if (j >= visible || j < below) sr[j] = -std::numeric_limits<float>::infinity();
-      }
-      float cmax = sr[0];
-      for (int j = 1; j < kChunk; ++j) cmax = std::max(cmax, sr[j]);
-      if (cmax == -std::numeric_limits<float>::infinity()) continue;   // nothing visible
-      const float mnew = std::max(m[r], cmax);
-      const float alpha = exp_approx(m[r] - mnew);                     // 0 on the first chunk
-      float psum = 0.f;
-#pragma omp simd reduction(+ : psum)
-      for (int j = 0; j < kChunk; ++j) {
-        const float e = exp_approx(sr[j] - mnew);
-        sr[j] = e;
-        psum += e;
-      }
-      l[r] = l[r] * alpha + psum;
-      m[r] = mnew;
-      float* ar = acc[r];
-      if (alpha != 1.f) {
-#pragma omp simd
-        for (int d = 0; d < DV; ++d) ar[d] *= alpha;
-      }
-      for (int j = 0; j < n; ++j) {
-        const float pj = sr[j];
-#pragma omp simd
-        for (int d = 0; d < DV; ++d) ar[d] += pj * v[j][d];
-      }
-    }
-  }
-  for (int t = 0; t < it.ntok; ++t) {
-    for (int gi = 0; gi < ng; ++gi) {
-      const int r = t * ng + gi;
-      const int64_t h = it.head * group + it.g0 + gi;
-      const float inv = normalizer(m[r], l[r], sinks, h);
-      T* dst = out + (q_start + it.tok0 + t) * o_tok_stride + h * o_head_stride;
-      for (int d = 0; d < DV; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
-    }
-  }
-}
 
 #if defined(DELTASERVE_SIMD)
 // The vector bodies: wide tiles (prefill) with rows in lanes, narrow ones (decode) direct.
-template <typename T, int D, int DV>
-void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
+// T: the query's and out's type; KT: the cache's (T, or fp8: rows widened by as_f32).
+template <typename T, typename KT, int D, int DV>
+void attend_item_simd(const Item& it, const Geometry<KT>& g, const T* query,
                         int64_t q_tok_stride, int64_t q_head_stride, T* out,
                         int64_t o_tok_stride, int64_t o_head_stride, int64_t q_start,
                         int64_t first_pos, int group, float scale, int64_t window,
@@ -242,8 +72,8 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
   }
   const int shift = __builtin_ctzll(static_cast<uint64_t>(g.block_size));
   const int64_t mask = g.block_size - 1;
-  const T* head_base = g.kv + it.head * g.head_stride;
-  auto row = [&](int64_t p, int which) -> const T* {
+  const KT* head_base = g.kv + it.head * g.head_stride;
+  auto row = [&](int64_t p, int which) -> const KT* {
     return head_base + which * g.half + g.blocks[p >> shift] * g.block_stride +
            (p & mask) * g.row_stride;
   };
@@ -258,7 +88,7 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     return;
   } else {
 #if defined(DELTASERVE_BF16DOT)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KT, T>) {
       if (rows > simd::kDirectRows) {
         simd::wide_item_bf16dot<D>(qrows, scale, pos, rows, row, store_row, window);
         return;
@@ -269,59 +99,35 @@ void attend_item_simd(const Item& it, const Geometry<T>& g, const T* query,
     for (int r = 0; r < rows; ++r)
       for (int d = 0; d < D; ++d) q[r][d] = to_float(qrows[r][d]) * scale;
     if (rows <= simd::kDirectRows) {
-      simd::narrow_item<T, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
-                              after);
+      simd::narrow_item<KT, D>(q, pos, rows, row, g.block_size, g.row_stride, store_row, window,
+                               after);
     } else {
-      simd::wide_item<T, D>(q, pos, rows, row, store_row, window);
+      simd::wide_item<KT, D>(q, pos, rows, row, store_row, window);
     }
   }
 }
 
 // The rows of item `it`'s first chunk of keys (blocks: its request's block-table row).
-template <typename T>
-simd::Ahead first_chunk(const Item& it, const Geometry<T>& g, const int32_t* blocks,
+template <typename KT>
+simd::Ahead first_chunk(const Item& it, const Geometry<KT>& g, const int32_t* blocks,
                         const int32_t* qsl, const int32_t* seq_lens, int64_t window) {
   const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
   const int64_t first_row = seq_lens[it.req] - qlen + it.tok0;        // its first position
   const int64_t keys = first_row + it.ntok;                           // its last position + 1
   const int64_t p = simd::first_key(first_row, window);
-  const T* first = g.kv + it.head * g.head_stride + blocks[p / g.block_size] * g.block_stride +
+  const KT* first = g.kv + it.head * g.head_stride + blocks[p / g.block_size] * g.block_stride +
                    (p % g.block_size) * g.row_stride;
   simd::Ahead a;
   a.keys = reinterpret_cast<const char*>(first);
   a.values = reinterpret_cast<const char*>(first + g.half);
-  a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(T));
+  a.row_bytes = g.row_stride * static_cast<int64_t>(sizeof(KT));
   a.n = static_cast<int>(std::min<int64_t>({simd::kChunk, keys - p,
                                             g.block_size - p % g.block_size}));
   return a;
 }
 #endif
 
-std::vector<Item> make_items(const int32_t* qsl, const int32_t* seq_lens, int64_t num_reqs,
-                             int64_t num_kv_heads, int group, int64_t window) {
-  // head tiles: the whole group, or kTileRows heads at a time (one token each) past it
-  const int tile_heads = std::min(group, kTileRows);
-  const int64_t tile_tokens = std::max(1, kTileRows / tile_heads);
-  std::vector<Item> items;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t qlen = qsl[r + 1] - qsl[r];
-    const int64_t first_pos = seq_lens[r] - qlen;
-    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
-      const int64_t n = std::min(tile_tokens, qlen - t0);
-      const int64_t keys = first_pos + t0 + n;           // a window reads about W + n of them
-      for (int g0 = 0; g0 < group; g0 += tile_heads) {
-        const int ng = std::min(tile_heads, group - g0);
-        const int64_t cost = (window ? std::min(keys, window + n) : keys) * n * ng + 64;
-        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, n, g0, ng, cost});
-      }
-    }
-  }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  return items;
-}
-
-template <typename T, int D, int DV>
+template <typename T, typename KT, int D, int DV>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
          at::Tensor& out, int64_t window, const float* sinks) {
@@ -331,7 +137,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<Item> items = make_items(qsl, lens, num_reqs, hkv, group, window);
-  Geometry<T> base{kv_cache.data_ptr<T>(), kv_cache.stride(0), kv_cache.stride(1),
+  Geometry<KT> base{static_cast<const KT*>(kv_cache.data_ptr()), kv_cache.stride(0),
+                    kv_cache.stride(1),
                    kv_cache.stride(2), kv_cache.stride(3), kv_cache.size(2), nullptr};
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t table_stride = block_table.stride(0);
@@ -342,7 +149,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const bool one_thread = at::get_num_threads() == 1 || num_items < 2;
   auto body = [&](int64_t i) {
     const Item& it = items[i];
-    Geometry<T> g = base;
+    Geometry<KT> g = base;
     g.blocks = table + it.req * table_stride;
     const int64_t qlen = qsl[it.req + 1] - qsl[it.req];
 #if defined(DELTASERVE_SIMD)
@@ -352,13 +159,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           ? first_chunk(items[i + 1], base, table + items[i + 1].req * table_stride, qsl, lens,
                         window)
           : simd::Ahead();
-      attend_item_simd<T, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+      attend_item_simd<T, KT, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                              out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale,
                              window, sinks, after);
       return;
     }
 #endif
-    attend_item<T, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
+    attend_item<T, KT, D, DV>(it, g, q, query.stride(0), query.stride(1), o, out.stride(0),
                       out.stride(1), qsl[it.req], lens[it.req] - qlen, group, fscale, window,
                       sinks);
   };
@@ -370,33 +177,54 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   for (int64_t i = 0; i < num_items; ++i) body(i);
 }
 
-template <typename T>
+// KT: the cache's type (T, or an fp8 type: no latent, whose kernel reads T only).
+template <typename T, typename KT>
 void dispatch_head_dim(const at::Tensor& query, const at::Tensor& kv_cache,
                        const at::Tensor& block_table, const at::Tensor& qsl,
                        const at::Tensor& seq_lens, double scale, at::Tensor& out,
                        int64_t window, const float* sinks) {
+#define DELTASERVE_RUN(D, DV) \
+  return run<T, KT, D, DV>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks)
   switch (query.size(2)) {
-    case 16:
-      return run<T, 16, 16>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 32:
-      return run<T, 32, 32>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 64:
-      return run<T, 64, 64>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 80:
-      return run<T, 80, 80>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 96:
-      return run<T, 96, 96>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
-    case 128:
-      return run<T, 128, 128>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window, sinks);
+    case 16: DELTASERVE_RUN(16, 16);
+    case 32: DELTASERVE_RUN(32, 32);
+    case 64: DELTASERVE_RUN(64, 64);
+    case 80: DELTASERVE_RUN(80, 80);
+    case 96: DELTASERVE_RUN(96, 96);
+    case 128: DELTASERVE_RUN(128, 128);
     case 576:     // DeepSeek's MLA latent: kv_lora_rank 512 + rope 64, values the first 512
-      return run<T, 576, 512>(query, kv_cache, block_table, qsl, seq_lens, scale, out, window,
-                              sinks);
+      if constexpr (std::is_same_v<KT, T>) DELTASERVE_RUN(576, 512);
+      TORCH_CHECK(false, "head_dim=576 (the MLA latent) with an fp8 kv_cache: not supported");
     default: TORCH_CHECK(false, "head_dim=", query.size(2),
                          " is not supported: must be 16, 32, 64, 80, 96, 128 or 576");
+  }
+#undef DELTASERVE_RUN
+}
+
+// The query's type T with the cache's: T itself, or an fp8 cache (--kv-cache-dtype).
+template <typename T>
+void dispatch_cache_dtype(const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_table, const at::Tensor& qsl,
+                          const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                          int64_t window, const float* sinks) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat8_e5m2:
+      return dispatch_head_dim<T, c10::Float8_e5m2>(query, kv_cache, block_table, qsl, seq_lens,
+                                                    scale, out, window, sinks);
+    case at::kFloat8_e4m3fn:
+      return dispatch_head_dim<T, c10::Float8_e4m3fn>(query, kv_cache, block_table, qsl,
+                                                      seq_lens, scale, out, window, sinks);
+    default:
+      TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache's dtype ",
+                  kv_cache.scalar_type(), " with query's ", query.scalar_type(),
+                  ": must be query's, float8_e5m2 or float8_e4m3fn");
+      return dispatch_head_dim<T, T>(query, kv_cache, block_table, qsl, seq_lens, scale, out,
+                                     window, sinks);
   }
 }
 
 }  // namespace
+}  // namespace paged
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& query_start_loc,
@@ -420,15 +248,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "a sliding window or sinks with a value head (", v_dim, ") smaller than the key "
               "head (", head_dim, "): not supported (MLA has neither)");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "Hq must be a multiple of Hkv");
-  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= kMaxGroup, "query heads per kv head: ",
-              query.size(1) / kv_cache.size(3), ", at most ", kMaxGroup);
+  TORCH_CHECK(query.size(1) / kv_cache.size(3) <= paged::kMaxGroup, "query heads per kv head: ",
+              query.size(1) / kv_cache.size(3), ", at most ", paged::kMaxGroup);
   const int64_t block_size = kv_cache.size(2);
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
               "block_size must be a power of two");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype "
+              "(kv_cache: the same, or float8_e5m2 / float8_e4m3fn)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt,
               "block_table, query_start_loc and seq_lens must be int32");
@@ -444,11 +271,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     sink_ptr = sinks->data_ptr<float>();
   }
   if (query.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(query, kv_cache, block_table, query_start_loc, seq_lens, scale, out,
-                             window, sink_ptr);
+    paged::dispatch_cache_dtype<float>(query, kv_cache, block_table, query_start_loc, seq_lens,
+                                       scale, out, window, sink_ptr);
   } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16>(query, kv_cache, block_table, query_start_loc, seq_lens,
-                                     scale, out, window, sink_ptr);
+    paged::dispatch_cache_dtype<c10::BFloat16>(query, kv_cache, block_table, query_start_loc,
+                                               seq_lens, scale, out, window, sink_ptr);
   } else {
     TORCH_CHECK(false, "dtype ", query.scalar_type(), " is not supported: float32 or bfloat16");
   }

@@ -26,6 +26,18 @@ NOWHERE = "127.0.0.1:9"        # never dialled: the flags are refused first
      "--token-ids=-3 is invalid: must be an integer in [0, 4294967295]"),
     (["chat", "--api-key-file", "/nonexistent/key", "hi"],
      "No such file or directory: '/nonexistent/key'"),
+    # no prompt: sent as is, the server's "prompt='none given'" came back, after a round trip
+    (["generate"], "prompt='none given' is invalid: must be a prompt text (the argument) or "
+     "--token-ids"),
+    # no deadline: 0, -1 and inf gave DEADLINE_EXCEEDED at once (exit 1), nan no deadline
+    (["generate", "--timeout", "0", "hi"], "--timeout=0.0 is invalid: must be a finite number of "
+     "seconds > 0"),
+    (["chat", "--timeout", "-1", "hi"], "--timeout=-1.0 is invalid: must be a finite number of "
+     "seconds > 0"),
+    (["generate", "--timeout", "inf", "hi"], "--timeout=inf is invalid: must be a finite "
+     "number of seconds > 0"),
+    (["chat", "--timeout", "nan", "hi"], "--timeout=nan is invalid: must be a finite number of "
+     "seconds > 0"),
 ])
 def test_a_flag_its_field_cannot_hold_is_one_line_naming_it(argv, message, capsys):
     assert cli.main([argv[0], "--target", NOWHERE] + argv[1:]) == 2

@@ -5,14 +5,16 @@ child process. The real gateway: tests/e2e/test_openai_listen.py."""
 from __future__ import annotations
 
 import io
+import socket
+import subprocess
 import sys
 
 import pytest
 
 from deltaserve.cli import build_parser
-from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, check_compatible,
-                                       find_smg, gateway_model_path, grpc_target_of,
-                                       openai_front, openai_options, smg_command)
+from deltaserve.gateway_checks import check_compatible, check_parsers, check_tls
+from deltaserve.openai_gateway import (GatewayChild, OpenAIOptions, find_smg, gateway_model_path,
+                                       grpc_target_of, openai_front, openai_options, smg_command)
 from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 
@@ -43,7 +45,7 @@ def test_host_and_port_name_the_openai_listener_and_off_turns_it_off():
     with pytest.raises(ParamError, match="--port=9000 is invalid: must be unset with "
                        "--openai-listen"):                       # was "host=None is invalid"
         _options("serve", "--openai-listen", "off", "--port", "9000")
-    with pytest.raises(ParamError, match="openai_listen"):
+    with pytest.raises(ParamError, match="--openai-listen='nowhere' is invalid"):
         _options("serve", "--openai-listen", "nowhere")
 
 
@@ -173,3 +175,75 @@ def test_an_openai_port_in_use_is_refused_before_anything_starts(tmp_path, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"deltaserve serve: error: could not listen on 127.0.0.1:{port} (the "
                        "OpenAI API): Address already in use"), err
+
+
+@pytest.mark.skipif(find_smg() is None, reason="needs the smg gateway (the openai extra)")
+def test_a_parser_name_the_gateway_refuses_is_refused_before_the_worker_starts(
+        tmp_path, monkeypatch, capsys):
+    # vLLM's `--tool-call-parser hermes`: smg refused it only once the model had loaded and the
+    # gateway started ("invalid choice"), and serve stopped with exit code 1.
+    from deltaserve import cli, embedded
+    from tests.support.sim_server import make_sim_model_dir
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    model = str(make_sim_model_dir(tmp_path / "model"))
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = str(probe.getsockname()[1])        # free once closed: check_free passes
+    for flag, name, listed in (("--tool-call-parser", "hermes", " qwen,"),
+                               ("--reasoning-parser", "nope", " deepseek_r1,")):
+        assert cli.main(["serve", "--model", model, "--port", port, flag, name]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"deltaserve serve: error: {flag}='{name}' is invalid: must "
+                                  "be one of the gateway's: ") and listed in err[-1], err
+    check_parsers(find_smg(), OpenAIOptions(tool_call_parser="qwen", reasoning_parser="qwen3"))
+
+
+@pytest.mark.skipif(find_smg() is None, reason="needs the smg gateway (the openai extra)")
+def test_https_files_that_hold_no_certificate_and_key_are_refused_before_the_worker_starts(
+        tmp_path, monkeypatch, capsys):
+    # Readable files with no PEM in them (or a key of another certificate): smg said "Failed to
+    # create TLS config" only once the model had loaded, and serve stopped with exit code 1.
+    from deltaserve import cli, embedded
+    from tests.support.certs import make_ca, make_cert
+    from tests.support.sim_server import make_sim_model_dir
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("the worker was started")
+    monkeypatch.setattr(embedded, "start_worker", no_worker)
+    model = str(make_sim_model_dir(tmp_path / "model"))
+    ca = make_ca(tmp_path, "ca")
+    good = make_cert(tmp_path, ca, "server", hosts=("127.0.0.1",))
+    junk = tmp_path / "junk.pem"
+    junk.write_text("garbage\n")
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = str(probe.getsockname()[1])
+    sealed = tmp_path / "sealed.key"          # encrypted: smg reads no such key
+    subprocess.run(["openssl", "pkey", "-in", str(good.key), "-out", str(sealed), "-aes256",
+                    "-passout", "pass:secret"], check=True, capture_output=True)
+    for cert, key in ((junk, junk), (good.cert, junk), (good.cert, ca.key), (good.cert, sealed)):
+        assert cli.main(["serve", "--model", model, "--port", port, "--ssl-certfile", str(cert),
+                         "--ssl-keyfile", str(key)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"deltaserve serve: error: --ssl-certfile='{cert}' is "
+                                  f"invalid: must be a PEM certificate chain whose key is "
+                                  f"--ssl-keyfile ('{key}'); "), err
+    check_tls(OpenAIOptions(ssl_certfile=str(good.cert), ssl_keyfile=str(good.key)))
+
+
+def test_a_host_name_reaches_smg_as_an_address_and_an_ipv6_url_is_bracketed():
+    # vLLM's `--host localhost` (uvicorn binds a name): smg takes only an IP address, and
+    # refused it once the model had loaded; --host ::1 announced http://::1:8000/v1.
+    import ipaddress
+
+    options, _ = _options("serve", "--host", "localhost")
+    flags = dict(zip(*[iter(smg_command("/bin/smg", options, "h:1", "/m", 1)[2:])] * 2))
+    assert ipaddress.ip_address(flags["--host"]).is_loopback, flags["--host"]
+    assert options.base_url == "http://localhost:8000/v1"
+    options, _ = _options("serve", "--host", "::1", "--port", "8001")
+    assert options.base_url == "http://[::1]:8001/v1"
+    flags = dict(zip(*[iter(smg_command("/bin/smg", options, "h:1", "/m", 1)[2:])] * 2))
+    assert flags["--host"] == "::1"
+    options, _ = _options("serve", "--openai-listen", "[::]:8002")
+    assert options.base_url == "http://127.0.0.1:8002/v1"         # where a local client goes

@@ -96,3 +96,46 @@ def test_a_batch_limit_past_its_bound_is_refused_under_its_own_name(flag, bound,
     err = capsys.readouterr().err
     assert err == (f"deltaserve serve: error: {flag}={huge} is invalid: must be an integer in "
                    f"{bound}\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "0"], "--port=0 is invalid: must be in [1, 65535] (the gateway refuses port 0)"),
+    (["--port", "99999"], "--port=99999 is invalid: must be in [1, 65535] (the gateway refuses "
+     "port 0)"),
+    (["--openai-listen", "127.0.0.1:0"], "--openai-listen='127.0.0.1:0' is invalid: must be "
+     "HOST:PORT with a port in [1, 65535] (the gateway refuses port 0), or off"),
+    (["--api-key", ""], "--api-key='' is invalid: must be a key with a character other than "
+     "whitespace"),
+    (["--api-key", " \t"], "--api-key=' \\t' is invalid: must be a key with a character other "
+     "than whitespace"),
+])
+def test_an_openai_listener_the_gateway_would_refuse_is_refused_before_the_model_loads(
+        argv, message, capsys):
+    """smg refuses port 0 and an empty --api-key, but only once the model had loaded and the
+    worker started: its Python traceback, then "the OpenAI gateway (smg) exited with code 1";
+    --port 99999 was blamed on openai_listen='127.0.0.1:99999', a flag nobody typed."""
+    assert cli.main(["serve", "--model", NO_MODEL, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deltaserve serve: error: {message}\n", err
+
+
+def test_the_scheduler_refuses_an_openai_port_the_gateway_would_refuse_before_the_model(capsys):
+    assert cli.main(["scheduler", "--model", NO_MODEL, "--workers", "127.0.0.1:50052",
+                     "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("deltaserve scheduler: error: --port=0 is invalid: must be in [1, 65535] "
+                   "(the gateway refuses port 0)\n"), err
+
+
+def test_the_model_may_be_given_as_vllm_serve_takes_it_positionally(capsys):
+    """`vllm serve MODEL`: the same line here was "unrecognized arguments: MODEL"."""
+    assert cli.main(["serve", NO_MODEL]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deltaserve serve: error: model directory '{NO_MODEL}' does not exist\n", err
+
+
+def test_two_different_models_positional_and_by_flag_are_refused(capsys):
+    assert cli.main(["serve", NO_MODEL, "--model", "/other/model"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"deltaserve serve: error: MODEL='{NO_MODEL}' is invalid: must be the "
+                   "--model given as well ('/other/model'), or given once\n"), err

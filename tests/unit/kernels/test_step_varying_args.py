@@ -19,10 +19,12 @@ pytest.importorskip("triton")
 STEP_VARYING = {
     "kernels.fused_rope:_rope_kernel": ["num_slots"],        # len(slot_mapping), or T
     "kernels.greedy_sample:_merge_kernel": ["n_parts"],      # chunks per row, from n_rows
-    "kernels.attention.triton_paged_attention:_prefill_kernel": ["num_reqs", "stride_bt"],
+    "kernels.attention.triton_prefill_kernel:_prefill_kernel": ["num_reqs", "stride_bt"],
     # the block table's row stride; the grid (kv heads x G tiles, requests, splits) is no
     # argument, and G_TILES / KV_SHARED are per-model constexprs
-    "kernels.attention.triton_paged_attention:_decode_kernel": ["stride_bt"],
+    # num_splits: the split heuristic's count moves with the batch (eager decode)
+    "kernels.attention.triton_decode_kernels:_decode_kernel": ["stride_bt", "num_splits"],
+    "kernels.attention.triton_decode_kernels:_reduce_kernel": ["num_splits"],
 }
 
 SCRIPT = """

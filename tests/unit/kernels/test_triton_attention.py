@@ -183,7 +183,9 @@ COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.attention import triton_cache as tc, triton_paged_attention as pa
+from kernels.attention import triton_cache as tc
+from kernels.attention.triton_decode_kernels import _decode_kernel, _reduce_kernel
+from kernels.attention.triton_prefill_kernel import _prefill_kernel
 
 def build(fn, ptr_types, constexprs, aligned=False, **options):
     sig = {}
@@ -211,20 +213,20 @@ for dt in ("fp16", "bf16"):
     # SKIP_DECODES: per-request dispatch; SLIDING: a sliding window; SINKS: attention sinks
     for skip, warps, sliding, sinks in ((False, 4, False, False), (True, 8, False, False),
                                         (False, 4, True, False), (False, 4, True, True)):
-        build(pa._prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
+        build(_prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
               BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, SLIDING=sliding,
               SINKS=sinks, G_TILES=1, KV_SHARED=False, **dot), num_warps=warps, num_stages=2)
     for head_fastest, ordered, sliding, splits, sinks in (
             (False, False, False, 8, False), (True, False, False, 8, False),
             (True, True, False, 8, False), (False, False, True, 8, False),
             (False, False, True, 1, True)):
-        build(pa._decode_kernel, dict(ptrs, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
-              HEAD_DIM=128, BLOCK_SIZE=256, NUM_SPLITS=splits, BLOCK_G=16, BLOCK_D=128,
+        build(_decode_kernel, dict(ptrs, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
+              HEAD_DIM=128, BLOCK_SIZE=256, PARTIALS=splits > 1, BLOCK_G=16, BLOCK_D=128,
               BLOCK_N=64, HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=sliding,
               SINKS=sinks, G_TILES=1, KV_SHARED=False, **dot), num_warps=4, num_stages=2)
     for sinks in (False, True):
-        build(pa._reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=8, BLOCK_S=8,
-              BLOCK_D=128, SINKS=sinks), num_warps=1)
+        build(_reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, SINKS=sinks),
+              num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
           BLOCK_H=8, BLOCK_D=128), num_warps=4)
 
@@ -237,8 +239,8 @@ for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256),
                 seq_lens_ptr="i32", order_ptr="i64", m_ptr="fp32", l_ptr="fp32", acc_ptr="fp32",
                 sinks_ptr="fp32")
     keys = decode_keys_per_step(tiles.block_n, head_dim, size)
-    k = build(pa._decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
-              BLOCK_SIZE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
+    k = build(_decode_kernel, ptrs, dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=head_dim,
+              BLOCK_SIZE=16, PARTIALS=False, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
               PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False,
               HEAD_FASTEST=False, ORDERED=False, SLIDING=False, SINKS=False, G_TILES=1,
               KV_SHARED=False), aligned=True,

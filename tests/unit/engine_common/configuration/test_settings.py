@@ -141,3 +141,12 @@ def test_an_alias_sets_the_same_field():
     add_flags(parser, WorkerServiceOptions)
     for argv in (["--tensor-parallel-size", "2"], ["-tp", "2"], ["--local-ranks", "2"]):
         assert from_args(WorkerServiceOptions, parser.parse_args(argv)).local_ranks == 2
+
+
+def test_vllms_no_enable_prefix_caching_turns_prefix_caching_off():
+    """A vLLM command line (`vllm serve ... --no-enable-prefix-caching`) was refused as an
+    unrecognized argument."""
+    _, args = _parse("--no-enable-prefix-caching")
+    assert from_args(SchedulerConfig, args).enable_prefix_caching is False
+    _, args = _parse()
+    assert from_args(SchedulerConfig, args).enable_prefix_caching is True

@@ -12,6 +12,7 @@ from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.pooling import PoolerConfig, model_pooler_config
 from engine_common.text.tokenizer import Tokenizer
 from engine_common.request.params import ParamError
+from scheduler_service.api.api_keys import OPEN_POLICY as OPEN
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.front_door import FrontDoor, ServedModel
 from scheduler_service.api.embeddings import served_pooler
@@ -61,7 +62,7 @@ def test_an_empty_pair_is_refused_naming_it(tmp_path):
     door = FrontDoor(served, ApiOptions())
     no_engine = None          # refused before the engine is reached
     with pytest.raises(ParamError, match=r"pair\[1\]='no tokens'"):
-        asyncio.run(score(no_engine, door, "caller", "r", ["a", ""], ["b", ""], True, "",
+        asyncio.run(score(no_engine, door, "caller", "r", ["a", ""], ["b", ""], True, OPEN,
                           "caller"))
 
 
@@ -107,7 +108,7 @@ def test_a_classify_call_past_the_token_limit_is_refused_by_name(classifiers):
     no_engine = None          # refused before the engine is reached
     with pytest.raises(ParamError, match=r"input='2\d tokens in the first \d texts' is invalid: "
                                          r"must be at most 20 tokens .*--max-score-tokens"):
-        asyncio.run(classify(no_engine, door, "caller", "r", texts, True, "", "caller"))
+        asyncio.run(classify(no_engine, door, "caller", "r", texts, True, OPEN, "caller"))
 
 
 def test_a_call_at_its_keys_bound_is_refused_at_once_as_a_generate_is(classifiers):
@@ -125,14 +126,14 @@ def test_a_call_at_its_keys_bound_is_refused_at_once_as_a_generate_is(classifier
 
     async def run() -> None:
         with door.quota.hold("alice", "g"):
-            for call in (score(no_engine, door, "alice", "s1", ["q"], ["d"], True, "", "alice"),
-                         classify(no_engine, door, "alice", "c1", ["t"], True, "", "alice")):
+            for call in (score(no_engine, door, "alice", "s1", ["q"], ["d"], True, OPEN, "alice"),
+                         classify(no_engine, door, "alice", "c1", ["t"], True, OPEN, "alice")):
                 with pytest.raises(QueueFull, match=r"requests in flight for this API key=2 "
                                    r"must be <= 1 \(--max-requests-per-key\)"):
                     await asyncio.wait_for(call, 30)      # before: waited for the place
             assert door.quota.live("alice") == 1 and door.quota.live("bob") == 0
             # another key's call takes its place (and fails later, at the missing engine)
             with pytest.raises(AttributeError):
-                await score(no_engine, door, "bob", "s2", ["q"], ["d"], True, "", "bob")
+                await score(no_engine, door, "bob", "s2", ["q"], ["d"], True, OPEN, "bob")
         assert door.quota.live("alice") == door.quota.live("bob") == 0
     asyncio.run(run())

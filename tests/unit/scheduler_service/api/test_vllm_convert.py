@@ -262,7 +262,9 @@ def test_server_info_and_loads():
     assert (info.active_requests, info.uptime_seconds, info.last_receive_timestamp) == (3, 12.5,
                                                                                         99.0)
     assert (info.block_size, info.max_num_seqs, info.model_dtype, info.attention_backend,
-            info.data_parallel_size) == (16, 8, "float32", "", 1)
+            info.data_parallel_size, info.kv_cache_dtype) == (16, 8, "float32", "", 1, "auto")
+    fp8 = vc.EngineShape(16, 8, "bfloat16", "cpu", kv_cache_dtype="fp8")
+    assert vc.server_info_to_proto(0, 0.0, 0.0, fp8).kv_cache_dtype == "fp8"
     stats = EngineStats(ready=True, num_waiting=1, num_running=2, num_used_blocks=5,
                         num_total_blocks=20, prefix_cache_hit_rate=0.5)
     load = vc.scheduler_load_to_proto(stats, 42.0, shape)

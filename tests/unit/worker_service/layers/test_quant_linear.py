@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import int4_gemm
 from worker_service.layers import quant_linear
 from worker_service.layers.quant_linear import PackedBand, PackedRows, build, dequantize
 
@@ -106,3 +107,24 @@ def test_pieces_join_in_row_order_and_refuse_what_does_not_fit():
     dense = torch.empty(64, 64)
     rows.write_dequantized(dense)
     assert torch.equal(dense, dequantize(joined))
+
+
+# GPTQ symmetric (zero 8), asymmetric (any zero; AWQ's bands take this form too); N = 80 and
+# 112 end in partial 64-row blocks, K = 320 in a partial 256-value chunk of int4_gemm's kernel
+@pytest.mark.parametrize("zero_low,group,n,k", [(8, 32, 80, 320), (0, 64, 112, 320),
+                                                (1, 128, 80, 384)])
+def test_many_rows_take_the_panel_kernel_and_match(zero_low, group, n, k):
+    b = band(n, k, group, zero_low=zero_low, seed=group)
+    if zero_low == 8:
+        b.zeros.fill_(8)
+    linear = build(b, torch.bfloat16)
+    w = dequantize(b).bfloat16().float()          # the dequantized load's bfloat16 weight
+    rows = (1, 5, 17, 64, 300)
+    for m in rows:
+        x = torch.randn(m, k).bfloat16()
+        want = x.float() @ w.t()
+        assert rel_err(linear(x), want) < BOUNDS[torch.bfloat16], m
+    many = [m for m in rows if int4_gemm.wanted(m)]
+    assert linear.many_row_calls == len(many)
+    if int4_gemm.extension.ops().bf16_dot():
+        assert many == [m for m in rows if m >= int4_gemm.MIN_ROWS]

@@ -1,36 +1,26 @@
-"""deploy/: the Kubernetes manifests, the Dockerfiles and the grpcurl examples agree with the code.
+"""deploy/k8s: the Kubernetes manifests agree with the code.
 
-No Docker and no cluster: every YAML file is parsed and the objects are cross-checked (labels,
-ports, probes, names); every `deltaserve` command line is parsed by the real CLI parser (the
-worker's node-rank wrapper is run by /bin/sh); the scheduler image's packages are checked against
-what the scheduler really imports; and examples.sh runs against a real `deltaserve serve`.
+No cluster: every YAML file is parsed and the objects are cross-checked (labels, ports, probes,
+names); every `deltaserve` command line is parsed by the real CLI parser (the worker's node-rank
+wrapper is run by /bin/sh); deploy/README.md's recipe for the workers' Secret makes what a worker
+accepts. The images and the grpcurl examples: test_deploy_images.py.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
-import shlex
-import signal
 import subprocess
-import sys
-from importlib import metadata
-from pathlib import Path
 
 import pytest
 
-from deltaserve.cli import build_parser
 from scheduler_service.api.engine_flags import engine_settings
 from engine_common.security.worker_auth import WorkerCredentials
 from engine_common.wire.protos import GENERATION_SERVICE, WORKER_SERVICE
-from tests.support.grpc_harness import GRPCURL, REPO, SMALL_KV_GIB, child_env, free_port, wait_for
+from tests.support.deploy_cli import parse_strictly
+from tests.support.grpc_harness import REPO
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not importable (transformers brings it)")
 
 K8S = REPO / "deploy" / "k8s"
-DOCKER = REPO / "deploy" / "docker"
-EXAMPLES = REPO / "deploy" / "grpcurl" / "examples.sh"
 GPU = "nvidia.com/gpu"
 MiB = 1 << 20
 
@@ -46,21 +36,6 @@ def k8s() -> dict[str, dict]:
         for doc in yaml.safe_load_all((K8S / name).read_text()):
             objects[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return objects
-
-
-def _parse(argv: list[str]):
-    """The CLI's namespace for argv, every flag spelled out in full (no argparse prefix
-    matching); None for `--help` (valid: it exits 0)."""
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                sub.allow_abbrev = False
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as e:
-        assert e.code == 0 and "--help" in argv, f"deltaserve rejects {argv}"
-        return None
 
 
 def _workload(k8s, kind: str) -> tuple[dict, dict]:
@@ -98,48 +73,6 @@ def _quantity(text: str) -> int:
     """A Kubernetes binary quantity ("2Gi", "512Mi") in bytes."""
     number, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", str(text)).groups()
     return int(number) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[unit]
-
-
-def _dockerfile(name: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, rest) pairs, continuation lines joined, comments dropped."""
-    lines = [ln for ln in (DOCKER / name).read_text().splitlines()
-             if not ln.lstrip().startswith("#")]
-    joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [(m[1].upper(), m[2].strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", joined, re.M)]
-
-
-def _docker_run_examples(name: str) -> list[list[str]]:
-    """The arguments after the image name in the Dockerfile's commented `docker run` examples."""
-    text = re.sub(r"\\\n#\s*", " ", (DOCKER / name).read_text())
-    image = "deltaserve-" + name.split(".")[1]
-    runs = [shlex.split(m) for m in re.findall(r"^#\s*docker run (.*)$", text, re.M)]
-    return [r[r.index(image) + 1:] for r in runs]
-
-
-def _project() -> dict:
-    """pyproject.toml's [project] table (tomllib: Python 3.11+)."""
-    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _requirement_closure(requirements: list[str]) -> set[str]:
-    """Distributions `requirements` pull in, transitively (extras not taken), as installed here."""
-    seen, todo = set(), [_canonical(re.match(r"[\w.-]+", r)[0]) for r in requirements]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            reqs = metadata.requires(name) or []
-        except metadata.PackageNotFoundError:
-            continue
-        todo += [_canonical(re.match(r"[\w.-]+", r)[0]) for r in reqs if "extra ==" not in r]
-    return seen
 
 
 # ---- the Kubernetes objects ----------------------------------------------------------------
@@ -207,7 +140,7 @@ def test_worker_wrapper_execs_deltaserve_worker_with_the_pod_ordinal(k8s, tmp_pa
     for ordinal in range(replicas):
         argv = _worker_argv(sts, ctr, ordinal, tmp_path)
         assert argv[0] == "worker"
-        args = _parse(argv)
+        args = parse_strictly(argv)
         assert args.node_rank == ordinal and args.nodes == replicas and args.device == "cuda"
         gpus = ctr["resources"]["limits"][GPU]
         assert args.local_ranks == gpus == ctr["resources"]["requests"][GPU]
@@ -217,8 +150,8 @@ def test_worker_wrapper_execs_deltaserve_worker_with_the_pod_ordinal(k8s, tmp_pa
 def test_scheduler_args_name_the_workers_and_fit_the_pod(k8s, tmp_path):
     sts, wctr = _workload(k8s, "StatefulSet")
     dep, ctr = _workload(k8s, "Deployment")
-    args = _parse(["scheduler", *ctr["args"]])
-    worker_port = _listen_port(_parse(_worker_argv(sts, wctr, 0, tmp_path)).listen)
+    args = parse_strictly(["scheduler", *ctr["args"]])
+    worker_port = _listen_port(parse_strictly(_worker_argv(sts, wctr, 0, tmp_path)).listen)
     name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
     assert args.workers.split(",") == [f"{name}-{i}.{service}:{worker_port}"
                                        for i in range(sts["spec"]["replicas"])]
@@ -247,8 +180,8 @@ def test_worker_protocol_is_authenticated_and_fenced_off(k8s, tmp_path):
     rest (the unauthenticated rendezvous and NCCL)."""
     sts, wctr = _workload(k8s, "StatefulSet")
     dep, sctr = _workload(k8s, "Deployment")
-    worker = _parse(_worker_argv(sts, wctr, 0, tmp_path))
-    scheduler = _parse(["scheduler", *sctr["args"]])
+    worker = parse_strictly(_worker_argv(sts, wctr, 0, tmp_path))
+    scheduler = parse_strictly(["scheduler", *sctr["args"]])
     secrets = []
     for obj, ctr, args in ((sts, wctr, worker), (dep, sctr, scheduler)):
         spec = obj["spec"]["template"]["spec"]
@@ -285,7 +218,7 @@ def test_dev_shm_is_memory_backed_and_holds_the_rank_rings(k8s, tmp_path):
     from worker_service.ranks.rank_set import RankSetOptions
 
     sts, ctr = _workload(k8s, "StatefulSet")
-    local_ranks = _parse(_worker_argv(sts, ctr, 0, tmp_path)).local_ranks
+    local_ranks = parse_strictly(_worker_argv(sts, ctr, 0, tmp_path)).local_ranks
     [mount] = [m for m in ctr["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     shm = volumes[mount["name"]]["emptyDir"]
@@ -294,153 +227,6 @@ def test_dev_shm_is_memory_backed_and_holds_the_rank_rings(k8s, tmp_path):
     rings = o.ring_slots * o.ring_slot_bytes + local_ranks * o.reply_slots * o.reply_slot_bytes
     # The rings, plus room for NCCL's intra-node buffers.
     assert _quantity(shm["sizeLimit"]) >= max(rings + 512 * MiB, 1 << 30)
-
-
-# ---- the images ----------------------------------------------------------------------------
-
-def test_base_dependencies_leave_torch_to_the_worker_extra():
-    project = _project()
-    base = {_canonical(re.match(r"[\w.-]+", r)[0]) for r in project["dependencies"]}
-    assert "torch" not in base and "triton" not in base
-    assert "grpcio-health-checking" in base   # the worker's gRPC probes need it
-    assert any(r.startswith("torch") for r in project["optional-dependencies"]["worker"])
-    assert "triton" in project["optional-dependencies"]
-
-
-@pytest.mark.parametrize("name, command, install", [
-    ("Dockerfile.scheduler", "scheduler", "."),
-    ("Dockerfile.worker", "worker", ".[worker,triton]"),
-])
-def test_dockerfile_entrypoint_user_install_and_example_flags(name, command, install):
-    steps = _dockerfile(name)
-    assert ("ENTRYPOINT", json.dumps(["deltaserve", command])) in steps
-    [user] = [rest for ins, rest in steps if ins == "USER"]
-    assert user not in ("root", "0")
-    pip_installs = [shlex.split(part.split("pip install", 1)[1]) for ins, rest in steps
-                    if ins == "RUN" for part in rest.split("&&") if "pip install" in part]
-    assert [install] in [[a for a in args if not a.startswith("$")] for args in pip_installs]
-    for ins, rest in steps:
-        if ins == "COPY" and not rest.startswith("--"):
-            assert (REPO / rest.split()[0]).exists(), rest
-        if ins == "CMD":
-            _parse([command, *json.loads(rest)])
-        for part in rest.split("&&") if ins == "RUN" else ():
-            if part.split()[0] == "deltaserve":   # e.g. a `deltaserve worker --help` check
-                _parse(shlex.split(part.split(">")[0])[1:])
-    examples = _docker_run_examples(name)
-    assert examples
-    for args in examples:
-        _parse([command, *args])
-    if command == "scheduler":   # python:3.11-slim, and no torch anywhere in what it installs
-        assert ("ARG", "PYTHON_IMAGE=python:3.11-slim") in steps
-        assert not any("torch" in a for args in pip_installs for a in args)
-    else:
-        assert any(ins == "ARG" and rest.startswith("TORCH_SPEC=") for ins, rest in steps)
-        assert "/dev/shm" in (DOCKER / name).read_text()
-
-
-_IMPORT_PROBE = """
-import json, sys
-before = set(sys.modules)
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is not in the scheduler image")
-sys.meta_path.insert(0, Block())
-from deltaserve.cli import build_parser
-from engine_common.configuration.config import WorkerConfig
-from scheduler_service.api.server import build_scheduler_server
-build_parser().parse_args(["scheduler", "--model", MODEL, "--workers", "127.0.0.1:9"])
-build_scheduler_server(["127.0.0.1:9"], "127.0.0.1:0", WorkerConfig(model_dir=MODEL))
-new = {m.split(".")[0] for m in set(sys.modules) - before}
-# Top-level modules with a file (a Cython runtime module, for one, has none).
-print(json.dumps(sorted(m for m in new if getattr(sys.modules.get(m), "__file__", None))))
-"""
-
-
-def test_scheduler_image_holds_everything_the_scheduler_imports(served):
-    """With only the packages the scheduler Dockerfile copies and the base dependencies (and
-    theirs) importable, `deltaserve scheduler` builds its server: no torch, no worker side, no
-    dev or worker extras. Optional imports that fail cleanly are allowed, as in the image."""
-    copied = {rest.split()[0] for ins, rest in _dockerfile("Dockerfile.scheduler")
-              if ins == "COPY" and (REPO / rest.split()[0]).is_dir()}
-    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
-    project = _project()
-    allowed = _requirement_closure(project["dependencies"])
-    owners = metadata.packages_distributions()
-    foreign = {m for m, dists in owners.items() if not {_canonical(d) for d in dists} & allowed}
-    blocked = sorted((packages - copied) | (foreign - packages) | {"torch", "transformers"})
-    code = f"BLOCKED = {blocked!r}\nMODEL = {str(served['model'])!r}\n" + _IMPORT_PROBE
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(None),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-3000:]
-    imported = set(json.loads(out.stdout.splitlines()[-1])) - set(sys.stdlib_module_names)
-    for module in imported - copied:
-        dists = {_canonical(d) for d in owners.get(module, [])}
-        assert dists & allowed, f"the scheduler imports {module} ({dists or 'no dist'}), " \
-                                "which `pip install .` does not install"
-
-
-# ---- examples.sh against a real server -----------------------------------------------------
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_cache_home):
-    """`deltaserve serve` with the tiny model on free loopback ports; stopped at the end."""
-    tmp = tmp_path_factory.mktemp("deploy-serve")
-    port, worker_port = free_port(), free_port()
-    log_path = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", "--listen", f"127.0.0.1:{port}",
-           "--worker-listen", f"127.0.0.1:{worker_port}", "--device", "cpu",
-           "--model", "tiny", "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "127.0.0.1:0",
-           "--openai-listen", "off"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env=child_env({"XDG_CACHE_HOME": tiny_cache_home(tmp / "cache")}))
-    try:
-        def ready():
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            return "DeltaServe ready on" in log_path.read_text(errors="replace")
-        wait_for(ready, 120, "the ready line of deltaserve serve")
-        yield {"target": f"127.0.0.1:{port}", "worker": f"127.0.0.1:{worker_port}",
-               "model": tmp / "cache" / "deltaserve" / "tiny-qwen3"}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)   # drains, then stops the worker too
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-def test_examples_script_runs_end_to_end(served):
-    env = child_env({"TARGET": served["target"], "WORKER_TARGET": served["worker"]})
-    env.pop("GRPCURL", None)
-    if (REPO / ".venv" / "bin" / "grpcurl").is_file():   # exercise the script's .venv fallback
-        venv_bin = str(REPO / ".venv" / "bin")
-        env["PATH"] = os.pathsep.join(d for d in env["PATH"].split(os.pathsep)
-                                      if d.rstrip("/") != venv_bin)
-    elif Path(GRPCURL).is_file():
-        env["GRPCURL"] = GRPCURL
-    else:
-        pytest.skip("no grpcurl binary (it comes with the dev extras)")
-    out = subprocess.run(["bash", str(EXAMPLES)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=90)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    text = out.stdout
-    for fragment in (
-            "grpc.reflection.v1alpha.ServerReflection",          # list
-            "service Generation {",                              # describe, with comments
-            '"status": "SERVING"',                               # health
-            '"numTokens": 6',                                    # Tokenize "Hello world"
-            '"modelName": "tiny-qwen3"', '"maxLogprobs": 20',    # GetModelInfo
-            '"numWorkersReady": 1',                              # GetServerStatus
-            '"finishReason": "LENGTH"', '"timeToFirstTokenS"',   # streaming Generate
-            '"requestId": "demo-1"', '"topLogprobs"', "same tokens:",
-            '"numAborted": 1', '"finishReason": "ABORT"',        # Abort
-            "Code: InvalidArgument", "sampling.top_p=1.5",       # the error example
-            "Code: Unauthenticated"):                            # the worker's Info, no token
-        assert fragment in text, f"{fragment!r} missing from:\n{text[-4000:]}"
 
 
 def test_the_readmes_digest_recipe_makes_what_a_worker_accepts(tmp_path):

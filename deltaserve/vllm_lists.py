@@ -1,0 +1,96 @@
+"""vLLM's list-valued serve flags, carried to the smg gateway (smg 1.13.0, checked on loopback):
+
+  * --served-model-name NAME [ALIAS ...]: the first name is the model's (GetModelInfo, the
+    metrics, the `model` of every answer, as vLLM reports the first); each further one is
+    smg's `--model-alias ALIAS=NAME`, so a request naming it is served. smg's /v1/models lists
+    only the first (vLLM lists them all).
+  * --api-key KEY [KEY ...]: the first is smg's --api-key, each further one a
+    `--tenant-api-key key-N:KEY` (smg admits every one; stored /v1/responses records are then
+    readable only with the key that made them).
+
+Neither has a meaning without the gateway: aliases with the OpenAI API off are refused (they
+would be dropped), as is a name smg's `ALIAS=NAME` cannot carry.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine_common.request.params import ParamError
+
+
+class ServedNames(argparse.Action):
+    """--served-model-name NAME [ALIAS ...]: `served_model_name` the first, `model_aliases`
+    the others (a repeat of a name once; each is still served)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = list(dict.fromkeys(values))
+        namespace.served_model_name = names[0]
+        namespace.model_aliases = tuple(names[1:])
+
+
+def add_list_flags(group) -> None:
+    """--served-model-name and --api-key, each taking one value or several (vLLM's)."""
+    group.add_argument("--served-model-name", nargs="+", action=ServedNames,
+                       default=argparse.SUPPRESS, metavar="NAME",
+                       help="the model's name in both APIs (/v1/models, GetModelInfo) and the "
+                       "metrics; further names are aliases the OpenAI API serves too, answers "
+                       "naming the first (default: the model directory's name)")
+    group.add_argument("--api-key", nargs="+", dest="api_key", default=argparse.SUPPRESS,
+                       metavar="KEY",
+                       help="the keys OpenAI clients may send as `Authorization: Bearer KEY`, "
+                       "any one of them (the gRPC port's keys are --api-key-file) (default: "
+                       "unset)")
+
+
+def checked_keys(keys) -> tuple[str, ...]:
+    """The --api-key values; one that is empty or blank is refused (smg trims a key, then
+    refuses an empty one)."""
+    for key in keys or ():
+        if not key.strip():
+            raise ParamError("--api-key", key, "a key with a character other than whitespace")
+    return tuple(dict.fromkeys(keys or ()))
+
+
+def checked_aliases(name: str | None, aliases: tuple[str, ...]) -> tuple[str, ...]:
+    """The aliases, refused where smg's `--model-alias ALIAS=NAME` cannot carry one."""
+    for alias in (name or "", *aliases) if aliases else ():
+        if not alias.strip():
+            raise ParamError("--served-model-name", alias, "a name with a character other "
+                             "than whitespace")
+    for alias in aliases:
+        if "=" in alias:
+            raise ParamError("--served-model-name", alias, "an alias without '=' (the "
+                             "gateway takes aliases as ALIAS=NAME)")
+    return aliases
+
+
+def smg_alias_flags(name: str | None, aliases: tuple[str, ...]) -> list[str]:
+    """smg's flags serving `aliases` as the model `name`."""
+    return [arg for alias in aliases for arg in ("--model-alias", f"{alias}={name}")]
+
+
+def smg_key_flags(keys: tuple[str, ...]) -> list[str]:
+    """smg's flags admitting each of `keys`: the first as --api-key, the others as tenants."""
+    if not keys:
+        return []
+    extra = [arg for i, key in enumerate(keys[1:], start=2)
+             for arg in ("--tenant-api-key", f"key-{i}:{key}")]
+    return ["--api-key", keys[0], *extra]
+
+
+def swallowed_model(args) -> str | None:
+    """Why `serve --api-key K MODEL` (or --served-model-name N MODEL) is refused: argparse
+    gave MODEL to the list, as vLLM's does, and serve would start the default model with
+    MODEL as a key or a name. None when a model was given or no list value is a path."""
+    if getattr(args, "model", None) or getattr(args, "model_tag", None):
+        return None
+    lists = (("--api-key", list(getattr(args, "api_key", None) or ())),
+             ("--served-model-name", [getattr(args, "served_model_name", None) or "",
+                                      *getattr(args, "model_aliases", ())]))
+    for flag, values in lists:
+        path = next((v for v in values if v and Path(v).expanduser().exists()), None)
+        if path is not None:
+            return (f"MODEL={path!r} is invalid: it was read as a value of {flag}, which takes "
+                    "several; give MODEL before it (serve MODEL ...)")
+    return None

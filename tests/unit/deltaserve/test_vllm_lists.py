@@ -1,0 +1,84 @@
+"""vLLM's list-valued flags on `serve` and `scheduler`: --served-model-name NAME [ALIAS ...]
+and --api-key KEY [KEY ...] reach the gateway's command line (smg --model-alias,
+--tenant-api-key), the first name reaches the scheduler, and what smg cannot carry is refused
+with the flag named. tests/integration/test_served_names_and_keys_gateway.py runs them on
+the real gateway."""
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.cli import build_parser, main
+from deltaserve.openai_gateway import openai_front, openai_options, smg_command
+from engine_common.request.params import ParamError
+from scheduler_service.api.api_options import ApiOptions
+from scheduler_service.api.engine_flags import engine_settings
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def _pairs(cmd: list[str], flag: str) -> list[str]:
+    return [cmd[i + 1] for i, arg in enumerate(cmd) if arg == flag]
+
+
+@pytest.mark.parametrize("command", [["serve"], ["scheduler", "--model", "m", "--workers",
+                                                 "h:1", "--port", "8001"]])
+def test_several_served_names_become_the_models_name_and_the_gateways_aliases(command):
+    args = _args(*command, "--served-model-name", "alpha", "beta", "gamma", "beta")
+    options, _ = openai_options(args)
+    assert (options.served_model_name, options.model_aliases) == ("alpha", ("beta", "gamma"))
+    assert engine_settings(args, "m").server.served_model_name == "alpha"
+    cmd = smg_command("smg", options, "127.0.0.1:1", "m", 2)
+    assert _pairs(cmd, "--model-alias") == ["beta=alpha", "gamma=alpha"]
+
+
+def test_one_served_name_gives_the_gateway_no_alias():
+    options, _ = openai_options(_args("serve", "--served-model-name", "alpha"))
+    assert options.model_aliases == ()
+    assert "--model-alias" not in smg_command("smg", options, "127.0.0.1:1", "m", 2)
+
+
+def test_several_api_keys_are_the_gateways_key_and_its_tenant_keys():
+    options, _ = openai_options(_args("serve", "--api-key", "k1", "k:2", "k3", "k1"))
+    assert options.api_keys == ("k1", "k:2", "k3") and options.api_key == "k1"
+    cmd = smg_command("smg", options, "127.0.0.1:1", "m", 2)
+    assert _pairs(cmd, "--api-key") == ["k1"]
+    assert _pairs(cmd, "--tenant-api-key") == ["key-2:k:2", "key-3:k3"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--api-key", "k1", " "], "--api-key=' ' is invalid: must be a key with a character"),
+    (["--served-model-name", "alpha", "b=c"], "--served-model-name='b=c' is invalid: must be "
+     "an alias without '='"),
+    (["--served-model-name", "alpha", ""], "--served-model-name='' is invalid: must be a "
+     "name with a character"),
+])
+def test_what_the_gateway_cannot_carry_is_refused_naming_the_flag(flags, message):
+    with pytest.raises(ParamError) as caught:
+        openai_options(_args("serve", *flags))
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_aliases_without_the_openai_api_are_refused_not_dropped():
+    args = _args("serve", "--openai-listen", "off", "--served-model-name", "alpha", "beta")
+    with pytest.raises(ParamError, match="served-model-name.*one name without the OpenAI API"):
+        openai_front(args, ApiOptions(), "m", "localhost:1")
+    args = _args("serve", "--openai-listen", "off", "--served-model-name", "alpha")
+    assert openai_front(args, ApiOptions(), "m", "localhost:1") is None
+
+
+def test_the_cli_refuses_an_alias_in_one_line_before_the_model_is_read(capsys, tmp_path):
+    code = main(["serve", "--model", str(tmp_path / "absent"), "--openai-listen", "off",
+                 "--served-model-name", "alpha", "beta"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--served-model-name" in err and "one name without" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--served-model-name"])
+def test_a_model_after_a_list_flag_is_refused_not_taken_as_a_value(flag, capsys, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    code = main(["serve", "--openai-listen", "off", flag, "k1", str(model)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"it was read as a value of {flag}" in err, err
