@@ -2,9 +2,13 @@
 routed experts; `--gpt-oss`: GPT-OSS's, biases and the clamped SwiGLU) per token count T, three
 ways on the same random weights and inputs:
 
-    grouped       our SparseMoeBlock, experts on the grouped F.linear path (a host loop over the
-                  experts with tokens: what the CPU ran before kernels/cpu/moe_experts.py; each
-                  expert's weights read back from the panels, as a long prefill does)
+    grouped       our SparseMoeBlock, experts on the grouped path (a host loop over the experts
+                  with tokens: what the CPU ran before kernels/cpu/moe_experts.py, and what a
+                  long prefill runs), each expert's GEMMs on the panels (CpuExperts.
+                  expert_linear), as after the release of the stacked parameters
+    unreleased    the grouped path over a dense copy of the experts' parameters, never packed
+                  (F.linear on them: what a long prefill ran before the release); `--no-extra`
+                  times only these two and packed
     packed        the same block after use_cpu_kernels(): experts on kernels/cpu/moe_experts.py
     transformers  transformers' Qwen3MoeSparseMoeBlock (GptOssMLP) forward (its own loop over
                   the experts)
@@ -19,6 +23,7 @@ median / max over --rounds rounds. packed and transformers are checked against g
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 
@@ -53,7 +58,7 @@ def make_blocks(args, dtype: torch.dtype):
         ours.gate.weight.copy_(theirs.gate.weight)
         ours.experts.w13_weight.copy_(theirs.experts.gate_up_proj)   # [E, 2I, H]: gate, up
         ours.experts.w2_weight.copy_(theirs.experts.down_proj)
-    return packed(ours), lambda x: theirs(x[None])[0]
+    return packed_keeping(ours), lambda x: theirs(x[None])[0]
 
 
 def make_gpt_oss_blocks(args, dtype: torch.dtype):
@@ -83,7 +88,7 @@ def make_gpt_oss_blocks(args, dtype: torch.dtype):
     for param, loaded in ((e.w13_weight, t.gate_up_proj), (e.w13_bias, t.gate_up_proj_bias),
                           (e.w2_weight, t.down_proj), (e.w2_bias, t.down_proj_bias)):
         param.weight_loader(param, loaded.data)
-    return packed(ours), lambda x: theirs(x[None])[0][0]
+    return packed_keeping(ours), lambda x: theirs(x[None])[0][0]
 
 
 def packed(ours):
@@ -94,6 +99,12 @@ def packed(ours):
     if ours.experts.cpu_experts is None:
         raise SystemExit("the deltaserve_cpu kernels did not load: no packed path to time")
     return ours
+
+
+def packed_keeping(ours):
+    """(ours packed, a copy of its experts never packed: their parameters stay dense)."""
+    unreleased = copy.deepcopy(ours.experts)
+    return packed(ours), unreleased
 
 
 def dense_mlp(args, dtype: torch.dtype):
@@ -107,7 +118,8 @@ def dense_mlp(args, dtype: torch.dtype):
     return lambda x: down(ops.silu_and_mul(gate_up(x, w13)), w2)
 
 
-def paths(ours, theirs, dense, x: torch.Tensor) -> dict:
+def paths(blocks, theirs, dense, x: torch.Tensor, extra: bool = True) -> dict:
+    ours, dense_experts = blocks
     packed = ours.experts.cpu_experts
 
     def grouped():                      # a row limit of 0: every step takes the grouped path
@@ -117,18 +129,27 @@ def paths(ours, theirs, dense, x: torch.Tensor) -> dict:
         finally:
             packed.max_mean_rows = kept
 
-    return {"grouped": grouped, "packed": lambda: ours(x),
-            "transformers": lambda: theirs(x), "dense": lambda: dense(x)}
+    def unreleased():                   # the same block over the dense experts
+        kept, ours.experts = ours.experts, dense_experts
+        try:
+            return ours(x)
+        finally:
+            ours.experts = kept
+
+    calls = {"grouped": grouped, "unreleased": unreleased, "packed": lambda: ours(x)}
+    if extra:
+        calls.update(transformers=lambda: theirs(x), dense=lambda: dense(x))
+    return calls
 
 
 def run_one(ours, theirs, dense, num_tokens: int, args,
             dtype: torch.dtype) -> tuple[str, bool]:
     x = torch.randn(num_tokens, args.hidden).to(dtype)
-    calls = paths(ours, theirs, dense, x)
+    calls = paths(ours, theirs, dense, x, not args.no_extra)
     clock = time.thread_time if args.thread_time else time.perf_counter
     with torch.inference_mode():
         want = calls["grouped"]().float()
-        for name in ("packed", "transformers"):
+        for name in (n for n in calls if n not in ("grouped", "dense")):
             got = calls[name]().float()
             err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
             if err > CHECK_TOL[args.dtype]:
@@ -141,10 +162,17 @@ def run_one(ours, theirs, dense, num_tokens: int, args,
     parts = ", ".join(f"{name} {min(v):.2f} / {statistics.median(v):.2f} / {max(v):.2f} ms"
                       for name, v in rounds.items())
     med = {name: statistics.median(v) for name, v in rounds.items()}
+    # per round, unreleased / grouped: the speed of the grouped path over the panels relative
+    # to the dense parameters (>= 1: no slower than before the release)
+    kept = [a / b for a, b in zip(rounds["unreleased"], rounds["grouped"])]
+    ratios = [f"unreleased / grouped {min(kept):.2f} / {statistics.median(kept):.2f} / "
+              f"{max(kept):.2f}x", f"grouped / packed {med['grouped'] / med['packed']:.2f}x"]
+    if "dense" in med:
+        ratios += [f"transformers / packed {med['transformers'] / med['packed']:.2f}x",
+                   f"packed / dense {med['packed'] / med['dense']:.2f}x"]
     return (f"T={num_tokens}: {parts} (min / median / max of {args.rounds} rounds); "
-            f"grouped / packed {med['grouped'] / med['packed']:.2f}x, transformers / packed "
-            f"{med['transformers'] / med['packed']:.2f}x, packed / dense "
-            f"{med['packed'] / med['dense']:.2f}x"), True
+            f"{', '.join(ratios)}; {num_tokens * args.top_k / args.experts:g} rows an expert"
+            ), True
 
 
 def run(args, dtype: torch.dtype, sizes: str) -> tuple[list[str], bool]:

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpt-oss", action="store_true", help="with --cpu-kernels: GPT-OSS's sparse block "
         "(expert biases, clamped SwiGLU) instead of Qwen3-MoE's; gpt-oss-20b's layer: "
         "--experts 32 --top-k 4 --hidden 2880 --inter 2880")
+    add("--no-extra", action="store_true", help="with --cpu-kernels: time only grouped, "
+        "unreleased and packed (not transformers' block or the dense MLP)")
     add("--results-file", help="Markdown file the result block is appended to (default: none)")
     return p
 

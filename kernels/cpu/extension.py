@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "paged_attention.cpp", "mkl_linear.cpp", "elementwise.cpp",
-           "panel_gemm.cpp", "screened_greedy.cpp", "moe_experts.cpp", "int4_gemm.cpp")
+           "panel_gemm.cpp", "panel_gemm_bf16dot.cpp", "screened_greedy.cpp", "moe_experts.cpp",
+           "int4_gemm.cpp")
 HEADERS = ("vec_math.h", "simd.h", "attention_item.h", "attention_portable.h", "attention_simd.h",
            "attention_bf16dot.h", "attention_latent.h", "row_argmax.h", "float_bounds.h",
            "attention_fp8.h")

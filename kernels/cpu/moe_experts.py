@@ -16,18 +16,20 @@ AMX tiles once there are rows enough; the panels widen bf16 to float32 FMAs). An
 gets many more rows than the mean still runs correctly, on the panels' k-chunked walk.
 
 The panels are the experts' only copy once loaded: the layers let their parameters go
-(worker_service/layers/moe.py's PackedExperts), and a longer prefill's grouped torch path reads
-each expert's weights back from the panels (expert_weights: one transient dense copy of an
-expert at a time). packed_bytes gives the panels' size before anything is loaded and
-bytes_beyond_weights what they hold beyond one dense copy (the padding to whole panels, the
-biases' float32 copies), for the memory check (worker_service/runner/memory_fit.py) that budgets
-the weights beside the KV cache.
+(worker_service/layers/moe.py's PackedExperts), and a longer prefill's grouped torch path runs
+each expert's GEMMs on the panels in place (expert_linear: float32 on csrc/panel_gemm.cpp's row
+blocks, bfloat16 on csrc/panel_gemm_bf16dot.cpp's AVX512-BF16 pairs; a bfloat16 build without
+them copies one expert's weight out at a time, expert_weights). packed_bytes gives the panels'
+size before anything is loaded and bytes_beyond_weights what they hold beyond one dense copy
+(the padding to whole panels, the biases' float32 copies), for the memory check
+(worker_service/runner/memory_fit.py) that budgets the weights beside the KV cache.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import extension
 
@@ -86,6 +88,9 @@ class CpuExperts:
         self.w13_bias = None if w13_bias is None else w13_bias.float().contiguous()
         self.w2_bias = None if w2_bias is None else w2_bias.float().contiguous()
         self.calls = 0              # calls that took the kernel (tests check it ran)
+        # the grouped path's GEMMs on the panels themselves (expert_linear): float32 always
+        # (panel_gemm.cpp's row blocks keep up with MKL), bfloat16 with AVX512-BF16 pairs
+        self.reads_panels_in_place = self.dtype == torch.float32 or ops.panel_bf16_dot()
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +101,18 @@ class CpuExperts:
     def takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         return (x.dim() == 2 and x.dtype == self.dtype and x.device.type == "cpu"
                 and ids.numel() <= self.max_mean_rows * self.num_experts)
+
+    def expert_linear(self, x: torch.Tensor, expert: int, down: bool,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, bias) for one expert's w13 [2I, H] (or w2 [H, I] with `down`), x [M, K]
+        in the experts' dtype, computed on the panels: float32 and (with AVX512-BF16) bfloat16
+        read them in place (csrc/panel_gemm*.cpp); a bfloat16 body without the dot products
+        runs F.linear on a transient dense copy of the one weight."""
+        panels = (self.w2_panels if down else self.w13_panels)[expert]
+        n = self.hidden if down else 2 * self.inter
+        if self.reads_panels_in_place:
+            return extension.ops().panel_linear_many(x.contiguous(), panels, n, bias)
+        return F.linear(x, _unpacked(panels, n), bias)
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's (w13 [2I, H], w2 [H, I]) read back from the panels, as dense

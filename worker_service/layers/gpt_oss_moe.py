@@ -22,9 +22,9 @@ On the CPU, after use_cpu_kernels() (at load), a step within kernels/cpu/moe_exp
 MAX_MEAN_ROWS takes the packed experts, as the other MoE models' experts do: the same call,
 with the biases and the clamped SwiGLU. Otherwise (longer prefills, CUDA) the experts run on
 the grouped torch path (one host sync for the per-expert counts, then two GEMMs per expert that
-has tokens; on the CPU the weights read back from the panels once the parameters are let go, as
-layers/moe.py's PackedExperts does): the fused Triton kernels compute silu(gate) * up without biases, so they are not
-used for this block (the model's graph_capture_blocker says so).
+has tokens; on the CPU those GEMMs run on the panels once the parameters are let go, as
+layers/moe.py's PackedExperts.expert_linear does): the fused Triton kernels compute silu(gate) *
+up without biases, so they are not used for this block (the model's graph_capture_blocker says so).
 """
 from __future__ import annotations
 
@@ -194,11 +194,11 @@ class GptOssExperts(PackedExperts, nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            w13, w2 = self.expert_weights(expert)
-            gate, up = F.linear(grouped[rows], w13, self.w13_bias[expert]).split(i_r, dim=-1)
+            gate_up = self.expert_linear(grouped[rows], expert, False, self.w13_bias[expert])
+            gate, up = gate_up.split(i_r, dim=-1)
             hidden = clamped_swiglu(gate, up, self.alpha, self.limit)
             bias = self.w2_bias[expert] if self.tp.rank == 0 else None
-            out[rows] = F.linear(hidden, w2, bias)
+            out[rows] = self.expert_linear(hidden, expert, True, bias)
             start += n
         per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
         return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)

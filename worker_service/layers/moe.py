@@ -15,8 +15,8 @@ kernels/cpu/moe_experts.py instead: every expert's weights packed in the dense l
 panels, and one C++ call per layer for the grouping, the GEMMs of the experts with tokens (all
 in one parallel region), silu-and-mul and the weighted sum; longer prefills keep the grouped
 torch path. Then the model lets the parameters go (PackedExperts.release_expert_weights, from
-layers/cpu_kernels.py): the panels are the experts' one copy, and the grouped path reads each
-expert back from them.
+layers/cpu_kernels.py): the panels are the experts' one copy, and the grouped path runs each
+expert's two GEMMs on them in place (PackedExperts.expert_linear).
 
 On CUDA (with Triton importable) the experts take kernels/fused_moe.py instead: the grouping on
 the device into fixed-size buffers and two grouped Triton GEMMs, no host sync and no shape that
@@ -97,10 +97,19 @@ class PackedExperts:
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [2 I_r, H], w2 [H, I_r]) of one expert: views of the parameters, or after the
-        release copies read back from the panels."""
+        release copies read back from the panels (stacked_weights; forward uses expert_linear)."""
         if self.weights_released:
             return self.cpu_experts.expert_weights(expert)
         return self.w13_weight[expert], self.w2_weight[expert]
+
+    def expert_linear(self, x: torch.Tensor, expert: int, down: bool,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, w, bias) for one expert's w13 (w2 with `down`): the parameter, or after
+        the release the panels (CpuExperts.expert_linear: no dense copy where the body reads
+        them in place)."""
+        if self.weights_released:
+            return self.cpu_experts.expert_linear(x, expert, down, bias)
+        return F.linear(x, (self.w2_weight if down else self.w13_weight)[expert], bias)
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2 I_r, H], w2 [E, H, I_r]): the parameters, or after the release a
@@ -211,8 +220,8 @@ class MoEExperts(PackedExperts, nn.Module):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            w13, w2 = self.expert_weights(expert)
-            out[rows] = F.linear(self.act_fn(F.linear(grouped[rows], w13)), w2)
+            gate_up = self.expert_linear(grouped[rows], expert, down=False)
+            out[rows] = self.expert_linear(self.act_fn(gate_up), expert, down=True)
             start += n
         # back to (token, slot) order, then each token's weighted sum over its k slots: a
         # [1, k] x [k, H] product per token (a scatter-add over tokens is far slower on CPU)

@@ -34,6 +34,9 @@ std::tuple<at::Tensor, at::Tensor> mkl_tiled_greedy(const at::Tensor& x,
                                                     int64_t tile_n, int64_t n, bool logprobs);
 
 at::Tensor panel_pack(const at::Tensor& weight);
+bool panel_bf16_dot();
+at::Tensor panel_linear_many(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                             const std::optional<at::Tensor>& bias);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                         const std::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -107,6 +110,9 @@ DELTASERVE_TORCH_LIBRARY(DELTASERVE_CPU_NS, m) {
         "-> (Tensor, Tensor)", &mkl_tiled_greedy);
   m.def("panel_pack(Tensor weight) -> Tensor", &panel_pack);
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
+  m.def("panel_bf16_dot() -> bool", &panel_bf16_dot);
+  m.def("panel_linear_many(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor",
+        &panel_linear_many);
   m.def("int4pack_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group, int n, "
         "int block, bool interleaved) -> Tensor", &int4pack_linear);
   m.def("int4pack_dequantize(Tensor packed, Tensor scales_and_zeros, int group, int n, "

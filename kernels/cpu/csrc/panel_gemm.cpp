@@ -9,7 +9,9 @@
 // L1 (partial sums parked in a small buffer), the next panel's chunk prefetched a slice per
 // block. For 4-47 rows this beats MKL's packed GEMM
 // by streaming W at close to the memory bandwidth; a bfloat16 W is widened in registers, so it
-// streams half the bytes. Larger row counts go to MKL (kernels/cpu/linear.py).
+// streams half the bytes. Larger row counts go to MKL (kernels/cpu/linear.py), except a long
+// prefill's MoE experts, whose panels are their only copy (kernels/cpu/moe_experts.py): their
+// rows are taken in L2-sized slices of x, each slice walking the panels.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +34,8 @@ namespace {
 
 constexpr int kPanel = 32;   // output columns per panel
 constexpr int kKChunk = 64;  // k values per chunk when several row blocks share a panel
+constexpr int64_t kSliceBytes = 256 * 1024;  // float32 x per row slice (panel_gemm)
+constexpr int64_t kSliceMinRows = 96;        // never fewer rows a slice (decode: one slice)
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -164,15 +168,23 @@ void rows_against_panel(const float* x, int64_t m, int64_t k, const W* panel, co
 template <typename W>
 void panel_gemm(const float* x, int64_t m, int64_t k, const W* panels, int64_t n, float* y) {
   const int64_t np = (n + kPanel - 1) / kPanel;
+  // many rows (a long prefill's experts) in slices of ~256 KiB of x, each walking the thread's
+  // panels: the slice stays in L2, where x whole would come from L3 once per panel
+  const int64_t slice = std::max<int64_t>(kSliceMinRows, kSliceBytes / (4 * k));
   at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc_buf(static_cast<size_t>(m * kPanel) + 16);
+    const int64_t rows = std::min(m, slice);
+    std::vector<float> acc_buf(static_cast<size_t>(rows * kPanel) + 16);
     float* acc = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(acc_buf.data()) + 63) & ~uintptr_t{63});
-    for (int64_t p = lo; p < hi; ++p) {
-      const W* panel = panels + p * k * kPanel;
-      const W* next = p + 1 < hi ? panel + k * kPanel : nullptr;
-      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-      rows_against_panel(x, m, k, panel, next, y + p * kPanel, n, cols, acc);
+    for (int64_t s0 = 0; s0 < m; s0 += slice) {
+      const int64_t s1 = std::min(m, s0 + slice);
+      for (int64_t p = lo; p < hi; ++p) {
+        const W* panel = panels + p * k * kPanel;
+        const W* next = p + 1 < hi ? panel + k * kPanel : nullptr;
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+        rows_against_panel(x + s0 * k, s1 - s0, k, panel, next, y + s0 * n + p * kPanel, n,
+                           cols, acc);
+      }
     }
   });
 }
