@@ -4,8 +4,8 @@ prepares itself. Each keeps its torch code for inputs the kernels do not take, a
 library is missing.
 
 A prepared linear's own parameter is then let go (release_dense_weights): its panels and
-pack are the two copies kept; so are packed MoE experts' stacked weights
-(release_expert_weights): their panels are the one copy.
+pack are the two copies kept; packed MoE experts' stacked weights go as soon as each layer
+is packed (release_expert_weights): their panels are the one copy.
 
 This is the long step after the weights load on a CPU (the GEMM weights are packed, about 2 s
 for the 135M default model), and on a first start the library is compiled before it (1-3
@@ -37,15 +37,18 @@ def use_cpu_kernels(model: nn.Module) -> int:
     used = 0
     for module in modules:
         used += bool(module.use_cpu_kernels())
+        # packed experts go at once: the load's peak is then one layer's experts beside its
+        # panels, not every layer's (the memory check budgets one copy of them)
+        release_expert_weights(module)
         progress.advance()
     release_dense_weights(model)
-    release_expert_weights(model)
     return used
 
 
 def release_expert_weights(model: nn.Module) -> int:
     """Let every packed MoE experts module's stacked weights go (layers/moe.py's
-    PackedExperts: the panels are their copy from then on); returns how many did."""
+    PackedExperts: the panels are their copy from then on), in `model` or a module of it;
+    returns how many did."""
     return sum(bool(m.release_expert_weights()) for m in model.modules()
                if callable(getattr(m, "release_expert_weights", None)))
 
