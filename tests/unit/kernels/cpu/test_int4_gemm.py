@@ -107,3 +107,18 @@ def test_the_probe_refuses_a_pack_that_differs_past_its_first_tail(monkeypatch, 
     int4_gemm._probe.cache_clear()
     monkeypatch.setattr(int4_gemm, "pack", lambda c: pack_like_torch(c, **variant))
     assert int4_gemm.layout() is None
+
+
+def test_one_thread_and_two_give_the_same_bits(cpu_isa):
+    """Threads split the output panels, never a sum: the thread count changes no bit."""
+    codes, sz = weight(208, 576, 64, seed=9)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
+    packed, kept = int4_gemm.pack(codes), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int4_gemm.linear(x, packed, sz, 64, 208, cpu_isa)
+        torch.set_num_threads(2)
+        two = int4_gemm.linear(x, packed, sz, 64, 208, cpu_isa)
+    finally:
+        torch.set_num_threads(kept)
+    assert torch.equal(one, two)
