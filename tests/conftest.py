@@ -126,5 +126,5 @@ def keep_dense_weights(monkeypatch):
     them go once packed): for tests that check where the loader writes weights."""
     from worker_service.layers import cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "release_dense_weights", lambda model: 0)
+    monkeypatch.setattr(cpu_kernels, "release_dense_weights", lambda model, holders=None: 0)
     monkeypatch.setattr(cpu_kernels, "release_expert_weights", lambda model: 0)

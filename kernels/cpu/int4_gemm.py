@@ -6,9 +6,9 @@ codes once with no scratch). layers/quant_linear.py picks between them by row co
 
 torch's packed layout is not a public format: it depends on the ATen CPU capability that packed
 it (64-row interleaved blocks on AVX-512, 32 on AVX2, pairs on the portable build). layout()
-packs a probe once per process and keeps the reading of it that reproduces the codes; when none
-does (a torch that changed its format), available() is False and torch's kernel runs every row
-count.
+packs probes once per process (a full block, each tail, two k tiles) and keeps the reading of
+them that reproduces the codes; when none does (a torch that changed its format), layout() is
+None and torch's kernel runs every row count.
 """
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ from kernels.cpu import extension
 # docs/cpu_performance.md)
 MIN_ROWS = 8
 _CANDIDATES = ((64, True), (32, True), (32, False), (64, False))
-_PROBE_N, _PROBE_K, _PROBE_GROUP = 80, 64, 32     # one full 64-row block and a 16-row tail
+# a full 64-row block and each tail torch can leave (16, 32, 48 rows; on AVX2 a 32-row block
+# and a 16-row tail), over two k tiles of 256: a pack that differs only past a shape checked
+# would be misread, every layer of that shape
+_PROBE_NS, _PROBE_K, _PROBE_GROUP = (80, 96, 112), 512, 32
 
 
 class Int4Layout(NamedTuple):
@@ -50,12 +53,15 @@ def reference(codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor
 def _probe(namespace: str) -> Int4Layout | None:
     ops = getattr(torch.ops, namespace)
     gen = torch.Generator().manual_seed(7)
-    codes = torch.randint(0, 16, (_PROBE_N, _PROBE_K), generator=gen, dtype=torch.int32)
-    sz = (torch.rand(_PROBE_K // _PROBE_GROUP, _PROBE_N, 2, generator=gen) + 0.5).bfloat16()
-    packed, want = pack(codes), reference(codes, sz, _PROBE_GROUP)
+    probes = []
+    for n in _PROBE_NS:
+        codes = torch.randint(0, 16, (n, _PROBE_K), generator=gen, dtype=torch.int32)
+        sz = (torch.rand(_PROBE_K // _PROBE_GROUP, n, 2, generator=gen) + 0.5).bfloat16()
+        probes.append((pack(codes), sz, n, reference(codes, sz, _PROBE_GROUP)))
     for block, interleaved in _CANDIDATES:
-        got = ops.int4pack_dequantize(packed, sz, _PROBE_GROUP, _PROBE_N, block, interleaved)
-        if torch.equal(got, want):
+        if all(torch.equal(ops.int4pack_dequantize(packed, sz, _PROBE_GROUP, n, block,
+                                                   interleaved), want)
+               for packed, sz, n, want in probes):
             return Int4Layout(block, interleaved)
     return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import extension
+from kernels.cpu import extension, moe_experts
 from kernels.cpu.moe_experts import MAX_MEAN_ROWS
 from tests.unit.worker_service.models.test_moe import H, E, hf_block, our_block
 from worker_service.layers.cpu_kernels import use_cpu_kernels
@@ -106,22 +106,25 @@ def test_one_expert_taking_every_token_and_the_row_limit():
 
 
 def test_tp_slices_on_the_packed_path_sum_to_the_whole_block():
-    """Each rank packs its half of every expert: the partial sums still add up to the block."""
+    """Each rank packs its half of every expert (and lets its parameters go): the partial sums
+    still add up to the block, on the packed kernel and on the grouped path reading the
+    rank's panels back."""
     cfg, theirs = hf_block("qwen2_moe", norm_topk_prob=False)
     x = torch.randn(6, H)
     with torch.no_grad():
         expected = theirs(x[None])[0]
-    total = torch.zeros_like(x)
+    totals = [torch.zeros_like(x), torch.zeros_like(x)]
     for rank in range(2):
         part = our_block(cfg, theirs, TPGroup(rank=rank, world_size=2))
         use_cpu_kernels(part)
+        assert part.experts.weights_released
         with torch.no_grad():
             weights, ids = part.gate(x)
-            calls = part.experts.cpu_experts.calls
-            partial = part.experts(x, weights, ids)
-            assert part.experts.cpu_experts.calls == calls + 1
-            total += partial + part.shared_expert_gate(x) * part.shared_expert(x)
-    torch.testing.assert_close(total, expected, rtol=0, atol=1e-5)
+            shared = part.shared_expert_gate(x) * part.shared_expert(x)
+        for total, partial in zip(totals, packed_and_grouped(part.experts, x, weights, ids)):
+            total += partial + shared
+    for total in totals:
+        torch.testing.assert_close(total, expected, rtol=0, atol=1e-5)
 
 
 def test_forced_fused_experts_are_not_packed():
@@ -194,3 +197,21 @@ def test_unpacked_experts_keep_their_weights(dtype, fused_moe):
         with torch.no_grad():
             out = experts(torch.randn(5, H).to(dtype), weights.to(dtype), ids)
         assert out.isfinite().all()
+
+
+def test_each_layers_experts_go_before_the_next_layer_packs(monkeypatch):
+    """The load's peak: a layer's dense experts beside its panels, never every layer's (the
+    memory check budgets one copy of the experts: a model whose experts fill half the RAM
+    would pass it, then run out while its later layers packed)."""
+    layers = torch.nn.ModuleList(random_experts(torch.float32) for _ in range(3))
+    seen = []
+    prepare = moe_experts.prepare
+
+    def watched(*args, **kwargs):
+        seen.append([e.weights_released for e in layers if e.cpu_experts is not None])
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(moe_experts, "prepare", watched)
+    assert use_cpu_kernels(layers) == 6
+    assert seen == [[], [True], [True, True]]
+    assert all(e.weights_released for e in layers)

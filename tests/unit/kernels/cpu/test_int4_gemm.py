@@ -67,3 +67,60 @@ def test_bad_arguments_name_the_field(ops, change, field):
     with pytest.raises(RuntimeError, match=field):
         ops.int4pack_linear(args["x"], args["packed"], args["sz"], args["group"], args["n"],
                             args["block"], args["interleaved"])
+
+
+def pack_like_torch(codes: torch.Tensor, interleave_rows=(64,), k_tile: int | None = None):
+    """torch's AVX-512 int4 pack written out (blocks of 64 rows, a full block interleaved, a
+    last block of fewer rows in pairs), with knobs for the ways another torch might differ:
+    `interleave_rows` the block heights it interleaves, `k_tile` k tiles laid out across the
+    blocks ([K / tile][blocks][tile][rows / 2] instead of [blocks][K][rows / 2])."""
+    n, k = codes.shape
+    blocks = []
+    for b0 in range(0, n, 64):
+        blk = codes[b0:b0 + 64].to(torch.uint8)
+        rows = blk.shape[0]
+        lo, hi = ((blk[:rows // 2], blk[rows // 2:]) if rows in interleave_rows
+                  else (blk[0::2], blk[1::2]))
+        blocks.append((lo | (hi << 4)).t().contiguous())              # [K, rows / 2]
+    tile = k_tile or k
+    return torch.cat([b[t:t + tile].reshape(-1) for t in range(0, k, tile)
+                      for b in blocks]).view(n, k // 2)
+
+
+@pytest.fixture
+def fresh_probe():
+    int4_gemm._probe.cache_clear()
+    yield
+    int4_gemm._probe.cache_clear()
+
+
+@pytest.mark.parametrize("variant", [{"interleave_rows": (64, 48, 32)}, {"k_tile": 128}])
+def test_the_probe_refuses_a_pack_that_differs_past_its_first_tail(monkeypatch, fresh_probe,
+                                                                   variant):
+    """A torch that interleaved tails of 32 / 48 rows, or tiled k across the blocks past 64
+    values, packs an [80, 64] probe as this one does: the probe must see such a layout and
+    refuse it (the kernel would misread every layer with that tail, or K)."""
+    if not int4_gemm.extension.load():
+        pytest.skip(f"deltaserve_cpu not built: {int4_gemm.extension.status()}")
+    codes = torch.randint(0, 16, (240, 512), generator=torch.Generator().manual_seed(5))
+    if not torch.equal(pack_like_torch(codes), int4_gemm.pack(codes)):
+        pytest.skip("this torch does not pack as its AVX-512 build does")
+    assert int4_gemm.layout() == (64, True)
+    int4_gemm._probe.cache_clear()
+    monkeypatch.setattr(int4_gemm, "pack", lambda c: pack_like_torch(c, **variant))
+    assert int4_gemm.layout() is None
+
+
+def test_one_thread_and_two_give_the_same_bits(cpu_isa):
+    """Threads split the output panels, never a sum: the thread count changes no bit."""
+    codes, sz = weight(208, 576, 64, seed=9)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
+    packed, kept = int4_gemm.pack(codes), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int4_gemm.linear(x, packed, sz, 64, 208, cpu_isa)
+        torch.set_num_threads(2)
+        two = int4_gemm.linear(x, packed, sz, 64, 208, cpu_isa)
+    finally:
+        torch.set_num_threads(kept)
+    assert torch.equal(one, two)

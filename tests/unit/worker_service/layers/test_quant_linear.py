@@ -119,7 +119,7 @@ def test_many_rows_take_the_panel_kernel_and_match(zero_low, group, n, k):
         b.zeros.fill_(8)
     linear = build(b, torch.bfloat16)
     w = dequantize(b).bfloat16().float()          # the dequantized load's bfloat16 weight
-    rows = (1, 5, 17, 64, 300)
+    rows = (1, 5, int4_gemm.MIN_ROWS - 1, int4_gemm.MIN_ROWS, 17, 64, 300)
     for m in rows:
         x = torch.randn(m, k).bfloat16()
         want = x.float() @ w.t()
