@@ -14,6 +14,7 @@ would be dropped), as is a name smg's `ALIAS=NAME` cannot carry.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from engine_common.request.params import ParamError
@@ -41,6 +42,16 @@ def add_list_flags(group) -> None:
                        help="the keys OpenAI clients may send as `Authorization: Bearer KEY`, "
                        "any one of them (the gRPC port's keys are --api-key-file) (default: "
                        "unset)")
+
+
+def given_keys(args, environ=None) -> list[str]:
+    """The --api-key values, else VLLM_API_KEY's (as vLLM: the flag wins; an empty variable is
+    no key), so a vLLM line guarded by the variable is not served open."""
+    keys = getattr(args, "api_key", None)
+    if keys:
+        return list(keys)
+    env = (os.environ if environ is None else environ).get("VLLM_API_KEY")
+    return [env] if env else []
 
 
 def checked_keys(keys) -> tuple[str, ...]:

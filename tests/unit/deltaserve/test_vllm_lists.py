@@ -82,3 +82,22 @@ def test_a_model_after_a_list_flag_is_refused_not_taken_as_a_value(flag, capsys,
     code = main(["serve", "--openai-listen", "off", flag, "k1", str(model)])
     err = capsys.readouterr().err
     assert code == 2 and f"it was read as a value of {flag}" in err, err
+
+
+def test_vllm_api_key_in_the_environment_guards_the_api_as_in_vllm():
+    """vLLM serves with VLLM_API_KEY's key when --api-key is absent: the same line here must
+    not serve the API open."""
+    options, _ = openai_options(_args("serve"), environ={"VLLM_API_KEY": "env-key"})
+    assert options.api_keys == ("env-key",)
+    assert _pairs(smg_command("smg", options, "127.0.0.1:1", "m", 2), "--api-key") == ["env-key"]
+
+
+@pytest.mark.parametrize("environ,keys", [({"VLLM_API_KEY": ""}, ()), ({}, ())])
+def test_an_empty_or_absent_vllm_api_key_is_no_key(environ, keys):
+    assert openai_options(_args("serve"), environ=environ)[0].api_keys == keys
+
+
+def test_the_api_key_flag_wins_over_vllm_api_key():
+    options, _ = openai_options(_args("serve", "--api-key", "flag-key"),
+                                environ={"VLLM_API_KEY": "env-key"})
+    assert options.api_keys == ("flag-key",)
