@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import dying_with_parent, stop_process
-from deltaserve.vllm_lists import (add_list_flags, checked_aliases, checked_keys, given_keys,
-                                   smg_alias_flags, smg_key_flags)
+from deltaserve.vllm_lists import (add_list_flags, check_adapter_names, checked_aliases,
+                                   checked_keys, given_keys, smg_alias_flags, smg_key_flags)
 from deltaserve.gateway_checks import (OriginList, bind_address, check_compatible, check_free,
                                        check_parsers, check_tls, cors_origins)
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
@@ -157,6 +157,7 @@ def openai_options(args, environ=None) -> tuple[OpenAIOptions, bool]:
     keys = checked_keys(given_keys(args, environ))
     name = getattr(args, "served_model_name", None)
     aliases = checked_aliases(name, getattr(args, "model_aliases", ()))
+    check_adapter_names(name, aliases, getattr(args, "lora_engine_listen", None))
     if args.host is not None or args.port is not None:
         if listen is not None:
             # the flag the user gave (--port alone was refused as "host=None")

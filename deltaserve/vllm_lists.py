@@ -76,6 +76,19 @@ def checked_aliases(name: str | None, aliases: tuple[str, ...]) -> tuple[str, ..
     return aliases
 
 
+def check_adapter_names(name: str | None, aliases: tuple[str, ...],
+                        lora_engine_listen: str | None) -> None:
+    """ParamError when the model's served name or an alias is an adapter's name in
+    --lora-engine-listen: the gateway would route that name to the model and the adapter's
+    port alike (two workers registering one name: one model, load-balanced), so some answers
+    would come from the wrong one."""
+    adapters = [entry.partition("=")[0] for entry in (lora_engine_listen or "").split()]
+    for served in (name, *aliases):
+        if served is not None and served in adapters:
+            raise ParamError("--served-model-name", served, "a name no --lora-engine-listen "
+                             f"adapter has (adapters: {', '.join(adapters)})")
+
+
 def smg_alias_flags(name: str | None, aliases: tuple[str, ...]) -> list[str]:
     """smg's flags serving `aliases` as the model `name`."""
     return [arg for alias in aliases for arg in ("--model-alias", f"{alias}={name}")]

@@ -101,3 +101,14 @@ def test_the_api_key_flag_wins_over_vllm_api_key():
     options, _ = openai_options(_args("serve", "--api-key", "flag-key"),
                                 environ={"VLLM_API_KEY": "env-key"})
     assert options.api_keys == ("flag-key",)
+
+
+@pytest.mark.parametrize("names", [["sql"], ["base", "sql"]])
+def test_a_served_name_or_alias_that_is_an_adapter_name_is_refused(names):
+    """A name both the model and a --lora-engine-listen adapter register: the gateway would
+    answer it from either, so it is refused before the model is read."""
+    args = _args("serve", "--served-model-name", *names, "--enable-lora",
+                 "--lora-engine-listen", "chat=127.0.0.1:0 sql=127.0.0.1:0")
+    with pytest.raises(ParamError, match="--served-model-name='sql' is invalid: must be a "
+                                         "name no --lora-engine-listen adapter has"):
+        openai_options(args)
