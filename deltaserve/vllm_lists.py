@@ -89,18 +89,21 @@ def check_adapter_names(name: str | None, aliases: tuple[str, ...],
                              f"adapter has (adapters: {', '.join(adapters)})")
 
 
+# smg's flags and their values as one `--flag=value` word each: smg's argparse takes a
+# separate value starting with '-' (a key from secrets.token_urlsafe, 1 in 64) for a flag.
+
+
 def smg_alias_flags(name: str | None, aliases: tuple[str, ...]) -> list[str]:
     """smg's flags serving `aliases` as the model `name`."""
-    return [arg for alias in aliases for arg in ("--model-alias", f"{alias}={name}")]
+    return [f"--model-alias={alias}={name}" for alias in aliases]
 
 
 def smg_key_flags(keys: tuple[str, ...]) -> list[str]:
     """smg's flags admitting each of `keys`: the first as --api-key, the others as tenants."""
     if not keys:
         return []
-    extra = [arg for i, key in enumerate(keys[1:], start=2)
-             for arg in ("--tenant-api-key", f"key-{i}:{key}")]
-    return ["--api-key", keys[0], *extra]
+    extra = [f"--tenant-api-key=key-{i}:{key}" for i, key in enumerate(keys[1:], start=2)]
+    return [f"--api-key={keys[0]}", *extra]
 
 
 def swallowed_model(args) -> str | None:

@@ -19,7 +19,9 @@ def _args(*argv: str):
 
 
 def _pairs(cmd: list[str], flag: str) -> list[str]:
-    return [cmd[i + 1] for i, arg in enumerate(cmd) if arg == flag]
+    """The values of `flag` in `cmd`, given as `flag VALUE` or `flag=VALUE`."""
+    return [cmd[i + 1] if arg == flag else arg.partition("=")[2]
+            for i, arg in enumerate(cmd) if arg == flag or arg.startswith(flag + "=")]
 
 
 @pytest.mark.parametrize("command", [["serve"], ["scheduler", "--model", "m", "--workers",
@@ -36,7 +38,7 @@ def test_several_served_names_become_the_models_name_and_the_gateways_aliases(co
 def test_one_served_name_gives_the_gateway_no_alias():
     options, _ = openai_options(_args("serve", "--served-model-name", "alpha"))
     assert options.model_aliases == ()
-    assert "--model-alias" not in smg_command("smg", options, "127.0.0.1:1", "m", 2)
+    assert _pairs(smg_command("smg", options, "127.0.0.1:1", "m", 2), "--model-alias") == []
 
 
 def test_several_api_keys_are_the_gateways_key_and_its_tenant_keys():
@@ -112,3 +114,12 @@ def test_a_served_name_or_alias_that_is_an_adapter_name_is_refused(names):
     with pytest.raises(ParamError, match="--served-model-name='sql' is invalid: must be a "
                                          "name no --lora-engine-listen adapter has"):
         openai_options(args)
+
+
+def test_a_key_starting_with_a_dash_reaches_the_gateway_as_one_flag_value_word(tmp_path):
+    """`--api-key=-k1` (secrets.token_urlsafe starts one key in 64 with '-'): smg's parser
+    takes a separate word starting with '-' for a flag (`smg launch --api-key -abc` prints its
+    usage and exits), so each key travels as `--flag=value`."""
+    options, _ = openai_options(_args("serve", "--api-key=-k1"))
+    cmd = smg_command("smg", options, "127.0.0.1:1", str(tmp_path), 2)
+    assert "--api-key=-k1" in cmd and "-k1" not in cmd
