@@ -51,6 +51,8 @@ def given_keys(args, environ=None) -> list[str]:
     if keys:
         return list(keys)
     env = (os.environ if environ is None else environ).get("VLLM_API_KEY")
+    if env and not env.strip():
+        raise ParamError("VLLM_API_KEY", env, "a key with a character other than whitespace")
     return [env] if env else []
 
 

@@ -99,6 +99,11 @@ def test_an_empty_or_absent_vllm_api_key_is_no_key(environ, keys):
     assert openai_options(_args("serve"), environ=environ)[0].api_keys == keys
 
 
+def test_a_blank_vllm_api_key_is_refused_naming_the_variable():
+    with pytest.raises(ParamError, match=r"VLLM_API_KEY=' ' is invalid: must be a key"):
+        openai_options(_args("serve"), environ={"VLLM_API_KEY": " "})
+
+
 def test_the_api_key_flag_wins_over_vllm_api_key():
     options, _ = openai_options(_args("serve", "--api-key", "flag-key"),
                                 environ={"VLLM_API_KEY": "env-key"})
