@@ -17,6 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
+from deltaserve.hub_cache import cached_snapshot, is_hub_id
 from engine_common.request.params import ParamError
 
 
@@ -118,8 +119,20 @@ def swallowed_model(args) -> str | None:
              ("--served-model-name", [getattr(args, "served_model_name", None) or "",
                                       *getattr(args, "model_aliases", ())]))
     for flag, values in lists:
-        path = next((v for v in values if v and Path(v).expanduser().exists()), None)
+        path = next((v for v in values if _model_like(flag, v)), None)
         if path is not None:
             return (f"MODEL={path!r} is invalid: it was read as a value of {flag}, which takes "
                     "several; give MODEL before it (serve MODEL ...)")
     return None
+
+
+def _model_like(flag: str, value: str) -> bool:
+    """Whether a list value is surely a MODEL: a path that exists, a Hub id in the local cache,
+    or, as a served name (vLLM refuses names without MODEL), any Hub id (org/name)."""
+    if not value:
+        return False
+    if Path(value).expanduser().exists():
+        return True
+    if not is_hub_id(value):
+        return False
+    return flag == "--served-model-name" or cached_snapshot(value) is not None

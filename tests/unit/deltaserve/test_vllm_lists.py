@@ -9,6 +9,7 @@ import pytest
 
 from deltaserve.cli import build_parser, main
 from deltaserve.openai_gateway import openai_front, openai_options, smg_command
+from deltaserve.vllm_lists import swallowed_model
 from engine_common.request.params import ParamError
 from scheduler_service.api.api_options import ApiOptions
 from scheduler_service.api.engine_flags import engine_settings
@@ -128,3 +129,25 @@ def test_a_key_starting_with_a_dash_reaches_the_gateway_as_one_flag_value_word(t
     options, _ = openai_options(_args("serve", "--api-key=-k1"))
     cmd = smg_command("smg", options, "127.0.0.1:1", str(tmp_path), 2)
     assert "--api-key=-k1" in cmd and "-k1" not in cmd
+
+
+def test_a_hub_id_after_served_model_name_is_refused_not_served_as_an_alias(capsys):
+    """`serve --served-model-name my Qwen/Qwen3-0.6B`: vLLM refuses a served name without MODEL
+    first; here it would serve the default model, with the Hub id as an alias."""
+    code = main(["serve", "--served-model-name", "my", "Qwen/Qwen3-0.6B"])
+    err = capsys.readouterr().err
+    assert code == 2 and "MODEL='Qwen/Qwen3-0.6B' is invalid: it was read as a value of " \
+                         "--served-model-name" in err, err
+
+
+def test_a_cached_hub_id_after_api_key_is_refused_not_taken_as_a_key(capsys, tmp_path,
+                                                                      monkeypatch):
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    code = main(["serve", "--api-key", "k1", "org/tiny"])
+    err = capsys.readouterr().err
+    assert code == 2 and "MODEL='org/tiny' is invalid: it was read as a value of --api-key" \
+        in err, err
+    assert swallowed_model(_args("serve", "--api-key", "k1", "k/2")) is None  # not cached: a key
