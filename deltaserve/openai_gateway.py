@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.child_process import dying_with_parent, stop_process
-from deltaserve.vllm_lists import (add_list_flags, checked_aliases, checked_keys,
-                                   smg_alias_flags, smg_key_flags)
+from deltaserve.vllm_lists import (add_list_flags, check_adapter_names, checked_aliases,
+                                   checked_keys, given_keys, smg_alias_flags, smg_key_flags)
 from deltaserve.gateway_checks import (OriginList, bind_address, check_compatible, check_free,
                                        check_parsers, check_tls, cors_origins)
 from engine_common.configuration.listen_address import OFF, ListenAddress, split_listen
@@ -143,7 +143,7 @@ def add_openai_flags(parser, default_listen: str | None) -> None:
     parser.set_defaults(openai_default_listen=default_listen)
 
 
-def openai_options(args) -> tuple[OpenAIOptions, bool]:
+def openai_options(args, environ=None) -> tuple[OpenAIOptions, bool]:
     """(the options, whether the user asked for the listener). --host/--port override the
     default address; with --openai-listen as well they are refused. Each refusal names the flag
     typed; `serve` and `scheduler` call this before the model is read, as smg would refuse a
@@ -154,9 +154,10 @@ def openai_options(args) -> tuple[OpenAIOptions, bool]:
         raise ParamError("--port", args.port, _PORTS)
     if listen is not None and not GatewayListen().ok(listen):
         raise ParamError("--openai-listen", listen, GatewayListen.allowed)
-    keys = checked_keys(getattr(args, "api_key", None))
+    keys = checked_keys(given_keys(args, environ))
     name = getattr(args, "served_model_name", None)
     aliases = checked_aliases(name, getattr(args, "model_aliases", ()))
+    check_adapter_names(name, aliases, getattr(args, "lora_engine_listen", None))
     if args.host is not None or args.port is not None:
         if listen is not None:
             # the flag the user gave (--port alone was refused as "host=None")

@@ -200,29 +200,44 @@ _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
+# Shared flags whose values vLLM spells its way: --dtype's names, and the token counts its
+# arg_utils reads with human_readable_int (--max-model-len also -1 / auto).
+_SPELLED = ("--dtype", "--max-model-len", "--max-num-batched-tokens")
+
+
 def vllm_spellings(argv: list[str]) -> list[str]:
-    """argv with vLLM's spellings of shared flags' values in ours (a value we cannot read is
-    left for the flag's own error). --max-model-len -1 or auto: the model's (our unset)."""
+    """argv with vLLM's spellings in ours: a flag's underscores as dashes (--max_model_len, as
+    vLLM's parser reads it), shared flags' values (a value we cannot read is left for the
+    flag's own error). --max-model-len -1 or auto: the model's (our unset)."""
     out: list[str] = []
     i = 0
     while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name in ("--dtype", "--max-model-len") and (eq or i + 1 < len(argv)):
+        name, eq, value = _dashed(argv[i]).partition("=")
+        if name in _SPELLED and (eq or i + 1 < len(argv)):
             if not eq:
                 i += 1
                 value = argv[i]
             spelled = _spelled(name, value)
             out.extend([] if spelled is None else [f"{name}={spelled}"])
         else:
-            out.append(argv[i])
+            out.append(name + eq + value)
         i += 1
     return out
+
+
+def _dashed(arg: str) -> str:
+    """--a_b[=v] as --a-b[=v] (vLLM's parser takes either); any other argument as given."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 def _spelled(name: str, value: str) -> str | None:
     if name == "--dtype":
         return _DTYPES.get(value, value)
-    if value.strip() == "-1" or value.strip().lower() == "auto":
+    auto = name == "--max-model-len"
+    if auto and (value.strip() == "-1" or value.strip().lower() == "auto"):
         return None                      # the model's length: the flag left unset
     match = _HUMAN_INT.fullmatch(value.strip())
     if match is None:

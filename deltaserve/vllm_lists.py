@@ -14,8 +14,10 @@ would be dropped), as is a name smg's `ALIAS=NAME` cannot carry.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
+from deltaserve.hub_cache import cached_snapshot, is_hub_id
 from engine_common.request.params import ParamError
 
 
@@ -43,6 +45,18 @@ def add_list_flags(group) -> None:
                        "unset)")
 
 
+def given_keys(args, environ=None) -> list[str]:
+    """The --api-key values, else VLLM_API_KEY's (as vLLM: the flag wins; an empty variable is
+    no key), so a vLLM line guarded by the variable is not served open."""
+    keys = getattr(args, "api_key", None)
+    if keys:
+        return list(keys)
+    env = (os.environ if environ is None else environ).get("VLLM_API_KEY")
+    if env and not env.strip():
+        raise ParamError("VLLM_API_KEY", env, "a key with a character other than whitespace")
+    return [env] if env else []
+
+
 def checked_keys(keys) -> tuple[str, ...]:
     """The --api-key values; one that is empty or blank is refused (smg trims a key, then
     refuses an empty one)."""
@@ -65,18 +79,34 @@ def checked_aliases(name: str | None, aliases: tuple[str, ...]) -> tuple[str, ..
     return aliases
 
 
+def check_adapter_names(name: str | None, aliases: tuple[str, ...],
+                        lora_engine_listen: str | None) -> None:
+    """ParamError when the model's served name or an alias is an adapter's name in
+    --lora-engine-listen: the gateway would route that name to the model and the adapter's
+    port alike (two workers registering one name: one model, load-balanced), so some answers
+    would come from the wrong one."""
+    adapters = [entry.partition("=")[0] for entry in (lora_engine_listen or "").split()]
+    for served in (name, *aliases):
+        if served is not None and served in adapters:
+            raise ParamError("--served-model-name", served, "a name no --lora-engine-listen "
+                             f"adapter has (adapters: {', '.join(adapters)})")
+
+
+# smg's flags and their values as one `--flag=value` word each: smg's argparse takes a
+# separate value starting with '-' (a key from secrets.token_urlsafe, 1 in 64) for a flag.
+
+
 def smg_alias_flags(name: str | None, aliases: tuple[str, ...]) -> list[str]:
     """smg's flags serving `aliases` as the model `name`."""
-    return [arg for alias in aliases for arg in ("--model-alias", f"{alias}={name}")]
+    return [f"--model-alias={alias}={name}" for alias in aliases]
 
 
 def smg_key_flags(keys: tuple[str, ...]) -> list[str]:
     """smg's flags admitting each of `keys`: the first as --api-key, the others as tenants."""
     if not keys:
         return []
-    extra = [arg for i, key in enumerate(keys[1:], start=2)
-             for arg in ("--tenant-api-key", f"key-{i}:{key}")]
-    return ["--api-key", keys[0], *extra]
+    extra = [f"--tenant-api-key=key-{i}:{key}" for i, key in enumerate(keys[1:], start=2)]
+    return [f"--api-key={keys[0]}", *extra]
 
 
 def swallowed_model(args) -> str | None:
@@ -89,8 +119,20 @@ def swallowed_model(args) -> str | None:
              ("--served-model-name", [getattr(args, "served_model_name", None) or "",
                                       *getattr(args, "model_aliases", ())]))
     for flag, values in lists:
-        path = next((v for v in values if v and Path(v).expanduser().exists()), None)
+        path = next((v for v in values if _model_like(flag, v)), None)
         if path is not None:
             return (f"MODEL={path!r} is invalid: it was read as a value of {flag}, which takes "
                     "several; give MODEL before it (serve MODEL ...)")
     return None
+
+
+def _model_like(flag: str, value: str) -> bool:
+    """Whether a list value is surely a MODEL: a path that exists, a Hub id in the local cache,
+    or, as a served name (vLLM refuses names without MODEL), any Hub id (org/name)."""
+    if not value:
+        return False
+    if Path(value).expanduser().exists():
+        return True
+    if not is_hub_id(value):
+        return False
+    return flag == "--served-model-name" or cached_snapshot(value) is not None

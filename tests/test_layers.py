@@ -92,7 +92,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.child_process": (),
     "deltaserve.hub_cache": (),
     "deltaserve.gateway_checks": _COMMON,
-    "deltaserve.vllm_lists": _COMMON,
+    "deltaserve.vllm_lists": _COMMON + ("deltaserve.hub_cache",),   # a leaf: MODEL in the cache
     "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",
                                             "deltaserve.gateway_checks",
                                             "deltaserve.vllm_lists"),

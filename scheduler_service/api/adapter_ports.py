@@ -64,6 +64,15 @@ def adapter_listen_of(text: str | None, worker: WorkerConfig) -> tuple[tuple[str
     return pairs
 
 
+def check_not_model_name(pairs: tuple[tuple[str, str], ...], model_name: str) -> None:
+    """ParamError when an adapter has the model's served name: the gateway would take the
+    model's port and the adapter's for one model's two workers and answer from either."""
+    for name, _ in pairs:
+        if name == model_name:
+            raise ParamError(FIELD, name, f"an adapter name other than the model's served name "
+                             f"{model_name!r} (--served-model-name renames the model)")
+
+
 @dataclass
 class AdapterPort:
     """One adapter's bound, not yet started gRPC server."""

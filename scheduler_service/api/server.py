@@ -40,6 +40,7 @@ from engine_common.text.tokenizer import Tokenizer
 from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.api.adapter_ports import (AdapterPort, adapter_listen_of,
+                                                 check_not_model_name,
                                                  build_adapter_ports, start_ports, stop_ports)
 from scheduler_service.core.lora_registry import LoRARegistry
 from scheduler_service.engine.lora_updates import LoRAUpdates, init_config, lora_cache
@@ -190,6 +191,7 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     info = ModelInfo.from_dir(worker.model_dir, worker.max_model_len)
     if options.served_model_name:
         info = dataclasses.replace(info, name=options.served_model_name)
+    check_not_model_name(adapter_listen, info.name)
     tokenizer = Tokenizer.from_dir(worker.model_dir)
     info = info.with_tokenizer_eos(tokenizer.eos_token_id)
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)

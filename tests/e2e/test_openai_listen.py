@@ -5,6 +5,7 @@ gateway as a supervised child (skipped, with the reason, where its binary cannot
   * vLLM's --tensor-parallel-size and --served-model-name: /v1/models lists the served name;
     a second name is served as an alias, answered under the first; a second --api-key admits;
   * the gateway's log lines are folded into ours with an `[smg] ` prefix;
+  * VLLM_API_KEY without --api-key guards them as the key (a key starting with '-' too);
   * --api-key guards the generating endpoints (401 without it; smg 1.13.0 leaves /v1/models
     open);
   * Ctrl-C stops the gateway and the worker with the server (exit 0), the gateway before the
@@ -56,13 +57,14 @@ def _children(pid: int) -> dict[str, int]:
 class Serve(ServeProcess):
     """The chat model on free loopback ports, with the OpenAI API on --host/--port."""
 
-    def __init__(self, model_dir: Path, log: Path, *flags: str):
+    def __init__(self, model_dir: Path, log: Path, *flags: str, env: dict | None = None):
         require_smg()
         self.port, self.openai_port = free_port(), free_port()
         super().__init__(log, ["--model", str(model_dir), "--listen", f"127.0.0.1:{self.port}",
                                "--worker-listen", f"127.0.0.1:{free_port()}", "--device", "cpu",
                                "--kv-cache-gib", SMALL_KV_GIB, "--metrics-listen", "off",
-                               "--host", "127.0.0.1", "--port", str(self.openai_port), *flags])
+                               "--host", "127.0.0.1", "--port", str(self.openai_port), *flags],
+                         env)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -114,6 +116,24 @@ def test_serve_with_host_and_port_answers_openai_and_stops_as_a_group(chat_model
         draining = out.index("draining (grace period 600.0 s;")
         assert draining < out.index("[smg] ", draining), out[-3000:]
         assert out.index("Process exiting.") < out.index("stopping worker"), out[-3000:]
+    finally:
+        serve.close()
+
+
+def test_vllm_api_key_from_the_environment_guards_the_api_even_starting_with_a_dash(
+        chat_model, tmp_path):
+    """`VLLM_API_KEY=-... vllm serve M` (no --api-key; secrets.token_urlsafe starts a key with
+    '-' one time in 64): the API is guarded by that key, and the gateway starts with it."""
+    dash_key = "-dash-key_0123"
+    serve = Serve(chat_model, tmp_path / "serve.log", env={"VLLM_API_KEY": dash_key})
+    try:
+        serve.wait_ready(240)
+        request = {"model": chat_model.name, "max_tokens": 2,
+                   "messages": [{"role": "user", "content": "hi"}]}
+        status, body = http_json(serve.openai_port, "POST", "/v1/chat/completions", request)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+        status, body = _chat_with_key(serve.openai_port, request, dash_key)
+        assert status == 200 and body["choices"][0]["message"]["content"], body
     finally:
         serve.close()
 

@@ -118,6 +118,15 @@ def test_an_unknown_flag_still_fails_with_argparse_s_error_naming_a_near_miss(
     (["--max-model-len", "-1"], []), (["--max-model-len=auto"], []),
     (["--max-model-len", "4096", "--seed", "3"], ["--max-model-len=4096", "--seed", "3"]),
     (["--max-model-len", "x"], ["--max-model-len=x"]),      # the flag's own error then
+    # vLLM reads --max-num-batched-tokens with human_readable_int too (no -1 / auto there)
+    (["--max-num-batched-tokens", "8k"], ["--max-num-batched-tokens=8000"]),
+    (["--max-num-batched-tokens=2K"], ["--max-num-batched-tokens=2048"]),
+    (["--max-num-batched-tokens", "-1"], ["--max-num-batched-tokens=-1"]),
+    # vLLM's parser takes a flag's underscores as dashes; values keep theirs
+    (["--max_model_len", "4k", "--tensor_parallel_size=1"],
+     ["--max-model-len=4000", "--tensor-parallel-size=1"]),
+    (["--served_model_name", "my_model", "--stop=a_b"],
+     ["--served-model-name", "my_model", "--stop=a_b"]),
 ])
 def test_vllm_spellings_of_shared_flags_values_become_ours(given, expected):
     assert vllm_spellings(["serve", *given]) == ["serve", *expected]
@@ -132,6 +141,18 @@ def test_shared_flags_read_vllm_spellings_with_vllm_s_meaning():
     assert settings.worker.dtype == "float16"
     assert settings.worker.max_model_len == 32768
     assert settings.policy.seed == 11
+
+
+def test_a_vllm_line_with_underscored_flags_reads_as_the_dashed_one():
+    """`vllm serve M --max_model_len 8k --max_num_batched_tokens 2k` (older vLLM docs) means
+    what the dashed flags mean, not an unrecognized-arguments error."""
+    args = cli.build_parser().parse_args(vllm_spellings(
+        ["serve", NO_MODEL, "--max_model_len", "8k", "--max_num_batched_tokens", "2k",
+         "--served_model_name", "my_model"]))
+    settings = engine_settings(args, NO_MODEL)
+    assert settings.worker.max_model_len == 8000
+    assert settings.policy.max_num_batched_tokens == 2000
+    assert args.served_model_name == "my_model"
 
 
 def test_a_seed_out_of_range_is_refused_naming_the_flag(capsys):

@@ -49,3 +49,17 @@ def test_needs_enable_lora(tiny_models):
         build_scheduler_server(["127.0.0.1:1"], "127.0.0.1:0",
                                WorkerConfig(model_dir=tiny_models("llama")),
                                options=ServerOptions(lora_engine_listen="sql=127.0.0.1:0"))
+
+
+@pytest.mark.parametrize("served", ["sql", None])
+def test_an_adapter_with_the_models_served_name_is_refused(tiny_models, served):
+    """The gateway routes by name: an adapter port registering the model's own name would be
+    one model's second worker, and some of the model's requests would run the adapter."""
+    model = tiny_models("llama")
+    name = served or model.rstrip("/").rsplit("/", 1)[-1]
+    worker = WorkerConfig(model_dir=model, enable_lora=True, lora_modules=f"{name}=/a")
+    with pytest.raises(ParamError, match=f"lora_engine_listen='{name}' is invalid: must be an "
+                                         "adapter name other than the model's served name"):
+        build_scheduler_server(["127.0.0.1:1"], "127.0.0.1:0", worker,
+                               options=ServerOptions(lora_engine_listen=f"{name}=127.0.0.1:0",
+                                                     served_model_name=served))
