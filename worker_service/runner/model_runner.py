@@ -70,10 +70,11 @@ class ModelRunner(RunnerKVCache):
         self.attention_backend_name = resolve_backend_name(config.attention_backend,
                                                            self.device.type, layout)
         backend = get_attention_backend(self.attention_backend_name, self.device.type, layout)
+        self._check_kv_cache_dtype(layout, loaded=False)     # before a weight is read
         self.model = load_model(config.model_dir, self.tp, backend, self.device, config.dtype,
                                 fused_ops=config.fused_ops,
                                 cpu_quantized_weights=config.cpu_quantized_weights)
-        self._check_kv_cache_dtype(layout)
+        self._check_kv_cache_dtype(layout, loaded=True)      # the windows: the built model's
         # LoRA (docs/lora.md): None without --enable-lora (the model untouched), else LoRASlots.
         self.lora = load_lora(self.model, config)
         self.sampler = Sampler()
@@ -124,13 +125,15 @@ class ModelRunner(RunnerKVCache):
                                                 self.max_model_len, self.block_size)
         self.diff_bounds: DiffBounds | None = None    # set with the KV cache
 
-    def _check_kv_cache_dtype(self, layout: CacheLayout) -> None:
+    def _check_kv_cache_dtype(self, layout: CacheLayout, loaded: bool) -> None:
         """ValueError when --kv-cache-dtype names an fp8 cache this model cannot run with
-        (worker_service/runner/kv_dtype.py: what is built)."""
-        latent = kv_cache_halves(self.model) == 1 or bool(layout.value_dim)
+        (worker_service/runner/kv_dtype.py: what is built). Before the weights load (`loaded`
+        False) what config.json tells (device, backend, MLA's value, sinks); after, the layer
+        windows too, which the built model holds."""
+        latent = bool(layout.value_dim) or (loaded and kv_cache_halves(self.model) == 1)
+        windows = self.layer_windows + (self.sliding_window,) if loaded else ()
         why = fp8_problem(self.config.kv_cache_dtype, self.device.type, latent=latent,
-                          sinks=layout.sinks,
-                          windows=self.layer_windows + (self.sliding_window,),
+                          sinks=layout.sinks, windows=windows,
                           backend=self.attention_backend_name)
         if why is not None:
             raise ValueError(why)

@@ -106,3 +106,13 @@ def test_a_cache_of_another_dtype_is_refused_by_the_kernel():
                                         torch.tensor([0, 1], dtype=torch.int32),
                                         torch.ones(1, dtype=torch.int32), 1.0,
                                         torch.empty(1, 1, 64), 0, None)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e5m2", "e4m3"])
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 96])
+def test_every_other_head_size_matches_the_reference(kv_dtype, head_dim):
+    """The head sizes the kernel dispatches besides 64 and 128: a row of 16 (one AVX-512
+    vector, two AVX2 ones) up to 96 (not a power of two)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    check(fp8_case(gen, [1, 40, 23], [1, 40, 7], 6, 2, head_dim, 16, torch.float32, kv_dtype),
+          1e-5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,14 @@ def test_blocks_counted_at_one_byte_fit_where_float32_blocks_do_not(model):
     with pytest.raises(DoesNotFit):
         check_memory_fits(dataclasses.replace(fp8, kv_cache_dtype="auto"), info, 1, 1,
                           machine_bytes=machine)
+
+
+def test_refused_before_the_weights_are_read(tiny_models, tmp_path):
+    """A layout known from config.json alone (GPT-OSS's sinks) is refused before load_model
+    reads a byte of the weights: here they are unreadable, and the error is still the flag's."""
+    model = tmp_path / "gpt_oss"
+    shutil.copytree(tiny_models("gpt_oss"), model)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is refused.*attention sinks"):
+        _llm(str(model), kv_cache_dtype="fp8")
