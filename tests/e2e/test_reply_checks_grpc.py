@@ -6,6 +6,7 @@ ends UNAVAILABLE, and the tokens are those of the in-process engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from deltaserve.llm import LLM
 from engine_common.configuration.config import SchedulerConfig
@@ -19,6 +20,7 @@ from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.grpc_harness import Processes, free_port
 from tests.support.init_specs import init_spec
+from tests.support.tp_harness import engine_on, reference, run_requests, scheduler_config
 
 PAD = 64
 
@@ -70,3 +72,23 @@ def test_padded_vocabulary_ids_pass_the_checks_with_steps_in_flight(tiny_models,
         engine.shutdown()
         client.close()
         procs.close()
+
+
+def test_tp2_padded_vocabulary_rows_past_each_ranks_shard(tp2_two_nodes, tiny_models):
+    """TP=2 (two nodes, symmetry verified) on an odd padded vocabulary: each rank's shard is
+    padded again to an equal width and trimmed after the gather. The output rank's replies carry
+    the last padding id of the config and are accepted, the TP=1 tokens."""
+    size = Tokenizer.from_dir(tiny_models("qwen3")).vocab_size
+    vocab = size + PAD + 1 - (size + PAD) % 2            # odd: rank 1's shard has a pad row
+    model = tiny_models("qwen3", vocab_size=vocab)
+    prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81], [7, 7, 8]]
+    samplings = [SamplingParams(allowed_token_ids=(vocab - 1,)),
+                 SamplingParams(temperature=0.9, seed=4, allowed_token_ids=(vocab - 1, 9)),
+                 SamplingParams(seed=5)]
+    stoppings = [StoppingParams(max_tokens=8, ignore_eos=True)] * 3
+    want, _ = reference(model, prompts, samplings, stoppings)
+    assert want[0] == [vocab - 1] * 8
+    config = dataclasses.replace(scheduler_config(), async_scheduling=True)
+    with engine_on(tp2_two_nodes, model, config) as core:
+        assert core.scheduler.vocab_size == vocab
+        assert run_requests(core, model, prompts, samplings, stoppings) == want
