@@ -171,8 +171,10 @@ def scheduler_config() -> SchedulerConfig:
 def make_core(model_dir: str, executor, config: SchedulerConfig | None = None,
               num_blocks: int = NUM_BLOCKS, sliding_window: int = 0,
               window_group=None) -> LLMEngine:
+    # the model's vocab_size bounds every reply's ids, as `deltaserve serve` (server.py) does
     scheduler = Scheduler(config or scheduler_config(), num_blocks,
-                          sliding_window=sliding_window, window_group=window_group)
+                          sliding_window=sliding_window, window_group=window_group,
+                          vocab_size=ModelInfo.from_dir(model_dir).vocab_size)
     return LLMEngine(EngineCore(scheduler, executor),
                      OutputProcessor(Tokenizer.from_dir(model_dir)))
 
