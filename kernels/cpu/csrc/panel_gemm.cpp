@@ -170,7 +170,9 @@ void panel_gemm(const float* x, int64_t m, int64_t k, const W* panels, int64_t n
   const int64_t np = (n + kPanel - 1) / kPanel;
   // many rows (a long prefill's experts) in slices of ~256 KiB of x, each walking the thread's
   // panels: the slice stays in L2, where x whole would come from L3 once per panel
-  const int64_t slice = std::max<int64_t>(kSliceMinRows, kSliceBytes / (4 * k));
+  // (k = 0 counted as 1: no division by zero)
+  const int64_t slice =
+      std::max<int64_t>(kSliceMinRows, kSliceBytes / (4 * std::max<int64_t>(1, k)));
   at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
     const int64_t rows = std::min(m, slice);
     std::vector<float> acc_buf(static_cast<size_t>(rows * kPanel) + 16);

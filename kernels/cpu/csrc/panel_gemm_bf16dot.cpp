@@ -118,7 +118,9 @@ void gemm(const c10::BFloat16* x, int64_t m, int64_t k, const c10::BFloat16* pan
   const int64_t np = (n + kPanel - 1) / kPanel;
   // rows in slices of ~384 KiB of x, packed as pairs once a slice, each slice walking the
   // thread's panels: the slice and a panel (k x 64 bytes) stay in L2
-  const int64_t slice = std::max<int64_t>(4 * kRows, (393216 / (2 * k)) / kRows * kRows);
+  // (k = 0 counted as 1: no division by zero; every row is then the bias)
+  const int64_t slice =
+      std::max<int64_t>(4 * kRows, (393216 / (2 * std::max<int64_t>(1, k))) / kRows * kRows);
   at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
     const int64_t rows = std::min(m, slice);
     std::vector<uint32_t> pairs(static_cast<size_t>((rows + kRows - 1) / kRows * kRows * k / 2));

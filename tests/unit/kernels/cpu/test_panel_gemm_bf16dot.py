@@ -74,3 +74,16 @@ def test_mismatched_panels_and_bias_are_refused(ops):
     if ops.panel_bf16_dot():
         with pytest.raises(RuntimeError, match=r"bias must be \[64\], got \[63\]"):
             ops.panel_linear_many(x, panels, 64, torch.zeros(63, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 200), (torch.bfloat16, 5),
+                                         (torch.bfloat16, 200)])
+def test_an_empty_k_gives_the_bias(ops, dtype, rows):
+    """k = 0 (a GEMM with no inner dimension): F.linear's answer, the bias in every row; the
+    row slices' sizes divided by k and killed the process (SIGFPE)."""
+    panels = ops.panel_pack(torch.zeros(64, 0, dtype=dtype))
+    bias = torch.arange(64, dtype=dtype)
+    x = torch.zeros(rows, 0, dtype=dtype)
+    for fn in (ops.panel_linear_many, ops.panel_linear):
+        assert torch.equal(fn(x, panels, 64, bias), bias.expand(rows, 64))
+        assert torch.equal(fn(x, panels, 64, None), torch.zeros(rows, 64, dtype=dtype))
