@@ -25,8 +25,8 @@ def make_adapter(model_dir: str, out_dir: Path, *, r: int = 8, alpha: int = 16,
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
                      init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0,
                      **peft_options)
-    peft_model = getpeft_model(base, cfg)
-    peft_model.save_pretrained(str(out_dir))
+    adapted = get_peft_model(base, cfg)
+    adapted.save_pretrained(str(out_dir))
     return str(out_dir)
 
 
