@@ -26,6 +26,7 @@ from scheduler_service.errors import EngineUnavailable
 from scheduler_service.core.request import Request
 from scheduler_service.api.server import WorkerCoreFactory
 from scheduler_service.workers.worker_client import WorkerClient
+from tests.support.engine_streams import run_started, stream_ids
 from tests.support.init_specs import init_spec
 from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request, pb,
                                         Processes, scheduler_and_worker, server_status, wait_for)
@@ -114,20 +115,6 @@ def test_stop_string_cuts_without_the_in_flight_token(target, tiny_models):
 
 # ---- a worker that stops answering with two steps in flight -------------------------------
 
-async def _run(engine: AsyncEngine, request: Request, started: asyncio.Event | None = None):
-    """(the request's token ids, the EngineUnavailable its stream ended with or None); sets
-    `started` at its first output."""
-    ids = []
-    try:
-        async for out in engine.generate(request):
-            ids += out.new_token_ids
-            if started is not None:
-                started.set()
-    except EngineUnavailable as e:
-        return ids, e
-    return ids, None
-
-
 def test_step_timeout_mid_pipeline_then_a_clean_epoch(tiny_models, tmp_path):
     model = tiny_models("qwen3")
     procs = Processes(tmp_path)
@@ -150,10 +137,10 @@ def test_step_timeout_mid_pipeline_then_a_clean_epoch(tiny_models, tmp_path):
 
     async def scenario():
         assert await asyncio.to_thread(engine.wait_ready, 60), engine.last_error
-        before, error = await _run(engine, request("before", 8))
+        before, error = await stream_ids(engine, request("before", 8))
         assert error is None and len(before) == 8
         started = [asyncio.Event() for _ in range(3)]
-        long = [asyncio.ensure_future(_run(engine, request(f"long{i}", 500), started[i]))
+        long = [asyncio.ensure_future(stream_ids(engine, request(f"long{i}", 500), started[i]))
                 for i in range(3)]
         for event in started:
             await event.wait()
@@ -165,17 +152,11 @@ def test_step_timeout_mid_pipeline_then_a_clean_epoch(tiny_models, tmp_path):
         assert all(isinstance(e, EngineUnavailable) and 0 < len(ids) < 500
                    for ids, e in results), results
         assert await asyncio.to_thread(engine.wait_ready, 60), engine.last_error
-        after, error = await _run(engine, request("after", 8))
+        after, error = await stream_ids(engine, request("after", 8))
         assert error is None and after == before
         # The stats snapshot may follow the final output by a turn: a flush's answer comes at
         # the end of a turn, after that turn's snapshot.
         await asyncio.wrap_future(engine.flush_prefix_cache(0))
         assert not (engine.stats.num_used_blocks or engine.stats.num_running), engine.stats
 
-    try:
-        engine.start()
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        engine.shutdown()
-        client.close()
-        procs.close()
+    run_started(engine, scenario, 120, client, procs)

@@ -23,6 +23,7 @@ from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import EngineUnavailable
 from scheduler_service.workers.worker_client import WorkerClient
+from tests.support.engine_streams import run_started, stream_ids
 from tests.support.faulty_worker import FaultyWorker
 from tests.support.grpc_harness import Processes, free_port
 from tests.support.init_specs import init_spec
@@ -41,18 +42,6 @@ def _out_of_vocab(vocab_size: int):
         out.sampled_token_ids[-1] = vocab_size + 5
         return out
     return corrupt
-
-
-async def _run(engine, request, started=None):
-    ids = []
-    try:
-        async for out in engine.generate(request):
-            ids += out.new_token_ids
-            if started is not None:
-                started.set()
-    except EngineUnavailable as e:
-        return ids, e
-    return ids, None
 
 
 @pytest.mark.parametrize("fault", ["twice", "out_of_vocab"])
@@ -83,9 +72,10 @@ def test_a_bad_reply_fails_the_step_and_the_next_epoch_serves(tiny_models, tmp_p
 
     async def scenario():
         assert await asyncio.to_thread(engine.wait_ready, 120), engine.last_error
-        alone = [(await _run(engine, request(f"alone{i}", p)))[0] for i, p in enumerate(prompts)]
+        alone = [(await stream_ids(engine, request(f"alone{i}", p)))[0]
+                 for i, p in enumerate(prompts)]
         started = [asyncio.Event() for _ in prompts]
-        runs = [asyncio.ensure_future(_run(engine, request(f"r{i}", p), started[i]))
+        runs = [asyncio.ensure_future(stream_ids(engine, request(f"r{i}", p), started[i]))
                 for i, p in enumerate(prompts)]
         for event in started:
             await event.wait()
@@ -97,16 +87,9 @@ def test_a_bad_reply_fails_the_step_and_the_next_epoch_serves(tiny_models, tmp_p
             assert re.search(want, str(error)), str(error)
             assert 0 < len(ids) < 64 and ids == whole[:len(ids)]   # no bad token reached it
         assert await asyncio.to_thread(engine.wait_ready, 120), engine.last_error
-        again, error = await _run(engine, request("again", prompts[0]))
+        again, error = await stream_ids(engine, request("again", prompts[0]))
         assert error is None and again == alone[0]
         await asyncio.wrap_future(engine.flush_prefix_cache(0))
         assert not (engine.stats.num_used_blocks or engine.stats.num_running), engine.stats
 
-    try:
-        engine.start()
-        asyncio.run(asyncio.wait_for(scenario(), 300))
-    finally:
-        engine.shutdown()
-        client.close()
-        proxy.close()
-        procs.close()
+    run_started(engine, scenario, 300, client, proxy, procs)

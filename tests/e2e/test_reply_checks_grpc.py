@@ -18,6 +18,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.engine.async_engine import AsyncEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.workers.worker_client import WorkerClient
+from tests.support.engine_streams import run_started
 from tests.support.grpc_harness import Processes, free_port
 from tests.support.init_specs import init_spec
 from tests.support.tp_harness import engine_on, reference, run_requests, scheduler_config
@@ -65,13 +66,7 @@ def test_padded_vocabulary_ids_pass_the_checks_with_steps_in_flight(tiny_models,
         assert got == want
         assert not engine.last_error, engine.last_error
 
-    try:
-        engine.start()
-        asyncio.run(asyncio.wait_for(scenario(), 300))
-    finally:
-        engine.shutdown()
-        client.close()
-        procs.close()
+    run_started(engine, scenario, 300, client, procs)
 
 
 def test_tp2_padded_vocabulary_rows_past_each_ranks_shard(tp2_two_nodes, tiny_models):

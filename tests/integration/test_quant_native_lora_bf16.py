@@ -5,7 +5,6 @@ dequantized twin in bfloat16, and the adapter changes them."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
 from kernels.cpu import int4_gemm
-from tests.support.lora_adapters import make_adapter
+from tests.support.lora_adapters import make_adapter, peft_model
 from tests.support.quant_models import make_quantized_pair
 from worker_service.layers import quant_linear
 
@@ -32,21 +31,10 @@ def bfloat16_copy(path: Path) -> str:
     return str(path)
 
 
-@lru_cache(maxsize=4)
-def _peft_bf16(model_dir: str, adapter_dir: str | None):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir)
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
 def peft_bf16_greedy(model_dir: str, adapter_dir: str | None, prompt: list[int]) -> tuple:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = _peft_bf16(model_dir, adapter_dir).generate(
+        out = peft_model(model_dir, adapter_dir, torch.bfloat16).generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
             max_new_tokens=MAX_NEW, pad_token_id=0)
     return tuple(out[0, len(prompt):].tolist())

@@ -25,16 +25,18 @@ def make_adapter(model_dir: str, out_dir: Path, *, r: int = 8, alpha: int = 16,
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
                      init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0,
                      **peft_options)
-    peft_model = get_peft_model(base, cfg)
-    peft_model.save_pretrained(str(out_dir))
+    adapted = get_peft_model(base, cfg)
+    adapted.save_pretrained(str(out_dir))
     return str(out_dir)
 
 
 @lru_cache(maxsize=8)
-def _peft_model(model_dir: str, adapter_dir: str | None):
+def peft_model(model_dir: str, adapter_dir: str | None, dtype: torch.dtype = torch.float32):
+    """transformers' model of model_dir in `dtype` with the adapter applied by peft (None: the
+    base), in eval mode and with no eos (greedy runs to max_new_tokens); cached."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if adapter_dir is not None:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter_dir)
@@ -46,7 +48,7 @@ def _peft_model(model_dir: str, adapter_dir: str | None):
 def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...],
                 max_new_tokens: int) -> HFGreedy:
     """transformers' greedy generate() with the adapter applied by peft (None: the base)."""
-    model = _peft_model(model_dir, adapter_dir)
+    model = peft_model(model_dir, adapter_dir)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -62,7 +64,7 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...]
 def peft_logits(model_dir: str, adapter_dir: str | None, ids: torch.Tensor) -> torch.Tensor:
     """transformers + peft's logits at every position of `ids` (one request; None: the base)."""
     with torch.no_grad():
-        return _peft_model(model_dir, adapter_dir)(input_ids=ids[None]).logits[0]
+        return peft_model(model_dir, adapter_dir)(input_ids=ids[None]).logits[0]
 
 
 def token_slots(n: int):

@@ -159,22 +159,29 @@ def test_the_gateway_is_given_the_drain_before_it_is_killed(monkeypatch):
     assert waited == [60.0 + openai_gateway._STOP_SECONDS, None, openai_gateway._STOP_SECONDS]
 
 
-def test_an_openai_port_in_use_is_refused_before_anything_starts(tmp_path, monkeypatch,
-                                                                  capsys):
-    # Before, the model loaded, the worker started, and then the gateway failed to bind: its
-    # Python traceback in our log and exit code 1, where a port in use is one line and 2.
-    import socket
-    from deltaserve import cli, embedded, openai_gateway
+def _model_that_must_not_reach_the_worker(tmp_path, monkeypatch) -> str:
+    """A sim model dir; starting the worker fails the test (serve must refuse before it)."""
+    from deltaserve import embedded
     from tests.support.sim_server import make_sim_model_dir
 
     def no_worker(*args, **kwargs):
         raise AssertionError("the worker was started")
     monkeypatch.setattr(embedded, "start_worker", no_worker)
+    return str(make_sim_model_dir(tmp_path / "model"))
+
+
+def test_an_openai_port_in_use_is_refused_before_anything_starts(tmp_path, monkeypatch,
+                                                                  capsys):
+    # Before, the model loaded, the worker started, and then the gateway failed to bind: its
+    # Python traceback in our log and exit code 1, where a port in use is one line and 2.
+    import socket
+    from deltaserve import cli, openai_gateway
+
     monkeypatch.setattr(openai_gateway, "find_smg", lambda: "smg")
-    model = make_sim_model_dir(tmp_path / "model")
+    model = _model_that_must_not_reach_the_worker(tmp_path, monkeypatch)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        assert cli.main(["serve", "--model", str(model), "--port", str(port)]) == 2
+        assert cli.main(["serve", "--model", model, "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"deltaserve serve: error: could not listen on 127.0.0.1:{port} (the "
                        "OpenAI API): Address already in use"), err
@@ -185,13 +192,9 @@ def test_a_parser_name_the_gateway_refuses_is_refused_before_the_worker_starts(
         tmp_path, monkeypatch, capsys):
     # vLLM's `--tool-call-parser hermes`: smg refused it only once the model had loaded and the
     # gateway started ("invalid choice"), and serve stopped with exit code 1.
-    from deltaserve import cli, embedded
-    from tests.support.sim_server import make_sim_model_dir
+    from deltaserve import cli
 
-    def no_worker(*args, **kwargs):
-        raise AssertionError("the worker was started")
-    monkeypatch.setattr(embedded, "start_worker", no_worker)
-    model = str(make_sim_model_dir(tmp_path / "model"))
+    model = _model_that_must_not_reach_the_worker(tmp_path, monkeypatch)
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = str(probe.getsockname()[1])        # free once closed: check_free passes
     for flag, name, listed in (("--tool-call-parser", "hermes", " qwen,"),
@@ -208,14 +211,10 @@ def test_https_files_that_hold_no_certificate_and_key_are_refused_before_the_wor
         tmp_path, monkeypatch, capsys):
     # Readable files with no PEM in them (or a key of another certificate): smg said "Failed to
     # create TLS config" only once the model had loaded, and serve stopped with exit code 1.
-    from deltaserve import cli, embedded
+    from deltaserve import cli
     from tests.support.certs import make_ca, make_cert
-    from tests.support.sim_server import make_sim_model_dir
 
-    def no_worker(*args, **kwargs):
-        raise AssertionError("the worker was started")
-    monkeypatch.setattr(embedded, "start_worker", no_worker)
-    model = str(make_sim_model_dir(tmp_path / "model"))
+    model = _model_that_must_not_reach_the_worker(tmp_path, monkeypatch)
     ca = make_ca(tmp_path, "ca")
     good = make_cert(tmp_path, ca, "server", hosts=("127.0.0.1",))
     junk = tmp_path / "junk.pem"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kernels.attention import cpu_paged
-from kernels.attention.torch_ref import TorchAttentionBackend, write_kv_cache
+from kernels.attention.torch_ref import write_kv_cache
 from kernels.cpu import extension
-from tests.unit.kernels.cpu.test_paged_attention import make_case, random_lengths
+from tests.unit.kernels.cpu.test_paged_attention import check, make_case, random_lengths
 
 pytestmark = [pytest.mark.skipif(not cpu_paged.available(), reason="deltaserve_cpu not built"),
               pytest.mark.usefixtures("cpu_isa")]
@@ -28,19 +28,6 @@ def fp8_case(gen, seq_lens, query_lens, heads, kv_heads, head_dim, block_size, d
     flat = cache.view(2, -1, kv_heads, head_dim)
     write_kv_cache(flat[0], flat[1], fp8, slots)
     return query, key, value, fp8, meta
-
-
-def check(case, tol):
-    query, key, value, cache, meta = case
-    ref_cache = cache.clone()
-    scale = query.shape[-1] ** -0.5
-    backend = cpu_paged.CpuPagedAttentionBackend()
-    got = backend.forward(query, key, value, cache, meta, scale)
-    want = TorchAttentionBackend(batched=False).forward(query, key, value, ref_cache, meta, scale)
-    assert backend.calls == 1 and got.dtype == query.dtype
-    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))   # same writes
-    n = meta.num_actual_tokens
-    torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=["e5m2", "e4m3"])

@@ -63,6 +63,18 @@ class FailingCore:
         return []
 
 
+def _one_failing_core(error: Exception):
+    """A core factory: a FailingCore raising `error` first, then an unreachable worker."""
+    cores = iter([FailingCore(error)])
+
+    def make_core():
+        core = next(cores, None)
+        if core is None:
+            raise EngineUnavailable("worker not reachable")
+        return core
+    return make_core
+
+
 def _request(rid: str) -> Request:
     return Request(rid, [5, 6, 7], SamplingParams(), StoppingParams(max_tokens=4), (EOS,))
 
@@ -96,14 +108,7 @@ def test_readiness_drops_before_the_failed_streams_hear_of_it(tok, monkeypatch):
         deliver(hub, items)
 
     monkeypatch.setattr(StreamHub, "deliver", recording_deliver)
-    cores = iter([FailingCore(EngineUnavailable("no reply to step 11 in time"))])
-
-    def make_core():
-        core = next(cores, None)
-        if core is None:
-            raise EngineUnavailable("worker not reachable")
-        return core
-
+    make_core = _one_failing_core(EngineUnavailable("no reply to step 11 in time"))
     engine = AsyncEngine(make_core, lambda: OutputProcessor(tok), reconnect_seconds=TINY_RETRY_S)
 
     async def scenario():
@@ -173,14 +178,7 @@ def test_a_bug_in_a_step_reaches_the_streams_without_its_text(tok, caplog):
     another tenant's request (here its scoped id), so the streams get its type only, and the
     log the whole of it. Before, every stream got `internal error: KeyError: '<the id>'`."""
     secret = "3f2a9c/tenant-b-private-request"
-    cores = iter([FailingCore(KeyError(secret))])
-
-    def make_core():
-        core = next(cores, None)
-        if core is None:
-            raise EngineUnavailable("worker not reachable")
-        return core
-
+    make_core = _one_failing_core(KeyError(secret))
     engine = AsyncEngine(make_core, lambda: OutputProcessor(tok), reconnect_seconds=TINY_RETRY_S)
 
     async def scenario():
