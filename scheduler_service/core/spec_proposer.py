@@ -2,8 +2,13 @@
 
 For a request's tokens t[0..L) (prompt, then output) it looks for the longest suffix n-gram
 t[L-n..L), n from prompt_lookup_max down to prompt_lookup_min, that occurs earlier in t, takes
-its last earlier occurrence, and proposes the (up to) k tokens that followed it there. As vLLM's
-NgramProposer, which finds the same match with a KMP-like scan.
+its last earlier occurrence, and proposes the k tokens that followed it there. As vLLM's
+NgramProposer, which finds the same match with a KMP-like scan, except at the sequence end: when
+fewer than k tokens follow the occurrence (it ends p tokens before the suffix does: the tail is
+taken to repeat with period p), the continuation goes on periodically, t[start + i % p], as the text
+would if the repeat held. Without that a tail of period p drafts only p tokens, and async
+scheduling, which spends one on its guess of the step in flight, none on a repeated token.
+The last occurrence is kept (not vLLM's earliest): in the async simulator tests it predicted better.
 
 Cost (numpy, no Python per token): the positions holding the last token are found in one
 compare over t; each further suffix length is one gather and compare over those candidates
@@ -38,7 +43,10 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
     if best_n < n_min:
         return tokens[:0]
     start = int(ends[-1]) + 1            # the last occurrence of the longest suffix found
-    return tokens[start:start + k]
+    if start + k <= size:
+        return tokens[start:start + k]
+    period = size - start                # the occurrence ends this many tokens before the suffix
+    return tokens[start + np.arange(k) % period]
 
 
 class TokenBuffers:

@@ -2,8 +2,6 @@
 greedy): every n-gram lookup hits, so the drafts must land, as they do in sync scheduling."""
 from __future__ import annotations
 
-import pytest
-
 from deltaserve.llm import LLM
 from engine_common.request.params import SamplingParams, StoppingParams
 from tests.integration.test_spec_decode import SPEC
@@ -19,16 +17,11 @@ def _run(model: str, spec: bool, asynchronous: bool):
     return out[0].token_ids, (llm.scheduler.spec.stats if spec else None)
 
 
-@pytest.mark.xfail(strict=True, reason="async n-gram drafts never land on a constant stream")
 def test_async_drafts_land_on_a_repeated_token(tiny_models):
-    """Fails: propose_ngram (scheduler_service/core/spec_proposer.py) takes the LAST earlier
-    occurrence of the longest suffix n-gram, so on text of period p near its end only p tokens
-    follow it (they run into the sequence end): on [200] * n it proposes one token. Sync
-    scheduling drafts that one token; async (SpecDecoder._propose) asks for k + 1 tokens and
-    spends the first on its guess of the step in flight's last token, so it needs two and
-    drafts nothing (period p gives p - 1 drafts). The workers' held_drafts and apply's check
-    are right (a guess that holds is kept). vLLM's NgramProposer takes the earliest occurrence
-    of the longest match (up to prompt_lookup_max), which leaves k tokens after it here."""
+    """The proposer follows the suffix n-gram's last earlier occurrence; on [200] * n only one
+    token follows it, and async scheduling (SpecDecoder._propose) asks for k + 1, spending the
+    first on its guess of the step in flight's last token. propose_ngram continues a
+    continuation that runs into the sequence end periodically, so it gets k + 1 and drafts."""
     model = tiny_models("qwen3")
     off, _ = _run(model, False, False)
     assert off == [FORCED] * 24                   # the workload is what it says

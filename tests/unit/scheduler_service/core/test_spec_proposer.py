@@ -1,4 +1,5 @@
-"""The n-gram proposer: the longest suffix n-gram's last earlier occurrence, and what follows."""
+"""The n-gram proposer: the longest suffix n-gram's last earlier occurrence, and what follows
+(continued periodically where it runs into the sequence end)."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,14 +28,33 @@ def test_prefers_the_longest_suffix_over_a_later_shorter_match():
 def test_min_length_and_no_match():
     assert _p([1, 2, 3, 4, 5]) == []                     # the last id never occurred before
     assert _p([7, 1, 9, 1], lo=2) == []                  # only a 1-gram matches
-    assert _p([7, 1, 9, 1], lo=1) == [9, 1]
+    assert _p([7, 1, 9, 1], lo=1) == [9, 1, 9]          # period 2 from the 1-gram match
     assert _p([4], lo=1) == []
 
 
-def test_drafts_stop_at_the_sequence_end_and_k():
-    assert _p([3, 3], k=5) == [3]                        # overlapping match: one token follows
+def test_drafts_stop_at_k():
     assert _p([1, 2, 3, 1, 2, 3, 1, 2, 3], k=2, hi=4) == [1, 2]
     assert _p([1, 2, 3, 1], k=0) == []
+
+
+def test_a_repeated_token_drafts_k():
+    # period 1: the last occurrence is one token back; only one token follows it
+    assert _p([3, 3], k=5) == [3] * 5
+    assert _p([200] * 7, k=5, lo=2, hi=4) == [200] * 5
+
+
+def test_period_two_and_three_tails_continue_periodically():
+    assert _p([9, 4, 5, 4, 5, 4, 5], k=5, hi=4) == [4, 5, 4, 5, 4]
+    assert _p([8, 1, 2, 3, 1, 2, 3], k=7, hi=3) == [1, 2, 3, 1, 2, 3, 1]
+    # a longer period than the match: [6] at distance 3, the period holds 7, 2, 6
+    assert _p([7, 2, 6, 7, 2, 6], k=4, lo=1, hi=1) == [7, 2, 6, 7]
+
+
+def test_a_continuation_inside_the_sequence_is_unchanged():
+    tokens = [1, 2, 9, 8, 7, 6, 5, 4, 1, 2]
+    assert _p(tokens, k=5) == [9, 8, 7, 6, 5]            # a slice of the history, not periodic
+    assert _p(tokens, k=8) == [9, 8, 7, 6, 5, 4, 1, 2]   # exactly reaches the end
+    assert _p(tokens, k=10) == [9, 8, 7, 6, 5, 4, 1, 2, 9, 8]
 
 
 def test_matches_a_brute_force_search():
@@ -48,7 +68,11 @@ def test_matches_a_brute_force_search():
             suffix = tokens[-n:]
             starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]
             if starts:
-                want = tokens[starts[-1] + n:starts[-1] + n + k]
+                start = starts[-1] + n
+                history = list(tokens)
+                while len(history) < start + k:              # the tail's period repeats
+                    history.append(history[len(history) - (len(tokens) - start)])
+                want = history[start:start + k]
                 break
         assert _p(tokens, k, lo, hi) == want, (tokens, lo, hi, k)
 
