@@ -2,13 +2,12 @@
 
 For a request's tokens t[0..L) (prompt, then output) it looks for the longest suffix n-gram
 t[L-n..L), n from prompt_lookup_max down to prompt_lookup_min, that occurs earlier in t, takes
-its last earlier occurrence, and proposes the k tokens that followed it there. As vLLM's
-NgramProposer, which finds the same match with a KMP-like scan, except at the sequence end: when
-fewer than k tokens follow the occurrence (it ends p tokens before the suffix does: the tail is
-taken to repeat with period p), the continuation goes on periodically, t[start + i % p], as the text
-would if the repeat held. Without that a tail of period p drafts only p tokens, and async
+its last earlier occurrence, and proposes the k tokens that followed it there. When fewer than
+k follow it (it ends p tokens before the suffix does: the tail is taken to repeat with period
+p), the continuation goes on periodically, t[start + i % p], as the text would if the repeat
+held. Without that a tail of period p drafts only p tokens, and async
 scheduling, which spends one on its guess of the step in flight, none on a repeated token.
-The last occurrence is kept (not vLLM's earliest): in the async simulator tests it predicted better.
+The last occurrence, not the earliest, is kept: in the async simulator tests it predicted better.
 
 Cost (numpy, no Python per token): the positions holding the last token are found in one
 compare over t; each further suffix length is one gather and compare over those candidates
