@@ -16,6 +16,7 @@ from deltaserve.client import add_connection_flags, add_sampling_flags
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import (DEFAULT_OPENAI_PORT, add_openai_flags, openai_front,
                                        openai_options)
+from deltaserve.vllm_config_file import expand_config_file
 from deltaserve.vllm_flags import add_vllm_flags, near_miss, vllm_flag_problem, vllm_spellings
 from deltaserve.vllm_lists import swallowed_model
 from engine_common.configuration.config import WorkerServiceOptions
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, WorkerServiceOptions, skip=SERVE_SKIPS)
     add_engine_flags(p, skip=SERVE_SKIPS)
     add_vllm_flags(p)
+    p.add_argument("--config", metavar="FILE",
+                   help="a YAML file of these flags, as vllm serve's: long names as keys "
+                        "(max-model-len: 8k); the command line wins over it")
 
     p = sub.add_parser("generate", help="stream one completion from a running server")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text")
@@ -117,7 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `deltaserve` console script."""
-    args = _parse(build_parser(), vllm_spellings(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        try:
+            argv[1:] = expand_config_file(argv[1:], _subparser(parser, "serve"))
+        except ValueError as e:
+            print(f"deltaserve serve: error: {e}", file=sys.stderr)
+            return 2
+    args = _parse(parser, vllm_spellings(argv))
     try:
         return (_COMMANDS.get(args.command) or args.run_command)(args)
     except KeyboardInterrupt:
@@ -127,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """parse_args, naming the flag an unrecognized one is a near miss of (--seeds: --seed)."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        hint = near_miss(unknown, commands.choices[args.command])
+        hint = near_miss(unknown, _subparser(parser, args.command))
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return args
 

@@ -98,6 +98,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                                             "deltaserve.vllm_lists"),
     "deltaserve.flag_names": _COMMON + _SCHEDULER + ("deltaserve.openai_gateway",),
     "deltaserve.vllm_flags": _COMMON,
+    "deltaserve.vllm_config_file": ("deltaserve.vllm_flags",),
     "deltaserve.embedded": _COMMON + _SCHEDULER + ("deltaserve.default_model",
                                                    "worker_service.models",
                                                    "deltaserve.child_process",
