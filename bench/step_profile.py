@@ -31,6 +31,7 @@ from collections import defaultdict
 from bench.throughput import (_generate, _llm_kwargs, apply_experiments,
                               build_parser as throughput_parser)
 from bench.workload import model_and_workload, warmup_workload, workload_shape
+from worker_service.step.step_clock import StepClock
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, workload, _ = model_and_workload(args, args.preset or "qwen3-0.6b", device)
     kwargs, _ = _llm_kwargs(args, device, workload_shape(args).max_total_len)
     llm = LLM(model_dir, **kwargs)
+    llm.runner.clock = StepClock(cpu=time.thread_time)    # the phases' thread CPU time too
     for note in apply_experiments(llm, args):
         print(f"experiment: {note}")
     print(f"engine: async_scheduling={llm.scheduler.config.async_scheduling}, "

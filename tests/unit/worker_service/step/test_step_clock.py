@@ -39,3 +39,12 @@ def test_start_forgets_the_last_step():
     clock.mark("readback")
     assert clock.phases == {"readback": 3.0}
     assert clock.cpu_phases == {"readback": 1.0}
+
+
+def test_without_a_cpu_clock_only_wall_time_is_kept():
+    wall = Ticks()
+    clock = StepClock(wall=wall)
+    clock.start()
+    wall.now = 2.0
+    clock.mark("forward")
+    assert clock.phases == {"forward": 2.0} and clock.cpu_phases == {}
