@@ -32,9 +32,16 @@ def test_released_parameters_leave_the_greedy_tokens_unchanged(tiny_models, monk
                                                                 dtype, tied):
     path = tiny_models("llama", tie_word_embeddings=tied)
     released, model = _greedy(path, dtype)
-    proj = model.model.layers[0].mlp.down_proj
-    assert proj.weight.isnan().all() and proj.weight.untyped_storage().nbytes() <= 4
-    assert model.lm_head.weight.isnan().all() != tied and model.lm_head.cpu_linear.calls > 0
+    proj, head = model.model.layers[0].mlp.down_proj, model.lm_head
+    # A CpuLinear that reads the dense weight keeps it as its one copy beside the panels:
+    # bfloat16 where oneDNN has no bf16 kernel (an AVX2 CPU: MKL's cblas_gemm_bf16bf16f32
+    # reads W); every other is released.
+    if proj.cpu_linear.weight is None:
+        assert proj.weight.isnan().all() and proj.weight.untyped_storage().nbytes() <= 4
+    else:
+        assert dtype == "bfloat16" and not proj.weight.isnan().any()
+    assert head.weight.isnan().all() == (not tied and head.cpu_linear.weight is None)
+    assert head.cpu_linear.calls > 0
     monkeypatch.setattr(cpu_kernels, "release_dense_weights", lambda m, holders=None: 0)
     kept, kept_model = _greedy(path, dtype)
     assert not torch.isnan(kept_model.model.layers[0].mlp.down_proj.weight).any()
