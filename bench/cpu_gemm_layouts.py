@@ -35,7 +35,11 @@ def _layouts(dtype: torch.dtype):
                                   for w, p in zip(weights, packed)]
     else:
         runs["mkl"] = lambda xs: [ops.mkl_bf16_linear(xs[w.shape[1]], w, None) for w in weights]
-    dnn = [onednn_gemm.pack(w) for w in weights]
+    try:
+        dnn = [onednn_gemm.pack(w) for w in weights]
+    except RuntimeError as e:          # bf16 without AVX-512 or AVX-NE-CONVERT: no oneDNN kernel
+        print(f"oneDNN left out: {str(e).splitlines()[0]}")
+        return runs
     runs["onednn"] = lambda xs: [onednn_gemm.linear(xs[w.shape[1]], p, None)
                                  for w, p in zip(weights, dnn)]
     return runs

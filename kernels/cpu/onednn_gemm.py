@@ -21,6 +21,9 @@ from kernels.cpu import extension
 ENV_SWITCH = "DELTASERVE_CPU_ONEDNN"
 PACK_ROWS = 2048
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What torch's mkldnn linear needs for a bfloat16 weight at all (mkldnn_reorder_linear_weight
+# refuses others: an AVX2 CPU has no bf16 oneDNN GEMM, forced or not).
+BF16_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
 
 
 def wanted(dtype: torch.dtype) -> bool:
@@ -30,12 +33,20 @@ def wanted(dtype: torch.dtype) -> bool:
         raise ValueError(f"{ENV_SWITCH}={switch!r} must be auto, 0 or 1")
     if dtype not in (torch.float32, torch.bfloat16) or not _available() or switch == "0":
         return False
+    flags = set(extension.cpu_flags().split())
+    if dtype == torch.bfloat16 and not bf16_runs(flags):
+        return False
     if switch == "1":
         return True
-    flags = set(extension.cpu_flags().split())
     if extension.isa() != "native" or "avx512f" not in flags:
         return False
     return dtype == torch.float32 or any(f in flags for f in BF16_FLAGS)
+
+
+def bf16_runs(flags: set[str] | None = None) -> bool:
+    """Whether torch's oneDNN linear takes a bfloat16 weight on this CPU at all."""
+    flags = set(extension.cpu_flags().split()) if flags is None else flags
+    return any(need <= flags for need in BF16_ISAS)
 
 
 def _available() -> bool:
