@@ -16,20 +16,14 @@ import logging
 
 import grpc
 
-from engine_common.configuration.config import SchedulerConfig, WorkerServiceOptions
+from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import SamplingParams, StoppingParams
 from engine_common.security.worker_auth import WorkerAuth
-from engine_common.text.tokenizer import Tokenizer
 from scheduler_service.api.status import status_for
-from scheduler_service.api.worker_core_factory import WorkerCoreFactory
 from scheduler_service.core.request import Request
-from scheduler_service.engine.async_engine import AsyncEngine
-from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import EngineUnavailable
-from scheduler_service.workers.worker_client import WorkerClient
-from tests.support.engine_streams import run_started, stream_ids
-from tests.support.init_specs import init_spec
+from tests.support.engine_streams import run_started, small_engine, stream_ids
 from worker_service.runner.model_runner import ModelRunner
 from worker_service.service.server import serve_worker
 
@@ -64,13 +58,7 @@ def test_an_internal_step_error_reaches_the_streams_without_its_text(tiny_models
     monkeypatch.setattr(ModelRunner, "execute", failing)
 
     worker = _Server()
-    client = WorkerClient([worker.address], connect_timeout_s=60.0, step_timeout_s=30.0)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
-                             block_size=16)
-    spec = init_spec(model, max_model_len=256, block_size=16, max_num_seqs=4,
-                     max_num_batched_tokens=32, kv_cache_bytes=1 << 20)
-    engine = AsyncEngine(WorkerCoreFactory(client, spec, config, vocab_size=info.vocab_size),
-                         lambda: OutputProcessor(Tokenizer.from_dir(model)))
+    engine, client = small_engine(model, worker.address, info.vocab_size)
 
     def request(rid: str, prompt: list[int]) -> Request:
         return Request(rid, prompt, SamplingParams(),

@@ -24,14 +24,18 @@ from tests.support.scheduler_sim import SimWorker, make, make_request, step
 from tests.unit.scheduler_service.core.test_reply_checks import VOCAB, _decoding, _refused
 
 
-def test_a_negative_sampled_id_fails_the_step():
+@pytest.mark.parametrize("field,match", [
+    ("sampled_token_ids", r"sampled_token_ids\[1\]=-1 must be a token id in \[0, 599\] "
+                          r"\(vocab_size\)"),
+    ("handles", r"handles=-1 must be one of the 3 handles of the step's requests"),
+])
+def test_a_negative_sampled_id_or_handle_fails_the_step(field, match):
     sched, worker, requests = _decoding()
 
     def negative(reply):
-        reply.sampled_token_ids[2] = -1
+        getattr(reply, field)[1] = -1
         return reply
-    _refused(sched, worker, requests, negative,
-             r"sampled_token_ids\[2\]=-1 must be a token id in \[0, 599\] \(vocab_size\)")
+    _refused(sched, worker, requests, negative, match)
 
 
 def test_without_a_vocab_size_a_negative_id_still_fails_the_step():
@@ -64,14 +68,7 @@ def test_a_negative_top_alternative_or_prompt_logprob_id_fails_the_step(where):
     _refused(sched, worker, requests, negative, field + r" must be a token id in \[0, 599\]")
 
 
-def test_a_negative_handle_fails_the_step_wherever_it_is_named():
-    sched, worker, requests = _decoding()
-
-    def sampled(reply):
-        reply.handles[1] = -1
-        return reply
-    _refused(sched, worker, requests, sampled,
-             r"handles=-1 must be one of the 3 handles of the step's requests")
+def test_a_negative_handle_fails_the_step_wherever_the_reply_names_one():
     for name, corrupt in (("compiled_handles", lambda r: setattr(r, "compiled_handles", [-4])),
                           ("request_errors", lambda r: setattr(r, "request_errors", {-4: "x"})),
                           ("pooled", lambda r: setattr(r, "pooled", {-4: [0.5]}))):
