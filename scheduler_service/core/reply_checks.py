@@ -18,7 +18,11 @@ the handles):
     prompt_logprobs of another handle are dropped where they are applied, as before), and
     every handle the reply names anywhere (those maps' keys, compiled_handles) is >= 0;
   - a handle samples once, or with speculative drafts in one run of at most the tokens
-    scheduled for it (its drafts + 1).
+    scheduled for it (its drafts + 1);
+  - a step request's prompt logprobs, if any, are ones it asked for, one position per prompt
+    token after the first with its k alternatives each; a pooled vector is a pooling
+    request's. Values (logprobs, vectors) are not checked: a NaN is the model's numerics on
+    one request, and failing the step for it would let one tenant's prompt end every stream.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from collections import Counter
 from itertools import islice
 from operator import ne
 
+from engine_common.request.pooling import NO_POOLING
 from engine_common.wire.diff import RunnerOutput
 from scheduler_service.errors import WorkerFailure
 
@@ -59,7 +64,30 @@ def check_reply(step: int, scheduled: dict, counts: dict[int, int] | None,
         ids = entry.top_ids
         if len(ids) and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
             _bad_id(step, f"prompt_logprobs[{handle}].top_ids", ids, vocab_size)
+        request = scheduled.get(handle)
+        if request is not None:
+            _check_prompt_shape(step, handle, entry, request)
+    for handle in out.pooled:
+        request = scheduled.get(handle)
+        if request is not None and request.pooling == NO_POOLING:
+            _bad(step, f"pooled[{handle}]", "a vector", "absent: the request pools nothing")
     _check_named_handles(step, out)
+
+
+def _check_prompt_shape(step: int, handle: int, entry, request) -> None:
+    """One position per prompt token after the first, k alternatives each, as the request
+    asked: the API zips them with the prompt's ids (one too many was an IndexError where the
+    servicer builds them, one too few a short list to the client)."""
+    name = f"prompt_logprobs[{handle}]"
+    if request.num_prompt_logprobs is None:
+        _bad(step, name, "an entry", "absent: the request asked for no prompt logprobs")
+    want = len(request.prompt_token_ids) - 1
+    if len(entry.logprobs) != want:
+        _bad(step, f"{name} (positions)", len(entry.logprobs),
+             f"{want}: one per prompt token after the first")
+    if want and entry.k != request.num_prompt_logprobs:
+        _bad(step, f"{name} (alternatives per position)", entry.k,
+             f"{request.num_prompt_logprobs}: the request's prompt_logprobs")
 
 
 def _check_named_handles(step: int, out: RunnerOutput) -> None:
