@@ -40,7 +40,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.child_process import dying_with_parent, stop_process
+from deltaserve.child_process import child_environment, dying_with_parent, stop_process
 from deltaserve.smg_argv import private_launch
 from deltaserve.vllm_lists import (add_list_flags, check_adapter_names, checked_aliases,
                                    checked_keys, given_keys, smg_alias_flags, smg_key_flags)
@@ -247,7 +247,7 @@ class GatewayChild:
         self.proc = subprocess.Popen(
             dying_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True, env=child_environment())
         if stdin_data is not None:
             try:
                 self.proc.stdin.write(stdin_data)
@@ -317,8 +317,9 @@ class OpenAIFront:
                                                     for p in app.adapter_ports))
         launch, argv = private_launch(cmd)
         if argv is None and self.options.api_keys:
-            print(f"deltaserve: {self.smg} is not a Python script: its API keys are on its "
-                  "command line, which every local user can read", file=sys.stderr, flush=True)
+            print(f"deltaserve: {self.smg} is not smg's Python console script: its API keys "
+                  "are on its command line, which every local user can read",
+                  file=sys.stderr, flush=True)
         self.child = GatewayChild(launch, stdin_data=argv)
         threading.Thread(target=self._announce_when_ready, args=(announce,),
                          name="smg-ready", daemon=True).start()

@@ -8,35 +8,64 @@ without `fromfile_prefix_chars`, and the variables it reads (router_args.py, the
 extension's strings) are for multimodal, RDMA and the history backends. But the `smg` command
 is a Python console script (`from smg.cli import main`) and `main(argv)` takes the argument list,
 so smg's own Python runs a few lines that read the list from a pipe only we write and call
-`main` with it: the command line shows those lines, never a key. A `smg` that is not such a
-script (a binary found on PATH) gets its arguments on the command line, as before.
+`main` with it: the command line shows those lines, never a key.
+
+A console script is recognized as installers write it: its first line `#!PYTHON` (pip, uv; an
+option may follow), `#!/usr/bin/env python3`, or `#!/bin/sh` with an `exec PYTHON "$0" "$@"`
+line (pip's and uv's trampoline for an interpreter path with a space or too long for a shebang),
+and `from smg.cli import main` in its text. Anything else (a binary, a shell wrapper, a Python
+wrapper of the operator's own, which must run as written) gets its arguments on the command
+line, as before.
 """
 from __future__ import annotations
 
 import json
 import os
+import shlex
 
+# The console script's own last line is `sys.exit(main())`: the same exit code here.
 _FROM_STDIN = ("import json, sys; argv = json.load(sys.stdin); sys.argv = ['smg', *argv]; "
-               "from smg.cli import main; main(argv)")
+               "from smg.cli import main; sys.exit(main(argv))")
+_CONSOLE_SCRIPT = b"from smg.cli import main"
+_HEAD_BYTES = 4096
 
 
-def script_python(path: str) -> str | None:
-    """The interpreter of a `#!/.../python...` script (a pip console script), else None."""
+def script_python(path: str) -> list[str] | None:
+    """The command that runs smg's console script at `path` (its interpreter, with the
+    shebang's option or `env`), or None when `path` is no such script."""
     try:
         with open(path, "rb") as f:
-            first = f.readline(4096)
+            head = f.read(_HEAD_BYTES)
     except OSError:
         return None
-    parts = first[2:].decode("utf-8", "replace").split() if first.startswith(b"#!") else []
-    if len(parts) != 1 or not os.path.basename(parts[0]).startswith("python"):
+    lines = head.split(b"\n")
+    if not head.startswith(b"#!") or len(lines) < 2 or _CONSOLE_SCRIPT not in head:
         return None
-    return parts[0]
+    # As the kernel reads a shebang: the interpreter, then the rest as one argument.
+    interpreter, _, arg = lines[0][2:].decode("utf-8", "replace").strip().partition(" ")
+    arg = arg.strip()
+    if interpreter == "/bin/sh":          # the trampoline: '''exec' PYTHON "$0" "$@"
+        try:
+            words = shlex.split(lines[1].decode("utf-8", "replace"))
+        except ValueError:
+            return None
+        if words[:1] != ["exec"] or words[2:] != ["$0", "$@"]:
+            return None
+        command, python = words[1:2], words[1]
+    elif os.path.basename(interpreter) == "env":       # env python3 (one word: no -S)
+        command, python = [interpreter, arg], arg
+    elif not arg or arg.startswith("-"):
+        command, python = [interpreter, *([arg] if arg else [])], interpreter
+    else:
+        return None
+    return command if os.path.basename(python).startswith("python") else None
 
 
 def private_launch(cmd: list[str]) -> tuple[list[str], bytes | None]:
     """(the command to start, the bytes to write to its stdin): `cmd` = [smg, args...] as smg's
-    Python reading args from stdin, or `cmd` itself and None when smg is not a Python script."""
+    Python reading args from stdin, or `cmd` itself and None when smg is not its console
+    script."""
     python = script_python(cmd[0])
     if python is None:
         return cmd, None
-    return [python, "-c", _FROM_STDIN], json.dumps(cmd[1:]).encode()
+    return [*python, "-c", _FROM_STDIN], json.dumps(cmd[1:]).encode()

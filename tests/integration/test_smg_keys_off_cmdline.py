@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import http.client
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from deltaserve.child_process import dying_with_parent
 from deltaserve.cli import build_parser
 from deltaserve.openai_gateway import OpenAIFront, openai_options
 from deltaserve.smg_argv import private_launch, script_python
 from tests.support.gateway import require_smg
-from tests.support.grpc_harness import free_port, wait_for
+from tests.support.grpc_harness import REPO, free_port, wait_for
 
 KEYS = ("first-key-0f3c9a7b5e1d", "tenant-key-8a2e4c6b0d9f")
 
@@ -52,7 +54,7 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def test_the_gateways_keys_are_on_no_command_line(tiny_models, tmp_path):
+def test_the_gateways_keys_are_on_no_command_line(tiny_models, tmp_path, capfd):
     smg = require_smg()
     assert script_python(smg) is not None, f"{smg} is not a Python console script"
     port = free_port()
@@ -80,6 +82,12 @@ def test_the_gateways_keys_are_on_no_command_line(tiny_models, tmp_path):
                 assert key.encode() not in environ, pid
     finally:
         front.stop()
+    # smg's own log lines still reach ours (folded, "[smg] "), and none of ours or its holds a
+    # key.
+    out = capfd.readouterr()
+    assert "[smg] " in out.err, out.err[-2000:]
+    for key in KEYS:
+        assert key not in out.out + out.err
 
 
 def test_a_gateway_that_is_no_python_script_gets_its_arguments_as_before(tmp_path):
@@ -88,7 +96,56 @@ def test_a_gateway_that_is_no_python_script_gets_its_arguments_as_before(tmp_pat
     cmd = [str(binary), "launch", "--api-key=k"]
     assert private_launch(cmd) == (cmd, None)
     script = tmp_path / "smg-script"
-    script.write_text(f"#!{sys.executable}\nimport sys\n")
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom smg.cli import main\n")
     launch, argv = private_launch([str(script), "launch", "--api-key=k"])
     assert launch[0] == sys.executable and b"--api-key=k" in argv
     assert not any("--api-key" in part for part in launch)
+
+
+def test_the_real_gateway_fails_as_before_its_exit_code_and_message_kept(tmp_path):
+    """smg refusing its arguments: the same exit code and message by stdin as by argv."""
+    smg = require_smg()
+    cmd = [smg, "launch", "--api-key=a-key-31c8e0f2b4d6", "--no-such-flag"]
+    direct = subprocess.run(cmd, capture_output=True, timeout=120)
+    launch, argv = private_launch(cmd)
+    piped = subprocess.run(dying_with_parent(launch), input=argv, capture_output=True,
+                           timeout=120)
+    assert direct.returncode == piped.returncode == 2, (direct, piped)
+    assert b"unrecognized arguments: --no-such-flag" in piped.stderr, piped.stderr
+    assert piped.stderr == direct.stderr
+
+
+# A serve stand-in: starts the real gateway as serve does, prints its pid, then waits.
+_SERVE = """
+import sys
+from deltaserve.openai_gateway import GatewayChild
+from deltaserve.smg_argv import private_launch
+launch, argv = private_launch(sys.argv[1:])
+child = GatewayChild(launch, stdin_data=argv)
+print(child.proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_serve_leaves_no_gateway(tmp_path):
+    smg = require_smg()
+    cmd = [smg, "launch", "--host", "127.0.0.1", "--port", str(free_port()),
+           "--worker-urls", "grpc://127.0.0.1:1", "--api-key=a-key-31c8e0f2b4d6"]
+    serve = subprocess.Popen([sys.executable, "-c", _SERVE, *cmd], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        pid = int(serve.stdout.readline())
+        wait_for(lambda: b"smg::router" in Path(f"/proc/{pid}/cmdline").read_bytes(), 60,
+                 "the gateway's start", [])
+    finally:
+        serve.kill()
+        serve.wait()
+    wait_for(lambda: not _alive(pid), 30, "the gateway's exit after serve was killed", [])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
