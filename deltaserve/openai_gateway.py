@@ -248,14 +248,19 @@ class GatewayChild:
             dying_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
             start_new_session=True, env=child_environment())
-        if stdin_data is not None:
-            try:
-                self.proc.stdin.write(stdin_data)
-                self.proc.stdin.close()
-            except BrokenPipeError:     # it died at once: gone() says so
-                pass
+        if stdin_data is not None:    # off the caller's thread: it is the event loop, and a
+            # list longer than a pipe holds waits there for the child to read it
+            threading.Thread(target=self._feed, args=(stdin_data,), name="smg-argv",
+                             daemon=True).start()
         self._pump = threading.Thread(target=self._fold, name="smg-output", daemon=True)
         self._pump.start()
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.close()
+        except (BrokenPipeError, ValueError):    # it died at once (gone() says so), or stopped
+            pass
 
     def _fold(self) -> None:
         color = getattr(self.out, "isatty", lambda: False)()

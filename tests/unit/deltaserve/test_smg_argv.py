@@ -151,3 +151,32 @@ def test_serve_warns_when_the_keys_go_on_a_command_line_and_keeps_them_out_of_th
     assert key not in err
     assert f"--api-key={key}" in Path(f"{seen}.args").read_text().split("\n")
     assert key not in Path(f"{seen}.env").read_text()
+
+
+def test_starting_the_gateway_does_not_wait_for_it_to_read_its_arguments(tmp_path):
+    """GatewayChild starts on the scheduler's event loop, where nothing may block: arguments
+    larger than a pipe holds (64 KiB: some thousands of --api-key keys) used to be written
+    there, and a gateway slow to read them (its imports) or stuck held the loop."""
+    import io
+    import threading
+
+    from deltaserve.openai_gateway import GatewayChild
+    go = tmp_path / "go"
+    reader = (f"import os, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+              "print(len(sys.stdin.buffer.read()), flush=True)\n")
+    out, started, made = io.StringIO(), threading.Event(), []
+
+    def start():
+        made.append(GatewayChild([sys.executable, "-c", reader], out=out,
+                                 stdin_data=b"k" * (1 << 20)))
+        started.set()
+    threading.Thread(target=start, daemon=True).start()
+    try:
+        assert started.wait(30), "GatewayChild waited for the child to read its stdin"
+    finally:
+        go.touch()
+    assert started.wait(60)
+    child = made[0]
+    assert child.proc.wait(60) == 0
+    child.stop()
+    assert out.getvalue().split() == ["[smg]", str(1 << 20)]
