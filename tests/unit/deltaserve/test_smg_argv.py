@@ -1,7 +1,8 @@
 """How `serve` starts smg with its arguments on stdin (deltaserve/smg_argv.py), for the shapes a
 `smg` command takes on disk: pip's and uv's console scripts (a `#!python` line, or the
-`#!/bin/sh` trampoline both write when the interpreter's path has a space or is long), one run
-by `#!/usr/bin/env python3`, a Python wrapper of the operator's own and a shell wrapper.
+`#!/bin/sh` trampoline both write when the interpreter's path has a space or is long), pipx's
+symlink to one, one run by `#!/usr/bin/env python3`, a Python wrapper of the operator's own
+and a shell wrapper.
 
 Each real run below starts a stand-in `smg` package (tmp_path/site/smg/cli.py) whose `main`
 writes the arguments it got, its stdout line and its exit code: the launch must call `main`
@@ -73,6 +74,11 @@ def test_a_pip_console_script_gets_its_arguments_on_stdin(tmp_path):
     _private(launch)
     assert argv == ARGS and "smg says hello" in out
     assert code == 3, "main's exit code, as the console script's sys.exit(main()) gives it"
+    shim = tmp_path / "bin" / "smg"          # pipx's: a symlink to the venv's script
+    shim.parent.mkdir()
+    shim.symlink_to(smg)
+    launch, code, out, argv = _run(tmp_path, str(shim))
+    assert launch[0] == sys.executable and argv == ARGS and code == 3
 
 
 def test_the_sh_trampoline_for_an_interpreter_path_with_a_space(tmp_path):
