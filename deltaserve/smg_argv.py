@@ -23,9 +23,16 @@ import json
 import os
 import shlex
 
-# The console script's own last line is `sys.exit(main())`: the same exit code here.
-_FROM_STDIN = ("import json, sys; argv = json.load(sys.stdin); sys.argv = ['smg', *argv]; "
-               "from smg.cli import main; sys.exit(main(argv))")
+# `-c` puts the working directory first on sys.path (a console script puts its own folder):
+# dropped before any import, or a json.py there (serve's working directory may be /tmp) would
+# run in the gateway. The console script's last line is `sys.exit(main())`: the same exit code.
+_FROM_STDIN = ("import sys\n"
+               "if sys.path[:1] == ['']: del sys.path[0]\n"
+               "import json\n"
+               "argv = json.load(sys.stdin)\n"
+               "sys.argv = ['smg', *argv]\n"
+               "from smg.cli import main\n"
+               "sys.exit(main(argv))\n")
 _CONSOLE_SCRIPT = b"from smg.cli import main"
 _HEAD_BYTES = 4096
 

@@ -186,3 +186,21 @@ def test_starting_the_gateway_does_not_wait_for_it_to_read_its_arguments(tmp_pat
     assert child.proc.wait(60) == 0
     child.stop()
     assert out.getvalue().split() == ["[smg]", str(1 << 20)]
+
+
+def test_the_working_directory_cannot_shadow_a_module(tmp_path):
+    """`python -c` puts the working directory first on sys.path, where the console script puts
+    its own folder: a `json.py` (or `smg/`) in serve's working directory, which another local
+    user may write (/tmp), ran inside the gateway, keys and all."""
+    smg = _script(tmp_path / "venv" / "bin" / "smg", f"#!{sys.executable}\n{_PIP_SCRIPT}")
+    site, got = _site(tmp_path)
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    ran = tmp_path / "planted-ran"
+    for name in ("json.py", "re.py"):
+        (planted / name).write_text(f"open({str(ran)!r}, 'w').close()\nraise SystemExit(9)\n")
+    launch, stdin = private_launch([smg, *ARGS])
+    done = subprocess.run(launch, input=stdin, capture_output=True, cwd=planted, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(site)})
+    assert not ran.exists(), done.stderr
+    assert done.returncode == 3 and json.loads(got.read_text()) == ARGS, done.stderr
