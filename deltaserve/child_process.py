@@ -25,6 +25,16 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
+# Our own API key's variable (vllm_lists.given_keys): no child reads it (smg gets its keys on
+# its stdin, smg_argv.py), and a child's environment is handed on to everything it starts.
+_OUR_SECRETS = ("VLLM_API_KEY",)
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment without the variables that hold our secrets."""
+    return {k: v for k, v in os.environ.items() if k not in _OUR_SECRETS}
+
+
 def dying_with_parent(cmd: list[str]) -> list[str]:
     """`cmd` run so that it gets SIGTERM when this process dies (Linux; elsewhere it just runs).
     The child keeps the Popen's pid: the launcher execs into `cmd`."""

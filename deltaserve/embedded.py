@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deltaserve.child_process import dying_with_parent, stop_process
+from deltaserve.child_process import child_environment, dying_with_parent, stop_process
 from deltaserve.default_model import DefaultModelError, ensure_default_model
 from deltaserve.hub_cache import resolve_model_arg
 from deltaserve.openai_gateway import OpenAIFront, openai_front, openai_options
@@ -73,7 +73,7 @@ def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subp
     cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
            "--worker-token-file", "-", *to_flags(options)]
     proc = subprocess.Popen(dying_with_parent(cmd), start_new_session=True,
-                            stdin=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, text=True, env=child_environment())
     proc.stdin.write(token_digest_text(token) + "\n")
     proc.stdin.close()
     return proc

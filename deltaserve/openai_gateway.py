@@ -12,7 +12,8 @@ exits on its own, `gone()` says so and the whole group stops (exit code 1).
 
 What is carried to smg and what is not (smg 1.13.0, checked):
   * --api-key KEY [KEY ...]: smg's --api-key (and --tenant-api-key for the others:
-    deltaserve/vllm_lists.py); every /v1 request must send `Authorization: Bearer KEY`.
+    deltaserve/vllm_lists.py); every /v1 request must send `Authorization: Bearer KEY`. smg's
+    arguments go to it on its stdin, not its command line (smg_argv.py).
   * --served-model-name NAME [ALIAS ...]: each alias is smg's --model-alias ALIAS=NAME.
     smg sends no key to a gRPC worker, so a gRPC port guarded by --api-key-file cannot sit
     behind it: the default listener then stays off, an asked-for one is refused (use --api-key
@@ -39,7 +40,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.child_process import dying_with_parent, stop_process
+from deltaserve.child_process import child_environment, dying_with_parent, stop_process
+from deltaserve.smg_argv import private_launch
 from deltaserve.vllm_lists import (add_list_flags, check_adapter_names, checked_aliases,
                                    checked_keys, given_keys, smg_alias_flags, smg_key_flags)
 from deltaserve.gateway_checks import (OriginList, bind_address, check_compatible, check_free,
@@ -237,15 +239,28 @@ def free_local_port() -> int:
 
 
 class GatewayChild:
-    """One `smg launch` child: started, watched, its output folded into ours, stopped."""
+    """One `smg launch` child: started, watched, its output folded into ours, stopped.
+    `stdin_data`: written to its standard input, which is then closed (smg_argv.py)."""
 
-    def __init__(self, cmd: list[str], out=None):
+    def __init__(self, cmd: list[str], out=None, stdin_data: bytes | None = None):
         self.out = out or sys.stderr
-        self.proc = subprocess.Popen(dying_with_parent(cmd), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            dying_with_parent(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE,
+            start_new_session=True, env=child_environment())
+        if stdin_data is not None:    # off the caller's thread: it is the event loop, and a
+            # list longer than a pipe holds waits there for the child to read it
+            threading.Thread(target=self._feed, args=(stdin_data,), name="smg-argv",
+                             daemon=True).start()
         self._pump = threading.Thread(target=self._fold, name="smg-output", daemon=True)
         self._pump.start()
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.close()
+        except (BrokenPipeError, ValueError):    # it died at once (gone() says so), or stopped
+            pass
 
     def _fold(self) -> None:
         color = getattr(self.out, "isatty", lambda: False)()
@@ -305,7 +320,12 @@ class OpenAIFront:
                           gateway_model_path(self.model_dir), free_local_port(),
                           self.chat_template, tuple(grpc_target_of(p.address, p.port)
                                                     for p in app.adapter_ports))
-        self.child = GatewayChild(cmd)
+        launch, argv = private_launch(cmd)
+        if argv is None and self.options.api_keys:
+            print(f"deltaserve: {self.smg} is not smg's Python console script: its API keys "
+                  "are on its command line, which every local user can read",
+                  file=sys.stderr, flush=True)
+        self.child = GatewayChild(launch, stdin_data=argv)
         threading.Thread(target=self._announce_when_ready, args=(announce,),
                          name="smg-ready", daemon=True).start()
 

@@ -90,10 +90,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "deltaserve.default_model": _COMMON + ("worker_service.models",),
     "deltaserve.chat": _COMMON + ("deltaserve.client",),
     "deltaserve.child_process": (),
+    "deltaserve.smg_argv": (),
     "deltaserve.hub_cache": (),
     "deltaserve.gateway_checks": _COMMON,
     "deltaserve.vllm_lists": _COMMON + ("deltaserve.hub_cache",),   # a leaf: MODEL in the cache
     "deltaserve.openai_gateway": _COMMON + ("deltaserve.child_process",
+                                            "deltaserve.smg_argv",
                                             "deltaserve.gateway_checks",
                                             "deltaserve.vllm_lists"),
     "deltaserve.flag_names": _COMMON + _SCHEDULER + ("deltaserve.openai_gateway",),

@@ -33,10 +33,32 @@ class FailureKind(enum.Enum):
     INTERNAL = "internal"
 
 
+# The kinds whose message is an exception's own text, which may quote any request (StepError
+# code INTERNAL: the scheduler tells its streams the code only, servicer.FAILURES).
+EXCEPTION_TEXT_KINDS = frozenset({FailureKind.INTERNAL, FailureKind.OUT_OF_MEMORY,
+                                  FailureKind.UNSUPPORTED})
+
+
 class StepFailure(RuntimeError):
+    context = ""        # what failed ("epoch 3 step 7"), when within() made it
+
     def __init__(self, kind: FailureKind, message: str):
         super().__init__(message)
         self.kind = kind
+
+    def within(self, context: str) -> "StepFailure":
+        """This failure as part of `context`, as the failed epoch remembers it."""
+        failure = StepFailure(self.kind, f"{context}: {self}")
+        failure.context = context
+        return failure
+
+    def retold(self) -> str:
+        """The failure as a later refusal repeats it: an exception's text stays in the log it
+        was written to when it happened (a later step's refusal reaches every stream)."""
+        if self.kind in EXCEPTION_TEXT_KINDS:
+            where = f"{self.context}: " if self.context else ""
+            return f"{self.kind.value}: {where}its message is in the worker's log"
+        return f"{self.kind.value}: {self}"
 
 
 class DoesNotFit(RuntimeError):

@@ -27,7 +27,9 @@ from typing import Protocol
 
 from engine_common.configuration.lora import AdapterNotFound
 from engine_common.wire.codec import decode_runner_output, encode_scheduler_output
+from engine_common.wire.codec_error import CodecError
 from scheduler_service.core.lora_registry import LoRARegistry
+from scheduler_service.core.reply_checks import BadReply
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_result import TokenUpdate
@@ -179,7 +181,12 @@ class EngineCore:
 
     def _process(self, sched_out, payload: bytes) -> list[TokenUpdate]:
         start = time.perf_counter()
-        runner_out = decode_runner_output(payload)
+        try:
+            runner_out = decode_runner_output(payload)
+        except CodecError as e:          # the workers' fault, as a reply that breaks a rule
+            raise BadReply(f"the workers' reply to step {sched_out.step} does not decode: {e}; "
+                           "the step fails as a worker fault (a buggy or version-skewed "
+                           "worker)") from None
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         self.last_step.update_s = time.perf_counter() - start
         return updates

@@ -13,10 +13,13 @@ after node 0's step timeout.
 
 A StepError with code SYMMETRY_DIVERGENCE (a node's ranks disagreed) raises SymmetryError;
 STALE_EPOCH (another scheduler took the worker over) raises Fenced; any other error,
-WorkerFailure.
+WorkerFailure. The failure's message reaches every open stream, every tenant's: an INTERNAL
+StepError's text is the runner's exception, which may carry one request's data, so only its
+code goes into the failure (and into how the stream ended); its text goes to this log.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -26,6 +29,8 @@ import grpc
 from engine_common.security.stream_key import stream_key_metadata
 from engine_common.wire.protos import worker_pb2
 from scheduler_service.errors import Fenced, WorkerFailure
+
+log = logging.getLogger(__name__)
 
 _STOP = object()  # the request generator's end marker
 _READER_JOIN_S = 10.0  # a cancelled call ends its response iterator at once; this only bounds it
@@ -56,6 +61,18 @@ def describe_rpc_error(e: grpc.RpcError) -> str:
 
 _STEP_ERRORS = {worker_pb2.StepError.SYMMETRY_DIVERGENCE: SymmetryError,
                 worker_pb2.StepError.STALE_EPOCH: Fenced}
+
+
+def step_error_text(error: worker_pb2.StepError) -> str:
+    """What every stream may hear of a StepError: "CODE: message", or for INTERNAL (the
+    runner raised: a model, device or grammar bug, whose text is the exception's own and may
+    quote any request) the code alone. The other codes' texts name fields, handles, counts and
+    out-of-range values (batch/diff_check.py, wire/codec.py), never a prompt or a request id."""
+    code = worker_pb2.StepError.Code.Name(error.code)
+    if error.code == worker_pb2.StepError.INTERNAL:
+        return (f"{code} (the worker's runner failed; its message is in the worker's and the "
+                "scheduler's logs only: it may quote a request)")
+    return f"{code}: {error.message}"
 
 
 class _Ended:
@@ -121,8 +138,8 @@ class StepStream:
         if item.HasField("error"):
             code = worker_pb2.StepError.Code.Name(item.error.code)
             error = _STEP_ERRORS.get(item.error.code, WorkerFailure)
-            raise error(f"worker {self.address}: step {step} failed: {code}: "
-                        f"{item.error.message}", kind=code.lower())
+            raise error(f"worker {self.address}: step {step} failed: "
+                        f"{step_error_text(item.error)}", kind=code.lower())
         if item.epoch != epoch or item.step != step:
             raise WorkerFailure(f"worker {self.address}: expected the reply to epoch {epoch} "
                                 f"step {step}, got epoch {item.epoch} step {item.step}",
@@ -148,13 +165,22 @@ class StepStream:
             yield item
 
     def _read(self) -> None:
-        call = self._call
+        call, error = self._call, None
         try:
             for response in call:
+                if response.HasField("error"):
+                    error = response.error
+                    if error.code == worker_pb2.StepError.INTERNAL:   # its text: here only
+                        log.error("worker %s: step %d failed: INTERNAL: %s", self.address,
+                                  response.step, error.message)
                 self._inbox.put(response)
             why = "the worker closed it"
         except grpc.RpcError as e:
-            why = describe_rpc_error(e)
+            # After a StepError the worker aborts the call with the same text: its redacted
+            # form, not the status's details (a peer's PeerEnded quotes it to every stream).
+            why = (describe_rpc_error(e) if error is None else
+                   f"{describe_rpc_error(e).split(':')[0]} after StepError "
+                   f"{step_error_text(error)}")
             e.__traceback__ = None  # the error is the call: its traceback's frames hold it
         self._inbox.put(_Ended(why))
         for peer in list(self._peers):

@@ -13,20 +13,13 @@ import re
 
 import pytest
 
-from engine_common.configuration.config import SchedulerConfig
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.request.params import SamplingParams, StoppingParams
-from engine_common.text.tokenizer import Tokenizer
-from scheduler_service.api.worker_core_factory import WorkerCoreFactory
 from scheduler_service.core.request import Request
-from scheduler_service.engine.async_engine import AsyncEngine
-from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.errors import EngineUnavailable
-from scheduler_service.workers.worker_client import WorkerClient
-from tests.support.engine_streams import run_started, stream_ids
+from tests.support.engine_streams import run_started, small_engine, stream_ids
 from tests.support.faulty_worker import FaultyWorker
 from tests.support.grpc_harness import Processes, free_port
-from tests.support.init_specs import init_spec
 
 
 def _twice(out):
@@ -52,13 +45,7 @@ def test_a_bad_reply_fails_the_step_and_the_next_epoch_serves(tiny_models, tmp_p
     port = free_port()
     procs.worker(port)
     proxy = FaultyWorker(f"127.0.0.1:{port}")
-    client = WorkerClient([proxy.address], connect_timeout_s=60.0, step_timeout_s=30.0)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
-                             block_size=16)
-    spec = init_spec(model, max_model_len=256, block_size=16, max_num_seqs=4,
-                     max_num_batched_tokens=32, kv_cache_bytes=1 << 20)
-    engine = AsyncEngine(WorkerCoreFactory(client, spec, config, vocab_size=info.vocab_size),
-                         lambda: OutputProcessor(Tokenizer.from_dir(model)))
+    engine, client = small_engine(model, proxy.address, info.vocab_size)
     corrupt = _twice if fault == "twice" else _out_of_vocab(info.vocab_size)
     want = {"twice": r"handles\[2\]=\d+ must be a handle not sent before",
             "out_of_vocab": rf"sampled_token_ids\[1\]={info.vocab_size + 5} must be a token "

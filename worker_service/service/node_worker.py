@@ -162,8 +162,7 @@ class NodeWorker:
                 # the requests dropped. The fence stays (the owner's steps must not read as a
                 # takeover's, STALE); the current epoch is over.
                 failure = as_failure(e)
-                self._failure = StepFailure(failure.kind, f"a Reset to epoch {epoch} failed: "
-                                                          f"{failure}")
+                self._failure = failure.within(f"a Reset to epoch {epoch} failed")
                 raise
             self.fence.take(epoch, owner)
             self._start_epoch(epoch)
@@ -272,7 +271,7 @@ class NodeWorker:
 
     def _fail_epoch(self, failure: StepFailure, epoch: int, step: int) -> StepFailure:
         """Record the failure that poisons the epoch; the caller raises it."""
-        self._failure = StepFailure(failure.kind, f"epoch {epoch} step {step}: {failure}")
+        self._failure = failure.within(f"epoch {epoch} step {step}")
         return self._failure
 
     # -- pipelined steps (service/step_pipeline.py) ----------------------------------------------
@@ -314,7 +313,7 @@ class NodeWorker:
             try:
                 return [self._finish_held()]
             except StepFailure as failure:
-                self._failure = StepFailure(failure.kind, f"epoch {self.epoch}: {failure}")
+                self._failure = failure.within(f"epoch {self.epoch}")
                 raise self._failure from failure
 
     def held_step(self, stream_id: int):
@@ -351,8 +350,8 @@ class NodeWorker:
                               f"{self.epoch}")
         if self._failure is not None:
             raise StepFailure(FailureKind.EPOCH_FAILED,
-                              f"epoch {epoch} failed earlier ({self._failure.kind.value}: "
-                              f"{self._failure}); Reset or Init is required")
+                              f"epoch {epoch} failed earlier ({self._failure.retold()}); "
+                              "Reset or Init is required")
         if step != self._next_step:
             gap = StepFailure(FailureKind.STEP_GAP,
                               f"epoch {epoch}: expected step {self._next_step}, got step {step}")

@@ -88,3 +88,45 @@ def test_an_aborted_stream_names_the_status_and_close_still_frees_the_call(stub_
     call = weakref.ref(stream._call)
     stream.close()
     assert call() is None
+
+
+class InternalFault(worker_pb2_grpc.WorkerServicer):
+    """Fails its first step as the worker's servicer does when the runner raised: an INTERNAL
+    StepError, then the call aborted INTERNAL, both with the exception's text."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def Step(self, request_iterator, context):
+        for request in request_iterator:
+            yield worker_pb2.StepResponse(epoch=request.epoch, step=request.step,
+                                          error=worker_pb2.StepError(
+                                              code=worker_pb2.StepError.INTERNAL,
+                                              message=self.text))
+            context.abort(grpc.StatusCode.INTERNAL, self.text)
+
+
+def test_an_internal_step_error_names_its_code_only_and_logs_its_text(stub_for, caplog):
+    """Its text is the runner's exception, which may quote one request; a failure's message
+    reaches every tenant's stream, and a peer node's stream quotes how this one ended."""
+    secret = "RuntimeError: bad row for prompt 'tenant-b: the password is hunter2'"
+    peers: list = []
+    healthy = StepStream(*stub_for(EchoWorker()), peers=peers)
+    failing = StepStream(*stub_for(InternalFault(secret)), peers=peers)
+    _send(failing, 0)
+    with pytest.raises(WorkerFailure) as raised:
+        failing.receive(3, 0, _far())
+    assert "step 0 failed: INTERNAL (the worker's runner failed" in str(raised.value)
+    assert raised.value.kind == "internal"
+    with pytest.raises(WorkerFailure) as ended:      # how the stream ended, after it
+        failing.receive(3, 1, _far())
+    assert "INTERNAL after StepError INTERNAL" in str(ended.value), ended.value
+    with pytest.raises(WorkerFailure) as peer:       # the other node's stream hears of it
+        healthy.receive(3, 0, _far())
+    assert "INTERNAL after StepError INTERNAL" in str(peer.value), peer.value
+    for error in (raised.value, ended.value, peer.value):
+        assert "hunter2" not in str(error), error
+    assert [r.getMessage() for r in caplog.records if "hunter2" in r.getMessage()], \
+        "the scheduler's log lost the worker's text"
+    healthy.close()
+    failing.close()

@@ -265,3 +265,27 @@ def test_a_failed_reset_leaves_the_fence_as_it_was(model_dir):
     # a clear failure that asks for Init, not a takeover.
     _refused(lambda: w.step(w.open_stream(w.stream_key(w.epoch)), 1, 0, b""),
              FailureKind.EPOCH_FAILED, "a Reset to epoch 2 failed")
+
+
+@pytest.mark.parametrize("kind", [FailureKind.INTERNAL, FailureKind.OUT_OF_MEMORY,
+                                  FailureKind.BAD_PAYLOAD])
+def test_a_failed_epoch_repeats_an_exceptions_text_only_in_the_log(model_dir, kind):
+    """A later step of a failed epoch is refused naming the earlier failure. An exception's
+    text (INTERNAL and the kinds sent with its code) may quote a request, and the scheduler
+    tells its streams that code only: the refusal names the kind; a field-naming failure is
+    repeated whole."""
+    ranks = FakeRanks()
+    w = NodeWorker(ranks, LAYOUT)
+    w.init(runner_config(model_dir), LAYOUT, epoch=1, owner="A")
+    stream = w.open_stream(w.stream_key(1))
+    text = "RuntimeError: row 1 quotes 'tenant-b: hunter2'"
+
+    def fails(payload, verify, output_rank):
+        raise StepFailure(kind, text)
+    ranks.run_step = fails
+    _refused(lambda: w.step(stream, 1, 0, b""), kind, "hunter2")     # its own reply: whole
+    with pytest.raises(StepFailure) as later:
+        w.step(stream, 1, 1, b"")
+    assert later.value.kind == FailureKind.EPOCH_FAILED
+    assert f"({kind.value}: " in str(later.value), later.value
+    assert ("hunter2" in str(later.value)) == (kind == FailureKind.BAD_PAYLOAD), later.value
