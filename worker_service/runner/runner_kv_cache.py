@@ -13,7 +13,7 @@ from engine_common.runtime.progress import heartbeat
 from worker_service.batch.diff_check import DiffBounds
 from worker_service.models.loader import kv_cache_halves, kv_cache_shape, new_kv_cache
 from worker_service.runner.host_memory import zeroed_host_tensor
-from worker_service.runner.kv_dtype import kv_cache_dtype
+from worker_service.runner.kv_dtype import kv_cache_dtype, kv_cache_dtype_name
 from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
 from worker_service.runner.runner_profile import profile_runner
 from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
@@ -76,7 +76,12 @@ class RunnerKVCache:
     @property
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: the model's, or fp8 (--kv-cache-dtype, kv_dtype.py)."""
-        return kv_cache_dtype(self.config.kv_cache_dtype, self.model_dtype)
+        return kv_cache_dtype(self.config.kv_cache_dtype, self.model_dtype, self.device.type)
+
+    @property
+    def cache_dtype_name(self) -> str:
+        """cache_dtype in --kv-cache-dtype's words (auto, fp8_e4m3, fp8_e5m2): Init's echo."""
+        return kv_cache_dtype_name(self.cache_dtype, self.model_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
