@@ -25,6 +25,8 @@ class InitOutcome:
     # A hybrid model's window group (engine_common/request/kv_groups.py): num_kv_blocks is then
     # the full group's. Known once the cache is allocated; None before, or for another model.
     window_group: WindowGroup | None = None
+    # The KV cache's element type (kv_dtype.kv_cache_dtype_name): InitResponse's echo of it.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

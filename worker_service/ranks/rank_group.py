@@ -117,7 +117,8 @@ class RankGroup:
         group = allocated[0].info.get("window_group")     # every rank splits the same budget
         return InitOutcome(allocated[0].info.get("num_full_blocks", num_blocks),
                            max(r.info["kv_block_bytes"] for r in replies), reloaded, window,
-                           None if group is None else WindowGroup(*group))
+                           None if group is None else WindowGroup(*group),
+                           allocated[0].info["kv_cache_dtype"])     # one config, one device kind
 
     def drop_requests(self) -> int:
         self._abort.clear()
