@@ -3,10 +3,10 @@
 The kernels get an fp8 cache as its uint8 view and code the bytes themselves (FP8 a constexpr:
 0 the model dtype, FP8_E4M3 or FP8_E5M2), for two reasons:
 
-* Triton's interpreter (the CPU tests) rounds float32 -> fp8 wrongly: its "rtne" rounds half
-  up on the truncated mantissa, loses the carry into the exponent and clamps the exponent
-  instead of saturating (87 of 4,096 e4m3 bytes and 205 of 4,096 e5m2 bytes differed from
-  torch's in triton 3.9), so a native fp8 store would test another rounding than the GPU's;
+* Triton's interpreter (the CPU tests) rounds float32 -> fp8 wrongly: a value rounding up into
+  the next power of two can lose the carry (7.94 -> 4.0, not 8.0) and subnormals round down
+  (of 4,096 values randn x 10, 105 e4m3 and 165 e5m2 bytes differed from torch's in triton
+  3.9), so a native fp8 store would test another rounding than the GPU's;
 * a byte pointer compiles on every GPU, where tl.float8e4nv pointers need sm_89 or newer.
 
 Writes (`encode`) round to nearest even and saturate at the type's largest finite value, byte
