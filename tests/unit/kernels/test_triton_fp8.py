@@ -136,3 +136,29 @@ def test_fp8_reads_the_rounded_values_not_the_model_dtype_cache():
     torch.testing.assert_close(fp8_out, wide, atol=2e-6, rtol=2e-6)
     plain = backend.forward(query, key, value, rounded.clone(), meta, scale)
     assert (plain - fp8_out).abs().max() > 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,act", [(FP8[0], torch.bfloat16), (FP8[1], torch.float32)],
+                         ids=str)
+def test_fused_rope_write_is_the_reference_write_byte_for_byte(dtype, act):
+    """The fused rope's cache write (CUDA's default path) stores the codes write_kv_cache
+    stores for the keys it rotated: the same rounding whichever kernel writes."""
+    from kernels.fused_rope import fused_rope
+    from worker_service.layers.rotary import RopeSettings, RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(6)
+    rope = RotaryEmbedding(64, 32, RopeSettings()).to(DEVICE)
+    qkv = (40 * torch.randn(5, 4 * 64, generator=gen)).to(DEVICE, act)
+    q, k, v = (t.view(5, -1, 64) for t in qkv.split([2 * 64, 64, 64], dim=-1))
+    positions = torch.tensor([0, 3, 9, 17, 31], device=DEVICE)
+    cache = torch.randn(2, 4, 4, 1, 64, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([2, 7, -1, 12, 15], device=DEVICE)
+    want = cache.clone()
+    rotated_q, rotated_k = q.clone(), k.clone()
+    fused_rope(positions, rotated_q, rotated_k, rope.cos_cache, rope.sin_cache)
+    write_kv_cache(rotated_k, v, want, slots)
+    fused_rope(positions, q, k, rope.cos_cache, rope.sin_cache, value=v, kv_cache=cache,
+               slot_mapping=slots)
+    assert torch.equal(k, rotated_k)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
