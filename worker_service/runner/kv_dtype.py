@@ -13,11 +13,12 @@ rounded to nearest and saturated at the type's largest finite value (write_kv_ca
 Triton writes: kernels/attention/triton_fp8.py), so an activation past 448 (e4m3) is clipped,
 not turned into NaN.
 
-Built: the torch backend, the CPU paged kernel (kernels/cpu/csrc) and the Triton backend (CUDA,
-or its interpreter on the CPU), for full-attention decoders without sinks. `auto` picks Triton
-over flash-attn on CUDA when the cache is fp8 (selector.py). Refused at start, naming the flag
-and the value (`fp8_problem`): flash-attn named explicitly (it reads the model dtype only), a
-latent cache (MLA), attention sinks, sliding windows (hybrid KV pools included).
+Built: the torch backend and the CPU paged kernel (kernels/cpu/csrc) for full-attention
+decoders without sinks; the Triton backend (CUDA, or its interpreter on the CPU) for those and
+for attention sinks and sliding windows (hybrid KV pools included). `auto` picks Triton over
+flash-attn on CUDA when the cache is fp8 (selector.py). Refused at start, naming the flag and
+the value (`fp8_problem`): flash-attn named explicitly (it reads the model dtype only), a latent
+cache (MLA) on any backend, sinks and windows on torch and cpu.
 """
 from __future__ import annotations
 
@@ -67,10 +68,14 @@ def fp8_problem(name: str, *, latent: bool, sinks: bool,
                f"caches run on {', '.join(BUILT_BACKENDS)}")
     elif latent:
         why = "a latent (MLA) cache is not built for fp8; its kernel reads the model dtype"
+    elif backend == "triton":      # its kernels apply sinks and windows whatever the cache
+        why = None
     elif sinks:
-        why = "attention sinks with an fp8 cache are not built"
+        why = (f"attention sinks with an fp8 cache are not built on attention_backend="
+               f"{backend!r}; the triton backend has them")
     elif any(windows):
-        why = "sliding-window layers (and hybrid KV pools) with an fp8 cache are not built"
+        why = ("sliding-window layers (and hybrid KV pools) with an fp8 cache are not built "
+               f"on attention_backend={backend!r}; the triton backend has them")
     if why is None:
         return None
     return f"--kv-cache-dtype {name} is refused for this model: {why}; use --kv-cache-dtype auto"

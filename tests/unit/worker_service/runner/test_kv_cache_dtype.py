@@ -175,6 +175,16 @@ def test_backends_not_built_are_refused_by_name():
                        backend="flash_attn") is None
 
 
+def test_sinks_and_windows_run_on_triton_only():
+    for sinks, windows, what in ((True, (), "attention sinks"), (False, (0, 8), "sliding")):
+        assert fp8_problem("fp8", latent=False, sinks=sinks, windows=windows,
+                           backend="triton") is None
+        why = fp8_problem("fp8", latent=False, sinks=sinks, windows=windows, backend="cpu")
+        assert what in why and "attention_backend='cpu'" in why and "triton" in why, why
+    why = fp8_problem("fp8", latent=True, sinks=False, windows=(), backend="triton")
+    assert "latent (MLA)" in why, why
+
+
 def test_plain_fp8_is_e4m3_on_cuda_and_e5m2_on_the_cpu():
     """vLLM's meanings (CUDA: float8_e4m3fn; CPU: e5m2), and the names workers echo."""
     assert kv_cache_dtype("fp8", torch.bfloat16, "cuda") == torch.float8_e4m3fn
