@@ -4,7 +4,8 @@ default) and decode CUDA graphs replaying. The truth is transformers (float32, o
 its post-rope keys and values rounded to the same fp8 (tests/unit/worker_service/runner/
 test_kv_cache_dtype.py's reference): prompt logprobs within ATOL (two devices' float32 GEMMs,
 as test_prompt_logprobs_cuda.py), greedy tokens equal where its top-2 margins exceed 2 x ATOL
-(asserted). And the kernels alone in bfloat16, head 128, against the torch backend on the same
+(asserted); GPT-OSS's sinks and Mistral's windows against transformers' eager attention on
+fp8 keys and values (test_kv_cache_dtype_archs.py). And the kernels alone in bfloat16, head 128, against the torch backend on the same
 fp8 cache (test_triton_fp8.py's cases at a serving shape). Marked `gpu`; skipped without CUDA."""
 from __future__ import annotations
 
@@ -49,6 +50,21 @@ def test_fp8_cache_on_cuda_gives_transformers_numbers_on_fp8_keys_and_values(
         out = llm.generate([PROMPT], None, StoppingParams(max_tokens=8, ignore_eos=True))[0]
         assert tuple(out.token_ids) == tokens
         assert replays[0] > 0, "the decodes should replay a CUDA graph"
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch,overrides", [("gpt_oss", {}), ("mistral", {"sliding_window": 8})])
+def test_sinks_and_windows_on_cuda_give_transformers_numbers(tiny_models, arch, overrides,
+                                                            monkeypatch):
+    """GPT-OSS (sinks, hybrid pools: no graphs) and an all-windowed Mistral with fp8 = e4m3."""
+    from tests.integration.test_kv_cache_dtype_archs import _hf_fp8_prompt_logprobs
+    model = tiny_models(arch, **overrides)
+    llm = _llm(model, "fp8")
+    try:
+        assert llm.runner.attention_backend_name == "triton"
+        want = _hf_fp8_prompt_logprobs(model, arch, torch.float8_e4m3fn, monkeypatch)
+        torch.testing.assert_close(_prompt_logprobs(llm, PROMPT), want, atol=ATOL, rtol=0)
     finally:
         llm.close()
 
