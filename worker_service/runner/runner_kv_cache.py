@@ -80,8 +80,10 @@ class RunnerKVCache:
 
     @property
     def cache_dtype_name(self) -> str:
-        """cache_dtype in --kv-cache-dtype's words (auto, fp8_e4m3, fp8_e5m2): Init's echo."""
-        return kv_cache_dtype_name(self.cache_dtype, self.model_dtype)
+        """The allocated cache's type (before allocation, or without cache layers, the one it
+        gets) in --kv-cache-dtype's words (auto, fp8_e4m3, fp8_e5m2): Init's echo."""
+        dtype = self.kv_caches[0].dtype if self.kv_caches else self.cache_dtype
+        return kv_cache_dtype_name(dtype, self.model_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a
