@@ -84,7 +84,7 @@ def test_shapes_and_half_queries_match_the_torch_backend(fp8, query_dtype, shape
 
 @needs_kernels
 @pytest.mark.parametrize("fp8", FP8, ids=str)
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 16])      # 16: empty splits in the reduce
 def test_sinks_and_windows_over_fp8_match_the_torch_backend(fp8, splits):
     """What the Triton backend alone runs with fp8 (kv_dtype.fp8_problem): a window of 7 and
     per-head sinks, over prefills, a chunk after a cached prefix and decodes (split or not)."""
