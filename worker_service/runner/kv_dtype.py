@@ -72,10 +72,10 @@ def fp8_problem(name: str, *, latent: bool, sinks: bool,
         why = None
     elif sinks:
         why = (f"attention sinks with an fp8 cache are not built on attention_backend="
-               f"{backend!r}; the triton backend has them")
+               f"{backend!r}; the triton backend on CUDA has them")
     elif any(windows):
         why = ("sliding-window layers (and hybrid KV pools) with an fp8 cache are not built "
-               f"on attention_backend={backend!r}; the triton backend has them")
+               f"on attention_backend={backend!r}; the triton backend on CUDA has them")
     if why is None:
         return None
     return f"--kv-cache-dtype {name} is refused for this model: {why}; use --kv-cache-dtype auto"
