@@ -33,13 +33,16 @@ With value / kv_cache / slot_mapping the programs that rotate key heads also sto
 key rows, and copy the value rows, into the paged cache (kv_cache[2, num_blocks, block_size,
 Hk, D], row t at slot_mapping[t], as kernels/attention/triton_cache.py does): the Triton
 attention backend then skips its own write launch, 28 fewer a decode step for Qwen3-0.6B.
-Rows t >= len(slot_mapping) (CUDA-graph padding) and slots of -1 store nothing.
+Rows t >= len(slot_mapping) (CUDA-graph padding) and slots of -1 store nothing. An fp8 cache
+(--kv-cache-dtype) gets the rounded codes triton_cache.py writes (kernels/attention/triton_fp8.py).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention.triton_fp8 import cache_operand, store_cache
 
 MAX_HEAD_DIM = 256
 TILE_ELEMS = 2048            # heads x (D/2) per program: keeps two halves in registers
@@ -115,10 +118,11 @@ def _rotate_heads(base_ptr, stride_h, num_heads, head0, half, tail, cos, sin, w_
 def _store_kv(out1, out2, out3, token, head0, num_heads, half, tail, v_ptr, stride_vt,
               stride_vh, cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk,
               stride_c_row, stride_c_head, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-              BLOCK_TAIL: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+              BLOCK_TAIL: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              FP8: tl.constexpr):
     """The rotated key heads (out1, out2, and the unrotated tail out3 when HAS_TAIL) and the
     same heads of the value row into the cache at slot_mapping[token]: nothing for
-    token >= num_slots (>= 1) or a slot of -1."""
+    token >= num_slots (>= 1) or a slot of -1. FP8: an fp8 cache's codes (triton_fp8.py)."""
     slot = tl.load(slot_ptr + tl.minimum(token, num_slots - 1)).to(tl.int64)
     slot = tl.where(token < num_slots, slot, -1)
     heads = head0 + tl.arange(0, BLOCK_H)
@@ -132,18 +136,17 @@ def _store_kv(out1, out2, out3, token, head0, num_heads, half, tail, v_ptr, stri
     src_row = v_ptr + token * stride_vt + heads[:, None].to(tl.int64) * stride_vh
     dst = dst_row + cols[None, :]
     src = src_row + cols[None, :]
-    ty = cache_ptr.dtype.element_ty
-    tl.store(dst, out1.to(ty), mask=mask)
-    tl.store(dst + half, out2.to(ty), mask=mask)
-    tl.store(dst + stride_c_kv, tl.load(src, mask=mask).to(ty), mask=mask)
-    tl.store(dst + stride_c_kv + half, tl.load(src + half, mask=mask).to(ty), mask=mask)
+    store_cache(dst, out1, mask, FP8)
+    store_cache(dst + half, out2, mask, FP8)
+    store_cache(dst + stride_c_kv, tl.load(src, mask=mask), mask, FP8)
+    store_cache(dst + stride_c_kv + half, tl.load(src + half, mask=mask), mask, FP8)
     if HAS_TAIL:
         tcols = tl.arange(0, BLOCK_TAIL)
         tmask = (heads < limit)[:, None] & (tcols < tail)[None, :]
         tdst = dst_row + 2 * half + tcols[None, :]
         tsrc = src_row + 2 * half + tcols[None, :]
-        tl.store(tdst, out3.to(ty), mask=tmask)
-        tl.store(tdst + stride_c_kv, tl.load(tsrc, mask=tmask).to(ty), mask=tmask)
+        store_cache(tdst, out3, tmask, FP8)
+        store_cache(tdst + stride_c_kv, tl.load(tsrc, mask=tmask), tmask, FP8)
 
 
 # num_slots is len(slot_mapping) (or T without a write): it varies with the batch, and a
@@ -156,7 +159,7 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
                  stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
                  NORM: tl.constexpr, WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 Q_TAIL: tl.constexpr, K_TAIL: tl.constexpr):
+                 Q_TAIL: tl.constexpr, K_TAIL: tl.constexpr, FP8: tl.constexpr):
     # Q_TAIL / K_TAIL: whether query / key heads touch their unrotated tail (partial rotary with
     # a norm, or a cache write for keys); without, the tail is never read.
     token = tl.program_id(0).to(tl.int64)
@@ -178,7 +181,7 @@ def _rope_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
             _store_kv(out1, out2, out3, token, head0, num_k_heads, half, tail, v_ptr, stride_vt,
                       stride_vh, cache_ptr, slot_ptr, num_slots, stride_c_kv, stride_c_blk,
                       stride_c_row, stride_c_head, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, K_TAIL,
-                      BLOCK_SIZE)
+                      BLOCK_SIZE, FP8)
 
 
 def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -220,6 +223,7 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     num_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
     # Without a write the cache arguments are dead code: any tensors of the right kind do.
     v, cache, slots = (value, kv_cache, slot_mapping) if write_kv else (key, key, positions)
+    cache, fp8 = cache_operand(cache)         # an fp8 cache: its uint8 view and type code
     _rope_kernel[(num_tokens, num_blocks)](
         positions, query, key, cos_cache, sin_cache,
         q_weight if norm else query, k_weight if norm else key, float(eps),
@@ -229,7 +233,7 @@ def fused_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         *(kv_cache.stride()[:4] if write_kv else (0, 0, 0, 0)),
         BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
         NORM=norm, WRITE_KV=write_kv, BLOCK_SIZE=kv_cache.shape[2] if write_kv else 1,
-        Q_TAIL=tail > 0 and norm, K_TAIL=load_tail,
+        Q_TAIL=tail > 0 and norm, K_TAIL=load_tail, FP8=fp8,
         num_warps=max(1, min(4, block_h * widest // 256)), enable_fp_fusion=False)
     return query, key
 

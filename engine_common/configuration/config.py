@@ -28,7 +28,7 @@ from engine_common.configuration.settings import (AtLeast, AtLeastZero, NonEmpty
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn", "cpu")
 CPU_QUANTIZED_WEIGHTS = ("native", "dequantize")
-# vLLM's --kv-cache-dtype names (fp8: e5m2 on CPU, as vLLM-CPU; worker_service/runner/kv_dtype.py)
+# vLLM's --kv-cache-dtype names (fp8: e5m2 on CPU as vLLM-CPU, e4m3 on CUDA as vLLM; kv_dtype.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_e4m3")
 GIB = 1 << 30
 # When unset, a long prefill is one with more than 512 tokens left (a step of ~512 prompt tokens
@@ -235,8 +235,9 @@ class WorkerConfig(BatchLimits):
         "retention), instead of the window layers' own small pool", wire=21)
     kv_cache_dtype: str = setting(
         "auto", "KV cache element type, as vLLM's flag: auto keeps the model dtype; fp8 "
-        "(e5m2 on CPU), fp8_e5m2 and fp8_e4m3 store one byte per value with scale 1.0 (twice "
-        "the blocks in the same --kv-cache-gib)", rule=OneOf(KV_CACHE_DTYPES), wire=23)
+        "(e5m2 on CPU, e4m3 on CUDA), fp8_e5m2 and fp8_e4m3 store one byte per value with "
+        "scale 1.0 (twice the blocks in the same --kv-cache-gib)",
+        rule=OneOf(KV_CACHE_DTYPES), wire=23)
 
     def __post_init__(self):
         super().__post_init__()

@@ -18,7 +18,8 @@ class CacheLayout:
     some head sizes and at most cpu_paged.MAX_GROUP query heads per kv head (`group`, on a
     rank: DeepSeek's latent cache has one kv head for all of a rank's heads) and its latent
     (576) only with a value of at most the row's first 512 dims (`value_dim`: the dims of each
-    cached value row the model reads, 0 for the whole head; DeepSeek's kv_lora_rank)."""
+    cached value row the model reads, 0 for the whole head; DeepSeek's kv_lora_rank).
+    kv_fp8: an fp8 cache (--kv-cache-dtype), which flash-attn cannot read."""
 
     block_size: int
     head_dim: int
@@ -26,13 +27,14 @@ class CacheLayout:
     sinks: bool = False
     group: int = 1
     value_dim: int = 0
+    kv_fp8: bool = False
 
 
 def _flash_attn_fits(layout: CacheLayout | None) -> bool:
     if importlib.util.find_spec("flash_attn") is None:
         return False
     from kernels.attention.flash_attn_backend import flash_attn_supports
-    if layout is not None and layout.sinks:
+    if layout is not None and (layout.sinks or layout.kv_fp8):
         return False
     return layout is None or flash_attn_supports(layout.block_size, layout.head_dim,
                                                  layout.dtype)
@@ -49,7 +51,7 @@ def _cpu_kernel_fits(layout: CacheLayout | None) -> bool:
 
 def resolve_backend_name(name: str, device_type: str, layout: CacheLayout | None = None) -> str:
     """`auto` prefers flash-attn (when it accepts the cache layout and the model has no
-    attention sinks), then Triton on CUDA; on
+    attention sinks or fp8 cache), then Triton on CUDA; on
     the CPU the compiled paged kernel (when it is built and fits the layout); else the torch
     reference."""
     if name not in BACKEND_NAMES:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.attention.triton_fp8 import decode
+
 NEG_BIG = tl.constexpr(-1.0e30)   # finite "minus infinity" for m: masked rows never make NaNs
 
 
@@ -15,12 +17,14 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
                   stride_c_kv, stride_c_blk, stride_c_row, dims, dim_ok, qk_scale, window,
                   softcap, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr,
-                  SOFTCAP: tl.constexpr, KV_SHARED: tl.constexpr):
+                  SOFTCAP: tl.constexpr, KV_SHARED: tl.constexpr, FP8: tl.constexpr):
     """Fold keys [start, end) into (m_i, l_i, acc). Keys are read through the block table;
     MASKED applies key <= q_pos and key < kv_limit (and with SLIDING key > q_pos - window),
     else every key in range must be visible. SOFTCAP: scores -> cap * tanh(scores / cap) before
     the mask (softcap is cap * log2(e), since s is in log2 units). KV_SHARED: the cache's value
-    half is its key half (stride 0: MLA's latent), so one load and one tile serve as both."""
+    half is its key half (stride 0: MLA's latent), so one load and one tile serve as both.
+    FP8 (triton_fp8.py): the cache holds fp8 codes (uint8), widened to q's dtype as they are
+    read: exact, so the dots are those of a model-dtype cache holding the rounded values."""
     for kv_start in range(start, end, BLOCK_N):
         kpos = kv_start + tl.arange(0, BLOCK_N)
         in_range = kpos < kv_limit
@@ -33,7 +37,10 @@ def _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos, star
         else:
             v = tl.load(cache_ptr + stride_c_kv + row_off[:, None] + dims[None, :],
                         mask=kv_mask, other=0.0)
-        if UPCAST:
+        if FP8 != 0:
+            k = decode(k, FP8).to(q.dtype)
+            v = decode(v, FP8).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [M, N] fp32

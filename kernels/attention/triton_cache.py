@@ -7,12 +7,15 @@ Cache layout (see kernels/attention/backend.py):
     i.e. kv_cache[0 or 1, slot // block_size, slot % block_size, :, :].
 
 One program per token row copies all of that row's heads; a slot of -1 (padding) stores nothing.
+An fp8 cache (--kv-cache-dtype) is written as its uint8 view through triton_fp8.encode.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention.triton_fp8 import cache_operand, store_cache
 
 
 @triton.jit
@@ -22,7 +25,7 @@ def _write_kv_kernel(
     stride_vt, stride_vh,            # value strides (token, head)
     stride_c_kv, stride_c_blk, stride_c_row, stride_c_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -41,8 +44,8 @@ def _write_kv_kernel(
                 mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :],
                 mask=mask)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    store_cache(dst, k, mask, FP8)
+    store_cache(dst + stride_c_kv, v, mask, FP8)
 
 
 def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -57,12 +60,14 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         return
     _check_shapes(key, value, kv_cache, num_tokens)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    cache, fp8 = cache_operand(kv_cache)
     _write_kv_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping,
+        key, value, cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 

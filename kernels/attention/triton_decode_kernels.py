@@ -37,7 +37,7 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr, HEAD_FASTEST: tl.constexpr, ORDERED: tl.constexpr,
                    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-                   G_TILES: tl.constexpr, KV_SHARED: tl.constexpr):
+                   G_TILES: tl.constexpr, KV_SHARED: tl.constexpr, FP8: tl.constexpr):
     if HEAD_FASTEST:       # grid (Hkv * G_TILES, num_reqs, splits): a request's heads together
         kv_head, g_first = _head_tile(tl.program_id(0), G_TILES, BLOCK_G)
         req = tl.program_id(1)
@@ -78,11 +78,11 @@ def _decode_kernel(q_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cache_ptr, bt_ptr, qsl
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   start, full_end, end, stride_c_kv, stride_c_blk, stride_c_row,
                                   dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
-                                  False, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED)
+                                  False, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED, FP8)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_end, end, end, stride_c_kv, stride_c_blk, stride_c_row,
                                   dims, dim_ok, qk_scale, window, softcap, BLOCK_SIZE, BLOCK_N,
-                                  True, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED)
+                                  True, PRECISION, UPCAST, False, SOFTCAP, KV_SHARED, FP8)
     if not PARTIALS:
         out = _normalize(acc, m_i, l_i, sinks_ptr, head, group_idx < GROUP, SINKS)
         tl.store(out_ptr + q_index.to(tl.int64) * stride_ot + head[:, None] * stride_oh

@@ -50,6 +50,7 @@ import torch
 import triton
 
 from kernels.attention.triton_decode_kernels import _decode_kernel, _reduce_kernel
+from kernels.attention.triton_fp8 import cache_operand
 from kernels.attention.triton_launch import (  # noqa: F401  (re-exported names)
     MAX_SPLITS, MIN_DOT_ROWS, MIN_SPLIT_TOKENS, TritonLaunchConfig, choose_num_splits,
     decode_keys_per_step, decode_tile_shape, prefill_tile_shape)
@@ -78,12 +79,13 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
         return
     launch = launch or TritonLaunchConfig()
     group = _check_shapes(query, kv_cache)
-    shape = prefill_tile_shape(launch, group, query.shape[2], kv_cache.element_size(),
+    cache, fp8 = cache_operand(kv_cache)
+    shape = prefill_tile_shape(launch, group, query.shape[2], _read_bytes(query, kv_cache),
                                block_q_rows)
     tiles = shape.tiles
     grid = (triton.cdiv(num_tokens, shape.block_q) + num_reqs, kv_cache.shape[3] * shape.g_tiles)
     _prefill_kernel[grid](
-        query, out, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
+        query, out, cache, block_table, query_start_loc, seq_lens, num_reqs,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), *kv_cache.stride()[:4], window, softcap * LOG2E,
         _log2_sinks(sinks, seq_lens),
@@ -92,7 +94,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: to
         BLOCK_N=block_n or tiles.block_n,
         **_dot_params(query), SKIP_DECODES=skip_decodes, SLIDING=window > 0,
         SOFTCAP=softcap > 0, SINKS=sinks is not None, G_TILES=shape.g_tiles,
-        KV_SHARED=kv_cache.stride(0) == 0,
+        KV_SHARED=kv_cache.stride(0) == 0, FP8=fp8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -126,7 +128,9 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         raise ValueError(f"num_splits={num_splits} is invalid: must be >= 1")
     launch = launch or TritonLaunchConfig()
     group = _check_shapes(query, kv_cache)
-    shape = decode_tile_shape(launch, group, query.shape[2], kv_cache.element_size(), block_n)
+    cache, fp8 = cache_operand(kv_cache)
+    shape = decode_tile_shape(launch, group, query.shape[2], _read_bytes(query, kv_cache),
+                              block_n)
     tiles = shape.tiles
     num_heads, head_dim = query.shape[1], query.shape[2]
     partials = num_splits > 1
@@ -141,7 +145,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
     grid = ((head_programs, num_reqs) if head_fastest else (num_reqs, head_programs)) \
         + (num_splits,)
     _decode_kernel[grid](
-        query, out, m, l, acc, kv_cache, block_table, query_start_loc, seq_lens,
+        query, out, m, l, acc, cache, block_table, query_start_loc, seq_lens,
         order if ordered else seq_lens, num_splits, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         *kv_cache.stride()[:4], window, softcap * LOG2E, log2_sinks,
@@ -150,7 +154,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: tor
         BLOCK_N=tiles.block_n,
         **_dot_params(query), HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=window > 0,
         SOFTCAP=softcap > 0, SINKS=sinks is not None and not partials, G_TILES=shape.g_tiles,
-        KV_SHARED=kv_cache.stride(0) == 0, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        KV_SHARED=kv_cache.stride(0) == 0, FP8=fp8, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     if partials:
         _reduce_kernel[(num_reqs, num_heads)](
             out, m, l, acc, query_start_loc, num_splits, out.stride(0), out.stride(1),
@@ -168,6 +173,12 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor) -> int:
     if query.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("query and kv_cache must have a contiguous last (head_dim) dim")
     return num_heads // num_kv_heads
+
+
+def _read_bytes(query: torch.Tensor, kv_cache: torch.Tensor) -> int:
+    """Bytes of a cache element as the dots read it: an fp8 cache's codes widen to the
+    query's dtype, so its tiles are sized as a model-dtype cache's."""
+    return query.element_size() if cache_operand(kv_cache)[1] else kv_cache.element_size()
 
 
 def _dot_params(query: torch.Tensor) -> dict:

@@ -26,7 +26,7 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     SKIP_DECODES: tl.constexpr, SLIDING: tl.constexpr,
                     SOFTCAP: tl.constexpr, SINKS: tl.constexpr, G_TILES: tl.constexpr,
-                    KV_SHARED: tl.constexpr):
+                    KV_SHARED: tl.constexpr, FP8: tl.constexpr):
     tile = tl.program_id(0)
     kv_head, g_first = _head_tile(tl.program_id(1), G_TILES, BLOCK_G)
     req = _find_request(qsl_ptr, num_reqs, tile, BLOCK_Q)
@@ -71,19 +71,19 @@ def _prefill_kernel(q_ptr, out_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, nu
                                       lo, full_lo, full_lo, stride_c_kv, stride_c_blk,
                                       stride_c_row, dims, dim_ok, qk_scale, window, softcap,
                                       BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, True, SOFTCAP,
-                                      KV_SHARED)
+                                      KV_SHARED, FP8)
     else:
         full_lo = 0
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   full_lo, unmasked_end, kv_end, stride_c_kv, stride_c_blk,
                                   stride_c_row, dims, dim_ok, qk_scale, window, softcap,
                                   BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, False, SOFTCAP,
-                                  KV_SHARED)
+                                  KV_SHARED, FP8)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, cache_ptr, bt_row_ptr, head_off, q_pos,
                                   unmasked_end, kv_end, kv_end, stride_c_kv, stride_c_blk,
                                   stride_c_row, dims, dim_ok, qk_scale, window, softcap,
                                   BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
-                                  KV_SHARED)
+                                  KV_SHARED, FP8)
     out = _normalize(acc, m_i, l_i, sinks_ptr, head, row_ok, SINKS)
     tl.store(out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -51,8 +51,9 @@ class WorkerCoreFactory:
         self._last_error = ""
         self._was_ready = True
         self._num_ranks = len(result.devices)
-        log.info("workers initialized: %d KV blocks of %d tokens", result.num_kv_blocks,
-                 self.config.block_size)
+        log.info("workers initialized: %d KV blocks of %d tokens, KV cache %s (what they "
+                 "allocated, fp8 resolved)", result.num_kv_blocks, self.config.block_size,
+                 result.kv_cache_dtype)
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events,
                               sliding_window=result.sliding_window,
                               window_group=result.window_group, vocab_size=self.vocab_size)

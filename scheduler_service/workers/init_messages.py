@@ -42,6 +42,33 @@ def shared_kv_block_bytes(block_bytes: list[int]) -> int:
     return block_bytes[0]
 
 
+FP8_NAMES = ("fp8_e4m3", "fp8_e5m2")     # what `fp8` resolves to (a device's choice)
+
+
+def allocated_kv_cache_dtype(asked: str, echoes: list[tuple[str, str]]) -> str:
+    """The KV cache dtype every worker allocated, from (address, InitResponse.kv_cache_dtype)
+    of each, when each is what `asked` (the kv_cache_dtype sent in Init) allows: itself, or
+    for `fp8` either fp8 type, the same on every worker. An empty echo is a build before it,
+    which ignores Init's kv_cache_dtype and caches in the model dtype ("auto"): refused unless
+    auto was asked, since the scheduler would report fp8 while that worker ran auto.
+    ValueError naming the worker, the asked and the echoed dtype."""
+    for address, echo in echoes:
+        got = echo or "auto"
+        if got == asked or (asked == "fp8" and got in FP8_NAMES):
+            continue
+        older = ("" if echo else " (it echoed none: a build before --kv-cache-dtype, which "
+                 "caches in the model dtype)")
+        raise ValueError(f"worker {address} allocated a kv_cache_dtype={got!r} KV cache, but "
+                         f"kv_cache_dtype={asked!r} was asked{older}; run the same build on "
+                         "every node")
+    kinds = sorted({echo or "auto" for _, echo in echoes})
+    if len(kinds) > 1:
+        raise ValueError(f"workers resolved kv_cache_dtype={asked!r} differently: "
+                         f"{', '.join(f'{a} {e!r}' for a, e in echoes)}; give every node the "
+                         "same device kind, or name fp8_e4m3 or fp8_e5m2")
+    return kinds[0]
+
+
 def shared_window_group(groups: list[tuple[int, int]]) -> WindowGroup | None:
     """The window group of a hybrid model (engine_common/request/kv_groups.py) from each
     worker's (window, blocks) as InitResponse says them (0, 0: none): the smallest pool when

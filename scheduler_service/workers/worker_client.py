@@ -48,7 +48,8 @@ from engine_common.security.worker_auth import WorkerAuth
 from scheduler_service.errors import Fenced, WorkerFailure, WorkerRefused
 from scheduler_service.workers.channels import worker_channel
 from scheduler_service.workers.group_plan import plan_group
-from scheduler_service.workers.init_messages import (init_request, shared_kv_block_bytes,
+from scheduler_service.workers.init_messages import (allocated_kv_cache_dtype, init_request,
+                                                     shared_kv_block_bytes,
                                                      shared_window, shared_window_group,
                                                      worker_device)
 from scheduler_service.workers.worker_spec import (DEFAULT_DIST_PORT, InitResult, InitSpec,
@@ -121,6 +122,9 @@ class WorkerClient:
                                   timeout=self.init_timeout_s)
                  for node, stub in enumerate(self._stubs)]
         replies = self._all_results(calls, "Init")
+        cache_dtype = allocated_kv_cache_dtype(      # before the epoch's streams open
+            spec.config.kv_cache_dtype,
+            [(addr, r.kv_cache_dtype) for addr, r in zip(self.addresses, replies)])
         self.owned_epoch = epoch
         self._force_new_group = False
         self.verify_symmetry = spec.config.verify_symmetry
@@ -133,7 +137,8 @@ class WorkerClient:
                           tp_size=plan.tp_size, group_id=plan.group_id,
                           sliding_window=shared_window([r.sliding_window for r in replies]),
                           window_group=shared_window_group(
-                              [(r.window_group_window, r.window_group_blocks) for r in replies]))
+                              [(r.window_group_window, r.window_group_blocks) for r in replies]),
+                          kv_cache_dtype=cache_dtype)
 
     def reset(self) -> int:
         """Start a new epoch on every worker; returns how many cached requests node 0 dropped.

@@ -63,6 +63,9 @@ class InitResult:
     # A hybrid model's window group (engine_common/request/kv_groups.py); num_kv_blocks is then
     # the full group's. None for any other model.
     window_group: WindowGroup | None = None
+    # The KV cache's element type the workers allocated (init_messages.allocated_kv_cache_dtype:
+    # auto, fp8_e4m3 or fp8_e5m2).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

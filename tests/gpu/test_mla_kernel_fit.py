@@ -65,7 +65,7 @@ for kind, dt, head_dim, group, shared in json.loads(sys.argv[1]):
     size = {"bf16": 2, "fp32": 4}[dt]
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, PRECISION="ieee"
                   if dt == "fp32" else "tf32", UPCAST=False, SLIDING=False, SOFTCAP=False,
-                  SINKS=False, KV_SHARED=shared)
+                  SINKS=False, KV_SHARED=shared, FP8=0)
     if kind == "decode":
         fn, s = _decode_kernel, decode_tile_shape(launch, group, head_dim, size)
         consts = dict(NUM_HEADS=group, PARTIALS=False, HEAD_FASTEST=False, ORDERED=False)

@@ -42,10 +42,11 @@ needs_kernels = pytest.mark.skipif(
 
 
 def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size,
-              num_pad=0, dtype=torch.float32, device=DEVICE):
+              num_pad=0, dtype=torch.float32, device=DEVICE, cache_dtype=None):
     """A batch over a random cache: physical blocks shuffled, every cache slot random (the
     cached prefix is whatever the cache holds), q/k/v strided views of one fused qkv tensor,
-    num_pad trailing padded rows (slot -1) with huge keys so a stray write would show."""
+    num_pad trailing padded rows (slot -1) with huge keys so a stray write would show.
+    cache_dtype: the cache's (an fp8 type for --kv-cache-dtype), else `dtype`."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = [triton.cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 3                   # spare blocks nobody owns
@@ -63,7 +64,7 @@ def make_case(seed, seq_lens, query_lens, num_heads, num_kv_heads, head_dim, blo
     qkv = torch.randn(num_tokens + num_pad, width, generator=gen)
     qkv[num_tokens:] = 1e4
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    qkv, kv_cache = qkv.to(device, dtype), kv_cache.to(device, dtype)
+    qkv, kv_cache = qkv.to(device, dtype), kv_cache.to(device, cache_dtype or dtype)
     q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
     rows = num_tokens + num_pad
     query = qkv[:, :q_end].view(rows, num_heads, head_dim)
@@ -89,6 +90,8 @@ def check_against_reference(case, backend, atol=2e-5, rtol=2e-5):
     n = meta.num_actual_tokens
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out[:n].float(), expected[:n].float(), atol=atol, rtol=rtol)
+    if our_cache.element_size() == 1:      # fp8: compare the codes (NaN-free, so exact)
+        our_cache, ref_cache = our_cache.view(torch.uint8), ref_cache.view(torch.uint8)
     assert torch.equal(our_cache, ref_cache), "KV cache differs from the reference writes"
 
 

@@ -25,6 +25,19 @@ class InitOutcome:
     # A hybrid model's window group (engine_common/request/kv_groups.py): num_kv_blocks is then
     # the full group's. Known once the cache is allocated; None before, or for another model.
     window_group: WindowGroup | None = None
+    # The KV cache's element type (kv_dtype.kv_cache_dtype_name): InitResponse's echo of it.
+    kv_cache_dtype: str = "auto"
+
+
+def node_kv_cache_dtype(by_rank: list[str]) -> str:
+    """The KV cache dtype a node's ranks allocated (each rank's echo, in rank order): every
+    rank's, not rank 0's alone, since `fp8` resolves per device kind (kv_dtype.py). ValueError
+    naming each rank's when they differ: the node would attend in two precisions."""
+    if len(set(by_rank)) > 1:
+        raise ValueError(f"the ranks of this node allocated different KV cache dtypes "
+                         f"({', '.join(f'rank {i}: {d!r}' for i, d in enumerate(by_rank))}); "
+                         "give every rank the same device kind, or name fp8_e4m3 or fp8_e5m2")
+    return by_rank[0]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from worker_service.ranks.messages import (ALLOCATE, CONFIGURE, LORA_LOAD, LORA_
                                            device_from_wire, encode_command, encode_step)
 from worker_service.ranks.rank_process import RankSpec
 from worker_service.ranks.rank_set import RankSet, RankSetOptions
-from worker_service.ranks.rank_api import InitOutcome, ModelSummary, RankStepStats, StepReply
+from worker_service.ranks.rank_api import (InitOutcome, ModelSummary, RankStepStats, StepReply,
+                                          node_kv_cache_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class RankGroup:
         num_blocks = min(r.info["num_kv_blocks"] for r in replies)
         allocated = self._call(encode_command(ALLOCATE, num_blocks),
                                self.options.control_timeout_s)
+        cache_dtype = node_kv_cache_dtype([r.info["kv_cache_dtype"] for r in allocated])
         first = replies[0].info
         self._summary = ModelSummary(config.model_dir, first["attention_backend"], first["dtype"])
         self._devices = [device_from_wire(r.info["device"]) for r in replies]
@@ -117,7 +119,8 @@ class RankGroup:
         group = allocated[0].info.get("window_group")     # every rank splits the same budget
         return InitOutcome(allocated[0].info.get("num_full_blocks", num_blocks),
                            max(r.info["kv_block_bytes"] for r in replies), reloaded, window,
-                           None if group is None else WindowGroup(*group))
+                           None if group is None else WindowGroup(*group),
+                           cache_dtype)
 
     def drop_requests(self) -> int:
         self._abort.clear()

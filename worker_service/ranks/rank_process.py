@@ -171,8 +171,9 @@ class RankLoop:
             if name == ALLOCATE:
                 self.keeper.allocate(int(args[0]))
                 group = self.keeper.runner.window_group      # a hybrid model's split
-                return RankReply(info={} if group is None else {
-                    "num_full_blocks": self.keeper.runner.diff_bounds.num_kv_blocks,
+                info = {"kv_cache_dtype": self.keeper.runner.cache_dtype_name}
+                return RankReply(info=info if group is None else {
+                    **info, "num_full_blocks": self.keeper.runner.diff_bounds.num_kv_blocks,
                     "window_group": [group.window, group.num_blocks]})
             if name == RESET:
                 return RankReply(info={"dropped": self.keeper.drop_requests() if self.keeper else 0})

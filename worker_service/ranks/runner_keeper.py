@@ -185,8 +185,9 @@ class RunnerKeeper:
         return self.allocated(outcome)
 
     def allocated(self, outcome: InitOutcome) -> InitOutcome:
-        """`outcome` with the cache as allocated: a hybrid model's full-group blocks and
-        window group (engine_common/request/kv_groups.py)."""
+        """`outcome` with the cache as allocated: its element type, a hybrid model's
+        full-group blocks and window group (engine_common/request/kv_groups.py)."""
+        outcome = dataclasses.replace(outcome, kv_cache_dtype=self.runner.cache_dtype_name)
         group = self.runner.window_group
         if group is None:
             return outcome

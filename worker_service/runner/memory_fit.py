@@ -235,7 +235,7 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
         return
     room_bytes, weights, packed = room
     dtype = kv_cache_dtype(config.kv_cache_dtype,
-                           resolve_dtype(info.hf_config, config.dtype, info.path))
+                           resolve_dtype(info.hf_config, config.dtype, info.path), device)
     element = torch.empty((), dtype=dtype).element_size()      # fp8 caches: 1 byte a value
     kv = estimate_kv_bytes(config, info.hf_config, element, tp_size)
     if (kv or 0) <= room_bytes:

@@ -55,7 +55,7 @@ def cache_layout(hf_config: dict, config: RunnerConfig, tp_size: int = 1) -> Cac
     group = heads // max(1, kv_heads // tp_size)
     return CacheLayout(config.block_size, head_dim,
                        resolve_dtype(hf_config, config.dtype, config.model_dir), sinks, group,
-                       kv_value_dim(hf_config))
+                       kv_value_dim(hf_config), kv_fp8=config.kv_cache_dtype != "auto")
 
 
 class ModelRunner(RunnerKVCache):
@@ -128,11 +128,11 @@ class ModelRunner(RunnerKVCache):
     def _check_kv_cache_dtype(self, layout: CacheLayout, loaded: bool) -> None:
         """ValueError when --kv-cache-dtype names an fp8 cache this model cannot run with
         (worker_service/runner/kv_dtype.py: what is built). Before the weights load (`loaded`
-        False) what config.json tells (device, backend, MLA's value, sinks); after, the layer
+        False) what config.json tells (backend, MLA's value, sinks); after, the layer
         windows too, which the built model holds."""
         latent = bool(layout.value_dim) or (loaded and kv_cache_halves(self.model) == 1)
         windows = self.layer_windows + (self.sliding_window,) if loaded else ()
-        why = fp8_problem(self.config.kv_cache_dtype, self.device.type, latent=latent,
+        why = fp8_problem(self.config.kv_cache_dtype, latent=latent,
                           sinks=layout.sinks, windows=windows,
                           backend=self.attention_backend_name)
         if why is not None:

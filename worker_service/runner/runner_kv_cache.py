@@ -13,7 +13,7 @@ from engine_common.runtime.progress import heartbeat
 from worker_service.batch.diff_check import DiffBounds
 from worker_service.models.loader import kv_cache_halves, kv_cache_shape, new_kv_cache
 from worker_service.runner.host_memory import zeroed_host_tensor
-from worker_service.runner.kv_dtype import kv_cache_dtype
+from worker_service.runner.kv_dtype import kv_cache_dtype, kv_cache_dtype_name
 from worker_service.runner.kv_profiler import KVMemoryProfile, cpu_num_kv_blocks
 from worker_service.runner.runner_profile import profile_runner
 from worker_service.step.cuda_graphs import DecodeGraphRunner, graphs_unsupported_reason
@@ -76,7 +76,14 @@ class RunnerKVCache:
     @property
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's element type: the model's, or fp8 (--kv-cache-dtype, kv_dtype.py)."""
-        return kv_cache_dtype(self.config.kv_cache_dtype, self.model_dtype)
+        return kv_cache_dtype(self.config.kv_cache_dtype, self.model_dtype, self.device.type)
+
+    @property
+    def cache_dtype_name(self) -> str:
+        """The allocated cache's type (before allocation, or without cache layers, the one it
+        gets) in --kv-cache-dtype's words (auto, fp8_e4m3, fp8_e5m2): Init's echo."""
+        dtype = self.kv_caches[0].dtype if self.kv_caches else self.cache_dtype
+        return kv_cache_dtype_name(dtype, self.model_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: num_kv_blocks when set; on CUDA with a utilization, a

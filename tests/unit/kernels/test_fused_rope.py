@@ -208,17 +208,20 @@ def build(fn, ptrs, constexprs, **options):
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-# tail: partial rotary (96 of 128 dims rotate, 32 pass through), in bf16 only
-for dt, norm, kv, tail in [(dt, norm, kv, tail) for dt in ("fp32", "fp16", "bf16")
-                          for norm in (False, True) for kv in (False, True)
-                          for tail in (False, True) if dt == "bf16" or not tail]:
+# tail: partial rotary (96 of 128 dims rotate, 32 pass through), in bf16 only; fp8: a cache
+# of fp8 codes (--kv-cache-dtype; 1 e4m3, 2 e5m2), written in bf16 only
+for dt, norm, kv, tail, fp8 in [(dt, norm, kv, tail, fp8) for dt in ("fp32", "fp16", "bf16")
+                               for norm in (False, True) for kv in (False, True)
+                               for tail in (False, True) for fp8 in (0, 1, 2)
+                               if (dt == "bf16" or not tail) and (fp8 == 0 or
+                                                                  (kv and dt == "bf16"))]:
     rope = build(fused_rope._rope_kernel, dict(pos_ptr="*i64", q_ptr="*" + dt, k_ptr="*" + dt,
                  cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*" + dt, kw_ptr="*" + dt,
-                 eps="fp32", v_ptr="*" + dt, cache_ptr="*" + dt, slot_ptr="*i64",
-                 stride_c_blk="i64"),
+                 eps="fp32", v_ptr="*" + dt, cache_ptr="*u8" if fp8 else "*" + dt,
+                 slot_ptr="*i64", stride_c_blk="i64"),
                  dict(BLOCK_H=8, BLOCK_HALF=64, NORM=norm, WRITE_KV=kv,
                       BLOCK_SIZE=16, BLOCK_TAIL=32 if tail else 1, Q_TAIL=tail and norm,
-                      K_TAIL=tail and (norm or kv)),
+                      K_TAIL=tail and (norm or kv), FP8=fp8),
                  num_warps=2, enable_fp_fusion=False)
     assert "fma" not in rope.asm["ptx"], "rope must not contract mul+add into fma"
 for dt in ("fp32", "fp16", "bf16"):

@@ -215,7 +215,8 @@ for dt in ("fp16", "bf16"):
                                         (False, 4, True, False), (False, 4, True, True)):
         build(_prefill_kernel, ptrs, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
               BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=skip, SLIDING=sliding,
-              SINKS=sinks, G_TILES=1, KV_SHARED=False, **dot), num_warps=warps, num_stages=2)
+              SINKS=sinks, G_TILES=1, KV_SHARED=False, FP8=0, **dot), num_warps=warps,
+              num_stages=2)
     for head_fastest, ordered, sliding, splits, sinks in (
             (False, False, False, 8, False), (True, False, False, 8, False),
             (True, True, False, 8, False), (False, False, True, 8, False),
@@ -223,12 +224,27 @@ for dt in ("fp16", "bf16"):
         build(_decode_kernel, dict(ptrs, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
               HEAD_DIM=128, BLOCK_SIZE=256, PARTIALS=splits > 1, BLOCK_G=16, BLOCK_D=128,
               BLOCK_N=64, HEAD_FASTEST=head_fastest, ORDERED=ordered, SLIDING=sliding,
-              SINKS=sinks, G_TILES=1, KV_SHARED=False, **dot), num_warps=4, num_stages=2)
+              SINKS=sinks, G_TILES=1, KV_SHARED=False, FP8=0, **dot), num_warps=4,
+              num_stages=2)
     for sinks in (False, True):
         build(_reduce_kernel, ptrs, dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, SINKS=sinks),
               num_warps=1)
     build(tc._write_kv_kernel, ptrs, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
-          BLOCK_H=8, BLOCK_D=128), num_warps=4)
+          BLOCK_H=8, BLOCK_D=128, FP8=0), num_warps=4)
+    # an fp8 cache (--kv-cache-dtype): its uint8 view, FP8 1 (e4m3) or 2 (e5m2)
+    for fp8 in (1, 2):
+        codes = dict(ptrs, cache_ptr="u8")
+        build(_prefill_kernel, codes, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_Q=16,
+              BLOCK_G=4, BLOCK_D=128, BLOCK_N=64, SKIP_DECODES=False, SLIDING=True,
+              SINKS=True, G_TILES=1, KV_SHARED=False, FP8=fp8, **dot), num_warps=4,
+              num_stages=2)
+        build(_decode_kernel, dict(codes, order_ptr="i64"), dict(NUM_HEADS=32, GROUP=8,
+              HEAD_DIM=128, BLOCK_SIZE=16, PARTIALS=True, BLOCK_G=16, BLOCK_D=128,
+              BLOCK_N=128, HEAD_FASTEST=False, ORDERED=False, SLIDING=False,
+              SINKS=False, G_TILES=1, KV_SHARED=False, FP8=fp8, **dot), num_warps=4,
+              num_stages=2)
+        build(tc._write_kv_kernel, codes, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
+              BLOCK_H=8, BLOCK_D=128, FP8=fp8), num_warps=4)
 
 # The decode kernel at its default launch fits the 99 KB of shared memory of sm_86/sm_89 GPUs
 # for every cache dtype and head_dim up to 256 (128 fp32 keys of 128 dims a step needed 147 KB).
@@ -243,7 +259,7 @@ for dt, size, head_dim in (("bf16", 2, 128), ("fp32", 4, 128), ("bf16", 2, 256),
               BLOCK_SIZE=16, PARTIALS=False, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=keys,
               PRECISION="ieee" if dt == "fp32" else "tf32", UPCAST=False,
               HEAD_FASTEST=False, ORDERED=False, SLIDING=False, SINKS=False, G_TILES=1,
-              KV_SHARED=False), aligned=True,
+              KV_SHARED=False, FP8=0), aligned=True,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     assert k.metadata.shared <= 99 * 1024, (dt, head_dim, keys, k.metadata.shared)
 """

@@ -34,7 +34,9 @@ from tests.support.hf_reference import hf_greedy, hf_model
 from tests.support.prompt_logprobs_reference import hf_prompt_logprobs
 from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit
-from worker_service.runner.kv_dtype import fp8_problem
+from kernels.attention import selector
+from kernels.attention.selector import CacheLayout, resolve_backend_name
+from worker_service.runner.kv_dtype import fp8_problem, kv_cache_dtype, kv_cache_dtype_name
 from worker_service.runner.memory_fit import check_memory_fits, estimate_kv_bytes, kv_room_bytes
 
 PROMPT = list(range(5, 29))              # 24 tokens: six prefill chunks of 4, then decodes
@@ -162,12 +164,46 @@ def test_layouts_not_built_are_refused_at_start(tiny_models, arch, overrides, wh
         _llm(tiny_models(arch, **overrides), kv_cache_dtype="fp8")
 
 
-def test_cuda_is_refused_by_name():
-    why = fp8_problem("fp8_e4m3", "cuda", latent=False, sinks=False, windows=())
-    assert why.startswith("--kv-cache-dtype fp8_e4m3 is refused") and "triton" in why
-    assert fp8_problem("auto", "cuda", latent=True, sinks=True, windows=(8,)) is None
-    why = fp8_problem("fp8", "cpu", latent=False, sinks=False, windows=(), backend="triton")
-    assert "attention_backend='triton'" in why
+def test_backends_not_built_are_refused_by_name():
+    """flash-attn reads the model dtype only; triton, torch and cpu read fp8 caches."""
+    why = fp8_problem("fp8_e4m3", latent=False, sinks=False, windows=(), backend="flash_attn")
+    assert why.startswith("--kv-cache-dtype fp8_e4m3 is refused")
+    assert "attention_backend='flash_attn'" in why and "triton" in why, why
+    for backend in ("triton", "torch", "cpu"):
+        assert fp8_problem("fp8", latent=False, sinks=False, windows=(), backend=backend) is None
+    assert fp8_problem("auto", latent=True, sinks=True, windows=(8,),
+                       backend="flash_attn") is None
+
+
+def test_sinks_and_windows_run_on_triton_only():
+    for sinks, windows, what in ((True, (), "attention sinks"), (False, (0, 8), "sliding")):
+        assert fp8_problem("fp8", latent=False, sinks=sinks, windows=windows,
+                           backend="triton") is None
+        why = fp8_problem("fp8", latent=False, sinks=sinks, windows=windows, backend="cpu")
+        assert what in why and "attention_backend='cpu'" in why and "triton" in why, why
+    why = fp8_problem("fp8", latent=True, sinks=False, windows=(), backend="triton")
+    assert "latent (MLA)" in why, why
+
+
+def test_plain_fp8_is_e4m3_on_cuda_and_e5m2_on_the_cpu():
+    """vLLM's meanings (CUDA: float8_e4m3fn; CPU: e5m2), and the names workers echo."""
+    assert kv_cache_dtype("fp8", torch.bfloat16, "cuda") == torch.float8_e4m3fn
+    assert kv_cache_dtype("fp8", torch.bfloat16, "cpu") == torch.float8_e5m2
+    assert kv_cache_dtype("fp8_e5m2", torch.bfloat16, "cuda") == torch.float8_e5m2
+    assert kv_cache_dtype("auto", torch.float16, "cuda") == torch.float16
+    assert kv_cache_dtype_name(torch.float8_e4m3fn, torch.bfloat16) == "fp8_e4m3"
+    assert kv_cache_dtype_name(torch.float32, torch.float32) == "auto"
+    with pytest.raises(ValueError, match="cache_dtype=torch.float16 is invalid"):
+        kv_cache_dtype_name(torch.float16, torch.bfloat16)
+
+
+def test_auto_backend_takes_triton_over_flash_attn_for_an_fp8_cache(monkeypatch):
+    """On CUDA `auto` prefers flash-attn where it fits; it cannot read fp8, so Triton serves."""
+    monkeypatch.setattr(selector.importlib.util, "find_spec", lambda name: object())
+    layout = CacheLayout(256, 128, torch.bfloat16)
+    assert resolve_backend_name("auto", "cuda", layout) == "flash_attn"
+    fp8 = dataclasses.replace(layout, kv_fp8=True)
+    assert resolve_backend_name("auto", "cuda", fp8) == "triton"
 
 
 def test_serve_refuses_a_bad_value_naming_the_flag(capsys):
