@@ -48,7 +48,11 @@ def peft_model(model_dir: str, adapter_dir: str | None, dtype: torch.dtype = tor
 def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...],
                 max_new_tokens: int) -> HFGreedy:
     """transformers' greedy generate() with the adapter applied by peft (None: the base)."""
-    model = peft_model(model_dir, adapter_dir)
+    return model_greedy(peft_model(model_dir, adapter_dir), prompt, max_new_tokens)
+
+
+def model_greedy(model, prompt: tuple[int, ...], max_new_tokens: int) -> HFGreedy:
+    """A transformers model's greedy generate() of `prompt`, with its top-2 margins."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tests.support.lora_adapters import model_greedy
+
 # per-expert module names: (gate, up, down) and where each sits in the fused parameters
 PROJS = {"mixtral": ("w1", "w3", "w2")}
 QWEN_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -106,18 +108,9 @@ def merged_model(model_dir: str, adapter_dir: str | None):
 def reference(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...], max_new: int):
     """(HFGreedy of the merged model's generate(), the logprob of each prompt token after the
     first under its forward)."""
-    from tests.support.hf_reference import HFGreedy
-
     model = merged_model(model_dir, adapter_dir)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             do_sample=False, max_new_tokens=max_new, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
         logits = model(input_ids=ids).logits[0].float()
     prompt_lp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
-    margins = []
-    for step in out.logits:
-        top2 = step[0].float().topk(2).values
-        margins.append(float(top2[0] - top2[1]))
-    return HFGreedy(tuple(out.sequences[0, len(prompt):].tolist()), tuple(margins)), prompt_lp
+    return model_greedy(model, prompt, max_new), prompt_lp

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine_common.request.params import quoted
+from worker_service.lora.errors import LoRAError
 from worker_service.lora.expert_config import expert_params
 
 # The projections a Llama-family decoder has (checkpoint names); families.py has every model's.
@@ -27,10 +28,6 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # 1,120 tensors, ~170 KiB).
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served: the message names the adapter and what is wrong."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ import math
 import re
 
 from engine_common.request.params import quoted
+from worker_service.lora.errors import LoRAError
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 # a fused gate_up_proj holds gate's and up's LoRA side by side: up to twice the rank
@@ -22,8 +23,7 @@ _PATTERN = re.compile(r"^\.\*\\\.(?P<param>\w+)$")
 _PEFT_FORM = json.dumps(".*\\.gate_up_proj")
 
 
-def _error(name: str, key: str, value, why: str):
-    from worker_service.lora.adapter import LoRAError
+def _error(name: str, key: str, value, why: str) -> LoRAError:
     return LoRAError(f"LoRA adapter {name!r}: {key}={quoted(value)} is not supported ({why})")
 
 
