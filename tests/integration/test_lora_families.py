@@ -102,6 +102,13 @@ def _edited(src: str, dst, rename: dict[str, str] | None = None, **cfg) -> str:
     return str(d)
 
 
+def _add_tensors(adapter, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    tensors[f"base_model.model.{module}.lora_A.weight"] = a
+    tensors[f"base_model.model.{module}.lora_B.weight"] = b
+    save_file(tensors, adapter / "adapter_model.safetensors")
+
+
 def test_what_stays_refused_on_experts(tiny_models, tmp_path):
     """LoRA on the router or another parameter, a fused gate_up of a rank over twice
     --max-lora-rank, a per-expert module of an expert the model lacks, and an expert module on
@@ -129,6 +136,19 @@ def test_what_stays_refused_on_experts(tiny_models, tmp_path):
         with pytest.raises(LoRAError, match=rf"LoRA adapter '{name}': {reason}"):
             LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
                 lora_modules=f"{name}={path}", max_lora_rank=16)
+    # both forms for one expert's gate, and a fused pair of neither parameter's shapes
+    fused = make_adapter(model, tmp_path / "fused", r=4, targets=LLAMA)
+    both, odd = (shutil.copytree(fused, tmp_path / n) for n in ("both", "odd"))
+    _add_tensors(both, "model.layers.0.mlp.experts.3.gate_proj", torch.ones(4, 64),
+                 torch.ones(32, 4))
+    _add_tensors(odd, "model.layers.0.mlp.experts", torch.ones(32, 16), torch.ones(64, 32))
+    for name, reason in (("both", r"model.layers.0.mlp.experts: expert 3's w13 is adapted "
+                                  r"twice in one adapter"),
+                         ("odd", r"module model.layers.0.mlp.experts: lora_A \(32, 16\) / "
+                                 r"lora_B \(64, 32\) fit neither fused expert parameter")):
+        with pytest.raises(LoRAError, match=rf"LoRA adapter.*'{name}'.*{reason}"):
+            LLM(model, dtype="float32", num_kv_blocks=32, enable_lora=True,
+                lora_modules=f"{name}={tmp_path / name}")
     dense = tiny_models("qwen3")
     on_dense = _edited(make_adapter(dense, tmp_path / "dense", r=4, targets=ATTENTION),
                        tmp_path / "dense_expert", {q: "model.layers.0.mlp.experts.3.gate_proj"})

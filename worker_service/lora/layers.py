@@ -11,6 +11,7 @@ columns, and its partial delta joins the base partial sums before the one all-re
 The adapter rows of a step come from LoRAState.set_token_slots; the forward is a loop over the
 adapters present (at most --max-loras), each an index_select, two GEMMs and an index_add
 (one adapter on every row: no gather at all). Without LoRA the model is not touched.
+Routed MoE experts an adapter targets become a LoRAExperts (experts.py, expert_weights.py).
 """
 from __future__ import annotations
 
