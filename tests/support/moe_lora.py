@@ -69,7 +69,7 @@ def _merge_per_expert(model, adapter_dir: str) -> None:
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    scale = cfg["lora_alpha"] / cfg["r"]
+    scale = cfg["lora_alpha"] / (cfg["r"] ** 0.5 if cfg.get("use_rslora") else cfg["r"])
     tensors = load_file(f"{adapter_dir}/adapter_model.safetensors")
     params = dict(model.named_parameters())
     for key in [k for k in tensors if ".lora_A." in k]:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from engine_common.request.params import quoted
 from worker_service.lora.errors import LoRAError
-from worker_service.lora.expert_config import expert_params
+from worker_service.lora.expert_config import FUSED_MODULES, check_pattern_scope, expert_params
 
 # The projections a Llama-family decoder has (checkpoint names); families.py has every model's.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,7 +92,9 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
     except Exception as e:  # noqa: BLE001 - safetensors' own error is no ValueError
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
-    return LoRAAdapter(name, rank, scaling, _pairs(name, tensors, rank, bool(params)), params)
+    weights = _pairs(name, tensors, rank, bool(params))
+    check_pattern_scope(name, cfg, weights)
+    return LoRAAdapter(name, rank, scaling, weights, params)
 
 
 # adapter_config.json keys whose value changes what the weights mean, and the value that does
@@ -159,9 +161,6 @@ def _check_header_size(name: str, weights_file: Path) -> None:
         raise _too_big(name, weights_file, "a safetensors header", size, MAX_HEADER_BYTES)
 
 
-_FUSED_EXPERTS = (".experts", ".experts.base_layer")
-
-
 def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int,
            fused: bool) -> dict[str, tuple]:
     """PEFT keys 'base_model.model.<module>.lora_A.weight' / lora_B paired by module, each of
@@ -176,7 +175,11 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int,
         if half not in ("lora_A", "lora_B"):
             raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not supported "
                             f"(only lora_A / lora_B weights)")
-        halves.setdefault(module, {})[half] = t.float()
+        t = t.float()
+        if not torch.isfinite(t).all():       # NaN would reach every token of the adapter
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is invalid: it holds NaN "
+                            f"or infinite values")
+        halves.setdefault(module, {})[half] = t
     out = {}
     for module, h in halves.items():
         if set(h) != {"lora_A", "lora_B"}:
@@ -185,7 +188,7 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int,
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)} do not pair as [r, in] and [out, r]")
-        if a.shape[0] != rank and not (fused and module.endswith(_FUSED_EXPERTS)):
+        if a.shape[0] != rank and not (fused and module.endswith(FUSED_MODULES)):
             raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} has "
                             f"rank {a.shape[0]}: adapter_config.json says r={rank}")
         out[module] = (a, b)

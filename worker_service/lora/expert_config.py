@@ -5,7 +5,10 @@ experts"): peft's `target_parameters`, and the `rank_pattern` / `alpha_pattern` 
 peft turns `target_modules` gate_proj + up_proj (Mixtral: w1 + w3) into one LoRA on the fused
 `gate_up_proj` parameter of rank 2r and alpha 2 lora_alpha (`{".*\\.gate_up_proj": 2r}`), and
 down_proj (w2) into one on `down_proj`. Only these two parameters are served, and a pattern
-only in the form peft writes for one of them; anything else is refused by name.
+only in the form peft writes for one of them (or the bare name, which peft matches the same);
+anything else is refused by name. peft matches a pattern against every adapted module too
+(`(.*\.)?<key>$`): a key that would also set a module's r / lora_alpha (Qwen2-MoE's
+shared_expert.down_proj under `.*\.down_proj`) is refused, since modules use r / lora_alpha.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from worker_service.lora.errors import LoRAError
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 # a fused gate_up_proj holds gate's and up's LoRA side by side: up to twice the rank
 _RANK_FACTOR = {"gate_up_proj": 2, "down_proj": 1}
-_PATTERN = re.compile(r"^\.\*\\\.(?P<param>\w+)$")
+_PATTERN = re.compile(r"^(\.\*\\\.)?(?P<param>\w+)$")
+# the modules peft's target_parameters writes: the outer and, with both parameters, inner one
+FUSED_MODULES = (".experts", ".experts.base_layer")
 _PEFT_FORM = json.dumps(".*\\.gate_up_proj")
 
 
@@ -66,8 +71,25 @@ def _patterns(name: str, cfg: dict, key: str, leaves: list[str], what: str) -> d
     for k, v in pattern.items():
         m = _PATTERN.match(k)
         if m is None or m["param"] not in leaves:
-            raise _error(name, key, {k: v}, f"{what}: only peft's {_PEFT_FORM} for a fused "
-                                            f"expert parameter of target_parameters; every "
-                                            f"other module must use r / lora_alpha")
-        out[m["param"]] = v
+            raise _error(name, key, {k: v}, f"{what}: only peft's {_PEFT_FORM} (or the bare "
+                                            f"name) for a fused expert parameter of "
+                                            f"target_parameters; every other module must use "
+                                            f"r / lora_alpha")
+        out.setdefault(m["param"], v)          # peft takes the first key that matches
     return out
+
+
+def check_pattern_scope(name: str, cfg: dict, modules) -> None:
+    """LoRAError naming the key and the module when a rank_pattern / alpha_pattern key
+    (already one of a fused expert parameter) would also match one of the adapter's
+    `modules` other than the fused experts' in peft: peft gives that module the key's r /
+    lora_alpha, which a module here never takes."""
+    for key in ("rank_pattern", "alpha_pattern"):
+        for k, v in (cfg.get(key) or {}).items():
+            param = _PATTERN.match(k)["param"]
+            hit = next((m for m in modules if not m.endswith(FUSED_MODULES)
+                        and (m == param or m.endswith(f".{param}"))), None)
+            if hit is not None:
+                raise _error(name, key, {k: v}, f"peft gives module {hit} its value too; "
+                                                f"only the fused expert parameters may have "
+                                                f"their own r / lora_alpha")

@@ -97,7 +97,8 @@ def _fused(experts, ad: LoRAAdapter, a: torch.Tensor, b: torch.Tensor, what: str
     rank, scaling = ad.params[param]
     if a.shape[0] != num * rank or b.shape[1] != num * rank:
         raise LoRAError(f"{what}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not "
-                        f"{num} experts of rank {rank} ({param}'s r in adapter_config.json)")
+                        f"{num} experts (the model's num_experts) of rank {rank} ({param}'s r in "
+                       f"adapter_config.json): an adapter of another model?")
     a_e = a.reshape(num, rank, a.shape[1])
     b_e = b.reshape(b.shape[0], rank, num).permute(2, 0, 1)
     return [(e, kind, None, a_e[e], b_e[e], scaling) for e in range(num)]
