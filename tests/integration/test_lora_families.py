@@ -234,14 +234,20 @@ def test_prefill_logits_match_peft(tiny_models, tmp_path, arch):
     torch.testing.assert_close(ours, want, atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen3_moe"])
 def test_bf16_adapter_error_is_the_base_models(tiny_models, tmp_path, arch):
     """bf16 (stacks in the model's dtype, the scaling folded into B before the cast): the
     adapter's logits are as far from peft's fp32 ones as the base model's are from
-    transformers', and far closer than the adapter's own effect."""
+    transformers', and far closer than the adapter's own effect. The MoE models' MLP targets
+    are peft's fused expert parameters (their experts packed for the CPU kernel); the tiny
+    Mixtral's base bf16 logits already miss by 2.4 (routes flip): test_lora_experts.py's bf16
+    case takes the routes as given."""
     model_dir = tiny_models(arch)
     targets = FAMILIES.get(arch, LLAMA)
-    path = make_adapter(model_dir, tmp_path / "a", r=8, alpha=32, seed=3, targets=targets)
+    # MoE: scale 2, not 4: under scale 4 the adapter's bf16 hidden states flip a route at
+    # layer 2 (transformers + peft's own bf16 logits then miss fp32's by 2.5)
+    alpha = 16 if arch == "qwen3_moe" else 32
+    path = make_adapter(model_dir, tmp_path / "a", r=8, alpha=alpha, seed=3, targets=targets)
     ids = tp_ids()
     errors = {}
     for adapter in (None, path):
