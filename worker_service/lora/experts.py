@@ -6,11 +6,16 @@ outputs, never merged into its weights: once packed for the CPU kernels (layers/
 weights live only in the kernels' panels, and one step mixes adapters and the base model.
 
 A step with no adapter row on this layer's adapted experts runs the base module unchanged (the
-packed C++ kernel included). Otherwise the grouped torch path: the pairs sorted by expert, then
-by slot (the base model's and untouched experts' pairs as slot -1), so each expert runs its two
-GEMMs once over all its rows and each adapter's delta over a contiguous run of them; one host
-sync for the counts. Under tensor parallelism the stacks hold this rank's slice (gate/up rows,
-down columns) and the output stays a partial sum, reduced with the base's by the block.
+packed C++ kernel included). Otherwise the adapted pairs (a token's adapter touches that
+expert) take the grouped torch path: sorted by expert, then by slot, so each expert runs its
+two GEMMs once over its rows and each adapter's delta over a contiguous run of them. The
+other pairs: where the packed kernel takes the step (or the fused Triton kernels run, on CUDA)
+and at most half the pairs are adapted, one kernel call over every pair with the adapted
+pairs' weights zeroed (a few adapter rows in
+a decode batch keep the kernel: the grouped path reads every expert's panels, a dense copy of
+each where bf16 panels cannot be read in place); else they join the grouped path as slot -1.
+Under tensor parallelism the stacks hold this rank's slice (gate/up rows, down columns) and
+the output stays a partial sum, reduced with the base's by the block.
 """
 from __future__ import annotations
 
@@ -35,11 +40,29 @@ class LoRAExperts(nn.Module):
         self.touched = has.any(dim=1).tolist()            # per slot: any expert of this layer
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
+                 ids: torch.Tensor) -> torch.Tensor:
         slots = self.state.slots_tensor()
         if slots is None or not any(self.touched[s] for s, _ in self.state.segments):
             return self.base(x, weights, ids)
-        return self._grouped(x, weights, ids, slots)
+        pair = self._pair_slots(slots, ids)
+        top_k, cpu = ids.shape[1], self.base.cpu_experts
+        tokens = torch.arange(pair.shape[0], device=x.device) // top_k
+        if not (self.base.fused or (cpu is not None and cpu.takes(x, ids))):
+            out, order = self._grouped(x, ids.reshape(-1), pair, tokens)
+            return weighted_sum(out, order, weights)
+        adapted = pair >= 0
+        num_adapted = int(adapted.sum())                    # a host sync
+        if num_adapted == 0:
+            return self.base(x, weights, ids)
+        if 2 * num_adapted > pair.shape[0]:                 # mostly adapted: all grouped
+            out, order = self._grouped(x, ids.reshape(-1), pair, tokens)
+            return weighted_sum(out, order, weights)
+        y = self.base(x, weights.masked_fill(adapted.view_as(weights), 0), ids)
+        sel = adapted.nonzero().squeeze(1)
+        out, order = self._grouped(x, ids.reshape(-1)[sel], pair[sel], tokens[sel])
+        pairs = sel[order]
+        scaled = out * weights.reshape(-1)[pairs].unsqueeze(1)
+        return y.index_add_(0, tokens[pairs], scaled)
 
     def _pair_slots(self, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The adapter slot of every (token, slot) pair, -1 where the token has none or its
@@ -52,15 +75,17 @@ class LoRAExperts(nn.Module):
         adapted = self.has[pair.clamp(min=0), flat] & (pair >= 0)
         return torch.where(adapted, pair, torch.full_like(pair, -1))
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                 slots: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, pair: torch.Tensor,
+                 tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs of the pairs (expert ids, adapter slots, token rows), sorted by expert
+        then slot, and the sorting order."""
         base = self.base
-        top_k, groups = ids.shape[1], self.has.shape[0] + 1
-        key = ids.reshape(-1) * groups + self._pair_slots(slots, ids) + 1
+        groups = self.has.shape[0] + 1
+        key = experts * groups + pair + 1
         order = torch.argsort(key, stable=True)          # by expert, then by slot (-1 first)
         counts = torch.bincount(key, minlength=base.num_experts * groups)
         counts = counts.view(base.num_experts, groups).tolist()      # the one host sync
-        grouped = x.index_select(0, order // top_k)
+        grouped = x.index_select(0, tokens[order])
         out = torch.empty_like(grouped)
         start = 0
         for expert, per_slot in enumerate(counts):
@@ -80,7 +105,7 @@ class LoRAExperts(nn.Module):
                     @ self.b2[slot, expert].t()
             out[start:start + n] = y
             start += n
-        return weighted_sum(out, order, weights)
+        return out, order
 
 
 def _runs(counts: list[int]) -> list[tuple[int, int]]:

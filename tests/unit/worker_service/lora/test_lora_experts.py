@@ -20,9 +20,10 @@ from worker_service.parallel_state import single_rank_group
 E, H, INTER, K, T = 6, 32, 16, 2, 23
 
 
-def _experts(packed: bool, dtype=torch.float32) -> tuple[MoEExperts, torch.Tensor, torch.Tensor]:
+def _experts(packed: bool, dtype=torch.float32, fused_moe: bool | None = None
+             ) -> tuple[MoEExperts, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    experts = MoEExperts(E, H, INTER, single_rank_group(), dtype)
+    experts = MoEExperts(E, H, INTER, single_rank_group(), dtype, fused_moe=fused_moe)
     w13, w2 = torch.randn(E, 2 * INTER, H, generator=gen), torch.randn(E, H, INTER,
                                                                          generator=gen)
     experts.w13_weight.data.copy_(w13 * 0.2)
@@ -94,6 +95,50 @@ def test_mixed_step_matches_merged_weights(packed, dtype):
                                    atol=tol, rtol=1e-4 if dtype == torch.float32 else 2e-2)
 
 
+class _Counted:
+    """A CpuExperts that counts its kernel calls (everything else passes through)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_packed_kernel_runs_unless_most_pairs_are_adapted():
+    """Kernel calls per step: base rows only, adapter rows whose routes miss the adapted
+    experts, and a few adapter rows: one (the adapted pairs beside it on the grouped path);
+    every row on an adapter that adapts every expert: none (all grouped). Each == merged."""
+    experts, w13, w2 = _experts(packed=True)
+    gen = torch.Generator().manual_seed(2)
+    by_slot = _pieces(gen)
+    state = LoRAState(torch.device("cpu"), 2)
+    lora = LoRAExperts(experts, state, *expert_stacks(experts, by_slot, 2, torch.float32, "cpu"))
+    counted = experts.cpu_experts = _Counted(experts.cpu_experts)
+    merged = {-1: (w13, w2), **{s: _merged(w13, w2, p) for s, p in by_slot.items()}}
+    x = torch.randn(T, H, generator=gen)
+    weights = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    untouched = torch.tensor([0, 1, 3, 5])                # slot 1 adapts experts 2 and 4
+    miss = torch.stack([untouched[torch.randperm(4, generator=gen)[:K]] for _ in range(T)])
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    few = np.full(T, -1)
+    few[[3, 9]] = 0
+    steps = {"base": (np.full(T, -1), ids, 1), "misses": (np.ones(T, dtype=np.int64), miss, 1),
+             "few": (few, ids, 1), "all adapted": (np.zeros(T, dtype=np.int64), ids, 0)}
+    for name, (slots, routes, calls) in steps.items():
+        counted.calls = 0
+        state.set_token_slots(slots)
+        with torch.no_grad():
+            got = lora(x, weights, routes)
+        assert counted.calls == calls, name
+        torch.testing.assert_close(got, _reference(merged, slots, x, weights, routes),
+                                   atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _reference(merged, slots, x, weights, ids) -> torch.Tensor:
     """Each token through its top-k experts with its adapter's merged weights."""
     out = torch.zeros(T, H)
@@ -128,3 +173,25 @@ def test_unloading_the_last_expert_adapter_unwraps_the_experts(tiny_models, tmp_
     assert slots.unload(1)
     assert isinstance(layers[0].mlp.experts, MoEExperts)
     assert type(layers[0].self_attn.qkv_proj).__name__ == "LoRALinear"
+
+
+def test_few_adapter_rows_beside_the_fused_triton_experts():
+    """The fused Triton path (CUDA's; here under Triton's interpreter) takes the pairs no
+    adapter touches, with the adapted pairs' weights zeroed; those run grouped: == merged."""
+    pytest.importorskip("triton")
+    experts, w13, w2 = _experts(packed=False, fused_moe=True)
+    gen = torch.Generator().manual_seed(3)
+    by_slot = _pieces(gen)
+    state = LoRAState(torch.device("cpu"), 2)
+    lora = LoRAExperts(experts, state, *expert_stacks(experts, by_slot, 2, torch.float32, "cpu"))
+    merged = {-1: (w13, w2), **{s: _merged(w13, w2, p) for s, p in by_slot.items()}}
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    slots = np.full(T, -1)
+    slots[[1, 5]], slots[[7, 8]] = 0, 1
+    state.set_token_slots(slots)
+    with torch.no_grad():
+        got = lora(x, weights, ids)
+    torch.testing.assert_close(got, _reference(merged, slots, x, weights, ids), atol=1e-4,
+                               rtol=1e-4)
