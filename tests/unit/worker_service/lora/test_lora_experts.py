@@ -170,8 +170,10 @@ def test_unloading_the_last_expert_adapter_unwraps_the_experts(tiny_models, tmp_
     slots.load(2, "attn", make_adapter(path, tmp_path / "a", r=4, targets=("q_proj",)))
     assert layers[0].mlp.experts.has.tolist()[0][1] and not any(
         layers[0].mlp.experts.has.tolist()[1])
+    packed = layers[0].mlp.experts.base
     assert slots.unload(1)
-    assert isinstance(layers[0].mlp.experts, MoEExperts)
+    assert layers[0].mlp.experts is packed               # the same packed module, unwrapped
+    assert packed.weights_released == (packed.cpu_experts is not None)
     assert type(layers[0].self_attn.qkv_proj).__name__ == "LoRALinear"
 
 
