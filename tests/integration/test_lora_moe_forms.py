@@ -3,7 +3,7 @@ prefill logits, fp32, equal transformers + peft's own (unmerged) forward for fus
 one parameter only, other alphas, rslora and user rank / alpha patterns; equal transformers
 with the adapter merged for per-expert rslora. And the adapters that must be refused naming
 the key or tensor: a pattern peft would also apply to a module (served wrong otherwise), NaN
-or infinite weights."""
+or infinite weights, fused tensors of another expert count."""
 from __future__ import annotations
 
 import json
@@ -100,3 +100,15 @@ def test_what_peft_would_serve_otherwise_is_refused(tiny_models, tmp_path):
     for name, (model_dir, path, reason) in cases.items():
         with pytest.raises(LoRAError, match=rf"LoRA adapter '{name}': {reason}"):
             read_adapter(name, path, 16, None, lora_targets(load(model_dir)))
+
+
+def test_an_adapter_of_another_expert_count_is_refused(tiny_models, tmp_path):
+    """peft's fused tensors for 4 experts on a model of 8: named, with the model's count."""
+    four = make_adapter(tiny_models("qwen3_moe", num_experts=4), tmp_path / "four", r=4,
+                        seed=9, targets=GATE_UP_DOWN)
+    model = load(tiny_models("qwen3_moe"))
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'four': module model.layers.0.mlp."
+                                        r"experts.base_layer: lora_A \(32, 64\) / lora_B "
+                                        r"\(64, 32\) are not 8 experts \(the model's "
+                                        r"num_experts\) of rank 8"):
+        attach_lora(model, [read_adapter("four", four, 16, None, lora_targets(model))])
