@@ -8,10 +8,8 @@ import random
 import pytest
 
 from deltaserve.llm import LLM
-from engine_common.request.params import ParamError, SamplingParams, StoppingParams
-from tests.support.engine_checks import assert_no_leaked_blocks
-from tests.support.hf_reference import assert_greedy_agrees, compare_greedy
-from tests.support.lora_adapters import make_adapter, peft_greedy
+from engine_common.request.params import ParamError
+from tests.support.lora_adapters import check_lora_greedy, make_adapter, peft_greedy
 
 MAX_NEW = 12
 
@@ -32,18 +30,8 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def _check(llm: LLM, model: str, adapters: dict, prompts, names) -> list:
-    outs = llm.generate(prompts, SamplingParams(), StoppingParams(max_tokens=MAX_NEW,
-                                                                 ignore_eos=True),
-                        lora_request=list(names))
-    near_ties, failures = [], []
-    for i, (p, name, out) in enumerate(zip(prompts, names, outs)):
-        ref = peft_greedy(model, adapters.get(name), tuple(p), MAX_NEW)
-        failure = compare_greedy(f"{name}/prompt{i}", out.token_ids, ref, near_ties)
-        if failure:
-            failures.append(failure)
-    assert_greedy_agrees(failures, near_ties)
-    assert_no_leaked_blocks(llm)
-    return outs
+    return check_lora_greedy(llm, prompts, names, MAX_NEW,
+                             lambda name, p: peft_greedy(model, adapters.get(name), p, MAX_NEW))
 
 
 def _llm(model: str, adapters: dict, **kw) -> LLM:

@@ -48,7 +48,11 @@ def peft_model(model_dir: str, adapter_dir: str | None, dtype: torch.dtype = tor
 def peft_greedy(model_dir: str, adapter_dir: str | None, prompt: tuple[int, ...],
                 max_new_tokens: int) -> HFGreedy:
     """transformers' greedy generate() with the adapter applied by peft (None: the base)."""
-    model = peft_model(model_dir, adapter_dir)
+    return model_greedy(peft_model(model_dir, adapter_dir), prompt, max_new_tokens)
+
+
+def model_greedy(model, prompt: tuple[int, ...], max_new_tokens: int) -> HFGreedy:
+    """A transformers model's greedy generate() of `prompt`, with its top-2 margins."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -65,6 +69,28 @@ def peft_logits(model_dir: str, adapter_dir: str | None, ids: torch.Tensor) -> t
     """transformers + peft's logits at every position of `ids` (one request; None: the base)."""
     with torch.no_grad():
         return peft_model(model_dir, adapter_dir)(input_ids=ids[None]).logits[0]
+
+
+def check_lora_greedy(llm, prompts, names, max_new: int, ref) -> list:
+    """llm.generate's greedy tokens of `prompts`, each under its adapter in `names` (None: the
+    base), == ref(name, prompt) (an HFGreedy; divergences at near ties reported, not failed),
+    and no leaked KV blocks; the outputs."""
+    from engine_common.request.params import SamplingParams, StoppingParams
+    from tests.support.engine_checks import assert_no_leaked_blocks
+    from tests.support.hf_reference import assert_greedy_agrees, compare_greedy
+
+    outs = llm.generate(prompts, SamplingParams(), StoppingParams(max_tokens=max_new,
+                                                                 ignore_eos=True),
+                        lora_request=list(names))
+    near_ties, failures = [], []
+    for i, (p, name, out) in enumerate(zip(prompts, names, outs)):
+        failure = compare_greedy(f"{name}/prompt{i}", out.token_ids, ref(name, tuple(p)),
+                                 near_ties)
+        if failure:
+            failures.append(failure)
+    assert_greedy_agrees(failures, near_ties)
+    assert_no_leaked_blocks(llm)
+    return outs
 
 
 def token_slots(n: int):

@@ -209,7 +209,7 @@ class MoEExperts(PackedExperts, nn.Module):
             return fused_experts(x, *self.stacked_weights(), weights, ids)
         if self.cpu_experts is not None and self.cpu_experts.takes(x, ids):
             return self.cpu_experts(x, weights, ids)
-        num_tokens, top_k = ids.shape
+        top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)     # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # one host sync
@@ -223,7 +223,13 @@ class MoEExperts(PackedExperts, nn.Module):
             gate_up = self.expert_linear(grouped[rows], expert, down=False)
             out[rows] = self.expert_linear(self.act_fn(gate_up), expert, down=True)
             start += n
-        # back to (token, slot) order, then each token's weighted sum over its k slots: a
-        # [1, k] x [k, H] product per token (a scatter-add over tokens is far slower on CPU)
-        per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
-        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
+        return weighted_sum(out, order, weights)
+
+
+def weighted_sum(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The grouped outputs `out` (the (token, slot) pairs in `order`) back in (token, slot)
+    order, then each token's weighted sum over its k slots: a [1, k] x [k, H] product per
+    token (a scatter-add over tokens is far slower on CPU)."""
+    num_tokens, top_k = weights.shape
+    per_slot = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, top_k, -1)
+    return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)

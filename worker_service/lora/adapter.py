@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from engine_common.request.params import quoted
+from worker_service.lora.errors import LoRAError
+from worker_service.lora.expert_config import FUSED_MODULES, check_pattern_scope, expert_params
 
 # The projections a Llama-family decoder has (checkpoint names); families.py has every model's.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -28,17 +30,17 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20
 
 
-class LoRAError(ValueError):
-    """An adapter that cannot be served: the message names the adapter and what is wrong."""
-
-
 @dataclass
 class LoRAAdapter:
     name: str
     rank: int
     scaling: float
-    # checkpoint module path -> (A [r, in], B [out, r]), float32
+    # checkpoint module path -> (A [r, in], B [out, r]), float32; a fused expert parameter's
+    # module (peft's target_parameters: "...mlp.experts", "...experts.base_layer") holds every
+    # expert's A [E * r', in] and B [out, r' * E] as peft wrote them (lora/expert_weights.py)
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # fused expert parameter (gate_up_proj, down_proj) -> (rank r', scaling)
+    params: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def _targets(name: str, cfg: dict) -> list[str]:
@@ -79,6 +81,7 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
         raise LoRAError(f"LoRA adapter {name!r}: target module(s) {bad} are not supported: "
                         f"must be among {list(targets)}")
     _refuse_features(name, cfg)
+    params = expert_params(name, cfg, rank, alpha, max_rank)
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     _check_header_size(name, weights_file)
     size = weights_file.stat().st_size
@@ -89,7 +92,9 @@ def read_adapter(name: str, path: str | Path, max_rank: int,
     except Exception as e:  # noqa: BLE001 - safetensors' own error is no ValueError
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file} cannot be read "
                         f"({type(e).__name__}: {e})") from None
-    return LoRAAdapter(name, rank, scaling, _pairs(name, tensors, rank))
+    weights = _pairs(name, tensors, rank, bool(params))
+    check_pattern_scope(name, cfg, weights)
+    return LoRAAdapter(name, rank, scaling, weights, params)
 
 
 # adapter_config.json keys whose value changes what the weights mean, and the value that does
@@ -102,12 +107,9 @@ _PLAIN = {
     "bias": ("none", "biases trained with the adapter"),
     "lora_bias": (False, "a bias on lora_B"),
     "fan_in_fan_out": (False, "a Conv1D base layer; the served projections are nn.Linear"),
-    "target_parameters": (None, "LoRA on parameters, such as MoE experts'; only "
-                                "target_modules"),
     "layer_replication": (None, "decoder layers the adapter repeats: another model"),
     "trainable_token_indices": (None, "trained embedding rows"),
-    "rank_pattern": (None, "per-module r; every module must use r"),
-    "alpha_pattern": (None, "per-module lora_alpha; every module must use lora_alpha"),
+    # target_parameters, rank_pattern and alpha_pattern: expert_config.py
 }
 
 
@@ -159,9 +161,12 @@ def _check_header_size(name: str, weights_file: Path) -> None:
         raise _too_big(name, weights_file, "a safetensors header", size, MAX_HEADER_BYTES)
 
 
-def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, tuple]:
+def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int,
+           fused: bool) -> dict[str, tuple]:
     """PEFT keys 'base_model.model.<module>.lora_A.weight' / lora_B paired by module, each of
-    rank `rank` (the config's r: the stacks are sized by it, and the scaling uses it)."""
+    rank `rank` (the config's r: the stacks are sized by it, and the scaling uses it); with
+    target_parameters (`fused`), a fused experts module's rank is checked with the model's
+    expert count (expert_weights.py)."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         if not key.startswith(_PREFIX) or not key.endswith(".weight"):
@@ -170,7 +175,11 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
         if half not in ("lora_A", "lora_B"):
             raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not supported "
                             f"(only lora_A / lora_B weights)")
-        halves.setdefault(module, {})[half] = t.float()
+        t = t.float()
+        if not torch.isfinite(t).all():       # NaN would reach every token of the adapter
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is invalid: it holds NaN "
+                            f"or infinite values")
+        halves.setdefault(module, {})[half] = t
     out = {}
     for module, h in halves.items():
         if set(h) != {"lora_A", "lora_B"}:
@@ -179,7 +188,7 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor], rank: int) -> dict[str, 
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)} do not pair as [r, in] and [out, r]")
-        if a.shape[0] != rank:
+        if a.shape[0] != rank and not (fused and module.endswith(FUSED_MODULES)):
             raise LoRAError(f"LoRA adapter {name!r}: {module}: lora_A {tuple(a.shape)} has "
                             f"rank {a.shape[0]}: adapter_config.json says r={rank}")
         out[module] = (a, b)

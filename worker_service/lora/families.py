@@ -7,13 +7,13 @@ gate/up as one `gate_up_proj`, GLM's gate/up as one `gate_up_proj`, StarCoder2's
 `c_fc` / `c_proj`. A fused target's lora_B is cut by rows, and q/k rows reordered, by the
 model's own split_checkpoint_tensor (layers.py), exactly as its base weight was at load.
 
-MoE models serve the attention projections and their dense MLPs (Qwen MoE's mlp_only_layers,
-Qwen2-MoE's shared expert); a tensor of a routed expert is refused naming the module.
-MLA models (DeepSeek V2/V3) and GPT-OSS are not served.
+MoE models serve the attention projections, their dense MLPs (Qwen MoE's mlp_only_layers,
+Qwen2-MoE's shared expert) and the routed experts (expert_weights.py: per-expert modules, or
+peft's target_parameters on the fused expert parameters). MLA models (DeepSeek V2/V3) and
+GPT-OSS are not served.
 """
 from __future__ import annotations
 
-import re
 from types import MappingProxyType
 
 from torch import nn
@@ -42,13 +42,11 @@ LORA_TARGETS = MappingProxyType({
     "Glm4ForCausalLM": ATTENTION + ("gate_up_proj", "down_proj"),
     "Phi3ForCausalLM": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "Starcoder2ForCausalLM": ATTENTION + ("c_fc", "c_proj"),
-    # attention, dense layers' MLPs and the shared expert; never a routed expert
+    # attention, dense layers' MLPs, the shared expert and the routed experts
     "Qwen3MoeForCausalLM": LLAMA,
     "Qwen2MoeForCausalLM": LLAMA,
-    "MixtralForCausalLM": ATTENTION,
+    "MixtralForCausalLM": ATTENTION + ("w1", "w2", "w3"),
 })
-
-_EXPERT = re.compile(r"\.experts\.")
 
 
 def lora_targets(model: nn.Module) -> tuple[str, ...]:
@@ -60,12 +58,3 @@ def lora_targets(model: nn.Module) -> tuple[str, ...]:
                         f"{sorted(LORA_TARGETS)}")
     return LORA_TARGETS[name]
 
-
-def expert_refusal(model: nn.Module, adapter: str, module: str) -> str | None:
-    """Why the adapter's tensors of checkpoint module `module` cannot be served because they
-    belong to a routed MoE expert, or None."""
-    if not _EXPERT.search(module):
-        return None
-    return (f"LoRA adapter {adapter!r}: module {module} is a routed expert: LoRA on MoE "
-            f"experts is not supported for {type(model).__name__} (served: "
-            f"{list(lora_targets(model))} of the attention, dense and shared-expert layers)")

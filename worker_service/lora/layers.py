@@ -11,6 +11,7 @@ columns, and its partial delta joins the base partial sums before the one all-re
 The adapter rows of a step come from LoRAState.set_token_slots; the forward is a loop over the
 adapters present (at most --max-loras), each an index_select, two GEMMs and an index_add
 (one adapter on every row: no gather at all). Without LoRA the model is not touched.
+Routed MoE experts an adapter targets become a LoRAExperts (experts.py, expert_weights.py).
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from torch import nn
 
 from worker_service.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                           QKVParallelLinear, RowParallelLinear)
+from worker_service.layers.moe import MoEExperts
 from worker_service.lora.adapter import MAX_HEADER_BYTES, LoRAAdapter, LoRAError
-from worker_service.lora.families import expert_refusal, lora_targets
+from worker_service.lora.expert_weights import expert_pieces, expert_stacks, is_expert_module
+from worker_service.lora.experts import LoRAExperts
+from worker_service.lora.families import lora_targets
 
 class LoRAState:
     """Which adapter each token row of the current forward uses, shared by every LoRALinear."""
@@ -33,9 +37,19 @@ class LoRAState:
         self.num_adapters = num_adapters
         # (slot, rows): rows None = every row; empty: the base model alone
         self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self._slots: np.ndarray | None = None
+        self._slots_tensor: torch.Tensor | None = None
+
+    def slots_tensor(self) -> torch.Tensor | None:
+        """The step's slot per token row on the device (made at the first ask of a step: only
+        adapted MoE experts need it), or None without adapter rows."""
+        if self._slots_tensor is None and self.segments and self._slots is not None:
+            self._slots_tensor = torch.from_numpy(self._slots).to(self.device)
+        return self._slots_tensor if self.segments else None
 
     def set_token_slots(self, slots: np.ndarray) -> None:
         """slots: int [num_tokens], an adapter's slot (id - 1) per token row, -1 for none."""
+        self._slots, self._slots_tensor = np.asarray(slots, dtype=np.int64), None
         present = np.unique(slots)
         present = present[present >= 0]
         if len(present) == 1 and slots[0] == present[0] and (slots == present[0]).all():
@@ -49,7 +63,7 @@ class LoRAState:
         self.set_token_slots(np.repeat(row_slots, num_scheduled))
 
     def clear(self) -> None:
-        self.segments = []
+        self.segments, self._slots, self._slots_tensor = [], None, None
 
 
 class LoRALinear(nn.Module):
@@ -150,6 +164,11 @@ def max_adapter_bytes(model: nn.Module, max_rank: int) -> int:
         elif isinstance(module, ColumnParallelLinear):
             fan_in, fan_out = module.input_size, module.output_size_per_rank * module.tp.world_size
             pieces = len(_pieces(module))
+        elif isinstance(module, MoEExperts):    # a fused gate_up of rank 2r and down, per expert
+            hidden = module.w13_weight.shape[2]
+            inter = module.inter_per_rank * module.tp.world_size
+            total += module.num_experts * max_rank * (3 * hidden + 5 * inter) * 8
+            continue
         else:
             continue
         total += max_rank * (pieces * fan_in + fan_out) * 8
@@ -157,8 +176,8 @@ def max_adapter_bytes(model: nn.Module, max_rank: int) -> int:
 
 
 def _base(module: nn.Module | None) -> nn.Module | None:
-    """The projection itself, whether or not a LoRALinear wraps it already."""
-    return module.base if isinstance(module, LoRALinear) else module
+    """The projection (or experts) itself, whether or not a LoRA wrapper wraps it already."""
+    return module.base if isinstance(module, (LoRALinear, LoRAExperts)) else module
 
 
 def _checkpoint_pieces(model: nn.Module, ad: LoRAAdapter, ckpt: str, a: torch.Tensor,
@@ -177,16 +196,25 @@ def _checkpoint_pieces(model: nn.Module, ad: LoRAAdapter, ckpt: str, a: torch.Te
     return [(name[:-len(".weight")], a, piece) for name, piece in parts]
 
 
-def _targets(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, dict]:
-    """Our module path -> {(slot, piece): (checkpoint module, A, B)}; LoRAError naming the
-    adapter and module for a module that is not one of our projections."""
+def _targets(model: nn.Module, adapters: dict[int, LoRAAdapter]
+             ) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(our projection path -> {(slot, piece): (checkpoint module, A, B)}, our experts path ->
+    {slot: expert_pieces' entries}); LoRAError naming the adapter and module for a module
+    that is not one of our projections or experts."""
     modules = dict(model.named_modules())
     targets: dict[str, dict] = {}
+    experts: dict[str, dict] = {}
+
+    def experts_of(path: str):
+        found = _base(modules.get(path))
+        return found if isinstance(found, MoEExperts) else None
+
     for i, ad in adapters.items():
         for ckpt, (a, b) in ad.weights.items():
-            why = expert_refusal(model, ad.name, ckpt)
-            if why:
-                raise LoRAError(why)
+            if is_expert_module(ckpt):
+                path, pieces = expert_pieces(model, ad, ckpt, a, b, experts_of)
+                experts.setdefault(path, {}).setdefault(i, []).extend(pieces)
+                continue
             for name, a_part, b_part in _checkpoint_pieces(model, ad, ckpt, a, b):
                 prefix, _, leaf = name.rpartition(".")
                 ours, piece = model.packed_modules.get(leaf, (leaf, None))
@@ -196,7 +224,7 @@ def _targets(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, di
                     raise LoRAError(f"LoRA adapter {ad.name!r}: module {ckpt} is not a "
                                     f"projection of this {type(model).__name__} model")
                 targets.setdefault(path, {})[(i, piece)] = (ckpt, a_part, b_part)
-    return targets
+    return targets, experts
 
 
 def plan_lora(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, tuple]:
@@ -210,10 +238,19 @@ def plan_lora(model: nn.Module, adapters: dict[int, LoRAAdapter]) -> dict[str, t
     device = next(model.parameters()).device
     num_slots, rank = max(adapters) + 1, max(ad.rank for ad in adapters.values())
     plan = {}
-    for path, by_piece in _targets(model, adapters).items():
+    targets, experts = _targets(model, adapters)
+    for path, by_piece in targets.items():
         base = _base(modules[path])
         plan[path] = (base, *_stacks(path, base, by_piece, adapters, num_slots, rank,
                                      model.dtype, device))
+    for path, by_slot in experts.items():
+        base = _base(modules[path])
+        try:
+            stacks = expert_stacks(base, by_slot, num_slots, model.dtype, device)
+        except LoRAError as e:
+            names = sorted({adapters[i].name for i in by_slot})
+            raise LoRAError(f"LoRA adapter(s) {names}: {path}: {e}") from None
+        plan[path] = (base, *stacks)
     return plan
 
 
@@ -223,16 +260,19 @@ def apply_lora(model: nn.Module, state: LoRAState, plan: dict[str, tuple],
     new tensors, so a step still on the device reads the old ones), the others unwrapped."""
     modules = dict(model.named_modules())
     for path, module in modules.items():
-        if isinstance(module, LoRALinear) and path not in plan:
+        if isinstance(module, (LoRALinear, LoRAExperts)) and path not in plan:
             parent, _, leaf = path.rpartition(".")
             setattr(modules[parent], leaf, module.base)
-    for path, (base, a, b) in plan.items():
+    for path, (base, *stacks) in plan.items():
         current = modules[path]
-        if isinstance(current, LoRALinear):
-            current.lora_a, current.lora_b = a, b
+        if isinstance(current, LoRAExperts):
+            current.set_stacks(*stacks)
+        elif isinstance(current, LoRALinear):
+            current.lora_a, current.lora_b = stacks
         else:
             parent, _, leaf = path.rpartition(".")
-            setattr(modules[parent], leaf, LoRALinear(base, state, a, b))
+            wrap = LoRAExperts if isinstance(base, MoEExperts) else LoRALinear
+            setattr(modules[parent], leaf, wrap(base, state, *stacks))
     state.num_adapters = num_slots
 
 
