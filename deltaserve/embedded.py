@@ -70,7 +70,10 @@ def tiny_model_dir() -> Path:
 def start_worker(listen: str, options: WorkerServiceOptions, token: str) -> subprocess.Popen:
     """`deltaserve worker` as a child process that reads `token`'s digest from its standard
     input (the worker checks the token without holding it)."""
-    cmd = [sys.executable, "-m", "deltaserve.cli", "worker", "--listen", listen,
+    # -P: `-m` would put the working directory first on sys.path, where any local user may
+    # have left a json.py that then runs in the worker (Python 3.11+; 3.10 has no -P)
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *safe_path, "-m", "deltaserve.cli", "worker", "--listen", listen,
            "--worker-token-file", "-", *to_flags(options)]
     proc = subprocess.Popen(dying_with_parent(cmd), start_new_session=True,
                             stdin=subprocess.PIPE, text=True, env=child_environment())

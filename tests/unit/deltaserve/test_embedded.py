@@ -3,7 +3,12 @@ the OpenAI route that server answers (a classifier's Classify, Score and /v1/cla
 embedder's Embed and /v1/embeddings), with TLS and keys when the ports have them."""
 from __future__ import annotations
 
+import socket
+import sys
+import time
 from types import SimpleNamespace
+
+import pytest
 
 from deltaserve.embedded import _pooling_examples
 
@@ -24,3 +29,31 @@ def test_an_embedding_server_suggests_embed_with_its_keys_and_tls():
     assert "Generation/Embed" in text and "curl -k https://h:8/v1/embeddings" in text
     assert "Classify" not in text and text.count("Bearer KEY") == 2
     assert "/v1/" not in _pooling_examples("h:5", PLAIN, "e", None, False, False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is 3.11's")
+def test_the_worker_ignores_modules_left_in_the_working_directory(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: a json.py or argparse.py that
+    another local user left in serve's working directory (/tmp) ran inside the worker."""
+    from deltaserve.embedded import start_worker, stop_worker
+    from engine_common.configuration.config import WorkerServiceOptions
+    from tests.support.grpc_harness import free_port
+
+    planted, ran = tmp_path / "cwd", tmp_path / "planted-ran"
+    planted.mkdir()
+    for name in ("json.py", "argparse.py"):
+        (planted / name).write_text(f"open({str(ran)!r}, 'w').close()\nraise SystemExit(9)\n")
+    monkeypatch.chdir(planted)
+    port = free_port()
+    proc = start_worker(f"127.0.0.1:{port}", WorkerServiceOptions(device="cpu"), "t" * 32)
+    try:
+        deadline = time.monotonic() + 300          # a hang guard: the worker imports torch
+        while proc.poll() is None and time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break                         # listening: past every import
+            time.sleep(0.1)
+        assert proc.poll() is None and not ran.exists(), proc.returncode
+    finally:
+        stop_worker(proc)
