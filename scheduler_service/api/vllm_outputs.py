@@ -49,9 +49,11 @@ def messages(inp: ValidatedRequest, index: int, out: RequestOutput, choice: Choi
 
 def choice_builds_off_loop(inp: ValidatedRequest, out: RequestOutput, choice: Choice) -> bool:
     """Prompt logprobs, the tokens of many steps (a lagging consumer), or a non-streamed
-    choice's whole output at its finish (20,000 tokens at 20 logprobs: ~0.15 s of CPU)."""
+    choice's whole output at its finish (20,000 tokens at 20 logprobs: ~0.15 s of CPU): the
+    tokens before this output (messages() adds its own only as it builds) and its own."""
     return (inp.num_prompt_logprobs is not None or len(out.new_token_ids) > OFF_LOOP_TOKENS
-            or (out.finished and not inp.stream and len(choice.token_ids) > OFF_LOOP_TOKENS))
+            or (out.finished and not inp.stream
+                and len(choice.token_ids) + len(out.new_token_ids) > OFF_LOOP_TOKENS))
 
 
 def input_logprobs(entries, prompt_ids: list[int], k: int):

@@ -28,6 +28,26 @@ def test_which_outputs_are_built_off_the_loop():
     assert builds_off_loop(_output(1, prompt_logprobs=[None]))
 
 
+def test_a_non_streamed_finish_counts_the_final_output_s_own_tokens():
+    """The choice holds the tokens before this output (messages() adds the output's own as it
+    builds): 128 before and 4 in the finishing output are 132 in the complete (the CI run
+    that delivered the last 4 in one output built it on the loop)."""
+    from types import SimpleNamespace
+
+    from scheduler_service.api.vllm_outputs import Choice, choice_builds_off_loop
+
+    inp = SimpleNamespace(num_prompt_logprobs=None, stream=False)
+    for before, last, off in ((OFF_LOOP_TOKENS, 4, True), (OFF_LOOP_TOKENS - 4, 4, False),
+                              (OFF_LOOP_TOKENS - 3, 4, True)):
+        choice = Choice()
+        choice.token_ids = list(range(before))
+        out = _output(last)
+        out.finished = True
+        assert choice_builds_off_loop(inp, out, choice) == off, (before, last)
+    assert not choice_builds_off_loop(SimpleNamespace(num_prompt_logprobs=None, stream=True),
+                                      out, choice)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_long_non_streamed_choice_is_completed_off_the_loop(llm, monkeypatch, stream):
     calls = []          # (thread, finished, the output's tokens)

@@ -87,4 +87,6 @@ def test_expert_lora_tp2_matches_tp1(tmp_path, arch):
     expected = lora_prefill_logits(model, adapters)
     for rank in range(2):
         got = torch.load(tmp_path / f"lora_logits_{rank}.pt")
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        # fp32 sums of the experts' partial products in another order across the ranks:
+        # 1.5e-4 seen once (4 of 9,728 logits); an adapter moves logits by ~1
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
