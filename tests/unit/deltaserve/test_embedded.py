@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,7 +37,7 @@ def test_the_worker_ignores_modules_left_in_the_working_directory(tmp_path, monk
     another local user left in serve's working directory (/tmp) ran inside the worker."""
     from deltaserve.embedded import start_worker, stop_worker
     from engine_common.configuration.config import WorkerServiceOptions
-    from tests.support.grpc_harness import free_port
+    from tests.support.grpc_harness import free_port, wait_for
 
     planted, ran = tmp_path / "cwd", tmp_path / "planted-ran"
     planted.mkdir()
@@ -47,13 +46,13 @@ def test_the_worker_ignores_modules_left_in_the_working_directory(tmp_path, monk
     monkeypatch.chdir(planted)
     port = free_port()
     proc = start_worker(f"127.0.0.1:{port}", WorkerServiceOptions(device="cpu"), "t" * 32)
+    def listening_or_gone() -> bool:               # listening: past every import
+        if proc.poll() is not None:
+            return True
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
     try:
-        deadline = time.monotonic() + 300          # a hang guard: the worker imports torch
-        while proc.poll() is None and time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break                         # listening: past every import
-            time.sleep(0.1)
+        wait_for(listening_or_gone, 300, "the worker to listen or exit")
         assert proc.poll() is None and not ran.exists(), proc.returncode
     finally:
         stop_worker(proc)
