@@ -100,7 +100,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class InitResponse(_message.Message):
-    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key", "sliding_window", "window_group_window", "window_group_blocks", "kv_cache_dtype")
+    __slots__ = ("num_kv_blocks", "devices", "epoch", "kv_block_bytes", "stream_key", "sliding_window", "window_group_window", "window_group_blocks", "kv_cache_dtype", "pipelined")
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class InitResponse(_message.Message):
     WINDOW_GROUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
     WINDOW_GROUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     num_kv_blocks: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     epoch: int
@@ -119,7 +120,8 @@ class InitResponse(_message.Message):
     window_group_window: int
     window_group_blocks: int
     kv_cache_dtype: str
-    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., sliding_window: _Optional[int] = ..., window_group_window: _Optional[int] = ..., window_group_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, num_kv_blocks: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., epoch: _Optional[int] = ..., kv_block_bytes: _Optional[int] = ..., stream_key: _Optional[bytes] = ..., sliding_window: _Optional[int] = ..., window_group_window: _Optional[int] = ..., window_group_blocks: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("epoch", "step", "payload", "digest")

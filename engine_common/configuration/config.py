@@ -128,8 +128,8 @@ class SchedulerConfig(BatchLimits):
         True, "reuse KV blocks of shared prompt prefixes", flag="--no-prefix-caching",
         aliases=("--no-enable-prefix-caching",))
     async_scheduling: bool = setting(
-        False, "keep two steps in flight: schedule step t+1 while the workers run step t (they "
-        "feed their own sampled tokens back)")
+        False, "keep two steps in flight (three to workers that pipeline their steps): schedule "
+        "step t+1 while the workers run step t (they feed their own sampled tokens back)")
     # Fairness under long prompts (docs/scheduler.md, "Long prompts"): a prompt longer than
     # the threshold is prefilled in chunks of at most that many tokens while any other request
     # is running or waiting, so it never takes a whole step from them.

@@ -7,7 +7,12 @@ the in-process engine exercises the same codec as the wire.
 With SchedulerConfig.async_scheduling the executor must also have `submit(payload) -> ticket` and
 `collect(ticket) -> bytes` (steps collected in submission order), and each `step()` keeps two
 steps in flight: it collects and processes step t, then schedules and submits step t+2 before
-its caller turns step t's updates into text (step t+1 runs meanwhile).
+its caller turns step t's updates into text (step t+1 runs meanwhile). Workers that pipeline
+their steps (InitResult.pipelined: step t+1 launched before step t finishes) get three: step t+3
+goes out while t+1 and t+2 are queued on the device, so the reply's trip through the scheduler
+(two processes, a Step stream's threads, the GIL shared with the public streams) has two device
+steps to hide in, not one. On a 2-core AMD EPYC (Zen 3, AVX2) with a simulated 5.8 ms device and
+128 streams over gRPC that round trip took 6.6 ms at the median (bench/results.md, session 50).
 
 Finished requests reach the workers in the next step's diff (finished_handles). When nothing is
 left to schedule, `has_work()` stays true until a step that computes nothing has carried them:
@@ -58,7 +63,14 @@ class StepStats:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: StepExecutor,
-                 lora: LoRARegistry | None = None, lora_updates: LoRAUpdates | None = None):
+                 lora: LoRARegistry | None = None, lora_updates: LoRAUpdates | None = None,
+                 steps_in_flight: int = 2):
+        """`steps_in_flight` (async scheduling): at most this many steps submitted and not yet
+        collected; 3 for workers that pipeline their steps (InitResult.pipelined), where the
+        scheduler's round trip for step t+3 then overlaps two device steps (t+1, t+2) instead of
+        one. Speculative decoding keeps 2: its drafts over a step in flight assume one."""
+        if steps_in_flight < 2:
+            raise ValueError(f"steps_in_flight={steps_in_flight} is invalid: must be >= 2")
         self.scheduler = scheduler
         self.executor = executor
         # The adapters served now (runtime loads): a request resolved to one that was unloaded
@@ -68,6 +80,7 @@ class EngineCore:
         self.lora_updates = lora_updates
         scheduler.lora_cache = None if lora_updates is None else lora_updates.cache
         self.async_scheduling = scheduler.config.async_scheduling
+        self.steps_in_flight = 2 if scheduler.spec is not None else steps_in_flight
         self._in_flight: deque = deque()   # (SchedulerOutput, ticket), oldest first
         self.last_step = StepStats()
 
@@ -135,9 +148,10 @@ class EngineCore:
         if not self.async_scheduling:
             sched_out, payload = self._schedule()
             return self._process(sched_out, self._wait(self.executor.execute, payload))
-        if len(self._in_flight) < 2 and self._has_step_to_send():
+        depth = self.steps_in_flight
+        if len(self._in_flight) < depth and self._has_step_to_send():
             self._submit()
-            if len(self._in_flight) < 2:
+            if len(self._in_flight) < depth:
                 return []
         if not self._in_flight:
             return []
@@ -146,7 +160,7 @@ class EngineCore:
         # The next step goes out before this one's updates are turned into text: the output
         # processing then overlaps the device instead of delaying the next launch. (Finished
         # handles alone wait for a step() that has_work asks for: offline loops end sooner.)
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() and len(self._in_flight) < depth:
             self._submit()
         return updates
 

@@ -138,7 +138,8 @@ class WorkerClient:
                           sliding_window=shared_window([r.sliding_window for r in replies]),
                           window_group=shared_window_group(
                               [(r.window_group_window, r.window_group_blocks) for r in replies]),
-                          kv_cache_dtype=cache_dtype)
+                          kv_cache_dtype=cache_dtype,
+                          pipelined=all(r.pipelined for r in replies))
 
     def reset(self) -> int:
         """Start a new epoch on every worker; returns how many cached requests node 0 dropped.

@@ -66,6 +66,9 @@ class InitResult:
     # The KV cache's element type the workers allocated (init_messages.allocated_kv_cache_dtype:
     # auto, fp8_e4m3 or fp8_e5m2).
     kv_cache_dtype: str = "auto"
+    # Every node launches step t+1 before step t is finished (InitResponse.pipelined): the
+    # engine may keep three steps in flight (engine_core.py).
+    pipelined: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from engine_common.model_files.model_dir import ModelInfo
+from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (generation_stub, greedy_request, scheduler_and_worker,
                                         server_status, wait_for)
 
@@ -25,9 +26,12 @@ def served(request, tiny_models, tmp_path_factory):
     with scheduler_and_worker(model, tmp_path_factory.mktemp(f"pipelined_{request.param}"),
                               [*flags, "--max-model-len", "256", "--max-num-seqs", "4",
                                "--max-num-batched-tokens", "32", "--kv-cache-gib", "0.0002"],
-                              ["--simulated-device-ms", "1"]) as (target, (worker, _)):
+                              ["--simulated-device-ms", "1"]) as (target, (worker, sched)):
         yield target, ModelInfo.from_dir(model).vocab_size
         assert "pipelined" in worker.log_tail(20000), worker.log_tail()
+        # Async scheduling to a worker that pipelines: three steps in flight (engine_core.py).
+        assert ("they pipeline their steps (3 in flight)" in sched.log_tail(20000)) == (
+            request.param == "async"), sched.log_tail()
 
 
 def _expected(prompt_len: int, max_tokens: int, vocab: int) -> list[int]:
@@ -63,6 +67,32 @@ def test_every_stream_gets_its_own_tokens_in_order(served):
             for i, (n, m) in enumerate(shapes)]
     got = asyncio.run(_streams(target, reqs, {}))
     assert got == [_expected(n, m, vocab) for n, m in shapes]
+    wait_for(lambda: _idle(target), 30, "the blocks back in the pool")
+
+
+def test_a_stop_token_ends_a_stream_with_steps_in_flight_past_it(served):
+    """A stop token id met while the next steps are already scheduled (two of them with three
+    in flight): the stream ends on it, the steps past it are dropped, and the others run on."""
+    target, vocab = served
+    prompt = [11 + j for j in range(10)]
+    stop_at = _expected(len(prompt), 30, vocab)
+    stopper = greedy_request(prompt, 30, "stopper")
+    stopper.stopping.stop_token_ids.append(stop_at[5])
+    others = [greedy_request([20 + i] * (4 + i), 12, f"o{i}") for i in range(3)]
+
+    async def run():
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = generation_stub(channel)
+
+            async def one(req):
+                return [m async for m in stub.Generate(req, timeout=120)]
+            return await asyncio.gather(*(one(r) for r in [stopper, *others]))
+    msgs = asyncio.run(run())
+    assert [t for m in msgs[0] for t in m.token_ids] == stop_at[:stop_at.index(stop_at[5]) + 1]
+    assert msgs[0][-1].finish_reason == pb.STOP_TOKEN
+    assert msgs[0][-1].stop_token_id == stop_at[5]
+    for i, got in enumerate(msgs[1:]):
+        assert [t for m in got for t in m.token_ids] == _expected(4 + i, 12, vocab)
     wait_for(lambda: _idle(target), 30, "the blocks back in the pool")
 
 

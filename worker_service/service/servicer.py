@@ -126,7 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=outcome.num_kv_blocks, epoch=request.epoch,
             kv_block_bytes=outcome.kv_block_bytes, devices=self._device_infos(),
             sliding_window=outcome.sliding_window, kv_cache_dtype=outcome.kv_cache_dtype,
-            stream_key=self.worker.stream_key(request.epoch),
+            pipelined=self.worker.pipelined, stream_key=self.worker.stream_key(request.epoch),
             **_window_group_fields(outcome.window_group))
 
     def Step(self, request_iterator, context) -> Iterator[worker_pb2.StepResponse]:

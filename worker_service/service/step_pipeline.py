@@ -31,8 +31,8 @@ from engine_common.wire.protos import worker_pb2
 from worker_service.service.node_worker import NodeWorker
 
 _END = object()
-# Requests read from the stream and not yet taken by the handler (the scheduler keeps at most two
-# steps in flight).
+# Requests read from the stream and not yet taken by the handler (the scheduler keeps at most three
+# steps in flight to a pipelined worker).
 MAX_READ_AHEAD = 4
 
 

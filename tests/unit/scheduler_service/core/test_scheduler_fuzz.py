@@ -60,7 +60,8 @@ class Fuzz:
     def __init__(self, seed: int, mode: str, **cfg):
         """mode: "sync"; "async", two steps in flight, the worker running each as it is
         scheduled; "lagging", the same with the worker running a step only when its output is
-        collected (a whole step behind the scheduler)."""
+        collected (a whole step behind the scheduler); "async3" and "lagging3", the same with
+        three steps in flight (workers that pipeline their steps: engine_core.py)."""
         self.rng = random.Random(seed)
         self.mode = mode
         self.sched, self.worker = make(sample_fn=sample, async_scheduling=mode != "sync", **cfg)
@@ -141,8 +142,8 @@ class Fuzz:
         sched = self.sched
         if sched.has_unfinished_requests() or sched.has_finished_to_send():
             out = sched.schedule()
-            self.in_flight.append((out, None if self.mode == "lagging" else self.execute(out)))
-        depth = 1 if self.mode == "sync" else 2
+            self.in_flight.append((out, None if self.mode.startswith("lagging") else self.execute(out)))
+        depth = {"sync": 1, "async3": 3, "lagging3": 3}.get(self.mode, 2)
         if len(self.in_flight) >= depth or (self.in_flight and not sched.has_unfinished_requests()):
             out, result = self.in_flight.popleft()
             if result is None:
@@ -253,7 +254,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "lagging"])
+@pytest.mark.parametrize("mode", ["sync", "async", "lagging", "async3", "lagging3"])
 @pytest.mark.parametrize("cfg", range(len(CONFIGS)))
 @pytest.mark.parametrize("seed", range(3))
 def test_random_interleavings_keep_the_kv_invariants(seed, cfg, mode):

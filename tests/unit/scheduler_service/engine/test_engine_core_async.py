@@ -64,11 +64,12 @@ class LaggingExecutor:
         return encode_runner_output(self.worker.execute(decode_scheduler_output(payload)))
 
 
-def make_core(tok, async_scheduling: bool, num_blocks: int = 16):
+def make_core(tok, async_scheduling: bool, num_blocks: int = 16, steps_in_flight: int = 2):
     config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                              max_model_len=128, async_scheduling=async_scheduling)
     executor = LaggingExecutor(SimWorker(num_blocks, 4, sample_fn=sample))
-    core = EngineCore(Scheduler(config, num_blocks, rng=random.Random(0)), executor)
+    core = EngineCore(Scheduler(config, num_blocks, rng=random.Random(0)), executor,
+                      steps_in_flight=steps_in_flight)
     return LLMEngine(core, OutputProcessor(tok)), executor
 
 
@@ -93,9 +94,10 @@ def copies(reqs):
             for r in reqs]
 
 
-def run(tok, reqs, async_scheduling: bool, seed: int, abort_p: float = 0.0):
+def run(tok, reqs, async_scheduling: bool, seed: int, abort_p: float = 0.0,
+        steps_in_flight: int = 2):
     """request id -> [ids, text, finish reason, stop reason, usage], and the aborted ids."""
-    core, executor = make_core(tok, async_scheduling)
+    core, executor = make_core(tok, async_scheduling, steps_in_flight=steps_in_flight)
     rng, waiting, aborted = random.Random(seed), list(reqs), set()
     got = {r.request_id: [[], "", None, None, 0] for r in reqs}
 
@@ -111,6 +113,7 @@ def run(tok, reqs, async_scheduling: bool, seed: int, abort_p: float = 0.0):
         if waiting and (not core.has_unfinished_requests() or rng.random() < 0.5):
             core.add_request(waiting.pop(0))
         merge(core.step())
+        assert core.core.num_steps_in_flight <= steps_in_flight
         live = sorted(core.scheduler._requests)
         if live and rng.random() < abort_p:
             aborted.add(rid := rng.choice(live))
@@ -123,7 +126,10 @@ def run(tok, reqs, async_scheduling: bool, seed: int, abort_p: float = 0.0):
     return got, aborted
 
 
-def test_async_engine_core_matches_sync_with_stop_strings_and_aborts(tok):
+@pytest.mark.parametrize("steps_in_flight", [2, 3])
+def test_async_engine_core_matches_sync_with_stop_strings_and_aborts(tok, steps_in_flight):
+    """Two steps in flight, and three (workers that pipeline their steps): a request that
+    stops (eos, stop string) is computed for steps past its stop, whose tokens are dropped."""
     seen = {"stop_string": 0, "stop_token": 0, "aborted": 0}
     for seed in range(25):
         reqs = workload(tok, random.Random(seed), 10)
@@ -133,7 +139,7 @@ def test_async_engine_core_matches_sync_with_stop_strings_and_aborts(tok):
             seen["stop_string"] += reason == RequestStatus.FINISHED_STOP_STRING
             seen["stop_token"] += reason == RequestStatus.FINISHED_STOP_TOKEN
         for abort_p in (0.0, 0.25):
-            got, aborted = run(tok, copies(reqs), True, seed, abort_p)
+            got, aborted = run(tok, copies(reqs), True, seed, abort_p, steps_in_flight)
             seen["aborted"] += len(aborted)
             for rid, g in got.items():
                 if rid in aborted:
@@ -160,6 +166,42 @@ def test_step_semantics_with_two_steps_in_flight(tok):
     assert executor.log.count(("submit", 4)) == 0
     # The last step computed nothing: the request's last token was already pending.
     assert executor.worker.step_tokens[-1] == {}
+
+
+def test_step_semantics_with_three_steps_in_flight(tok):
+    """Workers that pipeline their steps: the first two step() calls after an idle spell only
+    submit, then each collects the oldest and submits one more (three in flight); a request of
+    4 tokens ends in four steps with its outputs in order, and the steps after its last pending
+    token compute nothing."""
+    core, executor = make_core(tok, True, steps_in_flight=3)
+    core.add_request(Request("a", tok.encode("The quick"), SamplingParams(seed=1),
+                             StoppingParams(max_tokens=4, ignore_eos=True)))
+    assert core.step() == [] and core.step() == []
+    assert executor.log == [("submit", 0), ("submit", 1)]
+    outs = [core.step() for _ in range(4)]
+    assert executor.log[2:5] == [("submit", 2), ("collect", 0), ("submit", 3)]
+    assert [len(o) for o in outs] == [1, 1, 1, 1] and outs[-1][0].finished
+    assert core.core.num_steps_in_flight == 2   # steps 4 and 5, which compute nothing
+    while core.has_unfinished_requests():
+        assert core.step() == []
+    assert executor.worker.step_tokens[-2:] == [{}, {}]
+    assert len(executor.worker.step_tokens) == 6
+
+
+def test_speculative_decoding_keeps_two_steps_in_flight():
+    """Drafts over a step in flight assume one (spec_decode.py): a core asked for three keeps
+    two; fewer than two is refused by name."""
+    config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                             max_model_len=128, async_scheduling=True,
+                             speculative_config='{"method": "ngram", "num_speculative_tokens": 2, '
+                                                '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')
+    executor = LaggingExecutor(SimWorker(16, 4, sample_fn=sample))
+    assert EngineCore(Scheduler(config, 16), executor, steps_in_flight=3).steps_in_flight == 2
+    plain = SchedulerConfig(block_size=4, max_num_seqs=4, max_model_len=128,
+                            async_scheduling=True)
+    assert EngineCore(Scheduler(plain, 16), executor, steps_in_flight=3).steps_in_flight == 3
+    with pytest.raises(ValueError, match="steps_in_flight=1 is invalid: must be >= 2"):
+        EngineCore(Scheduler(plain, 16), executor, steps_in_flight=1)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
