@@ -7,8 +7,8 @@ peft turns `target_modules` gate_proj + up_proj (Mixtral: w1 + w3) into one LoRA
 down_proj (w2) into one on `down_proj`. Only these two parameters are served, and a pattern
 only in the form peft writes for one of them (or the bare name, which peft matches the same);
 anything else is refused by name. peft matches a pattern against every adapted module too
-(`(.*\.)?<key>$`): a key that would also set a module's r / lora_alpha (Qwen2-MoE's
-shared_expert.down_proj under `.*\.down_proj`) is refused, since modules use r / lora_alpha.
+(`(.*\\.)?<key>$`): a key that would also set a module's r / lora_alpha (Qwen2-MoE's
+shared_expert.down_proj under `.*\\.down_proj`) is refused, since modules use r / lora_alpha.
 """
 from __future__ import annotations
 
