@@ -15,16 +15,19 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               GPTQ / AWQ checkpoint's dense linears
               kept packed on the CPU (--cpu-quantized-weights native) at their packed size
               (quant_memory.py)
+    LoRA      per rank: the stacks the LoRA flags allow, every slot at --max-lora-rank on
+              every served projection and routed expert (lora_memory.py: the allocation's
+              own shapes); docs/lora.md, "Memory"
     KV cache  per rank: num_kv_blocks x the block's bytes (in --kv-cache-dtype's element:
               fp8 one byte; kv_cache_dims: DeepSeek caches one
               latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
-              loading, so only the weights are checked
+              loading less the LoRA stacks to come, so only the weights and stacks are checked
     machine   CPU: the host's physical memory, shared by the node's local ranks; CUDA: each
               rank's device memory
 
-More than the machine has is refused (DoesNotFit: FAILED_PRECONDITION), naming both estimates
-and the machine's memory. What fits the estimate may still fail to load (the estimate is a lower
+More than the machine has is refused (DoesNotFit: FAILED_PRECONDITION), naming each estimate
+(and the LoRA flags) and the machine's memory. What fits the estimate may still fail to load (the estimate is a lower
 bound); that failure comes after the old model is released, as any failed load does.
 """
 from __future__ import annotations
