@@ -62,10 +62,11 @@ def lora_stack_bytes(hf_config: dict, num_slots: int, rank: int, element_bytes: 
 
 def lora_flags_text(config: WorkerConfig, num_slots: int) -> str:
     """Where the slot count and rank come from, in flags: for a refusal's message."""
-    if config.max_cpu_loras is not None:
+    if config.max_cpu_loras == num_slots:
         slots = f"--max-cpu-loras {num_slots}"
-    elif config.allow_runtime_lora_updating and num_slots > len(config.lora):
-        slots = f"--max-loras {num_slots}"
-    else:
+    elif len(config.lora) == num_slots:
         slots = f"the {num_slots} of --lora-modules"
-    return f"{num_slots} adapters ({slots}) x --max-lora-rank {config.max_lora_rank}"
+    else:
+        slots = f"--max-loras {num_slots}"
+    adapters = "adapter" if num_slots == 1 else "adapters"
+    return f"{num_slots} {adapters} ({slots}) x --max-lora-rank {config.max_lora_rank}"

@@ -15,7 +15,7 @@ from worker_service.lora.load import lora_slots
 from worker_service.runner.kv_profiler import KVCacheTooSmall, KVMemoryProfile
 from worker_service.runner.memory_fit import (GIB, MIB, _machine_bytes, check_memory_fits,
                                               kv_room_bytes, lora_bytes)
-from worker_service.runner.lora_memory import lora_stack_bytes
+from worker_service.runner.lora_memory import lora_flags_text, lora_stack_bytes
 from worker_service.service.node_worker import NodeWorker
 
 LORA = dict(enable_lora=True, allow_runtime_lora_updating=True, max_cpu_loras=4,
@@ -109,3 +109,18 @@ def test_the_cuda_budget_leaves_the_stacks_to_come():
                                               r"come \(--max-cpu-loras / --max-loras x "
                                               r"--max-lora-rank\) = 0\.000 GiB"):
         too_small.num_blocks
+
+
+def test_the_refusal_says_where_the_slot_count_comes_from(tiny_models):
+    model_dir = tiny_models("qwen3")
+    cases = [(dict(max_cpu_loras=3, allow_runtime_lora_updating=True),
+              "3 adapters (--max-cpu-loras 3) x --max-lora-rank 16"),
+             (dict(lora_modules="a=/x/a b=/x/b", max_lora_rank=8),
+              "2 adapters (the 2 of --lora-modules) x --max-lora-rank 8"),
+             (dict(lora_modules="a=/x/a", allow_runtime_lora_updating=True, max_loras=4),
+              "4 adapters (--max-loras 4) x --max-lora-rank 16"),
+             (dict(allow_runtime_lora_updating=True),
+              "1 adapter (--max-loras 1) x --max-lora-rank 16")]
+    for fields, text in cases:
+        config = RunnerConfig(model_dir=model_dir, enable_lora=True, **fields)
+        assert lora_flags_text(config, lora_slots(config)) == text
