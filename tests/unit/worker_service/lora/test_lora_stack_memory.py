@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels.attention.torch_ref import TorchAttentionBackend
+from worker_service.config import RunnerConfig
 from worker_service.lora.adapter import LoRAError, read_adapter
 from worker_service.lora.experts import LoRAExperts
 from worker_service.lora.families import LORA_TARGETS
@@ -24,6 +25,7 @@ from worker_service.models.loader import load_model
 from worker_service.parallel_state import TPGroup, single_rank_group
 from worker_service.runner.config_shape import model_class
 from worker_service.runner.lora_memory import lora_stack_bytes
+from worker_service.runner.model_runner import ModelRunner
 
 RANK = 4
 
@@ -139,3 +141,17 @@ def test_one_slot_per_held_adapter_whatever_its_id(tiny_models, tmp_path):
     slots.load(3, "third", adapter)
     assert sorted(slots.adapters) == [2, 899]
     assert allocated_bytes(model)[0] == lora_stack_bytes(_config(model_dir), 2, RANK, 4)
+
+
+def test_the_runner_knows_what_its_stacks_may_take(tiny_models, tmp_path):
+    """A ModelRunner started with one full adapter of rank --max-lora-rank: its bound (what a
+    profiled CUDA KV budget leaves free, less what is held) is the figure, and the stacks it
+    holds are all of it: nothing is left to reserve."""
+    model_dir = tiny_models("qwen3_moe")
+    adapter = full_adapter(model_dir, tmp_path / "a")
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, enable_lora=True,
+                                      lora_modules=f"a={adapter}", max_lora_rank=RANK))
+    figure = lora_stack_bytes(_config(model_dir), 1, RANK, 4)
+    assert runner.lora_bound_bytes == figure == runner.lora.stack_bytes()
+    runner.lora.unload(1)
+    assert runner.lora.stack_bytes() == 0 and runner.lora_bound_bytes == figure
