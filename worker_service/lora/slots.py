@@ -69,6 +69,15 @@ class LoRASlots:
         self._apply({s: a for s, a in self.adapters.items() if s != lora_id - 1})
         return True
 
+    def restart(self, num_static: int) -> None:
+        """A new epoch's Init on a kept model: hold only the Init's --lora-modules (ids
+        1..num_static). Another scheduler's runtime loads would stay held, never served, and
+        fill the slots --max-cpu-loras allows; the new scheduler loads what it serves again
+        (lora_updates.replay)."""
+        kept = {i: a for i, a in self.adapters.items() if i < num_static}
+        if len(kept) != len(self.adapters):
+            self._apply(kept)
+
     def stack_bytes(self) -> int:
         """The bytes the model's LoRA stacks take now."""
         total = 0
