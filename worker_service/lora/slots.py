@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
+from worker_service.failures import StepProtocolError
 from worker_service.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from worker_service.lora.experts import LoRAExperts
 from worker_service.lora.families import lora_targets
@@ -41,8 +42,17 @@ class LoRASlots:
         return lora_id - 1 in self.adapters
 
     def set_rows(self, row_ids: np.ndarray, num_scheduled: np.ndarray) -> None:
-        """row_ids: each row's adapter id - 1 (-1: the base model)."""
-        self.state.set_rows(self._slot_of[row_ids], num_scheduled)
+        """row_ids: each row's adapter id - 1 (-1: the base model). StepProtocolError for a
+        row of an adapter not held (a resumed request's evicted one): never another slot or
+        the base model silently."""
+        slot_of = self._slot_of
+        slots = slot_of[np.minimum(row_ids, len(slot_of) - 1)]     # beyond the map: -1
+        lost = (slots < 0) & (row_ids >= 0)
+        if lost.any():
+            raise StepProtocolError(f"lora_id={int(row_ids[lost][0]) + 1} is invalid: this "
+                                    "worker holds LoRA adapter ids "
+                                    f"{sorted(i + 1 for i in self.adapters)}")
+        self.state.set_rows(slots, num_scheduled)
 
     def load(self, lora_id: int, name: str, path: str) -> None:
         """Read `path` and hold it as adapter `lora_id` (replacing what that id held).
