@@ -30,7 +30,7 @@ def lora_slots(config: WorkerConfig) -> int:
     """The adapters a rank may hold at once, which the memory check counts (0 without LoRA):
     --max-cpu-loras when set (LoRASlots refuses more); else the --lora-modules, and with
     runtime updating at least --max-loras (adapters loaded at run time beyond that are not
-    counted)."""
+    counted; a server's Init then carries no --lora-modules: lora_updates.init_config)."""
     if not config.enable_lora:
         return 0
     if config.max_cpu_loras is not None:

@@ -59,9 +59,10 @@ class LoRASlots:
         LoRAError naming the path and the reason; then nothing changed."""
         if (self.capacity is not None and not self.holds(lora_id)
                 and len(self.adapters) >= self.capacity):
-            raise LoRAError(f"lora_id={lora_id} is invalid: this worker holds "
-                            f"{len(self.adapters)} LoRA adapters, max_cpu_loras="
-                            f"{self.capacity} (its memory check counted that many)")
+            raise LoRAError(f"lora_id={lora_id} is invalid: this rank holds "
+                            f"{len(self.adapters)} LoRA adapter(s), the most --max-cpu-loras "
+                            f"{self.capacity} allows (its memory check counted that many): "
+                            "unload one first")
         try:
             adapter = read_adapter(name, path, self.max_rank, self.max_weights_bytes,
                                    lora_targets(self.model))

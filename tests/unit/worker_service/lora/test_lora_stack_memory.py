@@ -132,8 +132,8 @@ def test_one_slot_per_held_adapter_whatever_its_id(tiny_models, tmp_path):
     adapter = full_adapter(model_dir, tmp_path / "a")
     slots = _held(model, adapter, [7, 900], capacity=2)
     assert allocated_bytes(model)[0] == lora_stack_bytes(_config(model_dir), 2, RANK, 4)
-    with pytest.raises(LoRAError, match=r"lora_id=3 is invalid: this worker holds 2 LoRA "
-                                        r"adapters, max_cpu_loras=2"):
+    with pytest.raises(LoRAError, match=r"lora_id=3 is invalid: this rank holds 2 LoRA "
+                                        r"adapter\(s\), the most --max-cpu-loras 2 allows"):
         slots.load(3, "third", adapter)
     assert sorted(slots.adapters) == [6, 899]
     slots.load(900, "again", adapter)
