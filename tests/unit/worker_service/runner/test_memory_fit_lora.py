@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine_common.configuration.config import WorkerConfig
+from engine_common.configuration.settings import from_proto, to_proto
 from engine_common.model_files.model_dir import ModelInfo
+from engine_common.wire.protos import worker_pb2
 from tests.support.fake_ranks import LAYOUT, FakeRanks, runner_config
 from worker_service.config import RunnerConfig
 from worker_service.failures import DoesNotFit
@@ -124,3 +127,18 @@ def test_the_refusal_says_where_the_slot_count_comes_from(tiny_models):
     for fields, text in cases:
         config = RunnerConfig(model_dir=model_dir, enable_lora=True, **fields)
         assert lora_flags_text(config, lora_slots(config)) == text
+
+
+def test_field_24_on_the_wire_and_a_scheduler_without_it(tiny_models):
+    """--max-cpu-loras reaches the worker as WorkerConfig field 24 and sets its slots; an
+    older scheduler's Init leaves it unset: the worker counts --max-loras and holds any number
+    (its scheduler's LRU decides, as before)."""
+    sent = WorkerConfig(model_dir=tiny_models("qwen3"), enable_lora=True,
+                        allow_runtime_lora_updating=True, max_loras=2, max_cpu_loras=5)
+    msg = worker_pb2.WorkerConfig()
+    to_proto(sent, msg)
+    assert msg.HasField("max_cpu_loras") and msg.max_cpu_loras == 5
+    assert lora_slots(from_proto(RunnerConfig, msg, device="cpu")) == 5
+    msg.ClearField("max_cpu_loras")                       # what an older scheduler sends
+    old = from_proto(RunnerConfig, msg, device="cpu")
+    assert old.max_cpu_loras is None and lora_slots(old) == 2
