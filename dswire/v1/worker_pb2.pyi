@@ -36,7 +36,7 @@ class InitRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[WorkerConfig, _Mapping]] = ..., layout: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_updating", "disable_hybrid_kv_cache_manager", "cpu_quantized_weights", "kv_cache_dtype")
+    __slots__ = ("model_dir", "dtype", "attention_backend", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "verify_symmetry", "enforce_eager", "max_graph_batch", "fused_ops", "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "allow_runtime_lora_updating", "disable_hybrid_kv_cache_manager", "cpu_quantized_weights", "kv_cache_dtype", "max_cpu_loras")
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class WorkerConfig(_message.Message):
     DISABLE_HYBRID_KV_CACHE_MANAGER_FIELD_NUMBER: _ClassVar[int]
     CPU_QUANTIZED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     model_dir: str
     dtype: str
     attention_backend: str
@@ -79,7 +80,8 @@ class WorkerConfig(_message.Message):
     disable_hybrid_kv_cache_manager: bool
     cpu_quantized_weights: str
     kv_cache_dtype: str
-    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ..., enable_lora: _Optional[bool] = ..., lora_modules: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., allow_runtime_lora_updating: _Optional[bool] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., cpu_quantized_weights: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    max_cpu_loras: int
+    def __init__(self, model_dir: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., verify_symmetry: _Optional[bool] = ..., enforce_eager: _Optional[bool] = ..., max_graph_batch: _Optional[int] = ..., fused_ops: _Optional[bool] = ..., enable_lora: _Optional[bool] = ..., lora_modules: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., allow_runtime_lora_updating: _Optional[bool] = ..., disable_hybrid_kv_cache_manager: _Optional[bool] = ..., cpu_quantized_weights: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("local_rank", "global_rank", "device_kind", "device_name", "total_memory_bytes", "free_memory_bytes", "num_kv_blocks")

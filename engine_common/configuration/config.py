@@ -91,6 +91,13 @@ class BatchLimits:
     allow_runtime_lora_updating: bool = setting(
         False, "serve LoadLoraAdapter / UnloadLoraAdapter: load and unload LoRA adapters at run "
         "time (needs --enable-lora)", wire=20)
+    # vLLM's --max-cpu-loras (docs/lora.md, "Adapters the workers keep"): an LRU of the
+    # adapters loaded on the workers; the others are read again from their path when wanted.
+    # The workers get it too: their memory check counts this many adapters' stacks.
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
+        "read again from their directory when a request wants one); unset: every served "
+        "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID), wire=24)
 
     def __post_init__(self):
         validate(self)
@@ -103,6 +110,13 @@ class BatchLimits:
         if self.allow_runtime_lora_updating and not self.enable_lora:
             raise ParamError("enable_lora", self.enable_lora,
                              "true when allow_runtime_lora_updating is set")
+        if self.max_cpu_loras is not None:
+            if not self.enable_lora:
+                raise ParamError("enable_lora", self.enable_lora,
+                                 "true when max_cpu_loras is set")
+            if self.max_cpu_loras < self.max_loras:
+                raise ParamError("max_cpu_loras", self.max_cpu_loras,
+                                 f"in [max_loras={self.max_loras}, {MAX_LORA_ID}]")
 
     @property
     def lora(self) -> tuple[LoRAModule, ...]:
@@ -147,13 +161,6 @@ class SchedulerConfig(BatchLimits):
         "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}'; "
         "unset: off")
 
-    # vLLM's --max-cpu-loras (docs/lora.md, "Adapters the workers keep"): an LRU of the
-    # adapters loaded on the workers; the others are read again from their path when wanted.
-    max_cpu_loras: int | None = setting(
-        None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
-        "read again from their directory when a request wants one); unset: every served "
-        "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID))
-
     # vLLM's --seed: a request without a seed samples with one the scheduler draws; seeded,
     # those draws repeat, so a run's unseeded requests repeat in the same arrival order.
     seed: int | None = setting(
@@ -164,13 +171,6 @@ class SchedulerConfig(BatchLimits):
     def __post_init__(self):
         super().__post_init__()
         self.speculative       # parsed once here: a bad speculative_config is refused now
-        if self.max_cpu_loras is not None:
-            if not self.enable_lora:
-                raise ParamError("enable_lora", self.enable_lora,
-                                 "true when max_cpu_loras is set")
-            if self.max_cpu_loras < self.max_loras:
-                raise ParamError("max_cpu_loras", self.max_cpu_loras,
-                                 f"in [max_loras={self.max_loras}, {MAX_LORA_ID}]")
         threshold = self.long_prefill_threshold
         if self.max_long_partial_prefills * threshold > self.max_num_batched_tokens:
             raise ParamError("max_long_partial_prefills x long_prefill_token_threshold",

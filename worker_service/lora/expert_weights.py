@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from worker_service.lora.adapter import LoRAAdapter, LoRAError
+from worker_service.lora.stack_shapes import expert_shapes
 
 _EXPERT_MODULE = re.compile(r"\.experts(\.|$)")
 _PIECE = {"gate_proj": 0, "up_proj": 1}
@@ -113,9 +114,9 @@ def expert_stacks(experts, by_slot: dict[int, list], num_slots: int, dtype, devi
     r13 = max([_width(p) for ps in by_slot.values() for p in ps if p[1] == "w13"], default=1)
     r2 = max([p[3].shape[0] for ps in by_slot.values() for p in ps if p[1] == "w2"],
              default=1)
-    a13, b13 = torch.zeros(num_slots, num, r13, h), torch.zeros(num_slots, num, 2 * i_r, r13)
-    a2, b2 = torch.zeros(num_slots, num, r2, i_r), torch.zeros(num_slots, num, h, r2)
-    has = torch.zeros(num_slots, num, dtype=torch.bool)
+    *stacks, has_shape = expert_shapes(num_slots, num, h, i_r, r13, r2)
+    a13, b13, a2, b2 = (torch.zeros(shape) for shape in stacks)
+    has = torch.zeros(has_shape, dtype=torch.bool)
     for slot, pieces in by_slot.items():
         seen: dict[tuple[int, str], set] = {}
         for e, kind, piece, a, b, scaling in pieces:

@@ -28,6 +28,7 @@ from worker_service.lora.adapter import MAX_HEADER_BYTES, LoRAAdapter, LoRAError
 from worker_service.lora.expert_weights import expert_pieces, expert_stacks, is_expert_module
 from worker_service.lora.experts import LoRAExperts
 from worker_service.lora.families import lora_targets
+from worker_service.lora.stack_shapes import dense_shapes
 
 class LoRAState:
     """Which adapter each token row of the current forward uses, shared by every LoRALinear."""
@@ -140,8 +141,8 @@ def _stacks(path: str, module: nn.Module, by_piece: dict, adapters: dict[int, Lo
     in_rank = (module.input_size_per_rank if isinstance(module, RowParallelLinear)
                else module.input_size)
     out_rank = module.weight.shape[0]
-    a_all = torch.zeros(num_slots, len(pieces) * rank, in_rank)
-    b_all = torch.zeros(num_slots, out_rank, len(pieces) * rank)
+    a_shape, b_shape = dense_shapes(num_slots, len(pieces), rank, in_rank, out_rank)
+    a_all, b_all = torch.zeros(a_shape), torch.zeros(b_shape)
     for (i, piece), (ckpt, a, b) in by_piece.items():
         ad = adapters[i]
         a, b = _local_pair(module, piece, a, b, f"LoRA adapter {ad.name!r}: {ckpt}")

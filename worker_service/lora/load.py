@@ -14,15 +14,30 @@ from worker_service.lora.slots import LoRASlots
 
 def load_lora(model: nn.Module, config: WorkerConfig) -> LoRASlots | None:
     """None without adapters (and without runtime updating); else the slots the runner sets
-    each step. Adapter ids are the 1-based places in lora_modules (slot = id - 1), as the
-    scheduler numbers them; runtime loads take free slots after them."""
+    each step. Adapter ids are the 1-based places in lora_modules, as the scheduler numbers
+    them; runtime loads take free ids after them."""
     modules = config.lora
     if not modules and not (config.enable_lora and config.allow_runtime_lora_updating):
         return None
     limit, targets = max_adapter_bytes(model, config.max_lora_rank), lora_targets(model)
     adapters = {i: read_adapter(m.name, m.path, config.max_lora_rank, limit, targets)
                 for i, m in enumerate(modules)}
-    return LoRASlots(model, config.max_lora_rank, adapters)
+    capacity = lora_slots(config) if config.max_cpu_loras is not None else None
+    return LoRASlots(model, config.max_lora_rank, adapters, capacity)
+
+
+def lora_slots(config: WorkerConfig) -> int:
+    """The adapters a rank may hold at once, which the memory check counts (0 without LoRA):
+    --max-cpu-loras when set (LoRASlots refuses more); else the --lora-modules, and with
+    runtime updating at least --max-loras (adapters loaded at run time beyond that are not
+    counted; a server's Init then carries no --lora-modules: lora_updates.init_config)."""
+    if not config.enable_lora:
+        return 0
+    if config.max_cpu_loras is not None:
+        return max(config.max_cpu_loras, len(config.lora))
+    if config.allow_runtime_lora_updating:
+        return max(len(config.lora), config.max_loras)
+    return len(config.lora)
 
 
 def runtime_slots(lora: LoRASlots | None, config: WorkerConfig, call: str) -> LoRASlots:

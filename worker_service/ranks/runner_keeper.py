@@ -67,6 +67,8 @@ class RunnerKeeper:
         reloaded = not self._can_keep(config)
         if reloaded:
             self._load(config)
+        elif self.runner.lora is not None:
+            self.runner.lora.restart(len(config.lora))   # not the last scheduler's adapters
         self.runner.config = config  # same load key; records the KV budget now in force
         return InitOutcome(self._num_blocks(), self.runner.kv_block_bytes, reloaded,
                            self.runner.sliding_window)

@@ -8,6 +8,8 @@ CUDA (bytes; measured after a warm-up forward at the largest step the scheduler 
              - peak_activation   peak allocated during the warm-up minus allocated before it
              - graph_reserve     CUDA graphs' private pool: peak of a decode warm-up at
                                  max_graph_batch (+ slack for capture workspaces); 0 when eager
+             - lora_reserve      the LoRA stacks the flags allow (lora_memory.py) less those
+                                 allocated already (counted in `used`): adapters loaded later
     num_blocks = budget // kv_block_bytes          (an error, naming every number, when < 1)
 
 The warm-up is a prefill of max_num_batched_tokens tokens split into max_num_seqs requests over a
@@ -45,11 +47,13 @@ class KVMemoryProfile:
     peak_activation_bytes: int
     graph_reserve_bytes: int
     kv_block_bytes: int
+    lora_reserve_bytes: int = 0
 
     @property
     def budget_bytes(self) -> int:
         return (int(self.total_bytes * self.gpu_memory_utilization) - self.used_bytes
-                - self.peak_activation_bytes - self.graph_reserve_bytes)
+                - self.peak_activation_bytes - self.graph_reserve_bytes
+                - self.lora_reserve_bytes)
 
     @property
     def num_blocks(self) -> int:
@@ -57,12 +61,15 @@ class KVMemoryProfile:
         blocks = max(self.budget_bytes, 0) // self.kv_block_bytes
         if blocks < 1:
             gib = 1 << 30
+            lora = (f" - {self.lora_reserve_bytes / gib:.2f} GiB LoRA stacks to come "
+                    "(--max-cpu-loras / --max-loras x --max-lora-rank)"
+                    if self.lora_reserve_bytes else "")
             raise KVCacheTooSmall(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for the "
                 f"KV cache: {self.gpu_memory_utilization} x {self.total_bytes / gib:.2f} GiB "
                 f"total - {self.used_bytes / gib:.2f} GiB used (weights, context, others) - "
                 f"{self.peak_activation_bytes / gib:.2f} GiB peak activations - "
-                f"{self.graph_reserve_bytes / gib:.2f} GiB CUDA-graph pool = "
+                f"{self.graph_reserve_bytes / gib:.2f} GiB CUDA-graph pool{lora} = "
                 f"{self.budget_bytes / gib:.3f} GiB; one block needs {self.kv_block_bytes} "
                 "bytes. Raise gpu_memory_utilization, or lower max_num_batched_tokens, "
                 "max_num_seqs or max_graph_batch")
@@ -91,9 +98,11 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int
 
 def profile_kv_memory(run_warmup: Callable[[], Any], kv_block_bytes: int,
                       gpu_memory_utilization: float, device: torch.device | str,
-                      run_graph_warmup: Callable[[], Any] | None = None) -> KVMemoryProfile:
-    """Run the warm-up(s), release their memory, and measure what the KV cache may take.
-    Call it with the weights loaded and no KV cache allocated."""
+                      run_graph_warmup: Callable[[], Any] | None = None,
+                      lora_reserve_bytes: int = 0) -> KVMemoryProfile:
+    """Run the warm-up(s), release their memory, and measure what the KV cache may take,
+    leaving lora_reserve_bytes free. Call it with the weights loaded and no KV cache
+    allocated."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: "
                          "must be in (0, 1]")
@@ -105,7 +114,7 @@ def profile_kv_memory(run_warmup: Callable[[], Any], kv_block_bytes: int,
     _release(device)
     free, total = torch.cuda.mem_get_info(device)
     return KVMemoryProfile(int(total), gpu_memory_utilization, int(total - free), peak,
-                           graph_reserve, kv_block_bytes)
+                           graph_reserve, kv_block_bytes, lora_reserve_bytes)
 
 
 def _release(device: torch.device | str) -> None:

@@ -15,16 +15,19 @@ hidden_size 10^7 passed every other check and the worker was OOM-killed at 11 GB
               GPTQ / AWQ checkpoint's dense linears
               kept packed on the CPU (--cpu-quantized-weights native) at their packed size
               (quant_memory.py)
+    LoRA      per rank: the stacks the LoRA flags allow, every slot at --max-lora-rank on
+              every served projection and routed expert (lora_memory.py: the allocation's
+              own shapes); docs/lora.md, "Memory"
     KV cache  per rank: num_kv_blocks x the block's bytes (in --kv-cache-dtype's element:
               fp8 one byte; kv_cache_dims: DeepSeek caches one
               latent head per token, on every rank) when set, else kv_cache_bytes (1 GiB
               unset); on CUDA with gpu_memory_utilization it is sized from what is free after
-              loading, so only the weights are checked
+              loading less the LoRA stacks to come, so only the weights and stacks are checked
     machine   CPU: the host's physical memory, shared by the node's local ranks; CUDA: each
               rank's device memory
 
-More than the machine has is refused (DoesNotFit: FAILED_PRECONDITION), naming both estimates
-and the machine's memory. What fits the estimate may still fail to load (the estimate is a lower
+More than the machine has is refused (DoesNotFit: FAILED_PRECONDITION), naming each estimate
+(and the LoRA flags) and the machine's memory. What fits the estimate may still fail to load (the estimate is a lower
 bound); that failure comes after the old model is released, as any failed load does.
 """
 from __future__ import annotations
@@ -40,8 +43,10 @@ from worker_service.config import RunnerConfig, rank_device
 from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.runner.kv_dtype import kv_cache_dtype
-from worker_service.models.registry import MODEL_REGISTRY
+from worker_service.lora.load import lora_slots
+from worker_service.runner.lora_memory import lora_flags_text, lora_stack_bytes
 from worker_service.layers import quant_linear
+from worker_service.runner import config_shape as shape
 from worker_service.runner.cpu_linear_memory import extra_copy_bytes, screen_bytes
 from worker_service.runner.quant_memory import native_bytes_per_param, native_saving
 
@@ -55,11 +60,11 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1,
     architecture's class says how many matrices its dense MLP has and whether an absent
     tie_word_embeddings ties the head). native_quant: a GPTQ / AWQ checkpoint's dense linears
     counted at their packed size (quant_memory.py)."""
-    model_class = _model_class(hf_config)
+    model_class = shape.model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = _head_dim(hf_config)
+    head_dim = shape.head_dim(hf_config)
     inter = int(hf_config.get("intermediate_size") or 4 * hidden)
     vocab = int(hf_config["vocab_size"])
     layers = int(hf_config["num_hidden_layers"])
@@ -80,48 +85,27 @@ def estimate_weight_bytes(hf_config: dict, element_bytes: int, tp_size: int = 1,
     return elements * element_bytes // tp_size - saving
 
 
-def _model_class(hf_config: dict):
-    return MODEL_REGISTRY.get((hf_config.get("architectures") or [None])[0])
-
-
-def _head_dim(hf_config: dict) -> int:
-    """config.json's head_dim, else the architecture's default (Gemma: 256, as the model builds
-    it), else hidden_size / num_attention_heads."""
-    default = getattr(_model_class(hf_config), "default_head_dim", None)
-    return int(hf_config.get("head_dim") or default
-               or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]))
-
-
 def kv_cache_dims(hf_config: dict) -> tuple[int, int]:
     """(kv heads, head size) of the KV cache, all ranks together: the architecture's own
     (DeepSeek's one latent head) or the config's."""
-    own = getattr(_model_class(hf_config), "kv_cache_dims", None)
+    own = getattr(shape.model_class(hf_config), "kv_cache_dims", None)
     if own is not None:
         return own(hf_config)
     heads = int(hf_config["num_attention_heads"])
-    return int(hf_config.get("num_key_value_heads") or heads), _head_dim(hf_config)
+    return int(hf_config.get("num_key_value_heads") or heads), shape.head_dim(hf_config)
 
 
 def kv_value_dim(hf_config: dict) -> int:
     """The dims of each cached value row the attention reads: the architecture's own (DeepSeek:
     its latent's first kv_lora_rank) or 0 (the whole head)."""
-    own = getattr(_model_class(hf_config), "kv_value_dim", None)
+    own = getattr(shape.model_class(hf_config), "kv_value_dim", None)
     return own(hf_config) if own is not None else 0
-
-
-def _moe_args(hf_config: dict):
-    """The sparse-MLP fields (models/qwen_moe.MoeArgs) of an MoE config, None for a dense one;
-    an architecture with its own reading (DeepSeek) gives them itself."""
-    from worker_service.models.qwen_moe import MoeArgs
-
-    own = getattr(_model_class(hf_config), "moe_args", None)
-    return own(hf_config) if own is not None else MoeArgs.of_config(hf_config)
 
 
 def _moe_mlp_elements(hf_config: dict, layer: int) -> int | None:
     """A sparse layer's MLP elements (every expert, the router, a shared expert and its gate),
     or None for a dense one: an MoE model's experts are most of its weights."""
-    moe = _moe_args(hf_config)
+    moe = shape.moe_args(hf_config)
     if moe is None or not moe.is_sparse(layer):
         return None
     hidden = moe.hidden_size
@@ -135,11 +119,11 @@ def estimate_cpu_packed_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     the parameters): kernels/cpu/moe_experts.bytes_beyond_weights for every sparse layer (0
     for a dense model or a dtype the kernel does not take). Counted also where the experts
     stay unpacked (no C++ extension built, fused_moe forced): over, never under."""
-    moe = _moe_args(hf_config)
+    moe = shape.moe_args(hf_config)
     if moe is None:
         return 0
     sparse = sum(moe.is_sparse(i) for i in range(int(hf_config["num_hidden_layers"])))
-    biases = getattr(_model_class(hf_config), "expert_biases", False)
+    biases = getattr(shape.model_class(hf_config), "expert_biases", False)
     return sparse * bytes_beyond_weights(moe.num_experts, moe.hidden_size,
                                          moe.moe_intermediate_size // tp_size, dtype, biases)
 
@@ -150,7 +134,7 @@ def estimate_kv_bytes(config: RunnerConfig, hf_config: dict, element_bytes: int,
     gpu_memory_utilization)."""
     if config.num_kv_blocks is not None:
         kv_heads, head_dim = kv_cache_dims(hf_config)
-        halves = kv_cache_halves(_model_class(hf_config))
+        halves = kv_cache_halves(shape.model_class(hf_config))
         block = (halves * int(hf_config["num_hidden_layers"]) * config.block_size
                  * max(1, kv_heads // tp_size) * head_dim * element_bytes)
         return config.num_kv_blocks * block
@@ -165,12 +149,12 @@ def estimate_cpu_linear_bytes(hf_config: dict, dtype: torch.dtype, tp_size: int 
     of its dense linears hold (cpu_linear_memory.py): the attention projections (a latent
     attention's but kv_b) and dense MLPs unless kept natively quantized, shared experts, the
     head."""
-    model_class = _model_class(hf_config)
+    model_class = shape.model_class(hf_config)
     hidden = int(hf_config["hidden_size"])
     layers = int(hf_config["num_hidden_layers"])
     inter = int(hf_config.get("intermediate_size") or 4 * hidden)
     dense_mlp = getattr(model_class, "mlp_matrices", 3) * hidden * inter
-    moe = _moe_args(hf_config)
+    moe = shape.moe_args(hf_config)
     sparse = [moe is not None and moe.is_sparse(i) for i in range(layers)]
     elements = 0
     if not (native_quant and native_bytes_per_param(
@@ -201,14 +185,14 @@ def _attention_linear_elements(hf_config: dict, model_class, tp_size: int) -> in
             hf_config)
     hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    return 2 * hidden * (heads + max(kv_heads, tp_size)) * _head_dim(hf_config)
+    return 2 * hidden * (heads + max(kv_heads, tp_size)) * shape.head_dim(hf_config)
 
 
 def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local_ranks: int,
                   machine_bytes: int | None = None) -> tuple[int, int, int] | None:
-    """(the most KV-cache bytes per rank the machine leaves beside the weights, the weights'
-    estimate, the CPU kernels' packed copies' part of it: experts and linears); None when
-    the machine's memory is unknown."""
+    """(the most KV-cache bytes per rank the machine leaves beside the weights and the LoRA
+    stacks, the weights' estimate, the CPU kernels' packed copies' part of it: experts and
+    linears); None when the machine's memory is unknown."""
     device = torch.device(config.device).type
     dtype = resolve_dtype(info.hf_config, config.dtype, info.path)
     element = torch.empty((), dtype=dtype).element_size()
@@ -222,7 +206,16 @@ def kv_room_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int, num_local
     if not have:
         return None
     sharing = num_local_ranks if device == "cpu" else 1
-    return have // sharing - weights, weights, packed
+    return have // sharing - weights - lora_bytes(config, info, tp_size), weights, packed
+
+
+def lora_bytes(config: RunnerConfig, info: ModelInfo, tp_size: int) -> int:
+    """One rank's LoRA stacks at the most the flags allow (lora_memory.py), in the model's
+    dtype."""
+    element = torch.empty((), dtype=resolve_dtype(info.hf_config, config.dtype,
+                                                  info.path)).element_size()
+    return lora_stack_bytes(info.hf_config, lora_slots(config), config.max_lora_rank, element,
+                            tp_size)
 
 
 def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
@@ -243,13 +236,17 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
     sharing = num_local_ranks if device == "cpu" else 1
     kv_text = "sized from free memory" if kv is None else _size(kv)
     packed_text = f" ({_size(packed)} of it the CPU kernels' packed copies)" if packed else ""
+    lora = lora_bytes(config, info, tp_size)
+    lora_text = (f", its LoRA stacks {_size(lora)} ({lora_flags_text(config, lora_slots(config))})"
+                 if lora else "")
+    lora_flags = "; --max-cpu-loras, --max-loras or --max-lora-rank" if lora else ""
     where = (f"this machine's {_size(have)} of memory" if device == "cpu"
              else f"{config.device}'s {_size(have)}")
     ranks = f" x {sharing} local ranks" if sharing > 1 else ""
     raise DoesNotFit(f"model_dir={config.model_dir!r} does not fit: its weights need about "
-                     f"{_size(weights)}{packed_text} and its KV cache {kv_text} per rank{ranks}, "
-                     f"more than {where} (lower kv_cache_bytes or num_kv_blocks, or raise "
-                     f"tp_size)")
+                     f"{_size(weights)}{packed_text}{lora_text} and its KV cache {kv_text} per "
+                     f"rank{ranks}, more than {where} (lower kv_cache_bytes or num_kv_blocks"
+                     f"{lora_flags}, or raise tp_size)")
 
 
 def _size(num_bytes: int) -> str:

@@ -21,7 +21,7 @@ from worker_service.step.cuda_graphs import DecodeGraphRunner
 from worker_service.batch.diff_check import BadDiff, DiffBounds, check_diff
 from worker_service.batch.input_batch import InputBatch
 from worker_service.runner.kv_dtype import fp8_problem
-from worker_service.runner.memory_fit import kv_cache_dims, kv_value_dim
+from worker_service.runner.memory_fit import kv_cache_dims, kv_value_dim, lora_bytes
 from worker_service.runner.runner_kv_cache import RunnerKVCache
 from worker_service.lora.load import check_lora_ids, load_lora
 from worker_service.models.loader import kv_cache_halves, load_model, resolve_dtype
@@ -77,6 +77,8 @@ class ModelRunner(RunnerKVCache):
         self._check_kv_cache_dtype(layout, loaded=True)      # the windows: the built model's
         # LoRA (docs/lora.md): None without --enable-lora (the model untouched), else LoRASlots.
         self.lora = load_lora(self.model, config)
+        # the most its stacks may take (lora_memory.py): a profiled KV cache leaves it free
+        self.lora_bound_bytes = lora_bytes(config, info, self.tp.world_size)
         self.sampler = Sampler()
         # Structured output: matchers of constrained requests, masks computed on every rank.
         self.grammar = GrammarBook(GrammarCompiler.for_model(config.model_dir, self.vocab_size,

@@ -26,5 +26,7 @@ def profile_runner(runner, gpu_memory_utilization: float) -> KVMemoryProfile:
         graph_warmup = make_decode_warmup(runner.model, runner.block_size,
                                           runner._max_graph_batch, runner.max_model_len,
                                           runner.device)
+    held = runner.lora.stack_bytes() if runner.lora is not None else 0
     return profile_kv_memory(warmup, runner.kv_block_bytes, gpu_memory_utilization,
-                             runner.device, graph_warmup)
+                             runner.device, graph_warmup,
+                             max(0, runner.lora_bound_bytes - held))

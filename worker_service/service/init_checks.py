@@ -15,8 +15,9 @@ the epoch and the owner as they were).
                           refuse the same first
     runner settings       runner/preflight.py: everything a ModelRunner checks before its weights
     --max-message-mib     the largest step diff the settings allow must fit in one Worker message
-    memory                runner/memory_fit.py: the weights and KV cache, estimated, must fit the
-                          machine (DoesNotFit: FAILED_PRECONDITION)
+    memory                runner/memory_fit.py: the weights, the LoRA stacks the flags allow and
+                          the KV cache, estimated, must fit the machine (DoesNotFit:
+                          FAILED_PRECONDITION)
     layout                node_rank, num_nodes and num_local_ranks as the worker was started
                           (`check_layout`, first of all)
 """
