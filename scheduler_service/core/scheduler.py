@@ -29,11 +29,12 @@ NOTE the rules of one step (`schedule()`):
     (RunnerOutput.compiled_handles, docs/structured-output.md): until then its prompt is
     prefilled up to its last token, which waits (an idle count 0 when nothing else is left).
   * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
-  * Async scheduling (two steps in flight, or three: engine_core.py): a request that samples in a step still in flight
-    counts that token as pending; the next step may compute it (the workers know its id). A
-    request whose pending tokens already reach max_tokens or max_len is not scheduled again. A
-    request preempted with a token in flight keeps that token when it arrives (its workers hold
-    it too) and recomputes it on resumption like any other.
+  * Async scheduling (two steps in flight, or three: engine_core.py): a request that samples
+    in a step still in flight counts that token as pending (up to two of them with three in
+    flight); the next step may compute it (the workers know its id). A request whose pending
+    tokens already reach max_tokens or max_len is not scheduled again. A request preempted with
+    tokens in flight keeps them when they arrive (its workers hold them too) and recomputes them
+    on resumption like any other.
   * Speculative decoding (speculative_config): after the running batch, one-token decodes get
     n-gram drafts (spec_decode.py), counted as pending; rejected ones are rolled back. With
     async scheduling, drafts over a step in flight assume its drafts accepted and guess its
