@@ -12,38 +12,29 @@ import grpc
 import pytest
 
 from engine_common.configuration.config import SchedulerConfig
-from engine_common.wire.protos import worker_pb2, worker_pb2_grpc
+from engine_common.wire.protos import worker_pb2_grpc
 from scheduler_service.api import worker_core_factory
 from scheduler_service.api.worker_core_factory import WorkerCoreFactory
 from scheduler_service.workers.worker_client import WorkerClient
 from tests.support.init_specs import init_spec
+from tests.unit.scheduler_service.workers.test_stream_keys_per_node import KeyedNode
 
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, '
          '"prompt_lookup_min": 1}')
 
 
-class Node(worker_pb2_grpc.WorkerServicer):
+class Node(KeyedNode):
     """Node `node_rank` of two; `pipelined` None answers as a build before field 10 does."""
 
     def __init__(self, node_rank: int, pipelined: bool | None):
-        self.node_rank, self.pipelined = node_rank, pipelined
-
-    def Info(self, request, context):
-        return worker_pb2.InfoResponse(layout=worker_pb2.ParallelLayout(
-            node_rank=self.node_rank, num_nodes=2, num_local_ranks=1, tp_size=2))
-
-    def Health(self, request, context):
-        return worker_pb2.HealthResponse(ready=True)
+        super().__init__(node_rank)
+        self.pipelined = pipelined
 
     def Init(self, request, context):
-        reply = worker_pb2.InitResponse(num_kv_blocks=16, epoch=request.epoch)
+        reply = super().Init(request, context)
         if self.pipelined is not None:
             reply.pipelined = self.pipelined
         return reply
-
-    def Step(self, request_iterator, context):
-        for req in request_iterator:
-            yield worker_pb2.StepResponse(epoch=req.epoch, step=req.step, payload=b"")
 
 
 @pytest.fixture
