@@ -51,20 +51,23 @@ class WorkerCoreFactory:
         self._last_error = ""
         self._was_ready = True
         self._num_ranks = len(result.devices)
-        steps_in_flight = 3 if result.pipelined and self.config.async_scheduling else 2
-        log.info("workers initialized: %d KV blocks of %d tokens, KV cache %s (what they "
-                 "allocated, fp8 resolved)%s", result.num_kv_blocks, self.config.block_size,
-                 result.kv_cache_dtype,
-                 "; they pipeline their steps" + (f" ({steps_in_flight} in flight)"
-                                                  if self.config.async_scheduling else "")
-                 if result.pipelined else "")
         scheduler = Scheduler(self.config, result.num_kv_blocks, kv_events=self.kv_events,
                               sliding_window=result.sliding_window,
                               window_group=result.window_group, vocab_size=self.vocab_size)
         _warn_if_cache_cuts_requests(scheduler.max_len, self.config)
-        return EngineCore(scheduler, self.client,
+        # Three in flight only when every node pipelines (an older build's Init lacks the field:
+        # two); EngineCore keeps two with speculative decoding whatever it is asked.
+        core = EngineCore(scheduler, self.client,
                           None if self.lora is None else self.lora.registry, self.lora,
-                          steps_in_flight=steps_in_flight)
+                          steps_in_flight=3 if result.pipelined and self.config.async_scheduling
+                          else 2)
+        log.info("workers initialized: %d KV blocks of %d tokens, KV cache %s (what they "
+                 "allocated, fp8 resolved)%s", result.num_kv_blocks, self.config.block_size,
+                 result.kv_cache_dtype,
+                 "; they pipeline their steps" + (f" ({core.steps_in_flight} in flight)"
+                                                  if self.config.async_scheduling else "")
+                 if result.pipelined else "")
+        return core
 
     def check_health(self, core: EngineCore) -> None:
         """Raise EngineUnavailable when a worker is gone or lost its model (restarted), Fenced

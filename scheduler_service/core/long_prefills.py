@@ -23,6 +23,8 @@ def can_admit_any(waiting: WaitingQueue, kv: KVCacheManager, num_running: int,
         return False
     for i in range(len(waiting)):
         request = waiting.at(i)
+        if request.num_pending_tokens and request.ends_in_flight:
+            continue                  # admission passes it (Scheduler._schedule_waiting)
         num_hit = kv.get_computed_blocks(request)[1]
         if request.num_tokens - num_hit <= config.long_prefill_threshold \
                 or not held_back(request, long_priorities, config.max_long_partial_prefills):

@@ -39,6 +39,8 @@ def priority_victims(waiting: WaitingQueue, running: Sequence[Request], kv: KVCa
     least_urgent = running[-1].priority if running else None    # running is in that order
     for i in range(len(waiting)):
         head = waiting.at(i)
+        if head.num_pending_tokens and head.ends_in_flight:
+            continue                  # admission passes it (Scheduler._schedule_waiting)
         hits, num_hit = kv.get_computed_blocks(head)
         left = head.num_tokens - num_hit
         want = left - head.awaiting_grammar

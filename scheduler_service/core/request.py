@@ -132,6 +132,14 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def ends_in_flight(self) -> bool:
+        """Its pending tokens (async scheduling) already reach its output cap: it ends when they
+        arrive (with drafts, unless some are rejected). A preempted one is then not resumed: up
+        to two are in flight with three steps (engine_core.py), after its preemption too."""
+        pending = self.num_pending_tokens
+        return pending > 0 and len(self.output_token_ids) + pending >= self.max_num_output_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

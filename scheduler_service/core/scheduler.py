@@ -29,11 +29,11 @@ NOTE the rules of one step (`schedule()`):
     (RunnerOutput.compiled_handles, docs/structured-output.md): until then its prompt is
     prefilled up to its last token, which waits (an idle count 0 when nothing else is left).
   * The scheduler assumes every step it emits will run: num_computed_tokens advances at once.
-  * Async scheduling (two steps in flight, or three: engine_core.py): a request that samples in a step still in flight
-    counts that token as pending; the next step may compute it (the workers know its id). A
-    request whose pending tokens already reach max_tokens or max_len is not scheduled again. A
-    request preempted with a token in flight keeps that token when it arrives (its workers hold
-    it too) and recomputes it on resumption like any other.
+  * Async scheduling (two steps in flight, or three: engine_core.py): a request that samples
+    in a step still in flight counts that token as pending (two with three in flight); the next
+    step may compute it (the workers know its id). A request whose pending tokens reach
+    max_tokens or max_len is not scheduled (a preempted one not resumed) again. One preempted
+    with tokens in flight keeps them (its workers hold them too) and recomputes them on resume.
   * Speculative decoding (speculative_config): after the running batch, one-token decodes get
     n-gram drafts (spec_decode.py), counted as pending; rejected ones are rolled back. With
     async scheduling, drafts over a step in flight assume its drafts accepted and guess its
@@ -323,6 +323,9 @@ class Scheduler(SchedulerViews):
         while i < len(waiting) and plan.budget > 0 \
                 and len(self.running) < self.config.max_num_seqs:
             request = waiting.at(i)
+            if request.num_pending_tokens and request.ends_in_flight:
+                i += 1                   # preempted, done once its tokens in flight arrive
+                continue
             hits, num_hit = self.kv.get_computed_blocks(request)
             left = request.num_tokens - num_hit
             whole = is_whole_prompt(request.pooling)     # an encoder's: all of it, or wait

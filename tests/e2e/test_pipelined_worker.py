@@ -15,19 +15,22 @@ import pytest
 
 from engine_common.model_files.model_dir import ModelInfo
 from engine_common.wire.protos import generation_pb2 as pb
-from tests.support.grpc_harness import (generation_stub, greedy_request, scheduler_and_worker,
-                                        server_status, wait_for)
+from tests.support.grpc_harness import (free_port, generation_stub, greedy_request,
+                                        scheduler_and_worker, server_status, wait_for)
+from tests.support.metrics_scrape import scrape
 
 
 @pytest.fixture(scope="module", params=["async", "sync"])
 def served(request, tiny_models, tmp_path_factory):
     model = tiny_models("qwen3")
     flags = ["--async-scheduling"] if request.param == "async" else []
+    metrics = free_port()
     with scheduler_and_worker(model, tmp_path_factory.mktemp(f"pipelined_{request.param}"),
                               [*flags, "--max-model-len", "256", "--max-num-seqs", "4",
-                               "--max-num-batched-tokens", "32", "--kv-cache-gib", "0.0002"],
+                               "--max-num-batched-tokens", "32", "--kv-cache-gib", "0.0002",
+                               "--metrics-listen", f"127.0.0.1:{metrics}"],
                               ["--simulated-device-ms", "1"]) as (target, (worker, sched)):
-        yield target, ModelInfo.from_dir(model).vocab_size
+        yield target, ModelInfo.from_dir(model).vocab_size, metrics, request.param
         assert "pipelined" in worker.log_tail(20000), worker.log_tail()
         # Async scheduling to a worker that pipelines: three steps in flight (engine_core.py).
         assert ("they pipeline their steps (3 in flight)" in sched.log_tail(20000)) == (
@@ -61,7 +64,7 @@ def _idle(target: str) -> bool:
 
 
 def test_every_stream_gets_its_own_tokens_in_order(served):
-    target, vocab = served
+    target, vocab, *_ = served
     shapes = [(3, 9), (17, 4), (40, 12), (5, 1), (23, 20), (8, 7)]   # more than max_num_seqs
     reqs = [greedy_request([5 + (i + j) % 90 for j in range(n)], m, f"p{i}")
             for i, (n, m) in enumerate(shapes)]
@@ -73,7 +76,7 @@ def test_every_stream_gets_its_own_tokens_in_order(served):
 def test_a_stop_token_ends_a_stream_with_steps_in_flight_past_it(served):
     """A stop token id met while the next steps are already scheduled (two of them with three
     in flight): the stream ends on it, the steps past it are dropped, and the others run on."""
-    target, vocab = served
+    target, vocab, *_ = served
     prompt = [11 + j for j in range(10)]
     stop_at = _expected(len(prompt), 30, vocab)
     stopper = greedy_request(prompt, 30, "stopper")
@@ -97,10 +100,70 @@ def test_a_stop_token_ends_a_stream_with_steps_in_flight_past_it(served):
 
 
 def test_cancelled_streams_leave_the_others_whole(served):
-    target, vocab = served
+    target, vocab, *_ = served
     reqs = [greedy_request([9 + i] * (6 + i), 16, f"c{i}") for i in range(4)]
     got = asyncio.run(_streams(target, reqs, {0: 2, 2: 5}))
     for i in (1, 3):
         assert got[i] == _expected(6 + i, 16, vocab)
     assert len(got[0]) < 16 and len(got[2]) < 16
     wait_for(lambda: _idle(target), 30, "the cancelled streams' blocks back in the pool")
+
+
+def test_preemption_with_steps_in_flight_keeps_every_stream_whole(served):
+    """More than the KV cache holds, so requests are preempted while the steps in flight (two
+    past the one collected, with three) still hold pending tokens for them: each resumes on the
+    worker's tokens and every stream still reads (7p + 3) mod vocab; every block comes back.
+    While they run, the steps_in_flight gauge never passes the depth (3 async, 1 sync)."""
+    target, vocab, metrics, mode = served
+    blocks = server_status(target).num_kv_blocks
+    before = scrape(metrics).total("deltaserve:num_preemptions_total")
+    # Four requests (max_num_seqs) that each grow to more than half the cache (16-token blocks).
+    length = min(250, blocks * 16 // 2 + 16)
+    shapes = [(6 + 3 * i, length - 6 - 3 * i) for i in range(4)]
+    reqs = [greedy_request([40 + (i + j) % 50 for j in range(n)], m, f"pre{i}")
+            for i, (n, m) in enumerate(shapes)]
+    depths = []
+
+    async def run():
+        streams = asyncio.ensure_future(_streams(target, reqs, {}))
+        while not streams.done():     # the gauge while they run
+            depths.append(scrape(metrics).total("deltaserve:steps_in_flight"))
+            await asyncio.wait([streams], timeout=0.05)
+        return streams.result()
+    got = asyncio.run(run())
+    assert got == [_expected(n, m, vocab) for n, m in shapes]
+    assert scrape(metrics).total("deltaserve:num_preemptions_total") > before, (blocks, length)
+    assert max(depths) <= (3 if mode == "async" else 1), depths
+    if mode == "async":
+        assert 3 in depths, depths
+    wait_for(lambda: _idle(target), 30, "the blocks back in the pool")
+
+
+def test_abort_mid_stream_ends_that_stream_and_frees_its_blocks(served):
+    """The Abort RPC while steps for the request are in flight: its stream ends ABORT with the
+    tokens so far (a prefix of its own), the others run whole, and its blocks come back."""
+    target, vocab, *_ = served
+    victim = greedy_request([30 + j for j in range(12)], 200, "victim")
+    others = [greedy_request([21 + i] * (5 + i), 24, f"a{i}") for i in range(2)]
+
+    async def run():
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = generation_stub(channel)
+
+            async def one(req, abort_after=None):
+                msgs = []
+                async for m in stub.Generate(req, timeout=120):
+                    msgs.append(m)
+                    if abort_after and sum(len(x.token_ids) for x in msgs) >= abort_after:
+                        reply = await stub.Abort(pb.AbortRequest(request_ids=[req.request_id]))
+                        assert reply.num_aborted == 1
+                        abort_after = None
+                return msgs
+            return await asyncio.gather(one(victim, 6), *(one(r) for r in others))
+    msgs = asyncio.run(run())
+    ids = [t for m in msgs[0] for t in m.token_ids]
+    assert 6 <= len(ids) < 200 and ids == _expected(12, len(ids), vocab)
+    assert msgs[0][-1].finish_reason == pb.ABORT
+    for i, got in enumerate(msgs[1:]):
+        assert [t for m in got for t in m.token_ids] == _expected(5 + i, 24, vocab)
+    wait_for(lambda: _idle(target), 30, "the aborted stream's blocks back in the pool")

@@ -17,8 +17,8 @@ of messages of up to --max-message-mib each in the worker's memory behind a runn
 hostile run, session 38; the non-pipelined stream reads one request at a time).
 
 So a reply goes out as soon as its step is done or the next one is launched, whichever is first,
-and while the scheduler keeps two steps in flight (async scheduling) the device always has the
-next step queued. Replies keep step order. A failure is sent as the non-pipelined stream sends
+and while the scheduler keeps steps in flight (async scheduling: three to a node that answers
+Init with `pipelined`) the device always has the next step queued. Replies keep step order. A failure is sent as the non-pipelined stream sends
 it (the servicer's `refuse`), and ends the stream.
 """
 from __future__ import annotations

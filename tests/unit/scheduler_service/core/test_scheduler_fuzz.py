@@ -1,8 +1,8 @@
 """Seeded random interleavings of add / abort / step / reset_prefix_cache against the real
 scheduler and SimWorker (which checks every block table against its fake paged KV), with the
 KV invariants of tests/support/kv_invariants.py asserted after every call, and the KV events
-replayed into a router's view that must equal the prefix cache. Steps run synchronously or two
-in flight (the worker running each as it is scheduled, or a whole step behind).
+replayed into a router's view that must equal the prefix cache. Steps run synchronously, or two
+or three in flight (the worker running each as it is scheduled, or only when it is collected).
 
 The pools are tiny (preemption is frequent), prompts share prefixes within and across cache
 salts, ids are reused after their request finished or was aborted, and aborts hit requests
@@ -142,7 +142,8 @@ class Fuzz:
         sched = self.sched
         if sched.has_unfinished_requests() or sched.has_finished_to_send():
             out = sched.schedule()
-            self.in_flight.append((out, None if self.mode.startswith("lagging") else self.execute(out)))
+            lagging = self.mode.startswith("lagging")
+            self.in_flight.append((out, None if lagging else self.execute(out)))
         depth = {"sync": 1, "async3": 3, "lagging3": 3}.get(self.mode, 2)
         if len(self.in_flight) >= depth or (self.in_flight and not sched.has_unfinished_requests()):
             out, result = self.in_flight.popleft()
