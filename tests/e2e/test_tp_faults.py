@@ -145,7 +145,11 @@ def test_corrupted_rank_is_detected_within_a_node(tmp_path, model_dir):
 def test_corrupted_node_is_detected_across_nodes_and_fails_requests(tmp_path, model_dir):
     """Node 1's only rank diverges; each node is self-consistent, so the client's comparison of
     the nodes' digests catches it. Through AsyncEngine every open request then fails with
-    UNAVAILABLE naming the divergence, and the engine re-initializes (a new epoch)."""
+    UNAVAILABLE naming the divergence, and the engine re-initializes (a new epoch). A request
+    whose add reached the engine thread after that step began (the six are sent at once; under
+    load some arrive a turn late) is refused UNAVAILABLE with the same reason (`no worker is
+    ready: symmetry divergence ...`) while the engine re-initializes, or fails with the new
+    epoch's divergence: either way UNAVAILABLE naming it, and none completes."""
     cluster = Cluster.start(tmp_path, nodes=2, local_ranks=1,
                             env_by_node={1: {CORRUPT_RANK_ENV: "1"}})
     client = cluster.client(init_timeout_s=120.0, step_timeout_s=60.0)
@@ -155,10 +159,12 @@ def test_corrupted_node_is_detected_across_nodes_and_fails_requests(tmp_path, mo
     try:
         engine.start()
         errors = asyncio.run(_generate_all(engine, model_dir, *mixed_workload(6)))
-        assert all(isinstance(e, SymmetryError) for e in errors), errors
-        code, message = status_for(errors[0])
-        assert code.name == "UNAVAILABLE"
-        assert "symmetry divergence" in message and "nodes disagree" in message, message
+        assert any(isinstance(e, SymmetryError) for e in errors), errors
+        for error in errors:
+            assert error is not None, errors          # no request completes on a diverged node
+            code, message = status_for(error)
+            assert code.name == "UNAVAILABLE", errors
+            assert "symmetry divergence" in message and "nodes disagree" in message, message
     finally:
         engine.shutdown()
         client.close()
