@@ -61,12 +61,14 @@ class WorkerCoreFactory:
                           None if self.lora is None else self.lora.registry, self.lora,
                           steps_in_flight=3 if result.pipelined and self.config.async_scheduling
                           else 2)
+        pipelined = ""
+        if result.pipelined:
+            pipelined = "; they pipeline their steps"
+            if self.config.async_scheduling:
+                pipelined += f" ({core.steps_in_flight} in flight)"
         log.info("workers initialized: %d KV blocks of %d tokens, KV cache %s (what they "
                  "allocated, fp8 resolved)%s", result.num_kv_blocks, self.config.block_size,
-                 result.kv_cache_dtype,
-                 "; they pipeline their steps" + (f" ({core.steps_in_flight} in flight)"
-                                                  if self.config.async_scheduling else "")
-                 if result.pipelined else "")
+                 result.kv_cache_dtype, pipelined)
         return core
 
     def check_health(self, core: EngineCore) -> None:
