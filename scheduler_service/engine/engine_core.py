@@ -12,7 +12,8 @@ their steps (InitResult.pipelined: step t+1 launched before step t finishes) get
 goes out while t+1 and t+2 are queued on the device, so the reply's trip through the scheduler
 (two processes, a Step stream's threads, the GIL shared with the public streams) has two device
 steps to hide in, not one. On a 2-core AMD EPYC (Zen 3, AVX2) with a simulated 5.8 ms device and
-128 streams over gRPC that round trip took 6.6 ms at the median (bench/results.md, session 50).
+128 streams over gRPC that round trip took longer than a step (docs/gpu.md, "Measuring without a
+GPU").
 
 Finished requests reach the workers in the next step's diff (finished_handles). When nothing is
 left to schedule, `has_work()` stays true until a step that computes nothing has carried them:
