@@ -101,7 +101,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
         runner_cfg = RunnerConfig(model_dir=model, **_default_budget(kwargs),
                                   **{k: v for k, v in kwargs.items() if k in runner_keys})
         sched_cfg = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_keys})
-        self.runner = ModelRunner(runner_config(runner_cfg, sched_cfg))     # llm_lora.py
+        self.runner = ModelRunner(runner_config(runner_cfg))     # llm_lora.py
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)
@@ -114,7 +114,7 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
         self._rng = None if seed is None else random.Random(seed)
         self._lora = lora_updates(self.runner, sched_cfg)    # llm_lora.py
         if self._lora.cache is not None:
-            self._lora.replay(first=True)     # the adapters --max-cpu-loras holds at first
+            self._lora.replay(first=True)     # the adapters the LRU holds at first
         self._build_engine()
         self._ids = itertools.count()
         self._failed: str | None = None      # a failed step's error: the LLM is done

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from engine_common.configuration.lora import AdapterRefused
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
-from scheduler_service.engine.lora_updates import LoRAUpdates, init_config, lora_cache
+from scheduler_service.engine.lora_updates import (LoRAUpdates, init_config, lora_cache,
+                                                   lora_capacity)
 from worker_service.lora.adapter import LoRAError
 from worker_service.lora.load import runtime_slots
 
@@ -32,18 +33,18 @@ class RunnerLoRA:
 
 def lora_updates(runner, config) -> LoRAUpdates:
     """The LLM's runtime loads: the adapters of config.lora_modules, the flag of config, the
-    LRU of max_cpu_loras (None: every adapter stays loaded)."""
+    LRU of lora_capacity (None, without runtime updating or max_cpu_loras: every adapter
+    stays loaded)."""
     registry = LoRARegistry(config.lora)
     return LoRAUpdates(registry, RunnerLoRA(runner), config.allow_runtime_lora_updating,
-                       lora_cache(registry, config.max_cpu_loras))
+                       lora_cache(registry, lora_capacity(config)))
 
 
-def runner_config(runner_cfg, sched_cfg):
-    """The runner's config: with max_cpu_loras it loads no adapter at start (replay loads
-    those the LRU holds), as a worker's Init (lora_updates.init_config)."""
-    if sched_cfg.max_cpu_loras is None:
-        return runner_cfg
-    return init_config(runner_cfg, sched_cfg.max_cpu_loras)
+def runner_config(runner_cfg):
+    """The runner's config, as a worker's Init (lora_updates.init_config): with runtime
+    updating or max_cpu_loras it loads no adapter at start (replay loads those the LRU holds)
+    and holds at most the LRU's capacity."""
+    return init_config(runner_cfg)
 
 
 class LoRAMixin:

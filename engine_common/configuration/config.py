@@ -93,11 +93,14 @@ class BatchLimits:
         "time (needs --enable-lora)", wire=20)
     # vLLM's --max-cpu-loras (docs/lora.md, "Adapters the workers keep"): an LRU of the
     # adapters loaded on the workers; the others are read again from their path when wanted.
-    # The workers get it too: their memory check counts this many adapters' stacks.
+    # The workers get it too (the default filled in: lora_updates.init_config): their memory
+    # check counts this many adapters' stacks.
     max_cpu_loras: int | None = setting(
         None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
-        "read again from their directory when a request wants one); unset: every served "
-        "adapter stays loaded", rule=AtLeast(1, MAX_LORA_ID), wire=24)
+        "read again from their directory when a request wants one); unset: with "
+        "--allow-runtime-lora-updating the larger of --max-loras and the number of "
+        "--lora-modules (vLLM's: --max-loras), else every --lora-modules adapter stays loaded",
+        rule=AtLeast(1, MAX_LORA_ID), wire=24)
 
     def __post_init__(self):
         validate(self)

@@ -43,7 +43,8 @@ from scheduler_service.api.adapter_ports import (AdapterPort, adapter_listen_of,
                                                  check_not_model_name,
                                                  build_adapter_ports, start_ports, stop_ports)
 from scheduler_service.core.lora_registry import LoRARegistry
-from scheduler_service.engine.lora_updates import LoRAUpdates, init_config, lora_cache
+from scheduler_service.engine.lora_updates import (LoRAUpdates, init_config, lora_cache,
+                                                   lora_capacity)
 from scheduler_service.engine.metrics import SchedulerMetrics
 from scheduler_service.api import public_port
 from scheduler_service.api.api_options import ApiOptions
@@ -197,13 +198,13 @@ def build_scheduler_server(workers: list[str], listen: str, worker: WorkerConfig
     worker = dataclasses.replace(worker, max_model_len=info.max_model_len)
     config = dataclasses.replace(policy or SchedulerConfig(max_model_len=info.max_model_len),
                                  **limits_of(worker))
-    spec = InitSpec(init_config(worker, config.max_cpu_loras), dist_port=options.dist_port)
+    spec = InitSpec(init_config(worker), dist_port=options.dist_port)
     client = WorkerClient(list(workers), connect_timeout_s=_CONNECT_TIMEOUT_SECONDS,
                           step_timeout_s=options.step_timeout_s, auth=worker_auth)
     kv_events = KvEventPublisher(KvEventFeed())
     registry = LoRARegistry(config.lora)
     lora = LoRAUpdates(registry, WorkerLoRA(client), config.allow_runtime_lora_updating,
-                       lora_cache(registry, config.max_cpu_loras))
+                       lora_cache(registry, lora_capacity(config)))
     factory = WorkerCoreFactory(client, spec, config, kv_events.feed, lora, info.vocab_size)
     metrics = SchedulerMetrics(info.name, info.max_model_len)
     engine = AsyncEngine(factory, lambda: OutputProcessor(tokenizer),

@@ -13,7 +13,8 @@ engine thread, between steps.
             unloaded since the start is never sent again (its directory may be gone)
 
 `ops` changes the workers' slots: WorkerLoRA (gRPC) or the in-process runner (deltaserve.llm).
-With --max-cpu-loras the workers hold only the adapters of `cache` (core/lora_cache.py): a load
+With runtime updating or --max-cpu-loras the workers hold only the adapters of `cache`
+(core/lora_cache.py, capacity lora_capacity()): a load
 evicts the least recently used one no request uses, replay loads only those held, and
 engine/lora_residency.py loads a waiting request's adapter again before it runs.
 """
@@ -23,7 +24,7 @@ import dataclasses
 import logging
 from typing import Callable, Protocol
 
-from engine_common.configuration.config import WorkerConfig
+from engine_common.configuration.config import BatchLimits, WorkerConfig
 from scheduler_service.core.lora_cache import LoRACache
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
 from scheduler_service.errors import (AdaptersBusy, EngineUnavailable, LoRAUpdatesOff,
@@ -34,22 +35,40 @@ log = logging.getLogger(__name__)
 FLAG = "--allow-runtime-lora-updating"
 
 
-def init_config(worker: WorkerConfig, max_cpu_loras: int | None = None) -> WorkerConfig:
-    """What the workers' Init carries: with runtime updating or --max-cpu-loras, no adapter
-    and LoadLora allowed (replay loads the adapters held now by LoadLora, each with its id);
-    otherwise --lora-modules as given (that set never changes)."""
-    if not worker.enable_lora or not (worker.allow_runtime_lora_updating or max_cpu_loras):
-        return worker
-    return dataclasses.replace(worker, lora_modules=None, allow_runtime_lora_updating=True)
-
-
-def lora_cache(registry: LoRARegistry, max_cpu_loras: int | None) -> LoRACache | None:
-    """None without --max-cpu-loras; else an LRU holding the first max_cpu_loras adapters of
-    --lora-modules (the first replay loads them)."""
-    if max_cpu_loras is None:
+def lora_capacity(config: BatchLimits) -> int | None:
+    """The adapters every worker rank may hold at once when its Init allows LoadLora (runtime
+    updating or --max-cpu-loras): --max-cpu-loras, by default max(--max-loras, the number of
+    --lora-modules) (vLLM's default is --max-loras; the larger keeps every --lora-modules
+    adapter loaded, as a server without runtime updating does, so turning the flag on does not
+    make them read from disk at each switch). None when the Init carries the --lora-modules
+    and allows no LoadLora: that set never grows."""
+    if not config.enable_lora or not (config.allow_runtime_lora_updating
+                                      or config.max_cpu_loras is not None):
         return None
-    cache = LoRACache(max_cpu_loras)
-    for adapter in registry.adapters()[:max_cpu_loras]:
+    if config.max_cpu_loras is not None:
+        return config.max_cpu_loras
+    return max(config.max_loras, len(config.lora))
+
+
+def init_config(worker: WorkerConfig) -> WorkerConfig:
+    """What the workers' Init carries: when LoadLora is allowed (lora_capacity), no adapter
+    (replay loads the adapters held now by LoadLora, each with its id) and the capacity as
+    max_cpu_loras, so each rank's memory check counts exactly the slots it may hold and it
+    refuses more; otherwise --lora-modules as given."""
+    capacity = lora_capacity(worker)
+    if capacity is None:
+        return worker
+    return dataclasses.replace(worker, lora_modules=None, allow_runtime_lora_updating=True,
+                               max_cpu_loras=capacity)
+
+
+def lora_cache(registry: LoRARegistry, capacity: int | None) -> LoRACache | None:
+    """None without a capacity (lora_capacity); else an LRU holding the first `capacity`
+    adapters of --lora-modules (the first replay loads them)."""
+    if capacity is None:
+        return None
+    cache = LoRACache(capacity)
+    for adapter in registry.adapters()[:capacity]:
         cache.loaded(adapter.lora_id)
     return cache
 

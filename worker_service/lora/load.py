@@ -28,9 +28,11 @@ def load_lora(model: nn.Module, config: WorkerConfig) -> LoRASlots | None:
 
 def lora_slots(config: WorkerConfig) -> int:
     """The adapters a rank may hold at once, which the memory check counts (0 without LoRA):
-    --max-cpu-loras when set (LoRASlots refuses more); else the --lora-modules, and with
-    runtime updating at least --max-loras (adapters loaded at run time beyond that are not
-    counted; a server's Init then carries no --lora-modules: lora_updates.init_config)."""
+    max_cpu_loras when set (LoRASlots refuses more), which a scheduler sets whenever its Init
+    allows LoadLora (lora_updates.init_config: --max-cpu-loras, by default the larger of
+    --max-loras and the --lora-modules); else the --lora-modules. A scheduler older than
+    field 24 with runtime updating sends neither: at least --max-loras is counted then, and
+    its loads beyond that are not."""
     if not config.enable_lora:
         return 0
     if config.max_cpu_loras is not None:

@@ -3,10 +3,9 @@ anything is loaded (docs/lora.md, "Memory"), so the memory check (memory_fit.py)
 cache's size (on CUDA, the profiled budget: runner_kv_cache.py) leave room for them, as vLLM
 allocates its max_loras x max_lora_rank stacks before it profiles the KV cache.
 
-    slots   lora/load.lora_slots: --max-cpu-loras when set (the most adapters the workers
-            keep; LoRASlots refuses more); else the --lora-modules, and with
-            --allow-runtime-lora-updating at least --max-loras (adapters loaded at run time
-            beyond that are not counted)
+    slots   lora/load.lora_slots: max_cpu_loras when set (the most adapters the workers
+            keep; LoRASlots refuses more; the scheduler sets it whenever LoadLora is allowed);
+            else the --lora-modules
     rank    --max-lora-rank on every projection the model's family serves (families.py), in
             every layer: attention q/k/v and o, the dense MLPs, a shared expert, and every
             routed expert (gate and up together up to 2 x the rank, lora/stack_shapes.py)
@@ -60,13 +59,17 @@ def lora_stack_bytes(hf_config: dict, num_slots: int, rank: int, element_bytes: 
     return total
 
 
+def lora_count_flag(config: WorkerConfig, num_slots: int) -> str:
+    """The one flag that set the slot count (lora/load.lora_slots)."""
+    if config.max_cpu_loras == num_slots:
+        return "--max-cpu-loras"
+    return "--lora-modules" if len(config.lora) == num_slots else "--max-loras"
+
+
 def lora_flags_text(config: WorkerConfig, num_slots: int) -> str:
     """Where the slot count and rank come from, in flags: for a refusal's message."""
-    if config.max_cpu_loras == num_slots:
-        slots = f"--max-cpu-loras {num_slots}"
-    elif len(config.lora) == num_slots:
-        slots = f"the {num_slots} of --lora-modules"
-    else:
-        slots = f"--max-loras {num_slots}"
+    flag = lora_count_flag(config, num_slots)
+    slots = (f"the {num_slots} of --lora-modules" if flag == "--lora-modules"
+             else f"{flag} {num_slots}")
     adapters = "adapter" if num_slots == 1 else "adapters"
     return f"{num_slots} {adapters} ({slots}) x --max-lora-rank {config.max_lora_rank}"

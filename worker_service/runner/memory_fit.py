@@ -44,7 +44,8 @@ from worker_service.failures import DoesNotFit
 from worker_service.models.loader import kv_cache_halves, resolve_dtype
 from worker_service.runner.kv_dtype import kv_cache_dtype
 from worker_service.lora.load import lora_slots
-from worker_service.runner.lora_memory import lora_flags_text, lora_stack_bytes
+from worker_service.runner.lora_memory import (lora_count_flag, lora_flags_text,
+                                               lora_stack_bytes)
 from worker_service.layers import quant_linear
 from worker_service.runner import config_shape as shape
 from worker_service.runner.cpu_linear_memory import extra_copy_bytes, screen_bytes
@@ -236,10 +237,11 @@ def check_memory_fits(config: RunnerConfig, info: ModelInfo, tp_size: int,
     sharing = num_local_ranks if device == "cpu" else 1
     kv_text = "sized from free memory" if kv is None else _size(kv)
     packed_text = f" ({_size(packed)} of it the CPU kernels' packed copies)" if packed else ""
-    lora = lora_bytes(config, info, tp_size)
-    lora_text = (f", its LoRA stacks {_size(lora)} ({lora_flags_text(config, lora_slots(config))})"
+    lora, num_slots = lora_bytes(config, info, tp_size), lora_slots(config)
+    lora_text = (f", its LoRA stacks {_size(lora)} ({lora_flags_text(config, num_slots)})"
                  if lora else "")
-    lora_flags = "; --max-cpu-loras, --max-loras or --max-lora-rank" if lora else ""
+    # only the flag that set the slot count, and the rank's
+    lora_flags = (f"; {lora_count_flag(config, num_slots)} or --max-lora-rank" if lora else "")
     where = (f"this machine's {_size(have)} of memory" if device == "cpu"
              else f"{config.device}'s {_size(have)}")
     ranks = f" x {sharing} local ranks" if sharing > 1 else ""

@@ -13,7 +13,7 @@ import pytest
 from engine_common.configuration.config import WorkerConfig
 from engine_common.configuration.lora import AdapterRefused, parse_lora_modules
 from scheduler_service.core.lora_registry import LoRARegistry
-from scheduler_service.engine.lora_updates import LoRAUpdates, init_config
+from scheduler_service.engine.lora_updates import LoRAUpdates, init_config, lora_capacity
 from scheduler_service.errors import WorkerFailure, WorkerRefused
 
 
@@ -45,9 +45,28 @@ def _updates(modules="a=/a b=/b"):
 
 def test_init_carries_no_adapter_with_runtime_updating(tmp_path):
     kw = dict(model_dir=str(tmp_path), enable_lora=True, lora_modules="a=/a")
-    assert init_config(WorkerConfig(**kw, allow_runtime_lora_updating=True)).lora_modules is None
+    sent = init_config(WorkerConfig(**kw, allow_runtime_lora_updating=True))
+    assert sent.lora_modules is None and sent.max_cpu_loras == 1
     fixed = WorkerConfig(**kw)
     assert init_config(fixed) is fixed          # without it the set never changes
+    assert lora_capacity(fixed) is None
+
+
+def test_the_capacity_whenever_the_init_allows_loadlora(tmp_path):
+    """--max-cpu-loras when given; else, with runtime updating, the larger of --max-loras and
+    the --lora-modules (every one of them stays loaded, as without the flag); no LoRA, or a
+    fixed set: none (the Init's --lora-modules are the set)."""
+    def capacity(**kw):
+        return lora_capacity(WorkerConfig(model_dir=str(tmp_path), **kw))
+
+    three = dict(enable_lora=True, lora_modules="a=/a b=/b c=/c")
+    runtime = dict(three, allow_runtime_lora_updating=True)
+    assert capacity() is None and capacity(**three, max_loras=2) is None
+    assert capacity(**runtime, max_loras=2) == 3
+    assert capacity(**runtime, max_loras=5) == 5
+    assert capacity(enable_lora=True, allow_runtime_lora_updating=True, max_loras=4) == 4
+    assert capacity(**runtime, max_cpu_loras=2, max_loras=2) == 2
+    assert capacity(**three, max_cpu_loras=1) == 1
 
 
 def test_replay_loads_the_current_set_with_ids_and_generations():
@@ -108,9 +127,11 @@ def test_max_cpu_loras_init_and_replays_load_what_the_lru_holds(tmp_path):
     never two held), then loads the first; a later epoch loads only what the LRU holds."""
     from scheduler_service.engine.lora_updates import lora_cache
 
-    worker = WorkerConfig(model_dir=str(tmp_path), enable_lora=True, lora_modules="a=/a b=/b")
-    sent = init_config(worker, max_cpu_loras=1)
+    worker = WorkerConfig(model_dir=str(tmp_path), enable_lora=True, lora_modules="a=/a b=/b",
+                          max_cpu_loras=1)
+    sent = init_config(worker)
     assert sent.lora_modules is None and sent.allow_runtime_lora_updating
+    assert sent.max_cpu_loras == 1
     registry = LoRARegistry(parse_lora_modules("a=/a b=/b c=/c"))
     ops = RecordingOps()
     lora = LoRAUpdates(registry, ops, allowed=False, cache=lora_cache(registry, 1))

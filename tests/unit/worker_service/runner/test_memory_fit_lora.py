@@ -48,7 +48,7 @@ def test_weights_lora_and_kv_beyond_the_machine_are_refused_naming_the_flags(tin
             rf"copies\), its LoRA stacks {lora / MIB:.1f} MiB \(4 adapters \(--max-cpu-loras "
             rf"4\) x --max-lora-rank 16\) and its KV cache 64\.0 MiB per rank, more than "
             rf"this machine's [\d.]+ MiB of memory \(lower kv_cache_bytes or num_kv_blocks; "
-            rf"--max-cpu-loras, --max-loras or --max-lora-rank, or raise tp_size\)")):
+            rf"--max-cpu-loras or --max-lora-rank, or raise tp_size\)")):
         check_memory_fits(config, info, 1, 1, machine_bytes=weights + lora + kv - 1)
     plain = RunnerConfig(model_dir=model_dir, kv_cache_bytes=kv)
     check_memory_fits(plain, info, 1, 1, machine_bytes=weights + lora + kv - 1)
@@ -142,3 +142,21 @@ def test_field_24_on_the_wire_and_a_scheduler_without_it(tiny_models):
     msg.ClearField("max_cpu_loras")                       # what an older scheduler sends
     old = from_proto(RunnerConfig, msg, device="cpu")
     assert old.max_cpu_loras is None and lora_slots(old) == 2
+
+
+@pytest.mark.parametrize("fields, flag", [
+    (dict(lora_modules="a=/x/a b=/x/b"), "--lora-modules"),
+    (dict(allow_runtime_lora_updating=True, max_loras=3), "--max-loras"),
+    (dict(allow_runtime_lora_updating=True, max_cpu_loras=3), "--max-cpu-loras")])
+def test_the_refusal_names_only_the_flag_that_set_the_count(tiny_models, fields, flag):
+    """The remedy names the one flag the slot count came from and --max-lora-rank; it used
+    to name --max-cpu-loras, --max-loras and --max-lora-rank whichever applied."""
+    model_dir = tiny_models("qwen3")
+    config = RunnerConfig(model_dir=model_dir, enable_lora=True, kv_cache_bytes=MIB,
+                          **fields)
+    info = ModelInfo.from_dir(model_dir)
+    with pytest.raises(DoesNotFit) as err:
+        check_memory_fits(config, info, 1, 1, machine_bytes=MIB)
+    remedy = str(err.value).rsplit("(lower ", 1)[1]
+    assert remedy == (f"kv_cache_bytes or num_kv_blocks; {flag} or --max-lora-rank, or raise "
+                      "tp_size)")
