@@ -17,8 +17,8 @@ class EngineStats:
     num_total_window_blocks: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_steps_in_flight: int = 0
-    # --max-cpu-loras (core/lora_cache.py; all 0 without it): adapters loaded on the workers,
-    # and the loads and evictions the LRU asked for since the start
+    # --max-cpu-loras or runtime updating (core/lora_cache.py; else all 0): adapters loaded
+    # on the workers, and the loads and evictions the LRU asked for since the start
     num_loras_loaded: int = 0
     num_lora_loads: int = 0
     num_lora_evictions: int = 0

@@ -277,7 +277,7 @@ class _Snapshots:
                 ("steps_in_flight", "Steps sent to the workers and not collected yet.",
                  s.num_steps_in_flight),
                 ("lora_adapters_loaded", "LoRA adapters loaded on the workers "
-                 "(--max-cpu-loras; 0 without it).", s.num_loras_loaded)):
+                 "(--max-cpu-loras or runtime updating; 0 without either).", s.num_loras_loaded)):
             yield _gauge(name, doc, m, value)
         yield from _request_counters(m, c)
         yield from _lora_counters(m, s)
