@@ -398,7 +398,7 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerStatusResponse(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "prompt_tokens_per_s", "num_workers_ready", "num_workers", "num_used_kv_blocks", "num_kv_blocks", "num_used_window_kv_blocks", "num_window_kv_blocks")
+    __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "prefix_cache_hit_rate", "generation_tokens_per_s", "prompt_tokens_per_s", "num_workers_ready", "num_workers", "num_used_kv_blocks", "num_kv_blocks", "num_used_window_kv_blocks", "num_window_kv_blocks", "max_steps_in_flight", "num_steps_in_flight")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +411,8 @@ class GetServerStatusResponse(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_WINDOW_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_WINDOW_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_cache_usage: float
@@ -423,4 +425,6 @@ class GetServerStatusResponse(_message.Message):
     num_kv_blocks: int
     num_used_window_kv_blocks: int
     num_window_kv_blocks: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_workers_ready: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_used_window_kv_blocks: _Optional[int] = ..., num_window_kv_blocks: _Optional[int] = ...) -> None: ...
+    max_steps_in_flight: int
+    num_steps_in_flight: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., num_workers_ready: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_used_kv_blocks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_used_window_kv_blocks: _Optional[int] = ..., num_window_kv_blocks: _Optional[int] = ..., max_steps_in_flight: _Optional[int] = ..., num_steps_in_flight: _Optional[int] = ...) -> None: ...

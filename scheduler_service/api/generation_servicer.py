@@ -311,7 +311,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             num_workers=self._model.num_workers,
             num_used_kv_blocks=stats.num_used_blocks, num_kv_blocks=stats.num_total_blocks,
             num_used_window_kv_blocks=stats.num_used_window_blocks,
-            num_window_kv_blocks=stats.num_total_window_blocks)
+            num_window_kv_blocks=stats.num_total_window_blocks,
+            max_steps_in_flight=stats.max_steps_in_flight,
+            num_steps_in_flight=stats.num_steps_in_flight)
 
 
 

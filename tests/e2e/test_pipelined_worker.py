@@ -63,6 +63,28 @@ def _idle(target: str) -> bool:
     return s.num_used_kv_blocks == 0 and s.num_running == 0 and s.num_waiting == 0
 
 
+def test_server_status_says_how_many_steps_may_be_in_flight(served):
+    """GetServerStatus over gRPC: the engine's depth, 3 to workers that pipeline their steps
+    with async scheduling (2 without it: each step is collected before the next), and the
+    steps in flight now (none once idle)."""
+    target, _, _, mode = served
+    status = server_status(target)
+    assert status.max_steps_in_flight == (3 if mode == "async" else 2), status
+    wait_for(lambda: server_status(target).num_steps_in_flight == 0, 30, "no step in flight")
+
+
+def test_a_worker_that_does_not_pipeline_gets_two(tiny_models, tmp_path):
+    """The same server with async scheduling in front of a plain CPU worker (its steps run one
+    after another: its Init says it does not pipeline): GetServerStatus reports 2."""
+    with scheduler_and_worker(tiny_models("qwen3"), tmp_path,
+                              ["--async-scheduling", "--max-model-len", "256",
+                               "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+                              ) as (target, (_, sched)):
+        assert server_status(target).max_steps_in_flight == 2
+        assert "workers initialized" in sched.log_tail(20000), sched.log_tail()
+        assert "they pipeline their steps" not in sched.log_tail(20000), sched.log_tail()
+
+
 def test_every_stream_gets_its_own_tokens_in_order(served):
     target, vocab, *_ = served
     shapes = [(3, 9), (17, 4), (40, 12), (5, 1), (23, 20), (8, 7)]   # more than max_num_seqs
@@ -122,20 +144,23 @@ def test_preemption_with_steps_in_flight_keeps_every_stream_whole(served):
     shapes = [(6 + 3 * i, length - 6 - 3 * i) for i in range(4)]
     reqs = [greedy_request([40 + (i + j) % 50 for j in range(n)], m, f"pre{i}")
             for i, (n, m) in enumerate(shapes)]
-    depths = []
+    depths, reported = [], []
 
     async def run():
         streams = asyncio.ensure_future(_streams(target, reqs, {}))
-        while not streams.done():     # the gauge while they run
+        while not streams.done():     # the gauge, and GetServerStatus, while they run
             depths.append(scrape(metrics).total("deltaserve:steps_in_flight"))
+            reported.append(server_status(target).num_steps_in_flight)
             await asyncio.wait([streams], timeout=0.05)
         return streams.result()
     got = asyncio.run(run())
     assert got == [_expected(n, m, vocab) for n, m in shapes]
     assert scrape(metrics).total("deltaserve:num_preemptions_total") > before, (blocks, length)
     assert max(depths) <= (3 if mode == "async" else 1), depths
+    assert max(reported) <= (3 if mode == "async" else 1), reported
     if mode == "async":
         assert 3 in depths, depths
+        assert 3 in reported, reported
     wait_for(lambda: _idle(target), 30, "the blocks back in the pool")
 
 
