@@ -48,6 +48,7 @@ class KVMemoryProfile:
     graph_reserve_bytes: int
     kv_block_bytes: int
     lora_reserve_bytes: int = 0
+    lora_flags: str = "the LoRA flags"     # where the stacks' size comes from (lora_memory.py)
 
     @property
     def budget_bytes(self) -> int:
@@ -62,8 +63,7 @@ class KVMemoryProfile:
         if blocks < 1:
             gib = 1 << 30
             lora = (f" - {self.lora_reserve_bytes / gib:.2f} GiB LoRA stacks to come "
-                    "(--max-cpu-loras / --max-loras x --max-lora-rank)"
-                    if self.lora_reserve_bytes else "")
+                    f"({self.lora_flags})" if self.lora_reserve_bytes else "")
             raise KVCacheTooSmall(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for the "
                 f"KV cache: {self.gpu_memory_utilization} x {self.total_bytes / gib:.2f} GiB "
@@ -99,9 +99,10 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str) -> int
 def profile_kv_memory(run_warmup: Callable[[], Any], kv_block_bytes: int,
                       gpu_memory_utilization: float, device: torch.device | str,
                       run_graph_warmup: Callable[[], Any] | None = None,
-                      lora_reserve_bytes: int = 0) -> KVMemoryProfile:
+                      lora_reserve_bytes: int = 0,
+                      lora_flags: str = "the LoRA flags") -> KVMemoryProfile:
     """Run the warm-up(s), release their memory, and measure what the KV cache may take,
-    leaving lora_reserve_bytes free. Call it with the weights loaded and no KV cache
+    leaving lora_reserve_bytes free (`lora_flags`: the flags that set it, for the error). Call it with the weights loaded and no KV cache
     allocated."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is invalid: "
@@ -114,7 +115,7 @@ def profile_kv_memory(run_warmup: Callable[[], Any], kv_block_bytes: int,
     _release(device)
     free, total = torch.cuda.mem_get_info(device)
     return KVMemoryProfile(int(total), gpu_memory_utilization, int(total - free), peak,
-                           graph_reserve, kv_block_bytes, lora_reserve_bytes)
+                           graph_reserve, kv_block_bytes, lora_reserve_bytes, lora_flags)
 
 
 def _release(device: torch.device | str) -> None:

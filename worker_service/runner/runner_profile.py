@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from worker_service.lora.load import lora_slots
+from worker_service.runner.lora_memory import lora_flags_text
 from worker_service.runner.kv_profiler import (KVMemoryProfile, make_decode_warmup,
                                                make_prefill_warmup, profile_kv_memory)
 from worker_service.sample.sampling_metadata import worst_case_sampling_metadata
@@ -29,4 +31,5 @@ def profile_runner(runner, gpu_memory_utilization: float) -> KVMemoryProfile:
     held = runner.lora.stack_bytes() if runner.lora is not None else 0
     return profile_kv_memory(warmup, runner.kv_block_bytes, gpu_memory_utilization,
                              runner.device, graph_warmup,
-                             max(0, runner.lora_bound_bytes - held))
+                             max(0, runner.lora_bound_bytes - held),
+                             lora_flags_text(c, lora_slots(c)))

@@ -155,3 +155,25 @@ def test_the_runner_knows_what_its_stacks_may_take(tiny_models, tmp_path):
     assert runner.lora_bound_bytes == figure == runner.lora.stack_bytes()
     runner.lora.unload(1)
     assert runner.lora.stack_bytes() == 0 and runner.lora_bound_bytes == figure
+
+
+def test_the_cuda_profile_is_told_the_reserve_and_the_flags_behind_it(tiny_models, tmp_path,
+                                                                      monkeypatch):
+    """profile_runner (CUDA only to run) hands the profiler the stacks still to come and the
+    flags that set their size, for its error: here a runtime-updating Init's capacity of 2
+    (--max-cpu-loras), one adapter held (the profiler itself replaced: it needs a GPU)."""
+    from worker_service.runner import runner_profile
+
+    model_dir = tiny_models("qwen3_moe")
+    adapter = full_adapter(model_dir, tmp_path / "a")
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, enable_lora=True,
+                                      allow_runtime_lora_updating=True, max_cpu_loras=2,
+                                      max_lora_rank=RANK))
+    runner.lora.load(1, "a", adapter)
+    seen = {}
+    monkeypatch.setattr(runner_profile, "profile_kv_memory",
+                        lambda *args: seen.setdefault("args", args))
+    runner_profile.profile_runner(runner, 0.5)
+    *_, reserve, flags = seen["args"]
+    assert reserve == lora_stack_bytes(_config(model_dir), 1, RANK, 4)   # the second slot
+    assert flags == f"2 adapters (--max-cpu-loras 2) x --max-lora-rank {RANK}"

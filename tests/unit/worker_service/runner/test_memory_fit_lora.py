@@ -107,10 +107,11 @@ def test_the_cuda_budget_leaves_the_stacks_to_come():
                            peak_activation_bytes=GIB, graph_reserve_bytes=0,
                            kv_block_bytes=1 << 20, lora_reserve_bytes=2 * GIB)
     assert prof.budget_bytes == 2 * GIB
-    too_small = KVMemoryProfile(8 * GIB, 1.0, 3 * GIB, GIB, 0, 1 << 20, 4 * GIB)
+    too_small = KVMemoryProfile(8 * GIB, 1.0, 3 * GIB, GIB, 0, 1 << 20, 4 * GIB,
+                                "2 adapters (--max-cpu-loras 2) x --max-lora-rank 16")
     with pytest.raises(KVCacheTooSmall, match=r"CUDA-graph pool - 4\.00 GiB LoRA stacks to "
-                                              r"come \(--max-cpu-loras / --max-loras x "
-                                              r"--max-lora-rank\) = 0\.000 GiB"):
+                                              r"come \(2 adapters \(--max-cpu-loras 2\) x "
+                                              r"--max-lora-rank 16\) = 0\.000 GiB"):
         too_small.num_blocks
 
 
