@@ -98,7 +98,7 @@ class BatchLimits:
     max_cpu_loras: int | None = setting(
         None, "LoRA adapters the workers keep loaded (an LRU, >= --max-loras; the others are "
         "read again from their directory when a request wants one); unset: with "
-        "--allow-runtime-lora-updating the larger of --max-loras and the number of "
+        "--allow-runtime-lora-updating the larger of --max-loras + 1 and the number of "
         "--lora-modules (vLLM's: --max-loras), else every --lora-modules adapter stays loaded",
         rule=AtLeast(1, MAX_LORA_ID), wire=24)
 

@@ -37,17 +37,18 @@ FLAG = "--allow-runtime-lora-updating"
 
 def lora_capacity(config: BatchLimits) -> int | None:
     """The adapters every worker rank may hold at once when its Init allows LoadLora (runtime
-    updating or --max-cpu-loras): --max-cpu-loras, by default max(--max-loras, the number of
-    --lora-modules) (vLLM's default is --max-loras; the larger keeps every --lora-modules
-    adapter loaded, as a server without runtime updating does, so turning the flag on does not
-    make them read from disk at each switch). None when the Init carries the --lora-modules
-    and allows no LoadLora: that set never grows."""
+    updating or --max-cpu-loras): --max-cpu-loras, by default the larger of --max-loras + 1
+    and the number of --lora-modules. Running requests use at most --max-loras adapters, so
+    the spare slot lets a LoadLoraAdapter always evict one (vLLM's load never fails for room:
+    its running adapters keep their GPU slots); the --lora-modules all stay loaded, as without
+    runtime updating, so turning it on does not read them from disk at each switch. None when
+    the Init carries the --lora-modules and allows no LoadLora: that set never grows."""
     if not config.enable_lora or not (config.allow_runtime_lora_updating
                                       or config.max_cpu_loras is not None):
         return None
     if config.max_cpu_loras is not None:
         return config.max_cpu_loras
-    return max(config.max_loras, len(config.lora))
+    return max(config.max_loras + 1, len(config.lora))
 
 
 def init_config(worker: WorkerConfig) -> WorkerConfig:

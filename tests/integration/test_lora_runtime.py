@@ -82,8 +82,8 @@ def test_runtime_adapters_beside_static_ones(setup):
     unloaded static adapter's id is reused; mixed batches still match peft."""
     model, sql, chat, _ = setup
     llm = _llm(model, lora_modules=f"sql={sql}")
-    # the runner holds what the server's workers would: max(--max-loras 2, 1 adapter)
-    assert llm.runner.config.max_cpu_loras == llm.runner.lora.capacity == 2
+    # the runner holds what the server's workers would: max(--max-loras 2 + 1, 1 adapter)
+    assert llm.runner.config.max_cpu_loras == llm.runner.lora.capacity == 3
     assert llm.load_lora("chat", chat) == 2
     llm.unload_lora("sql")
     assert llm.load_lora("sql2", sql) == 1

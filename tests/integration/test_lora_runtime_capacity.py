@@ -3,7 +3,7 @@
 --enable-lora --allow-runtime-lora-updating, two --lora-modules and --max-loras 1, and a real
 CPU worker service in this process on loopback (so its runner can be inspected).
 
-The worker's Init carries max_cpu_loras = max(--max-loras, the 2 --lora-modules) = 2 and no
+The worker's Init carries max_cpu_loras = max(--max-loras + 1, the 2 --lora-modules) = 2 and no
 adapter; the slots its memory check counts are 2 and its LoRASlots refuses a third. Two more
 adapters loaded at run time, then requests of the four one after another: each answers the
 tokens of transformers + peft with that adapter (evicted adapters read again), and no change
@@ -18,7 +18,7 @@ from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.security.worker_auth import WorkerAuth
 from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
-                                        greedy_request, wait_ready)
+                                        greedy_request, scheduler_and_worker, wait_ready)
 from tests.support.lora_adapters import make_adapter, peft_greedy
 from worker_service.lora.adapter import LoRAError
 from worker_service.lora.load import lora_slots
@@ -27,7 +27,7 @@ from worker_service.service.server import serve_worker
 
 PROMPT = (11, 40, 7, 93, 5, 120, 64, 3, 77, 18)
 MAX_NEW = 6
-CAPACITY = 2            # max(--max-loras 1, two --lora-modules)
+CAPACITY = 2            # max(--max-loras 1 + 1, two --lora-modules)
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,35 @@ def test_the_rank_refuses_a_third_adapter(served):
     free = next(i for i in range(1, 9) if i - 1 not in runner.lora.adapters)
     with pytest.raises(LoRAError, match=r"the most --max-cpu-loras 2 allows"):
         runner.lora.load(free, "extra", adapters["a"])
+
+
+def test_a_load_while_every_max_loras_adapter_runs_is_served(tiny_models, tmp_path):
+    """--max-loras 1, one --lora-modules adapter, runtime updating, no --max-cpu-loras: while a
+    request of 'a' runs, LoadLoraAdapter('d') and then ('e') are served, as vLLM's are (the
+    default capacity, --max-loras + 1 = 2, leaves a slot no running request pins; with 1 they
+    were RESOURCE_EXHAUSTED). 'e' evicts 'd'; a queued request of 'd' then reads it again
+    and answers peft's tokens once 'a' ends."""
+    model = tiny_models("llama")
+    paths = {n: make_adapter(model, tmp_path / n, r=4, alpha=16, seed=i + 1)
+             for i, n in enumerate("ade")}
+    (tmp_path / "logs").mkdir()
+    flags = ["--enable-lora", "--allow-runtime-lora-updating", "--lora-modules",
+             f"a={paths['a']}", "--max-loras", "1", "--max-lora-rank", "4", "--dtype",
+             "float32"]
+    with scheduler_and_worker(model, tmp_path / "logs", scheduler_args=flags) as (target, _):
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_stub(channel)
+            running = greedy_request(PROMPT, 2000)                   # runs until cancelled
+            running.lora_name = "a"
+            running = stub.Generate(running)
+            next(running)
+            for name in "de":
+                stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name=name,
+                                                               lora_path=paths[name]),
+                                     timeout=60)
+            queued = greedy_request(PROMPT, MAX_NEW)
+            queued.lora_name = "d"
+            waiting = stub.Generate(queued)
+            running.cancel()
+            assert collect(waiting)[0] == list(peft_greedy(model, paths["d"], PROMPT,
+                                                           MAX_NEW).token_ids)

@@ -46,16 +46,17 @@ def _updates(modules="a=/a b=/b"):
 def test_init_carries_no_adapter_with_runtime_updating(tmp_path):
     kw = dict(model_dir=str(tmp_path), enable_lora=True, lora_modules="a=/a")
     sent = init_config(WorkerConfig(**kw, allow_runtime_lora_updating=True))
-    assert sent.lora_modules is None and sent.max_cpu_loras == 1
+    assert sent.lora_modules is None and sent.max_cpu_loras == 2     # --max-loras 1 + 1
     fixed = WorkerConfig(**kw)
     assert init_config(fixed) is fixed          # without it the set never changes
     assert lora_capacity(fixed) is None
 
 
 def test_the_capacity_whenever_the_init_allows_loadlora(tmp_path):
-    """--max-cpu-loras when given; else, with runtime updating, the larger of --max-loras and
-    the --lora-modules (every one of them stays loaded, as without the flag); no LoRA, or a
-    fixed set: none (the Init's --lora-modules are the set)."""
+    """--max-cpu-loras when given; else, with runtime updating, the larger of --max-loras + 1
+    (a slot no running request pins, for LoadLoraAdapter) and the --lora-modules (every one of
+    them stays loaded, as without the flag); no LoRA, or a fixed set: none (the Init's
+    --lora-modules are the set)."""
     def capacity(**kw):
         return lora_capacity(WorkerConfig(model_dir=str(tmp_path), **kw))
 
@@ -63,8 +64,9 @@ def test_the_capacity_whenever_the_init_allows_loadlora(tmp_path):
     runtime = dict(three, allow_runtime_lora_updating=True)
     assert capacity() is None and capacity(**three, max_loras=2) is None
     assert capacity(**runtime, max_loras=2) == 3
-    assert capacity(**runtime, max_loras=5) == 5
-    assert capacity(enable_lora=True, allow_runtime_lora_updating=True, max_loras=4) == 4
+    assert capacity(**runtime, max_loras=3) == 4
+    assert capacity(**runtime, max_loras=5) == 6
+    assert capacity(enable_lora=True, allow_runtime_lora_updating=True, max_loras=4) == 5
     assert capacity(**runtime, max_cpu_loras=2, max_loras=2) == 2
     assert capacity(**three, max_cpu_loras=1) == 1
 
