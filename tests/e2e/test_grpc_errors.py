@@ -178,5 +178,6 @@ def test_no_worker_is_unavailable(tiny_models, tmp_path):
                 assert "no worker is ready" in err.value.details()
             status = stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
             assert status.num_workers == 1 and status.num_workers_ready == 0
+            assert status.max_steps_in_flight == 0        # no engine yet
     finally:
         procs.close()

@@ -30,9 +30,9 @@ def lora_slots(config: WorkerConfig) -> int:
     """The adapters a rank may hold at once, which the memory check counts (0 without LoRA):
     max_cpu_loras when set (LoRASlots refuses more), which a scheduler sets whenever its Init
     allows LoadLora (lora_updates.init_config: --max-cpu-loras, by default the larger of
-    --max-loras + 1 and the --lora-modules); else the --lora-modules. A scheduler older than
-    field 24 with runtime updating sends neither: at least --max-loras is counted then, and
-    its loads beyond that are not."""
+    --max-loras + 1 and the --lora-modules); else the --lora-modules. A scheduler from before
+    session 51 with runtime updating and no --max-cpu-loras sends neither: at least
+    --max-loras is counted then, and its loads beyond that are not."""
     if not config.enable_lora:
         return 0
     if config.max_cpu_loras is not None:
