@@ -13,7 +13,7 @@ import pytest
 
 from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (collect, free_port, generation_stub, greedy_request,
-                                        scheduler_and_worker, wait_for)
+                                        running_stream, scheduler_and_worker, wait_for)
 from tests.support.lora_adapters import make_adapter, peft_greedy
 from tests.support.metrics_scrape import scrape
 
@@ -68,10 +68,7 @@ def test_a_runtime_load_evicts_an_adapter_only_waiting_requests_use(tiny_models,
     with scheduler_and_worker(model, tmp_path / "logs", scheduler_args=flags) as (target, procs):
         with grpc.insecure_channel(target) as channel:
             stub = generation_stub(channel)
-            running = greedy_request(PROMPT, 2000)                   # runs until cancelled
-            running.lora_name = "a"
-            running = stub.Generate(running)
-            next(running)
+            running = running_stream(stub, PROMPT, "a")                # until cancelled
             with pytest.raises(grpc.RpcError) as busy:               # retry once it ends
                 stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name="d", lora_path=d),
                                      timeout=60)
@@ -80,8 +77,7 @@ def test_a_runtime_load_evicts_an_adapter_only_waiting_requests_use(tiny_models,
                 "lora_name='d' is invalid: must be room for it: --max-cpu-loras=1 adapters are "
                 "loaded and each is in use by a running request")
             running.cancel()
-            base = stub.Generate(greedy_request(PROMPT, 2000))       # runs until cancelled
-            next(base)
+            base = running_stream(stub, PROMPT)                        # until cancelled
             queued = greedy_request(PROMPT, MAX_NEW)
             queued.lora_name = "a"
             waiting = stub.Generate(queued)

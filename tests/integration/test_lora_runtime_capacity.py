@@ -18,7 +18,8 @@ from engine_common.configuration.config import WorkerServiceOptions
 from engine_common.security.worker_auth import WorkerAuth
 from engine_common.wire.protos import generation_pb2 as pb
 from tests.support.grpc_harness import (Processes, collect, free_port, generation_stub,
-                                        greedy_request, scheduler_and_worker, wait_ready)
+                                        greedy_request, running_stream,
+                                        scheduler_and_worker, wait_ready)
 from tests.support.lora_adapters import make_adapter, peft_greedy
 from worker_service.lora.adapter import LoRAError
 from worker_service.lora.load import lora_slots
@@ -123,10 +124,7 @@ def test_a_load_while_every_max_loras_adapter_runs_is_served(tiny_models, tmp_pa
     with scheduler_and_worker(model, tmp_path / "logs", scheduler_args=flags) as (target, _):
         with grpc.insecure_channel(target) as channel:
             stub = generation_stub(channel)
-            running = greedy_request(PROMPT, 2000)                   # runs until cancelled
-            running.lora_name = "a"
-            running = stub.Generate(running)
-            next(running)
+            running = running_stream(stub, PROMPT, "a")
             for name in "de":
                 stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name=name,
                                                                lora_path=paths[name]),

@@ -187,6 +187,16 @@ def greedy_request(prompt_ids, max_tokens: int, request_id: str = "") -> pb.Gene
                                                            ignore_eos=True))
 
 
+def running_stream(stub, prompt_ids, lora_name: str = ""):
+    """A Generate (of adapter `lora_name`) that runs until cancelled, started: its first
+    message read, so it is running (its adapter in use) when this returns."""
+    request = greedy_request(prompt_ids, 2000)
+    request.lora_name = lora_name
+    stream = stub.Generate(request)
+    next(stream)
+    return stream
+
+
 def collect(stream) -> tuple[list[int], str, list]:
     """(token ids, text, messages) of a whole Generate stream."""
     ids, text, msgs = [], "", []
