@@ -70,11 +70,11 @@ def _idle(target: str) -> bool:
 
 def test_server_status_says_how_many_steps_may_be_in_flight(served):
     """GetServerStatus over gRPC: the engine's depth, 3 to workers that pipeline their steps
-    with async scheduling (2 without it: each step is collected before the next), and the
+    with async scheduling (1 without it: each step is collected before the next), and the
     steps in flight now (none once idle)."""
     target, _, _, mode, _ = served
     status = server_status(target)
-    assert status.max_steps_in_flight == (3 if mode == "async" else 2), status
+    assert status.max_steps_in_flight == (3 if mode == "async" else 1), status
     wait_for(lambda: server_status(target).num_steps_in_flight == 0, 30, "no step in flight")
 
 
