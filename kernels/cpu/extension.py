@@ -94,6 +94,16 @@ def isa() -> str:
     return _selected
 
 
+def avx2_body() -> bool:
+    """Whether this process's kernels run their AVX2 bodies (simd.h's 256-bit vectors): the
+    avx2 build, or the native one on a CPU with AVX2 + FMA and no AVX-512. Told from the CPU's
+    flags, without loading the library."""
+    if isa() == "avx2":
+        return True
+    flags = set(cpu_flags().split())
+    return isa() == "native" and "avx512f" not in flags and {"avx2", "fma"} <= flags
+
+
 def namespace(which: str | None = None) -> str:
     """The op namespace of an ISA's build: deltaserve_cpu (native), deltaserve_cpu_<isa>."""
     which = which or isa()

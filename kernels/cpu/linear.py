@@ -8,12 +8,14 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               packed GEMM at 4-48 rows, and several times F.linear's bf16 path. With two or
               more threads the panels split evenly between them while MKL's own threading
               splits few rows poorly (1.4x from a second thread at 64 rows, the panels 1.9x),
-              so float32 goes to the panels up to 128 rows there.
-    oneDNN    more rows (prefill) on an AVX-512 CPU (kernels/cpu/onednn_gemm.py): W reordered
-              once into oneDNN's blocked layout; ~12% over MKL's packed sgemm in float32 and
-              ~2.3x its bf16 GEMM where the CPU has bf16 dot products (AVX512-BF16, AMX). Its
-              lead over the panels starts at fewer rows, so the panels' limit is lower with it
-              (ONEDNN_PANEL_MAX_ROWS; bench/cpu_gemm_layouts.py).
+              so float32 goes to the panels up to 128 rows there. On an AVX2 core the panels
+              keep up with the blocked GEMMs to a few hundred rows (PANEL_MAX_ROWS).
+    oneDNN    more rows (prefill) on the native build of an AVX-512 or AVX2 CPU
+              (kernels/cpu/onednn_gemm.py): W reordered once into oneDNN's blocked layout;
+              ~12% over MKL's packed sgemm in float32 (AVX2: 5-25%) and ~2.3x its bf16 GEMM
+              where the CPU has bf16 dot products (AVX512-BF16, AMX). Its lead over the panels
+              starts at fewer rows, so the panels' limit is lower with it (PANEL_MAX_ROWS;
+              bench/cpu_gemm_layouts.py).
     MKL       more rows elsewhere: float32 W packed once into MKL's blocked layout
               (cblas_sgemm_pack, then cblas_sgemm_compute); bfloat16 through
               cblas_gemm_bf16bf16f32 (float32 accumulation, one rounding), several times the
@@ -50,11 +52,24 @@ import os
 import torch
 from kernels.cpu import extension, onednn_gemm
 
-PANEL_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 128}            # one thread
-PANEL_MAX_ROWS_THREADED = {torch.float32: 128, torch.bfloat16: 128}   # two or more
-# when oneDNN takes the rows above (Zen 4, 30 layers of SmolLM2-135M's shapes)
-ONEDNN_PANEL_MAX_ROWS = {torch.float32: 15, torch.bfloat16: 7}
-ONEDNN_PANEL_MAX_ROWS_THREADED = {torch.float32: 48, torch.bfloat16: 11}
+F32, BF16 = torch.float32, torch.bfloat16
+# The most rows that take the panels, by (vector body, the GEMM taking the rows above, two or
+# more threads): crossovers measured with bench/cpu_gemm_layouts.py (30 layers of SmolLM2-135M's
+# shapes streaming from memory). "wide": AVX-512 (Zen 4, Sapphire Rapids). "avx2": Zen 4 with
+# AVX-512 hidden, where the panels' 6-row half-panel blocks run at ~75 of the core's 89 GFLOP/s:
+# ahead of MKL's packed sgemm up to ~512 rows (and of its bf16 GEMM at every row count), of
+# oneDNN up to ~96 rows (oneDNN 0-7% ahead from 128 rows; docs/cpu_performance.md).
+PANEL_MAX_ROWS = {
+    ("wide", "mkl", False): {F32: 48, BF16: 128},
+    ("wide", "mkl", True): {F32: 128, BF16: 128},
+    ("wide", "onednn", False): {F32: 15, BF16: 7},
+    ("wide", "onednn", True): {F32: 48, BF16: 11},
+    ("avx2", "mkl", False): {F32: 256, BF16: 256},
+    ("avx2", "mkl", True): {F32: 256, BF16: 256},
+    # bf16 oneDNN runs on an AVX2 core only with AVX-NE-CONVERT (not measured: the wide limits)
+    ("avx2", "onednn", False): {F32: 96, BF16: 7},
+    ("avx2", "onednn", True): {F32: 96, BF16: 11},
+}
 GREEDY_PANEL_MAX_ROWS = (48, 64)            # LM head + sampler: (one thread, two or more)
 TILE_N = 512
 TILED_FROM_N = 8192
@@ -157,20 +172,15 @@ def screens_heads() -> bool:
     CPU's flags without loading the library (the memory check runs before the load)."""
     if os.environ.get(extension.ENV_SWITCH, "") == "0":
         return False
-    flags = set(extension.cpu_flags().split())
-    if extension.isa() == "avx2":
-        return True
-    return extension.isa() == "native" and "avx512f" not in flags and {"avx2", "fma"} <= flags
+    return extension.avx2_body()
 
 
 def panel_max_rows(dtype: torch.dtype, onednn: bool = False) -> int:
-    """The most rows that take the panels at the current thread count (measured crossovers
-    against MKL, or oneDNN where it takes the rows above, on 30 layers of SmolLM2-135M's
-    shapes streaming from memory)."""
-    one = torch.get_num_threads() == 1
-    if onednn:
-        return (ONEDNN_PANEL_MAX_ROWS if one else ONEDNN_PANEL_MAX_ROWS_THREADED)[dtype]
-    return (PANEL_MAX_ROWS if one else PANEL_MAX_ROWS_THREADED)[dtype]
+    """The most rows that take the panels for this build's vector body, the GEMM taking the
+    rows above (oneDNN or MKL) and the current thread count (PANEL_MAX_ROWS)."""
+    key = ("avx2" if extension.avx2_body() else "wide", "onednn" if onednn else "mkl",
+           torch.get_num_threads() > 1)
+    return PANEL_MAX_ROWS[key][dtype]
 
 
 def prepare(weight: torch.Tensor, greedy: bool = True) -> CpuLinear | None:

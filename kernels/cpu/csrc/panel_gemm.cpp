@@ -5,11 +5,12 @@
 // so that each panel streams from memory exactly once per call, contiguously, with the next
 // panel prefetched, while up to kRows rows of x accumulate against it in vector registers
 // (AVX-512: 12 rows x 32 columns in 24 registers; AVX2: 3 rows in 12; simd.h). More rows walk
-// the panel in chunks of kKChunk values of k, every row block taking the chunk while it is in
-// L1 (partial sums parked in a small buffer), the next panel's chunk prefetched a slice per
-// block. For 4-47 rows this beats MKL's packed GEMM
+// the panel in chunks of kKChunk values of k, every row block (AVX2: 6 rows over each half of
+// the panel) taking the chunk while it is in L1 (partial sums parked in a small buffer), the
+// next panel's chunk prefetched a slice per block. For 4-47 rows this beats MKL's packed GEMM
 // by streaming W at close to the memory bandwidth; a bfloat16 W is widened in registers, so it
-// streams half the bytes. Larger row counts go to MKL (kernels/cpu/linear.py), except a long
+// streams half the bytes. Larger row counts go to MKL or oneDNN (kernels/cpu/linear.py: on an
+// AVX2 core only from ~100 rows), except a long
 // prefill's MoE experts, whose panels are their only copy (kernels/cpu/moe_experts.py): their
 // rows are taken in L2-sized slices of x, each slice walking the panels.
 #include <ATen/Parallel.h>
@@ -45,6 +46,14 @@ inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 using namespace simd;
 constexpr int kVecs = kPanel / kLanes;       // vectors per panel row: 2 (AVX-512), 4 (AVX2)
 constexpr int kRows = kRegs == 32 ? 12 : 3;  // rows of x per register block: 24 or 12 accumulators
+// The chunked path (more than kRows rows) takes the panel two vectors wide: the whole panel on
+// AVX-512 (12 rows, 24 accumulators), a half on AVX2, where 6 rows x 2 vectors leave registers
+// for the two weight vectors and the broadcast. The AVX2 full-width block (3 rows x 4 vectors)
+// has no register left for the broadcast: its FMAs read the weights from L1, 15 loads for 12
+// FMAs, and it ran at ~60% of the core's FMA peak (52-58 of 89 GFLOP/s, Zen 4 without AVX-512).
+constexpr int kChunkVecs = 2;
+constexpr int kChunkGroups = kVecs / kChunkVecs;  // column groups of a panel: 1 or 2
+constexpr int kChunkRows = kRegs == 32 ? 12 : 6;
 
 // y[r][0..cols) = sum_k x[r][k] * panel[k][0..cols) for r < R (x float32, row stride ldx).
 template <int R, typename W>
@@ -73,14 +82,15 @@ inline void block(const float* x, int64_t ldx, const W* panel, const W* next, in
       storeu_first(y + r * ldy + v * kLanes, a[r][v], cols - v * kLanes);
 }
 
-// acc[r][0..32) (+)= sum_{k0 <= kk < k1} x[r][kk] * panel[kk][..] for r < R; issues `lines`
-// prefetches from pf (one per k step while they last).
+// acc[r][0..2 vectors) (+)= sum_{k0 <= kk < k1} x[r][kk] * panel[kk][..] for r < R, panel and acc
+// pointing at one column group (rows kPanel apart); issues `lines` prefetches from pf (one per
+// k step while they last).
 template <int R, typename W>
 inline void chunk_block(const float* x, int64_t ldx, const W* panel, int64_t k0, int64_t k1,
                         float* acc, bool first, const char* pf, int lines) {
-  vf a[R][kVecs];
+  vf a[R][kChunkVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v)
+    for (int v = 0; v < kChunkVecs; ++v)
       a[r][v] = first ? zero() : load(acc + r * kPanel + v * kLanes);
   for (int64_t kk = k0; kk < k1; ++kk) {
     if (lines > 0) {
@@ -88,16 +98,16 @@ inline void chunk_block(const float* x, int64_t ldx, const W* panel, int64_t k0,
       pf += 64;
       --lines;
     }
-    vf w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = load(panel + kk * kPanel + v * kLanes);
+    vf w[kChunkVecs];
+    for (int v = 0; v < kChunkVecs; ++v) w[v] = load(panel + kk * kPanel + v * kLanes);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const vf b = set1(x[r * ldx + kk]);
-      for (int v = 0; v < kVecs; ++v) a[r][v] = fmadd(b, w[v], a[r][v]);
+      for (int v = 0; v < kChunkVecs; ++v) a[r][v] = fmadd(b, w[v], a[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) store(acc + r * kPanel + v * kLanes, a[r][v]);
+    for (int v = 0; v < kChunkVecs; ++v) store(acc + r * kPanel + v * kLanes, a[r][v]);
 }
 
 template <typename W>
@@ -124,13 +134,14 @@ constexpr auto chunk_table(std::index_sequence<R...>) {
 template <typename W>
 void rows_against_panel_chunked(const float* x, int64_t m, int64_t k, const W* panel,
                                 const W* next, float* y, int64_t ldy, int cols, float* acc) {
-  static constexpr auto fns = chunk_table<float>(std::make_index_sequence<kRows>{});
+  static constexpr auto fns = chunk_table<float>(std::make_index_sequence<kChunkRows>{});
   alignas(64) float wide[std::is_same_v<W, float> ? 1 : kKChunk * kPanel];
-  const int64_t blocks = (m + kRows - 1) / kRows;
+  const int64_t blocks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t calls = blocks * kChunkGroups;
   for (int64_t k0 = 0; k0 < k; k0 += kKChunk) {
     const int64_t k1 = std::min(k, k0 + kKChunk);
     const int lines = next ? static_cast<int>((k1 - k0) * kPanel * sizeof(W) / 64) : 0;
-    const int per_block = static_cast<int>((lines + blocks - 1) / blocks);
+    const int per_call = static_cast<int>((lines + calls - 1) / calls);
     const char* pf = next ? reinterpret_cast<const char*>(next + k0 * kPanel) : nullptr;
     // the chunk as float32 rows [c0, c1) of `src`, x's columns shifted to match
     const float* src;
@@ -143,11 +154,16 @@ void rows_against_panel_chunked(const float* x, int64_t m, int64_t k, const W* p
       src = wide, c0 = 0, c1 = k1 - k0, shift = k0;
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t r0 = b * kRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-      const int mine = std::max(0, std::min(per_block, lines - static_cast<int>(b) * per_block));
-      fns[rows - 1](x + r0 * k + shift, k, src, c0, c1, acc + r0 * kPanel, k0 == 0,
-                    pf ? pf + static_cast<int64_t>(b) * per_block * 64 : nullptr, mine);
+      // rows split evenly over the blocks (8 rows: 4 + 4, not 6 + 2): a block of few rows has
+      // too few independent accumulators to cover the FMA latency
+      const int64_t r0 = b * m / blocks;
+      const int rows = static_cast<int>((b + 1) * m / blocks - r0);
+      for (int g = 0; g < kChunkGroups; ++g) {
+        const int64_t c = b * kChunkGroups + g, col = g * kChunkVecs * kLanes;
+        const int mine = std::max(0, std::min(per_call, lines - static_cast<int>(c) * per_call));
+        fns[rows - 1](x + r0 * k + shift, k, src + col, c0, c1, acc + r0 * kPanel + col,
+                      k0 == 0, pf ? pf + c * per_call * 64 : nullptr, mine);
+      }
     }
   }
   for (int64_t r = 0; r < m; ++r)

@@ -37,6 +37,26 @@ def test_panels_and_packed_float32_match_f_linear(rows, bias, many_rows):
     assert lin.calls == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [40, 150, 700])
+def test_panels_match_float64_at_every_row_block_split(k, dtype):
+    """panel_linear itself at 1-26 rows (every split of the rows into register blocks: AVX2's
+    6-row blocks over half panels, AVX-512's 12-row ones), a partial last panel (N 100), k
+    within one chunk, over several with a partial last (150), and past an x slice (700, 200
+    rows: 96-row slices); the float64 product of the same (rounded) inputs."""
+    ops = extension.ops()
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(100, k, generator=gen).to(dtype)
+    panels = ops.panel_pack(w)
+    for rows in [*range(1, 27), 97, 200]:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        want = F.linear(x.double(), w.double())
+        got = ops.panel_linear(x, panels, 100, None)
+        assert got.dtype == dtype and got.shape == (rows, 100)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5, rtol=tol)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 33, 64, 65, 130])
 def test_bf16_matches_float32_math_rounded_once(rows, many_rows):
     if many_rows == "onednn" and not onednn_gemm.bf16_runs():
@@ -56,19 +76,21 @@ def test_bf16_matches_float32_math_rounded_once(rows, many_rows):
 
 def test_more_threads_send_more_rows_to_the_panels(monkeypatch):
     """MKL's own threading splits few rows poorly, the panels split evenly: with 2+ threads
-    float32 takes the panels up to 128 rows ahead of MKL (and the greedy LM head up to 64)."""
+    float32 takes the panels up to 128 rows ahead of MKL on an AVX-512 build (and the greedy
+    LM head up to 64); on an AVX2 body the panels keep up to 256 rows at any thread count."""
     monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "0")
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(100, 40, generator=gen)
     x = torch.randn(100, 40, generator=gen)
     lin = linear.prepare(w)
     before = torch.get_num_threads()
+    body = "avx2" if extension.avx2_body() else "wide"
     try:
         torch.set_num_threads(1)
-        assert linear.panel_max_rows(torch.float32) == 48
+        assert linear.panel_max_rows(torch.float32) == {"wide": 48, "avx2": 256}[body]
         torch.set_num_threads(2)
-        assert linear.panel_max_rows(torch.float32) == 128
-        assert linear.panel_max_rows(torch.bfloat16) == 128
+        assert linear.panel_max_rows(torch.float32) == {"wide": 128, "avx2": 256}[body]
+        assert linear.panel_max_rows(torch.bfloat16) == {"wide": 128, "avx2": 256}[body]
         got = lin(x, w)
         panels = extension.ops().panel_linear(x.contiguous(), lin.panels, 100, None)
     finally:
@@ -79,34 +101,36 @@ def test_more_threads_send_more_rows_to_the_panels(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_take_onednn_above_its_panel_limit(dtype, monkeypatch):
-    """With oneDNN the panels stop sooner (15 float32 rows on one thread, 48 on two): the row
-    after the limit is oneDNN's own result, the limit itself the panels'."""
+    """With oneDNN the panels stop sooner (AVX-512: 15 float32 rows on one thread, 48 on two;
+    AVX2: 96): the row after the limit is oneDNN's own result, the limit itself the panels'."""
     monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "1")
     if dtype == torch.bfloat16 and not onednn_gemm.bf16_runs():
         pytest.skip("torch's oneDNN linear takes no bfloat16 weight on this CPU (AVX2)")
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(96, 64, generator=gen).to(dtype)
+    w = torch.randn(100, 64, generator=gen).to(dtype)
     lin = linear.prepare(w)
     ops = extension.ops()
     before = torch.get_num_threads()
     try:
-        for threads, limit in ((1, linear.ONEDNN_PANEL_MAX_ROWS[dtype]),
-                               (2, linear.ONEDNN_PANEL_MAX_ROWS_THREADED[dtype])):
+        body = "avx2" if extension.avx2_body() else "wide"
+        for threads, limit in ((1, linear.PANEL_MAX_ROWS[body, "onednn", False][dtype]),
+                               (2, linear.PANEL_MAX_ROWS[body, "onednn", True][dtype])):
             torch.set_num_threads(threads)
             assert linear.panel_max_rows(dtype, onednn=True) == limit
             at, past = (torch.randn(m, 64, generator=gen).to(dtype) for m in (limit, limit + 1))
-            assert torch.equal(lin(at, w), ops.panel_linear(at, lin.panels, 96, None))
+            assert torch.equal(lin(at, w), ops.panel_linear(at, lin.panels, 100, None))
             assert torch.equal(lin(past, w), onednn_gemm.linear(past, lin.onednn, None))
     finally:
         torch.set_num_threads(before)
 
 
 def test_onednn_is_chosen_by_isa_and_switch(monkeypatch, cpu_isa):
-    """auto: float32 on an AVX-512 build, bf16 only with bf16 dot products; never on the avx2
-    build (not measured ahead of MKL there); 0 / 1 override; anything else is refused by name."""
+    """auto: float32 on the native build of an AVX-512 or AVX2 CPU, bf16 only with bf16 dot
+    products; never on the avx2 build emulated on a wider CPU (oneDNN would run its AVX-512
+    kernels there); 0 / 1 override; anything else is refused by name."""
     monkeypatch.delenv(onednn_gemm.ENV_SWITCH, raising=False)
     flags = set(extension.cpu_flags().split())
-    wide = cpu_isa == "native" and "avx512f" in flags
+    wide = cpu_isa == "native" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
     assert onednn_gemm.wanted(torch.float32) == wide
     assert onednn_gemm.wanted(torch.bfloat16) == (wide and bool(
         flags & set(onednn_gemm.BF16_FLAGS)))
