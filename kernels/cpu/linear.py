@@ -10,8 +10,9 @@ Every prepared weight gets two layouts, chosen per call by the number of rows M:
               splits few rows poorly (1.4x from a second thread at 64 rows, the panels 1.9x),
               so float32 goes to the panels up to 128 rows there. On an AVX2 core the panels
               keep up with the blocked GEMMs to a few hundred rows (PANEL_MAX_ROWS).
-    oneDNN    more rows (prefill) on the native build of an AVX-512 or AVX2 CPU
-              (kernels/cpu/onednn_gemm.py): W reordered once into oneDNN's blocked layout;
+    oneDNN    more rows (prefill) on the native build of an AVX-512 or AVX2 CPU, or the
+              emulated avx2 build with oneDNN capped at AVX2 (kernels/cpu/onednn_gemm.py,
+              float32 only on AVX2 bodies): W reordered once into oneDNN's blocked layout;
               ~12% over MKL's packed sgemm in float32 (AVX2: 5-25%) and ~2.3x its bf16 GEMM
               where the CPU has bf16 dot products (AVX512-BF16, AMX). Its lead over the panels
               starts at fewer rows, so the panels' limit is lower with it (PANEL_MAX_ROWS;

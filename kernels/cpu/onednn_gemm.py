@@ -5,7 +5,9 @@ vLLM-CPU's linears are oneDNN too), and with AVX512-BF16 or AMX it runs bfloat16
 dot products, ~2.3x MKL's cblas_gemm_bf16bf16f32 (bench/cpu_gemm_layouts.py,
 docs/cpu_performance.md). On an AVX2 core (Zen 4 with AVX-512 hidden) it is 5-25% ahead of
 MKL in float32 from 48 rows, and has no bfloat16 GEMM. The avx2 build emulated on a wider CPU
-keeps MKL: oneDNN would pick its AVX-512 kernels there, so the emulation would not be AVX2's.
+takes it as that AVX2 core does only where oneDNN is capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2,
+as `make test-avx2` and bench's `--isa avx2` set): uncapped, oneDNN would pick its AVX-512
+kernels, so the emulation would not be AVX2's, and MKL keeps the rows.
 DELTASERVE_CPU_ONEDNN=0 turns it off, =1 forces it on (for side-by-side runs).
 
 The weight is reordered once into oneDNN's blocked layout for about PACK_ROWS rows; other row
@@ -25,6 +27,8 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # What torch's mkldnn linear needs for a bfloat16 weight at all (mkldnn_reorder_linear_weight
 # refuses others: an AVX2 CPU has no bf16 oneDNN GEMM, forced or not).
 BF16_ISAS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+# oneDNN's cap on its own kernels' ISA (the second is its older name)
+ISA_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
 def wanted(dtype: torch.dtype) -> bool:
@@ -39,9 +43,17 @@ def wanted(dtype: torch.dtype) -> bool:
         return False
     if switch == "1":
         return True
-    if extension.isa() != "native" or not ("avx512f" in flags or extension.avx2_body()):
+    if extension.avx2_body():       # an AVX2 core's float32 kernels, or not AVX2's at all
+        return dtype == torch.float32 and (extension.isa() == "native" or capped_at_avx2())
+    if extension.isa() != "native" or "avx512f" not in flags:
         return False
     return dtype == torch.float32 or any(f in flags for f in BF16_FLAGS)
+
+
+def capped_at_avx2() -> bool:
+    """Whether this process's oneDNN is held to AVX2-level kernels (ISA_CAP_VARS)."""
+    cap = next((os.environ[v] for v in ISA_CAP_VARS if os.environ.get(v)), "")
+    return cap.upper().startswith("AVX2")
 
 
 def bf16_runs(flags: set[str] | None = None) -> bool:

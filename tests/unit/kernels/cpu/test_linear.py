@@ -126,13 +126,16 @@ def test_many_rows_take_onednn_above_its_panel_limit(dtype, monkeypatch):
 
 def test_onednn_is_chosen_by_isa_and_switch(monkeypatch, cpu_isa):
     """auto: float32 on the native build of an AVX-512 or AVX2 CPU, bf16 only with bf16 dot
-    products; never on the avx2 build emulated on a wider CPU (oneDNN would run its AVX-512
-    kernels there); 0 / 1 override; anything else is refused by name."""
+    products (never on an AVX2 body); the avx2 build emulated on a wider CPU only with oneDNN
+    capped at AVX2 (uncapped it would run its AVX-512 kernels: test_onednn_gemm.py); 0 / 1
+    override; anything else is refused by name."""
     monkeypatch.delenv(onednn_gemm.ENV_SWITCH, raising=False)
     flags = set(extension.cpu_flags().split())
-    wide = cpu_isa == "native" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
-    assert onednn_gemm.wanted(torch.float32) == wide
-    assert onednn_gemm.wanted(torch.bfloat16) == (wide and bool(
+    avx2 = extension.avx2_body()
+    takes = (cpu_isa == "native" and ("avx512f" in flags or avx2)
+             or cpu_isa == "avx2" and onednn_gemm.capped_at_avx2())
+    assert onednn_gemm.wanted(torch.float32) == takes
+    assert onednn_gemm.wanted(torch.bfloat16) == (takes and not avx2 and bool(
         flags & set(onednn_gemm.BF16_FLAGS)))
     assert not onednn_gemm.wanted(torch.float16)
     monkeypatch.setenv(onednn_gemm.ENV_SWITCH, "0")
