@@ -57,10 +57,17 @@ def test_panels_match_float64_at_every_row_block_split(k, dtype):
         torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5, rtol=tol)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 33, 64, 65, 130])
+def past_the_panels(dtype: torch.dtype) -> int:
+    """The fewest rows the many-row GEMM takes from the panels on this body and thread count
+    (AVX2 bodies keep the panels to 256 rows against MKL)."""
+    return linear.panel_max_rows(dtype, onednn_gemm.wanted(dtype)) + 1
+
+
+@pytest.mark.parametrize("rows", [1, 4, 33, 64, 65, 130, None])     # None: past_the_panels
 def test_bf16_matches_float32_math_rounded_once(rows, many_rows):
     if many_rows == "onednn" and not onednn_gemm.bf16_runs():
         many_rows = "mkl"             # no bf16 oneDNN GEMM on this CPU: forced, MKL's runs
+    rows = rows or past_the_panels(torch.bfloat16)
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 64, generator=gen).bfloat16()
     b = torch.randn(80, generator=gen).bfloat16()
@@ -72,6 +79,10 @@ def test_bf16_matches_float32_math_rounded_once(rows, many_rows):
     assert got.dtype == torch.bfloat16 and lin.calls == 1
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=1e-2)
     assert (got == want).float().mean() > 0.95        # the same rounding almost everywhere
+    if rows > linear.panel_max_rows(torch.bfloat16, lin.onednn is not None):
+        many = (onednn_gemm.linear(x, lin.onednn, b) if lin.onednn is not None
+                else extension.ops().mkl_bf16_linear(x, w, b))
+        assert torch.equal(got, many)                 # the many-row GEMM ran
 
 
 def test_more_threads_send_more_rows_to_the_panels(monkeypatch):
@@ -302,7 +313,7 @@ def test_the_parameter_goes_unless_the_kernels_read_it(monkeypatch, dtype, onedn
     packs = layer.cpu_linear
     assert layer.use_cpu_kernels()                  # a second prepare never packs the NaN
     assert (layer.cpu_linear is packs) != reads     # a kept weight is packed again
-    for rows in (3, 200):                            # panels, then the pack / MKL bf16 GEMM
+    for rows in (3, past_the_panels(dtype)):        # panels, then the pack / MKL bf16 GEMM
         x = torch.randn(rows, 64).to(dtype)
         torch.testing.assert_close(layer.matmul(x), F.linear(x.float(), w.float()).to(dtype),
                                    atol=1e-3, rtol=2e-2)
