@@ -41,14 +41,15 @@ def test_panels_and_packed_float32_match_f_linear(rows, bias, many_rows):
 @pytest.mark.parametrize("k", [40, 150, 700])
 def test_panels_match_float64_at_every_row_block_split(k, dtype):
     """panel_linear itself at 1-26 rows (every split of the rows into register blocks: AVX2's
-    6-row blocks over half panels, AVX-512's 12-row ones), a partial last panel (N 100), k
+    6-row blocks over half panels, AVX-512's 12-row ones; 36 / 37 and 48 / 49 the next
+    AVX-512 splits), a partial last panel (N 100), k
     within one chunk, over several with a partial last (150), and past an x slice (700, 200
     rows: 96-row slices); the float64 product of the same (rounded) inputs."""
     ops = extension.ops()
     gen = torch.Generator().manual_seed(k)
     w = torch.randn(100, k, generator=gen).to(dtype)
     panels = ops.panel_pack(w)
-    for rows in [*range(1, 27), 97, 200]:
+    for rows in [*range(1, 27), 36, 37, 48, 49, 97, 200]:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         want = F.linear(x.double(), w.double())
         got = ops.panel_linear(x, panels, 100, None)

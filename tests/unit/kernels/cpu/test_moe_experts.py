@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu import extension, moe_experts
 from worker_service.layers.moe import MoEExperts
@@ -64,3 +65,29 @@ def test_other_dtypes_and_devices_are_not_packed():
     w13, w2 = torch.zeros(2, 8, 4, dtype=torch.float16), torch.zeros(2, 4, 4, dtype=torch.float16)
     assert moe_experts.prepare(w13, w2) is None
     assert moe_experts.prepare(w13.float().to("meta"), w2.float().to("meta")) is None
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_an_expert_with_many_rows_matches_float64(dtype, tol):
+    """Expert 0 takes every token's first slot (64 or 128 rows: many register blocks of the
+    panels' k-chunked walk, rows split evenly over them), the others share the second; k 150
+    and 70 (not multiples of the 64-value chunk), N 140 and 150 (partial last panels): the
+    float64 layer on the same (rounded) weights."""
+    num = 4 if dtype == torch.float32 else 8
+    tokens = moe_experts.MAX_MEAN_ROWS[dtype] * num // 2      # the most the kernel takes
+    m = experts(num, 150, 70, dtype)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, 150, generator=gen).to(dtype)
+    ids = torch.stack([torch.zeros(tokens, dtype=torch.long),
+                       torch.randint(1, num, (tokens,), generator=gen)], 1)
+    weights = torch.rand(tokens, 2, generator=gen).to(dtype)
+    w13, w2 = m.w13_weight.double(), m.w2_weight.double()
+    with torch.no_grad():
+        got = m(x, weights, ids)
+    assert m.cpu_experts.calls == 1
+    want = torch.zeros(tokens, 150, dtype=torch.float64)
+    for slot in range(2):
+        gate, up = torch.einsum("th,tih->ti", x.double(), w13[ids[:, slot]]).chunk(2, -1)
+        down = torch.einsum("ti,thi->th", F.silu(gate) * up, w2[ids[:, slot]])
+        want += weights[:, slot, None].double() * down
+    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
