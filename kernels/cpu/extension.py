@@ -97,11 +97,17 @@ def isa() -> str:
 def avx2_body() -> bool:
     """Whether this process's kernels run their AVX2 bodies (simd.h's 256-bit vectors): the
     avx2 build, or the native one on a CPU with AVX2 + FMA and no AVX-512. Told from the CPU's
-    flags, without loading the library."""
-    if isa() == "avx2":
+    flags, without loading the library; asked on every linear call (linear.panel_max_rows),
+    so the flags are parsed once per ISA."""
+    return _avx2_body(isa(), cpu_flags())
+
+
+@functools.cache
+def _avx2_body(which: str, flags: str) -> bool:
+    if which == "avx2":
         return True
-    flags = set(cpu_flags().split())
-    return isa() == "native" and "avx512f" not in flags and {"avx2", "fma"} <= flags
+    have = set(flags.split())
+    return which == "native" and "avx512f" not in have and {"avx2", "fma"} <= have
 
 
 def namespace(which: str | None = None) -> str:

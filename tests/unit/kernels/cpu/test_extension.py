@@ -66,6 +66,37 @@ def test_a_narrower_build_loads_beside_the_native_one_with_its_own_body(which):
     assert extension.ops("native").body() == _native_body()
 
 
+@pytest.mark.skipif(os.environ.get(extension.ENV_SWITCH) == "0", reason="switched off")
+def test_avx2_body_names_the_loaded_builds_body_parsing_the_flags_once(monkeypatch):
+    """avx2_body() (told from the flags before any load) agrees with the library's own
+    body(); linear.panel_max_rows asks it on every linear call, so the flags are split once
+    per ISA, not once a call."""
+    from kernels.cpu import linear
+
+    monkeypatch.setattr(extension, "_selected", "native")
+    assert extension.load("native"), extension.status("native")
+    assert extension.avx2_body() == (extension.ops("native").body() == "avx2")
+    monkeypatch.setattr(extension, "_selected", "avx2")      # the avx2 build's body, anywhere
+    assert extension.avx2_body()
+    monkeypatch.setattr(extension, "_selected", "generic")
+    assert not extension.avx2_body()
+
+    class Flags(str):
+        splits = 0
+
+        def split(self, *args):
+            Flags.splits += 1
+            return super().split(*args)
+
+    monkeypatch.setattr(extension, "cpu_flags", lambda: Flags("avx2 f16c fma sse4_2 zen4"))
+    monkeypatch.setattr(extension, "_selected", "native")
+    threads = torch.get_num_threads() > 1
+    for _ in range(20):
+        assert linear.panel_max_rows(torch.float32) == linear.PANEL_MAX_ROWS[
+            "avx2", "mkl", threads][torch.float32]
+    assert Flags.splits <= 1
+
+
 def test_an_unknown_isa_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(extension, "_selected", None)
     monkeypatch.setenv(extension.ISA_VAR, "avx9")
