@@ -7,10 +7,11 @@
 // (AVX-512: 12 rows x 32 columns in 24 registers; AVX2: 3 rows in 12; simd.h). More rows walk
 // the panel in chunks of kKChunk values of k, every row block (AVX2: 6 rows over each half of
 // the panel) taking the chunk while it is in L1 (partial sums parked in a small buffer), the
-// next panel's chunk prefetched a slice per block. For 4-47 rows this beats MKL's packed GEMM
-// by streaming W at close to the memory bandwidth; a bfloat16 W is widened in registers, so it
-// streams half the bytes. Larger row counts go to MKL or oneDNN (kernels/cpu/linear.py: on an
-// AVX2 core only from ~100 rows), except a long
+// next panel's chunk prefetched a slice per block and column group. For 4-47 rows (AVX2: to a
+// few hundred) this beats MKL's packed GEMM by streaming W at close to the memory bandwidth; a
+// bfloat16 W is widened in registers, so it streams half the bytes. Larger row counts go to MKL
+// or oneDNN (kernels/cpu/linear.py's PANEL_MAX_ROWS: on an AVX2 core from 97 rows with oneDNN,
+// 257 with MKL), except a long
 // prefill's MoE experts, whose panels are their only copy (kernels/cpu/moe_experts.py): their
 // rows are taken in L2-sized slices of x, each slice walking the panels.
 #include <ATen/Parallel.h>
