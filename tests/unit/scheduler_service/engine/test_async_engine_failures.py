@@ -42,6 +42,8 @@ class FailingCore:
 
     scheduler = _SCHED
     num_steps_in_flight = 0
+    steps_in_flight = 2             # EngineCore's depth and mode, which the status publishes
+    async_scheduling = True
 
     def __init__(self, error: Exception):
         self.error = error
