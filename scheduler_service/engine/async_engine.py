@@ -377,8 +377,7 @@ class AsyncEngine:
             num_used_blocks=s.num_total_blocks - s.num_free_blocks,
             num_total_blocks=s.num_total_blocks, prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_steps_in_flight=core.num_steps_in_flight,
-            # without async scheduling each step is collected before the next is sent
-            max_steps_in_flight=core.steps_in_flight if core.async_scheduling else 1,
+            max_steps_in_flight=core.max_steps_in_flight,
             num_used_window_blocks=used_window, num_total_window_blocks=total_window,
             num_loras_loaded=0 if lru is None else len(lru.resident()),
             num_lora_loads=0 if lru is None else lru.num_loads,

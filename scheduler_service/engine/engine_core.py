@@ -86,6 +86,12 @@ class EngineCore:
         self.last_step = StepStats()
 
     @property
+    def max_steps_in_flight(self) -> int:
+        """The most steps this engine keeps submitted and not collected: steps_in_flight with
+        async scheduling, else 1 (each step is collected before the next is sent)."""
+        return self.steps_in_flight if self.async_scheduling else 1
+
+    @property
     def num_steps_in_flight(self) -> int:
         """Steps submitted to the workers and not collected yet (async scheduling)."""
         return len(self._in_flight)

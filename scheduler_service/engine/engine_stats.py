@@ -17,7 +17,7 @@ class EngineStats:
     num_total_window_blocks: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_steps_in_flight: int = 0
-    max_steps_in_flight: int = 0     # EngineCore.steps_in_flight: 2, or 3 (pipelined workers)
+    max_steps_in_flight: int = 0     # EngineCore.max_steps_in_flight: 1, 2 or 3 (0: not ready)
     # --max-cpu-loras or runtime updating (core/lora_cache.py; else all 0): adapters loaded
     # on the workers, and the loads and evictions the LRU asked for since the start
     num_loras_loaded: int = 0

@@ -42,8 +42,7 @@ class FailingCore:
 
     scheduler = _SCHED
     num_steps_in_flight = 0
-    steps_in_flight = 2             # EngineCore's depth and mode, which the status publishes
-    async_scheduling = True
+    max_steps_in_flight = 2         # EngineCore's depth, which the status publishes
 
     def __init__(self, error: Exception):
         self.error = error
