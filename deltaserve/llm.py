@@ -31,10 +31,11 @@ from deltaserve.llm_embed import EmbedMixin, pooler_from_kwargs
 from deltaserve.llm_score import ScoreMixin
 from deltaserve.llm_executor import InProcessExecutor
 from deltaserve.llm_interrupt import DeferredInterrupt
-from deltaserve.llm_lora import LoRAMixin, lora_updates, runner_config
+from deltaserve.llm_lora import LoRAMixin, lora_updates
 from deltaserve.llm_inputs import conversations
 from deltaserve.llm_requests import OfflineRequests, pooling_window
 from scheduler_service.engine.engine_core import EngineCore
+from scheduler_service.engine.lora_updates import init_config
 from scheduler_service.engine.llm_engine import LLMEngine
 from scheduler_service.engine.output_processor import OutputProcessor
 from scheduler_service.core.request import RequestStatus
@@ -101,7 +102,9 @@ class LLM(EmbedMixin, ScoreMixin, LoRAMixin):
         runner_cfg = RunnerConfig(model_dir=model, **_default_budget(kwargs),
                                   **{k: v for k, v in kwargs.items() if k in runner_keys})
         sched_cfg = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_keys})
-        self.runner = ModelRunner(runner_config(runner_cfg))     # llm_lora.py
+        # as a worker's Init: with runtime updating or max_cpu_loras no adapter at start
+        # (replay loads those the LRU holds) and at most the LRU's capacity
+        self.runner = ModelRunner(init_config(runner_cfg))
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.tokenizer = Tokenizer.from_dir(model)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from engine_common.configuration.lora import AdapterRefused
 from scheduler_service.core.lora_registry import LoRARegistry, ServedAdapter
-from scheduler_service.engine.lora_updates import (LoRAUpdates, init_config, lora_cache,
-                                                   lora_capacity)
+from scheduler_service.engine.lora_updates import LoRAUpdates, lora_cache, lora_capacity
 from worker_service.lora.adapter import LoRAError
 from worker_service.lora.load import runtime_slots
 
@@ -38,13 +37,6 @@ def lora_updates(runner, config) -> LoRAUpdates:
     registry = LoRARegistry(config.lora)
     return LoRAUpdates(registry, RunnerLoRA(runner), config.allow_runtime_lora_updating,
                        lora_cache(registry, lora_capacity(config)))
-
-
-def runner_config(runner_cfg):
-    """The runner's config, as a worker's Init (lora_updates.init_config): with runtime
-    updating or max_cpu_loras it loads no adapter at start (replay loads those the LRU holds)
-    and holds at most the LRU's capacity."""
-    return init_config(runner_cfg)
 
 
 class LoRAMixin:
